@@ -1,0 +1,1 @@
+"""jax_blockgemm: fused block-scaled GEMM kernels as JAX primitives."""
