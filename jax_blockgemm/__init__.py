@@ -1,1 +1,23 @@
-"""jax_blockgemm: fused block-scaled GEMM kernels as JAX primitives."""
+"""jax_blockgemm: fused block-scaled (MXFP8 / MXFP4 / NVFP4) GEMM kernels as composable JAX primitives.
+
+gemm_amax: block-scaled GEMM that also returns amax = max|C|. gemm_proj_rope_mxfp8: DeepSeek-V3's MLA Q
+up-projection (GEMM + per-head RoPE + MXFP8 rowwise and columnwise quantization). Both run everywhere through a
+pure-JAX reference and through CuTeDSL kernels where the GPU has one; `formats` holds the quantizers and layouts.
+"""
+
+from jax_blockgemm import formats
+from jax_blockgemm.api import (
+    gemm_amax,
+    gemm_amax_jax_sm100,
+    gemm_proj_rope_mxfp8,
+    gemm_proj_rope_mxfp8_jax_sm100,
+)
+
+__all__ = [
+    "formats",
+    "gemm_amax",
+    "gemm_amax_jax_sm100",
+    "gemm_proj_rope_mxfp8",
+    "gemm_proj_rope_mxfp8_jax_sm100",
+]
+__version__ = "0.1.0"

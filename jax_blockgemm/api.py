@@ -1,0 +1,135 @@
+"""Public entry points: validate at trace time, normalize to the canonical form, bind the primitive."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_blockgemm import formats, primitives, support
+
+Implementation = Optional[Literal["cutedsl", "xla"]]
+
+
+def _as_scale_bytes(s: jax.Array) -> jax.Array:
+    """E8M0 scales travel as raw uint8 bytes (float8_e8m0fnu and int8 are bit-cast)."""
+    if s.dtype in (jnp.float8_e8m0fnu, jnp.int8):
+        return jax.lax.bitcast_convert_type(s, jnp.uint8)
+    return s
+
+
+def _scales_to_atom(name: str, s: jax.Array, *, l: int, mn: int, kb: int, batched: bool) -> jax.Array:
+    """Accepts the physical atom, the seed's 6-D view or the compact form; returns the physical atom."""
+    form = support.scale_form(name, s, l=l, mn=mn, kb=kb, batched=batched)
+    if form == "seed":
+        return formats.seed_view_to_atom(s)
+    if form == "compact":
+        return formats.to_scale_atom(s if batched else s[None])
+    return s if s.ndim == 6 else s[None]
+
+
+def gemm_amax(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Array, *, alpha: Any = None,
+              c_dtype: Any = jnp.float32, c_major: str = "n", a_major: str = "k", b_major: str = "k",
+              acc_dtype: Any = jnp.float32, mma_tiler_mn: Sequence[int] = (128, 128),
+              cluster_shape_mn: Sequence[int] = (1, 1), sf_vec_size: int = 32,
+              implementation: Implementation = None) -> tuple[jax.Array, jax.Array]:
+    """Block-scaled GEMM with fused amax: C = Â·B̂ᵀ (fp32 accumulation) and amax = max|C| before conversion.
+
+    a: (M, K) or (L, M, K) codes; with a_major="m" the transpose array (K, M) / (L, K, M). float8_e4m3fn or
+      float8_e5m2 (MXFP8), float4_e2m1fn or uint8 holding two E2M1 codes per byte, low nibble first (MXFP4 / NVFP4;
+      K-major only). A float4_e2m1fn array is packed into the uint8 container first (one small XLA op).
+    b: (N, K) or (L, N, K), likewise (b_major="n": the transpose array).
+    sfa, sfb: per-block scales of a and b: E8M0 (float8_e8m0fnu, uint8 or int8 bytes) or, for NVFP4,
+      float8_e4m3fn. Either the physical 128x4 atom ((L,) MN', K', 32, 4, 4) the kernels read, the seed's 6-D
+      logical view (32, 4, MN', 4, K', L), or the compact ((L,) MN, ceil(K/sf_vec_size)) form, which is converted
+      to the atom by one small XLA copy.
+    alpha: optional float32 scalar (NVFP4's per-tensor scale); multiplies C and amax.
+    c_dtype: float32, float16, bfloat16, float8_e4m3fn, float8_e5m2 (FP4 operands only), or float4_e2m1fn / uint8
+      for packed FP4 C: a uint8 (.., M, N//2) container, low nibble first.
+    c_major: "n" returns (.., M, N); "m" returns the transpose array (.., N, M).
+    implementation: None picks the fastest correct one for the device, "cutedsl" demands a kernel, "xla" forces
+      the pure-JAX reference.
+
+    Returns (c, amax) with amax a float32 scalar (NaN if C holds a NaN). Under jax.vmap each example gets its own.
+    """
+    support.check_implementation(implementation)
+    l, m, n, k = support.check_gemm_operands(a, b, a_major=a_major, b_major=b_major)
+    if sfa.dtype != sfb.dtype:
+        raise TypeError(f"sfa and sfb must have the same dtype; got sfa: {support.dtype_name(sfa)}, "
+                        f"sfb: {support.dtype_name(sfb)}.")
+    support.check_gemm_config(ab_dtype=a.dtype, scale_dtype=sfa.dtype, c_dtype=c_dtype, c_major=c_major,
+                              acc_dtype=acc_dtype, mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn,
+                              sf_vec_size=sf_vec_size, k=k, has_alpha=alpha is not None)
+    support.check_alignment(ab_dtype=a.dtype, c_dtype=c_dtype, m=m, n=n, k=k, a_major=a_major, b_major=b_major,
+                            c_major=c_major)
+    batched = a.ndim == 3
+    kb = support.ceil_div(k, sf_vec_size)
+    sfa = _scales_to_atom("sfa", _as_scale_bytes(sfa), l=l, mn=m, kb=kb, batched=batched)
+    sfb = _scales_to_atom("sfb", _as_scale_bytes(sfb), l=l, mn=n, kb=kb, batched=batched)
+    if a.dtype == jnp.float4_e2m1fn:
+        a, b = formats.pack_fp4(a), formats.pack_fp4(b)
+    if not batched:
+        a, b = a[None], b[None]
+    operands = [a, b, sfa, sfb]
+    if alpha is not None:
+        alpha = jnp.asarray(alpha)
+        if alpha.shape != () or alpha.dtype != jnp.float32:
+            raise ValueError(f"alpha must be a float32 scalar; got {support.dtype_name(alpha)}{tuple(alpha.shape)}.")
+        operands.append(jnp.broadcast_to(alpha, (l,)))
+    c_dtype = np.dtype(jnp.float4_e2m1fn) if support.is_fp4(c_dtype) else np.dtype(c_dtype)
+    c, amax = primitives.gemm_amax_p.bind(
+        *operands, k=k, sf_vec_size=sf_vec_size, c_dtype=c_dtype, a_major=a_major, b_major=b_major,
+        c_major=c_major, mma_tiler_mn=tuple(mma_tiler_mn), cluster_shape_mn=tuple(cluster_shape_mn),
+        implementation=implementation)
+    return (c if batched else c[0]), jnp.max(amax)
+
+
+def gemm_proj_rope_mxfp8(x: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Array, *,
+                         x_scale: Optional[jax.Array] = None, w_scale: Optional[jax.Array] = None,
+                         w_out_in: bool = True, implementation: Implementation = None
+                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """DeepSeek-V3 MLA Q up-projection: GEMM, per-head RoPE on features 128..191, MXFP8 rowwise + columnwise.
+
+    x: (T, K) bfloat16, or float8_e4m3fn codes with x_scale (T, K/32) E8M0 bytes (uint8 or float8_e8m0fnu).
+    w: (H*192, K) when w_out_in=True (Transformer Engine's [out, in]), (K, H*192) when False; same dtype as x, with
+      w_scale laid out like w. cos, sin: (T, 64) bfloat16, row t for token t. T must be a multiple of 32.
+
+    Returns (out_fp8_row (T, H, 192), out_scales_row (T, H, 6), out_fp8_col (T, H, 192),
+    out_scales_col (T/32, H, 192)): E4M3 codes and E8M0 scale bytes (uint8), rowwise blocks of 32 features inside a
+    head and columnwise blocks of 32 tokens. Accumulator, RoPE and quantization stay in fp32.
+    """
+    support.check_implementation(implementation)
+    _, _, _, mxfp8 = support.check_proj_rope(x, w, cos, sin, x_scale, w_scale, w_out_in=w_out_in)
+    operands = [x, w, cos, sin]
+    if mxfp8:
+        operands += [_as_scale_bytes(x_scale), _as_scale_bytes(w_scale)]
+    outs = primitives.proj_rope_p.bind(*(o[None] for o in operands), w_out_in=bool(w_out_in), mxfp8=mxfp8,
+                                       implementation=implementation)
+    return tuple(o[0] for o in outs)
+
+
+def gemm_amax_jax_sm100(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Array, *,
+                        c_dtype: Any = jnp.float32, c_major: str = "n", acc_dtype: Any = jnp.float32,
+                        mma_tiler_mn: Sequence[int] = (128, 128), cluster_shape_mn: Sequence[int] = (1, 1),
+                        sf_vec_size: int = 32, implementation: Implementation = None
+                        ) -> tuple[jax.Array, jax.Array]:
+    """The seed's JAX entry point: a (M, K, L), b (N, K, L), physical-atom scales -> c (M, N, L), amax (1, 1, 1)."""
+    for name, x in (("a", a), ("b", b)):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have the seed's shape (MN, K, L); got {tuple(x.shape)}.")
+    to_lmk = lambda x: jnp.moveaxis(x, 2, 0)
+    c, amax = gemm_amax(to_lmk(a), to_lmk(b), sfa, sfb, c_dtype=c_dtype, c_major=c_major, acc_dtype=acc_dtype,
+                        mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn, sf_vec_size=sf_vec_size,
+                        implementation=implementation)
+    return jnp.moveaxis(c, 0, 2), amax.reshape(1, 1, 1)
+
+
+def gemm_proj_rope_mxfp8_jax_sm100(x: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Array,
+                                   x_scale: Optional[jax.Array] = None, w_scale: Optional[jax.Array] = None, *,
+                                   implementation: Implementation = None
+                                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The seed's JAX entry point: w in [out, in] = (H*192, K) layout, dtype dispatch on x."""
+    return gemm_proj_rope_mxfp8(x, w, cos, sin, x_scale=x_scale, w_scale=w_scale, w_out_in=True,
+                                implementation=implementation)

@@ -1,0 +1,73 @@
+"""Which CuTeDSL kernels serve a primitive call: by architecture, dtypes, layouts and the local GPU.
+
+The CUDA lowering embeds one object per architecture that has a matching kernel, so a program lowered (or
+exported) anywhere runs on any GPU the catalog covers; the FFI handler picks by compute capability at run time.
+When the local GPU has no kernel, `implementation=None` falls back to the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+# Compute capability -> the CuTeDSL target our kernels are compiled for.
+ARCH_OF_CAPABILITY = {"9.0": "sm_90a", "10.0": "sm_100a"}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """The kernel variants (one per architecture) for a call, or why there are none."""
+
+    variants: tuple = ()
+    reason: str = ""
+
+
+@functools.lru_cache(maxsize=None)
+def local_cuda_capabilities() -> tuple[str, ...] | None:
+    """Compute capabilities of the visible CUDA devices, or None where JAX sees no CUDA device."""
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return None
+    return tuple(sorted({str(getattr(d, "compute_capability", "")) for d in devices}))
+
+
+def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, a_major: str, b_major: str,
+                      c_major: str, mma_tiler_mn: tuple, cluster_shape_mn: tuple, implementation: Any,
+                      **_: Any) -> KernelChoice:
+    """The kernel variants that compute this gemm_amax call exactly, one per covered architecture."""
+    if implementation == "xla":
+        return KernelChoice(reason="implementation='xla' forces the reference")
+    if len(avals_in) > 4:
+        return KernelChoice(reason="alpha (NVFP4 per-tensor scale) has no kernel yet")
+    if (a_major, b_major, c_major) != ("k", "k", "n"):
+        return KernelChoice(reason=f"kernels take K-major A and B and N-major C; got a_major={a_major!r}, "
+                                   f"b_major={b_major!r}, c_major={c_major!r}")
+    try:
+        from jax_blockgemm.kernels import catalog
+    except ImportError as e:  # CuTeDSL missing: the reference still works
+        return KernelChoice(reason=f"CuTeDSL is not importable ({e})")
+    ab_dtype = str(np.dtype(avals_in[0].dtype))
+    variants = []
+    for arch in sorted({v.arch for v in catalog.CATALOG}):
+        config = dict(arch=arch, ab_dtype=ab_dtype, c_dtype=str(np.dtype(c_dtype)), sf_vec_size=sf_vec_size)
+        variant = catalog.select_variant(**config, tile_mn=tuple(mma_tiler_mn), cluster_mn=tuple(cluster_shape_mn))
+        if variant is None:  # the tile is a performance hint: fall back to the arch's default tile
+            variant = catalog.select_variant(**config, tile_mn=(128, 128), cluster_mn=(1, 1))
+        if variant is not None:
+            variants.append(variant)
+    if not variants:
+        return KernelChoice(reason=f"no kernel in the catalog for {ab_dtype} operands, "
+                                   f"{np.dtype(c_dtype)} C, sf_vec_size={sf_vec_size}")
+    capabilities = local_cuda_capabilities()
+    if capabilities is not None:
+        archs = {v.arch for v in variants}
+        missing = [cc for cc in capabilities if ARCH_OF_CAPABILITY.get(cc) not in archs]
+        if missing:
+            return KernelChoice(reason=f"no kernel for compute capability {', '.join(missing)} "
+                                       f"(kernels exist for {', '.join(sorted(archs))})")
+    return KernelChoice(variants=tuple(variants))

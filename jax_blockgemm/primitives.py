@@ -1,0 +1,184 @@
+"""The two operations as JAX primitives: abstract evaluation, lowering and batching rules.
+
+Operands reach these primitives canonical (see `api.py`): batched 3-D GEMM operands, scales in the physical
+128x4 atom form, FP4 as packed uint8. Every platform lowers to the pure-JAX reference (`reference.py`); on CUDA
+the lowering first asks `dispatch.py` for CuTeDSL kernels and, where one applies, emits the XLA FFI custom call
+(`ffi_lowering.py`) instead. Rules are registered in one block at the end of the module.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import dispatch as jax_dispatch
+from jax.extend import core as jex_core
+from jax.interpreters import batching, mlir
+
+from jax_blockgemm import reference
+from jax_blockgemm.support import MX_BLOCK, ROPE_HEAD_DIM, is_fp4
+
+gemm_amax_p = jex_core.Primitive("jbg_gemm_amax")
+gemm_amax_p.multiple_results = True
+proj_rope_p = jex_core.Primitive("jbg_gemm_proj_rope_mxfp8")
+proj_rope_p.multiple_results = True
+
+
+# --------------------------------------------------------------------------------------------------------------
+# gemm_amax: operands (a, b, sfa, sfb[, alpha]); a (L, M, K) or (L, K, M); alpha (L,) float32 when present.
+# Params: k, sf_vec_size, c_dtype (np.dtype), a_major, b_major, c_major, mma_tiler_mn, cluster_shape_mn,
+# implementation. Results: c (L, M, N) / (L, N, M) / packed FP4 (L, M, N//2), and amax (L,) float32.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _gemm_dims(a_shape: Sequence[int], b_shape: Sequence[int], a_major: str, b_major: str) -> tuple[int, int, int]:
+    l = a_shape[0]
+    m = a_shape[1] if a_major == "k" else a_shape[2]
+    n = b_shape[1] if b_major == "k" else b_shape[2]
+    return l, m, n
+
+
+def gemm_amax_out_shapes(a_shape, b_shape, *, c_dtype, a_major, b_major, c_major) -> tuple[tuple, tuple]:
+    """Shapes of (c, amax) for canonical operands; shared by abstract eval and the batching rule."""
+    l, m, n = _gemm_dims(a_shape, b_shape, a_major, b_major)
+    if is_fp4(c_dtype):
+        c_shape = (l, m, n // 2)
+    else:
+        c_shape = (l, m, n) if c_major == "n" else (l, n, m)
+    return c_shape, (l,)
+
+
+def _gemm_c_storage_dtype(c_dtype: np.dtype) -> np.dtype:
+    return np.dtype(jnp.uint8) if is_fp4(c_dtype) else np.dtype(c_dtype)
+
+
+def _gemm_amax_abstract_eval(a, b, sfa, sfb, *maybe_alpha, c_dtype, a_major, b_major, c_major, **_):
+    c_shape, amax_shape = gemm_amax_out_shapes(a.shape, b.shape, c_dtype=c_dtype, a_major=a_major,
+                                               b_major=b_major, c_major=c_major)
+    return (jax.core.ShapedArray(c_shape, _gemm_c_storage_dtype(c_dtype)),
+            jax.core.ShapedArray(amax_shape, np.float32))
+
+
+def _gemm_amax_reference(a, b, sfa, sfb, *maybe_alpha, k, sf_vec_size, c_dtype, a_major, b_major, c_major, **_):
+    alpha = maybe_alpha[0] if maybe_alpha else None
+    return reference.gemm_amax_reference(a, b, sfa, sfb, k=k, sf_vec_size=sf_vec_size, c_dtype=c_dtype,
+                                         a_major=a_major, b_major=b_major, c_major=c_major, alpha=alpha)
+
+
+def _gemm_amax_reference_lowering(ctx, *args, **params):
+    return mlir.lower_fun(functools.partial(_gemm_amax_reference, **params), multiple_results=True)(ctx, *args)
+
+
+def _gemm_amax_cuda_lowering(ctx, *args, **params):
+    """The GPU hook: a CuTeDSL kernel through the FFI bridge where one applies, else the reference."""
+    from jax_blockgemm import dispatch  # lazy: keeps CuTeDSL out of CPU-only imports
+
+    choice = dispatch.gemm_amax_kernels(ctx.avals_in, **params)
+    if choice.variants:
+        from jax_blockgemm import ffi_lowering
+
+        return ffi_lowering.emit_gemm_amax(ctx, *args, variants=choice.variants)
+    if params["implementation"] == "cutedsl":
+        raise ValueError(f"implementation='cutedsl': no CuTeDSL kernel applies to this gemm_amax call: {choice.reason}")
+    return _gemm_amax_reference_lowering(ctx, *args, **params)
+
+
+def _move_to_front(x, dim, size):
+    """Puts the vmapped axis first (broadcasting an unbatched operand to `size`)."""
+    if dim is batching.not_mapped:
+        return jnp.broadcast_to(x, (size, *x.shape))
+    return jnp.moveaxis(x, dim, 0)
+
+
+def _gemm_amax_batch(args, dims, **params):
+    """vmap folds the mapped axis into L: (B, L, ...) -> (B*L, ...); each example keeps its own amax."""
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not batching.not_mapped)
+    folded = [_move_to_front(x, d, size) for x, d in zip(args, dims)]
+    folded = [x.reshape(size * x.shape[1], *x.shape[2:]) for x in folded]
+    c, amax = gemm_amax_p.bind(*folded, **params)
+    return (c.reshape(size, -1, *c.shape[1:]), amax.reshape(size, -1)), (0, 0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# gemm_proj_rope_mxfp8: operands (x, w, cos, sin[, x_scale, w_scale]) with a leading group axis G (vmap over the
+# weights folds into G, vmap over tokens folds into T). Params: w_out_in, mxfp8, implementation.
+# Results: out_fp8_row (G,T,H,192), out_scales_row (G,T,H,6), out_fp8_col (G,T,H,192), out_scales_col (G,T/32,H,192).
+# --------------------------------------------------------------------------------------------------------------
+
+
+def proj_rope_out_shapes(x_shape, w_shape, *, w_out_in) -> tuple[tuple, ...]:
+    g, t, _ = x_shape
+    n = w_shape[1] if w_out_in else w_shape[2]
+    h = n // ROPE_HEAD_DIM
+    return ((g, t, h, ROPE_HEAD_DIM), (g, t, h, ROPE_HEAD_DIM // MX_BLOCK), (g, t, h, ROPE_HEAD_DIM),
+            (g, t // MX_BLOCK, h, ROPE_HEAD_DIM))
+
+
+def _proj_rope_abstract_eval(x, w, *_, w_out_in, **__):
+    shapes = proj_rope_out_shapes(x.shape, w.shape, w_out_in=w_out_in)
+    dtypes = (jnp.float8_e4m3fn, jnp.uint8, jnp.float8_e4m3fn, jnp.uint8)
+    return tuple(jax.core.ShapedArray(s, d) for s, d in zip(shapes, dtypes))
+
+
+def _proj_rope_reference(x, w, cos, sin, *scales, w_out_in, mxfp8, **_):
+    def one_group(x, w, cos, sin, *scales):
+        x_scale, w_scale = scales if mxfp8 else (None, None)
+        return reference.gemm_proj_rope_reference(x, w, cos, sin, x_scale=x_scale, w_scale=w_scale,
+                                                  w_out_in=w_out_in)
+
+    return jax.vmap(one_group)(x, w, cos, sin, *scales)
+
+
+def _proj_rope_reference_lowering(ctx, *args, **params):
+    return mlir.lower_fun(functools.partial(_proj_rope_reference, **params), multiple_results=True)(ctx, *args)
+
+
+def _proj_rope_cuda_lowering(ctx, *args, **params):
+    """The GPU hook: no proj_rope kernel exists yet, so the reference runs (and 'cutedsl' says so)."""
+    if params["implementation"] == "cutedsl":
+        raise ValueError("implementation='cutedsl': gemm_proj_rope_mxfp8 has no CuTeDSL kernel yet; use "
+                         "implementation=None or 'xla'.")
+    return _proj_rope_reference_lowering(ctx, *args, **params)
+
+
+_TOKEN_OPERANDS = (0, 2, 3, 4)  # x, cos, sin, x_scale: token axis 1, right after G
+
+
+def _proj_rope_batch(args, dims, **params):
+    """Folds vmap into tokens when only token-side operands are mapped, else into the group axis G."""
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not batching.not_mapped)
+    weights_mapped = any(dims[i] is not batching.not_mapped for i in (1, 5) if i < len(dims))
+    if not weights_mapped:
+        folded = list(args)
+        for i in _TOKEN_OPERANDS:
+            if i < len(args):
+                x = _move_to_front(args[i], dims[i], size)  # (B, G, T, ...)
+                x = jnp.moveaxis(x, 0, 1)  # (G, B, T, ...)
+                folded[i] = x.reshape(x.shape[0], size * x.shape[2], *x.shape[3:])
+        outs = proj_rope_p.bind(*folded, **params)
+        unfolded = [o.reshape(o.shape[0], size, o.shape[1] // size, *o.shape[2:]) for o in outs]
+        return unfolded, (1, 1, 1, 1)
+    folded = [_move_to_front(x, d, size) for x, d in zip(args, dims)]
+    folded = [x.reshape(size * x.shape[1], *x.shape[2:]) for x in folded]
+    outs = proj_rope_p.bind(*folded, **params)
+    return [o.reshape(size, -1, *o.shape[1:]) for o in outs], (0, 0, 0, 0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Registration.
+# --------------------------------------------------------------------------------------------------------------
+
+for _p, _abstract, _reference_lowering, _cuda_lowering, _batch in (
+        (gemm_amax_p, _gemm_amax_abstract_eval, _gemm_amax_reference_lowering, _gemm_amax_cuda_lowering,
+         _gemm_amax_batch),
+        (proj_rope_p, _proj_rope_abstract_eval, _proj_rope_reference_lowering, _proj_rope_cuda_lowering,
+         _proj_rope_batch)):
+    _p.def_impl(functools.partial(jax_dispatch.apply_primitive, _p))
+    _p.def_abstract_eval(_abstract)
+    mlir.register_lowering(_p, _reference_lowering)
+    mlir.register_lowering(_p, _cuda_lowering, platform="cuda")
+    batching.primitive_batchers[_p] = _batch
+

@@ -1,0 +1,246 @@
+"""The support surface of both operations: every documented constraint, checked at trace time.
+
+Each check raises a TypeError (wrong dtype) or ValueError (wrong shape or value) whose message names the
+argument, the value given and what is allowed. The public API calls these before binding a primitive, so the
+reference and the kernels only ever see inputs inside the contract (SPEC §4–§5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+FP4_DTYPES = (np.dtype(jnp.float4_e2m1fn), np.dtype(jnp.uint8))  # uint8 = two E2M1 codes, low nibble first
+E8M0_DTYPES = (np.dtype(jnp.uint8), np.dtype(jnp.float8_e8m0fnu), np.dtype(jnp.int8))
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+C_DTYPES = (
+    np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16),
+    np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2),
+    np.dtype(jnp.float4_e2m1fn), np.dtype(jnp.uint8),
+)
+SF_VEC_SIZES = (16, 32)
+TILE_M_VALUES = (128,)
+TILE_N_VALUES = (128, 256)
+CLUSTER_VALUES = (1, 2, 4)
+IMPLEMENTATIONS = (None, "cutedsl", "xla")
+
+ROPE_HEAD_DIM = 192
+ROPE_NOPE = 128
+ROPE_DIM = 64
+MX_BLOCK = 32
+
+
+def _names(values: Sequence[Any]) -> str:
+    return ", ".join(repr(v) if v is None or isinstance(v, (str, int)) else str(np.dtype(v)) for v in values)
+
+
+def dtype_name(x: Any) -> str:
+    return str(np.dtype(x.dtype if hasattr(x, "dtype") else x))
+
+
+def is_fp4(dtype: Any) -> bool:
+    return np.dtype(dtype) in FP4_DTYPES
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_choice(name: str, value: Any, allowed: Sequence[Any]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; allowed: {_names(allowed)}.")
+
+
+def check_implementation(implementation: Any) -> None:
+    check_choice("implementation", implementation, IMPLEMENTATIONS)
+
+
+def check_rank(name: str, x: Any, ranks: Sequence[int], meaning: str) -> None:
+    if x.ndim not in ranks:
+        raise ValueError(f"{name} must have rank {' or '.join(map(str, ranks))} ({meaning}); got shape {tuple(x.shape)}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmProblem:
+    """The canonical description of one gemm_amax call after validation."""
+
+    l: int
+    m: int
+    n: int
+    k: int
+    ab_fp4: bool
+    scale_kind: str  # "e8m0" or "e4m3"
+
+
+def check_gemm_operands(a: Any, b: Any, *, a_major: str, b_major: str) -> tuple[int, int, int, int]:
+    """Checks dtypes, ranks and majors of A and B; returns (L, M, N, K) with K the logical contraction size."""
+    for name, x in (("a", a), ("b", b)):
+        if np.dtype(x.dtype) not in FP8_DTYPES + FP4_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {dtype_name(x)}; allowed: float8_e4m3fn, float8_e5m2 (MXFP8), float4_e2m1fn or "
+                "uint8 (packed E2M1 pairs, MXFP4/NVFP4).")
+        check_rank(name, x, (2, 3), "(MN, K) or (L, MN, K); the transpose for an MN-major operand")
+    if is_fp4(a.dtype) != is_fp4(b.dtype) or (not is_fp4(a.dtype) and a.dtype != b.dtype):
+        raise TypeError(f"a and b must have the same dtype; got a: {dtype_name(a)}, b: {dtype_name(b)}.")
+    if a.ndim != b.ndim:
+        raise ValueError(f"a and b must have the same rank; got a: {tuple(a.shape)}, b: {tuple(b.shape)}.")
+    check_choice("a_major", a_major, ("k", "m"))
+    check_choice("b_major", b_major, ("k", "n"))
+    fp4 = is_fp4(a.dtype)
+    if fp4 and (a_major != "k" or b_major != "k"):
+        raise ValueError(f"FP4 operands must be K-major; got a_major={a_major!r}, b_major={b_major!r}.")
+    a3 = a.shape if a.ndim == 3 else (1, *a.shape)
+    b3 = b.shape if b.ndim == 3 else (1, *b.shape)
+    if a3[0] != b3[0]:
+        raise ValueError(f"a and b must have the same batch size L; got a: {tuple(a.shape)}, b: {tuple(b.shape)}.")
+    m, ka = (a3[1], a3[2]) if a_major == "k" else (a3[2], a3[1])
+    n, kb = (b3[1], b3[2]) if b_major == "k" else (b3[2], b3[1])
+    packed = np.dtype(a.dtype) == np.dtype(jnp.uint8)
+    if packed:
+        ka, kb = 2 * ka, 2 * kb
+    if ka != kb:
+        raise ValueError(f"a and b disagree on K: a gives K={ka} (shape {tuple(a.shape)}), b gives K={kb} "
+                         f"(shape {tuple(b.shape)}).")
+    for dim, value in (("L", a3[0]), ("M", m), ("N", n), ("K", ka)):
+        if value < 1:
+            raise ValueError(f"{dim} must be at least 1; got shapes a: {tuple(a.shape)}, b: {tuple(b.shape)}.")
+    return a3[0], m, n, ka
+
+
+def check_alignment(*, ab_dtype: Any, c_dtype: Any, m: int, n: int, k: int, a_major: str, b_major: str,
+                    c_major: str) -> None:
+    """16-byte alignment of each operand's contiguous dimension (the seeds' TMA requirement)."""
+    ab_bits = 4 if is_fp4(ab_dtype) else 8
+    c_bits = 4 if is_fp4(c_dtype) else 8 * np.dtype(c_dtype).itemsize
+    checks = (
+        ("a", "K" if a_major == "k" else "M", k if a_major == "k" else m, ab_bits),
+        ("b", "K" if b_major == "k" else "N", k if b_major == "k" else n, ab_bits),
+        ("c", "N" if c_major == "n" else "M", n if c_major == "n" else m, c_bits),
+    )
+    for name, dim, size, bits in checks:
+        per_16_bytes = 128 // bits
+        if size % per_16_bytes:
+            raise ValueError(
+                f"{name}'s contiguous dimension {dim}={size} must be a multiple of {per_16_bytes} "
+                f"({bits}-bit elements, 16-byte aligned rows).")
+
+
+def check_gemm_config(*, ab_dtype: Any, scale_dtype: Any, c_dtype: Any, c_major: str, acc_dtype: Any,
+                      mma_tiler_mn: Sequence[int], cluster_shape_mn: Sequence[int], sf_vec_size: int,
+                      k: int, has_alpha: bool) -> str:
+    """The dtype couplings and tiling rules of the seed; returns the scale kind ("e8m0" or "e4m3")."""
+    check_choice("sf_vec_size", sf_vec_size, SF_VEC_SIZES)
+    if np.dtype(acc_dtype) != np.dtype(jnp.float32):
+        raise ValueError(f"acc_dtype={dtype_name(acc_dtype)} is not supported; allowed: float32.")
+    if np.dtype(c_dtype) not in C_DTYPES:
+        raise TypeError(f"c_dtype={dtype_name(c_dtype)} is not supported; allowed: {_names(C_DTYPES)}.")
+    check_choice("c_major", c_major, ("n", "m"))
+    tiler = tuple(mma_tiler_mn)
+    cluster = tuple(cluster_shape_mn)
+    if len(tiler) != 2 or tiler[0] not in TILE_M_VALUES or tiler[1] not in TILE_N_VALUES:
+        raise ValueError(f"mma_tiler_mn={tiler} is not supported; allowed: (128, 128) or (128, 256).")
+    if len(cluster) != 2 or any(c not in CLUSTER_VALUES for c in cluster):
+        raise ValueError(f"cluster_shape_mn={cluster} is not supported; each value must be one of 1, 2, 4.")
+    fp4_ab = is_fp4(ab_dtype)
+    if np.dtype(scale_dtype) in E8M0_DTYPES:
+        scale_kind = "e8m0"
+    elif np.dtype(scale_dtype) == E4M3:
+        scale_kind = "e4m3"
+    else:
+        raise TypeError(f"sfa/sfb have dtype {dtype_name(scale_dtype)}; allowed: float8_e8m0fnu, uint8 or int8 "
+                        "(E8M0 bytes), float8_e4m3fn (NVFP4).")
+    if scale_kind == "e4m3" and sf_vec_size != 16:
+        raise ValueError(f"E4M3 scales (NVFP4) need sf_vec_size=16; got sf_vec_size={sf_vec_size}.")
+    if scale_kind == "e4m3" and not fp4_ab:
+        raise ValueError("E4M3 scales (NVFP4) need FP4 operands; got "
+                         f"{dtype_name(ab_dtype)} operands. Use E8M0 scales for MXFP8.")
+    if not fp4_ab and sf_vec_size != 32:
+        raise ValueError(f"FP8 operands (MXFP8) need sf_vec_size=32; got sf_vec_size={sf_vec_size}.")
+    c_fp8 = np.dtype(c_dtype) in FP8_DTYPES
+    if is_fp4(c_dtype) and not fp4_ab:
+        raise ValueError(f"c_dtype={dtype_name(c_dtype)} (packed FP4 C) needs FP4 operands; got {dtype_name(ab_dtype)}.")
+    if is_fp4(c_dtype) and c_major != "n":
+        raise ValueError(f"FP4 C must be N-major; got c_major={c_major!r}.")
+    if c_fp8 and not fp4_ab:
+        raise ValueError(f"c_dtype={dtype_name(c_dtype)} with FP8 operands is not supported (the seed disables FP8 "
+                         "in and FP8 out together); use float32, float16 or bfloat16.")
+    if tiler == (128, 256) and sf_vec_size == 16 and np.dtype(c_dtype) in C_DTYPES[:3]:
+        raise ValueError("mma_tiler_mn=(128, 256) with sf_vec_size=16 and a float32/float16/bfloat16 C is not "
+                         "supported; use mma_tiler_mn=(128, 128).")
+    if fp4_ab and tiler[1] == 256 and k <= 128:
+        raise ValueError(f"mma_tiler_mn=(128, 256) with FP4 operands needs K > 128; got K={k}.")
+    if has_alpha and scale_kind != "e4m3":
+        raise ValueError("alpha (the per-tensor fp32 scale) belongs to NVFP4 (FP4 operands with E4M3 scales); got "
+                         f"{scale_kind.upper()} scales.")
+    return scale_kind
+
+
+def scale_form(name: str, s: Any, *, l: int, mn: int, kb: int, batched: bool) -> str:
+    """Which of the three accepted scale forms `s` is: "atom", "seed" or "compact"; raises if none fits."""
+    mn_t, k_t = ceil_div(mn, 128), ceil_div(kb, 4)
+    atom = (l, mn_t, k_t, 32, 4, 4)
+    seed = (32, 4, mn_t, 4, k_t, l)
+    compact = (l, mn, kb) if batched else (mn, kb)
+    shape = tuple(s.shape)
+    if shape == atom or (not batched and shape == atom[1:]):
+        return "atom"
+    if shape == seed:
+        return "seed"
+    if shape == compact:
+        return "compact"
+    raise ValueError(
+        f"{name} has shape {shape}; for MN={mn}, {kb} scale blocks along K and L={l} it must be the physical atom "
+        f"{atom}, the seed's logical view {seed}, or the compact form {compact}.")
+
+
+def check_proj_rope(x: Any, w: Any, cos: Any, sin: Any, x_scale: Any, w_scale: Any, *, w_out_in: bool
+                    ) -> tuple[int, int, int, bool]:
+    """Validates gemm_proj_rope_mxfp8's inputs; returns (T, K, H, mxfp8)."""
+    if not isinstance(w_out_in, (bool, np.bool_)):
+        raise TypeError(f"w_out_in must be a bool; got {w_out_in!r}.")
+    allowed = (np.dtype(jnp.bfloat16), E4M3)
+    for name, arr in (("x", x), ("w", w)):
+        if np.dtype(arr.dtype) not in allowed:
+            raise TypeError(f"{name} has dtype {dtype_name(arr)}; allowed: bfloat16 (bf16 path) or float8_e4m3fn "
+                            "(MXFP8 path).")
+        check_rank(name, arr, (2,), "a matrix")
+    if x.dtype != w.dtype:
+        raise TypeError(f"x and w must have the same dtype; got x: {dtype_name(x)}, w: {dtype_name(w)}.")
+    mxfp8 = np.dtype(x.dtype) == E4M3
+    t, k = x.shape
+    n, kw = w.shape if w_out_in else w.shape[::-1]
+    layout = "(H*192, K) for w_out_in=True" if w_out_in else "(K, H*192) for w_out_in=False"
+    if kw != k:
+        raise ValueError(f"w has shape {tuple(w.shape)}, which does not match x's K={k}; expected {layout}.")
+    if n % ROPE_HEAD_DIM or n == 0:
+        raise ValueError(f"w has shape {tuple(w.shape)}: its output dimension {n} must be a positive multiple of "
+                         f"HEAD_DIM={ROPE_HEAD_DIM} (H heads of 128 + 64 features); expected {layout}.")
+    if t % MX_BLOCK or t == 0:
+        raise ValueError(f"x has {t} tokens; the token count must be a positive multiple of {MX_BLOCK} "
+                         "(the columnwise MXFP8 blocks).")
+    k_multiple = MX_BLOCK if mxfp8 else 8
+    if k % k_multiple or k == 0:
+        raise ValueError(f"x has K={k}; K must be a positive multiple of {k_multiple} on the "
+                         f"{'MXFP8' if mxfp8 else 'bf16'} path.")
+    for name, arr in (("cos", cos), ("sin", sin)):
+        if np.dtype(arr.dtype) != np.dtype(jnp.bfloat16):
+            raise TypeError(f"{name} has dtype {dtype_name(arr)}; allowed: bfloat16.")
+        if tuple(arr.shape) != (t, ROPE_DIM):
+            raise ValueError(f"{name} has shape {tuple(arr.shape)}; expected (T, 64) = {(t, ROPE_DIM)}.")
+    if mxfp8:
+        if x_scale is None or w_scale is None:
+            raise ValueError("x_scale and w_scale are required on the MXFP8 path (float8_e4m3fn x and w).")
+        kb = k // MX_BLOCK
+        expected = {"x_scale": (t, kb), "w_scale": (n, kb) if w_out_in else (kb, n)}
+        for name, arr in (("x_scale", x_scale), ("w_scale", w_scale)):
+            if np.dtype(arr.dtype) not in E8M0_DTYPES[:2]:
+                raise TypeError(f"{name} has dtype {dtype_name(arr)}; allowed: uint8 or float8_e8m0fnu (E8M0 bytes).")
+            if tuple(arr.shape) != expected[name]:
+                raise ValueError(f"{name} has shape {tuple(arr.shape)}; expected {expected[name]}.")
+    elif x_scale is not None or w_scale is not None:
+        raise ValueError("x_scale and w_scale must be None on the bf16 path (bfloat16 x and w).")
+    return t, k, n // ROPE_HEAD_DIM, mxfp8
