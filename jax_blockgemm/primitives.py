@@ -26,6 +26,8 @@ gemm_amax_p.multiple_results = True
 proj_rope_p = jex_core.Primitive("jbg_gemm_proj_rope_mxfp8")
 proj_rope_p.multiple_results = True
 
+_NOT_MAPPED = None  # how a batching rule sees an operand that vmap does not map
+
 
 # --------------------------------------------------------------------------------------------------------------
 # gemm_amax: operands (a, b, sfa, sfb[, alpha]); a (L, M, K) or (L, K, M); alpha (L,) float32 when present.
@@ -88,14 +90,14 @@ def _gemm_amax_cuda_lowering(ctx, *args, **params):
 
 def _move_to_front(x, dim, size):
     """Puts the vmapped axis first (broadcasting an unbatched operand to `size`)."""
-    if dim is batching.not_mapped:
+    if dim is _NOT_MAPPED:
         return jnp.broadcast_to(x, (size, *x.shape))
     return jnp.moveaxis(x, dim, 0)
 
 
 def _gemm_amax_batch(args, dims, **params):
     """vmap folds the mapped axis into L: (B, L, ...) -> (B*L, ...); each example keeps its own amax."""
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not batching.not_mapped)
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not _NOT_MAPPED)
     folded = [_move_to_front(x, d, size) for x, d in zip(args, dims)]
     folded = [x.reshape(size * x.shape[1], *x.shape[2:]) for x in folded]
     c, amax = gemm_amax_p.bind(*folded, **params)
@@ -149,8 +151,8 @@ _TOKEN_OPERANDS = (0, 2, 3, 4)  # x, cos, sin, x_scale: token axis 1, right afte
 
 def _proj_rope_batch(args, dims, **params):
     """Folds vmap into tokens when only token-side operands are mapped, else into the group axis G."""
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not batching.not_mapped)
-    weights_mapped = any(dims[i] is not batching.not_mapped for i in (1, 5) if i < len(dims))
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not _NOT_MAPPED)
+    weights_mapped = any(dims[i] is not _NOT_MAPPED for i in (1, 5) if i < len(dims))
     if not weights_mapped:
         folded = list(args)
         for i in _TOKEN_OPERANDS:
