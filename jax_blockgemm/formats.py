@@ -146,7 +146,7 @@ def scale_exponent(amax: jax.Array, emax: float, *, rule: str | None = None) -> 
     """
     rule = _resolve_rule(rule)
     emax_exp, emax_man = _float32_exponent_mantissa(float(emax))
-    bits = jax.lax.bitcast_convert_type(jnp.abs(jnp.asarray(amax, jnp.float32)), jnp.int32)
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.int32) & 0x7FFFFFFF  # |amax|, exactly
     biased = bits >> 23
     mantissa = bits & 0x7FFFFF
     e = biased - 127 - emax_exp
@@ -189,7 +189,10 @@ def _magnitude_max(x: jax.Array, axis: int = -1) -> jax.Array:
 
 
 def e8m0_to_float32(scale: jax.Array) -> jax.Array:
-    """Decode E8M0 scales (uint8 bytes or float8_e8m0fnu) to float32: 2**(b-127); 0xFF -> NaN; 0 -> 2**-127."""
+    """Decode E8M0 scales (uint8 bytes or float8_e8m0fnu) to float32: 2**(b-127); 0xFF -> NaN; 0 -> 2**-127.
+
+    2**-127 is a float32 subnormal: backends that flush denormals (XLA:CPU) treat it as 0 in later arithmetic.
+    """
     scale = jnp.asarray(scale)
     if scale.dtype == np.dtype(E8M0):
         scale = jax.lax.bitcast_convert_type(scale, jnp.uint8)
