@@ -152,6 +152,42 @@ class GemmAmaxReferenceTest(parameterized.TestCase):
             oracle_ops.assert_amax_close(self, amax_ref * (1 + 1e-4), amax_ref)
 
 
+class ConvertCTest(parameterized.TestCase):
+    """The accumulator -> C conversion is exactly round-to-nearest-even (saturating for FP8/FP4), ties included."""
+
+    @parameterized.parameters("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
+    def test_narrow_c_is_rne_and_saturates(self, c_dtype):
+        dtype = np.dtype(c_dtype)
+        grid = oracle_ops._finite_grid(dtype)
+        rng = np.random.default_rng(_seed("convert", c_dtype))
+        mids = (grid[1:] + grid[:-1]) / 2  # exact ties in float32 for these grids
+        vals = np.concatenate([grid, mids, rng.uniform(-1.2, 1.2, 4000) * grid[-1],
+                               [grid[-1] * 4, -grid[-1] * 4, 3e38, -3e38]])
+        vals = vals.astype(np.float32)
+        vals = vals[: len(vals) // 2 * 2].reshape(1, -1, 2)
+        got = np.asarray(jax.jit(functools.partial(reference.convert_c, c_dtype=dtype))(jnp.asarray(vals)))
+        got = oracle_ops.oracle.codes_to_f64(got) if dtype == oracle_ops.E2M1 else got.astype(np.float64)
+        want = oracle_ops.oracle.round_to_dtype_f64(vals.astype(np.float64), dtype).astype(np.float64)
+        np.testing.assert_array_equal(got, want)
+
+    @parameterized.parameters("float16", "bfloat16")
+    def test_16bit_c_is_rne(self, c_dtype):
+        dtype = np.dtype(c_dtype)
+        grid = oracle_ops._finite_grid(dtype)
+        rng = np.random.default_rng(_seed("convert", c_dtype))
+        pick = grid[rng.integers(0, len(grid) - 1, 3000)]
+        above = grid[np.searchsorted(grid, pick) + 1]
+        ties = (pick + above) / 2  # exact in float32
+        inside = pick + (above - pick) * rng.uniform(0, 1, pick.shape)
+        vals = np.concatenate([ties, inside]).astype(np.float32)
+        got = np.asarray(jax.jit(functools.partial(reference.convert_c, c_dtype=dtype))(jnp.asarray(vals)))
+        got = got.astype(np.float64)
+        even = (pick.astype(dtype).view(np.uint16) & 1) == 0
+        np.testing.assert_array_equal(got[: len(ties)], np.where(even, pick, above))
+        dist = oracle_ops._step_distance(got, vals.astype(np.float64), dtype, saturate=False)
+        self.assertEqual(int(dist.max()), 0)
+
+
 def _run_proj_rope(inp, *, w_out_in):
     fn = jax.jit(functools.partial(reference.gemm_proj_rope_reference, w_out_in=w_out_in))
     scales = {}
