@@ -1,0 +1,138 @@
+"""The kernel catalog: which CuTeDSL gemm_amax variants exist, and how to build each one's object without a GPU.
+
+Every variant is compiled ahead of time into a relocatable object (`dump_to_object`) whose exported host function
+follows one ABI, loaded by our XLA FFI handler:
+
+    fn(a, b, sfa, sfb, c, amax, m, n, k, l, stream)
+
+with each tensor a `{void *data; int64_t dynamic_shapes[1];}` struct over a flat buffer (a/b: FP8 codes,
+(L, M, K) / (L, N, K) K-major; sfa/sfb: E8M0 bytes in the SPEC §3 atom layout; c: (L, M, N) row-major; amax:
+L float32 values the handler zeroes first), m/n/k/l int32, and the CUDA stream.
+
+The target architecture is a property of the DSL singleton (`CUTE_DSL_ARCH` is read once, when the singleton is
+built, or detected from the GPU); `compile_variant` sets it for the duration of each compile, so one process can
+build objects for several architectures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import pathlib
+import re
+import threading
+from typing import Any, Callable
+
+import cutlass  # noqa: F401  (an ImportError here tells the dispatcher that CuTeDSL is missing)
+
+_SHORT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float32": "f32", "bfloat16": "bf16"}
+_COMPILE_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelVariant:
+    """One compiled kernel: operation, target architecture, dtypes and tiling."""
+
+    op: str = "gemm_amax"
+    arch: str = "sm_90a"
+    ab_dtype: str = "float8_e4m3fn"
+    c_dtype: str = "float32"
+    sf_vec_size: int = 32
+    tile_mn: tuple = (128, 128)
+    cluster_mn: tuple = (1, 1)
+
+    @property
+    def key(self) -> str:
+        """Unique, filesystem-safe name, e.g. 'gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1'."""
+        return (f"{self.op}.{self.arch}.{_SHORT.get(self.ab_dtype, self.ab_dtype)}."
+                f"{_SHORT.get(self.c_dtype, self.c_dtype)}.sf{self.sf_vec_size}."
+                f"t{self.tile_mn[0]}x{self.tile_mn[1]}.c{self.cluster_mn[0]}x{self.cluster_mn[1]}")
+
+    @property
+    def function_prefix(self) -> str:
+        """A C identifier derived from `key`: the exported function's name in the object."""
+        return "jbg_" + re.sub(r"[^0-9A-Za-z_]", "_", self.key)
+
+
+def _hopper_factory(v: KernelVariant) -> Any:
+    from jax_blockgemm.kernels.hopper_gemm_amax import HopperMxf8GemmAmax
+
+    return HopperMxf8GemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn, cluster_mn=v.cluster_mn)
+
+
+# (op, arch) -> builds the kernel object (a class instance with `can_implement` and a `@cute.jit` __call__).
+_FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {("gemm_amax", "sm_90a"): _hopper_factory}
+
+CATALOG: tuple[KernelVariant, ...] = tuple(
+    KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype=c)
+    for ab in ("float8_e4m3fn", "float8_e5m2")
+    for c in ("float32", "bfloat16"))
+
+
+def variants_for(arch: str) -> tuple[KernelVariant, ...]:
+    """The catalog's variants compiled for `arch` (e.g. 'sm_90a')."""
+    return tuple(v for v in CATALOG if v.arch == arch)
+
+
+def select_variant(*, arch: str, ab_dtype: str, c_dtype: str, sf_vec_size: int, tile_mn: tuple,
+                   cluster_mn: tuple) -> KernelVariant | None:
+    """The catalog entry matching every field exactly, or None."""
+    want = KernelVariant(arch=arch, ab_dtype=str(ab_dtype), c_dtype=str(c_dtype), sf_vec_size=int(sf_vec_size),
+                         tile_mn=tuple(tile_mn), cluster_mn=tuple(cluster_mn))
+    return want if want in CATALOG else None
+
+
+def make_kernel(v: KernelVariant) -> Any:
+    """The kernel object of variant `v` (raises ValueError for a variant outside the catalog)."""
+    if v not in CATALOG or (v.op, v.arch) not in _FACTORIES:
+        raise ValueError(f"variant {v.key!r} is not in the catalog; known: {[c.key for c in CATALOG]}")
+    return _FACTORIES[(v.op, v.arch)](v)
+
+
+def fake_arguments(kernel: Any) -> list:
+    """Fake (symbolic-length) arguments in ABI order, for compiling without a GPU or real buffers."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    def flat(dtype):
+        return make_fake_compact_tensor(dtype, (cute.sym_int64(),), assumed_align=16)
+
+    return [flat(kernel.ab_dtype), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(cutlass.Uint8),
+            flat(kernel.c_dtype), flat(cutlass.Float32), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(16),
+            cutlass.Int32(1), cuda.CUstream(0)]
+
+
+def compile_function(v: KernelVariant, *, keep_ptx: bool = False) -> Any:
+    """`cute.compile` of variant `v` for `v.arch` (no GPU needed): the DSL's compiled-function object."""
+    import cutlass.cute as cute
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    kernel = make_kernel(v)
+    options = f"--gpu-arch {v.arch}" + (" --keep-ptx" if keep_ptx else "")
+    with _COMPILE_LOCK:
+        envar = CuTeDSL._get_dsl().envar
+        saved = envar._arch  # None means "detect on first use"; keep it that way for other users
+        envar.arch = v.arch
+        try:
+            return cute.compile(kernel, *fake_arguments(kernel), options=options)
+        finally:
+            envar._arch = saved
+
+
+def compile_variant(v: KernelVariant) -> bytes:
+    """Relocatable object bytes of variant `v`, compiled for `v.arch`, exporting `v.function_prefix`."""
+    return compile_function(v).dump_to_object(v.function_prefix)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source_hash() -> str:
+    """SHA-256 over the kernels/ sources and the DSL version: the on-disk object cache key."""
+    import cutlass
+
+    h = hashlib.sha256(f"cutlass-dsl {getattr(cutlass, '__version__', '?')}\n".encode())
+    for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()

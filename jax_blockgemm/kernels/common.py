@@ -1,0 +1,108 @@
+"""Device helpers every gemm_amax kernel shares (Hopper now, Blackwell next).
+
+All of them are small `@cute.jit` functions or plain-Python layout math, so a kernel body inlines them:
+E8M0 decoding with integer bit arithmetic (Hopper has no E8M0 conversion instruction), the byte offsets of
+the SPEC §3 "128x4 atom" scale layout, and the amax reduction that ends in one integer atomic max per CTA.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+# --- the 128x4 scale-factor atom (SPEC §3) ---------------------------------------------------------------
+ATOM_MN = 128  # rows (of M or N) covered by one atom
+ATOM_KB = 4  # k-blocks covered by one atom
+ATOM_BYTES = ATOM_MN * ATOM_KB  # 512: one atom is one contiguous chunk
+
+# Bit patterns used by the decoder and the amax.
+F32_ABS_MASK = 0x7FFFFFFF
+F32_QUIET_NAN = 0x7FC00000
+E8M0_ZERO_BITS = 0x00400000  # 2^-127, the value of E8M0 byte 0 (a float32 subnormal)
+
+
+def atom_chunk_index(l: int, mn_tile: int, k_tile: int, mn_tiles: int, k_tiles: int) -> int:
+    """Index of the 512-byte atom holding rows [128·mn_tile, +128) and k-blocks [4·k_tile, +4) of batch l."""
+    return (l * mn_tiles + mn_tile) * k_tiles + k_tile
+
+
+def atom_word_offset(mn_in_tile: int) -> int:
+    """Offset, in 32-bit words inside one atom, of the word holding the 4 k-block scales of row `mn_in_tile`.
+
+    Byte kb%4 of that word is the scale of k-block kb (the atom stores (mn%32)·16 + ((mn//32)%4)·4 + kb%4).
+    """
+    return (mn_in_tile % 32) * 4 + (mn_in_tile // 32) % 4
+
+
+def atom_byte_offset(l: int, mn: int, kb: int, mn_size: int, kb_size: int) -> int:
+    """Byte offset of scale S[l, mn, kb] in the physical atom buffer (SPEC §3), for host-side checks."""
+    mn_tiles = -(-mn_size // ATOM_MN)
+    k_tiles = -(-kb_size // ATOM_KB)
+    chunk = atom_chunk_index(l, mn // ATOM_MN, kb // ATOM_KB, mn_tiles, k_tiles)
+    return chunk * ATOM_BYTES + 4 * atom_word_offset(mn % ATOM_MN) + kb % ATOM_KB
+
+
+# --- bit casts ---------------------------------------------------------------------------------------------
+@dsl_user_op
+def f32_from_bits(bits: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Float32:
+    """Reinterpret an Int32 bit pattern as a Float32."""
+    return cutlass.Float32(llvm.bitcast(T.f32(), cutlass.Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bits_from_f32(x: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
+    """Reinterpret a Float32 as its Int32 bit pattern."""
+    return cutlass.Int32(llvm.bitcast(T.i32(), cutlass.Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+# --- E8M0 -----------------------------------------------------------------------------------------------
+@cute.jit
+def e8m0_bits(byte: cutlass.Int32) -> cutlass.Int32:
+    """Float32 bits of the E8M0 byte `byte` (0..255): b<<23, except 0 -> 2^-127 and 0xFF -> quiet NaN.
+
+    Branch-free: the two exceptions are exactly the bytes for which (b + 1) & 0xFE == 0, and both are fixed
+    by setting bit 22 (0 -> 0x00400000, 0x7F800000 -> 0x7FC00000).
+    """
+    special = (((byte + 1) & 0xFE) - 1) >> 31  # -1 for bytes 0 and 255, else 0 (arithmetic shift)
+    return (byte << 23) | (special & E8M0_ZERO_BITS)
+
+
+@cute.jit
+def e8m0_word_to_f32(word: cutlass.Int32, j: cutlass.Constexpr[int]) -> cutlass.Float32:
+    """Decode byte `j` (0..3, little-endian) of a 32-bit word of four E8M0 scales into the Float32 2^(b-127)."""
+    return f32_from_bits(e8m0_bits((word >> (8 * j)) & 0xFF))
+
+
+# --- amax ----------------------------------------------------------------------------------------------
+@cute.jit
+def abs_bits(x: cutlass.Float32) -> cutlass.Int32:
+    """|x| as an Int32 bit pattern: non-negative floats order like ints, and every NaN beats +inf."""
+    return bits_from_f32(x) & F32_ABS_MASK
+
+
+@cute.jit
+def amax_block_reduce_and_publish(
+    thread_amax_bits: cutlass.Int32,
+    smem_warp_amax: cute.Tensor,
+    amax_ptr: cute.Pointer,
+    local_tid: cutlass.Int32,
+    num_warps: cutlass.Constexpr[int],
+    barrier_id: cutlass.Constexpr[int],
+):
+    """Reduce per-thread |x| bit patterns over `num_warps` warps and fold the result into *amax_ptr.
+
+    Warp max (redux.sync), one shared-memory slot per warp, a named barrier over those warps only, then one
+    `atomicMax` on the int32 view of the float32 amax from the first thread. The caller zeroed *amax_ptr.
+    """
+    warp_max = cute.arch.warp_redux_sync(thread_amax_bits, "max")
+    warp = local_tid // 32
+    if local_tid % 32 == 0:
+        smem_warp_amax[warp] = warp_max
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_warps * 32)
+    if local_tid == 0:
+        block_max = smem_warp_amax[0]
+        for w in cutlass.range_constexpr(1, num_warps):
+            block_max = cutlass.max(block_max, smem_warp_amax[w])
+        cute.arch.atomic_max(amax_ptr, block_max)

@@ -1,0 +1,258 @@
+"""Hopper (sm_90a) MXFP8 gemm_amax: FP8 wgmma per 32-wide k-block, block scales applied on the CUDA cores.
+
+Hopper's tensor cores have FP8 wgmma (k = 32 per instruction) but no block-scaled MMA. One MX block is exactly
+one wgmma k-step, so each consumer warpgroup issues the k32 wgmma into a zeroed partial accumulator, waits, and
+folds it in with `acc += (partial · sfa[m]) · sfb[n]` (both scales are powers of two: exact unless the product
+leaves float32's range). A producer warp streams A/B tiles with TMA through a multi-stage mbarrier pipeline;
+the consumers read the 512-byte scale atoms (SPEC §3) straight from global memory (they stay in L1/L2).
+The epilogue converts and stores C with predication (any M, N) and folds max|acc| into amax[l] with one
+integer atomic max per CTA.
+
+Phases are methods/blocks named `producer`, `mainloop`, `promote`, `epilogue` so that they can be found.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Type
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+
+from jax_blockgemm.kernels import common
+
+_AB_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
+_C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
+SUPPORTED_TILES_MN = ((128, 128),)
+SUPPORTED_CLUSTERS_MN = ((1, 1),)
+SF_VEC_SIZE = 32
+
+
+class HopperMxf8GemmAmax:
+    """C = (A·sfa) (B·sfb)^T per batch, amax[l] = max|C[l]|, for MXFP8 K-major operands on sm_90a.
+
+    Compile-time configuration only; every size is a run-time scalar of the exported function.
+    """
+
+    def __init__(self, *, ab_dtype: str = "float8_e4m3fn", c_dtype: str = "float32",
+                 tile_mn: tuple[int, int] = (128, 128), cluster_mn: tuple[int, int] = (1, 1)):
+        if ab_dtype not in _AB_DTYPES:
+            raise ValueError(f"ab_dtype={ab_dtype!r} is not supported; expected one of {sorted(_AB_DTYPES)}")
+        if c_dtype not in _C_DTYPES:
+            raise ValueError(f"c_dtype={c_dtype!r} is not supported; expected one of {sorted(_C_DTYPES)}")
+        if tuple(tile_mn) not in SUPPORTED_TILES_MN:
+            raise ValueError(f"tile_mn={tile_mn!r} is not supported; expected one of {SUPPORTED_TILES_MN}")
+        if tuple(cluster_mn) not in SUPPORTED_CLUSTERS_MN:
+            raise ValueError(f"cluster_mn={cluster_mn!r} is not supported; expected one of {SUPPORTED_CLUSTERS_MN}")
+        self.ab_dtype: Type[cutlass.Numeric] = _AB_DTYPES[ab_dtype]
+        self.c_dtype: Type[cutlass.Numeric] = _C_DTYPES[c_dtype]
+        self.acc_dtype = cutlass.Float32
+        self.tile_mnk = (*tile_mn, 4 * SF_VEC_SIZE)  # one k-tile = 4 k-blocks = one scale atom along K
+        self.cluster_mn = tuple(cluster_mn)
+        # Two consumer warpgroups, each owning 64 rows of the tile (64 + 64 fp32 registers for acc + partial).
+        self.atom_layout_mnk = (2, 1, 1)
+        self.num_consumer_wgs = 2
+        self.threads_per_wg = 128
+        self.threads_per_cta = (1 + self.num_consumer_wgs) * self.threads_per_wg
+        self.num_consumer_warps = self.num_consumer_wgs * 4
+        self.producer_regs = 40
+        self.consumer_regs = 232
+        self.epilogue_barrier_id = 1
+        ab_bytes = (self.tile_mnk[0] + self.tile_mnk[1]) * self.tile_mnk[2] * self.ab_dtype.width // 8
+        smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
+        self.ab_stages = min(6, (smem_capacity - 2048) // ab_bytes)
+        self.buffer_align_bytes = 1024
+
+    @staticmethod
+    def can_implement(m: int, n: int, k: int, l: int) -> tuple[bool, str]:
+        """Whether the kernel handles these sizes, and why not (the caller checks before launching)."""
+        if min(m, n, k, l) < 1:
+            return False, f"every size must be >= 1, got m={m}, n={n}, k={k}, l={l}"
+        if k % 16:
+            return False, f"k must be a multiple of 16 (16-byte rows for TMA), got k={k}"
+        if l * max(m, n) * k >= 2**31 or l * m * n >= 2**31:
+            return False, f"operands must hold fewer than 2**31 elements, got m={m}, n={n}, k={k}, l={l}"
+        return True, ""
+
+    # ------------------------------------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, c: cute.Tensor,
+                 amax: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32,
+                 stream: cuda.CUstream):
+        """Host side: build (L, M, K)-shaped views of the flat buffers, the TMA atoms, and launch."""
+        k16 = cute.assume(k, divby=16)
+        mA = cute.make_tensor(a.iterator, cute.make_layout((m, k16, l), stride=(k16, 1, m * k16)))
+        mB = cute.make_tensor(b.iterator, cute.make_layout((n, k16, l), stride=(k16, 1, n * k16)))
+
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, cute.nvgpu.warpgroup.OperandMajorMode.K,
+            cute.nvgpu.warpgroup.OperandMajorMode.K, self.acc_dtype, self.atom_layout_mnk,
+            tiler_mn=(64, self.tile_mnk[1]))
+        a_smem_staged = self._smem_layout_staged(self.tile_mnk[0])
+        b_smem_staged = self._smem_layout_staged(self.tile_mnk[1])
+        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem_staged, (None, None, 0)),
+            (self.tile_mnk[0], self.tile_mnk[2]))
+        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem_staged, (None, None, 0)),
+            (self.tile_mnk[1], self.tile_mnk[2]))
+
+        @cute.struct
+        class SharedStorage:
+            pipeline_mbars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            warp_amax: cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)],
+                                  self.buffer_align_bytes]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)],
+                                  self.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+        tiles_m = (m + self.tile_mnk[0] - 1) // self.tile_mnk[0]
+        tiles_n = (n + self.tile_mnk[1] - 1) // self.tile_mnk[1]
+        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, sfa, sfb, c, amax, m, n, k, tiled_mma,
+                    a_smem_staged, b_smem_staged).launch(
+            grid=(tiles_m, tiles_n, l), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1, stream=stream)
+
+    def _smem_layout_staged(self, rows: int) -> cute.ComposedLayout:
+        """Swizzled K-major shared-memory layout for `ab_stages` (rows, 128) FP8 tiles."""
+        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, self.ab_dtype, self.tile_mnk[2]),
+            self.ab_dtype)
+        return cute.tile_to_shape(atom, (rows, self.tile_mnk[2], self.ab_stages), order=(0, 1, 2))
+
+    # ---------------------------------------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
+               mB_nkl: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, c: cute.Tensor, amax: cute.Tensor,
+               m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, tiled_mma: cute.TiledMma,
+               a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout):
+        """Device body: warpgroup 0 produces (TMA), warpgroups 1-2 consume (wgmma + promotion + epilogue)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tile_m, tile_n, batch = cute.arch.block_idx()
+        bm, bn, bk = self.tile_mnk
+
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        tma_bytes = (cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
+                     + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_staged, (None, None, 0))))
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.pipeline_mbars.data_ptr(), num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_warps),
+            tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        gA = cute.local_tile(mA_mkl, (bm, bk), (None, None, None))  # (bM, bK, RestM, RestK, L)
+        gB = cute.local_tile(mB_nkl, (bn, bk), (None, None, None))  # (bN, bK, RestN, RestK, L)
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        k_tiles = cute.size(gA, mode=[3])
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+        pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
+
+        if wg_idx == 0:
+            # ------------------------------------------------------------------------------ producer
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+                for kt in range(k_tiles):
+                    ab_pipeline.producer_acquire(state)
+                    bar = ab_pipeline.producer_get_barrier(state)
+                    cute.copy(tma_atom_a, tAgA[(None, tile_m, kt, batch)], tAsA[(None, state.index)],
+                              tma_bar_ptr=bar)
+                    cute.copy(tma_atom_b, tBgB[(None, tile_n, kt, batch)], tBsB[(None, state.index)],
+                              tma_bar_ptr=bar)
+                    ab_pipeline.producer_commit(state)
+                    state.advance()
+                ab_pipeline.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            local_tid = tidx - self.threads_per_wg  # 0..255 over the consumer warpgroups
+            thr_mma = tiled_mma.get_slice((wg_idx - 1) * self.threads_per_wg)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            acc_shape = thr_mma.partition_shape_C((bm, bn))
+            acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            partial = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            acc.fill(0.0)
+            num_k_blocks = cute.size(tCrA, mode=[2])
+
+            # The wgmma m64nNk32 accumulator fragment: value (v0, v1, v2) of a thread sits at row
+            # 16·warp + lane/4 + 8·v1 and column 2·(lane%4) + v0 + 8·v2 of its warpgroup's 64 x bn slice.
+            lane = local_tid % 32
+            warp_in_wg = (local_tid // 32) % 4
+            row0 = (wg_idx - 1) * 64 + warp_in_wg * 16 + lane // 4
+            col0 = (lane % 4) * 2
+            n_col_groups = bn // 8
+
+            # Scale atoms as 32-bit words: word (chunk·128 + (r%32)·4 + r//32) holds the 4 k-block scales of r.
+            sfa_w = cute.make_tensor(cute.recast_ptr(sfa.iterator, dtype=cutlass.Int32),
+                                     cute.make_layout((cute.size(sfa) // 4,)))
+            sfb_w = cute.make_tensor(cute.recast_ptr(sfb.iterator, dtype=cutlass.Int32),
+                                     cute.make_layout((cute.size(sfb) // 4,)))
+            tiles_m = (m + bm - 1) // bm
+            tiles_n = (n + bn - 1) // bn
+            a_chunk0 = (batch * tiles_m + tile_m) * k_tiles
+            b_chunk0 = (batch * tiles_n + tile_n) * k_tiles
+
+            # ------------------------------------------------------------------------------ mainloop
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            for kt in range(k_tiles):
+                a_base = (a_chunk0 + kt) * 128
+                b_base = (b_chunk0 + kt) * 128
+                sa_words = [sfa_w[a_base + common.atom_word_offset(row0 + 8 * v1)] for v1 in range(2)]
+                sb_words = [sfb_w[b_base + common.atom_word_offset(col0 + v0 + 8 * v2)]
+                            for v2 in range(n_col_groups) for v0 in range(2)]
+                ab_pipeline.consumer_wait(state)
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    cute.nvgpu.warpgroup.fence()
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                    cute.gemm(tiled_mma, partial, tCrA[(None, None, kb, state.index)],
+                              tCrB[(None, None, kb, state.index)], partial)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    if kb == num_k_blocks - 1:
+                        ab_pipeline.consumer_release(state)
+                    # -------------------------------------------------------------------------- promote
+                    sa = [common.e8m0_word_to_f32(w, kb) for w in sa_words]
+                    sb = [common.e8m0_word_to_f32(w, kb) for w in sb_words]
+                    for v2 in cutlass.range_constexpr(n_col_groups):
+                        for v1 in cutlass.range_constexpr(2):
+                            for v0 in cutlass.range_constexpr(2):
+                                i = v0 + 2 * v1 + 4 * v2
+                                acc[i] = acc[i] + (partial[i] * sa[v1]) * sb[2 * v2 + v0]
+                state.advance()
+
+            # ------------------------------------------------------------------------------ epilogue
+            amax_bits = cutlass.Int32(0)
+            c_row_base = (cutlass.Int64(batch) * m + tile_m * bm) * n + tile_n * bn
+            for v1 in cutlass.range_constexpr(2):
+                r = row0 + 8 * v1
+                row_ok = tile_m * bm + r < m
+                for v2 in cutlass.range_constexpr(n_col_groups):
+                    for v0 in cutlass.range_constexpr(2):
+                        col = col0 + v0 + 8 * v2
+                        i = v0 + 2 * v1 + 4 * v2
+                        if row_ok & (tile_n * bn + col < n):
+                            x = acc[i]
+                            c[c_row_base + cutlass.Int64(r) * n + col] = x.to(self.c_dtype)
+                            amax_bits = cutlass.max(amax_bits, common.abs_bits(x))
+            warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
+            amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
+            common.amax_block_reduce_and_publish(
+                amax_bits, warp_amax, (amax_i32.iterator + batch), local_tid, self.num_consumer_warps,
+                self.epilogue_barrier_id)

@@ -1,0 +1,132 @@
+"""CPU (CI): every catalog kernel compiles for its architecture without a GPU, holds the FP8 wgmma, and exports
+the ABI the FFI handler is written against. Also the host-side layout math the kernels rely on."""
+
+import os
+import re
+import tempfile
+
+import numpy as np
+from absl.testing import absltest, parameterized
+
+try:
+    from jax_blockgemm.kernels import catalog, common
+    from jax_blockgemm.kernels.hopper_gemm_amax import HopperMxf8GemmAmax
+except ImportError as e:  # pragma: no cover - CuTeDSL is a hard dependency of this test file
+    raise absltest.SkipTest(f"CuTeDSL not importable: {e}")
+
+_ABI_TENSORS = ("a", "b", "sfa", "sfb", "c", "amax")
+_PTX_AB = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+_COMPILED = {}  # key -> (ptx, object bytes, header text): each variant compiled once per test run
+
+
+def _compiled(v: "catalog.KernelVariant"):
+    if v.key not in _COMPILED:
+        fn = catalog.compile_function(v, keep_ptx=True)
+        with tempfile.TemporaryDirectory() as d:
+            fn.export_to_c(d, v.function_prefix, function_prefix=v.function_prefix)
+            with open(os.path.join(d, v.function_prefix + ".h")) as f:
+                header = f.read()
+        _COMPILED[v.key] = (fn.__ptx__, fn.dump_to_object(v.function_prefix), header)
+    return _COMPILED[v.key]
+
+
+class CatalogTest(parameterized.TestCase):
+
+    def test_keys_are_unique_and_prefixes_are_c_identifiers(self):
+        keys = [v.key for v in catalog.CATALOG]
+        self.assertLen(set(keys), len(keys))
+        for v in catalog.CATALOG:
+            self.assertRegex(v.key, r"^[0-9A-Za-z_.]+$")
+            self.assertRegex(v.function_prefix, r"^[A-Za-z_][0-9A-Za-z_]*$")
+        self.assertEqual(catalog.KernelVariant().key, "gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1")
+
+    def test_sm90a_covers_both_fp8_codes_and_both_outputs(self):
+        got = {(v.ab_dtype, v.c_dtype) for v in catalog.variants_for("sm_90a")}
+        self.assertEqual(got, {(a, c) for a in ("float8_e4m3fn", "float8_e5m2") for c in ("float32", "bfloat16")})
+        self.assertEqual(catalog.variants_for("sm_75"), ())
+
+    def test_select_variant(self):
+        cfg = dict(arch="sm_90a", ab_dtype="float8_e5m2", c_dtype="bfloat16", sf_vec_size=32)
+        v = catalog.select_variant(**cfg, tile_mn=(128, 128), cluster_mn=(1, 1))
+        self.assertEqual((v.ab_dtype, v.c_dtype, v.arch), ("float8_e5m2", "bfloat16", "sm_90a"))
+        self.assertIsNone(catalog.select_variant(**cfg, tile_mn=(128, 256), cluster_mn=(1, 1)))
+        self.assertIsNone(catalog.select_variant(**{**cfg, "sf_vec_size": 16}, tile_mn=(128, 128), cluster_mn=(1, 1)))
+        self.assertIsNone(catalog.select_variant(**{**cfg, "arch": "sm_100a"}, tile_mn=(128, 128), cluster_mn=(1, 1)))
+
+    def test_source_hash_is_stable_hex(self):
+        self.assertRegex(catalog.kernel_source_hash(), r"^[0-9a-f]{64}$")
+        self.assertEqual(catalog.kernel_source_hash(), catalog.kernel_source_hash())
+
+    def test_make_kernel_rejects_unknown_variant(self):
+        with self.assertRaisesRegex(ValueError, "not in the catalog"):
+            catalog.make_kernel(catalog.KernelVariant(tile_mn=(64, 64)))
+
+    @parameterized.parameters(
+        dict(kwargs=dict(ab_dtype="float16"), match="ab_dtype='float16'"),
+        dict(kwargs=dict(c_dtype="float16"), match="c_dtype='float16'"),
+        dict(kwargs=dict(tile_mn=(64, 64)), match="tile_mn"),
+        dict(kwargs=dict(cluster_mn=(2, 1)), match="cluster_mn"))
+    def test_kernel_config_errors_name_the_argument(self, kwargs, match):
+        with self.assertRaisesRegex(ValueError, re.escape(match)):
+            HopperMxf8GemmAmax(**kwargs)
+
+    @parameterized.parameters(
+        dict(mnkl=(1, 1, 16, 1), ok=True), dict(mnkl=(257, 129, 1040, 3), ok=True),
+        dict(mnkl=(128, 128, 100, 1), ok=False), dict(mnkl=(0, 128, 128, 1), ok=False),
+        dict(mnkl=(65536, 65536, 65536, 1), ok=False))
+    def test_can_implement(self, mnkl, ok):
+        got, why = HopperMxf8GemmAmax.can_implement(*mnkl)
+        self.assertEqual(got, ok, why)
+        self.assertEqual(bool(why), not ok)
+
+
+class CompileTest(parameterized.TestCase):
+
+    @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG)
+    def test_compiles_for_its_arch_with_fp8_wgmma(self, v):
+        ptx, obj, _ = _compiled(v)
+        self.assertGreater(len(obj), 1000)
+        self.assertIn(f".target {v.arch}", ptx)
+        ab = _PTX_AB[v.ab_dtype]
+        self.assertRegex(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{v.tile_mn[1]}k32\.f32\.{ab}\.{ab}")
+        self.assertIn("cp.async.bulk.tensor", ptx)  # TMA loads
+        self.assertIn("atom.global.max.s32", ptx)  # amax: integer atomic max on the float's bits
+
+    @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG)
+    def test_header_matches_abi(self, v):
+        _, _, header = _compiled(v)
+        p = v.function_prefix
+        for name in _ABI_TENSORS:
+            struct = re.search(r"typedef struct \{([^}]*)\}\s*" + re.escape(f"{p}_Tensor_{name}_t;"), header)
+            self.assertIsNotNone(struct, f"no tensor struct for {name!r}")
+            fields = [f.strip() for f in struct.group(1).split(";") if f.strip()]
+            self.assertEqual(fields, ["void *data", "int64_t dynamic_shapes[1]"], name)
+        wrapper = re.search(rf"int32_t cute_dsl_{p}_wrapper\(([^)]*)\)", header).group(1)
+        params = [x.strip() for x in wrapper.split(",")]
+        self.assertEqual(params[1:], [f"{p}_Tensor_{t}_t *{t}" for t in _ABI_TENSORS]
+                         + [f"int32_t {s}" for s in "mnkl"] + ["cudaStream_t stream"])
+        args = re.search(r"void \*args\[(\d+)\] = \{([^}]*)\}", header)
+        self.assertEqual(int(args.group(1)), 12)
+        self.assertEqual([x.strip() for x in args.group(2).split(",")],
+                         list(_ABI_TENSORS) + ["&m", "&n", "&k", "&l", "&stream", "&ret"])
+
+
+class AtomLayoutTest(absltest.TestCase):
+
+    def test_byte_offset_matches_spec_formula(self):
+        rng = np.random.default_rng()
+        for _ in range(200):
+            mn_size, kb_size = (int(x) for x in rng.integers(1, 700, 2))
+            l_size = int(rng.integers(1, 4))
+            l, mn, kb = int(rng.integers(l_size)), int(rng.integers(mn_size)), int(rng.integers(kb_size))
+            mnp, kp = -(-mn_size // 128), -(-kb_size // 4)
+            spec = ((l * mnp + mn // 128) * kp + kb // 4) * 512 + (mn % 32) * 16 + ((mn // 32) % 4) * 4 + kb % 4
+            self.assertEqual(common.atom_byte_offset(l, mn, kb, mn_size, kb_size), spec)
+
+    def test_word_offsets_of_one_atom_are_a_permutation(self):
+        words = sorted(common.atom_word_offset(r) for r in range(128))
+        self.assertEqual(words, list(range(128)))
+
+
+if __name__ == "__main__":
+    absltest.main()
