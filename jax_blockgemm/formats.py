@@ -27,7 +27,7 @@ import numpy as np
 __all__ = [
     "E4M3", "E5M2", "E2M1", "E8M0", "BlockFormat", "MXFP8_E4M3", "MXFP8_E5M2", "MXFP4", "NVFP4", "FORMATS",
     "emax", "SCALE_RULE", "set_scale_rule", "scale_rule", "get_scale_rule", "scale_exponent", "e8m0_to_float32",
-    "exponent_to_e8m0", "round_to_e2m1", "pack_fp4", "unpack_fp4", "quantize_mxfp8", "quantize_mxfp4",
+    "exponent_to_e8m0", "round_to_grid", "round_to_e2m1", "pack_fp4", "unpack_fp4", "quantize_mxfp8", "quantize_mxfp4",
     "quantize_nvfp4", "dequantize", "scales_to_float32", "num_blocks", "atom_shape", "to_scale_atom",
     "from_scale_atom", "atom_to_seed_view", "seed_view_to_atom",
 ]
@@ -39,6 +39,7 @@ E8M0 = jnp.float8_e8m0fnu
 
 E8M0_NAN = 0xFF  # the E8M0 NaN byte: marks blocks that held a NaN or an inf
 E8M0_BIAS = 127
+_E4M3_NAN = 0x7F  # the positive E4M3 NaN (NVFP4's scale for a block holding a NaN or an inf)
 _E_MIN, _E_MAX = -127, 127  # representable finite E8M0 exponents
 
 _EMAX = {np.dtype(E4M3): 448.0, np.dtype(E5M2): 57344.0, np.dtype(E2M1): 6.0}
@@ -224,18 +225,30 @@ def scales_to_float32(scales: jax.Array) -> jax.Array:
 # FP4 codes
 
 
+# (mantissa bits, smallest normal exponent) of each code dtype: enough to round onto its grid in float32
+_GRID = {np.dtype(E4M3): (3, -6), np.dtype(E5M2): (2, -14), np.dtype(E2M1): (1, 0)}
+
+
+def round_to_grid(y: jax.Array, dtype: DTypeLike) -> jax.Array:
+    """float32 -> float32 on `dtype`'s grid, round-to-nearest-even, saturating at +-emax(dtype).
+
+    The rounding is done here in float32 (the spacing is 2**(max(exponent, emin) - mantissa_bits)) so that the
+    later cast to `dtype` is exact. XLA may drop an f32 -> fp8 -> f32 convert pair (excess precision), and
+    backends differ in how they lower sub-byte conversions; an exact cast is immune to both.
+    """
+    man_bits, emin = _GRID[np.dtype(dtype)]
+    y = jnp.clip(jnp.asarray(y, jnp.float32), -emax(dtype), emax(dtype))
+    biased = (jax.lax.bitcast_convert_type(y, jnp.int32) >> 23) & 0xFF
+    ulp = _exp2(jnp.maximum(biased - 127, emin) - man_bits)
+    return jnp.round(y / ulp) * ulp  # exact power-of-two steps; jnp.round breaks ties to even (an even mantissa)
+
+
 def round_to_e2m1(y: jax.Array) -> jax.Array:
     """float32 -> float4_e2m1fn, round-to-nearest-even onto {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating at +-6.
 
-    Done in float32 arithmetic (the step is 0.5 below 2, 1 below 4, 2 above) so that it does not depend on how a
-    backend lowers the float4 conversion; the final cast is exact. NaN input gives NaN in float32 and an
-    unspecified code, so callers zero non-finite blocks first.
+    NaN input gives an unspecified code, so callers zero non-finite blocks first.
     """
-    y = jnp.asarray(y, jnp.float32)
-    a = jnp.minimum(jnp.abs(y), 6.0)
-    step = jnp.where(a < 2.0, 0.5, jnp.where(a < 4.0, 1.0, 2.0)).astype(jnp.float32)
-    q = jnp.round(a / step) * step  # jnp.round rounds half to even; even counts are even mantissas here
-    return jnp.copysign(q, y).astype(E2M1)
+    return round_to_grid(y, E2M1).astype(E2M1)
 
 
 def _require_even_last_axis(name: str, x: jax.Array) -> None:
@@ -334,7 +347,7 @@ def _quantize_e8m0(x: jax.Array, *, axis: int, block: int, code_dtype: np.dtype,
     e = jnp.where(bad, _E_MAX + 1, scale_exponent(amax, limit, rule=rule))
     y = _scale_by_exp2(xb, -jnp.clip(e, _E_MIN, _E_MAX)[..., None])
     y = jnp.where(bad[..., None], 0.0, jnp.clip(y, -limit, limit))  # clip first: XLA casts overflow to NaN
-    codes = round_to_e2m1(y) if code_dtype == np.dtype(E2M1) else y.astype(code_dtype)
+    codes = round_to_grid(y, code_dtype).astype(code_dtype)  # an exact cast
     codes = _from_blocks(codes, axis, x.shape[axis])
     return (pack_fp4(codes) if packed else codes), jnp.moveaxis(exponent_to_e8m0(e), -1, axis)
 
@@ -384,30 +397,29 @@ def quantize_mxfp4(x: jax.Array, *, axis: int = -1, block: int = 32, packed: boo
 
 
 def _nvfp4_scale(amax: jax.Array) -> jax.Array:
-    """float8_e4m3fn block scale: amax/6 rounded to nearest even, then one step up if amax/scale still exceeds 6.
+    """float32 block scale on the E4M3 grid: amax/6 rounded to nearest even, one step up if amax/scale exceeds 6.
 
-    Saturates at 448 (the codes then saturate at +-6). A zero block gets scale 0.
+    Saturates at 448 (the codes then saturate at +-6). A zero block gets scale 0. The value is exact in E4M3.
     """
-    s = jnp.minimum(amax / 6.0, 448.0).astype(E4M3)
-    sf = s.astype(jnp.float32)
-    nonzero = jax.lax.bitcast_convert_type(amax, jnp.int32) != 0  # also true for subnormal amax under DAZ
-    # amax / s > 6, evaluated exactly (6 * s is exact); s == 0 with amax > 0 means amax/s = inf
-    too_small = (amax > 6.0 * sf) | ((sf == 0) & nonzero)
-    bump = too_small & nonzero & (sf < 448.0)
-    bits = jax.lax.bitcast_convert_type(s, jnp.uint8)
-    return jax.lax.bitcast_convert_type(jnp.where(bump, bits + 1, bits).astype(jnp.uint8), E4M3)
+    s = round_to_grid(amax / 6.0, E4M3)
+    nonzero = jax.lax.bitcast_convert_type(amax, jnp.int32) != 0  # also true for a subnormal amax under DAZ
+    # amax / s > 6, evaluated exactly (6 * s is exact); s == 0 with amax > 0 means amax / s = inf
+    bump = ((amax > 6.0 * s) | (s == 0)) & nonzero & (s < 448.0)
+    biased = (jax.lax.bitcast_convert_type(s, jnp.int32) >> 23) & 0xFF
+    next_up = s + _exp2(jnp.maximum(biased - 127, -6) - 3)  # the next E4M3 value (2**-9 above 0)
+    return jnp.where(bump, next_up, s)
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "block", "packed"))
 def _quantize_nvfp4(x: jax.Array, *, axis: int, block: int, packed: bool) -> tuple[jax.Array, jax.Array]:
     xb = _to_blocks(x.astype(jnp.float32), axis, block)
     amax, bad = _block_stats(xb)
-    scale = _nvfp4_scale(amax)
-    sf = scale.astype(jnp.float32)[..., None]
+    sf = _nvfp4_scale(amax)[..., None]
     # a correctly rounded division: it lands on the same side of every E2M1 midpoint as the exact quotient
     y = jnp.where(bad[..., None] | (sf == 0), 0.0, xb / jnp.where(sf == 0, 1.0, sf))
     codes = _from_blocks(round_to_e2m1(y), axis, x.shape[axis])
-    scale = jnp.where(bad, jnp.full_like(scale, jnp.nan), scale)
+    scale_bits = jax.lax.bitcast_convert_type(sf[..., 0].astype(E4M3), jnp.uint8)  # an exact cast
+    scale = jax.lax.bitcast_convert_type(jnp.where(bad, jnp.uint8(_E4M3_NAN), scale_bits), E4M3)
     return (pack_fp4(codes) if packed else codes), jnp.moveaxis(scale, -1, axis)
 
 

@@ -56,6 +56,12 @@ def _quantize(fmt: str, x, axis: int, *, jit: bool, packed: bool = False, rule=N
     return np.asarray(c), np.asarray(s)
 
 
+def _quantize_fn(fmt: str):
+    """The formats quantizer for `fmt` with default arguments (FP4 codes packed)."""
+    return {"e4m3": F.quantize_mxfp8, "e5m2": lambda x: F.quantize_mxfp8(x, dtype=F.E5M2),
+            "mxfp4": F.quantize_mxfp4, "nvfp4": F.quantize_nvfp4}[fmt]
+
+
 def _oracle(fmt: str, x, axis: int, rule: str = "ceil"):
     if fmt == "nvfp4":
         return oracle.quantize_nvfp4_f64(x, axis=axis)
@@ -307,6 +313,21 @@ class DequantizeTest(parameterized.TestCase):
         s = np.repeat(oracle.scales_to_f64(scales), block, axis=-1)[:, :77]
         step = s * (0.125 * 2.0 ** np.floor(np.log2(np.maximum(np.abs(x) / s, 2.0**-6))) if fmt == "e4m3" else 2.0)
         self.assertTrue((np.abs(y - x) <= step / 2 + 1e-30).all())
+
+    @parameterized.parameters("e4m3", "e5m2", "mxfp4", "nvfp4")
+    def test_fused_quantize_dequantize(self, fmt):
+        """Quantize and dequantize inside ONE jit: XLA must not skip the rounding (convert pairs, excess precision)."""
+        rng = np.random.default_rng(31)
+        x = (rng.standard_normal((8, 96)) * np.exp2(rng.integers(-10, 10, (8, 1)))).astype(np.float32)
+        block = 16 if fmt == "nvfp4" else 32
+
+        def roundtrip(x):
+            codes, scales = _quantize_fn(fmt)(x)
+            return F.dequantize(codes, scales, block=block)
+
+        codes, scales = _oracle(fmt, x, -1)
+        want = oracle.dequantize_f64(codes, scales, block=block)
+        np.testing.assert_array_equal(np.asarray(jax.jit(roundtrip)(x)).astype(np.float64), want)
 
     def test_bad_scales_shape(self):
         with self.assertRaisesRegex(ValueError, r"scales must have shape \(4, 2\)"):
