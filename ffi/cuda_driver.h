@@ -1,0 +1,50 @@
+// The few CUDA driver entry points the bridge needs, resolved from libcuda.so.1 at run time.
+//
+// Declared here rather than taken from cuda.h so that the extension builds on a machine with no CUDA toolkit.
+// Only driver-API calls that neither allocate nor synchronize are used on the execute path.
+#ifndef JBG_FFI_CUDA_DRIVER_H_
+#define JBG_FFI_CUDA_DRIVER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace jbg {
+
+using CUresult = int;
+using CUdevice = int;
+using CUdeviceptr = unsigned long long;  // NOLINT: matches cuda.h on 64-bit hosts
+struct CUstream_st;
+using CUstream = CUstream_st*;
+
+inline constexpr CUresult kCudaSuccess = 0;
+inline constexpr int kAttrComputeCapabilityMajor = 75;  // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+inline constexpr int kAttrComputeCapabilityMinor = 76;  // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
+
+struct CudaDriver {
+  CUresult (*cuInit)(unsigned int flags);
+  CUresult (*cuDeviceGetCount)(int* count);
+  CUresult (*cuDeviceGet)(CUdevice* device, int ordinal);
+  CUresult (*cuDeviceGetAttribute)(int* value, int attribute, CUdevice device);
+  CUresult (*cuMemsetD32Async)(CUdeviceptr dst, unsigned int value, size_t count, CUstream stream);
+  CUresult (*cuGetErrorName)(CUresult error, const char** name);
+
+  // "CUDA_ERROR_X (code)" for a driver result.
+  std::string ErrorName(CUresult result) const;
+};
+
+// The process-wide driver table, loaded (and cuInit-ed) on first use; nullptr with `*error` set when libcuda is
+// missing or cuInit fails. Thread-safe.
+const CudaDriver* GetCudaDriver(std::string* error);
+
+// Compute capability (major, minor) of every visible device, by CUDA ordinal; empty with `*error` set on failure.
+struct ComputeCapability {
+  int major = 0;
+  int minor = 0;
+};
+bool VisibleCapabilities(const CudaDriver& driver, std::vector<ComputeCapability>* out, std::string* error);
+
+}  // namespace jbg
+
+#endif  // JBG_FFI_CUDA_DRIVER_H_

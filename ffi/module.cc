@@ -1,0 +1,149 @@
+// Python module `jax_blockgemm._jbg_ffi`: hands the FFI handlers and their state type to JAX as capsules, loads
+// the CuTeDSL runtime, and exposes the pure checking helpers for CPU tests.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "dsl_runtime.h"
+#include "gemm_amax.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+constexpr int kAbiVersion = 1;
+
+nb::capsule Capsule(const void* ptr) { return nb::capsule(ptr); }
+
+XLA_FFI_Handler* HandlerFor(const std::string& target, const std::string& stage) {
+  if (target != jbg::kGemmAmaxTarget) throw nb::value_error(("unknown FFI target " + target).c_str());
+  if (stage == "instantiate") return JbgGemmAmaxInstantiate;
+  if (stage == "execute") return JbgGemmAmaxExecute;
+  throw nb::value_error(("unknown stage " + stage + "; expected 'instantiate' or 'execute'").c_str());
+}
+
+// Asks a bound handler for its metadata (FFI API version and traits) the way XLA does at registration: a call
+// frame whose first extension is the metadata extension. No XLA API table is needed for this query.
+std::tuple<int, int, uint32_t> HandlerMetadata(const std::string& target, const std::string& stage) {
+  XLA_FFI_Handler* handler = HandlerFor(target, stage);
+  if (stage == "instantiate" && jbg::GemmAmaxState::id.type_id == 0) {
+    // The instantiate handler reports its state type id, which exists only after registration with XLA.
+    throw nb::value_error("the instantiate stage reports metadata only after its state type is registered");
+  }
+  XLA_FFI_Metadata metadata{};
+  metadata.struct_size = XLA_FFI_Metadata_STRUCT_SIZE;
+  XLA_FFI_Metadata_Extension extension{};
+  extension.extension_base.struct_size = XLA_FFI_Metadata_Extension_STRUCT_SIZE;
+  extension.extension_base.type = XLA_FFI_Extension_Metadata;
+  extension.metadata = &metadata;
+  XLA_FFI_CallFrame frame{};
+  frame.struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
+  frame.extension_start = &extension.extension_base;
+  if (handler(&frame) != nullptr) throw std::runtime_error("the handler rejected the metadata query");
+  return {metadata.api_version.major_version, metadata.api_version.minor_version, metadata.traits};
+}
+
+int DtypeCode(const std::string& name) {
+  if (name == "uint8") return XLA_FFI_DataType_U8;
+  if (name == "float32") return XLA_FFI_DataType_F32;
+  if (name == "bfloat16") return XLA_FFI_DataType_BF16;
+  if (name == "float8_e4m3fn") return XLA_FFI_DataType_F8E4M3FN;
+  if (name == "float8_e5m2") return XLA_FFI_DataType_F8E5M2;
+  if (name == "int32") return XLA_FFI_DataType_S32;
+  if (name == "float16") return XLA_FFI_DataType_F16;
+  throw nb::value_error(("dtype " + name + " has no test mapping").c_str());
+}
+
+using BufferSpec = std::tuple<std::string, std::vector<int64_t>, uintptr_t>;
+
+// Test hook for the execute-stage buffer checks: each buffer as (dtype name, dims, address).
+// Returns (message, (m, n, k, l)); message is "" when the buffers fit the kernel.
+std::tuple<std::string, std::tuple<int, int, int, int>> CheckBuffers(const std::vector<BufferSpec>& specs) {
+  if (specs.size() != 6) throw nb::value_error("expected 6 buffers: a, b, sfa, sfb, c, amax");
+  jbg::BufferDesc descs[6];
+  for (int i = 0; i < 6; ++i) {
+    const auto& [dtype, dims, address] = specs[i];
+    descs[i] = jbg::BufferDesc{DtypeCode(dtype), dims.data(), dims.size(), reinterpret_cast<const void*>(address)};
+  }
+  jbg::GemmDims dims;
+  std::string message = jbg::CheckGemmAmaxBuffers(descs, &dims);
+  return {message, {dims.m, dims.n, dims.k, dims.l}};
+}
+
+// Test hook for the instantiate-stage attribute parsing: returns [(arch, prefix, cc_major, cc_minor, begin, end)].
+std::vector<std::tuple<std::string, std::string, int, int, size_t, size_t>> ParseObjects(
+    const std::string& archs, const std::string& prefixes, size_t objects_size, const std::vector<int64_t>& offsets) {
+  std::vector<jbg::ObjectEntry> entries;
+  std::string error;
+  if (!jbg::ParseObjectTable(archs, prefixes, objects_size, offsets.data(), offsets.size(), &entries, &error)) {
+    throw nb::value_error(error.c_str());
+  }
+  std::vector<std::tuple<std::string, std::string, int, int, size_t, size_t>> out;
+  for (const auto& e : entries) out.emplace_back(e.arch, e.function_prefix, e.cc_major, e.cc_minor, e.begin, e.end);
+  return out;
+}
+
+}  // namespace
+
+NB_MODULE(_jbg_ffi, m) {
+  m.doc() = "XLA FFI bridge of jax_blockgemm: launches CuTeDSL kernel objects on XLA's stream.";
+  m.attr("ABI_VERSION") = kAbiVersion;
+  m.attr("GEMM_AMAX_TARGET") = jbg::kGemmAmaxTarget;
+  m.attr("GEMM_AMAX_STATE_TYPE") = jbg::kGemmAmaxStateType;
+  m.attr("TRAIT_COMMAND_BUFFER_COMPATIBLE") = static_cast<uint32_t>(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
+
+  m.def(
+      "ffi_targets",
+      [] {
+        nb::dict stages;
+        stages["instantiate"] = Capsule(reinterpret_cast<void*>(JbgGemmAmaxInstantiate));
+        stages["execute"] = Capsule(reinterpret_cast<void*>(JbgGemmAmaxExecute));
+        nb::dict out;
+        out[jbg::kGemmAmaxTarget] = stages;
+        return out;
+      },
+      "{target name: {stage: handler capsule}} for jax.ffi.register_ffi_target.");
+  m.def(
+      "ffi_types",
+      [] {
+        nb::dict registration;
+        registration["type_id"] = Capsule(&jbg::GemmAmaxState::id);
+        registration["type_info"] = Capsule(jbg::GemmAmaxStateTypeInfo());
+        nb::dict out;
+        out[jbg::kGemmAmaxStateType] = registration;
+        return out;
+      },
+      "{type name: {'type_id': capsule, 'type_info': capsule}} for jax.ffi.register_ffi_type.");
+  m.def("state_type_id", [] { return jbg::GemmAmaxState::id.type_id; },
+        "The id XLA assigned to the handler state type (0 until registered).");
+  m.def("handler_metadata", &HandlerMetadata, nb::arg("target"), nb::arg("stage"),
+        "(FFI API major, minor, traits bitmask) the bound handler reports to XLA.");
+  m.def(
+      "load_runtime",
+      [](const std::string& path) {
+        std::string error;
+        if (!jbg::LoadDslRuntime(path, &error)) throw std::runtime_error(error);
+      },
+      nb::arg("path"), "dlopen libcute_dsl_runtime.so once per process (later calls keep the first library).");
+  m.def("runtime_path", &jbg::DslRuntimePath, "Path of the loaded CuTeDSL runtime, or '' when none is loaded.");
+  m.def("check_gemm_amax_buffers", &CheckBuffers, nb::arg("buffers"),
+        "Test hook: the execute stage's buffer checks on [(dtype, dims, address)] * 6.");
+  m.def("parse_object_table", &ParseObjects, nb::arg("archs"), nb::arg("function_prefixes"),
+        nb::arg("objects_size"), nb::arg("offsets"), "Test hook: the instantiate stage's attribute parsing.");
+  m.def(
+      "parse_arch",
+      [](const std::string& arch) {
+        int major = 0, minor = 0;
+        if (!jbg::ParseArch(arch, &major, &minor)) throw nb::value_error(("bad arch " + arch).c_str());
+        return std::make_tuple(major, minor);
+      },
+      nb::arg("arch"), "Test hook: 'sm_90a' -> (9, 0).");
+}

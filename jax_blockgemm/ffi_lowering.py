@@ -1,0 +1,76 @@
+"""MLIR lowering of gemm_amax to the `jbg_gemm_amax` XLA FFI custom call (typed FFI, api_version 4).
+
+The custom call carries one kernel object per architecture, so a program lowered or `jax.export`-ed on any
+machine (no GPU needed) runs on every GPU the objects cover; the handler picks by compute capability when XLA
+instantiates the program. Attributes:
+
+- `archs`: comma-separated targets, e.g. "sm_90a,sm_100a";
+- `function_prefixes`: comma-separated exported function names, one per arch;
+- `objects`: the objects concatenated (uint8 array); `offsets`: int64 array, object i is objects[offsets[i]:
+  offsets[i + 1]].
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from jax_blockgemm import _native, kernel_cache
+
+GEMM_AMAX_TARGET = _native.GEMM_AMAX_TARGET
+
+
+def gemm_amax_attributes(variants: Sequence[Any], objects: Sequence[bytes]) -> dict[str, Any]:
+    """The custom call's attributes for `variants` (one per arch) and their object bytes."""
+    if len(variants) != len(objects) or not variants:
+        raise ValueError(f"expected one object per variant and at least one variant, got {len(variants)} variants "
+                         f"and {len(objects)} objects")
+    archs = [v.arch for v in variants]
+    if len(set(archs)) != len(archs):
+        raise ValueError(f"variants: one kernel per architecture is allowed, got archs {archs}")
+    for v in variants:
+        if "," in v.arch or "," in v.function_prefix:
+            raise ValueError(f"variant {v.key!r}: arch and function_prefix may not contain ','")
+    offsets = np.zeros(len(objects) + 1, np.int64)
+    offsets[1:] = np.cumsum([len(o) for o in objects])
+    return dict(archs=",".join(archs), function_prefixes=",".join(v.function_prefix for v in variants),
+                objects=np.frombuffer(b"".join(objects), np.uint8), offsets=offsets)
+
+
+def _check_avals(ctx: Any) -> None:
+    """Operand/result avals must match the handler's contract; a mismatch is a bug in the caller's lowering."""
+    a, b, sfa, sfb = ctx.avals_in[:4]
+    c, amax = ctx.avals_out
+    if len(ctx.avals_in) != 4 or a.ndim != 3 or b.ndim != 3:
+        raise ValueError(f"emit_gemm_amax expects operands a (L, M, K), b (L, N, K), sfa, sfb; got "
+                         f"{[str(x) for x in ctx.avals_in]}")
+    l, m, _ = a.shape
+    n = b.shape[1]
+    if c.shape != (l, m, n) or amax.shape != (l,) or np.dtype(amax.dtype) != np.float32:
+        raise ValueError(f"emit_gemm_amax expects results c {(l, m, n)} and amax ({l},) float32; got c {c} and "
+                         f"amax {amax}")
+
+
+def emit_gemm_amax(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, *, variants: Sequence[Any]) -> list:
+    """Emits the `jbg_gemm_amax` custom call for the lowering context `ctx`; returns [c, amax].
+
+    `variants`: catalog entries, one per architecture; each one's object comes from `kernel_cache` (compiled on
+    first use, then cached on disk). Result types come from `ctx.avals_out`: c (L, M, N), amax (L,) float32.
+    """
+    _check_avals(ctx)
+    variants = sorted(variants, key=lambda v: v.arch)
+    objects = [kernel_cache.get_object(v) for v in variants]
+    attributes = gemm_amax_attributes(variants, objects)
+    try:  # a program compiled in this process needs the handler; lowering alone (export) does not
+        _native.register_ffi_targets()
+    except ImportError:
+        pass
+    rule = jax.ffi.ffi_lowering(GEMM_AMAX_TARGET)
+    return list(rule(ctx, a, b, sfa, sfb, **attributes))
+
+
+def export_disabled_checks() -> list:
+    """What `jax.export.export(..., disabled_checks=...)` needs to export a program holding our custom call."""
+    return [jax.export.DisabledSafetyCheck.custom_call(GEMM_AMAX_TARGET)]
