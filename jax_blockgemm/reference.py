@@ -25,7 +25,7 @@ import numpy as np
 
 from jax_blockgemm import formats
 
-__all__ = ["gemm_amax_reference", "gemm_proj_rope_reference", "apply_rope", "convert_c"]
+__all__ = ["gemm_amax_reference", "gemm_proj_rope_reference", "apply_rope", "convert_c", "dequantize_bf16"]
 
 # bfloat16 x bfloat16 products, float32 accumulation: the SPEC §6 contract, stated to XLA rather than implied.
 _DOT_ALGORITHM = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
@@ -46,6 +46,23 @@ def _bf16_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
                                precision=_DOT_ALGORITHM, preferred_element_type=jnp.float32)
 
 
+def dequantize_bf16(codes: jax.Array, scales: jax.Array, *, block: int, axis: int) -> jax.Array:
+    """code x block scale as bfloat16 (exact in the normal range); scales have ceil(n / block) entries on `axis`.
+
+    The same values as `formats.dequantize`, but the scales are expanded by broadcast and reshape rather than
+    by `jnp.repeat` (a gather), so that XLA fuses the whole dequantization into the producer of the dot operand.
+    """
+    axis = axis % codes.ndim
+    n = codes.shape[axis]
+    nb = formats.num_blocks(n, block)
+    s = formats.scales_to_float32(scales)
+    s = jnp.expand_dims(s, axis + 1)
+    s = jnp.broadcast_to(s, (*s.shape[:axis + 1], block, *s.shape[axis + 2:]))
+    s = s.reshape(*s.shape[:axis], nb * block, *s.shape[axis + 2:])
+    s = jax.lax.slice_in_dim(s, 0, n, axis=axis)
+    return (codes.astype(jnp.float32) * s).astype(jnp.bfloat16)
+
+
 def _dequantize_operand(codes: jax.Array, atom: jax.Array, *, mn: int, k: int, sf_vec_size: int,
                         k_axis: int) -> jax.Array:
     """Codes (L, MN, K) / (L, K, MN) or packed FP4 (L, MN, K//2) times their block scales, as bfloat16.
@@ -58,8 +75,7 @@ def _dequantize_operand(codes: jax.Array, atom: jax.Array, *, mn: int, k: int, s
         codes = formats.unpack_fp4(codes)[..., :k]
     if k_axis == 1:
         scales = jnp.swapaxes(scales, 1, 2)  # (L, KB, MN), laid out like the codes
-    values = formats.dequantize(codes, scales, block=sf_vec_size, axis=k_axis)
-    return values.astype(jnp.bfloat16)  # exact: see the module docstring
+    return dequantize_bf16(codes, scales, block=sf_vec_size, axis=k_axis)
 
 
 def _batch_amax(acc: jax.Array) -> jax.Array:
@@ -155,8 +171,8 @@ def gemm_proj_rope_reference(x: jax.Array, w: jax.Array, cos: jax.Array, sin: ja
     if mxfp8:
         if x_scale is None or w_scale is None:
             raise ValueError("x_scale and w_scale are required when x and w are float8_e4m3fn codes.")
-        x = formats.dequantize(x, x_scale, block=MX_BLOCK, axis=1)
-        w = formats.dequantize(w, w_scale, block=MX_BLOCK, axis=1 if w_out_in else 0)
+        x = dequantize_bf16(x, x_scale, block=MX_BLOCK, axis=1)
+        w = dequantize_bf16(w, w_scale, block=MX_BLOCK, axis=1 if w_out_in else 0)
     w_k_axis = 1 if w_out_in else 0
     y = _bf16_dot(x, w, (((1,), (w_k_axis,)), ((), ())))  # (T, H*192)
     t, n = y.shape

@@ -152,6 +152,31 @@ class GemmAmaxReferenceTest(parameterized.TestCase):
             oracle_ops.assert_amax_close(self, amax_ref * (1 + 1e-4), amax_ref)
 
 
+class DequantizeTest(parameterized.TestCase):
+
+    @parameterized.parameters((0, "e8m0"), (1, "e8m0"), (2, "e8m0"), (1, "e4m3"))
+    def test_matches_oracle_on_partial_blocks(self, axis, kind):
+        """code x scale, exact, with a partial last block (n = 70, block 16/32) along any axis; NaN scale -> NaN."""
+        rng = np.random.default_rng(_seed("dequantize", axis, kind))
+        shape = [3, 5, 7]
+        shape[axis] = 70
+        block = 32 if kind == "e8m0" else 16
+        codes = np.clip(rng.standard_normal(shape) * 50, -448, 448).astype(np.float32).astype(oracle_ops.E4M3)
+        s_shape = list(shape)
+        s_shape[axis] = -(-70 // block)
+        if kind == "e8m0":
+            scales = oracle_ops.oracle.random_scale_bytes(rng, s_shape)
+            scales.reshape(-1)[4] = 0xFF
+        else:
+            scales = np.exp2(rng.uniform(-4, 4, s_shape)).astype(oracle_ops.E4M3)
+        fn = jax.jit(functools.partial(reference.dequantize_bf16, block=block, axis=axis))
+        got = np.asarray(fn(jnp.asarray(codes), jnp.asarray(scales))).astype(np.float64)
+        want = oracle_ops.oracle.dequantize_f64(codes, scales, block=block, axis=axis)
+        np.testing.assert_array_equal(got, want)  # NaN positions must agree too
+        if kind == "e8m0":
+            self.assertGreater(int(np.isnan(want).sum()), 0)
+
+
 class ConvertCTest(parameterized.TestCase):
     """The accumulator -> C conversion is exactly round-to-nearest-even (saturating for FP8/FP4), ties included."""
 
