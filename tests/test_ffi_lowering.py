@@ -1,0 +1,174 @@
+"""Lowering gemm_amax to the jbg_gemm_amax custom call for CUDA, on a machine without a GPU."""
+
+import dataclasses
+import functools
+import re
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+from jax.extend import core as jex_core
+from jax.interpreters import mlir
+
+from jax_blockgemm import ffi_lowering, kernel_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class StandInVariant:
+    arch: str
+    key: str
+    function_prefix: str
+
+
+VARIANTS = (StandInVariant("sm_90a", "standin.sm_90a", "jbg_standin_sm_90a"),
+            StandInVariant("sm_100a", "standin.sm_100a", "jbg_standin_sm_100a"))
+_rng = np.random.default_rng(7)
+OBJECTS = {v.key: _rng.integers(0, 256, size, dtype=np.uint8).tobytes() for v, size in zip(VARIANTS, (1003, 517))}
+
+# A tiny primitive whose CUDA lowering is emit_gemm_amax, so the test does not depend on the public API.
+_test_p = jex_core.Primitive("jbg_test_gemm_amax")
+_test_p.multiple_results = True
+
+
+@_test_p.def_abstract_eval
+def _abstract_eval(a, b, sfa, sfb, *, variants):
+    l, m, _ = a.shape
+    return jax.core.ShapedArray((l, m, b.shape[1]), jnp.float32), jax.core.ShapedArray((l,), jnp.float32)
+
+
+def _cuda_lowering(ctx, a, b, sfa, sfb, *, variants):
+    return ffi_lowering.emit_gemm_amax(ctx, a, b, sfa, sfb, variants=variants)
+
+
+mlir.register_lowering(_test_p, _cuda_lowering, platform="cuda")
+
+
+def _operands(l, m, n, k):
+    kp = -(-(-(-k // 32)) // 4)
+    return (jax.ShapeDtypeStruct((l, m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((l, n, k), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((l, -(-m // 128), kp, 32, 4, 4), jnp.uint8),
+            jax.ShapeDtypeStruct((l, -(-n // 128), kp, 32, 4, 4), jnp.uint8))
+
+
+def _walk(op):
+    for region in op.regions:
+        for block in region:
+            for child in block:
+                yield child
+                yield from _walk(child)
+
+
+def _custom_call(lowered):
+    """(attributes dict, operand types, result types) of the one jbg_gemm_amax custom call in `lowered`."""
+    calls = [op for op in _walk(lowered.compiler_ir("stablehlo").operation)
+             if op.name == "stablehlo.custom_call" and str(op.attributes["call_target_name"]) == '"jbg_gemm_amax"']
+    assert len(calls) == 1, lowered.as_text()
+    op = calls[0]
+    config = op.attributes["mhlo.backend_config"]  # jax's encoding of typed-FFI attributes
+    attrs = {name: config[name] for name in ("archs", "function_prefixes", "objects", "offsets")}
+    attrs = {k: (np.array(v) if k in ("objects", "offsets") else ir_str(v)) for k, v in attrs.items()}
+    return attrs, [str(x.type) for x in op.operands], [str(r.type) for r in op.results]
+
+
+def ir_str(attr):
+    return str(attr).strip('"')
+
+
+def _hlo_api_version(lowered):
+    return re.findall(r'custom_call_target="jbg_gemm_amax".*?api_version=(\w+)', lowered.as_text(dialect="hlo"))
+
+
+class EmitGemmAmaxTest(absltest.TestCase):
+
+    def _lower(self, l, m, n, k, variants=VARIANTS):
+        with mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: OBJECTS[v.key]) as get_object:
+            f = jax.jit(lambda *x: _test_p.bind(*x, variants=variants))
+            lowered = f.trace(*_operands(l, m, n, k)).lower(lowering_platforms=("cuda",))
+        return lowered, get_object
+
+    def test_custom_call_carries_every_arch(self):
+        lowered, get_object = self._lower(3, 200, 72, 160)
+        self.assertEqual(get_object.call_count, 2)
+        attrs, operands, results = _custom_call(lowered)
+        self.assertEqual(_hlo_api_version(lowered), ["API_VERSION_TYPED_FFI"])
+        # Sorted by arch name: sm_100a's object first.
+        self.assertEqual(attrs["archs"], "sm_100a,sm_90a")
+        self.assertEqual(attrs["function_prefixes"], "jbg_standin_sm_100a,jbg_standin_sm_90a")
+        self.assertEqual(attrs["objects"].dtype, np.uint8)
+        self.assertEqual(attrs["objects"].tobytes(), OBJECTS["standin.sm_100a"] + OBJECTS["standin.sm_90a"])
+        self.assertEqual(attrs["offsets"].dtype, np.int64)
+        np.testing.assert_array_equal(attrs["offsets"], [0, 517, 1520])
+        self.assertEqual(operands, ["tensor<3x200x160xf8E4M3FN>", "tensor<3x72x160xf8E4M3FN>",
+                                    "tensor<3x2x2x32x4x4xui8>", "tensor<3x1x2x32x4x4xui8>"])
+        self.assertEqual(results, ["tensor<3x200x72xf32>", "tensor<3xf32>"])
+
+    def test_one_arch(self):
+        lowered, _ = self._lower(1, 128, 128, 128, variants=VARIANTS[:1])
+        attrs, _, results = _custom_call(lowered)
+        self.assertEqual(attrs["archs"], "sm_90a")
+        self.assertEqual(attrs["objects"].tobytes(), OBJECTS["standin.sm_90a"])
+        np.testing.assert_array_equal(attrs["offsets"], [0, 1003])
+        self.assertEqual(results, ["tensor<1x128x128xf32>", "tensor<1xf32>"])
+
+    def test_export_for_cuda_without_gpu(self):
+        with mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: OBJECTS[v.key]):
+            exported = jax.export.export(jax.jit(lambda *x: _test_p.bind(*x, variants=VARIANTS)),
+                                         platforms=("cuda",),
+                                         disabled_checks=ffi_lowering.export_disabled_checks())(*_operands(2, 64, 32, 64))
+        self.assertEqual(exported.platforms, ("cuda",))
+        self.assertIn("stablehlo.custom_call @jbg_gemm_amax", exported.mlir_module())
+        self.assertEqual([a.shape for a in exported.out_avals], [(2, 64, 32), (2,)])
+
+    def test_export_without_the_safety_override_is_refused(self):
+        with mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: OBJECTS[v.key]):
+            with self.assertRaisesRegex(ValueError, "jbg_gemm_amax"):
+                jax.export.export(jax.jit(lambda *x: _test_p.bind(*x, variants=VARIANTS)),
+                                  platforms=("cuda",))(*_operands(1, 64, 32, 64))
+
+
+class AttributesTest(absltest.TestCase):
+
+    def test_offsets_and_blob(self):
+        attrs = ffi_lowering.gemm_amax_attributes(VARIANTS, [b"abc", b"defgh"])
+        self.assertEqual(attrs["archs"], "sm_90a,sm_100a")
+        self.assertEqual(attrs["objects"].tobytes(), b"abcdefgh")
+        self.assertEqual(attrs["objects"].dtype, np.uint8)
+        np.testing.assert_array_equal(attrs["offsets"], [0, 3, 8])
+        self.assertEqual(attrs["offsets"].dtype, np.int64)
+
+    def test_rejects_duplicate_archs_and_mismatched_counts(self):
+        with self.assertRaisesRegex(ValueError, "one kernel per architecture"):
+            ffi_lowering.gemm_amax_attributes([VARIANTS[0], VARIANTS[0]], [b"a", b"b"])
+        with self.assertRaisesRegex(ValueError, "one object per variant"):
+            ffi_lowering.gemm_amax_attributes(VARIANTS, [b"a"])
+        with self.assertRaisesRegex(ValueError, "may not contain ','"):
+            ffi_lowering.gemm_amax_attributes([StandInVariant("sm_90a", "k", "a,b")], [b"a"])
+
+
+class RealPrimitiveTest(absltest.TestCase):
+    """The public gemm_amax lowered for CUDA goes through emit_gemm_amax with the catalog's real objects."""
+
+    def test_public_api_lowers_to_the_custom_call(self):
+        try:
+            from jax_blockgemm.kernels import catalog
+        except ImportError as e:
+            self.skipTest(f"CuTeDSL is not importable: {e}")
+        import jax_blockgemm as jbg
+
+        variant = catalog.select_variant(arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype="bfloat16", sf_vec_size=32,
+                                         tile_mn=(128, 128), cluster_mn=(1, 1))
+        fake_object = b"\x7fELF stand-in object bytes"
+        with mock.patch.object(kernel_cache, "get_object", return_value=fake_object) as get_object:
+            f = jax.jit(functools.partial(jbg.gemm_amax, c_dtype=jnp.bfloat16, implementation="cutedsl"))
+            lowered = f.trace(*_operands(2, 200, 72, 160)).lower(lowering_platforms=("cuda",))
+        self.assertIn(variant, [call.args[0] for call in get_object.call_args_list])
+        attrs, _, results = _custom_call(lowered)
+        self.assertEqual(attrs["function_prefixes"], variant.function_prefix)
+        self.assertEqual(attrs["objects"].tobytes(), fake_object)
+        self.assertEqual(results, ["tensor<2x200x72xbf16>", "tensor<2xf32>"])
+
+
+if __name__ == "__main__":
+    absltest.main()

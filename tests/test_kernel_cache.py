@@ -1,0 +1,236 @@
+"""The kernel object cache: memory -> disk -> compile, integrity checks, keys, and a second process."""
+
+import dataclasses
+import hashlib
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+
+from absl.testing import absltest
+
+from jax_blockgemm import kernel_cache, precompile
+
+
+@dataclasses.dataclass(frozen=True)
+class StandInVariant:
+    key: str = "gemm_amax.sm_90a.standin"
+    arch: str = "sm_90a"
+
+
+class CountingCompiler:
+    """Returns fresh random bytes per call (so a recompile is visible) and counts calls."""
+
+    def __init__(self):
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, variant):
+        with self._lock:
+            self.calls += 1
+        return os.urandom(4096 + 7) + variant.key.encode()
+
+
+def _tempdir(test):
+    """A fresh directory removed after `test` (absltest's create_tempdir needs parsed flags, pytest has none)."""
+    path = tempfile.mkdtemp(prefix="jbg_cache_test_")
+    test.addCleanup(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def _cache(directory, compiler, *, source="src-1", dsl="4.8.1"):
+    return kernel_cache.ObjectCache(pathlib.Path(directory), compiler, lambda: source, lambda: dsl)
+
+
+class ObjectCacheTest(absltest.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.dir = _tempdir(self)
+        self.compiler = CountingCompiler()
+        self.variant = StandInVariant()
+
+    def test_miss_then_memory_then_disk(self):
+        cache = _cache(self.dir, self.compiler)
+        first, source = cache.get(self.variant)
+        self.assertEqual((source, self.compiler.calls), ("compiled", 1))
+        again, source = cache.get(self.variant)
+        self.assertEqual((source, self.compiler.calls), ("memory", 1))
+        self.assertEqual(again, first)
+        fresh = _cache(self.dir, self.compiler)  # a new process-level cache over the same directory
+        from_disk, source = fresh.get(self.variant)
+        self.assertEqual((source, self.compiler.calls), ("disk", 1))
+        self.assertEqual(from_disk, first)
+
+    def test_entry_layout(self):
+        cache = _cache(self.dir, self.compiler)
+        payload, _ = cache.get(self.variant)
+        data = cache.path(self.variant).read_bytes()
+        self.assertEqual(data[:8], kernel_cache.MAGIC)
+        self.assertEqual(int.from_bytes(data[8:16], "little"), len(payload))
+        self.assertEqual(data[16:48], hashlib.sha256(payload).digest())
+        self.assertEqual(data[48:], payload)
+        self.assertEqual([p.name for p in pathlib.Path(self.dir).iterdir()], [cache.entry_name(self.variant)])
+
+    def _corrupt_and_reload(self, mutate):
+        cache = _cache(self.dir, self.compiler)
+        original, _ = cache.get(self.variant)
+        path = cache.path(self.variant)
+        path.write_bytes(mutate(path.read_bytes()))
+        with self.assertLogs(kernel_cache.logger, "WARNING") as logs:
+            rebuilt, source = _cache(self.dir, self.compiler).get(self.variant)
+        self.assertIn("corrupt or truncated", logs.output[0])
+        self.assertEqual((source, self.compiler.calls), ("compiled", 2))
+        self.assertNotEqual(rebuilt, original)  # the corrupt entry was not loaded
+        self.assertEqual(kernel_cache.decode_entry(path.read_bytes()), rebuilt)  # and the entry was rewritten
+
+    def test_truncated_entry_is_rebuilt(self):
+        self._corrupt_and_reload(lambda data: data[: len(data) - 100])
+
+    def test_truncated_header_is_rebuilt(self):
+        self._corrupt_and_reload(lambda data: data[:20])
+
+    def test_bit_flip_is_rebuilt(self):
+        def flip(data):
+            data = bytearray(data)
+            data[len(data) // 2] ^= 0x10
+            return bytes(data)
+
+        self._corrupt_and_reload(flip)
+
+    def test_bad_magic_is_rebuilt(self):
+        self._corrupt_and_reload(lambda data: b"NOTANOBJ" + data[8:])
+
+    def test_key_covers_dsl_version_source_hash_and_variant(self):
+        base = _cache(self.dir, self.compiler).entry_name(self.variant)
+        self.assertNotEqual(base, _cache(self.dir, self.compiler, dsl="4.9.0").entry_name(self.variant))
+        self.assertNotEqual(base, _cache(self.dir, self.compiler, source="src-2").entry_name(self.variant))
+        other_arch = StandInVariant(arch="sm_100a")
+        self.assertNotEqual(base, _cache(self.dir, self.compiler).entry_name(other_arch))
+        self.assertTrue(base.startswith(self.variant.key + "-"))
+
+    def test_new_dsl_version_recompiles(self):
+        _cache(self.dir, self.compiler).get(self.variant)
+        _, source = _cache(self.dir, self.compiler, dsl="4.9.0").get(self.variant)
+        self.assertEqual((source, self.compiler.calls), ("compiled", 2))
+        _, source = _cache(self.dir, self.compiler, source="src-2").get(self.variant)
+        self.assertEqual((source, self.compiler.calls), ("compiled", 3))
+
+    def test_threads_compile_once(self):
+        cache = _cache(self.dir, self.compiler)
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(cache.get(self.variant)[0])) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(self.compiler.calls, 1)
+        self.assertLen(set(results), 1)
+
+    def test_empty_object_is_an_error(self):
+        cache = _cache(self.dir, lambda v: b"")
+        with self.assertRaisesRegex(RuntimeError, "empty object"):
+            cache.get(self.variant)
+
+    def test_unwritable_directory_still_returns_the_object(self):
+        blocker = pathlib.Path(self.dir) / "file"
+        blocker.write_bytes(b"x")
+        cache = _cache(blocker / "sub", self.compiler)  # a directory under a regular file cannot exist
+        with self.assertLogs(kernel_cache.logger, "WARNING"):
+            payload, source = cache.get(self.variant)
+        self.assertEqual(source, "compiled")
+        self.assertTrue(payload.endswith(self.variant.key.encode()))
+
+    def test_no_temporary_files_left(self):
+        cache = _cache(self.dir, self.compiler)
+        for i in range(3):
+            cache.get(StandInVariant(key=f"v{i}"))
+        self.assertFalse([p for p in pathlib.Path(self.dir).iterdir() if p.suffix == ".tmp"])
+
+
+_SECOND_PROCESS = textwrap.dedent("""
+    import dataclasses, hashlib, pathlib, sys
+    from jax_blockgemm import kernel_cache, precompile
+
+    @dataclasses.dataclass(frozen=True)
+    class StandInVariant:
+        key: str = "gemm_amax.sm_90a.standin"
+        arch: str = "sm_90a"
+
+    def refuse(variant):
+        raise AssertionError("the second process compiled")
+
+    cache = kernel_cache.ObjectCache(pathlib.Path(sys.argv[1]), refuse, lambda: "src-1", lambda: "4.8.1")
+    payload, source = cache.get(StandInVariant())
+    print(source, hashlib.sha256(payload).hexdigest())
+""")
+
+
+class SecondProcessTest(absltest.TestCase):
+
+    def test_second_process_compiles_nothing(self):
+        directory = _tempdir(self)
+        compiler = CountingCompiler()
+        payload, _ = _cache(directory, compiler).get(StandInVariant())
+        out = subprocess.run([sys.executable, "-c", _SECOND_PROCESS, directory], capture_output=True, text=True,
+                             check=True, timeout=60).stdout.split()
+        self.assertEqual(out, ["disk", hashlib.sha256(payload).hexdigest()])
+        self.assertEqual(compiler.calls, 1)
+
+
+class DefaultCacheTest(absltest.TestCase):
+
+    def test_directory_from_environment(self):
+        old = os.environ.get(kernel_cache.CACHE_DIR_ENV)
+        try:
+            os.environ[kernel_cache.CACHE_DIR_ENV] = "/tmp/jbg-cache-test"
+            self.assertEqual(kernel_cache.default_cache_dir(), pathlib.Path("/tmp/jbg-cache-test"))
+            del os.environ[kernel_cache.CACHE_DIR_ENV]
+            self.assertEqual(kernel_cache.default_cache_dir(), pathlib.Path.home() / ".cache" / "jax_blockgemm")
+        finally:
+            if old is not None:
+                os.environ[kernel_cache.CACHE_DIR_ENV] = old
+
+    def test_encode_decode_round_trip(self):
+        payload = os.urandom(1001)
+        self.assertEqual(kernel_cache.decode_entry(kernel_cache.encode_entry(payload)), payload)
+        self.assertIsNone(kernel_cache.decode_entry(kernel_cache.encode_entry(payload) + b"\0"))
+
+
+class PrecompileTest(absltest.TestCase):
+
+    def test_select(self):
+        variants = [StandInVariant(key="a90"), StandInVariant(key="b90"), StandInVariant(key="a100", arch="sm_100a")]
+        self.assertEqual([v.key for v in precompile.select(variants, [], [])], ["a90", "b90", "a100"])
+        self.assertEqual([v.key for v in precompile.select(variants, ["sm_100a"], [])], ["a100"])
+        self.assertEqual([v.key for v in precompile.select(variants, ["sm_90a"], ["b90"])], ["b90"])
+        with self.assertRaisesRegex(SystemExit, "--arch 'sm_80'"):
+            precompile.select(variants, ["sm_80"], [])
+        with self.assertRaisesRegex(SystemExit, r"--variant \['a100'\]"):
+            precompile.select(variants, ["sm_90a"], ["a100"])
+
+    def test_compiles_once_then_finds(self):
+        try:
+            from jax_blockgemm.kernels import catalog
+        except ImportError as e:
+            self.skipTest(f"CuTeDSL is not importable: {e}")
+        key = catalog.CATALOG[0].key
+        directory = _tempdir(self)
+        env = dict(os.environ, **{kernel_cache.CACHE_DIR_ENV: directory})
+        run = lambda *args: subprocess.run([sys.executable, "-m", "jax_blockgemm.precompile", *args], env=env,
+                                           capture_output=True, text=True, check=True, timeout=300).stdout
+        self.assertIn(f"missing  {key}", run("--list", "--variant", key))
+        first = run("--variant", key)
+        self.assertRegex(first, rf"compiled {re.escape(key)} .* bytes  {re.escape(directory)}")
+        self.assertRegex(run("--variant", key), rf"found    {re.escape(key)} ")
+        entry = next(pathlib.Path(directory).glob(key + "-*.obj"))
+        self.assertEqual(kernel_cache.decode_entry(entry.read_bytes())[:4], b"\x7fELF")
+
+
+if __name__ == "__main__":
+    absltest.main()

@@ -1,0 +1,217 @@
+"""The native FFI bridge on a CPU machine: module surface, handler metadata, registration, and the handler's
+attribute parsing and buffer checks (the same C++ the GPU runs; the kernel launch itself is tested on the GPU)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from absl.testing import absltest, parameterized
+
+from jax_blockgemm import _native
+
+ext = _native.extension()
+
+U8, F32, BF16, E4M3, E5M2 = "uint8", "float32", "bfloat16", "float8_e4m3fn", "float8_e5m2"
+
+
+def _cdiv(x, y):
+    return -(-x // y)
+
+
+def _buffers(l, m, n, k, *, ab=E4M3, c=F32, base=1 << 20):
+    """Well-formed (dtype, dims, address) for a, b, sfa, sfb, c, amax; addresses 256-byte spaced and aligned."""
+    kp = _cdiv(_cdiv(k, 32), 4)
+    return [(ab, [l, m, k], base), (ab, [l, n, k], base + 256), (U8, [l, _cdiv(m, 128), kp, 32, 4, 4], base + 512),
+            (U8, [l, _cdiv(n, 128), kp, 32, 4, 4], base + 768), (c, [l, m, n], base + 1024), (F32, [l], base + 1280)]
+
+
+def _replace(buffers, index, *, dtype=None, dims=None, address=None):
+    out = list(buffers)
+    d, s, p = out[index]
+    out[index] = (dtype or d, s if dims is None else dims, p if address is None else address)
+    return out
+
+
+class ModuleTest(absltest.TestCase):
+
+    def test_surface(self):
+        self.assertEqual(ext.ABI_VERSION, 1)
+        self.assertEqual(ext.GEMM_AMAX_TARGET, "jbg_gemm_amax")
+        targets = ext.ffi_targets()
+        self.assertEqual(set(targets), {"jbg_gemm_amax"})
+        self.assertEqual(set(targets["jbg_gemm_amax"]), {"instantiate", "execute"})
+        self.assertEqual(set(ext.ffi_types()["jbg_gemm_amax_state"]), {"type_id", "type_info"})
+
+    def test_execute_handler_is_command_buffer_compatible(self):
+        major, minor, traits = ext.handler_metadata("jbg_gemm_amax", "execute")
+        self.assertEqual(traits & ext.TRAIT_COMMAND_BUFFER_COMPATIBLE, ext.TRAIT_COMMAND_BUFFER_COMPATIBLE)
+        self.assertEqual(ext.TRAIT_COMMAND_BUFFER_COMPATIBLE, 1)
+        self.assertGreaterEqual(major * 1000 + minor, 1)  # a real FFI API version, not an untouched struct
+
+    def test_unknown_target_or_stage(self):
+        with self.assertRaisesRegex(ValueError, "unknown FFI target"):
+            ext.handler_metadata("nope", "execute")
+        with self.assertRaisesRegex(ValueError, "unknown stage"):
+            ext.handler_metadata("jbg_gemm_amax", "prepare")
+
+    def test_register_for_cuda_without_gpu_is_idempotent(self):
+        _native.register_ffi_targets()
+        _native.register_ffi_targets()
+        self.assertIn("CUDA", _native._REGISTERED)
+
+    def test_runtime_library_found_and_loadable(self):
+        path = _native.runtime_library_path()
+        if path is None:
+            self.skipTest("nvidia-cutlass-dsl is not installed")
+        self.assertEqual(path.name, "libcute_dsl_runtime.so")
+        self.assertEqual(_native.load_runtime(), path)
+        self.assertEqual(ext.runtime_path(), str(path))
+
+    def test_runtime_env_override(self):
+        old = os.environ.get(_native.RUNTIME_ENV)
+        os.environ[_native.RUNTIME_ENV] = "/some/where/libcute_dsl_runtime.so"
+        try:
+            self.assertEqual(str(_native.runtime_library_path()), "/some/where/libcute_dsl_runtime.so")
+        finally:
+            if old is None:
+                del os.environ[_native.RUNTIME_ENV]
+            else:
+                os.environ[_native.RUNTIME_ENV] = old
+
+
+class ArchTest(parameterized.TestCase):
+
+    @parameterized.parameters(("sm_90a", (9, 0)), ("sm_100a", (10, 0)), ("sm_120f", (12, 0)), ("sm_89", (8, 9)))
+    def test_parse(self, arch, cc):
+        self.assertEqual(ext.parse_arch(arch), cc)
+
+    @parameterized.parameters("sm90a", "sm_9", "sm_90ab", "sm_90x", "compute_90a", "", "sm_1000a")
+    def test_reject(self, arch):
+        with self.assertRaises(ValueError):
+            ext.parse_arch(arch)
+
+
+class ObjectTableTest(absltest.TestCase):
+
+    def test_two_archs(self):
+        table = ext.parse_object_table("sm_90a,sm_100a", "p90,p100", 300, [0, 120, 300])
+        self.assertEqual(table, [("sm_90a", "p90", 9, 0, 0, 120), ("sm_100a", "p100", 10, 0, 120, 300)])
+
+    def test_mismatches_are_named(self):
+        cases = [
+            (("", "", 0, [0]), "archs is empty"),
+            (("sm_90a,sm_100a", "p90", 10, [0, 5, 10]), "one prefix per arch"),
+            (("sm_90a", "p90", 10, [0, 10, 10]), "offsets has 3 entries; expected 2"),
+            (("sm_90a", "p90", 10, [0, 9]), r"end at the size of objects \(10\)"),
+            (("sm_90a,sm_100a", "a,b", 10, [0, 0, 10]), "object for sm_90a is empty"),
+            (("sm_90a,sm_100a", "a,b", 10, [0, 11, 10]), "object for sm_100a is empty"),
+            (("sm90,sm_100a", "a,b", 10, [0, 5, 10]), 'arch "sm90" is not of the form'),
+            (("sm_90a,sm_100a", "a,", 10, [0, 5, 10]), "function prefix for sm_100a is empty"),
+        ]
+        for args, message in cases:
+            with self.subTest(args=args):
+                with self.assertRaisesRegex(ValueError, message):
+                    ext.parse_object_table(*args)
+
+
+class BufferCheckTest(parameterized.TestCase):
+
+    @parameterized.parameters((1, 128, 128, 128, E4M3, F32), (3, 200, 72, 160, E5M2, BF16), (2, 1, 1, 16, E4M3, BF16),
+                              (1, 257, 129, 4112, E4M3, F32))
+    def test_well_formed(self, l, m, n, k, ab, c):
+        message, dims = ext.check_gemm_amax_buffers(_buffers(l, m, n, k, ab=ab, c=c))
+        self.assertEqual(message, "")
+        self.assertEqual(dims, (m, n, k, l))
+
+    def test_each_violation_is_named(self):
+        good = _buffers(2, 200, 72, 160)
+        kp = 2  # ceil(ceil(160/32)/4)
+        cases = [
+            (_replace(good, 0, dtype=BF16), r"a is bfloat16 \(2, 200, 160\); expected float8_e4m3fn or float8_e5m2"),
+            (_replace(good, 1, dtype=E5M2), r"b is float8_e5m2 .*expected the dtype of a \(float8_e4m3fn\)"),
+            (_replace(good, 2, dtype="int32"), "sfa is .*expected uint8"),
+            (_replace(good, 4, dtype="float16"), "c is .*expected float32 or bfloat16"),
+            (_replace(good, 5, dtype=BF16), "amax is bfloat16 .*expected float32"),
+            (_replace(good, 0, dims=[200, 160]), r"a is .*expected rank 3 \(L, M, K\)"),
+            (_replace(good, 1, dims=[2, 72, 128]), r"b is .*expected \(L, N, K\) = \(2, N >= 1, 160\)"),
+            (_replace(good, 1, dims=[1, 72, 160]), r"b is .*expected \(L, N, K\)"),
+            (_replace(good, 2, dims=[2, 1, kp, 32, 4, 4]), r"sfa is uint8 \(2, 1, 2, 32, 4, 4\); expected "
+                                                           r"\(2, 2, 2, 32, 4, 4\)"),
+            (_replace(good, 3, dims=[2, 1, kp, 4, 32, 4]), r"sfb is .*expected \(2, 1, 2, 32, 4, 4\)"),
+            (_replace(good, 4, dims=[2, 72, 200]), r"c is .*expected \(2, 200, 72\) \(L, M, N\)"),
+            (_replace(good, 5, dims=[1]), r"amax is float32 \(1,\); expected \(2,\)"),
+            (_replace(good, 4, address=(1 << 20) + 1032), "c is .* at address .*; expected a 16-byte aligned"),
+            (_replace(good, 0, address=0), "a is .* at address 0; expected a 16-byte aligned"),
+        ]
+        for buffers, message in cases:
+            with self.subTest(message=message):
+                got, _ = ext.check_gemm_amax_buffers(buffers)
+                self.assertRegex(got, "^jbg_gemm_amax: " + message)
+
+    def test_k_must_be_a_multiple_of_16(self):
+        message, _ = ext.check_gemm_amax_buffers(_buffers(1, 64, 64, 40))
+        self.assertRegex(message, "a is .*K a multiple of 16")
+
+    def test_element_counts_fit_int32(self):
+        message, _ = ext.check_gemm_amax_buffers(_buffers(1, 1 << 16, 1 << 15, 16))
+        self.assertRegex(message, r"c is float32 \(1, 65536, 32768\); expected fewer than 2\*\*31 elements")
+
+
+_XLA_PROBE = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax_blockgemm import _native
+    jax.devices()  # start the CPU client so that the registrations below reach XLA now
+    _native.register_ffi_targets(platform="cpu")
+    ext = _native.extension()
+    print("TYPE_ID", ext.state_type_id())
+    print("INSTANTIATE_TRAITS", ext.handler_metadata("jbg_gemm_amax", "instantiate")[2])
+    l, m, n, k = 1, 200, 72, 160
+    ops = (jnp.zeros((l, m, k), jnp.float8_e4m3fn), jnp.zeros((l, n, k), jnp.float8_e4m3fn),
+           jnp.zeros((l, 2, 2, 32, 4, 4), jnp.uint8), jnp.zeros((l, 1, 2, 32, 4, 4), jnp.uint8))
+    out = (jax.ShapeDtypeStruct((l, m, n), jnp.float32), jax.ShapeDtypeStruct((l,), jnp.float32))
+    blob = np.random.default_rng(0).integers(0, 256, 300_001, dtype=np.uint8)  # a large array attribute
+    for name, offsets in (("GOOD", [0, 1000, 300_001]), ("BAD", [0, 1000, 7])):
+        call = jax.ffi.ffi_call("jbg_gemm_amax", out)
+        f = jax.jit(lambda *x: call(*x, archs="sm_90a,sm_100a", function_prefixes="p90,p100", objects=blob,
+                                    offsets=np.array(offsets, np.int64)))
+        try:
+            f(*ops)
+            print(name, "RAN")
+        except Exception as e:
+            print(name, " ".join(str(e).split())[:500])
+""")
+
+
+class XlaRegistrationTest(absltest.TestCase):
+    """Registers the real handlers with XLA:CPU (in a fresh process) so that XLA runs the instantiate stage."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env.pop("XLA_FLAGS", None)
+        proc = subprocess.run([sys.executable, "-c", _XLA_PROBE], capture_output=True, text=True, env=env,
+                              timeout=120)
+        cls.output = proc.stdout + proc.stderr
+        cls.lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in proc.stdout.splitlines() if " " in line}
+
+    def test_state_type_registered_before_handler(self):
+        self.assertGreater(int(self.lines["TYPE_ID"]), 0, self.output)
+        self.assertEqual(int(self.lines["INSTANTIATE_TRAITS"]) & 1, 1, self.output)
+
+    def test_instantiate_receives_attributes(self):
+        # Well-formed attributes (a 300 kB uint8 array included) pass parsing and reach the device query, which
+        # fails on a machine without a CUDA driver or GPU; malformed ones are rejected by the parser.
+        good = self.lines.get("GOOD", self.output)
+        self.assertNotIn("RAN", good)
+        self.assertNotIn("attributes", good)
+        self.assertRegex(good, r"jbg_gemm_amax: (cannot load the CUDA driver|cuInit failed|cuDeviceGetCount|no kernel)")
+        self.assertRegex(self.lines.get("BAD", self.output),
+                         r"INVALID_ARGUMENT: jbg_gemm_amax attributes: offsets must start at 0 and end at the size of "
+                         r"objects \(300001\), got 0 \.\. 7")
+
+
+if __name__ == "__main__":
+    absltest.main()
