@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 from typing import Iterator, Literal, Union
 
 import jax
