@@ -49,7 +49,11 @@ LoadedDriver LoadDriver() {
       !Resolve(lib, "cuDeviceGet", &d.cuDeviceGet, &out.error) ||
       !Resolve(lib, "cuDeviceGetAttribute", &d.cuDeviceGetAttribute, &out.error) ||
       !Resolve(lib, "cuMemsetD32Async", &d.cuMemsetD32Async, &out.error) ||
-      !Resolve(lib, "cuGetErrorName", &d.cuGetErrorName, &out.error)) {
+      !Resolve(lib, "cuGetErrorName", &d.cuGetErrorName, &out.error) ||
+      !Resolve(lib, "cuStreamGetCtx", &d.cuStreamGetCtx, &out.error) ||
+      !Resolve(lib, "cuCtxGetCurrent", &d.cuCtxGetCurrent, &out.error) ||
+      !Resolve(lib, "cuCtxPushCurrent_v2", &d.cuCtxPushCurrent, &out.error) ||
+      !Resolve(lib, "cuCtxPopCurrent_v2", &d.cuCtxPopCurrent, &out.error)) {
     return out;
   }
   if (CUresult r = d.cuInit(0); r != kCudaSuccess) {
@@ -69,6 +73,20 @@ const CudaDriver* GetCudaDriver(std::string* error) {
     return nullptr;
   }
   return &loaded->table;
+}
+
+ScopedStreamContext::ScopedStreamContext(const CudaDriver& driver, CUstream stream) : driver_(driver) {
+  CUcontext wanted = nullptr, current = nullptr;
+  if (driver.cuStreamGetCtx(stream, &wanted) != kCudaSuccess || wanted == nullptr) return;
+  if (driver.cuCtxGetCurrent(&current) == kCudaSuccess && current == wanted) return;
+  pushed_ = driver.cuCtxPushCurrent(wanted) == kCudaSuccess;
+}
+
+ScopedStreamContext::~ScopedStreamContext() {
+  if (pushed_) {
+    CUcontext popped = nullptr;
+    driver_.cuCtxPopCurrent(&popped);
+  }
 }
 
 bool VisibleCapabilities(const CudaDriver& driver, std::vector<ComputeCapability>* out, std::string* error) {

@@ -17,6 +17,8 @@ using CUdevice = int;
 using CUdeviceptr = unsigned long long;  // NOLINT: matches cuda.h on 64-bit hosts
 struct CUstream_st;
 using CUstream = CUstream_st*;
+struct CUctx_st;
+using CUcontext = CUctx_st*;
 
 inline constexpr CUresult kCudaSuccess = 0;
 inline constexpr int kAttrComputeCapabilityMajor = 75;  // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
@@ -29,9 +31,28 @@ struct CudaDriver {
   CUresult (*cuDeviceGetAttribute)(int* value, int attribute, CUdevice device);
   CUresult (*cuMemsetD32Async)(CUdeviceptr dst, unsigned int value, size_t count, CUstream stream);
   CUresult (*cuGetErrorName)(CUresult error, const char** name);
+  CUresult (*cuStreamGetCtx)(CUstream stream, CUcontext* context);
+  CUresult (*cuCtxGetCurrent)(CUcontext* context);
+  CUresult (*cuCtxPushCurrent)(CUcontext context);
+  CUresult (*cuCtxPopCurrent)(CUcontext* context);
 
   // "CUDA_ERROR_X (code)" for a driver result.
   std::string ErrorName(CUresult result) const;
+};
+
+// Makes the context of `stream` current on this thread for its lifetime when it is not already (the DSL's host
+// code launches through the CUDA runtime, which works on the current device). A failed query leaves things as
+// they are: the launch then reports any mismatch itself.
+class ScopedStreamContext {
+ public:
+  ScopedStreamContext(const CudaDriver& driver, CUstream stream);
+  ~ScopedStreamContext();
+  ScopedStreamContext(const ScopedStreamContext&) = delete;
+  ScopedStreamContext& operator=(const ScopedStreamContext&) = delete;
+
+ private:
+  const CudaDriver& driver_;
+  bool pushed_ = false;
 };
 
 // The process-wide driver table, loaded (and cuInit-ed) on first use; nullptr with `*error` set when libcuda is

@@ -268,6 +268,7 @@ ffi::Error Execute(CUstream stream, int32_t device, GemmAmaxState* state, ffi::A
   std::string error;
   const CudaDriver* driver = GetCudaDriver(&error);  // loaded at instantiation; a pointer read here
   if (driver == nullptr) return ffi::Error::Internal("jbg_gemm_amax: " + error);
+  ScopedStreamContext context(*driver, stream);
   // amax is an atomic max over |C| bit patterns: start from +0.0 on XLA's stream, before the kernel.
   if (CUresult r = driver->cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(amax->untyped_data()), 0u,
                                             static_cast<size_t>(dims.l), stream);

@@ -2,8 +2,12 @@
 attribute parsing and buffer checks (the same C++ the GPU runs; the kernel launch itself is tested on the GPU)."""
 
 import os
+import pathlib
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 from absl.testing import absltest, parameterized
@@ -156,6 +160,30 @@ class BufferCheckTest(parameterized.TestCase):
     def test_element_counts_fit_int32(self):
         message, _ = ext.check_gemm_amax_buffers(_buffers(1, 1 << 16, 1 << 15, 16))
         self.assertRegex(message, r"c is float32 \(1, 65536, 32768\); expected fewer than 2\*\*31 elements")
+
+
+class KernelAbiTest(absltest.TestCase):
+    """The catalog's exported kernel takes exactly the arguments the handler passes (see BUILD.md)."""
+
+    def test_exported_signature_matches_the_handler(self):
+        try:
+            from jax_blockgemm.kernels import catalog
+        except ImportError as e:
+            self.skipTest(f"CuTeDSL is not importable: {e}")
+        variant = catalog.CATALOG[0]
+        directory = tempfile.mkdtemp(prefix="jbg_abi_")
+        self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
+        catalog.compile_function(variant).export_to_c(directory, "kernel", function_prefix=variant.function_prefix)
+        header = (pathlib.Path(directory) / "kernel.h").read_text()
+        prefix = variant.function_prefix
+        structs = re.findall(r"typedef struct \{\s*void \*data;\s*int64_t dynamic_shapes\[1\];\s*\} "
+                             + prefix + r"_Tensor_(\w+)_t;", header)
+        self.assertEqual(structs, ["a", "b", "sfa", "sfb", "c", "amax"], header)
+        wrapper = re.search(r"cute_dsl_" + prefix + r"_wrapper\((.*?)\)", header).group(1)
+        params = [p.strip().split()[-1].lstrip("*") for p in wrapper.split(",")][1:]  # drop the module handle
+        self.assertEqual(params, ["a", "b", "sfa", "sfb", "c", "amax", "m", "n", "k", "l", "stream"])
+        self.assertRegex(wrapper, r"int32_t m, int32_t n, int32_t k, int32_t l, cudaStream_t stream$")
+        self.assertRegex(header, r"void \*args\[12\] = \{\s*a, b, sfa, sfb, c, amax, &m, &n, &k, &l, &stream,\s*&ret")
 
 
 _XLA_PROBE = textwrap.dedent("""
