@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 import pathlib
 import threading
@@ -18,6 +19,8 @@ from types import ModuleType
 import jax
 
 #: Environment variable that overrides where libcute_dsl_runtime.so is taken from.
+logger = logging.getLogger(__name__)
+
 RUNTIME_ENV = "JAX_BLOCKGEMM_CUTE_DSL_RUNTIME"
 RUNTIME_NAME = "libcute_dsl_runtime.so"
 GEMM_AMAX_TARGET = "jbg_gemm_amax"
@@ -77,7 +80,10 @@ def register_ffi_targets(platform: str = "CUDA") -> None:
         if platform in _REGISTERED:
             return
         ext = extension()
-        load_runtime()
+        try:
+            load_runtime()
+        except RuntimeError as e:  # the instantiate stage reports it if a program ever needs a kernel
+            logger.warning("jax_blockgemm: %s", e)
         for name, registration in ext.ffi_types().items():
             jax.ffi.register_ffi_type(name, registration, platform=platform)
         for name, stages in ext.ffi_targets().items():
