@@ -21,3 +21,19 @@ __all__ = [
     "gemm_proj_rope_mxfp8_jax_sm100",
 ]
 __version__ = "0.1.0"
+
+
+def _register_ffi_targets() -> None:
+    """Registers our FFI handlers with JAX so that programs exported elsewhere (jax.export) find them here.
+
+    Cheap and GPU-free; skipped quietly where the native module is not built (the reference still works).
+    """
+    try:
+        from jax_blockgemm import _native
+
+        _native.register_ffi_targets()
+    except ImportError:
+        pass
+
+
+_register_ffi_targets()

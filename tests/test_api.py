@@ -40,6 +40,14 @@ def _rope_inputs(rng, t, h, k, mxfp8=False):
     return dict(x=xq, w=wq, cos=cos, sin=sin, x_scale=xs, w_scale=ws)
 
 
+def _assert_close(test, x, y):
+    """fp32 results of differently batched dots: XLA may sum in another order, so compare to SPEC §7's 1e-5."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    test.assertEqual(x.shape, y.shape)
+    test.assertFalse(np.isnan(x).any() or np.isnan(y).any())
+    test.assertLessEqual(np.linalg.norm(x - y), 1e-5 * np.linalg.norm(y))
+
+
 def _assert_same(test, x, y):
     x, y = np.asarray(x), np.asarray(y)
     test.assertEqual(x.shape, y.shape)
@@ -232,8 +240,8 @@ class TransformTest(parameterized.TestCase):
         for i in range(batch):
             one = [jnp.take(x, i, axis=ax) if ax is not None else x for x, ax in zip(stacked, in_axes)]
             c_i, amax_i = jbg.gemm_amax(*one)
-            _assert_same(self, c[i], c_i)
-            _assert_same(self, amax[i], amax_i)
+            _assert_close(self, c[i], c_i)
+            _assert_close(self, amax[i], amax_i)
         # Each example's amax is its own, not the batch's: they differ on random data.
         self.assertGreater(len(np.unique(np.asarray(amax))), 1)
 
@@ -247,8 +255,8 @@ class TransformTest(parameterized.TestCase):
         self.assertEqual(c.shape, (2, 2, 128, 128))
         self.assertEqual(amax.shape, (2, 2))
         c00, amax00 = jbg.gemm_amax(*[x[0, 1] for x in args])
-        _assert_same(self, c[0, 1], c00)
-        _assert_same(self, amax[0, 1], amax00)
+        _assert_close(self, c[0, 1], c00)
+        _assert_close(self, amax[0, 1], amax00)
 
     def test_seed_form_matches_gemm_amax(self):
         rng = np.random.default_rng(4)
