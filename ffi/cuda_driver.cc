@@ -49,6 +49,7 @@ LoadedDriver LoadDriver() {
       !Resolve(lib, "cuDeviceGet", &d.cuDeviceGet, &out.error) ||
       !Resolve(lib, "cuDeviceGetAttribute", &d.cuDeviceGetAttribute, &out.error) ||
       !Resolve(lib, "cuMemsetD32Async", &d.cuMemsetD32Async, &out.error) ||
+      !Resolve(lib, "cuMemsetD8Async", &d.cuMemsetD8Async, &out.error) ||
       !Resolve(lib, "cuGetErrorName", &d.cuGetErrorName, &out.error) ||
       !Resolve(lib, "cuStreamGetCtx", &d.cuStreamGetCtx, &out.error) ||
       !Resolve(lib, "cuCtxGetCurrent", &d.cuCtxGetCurrent, &out.error) ||

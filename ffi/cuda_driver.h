@@ -30,6 +30,7 @@ struct CudaDriver {
   CUresult (*cuDeviceGet)(CUdevice* device, int ordinal);
   CUresult (*cuDeviceGetAttribute)(int* value, int attribute, CUdevice device);
   CUresult (*cuMemsetD32Async)(CUdeviceptr dst, unsigned int value, size_t count, CUstream stream);
+  CUresult (*cuMemsetD8Async)(CUdeviceptr dst, unsigned char value, size_t count, CUstream stream);
   CUresult (*cuGetErrorName)(CUresult error, const char** name);
   CUresult (*cuStreamGetCtx)(CUstream stream, CUcontext* context);
   CUresult (*cuCtxGetCurrent)(CUcontext* context);

@@ -66,6 +66,7 @@ struct GemmAmaxState {
   std::vector<DslFunction*> functions;         // by CUDA device ordinal; nullptr where no object fits
   std::vector<std::string> function_prefixes;  // by CUDA device ordinal, for error messages
   std::vector<std::string> capabilities;       // "9.0", by CUDA device ordinal
+  bool poison_outputs = false;                 // JAX_BLOCKGEMM_POISON_OUTPUTS: fill C with NaN before each launch
 };
 
 XLA_FFI_TypeInfo* GemmAmaxStateTypeInfo();
