@@ -32,8 +32,10 @@ except Exception:  # pragma: no cover - device-only fallback
     sys.modules["jax_blockgemm"] = _pkg
 
 NP_AB = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
-SHAPES = [(1, 128, 128, 128), (2, 200, 136, 96), (1, 1000, 776, 512), (3, 257, 129, 1040), (1, 8192, 8192, 8192)]
+SHAPES = [(1, 128, 128, 128), (2, 200, 136, 96), (1, 1000, 776, 512), (3, 257, 129, 1040), (1, 8192, 8192, 8192),
+          (1, 4096, 7168, 16384)]
 BIG = (1, 8192, 8192, 8192)
+LONG_K = (1, 4096, 7168, 16384)  # SPEC §8's longest K: the accumulation-precision stress
 
 
 # ------------------------------------------------------------------------------------- inputs and the oracle
@@ -111,8 +113,12 @@ class KernelRunner:
                       cutlass.Int32(m), cutlass.Int32(n), cutlass.Int32(k), cutlass.Int32(l), stream)
 
 
-def check_one(runner: KernelRunner, ab_dtype: str, c_dtype: str, shape: tuple, rng: np.random.Generator) -> dict:
-    """Run once on fresh random inputs (C poisoned with NaN) and compare with the float64 oracle."""
+def check_one(runner: KernelRunner, ab_dtype: str, c_dtype: str, shape: tuple, rng: np.random.Generator,
+              special: bool = False) -> dict:
+    """Run once on fresh random inputs (C poisoned with NaN) and compare with the float64 oracle.
+
+    `special` plants scale byte 0xFF (NaN: row 5 of batch 0 must be NaN, and amax[0]) and byte 0 (2^-127).
+    """
     import torch
 
     l, m, n, k = shape
@@ -121,6 +127,10 @@ def check_one(runner: KernelRunner, ab_dtype: str, c_dtype: str, shape: tuple, r
     b = random_codes(rng, (l, n, k), ab_dtype)
     sa = rng.integers(118, 137, size=(l, m, kb), dtype=np.uint8)
     sb = rng.integers(118, 137, size=(l, n, kb), dtype=np.uint8)
+    if special:
+        sa[0, 5, kb - 1] = 0xFF
+        sb[0, 7, 0] = 0
+        sa[-1, 9, :] = 0
     dev = lambda x: torch.from_numpy(np.ascontiguousarray(x).view(np.uint8).reshape(-1)).cuda()
     ta, tb, tsa, tsb = dev(a), dev(b), dev(to_atom(sa)), dev(to_atom(sb))
     tdt = torch.float32 if c_dtype == "float32" else torch.bfloat16
@@ -131,9 +141,11 @@ def check_one(runner: KernelRunner, ab_dtype: str, c_dtype: str, shape: tuple, r
     c = tc.float().cpu().numpy().reshape(l, m, n)
     amax = tamax.cpu().numpy()
 
-    big = m * n * k * l > 2**33
+    big = m * n * k * l > 2**34
     a64 = dequant64(a, sa)
     b64 = dequant64(b, sb)
+    if special:
+        a64[0, 5, 32 * (kb - 1):] = np.nan
     if big:  # a random subset of rows for C; the full product (float64, on the GPU) for amax
         rows = np.sort(rng.choice(m, size=256, replace=False))
         ref = np.matmul(a64[:, rows], b64.transpose(0, 2, 1))
@@ -145,16 +157,29 @@ def check_one(runner: KernelRunner, ab_dtype: str, c_dtype: str, shape: tuple, r
         ref = np.matmul(a64, b64.transpose(0, 2, 1))
         amax_ref = np.abs(ref).max(axis=(1, 2))
     res = {"ab": ab_dtype, "c": c_dtype, "shape": shape, "nan": int(np.isnan(c).sum())}
-    res["amax_rel"] = float(np.max(np.abs(amax - amax_ref) / amax_ref)) if np.all(np.isfinite(amax)) else float("nan")
+    if special:  # NaN exactly where the oracle has it; then compare the rest
+        res["special"] = True
+        nan_ok = bool(np.array_equal(np.isnan(c), np.isnan(ref))) and bool(np.isnan(amax[0]))
+        keep = ~np.isnan(ref).any(axis=-1, keepdims=True)
+        c, ref = np.where(keep, c, 0.0), np.where(keep, ref, 0.0)
+        amax, amax_ref = amax[1:], amax_ref[1:]
+        res["nan"] = 0 if nan_ok else -1
+    res["amax_rel"] = (float(np.max(np.abs(amax - amax_ref) / amax_ref, initial=0.0))
+                       if np.all(np.isfinite(amax)) else float("nan"))
     if c_dtype == "float32":
         res["c_rel"] = float(np.linalg.norm(c - ref) / np.linalg.norm(ref))
         res["ok"] = res["nan"] == 0 and res["c_rel"] <= 1e-5 and res["amax_rel"] <= 1e-5
     else:
         ref_bf = ref.astype(ml_dtypes.bfloat16).astype(np.float64)
         ulps = np.abs(c - ref_bf) / bf16_ulp(ref_bf)
+        # SPEC §7 (as tests/oracle_ops.py reads it): within one ulp, or, for an element that cancels far below
+        # its summands, within one ulp plus the fp32 accumulation error the float32 criterion allows.
+        accumulation_tol = 1e-5 * np.sqrt(np.mean(np.square(ref)))
+        bad = (ulps > 1.0) & ~(np.abs(c - ref) <= bf16_ulp(c) + accumulation_tol)
         res["c_max_ulp"] = float(np.max(ulps))
+        res["c_bad"] = int(bad.sum())
         res["c_rel"] = float(np.linalg.norm(c - ref) / np.linalg.norm(ref))
-        res["ok"] = res["nan"] == 0 and res["c_max_ulp"] <= 1.0 and res["amax_rel"] <= 1e-5
+        res["ok"] = res["nan"] == 0 and res["c_bad"] == 0 and res["amax_rel"] <= 1e-5
     return res
 
 
@@ -212,6 +237,10 @@ def time_xla(reps: int = 25) -> dict:
             fn(*args).block_until_ready()
             times.append((time.perf_counter() - t0) * 1e3)
         out[name] = statistics.median(times)
+    # Hopper's FP8 tensor-core accumulation, for the notes: XLA's fp8 dot against float64 on 256 rows.
+    c = np.asarray(fns["xla_fp8_dot"][0](a[:, :256], b))[0].astype(np.float64)
+    ref = np.asarray(a[0, :256]).astype(np.float64) @ np.asarray(b[0]).astype(np.float64).T
+    print("xla fp8 dot rel err vs float64:", float(np.linalg.norm(c - ref) / np.linalg.norm(ref)), flush=True)
     return out
 
 
@@ -230,9 +259,17 @@ def main() -> int:
         for cd in ("float32", "bfloat16"):
             runner = runners[(ab, cd)] = KernelRunner(ab, cd)
             print(f"compiled {ab} -> {cd} in {runner.compile_s:.2f} s", flush=True)
+            try:
+                r = check_one(runner, ab, cd, (2, 200, 136, 96), rng, special=True)
+            except Exception as e:
+                r = {"ab": ab, "c": cd, "shape": "special", "ok": False, "error": repr(e)[:300]}
+            results.append(r)
+            print(json.dumps(r), flush=True)
             for shape in SHAPES:
                 if shape == BIG and (args.quick or (ab, cd) not in {("float8_e4m3fn", "float32"),
                                                                    ("float8_e5m2", "bfloat16")}):
+                    continue
+                if shape == LONG_K and (args.quick or (ab, cd) != ("float8_e4m3fn", "float32")):
                     continue
                 try:
                     r = check_one(runner, ab, cd, shape, rng)
@@ -253,6 +290,10 @@ def main() -> int:
         err = r.get("c_max_ulp", r.get("c_rel", "-"))
         err = f"{err:.2e}" if isinstance(err, float) else err
         unit = " ulp" if "c_max_ulp" in r else ""
+        if "c_bad" in r:
+            unit += f" ({r['c_bad']} bad)"
+        if r.get("special"):
+            unit += " [NaN/0 scales]"
         print(f"| {r['ab'][7:]} | {r['c']} | {','.join(map(str, r['shape']))} | {r['ok']} | {err}{unit} | "
               f"{r.get('amax_rel', r.get('error'))} |")
     if timing:

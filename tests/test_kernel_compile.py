@@ -83,12 +83,14 @@ class CatalogTest(parameterized.TestCase):
 class CompileTest(parameterized.TestCase):
 
     @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG)
-    def test_compiles_for_its_arch_with_fp8_wgmma(self, v):
+    def test_compiles_for_its_arch_with_wgmma_and_tma(self, v):
         ptx, obj, _ = _compiled(v)
         self.assertGreater(len(obj), 1000)
         self.assertIn(f".target {v.arch}", ptx)
         ab = _PTX_AB[v.ab_dtype]
-        self.assertRegex(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{v.tile_mn[1]}k32\.f32\.{ab}\.{ab}")
+        # FP8 codes are dequantized (exactly) to bf16 with the hardware FP8 converter, then bf16 wgmma.
+        self.assertIn(f"cvt.rn.f16x2.{ab}x2", ptx)
+        self.assertRegex(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{v.tile_mn[1]}k16\.f32\.bf16\.bf16")
         self.assertIn("cp.async.bulk.tensor", ptx)  # TMA loads
         self.assertIn("atom.global.max.s32", ptx)  # amax: integer atomic max on the float's bits
 

@@ -70,7 +70,7 @@ def e8m0_bits(byte: cutlass.Int32) -> cutlass.Int32:
 
 
 @cute.jit
-def e8m0_word_to_f32(word: cutlass.Int32, j: cutlass.Constexpr[int]) -> cutlass.Float32:
+def e8m0_word_to_f32(word: cutlass.Int32, j: cutlass.Int32) -> cutlass.Float32:
     """Decode byte `j` (0..3, little-endian) of a 32-bit word of four E8M0 scales into the Float32 2^(b-127)."""
     return f32_from_bits(e8m0_bits((word >> (8 * j)) & 0xFF))
 

@@ -53,7 +53,10 @@ class HopperMxf8GemmAmax:
         self.acc_dtype = cutlass.Float32
         self.tile_mnk = (*tile_mn, 4 * SF_VEC_SIZE)  # one k-tile = 4 k-blocks = one scale atom along K
         self.cluster_mn = tuple(cluster_mn)
-        # Two consumer warpgroups, each owning 64 rows of the tile (64 + 64 fp32 registers for acc + partial).
+        # Codes x scales are exact in bfloat16 (same exponent range as float32, 8-bit significand), and the bf16
+        # tensor cores accumulate in float32 at full precision, unlike Hopper's FP8 wgmma (see NOTES.md).
+        self.mma_dtype = cutlass.BFloat16
+        # Two consumer warpgroups, each owning 64 rows of the tile (64 fp32 accumulator registers per thread).
         self.atom_layout_mnk = (2, 1, 1)
         self.num_consumer_wgs = 2
         self.threads_per_wg = 128
@@ -62,9 +65,12 @@ class HopperMxf8GemmAmax:
         self.producer_regs = 40
         self.consumer_regs = 232
         self.epilogue_barrier_id = 1
-        ab_bytes = (self.tile_mnk[0] + self.tile_mnk[1]) * self.tile_mnk[2] * self.ab_dtype.width // 8
+        self.mainloop_barrier_id = 2
+        tile_elems = (self.tile_mnk[0] + self.tile_mnk[1]) * self.tile_mnk[2]
+        self.mma_buffers = 2  # bf16 tiles: the tensor cores read one while the consumers fill the other
+        mma_bytes = self.mma_buffers * tile_elems * self.mma_dtype.width // 8
         smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
-        self.ab_stages = min(6, (smem_capacity - 2048) // ab_bytes)
+        self.ab_stages = min(6, (smem_capacity - mma_bytes - 4096) // (tile_elems * self.ab_dtype.width // 8))
         self.buffer_align_bytes = 1024
 
     @staticmethod
@@ -89,11 +95,13 @@ class HopperMxf8GemmAmax:
         mB = cute.make_tensor(b.iterator, cute.make_layout((n, k16, l), stride=(k16, 1, n * k16)))
 
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, cute.nvgpu.warpgroup.OperandMajorMode.K,
+            self.mma_dtype, self.mma_dtype, cute.nvgpu.warpgroup.OperandMajorMode.K,
             cute.nvgpu.warpgroup.OperandMajorMode.K, self.acc_dtype, self.atom_layout_mnk,
             tiler_mn=(64, self.tile_mnk[1]))
-        a_smem_staged = self._smem_layout_staged(self.tile_mnk[0])
-        b_smem_staged = self._smem_layout_staged(self.tile_mnk[1])
+        a_smem_staged = self._smem_layout_staged(self.tile_mnk[0], self.ab_dtype, self.ab_stages)
+        b_smem_staged = self._smem_layout_staged(self.tile_mnk[1], self.ab_dtype, self.ab_stages)
+        a16_smem_staged = self._smem_layout_staged(self.tile_mnk[0], self.mma_dtype, self.mma_buffers)
+        b16_smem_staged = self._smem_layout_staged(self.tile_mnk[1], self.mma_dtype, self.mma_buffers)
         tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem_staged, (None, None, 0)),
             (self.tile_mnk[0], self.tile_mnk[2]))
@@ -109,27 +117,59 @@ class HopperMxf8GemmAmax:
                                   self.buffer_align_bytes]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)],
                                   self.buffer_align_bytes]
+            sA16: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, cute.cosize(a16_smem_staged)],
+                                    self.buffer_align_bytes]
+            sB16: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, cute.cosize(b16_smem_staged)],
+                                    self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
         tiles_m = (m + self.tile_mnk[0] - 1) // self.tile_mnk[0]
         tiles_n = (n + self.tile_mnk[1] - 1) // self.tile_mnk[1]
         self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, sfa, sfb, c, amax, m, n, k, tiled_mma,
-                    a_smem_staged, b_smem_staged).launch(
+                    a_smem_staged, b_smem_staged, a16_smem_staged, b16_smem_staged).launch(
             grid=(tiles_m, tiles_n, l), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1, stream=stream)
 
-    def _smem_layout_staged(self, rows: int) -> cute.ComposedLayout:
-        """Swizzled K-major shared-memory layout for `ab_stages` (rows, 128) FP8 tiles."""
+    def _smem_layout_staged(self, rows: int, dtype: Type[cutlass.Numeric], stages: int) -> cute.ComposedLayout:
+        """Swizzled K-major shared-memory layout (the wgmma's) for `stages` (rows, bk) tiles of `dtype`."""
         atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, self.ab_dtype, self.tile_mnk[2]),
-            self.ab_dtype)
-        return cute.tile_to_shape(atom, (rows, self.tile_mnk[2], self.ab_stages), order=(0, 1, 2))
+            sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, dtype, self.tile_mnk[2]),
+            dtype)
+        return cute.tile_to_shape(atom, (rows, self.tile_mnk[2], stages), order=(0, 1, 2))
+
+    @staticmethod
+    def load_scale_words(words, sfa_w, sfb_w, a_word, b_word, reps: int):
+        """Load this thread's scale words of one k-tile (its `reps` rows of A, then of B) into `words`."""
+        for r in range(reps):
+            words[r] = sfa_w[a_word + r]
+            words[reps + r] = sfb_w[b_word + r]
+
+    def dequantize(self, ab_pipeline, read_state, words, sfa_w, sfb_w, next_a_word, next_b_word, kblock, tXsA8,
+                   tXsB8, tXsA16, tXsB16, frag8, frag16, reps: int, buf):
+        """Wait for one FP8 stage, write code x 2^(scale-127) as bf16 into buffer `buf`, release the stage.
+
+        Plain Python (inlined at trace time). `words` holds this tile's scale words (loaded one tile ahead, so
+        their global-memory latency hides behind a k-tile); the next tile's are loaded here. Each thread converts
+        16 codes per row with float32 arithmetic (exact) and stores 16 bf16 values.
+        """
+        sa = [common.e8m0_word_to_f32(words[r], kblock) for r in range(reps)]
+        sb = [common.e8m0_word_to_f32(words[reps + r], kblock) for r in range(reps)]
+        self.load_scale_words(words, sfa_w, sfb_w, next_a_word, next_b_word, reps)
+        ab_pipeline.consumer_wait(read_state)
+        for src, dst, scales in ((tXsA8, tXsA16, sa), (tXsB8, tXsB16, sb)):
+            cute.autovec_copy(src[(None, None, None, read_state.index)], frag8)
+            for r in range(reps):
+                vals = frag8[(None, r, 0)].load().to(cutlass.Float32) * scales[r]
+                frag16[(None, r, 0)].store(vals.to(self.mma_dtype))
+            cute.autovec_copy(frag16, dst[(None, None, None, buf)])
+        ab_pipeline.consumer_release(read_state)
 
     # ---------------------------------------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
                mB_nkl: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, c: cute.Tensor, amax: cute.Tensor,
                m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, tiled_mma: cute.TiledMma,
-               a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout):
+               a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
+               a16_smem_staged: cute.ComposedLayout, b16_smem_staged: cute.ComposedLayout):
         """Device body: warpgroup 0 produces (TMA), warpgroups 1-2 consume (wgmma + promotion + epilogue)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -183,21 +223,38 @@ class HopperMxf8GemmAmax:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             local_tid = tidx - self.threads_per_wg  # 0..255 over the consumer warpgroups
             thr_mma = tiled_mma.get_slice((wg_idx - 1) * self.threads_per_wg)
-            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-            acc_shape = thr_mma.partition_shape_C((bm, bn))
-            acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-            partial = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            sA16 = storage.sA16.get_tensor(a16_smem_staged.outer, swizzle=a16_smem_staged.inner)
+            sB16 = storage.sB16.get_tensor(b16_smem_staged.outer, swizzle=b16_smem_staged.inner)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA16))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB16))
+            # The tensor cores truncate when they add into their accumulator, which biases long sums; each k-tile
+            # is summed into `partial` (8 wgmma k-steps) and added to `acc` with round-to-nearest fp32 adds.
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
+            partial = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
             acc.fill(0.0)
-            num_k_blocks = cute.size(tCrA, mode=[2])
+            num_k_steps = cute.size(tCrA, mode=[2])
 
-            # The wgmma m64nNk32 accumulator fragment: value (v0, v1, v2) of a thread sits at row
-            # 16·warp + lane/4 + 8·v1 and column 2·(lane%4) + v0 + 8·v2 of its warpgroup's 64 x bn slice.
-            lane = local_tid % 32
-            warp_in_wg = (local_tid // 32) % 4
-            row0 = (wg_idx - 1) * 64 + warp_in_wg * 16 + lane // 4
-            col0 = (lane % 4) * 2
-            n_col_groups = bn // 8
+            # Dequantization: thread t converts rows t/8 + 32·rep (rep < 4) and k-columns [16·(t%8), +16) of
+            # both tiles; all 16 columns lie in k-block (t%8)/2, and the 4 rows' scale words are contiguous.
+            cvt_thr = cute.make_layout((32, 8), stride=(8, 1))
+            cvt_val = cute.make_layout((1, 16), stride=(16, 1))
+            copy_f8 = cute.make_tiled_copy_tv(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=128),
+                cvt_thr, cvt_val)
+            copy_16 = cute.make_tiled_copy_tv(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.mma_dtype, num_bits_per_copy=128),
+                cvt_thr, cvt_val)
+            thr_f8 = copy_f8.get_slice(local_tid)
+            thr_16 = copy_16.get_slice(local_tid)
+            tXsA8 = thr_f8.partition_S(sA)  # (CPY, REP_M, 1, STAGE)
+            tXsB8 = thr_f8.partition_S(sB)
+            tXsA16 = thr_16.partition_D(sA16)  # (CPY, REP_M, 1, BUF)
+            tXsB16 = thr_16.partition_D(sB16)
+            reps = cute.size(tXsA8, mode=[1])
+            frag8 = cute.make_rmem_tensor(tXsA8[(None, None, None, 0)].shape, self.ab_dtype)
+            frag16 = cute.make_rmem_tensor(tXsA16[(None, None, None, 0)].shape, self.mma_dtype)
+            cvt_row = local_tid // 8
+            cvt_kblock = (local_tid % 8) // 2
 
             # Scale atoms as 32-bit words: word (chunk·128 + (r%32)·4 + r//32) holds the 4 k-block scales of r.
             sfa_w = cute.make_tensor(cute.recast_ptr(sfa.iterator, dtype=cutlass.Int32),
@@ -206,38 +263,47 @@ class HopperMxf8GemmAmax:
                                      cute.make_layout((cute.size(sfb) // 4,)))
             tiles_m = (m + bm - 1) // bm
             tiles_n = (n + bn - 1) // bn
-            a_chunk0 = (batch * tiles_m + tile_m) * k_tiles
-            b_chunk0 = (batch * tiles_n + tile_n) * k_tiles
+            a_word0 = (batch * tiles_m + tile_m) * k_tiles * 128 + cvt_row * 4
+            b_word0 = (batch * tiles_n + tile_n) * k_tiles * 128 + cvt_row * 4
+
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            words = cute.make_rmem_tensor((2 * reps,), cutlass.Int32)
+            self.load_scale_words(words, sfa_w, sfb_w, a_word0, b_word0, reps)
+            # ------------------------------------------------------------------------------ dequantize tile 0
+            kt1 = cutlass.min(1, k_tiles - 1) * 128
+            self.dequantize(ab_pipeline, read_state, words, sfa_w, sfb_w, a_word0 + kt1, b_word0 + kt1,
+                            cvt_kblock, tXsA8, tXsB8, tXsA16, tXsB16, frag8, frag16, reps, 0)
+            read_state.advance()
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=self.mainloop_barrier_id, number_of_threads=2 * self.threads_per_wg)
 
             # ------------------------------------------------------------------------------ mainloop
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             for kt in range(k_tiles):
-                a_base = (a_chunk0 + kt) * 128
-                b_base = (b_chunk0 + kt) * 128
-                sa_words = [sfa_w[a_base + common.atom_word_offset(row0 + 8 * v1)] for v1 in range(2)]
-                sb_words = [sfb_w[b_base + common.atom_word_offset(col0 + v0 + 8 * v2)]
-                            for v2 in range(n_col_groups) for v0 in range(2)]
-                ab_pipeline.consumer_wait(state)
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    cute.nvgpu.warpgroup.fence()
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                    cute.gemm(tiled_mma, partial, tCrA[(None, None, kb, state.index)],
-                              tCrB[(None, None, kb, state.index)], partial)
-                    cute.nvgpu.warpgroup.commit_group()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    if kb == num_k_blocks - 1:
-                        ab_pipeline.consumer_release(state)
-                    # -------------------------------------------------------------------------- promote
-                    sa = [common.e8m0_word_to_f32(w, kb) for w in sa_words]
-                    sb = [common.e8m0_word_to_f32(w, kb) for w in sb_words]
-                    for v2 in cutlass.range_constexpr(n_col_groups):
-                        for v1 in cutlass.range_constexpr(2):
-                            for v0 in cutlass.range_constexpr(2):
-                                i = v0 + 2 * v1 + 4 * v2
-                                acc[i] = acc[i] + (partial[i] * sa[v1]) * sb[2 * v2 + v0]
-                state.advance()
+                buf = kt % 2
+                cute.nvgpu.warpgroup.fence()
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                for ks in cutlass.range_constexpr(num_k_steps):
+                    cute.gemm(tiled_mma, partial, tCrA[(None, None, ks, buf)], tCrB[(None, None, ks, buf)], partial)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.commit_group()
+                if kt + 1 < k_tiles:  # dequantize the next tile into the other buffer while the tensor cores run
+                    kt2 = cutlass.min(kt + 2, k_tiles - 1) * 128
+                    self.dequantize(ab_pipeline, read_state, words, sfa_w, sfb_w, a_word0 + kt2, b_word0 + kt2,
+                                    cvt_kblock, tXsA8, tXsB8, tXsA16, tXsB16, frag8, frag16, reps, 1 - buf)
+                    read_state.advance()
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                cute.nvgpu.warpgroup.wait_group(0)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = acc[i] + partial[i]
+                cute.arch.barrier(barrier_id=self.mainloop_barrier_id, number_of_threads=2 * self.threads_per_wg)
 
             # ------------------------------------------------------------------------------ epilogue
+            # The wgmma m64nNk16 accumulator fragment: value (v0, v1, v2) of a thread sits at row
+            # 16·warp + lane/4 + 8·v1 and column 2·(lane%4) + v0 + 8·v2 of its warpgroup's 64 x bn slice.
+            lane = local_tid % 32
+            row0 = (wg_idx - 1) * 64 + ((local_tid // 32) % 4) * 16 + lane // 4
+            col0 = (lane % 4) * 2
+            n_col_groups = bn // 8
             amax_bits = cutlass.Int32(0)
             c_row_base = (cutlass.Int64(batch) * m + tile_m * bm) * n + tile_n * bn
             for v1 in cutlass.range_constexpr(2):
