@@ -180,11 +180,9 @@ def gemm_proj_rope_reference(x: jax.Array, w: jax.Array, cos: jax.Array, sin: ja
     if t % MX_BLOCK:
         raise ValueError(f"x must have a multiple of {MX_BLOCK} tokens (the columnwise blocks); got T={t}.")
     y = apply_rope(y.reshape(t, n // HEAD_DIM, HEAD_DIM), cos, sin)
-    h = n // HEAD_DIM
+    # Materialize Y once (float32: no value changes). Left free, XLA:GPU fuses RoPE into the two quantizers in a
+    # way that measured slower: 3.4 ms against 2.4 ms for the whole op at T=4096, H=128, K=1536 on the H200.
+    y = jax.lax.optimization_barrier(y)
     row_codes, row_scales = formats.quantize_mxfp8(y, axis=-1, dtype=jnp.float8_e4m3fn, block=MX_BLOCK)
-    # Columnwise: each group of 32 tokens is one block along axis 1 of a free reshape. Same values as axis=0 on
-    # (T, H, 192), but XLA:GPU runs it about twice as fast (no transpose of the whole tensor).
-    col_codes, col_scales = formats.quantize_mxfp8(y.reshape(t // MX_BLOCK, MX_BLOCK, h * HEAD_DIM), axis=1,
-                                                   dtype=jnp.float8_e4m3fn, block=MX_BLOCK)
-    return (row_codes, row_scales, col_codes.reshape(t, h, HEAD_DIM),
-            col_scales.reshape(t // MX_BLOCK, h, HEAD_DIM))
+    col_codes, col_scales = formats.quantize_mxfp8(y, axis=0, dtype=jnp.float8_e4m3fn, block=MX_BLOCK)
+    return row_codes, row_scales, col_codes, col_scales
