@@ -31,6 +31,9 @@ except Exception:  # pragma: no cover - device-only fallback
     _pkg.__path__ = [os.path.join(ROOT, "jax_blockgemm")]
     sys.modules["jax_blockgemm"] = _pkg
 
+from jax_blockgemm.kernels.hopper_gemm_amax import DEQUANT_MODES  # noqa: E402
+
+DEFAULT_DEQUANT = DEQUANT_MODES[0]
 NP_AB = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
 SHAPES = [(1, 128, 128, 128), (2, 200, 136, 96), (1, 1000, 776, 512), (3, 257, 129, 1040), (1, 8192, 8192, 8192),
           (1, 4096, 7168, 16384)]
@@ -72,7 +75,7 @@ def bf16_ulp(x: np.ndarray) -> np.ndarray:
 class KernelRunner:
     """Compiles one catalog variant for the local GPU and launches it on torch tensors."""
 
-    def __init__(self, ab_dtype: str, c_dtype: str):
+    def __init__(self, ab_dtype: str, c_dtype: str, skip: frozenset = frozenset(), dequant: str = "bf16x2"):
         import cuda.bindings.driver as cuda
         import cutlass
         import cutlass.cute as cute
@@ -81,7 +84,8 @@ class KernelRunner:
         from jax_blockgemm.kernels.hopper_gemm_amax import HopperMxf8GemmAmax
 
         self.cute, self.cutlass, self.cuda = cute, cutlass, cuda
-        self.kernel = HopperMxf8GemmAmax(ab_dtype=ab_dtype, c_dtype=c_dtype)
+        self.kernel = HopperMxf8GemmAmax(ab_dtype=ab_dtype, c_dtype=c_dtype, dequant=dequant)
+        self.kernel._skip = frozenset(skip)  # profiling only: wrong results
 
         def fake(dt):
             return make_fake_compact_tensor(dt, (cute.sym_int64(),), assumed_align=16)
@@ -117,7 +121,8 @@ def check_one(runner: KernelRunner, ab_dtype: str, c_dtype: str, shape: tuple, r
               special: bool = False) -> dict:
     """Run once on fresh random inputs (C poisoned with NaN) and compare with the float64 oracle.
 
-    `special` plants scale byte 0xFF (NaN: row 5 of batch 0 must be NaN, and amax[0]) and byte 0 (2^-127).
+    `special` plants scale byte 0xFF (NaN: row 5 of batch 0 must be NaN, and amax[0]), byte 0 (2^-127), and
+    non-finite codes (e4m3 NaN / e5m2 inf) in row 11 of the last batch.
     """
     import torch
 
@@ -128,6 +133,7 @@ def check_one(runner: KernelRunner, ab_dtype: str, c_dtype: str, shape: tuple, r
     sa = rng.integers(118, 137, size=(l, m, kb), dtype=np.uint8)
     sb = rng.integers(118, 137, size=(l, n, kb), dtype=np.uint8)
     if special:
+        a.view(np.uint8)[-1, 11, 3] = 0x7F if ab_dtype == "float8_e4m3fn" else 0x7C  # NaN / +inf code
         sa[0, 5, kb - 1] = 0xFF
         sb[0, 7, 0] = 0
         sa[-1, 9, :] = 0
@@ -159,10 +165,12 @@ def check_one(runner: KernelRunner, ab_dtype: str, c_dtype: str, shape: tuple, r
     res = {"ab": ab_dtype, "c": c_dtype, "shape": shape, "nan": int(np.isnan(c).sum())}
     if special:  # NaN exactly where the oracle has it; then compare the rest
         res["special"] = True
-        nan_ok = bool(np.array_equal(np.isnan(c), np.isnan(ref))) and bool(np.isnan(amax[0]))
-        keep = ~np.isnan(ref).any(axis=-1, keepdims=True)
+        inf = np.isinf(ref)
+        nan_ok = (bool(np.array_equal(np.isnan(c), np.isnan(ref))) and bool(np.array_equal(c[inf], ref[inf]))
+                  and bool(np.isnan(amax[0])) and bool(np.array_equal(amax[-1], amax_ref[-1], equal_nan=True)))
+        keep = np.isfinite(ref).all(axis=-1, keepdims=True)
         c, ref = np.where(keep, c, 0.0), np.where(keep, ref, 0.0)
-        amax, amax_ref = amax[1:], amax_ref[1:]
+        amax, amax_ref = amax[1:-1], amax_ref[1:-1]
         res["nan"] = 0 if nan_ok else -1
     res["amax_rel"] = (float(np.max(np.abs(amax - amax_ref) / amax_ref, initial=0.0))
                        if np.all(np.isfinite(amax)) else float("nan"))
@@ -248,35 +256,46 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="skip the 8192^3 correctness check")
     p.add_argument("--no-bench", action="store_true")
+    p.add_argument("--profile", action="store_true", help="also time every dequant mode (8192^3)")
+    p.add_argument("--profile-phases", action="store_true", help="with --profile: also leave phases out")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     import torch
 
     print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__, flush=True)
+    profile = []
+    if args.profile:
+        for dq in DEQUANT_MODES:
+            for skip in ((), ("dequant",)) if args.profile_phases else ((),):
+                ms = time_kernel(KernelRunner("float8_e4m3fn", "float32", frozenset(skip), dq))
+                profile.append(f"| {dq} | {','.join(skip) or 'none'} | {ms:.3f} | {2 * np.prod(BIG) / ms / 1e9:.0f} |")
+                print(profile[-1], flush=True)
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
     results, runners = [], {}
-    for ab in ("float8_e4m3fn", "float8_e5m2"):
-        for cd in ("float32", "bfloat16"):
-            runner = runners[(ab, cd)] = KernelRunner(ab, cd)
-            print(f"compiled {ab} -> {cd} in {runner.compile_s:.2f} s", flush=True)
-            try:
-                r = check_one(runner, ab, cd, (2, 200, 136, 96), rng, special=True)
-            except Exception as e:
-                r = {"ab": ab, "c": cd, "shape": "special", "ok": False, "error": repr(e)[:300]}
-            results.append(r)
-            print(json.dumps(r), flush=True)
-            for shape in SHAPES:
-                if shape == BIG and (args.quick or (ab, cd) not in {("float8_e4m3fn", "float32"),
-                                                                   ("float8_e5m2", "bfloat16")}):
-                    continue
-                if shape == LONG_K and (args.quick or (ab, cd) != ("float8_e4m3fn", "float32")):
-                    continue
-                try:
-                    r = check_one(runner, ab, cd, shape, rng)
-                except Exception as e:  # keep going: report every case
-                    r = {"ab": ab, "c": cd, "shape": shape, "ok": False, "error": repr(e)[:300]}
-                results.append(r)
-                print(json.dumps(r), flush=True)
+    for dq in DEQUANT_MODES:
+        for ab in ("float8_e4m3fn", "float8_e5m2"):
+            for cd in ("float32", "bfloat16"):
+                runner = KernelRunner(ab, cd, dequant=dq)
+                if dq == DEFAULT_DEQUANT:
+                    runners[(ab, cd)] = runner
+                print(f"compiled {ab} -> {cd} ({dq}) in {runner.compile_s:.2f} s", flush=True)
+                for shape in ["special"] + SHAPES:
+                    big_ok = dq == DEFAULT_DEQUANT and not args.quick
+                    if shape == BIG and not (big_ok and (ab, cd) in {("float8_e4m3fn", "float32"),
+                                                                     ("float8_e5m2", "bfloat16")}):
+                        continue
+                    if shape == LONG_K and not (big_ok and (ab, cd) == ("float8_e4m3fn", "float32")):
+                        continue
+                    try:
+                        if shape == "special":
+                            r = check_one(runner, ab, cd, (2, 200, 136, 96), rng, special=True)
+                        else:
+                            r = check_one(runner, ab, cd, shape, rng)
+                    except Exception as e:  # keep going: report every case
+                        r = {"ab": ab, "c": cd, "shape": shape, "ok": False, "error": repr(e)[:300]}
+                    r["dequant"] = dq
+                    results.append(r)
+                    print(json.dumps(r), flush=True)
     timing = {}
     if not args.no_bench:
         flops = 2.0 * np.prod(BIG)
@@ -285,7 +304,7 @@ def main() -> int:
         timing = {name: (ms, flops / ms / 1e9) for name, ms in timing.items()}
     with open(os.path.join(args.out, "kernel_standalone.json"), "w") as f:
         json.dump({"results": results, "timing": timing}, f, indent=1, default=str)
-    print("\n| ab | c | L,M,N,K | ok | C err | amax rel |")
+    print("\n| ab | c | dequant | L,M,N,K | ok | C err | amax rel |")
     for r in results:
         err = r.get("c_max_ulp", r.get("c_rel", "-"))
         err = f"{err:.2e}" if isinstance(err, float) else err
@@ -294,8 +313,11 @@ def main() -> int:
             unit += f" ({r['c_bad']} bad)"
         if r.get("special"):
             unit += " [NaN/0 scales]"
-        print(f"| {r['ab'][7:]} | {r['c']} | {','.join(map(str, r['shape']))} | {r['ok']} | {err}{unit} | "
+        print(f"| {r['ab'][7:]} | {r['c']} | {r['dequant']} | {','.join(map(str, r['shape']))} | {r['ok']} | {err}{unit} | "
               f"{r.get('amax_rel', r.get('error'))} |")
+    if profile:
+        print("\n| dequant | 8192^3 e4m3 -> f32, phases left out | ms | TFLOP/s |")
+        print("\n".join(profile))
     if timing:
         print("\n| 8192^3 e4m3 -> f32 | ms (median of 25) | TFLOP/s |")
         for name, (ms, tf) in timing.items():

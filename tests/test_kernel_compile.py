@@ -65,7 +65,8 @@ class CatalogTest(parameterized.TestCase):
         dict(kwargs=dict(ab_dtype="float16"), match="ab_dtype='float16'"),
         dict(kwargs=dict(c_dtype="float16"), match="c_dtype='float16'"),
         dict(kwargs=dict(tile_mn=(64, 64)), match="tile_mn"),
-        dict(kwargs=dict(cluster_mn=(2, 1)), match="cluster_mn"))
+        dict(kwargs=dict(cluster_mn=(2, 1)), match="cluster_mn"),
+        dict(kwargs=dict(dequant="int"), match="dequant='int'"))
     def test_kernel_config_errors_name_the_argument(self, kwargs, match):
         with self.assertRaisesRegex(ValueError, re.escape(match)):
             HopperMxf8GemmAmax(**kwargs)
@@ -93,6 +94,21 @@ class CompileTest(parameterized.TestCase):
         self.assertRegex(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{v.tile_mn[1]}k16\.f32\.bf16\.bf16")
         self.assertIn("cp.async.bulk.tensor", ptx)  # TMA loads
         self.assertIn("atom.global.max.s32", ptx)  # amax: integer atomic max on the float's bits
+
+    def test_bf16x2_dequant_mode_compiles_to_packed_bf16_multiplies(self):
+        import cutlass.cute as cute
+        from cutlass.cutlass_dsl import CuTeDSL
+
+        kernel = HopperMxf8GemmAmax(ab_dtype="float8_e5m2", dequant="bf16x2")
+        envar = CuTeDSL._get_dsl().envar
+        saved, envar.arch = envar._arch, "sm_90a"
+        try:
+            ptx = cute.compile(kernel, *catalog.fake_arguments(kernel), options="--keep-ptx").__ptx__
+        finally:
+            envar._arch = saved
+        self.assertIn("cvt.rn.f16x2.e5m2x2", ptx)
+        self.assertIn("mul.bf16x2", ptx)
+        self.assertNotIn("cvt.rn.bf16x2.f32", ptx)
 
     @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG)
     def test_header_matches_abi(self, v):

@@ -75,6 +75,16 @@ def e8m0_word_to_f32(word: cutlass.Int32, j: cutlass.Int32) -> cutlass.Float32:
     return f32_from_bits(e8m0_bits((word >> (8 * j)) & 0xFF))
 
 
+@cute.jit
+def e8m0_word_to_bf16x2(word: cutlass.Int32, j: cutlass.Int32) -> cutlass.Int32:
+    """Byte `j` of a word of four E8M0 scales as a packed pair of equal bfloat16 values (for bf16x2 arithmetic).
+
+    The float32 bits of 2^(b-127) have 16 zero low bits (also for 2^-127 and NaN), so bf16 is the high half.
+    """
+    bits = e8m0_bits((word >> (8 * j)) & 0xFF)
+    return bits | (bits >> 16)
+
+
 # --- amax ----------------------------------------------------------------------------------------------
 @cute.jit
 def abs_bits(x: cutlass.Float32) -> cutlass.Int32:

@@ -20,7 +20,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 
 from jax_blockgemm.kernels import common
@@ -30,6 +29,14 @@ _C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
 SUPPORTED_TILES_MN = ((128, 128),)
 SUPPORTED_CLUSTERS_MN = ((1, 1),)
 SF_VEC_SIZE = 32
+# How codes x scales become bf16 (both exact, both verified on the H200): "f32" converts through float32
+# (FP8x2 -> f16x2 -> f32, multiply, f32x2 -> bf16x2); "bf16x2" converts codes to f16x2 in hardware, moves the
+# f16 bits into bf16 fields with integer ops (value · 2^-112; FP8 values are normal f16 or exact f16 subnormals;
+# inf/NaN kept) and applies 2^112 and the scale with packed bf16 multiplies. The integer ops cost more than the
+# conversions they replace: 8192^3 takes 4.87 ms with "bf16x2" against 3.42 ms with "f32" (NOTES.md).
+DEQUANT_MODES = ("f32", "bf16x2")  # the first is the default
+_BF16X2_2POW112 = 0x77807780  # bf16 2^112 in both halves
+_BF16X2_NEG_ZERO = -0x7FFF8000  # 0x80008000 as int32: x·s + (-0) == x·s, also for x·s == +0
 
 
 class HopperMxf8GemmAmax:
@@ -39,7 +46,8 @@ class HopperMxf8GemmAmax:
     """
 
     def __init__(self, *, ab_dtype: str = "float8_e4m3fn", c_dtype: str = "float32",
-                 tile_mn: tuple[int, int] = (128, 128), cluster_mn: tuple[int, int] = (1, 1)):
+                 tile_mn: tuple[int, int] = (128, 128), cluster_mn: tuple[int, int] = (1, 1),
+                 dequant: str = "f32"):
         if ab_dtype not in _AB_DTYPES:
             raise ValueError(f"ab_dtype={ab_dtype!r} is not supported; expected one of {sorted(_AB_DTYPES)}")
         if c_dtype not in _C_DTYPES:
@@ -48,6 +56,9 @@ class HopperMxf8GemmAmax:
             raise ValueError(f"tile_mn={tile_mn!r} is not supported; expected one of {SUPPORTED_TILES_MN}")
         if tuple(cluster_mn) not in SUPPORTED_CLUSTERS_MN:
             raise ValueError(f"cluster_mn={cluster_mn!r} is not supported; expected one of {SUPPORTED_CLUSTERS_MN}")
+        if dequant not in DEQUANT_MODES:
+            raise ValueError(f"dequant={dequant!r} is not supported; expected one of {DEQUANT_MODES}")
+        self.dequant_mode = dequant
         self.ab_dtype: Type[cutlass.Numeric] = _AB_DTYPES[ab_dtype]
         self.c_dtype: Type[cutlass.Numeric] = _C_DTYPES[c_dtype]
         self.acc_dtype = cutlass.Float32
@@ -69,9 +80,12 @@ class HopperMxf8GemmAmax:
         tile_elems = (self.tile_mnk[0] + self.tile_mnk[1]) * self.tile_mnk[2]
         self.mma_buffers = 2  # bf16 tiles: the tensor cores read one while the consumers fill the other
         mma_bytes = self.mma_buffers * tile_elems * self.mma_dtype.width // 8
-        smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
+        smem_capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
         self.ab_stages = min(6, (smem_capacity - mma_bytes - 4096) // (tile_elems * self.ab_dtype.width // 8))
         self.buffer_align_bytes = 1024
+        # Profiling only (benchmarks/kernel_standalone.py --profile): phases to leave out, from
+        # {"dequant", "mma"}. The results are then wrong; never set in the catalog.
+        self._skip: frozenset = frozenset()
 
     @staticmethod
     def can_implement(m: int, n: int, k: int, l: int) -> tuple[bool, str]:
@@ -95,8 +109,8 @@ class HopperMxf8GemmAmax:
         mB = cute.make_tensor(b.iterator, cute.make_layout((n, k16, l), stride=(k16, 1, n * k16)))
 
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.mma_dtype, self.mma_dtype, cute.nvgpu.warpgroup.OperandMajorMode.K,
-            cute.nvgpu.warpgroup.OperandMajorMode.K, self.acc_dtype, self.atom_layout_mnk,
+            self.mma_dtype, self.mma_dtype, cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K, self.acc_dtype, self.atom_layout_mnk,
             tiler_mn=(64, self.tile_mnk[1]))
         a_smem_staged = self._smem_layout_staged(self.tile_mnk[0], self.ab_dtype, self.ab_stages)
         b_smem_staged = self._smem_layout_staged(self.tile_mnk[1], self.ab_dtype, self.ab_stages)
@@ -144,24 +158,43 @@ class HopperMxf8GemmAmax:
             words[reps + r] = sfb_w[b_word + r]
 
     def dequantize(self, ab_pipeline, read_state, words, sfa_w, sfb_w, next_a_word, next_b_word, kblock, tXsA8,
-                   tXsB8, tXsA16, tXsB16, frag8, frag16, reps: int, buf):
+                   tXsB8, tXsA16, tXsB16, frag8, frag16, frag_h, reps: int, buf):
         """Wait for one FP8 stage, write code x 2^(scale-127) as bf16 into buffer `buf`, release the stage.
 
         Plain Python (inlined at trace time). `words` holds this tile's scale words (loaded one tile ahead, so
         their global-memory latency hides behind a k-tile); the next tile's are loaded here. Each thread converts
         16 codes per row with float32 arithmetic (exact) and stores 16 bf16 values.
         """
-        sa = [common.e8m0_word_to_f32(words[r], kblock) for r in range(reps)]
-        sb = [common.e8m0_word_to_f32(words[reps + r], kblock) for r in range(reps)]
+        decode = common.e8m0_word_to_f32 if self.dequant_mode == "f32" else common.e8m0_word_to_bf16x2
+        sa = [decode(words[r], kblock) for r in range(reps)]
+        sb = [decode(words[reps + r], kblock) for r in range(reps)]
         self.load_scale_words(words, sfa_w, sfb_w, next_a_word, next_b_word, reps)
         ab_pipeline.consumer_wait(read_state)
-        for src, dst, scales in ((tXsA8, tXsA16, sa), (tXsB8, tXsB16, sb)):
+        for src, dst, scales in (() if "dequant" in self._skip else ((tXsA8, tXsA16, sa), (tXsB8, tXsB16, sb))):
             cute.autovec_copy(src[(None, None, None, read_state.index)], frag8)
             for r in range(reps):
-                vals = frag8[(None, r, 0)].load().to(cutlass.Float32) * scales[r]
-                frag16[(None, r, 0)].store(vals.to(self.mma_dtype))
+                if self.dequant_mode == "f32":
+                    vals = frag8[(None, r, 0)].load().to(cutlass.Float32) * scales[r]
+                    frag16[(None, r, 0)].store(vals.to(self.mma_dtype))
+                else:
+                    self._codes_to_bf16x2(frag8[(None, r, 0)], frag16[(None, r, 0)], scales[r], frag_h)
             cute.autovec_copy(frag16, dst[(None, None, None, buf)])
         ab_pipeline.consumer_release(read_state)
+
+    @staticmethod
+    def _codes_to_bf16x2(codes: cute.Tensor, out: cute.Tensor, scale_bf16x2, frag_h: cute.Tensor):
+        """out = codes · scale in bf16 (exact): hardware FP8->f16x2, f16 bits -> bf16 fields, two bf16x2 FMAs."""
+        frag_h.store(codes.load().to(cutlass.Float16))
+        h_words = cute.recast_tensor(frag_h, cutlass.Int32)
+        o_words = cute.recast_tensor(out, cutlass.Int32)
+        for i in range(cute.size(h_words)):
+            h = h_words[i]
+            x = ((h >> 3) & 0x0FFF0FFF) | (h & _BF16X2_NEG_ZERO)  # bf16 bits of (value · 2^-112), both halves
+            # f16 inf/NaN (exponent 31) must keep an all-ones bf16 exponent: OR 0x7000 into those halves.
+            special = ((h & 0x7C007C00) + 0x04000400) & _BF16X2_NEG_ZERO  # bit 15 of each inf/NaN half
+            x = x | ((special >> 3) & 0x10001000) * 7
+            x = cute.arch.fma_packed_bf16x2(x, cutlass.Int32(_BF16X2_2POW112), cutlass.Int32(_BF16X2_NEG_ZERO))
+            o_words[i] = cute.arch.fma_packed_bf16x2(x, scale_bf16x2, cutlass.Int32(_BF16X2_NEG_ZERO))
 
     # ---------------------------------------------------------------------------------------------- device
     @cute.kernel
@@ -253,6 +286,7 @@ class HopperMxf8GemmAmax:
             reps = cute.size(tXsA8, mode=[1])
             frag8 = cute.make_rmem_tensor(tXsA8[(None, None, None, 0)].shape, self.ab_dtype)
             frag16 = cute.make_rmem_tensor(tXsA16[(None, None, None, 0)].shape, self.mma_dtype)
+            frag_h = cute.make_rmem_tensor((cute.size(frag8, mode=[0]),), cutlass.Float16)
             cvt_row = local_tid // 8
             cvt_kblock = (local_tid % 8) // 2
 
@@ -272,7 +306,7 @@ class HopperMxf8GemmAmax:
             # ------------------------------------------------------------------------------ dequantize tile 0
             kt1 = cutlass.min(1, k_tiles - 1) * 128
             self.dequantize(ab_pipeline, read_state, words, sfa_w, sfb_w, a_word0 + kt1, b_word0 + kt1,
-                            cvt_kblock, tXsA8, tXsB8, tXsA16, tXsB16, frag8, frag16, reps, 0)
+                            cvt_kblock, tXsA8, tXsB8, tXsA16, tXsB16, frag8, frag16, frag_h, reps, 0)
             read_state.advance()
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=self.mainloop_barrier_id, number_of_threads=2 * self.threads_per_wg)
@@ -282,14 +316,14 @@ class HopperMxf8GemmAmax:
                 buf = kt % 2
                 cute.nvgpu.warpgroup.fence()
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                for ks in cutlass.range_constexpr(num_k_steps):
+                for ks in cutlass.range_constexpr(0 if "mma" in self._skip else num_k_steps):
                     cute.gemm(tiled_mma, partial, tCrA[(None, None, ks, buf)], tCrB[(None, None, ks, buf)], partial)
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.commit_group()
                 if kt + 1 < k_tiles:  # dequantize the next tile into the other buffer while the tensor cores run
                     kt2 = cutlass.min(kt + 2, k_tiles - 1) * 128
                     self.dequantize(ab_pipeline, read_state, words, sfa_w, sfb_w, a_word0 + kt2, b_word0 + kt2,
-                                    cvt_kblock, tXsA8, tXsB8, tXsA16, tXsB16, frag8, frag16, reps, 1 - buf)
+                                    cvt_kblock, tXsA8, tXsB8, tXsA16, tXsB16, frag8, frag16, frag_h, reps, 1 - buf)
                     read_state.advance()
                     cute.arch.fence_proxy("async.shared", space="cta")
                 cute.nvgpu.warpgroup.wait_group(0)
