@@ -256,6 +256,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="skip the 8192^3 correctness check")
     p.add_argument("--no-bench", action="store_true")
+    p.add_argument("--no-xla", action="store_true", help="time the kernel only")
+    p.add_argument("--modes", default=",".join(DEQUANT_MODES), help="dequant modes to check (comma-separated)")
     p.add_argument("--profile", action="store_true", help="also time every dequant mode (8192^3)")
     p.add_argument("--profile-phases", action="store_true", help="with --profile: also leave phases out")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -272,7 +274,7 @@ def main() -> int:
                 print(profile[-1], flush=True)
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
     results, runners = [], {}
-    for dq in DEQUANT_MODES:
+    for dq in args.modes.split(","):
         for ab in ("float8_e4m3fn", "float8_e5m2"):
             for cd in ("float32", "bfloat16"):
                 runner = KernelRunner(ab, cd, dequant=dq)
@@ -300,7 +302,8 @@ def main() -> int:
     if not args.no_bench:
         flops = 2.0 * np.prod(BIG)
         timing["kernel"] = time_kernel(runners[("float8_e4m3fn", "float32")])
-        timing.update(time_xla())
+        if not args.no_xla:
+            timing.update(time_xla())
         timing = {name: (ms, flops / ms / 1e9) for name, ms in timing.items()}
     with open(os.path.join(args.out, "kernel_standalone.json"), "w") as f:
         json.dump({"results": results, "timing": timing}, f, indent=1, default=str)
