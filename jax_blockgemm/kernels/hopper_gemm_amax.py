@@ -1,19 +1,20 @@
-"""Hopper (sm_90a) MXFP8 gemm_amax: FP8 wgmma per 32-wide k-block, block scales applied on the CUDA cores.
+"""Hopper (sm_90a) MXFP8 gemm_amax: FP8 codes x E8M0 scales dequantized to bf16 in shared memory, bf16 wgmma.
 
-Hopper's tensor cores have FP8 wgmma (k = 32 per instruction) but no block-scaled MMA. One MX block is exactly
-one wgmma k-step, so each consumer warpgroup issues the k32 wgmma into a zeroed partial accumulator, waits, and
-folds it in with `acc += (partial · sfa[m]) · sfb[n]` (both scales are powers of two: exact unless the product
-leaves float32's range). A producer warp streams A/B tiles with TMA through a multi-stage mbarrier pipeline;
-the consumers read the 512-byte scale atoms (SPEC §3) straight from global memory (they stay in L1/L2).
-The epilogue converts and stores C with predication (any M, N) and folds max|acc| into amax[l] with one
-integer atomic max per CTA.
+Hopper has FP8 wgmma but no block-scaled MMA, and its FP8 wgmma accumulates with reduced precision inside each
+instruction (~2^-14 relative: SPEC §7's 1e-5 is out of reach that way, see benchmarks/NOTES.md). code·2^(s-127)
+is exact in bf16, so the consumers fold the scales into the operands and the bf16 tensor cores (fp32
+accumulation) do the rest. A producer warp streams FP8 A/B tiles with TMA through an mbarrier pipeline; the two
+consumer warpgroups dequantize k-tile k+1 into one of two bf16 buffers while the wgmma of k-tile k runs on the
+other; each k-tile's wgmma sum goes into a fresh partial that is added to the accumulator in fp32 (the tensor
+cores truncate when accumulating, which would bias long K). Scale words are read from the 512-byte atoms of
+SPEC §3 straight from global memory, one k-tile ahead. The epilogue stores C with predication (any M, N) and
+folds max|acc| into amax[l] with one integer atomic max per CTA.
 
-Phases are methods/blocks named `producer`, `mainloop`, `promote`, `epilogue` so that they can be found.
+Phases are marked `producer`, `dequantize`, `mainloop`, `epilogue` in the kernel body.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Type
 
 import cuda.bindings.driver as cuda
@@ -67,7 +68,7 @@ class HopperMxf8GemmAmax:
         # Codes x scales are exact in bfloat16 (same exponent range as float32, 8-bit significand), and the bf16
         # tensor cores accumulate in float32 at full precision, unlike Hopper's FP8 wgmma (see NOTES.md).
         self.mma_dtype = cutlass.BFloat16
-        # Two consumer warpgroups, each owning 64 rows of the tile (64 fp32 accumulator registers per thread).
+        # Two consumer warpgroups, each owning 64 rows of the tile (64 + 64 fp32 registers per thread: acc and the k-tile partial).
         self.atom_layout_mnk = (2, 1, 1)
         self.num_consumer_wgs = 2
         self.threads_per_wg = 128
@@ -203,7 +204,7 @@ class HopperMxf8GemmAmax:
                m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, tiled_mma: cute.TiledMma,
                a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
                a16_smem_staged: cute.ComposedLayout, b16_smem_staged: cute.ComposedLayout):
-        """Device body: warpgroup 0 produces (TMA), warpgroups 1-2 consume (wgmma + promotion + epilogue)."""
+        """Device body: warpgroup 0 produces (TMA), warpgroups 1-2 consume (dequantize + wgmma + epilogue)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tile_m, tile_n, batch = cute.arch.block_idx()
