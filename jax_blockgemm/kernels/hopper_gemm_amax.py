@@ -68,7 +68,8 @@ class HopperMxf8GemmAmax:
         # Codes x scales are exact in bfloat16 (same exponent range as float32, 8-bit significand), and the bf16
         # tensor cores accumulate in float32 at full precision, unlike Hopper's FP8 wgmma (see NOTES.md).
         self.mma_dtype = cutlass.BFloat16
-        # Two consumer warpgroups, each owning 64 rows of the tile (64 + 64 fp32 registers per thread: acc and the k-tile partial).
+        # Two consumer warpgroups, each owning 64 rows of the tile (64 + 64 fp32 registers per thread: the
+        # accumulator and the k-tile partial).
         self.atom_layout_mnk = (2, 1, 1)
         self.num_consumer_wgs = 2
         self.threads_per_wg = 128
