@@ -316,7 +316,8 @@ def main() -> int:
             unit += f" ({r['c_bad']} bad)"
         if r.get("special"):
             unit += " [NaN/0 scales]"
-        print(f"| {r['ab'][7:]} | {r['c']} | {r['dequant']} | {','.join(map(str, r['shape']))} | {r['ok']} | {err}{unit} | "
+        shape = ",".join(map(str, r["shape"]))
+        print(f"| {r['ab'][7:]} | {r['c']} | {r['dequant']} | {shape} | {r['ok']} | {err}{unit} | "
               f"{r.get('amax_rel', r.get('error'))} |")
     if profile:
         print("\n| dequant | 8192^3 e4m3 -> f32, phases left out | ms | TFLOP/s |")
