@@ -69,6 +69,11 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
     if not variants:
         return KernelChoice(reason=f"no kernel in the catalog for {ab_dtype} operands, "
                                    f"{np.dtype(c_dtype)} C, sf_vec_size={sf_vec_size}")
+    (l, m, k), n = avals_in[0].shape, avals_in[1].shape[1]
+    for v in variants:
+        fits, why = catalog.make_kernel(v).can_implement(m, n, k, l)
+        if not fits:
+            return KernelChoice(reason=f"the {v.arch} kernel cannot take (L, M, N, K) = {(l, m, n, k)}: {why}")
     if implementation is None:
         slower = sorted(v.arch for v in variants if not DEFAULT_TAKES_KERNEL.get(v.arch, False))
         variants = [v for v in variants if DEFAULT_TAKES_KERNEL.get(v.arch, False)]

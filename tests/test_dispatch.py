@@ -59,6 +59,16 @@ class DispatchTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "implementation='cutedsl': no CuTeDSL kernel applies.*" + reason):
             _cuda_text(implementation="cutedsl", **kwargs)
 
+    def test_sizes_the_kernel_cannot_take(self):
+        """Operands past the kernel's 2**31-element limit go to the reference (None) or raise ('cutedsl')."""
+        a = jax.ShapeDtypeStruct((65536, 32768), jnp.float8_e4m3fn)
+        b = jax.ShapeDtypeStruct((128, 32768), jnp.float8_e4m3fn)
+        sfa = jax.ShapeDtypeStruct((65536, 1024), jnp.uint8)
+        sfb = jax.ShapeDtypeStruct((128, 1024), jnp.uint8)
+        f = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl"))
+        with self.assertRaisesRegex(ValueError, "the sm_90a kernel cannot take .*fewer than 2\\*\\*31 elements"):
+            f.trace(a, b, sfa, sfb).lower(lowering_platforms=("cuda",))
+
     def test_proj_rope_cutedsl_raises(self):
         x = jnp.zeros((32, 64), jnp.bfloat16)
         w = jnp.zeros((192, 64), jnp.bfloat16)
