@@ -13,15 +13,12 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
-FP4_DTYPES = (np.dtype(jnp.float4_e2m1fn), np.dtype(jnp.uint8))  # uint8 = two E2M1 codes, low nibble first
-E8M0_DTYPES = (np.dtype(jnp.uint8), np.dtype(jnp.float8_e8m0fnu), np.dtype(jnp.int8))
-E4M3 = np.dtype(jnp.float8_e4m3fn)
-C_DTYPES = (
-    np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16),
-    np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2),
-    np.dtype(jnp.float4_e2m1fn), np.dtype(jnp.uint8),
-)
+from jax_blockgemm.formats import E2M1, E4M3, E5M2, E8M0
+
+FP8_DTYPES = (np.dtype(E4M3), np.dtype(E5M2))
+FP4_DTYPES = (np.dtype(E2M1), np.dtype(jnp.uint8))  # uint8 = two E2M1 codes, low nibble first
+E8M0_DTYPES = (np.dtype(jnp.uint8), np.dtype(E8M0), np.dtype(jnp.int8))
+C_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16), *FP8_DTYPES, *FP4_DTYPES)
 SF_VEC_SIZES = (16, 32)
 TILE_M_VALUES = (128,)
 TILE_N_VALUES = (128, 256)
@@ -148,7 +145,7 @@ def check_gemm_config(*, ab_dtype: Any, scale_dtype: Any, c_dtype: Any, c_major:
     fp4_ab = is_fp4(ab_dtype)
     if np.dtype(scale_dtype) in E8M0_DTYPES:
         scale_kind = "e8m0"
-    elif np.dtype(scale_dtype) == E4M3:
+    elif np.dtype(scale_dtype) == np.dtype(E4M3):
         scale_kind = "e4m3"
     else:
         raise TypeError(f"sfa/sfb have dtype {dtype_name(scale_dtype)}; allowed: float8_e8m0fnu, uint8 or int8 "
@@ -202,7 +199,7 @@ def check_proj_rope(x: Any, w: Any, cos: Any, sin: Any, x_scale: Any, w_scale: A
     """Validates gemm_proj_rope_mxfp8's inputs; returns (T, K, H, mxfp8)."""
     if not isinstance(w_out_in, (bool, np.bool_)):
         raise TypeError(f"w_out_in must be a bool; got {w_out_in!r}.")
-    allowed = (np.dtype(jnp.bfloat16), E4M3)
+    allowed = (np.dtype(jnp.bfloat16), np.dtype(E4M3))
     for name, arr in (("x", x), ("w", w)):
         if np.dtype(arr.dtype) not in allowed:
             raise TypeError(f"{name} has dtype {dtype_name(arr)}; allowed: bfloat16 (bf16 path) or float8_e4m3fn "
@@ -210,7 +207,7 @@ def check_proj_rope(x: Any, w: Any, cos: Any, sin: Any, x_scale: Any, w_scale: A
         check_rank(name, arr, (2,), "a matrix")
     if x.dtype != w.dtype:
         raise TypeError(f"x and w must have the same dtype; got x: {dtype_name(x)}, w: {dtype_name(w)}.")
-    mxfp8 = np.dtype(x.dtype) == E4M3
+    mxfp8 = np.dtype(x.dtype) == np.dtype(E4M3)
     t, k = x.shape
     n, kw = w.shape if w_out_in else w.shape[::-1]
     layout = "(H*192, K) for w_out_in=True" if w_out_in else "(K, H*192) for w_out_in=False"
