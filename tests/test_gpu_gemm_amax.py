@@ -124,6 +124,47 @@ class GpuGemmAmaxTest(parameterized.TestCase):
         for x, y in zip(got, want):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
+    def _with_objects(self, entries):
+        """Lowers gemm_amax with the given (arch, object) entries; the real sm_90a object stands for 'real'."""
+        from unittest import mock
+        from jax_blockgemm import kernel_cache
+        from jax_blockgemm.kernels import catalog
+
+        real = catalog.select_variant(arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype="float32", sf_vec_size=32,
+                                      tile_mn=(128, 128), cluster_mn=(1, 1))
+        real_bytes = kernel_cache.get_object(real)
+        variants = tuple(real if obj == "real" else
+                         type("StandIn", (), dict(arch=arch, key=f"standin.{arch}", function_prefix="jbg_standin"))()
+                         for arch, obj in entries)
+        objects = {id(v): (real_bytes if obj == "real" else obj) for v, (_, obj) in zip(variants, entries)}
+        return (mock.patch.object(dispatch, "gemm_amax_kernels",
+                                  return_value=dispatch.KernelChoice(variants=variants)),
+                mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: objects[id(v)]))
+
+    def test_runtime_arch_selection(self):
+        """A program carrying objects for several archs runs the one matching the device (9.0 -> sm_90a); the
+        stand-in sm_80 / sm_100a objects are garbage bytes that would fail if the handler loaded them."""
+        a, b, sfa, sfb = _inputs(np.random.default_rng(13), 1, 256, 128, 256, jnp.float8_e4m3fn)
+        entries = [("sm_80", b"\x7fELF not an object"), ("sm_90a", "real"), ("sm_100a", b"\x00" * 64)]
+        patch_dispatch, patch_cache = self._with_objects(entries)
+        with patch_dispatch, patch_cache:
+            fn = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl"))
+            text = fn.lower(a, b, jnp.asarray(sfa), jnp.asarray(sfb)).as_text()
+            c, amax = fn(a, b, jnp.asarray(sfa), jnp.asarray(sfb))
+        self.assertIn('archs = "sm_100a,sm_80,sm_90a"', text)
+        c_ref, amax_ref = oracle_ops.gemm_amax_oracle(np.asarray(a), np.asarray(b), sfa, sfb, k=256, sf_vec_size=32)
+        oracle_ops.assert_gemm_close(self, np.asarray(c), c_ref, c_dtype=jnp.float32)
+        oracle_ops.assert_amax_close(self, np.asarray(amax), np.max(amax_ref))
+
+    def test_no_object_for_this_device(self):
+        """Only a stand-in for another arch: the handler refuses with the device's capability, it never launches."""
+        a, b, sfa, sfb = _inputs(np.random.default_rng(14), 1, 128, 128, 128, jnp.float8_e4m3fn)
+        patch_dispatch, patch_cache = self._with_objects([("sm_80", b"\x7fELF not an object")])
+        with patch_dispatch, patch_cache:
+            fn = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl"))
+            with self.assertRaisesRegex(Exception, "no kernel object for compute capability 9.0.*sm_80"):
+                jax.block_until_ready(fn(a, b, jnp.asarray(sfa), jnp.asarray(sfb)))
+
     def test_no_memory_growth(self):
         import resource
         a, b, sfa, sfb = _inputs(np.random.default_rng(12), 1, 256, 256, 256, jnp.float8_e4m3fn)
