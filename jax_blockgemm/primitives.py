@@ -19,7 +19,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import batching, mlir
 
 from jax_blockgemm import reference
-from jax_blockgemm.support import MX_BLOCK, ROPE_HEAD_DIM, is_fp4
+from jax_blockgemm.support import MX_BLOCK, HEAD_DIM, is_fp4
 
 gemm_amax_p = jex_core.Primitive("jbg_gemm_amax")
 gemm_amax_p.multiple_results = True
@@ -114,9 +114,9 @@ def _gemm_amax_batch(args, dims, **params):
 def proj_rope_out_shapes(x_shape, w_shape, *, w_out_in) -> tuple[tuple, ...]:
     g, t, _ = x_shape
     n = w_shape[1] if w_out_in else w_shape[2]
-    h = n // ROPE_HEAD_DIM
-    return ((g, t, h, ROPE_HEAD_DIM), (g, t, h, ROPE_HEAD_DIM // MX_BLOCK), (g, t, h, ROPE_HEAD_DIM),
-            (g, t // MX_BLOCK, h, ROPE_HEAD_DIM))
+    h = n // HEAD_DIM
+    return ((g, t, h, HEAD_DIM), (g, t, h, HEAD_DIM // MX_BLOCK), (g, t, h, HEAD_DIM),
+            (g, t // MX_BLOCK, h, HEAD_DIM))
 
 
 def _proj_rope_abstract_eval(x, w, *_, w_out_in, **__):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_blockgemm import formats
+from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, QK_NOPE, QK_ROPE  # SPEC §5 constants
 
 __all__ = ["gemm_amax_reference", "gemm_proj_rope_reference", "apply_rope", "convert_c", "dequantize_bf16"]
 
@@ -34,10 +35,6 @@ _FP8_C_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 _FP4_C_DTYPES = (np.dtype(jnp.float4_e2m1fn), np.dtype(jnp.uint8))  # uint8: the packed FP4 container
 _WIDE_C_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
-HEAD_DIM = 192  # SPEC §5: QK_NOPE 128 + QK_ROPE 64
-QK_NOPE = 128
-QK_ROPE = 64
-MX_BLOCK = 32
 
 
 def _bf16_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:

@@ -25,9 +25,9 @@ TILE_N_VALUES = (128, 256)
 CLUSTER_VALUES = (1, 2, 4)
 IMPLEMENTATIONS = (None, "cutedsl", "xla")
 
-ROPE_HEAD_DIM = 192
-ROPE_NOPE = 128
-ROPE_DIM = 64
+HEAD_DIM = 192
+QK_NOPE = 128
+QK_ROPE = 64
 MX_BLOCK = 32
 
 
@@ -213,9 +213,9 @@ def check_proj_rope(x: Any, w: Any, cos: Any, sin: Any, x_scale: Any, w_scale: A
     layout = "(H*192, K) for w_out_in=True" if w_out_in else "(K, H*192) for w_out_in=False"
     if kw != k:
         raise ValueError(f"w has shape {tuple(w.shape)}, which does not match x's K={k}; expected {layout}.")
-    if n % ROPE_HEAD_DIM or n == 0:
+    if n % HEAD_DIM or n == 0:
         raise ValueError(f"w has shape {tuple(w.shape)}: its output dimension {n} must be a positive multiple of "
-                         f"HEAD_DIM={ROPE_HEAD_DIM} (H heads of 128 + 64 features); expected {layout}.")
+                         f"HEAD_DIM={HEAD_DIM} (H heads of 128 + 64 features); expected {layout}.")
     if t % MX_BLOCK or t == 0:
         raise ValueError(f"x has {t} tokens; the token count must be a positive multiple of {MX_BLOCK} "
                          "(the columnwise MXFP8 blocks).")
@@ -226,8 +226,8 @@ def check_proj_rope(x: Any, w: Any, cos: Any, sin: Any, x_scale: Any, w_scale: A
     for name, arr in (("cos", cos), ("sin", sin)):
         if np.dtype(arr.dtype) != np.dtype(jnp.bfloat16):
             raise TypeError(f"{name} has dtype {dtype_name(arr)}; allowed: bfloat16.")
-        if tuple(arr.shape) != (t, ROPE_DIM):
-            raise ValueError(f"{name} has shape {tuple(arr.shape)}; expected (T, 64) = {(t, ROPE_DIM)}.")
+        if tuple(arr.shape) != (t, QK_ROPE):
+            raise ValueError(f"{name} has shape {tuple(arr.shape)}; expected (T, 64) = {(t, QK_ROPE)}.")
     if mxfp8:
         if x_scale is None or w_scale is None:
             raise ValueError("x_scale and w_scale are required on the MXFP8 path (float8_e4m3fn x and w).")
@@ -240,4 +240,4 @@ def check_proj_rope(x: Any, w: Any, cos: Any, sin: Any, x_scale: Any, w_scale: A
                 raise ValueError(f"{name} has shape {tuple(arr.shape)}; expected {expected[name]}.")
     elif x_scale is not None or w_scale is not None:
         raise ValueError("x_scale and w_scale must be None on the bf16 path (bfloat16 x and w).")
-    return t, k, n // ROPE_HEAD_DIM, mxfp8
+    return t, k, n // HEAD_DIM, mxfp8
