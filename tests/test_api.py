@@ -12,6 +12,7 @@ import jax_blockgemm as jbg
 from jax_blockgemm import primitives
 
 import oracle
+import oracle_ops
 
 
 def _fp8(rng, shape, dtype=jnp.float8_e4m3fn):
@@ -215,6 +216,58 @@ class ErrorTest(parameterized.TestCase):
         with self.assertRaisesRegex(TypeError, "x_scale has dtype float32"):
             jax.eval_shape(lambda *o: jbg.gemm_proj_rope_mxfp8(*o[:4], x_scale=o[4], w_scale=o[5]),
                            x, w, cs, cs, s((32, 2), jnp.float32), s((192, 2), jnp.uint8))
+
+
+class EndToEndTest(parameterized.TestCase):
+    """The public API's normalization (scale forms and dtypes, FP4 containers, majors, alpha) against the oracle."""
+
+    @parameterized.named_parameters(
+        dict(testcase_name="mxfp8_mn_major_seed_view", fmt="mxfp8_e4m3", a_major="m", b_major="n", c_major="m",
+             scales="seed", scale_dtype="e8m0", c_dtype=jnp.float32),
+        dict(testcase_name="mxfp8_e5m2_compact_int8", fmt="mxfp8_e5m2", scales="compact", scale_dtype="int8",
+             c_dtype=jnp.bfloat16),
+        dict(testcase_name="mxfp4_float4_arrays", fmt="mxfp4", scales="atom", scale_dtype="uint8",
+             c_dtype=jnp.float16, float4=True),
+        dict(testcase_name="nvfp4_alpha_fp4_c", fmt="nvfp4", scales="compact", scale_dtype="e4m3",
+             c_dtype=jnp.float4_e2m1fn, alpha=True),
+        dict(testcase_name="nvfp4_fp8_c", fmt="nvfp4", scales="seed", scale_dtype="e4m3", c_dtype=jnp.float8_e4m3fn),
+    )
+    def test_matches_oracle(self, fmt, scales, scale_dtype, c_dtype, a_major="k", b_major="k", c_major="n",
+                            float4=False, alpha=False):
+        rng = np.random.default_rng(abs(hash(fmt + scales)) % 2**32)
+        narrow = np.dtype(c_dtype) not in (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+        d = oracle_ops.random_gemm_inputs(rng, l=2, m=144, n=64, k=96, fmt=fmt, a_major=a_major, b_major=b_major,
+                                          scale_log2=(-5.0, -3.0) if narrow else None)
+        a, b = jnp.asarray(d["a"]), jnp.asarray(d["b"])
+        if float4:
+            a, b = jbg.formats.unpack_fp4(a), jbg.formats.unpack_fp4(b)
+        form = {"compact": lambda key: d[key], "atom": lambda key: d[key + "_atom"],
+                "seed": lambda key: np.asarray(jbg.formats.atom_to_seed_view(jnp.asarray(d[key + "_atom"])))}[scales]
+        sfa, sfb = jnp.asarray(form("sfa")), jnp.asarray(form("sfb"))
+        if scale_dtype == "e8m0":
+            sfa, sfb = (jax.lax.bitcast_convert_type(x, jnp.float8_e8m0fnu) for x in (sfa, sfb))
+        elif scale_dtype == "int8":
+            sfa, sfb = (jax.lax.bitcast_convert_type(x, jnp.int8) for x in (sfa, sfb))
+        kw = dict(c_dtype=c_dtype, a_major=a_major, b_major=b_major, c_major=c_major, sf_vec_size=d["sf_vec_size"])
+        if alpha:
+            kw["alpha"] = jnp.float32(d["alpha"])
+        c, amax = jax.jit(lambda *x: jbg.gemm_amax(*x, **kw))(a, b, sfa, sfb)
+        c_ref, amax_ref = oracle_ops.gemm_amax_oracle(
+            d["a"], d["b"], d["sfa"], d["sfb"], k=96, sf_vec_size=d["sf_vec_size"], a_major=a_major,
+            b_major=b_major, alpha=d["alpha"] if alpha else None)
+        oracle_ops.assert_gemm_close(self, np.asarray(c), c_ref, c_dtype=c_dtype, c_major=c_major)
+        oracle_ops.assert_amax_close(self, np.asarray(amax), np.max(amax_ref))
+
+    @parameterized.parameters(True, False)
+    def test_proj_rope_matches_oracle(self, w_out_in):
+        rng = np.random.default_rng(17)
+        d = oracle_ops.random_proj_rope_inputs(rng, t=64, h=2, k=128, mxfp8=True, w_out_in=w_out_in)
+        args = {k: jnp.asarray(v) for k, v in d.items() if k in ("x", "w", "cos", "sin", "x_scale", "w_scale")}
+        outs = jax.jit(lambda x, w, cos, sin, x_scale, w_scale: jbg.gemm_proj_rope_mxfp8(
+            x, w, cos, sin, x_scale=x_scale, w_scale=w_scale, w_out_in=w_out_in))(**args)
+        y_ref = oracle_ops.proj_rope_oracle(d["x"], d["w"], d["cos"], d["sin"], x_scale=d["x_scale"],
+                                            w_scale=d["w_scale"], w_out_in=w_out_in)
+        oracle_ops.assert_proj_rope_close(self, [np.asarray(o) for o in outs], y_ref)
 
 
 class TransformTest(parameterized.TestCase):
