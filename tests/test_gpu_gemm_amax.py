@@ -69,10 +69,14 @@ class GpuGemmAmaxTest(parameterized.TestCase):
         self.assertTrue(np.isnan(np.asarray(c)[0, 17]).all())
         self.assertFalse(np.isnan(np.asarray(c)[0, 16]).any())
 
-    def test_uses_the_kernel(self):
+    def test_which_implementation_runs(self):
+        """'cutedsl' lowers to the kernel; None follows the measured preference (dispatch.DEFAULT_TAKES_KERNEL)."""
         a, b, sfa, sfb = _inputs(np.random.default_rng(8), 1, 128, 128, 128, jnp.float8_e4m3fn)
-        text = jax.jit(jbg.gemm_amax).lower(a, b, jnp.asarray(sfa), jnp.asarray(sfb)).as_text()
-        self.assertIn("jbg_gemm_amax", text)
+        args = (a, b, jnp.asarray(sfa), jnp.asarray(sfb))
+        lower = lambda impl: jax.jit(lambda *x: jbg.gemm_amax(*x, implementation=impl)).lower(*args).as_text()
+        self.assertIn("jbg_gemm_amax", lower("cutedsl"))
+        arch = dispatch.ARCH_OF_CAPABILITY[dispatch.local_cuda_capabilities()[0]]
+        self.assertEqual("jbg_gemm_amax" in lower(None), dispatch.DEFAULT_TAKES_KERNEL[arch])
 
     def _program(self, implementation):
         """Ops before and after the GEMM in one jitted program, no manual synchronization."""
