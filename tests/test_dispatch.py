@@ -59,6 +59,15 @@ class DispatchTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "implementation='cutedsl': no CuTeDSL kernel applies.*" + reason):
             _cuda_text(implementation="cutedsl", **kwargs)
 
+    def test_native_bridge_missing(self):
+        """Without the built extension, None takes the reference and 'cutedsl' says why."""
+        from jax_blockgemm import _native
+
+        with mock.patch.object(_native, "extension", side_effect=ImportError("bridge not built")):
+            self.assertNotIn("jbg_gemm_amax", _cuda_text(implementation=None))
+            with self.assertRaisesRegex(ValueError, "no kernel can run here: bridge not built"):
+                _cuda_text(implementation="cutedsl")
+
     def test_sizes_the_kernel_cannot_take(self):
         """Operands past the kernel's 2**31-element limit go to the reference (None) or raise ('cutedsl')."""
         a = jax.ShapeDtypeStruct((65536, 32768), jnp.float8_e4m3fn)
