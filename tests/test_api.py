@@ -126,6 +126,8 @@ def _gemm_error_cases():
         ("mixed_dtypes", dict(ok, b=s((128, 64), f5)), {}, TypeError, "a and b must have the same dtype"),
         ("rank", dict(ok, a=s((64,), f8)), {}, ValueError, "a must have rank 2 or 3"),
         ("k_mismatch", dict(ok, b=s((128, 96), f8)), {}, ValueError, "a and b disagree on K"),
+        ("rank_mismatch", dict(ok, a=s((1, 128, 64), f8)), {}, ValueError, "a and b must have the same rank"),
+        ("empty", dict(ok, a=s((0, 64), f8)), {}, ValueError, "M must be at least 1"),
         ("batch_mismatch", dict(ok, a=s((2, 128, 64), f8), b=s((3, 128, 64), f8)), {}, ValueError,
          "same batch size L"),
         ("a_major", ok, dict(a_major="n"), ValueError, "a_major='n' is not supported; allowed: 'k', 'm'"),
@@ -185,6 +187,9 @@ class ErrorTest(parameterized.TestCase):
         ("w_layout", dict(w_shape=(64, 192)), {}, ValueError, r"expected \(H\*192, K\) for w_out_in=True"),
         ("tokens", dict(t=48), {}, ValueError, "multiple of 32"),
         ("k_bf16", dict(k=60, w_shape=(192, 60)), {}, ValueError, "multiple of 8 on the bf16 path"),
+        ("k_mxfp8", dict(k=48, w_shape=(192, 48), x=jnp.float8_e4m3fn, w=jnp.float8_e4m3fn), {}, ValueError,
+         "multiple of 32 on the MXFP8 path"),
+        ("x_rank", dict(x_shape=(1, 32, 64)), {}, ValueError, "x must have rank 2"),
         ("cos_dtype", dict(cos=jnp.float32), {}, TypeError, "cos has dtype float32; allowed: bfloat16"),
         ("sin_shape", dict(sin_shape=(32, 32)), {}, ValueError, r"sin has shape \(32, 32\); expected \(T, 64\)"),
         ("scales_on_bf16", {}, dict(x_scale=jax.ShapeDtypeStruct((32, 2), jnp.uint8)), ValueError,
@@ -197,7 +202,7 @@ class ErrorTest(parameterized.TestCase):
     def test_proj_rope_errors(self, shapes, kwargs, error, pattern):
         t, k = shapes.get("t", 32), shapes.get("k", 64)
         s = jax.ShapeDtypeStruct
-        x = s((t, k), shapes.get("x", jnp.bfloat16))
+        x = s(shapes.get("x_shape", (t, k)), shapes.get("x", jnp.bfloat16))
         w = s(shapes.get("w_shape", (192, k)), shapes.get("w", jnp.bfloat16))
         cos = s((t, 64), shapes.get("cos", jnp.bfloat16))
         sin = s(shapes.get("sin_shape", (t, 64)), jnp.bfloat16)
