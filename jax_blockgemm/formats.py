@@ -182,8 +182,9 @@ def _scale_by_exp2(v: jax.Array, neg_e: jax.Array) -> jax.Array:
     return jnp.where(is_sub, sub, normal)
 
 
-def _magnitude_max(x: jax.Array, axis: int = -1) -> jax.Array:
-    """max |x| along `axis` as float32, taken on the integer bits (exact for subnormals, denormal-flush proof)."""
+def magnitude_max(x: jax.Array, axis: int | tuple[int, ...] | None = -1) -> jax.Array:
+    """max |x| along `axis` as float32, taken on the integer bits: NaN > inf > every finite value on every
+    backend (XLA:CPU's vectorized float max can drop NaN), exact for subnormals (denormal-flush proof)."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
     return jax.lax.bitcast_convert_type(jnp.max(bits, axis=axis), jnp.float32)
 
@@ -333,7 +334,7 @@ def _from_blocks(xb: jax.Array, axis: int, n: int) -> jax.Array:
 def _block_stats(xb: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per-block amax over finite elements and whether the block holds a NaN or an inf."""
     finite = jnp.isfinite(xb)
-    return _magnitude_max(jnp.where(finite, xb, 0.0)), ~jnp.all(finite, axis=-1)
+    return magnitude_max(jnp.where(finite, xb, 0.0)), ~jnp.all(finite, axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "block", "code_dtype", "rule", "packed"))

@@ -76,16 +76,6 @@ def _dequantize_operand(codes: jax.Array, atom: jax.Array, *, mn: int, k: int, s
     return dequantize_bf16(codes, scales, block=sf_vec_size, axis=k_axis)
 
 
-def _batch_amax(acc: jax.Array) -> jax.Array:
-    """max |acc[l]| for each l, as float32; NaN if acc[l] holds a NaN, else inf if it holds an inf.
-
-    Taken as an integer max over the magnitude bits: NaN > inf > every finite value there, on every backend
-    (XLA:CPU's vectorized float max reduction drops NaN).
-    """
-    bits = jax.lax.bitcast_convert_type(acc, jnp.int32) & jnp.int32(0x7FFFFFFF)
-    return jax.lax.bitcast_convert_type(jnp.max(bits, axis=tuple(range(1, acc.ndim))), jnp.float32)
-
-
 def convert_c(c: jax.Array, c_dtype: Any) -> jax.Array:
     """float32 accumulator -> C's dtype with round-to-nearest-even.
 
@@ -136,7 +126,8 @@ def gemm_amax_reference(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Arr
     if alpha is not None:
         alpha = jnp.asarray(alpha, jnp.float32)
         acc = acc * jnp.broadcast_to(alpha.reshape(-1), (acc.shape[0],))[:, None, None]
-    return convert_c(acc, c_dtype), _batch_amax(acc)
+    # amax[l]: NaN if acc[l] holds a NaN, else inf if it holds an inf (formats.magnitude_max never drops NaN).
+    return convert_c(acc, c_dtype), formats.magnitude_max(acc, axis=tuple(range(1, acc.ndim)))
 
 
 def apply_rope(y: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -277,6 +277,14 @@ class EndToEndTest(parameterized.TestCase):
 
 class TransformTest(parameterized.TestCase):
 
+    @parameterized.parameters(0, 2)
+    def test_nan_in_any_batch_poisons_amax(self, bad):
+        a, b, sfa, sfb = _mx_inputs(np.random.default_rng(20), 3, 128, 128, 64)
+        sfa = sfa.at[bad, 7, 1].set(0xFF)
+        c, amax = jax.jit(jbg.gemm_amax)(a, b, sfa, sfb)
+        self.assertTrue(np.isnan(float(amax)))
+        self.assertTrue(np.isnan(np.asarray(c)[bad, 7]).all())
+
     def test_gemm_jit_matches_eager(self):
         args = _mx_inputs(np.random.default_rng(1), 2, 136, 132, 96)
         eager = jbg.gemm_amax(*args)
