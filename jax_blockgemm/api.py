@@ -26,7 +26,7 @@ def _scales_to_atom(name: str, s: jax.Array, *, l: int, mn: int, kb: int, batche
     if form == "seed":
         return formats.seed_view_to_atom(s)
     if form == "compact":
-        return formats.to_scale_atom(s if batched else s[None])
+        return formats.to_scale_atom(s)  # 2-D or 3-D in, 6-D out
     return s if s.ndim == 6 else s[None]
 
 

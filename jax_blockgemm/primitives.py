@@ -44,7 +44,7 @@ def _gemm_dims(a_shape: Sequence[int], b_shape: Sequence[int], a_major: str, b_m
 
 
 def gemm_amax_out_shapes(a_shape, b_shape, *, c_dtype, a_major, b_major, c_major) -> tuple[tuple, tuple]:
-    """Shapes of (c, amax) for canonical operands; shared by abstract eval and the batching rule."""
+    """Shapes of (c, amax) for canonical operands."""
     l, m, n = _gemm_dims(a_shape, b_shape, a_major, b_major)
     if is_fp4(c_dtype):
         c_shape = (l, m, n // 2)
@@ -95,12 +95,16 @@ def _move_to_front(x, dim, size):
     return jnp.moveaxis(x, dim, 0)
 
 
+def _fold_into_leading(args, dims, size):
+    """Merges the vmapped axis into every operand's leading axis: (B, L, ...) -> (B*L, ...)."""
+    fronted = [_move_to_front(x, d, size) for x, d in zip(args, dims)]
+    return [x.reshape(size * x.shape[1], *x.shape[2:]) for x in fronted]
+
+
 def _gemm_amax_batch(args, dims, **params):
     """vmap folds the mapped axis into L: (B, L, ...) -> (B*L, ...); each example keeps its own amax."""
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not _NOT_MAPPED)
-    folded = [_move_to_front(x, d, size) for x, d in zip(args, dims)]
-    folded = [x.reshape(size * x.shape[1], *x.shape[2:]) for x in folded]
-    c, amax = gemm_amax_p.bind(*folded, **params)
+    c, amax = gemm_amax_p.bind(*_fold_into_leading(args, dims, size), **params)
     return (c.reshape(size, -1, *c.shape[1:]), amax.reshape(size, -1)), (0, 0)
 
 
@@ -163,9 +167,7 @@ def _proj_rope_batch(args, dims, **params):
         outs = proj_rope_p.bind(*folded, **params)
         unfolded = [o.reshape(o.shape[0], size, o.shape[1] // size, *o.shape[2:]) for o in outs]
         return unfolded, (1, 1, 1, 1)
-    folded = [_move_to_front(x, d, size) for x, d in zip(args, dims)]
-    folded = [x.reshape(size * x.shape[1], *x.shape[2:]) for x in folded]
-    outs = proj_rope_p.bind(*folded, **params)
+    outs = proj_rope_p.bind(*_fold_into_leading(args, dims, size), **params)
     return [o.reshape(size, -1, *o.shape[1:]) for o in outs], (0, 0, 0, 0)
 
 

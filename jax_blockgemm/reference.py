@@ -24,15 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_blockgemm import formats
-from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, QK_NOPE, QK_ROPE  # SPEC §5 constants
+from jax_blockgemm.support import FP4_DTYPES, FP8_DTYPES, HEAD_DIM, MX_BLOCK, QK_NOPE, QK_ROPE
 
 __all__ = ["gemm_amax_reference", "gemm_proj_rope_reference", "apply_rope", "convert_c", "dequantize_bf16"]
 
 # bfloat16 x bfloat16 products, float32 accumulation: the SPEC §6 contract, stated to XLA rather than implied.
 _DOT_ALGORITHM = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
 
-_FP8_C_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
-_FP4_C_DTYPES = (np.dtype(jnp.float4_e2m1fn), np.dtype(jnp.uint8))  # uint8: the packed FP4 container
 _WIDE_C_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 
@@ -86,10 +84,10 @@ def convert_c(c: jax.Array, c_dtype: Any) -> jax.Array:
     dtype = np.dtype(c_dtype)
     if dtype in _WIDE_C_DTYPES:
         return c.astype(dtype)
-    if dtype in _FP8_C_DTYPES:
+    if dtype in FP8_DTYPES:
         limit = float(jnp.finfo(dtype).max)
         return jnp.clip(c, -limit, limit).astype(dtype)
-    if dtype in _FP4_C_DTYPES:
+    if dtype in FP4_DTYPES:  # uint8: the packed FP4 container
         return formats.pack_fp4(formats.round_to_e2m1(c))
     raise ValueError(f"c_dtype must be one of float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, "
                      f"float4_e2m1fn (or uint8 for packed FP4); got {dtype.name}.")

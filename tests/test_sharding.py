@@ -28,6 +28,11 @@ def _inputs(rng, l, m, n, k):
     return a, b, sfa, sfb
 
 
+def _assert_same_result(got, want):
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 class ShardingTest(absltest.TestCase):
 
     def test_gemm_amax_batch_sharded_jit(self):
@@ -37,8 +42,7 @@ class ShardingTest(absltest.TestCase):
         spec = NamedSharding(mesh, P("data"))
         sharded = [jax.device_put(x, spec) for x in (a, b, sfa, sfb)]
         c, amax = jax.jit(jbg.gemm_amax)(*sharded)
-        np.testing.assert_array_equal(np.asarray(c), np.asarray(want_c))
-        np.testing.assert_array_equal(np.asarray(amax), np.asarray(want_amax))
+        _assert_same_result((c, amax), (want_c, want_amax))
 
     def test_gemm_amax_rows_sharded_jit(self):
         mesh = _mesh()
@@ -47,8 +51,7 @@ class ShardingTest(absltest.TestCase):
         a_s = jax.device_put(a, NamedSharding(mesh, P("data", None)))
         b_s = jax.device_put(b, NamedSharding(mesh, P("model", None)))
         c, amax = jax.jit(jbg.gemm_amax)(a_s, b_s, sfa, sfb)
-        np.testing.assert_array_equal(np.asarray(c), np.asarray(want_c))
-        np.testing.assert_array_equal(np.asarray(amax), np.asarray(want_amax))
+        _assert_same_result((c, amax), (want_c, want_amax))
 
     def test_gemm_amax_in_shard_map(self):
         """Each shard computes its rows; the global amax is the pmax of the per-shard amaxes."""
@@ -63,8 +66,7 @@ class ShardingTest(absltest.TestCase):
             return c, jax.lax.pmax(amax, "data")
 
         c, amax = jax.jit(per_shard)(a, b, sfa, sfb)
-        np.testing.assert_array_equal(np.asarray(c), np.asarray(want_c))
-        np.testing.assert_array_equal(np.asarray(amax), np.asarray(want_amax))
+        _assert_same_result((c, amax), (want_c, want_amax))
 
     def test_proj_rope_token_sharded(self):
         mesh = _mesh()
