@@ -31,7 +31,7 @@ except Exception:  # pragma: no cover - device-only fallback
     _pkg.__path__ = [os.path.join(ROOT, "jax_blockgemm")]
     sys.modules["jax_blockgemm"] = _pkg
 
-from jax_blockgemm.kernels.hopper_gemm_amax import DEQUANT_MODES  # noqa: E402
+from jax_blockgemm.kernels.sm90.gemm_amax import DEQUANT_MODES  # noqa: E402
 
 DEFAULT_DEQUANT = DEQUANT_MODES[0]
 NP_AB = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
@@ -81,7 +81,7 @@ class KernelRunner:
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_compact_tensor
 
-        from jax_blockgemm.kernels.hopper_gemm_amax import HopperMxf8GemmAmax
+        from jax_blockgemm.kernels.sm90.gemm_amax import HopperMxf8GemmAmax
 
         self.cute, self.cutlass, self.cuda = cute, cutlass, cuda
         self.kernel = HopperMxf8GemmAmax(ab_dtype=ab_dtype, c_dtype=c_dtype, dequant=dequant)

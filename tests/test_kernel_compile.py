@@ -10,7 +10,7 @@ from absl.testing import absltest, parameterized
 
 try:
     from jax_blockgemm.kernels import catalog, common
-    from jax_blockgemm.kernels.hopper_gemm_amax import HopperMxf8GemmAmax
+    from jax_blockgemm.kernels.sm90.gemm_amax import HopperMxf8GemmAmax
 except ImportError as e:  # pragma: no cover - CuTeDSL is a hard dependency of this test file
     raise absltest.SkipTest(f"CuTeDSL not importable: {e}")
 

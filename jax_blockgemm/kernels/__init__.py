@@ -1,2 +1,3 @@
-"""CuTeDSL kernels for gemm_amax: the catalog of compiled variants (`catalog`), their shared device helpers
-(`common`), and one module per kernel (`hopper_gemm_amax`). Importing `catalog` needs nvidia-cutlass-dsl."""
+"""CuTeDSL kernels: the catalog of compiled variants (`catalog`), device helpers shared by every architecture
+(`common`), and one package per architecture (`sm90`: Hopper, run on an H200; `sm100`: Blackwell, compiled and
+checked only). Importing `catalog` needs nvidia-cutlass-dsl."""

@@ -56,7 +56,7 @@ class KernelVariant:
 
 
 def _hopper_factory(v: KernelVariant) -> Any:
-    from jax_blockgemm.kernels.hopper_gemm_amax import HopperMxf8GemmAmax
+    from jax_blockgemm.kernels.sm90.gemm_amax import HopperMxf8GemmAmax
 
     return HopperMxf8GemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn, cluster_mn=v.cluster_mn)
 
@@ -133,6 +133,7 @@ def kernel_source_hash() -> str:
     import cutlass
 
     h = hashlib.sha256(f"cutlass-dsl {getattr(cutlass, '__version__', '?')}\n".encode())
-    for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    root = pathlib.Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
