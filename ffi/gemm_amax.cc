@@ -309,6 +309,14 @@ ffi::Error Execute(CUstream stream, int32_t device, GemmAmaxState* state, ffi::A
 }
 
 }  // namespace
+
+ffi::ErrorOr<std::unique_ptr<GemmAmaxState>> InstantiateKernelObjects(std::string_view archs,
+                                                                     std::string_view function_prefixes,
+                                                                     ffi::Span<const uint8_t> objects,
+                                                                     ffi::Span<const int64_t> offsets) {
+  return Instantiate(archs, function_prefixes, objects, offsets);
+}
+
 }  // namespace jbg
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgGemmAmaxInstantiate, jbg::Instantiate,

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -70,6 +71,12 @@ struct GemmAmaxState {
 };
 
 XLA_FFI_TypeInfo* GemmAmaxStateTypeInfo();
+
+// The INSTANTIATE stage, shared by every target (it depends on the object table only): parses the attributes,
+// loads each visible device's kernel object. The state names the kernel objects, not the operation.
+xla::ffi::ErrorOr<std::unique_ptr<GemmAmaxState>> InstantiateKernelObjects(
+    std::string_view archs, std::string_view function_prefixes, xla::ffi::Span<const uint8_t> objects,
+    xla::ffi::Span<const int64_t> offsets);
 
 }  // namespace jbg
 

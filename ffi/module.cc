@@ -13,6 +13,7 @@
 
 #include "dsl_runtime.h"
 #include "gemm_amax.h"
+#include "proj_rope.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -23,10 +24,23 @@ constexpr int kAbiVersion = 1;
 
 nb::capsule Capsule(const void* ptr) { return nb::capsule(ptr); }
 
+// Every FFI target: (name, instantiate stage, execute stage).
+struct Target {
+  const char* name;
+  XLA_FFI_Handler* instantiate;
+  XLA_FFI_Handler* execute;
+};
+const Target kTargets[] = {{jbg::kGemmAmaxTarget, JbgGemmAmaxInstantiate, JbgGemmAmaxExecute},
+                           {jbg::kProjRopeTarget, JbgProjRopeInstantiate, JbgProjRopeExecute}};
+
 XLA_FFI_Handler* HandlerFor(const std::string& target, const std::string& stage) {
-  if (target != jbg::kGemmAmaxTarget) throw nb::value_error(("unknown FFI target " + target).c_str());
-  if (stage == "instantiate") return JbgGemmAmaxInstantiate;
-  if (stage == "execute") return JbgGemmAmaxExecute;
+  const Target* found = nullptr;
+  for (const Target& t : kTargets) {
+    if (target == t.name) found = &t;
+  }
+  if (found == nullptr) throw nb::value_error(("unknown FFI target " + target).c_str());
+  if (stage == "instantiate") return found->instantiate;
+  if (stage == "execute") return found->execute;
   throw nb::value_error(("unknown stage " + stage + "; expected 'instantiate' or 'execute'").c_str());
 }
 
@@ -78,6 +92,20 @@ std::tuple<std::string, std::tuple<int, int, int, int>> CheckBuffers(const std::
   return {message, {dims.m, dims.n, dims.k, dims.l}};
 }
 
+// Test hook for the proj_rope execute-stage buffer checks: x, w, cos, sin, the four outputs as (dtype, dims,
+// address). Returns (message, (t, k, h)).
+std::tuple<std::string, std::tuple<int, int, int>> CheckProjRope(const std::vector<BufferSpec>& specs, bool w_out_in) {
+  if (specs.size() != 8) throw nb::value_error("expected 8 buffers: x, w, cos, sin and the four outputs");
+  jbg::BufferDesc descs[8];
+  for (int i = 0; i < 8; ++i) {
+    const auto& [dtype, dims, address] = specs[i];
+    descs[i] = jbg::BufferDesc{DtypeCode(dtype), dims.data(), dims.size(), reinterpret_cast<const void*>(address)};
+  }
+  jbg::ProjRopeDims dims;
+  std::string message = jbg::CheckProjRopeBuffers(descs, w_out_in, &dims);
+  return {message, {dims.t, dims.k, dims.h}};
+}
+
 // Test hook for the instantiate-stage attribute parsing: returns [(arch, prefix, cc_major, cc_minor, begin, end)].
 std::vector<std::tuple<std::string, std::string, int, int, size_t, size_t>> ParseObjects(
     const std::string& archs, const std::string& prefixes, size_t objects_size, const std::vector<int64_t>& offsets) {
@@ -97,17 +125,20 @@ NB_MODULE(_jbg_ffi, m) {
   m.doc() = "XLA FFI bridge of jax_blockgemm: launches CuTeDSL kernel objects on XLA's stream.";
   m.attr("ABI_VERSION") = kAbiVersion;
   m.attr("GEMM_AMAX_TARGET") = jbg::kGemmAmaxTarget;
+  m.attr("PROJ_ROPE_TARGET") = jbg::kProjRopeTarget;
   m.attr("GEMM_AMAX_STATE_TYPE") = jbg::kGemmAmaxStateType;
   m.attr("TRAIT_COMMAND_BUFFER_COMPATIBLE") = static_cast<uint32_t>(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
 
   m.def(
       "ffi_targets",
       [] {
-        nb::dict stages;
-        stages["instantiate"] = Capsule(reinterpret_cast<void*>(JbgGemmAmaxInstantiate));
-        stages["execute"] = Capsule(reinterpret_cast<void*>(JbgGemmAmaxExecute));
         nb::dict out;
-        out[jbg::kGemmAmaxTarget] = stages;
+        for (const Target& t : kTargets) {
+          nb::dict stages;
+          stages["instantiate"] = Capsule(reinterpret_cast<void*>(t.instantiate));
+          stages["execute"] = Capsule(reinterpret_cast<void*>(t.execute));
+          out[t.name] = stages;
+        }
         return out;
       },
       "{target name: {stage: handler capsule}} for jax.ffi.register_ffi_target.");
@@ -136,6 +167,8 @@ NB_MODULE(_jbg_ffi, m) {
   m.def("runtime_path", &jbg::DslRuntimePath, "Path of the loaded CuTeDSL runtime, or '' when none is loaded.");
   m.def("check_gemm_amax_buffers", &CheckBuffers, nb::arg("buffers"),
         "Test hook: the execute stage's buffer checks on [(dtype, dims, address)] * 6.");
+  m.def("check_proj_rope_buffers", &CheckProjRope, nb::arg("buffers"), nb::arg("w_out_in"),
+        "Test hook: the proj_rope execute stage's buffer checks on [(dtype, dims, address)] * 8.");
   m.def("parse_object_table", &ParseObjects, nb::arg("archs"), nb::arg("function_prefixes"),
         nb::arg("objects_size"), nb::arg("offsets"), "Test hook: the instantiate stage's attribute parsing.");
   m.def(

@@ -14,14 +14,16 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from jax_blockgemm import formats
+
 # Compute capability -> the CuTeDSL target our kernels are compiled for.
 ARCH_OF_CAPABILITY = {"9.0": "sm_90a", "10.0": "sm_100a"}
 
-# Whether implementation=None takes an arch's kernels (SPEC §6: None picks the fastest correct implementation).
-# A kernel becomes the default only once it has run correct on that arch and beaten the reference there;
-# an arch missing here takes the reference. "cutedsl" always takes the kernel. See benchmarks/RESULTS.md:
-# sm_90a, H200, 2026-11-29: MXFP8 kernel 267 TFLOP/s at 8192^3 against the reference's 463 -> not yet.
-DEFAULT_TAKES_KERNEL = {"sm_90a": False}
+# Whether implementation=None takes an (operation, arch)'s kernels (SPEC §6: None picks the fastest correct
+# implementation). A kernel becomes the default only once it has run correct on that arch and beaten the reference
+# there; a pair missing here takes the reference. "cutedsl" always takes the kernel. See benchmarks/RESULTS.md:
+# gemm_amax sm_90a, H200, 2026-11-29: MXFP8 kernel 267 TFLOP/s at 8192^3 against the reference's 463 -> not yet.
+DEFAULT_TAKES_KERNEL = {("gemm_amax", "sm_90a"): False, ("proj_rope", "sm_90a"): False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,13 +75,52 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
         return KernelChoice(reason=f"no kernel in the catalog for {ab_dtype} operands, "
                                    f"{np.dtype(c_dtype)} C, sf_vec_size={sf_vec_size}")
     (l, m, k), n = avals_in[0].shape, avals_in[1].shape[1]
+    return _usable(variants, implementation, sizes=(m, n, k, l), names="(M, N, K, L)")
+
+
+def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, mxfp8: bool, implementation: Any,
+                      **_: Any) -> KernelChoice:
+    """The proj_rope kernel variants (one per covered architecture) for this call, or why there are none."""
+    if implementation == "xla":
+        return KernelChoice(reason="implementation='xla' forces the reference")
+    if mxfp8:
+        return KernelChoice(reason="MXFP8 inputs have no proj_rope kernel yet (bf16 inputs do)")
+    g, t, k = avals_in[0].shape
+    if g != 1:
+        return KernelChoice(reason=f"the kernel takes one weight matrix per call; got {g} (vmap over w)")
+    if formats.get_scale_rule() != "ceil":
+        return KernelChoice(reason=f"the kernel quantizes with the 'ceil' scale rule; the process uses "
+                                   f"{formats.get_scale_rule()!r}")
+    try:
+        from jax_blockgemm import _native
+        from jax_blockgemm.kernels import catalog
+
+        _native.extension()
+    except ImportError as e:  # CuTeDSL or the native bridge missing: the reference still works
+        return KernelChoice(reason=f"no kernel can run here: {e}")
+    b_major = "k" if w_out_in else "n"
+    variants = [v for arch in sorted({v.arch for v in catalog.CATALOG})
+                if (v := catalog.select_variant(op="proj_rope", arch=arch, ab_dtype="bfloat16",
+                                                c_dtype="float8_e4m3fn", sf_vec_size=32,
+                                                tile_mn=catalog.PROJ_ROPE_TILE, cluster_mn=(1, 1),
+                                                b_major=b_major)) is not None]
+    if not variants:
+        return KernelChoice(reason="no proj_rope kernel in the catalog")
+    h = avals_in[1].shape[1 if w_out_in else 2] // 192
+    return _usable(variants, implementation, sizes=(t, k, h), names="(T, K, H)")
+
+
+def _usable(variants: list, implementation: Any, *, sizes: tuple, names: str) -> KernelChoice:
+    """The variants that take these sizes, that None may use, and that cover every local GPU; else why not."""
+    from jax_blockgemm.kernels import catalog
+
     for v in variants:
-        fits, why = catalog.make_kernel(v).can_implement(m, n, k, l)
+        fits, why = catalog.make_kernel(v).can_implement(*sizes)
         if not fits:
-            return KernelChoice(reason=f"the {v.arch} kernel cannot take (L, M, N, K) = {(l, m, n, k)}: {why}")
+            return KernelChoice(reason=f"the {v.arch} kernel cannot take {names} = {sizes}: {why}")
     if implementation is None:
-        slower = sorted(v.arch for v in variants if not DEFAULT_TAKES_KERNEL.get(v.arch, False))
-        variants = [v for v in variants if DEFAULT_TAKES_KERNEL.get(v.arch, False)]
+        slower = sorted(v.arch for v in variants if not DEFAULT_TAKES_KERNEL.get((v.op, v.arch), False))
+        variants = [v for v in variants if DEFAULT_TAKES_KERNEL.get((v.op, v.arch), False)]
         if not variants:
             return KernelChoice(reason=f"the reference is faster than the {', '.join(slower)} kernel "
                                        "(implementation='cutedsl' forces it)")

@@ -1,4 +1,5 @@
-"""MLIR lowering of gemm_amax to the `jbg_gemm_amax` XLA FFI custom call (typed FFI, api_version 4).
+"""MLIR lowering of both operations to their XLA FFI custom calls (`jbg_gemm_amax`, `jbg_gemm_proj_rope_mxfp8`;
+typed FFI, api_version 4).
 
 The custom call carries one kernel object per architecture, so a program lowered or `jax.export`-ed on any
 machine (no GPU needed) runs on every GPU the objects cover; the handler picks by compute capability when XLA
@@ -20,6 +21,7 @@ import numpy as np
 from jax_blockgemm import _native, kernel_cache
 
 GEMM_AMAX_TARGET = _native.GEMM_AMAX_TARGET
+PROJ_ROPE_TARGET = _native.PROJ_ROPE_TARGET
 
 
 def gemm_amax_attributes(variants: Sequence[Any], objects: Sequence[bytes]) -> dict[str, Any]:
@@ -53,13 +55,8 @@ def _check_avals(ctx: Any) -> None:
                          f"amax {amax}")
 
 
-def emit_gemm_amax(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, *, variants: Sequence[Any]) -> list:
-    """Emits the `jbg_gemm_amax` custom call for the lowering context `ctx`; returns [c, amax].
-
-    `variants`: catalog entries, one per architecture; each one's object comes from `kernel_cache` (compiled on
-    first use, then cached on disk). Result types come from `ctx.avals_out`: c (L, M, N), amax (L,) float32.
-    """
-    _check_avals(ctx)
+def _emit(target: str, ctx: Any, operands: Sequence[Any], variants: Sequence[Any], **extra: Any) -> list:
+    """Emits custom call `target` with the objects of `variants` (compiled on first use, then cached on disk)."""
     variants = sorted(variants, key=lambda v: v.arch)
     objects = [kernel_cache.get_object(v) for v in variants]
     attributes = gemm_amax_attributes(variants, objects)
@@ -67,10 +64,27 @@ def emit_gemm_amax(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, *, variants: Se
         _native.register_ffi_targets()
     except ImportError:
         pass
-    rule = jax.ffi.ffi_lowering(GEMM_AMAX_TARGET)
-    return list(rule(ctx, a, b, sfa, sfb, **attributes))
+    return list(jax.ffi.ffi_lowering(target)(ctx, *operands, **attributes, **extra))
+
+
+def emit_gemm_amax(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, *, variants: Sequence[Any]) -> list:
+    """Emits the `jbg_gemm_amax` custom call for the lowering context `ctx`; returns [c, amax].
+
+    `variants`: catalog entries, one per architecture. Result types come from `ctx.avals_out`: c (L, M, N),
+    amax (L,) float32.
+    """
+    _check_avals(ctx)
+    return _emit(GEMM_AMAX_TARGET, ctx, (a, b, sfa, sfb), variants)
+
+
+def emit_proj_rope(ctx: Any, x: Any, w: Any, cos: Any, sin: Any, *, variants: Sequence[Any], w_out_in: bool) -> list:
+    """Emits the `jbg_gemm_proj_rope_mxfp8` custom call (bf16 x and w, one group); returns the four outputs."""
+    x_aval = ctx.avals_in[0]
+    if len(ctx.avals_in) != 4 or x_aval.ndim != 3 or x_aval.shape[0] != 1:
+        raise ValueError(f"emit_proj_rope expects x (1, T, K), w, cos, sin; got {[str(a) for a in ctx.avals_in]}")
+    return _emit(PROJ_ROPE_TARGET, ctx, (x, w, cos, sin), variants, w_out_in=bool(w_out_in))
 
 
 def export_disabled_checks() -> list:
-    """What `jax.export.export(..., disabled_checks=...)` needs to export a program holding our custom call."""
-    return [jax.export.DisabledSafetyCheck.custom_call(GEMM_AMAX_TARGET)]
+    """What `jax.export.export(..., disabled_checks=...)` needs to export a program holding our custom calls."""
+    return [jax.export.DisabledSafetyCheck.custom_call(t) for t in (GEMM_AMAX_TARGET, PROJ_ROPE_TARGET)]

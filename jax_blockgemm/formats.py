@@ -129,7 +129,7 @@ def _resolve_rule(rule: str | None) -> str:
     return rule
 
 
-def _float32_exponent_mantissa(emax_value: float) -> tuple[int, int]:
+def float32_exponent_mantissa(emax_value: float) -> tuple[int, int]:
     """Unbiased exponent and 23-bit mantissa field of a positive normal float32 constant (checked exact)."""
     bits = int(np.array(emax_value, np.float32).view(np.uint32))
     if float(np.float32(emax_value)) != emax_value or not (bits >> 23) or emax_value <= 0:
@@ -145,7 +145,7 @@ def scale_exponent(amax: jax.Array, emax: float, *, rule: str | None = None) -> 
     NaN or inf give 128, i.e. the NaN byte 0xFF once 127 is added. `rule=None` uses the process-wide SCALE_RULE.
     """
     rule = _resolve_rule(rule)
-    emax_exp, emax_man = _float32_exponent_mantissa(float(emax))
+    emax_exp, emax_man = float32_exponent_mantissa(float(emax))
     bits = jax.lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.int32) & 0x7FFFFFFF  # |amax|, exactly
     biased = bits >> 23
     mantissa = bits & 0x7FFFFF

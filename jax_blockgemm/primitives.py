@@ -143,10 +143,17 @@ def _proj_rope_reference_lowering(ctx, *args, **params):
 
 
 def _proj_rope_cuda_lowering(ctx, *args, **params):
-    """The GPU hook: no proj_rope kernel exists yet, so the reference runs (and 'cutedsl' says so)."""
+    """The GPU hook: a CuTeDSL kernel through the FFI bridge where one applies, else the reference."""
+    from jax_blockgemm import dispatch  # lazy: keeps CuTeDSL out of CPU-only imports
+
+    choice = dispatch.proj_rope_kernels(ctx.avals_in, **params)
+    if choice.variants:
+        from jax_blockgemm import ffi_lowering
+
+        return ffi_lowering.emit_proj_rope(ctx, *args, variants=choice.variants, w_out_in=params["w_out_in"])
     if params["implementation"] == "cutedsl":
-        raise ValueError("implementation='cutedsl': gemm_proj_rope_mxfp8 has no CuTeDSL kernel yet; use "
-                         "implementation=None or 'xla'.")
+        raise ValueError("implementation='cutedsl': no CuTeDSL kernel applies to this gemm_proj_rope_mxfp8 call: "
+                         f"{choice.reason}")
     return _proj_rope_reference_lowering(ctx, *args, **params)
 
 

@@ -308,7 +308,7 @@ PROJ_ROPE_BOUNDARY_RTOL = 1e-4  # "within fp32 rounding" of a scale boundary, fo
 PROJ_ROPE_MIN_IDENTICAL = 0.99
 
 
-def _check_quantized(test, what: str, codes, scale_bytes, y_ref: np.ndarray, axis: int) -> None:
+def assert_quantized_close(test, what: str, codes, scale_bytes, y_ref: np.ndarray, axis: int) -> None:
     codes, scale_bytes = np.asarray(codes), np.asarray(scale_bytes)
     ref_codes, ref_bytes = oracle.quantize_mx_f64(y_ref, block=MX_BLOCK, emax=448.0, code_dtype=E4M3, axis=axis)
     if codes.dtype != E4M3 or codes.shape != ref_codes.shape:
@@ -363,8 +363,21 @@ def assert_proj_rope_close(test, outputs, y_ref_f64) -> None:
     y_ref = np.asarray(y_ref_f64, np.float64)
     if np.isnan(y_ref).any():
         raise ValueError("assert_proj_rope_close: the oracle holds NaN; these checks are for finite inputs.")
-    _check_quantized(test, "rowwise", row_codes, row_scales, y_ref, axis=2)
-    _check_quantized(test, "columnwise", col_codes, col_scales, y_ref, axis=0)
+    assert_quantized_close(test, "rowwise", row_codes, row_scales, y_ref, axis=2)
+    assert_quantized_close(test, "columnwise", col_codes, col_scales, y_ref, axis=0)
+
+
+def rotary_tables(t: int, *, base: float = 10000.0, scale: float = 40.0) -> tuple[np.ndarray, np.ndarray]:
+    """Real bf16 cos/sin tables (T, 64) in the DeepSeek-V3 layout: 32 frequencies, repeated for the two halves.
+
+    YaRN-style: positions divided by `scale` on the low frequencies (long context), unchanged on the high ones.
+    """
+    inv_freq = 1.0 / (base ** (np.arange(0, QK_ROPE, 2) / QK_ROPE))
+    ramp = np.clip((np.arange(QK_ROPE // 2) - 8) / 16, 0.0, 1.0)  # 0: keep high frequencies, 1: interpolate
+    inv_freq = inv_freq * (1 - ramp) + inv_freq / scale * ramp
+    angles = np.outer(np.arange(t), inv_freq)
+    angles = np.concatenate([angles, angles], axis=1)
+    return np.cos(angles).astype(BF16), np.sin(angles).astype(BF16)
 
 
 def random_proj_rope_inputs(rng: np.random.Generator, *, t: int, h: int, k: int, mxfp8: bool,

@@ -22,6 +22,9 @@ def _operands(m=256, n=128, k=128):
     return a, b, sfa, sfb
 
 
+_GEMM90, _ROPE90 = ("gemm_amax", "sm_90a"), ("proj_rope", "sm_90a")
+
+
 def _cuda_text(**kwargs) -> str:
     f = jax.jit(lambda *x: jbg.gemm_amax(*x, **kwargs))
     return f.trace(*_operands()).lower(lowering_platforms=("cuda",)).as_text()
@@ -38,15 +41,15 @@ class DispatchTest(parameterized.TestCase):
         self.assertNotIn("jbg_gemm_amax", _cuda_text(implementation="xla"))
 
     def test_default_follows_the_measured_preference(self):
-        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {"sm_90a": False}):
+        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_GEMM90: False}):
             self.assertNotIn("jbg_gemm_amax", _cuda_text())
-        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {"sm_90a": True}):
+        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_GEMM90: True}):
             self.assertIn("jbg_gemm_amax", _cuda_text())
 
     def test_gpu_without_kernel(self):
         """On an sm_80 machine, None falls back to the reference and 'cutedsl' says why it cannot run."""
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("8.0",)), \
-                mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {"sm_90a": True}):
+                mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_GEMM90: True}):
             self.assertNotIn("jbg_gemm_amax", _cuda_text())
             with self.assertRaisesRegex(ValueError, "no kernel for compute capability 8.0 .kernels exist for sm_90a"):
                 _cuda_text(implementation="cutedsl")
@@ -78,14 +81,59 @@ class DispatchTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "the sm_90a kernel cannot take .*fewer than 2\\*\\*31 elements"):
             f.trace(a, b, sfa, sfb).lower(lowering_platforms=("cuda",))
 
-    def test_proj_rope_cutedsl_raises(self):
-        x = jnp.zeros((32, 64), jnp.bfloat16)
-        w = jnp.zeros((192, 64), jnp.bfloat16)
-        cs = jnp.zeros((32, 64), jnp.bfloat16)
-        f = jax.jit(lambda *o: jbg.gemm_proj_rope_mxfp8(*o, implementation="cutedsl"))
-        with self.assertRaisesRegex(ValueError, "gemm_proj_rope_mxfp8 has no CuTeDSL kernel yet"):
-            f.trace(x, w, cs, cs).lower(lowering_platforms=("cuda",))
 
+
+def _proj_rope_text(*, w_out_in=True, mxfp8=False, t=64, h=2, k=128, **kwargs) -> str:
+    dtype = jnp.float8_e4m3fn if mxfp8 else jnp.bfloat16
+    x = jax.ShapeDtypeStruct((t, k), dtype)
+    w = jax.ShapeDtypeStruct((h * 192, k) if w_out_in else (k, h * 192), dtype)
+    cs = jax.ShapeDtypeStruct((t, 64), jnp.bfloat16)
+    scales = {}
+    if mxfp8:
+        scales = dict(x_scale=jax.ShapeDtypeStruct((t, k // 32), jnp.uint8),
+                      w_scale=jax.ShapeDtypeStruct((h * 192, k // 32) if w_out_in else (k // 32, h * 192), jnp.uint8))
+    f = jax.jit(lambda x, w, c, s, sc: jbg.gemm_proj_rope_mxfp8(x, w, c, s, w_out_in=w_out_in, **sc, **kwargs))
+    return f.trace(x, w, cs, cs, scales).lower(lowering_platforms=("cuda",)).as_text()
+
+
+class ProjRopeDispatchTest(parameterized.TestCase):
+
+    @parameterized.parameters(True, False)
+    def test_cutedsl_emits_the_kernel_call(self, w_out_in):
+        text = _proj_rope_text(w_out_in=w_out_in, implementation="cutedsl")
+        self.assertIn("jbg_gemm_proj_rope_mxfp8", text)
+        self.assertIn(f"w_out_in = {str(w_out_in).lower()}", text)
+        self.assertIn("_t128x192_c1x1" + ("" if w_out_in else "_bn"), text)  # the layout's own object
+
+    def test_xla_never_does(self):
+        self.assertNotIn("jbg_gemm_proj_rope_mxfp8", _proj_rope_text(implementation="xla"))
+
+    def test_default_follows_the_measured_preference(self):
+        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_ROPE90: False}):
+            self.assertNotIn("jbg_gemm_proj_rope_mxfp8", _proj_rope_text())
+        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_ROPE90: True}):
+            self.assertIn("jbg_gemm_proj_rope_mxfp8", _proj_rope_text())
+
+    def test_mxfp8_inputs_have_no_kernel_yet(self):
+        with self.assertRaisesRegex(ValueError, "no CuTeDSL kernel applies.*MXFP8 inputs have no proj_rope kernel"):
+            _proj_rope_text(mxfp8=True, implementation="cutedsl")
+
+    def test_vmap_over_weights_takes_the_reference(self):
+        x = jnp.zeros((64, 128), jnp.bfloat16)
+        w = jnp.zeros((3, 192, 128), jnp.bfloat16)
+        cs = jnp.zeros((64, 64), jnp.bfloat16)
+        f = jax.jit(jax.vmap(lambda w: jbg.gemm_proj_rope_mxfp8(x, w, cs, cs, implementation="cutedsl")))
+        with self.assertRaisesRegex(ValueError, "one weight matrix per call; got 3"):
+            f.trace(w).lower(lowering_platforms=("cuda",))
+        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_ROPE90: True}):
+            g = jax.jit(jax.vmap(lambda w: jbg.gemm_proj_rope_mxfp8(x, w, cs, cs)))
+            self.assertNotIn("jbg_gemm_proj_rope_mxfp8", g.trace(w).lower(lowering_platforms=("cuda",)).as_text())
+
+    def test_floor_scale_rule_takes_the_reference(self):
+        from jax_blockgemm import formats
+
+        with formats.scale_rule("floor"), self.assertRaisesRegex(ValueError, "'ceil' scale rule"):
+            _proj_rope_text(implementation="cutedsl")
 
 if __name__ == "__main__":
     absltest.main()

@@ -15,6 +15,10 @@ except ImportError as e:  # pragma: no cover - CuTeDSL is a hard dependency of t
     raise absltest.SkipTest(f"CuTeDSL not importable: {e}")
 
 _ABI_TENSORS = ("a", "b", "sfa", "sfb", "c", "amax")
+_PROJ_ROPE_ABI_TENSORS = ("x", "w", "cos", "sin", "x_scale", "w_scale", "row_codes", "row_scales", "col_codes",
+                          "col_scales")
+_GEMM_VARIANTS = [v for v in catalog.CATALOG if v.op == "gemm_amax"]
+_PROJ_ROPE_VARIANTS = [v for v in catalog.CATALOG if v.op == "proj_rope"]
 _PTX_AB = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 _COMPILED = {}  # key -> (ptx, object bytes, header text): each variant compiled once per test run
 
@@ -83,7 +87,7 @@ class CatalogTest(parameterized.TestCase):
 
 class CompileTest(parameterized.TestCase):
 
-    @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG)
+    @parameterized.named_parameters((v.key, v) for v in _GEMM_VARIANTS)
     def test_compiles_for_its_arch_with_wgmma_and_tma(self, v):
         ptx, obj, _ = _compiled(v)
         self.assertGreater(len(obj), 1000)
@@ -110,7 +114,29 @@ class CompileTest(parameterized.TestCase):
         self.assertIn("mul.bf16x2", ptx)
         self.assertNotIn("cvt.rn.bf16x2.f32", ptx)
 
-    @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG)
+    @parameterized.named_parameters((v.key, v) for v in _PROJ_ROPE_VARIANTS)
+    def test_proj_rope_compiles_with_bf16_wgmma_tma_and_the_fp8_converter(self, v):
+        ptx, obj, _ = _compiled(v)
+        self.assertGreater(len(obj), 1000)
+        self.assertIn(f".target {v.arch}", ptx)
+        self.assertRegex(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n192k16\.f32\.bf16\.bf16")
+        self.assertIn("cp.async.bulk.tensor", ptx)
+        # 2 tokens x (4 pass-through blocks x 4 pairs + 2 rope blocks x 8 values) rowwise + 24 x 2 columnwise pairs
+        self.assertEqual(ptx.count("cvt.rn.satfinite.e4m3x2.f32"), 112)
+        self.assertNotIn(".local", ptx)  # the accumulator and the rope tables stay in registers
+
+    @parameterized.named_parameters((v.key, v) for v in _PROJ_ROPE_VARIANTS)
+    def test_proj_rope_header_matches_abi(self, v):
+        _, _, header = _compiled(v)
+        p = v.function_prefix
+        wrapper = re.search(rf"int32_t cute_dsl_{p}_wrapper\(([^)]*)\)", header).group(1)
+        params = [x.strip() for x in wrapper.split(",")]
+        self.assertEqual(params[1:], [f"{p}_Tensor_{t}_t *{t}" for t in _PROJ_ROPE_ABI_TENSORS]
+                         + [f"int32_t {s}" for s in "tkh"] + ["cudaStream_t stream"])
+        args = re.search(r"void \*args\[(\d+)\] = \{([^}]*)\}", header)
+        self.assertEqual(int(args.group(1)), 15)  # what the proj_rope handler passes (ffi/proj_rope.cc)
+
+    @parameterized.named_parameters((v.key, v) for v in _GEMM_VARIANTS)
     def test_header_matches_abi(self, v):
         _, _, header = _compiled(v)
         p = v.function_prefix

@@ -1,13 +1,15 @@
-"""The kernel catalog: which CuTeDSL gemm_amax variants exist, and how to build each one's object without a GPU.
+"""The kernel catalog: which CuTeDSL variants exist, and how to build each one's object without a GPU.
 
 Every variant is compiled ahead of time into a relocatable object (`dump_to_object`) whose exported host function
-follows one ABI, loaded by our XLA FFI handler:
+follows its operation's ABI, loaded by our XLA FFI handlers. Each tensor is a `{void *data; int64_t
+dynamic_shapes[1];}` struct over a flat buffer.
 
-    fn(a, b, sfa, sfb, c, amax, m, n, k, l, stream)
-
-with each tensor a `{void *data; int64_t dynamic_shapes[1];}` struct over a flat buffer (a/b: FP8 codes,
-(L, M, K) / (L, N, K) K-major; sfa/sfb: E8M0 bytes in the SPEC §3 atom layout; c: (L, M, N) row-major; amax:
-L float32 values the handler zeroes first), m/n/k/l int32, and the CUDA stream.
+    gemm_amax: fn(a, b, sfa, sfb, c, amax, m, n, k, l, stream)
+      a/b: FP8 codes, (L, M, K) / (L, N, K) K-major; sfa/sfb: E8M0 bytes in the SPEC §3 atom layout; c: (L, M, N)
+      row-major; amax: L float32 values the handler zeroes first; m/n/k/l int32.
+    proj_rope: fn(x, w, cos, sin, x_scale, w_scale, row_codes, row_scales, col_codes, col_scales, t, k, h, stream)
+      x (T, K); w (H·192, K) for b_major "k", (K, H·192) for "n"; cos/sin (T, 64); x_scale/w_scale: E8M0 bytes laid
+      out like x and w (MXFP8 inputs; empty for bf16); the four outputs of SPEC §5, row-major; t/k/h int32.
 
 The target architecture is a property of the DSL singleton (`CUTE_DSL_ARCH` is read once, when the singleton is
 built, or detected from the GPU); `compile_variant` sets it for the duration of each compile, so one process can
@@ -27,6 +29,7 @@ from typing import Any, Callable
 import cutlass  # noqa: F401  (an ImportError here tells the dispatcher that CuTeDSL is missing)
 
 _SHORT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float32": "f32", "bfloat16": "bf16"}
+OPS = ("gemm_amax", "proj_rope")
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -41,13 +44,15 @@ class KernelVariant:
     sf_vec_size: int = 32
     tile_mn: tuple = (128, 128)
     cluster_mn: tuple = (1, 1)
+    b_major: str = "k"  # "n": B (proj_rope's w) is read MN-major
 
     @property
     def key(self) -> str:
-        """Unique, filesystem-safe name, e.g. 'gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1'."""
+        """Unique, filesystem-safe name, e.g. 'gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1' (+ '.bn' if N-major B)."""
         return (f"{self.op}.{self.arch}.{_SHORT.get(self.ab_dtype, self.ab_dtype)}."
                 f"{_SHORT.get(self.c_dtype, self.c_dtype)}.sf{self.sf_vec_size}."
-                f"t{self.tile_mn[0]}x{self.tile_mn[1]}.c{self.cluster_mn[0]}x{self.cluster_mn[1]}")
+                f"t{self.tile_mn[0]}x{self.tile_mn[1]}.c{self.cluster_mn[0]}x{self.cluster_mn[1]}"
+                + ("" if self.b_major == "k" else f".b{self.b_major}"))
 
     @property
     def function_prefix(self) -> str:
@@ -61,25 +66,39 @@ def _hopper_factory(v: KernelVariant) -> Any:
     return HopperMxf8GemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn, cluster_mn=v.cluster_mn)
 
 
+def _hopper_proj_rope_factory(v: KernelVariant) -> Any:
+    from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
+
+    return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major)
+
+
 # (op, arch) -> builds the kernel object (a class instance with `can_implement` and a `@cute.jit` __call__).
-_FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {("gemm_amax", "sm_90a"): _hopper_factory}
+_FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
+    ("gemm_amax", "sm_90a"): _hopper_factory,
+    ("proj_rope", "sm_90a"): _hopper_proj_rope_factory,
+}
+
+PROJ_ROPE_TILE = (128, 192)  # one CTA: 128 tokens x one head
 
 CATALOG: tuple[KernelVariant, ...] = tuple(
     KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype=c)
     for ab in ("float8_e4m3fn", "float8_e5m2")
-    for c in ("float32", "bfloat16"))
+    for c in ("float32", "bfloat16")) + tuple(
+    KernelVariant(op="proj_rope", arch="sm_90a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
+                  tile_mn=PROJ_ROPE_TILE, b_major=b_major)
+    for b_major in ("k", "n"))
 
 
-def variants_for(arch: str) -> tuple[KernelVariant, ...]:
-    """The catalog's variants compiled for `arch` (e.g. 'sm_90a')."""
-    return tuple(v for v in CATALOG if v.arch == arch)
+def variants_for(arch: str, op: str | None = None) -> tuple[KernelVariant, ...]:
+    """The catalog's variants compiled for `arch` (e.g. 'sm_90a'), of operation `op` when given."""
+    return tuple(v for v in CATALOG if v.arch == arch and op in (None, v.op))
 
 
 def select_variant(*, arch: str, ab_dtype: str, c_dtype: str, sf_vec_size: int, tile_mn: tuple,
-                   cluster_mn: tuple) -> KernelVariant | None:
+                   cluster_mn: tuple, op: str = "gemm_amax", b_major: str = "k") -> KernelVariant | None:
     """The catalog entry matching every field exactly, or None."""
-    want = KernelVariant(arch=arch, ab_dtype=str(ab_dtype), c_dtype=str(c_dtype), sf_vec_size=int(sf_vec_size),
-                         tile_mn=tuple(tile_mn), cluster_mn=tuple(cluster_mn))
+    want = KernelVariant(op=op, arch=arch, ab_dtype=str(ab_dtype), c_dtype=str(c_dtype), sf_vec_size=int(sf_vec_size),
+                         tile_mn=tuple(tile_mn), cluster_mn=tuple(cluster_mn), b_major=b_major)
     return want if want in CATALOG else None
 
 
@@ -90,8 +109,8 @@ def make_kernel(v: KernelVariant) -> Any:
     return _FACTORIES[(v.op, v.arch)](v)
 
 
-def fake_arguments(kernel: Any) -> list:
-    """Fake (symbolic-length) arguments in ABI order, for compiling without a GPU or real buffers."""
+def fake_arguments(kernel: Any, op: str = "gemm_amax") -> list:
+    """Fake (symbolic-length) arguments in the ABI order of `op`, for compiling without a GPU or real buffers."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -100,6 +119,11 @@ def fake_arguments(kernel: Any) -> list:
     def flat(dtype):
         return make_fake_compact_tensor(dtype, (cute.sym_int64(),), assumed_align=16)
 
+    if op == "proj_rope":
+        ab, u8 = kernel.ab_dtype, cutlass.Uint8
+        return [flat(ab), flat(ab), flat(cutlass.BFloat16), flat(cutlass.BFloat16), flat(u8), flat(u8),
+                flat(u8), flat(u8), flat(u8), flat(u8), cutlass.Int32(32),
+                cutlass.Int32(64), cutlass.Int32(1), cuda.CUstream(0)]
     return [flat(kernel.ab_dtype), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(cutlass.Uint8),
             flat(kernel.c_dtype), flat(cutlass.Float32), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(16),
             cutlass.Int32(1), cuda.CUstream(0)]
@@ -117,7 +141,7 @@ def compile_function(v: KernelVariant, *, keep_ptx: bool = False) -> Any:
         saved = envar._arch  # None means "detect on first use"; keep it that way for other users
         envar.arch = v.arch
         try:
-            return cute.compile(kernel, *fake_arguments(kernel), options=options)
+            return cute.compile(kernel, *fake_arguments(kernel, v.op), options=options)
         finally:
             envar._arch = saved
 
