@@ -110,8 +110,10 @@ def check(runner: Runner, w_out_in: bool, shape: tuple, rng, tables: str) -> dic
     if tables == "yarn":
         inp["cos"], inp["sin"] = oracle_ops.rotary_tables(t)
     outs = run_once(runner, inp, t, k, h)
-    y_ref = oracle_ops.proj_rope_oracle(inp["x"], inp["w"], inp["cos"], inp["sin"], w_out_in=w_out_in)
-    res = dict(w_out_in=w_out_in, shape=shape, tables=tables)
+    heads = list(range(h)) if h <= 8 else sorted(rng.choice(h, size=3, replace=False).tolist())
+    y_ref = oracle_ops.proj_rope_oracle(inp["x"], inp["w"], inp["cos"], inp["sin"], w_out_in=w_out_in, heads=heads)
+    outs = [o[:, heads] for o in outs]
+    res = dict(w_out_in=w_out_in, shape=shape, tables=tables, heads=heads)
     try:
         oracle_ops.assert_proj_rope_close(_Check(), outs, y_ref)
         res["ok"] = True

@@ -274,9 +274,18 @@ def rope_f64(y: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return out
 
 
-def proj_rope_oracle(x, w, cos, sin, *, x_scale=None, w_scale=None, w_out_in: bool = True) -> np.ndarray:
-    """Y after RoPE, before quantization, in float64: (T, H, 192). MXFP8 path when x_scale / w_scale are given."""
+def proj_rope_oracle(x, w, cos, sin, *, x_scale=None, w_scale=None, w_out_in: bool = True,
+                     heads=None) -> np.ndarray:
+    """Y after RoPE, before quantization, in float64: (T, H, 192). MXFP8 path when x_scale / w_scale are given.
+
+    `heads` (a list of head indices) computes only those heads, (T, len(heads), 192): for large shapes.
+    """
     x, w = np.asarray(x), np.asarray(w)
+    if heads is not None:
+        rows = np.concatenate([np.arange(h * HEAD_DIM, (h + 1) * HEAD_DIM) for h in heads])
+        w = w[rows] if w_out_in else w[:, rows]
+        if w_scale is not None:
+            w_scale = np.asarray(w_scale)[rows] if w_out_in else np.asarray(w_scale)[:, rows]
     if x_scale is not None:
         x_hat = oracle.dequantize_f64(x, np.asarray(x_scale), block=MX_BLOCK, axis=-1)
         w_hat = oracle.dequantize_f64(w, np.asarray(w_scale), block=MX_BLOCK, axis=-1 if w_out_in else 0)

@@ -205,8 +205,11 @@ class HopperProjRope:
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc starts at zero
             self.mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps)
+            read_state.advance()
             for kt in range(1, k_tiles):
+                # Pipeline states advance in the loop body itself: the DSL carries only what the body mutates.
                 self.mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps)
+                read_state.advance()
                 cute.nvgpu.warpgroup.wait_group(1)  # the previous k-tile's group is done: free its stage
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
@@ -323,7 +326,6 @@ class HopperProjRope:
             cute.gemm(tiled_mma, acc, tCrA[(None, None, ks, read_state.index)],
                       tCrB[(None, None, ks, read_state.index)], acc)
         cute.nvgpu.warpgroup.commit_group()
-        read_state.advance()
 
     @staticmethod
     def _feature(j: int, v0: int, quad):
