@@ -46,11 +46,11 @@ if "jax_blockgemm" not in sys.modules:  # the kernels need only jax_blockgemm.ke
 # name -> HopperMxf8GemmAmax keyword arguments (besides the dtypes).
 CANDIDATES: dict[str, dict] = {
     "current": {},  # the catalog default: 128x128, k-tile 128, "f32" dequant, per-k-tile promotion
-    "bits_128": dict(dequant="bits", promote=False),
-    "bits_128_k64_b3": dict(dequant="bits", promote=False, tile_k=64, mma_buffers=3),
-    "bits_256_b2": dict(tile_mn=(128, 256), dequant="bits", promote=False, mma_buffers=2),
-    "bits_256_b3": dict(tile_mn=(128, 256), dequant="bits", promote=False, mma_buffers=3),
+    "bits1_128_k64_b3": dict(dequant="bits1", promote=False, tile_k=64, mma_buffers=3),
     "f32_256_b3": dict(tile_mn=(128, 256), dequant="f32", promote=False, mma_buffers=3),
+    "bits_256_b3": dict(tile_mn=(128, 256), dequant="bits", promote=False, mma_buffers=3),
+    "bits1_256_b2": dict(tile_mn=(128, 256), dequant="bits1", promote=False, mma_buffers=2),
+    "bits1_256_b3": dict(tile_mn=(128, 256), dequant="bits1", promote=False, mma_buffers=3),
 }
 AB_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 C_DTYPES = ("float32", "bfloat16")
@@ -62,9 +62,12 @@ SPECIAL_SHAPES = [(2, 200, 136, 96), (3, 257, 300, 1040)]
 BIG = (1, 8192, 8192, 8192)
 LONG_K = (1, 4096, 7168, 16384)  # SPEC §8's longest K: the accumulation-precision stress
 TIMING_SHAPES = [BIG, LONG_K, (1, 4096, 24576, 1536)]
-BIG_CASES = {"e4m3_f32_8192": ("float8_e4m3fn", "float32", BIG),
-             "e4m3_f32_k16384": ("float8_e4m3fn", "float32", LONG_K),
-             "e5m2_bf16_8192": ("float8_e5m2", "bfloat16", BIG)}
+# Scale-byte ranges: real MXFP8 data sits around 2^-15..2^3 (bytes 112..130); wider ranges reach the bytes for
+# which "bits1" needs its two-multiply path (E4M3 above 134) and the far exponents.
+SCALES_TYPICAL, SCALES_MIXED, SCALES_WIDE = (112, 131), (118, 137), (100, 155)
+BIG_CASES = {"e4m3_f32_8192": ("float8_e4m3fn", "float32", BIG, SCALES_TYPICAL),
+             "e4m3_f32_k16384": ("float8_e4m3fn", "float32", LONG_K, SCALES_MIXED),
+             "e5m2_bf16_8192": ("float8_e5m2", "bfloat16", BIG, SCALES_TYPICAL)}
 SAMPLED_ROWS = 256
 TOL_F32 = 1e-4  # SPEC §7: fp32 C normwise and amax relative
 TOL_BF16_RMS = 1e-4  # SPEC §7: bf16 C within one ulp, or within 1e-4·rms(ref) of ref
@@ -190,8 +193,8 @@ def launch(runner: KernelRunner, a: np.ndarray, b: np.ndarray, sa: np.ndarray, s
 
 
 def check_random(runner: KernelRunner, ab: str, cd: str, shape: tuple, rng: np.random.Generator,
-                 special: bool = False) -> dict:
-    """Fresh random codes and scales (bytes 118..136, or 100..154 for odd L) against the float64 oracle.
+                 special: bool = False, scale_range: tuple = SCALES_MIXED) -> dict:
+    """Fresh random codes and scale bytes in `scale_range` against the float64 oracle.
 
     `special` plants scale byte 0xFF (NaN: row 5 of batch 0 must be NaN, and amax[0]), byte 0 (2^-127) in a
     whole row and a B entry, and a non-finite code (E4M3 NaN / E5M2 +inf) in row 11 of the last batch.
@@ -199,9 +202,8 @@ def check_random(runner: KernelRunner, ab: str, cd: str, shape: tuple, rng: np.r
     l, m, n, k = shape
     kb = -(-k // 32)
     a, b = random_codes(rng, (l, m, k), ab), random_codes(rng, (l, n, k), ab)
-    lo, hi = (118, 137) if l % 2 == 0 else (100, 155)
-    sa = rng.integers(lo, hi, size=(l, m, kb), dtype=np.uint8)
-    sb = rng.integers(lo, hi, size=(l, n, kb), dtype=np.uint8)
+    sa = rng.integers(*scale_range, size=(l, m, kb), dtype=np.uint8)
+    sb = rng.integers(*scale_range, size=(l, n, kb), dtype=np.uint8)
     if special:
         a.view(np.uint8)[-1, 11, 3] = 0x7F if ab == "float8_e4m3fn" else 0x7C
         sa[0, 5, kb - 1] = 0xFF
@@ -210,7 +212,7 @@ def check_random(runner: KernelRunner, ab: str, cd: str, shape: tuple, rng: np.r
     tc, amax = launch(runner, a, b, sa, sb, cd)
     c = tc.cpu().numpy().astype(np.float64)
     ref = np.matmul(dequant64(a, sa), dequant64(b, sb).transpose(0, 2, 1))
-    res = {"case": "special" if special else "random", "shape": shape}
+    res = {"case": "special" if special else "random", "shape": shape, "scales": scale_range}
     if special:  # NaN/inf exactly where the oracle has them, amax[0] NaN; then the finite rest
         last = np.nan if np.isnan(ref[-1]).any() else np.abs(ref[-1]).max()
         nonfinite_ok = (bool(np.array_equal(np.isnan(c), np.isnan(ref)))
@@ -227,7 +229,7 @@ def check_random(runner: KernelRunner, ab: str, cd: str, shape: tuple, rng: np.r
     return res
 
 
-def check_codes(runner: KernelRunner, ab: str, cd: str, rng: np.random.Generator) -> dict:
+def check_codes(runner: KernelRunner, ab: str, cd: str, rng: np.random.Generator, scale_range: tuple) -> dict:
     """Every finite code of `ab` through a one-hot B: C[m, n] = code(A[m, n])·2^(sa+sb−254) exactly."""
     m, n = 8, 256
     byte = (np.arange(n)[None, :] + 37 * np.arange(m)[:, None]) % 256
@@ -237,13 +239,13 @@ def check_codes(runner: KernelRunner, ab: str, cd: str, rng: np.random.Generator
     b = np.zeros((1, n, n), np.uint8)
     b[0, np.arange(n), np.arange(n)] = ONE_CODE[ab]
     b = b.view(NP_AB[ab])
-    sa = rng.integers(100, 155, size=(1, m, n // 32), dtype=np.uint8)
-    sb = rng.integers(100, 155, size=(1, n, n // 32), dtype=np.uint8)
+    sa = rng.integers(*scale_range, size=(1, m, n // 32), dtype=np.uint8)
+    sb = rng.integers(*scale_range, size=(1, n, n // 32), dtype=np.uint8)
     tc, amax = launch(runner, a, b, sa, sb, cd)
     c = tc.cpu().numpy().astype(np.float64)
     ref = np.matmul(dequant64(a, sa), dequant64(b, sb).transpose(0, 2, 1))
     exact = bool(np.array_equal(c, ref)) and float(amax[0]) == float(np.abs(ref).max())
-    return {"case": "codes", "shape": (1, m, n, n), "ok": exact, "nan": int(np.isnan(c).sum()),
+    return {"case": "codes", "shape": (1, m, n, n), "scales": scale_range, "ok": exact, "nan": int(np.isnan(c).sum()),
             "mismatches": int((c != ref).sum())}
 
 
@@ -262,7 +264,7 @@ def check_big(runner: KernelRunner, data: dict, cd: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- timing
 def time_kernel(runner: KernelRunner, shape: tuple, reps: int = 30) -> float:
-    """Median milliseconds of one launch (CUDA events, after warm-up) on random finite E4M3 codes and scales."""
+    """Median milliseconds of one launch (CUDA events, after warm-up): random finite E4M3 codes, typical scales."""
     import torch
 
     l, m, n, k = shape
@@ -274,7 +276,7 @@ def time_kernel(runner: KernelRunner, shape: tuple, reps: int = 30) -> float:
 
     def scales(rows):
         size = l * -(-rows // 128) * 128 * -(-k // 128) * 4
-        return torch.randint(118, 137, (size,), generator=g, device="cuda", dtype=torch.uint8)
+        return torch.randint(*SCALES_TYPICAL, (size,), generator=g, device="cuda", dtype=torch.uint8)
 
     ta, tb, tsa, tsb = codes(m), codes(n), scales(m), scales(n)
     tc = torch.empty((l * m * n,), dtype=torch.float32, device="cuda")
@@ -394,17 +396,20 @@ def run_candidate(name: str, data_dir: str, out_dir: str, step_limit_s: float) -
                 continue
             result["compile_s"][f"{ab}->{cd}"] = round(runner.compile_s, 2)
             dog.at(f"{name}: {ab} -> {cd} small shapes, special values, every code")
-            cases = [("random", s) for s in SMALL_SHAPES] + [("special", s) for s in SPECIAL_SHAPES]
-            for case in cases + [("codes", None)]:
+            ranges = (SCALES_TYPICAL, SCALES_MIXED, SCALES_WIDE)
+            cases = ([("random", s, ranges[i % 3]) for i, s in enumerate(SMALL_SHAPES)]
+                     + [("special", s, SCALES_MIXED) for s in SPECIAL_SHAPES]
+                     + [("codes", None, SCALES_WIDE), ("codes", None, (100, 135))])
+            for kind, shape, scale_range in cases:
                 try:
-                    if case[0] == "codes":
-                        r = check_codes(runner, ab, cd, rng)
+                    if kind == "codes":
+                        r = check_codes(runner, ab, cd, rng, scale_range)
                     else:
-                        r = check_random(runner, ab, cd, case[1], rng, special=case[0] == "special")
+                        r = check_random(runner, ab, cd, shape, rng, kind == "special", scale_range)
                 except Exception as e:
-                    r = {"case": case[0], "shape": case[1], "ok": False, "error": repr(e)[:500]}
+                    r = {"case": kind, "shape": shape, "ok": False, "error": repr(e)[:500]}
                 record(r, ab, cd)
-    for key, (ab, cd, shape) in BIG_CASES.items():
+    for key, (ab, cd, shape, _) in BIG_CASES.items():
         if (ab, cd) not in runners:
             continue
         dog.at(f"{name}: {key} (sampled rows)")
@@ -442,7 +447,7 @@ def make_big_data(data_dir: str) -> None:
 
     g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
     tdt = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-    for key, (ab, _, (l, m, n, k)) in BIG_CASES.items():
+    for key, (ab, _, (l, m, n, k), (lo, hi)) in BIG_CASES.items():
         progress(f"data {key}")
         kb = k // 32
 
@@ -450,7 +455,7 @@ def make_big_data(data_dir: str) -> None:
             spread = torch.exp2(torch.randint(-3, 4, (l, rows, 1), generator=g, device="cuda").double())
             codes = (torch.randn((l, rows, k), generator=g, device="cuda", dtype=torch.float64) * spread)
             codes = codes.float().to(tdt[ab])
-            scales = torch.randint(118, 137, (l, rows, kb), generator=g, device="cuda", dtype=torch.uint8)
+            scales = torch.randint(lo, hi, (l, rows, kb), generator=g, device="cuda", dtype=torch.uint8)
             x64 = codes.double() * torch.exp2(scales.double() - 127).repeat_interleave(32, dim=-1)
             return codes.view(torch.uint8).cpu().numpy(), scales.cpu().numpy(), x64
 

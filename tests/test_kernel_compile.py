@@ -101,12 +101,12 @@ class CompileTest(parameterized.TestCase):
         self.assertIn("cp.async.bulk.tensor", ptx)  # TMA loads
         self.assertIn("atom.global.max.s32", ptx)  # amax: integer atomic max on the float's bits
 
-    def test_bits_dequant_compiles_to_byte_permutes_and_packed_bf16_multiplies(self):
+    def test_bits1_dequant_compiles_to_byte_permutes_and_packed_bf16_multiplies(self):
         """The 128x256 candidate: codes -> bf16 by prmt/shift/and + packed bf16 multiplies, m64n256 bf16 wgmma."""
         import cutlass.cute as cute
         from cutlass.cutlass_dsl import CuTeDSL
 
-        kernel = HopperMxf8GemmAmax(ab_dtype="float8_e5m2", c_dtype="bfloat16", tile_mn=(128, 256), dequant="bits",
+        kernel = HopperMxf8GemmAmax(ab_dtype="float8_e5m2", c_dtype="bfloat16", tile_mn=(128, 256), dequant="bits1",
                                     mma_buffers=3, promote=False)
         envar = CuTeDSL._get_dsl().envar
         saved, envar.arch = envar._arch, "sm_90a"
@@ -114,10 +114,12 @@ class CompileTest(parameterized.TestCase):
             ptx = cute.compile(kernel, *catalog.fake_arguments(kernel), options="--keep-ptx").__ptx__
         finally:
             envar._arch = saved
-        # Per k-tile (64 wide) each consumer thread converts 2 A rows and 4 B rows of 16 codes: 48 prmt (2 per
-        # word of 4 codes) and 96 packed multiplies (2 per output word); the prologue repeats the same code.
-        self.assertEqual(ptx.count("prmt.b32"), 2 * 48)
-        self.assertEqual(len(re.findall(r"(?:mul|fma\.rn)\.bf16x2", ptx)), 2 * 96)
+        # Per k-tile (64 wide) each consumer thread converts 2 A rows and 4 B rows of 16 codes (24 words): 2 prmt
+        # per word, and per output word 1 packed multiply (every scale byte of the warp <= 142) or 2 (the other
+        # path). Both paths appear twice: the first tile before the mainloop, then inside it.
+        self.assertEqual(ptx.count("prmt.b32"), 2 * 2 * 48)
+        self.assertEqual(len(re.findall(r"(?:mul|fma\.rn)\.bf16x2", ptx)), 2 * (48 + 96))
+        self.assertIn("vote.sync.all.pred", ptx)
         self.assertRegex(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16")
         self.assertNotIn("ld.local", ptx)  # no register spills to local memory
         # The exact fallback for non-finite codes keeps the hardware converter.

@@ -10,11 +10,13 @@ relative drift at K = 16384 without it, inside SPEC §7's 1e-4). Scale words are
 SPEC §3 straight from global memory, one k-tile ahead. The epilogue stores C with predication (any M, N) and
 folds max|acc| into amax[l] with one integer atomic max per CTA.
 
-Two dequantizers (`dequant`), both exact: "f32" goes through the conversion pipe (FP8x2 -> f16x2 -> f32, times
+Three dequantizers (`dequant`), all exact: "f32" goes through the conversion pipe (FP8x2 -> f16x2 -> f32, times
 the scale, -> bf16x2); "bits" builds the bf16 bit pattern of code·2^-bias with a byte permute, a shift and a mask
 (bias 120 for E4M3, 112 for E5M2: FP8 subnormals land on bf16 subnormals), then two packed bf16 multiplies, by
-2^bias and by the scale. Its bit pattern is wrong for E4M3 NaN and E5M2 inf/NaN codes; one add and one xor per
-word flag those, and a thread that saw one redoes its part of the tile with "f32" (rare, exact).
+2^bias and by the scale; "bits1" multiplies once, by 2^(byte-127+bias), when that is a normal bf16 for every scale
+byte of the warp (bytes <= 134 for E4M3, <= 142 for E5M2: real MX data), and falls back to "bits" otherwise. The
+bit pattern is wrong for E4M3 NaN and E5M2 inf/NaN codes; one add and one xor per word flag those, and a thread
+that saw one redoes its part of the tile with "f32" (rare, exact).
 
 Phases are marked `producer`, `dequantize`, `mainloop`, `epilogue` in the kernel body.
 """
@@ -38,7 +40,7 @@ SUPPORTED_TILES_K = (64, 128)
 SUPPORTED_MMA_BUFFERS = (2, 3)
 SUPPORTED_CLUSTERS_MN = ((1, 1),)
 SF_VEC_SIZE = 32
-DEQUANT_MODES = ("f32", "bits")  # the first is the default
+DEQUANT_MODES = ("f32", "bits", "bits1")  # the first is the default
 _SMEM_RESERVE = 4096  # mbarriers and the per-warp amax slots
 
 
@@ -52,10 +54,11 @@ _BYTE_MSBS = _i32(0x80808080)
 # prmt selectors: bytes 0,1 (2,3) of a word into the low bytes of the two 16-bit halves, the high byte of each half
 # filled with that byte's sign bit.
 _PRMT_LO, _PRMT_HI = 0x9180, 0xB3A2
-# "bits" per FP8 format: (left shift of a sign-filled half, mask keeping magnitude + sign, 2^bias as bf16x2,
-# per-byte add whose carry into bit 7 flags the non-finite codes: E4M3 |b| = 0x7F, E5M2 exponent all ones).
-_BITS = {"float8_e4m3fn": (4, _i32(0x87F087F0), 0x7B807B80, 0x01010101),
-         "float8_e5m2": (5, _i32(0x8FE08FE0), 0x77807780, 0x04040404)}
+# "bits" per FP8 format: (left shift of a sign-filled half, mask keeping magnitude + sign, bias: the bits are
+# code·2^-bias, per-byte add whose carry into bit 7 flags the non-finite codes: E4M3 |b| = 0x7F, E5M2 exponent 31).
+_BITS = {"float8_e4m3fn": (4, _i32(0x87F087F0), 120, 0x01010101),
+         "float8_e5m2": (5, _i32(0x8FE08FE0), 112, 0x04040404)}
+_BF16X2_EXPONENT_ONE = 0x00800080  # times e: bf16x2 2^(e-127) in both halves, for 1 <= e <= 254
 
 
 class HopperMxf8GemmAmax:
@@ -219,64 +222,82 @@ class HopperMxf8GemmAmax:
             words[i] = src[bases[i] + k_atom * (common.ATOM_BYTES // 4)]
 
     def dequantize(self, ab_pipeline, read_state, words, bases, sfa_w, sfb_w, next_k_atom, jbyte, operands, buf):
-        """Wait for one FP8 stage and write code x 2^(scale-127) as bf16 into buffer `buf`; returns (scales, flags).
+        """Wait for one FP8 stage and load this thread's codes; returns (scales, flags, one_multiply).
 
         Plain Python (inlined at trace time). `words` holds this tile's scale words (loaded one tile ahead, so
         their global-memory latency hides behind a k-tile); the next tile's are loaded here. `operands` lists
-        (FP8 source, bf16 destination, FP8 fragment, bf16 fragment, first word) for A and B. With "bits", a flag
-        word with some bit 7 of a byte set means that this thread met a non-finite code: the caller then redoes
-        its part with `dequantize_exact` before it releases the stage.
+        (FP8 source, bf16 destination, FP8 fragment, bf16 fragment, first row) for A and B. "f32" converts and
+        stores here (`scales` are float32 values); the "bits" modes return the scale bytes, the non-finite-code
+        flags (some byte's bit 7 set: redo with `dequantize_exact`) and, for "bits1", whether every scale of the
+        warp allows one multiply; the caller then runs `convert_bits`.
         """
         if self.dequant_mode == "f32":
             scales = [common.e8m0_word_to_f32(words[i], jbyte) for i in range(cute.size(words))]
         else:
-            scales = [common.e8m0_word_to_bf16x2(words[i], jbyte) for i in range(cute.size(words))]
+            scales = [(words[i] >> (8 * jbyte)) & 0xFF for i in range(cute.size(words))]
         self.load_scale_words(words, bases, sfa_w, sfb_w, next_k_atom)
         ab_pipeline.consumer_wait(read_state)
         flags = cutlass.Int32(0)
         for src, dst, frag8, frag16, first in (() if "dequant" in self._skip else operands):
             cute.autovec_copy(src[(None, None, None, read_state.index)], frag8)
-            for r in range(cute.size(frag8, mode=[1])):
-                if self.dequant_mode == "f32":
+            if self.dequant_mode == "f32":
+                for r in range(cute.size(frag8, mode=[1])):
                     vals = frag8[(None, r, 0)].load().to(cutlass.Float32) * scales[first + r]
                     frag16[(None, r, 0)].store(vals.to(self.mma_dtype))
-                else:
-                    flags = self._codes_to_bf16_bits(frag8[(None, r, 0)], frag16[(None, r, 0)], scales[first + r],
-                                                     flags)
-            cute.autovec_copy(frag16, dst[(None, None, None, buf)])
-        return scales, flags
+                cute.autovec_copy(frag16, dst[(None, None, None, buf)])
+            else:
+                flag_add = self._bits[3]
+                q = cute.recast_tensor(frag8, cutlass.Int32)
+                for i in range(cute.size(q)):
+                    flags = flags | (q[i] ^ (q[i] + flag_add))
+        one_multiply = None
+        if self.dequant_mode == "bits1":
+            biggest = scales[0]
+            for x in scales[1:]:
+                biggest = cutlass.max(biggest, x)
+            # 2^(byte-127+bias) must be a normal bf16: byte + bias <= 254 (this also excludes the NaN byte 255).
+            one_multiply = cute.arch.vote_all_sync(biggest <= 254 - self._bits[2])
+        return scales, flags, one_multiply
 
-    def dequantize_exact(self, stage, scales, operands, buf):
-        """Redo this thread's part of one tile through float32 (exact for every code; for the rare non-finite ones).
+    def convert_bits(self, operands, scale_bytes, one_multiply: bool, buf):
+        """Convert the loaded codes (`dequantize`) to bf16 by bit arithmetic and store them into buffer `buf`.
 
-        `scales` are the "bits" path's bf16x2 scale pairs; a bf16 is the high half of its float32.
+        Per 32-bit word of 4 codes: 2 prmt, 2 shifts, 2 ands give the bf16 bits of code·2^-bias for 2 codes each
+        (exact for every finite code, FP8 subnormals included); then per output word either one packed multiply
+        by 2^(byte-127+bias) (`one_multiply`: only for bytes up to 254-bias, so the constant is a normal bf16)
+        or two, by 2^bias and by the E8M0 scale (bytes 0 and 255 included).
         """
+        shift, mask, bias, _ = self._bits
+        pow2_bias = (127 + bias) * _BF16X2_EXPONENT_ONE
+        neg_zero = cutlass.Int32(_NEG_ZERO_X2)
+        for src, dst, frag8, frag16, first in (() if "dequant" in self._skip else operands):
+            q = cute.recast_tensor(frag8, cutlass.Int32)  # (4 words per row) x rows
+            o = cute.recast_tensor(frag16, cutlass.Int32)
+            words_per_row = cute.size(q) // cute.size(frag8, mode=[1])
+            for r in range(cute.size(frag8, mode=[1])):
+                byte = scale_bytes[first + r]
+                if one_multiply:
+                    scale = (byte + bias) * _BF16X2_EXPONENT_ONE  # bf16x2 2^(byte-127+bias)
+                else:
+                    scale = common.e8m0_bits(byte)
+                    scale = scale | (scale >> 16)  # bf16x2 2^(byte-127), NaN for 255 (float32 bits' high half)
+                for i in range(r * words_per_row, (r + 1) * words_per_row):
+                    for half, selector in enumerate((_PRMT_LO, _PRMT_HI)):
+                        x = (common.prmt(q[i], 0, selector) << shift) & mask  # bf16 bits of code·2^-bias, 2 codes
+                        if not one_multiply:
+                            x = cute.arch.fma_packed_bf16x2(x, cutlass.Int32(pow2_bias), neg_zero)  # the codes
+                        o[2 * i + half] = cute.arch.fma_packed_bf16x2(x, scale, neg_zero)
+            cute.autovec_copy(frag16, dst[(None, None, None, buf)])
+
+    def dequantize_exact(self, stage, scale_bytes, operands, buf):
+        """Redo this thread's part of one tile through float32 (exact for every code; for the rare non-finite ones)."""
         for src, dst, frag8, frag16, first in operands:
             cute.autovec_copy(src[(None, None, None, stage)], frag8)
             for r in range(cute.size(frag8, mode=[1])):
-                scale = common.f32_from_bits(scales[first + r] << 16)
+                scale = common.f32_from_bits(common.e8m0_bits(scale_bytes[first + r]))
                 vals = frag8[(None, r, 0)].load().to(cutlass.Float32) * scale
                 frag16[(None, r, 0)].store(vals.to(self.mma_dtype))
             cute.autovec_copy(frag16, dst[(None, None, None, buf)])
-
-    def _codes_to_bf16_bits(self, codes: cute.Tensor, out: cute.Tensor, scale_bf16x2, flags):
-        """out = codes · scale in bf16 by bit arithmetic (exact for finite codes); returns flags | non-finite marks.
-
-        Per 32-bit word of 4 codes: 2 prmt, 2 shifts, 2 ands (the bf16 bits of code·2^-bias for 2 codes each),
-        4 packed bf16 multiplies, and an add + xor whose bit 7 in a byte flags a non-finite code.
-        """
-        shift, mask, pow2_bias, flag_add = self._bits
-        q = cute.recast_tensor(codes, cutlass.Int32)
-        o = cute.recast_tensor(out, cutlass.Int32)
-        neg_zero = cutlass.Int32(_NEG_ZERO_X2)
-        for i in range(cute.size(q)):
-            w = q[i]
-            flags = flags | (w ^ (w + flag_add))
-            for half, selector in enumerate((_PRMT_LO, _PRMT_HI)):
-                x = (common.prmt(w, 0, selector) << shift) & mask  # bf16 bits of code·2^-bias, both halves
-                x = cute.arch.fma_packed_bf16x2(x, cutlass.Int32(pow2_bias), neg_zero)  # the code, exactly
-                o[2 * i + half] = cute.arch.fma_packed_bf16x2(x, scale_bf16x2, neg_zero)
-        return flags
 
     # ---------------------------------------------------------------------------------------------- device
     @cute.kernel
@@ -394,9 +415,16 @@ class HopperMxf8GemmAmax:
             # (Names here differ from the mainloop's: a name assigned in both would become a loop-carried value.)
             _, jbyte0 = self.tile_scale_byte(0, lane_in_row)
             next_atom0, _ = self.tile_scale_byte(cutlass.min(1, k_tiles - 1), lane_in_row)
-            scales0, flags0 = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w, next_atom0,
-                                              jbyte0, operands, 0)
+            scales0, flags0, one0 = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w, next_atom0,
+                                                    jbyte0, operands, 0)
             if cutlass.const_expr(self.dequant_mode == "bits"):
+                self.convert_bits(operands, scales0, False, 0)
+            if cutlass.const_expr(self.dequant_mode == "bits1"):
+                if one0:
+                    self.convert_bits(operands, scales0, True, 0)
+                else:
+                    self.convert_bits(operands, scales0, False, 0)
+            if cutlass.const_expr(self.dequant_mode != "f32"):
                 if (flags0 & _BYTE_MSBS) != 0:
                     self.dequantize_exact(read_state.index, scales0, operands, 0)
             ab_pipeline.consumer_release(read_state)
@@ -421,9 +449,16 @@ class HopperMxf8GemmAmax:
                     _, jbyte = self.tile_scale_byte(kt + 1, lane_in_row)
                     next_atom, _ = self.tile_scale_byte(cutlass.min(kt + 2, k_tiles - 1), lane_in_row)
                     nbuf = (kt + 1) % self.mma_buffers
-                    scales, flags = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w, next_atom,
-                                                    jbyte, operands, nbuf)
+                    scales, flags, one = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w,
+                                                         next_atom, jbyte, operands, nbuf)
                     if cutlass.const_expr(self.dequant_mode == "bits"):
+                        self.convert_bits(operands, scales, False, nbuf)
+                    if cutlass.const_expr(self.dequant_mode == "bits1"):
+                        if one:
+                            self.convert_bits(operands, scales, True, nbuf)
+                        else:
+                            self.convert_bits(operands, scales, False, nbuf)
+                    if cutlass.const_expr(self.dequant_mode != "f32"):
                         if (flags & _BYTE_MSBS) != 0:
                             self.dequantize_exact(read_state.index, scales, operands, nbuf)
                     ab_pipeline.consumer_release(read_state)
