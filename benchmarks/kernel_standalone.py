@@ -1,9 +1,20 @@
-"""Device script: check the Hopper MXFP8 gemm_amax kernel against a float64 oracle, then time it at 8192^3.
+"""Device script: check Hopper MXFP8 gemm_amax kernel variants against float64 oracles and time them.
 
-Runs the kernel straight through CuTeDSL's JIT launch (no FFI): compiled for the local GPU, fed torch tensors
-through DLPack. Beside it, in the same run, times XLA's plain fp8 dot and `jax.nn.scaled_matmul` (MXFP8).
+Runs the kernels straight through CuTeDSL's JIT launch (no FFI): compiled for the local GPU, fed torch tensors
+through DLPack. One call checks and times every candidate configuration of `HopperMxf8GemmAmax` (CANDIDATES
+below, "current" = the catalog's default) beside XLA's baselines:
 
-    python3 benchmarks/kernel_standalone.py [--quick] [--no-bench] [--out DIR]
+    python3 benchmarks/kernel_standalone.py --candidates --out DIR      # every candidate (< 5 minutes on an H200)
+    python3 benchmarks/kernel_standalone.py --out DIR                   # the catalog default only
+
+Each candidate runs in its own process (a hang or a crash cannot take the others down; a watchdog ends a stuck
+one), on fresh random inputs: codes with per-row magnitude spread, random scale bytes, C poisoned with NaN.
+Checked per candidate and dtype pair (E4M3/E5M2 x f32/bf16): small and odd shapes (tails in M/N/K, L > 1, M or
+N = 1, K = 32), NaN/0 scale bytes with non-finite codes, every finite code through a one-hot B (exact); and
+8192^3 / 4096x7168x16384 (E4M3 -> f32) and 8192^3 (E5M2 -> bf16) on 256 sampled rows against a float64 product
+(computed once, on the GPU in float64). Timed (E4M3 -> f32, CUDA events, median of 30 after 5 warm-ups) at the
+SPEC §8 shapes, and at 8192^3 with the dequantization or the wgmma left out (phase costs; wrong results by design).
+Progress goes to stderr, the tables to stdout last; everything is written under --out.
 """
 
 from __future__ import annotations
@@ -12,7 +23,10 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -22,23 +36,49 @@ import numpy as np  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-try:  # the kernels need only jax_blockgemm.kernels: don't let the rest of the package block this script
-    import jax_blockgemm  # noqa: F401
-except Exception:  # pragma: no cover - device-only fallback
+if "jax_blockgemm" not in sys.modules:  # the kernels need only jax_blockgemm.kernels: skip the package's jax imports
     import types
 
     _pkg = types.ModuleType("jax_blockgemm")
     _pkg.__path__ = [os.path.join(ROOT, "jax_blockgemm")]
     sys.modules["jax_blockgemm"] = _pkg
 
-from jax_blockgemm.kernels.sm90.gemm_amax import DEQUANT_MODES  # noqa: E402
-
-DEFAULT_DEQUANT = DEQUANT_MODES[0]
+# name -> HopperMxf8GemmAmax keyword arguments (besides the dtypes).
+CANDIDATES: dict[str, dict] = {
+    "current": {},  # the catalog default: 128x128, k-tile 128, "f32" dequant, per-k-tile promotion
+    "bits1_128_k64_b3": dict(dequant="bits1", promote=False, tile_k=64, mma_buffers=3),
+    "f32_256_b3": dict(tile_mn=(128, 256), dequant="f32", promote=False, mma_buffers=3),
+    "bits_256_b3": dict(tile_mn=(128, 256), dequant="bits", promote=False, mma_buffers=3),
+    "bits1_256_b2": dict(tile_mn=(128, 256), dequant="bits1", promote=False, mma_buffers=2),
+    "bits1_256_b3": dict(tile_mn=(128, 256), dequant="bits1", promote=False, mma_buffers=3),
+}
+AB_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+C_DTYPES = ("float32", "bfloat16")
 NP_AB = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
-SHAPES = [(1, 128, 128, 128), (2, 200, 136, 96), (1, 1000, 776, 512), (3, 257, 129, 1040), (1, 8192, 8192, 8192),
-          (1, 4096, 7168, 16384)]
+ONE_CODE = {"float8_e4m3fn": 0x38, "float8_e5m2": 0x3C}  # the byte of 1.0
+SMALL_SHAPES = [(1, 128, 128, 128), (2, 200, 136, 96), (1, 1000, 776, 512), (3, 257, 129, 1040), (1, 1, 300, 64),
+                (1, 130, 1, 32), (2, 77, 300, 32), (1, 300, 520, 160)]
+SPECIAL_SHAPES = [(2, 200, 136, 96), (3, 257, 300, 1040)]
 BIG = (1, 8192, 8192, 8192)
 LONG_K = (1, 4096, 7168, 16384)  # SPEC §8's longest K: the accumulation-precision stress
+TIMING_SHAPES = [BIG, LONG_K, (1, 4096, 24576, 1536)]
+# Scale-byte ranges: real MXFP8 data sits around 2^-15..2^3 (bytes 112..130); wider ranges reach the bytes for
+# which "bits1" needs its two-multiply path (E4M3 above 134) and the far exponents.
+SCALES_TYPICAL, SCALES_MIXED, SCALES_WIDE = (112, 131), (118, 137), (100, 155)
+BIG_CASES = {"e4m3_f32_8192": ("float8_e4m3fn", "float32", BIG, SCALES_TYPICAL),
+             "e4m3_f32_k16384": ("float8_e4m3fn", "float32", LONG_K, SCALES_MIXED),
+             "e5m2_bf16_8192": ("float8_e5m2", "bfloat16", BIG, SCALES_TYPICAL)}
+SAMPLED_ROWS = 256
+TOL_F32 = 1e-4  # SPEC §7: fp32 C normwise and amax relative
+TOL_BF16_RMS = 1e-4  # SPEC §7: bf16 C within one ulp, or within 1e-4·rms(ref) of ref
+
+
+def progress(msg: str) -> None:
+    """One progress line on stderr, with the time since the process started."""
+    print(f"[{time.perf_counter() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+_T0 = time.perf_counter()
 
 
 # ------------------------------------------------------------------------------------- inputs and the oracle
@@ -62,6 +102,7 @@ def dequant64(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """float64 code · 2^(byte − 127), blocks of 32 along the last axis (SPEC §1)."""
     k = codes.shape[-1]
     s = np.exp2(scales.astype(np.float64) - 127.0)
+    s[scales == 255] = np.nan
     return codes.astype(np.float64) * np.repeat(s, 32, axis=-1)[..., :k]
 
 
@@ -71,30 +112,43 @@ def bf16_ulp(x: np.ndarray) -> np.ndarray:
     return np.exp2(np.floor(np.log2(ax)) - 7)
 
 
+def compare(c: np.ndarray, ref: np.ndarray, amax: np.ndarray, amax_ref: np.ndarray, c_dtype: str) -> dict:
+    """SPEC §7 verdict for finite ref/amax_ref (NaN in c or amax fails)."""
+    res = {"nan": int(np.isnan(c).sum()) + int(np.isnan(amax).sum())}
+    with np.errstate(divide="ignore", invalid="ignore"):
+        res["amax_rel"] = float(np.max(np.abs(amax - amax_ref) / amax_ref, initial=0.0))
+    res["c_rel"] = float(np.linalg.norm(c - ref) / np.linalg.norm(ref))
+    ok = res["nan"] == 0 and res["amax_rel"] <= TOL_F32
+    if c_dtype == "float32":
+        ok = ok and res["c_rel"] <= TOL_F32
+    else:
+        ref_bf = ref.astype(ml_dtypes.bfloat16).astype(np.float64)
+        ulps = np.abs(c - ref_bf) / bf16_ulp(ref_bf)
+        bad = (ulps > 1.0) & ~(np.abs(c - ref) <= TOL_BF16_RMS * np.sqrt(np.mean(np.square(ref))))
+        res["c_max_ulp"] = float(np.max(ulps))
+        res["c_bad"] = int(bad.sum())
+        ok = ok and res["c_bad"] == 0
+    res["ok"] = bool(ok)
+    return res
+
+
 # ------------------------------------------------------------------------------------------------ the kernel
 class KernelRunner:
-    """Compiles one catalog variant for the local GPU and launches it on torch tensors."""
+    """Compiles one `HopperMxf8GemmAmax` configuration for the local GPU and launches it on torch tensors."""
 
-    def __init__(self, ab_dtype: str, c_dtype: str, skip: frozenset = frozenset(), dequant: str = "bf16x2"):
+    def __init__(self, ab_dtype: str, c_dtype: str, kwargs: dict, skip: frozenset = frozenset()):
         import cuda.bindings.driver as cuda
         import cutlass
         import cutlass.cute as cute
-        from cutlass.cute.runtime import make_fake_compact_tensor
 
+        from jax_blockgemm.kernels import catalog
         from jax_blockgemm.kernels.sm90.gemm_amax import HopperMxf8GemmAmax
 
         self.cute, self.cutlass, self.cuda = cute, cutlass, cuda
-        self.kernel = HopperMxf8GemmAmax(ab_dtype=ab_dtype, c_dtype=c_dtype, dequant=dequant)
+        self.kernel = HopperMxf8GemmAmax(ab_dtype=ab_dtype, c_dtype=c_dtype, **kwargs)
         self.kernel._skip = frozenset(skip)  # profiling only: wrong results
-
-        def fake(dt):
-            return make_fake_compact_tensor(dt, (cute.sym_int64(),), assumed_align=16)
-
         t0 = time.perf_counter()
-        self.compiled = cute.compile(
-            self.kernel, fake(self.kernel.ab_dtype), fake(self.kernel.ab_dtype), fake(cutlass.Uint8),
-            fake(cutlass.Uint8), fake(self.kernel.c_dtype), fake(cutlass.Float32), cutlass.Int32(1),
-            cutlass.Int32(1), cutlass.Int32(16), cutlass.Int32(1), cuda.CUstream(0))
+        self.compiled = cute.compile(self.kernel, *catalog.fake_arguments(self.kernel))
         self.compile_s = time.perf_counter() - t0
 
     def wrap(self, t, dtype):
@@ -117,95 +171,117 @@ class KernelRunner:
                       cutlass.Int32(m), cutlass.Int32(n), cutlass.Int32(k), cutlass.Int32(l), stream)
 
 
-def check_one(runner: KernelRunner, ab_dtype: str, c_dtype: str, shape: tuple, rng: np.random.Generator,
-              special: bool = False) -> dict:
-    """Run once on fresh random inputs (C poisoned with NaN) and compare with the float64 oracle.
-
-    `special` plants scale byte 0xFF (NaN: row 5 of batch 0 must be NaN, and amax[0]), byte 0 (2^-127), and
-    non-finite codes (e4m3 NaN / e5m2 inf) in row 11 of the last batch.
-    """
+def _dev(x: np.ndarray):
+    """A numpy array's bytes as a flat uint8 CUDA tensor."""
     import torch
 
-    l, m, n, k = shape
-    kb = -(-k // 32)
-    a = random_codes(rng, (l, m, k), ab_dtype)
-    b = random_codes(rng, (l, n, k), ab_dtype)
-    sa = rng.integers(118, 137, size=(l, m, kb), dtype=np.uint8)
-    sb = rng.integers(118, 137, size=(l, n, kb), dtype=np.uint8)
-    if special:
-        a.view(np.uint8)[-1, 11, 3] = 0x7F if ab_dtype == "float8_e4m3fn" else 0x7C  # NaN / +inf code
-        sa[0, 5, kb - 1] = 0xFF
-        sb[0, 7, 0] = 0
-        sa[-1, 9, :] = 0
-    dev = lambda x: torch.from_numpy(np.ascontiguousarray(x).view(np.uint8).reshape(-1)).cuda()
-    ta, tb, tsa, tsb = dev(a), dev(b), dev(to_atom(sa)), dev(to_atom(sb))
+    return torch.from_numpy(np.ascontiguousarray(x).view(np.uint8).reshape(-1)).cuda()
+
+
+def launch(runner: KernelRunner, a: np.ndarray, b: np.ndarray, sa: np.ndarray, sb: np.ndarray, c_dtype: str):
+    """Run once on host inputs with C poisoned (NaN); returns (C as a float32 CUDA tensor (L, M, N), amax)."""
+    import torch
+
+    l, m, k = a.shape
+    n = b.shape[1]
     tdt = torch.float32 if c_dtype == "float32" else torch.bfloat16
     tc = torch.full((l * m * n,), float("nan"), dtype=tdt, device="cuda")
     tamax = torch.zeros((l,), dtype=torch.float32, device="cuda")
-    runner(ta, tb, tsa, tsb, tc, tamax, m, n, k, l)
+    runner(_dev(a), _dev(b), _dev(to_atom(sa)), _dev(to_atom(sb)), tc, tamax, m, n, k, l)
     torch.cuda.synchronize()
-    c = tc.float().cpu().numpy().reshape(l, m, n)
-    amax = tamax.cpu().numpy()
+    return tc.float().reshape(l, m, n), tamax.cpu().numpy()
 
-    big = m * n * k * l > 2**34
-    a64 = dequant64(a, sa)
-    b64 = dequant64(b, sb)
+
+def check_random(runner: KernelRunner, ab: str, cd: str, shape: tuple, rng: np.random.Generator,
+                 special: bool = False, scale_range: tuple = SCALES_MIXED) -> dict:
+    """Fresh random codes and scale bytes in `scale_range` against the float64 oracle.
+
+    `special` plants scale byte 0xFF (NaN: row 5 of batch 0 must be NaN, and amax[0]), byte 0 (2^-127) in a
+    whole row and a B entry, and a non-finite code (E4M3 NaN / E5M2 +inf) in row 11 of the last batch.
+    """
+    l, m, n, k = shape
+    kb = -(-k // 32)
+    a, b = random_codes(rng, (l, m, k), ab), random_codes(rng, (l, n, k), ab)
+    sa = rng.integers(*scale_range, size=(l, m, kb), dtype=np.uint8)
+    sb = rng.integers(*scale_range, size=(l, n, kb), dtype=np.uint8)
     if special:
-        a64[0, 5, 32 * (kb - 1):] = np.nan
-    if big:  # a random subset of rows for C; the full product (float64, on the GPU) for amax
-        rows = np.sort(rng.choice(m, size=256, replace=False))
-        ref = np.matmul(a64[:, rows], b64.transpose(0, 2, 1))
-        c = c[:, rows]
-        full = torch.einsum("lmk,lnk->lmn", torch.from_numpy(a64).cuda(), torch.from_numpy(b64).cuda())
-        amax_ref = full.abs().amax(dim=(1, 2)).cpu().numpy()
-        del full
-    else:
-        ref = np.matmul(a64, b64.transpose(0, 2, 1))
-        amax_ref = np.abs(ref).max(axis=(1, 2))
-    res = {"ab": ab_dtype, "c": c_dtype, "shape": shape, "nan": int(np.isnan(c).sum())}
-    if special:  # NaN exactly where the oracle has it; then compare the rest
-        res["special"] = True
-        inf = np.isinf(ref)
-        nan_ok = (bool(np.array_equal(np.isnan(c), np.isnan(ref))) and bool(np.array_equal(c[inf], ref[inf]))
-                  and bool(np.isnan(amax[0])) and bool(np.array_equal(amax[-1], amax_ref[-1], equal_nan=True)))
+        a.view(np.uint8)[-1, 11, 3] = 0x7F if ab == "float8_e4m3fn" else 0x7C
+        sa[0, 5, kb - 1] = 0xFF
+        sb[0, 7, 0] = 0
+        sa[-1, 9, :] = 0
+    tc, amax = launch(runner, a, b, sa, sb, cd)
+    c = tc.cpu().numpy().astype(np.float64)
+    ref = np.matmul(dequant64(a, sa), dequant64(b, sb).transpose(0, 2, 1))
+    res = {"case": "special" if special else "random", "shape": shape, "scales": scale_range}
+    if special:  # NaN/inf exactly where the oracle has them, amax[0] NaN; then the finite rest
+        last = np.nan if np.isnan(ref[-1]).any() else np.abs(ref[-1]).max()
+        nonfinite_ok = (bool(np.array_equal(np.isnan(c), np.isnan(ref)))
+                        and bool(np.array_equal(c[np.isinf(ref)], ref[np.isinf(ref)])) and bool(np.isnan(amax[0]))
+                        and bool(np.array_equal(amax[-1], last, equal_nan=True)))
         keep = np.isfinite(ref).all(axis=-1, keepdims=True)
         c, ref = np.where(keep, c, 0.0), np.where(keep, ref, 0.0)
-        amax, amax_ref = amax[1:-1], amax_ref[1:-1]
-        res["nan"] = 0 if nan_ok else -1
-    res["amax_rel"] = (float(np.max(np.abs(amax - amax_ref) / amax_ref, initial=0.0))
-                       if np.all(np.isfinite(amax)) else float("nan"))
-    if c_dtype == "float32":
-        res["c_rel"] = float(np.linalg.norm(c - ref) / np.linalg.norm(ref))
-        res["ok"] = res["nan"] == 0 and res["c_rel"] <= 1e-5 and res["amax_rel"] <= 1e-5
-    else:
-        ref_bf = ref.astype(ml_dtypes.bfloat16).astype(np.float64)
-        ulps = np.abs(c - ref_bf) / bf16_ulp(ref_bf)
-        # SPEC §7 (as tests/oracle_ops.py reads it): within one ulp, or, for an element that cancels far below
-        # its summands, within one ulp plus the fp32 accumulation error the float32 criterion allows.
-        accumulation_tol = 1e-5 * np.sqrt(np.mean(np.square(ref)))
-        bad = (ulps > 1.0) & ~(np.abs(c - ref) <= bf16_ulp(c) + accumulation_tol)
-        res["c_max_ulp"] = float(np.max(ulps))
-        res["c_bad"] = int(bad.sum())
-        res["c_rel"] = float(np.linalg.norm(c - ref) / np.linalg.norm(ref))
-        res["ok"] = res["nan"] == 0 and res["c_bad"] == 0 and res["amax_rel"] <= 1e-5
+        finite_batches = [i for i in range(l) if np.isfinite(ref[i]).all() and i != 0 and i != l - 1]
+        res.update(compare(c, ref, amax[finite_batches], np.abs(ref[finite_batches]).max(axis=(1, 2)), cd))
+        res["nonfinite_ok"] = nonfinite_ok
+        res["ok"] = res["ok"] and nonfinite_ok
+        return res
+    res.update(compare(c, ref, amax, np.abs(ref).max(axis=(1, 2)), cd))
+    return res
+
+
+def check_codes(runner: KernelRunner, ab: str, cd: str, rng: np.random.Generator, scale_range: tuple) -> dict:
+    """Every finite code of `ab` through a one-hot B: C[m, n] = code(A[m, n])·2^(sa+sb−254) exactly."""
+    m, n = 8, 256
+    byte = (np.arange(n)[None, :] + 37 * np.arange(m)[:, None]) % 256
+    codes = byte.astype(np.uint8).view(NP_AB[ab])
+    byte[~np.isfinite(codes.astype(np.float32))] = 0  # NaN (and inf) codes are the special check's business
+    a = byte.astype(np.uint8).view(NP_AB[ab])[None]
+    b = np.zeros((1, n, n), np.uint8)
+    b[0, np.arange(n), np.arange(n)] = ONE_CODE[ab]
+    b = b.view(NP_AB[ab])
+    sa = rng.integers(*scale_range, size=(1, m, n // 32), dtype=np.uint8)
+    sb = rng.integers(*scale_range, size=(1, n, n // 32), dtype=np.uint8)
+    tc, amax = launch(runner, a, b, sa, sb, cd)
+    c = tc.cpu().numpy().astype(np.float64)
+    ref = np.matmul(dequant64(a, sa), dequant64(b, sb).transpose(0, 2, 1))
+    exact = bool(np.array_equal(c, ref)) and float(amax[0]) == float(np.abs(ref).max())
+    return {"case": "codes", "shape": (1, m, n, n), "scales": scale_range, "ok": exact, "nan": int(np.isnan(c).sum()),
+            "mismatches": int((c != ref).sum())}
+
+
+def check_big(runner: KernelRunner, data: dict, cd: str) -> dict:
+    """A big case from the parent's data (codes, scales, sampled rows, float64 rows and amax) on this kernel."""
+    import torch
+
+    tc, amax = launch(runner, data["a"], data["b"], data["sa"], data["sb"], cd)
+    rows = torch.from_numpy(data["rows"]).cuda()
+    c = tc[:, rows].cpu().numpy().astype(np.float64)
+    del tc
+    res = {"case": "big", "shape": tuple(int(x) for x in data["shape"])}
+    res.update(compare(c, data["ref_rows"], amax, data["amax_ref"], cd))
     return res
 
 
 # ---------------------------------------------------------------------------------------------------- timing
-def time_kernel(runner: KernelRunner, reps: int = 25) -> float:
-    """Median milliseconds of the kernel at 8192^3 (CUDA events around each launch, after warm-up)."""
+def time_kernel(runner: KernelRunner, shape: tuple, reps: int = 30) -> float:
+    """Median milliseconds of one launch (CUDA events, after warm-up): random finite E4M3 codes, typical scales."""
     import torch
 
-    l, m, n, k = BIG
-    rng = np.random.default_rng(7)
-    dev = lambda x: torch.from_numpy(np.ascontiguousarray(x).view(np.uint8).reshape(-1)).cuda()
-    ta = dev(random_codes(rng, (l, m, k), "float8_e4m3fn"))
-    tb = dev(random_codes(rng, (l, n, k), "float8_e4m3fn"))
-    tsa = dev(to_atom(rng.integers(118, 137, size=(l, m, k // 32), dtype=np.uint8)))
-    tsb = dev(to_atom(rng.integers(118, 137, size=(l, n, k // 32), dtype=np.uint8)))
+    l, m, n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(7)
+
+    def codes(rows):
+        x = torch.randn((l * rows * k,), generator=g, device="cuda") * 4
+        return x.to(torch.float8_e4m3fn).view(torch.uint8)
+
+    def scales(rows):
+        size = l * -(-rows // 128) * 128 * -(-k // 128) * 4
+        return torch.randint(*SCALES_TYPICAL, (size,), generator=g, device="cuda", dtype=torch.uint8)
+
+    ta, tb, tsa, tsb = codes(m), codes(n), scales(m), scales(n)
     tc = torch.empty((l * m * n,), dtype=torch.float32, device="cuda")
     tamax = torch.zeros((l,), dtype=torch.float32, device="cuda")
-    for _ in range(3):
+    for _ in range(5):
         runner(ta, tb, tsa, tsb, tc, tamax, m, n, k, l)
     times = []
     for _ in range(reps):
@@ -219,114 +295,288 @@ def time_kernel(runner: KernelRunner, reps: int = 25) -> float:
     return statistics.median(times)
 
 
-def time_xla(reps: int = 25) -> dict:
-    """Median milliseconds of XLA's fp8 dot (f32 out) and jax.nn.scaled_matmul MXFP8 at 8192^3."""
+def time_xla(shapes, reps: int = 30) -> dict:
+    """Median milliseconds (wall clock around block_until_ready) of XLA baselines, E4M3 -> f32, per shape."""
     import jax
     import jax.numpy as jnp
 
-    _, m, n, k = BIG
-    key = jax.random.PRNGKey(0)
-    a = jax.random.normal(key, (1, m, k), jnp.float32).astype(jnp.float8_e4m3fn)
-    b = jax.random.normal(jax.random.fold_in(key, 1), (1, n, k), jnp.float32).astype(jnp.float8_e4m3fn)
-    sa = jnp.full((1, m, k // 32), 1.0, jnp.float32).astype(jnp.float8_e8m0fnu)
-    sb = jnp.full((1, n, k // 32), 0.5, jnp.float32).astype(jnp.float8_e8m0fnu)
-    fns = {
-        "xla_fp8_dot": (jax.jit(lambda x, y: jnp.einsum("lmk,lnk->lmn", x, y, preferred_element_type=jnp.float32)),
-                        (a, b)),
-        "jax_scaled_matmul": (jax.jit(lambda x, y, s, t: jax.nn.scaled_matmul(x, y, s, t)), (a, b, sa, sb)),
-    }
     out = {}
-    for name, (fn, args) in fns.items():
-        for _ in range(3):
-            fn(*args).block_until_ready()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn(*args).block_until_ready()
-            times.append((time.perf_counter() - t0) * 1e3)
-        out[name] = statistics.median(times)
-    # Hopper's FP8 tensor-core accumulation, for the notes: XLA's fp8 dot against float64 on 256 rows.
-    c = np.asarray(fns["xla_fp8_dot"][0](a[:, :256], b))[0].astype(np.float64)
-    ref = np.asarray(a[0, :256]).astype(np.float64) @ np.asarray(b[0]).astype(np.float64).T
-    print("xla fp8 dot rel err vs float64:", float(np.linalg.norm(c - ref) / np.linalg.norm(ref)), flush=True)
+    for l, m, n, k in shapes:
+        key = jax.random.PRNGKey(0)
+        a = (jax.random.normal(key, (l, m, k), jnp.float32) * 4).astype(jnp.float8_e4m3fn)
+        b = (jax.random.normal(jax.random.fold_in(key, 1), (l, n, k), jnp.float32) * 4).astype(jnp.float8_e4m3fn)
+        sa = jnp.full((l, m, k // 32), 1.0, jnp.float32).astype(jnp.float8_e8m0fnu)
+        sb = jnp.full((l, n, k // 32), 0.5, jnp.float32).astype(jnp.float8_e8m0fnu)
+        fns = {
+            "xla_fp8_dot (no scales)": (lambda x, y: jnp.einsum("lmk,lnk->lmn", x, y,
+                                                                preferred_element_type=jnp.float32), (a, b)),
+            "xla_bf16_dot": (lambda x, y: jnp.einsum("lmk,lnk->lmn", x, y, preferred_element_type=jnp.float32),
+                             (a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))),
+            "jax.nn.scaled_matmul": (lambda x, y, s, t: jax.nn.scaled_matmul(x, y, s, t), (a, b, sa, sb)),
+        }
+        if hasattr(jax.lax, "scaled_dot"):
+            fns["jax.lax.scaled_dot"] = (_scaled_dot, (a, b, sa, sb))
+        for name, (fn, args) in fns.items():
+            try:
+                f = jax.jit(fn)
+                for _ in range(3):
+                    f(*args).block_until_ready()
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    f(*args).block_until_ready()
+                    times.append((time.perf_counter() - t0) * 1e3)
+                out.setdefault(name, {})[str((l, m, n, k))] = statistics.median(times)
+            except Exception as e:  # a baseline this jax lacks must not stop the run
+                out.setdefault(name, {})[str((l, m, n, k))] = f"error: {e!r}"[:200]
+            progress(f"xla {name} {(l, m, n, k)}: {out[name][str((l, m, n, k))]}")
     return out
+
+
+def _scaled_dot(x, y, s, t):
+    """jax.lax.scaled_dot (jax >= 0.11) of (L, M, K) x (L, N, K) with (L, ·, K/32) scales, f32 result."""
+    import jax
+    import jax.numpy as jnp
+
+    dn = (((2,), (2,)), ((0,), (0,)))
+    return jax.lax.scaled_dot(x, y, lhs_scale=s, rhs_scale=t, dimension_numbers=dn,
+                              preferred_element_type=jnp.float32)
+
+
+# ------------------------------------------------------------------------------------------ one candidate
+class Watchdog:
+    """Ends the process (and with it any hung kernel) when one step takes longer than `limit_s`."""
+
+    def __init__(self, limit_s: float):
+        self.limit_s, self.step, self.since = limit_s, "start", time.perf_counter()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def at(self, step: str) -> None:
+        self.step, self.since = step, time.perf_counter()
+        progress(step)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            if time.perf_counter() - self.since > self.limit_s:
+                progress(f"WATCHDOG: '{self.step}' ran longer than {self.limit_s:.0f} s; exiting")
+                os._exit(3)
+
+
+def run_candidate(name: str, data_dir: str, out_dir: str, step_limit_s: float) -> None:
+    """Check and time one candidate; results go to out_dir/cand_<name>.json (rewritten after every step)."""
+    import torch  # noqa: F401
+
+    dog = Watchdog(step_limit_s)
+    kwargs = CANDIDATES[name]
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    result = {"name": name, "kwargs": {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()},
+              "checks": [], "timing_ms": {}, "phases_ms": {}, "compile_s": {}}
+    path = os.path.join(out_dir, f"cand_{name}.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+    def record(r: dict, ab: str, cd: str):
+        r.update(ab=ab, c=cd)
+        result["checks"].append(r)
+        save()
+        if not r.get("ok"):
+            progress(f"  FAIL {json.dumps(r, default=str)}")
+
+    runners = {}
+    for ab in AB_DTYPES:
+        for cd in C_DTYPES:
+            dog.at(f"{name}: compile {ab} -> {cd}")
+            try:
+                runners[(ab, cd)] = runner = KernelRunner(ab, cd, kwargs)
+            except Exception as e:
+                record({"case": "compile", "ok": False, "error": repr(e)[:500]}, ab, cd)
+                continue
+            result["compile_s"][f"{ab}->{cd}"] = round(runner.compile_s, 2)
+            dog.at(f"{name}: {ab} -> {cd} small shapes, special values, every code")
+            ranges = (SCALES_TYPICAL, SCALES_MIXED, SCALES_WIDE)
+            cases = ([("random", s, ranges[i % 3]) for i, s in enumerate(SMALL_SHAPES)]
+                     + [("special", s, SCALES_MIXED) for s in SPECIAL_SHAPES]
+                     + [("codes", None, SCALES_WIDE), ("codes", None, (100, 135))])
+            for kind, shape, scale_range in cases:
+                try:
+                    if kind == "codes":
+                        r = check_codes(runner, ab, cd, rng, scale_range)
+                    else:
+                        r = check_random(runner, ab, cd, shape, rng, kind == "special", scale_range)
+                except Exception as e:
+                    r = {"case": kind, "shape": shape, "ok": False, "error": repr(e)[:500]}
+                record(r, ab, cd)
+    for key, (ab, cd, shape, _) in BIG_CASES.items():
+        if (ab, cd) not in runners:
+            continue
+        dog.at(f"{name}: {key} (sampled rows)")
+        try:
+            with np.load(os.path.join(data_dir, key + ".npz")) as z:
+                data = {k: z[k] for k in z.files}
+            data["a"], data["b"] = data["a"].view(NP_AB[ab]), data["b"].view(NP_AB[ab])
+            r = check_big(runners[(ab, cd)], data, cd)
+        except Exception as e:
+            r = {"case": "big", "shape": shape, "ok": False, "error": repr(e)[:500]}
+        record(r, ab, cd)
+    e4m3_f32 = runners.get(("float8_e4m3fn", "float32"))
+    if e4m3_f32 is not None:
+        for shape in TIMING_SHAPES:
+            dog.at(f"{name}: time {shape}")
+            result["timing_ms"][str(shape)] = time_kernel(e4m3_f32, shape)
+            save()
+        for skip in (("dequant",), ("mma",)):
+            dog.at(f"{name}: time {BIG} without {skip[0]}")
+            try:
+                result["phases_ms"]["no " + skip[0]] = time_kernel(
+                    KernelRunner("float8_e4m3fn", "float32", kwargs, frozenset(skip)), BIG)
+            except Exception as e:
+                result["phases_ms"]["no " + skip[0]] = f"error: {e!r}"[:300]
+            save()
+    result["done"] = True
+    save()
+    dog.at(f"{name}: done")
+
+
+# ---------------------------------------------------------------------------------------------- the parent
+def make_big_data(data_dir: str) -> None:
+    """Random codes/scales of the BIG_CASES, with float64 reference rows and amax computed on the GPU in float64."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    tdt = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+    for key, (ab, _, (l, m, n, k), (lo, hi)) in BIG_CASES.items():
+        progress(f"data {key}")
+        kb = k // 32
+
+        def operand(rows):
+            spread = torch.exp2(torch.randint(-3, 4, (l, rows, 1), generator=g, device="cuda").double())
+            codes = (torch.randn((l, rows, k), generator=g, device="cuda", dtype=torch.float64) * spread)
+            codes = codes.float().to(tdt[ab])
+            scales = torch.randint(lo, hi, (l, rows, kb), generator=g, device="cuda", dtype=torch.uint8)
+            x64 = codes.double() * torch.exp2(scales.double() - 127).repeat_interleave(32, dim=-1)
+            return codes.view(torch.uint8).cpu().numpy(), scales.cpu().numpy(), x64
+
+        a, sa, a64 = operand(m)
+        b, sb, b64 = operand(n)
+        full = torch.matmul(a64, b64.transpose(1, 2))  # float64 on the GPU
+        amax_ref = full.abs().amax(dim=(1, 2)).cpu().numpy()
+        rows = np.sort(np.random.default_rng().choice(m, size=SAMPLED_ROWS, replace=False))
+        ref_rows = full[:, torch.from_numpy(rows).cuda()].cpu().numpy()
+        del full, a64, b64
+        torch.cuda.empty_cache()
+        np.savez(os.path.join(data_dir, key + ".npz"), a=a, b=b, sa=sa, sb=sb, rows=rows, ref_rows=ref_rows,
+                 amax_ref=amax_ref, shape=np.array((l, m, n, k)))
+
+
+def summarize(results: list, xla: dict) -> str:
+    """The compact tables (markdown) of every candidate's checks, timings and phase costs."""
+    lines = ["| candidate | checks passed | worst f32 C rel | worst bf16 bad elems | worst amax rel | failures |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        checks = r.get("checks", [])
+        f32 = [c["c_rel"] for c in checks if c.get("c") == "float32" and "c_rel" in c]
+        bf = [c["c_bad"] for c in checks if "c_bad" in c]
+        am = [c["amax_rel"] for c in checks if "amax_rel" in c]
+        fails = [f"{c.get('ab', '')[7:]}->{c.get('c', '')} {c.get('case')} {c.get('shape')}" for c in checks
+                 if not c.get("ok")]
+        status = "" if r.get("done") else " (INCOMPLETE: " + r.get("error", "see stderr") + ")"
+        lines.append(f"| {r['name']}{status} | {sum(bool(c.get('ok')) for c in checks)}/{len(checks)} | "
+                     f"{max(f32, default=float('nan')):.2e} | {max(bf, default=0)} | "
+                     f"{max(am, default=float('nan')):.2e} | "
+                     f"{'; '.join(fails[:4]) + (' …' if len(fails) > 4 else '')} |")
+    shapes = [str(s) for s in TIMING_SHAPES]
+    base = next((r for r in results if r["name"] == "current"), None)
+    lines += ["", "| E4M3 -> f32, ms (TFLOP/s) [speed-up vs current] | " + " | ".join(
+        "x".join(s.strip("()").split(", ")[1:]) for s in shapes) + " |", "|---" * (len(shapes) + 1) + "|"]
+
+    def cell(ms, shape, ref=None):
+        if not isinstance(ms, (int, float)):
+            return str(ms)[:40]
+        l, m, n, k = eval(shape)
+        extra = f" [{ref / ms:.2f}x]" if isinstance(ref, (int, float)) else ""
+        return f"{ms:.3f} ({2 * l * m * n * k / ms / 1e9:.0f}){extra}"
+
+    for r in results:
+        t = r.get("timing_ms", {})
+        bt = base.get("timing_ms", {}) if base else {}
+        lines.append(f"| {r['name']} | " + " | ".join(cell(t.get(s, "-"), s, bt.get(s)) for s in shapes) + " |")
+    for name, t in xla.items():
+        lines.append(f"| {name} (wall clock) | " + " | ".join(cell(t.get(s, "-"), s) for s in shapes) + " |")
+    lines += ["", "| 8192^3 E4M3 -> f32, ms | full | no dequantization | no wgmma |", "|---|---|---|---|"]
+    for r in results:
+        full = r.get("timing_ms", {}).get(str(BIG), "-")
+        p = r.get("phases_ms", {})
+        fmt = lambda x: f"{x:.3f}" if isinstance(x, (int, float)) else str(x)[:40]
+        lines.append(f"| {r['name']} | {fmt(full)} | {fmt(p.get('no dequant', '-'))} | {fmt(p.get('no mma', '-'))} |")
+    return "\n".join(lines)
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true", help="skip the 8192^3 correctness check")
-    p.add_argument("--no-bench", action="store_true")
-    p.add_argument("--no-xla", action="store_true", help="time the kernel only")
-    p.add_argument("--modes", default=",".join(DEQUANT_MODES), help="dequant modes to check (comma-separated)")
-    p.add_argument("--profile", action="store_true", help="also time every dequant mode (8192^3)")
-    p.add_argument("--profile-phases", action="store_true", help="with --profile: also leave phases out")
+    p.add_argument("--candidates", action="store_true", help="every candidate (default: the catalog default only)")
+    p.add_argument("--only", default="", help="comma-separated candidate names")
+    p.add_argument("--no-xla", action="store_true", help="skip the XLA baselines")
+    p.add_argument("--budget-s", type=float, default=280.0, help="skip what would not finish in time")
+    p.add_argument("--step-limit-s", type=float, default=60.0, help="watchdog: longest single step of a candidate")
+    p.add_argument("--candidate", default="", help=argparse.SUPPRESS)  # internal: run one candidate
+    p.add_argument("--data", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.candidate:
+        run_candidate(args.candidate, args.data, args.out, args.step_limit_s)
+        return 0
+
     import torch
 
-    print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__, flush=True)
-    profile = []
-    if args.profile:
-        for dq in DEQUANT_MODES:
-            for skip in ((), ("dequant",)) if args.profile_phases else ((),):
-                ms = time_kernel(KernelRunner("float8_e4m3fn", "float32", frozenset(skip), dq))
-                profile.append(f"| {dq} | {','.join(skip) or 'none'} | {ms:.3f} | {2 * np.prod(BIG) / ms / 1e9:.0f} |")
-                print(profile[-1], flush=True)
-    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
-    results, runners = [], {}
-    for dq in args.modes.split(","):
-        for ab in ("float8_e4m3fn", "float8_e5m2"):
-            for cd in ("float32", "bfloat16"):
-                runner = KernelRunner(ab, cd, dequant=dq)
-                if dq == DEFAULT_DEQUANT:
-                    runners[(ab, cd)] = runner
-                print(f"compiled {ab} -> {cd} ({dq}) in {runner.compile_s:.2f} s", flush=True)
-                for shape in ["special"] + SHAPES:
-                    big_ok = dq == DEFAULT_DEQUANT and not args.quick
-                    if shape == BIG and not (big_ok and (ab, cd) in {("float8_e4m3fn", "float32"),
-                                                                     ("float8_e5m2", "bfloat16")}):
-                        continue
-                    if shape == LONG_K and not (big_ok and (ab, cd) == ("float8_e4m3fn", "float32")):
-                        continue
-                    try:
-                        if shape == "special":
-                            r = check_one(runner, ab, cd, (2, 200, 136, 96), rng, special=True)
-                        else:
-                            r = check_one(runner, ab, cd, shape, rng)
-                    except Exception as e:  # keep going: report every case
-                        r = {"ab": ab, "c": cd, "shape": shape, "ok": False, "error": repr(e)[:300]}
-                    r["dequant"] = dq
-                    results.append(r)
-                    print(json.dumps(r), flush=True)
-    timing = {}
-    if not args.no_bench:
-        flops = 2.0 * np.prod(BIG)
-        timing["kernel"] = time_kernel(runners[("float8_e4m3fn", "float32")])
-        if not args.no_xla:
-            timing.update(time_xla())
-        timing = {name: (ms, flops / ms / 1e9) for name, ms in timing.items()}
-    with open(os.path.join(args.out, "kernel_standalone.json"), "w") as f:
-        json.dump({"results": results, "timing": timing}, f, indent=1, default=str)
-    print("\n| ab | c | dequant | L,M,N,K | ok | C err | amax rel |")
-    for r in results:
-        err = r.get("c_max_ulp", r.get("c_rel", "-"))
-        err = f"{err:.2e}" if isinstance(err, float) else err
-        unit = " ulp" if "c_max_ulp" in r else ""
-        if "c_bad" in r:
-            unit += f" ({r['c_bad']} bad)"
-        if r.get("special"):
-            unit += " [NaN/0 scales]"
-        shape = ",".join(map(str, r["shape"]))
-        print(f"| {r['ab'][7:]} | {r['c']} | {r['dequant']} | {shape} | {r['ok']} | {err}{unit} | "
-              f"{r.get('amax_rel', r.get('error'))} |")
-    if profile:
-        print("\n| dequant | 8192^3 e4m3 -> f32, phases left out | ms | TFLOP/s |")
-        print("\n".join(profile))
-    if timing:
-        print("\n| 8192^3 e4m3 -> f32 | ms (median of 25) | TFLOP/s |")
-        for name, (ms, tf) in timing.items():
-            print(f"| {name} | {ms:.3f} | {tf:.0f} |")
-    return 0 if all(r["ok"] for r in results) else 1
+    names = args.only.split(",") if args.only else (list(CANDIDATES) if args.candidates else ["current"])
+    unknown = [x for x in names if x not in CANDIDATES]
+    if unknown:
+        raise SystemExit(f"unknown candidates {unknown}; known: {list(CANDIDATES)}")
+    progress(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | candidates {names}")
+    results = []
+    with tempfile.TemporaryDirectory() as data_dir:
+        try:
+            make_big_data(data_dir)
+        except Exception as e:  # the candidates' big checks then fail with "no such file"; the rest still runs
+            progress(f"big data FAILED: {e!r}")
+        torch.cuda.empty_cache()
+        for i, name in enumerate(names):
+            left = args.budget_s - (time.perf_counter() - _T0)
+            if left < 20:
+                results.append({"name": name, "error": "skipped: out of time budget"})
+                progress(f"{name}: skipped (budget)")
+                continue
+            progress(f"candidate {name} ({i + 1}/{len(names)}), {left:.0f} s of budget left")
+            cmd = [sys.executable, os.path.abspath(__file__), "--candidate", name, "--data", data_dir,
+                   "--out", args.out, "--step-limit-s", str(args.step_limit_s)]
+            try:
+                proc = subprocess.run(cmd, timeout=max(20.0, left - 10), stdout=subprocess.DEVNULL)
+                rc = proc.returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            path = os.path.join(args.out, f"cand_{name}.json")
+            r = json.load(open(path)) if os.path.exists(path) else {"name": name}
+            if rc != 0:
+                r["error"] = f"exit status {rc}"
+            results.append(r)
+    xla = {}
+    if not args.no_xla:
+        left = args.budget_s - (time.perf_counter() - _T0)
+        shapes = TIMING_SHAPES if left > 60 else TIMING_SHAPES[:1] if left > 25 else []
+        if shapes:
+            xla = time_xla(shapes)
+    table = summarize(results, xla)
+    with open(os.path.join(args.out, "candidates.json"), "w") as f:
+        json.dump({"results": results, "xla_ms": xla}, f, indent=1, default=str)
+    with open(os.path.join(args.out, "candidates.md"), "w") as f:
+        f.write(table + "\n")
+    progress("done")
+    print(table)
+    return 0 if all(r.get("done") and all(c.get("ok") for c in r.get("checks", [])) for r in results) else 1
 
 
 if __name__ == "__main__":

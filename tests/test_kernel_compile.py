@@ -70,7 +70,13 @@ class CatalogTest(parameterized.TestCase):
         dict(kwargs=dict(c_dtype="float16"), match="c_dtype='float16'"),
         dict(kwargs=dict(tile_mn=(64, 64)), match="tile_mn"),
         dict(kwargs=dict(cluster_mn=(2, 1)), match="cluster_mn"),
-        dict(kwargs=dict(dequant="int"), match="dequant='int'"))
+        dict(kwargs=dict(dequant="int"), match="dequant='int'"),
+        dict(kwargs=dict(dequant="bf16x2"), match="dequant='bf16x2'"),
+        dict(kwargs=dict(tile_k=32), match="tile_k=32"),
+        dict(kwargs=dict(mma_buffers=4, promote=False), match="mma_buffers=4"),
+        dict(kwargs=dict(tile_mn=(128, 256)), match="promote=True needs tile_mn=(128, 128)"),
+        dict(kwargs=dict(mma_buffers=3), match="promote=True needs"),
+        dict(kwargs=dict(tile_mn=(128, 256), tile_k=128, promote=False), match="at least 2 are needed"))
     def test_kernel_config_errors_name_the_argument(self, kwargs, match):
         with self.assertRaisesRegex(ValueError, re.escape(match)):
             HopperMxf8GemmAmax(**kwargs)
@@ -99,20 +105,29 @@ class CompileTest(parameterized.TestCase):
         self.assertIn("cp.async.bulk.tensor", ptx)  # TMA loads
         self.assertIn("atom.global.max.s32", ptx)  # amax: integer atomic max on the float's bits
 
-    def test_bf16x2_dequant_mode_compiles_to_packed_bf16_multiplies(self):
+    def test_bits1_dequant_compiles_to_byte_permutes_and_packed_bf16_multiplies(self):
+        """The 128x256 candidate: codes -> bf16 by prmt/shift/and + packed bf16 multiplies, m64n256 bf16 wgmma."""
         import cutlass.cute as cute
         from cutlass.cutlass_dsl import CuTeDSL
 
-        kernel = HopperMxf8GemmAmax(ab_dtype="float8_e5m2", dequant="bf16x2")
+        kernel = HopperMxf8GemmAmax(ab_dtype="float8_e5m2", c_dtype="bfloat16", tile_mn=(128, 256), dequant="bits1",
+                                    mma_buffers=3, promote=False)
         envar = CuTeDSL._get_dsl().envar
         saved, envar.arch = envar._arch, "sm_90a"
         try:
             ptx = cute.compile(kernel, *catalog.fake_arguments(kernel), options="--keep-ptx").__ptx__
         finally:
             envar._arch = saved
+        # Per k-tile (64 wide) each consumer thread converts 2 A rows and 4 B rows of 16 codes (24 words): 2 prmt
+        # per word, and per output word 1 packed multiply (every scale byte of the warp <= 142) or 2 (the other
+        # path). Both paths appear twice: the first tile before the mainloop, then inside it.
+        self.assertEqual(ptx.count("prmt.b32"), 2 * 2 * 48)
+        self.assertEqual(len(re.findall(r"(?:mul|fma\.rn)\.bf16x2", ptx)), 2 * (48 + 96))
+        self.assertIn("vote.sync.all.pred", ptx)
+        self.assertRegex(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16")
+        self.assertNotIn("ld.local", ptx)  # no register spills to local memory
+        # The exact fallback for non-finite codes keeps the hardware converter.
         self.assertIn("cvt.rn.f16x2.e5m2x2", ptx)
-        self.assertIn("mul.bf16x2", ptx)
-        self.assertNotIn("cvt.rn.bf16x2.f32", ptx)
 
     @parameterized.named_parameters((v.key, v) for v in _PROJ_ROPE_VARIANTS)
     def test_proj_rope_compiles_with_bf16_wgmma_tma_and_the_fp8_converter(self, v):

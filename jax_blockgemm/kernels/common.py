@@ -116,3 +116,24 @@ def amax_block_reduce_and_publish(
         for w in cutlass.range_constexpr(1, num_warps):
             block_max = cutlass.max(block_max, smem_warp_amax[w])
         cute.arch.atomic_max(amax_ptr, block_max)
+
+
+# --- byte permute ------------------------------------------------------------------------------------------
+@dsl_user_op
+def prmt(a: cutlass.Int32, b: cutlass.Int32, selector: int, *, loc=None, ip=None) -> cutlass.Int32:
+    """PTX `prmt.b32` (default mode): byte i of the result is byte selector[i] of {b, a} (nibble bit 3: sign-fill).
+
+    Pure (no side effects), unlike cute.arch.prmt, so the compiler may schedule and deduplicate it.
+    """
+    out = llvm.inline_asm(
+        T.i32(),
+        [cutlass.Int32(a).ir_value(loc=loc, ip=ip), cutlass.Int32(b).ir_value(loc=loc, ip=ip)],
+        f"prmt.b32 $0, $1, $2, {int(selector)};",
+        "=r,r,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Int32(out)

@@ -1,14 +1,22 @@
 """Hopper (sm_90a) MXFP8 gemm_amax: FP8 codes x E8M0 scales dequantized to bf16 in shared memory, bf16 wgmma.
 
 Hopper has FP8 wgmma but no block-scaled MMA, and its FP8 wgmma accumulates with reduced precision inside each
-instruction (~2^-14 relative: SPEC §7's 1e-5 is out of reach that way, see benchmarks/NOTES.md). code·2^(s-127)
-is exact in bf16, so the consumers fold the scales into the operands and the bf16 tensor cores (fp32
-accumulation) do the rest. A producer warp streams FP8 A/B tiles with TMA through an mbarrier pipeline; the two
-consumer warpgroups dequantize k-tile k+1 into one of two bf16 buffers while the wgmma of k-tile k runs on the
-other; each k-tile's wgmma sum goes into a fresh partial that is added to the accumulator in fp32 (the tensor
-cores truncate when accumulating, which would bias long K). Scale words are read from the 512-byte atoms of
+instruction (~2^-14 relative, see benchmarks/NOTES.md). code·2^(s-127) is exact in bf16, so the consumers fold
+the scales into the operands and the bf16 tensor cores (fp32 accumulation) do the rest. A producer warp streams
+FP8 A/B tiles with TMA through an mbarrier pipeline; the two consumer warpgroups dequantize k-tile k+1 into one
+of 2-3 bf16 buffers while the wgmma of k-tile k runs on another. Optionally (`promote`) each k-tile's wgmma sum
+goes into a fresh partial added to the accumulator in fp32 (the tensor cores truncate when accumulating: ~1e-5
+relative drift at K = 16384 without it, inside SPEC §7's 1e-4). Scale words are read from the 512-byte atoms of
 SPEC §3 straight from global memory, one k-tile ahead. The epilogue stores C with predication (any M, N) and
 folds max|acc| into amax[l] with one integer atomic max per CTA.
+
+Three dequantizers (`dequant`), all exact: "f32" goes through the conversion pipe (FP8x2 -> f16x2 -> f32, times
+the scale, -> bf16x2); "bits" builds the bf16 bit pattern of code·2^-bias with a byte permute, a shift and a mask
+(bias 120 for E4M3, 112 for E5M2: FP8 subnormals land on bf16 subnormals), then two packed bf16 multiplies, by
+2^bias and by the scale; "bits1" multiplies once, by 2^(byte-127+bias), when that is a normal bf16 for every scale
+byte of the warp (bytes <= 134 for E4M3, <= 142 for E5M2: real MX data), and falls back to "bits" otherwise. The
+bit pattern is wrong for E4M3 NaN and E5M2 inf/NaN codes; one add and one xor per word flag those, and a thread
+that saw one redoes its part of the tile with "f32" (rare, exact).
 
 Phases are marked `producer`, `dequantize`, `mainloop`, `epilogue` in the kernel body.
 """
@@ -27,28 +35,43 @@ from jax_blockgemm.kernels import common
 
 _AB_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
 _C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
-SUPPORTED_TILES_MN = ((128, 128),)
+SUPPORTED_TILES_MN = ((128, 128), (128, 256))
+SUPPORTED_TILES_K = (64, 128)
+SUPPORTED_MMA_BUFFERS = (2, 3)
 SUPPORTED_CLUSTERS_MN = ((1, 1),)
 SF_VEC_SIZE = 32
-# How codes x scales become bf16 (both exact, both verified on the H200): "f32" converts through float32
-# (FP8x2 -> f16x2 -> f32, multiply, f32x2 -> bf16x2); "bf16x2" converts codes to f16x2 in hardware, moves the
-# f16 bits into bf16 fields with integer ops (value · 2^-112; FP8 values are normal f16 or exact f16 subnormals;
-# inf/NaN kept) and applies 2^112 and the scale with packed bf16 multiplies. The integer ops cost more than the
-# conversions they replace: 8192^3 takes 4.87 ms with "bf16x2" against 3.42 ms with "f32" (NOTES.md).
-DEQUANT_MODES = ("f32", "bf16x2")  # the first is the default
-_BF16X2_2POW112 = 0x77807780  # bf16 2^112 in both halves
-_BF16X2_NEG_ZERO = -0x7FFF8000  # 0x80008000 as int32: x·s + (-0) == x·s, also for x·s == +0
+DEQUANT_MODES = ("f32", "bits", "bits1")  # the first is the default
+_SMEM_RESERVE = 4096  # mbarriers and the per-warp amax slots
+
+
+def _i32(x: int) -> int:
+    """A 32-bit pattern as the signed int the DSL's Int32 constants take."""
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
+_NEG_ZERO_X2 = _i32(0x80008000)  # bf16x2 -0: x·s + (-0) == x·s, also for x·s == +0
+_BYTE_MSBS = _i32(0x80808080)
+# prmt selectors: bytes 0,1 (2,3) of a word into the low bytes of the two 16-bit halves, the high byte of each half
+# filled with that byte's sign bit.
+_PRMT_LO, _PRMT_HI = 0x9180, 0xB3A2
+# "bits" per FP8 format: (left shift of a sign-filled half, mask keeping magnitude + sign, bias: the bits are
+# code·2^-bias, per-byte add whose carry into bit 7 flags the non-finite codes: E4M3 |b| = 0x7F, E5M2 exponent 31).
+_BITS = {"float8_e4m3fn": (4, _i32(0x87F087F0), 120, 0x01010101),
+         "float8_e5m2": (5, _i32(0x8FE08FE0), 112, 0x04040404)}
+_BF16X2_EXPONENT_ONE = 0x00800080  # times e: bf16x2 2^(e-127) in both halves, for 1 <= e <= 254
 
 
 class HopperMxf8GemmAmax:
     """C = (A·sfa) (B·sfb)^T per batch, amax[l] = max|C[l]|, for MXFP8 K-major operands on sm_90a.
 
-    Compile-time configuration only; every size is a run-time scalar of the exported function.
+    Compile-time configuration only; every size is a run-time scalar of the exported function. `tile_k` defaults
+    to 128 for 128x128 tiles and 64 for 128x256 (shared memory); `promote` (the per-k-tile fp32 partial) needs the
+    128x128 tile (64 more registers per thread) and 2 bf16 buffers.
     """
 
     def __init__(self, *, ab_dtype: str = "float8_e4m3fn", c_dtype: str = "float32",
                  tile_mn: tuple[int, int] = (128, 128), cluster_mn: tuple[int, int] = (1, 1),
-                 dequant: str = "f32"):
+                 dequant: str = "f32", tile_k: int | None = None, mma_buffers: int = 2, promote: bool = True):
         if ab_dtype not in _AB_DTYPES:
             raise ValueError(f"ab_dtype={ab_dtype!r} is not supported; expected one of {sorted(_AB_DTYPES)}")
         if c_dtype not in _C_DTYPES:
@@ -59,17 +82,27 @@ class HopperMxf8GemmAmax:
             raise ValueError(f"cluster_mn={cluster_mn!r} is not supported; expected one of {SUPPORTED_CLUSTERS_MN}")
         if dequant not in DEQUANT_MODES:
             raise ValueError(f"dequant={dequant!r} is not supported; expected one of {DEQUANT_MODES}")
+        tile_k = (128 if tuple(tile_mn) == (128, 128) else 64) if tile_k is None else tile_k
+        if tile_k not in SUPPORTED_TILES_K:
+            raise ValueError(f"tile_k={tile_k!r} is not supported; expected one of {SUPPORTED_TILES_K}")
+        if mma_buffers not in SUPPORTED_MMA_BUFFERS:
+            raise ValueError(f"mma_buffers={mma_buffers!r} is not supported; expected one of {SUPPORTED_MMA_BUFFERS}")
+        if promote and (tuple(tile_mn) != (128, 128) or mma_buffers != 2):
+            raise ValueError(f"promote=True needs tile_mn=(128, 128) and mma_buffers=2, got tile_mn={tile_mn!r}, "
+                             f"mma_buffers={mma_buffers}")
         self.dequant_mode = dequant
+        self.promote = bool(promote)
+        self._bits = _BITS[ab_dtype]
         self.ab_dtype: Type[cutlass.Numeric] = _AB_DTYPES[ab_dtype]
         self.c_dtype: Type[cutlass.Numeric] = _C_DTYPES[c_dtype]
         self.acc_dtype = cutlass.Float32
-        self.tile_mnk = (*tile_mn, 4 * SF_VEC_SIZE)  # one k-tile = 4 k-blocks = one scale atom along K
+        self.tile_mnk = (*tile_mn, tile_k)
         self.cluster_mn = tuple(cluster_mn)
         # Codes x scales are exact in bfloat16 (same exponent range as float32, 8-bit significand), and the bf16
-        # tensor cores accumulate in float32 at full precision, unlike Hopper's FP8 wgmma (see NOTES.md).
+        # tensor cores accumulate in float32, unlike Hopper's FP8 wgmma (see NOTES.md).
         self.mma_dtype = cutlass.BFloat16
-        # Two consumer warpgroups, each owning 64 rows of the tile (64 + 64 fp32 registers per thread: the
-        # accumulator and the k-tile partial).
+        # Two consumer warpgroups, each owning 64 rows of the tile (64·bn/128 fp32 accumulator registers per
+        # thread, twice that with the promotion partial).
         self.atom_layout_mnk = (2, 1, 1)
         self.num_consumer_wgs = 2
         self.threads_per_wg = 128
@@ -79,12 +112,18 @@ class HopperMxf8GemmAmax:
         self.consumer_regs = 232
         self.epilogue_barrier_id = 1
         self.mainloop_barrier_id = 2
-        tile_elems = (self.tile_mnk[0] + self.tile_mnk[1]) * self.tile_mnk[2]
-        self.mma_buffers = 2  # bf16 tiles: the tensor cores read one while the consumers fill the other
+        tile_elems = (self.tile_mnk[0] + self.tile_mnk[1]) * tile_k
+        self.mma_buffers = mma_buffers  # bf16 tiles: the tensor cores read one or two while the consumers fill one
         mma_bytes = self.mma_buffers * tile_elems * self.mma_dtype.width // 8
         smem_capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
-        self.ab_stages = min(6, (smem_capacity - mma_bytes - 4096) // (tile_elems * self.ab_dtype.width // 8))
+        self.ab_stages = min(6, (smem_capacity - mma_bytes - _SMEM_RESERVE) // (tile_elems * self.ab_dtype.width // 8))
+        if self.ab_stages < 2:
+            raise ValueError(f"tile_mn={tile_mn!r}, tile_k={tile_k}, mma_buffers={mma_buffers} leave shared memory "
+                             f"for {self.ab_stages} FP8 stages; at least 2 are needed")
         self.buffer_align_bytes = 1024
+        # Dequantization: each consumer thread converts 16 consecutive codes of a row per pass.
+        self.cvt_threads_per_row = tile_k // 16
+        self.cvt_rows_per_pass = self.num_consumer_wgs * self.threads_per_wg // self.cvt_threads_per_row
         # Profiling only (benchmarks/kernel_standalone.py --profile): phases to leave out, from
         # {"dequant", "mma"}. The results are then wrong; never set in the catalog.
         self._skip: frozenset = frozenset()
@@ -152,51 +191,113 @@ class HopperMxf8GemmAmax:
             dtype)
         return cute.tile_to_shape(atom, (rows, self.tile_mnk[2], stages), order=(0, 1, 2))
 
-    @staticmethod
-    def load_scale_words(words, sfa_w, sfb_w, a_word, b_word, reps: int):
-        """Load this thread's scale words of one k-tile (its `reps` rows of A, then of B) into `words`."""
-        for r in range(reps):
-            words[r] = sfa_w[a_word + r]
-            words[reps + r] = sfb_w[b_word + r]
+    # ------------------------------------------------------------------------------------ dequantization
+    def tile_scale_byte(self, kt, lane_in_row):
+        """(k-atom, byte) of this thread's scales in k-tile `kt`: the atom holds 4 k-blocks of 32, a k-tile bk/32."""
+        blocks_per_tile = self.tile_mnk[2] // SF_VEC_SIZE
+        tiles_per_atom = common.ATOM_KB // blocks_per_tile
+        return kt // tiles_per_atom, (kt % tiles_per_atom) * blocks_per_tile + lane_in_row // 2
 
-    def dequantize(self, ab_pipeline, read_state, words, sfa_w, sfb_w, next_a_word, next_b_word, kblock, tXsA8,
-                   tXsB8, tXsA16, tXsB16, frag8, frag16, frag_h, reps: int, buf):
-        """Wait for one FP8 stage, write code x 2^(scale-127) as bf16 into buffer `buf`, release the stage.
+    def scale_word_bases(self, bases, cvt_row, batch, tile_m, tile_n, m, n, k_atoms):
+        """Word index (at k-atom 0) of the scale word of each row this thread converts: A's rows, then B's.
+
+        Row r of a tile is cvt_row + rows_per_pass·rep; the atom index is clamped to the last atom, so rows past
+        M (N) read a real scale word (their codes are TMA's zero fill and their C elements are never stored).
+        """
+        rpp = self.cvt_rows_per_pass
+        i = 0
+        for tile, rows, size in ((tile_m, self.tile_mnk[0], m), (tile_n, self.tile_mnk[1], n)):
+            atoms = (size + common.ATOM_MN - 1) // common.ATOM_MN
+            for rep in range(rows // rpp):
+                atom = cutlass.min(tile * (rows // common.ATOM_MN) + rpp * rep // common.ATOM_MN, atoms - 1)
+                in_atom = (cvt_row % 32) * 4 + (cvt_row // 32 + (rpp * rep % common.ATOM_MN) // 32) % 4
+                bases[i] = (batch * atoms + atom) * k_atoms * (common.ATOM_BYTES // 4) + in_atom
+                i += 1
+
+    def load_scale_words(self, words, bases, sfa_w, sfb_w, k_atom):
+        """Load this thread's scale words of one k-atom (its rows of A, then of B) into `words`."""
+        reps_a = self.tile_mnk[0] // self.cvt_rows_per_pass
+        for i in range(cute.size(words)):
+            src = sfa_w if i < reps_a else sfb_w
+            words[i] = src[bases[i] + k_atom * (common.ATOM_BYTES // 4)]
+
+    def dequantize(self, ab_pipeline, read_state, words, bases, sfa_w, sfb_w, next_k_atom, jbyte, operands, buf):
+        """Wait for one FP8 stage and load this thread's codes; returns (scales, flags, one_multiply).
 
         Plain Python (inlined at trace time). `words` holds this tile's scale words (loaded one tile ahead, so
-        their global-memory latency hides behind a k-tile); the next tile's are loaded here. Each thread converts
-        16 codes per row with float32 arithmetic (exact) and stores 16 bf16 values.
+        their global-memory latency hides behind a k-tile); the next tile's are loaded here. `operands` lists
+        (FP8 source, bf16 destination, FP8 fragment, bf16 fragment, first row) for A and B. "f32" converts and
+        stores here (`scales` are float32 values); the "bits" modes return the scale bytes, the non-finite-code
+        flags (some byte's bit 7 set: redo with `dequantize_exact`) and, for "bits1", whether every scale of the
+        warp allows one multiply; the caller then runs `convert_bits`.
         """
-        decode = common.e8m0_word_to_f32 if self.dequant_mode == "f32" else common.e8m0_word_to_bf16x2
-        sa = [decode(words[r], kblock) for r in range(reps)]
-        sb = [decode(words[reps + r], kblock) for r in range(reps)]
-        self.load_scale_words(words, sfa_w, sfb_w, next_a_word, next_b_word, reps)
+        if self.dequant_mode == "f32":
+            scales = [common.e8m0_word_to_f32(words[i], jbyte) for i in range(cute.size(words))]
+        else:
+            scales = [(words[i] >> (8 * jbyte)) & 0xFF for i in range(cute.size(words))]
+        self.load_scale_words(words, bases, sfa_w, sfb_w, next_k_atom)
         ab_pipeline.consumer_wait(read_state)
-        for src, dst, scales in (() if "dequant" in self._skip else ((tXsA8, tXsA16, sa), (tXsB8, tXsB16, sb))):
+        flags = cutlass.Int32(0)
+        for src, dst, frag8, frag16, first in (() if "dequant" in self._skip else operands):
             cute.autovec_copy(src[(None, None, None, read_state.index)], frag8)
-            for r in range(reps):
-                if self.dequant_mode == "f32":
-                    vals = frag8[(None, r, 0)].load().to(cutlass.Float32) * scales[r]
+            if self.dequant_mode == "f32":
+                for r in range(cute.size(frag8, mode=[1])):
+                    vals = frag8[(None, r, 0)].load().to(cutlass.Float32) * scales[first + r]
                     frag16[(None, r, 0)].store(vals.to(self.mma_dtype))
-                else:
-                    self._codes_to_bf16x2(frag8[(None, r, 0)], frag16[(None, r, 0)], scales[r], frag_h)
-            cute.autovec_copy(frag16, dst[(None, None, None, buf)])
-        ab_pipeline.consumer_release(read_state)
+                cute.autovec_copy(frag16, dst[(None, None, None, buf)])
+            else:
+                flag_add = self._bits[3]
+                q = cute.recast_tensor(frag8, cutlass.Int32)
+                for i in range(cute.size(q)):
+                    flags = flags | (q[i] ^ (q[i] + flag_add))
+        one_multiply = None
+        if self.dequant_mode == "bits1":
+            biggest = scales[0]
+            for x in scales[1:]:
+                biggest = cutlass.max(biggest, x)
+            # 2^(byte-127+bias) must be a normal bf16: byte + bias <= 254 (this also excludes the NaN byte 255).
+            one_multiply = cute.arch.vote_all_sync(biggest <= 254 - self._bits[2])
+        return scales, flags, one_multiply
 
-    @staticmethod
-    def _codes_to_bf16x2(codes: cute.Tensor, out: cute.Tensor, scale_bf16x2, frag_h: cute.Tensor):
-        """out = codes · scale in bf16 (exact): hardware FP8->f16x2, f16 bits -> bf16 fields, two bf16x2 FMAs."""
-        frag_h.store(codes.load().to(cutlass.Float16))
-        h_words = cute.recast_tensor(frag_h, cutlass.Int32)
-        o_words = cute.recast_tensor(out, cutlass.Int32)
-        for i in range(cute.size(h_words)):
-            h = h_words[i]
-            x = ((h >> 3) & 0x0FFF0FFF) | (h & _BF16X2_NEG_ZERO)  # bf16 bits of (value · 2^-112), both halves
-            # f16 inf/NaN (exponent 31) must keep an all-ones bf16 exponent: OR 0x7000 into those halves.
-            special = ((h & 0x7C007C00) + 0x04000400) & _BF16X2_NEG_ZERO  # bit 15 of each inf/NaN half
-            x = x | ((special >> 3) & 0x10001000) * 7
-            x = cute.arch.fma_packed_bf16x2(x, cutlass.Int32(_BF16X2_2POW112), cutlass.Int32(_BF16X2_NEG_ZERO))
-            o_words[i] = cute.arch.fma_packed_bf16x2(x, scale_bf16x2, cutlass.Int32(_BF16X2_NEG_ZERO))
+    def convert_bits(self, operands, scale_bytes, one_multiply: bool, buf):
+        """Convert the loaded codes (`dequantize`) to bf16 by bit arithmetic and store them into buffer `buf`.
+
+        Per 32-bit word of 4 codes: 2 prmt, 2 shifts, 2 ands give the bf16 bits of code·2^-bias for 2 codes each
+        (exact for every finite code, FP8 subnormals included); then per output word either one packed multiply
+        by 2^(byte-127+bias) (`one_multiply`: only for bytes up to 254-bias, so the constant is a normal bf16)
+        or two, by 2^bias and by the E8M0 scale (bytes 0 and 255 included).
+        """
+        shift, mask, bias, _ = self._bits
+        pow2_bias = (127 + bias) * _BF16X2_EXPONENT_ONE
+        neg_zero = cutlass.Int32(_NEG_ZERO_X2)
+        for src, dst, frag8, frag16, first in (() if "dequant" in self._skip else operands):
+            q = cute.recast_tensor(frag8, cutlass.Int32)  # (4 words per row) x rows
+            o = cute.recast_tensor(frag16, cutlass.Int32)
+            words_per_row = cute.size(q) // cute.size(frag8, mode=[1])
+            for r in range(cute.size(frag8, mode=[1])):
+                byte = scale_bytes[first + r]
+                if one_multiply:
+                    scale = (byte + bias) * _BF16X2_EXPONENT_ONE  # bf16x2 2^(byte-127+bias)
+                else:
+                    scale = common.e8m0_bits(byte)
+                    scale = scale | (scale >> 16)  # bf16x2 2^(byte-127), NaN for 255 (float32 bits' high half)
+                for i in range(r * words_per_row, (r + 1) * words_per_row):
+                    for half, selector in enumerate((_PRMT_LO, _PRMT_HI)):
+                        x = (common.prmt(q[i], 0, selector) << shift) & mask  # bf16 bits of code·2^-bias, 2 codes
+                        if not one_multiply:
+                            x = cute.arch.fma_packed_bf16x2(x, cutlass.Int32(pow2_bias), neg_zero)  # the codes
+                        o[2 * i + half] = cute.arch.fma_packed_bf16x2(x, scale, neg_zero)
+            cute.autovec_copy(frag16, dst[(None, None, None, buf)])
+
+    def dequantize_exact(self, stage, scale_bytes, operands, buf):
+        """Redo this thread's part of one tile through float32 (exact for every code; for the rare non-finite ones)."""
+        for src, dst, frag8, frag16, first in operands:
+            cute.autovec_copy(src[(None, None, None, stage)], frag8)
+            for r in range(cute.size(frag8, mode=[1])):
+                scale = common.f32_from_bits(common.e8m0_bits(scale_bytes[first + r]))
+                vals = frag8[(None, r, 0)].load().to(cutlass.Float32) * scale
+                frag16[(None, r, 0)].store(vals.to(self.mma_dtype))
+            cute.autovec_copy(frag16, dst[(None, None, None, buf)])
 
     # ---------------------------------------------------------------------------------------------- device
     @cute.kernel
@@ -262,16 +363,19 @@ class HopperMxf8GemmAmax:
             sB16 = storage.sB16.get_tensor(b16_smem_staged.outer, swizzle=b16_smem_staged.inner)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA16))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB16))
-            # The tensor cores truncate when they add into their accumulator, which biases long sums; each k-tile
-            # is summed into `partial` (8 wgmma k-steps) and added to `acc` with round-to-nearest fp32 adds.
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
-            partial = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
             acc.fill(0.0)
+            # With `promote`, each k-tile is summed into `partial` and added to `acc` with round-to-nearest fp32
+            # adds (the tensor cores truncate when they add into their accumulator, which biases long sums).
+            partial = acc
+            if cutlass.const_expr(self.promote):
+                partial = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
             num_k_steps = cute.size(tCrA, mode=[2])
 
-            # Dequantization: thread t converts rows t/8 + 32·rep (rep < 4) and k-columns [16·(t%8), +16) of
-            # both tiles; all 16 columns lie in k-block (t%8)/2, and the 4 rows' scale words are contiguous.
-            cvt_thr = cute.make_layout((32, 8), stride=(8, 1))
+            # Dequantization: thread t converts rows t / tpr + rows_per_pass·rep and k-columns [16·(t % tpr), +16)
+            # of both tiles (tpr = bk / 16 threads per row); all 16 columns lie in one k-block.
+            tpr = self.cvt_threads_per_row
+            cvt_thr = cute.make_layout((self.cvt_rows_per_pass, tpr), stride=(tpr, 1))
             cvt_val = cute.make_layout((1, 16), stride=(16, 1))
             copy_f8 = cute.make_tiled_copy_tv(
                 cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=128),
@@ -285,53 +389,89 @@ class HopperMxf8GemmAmax:
             tXsB8 = thr_f8.partition_S(sB)
             tXsA16 = thr_16.partition_D(sA16)  # (CPY, REP_M, 1, BUF)
             tXsB16 = thr_16.partition_D(sB16)
-            reps = cute.size(tXsA8, mode=[1])
-            frag8 = cute.make_rmem_tensor(tXsA8[(None, None, None, 0)].shape, self.ab_dtype)
-            frag16 = cute.make_rmem_tensor(tXsA16[(None, None, None, 0)].shape, self.mma_dtype)
-            frag_h = cute.make_rmem_tensor((cute.size(frag8, mode=[0]),), cutlass.Float16)
-            cvt_row = local_tid // 8
-            cvt_kblock = (local_tid % 8) // 2
+            reps_a = cute.size(tXsA8, mode=[1])
+            operands = (
+                (tXsA8, tXsA16, cute.make_rmem_tensor(tXsA8[(None, None, None, 0)].shape, self.ab_dtype),
+                 cute.make_rmem_tensor(tXsA16[(None, None, None, 0)].shape, self.mma_dtype), 0),
+                (tXsB8, tXsB16, cute.make_rmem_tensor(tXsB8[(None, None, None, 0)].shape, self.ab_dtype),
+                 cute.make_rmem_tensor(tXsB16[(None, None, None, 0)].shape, self.mma_dtype), reps_a))
+            reps = reps_a + cute.size(tXsB8, mode=[1])
+            cvt_row = local_tid // tpr
+            lane_in_row = local_tid % tpr
 
             # Scale atoms as 32-bit words: word (chunk·128 + (r%32)·4 + r//32) holds the 4 k-block scales of r.
             sfa_w = cute.make_tensor(cute.recast_ptr(sfa.iterator, dtype=cutlass.Int32),
                                      cute.make_layout((cute.size(sfa) // 4,)))
             sfb_w = cute.make_tensor(cute.recast_ptr(sfb.iterator, dtype=cutlass.Int32),
                                      cute.make_layout((cute.size(sfb) // 4,)))
-            tiles_m = (m + bm - 1) // bm
-            tiles_n = (n + bn - 1) // bn
-            a_word0 = (batch * tiles_m + tile_m) * k_tiles * 128 + cvt_row * 4
-            b_word0 = (batch * tiles_n + tile_n) * k_tiles * 128 + cvt_row * 4
+            k_atoms = (k + common.ATOM_KB * SF_VEC_SIZE - 1) // (common.ATOM_KB * SF_VEC_SIZE)
+            bases = cute.make_rmem_tensor((reps,), cutlass.Int32)
+            self.scale_word_bases(bases, cvt_row, batch, tile_m, tile_n, m, n, k_atoms)
+            words = cute.make_rmem_tensor((reps,), cutlass.Int32)
+            self.load_scale_words(words, bases, sfa_w, sfb_w, 0)
 
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-            words = cute.make_rmem_tensor((2 * reps,), cutlass.Int32)
-            self.load_scale_words(words, sfa_w, sfb_w, a_word0, b_word0, reps)
             # ------------------------------------------------------------------------------ dequantize tile 0
-            kt1 = cutlass.min(1, k_tiles - 1) * 128
-            self.dequantize(ab_pipeline, read_state, words, sfa_w, sfb_w, a_word0 + kt1, b_word0 + kt1,
-                            cvt_kblock, tXsA8, tXsB8, tXsA16, tXsB16, frag8, frag16, frag_h, reps, 0)
+            # (Names here differ from the mainloop's: a name assigned in both would become a loop-carried value.)
+            _, jbyte0 = self.tile_scale_byte(0, lane_in_row)
+            next_atom0, _ = self.tile_scale_byte(cutlass.min(1, k_tiles - 1), lane_in_row)
+            scales0, flags0, one0 = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w, next_atom0,
+                                                    jbyte0, operands, 0)
+            if cutlass.const_expr(self.dequant_mode == "bits"):
+                self.convert_bits(operands, scales0, False, 0)
+            if cutlass.const_expr(self.dequant_mode == "bits1"):
+                if one0:
+                    self.convert_bits(operands, scales0, True, 0)
+                else:
+                    self.convert_bits(operands, scales0, False, 0)
+            if cutlass.const_expr(self.dequant_mode != "f32"):
+                if (flags0 & _BYTE_MSBS) != 0:
+                    self.dequantize_exact(read_state.index, scales0, operands, 0)
+            ab_pipeline.consumer_release(read_state)
             read_state.advance()
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=self.mainloop_barrier_id, number_of_threads=2 * self.threads_per_wg)
 
             # ------------------------------------------------------------------------------ mainloop
+            # With 3 buffers the wgmma of k-tile kt may still run when the warpgroups meet at the barrier: the
+            # dequantization of kt+2 overwrites the buffer of kt-1, whose wgmma each warpgroup waited for.
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             for kt in range(k_tiles):
-                buf = kt % 2
+                buf = kt % self.mma_buffers
                 cute.nvgpu.warpgroup.fence()
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                if cutlass.const_expr(self.promote):
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
                 for ks in cutlass.range_constexpr(0 if "mma" in self._skip else num_k_steps):
                     cute.gemm(tiled_mma, partial, tCrA[(None, None, ks, buf)], tCrB[(None, None, ks, buf)], partial)
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.commit_group()
-                if kt + 1 < k_tiles:  # dequantize the next tile into the other buffer while the tensor cores run
-                    kt2 = cutlass.min(kt + 2, k_tiles - 1) * 128
-                    self.dequantize(ab_pipeline, read_state, words, sfa_w, sfb_w, a_word0 + kt2, b_word0 + kt2,
-                                    cvt_kblock, tXsA8, tXsB8, tXsA16, tXsB16, frag8, frag16, frag_h, reps, 1 - buf)
+                if kt + 1 < k_tiles:  # dequantize the next tile into a free buffer while the tensor cores run
+                    _, jbyte = self.tile_scale_byte(kt + 1, lane_in_row)
+                    next_atom, _ = self.tile_scale_byte(cutlass.min(kt + 2, k_tiles - 1), lane_in_row)
+                    nbuf = (kt + 1) % self.mma_buffers
+                    scales, flags, one = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w,
+                                                         next_atom, jbyte, operands, nbuf)
+                    if cutlass.const_expr(self.dequant_mode == "bits"):
+                        self.convert_bits(operands, scales, False, nbuf)
+                    if cutlass.const_expr(self.dequant_mode == "bits1"):
+                        if one:
+                            self.convert_bits(operands, scales, True, nbuf)
+                        else:
+                            self.convert_bits(operands, scales, False, nbuf)
+                    if cutlass.const_expr(self.dequant_mode != "f32"):
+                        if (flags & _BYTE_MSBS) != 0:
+                            self.dequantize_exact(read_state.index, scales, operands, nbuf)
+                    ab_pipeline.consumer_release(read_state)
                     read_state.advance()
                     cute.arch.fence_proxy("async.shared", space="cta")
-                cute.nvgpu.warpgroup.wait_group(0)
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    acc[i] = acc[i] + partial[i]
+                if cutlass.const_expr(self.promote):
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        acc[i] = acc[i] + partial[i]
+                else:
+                    cute.nvgpu.warpgroup.wait_group(self.mma_buffers - 2)
                 cute.arch.barrier(barrier_id=self.mainloop_barrier_id, number_of_threads=2 * self.threads_per_wg)
+            cute.nvgpu.warpgroup.wait_group(0)
 
             # ------------------------------------------------------------------------------ epilogue
             # The wgmma m64nNk16 accumulator fragment: value (v0, v1, v2) of a thread sits at row
