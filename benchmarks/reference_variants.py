@@ -61,6 +61,14 @@ DEFAULT = "default"  # reference._PROJ_ROPE_PLAN through reference.gemm_proj_rop
 # The formulation before this change (commit f7a3245), kept here to time it and to test bit-identity against it.
 
 
+def _legacy_round_to_e4m3_grid(y: jax.Array) -> jax.Array:
+    """formats.round_to_grid(y, E4M3) as it was: a division by the grid step."""
+    y = jnp.clip(y, -448.0, 448.0)
+    biased = (jax.lax.bitcast_convert_type(y, jnp.int32) >> 23) & 0xFF
+    ulp = formats._exp2(jnp.maximum(biased - 127, -6) - 3)
+    return jnp.round(y / ulp) * ulp
+
+
 def _legacy_quantize(y: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     """formats.quantize_mxfp8 (E4M3, block 32, ceil rule) as it was: two reductions per block, tokens moved last."""
     xb = formats._to_blocks(y.astype(jnp.float32), axis, 32)
@@ -69,7 +77,7 @@ def _legacy_quantize(y: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     e = jnp.where(bad, 128, formats.scale_exponent(amax, 448.0, rule="ceil"))
     v = formats._scale_by_exp2(xb, -jnp.clip(e, -127, 127)[..., None])
     v = jnp.where(bad[..., None], 0.0, jnp.clip(v, -448.0, 448.0))
-    codes = formats._from_blocks(formats.round_to_grid(v, E4M3).astype(E4M3), axis, y.shape[axis])
+    codes = formats._from_blocks(_legacy_round_to_e4m3_grid(v).astype(E4M3), axis, y.shape[axis])
     return codes, jnp.moveaxis(formats.exponent_to_e8m0(e), -1, axis)
 
 
