@@ -64,14 +64,26 @@ def _gemm_amax_abstract_eval(a, b, sfa, sfb, *maybe_alpha, c_dtype, a_major, b_m
             jax.core.ShapedArray(amax_shape, np.float32))
 
 
-def _gemm_amax_reference(a, b, sfa, sfb, *maybe_alpha, k, sf_vec_size, c_dtype, a_major, b_major, c_major, **_):
+def _gemm_amax_reference(a, b, sfa, sfb, *maybe_alpha, k, sf_vec_size, c_dtype, a_major, b_major, c_major,
+                         scaled_dot=False, **_):
     alpha = maybe_alpha[0] if maybe_alpha else None
     return reference.gemm_amax_reference(a, b, sfa, sfb, k=k, sf_vec_size=sf_vec_size, c_dtype=c_dtype,
-                                         a_major=a_major, b_major=b_major, c_major=c_major, alpha=alpha)
+                                         a_major=a_major, b_major=b_major, c_major=c_major, alpha=alpha,
+                                         scaled_dot=scaled_dot)
+
+
+def _lowering_platforms(ctx) -> tuple[str, ...]:
+    """The platforms this lowering rule emits code for (a subset of the module's under multi-platform export)."""
+    return tuple(getattr(ctx, "platforms", None) or ctx.module_context.platforms)
 
 
 def _gemm_amax_reference_lowering(ctx, *args, **params):
-    return mlir.lower_fun(functools.partial(_gemm_amax_reference, **params), multiple_results=True)(ctx, *args)
+    a, b = ctx.avals_in[:2]
+    l, m, n = _gemm_dims(a.shape, b.shape, params["a_major"], params["b_major"])
+    scaled_dot = reference.use_scaled_dot(_lowering_platforms(ctx), a.dtype, b.dtype,
+                                          sf_vec_size=params["sf_vec_size"], l=l, m=m, n=n, k=params["k"])
+    reference_fn = functools.partial(_gemm_amax_reference, **params, scaled_dot=scaled_dot)
+    return mlir.lower_fun(reference_fn, multiple_results=True)(ctx, *args)
 
 
 def _gemm_amax_cuda_lowering(ctx, *args, **params):

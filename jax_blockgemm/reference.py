@@ -17,7 +17,8 @@ asserts the few invariants it relies on.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import dataclasses
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,14 +27,18 @@ import numpy as np
 from jax_blockgemm import formats
 from jax_blockgemm.support import FP4_DTYPES, FP8_DTYPES, HEAD_DIM, MX_BLOCK, QK_NOPE, QK_ROPE
 
-__all__ = ["gemm_amax_reference", "gemm_proj_rope_reference", "apply_rope", "convert_c", "dequantize_bf16"]
+__all__ = ["gemm_amax_reference", "gemm_proj_rope_reference", "apply_rope", "convert_c", "dequantize_bf16",
+           "has_scaled_dot", "scaled_dot_applies", "use_scaled_dot"]
 
 # bfloat16 x bfloat16 products, float32 accumulation: the SPEC §6 contract, stated to XLA rather than implied.
 _DOT_ALGORITHM = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
 
 _WIDE_C_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
-
+# Platforms (as in jax.Device.platform) where the gemm_amax reference accumulates MXFP8 operands with
+# jax.lax.scaled_dot, and the smallest M*N*K*L from which it does. Empty (the route is off) until a device
+# measurement shows it faster there (benchmarks/reference_variants.py times both).
+SCALED_DOT_MIN_SIZE: dict[str, int] = {}
 
 def _bf16_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
     """bfloat16 dot_general with float32 accumulation and a float32 result."""
@@ -93,9 +98,47 @@ def convert_c(c: jax.Array, c_dtype: Any) -> jax.Array:
                      f"float4_e2m1fn (or uint8 for packed FP4); got {dtype.name}.")
 
 
+def has_scaled_dot() -> bool:
+    """Whether the installed jax has `jax.lax.scaled_dot` (XLA's block-scaled dot; jax 0.11 has it)."""
+    return callable(getattr(jax.lax, "scaled_dot", None))
+
+
+def scaled_dot_applies(a_dtype: Any, b_dtype: Any, *, sf_vec_size: int, k: int) -> bool:
+    """Whether `jax.lax.scaled_dot` can compute this call's accumulator: MXFP8 codes (E4M3/E5M2) on both sides
+    with E8M0 scales in whole 32-blocks along K, and an installed jax that has it."""
+    return (has_scaled_dot() and np.dtype(a_dtype) in FP8_DTYPES and np.dtype(b_dtype) in FP8_DTYPES
+            and sf_vec_size == MX_BLOCK and k % MX_BLOCK == 0)
+
+
+def use_scaled_dot(platforms: Sequence[str], a_dtype: Any, b_dtype: Any, *, sf_vec_size: int, l: int, m: int,
+                   n: int, k: int) -> bool:
+    """The one decision of the gemm_amax reference's accumulator: `jax.lax.scaled_dot` where it applies and every
+    platform the program is lowered for has been measured faster with it at this size (SCALED_DOT_MIN_SIZE);
+    the bfloat16-dequantization dot everywhere else."""
+    if not platforms or not scaled_dot_applies(a_dtype, b_dtype, sf_vec_size=sf_vec_size, k=k):
+        return False
+    thresholds = [SCALED_DOT_MIN_SIZE.get(p) for p in platforms]
+    return all(t is not None and l * m * n * k >= t for t in thresholds)
+
+
+def _scaled_operand(codes: jax.Array, atom: jax.Array, *, mn: int, k: int, k_axis: int) -> tuple[jax.Array, ...]:
+    """MXFP8 codes and their compact float8_e8m0fnu scales laid out like them, as `jax.lax.scaled_dot` takes them."""
+    scales = formats.from_scale_atom(atom, mn, k // MX_BLOCK)  # (L, MN, KB) bytes, padding dropped
+    if k_axis == 1:
+        scales = jnp.swapaxes(scales, 1, 2)
+    return codes, jax.lax.bitcast_convert_type(scales, formats.E8M0)
+
+
+def _scaled_dot(lhs: tuple[jax.Array, ...], rhs: tuple[jax.Array, ...], dimension_numbers) -> jax.Array:
+    """float32 accumulator of two (codes, scales) pairs through XLA's block-scaled dot."""
+    return jax.lax.scaled_dot(lhs[0], rhs[0], lhs_scale=lhs[1], rhs_scale=rhs[1],
+                              dimension_numbers=dimension_numbers, preferred_element_type=jnp.float32)
+
+
 def gemm_amax_reference(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Array, *, k: int,
                         sf_vec_size: int, c_dtype: Any, a_major: str = "k", b_major: str = "k",
-                        c_major: str = "n", alpha: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+                        c_major: str = "n", alpha: Optional[jax.Array] = None,
+                        scaled_dot: bool = False) -> tuple[jax.Array, jax.Array]:
     """Block-scaled GEMM with amax (SPEC §4) on canonical operands; returns (c, amax) with amax of shape (L,).
 
     a: (L, M, K) codes for a_major="k", (L, K, M) for "m"; b: (L, N, K) for b_major="k", (L, K, N) for "n".
@@ -105,6 +148,8 @@ def gemm_amax_reference(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Arr
 
     c is (L, M, N) for c_major="n", (L, N, M) for "m", a packed uint8 (L, M, N//2) for FP4 C. amax[l] is max |C|
     of batch l taken on the float32 accumulator (after alpha, before the conversion); NaN anywhere makes it NaN.
+    scaled_dot=True computes the accumulator with `jax.lax.scaled_dot` instead of the bfloat16-dequantization
+    dot (MXFP8 only, see `scaled_dot_applies`; `use_scaled_dot` decides when the primitives take it).
     """
     if a_major not in ("k", "m") or b_major not in ("k", "n") or c_major not in ("n", "m"):
         raise ValueError(f"a_major must be 'k' or 'm', b_major 'k' or 'n', c_major 'n' or 'm'; got "
@@ -115,12 +160,22 @@ def gemm_amax_reference(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Arr
     b_k_axis = 2 if b_major == "k" else 1
     m = a.shape[3 - a_k_axis]
     n = b.shape[3 - b_k_axis]
-    a_hat = _dequantize_operand(a, sfa, mn=m, k=k, sf_vec_size=sf_vec_size, k_axis=a_k_axis)
-    b_hat = _dequantize_operand(b, sfb, mn=n, k=k, sf_vec_size=sf_vec_size, k_axis=b_k_axis)
-    if c_major == "n":  # dot_general orders the result (batch, lhs free, rhs free): no transpose needed
-        acc = _bf16_dot(a_hat, b_hat, (((a_k_axis,), (b_k_axis,)), ((0,), (0,))))
+    if scaled_dot:
+        if not scaled_dot_applies(a.dtype, b.dtype, sf_vec_size=sf_vec_size, k=k):
+            raise ValueError(f"scaled_dot=True needs jax.lax.scaled_dot (installed: {has_scaled_dot()}), MXFP8 "
+                             f"operands, sf_vec_size=32 and K a multiple of 32; got a {a.dtype}, b {b.dtype}, "
+                             f"sf_vec_size={sf_vec_size}, K={k}.")
+        a_op = _scaled_operand(a, sfa, mn=m, k=k, k_axis=a_k_axis)
+        b_op = _scaled_operand(b, sfb, mn=n, k=k, k_axis=b_k_axis)
+        dot = _scaled_dot
     else:
-        acc = _bf16_dot(b_hat, a_hat, (((b_k_axis,), (a_k_axis,)), ((0,), (0,))))
+        a_op = _dequantize_operand(a, sfa, mn=m, k=k, sf_vec_size=sf_vec_size, k_axis=a_k_axis)
+        b_op = _dequantize_operand(b, sfb, mn=n, k=k, sf_vec_size=sf_vec_size, k_axis=b_k_axis)
+        dot = _bf16_dot
+    if c_major == "n":  # dot_general orders the result (batch, lhs free, rhs free): no transpose needed
+        acc = dot(a_op, b_op, (((a_k_axis,), (b_k_axis,)), ((0,), (0,))))
+    else:
+        acc = dot(b_op, a_op, (((b_k_axis,), (a_k_axis,)), ((0,), (0,))))
     if alpha is not None:
         alpha = jnp.asarray(alpha, jnp.float32)
         acc = acc * jnp.broadcast_to(alpha.reshape(-1), (acc.shape[0],))[:, None, None]
@@ -144,16 +199,77 @@ def apply_rope(y: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([y[..., :QK_NOPE], first, second], axis=-1)
 
 
-def gemm_proj_rope_reference(x: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Array, *,
-                             x_scale: Optional[jax.Array] = None, w_scale: Optional[jax.Array] = None,
-                             w_out_in: bool = True) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """DeepSeek-V3 MLA Q up-projection (SPEC §5): GEMM, per-head RoPE, MXFP8 E4M3 quantization both ways.
+def _apply_rope_select(y: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """`apply_rope` with the same float32 operations but no slice or concatenate: a pure elementwise map.
 
-    x: (T, K) bfloat16, or float8_e4m3fn codes with x_scale (T, K/32) E8M0 bytes. w: (H*192, K) when w_out_in,
-    else (K, H*192), same dtype as x, w_scale laid out like w. cos, sin: (T, 64) bfloat16.
-    Returns (out_fp8_row (T, H, 192), out_scales_row (T, H, 6) uint8, out_fp8_col (T, H, 192),
-    out_scales_col (T/32, H, 192) uint8); float32 from the accumulator through RoPE to quantization.
+    Each head is three 64-feature chunks; a reshape de-interleaves every chunk into (parity, j), the rotation
+    `pairs * [cos_lo; cos_hi] + swap(pairs) * [-sin_lo; sin_hi]` (x + (-y) rounds like x - y) runs on all three,
+    and a select keeps it only for the rotary chunk, so XLA can fuse RoPE into whatever reads Y.
     """
+    t, h, _ = y.shape
+    half = QK_ROPE // 2
+    chunks = HEAD_DIM // QK_ROPE
+    plain = y.reshape(t, h, chunks, 2, half)  # [c, r, j] = feature 64c + 32r + j
+    pairs = jnp.swapaxes(y.reshape(t, h, chunks, half, 2), -1, -2)  # [c, r, j] = feature 64c + 2j + r
+    cos = cos.astype(jnp.float32).reshape(t, 1, 1, 2, half)
+    sin = sin.astype(jnp.float32).reshape(t, 1, 1, 2, half)
+    signed_sin = sin * jnp.asarray([-1.0, 1.0], jnp.float32)[:, None]
+    rotated = pairs * cos + jnp.flip(pairs, axis=-2) * signed_sin
+    is_rotary = jax.lax.broadcasted_iota(jnp.int32, (1, 1, chunks, 1, 1), 2) == QK_NOPE // QK_ROPE
+    return jnp.where(is_rotary, rotated, plain).reshape(t, h, HEAD_DIM)
+
+
+def _quantize_rows_and_columns(y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """SPEC §5 step 3 on (T, H, 192) float32, both ways, on views of Y's own layout (no transpose).
+
+    Rowwise blocks are the last axis of (T, H, 6, 32); columnwise blocks the middle axis of (T/32, 32, H*192),
+    a reduction XLA runs down the columns, so both code maps read Y in the same order.
+    """
+    t, h, _ = y.shape
+    rows = y.reshape(t, h, HEAD_DIM // MX_BLOCK, MX_BLOCK)
+    e_row = formats.mx_block_exponents(rows, axis=-1, code_dtype=formats.E4M3)
+    cols = y.reshape(t // MX_BLOCK, MX_BLOCK, h * HEAD_DIM)
+    e_col = formats.mx_block_exponents(cols, axis=1, code_dtype=formats.E4M3)
+    row_codes = formats.mx_encode_blocks(rows, e_row, code_dtype=formats.E4M3).reshape(t, h, HEAD_DIM)
+    col_codes = formats.mx_encode_blocks(cols, e_col, code_dtype=formats.E4M3).reshape(t, h, HEAD_DIM)
+    row_scales = formats.exponent_to_e8m0(e_row[..., 0])
+    col_scales = formats.exponent_to_e8m0(e_col[:, 0]).reshape(t // MX_BLOCK, h, HEAD_DIM)
+    return row_codes, row_scales, col_codes, col_scales
+
+
+def _quantize_with_formats(y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """SPEC §5 step 3 through `formats.quantize_mxfp8` along each axis (the columnwise one moves tokens last)."""
+    row_codes, row_scales = formats.quantize_mxfp8(y, axis=-1, dtype=formats.E4M3, block=MX_BLOCK)
+    col_codes, col_scales = formats.quantize_mxfp8(y, axis=0, dtype=formats.E4M3, block=MX_BLOCK)
+    return row_codes, row_scales, col_codes, col_scales
+
+
+@dataclasses.dataclass(frozen=True)
+class _ProjRopePlan:
+    """How the proj_rope reference is laid out for XLA. Every plan computes the same bits; only speed differs.
+
+    barrier: where Y is pinned with an optimization_barrier: "rope" (after RoPE: one float32 Y is written, then
+    read by the quantizers), "dot" (after the dot: RoPE fuses into the quantizers), "none" (XLA decides).
+    rope: "concat" (`apply_rope`) or "select" (`_apply_rope_select`). quant: "view"
+    (`_quantize_rows_and_columns`) or "moveaxis" (`_quantize_with_formats`).
+    """
+
+    barrier: str = "rope"
+    rope: str = "concat"
+    quant: str = "view"
+
+
+_ROPES = {"concat": apply_rope, "select": _apply_rope_select}
+_QUANTIZERS = {"view": _quantize_rows_and_columns, "moveaxis": _quantize_with_formats}
+_PROJ_ROPE_PLAN = _ProjRopePlan()  # the default; benchmarks/reference_variants.py times the alternatives
+
+
+def _proj_rope(x: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Array, *, x_scale: Optional[jax.Array],
+               w_scale: Optional[jax.Array], w_out_in: bool,
+               plan: _ProjRopePlan) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`gemm_proj_rope_reference` laid out by `plan`."""
+    if plan.barrier not in ("rope", "dot", "none") or plan.rope not in _ROPES or plan.quant not in _QUANTIZERS:
+        raise ValueError(f"unknown proj_rope plan {plan}.")
     mxfp8 = x.dtype == np.dtype(jnp.float8_e4m3fn)
     if mxfp8:
         if x_scale is None or w_scale is None:
@@ -165,10 +281,22 @@ def gemm_proj_rope_reference(x: jax.Array, w: jax.Array, cos: jax.Array, sin: ja
     t, n = y.shape
     if t % MX_BLOCK:
         raise ValueError(f"x must have a multiple of {MX_BLOCK} tokens (the columnwise blocks); got T={t}.")
-    y = apply_rope(y.reshape(t, n // HEAD_DIM, HEAD_DIM), cos, sin)
-    # Materialize Y once (float32: no value changes). Left free, XLA:GPU fuses RoPE into the two quantizers in a
-    # way that measured slower: 3.4 ms against 2.4 ms for the whole op at T=4096, H=128, K=1536 on the H200.
-    y = jax.lax.optimization_barrier(y)
-    row_codes, row_scales = formats.quantize_mxfp8(y, axis=-1, dtype=jnp.float8_e4m3fn, block=MX_BLOCK)
-    col_codes, col_scales = formats.quantize_mxfp8(y, axis=0, dtype=jnp.float8_e4m3fn, block=MX_BLOCK)
-    return row_codes, row_scales, col_codes, col_scales
+    if plan.barrier == "dot":
+        y = jax.lax.optimization_barrier(y)
+    y = _ROPES[plan.rope](y.reshape(t, n // HEAD_DIM, HEAD_DIM), cos, sin)
+    if plan.barrier == "rope":
+        y = jax.lax.optimization_barrier(y)  # float32: no value changes
+    return _QUANTIZERS[plan.quant](y)
+
+
+def gemm_proj_rope_reference(x: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Array, *,
+                             x_scale: Optional[jax.Array] = None, w_scale: Optional[jax.Array] = None,
+                             w_out_in: bool = True) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """DeepSeek-V3 MLA Q up-projection (SPEC §5): GEMM, per-head RoPE, MXFP8 E4M3 quantization both ways.
+
+    x: (T, K) bfloat16, or float8_e4m3fn codes with x_scale (T, K/32) E8M0 bytes. w: (H*192, K) when w_out_in,
+    else (K, H*192), same dtype as x, w_scale laid out like w. cos, sin: (T, 64) bfloat16.
+    Returns (out_fp8_row (T, H, 192), out_scales_row (T, H, 6) uint8, out_fp8_col (T, H, 192),
+    out_scales_col (T/32, H, 192) uint8); float32 from the accumulator through RoPE to quantization.
+    """
+    return _proj_rope(x, w, cos, sin, x_scale=x_scale, w_scale=w_scale, w_out_in=w_out_in, plan=_PROJ_ROPE_PLAN)

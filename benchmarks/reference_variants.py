@@ -1,0 +1,416 @@
+"""Time every formulation of the pure-JAX reference on one device, beside its baselines, in one run.
+
+Usage: python3 benchmarks/reference_variants.py --out OUT/refvariants.json [--small] [--reps 20] [--budget-s 200]
+
+proj_rope (issue 11 item 5): the pre-change formulation ("legacy"), every `reference._ProjRopePlan` below, the
+default through the public API, XLA's bare bf16 dot (both weight layouts) and a plain unfused jnp pipeline (bf16
+dot -> RoPE -> row + column MXFP8, float32 Y), at T in {2048, 4096}, K = 1536, H = 128, bf16 and MXFP8 inputs.
+Every variant's four outputs must be bit-identical to the default's, on the timing inputs and on inputs with
+planted zero, NaN and inf blocks.
+
+gemm_amax (issue 10 item 2): the reference with the bfloat16-dequantization dot and with the `jax.lax.scaled_dot`
+route (where the installed jax has it), plus bare `jax.lax.scaled_dot`, MXFP8 E4M3 -> f32 at 8192^3,
+4096x24576x1536 and 4096x7168x16384; the route's C must be within 1e-4 (normwise) of the dequant path's and its
+amax within 1e-4, and a NaN scale must poison its row of C and amax.
+
+Times: median of --reps jitted calls, each ended by block_until_ready, after 3 warm-up calls, two fresh random
+input sets (non-zero, random block scales) alternating. Prints a progress line per case and a table at the end;
+writes everything to --out as JSON. --small runs tiny shapes (minutes on a CPU) to test the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:
+    import jax_blockgemm as jbg
+except ImportError:  # run from a checkout that is not installed
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import jax_blockgemm as jbg
+from jax_blockgemm import formats, reference
+
+E4M3 = jnp.float8_e4m3fn
+Plan = reference._ProjRopePlan
+
+# proj_rope formulations timed besides "legacy" (below) and "public_api" (the default through jbg's API)
+PROJ_ROPE_PLANS = {
+    "rope/concat/moveaxis": Plan(barrier="rope", rope="concat", quant="moveaxis"),
+    "rope/concat/view": Plan(barrier="rope", rope="concat", quant="view"),
+    "rope/select/view": Plan(barrier="rope", rope="select", quant="view"),
+    "dot/concat/view": Plan(barrier="dot", rope="concat", quant="view"),
+    "dot/select/view": Plan(barrier="dot", rope="select", quant="view"),
+    "none/concat/view": Plan(barrier="none", rope="concat", quant="view"),
+    "none/select/view": Plan(barrier="none", rope="select", quant="view"),
+    "none/select/moveaxis": Plan(barrier="none", rope="select", quant="moveaxis"),
+}
+DEFAULT = "default"  # reference._PROJ_ROPE_PLAN through reference.gemm_proj_rope_reference
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The formulation before this change (commit f7a3245), kept here to time it and to test bit-identity against it.
+
+
+def _legacy_round_to_e4m3_grid(y: jax.Array) -> jax.Array:
+    """formats.round_to_grid(y, E4M3) as it was: a division by the grid step."""
+    y = jnp.clip(y, -448.0, 448.0)
+    biased = (jax.lax.bitcast_convert_type(y, jnp.int32) >> 23) & 0xFF
+    ulp = formats._exp2(jnp.maximum(biased - 127, -6) - 3)
+    return jnp.round(y / ulp) * ulp
+
+
+def _legacy_quantize(y: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """formats.quantize_mxfp8 (E4M3, block 32, ceil rule) as it was: two reductions per block, tokens moved last."""
+    xb = formats._to_blocks(y.astype(jnp.float32), axis, 32)
+    finite = jnp.isfinite(xb)
+    amax, bad = formats.magnitude_max(jnp.where(finite, xb, 0.0)), ~jnp.all(finite, axis=-1)
+    e = jnp.where(bad, 128, formats.scale_exponent(amax, 448.0, rule="ceil"))
+    v = formats._scale_by_exp2(xb, -jnp.clip(e, -127, 127)[..., None])
+    v = jnp.where(bad[..., None], 0.0, jnp.clip(v, -448.0, 448.0))
+    codes = formats._from_blocks(_legacy_round_to_e4m3_grid(v).astype(E4M3), axis, y.shape[axis])
+    return codes, jnp.moveaxis(formats.exponent_to_e8m0(e), -1, axis)
+
+
+def legacy_proj_rope(x, w, cos, sin, *, x_scale=None, w_scale=None, w_out_in=True):
+    """reference.gemm_proj_rope_reference as it was: dot, concatenating RoPE, barrier, two moveaxis quantizations."""
+    if x.dtype == np.dtype(E4M3):
+        x = reference.dequantize_bf16(x, x_scale, block=32, axis=1)
+        w = reference.dequantize_bf16(w, w_scale, block=32, axis=1 if w_out_in else 0)
+    y = reference._bf16_dot(x, w, (((1,), (1 if w_out_in else 0,)), ((), ())))
+    t, n = y.shape
+    y = jax.lax.optimization_barrier(reference.apply_rope(y.reshape(t, n // 192, 192), cos, sin))
+    return (*_legacy_quantize(y, -1), *_legacy_quantize(y, 0))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Baselines
+
+
+def bare_dot(x, w, *, w_out_in):
+    """XLA's bf16 dot of the projection's shape, bf16 out (the issue's anchor)."""
+    return jax.lax.dot_general(x, w, (((1,), (1 if w_out_in else 0,)), ((), ())))
+
+
+def _plain_mxfp8(blocks: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """Textbook MXFP8 on a block view (no NaN/inf/zero-block care): ceil(log2(amax/448)), scale, cast."""
+    amax = jnp.max(jnp.abs(blocks), axis=axis, keepdims=True)
+    e = jnp.clip(jnp.ceil(jnp.log2(amax / 448.0)), -127, 127)
+    codes = jnp.clip(blocks * jnp.exp2(-e), -448.0, 448.0).astype(E4M3)
+    return codes, (e + 127).astype(jnp.uint8)
+
+
+def unfused_pipeline(x, w, cos, sin, *, x_scale=None, w_scale=None):
+    """A plain jnp pipeline of the same math: bf16 dot (f32 out) -> RoPE -> row and column MXFP8 (w as (N, K))."""
+    if x.dtype == np.dtype(E4M3):
+        x = reference.dequantize_bf16(x, x_scale, block=32, axis=1)
+        w = reference.dequantize_bf16(w, w_scale, block=32, axis=1)
+    y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    t, n = y.shape
+    y = reference.apply_rope(y.reshape(t, n // 192, 192), cos, sin)
+    row_codes, row_scales = _plain_mxfp8(y.reshape(t, n // 192, 6, 32), -1)
+    col_codes, col_scales = _plain_mxfp8(y.reshape(t // 32, 32, n), 1)
+    return row_codes.reshape(t, n // 192, 192), row_scales, col_codes.reshape(t, n // 192, 192), col_scales
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Timing and inputs
+
+
+def median_ms(fn: Callable, arg_sets: list, *, reps: int, warmup: int = 3) -> float:
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    times = []
+    for i in range(reps):
+        args = arg_sets[i % len(arg_sets)]
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def proj_rope_inputs(key, *, t: int, h: int, k: int, mxfp8: bool, special: bool = False) -> tuple:
+    """(x, w, cos, sin[, x_scale, w_scale]) with w as (H*192, K), made on the device. special=True plants a zero
+    token, a NaN and an inf in x (and a NaN scale byte on the MXFP8 path)."""
+    kx, kw, ka, ks1, ks2 = jax.random.split(key, 5)
+    n = h * 192
+    angles = jax.random.uniform(ka, (t, 64), jnp.float32, -np.pi, np.pi)
+    cos, sin = jnp.cos(angles).astype(jnp.bfloat16), jnp.sin(angles).astype(jnp.bfloat16)
+    if mxfp8:
+        x = jnp.clip(jax.random.normal(kx, (t, k)) * 32.0, -448, 448).astype(E4M3)
+        w = jnp.clip(jax.random.normal(kw, (n, k)) * 32.0, -448, 448).astype(E4M3)
+        x_scale = jax.random.randint(ks1, (t, k // 32), 119, 128).astype(jnp.uint8)
+        w_scale = jax.random.randint(ks2, (n, k // 32), 119, 128).astype(jnp.uint8)
+    else:
+        x = (jax.random.normal(kx, (t, k)) * 2.0).astype(jnp.bfloat16)
+        w = (jax.random.normal(kw, (n, k)) / np.sqrt(k)).astype(jnp.bfloat16)
+    if special:  # zero token 1 and feature 5 (zero row and column blocks), NaN in token t/2, inf in token t-1
+        x, w = x.at[1].set(0), w.at[5].set(0)
+        if mxfp8:  # E4M3 has no inf: a NaN scale byte, and scale bytes that overflow the dequantized operand
+            x_scale = x_scale.at[t // 2, 0].set(0xFF).at[t - 1, :].set(254)
+        else:
+            x = x.at[t // 2, 3].set(jnp.nan).at[t - 1, k // 2].set(jnp.inf)
+    return (x, w, cos, sin, x_scale, w_scale) if mxfp8 else (x, w, cos, sin)
+
+
+def _as_bits(a: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype != np.dtype(jnp.uint8) else a
+
+
+def mismatches(outs, ref) -> list[int]:
+    """Differing elements per output (compared as raw bytes, so NaN codes compare too)."""
+    return [int(jnp.sum(_as_bits(a) != _as_bits(b))) for a, b in zip(outs, ref)]
+
+
+def proj_rope_fns(mxfp8: bool) -> dict[str, Callable]:
+    def with_scales(fn):
+        if mxfp8:
+            return lambda x, w, c, s, xs, ws: fn(x, w, c, s, x_scale=xs, w_scale=ws)
+        return lambda x, w, c, s: fn(x, w, c, s)
+
+    fns = {DEFAULT: with_scales(reference.gemm_proj_rope_reference), "legacy": with_scales(legacy_proj_rope),
+           "public_api": with_scales(functools.partial(jbg.gemm_proj_rope_mxfp8, implementation="xla"))}
+    for name, plan in PROJ_ROPE_PLANS.items():
+        fns[name] = with_scales(functools.partial(reference._proj_rope, w_out_in=True, plan=plan,
+                                                  **({} if mxfp8 else dict(x_scale=None, w_scale=None))))
+    return {name: jax.jit(fn) for name, fn in fns.items()}
+
+
+class Budget:
+    """Wall-clock budget: cases after the deadline are recorded as skipped, not run."""
+
+    def __init__(self, seconds: float):
+        self.start, self.seconds = time.perf_counter(), seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> bool:
+        return self.elapsed() < self.seconds
+
+
+def log(budget: Budget, msg: str) -> None:
+    print(f"[{budget.elapsed():6.1f}s] {msg}", flush=True)
+
+
+def run_proj_rope(key, *, t: int, h: int, k: int, mxfp8: bool, reps: int, budget: Budget) -> dict:
+    path = "mxfp8" if mxfp8 else "bf16"
+    case = {"t": t, "h": h, "k": k, "path": path, "variants": {}}
+    sets = [proj_rope_inputs(kk, t=t, h=h, k=k, mxfp8=mxfp8) for kk in jax.random.split(key, 2)]
+    special = proj_rope_inputs(jax.random.fold_in(key, 7), t=t, h=h, k=k, mxfp8=mxfp8, special=True)
+    baselines = {"unfused_pipeline": jax.jit(lambda x, w, c, s, *sc: unfused_pipeline(x, w, c, s, **(
+        dict(x_scale=sc[0], w_scale=sc[1]) if sc else {})))}
+    if not mxfp8:
+        wt = [jnp.asarray(s[1].T) for s in sets]
+        baselines["bare_dot_w_nk"] = jax.jit(lambda x, w, *_: bare_dot(x, w, w_out_in=True))
+        baselines["bare_dot_w_kn"] = jax.jit(lambda x, w, *_: bare_dot(x, w, w_out_in=False))
+    for name, fn in baselines.items():  # first: cheap to compile, and every ratio needs them
+        if not budget.left():
+            case["variants"][name] = {"skipped": "time budget"}
+            continue
+        arg_sets = [(s[0], wt[i]) for i, s in enumerate(sets)] if name == "bare_dot_w_kn" else sets
+        case["variants"][name] = {"ms": median_ms(fn, arg_sets, reps=reps)}
+        log(budget, f"proj_rope T={t} {path:5} {name:22} {case['variants'][name]['ms']:8.3f} ms")
+    fns = proj_rope_fns(mxfp8)
+    ref_clean, ref_special = fns[DEFAULT](*sets[0]), fns[DEFAULT](*special)
+    for name, fn in fns.items():
+        if not budget.left():
+            case["variants"][name] = {"skipped": "time budget"}
+            continue
+        try:
+            m_clean, m_special = mismatches(fn(*sets[0]), ref_clean), mismatches(fn(*special), ref_special)
+            ms = median_ms(fn, sets, reps=reps)
+            case["variants"][name] = {"ms": ms, "identical": not any(m_clean) and not any(m_special),
+                                      "mismatches_clean": m_clean, "mismatches_special": m_special}
+            log(budget, f"proj_rope T={t} {path:5} {name:22} {ms:8.3f} ms  identical="
+                        f"{case['variants'][name]['identical']}")
+        except Exception as e:  # a formulation that fails to compile or run is reported, not hidden
+            case["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            log(budget, f"proj_rope T={t} {path:5} {name:22} ERROR {case['variants'][name]['error']}")
+    return case
+
+
+def gemm_inputs(key, m: int, n: int, k: int) -> tuple:
+    """E4M3 codes (1, M, K), (1, N, K) and physical scale atoms with random bytes in [118, 136)."""
+    ka, kb, ksa, ksb = jax.random.split(key, 4)
+    a = jnp.clip(jax.random.normal(ka, (1, m, k)) * 4.0, -448, 448).astype(E4M3)
+    b = jnp.clip(jax.random.normal(kb, (1, n, k)) * 4.0, -448, 448).astype(E4M3)
+    sfa = jax.random.randint(ksa, (1, m, k // 32), 118, 136).astype(jnp.uint8)
+    sfb = jax.random.randint(ksb, (1, n, k // 32), 118, 136).astype(jnp.uint8)
+    return a, b, formats.to_scale_atom(sfa), formats.to_scale_atom(sfb), sfa, sfb
+
+
+def gemm_fns(k: int) -> dict[str, Callable]:
+    ref = functools.partial(reference.gemm_amax_reference, k=k, sf_vec_size=32, c_dtype=np.dtype(jnp.float32))
+    fns = {"dequant": lambda a, b, sa, sb, *_: ref(a, b, sa, sb, scaled_dot=False)}
+    if reference.has_scaled_dot():
+        fns["scaled_dot"] = lambda a, b, sa, sb, *_: ref(a, b, sa, sb, scaled_dot=True)
+
+        def bare(a, b, _sa, _sb, sa, sb):
+            e8 = lambda s: jax.lax.bitcast_convert_type(s, formats.E8M0)
+            return jax.lax.scaled_dot(a, b, lhs_scale=e8(sa), rhs_scale=e8(sb),
+                                      dimension_numbers=(((2,), (2,)), ((0,), (0,))),
+                                      preferred_element_type=jnp.float32)
+
+        fns["lax_scaled_dot_bare"] = bare
+    return {name: jax.jit(fn) for name, fn in fns.items()}
+
+
+def _relative(got: jax.Array, want: jax.Array) -> float:
+    err = jnp.sqrt(jnp.sum(jnp.square(got - want)))
+    return float(err / jnp.sqrt(jnp.sum(jnp.square(want))))
+
+
+def nan_scale_poisons(k: int = 128) -> dict:
+    """The scaled_dot route with one NaN scale byte in A: exactly that row of C NaN, amax NaN."""
+    a, b, _, _, sfa, sfb = gemm_inputs(jax.random.key(3), 160, 96, k)
+    sfa = sfa.at[0, 37, 1].set(0xFF)
+    fn = jax.jit(functools.partial(reference.gemm_amax_reference, k=k, sf_vec_size=32,
+                                   c_dtype=np.dtype(jnp.float32), scaled_dot=True))
+    c, amax = fn(a, b, formats.to_scale_atom(sfa), formats.to_scale_atom(sfb))
+    nan_rows = np.flatnonzero(np.isnan(np.asarray(c[0])).any(axis=1))
+    full_row = bool(np.isnan(np.asarray(c[0, 37])).all())
+    return {"nan_rows": nan_rows.tolist(), "row_all_nan": full_row, "amax_nan": bool(np.isnan(amax[0])),
+            "ok": nan_rows.tolist() == [37] and full_row and bool(np.isnan(amax[0]))}
+
+
+def run_gemm(key, *, m: int, n: int, k: int, reps: int, budget: Budget) -> dict:
+    case = {"shape": [m, n, k], "variants": {}}
+    flops = 2.0 * m * n * k
+    sets = [gemm_inputs(kk, m, n, k) for kk in jax.random.split(key, 2)]
+    fns = gemm_fns(k)
+    c_ref, amax_ref = fns["dequant"](*sets[0])
+    for name, fn in fns.items():
+        if not budget.left():
+            case["variants"][name] = {"skipped": "time budget"}
+            continue
+        try:
+            out = fn(*sets[0])
+            c = out[0] if isinstance(out, tuple) else out
+            row = {"rel_err_vs_dequant": _relative(c, c_ref)}
+            if isinstance(out, tuple):
+                row["amax_rel_err"] = float(jnp.abs(out[1][0] - amax_ref[0]) / amax_ref[0])
+            row["ok"] = row["rel_err_vs_dequant"] <= 1e-4 and row.get("amax_rel_err", 0.0) <= 1e-4
+            del out, c
+            row["ms"] = median_ms(fn, sets, reps=reps)
+            row["tflops"] = flops / row["ms"] / 1e9
+            case["variants"][name] = row
+            log(budget, f"gemm {m}x{n}x{k} {name:20} {row['ms']:8.3f} ms {row['tflops']:6.0f} TF  "
+                        f"rel {row['rel_err_vs_dequant']:.2e} ok={row['ok']}")
+        except Exception as e:
+            case["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            log(budget, f"gemm {m}x{n}x{k} {name:20} ERROR {case['variants'][name]['error']}")
+    return case
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Report
+
+
+def _cell(v: dict, base_ms: float | None = None) -> str:
+    if "ms" not in v:
+        return "skipped" if "skipped" in v else "ERROR"
+    ratio = f" {v['ms'] / base_ms:5.2f}x" if base_ms else ""
+    flag = "" if v.get("identical", True) else " DIFF"
+    return f"{v['ms']:7.3f}{ratio}{flag}"
+
+
+def print_tables(record: dict) -> None:
+    cases = record["proj_rope"]
+    if cases:
+        print("\nproj_rope: ms and ratio to the faster bare bf16 dot of the same T (DIFF = not bit-identical to the "
+              "default)")
+        cols = [f"T={c['t']} {c['path']}" for c in cases]
+        print(f"{'variant':24}" + "".join(f"{h:>22}" for h in cols))
+        dots = {}
+        for c in cases:
+            if c["path"] == "bf16":
+                ms = [c["variants"][d]["ms"] for d in ("bare_dot_w_nk", "bare_dot_w_kn")
+                      if "ms" in c["variants"].get(d, {})]
+                dots[c["t"]] = min(ms) if ms else None
+        names = list(dict.fromkeys(n for c in cases for n in c["variants"]))
+        for name in names:
+            row = [_cell(c["variants"].get(name, {"skipped": 1}), dots.get(c["t"])) for c in cases]
+            print(f"{name:24}" + "".join(f"{r:>22}" for r in row))
+    if record["gemm"]:
+        print("\ngemm_amax reference, E4M3 -> f32: ms (TFLOP/s), C error against the dequant path")
+        for c in record["gemm"]:
+            m, n, k = c["shape"]
+            parts = []
+            for name, v in c["variants"].items():
+                if "ms" in v:
+                    parts.append(f"{name} {v['ms']:.3f} ({v['tflops']:.0f}) rel {v['rel_err_vs_dequant']:.1e}"
+                                 f"{'' if v['ok'] else ' FAIL'}")
+                else:
+                    parts.append(f"{name} {'skipped' if 'skipped' in v else 'ERROR'}")
+            dq, sd = c["variants"].get("dequant", {}), c["variants"].get("scaled_dot", {})
+            speedup = f"  scaled_dot/dequant {sd['ms'] / dq['ms']:.2f}" if "ms" in dq and "ms" in sd else ""
+            print(f"{m}x{n}x{k}: " + " | ".join(parts) + speedup)
+    if "nan_scale" in record:
+        print(f"\nscaled_dot route, NaN scale byte: {record['nan_scale']}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "refvariants.json"))
+    parser.add_argument("--small", action="store_true", help="tiny shapes: a quick run of the script on a CPU")
+    parser.add_argument("--reps", type=int, default=None, help="timed calls per case (default 20, --small 3)")
+    parser.add_argument("--budget-s", type=float, default=200.0, help="skip cases started after this many seconds")
+    args = parser.parse_args(argv)
+    reps = args.reps or (3 if args.small else 20)
+    if args.small:
+        proj_shapes, h, k, gemm_shapes = [64], 3, 96, [(256, 192, 320), (96, 160, 64)]
+    else:
+        proj_shapes, h, k = [4096, 2048], 128, 1536
+        gemm_shapes = [(8192, 8192, 8192), (4096, 24576, 1536), (4096, 7168, 16384)]
+    budget = Budget(args.budget_s)
+    device = jax.devices()[0]
+    record = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": device.device_kind,
+              "platform": device.platform, "jax": jax.__version__, "command": " ".join(sys.argv),
+              "default_plan": str(reference._PROJ_ROPE_PLAN), "has_scaled_dot": reference.has_scaled_dot(),
+              "reps": reps, "proj_rope": [], "gemm": []}
+    log(budget, f"{record['device']} ({record['platform']}), jax {record['jax']}, default plan "
+                f"{record['default_plan']}, scaled_dot {'present' if record['has_scaled_dot'] else 'absent'}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def save() -> None:  # after every case, so that a run cut short still leaves its figures
+        record["elapsed_s"] = budget.elapsed()
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+
+    key = jax.random.key(2026)
+
+    def proj_rope_cases(t: int) -> None:
+        for mxfp8 in (False, True):
+            record["proj_rope"].append(run_proj_rope(jax.random.fold_in(key, t * 2 + mxfp8), t=t, h=h, k=k,
+                                                     mxfp8=mxfp8, reps=reps, budget=budget))
+            save()
+
+    proj_rope_cases(proj_shapes[0])  # the headline T first, then the GEMMs, then the other T (budget order)
+    for i, (m, n, kk) in enumerate(gemm_shapes):
+        record["gemm"].append(run_gemm(jax.random.fold_in(key, 100 + i), m=m, n=n, k=kk, reps=reps, budget=budget))
+        save()
+    for t in proj_shapes[1:]:
+        proj_rope_cases(t)
+    if reference.has_scaled_dot():
+        try:
+            record["nan_scale"] = nan_scale_poisons()
+        except Exception as e:
+            record["nan_scale"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    save()
+    print_tables(record)
+    print(f"\nwrote {args.out} after {record['elapsed_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
