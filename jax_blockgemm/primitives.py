@@ -70,7 +70,17 @@ def _gemm_amax_reference(a, b, sfa, sfb, *maybe_alpha, k, sf_vec_size, c_dtype, 
                                          a_major=a_major, b_major=b_major, c_major=c_major, alpha=alpha)
 
 
+def _no_kernel_off_cuda(ctx, op: str, implementation: Any) -> None:
+    """SPEC §6: 'cutedsl' demands a kernel and there is none off CUDA, so say so rather than run the reference."""
+    if implementation == "cutedsl":
+        platforms = tuple(getattr(ctx, "platforms", None) or ctx.module_context.platforms)
+        raise ValueError(f"implementation='cutedsl': {op} has no CuTeDSL kernel on platform"
+                         f"{'s' * (len(platforms) > 1)} {', '.join(platforms)} (kernels run on CUDA GPUs only); use "
+                         "implementation=None or 'xla'.")
+
+
 def _gemm_amax_reference_lowering(ctx, *args, **params):
+    _no_kernel_off_cuda(ctx, "gemm_amax", params["implementation"])
     return mlir.lower_fun(functools.partial(_gemm_amax_reference, **params), multiple_results=True)(ctx, *args)
 
 
@@ -139,6 +149,7 @@ def _proj_rope_reference(x, w, cos, sin, *scales, w_out_in, mxfp8, **_):
 
 
 def _proj_rope_reference_lowering(ctx, *args, **params):
+    _no_kernel_off_cuda(ctx, "gemm_proj_rope_mxfp8", params["implementation"])
     return mlir.lower_fun(functools.partial(_proj_rope_reference, **params), multiple_results=True)(ctx, *args)
 
 
