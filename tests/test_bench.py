@@ -256,6 +256,22 @@ class TimingTest(absltest.TestCase):
         self.assertGreater(float(jnp.mean(codes.astype(jnp.float32) != 0)), 0.9)
 
 
+class LaunchCostsTest(absltest.TestCase):
+
+    def test_launch_costs(self):
+        """--launch: first calls in fresh processes and per-call costs are positive; no kernel here is n/a."""
+        launch = bench.launch_costs(calls=50)
+        ours = launch["ours"]
+        for key in ("first_call_cold_ms", "first_call_warm_cache_ms", "per_call_us"):
+            self.assertTrue(math.isfinite(ours[key]) and ours[key] > 0, key)
+        self.assertGreater(launch["plain_xla_op_us"], 0)
+        if not _has_kernel_gpu():
+            self.assertIn("no CuTeDSL kernel", launch["ours_cutedsl"]["na"])
+        lines = bench.format_launch(launch)
+        self.assertIn("launch costs, gemm_amax 128x128x128", lines[1])
+        self.assertIn(f"{ours['per_call_us']:.1f} us per call", lines[2])
+
+
 @absltest.skipUnless(_has_kernel_gpu(), "needs a CUDA GPU with a CuTeDSL kernel (sm_90a)")
 class GpuBenchTest(absltest.TestCase):
 
