@@ -14,8 +14,11 @@ so block scales are random and never zero), several input sets rotated so that c
 function compiled ahead under jax.jit, warm-up calls, then the median of --reps calls each ended by
 block_until_ready. Ratios are speedups, baseline ms / column ms (> 1: faster than the baseline), against
 `jax.nn.scaled_matmul`, the reference and `jax.lax.scaled_dot` for gemm_amax, against the bare dot and the unfused
-pipeline for proj_rope. A column that cannot run here (no kernel applies, the installed jax lacks the API, no
-lowering for this platform) shows "n/a", and the reason is printed below the table and kept in the JSON.
+pipeline for proj_rope. Every column that computes the same function is checked against the reference on the
+first input set (gemm_amax: ||C - C_ref|| / ||C_ref||; proj_rope: the fraction of E4M3 codes equal to the
+reference's), so that a fast wrong answer shows. A column that cannot run here (no kernel applies, the installed
+jax lacks the API, no lowering for this platform) shows "n/a", and the reason is printed below the table and kept
+in the JSON.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ PROJ_COLUMNS = {"ours": "ours(None)", "ours_cutedsl": "ours(cutedsl)", "referenc
                 "bf16_dot": "bare bf16 dot", "pipeline": "scaled_matmul pipeline"}
 BASELINES = {"gemm_amax": ("scaled_matmul", "reference", "scaled_dot"), "proj_rope": ("bf16_dot", "pipeline")}
 OPS = ("gemm_amax", "proj_rope")
+CHECKS = {"gemm_amax": ("rel err vs reference", ".1e"), "proj_rope": ("codes = reference", ".2%")}
 
 
 class NotAvailable(Exception):
@@ -119,6 +123,7 @@ class Column:
     inputs: tuple[str, ...]
     na_errors: tuple[type[BaseException], ...] = ()
     missing: str = ""
+    checked: bool = False  # computes the same function as the reference: its output is compared with it
 
 
 def _nt_dot(lhs: jax.Array, rhs: jax.Array, out_dtype: Any = jnp.float32) -> jax.Array:
@@ -141,7 +146,7 @@ def _scaled_dot_column(inputs: tuple[str, ...]) -> Column:
         return scaled_dot(a, b, lhs_scale=sa, rhs_scale=sb, dimension_numbers=(((1,), (1,)), ((), ())),
                           preferred_element_type=jnp.float32)
 
-    return Column("scaled_dot", fn, inputs, na_errors=(Exception,))
+    return Column("scaled_dot", fn, inputs, na_errors=(Exception,), checked=True)
 
 
 def gemm_columns() -> list[Column]:
@@ -149,13 +154,13 @@ def gemm_columns() -> list[Column]:
     ours = ("a", "b", "sfa_atom", "sfb_atom")
     scaled = ("a", "b", "sfa_e8m0", "sfb_e8m0")
     impl = lambda implementation: lambda a, b, sa, sb: jbg.gemm_amax(a, b, sa, sb, implementation=implementation)
-    return [Column("ours", impl(None), ours),
-            Column("ours_cutedsl", impl("cutedsl"), ours, na_errors=(ValueError,)),
-            Column("reference", impl("xla"), ours),
-            Column("scaled_matmul", _scaled_matmul, scaled, na_errors=(Exception,)),
+    return [Column("ours", impl(None), ours, checked=True),
+            Column("ours_cutedsl", impl("cutedsl"), ours, na_errors=(ValueError,), checked=True),
+            Column("reference", impl("xla"), ours, checked=True),
+            Column("scaled_matmul", _scaled_matmul, scaled, na_errors=(Exception,), checked=True),
             _scaled_dot_column(scaled),
-            Column("fp8_dot", _nt_dot, ("a", "b"), na_errors=(Exception,)),
-            Column("bf16_dot", _nt_dot, ("a_bf16", "b_bf16"), na_errors=(Exception,))]
+            Column("fp8_dot", _nt_dot, ("a", "b"), na_errors=(Exception,)),  # codes without scales: a speed anchor
+            Column("bf16_dot", _nt_dot, ("a_bf16", "b_bf16"), na_errors=(Exception,), checked=True)]
 
 
 def _unfused_pipeline(x, w, x_scale, w_scale, cos, sin):
@@ -178,14 +183,26 @@ def proj_rope_columns(mxfp8: bool) -> list[Column]:
         impl = lambda implementation: lambda x, w, c, s: jbg.gemm_proj_rope_mxfp8(
             x, w, c, s, implementation=implementation)
     kn_dot = lambda x, w_t: jax.lax.dot_general(x, w_t, (((1,), (0,)), ((), ())))
-    return [Column("ours", impl(None), ours),
-            Column("ours_cutedsl", impl("cutedsl"), ours, na_errors=(ValueError,)),
-            Column("reference", impl("xla"), ours),
+    return [Column("ours", impl(None), ours, checked=True),
+            Column("ours_cutedsl", impl("cutedsl"), ours, na_errors=(ValueError,), checked=True),
+            Column("reference", impl("xla"), ours, checked=True),
             Column("bf16_dot:w_out_in", functools.partial(_nt_dot, out_dtype=jnp.bfloat16), ("x_bf16", "w_bf16"),
                    na_errors=(Exception,)),
             Column("bf16_dot:w_in_out", kn_dot, ("x_bf16", "w_bf16_t"), na_errors=(Exception,)),
             Column("pipeline", _unfused_pipeline, ("x", "w", "x_scale_e8m0", "w_scale_e8m0", "cos", "sin"),
-                   na_errors=(Exception,))]
+                   na_errors=(Exception,), checked=True)]
+
+
+def gemm_rel_err(out: Any, ref: Any) -> float:
+    """||C - C_ref|| / ||C_ref|| (Frobenius) of a column's C against the reference's (gemm_amax returns (c, amax))."""
+    c, c_ref = (o[0] if isinstance(o, tuple) else o for o in (out, ref))
+    return float(jnp.linalg.norm(c - c_ref) / jnp.linalg.norm(c_ref))
+
+
+def proj_rope_codes_equal(out: Any, ref: Any) -> float:
+    """Fraction of E4M3 codes bitwise equal to the reference's, the smaller over the rowwise and columnwise copies."""
+    as_bytes = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return min(float(jnp.mean(as_bytes(out[i]) == as_bytes(ref[i]))) for i in (0, 2))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -202,11 +219,12 @@ class Case:
     flops: float
     make_inputs: Callable[[jax.Array], dict[str, jax.Array]]
     columns: Callable[[], list[Column]]
+    check: Callable[[Any, Any], float]  # (a checked column's output, the reference's) -> the "check" number
 
 
 def gemm_case(m: int, n: int, k: int) -> Case:
     return Case("gemm_amax", f"{m}x{n}x{k}", {"m": m, "n": n, "k": k}, 2.0 * m * n * k,
-                functools.partial(gemm_inputs, m=m, n=n, k=k), gemm_columns)
+                functools.partial(gemm_inputs, m=m, n=n, k=k), gemm_columns, gemm_rel_err)
 
 
 def proj_rope_case(tokens: int, heads: int, k: int, mxfp8: bool) -> Case:
@@ -214,7 +232,7 @@ def proj_rope_case(tokens: int, heads: int, k: int, mxfp8: bool) -> Case:
     return Case("proj_rope", f"T={tokens} H={heads} K={k} {'mxfp8' if mxfp8 else 'bf16'}",
                 {"tokens": tokens, "heads": heads, "k": k, "input": "mxfp8" if mxfp8 else "bf16"},
                 2.0 * tokens * n * k, functools.partial(proj_rope_inputs, tokens=tokens, heads=heads, k=k),
-                functools.partial(proj_rope_columns, mxfp8))
+                functools.partial(proj_rope_columns, mxfp8), proj_rope_codes_equal)
 
 
 def median_ms(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int, reps: int) -> float:
@@ -238,8 +256,12 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def time_column(column: Column, sets: list[dict[str, jax.Array]], *, warmup: int, reps: int) -> float:
-    """Compiles `column` ahead (a compile-time error in na_errors becomes NotAvailable) and times it."""
+def time_column(column: Column, sets: list[dict[str, jax.Array]], *, warmup: int, reps: int
+                ) -> tuple[float, Any]:
+    """Compiles `column` ahead (a compile-time error in na_errors becomes NotAvailable) and times it.
+
+    Returns (median ms, the output on the first input set where the column is checked, else None).
+    """
     if column.fn is None:
         raise NotAvailable(column.missing)
     arg_sets = [tuple(s[name] for name in column.inputs) for s in sets]
@@ -247,7 +269,8 @@ def time_column(column: Column, sets: list[dict[str, jax.Array]], *, warmup: int
         compiled = jax.jit(column.fn).lower(*arg_sets[0]).compile()
     except column.na_errors as e:
         raise NotAvailable(_first_line(e)) from e
-    return median_ms(compiled, arg_sets, warmup=warmup, reps=reps)
+    ms = median_ms(compiled, arg_sets, warmup=warmup, reps=reps)
+    return ms, (compiled(*arg_sets[0]) if column.checked else None)
 
 
 def _merge_layouts(results: dict[str, dict], prefix: str) -> None:
@@ -268,23 +291,27 @@ def run_case(case: Case, key: jax.Array, *, sets: int, warmup: int, reps: int, p
     inputs = [case.make_inputs(k) for k in jax.random.split(key, sets)]
     jax.block_until_ready(inputs)
     results: dict[str, dict] = {}
+    outputs: dict[str, Any] = {}
     for column in case.columns():
         try:
-            ms = time_column(column, inputs, warmup=warmup, reps=reps)
+            ms, outputs[column.key] = time_column(column, inputs, warmup=warmup, reps=reps)
             results[column.key] = {"ms": ms, "tflops": case.flops / (ms * 1e-3) / 1e12}
             progress.write(f" {column.key} {ms:.4g} ms;")
         except NotAvailable as e:
             results[column.key] = {"na": str(e)}
             progress.write(f" {column.key} n/a;")
         progress.flush()
+    for name, out in outputs.items():
+        if out is not None:
+            results[name]["check"] = case.check(out, outputs["reference"])
     _merge_layouts(results, "bf16_dot")
     ratios = {}
     for base in BASELINES[case.op]:
         base_ms = results.get(base, {}).get("ms")
         ratios[f"vs_{base}"] = {name: (base_ms / r["ms"] if base_ms and "ms" in r else None)
                                 for name, r in results.items()}
-    return {"op": case.op, "case": case.name, "dims": case.dims, "flops": case.flops, "columns": results,
-            "ratios": ratios}
+    return {"op": case.op, "case": case.name, "dims": case.dims, "flops": case.flops, "check": CHECKS[case.op][0],
+            "columns": results, "ratios": ratios}
 
 
 def build_cases(*, ops: Sequence[str], shapes: Sequence[tuple[int, int, int]], small: bool) -> list[Case]:
@@ -419,11 +446,14 @@ def header_lines(record: dict[str, Any]) -> list[str]:
 
 
 def _cell(entry: dict[str, Any], field: str, fmt: str) -> str:
-    return format(entry[field], fmt) if field in entry else "n/a"
+    """A table cell: the formatted number, "n/a" for a column that did not run, "-" for a number it does not have."""
+    if "ms" not in entry:
+        return "n/a"
+    return format(entry[field], fmt) if field in entry else "-"
 
 
 def format_table(record: dict[str, Any]) -> str:
-    """The aligned text table: per op, one block of rows per case (ms, TFLOP/s, a speedup row per baseline)."""
+    """The aligned text table: per op, one block of rows per case (ms, TFLOP/s, check, a speedup row per baseline)."""
     lines = header_lines(record)
     for op in OPS:
         cases = [c for c in record["cases"] if c["op"] == op]
@@ -435,6 +465,8 @@ def format_table(record: dict[str, Any]) -> str:
             cols = [case["columns"][key] for key in labels]
             rows.append([case["case"], "ms", *(_cell(c, "ms", ".4g") for c in cols)])
             rows.append(["", "TFLOP/s", *(_cell(c, "tflops", ".4g") for c in cols)])
+            check, fmt = CHECKS[op]
+            rows.append(["", check, *(_cell(c, "check", fmt) for c in cols)])
             for base in BASELINES[op]:
                 ratios = case["ratios"][f"vs_{base}"]
                 rows.append(["", f"speedup vs {labels[base]}",

@@ -78,9 +78,9 @@ class EndToEndTest(absltest.TestCase):
 
     def test_table_has_every_column_and_case(self):
         out = self.proc.stdout
-        # rows: a header, then per case ms, TFLOP/s and one speedup row per baseline (3 for gemm, 2 for proj_rope)
-        for title, labels, rows in (("gemm_amax,", GEMM_LABELS, 1 + 3 * 5), ("gemm_proj_rope_mxfp8,", PROJ_LABELS,
-                                                                             1 + 4 * 4)):
+        # rows: a header, then per case ms, TFLOP/s, the check and one speedup row per baseline (gemm 3, proj_rope 2)
+        for title, labels, rows in (("gemm_amax,", GEMM_LABELS, 1 + 3 * 6), ("gemm_proj_rope_mxfp8,", PROJ_LABELS,
+                                                                             1 + 4 * 5)):
             block = _table_block(out, title)
             self.assertEqual(_cells(block[0])[1:], list(labels))
             self.assertLen(block, rows)
@@ -88,7 +88,7 @@ class EndToEndTest(absltest.TestCase):
             for row in block[1:]:
                 self.assertLen(_cells(row), len(labels) + (1 if row.startswith(" ") else 2), row)
         metrics = [_cells(line)[0] for line in out.splitlines() if line.startswith(" " * 10)]
-        for metric in ("TFLOP/s", "speedup vs nn.scaled_matmul", "speedup vs reference(xla)",
+        for metric in ("TFLOP/s", "rel err vs reference", "codes = reference", "speedup vs nn.scaled_matmul", "speedup vs reference(xla)",
                        "speedup vs lax.scaled_dot", "speedup vs bare bf16 dot", "speedup vs scaled_matmul pipeline"):
             self.assertIn(metric, metrics)
         ms_rows = [_cells(line)[0] for line in out.splitlines() if len(_cells(line)) > 1 and _cells(line)[1] == "ms"]
@@ -144,6 +144,26 @@ class EndToEndTest(absltest.TestCase):
                     else:
                         self.assertIsNone(ratio)
         self.assertGreater(checked, 20)
+
+    def test_checks_against_the_reference(self):
+        """Columns computing the same function match the reference (SPEC §7 bounds); speed anchors are not checked."""
+        for case in self.record["cases"]:
+            columns = case["columns"]
+            gemm = case["op"] == "gemm_amax"
+            self.assertEqual(case["check"], "rel err vs reference" if gemm else "codes = reference")
+            unchecked = {"fp8_dot"} if gemm else {"bf16_dot"}
+            for key, entry in columns.items():
+                if "ms" not in entry or key in unchecked:
+                    self.assertNotIn("check", entry, (case["case"], key))
+                    continue
+                check = entry["check"]
+                self.assertTrue(math.isfinite(check), (case["case"], key))
+                if key == "reference":
+                    self.assertEqual(check, 0.0 if gemm else 1.0)
+                elif gemm:
+                    self.assertLessEqual(check, 1e-4, (case["case"], key))
+                else:
+                    self.assertGreaterEqual(check, 0.99, (case["case"], key))
 
     def test_what_runs_here(self):
         for case in self.record["cases"]:
@@ -283,6 +303,8 @@ class GpuBenchTest(absltest.TestCase):
             for key in ("ours", "ours_cutedsl", "reference", "scaled_matmul", "fp8_dot", "bf16_dot"):
                 self.assertIn("ms", case["columns"][key], (case["case"], key, case["columns"][key]))
             self.assertIsNotNone(case["ratios"]["vs_scaled_matmul"]["ours_cutedsl"])
+            for key in ("ours", "ours_cutedsl", "scaled_matmul"):
+                self.assertLessEqual(case["columns"][key]["check"], 1e-4, (case["case"], key))  # SPEC §7, fp32 C
 
 
 if __name__ == "__main__":
