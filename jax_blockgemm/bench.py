@@ -82,6 +82,7 @@ def random_mxfp8(key: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, jax
 
 
 def _as_e8m0(scale_bytes: jax.Array) -> jax.Array:
+    """uint8 E8M0 bytes as float8_e8m0fnu, the scale dtype jax.nn.scaled_matmul and jax.lax.scaled_dot take."""
     return jax.lax.bitcast_convert_type(scale_bytes, jnp.float8_e8m0fnu)
 
 
@@ -131,7 +132,7 @@ def _nt_dot(lhs: jax.Array, rhs: jax.Array, out_dtype: Any = jnp.float32) -> jax
     return jax.lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
 
 
-def _scaled_matmul(a, b, sa, sb):
+def _scaled_matmul(a: jax.Array, b: jax.Array, sa: jax.Array, sb: jax.Array) -> jax.Array:
     """jax.nn.scaled_matmul on 2-D operands (it takes (B, M, K)): MXFP8 E4M3 + E8M0 -> f32."""
     return jax.nn.scaled_matmul(a[None], b[None], sa[None], sb[None], preferred_element_type=jnp.float32)[0]
 
@@ -142,7 +143,7 @@ def _scaled_dot_column(inputs: tuple[str, ...]) -> Column:
     if scaled_dot is None:
         return Column("scaled_dot", None, inputs, missing=f"jax {jax.__version__} has no jax.lax.scaled_dot")
 
-    def fn(a, b, sa, sb):
+    def fn(a: jax.Array, b: jax.Array, sa: jax.Array, sb: jax.Array) -> jax.Array:
         return scaled_dot(a, b, lhs_scale=sa, rhs_scale=sb, dimension_numbers=(((1,), (1,)), ((), ())),
                           preferred_element_type=jnp.float32)
 
@@ -163,7 +164,8 @@ def gemm_columns() -> list[Column]:
             Column("bf16_dot", _nt_dot, ("a_bf16", "b_bf16"), na_errors=(Exception,), checked=True)]
 
 
-def _unfused_pipeline(x, w, x_scale, w_scale, cos, sin):
+def _unfused_pipeline(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array, cos: jax.Array,
+                      sin: jax.Array) -> tuple[jax.Array, ...]:
     """proj_rope the unfused way: jax.nn.scaled_matmul -> RoPE -> rowwise and columnwise MXFP8 quantization."""
     y = _scaled_matmul(x, w, x_scale, w_scale)
     y = reference.apply_rope(y.reshape(y.shape[0], -1, support.HEAD_DIM), cos, sin)
@@ -223,11 +225,13 @@ class Case:
 
 
 def gemm_case(m: int, n: int, k: int) -> Case:
+    """gemm_amax at M x N x K, MXFP8 E4M3 -> f32."""
     return Case("gemm_amax", f"{m}x{n}x{k}", {"m": m, "n": n, "k": k}, 2.0 * m * n * k,
                 functools.partial(gemm_inputs, m=m, n=n, k=k), gemm_columns, gemm_rel_err)
 
 
 def proj_rope_case(tokens: int, heads: int, k: int, mxfp8: bool) -> Case:
+    """gemm_proj_rope_mxfp8 with T tokens, H heads, K inputs, on the MXFP8 or the bf16 input path."""
     n = heads * support.HEAD_DIM
     return Case("proj_rope", f"T={tokens} H={heads} K={k} {'mxfp8' if mxfp8 else 'bf16'}",
                 {"tokens": tokens, "heads": heads, "k": k, "input": "mxfp8" if mxfp8 else "bf16"},
@@ -252,6 +256,7 @@ def median_ms(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int,
 
 
 def _first_line(e: BaseException) -> str:
+    """The exception's type and first line: enough to say why a column is n/a without a traceback."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
@@ -356,8 +361,10 @@ else:
 def first_call_ms(column: str, cache_dir: str) -> float:
     """ms of the first jitted gemm_amax call in a fresh process: trace, kernel object, XLA compile, load, run."""
     env = dict(os.environ, **{kernel_cache.CACHE_DIR_ENV: cache_dir})
-    out = subprocess.run([sys.executable, "-c", _FIRST_CALL, column], env=env, capture_output=True, text=True,
-                         check=True).stdout.strip().splitlines()[-1]
+    proc = subprocess.run([sys.executable, "-c", _FIRST_CALL, column], env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"the first-call process for {column} failed:\n{proc.stderr[-2000:]}")
+    out = proc.stdout.strip().splitlines()[-1]
     if out.startswith("n/a"):
         raise NotAvailable(out[4:])
     return float(out)
@@ -395,6 +402,7 @@ def launch_costs(*, calls: int = 2000) -> dict[str, Any]:
 
 
 def format_launch(launch: dict[str, Any]) -> list[str]:
+    """The launch-cost lines printed under the table."""
     shape = "x".join(map(str, launch["shape"]))
     lines = ["", f"launch costs, gemm_amax {shape} (first call: fresh process; per call: {launch['calls']} "
                  f"back-to-back calls; a trivial XLA op: {launch['plain_xla_op_us']:.1f} us per call)"]
@@ -414,6 +422,7 @@ def format_launch(launch: dict[str, Any]) -> list[str]:
 
 
 def _version(dist: str) -> str:
+    """An installed distribution's version, read from its metadata (importing CuTeDSL would cost seconds)."""
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -429,15 +438,18 @@ def environment() -> dict[str, str]:
 
 
 def _labels(op: str) -> dict[str, str]:
+    """Column key -> table label, in table order."""
     return GEMM_COLUMNS if op == "gemm_amax" else PROJ_COLUMNS
 
 
 def _title(op: str) -> str:
+    """The heading of an op's table and chart."""
     return ("gemm_amax, MXFP8 E4M3 -> f32, M x N x K" if op == "gemm_amax"
             else "gemm_proj_rope_mxfp8, w (H*192, K)")
 
 
 def header_lines(record: dict[str, Any]) -> list[str]:
+    """Device, versions and method: the first lines of the table and the chart's title."""
     env, method = record["environment"], record["method"]
     return [f"jax_blockgemm benchmark, {record['date']}: {env['device']} ({env['platform']}), jax {env['jax']}, "
             f"jaxlib {env['jaxlib']}, CuTeDSL {env['cutedsl']}, Python {env['python']}",

@@ -88,8 +88,8 @@ class EndToEndTest(absltest.TestCase):
             for row in block[1:]:
                 self.assertLen(_cells(row), len(labels) + (1 if row.startswith(" ") else 2), row)
         metrics = [_cells(line)[0] for line in out.splitlines() if line.startswith(" " * 10)]
-        for metric in ("TFLOP/s", "rel err vs reference", "codes = reference", "speedup vs nn.scaled_matmul", "speedup vs reference(xla)",
-                       "speedup vs lax.scaled_dot", "speedup vs bare bf16 dot", "speedup vs scaled_matmul pipeline"):
+        for metric in ("TFLOP/s", "rel err vs reference", "codes = reference", "speedup vs nn.scaled_matmul",
+                       "speedup vs reference(xla)", "speedup vs lax.scaled_dot", "speedup vs bare bf16 dot", "speedup vs scaled_matmul pipeline"):
             self.assertIn(metric, metrics)
         ms_rows = [_cells(line)[0] for line in out.splitlines() if len(_cells(line)) > 1 and _cells(line)[1] == "ms"]
         self.assertEqual(ms_rows, [name for _, name in SMALL_CASES])
@@ -131,7 +131,8 @@ class EndToEndTest(absltest.TestCase):
             for key, entry in columns.items():
                 if "ms" in entry:
                     self.assertTrue(math.isfinite(entry["ms"]) and entry["ms"] > 0, (case["case"], key))
-                    self.assertAlmostEqual(entry["tflops"], case["flops"] / entry["ms"] / 1e9, delta=1e-9 * entry["tflops"])
+                    self.assertAlmostEqual(entry["tflops"], case["flops"] / entry["ms"] / 1e9,
+                                           delta=1e-9 * entry["tflops"])
                 else:
                     self.assertTrue(entry["na"], (case["case"], key))  # n/a always says why
             self.assertEqual(set(case["ratios"]), {f"vs_{b}" for b in bench.BASELINES[case["op"]]})
