@@ -506,6 +506,7 @@ def write_png(record: dict[str, Any], path: str) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
     except ImportError as e:
         raise SystemExit(f"--png needs matplotlib: pip install 'jax_blockgemm[bench]' ({e}).")
     ops = [op for op in OPS if any(c["op"] == op for c in record["cases"])]
@@ -514,16 +515,18 @@ def write_png(record: dict[str, Any], path: str) -> None:
         cases = [c for c in record["cases"] if c["op"] == op]
         labels = _labels(op)
         width = 0.8 / len(labels)
+        handles = []
         for j, (key, label) in enumerate(labels.items()):
             timed = [(i, c["columns"][key]["tflops"]) for i, c in enumerate(cases) if "ms" in c["columns"][key]]
             xs = [i + (j - (len(labels) - 1) / 2) * width for i, _ in timed]
-            ax.bar(xs, [y for _, y in timed], width, color=f"C{j}", label=label if timed else f"{label} (n/a)")
+            ax.bar(xs, [y for _, y in timed], width, color=f"C{j}")
+            handles.append(Patch(color=f"C{j}", label=label if timed else f"{label} (n/a)"))
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels([c["case"] for c in cases], fontsize=8)
         ax.set_ylabel("TFLOP/s (GEMM flops)")
         ax.set_title(_title(op), fontsize=10)
         ax.set_ylim(top=1.3 * ax.get_ylim()[1])  # room for the legend
-        ax.legend(fontsize=7, ncol=4, loc="upper left")
+        ax.legend(handles=handles, fontsize=7, ncol=4, loc="upper left")
     fig.suptitle("\n".join(header_lines(record)), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
