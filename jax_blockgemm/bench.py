@@ -491,6 +491,10 @@ def format_table(record: dict[str, Any]) -> str:
         reasons = {(labels[key], entry["na"]) for case in cases for key, entry in case["columns"].items()
                    if "na" in entry}
         lines += [f"  n/a {label}: {reason}" for label, reason in sorted(reasons)]
+        if op == "gemm_amax":
+            lines.append("  ours and the reference take scales in the 128x4 atom (converted before timing); "
+                         "scaled_matmul and scaled_dot take compact float8_e8m0fnu scales; fp8 dot: codes without "
+                         "scales; bf16 dot: the dequantized operands")
         if op == "proj_rope":
             lines.append("  bare bf16 dot: x . w^T -> bf16, the faster weight layout; scaled_matmul pipeline: MXFP8 "
                          "in on both paths")
