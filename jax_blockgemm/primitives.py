@@ -77,7 +77,17 @@ def _lowering_platforms(ctx) -> tuple[str, ...]:
     return tuple(getattr(ctx, "platforms", None) or ctx.module_context.platforms)
 
 
+def _no_kernel_off_cuda(ctx, op: str, implementation: Any) -> None:
+    """SPEC §6: 'cutedsl' demands a kernel and there is none off CUDA, so say so rather than run the reference."""
+    if implementation == "cutedsl":
+        platforms = _lowering_platforms(ctx)
+        raise ValueError(f"implementation='cutedsl': {op} has no CuTeDSL kernel on platform"
+                         f"{'s' * (len(platforms) > 1)} {', '.join(platforms)} (kernels run on CUDA GPUs only); use "
+                         "implementation=None or 'xla'.")
+
+
 def _gemm_amax_reference_lowering(ctx, *args, **params):
+    _no_kernel_off_cuda(ctx, "gemm_amax", params["implementation"])
     a, b = ctx.avals_in[:2]
     l, m, n = _gemm_dims(a.shape, b.shape, params["a_major"], params["b_major"])
     scaled_dot = reference.use_scaled_dot(_lowering_platforms(ctx), a.dtype, b.dtype,
@@ -151,6 +161,7 @@ def _proj_rope_reference(x, w, cos, sin, *scales, w_out_in, mxfp8, **_):
 
 
 def _proj_rope_reference_lowering(ctx, *args, **params):
+    _no_kernel_off_cuda(ctx, "gemm_proj_rope_mxfp8", params["implementation"])
     return mlir.lower_fun(functools.partial(_proj_rope_reference, **params), multiple_results=True)(ctx, *args)
 
 

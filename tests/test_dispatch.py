@@ -135,5 +135,38 @@ class ProjRopeDispatchTest(parameterized.TestCase):
         with formats.scale_rule("floor"), self.assertRaisesRegex(ValueError, "'ceil' scale rule"):
             _proj_rope_text(implementation="cutedsl")
 
+def _proj_rope_operands():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((64, 96)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2 * 192, 96)), jnp.bfloat16)
+    cs = jnp.asarray(rng.uniform(-1, 1, (64, 64)), jnp.bfloat16)
+    return x, w, cs, cs
+
+
+class OffCudaTest(parameterized.TestCase):
+    """SPEC §6 on the CPU: 'cutedsl' demands a kernel and fails loudly; None and 'xla' run the reference."""
+
+    @parameterized.named_parameters(
+        ("gemm_amax", jbg.gemm_amax, _operands, "gemm_amax"),
+        ("proj_rope", jbg.gemm_proj_rope_mxfp8, _proj_rope_operands, "gemm_proj_rope_mxfp8"),
+    )
+    def test_cutedsl_raises_on_cpu(self, op, operands, name):
+        args = jax.device_put(operands(), jax.devices("cpu")[0])  # committed to the CPU: jit runs there
+        f = jax.jit(lambda *x: op(*x, implementation="cutedsl"))
+        with self.assertRaisesRegex(ValueError, f"implementation='cutedsl': {name} has no CuTeDSL kernel on "
+                                                "platform cpu .*use implementation=None or 'xla'"):
+            f(*args)
+        ref = jax.jit(lambda *x: op(*x, implementation="xla"))(*args)
+        best = jax.jit(lambda *x: op(*x, implementation=None))(*args)
+        for r, b in zip(ref, best):
+            self.assertFalse(np.isnan(np.asarray(r, np.float32)).any())
+            np.testing.assert_array_equal(np.atleast_1d(r).view(np.uint8), np.atleast_1d(b).view(np.uint8))
+
+    def test_multi_platform_lowering_names_every_platform_without_a_kernel(self):
+        f = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl"))
+        with self.assertRaisesRegex(ValueError, "no CuTeDSL kernel on platforms cpu, tpu"):
+            f.trace(*_operands()).lower(lowering_platforms=("cpu", "tpu"))
+
+
 if __name__ == "__main__":
     absltest.main()
