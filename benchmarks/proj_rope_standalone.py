@@ -36,7 +36,7 @@ BENCH_SHAPES = [(2048, 128, 1536), (4096, 128, 1536)]
 class Runner:
     """Compiles the kernel for one weight layout for the local GPU and launches it on torch tensors."""
 
-    def __init__(self, w_major: str):
+    def __init__(self, w_major: str, consumer_wgs: int = 2):
         import cuda.bindings.driver as cuda
         import cutlass
         import cutlass.cute as cute
@@ -45,7 +45,7 @@ class Runner:
         from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
 
         self.cute, self.cutlass, self.cuda = cute, cutlass, cuda
-        self.kernel = HopperProjRope(w_major=w_major)
+        self.kernel = HopperProjRope(w_major=w_major, consumer_wgs=consumer_wgs)
         flat = lambda dt: make_fake_compact_tensor(dt, (cute.sym_int64(),), assumed_align=16)
         bf, u8 = cutlass.BFloat16, cutlass.Uint8
         t0 = time.perf_counter()
@@ -182,13 +182,14 @@ def bench(runners: dict, reps: int) -> list:
     for t, h, k in BENCH_SHAPES:
         n = h * HEAD_DIM
         rng = np.random.default_rng(3)
-        for w_out_in, runner in runners.items():
+        for (w_out_in, _), runner in runners.items():
             inp = oracle_ops.random_proj_rope_inputs(rng, t=t, h=h, k=k, mxfp8=False, w_out_in=w_out_in)
             args = [bf16_dev(inp[n_]) for n_ in ("x", "w", "cos", "sin")]
             sizes = (t * n, t * h * 6, t * n, (t // 32) * n)
             outs = [torch.empty((s,), dtype=torch.uint8, device="cuda") for s in sizes]
             ms = median_ms(lambda: runner(*args, outs, t, k, h), reps)
-            rows.append(dict(what=f"kernel w_out_in={w_out_in}", t=t, ms=ms, tflops=2 * t * n * k / ms / 1e9))
+            name = f"kernel {runner.kernel.num_consumer_wgs}wg w_out_in={w_out_in}"
+            rows.append(dict(what=name, t=t, ms=ms, tflops=2 * t * n * k / ms / 1e9))
         # XLA baselines, same shapes: bare bf16 dot (both layouts) and the library reference
         x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
         w_nk = jnp.asarray(rng.standard_normal((n, k)) / 40, jnp.bfloat16)
@@ -223,27 +224,29 @@ def main() -> int:
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=None)
+    p.add_argument("--consumer-wgs", default="2", help="comma-separated kernel variants to check and time")
     args = p.parse_args()
     runners = {}
-    for w_out_in in (True, False):
-        runners[w_out_in] = Runner("k" if w_out_in else "n")
-        print(f"compiled w_out_in={w_out_in} in {runners[w_out_in].compile_s:.1f} s", file=sys.stderr, flush=True)
+    for wgs in (int(v) for v in args.consumer_wgs.split(",")):
+        for w_out_in in (True, False):
+            r = runners[(w_out_in, wgs)] = Runner("k" if w_out_in else "n", wgs)
+            print(f"compiled {wgs}wg w_out_in={w_out_in} in {r.compile_s:.1f} s", file=sys.stderr, flush=True)
     rng = np.random.default_rng(int(time.time()))
     results = []
     shapes = [] if args.no_check else CHECK_SHAPES[:2] if args.quick else CHECK_SHAPES
-    for w_out_in, runner in runners.items():
+    for (w_out_in, wgs), runner in runners.items():
         for shape in shapes:
             for tables in ("random", "yarn"):
-                r = check(runner, w_out_in, shape, rng, tables)
+                r = dict(check(runner, w_out_in, shape, rng, tables), wgs=wgs)
                 results.append(r)
                 print(f"check {r}", file=sys.stderr, flush=True)
         if args.no_check:
             continue
-        r = check_special(runner, w_out_in, rng)
+        r = dict(check_special(runner, w_out_in, rng), wgs=wgs)
         results.append(r)
         print(f"check {r}", file=sys.stderr, flush=True)
     if not (args.quick or args.no_check):
-        r = check(runners[True], True, (4096, 128, 1536), rng, "yarn")
+        r = check(next(iter(runners.values())), True, (4096, 128, 1536), rng, "yarn")
         results.append(r)
         print(f"check {r}", file=sys.stderr, flush=True)
     rows = [] if args.no_bench else bench(runners, args.reps)
@@ -256,7 +259,7 @@ def main() -> int:
         if not r["ok"]:
             print("FAILED", r)
     for r in rows:
-        print(f"{r['what']:<26} T={r['t']:<5} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s")
+        print(f"{r['what']:<30} T={r['t']:<5} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s")
     return 0 if all(r["ok"] for r in results) else 1
 
 

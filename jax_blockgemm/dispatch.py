@@ -25,6 +25,9 @@ ARCH_OF_CAPABILITY = {"9.0": "sm_90a", "10.0": "sm_100a"}
 # gemm_amax sm_90a, H200, 2026-11-29: MXFP8 kernel 267 TFLOP/s at 8192^3 against the reference's 463 -> not yet.
 DEFAULT_TAKES_KERNEL = {("gemm_amax", "sm_90a"): False, ("proj_rope", "sm_90a"): False}
 
+# The proj_rope tile (tokens, features) each arch runs, among catalog.PROJ_ROPE_TILES (benchmarks/RESULTS.md).
+PROJ_ROPE_TILE = {"sm_90a": (128, 192)}
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
@@ -102,7 +105,7 @@ def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, mxfp8: bool, i
     variants = [v for arch in sorted({v.arch for v in catalog.CATALOG})
                 if (v := catalog.select_variant(op="proj_rope", arch=arch, ab_dtype="bfloat16",
                                                 c_dtype="float8_e4m3fn", sf_vec_size=32,
-                                                tile_mn=catalog.PROJ_ROPE_TILE, cluster_mn=(1, 1),
+                                                tile_mn=PROJ_ROPE_TILE.get(arch, (128, 192)), cluster_mn=(1, 1),
                                                 b_major=b_major)) is not None]
     if not variants:
         return KernelChoice(reason="no proj_rope kernel in the catalog")

@@ -18,8 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
+from unittest import mock
+
 import jax_blockgemm as jbg
 from jax_blockgemm import dispatch
+from jax_blockgemm.kernels import catalog
 
 import oracle_ops
 
@@ -49,6 +52,15 @@ def _run(inp, *, w_out_in, implementation="cutedsl"):
 
 @absltest.skipUnless(_has_kernel_gpu(), "needs a CUDA GPU with the CuTeDSL proj_rope kernel (sm_90a)")
 class GpuProjRopeTest(parameterized.TestCase):
+    """Every test runs once per catalog tile (TILE below): the dispatcher's choice is patched per class."""
+
+    TILE = catalog.PROJ_ROPE_TILES[0]
+
+    def setUp(self):
+        super().setUp()
+        patch = mock.patch.dict(dispatch.PROJ_ROPE_TILE, {"sm_90a": self.TILE})
+        patch.start()
+        self.addCleanup(patch.stop)
 
     @parameterized.product(shape=SHAPES, w_out_in=(True, False), tables=("random", "rotary"))
     def test_matches_oracle(self, shape, w_out_in, tables):
@@ -74,6 +86,7 @@ class GpuProjRopeTest(parameterized.TestCase):
         f = jax.jit(lambda *a: jbg.gemm_proj_rope_mxfp8(*a, implementation="cutedsl"))
         text = f.lower(*(inp[n] for n in ("x", "w", "cos", "sin"))).as_text()
         self.assertIn("jbg_gemm_proj_rope_mxfp8", text)
+        self.assertIn(f"_t{self.TILE[0]}x{self.TILE[1]}_", text)
 
     @parameterized.parameters(True, False)
     def test_nan_inf_and_zero_tokens(self, w_out_in):
@@ -119,6 +132,8 @@ class GpuProjRopeTest(parameterized.TestCase):
             sys.path.insert(0, sys.argv[1])
             import jax, jax.numpy as jnp, numpy as np
             import jax_blockgemm as jbg, oracle_ops
+            from jax_blockgemm import dispatch
+            dispatch.PROJ_ROPE_TILE["sm_90a"] = tuple(int(v) for v in sys.argv[2].split(","))
             inp = oracle_ops.random_proj_rope_inputs(np.random.default_rng(5), t=256, h=3, k=512, mxfp8=False)
             args = [jnp.asarray(inp[n]) for n in ("x", "w", "cos", "sin")]
             def step(x, w, c, s):
@@ -129,15 +144,20 @@ class GpuProjRopeTest(parameterized.TestCase):
             sys.stdout.write("".join(np.asarray(o).view(np.uint8).tobytes().hex()[:4096] for o in outs))
         """)
         tests_dir = os.path.dirname(os.path.abspath(__file__))
-        plain = subprocess.run([sys.executable, "-c", script, tests_dir], capture_output=True, text=True,
+        tile = ",".join(map(str, self.TILE))
+        plain = subprocess.run([sys.executable, "-c", script, tests_dir, tile], capture_output=True, text=True,
                                timeout=300, env=dict(os.environ, XLA_FLAGS=""))
-        graphs = subprocess.run([sys.executable, "-c", script, tests_dir], capture_output=True, text=True,
+        graphs = subprocess.run([sys.executable, "-c", script, tests_dir, tile], capture_output=True, text=True,
                                 timeout=300,
                                 env=dict(os.environ, XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"))
         self.assertEqual(plain.returncode, 0, plain.stderr[-2000:])
         self.assertEqual(graphs.returncode, 0, graphs.stderr[-2000:])
         self.assertGreater(len(plain.stdout), 1000)
         self.assertEqual(plain.stdout, graphs.stdout)
+
+
+class GpuProjRopeSmallTileTest(GpuProjRopeTest):
+    TILE = catalog.PROJ_ROPE_TILES[1]
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def _hopper_factory(v: KernelVariant) -> Any:
 def _hopper_proj_rope_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
 
-    return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major)
+    return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major, consumer_wgs=v.tile_mn[0] // 64)
 
 
 # (op, arch) -> builds the kernel object (a class instance with `can_implement` and a `@cute.jit` __call__).
@@ -78,15 +78,16 @@ _FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
     ("proj_rope", "sm_90a"): _hopper_proj_rope_factory,
 }
 
-PROJ_ROPE_TILE = (128, 192)  # one CTA: 128 tokens x one head
+# One CTA: 64 tokens (one consumer warpgroup, two CTAs per SM) or 128 tokens (two, one CTA per SM) x one head.
+PROJ_ROPE_TILES = ((128, 192), (64, 192))
 
 CATALOG: tuple[KernelVariant, ...] = tuple(
     KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype=c)
     for ab in ("float8_e4m3fn", "float8_e5m2")
     for c in ("float32", "bfloat16")) + tuple(
     KernelVariant(op="proj_rope", arch="sm_90a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
-                  tile_mn=PROJ_ROPE_TILE, b_major=b_major)
-    for b_major in ("k", "n"))
+                  tile_mn=tile, b_major=b_major)
+    for tile in PROJ_ROPE_TILES for b_major in ("k", "n"))
 
 
 def variants_for(arch: str, op: str | None = None) -> tuple[KernelVariant, ...]:

@@ -1,8 +1,10 @@
 """Hopper (sm_90a) gemm_proj_rope_mxfp8: Y = x·Wᵀ per head, RoPE, rowwise and columnwise MXFP8, in one kernel.
 
-One CTA computes a 128-token x 192-feature tile: exactly one head, so RoPE and both quantizations finish inside it
-and Y never leaves the registers. A producer warp streams bf16 x and W tiles with TMA through an mbarrier pipeline;
-two consumer warpgroups (64 tokens each) run bf16 wgmma into fp32 accumulators, keeping one wgmma group in flight.
+One CTA computes a (64·consumer_wgs)-token x 192-feature tile: exactly one head, so RoPE and both quantizations
+finish inside it and Y never leaves the registers. A producer warp streams bf16 x and W tiles with TMA through an
+mbarrier pipeline; each consumer warpgroup (64 tokens) runs bf16 wgmma into fp32 accumulators, keeping one wgmma
+group in flight. With one consumer warpgroup, two CTAs share an SM (the codes are staged in W's freed pipeline
+buffers), so one CTA's epilogue overlaps the other's mainloop; with two, one CTA fills the SM.
 The epilogue (kernels/epilogue.py does the math) works on the wgmma fragment: value (v0, v1, j) of a thread is token
 16·warp + lane/4 + 8·v1 and feature 8·j + 2·(lane%4) + v0 of its warpgroup's 64 x 192 slice. So a RoPE pair
 (p[2i], p[2i+1]) sits in one thread; a rowwise block of 32 features is 8 values of each of a quad's 4 lanes; a
@@ -26,8 +28,8 @@ from jax_blockgemm.kernels import common, epilogue
 from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, QK_NOPE, QK_ROPE
 
 W_MAJORS = ("k", "n")
-TILE_TOKENS = 128
 TILE_K = 64  # bf16: one 128-byte swizzle row
+CONSUMER_WGS = (1, 2)
 _ROW_PAD = 16  # shared-memory code rows of 192 + 16 bytes: the quads of a warp hit different banks
 
 
@@ -37,24 +39,32 @@ class HopperProjRope:
     Compile-time configuration only; T, K and H are run-time scalars of the exported function.
     """
 
-    def __init__(self, *, x_dtype: str = "bfloat16", w_major: str = "k"):
+    def __init__(self, *, x_dtype: str = "bfloat16", w_major: str = "k", consumer_wgs: int = 2):
         if x_dtype != "bfloat16":
             raise ValueError(f"x_dtype={x_dtype!r} is not supported; expected 'bfloat16'")
         if w_major not in W_MAJORS:
             raise ValueError(f"w_major={w_major!r} is not supported; expected one of {W_MAJORS}")
+        if consumer_wgs not in CONSUMER_WGS:
+            raise ValueError(f"consumer_wgs={consumer_wgs!r} is not supported; expected one of {CONSUMER_WGS}")
         self.ab_dtype = cutlass.BFloat16
         self.acc_dtype = cutlass.Float32
         self.w_major = w_major
-        self.tile_mnk = (TILE_TOKENS, HEAD_DIM, TILE_K)
-        self.atom_layout_mnk = (2, 1, 1)  # two consumer warpgroups stacked along tokens
+        self.num_consumer_wgs = consumer_wgs
+        self.tile_mnk = (64 * consumer_wgs, HEAD_DIM, TILE_K)
+        self.atom_layout_mnk = (consumer_wgs, 1, 1)  # consumer warpgroups stacked along tokens
         self.threads_per_wg = 128
-        self.num_consumer_wgs = 2
         self.num_consumer_warps = 4 * self.num_consumer_wgs
         self.threads_per_cta = (1 + self.num_consumer_wgs) * self.threads_per_wg
-        self.producer_regs = 40
-        self.consumer_regs = 232
-        self.ab_stages = 4  # 4 x 40 KB of bf16 tiles + 2 x 26 KB of staged codes fit in 227 KB
         self.code_row_bytes = HEAD_DIM + _ROW_PAD
+        self.producer_regs = 40
+        if consumer_wgs == 2:  # one CTA per SM: 4 x 40 KB of bf16 tiles + 2 x 26 KB of staged codes
+            self.ctas_per_sm, self.consumer_regs, self.ab_stages = 1, 232, 4
+        else:  # two CTAs per SM: 64K registers and 227 KB shared memory split in two; codes reuse W's buffers
+            self.ctas_per_sm, self.consumer_regs, self.ab_stages = 2, 208, 3
+        # With two warpgroups one may still read B while the other writes codes, so they get their own buffers.
+        self.codes_in_b_buffers = consumer_wgs == 1
+        b_buffer_bytes = HEAD_DIM * TILE_K * self.ab_dtype.width // 8 * self.ab_stages
+        assert not self.codes_in_b_buffers or 2 * self.tile_mnk[0] * self.code_row_bytes <= b_buffer_bytes
         self.buffer_align_bytes = 1024
 
     @staticmethod
@@ -99,24 +109,25 @@ class HopperProjRope:
         tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem_staged, (None, None, 0)),
             (self.tile_mnk[1], self.tile_mnk[2]))
-        code_tile = TILE_TOKENS * self.code_row_bytes
+        code_tile = 0 if self.codes_in_b_buffers else self.tile_mnk[0] * self.code_row_bytes
 
         @cute.struct
         class SharedStorage:
             pipeline_mbars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
             col_amax: cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps * HEAD_DIM]
-            row_codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, code_tile], 16]
-            col_codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, code_tile], 16]
+            row_codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, max(code_tile, 16)], 16]
+            col_codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, max(code_tile, 16)], 16]
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)],
                                   self.buffer_align_bytes]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)],
                                   self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
-        tiles_t = (t + TILE_TOKENS - 1) // TILE_TOKENS
+        tiles_t = (t + self.tile_mnk[0] - 1) // self.tile_mnk[0]
         self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, cos, sin, row_codes, row_scales, col_codes, col_scales,
                     t, h, tiled_mma, a_smem_staged, b_smem_staged).launch(
-            grid=(tiles_t, h, 1), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1, stream=stream)
+            grid=(tiles_t, h, 1), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=self.ctas_per_sm,
+            preferred_smem_carveout=100, stream=stream)  # all of the SM's memory as shared memory
 
     # ---------------------------------------------------------------------------------------------- device
     @cute.kernel
@@ -230,10 +241,14 @@ class HopperProjRope:
                     acc[i0] = first
                     acc[i0 + 1] = second
 
-            sRow = storage.row_codes.get_tensor(cute.make_layout((bm, self.code_row_bytes),
-                                                                 stride=(self.code_row_bytes, 1)))
-            sCol = storage.col_codes.get_tensor(cute.make_layout((bm, self.code_row_bytes),
-                                                                 stride=(self.code_row_bytes, 1)))
+            code_layout = cute.make_layout((bm, self.code_row_bytes), stride=(self.code_row_bytes, 1))
+            if cutlass.const_expr(self.codes_in_b_buffers):  # every wgmma of this CTA is complete: B is free
+                b_bytes = cute.recast_ptr(storage.sB.data_ptr(), dtype=cutlass.Uint8)
+                sRow = cute.make_tensor(b_bytes, code_layout)
+                sCol = cute.make_tensor(b_bytes + cute.cosize(code_layout), code_layout)
+            else:
+                sRow = storage.row_codes.get_tensor(code_layout)
+                sCol = storage.col_codes.get_tensor(code_layout)
             sRow16 = cute.recast_tensor(sRow, cutlass.Uint16)
             sCol16 = cute.recast_tensor(sCol, cutlass.Uint16)
             n_blocks = HEAD_DIM // MX_BLOCK
