@@ -165,11 +165,21 @@ def _proj_rope_reference_lowering(ctx, *args, **params):
     return mlir.lower_fun(functools.partial(_proj_rope_reference, **params), multiple_results=True)(ctx, *args)
 
 
+def _proj_rope_via_bf16(x, w, cos, sin, x_scale, w_scale, *, w_out_in, implementation, **_):
+    """MXFP8 inputs on the kernel path: XLA dequantizes codes x E8M0 scales to bf16 (exact, SPEC §6), then the
+    bf16 kernel runs. The dequantization is one fused elementwise pass (about 0.04 ms for DeepSeek-V3's w)."""
+    x = reference.dequantize_bf16(x, x_scale, block=MX_BLOCK, axis=2)
+    w = reference.dequantize_bf16(w, w_scale, block=MX_BLOCK, axis=2 if w_out_in else 1)
+    return proj_rope_p.bind(x, w, cos, sin, w_out_in=w_out_in, mxfp8=False, implementation=implementation)
+
+
 def _proj_rope_cuda_lowering(ctx, *args, **params):
     """The GPU hook: a CuTeDSL kernel through the FFI bridge where one applies, else the reference."""
     from jax_blockgemm import dispatch  # lazy: keeps CuTeDSL out of CPU-only imports
 
     choice = dispatch.proj_rope_kernels(ctx.avals_in, **params)
+    if choice.variants and params["mxfp8"]:
+        return mlir.lower_fun(functools.partial(_proj_rope_via_bf16, **params), multiple_results=True)(ctx, *args)
     if choice.variants:
         from jax_blockgemm import ffi_lowering
 

@@ -116,9 +116,13 @@ class ProjRopeDispatchTest(parameterized.TestCase):
         with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_ROPE90: True}):
             self.assertIn("jbg_gemm_proj_rope_mxfp8", _proj_rope_text())
 
-    def test_mxfp8_inputs_have_no_kernel_yet(self):
-        with self.assertRaisesRegex(ValueError, "no CuTeDSL kernel applies.*MXFP8 inputs have no proj_rope kernel"):
-            _proj_rope_text(mxfp8=True, implementation="cutedsl")
+    @parameterized.parameters(True, False)
+    def test_mxfp8_inputs_are_dequantized_for_the_kernel(self, w_out_in):
+        text = _proj_rope_text(mxfp8=True, w_out_in=w_out_in, implementation="cutedsl")
+        call = [line for line in text.splitlines() if "stablehlo.custom_call @jbg_gemm_proj_rope_mxfp8" in line]
+        self.assertLen(call, 1)
+        self.assertIn("bf16>, tensor<1x", call[0].split("->")[0].split(":")[-1])  # bf16 operands reach the kernel
+        self.assertIn("stablehlo.multiply", text)  # codes x scales, in XLA
 
     def test_vmap_over_weights_takes_the_reference(self):
         x = jnp.zeros((64, 128), jnp.bfloat16)

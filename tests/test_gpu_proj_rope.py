@@ -36,18 +36,19 @@ def _has_kernel_gpu() -> bool:
     return bool(caps) and all(cc == "9.0" for cc in caps)  # the proj_rope kernel exists for sm_90a only
 
 
-def _inputs(seed, t, h, k, *, w_out_in, tables):
+def _inputs(seed, t, h, k, *, w_out_in, tables, mxfp8=False):
     rng = np.random.default_rng(seed)
-    inp = oracle_ops.random_proj_rope_inputs(rng, t=t, h=h, k=k, mxfp8=False, w_out_in=w_out_in)
+    inp = oracle_ops.random_proj_rope_inputs(rng, t=t, h=h, k=k, mxfp8=mxfp8, w_out_in=w_out_in)
     if tables == "rotary":
         inp["cos"], inp["sin"] = oracle_ops.rotary_tables(t)
     return inp
 
 
 def _run(inp, *, w_out_in, implementation="cutedsl"):
-    f = jax.jit(lambda x, w, c, s: jbg.gemm_proj_rope_mxfp8(x, w, c, s, w_out_in=w_out_in,
-                                                            implementation=implementation))
-    return [np.asarray(o) for o in f(*(jnp.asarray(inp[n]) for n in ("x", "w", "cos", "sin")))]
+    scales = {n: jnp.asarray(inp[n]) for n in ("x_scale", "w_scale") if inp.get(n) is not None}
+    f = jax.jit(lambda x, w, c, s, sc: jbg.gemm_proj_rope_mxfp8(x, w, c, s, w_out_in=w_out_in, **sc,
+                                                                implementation=implementation))
+    return [np.asarray(o) for o in f(*(jnp.asarray(inp[n]) for n in ("x", "w", "cos", "sin")), scales)]
 
 
 @absltest.skipUnless(_has_kernel_gpu(), "needs a CUDA GPU with the CuTeDSL proj_rope kernel (sm_90a)")
@@ -70,14 +71,24 @@ class GpuProjRopeTest(parameterized.TestCase):
         y_ref = oracle_ops.proj_rope_oracle(inp["x"], inp["w"], inp["cos"], inp["sin"], w_out_in=w_out_in)
         oracle_ops.assert_proj_rope_close(self, outs, y_ref)
 
-    @parameterized.parameters(True, False)
-    def test_deepseek_v3_shape(self, w_out_in):
+    @parameterized.product(shape=[(32, 1, 64), (160, 2, 520 // 32 * 32), (992, 7, 1024)], w_out_in=(True, False))
+    def test_mxfp8_inputs_match_oracle(self, shape, w_out_in):
+        """E4M3 codes + E8M0 scales: dequantized exactly to bf16 by XLA, then the same kernel."""
+        t, h, k = shape
+        inp = _inputs(np.random.SeedSequence().entropy, t, h, k, w_out_in=w_out_in, tables="rotary", mxfp8=True)
+        outs = _run(inp, w_out_in=w_out_in)
+        y_ref = oracle_ops.proj_rope_oracle(inp["x"], inp["w"], inp["cos"], inp["sin"], x_scale=inp["x_scale"],
+                                            w_scale=inp["w_scale"], w_out_in=w_out_in)
+        oracle_ops.assert_proj_rope_close(self, outs, y_ref)
+
+    @parameterized.product(w_out_in=(True, False), mxfp8=(False, True))
+    def test_deepseek_v3_shape(self, w_out_in, mxfp8):
         t, h, k = 4096, 128, 1536
-        inp = _inputs(np.random.SeedSequence().entropy, t, h, k, w_out_in=w_out_in, tables="rotary")
+        inp = _inputs(np.random.SeedSequence().entropy, t, h, k, w_out_in=w_out_in, tables="rotary", mxfp8=mxfp8)
         outs = _run(inp, w_out_in=w_out_in)
         heads = sorted(np.random.default_rng().choice(h, size=3, replace=False).tolist())
-        y_ref = oracle_ops.proj_rope_oracle(inp["x"], inp["w"], inp["cos"], inp["sin"], w_out_in=w_out_in,
-                                            heads=heads)
+        y_ref = oracle_ops.proj_rope_oracle(inp["x"], inp["w"], inp["cos"], inp["sin"], x_scale=inp["x_scale"],
+                                            w_scale=inp["w_scale"], w_out_in=w_out_in, heads=heads)
         oracle_ops.assert_proj_rope_close(self, [o[:, heads] for o in outs], y_ref)
         self.assertFalse((outs[1] == 0xFE).any() or (outs[3] == 0xFE).any())  # every scale byte was written
 
