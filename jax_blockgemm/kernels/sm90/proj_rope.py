@@ -3,8 +3,9 @@
 One CTA computes a (64·consumer_wgs)-token x 192-feature tile: exactly one head, so RoPE and both quantizations
 finish inside it and Y never leaves the registers. A producer warp streams bf16 x and W tiles with TMA through an
 mbarrier pipeline; each consumer warpgroup (64 tokens) runs bf16 wgmma into fp32 accumulators, keeping one wgmma
-group in flight. With one consumer warpgroup, two CTAs share an SM (the codes are staged in W's freed pipeline
-buffers), so one CTA's epilogue overlaps the other's mainloop; with two, one CTA fills the SM.
+group in flight. The codes are staged in W's pipeline buffers once every wgmma of the CTA is done, which leaves
+room for a deep pipeline: with two consumer warpgroups, one CTA of 5 stages fills the SM; with one, two CTAs of 3
+stages share it, so one CTA's epilogue overlaps the other's mainloop.
 The epilogue (kernels/epilogue.py does the math) works on the wgmma fragment: value (v0, v1, j) of a thread is token
 16·warp + lane/4 + 8·v1 and feature 8·j + 2·(lane%4) + v0 of its warpgroup's 64 x 192 slice. So a RoPE pair
 (p[2i], p[2i+1]) sits in one thread; a rowwise block of 32 features is 8 values of each of a quad's 4 lanes; a
@@ -57,14 +58,12 @@ class HopperProjRope:
         self.threads_per_cta = (1 + self.num_consumer_wgs) * self.threads_per_wg
         self.code_row_bytes = HEAD_DIM + _ROW_PAD
         self.producer_regs = 40
-        if consumer_wgs == 2:  # one CTA per SM: 4 x 40 KB of bf16 tiles + 2 x 26 KB of staged codes
-            self.ctas_per_sm, self.consumer_regs, self.ab_stages = 1, 232, 4
-        else:  # two CTAs per SM: 64K registers and 227 KB shared memory split in two; codes reuse W's buffers
+        if consumer_wgs == 2:  # one CTA per SM: 5 x 40 KB of bf16 tiles
+            self.ctas_per_sm, self.consumer_regs, self.ab_stages = 1, 232, 5
+        else:  # two CTAs per SM: 64K registers and 227 KB of shared memory split in two (3 x 32 KB each)
             self.ctas_per_sm, self.consumer_regs, self.ab_stages = 2, 208, 3
-        # With two warpgroups one may still read B while the other writes codes, so they get their own buffers.
-        self.codes_in_b_buffers = consumer_wgs == 1
         b_buffer_bytes = HEAD_DIM * TILE_K * self.ab_dtype.width // 8 * self.ab_stages
-        assert not self.codes_in_b_buffers or 2 * self.tile_mnk[0] * self.code_row_bytes <= b_buffer_bytes
+        assert 2 * self.tile_mnk[0] * self.code_row_bytes <= b_buffer_bytes  # both code tiles fit W's buffers
         self.buffer_align_bytes = 1024
 
     @staticmethod
@@ -109,14 +108,10 @@ class HopperProjRope:
         tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem_staged, (None, None, 0)),
             (self.tile_mnk[1], self.tile_mnk[2]))
-        code_tile = 0 if self.codes_in_b_buffers else self.tile_mnk[0] * self.code_row_bytes
-
         @cute.struct
         class SharedStorage:
             pipeline_mbars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
             col_amax: cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps * HEAD_DIM]
-            row_codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, max(code_tile, 16)], 16]
-            col_codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, max(code_tile, 16)], 16]
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)],
                                   self.buffer_align_bytes]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)],
@@ -241,14 +236,15 @@ class HopperProjRope:
                     acc[i0] = first
                     acc[i0 + 1] = second
 
+            # The code tiles live in W's pipeline buffers: free once every consumer warpgroup's wgmmas are done
+            # (all loads were consumed, so the producer writes no more).
+            if cutlass.const_expr(self.num_consumer_wgs > 1):
+                cute.arch.barrier(barrier_id=1 + self.num_consumer_wgs,
+                                  number_of_threads=self.num_consumer_wgs * self.threads_per_wg)
             code_layout = cute.make_layout((bm, self.code_row_bytes), stride=(self.code_row_bytes, 1))
-            if cutlass.const_expr(self.codes_in_b_buffers):  # every wgmma of this CTA is complete: B is free
-                b_bytes = cute.recast_ptr(storage.sB.data_ptr(), dtype=cutlass.Uint8)
-                sRow = cute.make_tensor(b_bytes, code_layout)
-                sCol = cute.make_tensor(b_bytes + cute.cosize(code_layout), code_layout)
-            else:
-                sRow = storage.row_codes.get_tensor(code_layout)
-                sCol = storage.col_codes.get_tensor(code_layout)
+            b_bytes = cute.recast_ptr(storage.sB.data_ptr(), dtype=cutlass.Uint8)
+            sRow = cute.make_tensor(b_bytes, code_layout)
+            sCol = cute.make_tensor(b_bytes + cute.cosize(code_layout), code_layout)
             sRow16 = cute.recast_tensor(sRow, cutlass.Uint16)
             sCol16 = cute.recast_tensor(sCol, cutlass.Uint16)
             n_blocks = HEAD_DIM // MX_BLOCK
