@@ -39,9 +39,18 @@ struct GemmDims {
   int32_t m = 0, n = 0, k = 0, l = 0;
 };
 
+// The dtypes a call site's kernel objects were compiled for (XLA_FFI_DataType values).
+struct KernelDtypes {
+  int ab;  // float8_e4m3fn or float8_e5m2: the dtype of a and b
+  int c;   // float32 or bfloat16
+};
+
 // Checks a, b, sfa, sfb, c, amax (in that order) against what the kernel reads and writes; fills `*dims`.
 // Returns "" when they fit, else a message naming the buffer, what it is and what is allowed.
-std::string CheckGemmAmaxBuffers(const BufferDesc (&buffers)[6], GemmDims* dims);
+std::string CheckGemmAmaxBuffers(const BufferDesc (&buffers)[6], KernelDtypes kernel, GemmDims* dims);
+
+// Parses the `ab_dtype` / `c_dtype` attributes ("float8_e4m3fn", "float32", ...); returns "" or what is wrong.
+std::string ParseKernelDtypes(std::string_view ab_dtype, std::string_view c_dtype, KernelDtypes* out);
 
 // Parses "sm_90a" / "sm_100a" (any "sm_<major><minor>[suffix]") into a compute capability.
 bool ParseArch(std::string_view arch, int* major, int* minor);
@@ -63,6 +72,7 @@ bool ParseObjectTable(std::string_view archs, std::string_view function_prefixes
 struct GemmAmaxState {
   static xla::ffi::TypeId id;
   std::string archs;                           // as given, for error messages
+  KernelDtypes dtypes{};                       // what the objects were compiled for (checked at every call)
   std::vector<DslFunction*> functions;         // by CUDA device ordinal; nullptr where no object fits
   std::vector<std::string> function_prefixes;  // by CUDA device ordinal, for error messages
   std::vector<std::string> capabilities;       // "9.0", by CUDA device ordinal

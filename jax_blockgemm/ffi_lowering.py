@@ -7,7 +7,9 @@ instantiates the program. Attributes:
 - `archs`: comma-separated targets, e.g. "sm_90a,sm_100a";
 - `function_prefixes`: comma-separated exported function names, one per arch;
 - `objects`: the objects concatenated (uint8 array); `offsets`: int64 array, object i is objects[offsets[i]:
-  offsets[i + 1]].
+  offsets[i + 1]];
+- `ab_dtype`, `c_dtype`: the operand and C dtypes the objects were compiled for ("float8_e4m3fn", "float32"); the
+  handler refuses buffers of other dtypes (a float32 kernel would write past the end of a bfloat16 C).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from jax_blockgemm import _native, kernel_cache
 GEMM_AMAX_TARGET = _native.GEMM_AMAX_TARGET
 
 
-def gemm_amax_attributes(variants: Sequence[Any], objects: Sequence[bytes]) -> dict[str, Any]:
-    """The custom call's attributes for `variants` (one per arch) and their object bytes."""
+def gemm_amax_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, ab_dtype: Any,
+                         c_dtype: Any) -> dict[str, Any]:
+    """The custom call's attributes for `variants` (one per arch, all compiled for ab_dtype / c_dtype)."""
+    ab_dtype, c_dtype = str(np.dtype(ab_dtype)), str(np.dtype(c_dtype))
     if len(variants) != len(objects) or not variants:
         raise ValueError(f"expected one object per variant and at least one variant, got {len(variants)} variants "
                          f"and {len(objects)} objects")
@@ -33,10 +37,15 @@ def gemm_amax_attributes(variants: Sequence[Any], objects: Sequence[bytes]) -> d
     for v in variants:
         if "," in v.arch or "," in v.function_prefix:
             raise ValueError(f"variant {v.key!r}: arch and function_prefix may not contain ','")
+        compiled_for = (getattr(v, "ab_dtype", ab_dtype), getattr(v, "c_dtype", c_dtype))
+        if compiled_for != (ab_dtype, c_dtype):
+            raise ValueError(f"variant {v.key!r} is compiled for {compiled_for} (operands, C), not the call's "
+                             f"{(ab_dtype, c_dtype)}")
     offsets = np.zeros(len(objects) + 1, np.int64)
     offsets[1:] = np.cumsum([len(o) for o in objects])
     return dict(archs=",".join(archs), function_prefixes=",".join(v.function_prefix for v in variants),
-                objects=np.frombuffer(b"".join(objects), np.uint8), offsets=offsets)
+                objects=np.frombuffer(b"".join(objects), np.uint8), offsets=offsets, ab_dtype=ab_dtype,
+                c_dtype=c_dtype)
 
 
 def _check_avals(ctx: Any) -> None:
@@ -62,7 +71,8 @@ def emit_gemm_amax(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, *, variants: Se
     _check_avals(ctx)
     variants = sorted(variants, key=lambda v: v.arch)
     objects = [kernel_cache.get_object(v) for v in variants]
-    attributes = gemm_amax_attributes(variants, objects)
+    attributes = gemm_amax_attributes(variants, objects, ab_dtype=ctx.avals_in[0].dtype,
+                                      c_dtype=ctx.avals_out[0].dtype)
     try:  # a program compiled in this process needs the handler; lowering alone (export) does not
         _native.register_ffi_targets()
     except ImportError:

@@ -203,7 +203,8 @@ _XLA_PROBE = textwrap.dedent("""
     for name, offsets in (("GOOD", [0, 1000, 300_001]), ("BAD", [0, 1000, 7])):
         call = jax.ffi.ffi_call("jbg_gemm_amax", out)
         f = jax.jit(lambda *x: call(*x, archs="sm_90a,sm_100a", function_prefixes="p90,p100", objects=blob,
-                                    offsets=np.array(offsets, np.int64)))
+                                    offsets=np.array(offsets, np.int64), ab_dtype="float8_e4m3fn",
+                                    c_dtype="float32"))
         try:
             f(*ops)
             print(name, "RAN")
