@@ -59,6 +59,7 @@ int DtypeCode(const std::string& name) {
   if (name == "float8_e4m3fn") return XLA_FFI_DataType_F8E4M3FN;
   if (name == "float8_e5m2") return XLA_FFI_DataType_F8E5M2;
   if (name == "int32") return XLA_FFI_DataType_S32;
+  if (name == "int8") return XLA_FFI_DataType_S8;
   if (name == "float16") return XLA_FFI_DataType_F16;
   throw nb::value_error(("dtype " + name + " has no test mapping").c_str());
 }
