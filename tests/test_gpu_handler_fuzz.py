@@ -22,7 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
-from hypothesis import HealthCheck, given, settings, strategies as st
+try:  # the test extra has it; a bare GPU machine may not, and the GPU cases need none of it
+    from hypothesis import HealthCheck, given, settings, strategies as st
+except ImportError:
+    st = None
 
 from jax_blockgemm import _native, dispatch, kernel_cache
 
@@ -312,9 +315,6 @@ class CpuHandlerChecksTest(parameterized.TestCase):
                     _ffi_call(target, case.call, device=cpu)
 
 
-# Hypothesis strategies: a dim near what the buffer needs, or anything (0, negative, huge).
-_dim = st.one_of(st.integers(1, 300), st.sampled_from([0, -1, 16, 32, 128, 129, 2**31, 2**40, 2**62]))
-_dtype = st.sampled_from([E4M3, E5M2, U8, F32, BF16, "float16", "int32"])
 
 
 def _consistent(buffers: list, ab: str, c: str) -> bool:
@@ -332,54 +332,59 @@ def _consistent(buffers: list, ab: str, c: str) -> bool:
     return all(int(np.prod(np.array(s, dtype=object))) < 2**31 for s in (sa, sb, ssa, ssb, sc, sm))
 
 
-class CpuHypothesisTest(absltest.TestCase):
-    """Generated inputs for the C++ checks: they never crash, and accept exactly what the kernel can take."""
+if st is not None:
+    # Hypothesis strategies: a dim near what the buffer needs, or anything (0, negative, huge).
+    _dim = st.one_of(st.integers(1, 300), st.sampled_from([0, -1, 16, 32, 128, 129, 2**31, 2**40, 2**62]))
+    _dtype = st.sampled_from([E4M3, E5M2, U8, F32, BF16, "float16", "int32", "int8"])
 
-    @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    @given(l=_dim, m=_dim, n=_dim, k=_dim, ab=st.sampled_from([E4M3, E5M2]), c=st.sampled_from([F32, BF16]),
-           which=st.integers(0, 5), dims=st.lists(_dim, max_size=7), dtype=_dtype, keep=st.booleans())
-    def test_buffer_checks(self, l, m, n, k, ab, c, which, dims, dtype, keep):
-        call = Call(*gemm_amax_buffers(l, m, n, k, ab=ab, c=c), {})
-        buffers = _address_list(call)
-        if not keep:  # perturb one buffer's dims and dtype
-            buffers[which] = (dtype, dims, buffers[which][2])
-        message, got = ext.check_gemm_amax_buffers(buffers, ab, c)
-        if _consistent(buffers, ab, c):
-            self.assertEqual(message, "")
-            self.assertEqual(got, (m, n, k, l))
-        else:
-            self.assertRegex(message, r"^jbg_gemm_amax: (a|b|sfa|sfb|c|amax) is .*; (expected|the kernel objects)")
+    class CpuHypothesisTest(absltest.TestCase):
+        """Generated inputs for the C++ checks: they never crash, and accept exactly what the kernel can take."""
 
-    @settings(max_examples=300, deadline=None)
-    @given(cuts=st.lists(st.integers(-3, 2**40), min_size=1, max_size=5), size=st.integers(0, 2**20),
-           archs=st.lists(st.sampled_from(["sm_90a", "sm_100a", "sm_120f", "sm_9", "x"]), max_size=4))
-    def test_object_table(self, cuts, size, archs):
-        offsets = [0, *cuts]
-        prefixes = ",".join(f"p{i}" for i in range(len(archs)))
-        try:
-            table = ext.parse_object_table(",".join(archs), prefixes, size, offsets)
-        except ValueError as e:
-            self.assertRegex(str(e), "^jbg_gemm_amax attributes: ")
-            return
-        # Accepted: every entry lies inside the objects, in order, and covers them exactly.
-        self.assertEqual([t[0] for t in table], archs)
-        self.assertEqual([(t[4], t[5]) for t in table], list(zip(offsets[:-1], offsets[1:])))
-        self.assertTrue(all(0 <= b < e <= size for *_, b, e in table))
-        self.assertEqual(len(set(archs)), len(archs))
+        @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+        @given(l=_dim, m=_dim, n=_dim, k=_dim, ab=st.sampled_from([E4M3, E5M2]), c=st.sampled_from([F32, BF16]),
+               which=st.integers(0, 5), dims=st.lists(_dim, max_size=7), dtype=_dtype, keep=st.booleans())
+        def test_buffer_checks(self, l, m, n, k, ab, c, which, dims, dtype, keep):
+            call = Call(*gemm_amax_buffers(l, m, n, k, ab=ab, c=c), {})
+            buffers = _address_list(call)
+            if not keep:  # perturb one buffer's dims and dtype
+                buffers[which] = (dtype, dims, buffers[which][2])
+            message, got = ext.check_gemm_amax_buffers(buffers, ab, c)
+            if _consistent(buffers, ab, c):
+                self.assertEqual(message, "")
+                self.assertEqual(got, (m, n, k, l))
+            else:
+                self.assertRegex(message, r"^jbg_gemm_amax: (a|b|sfa|sfb|c|amax) is .*; (expected|the kernel objects)")
 
-    @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    @given(data=st.data())
-    def test_object_bytes(self, data):
-        """Truncations and byte flips of a real object: no crash; a truncated one is always refused."""
-        _cuedsl_or_skip(self)
-        obj, prefix = _gemm_amax_object()
-        cut = data.draw(st.integers(0, len(obj) - 1))
-        self.assertRegex(ext.check_kernel_object(obj[:cut], prefix), "is truncated|is not an ELF object")
-        flips = data.draw(st.lists(st.tuples(st.integers(0, len(obj) - 1), st.integers(1, 255)), max_size=8))
-        mutated = bytearray(obj)
-        for i, x in flips:
-            mutated[i] ^= x
-        self.assertIsInstance(ext.check_kernel_object(bytes(mutated), prefix), str)
+        @settings(max_examples=300, deadline=None)
+        @given(cuts=st.lists(st.integers(-3, 2**40), min_size=1, max_size=5), size=st.integers(0, 2**20),
+               archs=st.lists(st.sampled_from(["sm_90a", "sm_100a", "sm_120f", "sm_9", "x"]), max_size=4))
+        def test_object_table(self, cuts, size, archs):
+            offsets = [0, *cuts]
+            prefixes = ",".join(f"p{i}" for i in range(len(archs)))
+            try:
+                table = ext.parse_object_table(",".join(archs), prefixes, size, offsets)
+            except ValueError as e:
+                self.assertRegex(str(e), "^jbg_gemm_amax attributes: ")
+                return
+            # Accepted: every entry lies inside the objects, in order, and covers them exactly.
+            self.assertEqual([t[0] for t in table], archs)
+            self.assertEqual([(t[4], t[5]) for t in table], list(zip(offsets[:-1], offsets[1:])))
+            self.assertTrue(all(0 <= b < e <= size for *_, b, e in table))
+            self.assertEqual(len(set(archs)), len(archs))
+
+        @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+        @given(data=st.data())
+        def test_object_bytes(self, data):
+            """Truncations and byte flips of a real object: no crash; a truncated one is always refused."""
+            _cuedsl_or_skip(self)
+            obj, prefix = _gemm_amax_object()
+            cut = data.draw(st.integers(0, len(obj) - 1))
+            self.assertRegex(ext.check_kernel_object(obj[:cut], prefix), "is truncated|is not an ELF object")
+            flips = data.draw(st.lists(st.tuples(st.integers(0, len(obj) - 1), st.integers(1, 255)), max_size=8))
+            mutated = bytearray(obj)
+            for i, x in flips:
+                mutated[i] ^= x
+            self.assertIsInstance(ext.check_kernel_object(bytes(mutated), prefix), str)
 
 
 def _has_kernel_gpu() -> bool:
