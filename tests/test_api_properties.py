@@ -16,13 +16,16 @@ import re
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 from absl.testing import absltest
-from hypothesis import HealthCheck, given, settings, strategies as st
+
+pytest.importorskip("hypothesis", reason="hypothesis is in the test extra: pip install -e '.[test]'")
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 import jax_blockgemm as jbg
 
-import oracle_ops
-from test_reference import _scale_log2
+import oracle_ops  # noqa: E402
+from test_reference import _scale_log2  # noqa: E402
 
 _ARGS = ("a", "b", "sfa", "sfb", "alpha", "c_dtype", "c_major", "a_major", "b_major", "acc_dtype", "mma_tiler_mn",
          "cluster_shape_mn", "sf_vec_size", "implementation", "x", "w", "cos", "sin", "x_scale", "w_scale",
