@@ -22,6 +22,7 @@ import pathlib
 import struct
 import tempfile
 import threading
+import time
 from typing import Any, Callable, Literal, Protocol
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 CACHE_DIR_ENV = "JAX_BLOCKGEMM_CACHE_DIR"
 CACHE_MAX_BYTES_ENV = "JAX_BLOCKGEMM_CACHE_MAX_BYTES"
 DEFAULT_MAX_BYTES = 512 * 2**20  # an object is ~60 KiB: thousands of entries
+STALE_TMP_S = 3600  # a temporary file this old belongs to a writer that died
 MAGIC = b"JBGOBJ01"
 _HEADER = struct.Struct("<8sQ32s")  # magic, payload length, sha256(payload)
 Source = Literal["memory", "disk", "compiled"]
@@ -151,7 +153,16 @@ class ObjectCache:
         self.evict(keep=path)
 
     def evict(self, keep: pathlib.Path | None = None) -> list[pathlib.Path]:
-        """Deletes the least recently used entries until the directory holds at most max_bytes; returns them."""
+        """Deletes the least recently used entries until the directory holds at most max_bytes, and temporary
+        files a crashed writer left over an hour ago; returns what it deleted."""
+        removed = []
+        for tmp in self.directory.glob("*.obj.*.tmp"):
+            try:
+                if time.time() - tmp.stat().st_mtime > STALE_TMP_S:
+                    tmp.unlink()
+                    removed.append(tmp)
+            except OSError:  # finished or removed by its writer meanwhile
+                continue
         entries = []
         for path in self.directory.glob("*.obj"):
             try:
@@ -160,7 +171,6 @@ class ObjectCache:
                 continue
             entries.append((st.st_mtime_ns, path.name, st.st_size, path))
         total = sum(size for _, _, size, _ in entries)
-        removed = []
         for _, _, size, path in sorted(entries):
             if total <= self.max_bytes:
                 break

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl.testing import absltest, parameterized
+from absl.testing import absltest
 try:  # the test extra has it; a bare GPU machine may not, and the GPU cases need none of it
     from hypothesis import HealthCheck, given, settings, strategies as st
 except ImportError:
@@ -276,19 +275,19 @@ def _ffi_call(target: Target, call: Call, *, device: Any) -> Any:
     return jax.block_until_ready(fn(*operands))
 
 
-def _cuedsl_or_skip(test: absltest.TestCase) -> None:
+def _cutedsl_or_skip(test: absltest.TestCase) -> None:
     try:
         import cutlass  # noqa: F401
     except ImportError as e:
         test.skipTest(f"CuTeDSL is not importable (the cases need a real kernel object): {e}")
 
 
-class CpuHandlerChecksTest(parameterized.TestCase):
+class CpuHandlerChecksTest(absltest.TestCase):
     """Every case through the handler's own C++ checks, on CPU (what CI proves)."""
 
     def setUp(self):
         super().setUp()
-        _cuedsl_or_skip(self)
+        _cutedsl_or_skip(self)
 
     def test_well_formed_calls_pass(self):
         for target in TARGETS:
@@ -376,7 +375,7 @@ if st is not None:
         @given(data=st.data())
         def test_object_bytes(self, data):
             """Truncations and byte flips of a real object: no crash; a truncated one is always refused."""
-            _cuedsl_or_skip(self)
+            _cutedsl_or_skip(self)
             obj, prefix = _gemm_amax_object()
             cut = data.draw(st.integers(0, len(obj) - 1))
             self.assertRegex(ext.check_kernel_object(obj[:cut], prefix), "is truncated|is not an ELF object")

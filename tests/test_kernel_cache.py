@@ -12,6 +12,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 from unittest import mock
 
 from absl.testing import absltest
@@ -241,6 +242,18 @@ class EvictionTest(absltest.TestCase):
         for i in range(3):
             cache.get(StandInVariant(key=f"v{i}"))
             self.assertEqual(self._names(), [f"v{i}"])
+
+    def test_stale_temporary_files_go_fresh_ones_stay(self):
+        cache = _cache(self.dir, self.compiler)
+        stale = pathlib.Path(self.dir) / "x.obj.abc.tmp"
+        fresh = pathlib.Path(self.dir) / "y.obj.def.tmp"
+        stale.write_bytes(b"left by a writer that died")
+        fresh.write_bytes(b"a writer still at work")
+        old = int((time.time() - kernel_cache.STALE_TMP_S - 60) * 1e9)
+        os.utime(stale, ns=(old, old))
+        cache.get(StandInVariant())
+        self.assertFalse(stale.exists())
+        self.assertTrue(fresh.exists())
 
     def test_default_cap_and_environment(self):
         with mock.patch.dict(os.environ, {kernel_cache.CACHE_MAX_BYTES_ENV: ""}):
