@@ -24,6 +24,7 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -124,12 +125,16 @@ def _sanitized(sanitizer: str, tool: str, command: list, *, all_kernels: bool, t
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1",
                XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0")
     start = time.monotonic()
+    # Own process group: a timeout ends the sanitizer AND the Python process it runs (which holds the GPU).
+    proc = subprocess.Popen(args + command, cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
-        proc = subprocess.run(args + command, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return 124, out + f"\n(timed out after {timeout} s)", time.monotonic() - start
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out, time.monotonic() - start
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return 124, (out or "") + f"\n(timed out after {timeout} s)", time.monotonic() - start
 
 
 def main(argv: list | None = None) -> int:
@@ -138,7 +143,9 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of " + ",".join(TOOLS))
     parser.add_argument("--all-kernels", action="store_true", help="racecheck/synccheck XLA's kernels too")
     parser.add_argument("--no-fuzz", action="store_true", help="skip the handler fuzz test under memcheck")
-    parser.add_argument("--timeout", type=int, default=150, help="seconds per sanitized process")
+    parser.add_argument("--timeout", type=int, default=150, help="seconds per sanitized process at most")
+    parser.add_argument("--budget", type=int, default=350, help="seconds for the whole run (each process gets "
+                        "what is left, at least 30)")
     parser.add_argument("--run-variants", action="store_true", help=argparse.SUPPRESS)  # the sanitized workload
     args = parser.parse_args(argv)
     if args.run_variants:
@@ -156,15 +163,17 @@ def main(argv: list | None = None) -> int:
     if out:
         out.mkdir(parents=True, exist_ok=True)
     print(f"compute-sanitizer: {sanitizer}")
+    started = time.monotonic()
+    timeout = lambda: int(max(30, min(args.timeout, args.budget - (time.monotonic() - started))))
     # Compile every sm_90a object outside the sanitizer first (into the disk cache the sanitized runs read).
     pre = subprocess.run([sys.executable, "-m", "jax_blockgemm.precompile", "--arch", "sm_90a"], cwd=_ROOT,
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=args.budget)
     print(pre.stdout.strip().splitlines()[-1] if pre.returncode == 0 else f"precompile failed:\n{pre.stderr[-2000:]}")
     lines, bad = [], 0
     for tool in tools:
         rc, log, took = _sanitized(sanitizer, tool, [sys.executable, str(pathlib.Path(__file__).resolve()),
                                                      "--run-variants"], all_kernels=args.all_kernels,
-                                   timeout=args.timeout)
+                                   timeout=timeout())
         if out:
             (out / f"sanitize_{tool}.log").write_text(log)
         per_label, outside, summary = _attribute(log)
@@ -186,7 +195,7 @@ def main(argv: list | None = None) -> int:
     if not args.no_fuzz:
         rc, log, took = _sanitized(sanitizer, "memcheck", [sys.executable, "-m", "pytest", "-q", "-x",
                                                            "tests/test_gpu_handler_fuzz.py", "-k", "GpuHandlerFuzzTest"],
-                                   all_kernels=True, timeout=args.timeout)
+                                   all_kernels=True, timeout=timeout())
         if out:
             (out / "sanitize_fuzz_memcheck.log").write_text(log)
         _, outside, summary = _attribute(log)
@@ -198,7 +207,7 @@ def main(argv: list | None = None) -> int:
                      f"pytest: {passed[-1] if passed else 'no result'}, {summary}, {took:.0f}s")
         bad += not ok
         print(lines[-1], flush=True)
-    print("\nSUMMARY")
+    print(f"\nSUMMARY ({time.monotonic() - started:.0f} s)")
     print("\n".join(lines))
     return 1 if bad else 0
 

@@ -1,9 +1,10 @@
 // The `jbg_gemm_amax` XLA FFI handler: C = (A·sfa)(B·sfb)^T and amax = max|C| per batch, by a CuTeDSL kernel.
 //
 // Two stages. INSTANTIATE (once per call site, when XLA builds the executable) reads the attributes — `archs`,
-// `function_prefixes` (comma-separated), `objects` (the kernel objects concatenated, uint8) and `offsets` (int64,
-// one more than objects) — picks the object for each visible device's compute capability, loads it through the
-// DSL runtime and keeps the functions in the call site's state. EXECUTE checks the buffers, zeroes amax on XLA's
+// `function_prefixes` (comma-separated), `objects` (the kernel objects concatenated, uint8), `offsets` (int64,
+// one more than objects), `ab_dtype` and `c_dtype` (what the objects were compiled for) — picks the object for each
+// visible device's compute capability, checks its bytes (object_check.h), loads it through the DSL runtime and
+// keeps the functions in the call site's state. EXECUTE checks the buffers, zeroes amax on XLA's
 // stream and runs the function: no loading, no allocation, no host synchronization.
 #ifndef JBG_FFI_GEMM_AMAX_H_
 #define JBG_FFI_GEMM_AMAX_H_
