@@ -193,8 +193,8 @@ def main(argv: list | None = None) -> int:
         bad += not whole_ok
         print("\n".join(lines[-len(per_label) - 1:]), flush=True)
     if not args.no_fuzz:
-        rc, log, took = _sanitized(sanitizer, "memcheck", [sys.executable, "-m", "pytest", "-q", "-x",
-                                                           "tests/test_gpu_handler_fuzz.py", "-k", "GpuHandlerFuzzTest"],
+        fuzz = [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_gpu_handler_fuzz.py", "-k", "GpuHandlerFuzzTest"]
+        rc, log, took = _sanitized(sanitizer, "memcheck", fuzz,
                                    all_kernels=True, timeout=timeout())
         if out:
             (out / "sanitize_fuzz_memcheck.log").write_text(log)

@@ -141,7 +141,7 @@ class ObjectCache:
             self._memory.clear()
 
     def _store(self, path: pathlib.Path, payload: bytes) -> None:
-        """Writes the entry and evicts; the first failure turns the disk cache off for this process, with one warning."""
+        """Writes the entry and evicts; the first failure turns disk writes off for this process, with one warning."""
         try:
             self._write(path, payload)
         except OSError as e:  # read-only, full, or not creatable: the object still works from memory

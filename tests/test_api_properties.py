@@ -32,7 +32,8 @@ _ARGS = ("a", "b", "sfa", "sfb", "alpha", "c_dtype", "c_major", "a_major", "b_ma
          "w_out_in")
 # An argument named as the subject of the message: "c_dtype=", "a's", "sfa/sfb", "sfa has", "x must", "a and b",
 # "alpha (...)", ...
-NAMES_AN_ARGUMENT = re.compile(r"(?<![\w.])(" + "|".join(_ARGS) + r")(=|'s |/| has | have | must | and | disagree|: | \()")
+NAMES_AN_ARGUMENT = re.compile(r"(?<![\w.])(" + "|".join(_ARGS)
+                               + r")(=|'s |/| has | have | must | and | disagree|: | \()")
 # Fresh examples every run; nothing written to disk (no .hypothesis database in the repository).
 _SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -48,7 +49,7 @@ def _check_error(test: absltest.TestCase, e: Exception) -> None:
 
 
 def _seed_view(atom: np.ndarray) -> np.ndarray:
-    """SPEC §3: the seed's logical view (32, 4, MN', 4, K', L) is the physical atom transposed by (3, 4, 1, 5, 2, 0)."""
+    """SPEC §3: the seed's view (32, 4, MN', 4, K', L) is the physical atom transposed by (3, 4, 1, 5, 2, 0)."""
     return np.ascontiguousarray(np.transpose(atom, (3, 4, 1, 5, 2, 0)))
 
 
