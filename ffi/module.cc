@@ -13,6 +13,7 @@
 
 #include "dsl_runtime.h"
 #include "gemm_amax.h"
+#include "object_check.h"
 #include "proj_rope.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -72,23 +73,33 @@ int DtypeCode(const std::string& name) {
   if (name == "float8_e4m3fn") return XLA_FFI_DataType_F8E4M3FN;
   if (name == "float8_e5m2") return XLA_FFI_DataType_F8E5M2;
   if (name == "int32") return XLA_FFI_DataType_S32;
+  if (name == "int8") return XLA_FFI_DataType_S8;
   if (name == "float16") return XLA_FFI_DataType_F16;
   throw nb::value_error(("dtype " + name + " has no test mapping").c_str());
 }
 
 using BufferSpec = std::tuple<std::string, std::vector<int64_t>, uintptr_t>;
 
-// Test hook for the execute-stage buffer checks: each buffer as (dtype name, dims, address).
+// Test hook for the execute-stage buffer checks: each buffer as (dtype name, dims, address), and the dtypes the
+// call site's kernels were compiled for (both "" = the dtypes of a and c: no mismatch).
 // Returns (message, (m, n, k, l)); message is "" when the buffers fit the kernel.
-std::tuple<std::string, std::tuple<int, int, int, int>> CheckBuffers(const std::vector<BufferSpec>& specs) {
+std::tuple<std::string, std::tuple<int, int, int, int>> CheckBuffers(const std::vector<BufferSpec>& specs,
+                                                                     const std::string& ab_dtype,
+                                                                     const std::string& c_dtype) {
   if (specs.size() != 6) throw nb::value_error("expected 6 buffers: a, b, sfa, sfb, c, amax");
   jbg::BufferDesc descs[6];
   for (int i = 0; i < 6; ++i) {
     const auto& [dtype, dims, address] = specs[i];
     descs[i] = jbg::BufferDesc{DtypeCode(dtype), dims.data(), dims.size(), reinterpret_cast<const void*>(address)};
   }
+  jbg::KernelDtypes kernel{descs[0].dtype, descs[4].dtype};
+  if (ab_dtype.empty() != c_dtype.empty()) throw nb::value_error("give both ab_dtype and c_dtype, or neither");
+  if (!ab_dtype.empty()) {
+    std::string why = jbg::ParseKernelDtypes(ab_dtype, c_dtype, &kernel);
+    if (!why.empty()) throw nb::value_error(why.c_str());
+  }
   jbg::GemmDims dims;
-  std::string message = jbg::CheckGemmAmaxBuffers(descs, &dims);
+  std::string message = jbg::CheckGemmAmaxBuffers(descs, kernel, &dims);
   return {message, {dims.m, dims.n, dims.k, dims.l}};
 }
 
@@ -165,12 +176,30 @@ NB_MODULE(_jbg_ffi, m) {
       },
       nb::arg("path"), "dlopen libcute_dsl_runtime.so once per process (later calls keep the first library).");
   m.def("runtime_path", &jbg::DslRuntimePath, "Path of the loaded CuTeDSL runtime, or '' when none is loaded.");
-  m.def("check_gemm_amax_buffers", &CheckBuffers, nb::arg("buffers"),
-        "Test hook: the execute stage's buffer checks on [(dtype, dims, address)] * 6.");
+  m.def("check_gemm_amax_buffers", &CheckBuffers, nb::arg("buffers"), nb::arg("ab_dtype") = "",
+        nb::arg("c_dtype") = "",
+        "Test hook: the execute stage's buffer checks on [(dtype, dims, address)] * 6, for kernels compiled for "
+        "ab_dtype / c_dtype ('' = whatever a / c are).");
+  m.def(
+      "parse_kernel_dtypes",
+      [](const std::string& ab_dtype, const std::string& c_dtype) {
+        jbg::KernelDtypes out{};
+        std::string why = jbg::ParseKernelDtypes(ab_dtype, c_dtype, &out);
+        if (!why.empty()) throw nb::value_error(why.c_str());
+        return std::make_tuple(out.ab, out.c);
+      },
+      nb::arg("ab_dtype"), nb::arg("c_dtype"), "Test hook: the instantiate stage's ab_dtype / c_dtype parsing.");
   m.def("check_proj_rope_buffers", &CheckProjRope, nb::arg("buffers"), nb::arg("w_out_in"),
         "Test hook: the proj_rope execute stage's buffer checks on [(dtype, dims, address)] * 8.");
   m.def("parse_object_table", &ParseObjects, nb::arg("archs"), nb::arg("function_prefixes"),
         nb::arg("objects_size"), nb::arg("offsets"), "Test hook: the instantiate stage's attribute parsing.");
+  m.def(
+      "check_kernel_object",
+      [](nb::bytes object, const std::string& function_prefix) {
+        return jbg::CheckKernelObject(std::string_view(object.c_str(), object.size()), function_prefix);
+      },
+      nb::arg("object"), nb::arg("function_prefix"),
+      "Test hook: the instantiate stage's check of one object's bytes ('' when it may be loaded).");
   m.def(
       "parse_arch",
       [](const std::string& arch) {

@@ -155,7 +155,7 @@ ffi::Error Execute(CUstream stream, int32_t device, GemmAmaxState* state, ffi::A
 ffi::ErrorOr<std::unique_ptr<GemmAmaxState>> Instantiate(std::string_view archs, std::string_view prefixes,
                                                         ffi::Span<const uint8_t> objects,
                                                         ffi::Span<const int64_t> offsets, bool) {
-  return InstantiateKernelObjects(archs, prefixes, objects, offsets);
+  return InstantiateKernelObjects(kProjRopeTarget, archs, prefixes, objects, offsets);
 }
 
 }  // namespace

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Sequence
 
 import jax
@@ -29,6 +30,10 @@ DEFAULT_TAKES_KERNEL = {("gemm_amax", "sm_90a"): False, ("proj_rope", "sm_90a"):
 # The proj_rope tile (tokens, features) each arch runs, among catalog.PROJ_ROPE_TILES (benchmarks/RESULTS.md).
 PROJ_ROPE_TILE = {"sm_90a": (128, 192)}
 
+# The kernels and the FFI handler take sizes and element counts as int32: a call with an operand or C of this many
+# elements or more never reaches them (None takes the reference, "cutedsl" raises at lowering).
+MAX_KERNEL_ELEMENTS = 2**31
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
@@ -48,6 +53,17 @@ def local_cuda_capabilities() -> tuple[str, ...] | None:
     return tuple(sorted({str(getattr(d, "compute_capability", "")) for d in devices}))
 
 
+def _past_int32(avals_in: Sequence[Any]) -> str:
+    """Why a canonical (L, M, K) / (L, N, K) call is too large for int32 indexing, or "" when it is not."""
+    (l, m, _), n = avals_in[0].shape, avals_in[1].shape[1]
+    named = [(name, tuple(x.shape)) for name, x in zip(("a", "b", "sfa", "sfb"), avals_in)] + [("c", (l, m, n))]
+    for name, shape in named:
+        if math.prod(shape) >= MAX_KERNEL_ELEMENTS:
+            return (f"{name} {shape} holds {math.prod(shape)} elements, past the kernels' 32-bit indexing (fewer "
+                    f"than 2**31 = {MAX_KERNEL_ELEMENTS}); implementation=None or 'xla' takes the reference")
+    return ""
+
+
 def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, a_major: str, b_major: str,
                       c_major: str, mma_tiler_mn: tuple, cluster_shape_mn: tuple, implementation: Any,
                       **_: Any) -> KernelChoice:
@@ -59,6 +75,8 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
     if (a_major, b_major, c_major) != ("k", "k", "n"):
         return KernelChoice(reason=f"kernels take K-major A and B and N-major C; got a_major={a_major!r}, "
                                    f"b_major={b_major!r}, c_major={c_major!r}")
+    if too_large := _past_int32(avals_in):
+        return KernelChoice(reason=too_large)
     try:
         from jax_blockgemm import _native
         from jax_blockgemm.kernels import catalog
