@@ -45,9 +45,12 @@ class CatalogTest(parameterized.TestCase):
         self.assertEqual(catalog.KernelVariant().key, "gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1")
 
     def test_sm90a_covers_both_fp8_codes_and_both_outputs(self):
-        got = {(v.ab_dtype, v.c_dtype) for v in catalog.variants_for("sm_90a")}
+        got = {(v.ab_dtype, v.c_dtype) for v in catalog.variants_for("sm_90a", "gemm_amax")}
         self.assertEqual(got, {(a, c) for a in ("float8_e4m3fn", "float8_e5m2") for c in ("float32", "bfloat16")})
         self.assertEqual(catalog.variants_for("sm_75"), ())
+        rope = catalog.variants_for("sm_90a", "proj_rope")
+        self.assertEqual({(v.tile_mn, v.b_major) for v in rope},
+                         {(t, b) for t in catalog.PROJ_ROPE_TILES for b in ("k", "n")})
 
     def test_select_variant(self):
         cfg = dict(arch="sm_90a", ab_dtype="float8_e5m2", c_dtype="bfloat16", sf_vec_size=32)
