@@ -17,16 +17,9 @@ XLA_FFI_TypeInfo* GemmAmaxStateTypeInfo() {
   return &info;
 }
 
-namespace {
-
-constexpr const char* kBufferNames[6] = {"a", "b", "sfa", "sfb", "c", "amax"};
-constexpr int64_t kMaxElements = int64_t{1} << 31;  // sizes travel as int32 (m, n, k, l and element counts)
-
-// ceil(x / y) for x >= 0, y > 0, without the overflow of (x + y - 1) / y near INT64_MAX.
-int64_t CeilDiv(int64_t x, int64_t y) { return x / y + (x % y != 0); }
-
 // Product of the dims, saturated at kMaxElements (no step can overflow, whatever the dims).
 int64_t ElementCount(const BufferDesc& b) {
+  constexpr int64_t kMaxElements = kMaxBufferElements;
   int64_t count = 1;
   for (size_t d = 0; d < b.rank; ++d) {
     if (b.dims[d] <= 0) return 0;
@@ -55,6 +48,14 @@ std::string ShapeString(const int64_t* dims, size_t rank) {
   }
   return s + (rank == 1 ? ",)" : ")");
 }
+
+namespace {
+
+constexpr const char* kBufferNames[6] = {"a", "b", "sfa", "sfb", "c", "amax"};
+constexpr int64_t kMaxElements = kMaxBufferElements;
+
+// ceil(x / y) for x >= 0, y > 0, without the overflow of (x + y - 1) / y near INT64_MAX.
+int64_t CeilDiv(int64_t x, int64_t y) { return x / y + (x % y != 0); }
 
 std::string Describe(const BufferDesc& b, int index) {
   return std::string("jbg_gemm_amax: ") + kBufferNames[index] + " is " + DtypeName(b.dtype) + " " +

@@ -29,6 +29,8 @@ inline constexpr int64_t kAtomRows = 128;   // scale atom: 128 rows (of M or N) 
 inline constexpr int64_t kAtomBlocks = 4;   // ... by 4 scale blocks, stored as (32, 4, 4) bytes
 inline constexpr uintptr_t kAlignment = 16;
 
+inline constexpr int64_t kMaxBufferElements = int64_t{1} << 31;  // sizes travel to the kernels as int32
+
 // What the handler sees of one buffer; dtype is an XLA_FFI_DataType value.
 struct BufferDesc {
   int dtype;
@@ -36,6 +38,14 @@ struct BufferDesc {
   size_t rank;
   const void* data;
 };
+
+// Helpers every handler's buffer checks share.
+// Product of the dims, saturated at kMaxBufferElements (no step overflows, whatever the dims); 0 if a dim is <= 0.
+int64_t ElementCount(const BufferDesc& b);
+// "float8_e4m3fn", "bfloat16", ... for the dtypes the handlers take; "another dtype" otherwise.
+const char* DtypeName(int dtype);
+// "(2, 200, 96)".
+std::string ShapeString(const int64_t* dims, size_t rank);
 
 struct GemmDims {
   int32_t m = 0, n = 0, k = 0, l = 0;

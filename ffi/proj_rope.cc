@@ -11,17 +11,9 @@ namespace {
 
 constexpr const char* kNames[8] = {"x", "w", "cos", "sin", "out_fp8_row", "out_scales_row", "out_fp8_col",
                                    "out_scales_col"};
-constexpr int64_t kMaxElements = int64_t{1} << 31;  // sizes travel as int32
-
-std::string Dims(const BufferDesc& b) {
-  std::string s = "(";
-  for (size_t i = 0; i < b.rank; ++i) s += (i ? ", " : "") + std::to_string(b.dims[i]);
-  return s + (b.rank == 1 ? ",)" : ")");
-}
-
 std::string Problem(int index, const BufferDesc& b, const std::string& expected) {
-  return std::string(kProjRopeTarget) + ": " + kNames[index] + " has shape " + Dims(b) + " and dtype code " +
-         std::to_string(b.dtype) + "; expected " + expected;
+  return std::string(kProjRopeTarget) + ": " + kNames[index] + " has shape " + ShapeString(b.dims, b.rank) +
+         " and dtype " + DtypeName(b.dtype) + "; expected " + expected;
 }
 
 bool Is(const BufferDesc& b, int dtype, std::initializer_list<int64_t> dims) {
@@ -33,12 +25,7 @@ bool Is(const BufferDesc& b, int dtype, std::initializer_list<int64_t> dims) {
   return true;
 }
 
-std::string Shape(std::initializer_list<int64_t> dims) {
-  std::string s = "(";
-  size_t i = 0;
-  for (int64_t d : dims) s += (i++ ? ", " : "") + std::to_string(d);
-  return s + ")";
-}
+std::string Shape(std::initializer_list<int64_t> dims) { return ShapeString(dims.begin(), dims.size()); }
 
 }  // namespace
 
@@ -74,9 +61,7 @@ std::string CheckProjRopeBuffers(const BufferDesc (&buf)[8], bool w_out_in, Proj
     return Problem(7, buf[7], "uint8 " + Shape({1, t / 32, h, kHeadDim}));
   }
   for (int i = 0; i < 8; ++i) {
-    int64_t count = 1;
-    for (size_t d = 0; d < buf[i].rank; ++d) count *= buf[i].dims[d];
-    if (count >= kMaxElements) return Problem(i, buf[i], "fewer than 2**31 elements");
+    if (ElementCount(buf[i]) >= kMaxBufferElements) return Problem(i, buf[i], "fewer than 2**31 elements");
     const auto address = reinterpret_cast<uintptr_t>(buf[i].data);
     if (address == 0 || address % kAlignment != 0) return Problem(i, buf[i], "a 16-byte aligned buffer");
   }
@@ -94,12 +79,6 @@ struct KernelTensor {  // the DSL's struct for a flat tensor argument: data poin
 BufferDesc Desc(const ffi::AnyBuffer& buffer) {
   auto dims = buffer.dimensions();
   return BufferDesc{static_cast<int>(buffer.element_type()), dims.begin(), dims.size(), buffer.untyped_data()};
-}
-
-int64_t Count(const BufferDesc& b) {
-  int64_t count = 1;
-  for (size_t d = 0; d < b.rank; ++d) count *= b.dims[d];
-  return count;
 }
 
 ffi::Error Execute(CUstream stream, int32_t device, GemmAmaxState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
@@ -127,16 +106,17 @@ ffi::Error Execute(CUstream stream, int32_t device, GemmAmaxState* state, ffi::A
     for (int i = 4; i < 8; ++i) {
       const unsigned char value = (i % 2 == 0) ? 0xFF : 0xFE;
       if (CUresult r = driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(buffers[i].data), value,
-                                               static_cast<size_t>(Count(buffers[i])), stream);
+                                               static_cast<size_t>(ElementCount(buffers[i])), stream);
           r != kCudaSuccess) {
         return ffi::Error::Internal(target + ": poisoning " + kNames[i] + " failed: " + driver->ErrorName(r));
       }
     }
   }
   KernelTensor tensors[10];
-  for (int i = 0; i < 4; ++i) tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), Count(buffers[i])};
+  auto tensor = [&](int i) { return KernelTensor{const_cast<void*>(buffers[i].data), ElementCount(buffers[i])}; };
+  for (int i = 0; i < 4; ++i) tensors[i] = tensor(i);
   tensors[4] = tensors[5] = KernelTensor{const_cast<void*>(buffers[0].data), 0};  // x_scale, w_scale: bf16 path
-  for (int i = 4; i < 8; ++i) tensors[i + 2] = KernelTensor{const_cast<void*>(buffers[i].data), Count(buffers[i])};
+  for (int i = 4; i < 8; ++i) tensors[i + 2] = tensor(i);
   int32_t t = dims.t, k = dims.k, h = dims.h, ret = 0;
   void* args[15] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5], &tensors[6],
                     &tensors[7], &tensors[8], &tensors[9], &t,          &k,          &h,          &stream, &ret};

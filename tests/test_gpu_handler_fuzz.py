@@ -251,7 +251,96 @@ def _gemm_amax_cpu_check(call: Call) -> str:
 
 GEMM_AMAX = Target(_native.GEMM_AMAX_TARGET, _gemm_amax_object, _gemm_amax_well_formed, _gemm_amax_cases,
                    _gemm_amax_cpu_check)
-TARGETS = (GEMM_AMAX,)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# jbg_gemm_proj_rope_mxfp8
+
+
+def proj_rope_buffers(t: int, k: int, h: int, w_out_in: bool = True) -> tuple[tuple, tuple]:
+    """Well-formed (operands, results): x, w, cos, sin and the four outputs, with the leading group axis of 1."""
+    n = h * 192
+    operands = (Buffer(BF16, (1, t, k)), Buffer(BF16, (1, n, k) if w_out_in else (1, k, n)),
+                Buffer(BF16, (1, t, 64)), Buffer(BF16, (1, t, 64)))
+    results = (Buffer(E4M3, (1, t, h, 192)), Buffer(U8, (1, t, h, 6)), Buffer(E4M3, (1, t, h, 192)),
+               Buffer(U8, (1, t // 32, h, 192)))
+    return operands, results
+
+
+@functools.lru_cache(maxsize=None)
+def _proj_rope_object() -> tuple[bytes, str]:
+    """The real sm_90a proj_rope object (w as (H*192, K)) and its function prefix."""
+    from jax_blockgemm.kernels import catalog
+
+    variant = catalog.select_variant(op="proj_rope", arch=DEVICE_ARCH, ab_dtype=BF16, c_dtype=E4M3, sf_vec_size=32,
+                                     tile_mn=dispatch.PROJ_ROPE_TILE[DEVICE_ARCH], cluster_mn=(1, 1))
+    return kernel_cache.get_object(variant), variant.function_prefix
+
+
+def _proj_rope_well_formed(obj: bytes, prefix: str) -> Call:
+    operands, results = proj_rope_buffers(96, 64, 2)
+    return Call(operands, results, dict(archs=DEVICE_ARCH, function_prefixes=prefix, objects=obj,
+                                        offsets=(0, len(obj)), w_out_in=True))
+
+
+def _proj_rope_cases(good: Call) -> list[Case]:
+    x, w, cos, sin = good.operands
+    row, row_s, col, col_s = good.results
+    t, k = x.shape[1:]
+    h = row.shape[2]
+    buffers = [
+        ("x float32", dict(operand=0, buffer=Buffer(F32, x.shape)), r"x has shape .*expected bfloat16 \(1, T, K\)"),
+        ("x without the group axis", dict(operand=0, buffer=Buffer(BF16, (t, k))), r"x has shape \(96, 64\)"),
+        ("T not a multiple of 32", dict(operand=0, buffer=Buffer(BF16, (1, 80, k))),
+         r"x has shape \(1, 80, 64\).*T a positive multiple of 32"),
+        ("K not a multiple of 8", dict(operand=0, buffer=Buffer(BF16, (1, t, 60))),
+         r"x has shape \(1, 96, 60\).*K a positive multiple of 8"),
+        ("w with another K", dict(operand=1, buffer=Buffer(BF16, (1, 384, 32))), r"w has shape .*with K = 64"),
+        ("w not whole heads", dict(operand=1, buffer=Buffer(BF16, (1, 200, k))),
+         r"w has shape .*H\*192 output features"),
+        ("w in the other layout", dict(operand=1, buffer=Buffer(BF16, (1, k, 384))), r"w has shape \(1, 64, 384\)"),
+        ("cos too short", dict(operand=2, buffer=Buffer(BF16, (1, t - 32, 64))), r"cos has shape"),
+        ("sin float32", dict(operand=3, buffer=Buffer(F32, sin.shape)), r"sin has shape"),
+        ("row codes uint8", dict(result=0, buffer=Buffer(U8, row.shape)), r"out_fp8_row .*float8_e4m3fn"),
+        ("row scales per 16", dict(result=1, buffer=Buffer(U8, (1, t, h, 12))), r"out_scales_row"),
+        ("col codes for one head", dict(result=2, buffer=Buffer(E4M3, (1, t, 1, 192))), r"out_fp8_col"),
+        ("col scales per token", dict(result=3, buffer=Buffer(U8, (1, t, h, 192))), r"out_scales_col"),
+    ]
+    cases = [Case(name, good.replace(**change), "jbg_gemm_proj_rope_mxfp8: " + message, "buffers")
+             for name, change, message in buffers]
+    cases.append(Case("layout attribute that disagrees with w", good.replace(w_out_in=False),
+                      r"w has shape \(1, 384, 64\).*\(1, K, H\*192\)", "buffers"))
+    attributes = [
+        ("no archs", dict(archs="", function_prefixes=""), r"archs is empty"),
+        ("offsets past the objects", dict(offsets=(0, len(good.attrs["objects"]) + 1)), r"offsets must .*end"),
+        ("two prefixes for one arch", dict(function_prefixes=good.attrs["function_prefixes"] + ",x"),
+         r"function_prefixes has 2 entries"),
+    ]
+    cases += [Case(name, good.replace(**change), message, "attributes") for name, change, message in attributes]
+    cases.append(Case("truncated object", good.replace(objects=good.attrs["objects"][:64], offsets=(0, 64)),
+                      r"jbg_gemm_proj_rope_mxfp8: .*", "object"))
+    return cases
+
+
+def _proj_rope_cpu_check(call: Call) -> str:
+    """What the proj_rope handler's C++ says about `call`, as if instantiated and executed on an sm_90a device."""
+    attrs = call.attrs
+    try:
+        table = ext.parse_object_table(attrs["archs"], attrs["function_prefixes"], len(attrs["objects"]),
+                                       list(attrs["offsets"]))
+    except ValueError as e:
+        return str(e)
+    for arch, prefix, _, _, begin, end in table:
+        if arch == DEVICE_ARCH:
+            message = ext.check_kernel_object(bytes(attrs["objects"][begin:end]), prefix)
+            if message:
+                return "jbg_gemm_proj_rope_mxfp8: " + message
+    return ext.check_proj_rope_buffers(_address_list(call), attrs["w_out_in"])[0]
+
+
+PROJ_ROPE = Target(_native.PROJ_ROPE_TARGET, _proj_rope_object, _proj_rope_well_formed, _proj_rope_cases,
+                   _proj_rope_cpu_check)
+TARGETS = (GEMM_AMAX, PROJ_ROPE)
 
 
 # --------------------------------------------------------------------------------------------------------------
