@@ -53,6 +53,8 @@ PROJ_ROPE_PLANS = {
     "none/concat/view": Plan(barrier="none", rope="concat", quant="view"),
     "none/select/view": Plan(barrier="none", rope="select", quant="view"),
     "none/select/moveaxis": Plan(barrier="none", rope="select", quant="moveaxis"),
+    "rope/concat/view_pinned": Plan(barrier="rope", rope="concat", quant="view_pinned"),
+    "dot/select/view_pinned": Plan(barrier="dot", rope="select", quant="view_pinned"),
 }
 DEFAULT = "default"  # reference._PROJ_ROPE_PLAN through reference.gemm_proj_rope_reference
 
@@ -219,7 +221,7 @@ def run_proj_rope(key, *, t: int, h: int, k: int, mxfp8: bool, reps: int, budget
             continue
         arg_sets = [(s[0], wt[i]) for i, s in enumerate(sets)] if name == "bare_dot_w_kn" else sets
         case["variants"][name] = {"ms": median_ms(fn, arg_sets, reps=reps)}
-        log(budget, f"proj_rope T={t} {path:5} {name:22} {case['variants'][name]['ms']:8.3f} ms")
+        log(budget, f"proj_rope T={t} {path:5} {name:24} {case['variants'][name]['ms']:8.3f} ms")
     fns = proj_rope_fns(mxfp8)
     ref_clean, ref_special = fns[DEFAULT](*sets[0]), fns[DEFAULT](*special)
     for name, fn in fns.items():
@@ -231,11 +233,11 @@ def run_proj_rope(key, *, t: int, h: int, k: int, mxfp8: bool, reps: int, budget
             ms = median_ms(fn, sets, reps=reps)
             case["variants"][name] = {"ms": ms, "identical": not any(m_clean) and not any(m_special),
                                       "mismatches_clean": m_clean, "mismatches_special": m_special}
-            log(budget, f"proj_rope T={t} {path:5} {name:22} {ms:8.3f} ms  identical="
+            log(budget, f"proj_rope T={t} {path:5} {name:24} {ms:8.3f} ms  identical="
                         f"{case['variants'][name]['identical']}")
         except Exception as e:  # a formulation that fails to compile or run is reported, not hidden
             case["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            log(budget, f"proj_rope T={t} {path:5} {name:22} ERROR {case['variants'][name]['error']}")
+            log(budget, f"proj_rope T={t} {path:5} {name:24} ERROR {case['variants'][name]['error']}")
     return case
 
 
