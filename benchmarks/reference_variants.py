@@ -326,6 +326,28 @@ def _cell(v: dict, base_ms: float | None = None) -> str:
     return f"{v['ms']:7.3f}{ratio}{flag}"
 
 
+def print_summary(cases: list) -> None:
+    """Per case, the fastest bit-identical formulation against legacy and the unfused pipeline; then the plan
+    with the lowest total over the cases where every candidate ran (the one to make the default)."""
+    candidates = [DEFAULT, "legacy", *PROJ_ROPE_PLANS]
+    print("\nfastest bit-identical formulation per case (ratio to legacy, to the unfused pipeline):")
+    for c in cases:
+        timed = {n: c["variants"][n]["ms"] for n in candidates
+                 if c["variants"].get(n, {}).get("identical") and "ms" in c["variants"][n]}
+        if not timed:
+            continue
+        best = min(timed, key=timed.get)
+        legacy, pipeline = timed.get("legacy"), c["variants"].get("unfused_pipeline", {}).get("ms")
+        print(f"  T={c['t']} {c['path']:5} {best:24} {timed[best]:7.3f} ms"
+              + (f"  {timed[best] / legacy:5.2f}x legacy" if legacy else "")
+              + (f"  {timed[best] / pipeline:5.2f}x pipeline" if pipeline else ""))
+    plans = [n for n in PROJ_ROPE_PLANS if all(c["variants"].get(n, {}).get("identical") for c in cases)]
+    if plans:
+        total = {n: sum(c["variants"][n]["ms"] for c in cases) for n in plans}
+        best = min(total, key=total.get)
+        print(f"  lowest total over all cases: {best} = {PROJ_ROPE_PLANS[best]}")
+
+
 def print_tables(record: dict) -> None:
     cases = record["proj_rope"]
     if cases:
@@ -343,6 +365,7 @@ def print_tables(record: dict) -> None:
         for name in names:
             row = [_cell(c["variants"].get(name, {"skipped": 1}), dots.get(c["t"])) for c in cases]
             print(f"{name:24}" + "".join(f"{r:>22}" for r in row))
+        print_summary(cases)
     if record["gemm"]:
         print("\ngemm_amax reference, E4M3 -> f32: ms (TFLOP/s), C error against the dequant path")
         for c in record["gemm"]:
