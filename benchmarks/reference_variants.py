@@ -1,9 +1,10 @@
 """Time every formulation of the pure-JAX reference on one device, beside its baselines, in one run.
 
 Usage: python3 benchmarks/reference_variants.py --out OUT/refvariants.json [--small] [--reps 20] [--budget-s 200]
+                                                 [--no-hlo]
 
-proj_rope (issue 11 item 5): the pre-change formulation ("legacy"), every `reference._ProjRopePlan` below, the
-default through the public API, XLA's bare bf16 dot (both weight layouts) and a plain unfused jnp pipeline (bf16
+proj_rope (issue 11 item 5): the pre-change formulation ("legacy"), the default `reference._PROJ_ROPE_PLAN`, every
+plan in PROJ_ROPE_PLANS below, the default through the public API, XLA's bare bf16 dot (both weight layouts) and a plain unfused jnp pipeline (bf16
 dot -> RoPE -> row + column MXFP8, float32 Y), at T in {2048, 4096}, K = 1536, H = 128, bf16 and MXFP8 inputs.
 Every variant's four outputs must be bit-identical to the default's, on the timing inputs and on inputs with
 planted zero, NaN and inf blocks.
@@ -15,13 +16,16 @@ amax within 1e-4, and a NaN scale must poison its row of C and amax.
 
 Times: median of --reps jitted calls, each ended by block_until_ready, after 3 warm-up calls, two fresh random
 input sets (non-zero, random block scales) alternating. Prints a progress line per case and a table at the end;
-writes everything to --out as JSON. --small runs tiny shapes (minutes on a CPU) to test the script itself.
+writes everything to --out as JSON, and the optimized HLO (XLA's fusions) of the default, legacy and fastest plan
+at the first T and of both GEMM routes at the first shape, gzipped, to <out without .json>_hlo/. --small runs
+tiny shapes (a minute on a CPU) to test the script itself. Cases started after --budget-s seconds are skipped.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gzip
 import json
 import os
 import statistics
@@ -204,7 +208,22 @@ def log(budget: Budget, msg: str) -> None:
     print(f"[{budget.elapsed():6.1f}s] {msg}", flush=True)
 
 
-def run_proj_rope(key, *, t: int, h: int, k: int, mxfp8: bool, reps: int, budget: Budget) -> dict:
+def dump_hlo(hlo_dir: str | None, name: str, fn: Callable, args: tuple, budget: Budget) -> None:
+    """Writes the optimized HLO (XLA's fusions, as compiled for this device) of fn(*args) as gzipped text."""
+    if not hlo_dir or not budget.left():
+        return
+    try:
+        text = fn.lower(*args).compile().as_text()
+        os.makedirs(hlo_dir, exist_ok=True)
+        with gzip.open(os.path.join(hlo_dir, name.replace("/", "_") + ".hlo.txt.gz"), "wt") as f:
+            f.write(text)
+        log(budget, f"wrote the optimized HLO of {name}")
+    except Exception as e:  # a missing dump never costs the measurements
+        log(budget, f"no HLO for {name}: {type(e).__name__}: {str(e)[:200]}")
+
+
+def run_proj_rope(key, *, t: int, h: int, k: int, mxfp8: bool, reps: int, budget: Budget,
+                  hlo_dir: str | None = None) -> dict:
     path = "mxfp8" if mxfp8 else "bf16"
     case = {"t": t, "h": h, "k": k, "path": path, "variants": {}}
     sets = [proj_rope_inputs(kk, t=t, h=h, k=k, mxfp8=mxfp8) for kk in jax.random.split(key, 2)]
@@ -238,6 +257,9 @@ def run_proj_rope(key, *, t: int, h: int, k: int, mxfp8: bool, reps: int, budget
         except Exception as e:  # a formulation that fails to compile or run is reported, not hidden
             case["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             log(budget, f"proj_rope T={t} {path:5} {name:24} ERROR {case['variants'][name]['error']}")
+    timed = {n: v["ms"] for n, v in case["variants"].items() if n in PROJ_ROPE_PLANS and v.get("identical")}
+    for name in (DEFAULT, "legacy", *([min(timed, key=timed.get)] if timed else [])):
+        dump_hlo(hlo_dir, f"proj_rope_T{t}_{path}_{name}", fns[name], sets[0], budget)
     return case
 
 
@@ -285,7 +307,7 @@ def nan_scale_poisons(k: int = 128) -> dict:
             "ok": nan_rows.tolist() == [37] and full_row and bool(np.isnan(amax[0]))}
 
 
-def run_gemm(key, *, m: int, n: int, k: int, reps: int, budget: Budget) -> dict:
+def run_gemm(key, *, m: int, n: int, k: int, reps: int, budget: Budget, hlo_dir: str | None = None) -> dict:
     case = {"shape": [m, n, k], "variants": {}}
     flops = 2.0 * m * n * k
     sets = [gemm_inputs(kk, m, n, k) for kk in jax.random.split(key, 2)]
@@ -311,6 +333,9 @@ def run_gemm(key, *, m: int, n: int, k: int, reps: int, budget: Budget) -> dict:
         except Exception as e:
             case["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             log(budget, f"gemm {m}x{n}x{k} {name:20} ERROR {case['variants'][name]['error']}")
+    for name in ("dequant", "scaled_dot"):
+        if name in fns:
+            dump_hlo(hlo_dir, f"gemm_{m}x{n}x{k}_{name}", fns[name], sets[0], budget)
     return case
 
 
@@ -389,6 +414,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "refvariants.json"))
     parser.add_argument("--small", action="store_true", help="tiny shapes: a quick run of the script on a CPU")
     parser.add_argument("--reps", type=int, default=None, help="timed calls per case (default 20, --small 3)")
+    parser.add_argument("--no-hlo", action="store_true",
+                        help="skip the optimized-HLO dumps (default: a few, gzipped, in <out>_hlo/)")
     parser.add_argument("--budget-s", type=float, default=200.0, help="skip cases started after this many seconds")
     args = parser.parse_args(argv)
     reps = args.reps or (3 if args.small else 20)
@@ -406,6 +433,7 @@ def main(argv=None) -> int:
     log(budget, f"{record['device']} ({record['platform']}), jax {record['jax']}, default plan "
                 f"{record['default_plan']}, scaled_dot {'present' if record['has_scaled_dot'] else 'absent'}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    hlo_dir = None if args.no_hlo else os.path.splitext(os.path.abspath(args.out))[0] + "_hlo"
 
     def save() -> None:  # after every case, so that a run cut short still leaves its figures
         record["elapsed_s"] = budget.elapsed()
@@ -417,12 +445,14 @@ def main(argv=None) -> int:
     def proj_rope_cases(t: int) -> None:
         for mxfp8 in (False, True):
             record["proj_rope"].append(run_proj_rope(jax.random.fold_in(key, t * 2 + mxfp8), t=t, h=h, k=k,
-                                                     mxfp8=mxfp8, reps=reps, budget=budget))
+                                                     mxfp8=mxfp8, reps=reps, budget=budget,
+                                                     hlo_dir=hlo_dir if t == proj_shapes[0] else None))
             save()
 
     proj_rope_cases(proj_shapes[0])  # the headline T first, then the GEMMs, then the other T (budget order)
     for i, (m, n, kk) in enumerate(gemm_shapes):
-        record["gemm"].append(run_gemm(jax.random.fold_in(key, 100 + i), m=m, n=n, k=kk, reps=reps, budget=budget))
+        record["gemm"].append(run_gemm(jax.random.fold_in(key, 100 + i), m=m, n=n, k=kk, reps=reps, budget=budget,
+                                       hlo_dir=hlo_dir if i == 0 else None))
         save()
     for t in proj_shapes[1:]:
         proj_rope_cases(t)

@@ -289,6 +289,9 @@ class ScriptTest(absltest.TestCase):
             self.assertEqual(proc.returncode, 0, proc.stdout[-3000:] + proc.stderr[-3000:])
             with open(out) as f:
                 record = json.load(f)
+            hlo = sorted(os.listdir(os.path.join(tmp, "rv_hlo")))
+        self.assertIn("proj_rope_T64_bf16_default.hlo.txt.gz", hlo)
+        self.assertIn("gemm_256x192x320_dequant.hlo.txt.gz", hlo)
         self.assertEqual(len(record["proj_rope"]), 2)
         for case in record["proj_rope"]:
             for name in (rv.DEFAULT, "legacy", "public_api", *rv.PROJ_ROPE_PLANS):
