@@ -4,8 +4,9 @@ Usage: python3 benchmarks/reference_variants.py --out OUT/refvariants.json [--sm
                                                  [--no-hlo]
 
 proj_rope (issue 11 item 5): the pre-change formulation ("legacy"), the default `reference._PROJ_ROPE_PLAN`, every
-plan in PROJ_ROPE_PLANS below, the default through the public API, XLA's bare bf16 dot (both weight layouts) and a plain unfused jnp pipeline (bf16
-dot -> RoPE -> row + column MXFP8, float32 Y), at T in {2048, 4096}, K = 1536, H = 128, bf16 and MXFP8 inputs.
+plan in PROJ_ROPE_PLANS below, the default through the public API, XLA's bare bf16 dot (both weight layouts) and
+a plain unfused jnp pipeline (bf16 dot -> RoPE -> row + column MXFP8, float32 Y), at T in {2048, 4096},
+K = 1536, H = 128, bf16 and MXFP8 inputs.
 Every variant's four outputs must be bit-identical to the default's, on the timing inputs and on inputs with
 planted zero, NaN and inf blocks.
 
