@@ -147,7 +147,7 @@ def median_ms(fn: Callable, arg_sets: list, *, reps: int, warmup: int = 3) -> fl
 
 def proj_rope_inputs(key, *, t: int, h: int, k: int, mxfp8: bool, special: bool = False) -> tuple:
     """(x, w, cos, sin[, x_scale, w_scale]) with w as (H*192, K), made on the device. special=True plants a zero
-    token, a NaN and an inf in x (and a NaN scale byte on the MXFP8 path)."""
+    token and a zero feature, and a NaN and an inf in x (MXFP8 path: a NaN scale byte, overflowing scales)."""
     kx, kw, ka, ks1, ks2 = jax.random.split(key, 5)
     n = h * 192
     angles = jax.random.uniform(ka, (t, 64), jnp.float32, -np.pi, np.pi)
