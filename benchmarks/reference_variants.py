@@ -13,7 +13,8 @@ planted zero, NaN and inf blocks.
 gemm_amax (issue 10 item 2): the reference with the bfloat16-dequantization dot and with the `jax.lax.scaled_dot`
 route (where the installed jax has it), plus bare `jax.lax.scaled_dot`, MXFP8 E4M3 -> f32 at 8192^3,
 4096x24576x1536 and 4096x7168x16384; the route's C must be within 1e-4 (normwise) of the dequant path's and its
-amax within 1e-4, and a NaN scale must poison its row of C and amax.
+amax within 1e-4, and a NaN scale must poison its row of C and amax. At the first shape, the dequant path's
+phases are also timed alone (operand dequantization, bf16 dot of ready operands, amax of a ready C).
 
 Times: median of --reps jitted calls, each ended by block_until_ready, after 3 warm-up calls, two fresh random
 input sets (non-zero, random block scales) alternating. Prints a progress line per case and a table at the end;
@@ -290,6 +291,26 @@ def gemm_fns(k: int) -> dict[str, Callable]:
     return {name: jax.jit(fn) for name, fn in fns.items()}
 
 
+def gemm_phases(m: int, n: int, k: int, sets: list, c: jax.Array, *, reps: int, budget: Budget) -> dict:
+    """The dequant path's phases timed alone: both operands to bf16, the bf16 dot (f32 out) of ready operands,
+    and the amax reduction of a ready C (where the reference's time goes beyond the bare dot)."""
+    dequant = jax.jit(lambda a, b, sa, sb, *_: tuple(
+        reference._dequantize_operand(x, s, mn=mn, k=k, sf_vec_size=32, k_axis=2)
+        for x, s, mn in ((a, sa, m), (b, sb, n))))
+    dot = jax.jit(lambda a_hat, b_hat: reference._bf16_dot(a_hat, b_hat, (((2,), (2,)), ((0,), (0,)))))
+    amax = jax.jit(lambda c: formats.magnitude_max(c, axis=(1, 2)))
+    phases = {}
+    try:
+        phases["dequant_operands"] = median_ms(dequant, sets, reps=reps)
+        phases["bf16_dot_f32_out"] = median_ms(dot, [dequant(*args) for args in sets], reps=reps)
+        phases["amax_of_c"] = median_ms(amax, [(c,)], reps=reps)
+    except Exception as e:
+        phases["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    log(budget, f"gemm {m}x{n}x{k} phases of the dequant path (ms): "
+                f"{ {name: round(v, 3) if isinstance(v, float) else v for name, v in phases.items()} }")
+    return phases
+
+
 def _relative(got: jax.Array, want: jax.Array) -> float:
     err = jnp.sqrt(jnp.sum(jnp.square(got - want)))
     return float(err / jnp.sqrt(jnp.sum(jnp.square(want))))
@@ -308,7 +329,8 @@ def nan_scale_poisons(k: int = 128) -> dict:
             "ok": nan_rows.tolist() == [37] and full_row and bool(np.isnan(amax[0]))}
 
 
-def run_gemm(key, *, m: int, n: int, k: int, reps: int, budget: Budget, hlo_dir: str | None = None) -> dict:
+def run_gemm(key, *, m: int, n: int, k: int, reps: int, budget: Budget, hlo_dir: str | None = None,
+             phases: bool = False) -> dict:
     case = {"shape": [m, n, k], "variants": {}}
     flops = 2.0 * m * n * k
     sets = [gemm_inputs(kk, m, n, k) for kk in jax.random.split(key, 2)]
@@ -334,6 +356,8 @@ def run_gemm(key, *, m: int, n: int, k: int, reps: int, budget: Budget, hlo_dir:
         except Exception as e:
             case["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             log(budget, f"gemm {m}x{n}x{k} {name:20} ERROR {case['variants'][name]['error']}")
+    if phases and budget.left():
+        case["phases_ms"] = gemm_phases(m, n, k, sets, c_ref, reps=reps, budget=budget)
     for name in ("dequant", "scaled_dot"):
         if name in fns:
             dump_hlo(hlo_dir, f"gemm_{m}x{n}x{k}_{name}", fns[name], sets[0], budget)
@@ -406,6 +430,10 @@ def print_tables(record: dict) -> None:
             dq, sd = c["variants"].get("dequant", {}), c["variants"].get("scaled_dot", {})
             speedup = f"  scaled_dot/dequant {sd['ms'] / dq['ms']:.2f}" if "ms" in dq and "ms" in sd else ""
             print(f"{m}x{n}x{k}: " + " | ".join(parts) + speedup)
+            if "phases_ms" in c:
+                phases = c["phases_ms"].items()
+                print("  dequant path alone, phase by phase: " + ", ".join(
+                    f"{name} {v:.3f} ms" if isinstance(v, float) else f"{name} {v}" for name, v in phases))
     if "nan_scale" in record:
         print(f"\nscaled_dot route, NaN scale byte: {record['nan_scale']}")
 
@@ -453,7 +481,7 @@ def main(argv=None) -> int:
     proj_rope_cases(proj_shapes[0])  # the headline T first, then the GEMMs, then the other T (budget order)
     for i, (m, n, kk) in enumerate(gemm_shapes):
         record["gemm"].append(run_gemm(jax.random.fold_in(key, 100 + i), m=m, n=n, k=kk, reps=reps, budget=budget,
-                                       hlo_dir=hlo_dir if i == 0 else None))
+                                       hlo_dir=hlo_dir if i == 0 else None, phases=i == 0))
         save()
     for t in proj_shapes[1:]:
         proj_rope_cases(t)
