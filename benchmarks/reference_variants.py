@@ -415,6 +415,9 @@ def print_tables(record: dict) -> None:
         for name in names:
             row = [_cell(c["variants"].get(name, {"skipped": 1}), dots.get(c["t"])) for c in cases]
             print(f"{name:24}" + "".join(f"{r:>22}" for r in row))
+        for c in cases:
+            if "error" in c:
+                print(f"T={c['t']} {c['path']}: ERROR {c['error']}")
         print_summary(cases)
     if record["gemm"]:
         print("\ngemm_amax reference, E4M3 -> f32: ms (TFLOP/s), C error against the dequant path")
@@ -429,7 +432,7 @@ def print_tables(record: dict) -> None:
                     parts.append(f"{name} {'skipped' if 'skipped' in v else 'ERROR'}")
             dq, sd = c["variants"].get("dequant", {}), c["variants"].get("scaled_dot", {})
             speedup = f"  scaled_dot/dequant {sd['ms'] / dq['ms']:.2f}" if "ms" in dq and "ms" in sd else ""
-            print(f"{m}x{n}x{k}: " + " | ".join(parts) + speedup)
+            print(f"{m}x{n}x{k}: " + " | ".join(parts) + speedup + (f"ERROR {c['error']}" if "error" in c else ""))
             if "phases_ms" in c:
                 phases = c["phases_ms"].items()
                 print("  dequant path alone, phase by phase: " + ", ".join(
@@ -471,17 +474,26 @@ def main(argv=None) -> int:
 
     key = jax.random.key(2026)
 
+    def guarded(run: Callable, stub: dict) -> dict:  # a case that fails outside its variants is recorded, not fatal
+        try:
+            return run()
+        except Exception as e:
+            log(budget, f"case {stub} failed: {type(e).__name__}: {str(e)[:300]}")
+            return {**stub, "variants": {}, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+
     def proj_rope_cases(t: int) -> None:
         for mxfp8 in (False, True):
-            record["proj_rope"].append(run_proj_rope(jax.random.fold_in(key, t * 2 + mxfp8), t=t, h=h, k=k,
-                                                     mxfp8=mxfp8, reps=reps, budget=budget,
-                                                     hlo_dir=hlo_dir if t == proj_shapes[0] else None))
+            run = functools.partial(run_proj_rope, jax.random.fold_in(key, t * 2 + mxfp8), t=t, h=h, k=k,
+                                    mxfp8=mxfp8, reps=reps, budget=budget,
+                                    hlo_dir=hlo_dir if t == proj_shapes[0] else None)
+            record["proj_rope"].append(guarded(run, {"t": t, "h": h, "k": k, "path": "mxfp8" if mxfp8 else "bf16"}))
             save()
 
     proj_rope_cases(proj_shapes[0])  # the headline T first, then the GEMMs, then the other T (budget order)
     for i, (m, n, kk) in enumerate(gemm_shapes):
-        record["gemm"].append(run_gemm(jax.random.fold_in(key, 100 + i), m=m, n=n, k=kk, reps=reps, budget=budget,
-                                       hlo_dir=hlo_dir if i == 0 else None, phases=i == 0))
+        run = functools.partial(run_gemm, jax.random.fold_in(key, 100 + i), m=m, n=n, k=kk, reps=reps,
+                                budget=budget, hlo_dir=hlo_dir if i == 0 else None, phases=i == 0)
+        record["gemm"].append(guarded(run, {"shape": [m, n, kk]}))
         save()
     for t in proj_shapes[1:]:
         proj_rope_cases(t)
