@@ -1,27 +1,33 @@
 """Time every formulation of the pure-JAX reference on one device, beside its baselines, in one run.
 
 Usage: python3 benchmarks/reference_variants.py --out OUT/refvariants.json [--small] [--reps 20] [--budget-s 200]
+                                                 [--no-hlo]
 
-proj_rope (issue 11 item 5): the pre-change formulation ("legacy"), every `reference._ProjRopePlan` below, the
-default through the public API, XLA's bare bf16 dot (both weight layouts) and a plain unfused jnp pipeline (bf16
-dot -> RoPE -> row + column MXFP8, float32 Y), at T in {2048, 4096}, K = 1536, H = 128, bf16 and MXFP8 inputs.
+proj_rope (issue 11 item 5): the pre-change formulation ("legacy"), the default `reference._PROJ_ROPE_PLAN`, every
+plan in PROJ_ROPE_PLANS below, the default through the public API, XLA's bare bf16 dot (both weight layouts) and
+a plain unfused jnp pipeline (bf16 dot -> RoPE -> row + column MXFP8, float32 Y), at T in {2048, 4096},
+K = 1536, H = 128, bf16 and MXFP8 inputs.
 Every variant's four outputs must be bit-identical to the default's, on the timing inputs and on inputs with
 planted zero, NaN and inf blocks.
 
 gemm_amax (issue 10 item 2): the reference with the bfloat16-dequantization dot and with the `jax.lax.scaled_dot`
 route (where the installed jax has it), plus bare `jax.lax.scaled_dot`, MXFP8 E4M3 -> f32 at 8192^3,
 4096x24576x1536 and 4096x7168x16384; the route's C must be within 1e-4 (normwise) of the dequant path's and its
-amax within 1e-4, and a NaN scale must poison its row of C and amax.
+amax within 1e-4, and a NaN scale must poison its row of C and amax. At the first shape, the dequant path's
+phases are also timed alone (operand dequantization, bf16 dot of ready operands, amax of a ready C).
 
 Times: median of --reps jitted calls, each ended by block_until_ready, after 3 warm-up calls, two fresh random
 input sets (non-zero, random block scales) alternating. Prints a progress line per case and a table at the end;
-writes everything to --out as JSON. --small runs tiny shapes (minutes on a CPU) to test the script itself.
+writes everything to --out as JSON, and the optimized HLO (XLA's fusions) of the default, legacy and fastest plan
+at the first T and of both GEMM routes at the first shape, gzipped, to <out without .json>_hlo/. --small runs
+tiny shapes (a minute on a CPU) to test the script itself. Cases started after --budget-s seconds are skipped.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gzip
 import json
 import os
 import statistics
@@ -53,6 +59,8 @@ PROJ_ROPE_PLANS = {
     "none/concat/view": Plan(barrier="none", rope="concat", quant="view"),
     "none/select/view": Plan(barrier="none", rope="select", quant="view"),
     "none/select/moveaxis": Plan(barrier="none", rope="select", quant="moveaxis"),
+    "rope/concat/view_pinned": Plan(barrier="rope", rope="concat", quant="view_pinned"),
+    "dot/select/view_pinned": Plan(barrier="dot", rope="select", quant="view_pinned"),
 }
 DEFAULT = "default"  # reference._PROJ_ROPE_PLAN through reference.gemm_proj_rope_reference
 
@@ -140,7 +148,7 @@ def median_ms(fn: Callable, arg_sets: list, *, reps: int, warmup: int = 3) -> fl
 
 def proj_rope_inputs(key, *, t: int, h: int, k: int, mxfp8: bool, special: bool = False) -> tuple:
     """(x, w, cos, sin[, x_scale, w_scale]) with w as (H*192, K), made on the device. special=True plants a zero
-    token, a NaN and an inf in x (and a NaN scale byte on the MXFP8 path)."""
+    token and a zero feature, and a NaN and an inf in x (MXFP8 path: a NaN scale byte, overflowing scales)."""
     kx, kw, ka, ks1, ks2 = jax.random.split(key, 5)
     n = h * 192
     angles = jax.random.uniform(ka, (t, 64), jnp.float32, -np.pi, np.pi)
@@ -202,7 +210,22 @@ def log(budget: Budget, msg: str) -> None:
     print(f"[{budget.elapsed():6.1f}s] {msg}", flush=True)
 
 
-def run_proj_rope(key, *, t: int, h: int, k: int, mxfp8: bool, reps: int, budget: Budget) -> dict:
+def dump_hlo(hlo_dir: str | None, name: str, fn: Callable, args: tuple, budget: Budget) -> None:
+    """Writes the optimized HLO (XLA's fusions, as compiled for this device) of fn(*args) as gzipped text."""
+    if not hlo_dir or not budget.left():
+        return
+    try:
+        text = fn.lower(*args).compile().as_text()
+        os.makedirs(hlo_dir, exist_ok=True)
+        with gzip.open(os.path.join(hlo_dir, name.replace("/", "_") + ".hlo.txt.gz"), "wt") as f:
+            f.write(text)
+        log(budget, f"wrote the optimized HLO of {name}")
+    except Exception as e:  # a missing dump never costs the measurements
+        log(budget, f"no HLO for {name}: {type(e).__name__}: {str(e)[:200]}")
+
+
+def run_proj_rope(key, *, t: int, h: int, k: int, mxfp8: bool, reps: int, budget: Budget,
+                  hlo_dir: str | None = None) -> dict:
     path = "mxfp8" if mxfp8 else "bf16"
     case = {"t": t, "h": h, "k": k, "path": path, "variants": {}}
     sets = [proj_rope_inputs(kk, t=t, h=h, k=k, mxfp8=mxfp8) for kk in jax.random.split(key, 2)]
@@ -219,7 +242,7 @@ def run_proj_rope(key, *, t: int, h: int, k: int, mxfp8: bool, reps: int, budget
             continue
         arg_sets = [(s[0], wt[i]) for i, s in enumerate(sets)] if name == "bare_dot_w_kn" else sets
         case["variants"][name] = {"ms": median_ms(fn, arg_sets, reps=reps)}
-        log(budget, f"proj_rope T={t} {path:5} {name:22} {case['variants'][name]['ms']:8.3f} ms")
+        log(budget, f"proj_rope T={t} {path:5} {name:24} {case['variants'][name]['ms']:8.3f} ms")
     fns = proj_rope_fns(mxfp8)
     ref_clean, ref_special = fns[DEFAULT](*sets[0]), fns[DEFAULT](*special)
     for name, fn in fns.items():
@@ -231,11 +254,14 @@ def run_proj_rope(key, *, t: int, h: int, k: int, mxfp8: bool, reps: int, budget
             ms = median_ms(fn, sets, reps=reps)
             case["variants"][name] = {"ms": ms, "identical": not any(m_clean) and not any(m_special),
                                       "mismatches_clean": m_clean, "mismatches_special": m_special}
-            log(budget, f"proj_rope T={t} {path:5} {name:22} {ms:8.3f} ms  identical="
+            log(budget, f"proj_rope T={t} {path:5} {name:24} {ms:8.3f} ms  identical="
                         f"{case['variants'][name]['identical']}")
         except Exception as e:  # a formulation that fails to compile or run is reported, not hidden
             case["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            log(budget, f"proj_rope T={t} {path:5} {name:22} ERROR {case['variants'][name]['error']}")
+            log(budget, f"proj_rope T={t} {path:5} {name:24} ERROR {case['variants'][name]['error']}")
+    timed = {n: v["ms"] for n, v in case["variants"].items() if n in PROJ_ROPE_PLANS and v.get("identical")}
+    for name in (DEFAULT, "legacy", *([min(timed, key=timed.get)] if timed else [])):
+        dump_hlo(hlo_dir, f"proj_rope_T{t}_{path}_{name}", fns[name], sets[0], budget)
     return case
 
 
@@ -265,6 +291,26 @@ def gemm_fns(k: int) -> dict[str, Callable]:
     return {name: jax.jit(fn) for name, fn in fns.items()}
 
 
+def gemm_phases(m: int, n: int, k: int, sets: list, c: jax.Array, *, reps: int, budget: Budget) -> dict:
+    """The dequant path's phases timed alone: both operands to bf16, the bf16 dot (f32 out) of ready operands,
+    and the amax reduction of a ready C (where the reference's time goes beyond the bare dot)."""
+    dequant = jax.jit(lambda a, b, sa, sb, *_: tuple(
+        reference._dequantize_operand(x, s, mn=mn, k=k, sf_vec_size=32, k_axis=2)
+        for x, s, mn in ((a, sa, m), (b, sb, n))))
+    dot = jax.jit(lambda a_hat, b_hat: reference._bf16_dot(a_hat, b_hat, (((2,), (2,)), ((0,), (0,)))))
+    amax = jax.jit(lambda c: formats.magnitude_max(c, axis=(1, 2)))
+    phases = {}
+    try:
+        phases["dequant_operands"] = median_ms(dequant, sets, reps=reps)
+        phases["bf16_dot_f32_out"] = median_ms(dot, [dequant(*args) for args in sets], reps=reps)
+        phases["amax_of_c"] = median_ms(amax, [(c,)], reps=reps)
+    except Exception as e:
+        phases["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    log(budget, f"gemm {m}x{n}x{k} phases of the dequant path (ms): "
+                f"{ {name: round(v, 3) if isinstance(v, float) else v for name, v in phases.items()} }")
+    return phases
+
+
 def _relative(got: jax.Array, want: jax.Array) -> float:
     err = jnp.sqrt(jnp.sum(jnp.square(got - want)))
     return float(err / jnp.sqrt(jnp.sum(jnp.square(want))))
@@ -283,7 +329,8 @@ def nan_scale_poisons(k: int = 128) -> dict:
             "ok": nan_rows.tolist() == [37] and full_row and bool(np.isnan(amax[0]))}
 
 
-def run_gemm(key, *, m: int, n: int, k: int, reps: int, budget: Budget) -> dict:
+def run_gemm(key, *, m: int, n: int, k: int, reps: int, budget: Budget, hlo_dir: str | None = None,
+             phases: bool = False) -> dict:
     case = {"shape": [m, n, k], "variants": {}}
     flops = 2.0 * m * n * k
     sets = [gemm_inputs(kk, m, n, k) for kk in jax.random.split(key, 2)]
@@ -309,6 +356,11 @@ def run_gemm(key, *, m: int, n: int, k: int, reps: int, budget: Budget) -> dict:
         except Exception as e:
             case["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             log(budget, f"gemm {m}x{n}x{k} {name:20} ERROR {case['variants'][name]['error']}")
+    if phases and budget.left():
+        case["phases_ms"] = gemm_phases(m, n, k, sets, c_ref, reps=reps, budget=budget)
+    for name in ("dequant", "scaled_dot"):
+        if name in fns:
+            dump_hlo(hlo_dir, f"gemm_{m}x{n}x{k}_{name}", fns[name], sets[0], budget)
     return case
 
 
@@ -322,6 +374,28 @@ def _cell(v: dict, base_ms: float | None = None) -> str:
     ratio = f" {v['ms'] / base_ms:5.2f}x" if base_ms else ""
     flag = "" if v.get("identical", True) else " DIFF"
     return f"{v['ms']:7.3f}{ratio}{flag}"
+
+
+def print_summary(cases: list) -> None:
+    """Per case, the fastest bit-identical formulation against legacy and the unfused pipeline; then the plan
+    with the lowest total over the cases where every candidate ran (the one to make the default)."""
+    candidates = [DEFAULT, "legacy", *PROJ_ROPE_PLANS]
+    print("\nfastest bit-identical formulation per case (ratio to legacy, to the unfused pipeline):")
+    for c in cases:
+        timed = {n: c["variants"][n]["ms"] for n in candidates
+                 if c["variants"].get(n, {}).get("identical") and "ms" in c["variants"][n]}
+        if not timed:
+            continue
+        best = min(timed, key=timed.get)
+        legacy, pipeline = timed.get("legacy"), c["variants"].get("unfused_pipeline", {}).get("ms")
+        print(f"  T={c['t']} {c['path']:5} {best:24} {timed[best]:7.3f} ms"
+              + (f"  {timed[best] / legacy:5.2f}x legacy" if legacy else "")
+              + (f"  {timed[best] / pipeline:5.2f}x pipeline" if pipeline else ""))
+    plans = [n for n in PROJ_ROPE_PLANS if all(c["variants"].get(n, {}).get("identical") for c in cases)]
+    if plans:
+        total = {n: sum(c["variants"][n]["ms"] for c in cases) for n in plans}
+        best = min(total, key=total.get)
+        print(f"  lowest total over all cases: {best} = {PROJ_ROPE_PLANS[best]}")
 
 
 def print_tables(record: dict) -> None:
@@ -341,6 +415,10 @@ def print_tables(record: dict) -> None:
         for name in names:
             row = [_cell(c["variants"].get(name, {"skipped": 1}), dots.get(c["t"])) for c in cases]
             print(f"{name:24}" + "".join(f"{r:>22}" for r in row))
+        for c in cases:
+            if "error" in c:
+                print(f"T={c['t']} {c['path']}: ERROR {c['error']}")
+        print_summary(cases)
     if record["gemm"]:
         print("\ngemm_amax reference, E4M3 -> f32: ms (TFLOP/s), C error against the dequant path")
         for c in record["gemm"]:
@@ -354,7 +432,11 @@ def print_tables(record: dict) -> None:
                     parts.append(f"{name} {'skipped' if 'skipped' in v else 'ERROR'}")
             dq, sd = c["variants"].get("dequant", {}), c["variants"].get("scaled_dot", {})
             speedup = f"  scaled_dot/dequant {sd['ms'] / dq['ms']:.2f}" if "ms" in dq and "ms" in sd else ""
-            print(f"{m}x{n}x{k}: " + " | ".join(parts) + speedup)
+            print(f"{m}x{n}x{k}: " + " | ".join(parts) + speedup + (f"ERROR {c['error']}" if "error" in c else ""))
+            if "phases_ms" in c:
+                phases = c["phases_ms"].items()
+                print("  dequant path alone, phase by phase: " + ", ".join(
+                    f"{name} {v:.3f} ms" if isinstance(v, float) else f"{name} {v}" for name, v in phases))
     if "nan_scale" in record:
         print(f"\nscaled_dot route, NaN scale byte: {record['nan_scale']}")
 
@@ -364,6 +446,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "refvariants.json"))
     parser.add_argument("--small", action="store_true", help="tiny shapes: a quick run of the script on a CPU")
     parser.add_argument("--reps", type=int, default=None, help="timed calls per case (default 20, --small 3)")
+    parser.add_argument("--no-hlo", action="store_true",
+                        help="skip the optimized-HLO dumps (default: a few, gzipped, in <out>_hlo/)")
     parser.add_argument("--budget-s", type=float, default=200.0, help="skip cases started after this many seconds")
     args = parser.parse_args(argv)
     reps = args.reps or (3 if args.small else 20)
@@ -381,6 +465,7 @@ def main(argv=None) -> int:
     log(budget, f"{record['device']} ({record['platform']}), jax {record['jax']}, default plan "
                 f"{record['default_plan']}, scaled_dot {'present' if record['has_scaled_dot'] else 'absent'}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    hlo_dir = None if args.no_hlo else os.path.splitext(os.path.abspath(args.out))[0] + "_hlo"
 
     def save() -> None:  # after every case, so that a run cut short still leaves its figures
         record["elapsed_s"] = budget.elapsed()
@@ -389,15 +474,26 @@ def main(argv=None) -> int:
 
     key = jax.random.key(2026)
 
+    def guarded(run: Callable, stub: dict) -> dict:  # a case that fails outside its variants is recorded, not fatal
+        try:
+            return run()
+        except Exception as e:
+            log(budget, f"case {stub} failed: {type(e).__name__}: {str(e)[:300]}")
+            return {**stub, "variants": {}, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+
     def proj_rope_cases(t: int) -> None:
         for mxfp8 in (False, True):
-            record["proj_rope"].append(run_proj_rope(jax.random.fold_in(key, t * 2 + mxfp8), t=t, h=h, k=k,
-                                                     mxfp8=mxfp8, reps=reps, budget=budget))
+            run = functools.partial(run_proj_rope, jax.random.fold_in(key, t * 2 + mxfp8), t=t, h=h, k=k,
+                                    mxfp8=mxfp8, reps=reps, budget=budget,
+                                    hlo_dir=hlo_dir if t == proj_shapes[0] else None)
+            record["proj_rope"].append(guarded(run, {"t": t, "h": h, "k": k, "path": "mxfp8" if mxfp8 else "bf16"}))
             save()
 
     proj_rope_cases(proj_shapes[0])  # the headline T first, then the GEMMs, then the other T (budget order)
     for i, (m, n, kk) in enumerate(gemm_shapes):
-        record["gemm"].append(run_gemm(jax.random.fold_in(key, 100 + i), m=m, n=n, k=kk, reps=reps, budget=budget))
+        run = functools.partial(run_gemm, jax.random.fold_in(key, 100 + i), m=m, n=n, k=kk, reps=reps,
+                                budget=budget, hlo_dir=hlo_dir if i == 0 else None, phases=i == 0)
+        record["gemm"].append(guarded(run, {"shape": [m, n, kk]}))
         save()
     for t in proj_shapes[1:]:
         proj_rope_cases(t)
