@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_blockgemm import formats
 from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, is_fp4
 
 ATOM_ROWS = 128  # rows of one 128x4 scale atom: the finest split of M (N) that keeps a shard's scales whole
@@ -71,11 +72,10 @@ def _spec(*dims: Axes) -> P:
 
 
 def _global_amax(amax: jax.Array, axes: Axes) -> jax.Array:
-    """Max over the shards of `axes`, NaN-safe: a max of the magnitude bits (NaN > inf > finite), as formats does."""
+    """Max over the shards of `axes`, NaN-safe: a pmax of the magnitude bits (NaN > inf > finite)."""
     if not axes:
         return amax
-    bits = jax.lax.bitcast_convert_type(amax, jnp.int32) & 0x7FFFFFFF
-    return jax.lax.bitcast_convert_type(jax.lax.pmax(bits, axes), jnp.float32)
+    return jax.lax.bitcast_convert_type(jax.lax.pmax(formats.magnitude_bits(amax), axes), jnp.float32)
 
 
 def _shape(t: Any) -> tuple[int, ...]:
