@@ -18,6 +18,12 @@ gemm_proj_rope_mxfp8, canonical operands x (G, T, K), w (G, N, K) / (G, K, N), c
 their codes:
   * G, tokens T (each shard a multiple of 32 tokens: the columnwise blocks) and heads (N on 192-feature
     boundaries: H divisible by the shard count) shard natively; outputs follow. K and any other split gather.
+
+Limits: jax.export cannot serialize these rules (Python callbacks), so an exported program carries the local op
+unpartitioned (see primitives._partitioned_lowering). Under Shardy, a dimension is tied to its coarse twin (M to
+the atoms' M', T to out_scales_col's T/32) only when the coarse count is a multiple of the mesh's device count
+(`_linkable`); otherwise the op still runs per shard, but proj_rope's small out_scales_col is gathered after it.
+The rules read NamedShardings (a mesh); shardings on Shardy sub-axes cannot be decoded by custom_partitioning.
 """
 
 from __future__ import annotations
