@@ -8,7 +8,8 @@ On CPU (8 host devices, small sizes, the reference):   python benchmarks/multi_g
    atoms), under jax.jit and jax.vmap: C and amax equal the unsharded call bit for bit and the float64 oracle
    (SPEC §7), the compiled program all-gathers exactly where the rules say, runs the kernel (GPU), and returns C
    sharded like the operands. Then one program that uses all devices at once, each on its own batch entry: each
-   device's shard is checked against the oracle on its own.
+   device's shard is checked against the oracle on its own. Last, gemm_proj_rope_mxfp8 with tokens and with heads
+   sharded (implementation=None: the kernel once one serves it, the reference until then).
 2. Timing (median of --reps calls, block_until_ready, after warm-up): M = N = K = --size (8192 on GPU) with A's
    rows sharded over all devices, beside the unsharded call on one device, the reference sharded the same way and
    a hand-written shard_map around the kernel.
@@ -130,7 +131,38 @@ def correctness(mesh, impl: str) -> list[dict]:
     cases.append(_check_case("vmap over a sharded axis", jax.vmap(fn), stacked, (P(AXIS),) * 4, oracle, mesh=mesh,
                              impl=impl, gathers=False, c_spec=P(AXIS), vmapped=True))
     cases.append(all_devices_at_once(mesh, impl, rng))
+    for name, (t, h), tok, w in (("proj_rope: tokens", (64 * nd, 2), P(AXIS), P()),
+                                 ("proj_rope: heads", (64, 2 * nd), P(), P(AXIS))):
+        cases.append(check_proj_rope(name, mesh, rng, t, h, tok, w))
     return cases
+
+
+def check_proj_rope(name, mesh, rng, t, h, tok, w_spec) -> dict:
+    """gemm_proj_rope_mxfp8 (MXFP8 path, implementation=None: whatever serves it on this device) with tokens or
+    heads sharded: bitwise equal to the unsharded call, close to the oracle, no all-gather."""
+    record = {"name": name, "specs": [str(tok), str(w_spec)]}
+    try:
+        d = oracle_ops.random_proj_rope_inputs(rng, t=t, h=h, k=128, mxfp8=True)
+        names = ("x", "w", "cos", "sin", "x_scale", "w_scale")
+        args = tuple(jnp.asarray(d[n]) for n in names)
+        specs = (tok, w_spec, tok, tok, tok, w_spec)
+        fn = jax.jit(lambda x, w, c, s, xs, ws: jbg.gemm_proj_rope_mxfp8(x, w, c, s, x_scale=xs, w_scale=ws))
+        sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+        record["all_gathers"] = _gathers(fn.lower(*sharded).compile().as_text())
+        if record["all_gathers"]:
+            raise AssertionError(f"{record['all_gathers']} all-gathers in the program; expected none")
+        got, want = fn(*sharded), fn(*args)
+        if not all(np.array_equal(np.asarray(g).view(np.uint8), np.asarray(r).view(np.uint8))
+                   for g, r in zip(got, want)):
+            raise AssertionError("sharded and unsharded results differ")
+        record["bitwise_equal_to_unsharded"] = True
+        y_ref = oracle_ops.proj_rope_oracle(d["x"], d["w"], d["cos"], d["sin"], x_scale=d["x_scale"],
+                                            w_scale=d["w_scale"])
+        oracle_ops.assert_proj_rope_close(_Check(), [np.asarray(o) for o in got], y_ref)
+        record.update(c_sharding=str(got[0].sharding.spec), passed=True)
+    except Exception as e:
+        record.update(passed=False, error=f"{type(e).__name__}: {str(e)[:400]}", trace=traceback.format_exc()[-800:])
+    return record
 
 
 def all_devices_at_once(mesh, impl: str, rng) -> dict:

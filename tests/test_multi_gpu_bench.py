@@ -25,7 +25,7 @@ class MultiGpuBenchCpuTest(absltest.TestCase):
         self.assertEqual(record["devices"], 8)
         self.assertEqual(record["implementation"], "xla")
         checks = {c["name"]: c for c in record["checks"]}
-        self.assertLen(checks, 7)
+        self.assertLen(checks, 9)
         for name, check in checks.items():
             self.assertTrue(check["passed"], f"{name}: {check.get('error')}")
         self.assertGreater(checks["K: gathered"]["all_gathers"], 0)
