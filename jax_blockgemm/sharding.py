@@ -24,6 +24,8 @@ unpartitioned (see primitives._partitioned_lowering). Under Shardy, a dimension 
 the atoms' M', T to out_scales_col's T/32) only when the coarse count is a multiple of the mesh's device count
 (`_linkable`); otherwise the op still runs per shard, but proj_rope's small out_scales_col is gathered after it.
 The rules read NamedShardings (a mesh); shardings on Shardy sub-axes cannot be decoded by custom_partitioning.
+Inside a shard_map that leaves some mesh axes automatic, JAX gives the rules no mesh, so they gather (correct,
+not per shard): make every axis manual there, or call the op outside the shard_map.
 """
 
 from __future__ import annotations

@@ -303,6 +303,26 @@ class GemmAmaxPartitionTest(_PartitionCase):
         np.testing.assert_allclose(np.asarray(new_bias), np.asarray(want[1]), rtol=1e-6, atol=1e-7)
         self.assertTrue(new_bias.sharding.is_equivalent_to(NamedSharding(mesh, P("model")), 1))
 
+    def test_partially_manual_shard_map(self):
+        """Inside a shard_map manual over 'data' only, with N auto-sharded on 'model': correct results.
+
+        JAX hands custom_partitioning no mesh there (GSPMD shardings only), so the rules gather ('model' is
+        replicated around the op): correct, not per shard. Documented in sharding.py.
+        """
+        mesh = _mesh()
+        fn, args, _ = _gemm_problem(np.random.default_rng(12), (1, 1024, 512, 128), "mxfp8_e4m3", ("k", "k", "n"),
+                                    "float32")
+
+        @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(None, "data"), P(), P(None, "data"), P()),
+                           out_specs=(P(None, "data"), P()), axis_names={"data"}, check_vma=False)
+        def per_row_shard(a, b, sfa, sfb):
+            c, amax = fn(a, b, sfa, sfb)
+            return c, jax.lax.pmax(amax, "data")
+
+        specs = (P(None, "data"), P(None, "model"), P(None, "data"), P(None, "model"))
+        sharded = [_put(mesh, x, s) for x, s in zip(args, specs)]
+        _assert_same_result(jax.jit(per_row_shard)(*sharded), fn(*args))
+
     def test_readme_example(self):
         """README "On many GPUs": its code runs (smaller sizes), C comes back row-sharded, nothing is gathered."""
         import pathlib
