@@ -65,6 +65,7 @@ def _dim_axes(sharding: Any, dim: int) -> Axes:
 
 
 def _shard_count(mesh: Any, axes: Axes) -> int:
+    """How many shards `axes` cut a dimension into."""
     return math.prod(mesh.shape[a] for a in axes)
 
 
@@ -76,6 +77,7 @@ def _keep(mesh: Any, axes: Axes, size: int, quantum: int, taken: Axes) -> Axes:
 
 
 def _spec(*dims: Axes) -> P:
+    """A PartitionSpec from per-dimension axes (() replicated, one axis by name, several as a tuple)."""
     return P(*(None if not d else d[0] if len(d) == 1 else d for d in dims))
 
 
@@ -163,10 +165,12 @@ def gemm_plan(params: dict, mesh: Any, shapes: Sequence[Any]) -> GemmPlan:
 
 
 def _named(mesh: Any, specs: Sequence[P]) -> tuple[NamedSharding, ...]:
+    """The specs on `mesh`, as custom_partitioning's callbacks must return them."""
     return tuple(NamedSharding(mesh, s) for s in specs)
 
 
-def _gemm_partition(local, params: Params, mesh, arg_shapes, result_shape):
+def _gemm_partition(local: Callable, params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
+    """custom_partitioning's partition: the plan's shardings and the per-shard op (local GEMM, global amax)."""
     p = dict(params)
     plan = gemm_plan(p, mesh, arg_shapes)
     reduce_axes = plan.m + plan.n
@@ -179,18 +183,19 @@ def _gemm_partition(local, params: Params, mesh, arg_shapes, result_shape):
             _named(mesh, plan.operand_specs(p, len(arg_shapes))))
 
 
-def _gemm_infer(params: Params, mesh, arg_shapes, result_shape):
+def _gemm_infer(params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
+    """GSPMD: the result shardings the plan gives these operands."""
     p = dict(params)
     return _named(mesh, gemm_plan(p, mesh, arg_shapes).result_specs(p))
 
 
-def _gemm_propagate(params: Params, mesh, result_shape):
+def _gemm_propagate(params: Params, mesh: Any, result_shape: Any):
     """A user's sharding of C is kept; amax follows C's L sharding."""
     c = result_shape[0].sharding
     return c, NamedSharding(c.mesh, _spec(_dim_axes(c, 0)))
 
 
-def _gemm_rule(params: Params, mesh, operand_types, result_types):
+def _gemm_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
     """Shardy: L passes through; M (N) is linked to the scale atoms' M' (N') when it fills whole atoms; K is
     replicated (gathered, see the module docstring)."""
     p = dict(params)
@@ -258,25 +263,27 @@ def proj_rope_plan(params: dict, mesh: Any, shapes: Sequence[Any]) -> ProjRopePl
     return ProjRopePlan(g_axes, t_axes, h_axes)
 
 
-def _proj_rope_partition(local, params: Params, mesh, arg_shapes, result_shape):
+def _proj_rope_partition(local: Callable, params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
+    """custom_partitioning's partition: the plan's shardings and the local op, unchanged, on each shard."""
     p = dict(params)
     plan = proj_rope_plan(p, mesh, arg_shapes)
     per_shard = lambda *operands: tuple(local(*operands, **p))
     return mesh, per_shard, _named(mesh, plan.result_specs()), _named(mesh, plan.operand_specs(p, len(arg_shapes)))
 
 
-def _proj_rope_infer(params: Params, mesh, arg_shapes, result_shape):
+def _proj_rope_infer(params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
+    """GSPMD: the result shardings the plan gives these operands."""
     return _named(mesh, proj_rope_plan(dict(params), mesh, arg_shapes).result_specs())
 
 
-def _proj_rope_propagate(params: Params, mesh, result_shape):
+def _proj_rope_propagate(params: Params, mesh: Any, result_shape: Any):
     """A user's sharding of one output (G, T, H) is suggested for all four."""
     s = result_shape[0].sharding
     spec = _spec(_dim_axes(s, 0), _dim_axes(s, 1), _dim_axes(s, 2), ())
     return tuple(NamedSharding(s.mesh, spec) for _ in range(4))
 
 
-def _proj_rope_rule(params: Params, mesh, operand_types, result_types):
+def _proj_rope_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
     """Shardy: G passes through, tokens in blocks of 32 (linking T to out_scales_col's T/32), heads of 192."""
     p = dict(params)
     t = _shape(operand_types[0])[1]
