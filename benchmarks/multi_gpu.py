@@ -234,6 +234,7 @@ def timing(mesh, impl: str, size: int, reps: int) -> dict:
             same = np.array_equal(np.asarray(amax), want[0]) and np.array_equal(np.asarray(c[:: max(1, size // 64)]),
                                                                              want[1])
             result[name] = {"ms": _median_ms(fn, args, reps), "all_gathers": _gathers(hlo),
+                            "kernel": 'custom_call_target="jbg_gemm_amax"' in hlo,
                             "same_result_as_one_device": bool(same)}
         except Exception as e:
             result[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -274,12 +275,12 @@ def main() -> int:
             print(f"    {c['error']}")
     t = record["timing"]
     print(f"\n{t['shape'][0]}^3 MXFP8 E4M3 -> f32, median of {t['reps']}:")
-    print(f"{'run':40}{'ms':>10}{'x one':>8}{'all-gathers':>13}{'same C':>8}")
+    print(f"{'run':40}{'ms':>10}{'x one':>8}{'all-gathers':>13}{'kernel':>8}{'same C':>8}")
     for name, row in t.items():
         if isinstance(row, dict):
             if "ms" in row:
                 print(f"{name:40}{row['ms']:10.3f}{row.get('ratio_to_one_device', 1.0):8.2f}"
-                      f"{row['all_gathers']:13}{str(row['same_result_as_one_device']):>8}")
+                      f"{row['all_gathers']:13}{str(row['kernel']):>8}{str(row['same_result_as_one_device']):>8}")
             else:
                 print(f"{name:40}  {row['error']}")
     failed = [c["name"] for c in record["checks"] if not c["passed"]]

@@ -36,6 +36,7 @@ class MultiGpuBenchCpuTest(absltest.TestCase):
                          "rows sharded, hand-written shard_map"):
             self.assertGreater(timing[run_name]["ms"], 0, run_name)
             self.assertTrue(timing[run_name]["same_result_as_one_device"], run_name)
+            self.assertFalse(timing[run_name]["kernel"], run_name)  # CPU: the reference, no kernel call
         self.assertEqual(timing["rows sharded, jit (the rules)"]["all_gathers"], 0)
         self.assertIn("checks passed", run.stdout)
 
