@@ -195,11 +195,15 @@ def _scale_by_exp2(v: jax.Array, neg_e: jax.Array) -> jax.Array:
     return _apply_exp2_factors(v, _exp2_factors(neg_e))
 
 
+def magnitude_bits(x: jax.Array) -> jax.Array:
+    """|x| as float32 bits in an int32, whose integer order is NaN > inf > every finite value (see magnitude_max)."""
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
+
+
 def magnitude_max(x: jax.Array, axis: int | tuple[int, ...] | None = -1, *, keepdims: bool = False) -> jax.Array:
     """max |x| along `axis` as float32, taken on the integer bits: NaN > inf > every finite value on every
     backend (XLA:CPU's vectorized float max can drop NaN), exact for subnormals (denormal-flush proof)."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
-    return jax.lax.bitcast_convert_type(jnp.max(bits, axis=axis, keepdims=keepdims), jnp.float32)
+    return jax.lax.bitcast_convert_type(jnp.max(magnitude_bits(x), axis=axis, keepdims=keepdims), jnp.float32)
 
 
 def e8m0_to_float32(scale: jax.Array) -> jax.Array:
