@@ -12,6 +12,7 @@ from jax_blockgemm.api import (
     gemm_proj_rope_mxfp8,
     gemm_proj_rope_mxfp8_jax_sm100,
 )
+from jax_blockgemm.autodiff import RECIPES, Recipe, mx_dot_general, mx_dot_general_amax
 
 __all__ = [
     "formats",
@@ -19,6 +20,10 @@ __all__ = [
     "gemm_amax_jax_sm100",
     "gemm_proj_rope_mxfp8",
     "gemm_proj_rope_mxfp8_jax_sm100",
+    "mx_dot_general",
+    "mx_dot_general_amax",
+    "Recipe",
+    "RECIPES",
 ]
 __version__ = "0.1.0"
 
