@@ -273,7 +273,7 @@ def mx_dot_general_amax(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, 
     out, amax = _mx_matmul(x, w, grad_amax, x_kaxis, w_kaxis, out_dtype, recipe)
     out = out.reshape(*(lhs.shape[d] for d in lb), *lhs_free, *rhs_free)
     if out_sharding is not None:
-        out = jax.lax.with_sharding_constraint(out, out_sharding)
+        out = jax.sharding.reshard(out, out_sharding)
     return out, jax.lax.stop_gradient(amax)
 
 
@@ -290,7 +290,7 @@ def mx_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, preci
     that has an empty dimension) runs as a plain bfloat16 dot with float32 accumulation instead.
 
     precision is accepted for signature compatibility and ignored: the recipe fixes the operands' precision.
-    out_sharding, when given, is applied to the result as a sharding constraint. Use
+    out_sharding, when given, reshards the result (jax.sharding.reshard, as dot_general does). Use
     `functools.partial(mx_dot_general, recipe=...)` as Flax's `dot_general=`; `mx_dot_general_amax` also returns
     the amax of each GEMM.
     """
