@@ -274,6 +274,18 @@ def rope_f64(y: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return out
 
 
+def rope_transpose_f64(d_out: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """The transpose of rope_f64 (RoPE is linear in y): the cotangent of Y before RoPE, one pair index at a time."""
+    cos = np.asarray(cos).astype(np.float64)
+    sin = np.asarray(sin).astype(np.float64)
+    d_y = d_out.copy()
+    for j in range(QK_ROPE // 2):
+        d_first, d_second = d_out[:, :, QK_NOPE + j], d_out[:, :, QK_NOPE + 32 + j]
+        d_y[:, :, QK_NOPE + 2 * j] = d_first * cos[:, None, j] + d_second * sin[:, None, 32 + j]
+        d_y[:, :, QK_NOPE + 2 * j + 1] = -d_first * sin[:, None, j] + d_second * cos[:, None, 32 + j]
+    return d_y
+
+
 def proj_rope_oracle(x, w, cos, sin, *, x_scale=None, w_scale=None, w_out_in: bool = True) -> np.ndarray:
     """Y after RoPE, before quantization, in float64: (T, H, 192). MXFP8 path when x_scale / w_scale are given."""
     x, w = np.asarray(x), np.asarray(w)
