@@ -27,7 +27,7 @@ import numpy as np
 
 from jax_blockgemm import api, formats, support
 
-__all__ = ["Recipe", "RECIPES", "mx_dot_general", "mx_dot_general_amax", "block_gemm", "GEMM_FORMATS"]
+__all__ = ["Recipe", "RECIPES", "as_recipe", "mx_dot_general", "mx_dot_general_amax", "block_gemm", "GEMM_FORMATS"]
 
 # Formats one GEMM may use; "bf16" is the plain dot (bfloat16 operands, float32 accumulation).
 GEMM_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4", "bf16")
@@ -65,6 +65,16 @@ RECIPES = {
     "nvfp4": Recipe(fwd="nvfp4"),  # NVFP4 forward, MXFP8 E4M3 gradients
     "bf16": Recipe("bf16", "bf16", "bf16"),
 }
+
+
+def as_recipe(recipe: Recipe | str) -> Recipe:
+    """A Recipe, or the Recipe of a name in RECIPES (what the layers accept); raises naming the allowed values."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str) and recipe in RECIPES:
+        return RECIPES[recipe]
+    raise ValueError(f"recipe={recipe!r} is not supported; allowed: a jax_blockgemm.Recipe or one of "
+                     f"{', '.join(map(repr, RECIPES))}.")
 
 
 # ----------------------------------------------------------------------------------------------------------------
