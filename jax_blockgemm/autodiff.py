@@ -45,7 +45,9 @@ class Recipe:
     Each field is one of GEMM_FORMATS. A quantized GEMM falls back to "bf16" (bfloat16 operands, float32
     accumulation, plain `jax.lax.dot_general`) only where no format fits its shape: a contraction length that is
     not a multiple of 32 (e.g. wgrad over 37 tokens) or an empty dimension. Frozen, so it hashes as a static
-    argument of jit and custom_vjp.
+    argument of jit and custom_vjp. `implementation` goes to every gemm_amax call: "cutedsl" demands a kernel for
+    all three GEMMs, and the backward ones read MN-major operands, which today's Hopper kernel (K-major only) does
+    not take, so keep None (the fastest correct implementation per GEMM) for training.
     """
 
     fwd: str = "mxfp8_e4m3"
