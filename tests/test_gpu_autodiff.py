@@ -1,7 +1,8 @@
 """GPU: mx_dot_general and mla_q_projection on a CUDA device, against the same float64 oracles as on CPU.
 
 The CPU suites' cases rerun here with the GPU as the default device (gemm_amax then takes whatever implementation
-`implementation=None` picks there). Skipped without a CUDA device (CI has none); run on the H200 as BUILD.md says.
+`implementation=None` picks there). Skipped without a CUDA device (CI has none). On the H200:
+`python -m pytest tests/test_gpu_autodiff.py -q`.
 """
 
 import jax
