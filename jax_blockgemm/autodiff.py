@@ -132,7 +132,8 @@ def _plain_gemm(a: jax.Array, a_kaxis: int, b: jax.Array, b_kaxis: int, c_dtype:
         acc = jax.lax.dot_general(b, a, (((b_kaxis,), (a_kaxis,)), ((0,), (0,))), preferred_element_type=jnp.float32)
     else:
         acc = jax.lax.dot_general(a, b, (((a_kaxis,), (b_kaxis,)), ((0,), (0,))), preferred_element_type=jnp.float32)
-    return acc.astype(c_dtype), formats.magnitude_max(acc, axis=None)
+    amax = formats.magnitude_max(acc, axis=None) if acc.size else jnp.zeros((), jnp.float32)  # empty: max of nothing
+    return acc.astype(c_dtype), amax
 
 
 def block_gemm(a: jax.Array, a_kaxis: int, b: jax.Array, b_kaxis: int, fmt: str, c_dtype: Any, *,

@@ -123,6 +123,20 @@ class DropInTest(parameterized.TestCase):
         oracle_ops.assert_rel_close(self, "out", out, ref, TIGHT_RTOL)
         oracle_ops.assert_rel_close(self, "amax", amax, np.max(np.abs(ref)), TIGHT_RTOL)
 
+    def test_nan_propagates_and_empty_dimensions(self):
+        dn = CASES["linear_round"][2]
+        lhs, rhs, g = _inputs(np.random.default_rng(10), (64, 96), (96, 160), dn)
+        lhs[3, 5] = np.nan
+        out, d_lhs, d_rhs, amax, grad_amaxes = _run(lhs, rhs, g, dn, jbg.RECIPES["mxfp8"])
+        nan_rows = np.isnan(np.asarray(out)).any(axis=1)
+        np.testing.assert_array_equal(np.flatnonzero(nan_rows), [3])  # the NaN's block poisons its row only
+        self.assertTrue(np.isnan(np.asarray(out)[3]).all())
+        self.assertTrue(np.isnan(float(amax)) and np.isnan(float(grad_amaxes[1])))
+        self.assertTrue(np.isnan(np.asarray(d_rhs)[5]).all())  # wgrad: X's column 5, blocks along M
+        self.assertFalse(np.isnan(np.asarray(d_lhs)).any())  # dgrad does not read X
+        empty, empty_amax = jbg.mx_dot_general_amax(jnp.ones((0, 64)), jnp.ones((64, 32)), dn)
+        self.assertEqual((empty.shape, float(empty_amax)), ((0, 32), 0.0))
+
     def test_amax_has_no_gradient(self):
         dn = CASES["linear_round"][2]
         lhs, rhs, _ = _inputs(np.random.default_rng(5), (64, 96), (96, 160), dn)
