@@ -4,7 +4,6 @@ mx_dot_general on the same parameters, amax statistics, jit / grad / vmap / an o
 Skipped where flax, equinox or optax is not installed (the test extra installs them).
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
