@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One device call on the H200 that checks and times what changed, each step under its own time limit, so that a
+# hang costs one step and not the whole call. Run from the project root after `source .devpayload/setup.sh`:
+#
+#     bash benchmarks/h200_session.sh STEP... (default: every step, in the order below)
+#
+# Steps: proj_rope_tests, proj_rope_kernel, bench_proj_rope, bench_gemm, gemm_tests, gemm_candidates.
+# Logs go to $OUT, one per step (at most 8 files come back from a device call); session.log holds every step's
+# status and tail.
+set -u
+OUT=${OUT:-/tmp/jbg_out}
+mkdir -p "$OUT"
+LOG="$OUT/session.log"
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(proj_rope_tests proj_rope_kernel bench_proj_rope gemm_tests gemm_candidates)
+
+run_step() {  # name, limit in seconds, log file, command...
+  local name=$1 limit=$2 file=$3
+  shift 3
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$file" 2>&1
+  local rc=$?
+  printf '\n=== %s: rc=%s (%s s, limit %s s)\n' "$name" "$rc" "$((SECONDS - t0))" "$limit" | tee -a "$LOG"
+  tail -n 25 "$OUT/$file" | tee -a "$LOG"
+}
+
+for step in "${STEPS[@]}"; do
+  case "$step" in
+    proj_rope_tests)
+      run_step "$step" 150 proj_rope_tests.log python3 -m pytest tests/test_gpu_proj_rope.py -q -x -p no:cacheprovider ;;
+    proj_rope_kernel)
+      run_step "$step" 60 proj_rope_kernel.log python3 benchmarks/proj_rope_standalone.py --no-check \
+        --consumer-wgs 2,1 ;;
+    bench_proj_rope)
+      run_step "$step" 90 bench.log python3 -m jax_blockgemm.bench --op proj_rope --json "$OUT/bench.json" \
+        --png "$OUT/bench.png" ;;
+    bench_gemm)
+      run_step "$step" 120 bench_gemm.log python3 -m jax_blockgemm.bench --op gemm_amax ;;
+    gemm_tests)
+      run_step "$step" 120 gpu_tests.log python3 -m pytest tests/test_gpu_gemm_amax.py tests/test_gpu_handler_fuzz.py \
+        tests/test_gpu_selfcheck.py -q -p no:cacheprovider ;;
+    gemm_candidates)
+      run_step "$step" 90 gemm_candidates.log python3 benchmarks/kernel_standalone.py --candidates --budget-s 75 \
+        --out /tmp/jbg_candidates ;;  # its per-candidate files stay there: the table is in the log
+    *) echo "unknown step $step" | tee -a "$LOG" ;;
+  esac
+done
