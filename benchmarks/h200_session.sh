@@ -4,7 +4,8 @@
 #
 #     bash benchmarks/h200_session.sh STEP... (default: every step, in the order below)
 #
-# Steps: proj_rope_tests, proj_rope_kernel, bench_proj_rope, bench_gemm, gemm_tests, gemm_candidates.
+# Steps: proj_rope_tests, proj_rope_kernel, bench_proj_rope, bench_gemm, gemm_tests, gemm_candidates, multi_gpu
+# (the last needs two GPUs: kind nvidia-h200-x2; the single-GPU steps then run on the first).
 # Logs go to $OUT, one per step (at most 8 files come back from a device call); session.log holds every step's
 # status and tail.
 set -u
@@ -32,8 +33,7 @@ for step in "${STEPS[@]}"; do
       run_step "$step" 60 proj_rope_kernel.log python3 benchmarks/proj_rope_standalone.py --no-check \
         --consumer-wgs 2,1 ;;
     bench_proj_rope)
-      run_step "$step" 90 bench.log python3 -m jax_blockgemm.bench --op proj_rope --json "$OUT/bench.json" \
-        --png "$OUT/bench.png" ;;
+      run_step "$step" 90 bench.log python3 -m jax_blockgemm.bench --op proj_rope --json "$OUT/bench.json" ;;
     bench_gemm)
       run_step "$step" 120 bench_gemm.log python3 -m jax_blockgemm.bench --op gemm_amax ;;
     gemm_tests)
@@ -42,6 +42,8 @@ for step in "${STEPS[@]}"; do
     gemm_candidates)
       run_step "$step" 90 gemm_candidates.log python3 benchmarks/kernel_standalone.py --candidates --budget-s 75 \
         --out /tmp/jbg_candidates ;;  # its per-candidate files stay there: the table is in the log
+    multi_gpu)
+      run_step "$step" 180 multi_gpu.log python3 benchmarks/multi_gpu.py --out "$OUT/multi_gpu.json" ;;
     *) echo "unknown step $step" | tee -a "$LOG" ;;
   esac
 done
