@@ -299,6 +299,36 @@ StateOr InstantiateKernelObjects(std::string_view target, std::string_view archs
   return state;
 }
 
+ffi::Error DeviceFunction(const GemmAmaxState& state, int32_t device, std::string_view target, DslFunction** fn) {
+  const std::string where = std::string(target) + ": ";
+  if (device < 0 || static_cast<size_t>(device) >= state.functions.size()) {
+    return ffi::Error::Internal(where + "device ordinal " + std::to_string(device) + " is not among the " +
+                                std::to_string(state.functions.size()) + " devices seen at instantiation");
+  }
+  *fn = state.functions[device];
+  if (*fn == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      where + "no kernel object for compute capability " + state.capabilities[device] +
+                          " (device " + std::to_string(device) + "); this program carries objects for " + state.archs);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error RunKernel(const GemmAmaxState& state, int32_t device, std::string_view target, const CudaDriver& driver,
+                     DslFunction* fn, void** args, size_t num_args, const int32_t* ret) {
+  const std::string where = std::string(target) + ": ";
+  std::string error;
+  if (RunDslFunction(fn, args, num_args, &error) != 0) {
+    return ffi::Error::Internal(where + "CuteDSLRT_Function_Run(" + state.function_prefixes[device] + ") failed: " +
+                                error);
+  }
+  if (*ret != 0) {
+    return ffi::Error::Internal(where + "kernel " + state.function_prefixes[device] + " returned CUDA error " +
+                                std::to_string(*ret) + " (as a driver code: " + driver.ErrorName(*ret) + ")");
+  }
+  return ffi::Error::Success();
+}
+
 namespace {
 
 StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span<const uint8_t> objects,
@@ -320,17 +350,8 @@ BufferDesc Desc(const ffi::AnyBuffer& buffer) {
 ffi::Error Execute(CUstream stream, int32_t device, GemmAmaxState* state, ffi::AnyBuffer a, ffi::AnyBuffer b,
                    ffi::AnyBuffer sfa, ffi::AnyBuffer sfb, ffi::Result<ffi::AnyBuffer> c,
                    ffi::Result<ffi::AnyBuffer> amax) {
-  if (device < 0 || static_cast<size_t>(device) >= state->functions.size()) {
-    return ffi::Error::Internal("jbg_gemm_amax: device ordinal " + std::to_string(device) + " is not among the " +
-                                std::to_string(state->functions.size()) + " devices seen at instantiation");
-  }
-  DslFunction* fn = state->functions[device];
-  if (fn == nullptr) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "jbg_gemm_amax: no kernel object for compute capability " + state->capabilities[device] +
-                          " (device " + std::to_string(device) + "); this program carries objects for " +
-                          state->archs);
-  }
+  DslFunction* fn = nullptr;
+  if (ffi::Error e = DeviceFunction(*state, device, kGemmAmaxTarget, &fn); e.failure()) return e;
   const BufferDesc buffers[6] = {Desc(a), Desc(b), Desc(sfa), Desc(sfb), Desc(*c), Desc(*amax)};
   GemmDims dims;
   if (std::string message = CheckGemmAmaxBuffers(buffers, state->dtypes, &dims); !message.empty()) {
@@ -360,16 +381,7 @@ ffi::Error Execute(CUstream stream, int32_t device, GemmAmaxState* state, ffi::A
   int32_t m = dims.m, n = dims.n, k = dims.k, l = dims.l, ret = 0;
   void* args[12] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5],
                     &m,          &n,          &k,          &l,          &stream,     &ret};
-  if (RunDslFunction(fn, args, 12, &error) != 0) {
-    return ffi::Error::Internal("jbg_gemm_amax: CuteDSLRT_Function_Run(" + state->function_prefixes[device] +
-                                ") failed: " + error);
-  }
-  if (ret != 0) {
-    return ffi::Error::Internal("jbg_gemm_amax: kernel " + state->function_prefixes[device] +
-                                " returned CUDA error " + std::to_string(ret) + " (as a driver code: " +
-                                driver->ErrorName(ret) + ")");
-  }
-  return ffi::Error::Success();
+  return RunKernel(*state, device, kGemmAmaxTarget, *driver, fn, args, 12, &ret);
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
+#include "cuda_driver.h"
 #include "dsl_runtime.h"
 
 namespace jbg {
@@ -95,6 +96,14 @@ XLA_FFI_TypeInfo* GemmAmaxStateTypeInfo();
 
 // The INSTANTIATE stage, shared by every target (it depends on the object table only): parses the attributes,
 // loads each visible device's kernel object. The state names the kernel objects, not the operation.
+// The execute-stage steps every target shares; `target` names the custom call in error messages.
+// The function loaded for `device`, or an error naming the device, its compute capability and the archs carried.
+xla::ffi::Error DeviceFunction(const GemmAmaxState& state, int32_t device, std::string_view target, DslFunction** fn);
+// Runs `fn` on `args` (pointers to each argument; the last one is `ret`, the kernel's CUDA status slot).
+xla::ffi::Error RunKernel(const GemmAmaxState& state, int32_t device, std::string_view target,
+                          const CudaDriver& driver, DslFunction* fn, void** args, size_t num_args,
+                          const int32_t* ret);
+
 // `target` names the custom call in error messages.
 xla::ffi::ErrorOr<std::unique_ptr<GemmAmaxState>> InstantiateKernelObjects(
     std::string_view target, std::string_view archs, std::string_view function_prefixes,

@@ -87,11 +87,8 @@ ffi::Error Execute(CUstream stream, int32_t device, GemmAmaxState* state, ffi::A
                    ffi::Result<ffi::AnyBuffer> col_scales, std::string_view, std::string_view,
                    ffi::Span<const uint8_t>, ffi::Span<const int64_t>, bool w_out_in) {
   const std::string target = kProjRopeTarget;
-  if (device < 0 || static_cast<size_t>(device) >= state->functions.size() || !state->functions[device]) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      target + ": no kernel object for device " + std::to_string(device) +
-                          "; this program carries objects for " + state->archs);
-  }
+  DslFunction* fn = nullptr;
+  if (ffi::Error e = DeviceFunction(*state, device, kProjRopeTarget, &fn); e.failure()) return e;
   const BufferDesc buffers[8] = {Desc(x),          Desc(w),           Desc(cos),        Desc(sin),
                                  Desc(*row_codes), Desc(*row_scales), Desc(*col_codes), Desc(*col_scales)};
   ProjRopeDims dims;
@@ -120,15 +117,7 @@ ffi::Error Execute(CUstream stream, int32_t device, GemmAmaxState* state, ffi::A
   int32_t t = dims.t, k = dims.k, h = dims.h, ret = 0;
   void* args[15] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5], &tensors[6],
                     &tensors[7], &tensors[8], &tensors[9], &t,          &k,          &h,          &stream, &ret};
-  if (RunDslFunction(state->functions[device], args, 15, &error) != 0) {
-    return ffi::Error::Internal(target + ": CuteDSLRT_Function_Run(" + state->function_prefixes[device] +
-                                ") failed: " + error);
-  }
-  if (ret != 0) {
-    return ffi::Error::Internal(target + ": kernel " + state->function_prefixes[device] + " returned CUDA error " +
-                                driver->ErrorName(ret));
-  }
-  return ffi::Error::Success();
+  return RunKernel(*state, device, kProjRopeTarget, *driver, fn, args, 15, &ret);
 }
 
 // The call site's attributes: the object table (read at instantiation) and the weight layout.
