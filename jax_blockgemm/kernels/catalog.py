@@ -21,10 +21,13 @@ import functools
 import hashlib
 import pathlib
 import re
+import tempfile
 import threading
 from typing import Any, Callable
 
 import cutlass  # noqa: F401  (an ImportError here tells the dispatcher that CuTeDSL is missing)
+
+from jax_blockgemm.kernels.sm100 import gemm_amax as _sm100
 
 _SHORT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float32": "f32", "bfloat16": "bf16"}
 _COMPILE_LOCK = threading.Lock()
@@ -61,13 +64,25 @@ def _hopper_factory(v: KernelVariant) -> Any:
     return HopperMxf8GemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn, cluster_mn=v.cluster_mn)
 
 
-# (op, arch) -> builds the kernel object (a class instance with `can_implement` and a `@cute.jit` __call__).
-_FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {("gemm_amax", "sm_90a"): _hopper_factory}
+def _blackwell_factory(v: KernelVariant) -> Any:
+    from jax_blockgemm.kernels.sm100.gemm_amax import BlackwellMxf8GemmAmax
 
-CATALOG: tuple[KernelVariant, ...] = tuple(
-    KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype=c)
-    for ab in ("float8_e4m3fn", "float8_e5m2")
-    for c in ("float32", "bfloat16"))
+    return BlackwellMxf8GemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn, cluster_mn=v.cluster_mn)
+
+
+# (op, arch) -> builds the kernel object (a class instance with `can_implement` and a `@cute.jit` __call__).
+_FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
+    ("gemm_amax", "sm_90a"): _hopper_factory, ("gemm_amax", "sm_100a"): _blackwell_factory}
+
+_FP8 = ("float8_e4m3fn", "float8_e5m2")
+_C = ("float32", "bfloat16")
+
+CATALOG: tuple[KernelVariant, ...] = (
+    tuple(KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype=c) for ab in _FP8 for c in _C)
+    # sm_100a: compiled and checked here, never run (no Blackwell GPU); every tile and cluster shape of the
+    # seed's MXFP8 surface.
+    + tuple(KernelVariant(arch="sm_100a", ab_dtype=ab, c_dtype=c, tile_mn=t, cluster_mn=cl)
+            for ab in _FP8 for c in _C for t in _sm100.SUPPORTED_TILES_MN for cl in _sm100.SUPPORTED_CLUSTERS_MN))
 
 
 def variants_for(arch: str) -> tuple[KernelVariant, ...]:
@@ -105,14 +120,20 @@ def fake_arguments(kernel: Any) -> list:
             cutlass.Int32(1), cuda.CUstream(0)]
 
 
-def compile_function(v: KernelVariant, *, keep_ptx: bool = False) -> Any:
-    """`cute.compile` of variant `v` for `v.arch` (no GPU needed): the DSL's compiled-function object."""
+def compile_function(v: KernelVariant, *, keep_ptx: bool = False, kernel: Any = None) -> Any:
+    """`cute.compile` of variant `v` for `v.arch` (no GPU needed): the DSL's compiled-function object.
+
+    `keep_ptx` also keeps the cubin (`__ptx__`, `__cubin__`) for structural checks; `kernel` is the object to
+    trace (default: a fresh `make_kernel(v)`), passed in when the caller wants the facts it records while traced.
+    """
     import cutlass.cute as cute
     from cutlass.cutlass_dsl import CuTeDSL
 
-    kernel = make_kernel(v)
-    options = f"--gpu-arch {v.arch}" + (" --keep-ptx" if keep_ptx else "")
-    with _COMPILE_LOCK:
+    kernel = make_kernel(v) if kernel is None else kernel
+    options = f"--gpu-arch {v.arch}"
+    with _COMPILE_LOCK, tempfile.TemporaryDirectory(prefix="jbg-compile-") as dump_dir:
+        if keep_ptx:  # the DSL also writes the files it keeps; keep them out of the working directory
+            options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
         envar = CuTeDSL._get_dsl().envar
         saved = envar._arch  # None means "detect on first use"; keep it that way for other users
         envar.arch = v.arch
