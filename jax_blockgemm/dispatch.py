@@ -2,14 +2,18 @@
 
 The CUDA lowering embeds one object per architecture that has a matching kernel, so a program lowered (or
 exported) anywhere runs on any GPU the catalog covers; the FFI handler picks by compute capability at run time.
-When the local GPU has no kernel, `implementation=None` falls back to the reference.
+When the local GPU has no kernel, `implementation=None` falls back to the reference. A kernel of an architecture
+where it has never run (`selfcheck.UNVERIFIED_ARCHS`) is used on a local GPU only after the first-use self-check
+passed there; when it fails, None falls back to the reference and "cutedsl" raises.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from typing import Any, Sequence
+import threading
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -21,7 +25,11 @@ ARCH_OF_CAPABILITY = {"9.0": "sm_90a", "10.0": "sm_100a"}
 # A kernel becomes the default only once it has run correct on that arch and beaten the reference there;
 # an arch missing here takes the reference. "cutedsl" always takes the kernel. See benchmarks/RESULTS.md:
 # sm_90a, H200, 2026-11-29: MXFP8 kernel 267 TFLOP/s at 8192^3 against the reference's 463 -> not yet.
-DEFAULT_TAKES_KERNEL = {"sm_90a": False}
+# sm_100a: compiled and checked here, never run (no Blackwell GPU), never measured -> not the default either;
+# benchmarks/RESULTS.md holds a prediction only. "cutedsl" takes it after the first-use self-check.
+DEFAULT_TAKES_KERNEL = {"sm_90a": False, "sm_100a": False}
+
+_FORCED = threading.local()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +38,20 @@ class KernelChoice:
 
     variants: tuple = ()
     reason: str = ""
+
+
+@contextlib.contextmanager
+def forced_variants(variants: Sequence[Any]) -> Iterator[None]:
+    """Within this block (this thread), gemm_amax lowerings with implementation='cutedsl' use exactly `variants`.
+
+    For the self-check, which must run one given variant (also a TEST_VARIANTS one) unchecked.
+    """
+    saved = getattr(_FORCED, "variants", None)
+    _FORCED.variants = tuple(variants)
+    try:
+        yield
+    finally:
+        _FORCED.variants = saved
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,6 +70,9 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
     """The kernel variants that compute this gemm_amax call exactly, one per covered architecture."""
     if implementation == "xla":
         return KernelChoice(reason="implementation='xla' forces the reference")
+    forced = getattr(_FORCED, "variants", None)
+    if forced is not None and implementation == "cutedsl":
+        return KernelChoice(variants=forced)
     if len(avals_in) > 4:
         return KernelChoice(reason="alpha (NVFP4 per-tensor scale) has no kernel yet")
     if (a_major, b_major, c_major) != ("k", "k", "n"):
@@ -90,4 +115,20 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
         if missing:
             return KernelChoice(reason=f"no kernel for compute capability {', '.join(missing)} "
                                        f"(kernels exist for {', '.join(sorted(archs))})")
+        failed = _failed_self_checks(variants, {ARCH_OF_CAPABILITY[cc] for cc in capabilities})
+        if failed:
+            return KernelChoice(reason=f"the first-use self-check failed: {failed}")
     return KernelChoice(variants=tuple(variants))
+
+
+def _failed_self_checks(variants: Sequence[Any], local_archs: set) -> str:
+    """Self-check the variants of never-run archs that a local GPU would run; '' when all pass, else why not."""
+    from jax_blockgemm import selfcheck  # lazy: it runs jitted programs, which import this module
+
+    failures = []
+    for v in variants:
+        if v.arch in local_archs and v.arch in selfcheck.UNVERIFIED_ARCHS:
+            verdict = selfcheck.ensure_verified(v)
+            if not verdict.ok:
+                failures.append(f"{v.key} on {verdict.device}: {verdict.detail}")
+    return "; ".join(failures)

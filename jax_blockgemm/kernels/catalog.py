@@ -44,13 +44,15 @@ class KernelVariant:
     sf_vec_size: int = 32
     tile_mn: tuple = (128, 128)
     cluster_mn: tuple = (1, 1)
+    flavor: str = ""  # "" for real kernels; the name of a deliberately wrong one in TEST_VARIANTS
 
     @property
     def key(self) -> str:
         """Unique, filesystem-safe name, e.g. 'gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1'."""
         return (f"{self.op}.{self.arch}.{_SHORT.get(self.ab_dtype, self.ab_dtype)}."
                 f"{_SHORT.get(self.c_dtype, self.c_dtype)}.sf{self.sf_vec_size}."
-                f"t{self.tile_mn[0]}x{self.tile_mn[1]}.c{self.cluster_mn[0]}x{self.cluster_mn[1]}")
+                f"t{self.tile_mn[0]}x{self.tile_mn[1]}.c{self.cluster_mn[0]}x{self.cluster_mn[1]}"
+                + (f".{self.flavor}" if self.flavor else ""))
 
     @property
     def function_prefix(self) -> str:
@@ -70,6 +72,12 @@ def _blackwell_factory(v: KernelVariant) -> Any:
     return BlackwellMxf8GemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn, cluster_mn=v.cluster_mn)
 
 
+def _broken_factory(v: KernelVariant) -> Any:
+    from jax_blockgemm.kernels.testing import NegatedCornerHopperGemmAmax
+
+    return NegatedCornerHopperGemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype)
+
+
 # (op, arch) -> builds the kernel object (a class instance with `can_implement` and a `@cute.jit` __call__).
 _FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
     ("gemm_amax", "sm_90a"): _hopper_factory, ("gemm_amax", "sm_100a"): _blackwell_factory}
@@ -83,6 +91,12 @@ CATALOG: tuple[KernelVariant, ...] = (
     # seed's MXFP8 surface.
     + tuple(KernelVariant(arch="sm_100a", ab_dtype=ab, c_dtype=c, tile_mn=t, cluster_mn=cl)
             for ab in _FP8 for c in _C for t in _sm100.SUPPORTED_TILES_MN for cl in _sm100.SUPPORTED_CLUSTERS_MN))
+
+
+# TEST ONLY: deliberately wrong kernels that the first-use self-check must catch (kernels/testing.py). Never
+# selected by `select_variant`; only a forced run (`dispatch.forced_variants`) uses one.
+TEST_VARIANTS: tuple[KernelVariant, ...] = (KernelVariant(arch="sm_90a", flavor="broken_negc0"),)
+_TEST_FACTORIES: dict[str, Callable[[KernelVariant], Any]] = {"broken_negc0": _broken_factory}
 
 
 def variants_for(arch: str) -> tuple[KernelVariant, ...]:
@@ -99,7 +113,9 @@ def select_variant(*, arch: str, ab_dtype: str, c_dtype: str, sf_vec_size: int, 
 
 
 def make_kernel(v: KernelVariant) -> Any:
-    """The kernel object of variant `v` (raises ValueError for a variant outside the catalog)."""
+    """The kernel object of variant `v` (raises ValueError for a variant outside the catalog and TEST_VARIANTS)."""
+    if v in TEST_VARIANTS:
+        return _TEST_FACTORIES[v.flavor](v)
     if v not in CATALOG or (v.op, v.arch) not in _FACTORIES:
         raise ValueError(f"variant {v.key!r} is not in the catalog; known: {[c.key for c in CATALOG]}")
     return _FACTORIES[(v.op, v.arch)](v)

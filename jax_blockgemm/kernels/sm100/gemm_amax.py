@@ -76,7 +76,7 @@ class BlackwellMxf8GemmAmax:
         self.cta_group = tcgen05.CtaGroup.ONE
         self.a_major = cute.nvgpu.OperandMajorMode.K
         self.b_major = cute.nvgpu.OperandMajorMode.K
-        self.c_layout = utils.LayoutEnum.ROW_MAJOR
+        self.c_layout = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
         # Warp roles.
         self.epilogue_warps = (0, 1, 2, 3)
         self.mma_warp = 4
