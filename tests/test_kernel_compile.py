@@ -1,6 +1,8 @@
-"""CPU (CI): every catalog kernel compiles for its architecture without a GPU, holds the FP8 wgmma, and exports
-the ABI the FFI handler is written against. Also the host-side layout math the kernels rely on."""
+"""CPU (CI): every catalog kernel compiles for its architecture without a GPU and exports the ABI the FFI handler
+is written against; the Hopper ones hold the bf16 wgmma, the Blackwell ones (never run: no Blackwell GPU here)
+pass the structural checks of kernels/structure.py. Also the host-side layout math the kernels rely on."""
 
+import dataclasses
 import os
 import re
 import tempfile
@@ -9,24 +11,26 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 try:
-    from jax_blockgemm.kernels import catalog, common
+    from jax_blockgemm.kernels import catalog, common, structure
     from jax_blockgemm.kernels.sm90.gemm_amax import HopperMxf8GemmAmax
+    from jax_blockgemm.kernels.sm100.gemm_amax import BlackwellMxf8GemmAmax
 except ImportError as e:  # pragma: no cover - CuTeDSL is a hard dependency of this test file
     raise absltest.SkipTest(f"CuTeDSL not importable: {e}")
 
 _ABI_TENSORS = ("a", "b", "sfa", "sfb", "c", "amax")
 _PTX_AB = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
-_COMPILED = {}  # key -> (ptx, object bytes, header text): each variant compiled once per test run
+_COMPILED = {}  # key -> (ptx, object bytes, header text, compiled function, kernel): each variant compiled once
 
 
 def _compiled(v: "catalog.KernelVariant"):
     if v.key not in _COMPILED:
-        fn = catalog.compile_function(v, keep_ptx=True)
+        kernel = catalog.make_kernel(v)
+        fn = catalog.compile_function(v, keep_ptx=True, kernel=kernel)
         with tempfile.TemporaryDirectory() as d:
             fn.export_to_c(d, v.function_prefix, function_prefix=v.function_prefix)
             with open(os.path.join(d, v.function_prefix + ".h")) as f:
                 header = f.read()
-        _COMPILED[v.key] = (fn.__ptx__, fn.dump_to_object(v.function_prefix), header)
+        _COMPILED[v.key] = (fn.__ptx__, fn.dump_to_object(v.function_prefix), header, fn, kernel)
     return _COMPILED[v.key]
 
 
@@ -51,7 +55,26 @@ class CatalogTest(parameterized.TestCase):
         self.assertEqual((v.ab_dtype, v.c_dtype, v.arch), ("float8_e5m2", "bfloat16", "sm_90a"))
         self.assertIsNone(catalog.select_variant(**cfg, tile_mn=(128, 256), cluster_mn=(1, 1)))
         self.assertIsNone(catalog.select_variant(**{**cfg, "sf_vec_size": 16}, tile_mn=(128, 128), cluster_mn=(1, 1)))
-        self.assertIsNone(catalog.select_variant(**{**cfg, "arch": "sm_100a"}, tile_mn=(128, 128), cluster_mn=(1, 1)))
+        self.assertIsNone(catalog.select_variant(**{**cfg, "arch": "sm_75"}, tile_mn=(128, 128), cluster_mn=(1, 1)))
+        wide = catalog.select_variant(**{**cfg, "arch": "sm_100a"}, tile_mn=(128, 256), cluster_mn=(2, 4))
+        self.assertEqual((wide.arch, wide.tile_mn, wide.cluster_mn), ("sm_100a", (128, 256), (2, 4)))
+        self.assertIsNone(catalog.select_variant(**{**cfg, "arch": "sm_100a"}, tile_mn=(256, 128), cluster_mn=(2, 1)))
+
+    def test_sm100a_covers_the_seed_mxfp8_surface(self):
+        got = {(v.ab_dtype, v.c_dtype, v.tile_mn, v.cluster_mn) for v in catalog.variants_for("sm_100a")}
+        clusters = {(cm, cn) for cm in (1, 2, 4) for cn in (1, 2, 4)}
+        self.assertEqual(got, {(a, c, t, cl) for a in ("float8_e4m3fn", "float8_e5m2") for c in ("float32", "bfloat16")
+                               for t in ((128, 128), (128, 256)) for cl in clusters})
+        self.assertTrue(all(v.sf_vec_size == 32 and not v.flavor for v in catalog.variants_for("sm_100a")))
+
+    def test_test_variants_are_never_selected(self):
+        for v in catalog.TEST_VARIANTS:
+            self.assertNotIn(v, catalog.CATALOG)
+            self.assertTrue(v.flavor)
+            self.assertTrue(v.key.endswith("." + v.flavor))
+            same = dict(arch=v.arch, ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, sf_vec_size=v.sf_vec_size)
+            self.assertEqual(catalog.select_variant(**same, tile_mn=v.tile_mn, cluster_mn=v.cluster_mn),
+                             dataclasses.replace(v, flavor=""))
 
     def test_source_hash_is_stable_hex(self):
         self.assertRegex(catalog.kernel_source_hash(), r"^[0-9a-f]{64}$")
@@ -72,20 +95,31 @@ class CatalogTest(parameterized.TestCase):
             HopperMxf8GemmAmax(**kwargs)
 
     @parameterized.parameters(
+        dict(kwargs=dict(ab_dtype="float4_e2m1fn"), match="ab_dtype='float4_e2m1fn'"),
+        dict(kwargs=dict(c_dtype="float8_e4m3fn"), match="c_dtype='float8_e4m3fn'"),
+        dict(kwargs=dict(tile_mn=(256, 128)), match="tile_mn=(256, 128)"),
+        dict(kwargs=dict(cluster_mn=(8, 1)), match="cluster_mn=(8, 1)"),
+        dict(kwargs=dict(cluster_mn=(3, 1)), match="cluster_mn=(3, 1)"))
+    def test_blackwell_config_errors_name_the_argument(self, kwargs, match):
+        with self.assertRaisesRegex(ValueError, re.escape(match)):
+            BlackwellMxf8GemmAmax(**kwargs)
+
+    @parameterized.parameters(
         dict(mnkl=(1, 1, 16, 1), ok=True), dict(mnkl=(257, 129, 1040, 3), ok=True),
         dict(mnkl=(128, 128, 100, 1), ok=False), dict(mnkl=(0, 128, 128, 1), ok=False),
         dict(mnkl=(65536, 65536, 65536, 1), ok=False))
     def test_can_implement(self, mnkl, ok):
-        got, why = HopperMxf8GemmAmax.can_implement(*mnkl)
-        self.assertEqual(got, ok, why)
-        self.assertEqual(bool(why), not ok)
+        for cls in (HopperMxf8GemmAmax, BlackwellMxf8GemmAmax):
+            got, why = cls.can_implement(*mnkl)
+            self.assertEqual(got, ok, why)
+            self.assertEqual(bool(why), not ok)
 
 
 class CompileTest(parameterized.TestCase):
 
-    @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG)
+    @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_90a") + catalog.TEST_VARIANTS)
     def test_compiles_for_its_arch_with_wgmma_and_tma(self, v):
-        ptx, obj, _ = _compiled(v)
+        ptx, obj, *_ = _compiled(v)
         self.assertGreater(len(obj), 1000)
         self.assertIn(f".target {v.arch}", ptx)
         ab = _PTX_AB[v.ab_dtype]
@@ -110,9 +144,28 @@ class CompileTest(parameterized.TestCase):
         self.assertIn("mul.bf16x2", ptx)
         self.assertNotIn("cvt.rn.bf16x2.f32", ptx)
 
-    @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG)
+    @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_100a"))
+    def test_sm100a_structure(self, v):
+        """Block-scaled tcgen05 MMA of the right kind and scale-vector size, tensor memory allocated and freed, no
+        local memory, shared memory, registers and tensor-memory columns within the B200's limits."""
+        ptx, obj, _, fn, kernel = _compiled(v)
+        self.assertGreater(len(obj), 1000)
+        self.assertIn(".target sm_100a", ptx)
+        report = structure.sm100_report(v, fn, kernel)
+        self.assertEqual(report.problems(), [])
+        self.assertEqual(report.mma, ("tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.block32"
+                                      ".collector::a::discard",))
+        self.assertIn("tcgen05.cp.cta_group::1.32x128b.warpx4", ptx)  # scale factors: shared -> tensor memory
+        self.assertIn("tcgen05.ld.sync.aligned", ptx)  # epilogue: tensor memory -> registers
+        self.assertIn("cp.async.bulk.tensor", ptx)  # TMA loads
+        self.assertEqual("multicast::cluster" in ptx, v.cluster_mn != (1, 1))
+        self.assertIn("atom.global.max.s32", ptx)  # amax: integer atomic max on the float's bits
+        self.assertEqual(report.tmem_columns_used, v.tile_mn[1] * (2 if v.tile_mn[1] == 128 else 1) + 4 + 4 * (
+            v.tile_mn[1] // 128))
+
+    @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG + catalog.TEST_VARIANTS)
     def test_header_matches_abi(self, v):
-        _, _, header = _compiled(v)
+        _, _, header, *_ = _compiled(v)
         p = v.function_prefix
         for name in _ABI_TENSORS:
             struct = re.search(r"typedef struct \{([^}]*)\}\s*" + re.escape(f"{p}_Tensor_{name}_t;"), header)
