@@ -32,7 +32,7 @@ class DispatchTest(parameterized.TestCase):
     def test_cutedsl_emits_the_kernel_call(self):
         text = _cuda_text(implementation="cutedsl")
         self.assertIn("jbg_gemm_amax", text)
-        self.assertIn('archs = "sm_90a"', text)
+        self.assertIn('archs = "sm_100a,sm_90a"', text)  # both objects travel; the handler picks by CC
 
     def test_xla_never_does(self):
         self.assertNotIn("jbg_gemm_amax", _cuda_text(implementation="xla"))
@@ -48,7 +48,7 @@ class DispatchTest(parameterized.TestCase):
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("8.0",)), \
                 mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {"sm_90a": True}):
             self.assertNotIn("jbg_gemm_amax", _cuda_text())
-            with self.assertRaisesRegex(ValueError, "no kernel for compute capability 8.0 .kernels exist for sm_90a"):
+            with self.assertRaisesRegex(ValueError, "no kernel for compute capability 8.0 .kernels exist for sm_100a, sm_90a"):
                 _cuda_text(implementation="cutedsl")
 
     @parameterized.parameters(
@@ -75,7 +75,7 @@ class DispatchTest(parameterized.TestCase):
         sfa = jax.ShapeDtypeStruct((65536, 1024), jnp.uint8)
         sfb = jax.ShapeDtypeStruct((128, 1024), jnp.uint8)
         f = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl"))
-        with self.assertRaisesRegex(ValueError, "the sm_90a kernel cannot take .*fewer than 2\\*\\*31 elements"):
+        with self.assertRaisesRegex(ValueError, "the sm_(90|100)a kernel cannot take .*fewer than 2\\*\\*31 elements"):
             f.trace(a, b, sfa, sfb).lower(lowering_platforms=("cuda",))
 
     def test_proj_rope_cutedsl_raises(self):
