@@ -2,10 +2,13 @@
 is written against; the Hopper ones hold the bf16 wgmma, the Blackwell ones (never run: no Blackwell GPU here)
 pass the structural checks of kernels/structure.py. Also the host-side layout math the kernels rely on."""
 
+import contextlib
 import dataclasses
+import io
 import os
 import re
 import tempfile
+from unittest import mock
 
 import numpy as np
 from absl.testing import absltest, parameterized
@@ -180,6 +183,83 @@ class CompileTest(parameterized.TestCase):
         self.assertEqual(int(args.group(1)), 12)
         self.assertEqual([x.strip() for x in args.group(2).split(",")],
                          list(_ABI_TENSORS) + ["&m", "&n", "&k", "&l", "&stream", "&ret"])
+
+
+class ReportTest(absltest.TestCase):
+    """`python -m jax_blockgemm.precompile --arch sm_100a --report` prints the structural table."""
+
+    KEY = "gemm_amax.sm_100a.e5m2.bf16.sf32.t128x256.c2x1"
+
+    def _report(self, *extra):
+        from jax_blockgemm import precompile
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = precompile.main(["--arch", "sm_100a", "--report", "--variant", self.KEY, *extra])
+        return rc, out.getvalue()
+
+    def test_table_row(self):
+        rc, text = self._report()
+        self.assertEqual(rc, 0, text)
+        self.assertRegex(text, re.escape(self.KEY) + r"\s+\d+\.\d\d kind::mxf8f6f4\s+block32\s+yes/yes\s+0\s+"
+                               r"\d+\s+\d+\s+268/512\s+ok")
+        self.assertIn("1 variants in", text)
+
+    def test_a_failing_check_sets_the_exit_status(self):
+        with mock.patch.object(structure.Sm100Report, "problems", return_value=["shared memory 300000 B > 232448"]):
+            rc, text = self._report()
+        self.assertEqual(rc, 1)
+        self.assertIn("FAIL: shared memory 300000 B > 232448", text)
+
+    def test_hopper_only_selection_is_refused(self):
+        from jax_blockgemm import precompile
+
+        with self.assertRaisesRegex(SystemExit, "no sm_100a variant selected"):
+            precompile.main(["--arch", "sm_90a", "--report"])
+
+
+class StructureTest(absltest.TestCase):
+    """The checks themselves: each limit, on a report that breaks it."""
+
+    def _report(self, **changes):
+        good = structure.Sm100Report(
+            key="k", mma=("tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.block32.collector::a::discard",),
+            has_alloc=True, has_dealloc=True, ptx_local=0,
+            resources=structure.CubinResources(registers=52, frame_bytes=0, stack_bytes=0, static_smem_bytes=1024),
+            dynamic_smem_bytes=200000, tmem_columns_used=264, tmem_columns_allocated=512, threads_per_cta=192,
+            expect_kind="mxf8f6f4", expect_scale_vec="block32")
+        return dataclasses.replace(good, **changes)
+
+    def test_good_report_passes(self):
+        self.assertEqual(self._report().problems(), [])
+
+    def test_each_violation_is_named(self):
+        cases = [
+            (dict(mma=("tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block32",)), "MMA opcodes"),
+            (dict(mma=("tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.block16",)), "MMA opcodes"),
+            (dict(mma=("tcgen05.mma.cta_group::1.kind::f16",)), "MMA opcodes"),
+            (dict(mma=()), "MMA opcodes"),
+            (dict(has_dealloc=False), "tcgen05.dealloc present=False"),
+            (dict(ptx_local=2), "local memory"),
+            (dict(resources=structure.CubinResources(52, 16, 0, 1024)), "local memory"),
+            (dict(dynamic_smem_bytes=232000), "shared memory 233024 B > 232448"),
+            (dict(resources=structure.CubinResources(256, 0, 0, 0)), "256 registers"),
+            (dict(tmem_columns_used=520), "tensor memory"),
+            (dict(tmem_columns_allocated=1024, tmem_columns_used=600), "tensor memory"),
+        ]
+        for changes, match in cases:
+            problems = self._report(**changes).problems()
+            self.assertLen(problems, 1, changes)
+            self.assertIn(match, problems[0])
+
+    def test_cubin_parser_reads_a_compiled_kernel(self):
+        v = catalog.variants_for("sm_100a")[0]
+        fn = _compiled(v)[3]
+        res = structure.cubin_resources(fn.__cubin__)
+        self.assertGreater(res.registers, 16)
+        self.assertLessEqual(res.registers, 255)
+        with self.assertRaisesRegex(ValueError, "not an ELF64"):
+            structure.cubin_resources(b"PK\x03\x04")
 
 
 class AtomLayoutTest(absltest.TestCase):
