@@ -116,7 +116,6 @@ class BlackwellMxf8GemmAmax:
         self.mcast_ctas_b = self.cluster_mn[0]
         self.epi_tile = sm100_utils.compute_epilogue_tile_shape(
             self.cta_tile_mnk, False, self.c_layout, self.c_dtype)
-        self.a_smem_layout = sm100_utils.make_smem_layout_a(self.tiled_mma, self.mma_tiler, self.ab_dtype, 1)
         self.ab_stages = self._ab_stages()
         self.a_smem_staged = sm100_utils.make_smem_layout_a(
             self.tiled_mma, self.mma_tiler, self.ab_dtype, self.ab_stages)
@@ -385,8 +384,9 @@ class BlackwellMxf8GemmAmax:
         return s2t, src, thr.partition_D(tCtSF)
 
     @cute.jit
-    def _epilogue(self, tiled_mma: cute.TiledMma, epi_tile: cute.Tile, tidx: cutlass.Int32, tCtAcc_base: cute.Tensor, mC_mnl: cute.Tensor, amax: cute.Tensor,
-                  storage, acc_pipeline, sched_params: utils.PersistentTileSchedulerParams):
+    def _epilogue(self, tiled_mma: cute.TiledMma, epi_tile: cute.Tile, tidx: cutlass.Int32, tCtAcc_base: cute.Tensor,
+                  mC_mnl: cute.Tensor, amax: cute.Tensor, storage, acc_pipeline,
+                  sched_params: utils.PersistentTileSchedulerParams):
         """Per tile: tensor memory -> registers by epilogue sub-tile, predicated stores of C, amax into amax[l]."""
         tiler_mn = cute.slice_(self.mma_tiler, (None, None, 0))
         thr_mma = tiled_mma.get_slice(0)
