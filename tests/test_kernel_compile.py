@@ -274,6 +274,28 @@ class AtomLayoutTest(absltest.TestCase):
             spec = ((l * mnp + mn // 128) * kp + kb // 4) * 512 + (mn % 32) * 16 + ((mn // 32) % 4) * 4 + kb % 4
             self.assertEqual(common.atom_byte_offset(l, mn, kb, mn_size, kb_size), spec)
 
+    def test_blackwell_scale_layout_is_the_spec_atom(self):
+        """The layout the sm_100a kernel reads scales through addresses exactly the SPEC §3 byte of each scale."""
+        import cutlass.cute as cute
+
+        from jax_blockgemm.kernels.sm100.gemm_amax import scale_layout
+
+        rng = np.random.default_rng()
+        m, k, l = int(rng.integers(129, 700)), 32 * int(rng.integers(5, 40)), int(rng.integers(1, 4))
+        coords = [(int(rng.integers(m)), int(rng.integers(k)), int(rng.integers(l))) for _ in range(300)]
+        got = {}
+
+        @cute.jit
+        def probe():
+            layout = scale_layout((m, k, l), 32)
+            for c in coords:
+                got[c] = cute.crd2idx(c, layout)
+
+        cute.compile(probe)
+        for mn, kk, ll in coords:
+            self.assertEqual(got[(mn, kk, ll)], common.atom_byte_offset(ll, mn, kk // 32, m, -(-k // 32)),
+                             (mn, kk, ll, m, k, l))
+
     def test_word_offsets_of_one_atom_are_a_permutation(self):
         words = sorted(common.atom_word_offset(r) for r in range(128))
         self.assertEqual(words, list(range(128)))

@@ -50,6 +50,15 @@ SMEM_CAPACITY = 232448  # bytes of shared memory per CTA on sm_100 (227 KiB)
 TMEM_COLUMNS = 512  # tensor-memory columns per SM (128 lanes x 512 x 32 bit)
 
 
+def scale_layout(shape_mkl: tuple, sf_vec_size: int) -> cute.Layout:
+    """The layout the block-scaled MMA reads scales through, over the SPEC §3 atom buffer (mn, k, l) -> byte.
+
+    ((32, 4, MN'), ((sf_vec_size, 4), K'), L) with strides ((16, 4, 512·K'), ((0, 1), 512), 512·MN'·K'): exactly
+    the physical atom of SPEC §3 (tests/test_kernel_compile.py checks it against `common.atom_byte_offset`).
+    """
+    return blockscaled_utils.tile_atom_to_shape_SF(shape_mkl, sf_vec_size)
+
+
 class BlackwellMxf8GemmAmax:
     """C = (A·sfa) (B·sfb)^T per batch, amax[l] = max|C[l]|, for MXFP8 K-major operands on sm_100a.
 
@@ -153,9 +162,9 @@ class BlackwellMxf8GemmAmax:
         mC = cute.make_tensor(c.iterator, cute.make_layout((m, n, l), stride=(n, 1, m * n)))
         # The SPEC §3 atom buffer is the layout the block-scaled MMA reads: ((32,4,M'),(32,4,K'),L) over bytes.
         mSFA = cute.make_tensor(cute.recast_ptr(sfa.iterator, dtype=self.sf_dtype),
-                                blockscaled_utils.tile_atom_to_shape_SF(mA.shape, self.sf_vec_size))
+                                scale_layout(mA.shape, self.sf_vec_size))
         mSFB = cute.make_tensor(cute.recast_ptr(sfb.iterator, dtype=self.sf_dtype),
-                                blockscaled_utils.tile_atom_to_shape_SF(mB.shape, self.sf_vec_size))
+                                scale_layout(mB.shape, self.sf_vec_size))
 
         cluster_shape = self.cluster_layout_vmnk.shape
         a_op = sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_mn, self.tiled_mma.thr_id)
