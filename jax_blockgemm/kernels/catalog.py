@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import cutlass  # noqa: F401  (an ImportError here tells the dispatcher that CuTeDSL is missing)
 
-from jax_blockgemm.kernels.sm100 import gemm_amax as _sm100
+from jax_blockgemm.kernels import sm100 as _sm100
 
 _SHORT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float32": "f32", "bfloat16": "bf16"}
 _COMPILE_LOCK = threading.Lock()

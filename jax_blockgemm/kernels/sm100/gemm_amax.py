@@ -35,14 +35,11 @@ import cutlass.utils.blockscaled_layout as blockscaled_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from jax_blockgemm.kernels import common
+from jax_blockgemm.kernels.sm100 import SUPPORTED_CLUSTERS_MN, SUPPORTED_TILES_MN
 
 _AB_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
 _C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
 SF_VEC_SIZE = 32  # MXFP8: one E8M0 scale per 32 K-elements
-# The seed's surface: TILE_M 128 (256, the two-CTA MMA, is disabled there too), TILE_N 128 or 256; cluster
-# sides 1, 2 or 4 (scale-factor multicast reaches at most 4 CTAs).
-SUPPORTED_TILES_MN = ((128, 128), (128, 256))
-SUPPORTED_CLUSTERS_MN = tuple((cm, cn) for cm in (1, 2, 4) for cn in (1, 2, 4))
 # The persistent grid is sized for a B200 (148 SMs) at compile time, since the ABI carries no device facts. On
 # a GPU with fewer SMs the extra CTAs simply wait for a free SM: tiles are independent, so results do not change.
 SM_COUNT = 148
