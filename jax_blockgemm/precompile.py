@@ -40,7 +40,7 @@ def report(variants: Sequence) -> int:
         raise SystemExit("--report: no sm_100a variant selected (the structural checks are those of sm_100a)")
     print(f"limits: shared memory <= {structure.SM100_SMEM_PER_CTA} B per CTA, registers <= "
           f"{structure.SM100_REGS_PER_THREAD} per thread, tensor memory <= {structure.SM100_TMEM_COLUMNS} columns")
-    row = "{:48s} {:>9s} {:16s} {:9s} {:13s} {:>7s} {:>7s} {:>4s} {:>15s}  {}"
+    row = "{:52s} {:>9s} {:16s} {:9s} {:13s} {:>7s} {:>7s} {:>4s} {:>15s}  {}"
     print(row.format("variant", "compile s", "MMA kind", "scale_vec", "alloc/dealloc", "local B", "smem B", "regs",
                      "TMEM used/alloc", "verdict"))
     failed = 0

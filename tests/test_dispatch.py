@@ -59,6 +59,18 @@ class DispatchTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "implementation='cutedsl': no CuTeDSL kernel applies.*" + reason):
             _cuda_text(implementation="cutedsl", **kwargs)
 
+    def test_fp4_kernels_are_compiled_but_never_selected(self):
+        """The sm_100a FP4 variants exist in the catalog, but the handler takes FP8 codes only: no FP4 call gets one."""
+        from jax_blockgemm.kernels import catalog
+
+        self.assertTrue(any(v.ab_dtype == "float4_e2m1fn" for v in catalog.CATALOG))
+        rng = np.random.default_rng(1)
+        a, sfa = jbg.formats.quantize_mxfp4(jnp.asarray(rng.standard_normal((256, 128)), jnp.float32))
+        b, sfb = jbg.formats.quantize_mxfp4(jnp.asarray(rng.standard_normal((128, 128)), jnp.float32))
+        f = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl"))
+        with self.assertRaisesRegex(ValueError, "no kernel in the catalog for uint8 operands"):
+            f.trace(a, b, sfa, sfb).lower(lowering_platforms=("cuda",))
+
     def test_native_bridge_missing(self):
         """Without the built extension, None takes the reference and 'cutedsl' says why."""
         from jax_blockgemm import _native

@@ -16,7 +16,7 @@ from absl.testing import absltest, parameterized
 try:
     from jax_blockgemm.kernels import catalog, common, structure
     from jax_blockgemm.kernels.sm90.gemm_amax import HopperMxf8GemmAmax
-    from jax_blockgemm.kernels.sm100.gemm_amax import BlackwellMxf8GemmAmax
+    from jax_blockgemm.kernels.sm100.gemm_amax import BlackwellBlockScaledGemmAmax
 except ImportError as e:  # pragma: no cover - CuTeDSL is a hard dependency of this test file
     raise absltest.SkipTest(f"CuTeDSL not importable: {e}")
 
@@ -63,12 +63,32 @@ class CatalogTest(parameterized.TestCase):
         self.assertEqual((wide.arch, wide.tile_mn, wide.cluster_mn), ("sm_100a", (128, 256), (2, 4)))
         self.assertIsNone(catalog.select_variant(**{**cfg, "arch": "sm_100a"}, tile_mn=(256, 128), cluster_mn=(2, 1)))
 
+    def test_fp4_kernels_can_implement_needs_32_aligned_k(self):
+        fp4 = BlackwellBlockScaledGemmAmax(ab_dtype="float4_e2m1fn", sf_vec_size=16, sf_dtype="float8_e4m3fn")
+        self.assertEqual(fp4.can_implement(100, 100, 64, 1), (True, ""))
+        self.assertIn("multiple of 32", fp4.can_implement(100, 100, 48, 1)[1])
+
+    def test_sm100a_fp4_variants(self):
+        fp4 = {(v.sf_vec_size, v.sf_dtype, v.c_dtype, v.tile_mn, v.cluster_mn) for v in catalog.variants_for("sm_100a")
+               if v.ab_dtype == "float4_e2m1fn"}
+        clusters = ((1, 1), (2, 1), (1, 2), (2, 2))
+        want = {(32, "float8_e8m0fnu", c, t, cl) for c in ("float32", "bfloat16") for t in ((128, 128), (128, 256))
+                for cl in clusters}
+        want |= {(16, sf, c, (128, 128), cl) for sf in ("float8_e8m0fnu", "float8_e4m3fn")
+                 for c in ("float32", "bfloat16") for cl in clusters}
+        self.assertEqual(fp4, want)
+        keys = {v.key for v in catalog.variants_for("sm_100a")}
+        self.assertIn("gemm_amax.sm_100a.e2m1.bf16.sf16e4m3.t128x128.c2x1", keys)
+        self.assertIn("gemm_amax.sm_100a.e2m1.f32.sf16.t128x128.c1x1", keys)
+
     def test_sm100a_covers_the_seed_mxfp8_surface(self):
-        got = {(v.ab_dtype, v.c_dtype, v.tile_mn, v.cluster_mn) for v in catalog.variants_for("sm_100a")}
+        got = {(v.ab_dtype, v.c_dtype, v.tile_mn, v.cluster_mn) for v in catalog.variants_for("sm_100a")
+               if v.ab_dtype != "float4_e2m1fn"}
         clusters = {(cm, cn) for cm in (1, 2, 4) for cn in (1, 2, 4)}
         self.assertEqual(got, {(a, c, t, cl) for a in ("float8_e4m3fn", "float8_e5m2") for c in ("float32", "bfloat16")
                                for t in ((128, 128), (128, 256)) for cl in clusters})
-        self.assertTrue(all(v.sf_vec_size == 32 and not v.flavor for v in catalog.variants_for("sm_100a")))
+        self.assertTrue(all(v.sf_vec_size == 32 and v.sf_dtype == "float8_e8m0fnu" and not v.flavor
+                            for v in catalog.variants_for("sm_100a") if v.ab_dtype != "float4_e2m1fn"))
 
     def test_test_variants_are_never_selected(self):
         for v in catalog.TEST_VARIANTS:
@@ -98,22 +118,27 @@ class CatalogTest(parameterized.TestCase):
             HopperMxf8GemmAmax(**kwargs)
 
     @parameterized.parameters(
-        dict(kwargs=dict(ab_dtype="float4_e2m1fn"), match="ab_dtype='float4_e2m1fn'"),
+        dict(kwargs=dict(ab_dtype="float16"), match="ab_dtype='float16'"),
         dict(kwargs=dict(c_dtype="float8_e4m3fn"), match="c_dtype='float8_e4m3fn'"),
+        dict(kwargs=dict(sf_vec_size=16), match="sf_vec_size=16 with sf_dtype='float8_e8m0fnu' is not supported for "
+                                                "ab_dtype='float8_e4m3fn'"),
+        dict(kwargs=dict(ab_dtype="float4_e2m1fn", sf_dtype="float8_e4m3fn"), match="sf_vec_size=32 with sf_dtype"),
+        dict(kwargs=dict(ab_dtype="float4_e2m1fn", sf_vec_size=16, tile_mn=(128, 256)),
+             match="tile_mn=(128, 256) with sf_vec_size=16 is disabled"),
         dict(kwargs=dict(tile_mn=(256, 128)), match="tile_mn=(256, 128)"),
         dict(kwargs=dict(cluster_mn=(8, 1)), match="cluster_mn=(8, 1)"),
         dict(kwargs=dict(cluster_mn=(3, 1)), match="cluster_mn=(3, 1)"))
     def test_blackwell_config_errors_name_the_argument(self, kwargs, match):
         with self.assertRaisesRegex(ValueError, re.escape(match)):
-            BlackwellMxf8GemmAmax(**kwargs)
+            BlackwellBlockScaledGemmAmax(**kwargs)
 
     @parameterized.parameters(
         dict(mnkl=(1, 1, 16, 1), ok=True), dict(mnkl=(257, 129, 1040, 3), ok=True),
         dict(mnkl=(128, 128, 100, 1), ok=False), dict(mnkl=(0, 128, 128, 1), ok=False),
         dict(mnkl=(65536, 65536, 65536, 1), ok=False))
     def test_can_implement(self, mnkl, ok):
-        for cls in (HopperMxf8GemmAmax, BlackwellMxf8GemmAmax):
-            got, why = cls.can_implement(*mnkl)
+        for kernel in (HopperMxf8GemmAmax(), BlackwellBlockScaledGemmAmax()):
+            got, why = kernel.can_implement(*mnkl)
             self.assertEqual(got, ok, why)
             self.assertEqual(bool(why), not ok)
 
@@ -156,15 +181,18 @@ class CompileTest(parameterized.TestCase):
         self.assertIn(".target sm_100a", ptx)
         report = structure.sm100_report(v, fn, kernel)
         self.assertEqual(report.problems(), [])
-        self.assertEqual(report.mma, ("tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.block32"
+        kind = "mxf4nvf4" if v.ab_dtype == "float4_e2m1fn" else "mxf8f6f4"
+        self.assertEqual(report.mma, (f"tcgen05.mma.cta_group::1.kind::{kind}.block_scale.block{v.sf_vec_size}"
                                       ".collector::a::discard",))
         self.assertIn("tcgen05.cp.cta_group::1.32x128b.warpx4", ptx)  # scale factors: shared -> tensor memory
         self.assertIn("tcgen05.ld.sync.aligned", ptx)  # epilogue: tensor memory -> registers
         self.assertIn("cp.async.bulk.tensor", ptx)  # TMA loads
         self.assertEqual("multicast::cluster" in ptx, v.cluster_mn != (1, 1))
         self.assertIn("atom.global.max.s32", ptx)  # amax: integer atomic max on the float's bits
-        self.assertEqual(report.tmem_columns_used, v.tile_mn[1] * (2 if v.tile_mn[1] == 128 else 1) + 4 + 4 * (
-            v.tile_mn[1] // 128))
+        # Accumulator stages (2 x 128 or 1 x 256 columns), then one column per 4 scale blocks of a k-tile for SFA and
+        # for each 128 columns of SFB; a k-tile is 128 FP8 or 256 FP4 elements.
+        blocks = (256 if v.ab_dtype == "float4_e2m1fn" else 128) // v.sf_vec_size
+        self.assertEqual(report.tmem_columns_used, 256 + blocks * (1 + v.tile_mn[1] // 128))
 
     @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG + catalog.TEST_VARIANTS)
     def test_header_matches_abi(self, v):

@@ -5,8 +5,9 @@ follows one ABI, loaded by our XLA FFI handler:
 
     fn(a, b, sfa, sfb, c, amax, m, n, k, l, stream)
 
-with each tensor a `{void *data; int64_t dynamic_shapes[1];}` struct over a flat buffer (a/b: FP8 codes,
-(L, M, K) / (L, N, K) K-major; sfa/sfb: E8M0 bytes in the SPEC §3 atom layout; c: (L, M, N) row-major; amax:
+with each tensor a `{void *data; int64_t dynamic_shapes[1];}` struct over a flat buffer (a/b: FP8 codes, or
+packed FP4 pairs for the sm_100a FP4 variants, (L, M, K) / (L, N, K) K-major; sfa/sfb: scale bytes in the SPEC §3
+atom layout; c: (L, M, N) row-major; amax:
 L float32 values the handler zeroes first), m/n/k/l int32, and the CUDA stream.
 
 The target architecture is a property of the DSL singleton (`CUTE_DSL_ARCH` is read once, when the singleton is
@@ -29,7 +30,9 @@ import cutlass  # noqa: F401  (an ImportError here tells the dispatcher that CuT
 
 from jax_blockgemm.kernels import sm100 as _sm100
 
-_SHORT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float32": "f32", "bfloat16": "bf16"}
+_SHORT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float4_e2m1fn": "e2m1", "float32": "f32",
+          "bfloat16": "bf16"}
+E8M0 = "float8_e8m0fnu"
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -45,12 +48,14 @@ class KernelVariant:
     tile_mn: tuple = (128, 128)
     cluster_mn: tuple = (1, 1)
     flavor: str = ""  # "" for real kernels; the name of a deliberately wrong one in TEST_VARIANTS
+    sf_dtype: str = E8M0  # the scale format: E8M0 (MX formats), or E4M3 (NVFP4)
 
     @property
     def key(self) -> str:
-        """Unique, filesystem-safe name, e.g. 'gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1'."""
+        """Unique, filesystem-safe name, e.g. 'gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1' ('sf16e4m3': E4M3 scales)."""
+        sf = "" if self.sf_dtype == E8M0 else _SHORT.get(self.sf_dtype, self.sf_dtype)
         return (f"{self.op}.{self.arch}.{_SHORT.get(self.ab_dtype, self.ab_dtype)}."
-                f"{_SHORT.get(self.c_dtype, self.c_dtype)}.sf{self.sf_vec_size}."
+                f"{_SHORT.get(self.c_dtype, self.c_dtype)}.sf{self.sf_vec_size}{sf}."
                 f"t{self.tile_mn[0]}x{self.tile_mn[1]}.c{self.cluster_mn[0]}x{self.cluster_mn[1]}"
                 + (f".{self.flavor}" if self.flavor else ""))
 
@@ -67,9 +72,10 @@ def _hopper_factory(v: KernelVariant) -> Any:
 
 
 def _blackwell_factory(v: KernelVariant) -> Any:
-    from jax_blockgemm.kernels.sm100.gemm_amax import BlackwellMxf8GemmAmax
+    from jax_blockgemm.kernels.sm100.gemm_amax import BlackwellBlockScaledGemmAmax
 
-    return BlackwellMxf8GemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn, cluster_mn=v.cluster_mn)
+    return BlackwellBlockScaledGemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn,
+                                        cluster_mn=v.cluster_mn, sf_vec_size=v.sf_vec_size, sf_dtype=v.sf_dtype)
 
 
 def _broken_factory(v: KernelVariant) -> Any:
@@ -90,7 +96,16 @@ CATALOG: tuple[KernelVariant, ...] = (
     # sm_100a: compiled and checked here, never run (no Blackwell GPU); every tile and cluster shape of the
     # seed's MXFP8 surface.
     + tuple(KernelVariant(arch="sm_100a", ab_dtype=ab, c_dtype=c, tile_mn=t, cluster_mn=cl)
-            for ab in _FP8 for c in _C for t in _sm100.SUPPORTED_TILES_MN for cl in _sm100.SUPPORTED_CLUSTERS_MN))
+            for ab in _FP8 for c in _C for t in _sm100.SUPPORTED_TILES_MN for cl in _sm100.SUPPORTED_CLUSTERS_MN)
+    # sm_100a FP4 (MXFP4: E8M0 block 32; NVFP4: E4M3 or E8M0 block 16, tile N 128 only): compiled and checked,
+    # NOT selectable yet (the FFI handler takes FP8 codes and E8M0 bytes only, and the ABI has no alpha; dispatch
+    # asks for the operands' own dtype, uint8 for FP4, which no entry has). Four of the nine cluster shapes the
+    # kernel accepts, to keep CI's compile time down while nothing can run them.
+    + tuple(KernelVariant(arch="sm_100a", ab_dtype="float4_e2m1fn", c_dtype=c, sf_vec_size=v, sf_dtype=sf,
+                          tile_mn=t, cluster_mn=cl)
+            for v, sf, tiles in ((32, E8M0, _sm100.SUPPORTED_TILES_MN), (16, "float8_e4m3fn", ((128, 128),)),
+                                 (16, E8M0, ((128, 128),)))
+            for c in _C for t in tiles for cl in ((1, 1), (2, 1), (1, 2), (2, 2))))
 
 
 # TEST ONLY: deliberately wrong kernels that the first-use self-check must catch (kernels/testing.py). Never
@@ -105,10 +120,10 @@ def variants_for(arch: str) -> tuple[KernelVariant, ...]:
 
 
 def select_variant(*, arch: str, ab_dtype: str, c_dtype: str, sf_vec_size: int, tile_mn: tuple,
-                   cluster_mn: tuple) -> KernelVariant | None:
+                   cluster_mn: tuple, sf_dtype: str = E8M0) -> KernelVariant | None:
     """The catalog entry matching every field exactly, or None."""
     want = KernelVariant(arch=arch, ab_dtype=str(ab_dtype), c_dtype=str(c_dtype), sf_vec_size=int(sf_vec_size),
-                         tile_mn=tuple(tile_mn), cluster_mn=tuple(cluster_mn))
+                         tile_mn=tuple(tile_mn), cluster_mn=tuple(cluster_mn), sf_dtype=str(sf_dtype))
     return want if want in CATALOG else None
 
 

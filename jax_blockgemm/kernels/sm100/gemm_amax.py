@@ -1,13 +1,16 @@
-"""Blackwell (sm_100a) MXFP8 gemm_amax: TMA, tcgen05 block-scaled MMA, persistent tiles, fused amax.
+"""Blackwell (sm_100a) block-scaled gemm_amax: TMA, tcgen05 block-scaled MMA, persistent tiles, fused amax.
 
 COMPILED AND CHECKED HERE, NEVER RUN: no Blackwell GPU was available when this was written. The structure follows
 the kernels NVIDIA runs on B200 (CUTLASS's CuTeDSL `dense_blockscaled_gemm_persistent*.py`, cuDNN frontend's
 `gemm_amax`), so the hardware testing of those carries over as far as the structure does; the first-use self-check
 (`jax_blockgemm.selfcheck`) runs it against the reference before the library trusts it on a GPU.
 
-Unlike Hopper, the tensor cores apply the E8M0 scales themselves (`tcgen05.mma...block_scale`, kind mxf8f6f4,
-one scale per 32 K-elements), reading them from tensor memory; the scale atoms of SPEC §3 are exactly the layout
-that MMA expects, so TMA copies them unchanged into shared memory and `tcgen05.cp` moves them on to tensor memory.
+Unlike Hopper, the tensor cores apply the block scales themselves (`tcgen05.mma...block_scale`: kind mxf8f6f4
+with one E8M0 scale per 32 K-elements for MXFP8; kind mxf4nvf4 for MXFP4 (E8M0, block 32) and NVFP4 (E4M3 or
+E8M0, block 16)), reading them from tensor memory; the scale atoms of SPEC §3 are exactly the layout that MMA
+expects, so TMA copies them unchanged into shared memory and `tcgen05.cp` moves them on to tensor memory.
+The FP4 variants are compiled and checked but not yet reachable from JAX: the FFI handler takes FP8 codes and
+E8M0 scale bytes only, and the ABI has no alpha (dispatch never selects them; see kernels/catalog.py).
 Warp roles (one CTA of 6 warps per SM, persistent over output tiles):
 
 - `producer` (warp 5): TMA loads of A, B, SFA, SFB k-tiles into a ring of shared-memory stages (mbarriers),
@@ -37,9 +40,10 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from jax_blockgemm.kernels import common
 from jax_blockgemm.kernels.sm100 import SUPPORTED_CLUSTERS_MN, SUPPORTED_TILES_MN
 
-_AB_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
+_AB_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,
+              "float4_e2m1fn": cutlass.Float4E2M1FN}
 _C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
-SF_VEC_SIZE = 32  # MXFP8: one E8M0 scale per 32 K-elements
+_SF_DTYPES = {"float8_e8m0fnu": cutlass.Float8E8M0FNU, "float8_e4m3fn": cutlass.Float8E4M3FN}
 # The persistent grid is sized for a B200 (148 SMs) at compile time, since the ABI carries no device facts. On
 # a GPU with fewer SMs the extra CTAs simply wait for a free SM: tiles are independent, so results do not change.
 SM_COUNT = 148
@@ -56,14 +60,15 @@ def scale_layout(shape_mkl: tuple, sf_vec_size: int) -> cute.Layout:
     return blockscaled_utils.tile_atom_to_shape_SF(shape_mkl, sf_vec_size)
 
 
-class BlackwellMxf8GemmAmax:
-    """C = (A·sfa) (B·sfb)^T per batch, amax[l] = max|C[l]|, for MXFP8 K-major operands on sm_100a.
+class BlackwellBlockScaledGemmAmax:
+    """C = (A·sfa) (B·sfb)^T per batch, amax[l] = max|C[l]|, for MXFP8/MXFP4/NVFP4 K-major operands on sm_100a.
 
     Compile-time configuration only; every size is a run-time scalar of the exported function.
     """
 
     def __init__(self, *, ab_dtype: str = "float8_e4m3fn", c_dtype: str = "float32",
-                 tile_mn: tuple[int, int] = (128, 128), cluster_mn: tuple[int, int] = (1, 1)):
+                 tile_mn: tuple[int, int] = (128, 128), cluster_mn: tuple[int, int] = (1, 1),
+                 sf_vec_size: int = 32, sf_dtype: str = "float8_e8m0fnu"):
         if ab_dtype not in _AB_DTYPES:
             raise ValueError(f"ab_dtype={ab_dtype!r} is not supported; expected one of {sorted(_AB_DTYPES)}")
         if c_dtype not in _C_DTYPES:
@@ -72,11 +77,22 @@ class BlackwellMxf8GemmAmax:
             raise ValueError(f"tile_mn={tile_mn!r} is not supported; expected one of {SUPPORTED_TILES_MN}")
         if tuple(cluster_mn) not in SUPPORTED_CLUSTERS_MN:
             raise ValueError(f"cluster_mn={cluster_mn!r} is not supported; expected one of {SUPPORTED_CLUSTERS_MN}")
+        # The seed's couplings: FP8 codes take block 32 (E8M0); E4M3 scales take block 16 (NVFP4, FP4 codes only).
+        fp8 = ab_dtype != "float4_e2m1fn"
+        allowed = ((32, "float8_e8m0fnu"),) if fp8 else ((32, "float8_e8m0fnu"), (16, "float8_e8m0fnu"),
+                                                         (16, "float8_e4m3fn"))
+        if (sf_vec_size, sf_dtype) not in allowed:
+            raise ValueError(f"sf_vec_size={sf_vec_size!r} with sf_dtype={sf_dtype!r} is not supported for "
+                             f"ab_dtype={ab_dtype!r}; expected one of {allowed}")
+        if sf_vec_size == 16 and tuple(tile_mn) == (128, 256):
+            raise ValueError("tile_mn=(128, 256) with sf_vec_size=16 is disabled in the seed for float32/bfloat16 "
+                             f"C; expected {SUPPORTED_TILES_MN[0]}")
         self.ab_dtype: Type[cutlass.Numeric] = _AB_DTYPES[ab_dtype]
         self.c_dtype: Type[cutlass.Numeric] = _C_DTYPES[c_dtype]
-        self.sf_dtype: Type[cutlass.Numeric] = cutlass.Float8E8M0FNU
+        self.sf_dtype: Type[cutlass.Numeric] = _SF_DTYPES[sf_dtype]
         self.acc_dtype = cutlass.Float32
-        self.sf_vec_size = SF_VEC_SIZE
+        self.sf_vec_size = sf_vec_size
+        self.k_align = 16 if fp8 else 32  # elements per 16 bytes: TMA rows must be 16-byte multiples
         self.tile_mn = tuple(tile_mn)
         self.cluster_mn = tuple(cluster_mn)
         self.cta_group = tcgen05.CtaGroup.ONE
@@ -96,13 +112,12 @@ class BlackwellMxf8GemmAmax:
         self.tmem_columns_allocated = TMEM_COLUMNS  # the whole of tensor memory: one CTA per SM
         self.buffer_align_bytes = 1024
 
-    @staticmethod
-    def can_implement(m: int, n: int, k: int, l: int) -> tuple[bool, str]:
+    def can_implement(self, m: int, n: int, k: int, l: int) -> tuple[bool, str]:
         """Whether the kernel handles these sizes, and why not (the caller checks before launching)."""
         if min(m, n, k, l) < 1:
             return False, f"every size must be >= 1, got m={m}, n={n}, k={k}, l={l}"
-        if k % 16:
-            return False, f"k must be a multiple of 16 (16-byte rows for TMA), got k={k}"
+        if k % self.k_align:
+            return False, f"k must be a multiple of {self.k_align} (16-byte rows for TMA), got k={k}"
         if l * max(m, n) * k >= 2**31 or l * m * n >= 2**31:
             return False, f"operands must hold fewer than 2**31 elements, got m={m}, n={n}, k={k}, l={l}"
         return True, ""
@@ -113,8 +128,8 @@ class BlackwellMxf8GemmAmax:
         self.tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
             self.ab_dtype, self.a_major, self.b_major, self.sf_dtype, self.sf_vec_size, self.cta_group,
             self.tile_mn)
-        mma_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])  # 32 for FP8
-        self.mma_tiler = (*self.tile_mn, 4 * mma_k)  # one k-tile = 4 MMAs = 4 scale blocks = one atom along K
+        mma_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])  # 32 for FP8, 64 for FP4
+        self.mma_tiler = (*self.tile_mn, 4 * mma_k)  # one k-tile = 4 MMAs = 1 (FP8) to 4 (NVFP4) atoms along K
         self.cta_tile_mnk = self.mma_tiler  # one CTA per MMA (no two-CTA instructions)
         self.cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster_mn, 1)),
                                                      (self.tiled_mma.thr_id.shape,))
@@ -153,7 +168,7 @@ class BlackwellMxf8GemmAmax:
                  stream: cuda.CUstream):
         """Host side: (M, K, L)-shaped views of the flat buffers, the TMA atoms, the persistent grid; launch."""
         self._setup()
-        k16 = cute.assume(k, divby=16)
+        k16 = cute.assume(k, divby=self.k_align)
         mA = cute.make_tensor(a.iterator, cute.make_layout((m, k16, l), stride=(k16, 1, m * k16)))
         mB = cute.make_tensor(b.iterator, cute.make_layout((n, k16, l), stride=(k16, 1, n * k16)))
         mC = cute.make_tensor(c.iterator, cute.make_layout((m, n, l), stride=(n, 1, m * n)))
