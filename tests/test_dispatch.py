@@ -48,7 +48,8 @@ class DispatchTest(parameterized.TestCase):
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("8.0",)), \
                 mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {"sm_90a": True}):
             self.assertNotIn("jbg_gemm_amax", _cuda_text())
-            with self.assertRaisesRegex(ValueError, "no kernel for compute capability 8.0 .kernels exist for sm_100a, sm_90a"):
+            with self.assertRaisesRegex(ValueError,
+                                        "no kernel for compute capability 8.0 .kernels exist for sm_100a, sm_90a"):
                 _cuda_text(implementation="cutedsl")
 
     @parameterized.parameters(

@@ -52,7 +52,7 @@ class KernelVariant:
 
     @property
     def key(self) -> str:
-        """Unique, filesystem-safe name, e.g. 'gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1' ('sf16e4m3': E4M3 scales)."""
+        """Unique, filesystem-safe name, e.g. 'gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1' (or '...sf16e4m3...')."""
         sf = "" if self.sf_dtype == E8M0 else _SHORT.get(self.sf_dtype, self.sf_dtype)
         return (f"{self.op}.{self.arch}.{_SHORT.get(self.ab_dtype, self.ab_dtype)}."
                 f"{_SHORT.get(self.c_dtype, self.c_dtype)}.sf{self.sf_vec_size}{sf}."
