@@ -98,10 +98,20 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
         return KernelChoice(reason=f"no kernel in the catalog for {ab_dtype} operands, "
                                    f"{np.dtype(c_dtype)} C, sf_vec_size={sf_vec_size}")
     (l, m, k), n = avals_in[0].shape, avals_in[1].shape[1]
+    buildable, unbuildable = [], []
     for v in variants:
-        fits, why = catalog.make_kernel(v).can_implement(m, n, k, l)
+        try:
+            kernel = catalog.make_kernel(v)
+        except ImportError as e:  # one arch's module needs a DSL piece this install lacks: the others still serve
+            unbuildable.append(f"{v.arch}: {e}")
+            continue
+        fits, why = kernel.can_implement(m, n, k, l)
         if not fits:
             return KernelChoice(reason=f"the {v.arch} kernel cannot take (L, M, N, K) = {(l, m, n, k)}: {why}")
+        buildable.append(v)
+    variants = buildable
+    if not variants:
+        return KernelChoice(reason=f"no kernel can be built here: {'; '.join(unbuildable)}")
     if implementation is None:
         slower = sorted(v.arch for v in variants if not DEFAULT_TAKES_KERNEL.get(v.arch, False))
         variants = [v for v in variants if DEFAULT_TAKES_KERNEL.get(v.arch, False)]

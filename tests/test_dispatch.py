@@ -72,6 +72,18 @@ class DispatchTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "no kernel in the catalog for uint8 operands"):
             f.trace(a, b, sfa, sfb).lower(lowering_platforms=("cuda",))
 
+    def test_an_arch_whose_kernel_module_cannot_import_is_left_out(self):
+        from jax_blockgemm.kernels import catalog
+
+        def broken(v):
+            raise ImportError("cutlass.utils has no PersistentTileSchedulerParams")
+
+        with mock.patch.dict(catalog._FACTORIES, {("gemm_amax", "sm_100a"): broken}):
+            self.assertIn('archs = "sm_90a"', _cuda_text(implementation="cutedsl"))
+            with mock.patch.dict(catalog._FACTORIES, {("gemm_amax", "sm_90a"): broken}), \
+                    self.assertRaisesRegex(ValueError, "no kernel can be built here: sm_100a: cutlass.utils has no"):
+                _cuda_text(implementation="cutedsl")
+
     def test_native_bridge_missing(self):
         """Without the built extension, None takes the reference and 'cutedsl' says why."""
         from jax_blockgemm import _native
