@@ -2,15 +2,19 @@
 
 The CUDA lowering embeds one object per architecture that has a matching kernel, so a program lowered (or
 exported) anywhere runs on any GPU the catalog covers; the FFI handler picks by compute capability at run time.
-When the local GPU has no kernel, `implementation=None` falls back to the reference.
+When the local GPU has no kernel, `implementation=None` falls back to the reference. A kernel of an architecture
+where it has never run (`selfcheck.UNVERIFIED_ARCHS`) is used on a local GPU only after the first-use self-check
+passed there; when it fails, None falls back to the reference and "cutedsl" raises.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Sequence
+import threading
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -25,7 +29,10 @@ ARCH_OF_CAPABILITY = {"9.0": "sm_90a", "10.0": "sm_100a"}
 # there; a pair missing here takes the reference. "cutedsl" always takes the kernel. See benchmarks/RESULTS.md:
 # gemm_amax sm_90a, H200, 2026-11-29: MXFP8 kernel 267 TFLOP/s at 8192^3 against the reference's 463 -> not yet.
 # proj_rope sm_90a, H200, 2026-11-29: kernel 1.067 ms against the reference's 1.556 ms at T=4096, H=128, K=1536.
-DEFAULT_TAKES_KERNEL = {("gemm_amax", "sm_90a"): False, ("proj_rope", "sm_90a"): True}
+# gemm_amax sm_100a: compiled and checked here, never run (no Blackwell GPU), never measured -> not the default
+# either; benchmarks/RESULTS.md holds a prediction only. "cutedsl" takes it after the first-use self-check.
+DEFAULT_TAKES_KERNEL = {("gemm_amax", "sm_90a"): False, ("proj_rope", "sm_90a"): True,
+                        ("gemm_amax", "sm_100a"): False}
 
 # The proj_rope tile (tokens, features) each arch runs, among catalog.PROJ_ROPE_TILES (benchmarks/RESULTS.md).
 PROJ_ROPE_TILE = {"sm_90a": (128, 192)}
@@ -35,12 +42,29 @@ PROJ_ROPE_TILE = {"sm_90a": (128, 192)}
 MAX_KERNEL_ELEMENTS = 2**31
 
 
+_FORCED = threading.local()
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
     """The kernel variants (one per architecture) for a call, or why there are none."""
 
     variants: tuple = ()
     reason: str = ""
+
+
+@contextlib.contextmanager
+def forced_variants(variants: Sequence[Any]) -> Iterator[None]:
+    """Within this block (this thread), gemm_amax lowerings with implementation='cutedsl' use exactly `variants`.
+
+    For the self-check, which must run one given variant (also a TEST_VARIANTS one) unchecked.
+    """
+    saved = getattr(_FORCED, "variants", None)
+    _FORCED.variants = tuple(variants)
+    try:
+        yield
+    finally:
+        _FORCED.variants = saved
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,6 +94,9 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
     """The kernel variants that compute this gemm_amax call exactly, one per covered architecture."""
     if implementation == "xla":
         return KernelChoice(reason="implementation='xla' forces the reference")
+    forced = getattr(_FORCED, "variants", None)
+    if forced is not None and implementation == "cutedsl":
+        return KernelChoice(variants=forced)
     if len(avals_in) > 4:
         return KernelChoice(reason="alpha (NVFP4 per-tensor scale) has no kernel yet")
     if (a_major, b_major, c_major) != ("k", "k", "n"):
@@ -134,13 +161,24 @@ def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation
 
 
 def _usable(variants: list, implementation: Any, *, sizes: tuple, names: str) -> KernelChoice:
-    """The variants that take these sizes, that None may use, and that cover every local GPU; else why not."""
+    """The variants that take these sizes, that None may use, that cover every local GPU and passed the first-use
+    self-check where they never ran before; else why there are none."""
     from jax_blockgemm.kernels import catalog
 
+    buildable, unbuildable = [], []
     for v in variants:
-        fits, why = catalog.make_kernel(v).can_implement(*sizes)
+        try:
+            kernel = catalog.make_kernel(v)
+        except ImportError as e:  # one arch's module needs a DSL piece this install lacks: the others still serve
+            unbuildable.append(f"{v.arch}: {e}")
+            continue
+        fits, why = kernel.can_implement(*sizes)
         if not fits:
             return KernelChoice(reason=f"the {v.arch} kernel cannot take {names} = {sizes}: {why}")
+        buildable.append(v)
+    variants = buildable
+    if not variants:
+        return KernelChoice(reason=f"no kernel can be built here: {'; '.join(unbuildable)}")
     if implementation is None:
         slower = sorted(v.arch for v in variants if not DEFAULT_TAKES_KERNEL.get((v.op, v.arch), False))
         variants = [v for v in variants if DEFAULT_TAKES_KERNEL.get((v.op, v.arch), False)]
@@ -154,4 +192,20 @@ def _usable(variants: list, implementation: Any, *, sizes: tuple, names: str) ->
         if missing:
             return KernelChoice(reason=f"no kernel for compute capability {', '.join(missing)} "
                                        f"(kernels exist for {', '.join(sorted(archs))})")
+        failed = _failed_self_checks(variants, {ARCH_OF_CAPABILITY[cc] for cc in capabilities})
+        if failed:
+            return KernelChoice(reason=f"the first-use self-check failed: {failed}")
     return KernelChoice(variants=tuple(variants))
+
+
+def _failed_self_checks(variants: Sequence[Any], local_archs: set) -> str:
+    """Self-check the variants of never-run archs that a local GPU would run; '' when all pass, else why not."""
+    from jax_blockgemm import selfcheck  # lazy: it runs jitted programs, which import this module
+
+    failures = []
+    for v in variants:
+        if v.arch in local_archs and v.arch in selfcheck.UNVERIFIED_ARCHS:
+            verdict = selfcheck.ensure_verified(v)
+            if not verdict.ok:
+                failures.append(f"{v.key} on {verdict.device}: {verdict.detail}")
+    return "; ".join(failures)

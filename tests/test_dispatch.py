@@ -35,7 +35,7 @@ class DispatchTest(parameterized.TestCase):
     def test_cutedsl_emits_the_kernel_call(self):
         text = _cuda_text(implementation="cutedsl")
         self.assertIn("jbg_gemm_amax", text)
-        self.assertIn('archs = "sm_90a"', text)
+        self.assertIn('archs = "sm_100a,sm_90a"', text)  # both objects travel; the handler picks by CC
 
     def test_xla_never_does(self):
         self.assertNotIn("jbg_gemm_amax", _cuda_text(implementation="xla"))
@@ -51,7 +51,8 @@ class DispatchTest(parameterized.TestCase):
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("8.0",)), \
                 mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_GEMM90: True}):
             self.assertNotIn("jbg_gemm_amax", _cuda_text())
-            with self.assertRaisesRegex(ValueError, "no kernel for compute capability 8.0 .kernels exist for sm_90a"):
+            with self.assertRaisesRegex(ValueError,
+                                        "no kernel for compute capability 8.0 .kernels exist for sm_100a, sm_90a"):
                 _cuda_text(implementation="cutedsl")
 
     @parameterized.parameters(
@@ -61,6 +62,30 @@ class DispatchTest(parameterized.TestCase):
     def test_cutedsl_without_kernel_raises(self, kwargs, reason):
         with self.assertRaisesRegex(ValueError, "implementation='cutedsl': no CuTeDSL kernel applies.*" + reason):
             _cuda_text(implementation="cutedsl", **kwargs)
+
+    def test_fp4_kernels_are_compiled_but_never_selected(self):
+        """The sm_100a FP4 variants exist in the catalog, but the handler takes FP8 codes only: no FP4 call gets one."""
+        from jax_blockgemm.kernels import catalog
+
+        self.assertTrue(any(v.ab_dtype == "float4_e2m1fn" for v in catalog.CATALOG))
+        rng = np.random.default_rng(1)
+        a, sfa = jbg.formats.quantize_mxfp4(jnp.asarray(rng.standard_normal((256, 128)), jnp.float32))
+        b, sfb = jbg.formats.quantize_mxfp4(jnp.asarray(rng.standard_normal((128, 128)), jnp.float32))
+        f = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl"))
+        with self.assertRaisesRegex(ValueError, "no kernel in the catalog for uint8 operands"):
+            f.trace(a, b, sfa, sfb).lower(lowering_platforms=("cuda",))
+
+    def test_an_arch_whose_kernel_module_cannot_import_is_left_out(self):
+        from jax_blockgemm.kernels import catalog
+
+        def broken(v):
+            raise ImportError("cutlass.utils has no PersistentTileSchedulerParams")
+
+        with mock.patch.dict(catalog._FACTORIES, {("gemm_amax", "sm_100a"): broken}):
+            self.assertIn('archs = "sm_90a"', _cuda_text(implementation="cutedsl"))
+            with mock.patch.dict(catalog._FACTORIES, {("gemm_amax", "sm_90a"): broken}), \
+                    self.assertRaisesRegex(ValueError, "no kernel can be built here: sm_100a: cutlass.utils has no"):
+                _cuda_text(implementation="cutedsl")
 
     def test_native_bridge_missing(self):
         """Without the built extension, None takes the reference and 'cutedsl' says why."""

@@ -171,16 +171,17 @@ class RealPrimitiveTest(absltest.TestCase):
             self.skipTest(f"CuTeDSL is not importable: {e}")
         import jax_blockgemm as jbg
 
-        variant = catalog.select_variant(arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype="bfloat16", sf_vec_size=32,
-                                         tile_mn=(128, 128), cluster_mn=(1, 1))
+        variants = [catalog.select_variant(arch=arch, ab_dtype="float8_e4m3fn", c_dtype="bfloat16", sf_vec_size=32,
+                                           tile_mn=(128, 128), cluster_mn=(1, 1)) for arch in ("sm_100a", "sm_90a")]
         fake_object = b"\x7fELF stand-in object bytes"
         with mock.patch.object(kernel_cache, "get_object", return_value=fake_object) as get_object:
             f = jax.jit(functools.partial(jbg.gemm_amax, c_dtype=jnp.bfloat16, implementation="cutedsl"))
             lowered = f.trace(*_operands(2, 200, 72, 160)).lower(lowering_platforms=("cuda",))
-        self.assertIn(variant, [call.args[0] for call in get_object.call_args_list])
+        for variant in variants:  # one object per architecture, sorted by arch name
+            self.assertIn(variant, [call.args[0] for call in get_object.call_args_list])
         attrs, _, results = _custom_call(lowered)
-        self.assertEqual(attrs["function_prefixes"], variant.function_prefix)
-        self.assertEqual(attrs["objects"].tobytes(), fake_object)
+        self.assertEqual(attrs["function_prefixes"], ",".join(v.function_prefix for v in variants))
+        self.assertEqual(attrs["objects"].tobytes(), fake_object * 2)
         self.assertEqual(results, ["tensor<2x200x72xbf16>", "tensor<2xf32>"])
         self.assertEqual((attrs["ab_dtype"], attrs["c_dtype"]), ("float8_e4m3fn", "bfloat16"))
 

@@ -45,7 +45,8 @@ SHAPES = [(1, 128, 128, 128), (2, 200, 136, 96), (1, 1000, 776, 512), (3, 257, 1
           (1, 1024, 1024, 4096)]
 
 
-@absltest.skipUnless(_has_kernel_gpu(), "needs a CUDA GPU with a CuTeDSL kernel (sm_90a)")
+@absltest.skipUnless(_has_kernel_gpu(),
+                     "needs a CUDA GPU with a CuTeDSL kernel (sm_90a, or sm_100a after its first-use self-check)")
 class GpuGemmAmaxTest(parameterized.TestCase):
 
     @parameterized.product(shape=SHAPES, dtype=("float8_e4m3fn", "float8_e5m2"), c_dtype=("float32", "bfloat16"))
