@@ -1,26 +1,28 @@
-"""Time every formulation of the pure-JAX reference on one device, beside its baselines, in one run.
+"""Time the pure-JAX reference on one device, beside its baselines, in one run.
 
 Usage: python3 benchmarks/reference_variants.py --out OUT/refvariants.json [--small] [--reps 20] [--budget-s 200]
                                                  [--no-hlo]
 
-proj_rope (issue 11 item 5): the pre-change formulation ("legacy"), the default `reference._PROJ_ROPE_PLAN`, every
-plan in PROJ_ROPE_PLANS below, the default through the public API, XLA's bare bf16 dot (both weight layouts) and
-a plain unfused jnp pipeline (bf16 dot -> RoPE -> row + column MXFP8, float32 Y), at T in {2048, 4096},
-K = 1536, H = 128, bf16 and MXFP8 inputs.
-Every variant's four outputs must be bit-identical to the default's, on the timing inputs and on inputs with
-planted zero, NaN and inf blocks.
+proj_rope: `reference.gemm_proj_rope_reference` ("reference"), the same through the public API ("public_api",
+`jbg.gemm_proj_rope_mxfp8(implementation="xla")`), XLA's bare bf16 dot (both weight layouts) and a plain unfused
+jnp pipeline (bf16 dot -> RoPE -> row + column MXFP8, float32 Y), at T in {2048, 4096}, K = 1536, H = 128,
+bf16 and MXFP8 inputs. The public API's four outputs must be bit-identical to the reference's, on the timing
+inputs and on inputs with planted zero, NaN and inf blocks. (The candidate formulations this script timed on
+2026-11-29, and the decision they led to, are in benchmarks/NOTES.md, "Reference speed"; the formulation before
+them is kept as `legacy_proj_rope` in tests/test_reference_formulation.py.)
 
-gemm_amax (issue 10 item 2): the reference with the bfloat16-dequantization dot and with the `jax.lax.scaled_dot`
-route (where the installed jax has it), plus bare `jax.lax.scaled_dot`, MXFP8 E4M3 -> f32 at 8192^3,
-4096x24576x1536 and 4096x7168x16384; the route's C must be within 1e-4 (normwise) of the dequant path's and its
-amax within 1e-4, and a NaN scale must poison its row of C and amax. At the first shape, the dequant path's
-phases are also timed alone (operand dequantization, bf16 dot of ready operands, amax of a ready C).
+gemm_amax: the reference with the bfloat16-dequantization dot and with the `jax.lax.scaled_dot` route (where
+the installed jax has it; off in the primitives, see reference.SCALED_DOT_MIN_SIZE), plus bare
+`jax.lax.scaled_dot`, MXFP8 E4M3 -> f32 at 8192^3, 4096x24576x1536 and 4096x7168x16384; the route's C must be
+within 1e-4 (normwise) of the dequant path's and its amax within 1e-4, and a NaN scale must poison its row of C
+and amax. At the first shape, the dequant path's phases are also timed alone (operand dequantization, bf16 dot
+of ready operands, amax of a ready C).
 
 Times: median of --reps jitted calls, each ended by block_until_ready, after 3 warm-up calls, two fresh random
 input sets (non-zero, random block scales) alternating. Prints a progress line per case and a table at the end;
-writes everything to --out as JSON, and the optimized HLO (XLA's fusions) of the default, legacy and fastest plan
-at the first T and of both GEMM routes at the first shape, gzipped, to <out without .json>_hlo/. --small runs
-tiny shapes (a minute on a CPU) to test the script itself. Cases started after --budget-s seconds are skipped.
+writes everything to --out as JSON, and the optimized HLO (XLA's fusions) of the reference at the first T and
+of both GEMM routes at the first shape, gzipped, to <out without .json>_hlo/. --small runs tiny shapes (a
+minute on a CPU) to test the script itself. Cases started after --budget-s seconds are skipped.
 """
 
 from __future__ import annotations
@@ -47,57 +49,7 @@ except ImportError:  # run from a checkout that is not installed
 from jax_blockgemm import formats, reference
 
 E4M3 = jnp.float8_e4m3fn
-Plan = reference._ProjRopePlan
-
-# proj_rope formulations timed besides "legacy" (below) and "public_api" (the default through jbg's API)
-PROJ_ROPE_PLANS = {
-    "rope/concat/moveaxis": Plan(barrier="rope", rope="concat", quant="moveaxis"),
-    "rope/concat/view": Plan(barrier="rope", rope="concat", quant="view"),
-    "rope/select/view": Plan(barrier="rope", rope="select", quant="view"),
-    "dot/concat/view": Plan(barrier="dot", rope="concat", quant="view"),
-    "dot/select/view": Plan(barrier="dot", rope="select", quant="view"),
-    "none/concat/view": Plan(barrier="none", rope="concat", quant="view"),
-    "none/select/view": Plan(barrier="none", rope="select", quant="view"),
-    "none/select/moveaxis": Plan(barrier="none", rope="select", quant="moveaxis"),
-    "rope/concat/view_pinned": Plan(barrier="rope", rope="concat", quant="view_pinned"),
-    "dot/select/view_pinned": Plan(barrier="dot", rope="select", quant="view_pinned"),
-}
-DEFAULT = "default"  # reference._PROJ_ROPE_PLAN through reference.gemm_proj_rope_reference
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The formulation before this change (commit f7a3245), kept here to time it and to test bit-identity against it.
-
-
-def _legacy_round_to_e4m3_grid(y: jax.Array) -> jax.Array:
-    """formats.round_to_grid(y, E4M3) as it was: a division by the grid step."""
-    y = jnp.clip(y, -448.0, 448.0)
-    biased = (jax.lax.bitcast_convert_type(y, jnp.int32) >> 23) & 0xFF
-    ulp = formats._exp2(jnp.maximum(biased - 127, -6) - 3)
-    return jnp.round(y / ulp) * ulp
-
-
-def _legacy_quantize(y: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
-    """formats.quantize_mxfp8 (E4M3, block 32, ceil rule) as it was: two reductions per block, tokens moved last."""
-    xb = formats._to_blocks(y.astype(jnp.float32), axis, 32)
-    finite = jnp.isfinite(xb)
-    amax, bad = formats.magnitude_max(jnp.where(finite, xb, 0.0)), ~jnp.all(finite, axis=-1)
-    e = jnp.where(bad, 128, formats.scale_exponent(amax, 448.0, rule="ceil"))
-    v = formats._scale_by_exp2(xb, -jnp.clip(e, -127, 127)[..., None])
-    v = jnp.where(bad[..., None], 0.0, jnp.clip(v, -448.0, 448.0))
-    codes = formats._from_blocks(_legacy_round_to_e4m3_grid(v).astype(E4M3), axis, y.shape[axis])
-    return codes, jnp.moveaxis(formats.exponent_to_e8m0(e), -1, axis)
-
-
-def legacy_proj_rope(x, w, cos, sin, *, x_scale=None, w_scale=None, w_out_in=True):
-    """reference.gemm_proj_rope_reference as it was: dot, concatenating RoPE, barrier, two moveaxis quantizations."""
-    if x.dtype == np.dtype(E4M3):
-        x = reference.dequantize_bf16(x, x_scale, block=32, axis=1)
-        w = reference.dequantize_bf16(w, w_scale, block=32, axis=1 if w_out_in else 0)
-    y = reference._bf16_dot(x, w, (((1,), (1 if w_out_in else 0,)), ((), ())))
-    t, n = y.shape
-    y = jax.lax.optimization_barrier(reference.apply_rope(y.reshape(t, n // 192, 192), cos, sin))
-    return (*_legacy_quantize(y, -1), *_legacy_quantize(y, 0))
+REFERENCE = "reference"  # reference.gemm_proj_rope_reference; every other proj_rope variant is compared with it
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -185,11 +137,8 @@ def proj_rope_fns(mxfp8: bool) -> dict[str, Callable]:
             return lambda x, w, c, s, xs, ws: fn(x, w, c, s, x_scale=xs, w_scale=ws)
         return lambda x, w, c, s: fn(x, w, c, s)
 
-    fns = {DEFAULT: with_scales(reference.gemm_proj_rope_reference), "legacy": with_scales(legacy_proj_rope),
+    fns = {REFERENCE: with_scales(reference.gemm_proj_rope_reference),
            "public_api": with_scales(functools.partial(jbg.gemm_proj_rope_mxfp8, implementation="xla"))}
-    for name, plan in PROJ_ROPE_PLANS.items():
-        fns[name] = with_scales(functools.partial(reference._proj_rope, w_out_in=True, plan=plan,
-                                                  **({} if mxfp8 else dict(x_scale=None, w_scale=None))))
     return {name: jax.jit(fn) for name, fn in fns.items()}
 
 
@@ -244,7 +193,7 @@ def run_proj_rope(key, *, t: int, h: int, k: int, mxfp8: bool, reps: int, budget
         case["variants"][name] = {"ms": median_ms(fn, arg_sets, reps=reps)}
         log(budget, f"proj_rope T={t} {path:5} {name:24} {case['variants'][name]['ms']:8.3f} ms")
     fns = proj_rope_fns(mxfp8)
-    ref_clean, ref_special = fns[DEFAULT](*sets[0]), fns[DEFAULT](*special)
+    ref_clean, ref_special = fns[REFERENCE](*sets[0]), fns[REFERENCE](*special)
     for name, fn in fns.items():
         if not budget.left():
             case["variants"][name] = {"skipped": "time budget"}
@@ -259,9 +208,7 @@ def run_proj_rope(key, *, t: int, h: int, k: int, mxfp8: bool, reps: int, budget
         except Exception as e:  # a formulation that fails to compile or run is reported, not hidden
             case["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             log(budget, f"proj_rope T={t} {path:5} {name:24} ERROR {case['variants'][name]['error']}")
-    timed = {n: v["ms"] for n, v in case["variants"].items() if n in PROJ_ROPE_PLANS and v.get("identical")}
-    for name in (DEFAULT, "legacy", *([min(timed, key=timed.get)] if timed else [])):
-        dump_hlo(hlo_dir, f"proj_rope_T{t}_{path}_{name}", fns[name], sets[0], budget)
+    dump_hlo(hlo_dir, f"proj_rope_T{t}_{path}_{REFERENCE}", fns[REFERENCE], sets[0], budget)
     return case
 
 
@@ -377,32 +324,29 @@ def _cell(v: dict, base_ms: float | None = None) -> str:
 
 
 def print_summary(cases: list) -> None:
-    """Per case, the fastest bit-identical formulation against legacy and the unfused pipeline; then the plan
-    with the lowest total over the cases where every candidate ran (the one to make the default)."""
-    candidates = [DEFAULT, "legacy", *PROJ_ROPE_PLANS]
-    print("\nfastest bit-identical formulation per case (ratio to legacy, to the unfused pipeline):")
+    """Per case, the reference against the unfused pipeline and the faster bare bf16 dot."""
+    print("\nreference per case (ratio to the unfused pipeline, to the faster bare bf16 dot of the same T):")
+    dots = {}
     for c in cases:
-        timed = {n: c["variants"][n]["ms"] for n in candidates
-                 if c["variants"].get(n, {}).get("identical") and "ms" in c["variants"][n]}
-        if not timed:
+        if c["path"] == "bf16":
+            ms = [c["variants"][d]["ms"] for d in ("bare_dot_w_nk", "bare_dot_w_kn")
+                  if "ms" in c["variants"].get(d, {})]
+            dots[c["t"]] = min(ms) if ms else None
+    for c in cases:
+        ref = c["variants"].get(REFERENCE, {}).get("ms")
+        if ref is None:
             continue
-        best = min(timed, key=timed.get)
-        legacy, pipeline = timed.get("legacy"), c["variants"].get("unfused_pipeline", {}).get("ms")
-        print(f"  T={c['t']} {c['path']:5} {best:24} {timed[best]:7.3f} ms"
-              + (f"  {timed[best] / legacy:5.2f}x legacy" if legacy else "")
-              + (f"  {timed[best] / pipeline:5.2f}x pipeline" if pipeline else ""))
-    plans = [n for n in PROJ_ROPE_PLANS if all(c["variants"].get(n, {}).get("identical") for c in cases)]
-    if plans:
-        total = {n: sum(c["variants"][n]["ms"] for c in cases) for n in plans}
-        best = min(total, key=total.get)
-        print(f"  lowest total over all cases: {best} = {PROJ_ROPE_PLANS[best]}")
+        pipeline, dot = c["variants"].get("unfused_pipeline", {}).get("ms"), dots.get(c["t"])
+        print(f"  T={c['t']} {c['path']:5} {ref:7.3f} ms"
+              + (f"  {ref / pipeline:5.2f}x pipeline" if pipeline else "")
+              + (f"  {ref / dot:5.2f}x bare dot" if dot else ""))
 
 
 def print_tables(record: dict) -> None:
     cases = record["proj_rope"]
     if cases:
         print("\nproj_rope: ms and ratio to the faster bare bf16 dot of the same T (DIFF = not bit-identical to the "
-              "default)")
+              "reference)")
         cols = [f"T={c['t']} {c['path']}" for c in cases]
         print(f"{'variant':24}" + "".join(f"{h:>22}" for h in cols))
         dots = {}
@@ -460,10 +404,10 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     record = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": device.device_kind,
               "platform": device.platform, "jax": jax.__version__, "command": " ".join(sys.argv),
-              "default_plan": str(reference._PROJ_ROPE_PLAN), "has_scaled_dot": reference.has_scaled_dot(),
+              "has_scaled_dot": reference.has_scaled_dot(),
               "reps": reps, "proj_rope": [], "gemm": []}
-    log(budget, f"{record['device']} ({record['platform']}), jax {record['jax']}, default plan "
-                f"{record['default_plan']}, scaled_dot {'present' if record['has_scaled_dot'] else 'absent'}")
+    log(budget, f"{record['device']} ({record['platform']}), jax {record['jax']}, "
+                f"scaled_dot {'present' if record['has_scaled_dot'] else 'absent'}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     hlo_dir = None if args.no_hlo else os.path.splitext(os.path.abspath(args.out))[0] + "_hlo"
 

@@ -166,33 +166,20 @@ def _exp2(e: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _exp2_factors(neg_e: jax.Array) -> tuple[jax.Array, ...]:
-    """The factors `_scale_by_exp2` applies for exponents neg_e: two normal halves of 2**neg_e, the factor for
-    float32 subnormal inputs (mantissa * 2**-149) and whether that product can be >= 2**-126 at all. Separate so
-    that a per-block neg_e yields per-block factors (see `mx_encode_blocks`' pin_block_factors)."""
-    half = neg_e // 2
-    k = neg_e - 149  # a subnormal v is mantissa * 2**-149
-    return _exp2(half), _exp2(neg_e - half), _exp2(jnp.clip(k, -126, 127)), k >= -126
-
-
-def _apply_exp2_factors(v: jax.Array, factors: tuple[jax.Array, ...]) -> jax.Array:
-    """v * 2**neg_e from `_exp2_factors(neg_e)` (broadcast against v)."""
-    low, high, sub_factor, sub_kept = factors
-    normal = v * low * high
-    bits = jax.lax.bitcast_convert_type(v, jnp.int32)
-    is_sub = (bits & 0x7F800000) == 0
-    sub = (bits & 0x7FFFFF).astype(jnp.float32) * sub_factor
-    sub = jnp.copysign(jnp.where(sub_kept, sub, 0.0), v)
-    return jnp.where(is_sub, sub, normal)
-
-
 def _scale_by_exp2(v: jax.Array, neg_e: jax.Array) -> jax.Array:
     """v * 2**neg_e for neg_e in [-127, 127], exact wherever the result is >= 2**-126 (smaller ones give +-0).
 
     Uses two normal power-of-two factors, and rebuilds float32 subnormal inputs from their integer mantissa, so
     the result does not depend on whether the backend flushes denormals (XLA:CPU does, XLA:GPU does not).
     """
-    return _apply_exp2_factors(v, _exp2_factors(neg_e))
+    half = neg_e // 2
+    normal = v * _exp2(half) * _exp2(neg_e - half)
+    bits = jax.lax.bitcast_convert_type(v, jnp.int32)
+    is_sub = (bits & 0x7F800000) == 0
+    k = neg_e - 149  # a subnormal v is mantissa * 2**-149
+    sub = (bits & 0x7FFFFF).astype(jnp.float32) * _exp2(jnp.clip(k, -126, 127))
+    sub = jnp.copysign(jnp.where(k >= -126, sub, 0.0), v)
+    return jnp.where(is_sub, sub, normal)
 
 
 def magnitude_bits(x: jax.Array) -> jax.Array:
@@ -368,19 +355,14 @@ def mx_block_exponents(blocks: jax.Array, *, axis: int, code_dtype: DTypeLike,
     return scale_exponent(magnitude_max(blocks, axis=axis, keepdims=True), emax(code_dtype), rule=rule)
 
 
-def mx_encode_blocks(blocks: jax.Array, e: jax.Array, *, code_dtype: DTypeLike,
-                     pin_block_factors: bool = False) -> jax.Array:
+def mx_encode_blocks(blocks: jax.Array, e: jax.Array, *, code_dtype: DTypeLike) -> jax.Array:
     """Codes (SPEC §2) of float32 `blocks` under block exponents `e` from `mx_block_exponents` (broadcast).
 
     RNE(v / 2**e) saturated to +-emax, in float32 so that the final cast is exact; a block with e = 128 (NaN or
-    inf inside) gets zero codes. pin_block_factors=True computes the scaling factors once per block behind an
-    optimization_barrier, so that XLA does not recompute them for every element (same values either way).
+    inf inside) gets zero codes.
     """
     limit = emax(code_dtype)
-    factors = _exp2_factors(-jnp.clip(e, _E_MIN, _E_MAX))
-    if pin_block_factors:
-        factors = jax.lax.optimization_barrier(factors)
-    y = _apply_exp2_factors(blocks, factors)
+    y = _scale_by_exp2(blocks, -jnp.clip(e, _E_MIN, _E_MAX))
     y = jnp.where(e > _E_MAX, 0.0, jnp.clip(y, -limit, limit))  # clip first: XLA casts overflow to NaN
     return round_to_grid(y, code_dtype).astype(code_dtype)  # an exact cast
 

@@ -12,9 +12,9 @@ kernel against them, so they compute exactly the SPEC's function and never trade
   * everything after the accumulator (alpha, amax, RoPE, quantization) stays in float32.
 
 One opt-in exception: an MXFP8 gemm_amax may take its accumulator from XLA's block-scaled `jax.lax.scaled_dot`
-(`use_scaled_dot`; off on every platform until measured faster there). That puts it in SPEC §7's "tensor-core
-FP8" class (<= 1e-4; ~1e-5 measured on an H200) instead of "exact", so GPU tests should judge kernels by the
-float64 oracles rather than by the reference wherever it is turned on.
+(`scaled_dot=True`). That puts it in SPEC §7's "tensor-core FP8" class (<= 1e-4; ~1e-5 measured on an H200)
+instead of "exact", for at most 6% less time on an H200, so the primitives never take it (`use_scaled_dot`
+with an empty SCALED_DOT_MIN_SIZE): GPU tests can compare kernels against the reference by the exact bound.
 
 Inputs arrive canonical: the public API (`api.py`) has already validated and normalized them, so this module only
 asserts the few invariants it relies on.
@@ -22,8 +22,6 @@ asserts the few invariants it relies on.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Any, Optional, Sequence
 
 import jax
@@ -42,8 +40,11 @@ _DOT_ALGORITHM = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
 _WIDE_C_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 # Platforms (as in jax.Device.platform) where the gemm_amax reference accumulates MXFP8 operands with
-# jax.lax.scaled_dot, and the smallest M*N*K*L from which it does. Empty (the route is off) until a device
-# measurement shows it faster there (benchmarks/reference_variants.py times both).
+# jax.lax.scaled_dot, and the smallest M*N*K*L from which it does. Empty: the route stays off everywhere.
+# Measured on the H200 (2026-11-29, benchmarks/reference_variants.py), the route took 0.94x / 0.98x / 0.99x of
+# the bfloat16-dequantization path's time at 8192^3 / 4096x24576x1536 / 4096x7168x16384 -- at most 6% -- and it
+# would move the reference out of SPEC §7's "exact" class into the tensor-core FP8 one (<= 1e-4), so the GPU
+# tests could no longer judge kernels against it by the exact bound. Not worth it.
 SCALED_DOT_MIN_SIZE: dict[str, int] = {}
 
 
@@ -206,101 +207,23 @@ def apply_rope(y: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([y[..., :QK_NOPE], first, second], axis=-1)
 
 
-def _apply_rope_select(y: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """`apply_rope` with the same float32 operations but no slice or concatenate: a pure elementwise map.
-
-    Each head is three 64-feature chunks; a reshape de-interleaves every chunk into (parity, j), the rotation
-    `pairs * [cos_lo; cos_hi] + swap(pairs) * [-sin_lo; sin_hi]` (x + (-y) rounds like x - y) runs on all three,
-    and a select keeps it only for the rotary chunk, so XLA can fuse RoPE into whatever reads Y.
-    """
-    t, h, _ = y.shape
-    half = QK_ROPE // 2
-    chunks = HEAD_DIM // QK_ROPE
-    plain = y.reshape(t, h, chunks, 2, half)  # [c, r, j] = feature 64c + 32r + j
-    pairs = jnp.swapaxes(y.reshape(t, h, chunks, half, 2), -1, -2)  # [c, r, j] = feature 64c + 2j + r
-    cos = cos.astype(jnp.float32).reshape(t, 1, 1, 2, half)
-    sin = sin.astype(jnp.float32).reshape(t, 1, 1, 2, half)
-    signed_sin = sin * jnp.asarray([-1.0, 1.0], jnp.float32)[:, None]
-    rotated = pairs * cos + jnp.flip(pairs, axis=-2) * signed_sin
-    is_rotary = jax.lax.broadcasted_iota(jnp.int32, (1, 1, chunks, 1, 1), 2) == QK_NOPE // QK_ROPE
-    return jnp.where(is_rotary, rotated, plain).reshape(t, h, HEAD_DIM)
-
-
-def _quantize_rows_and_columns(y: jax.Array, *,
-                               pin_block_factors: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def _quantize_rows_and_columns(y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """SPEC §5 step 3 on (T, H, 192) float32, both ways, on views of Y's own layout (no transpose).
 
     Rowwise blocks are the last axis of (T, H, 6, 32); columnwise blocks the middle axis of (T/32, 32, H*192),
-    a reduction XLA runs down the columns, so both code maps read Y in the same order.
+    a reduction XLA runs down the columns, so both code maps read Y in the same order. Bit-identical to
+    `formats.quantize_mxfp8` along axis -1 and axis 0, which moves tokens last and back (two transposes).
     """
     t, h, _ = y.shape
-    encode = functools.partial(formats.mx_encode_blocks, code_dtype=formats.E4M3,
-                               pin_block_factors=pin_block_factors)
     rows = y.reshape(t, h, HEAD_DIM // MX_BLOCK, MX_BLOCK)
     e_row = formats.mx_block_exponents(rows, axis=-1, code_dtype=formats.E4M3)
     cols = y.reshape(t // MX_BLOCK, MX_BLOCK, h * HEAD_DIM)
     e_col = formats.mx_block_exponents(cols, axis=1, code_dtype=formats.E4M3)
-    row_codes = encode(rows, e_row).reshape(t, h, HEAD_DIM)
-    col_codes = encode(cols, e_col).reshape(t, h, HEAD_DIM)
+    row_codes = formats.mx_encode_blocks(rows, e_row, code_dtype=formats.E4M3).reshape(t, h, HEAD_DIM)
+    col_codes = formats.mx_encode_blocks(cols, e_col, code_dtype=formats.E4M3).reshape(t, h, HEAD_DIM)
     row_scales = formats.exponent_to_e8m0(e_row[..., 0])
     col_scales = formats.exponent_to_e8m0(e_col[:, 0]).reshape(t // MX_BLOCK, h, HEAD_DIM)
     return row_codes, row_scales, col_codes, col_scales
-
-
-def _quantize_with_formats(y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """SPEC §5 step 3 through `formats.quantize_mxfp8` along each axis (the columnwise one moves tokens last)."""
-    row_codes, row_scales = formats.quantize_mxfp8(y, axis=-1, dtype=formats.E4M3, block=MX_BLOCK)
-    col_codes, col_scales = formats.quantize_mxfp8(y, axis=0, dtype=formats.E4M3, block=MX_BLOCK)
-    return row_codes, row_scales, col_codes, col_scales
-
-
-@dataclasses.dataclass(frozen=True)
-class _ProjRopePlan:
-    """How the proj_rope reference is laid out for XLA. Every plan computes the same bits; only speed differs.
-
-    barrier: where Y is pinned with an optimization_barrier: "rope" (after RoPE: one float32 Y is written, then
-    read by the quantizers), "dot" (after the dot: RoPE fuses into the quantizers), "none" (XLA decides).
-    rope: "concat" (`apply_rope`) or "select" (`_apply_rope_select`). quant: "view"
-    (`_quantize_rows_and_columns`), "view_pinned" (the same with the per-block scaling factors computed once per
-    block, `formats.mx_encode_blocks`' pin_block_factors) or "moveaxis" (`_quantize_with_formats`).
-    """
-
-    barrier: str = "rope"
-    rope: str = "concat"
-    quant: str = "view"
-
-
-_ROPES = {"concat": apply_rope, "select": _apply_rope_select}
-_QUANTIZERS = {"view": _quantize_rows_and_columns, "moveaxis": _quantize_with_formats,
-               "view_pinned": functools.partial(_quantize_rows_and_columns, pin_block_factors=True)}
-_PROJ_ROPE_PLAN = _ProjRopePlan()  # the default; benchmarks/reference_variants.py times the alternatives
-
-
-def _proj_rope(x: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Array, *, x_scale: Optional[jax.Array],
-               w_scale: Optional[jax.Array], w_out_in: bool,
-               plan: _ProjRopePlan) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """`gemm_proj_rope_reference` laid out by `plan`."""
-    if plan.barrier not in ("rope", "dot", "none") or plan.rope not in _ROPES or plan.quant not in _QUANTIZERS:
-        raise ValueError(f"unknown proj_rope plan {plan}.")
-    mxfp8 = x.dtype == np.dtype(jnp.float8_e4m3fn)
-    if mxfp8:
-        if x_scale is None or w_scale is None:
-            raise ValueError("x_scale and w_scale are required when x and w are float8_e4m3fn codes.")
-        x = dequantize_bf16(x, x_scale, block=MX_BLOCK, axis=1)
-        w = dequantize_bf16(w, w_scale, block=MX_BLOCK, axis=1 if w_out_in else 0)
-    w_k_axis = 1 if w_out_in else 0
-    y = _bf16_dot(x, w, (((1,), (w_k_axis,)), ((), ())))  # (T, H*192)
-    t, n = y.shape
-    if t % MX_BLOCK:
-        raise ValueError(f"x must have a multiple of {MX_BLOCK} tokens (the columnwise blocks); got T={t}.")
-    if plan.barrier == "dot":
-        y = jax.lax.optimization_barrier(y)
-    y = _ROPES[plan.rope](y.reshape(t, n // HEAD_DIM, HEAD_DIM), cos, sin)
-    if plan.barrier == "rope":
-        # Y materialized once (float32: no value changes). With the concatenating RoPE and moveaxis quantizers,
-        # leaving it free measured 3.4 ms against 2.4 ms on the H200 (T=4096, H=128, K=1536); see NOTES.md.
-        y = jax.lax.optimization_barrier(y)
-    return _QUANTIZERS[plan.quant](y)
 
 
 def gemm_proj_rope_reference(x: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Array, *,
@@ -312,5 +235,32 @@ def gemm_proj_rope_reference(x: jax.Array, w: jax.Array, cos: jax.Array, sin: ja
     else (K, H*192), same dtype as x, w_scale laid out like w. cos, sin: (T, 64) bfloat16.
     Returns (out_fp8_row (T, H, 192), out_scales_row (T, H, 6) uint8, out_fp8_col (T, H, 192),
     out_scales_col (T/32, H, 192) uint8); float32 from the accumulator through RoPE to quantization.
+
+    Structure, chosen by measurement (benchmarks/reference_variants.py on an H200, 2026-11-29; K = 1536,
+    H = 128; ms at T=4096 bf16 / T=4096 mxfp8 / T=2048 bf16 / T=2048 mxfp8; every candidate was bit-identical;
+    full table in benchmarks/NOTES.md, "Reference speed"):
+
+      * one optimization_barrier, on the float32 Y AFTER RoPE: the dot's output goes through the concatenating
+        `apply_rope`, the rotated Y is written once, and both quantizers read it. This: 1.610 / 1.685 / 0.888 /
+        0.987. The barrier after the dot instead (RoPE recomputed inside the quantizers): 4.645 / 4.542 /
+        1.122 / 1.308, or 1.900 / 1.928 / 1.160 / 1.299 with a concatenate-free (select) RoPE; no barrier:
+        4.426 / 4.596 / 1.178 / 1.251, or 1.861 / 2.163 / 1.076 / 1.153 with the select RoPE; the barrier after
+        a select RoPE: 1.915 / 1.881 / 1.184 / 1.157;
+      * both quantizations on reshaped views of Y's own layout (`_quantize_rows_and_columns`), never the
+        moveaxis of `formats.quantize_mxfp8` (tokens moved last and back): >= 2.9 ms at T=4096, >= 1.6 at 2048.
+    The formulation before (the same barrier, moveaxis quantizers with two reductions per block and a division
+    in the code math) took 2.919 / 3.211 / 1.575 / 1.681; a plain unfused jnp pipeline of the same math 2.168 at
+    T=4096. tests/test_reference_formulation.py keeps that old formulation as the oracle of record.
     """
-    return _proj_rope(x, w, cos, sin, x_scale=x_scale, w_scale=w_scale, w_out_in=w_out_in, plan=_PROJ_ROPE_PLAN)
+    if x.dtype == np.dtype(jnp.float8_e4m3fn):
+        if x_scale is None or w_scale is None:
+            raise ValueError("x_scale and w_scale are required when x and w are float8_e4m3fn codes.")
+        x = dequantize_bf16(x, x_scale, block=MX_BLOCK, axis=1)
+        w = dequantize_bf16(w, w_scale, block=MX_BLOCK, axis=1 if w_out_in else 0)
+    y = _bf16_dot(x, w, (((1,), (1 if w_out_in else 0,)), ((), ())))  # (T, H*192)
+    t, n = y.shape
+    if t % MX_BLOCK:
+        raise ValueError(f"x must have a multiple of {MX_BLOCK} tokens (the columnwise blocks); got T={t}.")
+    y = apply_rope(y.reshape(t, n // HEAD_DIM, HEAD_DIM), cos, sin)
+    y = jax.lax.optimization_barrier(y)  # float32: pins where Y is materialized, changes no value
+    return _quantize_rows_and_columns(y)

@@ -1,11 +1,12 @@
-"""The reference's speed formulations compute the same bits as before, and the scaled_dot route stays in SPEC §7.
+"""The reference's measured formulation computes the same bits as the old one; the scaled_dot route stays in SPEC §7.
 
-proj_rope: every `reference._ProjRopePlan` that benchmarks/reference_variants.py times, and the default, must be
-bit-identical to the formulation they replaced (`legacy_proj_rope`, kept in that script) on random inputs with
-zero, NaN and inf blocks, at odd shapes; the quantization and RoPE pieces are also checked on crafted Y (ties,
-saturation, float32 subnormals, non-finite blocks) and the quantizer against the float64 oracle.
+proj_rope: `reference.gemm_proj_rope_reference` (restructured for speed on 2026-11-29, see its docstring) must be
+bit-identical to the formulation it replaced (`legacy_proj_rope` below, the oracle of record) on random inputs
+with zero, NaN and inf blocks, at odd shapes; its quantizer is also checked on crafted Y (E4M3 ties,
+saturation, float32 subnormals, zero and non-finite blocks) against the old quantizer and the float64 oracle.
 gemm_amax: the `jax.lax.scaled_dot` accumulator against the float64 oracle (skipped where jax lacks scaled_dot),
-the one place that decides when the primitives take it, and that the script itself runs (`--small`).
+the one place that decides when the primitives take it (never, today), and that
+benchmarks/reference_variants.py itself runs (`--small`).
 """
 
 import functools
@@ -42,6 +43,45 @@ def _load_script():
 
 rv = _load_script()
 _NO_SCALED_DOT = "the installed jax has no jax.lax.scaled_dot"
+E4M3 = jnp.float8_e4m3fn
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The formulation before the 2026-11-29 rewrite (commit f7a3245), kept verbatim as the oracle of record.
+
+
+def _legacy_round_to_e4m3_grid(y: jax.Array) -> jax.Array:
+    """formats.round_to_grid(y, E4M3) as it was: a division by the grid step."""
+    y = jnp.clip(y, -448.0, 448.0)
+    biased = (jax.lax.bitcast_convert_type(y, jnp.int32) >> 23) & 0xFF
+    ulp = formats._exp2(jnp.maximum(biased - 127, -6) - 3)
+    return jnp.round(y / ulp) * ulp
+
+
+def _legacy_quantize(y: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """formats.quantize_mxfp8 (E4M3, block 32, ceil rule) as it was: two reductions per block, tokens moved last."""
+    xb = formats._to_blocks(y.astype(jnp.float32), axis, 32)
+    finite = jnp.isfinite(xb)
+    amax, bad = formats.magnitude_max(jnp.where(finite, xb, 0.0)), ~jnp.all(finite, axis=-1)
+    e = jnp.where(bad, 128, formats.scale_exponent(amax, 448.0, rule="ceil"))
+    v = formats._scale_by_exp2(xb, -jnp.clip(e, -127, 127)[..., None])
+    v = jnp.where(bad[..., None], 0.0, jnp.clip(v, -448.0, 448.0))
+    codes = formats._from_blocks(_legacy_round_to_e4m3_grid(v).astype(E4M3), axis, y.shape[axis])
+    return codes, jnp.moveaxis(formats.exponent_to_e8m0(e), -1, axis)
+
+
+def legacy_proj_rope(x, w, cos, sin, *, x_scale=None, w_scale=None, w_out_in=True):
+    """reference.gemm_proj_rope_reference as it was: dot, concatenating RoPE, barrier, two moveaxis quantizations."""
+    if x.dtype == np.dtype(E4M3):
+        x = reference.dequantize_bf16(x, x_scale, block=32, axis=1)
+        w = reference.dequantize_bf16(w, w_scale, block=32, axis=1 if w_out_in else 0)
+    y = reference._bf16_dot(x, w, (((1,), (1 if w_out_in else 0,)), ((), ())))
+    t, n = y.shape
+    y = jax.lax.optimization_barrier(reference.apply_rope(y.reshape(t, n // 192, 192), cos, sin))
+    return (*_legacy_quantize(y, -1), *_legacy_quantize(y, 0))
+
+
+# ----------------------------------------------------------------------------------------------------------------
 
 
 def _bits(a) -> np.ndarray:
@@ -89,38 +129,22 @@ def _call(fn, inp):
     return [np.asarray(o) for o in jax.jit(lambda *a: fn(*a, **scales))(*args)]
 
 
-@functools.lru_cache(maxsize=None)
-def _plan_case(mxfp8: bool):
-    """Inputs (T = 96, H = 3, K = 96, with special blocks) and the legacy outputs, shared by the plan tests."""
-    inp = _special_inputs(np.random.default_rng(17 + mxfp8), t=96, h=3, k=96, mxfp8=mxfp8, w_out_in=True)
-    return inp, _call(rv.legacy_proj_rope, inp)
-
-
-class ProjRopePlansTest(parameterized.TestCase):
+class ProjRopeReferenceTest(parameterized.TestCase):
 
     @parameterized.product(mxfp8=(False, True), w_out_in=(True, False), thk=((32, 1, 64), (96, 3, 160)))
-    def test_default_is_bit_identical_to_legacy(self, mxfp8, w_out_in, thk):
+    def test_bit_identical_to_legacy(self, mxfp8, w_out_in, thk):
         t, h, k = thk
         rng = np.random.default_rng(hash((mxfp8, w_out_in, thk)) % 2**32)
         inp = _special_inputs(rng, t=t, h=h, k=k, mxfp8=mxfp8, w_out_in=w_out_in)
         got = _call(functools.partial(reference.gemm_proj_rope_reference, w_out_in=w_out_in), inp)
-        want = _call(functools.partial(rv.legacy_proj_rope, w_out_in=w_out_in), inp)
-        _assert_same_bits(self, got, want, "default vs legacy")
+        want = _call(functools.partial(legacy_proj_rope, w_out_in=w_out_in), inp)
+        _assert_same_bits(self, got, want, "reference vs legacy")
         # the planted blocks are there: NaN scale bytes both ways, zero-byte blocks both ways
         self.assertTrue((got[1] == 0xFF).any() and (got[3] == 0xFF).any())
         self.assertTrue((got[1] == 0).any() and (got[3] == 0).any())
 
-    @parameterized.parameters(*rv.PROJ_ROPE_PLANS)
-    def test_every_timed_plan_is_bit_identical(self, name):
-        plan = rv.PROJ_ROPE_PLANS[name]
-        for mxfp8 in (False, True):
-            inp, legacy = _plan_case(mxfp8)
-            fn = functools.partial(reference._proj_rope, w_out_in=True, plan=plan,
-                                   **({} if mxfp8 else dict(x_scale=None, w_scale=None)))
-            _assert_same_bits(self, _call(fn, inp), legacy, f"{name}, mxfp8={mxfp8}")
-
     def test_public_api_matches_oracle_after_the_change(self):
-        """The default through the public API still meets SPEC §7 against the float64 oracle (odd H)."""
+        """The reference through the public API still meets SPEC §7 against the float64 oracle (odd H)."""
         rng = np.random.default_rng(23)
         inp = oracle_ops.random_proj_rope_inputs(rng, t=64, h=3, k=96, mxfp8=True)
         outs = _call(functools.partial(jbg.gemm_proj_rope_mxfp8, implementation="xla"), inp)
@@ -128,12 +152,11 @@ class ProjRopePlansTest(parameterized.TestCase):
                                             w_scale=inp["w_scale"])
         oracle_ops.assert_proj_rope_close(self, outs, y_ref)
 
-    def test_unknown_plan_is_refused(self):
-        x = jnp.zeros((32, 32), jnp.bfloat16)
-        with self.assertRaisesRegex(ValueError, "plan"):
-            reference._proj_rope(x, jnp.zeros((192, 32), jnp.bfloat16), jnp.zeros((32, 64)), jnp.zeros((32, 64)),
-                                 x_scale=None, w_scale=None, w_out_in=True,
-                                 plan=reference._ProjRopePlan(barrier="middle"))
+    def test_token_count_must_fill_column_blocks(self):
+        x = jnp.zeros((48, 32), jnp.bfloat16)
+        with self.assertRaisesRegex(ValueError, "multiple of 32 tokens"):
+            reference.gemm_proj_rope_reference(x, jnp.zeros((192, 32), jnp.bfloat16), jnp.zeros((48, 64)),
+                                               jnp.zeros((48, 64)))
 
 
 def _crafted_y(rng, t: int, h: int) -> np.ndarray:
@@ -153,18 +176,18 @@ def _crafted_y(rng, t: int, h: int) -> np.ndarray:
     return y
 
 
-class PiecesTest(parameterized.TestCase):
+class QuantizerTest(parameterized.TestCase):
 
     @parameterized.parameters((32, 1), (96, 3))
-    def test_view_quantization_matches_legacy_and_oracle(self, t, h):
+    def test_matches_legacy_and_oracle(self, t, h):
         rng = np.random.default_rng(t * 10 + h)
         y = _crafted_y(rng, t, h)
         got = [np.asarray(o) for o in jax.jit(reference._quantize_rows_and_columns)(y)]
-        legacy = [np.asarray(o) for o in jax.jit(lambda v: (*rv._legacy_quantize(v, -1),
-                                                             *rv._legacy_quantize(v, 0)))(y)]
+        legacy = [np.asarray(o) for o in jax.jit(lambda v: (*_legacy_quantize(v, -1), *_legacy_quantize(v, 0)))(y)]
         _assert_same_bits(self, got, legacy, "view quantization vs legacy")
-        moveaxis = [np.asarray(o) for o in jax.jit(reference._quantize_with_formats)(y)]
-        _assert_same_bits(self, moveaxis, legacy, "formats.quantize_mxfp8 vs legacy")
+        public = [np.asarray(o) for o in jax.jit(lambda v: (
+            *formats.quantize_mxfp8(v, axis=-1, dtype=E4M3), *formats.quantize_mxfp8(v, axis=0, dtype=E4M3)))(y)]
+        _assert_same_bits(self, public, legacy, "formats.quantize_mxfp8 vs legacy")
         y64 = y.astype(np.float64)
         for codes, scales, axis in ((got[0], got[1], 2), (got[2], got[3], 0)):
             ref_codes, ref_bytes = oracle.quantize_mx_f64(y64, axis=axis)
@@ -176,20 +199,6 @@ class PiecesTest(parameterized.TestCase):
         self.assertEqual(int(got[1][6, 0, 0]), 0xFF)
         self.assertEqual(int(got[3][0, h - 1, 170]), 0)
         self.assertEqual(int(got[3][0, h - 1, 130]), 0xFF)
-
-    @parameterized.parameters((32, 1), (96, 3))
-    def test_select_rope_matches_concat_rope(self, t, h):
-        rng = np.random.default_rng(t + h)
-        y = (rng.standard_normal((t, h, 192)) * 100).astype(np.float32)
-        y[3, 0, 130] = np.nan
-        y[4, h - 1, 191] = np.inf
-        y[5, 0, 128:192] = 0.0
-        angles = rng.uniform(-np.pi, np.pi, (t, 64))
-        for dtype in (np.float32, oracle_ops.BF16):
-            cos, sin = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
-            got = np.asarray(jax.jit(reference._apply_rope_select)(y, cos, sin))
-            want = np.asarray(jax.jit(reference.apply_rope)(y, cos, sin))
-            _assert_same_bits(self, [got], [want], f"select vs concat RoPE ({np.dtype(dtype).name} tables)")
 
 
 @absltest.skipUnless(reference.has_scaled_dot(), _NO_SCALED_DOT)
@@ -287,7 +296,8 @@ class ScaledDotDecisionTest(absltest.TestCase):
 class ScriptTest(absltest.TestCase):
 
     def test_small_run(self):
-        """benchmarks/reference_variants.py --small runs, every formulation is bit-identical, the route is close."""
+        """benchmarks/reference_variants.py --small runs, the public API matches the reference bit for bit, the
+        scaled_dot route is close."""
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rv.json")
             env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -297,11 +307,11 @@ class ScriptTest(absltest.TestCase):
             with open(out) as f:
                 record = json.load(f)
             hlo = sorted(os.listdir(os.path.join(tmp, "rv_hlo")))
-        self.assertIn("proj_rope_T64_bf16_default.hlo.txt.gz", hlo)
+        self.assertIn("proj_rope_T64_bf16_reference.hlo.txt.gz", hlo)
         self.assertIn("gemm_256x192x320_dequant.hlo.txt.gz", hlo)
         self.assertEqual(len(record["proj_rope"]), 2)
         for case in record["proj_rope"]:
-            for name in (rv.DEFAULT, "legacy", "public_api", *rv.PROJ_ROPE_PLANS):
+            for name in ("reference", "public_api"):
                 v = case["variants"][name]
                 self.assertTrue(v.get("identical"), (case["path"], name, v))
                 self.assertGreater(v["ms"], 0)
