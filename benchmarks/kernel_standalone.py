@@ -46,11 +46,11 @@ if "--candidate" in sys.argv:  # a candidate process needs only jax_blockgemm.ke
 # name -> HopperMxf8GemmAmax keyword arguments (besides the dtypes).
 CANDIDATES: dict[str, dict] = {
     "current": {},  # the catalog default: 128x128, k-tile 128, "f32" dequant, per-k-tile promotion
-    "bits1_128_k64_b3": dict(dequant="bits1", promote=False, tile_k=64, mma_buffers=3),
     "f32_256_b3": dict(tile_mn=(128, 256), dequant="f32", promote=False, mma_buffers=3),
-    "bits_256_b3": dict(tile_mn=(128, 256), dequant="bits", promote=False, mma_buffers=3),
     "bits1_256_b2": dict(tile_mn=(128, 256), dequant="bits1", promote=False, mma_buffers=2),
     "bits1_256_b3": dict(tile_mn=(128, 256), dequant="bits1", promote=False, mma_buffers=3),
+    "rs_bits1_256": dict(tile_mn=(128, 256), dequant="bits1", promote=False, a_regs=True),
+    "rs_bits1_128": dict(tile_mn=(128, 128), tile_k=64, dequant="bits1", promote=False, a_regs=True),
 }
 AB_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 C_DTYPES = ("float32", "bfloat16")

@@ -72,7 +72,10 @@ class CatalogTest(parameterized.TestCase):
         dict(kwargs=dict(mma_buffers=4, promote=False), match="mma_buffers=4"),
         dict(kwargs=dict(tile_mn=(128, 256)), match="promote=True needs tile_mn=(128, 128)"),
         dict(kwargs=dict(mma_buffers=3), match="promote=True needs"),
-        dict(kwargs=dict(tile_mn=(128, 256), tile_k=128, promote=False), match="at least 2 are needed"))
+        dict(kwargs=dict(tile_mn=(128, 256), tile_k=128, promote=False), match="at least 2 are needed"),
+        dict(kwargs=dict(a_regs=True, promote=False, tile_k=64), match="a_regs=True needs dequant 'bits'"),
+        dict(kwargs=dict(tile_mn=(128, 256), dequant="bits", a_regs=True, promote=False, mma_buffers=3),
+             match="mma_buffers=3"))
     def test_kernel_config_errors_name_the_argument(self, kwargs, match):
         with self.assertRaisesRegex(ValueError, re.escape(match)):
             HopperMxf8GemmAmax(**kwargs)
@@ -124,6 +127,27 @@ class CompileTest(parameterized.TestCase):
         self.assertNotIn("ld.local", ptx)  # no register spills to local memory
         # The exact fallback for non-finite codes keeps the hardware converter.
         self.assertIn("cvt.rn.f16x2.e5m2x2", ptx)
+
+    def test_a_from_registers_compiles_to_rs_wgmma(self):
+        """a_regs: A's codes go from shared memory (32-bit loads) to the wgmma's register operand; B as before."""
+        import cutlass.cute as cute
+        from cutlass.cutlass_dsl import CuTeDSL
+
+        kernel = HopperMxf8GemmAmax(tile_mn=(128, 256), dequant="bits1", promote=False, a_regs=True)
+        envar = CuTeDSL._get_dsl().envar
+        saved, envar.arch = envar._arch, "sm_90a"
+        try:
+            ptx = cute.compile(kernel, *catalog.fake_arguments(kernel), options="--keep-ptx").__ptx__
+        finally:
+            envar._arch = saved
+        # wgmma with four 32-bit A registers (then the B descriptor) instead of two descriptors.
+        rs = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16\s*\{[^}]*\},\s*"
+                        r"\{\s*%r\d+,\s*%r\d+,\s*%r\d+,\s*%r\d+\s*\},\s*%rd\d+", ptx)
+        self.assertLen(rs, 2 * 4)  # 4 k16 steps per k-tile, twice (the mainloop is unrolled by two)
+        # Per k-tile each thread loads 2 rows x 4 steps of A code words; the first tile is dequantized before the
+        # mainloop, then once per unrolled half.
+        self.assertEqual(ptx.count("ld.shared.b32"), 3 * 8)
+        self.assertNotIn("ld.local", ptx)
 
     @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG)
     def test_header_matches_abi(self, v):
