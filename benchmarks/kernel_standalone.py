@@ -13,7 +13,8 @@ Checked per candidate and dtype pair (E4M3/E5M2 x f32/bf16): small and odd shape
 N = 1, K = 32), NaN/0 scale bytes with non-finite codes, every finite code through a one-hot B (exact); and
 8192^3 / 4096x7168x16384 (E4M3 -> f32) and 8192^3 (E5M2 -> bf16) on 256 sampled rows against a float64 product
 (computed once, on the GPU in float64). Timed (E4M3 -> f32, CUDA events, median of 30 after 5 warm-ups) at the
-SPEC §8 shapes, and at 8192^3 with the dequantization or the wgmma left out (phase costs; wrong results by design).
+SPEC §8 shapes, and at 8192^3 with the dequantization, the wgmma or the amax left out (phase costs; wrong results
+by design).
 Progress goes to stderr, the tables to stdout last; everything is written under --out.
 """
 
@@ -466,7 +467,7 @@ def run_candidate(name: str, data_dir: str, out_dir: str, step_limit_s: float) -
             dog.at(f"{name}: time {shape}")
             result["timing_ms"][str(shape)] = time_kernel(e4m3_f32, shape)
             save()
-        for skip in (("dequant",), ("mma",)):
+        for skip in (("dequant",), ("mma",), ("amax",)):
             dog.at(f"{name}: time {BIG} without {skip[0]}")
             try:
                 result["phases_ms"]["no " + skip[0]] = time_kernel(
@@ -544,12 +545,13 @@ def summarize(results: list, xla: dict) -> str:
         lines.append(f"| {r['name']} | " + " | ".join(cell(t.get(s, "-"), s, bt.get(s)) for s in shapes) + " |")
     for name, t in xla.items():
         lines.append(f"| {name} (wall clock) | " + " | ".join(cell(t.get(s, "-"), s) for s in shapes) + " |")
-    lines += ["", "| 8192^3 E4M3 -> f32, ms | full | no dequantization | no wgmma |", "|---|---|---|---|"]
+    lines += ["", "| 8192^3 E4M3 -> f32, ms | full | no dequantization | no wgmma | no amax |", "|---|---|---|---|---|"]
     for r in results:
         full = r.get("timing_ms", {}).get(str(BIG), "-")
         p = r.get("phases_ms", {})
         fmt = lambda x: f"{x:.3f}" if isinstance(x, (int, float)) else str(x)[:40]
-        lines.append(f"| {r['name']} | {fmt(full)} | {fmt(p.get('no dequant', '-'))} | {fmt(p.get('no mma', '-'))} |")
+        lines.append(f"| {r['name']} | {fmt(full)} | {fmt(p.get('no dequant', '-'))} | {fmt(p.get('no mma', '-'))} | "
+                     f"{fmt(p.get('no amax', '-'))} |")
     return "\n".join(lines)
 
 
