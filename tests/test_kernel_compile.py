@@ -149,6 +149,31 @@ class CompileTest(parameterized.TestCase):
         self.assertEqual(ptx.count("ld.shared.b32"), 3 * 8)
         self.assertNotIn("ld.local", ptx)
 
+    def test_every_standalone_candidate_compiles_without_spills(self):
+        """The configurations benchmarks/kernel_standalone.py --candidates runs on the device all build for sm_90a."""
+        import importlib.util
+
+        import cutlass.cute as cute
+        from cutlass.cutlass_dsl import CuTeDSL
+
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                            "kernel_standalone.py")
+        spec = importlib.util.spec_from_file_location("kernel_standalone_for_test", path)
+        standalone = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(standalone)
+        self.assertIn("current", standalone.CANDIDATES)
+        envar = CuTeDSL._get_dsl().envar
+        saved, envar.arch = envar._arch, "sm_90a"
+        try:
+            for name, kwargs in standalone.CANDIDATES.items():
+                with self.subTest(name):
+                    kernel = HopperMxf8GemmAmax(**kwargs)
+                    ptx = cute.compile(kernel, *catalog.fake_arguments(kernel), options="--keep-ptx").__ptx__
+                    self.assertRegex(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{kernel.tile_mnk[1]}k16")
+                    self.assertNotIn("ld.local", ptx)
+        finally:
+            envar._arch = saved
+
     @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG)
     def test_header_matches_abi(self, v):
         _, _, header = _compiled(v)
