@@ -188,8 +188,10 @@ def launch(runner: KernelRunner, a: np.ndarray, b: np.ndarray, sa: np.ndarray, s
     tdt = torch.float32 if c_dtype == "float32" else torch.bfloat16
     tc = torch.full((l * m * n,), float("nan"), dtype=tdt, device="cuda")
     tamax = torch.zeros((l,), dtype=torch.float32, device="cuda")
-    runner(_dev(a), _dev(b), _dev(to_atom(sa)), _dev(to_atom(sb)), tc, tamax, m, n, k, l)
+    inputs = (_dev(a), _dev(b), _dev(to_atom(sa)), _dev(to_atom(sb)))  # alive until the kernel has run
+    runner(*inputs, tc, tamax, m, n, k, l)
     torch.cuda.synchronize()
+    del inputs
     return tc.float().reshape(l, m, n), tamax.cpu().numpy()
 
 
