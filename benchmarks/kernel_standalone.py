@@ -47,11 +47,11 @@ if "--candidate" in sys.argv:  # a candidate process needs only jax_blockgemm.ke
 # name -> HopperMxf8GemmAmax keyword arguments (besides the dtypes).
 CANDIDATES: dict[str, dict] = {
     "current": {},  # the catalog default: 128x128, k-tile 128, "f32" dequant, per-k-tile promotion
-    "f32_256_b3": dict(tile_mn=(128, 256), dequant="f32", promote=False, mma_buffers=3),
-    "bits1_256_b2": dict(tile_mn=(128, 256), dequant="bits1", promote=False, mma_buffers=2),
     "bits1_256_b3": dict(tile_mn=(128, 256), dequant="bits1", promote=False, mma_buffers=3),
+    "bits1_256_b2_ov": dict(tile_mn=(128, 256), dequant="bits1", promote=False, mma_buffers=2, overlap=True),
     "rs_bits1_256": dict(tile_mn=(128, 256), dequant="bits1", promote=False, a_regs=True),
-    "rs_bits1_128": dict(tile_mn=(128, 128), tile_k=64, dequant="bits1", promote=False, a_regs=True),
+    "rs_ov_256": dict(tile_mn=(128, 256), dequant="bits1", promote=False, a_regs=True, overlap=True),
+    "rs_ov_128": dict(tile_mn=(128, 128), tile_k=64, dequant="bits1", promote=False, a_regs=True, overlap=True),
 }
 AB_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 C_DTYPES = ("float32", "bfloat16")

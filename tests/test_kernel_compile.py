@@ -75,7 +75,9 @@ class CatalogTest(parameterized.TestCase):
         dict(kwargs=dict(tile_mn=(128, 256), tile_k=128, promote=False), match="at least 2 are needed"),
         dict(kwargs=dict(a_regs=True, promote=False, tile_k=64), match="a_regs=True needs dequant 'bits'"),
         dict(kwargs=dict(tile_mn=(128, 256), dequant="bits", a_regs=True, promote=False, mma_buffers=3),
-             match="mma_buffers=3"))
+             match="mma_buffers=3"),
+        dict(kwargs=dict(tile_mn=(128, 256), promote=False, mma_buffers=3, overlap=True),
+             match="overlap=True needs promote=False and mma_buffers=2"))
     def test_kernel_config_errors_name_the_argument(self, kwargs, match):
         with self.assertRaisesRegex(ValueError, re.escape(match)):
             HopperMxf8GemmAmax(**kwargs)

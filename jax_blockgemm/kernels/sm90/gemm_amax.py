@@ -79,13 +79,13 @@ class HopperMxf8GemmAmax:
     Compile-time configuration only; every size is a run-time scalar of the exported function. `tile_k` defaults
     to 128 for 128x128 tiles and 64 for 128x256 (shared memory); `promote` (the per-k-tile fp32 partial) needs the
     128x128 tile (64 more registers per thread) and 2 bf16 buffers; `a_regs` (A from registers) needs a "bits"
-    dequantizer, no promotion, 2 buffers and tile_k 64.
+    dequantizer, no promotion, 2 buffers and tile_k 64; `overlap` needs no promotion and 2 buffers.
     """
 
     def __init__(self, *, ab_dtype: str = "float8_e4m3fn", c_dtype: str = "float32",
                  tile_mn: tuple[int, int] = (128, 128), cluster_mn: tuple[int, int] = (1, 1),
                  dequant: str = "f32", tile_k: int | None = None, mma_buffers: int = 2, promote: bool = True,
-                 a_regs: bool = False):
+                 a_regs: bool = False, overlap: bool = False):
         if ab_dtype not in _AB_DTYPES:
             raise ValueError(f"ab_dtype={ab_dtype!r} is not supported; expected one of {sorted(_AB_DTYPES)}")
         if c_dtype not in _C_DTYPES:
@@ -108,8 +108,15 @@ class HopperMxf8GemmAmax:
             raise ValueError(f"a_regs=True needs dequant 'bits' or 'bits1', promote=False, mma_buffers=2 and "
                              f"tile_k=64, "
                              f"got dequant={dequant!r}, promote={promote}, mma_buffers={mma_buffers}, tile_k={tile_k}")
+        if overlap and (promote or mma_buffers != 2):
+            raise ValueError(f"overlap=True needs promote=False and mma_buffers=2, got promote={promote}, "
+                             f"mma_buffers={mma_buffers}")
         self.dequant_mode = dequant
         self.promote = bool(promote)
+        # overlap: with 2 buffers, keep k-tile kt's wgmma in flight while k-tile kt+1 is dequantized (wait for
+        # kt-1 only, then a barrier so that no warpgroup still reads the buffer about to be overwritten): the
+        # tensor cores always have the next k-tile queued, at the price of a second barrier per k-tile.
+        self.overlap = bool(overlap)
         # A from registers (wgmma RS): each thread dequantizes its own A fragment (rows g, g+8 of its warp's 16,
         # four codes per k16 step), so only B goes through shared memory as bf16. The fragment's k order is
         # permuted inside every 16-wide group (codes 4t..4t+3 play k = 2t, 2t+1, 2t+8, 2t+9), and B is written
@@ -542,6 +549,10 @@ class HopperMxf8GemmAmax:
                                 cute.gemm(tiled_mma, acc, a_frags[half][(None, None, ks)],
                                           tCrB[(None, None, ks, half)], acc)
                             cute.nvgpu.warpgroup.commit_group()
+                            if cutlass.const_expr(self.overlap):  # tile kr-1's wgmma done in both warpgroups
+                                cute.nvgpu.warpgroup.wait_group(1)
+                                cute.arch.barrier(barrier_id=self.mainloop_barrier_id,
+                                                  number_of_threads=2 * self.threads_per_wg)
                             if kr + 1 < k_tiles:  # the next tile into the other register set and buffer
                                 _, jfirst_r = self.tile_scale_byte(kr + 1, 0)
                                 _, jbyte_r = self.tile_scale_byte(kr + 1, lane_in_row)
@@ -563,7 +574,8 @@ class HopperMxf8GemmAmax:
                                 ab_pipeline.consumer_release(read_state)
                                 read_state.advance()
                                 cute.arch.fence_proxy("async.shared", space="cta")
-                            cute.nvgpu.warpgroup.wait_group(0)
+                            if cutlass.const_expr(not self.overlap):
+                                cute.nvgpu.warpgroup.wait_group(0)
                             cute.arch.barrier(barrier_id=self.mainloop_barrier_id,
                                               number_of_threads=2 * self.threads_per_wg)
             else:
@@ -579,6 +591,10 @@ class HopperMxf8GemmAmax:
                                   partial)
                         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     cute.nvgpu.warpgroup.commit_group()
+                    if cutlass.const_expr(self.overlap):  # tile kt-1's wgmma done in both warpgroups
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        cute.arch.barrier(barrier_id=self.mainloop_barrier_id,
+                                          number_of_threads=2 * self.threads_per_wg)
                     if kt + 1 < k_tiles:  # dequantize the next tile into a free buffer while the tensor cores run
                         _, jfirst = self.tile_scale_byte(kt + 1, 0)
                         _, jbyte = self.tile_scale_byte(kt + 1, lane_in_row)
@@ -603,7 +619,7 @@ class HopperMxf8GemmAmax:
                         cute.nvgpu.warpgroup.wait_group(0)
                         for i in cutlass.range_constexpr(cute.size(acc)):
                             acc[i] = acc[i] + partial[i]
-                    else:
+                    if cutlass.const_expr(not self.promote and not self.overlap):
                         cute.nvgpu.warpgroup.wait_group(self.mma_buffers - 2)
                     cute.arch.barrier(barrier_id=self.mainloop_barrier_id, number_of_threads=2 * self.threads_per_wg)
             cute.nvgpu.warpgroup.wait_group(0)
