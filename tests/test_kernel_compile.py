@@ -195,6 +195,51 @@ class CompileTest(parameterized.TestCase):
                          list(_ABI_TENSORS) + ["&m", "&n", "&k", "&l", "&stream", "&ret"])
 
 
+class BitsDequantModelTest(parameterized.TestCase):
+    """A bit-exact NumPy model of the "bits" dequantizer's integer steps, with the kernel module's constants."""
+
+    @staticmethod
+    def _prmt(a: np.ndarray, selector: int) -> np.ndarray:
+        """PTX prmt.b32 d, a, 0, selector (default mode) on uint32 words."""
+        out = np.zeros_like(a)
+        for i in range(4):
+            nib = (selector >> (4 * i)) & 0xF
+            byte = (a >> np.uint32(8 * (nib & 3))) & np.uint32(0xFF) if nib & 7 < 4 else np.zeros_like(a)
+            if nib & 8:
+                byte = np.where(byte & np.uint32(0x80), np.uint32(0xFF), np.uint32(0))
+            out |= byte.astype(np.uint32) << np.uint32(8 * i)
+        return out
+
+    @parameterized.parameters("float8_e4m3fn", "float8_e5m2")
+    def test_every_code_becomes_its_value_times_two_to_the_minus_bias(self, ab):
+        import ml_dtypes
+
+        from jax_blockgemm.kernels.sm90 import gemm_amax as g
+
+        shift, mask, bias, flag_add = g._BITS[ab]
+        fp8 = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}[ab]
+        codes = np.arange(256, dtype=np.uint8)
+        words = codes.view(np.uint32)  # 64 words, 4 consecutive codes each
+        halves = []
+        for selector in (g._PRMT_LO, g._PRMT_HI):
+            x = (self._prmt(words, selector) << np.uint32(shift)) & np.uint32(mask & 0xFFFFFFFF)
+            halves.append(x.view(np.uint16).reshape(-1, 2))
+        bits = np.stack(halves, axis=1).reshape(-1)  # codes 0..255 in order: (lo pair, hi pair) per word
+        got = bits.view(ml_dtypes.bfloat16).astype(np.float64) * 2.0 ** bias
+        want = codes.view(fp8).astype(np.float64)
+        finite = np.isfinite(want)
+        np.testing.assert_array_equal(got[finite], want[finite])
+        np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(want[finite]))  # -0 stays -0
+        # The flag word: bit 7 of some byte set iff the word holds a non-finite code (then the exact path runs).
+        rng = np.random.default_rng(0)
+        tests = np.concatenate([words, rng.integers(0, 2**32, 200000, dtype=np.uint64).astype(np.uint32)])
+        flagged = ((tests ^ (tests + np.uint32(flag_add))) & np.uint32(0x80808080)) != 0
+        nonfinite = ~np.isfinite(tests.view(np.uint8).view(fp8).astype(np.float32)).reshape(-1, 4).all(axis=1)
+        np.testing.assert_array_equal(flagged, nonfinite)
+        # bits1: the one-multiply constant (byte + bias) as a bf16 exponent is normal exactly up to 254 - bias.
+        self.assertEqual(254 - bias, {"float8_e4m3fn": 134, "float8_e5m2": 142}[ab])
+
+
 class AtomLayoutTest(absltest.TestCase):
 
     def test_byte_offset_matches_spec_formula(self):
