@@ -273,7 +273,8 @@ class HopperMxf8GemmAmax:
             scales += [(words[i] >> (8 * jbyte)) & 0xFF for i in range(2, cute.size(words))]
         else:
             scales = [(words[i] >> (8 * jbyte)) & 0xFF for i in range(cute.size(words))]
-        self.load_scale_words(words, bases, sfa_w, sfb_w, next_k_atom)
+        if next_k_atom is not None:  # else the caller loads them after its proxy fence (see the a_regs mainloop)
+            self.load_scale_words(words, bases, sfa_w, sfb_w, next_k_atom)
         ab_pipeline.consumer_wait(read_state)
         flags = cutlass.Int32(0)
         flag_add = self._bits[3]
@@ -512,6 +513,13 @@ class HopperMxf8GemmAmax:
             self.scale_word_bases(bases, rows_a, rows_b, batch, tile_m, tile_n, (bm, bn), m, n, k_atoms)
             words = cute.make_rmem_tensor((reps,), cutlass.Int32)
             self.load_scale_words(words, bases, sfa_w, sfb_w, 0)
+            if cutlass.const_expr(self.a_regs):
+                # Two sets, k-tile t's words in set t % 2, loaded two k-tiles ahead right after the proxy fence: the
+                # fence (a CTA membar) then never waits for a scale load still in flight.
+                words_odd = cute.make_rmem_tensor((reps,), cutlass.Int32)
+                atom1, _ = self.tile_scale_byte(cutlass.min(1, k_tiles - 1), 0)
+                self.load_scale_words(words_odd, bases, sfa_w, sfb_w, atom1)
+                word_sets = (words, words_odd)
 
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             # ------------------------------------------------------------------------------ dequantize tile 0
@@ -519,8 +527,9 @@ class HopperMxf8GemmAmax:
             _, jfirst0 = self.tile_scale_byte(0, 0)
             _, jbyte0 = self.tile_scale_byte(0, lane_in_row)
             next_atom0, _ = self.tile_scale_byte(cutlass.min(1, k_tiles - 1), lane_in_row)
-            scales0, flags0, one0 = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w, next_atom0,
-                                                    jfirst0, jbyte0, operands, 0, areg)
+            scales0, flags0, one0 = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w,
+                                                    None if self.a_regs else next_atom0, jfirst0, jbyte0, operands,
+                                                    0, areg)
             if cutlass.const_expr(self.dequant_mode == "bits"):
                 self.convert_bits(operands, scales0, False, 0, areg, tCrA)
             if cutlass.const_expr(self.dequant_mode == "bits1"):
@@ -534,6 +543,9 @@ class HopperMxf8GemmAmax:
             ab_pipeline.consumer_release(read_state)
             read_state.advance()
             cute.arch.fence_proxy("async.shared", space="cta")
+            if cutlass.const_expr(self.a_regs):
+                atom2, _ = self.tile_scale_byte(cutlass.min(2, k_tiles - 1), 0)
+                self.load_scale_words(words, bases, sfa_w, sfb_w, atom2)
             cute.arch.barrier(barrier_id=self.mainloop_barrier_id, number_of_threads=2 * self.threads_per_wg)
 
             # ------------------------------------------------------------------------------ mainloop
@@ -556,10 +568,9 @@ class HopperMxf8GemmAmax:
                             if kr + 1 < k_tiles:  # the next tile into the other register set and buffer
                                 _, jfirst_r = self.tile_scale_byte(kr + 1, 0)
                                 _, jbyte_r = self.tile_scale_byte(kr + 1, lane_in_row)
-                                next_atom_r, _ = self.tile_scale_byte(cutlass.min(kr + 2, k_tiles - 1), lane_in_row)
                                 scales_r, flags_r, one_r = self.dequantize(
-                                    ab_pipeline, read_state, words, bases, sfa_w, sfb_w, next_atom_r, jfirst_r,
-                                    jbyte_r, operands, 1 - half, areg)
+                                    ab_pipeline, read_state, word_sets[1 - half], bases, sfa_w, sfb_w, None,
+                                    jfirst_r, jbyte_r, operands, 1 - half, areg)
                                 if cutlass.const_expr(self.dequant_mode == "bits"):
                                     self.convert_bits(operands, scales_r, False, 1 - half, areg, a_frags[1 - half])
                                 if cutlass.const_expr(self.dequant_mode == "bits1"):
@@ -574,6 +585,8 @@ class HopperMxf8GemmAmax:
                                 ab_pipeline.consumer_release(read_state)
                                 read_state.advance()
                                 cute.arch.fence_proxy("async.shared", space="cta")
+                                atom_r, _ = self.tile_scale_byte(cutlass.min(kr + 3, k_tiles - 1), 0)
+                                self.load_scale_words(word_sets[1 - half], bases, sfa_w, sfb_w, atom_r)
                             if cutlass.const_expr(not self.overlap):
                                 cute.nvgpu.warpgroup.wait_group(0)
                             cute.arch.barrier(barrier_id=self.mainloop_barrier_id,
