@@ -19,8 +19,8 @@ bit pattern is wrong for E4M3 NaN and E5M2 inf/NaN codes; one add and one xor pe
 that saw one redoes its part of the tile with "f32" (rare, exact).
 
 With `a_regs` (wgmma RS) each consumer thread dequantizes its own A fragment straight into registers and only B
-is written to shared memory as bf16 (A's bf16 round trip through shared memory, 1/3 of the dequantization's
-shared-memory traffic at 128x256, disappears).
+is written to shared memory as bf16 (A's bf16 round trip, 32 of the 176 KB of shared-memory traffic per 128x256x64
+k-tile, disappears); its scale words are loaded two k-tiles ahead.
 
 Phases are marked `producer`, `dequantize`, `mainloop`, `epilogue` in the kernel body.
 """
