@@ -124,7 +124,12 @@ class CatalogTest(parameterized.TestCase):
         dict(kwargs=dict(mma_buffers=4, promote=False), match="mma_buffers=4"),
         dict(kwargs=dict(tile_mn=(128, 256)), match="promote=True needs tile_mn=(128, 128)"),
         dict(kwargs=dict(mma_buffers=3), match="promote=True needs"),
-        dict(kwargs=dict(tile_mn=(128, 256), tile_k=128, promote=False), match="at least 2 are needed"))
+        dict(kwargs=dict(tile_mn=(128, 256), tile_k=128, promote=False), match="at least 2 are needed"),
+        dict(kwargs=dict(a_regs=True, promote=False, tile_k=64), match="a_regs=True needs dequant 'bits'"),
+        dict(kwargs=dict(tile_mn=(128, 256), dequant="bits", a_regs=True, promote=False, mma_buffers=3),
+             match="mma_buffers=3"),
+        dict(kwargs=dict(tile_mn=(128, 256), promote=False, mma_buffers=3, overlap=True),
+             match="overlap=True needs promote=False and mma_buffers=2"))
     def test_kernel_config_errors_name_the_argument(self, kwargs, match):
         with self.assertRaisesRegex(ValueError, re.escape(match)):
             HopperMxf8GemmAmax(**kwargs)
@@ -238,6 +243,52 @@ class CompileTest(parameterized.TestCase):
         blocks = (256 if v.ab_dtype == "float4_e2m1fn" else 128) // v.sf_vec_size
         self.assertEqual(report.tmem_columns_used, 256 + blocks * (1 + v.tile_mn[1] // 128))
 
+    def test_a_from_registers_compiles_to_rs_wgmma(self):
+        """a_regs: A's codes go from shared memory (32-bit loads) to the wgmma's register operand; B as before."""
+        import cutlass.cute as cute
+        from cutlass.cutlass_dsl import CuTeDSL
+
+        kernel = HopperMxf8GemmAmax(tile_mn=(128, 256), dequant="bits1", promote=False, a_regs=True)
+        envar = CuTeDSL._get_dsl().envar
+        saved, envar.arch = envar._arch, "sm_90a"
+        try:
+            ptx = cute.compile(kernel, *catalog.fake_arguments(kernel), options="--keep-ptx").__ptx__
+        finally:
+            envar._arch = saved
+        # wgmma with four 32-bit A registers (then the B descriptor) instead of two descriptors.
+        rs = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16\s*\{[^}]*\},\s*"
+                        r"\{\s*%r\d+,\s*%r\d+,\s*%r\d+,\s*%r\d+\s*\},\s*%rd\d+", ptx)
+        self.assertLen(rs, 2 * 4)  # 4 k16 steps per k-tile, twice (the mainloop is unrolled by two)
+        # Per k-tile each thread loads 2 rows x 4 steps of A code words; the first tile is dequantized before the
+        # mainloop, then once per unrolled half.
+        self.assertEqual(ptx.count("ld.shared.b32"), 3 * 8)
+        self.assertNotIn("ld.local", ptx)
+
+    def test_every_standalone_candidate_compiles_without_spills(self):
+        """The configurations benchmarks/kernel_standalone.py --candidates runs on the device all build for sm_90a."""
+        import importlib.util
+
+        import cutlass.cute as cute
+        from cutlass.cutlass_dsl import CuTeDSL
+
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                            "kernel_standalone.py")
+        spec = importlib.util.spec_from_file_location("kernel_standalone_for_test", path)
+        standalone = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(standalone)
+        self.assertIn("current", standalone.CANDIDATES)
+        envar = CuTeDSL._get_dsl().envar
+        saved, envar.arch = envar._arch, "sm_90a"
+        try:
+            for name, kwargs in standalone.CANDIDATES.items():
+                with self.subTest(name):
+                    kernel = HopperMxf8GemmAmax(**kwargs)
+                    ptx = cute.compile(kernel, *catalog.fake_arguments(kernel), options="--keep-ptx").__ptx__
+                    self.assertRegex(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{kernel.tile_mnk[1]}k16")
+                    self.assertNotIn("ld.local", ptx)
+        finally:
+            envar._arch = saved
+
     @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG + catalog.TEST_VARIANTS
                                     if v.op == "gemm_amax")
     def test_header_matches_abi(self, v):
@@ -333,6 +384,51 @@ class StructureTest(absltest.TestCase):
         self.assertLessEqual(res.registers, 255)
         with self.assertRaisesRegex(ValueError, "not an ELF64"):
             structure.cubin_resources(b"PK\x03\x04")
+
+
+class BitsDequantModelTest(parameterized.TestCase):
+    """A bit-exact NumPy model of the "bits" dequantizer's integer steps, with the kernel module's constants."""
+
+    @staticmethod
+    def _prmt(a: np.ndarray, selector: int) -> np.ndarray:
+        """PTX prmt.b32 d, a, 0, selector (default mode) on uint32 words."""
+        out = np.zeros_like(a)
+        for i in range(4):
+            nib = (selector >> (4 * i)) & 0xF
+            byte = (a >> np.uint32(8 * (nib & 3))) & np.uint32(0xFF) if nib & 7 < 4 else np.zeros_like(a)
+            if nib & 8:
+                byte = np.where(byte & np.uint32(0x80), np.uint32(0xFF), np.uint32(0))
+            out |= byte.astype(np.uint32) << np.uint32(8 * i)
+        return out
+
+    @parameterized.parameters("float8_e4m3fn", "float8_e5m2")
+    def test_every_code_becomes_its_value_times_two_to_the_minus_bias(self, ab):
+        import ml_dtypes
+
+        from jax_blockgemm.kernels.sm90 import gemm_amax as g
+
+        shift, mask, bias, flag_add = g._BITS[ab]
+        fp8 = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}[ab]
+        codes = np.arange(256, dtype=np.uint8)
+        words = codes.view(np.uint32)  # 64 words, 4 consecutive codes each
+        halves = []
+        for selector in (g._PRMT_LO, g._PRMT_HI):
+            x = (self._prmt(words, selector) << np.uint32(shift)) & np.uint32(mask & 0xFFFFFFFF)
+            halves.append(x.view(np.uint16).reshape(-1, 2))
+        bits = np.stack(halves, axis=1).reshape(-1)  # codes 0..255 in order: (lo pair, hi pair) per word
+        got = bits.view(ml_dtypes.bfloat16).astype(np.float64) * 2.0 ** bias
+        want = codes.view(fp8).astype(np.float64)
+        finite = np.isfinite(want)
+        np.testing.assert_array_equal(got[finite], want[finite])
+        np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(want[finite]))  # -0 stays -0
+        # The flag word: bit 7 of some byte set iff the word holds a non-finite code (then the exact path runs).
+        rng = np.random.default_rng(0)
+        tests = np.concatenate([words, rng.integers(0, 2**32, 200000, dtype=np.uint64).astype(np.uint32)])
+        flagged = ((tests ^ (tests + np.uint32(flag_add))) & np.uint32(0x80808080)) != 0
+        nonfinite = ~np.isfinite(tests.view(np.uint8).view(fp8).astype(np.float32)).reshape(-1, 4).all(axis=1)
+        np.testing.assert_array_equal(flagged, nonfinite)
+        # bits1: the one-multiply constant (byte + bias) as a bf16 exponent is normal exactly up to 254 - bias.
+        self.assertEqual(254 - bias, {"float8_e4m3fn": 134, "float8_e5m2": 142}[ab])
 
 
 class AtomLayoutTest(absltest.TestCase):

@@ -18,6 +18,10 @@ byte of the warp (bytes <= 134 for E4M3, <= 142 for E5M2: real MX data), and fal
 bit pattern is wrong for E4M3 NaN and E5M2 inf/NaN codes; one add and one xor per word flag those, and a thread
 that saw one redoes its part of the tile with "f32" (rare, exact).
 
+With `a_regs` (wgmma RS) each consumer thread dequantizes its own A fragment straight into registers and only B
+is written to shared memory as bf16 (A's bf16 round trip, 32 of the 176 KB of shared-memory traffic per 128x256x64
+k-tile, disappears); its scale words are loaded two k-tiles ahead.
+
 Phases are marked `producer`, `dequantize`, `mainloop`, `epilogue` in the kernel body.
 """
 
@@ -61,17 +65,27 @@ _BITS = {"float8_e4m3fn": (4, _i32(0x87F087F0), 120, 0x01010101),
 _BF16X2_EXPONENT_ONE = 0x00800080  # times e: bf16x2 2^(e-127) in both halves, for 1 <= e <= 254
 
 
+class _ARegisters:
+    """With `a_regs`: a thread's A code words (2 rows x k16 steps), their shared-memory word offsets in stage 0,
+    the FP8 A buffer as 32-bit words, and the words per stage."""
+
+    def __init__(self, smem_words, offsets, codes, stage_words: int):
+        self.smem_words, self.offsets, self.codes, self.stage_words = smem_words, offsets, codes, stage_words
+
+
 class HopperMxf8GemmAmax:
     """C = (A·sfa) (B·sfb)^T per batch, amax[l] = max|C[l]|, for MXFP8 K-major operands on sm_90a.
 
     Compile-time configuration only; every size is a run-time scalar of the exported function. `tile_k` defaults
     to 128 for 128x128 tiles and 64 for 128x256 (shared memory); `promote` (the per-k-tile fp32 partial) needs the
-    128x128 tile (64 more registers per thread) and 2 bf16 buffers.
+    128x128 tile (64 more registers per thread) and 2 bf16 buffers; `a_regs` (A from registers) needs a "bits"
+    dequantizer, no promotion, 2 buffers and tile_k 64; `overlap` needs no promotion and 2 buffers.
     """
 
     def __init__(self, *, ab_dtype: str = "float8_e4m3fn", c_dtype: str = "float32",
                  tile_mn: tuple[int, int] = (128, 128), cluster_mn: tuple[int, int] = (1, 1),
-                 dequant: str = "f32", tile_k: int | None = None, mma_buffers: int = 2, promote: bool = True):
+                 dequant: str = "f32", tile_k: int | None = None, mma_buffers: int = 2, promote: bool = True,
+                 a_regs: bool = False, overlap: bool = False):
         if ab_dtype not in _AB_DTYPES:
             raise ValueError(f"ab_dtype={ab_dtype!r} is not supported; expected one of {sorted(_AB_DTYPES)}")
         if c_dtype not in _C_DTYPES:
@@ -90,8 +104,24 @@ class HopperMxf8GemmAmax:
         if promote and (tuple(tile_mn) != (128, 128) or mma_buffers != 2):
             raise ValueError(f"promote=True needs tile_mn=(128, 128) and mma_buffers=2, got tile_mn={tile_mn!r}, "
                              f"mma_buffers={mma_buffers}")
+        if a_regs and (dequant == "f32" or promote or mma_buffers != 2 or tile_k != 64):
+            raise ValueError(f"a_regs=True needs dequant 'bits' or 'bits1', promote=False, mma_buffers=2 and "
+                             f"tile_k=64, "
+                             f"got dequant={dequant!r}, promote={promote}, mma_buffers={mma_buffers}, tile_k={tile_k}")
+        if overlap and (promote or mma_buffers != 2):
+            raise ValueError(f"overlap=True needs promote=False and mma_buffers=2, got promote={promote}, "
+                             f"mma_buffers={mma_buffers}")
         self.dequant_mode = dequant
         self.promote = bool(promote)
+        # overlap: with 2 buffers, keep k-tile kt's wgmma in flight while k-tile kt+1 is dequantized (wait for
+        # kt-1 only, then a barrier so that no warpgroup still reads the buffer about to be overwritten): the
+        # tensor cores always have the next k-tile queued, at the price of a second barrier per k-tile.
+        self.overlap = bool(overlap)
+        # A from registers (wgmma RS): each thread dequantizes its own A fragment (rows g, g+8 of its warp's 16,
+        # four codes per k16 step), so only B goes through shared memory as bf16. The fragment's k order is
+        # permuted inside every 16-wide group (codes 4t..4t+3 play k = 2t, 2t+1, 2t+8, 2t+9), and B is written
+        # with the same permutation: the products pair up as before, and the dot product is unchanged.
+        self.a_regs = bool(a_regs)
         self._bits = _BITS[ab_dtype]
         self.ab_dtype: Type[cutlass.Numeric] = _AB_DTYPES[ab_dtype]
         self.c_dtype: Type[cutlass.Numeric] = _C_DTYPES[c_dtype]
@@ -125,7 +155,7 @@ class HopperMxf8GemmAmax:
         self.cvt_threads_per_row = tile_k // 16
         self.cvt_rows_per_pass = self.num_consumer_wgs * self.threads_per_wg // self.cvt_threads_per_row
         # Profiling only (benchmarks/kernel_standalone.py --profile): phases to leave out, from
-        # {"dequant", "mma"}. The results are then wrong; never set in the catalog.
+        # {"dequant", "mma", "amax"}. The results are then wrong; never set in the catalog.
         self._skip: frozenset = frozenset()
 
     @staticmethod
@@ -152,7 +182,9 @@ class HopperMxf8GemmAmax:
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.mma_dtype, self.mma_dtype, cute.nvgpu.OperandMajorMode.K,
             cute.nvgpu.OperandMajorMode.K, self.acc_dtype, self.atom_layout_mnk,
-            tiler_mn=(64, self.tile_mnk[1]))
+            tiler_mn=(64, self.tile_mnk[1]),
+            a_source=(cute.nvgpu.warpgroup.OperandSource.RMEM if self.a_regs
+                      else cute.nvgpu.warpgroup.OperandSource.SMEM))
         a_smem_staged = self._smem_layout_staged(self.tile_mnk[0], self.ab_dtype, self.ab_stages)
         b_smem_staged = self._smem_layout_staged(self.tile_mnk[1], self.ab_dtype, self.ab_stages)
         a16_smem_staged = self._smem_layout_staged(self.tile_mnk[0], self.mma_dtype, self.mma_buffers)
@@ -198,46 +230,58 @@ class HopperMxf8GemmAmax:
         tiles_per_atom = common.ATOM_KB // blocks_per_tile
         return kt // tiles_per_atom, (kt % tiles_per_atom) * blocks_per_tile + lane_in_row // 2
 
-    def scale_word_bases(self, bases, cvt_row, batch, tile_m, tile_n, m, n, k_atoms):
-        """Word index (at k-atom 0) of the scale word of each row this thread converts: A's rows, then B's.
+    @staticmethod
+    def scale_word_bases(bases, rows_a, rows_b, batch, tile_m, tile_n, tile_mn, m, n, k_atoms):
+        """Word index (at k-atom 0) of the scale word of each row this thread converts: `rows_a`, then `rows_b`.
 
-        Row r of a tile is cvt_row + rows_per_pass·rep; the atom index is clamped to the last atom, so rows past
-        M (N) read a real scale word (their codes are TMA's zero fill and their C elements are never stored).
+        Rows are tile-relative; the atom index is clamped to the last atom, so rows past M (N) read a real scale
+        word (their codes are TMA's zero fill and their C elements are never stored).
         """
-        rpp = self.cvt_rows_per_pass
         i = 0
-        for tile, rows, size in ((tile_m, self.tile_mnk[0], m), (tile_n, self.tile_mnk[1], n)):
+        for tile, rows, tile_rows, size in ((tile_m, rows_a, tile_mn[0], m), (tile_n, rows_b, tile_mn[1], n)):
             atoms = (size + common.ATOM_MN - 1) // common.ATOM_MN
-            for rep in range(rows // rpp):
-                atom = cutlass.min(tile * (rows // common.ATOM_MN) + rpp * rep // common.ATOM_MN, atoms - 1)
-                in_atom = (cvt_row % 32) * 4 + (cvt_row // 32 + (rpp * rep % common.ATOM_MN) // 32) % 4
+            for row in rows:
+                atom = cutlass.min(tile * (tile_rows // common.ATOM_MN) + row // common.ATOM_MN, atoms - 1)
+                in_atom = (row % 32) * 4 + (row // 32) % 4
                 bases[i] = (batch * atoms + atom) * k_atoms * (common.ATOM_BYTES // 4) + in_atom
                 i += 1
 
     def load_scale_words(self, words, bases, sfa_w, sfb_w, k_atom):
         """Load this thread's scale words of one k-atom (its rows of A, then of B) into `words`."""
-        reps_a = self.tile_mnk[0] // self.cvt_rows_per_pass
+        reps_a = 2 if self.a_regs else self.tile_mnk[0] // self.cvt_rows_per_pass
         for i in range(cute.size(words)):
             src = sfa_w if i < reps_a else sfb_w
             words[i] = src[bases[i] + k_atom * (common.ATOM_BYTES // 4)]
 
-    def dequantize(self, ab_pipeline, read_state, words, bases, sfa_w, sfb_w, next_k_atom, jbyte, operands, buf):
+    def dequantize(self, ab_pipeline, read_state, words, bases, sfa_w, sfb_w, next_k_atom, jfirst, jbyte, operands,
+                   buf, areg=None):
         """Wait for one FP8 stage and load this thread's codes; returns (scales, flags, one_multiply).
 
         Plain Python (inlined at trace time). `words` holds this tile's scale words (loaded one tile ahead, so
         their global-memory latency hides behind a k-tile); the next tile's are loaded here. `operands` lists
-        (FP8 source, bf16 destination, FP8 fragment, bf16 fragment, first row) for A and B. "f32" converts and
-        stores here (`scales` are float32 values); the "bits" modes return the scale bytes, the non-finite-code
-        flags (some byte's bit 7 set: redo with `dequantize_exact`) and, for "bits1", whether every scale of the
-        warp allows one multiply; the caller then runs `convert_bits`.
+        (FP8 source, bf16 destination, FP8 fragment, bf16 fragment, first scale) for A and B (B only with
+        `a_regs`: then `areg` holds A's code words). `jfirst` is the tile's first k-block in its atom, `jbyte`
+        this thread's. "f32" converts and stores here (`scales` are float32 values); the "bits" modes return the
+        scale bytes (A's first: per row, per k-block of the tile with `a_regs`), the non-finite-code flags (some
+        byte's bit 7 set: redo with `dequantize_exact`) and, for "bits1", whether every scale of the warp allows
+        one multiply; the caller then runs `convert_bits`.
         """
         if self.dequant_mode == "f32":
             scales = [common.e8m0_word_to_f32(words[i], jbyte) for i in range(cute.size(words))]
+        elif self.a_regs:
+            scales = [(words[v1] >> (8 * (jfirst + h))) & 0xFF for v1 in range(2) for h in range(2)]
+            scales += [(words[i] >> (8 * jbyte)) & 0xFF for i in range(2, cute.size(words))]
         else:
             scales = [(words[i] >> (8 * jbyte)) & 0xFF for i in range(cute.size(words))]
-        self.load_scale_words(words, bases, sfa_w, sfb_w, next_k_atom)
+        if next_k_atom is not None:  # else the caller loads them after its proxy fence (see the a_regs mainloop)
+            self.load_scale_words(words, bases, sfa_w, sfb_w, next_k_atom)
         ab_pipeline.consumer_wait(read_state)
         flags = cutlass.Int32(0)
+        flag_add = self._bits[3]
+        if areg is not None and "dequant" not in self._skip:
+            for i in range(cute.size(areg.codes)):
+                areg.codes[i] = areg.smem_words[areg.offsets[i] + read_state.index * areg.stage_words]
+                flags = flags | (areg.codes[i] ^ (areg.codes[i] + flag_add))
         for src, dst, frag8, frag16, first in (() if "dequant" in self._skip else operands):
             cute.autovec_copy(src[(None, None, None, read_state.index)], frag8)
             if self.dequant_mode == "f32":
@@ -246,7 +290,6 @@ class HopperMxf8GemmAmax:
                     frag16[(None, r, 0)].store(vals.to(self.mma_dtype))
                 cute.autovec_copy(frag16, dst[(None, None, None, buf)])
             else:
-                flag_add = self._bits[3]
                 q = cute.recast_tensor(frag8, cutlass.Int32)
                 for i in range(cute.size(q)):
                     flags = flags | (q[i] ^ (q[i] + flag_add))
@@ -259,44 +302,80 @@ class HopperMxf8GemmAmax:
             one_multiply = cute.arch.vote_all_sync(biggest <= 254 - self._bits[2])
         return scales, flags, one_multiply
 
-    def convert_bits(self, operands, scale_bytes, one_multiply: bool, buf):
-        """Convert the loaded codes (`dequantize`) to bf16 by bit arithmetic and store them into buffer `buf`.
+    def _bits_pair(self, word, selector: int, scale, one_multiply: bool):
+        """Two codes of `word` (bytes picked by `selector`) as bf16x2 code·2^(byte-127), exact for finite codes."""
+        shift, mask, bias, _ = self._bits
+        neg_zero = cutlass.Int32(_NEG_ZERO_X2)
+        x = (common.prmt(word, 0, selector) << shift) & mask  # bf16 bits of code·2^-bias, both halves
+        if not one_multiply:
+            x = cute.arch.fma_packed_bf16x2(x, cutlass.Int32((127 + bias) * _BF16X2_EXPONENT_ONE), neg_zero)
+        return cute.arch.fma_packed_bf16x2(x, scale, neg_zero)
+
+    def _bits_scale(self, byte, one_multiply: bool):
+        """The bf16x2 multiplier of `_bits_pair` for scale byte `byte`."""
+        if one_multiply:
+            return (byte + self._bits[2]) * _BF16X2_EXPONENT_ONE  # 2^(byte-127+bias), a normal bf16
+        scale = common.e8m0_bits(byte)
+        return scale | (scale >> 16)  # 2^(byte-127), NaN for 255 (the high half of the float32 bits)
+
+    def convert_bits(self, operands, scale_bytes, one_multiply: bool, buf, areg=None, a_frag=None):
+        """Convert the loaded codes (`dequantize`) to bf16 by bit arithmetic: B (and A) into buffer `buf` (A into
+        the register fragment `a_frag` with `a_regs`).
 
         Per 32-bit word of 4 codes: 2 prmt, 2 shifts, 2 ands give the bf16 bits of code·2^-bias for 2 codes each
         (exact for every finite code, FP8 subnormals included); then per output word either one packed multiply
         by 2^(byte-127+bias) (`one_multiply`: only for bytes up to 254-bias, so the constant is a normal bf16)
         or two, by 2^bias and by the E8M0 scale (bytes 0 and 255 included).
         """
-        shift, mask, bias, _ = self._bits
-        pow2_bias = (127 + bias) * _BF16X2_EXPONENT_ONE
-        neg_zero = cutlass.Int32(_NEG_ZERO_X2)
-        for src, dst, frag8, frag16, first in (() if "dequant" in self._skip else operands):
+        if "dequant" in self._skip:
+            return
+        if areg is not None:
+            fw = cute.recast_tensor(a_frag, cutlass.Int32)  # word v1 + 2·v2 + 4·ks: row g + 8·v1, k 2t + 8·v2
+            steps = cute.size(areg.codes) // 2
+            for v1 in range(2):
+                for ks in range(steps):
+                    scale = self._bits_scale(scale_bytes[2 * v1 + ks // 2], one_multiply)
+                    for v2, selector in enumerate((_PRMT_LO, _PRMT_HI)):
+                        fw[v1 + 2 * v2 + 4 * ks] = self._bits_pair(areg.codes[v1 * steps + ks], selector, scale,
+                                                                   one_multiply)
+        for src, dst, frag8, frag16, first in operands:
             q = cute.recast_tensor(frag8, cutlass.Int32)  # (4 words per row) x rows
             o = cute.recast_tensor(frag16, cutlass.Int32)
-            words_per_row = cute.size(q) // cute.size(frag8, mode=[1])
             for r in range(cute.size(frag8, mode=[1])):
-                byte = scale_bytes[first + r]
-                if one_multiply:
-                    scale = (byte + bias) * _BF16X2_EXPONENT_ONE  # bf16x2 2^(byte-127+bias)
-                else:
-                    scale = common.e8m0_bits(byte)
-                    scale = scale | (scale >> 16)  # bf16x2 2^(byte-127), NaN for 255 (float32 bits' high half)
-                for i in range(r * words_per_row, (r + 1) * words_per_row):
+                scale = self._bits_scale(scale_bytes[first + r], one_multiply)
+                for w in range(4):
                     for half, selector in enumerate((_PRMT_LO, _PRMT_HI)):
-                        x = (common.prmt(q[i], 0, selector) << shift) & mask  # bf16 bits of code·2^-bias, 2 codes
-                        if not one_multiply:
-                            x = cute.arch.fma_packed_bf16x2(x, cutlass.Int32(pow2_bias), neg_zero)  # the codes
-                        o[2 * i + half] = cute.arch.fma_packed_bf16x2(x, scale, neg_zero)
+                        # With `a_regs` the k order inside each 16-wide group matches the A fragment's.
+                        out = 8 * r + (w + 4 * half if self.a_regs else 2 * w + half)
+                        o[out] = self._bits_pair(q[4 * r + w], selector, scale, one_multiply)
             cute.autovec_copy(frag16, dst[(None, None, None, buf)])
 
-    def dequantize_exact(self, stage, scale_bytes, operands, buf):
+    def dequantize_exact(self, stage, scale_bytes, operands, buf, areg=None, a_frag=None):
         """Redo this thread's part of one tile through float32 (exact for every code; for the rare non-finite ones)."""
+        f32_scale = lambda byte: common.f32_from_bits(common.e8m0_bits(byte))
+        if areg is not None:
+            fw = cute.recast_tensor(a_frag, cutlass.Int32)
+            steps = cute.size(areg.codes) // 2
+            codes4 = cute.make_rmem_tensor((4,), self.ab_dtype)
+            out4 = cute.make_rmem_tensor((4,), self.mma_dtype)
+            for v1 in range(2):
+                for ks in range(steps):
+                    cute.recast_tensor(codes4, cutlass.Int32)[0] = areg.codes[v1 * steps + ks]
+                    out4.store((codes4.load().to(cutlass.Float32) * f32_scale(scale_bytes[2 * v1 + ks // 2])
+                                ).to(self.mma_dtype))
+                    pair = cute.recast_tensor(out4, cutlass.Int32)
+                    fw[v1 + 4 * ks] = pair[0]
+                    fw[v1 + 2 + 4 * ks] = pair[1]
         for src, dst, frag8, frag16, first in operands:
             cute.autovec_copy(src[(None, None, None, stage)], frag8)
+            o = cute.recast_tensor(frag16, cutlass.Int32)
             for r in range(cute.size(frag8, mode=[1])):
-                scale = common.f32_from_bits(common.e8m0_bits(scale_bytes[first + r]))
-                vals = frag8[(None, r, 0)].load().to(cutlass.Float32) * scale
+                vals = frag8[(None, r, 0)].load().to(cutlass.Float32) * f32_scale(scale_bytes[first + r])
                 frag16[(None, r, 0)].store(vals.to(self.mma_dtype))
+                if self.a_regs:  # the k permutation of `convert_bits`: natural pair p goes to p//2 + 4·(p%2)
+                    natural = [o[8 * r + p] for p in range(8)]
+                    for p in range(8):
+                        o[8 * r + p // 2 + 4 * (p % 2)] = natural[p]
             cute.autovec_copy(frag16, dst[(None, None, None, buf)])
 
     # ---------------------------------------------------------------------------------------------- device
@@ -361,8 +440,12 @@ class HopperMxf8GemmAmax:
             thr_mma = tiled_mma.get_slice((wg_idx - 1) * self.threads_per_wg)
             sA16 = storage.sA16.get_tensor(a16_smem_staged.outer, swizzle=a16_smem_staged.inner)
             sB16 = storage.sB16.get_tensor(b16_smem_staged.outer, swizzle=b16_smem_staged.inner)
-            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA16))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB16))
+            if cutlass.const_expr(self.a_regs):  # two register sets: the wgmma reads one while the next is built
+                a_frags = [tiled_mma.make_fragment_A(thr_mma.partition_shape_A((bm, bk))) for _ in range(2)]
+                tCrA = a_frags[0]
+            else:
+                tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA16))
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
             acc.fill(0.0)
             # With `promote`, each k-tile is summed into `partial` and added to `acc` with round-to-nearest fp32
@@ -372,8 +455,8 @@ class HopperMxf8GemmAmax:
                 partial = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
             num_k_steps = cute.size(tCrA, mode=[2])
 
-            # Dequantization: thread t converts rows t / tpr + rows_per_pass·rep and k-columns [16·(t % tpr), +16)
-            # of both tiles (tpr = bk / 16 threads per row); all 16 columns lie in one k-block.
+            # Dequantization through shared memory: thread t converts rows t / tpr + rows_per_pass·rep and
+            # k-columns [16·(t % tpr), +16) (tpr = bk / 16 threads per row); all 16 columns lie in one k-block.
             tpr = self.cvt_threads_per_row
             cvt_thr = cute.make_layout((self.cvt_rows_per_pass, tpr), stride=(tpr, 1))
             cvt_val = cute.make_layout((1, 16), stride=(16, 1))
@@ -389,15 +472,36 @@ class HopperMxf8GemmAmax:
             tXsB8 = thr_f8.partition_S(sB)
             tXsA16 = thr_16.partition_D(sA16)  # (CPY, REP_M, 1, BUF)
             tXsB16 = thr_16.partition_D(sB16)
-            reps_a = cute.size(tXsA8, mode=[1])
-            operands = (
-                (tXsA8, tXsA16, cute.make_rmem_tensor(tXsA8[(None, None, None, 0)].shape, self.ab_dtype),
-                 cute.make_rmem_tensor(tXsA16[(None, None, None, 0)].shape, self.mma_dtype), 0),
-                (tXsB8, tXsB16, cute.make_rmem_tensor(tXsB8[(None, None, None, 0)].shape, self.ab_dtype),
-                 cute.make_rmem_tensor(tXsB16[(None, None, None, 0)].shape, self.mma_dtype), reps_a))
-            reps = reps_a + cute.size(tXsB8, mode=[1])
             cvt_row = local_tid // tpr
             lane_in_row = local_tid % tpr
+            rpp = self.cvt_rows_per_pass
+            rows_b = [cvt_row + rpp * rep for rep in range(bn // rpp)]
+            b_operand = (tXsB8, tXsB16, cute.make_rmem_tensor(tXsB8[(None, None, None, 0)].shape, self.ab_dtype),
+                         cute.make_rmem_tensor(tXsB16[(None, None, None, 0)].shape, self.mma_dtype))
+            areg = None
+            if cutlass.const_expr(self.a_regs):
+                # This thread's A fragment rows (wgmma layout): g = 64·wg + 16·warp + lane/4 and g + 8; per k16
+                # step, the 4 codes at k = 16·ks + 4·(lane % 4) (see __init__ for the k permutation).
+                lane = local_tid % 32
+                a_row = (wg_idx - 1) * 64 + ((local_tid // 32) % 4) * 16 + lane // 4
+                rows_a = [a_row, a_row + 8]
+                steps = bk // 16
+                areg = _ARegisters(
+                    smem_words=cute.make_tensor(cute.recast_ptr(storage.sA.data_ptr(), dtype=cutlass.Int32),
+                                                cute.make_layout((cute.cosize(a_smem_staged) // 4,))),
+                    offsets=cute.make_rmem_tensor((2 * steps,), cutlass.Int32),
+                    codes=cute.make_rmem_tensor((2 * steps,), cutlass.Int32),
+                    stage_words=bm * bk // 4)
+                for v1 in cutlass.range_constexpr(2):
+                    for ks in cutlass.range_constexpr(steps):
+                        areg.offsets[v1 * steps + ks] = a_smem_staged((rows_a[v1], 16 * ks + 4 * (lane % 4), 0)) // 4
+                operands = (b_operand + (4,),)
+            else:
+                rows_a = [cvt_row + rpp * rep for rep in range(bm // rpp)]
+                a_operand = (tXsA8, tXsA16, cute.make_rmem_tensor(tXsA8[(None, None, None, 0)].shape, self.ab_dtype),
+                             cute.make_rmem_tensor(tXsA16[(None, None, None, 0)].shape, self.mma_dtype), 0)
+                operands = (a_operand, b_operand + (len(rows_a),))
+            reps = len(rows_a) + len(rows_b)
 
             # Scale atoms as 32-bit words: word (chunk·128 + (r%32)·4 + r//32) holds the 4 k-block scales of r.
             sfa_w = cute.make_tensor(cute.recast_ptr(sfa.iterator, dtype=cutlass.Int32),
@@ -406,71 +510,131 @@ class HopperMxf8GemmAmax:
                                      cute.make_layout((cute.size(sfb) // 4,)))
             k_atoms = (k + common.ATOM_KB * SF_VEC_SIZE - 1) // (common.ATOM_KB * SF_VEC_SIZE)
             bases = cute.make_rmem_tensor((reps,), cutlass.Int32)
-            self.scale_word_bases(bases, cvt_row, batch, tile_m, tile_n, m, n, k_atoms)
+            self.scale_word_bases(bases, rows_a, rows_b, batch, tile_m, tile_n, (bm, bn), m, n, k_atoms)
             words = cute.make_rmem_tensor((reps,), cutlass.Int32)
             self.load_scale_words(words, bases, sfa_w, sfb_w, 0)
+            if cutlass.const_expr(self.a_regs):
+                # Two sets, k-tile t's words in set t % 2, loaded two k-tiles ahead right after the proxy fence: the
+                # fence (a CTA membar) then never waits for a scale load still in flight.
+                words_odd = cute.make_rmem_tensor((reps,), cutlass.Int32)
+                atom1, _ = self.tile_scale_byte(cutlass.min(1, k_tiles - 1), 0)
+                self.load_scale_words(words_odd, bases, sfa_w, sfb_w, atom1)
+                word_sets = (words, words_odd)
 
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             # ------------------------------------------------------------------------------ dequantize tile 0
             # (Names here differ from the mainloop's: a name assigned in both would become a loop-carried value.)
+            _, jfirst0 = self.tile_scale_byte(0, 0)
             _, jbyte0 = self.tile_scale_byte(0, lane_in_row)
             next_atom0, _ = self.tile_scale_byte(cutlass.min(1, k_tiles - 1), lane_in_row)
-            scales0, flags0, one0 = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w, next_atom0,
-                                                    jbyte0, operands, 0)
+            scales0, flags0, one0 = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w,
+                                                    None if self.a_regs else next_atom0, jfirst0, jbyte0, operands,
+                                                    0, areg)
             if cutlass.const_expr(self.dequant_mode == "bits"):
-                self.convert_bits(operands, scales0, False, 0)
+                self.convert_bits(operands, scales0, False, 0, areg, tCrA)
             if cutlass.const_expr(self.dequant_mode == "bits1"):
                 if one0:
-                    self.convert_bits(operands, scales0, True, 0)
+                    self.convert_bits(operands, scales0, True, 0, areg, tCrA)
                 else:
-                    self.convert_bits(operands, scales0, False, 0)
+                    self.convert_bits(operands, scales0, False, 0, areg, tCrA)
             if cutlass.const_expr(self.dequant_mode != "f32"):
                 if (flags0 & _BYTE_MSBS) != 0:
-                    self.dequantize_exact(read_state.index, scales0, operands, 0)
+                    self.dequantize_exact(read_state.index, scales0, operands, 0, areg, tCrA)
             ab_pipeline.consumer_release(read_state)
             read_state.advance()
             cute.arch.fence_proxy("async.shared", space="cta")
+            if cutlass.const_expr(self.a_regs):
+                atom2, _ = self.tile_scale_byte(cutlass.min(2, k_tiles - 1), 0)
+                self.load_scale_words(words, bases, sfa_w, sfb_w, atom2)
             cute.arch.barrier(barrier_id=self.mainloop_barrier_id, number_of_threads=2 * self.threads_per_wg)
 
             # ------------------------------------------------------------------------------ mainloop
-            # With 3 buffers the wgmma of k-tile kt may still run when the warpgroups meet at the barrier: the
-            # dequantization of kt+2 overwrites the buffer of kt-1, whose wgmma each warpgroup waited for.
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            for kt in range(k_tiles):
-                buf = kt % self.mma_buffers
-                cute.nvgpu.warpgroup.fence()
-                if cutlass.const_expr(self.promote):
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                for ks in cutlass.range_constexpr(0 if "mma" in self._skip else num_k_steps):
-                    cute.gemm(tiled_mma, partial, tCrA[(None, None, ks, buf)], tCrB[(None, None, ks, buf)], partial)
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.commit_group()
-                if kt + 1 < k_tiles:  # dequantize the next tile into a free buffer while the tensor cores run
-                    _, jbyte = self.tile_scale_byte(kt + 1, lane_in_row)
-                    next_atom, _ = self.tile_scale_byte(cutlass.min(kt + 2, k_tiles - 1), lane_in_row)
-                    nbuf = (kt + 1) % self.mma_buffers
-                    scales, flags, one = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w,
-                                                         next_atom, jbyte, operands, nbuf)
-                    if cutlass.const_expr(self.dequant_mode == "bits"):
-                        self.convert_bits(operands, scales, False, nbuf)
-                    if cutlass.const_expr(self.dequant_mode == "bits1"):
-                        if one:
-                            self.convert_bits(operands, scales, True, nbuf)
-                        else:
+            if cutlass.const_expr(self.a_regs):
+                # Unrolled by two so that the register set (and the bf16 B buffer) of each k-tile is static.
+                for kt_pair in range(0, k_tiles, 2):
+                    for half in cutlass.range_constexpr(2):
+                        kr = kt_pair + half
+                        if kr < k_tiles:
+                            cute.nvgpu.warpgroup.fence()
+                            for ks in cutlass.range_constexpr(0 if "mma" in self._skip else num_k_steps):
+                                cute.gemm(tiled_mma, acc, a_frags[half][(None, None, ks)],
+                                          tCrB[(None, None, ks, half)], acc)
+                            cute.nvgpu.warpgroup.commit_group()
+                            if cutlass.const_expr(self.overlap):  # tile kr-1's wgmma done in both warpgroups
+                                cute.nvgpu.warpgroup.wait_group(1)
+                                cute.arch.barrier(barrier_id=self.mainloop_barrier_id,
+                                                  number_of_threads=2 * self.threads_per_wg)
+                            if kr + 1 < k_tiles:  # the next tile into the other register set and buffer
+                                _, jfirst_r = self.tile_scale_byte(kr + 1, 0)
+                                _, jbyte_r = self.tile_scale_byte(kr + 1, lane_in_row)
+                                scales_r, flags_r, one_r = self.dequantize(
+                                    ab_pipeline, read_state, word_sets[1 - half], bases, sfa_w, sfb_w, None,
+                                    jfirst_r, jbyte_r, operands, 1 - half, areg)
+                                if cutlass.const_expr(self.dequant_mode == "bits"):
+                                    self.convert_bits(operands, scales_r, False, 1 - half, areg, a_frags[1 - half])
+                                if cutlass.const_expr(self.dequant_mode == "bits1"):
+                                    if one_r:
+                                        self.convert_bits(operands, scales_r, True, 1 - half, areg, a_frags[1 - half])
+                                    else:
+                                        self.convert_bits(operands, scales_r, False, 1 - half, areg,
+                                                          a_frags[1 - half])
+                                if (flags_r & _BYTE_MSBS) != 0:
+                                    self.dequantize_exact(read_state.index, scales_r, operands, 1 - half, areg,
+                                                          a_frags[1 - half])
+                                ab_pipeline.consumer_release(read_state)
+                                read_state.advance()
+                                cute.arch.fence_proxy("async.shared", space="cta")
+                                atom_r, _ = self.tile_scale_byte(cutlass.min(kr + 3, k_tiles - 1), 0)
+                                self.load_scale_words(word_sets[1 - half], bases, sfa_w, sfb_w, atom_r)
+                            if cutlass.const_expr(not self.overlap):
+                                cute.nvgpu.warpgroup.wait_group(0)
+                            cute.arch.barrier(barrier_id=self.mainloop_barrier_id,
+                                              number_of_threads=2 * self.threads_per_wg)
+            else:
+                # With 3 buffers the wgmma of k-tile kt may still run when the warpgroups meet at the barrier: the
+                # dequantization of kt+2 overwrites the buffer of kt-1, whose wgmma each warpgroup waited for.
+                for kt in range(k_tiles):
+                    buf = kt % self.mma_buffers
+                    cute.nvgpu.warpgroup.fence()
+                    if cutlass.const_expr(self.promote):
+                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                    for ks in cutlass.range_constexpr(0 if "mma" in self._skip else num_k_steps):
+                        cute.gemm(tiled_mma, partial, tCrA[(None, None, ks, buf)], tCrB[(None, None, ks, buf)],
+                                  partial)
+                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.commit_group()
+                    if cutlass.const_expr(self.overlap):  # tile kt-1's wgmma done in both warpgroups
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        cute.arch.barrier(barrier_id=self.mainloop_barrier_id,
+                                          number_of_threads=2 * self.threads_per_wg)
+                    if kt + 1 < k_tiles:  # dequantize the next tile into a free buffer while the tensor cores run
+                        _, jfirst = self.tile_scale_byte(kt + 1, 0)
+                        _, jbyte = self.tile_scale_byte(kt + 1, lane_in_row)
+                        next_atom, _ = self.tile_scale_byte(cutlass.min(kt + 2, k_tiles - 1), lane_in_row)
+                        nbuf = (kt + 1) % self.mma_buffers
+                        scales, flags, one = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w,
+                                                             next_atom, jfirst, jbyte, operands, nbuf)
+                        if cutlass.const_expr(self.dequant_mode == "bits"):
                             self.convert_bits(operands, scales, False, nbuf)
-                    if cutlass.const_expr(self.dequant_mode != "f32"):
-                        if (flags & _BYTE_MSBS) != 0:
-                            self.dequantize_exact(read_state.index, scales, operands, nbuf)
-                    ab_pipeline.consumer_release(read_state)
-                    read_state.advance()
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                if cutlass.const_expr(self.promote):
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    for i in cutlass.range_constexpr(cute.size(acc)):
-                        acc[i] = acc[i] + partial[i]
-                else:
-                    cute.nvgpu.warpgroup.wait_group(self.mma_buffers - 2)
-                cute.arch.barrier(barrier_id=self.mainloop_barrier_id, number_of_threads=2 * self.threads_per_wg)
+                        if cutlass.const_expr(self.dequant_mode == "bits1"):
+                            if one:
+                                self.convert_bits(operands, scales, True, nbuf)
+                            else:
+                                self.convert_bits(operands, scales, False, nbuf)
+                        if cutlass.const_expr(self.dequant_mode != "f32"):
+                            if (flags & _BYTE_MSBS) != 0:
+                                self.dequantize_exact(read_state.index, scales, operands, nbuf)
+                        ab_pipeline.consumer_release(read_state)
+                        read_state.advance()
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                    if cutlass.const_expr(self.promote):
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        for i in cutlass.range_constexpr(cute.size(acc)):
+                            acc[i] = acc[i] + partial[i]
+                    if cutlass.const_expr(not self.promote and not self.overlap):
+                        cute.nvgpu.warpgroup.wait_group(self.mma_buffers - 2)
+                    cute.arch.barrier(barrier_id=self.mainloop_barrier_id, number_of_threads=2 * self.threads_per_wg)
             cute.nvgpu.warpgroup.wait_group(0)
 
             # ------------------------------------------------------------------------------ epilogue
@@ -492,7 +656,8 @@ class HopperMxf8GemmAmax:
                         if row_ok & (tile_n * bn + col < n):
                             x = acc[i]
                             c[c_row_base + cutlass.Int64(r) * n + col] = x.to(self.c_dtype)
-                            amax_bits = cutlass.max(amax_bits, common.abs_bits(x))
+                            if cutlass.const_expr("amax" not in self._skip):
+                                amax_bits = cutlass.max(amax_bits, common.abs_bits(x))
             warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
             amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
             common.amax_block_reduce_and_publish(
