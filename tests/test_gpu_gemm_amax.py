@@ -77,7 +77,7 @@ class GpuGemmAmaxTest(parameterized.TestCase):
         lower = lambda impl: jax.jit(lambda *x: jbg.gemm_amax(*x, implementation=impl)).lower(*args).as_text()
         self.assertIn("jbg_gemm_amax", lower("cutedsl"))
         arch = dispatch.ARCH_OF_CAPABILITY[dispatch.local_cuda_capabilities()[0]]
-        self.assertEqual("jbg_gemm_amax" in lower(None), dispatch.DEFAULT_TAKES_KERNEL.get(arch, False))
+        self.assertEqual("jbg_gemm_amax" in lower(None), dispatch.DEFAULT_TAKES_KERNEL.get(("gemm_amax", arch), False))
 
     def _program(self, implementation):
         """Ops before and after the GEMM in one jitted program, no manual synchronization."""

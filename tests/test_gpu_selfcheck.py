@@ -72,7 +72,7 @@ class GpuSelfCheckTest(absltest.TestCase):
         a, b, sfa, sfb = (jnp.asarray(x[name]) for name in ("a", "b", "sfa", "sfb"))
         select = lambda **kw: variant if kw["arch"] == _ARCH else None
         with mock.patch.object(selfcheck, "UNVERIFIED_ARCHS", frozenset({_ARCH})), \
-                mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_ARCH: True}), \
+                mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {("gemm_amax", _ARCH): True}), \
                 mock.patch.object(self.catalog, "select_variant", side_effect=select):
             fn = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation=implementation))
             text = fn.lower(a, b, sfa, sfb).as_text()
