@@ -4,7 +4,8 @@
 #
 #     bash benchmarks/h200_session.sh STEP... (default: every step, in the order below)
 #
-# Steps: proj_rope_tests (proj_rope_tests_default_tile), proj_rope_kernel, bench_proj_rope, bench_gemm, handler_tests, gemm_tests,
+# Steps: proj_rope_tests (proj_rope_tests_default_tile), proj_rope_kernel, bench_proj_rope, bench_gemm, handler_tests,
+# selfcheck_tests, gemm_tests,
 # gemm_candidates, multi_gpu
 # (the last needs two GPUs: kind nvidia-h200-x2; the single-GPU steps then run on the first).
 # Logs go to $OUT, one per step (at most 8 files come back from a device call); 00_session.log holds every step's
@@ -50,6 +51,8 @@ for step in "${STEPS[@]}"; do
     handler_tests)
       run_step "$step" 60 handler_tests.log python3 -m pytest tests/test_gpu_handler_fuzz.py tests/test_gpu_selfcheck.py \
         -q -p no:cacheprovider ;;
+    selfcheck_tests)
+      run_step "$step" 60 selfcheck_tests.log python3 -m pytest tests/test_gpu_selfcheck.py -q -p no:cacheprovider ;;
     gemm_tests)
       run_step "$step" 120 gemm_tests.log python3 -m pytest tests/test_gpu_gemm_amax.py -q -p no:cacheprovider ;;
     gemm_candidates)

@@ -30,6 +30,8 @@ _RUN_PROBLEMS = selfcheck.run_problems  # the real one, for fakes that stand in 
 
 
 @dataclasses.dataclass(frozen=True)
+_BOTH_ARCHS_DEFAULT = {("gemm_amax", "sm_100a"): True, ("gemm_amax", "sm_90a"): True}
+
 class FakeDevice:
     device_kind: str = "NVIDIA B200"
 
@@ -241,13 +243,13 @@ class DispatchGateTest(absltest.TestCase):
 
     def test_default_falls_back_with_a_warning_when_the_check_fails(self):
         negate = lambda c: c.__setitem__((0, 0, 0), -c[0, 0, 0])
-        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {("gemm_amax", "sm_100a"): True, ("gemm_amax", "sm_90a"): True}), \
+        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, _BOTH_ARCHS_DEFAULT), \
                 mock.patch.object(selfcheck, "run_problems", self._fake_run(negate)), \
                 self.assertWarnsRegex(RuntimeWarning, "falls back to the XLA reference"):
             self.assertNotIn("jbg_gemm_amax", _cuda_text())
 
     def test_default_takes_the_kernel_once_the_check_passed(self):
-        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {("gemm_amax", "sm_100a"): True, ("gemm_amax", "sm_90a"): True}), \
+        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, _BOTH_ARCHS_DEFAULT), \
                 mock.patch.object(selfcheck, "run_problems", self._fake_run()):
             self.assertIn("jbg_gemm_amax", _cuda_text())
 
