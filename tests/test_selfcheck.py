@@ -29,9 +29,10 @@ _SM100 = catalog.select_variant(arch="sm_100a", ab_dtype="float8_e4m3fn", c_dtyp
 _RUN_PROBLEMS = selfcheck.run_problems  # the real one, for fakes that stand in for it under mock.patch
 
 
-@dataclasses.dataclass(frozen=True)
 _BOTH_ARCHS_DEFAULT = {("gemm_amax", "sm_100a"): True, ("gemm_amax", "sm_90a"): True}
 
+
+@dataclasses.dataclass(frozen=True)
 class FakeDevice:
     device_kind: str = "NVIDIA B200"
 
