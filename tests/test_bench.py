@@ -217,7 +217,7 @@ class ArgumentsTest(parameterized.TestCase):
         ("1,2,3,4", "expected M,N,K"),
         ("0,64,64", "M, N and K must be positive"),
         ("64,64,48", "K must be a multiple of 32"),
-        ("64,2,64", "contiguous dimension N=2 must be a multiple of 4"),
+        ("64,2,64", "contiguous dimension N=2 (the result, from b and c_dtype=float32) must be a multiple of 4"),
     )
     def test_bad_shape(self, text, message):
         err = io.StringIO()
