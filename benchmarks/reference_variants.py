@@ -32,7 +32,6 @@ import functools
 import gzip
 import json
 import os
-import statistics
 import sys
 import time
 from typing import Any, Callable
@@ -46,7 +45,7 @@ try:
 except ImportError:  # run from a checkout that is not installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import jax_blockgemm as jbg
-from jax_blockgemm import formats, reference
+from jax_blockgemm import bench, formats, reference
 
 E4M3 = jnp.float8_e4m3fn
 REFERENCE = "reference"  # reference.gemm_proj_rope_reference; every other proj_rope variant is compared with it
@@ -87,15 +86,8 @@ def unfused_pipeline(x, w, cos, sin, *, x_scale=None, w_scale=None):
 
 
 def median_ms(fn: Callable, arg_sets: list, *, reps: int, warmup: int = 3) -> float:
-    for i in range(warmup):
-        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-    times = []
-    for i in range(reps):
-        args = arg_sets[i % len(arg_sets)]
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    """The benchmark's timing method (jax_blockgemm.bench.median_ms), with this script's default warm-up."""
+    return bench.median_ms(fn, arg_sets, warmup=warmup, reps=reps)
 
 
 def proj_rope_inputs(key, *, t: int, h: int, k: int, mxfp8: bool, special: bool = False) -> tuple:
