@@ -10,10 +10,10 @@
 namespace jbg {
 namespace ffi = xla::ffi;
 
-xla::ffi::TypeId GemmAmaxState::id = {};
+xla::ffi::TypeId KernelObjects::id = {};
 
-XLA_FFI_TypeInfo* GemmAmaxStateTypeInfo() {
-  static XLA_FFI_TypeInfo info = ffi::MakeTypeInfo<GemmAmaxState>();
+XLA_FFI_TypeInfo* KernelObjectsTypeInfo() {
+  static XLA_FFI_TypeInfo info = ffi::MakeTypeInfo<KernelObjects>();
   return &info;
 }
 
@@ -244,7 +244,7 @@ struct KernelTensor {
 };
 static_assert(sizeof(KernelTensor) == 16, "the DSL's tensor struct is a pointer and one 8-byte slot");
 
-using StateOr = ffi::ErrorOr<std::unique_ptr<GemmAmaxState>>;
+using StateOr = ffi::ErrorOr<std::unique_ptr<KernelObjects>>;
 
 StateOr Fail(ffi::Error error) { return ffi::Unexpected<ffi::Error>(std::move(error)); }
 
@@ -263,7 +263,7 @@ StateOr InstantiateKernelObjects(std::string_view target, std::string_view archs
   std::vector<ComputeCapability> caps;
   if (!VisibleCapabilities(*driver, &caps, &error)) return Fail(ffi::Error::Internal(where + error));
 
-  auto state = std::make_unique<GemmAmaxState>();
+  auto state = std::make_unique<KernelObjects>();
   state->archs = std::string(archs);
   const char* poison = std::getenv("JAX_BLOCKGEMM_POISON_OUTPUTS");
   state->poison_outputs = poison != nullptr && poison[0] != '\0' && poison[0] != '0';
@@ -299,7 +299,7 @@ StateOr InstantiateKernelObjects(std::string_view target, std::string_view archs
   return state;
 }
 
-ffi::Error DeviceFunction(const GemmAmaxState& state, int32_t device, std::string_view target, DslFunction** fn) {
+ffi::Error DeviceFunction(const KernelObjects& state, int32_t device, std::string_view target, DslFunction** fn) {
   const std::string where = std::string(target) + ": ";
   if (device < 0 || static_cast<size_t>(device) >= state.functions.size()) {
     return ffi::Error::Internal(where + "device ordinal " + std::to_string(device) + " is not among the " +
@@ -314,7 +314,7 @@ ffi::Error DeviceFunction(const GemmAmaxState& state, int32_t device, std::strin
   return ffi::Error::Success();
 }
 
-ffi::Error RunKernel(const GemmAmaxState& state, int32_t device, std::string_view target, const CudaDriver& driver,
+ffi::Error RunKernel(const KernelObjects& state, int32_t device, std::string_view target, const CudaDriver& driver,
                      DslFunction* fn, void** args, size_t num_args, const int32_t* ret) {
   const std::string where = std::string(target) + ": ";
   std::string error;
@@ -347,7 +347,7 @@ BufferDesc Desc(const ffi::AnyBuffer& buffer) {
   return BufferDesc{static_cast<int>(buffer.element_type()), dims.begin(), dims.size(), buffer.untyped_data()};
 }
 
-ffi::Error Execute(CUstream stream, int32_t device, GemmAmaxState* state, ffi::AnyBuffer a, ffi::AnyBuffer b,
+ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::AnyBuffer a, ffi::AnyBuffer b,
                    ffi::AnyBuffer sfa, ffi::AnyBuffer sfb, ffi::Result<ffi::AnyBuffer> c,
                    ffi::Result<ffi::AnyBuffer> amax) {
   DslFunction* fn = nullptr;
@@ -403,7 +403,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgGemmAmaxExecute, jbg::Execute,
                               xla::ffi::Ffi::BindExecute()
                                   .Ctx<xla::ffi::PlatformStream<jbg::CUstream>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Ctx<xla::ffi::State<jbg::GemmAmaxState>>()
+                                  .Ctx<xla::ffi::State<jbg::KernelObjects>>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()

@@ -24,7 +24,7 @@
 namespace jbg {
 
 inline constexpr const char kGemmAmaxTarget[] = "jbg_gemm_amax";
-inline constexpr const char kGemmAmaxStateType[] = "jbg_gemm_amax_state";
+inline constexpr const char kKernelObjectsType[] = "jbg_kernel_objects";
 inline constexpr int64_t kScaleBlock = 32;  // MXFP8: one E8M0 scale per 32 elements along K
 inline constexpr int64_t kAtomRows = 128;   // scale atom: 128 rows (of M or N) ...
 inline constexpr int64_t kAtomBlocks = 4;   // ... by 4 scale blocks, stored as (32, 4, 4) bytes
@@ -81,31 +81,32 @@ bool ParseObjectTable(std::string_view archs, std::string_view function_prefixes
                       const int64_t* offsets, size_t num_offsets, std::vector<ObjectEntry>* out,
                       std::string* error);
 
-// State kept per call site between INSTANTIATE and EXECUTE; owned by XLA (destroyed with the executable).
-struct GemmAmaxState {
+// State kept per call site between INSTANTIATE and EXECUTE, for every target: the kernel object loaded for each
+// device. Owned by XLA (destroyed with the executable).
+struct KernelObjects {
   static xla::ffi::TypeId id;
   std::string archs;                           // as given, for error messages
-  KernelDtypes dtypes{};                       // what the objects were compiled for (checked at every call)
+  KernelDtypes dtypes{};                       // gemm_amax: what the objects were compiled for (checked per call)
   std::vector<DslFunction*> functions;         // by CUDA device ordinal; nullptr where no object fits
   std::vector<std::string> function_prefixes;  // by CUDA device ordinal, for error messages
   std::vector<std::string> capabilities;       // "9.0", by CUDA device ordinal
   bool poison_outputs = false;                 // JAX_BLOCKGEMM_POISON_OUTPUTS: fill C with NaN before each launch
 };
 
-XLA_FFI_TypeInfo* GemmAmaxStateTypeInfo();
+XLA_FFI_TypeInfo* KernelObjectsTypeInfo();
 
 // The INSTANTIATE stage, shared by every target (it depends on the object table only): parses the attributes,
 // loads each visible device's kernel object. The state names the kernel objects, not the operation.
 // The execute-stage steps every target shares; `target` names the custom call in error messages.
 // The function loaded for `device`, or an error naming the device, its compute capability and the archs carried.
-xla::ffi::Error DeviceFunction(const GemmAmaxState& state, int32_t device, std::string_view target, DslFunction** fn);
+xla::ffi::Error DeviceFunction(const KernelObjects& state, int32_t device, std::string_view target, DslFunction** fn);
 // Runs `fn` on `args` (pointers to each argument; the last one is `ret`, the kernel's CUDA status slot).
-xla::ffi::Error RunKernel(const GemmAmaxState& state, int32_t device, std::string_view target,
+xla::ffi::Error RunKernel(const KernelObjects& state, int32_t device, std::string_view target,
                           const CudaDriver& driver, DslFunction* fn, void** args, size_t num_args,
                           const int32_t* ret);
 
 // `target` names the custom call in error messages.
-xla::ffi::ErrorOr<std::unique_ptr<GemmAmaxState>> InstantiateKernelObjects(
+xla::ffi::ErrorOr<std::unique_ptr<KernelObjects>> InstantiateKernelObjects(
     std::string_view target, std::string_view archs, std::string_view function_prefixes,
     xla::ffi::Span<const uint8_t> objects, xla::ffi::Span<const int64_t> offsets);
 

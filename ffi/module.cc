@@ -49,7 +49,7 @@ XLA_FFI_Handler* HandlerFor(const std::string& target, const std::string& stage)
 // frame whose first extension is the metadata extension. No XLA API table is needed for this query.
 std::tuple<int, int, uint32_t> HandlerMetadata(const std::string& target, const std::string& stage) {
   XLA_FFI_Handler* handler = HandlerFor(target, stage);
-  if (stage == "instantiate" && jbg::GemmAmaxState::id.type_id == 0) {
+  if (stage == "instantiate" && jbg::KernelObjects::id.type_id == 0) {
     // The instantiate handler reports its state type id, which exists only after registration with XLA.
     throw nb::value_error("the instantiate stage reports metadata only after its state type is registered");
   }
@@ -137,7 +137,7 @@ NB_MODULE(_jbg_ffi, m) {
   m.attr("ABI_VERSION") = kAbiVersion;
   m.attr("GEMM_AMAX_TARGET") = jbg::kGemmAmaxTarget;
   m.attr("PROJ_ROPE_TARGET") = jbg::kProjRopeTarget;
-  m.attr("GEMM_AMAX_STATE_TYPE") = jbg::kGemmAmaxStateType;
+  m.attr("KERNEL_OBJECTS_TYPE") = jbg::kKernelObjectsType;
   m.attr("TRAIT_COMMAND_BUFFER_COMPATIBLE") = static_cast<uint32_t>(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
 
   m.def(
@@ -157,14 +157,14 @@ NB_MODULE(_jbg_ffi, m) {
       "ffi_types",
       [] {
         nb::dict registration;
-        registration["type_id"] = Capsule(&jbg::GemmAmaxState::id);
-        registration["type_info"] = Capsule(jbg::GemmAmaxStateTypeInfo());
+        registration["type_id"] = Capsule(&jbg::KernelObjects::id);
+        registration["type_info"] = Capsule(jbg::KernelObjectsTypeInfo());
         nb::dict out;
-        out[jbg::kGemmAmaxStateType] = registration;
+        out[jbg::kKernelObjectsType] = registration;
         return out;
       },
       "{type name: {'type_id': capsule, 'type_info': capsule}} for jax.ffi.register_ffi_type.");
-  m.def("state_type_id", [] { return jbg::GemmAmaxState::id.type_id; },
+  m.def("state_type_id", [] { return jbg::KernelObjects::id.type_id; },
         "The id XLA assigned to the handler state type (0 until registered).");
   m.def("handler_metadata", &HandlerMetadata, nb::arg("target"), nb::arg("stage"),
         "(FFI API major, minor, traits bitmask) the bound handler reports to XLA.");

@@ -81,7 +81,7 @@ BufferDesc Desc(const ffi::AnyBuffer& buffer) {
   return BufferDesc{static_cast<int>(buffer.element_type()), dims.begin(), dims.size(), buffer.untyped_data()};
 }
 
-ffi::Error Execute(CUstream stream, int32_t device, GemmAmaxState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
+ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
                    ffi::AnyBuffer cos, ffi::AnyBuffer sin, ffi::Result<ffi::AnyBuffer> row_codes,
                    ffi::Result<ffi::AnyBuffer> row_scales, ffi::Result<ffi::AnyBuffer> col_codes,
                    ffi::Result<ffi::AnyBuffer> col_scales, std::string_view, std::string_view,
@@ -121,7 +121,7 @@ ffi::Error Execute(CUstream stream, int32_t device, GemmAmaxState* state, ffi::A
 }
 
 // The call site's attributes: the object table (read at instantiation) and the weight layout.
-ffi::ErrorOr<std::unique_ptr<GemmAmaxState>> Instantiate(std::string_view archs, std::string_view prefixes,
+ffi::ErrorOr<std::unique_ptr<KernelObjects>> Instantiate(std::string_view archs, std::string_view prefixes,
                                                         ffi::Span<const uint8_t> objects,
                                                         ffi::Span<const int64_t> offsets, bool) {
   return InstantiateKernelObjects(kProjRopeTarget, archs, prefixes, objects, offsets);
@@ -143,7 +143,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgProjRopeExecute, jbg::Execute,
                               xla::ffi::Ffi::BindExecute()
                                   .Ctx<xla::ffi::PlatformStream<jbg::CUstream>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Ctx<xla::ffi::State<jbg::GemmAmaxState>>()
+                                  .Ctx<xla::ffi::State<jbg::KernelObjects>>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()

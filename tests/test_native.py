@@ -87,7 +87,7 @@ class ModuleTest(absltest.TestCase):
         self.assertEqual(set(targets), {"jbg_gemm_amax", "jbg_gemm_proj_rope_mxfp8"})
         for stages in targets.values():
             self.assertEqual(set(stages), {"instantiate", "execute"})
-        self.assertEqual(set(ext.ffi_types()["jbg_gemm_amax_state"]), {"type_id", "type_info"})
+        self.assertEqual(set(ext.ffi_types()["jbg_kernel_objects"]), {"type_id", "type_info"})
 
     def test_execute_handler_is_command_buffer_compatible(self):
         _, _, traits = ext.handler_metadata("jbg_gemm_proj_rope_mxfp8", "execute")
