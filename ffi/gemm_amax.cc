@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "cuda_driver.h"
+#include "object_check.h"
 
 namespace jbg {
 namespace ffi = xla::ffi;
@@ -16,12 +17,17 @@ XLA_FFI_TypeInfo* GemmAmaxStateTypeInfo() {
   return &info;
 }
 
-namespace {
-
-constexpr const char* kBufferNames[6] = {"a", "b", "sfa", "sfb", "c", "amax"};
-constexpr int64_t kMaxElements = int64_t{1} << 31;  // sizes travel as int32 (m, n, k, l and element counts)
-
-int64_t CeilDiv(int64_t x, int64_t y) { return (x + y - 1) / y; }
+// Product of the dims, saturated at kMaxElements (no step can overflow, whatever the dims).
+int64_t ElementCount(const BufferDesc& b) {
+  constexpr int64_t kMaxElements = kMaxBufferElements;
+  int64_t count = 1;
+  for (size_t d = 0; d < b.rank; ++d) {
+    if (b.dims[d] <= 0) return 0;
+    if (b.dims[d] > kMaxElements / count) return kMaxElements;
+    count *= b.dims[d];
+  }
+  return count;
+}
 
 const char* DtypeName(int dtype) {
   switch (dtype) {
@@ -43,6 +49,14 @@ std::string ShapeString(const int64_t* dims, size_t rank) {
   return s + (rank == 1 ? ",)" : ")");
 }
 
+namespace {
+
+constexpr const char* kBufferNames[6] = {"a", "b", "sfa", "sfb", "c", "amax"};
+constexpr int64_t kMaxElements = kMaxBufferElements;
+
+// ceil(x / y) for x >= 0, y > 0, without the overflow of (x + y - 1) / y near INT64_MAX.
+int64_t CeilDiv(int64_t x, int64_t y) { return x / y + (x % y != 0); }
+
 std::string Describe(const BufferDesc& b, int index) {
   return std::string("jbg_gemm_amax: ") + kBufferNames[index] + " is " + DtypeName(b.dtype) + " " +
          ShapeString(b.dims, b.rank);
@@ -58,10 +72,33 @@ std::string ExpectShape(const BufferDesc& b, int index, std::initializer_list<in
 
 }  // namespace
 
-std::string CheckGemmAmaxBuffers(const BufferDesc (&buf)[6], GemmDims* dims) {
+std::string ParseKernelDtypes(std::string_view ab_dtype, std::string_view c_dtype, KernelDtypes* out) {
+  const std::string where = "jbg_gemm_amax attributes: ";
+  const std::string ab(ab_dtype), c(c_dtype);
+  if (ab == "float8_e4m3fn") {
+    out->ab = XLA_FFI_DataType_F8E4M3FN;
+  } else if (ab == "float8_e5m2") {
+    out->ab = XLA_FFI_DataType_F8E5M2;
+  } else {
+    return where + "ab_dtype \"" + ab + "\" is not supported; expected float8_e4m3fn or float8_e5m2";
+  }
+  if (c == "float32") {
+    out->c = XLA_FFI_DataType_F32;
+  } else if (c == "bfloat16") {
+    out->c = XLA_FFI_DataType_BF16;
+  } else {
+    return where + "c_dtype \"" + c + "\" is not supported; expected float32 or bfloat16";
+  }
+  return "";
+}
+
+std::string CheckGemmAmaxBuffers(const BufferDesc (&buf)[6], KernelDtypes kernel, GemmDims* dims) {
   const BufferDesc &a = buf[0], &b = buf[1], &c = buf[4], &amax = buf[5];
   if (a.dtype != XLA_FFI_DataType_F8E4M3FN && a.dtype != XLA_FFI_DataType_F8E5M2) {
     return Describe(a, 0) + "; expected float8_e4m3fn or float8_e5m2 codes";
+  }
+  if (a.dtype != kernel.ab) {
+    return Describe(a, 0) + "; the kernel objects were compiled for " + DtypeName(kernel.ab) + " operands";
   }
   if (b.dtype != a.dtype) return Describe(b, 1) + "; expected the dtype of a (" + DtypeName(a.dtype) + ")";
   for (int i : {2, 3}) {
@@ -69,6 +106,9 @@ std::string CheckGemmAmaxBuffers(const BufferDesc (&buf)[6], GemmDims* dims) {
   }
   if (c.dtype != XLA_FFI_DataType_F32 && c.dtype != XLA_FFI_DataType_BF16) {
     return Describe(c, 4) + "; expected float32 or bfloat16";
+  }
+  if (c.dtype != kernel.c) {  // a float32 kernel writing a bfloat16 C would run past the end of the buffer
+    return Describe(c, 4) + "; the kernel objects were compiled for a " + DtypeName(kernel.c) + " C";
   }
   if (amax.dtype != XLA_FFI_DataType_F32) return Describe(amax, 5) + "; expected float32";
   if (a.rank != 3) return Describe(a, 0) + "; expected rank 3 (L, M, K)";
@@ -92,9 +132,7 @@ std::string CheckGemmAmaxBuffers(const BufferDesc (&buf)[6], GemmDims* dims) {
   if (!(e = ExpectShape(c, 4, {l, m, n}, "(L, M, N)")).empty()) return e;
   if (!(e = ExpectShape(amax, 5, {l}, "(L,)")).empty()) return e;
   for (int i = 0; i < 6; ++i) {
-    int64_t count = 1;
-    for (size_t d = 0; d < buf[i].rank; ++d) count *= buf[i].dims[d];
-    if (count >= kMaxElements) return Describe(buf[i], i) + "; expected fewer than 2**31 elements";
+    if (ElementCount(buf[i]) >= kMaxElements) return Describe(buf[i], i) + "; expected fewer than 2**31 elements";
     const auto address = reinterpret_cast<uintptr_t>(buf[i].data);
     if (address == 0 || address % kAlignment != 0) {
       return Describe(buf[i], i) + " at address " + std::to_string(address) + "; expected a 16-byte aligned pointer";
@@ -173,6 +211,17 @@ bool ParseObjectTable(std::string_view archs, std::string_view function_prefixes
       *error = where + "the function prefix for " + entry.arch + " is empty";
       return false;
     }
+    if (!IsCIdentifier(entry.function_prefix)) {
+      *error = where + "the function prefix \"" + entry.function_prefix + "\" for " + entry.arch +
+               " is not a C identifier ([A-Za-z_][A-Za-z0-9_]*)";
+      return false;
+    }
+    for (const ObjectEntry& seen : *out) {
+      if (seen.arch == entry.arch) {
+        *error = where + "arch " + entry.arch + " is listed twice; expected one object per arch";
+        return false;
+      }
+    }
     if (offsets[i + 1] <= offsets[i]) {
       *error = where + "the object for " + entry.arch + " is empty (offsets must increase strictly)";
       return false;
@@ -199,18 +248,20 @@ using StateOr = ffi::ErrorOr<std::unique_ptr<GemmAmaxState>>;
 
 StateOr Fail(ffi::Error error) { return ffi::Unexpected<ffi::Error>(std::move(error)); }
 
-StateOr Instantiate(std::string_view archs, std::string_view prefixes,
-                                                         ffi::Span<const uint8_t> objects,
-                                                         ffi::Span<const int64_t> offsets) {
+}  // namespace
+
+StateOr InstantiateKernelObjects(std::string_view target, std::string_view archs, std::string_view prefixes,
+                                 ffi::Span<const uint8_t> objects, ffi::Span<const int64_t> offsets) {
+  const std::string where = std::string(target) + ": ";
   std::string error;
   std::vector<ObjectEntry> entries;
   if (!ParseObjectTable(archs, prefixes, objects.size(), offsets.begin(), offsets.size(), &entries, &error)) {
     return Fail(ffi::Error::InvalidArgument(error));
   }
   const CudaDriver* driver = GetCudaDriver(&error);
-  if (driver == nullptr) return Fail(ffi::Error(ffi::ErrorCode::kFailedPrecondition, "jbg_gemm_amax: " + error));
+  if (driver == nullptr) return Fail(ffi::Error(ffi::ErrorCode::kFailedPrecondition, where + error));
   std::vector<ComputeCapability> caps;
-  if (!VisibleCapabilities(*driver, &caps, &error)) return Fail(ffi::Error::Internal("jbg_gemm_amax: " + error));
+  if (!VisibleCapabilities(*driver, &caps, &error)) return Fail(ffi::Error::Internal(where + error));
 
   auto state = std::make_unique<GemmAmaxState>();
   state->archs = std::string(archs);
@@ -227,8 +278,12 @@ StateOr Instantiate(std::string_view archs, std::string_view prefixes,
     for (const ObjectEntry& entry : entries) {
       if (entry.cc_major != caps[dev].major || entry.cc_minor != caps[dev].minor) continue;
       std::string_view bytes(reinterpret_cast<const char*>(objects.begin()) + entry.begin, entry.end - entry.begin);
+      // Only the object a device will run is checked (and loaded): a program may carry others for other GPUs.
+      if (std::string why = CheckKernelObject(bytes, entry.function_prefix); !why.empty()) {
+        return Fail(ffi::Error::InvalidArgument(where + why + "; arch " + entry.arch));
+      }
       DslFunction* fn = LoadDslFunction(bytes, entry.function_prefix, &error);
-      if (fn == nullptr) return Fail(ffi::Error::Internal("jbg_gemm_amax: " + error));
+      if (fn == nullptr) return Fail(ffi::Error::Internal(where + error));
       state->functions[dev] = fn;
       state->function_prefixes[dev] = entry.function_prefix;
       any = true;
@@ -237,10 +292,53 @@ StateOr Instantiate(std::string_view archs, std::string_view prefixes,
   }
   if (!any) {
     return Fail(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                           "jbg_gemm_amax: no kernel object for compute capability " +
+                           where + "no kernel object for compute capability " +
                                (seen.empty() ? std::string("(no visible CUDA device)") : seen) +
                                "; this program carries objects for " + std::string(archs)));
   }
+  return state;
+}
+
+ffi::Error DeviceFunction(const GemmAmaxState& state, int32_t device, std::string_view target, DslFunction** fn) {
+  const std::string where = std::string(target) + ": ";
+  if (device < 0 || static_cast<size_t>(device) >= state.functions.size()) {
+    return ffi::Error::Internal(where + "device ordinal " + std::to_string(device) + " is not among the " +
+                                std::to_string(state.functions.size()) + " devices seen at instantiation");
+  }
+  *fn = state.functions[device];
+  if (*fn == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      where + "no kernel object for compute capability " + state.capabilities[device] +
+                          " (device " + std::to_string(device) + "); this program carries objects for " + state.archs);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error RunKernel(const GemmAmaxState& state, int32_t device, std::string_view target, const CudaDriver& driver,
+                     DslFunction* fn, void** args, size_t num_args, const int32_t* ret) {
+  const std::string where = std::string(target) + ": ";
+  std::string error;
+  if (RunDslFunction(fn, args, num_args, &error) != 0) {
+    return ffi::Error::Internal(where + "CuteDSLRT_Function_Run(" + state.function_prefixes[device] + ") failed: " +
+                                error);
+  }
+  if (*ret != 0) {
+    return ffi::Error::Internal(where + "kernel " + state.function_prefixes[device] + " returned CUDA error " +
+                                std::to_string(*ret) + " (as a driver code: " + driver.ErrorName(*ret) + ")");
+  }
+  return ffi::Error::Success();
+}
+
+namespace {
+
+StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span<const uint8_t> objects,
+                    ffi::Span<const int64_t> offsets, std::string_view ab_dtype, std::string_view c_dtype) {
+  KernelDtypes dtypes{};
+  if (std::string why = ParseKernelDtypes(ab_dtype, c_dtype, &dtypes); !why.empty()) {
+    return Fail(ffi::Error::InvalidArgument(why));
+  }
+  StateOr state = InstantiateKernelObjects(kGemmAmaxTarget, archs, prefixes, objects, offsets);
+  if (state.has_value()) (*state)->dtypes = dtypes;
   return state;
 }
 
@@ -252,20 +350,11 @@ BufferDesc Desc(const ffi::AnyBuffer& buffer) {
 ffi::Error Execute(CUstream stream, int32_t device, GemmAmaxState* state, ffi::AnyBuffer a, ffi::AnyBuffer b,
                    ffi::AnyBuffer sfa, ffi::AnyBuffer sfb, ffi::Result<ffi::AnyBuffer> c,
                    ffi::Result<ffi::AnyBuffer> amax) {
-  if (device < 0 || static_cast<size_t>(device) >= state->functions.size()) {
-    return ffi::Error::Internal("jbg_gemm_amax: device ordinal " + std::to_string(device) + " is not among the " +
-                                std::to_string(state->functions.size()) + " devices seen at instantiation");
-  }
-  DslFunction* fn = state->functions[device];
-  if (fn == nullptr) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "jbg_gemm_amax: no kernel object for compute capability " + state->capabilities[device] +
-                          " (device " + std::to_string(device) + "); this program carries objects for " +
-                          state->archs);
-  }
+  DslFunction* fn = nullptr;
+  if (ffi::Error e = DeviceFunction(*state, device, kGemmAmaxTarget, &fn); e.failure()) return e;
   const BufferDesc buffers[6] = {Desc(a), Desc(b), Desc(sfa), Desc(sfb), Desc(*c), Desc(*amax)};
   GemmDims dims;
-  if (std::string message = CheckGemmAmaxBuffers(buffers, &dims); !message.empty()) {
+  if (std::string message = CheckGemmAmaxBuffers(buffers, state->dtypes, &dims); !message.empty()) {
     return ffi::Error::InvalidArgument(message);
   }
   std::string error;
@@ -288,27 +377,16 @@ ffi::Error Execute(CUstream stream, int32_t device, GemmAmaxState* state, ffi::A
     }
   }
   KernelTensor tensors[6];
-  for (int i = 0; i < 6; ++i) {
-    int64_t count = 1;
-    for (size_t d = 0; d < buffers[i].rank; ++d) count *= buffers[i].dims[d];
-    tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), count};
-  }
+  for (int i = 0; i < 6; ++i) tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), ElementCount(buffers[i])};
   int32_t m = dims.m, n = dims.n, k = dims.k, l = dims.l, ret = 0;
   void* args[12] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5],
                     &m,          &n,          &k,          &l,          &stream,     &ret};
-  if (RunDslFunction(fn, args, 12, &error) != 0) {
-    return ffi::Error::Internal("jbg_gemm_amax: CuteDSLRT_Function_Run(" + state->function_prefixes[device] +
-                                ") failed: " + error);
-  }
-  if (ret != 0) {
-    return ffi::Error::Internal("jbg_gemm_amax: kernel " + state->function_prefixes[device] +
-                                " returned CUDA error " + std::to_string(ret) + " (as a driver code: " +
-                                driver->ErrorName(ret) + ")");
-  }
-  return ffi::Error::Success();
+  return RunKernel(*state, device, kGemmAmaxTarget, *driver, fn, args, 12, &ret);
 }
 
 }  // namespace
+
+
 }  // namespace jbg
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgGemmAmaxInstantiate, jbg::Instantiate,
@@ -316,7 +394,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgGemmAmaxInstantiate, jbg::Instantiate,
                                   .Attr<std::string_view>("archs")
                                   .Attr<std::string_view>("function_prefixes")
                                   .Attr<xla::ffi::Span<const uint8_t>>("objects")
-                                  .Attr<xla::ffi::Span<const int64_t>>("offsets"),
+                                  .Attr<xla::ffi::Span<const int64_t>>("offsets")
+                                  .Attr<std::string_view>("ab_dtype")
+                                  .Attr<std::string_view>("c_dtype"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgGemmAmaxExecute, jbg::Execute,

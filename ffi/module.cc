@@ -13,6 +13,8 @@
 
 #include "dsl_runtime.h"
 #include "gemm_amax.h"
+#include "object_check.h"
+#include "proj_rope.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -23,10 +25,23 @@ constexpr int kAbiVersion = 1;
 
 nb::capsule Capsule(const void* ptr) { return nb::capsule(ptr); }
 
+// Every FFI target: (name, instantiate stage, execute stage).
+struct Target {
+  const char* name;
+  XLA_FFI_Handler* instantiate;
+  XLA_FFI_Handler* execute;
+};
+const Target kTargets[] = {{jbg::kGemmAmaxTarget, JbgGemmAmaxInstantiate, JbgGemmAmaxExecute},
+                           {jbg::kProjRopeTarget, JbgProjRopeInstantiate, JbgProjRopeExecute}};
+
 XLA_FFI_Handler* HandlerFor(const std::string& target, const std::string& stage) {
-  if (target != jbg::kGemmAmaxTarget) throw nb::value_error(("unknown FFI target " + target).c_str());
-  if (stage == "instantiate") return JbgGemmAmaxInstantiate;
-  if (stage == "execute") return JbgGemmAmaxExecute;
+  const Target* found = nullptr;
+  for (const Target& t : kTargets) {
+    if (target == t.name) found = &t;
+  }
+  if (found == nullptr) throw nb::value_error(("unknown FFI target " + target).c_str());
+  if (stage == "instantiate") return found->instantiate;
+  if (stage == "execute") return found->execute;
   throw nb::value_error(("unknown stage " + stage + "; expected 'instantiate' or 'execute'").c_str());
 }
 
@@ -58,24 +73,48 @@ int DtypeCode(const std::string& name) {
   if (name == "float8_e4m3fn") return XLA_FFI_DataType_F8E4M3FN;
   if (name == "float8_e5m2") return XLA_FFI_DataType_F8E5M2;
   if (name == "int32") return XLA_FFI_DataType_S32;
+  if (name == "int8") return XLA_FFI_DataType_S8;
   if (name == "float16") return XLA_FFI_DataType_F16;
   throw nb::value_error(("dtype " + name + " has no test mapping").c_str());
 }
 
 using BufferSpec = std::tuple<std::string, std::vector<int64_t>, uintptr_t>;
 
-// Test hook for the execute-stage buffer checks: each buffer as (dtype name, dims, address).
+// Test hook for the execute-stage buffer checks: each buffer as (dtype name, dims, address), and the dtypes the
+// call site's kernels were compiled for (both "" = the dtypes of a and c: no mismatch).
 // Returns (message, (m, n, k, l)); message is "" when the buffers fit the kernel.
-std::tuple<std::string, std::tuple<int, int, int, int>> CheckBuffers(const std::vector<BufferSpec>& specs) {
+std::tuple<std::string, std::tuple<int, int, int, int>> CheckBuffers(const std::vector<BufferSpec>& specs,
+                                                                     const std::string& ab_dtype,
+                                                                     const std::string& c_dtype) {
   if (specs.size() != 6) throw nb::value_error("expected 6 buffers: a, b, sfa, sfb, c, amax");
   jbg::BufferDesc descs[6];
   for (int i = 0; i < 6; ++i) {
     const auto& [dtype, dims, address] = specs[i];
     descs[i] = jbg::BufferDesc{DtypeCode(dtype), dims.data(), dims.size(), reinterpret_cast<const void*>(address)};
   }
+  jbg::KernelDtypes kernel{descs[0].dtype, descs[4].dtype};
+  if (ab_dtype.empty() != c_dtype.empty()) throw nb::value_error("give both ab_dtype and c_dtype, or neither");
+  if (!ab_dtype.empty()) {
+    std::string why = jbg::ParseKernelDtypes(ab_dtype, c_dtype, &kernel);
+    if (!why.empty()) throw nb::value_error(why.c_str());
+  }
   jbg::GemmDims dims;
-  std::string message = jbg::CheckGemmAmaxBuffers(descs, &dims);
+  std::string message = jbg::CheckGemmAmaxBuffers(descs, kernel, &dims);
   return {message, {dims.m, dims.n, dims.k, dims.l}};
+}
+
+// Test hook for the proj_rope execute-stage buffer checks: x, w, cos, sin, the four outputs as (dtype, dims,
+// address). Returns (message, (t, k, h)).
+std::tuple<std::string, std::tuple<int, int, int>> CheckProjRope(const std::vector<BufferSpec>& specs, bool w_out_in) {
+  if (specs.size() != 8) throw nb::value_error("expected 8 buffers: x, w, cos, sin and the four outputs");
+  jbg::BufferDesc descs[8];
+  for (int i = 0; i < 8; ++i) {
+    const auto& [dtype, dims, address] = specs[i];
+    descs[i] = jbg::BufferDesc{DtypeCode(dtype), dims.data(), dims.size(), reinterpret_cast<const void*>(address)};
+  }
+  jbg::ProjRopeDims dims;
+  std::string message = jbg::CheckProjRopeBuffers(descs, w_out_in, &dims);
+  return {message, {dims.t, dims.k, dims.h}};
 }
 
 // Test hook for the instantiate-stage attribute parsing: returns [(arch, prefix, cc_major, cc_minor, begin, end)].
@@ -97,17 +136,20 @@ NB_MODULE(_jbg_ffi, m) {
   m.doc() = "XLA FFI bridge of jax_blockgemm: launches CuTeDSL kernel objects on XLA's stream.";
   m.attr("ABI_VERSION") = kAbiVersion;
   m.attr("GEMM_AMAX_TARGET") = jbg::kGemmAmaxTarget;
+  m.attr("PROJ_ROPE_TARGET") = jbg::kProjRopeTarget;
   m.attr("GEMM_AMAX_STATE_TYPE") = jbg::kGemmAmaxStateType;
   m.attr("TRAIT_COMMAND_BUFFER_COMPATIBLE") = static_cast<uint32_t>(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
 
   m.def(
       "ffi_targets",
       [] {
-        nb::dict stages;
-        stages["instantiate"] = Capsule(reinterpret_cast<void*>(JbgGemmAmaxInstantiate));
-        stages["execute"] = Capsule(reinterpret_cast<void*>(JbgGemmAmaxExecute));
         nb::dict out;
-        out[jbg::kGemmAmaxTarget] = stages;
+        for (const Target& t : kTargets) {
+          nb::dict stages;
+          stages["instantiate"] = Capsule(reinterpret_cast<void*>(t.instantiate));
+          stages["execute"] = Capsule(reinterpret_cast<void*>(t.execute));
+          out[t.name] = stages;
+        }
         return out;
       },
       "{target name: {stage: handler capsule}} for jax.ffi.register_ffi_target.");
@@ -134,10 +176,30 @@ NB_MODULE(_jbg_ffi, m) {
       },
       nb::arg("path"), "dlopen libcute_dsl_runtime.so once per process (later calls keep the first library).");
   m.def("runtime_path", &jbg::DslRuntimePath, "Path of the loaded CuTeDSL runtime, or '' when none is loaded.");
-  m.def("check_gemm_amax_buffers", &CheckBuffers, nb::arg("buffers"),
-        "Test hook: the execute stage's buffer checks on [(dtype, dims, address)] * 6.");
+  m.def("check_gemm_amax_buffers", &CheckBuffers, nb::arg("buffers"), nb::arg("ab_dtype") = "",
+        nb::arg("c_dtype") = "",
+        "Test hook: the execute stage's buffer checks on [(dtype, dims, address)] * 6, for kernels compiled for "
+        "ab_dtype / c_dtype ('' = whatever a / c are).");
+  m.def(
+      "parse_kernel_dtypes",
+      [](const std::string& ab_dtype, const std::string& c_dtype) {
+        jbg::KernelDtypes out{};
+        std::string why = jbg::ParseKernelDtypes(ab_dtype, c_dtype, &out);
+        if (!why.empty()) throw nb::value_error(why.c_str());
+        return std::make_tuple(out.ab, out.c);
+      },
+      nb::arg("ab_dtype"), nb::arg("c_dtype"), "Test hook: the instantiate stage's ab_dtype / c_dtype parsing.");
+  m.def("check_proj_rope_buffers", &CheckProjRope, nb::arg("buffers"), nb::arg("w_out_in"),
+        "Test hook: the proj_rope execute stage's buffer checks on [(dtype, dims, address)] * 8.");
   m.def("parse_object_table", &ParseObjects, nb::arg("archs"), nb::arg("function_prefixes"),
         nb::arg("objects_size"), nb::arg("offsets"), "Test hook: the instantiate stage's attribute parsing.");
+  m.def(
+      "check_kernel_object",
+      [](nb::bytes object, const std::string& function_prefix) {
+        return jbg::CheckKernelObject(std::string_view(object.c_str(), object.size()), function_prefix);
+      },
+      nb::arg("object"), nb::arg("function_prefix"),
+      "Test hook: the instantiate stage's check of one object's bytes ('' when it may be loaded).");
   m.def(
       "parse_arch",
       [](const std::string& arch) {

@@ -3,6 +3,8 @@
 gemm_amax: block-scaled GEMM that also returns amax = max|C|. gemm_proj_rope_mxfp8: DeepSeek-V3's MLA Q
 up-projection (GEMM + per-head RoPE + MXFP8 rowwise and columnwise quantization). Both run everywhere through a
 pure-JAX reference and through CuTeDSL kernels where the GPU has one; `formats` holds the quantizers and layouts.
+For training: `mx_dot_general` (a differentiable drop-in for jax.lax.dot_general) and `mla_q_projection`; Flax and
+Equinox layers live in `jax_blockgemm.layers` (optional extras).
 """
 
 from jax_blockgemm import formats
@@ -12,6 +14,8 @@ from jax_blockgemm.api import (
     gemm_proj_rope_mxfp8,
     gemm_proj_rope_mxfp8_jax_sm100,
 )
+from jax_blockgemm.autodiff import RECIPES, Recipe, mx_dot_general, mx_dot_general_amax
+from jax_blockgemm.mla import MXFP8Views, mla_q_projection
 
 __all__ = [
     "formats",
@@ -19,6 +23,12 @@ __all__ = [
     "gemm_amax_jax_sm100",
     "gemm_proj_rope_mxfp8",
     "gemm_proj_rope_mxfp8_jax_sm100",
+    "mx_dot_general",
+    "mx_dot_general_amax",
+    "Recipe",
+    "RECIPES",
+    "MXFP8Views",
+    "mla_q_projection",
 ]
 __version__ = "0.1.0"
 

@@ -4,8 +4,6 @@ implementation, checks it against the pure-JAX reference and prints a table of r
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any, Callable
 
 import jax
@@ -14,17 +12,11 @@ import numpy as np
 
 import jax_blockgemm as jbg
 from jax_blockgemm import formats
+from jax_blockgemm.bench import median_ms, random_mxfp8
 
 
-def _median_ms(fn: Callable[[], Any], *, warmup: int = 2, reps: int = 10) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+def _median_ms(fn: Callable[..., Any], *args: Any) -> float:
+    return median_ms(fn, [args], warmup=2, reps=10)
 
 
 def _runs_kernel(fn: Callable, *args: Any) -> bool:
@@ -33,21 +25,15 @@ def _runs_kernel(fn: Callable, *args: Any) -> bool:
     return any("custom_call" in line and "jbg_" in line for line in text.splitlines())
 
 
-def _random_mxfp8(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-    """Random data spanning several binades per row, quantized to MXFP8 E4M3 (codes, E8M0 bytes)."""
-    x = rng.standard_normal(shape) * np.exp2(rng.integers(-6, 6, size=(*shape[:-1], 1)))
-    return formats.quantize_mxfp8(jnp.asarray(x, jnp.float32))
-
-
 def demo_gemm(m: int, n: int, k: int, implementation: Any) -> list[str]:
-    rng = np.random.default_rng(0)
-    a, sfa = _random_mxfp8(rng, (m, k))
-    b, sfb = _random_mxfp8(rng, (n, k))
+    key_a, key_b = jax.random.split(jax.random.key(0))
+    a, sfa = random_mxfp8(key_a, (m, k))
+    b, sfb = random_mxfp8(key_b, (n, k))
     best = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation=implementation))
     ref = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="xla"))
     (c, amax), (c_ref, amax_ref) = best(a, b, sfa, sfb), ref(a, b, sfa, sfb)
     rel = float(jnp.linalg.norm(c - c_ref) / jnp.linalg.norm(c_ref))
-    t_best, t_ref = _median_ms(lambda: best(a, b, sfa, sfb)), _median_ms(lambda: ref(a, b, sfa, sfb))
+    t_best, t_ref = _median_ms(best, a, b, sfa, sfb), _median_ms(ref, a, b, sfa, sfb)
     kernel = _runs_kernel(lambda *x: jbg.gemm_amax(*x, implementation=implementation), a, b, sfa, sfb)
     tflops = 2 * m * n * k / (t_best * 1e-3) / 1e12
     return [f"gemm_amax MXFP8 {m}x{n}x{k} -> f32 [{implementation or 'best'}]", "CuTeDSL kernel" if kernel else "reference (no kernel here)",
@@ -70,7 +56,7 @@ def demo_proj_rope(tokens: int, heads: int, q_lora: int, mxfp8: bool, implementa
     ref = jax.jit(lambda x, w, c, s: jbg.gemm_proj_rope_mxfp8(x, w, c, s, **kw, implementation="xla"))
     outs, refs = best(x, w, cos, sin), ref(x, w, cos, sin)
     same = [float(jnp.mean(o.view(jnp.uint8) == r.view(jnp.uint8))) for o, r in zip(outs, refs)]
-    t_best, t_ref = _median_ms(lambda: best(x, w, cos, sin)), _median_ms(lambda: ref(x, w, cos, sin))
+    t_best, t_ref = _median_ms(best, x, w, cos, sin), _median_ms(ref, x, w, cos, sin)
     kernel = _runs_kernel(
         lambda x, w, c, s: jbg.gemm_proj_rope_mxfp8(x, w, c, s, **kw, implementation=implementation), x, w, cos, sin)
     return [f"proj_rope {'MXFP8' if mxfp8 else 'bf16'} in, T={tokens} H={heads} K={q_lora}",

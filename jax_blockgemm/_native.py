@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 RUNTIME_ENV = "JAX_BLOCKGEMM_CUTE_DSL_RUNTIME"
 RUNTIME_NAME = "libcute_dsl_runtime.so"
 GEMM_AMAX_TARGET = "jbg_gemm_amax"
+PROJ_ROPE_TARGET = "jbg_gemm_proj_rope_mxfp8"
 
 _LOCK = threading.Lock()
 _REGISTERED: set[str] = set()

@@ -53,6 +53,7 @@ def gemm_amax(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Array, *, alp
       the pure-JAX reference.
 
     Returns (c, amax) with amax a float32 scalar (NaN if C holds a NaN). Under jax.vmap each example gets its own.
+    Under jax.jit with inputs sharded on L, M or N each device computes its shard (README "On many GPUs").
     """
     support.check_implementation(implementation)
     l, m, n, k = support.check_gemm_operands(a, b, a_major=a_major, b_major=b_major)
@@ -98,7 +99,8 @@ def gemm_proj_rope_mxfp8(x: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Ar
 
     Returns (out_fp8_row (T, H, 192), out_scales_row (T, H, 6), out_fp8_col (T, H, 192),
     out_scales_col (T/32, H, 192)): E4M3 codes and E8M0 scale bytes (uint8), rowwise blocks of 32 features inside a
-    head and columnwise blocks of 32 tokens. Accumulator, RoPE and quantization stay in fp32.
+    head and columnwise blocks of 32 tokens. Accumulator, RoPE and quantization stay in fp32. Under jax.jit with
+    tokens or heads sharded each device computes its shard (README "On many GPUs").
     """
     support.check_implementation(implementation)
     _, _, _, mxfp8 = support.check_proj_rope(x, w, cos, sin, x_scale, w_scale, w_out_in=w_out_in)

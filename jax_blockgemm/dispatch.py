@@ -2,26 +2,47 @@
 
 The CUDA lowering embeds one object per architecture that has a matching kernel, so a program lowered (or
 exported) anywhere runs on any GPU the catalog covers; the FFI handler picks by compute capability at run time.
-When the local GPU has no kernel, `implementation=None` falls back to the reference.
+When the local GPU has no kernel, `implementation=None` falls back to the reference. A kernel of an architecture
+where it has never run (`selfcheck.UNVERIFIED_ARCHS`) is used on a local GPU only after the first-use self-check
+passed there; when it fails, None falls back to the reference and "cutedsl" raises.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from typing import Any, Sequence
+import math
+import threading
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
 
+from jax_blockgemm import formats
+
 # Compute capability -> the CuTeDSL target our kernels are compiled for.
 ARCH_OF_CAPABILITY = {"9.0": "sm_90a", "10.0": "sm_100a"}
 
-# Whether implementation=None takes an arch's kernels (SPEC §6: None picks the fastest correct implementation).
-# A kernel becomes the default only once it has run correct on that arch and beaten the reference there;
-# an arch missing here takes the reference. "cutedsl" always takes the kernel. See benchmarks/RESULTS.md:
-# sm_90a, H200, 2026-11-29: MXFP8 kernel 267 TFLOP/s at 8192^3 against the reference's 463 -> not yet.
-DEFAULT_TAKES_KERNEL = {"sm_90a": False}
+# Whether implementation=None takes an (operation, arch)'s kernels (SPEC §6: None picks the fastest correct
+# implementation). A kernel becomes the default only once it has run correct on that arch and beaten the reference
+# there; a pair missing here takes the reference. "cutedsl" always takes the kernel. See benchmarks/RESULTS.md:
+# gemm_amax sm_90a, H200, 2026-11-29: MXFP8 kernel 267 TFLOP/s at 8192^3 against the reference's 463 -> not yet.
+# proj_rope sm_90a, H200, 2026-11-29: kernel 1.067 ms against the reference's 1.556 ms at T=4096, H=128, K=1536.
+# gemm_amax sm_100a: compiled and checked here, never run (no Blackwell GPU), never measured -> not the default
+# either; benchmarks/RESULTS.md holds a prediction only. "cutedsl" takes it after the first-use self-check.
+DEFAULT_TAKES_KERNEL = {("gemm_amax", "sm_90a"): False, ("proj_rope", "sm_90a"): True,
+                        ("gemm_amax", "sm_100a"): False}
+
+# The proj_rope tile (tokens, features) each arch runs, among catalog.PROJ_ROPE_TILES (benchmarks/RESULTS.md).
+PROJ_ROPE_TILE = {"sm_90a": (128, 192)}
+
+# The kernels and the FFI handler take sizes and element counts as int32: a call with an operand or C of this many
+# elements or more never reaches them (None takes the reference, "cutedsl" raises at lowering).
+MAX_KERNEL_ELEMENTS = 2**31
+
+
+_FORCED = threading.local()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +51,20 @@ class KernelChoice:
 
     variants: tuple = ()
     reason: str = ""
+
+
+@contextlib.contextmanager
+def forced_variants(variants: Sequence[Any]) -> Iterator[None]:
+    """Within this block (this thread), gemm_amax lowerings with implementation='cutedsl' use exactly `variants`.
+
+    For the self-check, which must run one given variant (also a TEST_VARIANTS one) unchecked.
+    """
+    saved = getattr(_FORCED, "variants", None)
+    _FORCED.variants = tuple(variants)
+    try:
+        yield
+    finally:
+        _FORCED.variants = saved
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,17 +77,33 @@ def local_cuda_capabilities() -> tuple[str, ...] | None:
     return tuple(sorted({str(getattr(d, "compute_capability", "")) for d in devices}))
 
 
+def _past_int32(avals_in: Sequence[Any]) -> str:
+    """Why a canonical (L, M, K) / (L, N, K) call is too large for int32 indexing, or "" when it is not."""
+    (l, m, _), n = avals_in[0].shape, avals_in[1].shape[1]
+    named = [(name, tuple(x.shape)) for name, x in zip(("a", "b", "sfa", "sfb"), avals_in)] + [("c", (l, m, n))]
+    for name, shape in named:
+        if math.prod(shape) >= MAX_KERNEL_ELEMENTS:
+            return (f"{name} {shape} holds {math.prod(shape)} elements, past the kernels' 32-bit indexing (fewer "
+                    f"than 2**31 = {MAX_KERNEL_ELEMENTS}); implementation=None or 'xla' takes the reference")
+    return ""
+
+
 def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, a_major: str, b_major: str,
                       c_major: str, mma_tiler_mn: tuple, cluster_shape_mn: tuple, implementation: Any,
                       **_: Any) -> KernelChoice:
     """The kernel variants that compute this gemm_amax call exactly, one per covered architecture."""
     if implementation == "xla":
         return KernelChoice(reason="implementation='xla' forces the reference")
+    forced = getattr(_FORCED, "variants", None)
+    if forced is not None and implementation == "cutedsl":
+        return KernelChoice(variants=forced)
     if len(avals_in) > 4:
         return KernelChoice(reason="alpha (NVFP4 per-tensor scale) has no kernel yet")
     if (a_major, b_major, c_major) != ("k", "k", "n"):
         return KernelChoice(reason=f"kernels take K-major A and B and N-major C; got a_major={a_major!r}, "
                                    f"b_major={b_major!r}, c_major={c_major!r}")
+    if too_large := _past_int32(avals_in):
+        return KernelChoice(reason=too_large)
     try:
         from jax_blockgemm import _native
         from jax_blockgemm.kernels import catalog
@@ -73,13 +124,64 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
         return KernelChoice(reason=f"no kernel in the catalog for {ab_dtype} operands, "
                                    f"{np.dtype(c_dtype)} C, sf_vec_size={sf_vec_size}")
     (l, m, k), n = avals_in[0].shape, avals_in[1].shape[1]
+    return _usable(variants, implementation, sizes=(m, n, k, l), names="(M, N, K, L)")
+
+
+def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation: Any,
+                      **_: Any) -> KernelChoice:
+    """The proj_rope kernel variants (one per covered architecture) for this call, or why there are none.
+
+    The kernels take bf16 x and w; MXFP8 inputs reach them dequantized (exact in bf16; see primitives.py).
+    """
+    if implementation == "xla":
+        return KernelChoice(reason="implementation='xla' forces the reference")
+    g, t, k = avals_in[0].shape
+    if g != 1:
+        return KernelChoice(reason=f"the kernel takes one weight matrix per call; got {g} (vmap over w)")
+    if formats.get_scale_rule() != "ceil":
+        return KernelChoice(reason=f"the kernel quantizes with the 'ceil' scale rule; the process uses "
+                                   f"{formats.get_scale_rule()!r}")
+    try:
+        from jax_blockgemm import _native
+        from jax_blockgemm.kernels import catalog
+
+        _native.extension()
+    except ImportError as e:  # CuTeDSL or the native bridge missing: the reference still works
+        return KernelChoice(reason=f"no kernel can run here: {e}")
+    b_major = "k" if w_out_in else "n"
+    variants = [v for arch in sorted({v.arch for v in catalog.CATALOG})
+                if (v := catalog.select_variant(op="proj_rope", arch=arch, ab_dtype="bfloat16",
+                                                c_dtype="float8_e4m3fn", sf_vec_size=32,
+                                                tile_mn=PROJ_ROPE_TILE.get(arch, (128, 192)), cluster_mn=(1, 1),
+                                                b_major=b_major)) is not None]
+    if not variants:
+        return KernelChoice(reason="no proj_rope kernel in the catalog")
+    h = avals_in[1].shape[1 if w_out_in else 2] // 192
+    return _usable(variants, implementation, sizes=(t, k, h), names="(T, K, H)")
+
+
+def _usable(variants: list, implementation: Any, *, sizes: tuple, names: str) -> KernelChoice:
+    """The variants that take these sizes, that None may use, that cover every local GPU and passed the first-use
+    self-check where they never ran before; else why there are none."""
+    from jax_blockgemm.kernels import catalog
+
+    buildable, unbuildable = [], []
     for v in variants:
-        fits, why = catalog.make_kernel(v).can_implement(m, n, k, l)
+        try:
+            kernel = catalog.make_kernel(v)
+        except ImportError as e:  # one arch's module needs a DSL piece this install lacks: the others still serve
+            unbuildable.append(f"{v.arch}: {e}")
+            continue
+        fits, why = kernel.can_implement(*sizes)
         if not fits:
-            return KernelChoice(reason=f"the {v.arch} kernel cannot take (L, M, N, K) = {(l, m, n, k)}: {why}")
+            return KernelChoice(reason=f"the {v.arch} kernel cannot take {names} = {sizes}: {why}")
+        buildable.append(v)
+    variants = buildable
+    if not variants:
+        return KernelChoice(reason=f"no kernel can be built here: {'; '.join(unbuildable)}")
     if implementation is None:
-        slower = sorted(v.arch for v in variants if not DEFAULT_TAKES_KERNEL.get(v.arch, False))
-        variants = [v for v in variants if DEFAULT_TAKES_KERNEL.get(v.arch, False)]
+        slower = sorted(v.arch for v in variants if not DEFAULT_TAKES_KERNEL.get((v.op, v.arch), False))
+        variants = [v for v in variants if DEFAULT_TAKES_KERNEL.get((v.op, v.arch), False)]
         if not variants:
             return KernelChoice(reason=f"the reference is faster than the {', '.join(slower)} kernel "
                                        "(implementation='cutedsl' forces it)")
@@ -90,4 +192,20 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
         if missing:
             return KernelChoice(reason=f"no kernel for compute capability {', '.join(missing)} "
                                        f"(kernels exist for {', '.join(sorted(archs))})")
+        failed = _failed_self_checks(variants, {ARCH_OF_CAPABILITY[cc] for cc in capabilities})
+        if failed:
+            return KernelChoice(reason=f"the first-use self-check failed: {failed}")
     return KernelChoice(variants=tuple(variants))
+
+
+def _failed_self_checks(variants: Sequence[Any], local_archs: set) -> str:
+    """Self-check the variants of never-run archs that a local GPU would run; '' when all pass, else why not."""
+    from jax_blockgemm import selfcheck  # lazy: it runs jitted programs, which import this module
+
+    failures = []
+    for v in variants:
+        if v.arch in local_archs and v.arch in selfcheck.UNVERIFIED_ARCHS:
+            verdict = selfcheck.ensure_verified(v)
+            if not verdict.ok:
+                failures.append(f"{v.key} on {verdict.device}: {verdict.detail}")
+    return "; ".join(failures)

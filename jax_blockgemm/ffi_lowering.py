@@ -1,4 +1,5 @@
-"""MLIR lowering of gemm_amax to the `jbg_gemm_amax` XLA FFI custom call (typed FFI, api_version 4).
+"""MLIR lowering of both operations to their XLA FFI custom calls (`jbg_gemm_amax`, `jbg_gemm_proj_rope_mxfp8`;
+typed FFI, api_version 4).
 
 The custom call carries one kernel object per architecture, so a program lowered or `jax.export`-ed on any
 machine (no GPU needed) runs on every GPU the objects cover; the handler picks by compute capability when XLA
@@ -7,7 +8,9 @@ instantiates the program. Attributes:
 - `archs`: comma-separated targets, e.g. "sm_90a,sm_100a";
 - `function_prefixes`: comma-separated exported function names, one per arch;
 - `objects`: the objects concatenated (uint8 array); `offsets`: int64 array, object i is objects[offsets[i]:
-  offsets[i + 1]].
+  offsets[i + 1]];
+- `ab_dtype`, `c_dtype`: the operand and C dtypes the objects were compiled for ("float8_e4m3fn", "float32"); the
+  handler refuses buffers of other dtypes (a float32 kernel would write past the end of a bfloat16 C).
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ import numpy as np
 from jax_blockgemm import _native, kernel_cache
 
 GEMM_AMAX_TARGET = _native.GEMM_AMAX_TARGET
+PROJ_ROPE_TARGET = _native.PROJ_ROPE_TARGET
 
 
-def gemm_amax_attributes(variants: Sequence[Any], objects: Sequence[bytes]) -> dict[str, Any]:
-    """The custom call's attributes for `variants` (one per arch) and their object bytes."""
+def object_table_attributes(variants: Sequence[Any], objects: Sequence[bytes]) -> dict[str, Any]:
+    """The attributes every target's instantiate stage reads: archs, function_prefixes, objects, offsets."""
     if len(variants) != len(objects) or not variants:
         raise ValueError(f"expected one object per variant and at least one variant, got {len(variants)} variants "
                          f"and {len(objects)} objects")
@@ -37,6 +41,18 @@ def gemm_amax_attributes(variants: Sequence[Any], objects: Sequence[bytes]) -> d
     offsets[1:] = np.cumsum([len(o) for o in objects])
     return dict(archs=",".join(archs), function_prefixes=",".join(v.function_prefix for v in variants),
                 objects=np.frombuffer(b"".join(objects), np.uint8), offsets=offsets)
+
+
+def gemm_amax_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, ab_dtype: Any,
+                         c_dtype: Any) -> dict[str, Any]:
+    """The gemm_amax call's attributes for `variants` (one per arch, all compiled for ab_dtype / c_dtype)."""
+    ab_dtype, c_dtype = str(np.dtype(ab_dtype)), str(np.dtype(c_dtype))
+    for v in variants:
+        compiled_for = (getattr(v, "ab_dtype", ab_dtype), getattr(v, "c_dtype", c_dtype))
+        if compiled_for != (ab_dtype, c_dtype):
+            raise ValueError(f"variant {v.key!r} is compiled for {compiled_for} (operands, C), not the call's "
+                             f"{(ab_dtype, c_dtype)}")
+    return dict(object_table_attributes(variants, objects), ab_dtype=ab_dtype, c_dtype=c_dtype)
 
 
 def _check_avals(ctx: Any) -> None:
@@ -53,24 +69,43 @@ def _check_avals(ctx: Any) -> None:
                          f"amax {amax}")
 
 
-def emit_gemm_amax(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, *, variants: Sequence[Any]) -> list:
-    """Emits the `jbg_gemm_amax` custom call for the lowering context `ctx`; returns [c, amax].
-
-    `variants`: catalog entries, one per architecture; each one's object comes from `kernel_cache` (compiled on
-    first use, then cached on disk). Result types come from `ctx.avals_out`: c (L, M, N), amax (L,) float32.
-    """
-    _check_avals(ctx)
+def _objects(variants: Sequence[Any]) -> tuple[list, list[bytes]]:
+    """The variants sorted by arch and their objects (compiled on first use, then cached on disk)."""
     variants = sorted(variants, key=lambda v: v.arch)
-    objects = [kernel_cache.get_object(v) for v in variants]
-    attributes = gemm_amax_attributes(variants, objects)
+    return variants, [kernel_cache.get_object(v) for v in variants]
+
+
+def _emit(target: str, ctx: Any, operands: Sequence[Any], attributes: dict[str, Any]) -> list:
+    """Emits custom call `target` with `attributes`."""
     try:  # a program compiled in this process needs the handler; lowering alone (export) does not
         _native.register_ffi_targets()
     except ImportError:
         pass
-    rule = jax.ffi.ffi_lowering(GEMM_AMAX_TARGET)
-    return list(rule(ctx, a, b, sfa, sfb, **attributes))
+    return list(jax.ffi.ffi_lowering(target)(ctx, *operands, **attributes))
+
+
+def emit_gemm_amax(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, *, variants: Sequence[Any]) -> list:
+    """Emits the `jbg_gemm_amax` custom call for the lowering context `ctx`; returns [c, amax].
+
+    `variants`: catalog entries, one per architecture. Result types come from `ctx.avals_out`: c (L, M, N),
+    amax (L,) float32.
+    """
+    _check_avals(ctx)
+    variants, objects = _objects(variants)
+    attributes = gemm_amax_attributes(variants, objects, ab_dtype=ctx.avals_in[0].dtype,
+                                      c_dtype=ctx.avals_out[0].dtype)
+    return _emit(GEMM_AMAX_TARGET, ctx, (a, b, sfa, sfb), attributes)
+
+
+def emit_proj_rope(ctx: Any, x: Any, w: Any, cos: Any, sin: Any, *, variants: Sequence[Any], w_out_in: bool) -> list:
+    """Emits the `jbg_gemm_proj_rope_mxfp8` custom call (bf16 x and w, one group); returns the four outputs."""
+    x_aval = ctx.avals_in[0]
+    if len(ctx.avals_in) != 4 or x_aval.ndim != 3 or x_aval.shape[0] != 1:
+        raise ValueError(f"emit_proj_rope expects x (1, T, K), w, cos, sin; got {[str(a) for a in ctx.avals_in]}")
+    attributes = dict(object_table_attributes(*_objects(variants)), w_out_in=bool(w_out_in))
+    return _emit(PROJ_ROPE_TARGET, ctx, (x, w, cos, sin), attributes)
 
 
 def export_disabled_checks() -> list:
-    """What `jax.export.export(..., disabled_checks=...)` needs to export a program holding our custom call."""
-    return [jax.export.DisabledSafetyCheck.custom_call(GEMM_AMAX_TARGET)]
+    """What `jax.export.export(..., disabled_checks=...)` needs to export a program holding our custom calls."""
+    return [jax.export.DisabledSafetyCheck.custom_call(t) for t in (GEMM_AMAX_TARGET, PROJ_ROPE_TARGET)]

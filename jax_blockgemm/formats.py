@@ -26,9 +26,9 @@ import numpy as np
 __all__ = [
     "E4M3", "E5M2", "E2M1", "E8M0", "BlockFormat", "MXFP8_E4M3", "MXFP8_E5M2", "MXFP4", "NVFP4", "FORMATS",
     "emax", "SCALE_RULE", "set_scale_rule", "scale_rule", "get_scale_rule", "scale_exponent", "e8m0_to_float32",
-    "exponent_to_e8m0", "round_to_grid", "round_to_e2m1", "pack_fp4", "unpack_fp4", "quantize_mxfp8", "quantize_mxfp4",
-    "quantize_nvfp4", "dequantize", "scales_to_float32", "num_blocks", "atom_shape", "to_scale_atom",
-    "from_scale_atom", "atom_to_seed_view", "seed_view_to_atom",
+    "exponent_to_e8m0", "mx_block_exponents", "mx_encode_blocks", "round_to_grid", "round_to_e2m1", "pack_fp4",
+    "unpack_fp4", "quantize_mxfp8", "quantize_mxfp4", "quantize_nvfp4", "dequantize", "scales_to_float32",
+    "num_blocks", "atom_shape", "to_scale_atom", "from_scale_atom", "atom_to_seed_view", "seed_view_to_atom",
 ]
 
 E4M3 = jnp.float8_e4m3fn
@@ -129,7 +129,7 @@ def _resolve_rule(rule: str | None) -> str:
     return rule
 
 
-def _float32_exponent_mantissa(emax_value: float) -> tuple[int, int]:
+def float32_exponent_mantissa(emax_value: float) -> tuple[int, int]:
     """Unbiased exponent and 23-bit mantissa field of a positive normal float32 constant (checked exact)."""
     bits = int(np.array(emax_value, np.float32).view(np.uint32))
     if float(np.float32(emax_value)) != emax_value or not (bits >> 23) or emax_value <= 0:
@@ -145,7 +145,7 @@ def scale_exponent(amax: jax.Array, emax: float, *, rule: str | None = None) -> 
     NaN or inf give 128, i.e. the NaN byte 0xFF once 127 is added. `rule=None` uses the process-wide SCALE_RULE.
     """
     rule = _resolve_rule(rule)
-    emax_exp, emax_man = _float32_exponent_mantissa(float(emax))
+    emax_exp, emax_man = float32_exponent_mantissa(float(emax))
     bits = jax.lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.int32) & 0x7FFFFFFF  # |amax|, exactly
     biased = bits >> 23
     mantissa = bits & 0x7FFFFF
@@ -182,11 +182,15 @@ def _scale_by_exp2(v: jax.Array, neg_e: jax.Array) -> jax.Array:
     return jnp.where(is_sub, sub, normal)
 
 
-def magnitude_max(x: jax.Array, axis: int | tuple[int, ...] | None = -1) -> jax.Array:
+def magnitude_bits(x: jax.Array) -> jax.Array:
+    """|x| as float32 bits in an int32, whose integer order is NaN > inf > every finite value (see magnitude_max)."""
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
+
+
+def magnitude_max(x: jax.Array, axis: int | tuple[int, ...] | None = -1, *, keepdims: bool = False) -> jax.Array:
     """max |x| along `axis` as float32, taken on the integer bits: NaN > inf > every finite value on every
     backend (XLA:CPU's vectorized float max can drop NaN), exact for subnormals (denormal-flush proof)."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
-    return jax.lax.bitcast_convert_type(jnp.max(bits, axis=axis), jnp.float32)
+    return jax.lax.bitcast_convert_type(jnp.max(magnitude_bits(x), axis=axis, keepdims=keepdims), jnp.float32)
 
 
 def e8m0_to_float32(scale: jax.Array) -> jax.Array:
@@ -239,8 +243,10 @@ def round_to_grid(y: jax.Array, dtype: DTypeLike) -> jax.Array:
     man_bits, emin = _GRID[np.dtype(dtype)]
     y = jnp.clip(jnp.asarray(y, jnp.float32), -emax(dtype), emax(dtype))
     biased = (jax.lax.bitcast_convert_type(y, jnp.int32) >> 23) & 0xFF
-    ulp = _exp2(jnp.maximum(biased - 127, emin) - man_bits)
-    return jnp.round(y / ulp) * ulp  # exact power-of-two steps; jnp.round breaks ties to even (an even mantissa)
+    ulp_exponent = jnp.maximum(biased - 127, emin) - man_bits
+    # y / ulp as y * (1 / ulp): both powers of two, so the product is exact like the quotient (and cheaper on GPUs);
+    # jnp.round breaks ties to even (an even mantissa)
+    return jnp.round(y * _exp2(-ulp_exponent)) * _exp2(ulp_exponent)
 
 
 def round_to_e2m1(y: jax.Array) -> jax.Array:
@@ -332,24 +338,43 @@ def _from_blocks(xb: jax.Array, axis: int, n: int) -> jax.Array:
 
 
 def _block_stats(xb: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-block amax over finite elements and whether the block holds a NaN or an inf."""
-    finite = jnp.isfinite(xb)
-    return magnitude_max(jnp.where(finite, xb, 0.0)), ~jnp.all(finite, axis=-1)
+    """Per-block max |x| (the amax over finite elements wherever the block is finite) and whether the block holds
+    a NaN or an inf. One reduction serves both: a block's max |x| is NaN or inf exactly when it holds one."""
+    amax = magnitude_max(xb)
+    return amax, ~jnp.isfinite(amax)
+
+
+def mx_block_exponents(blocks: jax.Array, *, axis: int, code_dtype: DTypeLike,
+                       rule: str | None = None) -> jax.Array:
+    """int32 E8M0 scale exponent of every block of float32 `blocks` whose elements run along `axis` (kept, size 1).
+
+    One integer max per block (`magnitude_max`) feeds `scale_exponent`: a block holding a NaN or an inf has a
+    non-finite max and gets 128 (the NaN byte), an all-zero block -127 (byte 0). Lets a caller pick the block
+    view (e.g. tokens along a middle axis) so that no transpose is needed. `rule=None` uses SCALE_RULE.
+    """
+    return scale_exponent(magnitude_max(blocks, axis=axis, keepdims=True), emax(code_dtype), rule=rule)
+
+
+def mx_encode_blocks(blocks: jax.Array, e: jax.Array, *, code_dtype: DTypeLike) -> jax.Array:
+    """Codes (SPEC §2) of float32 `blocks` under block exponents `e` from `mx_block_exponents` (broadcast).
+
+    RNE(v / 2**e) saturated to +-emax, in float32 so that the final cast is exact; a block with e = 128 (NaN or
+    inf inside) gets zero codes.
+    """
+    limit = emax(code_dtype)
+    y = _scale_by_exp2(blocks, -jnp.clip(e, _E_MIN, _E_MAX))
+    y = jnp.where(e > _E_MAX, 0.0, jnp.clip(y, -limit, limit))  # clip first: XLA casts overflow to NaN
+    return round_to_grid(y, code_dtype).astype(code_dtype)  # an exact cast
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "block", "code_dtype", "rule", "packed"))
 def _quantize_e8m0(x: jax.Array, *, axis: int, block: int, code_dtype: np.dtype, rule: str,
                    packed: bool) -> tuple[jax.Array, jax.Array]:
     """Shared MX path on validated arguments (jitted, so eager calls compile once per shape)."""
-    limit = emax(code_dtype)
     xb = _to_blocks(x.astype(jnp.float32), axis, block)
-    amax, bad = _block_stats(xb)
-    e = jnp.where(bad, _E_MAX + 1, scale_exponent(amax, limit, rule=rule))
-    y = _scale_by_exp2(xb, -jnp.clip(e, _E_MIN, _E_MAX)[..., None])
-    y = jnp.where(bad[..., None], 0.0, jnp.clip(y, -limit, limit))  # clip first: XLA casts overflow to NaN
-    codes = round_to_grid(y, code_dtype).astype(code_dtype)  # an exact cast
-    codes = _from_blocks(codes, axis, x.shape[axis])
-    return (pack_fp4(codes) if packed else codes), jnp.moveaxis(exponent_to_e8m0(e), -1, axis)
+    e = mx_block_exponents(xb, axis=-1, code_dtype=code_dtype, rule=rule)
+    codes = _from_blocks(mx_encode_blocks(xb, e, code_dtype=code_dtype), axis, x.shape[axis])
+    return (pack_fp4(codes) if packed else codes), jnp.moveaxis(exponent_to_e8m0(e[..., 0]), -1, axis)
 
 
 def _validated(name: str, x: jax.Array, axis: int, block: int, packed: bool = False) -> tuple[jax.Array, int, int]:

@@ -5,7 +5,11 @@ key covers everything that changes the object: the variant's key and arch, the C
 kernel sources. Entries are written atomically (temporary file, then rename) behind a header (magic, payload
 length, SHA-256 of the payload); an entry that fails any check is deleted and rebuilt, never loaded.
 
-Directory: $JAX_BLOCKGEMM_CACHE_DIR, else ~/.cache/jax_blockgemm.
+Directory: $JAX_BLOCKGEMM_CACHE_DIR, else ~/.cache/jax_blockgemm. Size: at most $JAX_BLOCKGEMM_CACHE_MAX_BYTES
+(default 512 MiB) of entries; past that the least recently used entries are deleted after each write (a disk hit
+refreshes an entry's modification time, which is what "used" means here, across processes). A directory that
+cannot be written (read-only, full, not creatable) is still read; the process then compiles into memory only and
+says so in ONE warning.
 """
 
 from __future__ import annotations
@@ -18,11 +22,15 @@ import pathlib
 import struct
 import tempfile
 import threading
+import time
 from typing import Any, Callable, Literal, Protocol
 
 logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "JAX_BLOCKGEMM_CACHE_DIR"
+CACHE_MAX_BYTES_ENV = "JAX_BLOCKGEMM_CACHE_MAX_BYTES"
+DEFAULT_MAX_BYTES = 512 * 2**20  # an object is ~60 KiB: thousands of entries
+STALE_TMP_S = 3600  # a temporary file this old belongs to a writer that died
 MAGIC = b"JBGOBJ01"
 _HEADER = struct.Struct("<8sQ32s")  # magic, payload length, sha256(payload)
 Source = Literal["memory", "disk", "compiled"]
@@ -42,6 +50,20 @@ def default_cache_dir() -> pathlib.Path:
     """$JAX_BLOCKGEMM_CACHE_DIR, else ~/.cache/jax_blockgemm."""
     env = os.environ.get(CACHE_DIR_ENV)
     return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "jax_blockgemm"
+
+
+def default_max_bytes() -> int:
+    """$JAX_BLOCKGEMM_CACHE_MAX_BYTES (a positive integer), else DEFAULT_MAX_BYTES."""
+    raw = os.environ.get(CACHE_MAX_BYTES_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{CACHE_MAX_BYTES_ENV}={raw!r} must be a positive number of bytes, e.g. {DEFAULT_MAX_BYTES}")
+    return value
 
 
 def dsl_version() -> str:
@@ -82,8 +104,10 @@ class ObjectCache:
     compile_fn: Callable[[Any], bytes]
     source_hash_fn: Callable[[], str]
     dsl_version_fn: Callable[[], str] = dsl_version
+    max_bytes: int = DEFAULT_MAX_BYTES
     _memory: dict[str, bytes] = dataclasses.field(default_factory=dict, repr=False)
     _lock: threading.RLock = dataclasses.field(default_factory=threading.RLock, repr=False)
+    _writable: bool = dataclasses.field(default=True, repr=False)  # False after the first failed write
 
     def entry_name(self, variant: Variant) -> str:
         """File name of `variant`'s entry: readable key + a digest of everything that changes the object."""
@@ -105,7 +129,8 @@ class ObjectCache:
                 payload = bytes(self.compile_fn(variant))
                 if not payload:
                     raise RuntimeError(f"compiling kernel variant {variant.key!r} produced an empty object")
-                self._write(self.directory / name, payload)
+                if self._writable:
+                    self._store(self.directory / name, payload)
                 source = "compiled"
             self._memory[name] = payload
             return payload, source
@@ -114,6 +139,52 @@ class ObjectCache:
         """Forgets the in-process copies (the disk entries stay)."""
         with self._lock:
             self._memory.clear()
+
+    def _store(self, path: pathlib.Path, payload: bytes) -> None:
+        """Writes the entry and evicts; the first failure turns disk writes off for this process, with one warning."""
+        try:
+            self._write(path, payload)
+        except OSError as e:  # read-only, full, or not creatable: the object still works from memory
+            self._writable = False
+            logger.warning("jax_blockgemm: cannot write the kernel cache %s (%s); compiling kernels in memory for the "
+                           "rest of this process (set %s to a writable directory to keep them)", self.directory, e,
+                           CACHE_DIR_ENV)
+            return
+        self.evict(keep=path)
+
+    def evict(self, keep: pathlib.Path | None = None) -> list[pathlib.Path]:
+        """Deletes the least recently used entries until the directory holds at most max_bytes, and temporary
+        files a crashed writer left over an hour ago; returns what it deleted."""
+        removed = []
+        for tmp in self.directory.glob("*.obj.*.tmp"):
+            try:
+                if time.time() - tmp.stat().st_mtime > STALE_TMP_S:
+                    tmp.unlink()
+                    removed.append(tmp)
+            except OSError:  # finished or removed by its writer meanwhile
+                continue
+        entries = []
+        for path in self.directory.glob("*.obj"):
+            try:
+                st = path.stat()
+            except OSError:  # deleted by another process meanwhile
+                continue
+            entries.append((st.st_mtime_ns, path.name, st.st_size, path))
+        total = sum(size for _, _, size, _ in entries)
+        for _, _, size, path in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            if path == keep:
+                continue
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+            total -= size
+            removed.append(path)
+        return removed
 
     @staticmethod
     def _read(path: pathlib.Path) -> bytes | None:
@@ -131,24 +202,27 @@ class ObjectCache:
                 path.unlink()
             except OSError:
                 pass
+            return None
+        try:
+            os.utime(path)  # marks the entry used, for the least-recently-used eviction
+        except OSError:  # a read-only cache: fine, nothing is evicted there either
+            pass
         return payload
 
     @staticmethod
     def _write(path: pathlib.Path, payload: bytes) -> None:
+        """Atomic write: a temporary file in the same directory, fsync-ed, then renamed over the entry."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(encode_entry(payload))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)  # atomic: readers see the old entry or the whole new one
-            except BaseException:
-                pathlib.Path(tmp).unlink(missing_ok=True)
-                raise
-        except OSError as e:  # an unwritable cache costs a recompile next process, nothing more
-            logger.warning("jax_blockgemm: cannot write kernel cache entry %s (%s)", path, e)
+            with os.fdopen(fd, "wb") as f:
+                f.write(encode_entry(payload))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)  # atomic: readers (and a second writer) see the old entry or a whole new one
+        except BaseException:
+            pathlib.Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def _catalog_compile(variant: Any) -> bytes:
@@ -168,11 +242,12 @@ _DEFAULT_LOCK = threading.Lock()
 
 
 def default_cache() -> ObjectCache:
-    """The process-wide cache over the catalog (its directory is read from the environment on first use)."""
+    """The process-wide cache over the catalog (directory and size cap are read from the environment on first use)."""
     global _DEFAULT
     with _DEFAULT_LOCK:
         if _DEFAULT is None:
-            _DEFAULT = ObjectCache(default_cache_dir(), _catalog_compile, _catalog_source_hash)
+            _DEFAULT = ObjectCache(default_cache_dir(), _catalog_compile, _catalog_source_hash,
+                                   max_bytes=default_max_bytes())
         return _DEFAULT
 
 

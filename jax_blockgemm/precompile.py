@@ -1,9 +1,12 @@
 """Fill the kernel object cache ahead of time, on any machine (no GPU needed).
 
-    python -m jax_blockgemm.precompile [--arch sm_90a --arch sm_100a] [--variant KEY ...] [--list]
+    python -m jax_blockgemm.precompile [--arch sm_90a --arch sm_100a] [--variant KEY ...] [--list | --report]
 
 Without --arch, every architecture in the catalog; without --variant, every variant of those architectures.
 Prints, per variant, whether it was compiled or already cached, the time it took and the entry's path.
+--report compiles the sm_100a variants afresh (the cache holds objects, not PTX) and prints their structural
+checks instead (kernels/structure.py): MMA kind and scale-vector size, tensor memory, local memory, shared
+memory, registers; exit status 1 if any variant fails one.
 """
 
 from __future__ import annotations
@@ -23,7 +26,40 @@ def _parser() -> argparse.ArgumentParser:
                    help="only this catalog key (repeatable); see --list")
     p.add_argument("--list", action="store_true", help="list the selected variants and their cache state; compile "
                                                        "nothing")
+    p.add_argument("--report", action="store_true", help="compile the selected sm_100a variants and print their "
+                                                         "structural checks (no cache writes)")
     return p
+
+
+def report(variants: Sequence) -> int:
+    """Print the structural table of the sm_100a `variants`; 1 when any of them fails a check, else 0."""
+    from jax_blockgemm.kernels import catalog, structure
+
+    chosen = [v for v in variants if v.arch == "sm_100a"]
+    if not chosen:
+        raise SystemExit("--report: no sm_100a variant selected (the structural checks are those of sm_100a)")
+    print(f"limits: shared memory <= {structure.SM100_SMEM_PER_CTA} B per CTA, registers <= "
+          f"{structure.SM100_REGS_PER_THREAD} per thread, tensor memory <= {structure.SM100_TMEM_COLUMNS} columns")
+    row = "{:52s} {:>9s} {:16s} {:9s} {:13s} {:>7s} {:>7s} {:>4s} {:>15s}  {}"
+    print(row.format("variant", "compile s", "MMA kind", "scale_vec", "alloc/dealloc", "local B", "smem B", "regs",
+                     "TMEM used/alloc", "verdict"))
+    failed = 0
+    total = time.perf_counter()
+    for v in chosen:
+        start = time.perf_counter()
+        kernel = catalog.make_kernel(v)
+        r = structure.sm100_report(v, catalog.compile_function(v, keep_ptx=True, kernel=kernel), kernel)
+        kinds = sorted({k for op in r.mma for k in op.split(".") if k.startswith("kind::")})
+        vecs = sorted({k for op in r.mma for k in op.split(".") if k in structure.SCALE_VEC.values()})
+        problems = r.problems()
+        failed += bool(problems)
+        print(row.format(*[v.key, f"{time.perf_counter() - start:.2f}", ",".join(kinds) or "-", ",".join(vecs) or "-",
+                         f"{'yes' if r.has_alloc else 'NO'}/{'yes' if r.has_dealloc else 'NO'}",
+                         str(r.ptx_local + r.resources.frame_bytes + r.resources.stack_bytes), str(r.smem_bytes),
+                         str(r.resources.registers), f"{r.tmem_columns_used}/{r.tmem_columns_allocated}",
+                         "ok" if not problems else "FAIL: " + "; ".join(problems)]), flush=True)
+    print(f"{len(chosen)} variants in {time.perf_counter() - total:.2f} s, {failed} failing")
+    return 1 if failed else 0
 
 
 def select(catalog_variants: Sequence, archs: Sequence[str], keys: Sequence[str]) -> list:
@@ -47,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jax_blockgemm.kernels import catalog
 
     variants = select(catalog.CATALOG, args.arch, args.variant)
+    if args.report:
+        return report(variants)
     cache = kernel_cache.default_cache()
     print(f"cache: {cache.directory}")
     if args.list:

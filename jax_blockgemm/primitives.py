@@ -1,9 +1,12 @@
-"""The two operations as JAX primitives: abstract evaluation, lowering and batching rules.
+"""The two operations as JAX primitives: abstract evaluation, lowering, batching and partitioning rules.
 
 Operands reach these primitives canonical (see `api.py`): batched 3-D GEMM operands, scales in the physical
-128x4 atom form, FP4 as packed uint8. Every platform lowers to the pure-JAX reference (`reference.py`); on CUDA
-the lowering first asks `dispatch.py` for CuTeDSL kernels and, where one applies, emits the XLA FFI custom call
-(`ffi_lowering.py`) instead. Rules are registered in one block at the end of the module.
+128x4 atom form, FP4 as packed uint8. Each operation is two primitives: the one the API binds (`gemm_amax_p`,
+`proj_rope_p`: batching, and a lowering through the partitioning rules of `sharding.py`, so that under jit with
+sharded inputs every device runs the op on its own shard) and a local one (`*_local_p`: what one device runs).
+The local one lowers to the pure-JAX reference (`reference.py`) on every platform; on CUDA it first asks
+`dispatch.py` for CuTeDSL kernels and, where one applies, emits the XLA FFI custom call (`ffi_lowering.py`)
+instead. Rules are registered in one block at the end of the module.
 """
 
 from __future__ import annotations
@@ -18,13 +21,13 @@ from jax._src import dispatch as jax_dispatch
 from jax.extend import core as jex_core
 from jax.interpreters import batching, mlir
 
-from jax_blockgemm import reference
+from jax_blockgemm import reference, sharding
 from jax_blockgemm.support import MX_BLOCK, HEAD_DIM, is_fp4
 
 gemm_amax_p = jex_core.Primitive("jbg_gemm_amax")
-gemm_amax_p.multiple_results = True
+gemm_amax_local_p = jex_core.Primitive("jbg_gemm_amax_local")
 proj_rope_p = jex_core.Primitive("jbg_gemm_proj_rope_mxfp8")
-proj_rope_p.multiple_results = True
+proj_rope_local_p = jex_core.Primitive("jbg_gemm_proj_rope_mxfp8_local")
 
 _NOT_MAPPED = None  # how a batching rule sees an operand that vmap does not map
 
@@ -64,14 +67,36 @@ def _gemm_amax_abstract_eval(a, b, sfa, sfb, *maybe_alpha, c_dtype, a_major, b_m
             jax.core.ShapedArray(amax_shape, np.float32))
 
 
-def _gemm_amax_reference(a, b, sfa, sfb, *maybe_alpha, k, sf_vec_size, c_dtype, a_major, b_major, c_major, **_):
+def _gemm_amax_reference(a, b, sfa, sfb, *maybe_alpha, k, sf_vec_size, c_dtype, a_major, b_major, c_major,
+                         scaled_dot=False, **_):
     alpha = maybe_alpha[0] if maybe_alpha else None
     return reference.gemm_amax_reference(a, b, sfa, sfb, k=k, sf_vec_size=sf_vec_size, c_dtype=c_dtype,
-                                         a_major=a_major, b_major=b_major, c_major=c_major, alpha=alpha)
+                                         a_major=a_major, b_major=b_major, c_major=c_major, alpha=alpha,
+                                         scaled_dot=scaled_dot)
+
+
+def _lowering_platforms(ctx) -> tuple[str, ...]:
+    """The platforms this lowering rule emits code for (a subset of the module's under multi-platform export)."""
+    return tuple(getattr(ctx, "platforms", None) or ctx.module_context.platforms)
+
+
+def _no_kernel_off_cuda(ctx, op: str, implementation: Any) -> None:
+    """SPEC §6: 'cutedsl' demands a kernel and there is none off CUDA, so say so rather than run the reference."""
+    if implementation == "cutedsl":
+        platforms = _lowering_platforms(ctx)
+        raise ValueError(f"implementation='cutedsl': {op} has no CuTeDSL kernel on platform"
+                         f"{'s' * (len(platforms) > 1)} {', '.join(platforms)} (kernels run on CUDA GPUs only); use "
+                         "implementation=None or 'xla'.")
 
 
 def _gemm_amax_reference_lowering(ctx, *args, **params):
-    return mlir.lower_fun(functools.partial(_gemm_amax_reference, **params), multiple_results=True)(ctx, *args)
+    _no_kernel_off_cuda(ctx, "gemm_amax", params["implementation"])
+    a, b = ctx.avals_in[:2]
+    l, m, n = _gemm_dims(a.shape, b.shape, params["a_major"], params["b_major"])
+    scaled_dot = reference.use_scaled_dot(_lowering_platforms(ctx), a.dtype, b.dtype,
+                                          sf_vec_size=params["sf_vec_size"], l=l, m=m, n=n, k=params["k"])
+    reference_fn = functools.partial(_gemm_amax_reference, **params, scaled_dot=scaled_dot)
+    return mlir.lower_fun(reference_fn, multiple_results=True)(ctx, *args)
 
 
 def _gemm_amax_cuda_lowering(ctx, *args, **params):
@@ -139,14 +164,32 @@ def _proj_rope_reference(x, w, cos, sin, *scales, w_out_in, mxfp8, **_):
 
 
 def _proj_rope_reference_lowering(ctx, *args, **params):
+    _no_kernel_off_cuda(ctx, "gemm_proj_rope_mxfp8", params["implementation"])
     return mlir.lower_fun(functools.partial(_proj_rope_reference, **params), multiple_results=True)(ctx, *args)
 
 
+def _proj_rope_via_bf16(x, w, cos, sin, x_scale, w_scale, *, w_out_in, implementation, **_):
+    """MXFP8 inputs on the kernel path: XLA dequantizes codes x E8M0 scales to bf16 (exact, SPEC §6), then the
+    bf16 kernel runs. The dequantization is one fused elementwise pass (about 0.04 ms for DeepSeek-V3's w)."""
+    x = reference.dequantize_bf16(x, x_scale, block=MX_BLOCK, axis=2)
+    w = reference.dequantize_bf16(w, w_scale, block=MX_BLOCK, axis=2 if w_out_in else 1)
+    return proj_rope_local_p.bind(x, w, cos, sin, w_out_in=w_out_in, mxfp8=False, implementation=implementation)
+
+
 def _proj_rope_cuda_lowering(ctx, *args, **params):
-    """The GPU hook: no proj_rope kernel exists yet, so the reference runs (and 'cutedsl' says so)."""
+    """The GPU hook: a CuTeDSL kernel through the FFI bridge where one applies, else the reference."""
+    from jax_blockgemm import dispatch  # lazy: keeps CuTeDSL out of CPU-only imports
+
+    choice = dispatch.proj_rope_kernels(ctx.avals_in, **params)
+    if choice.variants and params["mxfp8"]:
+        return mlir.lower_fun(functools.partial(_proj_rope_via_bf16, **params), multiple_results=True)(ctx, *args)
+    if choice.variants:
+        from jax_blockgemm import ffi_lowering
+
+        return ffi_lowering.emit_proj_rope(ctx, *args, variants=choice.variants, w_out_in=params["w_out_in"])
     if params["implementation"] == "cutedsl":
-        raise ValueError("implementation='cutedsl': gemm_proj_rope_mxfp8 has no CuTeDSL kernel yet; use "
-                         "implementation=None or 'xla'.")
+        raise ValueError("implementation='cutedsl': no CuTeDSL kernel applies to this gemm_proj_rope_mxfp8 call: "
+                         f"{choice.reason}")
     return _proj_rope_reference_lowering(ctx, *args, **params)
 
 
@@ -172,17 +215,42 @@ def _proj_rope_batch(args, dims, **params):
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Partitioning: the outer primitive lowers through sharding.py's custom_partitioning around the local one.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _partitioned_lowering(local_p, partitioned):
+    """Lowers an outer primitive to its partitioned call; on one device that is the local primitive inline.
+
+    jax.export cannot serialize custom_partitioning (its rules are Python callbacks), so an exported program
+    carries the local primitive itself and XLA partitions it as it would any op (see sharding.py).
+    """
+
+    def lowering(ctx, *args, **params):
+        if ctx.module_context.lowering_parameters.for_export:
+            return mlir.lower_fun(functools.partial(local_p.bind, **params), multiple_results=True)(ctx, *args)
+        frozen = sharding.freeze_params(params)
+        return mlir.lower_fun(lambda *ops: partitioned(frozen, *ops), multiple_results=True)(ctx, *args)
+
+    return lowering
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Registration.
 # --------------------------------------------------------------------------------------------------------------
 
-for _p, _abstract, _reference_lowering, _cuda_lowering, _batch in (
-        (gemm_amax_p, _gemm_amax_abstract_eval, _gemm_amax_reference_lowering, _gemm_amax_cuda_lowering,
-         _gemm_amax_batch),
-        (proj_rope_p, _proj_rope_abstract_eval, _proj_rope_reference_lowering, _proj_rope_cuda_lowering,
-         _proj_rope_batch)):
-    _p.def_impl(functools.partial(jax_dispatch.apply_primitive, _p))
-    _p.def_abstract_eval(_abstract)
-    mlir.register_lowering(_p, _reference_lowering)
-    mlir.register_lowering(_p, _cuda_lowering, platform="cuda")
+for _p, _local_p, _abstract, _reference_lowering, _cuda_lowering, _batch, _partitioned in (
+        (gemm_amax_p, gemm_amax_local_p, _gemm_amax_abstract_eval, _gemm_amax_reference_lowering,
+         _gemm_amax_cuda_lowering, _gemm_amax_batch, sharding.gemm_amax_partitioned),
+        (proj_rope_p, proj_rope_local_p, _proj_rope_abstract_eval, _proj_rope_reference_lowering,
+         _proj_rope_cuda_lowering, _proj_rope_batch, sharding.proj_rope_partitioned)):
+    for _q in (_p, _local_p):
+        _q.multiple_results = True
+        _q.def_impl(functools.partial(jax_dispatch.apply_primitive, _q))
+        _q.def_abstract_eval(_abstract)
+    mlir.register_lowering(_local_p, _reference_lowering)
+    mlir.register_lowering(_local_p, _cuda_lowering, platform="cuda")
+    mlir.register_lowering(_p, _partitioned_lowering(_local_p, _partitioned(_local_p.bind)))
+    jax_dispatch.prim_requires_devices_during_lowering.add(_p)  # its lowering needs the device assignment
     batching.primitive_batchers[_p] = _batch
 

@@ -11,13 +11,18 @@ kernel against them, so they compute exactly the SPEC's function and never trade
     TF32 and never a bfloat16 accumulator, on every backend;
   * everything after the accumulator (alpha, amax, RoPE, quantization) stays in float32.
 
+One opt-in exception: an MXFP8 gemm_amax may take its accumulator from XLA's block-scaled `jax.lax.scaled_dot`
+(`scaled_dot=True`). That puts it in SPEC §7's "tensor-core FP8" class (<= 1e-4; ~1e-5 measured on an H200)
+instead of "exact", for at most 6% less time on an H200, so the primitives never take it (`use_scaled_dot`
+with an empty SCALED_DOT_MIN_SIZE): GPU tests can compare kernels against the reference by the exact bound.
+
 Inputs arrive canonical: the public API (`api.py`) has already validated and normalized them, so this module only
 asserts the few invariants it relies on.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,13 +31,21 @@ import numpy as np
 from jax_blockgemm import formats
 from jax_blockgemm.support import FP4_DTYPES, FP8_DTYPES, HEAD_DIM, MX_BLOCK, QK_NOPE, QK_ROPE
 
-__all__ = ["gemm_amax_reference", "gemm_proj_rope_reference", "apply_rope", "convert_c", "dequantize_bf16"]
+__all__ = ["gemm_amax_reference", "gemm_proj_rope_reference", "apply_rope", "convert_c", "dequantize_bf16",
+           "has_scaled_dot", "scaled_dot_applies", "use_scaled_dot"]
 
 # bfloat16 x bfloat16 products, float32 accumulation: the SPEC §6 contract, stated to XLA rather than implied.
 _DOT_ALGORITHM = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
 
 _WIDE_C_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
+# Platforms (as in jax.Device.platform) where the gemm_amax reference accumulates MXFP8 operands with
+# jax.lax.scaled_dot, and the smallest M*N*K*L from which it does. Empty: the route stays off everywhere.
+# Measured on the H200 (2026-11-29, benchmarks/reference_variants.py), the route took 0.94x / 0.98x / 0.99x of
+# the bfloat16-dequantization path's time at 8192^3 / 4096x24576x1536 / 4096x7168x16384 -- at most 6% -- and it
+# would move the reference out of SPEC §7's "exact" class into the tensor-core FP8 one (<= 1e-4), so the GPU
+# tests could no longer judge kernels against it by the exact bound. Not worth it.
+SCALED_DOT_MIN_SIZE: dict[str, int] = {}
 
 
 def _bf16_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
@@ -93,9 +106,47 @@ def convert_c(c: jax.Array, c_dtype: Any) -> jax.Array:
                      f"float4_e2m1fn (or uint8 for packed FP4); got {dtype.name}.")
 
 
+def has_scaled_dot() -> bool:
+    """Whether the installed jax has `jax.lax.scaled_dot` (XLA's block-scaled dot; jax 0.11 has it)."""
+    return callable(getattr(jax.lax, "scaled_dot", None))
+
+
+def scaled_dot_applies(a_dtype: Any, b_dtype: Any, *, sf_vec_size: int, k: int) -> bool:
+    """Whether `jax.lax.scaled_dot` can compute this call's accumulator: MXFP8 codes (E4M3/E5M2) on both sides
+    with E8M0 scales in whole 32-blocks along K, and an installed jax that has it."""
+    return (has_scaled_dot() and np.dtype(a_dtype) in FP8_DTYPES and np.dtype(b_dtype) in FP8_DTYPES
+            and sf_vec_size == MX_BLOCK and k % MX_BLOCK == 0)
+
+
+def use_scaled_dot(platforms: Sequence[str], a_dtype: Any, b_dtype: Any, *, sf_vec_size: int, l: int, m: int,
+                   n: int, k: int) -> bool:
+    """The one decision of the gemm_amax reference's accumulator: `jax.lax.scaled_dot` where it applies and every
+    platform the program is lowered for has been measured faster with it at this size (SCALED_DOT_MIN_SIZE);
+    the bfloat16-dequantization dot everywhere else."""
+    if not platforms or not scaled_dot_applies(a_dtype, b_dtype, sf_vec_size=sf_vec_size, k=k):
+        return False
+    thresholds = [SCALED_DOT_MIN_SIZE.get(p) for p in platforms]
+    return all(t is not None and l * m * n * k >= t for t in thresholds)
+
+
+def _scaled_operand(codes: jax.Array, atom: jax.Array, *, mn: int, k: int, k_axis: int) -> tuple[jax.Array, ...]:
+    """MXFP8 codes and their compact float8_e8m0fnu scales laid out like them, as `jax.lax.scaled_dot` takes them."""
+    scales = formats.from_scale_atom(atom, mn, k // MX_BLOCK)  # (L, MN, KB) bytes, padding dropped
+    if k_axis == 1:
+        scales = jnp.swapaxes(scales, 1, 2)
+    return codes, jax.lax.bitcast_convert_type(scales, formats.E8M0)
+
+
+def _scaled_dot(lhs: tuple[jax.Array, ...], rhs: tuple[jax.Array, ...], dimension_numbers) -> jax.Array:
+    """float32 accumulator of two (codes, scales) pairs through XLA's block-scaled dot."""
+    return jax.lax.scaled_dot(lhs[0], rhs[0], lhs_scale=lhs[1], rhs_scale=rhs[1],
+                              dimension_numbers=dimension_numbers, preferred_element_type=jnp.float32)
+
+
 def gemm_amax_reference(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Array, *, k: int,
                         sf_vec_size: int, c_dtype: Any, a_major: str = "k", b_major: str = "k",
-                        c_major: str = "n", alpha: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+                        c_major: str = "n", alpha: Optional[jax.Array] = None,
+                        scaled_dot: bool = False) -> tuple[jax.Array, jax.Array]:
     """Block-scaled GEMM with amax (SPEC §4) on canonical operands; returns (c, amax) with amax of shape (L,).
 
     a: (L, M, K) codes for a_major="k", (L, K, M) for "m"; b: (L, N, K) for b_major="k", (L, K, N) for "n".
@@ -105,6 +156,8 @@ def gemm_amax_reference(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Arr
 
     c is (L, M, N) for c_major="n", (L, N, M) for "m", a packed uint8 (L, M, N//2) for FP4 C. amax[l] is max |C|
     of batch l taken on the float32 accumulator (after alpha, before the conversion); NaN anywhere makes it NaN.
+    scaled_dot=True computes the accumulator with `jax.lax.scaled_dot` instead of the bfloat16-dequantization
+    dot (MXFP8 only, see `scaled_dot_applies`; `use_scaled_dot` decides when the primitives take it).
     """
     if a_major not in ("k", "m") or b_major not in ("k", "n") or c_major not in ("n", "m"):
         raise ValueError(f"a_major must be 'k' or 'm', b_major 'k' or 'n', c_major 'n' or 'm'; got "
@@ -115,12 +168,22 @@ def gemm_amax_reference(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Arr
     b_k_axis = 2 if b_major == "k" else 1
     m = a.shape[3 - a_k_axis]
     n = b.shape[3 - b_k_axis]
-    a_hat = _dequantize_operand(a, sfa, mn=m, k=k, sf_vec_size=sf_vec_size, k_axis=a_k_axis)
-    b_hat = _dequantize_operand(b, sfb, mn=n, k=k, sf_vec_size=sf_vec_size, k_axis=b_k_axis)
-    if c_major == "n":  # dot_general orders the result (batch, lhs free, rhs free): no transpose needed
-        acc = _bf16_dot(a_hat, b_hat, (((a_k_axis,), (b_k_axis,)), ((0,), (0,))))
+    if scaled_dot:
+        if not scaled_dot_applies(a.dtype, b.dtype, sf_vec_size=sf_vec_size, k=k):
+            raise ValueError(f"scaled_dot=True needs jax.lax.scaled_dot (installed: {has_scaled_dot()}), MXFP8 "
+                             f"operands, sf_vec_size=32 and K a multiple of 32; got a {a.dtype}, b {b.dtype}, "
+                             f"sf_vec_size={sf_vec_size}, K={k}.")
+        a_op = _scaled_operand(a, sfa, mn=m, k=k, k_axis=a_k_axis)
+        b_op = _scaled_operand(b, sfb, mn=n, k=k, k_axis=b_k_axis)
+        dot = _scaled_dot
     else:
-        acc = _bf16_dot(b_hat, a_hat, (((b_k_axis,), (a_k_axis,)), ((0,), (0,))))
+        a_op = _dequantize_operand(a, sfa, mn=m, k=k, sf_vec_size=sf_vec_size, k_axis=a_k_axis)
+        b_op = _dequantize_operand(b, sfb, mn=n, k=k, sf_vec_size=sf_vec_size, k_axis=b_k_axis)
+        dot = _bf16_dot
+    if c_major == "n":  # dot_general orders the result (batch, lhs free, rhs free): no transpose needed
+        acc = dot(a_op, b_op, (((a_k_axis,), (b_k_axis,)), ((0,), (0,))))
+    else:
+        acc = dot(b_op, a_op, (((b_k_axis,), (a_k_axis,)), ((0,), (0,))))
     if alpha is not None:
         alpha = jnp.asarray(alpha, jnp.float32)
         acc = acc * jnp.broadcast_to(alpha.reshape(-1), (acc.shape[0],))[:, None, None]
@@ -144,6 +207,25 @@ def apply_rope(y: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([y[..., :QK_NOPE], first, second], axis=-1)
 
 
+def _quantize_rows_and_columns(y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """SPEC §5 step 3 on (T, H, 192) float32, both ways, on views of Y's own layout (no transpose).
+
+    Rowwise blocks are the last axis of (T, H, 6, 32); columnwise blocks the middle axis of (T/32, 32, H*192),
+    a reduction XLA runs down the columns, so both code maps read Y in the same order. Bit-identical to
+    `formats.quantize_mxfp8` along axis -1 and axis 0, which moves tokens last and back (two transposes).
+    """
+    t, h, _ = y.shape
+    rows = y.reshape(t, h, HEAD_DIM // MX_BLOCK, MX_BLOCK)
+    e_row = formats.mx_block_exponents(rows, axis=-1, code_dtype=formats.E4M3)
+    cols = y.reshape(t // MX_BLOCK, MX_BLOCK, h * HEAD_DIM)
+    e_col = formats.mx_block_exponents(cols, axis=1, code_dtype=formats.E4M3)
+    row_codes = formats.mx_encode_blocks(rows, e_row, code_dtype=formats.E4M3).reshape(t, h, HEAD_DIM)
+    col_codes = formats.mx_encode_blocks(cols, e_col, code_dtype=formats.E4M3).reshape(t, h, HEAD_DIM)
+    row_scales = formats.exponent_to_e8m0(e_row[..., 0])
+    col_scales = formats.exponent_to_e8m0(e_col[:, 0]).reshape(t // MX_BLOCK, h, HEAD_DIM)
+    return row_codes, row_scales, col_codes, col_scales
+
+
 def gemm_proj_rope_reference(x: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Array, *,
                              x_scale: Optional[jax.Array] = None, w_scale: Optional[jax.Array] = None,
                              w_out_in: bool = True) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -153,22 +235,32 @@ def gemm_proj_rope_reference(x: jax.Array, w: jax.Array, cos: jax.Array, sin: ja
     else (K, H*192), same dtype as x, w_scale laid out like w. cos, sin: (T, 64) bfloat16.
     Returns (out_fp8_row (T, H, 192), out_scales_row (T, H, 6) uint8, out_fp8_col (T, H, 192),
     out_scales_col (T/32, H, 192) uint8); float32 from the accumulator through RoPE to quantization.
+
+    Structure, chosen by measurement (benchmarks/reference_variants.py on an H200, 2026-11-29; K = 1536,
+    H = 128; ms at T=4096 bf16 / T=4096 mxfp8 / T=2048 bf16 / T=2048 mxfp8; every candidate was bit-identical;
+    full table in benchmarks/NOTES.md, "Reference speed"):
+
+      * one optimization_barrier, on the float32 Y AFTER RoPE: the dot's output goes through the concatenating
+        `apply_rope`, the rotated Y is written once, and both quantizers read it. This: 1.610 / 1.685 / 0.888 /
+        0.987. The barrier after the dot instead (RoPE recomputed inside the quantizers): 4.645 / 4.542 /
+        1.122 / 1.308, or 1.900 / 1.928 / 1.160 / 1.299 with a concatenate-free (select) RoPE; no barrier:
+        4.426 / 4.596 / 1.178 / 1.251, or 1.861 / 2.163 / 1.076 / 1.153 with the select RoPE; the barrier after
+        a select RoPE: 1.915 / 1.881 / 1.184 / 1.157;
+      * both quantizations on reshaped views of Y's own layout (`_quantize_rows_and_columns`), never the
+        moveaxis of `formats.quantize_mxfp8` (tokens moved last and back): >= 2.9 ms at T=4096, >= 1.6 at 2048.
+    The formulation before (the same barrier, moveaxis quantizers with two reductions per block and a division
+    in the code math) took 2.919 / 3.211 / 1.575 / 1.681; a plain unfused jnp pipeline of the same math 2.168 at
+    T=4096. tests/test_reference_formulation.py keeps that old formulation as the oracle of record.
     """
-    mxfp8 = x.dtype == np.dtype(jnp.float8_e4m3fn)
-    if mxfp8:
+    if x.dtype == np.dtype(jnp.float8_e4m3fn):
         if x_scale is None or w_scale is None:
             raise ValueError("x_scale and w_scale are required when x and w are float8_e4m3fn codes.")
         x = dequantize_bf16(x, x_scale, block=MX_BLOCK, axis=1)
         w = dequantize_bf16(w, w_scale, block=MX_BLOCK, axis=1 if w_out_in else 0)
-    w_k_axis = 1 if w_out_in else 0
-    y = _bf16_dot(x, w, (((1,), (w_k_axis,)), ((), ())))  # (T, H*192)
+    y = _bf16_dot(x, w, (((1,), (1 if w_out_in else 0,)), ((), ())))  # (T, H*192)
     t, n = y.shape
     if t % MX_BLOCK:
         raise ValueError(f"x must have a multiple of {MX_BLOCK} tokens (the columnwise blocks); got T={t}.")
     y = apply_rope(y.reshape(t, n // HEAD_DIM, HEAD_DIM), cos, sin)
-    # Materialize Y once (float32: no value changes). Left free, XLA:GPU fuses RoPE into the two quantizers in a
-    # way that measured slower: 3.4 ms against 2.4 ms for the whole op at T=4096, H=128, K=1536 on the H200.
-    y = jax.lax.optimization_barrier(y)
-    row_codes, row_scales = formats.quantize_mxfp8(y, axis=-1, dtype=jnp.float8_e4m3fn, block=MX_BLOCK)
-    col_codes, col_scales = formats.quantize_mxfp8(y, axis=0, dtype=jnp.float8_e4m3fn, block=MX_BLOCK)
-    return row_codes, row_scales, col_codes, col_scales
+    y = jax.lax.optimization_barrier(y)  # float32: pins where Y is materialized, changes no value
+    return _quantize_rows_and_columns(y)

@@ -121,8 +121,11 @@ def check_alignment(*, ab_dtype: Any, c_dtype: Any, m: int, n: int, k: int, a_ma
     for name, dim, size, bits in checks:
         per_16_bytes = 128 // bits
         if size % per_16_bytes:
+            # C is no argument: say which arguments set its size and element width.
+            source = "b" if dim == "N" else "a"
+            whose = f" (the result, from {source} and c_dtype={dtype_name(c_dtype)})" if name == "c" else ""
             raise ValueError(
-                f"{name}'s contiguous dimension {dim}={size} must be a multiple of {per_16_bytes} "
+                f"{name}'s contiguous dimension {dim}={size}{whose} must be a multiple of {per_16_bytes} "
                 f"({bits}-bit elements, 16-byte aligned rows).")
 
 

@@ -274,9 +274,30 @@ def rope_f64(y: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return out
 
 
-def proj_rope_oracle(x, w, cos, sin, *, x_scale=None, w_scale=None, w_out_in: bool = True) -> np.ndarray:
-    """Y after RoPE, before quantization, in float64: (T, H, 192). MXFP8 path when x_scale / w_scale are given."""
+def rope_transpose_f64(d_out: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """The transpose of rope_f64 (RoPE is linear in y): the cotangent of Y before RoPE, one pair index at a time."""
+    cos = np.asarray(cos).astype(np.float64)
+    sin = np.asarray(sin).astype(np.float64)
+    d_y = d_out.copy()
+    for j in range(QK_ROPE // 2):
+        d_first, d_second = d_out[:, :, QK_NOPE + j], d_out[:, :, QK_NOPE + 32 + j]
+        d_y[:, :, QK_NOPE + 2 * j] = d_first * cos[:, None, j] + d_second * sin[:, None, 32 + j]
+        d_y[:, :, QK_NOPE + 2 * j + 1] = -d_first * sin[:, None, j] + d_second * cos[:, None, 32 + j]
+    return d_y
+
+
+def proj_rope_oracle(x, w, cos, sin, *, x_scale=None, w_scale=None, w_out_in: bool = True,
+                     heads=None) -> np.ndarray:
+    """Y after RoPE, before quantization, in float64: (T, H, 192). MXFP8 path when x_scale / w_scale are given.
+
+    `heads` (a list of head indices) computes only those heads, (T, len(heads), 192): for large shapes.
+    """
     x, w = np.asarray(x), np.asarray(w)
+    if heads is not None:
+        rows = np.concatenate([np.arange(h * HEAD_DIM, (h + 1) * HEAD_DIM) for h in heads])
+        w = w[rows] if w_out_in else w[:, rows]
+        if w_scale is not None:
+            w_scale = np.asarray(w_scale)[rows] if w_out_in else np.asarray(w_scale)[:, rows]
     if x_scale is not None:
         x_hat = oracle.dequantize_f64(x, np.asarray(x_scale), block=MX_BLOCK, axis=-1)
         w_hat = oracle.dequantize_f64(w, np.asarray(w_scale), block=MX_BLOCK, axis=-1 if w_out_in else 0)
@@ -308,7 +329,7 @@ PROJ_ROPE_BOUNDARY_RTOL = 1e-4  # "within fp32 rounding" of a scale boundary, fo
 PROJ_ROPE_MIN_IDENTICAL = 0.99
 
 
-def _check_quantized(test, what: str, codes, scale_bytes, y_ref: np.ndarray, axis: int) -> None:
+def assert_quantized_close(test, what: str, codes, scale_bytes, y_ref: np.ndarray, axis: int) -> None:
     codes, scale_bytes = np.asarray(codes), np.asarray(scale_bytes)
     ref_codes, ref_bytes = oracle.quantize_mx_f64(y_ref, block=MX_BLOCK, emax=448.0, code_dtype=E4M3, axis=axis)
     if codes.dtype != E4M3 or codes.shape != ref_codes.shape:
@@ -363,8 +384,21 @@ def assert_proj_rope_close(test, outputs, y_ref_f64) -> None:
     y_ref = np.asarray(y_ref_f64, np.float64)
     if np.isnan(y_ref).any():
         raise ValueError("assert_proj_rope_close: the oracle holds NaN; these checks are for finite inputs.")
-    _check_quantized(test, "rowwise", row_codes, row_scales, y_ref, axis=2)
-    _check_quantized(test, "columnwise", col_codes, col_scales, y_ref, axis=0)
+    assert_quantized_close(test, "rowwise", row_codes, row_scales, y_ref, axis=2)
+    assert_quantized_close(test, "columnwise", col_codes, col_scales, y_ref, axis=0)
+
+
+def rotary_tables(t: int, *, base: float = 10000.0, scale: float = 40.0) -> tuple[np.ndarray, np.ndarray]:
+    """Real bf16 cos/sin tables (T, 64) in the DeepSeek-V3 layout: 32 frequencies, repeated for the two halves.
+
+    YaRN-style: positions divided by `scale` on the low frequencies (long context), unchanged on the high ones.
+    """
+    inv_freq = 1.0 / (base ** (np.arange(0, QK_ROPE, 2) / QK_ROPE))
+    ramp = np.clip((np.arange(QK_ROPE // 2) - 8) / 16, 0.0, 1.0)  # 0: keep high frequencies, 1: interpolate
+    inv_freq = inv_freq * (1 - ramp) + inv_freq / scale * ramp
+    angles = np.outer(np.arange(t), inv_freq)
+    angles = np.concatenate([angles, angles], axis=1)
+    return np.cos(angles).astype(BF16), np.sin(angles).astype(BF16)
 
 
 def random_proj_rope_inputs(rng: np.random.Generator, *, t: int, h: int, k: int, mxfp8: bool,
@@ -390,3 +424,121 @@ def random_proj_rope_inputs(rng: np.random.Generator, *, t: int, h: int, k: int,
         w = (rng.standard_normal((n, k)) / math.sqrt(k)).astype(BF16)
         out.update(x=x, w=w if w_out_in else np.ascontiguousarray(w.T))
     return out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# mx_dot_general: the straight-through rule of jax_blockgemm.autodiff in float64
+
+
+MX_DOT_K_MULTIPLE = 32  # a GEMM whose contraction length is not a multiple of this runs as a bf16 dot
+_NVFP4_TENSOR_MAX = np.float32(6.0 * 448.0)
+
+
+def fake_quant_f64(x: np.ndarray, fmt: str, axis: int) -> np.ndarray:
+    """float64 dequantized values of x block-quantized along `axis` in `fmt` (SPEC §2), or rounded to bf16.
+
+    NVFP4 first divides by the per-tensor float32 scale max|x| / (6 * 448) (1 if that is 0), as the library does.
+    """
+    x = np.asarray(x)
+    if fmt == "bf16":
+        return x.astype(BF16).astype(np.float64)
+    if fmt == "nvfp4":
+        amax = np.float32(np.max(np.abs(x.astype(np.float32))))
+        ts = amax / _NVFP4_TENSOR_MAX if amax > 0 else np.float32(1.0)
+        codes, scales = oracle.quantize_nvfp4_f64(x.astype(np.float32) / ts, axis=axis)
+        return oracle.dequantize_f64(codes, scales, block=16, axis=axis) * np.float64(ts)
+    code_dtype, emax, block = {"mxfp8_e4m3": (E4M3, 448.0, 32), "mxfp8_e5m2": (E5M2, 57344.0, 32),
+                               "mxfp4": (E2M1, 6.0, 32)}[fmt]
+    codes, scales = oracle.quantize_mx_f64(x, block=block, emax=emax, code_dtype=code_dtype, axis=axis)
+    return oracle.dequantize_f64(codes, scales, block=block, axis=axis)
+
+
+# Per format: (u, eps) with |dequantized - v| <= u |v| + eps * (amax of v's block) for every element v.
+# u = 2**-(mantissa bits + 1) is round-to-nearest's relative error on normal codes; below the smallest normal code
+# N_min the error is at most u * N_min * scale, and the ceil rule keeps scale < 2 * block amax / Emax, so
+# eps = 2 u N_min / Emax: 2**-4 * 2**-6 * 2/448 (E4M3), ~0 (E5M2), 1/12 (E2M1; NVFP4's E4M3 block scale, rounded up
+# at most twice by 2**-3, is below 2 * amax / 6 too). bf16 (the fallback, 7 mantissa bits) rounds within 2**-8 in its normal range.
+QUANT_ERROR = {"mxfp8_e4m3": (2.0 ** -4, 2.0 ** -9 / 448.0), "mxfp8_e5m2": (2.0 ** -3, 2.0 ** -16 / 57344.0),
+               "mxfp4": (0.25, 1.0 / 12.0), "nvfp4": (0.25, 1.0 / 12.0), "bf16": (2.0 ** -8, 0.0)}
+ACCUMULATION_SLACK = 1e-6  # float32 accumulation over K <= a few thousand, relative to sum |a| |b|
+
+
+def _block_amax(x: np.ndarray, axis: int, block: int) -> np.ndarray:
+    """max |x| over each element's block along `axis`, broadcast back to x's shape."""
+    xb, n = oracle._blocks(np.abs(x), axis, block)
+    amax = np.broadcast_to(np.max(xb, axis=-1, keepdims=True), xb.shape)
+    return oracle._unblocks(amax, n, axis)
+
+
+def _gemm_f64(a: np.ndarray, a_axis: int, b: np.ndarray, b_axis: int, fmt: str
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One GEMM on 3-D operands contracted over a_axis / b_axis: (rule value, exact value, error bound), each
+    (B, rows of a, rows of b). A contraction length off the multiple of 32 takes the bf16 rule."""
+    if a.shape[a_axis] % MX_DOT_K_MULTIPLE:
+        fmt = "bf16"
+    u, eps = QUANT_ERROR[fmt]
+    block = 16 if fmt == "nvfp4" else 32
+    dot = lambda p, q: np.einsum("bmk,bnk->bmn", np.moveaxis(p, a_axis, 2), np.moveaxis(q, b_axis, 2))
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    err_a = u * np.abs(a) + eps * _block_amax(a, a_axis, block)
+    err_b = u * np.abs(b) + eps * _block_amax(b, b_axis, block)
+    bound = dot(err_a, np.abs(b)) + dot(np.abs(a), err_b) + dot(err_a, err_b) + \
+        ACCUMULATION_SLACK * dot(np.abs(a), np.abs(b))
+    return dot(fake_quant_f64(a, fmt, a_axis), fake_quant_f64(b, fmt, b_axis)), dot(a, b), bound
+
+
+def _to_bfk(x: np.ndarray, batch, contract) -> tuple[np.ndarray, tuple[int, ...], tuple[int, ...]]:
+    """x transposed to (batch, free, contract) and reshaped to (B, F, K); also the permutation and that shape."""
+    free = [d for d in range(x.ndim) if d not in batch and d not in contract]
+    perm = (*batch, *free, *contract)
+    xt = np.transpose(x, perm)
+    size = lambda dims: int(np.prod([x.shape[d] for d in dims], dtype=np.int64))
+    return xt.reshape(size(batch), size(free), size(contract)), perm, xt.shape
+
+
+def mx_dot_general_oracle(lhs, rhs, dimension_numbers, g, *, fwd: str, dgrad: str, wgrad: str) -> dict:
+    """mx_dot_general's straight-through rule in float64, for the cotangent g.
+
+    out = Q_K(lhs)·Q_K(rhs); d_lhs = Q_N(g)·Q_N(rhs); d_rhs = Q_M(g)ᵀ·Q_M(lhs), each operand block-quantized along
+    the contraction of its own GEMM (a GEMM with a contraction length off the multiple of 32 rounds to bf16
+    instead). Returns {"out" | "d_lhs" | "d_rhs": (rule value, exact unquantized value, elementwise bound on
+    |rule - exact|), "amaxes": max|.| of the three rule values}.
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    x, x_perm, x_shape = _to_bfk(lhs, lb, lc)
+    w, w_perm, w_shape = _to_bfk(rhs, rb, rc)
+    y = _gemm_f64(x, 2, w, 2, fwd)
+    g3 = np.asarray(g, np.float64).reshape(y[0].shape)
+    dx = _gemm_f64(g3, 2, w, 1, dgrad)
+    dw = _gemm_f64(g3, 1, x, 1, wgrad)
+    out_shape = (*[lhs.shape[d] for d in lb], *x_shape[len(lb):len(x_shape) - len(lc)],
+                 *w_shape[len(rb):len(w_shape) - len(rc)])
+    back = lambda v, shape, perm: np.transpose(v.reshape(shape), np.argsort(perm))
+    return {"out": tuple(v.reshape(out_shape) for v in y),
+            "d_lhs": tuple(back(v, x_shape, x_perm) for v in dx),
+            "d_rhs": tuple(back(v, w_shape, w_perm) for v in dw),
+            "amaxes": np.array([np.max(np.abs(v[0])) for v in (y, dx, dw)])}
+
+
+def assert_within_bound(test, what: str, got, exact, bound) -> None:
+    """|got - exact| <= bound elementwise (float64), no NaN."""
+    got = np.asarray(got, np.float64)
+    test.assertEqual(got.shape, exact.shape, f"{what}: shape")
+    err = np.abs(got - exact)
+    bad = ~(err <= bound)  # NaN fails
+    if bad.any():
+        i = np.unravel_index(np.argmax(np.where(bad, err / np.maximum(bound, 1e-300), 0)), err.shape)
+        test.fail(f"{what}: {int(bad.sum())} of {bad.size} elements exceed the quantization error bound; worst at "
+                  f"{tuple(int(v) for v in i)}: |got - exact| = {err[i]!r} > bound {bound[i]!r}.")
+
+
+def assert_rel_close(test, what: str, got, ref, rtol: float) -> float:
+    """‖got − ref‖ / ‖ref‖ ≤ rtol (Frobenius), shapes equal, no NaN anywhere; returns the relative error."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    test.assertEqual(got.shape, ref.shape, f"{what}: shape")
+    if np.isnan(got).any() or np.isnan(ref).any():
+        test.fail(f"{what}: NaN in the result ({int(np.isnan(got).sum())}) or the oracle ({int(np.isnan(ref).sum())}).")
+    err = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-300))
+    test.assertLessEqual(err, rtol, f"{what}: relative error {err:.3g} > {rtol:.3g}")
+    return err

@@ -158,7 +158,7 @@ def _gemm_error_cases():
         ("align_k", dict(ok, a=s((128, 40), f8), b=s((128, 40), f8)), {}, ValueError,
          "a's contiguous dimension K=40 must be a multiple of 16"),
         ("align_c", dict(ok, b=s((130, 64), f8), sfb=s((130, 2), u8)), {}, ValueError,
-         "c's contiguous dimension N=130 must be a multiple of 4"),
+         r"c's contiguous dimension N=130 \(the result, from b and c_dtype=float32\) must be a multiple of 4"),
         ("alpha_mxfp8", ok, dict(alpha=np.float32(2.0)), ValueError, "alpha .the per-tensor fp32 scale. belongs"),
         ("alpha_shape", fp4, dict(alpha=np.ones(2, np.float32), sf_vec_size=16), ValueError,
          "alpha must be a float32 scalar"),

@@ -67,7 +67,8 @@ def _custom_call(lowered):
     assert len(calls) == 1, lowered.as_text()
     op = calls[0]
     config = op.attributes["mhlo.backend_config"]  # jax's encoding of typed-FFI attributes
-    attrs = {name: config[name] for name in ("archs", "function_prefixes", "objects", "offsets")}
+    attrs = {name: config[name] for name in ("archs", "function_prefixes", "objects", "offsets", "ab_dtype",
+                                             "c_dtype")}
     attrs = {k: (np.array(v) if k in ("objects", "offsets") else ir_str(v)) for k, v in attrs.items()}
     return attrs, [str(x.type) for x in op.operands], [str(r.type) for r in op.results]
 
@@ -103,6 +104,7 @@ class EmitGemmAmaxTest(absltest.TestCase):
         self.assertEqual(operands, ["tensor<3x200x160xf8E4M3FN>", "tensor<3x72x160xf8E4M3FN>",
                                     "tensor<3x2x2x32x4x4xui8>", "tensor<3x1x2x32x4x4xui8>"])
         self.assertEqual(results, ["tensor<3x200x72xf32>", "tensor<3xf32>"])
+        self.assertEqual((attrs["ab_dtype"], attrs["c_dtype"]), ("float8_e4m3fn", "float32"))
 
     def test_one_arch(self):
         lowered, _ = self._lower(1, 128, 128, 128, variants=VARIANTS[:1])
@@ -128,10 +130,13 @@ class EmitGemmAmaxTest(absltest.TestCase):
                                   platforms=("cuda",))(*_operands(1, 64, 32, 64))
 
 
+_DTYPES = dict(ab_dtype=jnp.float8_e4m3fn, c_dtype=jnp.float32)
+
+
 class AttributesTest(absltest.TestCase):
 
     def test_offsets_and_blob(self):
-        attrs = ffi_lowering.gemm_amax_attributes(VARIANTS, [b"abc", b"defgh"])
+        attrs = ffi_lowering.gemm_amax_attributes(VARIANTS, [b"abc", b"defgh"], **_DTYPES)
         self.assertEqual(attrs["archs"], "sm_90a,sm_100a")
         self.assertEqual(attrs["objects"].tobytes(), b"abcdefgh")
         self.assertEqual(attrs["objects"].dtype, np.uint8)
@@ -140,11 +145,20 @@ class AttributesTest(absltest.TestCase):
 
     def test_rejects_duplicate_archs_and_mismatched_counts(self):
         with self.assertRaisesRegex(ValueError, "one kernel per architecture"):
-            ffi_lowering.gemm_amax_attributes([VARIANTS[0], VARIANTS[0]], [b"a", b"b"])
+            ffi_lowering.gemm_amax_attributes([VARIANTS[0], VARIANTS[0]], [b"a", b"b"], **_DTYPES)
         with self.assertRaisesRegex(ValueError, "one object per variant"):
-            ffi_lowering.gemm_amax_attributes(VARIANTS, [b"a"])
+            ffi_lowering.gemm_amax_attributes(VARIANTS, [b"a"], **_DTYPES)
         with self.assertRaisesRegex(ValueError, "may not contain ','"):
-            ffi_lowering.gemm_amax_attributes([StandInVariant("sm_90a", "k", "a,b")], [b"a"])
+            ffi_lowering.gemm_amax_attributes([StandInVariant("sm_90a", "k", "a,b")], [b"a"], **_DTYPES)
+
+    def test_carries_the_kernel_dtypes_and_refuses_a_variant_compiled_for_others(self):
+        attrs = ffi_lowering.gemm_amax_attributes(VARIANTS, [b"a", b"b"], ab_dtype=jnp.float8_e5m2,
+                                                  c_dtype=jnp.bfloat16)
+        self.assertEqual((attrs["ab_dtype"], attrs["c_dtype"]), ("float8_e5m2", "bfloat16"))
+        f32_kernel = dataclasses.make_dataclass("V", ["arch", "key", "function_prefix", "ab_dtype", "c_dtype"])(
+            "sm_90a", "v", "p", "float8_e4m3fn", "float32")
+        with self.assertRaisesRegex(ValueError, r"compiled for \('float8_e4m3fn', 'float32'\).*'bfloat16'"):
+            ffi_lowering.gemm_amax_attributes([f32_kernel], [b"a"], ab_dtype=jnp.float8_e4m3fn, c_dtype=jnp.bfloat16)
 
 
 class RealPrimitiveTest(absltest.TestCase):
@@ -157,17 +171,19 @@ class RealPrimitiveTest(absltest.TestCase):
             self.skipTest(f"CuTeDSL is not importable: {e}")
         import jax_blockgemm as jbg
 
-        variant = catalog.select_variant(arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype="bfloat16", sf_vec_size=32,
-                                         tile_mn=(128, 128), cluster_mn=(1, 1))
+        variants = [catalog.select_variant(arch=arch, ab_dtype="float8_e4m3fn", c_dtype="bfloat16", sf_vec_size=32,
+                                           tile_mn=(128, 128), cluster_mn=(1, 1)) for arch in ("sm_100a", "sm_90a")]
         fake_object = b"\x7fELF stand-in object bytes"
         with mock.patch.object(kernel_cache, "get_object", return_value=fake_object) as get_object:
             f = jax.jit(functools.partial(jbg.gemm_amax, c_dtype=jnp.bfloat16, implementation="cutedsl"))
             lowered = f.trace(*_operands(2, 200, 72, 160)).lower(lowering_platforms=("cuda",))
-        self.assertIn(variant, [call.args[0] for call in get_object.call_args_list])
+        for variant in variants:  # one object per architecture, sorted by arch name
+            self.assertIn(variant, [call.args[0] for call in get_object.call_args_list])
         attrs, _, results = _custom_call(lowered)
-        self.assertEqual(attrs["function_prefixes"], variant.function_prefix)
-        self.assertEqual(attrs["objects"].tobytes(), fake_object)
+        self.assertEqual(attrs["function_prefixes"], ",".join(v.function_prefix for v in variants))
+        self.assertEqual(attrs["objects"].tobytes(), fake_object * 2)
         self.assertEqual(results, ["tensor<2x200x72xbf16>", "tensor<2xf32>"])
+        self.assertEqual((attrs["ab_dtype"], attrs["c_dtype"]), ("float8_e4m3fn", "bfloat16"))
 
 
 if __name__ == "__main__":

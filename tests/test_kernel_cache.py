@@ -1,6 +1,7 @@
 """The kernel object cache: memory -> disk -> compile, integrity checks, keys, and a second process."""
 
 import dataclasses
+import errno
 import hashlib
 import os
 import pathlib
@@ -11,6 +12,8 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
+from unittest import mock
 
 from absl.testing import absltest
 
@@ -153,6 +156,117 @@ class ObjectCacheTest(absltest.TestCase):
         self.assertFalse([p for p in pathlib.Path(self.dir).iterdir() if p.suffix == ".tmp"])
 
 
+class DegradedDirectoryTest(absltest.TestCase):
+    """A cache directory that cannot be written: objects still come back, from memory, with ONE warning."""
+
+    def setUp(self):
+        super().setUp()
+        self.dir = _tempdir(self)
+        self.compiler = CountingCompiler()
+
+    def _three_variants_warn_once(self, cache):
+        with self.assertLogs(kernel_cache.logger, "WARNING") as logs:
+            got = [cache.get(StandInVariant(key=f"v{i}")) for i in range(3)]
+            again = cache.get(StandInVariant(key="v0"))
+        self.assertEqual([source for _, source in got], ["compiled"] * 3)
+        self.assertEqual(again, (got[0][0], "memory"))
+        self.assertTrue(all(p.endswith(f"v{i}".encode()) for i, (p, _) in enumerate(got)))
+        self.assertLen(logs.output, 1, logs.output)
+        self.assertIn("compiling kernels in memory for the rest of this process", logs.output[0])
+        self.assertEqual(self.compiler.calls, 3)
+        return logs.output[0]
+
+    def test_read_only_directory(self):
+        if os.geteuid() == 0:  # root writes through mode bits: make the file system refuse instead
+            refuse = OSError(errno.EROFS, "Read-only file system")
+            with mock.patch.object(kernel_cache.tempfile, "mkstemp", side_effect=refuse):
+                message = self._three_variants_warn_once(_cache(self.dir, self.compiler))
+        else:
+            os.chmod(self.dir, 0o555)
+            self.addCleanup(os.chmod, self.dir, 0o755)
+            message = self._three_variants_warn_once(_cache(self.dir, self.compiler))
+        self.assertIn(self.dir, message)
+        self.assertEqual(list(pathlib.Path(self.dir).iterdir()), [])
+
+    def test_full_disk(self):
+        full = OSError(errno.ENOSPC, "No space left on device")
+        with mock.patch.object(kernel_cache.os, "fsync", side_effect=full):
+            message = self._three_variants_warn_once(_cache(self.dir, self.compiler))
+        self.assertIn("No space left on device", message)
+        self.assertEqual(list(pathlib.Path(self.dir).iterdir()), [])  # no temporary file left behind
+
+    def test_read_only_cache_is_still_read(self):
+        filled = _cache(self.dir, self.compiler)
+        payload, _ = filled.get(StandInVariant())
+        refuse = OSError(errno.EROFS, "Read-only file system")
+        with mock.patch.object(kernel_cache.tempfile, "mkstemp", side_effect=refuse):
+            self.assertEqual(_cache(self.dir, self.compiler).get(StandInVariant()), (payload, "disk"))
+        self.assertEqual(self.compiler.calls, 1)
+
+
+class EvictionTest(absltest.TestCase):
+    """The disk cache is bounded: past max_bytes, the least recently used entries go."""
+
+    def setUp(self):
+        super().setUp()
+        self.dir = _tempdir(self)
+        self.compiler = CountingCompiler()
+
+    def _age(self, cache, key, seconds_ago):
+        path = cache.path(StandInVariant(key=key))
+        t = int((1_700_000_000 - seconds_ago) * 1e9)
+        os.utime(path, ns=(t, t))
+
+    def _names(self):
+        return sorted(p.name.split("-")[0] for p in pathlib.Path(self.dir).glob("*.obj"))
+
+    def test_least_recently_used_entries_are_evicted(self):
+        entry_size = len(kernel_cache.encode_entry(self.compiler(StandInVariant(key="v0"))))
+        cache = _cache(self.dir, self.compiler)
+        cache.max_bytes = int(2.5 * entry_size)  # room for two entries
+        cache.get(StandInVariant(key="v0"))
+        cache.get(StandInVariant(key="v1"))
+        self.assertEqual(self._names(), ["v0", "v1"])
+        self._age(cache, "v0", 300)
+        self._age(cache, "v1", 200)
+        # v0 is used again (a disk hit in a fresh process): now v1 is the least recently used one.
+        self.assertEqual(_cache(self.dir, self.compiler).get(StandInVariant(key="v0"))[1], "disk")
+        cache.get(StandInVariant(key="v2"))
+        self.assertEqual(self._names(), ["v0", "v2"])
+        total = sum(p.stat().st_size for p in pathlib.Path(self.dir).glob("*.obj"))
+        self.assertLessEqual(total, cache.max_bytes)
+
+    def test_the_entry_just_written_survives_a_tiny_cap(self):
+        cache = _cache(self.dir, self.compiler)
+        cache.max_bytes = 1
+        for i in range(3):
+            cache.get(StandInVariant(key=f"v{i}"))
+            self.assertEqual(self._names(), [f"v{i}"])
+
+    def test_stale_temporary_files_go_fresh_ones_stay(self):
+        cache = _cache(self.dir, self.compiler)
+        stale = pathlib.Path(self.dir) / "x.obj.abc.tmp"
+        fresh = pathlib.Path(self.dir) / "y.obj.def.tmp"
+        stale.write_bytes(b"left by a writer that died")
+        fresh.write_bytes(b"a writer still at work")
+        old = int((time.time() - kernel_cache.STALE_TMP_S - 60) * 1e9)
+        os.utime(stale, ns=(old, old))
+        cache.get(StandInVariant())
+        self.assertFalse(stale.exists())
+        self.assertTrue(fresh.exists())
+
+    def test_default_cap_and_environment(self):
+        with mock.patch.dict(os.environ, {kernel_cache.CACHE_MAX_BYTES_ENV: ""}):
+            self.assertEqual(kernel_cache.default_max_bytes(), kernel_cache.DEFAULT_MAX_BYTES)
+        self.assertEqual(kernel_cache.DEFAULT_MAX_BYTES, 512 * 2**20)
+        with mock.patch.dict(os.environ, {kernel_cache.CACHE_MAX_BYTES_ENV: "123456"}):
+            self.assertEqual(kernel_cache.default_max_bytes(), 123456)
+        for bad in ("0", "-5", "1GB", "1.5"):
+            with mock.patch.dict(os.environ, {kernel_cache.CACHE_MAX_BYTES_ENV: bad}):
+                with self.assertRaisesRegex(ValueError, f"JAX_BLOCKGEMM_CACHE_MAX_BYTES='{re.escape(bad)}' must be"):
+                    kernel_cache.default_max_bytes()
+
+
 _SECOND_PROCESS = textwrap.dedent("""
     import dataclasses, hashlib, pathlib, sys
     from jax_blockgemm import kernel_cache, precompile
@@ -230,6 +344,31 @@ class PrecompileTest(absltest.TestCase):
         self.assertRegex(run("--variant", key), rf"found    {re.escape(key)} ")
         entry = next(pathlib.Path(directory).glob(key + "-*.obj"))
         self.assertEqual(kernel_cache.decode_entry(entry.read_bytes())[:4], b"\x7fELF")
+
+    def test_two_processes_fill_the_same_empty_cache(self):
+        """Two processes compile the same real kernel into one empty directory at once: both succeed, and the
+        directory ends with one valid entry (an object the handler would load) and no temporary files."""
+        try:
+            from jax_blockgemm.kernels import catalog
+        except ImportError as e:
+            self.skipTest(f"CuTeDSL is not importable: {e}")
+        from jax_blockgemm import _native
+
+        variant = catalog.CATALOG[-1]
+        directory = os.path.join(_tempdir(self), "fresh")  # not even created yet
+        env = dict(os.environ, **{kernel_cache.CACHE_DIR_ENV: directory})
+        procs = [subprocess.Popen([sys.executable, "-m", "jax_blockgemm.precompile", "--variant", variant.key],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+        outputs = [p.communicate(timeout=600) for p in procs]
+        for p, (out, err) in zip(procs, outputs):
+            self.assertEqual(p.returncode, 0, err)
+            self.assertRegex(out, rf"compiled {re.escape(variant.key)} ")  # neither found the other's entry
+        files = list(pathlib.Path(directory).iterdir())
+        self.assertLen(files, 1, files)
+        payload = kernel_cache.decode_entry(files[0].read_bytes())
+        self.assertIsNotNone(payload)
+        self.assertEqual(_native.extension().check_kernel_object(payload, variant.function_prefix), "")
 
 
 if __name__ == "__main__":

@@ -1,32 +1,42 @@
-"""CPU (CI): every catalog kernel compiles for its architecture without a GPU, holds the FP8 wgmma, and exports
-the ABI the FFI handler is written against. Also the host-side layout math the kernels rely on."""
+"""CPU (CI): every catalog kernel compiles for its architecture without a GPU and exports the ABI the FFI handler
+is written against; the Hopper ones hold the bf16 wgmma, the Blackwell ones (never run: no Blackwell GPU here)
+pass the structural checks of kernels/structure.py. Also the host-side layout math the kernels rely on."""
 
+import contextlib
+import dataclasses
+import io
 import os
 import re
 import tempfile
+from unittest import mock
 
 import numpy as np
 from absl.testing import absltest, parameterized
 
 try:
-    from jax_blockgemm.kernels import catalog, common
+    from jax_blockgemm.kernels import catalog, common, structure
     from jax_blockgemm.kernels.sm90.gemm_amax import HopperMxf8GemmAmax
+    from jax_blockgemm.kernels.sm100.gemm_amax import BlackwellBlockScaledGemmAmax
 except ImportError as e:  # pragma: no cover - CuTeDSL is a hard dependency of this test file
     raise absltest.SkipTest(f"CuTeDSL not importable: {e}")
 
 _ABI_TENSORS = ("a", "b", "sfa", "sfb", "c", "amax")
+_PROJ_ROPE_ABI_TENSORS = ("x", "w", "cos", "sin", "x_scale", "w_scale", "row_codes", "row_scales", "col_codes",
+                          "col_scales")
+_PROJ_ROPE_VARIANTS = [v for v in catalog.CATALOG if v.op == "proj_rope"]
 _PTX_AB = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
-_COMPILED = {}  # key -> (ptx, object bytes, header text): each variant compiled once per test run
+_COMPILED = {}  # key -> (ptx, object bytes, header text, compiled function, kernel): each variant compiled once
 
 
 def _compiled(v: "catalog.KernelVariant"):
     if v.key not in _COMPILED:
-        fn = catalog.compile_function(v, keep_ptx=True)
+        kernel = catalog.make_kernel(v)
+        fn = catalog.compile_function(v, keep_ptx=True, kernel=kernel)
         with tempfile.TemporaryDirectory() as d:
             fn.export_to_c(d, v.function_prefix, function_prefix=v.function_prefix)
             with open(os.path.join(d, v.function_prefix + ".h")) as f:
                 header = f.read()
-        _COMPILED[v.key] = (fn.__ptx__, fn.dump_to_object(v.function_prefix), header)
+        _COMPILED[v.key] = (fn.__ptx__, fn.dump_to_object(v.function_prefix), header, fn, kernel)
     return _COMPILED[v.key]
 
 
@@ -41,9 +51,12 @@ class CatalogTest(parameterized.TestCase):
         self.assertEqual(catalog.KernelVariant().key, "gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1")
 
     def test_sm90a_covers_both_fp8_codes_and_both_outputs(self):
-        got = {(v.ab_dtype, v.c_dtype) for v in catalog.variants_for("sm_90a")}
+        got = {(v.ab_dtype, v.c_dtype) for v in catalog.variants_for("sm_90a", "gemm_amax")}
         self.assertEqual(got, {(a, c) for a in ("float8_e4m3fn", "float8_e5m2") for c in ("float32", "bfloat16")})
         self.assertEqual(catalog.variants_for("sm_75"), ())
+        rope = catalog.variants_for("sm_90a", "proj_rope")
+        self.assertEqual({(v.tile_mn, v.b_major) for v in rope},
+                         {(t, b) for t in catalog.PROJ_ROPE_TILES for b in ("k", "n")})
 
     def test_select_variant(self):
         cfg = dict(arch="sm_90a", ab_dtype="float8_e5m2", c_dtype="bfloat16", sf_vec_size=32)
@@ -51,7 +64,46 @@ class CatalogTest(parameterized.TestCase):
         self.assertEqual((v.ab_dtype, v.c_dtype, v.arch), ("float8_e5m2", "bfloat16", "sm_90a"))
         self.assertIsNone(catalog.select_variant(**cfg, tile_mn=(128, 256), cluster_mn=(1, 1)))
         self.assertIsNone(catalog.select_variant(**{**cfg, "sf_vec_size": 16}, tile_mn=(128, 128), cluster_mn=(1, 1)))
-        self.assertIsNone(catalog.select_variant(**{**cfg, "arch": "sm_100a"}, tile_mn=(128, 128), cluster_mn=(1, 1)))
+        self.assertIsNone(catalog.select_variant(**{**cfg, "arch": "sm_75"}, tile_mn=(128, 128), cluster_mn=(1, 1)))
+        wide = catalog.select_variant(**{**cfg, "arch": "sm_100a"}, tile_mn=(128, 256), cluster_mn=(2, 4))
+        self.assertEqual((wide.arch, wide.tile_mn, wide.cluster_mn), ("sm_100a", (128, 256), (2, 4)))
+        self.assertIsNone(catalog.select_variant(**{**cfg, "arch": "sm_100a"}, tile_mn=(256, 128), cluster_mn=(2, 1)))
+
+    def test_fp4_kernels_can_implement_needs_32_aligned_k(self):
+        fp4 = BlackwellBlockScaledGemmAmax(ab_dtype="float4_e2m1fn", sf_vec_size=16, sf_dtype="float8_e4m3fn")
+        self.assertEqual(fp4.can_implement(100, 100, 64, 1), (True, ""))
+        self.assertIn("multiple of 32", fp4.can_implement(100, 100, 48, 1)[1])
+
+    def test_sm100a_fp4_variants(self):
+        fp4 = {(v.sf_vec_size, v.sf_dtype, v.c_dtype, v.tile_mn, v.cluster_mn) for v in catalog.variants_for("sm_100a")
+               if v.ab_dtype == "float4_e2m1fn"}
+        clusters = ((1, 1), (2, 1), (1, 2), (2, 2))
+        want = {(32, "float8_e8m0fnu", c, t, cl) for c in ("float32", "bfloat16") for t in ((128, 128), (128, 256))
+                for cl in clusters}
+        want |= {(16, sf, c, (128, 128), cl) for sf in ("float8_e8m0fnu", "float8_e4m3fn")
+                 for c in ("float32", "bfloat16") for cl in clusters}
+        self.assertEqual(fp4, want)
+        keys = {v.key for v in catalog.variants_for("sm_100a")}
+        self.assertIn("gemm_amax.sm_100a.e2m1.bf16.sf16e4m3.t128x128.c2x1", keys)
+        self.assertIn("gemm_amax.sm_100a.e2m1.f32.sf16.t128x128.c1x1", keys)
+
+    def test_sm100a_covers_the_seed_mxfp8_surface(self):
+        got = {(v.ab_dtype, v.c_dtype, v.tile_mn, v.cluster_mn) for v in catalog.variants_for("sm_100a")
+               if v.ab_dtype != "float4_e2m1fn"}
+        clusters = {(cm, cn) for cm in (1, 2, 4) for cn in (1, 2, 4)}
+        self.assertEqual(got, {(a, c, t, cl) for a in ("float8_e4m3fn", "float8_e5m2") for c in ("float32", "bfloat16")
+                               for t in ((128, 128), (128, 256)) for cl in clusters})
+        self.assertTrue(all(v.sf_vec_size == 32 and v.sf_dtype == "float8_e8m0fnu" and not v.flavor
+                            for v in catalog.variants_for("sm_100a") if v.ab_dtype != "float4_e2m1fn"))
+
+    def test_test_variants_are_never_selected(self):
+        for v in catalog.TEST_VARIANTS:
+            self.assertNotIn(v, catalog.CATALOG)
+            self.assertTrue(v.flavor)
+            self.assertTrue(v.key.endswith("." + v.flavor))
+            same = dict(arch=v.arch, ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, sf_vec_size=v.sf_vec_size)
+            self.assertEqual(catalog.select_variant(**same, tile_mn=v.tile_mn, cluster_mn=v.cluster_mn),
+                             dataclasses.replace(v, flavor=""))
 
     def test_source_hash_is_stable_hex(self):
         self.assertRegex(catalog.kernel_source_hash(), r"^[0-9a-f]{64}$")
@@ -83,20 +135,37 @@ class CatalogTest(parameterized.TestCase):
             HopperMxf8GemmAmax(**kwargs)
 
     @parameterized.parameters(
+        dict(kwargs=dict(ab_dtype="float16"), match="ab_dtype='float16'"),
+        dict(kwargs=dict(c_dtype="float8_e4m3fn"), match="c_dtype='float8_e4m3fn'"),
+        dict(kwargs=dict(sf_vec_size=16), match="sf_vec_size=16 with sf_dtype='float8_e8m0fnu' is not supported for "
+                                                "ab_dtype='float8_e4m3fn'"),
+        dict(kwargs=dict(ab_dtype="float4_e2m1fn", sf_dtype="float8_e4m3fn"), match="sf_vec_size=32 with sf_dtype"),
+        dict(kwargs=dict(ab_dtype="float4_e2m1fn", sf_vec_size=16, tile_mn=(128, 256)),
+             match="tile_mn=(128, 256) with sf_vec_size=16 is disabled"),
+        dict(kwargs=dict(tile_mn=(256, 128)), match="tile_mn=(256, 128)"),
+        dict(kwargs=dict(cluster_mn=(8, 1)), match="cluster_mn=(8, 1)"),
+        dict(kwargs=dict(cluster_mn=(3, 1)), match="cluster_mn=(3, 1)"))
+    def test_blackwell_config_errors_name_the_argument(self, kwargs, match):
+        with self.assertRaisesRegex(ValueError, re.escape(match)):
+            BlackwellBlockScaledGemmAmax(**kwargs)
+
+    @parameterized.parameters(
         dict(mnkl=(1, 1, 16, 1), ok=True), dict(mnkl=(257, 129, 1040, 3), ok=True),
         dict(mnkl=(128, 128, 100, 1), ok=False), dict(mnkl=(0, 128, 128, 1), ok=False),
         dict(mnkl=(65536, 65536, 65536, 1), ok=False))
     def test_can_implement(self, mnkl, ok):
-        got, why = HopperMxf8GemmAmax.can_implement(*mnkl)
-        self.assertEqual(got, ok, why)
-        self.assertEqual(bool(why), not ok)
+        for kernel in (HopperMxf8GemmAmax(), BlackwellBlockScaledGemmAmax()):
+            got, why = kernel.can_implement(*mnkl)
+            self.assertEqual(got, ok, why)
+            self.assertEqual(bool(why), not ok)
 
 
 class CompileTest(parameterized.TestCase):
 
-    @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG)
+    @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_90a", "gemm_amax")
+                                    + catalog.TEST_VARIANTS)
     def test_compiles_for_its_arch_with_wgmma_and_tma(self, v):
-        ptx, obj, _ = _compiled(v)
+        ptx, obj, *_ = _compiled(v)
         self.assertGreater(len(obj), 1000)
         self.assertIn(f".target {v.arch}", ptx)
         ab = _PTX_AB[v.ab_dtype]
@@ -129,6 +198,50 @@ class CompileTest(parameterized.TestCase):
         self.assertNotIn("ld.local", ptx)  # no register spills to local memory
         # The exact fallback for non-finite codes keeps the hardware converter.
         self.assertIn("cvt.rn.f16x2.e5m2x2", ptx)
+
+    @parameterized.named_parameters((v.key, v) for v in _PROJ_ROPE_VARIANTS)
+    def test_proj_rope_compiles_with_bf16_wgmma_tma_and_the_fp8_converter(self, v):
+        ptx, obj, *_ = _compiled(v)
+        self.assertGreater(len(obj), 1000)
+        self.assertIn(f".target {v.arch}", ptx)
+        self.assertRegex(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n192k16\.f32\.bf16\.bf16")
+        self.assertIn("cp.async.bulk.tensor", ptx)
+        # 2 tokens x (4 pass-through blocks x 4 pairs + 2 rope blocks x 8 values) rowwise + 24 x 2 columnwise pairs
+        self.assertEqual(ptx.count("cvt.rn.satfinite.e4m3x2.f32"), 112)
+        self.assertNotIn(".local", ptx)  # the accumulator and the rope tables stay in registers
+
+    @parameterized.named_parameters((v.key, v) for v in _PROJ_ROPE_VARIANTS)
+    def test_proj_rope_header_matches_abi(self, v):
+        _, _, header, *_ = _compiled(v)
+        p = v.function_prefix
+        wrapper = re.search(rf"int32_t cute_dsl_{p}_wrapper\(([^)]*)\)", header).group(1)
+        params = [x.strip() for x in wrapper.split(",")]
+        self.assertEqual(params[1:], [f"{p}_Tensor_{t}_t *{t}" for t in _PROJ_ROPE_ABI_TENSORS]
+                         + [f"int32_t {s}" for s in "tkh"] + ["cudaStream_t stream"])
+        args = re.search(r"void \*args\[(\d+)\] = \{([^}]*)\}", header)
+        self.assertEqual(int(args.group(1)), 15)  # what the proj_rope handler passes (ffi/proj_rope.cc)
+
+    @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_100a"))
+    def test_sm100a_structure(self, v):
+        """Block-scaled tcgen05 MMA of the right kind and scale-vector size, tensor memory allocated and freed, no
+        local memory, shared memory, registers and tensor-memory columns within the B200's limits."""
+        ptx, obj, _, fn, kernel = _compiled(v)
+        self.assertGreater(len(obj), 1000)
+        self.assertIn(".target sm_100a", ptx)
+        report = structure.sm100_report(v, fn, kernel)
+        self.assertEqual(report.problems(), [])
+        kind = "mxf4nvf4" if v.ab_dtype == "float4_e2m1fn" else "mxf8f6f4"
+        self.assertEqual(report.mma, (f"tcgen05.mma.cta_group::1.kind::{kind}.block_scale.block{v.sf_vec_size}"
+                                      ".collector::a::discard",))
+        self.assertIn("tcgen05.cp.cta_group::1.32x128b.warpx4", ptx)  # scale factors: shared -> tensor memory
+        self.assertIn("tcgen05.ld.sync.aligned", ptx)  # epilogue: tensor memory -> registers
+        self.assertIn("cp.async.bulk.tensor", ptx)  # TMA loads
+        self.assertEqual("multicast::cluster" in ptx, v.cluster_mn != (1, 1))
+        self.assertIn("atom.global.max.s32", ptx)  # amax: integer atomic max on the float's bits
+        # Accumulator stages (2 x 128 or 1 x 256 columns), then one column per 4 scale blocks of a k-tile for SFA and
+        # for each 128 columns of SFB; a k-tile is 128 FP8 or 256 FP4 elements.
+        blocks = (256 if v.ab_dtype == "float4_e2m1fn" else 128) // v.sf_vec_size
+        self.assertEqual(report.tmem_columns_used, 256 + blocks * (1 + v.tile_mn[1] // 128))
 
     def test_a_from_registers_compiles_to_rs_wgmma(self):
         """a_regs: A's codes go from shared memory (32-bit loads) to the wgmma's register operand; B as before."""
@@ -176,9 +289,10 @@ class CompileTest(parameterized.TestCase):
         finally:
             envar._arch = saved
 
-    @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG)
+    @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG + catalog.TEST_VARIANTS
+                                    if v.op == "gemm_amax")
     def test_header_matches_abi(self, v):
-        _, _, header = _compiled(v)
+        _, _, header, *_ = _compiled(v)
         p = v.function_prefix
         for name in _ABI_TENSORS:
             struct = re.search(r"typedef struct \{([^}]*)\}\s*" + re.escape(f"{p}_Tensor_{name}_t;"), header)
@@ -193,6 +307,83 @@ class CompileTest(parameterized.TestCase):
         self.assertEqual(int(args.group(1)), 12)
         self.assertEqual([x.strip() for x in args.group(2).split(",")],
                          list(_ABI_TENSORS) + ["&m", "&n", "&k", "&l", "&stream", "&ret"])
+
+
+class ReportTest(absltest.TestCase):
+    """`python -m jax_blockgemm.precompile --arch sm_100a --report` prints the structural table."""
+
+    KEY = "gemm_amax.sm_100a.e5m2.bf16.sf32.t128x256.c2x1"
+
+    def _report(self, *extra):
+        from jax_blockgemm import precompile
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = precompile.main(["--arch", "sm_100a", "--report", "--variant", self.KEY, *extra])
+        return rc, out.getvalue()
+
+    def test_table_row(self):
+        rc, text = self._report()
+        self.assertEqual(rc, 0, text)
+        self.assertRegex(text, re.escape(self.KEY) + r"\s+\d+\.\d\d kind::mxf8f6f4\s+block32\s+yes/yes\s+0\s+"
+                               r"\d+\s+\d+\s+268/512\s+ok")
+        self.assertIn("1 variants in", text)
+
+    def test_a_failing_check_sets_the_exit_status(self):
+        with mock.patch.object(structure.Sm100Report, "problems", return_value=["shared memory 300000 B > 232448"]):
+            rc, text = self._report()
+        self.assertEqual(rc, 1)
+        self.assertIn("FAIL: shared memory 300000 B > 232448", text)
+
+    def test_hopper_only_selection_is_refused(self):
+        from jax_blockgemm import precompile
+
+        with self.assertRaisesRegex(SystemExit, "no sm_100a variant selected"):
+            precompile.main(["--arch", "sm_90a", "--report"])
+
+
+class StructureTest(absltest.TestCase):
+    """The checks themselves: each limit, on a report that breaks it."""
+
+    def _report(self, **changes):
+        good = structure.Sm100Report(
+            key="k", mma=("tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.block32.collector::a::discard",),
+            has_alloc=True, has_dealloc=True, ptx_local=0,
+            resources=structure.CubinResources(registers=52, frame_bytes=0, stack_bytes=0, static_smem_bytes=1024),
+            dynamic_smem_bytes=200000, tmem_columns_used=264, tmem_columns_allocated=512, threads_per_cta=192,
+            expect_kind="mxf8f6f4", expect_scale_vec="block32")
+        return dataclasses.replace(good, **changes)
+
+    def test_good_report_passes(self):
+        self.assertEqual(self._report().problems(), [])
+
+    def test_each_violation_is_named(self):
+        cases = [
+            (dict(mma=("tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block32",)), "MMA opcodes"),
+            (dict(mma=("tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.block16",)), "MMA opcodes"),
+            (dict(mma=("tcgen05.mma.cta_group::1.kind::f16",)), "MMA opcodes"),
+            (dict(mma=()), "MMA opcodes"),
+            (dict(has_dealloc=False), "tcgen05.dealloc present=False"),
+            (dict(ptx_local=2), "local memory"),
+            (dict(resources=structure.CubinResources(52, 16, 0, 1024)), "local memory"),
+            (dict(dynamic_smem_bytes=232000), "shared memory 233024 B > 232448"),
+            (dict(resources=structure.CubinResources(256, 0, 0, 0)), "256 registers"),
+            (dict(tmem_columns_used=520), "tensor memory"),
+            (dict(tmem_columns_allocated=1024, tmem_columns_used=600), "tensor memory"),
+        ]
+        for changes, match in cases:
+            problems = self._report(**changes).problems()
+            self.assertLen(problems, 1, changes)
+            self.assertIn(match, problems[0])
+
+    def test_cubin_parser_reads_a_compiled_kernel(self):
+        v = catalog.variants_for("sm_100a")[0]
+        fn = _compiled(v)[3]
+        res = structure.cubin_resources(fn.__cubin__)
+        self.assertGreater(res.registers, 16)
+        self.assertLessEqual(res.registers, 255)
+        with self.assertRaisesRegex(ValueError, "not an ELF64"):
+            structure.cubin_resources(b"PK\x03\x04")
 
 
 class BitsDequantModelTest(parameterized.TestCase):
@@ -251,6 +442,28 @@ class AtomLayoutTest(absltest.TestCase):
             mnp, kp = -(-mn_size // 128), -(-kb_size // 4)
             spec = ((l * mnp + mn // 128) * kp + kb // 4) * 512 + (mn % 32) * 16 + ((mn // 32) % 4) * 4 + kb % 4
             self.assertEqual(common.atom_byte_offset(l, mn, kb, mn_size, kb_size), spec)
+
+    def test_blackwell_scale_layout_is_the_spec_atom(self):
+        """The layout the sm_100a kernel reads scales through addresses exactly the SPEC §3 byte of each scale."""
+        import cutlass.cute as cute
+
+        from jax_blockgemm.kernels.sm100.gemm_amax import scale_layout
+
+        rng = np.random.default_rng()
+        m, k, l = int(rng.integers(129, 700)), 32 * int(rng.integers(5, 40)), int(rng.integers(1, 4))
+        coords = [(int(rng.integers(m)), int(rng.integers(k)), int(rng.integers(l))) for _ in range(300)]
+        got = {}
+
+        @cute.jit
+        def probe():
+            layout = scale_layout((m, k, l), 32)
+            for c in coords:
+                got[c] = cute.crd2idx(c, layout)
+
+        cute.compile(probe)
+        for mn, kk, ll in coords:
+            self.assertEqual(got[(mn, kk, ll)], common.atom_byte_offset(ll, mn, kk // 32, m, -(-k // 32)),
+                             (mn, kk, ll, m, k, l))
 
     def test_word_offsets_of_one_atom_are_a_permutation(self):
         words = sorted(common.atom_word_offset(r) for r in range(128))

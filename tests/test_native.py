@@ -37,17 +37,61 @@ def _replace(buffers, index, *, dtype=None, dims=None, address=None):
     return out
 
 
+class ProjRopeBufferCheckTest(parameterized.TestCase):
+    """The proj_rope execute stage's buffer checks (ffi/proj_rope.cc), through the test hook."""
+
+    @staticmethod
+    def _buffers(t=64, k=128, h=2, w_out_in=True, **override):
+        n = h * 192
+        specs = {"x": ("bfloat16", [1, t, k]), "w": ("bfloat16", [1, n, k] if w_out_in else [1, k, n]),
+                 "cos": ("bfloat16", [1, t, 64]), "sin": ("bfloat16", [1, t, 64]),
+                 "row": ("float8_e4m3fn", [1, t, h, 192]), "row_scales": ("uint8", [1, t, h, 6]),
+                 "col": ("float8_e4m3fn", [1, t, h, 192]), "col_scales": ("uint8", [1, t // 32, h, 192])}
+        specs.update(override)
+        return [(dtype, dims, 4096 * (i + 1)) for i, (dtype, dims) in enumerate(specs.values())]
+
+    @parameterized.parameters(True, False)
+    def test_well_formed(self, w_out_in):
+        self.assertEqual(ext.check_proj_rope_buffers(self._buffers(w_out_in=w_out_in), w_out_in), ("", (64, 128, 2)))
+
+    @parameterized.parameters(
+        (dict(x=("float32", [1, 64, 128])), "x has shape .*expected bfloat16 .1, T, K."),
+        (dict(x=("bfloat16", [1, 48, 128])), "x .*T a positive multiple of 32"),
+        (dict(x=("bfloat16", [1, 64, 12])), "x .*K a positive multiple of 8"),
+        (dict(w=("bfloat16", [1, 384, 64])), "w has shape .1, 384, 64.*with K = 128"),
+        (dict(w=("bfloat16", [1, 200, 128])), "w .*H\\*192 output features"),
+        (dict(cos=("bfloat16", [1, 64, 32])), "cos has shape .*expected bfloat16 .1, 64, 64."),
+        (dict(row=("uint8", [1, 64, 2, 192])), "out_fp8_row .*float8_e4m3fn"),
+        (dict(row_scales=("uint8", [1, 64, 2, 5])), "out_scales_row .*uint8 .1, 64, 2, 6."),
+        (dict(col_scales=("uint8", [1, 64, 2, 192])), "out_scales_col .*uint8 .1, 2, 2, 192."),
+    )
+    def test_each_violation_is_named(self, override, message):
+        why, _ = ext.check_proj_rope_buffers(self._buffers(**override), True)
+        self.assertRegex(why, "^jbg_gemm_proj_rope_mxfp8: " + message)
+
+    def test_misaligned_and_huge_buffers(self):
+        specs = self._buffers()
+        specs[1] = (specs[1][0], specs[1][1], 4096 + 8)
+        self.assertRegex(ext.check_proj_rope_buffers(specs, True)[0], "w .*16-byte aligned")
+        huge = self._buffers(t=65536, k=32768, h=1)
+        self.assertRegex(ext.check_proj_rope_buffers(huge, True)[0], "x .*fewer than 2\\*\\*31 elements")
+
+
 class ModuleTest(absltest.TestCase):
 
     def test_surface(self):
         self.assertEqual(ext.ABI_VERSION, 1)
         self.assertEqual(ext.GEMM_AMAX_TARGET, "jbg_gemm_amax")
+        self.assertEqual(ext.PROJ_ROPE_TARGET, "jbg_gemm_proj_rope_mxfp8")
         targets = ext.ffi_targets()
-        self.assertEqual(set(targets), {"jbg_gemm_amax"})
-        self.assertEqual(set(targets["jbg_gemm_amax"]), {"instantiate", "execute"})
+        self.assertEqual(set(targets), {"jbg_gemm_amax", "jbg_gemm_proj_rope_mxfp8"})
+        for stages in targets.values():
+            self.assertEqual(set(stages), {"instantiate", "execute"})
         self.assertEqual(set(ext.ffi_types()["jbg_gemm_amax_state"]), {"type_id", "type_info"})
 
     def test_execute_handler_is_command_buffer_compatible(self):
+        _, _, traits = ext.handler_metadata("jbg_gemm_proj_rope_mxfp8", "execute")
+        self.assertEqual(traits & ext.TRAIT_COMMAND_BUFFER_COMPATIBLE, ext.TRAIT_COMMAND_BUFFER_COMPATIBLE)
         major, minor, traits = ext.handler_metadata("jbg_gemm_amax", "execute")
         self.assertEqual(traits & ext.TRAIT_COMMAND_BUFFER_COMPATIBLE, ext.TRAIT_COMMAND_BUFFER_COMPATIBLE)
         self.assertEqual(ext.TRAIT_COMMAND_BUFFER_COMPATIBLE, 1)
@@ -203,7 +247,8 @@ _XLA_PROBE = textwrap.dedent("""
     for name, offsets in (("GOOD", [0, 1000, 300_001]), ("BAD", [0, 1000, 7])):
         call = jax.ffi.ffi_call("jbg_gemm_amax", out)
         f = jax.jit(lambda *x: call(*x, archs="sm_90a,sm_100a", function_prefixes="p90,p100", objects=blob,
-                                    offsets=np.array(offsets, np.int64)))
+                                    offsets=np.array(offsets, np.int64), ab_dtype="float8_e4m3fn",
+                                    c_dtype="float32"))
         try:
             f(*ops)
             print(name, "RAN")

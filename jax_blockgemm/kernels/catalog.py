@@ -1,13 +1,16 @@
-"""The kernel catalog: which CuTeDSL gemm_amax variants exist, and how to build each one's object without a GPU.
+"""The kernel catalog: which CuTeDSL variants exist, and how to build each one's object without a GPU.
 
 Every variant is compiled ahead of time into a relocatable object (`dump_to_object`) whose exported host function
-follows one ABI, loaded by our XLA FFI handler:
+follows its operation's ABI, loaded by our XLA FFI handlers. Each tensor is a `{void *data; int64_t
+dynamic_shapes[1];}` struct over a flat buffer.
 
-    fn(a, b, sfa, sfb, c, amax, m, n, k, l, stream)
-
-with each tensor a `{void *data; int64_t dynamic_shapes[1];}` struct over a flat buffer (a/b: FP8 codes,
-(L, M, K) / (L, N, K) K-major; sfa/sfb: E8M0 bytes in the SPEC §3 atom layout; c: (L, M, N) row-major; amax:
-L float32 values the handler zeroes first), m/n/k/l int32, and the CUDA stream.
+    gemm_amax: fn(a, b, sfa, sfb, c, amax, m, n, k, l, stream)
+      a/b: FP8 codes (or packed FP4 pairs for the sm_100a FP4 variants), (L, M, K) / (L, N, K) K-major; sfa/sfb:
+      scale bytes in the SPEC §3 atom layout; c: (L, M, N) row-major; amax: L float32 values the handler zeroes
+      first; m/n/k/l int32.
+    proj_rope: fn(x, w, cos, sin, x_scale, w_scale, row_codes, row_scales, col_codes, col_scales, t, k, h, stream)
+      x (T, K); w (H·192, K) for b_major "k", (K, H·192) for "n"; cos/sin (T, 64); x_scale/w_scale: E8M0 bytes laid
+      out like x and w (MXFP8 inputs; empty for bf16); the four outputs of SPEC §5, row-major; t/k/h int32.
 
 The target architecture is a property of the DSL singleton (`CUTE_DSL_ARCH` is read once, when the singleton is
 built, or detected from the GPU); `compile_variant` sets it for the duration of each compile, so one process can
@@ -21,12 +24,18 @@ import functools
 import hashlib
 import pathlib
 import re
+import tempfile
 import threading
 from typing import Any, Callable
 
 import cutlass  # noqa: F401  (an ImportError here tells the dispatcher that CuTeDSL is missing)
 
-_SHORT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float32": "f32", "bfloat16": "bf16"}
+from jax_blockgemm.kernels import sm100 as _sm100
+
+_SHORT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float4_e2m1fn": "e2m1", "float32": "f32",
+          "bfloat16": "bf16"}
+E8M0 = "float8_e8m0fnu"
+OPS = ("gemm_amax", "proj_rope")
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -41,13 +50,20 @@ class KernelVariant:
     sf_vec_size: int = 32
     tile_mn: tuple = (128, 128)
     cluster_mn: tuple = (1, 1)
+    flavor: str = ""  # "" for real kernels; the name of a deliberately wrong one in TEST_VARIANTS
+    sf_dtype: str = E8M0  # the scale format: E8M0 (MX formats), or E4M3 (NVFP4)
+    b_major: str = "k"  # "n": B (proj_rope's w) is read MN-major
 
     @property
     def key(self) -> str:
-        """Unique, filesystem-safe name, e.g. 'gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1'."""
+        """Unique, filesystem-safe name, e.g. 'gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1' (or '...sf16e4m3...',
+        '.bn' for an N-major B, '.<flavor>' for a test variant)."""
+        sf = "" if self.sf_dtype == E8M0 else _SHORT.get(self.sf_dtype, self.sf_dtype)
         return (f"{self.op}.{self.arch}.{_SHORT.get(self.ab_dtype, self.ab_dtype)}."
-                f"{_SHORT.get(self.c_dtype, self.c_dtype)}.sf{self.sf_vec_size}."
-                f"t{self.tile_mn[0]}x{self.tile_mn[1]}.c{self.cluster_mn[0]}x{self.cluster_mn[1]}")
+                f"{_SHORT.get(self.c_dtype, self.c_dtype)}.sf{self.sf_vec_size}{sf}."
+                f"t{self.tile_mn[0]}x{self.tile_mn[1]}.c{self.cluster_mn[0]}x{self.cluster_mn[1]}"
+                + ("" if self.b_major == "k" else f".b{self.b_major}")
+                + (f".{self.flavor}" if self.flavor else ""))
 
     @property
     def function_prefix(self) -> str:
@@ -61,37 +77,90 @@ def _hopper_factory(v: KernelVariant) -> Any:
     return HopperMxf8GemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn, cluster_mn=v.cluster_mn)
 
 
+def _blackwell_factory(v: KernelVariant) -> Any:
+    from jax_blockgemm.kernels.sm100.gemm_amax import BlackwellBlockScaledGemmAmax
+
+    return BlackwellBlockScaledGemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn,
+                                        cluster_mn=v.cluster_mn, sf_vec_size=v.sf_vec_size, sf_dtype=v.sf_dtype)
+
+
+def _hopper_proj_rope_factory(v: KernelVariant) -> Any:
+    from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
+
+    return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major, consumer_wgs=v.tile_mn[0] // 64)
+
+
+def _broken_factory(v: KernelVariant) -> Any:
+    from jax_blockgemm.kernels.testing import NegatedCornerHopperGemmAmax
+
+    return NegatedCornerHopperGemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype)
+
+
 # (op, arch) -> builds the kernel object (a class instance with `can_implement` and a `@cute.jit` __call__).
-_FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {("gemm_amax", "sm_90a"): _hopper_factory}
+_FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
+    ("gemm_amax", "sm_90a"): _hopper_factory, ("gemm_amax", "sm_100a"): _blackwell_factory,
+    ("proj_rope", "sm_90a"): _hopper_proj_rope_factory}
 
-CATALOG: tuple[KernelVariant, ...] = tuple(
-    KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype=c)
-    for ab in ("float8_e4m3fn", "float8_e5m2")
-    for c in ("float32", "bfloat16"))
+# proj_rope: one CTA is 64 tokens (one consumer warpgroup, two CTAs per SM) or 128 tokens (two, one CTA per SM)
+# x one head.
+PROJ_ROPE_TILES = ((128, 192), (64, 192))
+
+_FP8 = ("float8_e4m3fn", "float8_e5m2")
+_C = ("float32", "bfloat16")
+
+CATALOG: tuple[KernelVariant, ...] = (
+    tuple(KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype=c) for ab in _FP8 for c in _C)
+    # sm_100a: compiled and checked here, never run (no Blackwell GPU); every tile and cluster shape of the
+    # seed's MXFP8 surface.
+    + tuple(KernelVariant(arch="sm_100a", ab_dtype=ab, c_dtype=c, tile_mn=t, cluster_mn=cl)
+            for ab in _FP8 for c in _C for t in _sm100.SUPPORTED_TILES_MN for cl in _sm100.SUPPORTED_CLUSTERS_MN)
+    # sm_100a FP4 (MXFP4: E8M0 block 32; NVFP4: E4M3 or E8M0 block 16, tile N 128 only): compiled and checked,
+    # NOT selectable yet (the FFI handler takes FP8 codes and E8M0 bytes only, and the ABI has no alpha; dispatch
+    # asks for the operands' own dtype, uint8 for FP4, which no entry has). Four of the nine cluster shapes the
+    # kernel accepts, to keep CI's compile time down while nothing can run them.
+    + tuple(KernelVariant(arch="sm_100a", ab_dtype="float4_e2m1fn", c_dtype=c, sf_vec_size=v, sf_dtype=sf,
+                          tile_mn=t, cluster_mn=cl)
+            for v, sf, tiles in ((32, E8M0, _sm100.SUPPORTED_TILES_MN), (16, "float8_e4m3fn", ((128, 128),)),
+                                 (16, E8M0, ((128, 128),)))
+            for c in _C for t in tiles for cl in ((1, 1), (2, 1), (1, 2), (2, 2)))
+    # proj_rope on sm_90a: bf16 x and w (MXFP8 inputs are dequantized to bf16 before the kernel), both w layouts.
+    + tuple(KernelVariant(op="proj_rope", arch="sm_90a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
+                          tile_mn=t, b_major=b_major)
+            for t in PROJ_ROPE_TILES for b_major in ("k", "n")))
 
 
-def variants_for(arch: str) -> tuple[KernelVariant, ...]:
-    """The catalog's variants compiled for `arch` (e.g. 'sm_90a')."""
-    return tuple(v for v in CATALOG if v.arch == arch)
+# TEST ONLY: deliberately wrong kernels that the first-use self-check must catch (kernels/testing.py). Never
+# selected by `select_variant`; only a forced run (`dispatch.forced_variants`) uses one.
+TEST_VARIANTS: tuple[KernelVariant, ...] = (KernelVariant(arch="sm_90a", flavor="broken_negc0"),)
+_TEST_FACTORIES: dict[str, Callable[[KernelVariant], Any]] = {"broken_negc0": _broken_factory}
+
+
+def variants_for(arch: str, op: str | None = None) -> tuple[KernelVariant, ...]:
+    """The catalog's variants compiled for `arch` (e.g. 'sm_90a'), of operation `op` when given."""
+    return tuple(v for v in CATALOG if v.arch == arch and op in (None, v.op))
 
 
 def select_variant(*, arch: str, ab_dtype: str, c_dtype: str, sf_vec_size: int, tile_mn: tuple,
-                   cluster_mn: tuple) -> KernelVariant | None:
+                   cluster_mn: tuple, sf_dtype: str = E8M0, op: str = "gemm_amax",
+                   b_major: str = "k") -> KernelVariant | None:
     """The catalog entry matching every field exactly, or None."""
-    want = KernelVariant(arch=arch, ab_dtype=str(ab_dtype), c_dtype=str(c_dtype), sf_vec_size=int(sf_vec_size),
-                         tile_mn=tuple(tile_mn), cluster_mn=tuple(cluster_mn))
+    want = KernelVariant(op=op, arch=arch, ab_dtype=str(ab_dtype), c_dtype=str(c_dtype), sf_vec_size=int(sf_vec_size),
+                         tile_mn=tuple(tile_mn), cluster_mn=tuple(cluster_mn), sf_dtype=str(sf_dtype),
+                         b_major=b_major)
     return want if want in CATALOG else None
 
 
 def make_kernel(v: KernelVariant) -> Any:
-    """The kernel object of variant `v` (raises ValueError for a variant outside the catalog)."""
+    """The kernel object of variant `v` (raises ValueError for a variant outside the catalog and TEST_VARIANTS)."""
+    if v in TEST_VARIANTS:
+        return _TEST_FACTORIES[v.flavor](v)
     if v not in CATALOG or (v.op, v.arch) not in _FACTORIES:
         raise ValueError(f"variant {v.key!r} is not in the catalog; known: {[c.key for c in CATALOG]}")
     return _FACTORIES[(v.op, v.arch)](v)
 
 
-def fake_arguments(kernel: Any) -> list:
-    """Fake (symbolic-length) arguments in ABI order, for compiling without a GPU or real buffers."""
+def fake_arguments(kernel: Any, op: str = "gemm_amax") -> list:
+    """Fake (symbolic-length) arguments in the ABI order of `op`, for compiling without a GPU or real buffers."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -100,24 +169,35 @@ def fake_arguments(kernel: Any) -> list:
     def flat(dtype):
         return make_fake_compact_tensor(dtype, (cute.sym_int64(),), assumed_align=16)
 
+    if op == "proj_rope":
+        ab, u8 = kernel.ab_dtype, cutlass.Uint8
+        return [flat(ab), flat(ab), flat(cutlass.BFloat16), flat(cutlass.BFloat16), flat(u8), flat(u8),
+                flat(u8), flat(u8), flat(u8), flat(u8), cutlass.Int32(32), cutlass.Int32(64), cutlass.Int32(1),
+                cuda.CUstream(0)]
     return [flat(kernel.ab_dtype), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(cutlass.Uint8),
             flat(kernel.c_dtype), flat(cutlass.Float32), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(16),
             cutlass.Int32(1), cuda.CUstream(0)]
 
 
-def compile_function(v: KernelVariant, *, keep_ptx: bool = False) -> Any:
-    """`cute.compile` of variant `v` for `v.arch` (no GPU needed): the DSL's compiled-function object."""
+def compile_function(v: KernelVariant, *, keep_ptx: bool = False, kernel: Any = None) -> Any:
+    """`cute.compile` of variant `v` for `v.arch` (no GPU needed): the DSL's compiled-function object.
+
+    `keep_ptx` also keeps the cubin (`__ptx__`, `__cubin__`) for structural checks; `kernel` is the object to
+    trace (default: a fresh `make_kernel(v)`), passed in when the caller wants the facts it records while traced.
+    """
     import cutlass.cute as cute
     from cutlass.cutlass_dsl import CuTeDSL
 
-    kernel = make_kernel(v)
-    options = f"--gpu-arch {v.arch}" + (" --keep-ptx" if keep_ptx else "")
-    with _COMPILE_LOCK:
+    kernel = make_kernel(v) if kernel is None else kernel
+    options = f"--gpu-arch {v.arch}"
+    with _COMPILE_LOCK, tempfile.TemporaryDirectory(prefix="jbg-compile-") as dump_dir:
+        if keep_ptx:  # the DSL also writes the files it keeps; keep them out of the working directory
+            options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
         envar = CuTeDSL._get_dsl().envar
         saved = envar._arch  # None means "detect on first use"; keep it that way for other users
         envar.arch = v.arch
         try:
-            return cute.compile(kernel, *fake_arguments(kernel), options=options)
+            return cute.compile(kernel, *fake_arguments(kernel, v.op), options=options)
         finally:
             envar._arch = saved
 

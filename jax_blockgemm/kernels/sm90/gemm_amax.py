@@ -36,6 +36,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 
 from jax_blockgemm.kernels import common
+from jax_blockgemm.kernels.sm90 import tma_pipeline
 
 _AB_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
 _C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
@@ -401,24 +402,15 @@ class HopperMxf8GemmAmax:
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        tma_bytes = (cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
-                     + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_staged, (None, None, 0))))
-        ab_pipeline = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.pipeline_mbars.data_ptr(), num_stages=self.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_warps),
-            tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
-        pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+        ab_pipeline = tma_pipeline.make_ab_pipeline(storage.pipeline_mbars.data_ptr(), a_smem_staged, b_smem_staged,
+                                                    self.ab_dtype, self.ab_stages, self.num_consumer_warps,
+                                                    self.cluster_mn)
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-        gA = cute.local_tile(mA_mkl, (bm, bk), (None, None, None))  # (bM, bK, RestM, RestK, L)
-        gB = cute.local_tile(mB_nkl, (bn, bk), (None, None, None))  # (bN, bK, RestN, RestK, L)
-        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
-        k_tiles = cute.size(gA, mode=[3])
+        tAsA, tAgA = tma_pipeline.tma_views(tma_atom_a, mA_mkl, sA, (bm, bk))
+        tBsB, tBgB = tma_pipeline.tma_views(tma_atom_b, mB_nkl, sB, (bn, bk))
+        k_tiles = cute.size(tAgA, mode=[2])
 
         wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)

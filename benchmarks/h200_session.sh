@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One device call on the H200 that checks and times what changed, each step under its own time limit, so that a
+# hang costs one step and not the whole call. Run from the project root after `source .devpayload/setup.sh`:
+#
+#     bash benchmarks/h200_session.sh STEP... (default: every step, in the order below)
+#
+# Steps: proj_rope_tests (proj_rope_tests_default_tile), proj_rope_kernel, bench_proj_rope, bench_gemm, handler_tests,
+# selfcheck_tests, gemm_tests,
+# gemm_candidates, multi_gpu
+# (the last needs two GPUs: kind nvidia-h200-x2; the single-GPU steps then run on the first).
+# Logs go to $OUT, one per step (at most 8 files come back from a device call); 00_session.log holds every step's
+# status and tail.
+set -u
+OUT=${OUT:-/tmp/jbg_out}
+mkdir -p "$OUT"
+LOG="$OUT/00_session.log"  # sorts first: what comes back first when there are more than 8 files
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(proj_rope_tests proj_rope_kernel bench_proj_rope handler_tests gemm_tests gemm_candidates)
+
+BUDGET=${BUDGET:-540}  # seconds for the whole session: a step that would not fit in what is left is skipped
+
+run_step() {  # name, limit in seconds, log file, command...
+  local name=$1 limit=$2 file=$3
+  shift 3
+  if (( SECONDS + limit > BUDGET )); then
+    printf '\n=== %s: skipped (%s s left of the %s s budget, the step may take %s s)\n' "$name" \
+      "$((BUDGET - SECONDS))" "$BUDGET" "$limit" | tee -a "$LOG"
+    return
+  fi
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$file" 2>&1
+  local rc=$?
+  printf '\n=== %s: rc=%s (%s s, limit %s s)\n' "$name" "$rc" "$((SECONDS - t0))" "$limit" | tee -a "$LOG"
+  tail -n 25 "$OUT/$file" | tee -a "$LOG"
+}
+
+for step in "${STEPS[@]}"; do
+  case "$step" in
+    proj_rope_tests)
+      run_step "$step" 150 proj_rope_tests.log python3 -m pytest tests/test_gpu_proj_rope.py -q -x -p no:cacheprovider ;;
+    proj_rope_tests_default_tile)  # the dispatcher's tile only (about half the time)
+      run_step "$step" 90 proj_rope_tests.log python3 -m pytest tests/test_gpu_proj_rope.py -q -x -p no:cacheprovider \
+        -k "not SmallTile" ;;
+    proj_rope_kernel)
+      run_step "$step" 60 proj_rope_kernel.log python3 benchmarks/proj_rope_standalone.py --no-check \
+        --consumer-wgs 2,1 ;;
+    bench_proj_rope)
+      run_step "$step" 90 bench.log python3 -m jax_blockgemm.bench --op proj_rope --json "$OUT/bench.json" ;;
+    bench_gemm)
+      run_step "$step" 120 bench_gemm.log python3 -m jax_blockgemm.bench --op gemm_amax ;;
+    handler_tests)
+      run_step "$step" 60 handler_tests.log python3 -m pytest tests/test_gpu_handler_fuzz.py tests/test_gpu_selfcheck.py \
+        -q -p no:cacheprovider ;;
+    selfcheck_tests)
+      run_step "$step" 60 selfcheck_tests.log python3 -m pytest tests/test_gpu_selfcheck.py -q -p no:cacheprovider ;;
+    gemm_tests)
+      run_step "$step" 120 gemm_tests.log python3 -m pytest tests/test_gpu_gemm_amax.py -q -p no:cacheprovider ;;
+    gemm_candidates)
+      run_step "$step" 100 gemm_candidates.log python3 benchmarks/kernel_standalone.py --candidates \
+        --only rs_ov_256,bits1_256_b2_ov --no-xla --budget-s 85 \
+        --out /tmp/jbg_candidates ;;  # its per-candidate files stay there: the table is in the log
+    multi_gpu)
+      run_step "$step" 170 multi_gpu.log python3 benchmarks/multi_gpu.py --out "$OUT/multi_gpu.json" ;;
+    *) echo "unknown step $step" | tee -a "$LOG" ;;
+  esac
+done

@@ -1,0 +1,216 @@
+"""compute-sanitizer (memcheck, racecheck, synccheck) over every Hopper kernel variant, and the handler fuzz test.
+
+Usage, on the H200 from the repository root (after `source .devpayload/setup.sh`):
+
+    python3 benchmarks/sanitize.py [--out DIR] [--tools memcheck,racecheck,synccheck] [--all-kernels]
+
+For each tool it starts ONE process under `compute-sanitizer --tool <tool>` that runs every sm_90a variant of the
+kernel catalog through `jbg.gemm_amax(..., implementation="cutedsl")` at small odd shapes (tails in M, N and K,
+partial scale blocks, L > 1), checks each result against the reference (`implementation="xla"`), and brackets each
+variant with markers so that every sanitizer report is attributed to the variant that caused it. Then it runs
+tests/test_gpu_handler_fuzz.py (the raw-ffi_call cases) under memcheck. It prints one summary line per
+tool x variant (and one for the fuzz run), writes the full logs to --out, and exits non-zero when any line is not OK.
+
+racecheck and synccheck instrument only our kernels (`--kernel-name kns=jax_blockgemm`; the kernel symbols carry
+the module path), which keeps them inside the time budget; --all-kernels instruments XLA's kernels too.
+compute-sanitizer is taken from $COMPUTE_SANITIZER, PATH, /usr/local/cuda/bin, or an installed
+nvidia-cuda-sanitizer-api wheel (nvidia/cu13 or nvidia/cu12 under any sys.path entry).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+TOOLS = ("memcheck", "racecheck", "synccheck")
+# (L, M, N, K): M and N tails past 128-row tiles and scale atoms, K a partial 128-wide k-tile with a partial
+# 32-wide scale block (K = 80, 208), L > 1; N a multiple of 8 (16-byte rows of a bfloat16 C).
+SHAPES = ((2, 257, 136, 80), (3, 129, 24, 208))
+BEGIN, END = "@@JBG-SANITIZE BEGIN", "@@JBG-SANITIZE END"
+# A sanitizer report line (its stack frames and blank lines are not counted).
+_REPORT = re.compile(r"^=+ (Invalid|Error|Warning|Program hit|Race|Barrier|Uninitialized|Leaked|Malformed|"
+                     r"Unused|Misaligned|Out-of-range|.*hazard)", re.IGNORECASE)
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def find_sanitizer() -> str | None:
+    """Path of the compute-sanitizer executable, or None."""
+    candidates = [os.environ.get("COMPUTE_SANITIZER"), shutil.which("compute-sanitizer"),
+                  "/usr/local/cuda/bin/compute-sanitizer"]
+    for root in sys.path:
+        for cuda in ("cu13", "cu12"):
+            candidates.append(os.path.join(root or ".", "nvidia", cuda, "compute-sanitizer", "compute-sanitizer"))
+        candidates.append(os.path.join(root or ".", "nvidia", "cuda_sanitizer_api", "compute-sanitizer",
+                                       "compute-sanitizer"))
+    return next((c for c in candidates if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+def run_variants() -> int:
+    """The workload run under the sanitizer: every sm_90a variant at SHAPES, each bracketed by markers."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_blockgemm as jbg
+    from jax_blockgemm.kernels import catalog
+
+    rng = np.random.default_rng(2026)
+    failures = 0
+    for variant in catalog.variants_for("sm_90a"):
+        for l, m, n, k in SHAPES:
+            label = f"{variant.key} (L, M, N, K) = {(l, m, n, k)}"
+            print(f"{BEGIN} {label}", flush=True)
+            kb = -(-k // 32)
+            ab = jnp.dtype(variant.ab_dtype)
+            a = jnp.asarray(rng.standard_normal((l, m, k)) * 4, jnp.float32).astype(ab)
+            b = jnp.asarray(rng.standard_normal((l, n, k)) * 4, jnp.float32).astype(ab)
+            sfa = jnp.asarray(rng.integers(120, 134, (l, m, kb)), jnp.uint8)
+            sfb = jnp.asarray(rng.integers(120, 134, (l, n, kb)), jnp.uint8)
+            options = dict(c_dtype=jnp.dtype(variant.c_dtype), mma_tiler_mn=variant.tile_mn,
+                           cluster_shape_mn=variant.cluster_mn, sf_vec_size=variant.sf_vec_size)
+            try:
+                kernel = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl", **options))
+                if "jbg_gemm_amax" not in kernel.lower(a, b, sfa, sfb).as_text():
+                    raise RuntimeError("the program holds no jbg_gemm_amax custom call: the kernel would not run")
+                c, amax = jax.block_until_ready(kernel(a, b, sfa, sfb))
+                c_ref, amax_ref = jbg.gemm_amax(a, b, sfa, sfb, implementation="xla", **options)
+                got, want = np.asarray(c, np.float64), np.asarray(c_ref, np.float64)
+                rel = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+                tol = 1e-4 if variant.c_dtype == "float32" else 1e-2  # SPEC §7 class; bf16 C: its rounding
+                ok = bool(np.isfinite(got).all() and rel <= tol
+                          and abs(float(amax) - float(amax_ref)) <= 1e-4 * abs(float(amax_ref)))
+                detail = f"rel_err={rel:.2e} amax={float(amax):.6g} ref={float(amax_ref):.6g}"
+            except Exception as e:  # noqa: BLE001 -- reported in the summary, the next variant still runs
+                ok, detail = False, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            failures += not ok
+            print(f"{END} {label} {'match' if ok else 'MISMATCH'} {detail}", flush=True)
+    return 1 if failures else 0
+
+
+_END_LINE = re.compile(re.escape(END) + r" (.*?\)) (match|MISMATCH) ?(.*)$")
+
+
+def _attribute(log: str) -> tuple[dict, list, str]:
+    """Reports per variant label, reports outside any variant, and the tool's summary line."""
+    per_label: dict[str, dict] = {}
+    outside: list[str] = []
+    current = None
+    summary = ""
+    for line in log.splitlines():
+        if line.startswith(BEGIN):
+            current = line[len(BEGIN) + 1:]
+            per_label[current] = dict(reports=[], result="did not finish")
+        elif (end := _END_LINE.match(line)) is not None:
+            if end.group(1) in per_label:
+                per_label[end.group(1)]["result"] = f"{end.group(2)} {end.group(3)}"
+            current = None
+        elif re.search(r"(ERROR|RACECHECK|SYNCCHECK) SUMMARY", line):
+            summary = line.strip("= ").strip()
+        elif _REPORT.match(line):
+            (per_label[current]["reports"] if current else outside).append(line.strip())
+    return per_label, outside, summary
+
+
+def _sanitized(sanitizer: str, tool: str, command: list, *, all_kernels: bool, timeout: int) -> tuple[int, str, float]:
+    args = [sanitizer, "--tool", tool, "--print-limit", "50", "--error-exitcode", "86"]
+    if tool != "memcheck" and not all_kernels:
+        args += ["--kernel-name", "kns=jax_blockgemm"]
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1",
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0")
+    start = time.monotonic()
+    # Own process group: a timeout ends the sanitizer AND the Python process it runs (which holds the GPU).
+    proc = subprocess.Popen(args + command, cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out, time.monotonic() - start
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return 124, (out or "") + f"\n(timed out after {timeout} s)", time.monotonic() - start
+
+
+def main(argv: list | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None, help="directory for the full sanitizer logs")
+    parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of " + ",".join(TOOLS))
+    parser.add_argument("--all-kernels", action="store_true", help="racecheck/synccheck XLA's kernels too")
+    parser.add_argument("--no-fuzz", action="store_true", help="skip the handler fuzz test under memcheck")
+    parser.add_argument("--timeout", type=int, default=150, help="seconds per sanitized process at most")
+    parser.add_argument("--budget", type=int, default=350, help="seconds for the whole run (each process gets "
+                        "what is left, at least 30)")
+    parser.add_argument("--run-variants", action="store_true", help=argparse.SUPPRESS)  # the sanitized workload
+    args = parser.parse_args(argv)
+    if args.run_variants:
+        return run_variants()
+    sanitizer = find_sanitizer()
+    if sanitizer is None:
+        print("compute-sanitizer not found: set COMPUTE_SANITIZER, or install the nvidia-cuda-sanitizer-api wheel "
+              "(cu13) where Python finds it, e.g. pip install --no-index --no-deps --target /tmp/site <wheel>")
+        return 2
+    tools = [t for t in args.tools.split(",") if t]
+    unknown = sorted(set(tools) - set(TOOLS))
+    if unknown:
+        parser.error(f"--tools: unknown {unknown}; allowed: {', '.join(TOOLS)}")
+    out = pathlib.Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    print(f"compute-sanitizer: {sanitizer}")
+    started = time.monotonic()
+    timeout = lambda: int(max(30, min(args.timeout, args.budget - (time.monotonic() - started))))
+    # Compile every sm_90a object outside the sanitizer first (into the disk cache the sanitized runs read).
+    pre = subprocess.run([sys.executable, "-m", "jax_blockgemm.precompile", "--arch", "sm_90a"], cwd=_ROOT,
+                         capture_output=True, text=True, timeout=args.budget)
+    print(pre.stdout.strip().splitlines()[-1] if pre.returncode == 0 else f"precompile failed:\n{pre.stderr[-2000:]}")
+    lines, bad = [], 0
+    for tool in tools:
+        rc, log, took = _sanitized(sanitizer, tool, [sys.executable, str(pathlib.Path(__file__).resolve()),
+                                                     "--run-variants"], all_kernels=args.all_kernels,
+                                   timeout=timeout())
+        if out:
+            (out / f"sanitize_{tool}.log").write_text(log)
+        per_label, outside, summary = _attribute(log)
+        if not per_label:
+            lines.append(f"{tool:9s} (no variant ran) FAIL rc={rc} {took:.0f}s: {log.strip().splitlines()[-1:]}")
+            bad += 1
+        for label, info in per_label.items():
+            ok = not info["reports"] and info["result"].startswith("match")
+            first = f"; first: {info['reports'][0][:160]}" if info["reports"] else ""
+            lines.append(f"{tool:9s} {label:70s} {'OK  ' if ok else 'FAIL'} {len(info['reports'])} reports, "
+                         f"{info['result']}{first}")
+            bad += not ok
+        whole_ok = rc == 0 and not outside
+        lines.append(f"{tool:9s} {'(whole process)':70s} {'OK  ' if whole_ok else 'FAIL'} {len(outside)} reports "
+                     f"outside any variant, rc={rc}, {summary or 'no sanitizer summary'}, {took:.0f}s"
+                     + (f"; first: {outside[0][:160]}" if outside else ""))
+        bad += not whole_ok
+        print("\n".join(lines[-len(per_label) - 1:]), flush=True)
+    if not args.no_fuzz:
+        fuzz = [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_gpu_handler_fuzz.py", "-k", "GpuHandlerFuzzTest"]
+        rc, log, took = _sanitized(sanitizer, "memcheck", fuzz,
+                                   all_kernels=True, timeout=timeout())
+        if out:
+            (out / "sanitize_fuzz_memcheck.log").write_text(log)
+        _, outside, summary = _attribute(log)
+        passed = re.findall(r"(\d+ passed[^\n]*)", log)
+        ran = bool(passed) and "skipped" not in passed[-1]
+        ok = rc == 0 and not outside and ran
+        lines.append(f"{'memcheck':9s} {'handler fuzz (test_gpu_handler_fuzz.py -k GpuHandlerFuzzTest)':70s} "
+                     f"{'OK  ' if ok else 'FAIL'} {len(outside)} reports, rc={rc}, "
+                     f"pytest: {passed[-1] if passed else 'no result'}, {summary}, {took:.0f}s")
+        bad += not ok
+        print(lines[-1], flush=True)
+    print(f"\nSUMMARY ({time.monotonic() - started:.0f} s)")
+    print("\n".join(lines))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

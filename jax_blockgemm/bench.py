@@ -1,0 +1,628 @@
+"""Benchmark: `python -m jax_blockgemm.bench` times both operations beside the baselines a JAX user has, in one run.
+
+gemm_amax, MXFP8 E4M3 -> f32 C, at the SPEC §8 shapes (or `--shape M,N,K`, repeatable): ours with
+implementation=None and "cutedsl", the pure-JAX reference ("xla"), `jax.nn.scaled_matmul`, `jax.lax.scaled_dot`
+(where the installed jax has it), and two anchors without block scales: an FP8 dot and a bf16 dot, both -> f32.
+
+gemm_proj_rope_mxfp8 at DeepSeek-V3's K = 1536, H = 128, T in {2048, 4096}, w as (H*192, K), bf16 and MXFP8
+inputs: ours (None and "cutedsl"), the reference, XLA's bare bf16 dot of the same shape (-> bf16; the faster of the
+two weight layouts) and the unfused pipeline through `jax.nn.scaled_matmul` (MXFP8 in on both paths:
+scaled_matmul -> RoPE -> rowwise and columnwise MXFP8 quantization).
+
+Method: fresh random inputs (normal values whose rows differ in magnitude, quantized by `formats.quantize_mxfp8`,
+so block scales are random and never zero), several input sets rotated so that caches cannot hold them, every
+function compiled ahead under jax.jit, warm-up calls, then the median of --reps calls each ended by
+block_until_ready. Ratios are speedups, baseline ms / column ms (> 1: faster than the baseline), against
+`jax.nn.scaled_matmul`, the reference and `jax.lax.scaled_dot` for gemm_amax, against the bare dot and the unfused
+pipeline for proj_rope. Every column that computes the same function is checked against the reference on the
+first input set (gemm_amax: ||C - C_ref|| / ||C_ref||; proj_rope: the fraction of E4M3 codes equal to the
+reference's), so that a fast wrong answer shows. A column that cannot run here (no kernel applies, the installed
+jax lacks the API, no lowering for this platform) shows "n/a", and the reason is printed below the table and kept
+in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_blockgemm as jbg
+from jax_blockgemm import formats, kernel_cache, reference, support
+
+GEMM_SHAPES = ((8192, 8192, 8192), (4096, 7168, 16384), (4096, 24576, 1536))  # SPEC §8
+PROJ_K, PROJ_HEADS, PROJ_TOKENS = 1536, 128, (2048, 4096)  # SPEC §8: DeepSeek-V3 MLA Q up-projection
+SMALL_GEMM_SHAPES = ((128, 128, 128), (64, 112, 256), (96, 320, 64))  # --small: a tiny twin of each case
+SMALL_PROJ_K, SMALL_PROJ_HEADS, SMALL_PROJ_TOKENS = 64, 2, (32, 64)
+
+GEMM_COLUMNS = {"ours": "ours(None)", "ours_cutedsl": "ours(cutedsl)", "reference": "reference(xla)",
+                "scaled_matmul": "nn.scaled_matmul", "scaled_dot": "lax.scaled_dot", "fp8_dot": "fp8 dot",
+                "bf16_dot": "bf16 dot"}
+PROJ_COLUMNS = {"ours": "ours(None)", "ours_cutedsl": "ours(cutedsl)", "reference": "reference(xla)",
+                "bf16_dot": "bare bf16 dot", "pipeline": "scaled_matmul pipeline"}
+BASELINES = {"gemm_amax": ("scaled_matmul", "reference", "scaled_dot"), "proj_rope": ("bf16_dot", "pipeline")}
+OPS = ("gemm_amax", "proj_rope")
+CHECKS = {"gemm_amax": ("rel err vs reference", ".1e"), "proj_rope": ("codes = reference", ".2%")}
+
+
+class NotAvailable(Exception):
+    """A column that cannot run here: no kernel applies, the installed jax lacks the API, or no lowering exists."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Inputs
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def random_values(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """float32 normal values whose rows are scaled by 2**-6 .. 2**5, so that block scales differ along the rows."""
+    k_values, k_rows = jax.random.split(key)
+    row_exponent = jax.random.randint(k_rows, (*shape[:-1], 1), -6, 6)
+    return jax.random.normal(k_values, shape, jnp.float32) * jnp.exp2(row_exponent.astype(jnp.float32))
+
+
+def random_mxfp8(key: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """A random MXFP8 E4M3 operand: (codes, uint8 E8M0 scale bytes per 32 along the last axis) of random_values."""
+    return formats.quantize_mxfp8(random_values(key, tuple(shape)))
+
+
+def _as_e8m0(scale_bytes: jax.Array) -> jax.Array:
+    """uint8 E8M0 bytes as float8_e8m0fnu, the scale dtype jax.nn.scaled_matmul and jax.lax.scaled_dot take."""
+    return jax.lax.bitcast_convert_type(scale_bytes, jnp.float8_e8m0fnu)
+
+
+def gemm_inputs(key: jax.Array, m: int, n: int, k: int) -> dict[str, jax.Array]:
+    """One input set for a gemm_amax case: codes, scales in each form the columns take, bf16 values."""
+    k_a, k_b = jax.random.split(key)
+    a, sfa = random_mxfp8(k_a, (m, k))
+    b, sfb = random_mxfp8(k_b, (n, k))
+    return {"a": a, "b": b, "sfa_atom": formats.to_scale_atom(sfa), "sfb_atom": formats.to_scale_atom(sfb),
+            "sfa_e8m0": _as_e8m0(sfa), "sfb_e8m0": _as_e8m0(sfb),
+            "a_bf16": reference.dequantize_bf16(a, sfa, block=support.MX_BLOCK, axis=-1),
+            "b_bf16": reference.dequantize_bf16(b, sfb, block=support.MX_BLOCK, axis=-1)}
+
+
+def proj_rope_inputs(key: jax.Array, tokens: int, heads: int, k: int) -> dict[str, jax.Array]:
+    """One input set for a proj_rope case: x and w (H*192, K) as MXFP8 and as the same values in bf16, cos, sin."""
+    k_x, k_w, k_angle = jax.random.split(key, 3)
+    x, x_scale = random_mxfp8(k_x, (tokens, k))
+    w, w_scale = random_mxfp8(k_w, (heads * support.HEAD_DIM, k))
+    angles = jax.random.uniform(k_angle, (tokens, support.QK_ROPE), jnp.float32, 0.0, 2 * np.pi)
+    w_bf16 = reference.dequantize_bf16(w, w_scale, block=support.MX_BLOCK, axis=-1)
+    return {"x": x, "w": w, "x_scale": x_scale, "w_scale": w_scale,
+            "x_scale_e8m0": _as_e8m0(x_scale), "w_scale_e8m0": _as_e8m0(w_scale),
+            "x_bf16": reference.dequantize_bf16(x, x_scale, block=support.MX_BLOCK, axis=-1), "w_bf16": w_bf16,
+            "w_bf16_t": jnp.asarray(w_bf16.T), "cos": jnp.cos(angles).astype(jnp.bfloat16),
+            "sin": jnp.sin(angles).astype(jnp.bfloat16)}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# What each column runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One timed function of a case: which inputs it takes, and which errors at compile time mean "n/a here"."""
+
+    key: str
+    fn: Optional[Callable[..., Any]]  # None: not available, see `missing`
+    inputs: tuple[str, ...]
+    na_errors: tuple[type[BaseException], ...] = ()
+    missing: str = ""
+    checked: bool = False  # computes the same function as the reference: its output is compared with it
+
+
+def _nt_dot(lhs: jax.Array, rhs: jax.Array, out_dtype: Any = jnp.float32) -> jax.Array:
+    """lhs (M, K) . rhs (N, K)^T, contracting the last axes of both."""
+    return jax.lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+
+
+def _scaled_matmul(a: jax.Array, b: jax.Array, sa: jax.Array, sb: jax.Array) -> jax.Array:
+    """jax.nn.scaled_matmul on 2-D operands (it takes (B, M, K)): MXFP8 E4M3 + E8M0 -> f32."""
+    return jax.nn.scaled_matmul(a[None], b[None], sa[None], sb[None], preferred_element_type=jnp.float32)[0]
+
+
+def _scaled_dot_column(inputs: tuple[str, ...]) -> Column:
+    """jax.lax.scaled_dot where the installed jax has it (0.11 does; older ones may not)."""
+    scaled_dot = getattr(jax.lax, "scaled_dot", None)
+    if scaled_dot is None:
+        return Column("scaled_dot", None, inputs, missing=f"jax {jax.__version__} has no jax.lax.scaled_dot")
+
+    def fn(a: jax.Array, b: jax.Array, sa: jax.Array, sb: jax.Array) -> jax.Array:
+        return scaled_dot(a, b, lhs_scale=sa, rhs_scale=sb, dimension_numbers=(((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.float32)
+
+    return Column("scaled_dot", fn, inputs, na_errors=(Exception,), checked=True)
+
+
+def gemm_columns() -> list[Column]:
+    """The gemm_amax columns, in table order."""
+    ours = ("a", "b", "sfa_atom", "sfb_atom")
+    scaled = ("a", "b", "sfa_e8m0", "sfb_e8m0")
+    impl = lambda implementation: lambda a, b, sa, sb: jbg.gemm_amax(a, b, sa, sb, implementation=implementation)
+    return [Column("ours", impl(None), ours, checked=True),
+            Column("ours_cutedsl", impl("cutedsl"), ours, na_errors=(ValueError,), checked=True),
+            Column("reference", impl("xla"), ours, checked=True),
+            Column("scaled_matmul", _scaled_matmul, scaled, na_errors=(Exception,), checked=True),
+            _scaled_dot_column(scaled),
+            Column("fp8_dot", _nt_dot, ("a", "b"), na_errors=(Exception,)),  # codes without scales: a speed anchor
+            Column("bf16_dot", _nt_dot, ("a_bf16", "b_bf16"), na_errors=(Exception,), checked=True)]
+
+
+def _unfused_pipeline(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array, cos: jax.Array,
+                      sin: jax.Array) -> tuple[jax.Array, ...]:
+    """proj_rope the unfused way: jax.nn.scaled_matmul -> RoPE -> rowwise and columnwise MXFP8 quantization."""
+    y = _scaled_matmul(x, w, x_scale, w_scale)
+    y = reference.apply_rope(y.reshape(y.shape[0], -1, support.HEAD_DIM), cos, sin)
+    row_codes, row_scales = formats.quantize_mxfp8(y, axis=-1, block=support.MX_BLOCK)
+    col_codes, col_scales = formats.quantize_mxfp8(y, axis=0, block=support.MX_BLOCK)
+    return row_codes, row_scales, col_codes, col_scales
+
+
+def proj_rope_columns(mxfp8: bool) -> list[Column]:
+    """The proj_rope columns in table order; the bare dot is timed in both weight layouts (the faster is kept)."""
+    if mxfp8:
+        ours = ("x", "w", "cos", "sin", "x_scale", "w_scale")
+        impl = lambda implementation: lambda x, w, c, s, xs, ws: jbg.gemm_proj_rope_mxfp8(
+            x, w, c, s, x_scale=xs, w_scale=ws, implementation=implementation)
+    else:
+        ours = ("x_bf16", "w_bf16", "cos", "sin")
+        impl = lambda implementation: lambda x, w, c, s: jbg.gemm_proj_rope_mxfp8(
+            x, w, c, s, implementation=implementation)
+    kn_dot = lambda x, w_t: jax.lax.dot_general(x, w_t, (((1,), (0,)), ((), ())))
+    return [Column("ours", impl(None), ours, checked=True),
+            Column("ours_cutedsl", impl("cutedsl"), ours, na_errors=(ValueError,), checked=True),
+            Column("reference", impl("xla"), ours, checked=True),
+            Column("bf16_dot:w_out_in", functools.partial(_nt_dot, out_dtype=jnp.bfloat16), ("x_bf16", "w_bf16"),
+                   na_errors=(Exception,)),
+            Column("bf16_dot:w_in_out", kn_dot, ("x_bf16", "w_bf16_t"), na_errors=(Exception,)),
+            Column("pipeline", _unfused_pipeline, ("x", "w", "x_scale_e8m0", "w_scale_e8m0", "cos", "sin"),
+                   na_errors=(Exception,), checked=True)]
+
+
+def gemm_rel_err(out: Any, ref: Any) -> float:
+    """||C - C_ref|| / ||C_ref|| (Frobenius) of a column's C against the reference's (gemm_amax returns (c, amax))."""
+    c, c_ref = (o[0] if isinstance(o, tuple) else o for o in (out, ref))
+    return float(jnp.linalg.norm(c - c_ref) / jnp.linalg.norm(c_ref))
+
+
+def proj_rope_codes_equal(out: Any, ref: Any) -> float:
+    """Fraction of E4M3 codes bitwise equal to the reference's, the smaller over the rowwise and columnwise copies."""
+    as_bytes = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return min(float(jnp.mean(as_bytes(out[i]) == as_bytes(ref[i]))) for i in (0, 2))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Cases and timing
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One benchmark problem: the op, a name for the table, its GEMM flops, how to draw inputs, what to time."""
+
+    op: str
+    name: str
+    dims: dict[str, Any]
+    flops: float
+    make_inputs: Callable[[jax.Array], dict[str, jax.Array]]
+    columns: Callable[[], list[Column]]
+    check: Callable[[Any, Any], float]  # (a checked column's output, the reference's) -> the "check" number
+
+
+def gemm_case(m: int, n: int, k: int) -> Case:
+    """gemm_amax at M x N x K, MXFP8 E4M3 -> f32."""
+    return Case("gemm_amax", f"{m}x{n}x{k}", {"m": m, "n": n, "k": k}, 2.0 * m * n * k,
+                functools.partial(gemm_inputs, m=m, n=n, k=k), gemm_columns, gemm_rel_err)
+
+
+def proj_rope_case(tokens: int, heads: int, k: int, mxfp8: bool) -> Case:
+    """gemm_proj_rope_mxfp8 with T tokens, H heads, K inputs, on the MXFP8 or the bf16 input path."""
+    n = heads * support.HEAD_DIM
+    return Case("proj_rope", f"T={tokens} H={heads} K={k} {'mxfp8' if mxfp8 else 'bf16'}",
+                {"tokens": tokens, "heads": heads, "k": k, "input": "mxfp8" if mxfp8 else "bf16"},
+                2.0 * tokens * n * k, functools.partial(proj_rope_inputs, tokens=tokens, heads=heads, k=k),
+                functools.partial(proj_rope_columns, mxfp8), proj_rope_codes_equal)
+
+
+def median_ms(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int, reps: int) -> float:
+    """Median wall time in ms of `reps` calls, each ended by block_until_ready, after `warmup` untimed calls.
+
+    The calls cycle through `arg_sets` (several input sets, so that caches do not hold one set between calls).
+    """
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    times = []
+    for i in range(reps):
+        args = arg_sets[i % len(arg_sets)]
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _first_line(e: BaseException) -> str:
+    """The exception's type and first line: enough to say why a column is n/a without a traceback."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def time_column(column: Column, sets: list[dict[str, jax.Array]], *, warmup: int, reps: int
+                ) -> tuple[float, Any]:
+    """Compiles `column` ahead (a compile-time error in na_errors becomes NotAvailable) and times it.
+
+    Returns (median ms, the output on the first input set where the column is checked, else None).
+    """
+    if column.fn is None:
+        raise NotAvailable(column.missing)
+    arg_sets = [tuple(s[name] for name in column.inputs) for s in sets]
+    try:
+        compiled = jax.jit(column.fn).lower(*arg_sets[0]).compile()
+    except column.na_errors as e:
+        raise NotAvailable(_first_line(e)) from e
+    ms = median_ms(compiled, arg_sets, warmup=warmup, reps=reps)
+    return ms, (compiled(*arg_sets[0]) if column.checked else None)
+
+
+def _merge_layouts(results: dict[str, dict], prefix: str) -> None:
+    """Replaces the `prefix:layout` entries by one `prefix` entry holding the faster layout (and both times)."""
+    variants = {key.split(":", 1)[1]: results.pop(key) for key in list(results) if key.startswith(prefix + ":")}
+    if not variants:
+        return
+    timed = {layout: r for layout, r in variants.items() if "ms" in r}
+    if not timed:
+        results[prefix] = {"na": "; ".join(f"{layout}: {r['na']}" for layout, r in variants.items())}
+        return
+    layout = min(timed, key=lambda name: timed[name]["ms"])
+    results[prefix] = dict(timed[layout], layout=layout, layouts_ms={name: r["ms"] for name, r in timed.items()})
+
+
+def run_case(case: Case, key: jax.Array, *, sets: int, warmup: int, reps: int, progress: Any) -> dict[str, Any]:
+    """Draws `sets` fresh input sets, times every column, and returns the case's record (ms, TFLOP/s, ratios)."""
+    inputs = [case.make_inputs(k) for k in jax.random.split(key, sets)]
+    jax.block_until_ready(inputs)
+    results: dict[str, dict] = {}
+    outputs: dict[str, Any] = {}
+    for column in case.columns():
+        try:
+            ms, outputs[column.key] = time_column(column, inputs, warmup=warmup, reps=reps)
+            results[column.key] = {"ms": ms, "tflops": case.flops / (ms * 1e-3) / 1e12}
+            progress.write(f" {column.key} {ms:.4g} ms;")
+        except NotAvailable as e:
+            results[column.key] = {"na": str(e)}
+            progress.write(f" {column.key} n/a;")
+        progress.flush()
+    for name, out in outputs.items():
+        if out is not None:
+            results[name]["check"] = case.check(out, outputs["reference"])
+    _merge_layouts(results, "bf16_dot")
+    ratios = {}
+    for base in BASELINES[case.op]:
+        base_ms = results.get(base, {}).get("ms")
+        ratios[f"vs_{base}"] = {name: (base_ms / r["ms"] if base_ms and "ms" in r else None)
+                                for name, r in results.items()}
+    return {"op": case.op, "case": case.name, "dims": case.dims, "flops": case.flops, "check": CHECKS[case.op][0],
+            "columns": results, "ratios": ratios}
+
+
+def build_cases(*, ops: Sequence[str], shapes: Sequence[tuple[int, int, int]], small: bool) -> list[Case]:
+    """The cases to run, in order: gemm_amax shapes first, then proj_rope T x {bf16, mxfp8}."""
+    cases = []
+    if "gemm_amax" in ops:
+        cases += [gemm_case(*s) for s in (shapes or (SMALL_GEMM_SHAPES if small else GEMM_SHAPES))]
+    if "proj_rope" in ops:
+        tokens, heads, k = ((SMALL_PROJ_TOKENS, SMALL_PROJ_HEADS, SMALL_PROJ_K) if small
+                            else (PROJ_TOKENS, PROJ_HEADS, PROJ_K))
+        cases += [proj_rope_case(t, heads, k, mxfp8) for t in tokens for mxfp8 in (False, True)]
+    return cases
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Launch costs (--launch): what a call costs beyond the math
+
+
+LAUNCH_SHAPE = (128, 128, 128)
+IMPLEMENTATIONS = {"ours": None, "ours_cutedsl": "cutedsl"}
+
+_FIRST_CALL = """
+import sys, time
+import jax
+import jax_blockgemm as jbg
+from jax_blockgemm import bench
+m, n, k = bench.LAUNCH_SHAPE
+args = bench.gemm_inputs(jax.random.key(1), m, n, k)
+args = [args[name] for name in ("a", "b", "sfa_atom", "sfb_atom")]
+jax.block_until_ready(args)
+implementation = bench.IMPLEMENTATIONS[sys.argv[1]]
+start = time.perf_counter()
+try:
+    jax.block_until_ready(jax.jit(lambda *x: jbg.gemm_amax(*x, implementation=implementation))(*args))
+except ValueError as e:
+    print("n/a", e)
+else:
+    print((time.perf_counter() - start) * 1e3)
+"""
+
+
+def first_call_ms(column: str, cache_dir: str) -> float:
+    """ms of the first jitted gemm_amax call in a fresh process: trace, kernel object, XLA compile, load, run."""
+    env = dict(os.environ, **{kernel_cache.CACHE_DIR_ENV: cache_dir})
+    proc = subprocess.run([sys.executable, "-c", _FIRST_CALL, column], env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"the first-call process for {column} failed:\n{proc.stderr[-2000:]}")
+    out = proc.stdout.strip().splitlines()[-1]
+    if out.startswith("n/a"):
+        raise NotAvailable(out[4:])
+    return float(out)
+
+
+def per_call_us(fn: Callable[..., Any], args: tuple, calls: int) -> float:
+    """µs per call of `calls` back-to-back calls (no sync between them), after one warm-up call."""
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def launch_costs(*, calls: int = 2000) -> dict[str, Any]:
+    """First-call latency (empty and warm kernel cache, fresh processes) and per-call cost of a tiny gemm_amax,
+    beside a trivial XLA op in the same loop."""
+    m, n, k = LAUNCH_SHAPE
+    inputs = gemm_inputs(jax.random.key(1), m, n, k)
+    args = tuple(inputs[name] for name in ("a", "b", "sfa_atom", "sfb_atom"))
+    result: dict[str, Any] = {"shape": list(LAUNCH_SHAPE), "calls": calls}
+    for column, implementation in IMPLEMENTATIONS.items():
+        try:
+            with tempfile.TemporaryDirectory() as cache:
+                cold, warm = first_call_ms(column, cache), first_call_ms(column, cache)
+            fn = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation=implementation))
+            result[column] = {"first_call_cold_ms": cold, "first_call_warm_cache_ms": warm,
+                              "per_call_us": per_call_us(fn, args, calls)}
+        except NotAvailable as e:
+            result[column] = {"na": str(e)}
+    plain = jax.jit(lambda x: x * 2.0 + 1.0)
+    result["plain_xla_op_us"] = per_call_us(plain, (random_values(jax.random.key(2), (m, n)),), calls)
+    return result
+
+
+def format_launch(launch: dict[str, Any]) -> list[str]:
+    """The launch-cost lines printed under the table."""
+    shape = "x".join(map(str, launch["shape"]))
+    lines = ["", f"launch costs, gemm_amax {shape} (first call: fresh process; per call: {launch['calls']} "
+                 f"back-to-back calls; a trivial XLA op: {launch['plain_xla_op_us']:.1f} us per call)"]
+    for column in IMPLEMENTATIONS:
+        entry = launch[column]
+        if "na" in entry:
+            lines.append(f"  {GEMM_COLUMNS[column]}: n/a ({entry['na']})")
+        else:
+            lines.append(f"  {GEMM_COLUMNS[column]}: first call {entry['first_call_cold_ms']:.0f} ms with an empty "
+                         f"kernel cache, {entry['first_call_warm_cache_ms']:.0f} ms with a warm one; "
+                         f"{entry['per_call_us']:.1f} us per call")
+    return lines
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reporting
+
+
+def _version(dist: str) -> str:
+    """An installed distribution's version, read from its metadata (importing CuTeDSL would cost seconds)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment() -> dict[str, str]:
+    """Device and software versions, recorded with every run."""
+    device = jax.devices()[0]
+    return {"device": device.device_kind, "platform": device.platform, "device_count": str(jax.device_count()),
+            "jax": jax.__version__, "jaxlib": _version("jaxlib"), "cutedsl": _version("nvidia-cutlass-dsl"),
+            "jax_blockgemm": jbg.__version__, "python": platform.python_version()}
+
+
+def _labels(op: str) -> dict[str, str]:
+    """Column key -> table label, in table order."""
+    return GEMM_COLUMNS if op == "gemm_amax" else PROJ_COLUMNS
+
+
+def _title(op: str) -> str:
+    """The heading of an op's table and chart."""
+    return ("gemm_amax, MXFP8 E4M3 -> f32, M x N x K" if op == "gemm_amax"
+            else "gemm_proj_rope_mxfp8, w (H*192, K)")
+
+
+def header_lines(record: dict[str, Any]) -> list[str]:
+    """Device, versions and method: the first lines of the table and the chart's title."""
+    env, method = record["environment"], record["method"]
+    return [f"jax_blockgemm benchmark, {record['date']}: {env['device']} ({env['platform']}), jax {env['jax']}, "
+            f"jaxlib {env['jaxlib']}, CuTeDSL {env['cutedsl']}, Python {env['python']}",
+            f"median of {method['reps']} calls after {method['warmup']} warm-up, {method['sets']} input sets rotated; "
+            "TFLOP/s counts the GEMM's 2*M*N*K; speedup = baseline ms / column ms"]
+
+
+def _cell(entry: dict[str, Any], field: str, fmt: str) -> str:
+    """A table cell: the formatted number, "n/a" for a column that did not run, "-" for a number it does not have."""
+    if "ms" not in entry:
+        return "n/a"
+    return format(entry[field], fmt) if field in entry else "-"
+
+
+def format_table(record: dict[str, Any]) -> str:
+    """The aligned text table: per op, one block of rows per case (ms, TFLOP/s, check, a speedup row per baseline)."""
+    lines = header_lines(record)
+    for op in OPS:
+        cases = [c for c in record["cases"] if c["op"] == op]
+        if not cases:
+            continue
+        labels = _labels(op)
+        rows = [[_title(op), "", *labels.values()]]
+        for case in cases:
+            cols = [case["columns"][key] for key in labels]
+            rows.append([case["case"], "ms", *(_cell(c, "ms", ".4g") for c in cols)])
+            rows.append(["", "TFLOP/s", *(_cell(c, "tflops", ".4g") for c in cols)])
+            check, fmt = CHECKS[op]
+            rows.append(["", check, *(_cell(c, "check", fmt) for c in cols)])
+            for base in BASELINES[op]:
+                ratios = case["ratios"][f"vs_{base}"]
+                rows.append(["", f"speedup vs {labels[base]}",
+                             *("n/a" if ratios[key] is None else f"{ratios[key]:.3g}x" for key in labels)])
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines.append("")
+        for row in rows:
+            lines.append("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
+                                   for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
+        reasons = {(labels[key], entry["na"]) for case in cases for key, entry in case["columns"].items()
+                   if "na" in entry}
+        lines += [f"  n/a {label}: {reason}" for label, reason in sorted(reasons)]
+        if op == "gemm_amax":
+            lines.append("  ours and the reference take scales in the 128x4 atom (converted before timing); "
+                         "scaled_matmul and scaled_dot take compact float8_e8m0fnu scales; fp8 dot: codes without "
+                         "scales; bf16 dot: the dequantized operands")
+        if op == "proj_rope":
+            lines.append("  bare bf16 dot: x . w^T -> bf16, the faster weight layout; scaled_matmul pipeline: MXFP8 "
+                         "in on both paths")
+    if "launch" in record:
+        lines += format_launch(record["launch"])
+    return "\n".join(lines)
+
+
+def write_png(record: dict[str, Any], path: str) -> None:
+    """A bar chart of TFLOP/s per case and column (matplotlib, imported here: the `bench` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError as e:
+        raise SystemExit(f"--png needs matplotlib: pip install 'jax_blockgemm[bench]' ({e}).")
+    ops = [op for op in OPS if any(c["op"] == op for c in record["cases"])]
+    fig, axes = plt.subplots(len(ops), 1, figsize=(11, 4.2 * len(ops)), squeeze=False)
+    for ax, op in zip(axes[:, 0], ops):
+        cases = [c for c in record["cases"] if c["op"] == op]
+        labels = _labels(op)
+        width = 0.8 / len(labels)
+        handles = []
+        for j, (key, label) in enumerate(labels.items()):
+            timed = [(i, c["columns"][key]["tflops"]) for i, c in enumerate(cases) if "ms" in c["columns"][key]]
+            xs = [i + (j - (len(labels) - 1) / 2) * width for i, _ in timed]
+            ax.bar(xs, [y for _, y in timed], width, color=f"C{j}")
+            handles.append(Patch(color=f"C{j}", label=label if timed else f"{label} (n/a)"))
+        ax.set_xticks(range(len(cases)))
+        ax.set_xticklabels([c["case"] for c in cases], fontsize=8)
+        ax.set_ylabel("TFLOP/s (GEMM flops)")
+        ax.set_title(_title(op), fontsize=10)
+        ax.set_ylim(top=1.3 * ax.get_ylim()[1])  # room for the legend
+        ax.legend(handles=handles, fontsize=7, ncol=4, loc="upper left")
+    fig.suptitle("\n".join(header_lines(record)), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """--shape M,N,K: three positive integers, K a multiple of 32 (the MXFP8 block), 16-byte aligned rows."""
+    parts = text.split(",")
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        m, n, k = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected M,N,K (three integers separated by commas); got {text!r}.")
+    if min(m, n, k) < 1:
+        raise argparse.ArgumentTypeError(f"M, N and K must be positive; got {text!r}.")
+    if k % support.MX_BLOCK:
+        raise argparse.ArgumentTypeError(f"K must be a multiple of {support.MX_BLOCK} (the MXFP8 block, which every "
+                                         f"baseline needs whole); got K={k}.")
+    try:
+        support.check_alignment(ab_dtype=formats.E4M3, c_dtype=jnp.float32, m=m, n=n, k=k, a_major="k",
+                                b_major="k", c_major="n")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}")
+    return m, n, k
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}; got {text!r}.")
+        return value
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jax_blockgemm.bench", description=__doc__.split("\n\n")[0],
+                                epilog="Without options: the SPEC §8 cases of both operations.")
+    p.add_argument("--shape", type=parse_shape, action="append", default=[], metavar="M,N,K",
+                   help="a gemm_amax shape to run instead of the SPEC §8 ones (repeatable)")
+    p.add_argument("--op", choices=OPS, action="append", default=[], help="run only this operation (repeatable)")
+    p.add_argument("--small", action="store_true", help="a tiny twin of every case (runs on a CPU in seconds)")
+    p.add_argument("--reps", type=_count(1), default=20, help="timed calls per column (the median is reported)")
+    p.add_argument("--warmup", type=_count(0), default=3, help="untimed calls per column before timing")
+    p.add_argument("--sets", type=_count(1), default=2, help="input sets drawn per case and rotated between calls")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--launch", action="store_true",
+                   help="also measure launch costs: first-call latency in fresh processes, per-call overhead")
+    p.add_argument("--json", metavar="PATH", help="write the raw numbers here")
+    p.add_argument("--png", metavar="PATH", help="write a bar chart here (needs matplotlib)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Runs the benchmark; prints progress to stderr and the table to stdout; returns the record."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser().parse_args(argv)
+    cases = build_cases(ops=args.op or OPS, shapes=args.shape, small=args.small)
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "command": " ".join(["python -m jax_blockgemm.bench", *argv]), "environment": environment(),
+              "method": {"reps": args.reps, "warmup": args.warmup, "sets": args.sets, "seed": args.seed,
+                         "timing": "median wall time of jitted calls, each ended by block_until_ready"},
+              "cases": []}
+    key = jax.random.key(args.seed)
+    for i, (case, case_key) in enumerate(zip(cases, jax.random.split(key, len(cases)))):
+        start = time.perf_counter()
+        sys.stderr.write(f"[{i + 1}/{len(cases)}] {case.op} {case.name}:")
+        sys.stderr.flush()
+        record["cases"].append(run_case(case, case_key, sets=args.sets, warmup=args.warmup, reps=args.reps,
+                                        progress=sys.stderr))
+        sys.stderr.write(f" done in {time.perf_counter() - start:.1f} s\n")
+        sys.stderr.flush()
+    if args.launch:
+        sys.stderr.write("launch costs (fresh processes) ...\n")
+        record["launch"] = launch_costs()
+    print(format_table(record))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+    if args.png:
+        write_png(record, args.png)
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Worked examples shared by the notebooks, the tests and the benchmarks (they need the `test` extra's packages)."""

@@ -1,0 +1,89 @@
+"""Epilogue math every architecture shares: RoPE on accumulator values, block amax across lanes, E8M0 scales and
+E4M3 codes (SPEC §2, §5). Plain `@cute.jit` functions on fp32 registers, so a Hopper kernel (wgmma fragments) and a
+Blackwell kernel (tensor-memory loads) call the same code and only their accumulator access differs.
+
+Amaxes travel as the integer bits of |x| (`common.abs_bits`): non-negative floats order like integers and every
+NaN beats +inf, so an integer max is a NaN-propagating float max.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from jax_blockgemm import formats
+
+F32_INF_BITS = 0x7F800000  # |x| bits at or above this: inf or NaN
+E8M0_NAN = 0xFF
+_E4M3_EMAX_EXP, _E4M3_EMAX_MAN = formats.float32_exponent_mantissa(formats.emax(formats.E4M3))
+
+
+@cute.jit
+def rope_pair(p_even: cutlass.Float32, p_odd: cutlass.Float32, cos_lo: cutlass.Float32, sin_lo: cutlass.Float32,
+              cos_hi: cutlass.Float32, sin_hi: cutlass.Float32):
+    """SPEC §5 RoPE of one interleaved pair (p[2j], p[2j+1]) -> (out[128+j], out[160+j]), all in fp32.
+
+    cos_lo/sin_lo are cos[t, j]/sin[t, j]; cos_hi/sin_hi are cos[t, 32+j]/sin[t, 32+j].
+    """
+    return p_even * cos_lo - p_odd * sin_lo, p_odd * cos_hi + p_even * sin_hi
+
+
+@cute.jit
+def lane_max(bits: cutlass.Int32, first_lane_bit: cutlass.Constexpr[int],
+             num_lane_bits: cutlass.Constexpr[int]) -> cutlass.Int32:
+    """Max of `bits` over the lanes that differ only in lane-index bits [first, first + num): butterfly shuffles.
+
+    (0, 2) reduces over the 4 lanes of a quad (one wgmma accumulator row); (2, 3) over the 8 quads of a warp (one
+    accumulator column's 8 rows).
+    """
+    for i in cutlass.range_constexpr(num_lane_bits):
+        bits = cutlass.max(bits, cute.arch.shuffle_sync_bfly(bits, offset=1 << (first_lane_bit + i)))
+    return bits
+
+
+@cute.jit
+def e8m0_scale(amax_bits: cutlass.Int32):
+    """E8M0 byte of a block whose max |x| has bits `amax_bits` (SPEC §2, E4M3 codes), and the factor to multiply by.
+
+    Returns (byte, inv, bad): byte = ceil(log2(amax/448)) + 127 clamped to [0, 254] (0 for zero and subnormal amax;
+    the rule of `formats.scale_exponent`, computed on the bits, no log2), 0xFF when the block holds NaN or inf
+    (`bad`, whose codes must be zero); inv = 2^-e as fp32 (2^127 for byte 0, never subnormal: a finite fp32 amax gives
+    e <= 120).
+    """
+    biased = amax_bits >> 23
+    byte = biased - _E4M3_EMAX_EXP + cutlass.Int32((amax_bits & 0x7FFFFF) > _E4M3_EMAX_MAN)
+    byte = cutlass.min(cutlass.max(byte, 0), 254)
+    bad = amax_bits >= F32_INF_BITS
+    inv = _f32_from_bits((254 - byte) << 23)
+    if bad:
+        byte = cutlass.Int32(E8M0_NAN)
+    return byte, inv, bad
+
+
+@dsl_user_op
+def _f32_from_bits(bits: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Float32:
+    return cutlass.Float32(llvm.bitcast(T.f32(), cutlass.Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def e4m3x2(lo: cutlass.Float32, hi: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
+    """Two E4M3 codes (round-to-nearest-even, saturated to +-448, NaN kept) as the 16-bit value hi << 8 | lo."""
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(),
+        [cutlass.Float32(hi).ir_value(loc=loc, ip=ip), cutlass.Float32(lo).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $2; cvt.u32.u16 $0, t; }",
+        "=r,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def quantize_pair(lo: cutlass.Float32, hi: cutlass.Float32, inv_lo: cutlass.Float32, inv_hi: cutlass.Float32,
+                  bad_lo: cutlass.Boolean, bad_hi: cutlass.Boolean) -> cutlass.Int32:
+    """E4M3 codes of lo·inv_lo and hi·inv_hi as hi << 8 | lo; a value of a NaN/inf block gets code 0 (SPEC §2)."""
+    codes = e4m3x2(lo * inv_lo, hi * inv_hi)
+    if bad_lo:
+        codes = codes & 0xFF00
+    if bad_hi:
+        codes = codes & 0x00FF
+    return codes

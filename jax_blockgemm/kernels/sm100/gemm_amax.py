@@ -1,0 +1,463 @@
+"""Blackwell (sm_100a) block-scaled gemm_amax: TMA, tcgen05 block-scaled MMA, persistent tiles, fused amax.
+
+COMPILED AND CHECKED HERE, NEVER RUN: no Blackwell GPU was available when this was written. The structure follows
+the kernels NVIDIA runs on B200 (CUTLASS's CuTeDSL `dense_blockscaled_gemm_persistent*.py`, cuDNN frontend's
+`gemm_amax`), so the hardware testing of those carries over as far as the structure does; the first-use self-check
+(`jax_blockgemm.selfcheck`) runs it against the reference before the library trusts it on a GPU.
+
+Unlike Hopper, the tensor cores apply the block scales themselves (`tcgen05.mma...block_scale`: kind mxf8f6f4
+with one E8M0 scale per 32 K-elements for MXFP8; kind mxf4nvf4 for MXFP4 (E8M0, block 32) and NVFP4 (E4M3 or
+E8M0, block 16)), reading them from tensor memory; the scale atoms of SPEC §3 are exactly the layout that MMA
+expects, so TMA copies them unchanged into shared memory and `tcgen05.cp` moves them on to tensor memory.
+The FP4 variants are compiled and checked but not yet reachable from JAX: the FFI handler takes FP8 codes and
+E8M0 scale bytes only, and the ABI has no alpha (dispatch never selects them; see kernels/catalog.py).
+Warp roles (one CTA of 6 warps per SM, persistent over output tiles):
+
+- `producer` (warp 5): TMA loads of A, B, SFA, SFB k-tiles into a ring of shared-memory stages (mbarriers),
+  multicast across the cluster;
+- `mma` (warp 4): scales to tensor memory, then the block-scaled MMAs into a tensor-memory accumulator, one
+  accumulator stage per tile in flight (two when they fit, so the epilogue of tile i overlaps the MMAs of i+1);
+- `epilogue` (warps 0-3): tensor memory -> registers (tcgen05.ld), fp32 amax, conversion to C's dtype and a
+  predicated store of every in-bounds element (any M, N), then one integer atomic max per tile into amax[l]
+  through the helper the Hopper kernel uses (kernels/common.py).
+
+The exported ABI is the catalog's: fn(a, b, sfa, sfb, c, amax, m, n, k, l, stream) over flat buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Type
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.blackwell_helpers as sm100_utils
+import cutlass.utils.blockscaled_layout as blockscaled_utils
+from cutlass.cute.nvgpu import cpasync, tcgen05
+
+from jax_blockgemm.kernels import common
+from jax_blockgemm.kernels.sm100 import SUPPORTED_CLUSTERS_MN, SUPPORTED_TILES_MN
+
+_AB_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,
+              "float4_e2m1fn": cutlass.Float4E2M1FN}
+_C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
+_SF_DTYPES = {"float8_e8m0fnu": cutlass.Float8E8M0FNU, "float8_e4m3fn": cutlass.Float8E4M3FN}
+# The persistent grid is sized for a B200 (148 SMs) at compile time, since the ABI carries no device facts. On
+# a GPU with fewer SMs the extra CTAs simply wait for a free SM: tiles are independent, so results do not change.
+SM_COUNT = 148
+SMEM_CAPACITY = 232448  # bytes of shared memory per CTA on sm_100 (227 KiB)
+TMEM_COLUMNS = 512  # tensor-memory columns per SM (128 lanes x 512 x 32 bit)
+
+
+def scale_layout(shape_mkl: tuple, sf_vec_size: int) -> cute.Layout:
+    """The layout the block-scaled MMA reads scales through, over the SPEC §3 atom buffer (mn, k, l) -> byte.
+
+    ((32, 4, MN'), ((sf_vec_size, 4), K'), L) with strides ((16, 4, 512·K'), ((0, 1), 512), 512·MN'·K'): exactly
+    the physical atom of SPEC §3 (tests/test_kernel_compile.py checks it against `common.atom_byte_offset`).
+    """
+    return blockscaled_utils.tile_atom_to_shape_SF(shape_mkl, sf_vec_size)
+
+
+class BlackwellBlockScaledGemmAmax:
+    """C = (A·sfa) (B·sfb)^T per batch, amax[l] = max|C[l]|, for MXFP8/MXFP4/NVFP4 K-major operands on sm_100a.
+
+    Compile-time configuration only; every size is a run-time scalar of the exported function.
+    """
+
+    def __init__(self, *, ab_dtype: str = "float8_e4m3fn", c_dtype: str = "float32",
+                 tile_mn: tuple[int, int] = (128, 128), cluster_mn: tuple[int, int] = (1, 1),
+                 sf_vec_size: int = 32, sf_dtype: str = "float8_e8m0fnu"):
+        if ab_dtype not in _AB_DTYPES:
+            raise ValueError(f"ab_dtype={ab_dtype!r} is not supported; expected one of {sorted(_AB_DTYPES)}")
+        if c_dtype not in _C_DTYPES:
+            raise ValueError(f"c_dtype={c_dtype!r} is not supported; expected one of {sorted(_C_DTYPES)}")
+        if tuple(tile_mn) not in SUPPORTED_TILES_MN:
+            raise ValueError(f"tile_mn={tile_mn!r} is not supported; expected one of {SUPPORTED_TILES_MN}")
+        if tuple(cluster_mn) not in SUPPORTED_CLUSTERS_MN:
+            raise ValueError(f"cluster_mn={cluster_mn!r} is not supported; expected one of {SUPPORTED_CLUSTERS_MN}")
+        # The seed's couplings: FP8 codes take block 32 (E8M0); E4M3 scales take block 16 (NVFP4, FP4 codes only).
+        fp8 = ab_dtype != "float4_e2m1fn"
+        allowed = ((32, "float8_e8m0fnu"),) if fp8 else ((32, "float8_e8m0fnu"), (16, "float8_e8m0fnu"),
+                                                         (16, "float8_e4m3fn"))
+        if (sf_vec_size, sf_dtype) not in allowed:
+            raise ValueError(f"sf_vec_size={sf_vec_size!r} with sf_dtype={sf_dtype!r} is not supported for "
+                             f"ab_dtype={ab_dtype!r}; expected one of {allowed}")
+        if sf_vec_size == 16 and tuple(tile_mn) == (128, 256):
+            raise ValueError("tile_mn=(128, 256) with sf_vec_size=16 is disabled in the seed for float32/bfloat16 "
+                             f"C; expected {SUPPORTED_TILES_MN[0]}")
+        self.ab_dtype: Type[cutlass.Numeric] = _AB_DTYPES[ab_dtype]
+        self.c_dtype: Type[cutlass.Numeric] = _C_DTYPES[c_dtype]
+        self.sf_dtype: Type[cutlass.Numeric] = _SF_DTYPES[sf_dtype]
+        self.acc_dtype = cutlass.Float32
+        self.sf_vec_size = sf_vec_size
+        self.k_align = 16 if fp8 else 32  # elements per 16 bytes: TMA rows must be 16-byte multiples
+        self.tile_mn = tuple(tile_mn)
+        self.cluster_mn = tuple(cluster_mn)
+        self.cta_group = tcgen05.CtaGroup.ONE
+        self.a_major = cute.nvgpu.OperandMajorMode.K
+        self.b_major = cute.nvgpu.OperandMajorMode.K
+        self.c_layout = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
+        # Warp roles.
+        self.epilogue_warps = (0, 1, 2, 3)
+        self.mma_warp = 4
+        self.producer_warp = 5
+        self.threads_per_cta = 32 * (len(self.epilogue_warps) + 2)
+        self.epilogue_threads = 32 * len(self.epilogue_warps)
+        self.epilogue_barrier_id = 1
+        self.tmem_alloc_barrier = pipeline.NamedBarrier(barrier_id=2, num_threads=self.epilogue_threads + 32)
+        # One accumulator stage holds a TILE_N-column fp32 tile; two fit beside the scales when TILE_N is 128.
+        self.acc_stages = 2 if self.tile_mn[1] == 128 else 1
+        self.tmem_columns_allocated = TMEM_COLUMNS  # the whole of tensor memory: one CTA per SM
+        self.buffer_align_bytes = 1024
+
+    def can_implement(self, m: int, n: int, k: int, l: int) -> tuple[bool, str]:
+        """Whether the kernel handles these sizes, and why not (the caller checks before launching)."""
+        if min(m, n, k, l) < 1:
+            return False, f"every size must be >= 1, got m={m}, n={n}, k={k}, l={l}"
+        if k % self.k_align:
+            return False, f"k must be a multiple of {self.k_align} (16-byte rows for TMA), got k={k}"
+        if l * max(m, n) * k >= 2**31 or l * m * n >= 2**31:
+            return False, f"operands must hold fewer than 2**31 elements, got m={m}, n={n}, k={k}, l={l}"
+        return True, ""
+
+    # ------------------------------------------------------------------------------------------ set-up
+    def _setup(self):
+        """Derive the MMA, tile, cluster, stage and shared-memory layout facts (trace time, plain Python)."""
+        self.tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
+            self.ab_dtype, self.a_major, self.b_major, self.sf_dtype, self.sf_vec_size, self.cta_group,
+            self.tile_mn)
+        mma_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])  # 32 for FP8, 64 for FP4
+        self.mma_tiler = (*self.tile_mn, 4 * mma_k)  # one k-tile = 4 MMAs = 1 (FP8) to 4 (NVFP4) atoms along K
+        self.cta_tile_mnk = self.mma_tiler  # one CTA per MMA (no two-CTA instructions)
+        self.cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster_mn, 1)),
+                                                     (self.tiled_mma.thr_id.shape,))
+        self.mcast_ctas_a = self.cluster_mn[1]  # A is shared by the CTAs of one cluster row (same M tile)
+        self.mcast_ctas_b = self.cluster_mn[0]
+        self.epi_tile = sm100_utils.compute_epilogue_tile_shape(
+            self.cta_tile_mnk, False, self.c_layout, self.c_dtype)
+        self.ab_stages = self._ab_stages()
+        self.a_smem_staged = sm100_utils.make_smem_layout_a(
+            self.tiled_mma, self.mma_tiler, self.ab_dtype, self.ab_stages)
+        self.b_smem_staged = sm100_utils.make_smem_layout_b(
+            self.tiled_mma, self.mma_tiler, self.ab_dtype, self.ab_stages)
+        self.sfa_smem_staged = blockscaled_utils.make_smem_layout_sfa(
+            self.tiled_mma, self.mma_tiler, self.sf_vec_size, self.ab_stages)
+        self.sfb_smem_staged = blockscaled_utils.make_smem_layout_sfb(
+            self.tiled_mma, self.mma_tiler, self.sf_vec_size, self.ab_stages)
+
+    def stage_bytes(self) -> int:
+        """Shared-memory bytes of one A/B/SFA/SFB stage."""
+        one = [sm100_utils.make_smem_layout_a(self.tiled_mma, self.mma_tiler, self.ab_dtype, 1),
+               sm100_utils.make_smem_layout_b(self.tiled_mma, self.mma_tiler, self.ab_dtype, 1)]
+        sfs = [blockscaled_utils.make_smem_layout_sfa(self.tiled_mma, self.mma_tiler, self.sf_vec_size, 1),
+               blockscaled_utils.make_smem_layout_sfb(self.tiled_mma, self.mma_tiler, self.sf_vec_size, 1)]
+        return (sum(cute.size_in_bytes(self.ab_dtype, x) for x in one)
+                + sum(cute.size_in_bytes(self.sf_dtype, x) for x in sfs))
+
+    def _ab_stages(self) -> int:
+        """As many stages as fit beside the barriers and the amax slots (no C staging: C goes out from registers)."""
+        reserved = 1024 + self.buffer_align_bytes  # mbarriers, tmem pointer, amax slots; alignment slack
+        return min(8, (SMEM_CAPACITY - reserved) // self.stage_bytes())
+
+    # ------------------------------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, c: cute.Tensor,
+                 amax: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32,
+                 stream: cuda.CUstream):
+        """Host side: (M, K, L)-shaped views of the flat buffers, the TMA atoms, the persistent grid; launch."""
+        self._setup()
+        k16 = cute.assume(k, divby=self.k_align)
+        mA = cute.make_tensor(a.iterator, cute.make_layout((m, k16, l), stride=(k16, 1, m * k16)))
+        mB = cute.make_tensor(b.iterator, cute.make_layout((n, k16, l), stride=(k16, 1, n * k16)))
+        mC = cute.make_tensor(c.iterator, cute.make_layout((m, n, l), stride=(n, 1, m * n)))
+        # The SPEC §3 atom buffer is the layout the block-scaled MMA reads: ((32,4,M'),(32,4,K'),L) over bytes.
+        mSFA = cute.make_tensor(cute.recast_ptr(sfa.iterator, dtype=self.sf_dtype),
+                                scale_layout(mA.shape, self.sf_vec_size))
+        mSFB = cute.make_tensor(cute.recast_ptr(sfb.iterator, dtype=self.sf_dtype),
+                                scale_layout(mB.shape, self.sf_vec_size))
+
+        cluster_shape = self.cluster_layout_vmnk.shape
+        a_op = sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_mn, self.tiled_mma.thr_id)
+        b_op = sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_mn, self.tiled_mma.thr_id)
+        a_one = cute.slice_(self.a_smem_staged, (None, None, None, 0))
+        b_one = cute.slice_(self.b_smem_staged, (None, None, None, 0))
+        sfa_one = cute.slice_(self.sfa_smem_staged, (None, None, None, 0))
+        sfb_one = cute.slice_(self.sfb_smem_staged, (None, None, None, 0))
+        tma_atom_a, tma_a = cute.nvgpu.make_tiled_tma_atom_A(
+            a_op, mA, a_one, self.mma_tiler, self.tiled_mma, cluster_shape)
+        tma_atom_b, tma_b = cute.nvgpu.make_tiled_tma_atom_B(
+            b_op, mB, b_one, self.mma_tiler, self.tiled_mma, cluster_shape)
+        # Scale bytes travel as 16-bit TMA elements (the atom rows are 4 bytes; a byte element is too narrow).
+        tma_atom_sfa, tma_sfa = cute.nvgpu.make_tiled_tma_atom_A(
+            a_op, mSFA, sfa_one, self.mma_tiler, self.tiled_mma, cluster_shape, internal_type=cutlass.Int16)
+        sfb_op = sm100_utils.cluster_shape_to_tma_atom_SFB(self.cluster_mn, self.tiled_mma.thr_id)
+        tma_atom_sfb, tma_sfb = cute.nvgpu.make_tiled_tma_atom_B(
+            sfb_op, mSFB, sfb_one, self.mma_tiler, self.tiled_mma, cluster_shape, internal_type=cutlass.Int16)
+        self.tma_bytes = (cute.size_in_bytes(self.ab_dtype, a_one) + cute.size_in_bytes(self.ab_dtype, b_one)
+                          + cute.size_in_bytes(self.sf_dtype, sfa_one) + cute.size_in_bytes(self.sf_dtype, sfb_one))
+
+        tiles_mnl = cute.ceil_div(mC.shape, (self.cta_tile_mnk[0], self.cta_tile_mnk[1], 1))
+        sched_params = utils.PersistentTileSchedulerParams(tiles_mnl, (*self.cluster_mn, 1))
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(
+            sched_params, SM_COUNT // (self.cluster_mn[0] * self.cluster_mn[1]))
+
+        @cute.struct
+        class SharedStorage:
+            ab_full: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
+            ab_empty: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
+            acc_full: cute.struct.MemRange[cutlass.Int64, self.acc_stages]
+            acc_empty: cute.struct.MemRange[cutlass.Int64, self.acc_stages]
+            tmem_holding: cutlass.Int32
+            warp_amax: cute.struct.MemRange[cutlass.Int32, len(self.epilogue_warps)]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged.outer)],
+                                  self.buffer_align_bytes]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged.outer)],
+                                  self.buffer_align_bytes]
+            sSFA: cute.struct.Align[cute.struct.MemRange[self.sf_dtype, cute.cosize(self.sfa_smem_staged)],
+                                    self.buffer_align_bytes]
+            sSFB: cute.struct.Align[cute.struct.MemRange[self.sf_dtype, cute.cosize(self.sfb_smem_staged)],
+                                    self.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()  # dynamic shared memory per CTA (reported by precompile)
+        self.kernel(self.tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sfa, tma_sfa, tma_atom_sfb,
+                    tma_sfb, mC, amax, self.cluster_layout_vmnk, self.a_smem_staged, self.b_smem_staged,
+                    self.sfa_smem_staged, self.sfb_smem_staged, self.epi_tile, sched_params).launch(
+            grid=grid, block=(self.threads_per_cta, 1, 1), cluster=(*self.cluster_mn, 1), min_blocks_per_mp=1,
+            stream=stream)
+
+    # ------------------------------------------------------------------------------------------ device
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor,
+               tma_atom_b: cute.CopyAtom, mB_nkl: cute.Tensor, tma_atom_sfa: cute.CopyAtom, mSFA_mkl: cute.Tensor,
+               tma_atom_sfb: cute.CopyAtom, mSFB_nkl: cute.Tensor, mC_mnl: cute.Tensor, amax: cute.Tensor,
+               cluster_layout_vmnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
+               b_smem_staged: cute.ComposedLayout, sfa_smem_staged: cute.Layout, sfb_smem_staged: cute.Layout,
+               epi_tile: cute.Tile, sched_params: utils.PersistentTileSchedulerParams):
+        """Device body: warp 5 produces (TMA), warp 4 issues the MMAs, warps 0-3 run the epilogue."""
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == self.producer_warp:
+            for atom in (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb):
+                cpasync.prefetch_descriptor(atom)
+
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cta_coord_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        # A stage is free again once every CTA that multicasts into it has seen its MMAs finish.
+        ab_pipeline = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_full.data_ptr(), num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.mcast_ctas_a + self.mcast_ctas_b - 1),
+            tx_count=self.tma_bytes, cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
+        acc_pipeline = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_full.data_ptr(), num_stages=self.acc_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, len(self.epilogue_warps)),
+            cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
+        tmem = cutlass.memory.TmemAllocator(storage.tmem_holding.ptr, barrier_for_retrieve=self.tmem_alloc_barrier,
+                                            allocator_warp_id=self.epilogue_warps[0])
+        pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        sSFA = storage.sSFA.get_tensor(sfa_smem_staged)
+        sSFB = storage.sSFB.get_tensor(sfb_smem_staged)
+
+        # Global tiles: (bM, bK, RestM, RestK, L) and friends, partitioned the MMA's way.
+        tiler_mk = cute.slice_(self.mma_tiler, (None, 0, None))
+        tiler_nk = cute.slice_(self.mma_tiler, (0, None, None))
+        thr_mma = tiled_mma.get_slice(0)
+        tCgA = thr_mma.partition_A(cute.local_tile(mA_mkl, tiler_mk, (None, None, None)))
+        tCgB = thr_mma.partition_B(cute.local_tile(mB_nkl, tiler_nk, (None, None, None)))
+        tCgSFA = thr_mma.partition_A(cute.local_tile(mSFA_mkl, tiler_mk, (None, None, None)))
+        tCgSFB = thr_mma.partition_B(cute.local_tile(mSFB_nkl, tiler_nk, (None, None, None)))
+        k_tiles = cute.size(tCgA, mode=[4])
+
+        # TMA partitions: A and SFA multicast along the cluster's N side, B and SFB along its M side.
+        a_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape)
+        b_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape)
+        tAsA, tAgA = cpasync.tma_partition(tma_atom_a, cta_coord_vmnk[2], a_cta_layout,
+                                           cute.group_modes(sA, 0, 3), cute.group_modes(tCgA, 0, 3))
+        tBsB, tBgB = cpasync.tma_partition(tma_atom_b, cta_coord_vmnk[1], b_cta_layout,
+                                           cute.group_modes(sB, 0, 3), cute.group_modes(tCgB, 0, 3))
+        tAsSFA, tAgSFA = cpasync.tma_partition(tma_atom_sfa, cta_coord_vmnk[2], a_cta_layout,
+                                               cute.group_modes(sSFA, 0, 3), cute.group_modes(tCgSFA, 0, 3))
+        tBsSFB, tBgSFB = cpasync.tma_partition(tma_atom_sfb, cta_coord_vmnk[1], b_cta_layout,
+                                               cute.group_modes(sSFB, 0, 3), cute.group_modes(tCgSFB, 0, 3))
+        tAsSFA, tAgSFA = cute.filter_zeros(tAsSFA), cute.filter_zeros(tAgSFA)
+        tBsSFB, tBgSFB = cute.filter_zeros(tBsSFB), cute.filter_zeros(tBgSFB)
+
+        tCrA = tiled_mma.make_fragment_A(sA)  # (MMA, MMA_M, MMA_K, STAGE) smem descriptors
+        tCrB = tiled_mma.make_fragment_B(sB)
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.acc_stages))
+
+        # Tensor-memory columns: the accumulator stages, then one k-tile of SFA and of SFB (static counts).
+        sfa_tmem_layout = blockscaled_utils.make_tmem_layout_sfa(
+            tiled_mma, self.mma_tiler, self.sf_vec_size, cute.slice_(sfa_smem_staged, (None, None, None, 0)))
+        sfb_tmem_layout = blockscaled_utils.make_tmem_layout_sfb(
+            tiled_mma, self.mma_tiler, self.sf_vec_size, cute.slice_(sfb_smem_staged, (None, None, None, 0)))
+        sf_fake_ptr = cute.recast_ptr(tCtAcc_fake.iterator, dtype=self.sf_dtype)
+        acc_cols = tcgen05.find_tmem_tensor_col_offset(tCtAcc_fake)
+        sfa_cols = tcgen05.find_tmem_tensor_col_offset(cute.make_tensor(sf_fake_ptr, sfa_tmem_layout))
+        sfb_cols = tcgen05.find_tmem_tensor_col_offset(cute.make_tensor(sf_fake_ptr, sfb_tmem_layout))
+        self.tmem_columns_used = acc_cols + sfa_cols + sfb_cols  # reported by precompile; TMEM_COLUMNS allocated
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
+
+        if warp_idx == self.producer_warp:
+            # ------------------------------------------------------------------------------ producer
+            mcast = self.mcast_ctas_a > 1 or self.mcast_ctas_b > 1
+            a_mask = b_mask = None
+            if cutlass.const_expr(mcast):
+                a_mask = cpasync.create_tma_multicast_mask(cluster_layout_vmnk, cta_coord_vmnk, mcast_mode=2)
+                b_mask = cpasync.create_tma_multicast_mask(cluster_layout_vmnk, cta_coord_vmnk, mcast_mode=1)
+            sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
+                                                               cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+            while work.is_valid_tile:
+                tile_m, tile_n, batch = work.tile_idx
+                gA = tAgA[(None, tile_m, None, batch)]
+                gB = tBgB[(None, tile_n, None, batch)]
+                gSFA = tAgSFA[(None, tile_m, None, batch)]
+                gSFB = tBgSFB[(None, tile_n, None, batch)]
+                for kt in cutlass.range(0, k_tiles, 1, unroll=1):
+                    ab_pipeline.producer_acquire(state)
+                    bar = ab_pipeline.producer_get_barrier(state)
+                    cute.copy(tma_atom_a, gA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar,
+                              mcast_mask=a_mask)
+                    cute.copy(tma_atom_b, gB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar,
+                              mcast_mask=b_mask)
+                    cute.copy(tma_atom_sfa, gSFA[(None, kt)], tAsSFA[(None, state.index)], tma_bar_ptr=bar,
+                              mcast_mask=a_mask)
+                    cute.copy(tma_atom_sfb, gSFB[(None, kt)], tBsSFB[(None, state.index)], tma_bar_ptr=bar,
+                              mcast_mask=b_mask)
+                    state.advance()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            ab_pipeline.producer_tail(state)
+
+        if warp_idx == self.mma_warp:
+            # ------------------------------------------------------------------------------ mma
+            tmem.wait_for_alloc()
+            acc_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
+            # Scale factors live in tensor memory right after the accumulator stages: SFA, then SFB.
+            tCtSFA = cute.make_tensor(cute.recast_ptr(acc_ptr + acc_cols, dtype=self.sf_dtype), sfa_tmem_layout)
+            tCtSFB = cute.make_tensor(cute.recast_ptr(acc_ptr + acc_cols + sfa_cols, dtype=self.sf_dtype),
+                                      sfb_tmem_layout)
+            s2t_sfa, tCsSFA_s2t, tCtSFA_s2t = self._scale_copy_to_tmem(sSFA, tCtSFA)
+            s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self._scale_copy_to_tmem(sSFB, tCtSFB)
+            num_kblocks = cute.size(tCrA, mode=[2])
+
+            sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
+                                                               cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
+            ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.acc_stages)
+            while work.is_valid_tile:
+                tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
+                acc_pipeline.producer_acquire(acc_state)
+                tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+                for kt in cutlass.range(0, k_tiles, 1, unroll=1):
+                    ab_pipeline.consumer_wait(ab_state)
+                    cute.copy(s2t_sfa, tCsSFA_s2t[(None, None, None, None, ab_state.index)], tCtSFA_s2t)
+                    cute.copy(s2t_sfb, tCsSFB_s2t[(None, None, None, None, ab_state.index)], tCtSFB_s2t)
+                    for kb in cutlass.range(num_kblocks, unroll_full=True):
+                        tiled_mma.set(tcgen05.Field.SFA, tCtSFA[(None, None, kb)].iterator)
+                        tiled_mma.set(tcgen05.Field.SFB, tCtSFB[(None, None, kb)].iterator)
+                        cute.gemm(tiled_mma, tCtAcc, tCrA[(None, None, kb, ab_state.index)],
+                                  tCrB[(None, None, kb, ab_state.index)], tCtAcc)
+                        tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                    ab_pipeline.consumer_release(ab_state)  # tcgen05.commit: frees the stage when the MMAs end
+                    ab_state.advance()
+                acc_pipeline.producer_commit(acc_state)
+                acc_state.advance()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            acc_pipeline.producer_tail(acc_state)
+
+        if warp_idx < self.mma_warp:
+            # ------------------------------------------------------------------------------ epilogue
+            tmem.allocate(self.tmem_columns_allocated)
+            tmem.wait_for_alloc()
+            acc_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
+            self._epilogue(tiled_mma, epi_tile, tidx, tCtAcc_base, mC_mnl, amax, storage, acc_pipeline, sched_params)
+            tmem.relinquish_alloc_permit()
+            cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.epilogue_threads)
+            tmem.free(acc_ptr)
+
+    def _scale_copy_to_tmem(self, sSF: cute.Tensor, tSF: cute.Tensor):
+        """The tcgen05.cp (4x32x128b) copy of staged scales in shared memory to their tensor-memory tensor."""
+        tCsSF = cute.filter_zeros(sSF)  # (MMA, MMA_MN, MMA_K, STAGE)
+        tCtSF = cute.filter_zeros(tSF)  # (MMA, MMA_MN, MMA_K)
+        s2t = tcgen05.make_s2t_copy(cute.make_copy_atom(tcgen05.Cp4x32x128bOp(self.cta_group), self.sf_dtype), tCtSF)
+        thr = s2t.get_slice(0)
+        src = tcgen05.get_s2t_smem_desc_tensor(s2t, thr.partition_S(tCsSF))
+        return s2t, src, thr.partition_D(tCtSF)
+
+    @cute.jit
+    def _epilogue(self, tiled_mma: cute.TiledMma, epi_tile: cute.Tile, tidx: cutlass.Int32, tCtAcc_base: cute.Tensor,
+                  mC_mnl: cute.Tensor, amax: cute.Tensor, storage, acc_pipeline,
+                  sched_params: utils.PersistentTileSchedulerParams):
+        """Per tile: tensor memory -> registers by epilogue sub-tile, predicated stores of C, amax into amax[l]."""
+        tiler_mn = cute.slice_(self.mma_tiler, (None, None, 0))
+        thr_mma = tiled_mma.get_slice(0)
+        tCgC = thr_mma.partition_C(cute.local_tile(mC_mnl, tiler_mn, (None, None, None)))
+        # The same partition applied to coordinates: (row, col, l) of every element, for the tail predicates.
+        tCcC = thr_mma.partition_C(cute.local_tile(cute.make_identity_tensor(mC_mnl.shape), tiler_mn,
+                                                   (None, None, None)))
+        t2r_atom = sm100_utils.get_tmem_load_op(self.cta_tile_mnk, self.c_layout, self.c_dtype, self.acc_dtype,
+                                                epi_tile, False)
+        tAcc_epi = cute.flat_divide(tCtAcc_base[((None, None), 0, 0, None)], epi_tile)
+        t2r = tcgen05.make_tmem_copy(t2r_atom, tAcc_epi[(None, None, 0, 0, 0)])
+        thr_t2r = t2r.get_slice(tidx)
+        tTR_tAcc_base = thr_t2r.partition_S(tAcc_epi)  # (T2R, T2R_M, T2R_N, EPI_M, EPI_N, STAGE)
+        tTR_gC_all = thr_t2r.partition_D(cute.flat_divide(tCgC[((None, None), 0, 0, None, None, None)],
+                                                          epi_tile))
+        tTR_cC_all = thr_t2r.partition_D(cute.flat_divide(tCcC[((None, None), 0, 0, None, None, None)],
+                                                          epi_tile))
+        tTR_rAcc = cute.make_rmem_tensor(tTR_gC_all[(None, None, None, 0, 0, 0, 0, 0)].shape, self.acc_dtype)
+        tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+        warp_amax = storage.warp_amax.get_tensor(cute.make_layout((len(self.epilogue_warps),)))
+        amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
+        m, n, _ = mC_mnl.shape
+
+        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+        work = sched.initial_work_tile_info()
+        acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.acc_stages)
+        while work.is_valid_tile:
+            tile_m, tile_n, batch = work.tile_idx
+            tTR_tAcc = cute.group_modes(tTR_tAcc_base[(None, None, None, None, None, acc_state.index)], 3, 5)
+            tTR_gC = cute.group_modes(tTR_gC_all[(None, None, None, None, None, tile_m, tile_n, batch)], 3, 5)
+            tTR_cC = cute.group_modes(tTR_cC_all[(None, None, None, None, None, tile_m, tile_n, batch)], 3, 5)
+            acc_pipeline.consumer_wait(acc_state)
+            amax_bits = cutlass.Int32(0)
+            for sub in cutlass.range(cute.size(tTR_tAcc, mode=[3])):
+                cute.copy(t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
+                tTR_rC.store(tTR_rAcc.load().to(self.c_dtype))
+                gC = tTR_gC[(None, None, None, sub)]
+                cC = tTR_cC[(None, None, None, sub)]
+                for i in cutlass.range_constexpr(cute.size(tTR_rAcc)):
+                    if cute.elem_less(cC[i], (m, n, mC_mnl.shape[2])):
+                        gC[i] = tTR_rC[i]
+                        amax_bits = cutlass.max(amax_bits, common.abs_bits(tTR_rAcc[i]))
+            # The accumulator stage is in registers now: hand it back to the MMA warp before the reduction.
+            with cute.arch.elect_one():
+                acc_pipeline.consumer_release(acc_state)
+            acc_state.advance()
+            # Every epilogue thread passes here only after thread 0 has read the previous tile's warp slots.
+            cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.epilogue_threads)
+            common.amax_block_reduce_and_publish(
+                amax_bits, warp_amax, amax_i32.iterator + batch, tidx, len(self.epilogue_warps),
+                self.epilogue_barrier_id)
+            sched.advance_to_next_work()
+            work = sched.get_current_work()

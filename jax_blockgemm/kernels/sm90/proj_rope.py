@@ -1,0 +1,345 @@
+"""Hopper (sm_90a) gemm_proj_rope_mxfp8: Y = x·Wᵀ per head, RoPE, rowwise and columnwise MXFP8, in one kernel.
+
+One CTA computes a (64·consumer_wgs)-token x 192-feature tile: exactly one head, so RoPE and both quantizations
+finish inside it and Y never leaves the registers. A producer warp streams bf16 x and W tiles with TMA through an
+mbarrier pipeline; each consumer warpgroup (64 tokens) runs bf16 wgmma into fp32 accumulators, keeping one wgmma
+group in flight. The codes are staged in W's pipeline buffers once every wgmma of the CTA is done, which leaves
+room for a deep pipeline: with two consumer warpgroups, one CTA of 5 stages fills the SM; with one, two CTAs of 3
+stages share it, so one CTA's epilogue overlaps the other's mainloop.
+The epilogue (kernels/epilogue.py does the math) works on the wgmma fragment: value (v0, v1, j) of a thread is token
+16·warp + lane/4 + 8·v1 and feature 8·j + 2·(lane%4) + v0 of its warpgroup's 64 x 192 slice. So a RoPE pair
+(p[2i], p[2i+1]) sits in one thread; a rowwise block of 32 features is 8 values of each of a quad's 4 lanes; a
+columnwise block of 32 tokens is 2 values x 8 quads of a warp, then the partner warp through shared memory. Codes go
+through shared memory so that each token's 192 bytes leave as 16-byte stores; scale bytes are stored directly.
+
+w_major "k" reads w as (H·192, K) (`w_out_in=True`), "n" as (K, H·192): only the TMA view and the shared-memory
+layout of B differ. Phases are marked `producer`, `mainloop`, `rope`, `rowwise`, `columnwise`, `store`.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.tensor_utils import LayoutEnum
+
+from jax_blockgemm.kernels import common, epilogue
+from jax_blockgemm.kernels.sm90 import tma_pipeline
+from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, QK_NOPE, QK_ROPE
+
+W_MAJORS = ("k", "n")
+TILE_K = 64  # bf16: one 128-byte swizzle row
+CONSUMER_WGS = (1, 2)
+_ROW_PAD = 16  # shared-memory code rows of 192 + 16 bytes: the quads of a warp hit different banks
+
+
+class HopperProjRope:
+    """Fused MLA Q up-projection for bf16 x and W on sm_90a (SPEC §5): E4M3 codes + E8M0 scales, both ways.
+
+    Compile-time configuration only; T, K and H are run-time scalars of the exported function.
+    """
+
+    def __init__(self, *, x_dtype: str = "bfloat16", w_major: str = "k", consumer_wgs: int = 2):
+        if x_dtype != "bfloat16":
+            raise ValueError(f"x_dtype={x_dtype!r} is not supported; expected 'bfloat16'")
+        if w_major not in W_MAJORS:
+            raise ValueError(f"w_major={w_major!r} is not supported; expected one of {W_MAJORS}")
+        if consumer_wgs not in CONSUMER_WGS:
+            raise ValueError(f"consumer_wgs={consumer_wgs!r} is not supported; expected one of {CONSUMER_WGS}")
+        self.ab_dtype = cutlass.BFloat16
+        self.acc_dtype = cutlass.Float32
+        self.w_major = w_major
+        self.num_consumer_wgs = consumer_wgs
+        self.tile_mnk = (64 * consumer_wgs, HEAD_DIM, TILE_K)
+        self.atom_layout_mnk = (consumer_wgs, 1, 1)  # consumer warpgroups stacked along tokens
+        self.threads_per_wg = 128
+        self.num_consumer_warps = 4 * self.num_consumer_wgs
+        self.threads_per_cta = (1 + self.num_consumer_wgs) * self.threads_per_wg
+        self.code_row_bytes = HEAD_DIM + _ROW_PAD
+        self.producer_regs = 40
+        if consumer_wgs == 2:  # one CTA per SM: 5 x 40 KB of bf16 tiles
+            self.ctas_per_sm, self.consumer_regs, self.ab_stages = 1, 232, 5
+        else:  # two CTAs per SM: 64K registers and 227 KB of shared memory split in two (3 x 32 KB each)
+            self.ctas_per_sm, self.consumer_regs, self.ab_stages = 2, 208, 3
+        b_buffer_bytes = HEAD_DIM * TILE_K * self.ab_dtype.width // 8 * self.ab_stages
+        assert 2 * self.tile_mnk[0] * self.code_row_bytes <= b_buffer_bytes  # both code tiles fit W's buffers
+        self.buffer_align_bytes = 1024
+
+    @staticmethod
+    def can_implement(t: int, k: int, h: int) -> tuple[bool, str]:
+        """Whether the kernel handles these sizes, and why not (the caller checks before launching)."""
+        if min(t, k, h) < 1:
+            return False, f"every size must be >= 1, got t={t}, k={k}, h={h}"
+        if t % MX_BLOCK:
+            return False, f"t must be a multiple of {MX_BLOCK} (the columnwise blocks), got t={t}"
+        if k % 8:
+            return False, f"k must be a multiple of 8 (16-byte bf16 rows for TMA), got k={k}"
+        if max(t, h * HEAD_DIM) * k >= 2**31 or t * h * HEAD_DIM >= 2**31:
+            return False, f"operands and outputs must hold fewer than 2**31 elements, got t={t}, k={k}, h={h}"
+        return True, ""
+
+    # ------------------------------------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor, x_scale: cute.Tensor,
+                 w_scale: cute.Tensor, row_codes: cute.Tensor, row_scales: cute.Tensor, col_codes: cute.Tensor,
+                 col_scales: cute.Tensor, t: cutlass.Int32, k: cutlass.Int32, h: cutlass.Int32,
+                 stream: cuda.CUstream):
+        """Host side: (rows, K)-shaped views of x and W, the TMA atoms, the launch. x_scale/w_scale: unused here."""
+        k8 = cute.assume(k, divby=8)
+        n = cute.assume(h * HEAD_DIM, divby=64)
+        mA = cute.make_tensor(x.iterator, cute.make_layout((t, k8, 1), stride=(k8, 1, t * k8)))
+        if cutlass.const_expr(self.w_major == "k"):
+            mB = cute.make_tensor(w.iterator, cute.make_layout((n, k8, 1), stride=(k8, 1, n * k8)))
+            b_layout = LayoutEnum.ROW_MAJOR
+        else:
+            mB = cute.make_tensor(w.iterator, cute.make_layout((n, k8, 1), stride=(1, n, n * k8)))
+            b_layout = LayoutEnum.COL_MAJOR
+
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, cute.nvgpu.OperandMajorMode.K, b_layout.sm90_mma_major_mode(),
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, HEAD_DIM))
+        a_smem_staged = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.tile_mnk, self.ab_dtype,
+                                                      self.ab_stages)
+        b_smem_staged = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.ab_stages)
+        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem_staged, (None, None, 0)),
+            (self.tile_mnk[0], self.tile_mnk[2]))
+        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem_staged, (None, None, 0)),
+            (self.tile_mnk[1], self.tile_mnk[2]))
+        @cute.struct
+        class SharedStorage:
+            pipeline_mbars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            col_amax: cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps * HEAD_DIM]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)],
+                                  self.buffer_align_bytes]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)],
+                                  self.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+        tiles_t = (t + self.tile_mnk[0] - 1) // self.tile_mnk[0]
+        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, cos, sin, row_codes, row_scales, col_codes, col_scales,
+                    t, h, tiled_mma, a_smem_staged, b_smem_staged).launch(
+            grid=(tiles_t, h, 1), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=self.ctas_per_sm,
+            preferred_smem_carveout=100, stream=stream)  # all of the SM's memory as shared memory
+
+    # ---------------------------------------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
+               mB_nkl: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor, row_codes: cute.Tensor,
+               row_scales: cute.Tensor, col_codes: cute.Tensor, col_scales: cute.Tensor, t: cutlass.Int32,
+               h: cutlass.Int32, tiled_mma: cute.TiledMma, a_smem_staged: cute.ComposedLayout,
+               b_smem_staged: cute.ComposedLayout):
+        """Device body: warpgroup 0 produces (TMA), warpgroups 1-2 consume (wgmma + the fused epilogue)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tile_t, head, _ = cute.arch.block_idx()
+        bm, bn, bk = self.tile_mnk
+
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ab_pipeline = tma_pipeline.make_ab_pipeline(storage.pipeline_mbars.data_ptr(), a_smem_staged, b_smem_staged,
+                                                    self.ab_dtype, self.ab_stages, self.num_consumer_warps,
+                                                    (1, 1))
+
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        tAsA, tAgA = tma_pipeline.tma_views(tma_atom_a, mA_mkl, sA, (bm, bk))
+        tBsB, tBgB = tma_pipeline.tma_views(tma_atom_b, mB_nkl, sB, (bn, bk))
+        k_tiles = cute.size(tAgA, mode=[2])
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if wg_idx == 0:
+            # ------------------------------------------------------------------------------ producer
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+                for kt in range(k_tiles):
+                    ab_pipeline.producer_acquire(state)
+                    bar = ab_pipeline.producer_get_barrier(state)
+                    cute.copy(tma_atom_a, tAgA[(None, tile_t, kt, 0)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_atom_b, tBgB[(None, head, kt, 0)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                    ab_pipeline.producer_commit(state)
+                    state.advance()
+                ab_pipeline.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            wg = wg_idx - 1
+            wg_tid = tidx % self.threads_per_wg
+            warp = wg_tid // 32
+            lane = tidx % 32
+            quad = lane % 4
+            row0 = wg * 64 + warp * 16 + lane // 4  # this thread's first token inside the tile; +8 the second
+            thr_mma = tiled_mma.get_slice(wg * self.threads_per_wg)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
+            acc.fill(0.0)
+            num_k_steps = cute.size(tCrA, mode=[2])
+
+            # The rotary tables of this thread's two tokens, loaded before the mainloop so their latency hides:
+            # entry (v1, q, c) is c = 0: cos[t, i], 1: sin[t, i], 2: cos[t, 32+i], 3: sin[t, 32+i], i = 4q + quad.
+            rope_tab = cute.make_rmem_tensor((2, QK_ROPE // 8, 4), cutlass.BFloat16)
+            half = QK_ROPE // 2
+            for v1 in cutlass.range_constexpr(2):
+                token = cutlass.min(tile_t * bm + row0 + 8 * v1, t - 1)  # tail rows read a valid row, unused
+                for q in cutlass.range_constexpr(QK_ROPE // 8):
+                    base = token * QK_ROPE + 4 * q + quad
+                    rope_tab[v1, q, 0] = cos[base]
+                    rope_tab[v1, q, 1] = sin[base]
+                    rope_tab[v1, q, 2] = cos[base + half]
+                    rope_tab[v1, q, 3] = sin[base + half]
+
+            # ------------------------------------------------------------------------------ mainloop
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc starts at zero
+            self.mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps)
+            read_state.advance()
+            for kt in range(1, k_tiles):
+                # Pipeline states advance in the loop body itself: the DSL carries only what the body mutates.
+                self.mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps)
+                read_state.advance()
+                cute.nvgpu.warpgroup.wait_group(1)  # the previous k-tile's group is done: free its stage
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(release_state)
+
+            # ------------------------------------------------------------------------------ rope
+            # Feature groups j >= 16 hold the rope pairs: (v0=0, v1, j) <- out[128+i], (v0=1, v1, j) <- out[160+i].
+            n_groups = HEAD_DIM // 8
+            rope_group0 = QK_NOPE // 8
+            for v1 in cutlass.range_constexpr(2):
+                for q in cutlass.range_constexpr(n_groups - rope_group0):
+                    i0 = 4 * (rope_group0 + q) + 2 * v1
+                    first, second = epilogue.rope_pair(
+                        acc[i0], acc[i0 + 1], rope_tab[v1, q, 0].to(cutlass.Float32),
+                        rope_tab[v1, q, 1].to(cutlass.Float32), rope_tab[v1, q, 2].to(cutlass.Float32),
+                        rope_tab[v1, q, 3].to(cutlass.Float32))
+                    acc[i0] = first
+                    acc[i0 + 1] = second
+
+            # The code tiles live in W's pipeline buffers: free once every consumer warpgroup's wgmmas are done
+            # (all loads were consumed, so the producer writes no more).
+            if cutlass.const_expr(self.num_consumer_wgs > 1):
+                cute.arch.barrier(barrier_id=1 + self.num_consumer_wgs,
+                                  number_of_threads=self.num_consumer_wgs * self.threads_per_wg)
+            code_layout = cute.make_layout((bm, self.code_row_bytes), stride=(self.code_row_bytes, 1))
+            b_bytes = cute.recast_ptr(storage.sB.data_ptr(), dtype=cutlass.Uint8)
+            sRow = cute.make_tensor(b_bytes, code_layout)
+            sCol = cute.make_tensor(b_bytes + cute.cosize(code_layout), code_layout)
+            sRow16 = cute.recast_tensor(sRow, cutlass.Uint16)
+            sCol16 = cute.recast_tensor(sCol, cutlass.Uint16)
+            n_blocks = HEAD_DIM // MX_BLOCK
+
+            # ------------------------------------------------------------------------------ rowwise
+            # Block b < 4 holds groups 4b..4b+3 (both v0); block 4 the v0=0 rope values, block 5 the v0=1 ones.
+            for v1 in cutlass.range_constexpr(2):
+                r = row0 + 8 * v1
+                token = tile_t * bm + r
+                for b in cutlass.range_constexpr(n_blocks):
+                    bits = cutlass.Int32(0)
+                    for j, v0 in self._row_block_members(b):
+                        bits = cutlass.max(bits, common.abs_bits(acc[v0 + 2 * v1 + 4 * j]))
+                    byte, inv, bad = epilogue.e8m0_scale(epilogue.lane_max(bits, 0, 2))
+                    if (quad == 0) & (token < t):
+                        row_scales[(token * h + head) * n_blocks + b] = byte.to(cutlass.Uint8)
+                    if cutlass.const_expr(b < QK_NOPE // MX_BLOCK):
+                        for j in cutlass.range_constexpr(4 * b, 4 * b + 4):
+                            i = 2 * v1 + 4 * j
+                            codes = epilogue.quantize_pair(acc[i], acc[i + 1], inv, inv, bad, bad)
+                            sRow16[r, (8 * j + 2 * quad) // 2] = codes.to(cutlass.Uint16)
+                    else:
+                        v0 = b - QK_NOPE // MX_BLOCK
+                        for q in cutlass.range_constexpr(n_groups - rope_group0):
+                            codes = epilogue.quantize_pair(acc[v0 + 2 * v1 + 4 * (rope_group0 + q)], 0.0, inv, inv,
+                                                           bad, bad)
+                            sRow[r, QK_NOPE + half * v0 + 4 * q + quad] = codes.to(cutlass.Uint8)
+
+            # ------------------------------------------------------------------------------ columnwise
+            # A column block is 32 tokens = this warp's 16 rows (2 values x 8 quads) and the partner warp's.
+            col_amax = storage.col_amax.get_tensor(cute.make_layout((self.num_consumer_warps, HEAD_DIM),
+                                                                    stride=(HEAD_DIM, 1)))
+            warp_slot = wg * 4 + warp
+            for j in cutlass.range_constexpr(n_groups):
+                for v0 in cutlass.range_constexpr(2):
+                    bits = cutlass.max(common.abs_bits(acc[v0 + 4 * j]), common.abs_bits(acc[v0 + 2 + 4 * j]))
+                    bits = epilogue.lane_max(bits, 2, 3)
+                    if lane < 4:
+                        col_amax[warp_slot, self._feature(j, v0, quad)] = bits
+            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
+            block_token0 = tile_t * bm + wg * 64 + (warp // 2) * MX_BLOCK
+            for j in cutlass.range_constexpr(n_groups):
+                f0 = self._feature(j, 0, quad)
+                f1 = self._feature(j, 1, quad)
+                byte0, inv0, bad0 = epilogue.e8m0_scale(
+                    cutlass.max(col_amax[warp_slot, f0], col_amax[warp_slot ^ 1, f0]))
+                byte1, inv1, bad1 = epilogue.e8m0_scale(
+                    cutlass.max(col_amax[warp_slot, f1], col_amax[warp_slot ^ 1, f1]))
+                if (warp % 2 == 0) & (lane < 4) & (block_token0 < t):
+                    scale_row = ((block_token0 // MX_BLOCK) * h + head) * HEAD_DIM
+                    col_scales[scale_row + f0] = byte0.to(cutlass.Uint8)
+                    col_scales[scale_row + f1] = byte1.to(cutlass.Uint8)
+                for v1 in cutlass.range_constexpr(2):
+                    r = row0 + 8 * v1
+                    i = 2 * v1 + 4 * j
+                    codes = epilogue.quantize_pair(acc[i], acc[i + 1], inv0, inv1, bad0, bad1)
+                    if cutlass.const_expr(j < rope_group0):
+                        sCol16[r, f0 // 2] = codes.to(cutlass.Uint16)
+                    else:
+                        sCol[r, f0] = (codes & 0xFF).to(cutlass.Uint8)
+                        sCol[r, f1] = (codes >> 8).to(cutlass.Uint8)
+
+            # ------------------------------------------------------------------------------ store
+            # This warpgroup's 64 rows of both code tiles leave as 16-byte chunks: 12 per token row.
+            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
+            chunks_per_row = HEAD_DIM // 16
+            sRow32 = cute.recast_tensor(sRow, cutlass.Int32)
+            sCol32 = cute.recast_tensor(sCol, cutlass.Int32)
+            out_row32 = cute.make_tensor(cute.recast_ptr(row_codes.iterator, dtype=cutlass.Int32),
+                                         cute.make_layout((cute.size(row_codes) // 4,)))
+            out_col32 = cute.make_tensor(cute.recast_ptr(col_codes.iterator, dtype=cutlass.Int32),
+                                         cute.make_layout((cute.size(col_codes) // 4,)))
+            for rep in cutlass.range_constexpr(64 * chunks_per_row // self.threads_per_wg):
+                idx = wg_tid + rep * self.threads_per_wg
+                r = wg * 64 + idx // chunks_per_row
+                chunk = idx % chunks_per_row
+                token = tile_t * bm + r
+                if token < t:
+                    dst = ((token * h + head) * HEAD_DIM + 16 * chunk) // 4
+                    for wd in cutlass.range_constexpr(4):
+                        out_row32[dst + wd] = sRow32[r, 4 * chunk + wd]
+                        out_col32[dst + wd] = sCol32[r, 4 * chunk + wd]
+
+    @staticmethod
+    def mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps: int):
+        """Wait for one k-tile's stage and issue its wgmma steps as one committed group (not waited for)."""
+        ab_pipeline.consumer_wait(read_state)
+        cute.nvgpu.warpgroup.fence()
+        for ks in range(num_k_steps):  # plain Python: this helper is inlined at trace time
+            cute.gemm(tiled_mma, acc, tCrA[(None, None, ks, read_state.index)],
+                      tCrB[(None, None, ks, read_state.index)], acc)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @staticmethod
+    def _feature(j: int, v0: int, quad):
+        """Output feature of fragment value (v0, j) after RoPE: 8j + 2·quad + v0, or 128 + 32·v0 + 4(j-16) + quad."""
+        if j < QK_NOPE // 8:
+            return 8 * j + 2 * quad + v0
+        return QK_NOPE + (QK_ROPE // 2) * v0 + 4 * (j - QK_NOPE // 8) + quad
+
+    @staticmethod
+    def _row_block_members(b: int) -> list[tuple[int, int]]:
+        """The (group j, v0) fragment values of rowwise block b held by one thread for one token (8 of them)."""
+        if b < QK_NOPE // MX_BLOCK:
+            return [(j, v0) for j in range(4 * b, 4 * b + 4) for v0 in range(2)]
+        return [(j, b - QK_NOPE // MX_BLOCK) for j in range(QK_NOPE // 8, HEAD_DIM // 8)]

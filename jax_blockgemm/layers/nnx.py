@@ -1,0 +1,84 @@
+"""Flax NNX layers: `MXLinear` (a drop-in for `nnx.Linear`) and `MLAQProjection`, trained through MX GEMMs.
+
+Amax statistics, reachable without mutating the module (so jax.jit, jax.grad and jax.vmap work on it as on
+nnx.Linear): `call_with_amax` returns the forward GEMM's amax, and the gradient with respect to the layer's
+`grad_amax` variable (type `GradAmax`, not a Param, so optimizers skip it) is [dgrad amax, wgrad amax]:
+`nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, GradAmax)))`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_blockgemm import autodiff, mla
+
+__all__ = ["GradAmax", "MXLinear", "MLAQProjection"]
+
+
+class GradAmax(nnx.Variable):
+    """A (2,) float32 zeros sink whose gradient is the amax of the layer's dgrad and wgrad GEMMs."""
+
+
+class MXLinear(nnx.Linear):
+    """`nnx.Linear` whose matmul is `mx_dot_general` (block-quantized forward, dgrad and wgrad).
+
+    Same arguments, parameters, initializers and call as nnx.Linear (except `dot_general`, which this layer
+    fixes), plus `recipe`: a jax_blockgemm.Recipe or a name in RECIPES ("mxfp8", "mxfp8_hybrid", "nvfp4", "bf16").
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, recipe: autodiff.Recipe | str = "mxfp8",
+                 **kwargs: Any):
+        if "dot_general" in kwargs:
+            raise TypeError("MXLinear fixes dot_general (mx_dot_general); pass recipe= to choose the formats.")
+        for name in ("dtype", "param_dtype", "preferred_element_type"):
+            value = kwargs.get(name)
+            if value is not None and not jnp.issubdtype(value, jnp.floating):
+                raise TypeError(f"MXLinear: {name}={jnp.dtype(value).name} is not supported; allowed: None or a "
+                                "floating dtype (the operands are block-quantized from it).")
+        super().__init__(in_features, out_features, **kwargs)
+        self.recipe = autodiff.as_recipe(recipe)
+        self.grad_amax = GradAmax(jnp.zeros((2,), jnp.float32))
+
+    def call_with_amax(self, inputs: jax.Array, out_sharding: Any = None) -> tuple[jax.Array, jax.Array]:
+        """(y, amax of the forward GEMM): the layer's output and max|inputs · kernel| (no gradient)."""
+        if jnp.ndim(inputs) < 1 or jnp.shape(inputs)[-1] != self.in_features:
+            raise ValueError(f"MXLinear: inputs must have last dimension in_features={self.in_features}; got shape "
+                             f"{jnp.shape(inputs)}.")
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        y, amax = autodiff.mx_dot_general_amax(
+            inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())), self.precision, self.preferred_element_type,
+            out_sharding=out_sharding, recipe=self.recipe, grad_amax=self.grad_amax[...])
+        if bias is not None:
+            y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+        return y, amax
+
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        return self.call_with_amax(inputs, out_sharding)[0]
+
+
+class MLAQProjection(nnx.Module):
+    """DeepSeek-V3 MLA Q up-projection through the fused gemm_proj_rope_mxfp8: x (T, K) -> MXFP8Views.
+
+    The kernel is (K, H*192), initialized like `nnx.Linear(K, H*192, use_bias=False)`'s (lecun_normal by default),
+    which is its bf16 counterpart. Call with x (T, K) and the RoPE tables cos, sin (T, 64); `.dequantize()` on the
+    result gives the (rowwise, columnwise) float32 (T, H, 192) views, differentiable w.r.t. x and the kernel.
+    recipe.fwd chooses the op's input path ("mxfp8_e4m3" or "bf16").
+    """
+
+    def __init__(self, in_features: int, num_heads: int, *, recipe: autodiff.Recipe | str = "mxfp8",
+                 param_dtype: Any = jnp.float32, kernel_init: Any = nnx.initializers.lecun_normal(),
+                 rngs: nnx.Rngs):
+        if num_heads < 1:
+            raise ValueError(f"MLAQProjection: num_heads must be at least 1; got {num_heads}.")
+        self.in_features, self.num_heads = in_features, num_heads
+        self.recipe = autodiff.as_recipe(recipe)
+        self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, num_heads * 192), param_dtype))
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> mla.MXFP8Views:
+        return mla.mla_q_projection(x, self.kernel[...], cos, sin, w_out_in=False, recipe=self.recipe)

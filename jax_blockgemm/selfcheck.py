@@ -1,0 +1,291 @@
+"""First-use self-check: run a kernel that has never run on an architecture against the reference, on this GPU.
+
+    python -m jax_blockgemm.selfcheck [--arch sm_100a] [--variant KEY ...] [--force] [--include-test-variants]
+
+The Blackwell (sm_100a) kernels were compiled and checked on machines without a Blackwell GPU; nobody here has
+run them. So the first time a process would use one on a local GPU (`dispatch` asks, per variant), this module
+runs it on a few small problems (tails in M, N and K, L > 1) through the FFI bridge, with the outputs poisoned
+beforehand, and compares C and amax with the XLA reference on the same GPU (SPEC §7 bounds). The verdict is kept
+in memory and on disk, per (variant, kernel object hash, device name), so each kernel object is checked once
+per GPU model. A failure warns, naming the kernel, and the op falls back to the reference (or raises, for
+implementation='cutedsl'). The CLI runs the same check on demand and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import re
+import sys
+import threading
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from jax_blockgemm import kernel_cache
+
+logger = logging.getLogger(__name__)
+
+# Architectures whose kernels no GPU of ours has run: their kernels are self-checked before first use.
+UNVERIFIED_ARCHS = frozenset({"sm_100a"})
+# (L, M, N, K): M and N not multiples of the tile (N stays a multiple of 8: 16-byte C rows), K not a multiple
+# of the 128-wide k-tile, L = 2, several tiles.
+PROBLEMS = ((1, 200, 136, 96), (2, 129, 264, 160), (1, 384, 256, 512))
+C_REL_TOLERANCE = 1e-4  # SPEC §7, fp32 C: ‖c − ref‖/‖ref‖ (the "tensor-core FP8" class)
+AMAX_REL_TOLERANCE = 1e-4
+BF16_HALF_ULP = 2.0**-8  # |x − bf16(x)| ≤ 2^-8·|x| for normal x (round to nearest)
+POISON_ENV = "JAX_BLOCKGEMM_POISON_OUTPUTS"  # read by the FFI handler: NaN-fill C before each launch
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The outcome of one self-check: which kernel object, on which GPU model, passed or not and why."""
+
+    key: str
+    device: str
+    object_sha: str
+    ok: bool
+    detail: str
+    source: str = "ran"  # "ran" (this call), "memory" or "disk" (an earlier check of the same object)
+
+
+_MEMORY: dict[tuple[str, str, str], Verdict] = {}
+_WARNED: set[tuple[str, str, str]] = set()
+_LOCK = threading.RLock()
+
+
+def verdict_path(key: str, device: str, object_sha: str) -> pathlib.Path:
+    """Where the verdict of `key` (object `object_sha`) on GPU model `device` is stored."""
+    slug = re.sub(r"[^0-9A-Za-z]+", "-", device).strip("-") or "gpu"
+    return kernel_cache.default_cache_dir() / "selfcheck" / f"{key}-{object_sha[:16]}-{slug}.json"
+
+
+def _load(path: pathlib.Path) -> Verdict | None:
+    """The verdict stored at `path`, or None when absent or unreadable (then the check simply runs again)."""
+    try:
+        fields = json.loads(path.read_text())
+        return Verdict(**{f.name: fields[f.name] for f in dataclasses.fields(Verdict) if f.name != "source"},
+                      source="disk")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _store(path: pathlib.Path, verdict: Verdict) -> None:
+    """Write `verdict` atomically; an unwritable cache only means the check runs again next process."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**dataclasses.asdict(verdict), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                         time.gmtime())}))
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("jax_blockgemm: cannot store self-check verdict %s (%s)", path, e)
+
+
+def local_device(arch: str) -> Any | None:
+    """The first visible CUDA device whose compute capability our `arch` objects target, or None."""
+    import jax
+
+    from jax_blockgemm import dispatch
+
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return None
+    return next((d for d in devices
+                 if dispatch.ARCH_OF_CAPABILITY.get(str(getattr(d, "compute_capability", ""))) == arch), None)
+
+
+def _operands(variant: Any, problem: tuple[int, int, int, int], seed: int) -> tuple[np.ndarray, ...]:
+    """Random FP8 codes and random E8M0 scale bytes (compact form) for `problem` = (L, M, N, K)."""
+    import jax.numpy as jnp
+
+    l, m, n, k = problem
+    rng = np.random.default_rng(seed)
+    ab = jnp.dtype(variant.ab_dtype)
+    a = (rng.standard_normal((l, m, k)) * 4).astype(ab)
+    b = (rng.standard_normal((l, n, k)) * 4).astype(ab)
+    kb = -(-k // variant.sf_vec_size)
+    sfa = rng.integers(120, 135, (l, m, kb), dtype=np.uint8)  # 2^-7 .. 2^7: non-trivial, no overflow
+    sfb = rng.integers(120, 135, (l, n, kb), dtype=np.uint8)
+    return a, b, sfa, sfb
+
+
+def compare(c: np.ndarray, amax: np.ndarray, ref_c: np.ndarray, ref_amax: np.ndarray, ref_abs: np.ndarray,
+            c_dtype: str) -> str:
+    """'' when the kernel's (c, amax) match the fp32 reference within SPEC §7, else what is wrong.
+
+    `ref_abs` is the reference on |A|, |B| (Σ|products| per element): each element may be off by
+    C_REL_TOLERANCE of it (what FP8 tensor cores may lose in one dot product), plus half a bf16 ulp for bf16 C.
+    Elementwise, so one wrong element fails even where a few huge elements dominate the norm.
+    """
+    c, amax = np.asarray(c, np.float64), np.asarray(amax, np.float64).reshape(-1)
+    ref_c, ref_amax = np.asarray(ref_c, np.float64), np.asarray(ref_amax, np.float64).reshape(-1)
+    ref_abs = np.asarray(ref_abs, np.float64)
+    if c.shape != ref_c.shape or amax.shape != ref_amax.shape:
+        return f"shapes c {c.shape}, amax {amax.shape}; expected {ref_c.shape}, {ref_amax.shape}"
+    if not np.isfinite(c).all() or not np.isfinite(amax).all():
+        return f"{int((~np.isfinite(c)).sum())} non-finite C elements (unwritten or NaN), amax {amax.tolist()}"
+    bound = C_REL_TOLERANCE * ref_abs + 1e-30
+    if c_dtype != "float32":
+        bound = bound + BF16_HALF_ULP * (1 + 1e-3) * np.abs(ref_c)
+    err = np.abs(c - ref_c)
+    bad = err > bound
+    if bad.any():
+        worst = np.unravel_index(np.argmax(err / bound), c.shape)
+        return (f"{int(bad.sum())} of {c.size} C elements off, worst at {tuple(int(i) for i in worst)}: "
+                f"{c[worst]:.6g} against {ref_c[worst]:.6g}")
+    rel = float(np.linalg.norm(c - ref_c) / max(np.linalg.norm(ref_c), 1e-300))
+    if c_dtype == "float32" and not rel <= C_REL_TOLERANCE:
+        return f"C relative error {rel:.3g} > {C_REL_TOLERANCE:g}"
+    amax_err = np.abs(amax - ref_amax) / np.maximum(ref_amax, 1e-300)
+    if not (amax_err <= AMAX_REL_TOLERANCE).all():
+        return f"amax {amax.tolist()} against reference {ref_amax.tolist()}"
+    return ""
+
+
+def _run_kernel(variant: Any, args: Sequence[Any], device: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(c, amax) of `variant` itself (forced through dispatch) on `device`, outputs poisoned before the launch."""
+    import jax
+
+    from jax_blockgemm import api, dispatch
+
+    args = [jax.device_put(x, device) for x in args]
+    fn = jax.jit(functools.partial(api.gemm_amax, c_dtype=variant.c_dtype, implementation="cutedsl"))
+    saved = os.environ.get(POISON_ENV)
+    os.environ[POISON_ENV] = "1"  # read when XLA instantiates the call: unwritten C elements come back NaN
+    try:
+        with dispatch.forced_variants((variant,)):
+            c, amax = fn(*args)
+            c, amax = np.asarray(c), np.asarray(amax)
+    finally:
+        if saved is None:
+            os.environ.pop(POISON_ENV, None)
+        else:
+            os.environ[POISON_ENV] = saved
+    return c, amax
+
+
+def _run_reference(args: Sequence[Any], device: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(c, amax) of the XLA reference with fp32 C on `device`."""
+    import jax
+
+    from jax_blockgemm import api
+
+    args = [jax.device_put(x, device) for x in args]
+    c, amax = jax.jit(functools.partial(api.gemm_amax, c_dtype=np.float32, implementation="xla"))(*args)
+    return np.asarray(c), np.asarray(amax)
+
+
+def run_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_kernel,
+                 run_reference: Callable = _run_reference) -> str:
+    """'' when `variant` matches the reference on every problem of PROBLEMS on `device`, else the first failure."""
+    for i, problem in enumerate(PROBLEMS):
+        args = _operands(variant, problem, seed=i)
+        try:
+            c, amax = run_kernel(variant, args, device)
+        except Exception as e:  # a kernel that cannot even launch is a failed check, not a crash of the caller
+            return f"(L, M, N, K) = {problem}: raised {type(e).__name__}: {e}"
+        ref_c, ref_amax = run_reference(args, device)
+        ref_abs, _ = run_reference((np.abs(args[0]), np.abs(args[1]), *args[2:]), device)
+        why = compare(c, amax, ref_c, ref_amax, ref_abs, variant.c_dtype)
+        if why:
+            return f"(L, M, N, K) = {problem}: {why}"
+    return ""
+
+
+def check(variant: Any, *, device: Any = None, force: bool = False, run: Callable | None = None) -> Verdict:
+    """The self-check verdict of `variant` on `device` (default: the first local GPU of its arch).
+
+    From memory or disk when this object was checked on this GPU model before (unless `force`), else by running
+    `run(variant, device)` (default `run_problems`). Raises RuntimeError when no local GPU runs `variant.arch`.
+    """
+    device = local_device(variant.arch) if device is None else device
+    if device is None:
+        raise RuntimeError(f"no local GPU runs {variant.arch} kernels; cannot self-check {variant.key}")
+    name = str(getattr(device, "device_kind", device))
+    sha = hashlib.sha256(kernel_cache.get_object(variant)).hexdigest()
+    ident = (variant.key, name, sha)
+    with _LOCK:
+        if not force and ident in _MEMORY:
+            return dataclasses.replace(_MEMORY[ident], source="memory")
+        path = verdict_path(*ident)
+        verdict = None if force else _load(path)
+        if verdict is None or (verdict.key, verdict.device, verdict.object_sha) != ident:
+            why = (run or run_problems)(variant, device)
+            verdict = Verdict(key=variant.key, device=name, object_sha=sha, ok=not why, detail=why or "ok")
+            _store(path, verdict)
+        _MEMORY[ident] = verdict
+        return verdict
+
+
+def ensure_verified(variant: Any, **kwargs: Any) -> Verdict:
+    """`check(variant)`, warning once per process (naming the kernel) when it failed."""
+    verdict = check(variant, **kwargs)
+    ident = (verdict.key, verdict.device, verdict.object_sha)
+    if not verdict.ok and ident not in _WARNED:
+        _WARNED.add(ident)
+        message = (f"jax_blockgemm: kernel {verdict.key} failed its first-use self-check on {verdict.device} "
+                   f"({verdict.detail}); it will not be used: implementation=None falls back to the XLA reference "
+                   f"(verdict stored in {verdict_path(*ident)}; rerun with `python -m jax_blockgemm.selfcheck "
+                   f"--force`)")
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return verdict
+
+
+def format_table(verdicts: Sequence[Verdict], expect_fail: Sequence[str] = ()) -> str:
+    """A plain-text table of verdicts: kernel, GPU, verdict, where it came from, detail.
+
+    Keys in `expect_fail` (deliberately wrong test kernels) are marked as such, so that their FAIL reads right.
+    """
+    rows = [("kernel", "device", "verdict", "source", "detail")]
+    rows += [(v.key, v.device, ("PASS" if v.ok else "FAIL") + (" (must FAIL)" if v.key in expect_fail else ""),
+              v.source, v.detail) for v in verdicts]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jax_blockgemm.selfcheck", description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", action="append", default=[], help="only kernels of this target (repeatable)")
+    p.add_argument("--variant", action="append", default=[], metavar="KEY", help="only this key (repeatable)")
+    p.add_argument("--force", action="store_true", help="run again even where a verdict is stored")
+    p.add_argument("--include-test-variants", action="store_true",
+                   help="also check the deliberately wrong TEST_VARIANTS (they must FAIL)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Check the selected kernels on the local GPUs; print the table.
+
+    Exit status 0 when every real kernel passed and every test kernel failed, 1 otherwise, 2 when nothing ran.
+    """
+    args = _parser().parse_args(argv)
+    from jax_blockgemm.kernels import catalog
+
+    candidates = [v for v in catalog.CATALOG if v.op == "gemm_amax"]  # what the self-check knows how to run
+    candidates += list(catalog.TEST_VARIANTS) if args.include_test_variants else []
+    chosen = [v for v in candidates if (not args.arch or v.arch in args.arch)
+              and (not args.variant or v.key in args.variant)]
+    runnable = [v for v in chosen if local_device(v.arch) is not None]
+    if not runnable:
+        print(f"nothing to check: no local GPU runs any of the {len(chosen)} selected kernels "
+              f"(archs {sorted({v.arch for v in chosen})})")
+        return 2
+    verdicts = [check(v, force=args.force) for v in runnable]
+    broken = {v.key for v in runnable if v.flavor}
+    print(format_table(verdicts, expect_fail=sorted(broken)))
+    return 0 if all(v.ok != (v.key in broken) for v in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

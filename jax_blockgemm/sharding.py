@@ -1,0 +1,308 @@
+"""Partitioning rules of both primitives: under jax.jit each device runs the op on its own shard.
+
+`primitives.py` splits each operation into an outer primitive (what the API binds: batching and partitioning) and a
+local primitive (abstract eval and the per-platform lowerings: kernel on CUDA, reference elsewhere). The outer
+primitive lowers through `jax.experimental.custom_partitioning` built here, so XLA's partitioner (Shardy by
+default, GSPMD where `jax_use_shardy_partitioner` is off) hands every device its shard instead of gathering the
+operands around an opaque custom call. What runs natively and what is gathered (see README "On many GPUs"):
+
+gemm_amax, canonical operands a (L, M, K) / (L, K, M), b (L, N, K) / (L, K, N), scale atoms (L, MN', K', 32, 4, 4):
+  * L, M and N shard on any mesh axes, also together. The scale atoms shard with their operand's MN, which splits
+    cleanly only on 128-row atom boundaries: M (N) stays sharded when each shard holds a multiple of 128 rows and
+    is gathered otherwise. C follows the operands (c_major="m" and MN-major operands included); amax (L,) is
+    sharded like L and is the NaN-safe max over the M and N shards (one all-reduce of L floats).
+  * K is gathered. A local GEMM + psum would all-reduce the fp32 C (4·M·N bytes) instead of gathering the FP8/FP4
+    operands ((M+N)·K bytes or less), lose the fused amax (it must be taken on the reduced C) and C's conversion,
+    and change the summation order; gathering keeps results bitwise equal to the unsharded call.
+gemm_proj_rope_mxfp8, canonical operands x (G, T, K), w (G, N, K) / (G, K, N), cos/sin (G, T, 64), scales like
+their codes:
+  * G, tokens T (each shard a multiple of 32 tokens: the columnwise blocks) and heads (N on 192-feature
+    boundaries: H divisible by the shard count) shard natively; outputs follow. K and any other split gather.
+
+Limits: jax.export cannot serialize these rules (Python callbacks), so an exported program carries the local op
+unpartitioned (see primitives._partitioned_lowering). Under Shardy, a dimension is tied to its coarse twin (M to
+the atoms' M', T to out_scales_col's T/32) only when the coarse count is a multiple of the mesh's device count
+(`_linkable`); otherwise the op still runs per shard, but proj_rope's small out_scales_col is gathered after it.
+The rules read NamedShardings (a mesh); shardings on Shardy sub-axes cannot be decoded by custom_partitioning.
+Inside a shard_map that leaves some mesh axes automatic, JAX gives the rules no mesh, so they gather (correct,
+not per shard): make every axis manual there, or call the op outside the shard_map.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_blockgemm import formats
+from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, is_fp4
+
+ATOM_ROWS = 128  # rows of one 128x4 scale atom: the finest split of M (N) that keeps a shard's scales whole
+
+Axes = tuple[str, ...]
+Params = tuple[tuple[str, Any], ...]  # the primitive's params, frozen so that custom_partitioning can hold them
+
+
+def freeze_params(params: dict) -> Params:
+    """Params as a hashable tuple, the static argument of the partitioned call."""
+    return tuple(sorted(params.items()))
+
+
+def _dim_axes(sharding: Any, dim: int) -> Axes:
+    """The mesh axes that shard dimension `dim` of an operand (none for a replicated or unknown sharding)."""
+    if not isinstance(sharding, NamedSharding) or dim >= len(sharding.spec):
+        return ()
+    entry = sharding.spec[dim]
+    if entry is None or entry is P.UNCONSTRAINED:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _shard_count(mesh: Any, axes: Axes) -> int:
+    """How many shards `axes` cut a dimension into."""
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _keep(mesh: Any, axes: Axes, size: int, quantum: int, taken: Axes) -> Axes:
+    """`axes` if they split `size` into whole multiples of `quantum` and are not used by another dimension, else ()."""
+    if not axes or set(axes) & set(taken):
+        return ()
+    return axes if size % (quantum * _shard_count(mesh, axes)) == 0 else ()
+
+
+def _spec(*dims: Axes) -> P:
+    """A PartitionSpec from per-dimension axes (() replicated, one axis by name, several as a tuple)."""
+    return P(*(None if not d else d[0] if len(d) == 1 else d for d in dims))
+
+
+def _global_amax(amax: jax.Array, axes: Axes) -> jax.Array:
+    """Max over the shards of `axes`, NaN-safe: a pmax of the magnitude bits (NaN > inf > finite)."""
+    if not axes:
+        return amax
+    return jax.lax.bitcast_convert_type(jax.lax.pmax(formats.magnitude_bits(amax), axes), jnp.float32)
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    """The static shape of an MLIR tensor type (what a Shardy rule callback receives)."""
+    return tuple(t.shape)
+
+
+def _linkable(size: int, quantum: int, mesh: Any) -> bool:
+    """Whether a Shardy rule may write a dimension as (coarse, quantum), linking it to a coarser twin (M to the
+    scale atoms' M', T to the columnwise scales' T/32): whole quanta, more than one, and a coarse size that every
+    product of mesh axes divides (otherwise Shardy splits a mesh axis into sub-axes, which custom_partitioning
+    cannot turn into a PartitionSpec). An unlinked twin is still sharded by the partition callback; Shardy just
+    does not propagate between the two."""
+    coarse, rest = divmod(size, quantum)
+    return rest == 0 and coarse > 1 and coarse % max(mesh.size, 1) == 0
+
+
+def _fine(name: str, linked: bool, quantum: int, sizes: dict) -> str:
+    """The rule term of a dimension: `(name_t name_i)` when linked to its coarse twin, else the plain `name`."""
+    if not linked:
+        return name
+    sizes[f"{name}_i"] = quantum
+    return f"({name}_t {name}_i)"
+
+
+def _coarse(name: str, linked: bool) -> str:
+    """The rule term of the coarse twin: `name_t` when linked, an independent factor otherwise."""
+    return f"{name}_t" if linked else f"{name}_c"
+
+
+def _make(local: Callable[..., Sequence[jax.Array]], partition, infer, propagate, rule) -> custom_partitioning:
+    """custom_partitioning around `local(*operands, **params)` with the frozen params as its static argument."""
+
+    def call(params: Params, *operands):
+        return tuple(local(*operands, **dict(params)))
+
+    partitioned = custom_partitioning(call, static_argnums=(0,))
+    partitioned.def_partition(partition=functools.partial(partition, local), infer_sharding_from_operands=infer,
+                              propagate_user_sharding=propagate, sharding_rule=rule)
+    return partitioned
+
+
+# --------------------------------------------------------------------------------------------------------------
+# gemm_amax
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """Mesh axes each logical dimension of one gemm_amax call runs sharded on (K never: it is gathered)."""
+
+    l: Axes
+    m: Axes
+    n: Axes
+
+    def operand_specs(self, params: dict, count: int) -> tuple[P, ...]:
+        a = _spec(self.l, self.m, ()) if params["a_major"] == "k" else _spec(self.l, (), self.m)
+        b = _spec(self.l, self.n, ()) if params["b_major"] == "k" else _spec(self.l, (), self.n)
+        specs = (a, b, _spec(self.l, self.m), _spec(self.l, self.n), _spec(self.l))
+        return specs[:count]
+
+    def result_specs(self, params: dict) -> tuple[P, P]:
+        c = _spec(self.l, self.m, self.n) if params["c_major"] == "n" else _spec(self.l, self.n, self.m)
+        return c, _spec(self.l)
+
+
+def gemm_plan(params: dict, mesh: Any, shapes: Sequence[Any]) -> GemmPlan:
+    """Which of a's and b's shardings the op keeps: L from a (else b), M from a, N from b, on whole scale atoms."""
+    a, b = shapes[0], shapes[1]
+    m_dim = 1 if params["a_major"] == "k" else 2
+    n_dim = 1 if params["b_major"] == "k" else 2
+    l_axes = _dim_axes(a.sharding, 0) or _dim_axes(b.sharding, 0)
+    l_axes = _keep(mesh, l_axes, a.shape[0], 1, ())
+    m_axes = _keep(mesh, _dim_axes(a.sharding, m_dim), a.shape[m_dim], ATOM_ROWS, l_axes)
+    n_axes = _keep(mesh, _dim_axes(b.sharding, n_dim), b.shape[n_dim], ATOM_ROWS, l_axes + m_axes)
+    return GemmPlan(l_axes, m_axes, n_axes)
+
+
+def _named(mesh: Any, specs: Sequence[P]) -> tuple[NamedSharding, ...]:
+    """The specs on `mesh`, as custom_partitioning's callbacks must return them."""
+    return tuple(NamedSharding(mesh, s) for s in specs)
+
+
+def _gemm_partition(local: Callable, params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
+    """custom_partitioning's partition: the plan's shardings and the per-shard op (local GEMM, global amax)."""
+    p = dict(params)
+    plan = gemm_plan(p, mesh, arg_shapes)
+    reduce_axes = plan.m + plan.n
+
+    def per_shard(*operands):
+        c, amax = local(*operands, **p)
+        return c, _global_amax(amax, reduce_axes)
+
+    return (mesh, per_shard, _named(mesh, plan.result_specs(p)),
+            _named(mesh, plan.operand_specs(p, len(arg_shapes))))
+
+
+def _gemm_infer(params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
+    """GSPMD: the result shardings the plan gives these operands."""
+    p = dict(params)
+    return _named(mesh, gemm_plan(p, mesh, arg_shapes).result_specs(p))
+
+
+def _gemm_propagate(params: Params, mesh: Any, result_shape: Any):
+    """A user's sharding of C is kept; amax follows C's L sharding."""
+    c = result_shape[0].sharding
+    return c, NamedSharding(c.mesh, _spec(_dim_axes(c, 0)))
+
+
+def _gemm_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
+    """Shardy: L passes through; M (N) is linked to the scale atoms' M' (N') when it fills whole atoms; K is
+    replicated (gathered, see the module docstring)."""
+    p = dict(params)
+    a, b = _shape(operand_types[0]), _shape(operand_types[1])
+    m = a[1] if p["a_major"] == "k" else a[2]
+    n = b[1] if p["b_major"] == "k" else b[2]
+    sizes: dict = {}
+    m_linked, n_linked = _linkable(m, ATOM_ROWS, mesh), _linkable(n, ATOM_ROWS, mesh)
+    mf, nf = _fine("m", m_linked, ATOM_ROWS, sizes), _fine("n", n_linked, ATOM_ROWS, sizes)
+    c_n = nf
+    if is_fp4(p["c_dtype"]):  # packed C (L, M, N/2): link its N/2 to b's N through N's atoms, else through pairs
+        if n_linked:
+            sizes["nc_i"] = ATOM_ROWS // 2
+            c_n = "(n_t nc_i)"
+        elif _linkable(n, 2, mesh):
+            sizes["n_pair"] = 2
+            nf, c_n = "(n_half n_pair)", "n_half"
+        else:
+            c_n = "n_packed"
+    a_rule = f"l {mf} k" if p["a_major"] == "k" else f"l k {mf}"
+    b_rule = f"l {nf} k" if p["b_major"] == "k" else f"l k {nf}"
+    sfa = f"l {_coarse('m', m_linked)} kt s0 s1 s2"
+    sfb = f"l {_coarse('n', n_linked)} kt s0 s1 s2"
+    operands = [a_rule, b_rule, sfa, sfb, "l"][:len(operand_types)]
+    c_rule = f"l {mf} {c_n}" if p["c_major"] == "n" else f"l {c_n} {mf}"
+    rule = f"{', '.join(operands)} -> {c_rule}, l"
+    return rule, dict(need_replication_factors=("k", "kt"), **sizes)
+
+
+def gemm_amax_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
+    """The partitioned gemm_amax: call it as `(freeze_params(params), *operands)`; `local` binds the local op."""
+    return _make(local, _gemm_partition, _gemm_infer, _gemm_propagate, _gemm_rule)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# gemm_proj_rope_mxfp8
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjRopePlan:
+    """Mesh axes the group axis G, the tokens T and the heads H run sharded on (K never: it is gathered)."""
+
+    g: Axes
+    t: Axes
+    h: Axes
+
+    def operand_specs(self, params: dict, count: int) -> tuple[P, ...]:
+        tok = _spec(self.g, self.t, ())
+        w = _spec(self.g, self.h, ()) if params["w_out_in"] else _spec(self.g, (), self.h)
+        return (tok, w, tok, tok, tok, w)[:count]
+
+    def result_specs(self) -> tuple[P, ...]:
+        out = _spec(self.g, self.t, self.h, ())
+        return out, out, out, out  # out_scales_col's T/32 axis splits with T (each shard holds whole blocks)
+
+
+def proj_rope_plan(params: dict, mesh: Any, shapes: Sequence[Any]) -> ProjRopePlan:
+    """G and T from x (T in whole 32-token blocks), heads from w's output dimension (whole heads of 192)."""
+    x, w = shapes[0], shapes[1]
+    n_dim = 1 if params["w_out_in"] else 2
+    g_axes = _keep(mesh, _dim_axes(x.sharding, 0) or _dim_axes(w.sharding, 0), x.shape[0], 1, ())
+    t_axes = _keep(mesh, _dim_axes(x.sharding, 1), x.shape[1], MX_BLOCK, g_axes)
+    h_axes = _keep(mesh, _dim_axes(w.sharding, n_dim), w.shape[n_dim], HEAD_DIM, g_axes + t_axes)
+    return ProjRopePlan(g_axes, t_axes, h_axes)
+
+
+def _proj_rope_partition(local: Callable, params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
+    """custom_partitioning's partition: the plan's shardings and the local op, unchanged, on each shard."""
+    p = dict(params)
+    plan = proj_rope_plan(p, mesh, arg_shapes)
+    per_shard = lambda *operands: tuple(local(*operands, **p))
+    return mesh, per_shard, _named(mesh, plan.result_specs()), _named(mesh, plan.operand_specs(p, len(arg_shapes)))
+
+
+def _proj_rope_infer(params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
+    """GSPMD: the result shardings the plan gives these operands."""
+    return _named(mesh, proj_rope_plan(dict(params), mesh, arg_shapes).result_specs())
+
+
+def _proj_rope_propagate(params: Params, mesh: Any, result_shape: Any):
+    """A user's sharding of one output (G, T, H) is suggested for all four."""
+    s = result_shape[0].sharding
+    spec = _spec(_dim_axes(s, 0), _dim_axes(s, 1), _dim_axes(s, 2), ())
+    return tuple(NamedSharding(s.mesh, spec) for _ in range(4))
+
+
+def _proj_rope_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
+    """Shardy: G passes through, tokens in blocks of 32 (linking T to out_scales_col's T/32), heads of 192."""
+    p = dict(params)
+    t = _shape(operand_types[0])[1]
+    n = _shape(operand_types[1])[1 if p["w_out_in"] else 2]
+    sizes: dict = {}
+    t_linked = _linkable(t, MX_BLOCK, mesh)
+    tf = _fine("t", t_linked, MX_BLOCK, sizes)
+    hf = "nh"  # one head: w's features stand alone (Shardy refuses a size-1 part of a compound factor)
+    if n != HEAD_DIM:  # w's features split into (heads, 192): hd is w's part, d the outputs' whole dimension
+        sizes["hd"] = HEAD_DIM
+        hf = "(h hd)"
+    w = f"g {hf} k" if p["w_out_in"] else f"g k {hf}"
+    ws = f"g {hf} kb" if p["w_out_in"] else f"g kb {hf}"
+    operands = [f"g {tf} k", w, f"g {tf} r", f"g {tf} r", f"g {tf} kb", ws][:len(operand_types)]
+    outs = [f"g {tf} h d", f"g {tf} h q", f"g {tf} h d", f"g {_coarse('t', t_linked)} h d"]
+    replicated = ("k", "kb") if len(operand_types) > 4 else ("k",)
+    return f"{', '.join(operands)} -> {', '.join(outs)}", dict(need_replication_factors=replicated, **sizes)
+
+
+def proj_rope_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
+    """The partitioned gemm_proj_rope_mxfp8: call it as `(freeze_params(params), *operands)`."""
+    return _make(local, _proj_rope_partition, _proj_rope_infer, _proj_rope_propagate, _proj_rope_rule)

@@ -1,0 +1,312 @@
+"""The benchmark command (`python -m jax_blockgemm.bench`): end to end on the CPU, its numbers, n/a and errors."""
+
+import contextlib
+import io
+import json
+import math
+import os
+import re
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+from absl.testing import absltest, parameterized
+
+from jax_blockgemm import bench, dispatch
+
+GEMM_LABELS = ("ours(None)", "ours(cutedsl)", "reference(xla)", "nn.scaled_matmul", "lax.scaled_dot", "fp8 dot",
+               "bf16 dot")
+PROJ_LABELS = ("ours(None)", "ours(cutedsl)", "reference(xla)", "bare bf16 dot", "scaled_matmul pipeline")
+GEMM_KEYS = {"ours", "ours_cutedsl", "reference", "scaled_matmul", "scaled_dot", "fp8_dot", "bf16_dot"}
+PROJ_KEYS = {"ours", "ours_cutedsl", "reference", "bf16_dot", "pipeline"}
+SMALL_CASES = [("gemm_amax", "128x128x128"), ("gemm_amax", "64x112x256"), ("gemm_amax", "96x320x64"),
+               ("proj_rope", "T=32 H=2 K=64 bf16"), ("proj_rope", "T=32 H=2 K=64 mxfp8"),
+               ("proj_rope", "T=64 H=2 K=64 bf16"), ("proj_rope", "T=64 H=2 K=64 mxfp8")]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _cells(line: str) -> list[str]:
+    """Cells of a table line (cells are separated by two or more spaces; labels hold single spaces only)."""
+    return re.split(r"\s{2,}", line.strip())
+
+
+def _table_block(out: str, title_prefix: str) -> list[str]:
+    """The lines of one op's table: its header line up to the first blank line or footnote (two-space indent)."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(title_prefix))
+    block = []
+    for line in lines[start:]:
+        if not line.strip() or re.match(r"  \S", line):
+            break
+        block.append(line)
+    return block
+
+
+def _has_kernel_gpu() -> bool:
+    caps = dispatch.local_cuda_capabilities()
+    return bool(caps) and all(cc in dispatch.ARCH_OF_CAPABILITY for cc in caps)
+
+
+class EndToEndTest(absltest.TestCase):
+    """`python -m jax_blockgemm.bench --small` in a fresh process, as a user runs it."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.dir = tempfile.TemporaryDirectory()
+        cls.json_path = os.path.join(cls.dir.name, "bench.json")
+        cls.png_path = os.path.join(cls.dir.name, "bench.png")
+        cls.proc = subprocess.run(
+            [sys.executable, "-m", "jax_blockgemm.bench", "--small", "--reps", "3", "--warmup", "1", "--sets", "2",
+             "--json", cls.json_path, "--png", cls.png_path], capture_output=True, text=True, timeout=1200)
+        cls.record = None
+        if cls.proc.returncode == 0:
+            with open(cls.json_path) as f:
+                cls.record = json.load(f)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.dir.cleanup()
+        super().tearDownClass()
+
+    def setUp(self):
+        self.assertEqual(self.proc.returncode, 0, self.proc.stderr[-3000:])
+
+    def test_table_has_every_column_and_case(self):
+        out = self.proc.stdout
+        # rows: a header, then per case ms, TFLOP/s, the check and one speedup row per baseline (gemm 3, proj_rope 2)
+        for title, labels, rows in (("gemm_amax,", GEMM_LABELS, 1 + 3 * 6), ("gemm_proj_rope_mxfp8,", PROJ_LABELS,
+                                                                             1 + 4 * 5)):
+            block = _table_block(out, title)
+            self.assertEqual(_cells(block[0])[1:], list(labels))
+            self.assertLen(block, rows)
+            self.assertLen({len(line) for line in block}, 1, "rows of one table must be aligned to one width")
+            for row in block[1:]:
+                self.assertLen(_cells(row), len(labels) + (1 if row.startswith(" ") else 2), row)
+        metrics = [_cells(line)[0] for line in out.splitlines() if line.startswith(" " * 10)]
+        for metric in ("TFLOP/s", "rel err vs reference", "codes = reference", "speedup vs nn.scaled_matmul",
+                       "speedup vs reference(xla)", "speedup vs lax.scaled_dot", "speedup vs bare bf16 dot", "speedup vs scaled_matmul pipeline"):
+            self.assertIn(metric, metrics)
+        ms_rows = [_cells(line)[0] for line in out.splitlines() if len(_cells(line)) > 1 and _cells(line)[1] == "ms"]
+        self.assertEqual(ms_rows, [name for _, name in SMALL_CASES])
+        self.assertIn(f"jax {jax.__version__}", out.splitlines()[0])
+        self.assertIn("CuTeDSL", out.splitlines()[0])
+
+    def test_progress_line_per_case(self):
+        lines = [line for line in self.proc.stderr.splitlines() if re.match(r"\[\d+/\d+\]", line)]
+        self.assertEqual([line.split(":")[0] for line in lines],
+                         [f"[{i + 1}/7] {op} {name}" for i, (op, name) in enumerate(SMALL_CASES)])
+        for line in lines:
+            self.assertRegex(line, r"done in \d+\.\d s$")
+
+    def test_png(self):
+        with open(self.png_path, "rb") as f:
+            data = f.read()
+        self.assertEqual(data[:8], PNG_SIGNATURE)
+        self.assertEqual(data[12:16], b"IHDR")
+        width, height = struct.unpack(">II", data[16:24])
+        self.assertGreaterEqual(width, 600)
+        self.assertGreaterEqual(height, 400)
+        self.assertGreater(len(data), 20_000)  # two panels of bars, legends and labels; a blank figure is smaller
+
+    def test_json_environment(self):
+        env = self.record["environment"]
+        self.assertEqual(env["jax"], jax.__version__)
+        for key in ("device", "platform", "jaxlib", "cutedsl", "python"):
+            self.assertTrue(env[key], key)
+        self.assertEqual(self.record["method"]["reps"], 3)
+        self.assertEqual(self.record["method"]["warmup"], 1)
+
+    def test_json_numbers_and_ratios(self):
+        cases = self.record["cases"]
+        self.assertEqual([(c["op"], c["case"]) for c in cases], SMALL_CASES)
+        checked = 0
+        for case in cases:
+            columns = case["columns"]
+            self.assertEqual(set(columns), GEMM_KEYS if case["op"] == "gemm_amax" else PROJ_KEYS)
+            for key, entry in columns.items():
+                if "ms" in entry:
+                    self.assertTrue(math.isfinite(entry["ms"]) and entry["ms"] > 0, (case["case"], key))
+                    self.assertAlmostEqual(entry["tflops"], case["flops"] / entry["ms"] / 1e9,
+                                           delta=1e-9 * entry["tflops"])
+                else:
+                    self.assertTrue(entry["na"], (case["case"], key))  # n/a always says why
+            self.assertEqual(set(case["ratios"]), {f"vs_{b}" for b in bench.BASELINES[case["op"]]})
+            for name, ratios in case["ratios"].items():
+                base = columns[name[3:]]
+                for key, ratio in ratios.items():
+                    if "ms" in base and "ms" in columns[key]:
+                        self.assertAlmostEqual(ratio, base["ms"] / columns[key]["ms"], delta=1e-12 * ratio)
+                        checked += 1
+                    else:
+                        self.assertIsNone(ratio)
+        self.assertGreater(checked, 20)
+
+    def test_checks_against_the_reference(self):
+        """Columns computing the same function match the reference (SPEC §7 bounds); speed anchors are not checked."""
+        for case in self.record["cases"]:
+            columns = case["columns"]
+            gemm = case["op"] == "gemm_amax"
+            self.assertEqual(case["check"], "rel err vs reference" if gemm else "codes = reference")
+            unchecked = {"fp8_dot"} if gemm else {"bf16_dot"}
+            for key, entry in columns.items():
+                if "ms" not in entry or key in unchecked:
+                    self.assertNotIn("check", entry, (case["case"], key))
+                    continue
+                check = entry["check"]
+                self.assertTrue(math.isfinite(check), (case["case"], key))
+                if key == "reference":
+                    self.assertEqual(check, 0.0 if gemm else 1.0)
+                elif gemm:
+                    self.assertLessEqual(check, 1e-4, (case["case"], key))
+                else:
+                    self.assertGreaterEqual(check, 0.99, (case["case"], key))
+
+    def test_what_runs_here(self):
+        for case in self.record["cases"]:
+            columns = case["columns"]
+            for key in ("ours", "reference"):
+                self.assertIn("ms", columns[key])  # ours and the reference run everywhere
+            if jax.default_backend() == "cpu":
+                self.assertIn("use implementation=None or 'xla'", columns["ours_cutedsl"]["na"])
+            if case["op"] == "gemm_amax":
+                self.assertIn("ms", columns["bf16_dot"])
+                self.assertEqual("ms" in columns["scaled_dot"], hasattr(jax.lax, "scaled_dot"))
+            else:
+                dot = columns["bf16_dot"]
+                self.assertIn(dot["layout"], ("w_out_in", "w_in_out"))
+                self.assertEqual(dot["ms"], min(dot["layouts_ms"].values()))
+                self.assertEqual(dot["ms"], dot["layouts_ms"][dot["layout"]])
+
+
+class MissingScaledDotTest(absltest.TestCase):
+
+    def test_missing_scaled_dot_is_shown_as_na(self):
+        """A jax without jax.lax.scaled_dot (simulated) gets "n/a" in that column and every other column runs."""
+        if hasattr(jax.lax, "scaled_dot"):
+            saved = jax.lax.scaled_dot
+            del jax.lax.scaled_dot
+            self.addCleanup(setattr, jax.lax, "scaled_dot", saved)
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            record = bench.main(["--op", "gemm_amax", "--shape", "64,32,64", "--reps", "2", "--warmup", "0"])
+        (case,) = record["cases"]
+        self.assertEqual(case["columns"]["scaled_dot"], {"na": f"jax {jax.__version__} has no jax.lax.scaled_dot"})
+        self.assertTrue(all(r is None for r in case["ratios"]["vs_scaled_dot"].values()))
+        for key in ("ours", "reference", "fp8_dot", "bf16_dot"):
+            self.assertIn("ms", case["columns"][key])
+        block = _table_block(out.getvalue(), "gemm_amax,")
+        column = _cells(block[0]).index("lax.scaled_dot") - 1
+        ms_row = _cells(block[1])
+        self.assertEqual(ms_row[:2], ["64x32x64", "ms"])
+        self.assertEqual(ms_row[2 + column], "n/a")
+        self.assertEqual(_cells(block[2])[1 + column], "n/a")  # TFLOP/s
+        self.assertIn("n/a lax.scaled_dot: jax", out.getvalue())
+        self.assertIn("scaled_dot n/a", err.getvalue())
+
+
+class ArgumentsTest(parameterized.TestCase):
+
+    @parameterized.parameters(
+        ("8192,8192", "expected M,N,K"),
+        ("8192,x,64", "expected M,N,K"),
+        ("1,2,3,4", "expected M,N,K"),
+        ("0,64,64", "M, N and K must be positive"),
+        ("64,64,48", "K must be a multiple of 32"),
+        ("64,2,64", "contiguous dimension N=2 (the result, from b and c_dtype=float32) must be a multiple of 4"),
+    )
+    def test_bad_shape(self, text, message):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as raised:
+            bench.main(["--shape", text])
+        self.assertEqual(raised.exception.code, 2)
+        self.assertIn("argument --shape", err.getvalue())
+        self.assertIn(message, err.getvalue())
+
+    def test_bad_shape_from_the_command_line(self):
+        proc = subprocess.run([sys.executable, "-m", "jax_blockgemm.bench", "--shape", "4096,4096"],
+                              capture_output=True, text=True, timeout=300)
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn("argument --shape: expected M,N,K", proc.stderr)
+        self.assertEqual(proc.stdout, "")
+
+    @parameterized.parameters(("--reps", "0"), ("--warmup", "-1"), ("--sets", "two"))
+    def test_bad_counts(self, flag, value):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), self.assertRaises(SystemExit):
+            bench.main([flag, value])
+        self.assertIn(f"argument {flag}", err.getvalue())
+
+    def test_shapes_replace_the_default_gemm_cases(self):
+        self.assertEqual(bench.parse_shape("4096,7168,16384"), (4096, 7168, 16384))
+        cases = bench.build_cases(ops=("gemm_amax",), shapes=[(64, 32, 64), (96, 40, 128)], small=False)
+        self.assertEqual([(c.name, c.flops) for c in cases], [("64x32x64", 2.0 * 64 * 32 * 64),
+                                                              ("96x40x128", 2.0 * 96 * 40 * 128)])
+        spec = bench.build_cases(ops=bench.OPS, shapes=[], small=False)
+        self.assertEqual([c.name for c in spec],
+                         ["8192x8192x8192", "4096x7168x16384", "4096x24576x1536", "T=2048 H=128 K=1536 bf16",
+                          "T=2048 H=128 K=1536 mxfp8", "T=4096 H=128 K=1536 bf16", "T=4096 H=128 K=1536 mxfp8"])
+
+
+class TimingTest(absltest.TestCase):
+
+    def test_median_ms_rotates_sets_and_takes_the_median(self):
+        calls = []
+        pauses = (0.001, 0.1, 0.001)
+
+        def fn(i):
+            calls.append(i)
+            time.sleep(pauses[i])
+            return jnp.asarray(i)
+
+        ms = bench.median_ms(fn, [(0,), (1,), (2,)], warmup=2, reps=3)
+        self.assertEqual(calls, [0, 1, 0, 1, 2])
+        self.assertGreaterEqual(ms, 1.0)
+        self.assertLess(ms, 25.0)  # the 100 ms call is the outlier the median ignores (a mean would be >= 34 ms)
+
+    def test_random_mxfp8_scales_are_random_and_never_zero(self):
+        codes, scales = bench.random_mxfp8(jax.random.key(3), (64, 256))
+        self.assertEqual(codes.dtype, jnp.float8_e4m3fn)
+        self.assertEqual(scales.shape, (64, 8))
+        self.assertGreater(len(set(scales.tolist()[0]) | set(scales[:, 0].tolist())), 4)
+        self.assertTrue(bool(jnp.all((scales > 0) & (scales < 255))))
+        self.assertGreater(float(jnp.mean(codes.astype(jnp.float32) != 0)), 0.9)
+
+
+class LaunchCostsTest(absltest.TestCase):
+
+    def test_launch_costs(self):
+        """--launch: first calls in fresh processes and per-call costs are positive; no kernel here is n/a."""
+        launch = bench.launch_costs(calls=50)
+        ours = launch["ours"]
+        for key in ("first_call_cold_ms", "first_call_warm_cache_ms", "per_call_us"):
+            self.assertTrue(math.isfinite(ours[key]) and ours[key] > 0, key)
+        self.assertGreater(launch["plain_xla_op_us"], 0)
+        if not _has_kernel_gpu():
+            self.assertIn("no CuTeDSL kernel", launch["ours_cutedsl"]["na"])
+        lines = bench.format_launch(launch)
+        self.assertIn("launch costs, gemm_amax 128x128x128", lines[1])
+        self.assertIn(f"{ours['per_call_us']:.1f} us per call", lines[2])
+
+
+@absltest.skipUnless(_has_kernel_gpu(), "needs a CUDA GPU with a CuTeDSL kernel (sm_90a)")
+class GpuBenchTest(absltest.TestCase):
+
+    def test_small_on_the_gpu(self):
+        """On a GPU with a kernel, the kernel column and the cuDNN/XLA baselines all produce numbers."""
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            record = bench.main(["--small", "--op", "gemm_amax", "--reps", "3", "--warmup", "1"])
+        for case in record["cases"]:
+            for key in ("ours", "ours_cutedsl", "reference", "scaled_matmul", "fp8_dot", "bf16_dot"):
+                self.assertIn("ms", case["columns"][key], (case["case"], key, case["columns"][key]))
+            self.assertIsNotNone(case["ratios"]["vs_scaled_matmul"]["ours_cutedsl"])
+            for key in ("ours", "ours_cutedsl", "scaled_matmul"):
+                self.assertLessEqual(case["columns"][key]["check"], 1e-4, (case["case"], key))  # SPEC §7, fp32 C
+
+
+if __name__ == "__main__":
+    absltest.main()

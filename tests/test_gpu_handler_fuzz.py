@@ -1,0 +1,514 @@
+"""Fuzzing the XLA FFI handlers: inconsistent buffers and attributes must end in an error naming the problem.
+
+Raw `jax.ffi.ffi_call` bypasses every Python check (api.py, support.py, ffi_lowering.py), so the handler's own C++
+checks are all that stands between a bad call and a kernel reading or writing out of range. Each handler is a
+`Target`: a well-formed call plus a table of broken variants of it (`Case`s). The same table runs
+- on CPU, always: through the very C++ functions the handler calls (the `_jbg_ffi` test hooks), plus XLA:CPU's real
+  instantiate stage for the attribute cases, plus hypothesis-generated dims and bytes;
+- on a GPU with a kernel (skipped elsewhere, e.g. in CI): through raw `jax.ffi.ffi_call` on CUDA; afterwards the
+  well-formed call must still match the float64 oracle. benchmarks/sanitize.py runs this module under
+  `compute-sanitizer --tool memcheck`.
+A second handler (proj_rope) plugs in by adding its `Target` to TARGETS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+try:  # the test extra has it; a bare GPU machine may not, and the GPU cases need none of it
+    from hypothesis import HealthCheck, given, settings, strategies as st
+except ImportError:
+    st = None
+
+from jax_blockgemm import _native, dispatch, kernel_cache
+
+import oracle
+import oracle_ops
+
+ext = _native.extension()
+U8, F32, BF16, E4M3, E5M2 = "uint8", "float32", "bfloat16", "float8_e4m3fn", "float8_e5m2"
+DEVICE_ARCH = "sm_90a"  # the arch whose object the GPU run loads (the H200); CPU checks emulate that device
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One raw custom call: operand and result buffers and the typed-FFI attributes."""
+
+    operands: tuple[Buffer, ...]
+    results: tuple[Buffer, ...]
+    attrs: dict
+
+    def replace(self, *, operand: int | None = None, result: int | None = None, buffer: Buffer | None = None,
+                **attrs: Any) -> "Call":
+        ops, res = list(self.operands), list(self.results)
+        if operand is not None:
+            ops[operand] = buffer
+        if result is not None:
+            res[result] = buffer
+        return Call(tuple(ops), tuple(res), {**self.attrs, **attrs})
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A broken call and the regex its error must match. stage: where the handler refuses it ('attributes':
+    parsing at instantiation, before any device is touched; 'object': loading at instantiation; 'buffers':
+    every execution). cpu=False for cases only a device can decide (which capability it has)."""
+
+    name: str
+    call: Call
+    message: str
+    stage: str
+    cpu: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One FFI handler under fuzz: its name, the object it loads, a well-formed call, its cases and a CPU twin
+    that runs the handler's C++ checks on a call through the module's test hooks ('' = accepted)."""
+
+    name: str
+    object_fn: Callable[[], tuple[bytes, str]]
+    well_formed: Callable[[bytes, str], Call]
+    cases: Callable[[Call], list[Case]]
+    cpu_check: Callable[[Call], str]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# jbg_gemm_amax
+
+
+def _cdiv(x: int, y: int) -> int:
+    return -(-x // y)
+
+
+def gemm_amax_buffers(l: int, m: int, n: int, k: int, ab: str = E4M3, c: str = F32) -> tuple[tuple, tuple]:
+    """Well-formed (operands, results) of the handler: a, b, sfa, sfb and c, amax."""
+    kp = _cdiv(_cdiv(k, 32), 4)
+    operands = (Buffer(ab, (l, m, k)), Buffer(ab, (l, n, k)), Buffer(U8, (l, _cdiv(m, 128), kp, 32, 4, 4)),
+                Buffer(U8, (l, _cdiv(n, 128), kp, 32, 4, 4)))
+    return operands, (Buffer(c, (l, m, n)), Buffer(F32, (l,)))
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm_amax_object() -> tuple[bytes, str]:
+    """The real sm_90a e4m3 -> f32 object (compiled by CuTeDSL without a GPU, cached) and its function prefix."""
+    from jax_blockgemm.kernels import catalog
+
+    variant = catalog.select_variant(arch=DEVICE_ARCH, ab_dtype=E4M3, c_dtype=F32, sf_vec_size=32,
+                                     tile_mn=(128, 128), cluster_mn=(1, 1))
+    return kernel_cache.get_object(variant), variant.function_prefix
+
+
+def _gemm_amax_well_formed(obj: bytes, prefix: str) -> Call:
+    operands, results = gemm_amax_buffers(2, 200, 136, 96)
+    return Call(operands, results, dict(archs=DEVICE_ARCH, function_prefixes=prefix, objects=obj,
+                                        offsets=(0, len(obj)), ab_dtype=E4M3, c_dtype=F32))
+
+
+def _gemm_amax_cases(good: Call) -> list[Case]:
+    obj, prefix = good.attrs["objects"], good.attrs["function_prefixes"]
+    a, b, sfa, sfb = good.operands
+    c, amax = good.results
+    l, m, k = a.shape
+    n = b.shape[1]
+    kp = sfa.shape[2]
+    elf_header_only = obj[:64]
+    buffers = [
+        ("a of another dtype", dict(operand=0, buffer=Buffer(BF16, a.shape)), r"a is bfloat16 \(2, 200, 96\); "
+         r"expected float8_e4m3fn or float8_e5m2"),
+        ("a and b e5m2 for an e4m3 kernel", None, r"a is float8_e5m2 .*compiled for float8_e4m3fn operands"),
+        ("b of another fp8 dtype", dict(operand=1, buffer=Buffer(E5M2, b.shape)), r"b is float8_e5m2 .*expected "
+         r"the dtype of a \(float8_e4m3fn\)"),
+        ("sfa as int8", dict(operand=2, buffer=Buffer("int8", sfa.shape)), r"sfa is another dtype .*expected uint8"),
+        ("sfb as float32", dict(operand=3, buffer=Buffer(F32, sfb.shape)), r"sfb is float32 .*expected uint8"),
+        ("c bf16 for an f32 kernel (would be written past its end)", dict(result=0, buffer=Buffer(BF16, c.shape)),
+         r"c is bfloat16 \(2, 200, 136\); the kernel objects were compiled for a float32 C"),
+        ("c float16", dict(result=0, buffer=Buffer("float16", c.shape)), r"c is another dtype .*float32 or bfloat16"),
+        ("amax bf16", dict(result=1, buffer=Buffer(BF16, amax.shape)), r"amax is bfloat16 \(2,\); expected float32"),
+        ("a rank 2", dict(operand=0, buffer=Buffer(E4M3, (m, k))), r"a is .*expected rank 3 \(L, M, K\)"),
+        ("a rank 4", dict(operand=0, buffer=Buffer(E4M3, (1, l, m, k))), r"a is .*expected rank 3"),
+        ("M = 0", dict(operand=0, buffer=Buffer(E4M3, (l, 0, k))), r"a is .*\(2, 0, 96\); expected every dimension"),
+        ("L = 0", dict(operand=0, buffer=Buffer(E4M3, (0, m, k))), r"a is .*expected every dimension >= 1"),
+        ("K = 0", dict(operand=0, buffer=Buffer(E4M3, (l, m, 0))), r"a is .*expected every dimension >= 1"),
+        ("K not a multiple of 16", dict(operand=0, buffer=Buffer(E4M3, (l, m, 40))), r"a is .*K a multiple of 16"),
+        ("N = 0", dict(operand=1, buffer=Buffer(E4M3, (l, 0, k))), r"b is .*expected \(L, N, K\) = \(2, N >= 1, 96\)"),
+        ("b's K disagrees with a's", dict(operand=1, buffer=Buffer(E4M3, (l, n, k + 16))), r"b is .*\(L, N, K\) = "
+         r"\(2, N >= 1, 96\)"),
+        ("b's L disagrees with a's", dict(operand=1, buffer=Buffer(E4M3, (l + 1, n, k))), r"b is .*\(L, N, K\)"),
+        ("b rank 2", dict(operand=1, buffer=Buffer(E4M3, (n, k))), r"b is .*\(L, N, K\)"),
+        ("sfa for a smaller M", dict(operand=2, buffer=Buffer(U8, (l, 1, kp, 32, 4, 4))),
+         r"sfa is uint8 \(2, 1, 1, 32, 4, 4\); expected \(2, 2, 1, 32, 4, 4\)"),
+        ("sfa for a larger K", dict(operand=2, buffer=Buffer(U8, (l, 2, kp + 1, 32, 4, 4))), r"sfa is .*expected "
+         r"\(2, 2, 1, 32, 4, 4\)"),
+        ("sfa flat", dict(operand=2, buffer=Buffer(U8, (l * 2 * kp * 512,))), r"sfa is uint8 \(2048,\); expected"),
+        ("sfa compact form", dict(operand=2, buffer=Buffer(U8, (l, m, 3))), r"sfa is .*the 128x4 scale atom"),
+        ("sfb zero-sized", dict(operand=3, buffer=Buffer(U8, (l, 0, kp, 32, 4, 4))), r"sfb is .*expected "
+         r"\(2, 2, 1, 32, 4, 4\)"),
+        ("sfb transposed atom", dict(operand=3, buffer=Buffer(U8, (l, 2, kp, 4, 32, 4))), r"sfb is .*expected"),
+        ("c transposed", dict(result=0, buffer=Buffer(F32, (l, n, m))), r"c is float32 \(2, 136, 200\); expected "
+         r"\(2, 200, 136\) \(L, M, N\)"),
+        ("c too small", dict(result=0, buffer=Buffer(F32, (l, m, n - 8))), r"c is .*expected \(2, 200, 136\)"),
+        ("c unbatched", dict(result=0, buffer=Buffer(F32, (m, n))), r"c is .*expected \(2, 200, 136\)"),
+        ("amax scalar", dict(result=1, buffer=Buffer(F32, ())), r"amax is float32 \(\); expected \(2,\)"),
+        ("amax one entry for L = 2", dict(result=1, buffer=Buffer(F32, (1,))), r"amax is .*\(1,\); expected \(2,\)"),
+        ("amax (L, 1)", dict(result=1, buffer=Buffer(F32, (l, 1))), r"amax is .*\(2, 1\); expected \(2,\)"),
+        ("amax zero-sized", dict(result=1, buffer=Buffer(F32, (0,))), r"amax is .*\(0,\); expected \(2,\)"),
+    ]
+    cases = []
+    for name, change, message in buffers:
+        if change is None:  # both operands change together
+            call = good.replace(operand=0, buffer=Buffer(E5M2, a.shape))
+            call = call.replace(operand=1, buffer=Buffer(E5M2, b.shape))
+        else:
+            call = good.replace(**change)
+        cases.append(Case(name, call, "jbg_gemm_amax: " + message, "buffers"))
+    attributes = [
+        ("empty archs", dict(archs="", function_prefixes="", offsets=(0,)), "archs is empty"),
+        ("unknown arch", dict(archs="sm90"), r'arch "sm90" is not of the form'),
+        ("one prefix for two archs", dict(archs="sm_90a,sm_100a", offsets=(0, 10, len(obj))), "one prefix per arch"),
+        ("empty function prefix", dict(function_prefixes=""), "function_prefixes has 0 entries"),
+        ("empty second prefix", dict(archs="sm_90a,sm_100a", function_prefixes=prefix + ",",
+                                     offsets=(0, 10, len(obj))), "function prefix for sm_100a is empty"),
+        ("prefix not an identifier", dict(function_prefixes=prefix + ".x"), "is not a C identifier"),
+        ("prefix with a space", dict(function_prefixes="jbg gemm"), "is not a C identifier"),
+        ("arch listed twice", dict(archs="sm_90a,sm_90a", function_prefixes=f"{prefix},{prefix}",
+                                   offsets=(0, 10, len(obj))), "arch sm_90a is listed twice"),
+        ("offsets too short", dict(offsets=(0,)), "offsets has 1 entries; expected 2"),
+        ("offsets too long", dict(offsets=(0, 5, len(obj))), "offsets has 3 entries; expected 2"),
+        ("offsets end short of objects", dict(offsets=(0, len(obj) - 1)), r"end at the size of objects"),
+        ("offsets end past objects", dict(offsets=(0, len(obj) + 4096)), r"end at the size of objects"),
+        ("offsets start past zero", dict(offsets=(8, len(obj))), r"start at 0"),
+        ("negative offset", dict(archs="sm_90a,sm_100a", function_prefixes="p,q", offsets=(0, -5, len(obj))),
+         "object for sm_90a is empty"),
+        ("offsets decreasing", dict(archs="sm_90a,sm_100a", function_prefixes="p,q",
+                                    offsets=(0, len(obj) + 7, len(obj))), "object for sm_100a is empty"),
+        ("empty objects", dict(objects=b"", offsets=(0, 0)), "object for sm_90a is empty"),
+        ("unknown ab_dtype", dict(ab_dtype="float8_e4m3"), r'ab_dtype "float8_e4m3" is not supported'),
+        ("ab_dtype bf16", dict(ab_dtype=BF16), r'ab_dtype "bfloat16" is not supported'),
+        ("empty c_dtype", dict(c_dtype=""), r'c_dtype "" is not supported; expected float32 or bfloat16'),
+    ]
+    cases += [Case(name, good.replace(**change), "jbg_gemm_amax attributes: .*" + message, "attributes")
+              for name, change, message in attributes]
+    objects = [
+        ("unknown function prefix", dict(function_prefixes="jbg_no_such_kernel"),
+         "exports no function named jbg_no_such_kernel"),
+        ("prefix of another variant", dict(function_prefixes=prefix.replace("f32", "bf16")), "exports no function"),
+        ("truncated to its ELF header", dict(objects=elf_header_only, offsets=(0, 64)), "is truncated"),
+        ("truncated by one byte", dict(objects=obj[:-1], offsets=(0, len(obj) - 1)), "is truncated"),
+        ("truncated to half", dict(objects=obj[: len(obj) // 2], offsets=(0, len(obj) // 2)), "is truncated"),
+        ("foreign bytes", dict(objects=b"\x00" * 4096, offsets=(0, 4096)), "is not an ELF object"),
+        ("text instead of an object", dict(objects=b"not an object at all", offsets=(0, 20)), "is not an ELF object"),
+        ("a 32-bit ELF", dict(objects=obj[:4] + b"\x01" + obj[5:]), "is not a 64-bit little-endian ELF"),
+        ("a shared library, not relocatable", dict(objects=obj[:16] + b"\x03\x00" + obj[18:]),
+         "is not a relocatable object"),
+        ("another machine's object", dict(objects=obj[:18] + b"\xb7\x00" + obj[20:]), "is built for ELF machine"),
+        ("section headers past the end", dict(objects=obj[:40] + (len(obj) - 100).to_bytes(8, "little") + obj[48:]),
+         "is truncated: its section headers end past"),
+    ]
+    cases += [Case(name, good.replace(**change), "jbg_gemm_amax: the kernel object for .*" + message, "object")
+              for name, change, message in objects]
+    cases.append(Case("only an object for another GPU", good.replace(archs="sm_100a"),
+                      r"no kernel object for compute capability 9\.0.*sm_100a", "object", cpu=False))
+    return cases
+
+
+def _address_list(call: Call) -> list:
+    """(dtype, dims, address) per buffer, at distinct 16-byte aligned stand-in addresses (never dereferenced)."""
+    return [(b.dtype, list(b.shape), (1 << 20) + 4096 * i) for i, b in enumerate(call.operands + call.results)]
+
+
+def _gemm_amax_cpu_check(call: Call) -> str:
+    """What the handler's C++ says about `call`, as if instantiated and executed on an sm_90a device."""
+    attrs = call.attrs
+    try:
+        table = ext.parse_object_table(attrs["archs"], attrs["function_prefixes"], len(attrs["objects"]),
+                                       list(attrs["offsets"]))
+        ext.parse_kernel_dtypes(attrs["ab_dtype"], attrs["c_dtype"])
+    except ValueError as e:
+        return str(e)
+    for arch, prefix, _, _, begin, end in table:
+        if arch == DEVICE_ARCH:
+            message = ext.check_kernel_object(bytes(attrs["objects"][begin:end]), prefix)
+            if message:
+                return "jbg_gemm_amax: " + message
+    try:
+        return ext.check_gemm_amax_buffers(_address_list(call), attrs["ab_dtype"], attrs["c_dtype"])[0]
+    except ValueError as e:  # a dtype the hook cannot describe to the C++ side
+        return f"jbg_gemm_amax: {e}"
+
+
+GEMM_AMAX = Target(_native.GEMM_AMAX_TARGET, _gemm_amax_object, _gemm_amax_well_formed, _gemm_amax_cases,
+                   _gemm_amax_cpu_check)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# jbg_gemm_proj_rope_mxfp8
+
+
+def proj_rope_buffers(t: int, k: int, h: int, w_out_in: bool = True) -> tuple[tuple, tuple]:
+    """Well-formed (operands, results): x, w, cos, sin and the four outputs, with the leading group axis of 1."""
+    n = h * 192
+    operands = (Buffer(BF16, (1, t, k)), Buffer(BF16, (1, n, k) if w_out_in else (1, k, n)),
+                Buffer(BF16, (1, t, 64)), Buffer(BF16, (1, t, 64)))
+    results = (Buffer(E4M3, (1, t, h, 192)), Buffer(U8, (1, t, h, 6)), Buffer(E4M3, (1, t, h, 192)),
+               Buffer(U8, (1, t // 32, h, 192)))
+    return operands, results
+
+
+@functools.lru_cache(maxsize=None)
+def _proj_rope_object() -> tuple[bytes, str]:
+    """The real sm_90a proj_rope object (w as (H*192, K)) and its function prefix."""
+    from jax_blockgemm.kernels import catalog
+
+    variant = catalog.select_variant(op="proj_rope", arch=DEVICE_ARCH, ab_dtype=BF16, c_dtype=E4M3, sf_vec_size=32,
+                                     tile_mn=dispatch.PROJ_ROPE_TILE[DEVICE_ARCH], cluster_mn=(1, 1))
+    return kernel_cache.get_object(variant), variant.function_prefix
+
+
+def _proj_rope_well_formed(obj: bytes, prefix: str) -> Call:
+    operands, results = proj_rope_buffers(96, 64, 2)
+    return Call(operands, results, dict(archs=DEVICE_ARCH, function_prefixes=prefix, objects=obj,
+                                        offsets=(0, len(obj)), w_out_in=True))
+
+
+def _proj_rope_cases(good: Call) -> list[Case]:
+    x, w, cos, sin = good.operands
+    row, row_s, col, col_s = good.results
+    t, k = x.shape[1:]
+    h = row.shape[2]
+    buffers = [
+        ("x float32", dict(operand=0, buffer=Buffer(F32, x.shape)), r"x has shape .*expected bfloat16 \(1, T, K\)"),
+        ("x without the group axis", dict(operand=0, buffer=Buffer(BF16, (t, k))), r"x has shape \(96, 64\)"),
+        ("T not a multiple of 32", dict(operand=0, buffer=Buffer(BF16, (1, 80, k))),
+         r"x has shape \(1, 80, 64\).*T a positive multiple of 32"),
+        ("K not a multiple of 8", dict(operand=0, buffer=Buffer(BF16, (1, t, 60))),
+         r"x has shape \(1, 96, 60\).*K a positive multiple of 8"),
+        ("w with another K", dict(operand=1, buffer=Buffer(BF16, (1, 384, 32))), r"w has shape .*with K = 64"),
+        ("w not whole heads", dict(operand=1, buffer=Buffer(BF16, (1, 200, k))),
+         r"w has shape .*H\*192 output features"),
+        ("w in the other layout", dict(operand=1, buffer=Buffer(BF16, (1, k, 384))), r"w has shape \(1, 64, 384\)"),
+        ("cos too short", dict(operand=2, buffer=Buffer(BF16, (1, t - 32, 64))), r"cos has shape"),
+        ("sin float32", dict(operand=3, buffer=Buffer(F32, sin.shape)), r"sin has shape"),
+        ("row codes uint8", dict(result=0, buffer=Buffer(U8, row.shape)), r"out_fp8_row .*float8_e4m3fn"),
+        ("row scales per 16", dict(result=1, buffer=Buffer(U8, (1, t, h, 12))), r"out_scales_row"),
+        ("col codes for one head", dict(result=2, buffer=Buffer(E4M3, (1, t, 1, 192))), r"out_fp8_col"),
+        ("col scales per token", dict(result=3, buffer=Buffer(U8, (1, t, h, 192))), r"out_scales_col"),
+    ]
+    cases = [Case(name, good.replace(**change), "jbg_gemm_proj_rope_mxfp8: " + message, "buffers")
+             for name, change, message in buffers]
+    cases.append(Case("layout attribute that disagrees with w", good.replace(w_out_in=False),
+                      r"w has shape \(1, 384, 64\).*\(1, K, H\*192\)", "buffers"))
+    attributes = [
+        ("no archs", dict(archs="", function_prefixes=""), r"archs is empty"),
+        ("offsets past the objects", dict(offsets=(0, len(good.attrs["objects"]) + 1)), r"offsets must .*end"),
+        ("two prefixes for one arch", dict(function_prefixes=good.attrs["function_prefixes"] + ",x"),
+         r"function_prefixes has 2 entries"),
+    ]
+    cases += [Case(name, good.replace(**change), message, "attributes") for name, change, message in attributes]
+    cases.append(Case("truncated object", good.replace(objects=good.attrs["objects"][:64], offsets=(0, 64)),
+                      r"jbg_gemm_proj_rope_mxfp8: .*", "object"))
+    return cases
+
+
+def _proj_rope_cpu_check(call: Call) -> str:
+    """What the proj_rope handler's C++ says about `call`, as if instantiated and executed on an sm_90a device."""
+    attrs = call.attrs
+    try:
+        table = ext.parse_object_table(attrs["archs"], attrs["function_prefixes"], len(attrs["objects"]),
+                                       list(attrs["offsets"]))
+    except ValueError as e:
+        return str(e)
+    for arch, prefix, _, _, begin, end in table:
+        if arch == DEVICE_ARCH:
+            message = ext.check_kernel_object(bytes(attrs["objects"][begin:end]), prefix)
+            if message:
+                return "jbg_gemm_proj_rope_mxfp8: " + message
+    return ext.check_proj_rope_buffers(_address_list(call), attrs["w_out_in"])[0]
+
+
+PROJ_ROPE = Target(_native.PROJ_ROPE_TARGET, _proj_rope_object, _proj_rope_well_formed, _proj_rope_cases,
+                   _proj_rope_cpu_check)
+TARGETS = (GEMM_AMAX, PROJ_ROPE)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Runners
+
+
+def _target_cases() -> list[tuple[str, Target, Case]]:
+    out = []
+    for target in TARGETS:
+        obj, prefix = target.object_fn()
+        out += [(f"{target.name}: {case.name}", target, case) for case in target.cases(target.well_formed(obj, prefix))]
+    return out
+
+
+def _ffi_call(target: Target, call: Call, *, device: Any) -> Any:
+    """Runs `call` through raw jax.ffi.ffi_call on `device`, bypassing every Python check; returns the results."""
+    attrs = {k: (np.frombuffer(bytes(v), np.uint8) if k == "objects" else
+                 np.asarray(v, np.int64) if k == "offsets" else v) for k, v in call.attrs.items()}
+    operands = [jax.device_put(jnp.zeros(b.shape, b.dtype), device) for b in call.operands]
+    results = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in call.results]
+    fn = jax.jit(lambda *xs: jax.ffi.ffi_call(target.name, results)(*xs, **attrs))
+    return jax.block_until_ready(fn(*operands))
+
+
+def _cutedsl_or_skip(test: absltest.TestCase) -> None:
+    try:
+        import cutlass  # noqa: F401  (only whether it imports)
+    except ImportError as e:
+        test.skipTest(f"CuTeDSL is not importable (the cases need a real kernel object): {e}")
+
+
+class CpuHandlerChecksTest(absltest.TestCase):
+    """Every case through the handler's own C++ checks, on CPU (what CI proves)."""
+
+    def setUp(self):
+        super().setUp()
+        _cutedsl_or_skip(self)
+
+    def test_well_formed_calls_pass(self):
+        for target in TARGETS:
+            self.assertEqual(target.cpu_check(target.well_formed(*target.object_fn())), "", target.name)
+
+    def test_every_case_is_refused_with_its_message(self):
+        cases = [c for c in _target_cases() if c[2].cpu]
+        self.assertGreater(len(cases), 50)
+        for label, target, case in cases:
+            with self.subTest(case=label):
+                message = target.cpu_check(case.call)
+                self.assertRegex(message, case.message)
+
+    def test_attribute_cases_through_xla_cpu(self):
+        """XLA:CPU runs the handler's real instantiate stage; the attribute cases fail there before any device is
+        touched, with the same message, as a Python exception."""
+        cpu = jax.devices("cpu")[0]
+        _native.register_ffi_targets(platform="cpu")
+        cases = [c for c in _target_cases() if c[2].stage == "attributes"]
+        self.assertGreater(len(cases), 15)
+        for label, target, case in cases:
+            with self.subTest(case=label):
+                with self.assertRaisesRegex(Exception, "INVALID_ARGUMENT: .*" + case.message):
+                    _ffi_call(target, case.call, device=cpu)
+
+
+
+
+def _consistent(buffers: list, ab: str, c: str) -> bool:
+    """Independent statement of what the kernel needs (BUILD.md's table), for the hypothesis oracle."""
+    (da, sa, _), (db, sb, _), (dsa, ssa, _), (dsb, ssb, _), (dc, sc, _), (dm, sm, _) = buffers
+    if (da, db, dsa, dsb, dc, dm) != (ab, ab, U8, U8, c, F32) or len(sa) != 3:
+        return False
+    l, m, k = sa
+    if min(l, m, k) < 1 or k % 16 or len(sb) != 3 or sb[0] != l or sb[2] != k or sb[1] < 1:
+        return False
+    n, kp = sb[1], _cdiv(_cdiv(k, 32), 4)
+    want = [[l, _cdiv(m, 128), kp, 32, 4, 4], [l, _cdiv(n, 128), kp, 32, 4, 4], [l, m, n], [l]]
+    if [ssa, ssb, sc, sm] != want:
+        return False
+    return all(int(np.prod(np.array(s, dtype=object))) < 2**31 for s in (sa, sb, ssa, ssb, sc, sm))
+
+
+if st is not None:
+    # Hypothesis strategies: a dim near what the buffer needs, or anything (0, negative, huge).
+    _dim = st.one_of(st.integers(1, 300), st.sampled_from([0, -1, 16, 32, 128, 129, 2**31, 2**40, 2**62]))
+    _dtype = st.sampled_from([E4M3, E5M2, U8, F32, BF16, "float16", "int32", "int8"])
+
+    class CpuHypothesisTest(absltest.TestCase):
+        """Generated inputs for the C++ checks: they never crash, and accept exactly what the kernel can take."""
+
+        @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+        @given(l=_dim, m=_dim, n=_dim, k=_dim, ab=st.sampled_from([E4M3, E5M2]), c=st.sampled_from([F32, BF16]),
+               which=st.integers(0, 5), dims=st.lists(_dim, max_size=7), dtype=_dtype, keep=st.booleans())
+        def test_buffer_checks(self, l, m, n, k, ab, c, which, dims, dtype, keep):
+            call = Call(*gemm_amax_buffers(l, m, n, k, ab=ab, c=c), {})
+            buffers = _address_list(call)
+            if not keep:  # perturb one buffer's dims and dtype
+                buffers[which] = (dtype, dims, buffers[which][2])
+            message, got = ext.check_gemm_amax_buffers(buffers, ab, c)
+            if _consistent(buffers, ab, c):
+                self.assertEqual(message, "")
+                self.assertEqual(got, (m, n, k, l))
+            else:
+                self.assertRegex(message, r"^jbg_gemm_amax: (a|b|sfa|sfb|c|amax) is .*; (expected|the kernel objects)")
+
+        @settings(max_examples=300, deadline=None)
+        @given(cuts=st.lists(st.integers(-3, 2**40), min_size=1, max_size=5), size=st.integers(0, 2**20),
+               archs=st.lists(st.sampled_from(["sm_90a", "sm_100a", "sm_120f", "sm_9", "x"]), max_size=4))
+        def test_object_table(self, cuts, size, archs):
+            offsets = [0, *cuts]
+            prefixes = ",".join(f"p{i}" for i in range(len(archs)))
+            try:
+                table = ext.parse_object_table(",".join(archs), prefixes, size, offsets)
+            except ValueError as e:
+                self.assertRegex(str(e), "^jbg_gemm_amax attributes: ")
+                return
+            # Accepted: every entry lies inside the objects, in order, and covers them exactly.
+            self.assertEqual([t[0] for t in table], archs)
+            self.assertEqual([(t[4], t[5]) for t in table], list(zip(offsets[:-1], offsets[1:])))
+            self.assertTrue(all(0 <= b < e <= size for *_, b, e in table))
+            self.assertEqual(len(set(archs)), len(archs))
+
+        @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+        @given(data=st.data())
+        def test_object_bytes(self, data):
+            """Truncations and byte flips of a real object: no crash; a truncated one is always refused."""
+            _cutedsl_or_skip(self)
+            obj, prefix = _gemm_amax_object()
+            cut = data.draw(st.integers(0, len(obj) - 1))
+            self.assertRegex(ext.check_kernel_object(obj[:cut], prefix), "is truncated|is not an ELF object")
+            flips = data.draw(st.lists(st.tuples(st.integers(0, len(obj) - 1), st.integers(1, 255)), max_size=8))
+            mutated = bytearray(obj)
+            for i, x in flips:
+                mutated[i] ^= x
+            self.assertIsInstance(ext.check_kernel_object(bytes(mutated), prefix), str)
+
+
+def _has_kernel_gpu() -> bool:
+    caps = dispatch.local_cuda_capabilities()
+    return bool(caps) and DEVICE_ARCH in {dispatch.ARCH_OF_CAPABILITY.get(cc) for cc in caps}
+
+
+@absltest.skipUnless(_has_kernel_gpu(), "needs a CUDA GPU with a CuTeDSL kernel (sm_90a)")
+class GpuHandlerFuzzTest(absltest.TestCase):
+    """Every case through raw jax.ffi.ffi_call on the GPU: an exception naming the problem, never a crash."""
+
+    def test_every_case_raises_then_the_well_formed_call_is_correct(self):
+        gpu = jax.devices("cuda")[0]
+        cases = _target_cases()
+        self.assertGreater(len(cases), 50)
+        for label, target, case in cases:
+            with self.subTest(case=label):
+                with self.assertRaisesRegex(Exception, case.message):
+                    _ffi_call(target, case.call, device=gpu)
+        # The handler and the device are still sound: the well-formed raw call matches the float64 oracle.
+        good = _gemm_amax_well_formed(*_gemm_amax_object())
+        rng = np.random.default_rng(17)
+        l, m, k = good.operands[0].shape
+        n = good.operands[1].shape[1]
+        codes = [np.clip(rng.standard_normal((l, mn, k)) * 8, -448, 448).astype(np.float32).astype(oracle_ops.E4M3)
+                 for mn in (m, n)]
+        scales = [oracle.random_scale_bytes(rng, (l, mn, _cdiv(k, 32))) for mn in (m, n)]
+        attrs = {key: (np.frombuffer(v, np.uint8) if key == "objects" else
+                       np.asarray(v, np.int64) if key == "offsets" else v) for key, v in good.attrs.items()}
+        results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in good.results]
+        fn = jax.jit(lambda *xs: jax.ffi.ffi_call(GEMM_AMAX.name, results)(*xs, **attrs))
+        c, amax = fn(*codes, *(oracle.compact_to_atom_np(s) for s in scales))
+        c_ref, amax_ref = oracle_ops.gemm_amax_oracle(*codes, *scales, k=k, sf_vec_size=32)
+        oracle_ops.assert_gemm_close(self, np.asarray(c), c_ref, c_dtype=jnp.float32)
+        oracle_ops.assert_amax_close(self, np.asarray(amax), amax_ref)
+
+if __name__ == "__main__":
+    absltest.main()

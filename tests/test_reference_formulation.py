@@ -1,0 +1,333 @@
+"""The reference's measured formulation computes the same bits as the old one; the scaled_dot route stays in SPEC §7.
+
+proj_rope: `reference.gemm_proj_rope_reference` (restructured for speed on 2026-11-29, see its docstring) must be
+bit-identical to the formulation it replaced (`legacy_proj_rope` below, the oracle of record) on random inputs
+with zero, NaN and inf blocks, at odd shapes; its quantizer is also checked on crafted Y (E4M3 ties,
+saturation, float32 subnormals, zero and non-finite blocks) against the old quantizer and the float64 oracle.
+gemm_amax: the `jax.lax.scaled_dot` accumulator against the float64 oracle (skipped where jax lacks scaled_dot),
+the one place that decides when the primitives take it (never, today), and that
+benchmarks/reference_variants.py itself runs (`--small`).
+"""
+
+import functools
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import jax_blockgemm as jbg
+from jax_blockgemm import formats, reference
+
+import oracle
+import oracle_ops
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_SCRIPT = _ROOT / "benchmarks" / "reference_variants.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("reference_variants", _SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+rv = _load_script()
+_NO_SCALED_DOT = "the installed jax has no jax.lax.scaled_dot"
+E4M3 = jnp.float8_e4m3fn
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The formulation before the 2026-11-29 rewrite (commit f7a3245), kept verbatim as the oracle of record.
+
+
+def _legacy_round_to_e4m3_grid(y: jax.Array) -> jax.Array:
+    """formats.round_to_grid(y, E4M3) as it was: a division by the grid step."""
+    y = jnp.clip(y, -448.0, 448.0)
+    biased = (jax.lax.bitcast_convert_type(y, jnp.int32) >> 23) & 0xFF
+    ulp = formats._exp2(jnp.maximum(biased - 127, -6) - 3)
+    return jnp.round(y / ulp) * ulp
+
+
+def _legacy_quantize(y: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """formats.quantize_mxfp8 (E4M3, block 32, ceil rule) as it was: two reductions per block, tokens moved last."""
+    xb = formats._to_blocks(y.astype(jnp.float32), axis, 32)
+    finite = jnp.isfinite(xb)
+    amax, bad = formats.magnitude_max(jnp.where(finite, xb, 0.0)), ~jnp.all(finite, axis=-1)
+    e = jnp.where(bad, 128, formats.scale_exponent(amax, 448.0, rule="ceil"))
+    v = formats._scale_by_exp2(xb, -jnp.clip(e, -127, 127)[..., None])
+    v = jnp.where(bad[..., None], 0.0, jnp.clip(v, -448.0, 448.0))
+    codes = formats._from_blocks(_legacy_round_to_e4m3_grid(v).astype(E4M3), axis, y.shape[axis])
+    return codes, jnp.moveaxis(formats.exponent_to_e8m0(e), -1, axis)
+
+
+def legacy_proj_rope(x, w, cos, sin, *, x_scale=None, w_scale=None, w_out_in=True):
+    """reference.gemm_proj_rope_reference as it was: dot, concatenating RoPE, barrier, two moveaxis quantizations."""
+    if x.dtype == np.dtype(E4M3):
+        x = reference.dequantize_bf16(x, x_scale, block=32, axis=1)
+        w = reference.dequantize_bf16(w, w_scale, block=32, axis=1 if w_out_in else 0)
+    y = reference._bf16_dot(x, w, (((1,), (1 if w_out_in else 0,)), ((), ())))
+    t, n = y.shape
+    y = jax.lax.optimization_barrier(reference.apply_rope(y.reshape(t, n // 192, 192), cos, sin))
+    return (*_legacy_quantize(y, -1), *_legacy_quantize(y, 0))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(np.uint32)
+
+
+def _assert_same_bits(test, got, want, what: str) -> None:
+    for i, (g, w) in enumerate(zip(got, want)):
+        g, w = _bits(g), _bits(w)
+        test.assertEqual(g.shape, w.shape, f"{what}: output {i} shape")
+        differ = int(np.sum(g != w))
+        test.assertEqual(differ, 0, f"{what}: output {i} differs in {differ} of {g.size} elements")
+
+
+def _special_inputs(rng, *, t, h, k, mxfp8, w_out_in):
+    """oracle_ops' random inputs with a zero token and a zero feature (zero row and column blocks), a NaN feature
+    and an inf feature: a NaN and an inf weight (bf16 path), or a NaN scale byte and scale bytes that overflow
+    the dequantized bfloat16 weights to inf (MXFP8 path)."""
+    inp = oracle_ops.random_proj_rope_inputs(rng, t=t, h=h, k=k, mxfp8=mxfp8, w_out_in=w_out_in)
+    n = h * 192
+    f_nan, f_inf = n - 40, n // 2 + 3
+    x, w = inp["x"].copy(), inp["w"].copy()
+    wf = w if w_out_in else w.T  # (N, K) view of w
+    x[1] = 0
+    wf[5] = 0
+    if mxfp8:
+        ws = inp["w_scale"].copy()
+        wsf = ws if w_out_in else ws.T
+        wsf[f_nan, 0] = 0xFF
+        wsf[f_inf, :] = 254
+        inp["w_scale"] = ws
+    else:
+        wf[f_nan, 3] = np.nan
+        wf[f_inf, k // 2] = np.inf
+    inp.update(x=x, w=w)
+    return inp
+
+
+def _call(fn, inp):
+    args = [jnp.asarray(inp[n]) for n in ("x", "w", "cos", "sin")]
+    scales = {}
+    if inp["x_scale"] is not None:
+        scales = dict(x_scale=jnp.asarray(inp["x_scale"]), w_scale=jnp.asarray(inp["w_scale"]))
+    return [np.asarray(o) for o in jax.jit(lambda *a: fn(*a, **scales))(*args)]
+
+
+class ProjRopeReferenceTest(parameterized.TestCase):
+
+    @parameterized.product(mxfp8=(False, True), w_out_in=(True, False), thk=((32, 1, 64), (96, 3, 160)))
+    def test_bit_identical_to_legacy(self, mxfp8, w_out_in, thk):
+        t, h, k = thk
+        rng = np.random.default_rng(hash((mxfp8, w_out_in, thk)) % 2**32)
+        inp = _special_inputs(rng, t=t, h=h, k=k, mxfp8=mxfp8, w_out_in=w_out_in)
+        got = _call(functools.partial(reference.gemm_proj_rope_reference, w_out_in=w_out_in), inp)
+        want = _call(functools.partial(legacy_proj_rope, w_out_in=w_out_in), inp)
+        _assert_same_bits(self, got, want, "reference vs legacy")
+        # the planted blocks are there: NaN scale bytes both ways, zero-byte blocks both ways
+        self.assertTrue((got[1] == 0xFF).any() and (got[3] == 0xFF).any())
+        self.assertTrue((got[1] == 0).any() and (got[3] == 0).any())
+
+    def test_public_api_matches_oracle_after_the_change(self):
+        """The reference through the public API still meets SPEC §7 against the float64 oracle (odd H)."""
+        rng = np.random.default_rng(23)
+        inp = oracle_ops.random_proj_rope_inputs(rng, t=64, h=3, k=96, mxfp8=True)
+        outs = _call(functools.partial(jbg.gemm_proj_rope_mxfp8, implementation="xla"), inp)
+        y_ref = oracle_ops.proj_rope_oracle(inp["x"], inp["w"], inp["cos"], inp["sin"], x_scale=inp["x_scale"],
+                                            w_scale=inp["w_scale"])
+        oracle_ops.assert_proj_rope_close(self, outs, y_ref)
+
+    def test_token_count_must_fill_column_blocks(self):
+        x = jnp.zeros((48, 32), jnp.bfloat16)
+        with self.assertRaisesRegex(ValueError, "multiple of 32 tokens"):
+            reference.gemm_proj_rope_reference(x, jnp.zeros((192, 32), jnp.bfloat16), jnp.zeros((48, 64)),
+                                               jnp.zeros((48, 64)))
+
+
+def _crafted_y(rng, t: int, h: int) -> np.ndarray:
+    """float32 (T, H, 192) spanning many binades, with E4M3 ties, saturation, subnormals and non-finite blocks."""
+    y = rng.standard_normal((t, h, 192)) * np.exp2(rng.integers(-30, 30, (t, h, 6, 1))).repeat(32, -1).reshape(
+        t, h, 192)
+    y = y.astype(np.float32)
+    y[0, 0, :32] = 0.0                                               # an all-zero row block
+    y[:32, h - 1, 170] = 0.0                                         # an all-zero column block
+    y[1, 0, :32] = [448.0, 1.0625, 1.1875, -3.25, 0.0009765625] + [0.5] * 27  # ties to even under scale 2**0
+    y[2, 0, 32:64] = 449.0                                           # just over a boundary: e = 1, codes 224.5->224
+    y[3, 0, 64:96] = rng.standard_normal(32) * 1e-40                # float32 subnormals: scale byte 0
+    y[4, 0, 96:128] = 3.0e38                                         # near the float32 maximum
+    y[5, h - 1, 130] = np.nan
+    y[6, 0, 7] = np.inf
+    y[t - 1, h - 1, 191] = -np.inf
+    return y
+
+
+class QuantizerTest(parameterized.TestCase):
+
+    @parameterized.parameters((32, 1), (96, 3))
+    def test_matches_legacy_and_oracle(self, t, h):
+        rng = np.random.default_rng(t * 10 + h)
+        y = _crafted_y(rng, t, h)
+        got = [np.asarray(o) for o in jax.jit(reference._quantize_rows_and_columns)(y)]
+        legacy = [np.asarray(o) for o in jax.jit(lambda v: (*_legacy_quantize(v, -1), *_legacy_quantize(v, 0)))(y)]
+        _assert_same_bits(self, got, legacy, "view quantization vs legacy")
+        public = [np.asarray(o) for o in jax.jit(lambda v: (
+            *formats.quantize_mxfp8(v, axis=-1, dtype=E4M3), *formats.quantize_mxfp8(v, axis=0, dtype=E4M3)))(y)]
+        _assert_same_bits(self, public, legacy, "formats.quantize_mxfp8 vs legacy")
+        y64 = y.astype(np.float64)
+        for codes, scales, axis in ((got[0], got[1], 2), (got[2], got[3], 0)):
+            ref_codes, ref_bytes = oracle.quantize_mx_f64(y64, axis=axis)
+            np.testing.assert_array_equal(scales, ref_bytes)
+            np.testing.assert_array_equal(_bits(codes), _bits(ref_codes))
+        self.assertEqual(int(got[1][0, 0, 0]), 0)
+        self.assertEqual(int(got[1][3, 0, 2]), 0)
+        self.assertGreater(int(np.count_nonzero(got[0][3, 0, 64:96].astype(np.float32))), 0)  # subnormals kept
+        self.assertEqual(int(got[1][6, 0, 0]), 0xFF)
+        self.assertEqual(int(got[3][0, h - 1, 170]), 0)
+        self.assertEqual(int(got[3][0, h - 1, 130]), 0xFF)
+
+
+@absltest.skipUnless(reference.has_scaled_dot(), _NO_SCALED_DOT)
+class ScaledDotRouteTest(parameterized.TestCase):
+    """On CPU scaled_dot decomposes into bf16 dequantization + dot, so the "exact" bound (1e-5) applies; on a GPU
+    it runs on FP8 tensor cores, judged by SPEC §7's 1e-4 for that class."""
+
+    def setUp(self):
+        super().setUp()
+        if jax.default_backend() != "cpu":
+            self.enter_context(mock.patch.object(oracle_ops, "GEMM_RTOL", 1e-4))
+
+    def _check(self, *, l, m, n, k, fmt, c_dtype, a_major="k", b_major="k", c_major="n", seed=0):
+        rng = np.random.default_rng(seed)
+        inp = oracle_ops.random_gemm_inputs(rng, l=l, m=m, n=n, k=k, fmt=fmt, a_major=a_major, b_major=b_major,
+                                            scale_log2=None if c_dtype == "float32" else (-4, 0))
+        fn = jax.jit(functools.partial(reference.gemm_amax_reference, k=k, sf_vec_size=32,
+                                       c_dtype=np.dtype(c_dtype), a_major=a_major, b_major=b_major,
+                                       c_major=c_major, scaled_dot=True))
+        c, amax = fn(*(jnp.asarray(inp[x]) for x in ("a", "b", "sfa_atom", "sfb_atom")))
+        c_ref, amax_ref = oracle_ops.gemm_amax_oracle(inp["a"], inp["b"], inp["sfa"], inp["sfb"], k=k,
+                                                      sf_vec_size=32, a_major=a_major, b_major=b_major)
+        oracle_ops.assert_gemm_close(self, np.asarray(c), c_ref, c_dtype=c_dtype, c_major=c_major)
+        oracle_ops.assert_amax_close(self, np.asarray(amax), amax_ref)
+
+    @parameterized.product(fmt=("mxfp8_e4m3", "mxfp8_e5m2"), c_dtype=("float32", "bfloat16"),
+                           shape=((1, 128, 128, 128), (3, 200, 72, 96)))
+    def test_matches_oracle(self, fmt, c_dtype, shape):
+        l, m, n, k = shape
+        self._check(l=l, m=m, n=n, k=k, fmt=fmt, c_dtype=c_dtype, seed=hash((fmt, c_dtype, shape)) % 2**32)
+
+    @parameterized.product(a_major=("k", "m"), b_major=("k", "n"), c_major=("n", "m"))
+    def test_majors(self, a_major, b_major, c_major):
+        self._check(l=2, m=136, n=48, k=96, fmt="mxfp8_e4m3", c_dtype="float32", a_major=a_major,
+                    b_major=b_major, c_major=c_major, seed=3)
+
+    def test_long_k(self):
+        self._check(l=1, m=40, n=24, k=4096, fmt="mxfp8_e4m3", c_dtype="float32", seed=5)
+
+    def test_nan_scale_poisons_its_row_and_amax(self):
+        result = rv.nan_scale_poisons()
+        self.assertTrue(result["ok"], result)
+
+    def test_refuses_what_it_cannot_compute(self):
+        a = jnp.zeros((1, 128, 64), jnp.uint8)  # packed FP4
+        atom = jnp.zeros(formats.atom_shape(1, 128, 4), jnp.uint8)
+        with self.assertRaisesRegex(ValueError, "scaled_dot=True needs"):
+            reference.gemm_amax_reference(a, a, atom, atom, k=128, sf_vec_size=32, c_dtype=jnp.float32,
+                                          scaled_dot=True)
+
+
+class ScaledDotDecisionTest(absltest.TestCase):
+
+    def test_off_by_default(self):
+        self.assertEqual(reference.SCALED_DOT_MIN_SIZE, {})
+        self.assertFalse(reference.use_scaled_dot(("cuda",), jnp.float8_e4m3fn, jnp.float8_e4m3fn, sf_vec_size=32,
+                                                  l=1, m=8192, n=8192, k=8192))
+
+    def test_applies_only_to_mxfp8_in_whole_blocks(self):
+        has = reference.has_scaled_dot()
+        e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+        self.assertEqual(reference.scaled_dot_applies(e4, e5, sf_vec_size=32, k=96), has)
+        self.assertFalse(reference.scaled_dot_applies(e4, e4, sf_vec_size=32, k=80))  # a partial last block
+        self.assertFalse(reference.scaled_dot_applies(e4, e4, sf_vec_size=16, k=96))
+        self.assertFalse(reference.scaled_dot_applies(jnp.uint8, jnp.uint8, sf_vec_size=32, k=96))
+
+    def test_threshold_per_platform(self):
+        args = dict(sf_vec_size=32, l=1, m=64, n=64, k=64)
+        with mock.patch.dict(reference.SCALED_DOT_MIN_SIZE, {"cuda": 64 ** 3}):
+            on = reference.use_scaled_dot(("cuda",), jnp.float8_e4m3fn, jnp.float8_e4m3fn, **args)
+            self.assertEqual(on, reference.has_scaled_dot())
+            self.assertFalse(reference.use_scaled_dot(("cuda",), jnp.float8_e4m3fn, jnp.float8_e4m3fn,
+                                                      **{**args, "m": 63}))
+            self.assertFalse(reference.use_scaled_dot(("cuda", "cpu"), jnp.float8_e4m3fn, jnp.float8_e4m3fn,
+                                                      **args))
+            self.assertFalse(reference.use_scaled_dot(("cpu",), jnp.float8_e4m3fn, jnp.float8_e4m3fn, **args))
+
+    @absltest.skipUnless(reference.has_scaled_dot(), _NO_SCALED_DOT)
+    def test_the_primitive_follows_the_decision(self):
+        """The lowering emits XLA's scaled-dot composite exactly when the decision says so, with the same result."""
+        rng = np.random.default_rng(9)
+        inp = oracle_ops.random_gemm_inputs(rng, l=1, m=64, n=96, k=128, fmt="mxfp8_e4m3")
+        args = [jnp.asarray(inp[x][0]) for x in ("a", "b", "sfa", "sfb")]
+        c_ref, amax_ref = oracle_ops.gemm_amax_oracle(inp["a"], inp["b"], inp["sfa"], inp["sfb"], k=128,
+                                                      sf_vec_size=32)
+        for table, expected in (({}, False), ({"cpu": 0, "cuda": 0, "rocm": 0}, True)):
+            with mock.patch.dict(reference.SCALED_DOT_MIN_SIZE, table):
+                fn = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="xla"))
+                self.assertEqual("xla.scaled_dot" in fn.lower(*args).as_text(), expected, table)
+                c, amax = fn(*args)
+            oracle_ops.assert_gemm_close(self, np.asarray(c), c_ref[0], c_dtype="float32")
+            oracle_ops.assert_amax_close(self, np.asarray(amax), amax_ref)
+
+
+class ScriptTest(absltest.TestCase):
+
+    def test_small_run(self):
+        """benchmarks/reference_variants.py --small runs, the public API matches the reference bit for bit, the
+        scaled_dot route is close."""
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rv.json")
+            env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+            proc = subprocess.run([sys.executable, str(_SCRIPT), "--small", "--reps", "2", "--out", out],
+                                  capture_output=True, text=True, env=env, timeout=1200)
+            self.assertEqual(proc.returncode, 0, proc.stdout[-3000:] + proc.stderr[-3000:])
+            with open(out) as f:
+                record = json.load(f)
+            hlo = sorted(os.listdir(os.path.join(tmp, "rv_hlo")))
+        self.assertIn("proj_rope_T64_bf16_reference.hlo.txt.gz", hlo)
+        self.assertIn("gemm_256x192x320_dequant.hlo.txt.gz", hlo)
+        self.assertEqual(len(record["proj_rope"]), 2)
+        for case in record["proj_rope"]:
+            for name in ("reference", "public_api"):
+                v = case["variants"][name]
+                self.assertTrue(v.get("identical"), (case["path"], name, v))
+                self.assertGreater(v["ms"], 0)
+            baselines = ("unfused_pipeline",) + (("bare_dot_w_nk", "bare_dot_w_kn") if case["path"] == "bf16" else ())
+            for name in baselines:
+                self.assertGreater(case["variants"][name]["ms"], 0)
+        self.assertEqual(len(record["gemm"]), 2)
+        for case in record["gemm"]:
+            names = ("dequant", "scaled_dot", "lax_scaled_dot_bare") if reference.has_scaled_dot() else ("dequant",)
+            self.assertEqual(tuple(case["variants"]), names)
+            for name in names:
+                self.assertTrue(case["variants"][name]["ok"], case["variants"][name])
+        if reference.has_scaled_dot():
+            self.assertTrue(record["nan_scale"]["ok"], record["nan_scale"])
+        self.assertIn("proj_rope: ms and ratio", proc.stdout)
+
+
+if __name__ == "__main__":
+    absltest.main()

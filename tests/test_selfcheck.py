@@ -1,0 +1,300 @@
+"""CPU: the first-use self-check's decisions (compare, verdict cache, dispatch gate), with the GPU parts faked.
+
+The "kernel" here is the float64 oracle (right) or the oracle with one element negated / NaN (wrong), run on the
+CPU; the reference it is compared with is the real XLA reference, executed from inside a CUDA lowering exactly as
+on a GPU. The real thing, on a GPU, is tests/test_gpu_selfcheck.py.
+"""
+
+import dataclasses
+import os
+import tempfile
+import warnings
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import jax_blockgemm as jbg
+from jax_blockgemm import dispatch, selfcheck
+from jax_blockgemm.kernels import catalog
+
+import oracle
+import oracle_ops
+
+_SM100 = catalog.select_variant(arch="sm_100a", ab_dtype="float8_e4m3fn", c_dtype="float32", sf_vec_size=32,
+                                tile_mn=(128, 128), cluster_mn=(1, 1))
+
+_RUN_PROBLEMS = selfcheck.run_problems  # the real one, for fakes that stand in for it under mock.patch
+
+
+_BOTH_ARCHS_DEFAULT = {("gemm_amax", "sm_100a"): True, ("gemm_amax", "sm_90a"): True}
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    device_kind: str = "NVIDIA B200"
+
+
+def _oracle_kernel(perturb=None):
+    """A stand-in for a kernel run: the float64 oracle of the self-check's operands, optionally perturbed."""
+
+    def run(variant, args, device):
+        a, b, sfa, sfb = (np.asarray(x) for x in args)
+        c, amax = oracle_ops.gemm_amax_oracle(a, b, sfa, sfb, k=a.shape[-1], sf_vec_size=variant.sf_vec_size)
+        c = c.astype(np.float32)
+        if perturb is not None:
+            perturb(c)
+        return c, np.float32(np.max(amax))
+
+    return run
+
+
+def _cpu_reference(args, device):
+    return selfcheck._run_reference(args, jax.devices("cpu")[0])
+
+
+class CompareTest(parameterized.TestCase):
+
+    def setUp(self):
+        rng = np.random.default_rng()
+        self.ref = rng.standard_normal((2, 37, 19)).astype(np.float32) * 10
+        self.ref[0, 3, 4] = 1e6  # one huge element, as random scales make: a norm check alone would miss a lot
+        self.abs = np.abs(self.ref) * 3 + 1  # Σ|products| ≥ |Σ products|
+        self.amax = np.float32(np.abs(self.ref).max())
+
+    def _compare(self, c, amax=None, c_dtype="float32"):
+        return selfcheck.compare(c, self.amax if amax is None else amax, self.ref, self.amax, self.abs, c_dtype)
+
+    def test_exact_and_tiny_noise_pass(self):
+        self.assertEqual(self._compare(self.ref), "")
+        noisy = self.ref * (1 + 1e-6 * np.random.default_rng().standard_normal(self.ref.shape))
+        self.assertEqual(self._compare(noisy), "")
+
+    @parameterized.named_parameters(
+        ("one_element_negated", lambda c: c.__setitem__((1, 0, 0), -c[1, 0, 0] - 1), r"1 of 1406 C elements off"),
+        ("bf16_accumulation_class_error", lambda c: c.__imul__(1 + 1e-3), "C elements off"),
+        ("nan", lambda c: c.__setitem__((1, 5, 3), np.nan), "non-finite"))
+    def test_wrong_c_fails(self, perturb, match):
+        c = self.ref.copy()
+        perturb(c)
+        self.assertRegex(self._compare(c), match)
+
+    def test_norm_check_catches_a_spread_error_within_the_elementwise_bound(self):
+        c = self.ref + 0.9 * selfcheck.C_REL_TOLERANCE * self.abs * np.sign(self.ref)
+        self.assertRegex(self._compare(c), "C relative error")
+
+    def test_wrong_or_nan_amax_fails(self):
+        self.assertRegex(self._compare(self.ref, amax=self.amax * (1 + 1e-3)), "amax")
+        self.assertRegex(self._compare(self.ref, amax=np.float32(np.nan)), "non-finite")
+
+    def test_bf16_within_half_ulp_passes_one_ulp_off_fails(self):
+        c16 = np.array(jnp.asarray(self.ref).astype(jnp.bfloat16).astype(jnp.float32))
+        self.assertEqual(self._compare(c16, c_dtype="bfloat16"), "")
+        c16[0, 3, 4] = self.ref[0, 3, 4] * (1 + 2.0**-7)  # a whole bf16 ulp away: 2^-7 ≫ 1e-4 · 3
+        self.assertRegex(self._compare(c16, c_dtype="bfloat16"), r"1 of 1406 C elements off, worst at \(0, 3, 4\)")
+
+    def test_shape_mismatch_fails(self):
+        self.assertRegex(self._compare(self.ref[:1]), "shapes")
+
+
+class RunProblemsTest(absltest.TestCase):
+    """run_problems on the CPU: the operands are real, the 'kernel' is the oracle, the reference is XLA's."""
+
+    def test_right_kernel_passes_every_problem(self):
+        self.assertEqual(selfcheck.run_problems(_SM100, None, run_kernel=_oracle_kernel(),
+                                                run_reference=_cpu_reference), "")
+
+    def test_one_wrong_element_is_caught(self):
+        why = selfcheck.run_problems(_SM100, None, run_reference=_cpu_reference, run_kernel=_oracle_kernel(
+            lambda c: c.__setitem__((0, 0, 0), -c[0, 0, 0])))
+        self.assertRegex(why, r"^\(L, M, N, K\) = \(1, 200, 136, 96\): 1 of 27200 C elements off, worst at \(0, 0, 0\)")
+
+    def test_unwritten_tail_is_caught(self):
+        def poisoned_tail(c):
+            c[..., -1, :] = np.nan  # what the handler's poison leaves where a kernel skips the last row
+
+        why = selfcheck.run_problems(_SM100, None, run_reference=_cpu_reference,
+                                     run_kernel=_oracle_kernel(poisoned_tail))
+        self.assertIn("non-finite", why)
+
+    def test_a_kernel_that_raises_fails_the_check(self):
+        def boom(variant, args, device):
+            raise RuntimeError("CUDA_ERROR_ILLEGAL_INSTRUCTION")
+
+        why = selfcheck.run_problems(_SM100, None, run_kernel=boom, run_reference=_cpu_reference)
+        self.assertIn("raised RuntimeError: CUDA_ERROR_ILLEGAL_INSTRUCTION", why)
+
+    def test_problems_cover_tails_and_batches(self):
+        self.assertTrue(any(m % 128 and n % 128 and k % 128 for _, m, n, k in selfcheck.PROBLEMS))
+        self.assertTrue(any(l > 1 for l, *_ in selfcheck.PROBLEMS))
+        self.assertTrue(all(k % 32 == 0 for *_, k in selfcheck.PROBLEMS))
+
+
+class VerdictCacheTest(absltest.TestCase):
+
+    def setUp(self):
+        self.dir = self.enter_context(tempfile.TemporaryDirectory())
+        self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.dir}))
+        self.enter_context(mock.patch.dict(selfcheck._MEMORY, clear=True))
+        self.enter_context(mock.patch.object(selfcheck, "_WARNED", set()))
+        self.object = b"object-1"
+        self.enter_context(mock.patch("jax_blockgemm.kernel_cache.get_object", side_effect=lambda v: self.object))
+        self.calls = []
+
+    def _run(self, why):
+        def run(variant, device):
+            self.calls.append((variant.key, device.device_kind))
+            return why
+        return run
+
+    def test_pass_is_cached_in_memory_then_on_disk(self):
+        v = selfcheck.check(_SM100, device=FakeDevice(), run=self._run(""))
+        self.assertTrue(v.ok)
+        self.assertEqual((v.source, v.detail), ("ran", "ok"))
+        self.assertEqual(selfcheck.check(_SM100, device=FakeDevice(), run=self._run("x")).source, "memory")
+        selfcheck._MEMORY.clear()  # a new process
+        again = selfcheck.check(_SM100, device=FakeDevice(), run=self._run("x"))
+        self.assertEqual((again.ok, again.source), (True, "disk"))
+        self.assertLen(self.calls, 1)
+        self.assertTrue(selfcheck.verdict_path(v.key, v.device, v.object_sha).is_file())
+
+    def test_new_object_new_device_or_force_runs_again(self):
+        selfcheck.check(_SM100, device=FakeDevice(), run=self._run(""))
+        self.object = b"object-2"  # the kernel source or the DSL changed
+        selfcheck.check(_SM100, device=FakeDevice(), run=self._run(""))
+        selfcheck.check(_SM100, device=FakeDevice("NVIDIA GB200"), run=self._run(""))
+        selfcheck.check(_SM100, device=FakeDevice("NVIDIA GB200"), run=self._run(""), force=True)
+        self.assertLen(self.calls, 4)
+
+    def test_failure_warns_once_naming_the_kernel_and_is_remembered(self):
+        with self.assertWarnsRegex(RuntimeWarning, r"kernel gemm_amax\.sm_100a\.e4m3\.f32\.sf32\.t128x128\.c1x1 "
+                                                   r"failed its first-use self-check on NVIDIA B200 \(C relative"):
+            v = selfcheck.ensure_verified(_SM100, device=FakeDevice(), run=self._run("C relative error 0.5"))
+        self.assertFalse(v.ok)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            self.assertFalse(selfcheck.ensure_verified(_SM100, device=FakeDevice(), run=self._run("")).ok)
+        self.assertLen(self.calls, 1)
+
+    def test_unreadable_verdict_file_means_run_again(self):
+        v = selfcheck.check(_SM100, device=FakeDevice(), run=self._run(""))
+        selfcheck.verdict_path(v.key, v.device, v.object_sha).write_text("{not json")
+        selfcheck._MEMORY.clear()
+        self.assertEqual(selfcheck.check(_SM100, device=FakeDevice(), run=self._run("")).source, "ran")
+
+    def test_no_local_gpu_raises(self):
+        with self.assertRaisesRegex(RuntimeError, "no local GPU runs sm_100a kernels"):
+            selfcheck.check(_SM100)
+
+    def test_table(self):
+        ok = selfcheck.Verdict("k1", "NVIDIA B200", "ab", True, "ok")
+        bad = selfcheck.Verdict("k2.broken", "NVIDIA B200", "cd", False, "C relative error 1", "disk")
+        text = selfcheck.format_table([ok, bad], expect_fail=["k2.broken"])
+        self.assertRegex(text, r"k1\s+NVIDIA B200\s+PASS\s+ran\s+ok")
+        self.assertRegex(text, r"k2\.broken\s+NVIDIA B200\s+FAIL \(must FAIL\)\s+disk\s+C relative error 1")
+
+
+def _operands():
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((200, 96)), jnp.float32).astype(jnp.float8_e4m3fn)
+    b = jnp.asarray(rng.standard_normal((136, 96)), jnp.float32).astype(jnp.float8_e4m3fn)
+    return a, b, jnp.asarray(oracle.random_scale_bytes(rng, (200, 3))), jnp.asarray(
+        oracle.random_scale_bytes(rng, (136, 3)))
+
+
+def _cuda_text(**kwargs) -> str:
+    f = jax.jit(lambda *x: jbg.gemm_amax(*x, **kwargs))
+    return f.trace(*_operands()).lower(lowering_platforms=("cuda",)).as_text()
+
+
+class DispatchGateTest(absltest.TestCase):
+    """A CUDA lowering on a (faked) Blackwell machine: the gate runs the check inside the lowering."""
+
+    def setUp(self):
+        self.dir = self.enter_context(tempfile.TemporaryDirectory())
+        self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.dir}))
+        self.enter_context(mock.patch.dict(selfcheck._MEMORY, clear=True))
+        self.enter_context(mock.patch.object(selfcheck, "_WARNED", set()))
+        self.enter_context(mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)))
+        self.enter_context(mock.patch.object(selfcheck, "local_device", return_value=FakeDevice()))
+        self.runs = 0
+
+    def _fake_run(self, perturb=None):
+        def run(variant, device):
+            self.runs += 1
+            return _RUN_PROBLEMS(variant, device, run_kernel=_oracle_kernel(perturb), run_reference=_cpu_reference)
+        return run
+
+    def test_cutedsl_runs_the_check_once_then_embeds_both_objects(self):
+        with mock.patch.object(selfcheck, "run_problems", self._fake_run()):
+            text = _cuda_text(implementation="cutedsl")
+            _cuda_text(implementation="cutedsl")
+        self.assertIn('archs = "sm_100a,sm_90a"', text)
+        self.assertEqual(self.runs, 1)
+
+    def test_cutedsl_raises_when_the_check_fails(self):
+        negate = lambda c: c.__setitem__((0, 0, 0), -c[0, 0, 0])
+        with mock.patch.object(selfcheck, "run_problems", self._fake_run(negate)), \
+                self.assertWarnsRegex(RuntimeWarning, "gemm_amax.sm_100a.e4m3.f32.sf32.t128x128.c1x1 failed"), \
+                self.assertRaisesRegex(ValueError, "first-use self-check failed: gemm_amax.sm_100a.e4m3.f32.sf32."
+                                                   "t128x128.c1x1 on NVIDIA B200: .*1 of 27200 C elements off"):
+            _cuda_text(implementation="cutedsl")
+
+    def test_default_falls_back_with_a_warning_when_the_check_fails(self):
+        negate = lambda c: c.__setitem__((0, 0, 0), -c[0, 0, 0])
+        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, _BOTH_ARCHS_DEFAULT), \
+                mock.patch.object(selfcheck, "run_problems", self._fake_run(negate)), \
+                self.assertWarnsRegex(RuntimeWarning, "falls back to the XLA reference"):
+            self.assertNotIn("jbg_gemm_amax", _cuda_text())
+
+    def test_default_takes_the_kernel_once_the_check_passed(self):
+        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, _BOTH_ARCHS_DEFAULT), \
+                mock.patch.object(selfcheck, "run_problems", self._fake_run()):
+            self.assertIn("jbg_gemm_amax", _cuda_text())
+
+    def test_default_today_never_takes_the_never_run_kernel(self):
+        self.assertFalse(dispatch.DEFAULT_TAKES_KERNEL[("gemm_amax", "sm_100a")])
+        with mock.patch.object(selfcheck, "run_problems", self._fake_run()):
+            self.assertNotIn("jbg_gemm_amax", _cuda_text())
+        self.assertEqual(self.runs, 0)
+
+    def test_hopper_machine_never_runs_the_check(self):
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
+                mock.patch.object(selfcheck, "run_problems", self._fake_run()):
+            self.assertIn("jbg_gemm_amax", _cuda_text(implementation="cutedsl"))
+        self.assertEqual(self.runs, 0)
+
+    def test_forced_variant_bypasses_selection_and_check(self):
+        broken = catalog.TEST_VARIANTS[0]
+        with dispatch.forced_variants((broken,)), mock.patch.object(selfcheck, "run_problems", self._fake_run()):
+            text = _cuda_text(implementation="cutedsl")
+            self.assertNotIn("jbg_gemm_amax", _cuda_text(implementation="xla"))
+        self.assertIn(broken.function_prefix, text)
+        self.assertNotIn("sm_100a", text)
+        self.assertEqual(self.runs, 0)
+
+
+class CliTest(absltest.TestCase):
+
+    def test_without_gpu_says_so(self):
+        with mock.patch.object(selfcheck, "local_device", return_value=None), \
+                mock.patch("sys.stdout") as out:
+            self.assertEqual(selfcheck.main(["--arch", "sm_100a"]), 2)
+        self.assertIn("no local GPU", "".join(str(c.args[0]) for c in out.write.call_args_list))
+
+    def test_exit_status_expects_test_kernels_to_fail(self):
+        verdicts = {v.key: selfcheck.Verdict(v.key, "GPU", "x", not v.flavor, "ok", "ran")
+                    for v in catalog.variants_for("sm_90a", "gemm_amax") + catalog.TEST_VARIANTS}
+        with mock.patch.object(selfcheck, "local_device", return_value=FakeDevice("NVIDIA H200")), \
+                mock.patch.object(selfcheck, "check", side_effect=lambda v, force: verdicts[v.key]), \
+                mock.patch("sys.stdout"):
+            self.assertEqual(selfcheck.main(["--arch", "sm_90a", "--include-test-variants"]), 0)
+            verdicts[catalog.TEST_VARIANTS[0].key] = dataclasses.replace(
+                verdicts[catalog.TEST_VARIANTS[0].key], ok=True)
+            self.assertEqual(selfcheck.main(["--arch", "sm_90a", "--include-test-variants"]), 1)
+
+
+if __name__ == "__main__":
+    absltest.main()
