@@ -118,6 +118,10 @@ class HopperMxf8GemmAmax:
         # kt-1 only, then a barrier so that no warpgroup still reads the buffer about to be overwritten): the
         # tensor cores always have the next k-tile queued, at the price of a second barrier per k-tile.
         self.overlap = bool(overlap)
+        # With 2 buffers and no promotion the mainloop is unrolled by two: the buffer (and A register set) of each
+        # k-tile is static, and the scale words live in two register sets, loaded two k-tiles ahead right after
+        # the proxy fence (whose CTA membar would otherwise wait for those loads every k-tile).
+        self.unrolled = bool(a_regs) or (not promote and mma_buffers == 2)
         # A from registers (wgmma RS): each thread dequantizes its own A fragment (rows g, g+8 of its warp's 16,
         # four codes per k16 step), so only B goes through shared memory as bf16. The fragment's k order is
         # permuted inside every 16-wide group (codes 4t..4t+3 play k = 2t, 2t+1, 2t+8, 2t+9), and B is written
@@ -436,8 +440,10 @@ class HopperMxf8GemmAmax:
             if cutlass.const_expr(self.a_regs):  # two register sets: the wgmma reads one while the next is built
                 a_frags = [tiled_mma.make_fragment_A(thr_mma.partition_shape_A((bm, bk))) for _ in range(2)]
                 tCrA = a_frags[0]
+                a_sets = a_frags
             else:
                 tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA16))
+                a_sets = [tCrA[(None, None, None, 0)], tCrA[(None, None, None, 1)]]  # shared-memory buffers 0, 1
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
             acc.fill(0.0)
             # With `promote`, each k-tile is summed into `partial` and added to `acc` with round-to-nearest fp32
@@ -505,7 +511,7 @@ class HopperMxf8GemmAmax:
             self.scale_word_bases(bases, rows_a, rows_b, batch, tile_m, tile_n, (bm, bn), m, n, k_atoms)
             words = cute.make_rmem_tensor((reps,), cutlass.Int32)
             self.load_scale_words(words, bases, sfa_w, sfb_w, 0)
-            if cutlass.const_expr(self.a_regs):
+            if cutlass.const_expr(self.unrolled):
                 # Two sets, k-tile t's words in set t % 2, loaded two k-tiles ahead right after the proxy fence: the
                 # fence (a CTA membar) then never waits for a scale load still in flight.
                 words_odd = cute.make_rmem_tensor((reps,), cutlass.Int32)
@@ -520,7 +526,7 @@ class HopperMxf8GemmAmax:
             _, jbyte0 = self.tile_scale_byte(0, lane_in_row)
             next_atom0, _ = self.tile_scale_byte(cutlass.min(1, k_tiles - 1), lane_in_row)
             scales0, flags0, one0 = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w,
-                                                    None if self.a_regs else next_atom0, jfirst0, jbyte0, operands,
+                                                    None if self.unrolled else next_atom0, jfirst0, jbyte0, operands,
                                                     0, areg)
             if cutlass.const_expr(self.dequant_mode == "bits"):
                 self.convert_bits(operands, scales0, False, 0, areg, tCrA)
@@ -535,22 +541,22 @@ class HopperMxf8GemmAmax:
             ab_pipeline.consumer_release(read_state)
             read_state.advance()
             cute.arch.fence_proxy("async.shared", space="cta")
-            if cutlass.const_expr(self.a_regs):
+            if cutlass.const_expr(self.unrolled):
                 atom2, _ = self.tile_scale_byte(cutlass.min(2, k_tiles - 1), 0)
                 self.load_scale_words(words, bases, sfa_w, sfb_w, atom2)
             cute.arch.barrier(barrier_id=self.mainloop_barrier_id, number_of_threads=2 * self.threads_per_wg)
 
             # ------------------------------------------------------------------------------ mainloop
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            if cutlass.const_expr(self.a_regs):
-                # Unrolled by two so that the register set (and the bf16 B buffer) of each k-tile is static.
+            if cutlass.const_expr(self.unrolled):
+                # Unrolled by two so that the buffer (and the A register set) of each k-tile is static.
                 for kt_pair in range(0, k_tiles, 2):
                     for half in cutlass.range_constexpr(2):
                         kr = kt_pair + half
                         if kr < k_tiles:
                             cute.nvgpu.warpgroup.fence()
                             for ks in cutlass.range_constexpr(0 if "mma" in self._skip else num_k_steps):
-                                cute.gemm(tiled_mma, acc, a_frags[half][(None, None, ks)],
+                                cute.gemm(tiled_mma, acc, a_sets[half][(None, None, ks)],
                                           tCrB[(None, None, ks, half)], acc)
                             cute.nvgpu.warpgroup.commit_group()
                             if cutlass.const_expr(self.overlap):  # tile kr-1's wgmma done in both warpgroups
@@ -564,16 +570,17 @@ class HopperMxf8GemmAmax:
                                     ab_pipeline, read_state, word_sets[1 - half], bases, sfa_w, sfb_w, None,
                                     jfirst_r, jbyte_r, operands, 1 - half, areg)
                                 if cutlass.const_expr(self.dequant_mode == "bits"):
-                                    self.convert_bits(operands, scales_r, False, 1 - half, areg, a_frags[1 - half])
+                                    self.convert_bits(operands, scales_r, False, 1 - half, areg, a_sets[1 - half])
                                 if cutlass.const_expr(self.dequant_mode == "bits1"):
                                     if one_r:
-                                        self.convert_bits(operands, scales_r, True, 1 - half, areg, a_frags[1 - half])
+                                        self.convert_bits(operands, scales_r, True, 1 - half, areg, a_sets[1 - half])
                                     else:
                                         self.convert_bits(operands, scales_r, False, 1 - half, areg,
-                                                          a_frags[1 - half])
-                                if (flags_r & _BYTE_MSBS) != 0:
-                                    self.dequantize_exact(read_state.index, scales_r, operands, 1 - half, areg,
-                                                          a_frags[1 - half])
+                                                          a_sets[1 - half])
+                                if cutlass.const_expr(self.dequant_mode != "f32"):
+                                    if (flags_r & _BYTE_MSBS) != 0:
+                                        self.dequantize_exact(read_state.index, scales_r, operands, 1 - half, areg,
+                                                              a_sets[1 - half])
                                 ab_pipeline.consumer_release(read_state)
                                 read_state.advance()
                                 cute.arch.fence_proxy("async.shared", space="cta")
