@@ -250,6 +250,11 @@ StateOr Fail(ffi::Error error) { return ffi::Unexpected<ffi::Error>(std::move(er
 
 }  // namespace
 
+// What a user whose GPU has no object in the program can do.
+constexpr const char kWayOut[] =
+    ". Lower (or export) the program on a machine with this GPU, which embeds its kernel where one exists, or call "
+    "the operation with implementation='xla' (the reference runs everywhere)";
+
 StateOr InstantiateKernelObjects(std::string_view target, std::string_view archs, std::string_view prefixes,
                                  ffi::Span<const uint8_t> objects, ffi::Span<const int64_t> offsets) {
   const std::string where = std::string(target) + ": ";
@@ -294,7 +299,7 @@ StateOr InstantiateKernelObjects(std::string_view target, std::string_view archs
     return Fail(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                            where + "no kernel object for compute capability " +
                                (seen.empty() ? std::string("(no visible CUDA device)") : seen) +
-                               "; this program carries objects for " + std::string(archs)));
+                               "; this program carries objects for " + std::string(archs) + kWayOut));
   }
   return state;
 }
@@ -309,7 +314,8 @@ ffi::Error DeviceFunction(const KernelObjects& state, int32_t device, std::strin
   if (*fn == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       where + "no kernel object for compute capability " + state.capabilities[device] +
-                          " (device " + std::to_string(device) + "); this program carries objects for " + state.archs);
+                          " (device " + std::to_string(device) + "); this program carries objects for " + state.archs +
+                          kWayOut);
   }
   return ffi::Error::Success();
 }
