@@ -167,7 +167,8 @@ class GpuGemmAmaxTest(parameterized.TestCase):
         patch_dispatch, patch_cache = self._with_objects([("sm_80", b"\x7fELF not an object")])
         with patch_dispatch, patch_cache:
             fn = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl"))
-            with self.assertRaisesRegex(Exception, "no kernel object for compute capability 9.0.*sm_80.*implementation='xla'"):
+            with self.assertRaisesRegex(Exception,
+                                        "no kernel object for compute capability 9.0.*sm_80.*implementation='xla'"):
                 jax.block_until_ready(fn(a, b, jnp.asarray(sfa), jnp.asarray(sfb)))
 
     def test_no_memory_growth(self):
