@@ -119,10 +119,12 @@ std::tuple<std::string, std::tuple<int, int, int>> CheckProjRope(const std::vect
 
 // Test hook for the instantiate-stage attribute parsing: returns [(arch, prefix, cc_major, cc_minor, begin, end)].
 std::vector<std::tuple<std::string, std::string, int, int, size_t, size_t>> ParseObjects(
-    const std::string& archs, const std::string& prefixes, size_t objects_size, const std::vector<int64_t>& offsets) {
+    const std::string& archs, const std::string& prefixes, size_t objects_size, const std::vector<int64_t>& offsets,
+    const std::string& target) {
   std::vector<jbg::ObjectEntry> entries;
   std::string error;
-  if (!jbg::ParseObjectTable(archs, prefixes, objects_size, offsets.data(), offsets.size(), &entries, &error)) {
+  if (!jbg::ParseObjectTable(target, archs, prefixes, objects_size, offsets.data(), offsets.size(), &entries,
+                             &error)) {
     throw nb::value_error(error.c_str());
   }
   std::vector<std::tuple<std::string, std::string, int, int, size_t, size_t>> out;
@@ -192,7 +194,8 @@ NB_MODULE(_jbg_ffi, m) {
   m.def("check_proj_rope_buffers", &CheckProjRope, nb::arg("buffers"), nb::arg("w_out_in"),
         "Test hook: the proj_rope execute stage's buffer checks on [(dtype, dims, address)] * 8.");
   m.def("parse_object_table", &ParseObjects, nb::arg("archs"), nb::arg("function_prefixes"),
-        nb::arg("objects_size"), nb::arg("offsets"), "Test hook: the instantiate stage's attribute parsing.");
+        nb::arg("objects_size"), nb::arg("offsets"), nb::arg("target") = jbg::kGemmAmaxTarget,
+        "Test hook: the instantiate stage's attribute parsing (errors name `target`).");
   m.def(
       "check_kernel_object",
       [](nb::bytes object, const std::string& function_prefix) {

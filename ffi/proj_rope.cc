@@ -53,7 +53,9 @@ std::string CheckProjRopeBuffers(const BufferDesc (&buf)[8], bool w_out_in, Proj
   if (!Is(buf[4], XLA_FFI_DataType_F8E4M3FN, {1, t, h, kHeadDim})) {
     return Problem(4, buf[4], "float8_e4m3fn " + Shape({1, t, h, kHeadDim}));
   }
-  if (!Is(buf[5], XLA_FFI_DataType_U8, {1, t, h, blocks})) return Problem(5, buf[5], "uint8 " + Shape({1, t, h, blocks}));
+  if (!Is(buf[5], XLA_FFI_DataType_U8, {1, t, h, blocks})) {
+    return Problem(5, buf[5], "uint8 " + Shape({1, t, h, blocks}));
+  }
   if (!Is(buf[6], XLA_FFI_DataType_F8E4M3FN, {1, t, h, kHeadDim})) {
     return Problem(6, buf[6], "float8_e4m3fn " + Shape({1, t, h, kHeadDim}));
   }
@@ -70,11 +72,6 @@ std::string CheckProjRopeBuffers(const BufferDesc (&buf)[8], bool w_out_in, Proj
 }
 
 namespace {
-
-struct KernelTensor {  // the DSL's struct for a flat tensor argument: data pointer, element count
-  void* data;
-  int64_t count;
-};
 
 BufferDesc Desc(const ffi::AnyBuffer& buffer) {
   auto dims = buffer.dimensions();

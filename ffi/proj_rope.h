@@ -1,7 +1,7 @@
 // The `jbg_gemm_proj_rope_mxfp8` XLA FFI handler: the DeepSeek-V3 MLA Q up-projection by a CuTeDSL kernel
 // (GEMM, per-head RoPE, rowwise and columnwise MXFP8 E4M3 quantization; SPEC §5).
 //
-// INSTANTIATE loads the kernel object per device through gemm_amax's shared InstantiateKernelObjects;
+// INSTANTIATE loads the kernel object per device (kernel_objects.h);
 // EXECUTE checks every buffer against what the kernel reads and writes and launches on XLA's stream.
 #ifndef JBG_FFI_PROJ_ROPE_H_
 #define JBG_FFI_PROJ_ROPE_H_
@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <string>
 
-#include "gemm_amax.h"
+#include "kernel_objects.h"
 
 namespace jbg {
 

@@ -316,7 +316,8 @@ def _proj_rope_cases(good: Call) -> list[Case]:
         ("two prefixes for one arch", dict(function_prefixes=good.attrs["function_prefixes"] + ",x"),
          r"function_prefixes has 2 entries"),
     ]
-    cases += [Case(name, good.replace(**change), message, "attributes") for name, change, message in attributes]
+    cases += [Case(name, good.replace(**change), "jbg_gemm_proj_rope_mxfp8 attributes: .*" + message, "attributes")
+              for name, change, message in attributes]
     cases.append(Case("truncated object", good.replace(objects=good.attrs["objects"][:64], offsets=(0, 64)),
                       r"jbg_gemm_proj_rope_mxfp8: .*", "object"))
     return cases
@@ -327,7 +328,7 @@ def _proj_rope_cpu_check(call: Call) -> str:
     attrs = call.attrs
     try:
         table = ext.parse_object_table(attrs["archs"], attrs["function_prefixes"], len(attrs["objects"]),
-                                       list(attrs["offsets"]))
+                                       list(attrs["offsets"]), target=_native.PROJ_ROPE_TARGET)
     except ValueError as e:
         return str(e)
     for arch, prefix, _, _, begin, end in table:

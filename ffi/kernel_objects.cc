@@ -1,0 +1,236 @@
+#include "kernel_objects.h"
+
+#include <cstdlib>
+#include <memory>
+#include <utility>
+
+#include "object_check.h"
+
+namespace jbg {
+namespace ffi = xla::ffi;
+
+xla::ffi::TypeId KernelObjects::id = {};
+
+XLA_FFI_TypeInfo* KernelObjectsTypeInfo() {
+  static XLA_FFI_TypeInfo info = ffi::MakeTypeInfo<KernelObjects>();
+  return &info;
+}
+
+// Product of the dims, saturated at kMaxElements (no step can overflow, whatever the dims).
+int64_t ElementCount(const BufferDesc& b) {
+  constexpr int64_t kMaxElements = kMaxBufferElements;
+  int64_t count = 1;
+  for (size_t d = 0; d < b.rank; ++d) {
+    if (b.dims[d] <= 0) return 0;
+    if (b.dims[d] > kMaxElements / count) return kMaxElements;
+    count *= b.dims[d];
+  }
+  return count;
+}
+
+const char* DtypeName(int dtype) {
+  switch (dtype) {
+    case XLA_FFI_DataType_U8: return "uint8";
+    case XLA_FFI_DataType_F32: return "float32";
+    case XLA_FFI_DataType_BF16: return "bfloat16";
+    case XLA_FFI_DataType_F8E4M3FN: return "float8_e4m3fn";
+    case XLA_FFI_DataType_F8E5M2: return "float8_e5m2";
+    default: return "another dtype";
+  }
+}
+
+std::string ShapeString(const int64_t* dims, size_t rank) {
+  std::string s = "(";
+  for (size_t i = 0; i < rank; ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + (rank == 1 ? ",)" : ")");
+}
+
+bool ParseArch(std::string_view arch, int* major, int* minor) {
+  if (arch.substr(0, 3) != "sm_") return false;
+  std::string_view rest = arch.substr(3);
+  size_t digits = 0;
+  while (digits < rest.size() && rest[digits] >= '0' && rest[digits] <= '9') ++digits;
+  if (digits < 2 || digits > 3 || rest.size() - digits > 1) return false;
+  if (digits < rest.size() && rest[digits] != 'a' && rest[digits] != 'f') return false;
+  int value = 0;
+  for (size_t i = 0; i < digits; ++i) value = value * 10 + (rest[i] - '0');
+  *major = value / 10;
+  *minor = value % 10;
+  return true;
+}
+
+namespace {
+
+std::vector<std::string_view> SplitCommas(std::string_view s) {
+  std::vector<std::string_view> out;
+  if (s.empty()) return out;
+  size_t start = 0;
+  while (true) {
+    size_t comma = s.find(',', start);
+    out.push_back(s.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start));
+    if (comma == std::string_view::npos) return out;
+    start = comma + 1;
+  }
+}
+
+}  // namespace
+
+bool ParseObjectTable(std::string_view target, std::string_view archs, std::string_view function_prefixes,
+                      size_t objects_size, const int64_t* offsets, size_t num_offsets,
+                      std::vector<ObjectEntry>* out, std::string* error) {
+  const std::vector<std::string_view> arch_list = SplitCommas(archs);
+  const std::vector<std::string_view> prefix_list = SplitCommas(function_prefixes);
+  const std::string where = std::string(target) + " attributes: ";
+  if (arch_list.empty()) {
+    *error = where + "archs is empty; expected a comma-separated list such as \"sm_90a,sm_100a\"";
+    return false;
+  }
+  if (prefix_list.size() != arch_list.size()) {
+    *error = where + "function_prefixes has " + std::to_string(prefix_list.size()) + " entries and archs has " +
+             std::to_string(arch_list.size()) + "; expected one prefix per arch";
+    return false;
+  }
+  if (num_offsets != arch_list.size() + 1) {
+    *error = where + "offsets has " + std::to_string(num_offsets) + " entries; expected " +
+             std::to_string(arch_list.size() + 1) + " (one more than archs)";
+    return false;
+  }
+  if (offsets[0] != 0 || offsets[num_offsets - 1] != static_cast<int64_t>(objects_size)) {
+    *error = where + "offsets must start at 0 and end at the size of objects (" + std::to_string(objects_size) +
+             "), got " + std::to_string(offsets[0]) + " .. " + std::to_string(offsets[num_offsets - 1]);
+    return false;
+  }
+  out->clear();
+  for (size_t i = 0; i < arch_list.size(); ++i) {
+    ObjectEntry entry;
+    entry.arch = std::string(arch_list[i]);
+    entry.function_prefix = std::string(prefix_list[i]);
+    if (!ParseArch(entry.arch, &entry.cc_major, &entry.cc_minor)) {
+      *error = where + "arch \"" + entry.arch + "\" is not of the form sm_<major><minor>[a|f], e.g. sm_90a";
+      return false;
+    }
+    if (entry.function_prefix.empty()) {
+      *error = where + "the function prefix for " + entry.arch + " is empty";
+      return false;
+    }
+    if (!IsCIdentifier(entry.function_prefix)) {
+      *error = where + "the function prefix \"" + entry.function_prefix + "\" for " + entry.arch +
+               " is not a C identifier ([A-Za-z_][A-Za-z0-9_]*)";
+      return false;
+    }
+    for (const ObjectEntry& seen : *out) {
+      if (seen.arch == entry.arch) {
+        *error = where + "arch " + entry.arch + " is listed twice; expected one object per arch";
+        return false;
+      }
+    }
+    if (offsets[i + 1] <= offsets[i]) {
+      *error = where + "the object for " + entry.arch + " is empty (offsets must increase strictly)";
+      return false;
+    }
+    entry.begin = static_cast<size_t>(offsets[i]);
+    entry.end = static_cast<size_t>(offsets[i + 1]);
+    out->push_back(std::move(entry));
+  }
+  return true;
+}
+
+namespace {
+
+using StateOr = ffi::ErrorOr<std::unique_ptr<KernelObjects>>;
+
+StateOr Fail(ffi::Error error) { return ffi::Unexpected<ffi::Error>(std::move(error)); }
+
+}  // namespace
+
+// What a user whose GPU has no object in the program can do.
+constexpr const char kWayOut[] =
+    ". Lower (or export) the program on a machine with this GPU, which embeds its kernel where one exists, or call "
+    "the operation with implementation='xla' (the reference runs everywhere)";
+
+StateOr InstantiateKernelObjects(std::string_view target, std::string_view archs, std::string_view prefixes,
+                                 ffi::Span<const uint8_t> objects, ffi::Span<const int64_t> offsets) {
+  const std::string where = std::string(target) + ": ";
+  std::string error;
+  std::vector<ObjectEntry> entries;
+  if (!ParseObjectTable(target, archs, prefixes, objects.size(), offsets.begin(), offsets.size(), &entries,
+                        &error)) {
+    return Fail(ffi::Error::InvalidArgument(error));
+  }
+  const CudaDriver* driver = GetCudaDriver(&error);
+  if (driver == nullptr) return Fail(ffi::Error(ffi::ErrorCode::kFailedPrecondition, where + error));
+  std::vector<ComputeCapability> caps;
+  if (!VisibleCapabilities(*driver, &caps, &error)) return Fail(ffi::Error::Internal(where + error));
+
+  auto state = std::make_unique<KernelObjects>();
+  state->archs = std::string(archs);
+  const char* poison = std::getenv("JAX_BLOCKGEMM_POISON_OUTPUTS");
+  state->poison_outputs = poison != nullptr && poison[0] != '\0' && poison[0] != '0';
+  state->functions.assign(caps.size(), nullptr);
+  state->function_prefixes.assign(caps.size(), "");
+  bool any = false;
+  std::string seen;
+  for (size_t dev = 0; dev < caps.size(); ++dev) {
+    const std::string cc = std::to_string(caps[dev].major) + "." + std::to_string(caps[dev].minor);
+    state->capabilities.push_back(cc);
+    if (seen.find(cc) == std::string::npos) seen += (seen.empty() ? "" : ", ") + cc;
+    for (const ObjectEntry& entry : entries) {
+      if (entry.cc_major != caps[dev].major || entry.cc_minor != caps[dev].minor) continue;
+      std::string_view bytes(reinterpret_cast<const char*>(objects.begin()) + entry.begin, entry.end - entry.begin);
+      // Only the object a device will run is checked (and loaded): a program may carry others for other GPUs.
+      if (std::string why = CheckKernelObject(bytes, entry.function_prefix); !why.empty()) {
+        return Fail(ffi::Error::InvalidArgument(where + why + "; arch " + entry.arch));
+      }
+      DslFunction* fn = LoadDslFunction(bytes, entry.function_prefix, &error);
+      if (fn == nullptr) return Fail(ffi::Error::Internal(where + error));
+      state->functions[dev] = fn;
+      state->function_prefixes[dev] = entry.function_prefix;
+      any = true;
+      break;
+    }
+  }
+  if (!any) {
+    return Fail(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                           where + "no kernel object for compute capability " +
+                               (seen.empty() ? std::string("(no visible CUDA device)") : seen) +
+                               "; this program carries objects for " + std::string(archs) + kWayOut));
+  }
+  return state;
+}
+
+ffi::Error DeviceFunction(const KernelObjects& state, int32_t device, std::string_view target, DslFunction** fn) {
+  const std::string where = std::string(target) + ": ";
+  if (device < 0 || static_cast<size_t>(device) >= state.functions.size()) {
+    return ffi::Error::Internal(where + "device ordinal " + std::to_string(device) + " is not among the " +
+                                std::to_string(state.functions.size()) + " devices seen at instantiation");
+  }
+  *fn = state.functions[device];
+  if (*fn == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      where + "no kernel object for compute capability " + state.capabilities[device] +
+                          " (device " + std::to_string(device) + "); this program carries objects for " + state.archs +
+                          kWayOut);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error RunKernel(const KernelObjects& state, int32_t device, std::string_view target, const CudaDriver& driver,
+                     DslFunction* fn, void** args, size_t num_args, const int32_t* ret) {
+  const std::string where = std::string(target) + ": ";
+  std::string error;
+  if (RunDslFunction(fn, args, num_args, &error) != 0) {
+    return ffi::Error::Internal(where + "CuteDSLRT_Function_Run(" + state.function_prefixes[device] + ") failed: " +
+                                error);
+  }
+  if (*ret != 0) {
+    return ffi::Error::Internal(where + "kernel " + state.function_prefixes[device] + " returned CUDA error " +
+                                std::to_string(*ret) + " (as a driver code: " + driver.ErrorName(*ret) + ")");
+  }
+  return ffi::Error::Success();
+}
+
+
+}  // namespace jbg

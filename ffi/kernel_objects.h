@@ -1,0 +1,107 @@
+// What every FFI target of the bridge shares: the kernel objects a call site carries, loaded per device at
+// INSTANTIATE and looked up and run at EXECUTE, and the buffer helpers the handlers' checks use.
+//
+// A call site's attributes `archs`, `function_prefixes` (comma-separated), `objects` (the kernel objects
+// concatenated, uint8) and `offsets` (int64, one more than objects) form the object table: the object for each
+// visible device's compute capability is checked (object_check.h), loaded through the DSL runtime and kept in the
+// call site's state, so that EXECUTE neither loads nor allocates nor synchronizes.
+#ifndef JBG_FFI_KERNEL_OBJECTS_H_
+#define JBG_FFI_KERNEL_OBJECTS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "xla/ffi/api/c_api.h"
+#include "xla/ffi/api/ffi.h"
+#include "cuda_driver.h"
+#include "dsl_runtime.h"
+
+namespace jbg {
+
+inline constexpr const char kKernelObjectsType[] = "jbg_kernel_objects";
+inline constexpr uintptr_t kAlignment = 16;
+inline constexpr int64_t kMaxBufferElements = int64_t{1} << 31;  // sizes travel to the kernels as int32
+
+// What the handler sees of one buffer; dtype is an XLA_FFI_DataType value.
+struct BufferDesc {
+  int dtype;
+  const int64_t* dims;
+  size_t rank;
+  const void* data;
+};
+
+// Helpers every handler's buffer checks share.
+// Product of the dims, saturated at kMaxBufferElements (no step overflows, whatever the dims); 0 if a dim is <= 0.
+int64_t ElementCount(const BufferDesc& b);
+// "float8_e4m3fn", "bfloat16", ... for the dtypes the handlers take; "another dtype" otherwise.
+const char* DtypeName(int dtype);
+// "(2, 200, 96)".
+std::string ShapeString(const int64_t* dims, size_t rank);
+
+// The C struct the exported kernels take for each 1-D tensor argument: the data pointer, then the element count.
+// Kernels exported with 32-bit symbolic sizes read the low half of `count` (little-endian), which is the same number
+// because every handler keeps counts below kMaxBufferElements.
+struct KernelTensor {
+  void* data;
+  int64_t count;
+};
+static_assert(sizeof(KernelTensor) == 16, "the DSL's tensor struct is a pointer and one 8-byte slot");
+
+// The dtypes a call site's kernel objects were compiled for (XLA_FFI_DataType values).
+struct KernelDtypes {
+  int ab;  // float8_e4m3fn or float8_e5m2: the dtype of a and b
+  int c;   // float32 or bfloat16
+};
+
+// Parses "sm_90a" / "sm_100a" (any "sm_<major><minor>[suffix]") into a compute capability.
+bool ParseArch(std::string_view arch, int* major, int* minor);
+
+// One kernel object of the `objects` attribute.
+struct ObjectEntry {
+  std::string arch;
+  std::string function_prefix;
+  int cc_major = 0, cc_minor = 0;
+  size_t begin = 0, end = 0;  // byte range inside `objects`
+};
+
+// Splits and cross-checks the four attributes; returns false with `*error` set when they disagree.
+// `target` names the custom call in the error.
+bool ParseObjectTable(std::string_view target, std::string_view archs, std::string_view function_prefixes,
+                      size_t objects_size, const int64_t* offsets, size_t num_offsets,
+                      std::vector<ObjectEntry>* out, std::string* error);
+
+// State kept per call site between INSTANTIATE and EXECUTE, for every target: the kernel object loaded for each
+// device. Owned by XLA (destroyed with the executable).
+struct KernelObjects {
+  static xla::ffi::TypeId id;
+  std::string archs;                           // as given, for error messages
+  KernelDtypes dtypes{};                       // gemm_amax: what the objects were compiled for (checked per call)
+  std::vector<DslFunction*> functions;         // by CUDA device ordinal; nullptr where no object fits
+  std::vector<std::string> function_prefixes;  // by CUDA device ordinal, for error messages
+  std::vector<std::string> capabilities;       // "9.0", by CUDA device ordinal
+  bool poison_outputs = false;                 // JAX_BLOCKGEMM_POISON_OUTPUTS: fill C with NaN before each launch
+};
+
+XLA_FFI_TypeInfo* KernelObjectsTypeInfo();
+
+// The execute-stage steps every target shares; `target` names the custom call in error messages.
+// The function loaded for `device`, or an error naming the device, its compute capability and the archs carried.
+xla::ffi::Error DeviceFunction(const KernelObjects& state, int32_t device, std::string_view target, DslFunction** fn);
+// Runs `fn` on `args` (pointers to each argument; the last one is `ret`, the kernel's CUDA status slot).
+xla::ffi::Error RunKernel(const KernelObjects& state, int32_t device, std::string_view target,
+                          const CudaDriver& driver, DslFunction* fn, void** args, size_t num_args,
+                          const int32_t* ret);
+
+// The INSTANTIATE stage every target shares (it depends on the object table only): parses the attributes, checks
+// and loads each visible device's kernel object. `target` names the custom call in error messages.
+xla::ffi::ErrorOr<std::unique_ptr<KernelObjects>> InstantiateKernelObjects(
+    std::string_view target, std::string_view archs, std::string_view function_prefixes,
+    xla::ffi::Span<const uint8_t> objects, xla::ffi::Span<const int64_t> offsets);
+
+}  // namespace jbg
+
+#endif  // JBG_FFI_KERNEL_OBJECTS_H_
