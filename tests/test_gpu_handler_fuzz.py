@@ -229,20 +229,31 @@ def _address_list(call: Call) -> list:
     return [(b.dtype, list(b.shape), (1 << 20) + 4096 * i) for i, b in enumerate(call.operands + call.results)]
 
 
-def _gemm_amax_cpu_check(call: Call) -> str:
-    """What the handler's C++ says about `call`, as if instantiated and executed on an sm_90a device."""
-    attrs = call.attrs
+def _object_table_problem(attrs: dict, target: str) -> str:
+    """What the shared instantiate stage (ffi/kernel_objects.cc) says of a call site's object table when it runs on
+    an sm_90a device: '' when the device's object may be loaded."""
     try:
         table = ext.parse_object_table(attrs["archs"], attrs["function_prefixes"], len(attrs["objects"]),
-                                       list(attrs["offsets"]))
-        ext.parse_kernel_dtypes(attrs["ab_dtype"], attrs["c_dtype"])
+                                       list(attrs["offsets"]), target=target)
     except ValueError as e:
         return str(e)
     for arch, prefix, _, _, begin, end in table:
         if arch == DEVICE_ARCH:
             message = ext.check_kernel_object(bytes(attrs["objects"][begin:end]), prefix)
             if message:
-                return "jbg_gemm_amax: " + message
+                return f"{target}: {message}"
+    return ""
+
+
+def _gemm_amax_cpu_check(call: Call) -> str:
+    """What the handler's C++ says about `call`, as if instantiated and executed on an sm_90a device."""
+    attrs = call.attrs
+    try:  # the gemm_amax instantiate stage parses its dtypes, then the shared object table
+        ext.parse_kernel_dtypes(attrs["ab_dtype"], attrs["c_dtype"])
+    except ValueError as e:
+        return str(e)
+    if problem := _object_table_problem(attrs, _native.GEMM_AMAX_TARGET):
+        return problem
     try:
         return ext.check_gemm_amax_buffers(_address_list(call), attrs["ab_dtype"], attrs["c_dtype"])[0]
     except ValueError as e:  # a dtype the hook cannot describe to the C++ side
@@ -326,16 +337,8 @@ def _proj_rope_cases(good: Call) -> list[Case]:
 def _proj_rope_cpu_check(call: Call) -> str:
     """What the proj_rope handler's C++ says about `call`, as if instantiated and executed on an sm_90a device."""
     attrs = call.attrs
-    try:
-        table = ext.parse_object_table(attrs["archs"], attrs["function_prefixes"], len(attrs["objects"]),
-                                       list(attrs["offsets"]), target=_native.PROJ_ROPE_TARGET)
-    except ValueError as e:
-        return str(e)
-    for arch, prefix, _, _, begin, end in table:
-        if arch == DEVICE_ARCH:
-            message = ext.check_kernel_object(bytes(attrs["objects"][begin:end]), prefix)
-            if message:
-                return "jbg_gemm_proj_rope_mxfp8: " + message
+    if problem := _object_table_problem(attrs, _native.PROJ_ROPE_TARGET):
+        return problem
     return ext.check_proj_rope_buffers(_address_list(call), attrs["w_out_in"])[0]
 
 
