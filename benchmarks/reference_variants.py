@@ -315,15 +315,21 @@ def _cell(v: dict, base_ms: float | None = None) -> str:
     return f"{v['ms']:7.3f}{ratio}{flag}"
 
 
-def print_summary(cases: list) -> None:
-    """Per case, the reference against the unfused pipeline and the faster bare bf16 dot."""
-    print("\nreference per case (ratio to the unfused pipeline, to the faster bare bf16 dot of the same T):")
+def _faster_bare_dots(cases: list) -> dict:
+    """T -> the faster of the two bare bf16 dots (either weight layout) timed in the bf16 case of that T."""
     dots = {}
     for c in cases:
         if c["path"] == "bf16":
             ms = [c["variants"][d]["ms"] for d in ("bare_dot_w_nk", "bare_dot_w_kn")
                   if "ms" in c["variants"].get(d, {})]
             dots[c["t"]] = min(ms) if ms else None
+    return dots
+
+
+def print_summary(cases: list) -> None:
+    """Per case, the reference against the unfused pipeline and the faster bare bf16 dot."""
+    print("\nreference per case (ratio to the unfused pipeline, to the faster bare bf16 dot of the same T):")
+    dots = _faster_bare_dots(cases)
     for c in cases:
         ref = c["variants"].get(REFERENCE, {}).get("ms")
         if ref is None:
@@ -341,12 +347,7 @@ def print_tables(record: dict) -> None:
               "reference)")
         cols = [f"T={c['t']} {c['path']}" for c in cases]
         print(f"{'variant':24}" + "".join(f"{h:>22}" for h in cols))
-        dots = {}
-        for c in cases:
-            if c["path"] == "bf16":
-                ms = [c["variants"][d]["ms"] for d in ("bare_dot_w_nk", "bare_dot_w_kn")
-                      if "ms" in c["variants"].get(d, {})]
-                dots[c["t"]] = min(ms) if ms else None
+        dots = _faster_bare_dots(cases)
         names = list(dict.fromkeys(n for c in cases for n in c["variants"]))
         for name in names:
             row = [_cell(c["variants"].get(name, {"skipped": 1}), dots.get(c["t"])) for c in cases]
