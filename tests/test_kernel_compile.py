@@ -40,6 +40,11 @@ def _compiled(v: "catalog.KernelVariant"):
     return _COMPILED[v.key]
 
 
+def _sm90a_ptx(kernel) -> str:
+    """The PTX of a Hopper kernel object outside the catalog (a configuration the tests pick), compiled for sm_90a."""
+    return catalog.compile_function(catalog.KernelVariant(arch="sm_90a"), keep_ptx=True, kernel=kernel).__ptx__
+
+
 class CatalogTest(parameterized.TestCase):
 
     def test_keys_are_unique_and_prefixes_are_c_identifiers(self):
@@ -177,17 +182,9 @@ class CompileTest(parameterized.TestCase):
 
     def test_bits1_dequant_compiles_to_byte_permutes_and_packed_bf16_multiplies(self):
         """The 128x256 candidate: codes -> bf16 by prmt/shift/and + packed bf16 multiplies, m64n256 bf16 wgmma."""
-        import cutlass.cute as cute
-        from cutlass.cutlass_dsl import CuTeDSL
-
         kernel = HopperMxf8GemmAmax(ab_dtype="float8_e5m2", c_dtype="bfloat16", tile_mn=(128, 256), dequant="bits1",
                                     mma_buffers=3, promote=False)
-        envar = CuTeDSL._get_dsl().envar
-        saved, envar.arch = envar._arch, "sm_90a"
-        try:
-            ptx = cute.compile(kernel, *catalog.fake_arguments(kernel), options="--keep-ptx").__ptx__
-        finally:
-            envar._arch = saved
+        ptx = _sm90a_ptx(kernel)
         # Per k-tile (64 wide) each consumer thread converts 2 A rows and 4 B rows of 16 codes (24 words): 2 prmt
         # per word, and per output word 1 packed multiply (every scale byte of the warp <= 142) or 2 (the other
         # path). Both paths appear twice: the first tile before the mainloop, then inside it.
@@ -245,16 +242,8 @@ class CompileTest(parameterized.TestCase):
 
     def test_a_from_registers_compiles_to_rs_wgmma(self):
         """a_regs: A's codes go from shared memory (32-bit loads) to the wgmma's register operand; B as before."""
-        import cutlass.cute as cute
-        from cutlass.cutlass_dsl import CuTeDSL
-
         kernel = HopperMxf8GemmAmax(tile_mn=(128, 256), dequant="bits1", promote=False, a_regs=True)
-        envar = CuTeDSL._get_dsl().envar
-        saved, envar.arch = envar._arch, "sm_90a"
-        try:
-            ptx = cute.compile(kernel, *catalog.fake_arguments(kernel), options="--keep-ptx").__ptx__
-        finally:
-            envar._arch = saved
+        ptx = _sm90a_ptx(kernel)
         # wgmma with four 32-bit A registers (then the B descriptor) instead of two descriptors.
         rs = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16\s*\{[^}]*\},\s*"
                         r"\{\s*%r\d+,\s*%r\d+,\s*%r\d+,\s*%r\d+\s*\},\s*%rd\d+", ptx)
@@ -268,26 +257,18 @@ class CompileTest(parameterized.TestCase):
         """The configurations benchmarks/kernel_standalone.py --candidates runs on the device all build for sm_90a."""
         import importlib.util
 
-        import cutlass.cute as cute
-        from cutlass.cutlass_dsl import CuTeDSL
-
         path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
                             "kernel_standalone.py")
         spec = importlib.util.spec_from_file_location("kernel_standalone_for_test", path)
         standalone = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(standalone)
         self.assertIn("current", standalone.CANDIDATES)
-        envar = CuTeDSL._get_dsl().envar
-        saved, envar.arch = envar._arch, "sm_90a"
-        try:
-            for name, kwargs in standalone.CANDIDATES.items():
-                with self.subTest(name):
-                    kernel = HopperMxf8GemmAmax(**kwargs)
-                    ptx = cute.compile(kernel, *catalog.fake_arguments(kernel), options="--keep-ptx").__ptx__
-                    self.assertRegex(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{kernel.tile_mnk[1]}k16")
-                    self.assertNotIn("ld.local", ptx)
-        finally:
-            envar._arch = saved
+        for name, kwargs in standalone.CANDIDATES.items():
+            with self.subTest(name):
+                kernel = HopperMxf8GemmAmax(**kwargs)
+                ptx = _sm90a_ptx(kernel)
+                self.assertRegex(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{kernel.tile_mnk[1]}k16")
+                self.assertNotIn("ld.local", ptx)
 
     @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG + catalog.TEST_VARIANTS
                                     if v.op == "gemm_amax")
