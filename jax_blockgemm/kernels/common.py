@@ -12,6 +12,13 @@ import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+# --- configuration checks --------------------------------------------------------------------------------
+def require_choice(name: str, value, allowed) -> None:
+    """Raise ValueError naming `name` unless `value` is one of `allowed` (a kernel's compile-time option)."""
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; expected one of {allowed}")
+
+
 # --- the 128x4 scale-factor atom (SPEC §3) ---------------------------------------------------------------
 ATOM_MN = 128  # rows (of M or N) covered by one atom
 ATOM_KB = 4  # k-blocks covered by one atom

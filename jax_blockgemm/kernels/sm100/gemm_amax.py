@@ -69,14 +69,10 @@ class BlackwellBlockScaledGemmAmax:
     def __init__(self, *, ab_dtype: str = "float8_e4m3fn", c_dtype: str = "float32",
                  tile_mn: tuple[int, int] = (128, 128), cluster_mn: tuple[int, int] = (1, 1),
                  sf_vec_size: int = 32, sf_dtype: str = "float8_e8m0fnu"):
-        if ab_dtype not in _AB_DTYPES:
-            raise ValueError(f"ab_dtype={ab_dtype!r} is not supported; expected one of {sorted(_AB_DTYPES)}")
-        if c_dtype not in _C_DTYPES:
-            raise ValueError(f"c_dtype={c_dtype!r} is not supported; expected one of {sorted(_C_DTYPES)}")
-        if tuple(tile_mn) not in SUPPORTED_TILES_MN:
-            raise ValueError(f"tile_mn={tile_mn!r} is not supported; expected one of {SUPPORTED_TILES_MN}")
-        if tuple(cluster_mn) not in SUPPORTED_CLUSTERS_MN:
-            raise ValueError(f"cluster_mn={cluster_mn!r} is not supported; expected one of {SUPPORTED_CLUSTERS_MN}")
+        common.require_choice("ab_dtype", ab_dtype, sorted(_AB_DTYPES))
+        common.require_choice("c_dtype", c_dtype, sorted(_C_DTYPES))
+        common.require_choice("tile_mn", tuple(tile_mn), SUPPORTED_TILES_MN)
+        common.require_choice("cluster_mn", tuple(cluster_mn), SUPPORTED_CLUSTERS_MN)
         # The seed's couplings: FP8 codes take block 32 (E8M0); E4M3 scales take block 16 (NVFP4, FP4 codes only).
         fp8 = ab_dtype != "float4_e2m1fn"
         allowed = ((32, "float8_e8m0fnu"),) if fp8 else ((32, "float8_e8m0fnu"), (16, "float8_e8m0fnu"),

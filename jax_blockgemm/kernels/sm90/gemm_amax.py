@@ -87,21 +87,14 @@ class HopperMxf8GemmAmax:
                  tile_mn: tuple[int, int] = (128, 128), cluster_mn: tuple[int, int] = (1, 1),
                  dequant: str = "f32", tile_k: int | None = None, mma_buffers: int = 2, promote: bool = True,
                  a_regs: bool = False, overlap: bool = False):
-        if ab_dtype not in _AB_DTYPES:
-            raise ValueError(f"ab_dtype={ab_dtype!r} is not supported; expected one of {sorted(_AB_DTYPES)}")
-        if c_dtype not in _C_DTYPES:
-            raise ValueError(f"c_dtype={c_dtype!r} is not supported; expected one of {sorted(_C_DTYPES)}")
-        if tuple(tile_mn) not in SUPPORTED_TILES_MN:
-            raise ValueError(f"tile_mn={tile_mn!r} is not supported; expected one of {SUPPORTED_TILES_MN}")
-        if tuple(cluster_mn) not in SUPPORTED_CLUSTERS_MN:
-            raise ValueError(f"cluster_mn={cluster_mn!r} is not supported; expected one of {SUPPORTED_CLUSTERS_MN}")
-        if dequant not in DEQUANT_MODES:
-            raise ValueError(f"dequant={dequant!r} is not supported; expected one of {DEQUANT_MODES}")
+        common.require_choice("ab_dtype", ab_dtype, sorted(_AB_DTYPES))
+        common.require_choice("c_dtype", c_dtype, sorted(_C_DTYPES))
+        common.require_choice("tile_mn", tuple(tile_mn), SUPPORTED_TILES_MN)
+        common.require_choice("cluster_mn", tuple(cluster_mn), SUPPORTED_CLUSTERS_MN)
+        common.require_choice("dequant", dequant, DEQUANT_MODES)
         tile_k = (128 if tuple(tile_mn) == (128, 128) else 64) if tile_k is None else tile_k
-        if tile_k not in SUPPORTED_TILES_K:
-            raise ValueError(f"tile_k={tile_k!r} is not supported; expected one of {SUPPORTED_TILES_K}")
-        if mma_buffers not in SUPPORTED_MMA_BUFFERS:
-            raise ValueError(f"mma_buffers={mma_buffers!r} is not supported; expected one of {SUPPORTED_MMA_BUFFERS}")
+        common.require_choice("tile_k", tile_k, SUPPORTED_TILES_K)
+        common.require_choice("mma_buffers", mma_buffers, SUPPORTED_MMA_BUFFERS)
         if promote and (tuple(tile_mn) != (128, 128) or mma_buffers != 2):
             raise ValueError(f"promote=True needs tile_mn=(128, 128) and mma_buffers=2, got tile_mn={tile_mn!r}, "
                              f"mma_buffers={mma_buffers}")

@@ -42,12 +42,9 @@ class HopperProjRope:
     """
 
     def __init__(self, *, x_dtype: str = "bfloat16", w_major: str = "k", consumer_wgs: int = 2):
-        if x_dtype != "bfloat16":
-            raise ValueError(f"x_dtype={x_dtype!r} is not supported; expected 'bfloat16'")
-        if w_major not in W_MAJORS:
-            raise ValueError(f"w_major={w_major!r} is not supported; expected one of {W_MAJORS}")
-        if consumer_wgs not in CONSUMER_WGS:
-            raise ValueError(f"consumer_wgs={consumer_wgs!r} is not supported; expected one of {CONSUMER_WGS}")
+        common.require_choice("x_dtype", x_dtype, ("bfloat16",))
+        common.require_choice("w_major", w_major, W_MAJORS)
+        common.require_choice("consumer_wgs", consumer_wgs, CONSUMER_WGS)
         self.ab_dtype = cutlass.BFloat16
         self.acc_dtype = cutlass.Float32
         self.w_major = w_major
