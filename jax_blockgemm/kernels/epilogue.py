@@ -14,6 +14,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_blockgemm import formats
+from jax_blockgemm.kernels import common
 
 F32_INF_BITS = 0x7F800000  # |x| bits at or above this: inf or NaN
 E8M0_NAN = 0xFF
@@ -56,15 +57,10 @@ def e8m0_scale(amax_bits: cutlass.Int32):
     byte = biased - _E4M3_EMAX_EXP + cutlass.Int32((amax_bits & 0x7FFFFF) > _E4M3_EMAX_MAN)
     byte = cutlass.min(cutlass.max(byte, 0), 254)
     bad = amax_bits >= F32_INF_BITS
-    inv = _f32_from_bits((254 - byte) << 23)
+    inv = common.f32_from_bits((254 - byte) << 23)
     if bad:
         byte = cutlass.Int32(E8M0_NAN)
     return byte, inv, bad
-
-
-@dsl_user_op
-def _f32_from_bits(bits: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Float32:
-    return cutlass.Float32(llvm.bitcast(T.f32(), cutlass.Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
 @dsl_user_op
