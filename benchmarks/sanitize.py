@@ -6,7 +6,8 @@ Usage, on the H200 from the repository root (after `source .devpayload/setup.sh`
 
 For each tool it starts ONE process under `compute-sanitizer --tool <tool>` that runs every sm_90a variant of the
 kernel catalog through `jbg.gemm_amax(..., implementation="cutedsl")` at small odd shapes (tails in M, N and K,
-partial scale blocks, L > 1), checks each result against the reference (`implementation="xla"`), and brackets each
+partial scale blocks, L > 1) and every sm_90a proj_rope variant (both tiles and weight layouts, bf16 and MXFP8
+inputs, token and k tails), checks each result against the reference (`implementation="xla"`), and brackets each
 variant with markers so that every sanitizer report is attributed to the variant that caused it. Then it runs
 tests/test_gpu_handler_fuzz.py (the raw-ffi_call cases) under memcheck. It prints one summary line per
 tool x variant (and one for the fuzz run), writes the full logs to --out, and exits non-zero when any line is not OK.
@@ -20,6 +21,7 @@ nvidia-cuda-sanitizer-api wheel (nvidia/cu13 or nvidia/cu12 under any sys.path e
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import pathlib
 import re
@@ -33,6 +35,8 @@ TOOLS = ("memcheck", "racecheck", "synccheck")
 # (L, M, N, K): M and N tails past 128-row tiles and scale atoms, K a partial 128-wide k-tile with a partial
 # 32-wide scale block (K = 80, 208), L > 1; N a multiple of 8 (16-byte rows of a bfloat16 C).
 SHAPES = ((2, 257, 136, 80), (3, 129, 24, 208))
+# proj_rope (T, H, K): T a tail of the 128- and 64-token tiles, K a tail of the 64-wide k-tile, H odd.
+PROJ_ROPE_SHAPES = ((96, 3, 160), (160, 1, 96))
 BEGIN, END = "@@JBG-SANITIZE BEGIN", "@@JBG-SANITIZE END"
 # A sanitizer report line (its stack frames and blank lines are not counted).
 _REPORT = re.compile(r"^=+ (Invalid|Error|Warning|Program hit|Race|Barrier|Uninitialized|Leaked|Malformed|"
@@ -63,7 +67,7 @@ def run_variants() -> int:
 
     rng = np.random.default_rng(2026)
     failures = 0
-    for variant in catalog.variants_for("sm_90a"):
+    for variant in catalog.variants_for("sm_90a", "gemm_amax"):
         for l, m, n, k in SHAPES:
             label = f"{variant.key} (L, M, N, K) = {(l, m, n, k)}"
             print(f"{BEGIN} {label}", flush=True)
@@ -87,6 +91,56 @@ def run_variants() -> int:
                 ok = bool(np.isfinite(got).all() and rel <= tol
                           and abs(float(amax) - float(amax_ref)) <= 1e-4 * abs(float(amax_ref)))
                 detail = f"rel_err={rel:.2e} amax={float(amax):.6g} ref={float(amax_ref):.6g}"
+            except Exception as e:  # noqa: BLE001 -- reported in the summary, the next variant still runs
+                ok, detail = False, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            failures += not ok
+            print(f"{END} {label} {'match' if ok else 'MISMATCH'} {detail}", flush=True)
+    return (1 if failures else 0) | run_proj_rope_variants(rng)
+
+
+def run_proj_rope_variants(rng) -> int:
+    """Every sm_90a proj_rope variant (tile x weight layout) at PROJ_ROPE_SHAPES, both input paths, bracketed."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_blockgemm as jbg
+    from jax_blockgemm import dispatch
+    from jax_blockgemm.kernels import catalog
+
+    failures = 0
+    for variant in catalog.variants_for("sm_90a", "proj_rope"):
+        dispatch.PROJ_ROPE_TILE["sm_90a"] = variant.tile_mn  # the dispatcher's tile for this variant's runs
+        w_out_in = variant.b_major == "k"
+        for (t, h, k), mxfp8 in itertools.product(PROJ_ROPE_SHAPES, (False, True)):
+            label = f"{variant.key} {'mxfp8' if mxfp8 else 'bf16'} (T, H, K) = {(t, h, k)}"
+            print(f"{BEGIN} {label}", flush=True)
+            w_shape = (h * 192, k) if w_out_in else (k, h * 192)
+            x = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
+            w = jnp.asarray(rng.standard_normal(w_shape) / np.sqrt(k), jnp.float32)
+            angles = rng.uniform(-np.pi, np.pi, (t, 64))
+            cos, sin = (jnp.asarray(f(angles), jnp.bfloat16) for f in (np.cos, np.sin))
+            options = {}
+            if mxfp8:
+                options = dict(x_scale=jnp.asarray(rng.integers(120, 134, (t, k // 32)), jnp.uint8),
+                               w_scale=jnp.asarray(rng.integers(120, 134, (h * 192, k // 32) if w_out_in
+                                                   else (k // 32, h * 192)), jnp.uint8))
+                x, w = x.astype(jnp.float8_e4m3fn), w.astype(jnp.float8_e4m3fn)
+            else:
+                x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+            try:
+                call = lambda impl: jax.jit(lambda *a: jbg.gemm_proj_rope_mxfp8(
+                    *a, w_out_in=w_out_in, implementation=impl, **options))
+                kernel = call("cutedsl")
+                if "jbg_gemm_proj_rope_mxfp8" not in kernel.lower(x, w, cos, sin).as_text():
+                    raise RuntimeError("the program holds no proj_rope custom call: the kernel would not run")
+                got = [np.asarray(o) for o in jax.block_until_ready(kernel(x, w, cos, sin))]
+                want = [np.asarray(o) for o in call("xla")(x, w, cos, sin)]
+                # Codes may differ by one E4M3 step where fp32 summation orders round differently (SPEC §7).
+                differ = [float(np.mean(g.view(np.uint8) != r.view(np.uint8))) for g, r in zip(got, want)]
+                ok = max(differ) <= 0.01
+                detail = "bytes differing (row codes, row scales, col codes, col scales): " + ", ".join(
+                    f"{d:.2%}" for d in differ)
             except Exception as e:  # noqa: BLE001 -- reported in the summary, the next variant still runs
                 ok, detail = False, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
             failures += not ok

@@ -191,6 +191,27 @@ class GpuGemmAmaxTest(parameterized.TestCase):
         self.assertLessEqual(dev1, dev0)
         self.assertLess(host1 - host0, 16 * 1024)  # KiB: no per-call host leak
 
+    def test_past_int32_indexing_runs_the_reference(self):
+        """C with more than 2**31 elements: None computes it correctly (through the reference), 'cutedsl' refuses it
+        when the program is lowered; rows past the 2**31-th element are checked against the float64 oracle."""
+        rng = np.random.default_rng(31)
+        l, m, n, k = 1, 65600, 32768, 64  # C: 2,149,580,800 elements (8.6 GB of float32)
+        a, b, sfa, sfb = _inputs(rng, l, m, n, k, jnp.float8_e4m3fn)
+        sfa, sfb = jnp.asarray(sfa), jnp.asarray(sfb)
+        with self.assertRaisesRegex(ValueError, r"c \(1, 65600, 32768\) holds 2149580800 elements, past the "
+                                                r"kernels' 32-bit indexing"):
+            jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl")).lower(a, b, sfa, sfb)
+        rows = np.array([0, 1, 31337, 65535, 65536, 65599])  # 65536 * 32768 = 2**31: the last three lie past it
+        c, amax = jax.jit(lambda *x: jbg.gemm_amax(*x))(a, b, sfa, sfb)
+        picked = np.asarray(c[:, rows])
+        del c
+        a_np, b_np, sfa_np, sfb_np = (np.asarray(x) for x in (a, b, sfa, sfb))
+        c_ref, _ = oracle_ops.gemm_amax_oracle(a_np[:, rows], b_np, sfa_np[:, rows], sfb_np, k=k, sf_vec_size=32)
+        oracle_ops.assert_gemm_close(self, picked, c_ref, c_dtype=jnp.float32)
+        amax_ref = max(float(oracle_ops.gemm_amax_oracle(a_np[:, r:r + 8192], b_np, sfa_np[:, r:r + 8192], sfb_np,
+                                                         k=k, sf_vec_size=32)[1][0]) for r in range(0, m, 8192))
+        np.testing.assert_allclose(float(amax), amax_ref, rtol=1e-5)
+
 
 if __name__ == "__main__":
     absltest.main()
