@@ -5,8 +5,7 @@
 #     bash benchmarks/h200_session.sh STEP... (default: every step, in the order below)
 #
 # Steps: proj_rope_tests (proj_rope_tests_default_tile), proj_rope_kernel, bench_proj_rope, bench_gemm, handler_tests,
-# selfcheck_tests, gemm_tests,
-# gemm_candidates, multi_gpu
+# selfcheck_tests, gemm_tests, gemm_candidates, autodiff_tests, api_overhead, train_step, sanitize, soak, multi_gpu
 # (the last needs two GPUs: kind nvidia-h200-x2; the single-GPU steps then run on the first).
 # Logs go to $OUT, one per step (at most 8 files come back from a device call); 00_session.log holds every step's
 # status and tail.
@@ -57,9 +56,20 @@ for step in "${STEPS[@]}"; do
     gemm_tests)
       run_step "$step" 120 gemm_tests.log python3 -m pytest tests/test_gpu_gemm_amax.py -q -p no:cacheprovider ;;
     gemm_candidates)
-      run_step "$step" 100 gemm_candidates.log python3 benchmarks/kernel_standalone.py --candidates \
-        --only rs_ov_256,bits1_256_b2_ov --no-xla --budget-s 85 \
+      run_step "$step" 160 gemm_candidates.log python3 benchmarks/kernel_standalone.py --candidates \
+        --only rs_ov_256,bits1_256_b2_ov,rs_bits1_256,rs_ov_128 --no-xla --budget-s 150 \
         --out /tmp/jbg_candidates ;;  # its per-candidate files stay there: the table is in the log
+    autodiff_tests)
+      run_step "$step" 120 autodiff_tests.log python3 -m pytest tests/test_gpu_autodiff.py -q -p no:cacheprovider ;;
+    api_overhead)
+      run_step "$step" 120 api_overhead.log python3 benchmarks/api_overhead.py --json "$OUT/api_overhead.json" ;;
+    train_step)
+      run_step "$step" 200 train_step.log python3 benchmarks/train_step.py --out "$OUT" ;;
+    sanitize)
+      run_step "$step" 400 sanitize.log python3 benchmarks/sanitize.py --out /tmp/jbg_sanitize --budget 380 ;;
+    soak)  # 8 minutes: a call of its own (SOAK_MINUTES to shorten it)
+      run_step "$step" $(( ${SOAK_MINUTES:-8} * 60 + 60 )) soak.log python3 benchmarks/soak.py \
+        --minutes "${SOAK_MINUTES:-8}" --out /tmp/jbg_soak ;;
     multi_gpu)
       run_step "$step" 170 multi_gpu.log python3 benchmarks/multi_gpu.py --out "$OUT/multi_gpu.json" ;;
     *) echo "unknown step $step" | tee -a "$LOG" ;;

@@ -208,8 +208,9 @@ class GpuGemmAmaxTest(parameterized.TestCase):
         a_np, b_np, sfa_np, sfb_np = (np.asarray(x) for x in (a, b, sfa, sfb))
         c_ref, _ = oracle_ops.gemm_amax_oracle(a_np[:, rows], b_np, sfa_np[:, rows], sfb_np, k=k, sf_vec_size=32)
         oracle_ops.assert_gemm_close(self, picked, c_ref, c_dtype=jnp.float32)
-        amax_ref = max(float(oracle_ops.gemm_amax_oracle(a_np[:, r:r + 8192], b_np, sfa_np[:, r:r + 8192], sfb_np,
-                                                         k=k, sf_vec_size=32)[1][0]) for r in range(0, m, 8192))
+        a_hat = oracle.dequantize_f64(a_np[0], sfa_np[0], block=32)
+        b_hat_t = oracle.dequantize_f64(b_np[0], sfb_np[0], block=32).T.copy()
+        amax_ref = max(float(np.abs(a_hat[r:r + 4096] @ b_hat_t).max()) for r in range(0, m, 4096))  # float64 BLAS
         np.testing.assert_allclose(float(amax), amax_ref, rtol=1e-5)
 
 
