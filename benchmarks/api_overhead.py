@@ -16,13 +16,15 @@ import argparse
 import json
 import statistics
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_blockgemm as jbg
-from jax_blockgemm import bench
+from jax_blockgemm import bench, dispatch
+from jax_blockgemm.kernels import catalog
 
 
 GEMM, PROJ_ROPE = (8192, 8192, 8192), (4096, 128, 1536)  # the SPEC §8 / DeepSeek-V3 sizes
@@ -61,8 +63,15 @@ def proj_rope_cases(t: int, h: int, k: int):
     for i in range(3):
         inp = bench.proj_rope_inputs(jax.random.key(10 + i), t, h, k)
         sets.append((inp["x_bf16"], inp["w_bf16"], inp["cos"], inp["sin"]))
-    yield (f"proj_rope T={t} H={h} K={k} kernel",
-           jax.jit(lambda *x: jbg.gemm_proj_rope_mxfp8(*x, implementation="cutedsl")), sets)
+    kernel = jax.jit(lambda *x: jbg.gemm_proj_rope_mxfp8(*x, implementation="cutedsl"))
+    yield f"proj_rope T={t} H={h} K={k} kernel", kernel, sets
+    for tile in catalog.PROJ_ROPE_TILES:  # each tile, compiled ahead with the dispatcher's choice patched
+        with mock.patch.dict(dispatch.PROJ_ROPE_TILE, {"sm_90a": tile}):
+            try:
+                compiled = kernel.lower(*sets[0]).compile()
+            except Exception:  # noqa: BLE001 -- no kernel here (CPU): the plain kernel row already says why
+                continue
+        yield f"proj_rope T={t} H={h} K={k} tile {tile[0]}x{tile[1]}", compiled, sets
     yield (f"bf16 dot T={t} N={h * 192} K={k}", jax.jit(lambda x, w: jax.lax.dot_general(
         x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)), [s[:2] for s in sets])
 
