@@ -14,6 +14,8 @@ import tempfile
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
@@ -51,6 +53,25 @@ class TrainingComparisonTest(absltest.TestCase):
             fig = mlp.plot_curves({k: v["losses"] for k, v in runs.items()}, str(path))
             fig.clf()
             self.assertEqual(path.read_bytes()[:8], b"\x89PNG\r\n\x1a\n")
+
+
+class JaxNnBaselineTest(absltest.TestCase):
+    """The jax.nn.scaled_dot_general baseline of benchmarks/train_step.py: MXFP8 where every contracted size fits
+    its 32-wide blocks, the bf16 baseline where one does not (its quantizer asserts otherwise)."""
+
+    dn = (((1,), (0,)), ((), ()))
+
+    def test_narrow_head_takes_bf16(self):
+        x, w = jnp.ones((64, 4096), jnp.float32), jnp.ones((4096, 10), jnp.float32)
+        text = str(jax.make_jaxpr(lambda a, b: mlp.jax_nn_mxfp8_dot_general(a, b, self.dn))(x, w))
+        self.assertNotIn("scaled_matmul", text)
+        np.testing.assert_array_equal(mlp.jax_nn_mxfp8_dot_general(x, w, self.dn),
+                                      mlp.bf16_dot_general(x, w, self.dn))
+
+    def test_wide_layer_takes_scaled_dot_general(self):
+        x, w = jnp.ones((64, 4096), jnp.float32), jnp.ones((4096, 64), jnp.float32)
+        text = str(jax.make_jaxpr(lambda a, b: mlp.jax_nn_mxfp8_dot_general(a, b, self.dn))(x, w))
+        self.assertIn("scaled_matmul", text)
 
 
 if __name__ == "__main__":

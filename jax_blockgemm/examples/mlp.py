@@ -43,7 +43,17 @@ def bf16_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, pre
 
 def jax_nn_mxfp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
                              preferred_element_type: Any = None, **_: Any) -> jax.Array:
-    """`jax.nn.scaled_dot_general` with its MXFP8 config for all three GEMMs (cuDNN; no CPU lowering)."""
+    """`jax.nn.scaled_dot_general` with its MXFP8 config for all three GEMMs (cuDNN; no CPU lowering).
+
+    Its quantizer asserts that every contracted size (the forward's K, and the M, N and batch sizes the backward
+    GEMMs contract) is a multiple of the 32-wide block; a layer where one is not (a 10-class head) runs the bf16
+    baseline instead, as mx_dot_general's recipe falls back to bf16 for a GEMM no format fits.
+    """
+    (lc, rc), (lb, _) = dimension_numbers
+    free = lambda x, contract, batch: [d for i, d in enumerate(x.shape) if i not in (*contract, *batch)]
+    sizes = [lhs.shape[i] for i in lc] + free(lhs, lc, lb) + free(rhs, rc, lb)
+    if any(d % 32 for d in sizes):
+        return bf16_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
     configs = [jax.nn.get_scaled_dot_general_config("mxfp8")] * 3
     out = jax.nn.scaled_dot_general(lhs, rhs, dimension_numbers, configs=configs)
     return out.astype(preferred_element_type or jnp.result_type(lhs, rhs))
