@@ -11,8 +11,9 @@ scaled_matmul -> RoPE -> rowwise and columnwise MXFP8 quantization).
 
 Method: fresh random inputs (normal values whose rows differ in magnitude, quantized by `formats.quantize_mxfp8`,
 so block scales are random and never zero), several input sets rotated so that caches cannot hold them, every
-function compiled ahead under jax.jit, warm-up calls, then the median of --reps calls each ended by
-block_until_ready. Ratios are speedups, baseline ms / column ms (> 1: faster than the baseline), against
+function compiled ahead under jax.jit, warm-up calls, then the median of --reps samples, each --burst calls (10)
+issued back to back and ended by one block_until_ready, per call: the device time per call, as a model step sees
+it (--burst 1 waits for every call and adds its host latency, 0.1-0.4 ms on an H200, to every column). Ratios are speedups, baseline ms / column ms (> 1: faster than the baseline), against
 `jax.nn.scaled_matmul`, the reference and `jax.lax.scaled_dot` for gemm_amax, against the bare dot and the unfused
 pipeline for proj_rope. Every column that computes the same function is checked against the reference on the
 first input set (gemm_amax: ||C - C_ref|| / ||C_ref||; proj_rope: the fraction of E4M3 codes equal to the
@@ -239,19 +240,26 @@ def proj_rope_case(tokens: int, heads: int, k: int, mxfp8: bool) -> Case:
                 functools.partial(proj_rope_columns, mxfp8), proj_rope_codes_equal)
 
 
-def median_ms(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int, reps: int) -> float:
-    """Median wall time in ms of `reps` calls, each ended by block_until_ready, after `warmup` untimed calls.
+def median_ms(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int, reps: int, burst: int = 1
+              ) -> float:
+    """Median over `reps` samples of the wall time in ms per call, after `warmup` untimed calls.
 
-    The calls cycle through `arg_sets` (several input sets, so that caches do not hold one set between calls).
+    A sample is `burst` calls issued back to back and ended by one block_until_ready, divided by `burst`: with
+    burst=1 each call's host latency (dispatch, launch, the wait) is in the figure; with more the host overlaps the
+    device and the figure approaches the device time per call (benchmarks/api_overhead.py measures both). The
+    calls cycle through `arg_sets` (several input sets, so that caches do not hold one set between calls).
     """
     for i in range(warmup):
         jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-    times = []
-    for i in range(reps):
-        args = arg_sets[i % len(arg_sets)]
+    times, call = [], 0
+    for _ in range(reps):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
+        out = None
+        for _ in range(burst):
+            out = fn(*arg_sets[call % len(arg_sets)])
+            call += 1
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / burst)
     return 1e3 * statistics.median(times)
 
 
@@ -261,7 +269,7 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def time_column(column: Column, sets: list[dict[str, jax.Array]], *, warmup: int, reps: int
+def time_column(column: Column, sets: list[dict[str, jax.Array]], *, warmup: int, reps: int, burst: int = 1
                 ) -> tuple[float, Any]:
     """Compiles `column` ahead (a compile-time error in na_errors becomes NotAvailable) and times it.
 
@@ -274,7 +282,7 @@ def time_column(column: Column, sets: list[dict[str, jax.Array]], *, warmup: int
         compiled = jax.jit(column.fn).lower(*arg_sets[0]).compile()
     except column.na_errors as e:
         raise NotAvailable(_first_line(e)) from e
-    ms = median_ms(compiled, arg_sets, warmup=warmup, reps=reps)
+    ms = median_ms(compiled, arg_sets, warmup=warmup, reps=reps, burst=burst)
     return ms, (compiled(*arg_sets[0]) if column.checked else None)
 
 
@@ -291,7 +299,8 @@ def _merge_layouts(results: dict[str, dict], prefix: str) -> None:
     results[prefix] = dict(timed[layout], layout=layout, layouts_ms={name: r["ms"] for name, r in timed.items()})
 
 
-def run_case(case: Case, key: jax.Array, *, sets: int, warmup: int, reps: int, progress: Any) -> dict[str, Any]:
+def run_case(case: Case, key: jax.Array, *, sets: int, warmup: int, reps: int, progress: Any, burst: int = 1
+             ) -> dict[str, Any]:
     """Draws `sets` fresh input sets, times every column, and returns the case's record (ms, TFLOP/s, ratios)."""
     inputs = [case.make_inputs(k) for k in jax.random.split(key, sets)]
     jax.block_until_ready(inputs)
@@ -299,7 +308,7 @@ def run_case(case: Case, key: jax.Array, *, sets: int, warmup: int, reps: int, p
     outputs: dict[str, Any] = {}
     for column in case.columns():
         try:
-            ms, outputs[column.key] = time_column(column, inputs, warmup=warmup, reps=reps)
+            ms, outputs[column.key] = time_column(column, inputs, warmup=warmup, reps=reps, burst=burst)
             results[column.key] = {"ms": ms, "tflops": case.flops / (ms * 1e-3) / 1e12}
             progress.write(f" {column.key} {ms:.4g} ms;")
         except NotAvailable as e:
@@ -453,7 +462,8 @@ def header_lines(record: dict[str, Any]) -> list[str]:
     env, method = record["environment"], record["method"]
     return [f"jax_blockgemm benchmark, {record['date']}: {env['device']} ({env['platform']}), jax {env['jax']}, "
             f"jaxlib {env['jaxlib']}, CuTeDSL {env['cutedsl']}, Python {env['python']}",
-            f"median of {method['reps']} calls after {method['warmup']} warm-up, {method['sets']} input sets rotated; "
+            f"median of {method['reps']} samples of {method.get('burst', 1)} back-to-back calls after "
+            f"{method['warmup']} warm-up, {method['sets']} input sets rotated; "
             "TFLOP/s counts the GEMM's 2*M*N*K; speedup = baseline ms / column ms"]
 
 
@@ -584,6 +594,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--small", action="store_true", help="a tiny twin of every case (runs on a CPU in seconds)")
     p.add_argument("--reps", type=_count(1), default=20, help="timed calls per column (the median is reported)")
     p.add_argument("--warmup", type=_count(0), default=3, help="untimed calls per column before timing")
+    p.add_argument("--burst", type=_count(1), default=10,
+                   help="calls per timed sample, issued back to back with one wait (1: each call waited for)")
     p.add_argument("--sets", type=_count(1), default=2, help="input sets drawn per case and rotated between calls")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--launch", action="store_true",
@@ -601,7 +613,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     record = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "command": " ".join(["python -m jax_blockgemm.bench", *argv]), "environment": environment(),
               "method": {"reps": args.reps, "warmup": args.warmup, "sets": args.sets, "seed": args.seed,
-                         "timing": "median wall time of jitted calls, each ended by block_until_ready"},
+                         "burst": args.burst,
+                         "timing": "median over samples of the wall time per call of `burst` jitted calls issued "
+                                   "back to back and ended by one block_until_ready"},
               "cases": []}
     key = jax.random.key(args.seed)
     for i, (case, case_key) in enumerate(zip(cases, jax.random.split(key, len(cases)))):
@@ -609,7 +623,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         sys.stderr.write(f"[{i + 1}/{len(cases)}] {case.op} {case.name}:")
         sys.stderr.flush()
         record["cases"].append(run_case(case, case_key, sets=args.sets, warmup=args.warmup, reps=args.reps,
-                                        progress=sys.stderr))
+                                        progress=sys.stderr, burst=args.burst))
         sys.stderr.write(f" done in {time.perf_counter() - start:.1f} s\n")
         sys.stderr.flush()
     if args.launch:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -267,6 +268,19 @@ class TimingTest(absltest.TestCase):
         self.assertEqual(calls, [0, 1, 0, 1, 2])
         self.assertGreaterEqual(ms, 1.0)
         self.assertLess(ms, 25.0)  # the 100 ms call is the outlier the median ignores (a mean would be >= 34 ms)
+
+    def test_median_ms_burst_waits_once_per_sample(self):
+        calls, waits = [], []
+
+        def fn(i):
+            calls.append(i)
+            return jnp.asarray(i)
+
+        real = jax.block_until_ready
+        with mock.patch.object(jax, "block_until_ready", side_effect=lambda x: (waits.append(1), real(x))[1]):
+            bench.median_ms(fn, [(0,), (1,), (2,)], warmup=1, reps=2, burst=4)
+        self.assertEqual(calls, [0, 0, 1, 2, 0, 1, 2, 0, 1])  # warm-up, then 2 x 4 calls cycling the sets
+        self.assertLen(waits, 3)  # one per warm-up call, one per sample
 
     def test_random_mxfp8_scales_are_random_and_never_zero(self):
         codes, scales = bench.random_mxfp8(jax.random.key(3), (64, 256))
