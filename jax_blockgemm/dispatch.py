@@ -31,11 +31,13 @@ ARCH_OF_CAPABILITY = {"9.0": "sm_90a", "10.0": "sm_100a"}
 # proj_rope sm_90a, H200, 2026-11-29: kernel 1.067 ms against the reference's 1.556 ms at T=4096, H=128, K=1536.
 # gemm_amax sm_100a: compiled and checked here, never run (no Blackwell GPU), never measured -> not the default
 # either; benchmarks/RESULTS.md holds a prediction only. "cutedsl" takes it after the first-use self-check.
+# proj_rope sm_100a: the same, compiled and structurally checked, never run, never measured -> not the default.
 DEFAULT_TAKES_KERNEL = {("gemm_amax", "sm_90a"): False, ("proj_rope", "sm_90a"): True,
-                        ("gemm_amax", "sm_100a"): False}
+                        ("gemm_amax", "sm_100a"): False, ("proj_rope", "sm_100a"): False}
 
-# The proj_rope tile (tokens, features) each arch runs, among catalog.PROJ_ROPE_TILES (benchmarks/RESULTS.md).
-PROJ_ROPE_TILE = {"sm_90a": (128, 192)}
+# The proj_rope tile (tokens, features) each arch runs: sm_90a among catalog.PROJ_ROPE_TILES (benchmarks/RESULTS.md),
+# sm_100a its only one (catalog.PROJ_ROPE_TILES_SM100).
+PROJ_ROPE_TILE = {"sm_90a": (128, 192), "sm_100a": (128, 192)}
 
 # The kernels and the FFI handler take sizes and element counts as int32: a call with an operand or C of this many
 # elements or more never reaches them (None takes the reference, "cutedsl" raises at lowering).
