@@ -310,9 +310,9 @@ class BlackwellProjRope:
             table_row = cutlass.min(token, t - 1) * (QK_ROPE // 2)  # tail rows read a valid row, unused
             rcos = cute.make_rmem_tensor((QK_ROPE // 2,), cutlass.Int32)
             rsin = cute.make_rmem_tensor((QK_ROPE // 2,), cutlass.Int32)
-            for q in cutlass.range_constexpr(QK_ROPE // 2):
-                rcos[q] = cos32[table_row + q]
-                rsin[q] = sin32[table_row + q]
+            table_word0 = cute.assume(table_row, divby=QK_ROPE // 2)  # 128-byte rows: 16-byte loads
+            cute.autovec_copy(cute.make_tensor(cos32.iterator + table_word0, rcos.layout), rcos)
+            cute.autovec_copy(cute.make_tensor(sin32.iterator + table_word0, rsin.layout), rsin)
             out_word = (token * h + head) * (HEAD_DIM // 4)  # first code word of (token, head) in both outputs
             row_scale0 = (token * h + head) * n_blocks
             col_scale0 = ((tile_t * (TILE_T // MX_BLOCK) + warp) * h + head) * HEAD_DIM + lane
@@ -390,9 +390,9 @@ class BlackwellProjRope:
                 col_words[i // 4] = col_words[i // 4] | (codes << 16)
         # stores (whole warps past T store nothing)
         if live:
-            for wd in cutlass.range_constexpr(_WORDS_PER_BLOCK):
-                row32[out_word + b * _WORDS_PER_BLOCK + wd] = row_words[wd]
-                col32[out_word + b * _WORDS_PER_BLOCK + wd] = col_words[wd]
+            first = cute.assume(out_word + b * _WORDS_PER_BLOCK, divby=_WORDS_PER_BLOCK)  # 32-byte aligned
+            cute.autovec_copy(row_words, cute.make_tensor(row32.iterator + first, row_words.layout))
+            cute.autovec_copy(col_words, cute.make_tensor(col32.iterator + first, col_words.layout))
             row_scales[row_scale0 + b] = row_byte.to(cutlass.Uint8)
             col_scales[col_scale0 + b * MX_BLOCK] = col_byte.to(cutlass.Uint8)
 
