@@ -57,7 +57,8 @@ class KernelChoice:
 
 @contextlib.contextmanager
 def forced_variants(variants: Sequence[Any]) -> Iterator[None]:
-    """Within this block (this thread), gemm_amax lowerings with implementation='cutedsl' use exactly `variants`.
+    """Within this block (this thread), lowerings with implementation='cutedsl' use exactly those of `variants` that
+    are of their operation (gemm_amax, proj_rope).
 
     For the self-check, which must run one given variant (also a TEST_VARIANTS one) unchecked.
     """
@@ -98,7 +99,7 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
         return KernelChoice(reason="implementation='xla' forces the reference")
     forced = getattr(_FORCED, "variants", None)
     if forced is not None and implementation == "cutedsl":
-        return KernelChoice(variants=forced)
+        return KernelChoice(variants=tuple(v for v in forced if v.op == "gemm_amax"))
     if len(avals_in) > 4:
         return KernelChoice(reason="alpha (NVFP4 per-tensor scale) has no kernel yet")
     if (a_major, b_major, c_major) != ("k", "k", "n"):
@@ -137,6 +138,9 @@ def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation
     """
     if implementation == "xla":
         return KernelChoice(reason="implementation='xla' forces the reference")
+    forced = getattr(_FORCED, "variants", None)
+    if forced is not None and implementation == "cutedsl":
+        return KernelChoice(variants=tuple(v for v in forced if v.op == "proj_rope"))
     g, t, k = avals_in[0].shape
     if g != 1:
         return KernelChoice(reason=f"the kernel takes one weight matrix per call; got {g} (vmap over w)")
