@@ -377,6 +377,18 @@ class ReportTest(absltest.TestCase):
                                r"\d+\s+\d+\s+268/512\s+ok")
         self.assertIn("1 variants in", text)
 
+    def test_proj_rope_rows(self):
+        from jax_blockgemm import precompile
+
+        keys = [v.key for v in catalog.variants_for("sm_100a", "proj_rope")]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = precompile.main(["--arch", "sm_100a", "--report"] + [a for k in keys for a in ("--variant", k)])
+        self.assertEqual(rc, 0, out.getvalue())
+        for key in keys:
+            self.assertRegex(out.getvalue(), re.escape(key) + r"\s+\d+\.\d\d kind::f16\s+-\s+yes/yes\s+0\s+\d+\s+\d+\s+"
+                                                             r"384/512\s+ok")
+
     def test_a_failing_check_sets_the_exit_status(self):
         with mock.patch.object(structure.Sm100Report, "problems", return_value=["shared memory 300000 B > 232448"]):
             rc, text = self._report()
