@@ -47,6 +47,35 @@ ACC_STAGES = 2  # 2 x 192 fp32 columns of the 512
 _WORDS_PER_BLOCK = MX_BLOCK // 4  # one 32-feature block of E4M3 codes is 8 32-bit words
 
 
+# --- index maps (plain arithmetic on DSL or Python/NumPy integers: the kernel uses them, tests/ model them) ------
+def code_word(token, head, h):
+    """First 32-bit word of (token, head)'s 192 codes in either code output (T, H, 192) (rowwise and columnwise)."""
+    return (token * h + head) * (HEAD_DIM // 4)
+
+
+def row_scale_index(token, head, h):
+    """Index of (token, head)'s first rowwise scale byte in out_scales_row (T, H, 6); block b is at + b."""
+    return (token * h + head) * (HEAD_DIM // MX_BLOCK)
+
+
+def col_scale_index(tile_t, warp, lane, head, h):
+    """Index, in out_scales_col (T/32, H, 192), of the column scale that lane `lane` of epilogue warp `warp` writes
+    for block 0 of token tile `tile_t`: feature `lane` of the warp's 32-token block; block b (features 32b..) is at
+    + 32·b."""
+    return ((tile_t * (TILE_T // MX_BLOCK) + warp) * h + head) * HEAD_DIM + lane
+
+
+def rope_source(j: int) -> tuple[int, int]:
+    """Where RoPE pair j's even input p[2j] sits among the two 32-column loads of features 128..191: (load, value);
+    p[2j+1] is the next value of the same load."""
+    return (2 * j) // MX_BLOCK, (2 * j) % MX_BLOCK
+
+
+def table_entry(i: int) -> tuple[int, bool]:
+    """Where entry i of a token's 64 bf16 cos (sin) values sits among its 32 words: (word, in the high half)."""
+    return i // 2, i % 2 == 1
+
+
 class BlackwellProjRope:
     """Fused MLA Q up-projection for bf16 x and W on sm_100a (SPEC §5): E4M3 codes + E8M0 scales, both ways.
 
@@ -282,7 +311,6 @@ class BlackwellProjRope:
         thr_t2r = t2r.get_slice(tidx)
         tTR_tAcc = thr_t2r.partition_S(tAcc_blocks)  # (T2R, T2R_M, T2R_N, 1, 6, STAGE)
         block_shape = thr_t2r.partition_D(cute.make_identity_tensor((TILE_T, MX_BLOCK))).shape
-        n_blocks = HEAD_DIM // MX_BLOCK
         nope_blocks = QK_NOPE // MX_BLOCK
         half = QK_ROPE // 2
         lane = tidx % 32
@@ -313,9 +341,9 @@ class BlackwellProjRope:
             table_word0 = cute.assume(table_row, divby=QK_ROPE // 2)  # 128-byte rows: 16-byte loads
             cute.autovec_copy(cute.make_tensor(cos32.iterator + table_word0, rcos.layout), rcos)
             cute.autovec_copy(cute.make_tensor(sin32.iterator + table_word0, rsin.layout), rsin)
-            out_word = (token * h + head) * (HEAD_DIM // 4)  # first code word of (token, head) in both outputs
-            row_scale0 = (token * h + head) * n_blocks
-            col_scale0 = ((tile_t * (TILE_T // MX_BLOCK) + warp) * h + head) * HEAD_DIM + lane
+            out_word = code_word(token, head, h)
+            row_scale0 = row_scale_index(token, head, h)
+            col_scale0 = col_scale_index(tile_t, warp, lane, head, h)
 
             acc_pipeline.consumer_wait(acc_state)
             tAcc = tTR_tAcc[(None, None, None, 0, None, acc_state.index)]
@@ -339,8 +367,8 @@ class BlackwellProjRope:
             out_lo = cute.make_rmem_tensor(block_shape, self.acc_dtype)  # out[128 + j]
             out_hi = cute.make_rmem_tensor(block_shape, self.acc_dtype)  # out[160 + j]
             for j in cutlass.range_constexpr(half):
-                src = p_lo if j < half // 2 else p_hi
-                e = (2 * j) % MX_BLOCK
+                load, e = rope_source(j)
+                src = (p_lo, p_hi)[load]
                 first, second = epilogue.rope_pair(
                     src[e], src[e + 1], self._bf16_at(rcos, j), self._bf16_at(rsin, j),
                     self._bf16_at(rcos, half + j), self._bf16_at(rsin, half + j))
@@ -399,6 +427,7 @@ class BlackwellProjRope:
     @staticmethod
     def _bf16_at(words: cute.Tensor, i: int) -> cutlass.Float32:
         """Entry i of a row of bf16 values held two per 32-bit word (little-endian), as fp32 (exact)."""
-        word = words[i // 2]
-        bits = (word << 16) if i % 2 == 0 else (word & cutlass.Int32(-65536))
+        at, high = table_entry(i)
+        word = words[at]
+        bits = (word & cutlass.Int32(-65536)) if high else (word << 16)
         return common.f32_from_bits(bits)
