@@ -31,14 +31,16 @@ ARCH_OF_CAPABILITY = {"9.0": "sm_90a", "10.0": "sm_100a"}
 # proj_rope sm_90a, H200, 2026-11-29: kernel 1.067 ms against the reference's 1.556 ms at T=4096, H=128, K=1536.
 # gemm_amax sm_100a: compiled and checked here, never run (no Blackwell GPU), never measured -> not the default
 # either; benchmarks/RESULTS.md holds a prediction only. "cutedsl" takes it after the first-use self-check.
+# proj_rope sm_100a: the same, compiled and structurally checked, never run, never measured -> not the default.
 DEFAULT_TAKES_KERNEL = {("gemm_amax", "sm_90a"): False, ("proj_rope", "sm_90a"): True,
-                        ("gemm_amax", "sm_100a"): False}
+                        ("gemm_amax", "sm_100a"): False, ("proj_rope", "sm_100a"): False}
 
-# The proj_rope tile (tokens, features) each arch runs, among catalog.PROJ_ROPE_TILES (benchmarks/RESULTS.md).
+# The proj_rope tile (tokens, features) each arch runs: sm_90a among catalog.PROJ_ROPE_TILES (benchmarks/RESULTS.md),
+# sm_100a its only one (catalog.PROJ_ROPE_TILES_SM100).
 # sm_90a: 64x192 (one consumer warpgroup, two CTAs per SM): 0.822-0.827 ms by CUDA events at T=4096, H=128,
 # K=1536 against 0.855-0.879 for 128x192; both pass tests/test_gpu_proj_rope.py and compute-sanitizer (H200,
 # 2026-11-30).
-PROJ_ROPE_TILE = {"sm_90a": (64, 192)}
+PROJ_ROPE_TILE = {"sm_90a": (64, 192), "sm_100a": (128, 192)}
 
 # The kernels and the FFI handler take sizes and element counts as int32: a call with an operand or C of this many
 # elements or more never reaches them (None takes the reference, "cutedsl" raises at lowering).
@@ -58,7 +60,8 @@ class KernelChoice:
 
 @contextlib.contextmanager
 def forced_variants(variants: Sequence[Any]) -> Iterator[None]:
-    """Within this block (this thread), gemm_amax lowerings with implementation='cutedsl' use exactly `variants`.
+    """Within this block (this thread), lowerings with implementation='cutedsl' use exactly those of `variants` that
+    are of their operation (gemm_amax, proj_rope).
 
     For the self-check, which must run one given variant (also a TEST_VARIANTS one) unchecked.
     """
@@ -99,7 +102,7 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
         return KernelChoice(reason="implementation='xla' forces the reference")
     forced = getattr(_FORCED, "variants", None)
     if forced is not None and implementation == "cutedsl":
-        return KernelChoice(variants=forced)
+        return KernelChoice(variants=tuple(v for v in forced if v.op == "gemm_amax"))
     if len(avals_in) > 4:
         return KernelChoice(reason="alpha (NVFP4 per-tensor scale) has no kernel yet")
     if (a_major, b_major, c_major) != ("k", "k", "n"):
@@ -138,6 +141,9 @@ def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation
     """
     if implementation == "xla":
         return KernelChoice(reason="implementation='xla' forces the reference")
+    forced = getattr(_FORCED, "variants", None)
+    if forced is not None and implementation == "cutedsl":
+        return KernelChoice(variants=tuple(v for v in forced if v.op == "proj_rope"))
     g, t, k = avals_in[0].shape
     if g != 1:
         return KernelChoice(reason=f"the kernel takes one weight matrix per call; got {g} (vmap over w)")

@@ -4,8 +4,10 @@
 
 The Blackwell (sm_100a) kernels were compiled and checked on machines without a Blackwell GPU; nobody here has
 run them. So the first time a process would use one on a local GPU (`dispatch` asks, per variant), this module
-runs it on a few small problems (tails in M, N and K, L > 1) through the FFI bridge, with the outputs poisoned
-beforehand, and compares C and amax with the XLA reference on the same GPU (SPEC §7 bounds). The verdict is kept
+runs it on a few small problems through the FFI bridge, with the outputs poisoned beforehand, and compares its
+outputs with the XLA reference on the same GPU (SPEC §7 bounds): gemm_amax's C and amax (tails in M, N and K,
+L > 1), proj_rope's four outputs (a token tail, several heads, K not a multiple of the k-tile, more tiles than
+SMs). The verdict is kept
 in memory and on disk, per (variant, kernel object hash, device name), so each kernel object is checked once
 per GPU model. A failure warns, naming the kernel, and the op falls back to the reference (or raises, for
 implementation='cutedsl'). The CLI runs the same check on demand and prints a table.
@@ -14,6 +16,7 @@ implementation='cutedsl'). The CLI runs the same check on demand and prints a ta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -43,6 +46,11 @@ C_REL_TOLERANCE = 1e-4  # SPEC §7, fp32 C: ‖c − ref‖/‖ref‖ (the "tens
 AMAX_REL_TOLERANCE = 1e-4
 BF16_HALF_ULP = 2.0**-8  # |x − bf16(x)| ≤ 2^-8·|x| for normal x (round to nearest)
 POISON_ENV = "JAX_BLOCKGEMM_POISON_OUTPUTS"  # read by the FFI handler: NaN-fill C before each launch
+# proj_rope (T, H, K): a token tail (96 of a 128-token tile), two heads, K not a multiple of the 64-wide k-tile; a
+# single head; 20 x 8 = 160 tiles, more than a B200's 148 CTAs, so some CTAs walk two tiles (both accumulator stages).
+PROJ_ROPE_PROBLEMS = ((96, 2, 72), (160, 1, 200), (2560, 8, 64))
+CODE_MATCH_FRACTION = 0.99  # SPEC §7: at least 99% of the codes identical
+SCALE_MISMATCH_FRACTION = 0.01  # scale bytes one apart (block amax at a power-of-two boundary), at most this share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,25 +160,34 @@ def compare(c: np.ndarray, amax: np.ndarray, ref_c: np.ndarray, ref_amax: np.nda
     return ""
 
 
-def _run_kernel(variant: Any, args: Sequence[Any], device: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(c, amax) of `variant` itself (forced through dispatch) on `device`, outputs poisoned before the launch."""
-    import jax
+@contextlib.contextmanager
+def _forced_and_poisoned(variant: Any):
+    """Lowerings in this block use `variant` itself, and their FFI calls poison the outputs before each launch."""
+    from jax_blockgemm import dispatch
 
-    from jax_blockgemm import api, dispatch
-
-    args = [jax.device_put(x, device) for x in args]
-    fn = jax.jit(functools.partial(api.gemm_amax, c_dtype=variant.c_dtype, implementation="cutedsl"))
     saved = os.environ.get(POISON_ENV)
-    os.environ[POISON_ENV] = "1"  # read when XLA instantiates the call: unwritten C elements come back NaN
+    os.environ[POISON_ENV] = "1"  # read when XLA instantiates the call: unwritten elements come back poisoned
     try:
         with dispatch.forced_variants((variant,)):
-            c, amax = fn(*args)
-            c, amax = np.asarray(c), np.asarray(amax)
+            yield
     finally:
         if saved is None:
             os.environ.pop(POISON_ENV, None)
         else:
             os.environ[POISON_ENV] = saved
+
+
+def _run_kernel(variant: Any, args: Sequence[Any], device: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(c, amax) of `variant` itself (forced through dispatch) on `device`, outputs poisoned before the launch."""
+    import jax
+
+    from jax_blockgemm import api
+
+    args = [jax.device_put(x, device) for x in args]
+    fn = jax.jit(functools.partial(api.gemm_amax, c_dtype=variant.c_dtype, implementation="cutedsl"))
+    with _forced_and_poisoned(variant):
+        c, amax = fn(*args)
+        c, amax = np.asarray(c), np.asarray(amax)
     return c, amax
 
 
@@ -202,11 +219,115 @@ def run_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_kerne
     return ""
 
 
+# --- proj_rope ------------------------------------------------------------------------------------------
+def _proj_rope_operands(variant: Any, problem: tuple[int, int, int], seed: int) -> tuple[np.ndarray, ...]:
+    """Random bf16 x and w (laid out as `variant.b_major` reads it) and rotary tables for (T, H, K)."""
+    import jax.numpy as jnp
+
+    t, h, k = problem
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((t, k)) * 2).astype(jnp.bfloat16)
+    w = (rng.standard_normal((h * 192, k)) / np.sqrt(k)).astype(jnp.bfloat16)
+    w = w if variant.b_major == "k" else np.ascontiguousarray(w.T)
+    angles = rng.uniform(0, 2 * np.pi, (t, 64))
+    return x, w, np.cos(angles).astype(jnp.bfloat16), np.sin(angles).astype(jnp.bfloat16)
+
+
+def _run_proj_rope_kernel(variant: Any, args: Sequence[Any], device: Any) -> tuple[np.ndarray, ...]:
+    """The four outputs of `variant` itself (forced through dispatch) on `device`, poisoned before the launch."""
+    import jax
+
+    from jax_blockgemm import api
+
+    args = [jax.device_put(x, device) for x in args]
+    fn = jax.jit(functools.partial(api.gemm_proj_rope_mxfp8, w_out_in=variant.b_major == "k",
+                                   implementation="cutedsl"))
+    with _forced_and_poisoned(variant):
+        return tuple(np.asarray(o) for o in fn(*args))
+
+
+def _run_proj_rope_reference(variant: Any, args: Sequence[Any], device: Any) -> tuple[np.ndarray, ...]:
+    """The four outputs of the XLA reference on `device`."""
+    import jax
+
+    from jax_blockgemm import api
+
+    args = [jax.device_put(x, device) for x in args]
+    fn = jax.jit(functools.partial(api.gemm_proj_rope_mxfp8, w_out_in=variant.b_major == "k", implementation="xla"))
+    return tuple(np.asarray(o) for o in fn(*args))
+
+
+def _e4m3_step(scaled: np.ndarray) -> np.ndarray:
+    """The spacing of E4M3 values at |scaled| (3 fraction bits; 2^-9 below the smallest normal 2^-6)."""
+    mag = np.abs(scaled)
+    exp = np.floor(np.log2(np.where(mag >= 2.0**-6, mag, 1.0)))
+    return np.where(mag >= 2.0**-6, 2.0 ** (exp - 3), 2.0**-9)
+
+
+def compare_proj_rope(outs: Sequence[np.ndarray], ref: Sequence[np.ndarray]) -> str:
+    """'' when the kernel's proj_rope outputs match the reference's within SPEC §7, else what is wrong.
+
+    Per direction: scale bytes equal, or one apart on at most SCALE_MISMATCH_FRACTION of the blocks (a block amax at
+    a power-of-two boundary, where fp32 summation order decides); every dequantized element within one E4M3 step of
+    the reference's (at the coarser of the two scales); at least CODE_MATCH_FRACTION of the codes identical. A
+    poisoned (unwritten) code is NaN and a poisoned scale byte 0xFE, so both fail.
+    """
+    names = ("out_fp8_row", "out_scales_row", "out_fp8_col", "out_scales_col")
+    for name, got, want in zip(names, outs, ref):
+        if np.shape(got) != np.shape(want):
+            return f"{name} has shape {np.shape(got)}; expected {np.shape(want)}"
+    for direction, codes_at, axis in (("rowwise", 0, -1), ("columnwise", 2, 0)):
+        codes, scales = np.asarray(outs[codes_at]), np.asarray(outs[codes_at + 1])
+        ref_codes, ref_scales = np.asarray(ref[codes_at]), np.asarray(ref[codes_at + 1])
+        apart = np.abs(scales.astype(np.int32) - ref_scales.astype(np.int32))
+        if (apart > 1).any() or (apart == 1).mean() > SCALE_MISMATCH_FRACTION:
+            where = tuple(int(i) for i in np.unravel_index(np.argmax(apart), apart.shape))
+            return (f"{direction} scales: {int((apart > 0).sum())} of {apart.size} bytes differ, worst at {where}: "
+                    f"{int(scales[where])} against {int(ref_scales[where])}")
+
+        def dequantized(c, s):
+            factor = np.repeat(np.exp2(s.astype(np.float64) - 127), 32, axis=axis)
+            values = c.astype(np.float64)
+            return values * factor, values, factor
+
+        got, got_codes, got_factor = dequantized(codes, scales)
+        want, want_codes, want_factor = dequantized(ref_codes, ref_scales)
+        if not np.isfinite(got).all():
+            return f"{direction}: {int((~np.isfinite(got)).sum())} non-finite codes (unwritten, or NaN)"
+        bound = np.maximum(_e4m3_step(got_codes) * got_factor, _e4m3_step(want_codes) * want_factor)
+        off = np.abs(got - want) > bound * (1 + 1e-9)
+        if off.any():
+            where = tuple(int(i) for i in np.argwhere(off)[0])
+            return (f"{direction}: {int(off.sum())} of {off.size} elements off by more than one E4M3 step, first at "
+                    f"{where}: {got[where]:.6g} against {want[where]:.6g}")
+        same = (codes.view(np.uint8) == ref_codes.view(np.uint8)).mean()
+        if same < CODE_MATCH_FRACTION:
+            return f"{direction}: only {same:.2%} of the codes equal the reference's (at least {CODE_MATCH_FRACTION:.0%})"
+    return ""
+
+
+def run_proj_rope_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_proj_rope_kernel,
+                           run_reference: Callable = _run_proj_rope_reference) -> str:
+    """'' when proj_rope `variant` matches the reference on every PROJ_ROPE_PROBLEMS on `device`, else the first
+    failure."""
+    for i, problem in enumerate(PROJ_ROPE_PROBLEMS):
+        args = _proj_rope_operands(variant, problem, seed=i)
+        try:
+            outs = run_kernel(variant, args, device)
+        except Exception as e:  # a kernel that cannot even launch is a failed check, not a crash of the caller
+            return f"(T, H, K) = {problem}: raised {type(e).__name__}: {e}"
+        why = compare_proj_rope(outs, run_reference(variant, args, device))
+        if why:
+            return f"(T, H, K) = {problem}: {why}"
+    return ""
+
+
 def check(variant: Any, *, device: Any = None, force: bool = False, run: Callable | None = None) -> Verdict:
     """The self-check verdict of `variant` on `device` (default: the first local GPU of its arch).
 
     From memory or disk when this object was checked on this GPU model before (unless `force`), else by running
-    `run(variant, device)` (default `run_problems`). Raises RuntimeError when no local GPU runs `variant.arch`.
+    `run(variant, device)` (default: `run_problems` for gemm_amax, `run_proj_rope_problems` for proj_rope). Raises
+    RuntimeError when no local GPU runs `variant.arch`.
     """
     device = local_device(variant.arch) if device is None else device
     if device is None:
@@ -220,7 +341,8 @@ def check(variant: Any, *, device: Any = None, force: bool = False, run: Callabl
         path = verdict_path(*ident)
         verdict = None if force else _load(path)
         if verdict is None or (verdict.key, verdict.device, verdict.object_sha) != ident:
-            why = (run or run_problems)(variant, device)
+            default = run_proj_rope_problems if variant.op == "proj_rope" else run_problems
+            why = (run or default)(variant, device)
             verdict = Verdict(key=variant.key, device=name, object_sha=sha, ok=not why, detail=why or "ok")
             _store(path, verdict)
         _MEMORY[ident] = verdict
@@ -272,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from jax_blockgemm.kernels import catalog
 
-    candidates = [v for v in catalog.CATALOG if v.op == "gemm_amax"]  # what the self-check knows how to run
+    candidates = list(catalog.CATALOG)  # gemm_amax and proj_rope: the self-check runs both
     candidates += list(catalog.TEST_VARIANTS) if args.include_test_variants else []
     chosen = [v for v in candidates if (not args.arch or v.arch in args.arch)
               and (not args.variant or v.key in args.variant)]

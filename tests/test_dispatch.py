@@ -126,6 +126,22 @@ class ProjRopeDispatchTest(parameterized.TestCase):
     def test_xla_never_does(self):
         self.assertNotIn("jbg_gemm_proj_rope_mxfp8", _proj_rope_text(implementation="xla"))
 
+    @parameterized.parameters(True, False)
+    def test_cutedsl_carries_the_sm100a_object_too(self, w_out_in):
+        text = _proj_rope_text(w_out_in=w_out_in, implementation="cutedsl")
+        self.assertIn('archs = "sm_100a,sm_90a"', text)
+        self.assertIn("jbg_proj_rope_sm_100a_bf16_e4m3_sf32_t128x192_c1x1" + ("" if w_out_in else "_bn"), text)
+
+    def test_default_never_takes_the_never_run_sm100a_kernel(self):
+        """Never run, never measured: None takes the reference on a Blackwell machine, without a self-check."""
+        from jax_blockgemm import selfcheck
+
+        self.assertEqual(dispatch.PROJ_ROPE_TILE["sm_100a"], (128, 192))
+        self.assertFalse(dispatch.DEFAULT_TAKES_KERNEL[("proj_rope", "sm_100a")])
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)), \
+                mock.patch.object(selfcheck, "ensure_verified", side_effect=AssertionError("no check expected")):
+            self.assertNotIn("jbg_gemm_proj_rope_mxfp8", _proj_rope_text())
+
     def test_default_follows_the_measured_preference(self):
         with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_ROPE90: False}):
             self.assertNotIn("jbg_gemm_proj_rope_mxfp8", _proj_rope_text())

@@ -12,7 +12,7 @@ from absl.testing import absltest
 from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
-from jax_blockgemm import ffi_lowering, kernel_cache
+from jax_blockgemm import dispatch, ffi_lowering, kernel_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,15 +60,15 @@ def _walk(op):
                 yield from _walk(child)
 
 
-def _custom_call(lowered):
-    """(attributes dict, operand types, result types) of the one jbg_gemm_amax custom call in `lowered`."""
+def _custom_call(lowered, target="jbg_gemm_amax",
+                 names=("archs", "function_prefixes", "objects", "offsets", "ab_dtype", "c_dtype")):
+    """(attributes dict, operand types, result types) of the one `target` custom call in `lowered`."""
     calls = [op for op in _walk(lowered.compiler_ir("stablehlo").operation)
-             if op.name == "stablehlo.custom_call" and str(op.attributes["call_target_name"]) == '"jbg_gemm_amax"']
+             if op.name == "stablehlo.custom_call" and str(op.attributes["call_target_name"]) == f'"{target}"']
     assert len(calls) == 1, lowered.as_text()
     op = calls[0]
     config = op.attributes["mhlo.backend_config"]  # jax's encoding of typed-FFI attributes
-    attrs = {name: config[name] for name in ("archs", "function_prefixes", "objects", "offsets", "ab_dtype",
-                                             "c_dtype")}
+    attrs = {name: config[name] for name in names}
     attrs = {k: (np.array(v) if k in ("objects", "offsets") else ir_str(v)) for k, v in attrs.items()}
     return attrs, [str(x.type) for x in op.operands], [str(r.type) for r in op.results]
 
@@ -184,6 +184,37 @@ class RealPrimitiveTest(absltest.TestCase):
         self.assertEqual(attrs["objects"].tobytes(), fake_object * 2)
         self.assertEqual(results, ["tensor<2x200x72xbf16>", "tensor<2xf32>"])
         self.assertEqual((attrs["ab_dtype"], attrs["c_dtype"]), ("float8_e4m3fn", "bfloat16"))
+
+    def test_public_proj_rope_lowers_with_the_hopper_and_blackwell_objects(self):
+        """gemm_proj_rope_mxfp8 for CUDA carries the sm_100a object beside the sm_90a one (the handler picks by
+        compute capability), for both weight layouts."""
+        try:
+            from jax_blockgemm.kernels import catalog
+        except ImportError as e:
+            self.skipTest(f"CuTeDSL is not importable: {e}")
+        import jax_blockgemm as jbg
+
+        t, h, k = 96, 2, 72
+        x = jax.ShapeDtypeStruct((t, k), jnp.bfloat16)
+        cs = jax.ShapeDtypeStruct((t, 64), jnp.bfloat16)
+        for w_out_in in (True, False):
+            b_major = "k" if w_out_in else "n"
+            variants = [catalog.select_variant(op="proj_rope", arch=arch, ab_dtype="bfloat16",
+                                               c_dtype="float8_e4m3fn", sf_vec_size=32,
+                                               tile_mn=dispatch.PROJ_ROPE_TILE[arch], cluster_mn=(1, 1),
+                                               b_major=b_major) for arch in ("sm_100a", "sm_90a")]
+            w = jax.ShapeDtypeStruct((h * 192, k) if w_out_in else (k, h * 192), jnp.bfloat16)
+            with mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()) as get_object:
+                f = jax.jit(functools.partial(jbg.gemm_proj_rope_mxfp8, w_out_in=w_out_in, implementation="cutedsl"))
+                lowered = f.trace(x, w, cs, cs).lower(lowering_platforms=("cuda",))
+            self.assertEqual([call.args[0] for call in get_object.call_args_list], variants)
+            attrs, operands, results = _custom_call(lowered, "jbg_gemm_proj_rope_mxfp8",
+                                                    ("archs", "function_prefixes", "objects", "offsets"))
+            self.assertEqual(attrs["archs"], "sm_100a,sm_90a")
+            self.assertEqual(attrs["function_prefixes"], ",".join(v.function_prefix for v in variants))
+            self.assertEqual(attrs["objects"].tobytes(), b"".join(v.key.encode() for v in variants))
+            self.assertEqual(results, [f"tensor<1x{t}x{h}x192xf8E4M3FN>", f"tensor<1x{t}x{h}x6xui8>",
+                                       f"tensor<1x{t}x{h}x192xf8E4M3FN>", f"tensor<1x{t // 32}x{h}x192xui8>"])
 
 
 if __name__ == "__main__":

@@ -63,6 +63,13 @@ class CatalogTest(parameterized.TestCase):
         self.assertEqual({(v.tile_mn, v.b_major) for v in rope},
                          {(t, b) for t in catalog.PROJ_ROPE_TILES for b in ("k", "n")})
 
+    def test_sm100a_proj_rope_variants_cover_both_w_layouts(self):
+        rope = catalog.variants_for("sm_100a", "proj_rope")
+        self.assertEqual({(v.tile_mn, v.b_major, v.ab_dtype, v.c_dtype) for v in rope},
+                         {((128, 192), b, "bfloat16", "float8_e4m3fn") for b in ("k", "n")})
+        self.assertEqual({v.key for v in rope}, {"proj_rope.sm_100a.bf16.e4m3.sf32.t128x192.c1x1",
+                                                 "proj_rope.sm_100a.bf16.e4m3.sf32.t128x192.c1x1.bn"})
+
     def test_select_variant(self):
         cfg = dict(arch="sm_90a", ab_dtype="float8_e5m2", c_dtype="bfloat16", sf_vec_size=32)
         v = catalog.select_variant(**cfg, tile_mn=(128, 128), cluster_mn=(1, 1))
@@ -93,7 +100,7 @@ class CatalogTest(parameterized.TestCase):
         self.assertIn("gemm_amax.sm_100a.e2m1.f32.sf16.t128x128.c1x1", keys)
 
     def test_sm100a_covers_the_seed_mxfp8_surface(self):
-        got = {(v.ab_dtype, v.c_dtype, v.tile_mn, v.cluster_mn) for v in catalog.variants_for("sm_100a")
+        got = {(v.ab_dtype, v.c_dtype, v.tile_mn, v.cluster_mn) for v in catalog.variants_for("sm_100a", "gemm_amax")
                if v.ab_dtype != "float4_e2m1fn"}
         clusters = {(cm, cn) for cm in (1, 2, 4) for cn in (1, 2, 4)}
         self.assertEqual(got, {(a, c, t, cl) for a in ("float8_e4m3fn", "float8_e5m2") for c in ("float32", "bfloat16")
@@ -196,7 +203,7 @@ class CompileTest(parameterized.TestCase):
         # The exact fallback for non-finite codes keeps the hardware converter.
         self.assertIn("cvt.rn.f16x2.e5m2x2", ptx)
 
-    @parameterized.named_parameters((v.key, v) for v in _PROJ_ROPE_VARIANTS)
+    @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_90a", "proj_rope"))
     def test_proj_rope_compiles_with_bf16_wgmma_tma_and_the_fp8_converter(self, v):
         ptx, obj, *_ = _compiled(v)
         self.assertGreater(len(obj), 1000)
@@ -218,7 +225,7 @@ class CompileTest(parameterized.TestCase):
         args = re.search(r"void \*args\[(\d+)\] = \{([^}]*)\}", header)
         self.assertEqual(int(args.group(1)), 15)  # what the proj_rope handler passes (ffi/proj_rope.cc)
 
-    @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_100a"))
+    @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_100a", "gemm_amax"))
     def test_sm100a_structure(self, v):
         """Block-scaled tcgen05 MMA of the right kind and scale-vector size, tensor memory allocated and freed, no
         local memory, shared memory, registers and tensor-memory columns within the B200's limits."""
@@ -239,6 +246,66 @@ class CompileTest(parameterized.TestCase):
         # for each 128 columns of SFB; a k-tile is 128 FP8 or 256 FP4 elements.
         blocks = (256 if v.ab_dtype == "float4_e2m1fn" else 128) // v.sf_vec_size
         self.assertEqual(report.tmem_columns_used, 256 + blocks * (1 + v.tile_mn[1] // 128))
+
+    @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_100a", "proj_rope"))
+    def test_sm100a_proj_rope_structure(self, v):
+        """bf16 tcgen05 MMA (kind::f16, no block scales) from TMA-fed shared memory into tensor memory, the epilogue
+        from tensor memory in fp32 (32x32b loads, waited for), no local memory, within the B200's limits."""
+        ptx, obj, _, fn, kernel = _compiled(v)
+        self.assertGreater(len(obj), 1000)
+        self.assertIn(".target sm_100a", ptx)
+        report = structure.sm100_report(v, fn, kernel)
+        self.assertEqual(report.problems(), [])
+        self.assertEqual(report.mma, ("tcgen05.mma.cta_group::1.kind::f16.collector::a::discard",))
+        self.assertEqual(ptx.count("tcgen05.mma.cta_group"), 4)  # a 64-wide k-tile is 4 k16 MMAs, unrolled
+        self.assertIn("cp.async.bulk.tensor", ptx)  # TMA loads
+        self.assertNotIn("multicast::cluster", ptx)
+        # Six 32-column loads per tile (4 pass-through blocks, 2 rope inputs), each waited for before use/release.
+        self.assertEqual(ptx.count("tcgen05.ld.sync.aligned.32x32b.x32.b32"), 6)
+        self.assertEqual(ptx.count("tcgen05.wait::ld"), 5)
+        # Per block of 32 features: 16 rowwise + 16 columnwise pairs to E4M3, straight from fp32; 31 butterfly
+        # shuffles (the transposing column max) and 32 scale-byte broadcasts.
+        self.assertEqual(ptx.count("cvt.rn.satfinite.e4m3x2.f32"), 6 * 32)
+        self.assertEqual(ptx.count("shfl.sync.bfly"), 6 * 31)
+        self.assertNotRegex(ptx, r"cvt\.rn(\.satfinite)?\.bf16")  # no bf16 staging of the accumulator (SPEC §5)
+        # Codes leave as 16-byte stores (2 x 2 per block), the rope tables arrive as 16-byte loads.
+        self.assertEqual(ptx.count("st.global.v4.b32"), 6 * 4)
+        self.assertEqual(ptx.count("ld.global.v4.b32"), 2 * 8)
+        self.assertEqual(report.tmem_columns_used, 2 * 192)  # two accumulator stages of one head
+        self.assertEqual(kernel.ab_stages, 5)  # 5 x (16 + 24) KB of x and W tiles
+
+    def test_sm100a_tmem_load_gives_each_thread_one_token(self):
+        """The epilogue's premise: the 32x32b x32 load of a 128 x 32 accumulator block gives thread s row (token) s
+        and its value i column (feature) i of the block, for every thread of the 4 epilogue warps."""
+        import cutlass
+        import cutlass.cute as cute
+        import cutlass.utils.blackwell_helpers as sm100_utils
+        from cutlass.cute.nvgpu import tcgen05
+        from cutlass.cutlass_dsl import CuTeDSL
+
+        seen = {}
+
+        @cute.jit
+        def probe():
+            mma = sm100_utils.make_trivial_tiled_mma(
+                cutlass.BFloat16, cutlass.BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+                cutlass.Float32, tcgen05.CtaGroup.ONE, (128, 192))
+            acc = mma.make_fragment_C(cute.append(mma.partition_shape_C((128, 192)), 2))
+            blocks = cute.flat_divide(acc[((None, None), 0, 0, None)], (128, 32))
+            t2r = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32),
+                                                             cutlass.Float32), blocks[(None, None, 0, 0, 0)])
+            for s in list(range(128)):  # a Python list, not a DSL loop: static thread indices, static coordinates
+                c = t2r.get_slice(s).partition_D(cute.make_identity_tensor((128, 32)))
+                seen[s] = [tuple(c[i]) for i in range(cute.size(c))]
+
+        envar = CuTeDSL._get_dsl().envar
+        saved = envar._arch
+        envar.arch = "sm_100a"
+        try:
+            cute.compile(probe)
+        finally:
+            envar._arch = saved
+        self.assertEqual(seen, {s: [(s, i) for i in range(32)] for s in range(128)})
 
     def test_a_from_registers_compiles_to_rs_wgmma(self):
         """a_regs: A's codes go from shared memory (32-bit loads) to the wgmma's register operand; B as before."""
@@ -309,6 +376,18 @@ class ReportTest(absltest.TestCase):
         self.assertRegex(text, re.escape(self.KEY) + r"\s+\d+\.\d\d kind::mxf8f6f4\s+block32\s+yes/yes\s+0\s+"
                                r"\d+\s+\d+\s+268/512\s+ok")
         self.assertIn("1 variants in", text)
+
+    def test_proj_rope_rows(self):
+        from jax_blockgemm import precompile
+
+        keys = [v.key for v in catalog.variants_for("sm_100a", "proj_rope")]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = precompile.main(["--arch", "sm_100a", "--report"] + [a for k in keys for a in ("--variant", k)])
+        self.assertEqual(rc, 0, out.getvalue())
+        for key in keys:
+            self.assertRegex(out.getvalue(), re.escape(key) + r"\s+\d+\.\d\d kind::f16\s+-\s+yes/yes\s+0\s+\d+\s+\d+\s+"
+                                                             r"384/512\s+ok")
 
     def test_a_failing_check_sets_the_exit_status(self):
         with mock.patch.object(structure.Sm100Report, "problems", return_value=["shared memory 300000 B > 232448"]):

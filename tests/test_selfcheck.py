@@ -276,6 +276,162 @@ class DispatchGateTest(absltest.TestCase):
         self.assertEqual(self.runs, 0)
 
 
+_ROPE100 = catalog.select_variant(op="proj_rope", arch="sm_100a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
+                                  sf_vec_size=32, tile_mn=(128, 192), cluster_mn=(1, 1))
+
+
+def _cpu_proj_rope_reference(variant, args, device):
+    return selfcheck._run_proj_rope_reference(variant, args, jax.devices("cpu")[0])
+
+
+def _proj_rope_stand_in(perturb=None):
+    """A stand-in for a proj_rope kernel run: the reference on the CPU, its outputs optionally perturbed in place."""
+
+    def run(variant, args, device):
+        outs = [np.array(o) for o in _cpu_proj_rope_reference(variant, args, device)]
+        if perturb is not None:
+            perturb(outs)
+        return tuple(outs)
+
+    return run
+
+
+def _poison_last_warp(outs):
+    """What the handler's poison leaves where a kernel skips the last 32 tokens: NaN codes, 0xFE scales."""
+    for codes in (outs[0], outs[2]):
+        codes.view(np.uint8)[-32:] = 0xFF
+    outs[1][-32:] = 0xFE
+    outs[3][-1:] = 0xFE
+
+
+def _flip_one_code(outs):
+    outs[0].view(np.uint8)[0, 0, 5] ^= 0x80  # a sign flip
+
+
+class ProjRopeSelfCheckTest(parameterized.TestCase):
+    """The proj_rope self-check on the CPU: real operands, the XLA reference as both 'kernel' and reference."""
+
+    def setUp(self):
+        variant = dataclasses.replace(_ROPE100, b_major="n")
+        self.args = selfcheck._proj_rope_operands(variant, (96, 2, 72), seed=3)
+        self.ref = tuple(np.array(o) for o in _cpu_proj_rope_reference(variant, self.args, None))
+
+    def test_identical_outputs_pass(self):
+        self.assertEqual(selfcheck.compare_proj_rope(self.ref, self.ref), "")
+
+    @parameterized.named_parameters(
+        ("poisoned_last_warp", _poison_last_warp, r"scales: \d+ of \d+ bytes differ|non-finite"),
+        ("one_sign_flipped", _flip_one_code, r"rowwise: 1 of 36864 elements off by more than one E4M3 step, first "
+                                             r"at \(0, 0, 5\)"),
+        ("scale_off_by_one_everywhere", lambda o: o[3].__iadd__(1), r"columnwise scales: 1152 of 1152 bytes"),
+        ("transposed_codes", lambda o: o.__setitem__(2, np.ascontiguousarray(o[2][:, ::-1])), "columnwise"),
+        ("shape", lambda o: o.__setitem__(1, o[1][:32]), "out_scales_row has shape"))
+    def test_wrong_outputs_fail(self, perturb, match):
+        outs = [o.copy() for o in self.ref]
+        perturb(outs)
+        self.assertRegex(selfcheck.compare_proj_rope(outs, self.ref), match)
+
+    def test_one_step_off_passes_but_not_too_many_codes(self):
+        outs = [o.copy() for o in self.ref]
+        bits = outs[2].view(np.uint8)
+        nonzero = np.flatnonzero((bits & 0x7F) > 8)
+        flat = bits.reshape(-1)
+        flat[nonzero[:10]] += 1  # one E4M3 step (same sign, away from zero): within the bound
+        self.assertEqual(selfcheck.compare_proj_rope(outs, self.ref), "")
+        flat[nonzero[:len(nonzero) // 20]] += 1  # 5% of the codes two steps off
+        self.assertRegex(selfcheck.compare_proj_rope(outs, self.ref), "columnwise")
+
+    def test_right_kernel_passes_every_problem_and_a_wrong_one_is_named(self):
+        for b_major in ("k", "n"):
+            variant = dataclasses.replace(_ROPE100, b_major=b_major)
+            self.assertEqual(selfcheck.run_proj_rope_problems(variant, None, run_kernel=_proj_rope_stand_in(),
+                                                              run_reference=_cpu_proj_rope_reference), "")
+        why = selfcheck.run_proj_rope_problems(_ROPE100, None, run_kernel=_proj_rope_stand_in(_poison_last_warp),
+                                               run_reference=_cpu_proj_rope_reference)
+        self.assertRegex(why, r"^\(T, H, K\) = \(96, 2, 72\): ")
+
+    def test_a_kernel_that_raises_fails_the_check(self):
+        def boom(variant, args, device):
+            raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
+
+        why = selfcheck.run_proj_rope_problems(_ROPE100, None, run_kernel=boom,
+                                               run_reference=_cpu_proj_rope_reference)
+        self.assertIn("raised RuntimeError: CUDA_ERROR_ILLEGAL_ADDRESS", why)
+
+    def test_problems_cover_tails_heads_k_tails_and_more_tiles_than_sms(self):
+        from jax_blockgemm.kernels import sm100
+
+        problems = selfcheck.PROJ_ROPE_PROBLEMS
+        self.assertTrue(all(t % 32 == 0 and k % 8 == 0 for t, _, k in problems))
+        self.assertTrue(any(t % 128 for t, _, _ in problems))
+        self.assertTrue(any(h > 1 for _, h, _ in problems) and any(h == 1 for _, h, _ in problems))
+        self.assertTrue(any(k % 64 for *_, k in problems))
+        self.assertTrue(any(-(-t // 128) * h > sm100.SM_COUNT for t, h, _ in problems))
+
+    def test_check_runs_the_proj_rope_problems_for_a_proj_rope_variant(self):
+        self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enter_context(
+            tempfile.TemporaryDirectory())}))
+        self.enter_context(mock.patch.dict(selfcheck._MEMORY, clear=True))
+        self.enter_context(mock.patch("jax_blockgemm.kernel_cache.get_object", return_value=b"object"))
+        with mock.patch.object(selfcheck, "run_proj_rope_problems", return_value="") as rope, \
+                mock.patch.object(selfcheck, "run_problems", return_value="wrong runner") as gemm:
+            self.assertTrue(selfcheck.check(_ROPE100, device=FakeDevice()).ok)
+        rope.assert_called_once()
+        gemm.assert_not_called()
+
+
+def _proj_rope_cuda_text(**kwargs) -> str:
+    x = jax.ShapeDtypeStruct((96, 72), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((384, 72), jnp.bfloat16)
+    cs = jax.ShapeDtypeStruct((96, 64), jnp.bfloat16)
+    f = jax.jit(lambda *a: jbg.gemm_proj_rope_mxfp8(*a, **kwargs))
+    return f.trace(x, w, cs, cs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+class ProjRopeDispatchGateTest(absltest.TestCase):
+    """A proj_rope CUDA lowering on a (faked) Blackwell machine: the sm_100a kernel only after its self-check."""
+
+    def setUp(self):
+        self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enter_context(
+            tempfile.TemporaryDirectory())}))
+        self.enter_context(mock.patch.dict(selfcheck._MEMORY, clear=True))
+        self.enter_context(mock.patch.object(selfcheck, "_WARNED", set()))
+        self.enter_context(mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)))
+        self.enter_context(mock.patch.object(selfcheck, "local_device", return_value=FakeDevice()))
+        self.enter_context(mock.patch("jax_blockgemm.kernel_cache.get_object", side_effect=lambda v: v.key.encode()))
+        self.checked = []
+
+    def _fake_run(self, why):
+        def run(variant, device):
+            self.checked.append(variant.key)
+            return why
+        return run
+
+    def test_cutedsl_checks_once_then_embeds_both_objects(self):
+        with mock.patch.object(selfcheck, "run_proj_rope_problems", self._fake_run("")):
+            text = _proj_rope_cuda_text(implementation="cutedsl")
+            _proj_rope_cuda_text(implementation="cutedsl")
+        self.assertIn('archs = "sm_100a,sm_90a"', text)
+        self.assertEqual(self.checked, [_ROPE100.key])
+
+    def test_cutedsl_raises_and_default_falls_back_when_the_check_fails(self):
+        with mock.patch.object(selfcheck, "run_proj_rope_problems", self._fake_run("rowwise: 3 elements off")), \
+                self.assertWarnsRegex(RuntimeWarning, "proj_rope.sm_100a.bf16.e4m3.sf32.t128x192.c1x1 failed"), \
+                self.assertRaisesRegex(ValueError, "first-use self-check failed: proj_rope.sm_100a.* rowwise"):
+            _proj_rope_cuda_text(implementation="cutedsl")
+        rope_default = {("proj_rope", "sm_100a"): True, ("proj_rope", "sm_90a"): True}
+        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, rope_default), \
+                mock.patch.object(selfcheck, "run_proj_rope_problems", self._fake_run("rowwise: 3 elements off")):
+            self.assertNotIn("jbg_gemm_proj_rope_mxfp8", _proj_rope_cuda_text())
+
+    def test_forced_variant_is_used_alone_and_unchecked(self):
+        with dispatch.forced_variants((_ROPE100,)), \
+                mock.patch.object(selfcheck, "run_proj_rope_problems", self._fake_run("")):
+            text = _proj_rope_cuda_text(implementation="cutedsl")
+        self.assertIn('archs = "sm_100a"', text)
+        self.assertEqual(self.checked, [])
+
+
 class CliTest(absltest.TestCase):
 
     def test_without_gpu_says_so(self):
@@ -286,7 +442,7 @@ class CliTest(absltest.TestCase):
 
     def test_exit_status_expects_test_kernels_to_fail(self):
         verdicts = {v.key: selfcheck.Verdict(v.key, "GPU", "x", not v.flavor, "ok", "ran")
-                    for v in catalog.variants_for("sm_90a", "gemm_amax") + catalog.TEST_VARIANTS}
+                    for v in catalog.variants_for("sm_90a") + catalog.TEST_VARIANTS}  # gemm_amax and proj_rope
         with mock.patch.object(selfcheck, "local_device", return_value=FakeDevice("NVIDIA H200")), \
                 mock.patch.object(selfcheck, "check", side_effect=lambda v, force: verdicts[v.key]), \
                 mock.patch("sys.stdout"):

@@ -90,6 +90,12 @@ def _hopper_proj_rope_factory(v: KernelVariant) -> Any:
     return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major, consumer_wgs=v.tile_mn[0] // 64)
 
 
+def _blackwell_proj_rope_factory(v: KernelVariant) -> Any:
+    from jax_blockgemm.kernels.sm100.proj_rope import BlackwellProjRope
+
+    return BlackwellProjRope(x_dtype=v.ab_dtype, w_major=v.b_major)
+
+
 def _broken_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.testing import NegatedCornerHopperGemmAmax
 
@@ -99,11 +105,12 @@ def _broken_factory(v: KernelVariant) -> Any:
 # (op, arch) -> builds the kernel object (a class instance with `can_implement` and a `@cute.jit` __call__).
 _FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
     ("gemm_amax", "sm_90a"): _hopper_factory, ("gemm_amax", "sm_100a"): _blackwell_factory,
-    ("proj_rope", "sm_90a"): _hopper_proj_rope_factory}
+    ("proj_rope", "sm_90a"): _hopper_proj_rope_factory, ("proj_rope", "sm_100a"): _blackwell_proj_rope_factory}
 
-# proj_rope: one CTA is 64 tokens (one consumer warpgroup, two CTAs per SM) or 128 tokens (two, one CTA per SM)
-# x one head.
+# proj_rope on sm_90a: one CTA is 64 tokens (one consumer warpgroup, two CTAs per SM) or 128 tokens (two, one CTA
+# per SM) x one head. On sm_100a: one tile of 128 tokens (the 128 tensor-memory lanes) x one head.
 PROJ_ROPE_TILES = ((128, 192), (64, 192))
+PROJ_ROPE_TILES_SM100 = ((128, 192),)
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 _C = ("float32", "bfloat16")
@@ -126,7 +133,12 @@ CATALOG: tuple[KernelVariant, ...] = (
     # proj_rope on sm_90a: bf16 x and w (MXFP8 inputs are dequantized to bf16 before the kernel), both w layouts.
     + tuple(KernelVariant(op="proj_rope", arch="sm_90a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
                           tile_mn=t, b_major=b_major)
-            for t in PROJ_ROPE_TILES for b_major in ("k", "n")))
+            for t in PROJ_ROPE_TILES for b_major in ("k", "n"))
+    # proj_rope on sm_100a: the same ABI and surface; compiled and structurally checked here, never run (no Blackwell
+    # GPU). Selected only after the first-use self-check passed on the local GPU (dispatch, selfcheck).
+    + tuple(KernelVariant(op="proj_rope", arch="sm_100a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
+                          tile_mn=t, b_major=b_major)
+            for t in PROJ_ROPE_TILES_SM100 for b_major in ("k", "n")))
 
 
 # TEST ONLY: deliberately wrong kernels that the first-use self-check must catch (kernels/testing.py). Never

@@ -57,10 +57,39 @@ def e8m0_scale(amax_bits: cutlass.Int32):
     byte = biased - _E4M3_EMAX_EXP + cutlass.Int32((amax_bits & 0x7FFFFF) > _E4M3_EMAX_MAN)
     byte = cutlass.min(cutlass.max(byte, 0), 254)
     bad = amax_bits >= F32_INF_BITS
-    inv = common.f32_from_bits((254 - byte) << 23)
+    inv, _ = e8m0_inverse(byte)
     if bad:
         byte = cutlass.Int32(E8M0_NAN)
     return byte, inv, bad
+
+
+@cute.jit
+def e8m0_inverse(byte: cutlass.Int32):
+    """(inv, bad) of an E8M0 byte made by `e8m0_scale`: inv = 2^-(byte-127) as fp32 (the factor `e8m0_scale`
+    returns with it), bad = byte is 0xFF (a NaN/inf block, whose codes must be zero; inv is then meaningless).
+
+    For a lane that received another lane's scale byte (one shuffle instead of three).
+    """
+    return common.f32_from_bits((254 - byte) << 23), byte == E8M0_NAN
+
+
+@cute.jit
+def warp_column_max(bits: cute.Tensor, lane: cutlass.Int32) -> cutlass.Int32:
+    """Max over the 32 lanes of a warp of column `lane`, where bits[i] of lane l is row l, column i (32 columns).
+
+    The transposing butterfly: at the step of offset o (16, 8, 4, 2, 1) a lane keeps the half of its remaining
+    columns whose bit o matches its own lane bit o, sends the other half to lane ^ o, and takes the max with what
+    it receives. 31 shuffles per 32 columns (a `lane_max` per column takes 160), and the result of column c lands
+    in lane c. `bits` is overwritten.
+    """
+    for step in cutlass.range_constexpr(5):
+        o = 16 >> step
+        upper = (lane & o) != 0
+        for i in cutlass.range_constexpr(o):
+            keep = cutlass.Int32(cutlass.select_(upper, bits[i + o], bits[i]))
+            send = cutlass.Int32(cutlass.select_(upper, bits[i], bits[i + o]))
+            bits[i] = cutlass.max(keep, cute.arch.shuffle_sync_bfly(send, offset=o))
+    return bits[0]
 
 
 @dsl_user_op

@@ -19,8 +19,10 @@ SM100_REGS_PER_THREAD = 255
 SM100_REGS_PER_SM = 65536
 SM100_TMEM_COLUMNS = 512
 
-# PTX spelling of the block-scaled MMA's kind and scale-vector size for each (operand dtype, sf_vec_size).
-SM100_MMA_KIND = {"float8_e4m3fn": "mxf8f6f4", "float8_e5m2": "mxf8f6f4", "float4_e2m1fn": "mxf4nvf4"}
+# PTX spelling of the MMA's kind for each operand dtype (block-scaled for the FP8/FP4 gemm_amax kernels; plain
+# kind::f16 for proj_rope's bf16 operands), and of the scale-vector size for each sf_vec_size.
+SM100_MMA_KIND = {"float8_e4m3fn": "mxf8f6f4", "float8_e5m2": "mxf8f6f4", "float4_e2m1fn": "mxf4nvf4",
+                  "bfloat16": "f16"}
 SCALE_VEC = {32: "block32", 16: "block16"}
 
 _EIATTR_FRAME_SIZE = 0x11
@@ -109,7 +111,7 @@ class Sm100Report:
     tmem_columns_allocated: int
     threads_per_cta: int
     expect_kind: str
-    expect_scale_vec: str
+    expect_scale_vec: str  # "" for an MMA without block scales (kind::f16)
 
     @property
     def smem_bytes(self) -> int:
@@ -118,11 +120,11 @@ class Sm100Report:
     def problems(self) -> list[str]:
         """Every violated expectation, in words (empty when the variant passes)."""
         out = []
-        want = re.compile(r"^tcgen05\.mma\.cta_group::[12]\.kind::" + re.escape(self.expect_kind)
-                          + r"\.block_scale\." + re.escape(self.expect_scale_vec) + r"\b")
+        scaled = f".block_scale.{self.expect_scale_vec}" if self.expect_scale_vec else ""
+        want = re.compile(r"^tcgen05\.mma\.cta_group::[12]\.kind::" + re.escape(self.expect_kind + scaled)
+                          + r"(?:\.collector\S*)?$")
         if not self.mma or not all(want.match(op) for op in self.mma):
-            out.append(f"MMA opcodes {list(self.mma)}: expected only tcgen05.mma...kind::{self.expect_kind}"
-                       f".block_scale.{self.expect_scale_vec}")
+            out.append(f"MMA opcodes {list(self.mma)}: expected only tcgen05.mma...kind::{self.expect_kind}{scaled}")
         if not (self.has_alloc and self.has_dealloc):
             out.append(f"tcgen05.alloc present={self.has_alloc}, tcgen05.dealloc present={self.has_dealloc}")
         if self.ptx_local or self.resources.frame_bytes or self.resources.stack_bytes:
@@ -153,4 +155,4 @@ def sm100_report(variant: Any, compiled: Any, kernel: Any) -> Sm100Report:
         resources=cubin_resources(compiled.__cubin__), dynamic_smem_bytes=int(kernel.smem_bytes),
         tmem_columns_used=int(kernel.tmem_columns_used), tmem_columns_allocated=int(kernel.tmem_columns_allocated),
         threads_per_cta=int(kernel.threads_per_cta), expect_kind=SM100_MMA_KIND[variant.ab_dtype],
-        expect_scale_vec=SCALE_VEC[variant.sf_vec_size])
+        expect_scale_vec=SCALE_VEC[variant.sf_vec_size] if variant.op == "gemm_amax" else "")

@@ -32,23 +32,18 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as blockscaled_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from jax_blockgemm.kernels import common
-from jax_blockgemm.kernels.sm100 import SUPPORTED_CLUSTERS_MN, SUPPORTED_TILES_MN
+from jax_blockgemm.kernels.sm100 import (SMEM_CAPACITY, SUPPORTED_CLUSTERS_MN, SUPPORTED_TILES_MN, TMEM_COLUMNS,
+                                         persistent)
 
 _AB_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,
               "float4_e2m1fn": cutlass.Float4E2M1FN}
 _C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
 _SF_DTYPES = {"float8_e8m0fnu": cutlass.Float8E8M0FNU, "float8_e4m3fn": cutlass.Float8E4M3FN}
-# The persistent grid is sized for a B200 (148 SMs) at compile time, since the ABI carries no device facts. On
-# a GPU with fewer SMs the extra CTAs simply wait for a free SM: tiles are independent, so results do not change.
-SM_COUNT = 148
-SMEM_CAPACITY = 232448  # bytes of shared memory per CTA on sm_100 (227 KiB)
-TMEM_COLUMNS = 512  # tensor-memory columns per SM (128 lanes x 512 x 32 bit)
 
 
 def scale_layout(shape_mkl: tuple, sf_vec_size: int) -> cute.Layout:
@@ -195,9 +190,7 @@ class BlackwellBlockScaledGemmAmax:
                           + cute.size_in_bytes(self.sf_dtype, sfa_one) + cute.size_in_bytes(self.sf_dtype, sfb_one))
 
         tiles_mnl = cute.ceil_div(mC.shape, (self.cta_tile_mnk[0], self.cta_tile_mnk[1], 1))
-        sched_params = utils.PersistentTileSchedulerParams(tiles_mnl, (*self.cluster_mn, 1))
-        grid = utils.StaticPersistentTileScheduler.get_grid_shape(
-            sched_params, SM_COUNT // (self.cluster_mn[0] * self.cluster_mn[1]))
+        sched_params, grid = persistent.schedule(tiles_mnl, self.cluster_mn)
 
         @cute.struct
         class SharedStorage:
@@ -231,7 +224,7 @@ class BlackwellBlockScaledGemmAmax:
                tma_atom_sfb: cute.CopyAtom, mSFB_nkl: cute.Tensor, mC_mnl: cute.Tensor, amax: cute.Tensor,
                cluster_layout_vmnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
                b_smem_staged: cute.ComposedLayout, sfa_smem_staged: cute.Layout, sfb_smem_staged: cute.Layout,
-               epi_tile: cute.Tile, sched_params: utils.PersistentTileSchedulerParams):
+               epi_tile: cute.Tile, sched_params: persistent.SchedulerParams):
         """Device body: warp 5 produces (TMA), warp 4 issues the MMAs, warps 0-3 run the epilogue."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -314,8 +307,7 @@ class BlackwellBlockScaledGemmAmax:
             if cutlass.const_expr(mcast):
                 a_mask = cpasync.create_tma_multicast_mask(cluster_layout_vmnk, cta_coord_vmnk, mcast_mode=2)
                 b_mask = cpasync.create_tma_multicast_mask(cluster_layout_vmnk, cta_coord_vmnk, mcast_mode=1)
-            sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
-                                                               cute.arch.grid_dim())
+            sched = persistent.tile_scheduler(sched_params)
             work = sched.initial_work_tile_info()
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
             while work.is_valid_tile:
@@ -353,8 +345,7 @@ class BlackwellBlockScaledGemmAmax:
             s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self._scale_copy_to_tmem(sSFB, tCtSFB)
             num_kblocks = cute.size(tCrA, mode=[2])
 
-            sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
-                                                               cute.arch.grid_dim())
+            sched = persistent.tile_scheduler(sched_params)
             work = sched.initial_work_tile_info()
             ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.acc_stages)
@@ -403,7 +394,7 @@ class BlackwellBlockScaledGemmAmax:
     @cute.jit
     def _epilogue(self, tiled_mma: cute.TiledMma, epi_tile: cute.Tile, tidx: cutlass.Int32, tCtAcc_base: cute.Tensor,
                   mC_mnl: cute.Tensor, amax: cute.Tensor, storage, acc_pipeline,
-                  sched_params: utils.PersistentTileSchedulerParams):
+                  sched_params: persistent.SchedulerParams):
         """Per tile: tensor memory -> registers by epilogue sub-tile, predicated stores of C, amax into amax[l]."""
         tiler_mn = cute.slice_(self.mma_tiler, (None, None, 0))
         thr_mma = tiled_mma.get_slice(0)
@@ -427,7 +418,7 @@ class BlackwellBlockScaledGemmAmax:
         amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
         m, n, _ = mC_mnl.shape
 
-        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+        sched = persistent.tile_scheduler(sched_params)
         work = sched.initial_work_tile_info()
         acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.acc_stages)
         while work.is_valid_tile:

@@ -1,0 +1,433 @@
+"""Blackwell (sm_100a) gemm_proj_rope_mxfp8: Y = x·Wᵀ per head, RoPE, rowwise and columnwise MXFP8, one kernel.
+
+COMPILED AND STRUCTURALLY CHECKED HERE, NEVER RUN: no Blackwell GPU was available when this was written. The
+mainloop follows the kernels NVIDIA runs on B200 (CUTLASS's CuTeDSL `dense_gemm_persistent.py`, cuDNN frontend's
+proj_rope): TMA loads, tcgen05 MMA (kind::f16, bf16 operands) into a tensor-memory accumulator, mbarrier
+pipelines, a persistent tile scheduler. The first-use self-check (`jax_blockgemm.selfcheck`) runs it against the
+reference before the library uses it on a GPU.
+
+One output tile is 128 tokens x 192 features: exactly one head, so RoPE and both quantizations finish inside it.
+Warp roles (one CTA of 6 warps per SM, persistent over (token tile, head) tiles):
+
+- `producer` (warp 5): TMA loads of bf16 x and W k-tiles (64 wide) into a ring of shared-memory stages;
+- `mma` (warp 4): tcgen05.mma of each k-tile into one of two tensor-memory accumulator stages (2 x 192 of the 512
+  columns), so the epilogue of tile i overlaps the MMAs of tile i+1;
+- `epilogue` (warps 0-3): tensor memory -> fp32 registers with the 32x32b load, which gives thread 32w + l the
+  accumulator row (token) 32w + l and 32 consecutive columns (features) per load. So a rowwise block (32 features
+  of one token) is one load of one thread, reduced inside the thread; a columnwise block (32 tokens of one feature)
+  is one register across the 32 lanes of a warp, reduced with butterfly shuffles (`epilogue.lane_max`). RoPE pairs
+  (p[2j], p[2j+1]) sit in one thread too. Everything stays fp32 from the accumulator to the E4M3 conversion (no
+  bf16 staging, SPEC §5); the math is kernels/epilogue.py's, the same functions the Hopper kernel calls.
+  Each thread writes its token's codes (two 192-byte rows) and rowwise scales; lane l of warp w writes the column
+  scale of feature 32b + l of the warp's 32-token block.
+
+Tokens past T (a tail tile; T is a multiple of 32) are whole warps of the epilogue: TMA fills their x rows with
+zeros, and those warps store nothing. w_major "k" reads w as (H·192, K) (`w_out_in=True`), "n" as (K, H·192): only
+the TMA view and the MMA's B major mode differ. The exported ABI is the catalog's proj_rope ABI (the same as the
+Hopper kernel's), so ffi/proj_rope.cc launches it unchanged. Phases are marked `producer`, `mma`, `epilogue`.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass.cute.nvgpu import cpasync, tcgen05
+
+from jax_blockgemm.kernels import common, epilogue
+from jax_blockgemm.kernels.sm100 import SMEM_CAPACITY, TMEM_COLUMNS, persistent
+from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, QK_NOPE, QK_ROPE
+
+W_MAJORS = ("k", "n")
+TILE_T = 128  # tokens per tile: the 128 lanes of tensor memory, one per accumulator row
+TILE_K = 64  # bf16: one 128-byte swizzle row
+ACC_STAGES = 2  # 2 x 192 fp32 columns of the 512
+_WORDS_PER_BLOCK = MX_BLOCK // 4  # one 32-feature block of E4M3 codes is 8 32-bit words
+
+
+# --- index maps (plain arithmetic on DSL or Python/NumPy integers: the kernel uses them, tests/ model them) ------
+def code_word(token, head, h):
+    """First 32-bit word of (token, head)'s 192 codes in either code output (T, H, 192) (rowwise and columnwise)."""
+    return (token * h + head) * (HEAD_DIM // 4)
+
+
+def row_scale_index(token, head, h):
+    """Index of (token, head)'s first rowwise scale byte in out_scales_row (T, H, 6); block b is at + b."""
+    return (token * h + head) * (HEAD_DIM // MX_BLOCK)
+
+
+def col_scale_index(tile_t, warp, lane, head, h):
+    """Index, in out_scales_col (T/32, H, 192), of the column scale that lane `lane` of epilogue warp `warp` writes
+    for block 0 of token tile `tile_t`: feature `lane` of the warp's 32-token block; block b (features 32b..) is at
+    + 32·b."""
+    return ((tile_t * (TILE_T // MX_BLOCK) + warp) * h + head) * HEAD_DIM + lane
+
+
+def rope_source(j: int) -> tuple[int, int]:
+    """Where RoPE pair j's even input p[2j] sits among the two 32-column loads of features 128..191: (load, value);
+    p[2j+1] is the next value of the same load."""
+    return (2 * j) // MX_BLOCK, (2 * j) % MX_BLOCK
+
+
+def table_entry(i: int) -> tuple[int, bool]:
+    """Where entry i of a token's 64 bf16 cos (sin) values sits among its 32 words: (word, in the high half)."""
+    return i // 2, i % 2 == 1
+
+
+class BlackwellProjRope:
+    """Fused MLA Q up-projection for bf16 x and W on sm_100a (SPEC §5): E4M3 codes + E8M0 scales, both ways.
+
+    Compile-time configuration only; T, K and H are run-time scalars of the exported function.
+    """
+
+    def __init__(self, *, x_dtype: str = "bfloat16", w_major: str = "k"):
+        common.require_choice("x_dtype", x_dtype, ("bfloat16",))
+        common.require_choice("w_major", w_major, W_MAJORS)
+        self.ab_dtype = cutlass.BFloat16
+        self.acc_dtype = cutlass.Float32
+        self.w_major = w_major
+        self.mma_tiler = (TILE_T, HEAD_DIM, TILE_K)
+        self.cta_group = tcgen05.CtaGroup.ONE
+        self.acc_stages = ACC_STAGES
+        # Warp roles, as in the gemm_amax kernel.
+        self.epilogue_warps = (0, 1, 2, 3)
+        self.mma_warp = 4
+        self.producer_warp = 5
+        self.threads_per_cta = 32 * (len(self.epilogue_warps) + 2)
+        self.epilogue_threads = 32 * len(self.epilogue_warps)
+        self.epilogue_barrier_id = 1
+        self.tmem_alloc_barrier = pipeline.NamedBarrier(barrier_id=2, num_threads=self.epilogue_threads + 32)
+        self.tmem_columns_allocated = TMEM_COLUMNS  # a power of two >= the 384 used: the whole of tensor memory
+        self.buffer_align_bytes = 1024
+
+    @staticmethod
+    def can_implement(t: int, k: int, h: int) -> tuple[bool, str]:
+        """Whether the kernel handles these sizes, and why not (the caller checks before launching)."""
+        if min(t, k, h) < 1:
+            return False, f"every size must be >= 1, got t={t}, k={k}, h={h}"
+        if t % MX_BLOCK:
+            return False, f"t must be a multiple of {MX_BLOCK} (the columnwise blocks), got t={t}"
+        if k % 8:
+            return False, f"k must be a multiple of 8 (16-byte bf16 rows for TMA), got k={k}"
+        if max(t, h * HEAD_DIM) * k >= 2**31 or t * h * HEAD_DIM >= 2**31:
+            return False, f"operands and outputs must hold fewer than 2**31 elements, got t={t}, k={k}, h={h}"
+        return True, ""
+
+    # ------------------------------------------------------------------------------------------ set-up
+    def _setup(self):
+        """The MMA, stage count and shared-memory layouts (trace time, plain Python)."""
+        b_mode = cute.nvgpu.OperandMajorMode.K if self.w_major == "k" else cute.nvgpu.OperandMajorMode.MN
+        self.tiled_mma = sm100_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, cute.nvgpu.OperandMajorMode.K, b_mode, self.acc_dtype, self.cta_group,
+            self.mma_tiler[:2])
+        self.cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (self.tiled_mma.thr_id.shape,))
+        one_a = sm100_utils.make_smem_layout_a(self.tiled_mma, self.mma_tiler, self.ab_dtype, 1)
+        one_b = sm100_utils.make_smem_layout_b(self.tiled_mma, self.mma_tiler, self.ab_dtype, 1)
+        self.tma_bytes = cute.size_in_bytes(self.ab_dtype, one_a) + cute.size_in_bytes(self.ab_dtype, one_b)
+        reserved = 1024 + self.buffer_align_bytes  # mbarriers, tmem pointer; alignment slack
+        self.ab_stages = min(8, (SMEM_CAPACITY - reserved) // self.tma_bytes)  # 5 x 40 KB
+        self.a_smem_staged = sm100_utils.make_smem_layout_a(self.tiled_mma, self.mma_tiler, self.ab_dtype,
+                                                            self.ab_stages)
+        self.b_smem_staged = sm100_utils.make_smem_layout_b(self.tiled_mma, self.mma_tiler, self.ab_dtype,
+                                                            self.ab_stages)
+
+    # ------------------------------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor, x_scale: cute.Tensor,
+                 w_scale: cute.Tensor, row_codes: cute.Tensor, row_scales: cute.Tensor, col_codes: cute.Tensor,
+                 col_scales: cute.Tensor, t: cutlass.Int32, k: cutlass.Int32, h: cutlass.Int32,
+                 stream: cuda.CUstream):
+        """Host side: (rows, K, 1)-shaped views of x and W, the TMA atoms, the persistent grid; launch.
+
+        x_scale/w_scale: unused (bf16 inputs; MXFP8 inputs arrive dequantized).
+        """
+        self._setup()
+        k8 = cute.assume(k, divby=8)
+        n = cute.assume(h * HEAD_DIM, divby=64)
+        mA = cute.make_tensor(x.iterator, cute.make_layout((t, k8, 1), stride=(k8, 1, t * k8)))
+        if cutlass.const_expr(self.w_major == "k"):
+            mB = cute.make_tensor(w.iterator, cute.make_layout((n, k8, 1), stride=(k8, 1, n * k8)))
+        else:
+            mB = cute.make_tensor(w.iterator, cute.make_layout((n, k8, 1), stride=(1, n, n * k8)))
+
+        cluster_shape = self.cluster_layout_vmnk.shape
+        a_one = cute.slice_(self.a_smem_staged, (None, None, None, 0))
+        b_one = cute.slice_(self.b_smem_staged, (None, None, None, 0))
+        tma_atom_a, tma_a = cute.nvgpu.make_tiled_tma_atom_A(
+            sm100_utils.cluster_shape_to_tma_atom_A((1, 1), self.tiled_mma.thr_id), mA, a_one, self.mma_tiler,
+            self.tiled_mma, cluster_shape)
+        tma_atom_b, tma_b = cute.nvgpu.make_tiled_tma_atom_B(
+            sm100_utils.cluster_shape_to_tma_atom_B((1, 1), self.tiled_mma.thr_id), mB, b_one, self.mma_tiler,
+            self.tiled_mma, cluster_shape)
+
+        tiles = ((t + TILE_T - 1) // TILE_T, h, 1)  # (token tile, head, 1): tile_t varies fastest
+        sched_params, grid = persistent.schedule(tiles, (1, 1))
+
+        @cute.struct
+        class SharedStorage:
+            ab_full: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
+            ab_empty: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
+            acc_full: cute.struct.MemRange[cutlass.Int64, self.acc_stages]
+            acc_empty: cute.struct.MemRange[cutlass.Int64, self.acc_stages]
+            tmem_holding: cutlass.Int32
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged.outer)],
+                                  self.buffer_align_bytes]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged.outer)],
+                                  self.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()  # dynamic shared memory per CTA (reported by precompile)
+        self.kernel(self.tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, cos, sin, row_codes, row_scales,
+                    col_codes, col_scales, t, h, self.cluster_layout_vmnk, self.a_smem_staged, self.b_smem_staged,
+                    sched_params).launch(
+            grid=grid, block=(self.threads_per_cta, 1, 1), cluster=(1, 1, 1), min_blocks_per_mp=1, stream=stream)
+
+    # ------------------------------------------------------------------------------------------ device
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor,
+               tma_atom_b: cute.CopyAtom, mB_nkl: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor,
+               row_codes: cute.Tensor, row_scales: cute.Tensor, col_codes: cute.Tensor, col_scales: cute.Tensor,
+               t: cutlass.Int32, h: cutlass.Int32, cluster_layout_vmnk: cute.Layout,
+               a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
+               sched_params: persistent.SchedulerParams):
+        """Device body: warp 5 produces (TMA), warp 4 issues the MMAs, warps 0-3 run the fused epilogue."""
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == self.producer_warp:
+            cpasync.prefetch_descriptor(tma_atom_a)
+            cpasync.prefetch_descriptor(tma_atom_b)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ab_pipeline = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_full.data_ptr(), num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=self.tma_bytes, cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
+        acc_pipeline = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_full.data_ptr(), num_stages=self.acc_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, len(self.epilogue_warps)),
+            cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
+        tmem = cutlass.memory.TmemAllocator(storage.tmem_holding.ptr, barrier_for_retrieve=self.tmem_alloc_barrier,
+                                            allocator_warp_id=self.epilogue_warps[0])
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+
+        # Global tiles: (bM, bK, RestM, RestK, L), partitioned the MMA's way, then for TMA (one CTA, no multicast).
+        thr_mma = tiled_mma.get_slice(0)
+        tCgA = thr_mma.partition_A(cute.local_tile(mA_mkl, cute.slice_(self.mma_tiler, (None, 0, None)),
+                                                   (None, None, None)))
+        tCgB = thr_mma.partition_B(cute.local_tile(mB_nkl, cute.slice_(self.mma_tiler, (0, None, None)),
+                                                   (None, None, None)))
+        k_tiles = cute.size(tCgA, mode=[4])
+        one_cta = cute.make_layout(1)
+        tAsA, tAgA = cpasync.tma_partition(tma_atom_a, 0, one_cta, cute.group_modes(sA, 0, 3),
+                                           cute.group_modes(tCgA, 0, 3))
+        tBsB, tBgB = cpasync.tma_partition(tma_atom_b, 0, one_cta, cute.group_modes(sB, 0, 3),
+                                           cute.group_modes(tCgB, 0, 3))
+
+        tCrA = tiled_mma.make_fragment_A(sA)  # (MMA, MMA_M, MMA_K, STAGE) smem descriptors
+        tCrB = tiled_mma.make_fragment_B(sB)
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.acc_stages))
+        self.tmem_columns_used = tcgen05.find_tmem_tensor_col_offset(tCtAcc_fake)  # 384, reported by precompile
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if warp_idx == self.producer_warp:
+            # ------------------------------------------------------------------------------ producer
+            sched = persistent.tile_scheduler(sched_params)
+            work = sched.initial_work_tile_info()
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+            while work.is_valid_tile:
+                tile_t, head, _ = work.tile_idx
+                gA = tAgA[(None, tile_t, None, 0)]
+                gB = tBgB[(None, head, None, 0)]
+                for kt in cutlass.range(0, k_tiles, 1, unroll=1):
+                    ab_pipeline.producer_acquire(state)
+                    bar = ab_pipeline.producer_get_barrier(state)
+                    cute.copy(tma_atom_a, gA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_atom_b, gB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                    state.advance()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            ab_pipeline.producer_tail(state)
+
+        if warp_idx == self.mma_warp:
+            # ------------------------------------------------------------------------------ mma
+            tmem.wait_for_alloc()
+            acc_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
+            num_kblocks = cute.size(tCrA, mode=[2])
+            sched = persistent.tile_scheduler(sched_params)
+            work = sched.initial_work_tile_info()
+            ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.acc_stages)
+            while work.is_valid_tile:
+                tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
+                acc_pipeline.producer_acquire(acc_state)
+                tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+                for kt in cutlass.range(0, k_tiles, 1, unroll=1):
+                    ab_pipeline.consumer_wait(ab_state)
+                    for kb in cutlass.range(num_kblocks, unroll_full=True):
+                        cute.gemm(tiled_mma, tCtAcc, tCrA[(None, None, kb, ab_state.index)],
+                                  tCrB[(None, None, kb, ab_state.index)], tCtAcc)
+                        tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                    ab_pipeline.consumer_release(ab_state)  # tcgen05.commit: frees the stage when the MMAs end
+                    ab_state.advance()
+                acc_pipeline.producer_commit(acc_state)
+                acc_state.advance()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            acc_pipeline.producer_tail(acc_state)
+
+        if warp_idx < self.mma_warp:
+            # ------------------------------------------------------------------------------ epilogue
+            tmem.allocate(self.tmem_columns_allocated)
+            tmem.wait_for_alloc()
+            acc_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
+            self._epilogue(tidx, tCtAcc_base, cos, sin, row_codes, row_scales, col_codes, col_scales, t, h,
+                           acc_pipeline, sched_params)
+            tmem.relinquish_alloc_permit()
+            cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.epilogue_threads)
+            tmem.free(acc_ptr)
+
+    @cute.jit
+    def _epilogue(self, tidx: cutlass.Int32, tCtAcc_base: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor,
+                  row_codes: cute.Tensor, row_scales: cute.Tensor, col_codes: cute.Tensor, col_scales: cute.Tensor,
+                  t: cutlass.Int32, h: cutlass.Int32, acc_pipeline, sched_params: persistent.SchedulerParams):
+        """Per tile: six 32-column loads of this thread's token, RoPE on the last two, both quantizations, stores."""
+        # (TILE_T, 192, STAGE) accumulator -> (TILE_T, 32, 1, 6, STAGE) column blocks; thread tidx reads row tidx.
+        tAcc_blocks = cute.flat_divide(tCtAcc_base[((None, None), 0, 0, None)], (TILE_T, MX_BLOCK))
+        t2r = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32),
+                                                         self.acc_dtype),
+                                     tAcc_blocks[(None, None, 0, 0, 0)])
+        thr_t2r = t2r.get_slice(tidx)
+        tTR_tAcc = thr_t2r.partition_S(tAcc_blocks)  # (T2R, T2R_M, T2R_N, 1, 6, STAGE)
+        block_shape = thr_t2r.partition_D(cute.make_identity_tensor((TILE_T, MX_BLOCK))).shape
+        nope_blocks = QK_NOPE // MX_BLOCK
+        half = QK_ROPE // 2
+        lane = tidx % 32
+        warp = tidx // 32
+
+        # 32-bit views of the byte outputs and of the bf16 rotary tables (two values per word).
+        row32 = cute.make_tensor(cute.recast_ptr(row_codes.iterator, dtype=cutlass.Int32),
+                                 cute.make_layout((cute.size(row_codes) // 4,)))
+        col32 = cute.make_tensor(cute.recast_ptr(col_codes.iterator, dtype=cutlass.Int32),
+                                 cute.make_layout((cute.size(col_codes) // 4,)))
+        cos32 = cute.make_tensor(cute.recast_ptr(cos.iterator, dtype=cutlass.Int32),
+                                 cute.make_layout((cute.size(cos) // 2,)))
+        sin32 = cute.make_tensor(cute.recast_ptr(sin.iterator, dtype=cutlass.Int32),
+                                 cute.make_layout((cute.size(sin) // 2,)))
+
+        sched = persistent.tile_scheduler(sched_params)
+        work = sched.initial_work_tile_info()
+        acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.acc_stages)
+        while work.is_valid_tile:
+            tile_t, head, _ = work.tile_idx
+            token = tile_t * TILE_T + tidx
+            live = token < t  # uniform over a warp: T is a multiple of 32
+            # This token's rotary tables, loaded before the accumulator wait so their latency hides: word q holds
+            # entries 2q (low half) and 2q+1 (high half) of cos[t, :] (sin[t, :]).
+            table_row = cutlass.min(token, t - 1) * (QK_ROPE // 2)  # tail rows read a valid row, unused
+            rcos = cute.make_rmem_tensor((QK_ROPE // 2,), cutlass.Int32)
+            rsin = cute.make_rmem_tensor((QK_ROPE // 2,), cutlass.Int32)
+            table_word0 = cute.assume(table_row, divby=QK_ROPE // 2)  # 128-byte rows: 16-byte loads
+            cute.autovec_copy(cute.make_tensor(cos32.iterator + table_word0, rcos.layout), rcos)
+            cute.autovec_copy(cute.make_tensor(sin32.iterator + table_word0, rsin.layout), rsin)
+            out_word = code_word(token, head, h)
+            row_scale0 = row_scale_index(token, head, h)
+            col_scale0 = col_scale_index(tile_t, warp, lane, head, h)
+
+            acc_pipeline.consumer_wait(acc_state)
+            tAcc = tTR_tAcc[(None, None, None, 0, None, acc_state.index)]
+            # ------------------------------------------------------------------ features 0..127: no RoPE
+            for b in cutlass.range_constexpr(nope_blocks):
+                vals = cute.make_rmem_tensor(block_shape, self.acc_dtype)
+                cute.copy(t2r, tAcc[(None, None, None, b)], vals)
+                cute.arch.fence_view_async_tmem_load()
+                self._quantize_block(vals, b, lane, live, row32, col32, row_scales, col_scales, out_word,
+                                     row_scale0, col_scale0)
+            # ------------------------------------------------------------------ features 128..191: RoPE
+            p_lo = cute.make_rmem_tensor(block_shape, self.acc_dtype)  # p[0..31]
+            p_hi = cute.make_rmem_tensor(block_shape, self.acc_dtype)  # p[32..63]
+            cute.copy(t2r, tAcc[(None, None, None, nope_blocks)], p_lo)
+            cute.copy(t2r, tAcc[(None, None, None, nope_blocks + 1)], p_hi)
+            # The accumulator stage is in registers now (once the loads completed): hand it back to the MMA warp.
+            cute.arch.fence_view_async_tmem_load()
+            with cute.arch.elect_one():
+                acc_pipeline.consumer_release(acc_state)
+            acc_state.advance()
+            out_lo = cute.make_rmem_tensor(block_shape, self.acc_dtype)  # out[128 + j]
+            out_hi = cute.make_rmem_tensor(block_shape, self.acc_dtype)  # out[160 + j]
+            for j in cutlass.range_constexpr(half):
+                load, e = rope_source(j)
+                src = (p_lo, p_hi)[load]
+                first, second = epilogue.rope_pair(
+                    src[e], src[e + 1], self._bf16_at(rcos, j), self._bf16_at(rsin, j),
+                    self._bf16_at(rcos, half + j), self._bf16_at(rsin, half + j))
+                out_lo[j] = first
+                out_hi[j] = second
+            self._quantize_block(out_lo, nope_blocks, lane, live, row32, col32, row_scales, col_scales, out_word,
+                                 row_scale0, col_scale0)
+            self._quantize_block(out_hi, nope_blocks + 1, lane, live, row32, col32, row_scales, col_scales,
+                                 out_word, row_scale0, col_scale0)
+            sched.advance_to_next_work()
+            work = sched.get_current_work()
+
+    @cute.jit
+    def _quantize_block(self, vals: cute.Tensor, b: cutlass.Constexpr[int], lane: cutlass.Int32,
+                        live: cutlass.Boolean, row32: cute.Tensor, col32: cute.Tensor, row_scales: cute.Tensor,
+                        col_scales: cute.Tensor, out_word: cutlass.Int32, row_scale0: cutlass.Int32,
+                        col_scale0: cutlass.Int32):
+        """Output features 32b..32b+31 of this thread's token (`vals`, fp32): both quantizations, then the stores.
+
+        Rowwise: the block is this thread's 32 values. Columnwise: value i's block is value i of the warp's 32
+        lanes (32 consecutive tokens), so its amax is a 5-step butterfly and every lane gets the same scale.
+        """
+        # rowwise
+        bits = cutlass.Int32(0)
+        for i in cutlass.range_constexpr(MX_BLOCK):
+            bits = cutlass.max(bits, common.abs_bits(vals[i]))
+        row_byte, inv, bad = epilogue.e8m0_scale(bits)
+        row_words = cute.make_rmem_tensor((_WORDS_PER_BLOCK,), cutlass.Int32)
+        for wd in cutlass.range_constexpr(_WORDS_PER_BLOCK):
+            lo = epilogue.quantize_pair(vals[4 * wd], vals[4 * wd + 1], inv, inv, bad, bad)
+            hi = epilogue.quantize_pair(vals[4 * wd + 2], vals[4 * wd + 3], inv, inv, bad, bad)
+            row_words[wd] = lo | (hi << 16)
+        # columnwise: lane l reduces column l of the warp's 32 x 32 block, makes its scale, and every lane then
+        # takes each column's scale byte from the lane that owns it
+        col_bits = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Int32)
+        for i in cutlass.range_constexpr(MX_BLOCK):
+            col_bits[i] = common.abs_bits(vals[i])
+        col_byte, _, _ = epilogue.e8m0_scale(epilogue.warp_column_max(col_bits, lane))
+        col_words = cute.make_rmem_tensor((_WORDS_PER_BLOCK,), cutlass.Int32)
+        for i in cutlass.range_constexpr(0, MX_BLOCK, 2):
+            inv0, bad0 = epilogue.e8m0_inverse(cute.arch.shuffle_sync(col_byte, i))
+            inv1, bad1 = epilogue.e8m0_inverse(cute.arch.shuffle_sync(col_byte, i + 1))
+            codes = epilogue.quantize_pair(vals[i], vals[i + 1], inv0, inv1, bad0, bad1)
+            if cutlass.const_expr(i % 4 == 0):
+                col_words[i // 4] = codes
+            else:
+                col_words[i // 4] = col_words[i // 4] | (codes << 16)
+        # stores (whole warps past T store nothing)
+        if live:
+            first = cute.assume(out_word + b * _WORDS_PER_BLOCK, divby=_WORDS_PER_BLOCK)  # 32-byte aligned
+            cute.autovec_copy(row_words, cute.make_tensor(row32.iterator + first, row_words.layout))
+            cute.autovec_copy(col_words, cute.make_tensor(col32.iterator + first, col_words.layout))
+            row_scales[row_scale0 + b] = row_byte.to(cutlass.Uint8)
+            col_scales[col_scale0 + b * MX_BLOCK] = col_byte.to(cutlass.Uint8)
+
+    @staticmethod
+    def _bf16_at(words: cute.Tensor, i: int) -> cutlass.Float32:
+        """Entry i of a row of bf16 values held two per 32-bit word (little-endian), as fp32 (exact)."""
+        at, high = table_entry(i)
+        word = words[at]
+        bits = (word & cutlass.Int32(-65536)) if high else (word << 16)
+        return common.f32_from_bits(bits)
