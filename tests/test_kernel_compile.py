@@ -408,7 +408,7 @@ class StructureTest(absltest.TestCase):
     def _report(self, **changes):
         good = structure.Sm100Report(
             key="k", mma=("tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.block32.collector::a::discard",),
-            has_alloc=True, has_dealloc=True, ptx_local=0,
+            has_alloc=True, has_dealloc=True, tmem_loads=8, tmem_load_waits=8, ptx_local=0,
             resources=structure.CubinResources(registers=52, frame_bytes=0, stack_bytes=0, static_smem_bytes=1024),
             dynamic_smem_bytes=200000, tmem_columns_used=264, tmem_columns_allocated=512, threads_per_cta=192,
             expect_kind="mxf8f6f4", expect_scale_vec="block32")
@@ -424,6 +424,7 @@ class StructureTest(absltest.TestCase):
             (dict(mma=("tcgen05.mma.cta_group::1.kind::f16",)), "MMA opcodes"),
             (dict(mma=()), "MMA opcodes"),
             (dict(has_dealloc=False), "tcgen05.dealloc present=False"),
+            (dict(tmem_load_waits=0), "8 tcgen05.ld but no tcgen05.wait::ld"),
             (dict(ptx_local=2), "local memory"),
             (dict(resources=structure.CubinResources(52, 16, 0, 1024)), "local memory"),
             (dict(dynamic_smem_bytes=232000), "shared memory 233024 B > 232448"),

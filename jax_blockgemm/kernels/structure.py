@@ -104,6 +104,8 @@ class Sm100Report:
     mma: tuple[str, ...]  # distinct `tcgen05.mma...` opcodes in the PTX
     has_alloc: bool
     has_dealloc: bool
+    tmem_loads: int  # `tcgen05.ld` instructions in the PTX (asynchronous: each needs a later tcgen05.wait::ld)
+    tmem_load_waits: int  # `tcgen05.wait::ld` instructions
     ptx_local: int  # `.local` mentions in the PTX
     resources: CubinResources
     dynamic_smem_bytes: int
@@ -127,6 +129,8 @@ class Sm100Report:
             out.append(f"MMA opcodes {list(self.mma)}: expected only tcgen05.mma...kind::{self.expect_kind}{scaled}")
         if not (self.has_alloc and self.has_dealloc):
             out.append(f"tcgen05.alloc present={self.has_alloc}, tcgen05.dealloc present={self.has_dealloc}")
+        if self.tmem_loads and not self.tmem_load_waits:
+            out.append(f"{self.tmem_loads} tcgen05.ld but no tcgen05.wait::ld: registers read before the load lands")
         if self.ptx_local or self.resources.frame_bytes or self.resources.stack_bytes:
             out.append(f"local memory: {self.ptx_local} .local in PTX, frame {self.resources.frame_bytes} B, "
                        f"stack {self.resources.stack_bytes} B")
@@ -151,7 +155,8 @@ def sm100_report(variant: Any, compiled: Any, kernel: Any) -> Sm100Report:
     ptx = compiled.__ptx__
     return Sm100Report(
         key=variant.key, mma=mma_opcodes(ptx), has_alloc="tcgen05.alloc" in ptx,
-        has_dealloc="tcgen05.dealloc" in ptx, ptx_local=len(re.findall(r"\.local\b", ptx)),
+        has_dealloc="tcgen05.dealloc" in ptx, tmem_loads=len(re.findall(r"\btcgen05\.ld\.", ptx)),
+        tmem_load_waits=len(re.findall(r"\btcgen05\.wait::ld\b", ptx)), ptx_local=len(re.findall(r"\.local\b", ptx)),
         resources=cubin_resources(compiled.__cubin__), dynamic_smem_bytes=int(kernel.smem_bytes),
         tmem_columns_used=int(kernel.tmem_columns_used), tmem_columns_allocated=int(kernel.tmem_columns_allocated),
         threads_per_cta=int(kernel.threads_per_cta), expect_kind=SM100_MMA_KIND[variant.ab_dtype],

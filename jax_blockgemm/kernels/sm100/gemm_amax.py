@@ -430,6 +430,9 @@ class BlackwellBlockScaledGemmAmax:
             amax_bits = cutlass.Int32(0)
             for sub in cutlass.range(cute.size(tTR_tAcc, mode=[3])):
                 cute.copy(t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
+                # tcgen05.ld is asynchronous: wait for it before reading the registers (and before the release
+                # below hands the stage back to the MMA warp), as the sm_100a proj_rope epilogue does.
+                cute.arch.fence_view_async_tmem_load()
                 tTR_rC.store(tTR_rAcc.load().to(self.c_dtype))
                 gC = tTR_gC[(None, None, None, sub)]
                 cC = tTR_cC[(None, None, None, sub)]
