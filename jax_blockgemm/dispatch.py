@@ -41,6 +41,8 @@ DEFAULT_TAKES_KERNEL = {("gemm_amax", "sm_90a"): False, ("proj_rope", "sm_90a"):
 # K=1536 against 0.855-0.879 for 128x192; both pass tests/test_gpu_proj_rope.py and compute-sanitizer (H200,
 # 2026-11-30).
 PROJ_ROPE_TILE = {"sm_90a": (64, 192), "sm_100a": (128, 192)}
+# The cluster (CTAs along tokens sharing each W tile by TMA multicast) each arch's proj_rope tile runs in.
+PROJ_ROPE_CLUSTER = {"sm_90a": (1, 1), "sm_100a": (1, 1)}
 
 # The kernels and the FFI handler take sizes and element counts as int32: a call with an operand or C of this many
 # elements or more never reaches them (None takes the reference, "cutedsl" raises at lowering).
@@ -161,7 +163,8 @@ def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation
     variants = [v for arch in sorted({v.arch for v in catalog.CATALOG})
                 if (v := catalog.select_variant(op="proj_rope", arch=arch, ab_dtype="bfloat16",
                                                 c_dtype="float8_e4m3fn", sf_vec_size=32,
-                                                tile_mn=PROJ_ROPE_TILE.get(arch, (64, 192)), cluster_mn=(1, 1),
+                                                tile_mn=PROJ_ROPE_TILE.get(arch, (64, 192)),
+                                                cluster_mn=PROJ_ROPE_CLUSTER.get(arch, (1, 1)),
                                                 b_major=b_major)) is not None]
     if not variants:
         return KernelChoice(reason="no proj_rope kernel in the catalog")

@@ -55,15 +55,18 @@ def _run(inp, *, w_out_in, implementation="cutedsl"):
 
 @absltest.skipUnless(_has_kernel_gpu(), "needs a CUDA GPU with a CuTeDSL proj_rope kernel (sm_90a, sm_100a)")
 class GpuProjRopeTest(parameterized.TestCase):
-    """Every test runs once per catalog tile (TILE below): the dispatcher's choice is patched per class."""
+    """Every test runs once per catalog tile and cluster (TILE, CLUSTER below): the dispatcher's choice is patched
+    per class."""
 
     TILE = catalog.PROJ_ROPE_TILES[0]
+    CLUSTER = (1, 1)
 
     def setUp(self):
         super().setUp()
-        patch = mock.patch.dict(dispatch.PROJ_ROPE_TILE, {"sm_90a": self.TILE})
-        patch.start()
-        self.addCleanup(patch.stop)
+        for table, value in ((dispatch.PROJ_ROPE_TILE, self.TILE), (dispatch.PROJ_ROPE_CLUSTER, self.CLUSTER)):
+            patch = mock.patch.dict(table, {"sm_90a": value})
+            patch.start()
+            self.addCleanup(patch.stop)
 
     @parameterized.product(shape=SHAPES, w_out_in=(True, False), tables=("random", "rotary"))
     def test_matches_oracle(self, shape, w_out_in, tables):
@@ -147,6 +150,7 @@ class GpuProjRopeTest(parameterized.TestCase):
             import jax_blockgemm as jbg, oracle_ops
             from jax_blockgemm import dispatch
             dispatch.PROJ_ROPE_TILE["sm_90a"] = tuple(int(v) for v in sys.argv[2].split(","))
+            dispatch.PROJ_ROPE_CLUSTER["sm_90a"] = tuple(int(v) for v in sys.argv[3].split(","))
             inp = oracle_ops.random_proj_rope_inputs(np.random.default_rng(5), t=256, h=3, k=512, mxfp8=False)
             args = [jnp.asarray(inp[n]) for n in ("x", "w", "cos", "sin")]
             def step(x, w, c, s):
@@ -157,10 +161,10 @@ class GpuProjRopeTest(parameterized.TestCase):
             sys.stdout.write("".join(np.asarray(o).view(np.uint8).tobytes().hex()[:4096] for o in outs))
         """)
         tests_dir = os.path.dirname(os.path.abspath(__file__))
-        tile = ",".join(map(str, self.TILE))
-        plain = subprocess.run([sys.executable, "-c", script, tests_dir, tile], capture_output=True, text=True,
-                               timeout=300, env=dict(os.environ, XLA_FLAGS=""))
-        graphs = subprocess.run([sys.executable, "-c", script, tests_dir, tile], capture_output=True, text=True,
+        tile, cluster = ",".join(map(str, self.TILE)), ",".join(map(str, self.CLUSTER))
+        plain = subprocess.run([sys.executable, "-c", script, tests_dir, tile, cluster], capture_output=True,
+                               text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""))
+        graphs = subprocess.run([sys.executable, "-c", script, tests_dir, tile, cluster], capture_output=True, text=True,
                                 timeout=300,
                                 env=dict(os.environ, XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"))
         self.assertEqual(plain.returncode, 0, plain.stderr[-2000:])
@@ -171,6 +175,16 @@ class GpuProjRopeTest(parameterized.TestCase):
 
 class GpuProjRopeSmallTileTest(GpuProjRopeTest):
     TILE = catalog.PROJ_ROPE_TILES[1]
+
+
+class GpuProjRopeCluster2Test(GpuProjRopeTest):
+    """64-token tiles in clusters of 2 sharing W by TMA multicast (a CTA past T still loads its share)."""
+
+    TILE, CLUSTER = (64, 192), (2, 1)
+
+
+class GpuProjRopeCluster4Test(GpuProjRopeTest):
+    TILE, CLUSTER = (64, 192), (4, 1)
 
 
 if __name__ == "__main__":

@@ -60,8 +60,9 @@ class CatalogTest(parameterized.TestCase):
         self.assertEqual(got, {(a, c) for a in ("float8_e4m3fn", "float8_e5m2") for c in ("float32", "bfloat16")})
         self.assertEqual(catalog.variants_for("sm_75"), ())
         rope = catalog.variants_for("sm_90a", "proj_rope")
-        self.assertEqual({(v.tile_mn, v.b_major) for v in rope},
-                         {(t, b) for t in catalog.PROJ_ROPE_TILES for b in ("k", "n")})
+        self.assertEqual({(v.tile_mn, v.cluster_mn, v.b_major) for v in rope},
+                         {(t, c, b) for t in catalog.PROJ_ROPE_TILES for c in catalog.PROJ_ROPE_CLUSTERS_SM90[t]
+                          for b in ("k", "n")})
 
     def test_sm100a_proj_rope_variants_cover_both_w_layouts(self):
         rope = catalog.variants_for("sm_100a", "proj_rope")
@@ -213,6 +214,14 @@ class CompileTest(parameterized.TestCase):
         # 2 tokens x (4 pass-through blocks x 4 pairs + 2 rope blocks x 8 values) rowwise + 24 x 2 columnwise pairs
         self.assertEqual(ptx.count("cvt.rn.satfinite.e4m3x2.f32"), 112)
         self.assertNotIn(".local", ptx)  # the accumulator and the rope tables stay in registers
+        multicast = re.findall(r"cp\.async\.bulk\.tensor\S*multicast::cluster", ptx)
+        if v.cluster_mn == (1, 1):
+            self.assertEmpty(multicast)
+            self.assertNotIn("mapa", ptx)
+        else:  # W arrives by multicast, and each consumer warp releases a stage in every CTA of the cluster
+            self.assertNotEmpty(multicast)
+            self.assertIn("mapa.shared::cluster", ptx)
+            self.assertIn("barrier.cluster.arrive", ptx)
 
     @parameterized.named_parameters((v.key, v) for v in _PROJ_ROPE_VARIANTS)
     def test_proj_rope_header_matches_abi(self, v):

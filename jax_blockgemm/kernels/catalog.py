@@ -87,7 +87,8 @@ def _blackwell_factory(v: KernelVariant) -> Any:
 def _hopper_proj_rope_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
 
-    return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major, consumer_wgs=v.tile_mn[0] // 64)
+    return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major, consumer_wgs=v.tile_mn[0] // 64,
+                          cluster_t=v.cluster_mn[0])
 
 
 def _blackwell_proj_rope_factory(v: KernelVariant) -> Any:
@@ -108,8 +109,10 @@ _FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
     ("proj_rope", "sm_90a"): _hopper_proj_rope_factory, ("proj_rope", "sm_100a"): _blackwell_proj_rope_factory}
 
 # proj_rope on sm_90a: one CTA is 64 tokens (one consumer warpgroup, two CTAs per SM) or 128 tokens (two, one CTA
-# per SM) x one head. On sm_100a: one tile of 128 tokens (the 128 tensor-memory lanes) x one head.
+# per SM) x one head; the 64-token tile also in clusters of 2 or 4 token tiles that share each W tile (TMA
+# multicast). On sm_100a: one tile of 128 tokens (the 128 tensor-memory lanes) x one head.
 PROJ_ROPE_TILES = ((128, 192), (64, 192))
+PROJ_ROPE_CLUSTERS_SM90 = {(128, 192): ((1, 1),), (64, 192): ((1, 1), (2, 1), (4, 1))}
 PROJ_ROPE_TILES_SM100 = ((128, 192),)
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
@@ -132,8 +135,8 @@ CATALOG: tuple[KernelVariant, ...] = (
             for c in _C for t in tiles for cl in ((1, 1), (2, 1), (1, 2), (2, 2)))
     # proj_rope on sm_90a: bf16 x and w (MXFP8 inputs are dequantized to bf16 before the kernel), both w layouts.
     + tuple(KernelVariant(op="proj_rope", arch="sm_90a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
-                          tile_mn=t, b_major=b_major)
-            for t in PROJ_ROPE_TILES for b_major in ("k", "n"))
+                          tile_mn=t, cluster_mn=cl, b_major=b_major)
+            for t in PROJ_ROPE_TILES for cl in PROJ_ROPE_CLUSTERS_SM90[t] for b_major in ("k", "n"))
     # proj_rope on sm_100a: the same ABI and surface; compiled and structurally checked here, never run (no Blackwell
     # GPU). Selected only after the first-use self-check passed on the local GPU (dispatch, selfcheck).
     + tuple(KernelVariant(op="proj_rope", arch="sm_100a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",

@@ -13,7 +13,9 @@ columnwise block of 32 tokens is 2 values x 8 quads of a warp, then the partner 
 through shared memory so that each token's 192 bytes leave as 16-byte stores; scale bytes are stored directly.
 
 w_major "k" reads w as (H·192, K) (`w_out_in=True`), "n" as (K, H·192): only the TMA view and the shared-memory
-layout of B differ. Phases are marked `producer`, `mainloop`, `rope`, `rowwise`, `columnwise`, `store`.
+layout of B differ. cluster_t > 1 launches clusters of that many consecutive token tiles of one head: each CTA loads
+1/cluster_t of every W tile and multicasts it to the cluster (W is 3/4 of the bytes a 64-token CTA reads), and a
+stage is refilled only once every CTA of the cluster has released it. Phases are marked `producer`, `mainloop`, `rope`, `rowwise`, `columnwise`, `store`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, QK_NOPE, QK_ROPE
 W_MAJORS = ("k", "n")
 TILE_K = 64  # bf16: one 128-byte swizzle row
 CONSUMER_WGS = (1, 2)
+CLUSTER_T = (1, 2, 4)  # CTAs (consecutive token tiles of one head) sharing each W tile through TMA multicast
 _ROW_PAD = 16  # shared-memory code rows of 192 + 16 bytes: the quads of a warp hit different banks
 
 
@@ -41,10 +44,14 @@ class HopperProjRope:
     Compile-time configuration only; T, K and H are run-time scalars of the exported function.
     """
 
-    def __init__(self, *, x_dtype: str = "bfloat16", w_major: str = "k", consumer_wgs: int = 2):
+    def __init__(self, *, x_dtype: str = "bfloat16", w_major: str = "k", consumer_wgs: int = 2, cluster_t: int = 1):
         common.require_choice("x_dtype", x_dtype, ("bfloat16",))
         common.require_choice("w_major", w_major, W_MAJORS)
         common.require_choice("consumer_wgs", consumer_wgs, CONSUMER_WGS)
+        common.require_choice("cluster_t", cluster_t, CLUSTER_T)
+        # cluster_t > 1: each CTA loads 1/cluster_t of the W tile and multicasts it to the cluster, which divides
+        # W's traffic from L2 into shared memory (most of the bytes a CTA reads) by cluster_t.
+        self.cluster_t = cluster_t
         self.ab_dtype = cutlass.BFloat16
         self.acc_dtype = cutlass.Float32
         self.w_major = w_major
@@ -103,9 +110,15 @@ class HopperProjRope:
         tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem_staged, (None, None, 0)),
             (self.tile_mnk[0], self.tile_mnk[2]))
-        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem_staged, (None, None, 0)),
-            (self.tile_mnk[1], self.tile_mnk[2]))
+        if cutlass.const_expr(self.cluster_t == 1):
+            tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem_staged, (None, None, 0)),
+                (self.tile_mnk[1], self.tile_mnk[2]))
+        else:
+            tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), mB,
+                cute.slice_(b_smem_staged, (None, None, 0)), (self.tile_mnk[1], self.tile_mnk[2]),
+                num_multicast=self.cluster_t)
         @cute.struct
         class SharedStorage:
             pipeline_mbars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
@@ -117,10 +130,16 @@ class HopperProjRope:
 
         self.shared_storage = SharedStorage
         tiles_t = (t + self.tile_mnk[0] - 1) // self.tile_mnk[0]
-        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, cos, sin, row_codes, row_scales, col_codes, col_scales,
-                    t, h, tiled_mma, a_smem_staged, b_smem_staged).launch(
-            grid=(tiles_t, h, 1), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=self.ctas_per_sm,
-            preferred_smem_carveout=100, stream=stream)  # all of the SM's memory as shared memory
+        kernel = self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, cos, sin, row_codes, row_scales, col_codes,
+                             col_scales, t, h, tiled_mma, a_smem_staged, b_smem_staged)
+        if cutlass.const_expr(self.cluster_t == 1):
+            kernel.launch(grid=(tiles_t, h, 1), block=(self.threads_per_cta, 1, 1),
+                          min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100,
+                          stream=stream)  # all of the SM's memory as shared memory
+        else:  # whole clusters: a CTA past T loads its share of W for the others and stores nothing
+            tiles_t = (tiles_t + self.cluster_t - 1) // self.cluster_t * self.cluster_t
+            kernel.launch(grid=(tiles_t, h, 1), block=(self.threads_per_cta, 1, 1), cluster=(self.cluster_t, 1, 1),
+                          min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100, stream=stream)
 
     # ---------------------------------------------------------------------------------------------- device
     @cute.kernel
@@ -143,16 +162,19 @@ class HopperProjRope:
         storage = smem.allocate(self.shared_storage)
         ab_pipeline = tma_pipeline.make_ab_pipeline(storage.pipeline_mbars.data_ptr(), a_smem_staged, b_smem_staged,
                                                     self.ab_dtype, self.ab_stages, self.num_consumer_warps,
-                                                    (1, 1))
+                                                    (self.cluster_t, 1))
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         tAsA, tAgA = tma_pipeline.tma_views(tma_atom_a, mA_mkl, sA, (bm, bk))
-        tBsB, tBgB = tma_pipeline.tma_views(tma_atom_b, mB_nkl, sB, (bn, bk))
+        cta_rank = 0
+        if cutlass.const_expr(self.cluster_t > 1):
+            cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        tBsB, tBgB = tma_pipeline.tma_views(tma_atom_b, mB_nkl, sB, (bn, bk), cta_rank, self.cluster_t)
         k_tiles = cute.size(tAgA, mode=[2])
 
         wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_t, 1))
 
         if wg_idx == 0:
             # ------------------------------------------------------------------------------ producer
@@ -163,7 +185,11 @@ class HopperProjRope:
                     ab_pipeline.producer_acquire(state)
                     bar = ab_pipeline.producer_get_barrier(state)
                     cute.copy(tma_atom_a, tAgA[(None, tile_t, kt, 0)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                    cute.copy(tma_atom_b, tBgB[(None, head, kt, 0)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                    if cutlass.const_expr(self.cluster_t == 1):
+                        cute.copy(tma_atom_b, tBgB[(None, head, kt, 0)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                    else:  # this CTA's share of W, into every CTA of the cluster
+                        cute.copy(tma_atom_b, tBgB[(None, head, kt, 0)], tBsB[(None, state.index)], tma_bar_ptr=bar,
+                                  mcast_mask=cutlass.Int16((1 << self.cluster_t) - 1))
                     ab_pipeline.producer_commit(state)
                     state.advance()
                 ab_pipeline.producer_tail(state)
