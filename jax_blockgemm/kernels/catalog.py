@@ -112,7 +112,7 @@ _FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
 # per SM) x one head; the 64-token tile also in clusters of 2 or 4 token tiles that share each W tile (TMA
 # multicast). On sm_100a: one tile of 128 tokens (the 128 tensor-memory lanes) x one head.
 PROJ_ROPE_TILES = ((128, 192), (64, 192))
-PROJ_ROPE_CLUSTERS_SM90 = {(128, 192): ((1, 1),), (64, 192): ((1, 1), (2, 1), (4, 1))}
+PROJ_ROPE_CLUSTERS_SM90 = {(128, 192): ((1, 1), (2, 1)), (64, 192): ((1, 1), (2, 1), (4, 1))}
 PROJ_ROPE_TILES_SM100 = ((128, 192),)
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
