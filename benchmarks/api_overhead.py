@@ -84,13 +84,18 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--json", default=None)
     parser.add_argument("--small", action="store_true", help="small sizes (a quick check of the script)")
+    parser.add_argument("--only", choices=("gemm_amax", "proj_rope"), default=None, help="one operation's cases")
     args = parser.parse_args()
     global GEMM, PROJ_ROPE
     if args.small:
         GEMM, PROJ_ROPE = (256, 256, 256), (128, 2, 256)
     rows = []
-    groups = [gemm_cases(*GEMM), gemm_cases(128, 128, 128), proj_rope_cases(*PROJ_ROPE),
-              proj_rope_cases(32, 1, 64)]
+    groups = []
+    if args.only in (None, "gemm_amax"):
+        groups += [gemm_cases(*GEMM), gemm_cases(128, 128, 128)]
+    if args.only in (None, "proj_rope"):
+        groups += [proj_rope_cases(*PROJ_ROPE), proj_rope_cases(PROJ_ROPE[0] // 2, *PROJ_ROPE[1:]),
+                   proj_rope_cases(32, 1, 64)]
     print(f"{'case':40s} {'single ms':>10s} {'pipelined ms':>13s} {'latency ms':>11s}", flush=True)
     for group in groups:
         for name, fn, sets in group:

@@ -5,7 +5,8 @@
 #     bash benchmarks/h200_session.sh STEP... (default: every step, in the order below)
 #
 # Steps: proj_rope_tests (proj_rope_tests_default_tile), proj_rope_kernel, bench_proj_rope, bench_gemm, handler_tests,
-# selfcheck_tests, gemm_tests, gemm_candidates, autodiff_tests, api_overhead, train_step, sanitize, soak, multi_gpu
+# selfcheck_tests, gemm_tests, gemm_all_tests, gemm_candidates, autodiff_tests, api_overhead, api_overhead_proj_rope,
+# train_step, sanitize, sanitize_bg + wait_bg, soak, proj_rope_cluster_tests, multi_gpu
 # (the last needs two GPUs: kind nvidia-h200-x2; the single-GPU steps then run on the first).
 # Logs go to $OUT, one per step (at most 8 files come back from a device call); 00_session.log holds every step's
 # status and tail.
@@ -70,6 +71,23 @@ for step in "${STEPS[@]}"; do
     soak)  # 8 minutes: a call of its own (SOAK_MINUTES to shorten it)
       run_step "$step" $(( ${SOAK_MINUTES:-8} * 60 + 60 )) soak.log python3 benchmarks/soak.py \
         --minutes "${SOAK_MINUTES:-8}" --out /tmp/jbg_soak ;;
+    gemm_all_tests)  # the default variants' file and the whole sm_90a surface (FP4, NVFP4, C dtypes, MN-major)
+      run_step "$step" 240 gemm_tests.log python3 -m pytest tests/test_gpu_gemm_amax.py \
+        tests/test_gpu_gemm_amax_surface.py -q -p no:cacheprovider ;;
+    proj_rope_cluster_tests)  # the W-multicast clusters of 64-token tiles
+      run_step "$step" 130 proj_rope_cluster_tests.log python3 -m pytest tests/test_gpu_proj_rope.py -q \
+        -p no:cacheprovider -k "Cluster2 or Cluster4" ;;
+    api_overhead_proj_rope)
+      run_step "$step" 80 api_overhead.log python3 benchmarks/api_overhead.py --only proj_rope \
+        --json "$OUT/api_overhead.json" ;;
+    sanitize_bg)  # in the background, beside the steps that follow (correctness only, no timing): see `wait_bg`
+      ( timeout "${SANITIZE_S:-300}" python3 benchmarks/sanitize.py --out /tmp/jbg_sanitize \
+          --budget "$(( ${SANITIZE_S:-300} - 15 ))" > "$OUT/sanitize.log" 2>&1;
+        echo "sanitize rc=$?" >> "$OUT/sanitize.log" ) &
+      echo "=== sanitize_bg: started" | tee -a "$LOG" ;;
+    wait_bg)
+      wait; printf '\n=== sanitize (background): %s\n' "$(tail -n 1 "$OUT/sanitize.log")" | tee -a "$LOG"
+      grep -E "FAIL|SUMMARY \(" "$OUT/sanitize.log" | head -20 | tee -a "$LOG" ;;
     multi_gpu)
       run_step "$step" 170 multi_gpu.log python3 benchmarks/multi_gpu.py --out "$OUT/multi_gpu.json" ;;
     *) echo "unknown step $step" | tee -a "$LOG" ;;
