@@ -9,8 +9,8 @@ Unlike Hopper, the tensor cores apply the block scales themselves (`tcgen05.mma.
 with one E8M0 scale per 32 K-elements for MXFP8; kind mxf4nvf4 for MXFP4 (E8M0, block 32) and NVFP4 (E4M3 or
 E8M0, block 16)), reading them from tensor memory; the scale atoms of SPEC §3 are exactly the layout that MMA
 expects, so TMA copies them unchanged into shared memory and `tcgen05.cp` moves them on to tensor memory.
-The FP4 variants are compiled and checked but not yet reachable from JAX: the FFI handler takes FP8 codes and
-E8M0 scale bytes only, and the ABI has no alpha (dispatch never selects them; see kernels/catalog.py).
+The FP4 variants take packed E2M1 pairs (the handler passes the uint8 buffers); the E4M3-scale (NVFP4) ones take
+the per-tensor alpha as a 7th tensor (`BlackwellBlockScaledGemmAmaxAlpha`), applied in the epilogue before amax.
 Warp roles (one CTA of 6 warps per SM, persistent over output tiles):
 
 - `producer` (warp 5): TMA loads of A, B, SFA, SFB k-tiles into a ring of shared-memory stages (mbarriers),
@@ -21,7 +21,7 @@ Warp roles (one CTA of 6 warps per SM, persistent over output tiles):
   predicated store of every in-bounds element (any M, N), then one integer atomic max per tile into amax[l]
   through the helper the Hopper kernel uses (kernels/common.py).
 
-The exported ABI is the catalog's: fn(a, b, sfa, sfb, c, amax, m, n, k, l, stream) over flat buffers.
+The exported ABI is the catalog's: fn(a, b, sfa, sfb, c, amax[, alpha], m, n, k, l, stream) over flat buffers.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ class BlackwellBlockScaledGemmAmax:
                              f"C; expected {SUPPORTED_TILES_MN[0]}")
         self.ab_dtype: Type[cutlass.Numeric] = _AB_DTYPES[ab_dtype]
         self.c_dtype: Type[cutlass.Numeric] = _C_DTYPES[c_dtype]
+        self.has_alpha = False  # NVFP4's per-tensor alpha (BlackwellBlockScaledGemmAmaxAlpha)
         self.sf_dtype: Type[cutlass.Numeric] = _SF_DTYPES[sf_dtype]
         self.acc_dtype = cutlass.Float32
         self.sf_vec_size = sf_vec_size
@@ -163,6 +164,14 @@ class BlackwellBlockScaledGemmAmax:
                  amax: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32,
                  stream: cuda.CUstream):
         """Host side: (M, K, L)-shaped views of the flat buffers, the TMA atoms, the persistent grid; launch."""
+        self._launch(a, b, sfa, sfb, c, amax, amax, m, n, k, l, stream)
+
+    @cute.jit
+    def _launch(self, a: cute.Tensor, b: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, c: cute.Tensor,
+                amax: cute.Tensor, alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+                l: cutlass.Int32, stream: cuda.CUstream):
+        """The body of both ABIs' `__call__`: `alpha` is NVFP4's (L,) float32 tensor with `has_alpha`, else a
+        stand-in (amax) that the kernel never reads."""
         self._setup()
         k16 = cute.assume(k, divby=self.k_align)
         mA = cute.make_tensor(a.iterator, cute.make_layout((m, k16, l), stride=(k16, 1, m * k16)))
@@ -219,7 +228,7 @@ class BlackwellBlockScaledGemmAmax:
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()  # dynamic shared memory per CTA (reported by precompile)
         self.kernel(self.tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sfa, tma_sfa, tma_atom_sfb,
-                    tma_sfb, mC, amax, self.cluster_layout_vmnk, self.a_smem_staged, self.b_smem_staged,
+                    tma_sfb, mC, amax, alpha, self.cluster_layout_vmnk, self.a_smem_staged, self.b_smem_staged,
                     self.sfa_smem_staged, self.sfb_smem_staged, self.epi_tile, sched_params).launch(
             grid=grid, block=(self.threads_per_cta, 1, 1), cluster=(*self.cluster_mn, 1), min_blocks_per_mp=1,
             stream=stream)
@@ -229,7 +238,7 @@ class BlackwellBlockScaledGemmAmax:
     def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor,
                tma_atom_b: cute.CopyAtom, mB_nkl: cute.Tensor, tma_atom_sfa: cute.CopyAtom, mSFA_mkl: cute.Tensor,
                tma_atom_sfb: cute.CopyAtom, mSFB_nkl: cute.Tensor, mC_mnl: cute.Tensor, amax: cute.Tensor,
-               cluster_layout_vmnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
+               alpha: cute.Tensor, cluster_layout_vmnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
                b_smem_staged: cute.ComposedLayout, sfa_smem_staged: cute.Layout, sfb_smem_staged: cute.Layout,
                epi_tile: cute.Tile, sched_params: utils.PersistentTileSchedulerParams):
         """Device body: warp 5 produces (TMA), warp 4 issues the MMAs, warps 0-3 run the epilogue."""
@@ -386,7 +395,8 @@ class BlackwellBlockScaledGemmAmax:
             tmem.wait_for_alloc()
             acc_ptr = tmem.retrieve_ptr(self.acc_dtype)
             tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
-            self._epilogue(tiled_mma, epi_tile, tidx, tCtAcc_base, mC_mnl, amax, storage, acc_pipeline, sched_params)
+            self._epilogue(tiled_mma, epi_tile, tidx, tCtAcc_base, mC_mnl, amax, alpha, storage, acc_pipeline,
+                           sched_params)
             tmem.relinquish_alloc_permit()
             cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.epilogue_threads)
             tmem.free(acc_ptr)
@@ -402,7 +412,7 @@ class BlackwellBlockScaledGemmAmax:
 
     @cute.jit
     def _epilogue(self, tiled_mma: cute.TiledMma, epi_tile: cute.Tile, tidx: cutlass.Int32, tCtAcc_base: cute.Tensor,
-                  mC_mnl: cute.Tensor, amax: cute.Tensor, storage, acc_pipeline,
+                  mC_mnl: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor, storage, acc_pipeline,
                   sched_params: utils.PersistentTileSchedulerParams):
         """Per tile: tensor memory -> registers by epilogue sub-tile, predicated stores of C, amax into amax[l]."""
         tiler_mn = cute.slice_(self.mma_tiler, (None, None, 0))
@@ -439,6 +449,8 @@ class BlackwellBlockScaledGemmAmax:
             amax_bits = cutlass.Int32(0)
             for sub in cutlass.range(cute.size(tTR_tAcc, mode=[3])):
                 cute.copy(t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
+                if cutlass.const_expr(self.has_alpha):  # NVFP4: C and amax are of alpha·acc (SPEC §1, §4)
+                    tTR_rAcc.store(tTR_rAcc.load() * alpha[batch])
                 tTR_rC.store(tTR_rAcc.load().to(self.c_dtype))
                 gC = tTR_gC[(None, None, None, sub)]
                 cC = tTR_cC[(None, None, None, sub)]
@@ -457,3 +469,21 @@ class BlackwellBlockScaledGemmAmax:
                 self.epilogue_barrier_id)
             sched.advance_to_next_work()
             work = sched.get_current_work()
+
+
+class BlackwellBlockScaledGemmAmaxAlpha(BlackwellBlockScaledGemmAmax):
+    """NVFP4 with its per-tensor fp32 scale: C = alpha[l]·(A·sfa)(B·sfb)^T, amax of that, before C's conversion.
+
+    The exported function takes one more tensor, `alpha` ((L,) float32), right after amax.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.has_alpha = True
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, c: cute.Tensor,
+                 amax: cute.Tensor, alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+                 l: cutlass.Int32, stream: cuda.CUstream):
+        """Host side of the alpha ABI: as `BlackwellBlockScaledGemmAmax.__call__`, alpha[l] applied per tile."""
+        self._launch(a, b, sfa, sfb, c, amax, alpha, m, n, k, l, stream)
