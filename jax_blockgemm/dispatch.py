@@ -90,15 +90,16 @@ def _past_int32(avals_in: Sequence[Any]) -> str:
 
 def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, a_major: str, b_major: str,
                       c_major: str, mma_tiler_mn: tuple, cluster_shape_mn: tuple, implementation: Any,
-                      **_: Any) -> KernelChoice:
-    """The kernel variants that compute this gemm_amax call exactly, one per covered architecture."""
+                      k: int | None = None, **_: Any) -> KernelChoice:
+    """The kernel variants that compute this gemm_amax call exactly, one per covered architecture.
+
+    FP4 operands and C arrive packed (uint8) and select the "float4_e2m1fn" variants; E4M3 scales (NVFP4) select
+    the variants that take alpha (the lowering passes ones when the call has none)."""
     if implementation == "xla":
         return KernelChoice(reason="implementation='xla' forces the reference")
     forced = getattr(_FORCED, "variants", None)
     if forced is not None and implementation == "cutedsl":
         return KernelChoice(variants=forced)
-    if len(avals_in) > 4:
-        return KernelChoice(reason="alpha (NVFP4 per-tensor scale) has no kernel yet")
     if (a_major, b_major, c_major) != ("k", "k", "n"):
         return KernelChoice(reason=f"kernels take K-major A and B and N-major C; got a_major={a_major!r}, "
                                    f"b_major={b_major!r}, c_major={c_major!r}")
@@ -111,10 +112,13 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
         _native.extension()
     except ImportError as e:  # CuTeDSL or the native bridge missing: the reference still works
         return KernelChoice(reason=f"no kernel can run here: {e}")
-    ab_dtype = str(np.dtype(avals_in[0].dtype))
+    packed = np.dtype(avals_in[0].dtype) == np.uint8
+    ab_dtype = "float4_e2m1fn" if packed else str(np.dtype(avals_in[0].dtype))
+    sf_dtype = catalog.E8M0 if np.dtype(avals_in[2].dtype) == np.uint8 else str(np.dtype(avals_in[2].dtype))
     variants = []
     for arch in sorted({v.arch for v in catalog.CATALOG}):
-        config = dict(arch=arch, ab_dtype=ab_dtype, c_dtype=str(np.dtype(c_dtype)), sf_vec_size=sf_vec_size)
+        config = dict(arch=arch, ab_dtype=ab_dtype, c_dtype=str(np.dtype(c_dtype)), sf_vec_size=sf_vec_size,
+                      sf_dtype=sf_dtype)
         variant = catalog.select_variant(**config, tile_mn=tuple(mma_tiler_mn), cluster_mn=tuple(cluster_shape_mn))
         if variant is None:  # the tile is a performance hint: fall back to the arch's default tile
             variant = catalog.select_variant(**config, tile_mn=(128, 128), cluster_mn=(1, 1))
@@ -122,8 +126,9 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
             variants.append(variant)
     if not variants:
         return KernelChoice(reason=f"no kernel in the catalog for {ab_dtype} operands, "
-                                   f"{np.dtype(c_dtype)} C, sf_vec_size={sf_vec_size}")
-    (l, m, k), n = avals_in[0].shape, avals_in[1].shape[1]
+                                   f"{np.dtype(c_dtype)} C, {sf_dtype} scales per {sf_vec_size}")
+    (l, m, k_row), n = avals_in[0].shape, avals_in[1].shape[1]
+    k = k if k is not None else k_row * (2 if packed else 1)  # the logical K (packed FP4: two codes per byte)
     return _usable(variants, implementation, sizes=(m, n, k, l), names="(M, N, K, L)")
 
 

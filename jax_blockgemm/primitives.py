@@ -107,7 +107,7 @@ def _gemm_amax_cuda_lowering(ctx, *args, **params):
     if choice.variants:
         from jax_blockgemm import ffi_lowering
 
-        return ffi_lowering.emit_gemm_amax(ctx, *args, variants=choice.variants)
+        return ffi_lowering.emit_gemm_amax(ctx, *args, variants=choice.variants, sf_vec_size=params["sf_vec_size"])
     if params["implementation"] == "cutedsl":
         raise ValueError(f"implementation='cutedsl': no CuTeDSL kernel applies to this gemm_amax call: {choice.reason}")
     return _gemm_amax_reference_lowering(ctx, *args, **params)
