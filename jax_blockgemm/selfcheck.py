@@ -105,18 +105,37 @@ def local_device(arch: str) -> Any | None:
 
 
 def _operands(variant: Any, problem: tuple[int, int, int, int], seed: int) -> tuple[np.ndarray, ...]:
-    """Random FP8 codes and random E8M0 scale bytes (compact form) for `problem` = (L, M, N, K)."""
+    """Random codes (FP8, or packed FP4 pairs: every nibble) and random scales (compact form: E8M0 bytes, or
+    NVFP4's positive E4M3 values) for `problem` = (L, M, N, K). NVFP4 kernels then run with alpha = 1."""
     import jax.numpy as jnp
 
     l, m, n, k = problem
     rng = np.random.default_rng(seed)
-    ab = jnp.dtype(variant.ab_dtype)
-    a = (rng.standard_normal((l, m, k)) * 4).astype(ab)
-    b = (rng.standard_normal((l, n, k)) * 4).astype(ab)
+    if variant.ab_dtype == "float4_e2m1fn":
+        a = rng.integers(0, 256, (l, m, k // 2), dtype=np.uint8)
+        b = rng.integers(0, 256, (l, n, k // 2), dtype=np.uint8)
+    else:
+        ab = jnp.dtype(variant.ab_dtype)
+        a = (rng.standard_normal((l, m, k)) * 4).astype(ab)
+        b = (rng.standard_normal((l, n, k)) * 4).astype(ab)
     kb = -(-k // variant.sf_vec_size)
-    sfa = rng.integers(120, 135, (l, m, kb), dtype=np.uint8)  # 2^-7 .. 2^7: non-trivial, no overflow
-    sfb = rng.integers(120, 135, (l, n, kb), dtype=np.uint8)
+    if variant.sf_dtype == "float8_e4m3fn":
+        sfa, sfb = (np.exp2(rng.uniform(-4, 4, (l, mn, kb))).astype(jnp.float8_e4m3fn) for mn in (m, n))
+    else:
+        sfa = rng.integers(120, 135, (l, m, kb), dtype=np.uint8)  # 2^-7 .. 2^7: non-trivial, no overflow
+        sfb = rng.integers(120, 135, (l, n, kb), dtype=np.uint8)
     return a, b, sfa, sfb
+
+
+def _sf_vec_size(args: Sequence[Any]) -> int:
+    """The scale block of compact-form operands (a, b, sfa, sfb): K over the scale columns (packed FP4 counts 2)."""
+    k = args[0].shape[-1] * (2 if np.dtype(args[0].dtype) == np.uint8 else 1)
+    return k // args[2].shape[-1]
+
+
+def _magnitudes(codes: np.ndarray) -> np.ndarray:
+    """|codes|: packed FP4 pairs lose both sign bits (bit 3 of each nibble)."""
+    return codes & np.uint8(0x77) if np.dtype(codes.dtype) == np.uint8 else np.abs(codes)
 
 
 def compare(c: np.ndarray, amax: np.ndarray, ref_c: np.ndarray, ref_amax: np.ndarray, ref_abs: np.ndarray,
@@ -159,7 +178,8 @@ def _run_kernel(variant: Any, args: Sequence[Any], device: Any) -> tuple[np.ndar
     from jax_blockgemm import api, dispatch
 
     args = [jax.device_put(x, device) for x in args]
-    fn = jax.jit(functools.partial(api.gemm_amax, c_dtype=variant.c_dtype, implementation="cutedsl"))
+    fn = jax.jit(functools.partial(api.gemm_amax, c_dtype=variant.c_dtype, sf_vec_size=variant.sf_vec_size,
+                                   implementation="cutedsl"))
     saved = os.environ.get(POISON_ENV)
     os.environ[POISON_ENV] = "1"  # read when XLA instantiates the call: unwritten C elements come back NaN
     try:
@@ -181,7 +201,8 @@ def _run_reference(args: Sequence[Any], device: Any) -> tuple[np.ndarray, np.nda
     from jax_blockgemm import api
 
     args = [jax.device_put(x, device) for x in args]
-    c, amax = jax.jit(functools.partial(api.gemm_amax, c_dtype=np.float32, implementation="xla"))(*args)
+    c, amax = jax.jit(functools.partial(api.gemm_amax, c_dtype=np.float32, sf_vec_size=_sf_vec_size(args),
+                                        implementation="xla"))(*args)
     return np.asarray(c), np.asarray(amax)
 
 
@@ -195,7 +216,7 @@ def run_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_kerne
         except Exception as e:  # a kernel that cannot even launch is a failed check, not a crash of the caller
             return f"(L, M, N, K) = {problem}: raised {type(e).__name__}: {e}"
         ref_c, ref_amax = run_reference(args, device)
-        ref_abs, _ = run_reference((np.abs(args[0]), np.abs(args[1]), *args[2:]), device)
+        ref_abs, _ = run_reference((_magnitudes(args[0]), _magnitudes(args[1]), *args[2:]), device)
         why = compare(c, amax, ref_c, ref_amax, ref_abs, variant.c_dtype)
         if why:
             return f"(L, M, N, K) = {problem}: {why}"
