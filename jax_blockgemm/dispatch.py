@@ -51,6 +51,9 @@ class KernelChoice:
 
     variants: tuple = ()
     reason: str = ""
+    # gemm_amax with c_major="m": the kernels compute C^T = B·A^T as an N-major (L, N, M) result, i.e. the call
+    # with A and B (and their scales) swapped.
+    swap_ab: bool = False
 
 
 @contextlib.contextmanager
@@ -100,9 +103,12 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
     forced = getattr(_FORCED, "variants", None)
     if forced is not None and implementation == "cutedsl":
         return KernelChoice(variants=forced)
-    if (a_major, b_major, c_major) != ("k", "k", "n"):
-        return KernelChoice(reason=f"kernels take K-major A and B and N-major C; got a_major={a_major!r}, "
-                                   f"b_major={b_major!r}, c_major={c_major!r}")
+    if (a_major, b_major) != ("k", "k"):
+        return KernelChoice(reason=f"kernels take K-major A and B; got a_major={a_major!r}, b_major={b_major!r}")
+    # c_major="m": C^T (L, N, M) is the N-major result of the kernels run on (B, A).
+    swap_ab = c_major == "m"
+    if swap_ab:
+        avals_in = [avals_in[1], avals_in[0], avals_in[3], avals_in[2], *avals_in[4:]]
     if too_large := _past_int32(avals_in):
         return KernelChoice(reason=too_large)
     try:
@@ -129,7 +135,8 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
                                    f"{np.dtype(c_dtype)} C, {sf_dtype} scales per {sf_vec_size}")
     (l, m, k_row), n = avals_in[0].shape, avals_in[1].shape[1]
     k = k if k is not None else k_row * (2 if packed else 1)  # the logical K (packed FP4: two codes per byte)
-    return _usable(variants, implementation, sizes=(m, n, k, l), names="(M, N, K, L)")
+    choice = _usable(variants, implementation, sizes=(m, n, k, l), names="(N, M, K, L)" if swap_ab else "(M, N, K, L)")
+    return dataclasses.replace(choice, swap_ab=swap_ab) if choice.variants else choice
 
 
 def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation: Any,

@@ -56,7 +56,7 @@ class DispatchTest(parameterized.TestCase):
                 _cuda_text(implementation="cutedsl")
 
     @parameterized.parameters(
-        (dict(c_major="m"), "kernels take K-major A and B and N-major C"),
+        (dict(b_major="n"), "kernels take K-major A and B; got a_major='k', b_major='n'"),
     )
     def test_cutedsl_without_kernel_raises(self, kwargs, reason):
         with self.assertRaisesRegex(ValueError, "implementation='cutedsl': no CuTeDSL kernel applies.*" + reason):
@@ -288,6 +288,20 @@ class SurfaceDispatchTest(parameterized.TestCase):
         self.assertIn("%arg3, %cst", call)  # a constant (L,) operand: ones
         operand_types = call.split(" : (")[-1].split(") -> ")[0]
         self.assertTrue(operand_types.endswith("tensor<2xf32>"), operand_types)
+
+    @parameterized.parameters(("mxfp8", "float32", 4), ("nvfp4", "bfloat16", 5), ("mxfp4", "float16", 4))
+    def test_c_major_m_runs_the_kernels_on_b_and_a(self, fmt, c_dtype, count):
+        """c_major="m": the custom call gets (b, a, sfb, sfa[, alpha]) and returns C^T (L, N, M) N-major."""
+        call = self._lower(fmt, jnp.dtype(c_dtype), implementation="cutedsl", c_major="m", alpha=fmt == "nvfp4")
+        operand_types, result_types = call.split(" : (")[-1].split(") -> ")
+        types = [t.strip() for t in operand_types.split(", ")]
+        self.assertLen(types, count)
+        row = 128 if fmt != "mxfp8" else 256  # K/2 bytes of packed FP4, K codes of FP8
+        self.assertRegex(types[0], rf"tensor<2x160x{row}x")  # b (N = 160) first
+        self.assertRegex(types[1], rf"tensor<2x200x{row}x")
+        self.assertIn("tensor<2x160x200x", result_types)  # (L, N, M)
+        archs = "sm_100a,sm_90a" if c_dtype in ("float32", "bfloat16") else "sm_90a"
+        self.assertIn(f'archs = "{archs}"', call)
 
     def test_mxfp8_f16_c_is_sm90a_only(self):
         call = self._lower("mxfp8", jnp.float16, implementation="cutedsl")

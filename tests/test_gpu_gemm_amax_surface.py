@@ -55,8 +55,9 @@ def _inputs(rng, fmt, c_dtype, l, m, n, k):
     return oracle_ops.random_gemm_inputs(rng, l=l, m=m, n=n, k=k, fmt=fmt, scale_log2=scale_log2)
 
 
-def _run(d, c_dtype, *, alpha=None, implementation="cutedsl"):
-    kwargs = dict(c_dtype=jnp.dtype(c_dtype), sf_vec_size=d["sf_vec_size"], implementation=implementation)
+def _run(d, c_dtype, *, alpha=None, implementation="cutedsl", c_major="n"):
+    kwargs = dict(c_dtype=jnp.dtype(c_dtype), sf_vec_size=d["sf_vec_size"], implementation=implementation,
+                  c_major=c_major)
     if alpha is not None:
         kwargs["alpha"] = jnp.float32(alpha)
     fn = jax.jit(lambda *x: jbg.gemm_amax(*x, **kwargs))
@@ -64,10 +65,10 @@ def _run(d, c_dtype, *, alpha=None, implementation="cutedsl"):
     return np.asarray(c), np.asarray(amax)
 
 
-def _check(test, d, c, amax, c_dtype, alpha=None):
+def _check(test, d, c, amax, c_dtype, alpha=None, c_major="n"):
     c_ref, amax_ref = oracle_ops.gemm_amax_oracle(d["a"], d["b"], d["sfa"], d["sfb"], k=d["k"],
                                                   sf_vec_size=d["sf_vec_size"], alpha=alpha)
-    oracle_ops.assert_gemm_close(test, c, c_ref, c_dtype=jnp.dtype(c_dtype))
+    oracle_ops.assert_gemm_close(test, c, c_ref, c_dtype=jnp.dtype(c_dtype), c_major=c_major)
     oracle_ops.assert_amax_close(test, amax, np.max(amax_ref))
 
 
@@ -89,6 +90,21 @@ class Sm90SurfaceTest(parameterized.TestCase):
         d = _inputs(rng, fmt, "float16", *shape)
         c, amax = _run(d, "float16")
         _check(self, d, c, amax, "float16")
+
+    @parameterized.product(shape=[(2, 208, 160, 96), (3, 272, 64, 1056), (1, 32, 32, 32), (1, 16, 128, 256)],
+                           fmt=("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4"),
+                           c_dtype=("float32", "bfloat16", "float16", "float8_e4m3fn"))
+    def test_c_major_m_matches_oracle(self, shape, fmt, c_dtype):
+        """c_major="m" (C^T returned, (L, N, M)): the kernels run on (B, A); M is a multiple of 16 (C^T's rows).
+        FP8 C only with FP4 operands (SPEC)."""
+        if c_dtype == "float8_e4m3fn" and fmt.startswith("mxfp8"):
+            self.skipTest("FP8 C takes FP4 operands only")
+        rng = np.random.default_rng(hash((shape, fmt, c_dtype, "m")) % 2**32)
+        d = _inputs(rng, fmt, c_dtype, *shape)
+        alpha = float(d["alpha"]) if fmt == "nvfp4" else None
+        c, amax = _run(d, c_dtype, alpha=alpha, c_major="m")
+        self.assertEqual(c.shape, (shape[0], shape[2], shape[1]))
+        _check(self, d, c, amax, c_dtype, alpha=alpha, c_major="m")
 
     @parameterized.parameters("float32", "float4_e2m1fn")
     def test_nvfp4_without_alpha(self, c_dtype):
@@ -154,6 +170,13 @@ class Sm100Fp4Test(parameterized.TestCase):
         alpha = float(d["alpha"]) if fmt == "nvfp4" else None
         c, amax = _run(d, c_dtype, alpha=alpha)
         _check(self, d, c, amax, c_dtype, alpha=alpha)
+
+    @parameterized.product(fmt=("mxfp8_e4m3", "mxfp4", "nvfp4"), c_dtype=("float32", "bfloat16"))
+    def test_c_major_m_matches_oracle(self, fmt, c_dtype):
+        d = _inputs(np.random.default_rng(hash((fmt, c_dtype, 101)) % 2**32), fmt, c_dtype, 2, 208, 160, 96)
+        alpha = float(d["alpha"]) if fmt == "nvfp4" else None
+        c, amax = _run(d, c_dtype, alpha=alpha, c_major="m")
+        _check(self, d, c, amax, c_dtype, alpha=alpha, c_major="m")
 
 
 if __name__ == "__main__":
