@@ -33,6 +33,12 @@ TOOLS = ("memcheck", "racecheck", "synccheck")
 # (L, M, N, K): M and N tails past 128-row tiles and scale atoms, K a partial 128-wide k-tile with a partial
 # 32-wide scale block (K = 80, 208), L > 1; N a multiple of 8 (16-byte rows of a bfloat16 C).
 SHAPES = ((2, 257, 136, 80), (3, 129, 24, 208))
+# FP4 variants: K a multiple of 32 (16-byte rows of packed codes), N of 32 (packed FP4 C rows); tails as above.
+FP4_SHAPES = ((2, 257, 160, 96), (3, 129, 32, 224))
+# Relative Frobenius error allowed against the reference, per C dtype: the kernels are in SPEC §7's exact class,
+# so these only absorb C's own rounding (one code step of a narrow C where kernel and reference round apart).
+_C_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 1e-2, "float8_e4m3fn": 0.07, "float8_e5m2": 0.13,
+                "float4_e2m1fn": 0.3}
 BEGIN, END = "@@JBG-SANITIZE BEGIN", "@@JBG-SANITIZE END"
 # A sanitizer report line (its stack frames and blank lines are not counted).
 _REPORT = re.compile(r"^=+ (Invalid|Error|Warning|Program hit|Race|Barrier|Uninitialized|Leaked|Malformed|"
@@ -63,27 +69,40 @@ def run_variants() -> int:
 
     rng = np.random.default_rng(2026)
     failures = 0
-    for variant in catalog.variants_for("sm_90a"):
-        for l, m, n, k in SHAPES:
+    for variant in catalog.variants_for("sm_90a", "gemm_amax"):
+        fp4 = variant.ab_dtype == "float4_e2m1fn"
+        for l, m, n, k in (FP4_SHAPES if fp4 else SHAPES):
             label = f"{variant.key} (L, M, N, K) = {(l, m, n, k)}"
             print(f"{BEGIN} {label}", flush=True)
-            kb = -(-k // 32)
-            ab = jnp.dtype(variant.ab_dtype)
-            a = jnp.asarray(rng.standard_normal((l, m, k)) * 4, jnp.float32).astype(ab)
-            b = jnp.asarray(rng.standard_normal((l, n, k)) * 4, jnp.float32).astype(ab)
-            sfa = jnp.asarray(rng.integers(120, 134, (l, m, kb)), jnp.uint8)
-            sfb = jnp.asarray(rng.integers(120, 134, (l, n, kb)), jnp.uint8)
+            kb = -(-k // variant.sf_vec_size)
+            if fp4:  # packed E2M1 pairs, every nibble
+                a = jnp.asarray(rng.integers(0, 256, (l, m, k // 2)), jnp.uint8)
+                b = jnp.asarray(rng.integers(0, 256, (l, n, k // 2)), jnp.uint8)
+            else:
+                ab = jnp.dtype(variant.ab_dtype)
+                a = jnp.asarray(rng.standard_normal((l, m, k)) * 4, jnp.float32).astype(ab)
+                b = jnp.asarray(rng.standard_normal((l, n, k)) * 4, jnp.float32).astype(ab)
+            if variant.sf_dtype == "float8_e4m3fn":  # NVFP4: positive E4M3 scales, and alpha
+                sfa, sfb = (jnp.asarray(np.exp2(rng.uniform(-3, 1, (l, mn, kb))), jnp.float32).astype(
+                    jnp.float8_e4m3fn) for mn in (m, n))
+            else:  # f16 C: smaller scales, so that C stays below float16's 65504
+                lo, hi = (114, 124) if variant.c_dtype == "float16" else (120, 134)
+                sfa = jnp.asarray(rng.integers(lo, hi, (l, m, kb)), jnp.uint8)
+                sfb = jnp.asarray(rng.integers(lo, hi, (l, n, kb)), jnp.uint8)
             options = dict(c_dtype=jnp.dtype(variant.c_dtype), mma_tiler_mn=variant.tile_mn,
                            cluster_shape_mn=variant.cluster_mn, sf_vec_size=variant.sf_vec_size)
+            if variant.sf_dtype == "float8_e4m3fn":
+                options["alpha"] = jnp.float32(0.375)
             try:
                 kernel = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl", **options))
                 if "jbg_gemm_amax" not in kernel.lower(a, b, sfa, sfb).as_text():
                     raise RuntimeError("the program holds no jbg_gemm_amax custom call: the kernel would not run")
                 c, amax = jax.block_until_ready(kernel(a, b, sfa, sfb))
                 c_ref, amax_ref = jbg.gemm_amax(a, b, sfa, sfb, implementation="xla", **options)
-                got, want = np.asarray(c, np.float64), np.asarray(c_ref, np.float64)
+                got, want = (np.asarray(jbg.formats.unpack_fp4(x) if variant.c_dtype == "float4_e2m1fn" else x,
+                                        np.float64) for x in (c, c_ref))
                 rel = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-                tol = 1e-4 if variant.c_dtype == "float32" else 1e-2  # SPEC §7 class; bf16 C: its rounding
+                tol = _C_TOLERANCE.get(variant.c_dtype, 1e-2)  # SPEC §7 class; narrower C: its rounding
                 ok = bool(np.isfinite(got).all() and rel <= tol
                           and abs(float(amax) - float(amax_ref)) <= 1e-4 * abs(float(amax_ref)))
                 detail = f"rel_err={rel:.2e} amax={float(amax):.6g} ref={float(amax_ref):.6g}"
