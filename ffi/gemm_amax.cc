@@ -45,10 +45,19 @@ std::string ExpectShape(const BufferDesc& b, int index, std::initializer_list<in
 }  // namespace
 
 std::string ParseKernelDtypes(std::string_view ab_dtype, std::string_view c_dtype, std::string_view sf_dtype,
-                              int64_t sf_vec_size, KernelDtypes* out) {
+                              int64_t sf_vec_size, std::string_view a_major, std::string_view b_major,
+                              KernelDtypes* out) {
   const std::string where = "jbg_gemm_amax attributes: ";
   const std::string ab(ab_dtype), c(c_dtype), sf(sf_dtype);
   KernelDtypes k{};
+  if (a_major != "k" && a_major != "m") {
+    return where + "a_major \"" + std::string(a_major) + "\" is not supported; expected k or m";
+  }
+  if (b_major != "k" && b_major != "n") {
+    return where + "b_major \"" + std::string(b_major) + "\" is not supported; expected k or n";
+  }
+  k.a_mn = a_major == "m";
+  k.b_mn = b_major == "n";
   if (ab == "float8_e4m3fn") {
     k.ab = XLA_FFI_DataType_F8E4M3FN;
   } else if (ab == "float8_e5m2") {
@@ -93,6 +102,10 @@ std::string ParseKernelDtypes(std::string_view ab_dtype, std::string_view c_dtyp
     return where + "ab_dtype " + ab + " takes sf_dtype float8_e8m0fnu with sf_vec_size 32; got " + sf + " with " +
            std::to_string(sf_vec_size);
   }
+  if (k.ab_fp4 && (k.a_mn || k.b_mn)) {
+    return where + "ab_dtype float4_e2m1fn takes K-major operands (a_major k, b_major k); got a_major " +
+           std::string(a_major) + ", b_major " + std::string(b_major);
+  }
   if (k.alpha && (!k.ab_fp4 || sf_vec_size != 16)) {
     return where + "sf_dtype float8_e4m3fn (NVFP4) takes ab_dtype float4_e2m1fn with sf_vec_size 16; got " + ab +
            " with " + std::to_string(sf_vec_size);
@@ -134,18 +147,27 @@ std::string CheckGemmAmaxBuffers(const BufferDesc* buf, size_t count, KernelDtyp
   if (amax.dtype != XLA_FFI_DataType_F32) return Describe(amax, 5) + "; expected float32";
   if (a.rank != 3) return Describe(a, 0) + "; expected rank 3 (L, M, K)";
   const int64_t per_byte = kernel.ab_fp4 ? 2 : 1;  // codes per element of a and b
-  const int64_t l = a.dims[0], m = a.dims[1], row = a.dims[2];
+  // K-major: a (L, M, K) (packed FP4: K/2 bytes per row); M-major (a_major "m"): a (L, K, M), M a multiple of 16.
+  const int64_t l = a.dims[0], m = a.dims[kernel.a_mn ? 2 : 1], row = a.dims[kernel.a_mn ? 1 : 2];
   if (l < 1 || m < 1 || row < 1) return Describe(a, 0) + "; expected every dimension >= 1";
   if (row % 16 != 0) {
     return Describe(a, 0) + (kernel.ab_fp4 ? "; expected (L, M, K/2) with K/2 a multiple of 16 (16-byte rows)"
                                            : "; expected K a multiple of 16 (16-byte rows)");
   }
+  if (kernel.a_mn && m % 16 != 0) {
+    return Describe(a, 0) + "; expected (L, K, M) with M a multiple of 16 (16-byte rows of an M-major A)";
+  }
   const int64_t k = row * per_byte;
-  if (b.rank != 3 || b.dims[0] != l || b.dims[2] != row || b.dims[1] < 1) {
+  const int64_t n = b.rank == 3 ? b.dims[kernel.b_mn ? 2 : 1] : 0;
+  const int64_t b_row = b.rank == 3 ? b.dims[kernel.b_mn ? 1 : 2] : 0;
+  if (b.rank != 3 || b.dims[0] != l || b_row != row || n < 1 || (kernel.b_mn && n % 16 != 0)) {
+    if (kernel.b_mn) {
+      return Describe(b, 1) + "; expected (L, K, N) = (" + std::to_string(l) + ", " + std::to_string(row) +
+             ", N >= 1) with N a multiple of 16 (16-byte rows of an N-major B)";
+    }
     return Describe(b, 1) + "; expected (L, N, " + (kernel.ab_fp4 ? "K/2" : "K") + ") = (" + std::to_string(l) +
            ", N >= 1, " + std::to_string(row) + ")";
   }
-  const int64_t n = b.dims[1];
   const int64_t k_atoms = CeilDiv(CeilDiv(k, kernel.sf_vec_size), kAtomBlocks);
   const std::string atom = "(L, ceil(MN/128), ceil(ceil(K/" + std::to_string(kernel.sf_vec_size) +
                            ")/4), 32, 4, 4): the 128x4 scale atom";
@@ -201,9 +223,11 @@ namespace {
 
 StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span<const uint8_t> objects,
                     ffi::Span<const int64_t> offsets, std::string_view ab_dtype, std::string_view c_dtype,
-                    std::string_view sf_dtype, int64_t sf_vec_size) {
+                    std::string_view sf_dtype, int64_t sf_vec_size, std::string_view a_major,
+                    std::string_view b_major) {
   KernelDtypes dtypes{};
-  if (std::string why = ParseKernelDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, &dtypes); !why.empty()) {
+  if (std::string why = ParseKernelDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, a_major, b_major, &dtypes);
+      !why.empty()) {
     return Fail(ffi::Error::InvalidArgument(why));
   }
   StateOr state = InstantiateKernelObjects(kGemmAmaxTarget, archs, prefixes, objects, offsets);
@@ -278,7 +302,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgGemmAmaxInstantiate, jbg::Instantiate,
                                   .Attr<std::string_view>("ab_dtype")
                                   .Attr<std::string_view>("c_dtype")
                                   .Attr<std::string_view>("sf_dtype")
-                                  .Attr<int64_t>("sf_vec_size"),
+                                  .Attr<int64_t>("sf_vec_size")
+                                  .Attr<std::string_view>("a_major")
+                                  .Attr<std::string_view>("b_major"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgGemmAmaxExecute, jbg::Execute,

@@ -28,10 +28,12 @@ struct GemmDims {
 // Returns "" when they fit, else a message naming the buffer, what it is and what is allowed.
 std::string CheckGemmAmaxBuffers(const BufferDesc* buffers, size_t count, KernelDtypes kernel, GemmDims* dims);
 
-// Parses the `ab_dtype` / `c_dtype` / `sf_dtype` / `sf_vec_size` attributes ("float8_e4m3fn", "float32",
-// "float8_e8m0fnu", 32, ...; FP4 as "float4_e2m1fn"); returns "" or what is wrong.
+// Parses the `ab_dtype` / `c_dtype` / `sf_dtype` / `sf_vec_size` / `a_major` / `b_major` attributes
+// ("float8_e4m3fn", "float32", "float8_e8m0fnu", 32, "k", "k", ...; FP4 as "float4_e2m1fn"); returns "" or what is
+// wrong.
 std::string ParseKernelDtypes(std::string_view ab_dtype, std::string_view c_dtype, std::string_view sf_dtype,
-                              int64_t sf_vec_size, KernelDtypes* out);
+                              int64_t sf_vec_size, std::string_view a_major, std::string_view b_major,
+                              KernelDtypes* out);
 
 }  // namespace jbg
 

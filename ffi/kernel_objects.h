@@ -61,6 +61,8 @@ struct KernelDtypes {
   bool ab_fp4 = false;       // a and b hold two E2M1 codes per byte: K = 2 x their last dimension
   bool c_fp4 = false;        // c holds two E2M1 codes per byte: its last dimension is N / 2
   bool alpha = false;        // the kernels take NVFP4's alpha, (L,) float32, after amax (E4M3 scales)
+  bool a_mn = false;         // a is M-major: (L, K, M)
+  bool b_mn = false;         // b is N-major: (L, K, N)
 };
 
 // Parses "sm_90a" / "sm_100a" (any "sm_<major><minor>[suffix]") into a compute capability.

@@ -87,7 +87,9 @@ std::tuple<std::string, std::tuple<int, int, int, int>> CheckBuffers(const std::
                                                                      const std::string& ab_dtype,
                                                                      const std::string& c_dtype,
                                                                      const std::string& sf_dtype,
-                                                                     int64_t sf_vec_size) {
+                                                                     int64_t sf_vec_size,
+                                                                     const std::string& a_major,
+                                                                     const std::string& b_major) {
   if (specs.size() != 6 && specs.size() != 7) {
     throw nb::value_error("expected 6 or 7 buffers: a, b, sfa, sfb, c, amax[, alpha]");
   }
@@ -99,7 +101,7 @@ std::tuple<std::string, std::tuple<int, int, int, int>> CheckBuffers(const std::
   jbg::KernelDtypes kernel{descs[0].dtype, descs[4].dtype};
   if (ab_dtype.empty() != c_dtype.empty()) throw nb::value_error("give both ab_dtype and c_dtype, or neither");
   if (!ab_dtype.empty()) {
-    std::string why = jbg::ParseKernelDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, &kernel);
+    std::string why = jbg::ParseKernelDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, a_major, b_major, &kernel);
     if (!why.empty()) throw nb::value_error(why.c_str());
   }
   jbg::GemmDims dims;
@@ -184,19 +186,21 @@ NB_MODULE(_jbg_ffi, m) {
   m.def("runtime_path", &jbg::DslRuntimePath, "Path of the loaded CuTeDSL runtime, or '' when none is loaded.");
   m.def("check_gemm_amax_buffers", &CheckBuffers, nb::arg("buffers"), nb::arg("ab_dtype") = "",
         nb::arg("c_dtype") = "", nb::arg("sf_dtype") = "float8_e8m0fnu", nb::arg("sf_vec_size") = 32,
+        nb::arg("a_major") = "k", nb::arg("b_major") = "k",
         "Test hook: the execute stage's buffer checks on [(dtype, dims, address)] * 6 (7 with alpha), for kernels "
         "compiled for ab_dtype / c_dtype / sf_dtype / sf_vec_size ('' = whatever a / c are, E8M0 per 32).");
   m.def(
       "parse_kernel_dtypes",
       [](const std::string& ab_dtype, const std::string& c_dtype, const std::string& sf_dtype,
-         int64_t sf_vec_size) {
+         int64_t sf_vec_size, const std::string& a_major, const std::string& b_major) {
         jbg::KernelDtypes out{};
-        std::string why = jbg::ParseKernelDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, &out);
+        std::string why = jbg::ParseKernelDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, a_major, b_major, &out);
         if (!why.empty()) throw nb::value_error(why.c_str());
         return std::make_tuple(out.ab, out.c);
       },
       nb::arg("ab_dtype"), nb::arg("c_dtype"), nb::arg("sf_dtype") = "float8_e8m0fnu", nb::arg("sf_vec_size") = 32,
-      "Test hook: the instantiate stage's ab_dtype / c_dtype / sf_dtype / sf_vec_size parsing.");
+      nb::arg("a_major") = "k", nb::arg("b_major") = "k",
+      "Test hook: the instantiate stage's ab_dtype / c_dtype / sf_dtype / sf_vec_size / a_major / b_major parsing.");
   m.def("check_proj_rope_buffers", &CheckProjRope, nb::arg("buffers"), nb::arg("w_out_in"),
         "Test hook: the proj_rope execute stage's buffer checks on [(dtype, dims, address)] * 8.");
   m.def("parse_object_table", &ParseObjects, nb::arg("archs"), nb::arg("function_prefixes"),

@@ -80,9 +80,10 @@ def local_cuda_capabilities() -> tuple[str, ...] | None:
     return tuple(sorted({str(getattr(d, "compute_capability", "")) for d in devices}))
 
 
-def _past_int32(avals_in: Sequence[Any]) -> str:
-    """Why a canonical (L, M, K) / (L, N, K) call is too large for int32 indexing, or "" when it is not."""
-    (l, m, _), n = avals_in[0].shape, avals_in[1].shape[1]
+def _past_int32(avals_in: Sequence[Any], a_major: str = "k", b_major: str = "k") -> str:
+    """Why a canonical call (a (L, M, K) or (L, K, M), b likewise) is too large for int32 indexing, or ""."""
+    l, m = avals_in[0].shape[0], avals_in[0].shape[2 if a_major == "m" else 1]
+    n = avals_in[1].shape[2 if b_major == "n" else 1]
     named = [(name, tuple(x.shape)) for name, x in zip(("a", "b", "sfa", "sfb"), avals_in)] + [("c", (l, m, n))]
     for name, shape in named:
         if math.prod(shape) >= MAX_KERNEL_ELEMENTS:
@@ -103,13 +104,13 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
     forced = getattr(_FORCED, "variants", None)
     if forced is not None and implementation == "cutedsl":
         return KernelChoice(variants=forced)
-    if (a_major, b_major) != ("k", "k"):
-        return KernelChoice(reason=f"kernels take K-major A and B; got a_major={a_major!r}, b_major={b_major!r}")
-    # c_major="m": C^T (L, N, M) is the N-major result of the kernels run on (B, A).
+    # c_major="m": C^T (L, N, M) is the N-major result of the kernels run on (B, A); an M-major A is then the
+    # kernel's N-major B and an N-major B its M-major A.
     swap_ab = c_major == "m"
     if swap_ab:
         avals_in = [avals_in[1], avals_in[0], avals_in[3], avals_in[2], *avals_in[4:]]
-    if too_large := _past_int32(avals_in):
+        a_major, b_major = ("m" if b_major == "n" else "k"), ("n" if a_major == "m" else "k")
+    if too_large := _past_int32(avals_in, a_major, b_major):
         return KernelChoice(reason=too_large)
     try:
         from jax_blockgemm import _native
@@ -124,16 +125,19 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
     variants = []
     for arch in sorted({v.arch for v in catalog.CATALOG}):
         config = dict(arch=arch, ab_dtype=ab_dtype, c_dtype=str(np.dtype(c_dtype)), sf_vec_size=sf_vec_size,
-                      sf_dtype=sf_dtype)
+                      sf_dtype=sf_dtype, a_major=a_major, b_major=b_major)
         variant = catalog.select_variant(**config, tile_mn=tuple(mma_tiler_mn), cluster_mn=tuple(cluster_shape_mn))
         if variant is None:  # the tile is a performance hint: fall back to the arch's default tile
             variant = catalog.select_variant(**config, tile_mn=(128, 128), cluster_mn=(1, 1))
         if variant is not None:
             variants.append(variant)
     if not variants:
+        majors = "" if (a_major, b_major) == ("k", "k") else f" (kernel a_major={a_major!r}, b_major={b_major!r})"
         return KernelChoice(reason=f"no kernel in the catalog for {ab_dtype} operands, "
-                                   f"{np.dtype(c_dtype)} C, {sf_dtype} scales per {sf_vec_size}")
-    (l, m, k_row), n = avals_in[0].shape, avals_in[1].shape[1]
+                                   f"{np.dtype(c_dtype)} C, {sf_dtype} scales per {sf_vec_size}{majors}")
+    a_shape, b_shape = avals_in[0].shape, avals_in[1].shape
+    l, m, k_row = a_shape[0], a_shape[2 if a_major == "m" else 1], a_shape[1 if a_major == "m" else 2]
+    n = b_shape[2 if b_major == "n" else 1]
     k = k if k is not None else k_row * (2 if packed else 1)  # the logical K (packed FP4: two codes per byte)
     choice = _usable(variants, implementation, sizes=(m, n, k, l), names="(N, M, K, L)" if swap_ab else "(M, N, K, L)")
     return dataclasses.replace(choice, swap_ab=swap_ab) if choice.variants else choice

@@ -13,7 +13,8 @@ instantiates the program. Attributes:
   "float4_e2m1fn" for packed FP4 operands or C, which travel as uint8 pairs); the handler refuses buffers of other
   dtypes (a float32 kernel would write past the end of a bfloat16 C);
 - `sf_dtype`, `sf_vec_size`: the scales the objects read ("float8_e8m0fnu" per 32, or NVFP4's "float8_e4m3fn" per
-  16). NVFP4 objects also take alpha ((L,) float32) as a fifth operand; a call without one passes ones.
+  16). NVFP4 objects also take alpha ((L,) float32) as a fifth operand; a call without one passes ones;
+- `a_major`, `b_major`: "k" (a (L, M, K), b (L, N, K)), or "m" / "n" for an MN-major a (L, K, M) / b (L, K, N).
 """
 
 from __future__ import annotations
@@ -57,30 +58,32 @@ def logical_dtype(dtype: Any) -> str:
 
 
 def gemm_amax_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, ab_dtype: Any, c_dtype: Any,
-                         sf_dtype: str = E8M0, sf_vec_size: int = 32) -> dict[str, Any]:
-    """The gemm_amax call's attributes for `variants` (one per arch, all compiled for ab_dtype / c_dtype and the
-    scales sf_dtype per sf_vec_size; uint8 ab_dtype / c_dtype mean packed FP4)."""
+                         sf_dtype: str = E8M0, sf_vec_size: int = 32, a_major: str = "k",
+                         b_major: str = "k") -> dict[str, Any]:
+    """The gemm_amax call's attributes for `variants` (one per arch, all compiled for ab_dtype / c_dtype, the
+    scales sf_dtype per sf_vec_size and the operand majors; uint8 ab_dtype / c_dtype mean packed FP4)."""
     ab_dtype, c_dtype = logical_dtype(ab_dtype), logical_dtype(c_dtype)
-    call = (ab_dtype, c_dtype, sf_dtype, int(sf_vec_size))
+    call = (ab_dtype, c_dtype, sf_dtype, int(sf_vec_size), a_major, b_major)
     for v in variants:
         compiled_for = (getattr(v, "ab_dtype", ab_dtype), getattr(v, "c_dtype", c_dtype),
-                        getattr(v, "sf_dtype", sf_dtype), getattr(v, "sf_vec_size", sf_vec_size))
+                        getattr(v, "sf_dtype", sf_dtype), getattr(v, "sf_vec_size", sf_vec_size),
+                        getattr(v, "a_major", a_major), getattr(v, "b_major", b_major))
         if compiled_for != call:
-            raise ValueError(f"variant {v.key!r} is compiled for {compiled_for} (operands, C, scales, block), not "
-                             f"the call's {call}")
+            raise ValueError(f"variant {v.key!r} is compiled for {compiled_for} (operands, C, scales, block, "
+                             f"majors), not the call's {call}")
     return dict(object_table_attributes(variants, objects), ab_dtype=ab_dtype, c_dtype=c_dtype, sf_dtype=sf_dtype,
-                sf_vec_size=int(sf_vec_size))
+                sf_vec_size=int(sf_vec_size), a_major=a_major, b_major=b_major)
 
 
-def _check_avals(ctx: Any) -> None:
+def _check_avals(ctx: Any, a_major: str = "k", b_major: str = "k") -> None:
     """Operand/result avals must match the handler's contract; a mismatch is a bug in the caller's lowering."""
     a, b, sfa, sfb = ctx.avals_in[:4]
     c, amax = ctx.avals_out
     if len(ctx.avals_in) not in (4, 5) or a.ndim != 3 or b.ndim != 3:
-        raise ValueError(f"emit_gemm_amax expects operands a (L, M, K), b (L, N, K), sfa, sfb[, alpha (L,)]; got "
-                         f"{[str(x) for x in ctx.avals_in]}")
-    l, m, _ = a.shape
-    n = b.shape[1]
+        raise ValueError(f"emit_gemm_amax expects operands a (L, M, K) or (L, K, M), b (L, N, K) or (L, K, N), sfa, "
+                         f"sfb[, alpha (L,)]; got {[str(x) for x in ctx.avals_in]}")
+    l, m = a.shape[0], a.shape[2 if a_major == "m" else 1]
+    n = b.shape[2 if b_major == "n" else 1]
     c_shape = (l, m, n // 2) if np.dtype(c.dtype) == np.uint8 else (l, m, n)  # packed FP4 C: N/2 bytes per row
     if c.shape != c_shape or amax.shape != (l,) or np.dtype(amax.dtype) != np.float32:
         raise ValueError(f"emit_gemm_amax expects results c {c_shape} and amax ({l},) float32; got c {c} and "
@@ -112,11 +115,13 @@ def emit_gemm_amax(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, *alpha: Any, va
     FP4: (L, M, N/2) uint8), amax (L,) float32. `alpha` ((L,) float32, NVFP4 only) is optional: objects compiled
     for E4M3 scales always take one, so a call without it passes ones (a constant in the program).
     """
-    _check_avals(ctx)
+    a_major, b_major = getattr(variants[0], "a_major", "k"), getattr(variants[0], "b_major", "k")
+    _check_avals(ctx, a_major, b_major)
     variants, objects = _objects(variants)
     sf_dtype = E8M0 if np.dtype(ctx.avals_in[2].dtype) == np.uint8 else str(np.dtype(ctx.avals_in[2].dtype))
     attributes = gemm_amax_attributes(variants, objects, ab_dtype=ctx.avals_in[0].dtype,
-                                      c_dtype=ctx.avals_out[0].dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size)
+                                      c_dtype=ctx.avals_out[0].dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size,
+                                      a_major=a_major, b_major=b_major)
     operands = [a, b, sfa, sfb, *alpha]
     if sf_dtype != E8M0 and not alpha:
         l = ctx.avals_in[0].shape[0]

@@ -56,7 +56,8 @@ class DispatchTest(parameterized.TestCase):
                 _cuda_text(implementation="cutedsl")
 
     @parameterized.parameters(
-        (dict(b_major="n"), "kernels take K-major A and B; got a_major='k', b_major='n'"),
+        (dict(b_major="n", c_dtype=jnp.float16), r"no kernel in the catalog for float8_e4m3fn operands, float16 C, "
+                                                 r"float8_e8m0fnu scales per 32 \(kernel a_major='k', b_major='n'\)"),
     )
     def test_cutedsl_without_kernel_raises(self, kwargs, reason):
         with self.assertRaisesRegex(ValueError, "implementation='cutedsl': no CuTeDSL kernel applies.*" + reason):

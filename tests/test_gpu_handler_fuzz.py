@@ -116,7 +116,7 @@ def _gemm_amax_well_formed(obj: bytes, prefix: str) -> Call:
     operands, results = gemm_amax_buffers(2, 200, 136, 96)
     return Call(operands, results, dict(archs=DEVICE_ARCH, function_prefixes=prefix, objects=obj,
                                         offsets=(0, len(obj)), ab_dtype=E4M3, c_dtype=F32, sf_dtype=E8M0,
-                                        sf_vec_size=32))
+                                        sf_vec_size=32, a_major="k", b_major="k"))
 
 
 def _gemm_amax_cases(good: Call) -> list[Case]:
@@ -254,7 +254,8 @@ def _gemm_amax_cpu_check(call: Call) -> str:
     """What the handler's C++ says about `call`, as if instantiated and executed on an sm_90a device."""
     attrs = call.attrs
     try:  # the gemm_amax instantiate stage parses its dtypes, then the shared object table
-        ext.parse_kernel_dtypes(attrs["ab_dtype"], attrs["c_dtype"], attrs["sf_dtype"], attrs["sf_vec_size"])
+        ext.parse_kernel_dtypes(attrs["ab_dtype"], attrs["c_dtype"], attrs["sf_dtype"], attrs["sf_vec_size"],
+                                attrs["a_major"], attrs["b_major"])
     except ValueError as e:
         return str(e)
     if problem := _object_table_problem(attrs, _native.GEMM_AMAX_TARGET):
@@ -264,7 +265,8 @@ def _gemm_amax_cpu_check(call: Call) -> str:
         buffers = buffers[:4] + buffers[5:] + buffers[4:5]
     try:
         return ext.check_gemm_amax_buffers(buffers, attrs["ab_dtype"], attrs["c_dtype"],
-                                           attrs["sf_dtype"], attrs["sf_vec_size"])[0]
+                                           attrs["sf_dtype"], attrs["sf_vec_size"], attrs["a_major"],
+                                           attrs["b_major"])[0]
     except ValueError as e:  # a dtype the hook cannot describe to the C++ side
         return f"jbg_gemm_amax: {e}"
 
@@ -296,7 +298,7 @@ def _fp4_object(c_dtype: str, sf_vec_size: int, sf_dtype: str) -> tuple[bytes, s
 
 def _fp4_attrs(obj: bytes, prefix: str, **dtypes: Any) -> dict:
     return dict(archs=DEVICE_ARCH, function_prefixes=prefix, objects=obj, offsets=(0, len(obj)), ab_dtype=E2M1,
-                **dtypes)
+                a_major="k", b_major="k", **dtypes)
 
 
 def _nvfp4_well_formed(obj: bytes, prefix: str) -> Call:
@@ -341,6 +343,7 @@ def _nvfp4_cases(good: Call) -> list[Case]:
          r"float4_e2m1fn with sf_vec_size 16"),
         ("E4M3 scales with FP8 codes", dict(ab_dtype=E4M3), r"ab_dtype float8_e4m3fn takes sf_dtype float8_e8m0fnu "
          r"with sf_vec_size 32"),
+        ("FP4 with an M-major A", dict(a_major="m"), r"ab_dtype float4_e2m1fn takes K-major operands"),
     ]
     cases += [Case(name, good.replace(**change), "jbg_gemm_amax attributes: .*" + message, "attributes")
               for name, change, message in attributes]
@@ -372,6 +375,55 @@ def _fp4_c_cases(good: Call) -> list[Case]:
     return [Case(name, call, "jbg_gemm_amax: " + message, "buffers") for name, call, message in buffers]
 
 
+# MN-major FP8 operands: a (L, K, M), b (L, K, N), M and N multiples of 16, with the sm_90a "am_bn" object.
+
+def _mn_object() -> tuple[bytes, str]:
+    from jax_blockgemm.kernels import catalog
+
+    variant = catalog.select_variant(arch=DEVICE_ARCH, ab_dtype=E4M3, c_dtype=F32, sf_vec_size=32, tile_mn=(128, 128),
+                                     cluster_mn=(1, 1), a_major="m", b_major="n")
+    return kernel_cache.get_object(variant), variant.function_prefix
+
+
+def _mn_well_formed(obj: bytes, prefix: str) -> Call:
+    l, m, n, k = 2, 208, 144, 96
+    kp = _cdiv(_cdiv(k, 32), 4)
+    operands = (Buffer(E4M3, (l, k, m)), Buffer(E4M3, (l, k, n)), Buffer(U8, (l, _cdiv(m, 128), kp, 32, 4, 4)),
+                Buffer(U8, (l, _cdiv(n, 128), kp, 32, 4, 4)))
+    return Call(operands, (Buffer(F32, (l, m, n)), Buffer(F32, (l,))),
+                dict(archs=DEVICE_ARCH, function_prefixes=prefix, objects=obj, offsets=(0, len(obj)), ab_dtype=E4M3,
+                     c_dtype=F32, sf_dtype=E8M0, sf_vec_size=32, a_major="m", b_major="n"))
+
+
+def _mn_cases(good: Call) -> list[Case]:
+    a, b, sfa, sfb = good.operands
+    l, k, m = a.shape
+    n = b.shape[2]
+    buffers = [
+        ("a K-major for an M-major kernel (read as K = 208)", good.replace(operand=0, buffer=Buffer(E4M3, (l, m, k))),
+         r"b is float8_e4m3fn \(2, 96, 144\); expected \(L, K, N\) = \(2, 208, N >= 1\)"),
+        ("M not a multiple of 16", good.replace(operand=0, buffer=Buffer(E4M3, (l, k, m - 8))),
+         r"a is .*\(2, 96, 200\); expected \(L, K, M\) with M a multiple of 16"),
+        ("b K-major for an N-major kernel", good.replace(operand=1, buffer=Buffer(E4M3, (l, n, k))),
+         r"b is float8_e4m3fn \(2, 144, 96\); expected \(L, K, N\) = \(2, 96, N >= 1\) with N a multiple of 16"),
+        ("b's K disagrees with a's", good.replace(operand=1, buffer=Buffer(E4M3, (l, k + 16, n))),
+         r"b is .*expected \(L, K, N\) = \(2, 96, N >= 1\)"),
+        ("c transposed", good.replace(result=0, buffer=Buffer(F32, (l, n, m))),
+         r"c is float32 \(2, 144, 208\); expected \(2, 208, 144\) \(L, M, N\)"),
+        ("sfa sized by K instead of M", good.replace(operand=2, buffer=Buffer(U8, (l, 1, 1, 32, 4, 4))),
+         r"sfa is uint8 \(2, 1, 1, 32, 4, 4\); expected \(2, 2, 1, 32, 4, 4\)"),
+    ]
+    cases = [Case(name, call, "jbg_gemm_amax: " + message, "buffers") for name, call, message in buffers]
+    attributes = [
+        ("unknown a_major", dict(a_major="n"), r'a_major "n" is not supported; expected k or m'),
+        ("unknown b_major", dict(b_major="m"), r'b_major "m" is not supported; expected k or n'),
+    ]
+    return cases + [Case(name, good.replace(**change), "jbg_gemm_amax attributes: .*" + message, "attributes")
+                    for name, change, message in attributes]
+
+
+GEMM_AMAX_MN = Target(_native.GEMM_AMAX_TARGET, functools.lru_cache(maxsize=None)(_mn_object), _mn_well_formed,
+                      _mn_cases, _gemm_amax_cpu_check)
 GEMM_AMAX_NVFP4 = Target(_native.GEMM_AMAX_TARGET, functools.lru_cache(maxsize=None)(
     lambda: _fp4_object(F32, 16, E4M3)), _nvfp4_well_formed, _nvfp4_cases, _gemm_amax_cpu_check)
 GEMM_AMAX_FP4_C = Target(_native.GEMM_AMAX_TARGET, functools.lru_cache(maxsize=None)(
@@ -458,7 +510,7 @@ def _proj_rope_cpu_check(call: Call) -> str:
 
 PROJ_ROPE = Target(_native.PROJ_ROPE_TARGET, _proj_rope_object, _proj_rope_well_formed, _proj_rope_cases,
                    _proj_rope_cpu_check)
-TARGETS = (GEMM_AMAX, GEMM_AMAX_NVFP4, GEMM_AMAX_FP4_C, PROJ_ROPE)
+TARGETS = (GEMM_AMAX, GEMM_AMAX_NVFP4, GEMM_AMAX_FP4_C, GEMM_AMAX_MN, PROJ_ROPE)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -58,13 +58,17 @@ class CatalogTest(parameterized.TestCase):
         self.assertEqual(catalog.KernelVariant().key, "gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1")
 
     def test_sm90a_covers_both_fp8_codes_and_both_outputs(self):
-        got = {(v.ab_dtype, v.c_dtype, v.sf_dtype, v.sf_vec_size) for v in catalog.variants_for("sm_90a", "gemm_amax")}
-        fp8 = {(a, c, "float8_e8m0fnu", 32) for a in ("float8_e4m3fn", "float8_e5m2")
+        got = {(v.ab_dtype, v.c_dtype, v.sf_dtype, v.sf_vec_size, v.a_major, v.b_major)
+               for v in catalog.variants_for("sm_90a", "gemm_amax")}
+        fp8 = {(a, c, "float8_e8m0fnu", 32, "k", "k") for a in ("float8_e4m3fn", "float8_e5m2")
                for c in ("float32", "bfloat16", "float16")}
         # FP4 operands: every C dtype SPEC allows them (FP8 and packed FP4 C only with FP4 operands).
-        fp4 = {("float4_e2m1fn", c, sf, v) for sf, v in (("float8_e8m0fnu", 32), ("float8_e4m3fn", 16))
+        fp4 = {("float4_e2m1fn", c, sf, v, "k", "k") for sf, v in (("float8_e8m0fnu", 32), ("float8_e4m3fn", 16))
                for c in ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")}
-        self.assertEqual(got, fp8 | fp4)
+        # MN-major FP8 operands, f32/bf16 C (c_major="m" runs these on (B, A)).
+        mn = {(a, c, "float8_e8m0fnu", 32, am, bm) for a in ("float8_e4m3fn", "float8_e5m2")
+              for c in ("float32", "bfloat16") for am, bm in (("m", "k"), ("k", "n"), ("m", "n"))}
+        self.assertEqual(got, fp8 | fp4 | mn)
         self.assertTrue(all(catalog.takes_alpha(v) == (v.sf_dtype == "float8_e4m3fn")
                             for v in catalog.variants_for("sm_90a", "gemm_amax")))
         self.assertEqual(catalog.variants_for("sm_75"), ())
@@ -182,7 +186,8 @@ class CatalogTest(parameterized.TestCase):
 class CompileTest(parameterized.TestCase):
 
     @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_90a", "gemm_amax")
-                                    + catalog.TEST_VARIANTS if v.ab_dtype in _PTX_AB and v.c_dtype in _WIDE_C)
+                                    + catalog.TEST_VARIANTS
+                                    if v.ab_dtype in _PTX_AB and v.c_dtype in _WIDE_C and v.a_major + v.b_major == "kk")
     def test_compiles_for_its_arch_with_wgmma_and_tma(self, v):
         ptx, obj, *_ = _compiled(v)
         self.assertGreater(len(obj), 1000)
@@ -306,7 +311,7 @@ class CompileTest(parameterized.TestCase):
 
 
 _SURFACE_90 = [v for v in catalog.variants_for("sm_90a", "gemm_amax")
-               if v.ab_dtype not in _PTX_AB or v.c_dtype not in _WIDE_C]
+               if v.ab_dtype not in _PTX_AB or v.c_dtype not in _WIDE_C or v.a_major + v.b_major != "kk"]
 
 
 class Sm90SurfaceCompileTest(parameterized.TestCase):
@@ -346,6 +351,14 @@ class Sm90SurfaceCompileTest(parameterized.TestCase):
         if v.c_dtype == "float4_e2m1fn":  # software RNE to E2M1: 7 threshold compares per value
             self.assertNotIn("cvt.rn.satfinite", ptx)
             self.assertGreaterEqual(len(re.findall(r"setp\.(?:gt|ge)\.f32", ptx)), 7 * 64)
+        # The wgmma's transpose flags: 1 for an MN-major operand's bf16 tile (imm-trans-a, imm-trans-b).
+        flags = set(re.findall(r"wgmma\.mma_async[^;]*, p, 1,\s*1, (\d), (\d);", ptx))
+        self.assertEqual(flags, {(str(int(v.a_major == "m")), str(int(v.b_major == "n")))})
+        if v.a_major + v.b_major != "kk":  # per k-tile and operand: 4 passes of 16 rows at one k, 16 scale words
+            self.assertEqual(ptx.count("ld.shared.v4.b32"), 2 * 8 + 2)
+            # Scale words (16 per MN-major operand, 4 per K-major one): before the first tile, ahead of tile 1 and
+            # in the mainloop; with both operands MN-major, right before each conversion instead (setup + loop).
+            self.assertEqual(ptx.count("ld.global.b32"), 3 * 20 if v.a_major + v.b_major != "mn" else 2 * 32)
         if catalog.takes_alpha(v):  # alpha[l] times each of the 64 accumulator values, before amax and conversion
             self.assertGreaterEqual(len(re.findall(r"mul\.(?:rn\.)?f32", ptx)), 64)
             self.assertTrue(kernel.has_alpha)

@@ -248,7 +248,8 @@ _XLA_PROBE = textwrap.dedent("""
         call = jax.ffi.ffi_call("jbg_gemm_amax", out)
         f = jax.jit(lambda *x: call(*x, archs="sm_90a,sm_100a", function_prefixes="p90,p100", objects=blob,
                                     offsets=np.array(offsets, np.int64), ab_dtype="float8_e4m3fn",
-                                    c_dtype="float32", sf_dtype="float8_e8m0fnu", sf_vec_size=32))
+                                    c_dtype="float32", sf_dtype="float8_e8m0fnu", sf_vec_size=32, a_major="k",
+                                    b_major="k"))
         try:
             f(*ops)
             print(name, "RAN")

@@ -52,7 +52,8 @@ class KernelVariant:
     cluster_mn: tuple = (1, 1)
     flavor: str = ""  # "" for real kernels; the name of a deliberately wrong one in TEST_VARIANTS
     sf_dtype: str = E8M0  # the scale format: E8M0 (MX formats), or E4M3 (NVFP4)
-    b_major: str = "k"  # "n": B (proj_rope's w) is read MN-major
+    b_major: str = "k"  # "n": B (proj_rope's w, gemm_amax's b) is read MN-major
+    a_major: str = "k"  # "m": gemm_amax's A is read MN-major
 
     @property
     def key(self) -> str:
@@ -62,6 +63,7 @@ class KernelVariant:
         return (f"{self.op}.{self.arch}.{_SHORT.get(self.ab_dtype, self.ab_dtype)}."
                 f"{_SHORT.get(self.c_dtype, self.c_dtype)}.sf{self.sf_vec_size}{sf}."
                 f"t{self.tile_mn[0]}x{self.tile_mn[1]}.c{self.cluster_mn[0]}x{self.cluster_mn[1]}"
+                + ("" if self.a_major == "k" else f".a{self.a_major}")
                 + ("" if self.b_major == "k" else f".b{self.b_major}")
                 + (f".{self.flavor}" if self.flavor else ""))
 
@@ -69,6 +71,11 @@ class KernelVariant:
     def function_prefix(self) -> str:
         """A C identifier derived from `key`: the exported function's name in the object."""
         return "jbg_" + re.sub(r"[^0-9A-Za-z_]", "_", self.key)
+
+
+# Mainloop options (HopperMxf8GemmAmax's dequant / tile_k / mma_buffers / promote / a_regs / overlap) of the
+# sm_90a MXFP8 K-major variants; empty: the kernel's defaults.
+HOPPER_FP8_OPTIONS: dict = {}
 
 
 def takes_alpha(v: KernelVariant) -> bool:
@@ -81,8 +88,10 @@ def _hopper_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.sm90.gemm_amax import HopperGemmAmaxAlpha, HopperMxf8GemmAmax
 
     cls = HopperGemmAmaxAlpha if takes_alpha(v) else HopperMxf8GemmAmax
+    # The FP4 and MN-major variants convert with dequantizers of their own and take the defaults for the rest.
+    options = HOPPER_FP8_OPTIONS if (v.ab_dtype in _FP8 and v.a_major == "k" and v.b_major == "k") else {}
     return cls(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn, cluster_mn=v.cluster_mn,
-               sf_vec_size=v.sf_vec_size, sf_dtype=v.sf_dtype)
+               sf_vec_size=v.sf_vec_size, sf_dtype=v.sf_dtype, a_major=v.a_major, b_major=v.b_major, **options)
 
 
 def _blackwell_factory(v: KernelVariant) -> Any:
@@ -129,6 +138,9 @@ CATALOG: tuple[KernelVariant, ...] = (
     + tuple(KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype="float16") for ab in _FP8)
     + tuple(KernelVariant(arch="sm_90a", ab_dtype="float4_e2m1fn", c_dtype=c, sf_vec_size=v, sf_dtype=sf)
             for v, sf in _SM90_FP4_SCALES for c in _SM90_FP4_C)
+    # MXFP8 with MN-major operands (A as (L, K, M), B as (L, K, N)); c_major="m" runs these on (B, A).
+    + tuple(KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype=c, a_major=am, b_major=bm)
+            for am, bm in (("m", "k"), ("k", "n"), ("m", "n")) for ab in _FP8 for c in _C)
     # sm_100a: compiled and checked here, never run (no Blackwell GPU); every tile and cluster shape of the
     # seed's MXFP8 surface.
     + tuple(KernelVariant(arch="sm_100a", ab_dtype=ab, c_dtype=c, tile_mn=t, cluster_mn=cl)
@@ -161,11 +173,11 @@ def variants_for(arch: str, op: str | None = None) -> tuple[KernelVariant, ...]:
 
 def select_variant(*, arch: str, ab_dtype: str, c_dtype: str, sf_vec_size: int, tile_mn: tuple,
                    cluster_mn: tuple, sf_dtype: str = E8M0, op: str = "gemm_amax",
-                   b_major: str = "k") -> KernelVariant | None:
+                   b_major: str = "k", a_major: str = "k") -> KernelVariant | None:
     """The catalog entry matching every field exactly, or None."""
     want = KernelVariant(op=op, arch=arch, ab_dtype=str(ab_dtype), c_dtype=str(c_dtype), sf_vec_size=int(sf_vec_size),
                          tile_mn=tuple(tile_mn), cluster_mn=tuple(cluster_mn), sf_dtype=str(sf_dtype),
-                         b_major=b_major)
+                         b_major=b_major, a_major=a_major)
     return want if want in CATALOG else None
 
 

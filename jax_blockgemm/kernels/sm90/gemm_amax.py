@@ -94,7 +94,8 @@ class HopperMxf8GemmAmax:
     def __init__(self, *, ab_dtype: str = "float8_e4m3fn", c_dtype: str = "float32",
                  tile_mn: tuple[int, int] = (128, 128), cluster_mn: tuple[int, int] = (1, 1),
                  dequant: str = "f32", tile_k: int | None = None, mma_buffers: int = 2, promote: bool = True,
-                 a_regs: bool = False, overlap: bool = False, sf_vec_size: int = SF_VEC_SIZE, sf_dtype: str = E8M0):
+                 a_regs: bool = False, overlap: bool = False, sf_vec_size: int = SF_VEC_SIZE, sf_dtype: str = E8M0,
+                 a_major: str = "k", b_major: str = "k"):
         common.require_choice("ab_dtype", ab_dtype, sorted(_AB_DTYPES))
         common.require_choice("c_dtype", c_dtype, sorted(_C_DTYPES))
         self.fp4 = ab_dtype == "float4_e2m1fn"
@@ -103,6 +104,16 @@ class HopperMxf8GemmAmax:
         if self.fp4 and a_regs:
             raise ValueError("a_regs=True needs FP8 operands (the FP4 dequantizer writes A and B to shared memory), "
                              f"got ab_dtype={ab_dtype!r}")
+        common.require_choice("a_major", a_major, ("k", "m"))
+        common.require_choice("b_major", b_major, ("k", "n"))
+        # MN-major operands (A given as (L, K, M), B as (L, K, N)): TMA copies MN-major tiles, the consumers
+        # dequantize 16 consecutive rows at one k (16 row scales) into MN-major bf16 buffers, and the wgmma reads
+        # those MN-major (the bf16 wgmma takes both majors). FP8 codes only, through the "f32" dequantizer whatever
+        # `dequant` says (the bit tricks convert along K); a_regs is refused.
+        self.a_mn, self.b_mn = a_major == "m", b_major == "n"
+        if (self.a_mn or self.b_mn) and (self.fp4 or a_regs):
+            raise ValueError(f"a_major={a_major!r}, b_major={b_major!r}: MN-major operands need FP8 codes and "
+                             f"a_regs=False, got ab_dtype={ab_dtype!r}, a_regs={a_regs}")
         common.require_choice("tile_mn", tuple(tile_mn), SUPPORTED_TILES_MN)
         common.require_choice("cluster_mn", tuple(cluster_mn), SUPPORTED_CLUSTERS_MN)
         common.require_choice("dequant", dequant, DEQUANT_MODES)
@@ -120,7 +131,7 @@ class HopperMxf8GemmAmax:
             raise ValueError(f"overlap=True needs promote=False and mma_buffers=2, got promote={promote}, "
                              f"mma_buffers={mma_buffers}")
         # FP4 codes have one exact dequantizer of their own (`convert_e2m1`); `dequant` chooses among the FP8 ones.
-        self.dequant_mode = "e2m1" if self.fp4 else dequant
+        self.dequant_mode = "e2m1" if self.fp4 else "f32" if (self.a_mn or self.b_mn) else dequant
         self.sf_vec_size = sf_vec_size
         self.sf_e4m3 = sf_dtype == "float8_e4m3fn"
         # Codes per byte of the operand buffers: the TMA tiles and FP8/FP4 stages are (rows, bk / code_div) bytes.
@@ -179,6 +190,13 @@ class HopperMxf8GemmAmax:
         # Dequantization: each consumer thread converts 16 consecutive codes of a row per pass.
         self.cvt_threads_per_row = tile_k // 16
         self.cvt_rows_per_pass = self.num_consumer_wgs * self.threads_per_wg // self.cvt_threads_per_row
+        # Scale words per thread of A (its rows; B's follow): 2 fragment rows with `a_regs`, 16 rows of an MN-major
+        # A, else one per K-major row pass.
+        self._words_a = 2 if self.a_regs else 16 if self.a_mn else self.tile_mnk[0] // self.cvt_rows_per_pass
+        # Both operands MN-major with the promotion registers: the 32 scale words are loaded right before each
+        # conversion instead of one k-tile ahead (their latency is then exposed, but they do not occupy 32
+        # registers across the wgmma, which would spill).
+        self.late_words = self.a_mn and self.b_mn and not self.unrolled
         # Profiling only (benchmarks/kernel_standalone.py --profile): phases to leave out, from
         # {"dequant", "mma", "amax"}. The results are then wrong; never set in the catalog.
         self._skip: frozenset = frozenset()
@@ -192,6 +210,9 @@ class HopperMxf8GemmAmax:
             return False, f"k must be a multiple of {k_multiple} (16-byte rows for TMA), got k={k}"
         if self.c_kind == "fp4" and n % 2:
             return False, f"n must be even for a packed FP4 C (two codes per byte), got n={n}"
+        for size, name, mn_major in ((m, "m", self.a_mn), (n, "n", self.b_mn)):
+            if mn_major and size % 16:
+                return False, f"{name} must be a multiple of 16 for an MN-major operand (16-byte rows), got {name}={size}"
         if l * max(m, n) * k >= 2**31 or l * m * n >= 2**31:
             return False, f"operands must hold fewer than 2**31 elements, got m={m}, n={n}, k={k}, l={l}"
         return True, ""
@@ -212,20 +233,22 @@ class HopperMxf8GemmAmax:
         stand-in (amax) that the kernel never reads."""
         # Row length in bytes: K codes, or K/2 bytes of packed FP4 pairs.
         kc = cute.assume(k // self.code_div, divby=16)
-        mA = cute.make_tensor(a.iterator, cute.make_layout((m, kc, l), stride=(kc, 1, m * kc)))
-        mB = cute.make_tensor(b.iterator, cute.make_layout((n, kc, l), stride=(kc, 1, n * kc)))
+        mA = self._operand_view(a, m, kc, l, self.a_mn)
+        mB = self._operand_view(b, n, kc, l, self.b_mn)
 
+        major = lambda mn: cute.nvgpu.OperandMajorMode.MN if mn else cute.nvgpu.OperandMajorMode.K
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.mma_dtype, self.mma_dtype, cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K, self.acc_dtype, self.atom_layout_mnk,
+            self.mma_dtype, self.mma_dtype, major(self.a_mn), major(self.b_mn), self.acc_dtype, self.atom_layout_mnk,
             tiler_mn=(64, self.tile_mnk[1]),
             a_source=(cute.nvgpu.warpgroup.OperandSource.RMEM if self.a_regs
                       else cute.nvgpu.warpgroup.OperandSource.SMEM))
         bk_codes = self.tile_mnk[2] // self.code_div  # bytes per row of one FP8/FP4 stage
-        a_smem_staged = self._smem_layout_staged(self.tile_mnk[0], self.ab_dtype, self.ab_stages, bk_codes)
-        b_smem_staged = self._smem_layout_staged(self.tile_mnk[1], self.ab_dtype, self.ab_stages, bk_codes)
-        a16_smem_staged = self._smem_layout_staged(self.tile_mnk[0], self.mma_dtype, self.mma_buffers)
-        b16_smem_staged = self._smem_layout_staged(self.tile_mnk[1], self.mma_dtype, self.mma_buffers)
+        a_smem_staged = self._smem_layout_staged(self.tile_mnk[0], self.ab_dtype, self.ab_stages, bk_codes, self.a_mn)
+        b_smem_staged = self._smem_layout_staged(self.tile_mnk[1], self.ab_dtype, self.ab_stages, bk_codes, self.b_mn)
+        a16_smem_staged = self._smem_layout_staged(self.tile_mnk[0], self.mma_dtype, self.mma_buffers,
+                                                   mn_major=self.a_mn)
+        b16_smem_staged = self._smem_layout_staged(self.tile_mnk[1], self.mma_dtype, self.mma_buffers,
+                                                   mn_major=self.b_mn)
         tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem_staged, (None, None, 0)),
             (self.tile_mnk[0], bk_codes))
@@ -254,13 +277,25 @@ class HopperMxf8GemmAmax:
             grid=(tiles_m, tiles_n, l), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1, stream=stream)
 
     def _smem_layout_staged(self, rows: int, dtype: Type[cutlass.Numeric], stages: int,
-                            cols: int | None = None) -> cute.ComposedLayout:
-        """Swizzled K-major shared-memory layout (the wgmma's) for `stages` (rows, cols) tiles of `dtype` (cols
-        defaults to bk; the packed FP4 stages hold bk/2 bytes per row)."""
+                            cols: int | None = None, mn_major: bool = False) -> cute.ComposedLayout:
+        """Swizzled shared-memory layout (the wgmma's) for `stages` (rows, cols) tiles of `dtype`, K-major or
+        MN-major (cols defaults to bk; the packed FP4 stages hold bk/2 bytes per row)."""
         cols = self.tile_mnk[2] if cols is None else cols
+        if mn_major:
+            atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.COL_MAJOR, dtype, rows), dtype)
+            return cute.tile_to_shape(atom, (rows, cols, stages), order=(1, 0, 2))
         atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
         return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+    @staticmethod
+    def _operand_view(x: cute.Tensor, rows, kc, l, mn_major: bool) -> cute.Tensor:
+        """The (rows, K, L) view of a flat operand buffer: (L, rows, K) K-major, or (L, K, rows) MN-major."""
+        if mn_major:
+            rows16 = cute.assume(rows, divby=16)
+            return cute.make_tensor(x.iterator, cute.make_layout((rows16, kc, l), stride=(1, rows16, rows16 * kc)))
+        return cute.make_tensor(x.iterator, cute.make_layout((rows, kc, l), stride=(kc, 1, rows * kc)))
 
     # ------------------------------------------------------------------------------------ dequantization
     def tile_scale_byte(self, kt, lane_in_row, k_atoms=None):
@@ -301,13 +336,19 @@ class HopperMxf8GemmAmax:
 
     def load_scale_words(self, words, bases, sfa_w, sfb_w, k_atom):
         """Load this thread's scale words of one k-atom (its rows of A, then of B) into `words`."""
-        reps_a = 2 if self.a_regs else self.tile_mnk[0] // self.cvt_rows_per_pass
+        reps_a = self._words_a
         for i in range(cute.size(words)):
             src = sfa_w if i < reps_a else sfb_w
-            words[i] = src[bases[i] + k_atom * (common.ATOM_BYTES // 4)]
+            first = 0 if i < reps_a else reps_a
+            if (self.a_mn if i < reps_a else self.b_mn):
+                # 16 consecutive rows from a multiple of 16: one atom, in-atom words 4 apart (fewer live registers)
+                base = bases[first] + 4 * (i - first)
+            else:
+                base = bases[i]
+            words[i] = src[base + k_atom * (common.ATOM_BYTES // 4)]
 
     def dequantize(self, ab_pipeline, read_state, words, bases, sfa_w, sfb_w, next_k_atom, jfirst, jbyte, operands,
-                   buf, areg=None):
+                   buf, areg=None, mn_operands=(), this_k_atom=None):
         """Wait for one FP8 stage and load this thread's codes; returns (scales, flags, one_multiply).
 
         Plain Python (inlined at trace time). `words` holds this tile's scale words (loaded one tile ahead, so
@@ -319,6 +360,8 @@ class HopperMxf8GemmAmax:
         byte's bit 7 set: redo with `dequantize_exact`) and, for "bits1", whether every scale of the warp allows
         one multiply; the caller then runs `convert_bits`.
         """
+        if self.late_words and this_k_atom is not None:  # this tile's words, just before they are used
+            self.load_scale_words(words, bases, sfa_w, sfb_w, this_k_atom)
         if self.dequant_mode == "f32":
             scales = [common.e8m0_word_to_f32(words[i], jbyte) for i in range(cute.size(words))]
         elif self.a_regs:
@@ -326,7 +369,10 @@ class HopperMxf8GemmAmax:
             scales += [(words[i] >> (8 * jbyte)) & 0xFF for i in range(2, cute.size(words))]
         else:
             scales = [(words[i] >> (8 * jbyte)) & 0xFF for i in range(cute.size(words))]
-        if next_k_atom is not None:  # else the caller loads them after its proxy fence (see the a_regs mainloop)
+        # (Else the caller loads them after its proxy fence, see the unrolled mainloop. With MN-major operands the
+        # next tile's words are loaded after the conversion, which reads this tile's: 16 words per operand stay
+        # live instead of 16 more.)
+        if next_k_atom is not None and not mn_operands:
             self.load_scale_words(words, bases, sfa_w, sfb_w, next_k_atom)
         ab_pipeline.consumer_wait(read_state)
         flags = cutlass.Int32(0)
@@ -346,6 +392,18 @@ class HopperMxf8GemmAmax:
                 q = cute.recast_tensor(frag8, cutlass.Int32)
                 for i in range(cute.size(q)):
                     flags = flags | (q[i] ^ (q[i] + flag_add))
+        for src, dst, frag8, frag16, rep_bytes, first in () if "dequant" in self._skip else mn_operands:
+            # 16 consecutive rows at one k per rep: codes times their rows' scales, elementwise in float32.
+            cute.autovec_copy(src[(None, None, None, read_state.index)], frag8)
+            vals = cute.make_rmem_tensor(frag8[(None, 0, 0)].shape, cutlass.Float32)  # the 16 codes' shape
+            for r in range(len(rep_bytes)):
+                vals.store(frag8[(None, 0, r)].load().to(cutlass.Float32))
+                for i in range(16):  # each scale decoded where it is used: few registers live at once
+                    vals[i] = vals[i] * common.e8m0_word_to_f32(words[first + i], jfirst + rep_bytes[r])
+                frag16[(None, 0, r)].store(vals.load().to(self.mma_dtype))
+            cute.autovec_copy(frag16, dst[(None, None, None, buf)])
+        if next_k_atom is not None and mn_operands and not self.late_words:
+            self.load_scale_words(words, bases, sfa_w, sfb_w, next_k_atom)
         one_multiply = None
         if self.dequant_mode == "bits1":
             biggest = scales[0]
@@ -354,6 +412,30 @@ class HopperMxf8GemmAmax:
             # 2^(byte-127+bias) must be a normal bf16: byte + bias <= 254 (this also excludes the NaN byte 255).
             one_multiply = cute.arch.vote_all_sync(biggest <= 254 - self._bits[2])
         return scales, flags, one_multiply
+
+    def _mn_operand(self, s8: cute.Tensor, s16: cute.Tensor, rows: int, local_tid):
+        """Dequantization of an MN-major operand: thread t converts rows [16·(t % c), +16) (c = rows / 16 chunks)
+        at k-columns t // c + kpp·rep (kpp = 256 / c, 16 or 32: within one scale block per rep). Returns
+        ((FP8 source, bf16 destination, FP8 fragment, bf16 fragment, scale byte of each rep within the tile), the
+        16 tile-relative rows whose scale words the thread loads)."""
+        chunks = rows // 16
+        kpp = self.num_consumer_wgs * self.threads_per_wg // chunks
+        if kpp > self.sf_vec_size or self.sf_vec_size % kpp or self.tile_mnk[2] % kpp:
+            raise ValueError(f"an MN-major operand of {rows} rows needs k-columns per pass ({kpp}) dividing the "
+                             f"scale block ({self.sf_vec_size}) and bk ({self.tile_mnk[2]})")
+        thr = cute.make_layout((chunks, kpp), stride=(1, chunks))
+        val = cute.make_layout((16, 1), stride=(1, 16))
+        copy8 = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=128), thr, val)
+        copy16 = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.mma_dtype, num_bits_per_copy=128), thr, val)
+        src = copy8.get_slice(local_tid).partition_S(s8)  # (CPY, 1, REP_K, STAGE)
+        dst = copy16.get_slice(local_tid).partition_D(s16)  # (CPY, 1, REP_K, BUF)
+        frag8 = cute.make_rmem_tensor(src[(None, None, None, 0)].shape, self.ab_dtype)
+        frag16 = cute.make_rmem_tensor(dst[(None, None, None, 0)].shape, self.mma_dtype)
+        rep_bytes = [(kpp * r) // self.sf_vec_size for r in range(self.tile_mnk[2] // kpp)]
+        chunk = local_tid % chunks
+        return (src, dst, frag8, frag16, rep_bytes), [chunk * 16 + i for i in range(16)]
 
     def _bits_pair(self, word, selector: int, scale, one_multiply: bool):
         """Two codes of `word` (bytes picked by `selector`) as bf16x2 code·2^(byte-127), exact for finite codes."""
@@ -552,9 +634,14 @@ class HopperMxf8GemmAmax:
             cvt_row = local_tid // tpr
             lane_in_row = local_tid % tpr
             rpp = self.cvt_rows_per_pass
-            rows_b = [cvt_row + rpp * rep for rep in range(bn // rpp)]
-            b_operand = (tXsB8, tXsB16, cute.make_rmem_tensor(tXsB8[(None, None, None, 0)].shape, self.ab_dtype),
-                         cute.make_rmem_tensor(tXsB16[(None, None, None, 0)].shape, self.mma_dtype))
+            mn_ops = []  # MN-major operands: (src, dst, frag8, frag16, per-rep scale byte, first word)
+            if cutlass.const_expr(self.b_mn):
+                b_mn_op, rows_b = self._mn_operand(sB, sB16, bn, local_tid)
+            else:
+                rows_b = [cvt_row + rpp * rep for rep in range(bn // rpp)]
+                b_operand = (tXsB8, tXsB16,
+                             cute.make_rmem_tensor(tXsB8[(None, None, None, 0)].shape, self.ab_dtype),
+                             cute.make_rmem_tensor(tXsB16[(None, None, None, 0)].shape, self.mma_dtype))
             areg = None
             if cutlass.const_expr(self.a_regs):
                 # This thread's A fragment rows (wgmma layout): g = 64·wg + 16·warp + lane/4 and g + 8; per k16
@@ -574,10 +661,20 @@ class HopperMxf8GemmAmax:
                         areg.offsets[v1 * steps + ks] = a_smem_staged((rows_a[v1], 16 * ks + 4 * (lane % 4), 0)) // 4
                 operands = (b_operand + (4,),)
             else:
-                rows_a = [cvt_row + rpp * rep for rep in range(bm // rpp)]
-                a_operand = (tXsA8, tXsA16, cute.make_rmem_tensor(tXsA8[(None, None, None, 0)].shape, self.ab_dtype),
-                             cute.make_rmem_tensor(tXsA16[(None, None, None, 0)].shape, self.mma_dtype), 0)
-                operands = (a_operand, b_operand + (len(rows_a),))
+                k_ops = []
+                if cutlass.const_expr(self.a_mn):
+                    a_mn_op, rows_a = self._mn_operand(sA, sA16, bm, local_tid)
+                    mn_ops.append(a_mn_op + (0,))
+                else:
+                    rows_a = [cvt_row + rpp * rep for rep in range(bm // rpp)]
+                    k_ops.append((tXsA8, tXsA16,
+                                  cute.make_rmem_tensor(tXsA8[(None, None, None, 0)].shape, self.ab_dtype),
+                                  cute.make_rmem_tensor(tXsA16[(None, None, None, 0)].shape, self.mma_dtype), 0))
+                if cutlass.const_expr(self.b_mn):
+                    mn_ops.append(b_mn_op + (len(rows_a),))
+                else:
+                    k_ops.append(b_operand + (len(rows_a),))
+                operands = tuple(k_ops)
             reps = len(rows_a) + len(rows_b)
 
             # Scale atoms as 32-bit words: word (chunk·128 + (r%32)·4 + r//32) holds the 4 k-block scales of r.
@@ -608,7 +705,7 @@ class HopperMxf8GemmAmax:
             next_atom0, _ = self.tile_scale_byte(cutlass.min(1, k_tiles - 1), lane_in_row, k_atoms)
             scales0, flags0, one0 = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w,
                                                     None if self.unrolled else next_atom0, jfirst0, jbyte0, operands,
-                                                    0, areg)
+                                                    0, areg, mn_ops)
             if cutlass.const_expr(self.dequant_mode == "bits"):
                 self.convert_bits(operands, scales0, False, 0, areg, tCrA)
             if cutlass.const_expr(self.dequant_mode == "bits1"):
@@ -651,7 +748,7 @@ class HopperMxf8GemmAmax:
                                 _, jbyte_r = self.tile_scale_byte(kr + 1, lane_in_row, k_atoms)
                                 scales_r, flags_r, one_r = self.dequantize(
                                     ab_pipeline, read_state, word_sets[1 - half], bases, sfa_w, sfb_w, None,
-                                    jfirst_r, jbyte_r, operands, 1 - half, areg)
+                                    jfirst_r, jbyte_r, operands, 1 - half, areg, mn_ops)
                                 if cutlass.const_expr(self.dequant_mode == "bits"):
                                     self.convert_bits(operands, scales_r, False, 1 - half, areg, a_sets[1 - half])
                                 if cutlass.const_expr(self.dequant_mode == "bits1"):
@@ -698,7 +795,10 @@ class HopperMxf8GemmAmax:
                         next_atom, _ = self.tile_scale_byte(cutlass.min(kt + 2, k_tiles - 1), lane_in_row, k_atoms)
                         nbuf = (kt + 1) % self.mma_buffers
                         scales, flags, one = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w,
-                                                             next_atom, jfirst, jbyte, operands, nbuf)
+                                                             next_atom, jfirst, jbyte, operands, nbuf,
+                                                             mn_operands=mn_ops,
+                                                             this_k_atom=self.tile_scale_byte(kt + 1, atom_lane,
+                                                                                              k_atoms)[0])
                         if cutlass.const_expr(self.dequant_mode == "bits"):
                             self.convert_bits(operands, scales, False, nbuf)
                         if cutlass.const_expr(self.dequant_mode == "bits1"):
