@@ -45,19 +45,20 @@ _CODE_MEAN_SQUARE = {"mxfp4": 68.5 / 8, "nvfp4": 68.5 / 8, "mxfp8_e4m3": 4.0**6 
 _TARGET = {"float16": 16.0, "float8_e4m3fn": 64.0, "float8_e5m2": 1024.0, "float4_e2m1fn": 2.0}
 
 
-def _inputs(rng, fmt, c_dtype, l, m, n, k):
+def _inputs(rng, fmt, c_dtype, l, m, n, k, a_major="k", b_major="k"):
     """Random operands; scales centred so that |C| is typically _TARGET[c_dtype] (f32/bf16: the default range)."""
     scale_log2 = None
     if c_dtype in _TARGET:
         typical = math.sqrt(k) * _CODE_MEAN_SQUARE[fmt]
         mid = 0.5 * math.log2(_TARGET[c_dtype] / typical)
         scale_log2 = (mid - 1.0, mid + 1.0) if fmt == "nvfp4" else (math.floor(mid) - 1, math.floor(mid) + 1)
-    return oracle_ops.random_gemm_inputs(rng, l=l, m=m, n=n, k=k, fmt=fmt, scale_log2=scale_log2)
+    return oracle_ops.random_gemm_inputs(rng, l=l, m=m, n=n, k=k, fmt=fmt, scale_log2=scale_log2, a_major=a_major,
+                                         b_major=b_major)
 
 
-def _run(d, c_dtype, *, alpha=None, implementation="cutedsl", c_major="n"):
+def _run(d, c_dtype, *, alpha=None, implementation="cutedsl", c_major="n", a_major="k", b_major="k"):
     kwargs = dict(c_dtype=jnp.dtype(c_dtype), sf_vec_size=d["sf_vec_size"], implementation=implementation,
-                  c_major=c_major)
+                  c_major=c_major, a_major=a_major, b_major=b_major)
     if alpha is not None:
         kwargs["alpha"] = jnp.float32(alpha)
     fn = jax.jit(lambda *x: jbg.gemm_amax(*x, **kwargs))
@@ -65,9 +66,10 @@ def _run(d, c_dtype, *, alpha=None, implementation="cutedsl", c_major="n"):
     return np.asarray(c), np.asarray(amax)
 
 
-def _check(test, d, c, amax, c_dtype, alpha=None, c_major="n"):
+def _check(test, d, c, amax, c_dtype, alpha=None, c_major="n", a_major="k", b_major="k"):
     c_ref, amax_ref = oracle_ops.gemm_amax_oracle(d["a"], d["b"], d["sfa"], d["sfb"], k=d["k"],
-                                                  sf_vec_size=d["sf_vec_size"], alpha=alpha)
+                                                  sf_vec_size=d["sf_vec_size"], alpha=alpha, a_major=a_major,
+                                                  b_major=b_major)
     oracle_ops.assert_gemm_close(test, c, c_ref, c_dtype=jnp.dtype(c_dtype), c_major=c_major)
     oracle_ops.assert_amax_close(test, amax, np.max(amax_ref))
 
@@ -105,6 +107,30 @@ class Sm90SurfaceTest(parameterized.TestCase):
         c, amax = _run(d, c_dtype, alpha=alpha, c_major="m")
         self.assertEqual(c.shape, (shape[0], shape[2], shape[1]))
         _check(self, d, c, amax, c_dtype, alpha=alpha, c_major="m")
+
+    @parameterized.product(shape=[(2, 208, 160, 96), (3, 272, 64, 1056), (1, 16, 32, 32), (1, 128, 128, 4096)],
+                           fmt=("mxfp8_e4m3", "mxfp8_e5m2"), majors=(("m", "k"), ("k", "n"), ("m", "n")),
+                           c_major=("n", "m"), c_dtype=("float32", "bfloat16"))
+    def test_mn_major_matches_oracle(self, shape, fmt, majors, c_major, c_dtype):
+        """MN-major A ((L, K, M)) and/or B ((L, K, N)), either C major: the MN-major sm_90a variants (c_major="m"
+        runs them on (B, A) with the majors swapped). M and N multiples of 16 (16-byte rows of MN-major codes)."""
+        a_major, b_major = majors
+        rng = np.random.default_rng(hash((shape, fmt, majors, c_major, c_dtype)) % 2**32)
+        d = _inputs(rng, fmt, c_dtype, *shape, a_major=a_major, b_major=b_major)
+        layout = dict(c_major=c_major, a_major=a_major, b_major=b_major)
+        c, amax = _run(d, c_dtype, **layout)
+        _check(self, d, c, amax, c_dtype, **layout)
+
+    def test_mn_major_nan_scale(self):
+        """A NaN scale byte of an M-major A poisons exactly its row of C (the row scale of one of 16 codes)."""
+        d = _inputs(np.random.default_rng(7), "mxfp8_e4m3", "float32", 2, 256, 128, 128, a_major="m", b_major="n")
+        d["sfa"][1, 21, 3] = 0xFF
+        d["sfa_atom"] = oracle.compact_to_atom_np(d["sfa"])
+        c, amax = _run(d, "float32", a_major="m", b_major="n")
+        self.assertTrue(np.isnan(amax))
+        _check(self, d, c, amax, "float32", a_major="m", b_major="n")
+        self.assertTrue(np.isnan(c[1, 21]).all())
+        self.assertFalse(np.isnan(c[1, 20]).any() or np.isnan(c[1, 22]).any())
 
     @parameterized.parameters("float32", "float4_e2m1fn")
     def test_nvfp4_without_alpha(self, c_dtype):
