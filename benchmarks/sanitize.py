@@ -35,6 +35,8 @@ TOOLS = ("memcheck", "racecheck", "synccheck")
 SHAPES = ((2, 257, 136, 80), (3, 129, 24, 208))
 # FP4 variants: K a multiple of 32 (16-byte rows of packed codes), N of 32 (packed FP4 C rows); tails as above.
 FP4_SHAPES = ((2, 257, 160, 96), (3, 129, 32, 224))
+# MN-major variants: M and N multiples of 16 (16-byte rows of MN-major codes); K, M tails as above.
+MN_SHAPES = ((2, 272, 144, 80), (3, 128, 32, 208))
 # Relative Frobenius error allowed against the reference, per C dtype: the kernels are in SPEC §7's exact class,
 # so these only absorb C's own rounding (one code step of a narrow C where kernel and reference round apart).
 _C_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 1e-2, "float8_e4m3fn": 0.07, "float8_e5m2": 0.13,
@@ -71,7 +73,8 @@ def run_variants() -> int:
     failures = 0
     for variant in catalog.variants_for("sm_90a", "gemm_amax"):
         fp4 = variant.ab_dtype == "float4_e2m1fn"
-        for l, m, n, k in (FP4_SHAPES if fp4 else SHAPES):
+        mn_major = (variant.a_major, variant.b_major) != ("k", "k")
+        for l, m, n, k in (FP4_SHAPES if fp4 else MN_SHAPES if mn_major else SHAPES):
             label = f"{variant.key} (L, M, N, K) = {(l, m, n, k)}"
             print(f"{BEGIN} {label}", flush=True)
             kb = -(-k // variant.sf_vec_size)
@@ -90,13 +93,19 @@ def run_variants() -> int:
                 sfa = jnp.asarray(rng.integers(lo, hi, (l, m, kb)), jnp.uint8)
                 sfb = jnp.asarray(rng.integers(lo, hi, (l, n, kb)), jnp.uint8)
             options = dict(c_dtype=jnp.dtype(variant.c_dtype), mma_tiler_mn=variant.tile_mn,
-                           cluster_shape_mn=variant.cluster_mn, sf_vec_size=variant.sf_vec_size)
+                           cluster_shape_mn=variant.cluster_mn, sf_vec_size=variant.sf_vec_size,
+                           a_major=variant.a_major, b_major=variant.b_major)
+            if variant.a_major == "m":  # the operands as the variant reads them: (L, K, M) / (L, K, N)
+                a = jnp.swapaxes(a, 1, 2)
+            if variant.b_major == "n":
+                b = jnp.swapaxes(b, 1, 2)
             if variant.sf_dtype == "float8_e4m3fn":
                 options["alpha"] = jnp.float32(0.375)
             try:
                 kernel = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl", **options))
-                if "jbg_gemm_amax" not in kernel.lower(a, b, sfa, sfb).as_text():
-                    raise RuntimeError("the program holds no jbg_gemm_amax custom call: the kernel would not run")
+                if variant.function_prefix not in kernel.lower(a, b, sfa, sfb).as_text():
+                    raise RuntimeError(f"the program holds no jbg_gemm_amax custom call with {variant.function_prefix}: "
+                                       "this variant would not run")
                 c, amax = jax.block_until_ready(kernel(a, b, sfa, sfb))
                 c_ref, amax_ref = jbg.gemm_amax(a, b, sfa, sfb, implementation="xla", **options)
                 got, want = (np.asarray(jbg.formats.unpack_fp4(x) if variant.c_dtype == "float4_e2m1fn" else x,
