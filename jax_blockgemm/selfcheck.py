@@ -39,6 +39,8 @@ UNVERIFIED_ARCHS = frozenset({"sm_100a"})
 # (L, M, N, K): M and N not multiples of the tile (N stays a multiple of 8: 16-byte C rows), K not a multiple
 # of the 128-wide k-tile, L = 2, several tiles.
 PROBLEMS = ((1, 200, 136, 96), (2, 129, 264, 160), (1, 384, 256, 512))
+# The same for kernels with MN-major operands, whose M (N) must be a multiple of 16 (16-byte rows).
+MN_PROBLEMS = ((1, 208, 144, 96), (2, 144, 272, 160), (1, 384, 256, 512))
 C_REL_TOLERANCE = 1e-4  # SPEC §7, fp32 C: ‖c − ref‖/‖ref‖ (the "tensor-core FP8" class)
 AMAX_REL_TOLERANCE = 1e-4
 BF16_HALF_ULP = 2.0**-8  # |x − bf16(x)| ≤ 2^-8·|x| for normal x (round to nearest)
@@ -177,9 +179,15 @@ def _run_kernel(variant: Any, args: Sequence[Any], device: Any) -> tuple[np.ndar
 
     from jax_blockgemm import api, dispatch
 
+    a_major, b_major = getattr(variant, "a_major", "k"), getattr(variant, "b_major", "k")
+    args = list(args)  # K-major (L, MN, K); an MN-major kernel reads its operand as (L, K, MN)
+    if a_major == "m":
+        args[0] = np.swapaxes(args[0], 1, 2)
+    if b_major == "n":
+        args[1] = np.swapaxes(args[1], 1, 2)
     args = [jax.device_put(x, device) for x in args]
     fn = jax.jit(functools.partial(api.gemm_amax, c_dtype=variant.c_dtype, sf_vec_size=variant.sf_vec_size,
-                                   implementation="cutedsl"))
+                                   a_major=a_major, b_major=b_major, implementation="cutedsl"))
     saved = os.environ.get(POISON_ENV)
     os.environ[POISON_ENV] = "1"  # read when XLA instantiates the call: unwritten C elements come back NaN
     try:
@@ -209,7 +217,8 @@ def _run_reference(args: Sequence[Any], device: Any) -> tuple[np.ndarray, np.nda
 def run_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_kernel,
                  run_reference: Callable = _run_reference) -> str:
     """'' when `variant` matches the reference on every problem of PROBLEMS on `device`, else the first failure."""
-    for i, problem in enumerate(PROBLEMS):
+    mn_major = (getattr(variant, "a_major", "k"), getattr(variant, "b_major", "k")) != ("k", "k")
+    for i, problem in enumerate(MN_PROBLEMS if mn_major else PROBLEMS):
         args = _operands(variant, problem, seed=i)
         try:
             c, amax = run_kernel(variant, args, device)
@@ -293,10 +302,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from jax_blockgemm.kernels import catalog
 
-    # What the self-check knows how to run and judge: gemm_amax on K-major operands (FP8 or packed FP4) into an
-    # f32 or bf16 C (every sm_100a variant; `compare` has no bound for narrower C dtypes).
-    candidates = [v for v in catalog.CATALOG if v.op == "gemm_amax" and (v.a_major, v.b_major) == ("k", "k")
-                  and v.c_dtype in ("float32", "bfloat16")]
+    # What the self-check knows how to run and judge: gemm_amax into an f32 or bf16 C (every sm_100a variant;
+    # `compare` has no bound for narrower C dtypes).
+    candidates = [v for v in catalog.CATALOG if v.op == "gemm_amax" and v.c_dtype in ("float32", "bfloat16")]
     candidates += list(catalog.TEST_VARIANTS) if args.include_test_variants else []
     chosen = [v for v in candidates if (not args.arch or v.arch in args.arch)
               and (not args.variant or v.key in args.variant)]

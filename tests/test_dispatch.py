@@ -306,8 +306,9 @@ class SurfaceDispatchTest(parameterized.TestCase):
 
     @parameterized.parameters(("m", "k", "n", "m", "k"), ("k", "n", "n", "k", "n"), ("m", "n", "n", "m", "n"),
                               ("m", "k", "m", "k", "n"), ("k", "n", "m", "m", "k"), ("m", "n", "m", "m", "n"))
-    def test_mn_major_operands_reach_the_sm90a_kernels(self, a_major, b_major, c_major, kernel_a, kernel_b):
-        """Every MN-major layout runs the sm_90a MN-major variants (c_major="m" swaps A and B, and their majors)."""
+    def test_mn_major_operands_reach_the_kernels(self, a_major, b_major, c_major, kernel_a, kernel_b):
+        """Every MN-major layout runs the MN-major variants of both archs (c_major="m" swaps A and B, and their
+        majors)."""
         sd = jax.ShapeDtypeStruct
         l, m, n, k = 2, 208, 96, 256
         a = sd((l, k, m) if a_major == "m" else (l, m, k), jnp.float8_e5m2)
@@ -318,11 +319,12 @@ class SurfaceDispatchTest(parameterized.TestCase):
         text = f.trace(a, b, sfa, sfb).lower(lowering_platforms=("cuda",)).as_text()
         call = [line for line in text.splitlines() if "stablehlo.custom_call @jbg_gemm_amax" in line]
         self.assertLen(call, 1)
-        self.assertIn('archs = "sm_90a"', call[0])
+        self.assertIn('archs = "sm_100a,sm_90a"', call[0])
         self.assertIn(f'a_major = "{kernel_a}"', call[0])
         self.assertIn(f'b_major = "{kernel_b}"', call[0])
         suffix = ("_am" if kernel_a == "m" else "") + ("_bn" if kernel_b == "n" else "")
-        self.assertIn(f'function_prefixes = "jbg_gemm_amax_sm_90a_e5m2_bf16_sf32_t128x128_c1x1{suffix}"', call[0])
+        self.assertIn(f'function_prefixes = "jbg_gemm_amax_sm_100a_e5m2_bf16_sf32_t128x128_c1x1{suffix},'
+                      f'jbg_gemm_amax_sm_90a_e5m2_bf16_sf32_t128x128_c1x1{suffix}"', call[0])
         self.assertIn("tensor<2x208x96xbf16>" if c_major == "n" else "tensor<2x96x208xbf16>",
                       call[0].split(") -> ")[-1])
 

@@ -6,7 +6,8 @@ K that ends 32 codes into a 128-wide k-tile), fresh random codes over each forma
 non-trivial scales, outputs poisoned by the handler before every launch (JAX_BLOCKGEMM_POISON_OUTPUTS=1, set
 below: NaN in f32/bf16/f16/E4M3/E5M2 C; in packed FP4 C 0xFF reads as -6 in both nibbles, which the oracle
 comparison still catches wherever the true code differs). NaN scales and overflow to inf checked separately.
-sm_100a (B200, never run here): the FP4 -> f32/bf16 kernels that the handler now reaches, same oracle.
+sm_100a (B200, never run here): the FP4 -> f32/bf16 kernels that the handler now reaches, the MN-major MXFP8
+kernels and c_major="m", same oracle.
 
 Skipped without a CUDA device of the arch in question (CI has none); run on the H200 as BUILD.md describes.
 """
@@ -196,6 +197,18 @@ class Sm100Fp4Test(parameterized.TestCase):
         alpha = float(d["alpha"]) if fmt == "nvfp4" else None
         c, amax = _run(d, c_dtype, alpha=alpha)
         _check(self, d, c, amax, c_dtype, alpha=alpha)
+
+    @parameterized.product(shape=[(2, 208, 160, 96), (1, 128, 256, 1024)], fmt=("mxfp8_e4m3", "mxfp8_e5m2"),
+                           majors=(("m", "k"), ("k", "n"), ("m", "n")), c_major=("n", "m"),
+                           c_dtype=("float32", "bfloat16"))
+    def test_mn_major_matches_oracle(self, shape, fmt, majors, c_major, c_dtype):
+        """The sm_100a MN-major MXFP8 kernels (tile 128x128, cluster 1x1), either C major."""
+        a_major, b_major = majors
+        rng = np.random.default_rng(hash((shape, fmt, majors, c_major, c_dtype, 100)) % 2**32)
+        d = _inputs(rng, fmt, c_dtype, *shape, a_major=a_major, b_major=b_major)
+        layout = dict(c_major=c_major, a_major=a_major, b_major=b_major)
+        c, amax = _run(d, c_dtype, **layout)
+        _check(self, d, c, amax, c_dtype, **layout)
 
     @parameterized.product(fmt=("mxfp8_e4m3", "mxfp4", "nvfp4"), c_dtype=("float32", "bfloat16"))
     def test_c_major_m_matches_oracle(self, fmt, c_dtype):

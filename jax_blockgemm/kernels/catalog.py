@@ -99,8 +99,8 @@ def _blackwell_factory(v: KernelVariant) -> Any:
                                                        BlackwellBlockScaledGemmAmaxAlpha)
 
     cls = BlackwellBlockScaledGemmAmaxAlpha if takes_alpha(v) else BlackwellBlockScaledGemmAmax
-    return cls(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn,
-                                        cluster_mn=v.cluster_mn, sf_vec_size=v.sf_vec_size, sf_dtype=v.sf_dtype)
+    return cls(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn, cluster_mn=v.cluster_mn,
+               sf_vec_size=v.sf_vec_size, sf_dtype=v.sf_dtype, a_major=v.a_major, b_major=v.b_major)
 
 
 def _hopper_proj_rope_factory(v: KernelVariant) -> Any:
@@ -154,6 +154,10 @@ CATALOG: tuple[KernelVariant, ...] = (
             for v, sf, tiles in ((32, E8M0, _sm100.SUPPORTED_TILES_MN), (16, "float8_e4m3fn", ((128, 128),)),
                                  (16, E8M0, ((128, 128),)))
             for c in _C for t in tiles for cl in ((1, 1), (2, 1), (1, 2), (2, 2)))
+    # sm_100a MXFP8 with MN-major operands (compiled and checked, never run): the MMA reads MN-major tiles; one
+    # tile and cluster shape (dispatch falls back to it from any other).
+    + tuple(KernelVariant(arch="sm_100a", ab_dtype=ab, c_dtype=c, a_major=am, b_major=bm)
+            for am, bm in (("m", "k"), ("k", "n"), ("m", "n")) for ab in _FP8 for c in _C)
     # proj_rope on sm_90a: bf16 x and w (MXFP8 inputs are dequantized to bf16 before the kernel), both w layouts.
     + tuple(KernelVariant(op="proj_rope", arch="sm_90a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
                           tile_mn=t, b_major=b_major)

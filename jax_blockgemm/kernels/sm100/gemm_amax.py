@@ -11,6 +11,7 @@ E8M0, block 16)), reading them from tensor memory; the scale atoms of SPEC §3 a
 expects, so TMA copies them unchanged into shared memory and `tcgen05.cp` moves them on to tensor memory.
 The FP4 variants take packed E2M1 pairs (the handler passes the uint8 buffers); the E4M3-scale (NVFP4) ones take
 the per-tensor alpha as a 7th tensor (`BlackwellBlockScaledGemmAmaxAlpha`), applied in the epilogue before amax.
+FP8 operands may be MN-major (`a_major="m"`: A as (L, K, M); `b_major="n"`): the MMA reads MN-major tiles.
 Warp roles (one CTA of 6 warps per SM, persistent over output tiles):
 
 - `producer` (warp 5): TMA loads of A, B, SFA, SFB k-tiles into a ring of shared-memory stages (mbarriers),
@@ -68,7 +69,7 @@ class BlackwellBlockScaledGemmAmax:
 
     def __init__(self, *, ab_dtype: str = "float8_e4m3fn", c_dtype: str = "float32",
                  tile_mn: tuple[int, int] = (128, 128), cluster_mn: tuple[int, int] = (1, 1),
-                 sf_vec_size: int = 32, sf_dtype: str = "float8_e8m0fnu"):
+                 sf_vec_size: int = 32, sf_dtype: str = "float8_e8m0fnu", a_major: str = "k", b_major: str = "k"):
         common.require_choice("ab_dtype", ab_dtype, sorted(_AB_DTYPES))
         common.require_choice("c_dtype", c_dtype, sorted(_C_DTYPES))
         common.require_choice("tile_mn", tuple(tile_mn), SUPPORTED_TILES_MN)
@@ -80,6 +81,14 @@ class BlackwellBlockScaledGemmAmax:
         if (sf_vec_size, sf_dtype) not in allowed:
             raise ValueError(f"sf_vec_size={sf_vec_size!r} with sf_dtype={sf_dtype!r} is not supported for "
                              f"ab_dtype={ab_dtype!r}; expected one of {allowed}")
+        common.require_choice("a_major", a_major, ("k", "m"))
+        common.require_choice("b_major", b_major, ("k", "n"))
+        # MN-major operands (A as (L, K, M), B as (L, K, N)): the MMA reads MN-major shared-memory tiles (the
+        # instruction descriptor's transpose bits); FP8 codes only (packed FP4 is K-major).
+        self.a_mn, self.b_mn = a_major == "m", b_major == "n"
+        if not fp8 and (self.a_mn or self.b_mn):
+            raise ValueError(f"a_major={a_major!r}, b_major={b_major!r}: MN-major operands need FP8 codes, got "
+                             f"ab_dtype={ab_dtype!r}")
         if sf_vec_size == 16 and tuple(tile_mn) == (128, 256):
             raise ValueError("tile_mn=(128, 256) with sf_vec_size=16 is disabled in the seed for float32/bfloat16 "
                              f"C; expected {SUPPORTED_TILES_MN[0]}")
@@ -93,8 +102,8 @@ class BlackwellBlockScaledGemmAmax:
         self.tile_mn = tuple(tile_mn)
         self.cluster_mn = tuple(cluster_mn)
         self.cta_group = tcgen05.CtaGroup.ONE
-        self.a_major = cute.nvgpu.OperandMajorMode.K
-        self.b_major = cute.nvgpu.OperandMajorMode.K
+        major = lambda mn: cute.nvgpu.OperandMajorMode.MN if mn else cute.nvgpu.OperandMajorMode.K
+        self.a_major, self.b_major = major(self.a_mn), major(self.b_mn)
         self.c_layout = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
         # Warp roles.
         self.epilogue_warps = (0, 1, 2, 3)
@@ -115,6 +124,9 @@ class BlackwellBlockScaledGemmAmax:
             return False, f"every size must be >= 1, got m={m}, n={n}, k={k}, l={l}"
         if k % self.k_align:
             return False, f"k must be a multiple of {self.k_align} (16-byte rows for TMA), got k={k}"
+        for size, name, mn_major in ((m, "m", self.a_mn), (n, "n", self.b_mn)):
+            if mn_major and size % 16:
+                return False, f"{name} must be a multiple of 16 for an MN-major operand (16-byte rows), got {name}={size}"
         if l * max(m, n) * k >= 2**31 or l * m * n >= 2**31:
             return False, f"operands must hold fewer than 2**31 elements, got m={m}, n={n}, k={k}, l={l}"
         return True, ""
@@ -174,8 +186,8 @@ class BlackwellBlockScaledGemmAmax:
         stand-in (amax) that the kernel never reads."""
         self._setup()
         k16 = cute.assume(k, divby=self.k_align)
-        mA = cute.make_tensor(a.iterator, cute.make_layout((m, k16, l), stride=(k16, 1, m * k16)))
-        mB = cute.make_tensor(b.iterator, cute.make_layout((n, k16, l), stride=(k16, 1, n * k16)))
+        mA = self._operand_view(a, m, k16, l, self.a_mn)
+        mB = self._operand_view(b, n, k16, l, self.b_mn)
         mC = cute.make_tensor(c.iterator, cute.make_layout((m, n, l), stride=(n, 1, m * n)))
         # The SPEC §3 atom buffer is the layout the block-scaled MMA reads: ((32,4,M'),(32,4,K'),L) over bytes.
         mSFA = cute.make_tensor(cute.recast_ptr(sfa.iterator, dtype=self.sf_dtype),
@@ -232,6 +244,14 @@ class BlackwellBlockScaledGemmAmax:
                     self.sfa_smem_staged, self.sfb_smem_staged, self.epi_tile, sched_params).launch(
             grid=grid, block=(self.threads_per_cta, 1, 1), cluster=(*self.cluster_mn, 1), min_blocks_per_mp=1,
             stream=stream)
+
+    @staticmethod
+    def _operand_view(x: cute.Tensor, rows, k16, l, mn_major: bool) -> cute.Tensor:
+        """The (rows, K, L) view of a flat operand buffer: (L, rows, K) K-major, or (L, K, rows) MN-major."""
+        if mn_major:
+            rows16 = cute.assume(rows, divby=16)
+            return cute.make_tensor(x.iterator, cute.make_layout((rows16, k16, l), stride=(1, rows16, rows16 * k16)))
+        return cute.make_tensor(x.iterator, cute.make_layout((rows, k16, l), stride=(k16, 1, rows * k16)))
 
     # ------------------------------------------------------------------------------------------ device
     @cute.kernel
