@@ -104,8 +104,8 @@ def run_variants() -> int:
             try:
                 kernel = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl", **options))
                 if variant.function_prefix not in kernel.lower(a, b, sfa, sfb).as_text():
-                    raise RuntimeError(f"the program holds no jbg_gemm_amax custom call with {variant.function_prefix}: "
-                                       "this variant would not run")
+                    raise RuntimeError(f"the program holds no jbg_gemm_amax custom call with "
+                                       f"{variant.function_prefix}: this variant would not run")
                 c, amax = jax.block_until_ready(kernel(a, b, sfa, sfb))
                 c_ref, amax_ref = jbg.gemm_amax(a, b, sfa, sfb, implementation="xla", **options)
                 got, want = (np.asarray(jbg.formats.unpack_fp4(x) if variant.c_dtype == "float4_e2m1fn" else x,

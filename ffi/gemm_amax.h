@@ -1,7 +1,8 @@
 // The `jbg_gemm_amax` XLA FFI handler: C = (A·sfa)(B·sfb)^T and amax = max|C| per batch, by a CuTeDSL kernel.
 //
 // Two stages. INSTANTIATE (once per call site, when XLA builds the executable) parses `ab_dtype`, `c_dtype`,
-// `sf_dtype` and `sf_vec_size` (what the objects were compiled for) and loads the object table (kernel_objects.h). EXECUTE checks the buffers,
+// `sf_dtype`, `sf_vec_size`, `a_major` and `b_major` (what the objects were compiled for) and loads the object
+// table (kernel_objects.h). EXECUTE checks the buffers,
 // zeroes amax on XLA's stream and runs the function: no loading, no allocation, no host synchronization.
 #ifndef JBG_FFI_GEMM_AMAX_H_
 #define JBG_FFI_GEMM_AMAX_H_

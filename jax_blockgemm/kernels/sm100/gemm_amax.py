@@ -126,7 +126,8 @@ class BlackwellBlockScaledGemmAmax:
             return False, f"k must be a multiple of {self.k_align} (16-byte rows for TMA), got k={k}"
         for size, name, mn_major in ((m, "m", self.a_mn), (n, "n", self.b_mn)):
             if mn_major and size % 16:
-                return False, f"{name} must be a multiple of 16 for an MN-major operand (16-byte rows), got {name}={size}"
+                return False, (f"{name} must be a multiple of 16 for an MN-major operand (16-byte rows), "
+                               f"got {name}={size}")
         if l * max(m, n) * k >= 2**31 or l * m * n >= 2**31:
             return False, f"operands must hold fewer than 2**31 elements, got m={m}, n={n}, k={k}, l={l}"
         return True, ""

@@ -212,7 +212,8 @@ class HopperMxf8GemmAmax:
             return False, f"n must be even for a packed FP4 C (two codes per byte), got n={n}"
         for size, name, mn_major in ((m, "m", self.a_mn), (n, "n", self.b_mn)):
             if mn_major and size % 16:
-                return False, f"{name} must be a multiple of 16 for an MN-major operand (16-byte rows), got {name}={size}"
+                return False, (f"{name} must be a multiple of 16 for an MN-major operand (16-byte rows), "
+                               f"got {name}={size}")
         if l * max(m, n) * k >= 2**31 or l * m * n >= 2**31:
             return False, f"operands must hold fewer than 2**31 elements, got m={m}, n={n}, k={k}, l={l}"
         return True, ""
