@@ -111,7 +111,7 @@ class Sm90SurfaceTest(parameterized.TestCase):
 
     @parameterized.product(shape=[(2, 208, 160, 96), (3, 272, 64, 1056), (1, 16, 32, 32), (1, 128, 128, 4096)],
                            fmt=("mxfp8_e4m3", "mxfp8_e5m2"), majors=(("m", "k"), ("k", "n"), ("m", "n")),
-                           c_major=("n", "m"), c_dtype=("float32", "bfloat16"))
+                           c_major=("n", "m"), c_dtype=("float32", "bfloat16", "float16"))
     def test_mn_major_matches_oracle(self, shape, fmt, majors, c_major, c_dtype):
         """MN-major A ((L, K, M)) and/or B ((L, K, N)), either C major: the MN-major sm_90a variants (c_major="m"
         runs them on (B, A) with the majors swapped). M and N multiples of 16 (16-byte rows of MN-major codes)."""

@@ -65,9 +65,9 @@ class CatalogTest(parameterized.TestCase):
         # FP4 operands: every C dtype SPEC allows them (FP8 and packed FP4 C only with FP4 operands).
         fp4 = {("float4_e2m1fn", c, sf, v, "k", "k") for sf, v in (("float8_e8m0fnu", 32), ("float8_e4m3fn", 16))
                for c in ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")}
-        # MN-major FP8 operands, f32/bf16 C (c_major="m" runs these on (B, A)).
+        # MN-major FP8 operands, f32/bf16/f16 C (c_major="m" runs these on (B, A)).
         mn = {(a, c, "float8_e8m0fnu", 32, am, bm) for a in ("float8_e4m3fn", "float8_e5m2")
-              for c in ("float32", "bfloat16") for am, bm in (("m", "k"), ("k", "n"), ("m", "n"))}
+              for c in ("float32", "bfloat16", "float16") for am, bm in (("m", "k"), ("k", "n"), ("m", "n"))}
         self.assertEqual(got, fp8 | fp4 | mn)
         self.assertTrue(all(catalog.takes_alpha(v) == (v.sf_dtype == "float8_e4m3fn")
                             for v in catalog.variants_for("sm_90a", "gemm_amax")))

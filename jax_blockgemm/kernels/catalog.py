@@ -138,9 +138,10 @@ CATALOG: tuple[KernelVariant, ...] = (
     + tuple(KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype="float16") for ab in _FP8)
     + tuple(KernelVariant(arch="sm_90a", ab_dtype="float4_e2m1fn", c_dtype=c, sf_vec_size=v, sf_dtype=sf)
             for v, sf in _SM90_FP4_SCALES for c in _SM90_FP4_C)
-    # MXFP8 with MN-major operands (A as (L, K, M), B as (L, K, N)); c_major="m" runs these on (B, A).
+    # MXFP8 with MN-major operands (A as (L, K, M), B as (L, K, N)), every C dtype SPEC allows FP8 operands;
+    # c_major="m" runs these on (B, A).
     + tuple(KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype=c, a_major=am, b_major=bm)
-            for am, bm in (("m", "k"), ("k", "n"), ("m", "n")) for ab in _FP8 for c in _C)
+            for am, bm in (("m", "k"), ("k", "n"), ("m", "n")) for ab in _FP8 for c in (*_C, "float16"))
     # sm_100a: compiled and checked here, never run (no Blackwell GPU); every tile and cluster shape of the
     # seed's MXFP8 surface.
     + tuple(KernelVariant(arch="sm_100a", ab_dtype=ab, c_dtype=c, tile_mn=t, cluster_mn=cl)

@@ -1,4 +1,4 @@
-"""Hopper (sm_90a) MXFP8 gemm_amax: FP8 codes x E8M0 scales dequantized to bf16 in shared memory, bf16 wgmma.
+"""Hopper (sm_90a) block-scaled gemm_amax: codes x scales dequantized to bf16 in shared memory, bf16 wgmma.
 
 Hopper has FP8 wgmma but no block-scaled MMA, and its FP8 wgmma accumulates with reduced precision inside each
 instruction (~2^-14 relative, see benchmarks/NOTES.md). code·2^(s-127) is exact in bf16, so the consumers fold
@@ -21,6 +21,13 @@ that saw one redoes its part of the tile with "f32" (rare, exact).
 With `a_regs` (wgmma RS) each consumer thread dequantizes its own A fragment straight into registers and only B
 is written to shared memory as bf16 (A's bf16 round trip, 32 of the 176 KB of shared-memory traffic per 128x256x64
 k-tile, disappears); its scale words are loaded two k-tiles ahead.
+
+Beyond MXFP8 (same mainloop; benchmarks/NOTES.md "The sm_90a support surface"):
+- packed FP4 operands (MXFP4: E8M0 per 32; NVFP4: E4M3 per 16) through `convert_e2m1`, exact (the bit model in
+  kernels/common.py); NVFP4's per-tensor alpha through `HopperGemmAmaxAlpha` (a 7th ABI tensor);
+- C in f32, bf16, f16, E4M3, E5M2 (saturating) or packed FP4 (software round-to-nearest-even, saturating);
+- MN-major FP8 operands (`a_major="m"`, `b_major="n"`): MN-major TMA tiles and bf16 buffers, 16 rows at one k
+  per thread pass, each with its own row scale (`_mn_operand`), transposed bf16 wgmma.
 
 Phases are marked `producer`, `dequantize`, `mainloop`, `epilogue` in the kernel body.
 """
@@ -83,7 +90,8 @@ class _ARegisters:
 
 
 class HopperMxf8GemmAmax:
-    """C = (A·sfa) (B·sfb)^T per batch, amax[l] = max|C[l]|, for MXFP8 K-major operands on sm_90a.
+    """C = (A·sfa) (B·sfb)^T per batch, amax[l] = max|C[l]|, for MXFP8 (K- or MN-major) and MXFP4/NVFP4 (K-major)
+    operands on sm_90a.
 
     Compile-time configuration only; every size is a run-time scalar of the exported function. `tile_k` defaults
     to 128 for 128x128 tiles and 64 for 128x256 (shared memory); `promote` (the per-k-tile fp32 partial) needs the
