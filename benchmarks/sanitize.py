@@ -37,6 +37,14 @@ TOOLS = ("memcheck", "racecheck", "synccheck")
 SHAPES = ((2, 257, 136, 80), (3, 129, 24, 208))
 # proj_rope (T, H, K): T a tail of the 128- and 64-token tiles, K a tail of the 64-wide k-tile, H odd.
 PROJ_ROPE_SHAPES = ((96, 3, 160), (160, 1, 96))
+# FP4 variants: K a multiple of 32 (16-byte rows of packed codes), N of 32 (packed FP4 C rows); tails as above.
+FP4_SHAPES = ((2, 257, 160, 96), (3, 129, 32, 224))
+# MN-major variants: M and N multiples of 16 (16-byte rows of MN-major codes); K, M tails as above.
+MN_SHAPES = ((2, 272, 144, 80), (3, 128, 32, 208))
+# Relative Frobenius error allowed against the reference, per C dtype: the kernels are in SPEC §7's exact class,
+# so these only absorb C's own rounding (one code step of a narrow C where kernel and reference round apart).
+_C_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 1e-2, "float8_e4m3fn": 0.07, "float8_e5m2": 0.13,
+                "float4_e2m1fn": 0.3}
 BEGIN, END = "@@JBG-SANITIZE BEGIN", "@@JBG-SANITIZE END"
 # A sanitizer report line (its stack frames and blank lines are not counted).
 _REPORT = re.compile(r"^=+ (Invalid|Error|Warning|Program hit|Race|Barrier|Uninitialized|Leaked|Malformed|"
@@ -68,26 +76,46 @@ def run_variants() -> int:
     rng = np.random.default_rng(2026)
     failures = 0
     for variant in catalog.variants_for("sm_90a", "gemm_amax"):
-        for l, m, n, k in SHAPES:
+        fp4 = variant.ab_dtype == "float4_e2m1fn"
+        mn_major = (variant.a_major, variant.b_major) != ("k", "k")
+        for l, m, n, k in (FP4_SHAPES if fp4 else MN_SHAPES if mn_major else SHAPES):
             label = f"{variant.key} (L, M, N, K) = {(l, m, n, k)}"
             print(f"{BEGIN} {label}", flush=True)
-            kb = -(-k // 32)
-            ab = jnp.dtype(variant.ab_dtype)
-            a = jnp.asarray(rng.standard_normal((l, m, k)) * 4, jnp.float32).astype(ab)
-            b = jnp.asarray(rng.standard_normal((l, n, k)) * 4, jnp.float32).astype(ab)
-            sfa = jnp.asarray(rng.integers(120, 134, (l, m, kb)), jnp.uint8)
-            sfb = jnp.asarray(rng.integers(120, 134, (l, n, kb)), jnp.uint8)
+            kb = -(-k // variant.sf_vec_size)
+            if fp4:  # packed E2M1 pairs, every nibble
+                a = jnp.asarray(rng.integers(0, 256, (l, m, k // 2)), jnp.uint8)
+                b = jnp.asarray(rng.integers(0, 256, (l, n, k // 2)), jnp.uint8)
+            else:
+                ab = jnp.dtype(variant.ab_dtype)
+                a = jnp.asarray(rng.standard_normal((l, m, k)) * 4, jnp.float32).astype(ab)
+                b = jnp.asarray(rng.standard_normal((l, n, k)) * 4, jnp.float32).astype(ab)
+            if variant.sf_dtype == "float8_e4m3fn":  # NVFP4: positive E4M3 scales, and alpha
+                sfa, sfb = (jnp.asarray(np.exp2(rng.uniform(-3, 1, (l, mn, kb))), jnp.float32).astype(
+                    jnp.float8_e4m3fn) for mn in (m, n))
+            else:  # f16 C: smaller scales, so that C stays below float16's 65504
+                lo, hi = (114, 124) if variant.c_dtype == "float16" else (120, 134)
+                sfa = jnp.asarray(rng.integers(lo, hi, (l, m, kb)), jnp.uint8)
+                sfb = jnp.asarray(rng.integers(lo, hi, (l, n, kb)), jnp.uint8)
             options = dict(c_dtype=jnp.dtype(variant.c_dtype), mma_tiler_mn=variant.tile_mn,
-                           cluster_shape_mn=variant.cluster_mn, sf_vec_size=variant.sf_vec_size)
+                           cluster_shape_mn=variant.cluster_mn, sf_vec_size=variant.sf_vec_size,
+                           a_major=variant.a_major, b_major=variant.b_major)
+            if variant.a_major == "m":  # the operands as the variant reads them: (L, K, M) / (L, K, N)
+                a = jnp.swapaxes(a, 1, 2)
+            if variant.b_major == "n":
+                b = jnp.swapaxes(b, 1, 2)
+            if variant.sf_dtype == "float8_e4m3fn":
+                options["alpha"] = jnp.float32(0.375)
             try:
                 kernel = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl", **options))
-                if "jbg_gemm_amax" not in kernel.lower(a, b, sfa, sfb).as_text():
-                    raise RuntimeError("the program holds no jbg_gemm_amax custom call: the kernel would not run")
+                if variant.function_prefix not in kernel.lower(a, b, sfa, sfb).as_text():
+                    raise RuntimeError(f"the program holds no jbg_gemm_amax custom call with "
+                                       f"{variant.function_prefix}: this variant would not run")
                 c, amax = jax.block_until_ready(kernel(a, b, sfa, sfb))
                 c_ref, amax_ref = jbg.gemm_amax(a, b, sfa, sfb, implementation="xla", **options)
-                got, want = np.asarray(c, np.float64), np.asarray(c_ref, np.float64)
+                got, want = (np.asarray(jbg.formats.unpack_fp4(x) if variant.c_dtype == "float4_e2m1fn" else x,
+                                        np.float64) for x in (c, c_ref))
                 rel = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-                tol = 1e-4 if variant.c_dtype == "float32" else 1e-2  # SPEC §7 class; bf16 C: its rounding
+                tol = _C_TOLERANCE.get(variant.c_dtype, 1e-2)  # SPEC §7 class; narrower C: its rounding
                 ok = bool(np.isfinite(got).all() and rel <= tol
                           and abs(float(amax) - float(amax_ref)) <= 1e-4 * abs(float(amax_ref)))
                 detail = f"rel_err={rel:.2e} amax={float(amax):.6g} ref={float(amax_ref):.6g}"

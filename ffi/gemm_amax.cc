@@ -1,7 +1,9 @@
 #include "gemm_amax.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <utility>
 
 #include "cuda_driver.h"
@@ -11,8 +13,18 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr const char* kBufferNames[6] = {"a", "b", "sfa", "sfb", "c", "amax"};
+constexpr const char* kBufferNames[7] = {"a", "b", "sfa", "sfb", "c", "amax", "alpha"};
 constexpr int64_t kMaxElements = kMaxBufferElements;
+
+// Bytes per element of the C dtypes the kernels write.
+size_t ElementBytes(ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::F32: return 4;
+    case ffi::BF16:
+    case ffi::F16: return 2;
+    default: return 1;  // FP8 codes, packed FP4 pairs
+  }
+}
 
 // ceil(x / y) for x >= 0, y > 0, without the overflow of (x + y - 1) / y near INT64_MAX.
 int64_t CeilDiv(int64_t x, int64_t y) { return x / y + (x % y != 0); }
@@ -32,72 +44,168 @@ std::string ExpectShape(const BufferDesc& b, int index, std::initializer_list<in
 
 }  // namespace
 
-std::string ParseKernelDtypes(std::string_view ab_dtype, std::string_view c_dtype, KernelDtypes* out) {
+std::string ParseKernelDtypes(std::string_view ab_dtype, std::string_view c_dtype, std::string_view sf_dtype,
+                              int64_t sf_vec_size, std::string_view a_major, std::string_view b_major,
+                              KernelDtypes* out) {
   const std::string where = "jbg_gemm_amax attributes: ";
-  const std::string ab(ab_dtype), c(c_dtype);
+  const std::string ab(ab_dtype), c(c_dtype), sf(sf_dtype);
+  KernelDtypes k{};
+  if (a_major != "k" && a_major != "m") {
+    return where + "a_major \"" + std::string(a_major) + "\" is not supported; expected k or m";
+  }
+  if (b_major != "k" && b_major != "n") {
+    return where + "b_major \"" + std::string(b_major) + "\" is not supported; expected k or n";
+  }
+  k.a_mn = a_major == "m";
+  k.b_mn = b_major == "n";
   if (ab == "float8_e4m3fn") {
-    out->ab = XLA_FFI_DataType_F8E4M3FN;
+    k.ab = XLA_FFI_DataType_F8E4M3FN;
   } else if (ab == "float8_e5m2") {
-    out->ab = XLA_FFI_DataType_F8E5M2;
+    k.ab = XLA_FFI_DataType_F8E5M2;
+  } else if (ab == "float4_e2m1fn") {
+    k.ab = XLA_FFI_DataType_U8;  // two codes per byte
+    k.ab_fp4 = true;
   } else {
-    return where + "ab_dtype \"" + ab + "\" is not supported; expected float8_e4m3fn or float8_e5m2";
+    return where + "ab_dtype \"" + ab + "\" is not supported; expected float8_e4m3fn, float8_e5m2 or float4_e2m1fn";
   }
   if (c == "float32") {
-    out->c = XLA_FFI_DataType_F32;
+    k.c = XLA_FFI_DataType_F32;
   } else if (c == "bfloat16") {
-    out->c = XLA_FFI_DataType_BF16;
+    k.c = XLA_FFI_DataType_BF16;
+  } else if (c == "float16") {
+    k.c = XLA_FFI_DataType_F16;
+  } else if (c == "float8_e4m3fn") {
+    k.c = XLA_FFI_DataType_F8E4M3FN;
+  } else if (c == "float8_e5m2") {
+    k.c = XLA_FFI_DataType_F8E5M2;
+  } else if (c == "float4_e2m1fn") {
+    k.c = XLA_FFI_DataType_U8;  // two codes per byte
+    k.c_fp4 = true;
   } else {
-    return where + "c_dtype \"" + c + "\" is not supported; expected float32 or bfloat16";
+    return where + "c_dtype \"" + c + "\" is not supported; expected float32, bfloat16, float16, float8_e4m3fn, "
+           "float8_e5m2 or float4_e2m1fn";
   }
+  if (sf == "float8_e8m0fnu") {
+    k.sf = XLA_FFI_DataType_U8;
+  } else if (sf == "float8_e4m3fn") {
+    k.sf = XLA_FFI_DataType_F8E4M3FN;
+    k.alpha = true;  // NVFP4: the kernels take the per-tensor alpha
+  } else {
+    return where + "sf_dtype \"" + sf + "\" is not supported; expected float8_e8m0fnu or float8_e4m3fn";
+  }
+  if (sf_vec_size != 16 && sf_vec_size != 32) {
+    return where + "sf_vec_size " + std::to_string(sf_vec_size) + " is not supported; expected 16 or 32";
+  }
+  k.sf_vec_size = static_cast<int>(sf_vec_size);
+  // The seed's couplings: FP8 codes take E8M0 per 32; E4M3 scales take FP4 codes per 16.
+  if (!k.ab_fp4 && (k.sf != XLA_FFI_DataType_U8 || sf_vec_size != 32)) {
+    return where + "ab_dtype " + ab + " takes sf_dtype float8_e8m0fnu with sf_vec_size 32; got " + sf + " with " +
+           std::to_string(sf_vec_size);
+  }
+  if (k.ab_fp4 && (k.a_mn || k.b_mn)) {
+    return where + "ab_dtype float4_e2m1fn takes K-major operands (a_major k, b_major k); got a_major " +
+           std::string(a_major) + ", b_major " + std::string(b_major);
+  }
+  if (k.alpha && (!k.ab_fp4 || sf_vec_size != 16)) {
+    return where + "sf_dtype float8_e4m3fn (NVFP4) takes ab_dtype float4_e2m1fn with sf_vec_size 16; got " + ab +
+           " with " + std::to_string(sf_vec_size);
+  }
+  *out = k;
   return "";
 }
 
-std::string CheckGemmAmaxBuffers(const BufferDesc (&buf)[6], KernelDtypes kernel, GemmDims* dims) {
+std::string CheckGemmAmaxBuffers(const BufferDesc* buf, size_t count, KernelDtypes kernel, GemmDims* dims) {
+  if (count != 6 && count != 7) {
+    return "jbg_gemm_amax: " + std::to_string(count) + " buffers; expected a, b, sfa, sfb, c, amax and, for NVFP4 "
+           "kernels, alpha";
+  }
   const BufferDesc &a = buf[0], &b = buf[1], &c = buf[4], &amax = buf[5];
-  if (a.dtype != XLA_FFI_DataType_F8E4M3FN && a.dtype != XLA_FFI_DataType_F8E5M2) {
-    return Describe(a, 0) + "; expected float8_e4m3fn or float8_e5m2 codes";
+  const char* codes = kernel.ab_fp4 ? "float4_e2m1fn operands (uint8 pairs)" : "operands";
+  if (a.dtype != XLA_FFI_DataType_F8E4M3FN && a.dtype != XLA_FFI_DataType_F8E5M2 && a.dtype != XLA_FFI_DataType_U8) {
+    return Describe(a, 0) + "; expected float8_e4m3fn or float8_e5m2 codes, or uint8 (packed FP4 pairs)";
   }
   if (a.dtype != kernel.ab) {
-    return Describe(a, 0) + "; the kernel objects were compiled for " + DtypeName(kernel.ab) + " operands";
+    return Describe(a, 0) + "; the kernel objects were compiled for " +
+           (kernel.ab_fp4 ? std::string("float4_e2m1fn operands (uint8 pairs)")
+                          : std::string(DtypeName(kernel.ab)) + " " + codes);
   }
   if (b.dtype != a.dtype) return Describe(b, 1) + "; expected the dtype of a (" + DtypeName(a.dtype) + ")";
   for (int i : {2, 3}) {
-    if (buf[i].dtype != XLA_FFI_DataType_U8) return Describe(buf[i], i) + "; expected uint8 E8M0 scale bytes";
+    if (buf[i].dtype != kernel.sf) {
+      return Describe(buf[i], i) + (kernel.sf == XLA_FFI_DataType_U8 ? "; expected uint8 E8M0 scale bytes"
+                                                                      : "; expected float8_e4m3fn scales (NVFP4)");
+    }
   }
-  if (c.dtype != XLA_FFI_DataType_F32 && c.dtype != XLA_FFI_DataType_BF16) {
-    return Describe(c, 4) + "; expected float32 or bfloat16";
+  if (c.dtype != XLA_FFI_DataType_F32 && c.dtype != XLA_FFI_DataType_BF16 && c.dtype != XLA_FFI_DataType_F16 &&
+      c.dtype != XLA_FFI_DataType_F8E4M3FN && c.dtype != XLA_FFI_DataType_F8E5M2 && c.dtype != XLA_FFI_DataType_U8) {
+    return Describe(c, 4) + "; expected float32, bfloat16, float16, float8_e4m3fn, float8_e5m2 or uint8 (packed FP4)";
   }
   if (c.dtype != kernel.c) {  // a float32 kernel writing a bfloat16 C would run past the end of the buffer
-    return Describe(c, 4) + "; the kernel objects were compiled for a " + DtypeName(kernel.c) + " C";
+    return Describe(c, 4) + "; the kernel objects were compiled for a " +
+           (kernel.c_fp4 ? std::string("float4_e2m1fn C (uint8 pairs)") : std::string(DtypeName(kernel.c)) + " C");
   }
   if (amax.dtype != XLA_FFI_DataType_F32) return Describe(amax, 5) + "; expected float32";
   if (a.rank != 3) return Describe(a, 0) + "; expected rank 3 (L, M, K)";
-  const int64_t l = a.dims[0], m = a.dims[1], k = a.dims[2];
-  if (l < 1 || m < 1 || k < 1) return Describe(a, 0) + "; expected every dimension >= 1";
-  if (k % 16 != 0) return Describe(a, 0) + "; expected K a multiple of 16 (16-byte rows)";
-  if (b.rank != 3 || b.dims[0] != l || b.dims[2] != k || b.dims[1] < 1) {
-    return Describe(b, 1) + "; expected (L, N, K) = (" + std::to_string(l) + ", N >= 1, " + std::to_string(k) + ")";
+  const int64_t per_byte = kernel.ab_fp4 ? 2 : 1;  // codes per element of a and b
+  // K-major: a (L, M, K) (packed FP4: K/2 bytes per row); M-major (a_major "m"): a (L, K, M), M a multiple of 16.
+  const int64_t l = a.dims[0], m = a.dims[kernel.a_mn ? 2 : 1], row = a.dims[kernel.a_mn ? 1 : 2];
+  if (l < 1 || m < 1 || row < 1) return Describe(a, 0) + "; expected every dimension >= 1";
+  if (row % 16 != 0) {
+    return Describe(a, 0) + (kernel.ab_fp4 ? "; expected (L, M, K/2) with K/2 a multiple of 16 (16-byte rows)"
+                                           : "; expected K a multiple of 16 (16-byte rows)");
   }
-  const int64_t n = b.dims[1];
-  const int64_t k_atoms = CeilDiv(CeilDiv(k, kScaleBlock), kAtomBlocks);
+  if (kernel.a_mn && m % 16 != 0) {
+    return Describe(a, 0) + "; expected (L, K, M) with M a multiple of 16 (16-byte rows of an M-major A)";
+  }
+  const int64_t k = row * per_byte;
+  const int64_t n = b.rank == 3 ? b.dims[kernel.b_mn ? 2 : 1] : 0;
+  const int64_t b_row = b.rank == 3 ? b.dims[kernel.b_mn ? 1 : 2] : 0;
+  if (b.rank != 3 || b.dims[0] != l || b_row != row || n < 1 || (kernel.b_mn && n % 16 != 0)) {
+    if (kernel.b_mn) {
+      return Describe(b, 1) + "; expected (L, K, N) = (" + std::to_string(l) + ", " + std::to_string(row) +
+             ", N >= 1) with N a multiple of 16 (16-byte rows of an N-major B)";
+    }
+    return Describe(b, 1) + "; expected (L, N, " + (kernel.ab_fp4 ? "K/2" : "K") + ") = (" + std::to_string(l) +
+           ", N >= 1, " + std::to_string(row) + ")";
+  }
+  const int64_t k_atoms = CeilDiv(CeilDiv(k, kernel.sf_vec_size), kAtomBlocks);
+  const std::string atom = "(L, ceil(MN/128), ceil(ceil(K/" + std::to_string(kernel.sf_vec_size) +
+                           ")/4), 32, 4, 4): the 128x4 scale atom";
   std::string e;
-  if (!(e = ExpectShape(buf[2], 2, {l, CeilDiv(m, kAtomRows), k_atoms, 32, 4, 4},
-                        "(L, ceil(M/128), ceil(K/128), 32, 4, 4): the 128x4 scale atom")).empty()) {
+  if (!(e = ExpectShape(buf[2], 2, {l, CeilDiv(m, kAtomRows), k_atoms, 32, 4, 4}, atom.c_str())).empty()) return e;
+  if (!(e = ExpectShape(buf[3], 3, {l, CeilDiv(n, kAtomRows), k_atoms, 32, 4, 4}, atom.c_str())).empty()) return e;
+  if (kernel.c_fp4) {
+    if (n % 2 != 0) return Describe(b, 1) + "; expected N even for a packed FP4 C (two codes per byte)";
+    if (!(e = ExpectShape(c, 4, {l, m, n / 2}, "(L, M, N/2): packed FP4 pairs")).empty()) return e;
+  } else if (!(e = ExpectShape(c, 4, {l, m, n}, "(L, M, N)")).empty()) {
     return e;
   }
-  if (!(e = ExpectShape(buf[3], 3, {l, CeilDiv(n, kAtomRows), k_atoms, 32, 4, 4},
-                        "(L, ceil(N/128), ceil(K/128), 32, 4, 4): the 128x4 scale atom")).empty()) {
-    return e;
-  }
-  if (!(e = ExpectShape(c, 4, {l, m, n}, "(L, M, N)")).empty()) return e;
   if (!(e = ExpectShape(amax, 5, {l}, "(L,)")).empty()) return e;
-  for (int i = 0; i < 6; ++i) {
-    if (ElementCount(buf[i]) >= kMaxElements) return Describe(buf[i], i) + "; expected fewer than 2**31 elements";
+  if (kernel.alpha && count != 7) {
+    return "jbg_gemm_amax: alpha is missing; the kernel objects (NVFP4, E4M3 scales) take alpha, (L,) float32, "
+           "after sfb";
+  }
+  if (!kernel.alpha && count == 7) {
+    return Describe(buf[6], 6) + "; the kernel objects take no alpha (only NVFP4's, with E4M3 scales, do)";
+  }
+  if (count == 7) {
+    if (buf[6].dtype != XLA_FFI_DataType_F32) return Describe(buf[6], 6) + "; expected float32";
+    if (!(e = ExpectShape(buf[6], 6, {l}, "(L,)")).empty()) return e;
+  }
+  for (size_t i = 0; i < count; ++i) {
+    const int index = static_cast<int>(i);
+    if (ElementCount(buf[i]) >= kMaxElements) return Describe(buf[i], index) + "; expected fewer than 2**31 elements";
+    // The kernels index C in elements of the logical (L, M, N) even when it is packed.
+    if (i == 4 && kernel.c_fp4 && l * m >= kMaxElements / std::max<int64_t>(n, 1)) {
+      return Describe(buf[i], index) + "; expected fewer than 2**31 elements in (L, M, N)";
+    }
     const auto address = reinterpret_cast<uintptr_t>(buf[i].data);
     if (address == 0 || address % kAlignment != 0) {
-      return Describe(buf[i], i) + " at address " + std::to_string(address) + "; expected a 16-byte aligned pointer";
+      return Describe(buf[i], index) + " at address " + std::to_string(address) +
+             "; expected a 16-byte aligned pointer";
     }
   }
+  if (k >= kMaxElements) return Describe(a, 0) + "; expected K below 2**31";
   *dims = GemmDims{static_cast<int32_t>(m), static_cast<int32_t>(n), static_cast<int32_t>(k),
                    static_cast<int32_t>(l)};
   return "";
@@ -114,9 +222,12 @@ StateOr Fail(ffi::Error error) { return ffi::Unexpected<ffi::Error>(std::move(er
 namespace {
 
 StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span<const uint8_t> objects,
-                    ffi::Span<const int64_t> offsets, std::string_view ab_dtype, std::string_view c_dtype) {
+                    ffi::Span<const int64_t> offsets, std::string_view ab_dtype, std::string_view c_dtype,
+                    std::string_view sf_dtype, int64_t sf_vec_size, std::string_view a_major,
+                    std::string_view b_major) {
   KernelDtypes dtypes{};
-  if (std::string why = ParseKernelDtypes(ab_dtype, c_dtype, &dtypes); !why.empty()) {
+  if (std::string why = ParseKernelDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, a_major, b_major, &dtypes);
+      !why.empty()) {
     return Fail(ffi::Error::InvalidArgument(why));
   }
   StateOr state = InstantiateKernelObjects(kGemmAmaxTarget, archs, prefixes, objects, offsets);
@@ -130,13 +241,15 @@ BufferDesc Desc(const ffi::AnyBuffer& buffer) {
 }
 
 ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                   ffi::AnyBuffer sfa, ffi::AnyBuffer sfb, ffi::Result<ffi::AnyBuffer> c,
-                   ffi::Result<ffi::AnyBuffer> amax) {
+                   ffi::AnyBuffer sfa, ffi::AnyBuffer sfb, std::optional<ffi::AnyBuffer> alpha,
+                   ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> amax) {
   DslFunction* fn = nullptr;
   if (ffi::Error e = DeviceFunction(*state, device, kGemmAmaxTarget, &fn); e.failure()) return e;
-  const BufferDesc buffers[6] = {Desc(a), Desc(b), Desc(sfa), Desc(sfb), Desc(*c), Desc(*amax)};
+  BufferDesc buffers[7] = {Desc(a), Desc(b), Desc(sfa), Desc(sfb), Desc(*c), Desc(*amax), {}};
+  const size_t count = alpha.has_value() ? 7 : 6;
+  if (alpha.has_value()) buffers[6] = Desc(*alpha);
   GemmDims dims;
-  if (std::string message = CheckGemmAmaxBuffers(buffers, state->dtypes, &dims); !message.empty()) {
+  if (std::string message = CheckGemmAmaxBuffers(buffers, count, state->dtypes, &dims); !message.empty()) {
     return ffi::Error::InvalidArgument(message);
   }
   std::string error;
@@ -152,18 +265,27 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   // Test aid: all-ones bytes are NaN in float32 and bfloat16, so any element the kernel leaves unwritten fails
   // the caller's check. Read once at instantiation; costs one memset per launch when on.
   if (state->poison_outputs) {
-    const size_t c_bytes = static_cast<size_t>(dims.l) * dims.m * dims.n * (c->element_type() == ffi::F32 ? 4 : 2);
+    // Whole bytes of C as the buffer holds it (packed FP4: N/2 per row).
+    const size_t c_bytes = static_cast<size_t>(ElementCount(buffers[4])) * ElementBytes(c->element_type());
     if (CUresult r = driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(c->untyped_data()), 0xFF, c_bytes, stream);
         r != kCudaSuccess) {
       return ffi::Error::Internal("jbg_gemm_amax: poisoning C failed: " + driver->ErrorName(r));
     }
   }
-  KernelTensor tensors[6];
-  for (int i = 0; i < 6; ++i) tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), ElementCount(buffers[i])};
+  KernelTensor tensors[7];
+  for (size_t i = 0; i < count; ++i) {
+    tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), ElementCount(buffers[i])};
+  }
   int32_t m = dims.m, n = dims.n, k = dims.k, l = dims.l, ret = 0;
-  void* args[12] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5],
-                    &m,          &n,          &k,          &l,          &stream,     &ret};
-  return RunKernel(*state, device, kGemmAmaxTarget, *driver, fn, args, 12, &ret);
+  // fn(a, b, sfa, sfb, c, amax[, alpha], m, n, k, l, stream) and the kernel's status slot.
+  void* args[13] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5]};
+  size_t num_args = 6;
+  if (count == 7) args[num_args++] = &tensors[6];
+  for (void* scalar : {static_cast<void*>(&m), static_cast<void*>(&n), static_cast<void*>(&k),
+                       static_cast<void*>(&l), static_cast<void*>(&stream), static_cast<void*>(&ret)}) {
+    args[num_args++] = scalar;
+  }
+  return RunKernel(*state, device, kGemmAmaxTarget, *driver, fn, args, num_args, &ret);
 }
 
 }  // namespace
@@ -178,7 +300,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgGemmAmaxInstantiate, jbg::Instantiate,
                                   .Attr<xla::ffi::Span<const uint8_t>>("objects")
                                   .Attr<xla::ffi::Span<const int64_t>>("offsets")
                                   .Attr<std::string_view>("ab_dtype")
-                                  .Attr<std::string_view>("c_dtype"),
+                                  .Attr<std::string_view>("c_dtype")
+                                  .Attr<std::string_view>("sf_dtype")
+                                  .Attr<int64_t>("sf_vec_size")
+                                  .Attr<std::string_view>("a_major")
+                                  .Attr<std::string_view>("b_major"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgGemmAmaxExecute, jbg::Execute,
@@ -190,6 +316,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgGemmAmaxExecute, jbg::Execute,
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
+                                  .OptionalArg<xla::ffi::AnyBuffer>()  // alpha (NVFP4 kernels)
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});

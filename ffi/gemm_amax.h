@@ -1,7 +1,8 @@
 // The `jbg_gemm_amax` XLA FFI handler: C = (A·sfa)(B·sfb)^T and amax = max|C| per batch, by a CuTeDSL kernel.
 //
-// Two stages. INSTANTIATE (once per call site, when XLA builds the executable) parses `ab_dtype` and `c_dtype`
-// (what the objects were compiled for) and loads the object table (kernel_objects.h). EXECUTE checks the buffers,
+// Two stages. INSTANTIATE (once per call site, when XLA builds the executable) parses `ab_dtype`, `c_dtype`,
+// `sf_dtype`, `sf_vec_size`, `a_major` and `b_major` (what the objects were compiled for) and loads the object
+// table (kernel_objects.h). EXECUTE checks the buffers,
 // zeroes amax on XLA's stream and runs the function: no loading, no allocation, no host synchronization.
 #ifndef JBG_FFI_GEMM_AMAX_H_
 #define JBG_FFI_GEMM_AMAX_H_
@@ -15,7 +16,7 @@
 namespace jbg {
 
 inline constexpr const char kGemmAmaxTarget[] = "jbg_gemm_amax";
-inline constexpr int64_t kScaleBlock = 32;  // MXFP8: one E8M0 scale per 32 elements along K
+inline constexpr int64_t kScaleBlock = 32;  // MXFP8 / MXFP4: one E8M0 scale per 32 elements along K (NVFP4: 16)
 inline constexpr int64_t kAtomRows = 128;   // scale atom: 128 rows (of M or N) ...
 inline constexpr int64_t kAtomBlocks = 4;   // ... by 4 scale blocks, stored as (32, 4, 4) bytes
 
@@ -23,12 +24,17 @@ struct GemmDims {
   int32_t m = 0, n = 0, k = 0, l = 0;
 };
 
-// Checks a, b, sfa, sfb, c, amax (in that order) against what the kernel reads and writes; fills `*dims`.
+// Checks a, b, sfa, sfb, c, amax and, when `count` is 7, alpha (in that order) against what the kernel reads and
+// writes; fills `*dims` (k is the logical K: twice the bytes of a row of packed FP4 codes).
 // Returns "" when they fit, else a message naming the buffer, what it is and what is allowed.
-std::string CheckGemmAmaxBuffers(const BufferDesc (&buffers)[6], KernelDtypes kernel, GemmDims* dims);
+std::string CheckGemmAmaxBuffers(const BufferDesc* buffers, size_t count, KernelDtypes kernel, GemmDims* dims);
 
-// Parses the `ab_dtype` / `c_dtype` attributes ("float8_e4m3fn", "float32", ...); returns "" or what is wrong.
-std::string ParseKernelDtypes(std::string_view ab_dtype, std::string_view c_dtype, KernelDtypes* out);
+// Parses the `ab_dtype` / `c_dtype` / `sf_dtype` / `sf_vec_size` / `a_major` / `b_major` attributes
+// ("float8_e4m3fn", "float32", "float8_e8m0fnu", 32, "k", "k", ...; FP4 as "float4_e2m1fn"); returns "" or what is
+// wrong.
+std::string ParseKernelDtypes(std::string_view ab_dtype, std::string_view c_dtype, std::string_view sf_dtype,
+                              int64_t sf_vec_size, std::string_view a_major, std::string_view b_major,
+                              KernelDtypes* out);
 
 }  // namespace jbg
 

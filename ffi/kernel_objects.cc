@@ -35,6 +35,7 @@ const char* DtypeName(int dtype) {
     case XLA_FFI_DataType_BF16: return "bfloat16";
     case XLA_FFI_DataType_F8E4M3FN: return "float8_e4m3fn";
     case XLA_FFI_DataType_F8E5M2: return "float8_e5m2";
+    case XLA_FFI_DataType_F16: return "float16";
     default: return "another dtype";
   }
 }

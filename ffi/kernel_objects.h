@@ -51,10 +51,18 @@ struct KernelTensor {
 };
 static_assert(sizeof(KernelTensor) == 16, "the DSL's tensor struct is a pointer and one 8-byte slot");
 
-// The dtypes a call site's kernel objects were compiled for (XLA_FFI_DataType values).
+// The dtypes a call site's kernel objects were compiled for (XLA_FFI_DataType values of the buffers) and how the
+// buffers hold them.
 struct KernelDtypes {
-  int ab;  // float8_e4m3fn or float8_e5m2: the dtype of a and b
-  int c;   // float32 or bfloat16
+  int ab;                    // float8_e4m3fn, float8_e5m2, or uint8 (packed FP4 pairs): the dtype of a and b
+  int c;                     // float32, bfloat16, float16, float8_e4m3fn, float8_e5m2, or uint8 (packed FP4 C)
+  int sf = XLA_FFI_DataType_U8;  // uint8 (E8M0 bytes) or float8_e4m3fn (NVFP4 scales)
+  int sf_vec_size = 32;      // elements per scale along K: 32 (MX formats) or 16 (NVFP4)
+  bool ab_fp4 = false;       // a and b hold two E2M1 codes per byte: K = 2 x their last dimension
+  bool c_fp4 = false;        // c holds two E2M1 codes per byte: its last dimension is N / 2
+  bool alpha = false;        // the kernels take NVFP4's alpha, (L,) float32, after amax (E4M3 scales)
+  bool a_mn = false;         // a is M-major: (L, K, M)
+  bool b_mn = false;         // b is N-major: (L, K, N)
 };
 
 // Parses "sm_90a" / "sm_100a" (any "sm_<major><minor>[suffix]") into a compute capability.

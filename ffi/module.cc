@@ -80,26 +80,32 @@ int DtypeCode(const std::string& name) {
 
 using BufferSpec = std::tuple<std::string, std::vector<int64_t>, uintptr_t>;
 
-// Test hook for the execute-stage buffer checks: each buffer as (dtype name, dims, address), and the dtypes the
-// call site's kernels were compiled for (both "" = the dtypes of a and c: no mismatch).
-// Returns (message, (m, n, k, l)); message is "" when the buffers fit the kernel.
+// Test hook for the execute-stage buffer checks: each buffer as (dtype name, dims, address) (6, or 7 with alpha),
+// and the dtypes the call site's kernels were compiled for (ab_dtype and c_dtype both "" = the FP8 dtypes of a and
+// c with E8M0 scales per 32: no mismatch). Returns (message, (m, n, k, l)); message is "" when the buffers fit.
 std::tuple<std::string, std::tuple<int, int, int, int>> CheckBuffers(const std::vector<BufferSpec>& specs,
                                                                      const std::string& ab_dtype,
-                                                                     const std::string& c_dtype) {
-  if (specs.size() != 6) throw nb::value_error("expected 6 buffers: a, b, sfa, sfb, c, amax");
-  jbg::BufferDesc descs[6];
-  for (int i = 0; i < 6; ++i) {
+                                                                     const std::string& c_dtype,
+                                                                     const std::string& sf_dtype,
+                                                                     int64_t sf_vec_size,
+                                                                     const std::string& a_major,
+                                                                     const std::string& b_major) {
+  if (specs.size() != 6 && specs.size() != 7) {
+    throw nb::value_error("expected 6 or 7 buffers: a, b, sfa, sfb, c, amax[, alpha]");
+  }
+  jbg::BufferDesc descs[7];
+  for (size_t i = 0; i < specs.size(); ++i) {
     const auto& [dtype, dims, address] = specs[i];
     descs[i] = jbg::BufferDesc{DtypeCode(dtype), dims.data(), dims.size(), reinterpret_cast<const void*>(address)};
   }
   jbg::KernelDtypes kernel{descs[0].dtype, descs[4].dtype};
   if (ab_dtype.empty() != c_dtype.empty()) throw nb::value_error("give both ab_dtype and c_dtype, or neither");
   if (!ab_dtype.empty()) {
-    std::string why = jbg::ParseKernelDtypes(ab_dtype, c_dtype, &kernel);
+    std::string why = jbg::ParseKernelDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, a_major, b_major, &kernel);
     if (!why.empty()) throw nb::value_error(why.c_str());
   }
   jbg::GemmDims dims;
-  std::string message = jbg::CheckGemmAmaxBuffers(descs, kernel, &dims);
+  std::string message = jbg::CheckGemmAmaxBuffers(descs, specs.size(), kernel, &dims);
   return {message, {dims.m, dims.n, dims.k, dims.l}};
 }
 
@@ -179,18 +185,22 @@ NB_MODULE(_jbg_ffi, m) {
       nb::arg("path"), "dlopen libcute_dsl_runtime.so once per process (later calls keep the first library).");
   m.def("runtime_path", &jbg::DslRuntimePath, "Path of the loaded CuTeDSL runtime, or '' when none is loaded.");
   m.def("check_gemm_amax_buffers", &CheckBuffers, nb::arg("buffers"), nb::arg("ab_dtype") = "",
-        nb::arg("c_dtype") = "",
-        "Test hook: the execute stage's buffer checks on [(dtype, dims, address)] * 6, for kernels compiled for "
-        "ab_dtype / c_dtype ('' = whatever a / c are).");
+        nb::arg("c_dtype") = "", nb::arg("sf_dtype") = "float8_e8m0fnu", nb::arg("sf_vec_size") = 32,
+        nb::arg("a_major") = "k", nb::arg("b_major") = "k",
+        "Test hook: the execute stage's buffer checks on [(dtype, dims, address)] * 6 (7 with alpha), for kernels "
+        "compiled for ab_dtype / c_dtype / sf_dtype / sf_vec_size ('' = whatever a / c are, E8M0 per 32).");
   m.def(
       "parse_kernel_dtypes",
-      [](const std::string& ab_dtype, const std::string& c_dtype) {
+      [](const std::string& ab_dtype, const std::string& c_dtype, const std::string& sf_dtype,
+         int64_t sf_vec_size, const std::string& a_major, const std::string& b_major) {
         jbg::KernelDtypes out{};
-        std::string why = jbg::ParseKernelDtypes(ab_dtype, c_dtype, &out);
+        std::string why = jbg::ParseKernelDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, a_major, b_major, &out);
         if (!why.empty()) throw nb::value_error(why.c_str());
         return std::make_tuple(out.ab, out.c);
       },
-      nb::arg("ab_dtype"), nb::arg("c_dtype"), "Test hook: the instantiate stage's ab_dtype / c_dtype parsing.");
+      nb::arg("ab_dtype"), nb::arg("c_dtype"), nb::arg("sf_dtype") = "float8_e8m0fnu", nb::arg("sf_vec_size") = 32,
+      nb::arg("a_major") = "k", nb::arg("b_major") = "k",
+      "Test hook: the instantiate stage's ab_dtype / c_dtype / sf_dtype / sf_vec_size / a_major / b_major parsing.");
   m.def("check_proj_rope_buffers", &CheckProjRope, nb::arg("buffers"), nb::arg("w_out_in"),
         "Test hook: the proj_rope execute stage's buffer checks on [(dtype, dims, address)] * 8.");
   m.def("parse_object_table", &ParseObjects, nb::arg("archs"), nb::arg("function_prefixes"),

@@ -58,6 +58,9 @@ class KernelChoice:
 
     variants: tuple = ()
     reason: str = ""
+    # gemm_amax with c_major="m": the kernels compute C^T = B·A^T as an N-major (L, N, M) result, i.e. the call
+    # with A and B (and their scales) swapped.
+    swap_ab: bool = False
 
 
 @contextlib.contextmanager
@@ -85,9 +88,10 @@ def local_cuda_capabilities() -> tuple[str, ...] | None:
     return tuple(sorted({str(getattr(d, "compute_capability", "")) for d in devices}))
 
 
-def _past_int32(avals_in: Sequence[Any]) -> str:
-    """Why a canonical (L, M, K) / (L, N, K) call is too large for int32 indexing, or "" when it is not."""
-    (l, m, _), n = avals_in[0].shape, avals_in[1].shape[1]
+def _past_int32(avals_in: Sequence[Any], a_major: str = "k", b_major: str = "k") -> str:
+    """Why a canonical call (a (L, M, K) or (L, K, M), b likewise) is too large for int32 indexing, or ""."""
+    l, m = avals_in[0].shape[0], avals_in[0].shape[2 if a_major == "m" else 1]
+    n = avals_in[1].shape[2 if b_major == "n" else 1]
     named = [(name, tuple(x.shape)) for name, x in zip(("a", "b", "sfa", "sfb"), avals_in)] + [("c", (l, m, n))]
     for name, shape in named:
         if math.prod(shape) >= MAX_KERNEL_ELEMENTS:
@@ -98,19 +102,23 @@ def _past_int32(avals_in: Sequence[Any]) -> str:
 
 def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, a_major: str, b_major: str,
                       c_major: str, mma_tiler_mn: tuple, cluster_shape_mn: tuple, implementation: Any,
-                      **_: Any) -> KernelChoice:
-    """The kernel variants that compute this gemm_amax call exactly, one per covered architecture."""
+                      k: int | None = None, **_: Any) -> KernelChoice:
+    """The kernel variants that compute this gemm_amax call exactly, one per covered architecture.
+
+    FP4 operands and C arrive packed (uint8) and select the "float4_e2m1fn" variants; E4M3 scales (NVFP4) select
+    the variants that take alpha (the lowering passes ones when the call has none)."""
     if implementation == "xla":
         return KernelChoice(reason="implementation='xla' forces the reference")
     forced = getattr(_FORCED, "variants", None)
     if forced is not None and implementation == "cutedsl":
         return KernelChoice(variants=tuple(v for v in forced if v.op == "gemm_amax"))
-    if len(avals_in) > 4:
-        return KernelChoice(reason="alpha (NVFP4 per-tensor scale) has no kernel yet")
-    if (a_major, b_major, c_major) != ("k", "k", "n"):
-        return KernelChoice(reason=f"kernels take K-major A and B and N-major C; got a_major={a_major!r}, "
-                                   f"b_major={b_major!r}, c_major={c_major!r}")
-    if too_large := _past_int32(avals_in):
+    # c_major="m": C^T (L, N, M) is the N-major result of the kernels run on (B, A); an M-major A is then the
+    # kernel's N-major B and an N-major B its M-major A.
+    swap_ab = c_major == "m"
+    if swap_ab:
+        avals_in = [avals_in[1], avals_in[0], avals_in[3], avals_in[2], *avals_in[4:]]
+        a_major, b_major = ("m" if b_major == "n" else "k"), ("n" if a_major == "m" else "k")
+    if too_large := _past_int32(avals_in, a_major, b_major):
         return KernelChoice(reason=too_large)
     try:
         from jax_blockgemm import _native
@@ -119,20 +127,28 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
         _native.extension()
     except ImportError as e:  # CuTeDSL or the native bridge missing: the reference still works
         return KernelChoice(reason=f"no kernel can run here: {e}")
-    ab_dtype = str(np.dtype(avals_in[0].dtype))
+    packed = np.dtype(avals_in[0].dtype) == np.uint8
+    ab_dtype = "float4_e2m1fn" if packed else str(np.dtype(avals_in[0].dtype))
+    sf_dtype = catalog.E8M0 if np.dtype(avals_in[2].dtype) == np.uint8 else str(np.dtype(avals_in[2].dtype))
     variants = []
     for arch in sorted({v.arch for v in catalog.CATALOG}):
-        config = dict(arch=arch, ab_dtype=ab_dtype, c_dtype=str(np.dtype(c_dtype)), sf_vec_size=sf_vec_size)
+        config = dict(arch=arch, ab_dtype=ab_dtype, c_dtype=str(np.dtype(c_dtype)), sf_vec_size=sf_vec_size,
+                      sf_dtype=sf_dtype, a_major=a_major, b_major=b_major)
         variant = catalog.select_variant(**config, tile_mn=tuple(mma_tiler_mn), cluster_mn=tuple(cluster_shape_mn))
         if variant is None:  # the tile is a performance hint: fall back to the arch's default tile
             variant = catalog.select_variant(**config, tile_mn=(128, 128), cluster_mn=(1, 1))
         if variant is not None:
             variants.append(variant)
     if not variants:
+        majors = "" if (a_major, b_major) == ("k", "k") else f" (kernel a_major={a_major!r}, b_major={b_major!r})"
         return KernelChoice(reason=f"no kernel in the catalog for {ab_dtype} operands, "
-                                   f"{np.dtype(c_dtype)} C, sf_vec_size={sf_vec_size}")
-    (l, m, k), n = avals_in[0].shape, avals_in[1].shape[1]
-    return _usable(variants, implementation, sizes=(m, n, k, l), names="(M, N, K, L)")
+                                   f"{np.dtype(c_dtype)} C, {sf_dtype} scales per {sf_vec_size}{majors}")
+    a_shape, b_shape = avals_in[0].shape, avals_in[1].shape
+    l, m, k_row = a_shape[0], a_shape[2 if a_major == "m" else 1], a_shape[1 if a_major == "m" else 2]
+    n = b_shape[2 if b_major == "n" else 1]
+    k = k if k is not None else k_row * (2 if packed else 1)  # the logical K (packed FP4: two codes per byte)
+    choice = _usable(variants, implementation, sizes=(m, n, k, l), names="(N, M, K, L)" if swap_ab else "(M, N, K, L)")
+    return dataclasses.replace(choice, swap_ab=swap_ab) if choice.variants else choice
 
 
 def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation: Any,

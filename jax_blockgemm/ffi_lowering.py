@@ -9,8 +9,12 @@ instantiates the program. Attributes:
 - `function_prefixes`: comma-separated exported function names, one per arch;
 - `objects`: the objects concatenated (uint8 array); `offsets`: int64 array, object i is objects[offsets[i]:
   offsets[i + 1]];
-- `ab_dtype`, `c_dtype`: the operand and C dtypes the objects were compiled for ("float8_e4m3fn", "float32"); the
-  handler refuses buffers of other dtypes (a float32 kernel would write past the end of a bfloat16 C).
+- `ab_dtype`, `c_dtype`: the operand and C dtypes the objects were compiled for ("float8_e4m3fn", "float32";
+  "float4_e2m1fn" for packed FP4 operands or C, which travel as uint8 pairs); the handler refuses buffers of other
+  dtypes (a float32 kernel would write past the end of a bfloat16 C);
+- `sf_dtype`, `sf_vec_size`: the scales the objects read ("float8_e8m0fnu" per 32, or NVFP4's "float8_e4m3fn" per
+  16). NVFP4 objects also take alpha ((L,) float32) as a fifth operand; a call without one passes ones;
+- `a_major`, `b_major`: "k" (a (L, M, K), b (L, N, K)), or "m" / "n" for an MN-major a (L, K, M) / b (L, K, N).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from jax.interpreters import mlir
 
 from jax_blockgemm import _native, kernel_cache
 
@@ -43,30 +48,48 @@ def object_table_attributes(variants: Sequence[Any], objects: Sequence[bytes]) -
                 objects=np.frombuffer(b"".join(objects), np.uint8), offsets=offsets)
 
 
-def gemm_amax_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, ab_dtype: Any,
-                         c_dtype: Any) -> dict[str, Any]:
-    """The gemm_amax call's attributes for `variants` (one per arch, all compiled for ab_dtype / c_dtype)."""
-    ab_dtype, c_dtype = str(np.dtype(ab_dtype)), str(np.dtype(c_dtype))
+E8M0 = "float8_e8m0fnu"
+
+
+def logical_dtype(dtype: Any) -> str:
+    """The dtype name the kernels and the handler use: uint8 operands and C are packed FP4 ("float4_e2m1fn")."""
+    name = str(np.dtype(dtype))
+    return "float4_e2m1fn" if name == "uint8" else name
+
+
+def gemm_amax_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, ab_dtype: Any, c_dtype: Any,
+                         sf_dtype: str = E8M0, sf_vec_size: int = 32, a_major: str = "k",
+                         b_major: str = "k") -> dict[str, Any]:
+    """The gemm_amax call's attributes for `variants` (one per arch, all compiled for ab_dtype / c_dtype, the
+    scales sf_dtype per sf_vec_size and the operand majors; uint8 ab_dtype / c_dtype mean packed FP4)."""
+    ab_dtype, c_dtype = logical_dtype(ab_dtype), logical_dtype(c_dtype)
+    call = (ab_dtype, c_dtype, sf_dtype, int(sf_vec_size), a_major, b_major)
     for v in variants:
-        compiled_for = (getattr(v, "ab_dtype", ab_dtype), getattr(v, "c_dtype", c_dtype))
-        if compiled_for != (ab_dtype, c_dtype):
-            raise ValueError(f"variant {v.key!r} is compiled for {compiled_for} (operands, C), not the call's "
-                             f"{(ab_dtype, c_dtype)}")
-    return dict(object_table_attributes(variants, objects), ab_dtype=ab_dtype, c_dtype=c_dtype)
+        compiled_for = (getattr(v, "ab_dtype", ab_dtype), getattr(v, "c_dtype", c_dtype),
+                        getattr(v, "sf_dtype", sf_dtype), getattr(v, "sf_vec_size", sf_vec_size),
+                        getattr(v, "a_major", a_major), getattr(v, "b_major", b_major))
+        if compiled_for != call:
+            raise ValueError(f"variant {v.key!r} is compiled for {compiled_for} (operands, C, scales, block, "
+                             f"majors), not the call's {call}")
+    return dict(object_table_attributes(variants, objects), ab_dtype=ab_dtype, c_dtype=c_dtype, sf_dtype=sf_dtype,
+                sf_vec_size=int(sf_vec_size), a_major=a_major, b_major=b_major)
 
 
-def _check_avals(ctx: Any) -> None:
+def _check_avals(ctx: Any, a_major: str = "k", b_major: str = "k") -> None:
     """Operand/result avals must match the handler's contract; a mismatch is a bug in the caller's lowering."""
     a, b, sfa, sfb = ctx.avals_in[:4]
     c, amax = ctx.avals_out
-    if len(ctx.avals_in) != 4 or a.ndim != 3 or b.ndim != 3:
-        raise ValueError(f"emit_gemm_amax expects operands a (L, M, K), b (L, N, K), sfa, sfb; got "
-                         f"{[str(x) for x in ctx.avals_in]}")
-    l, m, _ = a.shape
-    n = b.shape[1]
-    if c.shape != (l, m, n) or amax.shape != (l,) or np.dtype(amax.dtype) != np.float32:
-        raise ValueError(f"emit_gemm_amax expects results c {(l, m, n)} and amax ({l},) float32; got c {c} and "
+    if len(ctx.avals_in) not in (4, 5) or a.ndim != 3 or b.ndim != 3:
+        raise ValueError(f"emit_gemm_amax expects operands a (L, M, K) or (L, K, M), b (L, N, K) or (L, K, N), sfa, "
+                         f"sfb[, alpha (L,)]; got {[str(x) for x in ctx.avals_in]}")
+    l, m = a.shape[0], a.shape[2 if a_major == "m" else 1]
+    n = b.shape[2 if b_major == "n" else 1]
+    c_shape = (l, m, n // 2) if np.dtype(c.dtype) == np.uint8 else (l, m, n)  # packed FP4 C: N/2 bytes per row
+    if c.shape != c_shape or amax.shape != (l,) or np.dtype(amax.dtype) != np.float32:
+        raise ValueError(f"emit_gemm_amax expects results c {c_shape} and amax ({l},) float32; got c {c} and "
                          f"amax {amax}")
+    if len(ctx.avals_in) == 5 and (ctx.avals_in[4].shape != (l,) or np.dtype(ctx.avals_in[4].dtype) != np.float32):
+        raise ValueError(f"emit_gemm_amax expects alpha ({l},) float32; got {ctx.avals_in[4]}")
 
 
 def _objects(variants: Sequence[Any]) -> tuple[list, list[bytes]]:
@@ -84,17 +107,29 @@ def _emit(target: str, ctx: Any, operands: Sequence[Any], attributes: dict[str, 
     return list(jax.ffi.ffi_lowering(target)(ctx, *operands, **attributes))
 
 
-def emit_gemm_amax(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, *, variants: Sequence[Any]) -> list:
+def emit_gemm_amax(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, *alpha: Any, variants: Sequence[Any],
+                   sf_vec_size: int = 32) -> list:
     """Emits the `jbg_gemm_amax` custom call for the lowering context `ctx`; returns [c, amax].
 
-    `variants`: catalog entries, one per architecture. Result types come from `ctx.avals_out`: c (L, M, N),
-    amax (L,) float32.
+    `variants`: catalog entries, one per architecture. Result types come from `ctx.avals_out`: c (L, M, N) (packed
+    FP4: (L, M, N/2) uint8), amax (L,) float32. `alpha` ((L,) float32, NVFP4 only) is optional: objects compiled
+    for E4M3 scales always take one, so a call without it passes ones (a constant in the program).
     """
-    _check_avals(ctx)
+    a_major, b_major = getattr(variants[0], "a_major", "k"), getattr(variants[0], "b_major", "k")
+    _check_avals(ctx, a_major, b_major)
     variants, objects = _objects(variants)
+    sf_dtype = E8M0 if np.dtype(ctx.avals_in[2].dtype) == np.uint8 else str(np.dtype(ctx.avals_in[2].dtype))
     attributes = gemm_amax_attributes(variants, objects, ab_dtype=ctx.avals_in[0].dtype,
-                                      c_dtype=ctx.avals_out[0].dtype)
-    return _emit(GEMM_AMAX_TARGET, ctx, (a, b, sfa, sfb), attributes)
+                                      c_dtype=ctx.avals_out[0].dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size,
+                                      a_major=a_major, b_major=b_major)
+    operands = [a, b, sfa, sfb, *alpha]
+    if sf_dtype != E8M0 and not alpha:
+        l = ctx.avals_in[0].shape[0]
+        operands.append(mlir.ir_constant(np.ones((l,), np.float32)))
+        ctx = ctx.replace(avals_in=[*ctx.avals_in, jax.core.ShapedArray((l,), np.float32)])
+    elif sf_dtype == E8M0 and alpha:
+        raise ValueError("emit_gemm_amax: alpha belongs to NVFP4 (E4M3 scales); these scales are E8M0")
+    return _emit(GEMM_AMAX_TARGET, ctx, operands, attributes)
 
 
 def emit_proj_rope(ctx: Any, x: Any, w: Any, cos: Any, sin: Any, *, variants: Sequence[Any], w_out_in: bool) -> list:

@@ -107,7 +107,11 @@ def _gemm_amax_cuda_lowering(ctx, *args, **params):
     if choice.variants:
         from jax_blockgemm import ffi_lowering
 
-        return ffi_lowering.emit_gemm_amax(ctx, *args, variants=choice.variants)
+        if choice.swap_ab:  # c_major="m": C^T = B·A^T, the kernel's N-major result on (b, a, sfb, sfa[, alpha])
+            order = (1, 0, 3, 2, *range(4, len(args)))
+            args = [args[i] for i in order]
+            ctx = ctx.replace(avals_in=[ctx.avals_in[i] for i in order])
+        return ffi_lowering.emit_gemm_amax(ctx, *args, variants=choice.variants, sf_vec_size=params["sf_vec_size"])
     if params["implementation"] == "cutedsl":
         raise ValueError(f"implementation='cutedsl': no CuTeDSL kernel applies to this gemm_amax call: {choice.reason}")
     return _gemm_amax_reference_lowering(ctx, *args, **params)

@@ -42,6 +42,8 @@ UNVERIFIED_ARCHS = frozenset({"sm_100a"})
 # (L, M, N, K): M and N not multiples of the tile (N stays a multiple of 8: 16-byte C rows), K not a multiple
 # of the 128-wide k-tile, L = 2, several tiles.
 PROBLEMS = ((1, 200, 136, 96), (2, 129, 264, 160), (1, 384, 256, 512))
+# The same for kernels with MN-major operands, whose M (N) must be a multiple of 16 (16-byte rows).
+MN_PROBLEMS = ((1, 208, 144, 96), (2, 144, 272, 160), (1, 384, 256, 512))
 C_REL_TOLERANCE = 1e-4  # SPEC §7, fp32 C: ‖c − ref‖/‖ref‖ (the "tensor-core FP8" class)
 AMAX_REL_TOLERANCE = 1e-4
 BF16_HALF_ULP = 2.0**-8  # |x − bf16(x)| ≤ 2^-8·|x| for normal x (round to nearest)
@@ -113,18 +115,37 @@ def local_device(arch: str) -> Any | None:
 
 
 def _operands(variant: Any, problem: tuple[int, int, int, int], seed: int) -> tuple[np.ndarray, ...]:
-    """Random FP8 codes and random E8M0 scale bytes (compact form) for `problem` = (L, M, N, K)."""
+    """Random codes (FP8, or packed FP4 pairs: every nibble) and random scales (compact form: E8M0 bytes, or
+    NVFP4's positive E4M3 values) for `problem` = (L, M, N, K). NVFP4 kernels then run with alpha = 1."""
     import jax.numpy as jnp
 
     l, m, n, k = problem
     rng = np.random.default_rng(seed)
-    ab = jnp.dtype(variant.ab_dtype)
-    a = (rng.standard_normal((l, m, k)) * 4).astype(ab)
-    b = (rng.standard_normal((l, n, k)) * 4).astype(ab)
+    if variant.ab_dtype == "float4_e2m1fn":
+        a = rng.integers(0, 256, (l, m, k // 2), dtype=np.uint8)
+        b = rng.integers(0, 256, (l, n, k // 2), dtype=np.uint8)
+    else:
+        ab = jnp.dtype(variant.ab_dtype)
+        a = (rng.standard_normal((l, m, k)) * 4).astype(ab)
+        b = (rng.standard_normal((l, n, k)) * 4).astype(ab)
     kb = -(-k // variant.sf_vec_size)
-    sfa = rng.integers(120, 135, (l, m, kb), dtype=np.uint8)  # 2^-7 .. 2^7: non-trivial, no overflow
-    sfb = rng.integers(120, 135, (l, n, kb), dtype=np.uint8)
+    if variant.sf_dtype == "float8_e4m3fn":
+        sfa, sfb = (np.exp2(rng.uniform(-4, 4, (l, mn, kb))).astype(jnp.float8_e4m3fn) for mn in (m, n))
+    else:
+        sfa = rng.integers(120, 135, (l, m, kb), dtype=np.uint8)  # 2^-7 .. 2^7: non-trivial, no overflow
+        sfb = rng.integers(120, 135, (l, n, kb), dtype=np.uint8)
     return a, b, sfa, sfb
+
+
+def _sf_vec_size(args: Sequence[Any]) -> int:
+    """The scale block of compact-form operands (a, b, sfa, sfb): K over the scale columns (packed FP4 counts 2)."""
+    k = args[0].shape[-1] * (2 if np.dtype(args[0].dtype) == np.uint8 else 1)
+    return k // args[2].shape[-1]
+
+
+def _magnitudes(codes: np.ndarray) -> np.ndarray:
+    """|codes|: packed FP4 pairs lose both sign bits (bit 3 of each nibble)."""
+    return codes & np.uint8(0x77) if np.dtype(codes.dtype) == np.uint8 else np.abs(codes)
 
 
 def compare(c: np.ndarray, amax: np.ndarray, ref_c: np.ndarray, ref_amax: np.ndarray, ref_abs: np.ndarray,
@@ -183,8 +204,15 @@ def _run_kernel(variant: Any, args: Sequence[Any], device: Any) -> tuple[np.ndar
 
     from jax_blockgemm import api
 
+    a_major, b_major = getattr(variant, "a_major", "k"), getattr(variant, "b_major", "k")
+    args = list(args)  # K-major (L, MN, K); an MN-major kernel reads its operand as (L, K, MN)
+    if a_major == "m":
+        args[0] = np.swapaxes(args[0], 1, 2)
+    if b_major == "n":
+        args[1] = np.swapaxes(args[1], 1, 2)
     args = [jax.device_put(x, device) for x in args]
-    fn = jax.jit(functools.partial(api.gemm_amax, c_dtype=variant.c_dtype, implementation="cutedsl"))
+    fn = jax.jit(functools.partial(api.gemm_amax, c_dtype=variant.c_dtype, sf_vec_size=variant.sf_vec_size,
+                                   a_major=a_major, b_major=b_major, implementation="cutedsl"))
     with _forced_and_poisoned(variant):
         c, amax = fn(*args)
         c, amax = np.asarray(c), np.asarray(amax)
@@ -198,21 +226,23 @@ def _run_reference(args: Sequence[Any], device: Any) -> tuple[np.ndarray, np.nda
     from jax_blockgemm import api
 
     args = [jax.device_put(x, device) for x in args]
-    c, amax = jax.jit(functools.partial(api.gemm_amax, c_dtype=np.float32, implementation="xla"))(*args)
+    c, amax = jax.jit(functools.partial(api.gemm_amax, c_dtype=np.float32, sf_vec_size=_sf_vec_size(args),
+                                        implementation="xla"))(*args)
     return np.asarray(c), np.asarray(amax)
 
 
 def run_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_kernel,
                  run_reference: Callable = _run_reference) -> str:
     """'' when `variant` matches the reference on every problem of PROBLEMS on `device`, else the first failure."""
-    for i, problem in enumerate(PROBLEMS):
+    mn_major = (getattr(variant, "a_major", "k"), getattr(variant, "b_major", "k")) != ("k", "k")
+    for i, problem in enumerate(MN_PROBLEMS if mn_major else PROBLEMS):
         args = _operands(variant, problem, seed=i)
         try:
             c, amax = run_kernel(variant, args, device)
         except Exception as e:  # a kernel that cannot even launch is a failed check, not a crash of the caller
             return f"(L, M, N, K) = {problem}: raised {type(e).__name__}: {e}"
         ref_c, ref_amax = run_reference(args, device)
-        ref_abs, _ = run_reference((np.abs(args[0]), np.abs(args[1]), *args[2:]), device)
+        ref_abs, _ = run_reference((_magnitudes(args[0]), _magnitudes(args[1]), *args[2:]), device)
         why = compare(c, amax, ref_c, ref_amax, ref_abs, variant.c_dtype)
         if why:
             return f"(L, M, N, K) = {problem}: {why}"
@@ -394,7 +424,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from jax_blockgemm.kernels import catalog
 
-    candidates = list(catalog.CATALOG)  # gemm_amax and proj_rope: the self-check runs both
+    # What the self-check knows how to run and judge: proj_rope, and gemm_amax into an f32 or bf16 C (every sm_100a
+    # gemm_amax variant; `compare` has no bound for narrower C dtypes).
+    candidates = [v for v in catalog.CATALOG
+                  if v.op == "proj_rope" or v.c_dtype in ("float32", "bfloat16")]
     candidates += list(catalog.TEST_VARIANTS) if args.include_test_variants else []
     chosen = [v for v in candidates if (not args.arch or v.arch in args.arch)
               and (not args.variant or v.key in args.variant)]

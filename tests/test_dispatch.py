@@ -55,25 +55,15 @@ class DispatchTest(parameterized.TestCase):
                                         "no kernel for compute capability 8.0 .kernels exist for sm_100a, sm_90a"):
                 _cuda_text(implementation="cutedsl")
 
-    @parameterized.parameters(
-        (dict(c_major="m"), "kernels take K-major A and B and N-major C"),
-        (dict(c_dtype=jnp.float16), "no kernel in the catalog for float8_e4m3fn operands, float16 C"),
-    )
-    def test_cutedsl_without_kernel_raises(self, kwargs, reason):
-        with self.assertRaisesRegex(ValueError, "implementation='cutedsl': no CuTeDSL kernel applies.*" + reason):
-            _cuda_text(implementation="cutedsl", **kwargs)
-
-    def test_fp4_kernels_are_compiled_but_never_selected(self):
-        """The sm_100a FP4 variants exist in the catalog, but the handler takes FP8 codes only: no FP4 call gets one."""
-        from jax_blockgemm.kernels import catalog
-
-        self.assertTrue(any(v.ab_dtype == "float4_e2m1fn" for v in catalog.CATALOG))
-        rng = np.random.default_rng(1)
-        a, sfa = jbg.formats.quantize_mxfp4(jnp.asarray(rng.standard_normal((256, 128)), jnp.float32))
-        b, sfb = jbg.formats.quantize_mxfp4(jnp.asarray(rng.standard_normal((128, 128)), jnp.float32))
-        f = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl"))
-        with self.assertRaisesRegex(ValueError, "no kernel in the catalog for uint8 operands"):
-            f.trace(a, b, sfa, sfb).lower(lowering_platforms=("cuda",))
+    def test_cutedsl_without_kernel_raises(self):
+        """MN-major operands leave K free of the 16-byte rule at the API, but the kernels need K % 16 == 0."""
+        sd = jax.ShapeDtypeStruct
+        operands = (sd((40, 256), jnp.float8_e4m3fn), sd((40, 128), jnp.float8_e4m3fn), sd((256, 2), jnp.uint8),
+                    sd((128, 2), jnp.uint8))
+        f = jax.jit(lambda *x: jbg.gemm_amax(*x, a_major="m", b_major="n", implementation="cutedsl"))
+        with self.assertRaisesRegex(ValueError, r"implementation='cutedsl': no CuTeDSL kernel applies.*cannot take "
+                                                r"\(M, N, K, L\) = \(256, 128, 40, 1\): k must be a multiple of 16"):
+            f.trace(*operands).lower(lowering_platforms=("cuda",))
 
     def test_an_arch_whose_kernel_module_cannot_import_is_left_out(self):
         from jax_blockgemm.kernels import catalog
@@ -261,6 +251,123 @@ class Int32LimitTest(parameterized.TestCase):
             f.trace(*operands).lower(lowering_platforms=("cuda",))
         c, amax = jax.eval_shape(jax.vmap(lambda *x: jbg.gemm_amax(*x)), *operands)
         self.assertEqual((c.shape, amax.shape), ((2, 32768, 32768), (2,)))
+
+def _surface_operands(fmt: str, *, l=2, m=200, n=160, k=256):
+    """Packed FP4 (uint8) or FP8 operands with atom scales for `fmt`, as abstract shapes."""
+    sd = jax.ShapeDtypeStruct
+    fp4 = fmt in ("mxfp4", "nvfp4", "fp4_e8m0_16")
+    v = 32 if fmt in ("mxfp4", "mxfp8") else 16
+    sf = jnp.float8_e4m3fn if fmt == "nvfp4" else jnp.uint8
+    ab, row = (jnp.uint8, k // 2) if fp4 else (jnp.float8_e4m3fn, k)
+    kp = -(-(-(-k // v)) // 4)
+    return (sd((l, m, row), ab), sd((l, n, row), ab), sd((l, -(-m // 128), kp, 32, 4, 4), sf),
+            sd((l, -(-n // 128), kp, 32, 4, 4), sf)), v
+
+
+class SurfaceDispatchTest(parameterized.TestCase):
+    """FP4 operands (MXFP4, NVFP4 with and without alpha) and every C dtype reach the kernels: one object per arch
+    that has the variant (sm_90a: all of them; sm_100a: FP4 -> f32/bf16), with the attributes the handler parses."""
+
+    def setUp(self):
+        super().setUp()
+        from jax_blockgemm import kernel_cache
+        self.get_object = self.enterContext(mock.patch.object(kernel_cache, "get_object",
+                                                              side_effect=lambda v: b"\x7fELF " + v.key.encode()))
+
+    def _lower(self, fmt, c_dtype, *, alpha=False, **kwargs):
+        operands, v = _surface_operands(fmt)
+        extra = dict(alpha=jnp.float32(0.75)) if alpha else {}
+        f = jax.jit(lambda *x: jbg.gemm_amax(*x, c_dtype=c_dtype, sf_vec_size=v, **extra, **kwargs))
+        text = f.trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
+        calls = [line for line in text.splitlines() if "stablehlo.custom_call @jbg_gemm_amax" in line]
+        self.assertLen(calls, 1)
+        return calls[0]
+
+    @parameterized.product(fmt=("mxfp4", "nvfp4"), c_dtype=("float32", "bfloat16", "float16", "float8_e4m3fn",
+                                                             "float8_e5m2", "float4_e2m1fn"))
+    def test_fp4_reaches_the_kernels(self, fmt, c_dtype):
+        call = self._lower(fmt, jnp.dtype(c_dtype), implementation="cutedsl", alpha=fmt == "nvfp4")
+        archs = "sm_100a,sm_90a" if c_dtype in ("float32", "bfloat16") else "sm_90a"
+        self.assertIn(f'archs = "{archs}"', call)
+        self.assertIn('ab_dtype = "float4_e2m1fn"', call)
+        self.assertIn(f'c_dtype = "{c_dtype}"', call)
+        sf, v = ("float8_e4m3fn", 16) if fmt == "nvfp4" else ("float8_e8m0fnu", 32)
+        self.assertIn(f'sf_dtype = "{sf}"', call)
+        self.assertIn(f"sf_vec_size = {v} : i64", call)
+        for arch in archs.split(","):
+            self.assertRegex(call, rf"jbg_gemm_amax_{arch}_e2m1_")
+        operand_types = call.split(" : (")[-1].split(") -> ")[0]
+        self.assertEqual(operand_types.count("tensor<"), 5 if fmt == "nvfp4" else 4)  # alpha after sfb
+        c_type = {"float4_e2m1fn": "2x200x80xui8", "float8_e4m3fn": "2x200x160xf8E4M3FN"}.get(c_dtype)
+        if c_type:
+            self.assertIn(f"-> (tensor<{c_type}>", call)
+
+    def test_nvfp4_without_alpha_passes_ones(self):
+        call = self._lower("nvfp4", jnp.float32, implementation="cutedsl")
+        self.assertIn("%arg3, %cst", call)  # a constant (L,) operand: ones
+        operand_types = call.split(" : (")[-1].split(") -> ")[0]
+        self.assertTrue(operand_types.endswith("tensor<2xf32>"), operand_types)
+
+    @parameterized.parameters(("mxfp8", "float32", 4), ("nvfp4", "bfloat16", 5), ("mxfp4", "float16", 4))
+    def test_c_major_m_runs_the_kernels_on_b_and_a(self, fmt, c_dtype, count):
+        """c_major="m": the custom call gets (b, a, sfb, sfa[, alpha]) and returns C^T (L, N, M) N-major."""
+        call = self._lower(fmt, jnp.dtype(c_dtype), implementation="cutedsl", c_major="m", alpha=fmt == "nvfp4")
+        operand_types, result_types = call.split(" : (")[-1].split(") -> ")
+        types = [t.strip() for t in operand_types.split(", ")]
+        self.assertLen(types, count)
+        row = 128 if fmt != "mxfp8" else 256  # K/2 bytes of packed FP4, K codes of FP8
+        self.assertRegex(types[0], rf"tensor<2x160x{row}x")  # b (N = 160) first
+        self.assertRegex(types[1], rf"tensor<2x200x{row}x")
+        self.assertIn("tensor<2x160x200x", result_types)  # (L, N, M)
+        archs = "sm_100a,sm_90a" if c_dtype in ("float32", "bfloat16") else "sm_90a"
+        self.assertIn(f'archs = "{archs}"', call)
+
+    @parameterized.parameters(("m", "k", "n", "m", "k"), ("k", "n", "n", "k", "n"), ("m", "n", "n", "m", "n"),
+                              ("m", "k", "m", "k", "n"), ("k", "n", "m", "m", "k"), ("m", "n", "m", "m", "n"))
+    def test_mn_major_operands_reach_the_kernels(self, a_major, b_major, c_major, kernel_a, kernel_b):
+        """Every MN-major layout runs the MN-major variants of both archs (c_major="m" swaps A and B, and their
+        majors)."""
+        sd = jax.ShapeDtypeStruct
+        l, m, n, k = 2, 208, 96, 256
+        a = sd((l, k, m) if a_major == "m" else (l, m, k), jnp.float8_e5m2)
+        b = sd((l, k, n) if b_major == "n" else (l, n, k), jnp.float8_e5m2)
+        sfa, sfb = sd((l, m, k // 32), jnp.uint8), sd((l, n, k // 32), jnp.uint8)
+        f = jax.jit(lambda *x: jbg.gemm_amax(*x, a_major=a_major, b_major=b_major, c_major=c_major,
+                                             c_dtype=jnp.bfloat16, implementation="cutedsl"))
+        text = f.trace(a, b, sfa, sfb).lower(lowering_platforms=("cuda",)).as_text()
+        call = [line for line in text.splitlines() if "stablehlo.custom_call @jbg_gemm_amax" in line]
+        self.assertLen(call, 1)
+        self.assertIn('archs = "sm_100a,sm_90a"', call[0])
+        self.assertIn(f'a_major = "{kernel_a}"', call[0])
+        self.assertIn(f'b_major = "{kernel_b}"', call[0])
+        suffix = ("_am" if kernel_a == "m" else "") + ("_bn" if kernel_b == "n" else "")
+        self.assertIn(f'function_prefixes = "jbg_gemm_amax_sm_100a_e5m2_bf16_sf32_t128x128_c1x1{suffix},'
+                      f'jbg_gemm_amax_sm_90a_e5m2_bf16_sf32_t128x128_c1x1{suffix}"', call[0])
+        self.assertIn("tensor<2x208x96xbf16>" if c_major == "n" else "tensor<2x96x208xbf16>",
+                      call[0].split(") -> ")[-1])
+
+    def test_mxfp8_f16_c_is_sm90a_only(self):
+        call = self._lower("mxfp8", jnp.float16, implementation="cutedsl")
+        self.assertIn('archs = "sm_90a"', call)
+        self.assertIn('c_dtype = "float16"', call)
+
+    def test_fp4_with_e8m0_blocks_of_16_has_no_kernel_for_f16(self):
+        with self.assertRaisesRegex(ValueError, "no kernel in the catalog for float4_e2m1fn operands, float16 C, "
+                                                "float8_e8m0fnu scales per 16"):
+            self._lower("fp4_e8m0_16", jnp.float16, implementation="cutedsl")
+
+    def test_a_b200_without_the_c_dtype_falls_back(self):
+        """sm_100a has FP4 kernels for f32/bf16 C only: on a B200 an FP8 C call takes the reference (None) or
+        raises ('cutedsl')."""
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)), \
+                mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_GEMM90: True, ("gemm_amax", "sm_100a"): True}):
+            with self.assertRaisesRegex(ValueError, r"no kernel for compute capability 10.0 \(kernels exist for "
+                                                    r"sm_90a\)"):
+                self._lower("mxfp4", jnp.float8_e4m3fn, implementation="cutedsl")
+            operands, v = _surface_operands("mxfp4")
+            f = jax.jit(lambda *x: jbg.gemm_amax(*x, c_dtype=jnp.float8_e4m3fn, sf_vec_size=v))
+            self.assertNotIn("jbg_gemm_amax", f.trace(*operands).lower(lowering_platforms=("cuda",)).as_text())
+
 
 if __name__ == "__main__":
     absltest.main()

@@ -157,7 +157,7 @@ class AttributesTest(absltest.TestCase):
         self.assertEqual((attrs["ab_dtype"], attrs["c_dtype"]), ("float8_e5m2", "bfloat16"))
         f32_kernel = dataclasses.make_dataclass("V", ["arch", "key", "function_prefix", "ab_dtype", "c_dtype"])(
             "sm_90a", "v", "p", "float8_e4m3fn", "float32")
-        with self.assertRaisesRegex(ValueError, r"compiled for \('float8_e4m3fn', 'float32'\).*'bfloat16'"):
+        with self.assertRaisesRegex(ValueError, r"compiled for \('float8_e4m3fn', 'float32', .*'bfloat16'"):
             ffi_lowering.gemm_amax_attributes([f32_kernel], [b"a"], ab_dtype=jnp.float8_e4m3fn, c_dtype=jnp.bfloat16)
 
 

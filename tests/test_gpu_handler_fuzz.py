@@ -33,6 +33,7 @@ import oracle_ops
 
 ext = _native.extension()
 U8, F32, BF16, E4M3, E5M2 = "uint8", "float32", "bfloat16", "float8_e4m3fn", "float8_e5m2"
+E8M0, E2M1 = "float8_e8m0fnu", "float4_e2m1fn"
 DEVICE_ARCH = "sm_90a"  # the arch whose object the GPU run loads (the H200); CPU checks emulate that device
 
 
@@ -114,7 +115,8 @@ def _gemm_amax_object() -> tuple[bytes, str]:
 def _gemm_amax_well_formed(obj: bytes, prefix: str) -> Call:
     operands, results = gemm_amax_buffers(2, 200, 136, 96)
     return Call(operands, results, dict(archs=DEVICE_ARCH, function_prefixes=prefix, objects=obj,
-                                        offsets=(0, len(obj)), ab_dtype=E4M3, c_dtype=F32))
+                                        offsets=(0, len(obj)), ab_dtype=E4M3, c_dtype=F32, sf_dtype=E8M0,
+                                        sf_vec_size=32, a_major="k", b_major="k"))
 
 
 def _gemm_amax_cases(good: Call) -> list[Case]:
@@ -135,7 +137,10 @@ def _gemm_amax_cases(good: Call) -> list[Case]:
         ("sfb as float32", dict(operand=3, buffer=Buffer(F32, sfb.shape)), r"sfb is float32 .*expected uint8"),
         ("c bf16 for an f32 kernel (would be written past its end)", dict(result=0, buffer=Buffer(BF16, c.shape)),
          r"c is bfloat16 \(2, 200, 136\); the kernel objects were compiled for a float32 C"),
-        ("c float16", dict(result=0, buffer=Buffer("float16", c.shape)), r"c is another dtype .*float32 or bfloat16"),
+        ("c float16 for an f32 kernel", dict(result=0, buffer=Buffer("float16", c.shape)),
+         r"c is float16 \(2, 200, 136\); the kernel objects were compiled for a float32 C"),
+        ("c int32", dict(result=0, buffer=Buffer("int32", c.shape)), r"c is another dtype .*expected float32, "
+         r"bfloat16, float16"),
         ("amax bf16", dict(result=1, buffer=Buffer(BF16, amax.shape)), r"amax is bfloat16 \(2,\); expected float32"),
         ("a rank 2", dict(operand=0, buffer=Buffer(E4M3, (m, k))), r"a is .*expected rank 3 \(L, M, K\)"),
         ("a rank 4", dict(operand=0, buffer=Buffer(E4M3, (1, l, m, k))), r"a is .*expected rank 3"),
@@ -197,7 +202,7 @@ def _gemm_amax_cases(good: Call) -> list[Case]:
         ("empty objects", dict(objects=b"", offsets=(0, 0)), "object for sm_90a is empty"),
         ("unknown ab_dtype", dict(ab_dtype="float8_e4m3"), r'ab_dtype "float8_e4m3" is not supported'),
         ("ab_dtype bf16", dict(ab_dtype=BF16), r'ab_dtype "bfloat16" is not supported'),
-        ("empty c_dtype", dict(c_dtype=""), r'c_dtype "" is not supported; expected float32 or bfloat16'),
+        ("empty c_dtype", dict(c_dtype=""), r'c_dtype "" is not supported; expected float32, bfloat16, float16'),
     ]
     cases += [Case(name, good.replace(**change), "jbg_gemm_amax attributes: .*" + message, "attributes")
               for name, change, message in attributes]
@@ -249,19 +254,180 @@ def _gemm_amax_cpu_check(call: Call) -> str:
     """What the handler's C++ says about `call`, as if instantiated and executed on an sm_90a device."""
     attrs = call.attrs
     try:  # the gemm_amax instantiate stage parses its dtypes, then the shared object table
-        ext.parse_kernel_dtypes(attrs["ab_dtype"], attrs["c_dtype"])
+        ext.parse_kernel_dtypes(attrs["ab_dtype"], attrs["c_dtype"], attrs["sf_dtype"], attrs["sf_vec_size"],
+                                attrs["a_major"], attrs["b_major"])
     except ValueError as e:
         return str(e)
     if problem := _object_table_problem(attrs, _native.GEMM_AMAX_TARGET):
         return problem
+    buffers = _address_list(call)
+    if len(call.operands) == 5:  # the hook takes the handler's order: a, b, sfa, sfb, c, amax, alpha
+        buffers = buffers[:4] + buffers[5:] + buffers[4:5]
     try:
-        return ext.check_gemm_amax_buffers(_address_list(call), attrs["ab_dtype"], attrs["c_dtype"])[0]
+        return ext.check_gemm_amax_buffers(buffers, attrs["ab_dtype"], attrs["c_dtype"],
+                                           attrs["sf_dtype"], attrs["sf_vec_size"], attrs["a_major"],
+                                           attrs["b_major"])[0]
     except ValueError as e:  # a dtype the hook cannot describe to the C++ side
         return f"jbg_gemm_amax: {e}"
 
 
 GEMM_AMAX = Target(_native.GEMM_AMAX_TARGET, _gemm_amax_object, _gemm_amax_well_formed, _gemm_amax_cases,
                    _gemm_amax_cpu_check)
+
+
+# The FP4 surface of the same handler: packed E2M1 operands (K/2 bytes per row), NVFP4's E4M3 scales per 16 with
+# alpha (a fifth operand), and packed FP4 C (N/2 bytes per row), each with the sm_90a object compiled for it.
+
+def fp4_buffers(l: int, m: int, n: int, k: int, *, sf_vec_size: int, sf: str, c: str = F32,
+                alpha: bool = False) -> tuple[tuple, tuple]:
+    """Well-formed (operands, results) of an FP4 call: a, b packed (L, MN, K/2), scales, [alpha], c, amax."""
+    kp = _cdiv(_cdiv(k, sf_vec_size), 4)
+    operands = (Buffer(U8, (l, m, k // 2)), Buffer(U8, (l, n, k // 2)), Buffer(sf, (l, _cdiv(m, 128), kp, 32, 4, 4)),
+                Buffer(sf, (l, _cdiv(n, 128), kp, 32, 4, 4))) + ((Buffer(F32, (l,)),) if alpha else ())
+    c_shape = (l, m, n // 2) if c == U8 else (l, m, n)
+    return operands, (Buffer(c, c_shape), Buffer(F32, (l,)))
+
+
+def _fp4_object(c_dtype: str, sf_vec_size: int, sf_dtype: str) -> tuple[bytes, str]:
+    from jax_blockgemm.kernels import catalog
+
+    variant = catalog.select_variant(arch=DEVICE_ARCH, ab_dtype=E2M1, c_dtype=c_dtype, sf_vec_size=sf_vec_size,
+                                     sf_dtype=sf_dtype, tile_mn=(128, 128), cluster_mn=(1, 1))
+    return kernel_cache.get_object(variant), variant.function_prefix
+
+
+def _fp4_attrs(obj: bytes, prefix: str, **dtypes: Any) -> dict:
+    return dict(archs=DEVICE_ARCH, function_prefixes=prefix, objects=obj, offsets=(0, len(obj)), ab_dtype=E2M1,
+                a_major="k", b_major="k", **dtypes)
+
+
+def _nvfp4_well_formed(obj: bytes, prefix: str) -> Call:
+    operands, results = fp4_buffers(2, 200, 136, 96, sf_vec_size=16, sf=E4M3, alpha=True)
+    return Call(operands, results, _fp4_attrs(obj, prefix, c_dtype=F32, sf_dtype=E4M3, sf_vec_size=16))
+
+
+def _nvfp4_cases(good: Call) -> list[Case]:
+    a, b, sfa, sfb, alpha = good.operands
+    c, amax = good.results
+    l, m, row = a.shape
+    n = b.shape[1]
+    no_alpha = Call(good.operands[:4], good.results, good.attrs)
+    buffers = [
+        ("alpha missing", no_alpha, r"alpha is missing; the kernel objects \(NVFP4, E4M3 scales\) take alpha"),
+        ("alpha bf16", good.replace(operand=4, buffer=Buffer(BF16, (l,))), r"alpha is bfloat16 \(2,\); expected "
+         r"float32"),
+        ("alpha one entry for L = 2", good.replace(operand=4, buffer=Buffer(F32, (1,))), r"alpha is float32 \(1,\); "
+         r"expected \(2,\)"),
+        ("alpha scalar", good.replace(operand=4, buffer=Buffer(F32, ())), r"alpha is float32 \(\); expected"),
+        ("a as FP8 codes", good.replace(operand=0, buffer=Buffer(E4M3, a.shape)),
+         r"a is float8_e4m3fn .*compiled for float4_e2m1fn operands \(uint8 pairs\)"),
+        ("a and b unpacked (K codes per row)", Call((Buffer(U8, (l, m, 2 * row)), Buffer(U8, (l, n, 2 * row)),
+                                                     sfa, sfb, alpha), good.results, good.attrs),
+         r"sfa is float8_e4m3fn \(2, 2, 2, 32, 4, 4\); expected \(2, 2, 3, 32, 4, 4\)"),
+        ("K/2 not a multiple of 16", good.replace(operand=0, buffer=Buffer(U8, (l, m, 40))),
+         r"a is uint8 \(2, 200, 40\); expected \(L, M, K/2\) with K/2 a multiple of 16"),
+        ("b's K/2 disagrees with a's", good.replace(operand=1, buffer=Buffer(U8, (l, n, row + 16))),
+         r"b is uint8 .*expected \(L, N, K/2\) = \(2, N >= 1, 48\)"),
+        ("sfa as E8M0 bytes", good.replace(operand=2, buffer=Buffer(U8, sfa.shape)),
+         r"sfa is uint8 .*expected float8_e4m3fn scales \(NVFP4\)"),
+        ("sfb sized for blocks of 32", good.replace(operand=3, buffer=Buffer(E4M3, (l, 2, 1, 32, 4, 4))),
+         r"sfb is float8_e4m3fn \(2, 2, 1, 32, 4, 4\); expected \(2, 2, 2, 32, 4, 4\)"),
+        ("c packed FP4 for an f32 kernel", good.replace(result=0, buffer=Buffer(U8, (l, m, n // 2))),
+         r"c is uint8 .*compiled for a float32 C"),
+    ]
+    cases = [Case(name, call, "jbg_gemm_amax: " + message, "buffers") for name, call, message in buffers]
+    attributes = [
+        ("unknown sf_dtype", dict(sf_dtype="float8_e8m0"), r'sf_dtype "float8_e8m0" is not supported'),
+        ("sf_vec_size 64", dict(sf_vec_size=64), r"sf_vec_size 64 is not supported; expected 16 or 32"),
+        ("E4M3 scales per 32", dict(sf_vec_size=32), r"sf_dtype float8_e4m3fn \(NVFP4\) takes ab_dtype "
+         r"float4_e2m1fn with sf_vec_size 16"),
+        ("E4M3 scales with FP8 codes", dict(ab_dtype=E4M3), r"ab_dtype float8_e4m3fn takes sf_dtype float8_e8m0fnu "
+         r"with sf_vec_size 32"),
+        ("FP4 with an M-major A", dict(a_major="m"), r"ab_dtype float4_e2m1fn takes K-major operands"),
+    ]
+    cases += [Case(name, good.replace(**change), "jbg_gemm_amax attributes: .*" + message, "attributes")
+              for name, change, message in attributes]
+    return cases
+
+
+def _fp4_c_well_formed(obj: bytes, prefix: str) -> Call:
+    operands, results = fp4_buffers(2, 200, 160, 64, sf_vec_size=32, sf=U8, c=U8)
+    return Call(operands, results, _fp4_attrs(obj, prefix, c_dtype=E2M1, sf_dtype=E8M0, sf_vec_size=32))
+
+
+def _fp4_c_cases(good: Call) -> list[Case]:
+    a, b, sfa, sfb = good.operands
+    c, amax = good.results
+    l, m, row = a.shape
+    n = b.shape[1]
+    buffers = [
+        ("c unpacked (N bytes per row)", good.replace(result=0, buffer=Buffer(U8, (l, m, n))),
+         r"c is uint8 \(2, 200, 160\); expected \(2, 200, 80\) \(L, M, N/2\): packed FP4 pairs"),
+        ("c float32 for a packed FP4 kernel", good.replace(result=0, buffer=Buffer(F32, (l, m, n))),
+         r"c is float32 .*compiled for a float4_e2m1fn C \(uint8 pairs\)"),
+        ("N odd", Call((a, Buffer(U8, (l, n - 1, row)), sfa, sfb), good.results, good.attrs),
+         r"b is uint8 \(2, 159, 32\); expected N even for a packed FP4 C"),
+        ("an alpha for an MXFP4 kernel", Call(good.operands + (Buffer(F32, (l,)),), good.results, good.attrs),
+         r"alpha is float32 \(2,\); the kernel objects take no alpha"),
+        ("sfa as E4M3 for an E8M0 kernel", good.replace(operand=2, buffer=Buffer(E4M3, sfa.shape)),
+         r"sfa is float8_e4m3fn .*expected uint8 E8M0 scale bytes"),
+    ]
+    return [Case(name, call, "jbg_gemm_amax: " + message, "buffers") for name, call, message in buffers]
+
+
+# MN-major FP8 operands: a (L, K, M), b (L, K, N), M and N multiples of 16, with the sm_90a "am_bn" object.
+
+def _mn_object() -> tuple[bytes, str]:
+    from jax_blockgemm.kernels import catalog
+
+    variant = catalog.select_variant(arch=DEVICE_ARCH, ab_dtype=E4M3, c_dtype=F32, sf_vec_size=32, tile_mn=(128, 128),
+                                     cluster_mn=(1, 1), a_major="m", b_major="n")
+    return kernel_cache.get_object(variant), variant.function_prefix
+
+
+def _mn_well_formed(obj: bytes, prefix: str) -> Call:
+    l, m, n, k = 2, 208, 144, 96
+    kp = _cdiv(_cdiv(k, 32), 4)
+    operands = (Buffer(E4M3, (l, k, m)), Buffer(E4M3, (l, k, n)), Buffer(U8, (l, _cdiv(m, 128), kp, 32, 4, 4)),
+                Buffer(U8, (l, _cdiv(n, 128), kp, 32, 4, 4)))
+    return Call(operands, (Buffer(F32, (l, m, n)), Buffer(F32, (l,))),
+                dict(archs=DEVICE_ARCH, function_prefixes=prefix, objects=obj, offsets=(0, len(obj)), ab_dtype=E4M3,
+                     c_dtype=F32, sf_dtype=E8M0, sf_vec_size=32, a_major="m", b_major="n"))
+
+
+def _mn_cases(good: Call) -> list[Case]:
+    a, b, sfa, sfb = good.operands
+    l, k, m = a.shape
+    n = b.shape[2]
+    buffers = [
+        ("a K-major for an M-major kernel (read as K = 208)", good.replace(operand=0, buffer=Buffer(E4M3, (l, m, k))),
+         r"b is float8_e4m3fn \(2, 96, 144\); expected \(L, K, N\) = \(2, 208, N >= 1\)"),
+        ("M not a multiple of 16", good.replace(operand=0, buffer=Buffer(E4M3, (l, k, m - 8))),
+         r"a is .*\(2, 96, 200\); expected \(L, K, M\) with M a multiple of 16"),
+        ("b K-major for an N-major kernel", good.replace(operand=1, buffer=Buffer(E4M3, (l, n, k))),
+         r"b is float8_e4m3fn \(2, 144, 96\); expected \(L, K, N\) = \(2, 96, N >= 1\) with N a multiple of 16"),
+        ("b's K disagrees with a's", good.replace(operand=1, buffer=Buffer(E4M3, (l, k + 16, n))),
+         r"b is .*expected \(L, K, N\) = \(2, 96, N >= 1\)"),
+        ("c transposed", good.replace(result=0, buffer=Buffer(F32, (l, n, m))),
+         r"c is float32 \(2, 144, 208\); expected \(2, 208, 144\) \(L, M, N\)"),
+        ("sfa sized by K instead of M", good.replace(operand=2, buffer=Buffer(U8, (l, 1, 1, 32, 4, 4))),
+         r"sfa is uint8 \(2, 1, 1, 32, 4, 4\); expected \(2, 2, 1, 32, 4, 4\)"),
+    ]
+    cases = [Case(name, call, "jbg_gemm_amax: " + message, "buffers") for name, call, message in buffers]
+    attributes = [
+        ("unknown a_major", dict(a_major="n"), r'a_major "n" is not supported; expected k or m'),
+        ("unknown b_major", dict(b_major="m"), r'b_major "m" is not supported; expected k or n'),
+    ]
+    return cases + [Case(name, good.replace(**change), "jbg_gemm_amax attributes: .*" + message, "attributes")
+                    for name, change, message in attributes]
+
+
+GEMM_AMAX_MN = Target(_native.GEMM_AMAX_TARGET, functools.lru_cache(maxsize=None)(_mn_object), _mn_well_formed,
+                      _mn_cases, _gemm_amax_cpu_check)
+GEMM_AMAX_NVFP4 = Target(_native.GEMM_AMAX_TARGET, functools.lru_cache(maxsize=None)(
+    lambda: _fp4_object(F32, 16, E4M3)), _nvfp4_well_formed, _nvfp4_cases, _gemm_amax_cpu_check)
+GEMM_AMAX_FP4_C = Target(_native.GEMM_AMAX_TARGET, functools.lru_cache(maxsize=None)(
+    lambda: _fp4_object(E2M1, 32, E8M0)), _fp4_c_well_formed, _fp4_c_cases, _gemm_amax_cpu_check)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -344,7 +510,7 @@ def _proj_rope_cpu_check(call: Call) -> str:
 
 PROJ_ROPE = Target(_native.PROJ_ROPE_TARGET, _proj_rope_object, _proj_rope_well_formed, _proj_rope_cases,
                    _proj_rope_cpu_check)
-TARGETS = (GEMM_AMAX, PROJ_ROPE)
+TARGETS = (GEMM_AMAX, GEMM_AMAX_NVFP4, GEMM_AMAX_FP4_C, GEMM_AMAX_MN, PROJ_ROPE)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -355,7 +521,8 @@ def _target_cases() -> list[tuple[str, Target, Case]]:
     out = []
     for target in TARGETS:
         obj, prefix = target.object_fn()
-        out += [(f"{target.name}: {case.name}", target, case) for case in target.cases(target.well_formed(obj, prefix))]
+        out += [(f"{target.name}: {case.name}", target, case)
+                for case in target.cases(target.well_formed(obj, prefix))]
     return out
 
 

@@ -25,6 +25,8 @@ _PROJ_ROPE_ABI_TENSORS = ("x", "w", "cos", "sin", "x_scale", "w_scale", "row_cod
                           "col_scales")
 _PROJ_ROPE_VARIANTS = [v for v in catalog.CATALOG if v.op == "proj_rope"]
 _PTX_AB = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+_WIDE_C = ("float32", "bfloat16")  # the original sm_90a MXFP8 variants; the rest: Sm90SurfaceCompileTest
+_ALPHA_ABI_TENSORS = ("a", "b", "sfa", "sfb", "c", "amax", "alpha")
 _COMPILED = {}  # key -> (ptx, object bytes, header text, compiled function, kernel): each variant compiled once
 
 
@@ -56,8 +58,19 @@ class CatalogTest(parameterized.TestCase):
         self.assertEqual(catalog.KernelVariant().key, "gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1")
 
     def test_sm90a_covers_both_fp8_codes_and_both_outputs(self):
-        got = {(v.ab_dtype, v.c_dtype) for v in catalog.variants_for("sm_90a", "gemm_amax")}
-        self.assertEqual(got, {(a, c) for a in ("float8_e4m3fn", "float8_e5m2") for c in ("float32", "bfloat16")})
+        got = {(v.ab_dtype, v.c_dtype, v.sf_dtype, v.sf_vec_size, v.a_major, v.b_major)
+               for v in catalog.variants_for("sm_90a", "gemm_amax")}
+        fp8 = {(a, c, "float8_e8m0fnu", 32, "k", "k") for a in ("float8_e4m3fn", "float8_e5m2")
+               for c in ("float32", "bfloat16", "float16")}
+        # FP4 operands: every C dtype SPEC allows them (FP8 and packed FP4 C only with FP4 operands).
+        fp4 = {("float4_e2m1fn", c, sf, v, "k", "k") for sf, v in (("float8_e8m0fnu", 32), ("float8_e4m3fn", 16))
+               for c in ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")}
+        # MN-major FP8 operands, f32/bf16/f16 C (c_major="m" runs these on (B, A)).
+        mn = {(a, c, "float8_e8m0fnu", 32, am, bm) for a in ("float8_e4m3fn", "float8_e5m2")
+              for c in ("float32", "bfloat16", "float16") for am, bm in (("m", "k"), ("k", "n"), ("m", "n"))}
+        self.assertEqual(got, fp8 | fp4 | mn)
+        self.assertTrue(all(catalog.takes_alpha(v) == (v.sf_dtype == "float8_e4m3fn")
+                            for v in catalog.variants_for("sm_90a", "gemm_amax")))
         self.assertEqual(catalog.variants_for("sm_75"), ())
         rope = catalog.variants_for("sm_90a", "proj_rope")
         self.assertEqual({(v.tile_mn, v.cluster_mn, v.b_major) for v in rope},
@@ -128,7 +141,12 @@ class CatalogTest(parameterized.TestCase):
 
     @parameterized.parameters(
         dict(kwargs=dict(ab_dtype="float16"), match="ab_dtype='float16'"),
-        dict(kwargs=dict(c_dtype="float16"), match="c_dtype='float16'"),
+        dict(kwargs=dict(c_dtype="int8"), match="c_dtype='int8'"),
+        dict(kwargs=dict(sf_vec_size=16), match="(sf_dtype, sf_vec_size)=('float8_e8m0fnu', 16)"),
+        dict(kwargs=dict(ab_dtype="float4_e2m1fn", sf_dtype="float8_e4m3fn"),
+             match="(sf_dtype, sf_vec_size)=('float8_e4m3fn', 32)"),
+        dict(kwargs=dict(ab_dtype="float4_e2m1fn", dequant="bits1", promote=False, tile_k=64, a_regs=True),
+             match="a_regs=True needs FP8 operands"),
         dict(kwargs=dict(tile_mn=(64, 64)), match="tile_mn"),
         dict(kwargs=dict(cluster_mn=(2, 1)), match="cluster_mn"),
         dict(kwargs=dict(dequant="int"), match="dequant='int'"),
@@ -176,7 +194,8 @@ class CatalogTest(parameterized.TestCase):
 class CompileTest(parameterized.TestCase):
 
     @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_90a", "gemm_amax")
-                                    + catalog.TEST_VARIANTS)
+                                    + catalog.TEST_VARIANTS
+                                    if v.ab_dtype in _PTX_AB and v.c_dtype in _WIDE_C and v.a_major + v.b_major == "kk")
     def test_compiles_for_its_arch_with_wgmma_and_tma(self, v):
         ptx, obj, *_ = _compiled(v)
         self.assertGreater(len(obj), 1000)
@@ -351,19 +370,74 @@ class CompileTest(parameterized.TestCase):
     def test_header_matches_abi(self, v):
         _, _, header, *_ = _compiled(v)
         p = v.function_prefix
-        for name in _ABI_TENSORS:
+        tensors = _ALPHA_ABI_TENSORS if catalog.takes_alpha(v) else _ABI_TENSORS  # NVFP4: alpha after amax
+        for name in tensors:
             struct = re.search(r"typedef struct \{([^}]*)\}\s*" + re.escape(f"{p}_Tensor_{name}_t;"), header)
             self.assertIsNotNone(struct, f"no tensor struct for {name!r}")
             fields = [f.strip() for f in struct.group(1).split(";") if f.strip()]
             self.assertEqual(fields, ["void *data", "int64_t dynamic_shapes[1]"], name)
         wrapper = re.search(rf"int32_t cute_dsl_{p}_wrapper\(([^)]*)\)", header).group(1)
         params = [x.strip() for x in wrapper.split(",")]
-        self.assertEqual(params[1:], [f"{p}_Tensor_{t}_t *{t}" for t in _ABI_TENSORS]
+        self.assertEqual(params[1:], [f"{p}_Tensor_{t}_t *{t}" for t in tensors]
                          + [f"int32_t {s}" for s in "mnkl"] + ["cudaStream_t stream"])
         args = re.search(r"void \*args\[(\d+)\] = \{([^}]*)\}", header)
-        self.assertEqual(int(args.group(1)), 12)
+        self.assertEqual(int(args.group(1)), 6 + len(tensors))  # what ffi/gemm_amax.cc passes
         self.assertEqual([x.strip() for x in args.group(2).split(",")],
-                         list(_ABI_TENSORS) + ["&m", "&n", "&k", "&l", "&stream", "&ret"])
+                         list(tensors) + ["&m", "&n", "&k", "&l", "&stream", "&ret"])
+
+
+_SURFACE_90 = [v for v in catalog.variants_for("sm_90a", "gemm_amax")
+               if v.ab_dtype not in _PTX_AB or v.c_dtype not in _WIDE_C or v.a_major + v.b_major != "kk"]
+
+
+class Sm90SurfaceCompileTest(parameterized.TestCase):
+    """The sm_90a variants beyond MXFP8 -> f32/bf16 (FP4 operands, alpha, f16/FP8/FP4 C): compiled once each (the
+    module's cache, shared with the ABI header test), with the structural checks of the FP8 ones plus what each
+    addition must compile to, and the cubin's resources (no spills)."""
+
+    @parameterized.named_parameters((v.key, v) for v in _SURFACE_90)
+    def test_structure(self, v):
+        ptx, obj, _, fn, kernel = _compiled(v)
+        self.assertGreater(len(obj), 1000)
+        self.assertIn(".target sm_90a", ptx)
+        self.assertRegex(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16")
+        self.assertIn("cp.async.bulk.tensor", ptx)
+        self.assertIn("atom.global.max.s32", ptx)
+        self.assertNotIn(".local", ptx)
+        resources = structure.cubin_resources(fn.__cubin__)
+        self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
+        self.assertLessEqual(resources.registers, 255)
+        if v.ab_dtype == "float4_e2m1fn":
+            # FP4: no FP8 converter; per k-tile each consumer thread converts 8 rows (4 of A, 4 of B) of 16 codes:
+            # one 8-byte shared load and 8 output words of 2 packed bf16 multiplies each; the first k-tile before
+            # the mainloop, then once inside it.
+            self.assertNotRegex(ptx, r"cvt\.rn\.f16x2\.e[45]m[23]x2")
+            self.assertEqual(ptx.count("ld.shared.v2.b32"), 2 * 8)
+            self.assertEqual(len(re.findall(r"(?:mul|fma\.rn)\.bf16x2", ptx)), 2 * 8 * 8 * 2)
+        else:
+            self.assertIn(f"cvt.rn.f16x2.{_PTX_AB[v.ab_dtype]}x2", ptx)
+        # C: 64 accumulator values per thread (two 64-row warpgroups x 128 columns / 128 threads).
+        conversions = {"float16": ("cvt.rn.f16.f32", 64), "float8_e4m3fn": ("cvt.rn.satfinite.e4m3x2.f32", 32),
+                       "float8_e5m2": ("cvt.rn.satfinite.e5m2x2.f32", 32)}
+        if v.c_dtype in conversions:
+            instruction, count = conversions[v.c_dtype]
+            self.assertEqual(ptx.count(instruction), count)
+        if v.c_dtype in ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn"):
+            self.assertIn("st.global.b8", ptx)  # byte stores of codes (FP8) or packed pairs (FP4)
+        if v.c_dtype == "float4_e2m1fn":  # software RNE to E2M1: 7 threshold compares per value
+            self.assertNotIn("cvt.rn.satfinite", ptx)
+            self.assertGreaterEqual(len(re.findall(r"setp\.(?:gt|ge)\.f32", ptx)), 7 * 64)
+        # The wgmma's transpose flags: 1 for an MN-major operand's bf16 tile (imm-trans-a, imm-trans-b).
+        flags = set(re.findall(r"wgmma\.mma_async[^;]*, p, 1,\s*1, (\d), (\d);", ptx))
+        self.assertEqual(flags, {(str(int(v.a_major == "m")), str(int(v.b_major == "n")))})
+        if v.a_major + v.b_major != "kk":  # per k-tile and operand: 4 passes of 16 rows at one k, 16 scale words
+            self.assertEqual(ptx.count("ld.shared.v4.b32"), 2 * 8 + 2)
+            # Scale words (16 per MN-major operand, 4 per K-major one): before the first tile, ahead of tile 1 and
+            # in the mainloop; with both operands MN-major, right before each conversion instead (setup + loop).
+            self.assertEqual(ptx.count("ld.global.b32"), 3 * 20 if v.a_major + v.b_major != "mn" else 2 * 32)
+        if catalog.takes_alpha(v):  # alpha[l] times each of the 64 accumulator values, before amax and conversion
+            self.assertGreaterEqual(len(re.findall(r"mul\.(?:rn\.)?f32", ptx)), 64)
+            self.assertTrue(kernel.has_alpha)
 
 
 class ReportTest(absltest.TestCase):

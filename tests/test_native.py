@@ -179,7 +179,7 @@ class BufferCheckTest(parameterized.TestCase):
             (_replace(good, 0, dtype=BF16), r"a is bfloat16 \(2, 200, 160\); expected float8_e4m3fn or float8_e5m2"),
             (_replace(good, 1, dtype=E5M2), r"b is float8_e5m2 .*expected the dtype of a \(float8_e4m3fn\)"),
             (_replace(good, 2, dtype="int32"), "sfa is .*expected uint8"),
-            (_replace(good, 4, dtype="float16"), "c is .*expected float32 or bfloat16"),
+            (_replace(good, 4, dtype="int32"), "c is .*expected float32, bfloat16, float16"),
             (_replace(good, 5, dtype=BF16), "amax is bfloat16 .*expected float32"),
             (_replace(good, 0, dims=[200, 160]), r"a is .*expected rank 3 \(L, M, K\)"),
             (_replace(good, 1, dims=[2, 72, 128]), r"b is .*expected \(L, N, K\) = \(2, N >= 1, 160\)"),
@@ -248,7 +248,8 @@ _XLA_PROBE = textwrap.dedent("""
         call = jax.ffi.ffi_call("jbg_gemm_amax", out)
         f = jax.jit(lambda *x: call(*x, archs="sm_90a,sm_100a", function_prefixes="p90,p100", objects=blob,
                                     offsets=np.array(offsets, np.int64), ab_dtype="float8_e4m3fn",
-                                    c_dtype="float32"))
+                                    c_dtype="float32", sf_dtype="float8_e8m0fnu", sf_vec_size=32, a_major="k",
+                                    b_major="k"))
         try:
             f(*ops)
             print(name, "RAN")

@@ -33,7 +33,7 @@ import cutlass  # noqa: F401  (an ImportError here tells the dispatcher that CuT
 from jax_blockgemm.kernels import sm100 as _sm100
 
 _SHORT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float4_e2m1fn": "e2m1", "float32": "f32",
-          "bfloat16": "bf16"}
+          "bfloat16": "bf16", "float16": "f16"}
 E8M0 = "float8_e8m0fnu"
 OPS = ("gemm_amax", "proj_rope")
 _COMPILE_LOCK = threading.Lock()
@@ -52,7 +52,8 @@ class KernelVariant:
     cluster_mn: tuple = (1, 1)
     flavor: str = ""  # "" for real kernels; the name of a deliberately wrong one in TEST_VARIANTS
     sf_dtype: str = E8M0  # the scale format: E8M0 (MX formats), or E4M3 (NVFP4)
-    b_major: str = "k"  # "n": B (proj_rope's w) is read MN-major
+    b_major: str = "k"  # "n": B (proj_rope's w, gemm_amax's b) is read MN-major
+    a_major: str = "k"  # "m": gemm_amax's A is read MN-major
 
     @property
     def key(self) -> str:
@@ -62,6 +63,7 @@ class KernelVariant:
         return (f"{self.op}.{self.arch}.{_SHORT.get(self.ab_dtype, self.ab_dtype)}."
                 f"{_SHORT.get(self.c_dtype, self.c_dtype)}.sf{self.sf_vec_size}{sf}."
                 f"t{self.tile_mn[0]}x{self.tile_mn[1]}.c{self.cluster_mn[0]}x{self.cluster_mn[1]}"
+                + ("" if self.a_major == "k" else f".a{self.a_major}")
                 + ("" if self.b_major == "k" else f".b{self.b_major}")
                 + (f".{self.flavor}" if self.flavor else ""))
 
@@ -71,17 +73,34 @@ class KernelVariant:
         return "jbg_" + re.sub(r"[^0-9A-Za-z_]", "_", self.key)
 
 
-def _hopper_factory(v: KernelVariant) -> Any:
-    from jax_blockgemm.kernels.sm90.gemm_amax import HopperMxf8GemmAmax
+# Mainloop options (HopperMxf8GemmAmax's dequant / tile_k / mma_buffers / promote / a_regs / overlap) of the
+# sm_90a MXFP8 K-major variants; empty: the kernel's defaults.
+HOPPER_FP8_OPTIONS: dict = {}
 
-    return HopperMxf8GemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn, cluster_mn=v.cluster_mn)
+
+def takes_alpha(v: KernelVariant) -> bool:
+    """Whether variant `v`'s exported function takes NVFP4's alpha tensor (after amax): the E4M3-scale gemm_amax
+    kernels (the handler passes alpha = 1 when the call has none)."""
+    return v.op == "gemm_amax" and v.sf_dtype == "float8_e4m3fn"
+
+
+def _hopper_factory(v: KernelVariant) -> Any:
+    from jax_blockgemm.kernels.sm90.gemm_amax import HopperGemmAmaxAlpha, HopperMxf8GemmAmax
+
+    cls = HopperGemmAmaxAlpha if takes_alpha(v) else HopperMxf8GemmAmax
+    # The FP4 and MN-major variants convert with dequantizers of their own and take the defaults for the rest.
+    options = HOPPER_FP8_OPTIONS if (v.ab_dtype in _FP8 and v.a_major == "k" and v.b_major == "k") else {}
+    return cls(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn, cluster_mn=v.cluster_mn,
+               sf_vec_size=v.sf_vec_size, sf_dtype=v.sf_dtype, a_major=v.a_major, b_major=v.b_major, **options)
 
 
 def _blackwell_factory(v: KernelVariant) -> Any:
-    from jax_blockgemm.kernels.sm100.gemm_amax import BlackwellBlockScaledGemmAmax
+    from jax_blockgemm.kernels.sm100.gemm_amax import (BlackwellBlockScaledGemmAmax,
+                                                       BlackwellBlockScaledGemmAmaxAlpha)
 
-    return BlackwellBlockScaledGemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn,
-                                        cluster_mn=v.cluster_mn, sf_vec_size=v.sf_vec_size, sf_dtype=v.sf_dtype)
+    cls = BlackwellBlockScaledGemmAmaxAlpha if takes_alpha(v) else BlackwellBlockScaledGemmAmax
+    return cls(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn, cluster_mn=v.cluster_mn,
+               sf_vec_size=v.sf_vec_size, sf_dtype=v.sf_dtype, a_major=v.a_major, b_major=v.b_major)
 
 
 def _hopper_proj_rope_factory(v: KernelVariant) -> Any:
@@ -118,21 +137,38 @@ PROJ_ROPE_TILES_SM100 = ((128, 192),)
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 _C = ("float32", "bfloat16")
 
+# sm_90a beyond MXFP8 -> f32/bf16 (issue 10 item 3; compiled and checked here, run on an H200 by the GPU tests):
+# MXFP8 -> f16 C; MXFP4 (E8M0, block 32) and NVFP4 (E4M3, block 16, alpha) -> every C dtype SPEC allows for FP4
+# operands (f32, bf16, f16, E4M3, E5M2, packed FP4), all through the bf16-dequantization mainloop.
+_SM90_FP4_C = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
+_SM90_FP4_SCALES = ((32, E8M0), (16, "float8_e4m3fn"))
+
 CATALOG: tuple[KernelVariant, ...] = (
     tuple(KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype=c) for ab in _FP8 for c in _C)
+    + tuple(KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype="float16") for ab in _FP8)
+    + tuple(KernelVariant(arch="sm_90a", ab_dtype="float4_e2m1fn", c_dtype=c, sf_vec_size=v, sf_dtype=sf)
+            for v, sf in _SM90_FP4_SCALES for c in _SM90_FP4_C)
+    # MXFP8 with MN-major operands (A as (L, K, M), B as (L, K, N)), every C dtype SPEC allows FP8 operands;
+    # c_major="m" runs these on (B, A).
+    + tuple(KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype=c, a_major=am, b_major=bm)
+            for am, bm in (("m", "k"), ("k", "n"), ("m", "n")) for ab in _FP8 for c in (*_C, "float16"))
     # sm_100a: compiled and checked here, never run (no Blackwell GPU); every tile and cluster shape of the
     # seed's MXFP8 surface.
     + tuple(KernelVariant(arch="sm_100a", ab_dtype=ab, c_dtype=c, tile_mn=t, cluster_mn=cl)
             for ab in _FP8 for c in _C for t in _sm100.SUPPORTED_TILES_MN for cl in _sm100.SUPPORTED_CLUSTERS_MN)
     # sm_100a FP4 (MXFP4: E8M0 block 32; NVFP4: E4M3 or E8M0 block 16, tile N 128 only): compiled and checked,
-    # NOT selectable yet (the FFI handler takes FP8 codes and E8M0 bytes only, and the ABI has no alpha; dispatch
-    # asks for the operands' own dtype, uint8 for FP4, which no entry has). Four of the nine cluster shapes the
-    # kernel accepts, to keep CI's compile time down while nothing can run them.
+    # never run (no Blackwell GPU); reachable through the handler (packed FP4 operands, E4M3 scales, alpha), used
+    # after the first-use self-check. Four of the nine cluster shapes the kernel accepts, to keep CI's compile
+    # time down.
     + tuple(KernelVariant(arch="sm_100a", ab_dtype="float4_e2m1fn", c_dtype=c, sf_vec_size=v, sf_dtype=sf,
                           tile_mn=t, cluster_mn=cl)
             for v, sf, tiles in ((32, E8M0, _sm100.SUPPORTED_TILES_MN), (16, "float8_e4m3fn", ((128, 128),)),
                                  (16, E8M0, ((128, 128),)))
             for c in _C for t in tiles for cl in ((1, 1), (2, 1), (1, 2), (2, 2)))
+    # sm_100a MXFP8 with MN-major operands (compiled and checked, never run): the MMA reads MN-major tiles; one
+    # tile and cluster shape (dispatch falls back to it from any other).
+    + tuple(KernelVariant(arch="sm_100a", ab_dtype=ab, c_dtype=c, a_major=am, b_major=bm)
+            for am, bm in (("m", "k"), ("k", "n"), ("m", "n")) for ab in _FP8 for c in _C)
     # proj_rope on sm_90a: bf16 x and w (MXFP8 inputs are dequantized to bf16 before the kernel), both w layouts.
     + tuple(KernelVariant(op="proj_rope", arch="sm_90a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
                           tile_mn=t, cluster_mn=cl, b_major=b_major)
@@ -157,11 +193,11 @@ def variants_for(arch: str, op: str | None = None) -> tuple[KernelVariant, ...]:
 
 def select_variant(*, arch: str, ab_dtype: str, c_dtype: str, sf_vec_size: int, tile_mn: tuple,
                    cluster_mn: tuple, sf_dtype: str = E8M0, op: str = "gemm_amax",
-                   b_major: str = "k") -> KernelVariant | None:
+                   b_major: str = "k", a_major: str = "k") -> KernelVariant | None:
     """The catalog entry matching every field exactly, or None."""
     want = KernelVariant(op=op, arch=arch, ab_dtype=str(ab_dtype), c_dtype=str(c_dtype), sf_vec_size=int(sf_vec_size),
                          tile_mn=tuple(tile_mn), cluster_mn=tuple(cluster_mn), sf_dtype=str(sf_dtype),
-                         b_major=b_major)
+                         b_major=b_major, a_major=a_major)
     return want if want in CATALOG else None
 
 
@@ -189,9 +225,11 @@ def fake_arguments(kernel: Any, op: str = "gemm_amax") -> list:
         return [flat(ab), flat(ab), flat(cutlass.BFloat16), flat(cutlass.BFloat16), flat(u8), flat(u8),
                 flat(u8), flat(u8), flat(u8), flat(u8), cutlass.Int32(32), cutlass.Int32(64), cutlass.Int32(1),
                 cuda.CUstream(0)]
-    return [flat(kernel.ab_dtype), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(cutlass.Uint8),
-            flat(kernel.c_dtype), flat(cutlass.Float32), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(16),
-            cutlass.Int32(1), cuda.CUstream(0)]
+    tensors = [flat(kernel.ab_dtype), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(cutlass.Uint8),
+               flat(kernel.c_dtype), flat(cutlass.Float32)]
+    if getattr(kernel, "has_alpha", False):
+        tensors.append(flat(cutlass.Float32))
+    return tensors + [cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(16), cutlass.Int32(1), cuda.CUstream(0)]
 
 
 def compile_function(v: KernelVariant, *, keep_ptx: bool = False, kernel: Any = None) -> Any:

@@ -92,6 +92,62 @@ def e8m0_word_to_bf16x2(word: cutlass.Int32, j: cutlass.Int32) -> cutlass.Int32:
     return bits | (bits >> 16)
 
 
+# --- E2M1 (FP4) codes and E4M3 scales, for dequantizing to bf16 ------------------------------------------
+# A byte holds two E2M1 codes (SPEC §1: element 2i in the low nibble), a 32-bit word eight: code j in bits 4j..4j+3.
+# Bit model: a nibble s|e1 e0|m (sign, 2 exponent bits, 1 mantissa bit) becomes the bfloat16 bit pattern
+# s<<15 | (e1 e0 m)<<6, which is exactly code·2^-126: for e >= 1 it is the normal 2^(e-127)·(1 + m/2) =
+# 2^(e-1)·(1 + m/2)·2^-126, and for e = 0 the subnormal m·2^-127 = (m/2)·2^-126. One multiply by 2^126 (a normal
+# bf16) gives the code itself, exactly; a second by the block scale gives code·scale, exact in bf16 for an E8M0
+# scale (a power of two; byte 0 is the subnormal 2^-127, 0.5·2^-127 is still a bf16 subnormal) and for a
+# positive E4M3 scale (at most 2 + 4 significant bits, magnitudes in [2^-10, 2688]).
+# Pair i (0..3) of a word: codes i and i + 4 (bits 4i.. and 16 + 4i..) land in the low and high bf16 of one
+# 32-bit word with the same shifts for both halves; the kernel writes B with the same order as A, so the k
+# permutation this makes inside each group of 8 leaves the dot product unchanged (scale blocks are not crossed).
+E2M1_MAG_MASK_X2 = 0x01C001C0  # bf16 bits 6..8 of both halves: (e1 e0 m)
+E2M1_SIGN_MASK_X2 = -0x7FFF8000  # 0x80008000 as a signed int32: bit 15 of both halves
+BF16X2_TWO_POW_126 = 0x7E807E80  # 2^126 in both halves (biased exponent 253)
+
+
+def e2m1_pair_shifts(i: int) -> tuple[int, int]:
+    """Left shifts (negative: right) that move code i's magnitude to bf16 bit 6 and its sign to bit 15."""
+    return 6 - 4 * i, 12 - 4 * i
+
+
+def _shift(x, amount: int):
+    return x << amount if amount > 0 else (x >> -amount if amount < 0 else x)
+
+
+def e2m1_pair_bits(word, i: int):
+    """bf16x2 bit pattern (code·2^-126 each) of codes i (low half) and i + 4 (high half) of a word of 8 E2M1 codes.
+
+    Plain Python on Int32 (the kernel inlines it; tests run it on NumPy int64). Arithmetic right shifts only fill
+    bits 26..31, which the masks drop.
+    """
+    mag_shift, sign_shift = e2m1_pair_shifts(i)
+    return (_shift(word, mag_shift) & E2M1_MAG_MASK_X2) | (_shift(word, sign_shift) & E2M1_SIGN_MASK_X2)
+
+
+F32_TWO_POW_120 = 2.0**120
+E4M3_NAN_BF16X2 = 0x7FC07FC0
+
+
+@cute.jit
+def e4m3_scale_bf16x2(byte: cutlass.Int32) -> cutlass.Int32:
+    """An E4M3 byte (NVFP4 block scale) as a packed pair of equal bfloat16 values (exact: 4 significant bits).
+
+    Bits 0..6 moved to float32 bits 20..26 are the value·2^-120 (E4M3 subnormals become float32 subnormals of the
+    same value·2^-120); times 2^120 in float32 gives the value, whose float32 bits have 16 zero low bits. The
+    sign is kept; the NaN bytes 0x7F / 0xFF give a bf16 NaN.
+    """
+    mag = byte & 0x7F
+    value = f32_from_bits(mag << 20) * cutlass.Float32(F32_TWO_POW_120)
+    high = ((bits_from_f32(value) >> 16) & 0x7FFF) | ((byte & 0x80) << 8)
+    pair = high | (high << 16)
+    if mag == 0x7F:
+        pair = cutlass.Int32(E4M3_NAN_BF16X2)
+    return pair
+
+
 # --- amax ----------------------------------------------------------------------------------------------
 @cute.jit
 def abs_bits(x: cutlass.Float32) -> cutlass.Int32:

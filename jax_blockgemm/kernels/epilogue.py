@@ -102,6 +102,41 @@ def e4m3x2(lo: cutlass.Float32, hi: cutlass.Float32, *, loc=None, ip=None) -> cu
         "=r,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+@dsl_user_op
+def fp8x2(lo: cutlass.Float32, hi: cutlass.Float32, fmt: str, *, loc=None, ip=None) -> cutlass.Int32:
+    """Two FP8 codes of `fmt` ("e4m3" or "e5m2") as hi << 8 | lo: round-to-nearest-even, saturated to the largest
+    finite value (+-448 / +-57344, also for +-inf), NaN kept (SPEC §4's FP8 C conversion)."""
+    if fmt not in ("e4m3", "e5m2"):
+        raise ValueError(f"fmt={fmt!r} is not supported; expected 'e4m3' or 'e5m2'")
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(),
+        [cutlass.Float32(hi).ir_value(loc=loc, ip=ip), cutlass.Float32(lo).ir_value(loc=loc, ip=ip)],
+        f"{{ .reg .b16 t; cvt.rn.satfinite.{fmt}x2.f32 t, $1, $2; cvt.u32.u16 $0, t; }}",
+        "=r,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+# E2M1 rounding thresholds on |x| (SPEC §1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6): the code is the number of
+# thresholds |x| passes. Ties go to the even code: a midpoint below an odd code is passed only when strictly
+# exceeded (0.25 -> 0, 1.25 -> 1, 2.5 -> 2, 5 -> 4), one below an even code already when reached (0.75 -> 1,
+# 1.75 -> 2, 3.5 -> 4). Everything above 5 gives 6: saturation, inf included.
+E2M1_STRICT = (0.25, 1.25, 2.5, 5.0)
+E2M1_INCLUSIVE = (0.75, 1.75, 3.5)
+
+
+@cute.jit
+def e2m1_nibble(x: cutlass.Float32) -> cutlass.Int32:
+    """The E2M1 code of x (round-to-nearest-even, saturated to +-6) as a nibble (bit 3 = sign). NaN gives a
+    signed zero; SPEC leaves FP4 of NaN open (the format has none). sm_90 has no FP4 conversion instruction."""
+    bits = common.bits_from_f32(x)
+    a = common.f32_from_bits(bits & common.F32_ABS_MASK)
+    code = cutlass.Int32(0)
+    for t in cutlass.range_constexpr(len(E2M1_STRICT)):
+        code = code + cutlass.Int32(a > cutlass.Float32(E2M1_STRICT[t]))
+    for t in cutlass.range_constexpr(len(E2M1_INCLUSIVE)):
+        code = code + cutlass.Int32(a >= cutlass.Float32(E2M1_INCLUSIVE[t]))
+    return code | ((bits >> 28) & 8)
+
+
 @cute.jit
 def quantize_pair(lo: cutlass.Float32, hi: cutlass.Float32, inv_lo: cutlass.Float32, inv_hi: cutlass.Float32,
                   bad_lo: cutlass.Boolean, bad_hi: cutlass.Boolean) -> cutlass.Int32:

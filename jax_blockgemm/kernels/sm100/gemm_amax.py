@@ -9,8 +9,9 @@ Unlike Hopper, the tensor cores apply the block scales themselves (`tcgen05.mma.
 with one E8M0 scale per 32 K-elements for MXFP8; kind mxf4nvf4 for MXFP4 (E8M0, block 32) and NVFP4 (E4M3 or
 E8M0, block 16)), reading them from tensor memory; the scale atoms of SPEC §3 are exactly the layout that MMA
 expects, so TMA copies them unchanged into shared memory and `tcgen05.cp` moves them on to tensor memory.
-The FP4 variants are compiled and checked but not yet reachable from JAX: the FFI handler takes FP8 codes and
-E8M0 scale bytes only, and the ABI has no alpha (dispatch never selects them; see kernels/catalog.py).
+The FP4 variants take packed E2M1 pairs (the handler passes the uint8 buffers); the E4M3-scale (NVFP4) ones take
+the per-tensor alpha as a 7th tensor (`BlackwellBlockScaledGemmAmaxAlpha`), applied in the epilogue before amax.
+FP8 operands may be MN-major (`a_major="m"`: A as (L, K, M); `b_major="n"`): the MMA reads MN-major tiles.
 Warp roles (one CTA of 6 warps per SM, persistent over output tiles):
 
 - `producer` (warp 5): TMA loads of A, B, SFA, SFB k-tiles into a ring of shared-memory stages (mbarriers),
@@ -21,7 +22,7 @@ Warp roles (one CTA of 6 warps per SM, persistent over output tiles):
   predicated store of every in-bounds element (any M, N), then one integer atomic max per tile into amax[l]
   through the helper the Hopper kernel uses (kernels/common.py).
 
-The exported ABI is the catalog's: fn(a, b, sfa, sfb, c, amax, m, n, k, l, stream) over flat buffers.
+The exported ABI is the catalog's: fn(a, b, sfa, sfb, c, amax[, alpha], m, n, k, l, stream) over flat buffers.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class BlackwellBlockScaledGemmAmax:
 
     def __init__(self, *, ab_dtype: str = "float8_e4m3fn", c_dtype: str = "float32",
                  tile_mn: tuple[int, int] = (128, 128), cluster_mn: tuple[int, int] = (1, 1),
-                 sf_vec_size: int = 32, sf_dtype: str = "float8_e8m0fnu"):
+                 sf_vec_size: int = 32, sf_dtype: str = "float8_e8m0fnu", a_major: str = "k", b_major: str = "k"):
         common.require_choice("ab_dtype", ab_dtype, sorted(_AB_DTYPES))
         common.require_choice("c_dtype", c_dtype, sorted(_C_DTYPES))
         common.require_choice("tile_mn", tuple(tile_mn), SUPPORTED_TILES_MN)
@@ -75,11 +76,20 @@ class BlackwellBlockScaledGemmAmax:
         if (sf_vec_size, sf_dtype) not in allowed:
             raise ValueError(f"sf_vec_size={sf_vec_size!r} with sf_dtype={sf_dtype!r} is not supported for "
                              f"ab_dtype={ab_dtype!r}; expected one of {allowed}")
+        common.require_choice("a_major", a_major, ("k", "m"))
+        common.require_choice("b_major", b_major, ("k", "n"))
+        # MN-major operands (A as (L, K, M), B as (L, K, N)): the MMA reads MN-major shared-memory tiles (the
+        # instruction descriptor's transpose bits); FP8 codes only (packed FP4 is K-major).
+        self.a_mn, self.b_mn = a_major == "m", b_major == "n"
+        if not fp8 and (self.a_mn or self.b_mn):
+            raise ValueError(f"a_major={a_major!r}, b_major={b_major!r}: MN-major operands need FP8 codes, got "
+                             f"ab_dtype={ab_dtype!r}")
         if sf_vec_size == 16 and tuple(tile_mn) == (128, 256):
             raise ValueError("tile_mn=(128, 256) with sf_vec_size=16 is disabled in the seed for float32/bfloat16 "
                              f"C; expected {SUPPORTED_TILES_MN[0]}")
         self.ab_dtype: Type[cutlass.Numeric] = _AB_DTYPES[ab_dtype]
         self.c_dtype: Type[cutlass.Numeric] = _C_DTYPES[c_dtype]
+        self.has_alpha = False  # NVFP4's per-tensor alpha (BlackwellBlockScaledGemmAmaxAlpha)
         self.sf_dtype: Type[cutlass.Numeric] = _SF_DTYPES[sf_dtype]
         self.acc_dtype = cutlass.Float32
         self.sf_vec_size = sf_vec_size
@@ -87,8 +97,8 @@ class BlackwellBlockScaledGemmAmax:
         self.tile_mn = tuple(tile_mn)
         self.cluster_mn = tuple(cluster_mn)
         self.cta_group = tcgen05.CtaGroup.ONE
-        self.a_major = cute.nvgpu.OperandMajorMode.K
-        self.b_major = cute.nvgpu.OperandMajorMode.K
+        major = lambda mn: cute.nvgpu.OperandMajorMode.MN if mn else cute.nvgpu.OperandMajorMode.K
+        self.a_major, self.b_major = major(self.a_mn), major(self.b_mn)
         self.c_layout = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
         # Warp roles.
         self.epilogue_warps = (0, 1, 2, 3)
@@ -109,6 +119,10 @@ class BlackwellBlockScaledGemmAmax:
             return False, f"every size must be >= 1, got m={m}, n={n}, k={k}, l={l}"
         if k % self.k_align:
             return False, f"k must be a multiple of {self.k_align} (16-byte rows for TMA), got k={k}"
+        for size, name, mn_major in ((m, "m", self.a_mn), (n, "n", self.b_mn)):
+            if mn_major and size % 16:
+                return False, (f"{name} must be a multiple of 16 for an MN-major operand (16-byte rows), "
+                               f"got {name}={size}")
         if l * max(m, n) * k >= 2**31 or l * m * n >= 2**31:
             return False, f"operands must hold fewer than 2**31 elements, got m={m}, n={n}, k={k}, l={l}"
         return True, ""
@@ -158,10 +172,18 @@ class BlackwellBlockScaledGemmAmax:
                  amax: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32,
                  stream: cuda.CUstream):
         """Host side: (M, K, L)-shaped views of the flat buffers, the TMA atoms, the persistent grid; launch."""
+        self._launch(a, b, sfa, sfb, c, amax, amax, m, n, k, l, stream)
+
+    @cute.jit
+    def _launch(self, a: cute.Tensor, b: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, c: cute.Tensor,
+                amax: cute.Tensor, alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+                l: cutlass.Int32, stream: cuda.CUstream):
+        """The body of both ABIs' `__call__`: `alpha` is NVFP4's (L,) float32 tensor with `has_alpha`, else a
+        stand-in (amax) that the kernel never reads."""
         self._setup()
         k16 = cute.assume(k, divby=self.k_align)
-        mA = cute.make_tensor(a.iterator, cute.make_layout((m, k16, l), stride=(k16, 1, m * k16)))
-        mB = cute.make_tensor(b.iterator, cute.make_layout((n, k16, l), stride=(k16, 1, n * k16)))
+        mA = self._operand_view(a, m, k16, l, self.a_mn)
+        mB = self._operand_view(b, n, k16, l, self.b_mn)
         mC = cute.make_tensor(c.iterator, cute.make_layout((m, n, l), stride=(n, 1, m * n)))
         # The SPEC §3 atom buffer is the layout the block-scaled MMA reads: ((32,4,M'),(32,4,K'),L) over bytes.
         mSFA = cute.make_tensor(cute.recast_ptr(sfa.iterator, dtype=self.sf_dtype),
@@ -212,17 +234,25 @@ class BlackwellBlockScaledGemmAmax:
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()  # dynamic shared memory per CTA (reported by precompile)
         self.kernel(self.tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sfa, tma_sfa, tma_atom_sfb,
-                    tma_sfb, mC, amax, self.cluster_layout_vmnk, self.a_smem_staged, self.b_smem_staged,
+                    tma_sfb, mC, amax, alpha, self.cluster_layout_vmnk, self.a_smem_staged, self.b_smem_staged,
                     self.sfa_smem_staged, self.sfb_smem_staged, self.epi_tile, sched_params).launch(
             grid=grid, block=(self.threads_per_cta, 1, 1), cluster=(*self.cluster_mn, 1), min_blocks_per_mp=1,
             stream=stream)
+
+    @staticmethod
+    def _operand_view(x: cute.Tensor, rows, k16, l, mn_major: bool) -> cute.Tensor:
+        """The (rows, K, L) view of a flat operand buffer: (L, rows, K) K-major, or (L, K, rows) MN-major."""
+        if mn_major:
+            rows16 = cute.assume(rows, divby=16)
+            return cute.make_tensor(x.iterator, cute.make_layout((rows16, k16, l), stride=(1, rows16, rows16 * k16)))
+        return cute.make_tensor(x.iterator, cute.make_layout((rows, k16, l), stride=(k16, 1, rows * k16)))
 
     # ------------------------------------------------------------------------------------------ device
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor,
                tma_atom_b: cute.CopyAtom, mB_nkl: cute.Tensor, tma_atom_sfa: cute.CopyAtom, mSFA_mkl: cute.Tensor,
                tma_atom_sfb: cute.CopyAtom, mSFB_nkl: cute.Tensor, mC_mnl: cute.Tensor, amax: cute.Tensor,
-               cluster_layout_vmnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
+               alpha: cute.Tensor, cluster_layout_vmnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
                b_smem_staged: cute.ComposedLayout, sfa_smem_staged: cute.Layout, sfb_smem_staged: cute.Layout,
                epi_tile: cute.Tile, sched_params: persistent.SchedulerParams):
         """Device body: warp 5 produces (TMA), warp 4 issues the MMAs, warps 0-3 run the epilogue."""
@@ -377,7 +407,8 @@ class BlackwellBlockScaledGemmAmax:
             tmem.wait_for_alloc()
             acc_ptr = tmem.retrieve_ptr(self.acc_dtype)
             tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
-            self._epilogue(tiled_mma, epi_tile, tidx, tCtAcc_base, mC_mnl, amax, storage, acc_pipeline, sched_params)
+            self._epilogue(tiled_mma, epi_tile, tidx, tCtAcc_base, mC_mnl, amax, alpha, storage, acc_pipeline,
+                           sched_params)
             tmem.relinquish_alloc_permit()
             cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.epilogue_threads)
             tmem.free(acc_ptr)
@@ -393,7 +424,7 @@ class BlackwellBlockScaledGemmAmax:
 
     @cute.jit
     def _epilogue(self, tiled_mma: cute.TiledMma, epi_tile: cute.Tile, tidx: cutlass.Int32, tCtAcc_base: cute.Tensor,
-                  mC_mnl: cute.Tensor, amax: cute.Tensor, storage, acc_pipeline,
+                  mC_mnl: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor, storage, acc_pipeline,
                   sched_params: persistent.SchedulerParams):
         """Per tile: tensor memory -> registers by epilogue sub-tile, predicated stores of C, amax into amax[l]."""
         tiler_mn = cute.slice_(self.mma_tiler, (None, None, 0))
@@ -433,6 +464,8 @@ class BlackwellBlockScaledGemmAmax:
                 # tcgen05.ld is asynchronous: wait for it before reading the registers (and before the release
                 # below hands the stage back to the MMA warp), as the sm_100a proj_rope epilogue does.
                 cute.arch.fence_view_async_tmem_load()
+                if cutlass.const_expr(self.has_alpha):  # NVFP4: C and amax are of alpha·acc (SPEC §1, §4)
+                    tTR_rAcc.store(tTR_rAcc.load() * alpha[batch])
                 tTR_rC.store(tTR_rAcc.load().to(self.c_dtype))
                 gC = tTR_gC[(None, None, None, sub)]
                 cC = tTR_cC[(None, None, None, sub)]
@@ -451,3 +484,21 @@ class BlackwellBlockScaledGemmAmax:
                 self.epilogue_barrier_id)
             sched.advance_to_next_work()
             work = sched.get_current_work()
+
+
+class BlackwellBlockScaledGemmAmaxAlpha(BlackwellBlockScaledGemmAmax):
+    """NVFP4 with its per-tensor fp32 scale: C = alpha[l]·(A·sfa)(B·sfb)^T, amax of that, before C's conversion.
+
+    The exported function takes one more tensor, `alpha` ((L,) float32), right after amax.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.has_alpha = True
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, c: cute.Tensor,
+                 amax: cute.Tensor, alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+                 l: cutlass.Int32, stream: cuda.CUstream):
+        """Host side of the alpha ABI: as `BlackwellBlockScaledGemmAmax.__call__`, alpha[l] applied per tile."""
+        self._launch(a, b, sfa, sfb, c, amax, alpha, m, n, k, l, stream)

@@ -1,4 +1,4 @@
-"""Hopper (sm_90a) MXFP8 gemm_amax: FP8 codes x E8M0 scales dequantized to bf16 in shared memory, bf16 wgmma.
+"""Hopper (sm_90a) block-scaled gemm_amax: codes x scales dequantized to bf16 in shared memory, bf16 wgmma.
 
 Hopper has FP8 wgmma but no block-scaled MMA, and its FP8 wgmma accumulates with reduced precision inside each
 instruction (~2^-14 relative, see benchmarks/NOTES.md). code·2^(s-127) is exact in bf16, so the consumers fold
@@ -22,6 +22,13 @@ With `a_regs` (wgmma RS) each consumer thread dequantizes its own A fragment str
 is written to shared memory as bf16 (A's bf16 round trip, 32 of the 176 KB of shared-memory traffic per 128x256x64
 k-tile, disappears); its scale words are loaded two k-tiles ahead.
 
+Beyond MXFP8 (same mainloop; benchmarks/NOTES.md "The sm_90a support surface"):
+- packed FP4 operands (MXFP4: E8M0 per 32; NVFP4: E4M3 per 16) through `convert_e2m1`, exact (the bit model in
+  kernels/common.py); NVFP4's per-tensor alpha through `HopperGemmAmaxAlpha` (a 7th ABI tensor);
+- C in f32, bf16, f16, E4M3, E5M2 (saturating) or packed FP4 (software round-to-nearest-even, saturating);
+- MN-major FP8 operands (`a_major="m"`, `b_major="n"`): MN-major TMA tiles and bf16 buffers, 16 rows at one k
+  per thread pass, each with its own row scale (`_mn_operand`), transposed bf16 wgmma.
+
 Phases are marked `producer`, `dequantize`, `mainloop`, `epilogue` in the kernel body.
 """
 
@@ -35,16 +42,24 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 
-from jax_blockgemm.kernels import common
+from jax_blockgemm.kernels import common, epilogue
 from jax_blockgemm.kernels.sm90 import tma_pipeline
 
-_AB_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
-_C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
+# Operand codes as they travel through TMA and shared memory: FP4 (E2M1) as packed bytes, two codes each.
+_AB_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,
+              "float4_e2m1fn": cutlass.Uint8}
+# C as stored: FP8 codes as their dtype, packed FP4 C as bytes (two codes each, the even column in the low nibble).
+_C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
+             "float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,
+             "float4_e2m1fn": cutlass.Uint8}
+E8M0 = "float8_e8m0fnu"
+# (scale dtype, sf_vec_size) per operand format: MXFP8 and MXFP4 take E8M0 per 32, NVFP4 E4M3 per 16.
+_SCALINGS = {"fp8": ((E8M0, 32),), "fp4": ((E8M0, 32), ("float8_e4m3fn", 16))}
 SUPPORTED_TILES_MN = ((128, 128), (128, 256))
 SUPPORTED_TILES_K = (64, 128)
 SUPPORTED_MMA_BUFFERS = (2, 3)
 SUPPORTED_CLUSTERS_MN = ((1, 1),)
-SF_VEC_SIZE = 32
+SF_VEC_SIZE = 32  # MXFP8's (and MXFP4's) block; NVFP4's is 16 (`sf_vec_size`)
 DEQUANT_MODES = ("f32", "bits", "bits1")  # the first is the default
 _SMEM_RESERVE = 4096  # mbarriers and the per-warp amax slots
 
@@ -75,7 +90,8 @@ class _ARegisters:
 
 
 class HopperMxf8GemmAmax:
-    """C = (A·sfa) (B·sfb)^T per batch, amax[l] = max|C[l]|, for MXFP8 K-major operands on sm_90a.
+    """C = (A·sfa) (B·sfb)^T per batch, amax[l] = max|C[l]|, for MXFP8 (K- or MN-major) and MXFP4/NVFP4 (K-major)
+    operands on sm_90a.
 
     Compile-time configuration only; every size is a run-time scalar of the exported function. `tile_k` defaults
     to 128 for 128x128 tiles and 64 for 128x256 (shared memory); `promote` (the per-k-tile fp32 partial) needs the
@@ -86,9 +102,26 @@ class HopperMxf8GemmAmax:
     def __init__(self, *, ab_dtype: str = "float8_e4m3fn", c_dtype: str = "float32",
                  tile_mn: tuple[int, int] = (128, 128), cluster_mn: tuple[int, int] = (1, 1),
                  dequant: str = "f32", tile_k: int | None = None, mma_buffers: int = 2, promote: bool = True,
-                 a_regs: bool = False, overlap: bool = False):
+                 a_regs: bool = False, overlap: bool = False, sf_vec_size: int = SF_VEC_SIZE, sf_dtype: str = E8M0,
+                 a_major: str = "k", b_major: str = "k"):
         common.require_choice("ab_dtype", ab_dtype, sorted(_AB_DTYPES))
         common.require_choice("c_dtype", c_dtype, sorted(_C_DTYPES))
+        self.fp4 = ab_dtype == "float4_e2m1fn"
+        common.require_choice("(sf_dtype, sf_vec_size)", (sf_dtype, sf_vec_size),
+                              _SCALINGS["fp4" if self.fp4 else "fp8"])
+        if self.fp4 and a_regs:
+            raise ValueError("a_regs=True needs FP8 operands (the FP4 dequantizer writes A and B to shared memory), "
+                             f"got ab_dtype={ab_dtype!r}")
+        common.require_choice("a_major", a_major, ("k", "m"))
+        common.require_choice("b_major", b_major, ("k", "n"))
+        # MN-major operands (A given as (L, K, M), B as (L, K, N)): TMA copies MN-major tiles, the consumers
+        # dequantize 16 consecutive rows at one k (16 row scales) into MN-major bf16 buffers, and the wgmma reads
+        # those MN-major (the bf16 wgmma takes both majors). FP8 codes only, through the "f32" dequantizer whatever
+        # `dequant` says (the bit tricks convert along K); a_regs is refused.
+        self.a_mn, self.b_mn = a_major == "m", b_major == "n"
+        if (self.a_mn or self.b_mn) and (self.fp4 or a_regs):
+            raise ValueError(f"a_major={a_major!r}, b_major={b_major!r}: MN-major operands need FP8 codes and "
+                             f"a_regs=False, got ab_dtype={ab_dtype!r}, a_regs={a_regs}")
         common.require_choice("tile_mn", tuple(tile_mn), SUPPORTED_TILES_MN)
         common.require_choice("cluster_mn", tuple(cluster_mn), SUPPORTED_CLUSTERS_MN)
         common.require_choice("dequant", dequant, DEQUANT_MODES)
@@ -105,7 +138,19 @@ class HopperMxf8GemmAmax:
         if overlap and (promote or mma_buffers != 2):
             raise ValueError(f"overlap=True needs promote=False and mma_buffers=2, got promote={promote}, "
                              f"mma_buffers={mma_buffers}")
-        self.dequant_mode = dequant
+        # FP4 codes have one exact dequantizer of their own (`convert_e2m1`); `dequant` chooses among the FP8 ones.
+        self.dequant_mode = "e2m1" if self.fp4 else "f32" if (self.a_mn or self.b_mn) else dequant
+        self.sf_vec_size = sf_vec_size
+        self.sf_e4m3 = sf_dtype == "float8_e4m3fn"
+        # Codes per byte of the operand buffers: the TMA tiles and FP8/FP4 stages are (rows, bk / code_div) bytes.
+        self.code_div = 2 if self.fp4 else 1
+        # How the epilogue stores C: "wide" (f32/bf16/f16: one element at a time), "fp8" (two adjacent columns
+        # through one saturating conversion, stored as bytes) or "fp4" (two adjacent columns packed into a byte).
+        self.c_kind = ("fp4" if c_dtype == "float4_e2m1fn" else
+                       "fp8" if c_dtype in ("float8_e4m3fn", "float8_e5m2") else "wide")
+        self.c_name = c_dtype
+        # NVFP4's per-tensor alpha: the exported function then takes a 7th tensor (see HopperGemmAmaxAlpha).
+        self.has_alpha = False
         self.promote = bool(promote)
         # overlap: with 2 buffers, keep k-tile kt's wgmma in flight while k-tile kt+1 is dequantized (wait for
         # kt-1 only, then a barrier so that no warpgroup still reads the buffer about to be overwritten): the
@@ -120,7 +165,7 @@ class HopperMxf8GemmAmax:
         # permuted inside every 16-wide group (codes 4t..4t+3 play k = 2t, 2t+1, 2t+8, 2t+9), and B is written
         # with the same permutation: the products pair up as before, and the dot product is unchanged.
         self.a_regs = bool(a_regs)
-        self._bits = _BITS[ab_dtype]
+        self._bits = _BITS.get(ab_dtype)
         self.ab_dtype: Type[cutlass.Numeric] = _AB_DTYPES[ab_dtype]
         self.c_dtype: Type[cutlass.Numeric] = _C_DTYPES[c_dtype]
         self.acc_dtype = cutlass.Float32
@@ -144,7 +189,8 @@ class HopperMxf8GemmAmax:
         self.mma_buffers = mma_buffers  # bf16 tiles: the tensor cores read one or two while the consumers fill one
         mma_bytes = self.mma_buffers * tile_elems * self.mma_dtype.width // 8
         smem_capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
-        self.ab_stages = min(6, (smem_capacity - mma_bytes - _SMEM_RESERVE) // (tile_elems * self.ab_dtype.width // 8))
+        stage_bytes = tile_elems // self.code_div * self.ab_dtype.width // 8
+        self.ab_stages = min(6, (smem_capacity - mma_bytes - _SMEM_RESERVE) // stage_bytes)
         if self.ab_stages < 2:
             raise ValueError(f"tile_mn={tile_mn!r}, tile_k={tile_k}, mma_buffers={mma_buffers} leave shared memory "
                              f"for {self.ab_stages} FP8 stages; at least 2 are needed")
@@ -152,17 +198,30 @@ class HopperMxf8GemmAmax:
         # Dequantization: each consumer thread converts 16 consecutive codes of a row per pass.
         self.cvt_threads_per_row = tile_k // 16
         self.cvt_rows_per_pass = self.num_consumer_wgs * self.threads_per_wg // self.cvt_threads_per_row
+        # Scale words per thread of A (its rows; B's follow): 2 fragment rows with `a_regs`, 16 rows of an MN-major
+        # A, else one per K-major row pass.
+        self._words_a = 2 if self.a_regs else 16 if self.a_mn else self.tile_mnk[0] // self.cvt_rows_per_pass
+        # Both operands MN-major with the promotion registers: the 32 scale words are loaded right before each
+        # conversion instead of one k-tile ahead (their latency is then exposed, but they do not occupy 32
+        # registers across the wgmma, which would spill).
+        self.late_words = self.a_mn and self.b_mn and not self.unrolled
         # Profiling only (benchmarks/kernel_standalone.py --profile): phases to leave out, from
         # {"dequant", "mma", "amax"}. The results are then wrong; never set in the catalog.
         self._skip: frozenset = frozenset()
 
-    @staticmethod
-    def can_implement(m: int, n: int, k: int, l: int) -> tuple[bool, str]:
+    def can_implement(self, m: int, n: int, k: int, l: int) -> tuple[bool, str]:
         """Whether the kernel handles these sizes, and why not (the caller checks before launching)."""
         if min(m, n, k, l) < 1:
             return False, f"every size must be >= 1, got m={m}, n={n}, k={k}, l={l}"
-        if k % 16:
-            return False, f"k must be a multiple of 16 (16-byte rows for TMA), got k={k}"
+        k_multiple = 16 * self.code_div
+        if k % k_multiple:
+            return False, f"k must be a multiple of {k_multiple} (16-byte rows for TMA), got k={k}"
+        if self.c_kind == "fp4" and n % 2:
+            return False, f"n must be even for a packed FP4 C (two codes per byte), got n={n}"
+        for size, name, mn_major in ((m, "m", self.a_mn), (n, "n", self.b_mn)):
+            if mn_major and size % 16:
+                return False, (f"{name} must be a multiple of 16 for an MN-major operand (16-byte rows), "
+                               f"got {name}={size}")
         if l * max(m, n) * k >= 2**31 or l * m * n >= 2**31:
             return False, f"operands must hold fewer than 2**31 elements, got m={m}, n={n}, k={k}, l={l}"
         return True, ""
@@ -173,26 +232,38 @@ class HopperMxf8GemmAmax:
                  amax: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32,
                  stream: cuda.CUstream):
         """Host side: build (L, M, K)-shaped views of the flat buffers, the TMA atoms, and launch."""
-        k16 = cute.assume(k, divby=16)
-        mA = cute.make_tensor(a.iterator, cute.make_layout((m, k16, l), stride=(k16, 1, m * k16)))
-        mB = cute.make_tensor(b.iterator, cute.make_layout((n, k16, l), stride=(k16, 1, n * k16)))
+        self._launch(a, b, sfa, sfb, c, amax, amax, m, n, k, l, stream)
 
+    @cute.jit
+    def _launch(self, a: cute.Tensor, b: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, c: cute.Tensor,
+                amax: cute.Tensor, alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+                l: cutlass.Int32, stream: cuda.CUstream):
+        """The body of both ABIs' `__call__`: `alpha` is NVFP4's (L,) float32 tensor with `has_alpha`, else a
+        stand-in (amax) that the kernel never reads."""
+        # Row length in bytes: K codes, or K/2 bytes of packed FP4 pairs.
+        kc = cute.assume(k // self.code_div, divby=16)
+        mA = self._operand_view(a, m, kc, l, self.a_mn)
+        mB = self._operand_view(b, n, kc, l, self.b_mn)
+
+        major = lambda mn: cute.nvgpu.OperandMajorMode.MN if mn else cute.nvgpu.OperandMajorMode.K
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.mma_dtype, self.mma_dtype, cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K, self.acc_dtype, self.atom_layout_mnk,
+            self.mma_dtype, self.mma_dtype, major(self.a_mn), major(self.b_mn), self.acc_dtype, self.atom_layout_mnk,
             tiler_mn=(64, self.tile_mnk[1]),
             a_source=(cute.nvgpu.warpgroup.OperandSource.RMEM if self.a_regs
                       else cute.nvgpu.warpgroup.OperandSource.SMEM))
-        a_smem_staged = self._smem_layout_staged(self.tile_mnk[0], self.ab_dtype, self.ab_stages)
-        b_smem_staged = self._smem_layout_staged(self.tile_mnk[1], self.ab_dtype, self.ab_stages)
-        a16_smem_staged = self._smem_layout_staged(self.tile_mnk[0], self.mma_dtype, self.mma_buffers)
-        b16_smem_staged = self._smem_layout_staged(self.tile_mnk[1], self.mma_dtype, self.mma_buffers)
+        bk_codes = self.tile_mnk[2] // self.code_div  # bytes per row of one FP8/FP4 stage
+        a_smem_staged = self._smem_layout_staged(self.tile_mnk[0], self.ab_dtype, self.ab_stages, bk_codes, self.a_mn)
+        b_smem_staged = self._smem_layout_staged(self.tile_mnk[1], self.ab_dtype, self.ab_stages, bk_codes, self.b_mn)
+        a16_smem_staged = self._smem_layout_staged(self.tile_mnk[0], self.mma_dtype, self.mma_buffers,
+                                                   mn_major=self.a_mn)
+        b16_smem_staged = self._smem_layout_staged(self.tile_mnk[1], self.mma_dtype, self.mma_buffers,
+                                                   mn_major=self.b_mn)
         tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem_staged, (None, None, 0)),
-            (self.tile_mnk[0], self.tile_mnk[2]))
+            (self.tile_mnk[0], bk_codes))
         tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem_staged, (None, None, 0)),
-            (self.tile_mnk[1], self.tile_mnk[2]))
+            (self.tile_mnk[1], bk_codes))
 
         @cute.struct
         class SharedStorage:
@@ -210,23 +281,51 @@ class HopperMxf8GemmAmax:
         self.shared_storage = SharedStorage
         tiles_m = (m + self.tile_mnk[0] - 1) // self.tile_mnk[0]
         tiles_n = (n + self.tile_mnk[1] - 1) // self.tile_mnk[1]
-        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, sfa, sfb, c, amax, m, n, k, tiled_mma,
-                    a_smem_staged, b_smem_staged, a16_smem_staged, b16_smem_staged).launch(
+        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, sfa, sfb, c, amax, alpha,
+                    m, n, k, tiled_mma, a_smem_staged, b_smem_staged, a16_smem_staged, b16_smem_staged).launch(
             grid=(tiles_m, tiles_n, l), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1, stream=stream)
 
-    def _smem_layout_staged(self, rows: int, dtype: Type[cutlass.Numeric], stages: int) -> cute.ComposedLayout:
-        """Swizzled K-major shared-memory layout (the wgmma's) for `stages` (rows, bk) tiles of `dtype`."""
+    def _smem_layout_staged(self, rows: int, dtype: Type[cutlass.Numeric], stages: int,
+                            cols: int | None = None, mn_major: bool = False) -> cute.ComposedLayout:
+        """Swizzled shared-memory layout (the wgmma's) for `stages` (rows, cols) tiles of `dtype`, K-major or
+        MN-major (cols defaults to bk; the packed FP4 stages hold bk/2 bytes per row)."""
+        cols = self.tile_mnk[2] if cols is None else cols
+        if mn_major:
+            atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.COL_MAJOR, dtype, rows), dtype)
+            return cute.tile_to_shape(atom, (rows, cols, stages), order=(1, 0, 2))
         atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, dtype, self.tile_mnk[2]),
-            dtype)
-        return cute.tile_to_shape(atom, (rows, self.tile_mnk[2], stages), order=(0, 1, 2))
+            sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+        return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+    @staticmethod
+    def _operand_view(x: cute.Tensor, rows, kc, l, mn_major: bool) -> cute.Tensor:
+        """The (rows, K, L) view of a flat operand buffer: (L, rows, K) K-major, or (L, K, rows) MN-major."""
+        if mn_major:
+            rows16 = cute.assume(rows, divby=16)
+            return cute.make_tensor(x.iterator, cute.make_layout((rows16, kc, l), stride=(1, rows16, rows16 * kc)))
+        return cute.make_tensor(x.iterator, cute.make_layout((rows, kc, l), stride=(kc, 1, rows * kc)))
 
     # ------------------------------------------------------------------------------------ dequantization
-    def tile_scale_byte(self, kt, lane_in_row):
-        """(k-atom, byte) of this thread's scales in k-tile `kt`: the atom holds 4 k-blocks of 32, a k-tile bk/32."""
-        blocks_per_tile = self.tile_mnk[2] // SF_VEC_SIZE
-        tiles_per_atom = common.ATOM_KB // blocks_per_tile
-        return kt // tiles_per_atom, (kt % tiles_per_atom) * blocks_per_tile + lane_in_row // 2
+    def tile_scale_byte(self, kt, lane_in_row, k_atoms=None):
+        """(k-atom, byte) of this thread's scales in k-tile `kt`: the atom holds 4 k-blocks of sf_vec_size, a
+        k-tile bk/sf_vec_size, and thread `lane_in_row` of a row converts codes [16·lane, +16): one k-block.
+
+        With more than 4 k-blocks per tile (NVFP4's blocks of 16 in a 128-wide k-tile) a tile spans two atoms and
+        the atom depends on the lane; it is clamped to the last one (`k_atoms`), so that a tile past the end of K
+        reads a real scale of the same row, which then multiplies TMA's zero codes.
+        """
+        blocks_per_tile = self.tile_mnk[2] // self.sf_vec_size
+        lane_block = lane_in_row // 2 if self.sf_vec_size == 32 else lane_in_row
+        if blocks_per_tile <= common.ATOM_KB:
+            tiles_per_atom = common.ATOM_KB // blocks_per_tile
+            return kt // tiles_per_atom, (kt % tiles_per_atom) * blocks_per_tile + lane_block
+        kb = kt * blocks_per_tile + lane_block
+        return cutlass.min(kb // common.ATOM_KB, k_atoms - 1), kb % common.ATOM_KB
+
+    def atom_lane(self, lane_in_row):
+        """The lane whose atom a thread loads: lane 0's (one atom per k-tile) unless a k-tile spans two atoms."""
+        return lane_in_row if self.tile_mnk[2] // self.sf_vec_size > common.ATOM_KB else 0
 
     @staticmethod
     def scale_word_bases(bases, rows_a, rows_b, batch, tile_m, tile_n, tile_mn, m, n, k_atoms):
@@ -246,13 +345,19 @@ class HopperMxf8GemmAmax:
 
     def load_scale_words(self, words, bases, sfa_w, sfb_w, k_atom):
         """Load this thread's scale words of one k-atom (its rows of A, then of B) into `words`."""
-        reps_a = 2 if self.a_regs else self.tile_mnk[0] // self.cvt_rows_per_pass
+        reps_a = self._words_a
         for i in range(cute.size(words)):
             src = sfa_w if i < reps_a else sfb_w
-            words[i] = src[bases[i] + k_atom * (common.ATOM_BYTES // 4)]
+            first = 0 if i < reps_a else reps_a
+            if (self.a_mn if i < reps_a else self.b_mn):
+                # 16 consecutive rows from a multiple of 16: one atom, in-atom words 4 apart (fewer live registers)
+                base = bases[first] + 4 * (i - first)
+            else:
+                base = bases[i]
+            words[i] = src[base + k_atom * (common.ATOM_BYTES // 4)]
 
     def dequantize(self, ab_pipeline, read_state, words, bases, sfa_w, sfb_w, next_k_atom, jfirst, jbyte, operands,
-                   buf, areg=None):
+                   buf, areg=None, mn_operands=(), this_k_atom=None):
         """Wait for one FP8 stage and load this thread's codes; returns (scales, flags, one_multiply).
 
         Plain Python (inlined at trace time). `words` holds this tile's scale words (loaded one tile ahead, so
@@ -264,6 +369,8 @@ class HopperMxf8GemmAmax:
         byte's bit 7 set: redo with `dequantize_exact`) and, for "bits1", whether every scale of the warp allows
         one multiply; the caller then runs `convert_bits`.
         """
+        if self.late_words and this_k_atom is not None:  # this tile's words, just before they are used
+            self.load_scale_words(words, bases, sfa_w, sfb_w, this_k_atom)
         if self.dequant_mode == "f32":
             scales = [common.e8m0_word_to_f32(words[i], jbyte) for i in range(cute.size(words))]
         elif self.a_regs:
@@ -271,11 +378,14 @@ class HopperMxf8GemmAmax:
             scales += [(words[i] >> (8 * jbyte)) & 0xFF for i in range(2, cute.size(words))]
         else:
             scales = [(words[i] >> (8 * jbyte)) & 0xFF for i in range(cute.size(words))]
-        if next_k_atom is not None:  # else the caller loads them after its proxy fence (see the a_regs mainloop)
+        # (Else the caller loads them after its proxy fence, see the unrolled mainloop. With MN-major operands the
+        # next tile's words are loaded after the conversion, which reads this tile's: 16 words per operand stay
+        # live instead of 16 more.)
+        if next_k_atom is not None and not mn_operands:
             self.load_scale_words(words, bases, sfa_w, sfb_w, next_k_atom)
         ab_pipeline.consumer_wait(read_state)
         flags = cutlass.Int32(0)
-        flag_add = self._bits[3]
+        flag_add = self._bits[3] if self._bits is not None else 0  # E2M1 has no non-finite codes
         if areg is not None and "dequant" not in self._skip:
             for i in range(cute.size(areg.codes)):
                 areg.codes[i] = areg.smem_words[areg.offsets[i] + read_state.index * areg.stage_words]
@@ -287,10 +397,22 @@ class HopperMxf8GemmAmax:
                     vals = frag8[(None, r, 0)].load().to(cutlass.Float32) * scales[first + r]
                     frag16[(None, r, 0)].store(vals.to(self.mma_dtype))
                 cute.autovec_copy(frag16, dst[(None, None, None, buf)])
-            else:
+            elif self.dequant_mode != "e2m1":
                 q = cute.recast_tensor(frag8, cutlass.Int32)
                 for i in range(cute.size(q)):
                     flags = flags | (q[i] ^ (q[i] + flag_add))
+        for src, dst, frag8, frag16, rep_bytes, first in () if "dequant" in self._skip else mn_operands:
+            # 16 consecutive rows at one k per rep: codes times their rows' scales, elementwise in float32.
+            cute.autovec_copy(src[(None, None, None, read_state.index)], frag8)
+            vals = cute.make_rmem_tensor(frag8[(None, 0, 0)].shape, cutlass.Float32)  # the 16 codes' shape
+            for r in range(len(rep_bytes)):
+                vals.store(frag8[(None, 0, r)].load().to(cutlass.Float32))
+                for i in range(16):  # each scale decoded where it is used: few registers live at once
+                    vals[i] = vals[i] * common.e8m0_word_to_f32(words[first + i], jfirst + rep_bytes[r])
+                frag16[(None, 0, r)].store(vals.load().to(self.mma_dtype))
+            cute.autovec_copy(frag16, dst[(None, None, None, buf)])
+        if next_k_atom is not None and mn_operands and not self.late_words:
+            self.load_scale_words(words, bases, sfa_w, sfb_w, next_k_atom)
         one_multiply = None
         if self.dequant_mode == "bits1":
             biggest = scales[0]
@@ -299,6 +421,30 @@ class HopperMxf8GemmAmax:
             # 2^(byte-127+bias) must be a normal bf16: byte + bias <= 254 (this also excludes the NaN byte 255).
             one_multiply = cute.arch.vote_all_sync(biggest <= 254 - self._bits[2])
         return scales, flags, one_multiply
+
+    def _mn_operand(self, s8: cute.Tensor, s16: cute.Tensor, rows: int, local_tid):
+        """Dequantization of an MN-major operand: thread t converts rows [16·(t % c), +16) (c = rows / 16 chunks)
+        at k-columns t // c + kpp·rep (kpp = 256 / c, 16 or 32: within one scale block per rep). Returns
+        ((FP8 source, bf16 destination, FP8 fragment, bf16 fragment, scale byte of each rep within the tile), the
+        16 tile-relative rows whose scale words the thread loads)."""
+        chunks = rows // 16
+        kpp = self.num_consumer_wgs * self.threads_per_wg // chunks
+        if kpp > self.sf_vec_size or self.sf_vec_size % kpp or self.tile_mnk[2] % kpp:
+            raise ValueError(f"an MN-major operand of {rows} rows needs k-columns per pass ({kpp}) dividing the "
+                             f"scale block ({self.sf_vec_size}) and bk ({self.tile_mnk[2]})")
+        thr = cute.make_layout((chunks, kpp), stride=(1, chunks))
+        val = cute.make_layout((16, 1), stride=(1, 16))
+        copy8 = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=128), thr, val)
+        copy16 = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.mma_dtype, num_bits_per_copy=128), thr, val)
+        src = copy8.get_slice(local_tid).partition_S(s8)  # (CPY, 1, REP_K, STAGE)
+        dst = copy16.get_slice(local_tid).partition_D(s16)  # (CPY, 1, REP_K, BUF)
+        frag8 = cute.make_rmem_tensor(src[(None, None, None, 0)].shape, self.ab_dtype)
+        frag16 = cute.make_rmem_tensor(dst[(None, None, None, 0)].shape, self.mma_dtype)
+        rep_bytes = [(kpp * r) // self.sf_vec_size for r in range(self.tile_mnk[2] // kpp)]
+        chunk = local_tid % chunks
+        return (src, dst, frag8, frag16, rep_bytes), [chunk * 16 + i for i in range(16)]
 
     def _bits_pair(self, word, selector: int, scale, one_multiply: bool):
         """Two codes of `word` (bytes picked by `selector`) as bf16x2 code·2^(byte-127), exact for finite codes."""
@@ -348,6 +494,34 @@ class HopperMxf8GemmAmax:
                         o[out] = self._bits_pair(q[4 * r + w], selector, scale, one_multiply)
             cute.autovec_copy(frag16, dst[(None, None, None, buf)])
 
+    def convert_e2m1(self, operands, scale_bytes, buf):
+        """Convert the loaded packed FP4 codes (`dequantize`) to bf16 code·scale into buffer `buf`, exactly.
+
+        Per 32-bit word of 8 codes, 4 output words (`common.e2m1_pair_bits`: codes i and i+4 of the word, the
+        same k permutation for A and B), each times 2^126 (-> the code) and times the block scale, both packed bf16
+        multiplies. The scale is an E8M0 byte (2^(b-127); 0 -> 2^-127, 255 -> NaN) or an E4M3 byte (NVFP4).
+        """
+        if "dequant" in self._skip:
+            return
+        neg_zero = cutlass.Int32(_NEG_ZERO_X2)
+        two126 = cutlass.Int32(common.BF16X2_TWO_POW_126)
+        for src, dst, frag8, frag16, first in operands:
+            q = cute.recast_tensor(frag8, cutlass.Int32)  # 2 words (16 codes) per row
+            o = cute.recast_tensor(frag16, cutlass.Int32)  # 8 bf16x2 words per row
+            for r in range(cute.size(frag8, mode=[1])):
+                byte = scale_bytes[first + r]
+                if self.sf_e4m3:
+                    scale = common.e4m3_scale_bf16x2(byte)
+                else:
+                    scale = common.e8m0_bits(byte)
+                    scale = scale | ((scale >> 16) & 0xFFFF)
+                for w in range(2):
+                    for i in range(4):
+                        x = common.e2m1_pair_bits(q[2 * r + w], i)
+                        x = cute.arch.fma_packed_bf16x2(x, two126, neg_zero)
+                        o[8 * r + 4 * w + i] = cute.arch.fma_packed_bf16x2(x, scale, neg_zero)
+            cute.autovec_copy(frag16, dst[(None, None, None, buf)])
+
     def dequantize_exact(self, stage, scale_bytes, operands, buf, areg=None, a_frag=None):
         """Redo this thread's part of one tile through float32 (exact for every code; for the rare non-finite ones)."""
         f32_scale = lambda byte: common.f32_from_bits(common.e8m0_bits(byte))
@@ -380,7 +554,7 @@ class HopperMxf8GemmAmax:
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
                mB_nkl: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, c: cute.Tensor, amax: cute.Tensor,
-               m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, tiled_mma: cute.TiledMma,
+               alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, tiled_mma: cute.TiledMma,
                a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
                a16_smem_staged: cute.ComposedLayout, b16_smem_staged: cute.ComposedLayout):
         """Device body: warpgroup 0 produces (TMA), warpgroups 1-2 consume (dequantize + wgmma + epilogue)."""
@@ -401,8 +575,8 @@ class HopperMxf8GemmAmax:
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-        tAsA, tAgA = tma_pipeline.tma_views(tma_atom_a, mA_mkl, sA, (bm, bk))
-        tBsB, tBgB = tma_pipeline.tma_views(tma_atom_b, mB_nkl, sB, (bn, bk))
+        tAsA, tAgA = tma_pipeline.tma_views(tma_atom_a, mA_mkl, sA, (bm, bk // self.code_div))
+        tBsB, tBgB = tma_pipeline.tma_views(tma_atom_b, mB_nkl, sB, (bn, bk // self.code_div))
         k_tiles = cute.size(tAgA, mode=[2])
 
         wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
@@ -451,9 +625,12 @@ class HopperMxf8GemmAmax:
             tpr = self.cvt_threads_per_row
             cvt_thr = cute.make_layout((self.cvt_rows_per_pass, tpr), stride=(tpr, 1))
             cvt_val = cute.make_layout((1, 16), stride=(16, 1))
+            # The same 16 codes as 16 // code_div bytes (8 bytes of packed FP4 pairs).
+            code_val = cute.make_layout((1, 16 // self.code_div), stride=(16 // self.code_div, 1))
             copy_f8 = cute.make_tiled_copy_tv(
-                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=128),
-                cvt_thr, cvt_val)
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype,
+                                    num_bits_per_copy=128 // self.code_div),
+                cvt_thr, code_val)
             copy_16 = cute.make_tiled_copy_tv(
                 cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.mma_dtype, num_bits_per_copy=128),
                 cvt_thr, cvt_val)
@@ -466,9 +643,14 @@ class HopperMxf8GemmAmax:
             cvt_row = local_tid // tpr
             lane_in_row = local_tid % tpr
             rpp = self.cvt_rows_per_pass
-            rows_b = [cvt_row + rpp * rep for rep in range(bn // rpp)]
-            b_operand = (tXsB8, tXsB16, cute.make_rmem_tensor(tXsB8[(None, None, None, 0)].shape, self.ab_dtype),
-                         cute.make_rmem_tensor(tXsB16[(None, None, None, 0)].shape, self.mma_dtype))
+            mn_ops = []  # MN-major operands: (src, dst, frag8, frag16, per-rep scale byte, first word)
+            if cutlass.const_expr(self.b_mn):
+                b_mn_op, rows_b = self._mn_operand(sB, sB16, bn, local_tid)
+            else:
+                rows_b = [cvt_row + rpp * rep for rep in range(bn // rpp)]
+                b_operand = (tXsB8, tXsB16,
+                             cute.make_rmem_tensor(tXsB8[(None, None, None, 0)].shape, self.ab_dtype),
+                             cute.make_rmem_tensor(tXsB16[(None, None, None, 0)].shape, self.mma_dtype))
             areg = None
             if cutlass.const_expr(self.a_regs):
                 # This thread's A fragment rows (wgmma layout): g = 64·wg + 16·warp + lane/4 and g + 8; per k16
@@ -488,10 +670,20 @@ class HopperMxf8GemmAmax:
                         areg.offsets[v1 * steps + ks] = a_smem_staged((rows_a[v1], 16 * ks + 4 * (lane % 4), 0)) // 4
                 operands = (b_operand + (4,),)
             else:
-                rows_a = [cvt_row + rpp * rep for rep in range(bm // rpp)]
-                a_operand = (tXsA8, tXsA16, cute.make_rmem_tensor(tXsA8[(None, None, None, 0)].shape, self.ab_dtype),
-                             cute.make_rmem_tensor(tXsA16[(None, None, None, 0)].shape, self.mma_dtype), 0)
-                operands = (a_operand, b_operand + (len(rows_a),))
+                k_ops = []
+                if cutlass.const_expr(self.a_mn):
+                    a_mn_op, rows_a = self._mn_operand(sA, sA16, bm, local_tid)
+                    mn_ops.append(a_mn_op + (0,))
+                else:
+                    rows_a = [cvt_row + rpp * rep for rep in range(bm // rpp)]
+                    k_ops.append((tXsA8, tXsA16,
+                                  cute.make_rmem_tensor(tXsA8[(None, None, None, 0)].shape, self.ab_dtype),
+                                  cute.make_rmem_tensor(tXsA16[(None, None, None, 0)].shape, self.mma_dtype), 0))
+                if cutlass.const_expr(self.b_mn):
+                    mn_ops.append(b_mn_op + (len(rows_a),))
+                else:
+                    k_ops.append(b_operand + (len(rows_a),))
+                operands = tuple(k_ops)
             reps = len(rows_a) + len(rows_b)
 
             # Scale atoms as 32-bit words: word (chunk·128 + (r%32)·4 + r//32) holds the 4 k-block scales of r.
@@ -499,28 +691,30 @@ class HopperMxf8GemmAmax:
                                      cute.make_layout((cute.size(sfa) // 4,)))
             sfb_w = cute.make_tensor(cute.recast_ptr(sfb.iterator, dtype=cutlass.Int32),
                                      cute.make_layout((cute.size(sfb) // 4,)))
-            k_atoms = (k + common.ATOM_KB * SF_VEC_SIZE - 1) // (common.ATOM_KB * SF_VEC_SIZE)
+            k_atoms = (k + common.ATOM_KB * self.sf_vec_size - 1) // (common.ATOM_KB * self.sf_vec_size)
+            atom_lane = self.atom_lane(lane_in_row)
             bases = cute.make_rmem_tensor((reps,), cutlass.Int32)
             self.scale_word_bases(bases, rows_a, rows_b, batch, tile_m, tile_n, (bm, bn), m, n, k_atoms)
             words = cute.make_rmem_tensor((reps,), cutlass.Int32)
-            self.load_scale_words(words, bases, sfa_w, sfb_w, 0)
+            atom0, _ = self.tile_scale_byte(0, atom_lane, k_atoms)
+            self.load_scale_words(words, bases, sfa_w, sfb_w, atom0)
             if cutlass.const_expr(self.unrolled):
                 # Two sets, k-tile t's words in set t % 2, loaded two k-tiles ahead right after the proxy fence: the
                 # fence (a CTA membar) then never waits for a scale load still in flight.
                 words_odd = cute.make_rmem_tensor((reps,), cutlass.Int32)
-                atom1, _ = self.tile_scale_byte(cutlass.min(1, k_tiles - 1), 0)
+                atom1, _ = self.tile_scale_byte(cutlass.min(1, k_tiles - 1), atom_lane, k_atoms)
                 self.load_scale_words(words_odd, bases, sfa_w, sfb_w, atom1)
                 word_sets = (words, words_odd)
 
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             # ------------------------------------------------------------------------------ dequantize tile 0
             # (Names here differ from the mainloop's: a name assigned in both would become a loop-carried value.)
-            _, jfirst0 = self.tile_scale_byte(0, 0)
-            _, jbyte0 = self.tile_scale_byte(0, lane_in_row)
-            next_atom0, _ = self.tile_scale_byte(cutlass.min(1, k_tiles - 1), lane_in_row)
+            _, jfirst0 = self.tile_scale_byte(0, 0, k_atoms)
+            _, jbyte0 = self.tile_scale_byte(0, lane_in_row, k_atoms)
+            next_atom0, _ = self.tile_scale_byte(cutlass.min(1, k_tiles - 1), lane_in_row, k_atoms)
             scales0, flags0, one0 = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w,
                                                     None if self.unrolled else next_atom0, jfirst0, jbyte0, operands,
-                                                    0, areg)
+                                                    0, areg, mn_ops)
             if cutlass.const_expr(self.dequant_mode == "bits"):
                 self.convert_bits(operands, scales0, False, 0, areg, tCrA)
             if cutlass.const_expr(self.dequant_mode == "bits1"):
@@ -528,14 +722,16 @@ class HopperMxf8GemmAmax:
                     self.convert_bits(operands, scales0, True, 0, areg, tCrA)
                 else:
                     self.convert_bits(operands, scales0, False, 0, areg, tCrA)
-            if cutlass.const_expr(self.dequant_mode != "f32"):
+            if cutlass.const_expr(self.dequant_mode == "e2m1"):
+                self.convert_e2m1(operands, scales0, 0)
+            if cutlass.const_expr(self.dequant_mode not in ("f32", "e2m1")):
                 if (flags0 & _BYTE_MSBS) != 0:
                     self.dequantize_exact(read_state.index, scales0, operands, 0, areg, tCrA)
             ab_pipeline.consumer_release(read_state)
             read_state.advance()
             cute.arch.fence_proxy("async.shared", space="cta")
             if cutlass.const_expr(self.unrolled):
-                atom2, _ = self.tile_scale_byte(cutlass.min(2, k_tiles - 1), 0)
+                atom2, _ = self.tile_scale_byte(cutlass.min(2, k_tiles - 1), atom_lane, k_atoms)
                 self.load_scale_words(words, bases, sfa_w, sfb_w, atom2)
             cute.arch.barrier(barrier_id=self.mainloop_barrier_id, number_of_threads=2 * self.threads_per_wg)
 
@@ -557,11 +753,11 @@ class HopperMxf8GemmAmax:
                                 cute.arch.barrier(barrier_id=self.mainloop_barrier_id,
                                                   number_of_threads=2 * self.threads_per_wg)
                             if kr + 1 < k_tiles:  # the next tile into the other register set and buffer
-                                _, jfirst_r = self.tile_scale_byte(kr + 1, 0)
-                                _, jbyte_r = self.tile_scale_byte(kr + 1, lane_in_row)
+                                _, jfirst_r = self.tile_scale_byte(kr + 1, 0, k_atoms)
+                                _, jbyte_r = self.tile_scale_byte(kr + 1, lane_in_row, k_atoms)
                                 scales_r, flags_r, one_r = self.dequantize(
                                     ab_pipeline, read_state, word_sets[1 - half], bases, sfa_w, sfb_w, None,
-                                    jfirst_r, jbyte_r, operands, 1 - half, areg)
+                                    jfirst_r, jbyte_r, operands, 1 - half, areg, mn_ops)
                                 if cutlass.const_expr(self.dequant_mode == "bits"):
                                     self.convert_bits(operands, scales_r, False, 1 - half, areg, a_sets[1 - half])
                                 if cutlass.const_expr(self.dequant_mode == "bits1"):
@@ -570,14 +766,16 @@ class HopperMxf8GemmAmax:
                                     else:
                                         self.convert_bits(operands, scales_r, False, 1 - half, areg,
                                                           a_sets[1 - half])
-                                if cutlass.const_expr(self.dequant_mode != "f32"):
+                                if cutlass.const_expr(self.dequant_mode == "e2m1"):
+                                    self.convert_e2m1(operands, scales_r, 1 - half)
+                                if cutlass.const_expr(self.dequant_mode not in ("f32", "e2m1")):
                                     if (flags_r & _BYTE_MSBS) != 0:
                                         self.dequantize_exact(read_state.index, scales_r, operands, 1 - half, areg,
                                                               a_sets[1 - half])
                                 ab_pipeline.consumer_release(read_state)
                                 read_state.advance()
                                 cute.arch.fence_proxy("async.shared", space="cta")
-                                atom_r, _ = self.tile_scale_byte(cutlass.min(kr + 3, k_tiles - 1), 0)
+                                atom_r, _ = self.tile_scale_byte(cutlass.min(kr + 3, k_tiles - 1), atom_lane, k_atoms)
                                 self.load_scale_words(word_sets[1 - half], bases, sfa_w, sfb_w, atom_r)
                             if cutlass.const_expr(not self.overlap):
                                 cute.nvgpu.warpgroup.wait_group(0)
@@ -601,12 +799,15 @@ class HopperMxf8GemmAmax:
                         cute.arch.barrier(barrier_id=self.mainloop_barrier_id,
                                           number_of_threads=2 * self.threads_per_wg)
                     if kt + 1 < k_tiles:  # dequantize the next tile into a free buffer while the tensor cores run
-                        _, jfirst = self.tile_scale_byte(kt + 1, 0)
-                        _, jbyte = self.tile_scale_byte(kt + 1, lane_in_row)
-                        next_atom, _ = self.tile_scale_byte(cutlass.min(kt + 2, k_tiles - 1), lane_in_row)
+                        _, jfirst = self.tile_scale_byte(kt + 1, 0, k_atoms)
+                        _, jbyte = self.tile_scale_byte(kt + 1, lane_in_row, k_atoms)
+                        next_atom, _ = self.tile_scale_byte(cutlass.min(kt + 2, k_tiles - 1), lane_in_row, k_atoms)
                         nbuf = (kt + 1) % self.mma_buffers
                         scales, flags, one = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w,
-                                                             next_atom, jfirst, jbyte, operands, nbuf)
+                                                             next_atom, jfirst, jbyte, operands, nbuf,
+                                                             mn_operands=mn_ops,
+                                                             this_k_atom=self.tile_scale_byte(kt + 1, atom_lane,
+                                                                                              k_atoms)[0])
                         if cutlass.const_expr(self.dequant_mode == "bits"):
                             self.convert_bits(operands, scales, False, nbuf)
                         if cutlass.const_expr(self.dequant_mode == "bits1"):
@@ -614,7 +815,9 @@ class HopperMxf8GemmAmax:
                                 self.convert_bits(operands, scales, True, nbuf)
                             else:
                                 self.convert_bits(operands, scales, False, nbuf)
-                        if cutlass.const_expr(self.dequant_mode != "f32"):
+                        if cutlass.const_expr(self.dequant_mode == "e2m1"):
+                            self.convert_e2m1(operands, scales, nbuf)
+                        if cutlass.const_expr(self.dequant_mode not in ("f32", "e2m1")):
                             if (flags & _BYTE_MSBS) != 0:
                                 self.dequantize_exact(read_state.index, scales, operands, nbuf)
                         ab_pipeline.consumer_release(read_state)
@@ -638,20 +841,73 @@ class HopperMxf8GemmAmax:
             n_col_groups = bn // 8
             amax_bits = cutlass.Int32(0)
             c_row_base = (cutlass.Int64(batch) * m + tile_m * bm) * n + tile_n * bn
-            for v1 in cutlass.range_constexpr(2):
-                r = row0 + 8 * v1
-                row_ok = tile_m * bm + r < m
-                for v2 in cutlass.range_constexpr(n_col_groups):
-                    for v0 in cutlass.range_constexpr(2):
-                        col = col0 + v0 + 8 * v2
-                        i = v0 + 2 * v1 + 4 * v2
-                        if row_ok & (tile_n * bn + col < n):
-                            x = acc[i]
-                            c[c_row_base + cutlass.Int64(r) * n + col] = x.to(self.c_dtype)
-                            if cutlass.const_expr("amax" not in self._skip):
-                                amax_bits = cutlass.max(amax_bits, common.abs_bits(x))
+            if cutlass.const_expr(self.has_alpha):  # NVFP4: C and amax are of alpha·acc (SPEC §1, §4)
+                alpha_l = alpha[batch]
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = acc[i] * alpha_l
+            if cutlass.const_expr(self.c_kind == "wide"):
+                for v1 in cutlass.range_constexpr(2):
+                    r = row0 + 8 * v1
+                    row_ok = tile_m * bm + r < m
+                    for v2 in cutlass.range_constexpr(n_col_groups):
+                        for v0 in cutlass.range_constexpr(2):
+                            col = col0 + v0 + 8 * v2
+                            i = v0 + 2 * v1 + 4 * v2
+                            if row_ok & (tile_n * bn + col < n):
+                                x = acc[i]
+                                c[c_row_base + cutlass.Int64(r) * n + col] = x.to(self.c_dtype)
+                                if cutlass.const_expr("amax" not in self._skip):
+                                    amax_bits = cutlass.max(amax_bits, common.abs_bits(x))
+            else:
+                # One-byte and packed FP4 C: values v0 = 0, 1 of a thread are adjacent columns (col0 is even), so
+                # both go through one conversion; stored as bytes (FP8: one per column, FP4: one per pair, N even).
+                c_bytes = cute.make_tensor(cute.recast_ptr(c.iterator, dtype=cutlass.Uint8),
+                                           cute.make_layout((cute.size(c),)))
+                for v1 in cutlass.range_constexpr(2):
+                    r = row0 + 8 * v1
+                    row_ok = tile_m * bm + r < m
+                    for v2 in cutlass.range_constexpr(n_col_groups):
+                        col = col0 + 8 * v2
+                        i = 2 * v1 + 4 * v2
+                        x0, x1 = acc[i], acc[i + 1]
+                        index = c_row_base + cutlass.Int64(r) * n + col
+                        in0 = row_ok & (tile_n * bn + col < n)
+                        in1 = row_ok & (tile_n * bn + col + 1 < n)
+                        if cutlass.const_expr(self.c_kind == "fp8"):
+                            codes = epilogue.fp8x2(x0, x1, "e4m3" if self.c_name == "float8_e4m3fn" else "e5m2")
+                            if in0:
+                                c_bytes[index] = (codes & 0xFF).to(cutlass.Uint8)
+                                amax_bits = cutlass.max(amax_bits, common.abs_bits(x0))
+                            if in1:
+                                c_bytes[index + 1] = ((codes >> 8) & 0xFF).to(cutlass.Uint8)
+                                amax_bits = cutlass.max(amax_bits, common.abs_bits(x1))
+                        else:
+                            if in0:  # N is even: the pair is in or out together
+                                packed = epilogue.e2m1_nibble(x0) | (epilogue.e2m1_nibble(x1) << 4)
+                                c_bytes[index // 2] = packed.to(cutlass.Uint8)
+                                amax_bits = cutlass.max(amax_bits, common.abs_bits(x0))
+                                amax_bits = cutlass.max(amax_bits, common.abs_bits(x1))
             warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
             amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
             common.amax_block_reduce_and_publish(
                 amax_bits, warp_amax, (amax_i32.iterator + batch), local_tid, self.num_consumer_warps,
                 self.epilogue_barrier_id)
+
+
+class HopperGemmAmaxAlpha(HopperMxf8GemmAmax):
+    """NVFP4 with its per-tensor fp32 scale: C = alpha[l]·(A·sfa)(B·sfb)^T, amax of that, before C's conversion.
+
+    The exported function takes one more tensor, `alpha` ((L,) float32), right after amax:
+    fn(a, b, sfa, sfb, c, amax, alpha, m, n, k, l, stream).
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.has_alpha = True
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, c: cute.Tensor,
+                 amax: cute.Tensor, alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+                 l: cutlass.Int32, stream: cuda.CUstream):
+        """Host side of the alpha ABI: as `HopperMxf8GemmAmax.__call__`, with alpha[l] applied in the epilogue."""
+        self._launch(a, b, sfa, sfb, c, amax, alpha, m, n, k, l, stream)
