@@ -65,7 +65,7 @@ for step in "${STEPS[@]}"; do
     api_overhead)
       run_step "$step" 120 api_overhead.log python3 benchmarks/api_overhead.py --json "$OUT/api_overhead.json" ;;
     train_step)
-      run_step "$step" 200 train_step.log python3 benchmarks/train_step.py --out "$OUT" ;;
+      run_step "$step" 110 train_step.log python3 benchmarks/train_step.py --out "$OUT" ;;
     sanitize)
       run_step "$step" 400 sanitize.log python3 benchmarks/sanitize.py --out /tmp/jbg_sanitize --budget 380 ;;
     soak)  # 8 minutes: a call of its own (SOAK_MINUTES to shorten it)
@@ -79,7 +79,7 @@ for step in "${STEPS[@]}"; do
         -p no:cacheprovider -k "Cluster2 or Cluster4" ;;
     api_overhead_proj_rope)
       run_step "$step" 80 api_overhead.log python3 benchmarks/api_overhead.py --only proj_rope \
-        --json "$OUT/api_overhead.json" ;;
+        --json /tmp/api_overhead.json ;;
     sanitize_bg)  # in the background, beside the steps that follow (correctness only, no timing): see `wait_bg`
       ( timeout "${SANITIZE_S:-300}" python3 benchmarks/sanitize.py --out /tmp/jbg_sanitize \
           --budget "$(( ${SANITIZE_S:-300} - 15 ))" > "$OUT/sanitize.log" 2>&1;
