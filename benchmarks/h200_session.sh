@@ -53,7 +53,7 @@ for step in "${STEPS[@]}"; do
         tests/test_gpu_epilogue.py \
         -q -p no:cacheprovider ;;
     selfcheck_tests)
-      run_step "$step" 60 selfcheck_tests.log python3 -m pytest tests/test_gpu_selfcheck.py -q -p no:cacheprovider ;;
+      run_step "$step" 300 selfcheck_tests.log python3 -m pytest tests/test_gpu_selfcheck.py -q -p no:cacheprovider ;;
     gemm_tests)
       run_step "$step" 120 gemm_tests.log python3 -m pytest tests/test_gpu_gemm_amax.py -q -p no:cacheprovider ;;
     gemm_candidates)
