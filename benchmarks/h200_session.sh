@@ -49,8 +49,7 @@ for step in "${STEPS[@]}"; do
     bench_gemm)
       run_step "$step" 120 bench_gemm.log python3 -m jax_blockgemm.bench --op gemm_amax ;;
     handler_tests)
-      run_step "$step" 60 handler_tests.log python3 -m pytest tests/test_gpu_handler_fuzz.py tests/test_gpu_selfcheck.py \
-        tests/test_gpu_epilogue.py \
+      run_step "$step" 60 handler_tests.log python3 -m pytest tests/test_gpu_handler_fuzz.py tests/test_gpu_epilogue.py \
         -q -p no:cacheprovider ;;
     selfcheck_tests)
       run_step "$step" 300 selfcheck_tests.log python3 -m pytest tests/test_gpu_selfcheck.py -q -p no:cacheprovider ;;
