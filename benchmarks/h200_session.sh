@@ -66,7 +66,7 @@ for step in "${STEPS[@]}"; do
     train_step)
       run_step "$step" 110 train_step.log python3 benchmarks/train_step.py --out "$OUT" ;;
     sanitize)
-      run_step "$step" 400 sanitize.log python3 benchmarks/sanitize.py --out /tmp/jbg_sanitize --budget 380 ;;
+      run_step "$step" 520 sanitize.log python3 benchmarks/sanitize.py --out /tmp/jbg_sanitize --budget 500 ;;
     soak)  # 8 minutes: a call of its own (SOAK_MINUTES to shorten it)
       run_step "$step" $(( ${SOAK_MINUTES:-8} * 60 + 60 )) soak.log python3 benchmarks/soak.py \
         --minutes "${SOAK_MINUTES:-8}" --out /tmp/jbg_soak ;;

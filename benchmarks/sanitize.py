@@ -4,12 +4,14 @@ Usage, on the H200 from the repository root (after `source .devpayload/setup.sh`
 
     python3 benchmarks/sanitize.py [--out DIR] [--tools memcheck,racecheck,synccheck] [--all-kernels]
 
-For each tool it starts ONE process under `compute-sanitizer --tool <tool>` that runs every sm_90a variant of the
-kernel catalog through `jbg.gemm_amax(..., implementation="cutedsl")` at small odd shapes (tails in M, N and K,
-partial scale blocks, L > 1) and every sm_90a proj_rope variant (both tiles and weight layouts, bf16 and MXFP8
-inputs, token and k tails), checks each result against the reference (`implementation="xla"`), and brackets each
-variant with markers so that every sanitizer report is attributed to the variant that caused it. Then it runs
-tests/test_gpu_handler_fuzz.py (the raw-ffi_call cases) under memcheck. It prints one summary line per
+It first compiles every sm_90a object (--jobs processes at once), then starts, all at once, one process per tool
+under `compute-sanitizer --tool <tool>` that runs every sm_90a gemm_amax variant of the kernel catalog through
+`jbg.gemm_amax(..., implementation="cutedsl")` at small odd shapes (tails in M, N and K, partial scale blocks,
+L > 1) and every sm_90a proj_rope variant (tiles, clusters and weight layouts, bf16 and MXFP8 inputs, token and k
+tails), checks each result against the reference (`implementation="xla"`), and brackets each variant with markers
+so that every sanitizer report is attributed to the variant that caused it; beside them, a fourth process runs
+tests/test_gpu_handler_fuzz.py (the raw-ffi_call cases) under memcheck. Under memcheck one variant takes ~5 s
+(H200, 2026-11-30), so the whole catalog needs about 6 minutes: the defaults fit one device call. It prints one summary line per
 tool x variant (and one for the fuzz run), writes the full logs to --out, and exits non-zero when any line is not OK.
 
 racecheck and synccheck instrument only our kernels (`--kernel-name kns=jax_blockgemm`; the kernel symbols carry
@@ -21,6 +23,7 @@ nvidia-cuda-sanitizer-api wheel (nvidia/cu13 or nvidia/cu12 under any sys.path e
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import os
 import pathlib
@@ -201,6 +204,28 @@ def _attribute(log: str) -> tuple[dict, list, str]:
     return per_label, outside, summary
 
 
+def _precompile(jobs: int, timeout: int) -> str:
+    """Compiles every sm_90a catalog object into the kernel cache with `jobs` processes; one line of outcome."""
+    from jax_blockgemm.kernels import catalog
+
+    keys = [v.key for v in catalog.variants_for("sm_90a")]
+    chunks = [keys[i::jobs] for i in range(max(1, jobs)) if keys[i::jobs]]
+    procs = [subprocess.Popen([sys.executable, "-m", "jax_blockgemm.precompile", "--arch", "sm_90a",
+                               *[arg for key in chunk for arg in ("--variant", key)]], cwd=_ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for chunk in chunks]
+    failed = []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            err = "timed out"
+        if proc.returncode != 0:
+            failed.append(err[-1000:])
+    return (f"precompiled {len(keys)} sm_90a objects in {len(chunks)} processes" if not failed
+            else "precompile failed:\n" + "\n".join(failed))
+
+
 def _sanitized(sanitizer: str, tool: str, command: list, *, all_kernels: bool, timeout: int) -> tuple[int, str, float]:
     args = [sanitizer, "--tool", tool, "--print-limit", "50", "--error-exitcode", "86"]
     if tool != "memcheck" and not all_kernels:
@@ -226,9 +251,11 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of " + ",".join(TOOLS))
     parser.add_argument("--all-kernels", action="store_true", help="racecheck/synccheck XLA's kernels too")
     parser.add_argument("--no-fuzz", action="store_true", help="skip the handler fuzz test under memcheck")
-    parser.add_argument("--timeout", type=int, default=150, help="seconds per sanitized process at most")
-    parser.add_argument("--budget", type=int, default=350, help="seconds for the whole run (each process gets "
+    parser.add_argument("--timeout", type=int, default=420, help="seconds per sanitized process at most")
+    parser.add_argument("--budget", type=int, default=500, help="seconds for the whole run (each process gets "
                         "what is left, at least 30)")
+    parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                        help="processes compiling the objects before the sanitized runs")
     parser.add_argument("--run-variants", action="store_true", help=argparse.SUPPRESS)  # the sanitized workload
     args = parser.parse_args(argv)
     if args.run_variants:
@@ -247,16 +274,24 @@ def main(argv: list | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     print(f"compute-sanitizer: {sanitizer}")
     started = time.monotonic()
-    timeout = lambda: int(max(30, min(args.timeout, args.budget - (time.monotonic() - started))))
-    # Compile every sm_90a object outside the sanitizer first (into the disk cache the sanitized runs read).
-    pre = subprocess.run([sys.executable, "-m", "jax_blockgemm.precompile", "--arch", "sm_90a"], cwd=_ROOT,
-                         capture_output=True, text=True, timeout=args.budget)
-    print(pre.stdout.strip().splitlines()[-1] if pre.returncode == 0 else f"precompile failed:\n{pre.stderr[-2000:]}")
+    # Compile every sm_90a object outside the sanitizer first (into the disk cache the sanitized runs read), in
+    # --jobs processes at once (the cache takes concurrent writers).
+    print(_precompile(args.jobs, args.budget), flush=True)
+    limit = int(max(30, min(args.timeout, args.budget - (time.monotonic() - started))))
+    # One sanitized process per tool, plus the handler fuzz under memcheck, all at once.
+    runs = {tool: ([sys.executable, str(pathlib.Path(__file__).resolve()), "--run-variants"], args.all_kernels)
+            for tool in tools}
+    fuzz = [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_gpu_handler_fuzz.py", "-k", "GpuHandlerFuzzTest"]
+    jobs = [(tool, tool, command, all_kernels) for tool, (command, all_kernels) in runs.items()]
+    if not args.no_fuzz:
+        jobs.append(("fuzz", "memcheck", fuzz, True))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = {name: pool.submit(_sanitized, sanitizer, tool, command, all_kernels=all_kernels, timeout=limit)
+                   for name, tool, command, all_kernels in jobs}
+        results = {name: future.result() for name, future in futures.items()}
     lines, bad = [], 0
     for tool in tools:
-        rc, log, took = _sanitized(sanitizer, tool, [sys.executable, str(pathlib.Path(__file__).resolve()),
-                                                     "--run-variants"], all_kernels=args.all_kernels,
-                                   timeout=timeout())
+        rc, log, took = results[tool]
         if out:
             (out / f"sanitize_{tool}.log").write_text(log)
         per_label, outside, summary = _attribute(log)
@@ -276,9 +311,7 @@ def main(argv: list | None = None) -> int:
         bad += not whole_ok
         print("\n".join(lines[-len(per_label) - 1:]), flush=True)
     if not args.no_fuzz:
-        fuzz = [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_gpu_handler_fuzz.py", "-k", "GpuHandlerFuzzTest"]
-        rc, log, took = _sanitized(sanitizer, "memcheck", fuzz,
-                                   all_kernels=True, timeout=timeout())
+        rc, log, took = results["fuzz"]
         if out:
             (out / "sanitize_fuzz_memcheck.log").write_text(log)
         _, outside, summary = _attribute(log)
