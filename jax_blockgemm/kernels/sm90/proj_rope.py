@@ -208,18 +208,9 @@ class HopperProjRope:
             acc.fill(0.0)
             num_k_steps = cute.size(tCrA, mode=[2])
 
-            # The rotary tables of this thread's two tokens, loaded before the mainloop so their latency hides:
-            # entry (v1, q, c) is c = 0: cos[t, i], 1: sin[t, i], 2: cos[t, 32+i], 3: sin[t, 32+i], i = 4q + quad.
+            # The rotary tables of this thread's two tokens, loaded before the mainloop so their latency hides.
             rope_tab = cute.make_rmem_tensor((2, QK_ROPE // 8, 4), cutlass.BFloat16)
-            half = QK_ROPE // 2
-            for v1 in cutlass.range_constexpr(2):
-                token = cutlass.min(tile_t * bm + row0 + 8 * v1, t - 1)  # tail rows read a valid row, unused
-                for q in cutlass.range_constexpr(QK_ROPE // 8):
-                    base = token * QK_ROPE + 4 * q + quad
-                    rope_tab[v1, q, 0] = cos[base]
-                    rope_tab[v1, q, 1] = sin[base]
-                    rope_tab[v1, q, 2] = cos[base + half]
-                    rope_tab[v1, q, 3] = sin[base + half]
+            self._load_rope_tab(rope_tab, cos, sin, tile_t * bm, row0, quad, t)
 
             # ------------------------------------------------------------------------------ mainloop
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
@@ -237,111 +228,142 @@ class HopperProjRope:
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(release_state)
 
-            # ------------------------------------------------------------------------------ rope
-            # Feature groups j >= 16 hold the rope pairs: (v0=0, v1, j) <- out[128+i], (v0=1, v1, j) <- out[160+i].
-            n_groups = HEAD_DIM // 8
-            rope_group0 = QK_NOPE // 8
-            for v1 in cutlass.range_constexpr(2):
-                for q in cutlass.range_constexpr(n_groups - rope_group0):
-                    i0 = 4 * (rope_group0 + q) + 2 * v1
-                    first, second = epilogue.rope_pair(
-                        acc[i0], acc[i0 + 1], rope_tab[v1, q, 0].to(cutlass.Float32),
-                        rope_tab[v1, q, 1].to(cutlass.Float32), rope_tab[v1, q, 2].to(cutlass.Float32),
-                        rope_tab[v1, q, 3].to(cutlass.Float32))
-                    acc[i0] = first
-                    acc[i0 + 1] = second
+            def stage_codes():
+                # The code tiles live in W's pipeline buffers: free once every consumer warpgroup's wgmmas are done
+                # (all loads were consumed, so the producer writes no more).
+                if cutlass.const_expr(self.num_consumer_wgs > 1):
+                    cute.arch.barrier(barrier_id=1 + self.num_consumer_wgs,
+                                      number_of_threads=self.num_consumer_wgs * self.threads_per_wg)
+                code_layout = cute.make_layout((bm, self.code_row_bytes), stride=(self.code_row_bytes, 1))
+                b_bytes = cute.recast_ptr(storage.sB.data_ptr(), dtype=cutlass.Uint8)
+                return (cute.make_tensor(b_bytes, code_layout),
+                        cute.make_tensor(b_bytes + cute.cosize(code_layout), code_layout))
 
-            # The code tiles live in W's pipeline buffers: free once every consumer warpgroup's wgmmas are done
-            # (all loads were consumed, so the producer writes no more).
-            if cutlass.const_expr(self.num_consumer_wgs > 1):
-                cute.arch.barrier(barrier_id=1 + self.num_consumer_wgs,
-                                  number_of_threads=self.num_consumer_wgs * self.threads_per_wg)
-            code_layout = cute.make_layout((bm, self.code_row_bytes), stride=(self.code_row_bytes, 1))
-            b_bytes = cute.recast_ptr(storage.sB.data_ptr(), dtype=cutlass.Uint8)
-            sRow = cute.make_tensor(b_bytes, code_layout)
-            sCol = cute.make_tensor(b_bytes + cute.cosize(code_layout), code_layout)
-            sRow16 = cute.recast_tensor(sRow, cutlass.Uint16)
-            sCol16 = cute.recast_tensor(sCol, cutlass.Uint16)
-            n_blocks = HEAD_DIM // MX_BLOCK
+            self._epilogue(acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales,
+                           tile_t * bm, wg * 64, row0, wg, warp, lane, quad, wg_tid, t, h, head)
 
-            # ------------------------------------------------------------------------------ rowwise
-            # Block b < 4 holds groups 4b..4b+3 (both v0); block 4 the v0=0 rope values, block 5 the v0=1 ones.
+    @cute.jit
+    def _epilogue(self, acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales, token0,
+                  row_base, row0, wg, warp, lane, quad, wg_tid, t, h, head):
+        """RoPE, rowwise and columnwise MXFP8 of one warpgroup's 64 x 192 fragment `acc` (tokens token0 + row_base +
+        0..63 of head `head`), codes through shared memory, every store predicated on token < t. Inlined into the
+        kernel at trace time. `stage_codes()` synchronizes as the schedule needs and returns the (rows, 208)-byte row and
+        column code tiles this warpgroup writes at rows row_base..row_base+63; row0 is this thread's first row there."""
+        half = QK_ROPE // 2
+        # ------------------------------------------------------------------------------ rope
+        # Feature groups j >= 16 hold the rope pairs: (v0=0, v1, j) <- out[128+i], (v0=1, v1, j) <- out[160+i].
+        n_groups = HEAD_DIM // 8
+        rope_group0 = QK_NOPE // 8
+        for v1 in cutlass.range_constexpr(2):
+            for q in cutlass.range_constexpr(n_groups - rope_group0):
+                i0 = 4 * (rope_group0 + q) + 2 * v1
+                first, second = epilogue.rope_pair(
+                    acc[i0], acc[i0 + 1], rope_tab[v1, q, 0].to(cutlass.Float32),
+                    rope_tab[v1, q, 1].to(cutlass.Float32), rope_tab[v1, q, 2].to(cutlass.Float32),
+                    rope_tab[v1, q, 3].to(cutlass.Float32))
+                acc[i0] = first
+                acc[i0 + 1] = second
+
+        sRow, sCol = stage_codes()
+        sRow16 = cute.recast_tensor(sRow, cutlass.Uint16)
+        sCol16 = cute.recast_tensor(sCol, cutlass.Uint16)
+        n_blocks = HEAD_DIM // MX_BLOCK
+
+        # ------------------------------------------------------------------------------ rowwise
+        # Block b < 4 holds groups 4b..4b+3 (both v0); block 4 the v0=0 rope values, block 5 the v0=1 ones.
+        for v1 in cutlass.range_constexpr(2):
+            r = row0 + 8 * v1
+            token = token0 + r
+            for b in cutlass.range_constexpr(n_blocks):
+                bits = cutlass.Int32(0)
+                for j, v0 in self._row_block_members(b):
+                    bits = cutlass.max(bits, common.abs_bits(acc[v0 + 2 * v1 + 4 * j]))
+                byte, inv, bad = epilogue.e8m0_scale(epilogue.lane_max(bits, 0, 2))
+                if (quad == 0) & (token < t):
+                    row_scales[(token * h + head) * n_blocks + b] = byte.to(cutlass.Uint8)
+                if cutlass.const_expr(b < QK_NOPE // MX_BLOCK):
+                    for j in cutlass.range_constexpr(4 * b, 4 * b + 4):
+                        i = 2 * v1 + 4 * j
+                        codes = epilogue.quantize_pair(acc[i], acc[i + 1], inv, inv, bad, bad)
+                        sRow16[r, (8 * j + 2 * quad) // 2] = codes.to(cutlass.Uint16)
+                else:
+                    v0 = b - QK_NOPE // MX_BLOCK
+                    for q in cutlass.range_constexpr(n_groups - rope_group0):
+                        codes = epilogue.quantize_pair(acc[v0 + 2 * v1 + 4 * (rope_group0 + q)], 0.0, inv, inv,
+                                                       bad, bad)
+                        sRow[r, QK_NOPE + half * v0 + 4 * q + quad] = codes.to(cutlass.Uint8)
+
+        # ------------------------------------------------------------------------------ columnwise
+        # A column block is 32 tokens = this warp's 16 rows (2 values x 8 quads) and the partner warp's.
+        col_amax = storage.col_amax.get_tensor(cute.make_layout((self.num_consumer_warps, HEAD_DIM),
+                                                                stride=(HEAD_DIM, 1)))
+        warp_slot = wg * 4 + warp
+        for j in cutlass.range_constexpr(n_groups):
+            for v0 in cutlass.range_constexpr(2):
+                bits = cutlass.max(common.abs_bits(acc[v0 + 4 * j]), common.abs_bits(acc[v0 + 2 + 4 * j]))
+                bits = epilogue.lane_max(bits, 2, 3)
+                if lane < 4:
+                    col_amax[warp_slot, self._feature(j, v0, quad)] = bits
+        cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
+        block_token0 = token0 + row_base + (warp // 2) * MX_BLOCK
+        for j in cutlass.range_constexpr(n_groups):
+            f0 = self._feature(j, 0, quad)
+            f1 = self._feature(j, 1, quad)
+            byte0, inv0, bad0 = epilogue.e8m0_scale(
+                cutlass.max(col_amax[warp_slot, f0], col_amax[warp_slot ^ 1, f0]))
+            byte1, inv1, bad1 = epilogue.e8m0_scale(
+                cutlass.max(col_amax[warp_slot, f1], col_amax[warp_slot ^ 1, f1]))
+            if (warp % 2 == 0) & (lane < 4) & (block_token0 < t):
+                scale_row = ((block_token0 // MX_BLOCK) * h + head) * HEAD_DIM
+                col_scales[scale_row + f0] = byte0.to(cutlass.Uint8)
+                col_scales[scale_row + f1] = byte1.to(cutlass.Uint8)
             for v1 in cutlass.range_constexpr(2):
                 r = row0 + 8 * v1
-                token = tile_t * bm + r
-                for b in cutlass.range_constexpr(n_blocks):
-                    bits = cutlass.Int32(0)
-                    for j, v0 in self._row_block_members(b):
-                        bits = cutlass.max(bits, common.abs_bits(acc[v0 + 2 * v1 + 4 * j]))
-                    byte, inv, bad = epilogue.e8m0_scale(epilogue.lane_max(bits, 0, 2))
-                    if (quad == 0) & (token < t):
-                        row_scales[(token * h + head) * n_blocks + b] = byte.to(cutlass.Uint8)
-                    if cutlass.const_expr(b < QK_NOPE // MX_BLOCK):
-                        for j in cutlass.range_constexpr(4 * b, 4 * b + 4):
-                            i = 2 * v1 + 4 * j
-                            codes = epilogue.quantize_pair(acc[i], acc[i + 1], inv, inv, bad, bad)
-                            sRow16[r, (8 * j + 2 * quad) // 2] = codes.to(cutlass.Uint16)
-                    else:
-                        v0 = b - QK_NOPE // MX_BLOCK
-                        for q in cutlass.range_constexpr(n_groups - rope_group0):
-                            codes = epilogue.quantize_pair(acc[v0 + 2 * v1 + 4 * (rope_group0 + q)], 0.0, inv, inv,
-                                                           bad, bad)
-                            sRow[r, QK_NOPE + half * v0 + 4 * q + quad] = codes.to(cutlass.Uint8)
+                i = 2 * v1 + 4 * j
+                codes = epilogue.quantize_pair(acc[i], acc[i + 1], inv0, inv1, bad0, bad1)
+                if cutlass.const_expr(j < rope_group0):
+                    sCol16[r, f0 // 2] = codes.to(cutlass.Uint16)
+                else:
+                    sCol[r, f0] = (codes & 0xFF).to(cutlass.Uint8)
+                    sCol[r, f1] = (codes >> 8).to(cutlass.Uint8)
 
-            # ------------------------------------------------------------------------------ columnwise
-            # A column block is 32 tokens = this warp's 16 rows (2 values x 8 quads) and the partner warp's.
-            col_amax = storage.col_amax.get_tensor(cute.make_layout((self.num_consumer_warps, HEAD_DIM),
-                                                                    stride=(HEAD_DIM, 1)))
-            warp_slot = wg * 4 + warp
-            for j in cutlass.range_constexpr(n_groups):
-                for v0 in cutlass.range_constexpr(2):
-                    bits = cutlass.max(common.abs_bits(acc[v0 + 4 * j]), common.abs_bits(acc[v0 + 2 + 4 * j]))
-                    bits = epilogue.lane_max(bits, 2, 3)
-                    if lane < 4:
-                        col_amax[warp_slot, self._feature(j, v0, quad)] = bits
-            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
-            block_token0 = tile_t * bm + wg * 64 + (warp // 2) * MX_BLOCK
-            for j in cutlass.range_constexpr(n_groups):
-                f0 = self._feature(j, 0, quad)
-                f1 = self._feature(j, 1, quad)
-                byte0, inv0, bad0 = epilogue.e8m0_scale(
-                    cutlass.max(col_amax[warp_slot, f0], col_amax[warp_slot ^ 1, f0]))
-                byte1, inv1, bad1 = epilogue.e8m0_scale(
-                    cutlass.max(col_amax[warp_slot, f1], col_amax[warp_slot ^ 1, f1]))
-                if (warp % 2 == 0) & (lane < 4) & (block_token0 < t):
-                    scale_row = ((block_token0 // MX_BLOCK) * h + head) * HEAD_DIM
-                    col_scales[scale_row + f0] = byte0.to(cutlass.Uint8)
-                    col_scales[scale_row + f1] = byte1.to(cutlass.Uint8)
-                for v1 in cutlass.range_constexpr(2):
-                    r = row0 + 8 * v1
-                    i = 2 * v1 + 4 * j
-                    codes = epilogue.quantize_pair(acc[i], acc[i + 1], inv0, inv1, bad0, bad1)
-                    if cutlass.const_expr(j < rope_group0):
-                        sCol16[r, f0 // 2] = codes.to(cutlass.Uint16)
-                    else:
-                        sCol[r, f0] = (codes & 0xFF).to(cutlass.Uint8)
-                        sCol[r, f1] = (codes >> 8).to(cutlass.Uint8)
+        # ------------------------------------------------------------------------------ store
+        # This warpgroup's 64 rows of both code tiles leave as 16-byte chunks: 12 per token row.
+        cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
+        chunks_per_row = HEAD_DIM // 16
+        sRow32 = cute.recast_tensor(sRow, cutlass.Int32)
+        sCol32 = cute.recast_tensor(sCol, cutlass.Int32)
+        out_row32 = cute.make_tensor(cute.recast_ptr(row_codes.iterator, dtype=cutlass.Int32),
+                                     cute.make_layout((cute.size(row_codes) // 4,)))
+        out_col32 = cute.make_tensor(cute.recast_ptr(col_codes.iterator, dtype=cutlass.Int32),
+                                     cute.make_layout((cute.size(col_codes) // 4,)))
+        for rep in cutlass.range_constexpr(64 * chunks_per_row // self.threads_per_wg):
+            idx = wg_tid + rep * self.threads_per_wg
+            r = row_base + idx // chunks_per_row
+            chunk = idx % chunks_per_row
+            token = token0 + r
+            if token < t:
+                dst = ((token * h + head) * HEAD_DIM + 16 * chunk) // 4
+                for wd in cutlass.range_constexpr(4):
+                    out_row32[dst + wd] = sRow32[r, 4 * chunk + wd]
+                    out_col32[dst + wd] = sCol32[r, 4 * chunk + wd]
 
-            # ------------------------------------------------------------------------------ store
-            # This warpgroup's 64 rows of both code tiles leave as 16-byte chunks: 12 per token row.
-            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
-            chunks_per_row = HEAD_DIM // 16
-            sRow32 = cute.recast_tensor(sRow, cutlass.Int32)
-            sCol32 = cute.recast_tensor(sCol, cutlass.Int32)
-            out_row32 = cute.make_tensor(cute.recast_ptr(row_codes.iterator, dtype=cutlass.Int32),
-                                         cute.make_layout((cute.size(row_codes) // 4,)))
-            out_col32 = cute.make_tensor(cute.recast_ptr(col_codes.iterator, dtype=cutlass.Int32),
-                                         cute.make_layout((cute.size(col_codes) // 4,)))
-            for rep in cutlass.range_constexpr(64 * chunks_per_row // self.threads_per_wg):
-                idx = wg_tid + rep * self.threads_per_wg
-                r = wg * 64 + idx // chunks_per_row
-                chunk = idx % chunks_per_row
-                token = tile_t * bm + r
-                if token < t:
-                    dst = ((token * h + head) * HEAD_DIM + 16 * chunk) // 4
-                    for wd in cutlass.range_constexpr(4):
-                        out_row32[dst + wd] = sRow32[r, 4 * chunk + wd]
-                        out_col32[dst + wd] = sCol32[r, 4 * chunk + wd]
+
+    @staticmethod
+    @cute.jit
+    def _load_rope_tab(rope_tab, cos, sin, token0, row0, quad, t):
+        """The rotary tables of this thread's two tokens (token0 + row0, +8), loaded before the mainloop so their
+        latency hides: entry (v1, q, c) is c = 0: cos[t, i], 1: sin[t, i], 2: cos[t, 32+i], 3: sin[t, 32+i],
+        i = 4q + quad. Tail rows read a valid row, unused."""
+        half = QK_ROPE // 2
+        for v1 in cutlass.range_constexpr(2):
+            token = cutlass.min(token0 + row0 + 8 * v1, t - 1)
+            for q in cutlass.range_constexpr(QK_ROPE // 8):
+                base = token * QK_ROPE + 4 * q + quad
+                rope_tab[v1, q, 0] = cos[base]
+                rope_tab[v1, q, 1] = sin[base]
+                rope_tab[v1, q, 2] = cos[base + half]
+                rope_tab[v1, q, 3] = sin[base + half]
 
     @staticmethod
     def mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps: int):
