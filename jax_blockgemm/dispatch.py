@@ -43,6 +43,9 @@ DEFAULT_TAKES_KERNEL = {("gemm_amax", "sm_90a"): False, ("proj_rope", "sm_90a"):
 PROJ_ROPE_TILE = {"sm_90a": (64, 192), "sm_100a": (128, 192)}
 # The cluster (CTAs along tokens sharing each W tile by TMA multicast) each arch's proj_rope tile runs in.
 PROJ_ROPE_CLUSTER = {"sm_90a": (1, 1), "sm_100a": (1, 1)}
+# The schedule of each arch's proj_rope kernel: "" (one tile per CTA) or "pingpong" (sm_90a: persistent, two
+# consumer warpgroups on alternate tiles; catalog.PROJ_ROPE_SCHEDULES_SM90). Not the default until measured on a GPU.
+PROJ_ROPE_SCHEDULE = {"sm_90a": "", "sm_100a": ""}
 
 # The kernels and the FFI handler take sizes and element counts as int32: a call with an operand or C of this many
 # elements or more never reaches them (None takes the reference, "cutedsl" raises at lowering).
@@ -181,6 +184,7 @@ def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation
                                                 c_dtype="float8_e4m3fn", sf_vec_size=32,
                                                 tile_mn=PROJ_ROPE_TILE.get(arch, (64, 192)),
                                                 cluster_mn=PROJ_ROPE_CLUSTER.get(arch, (1, 1)),
+                                                schedule=PROJ_ROPE_SCHEDULE.get(arch, ""),
                                                 b_major=b_major)) is not None]
     if not variants:
         return KernelChoice(reason="no proj_rope kernel in the catalog")

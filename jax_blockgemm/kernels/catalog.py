@@ -54,17 +54,19 @@ class KernelVariant:
     sf_dtype: str = E8M0  # the scale format: E8M0 (MX formats), or E4M3 (NVFP4)
     b_major: str = "k"  # "n": B (proj_rope's w, gemm_amax's b) is read MN-major
     a_major: str = "k"  # "m": gemm_amax's A is read MN-major
+    schedule: str = ""  # "" for the kernel's default; "pingpong": sm_90a proj_rope's persistent ping-pong kernel
 
     @property
     def key(self) -> str:
         """Unique, filesystem-safe name, e.g. 'gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1' (or '...sf16e4m3...',
-        '.bn' for an N-major B, '.<flavor>' for a test variant)."""
+        '.bn' for an N-major B, '.<schedule>' for a non-default schedule, '.<flavor>' for a test variant)."""
         sf = "" if self.sf_dtype == E8M0 else _SHORT.get(self.sf_dtype, self.sf_dtype)
         return (f"{self.op}.{self.arch}.{_SHORT.get(self.ab_dtype, self.ab_dtype)}."
                 f"{_SHORT.get(self.c_dtype, self.c_dtype)}.sf{self.sf_vec_size}{sf}."
                 f"t{self.tile_mn[0]}x{self.tile_mn[1]}.c{self.cluster_mn[0]}x{self.cluster_mn[1]}"
                 + ("" if self.a_major == "k" else f".a{self.a_major}")
                 + ("" if self.b_major == "k" else f".b{self.b_major}")
+                + (f".{self.schedule}" if self.schedule else "")
                 + (f".{self.flavor}" if self.flavor else ""))
 
     @property
@@ -106,6 +108,8 @@ def _blackwell_factory(v: KernelVariant) -> Any:
 def _hopper_proj_rope_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
 
+    if v.schedule == "pingpong":  # tile_mn: each consumer warpgroup's tile; two of them per CTA
+        return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major, consumer_wgs=2, schedule="pingpong")
     return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major, consumer_wgs=v.tile_mn[0] // 64,
                           cluster_t=v.cluster_mn[0])
 
@@ -133,6 +137,10 @@ _FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
 PROJ_ROPE_TILES = ((128, 192), (64, 192))
 PROJ_ROPE_CLUSTERS_SM90 = {(128, 192): ((1, 1), (2, 1)), (64, 192): ((1, 1), (2, 1), (4, 1))}
 PROJ_ROPE_TILES_SM100 = ((128, 192),)
+# sm_90a proj_rope's persistent ping-pong kernel (HopperProjRope(schedule="pingpong")): two consumer warpgroups on
+# alternate 64-token x one-head tiles, one CTA per SM. Keyed '...t64x192.c1x1[.bn].pingpong'.
+PROJ_ROPE_SCHEDULES_SM90 = ("pingpong",)
+PROJ_ROPE_PINGPONG_TILE = (64, 192)
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 _C = ("float32", "bfloat16")
@@ -173,6 +181,9 @@ CATALOG: tuple[KernelVariant, ...] = (
     + tuple(KernelVariant(op="proj_rope", arch="sm_90a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
                           tile_mn=t, cluster_mn=cl, b_major=b_major)
             for t in PROJ_ROPE_TILES for cl in PROJ_ROPE_CLUSTERS_SM90[t] for b_major in ("k", "n"))
+    + tuple(KernelVariant(op="proj_rope", arch="sm_90a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
+                          tile_mn=PROJ_ROPE_PINGPONG_TILE, b_major=b_major, schedule=sched)
+            for sched in PROJ_ROPE_SCHEDULES_SM90 for b_major in ("k", "n"))
     # proj_rope on sm_100a: the same ABI and surface; compiled and structurally checked here, never run (no Blackwell
     # GPU). Selected only after the first-use self-check passed on the local GPU (dispatch, selfcheck).
     + tuple(KernelVariant(op="proj_rope", arch="sm_100a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
@@ -193,11 +204,11 @@ def variants_for(arch: str, op: str | None = None) -> tuple[KernelVariant, ...]:
 
 def select_variant(*, arch: str, ab_dtype: str, c_dtype: str, sf_vec_size: int, tile_mn: tuple,
                    cluster_mn: tuple, sf_dtype: str = E8M0, op: str = "gemm_amax",
-                   b_major: str = "k", a_major: str = "k") -> KernelVariant | None:
+                   b_major: str = "k", a_major: str = "k", schedule: str = "") -> KernelVariant | None:
     """The catalog entry matching every field exactly, or None."""
     want = KernelVariant(op=op, arch=arch, ab_dtype=str(ab_dtype), c_dtype=str(c_dtype), sf_vec_size=int(sf_vec_size),
                          tile_mn=tuple(tile_mn), cluster_mn=tuple(cluster_mn), sf_dtype=str(sf_dtype),
-                         b_major=b_major, a_major=a_major)
+                         b_major=b_major, a_major=a_major, schedule=str(schedule))
     return want if want in CATALOG else None
 
 

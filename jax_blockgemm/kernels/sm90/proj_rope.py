@@ -36,6 +36,10 @@ TILE_K = 64  # bf16: one 128-byte swizzle row
 CONSUMER_WGS = (1, 2)
 CLUSTER_T = (1, 2, 4)  # CTAs (consecutive token tiles of one head) sharing each W tile through TMA multicast
 _ROW_PAD = 16  # shared-memory code rows of 192 + 16 bytes: the quads of a warp hit different banks
+SCHEDULES = ("", "pingpong")  # "": one tile per CTA; "pingpong": persistent, consumer warpgroups on alternate tiles
+SMEM_BYTES = 227 * 1024  # the most dynamic shared memory one sm_90 CTA may use
+PERSISTENT_CTAS = 132  # ping-pong grid: at most this many CTAs (one per SM of an H100/H200 SXM)
+_ORDER_BARRIER0 = 3  # ping-pong: named barrier 3 + w = "consumer warpgroup w may issue its mainloop" (1, 2: per-wg)
 
 
 class HopperProjRope:
@@ -44,8 +48,15 @@ class HopperProjRope:
     Compile-time configuration only; T, K and H are run-time scalars of the exported function.
     """
 
-    def __init__(self, *, x_dtype: str = "bfloat16", w_major: str = "k", consumer_wgs: int = 2, cluster_t: int = 1):
+    def __init__(self, *, x_dtype: str = "bfloat16", w_major: str = "k", consumer_wgs: int = 2, cluster_t: int = 1,
+                 schedule: str = "", persistent_ctas: int = PERSISTENT_CTAS):
         common.require_choice("x_dtype", x_dtype, ("bfloat16",))
+        common.require_choice("schedule", schedule, SCHEDULES)
+        if schedule == "pingpong" and (consumer_wgs, cluster_t) != (2, 1):
+            raise ValueError(f"schedule='pingpong' runs two consumer warpgroups without clusters, got "
+                             f"consumer_wgs={consumer_wgs}, cluster_t={cluster_t}")
+        self.schedule = schedule
+        self.persistent_ctas = persistent_ctas
         common.require_choice("w_major", w_major, W_MAJORS)
         common.require_choice("consumer_wgs", consumer_wgs, CONSUMER_WGS)
         common.require_choice("cluster_t", cluster_t, CLUSTER_T)
@@ -70,6 +81,18 @@ class HopperProjRope:
         b_buffer_bytes = HEAD_DIM * TILE_K * self.ab_dtype.width // 8 * self.ab_stages
         assert 2 * self.tile_mnk[0] * self.code_row_bytes <= b_buffer_bytes  # both code tiles fit W's buffers
         self.buffer_align_bytes = 1024
+        if schedule == "pingpong":
+            # Each consumer warpgroup owns a 64-token tile and its 64 x 192 accumulator; the pipeline never drains,
+            # so each warpgroup stages its codes (row and column tiles of 64 x 208 bytes) outside W's buffers, and
+            # the stages take what is left of the 227 KB (5 x 32 KB).
+            self.tile_mnk = (64, HEAD_DIM, TILE_K)
+            self.atom_layout_mnk = (1, 1, 1)
+            self.codes_bytes_per_wg = 2 * 64 * self.code_row_bytes
+            stage_bytes = (64 + HEAD_DIM) * TILE_K * self.ab_dtype.width // 8
+            fixed = (self.num_consumer_wgs * self.codes_bytes_per_wg + self.num_consumer_warps * HEAD_DIM * 4
+                     + 3 * self.buffer_align_bytes)  # + mbarriers and the two 1 KB-aligned buffers' padding
+            self.ab_stages = (SMEM_BYTES - fixed) // stage_bytes
+            assert self.ab_stages >= 2, self.ab_stages
 
     @staticmethod
     def can_implement(t: int, k: int, h: int) -> tuple[bool, str]:
@@ -119,27 +142,31 @@ class HopperProjRope:
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), mB,
                 cute.slice_(b_smem_staged, (None, None, 0)), (self.tile_mnk[1], self.tile_mnk[2]),
                 num_multicast=self.cluster_t)
-        @cute.struct
-        class SharedStorage:
-            pipeline_mbars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            col_amax: cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps * HEAD_DIM]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)],
-                                  self.buffer_align_bytes]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)],
-                                  self.buffer_align_bytes]
+        if cutlass.const_expr(self.schedule == "pingpong"):
+            self._launch_pingpong(tma_atom_a, tma_a, tma_atom_b, tma_b, cos, sin, row_codes, row_scales, col_codes,
+                                  col_scales, t, h, tiled_mma, a_smem_staged, b_smem_staged, stream)
+        else:
+            @cute.struct
+            class SharedStorage:
+                pipeline_mbars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+                col_amax: cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps * HEAD_DIM]
+                sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)],
+                                      self.buffer_align_bytes]
+                sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)],
+                                      self.buffer_align_bytes]
 
-        self.shared_storage = SharedStorage
-        tiles_t = (t + self.tile_mnk[0] - 1) // self.tile_mnk[0]
-        kernel = self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, cos, sin, row_codes, row_scales, col_codes,
-                             col_scales, t, h, tiled_mma, a_smem_staged, b_smem_staged)
-        if cutlass.const_expr(self.cluster_t == 1):
-            kernel.launch(grid=(tiles_t, h, 1), block=(self.threads_per_cta, 1, 1),
-                          min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100,
-                          stream=stream)  # all of the SM's memory as shared memory
-        else:  # whole clusters: a CTA past T loads its share of W for the others and stores nothing
-            tiles_t = (tiles_t + self.cluster_t - 1) // self.cluster_t * self.cluster_t
-            kernel.launch(grid=(tiles_t, h, 1), block=(self.threads_per_cta, 1, 1), cluster=(self.cluster_t, 1, 1),
-                          min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100, stream=stream)
+            self.shared_storage = SharedStorage
+            tiles_t = (t + self.tile_mnk[0] - 1) // self.tile_mnk[0]
+            kernel = self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, cos, sin, row_codes, row_scales, col_codes,
+                                 col_scales, t, h, tiled_mma, a_smem_staged, b_smem_staged)
+            if cutlass.const_expr(self.cluster_t == 1):
+                kernel.launch(grid=(tiles_t, h, 1), block=(self.threads_per_cta, 1, 1),
+                              min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100,
+                              stream=stream)  # all of the SM's memory as shared memory
+            else:  # whole clusters: a CTA past T loads its share of W for the others and stores nothing
+                tiles_t = (tiles_t + self.cluster_t - 1) // self.cluster_t * self.cluster_t
+                kernel.launch(grid=(tiles_t, h, 1), block=(self.threads_per_cta, 1, 1),
+                              cluster=(self.cluster_t, 1, 1), min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100, stream=stream)
 
     # ---------------------------------------------------------------------------------------------- device
     @cute.kernel
@@ -241,6 +268,149 @@ class HopperProjRope:
 
             self._epilogue(acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales,
                            tile_t * bm, wg * 64, row0, wg, warp, lane, quad, wg_tid, t, h, head)
+
+    # ------------------------------------------------------------------------------------ ping-pong (persistent)
+    @cute.jit
+    def _launch_pingpong(self, tma_atom_a: cute.CopyAtom, tma_a: cute.Tensor, tma_atom_b: cute.CopyAtom,
+                         tma_b: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor, row_codes: cute.Tensor,
+                         row_scales: cute.Tensor, col_codes: cute.Tensor, col_scales: cute.Tensor, t: cutlass.Int32,
+                         h: cutlass.Int32, tiled_mma: cute.TiledMma, a_smem_staged: cute.ComposedLayout,
+                         b_smem_staged: cute.ComposedLayout, stream: cuda.CUstream):
+        """Host side of the ping-pong schedule: min(tiles, persistent_ctas) CTAs, one per SM."""
+        @cute.struct
+        class PingPongStorage:
+            pipeline_mbars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            col_amax: cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps * HEAD_DIM]
+            codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8,
+                                                          self.num_consumer_wgs * self.codes_bytes_per_wg], 128]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)],
+                                  self.buffer_align_bytes]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)],
+                                  self.buffer_align_bytes]
+
+        self.shared_storage = PingPongStorage
+        tiles = (t + self.tile_mnk[0] - 1) // self.tile_mnk[0] * h
+        ctas = cutlass.min(tiles, cutlass.Int32(self.persistent_ctas))
+        kernel = self.kernel_pingpong(tma_atom_a, tma_a, tma_atom_b, tma_b, cos, sin, row_codes, row_scales,
+                                      col_codes, col_scales, t, h, tiled_mma, a_smem_staged, b_smem_staged)
+        kernel.launch(grid=(ctas, 1, 1), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1,
+                      preferred_smem_carveout=100, stream=stream)
+
+    @cute.kernel
+    def kernel_pingpong(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
+                        mB_nkl: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor, row_codes: cute.Tensor,
+                        row_scales: cute.Tensor, col_codes: cute.Tensor, col_scales: cute.Tensor, t: cutlass.Int32,
+                        h: cutlass.Int32, tiled_mma: cute.TiledMma, a_smem_staged: cute.ComposedLayout,
+                        b_smem_staged: cute.ComposedLayout):
+        """Device body of the ping-pong schedule (module docstring: the barrier protocol). Warp 0 produces the
+        k-tiles of this CTA's tiles cta, cta + grid, cta + 2·grid, ... in that order; consumer warpgroup w takes its
+        tiles i = w, w + 2, ... (i counts this CTA's tiles)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        cta, _, _ = cute.arch.block_idx()
+        n_ctas, _, _ = cute.arch.grid_dim()
+        bm, bn, bk = self.tile_mnk
+        tiles_t = (t + bm - 1) // bm
+        my_tiles = (tiles_t * h - 1 - cta) // n_ctas + 1  # >= 1: the grid is at most the tile count
+
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        # A stage is read by one consumer warpgroup: its 4 warps release it.
+        ab_pipeline = tma_pipeline.make_ab_pipeline(storage.pipeline_mbars.data_ptr(), a_smem_staged, b_smem_staged,
+                                                    self.ab_dtype, self.ab_stages, 4, (1, 1))
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        tAsA, tAgA = tma_pipeline.tma_views(tma_atom_a, mA_mkl, sA, (bm, bk))
+        tBsB, tBgB = tma_pipeline.tma_views(tma_atom_b, mB_nkl, sB, (bn, bk))
+        k_tiles = cute.size(tAgA, mode=[2])
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if wg_idx == 0:
+            # ------------------------------------------------------------------------------ producer
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+                for i in range(my_tiles):
+                    tile = cta + i * n_ctas  # head-major: consecutive CTAs share W's head in L2
+                    tile_t = tile % tiles_t
+                    head = tile // tiles_t
+                    for kt in range(k_tiles):
+                        ab_pipeline.producer_acquire(state)
+                        bar = ab_pipeline.producer_get_barrier(state)
+                        cute.copy(tma_atom_a, tAgA[(None, tile_t, kt, 0)], tAsA[(None, state.index)],
+                                  tma_bar_ptr=bar)
+                        cute.copy(tma_atom_b, tBgB[(None, head, kt, 0)], tBsB[(None, state.index)],
+                                  tma_bar_ptr=bar)
+                        ab_pipeline.producer_commit(state)
+                        state.advance()
+                ab_pipeline.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            wg = wg_idx - 1
+            wg_tid = tidx % self.threads_per_wg
+            warp = wg_tid // 32
+            lane = tidx % 32
+            quad = lane % 4
+            row0 = warp * 16 + lane // 4  # this thread's first token inside the 64-token tile; +8 the second
+            thr_mma = tiled_mma.get_slice(0)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
+            num_k_steps = cute.size(tCrA, mode=[2])
+            rope_tab = cute.make_rmem_tensor((2, QK_ROPE // 8, 4), cutlass.BFloat16)
+
+            # This warpgroup's own code tiles (rows, then columns), outside the pipeline's buffers.
+            code_layout = cute.make_layout((bm, self.code_row_bytes), stride=(self.code_row_bytes, 1))
+            own_codes = storage.codes.data_ptr() + cute.assume(wg * self.codes_bytes_per_wg, divby=128)
+            sRow_own = cute.make_tensor(own_codes, code_layout)
+            sCol_own = cute.make_tensor(own_codes + cute.cosize(code_layout), code_layout)
+
+            def stage_codes():
+                # The previous tile's store (every thread of this warpgroup) has read the code tiles.
+                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
+                return sRow_own, sCol_own
+
+            # Stages are consumed in the producer's order: warpgroup 1 starts after warpgroup 0's first tile, and
+            # each warpgroup skips the other's k-tiles after each of its own tiles.
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            read_state.advance(k_tiles * wg)
+            release_state.advance(k_tiles * wg)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc is zeroed per tile
+            for it in range((my_tiles + 1 - wg) // 2):
+                i = 2 * it + wg
+                tile = cta + i * n_ctas
+                tile_t = tile % tiles_t
+                head = tile // tiles_t
+                self._load_rope_tab(rope_tab, cos, sin, tile_t * bm, row0, quad, t)
+                acc.fill(0.0)
+                # ------------------------------------------------------------------------------ mainloop
+                if i > 0:  # the other warpgroup has issued every wgmma of tile i - 1
+                    cute.arch.barrier(barrier_id=_ORDER_BARRIER0 + wg, number_of_threads=2 * self.threads_per_wg)
+                self.mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps)
+                read_state.advance()
+                for kt in range(1, k_tiles):
+                    self.mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps)
+                    read_state.advance()
+                    cute.nvgpu.warpgroup.wait_group(1)  # the previous k-tile's group is done: free its stage
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                if i + 1 < my_tiles:  # hand the tensor cores to the other warpgroup's tile i + 1
+                    cute.arch.barrier_arrive(barrier_id=_ORDER_BARRIER0 + 1 - wg,
+                                             number_of_threads=2 * self.threads_per_wg)
+                cute.nvgpu.warpgroup.wait_group(0)
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
+                read_state.advance(k_tiles)  # the other warpgroup's tile i + 1
+                release_state.advance(k_tiles)
+                self._epilogue(acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales,
+                               tile_t * bm, 0, row0, wg, warp, lane, quad, wg_tid, t, h, head)
 
     @cute.jit
     def _epilogue(self, acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales, token0,
