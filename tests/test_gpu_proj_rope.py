@@ -60,10 +60,12 @@ class GpuProjRopeTest(parameterized.TestCase):
 
     TILE = catalog.PROJ_ROPE_TILES[0]
     CLUSTER = (1, 1)
+    SCHEDULE = ""
 
     def setUp(self):
         super().setUp()
-        for table, value in ((dispatch.PROJ_ROPE_TILE, self.TILE), (dispatch.PROJ_ROPE_CLUSTER, self.CLUSTER)):
+        for table, value in ((dispatch.PROJ_ROPE_TILE, self.TILE), (dispatch.PROJ_ROPE_CLUSTER, self.CLUSTER),
+                             (dispatch.PROJ_ROPE_SCHEDULE, self.SCHEDULE)):
             patch = mock.patch.dict(table, {"sm_90a": value})
             patch.start()
             self.addCleanup(patch.stop)
@@ -151,6 +153,7 @@ class GpuProjRopeTest(parameterized.TestCase):
             from jax_blockgemm import dispatch
             dispatch.PROJ_ROPE_TILE["sm_90a"] = tuple(int(v) for v in sys.argv[2].split(","))
             dispatch.PROJ_ROPE_CLUSTER["sm_90a"] = tuple(int(v) for v in sys.argv[3].split(","))
+            dispatch.PROJ_ROPE_SCHEDULE["sm_90a"] = sys.argv[4]
             inp = oracle_ops.random_proj_rope_inputs(np.random.default_rng(5), t=256, h=3, k=512, mxfp8=False)
             args = [jnp.asarray(inp[n]) for n in ("x", "w", "cos", "sin")]
             def step(x, w, c, s):
@@ -162,10 +165,9 @@ class GpuProjRopeTest(parameterized.TestCase):
         """)
         tests_dir = os.path.dirname(os.path.abspath(__file__))
         tile, cluster = ",".join(map(str, self.TILE)), ",".join(map(str, self.CLUSTER))
-        plain = subprocess.run([sys.executable, "-c", script, tests_dir, tile, cluster], capture_output=True,
-                               text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""))
-        graphs = subprocess.run([sys.executable, "-c", script, tests_dir, tile, cluster], capture_output=True, text=True,
-                                timeout=300,
+        argv = [sys.executable, "-c", script, tests_dir, tile, cluster, self.SCHEDULE]
+        plain = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""))
+        graphs = subprocess.run(argv, capture_output=True, text=True, timeout=300,
                                 env=dict(os.environ, XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"))
         self.assertEqual(plain.returncode, 0, plain.stderr[-2000:])
         self.assertEqual(graphs.returncode, 0, graphs.stderr[-2000:])
@@ -185,6 +187,24 @@ class GpuProjRopeCluster2Test(GpuProjRopeTest):
 
 class GpuProjRopeCluster4Test(GpuProjRopeTest):
     TILE, CLUSTER = (64, 192), (4, 1)
+
+
+class GpuProjRopePingPongTest(GpuProjRopeTest):
+    """The persistent ping-pong kernel (two consumer warpgroups on alternate 64-token tiles, one CTA per SM):
+    every test of the suite, including shapes with fewer tiles than CTAs, odd tile counts per CTA and T tails."""
+
+    TILE, CLUSTER, SCHEDULE = catalog.PROJ_ROPE_PINGPONG_TILE, (1, 1), "pingpong"
+
+    # SHAPES give at most 132 tiles (one per CTA, warpgroup 1 idle); these give CTAs 2 or 3 tiles (both warpgroups,
+    # the order barriers, the stage skipping): 297 tiles with a half tail tile and fewer k-tiles than stages; 320
+    # with 24 k-tiles; 264 of one k-tile with a k tail.
+    @parameterized.product(shape=[(2080, 9, 200), (4096, 5, 1536), (8448, 2, 40)], w_out_in=(True, False))
+    def test_several_tiles_per_cta_match_oracle(self, shape, w_out_in):
+        t, h, k = shape
+        inp = _inputs(np.random.SeedSequence().entropy, t, h, k, w_out_in=w_out_in, tables="rotary")
+        outs = _run(inp, w_out_in=w_out_in)
+        y_ref = oracle_ops.proj_rope_oracle(inp["x"], inp["w"], inp["cos"], inp["sin"], w_out_in=w_out_in)
+        oracle_ops.assert_proj_rope_close(self, outs, y_ref)
 
 
 if __name__ == "__main__":

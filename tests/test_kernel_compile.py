@@ -73,9 +73,13 @@ class CatalogTest(parameterized.TestCase):
                             for v in catalog.variants_for("sm_90a", "gemm_amax")))
         self.assertEqual(catalog.variants_for("sm_75"), ())
         rope = catalog.variants_for("sm_90a", "proj_rope")
-        self.assertEqual({(v.tile_mn, v.cluster_mn, v.b_major) for v in rope},
-                         {(t, c, b) for t in catalog.PROJ_ROPE_TILES for c in catalog.PROJ_ROPE_CLUSTERS_SM90[t]
-                          for b in ("k", "n")})
+        self.assertEqual({(v.tile_mn, v.cluster_mn, v.b_major, v.schedule) for v in rope},
+                         {(t, c, b, "") for t in catalog.PROJ_ROPE_TILES for c in catalog.PROJ_ROPE_CLUSTERS_SM90[t]
+                          for b in ("k", "n")}
+                         | {(catalog.PROJ_ROPE_PINGPONG_TILE, (1, 1), b, s) for s in catalog.PROJ_ROPE_SCHEDULES_SM90
+                            for b in ("k", "n")})
+        self.assertIn("proj_rope.sm_90a.bf16.e4m3.sf32.t64x192.c1x1.bn.pingpong", {v.key for v in rope})
+        self.assertEqual(len({v.key for v in catalog.CATALOG}), len(catalog.CATALOG))
 
     def test_sm100a_proj_rope_variants_cover_both_w_layouts(self):
         rope = catalog.variants_for("sm_100a", "proj_rope")
@@ -241,6 +245,27 @@ class CompileTest(parameterized.TestCase):
             self.assertNotEmpty(multicast)
             self.assertIn("mapa.shared::cluster", ptx)
             self.assertIn("barrier.cluster.arrive", ptx)
+
+    @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_90a", "proj_rope") if v.schedule)
+    def test_proj_rope_pingpong_structure(self, v):
+        """The persistent ping-pong kernel: a grid-strided tile loop, the order barriers between the two consumer
+        warpgroups (bar.sync / bar.arrive of 256 threads), registers split 40/232, no spills, and its shared memory
+        (5 stages + each warpgroup's own code tiles) within the 227 KB of one sm_90 CTA."""
+        ptx, _, _, fn, kernel = _compiled(v)
+        self.assertEqual((kernel.schedule, kernel.tile_mnk[0], kernel.ab_stages), ("pingpong", 64, 5))
+        self.assertIn("%nctaid.x", ptx)  # tiles cta, cta + grid, ...
+        self.assertRegex(ptx, r"bar\.sync\s+%r\d+, 256;")  # wait for this warpgroup's turn (id 3 + wg)
+        self.assertRegex(ptx, r"bar\.arrive\s+%r\d+, 256;")  # hand the turn to the other warpgroup
+        self.assertRegex(ptx, r"bar\.sync\s+%r\d+, 128;")  # the epilogue's per-warpgroup barriers (id 1 + wg)
+        self.assertIn("setmaxnreg.dec.sync.aligned.u32 \t40", ptx)
+        self.assertIn("setmaxnreg.inc.sync.aligned.u32 \t232", ptx)
+        self.assertIn(".reqntid 384, 1, 1", ptx)
+        resources = structure.cubin_resources(fn.__cubin__)
+        self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
+        self.assertLessEqual(resources.registers, 65536 // 384)
+        smem = kernel.shared_storage.size_in_bytes() + resources.static_smem_bytes
+        self.assertLessEqual(smem, 227 * 1024)
+        self.assertGreater(smem, 227 * 1024 - 32 * 1024)  # no room left for a sixth stage
 
     @parameterized.named_parameters((v.key, v) for v in _PROJ_ROPE_VARIANTS)
     def test_proj_rope_header_matches_abi(self, v):
