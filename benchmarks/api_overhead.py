@@ -65,16 +65,18 @@ def proj_rope_cases(t: int, h: int, k: int):
         sets.append((inp["x_bf16"], inp["w_bf16"], inp["cos"], inp["sin"]))
     kernel = jax.jit(lambda *x: jbg.gemm_proj_rope_mxfp8(*x, implementation="cutedsl"))
     yield f"proj_rope T={t} H={h} K={k} kernel", kernel, sets
-    for v in catalog.variants_for("sm_90a", "proj_rope"):  # each tile and cluster, compiled with it patched in
+    for v in catalog.variants_for("sm_90a", "proj_rope"):  # each tile, cluster and schedule, patched in to compile
         if v.b_major != "k":
             continue
         with mock.patch.dict(dispatch.PROJ_ROPE_TILE, {"sm_90a": v.tile_mn}), \
-                mock.patch.dict(dispatch.PROJ_ROPE_CLUSTER, {"sm_90a": v.cluster_mn}):
+                mock.patch.dict(dispatch.PROJ_ROPE_CLUSTER, {"sm_90a": v.cluster_mn}), \
+                mock.patch.dict(dispatch.PROJ_ROPE_SCHEDULE, {"sm_90a": v.schedule}):
             try:
                 compiled = kernel.lower(*sets[0]).compile()
             except Exception:  # noqa: BLE001 -- no kernel here (CPU): the plain kernel row already says why
                 continue
-        yield (f"proj_rope T={t} H={h} K={k} {v.tile_mn[0]}x{v.tile_mn[1]} c{v.cluster_mn[0]}", compiled, sets)
+        yield (f"proj_rope T={t} H={h} K={k} {v.tile_mn[0]}x{v.tile_mn[1]} c{v.cluster_mn[0]}"
+               + (f" {v.schedule}" if v.schedule else ""), compiled, sets)
     yield (f"bf16 dot T={t} N={h * 192} K={k}", jax.jit(lambda x, w: jax.lax.dot_general(
         x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)), [s[:2] for s in sets])
 

@@ -4,7 +4,11 @@ Runs the kernel straight through CuTeDSL's JIT launch (no FFI), on torch tensors
 kernel from the bridge. Outputs are poisoned (codes 0xFF = E4M3 NaN, scales 0xFE) before every launch. Beside the
 kernel, in the same run: XLA's bare bf16 dot of the same shape (both weight layouts) and the library's reference.
 
-    python3 benchmarks/proj_rope_standalone.py [--quick] [--no-bench] [--out DIR]
+    python3 benchmarks/proj_rope_standalone.py [--quick] [--no-bench] [--out DIR] [--consumer-wgs pp,2,1]
+
+--consumer-wgs picks the kernels: "1" / "2" consumer warpgroups per CTA (one tile per CTA), "pp" the persistent
+ping-pong schedule (two consumer warpgroups on alternate 64-token tiles); the ping-pong kernel is also checked on
+PINGPONG_CHECK_SHAPES, where CTAs get 2-3 tiles.
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ from jax_blockgemm.support import HEAD_DIM, QK_ROPE  # noqa: E402
 
 CHECK_SHAPES = [(32, 1, 64), (96, 3, 136), (160, 2, 520), (256, 5, 1536), (1000 // 32 * 32, 7, 1024)]
 BENCH_SHAPES = [(2048, 128, 1536), (4096, 128, 1536)]
+# More tiles than the 132 persistent CTAs: 297 (half tail tile, fewer k-tiles than stages), 264 (one k-tile, k tail).
+PINGPONG_CHECK_SHAPES = [(2080, 9, 200), (8448, 2, 40)]
 
 
 class Runner:
     """Compiles the kernel for one weight layout for the local GPU and launches it on torch tensors."""
 
-    def __init__(self, w_major: str, consumer_wgs: int = 2):
+    def __init__(self, w_major: str, consumer_wgs: int | str = 2):
         import cuda.bindings.driver as cuda
         import cutlass
         import cutlass.cute as cute
@@ -45,7 +51,11 @@ class Runner:
         from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
 
         self.cute, self.cutlass, self.cuda = cute, cutlass, cuda
-        self.kernel = HopperProjRope(w_major=w_major, consumer_wgs=consumer_wgs)
+        if consumer_wgs == "pp":
+            self.kernel, self.label = HopperProjRope(w_major=w_major, schedule="pingpong"), "pingpong"
+        else:
+            self.kernel = HopperProjRope(w_major=w_major, consumer_wgs=int(consumer_wgs))
+            self.label = f"{consumer_wgs}wg"
         flat = lambda dt: make_fake_compact_tensor(dt, (cute.sym_int64(),), assumed_align=16)
         bf, u8 = cutlass.BFloat16, cutlass.Uint8
         t0 = time.perf_counter()
@@ -188,7 +198,7 @@ def bench(runners: dict, reps: int) -> list:
             sizes = (t * n, t * h * 6, t * n, (t // 32) * n)
             outs = [torch.empty((s,), dtype=torch.uint8, device="cuda") for s in sizes]
             ms = median_ms(lambda: runner(*args, outs, t, k, h), reps)
-            name = f"kernel {runner.kernel.num_consumer_wgs}wg w_out_in={w_out_in}"
+            name = f"kernel {runner.label} w_out_in={w_out_in}"
             rows.append(dict(what=name, t=t, ms=ms, tflops=2 * t * n * k / ms / 1e9))
         # XLA baselines, same shapes: bare bf16 dot (both layouts) and the library reference
         x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
@@ -224,10 +234,11 @@ def main() -> int:
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=None)
-    p.add_argument("--consumer-wgs", default="2", help="comma-separated kernel variants to check and time")
+    p.add_argument("--consumer-wgs", default="2",
+                   help="comma-separated kernels to check and time: 1, 2 (consumer warpgroups), pp (ping-pong)")
     args = p.parse_args()
     runners = {}
-    for wgs in (int(v) for v in args.consumer_wgs.split(",")):
+    for wgs in args.consumer_wgs.split(","):
         for w_out_in in (True, False):
             r = runners[(w_out_in, wgs)] = Runner("k" if w_out_in else "n", wgs)
             print(f"compiled {wgs}wg w_out_in={w_out_in} in {r.compile_s:.1f} s", file=sys.stderr, flush=True)
@@ -235,7 +246,7 @@ def main() -> int:
     results = []
     shapes = [] if args.no_check else CHECK_SHAPES[:2] if args.quick else CHECK_SHAPES
     for (w_out_in, wgs), runner in runners.items():
-        for shape in shapes:
+        for shape in shapes + (PINGPONG_CHECK_SHAPES if wgs == "pp" and not args.no_check else []):
             for tables in ("random", "yarn"):
                 r = dict(check(runner, w_out_in, shape, rng, tables), wgs=wgs)
                 results.append(r)

@@ -143,6 +143,7 @@ def run_proj_rope_variants(rng) -> int:
     for variant in catalog.variants_for("sm_90a", "proj_rope"):
         dispatch.PROJ_ROPE_TILE["sm_90a"] = variant.tile_mn  # the dispatcher's tile and cluster for these runs
         dispatch.PROJ_ROPE_CLUSTER["sm_90a"] = variant.cluster_mn
+        dispatch.PROJ_ROPE_SCHEDULE["sm_90a"] = variant.schedule
         w_out_in = variant.b_major == "k"
         for (t, h, k), mxfp8 in itertools.product(PROJ_ROPE_SHAPES, (False, True)):
             label = f"{variant.key} {'mxfp8' if mxfp8 else 'bf16'} (T, H, K) = {(t, h, k)}"
