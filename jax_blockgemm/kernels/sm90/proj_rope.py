@@ -16,6 +16,29 @@ w_major "k" reads w as (H·192, K) (`w_out_in=True`), "n" as (K, H·192): only t
 layout of B differ. cluster_t > 1 launches clusters of that many consecutive token tiles of one head: each CTA loads
 1/cluster_t of every W tile and multicasts it to the cluster (W is 3/4 of the bytes a 64-token CTA reads), and a
 stage is refilled only once every CTA of the cluster has released it. Phases are marked `producer`, `mainloop`, `rope`, `rowwise`, `columnwise`, `store`.
+
+schedule="pingpong" (`kernel_pingpong`): a persistent kernel, min(tiles, PERSISTENT_CTAS) CTAs of 384 threads (one
+per SM: registers 40 / 232 / 232 by setmaxnreg). Tiles are 64 tokens x one head, numbered head-major (tile_t fastest,
+so the CTAs running at once share a head's W in L2); CTA c takes tiles c, c + grid, c + 2·grid, ... (its tiles
+i = 0, 1, ..., n-1, n >= 1). Warp 0 streams every k-tile of those tiles, in that order, through `ab_stages` (5)
+x/W stages. Consumer warpgroup w (0 or 1) owns its own 64 x 192 fp32 accumulator and runs tiles i = w, w + 2, ...:
+mainloop, then the same epilogue as the other schedule (`_epilogue`), with its own code tiles (64 x 208 bytes, rows
+and columns) outside the pipeline's buffers, so while one warpgroup runs its epilogue the other issues wgmmas.
+Barrier protocol (every count holds on every path: a CTA's tile count n is known to all its threads, tiles past T
+only mask stores, and a warpgroup with no tile (n = 1, w = 1) touches no barrier but the init one):
+- mbarrier pipeline (PipelineTmaAsync): full[s] completes by the producer's arrive.expect_tx + the TMA bytes; empty[s]
+  needs 4 arrivals, one per warp of the one warpgroup that read stage s. Each warpgroup walks the stages in the
+  producer's order: it starts k_tiles·w stages in, and after each of its tiles advances past the other warpgroup's
+  k_tiles, so both read/release states stay in step with the producer's state (n·k_tiles stages in all).
+- order barrier, named barriers 3 + w ("warpgroup w may issue its mainloop"), 256 threads = bar.sync of the 128
+  threads of w + bar.arrive of the 128 of the other: before tile i > 0, warpgroup i % 2 syncs on 3 + i % 2; after
+  issuing tile i's last wgmma and if i + 1 < n, it arrives on 3 + (i + 1) % 2. So there are n - 1 syncs and n - 1
+  arrives, matched one to one (tile i's arrive with tile i + 1's sync), and a warpgroup cannot arrive twice on a
+  barrier before the other synced on it (its next arrive follows its own next sync, which needs the other's arrive):
+  no arrival is ever left pending at exit.
+- named barriers 1 + w (128 threads, warpgroup w only): the columnwise exchange and the store inside the epilogue, and
+  one at its start (the previous tile's store has read the code tiles before they are rewritten).
+- named barrier 0: the pipeline init (all 384 threads, once).
 """
 
 from __future__ import annotations
