@@ -4,7 +4,8 @@
 #
 #     bash benchmarks/h200_session.sh STEP... (default: every step, in the order below)
 #
-# Steps: proj_rope_tests (proj_rope_tests_default_tile), proj_rope_kernel, bench_proj_rope, bench_gemm, handler_tests,
+# Steps: proj_rope_tests (proj_rope_tests_default_tile), proj_rope_kernel, proj_rope_pingpong_tests,
+# proj_rope_pingpong_kernel, bench_proj_rope, bench_gemm, handler_tests,
 # selfcheck_tests, gemm_tests, gemm_all_tests, gemm_candidates, autodiff_tests, api_overhead, api_overhead_proj_rope,
 # train_step, sanitize, sanitize_bg + wait_bg, soak, proj_rope_cluster_tests, multi_gpu
 # (the last needs two GPUs: kind nvidia-h200-x2; the single-GPU steps then run on the first).
@@ -44,6 +45,12 @@ for step in "${STEPS[@]}"; do
     proj_rope_kernel)
       run_step "$step" 60 proj_rope_kernel.log python3 benchmarks/proj_rope_standalone.py --no-check \
         --consumer-wgs 2,1 ;;
+    proj_rope_pingpong_tests)  # the persistent ping-pong kernel: the whole proj_rope suite on it, first on a GPU
+      run_step "$step" 150 proj_rope_pingpong_tests.log python3 -m pytest tests/test_gpu_proj_rope.py -q -x \
+        -p no:cacheprovider -k PingPong ;;
+    proj_rope_pingpong_kernel)  # ping-pong vs the 64x192 two-CTA default: checked (2-3 tiles per CTA too), then timed
+      run_step "$step" 120 proj_rope_pingpong_kernel.log python3 benchmarks/proj_rope_standalone.py --quick \
+        --consumer-wgs pp,1 --out "$OUT" ;;
     bench_proj_rope)
       run_step "$step" 90 bench.log python3 -m jax_blockgemm.bench --op proj_rope --json "$OUT/bench.json" ;;
     bench_gemm)
