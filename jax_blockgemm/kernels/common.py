@@ -12,11 +12,26 @@ import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from jax_blockgemm.support import HEAD_DIM, MX_BLOCK
+
 # --- configuration checks --------------------------------------------------------------------------------
 def require_choice(name: str, value, allowed) -> None:
     """Raise ValueError naming `name` unless `value` is one of `allowed` (a kernel's compile-time option)."""
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported; expected one of {allowed}")
+
+
+def proj_rope_can_implement(t: int, k: int, h: int) -> tuple[bool, str]:
+    """Whether a proj_rope kernel (sm_90a or sm_100a: the same ABI and size rules) takes (T, K, H), and why not."""
+    if min(t, k, h) < 1:
+        return False, f"every size must be >= 1, got t={t}, k={k}, h={h}"
+    if t % MX_BLOCK:
+        return False, f"t must be a multiple of {MX_BLOCK} (the columnwise blocks), got t={t}"
+    if k % 8:
+        return False, f"k must be a multiple of 8 (16-byte bf16 rows for TMA), got k={k}"
+    if max(t, h * HEAD_DIM) * k >= 2**31 or t * h * HEAD_DIM >= 2**31:
+        return False, f"operands and outputs must hold fewer than 2**31 elements, got t={t}, k={k}, h={h}"
+    return True, ""
 
 
 # --- the 128x4 scale-factor atom (SPEC §3) ---------------------------------------------------------------

@@ -102,18 +102,8 @@ class BlackwellProjRope:
         self.tmem_columns_allocated = TMEM_COLUMNS  # a power of two >= the 384 used: the whole of tensor memory
         self.buffer_align_bytes = 1024
 
-    @staticmethod
-    def can_implement(t: int, k: int, h: int) -> tuple[bool, str]:
-        """Whether the kernel handles these sizes, and why not (the caller checks before launching)."""
-        if min(t, k, h) < 1:
-            return False, f"every size must be >= 1, got t={t}, k={k}, h={h}"
-        if t % MX_BLOCK:
-            return False, f"t must be a multiple of {MX_BLOCK} (the columnwise blocks), got t={t}"
-        if k % 8:
-            return False, f"k must be a multiple of 8 (16-byte bf16 rows for TMA), got k={k}"
-        if max(t, h * HEAD_DIM) * k >= 2**31 or t * h * HEAD_DIM >= 2**31:
-            return False, f"operands and outputs must hold fewer than 2**31 elements, got t={t}, k={k}, h={h}"
-        return True, ""
+    # Whether the kernel handles these sizes, and why not (the caller checks before launching).
+    can_implement = staticmethod(common.proj_rope_can_implement)
 
     # ------------------------------------------------------------------------------------------ set-up
     def _setup(self):
