@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from unittest import mock
 
 import jax
@@ -36,16 +34,7 @@ def single_ms(fn, arg_sets, reps: int) -> float:
 
 def pipelined_ms(fn, arg_sets, reps: int, burst: int = 20) -> float:
     """Median over `reps // 5` bursts of the wall time of `burst` back-to-back calls, per call."""
-    jax.block_until_ready(fn(*arg_sets[0]))
-    times = []
-    for _ in range(max(3, reps // 5)):
-        start = time.perf_counter()
-        out = None
-        for i in range(burst):
-            out = fn(*arg_sets[i % len(arg_sets)])
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / burst)
-    return 1e3 * statistics.median(times)
+    return bench.median_ms(fn, arg_sets, warmup=1, reps=max(3, reps // 5), burst=burst)
 
 
 def gemm_cases(m: int, n: int, k: int):
