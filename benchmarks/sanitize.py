@@ -207,23 +207,12 @@ def _attribute(log: str) -> tuple[dict, list, str]:
 
 def _precompile(jobs: int, timeout: int) -> str:
     """Compiles every sm_90a catalog object into the kernel cache with `jobs` processes; one line of outcome."""
+    from jax_blockgemm import precompile
     from jax_blockgemm.kernels import catalog
 
     keys = [v.key for v in catalog.variants_for("sm_90a")]
-    chunks = [keys[i::jobs] for i in range(max(1, jobs)) if keys[i::jobs]]
-    procs = [subprocess.Popen([sys.executable, "-m", "jax_blockgemm.precompile", "--arch", "sm_90a",
-                               *[arg for key in chunk for arg in ("--variant", key)]], cwd=_ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for chunk in chunks]
-    failed = []
-    for proc in procs:
-        try:
-            _, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            err = "timed out"
-        if proc.returncode != 0:
-            failed.append(err[-1000:])
-    return (f"precompiled {len(keys)} sm_90a objects in {len(chunks)} processes" if not failed
+    failed = precompile.compile_in_processes(keys, jobs, timeout=timeout)
+    return (f"precompiled {len(keys)} sm_90a objects in {min(jobs, len(keys))} processes" if not failed
             else "precompile failed:\n" + "\n".join(failed))
 
 

@@ -1,8 +1,10 @@
 """Fill the kernel object cache ahead of time, on any machine (no GPU needed).
 
-    python -m jax_blockgemm.precompile [--arch sm_90a --arch sm_100a] [--variant KEY ...] [--list | --report]
+    python -m jax_blockgemm.precompile [--arch sm_90a --arch sm_100a] [--variant KEY ...] [--jobs N]
+                                       [--list | --report]
 
 Without --arch, every architecture in the catalog; without --variant, every variant of those architectures.
+--jobs N compiles in N processes at once (the cache takes concurrent writers).
 Prints, per variant, whether it was compiled or already cached, the time it took and the entry's path.
 --report compiles the sm_100a variants afresh (the cache holds objects, not PTX) and prints their structural
 checks instead (kernels/structure.py): MMA kind and scale-vector size, tensor memory, local memory, shared
@@ -12,6 +14,8 @@ memory, registers; exit status 1 if any variant fails one.
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import time
 from typing import Sequence
@@ -24,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", action="append", default=[], help="target to compile for (repeatable), e.g. sm_90a")
     p.add_argument("--variant", action="append", default=[], metavar="KEY",
                    help="only this catalog key (repeatable); see --list")
+    p.add_argument("--jobs", type=int, default=1, metavar="N", help="compile in N processes at once (default 1)")
     p.add_argument("--list", action="store_true", help="list the selected variants and their cache state; compile "
                                                        "nothing")
     p.add_argument("--report", action="store_true", help="compile the selected sm_100a variants and print their "
@@ -78,6 +83,29 @@ def select(catalog_variants: Sequence, archs: Sequence[str], keys: Sequence[str]
     return chosen
 
 
+def compile_in_processes(keys: Sequence[str], jobs: int, *, timeout: float = 1800) -> list[str]:
+    """Compile the catalog variants `keys` into the kernel cache in `jobs` child processes at once.
+
+    Returns the error tails of the processes that failed (empty when all succeeded). The children inherit the
+    environment, so JAX_BLOCKGEMM_CACHE_DIR selects the cache they fill.
+    """
+    chunks = [list(keys[i::jobs]) for i in range(max(1, jobs)) if keys[i::jobs]]
+    procs = [subprocess.Popen([sys.executable, "-m", "jax_blockgemm.precompile",
+                               *[arg for key in chunk for arg in ("--variant", key)]],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+             for chunk in chunks]
+    failed = []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            err = f"timed out after {timeout} s"
+        if proc.returncode != 0:
+            failed.append(err[-1000:])
+    return failed
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from jax_blockgemm.kernels import catalog
@@ -92,6 +120,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             state = "cached" if cache.path(v).is_file() else "missing"
             print(f"{state:8s} {v.key}")
         return 0
+    if args.jobs > 1:
+        start = time.perf_counter()
+        failed = compile_in_processes([v.key for v in variants], args.jobs)
+        print(f"{len(variants)} variants in {args.jobs} processes in {time.perf_counter() - start:.2f} s"
+              + ("" if not failed else ", failures:\n" + "\n".join(failed)))
+        return 1 if failed else 0
     total = time.perf_counter()
     for v in variants:
         start = time.perf_counter()

@@ -8,6 +8,7 @@ variant, which is how a Blackwell user verifies the never-run kernels:
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,7 +21,7 @@ import numpy as np
 from absl.testing import absltest
 
 import jax_blockgemm as jbg
-from jax_blockgemm import dispatch, selfcheck
+from jax_blockgemm import dispatch, precompile, selfcheck
 
 import oracle_ops
 
@@ -38,11 +39,31 @@ _FMT = "mxfp8_e4m3"
 @absltest.skipUnless(_ARCH, "needs a CUDA GPU of one architecture that has kernels (sm_90a or sm_100a)")
 class GpuSelfCheckTest(absltest.TestCase):
 
+    @classmethod
+    def setUpClass(cls):
+        """One fresh object cache for the class, filled in parallel: compiling every local variant one by one, twice
+        (in-process and in the CLI's subprocess), took longer than the test's time on the H200."""
+        super().setUpClass()
+        from jax_blockgemm.kernels import catalog
+
+        cls.dir = tempfile.mkdtemp(prefix="jbg_selfcheck_test_")
+        with mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": cls.dir}):
+            failed = precompile.compile_in_processes([v.key for v in catalog.variants_for(_ARCH)],
+                                                     min(8, os.cpu_count() or 1))
+        if failed:
+            raise RuntimeError("precompiling the local variants failed:\n" + "\n".join(failed))
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.dir, ignore_errors=True)
+        super().tearDownClass()
+
     def setUp(self):
         from jax_blockgemm.kernels import catalog
 
         self.catalog = catalog
-        self.dir = self.enter_context(tempfile.TemporaryDirectory())
+        # Objects are shared across the class; verdicts are not (each test starts with none on disk).
+        shutil.rmtree(os.path.join(self.dir, "selfcheck"), ignore_errors=True)
         self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.dir}))
         self.enter_context(mock.patch.dict(selfcheck._MEMORY, clear=True))
         self.enter_context(mock.patch.object(selfcheck, "_WARNED", set()))
