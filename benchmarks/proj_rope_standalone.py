@@ -4,11 +4,13 @@ Runs the kernel straight through CuTeDSL's JIT launch (no FFI), on torch tensors
 kernel from the bridge. Outputs are poisoned (codes 0xFF = E4M3 NaN, scales 0xFE) before every launch. Beside the
 kernel, in the same run: XLA's bare bf16 dot of the same shape (both weight layouts) and the library's reference.
 
-    python3 benchmarks/proj_rope_standalone.py [--quick] [--no-bench] [--out DIR] [--consumer-wgs pp,2,1]
+    python3 benchmarks/proj_rope_standalone.py [--quick] [--no-bench] [--out DIR] [--consumer-wgs pp,2,1] [--profile]
 
 --consumer-wgs picks the kernels: "1" / "2" consumer warpgroups per CTA (one tile per CTA), "pp" the persistent
 ping-pong schedule (two consumer warpgroups on alternate 64-token tiles); the ping-pong kernel is also checked on
-PINGPONG_CHECK_SHAPES, where CTAs get 2-3 tiles.
+PINGPONG_CHECK_SHAPES, where CTAs get 2-3 tiles. --profile also times each kernel with one phase left out
+(PROFILE_SKIPS: the wgmmas, the whole epilogue, the code tiles' global stores); those results are wrong by design and
+are not checked. Kernel times are CUDA events around bursts of BURST launches (host launch cost hidden).
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ CHECK_SHAPES = [(32, 1, 64), (96, 3, 136), (160, 2, 520), (256, 5, 1536), (1000 
 BENCH_SHAPES = [(2048, 128, 1536), (4096, 128, 1536)]
 # More tiles than the 132 persistent CTAs: 297 (half tail tile, fewer k-tiles than stages), 264 (one k-tile, k tail).
 PINGPONG_CHECK_SHAPES = [(2080, 9, 200), (8448, 2, 40)]
+PROFILE_SKIPS = ("mma", "epilogue", "stores")
+BURST = 10
 
 
 class Runner:
     """Compiles the kernel for one weight layout for the local GPU and launches it on torch tensors."""
 
-    def __init__(self, w_major: str, consumer_wgs: int | str = 2):
+    def __init__(self, w_major: str, consumer_wgs: int | str = 2, skip: frozenset = frozenset()):
         import cuda.bindings.driver as cuda
         import cutlass
         import cutlass.cute as cute
@@ -56,6 +60,9 @@ class Runner:
         else:
             self.kernel = HopperProjRope(w_major=w_major, consumer_wgs=int(consumer_wgs))
             self.label = f"{consumer_wgs}wg"
+        self.kernel._skip = frozenset(skip)  # profiling only: phases left out
+        if skip:
+            self.label += " no-" + "+".join(sorted(skip))
         flat = lambda dt: make_fake_compact_tensor(dt, (cute.sym_int64(),), assumed_align=16)
         bf, u8 = cutlass.BFloat16, cutlass.Uint8
         t0 = time.perf_counter()
@@ -71,7 +78,8 @@ class Runner:
         w.element_type = dtype
         return w
 
-    def __call__(self, x, w, cos, sin, outs, t, k, h):
+    def bind(self, x, w, cos, sin, outs, t, k, h):
+        """A no-argument launch of the kernel on these tensors (wrapped once, so a timed launch is only the launch)."""
         import torch
 
         ok, why = self.kernel.can_implement(t, k, h)
@@ -80,7 +88,11 @@ class Runner:
         stream = self.cuda.CUstream(torch.cuda.current_stream().cuda_stream)
         bf = [self.wrap(v, c.BFloat16) for v in (x, w, cos, sin)]
         u8 = [self.wrap(v, c.Uint8) for v in (outs[0], outs[0], *outs)]  # x_scale/w_scale unused on bf16
-        self.compiled(*bf, *u8, c.Int32(t), c.Int32(k), c.Int32(h), stream)
+        args = (*bf, *u8, c.Int32(t), c.Int32(k), c.Int32(h), stream)
+        return lambda: self.compiled(*args)
+
+    def __call__(self, x, w, cos, sin, outs, t, k, h):
+        self.bind(x, w, cos, sin, outs, t, k, h)()
 
 
 def to_dev(a: np.ndarray):
@@ -166,6 +178,7 @@ def check_special(runner: Runner, w_out_in: bool, rng) -> dict:
 
 
 def median_ms(fn, reps: int) -> float:
+    """Median over `reps` of CUDA-event time per launch, timed over bursts of BURST back-to-back launches."""
     import torch
 
     for _ in range(3):
@@ -174,10 +187,11 @@ def median_ms(fn, reps: int) -> float:
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(BURST):
+            fn()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / BURST)
     return statistics.median(times)
 
 
@@ -197,7 +211,7 @@ def bench(runners: dict, reps: int) -> list:
             args = [bf16_dev(inp[n_]) for n_ in ("x", "w", "cos", "sin")]
             sizes = (t * n, t * h * 6, t * n, (t // 32) * n)
             outs = [torch.empty((s,), dtype=torch.uint8, device="cuda") for s in sizes]
-            ms = median_ms(lambda: runner(*args, outs, t, k, h), reps)
+            ms = median_ms(runner.bind(*args, outs, t, k, h), reps)
             name = f"kernel {runner.label} w_out_in={w_out_in}"
             rows.append(dict(what=name, t=t, ms=ms, tflops=2 * t * n * k / ms / 1e9))
         # XLA baselines, same shapes: bare bf16 dot (both layouts) and the library reference
@@ -236,12 +250,17 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--consumer-wgs", default="2",
                    help="comma-separated kernels to check and time: 1, 2 (consumer warpgroups), pp (ping-pong)")
+    p.add_argument("--profile", action="store_true",
+                   help="also time each kernel (w_out_in=True) with one phase left out (not checked)")
     args = p.parse_args()
-    runners = {}
+    runners, profiled = {}, {}
     for wgs in args.consumer_wgs.split(","):
         for w_out_in in (True, False):
             r = runners[(w_out_in, wgs)] = Runner("k" if w_out_in else "n", wgs)
             print(f"compiled {wgs}wg w_out_in={w_out_in} in {r.compile_s:.1f} s", file=sys.stderr, flush=True)
+        for phase in PROFILE_SKIPS if args.profile else ():
+            r = profiled[(True, f"{wgs} no-{phase}")] = Runner("k", wgs, frozenset({phase}))
+            print(f"compiled {r.label} in {r.compile_s:.1f} s", file=sys.stderr, flush=True)
     rng = np.random.default_rng(int(time.time()))
     results = []
     shapes = [] if args.no_check else CHECK_SHAPES[:2] if args.quick else CHECK_SHAPES
@@ -260,7 +279,7 @@ def main() -> int:
         r = check(next(iter(runners.values())), True, (4096, 128, 1536), rng, "yarn")
         results.append(r)
         print(f"check {r}", file=sys.stderr, flush=True)
-    rows = [] if args.no_bench else bench(runners, args.reps)
+    rows = [] if args.no_bench else bench({**runners, **profiled}, args.reps)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "proj_rope_standalone.json"), "w") as f:

@@ -80,6 +80,10 @@ class HopperProjRope:
                              f"consumer_wgs={consumer_wgs}, cluster_t={cluster_t}")
         self.schedule = schedule
         self.persistent_ctas = persistent_ctas
+        # Profiling only (benchmarks/proj_rope_standalone.py --profile): phases to leave out, from {"mma", "epilogue",
+        # "stores"} (the wgmmas; the whole epilogue; the code tiles' global stores). The results are then wrong;
+        # never set in the catalog.
+        self._skip: frozenset = frozenset()
         common.require_choice("w_major", w_major, W_MAJORS)
         common.require_choice("consumer_wgs", consumer_wgs, CONSUMER_WGS)
         common.require_choice("cluster_t", cluster_t, CLUSTER_T)
@@ -246,7 +250,7 @@ class HopperProjRope:
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
             acc.fill(0.0)
-            num_k_steps = cute.size(tCrA, mode=[2])
+            num_k_steps = 0 if "mma" in self._skip else cute.size(tCrA, mode=[2])
 
             # The rotary tables of this thread's two tokens, loaded before the mainloop so their latency hides.
             rope_tab = cute.make_rmem_tensor((2, QK_ROPE // 8, 4), cutlass.BFloat16)
@@ -279,8 +283,9 @@ class HopperProjRope:
                 return (cute.make_tensor(b_bytes, code_layout),
                         cute.make_tensor(b_bytes + cute.cosize(code_layout), code_layout))
 
-            self._epilogue(acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales,
-                           tile_t * bm, wg * 64, row0, wg, warp, lane, quad, wg_tid, t, h, head)
+            if cutlass.const_expr("epilogue" not in self._skip):
+                self._epilogue(acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales,
+                               tile_t * bm, wg * 64, row0, wg, warp, lane, quad, wg_tid, t, h, head)
 
     # ------------------------------------------------------------------------------------ ping-pong (persistent)
     @cute.jit
@@ -375,7 +380,7 @@ class HopperProjRope:
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
-            num_k_steps = cute.size(tCrA, mode=[2])
+            num_k_steps = 0 if "mma" in self._skip else cute.size(tCrA, mode=[2])
             rope_tab = cute.make_rmem_tensor((2, QK_ROPE // 8, 4), cutlass.BFloat16)
 
             # This warpgroup's own code tiles (rows, then columns), outside the pipeline's buffers.
@@ -422,8 +427,9 @@ class HopperProjRope:
                 release_state.advance()
                 read_state.advance(k_tiles)  # the other warpgroup's tile i + 1
                 release_state.advance(k_tiles)
-                self._epilogue(acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales,
-                               tile_t * bm, 0, row0, wg, warp, lane, quad, wg_tid, t, h, head)
+                if cutlass.const_expr("epilogue" not in self._skip):
+                    self._epilogue(acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales,
+                                   tile_t * bm, 0, row0, wg, warp, lane, quad, wg_tid, t, h, head)
 
     @cute.jit
     def _epilogue(self, acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales, token0,
@@ -520,7 +526,8 @@ class HopperProjRope:
                                      cute.make_layout((cute.size(row_codes) // 4,)))
         out_col32 = cute.make_tensor(cute.recast_ptr(col_codes.iterator, dtype=cutlass.Int32),
                                      cute.make_layout((cute.size(col_codes) // 4,)))
-        for rep in cutlass.range_constexpr(64 * chunks_per_row // self.threads_per_wg):
+        stores = 0 if "stores" in self._skip else 64 * chunks_per_row // self.threads_per_wg
+        for rep in cutlass.range_constexpr(stores):
             idx = wg_tid + rep * self.threads_per_wg
             r = row_base + idx // chunks_per_row
             chunk = idx % chunks_per_row
