@@ -67,8 +67,22 @@ def find_sanitizer() -> str | None:
     return next((c for c in candidates if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
 
 
-def run_variants() -> int:
-    """The workload run under the sanitizer: every sm_90a variant at SHAPES, each bracketed by markers."""
+def _mine(case: int, shard: tuple[int, int]) -> bool:
+    """Whether case number `case` (counted over every gemm_amax, then proj_rope case) belongs to `shard` = (i, n)."""
+    return case % shard[1] == shard[0]
+
+
+def _on_cpu(*arrays):
+    """The arrays on the host CPU device: the references run there, outside the sanitizer's instrumentation (an XLA
+    GPU compile with its autotuning under racecheck took minutes)."""
+    import jax
+
+    return [jax.device_put(a, jax.devices("cpu")[0]) for a in arrays]
+
+
+def run_variants(shard: tuple[int, int] = (0, 1), first_shape_only: bool = False) -> int:
+    """The workload run under the sanitizer: every sm_90a variant at SHAPES (or only the first, which has tails in
+    every dimension and L > 1), each bracketed by markers; this process runs the cases of `shard`."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -78,10 +92,15 @@ def run_variants() -> int:
 
     rng = np.random.default_rng(2026)
     failures = 0
+    case = -1
     for variant in catalog.variants_for("sm_90a", "gemm_amax"):
         fp4 = variant.ab_dtype == "float4_e2m1fn"
         mn_major = (variant.a_major, variant.b_major) != ("k", "k")
-        for l, m, n, k in (FP4_SHAPES if fp4 else MN_SHAPES if mn_major else SHAPES):
+        shapes = FP4_SHAPES if fp4 else MN_SHAPES if mn_major else SHAPES
+        for l, m, n, k in shapes[:1] if first_shape_only else shapes:
+            case += 1
+            if not _mine(case, shard):
+                continue
             label = f"{variant.key} (L, M, N, K) = {(l, m, n, k)}"
             print(f"{BEGIN} {label}", flush=True)
             kb = -(-k // variant.sf_vec_size)
@@ -114,7 +133,7 @@ def run_variants() -> int:
                     raise RuntimeError(f"the program holds no jbg_gemm_amax custom call with "
                                        f"{variant.function_prefix}: this variant would not run")
                 c, amax = jax.block_until_ready(kernel(a, b, sfa, sfb))
-                c_ref, amax_ref = jbg.gemm_amax(a, b, sfa, sfb, implementation="xla", **options)
+                c_ref, amax_ref = jbg.gemm_amax(*_on_cpu(a, b, sfa, sfb), implementation="xla", **options)
                 got, want = (np.asarray(jbg.formats.unpack_fp4(x) if variant.c_dtype == "float4_e2m1fn" else x,
                                         np.float64) for x in (c, c_ref))
                 rel = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
@@ -126,11 +145,13 @@ def run_variants() -> int:
                 ok, detail = False, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
             failures += not ok
             print(f"{END} {label} {'match' if ok else 'MISMATCH'} {detail}", flush=True)
-    return (1 if failures else 0) | run_proj_rope_variants(rng)
+    return (1 if failures else 0) | run_proj_rope_variants(rng, case + 1, shard, first_shape_only)
 
 
-def run_proj_rope_variants(rng) -> int:
-    """Every sm_90a proj_rope variant (tile x weight layout) at PROJ_ROPE_SHAPES, both input paths, bracketed."""
+def run_proj_rope_variants(rng, case0: int, shard: tuple[int, int], first_shape_only: bool) -> int:
+    """Every sm_90a proj_rope variant (tile x weight layout) at PROJ_ROPE_SHAPES, both input paths (or only the
+    first shape, bf16 in: the MXFP8 path reaches the same kernel after XLA's dequantization), bracketed; cases are
+    numbered from `case0`."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -145,7 +166,12 @@ def run_proj_rope_variants(rng) -> int:
         dispatch.PROJ_ROPE_CLUSTER["sm_90a"] = variant.cluster_mn
         dispatch.PROJ_ROPE_SCHEDULE["sm_90a"] = variant.schedule
         w_out_in = variant.b_major == "k"
-        for (t, h, k), mxfp8 in itertools.product(PROJ_ROPE_SHAPES, (False, True)):
+        cases = [(PROJ_ROPE_SHAPES[0], False)] if first_shape_only else itertools.product(PROJ_ROPE_SHAPES,
+                                                                                            (False, True))
+        for (t, h, k), mxfp8 in cases:
+            case0 += 1
+            if not _mine(case0 - 1, shard):
+                continue
             label = f"{variant.key} {'mxfp8' if mxfp8 else 'bf16'} (T, H, K) = {(t, h, k)}"
             print(f"{BEGIN} {label}", flush=True)
             w_shape = (h * 192, k) if w_out_in else (k, h * 192)
@@ -162,13 +188,14 @@ def run_proj_rope_variants(rng) -> int:
             else:
                 x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
             try:
-                call = lambda impl: jax.jit(lambda *a: jbg.gemm_proj_rope_mxfp8(
-                    *a, w_out_in=w_out_in, implementation=impl, **options))
-                kernel = call("cutedsl")
+                call = lambda impl, opts: jax.jit(lambda *a: jbg.gemm_proj_rope_mxfp8(
+                    *a, w_out_in=w_out_in, implementation=impl, **opts))
+                kernel = call("cutedsl", options)
                 if "jbg_gemm_proj_rope_mxfp8" not in kernel.lower(x, w, cos, sin).as_text():
                     raise RuntimeError("the program holds no proj_rope custom call: the kernel would not run")
                 got = [np.asarray(o) for o in jax.block_until_ready(kernel(x, w, cos, sin))]
-                want = [np.asarray(o) for o in call("xla")(x, w, cos, sin)]
+                cpu_options = dict(zip(options, _on_cpu(*options.values())))
+                want = [np.asarray(o) for o in call("xla", cpu_options)(*_on_cpu(x, w, cos, sin))]
                 # Codes may differ by one E4M3 step where fp32 summation orders round differently (SPEC §7).
                 differ = [float(np.mean(g.view(np.uint8) != r.view(np.uint8))) for g, r in zip(got, want)]
                 ok = max(differ) <= 0.01
@@ -246,10 +273,15 @@ def main(argv: list | None = None) -> int:
                         "what is left, at least 30)")
     parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                         help="processes compiling the objects before the sanitized runs")
-    parser.add_argument("--run-variants", action="store_true", help=argparse.SUPPRESS)  # the sanitized workload
+    parser.add_argument("--first-shape", action="store_true",
+                        help="one shape per variant (tails in every dimension, L > 1) and proj_rope's bf16 path only")
+    parser.add_argument("--shards", default="", metavar="TOOL=N,...",
+                        help="split a tool's cases over N sanitized processes at once, e.g. racecheck=6,memcheck=3")
+    parser.add_argument("--run-variants", default=None, help=argparse.SUPPRESS)  # "i/n": the sanitized workload
     args = parser.parse_args(argv)
     if args.run_variants:
-        return run_variants()
+        i, n = (int(x) for x in args.run_variants.split("/"))
+        return run_variants((i, n), args.first_shape)
     sanitizer = find_sanitizer()
     if sanitizer is None:
         print("compute-sanitizer not found: set COMPUTE_SANITIZER, or install the nvidia-cuda-sanitizer-api wheel "
@@ -268,12 +300,19 @@ def main(argv: list | None = None) -> int:
     # --jobs processes at once (the cache takes concurrent writers).
     print(_precompile(args.jobs, args.budget), flush=True)
     limit = int(max(30, min(args.timeout, args.budget - (time.monotonic() - started))))
-    # One sanitized process per tool, plus the handler fuzz under memcheck, all at once.
-    runs = {tool: ([sys.executable, str(pathlib.Path(__file__).resolve()), "--run-variants"], args.all_kernels)
-            for tool in tools}
-    fuzz = [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_gpu_handler_fuzz.py", "-k", "GpuHandlerFuzzTest"]
-    jobs = [(tool, tool, command, all_kernels) for tool, (command, all_kernels) in runs.items()]
+    # Sanitized processes per tool (their shards of the cases), plus the handler fuzz under memcheck, all at once.
+    shards = {tool: 1 for tool in tools}
+    for item in filter(None, args.shards.split(",")):
+        tool, _, n = item.partition("=")
+        if tool not in shards or not n.isdigit() or int(n) < 1:
+            parser.error(f"--shards: {item!r} is not TOOL=N with TOOL one of {tools} and N >= 1")
+        shards[tool] = int(n)
+    script = [sys.executable, str(pathlib.Path(__file__).resolve())] + (["--first-shape"] if args.first_shape else [])
+    jobs = [((tool, i), tool, script + ["--run-variants", f"{i}/{shards[tool]}"], args.all_kernels)
+            for tool in tools for i in range(shards[tool])]
     if not args.no_fuzz:
+        fuzz = [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_gpu_handler_fuzz.py", "-k",
+                "GpuHandlerFuzzTest"]
         jobs.append(("fuzz", "memcheck", fuzz, True))
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         futures = {name: pool.submit(_sanitized, sanitizer, tool, command, all_kernels=all_kernels, timeout=limit)
@@ -281,7 +320,10 @@ def main(argv: list | None = None) -> int:
         results = {name: future.result() for name, future in futures.items()}
     lines, bad = [], 0
     for tool in tools:
-        rc, log, took = results[tool]
+        parts = [results[(tool, i)] for i in range(shards[tool])]
+        rc = max(p[0] for p in parts)
+        log = "\n".join(p[1] for p in parts)
+        took = max(p[2] for p in parts)
         if out:
             (out / f"sanitize_{tool}.log").write_text(log)
         per_label, outside, summary = _attribute(log)

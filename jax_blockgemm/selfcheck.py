@@ -44,9 +44,23 @@ UNVERIFIED_ARCHS = frozenset({"sm_100a"})
 PROBLEMS = ((1, 200, 136, 96), (2, 129, 264, 160), (1, 384, 256, 512))
 # The same for kernels with MN-major operands, whose M (N) must be a multiple of 16 (16-byte rows).
 MN_PROBLEMS = ((1, 208, 144, 96), (2, 144, 272, 160), (1, 384, 256, 512))
+# The same for 8-bit and packed 4-bit C, whose N must be a multiple of 16 (32) for 16-byte rows.
+NARROW_C_PROBLEMS = ((1, 200, 160, 96), (2, 129, 288, 160), (1, 384, 256, 512))
 C_REL_TOLERANCE = 1e-4  # SPEC §7, fp32 C: ‖c − ref‖/‖ref‖ (the "tensor-core FP8" class)
 AMAX_REL_TOLERANCE = 1e-4
 BF16_HALF_ULP = 2.0**-8  # |x − bf16(x)| ≤ 2^-8·|x| for normal x (round to nearest)
+# Per C dtype, what rounding the fp32 result into it may cost (round to nearest): half the code spacing of a binade
+# relative to the binade's lower end (2^-(mantissa bits + 1)), half the subnormal spacing (near zero), and the
+# largest finite value for the dtypes whose conversion saturates (None: not saturating).
+C_ROUNDING = {
+    "float32": (0.0, 0.0, None),
+    "bfloat16": (BF16_HALF_ULP, 2.0**-134, None),
+    "float16": (2.0**-11, 2.0**-25, None),
+    "float8_e4m3fn": (2.0**-4, 2.0**-10, 448.0),
+    "float8_e5m2": (2.0**-3, 2.0**-17, 57344.0),
+    "float4_e2m1fn": (2.0**-2, 0.25, 6.0),
+}
+NARROW_C = ("float16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")  # small scales keep C in range
 POISON_ENV = "JAX_BLOCKGEMM_POISON_OUTPUTS"  # read by the FFI handler: NaN-fill C before each launch
 # proj_rope (T, H, K): a token tail (96 of a 128-token tile), two heads, K not a multiple of the 64-wide k-tile; a
 # single head; 20 x 8 = 160 tiles, more than a B200's 148 CTAs, so some CTAs walk two tiles (both accumulator stages).
@@ -129,12 +143,22 @@ def _operands(variant: Any, problem: tuple[int, int, int, int], seed: int) -> tu
         a = (rng.standard_normal((l, m, k)) * 4).astype(ab)
         b = (rng.standard_normal((l, n, k)) * 4).astype(ab)
     kb = -(-k // variant.sf_vec_size)
+    narrow = variant.c_dtype in NARROW_C  # |C| mostly within a few decades below the C dtype's largest value
     if variant.sf_dtype == "float8_e4m3fn":
-        sfa, sfb = (np.exp2(rng.uniform(-4, 4, (l, mn, kb))).astype(jnp.float8_e4m3fn) for mn in (m, n))
+        lo, hi = (-5, -1) if narrow else (-4, 4)
+        sfa, sfb = (np.exp2(rng.uniform(lo, hi, (l, mn, kb))).astype(jnp.float8_e4m3fn) for mn in (m, n))
     else:
-        sfa = rng.integers(120, 135, (l, m, kb), dtype=np.uint8)  # 2^-7 .. 2^7: non-trivial, no overflow
-        sfb = rng.integers(120, 135, (l, n, kb), dtype=np.uint8)
+        lo, hi = (121, 126) if narrow else (120, 135)  # 2^-6 .. 2^-2, else 2^-7 .. 2^7: non-trivial, no overflow
+        sfa = rng.integers(lo, hi, (l, m, kb), dtype=np.uint8)
+        sfb = rng.integers(lo, hi, (l, n, kb), dtype=np.uint8)
     return a, b, sfa, sfb
+
+
+def problems(variant: Any) -> tuple[tuple[int, int, int, int], ...]:
+    """The (L, M, N, K) problems a gemm_amax `variant` is checked on: tails everywhere its layouts allow."""
+    if (getattr(variant, "a_major", "k"), getattr(variant, "b_major", "k")) != ("k", "k"):
+        return MN_PROBLEMS
+    return NARROW_C_PROBLEMS if variant.c_dtype in NARROW_C[1:] else PROBLEMS
 
 
 def _sf_vec_size(args: Sequence[Any]) -> int:
@@ -153,8 +177,10 @@ def compare(c: np.ndarray, amax: np.ndarray, ref_c: np.ndarray, ref_amax: np.nda
     """'' when the kernel's (c, amax) match the fp32 reference within SPEC §7, else what is wrong.
 
     `ref_abs` is the reference on |A|, |B| (Σ|products| per element): each element may be off by
-    C_REL_TOLERANCE of it (what FP8 tensor cores may lose in one dot product), plus half a bf16 ulp for bf16 C.
-    Elementwise, so one wrong element fails even where a few huge elements dominate the norm.
+    C_REL_TOLERANCE of it (what FP8 tensor cores may lose in one dot product), plus the rounding into `c_dtype`
+    (C_ROUNDING: half an ulp, relative or near zero absolute), against the fp32 reference clipped to the largest
+    value of a saturating C dtype. `c` is in float (packed FP4 C unpacked). Elementwise, so one wrong element fails
+    even where a few huge elements dominate the norm.
     """
     c, amax = np.asarray(c, np.float64), np.asarray(amax, np.float64).reshape(-1)
     ref_c, ref_amax = np.asarray(ref_c, np.float64), np.asarray(ref_amax, np.float64).reshape(-1)
@@ -163,9 +189,14 @@ def compare(c: np.ndarray, amax: np.ndarray, ref_c: np.ndarray, ref_amax: np.nda
         return f"shapes c {c.shape}, amax {amax.shape}; expected {ref_c.shape}, {ref_amax.shape}"
     if not np.isfinite(c).all() or not np.isfinite(amax).all():
         return f"{int((~np.isfinite(c)).sum())} non-finite C elements (unwritten or NaN), amax {amax.tolist()}"
+    half_ulp, half_subnormal, saturate = C_ROUNDING[c_dtype]
     bound = C_REL_TOLERANCE * ref_abs + 1e-30
-    if c_dtype != "float32":
-        bound = bound + BF16_HALF_ULP * (1 + 1e-3) * np.abs(ref_c)
+    if half_ulp:  # half the code spacing of the binade the kernel's fp32 value may be in, at least near zero's
+        top = np.abs(ref_c) + bound
+        binade = np.exp2(np.floor(np.log2(np.maximum(top, 1e-38))))
+        bound = bound + (1 + 1e-3) * np.maximum(half_ulp * binade, half_subnormal)
+    if saturate is not None:
+        ref_c = np.clip(ref_c, -saturate, saturate)
     err = np.abs(c - ref_c)
     bad = err > bound
     if bad.any():
@@ -215,6 +246,10 @@ def _run_kernel(variant: Any, args: Sequence[Any], device: Any) -> tuple[np.ndar
                                    a_major=a_major, b_major=b_major, implementation="cutedsl"))
     with _forced_and_poisoned(variant):
         c, amax = fn(*args)
+        if variant.c_dtype == "float4_e2m1fn":  # packed pairs -> one E2M1 value per element
+            from jax_blockgemm import formats
+
+            c = formats.unpack_fp4(c)
         c, amax = np.asarray(c), np.asarray(amax)
     return c, amax
 
@@ -233,9 +268,9 @@ def _run_reference(args: Sequence[Any], device: Any) -> tuple[np.ndarray, np.nda
 
 def run_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_kernel,
                  run_reference: Callable = _run_reference) -> str:
-    """'' when `variant` matches the reference on every problem of PROBLEMS on `device`, else the first failure."""
-    mn_major = (getattr(variant, "a_major", "k"), getattr(variant, "b_major", "k")) != ("k", "k")
-    for i, problem in enumerate(MN_PROBLEMS if mn_major else PROBLEMS):
+    """'' when `variant` matches the reference on every problem of `problems(variant)` on `device`, else the first
+    failure."""
+    for i, problem in enumerate(problems(variant)):
         args = _operands(variant, problem, seed=i)
         try:
             c, amax = run_kernel(variant, args, device)
@@ -424,11 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from jax_blockgemm.kernels import catalog
 
-    # What the self-check knows how to run and judge: proj_rope, and gemm_amax into an f32 or bf16 C (every sm_100a
-    # gemm_amax variant; `compare` has no bound for narrower C dtypes).
-    candidates = [v for v in catalog.CATALOG
-                  if v.op == "proj_rope" or v.c_dtype in ("float32", "bfloat16")]
-    candidates += list(catalog.TEST_VARIANTS) if args.include_test_variants else []
+    candidates = list(catalog.CATALOG) + (list(catalog.TEST_VARIANTS) if args.include_test_variants else [])
     chosen = [v for v in candidates if (not args.arch or v.arch in args.arch)
               and (not args.variant or v.key in args.variant)]
     runnable = [v for v in chosen if local_device(v.arch) is not None]

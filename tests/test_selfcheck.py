@@ -95,6 +95,47 @@ class CompareTest(parameterized.TestCase):
         c16[0, 3, 4] = self.ref[0, 3, 4] * (1 + 2.0**-7)  # a whole bf16 ulp away: 2^-7 ≫ 1e-4 · 3
         self.assertRegex(self._compare(c16, c_dtype="bfloat16"), r"1 of 1406 C elements off, worst at \(0, 3, 4\)")
 
+    @parameterized.parameters("float8_e4m3fn", "float8_e5m2", "float16")
+    def test_narrow_c_rounded_and_saturated_passes_one_code_off_fails(self, c_dtype):
+        small = self.ref / 8  # most values normal in E4M3, a few past its 448 (saturated) and near zero
+        if c_dtype == "float16":  # not saturating: the operands keep C below 65504
+            small[0, 3, 4] = 6e4
+        rounded = np.array(jnp.asarray(small).astype(c_dtype).astype(jnp.float32)) if c_dtype == "float16" else \
+            np.array(jnp.asarray(np.clip(small, -448 if c_dtype == "float8_e4m3fn" else -57344,
+                                         448 if c_dtype == "float8_e4m3fn" else 57344)).astype(c_dtype)
+                     .astype(jnp.float32))
+        compare = lambda c: selfcheck.compare(c, self.amax, small, self.amax, self.abs / 8, c_dtype)
+        self.assertEqual(compare(rounded), "")
+        i = np.unravel_index(np.argmax(np.abs(rounded) * (np.abs(rounded) < 100)), rounded.shape)
+        step = {"float8_e4m3fn": 2.0**-3, "float8_e5m2": 2.0**-2, "float16": 2.0**-10}[c_dtype]
+        rounded[i] *= 1 + 2 * step  # two code steps away
+        self.assertRegex(compare(rounded), r"1 of 1406 C elements off")
+
+    def test_fp4_c_within_a_code_passes_a_wrong_code_fails(self):
+        ref = np.array([[[0.7, 2.4, -5.1, 9.0, 0.2, -1.3]]], np.float32)  # 9.0 saturates to 6
+        c = np.array([[[0.5, 2.0, -5.0 + -1.0, 6.0, 0.0, -1.5]]], np.float32)  # E2M1 codes, round to nearest
+        abs_ = np.abs(ref) * 0 + 1e-3
+        compare = lambda c: selfcheck.compare(c, np.float32(9.0), ref, np.float32(9.0), abs_, "float4_e2m1fn")
+        self.assertEqual(compare(c), "")
+        c[0, 0, 1] = 3.0  # 2.4 -> 3 is one code past the nearest (2)
+        self.assertRegex(compare(c), r"1 of 6 C elements off")
+
+    def test_problems_fit_every_variant_layout(self):
+        for v in catalog.CATALOG:
+            if v.op != "gemm_amax":
+                continue
+            for l, m, n, k in selfcheck.problems(v):
+                self.assertEqual(k % 32, 0, v.key)
+                if v.c_dtype in ("float8_e4m3fn", "float8_e5m2"):
+                    self.assertEqual(n % 16, 0, v.key)
+                if v.c_dtype == "float4_e2m1fn":
+                    self.assertEqual(n % 32, 0, v.key)
+                if v.a_major == "m":
+                    self.assertEqual(m % 16, 0, v.key)
+                if v.b_major == "n":
+                    self.assertEqual(n % 16, 0, v.key)
+            self.assertTrue(any(m % 128 and n % 128 and k % 128 for _, m, n, k in selfcheck.problems(v)), v.key)
+
     def test_shape_mismatch_fails(self):
         self.assertRegex(self._compare(self.ref[:1]), "shapes")
 
