@@ -115,7 +115,8 @@ class CEpilogue:
     def store_c_and_amax(self, acc: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor,
                          warp_amax: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, tile_m: cutlass.Int32,
                          tile_n: cutlass.Int32, batch: cutlass.Int32, wg_idx: cutlass.Int32, local_tid: cutlass.Int32):
-        """Store this thread's accumulator values of the CTA tile (tile_m, tile_n, batch) to C and publish amax."""
+        """Store this thread's accumulator values of the CTA tile (tile_m, tile_n, batch) to C and publish amax.
+        `c` is C's flat buffer as `c_dtype` for f32/bf16/f16 C, as bytes (Uint8) for FP8 and packed FP4 C."""
         bm, bn, _ = self.tile_mnk
         # The wgmma m64nNk16 accumulator fragment: value (v0, v1, v2) of a thread sits at row
         # 16·warp + lane/4 + 8·v1 and column 2·(lane%4) + v0 + 8·v2 of its warpgroup's 64 x bn slice.
@@ -145,8 +146,7 @@ class CEpilogue:
         else:
             # One-byte and packed FP4 C: values v0 = 0, 1 of a thread are adjacent columns (col0 is even), so
             # both go through one conversion; stored as bytes (FP8: one per column, FP4: one per pair, N even).
-            c_bytes = cute.make_tensor(cute.recast_ptr(c.iterator, dtype=cutlass.Uint8),
-                                       cute.make_layout((cute.size(c),)))
+            c_bytes = c
             for v1 in cutlass.range_constexpr(2):
                 r = row0 + 8 * v1
                 row_ok = tile_m * bm + r < m
@@ -915,7 +915,12 @@ class HopperMxf8GemmAmax(CEpilogue):
 
             # ------------------------------------------------------------------------------ epilogue
             warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
-            self.store_c_and_amax(acc, c, amax, alpha, warp_amax, m, n, tile_m, tile_n, batch, wg_idx, local_tid)
+            c_store = c  # one-byte and packed FP4 C are stored as bytes
+            if cutlass.const_expr(self.c_kind != "wide"):
+                c_store = cute.make_tensor(cute.recast_ptr(c.iterator, dtype=cutlass.Uint8),
+                                           cute.make_layout((cute.size(c),)))
+            self.store_c_and_amax(acc, c_store, amax, alpha, warp_amax, m, n, tile_m, tile_n, batch, wg_idx,
+                                  local_tid)
 
 
 class HopperGemmAmaxAlpha(HopperMxf8GemmAmax):
