@@ -20,8 +20,8 @@ that the promotion no longer waits for the tensor cores:
   through `ab_stages` stages (kernels/sm90/tma_pipeline.py).
 
 NaN scale bytes make their rows/columns NaN (NaN · 0 too) and hence amax NaN; tails in M and N are TMA zero fill
-(their scale reads are clamped to a real atom) and predicated stores; K is a multiple of 32 (a k-tile past K reads
-zero codes and the 0-byte padding scales). The epilogue (C store + amax) is `gemm_amax.CEpilogue`'s.
+(their scale reads are clamped to a real atom) and predicated stores; K is a multiple of 16 (TMA's 16-byte
+rows; past K a k-tile holds zero codes and the 0-byte padding scales). The epilogue (C store + amax) is `gemm_amax.CEpilogue`'s.
 
 Range note: the scales are applied as two fp32 multiplies (partial · sfb, then · sfa), exactly like the
 dequantized product as long as partial · sfb stays inside fp32's normal range; with real MX data (scale
@@ -119,8 +119,8 @@ class HopperFp8PromoteGemmAmax(CEpilogue):
         """Whether the kernel handles these sizes, and why not (the caller checks before launching)."""
         if min(m, n, k, l) < 1:
             return False, f"every size must be >= 1, got m={m}, n={n}, k={k}, l={l}"
-        if k % SF_VEC_SIZE:
-            return False, f"k must be a multiple of {SF_VEC_SIZE} (one MX block per wgmma), got k={k}"
+        if k % 16:  # a last block of 16 codes is fine: TMA fills the rest of the k-tile with zero codes
+            return False, f"k must be a multiple of 16 (16-byte rows for TMA), got k={k}"
         if l * max(m, n) * k >= 2**31 or l * m * n >= 2**31:
             return False, f"operands must hold fewer than 2**31 elements, got m={m}, n={n}, k={k}, l={l}"
         return True, ""
