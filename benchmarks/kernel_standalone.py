@@ -45,7 +45,9 @@ if "--candidate" in sys.argv:  # a candidate process needs only jax_blockgemm.ke
     _pkg.__path__ = [os.path.join(ROOT, "jax_blockgemm")]
     sys.modules["jax_blockgemm"] = _pkg
 
-# name -> HopperMxf8GemmAmax keyword arguments (besides the dtypes).
+# name -> HopperMxf8GemmAmax keyword arguments (besides the dtypes); kernel="fp8promote" picks
+# HopperFp8PromoteGemmAmax (kernels/sm90/gemm_amax_fp8.py: FP8 wgmma + overlapped CUDA-core promotion, accuracy class
+# "tensor-core FP8": SPEC §7's 1e-4, which TOL_F32 below already is) with the remaining keywords.
 CANDIDATES: dict[str, dict] = {
     "current": {},  # the catalog default: 128x128, k-tile 128, "f32" dequant, per-k-tile promotion
     "bits1_256_b3": dict(tile_mn=(128, 256), dequant="bits1", promote=False, mma_buffers=3),
@@ -53,12 +55,15 @@ CANDIDATES: dict[str, dict] = {
     "rs_bits1_256": dict(tile_mn=(128, 256), dequant="bits1", promote=False, a_regs=True),
     "rs_ov_256": dict(tile_mn=(128, 256), dequant="bits1", promote=False, a_regs=True, overlap=True),
     "rs_ov_128": dict(tile_mn=(128, 128), tile_k=64, dequant="bits1", promote=False, a_regs=True, overlap=True),
+    "fp8p_128": dict(kernel="fp8promote", tile_mn=(128, 128)),
+    "fp8p_256": dict(kernel="fp8promote", tile_mn=(128, 256)),
 }
 AB_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 C_DTYPES = ("float32", "bfloat16")
 # Compile time bounds the run (~1-4 s per variant): every candidate is checked for E4M3 -> f32 and E5M2 -> bf16
 # (both decoders, both epilogues); these get all four dtype pairs and the phase timings as well.
-FULL_CANDIDATES = ("current", "bits1_256_b2_ov", "rs_ov_256")
+# For the fp8promote kernels the phase "no dequantization" leaves out the promotion (the CUDA-core work).
+FULL_CANDIDATES = ("current", "bits1_256_b2_ov", "rs_ov_256", "fp8p_128", "fp8p_256")
 PAIRS_SHORT = (("float8_e4m3fn", "float32"), ("float8_e5m2", "bfloat16"))
 NP_AB = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
 ONE_CODE = {"float8_e4m3fn": 0x38, "float8_e5m2": 0x3C}  # the byte of 1.0
@@ -139,8 +144,21 @@ def compare(c: np.ndarray, ref: np.ndarray, amax: np.ndarray, amax_ref: np.ndarr
 
 
 # ------------------------------------------------------------------------------------------------ the kernel
+def make_kernel(ab_dtype: str, c_dtype: str, kwargs: dict):
+    """The kernel object of a CANDIDATES entry (kernel="fp8promote": HopperFp8PromoteGemmAmax, else
+    HopperMxf8GemmAmax) for these dtypes."""
+    kwargs = dict(kwargs)
+    if kwargs.pop("kernel", "") == "fp8promote":
+        from jax_blockgemm.kernels.sm90.gemm_amax_fp8 import HopperFp8PromoteGemmAmax
+
+        return HopperFp8PromoteGemmAmax(ab_dtype=ab_dtype, c_dtype=c_dtype, **kwargs)
+    from jax_blockgemm.kernels.sm90.gemm_amax import HopperMxf8GemmAmax
+
+    return HopperMxf8GemmAmax(ab_dtype=ab_dtype, c_dtype=c_dtype, **kwargs)
+
+
 class KernelRunner:
-    """Compiles one `HopperMxf8GemmAmax` configuration for the local GPU and launches it on torch tensors."""
+    """Compiles one candidate configuration (`make_kernel`) for the local GPU and launches it on torch tensors."""
 
     def __init__(self, ab_dtype: str, c_dtype: str, kwargs: dict, skip: frozenset = frozenset()):
         import cuda.bindings.driver as cuda
@@ -148,10 +166,9 @@ class KernelRunner:
         import cutlass.cute as cute
 
         from jax_blockgemm.kernels import catalog
-        from jax_blockgemm.kernels.sm90.gemm_amax import HopperMxf8GemmAmax
 
         self.cute, self.cutlass, self.cuda = cute, cutlass, cuda
-        self.kernel = HopperMxf8GemmAmax(ab_dtype=ab_dtype, c_dtype=c_dtype, **kwargs)
+        self.kernel = make_kernel(ab_dtype, c_dtype, kwargs)
         self.kernel._skip = frozenset(skip)  # profiling only: wrong results
         t0 = time.perf_counter()
         self.compiled = cute.compile(self.kernel, *catalog.fake_arguments(self.kernel))

@@ -59,7 +59,7 @@ class CatalogTest(parameterized.TestCase):
 
     def test_sm90a_covers_both_fp8_codes_and_both_outputs(self):
         got = {(v.ab_dtype, v.c_dtype, v.sf_dtype, v.sf_vec_size, v.a_major, v.b_major)
-               for v in catalog.variants_for("sm_90a", "gemm_amax")}
+               for v in catalog.variants_for("sm_90a", "gemm_amax") if not v.schedule}
         fp8 = {(a, c, "float8_e8m0fnu", 32, "k", "k") for a in ("float8_e4m3fn", "float8_e5m2")
                for c in ("float32", "bfloat16", "float16")}
         # FP4 operands: every C dtype SPEC allows them (FP8 and packed FP4 C only with FP4 operands).
@@ -199,7 +199,8 @@ class CompileTest(parameterized.TestCase):
 
     @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_90a", "gemm_amax")
                                     + catalog.TEST_VARIANTS
-                                    if v.ab_dtype in _PTX_AB and v.c_dtype in _WIDE_C and v.a_major + v.b_major == "kk")
+                                    if v.ab_dtype in _PTX_AB and v.c_dtype in _WIDE_C and v.a_major + v.b_major == "kk"
+                                    and not v.schedule)
     def test_compiles_for_its_arch_with_wgmma_and_tma(self, v):
         ptx, obj, *_ = _compiled(v)
         self.assertGreater(len(obj), 1000)
@@ -385,9 +386,12 @@ class CompileTest(parameterized.TestCase):
         self.assertIn("current", standalone.CANDIDATES)
         for name, kwargs in standalone.CANDIDATES.items():
             with self.subTest(name):
-                kernel = HopperMxf8GemmAmax(**kwargs)
+                kernel = standalone.make_kernel("float8_e4m3fn", "float32", kwargs)
                 ptx = _sm90a_ptx(kernel)
-                self.assertRegex(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{kernel.tile_mnk[1]}k16")
+                if kwargs.get("kernel") == "fp8promote":
+                    self.assertRegex(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3")
+                else:
+                    self.assertRegex(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{kernel.tile_mnk[1]}k16")
                 self.assertNotIn("ld.local", ptx)
 
     @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG + catalog.TEST_VARIANTS
@@ -412,7 +416,81 @@ class CompileTest(parameterized.TestCase):
 
 
 _SURFACE_90 = [v for v in catalog.variants_for("sm_90a", "gemm_amax")
-               if v.ab_dtype not in _PTX_AB or v.c_dtype not in _WIDE_C or v.a_major + v.b_major != "kk"]
+               if (v.ab_dtype not in _PTX_AB or v.c_dtype not in _WIDE_C or v.a_major + v.b_major != "kk")
+               and not v.schedule]
+_FP8_PROMOTE_90 = [v for v in catalog.variants_for("sm_90a", "gemm_amax") if v.schedule == catalog.FP8_PROMOTE]
+
+
+class Fp8PromoteCompileTest(parameterized.TestCase):
+    """The sm_90a "fp8promote" variants (kernels/sm90/gemm_amax_fp8.py): FP8 wgmma m64n64k32 with scale-d = 0 per
+    64-column chunk of a k-block, the promotion as one FMUL + one FFMA per accumulator element, the wgmma kept in
+    flight across the promotion (ptxas would serialize it otherwise), no spills."""
+
+    def test_catalog_has_both_tiles_both_codes_both_outputs_and_is_never_the_default(self):
+        self.assertEqual({(v.tile_mn, v.ab_dtype, v.c_dtype) for v in _FP8_PROMOTE_90},
+                         {(t, a, c) for t in ((128, 128), (128, 256)) for a in _PTX_AB for c in _WIDE_C})
+        for v in _FP8_PROMOTE_90:
+            self.assertTrue(v.key.endswith(".fp8promote"), v.key)
+            self.assertEqual(catalog.accuracy_class(v), "tensor-core FP8")
+            picked = catalog.select_variant(arch="sm_90a", ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, sf_vec_size=32,
+                                            tile_mn=v.tile_mn, cluster_mn=(1, 1))
+            self.assertNotEqual(picked, v)
+        self.assertEqual(catalog.accuracy_class(catalog.KernelVariant()), "exact")
+
+    @parameterized.named_parameters((v.key, v) for v in _FP8_PROMOTE_90)
+    def test_structure(self, v):
+        ptx, obj, _, fn, kernel = _compiled(v)
+        self.assertGreater(len(obj), 1000)
+        ab = _PTX_AB[v.ab_dtype]
+        wgmma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.{ab}\.{ab}", ptx)
+        steps = 4 * v.tile_mn[1] // 64  # per 128-wide k-tile: 4 k-blocks x bn/64 chunks, unrolled once
+        self.assertLen(wgmma, steps)
+        self.assertNotRegex(ptx, r"cvt\.rn\.f16x2\.e[45]m[23]x2")
+        # wait_group 1 after every issue but the last of a k-tile, wait_group 0 there and after the loop.
+        self.assertLen(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx), steps - 1)
+        # The promotion: per step 32 elements x (mul + fma), 16-byte loads of the decoded scales.
+        self.assertEqual(len(re.findall(r"\bmul\.f32\b", ptx)), 32 * steps)
+        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 32 * steps)
+        self.assertBetween(ptx.count("ld.shared.v4"), 4 * steps + 2, 4 * steps + 4)  # (+2 in the bf16 C epilogue)
+        self.assertIn("cp.async.bulk.tensor", ptx)
+        self.assertIn("atom.global.max.s32", ptx)
+        self.assertNotIn(".local", ptx)
+        resources = structure.cubin_resources(fn.__cubin__)
+        self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
+        self.assertLessEqual(resources.registers, 255)
+        self.assertGreaterEqual(kernel.ab_stages, 4)
+
+    def test_decode_scale_word_special_bytes(self):
+        """The scale decoders' per-word test flags exactly the words holding a byte 0x00 or 0xFF (NumPy model)."""
+        from jax_blockgemm.kernels.sm90 import gemm_amax_fp8 as f
+
+        rng = np.random.default_rng(0)
+        words = np.concatenate([rng.integers(0, 2**32, 200_000, dtype=np.uint64),
+                                np.array([0, 0xFFFFFFFF, 0x01FE0101, 0x00010203, 0xFF7F8081, 0x7F7F7F7F,
+                                          0x80808080, 0x0100FF01], np.uint64)]).astype(np.int64)
+        w = words.astype(np.int64)
+        inv = ~w
+        special = (((w - f._BYTE_ONES) & inv) | ((inv - f._BYTE_ONES) & w)) & f._BYTE_MSBS & 0xFFFFFFFF
+        bytes_ = [(words >> (8 * j)) & 0xFF for j in range(4)]
+        expect = np.zeros(len(words), bool)
+        for b in bytes_:
+            expect |= (b == 0) | (b == 0xFF)
+        np.testing.assert_array_equal(special != 0, expect)
+
+    def test_column_scale_positions_are_a_padded_permutation(self):
+        """Each column of a B scale stage has its own slot, the 4 quads of a warp start 4 banks apart, and thread
+        quad q finds columns 16u + 8w + 2q + e at q·(bn/4 + 4) + 4u + 2w + e (the accumulator fragment order)."""
+        from jax_blockgemm.kernels.sm90.gemm_amax_fp8 import HopperFp8PromoteGemmAmax
+
+        for bn in (128, 256):
+            k = HopperFp8PromoteGemmAmax(tile_mn=(128, bn))
+            pos = [k.sb_position(c) for c in range(bn)]
+            self.assertEqual(len(set(pos)), bn)
+            self.assertLess(max(pos), k.sb_kb_stride)
+            self.assertEqual(sorted({(k.sb_quad_stride * q) % 32 for q in range(4)}), [0, 4, 8, 12])
+            for c in range(bn):
+                u, w, q, e = c // 16, (c // 8) % 2, (c % 8) // 2, c % 2
+                self.assertEqual(pos[c], q * k.sb_quad_stride + 4 * u + 2 * w + e)
 
 
 class Sm90SurfaceCompileTest(parameterized.TestCase):

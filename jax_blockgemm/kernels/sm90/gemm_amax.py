@@ -81,6 +81,19 @@ _BITS = {"float8_e4m3fn": (4, _i32(0x87F087F0), 120, 0x01010101),
 _BF16X2_EXPONENT_ONE = 0x00800080  # times e: bf16x2 2^(e-127) in both halves, for 1 <= e <= 254
 
 
+def smem_layout_staged(rows: int, dtype: Type[cutlass.Numeric], stages: int, cols: int,
+                       mn_major: bool = False) -> cute.ComposedLayout:
+    """The wgmma's swizzled shared-memory layout for `stages` (rows, cols) tiles of `dtype`, K-major (cols = k) or
+    MN-major; the widest swizzle the tile allows."""
+    if mn_major:
+        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.COL_MAJOR, dtype, rows), dtype)
+        return cute.tile_to_shape(atom, (rows, cols, stages), order=(1, 0, 2))
+    atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
 class _ARegisters:
     """With `a_regs`: a thread's A code words (2 rows x k16 steps), their shared-memory word offsets in stage 0,
     the FP8 A buffer as 32-bit words, and the words per stage."""
@@ -89,7 +102,82 @@ class _ARegisters:
         self.smem_words, self.offsets, self.codes, self.stage_words = smem_words, offsets, codes, stage_words
 
 
-class HopperMxf8GemmAmax:
+class CEpilogue:
+    """The sm_90a gemm_amax epilogue, shared by every kernel whose two consumer warpgroups each hold a 64 x bn fp32
+    accumulator in the wgmma layout (`HopperMxf8GemmAmax`, `gemm_amax_fp8.HopperFp8PromoteGemmAmax`): predicated
+    stores of C (any M, N) and max|acc| folded into amax[l] with one integer atomic max per CTA.
+
+    Uses the kernel's tile_mnk, c_kind, c_dtype, c_name, has_alpha, _skip, num_consumer_warps and
+    epilogue_barrier_id; `warp_amax` is a shared-memory Int32 slot per consumer warp.
+    """
+
+    @cute.jit
+    def store_c_and_amax(self, acc: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor,
+                         warp_amax: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, tile_m: cutlass.Int32,
+                         tile_n: cutlass.Int32, batch: cutlass.Int32, wg_idx: cutlass.Int32, local_tid: cutlass.Int32):
+        """Store this thread's accumulator values of the CTA tile (tile_m, tile_n, batch) to C and publish amax.
+        `c` is C's flat buffer as `c_dtype` for f32/bf16/f16 C, as bytes (Uint8) for FP8 and packed FP4 C."""
+        bm, bn, _ = self.tile_mnk
+        # The wgmma m64nNk16 accumulator fragment: value (v0, v1, v2) of a thread sits at row
+        # 16·warp + lane/4 + 8·v1 and column 2·(lane%4) + v0 + 8·v2 of its warpgroup's 64 x bn slice.
+        lane = local_tid % 32
+        row0 = (wg_idx - 1) * 64 + ((local_tid // 32) % 4) * 16 + lane // 4
+        col0 = (lane % 4) * 2
+        n_col_groups = bn // 8
+        amax_bits = cutlass.Int32(0)
+        c_row_base = (cutlass.Int64(batch) * m + tile_m * bm) * n + tile_n * bn
+        if cutlass.const_expr(self.has_alpha):  # NVFP4: C and amax are of alpha·acc (SPEC §1, §4)
+            alpha_l = alpha[batch]
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = acc[i] * alpha_l
+        if cutlass.const_expr(self.c_kind == "wide"):
+            for v1 in cutlass.range_constexpr(2):
+                r = row0 + 8 * v1
+                row_ok = tile_m * bm + r < m
+                for v2 in cutlass.range_constexpr(n_col_groups):
+                    for v0 in cutlass.range_constexpr(2):
+                        col = col0 + v0 + 8 * v2
+                        i = v0 + 2 * v1 + 4 * v2
+                        if row_ok & (tile_n * bn + col < n):
+                            x = acc[i]
+                            c[c_row_base + cutlass.Int64(r) * n + col] = x.to(self.c_dtype)
+                            if cutlass.const_expr("amax" not in self._skip):
+                                amax_bits = cutlass.max(amax_bits, common.abs_bits(x))
+        else:
+            # One-byte and packed FP4 C: values v0 = 0, 1 of a thread are adjacent columns (col0 is even), so
+            # both go through one conversion; stored as bytes (FP8: one per column, FP4: one per pair, N even).
+            c_bytes = c
+            for v1 in cutlass.range_constexpr(2):
+                r = row0 + 8 * v1
+                row_ok = tile_m * bm + r < m
+                for v2 in cutlass.range_constexpr(n_col_groups):
+                    col = col0 + 8 * v2
+                    i = 2 * v1 + 4 * v2
+                    x0, x1 = acc[i], acc[i + 1]
+                    index = c_row_base + cutlass.Int64(r) * n + col
+                    in0 = row_ok & (tile_n * bn + col < n)
+                    in1 = row_ok & (tile_n * bn + col + 1 < n)
+                    if cutlass.const_expr(self.c_kind == "fp8"):
+                        codes = epilogue.fp8x2(x0, x1, "e4m3" if self.c_name == "float8_e4m3fn" else "e5m2")
+                        if in0:
+                            c_bytes[index] = (codes & 0xFF).to(cutlass.Uint8)
+                            amax_bits = cutlass.max(amax_bits, common.abs_bits(x0))
+                        if in1:
+                            c_bytes[index + 1] = ((codes >> 8) & 0xFF).to(cutlass.Uint8)
+                            amax_bits = cutlass.max(amax_bits, common.abs_bits(x1))
+                    else:
+                        if in0:  # N is even: the pair is in or out together
+                            packed = epilogue.e2m1_nibble(x0) | (epilogue.e2m1_nibble(x1) << 4)
+                            c_bytes[index // 2] = packed.to(cutlass.Uint8)
+                            amax_bits = cutlass.max(amax_bits, common.abs_bits(x0))
+                            amax_bits = cutlass.max(amax_bits, common.abs_bits(x1))
+        amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
+        common.amax_block_reduce_and_publish(
+            amax_bits, warp_amax, (amax_i32.iterator + batch), local_tid, self.num_consumer_warps,
+            self.epilogue_barrier_id)
+
+
+class HopperMxf8GemmAmax(CEpilogue):
     """C = (A·sfa) (B·sfb)^T per batch, amax[l] = max|C[l]|, for MXFP8 (K- or MN-major) and MXFP4/NVFP4 (K-major)
     operands on sm_90a.
 
@@ -289,14 +377,7 @@ class HopperMxf8GemmAmax:
                             cols: int | None = None, mn_major: bool = False) -> cute.ComposedLayout:
         """Swizzled shared-memory layout (the wgmma's) for `stages` (rows, cols) tiles of `dtype`, K-major or
         MN-major (cols defaults to bk; the packed FP4 stages hold bk/2 bytes per row)."""
-        cols = self.tile_mnk[2] if cols is None else cols
-        if mn_major:
-            atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-                sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.COL_MAJOR, dtype, rows), dtype)
-            return cute.tile_to_shape(atom, (rows, cols, stages), order=(1, 0, 2))
-        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
-        return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+        return smem_layout_staged(rows, dtype, stages, self.tile_mnk[2] if cols is None else cols, mn_major)
 
     @staticmethod
     def _operand_view(x: cute.Tensor, rows, kc, l, mn_major: bool) -> cute.Tensor:
@@ -833,65 +914,13 @@ class HopperMxf8GemmAmax:
             cute.nvgpu.warpgroup.wait_group(0)
 
             # ------------------------------------------------------------------------------ epilogue
-            # The wgmma m64nNk16 accumulator fragment: value (v0, v1, v2) of a thread sits at row
-            # 16·warp + lane/4 + 8·v1 and column 2·(lane%4) + v0 + 8·v2 of its warpgroup's 64 x bn slice.
-            lane = local_tid % 32
-            row0 = (wg_idx - 1) * 64 + ((local_tid // 32) % 4) * 16 + lane // 4
-            col0 = (lane % 4) * 2
-            n_col_groups = bn // 8
-            amax_bits = cutlass.Int32(0)
-            c_row_base = (cutlass.Int64(batch) * m + tile_m * bm) * n + tile_n * bn
-            if cutlass.const_expr(self.has_alpha):  # NVFP4: C and amax are of alpha·acc (SPEC §1, §4)
-                alpha_l = alpha[batch]
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    acc[i] = acc[i] * alpha_l
-            if cutlass.const_expr(self.c_kind == "wide"):
-                for v1 in cutlass.range_constexpr(2):
-                    r = row0 + 8 * v1
-                    row_ok = tile_m * bm + r < m
-                    for v2 in cutlass.range_constexpr(n_col_groups):
-                        for v0 in cutlass.range_constexpr(2):
-                            col = col0 + v0 + 8 * v2
-                            i = v0 + 2 * v1 + 4 * v2
-                            if row_ok & (tile_n * bn + col < n):
-                                x = acc[i]
-                                c[c_row_base + cutlass.Int64(r) * n + col] = x.to(self.c_dtype)
-                                if cutlass.const_expr("amax" not in self._skip):
-                                    amax_bits = cutlass.max(amax_bits, common.abs_bits(x))
-            else:
-                # One-byte and packed FP4 C: values v0 = 0, 1 of a thread are adjacent columns (col0 is even), so
-                # both go through one conversion; stored as bytes (FP8: one per column, FP4: one per pair, N even).
-                c_bytes = cute.make_tensor(cute.recast_ptr(c.iterator, dtype=cutlass.Uint8),
-                                           cute.make_layout((cute.size(c),)))
-                for v1 in cutlass.range_constexpr(2):
-                    r = row0 + 8 * v1
-                    row_ok = tile_m * bm + r < m
-                    for v2 in cutlass.range_constexpr(n_col_groups):
-                        col = col0 + 8 * v2
-                        i = 2 * v1 + 4 * v2
-                        x0, x1 = acc[i], acc[i + 1]
-                        index = c_row_base + cutlass.Int64(r) * n + col
-                        in0 = row_ok & (tile_n * bn + col < n)
-                        in1 = row_ok & (tile_n * bn + col + 1 < n)
-                        if cutlass.const_expr(self.c_kind == "fp8"):
-                            codes = epilogue.fp8x2(x0, x1, "e4m3" if self.c_name == "float8_e4m3fn" else "e5m2")
-                            if in0:
-                                c_bytes[index] = (codes & 0xFF).to(cutlass.Uint8)
-                                amax_bits = cutlass.max(amax_bits, common.abs_bits(x0))
-                            if in1:
-                                c_bytes[index + 1] = ((codes >> 8) & 0xFF).to(cutlass.Uint8)
-                                amax_bits = cutlass.max(amax_bits, common.abs_bits(x1))
-                        else:
-                            if in0:  # N is even: the pair is in or out together
-                                packed = epilogue.e2m1_nibble(x0) | (epilogue.e2m1_nibble(x1) << 4)
-                                c_bytes[index // 2] = packed.to(cutlass.Uint8)
-                                amax_bits = cutlass.max(amax_bits, common.abs_bits(x0))
-                                amax_bits = cutlass.max(amax_bits, common.abs_bits(x1))
             warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
-            amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
-            common.amax_block_reduce_and_publish(
-                amax_bits, warp_amax, (amax_i32.iterator + batch), local_tid, self.num_consumer_warps,
-                self.epilogue_barrier_id)
+            c_store = c  # one-byte and packed FP4 C are stored as bytes
+            if cutlass.const_expr(self.c_kind != "wide"):
+                c_store = cute.make_tensor(cute.recast_ptr(c.iterator, dtype=cutlass.Uint8),
+                                           cute.make_layout((cute.size(c),)))
+            self.store_c_and_amax(acc, c_store, amax, alpha, warp_amax, m, n, tile_m, tile_n, batch, wg_idx,
+                                  local_tid)
 
 
 class HopperGemmAmaxAlpha(HopperMxf8GemmAmax):
