@@ -80,7 +80,12 @@ def _on_cpu(*arrays):
     return [jax.device_put(a, jax.devices("cpu")[0]) for a in arrays]
 
 
-def run_variants(shard: tuple[int, int] = (0, 1), first_shape_only: bool = False) -> int:
+def _selected(variants, keys: frozenset):
+    """`variants` restricted to the catalog keys `keys` (all when empty)."""
+    return [v for v in variants if not keys or v.key in keys]
+
+
+def run_variants(shard: tuple[int, int] = (0, 1), first_shape_only: bool = False, keys: frozenset = frozenset()) -> int:
     """The workload run under the sanitizer: every sm_90a variant at SHAPES (or only the first, which has tails in
     every dimension and L > 1), each bracketed by markers; this process runs the cases of `shard`."""
     import jax
@@ -88,12 +93,13 @@ def run_variants(shard: tuple[int, int] = (0, 1), first_shape_only: bool = False
     import numpy as np
 
     import jax_blockgemm as jbg
+    from jax_blockgemm import dispatch
     from jax_blockgemm.kernels import catalog
 
     rng = np.random.default_rng(2026)
     failures = 0
     case = -1
-    for variant in catalog.variants_for("sm_90a", "gemm_amax"):
+    for variant in _selected(catalog.variants_for("sm_90a", "gemm_amax"), keys):
         fp4 = variant.ab_dtype == "float4_e2m1fn"
         mn_major = (variant.a_major, variant.b_major) != ("k", "k")
         shapes = FP4_SHAPES if fp4 else MN_SHAPES if mn_major else SHAPES
@@ -129,10 +135,11 @@ def run_variants(shard: tuple[int, int] = (0, 1), first_shape_only: bool = False
                 options["alpha"] = jnp.float32(0.375)
             try:
                 kernel = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl", **options))
-                if variant.function_prefix not in kernel.lower(a, b, sfa, sfb).as_text():
-                    raise RuntimeError(f"the program holds no jbg_gemm_amax custom call with "
-                                       f"{variant.function_prefix}: this variant would not run")
-                c, amax = jax.block_until_ready(kernel(a, b, sfa, sfb))
+                with dispatch.forced_variants((variant,)):  # candidates (fp8promote) are never the default
+                    if variant.function_prefix not in kernel.lower(a, b, sfa, sfb).as_text():
+                        raise RuntimeError(f"the program holds no jbg_gemm_amax custom call with "
+                                           f"{variant.function_prefix}: this variant would not run")
+                    c, amax = jax.block_until_ready(kernel(a, b, sfa, sfb))
                 c_ref, amax_ref = jbg.gemm_amax(*_on_cpu(a, b, sfa, sfb), implementation="xla", **options)
                 got, want = (np.asarray(jbg.formats.unpack_fp4(x) if variant.c_dtype == "float4_e2m1fn" else x,
                                         np.float64) for x in (c, c_ref))
@@ -145,10 +152,11 @@ def run_variants(shard: tuple[int, int] = (0, 1), first_shape_only: bool = False
                 ok, detail = False, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
             failures += not ok
             print(f"{END} {label} {'match' if ok else 'MISMATCH'} {detail}", flush=True)
-    return (1 if failures else 0) | run_proj_rope_variants(rng, case + 1, shard, first_shape_only)
+    return (1 if failures else 0) | run_proj_rope_variants(rng, case + 1, shard, first_shape_only, keys)
 
 
-def run_proj_rope_variants(rng, case0: int, shard: tuple[int, int], first_shape_only: bool) -> int:
+def run_proj_rope_variants(rng, case0: int, shard: tuple[int, int], first_shape_only: bool,
+                           keys: frozenset = frozenset()) -> int:
     """Every sm_90a proj_rope variant (tile x weight layout) at PROJ_ROPE_SHAPES, both input paths (or only the
     first shape, bf16 in: the MXFP8 path reaches the same kernel after XLA's dequantization), bracketed; cases are
     numbered from `case0`."""
@@ -161,7 +169,7 @@ def run_proj_rope_variants(rng, case0: int, shard: tuple[int, int], first_shape_
     from jax_blockgemm.kernels import catalog
 
     failures = 0
-    for variant in catalog.variants_for("sm_90a", "proj_rope"):
+    for variant in _selected(catalog.variants_for("sm_90a", "proj_rope"), keys):
         dispatch.PROJ_ROPE_TILE["sm_90a"] = variant.tile_mn  # the dispatcher's tile and cluster for these runs
         dispatch.PROJ_ROPE_CLUSTER["sm_90a"] = variant.cluster_mn
         dispatch.PROJ_ROPE_SCHEDULE["sm_90a"] = variant.schedule
@@ -232,12 +240,13 @@ def _attribute(log: str) -> tuple[dict, list, str]:
     return per_label, outside, summary
 
 
-def _precompile(jobs: int, timeout: int) -> str:
-    """Compiles every sm_90a catalog object into the kernel cache with `jobs` processes; one line of outcome."""
+def _precompile(jobs: int, timeout: int, only: frozenset = frozenset()) -> str:
+    """Compiles the sm_90a catalog objects (those in `only`, when given) into the kernel cache with `jobs`
+    processes; one line of outcome."""
     from jax_blockgemm import precompile
     from jax_blockgemm.kernels import catalog
 
-    keys = [v.key for v in catalog.variants_for("sm_90a")]
+    keys = [v.key for v in _selected(catalog.variants_for("sm_90a"), only)]
     failed = precompile.compile_in_processes(keys, jobs, timeout=timeout)
     return (f"precompiled {len(keys)} sm_90a objects in {min(jobs, len(keys))} processes" if not failed
             else "precompile failed:\n" + "\n".join(failed))
@@ -277,11 +286,13 @@ def main(argv: list | None = None) -> int:
                         help="one shape per variant (tails in every dimension, L > 1) and proj_rope's bf16 path only")
     parser.add_argument("--shards", default="", metavar="TOOL=N,...",
                         help="split a tool's cases over N sanitized processes at once, e.g. racecheck=6,memcheck=3")
+    parser.add_argument("--keys", default="", metavar="KEY,...", help="only these catalog variants")
     parser.add_argument("--run-variants", default=None, help=argparse.SUPPRESS)  # "i/n": the sanitized workload
     args = parser.parse_args(argv)
+    keys = frozenset(filter(None, args.keys.split(",")))
     if args.run_variants:
         i, n = (int(x) for x in args.run_variants.split("/"))
-        return run_variants((i, n), args.first_shape)
+        return run_variants((i, n), args.first_shape, keys)
     sanitizer = find_sanitizer()
     if sanitizer is None:
         print("compute-sanitizer not found: set COMPUTE_SANITIZER, or install the nvidia-cuda-sanitizer-api wheel "
@@ -298,7 +309,7 @@ def main(argv: list | None = None) -> int:
     started = time.monotonic()
     # Compile every sm_90a object outside the sanitizer first (into the disk cache the sanitized runs read), in
     # --jobs processes at once (the cache takes concurrent writers).
-    print(_precompile(args.jobs, args.budget), flush=True)
+    print(_precompile(args.jobs, args.budget, keys), flush=True)
     limit = int(max(30, min(args.timeout, args.budget - (time.monotonic() - started))))
     # Sanitized processes per tool (their shards of the cases), plus the handler fuzz under memcheck, all at once.
     shards = {tool: 1 for tool in tools}
@@ -307,7 +318,13 @@ def main(argv: list | None = None) -> int:
         if tool not in shards or not n.isdigit() or int(n) < 1:
             parser.error(f"--shards: {item!r} is not TOOL=N with TOOL one of {tools} and N >= 1")
         shards[tool] = int(n)
+    from jax_blockgemm.kernels import catalog
+
+    unknown = sorted(keys - {v.key for v in catalog.variants_for("sm_90a")})
+    if unknown:
+        parser.error(f"--keys: not sm_90a catalog variants: {unknown}")
     script = [sys.executable, str(pathlib.Path(__file__).resolve())] + (["--first-shape"] if args.first_shape else [])
+    script += ["--keys", args.keys] if keys else []
     jobs = [((tool, i), tool, script + ["--run-variants", f"{i}/{shards[tool]}"], args.all_kernels)
             for tool in tools for i in range(shards[tool])]
     if not args.no_fuzz:
