@@ -152,49 +152,38 @@ def run_variants(shard: tuple[int, int] = (0, 1), first_shape_only: bool = False
                 ok, detail = False, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
             failures += not ok
             print(f"{END} {label} {'match' if ok else 'MISMATCH'} {detail}", flush=True)
-    return (1 if failures else 0) | run_proj_rope_variants(rng, case + 1, shard, first_shape_only, keys)
+    return (1 if failures else 0) | run_proj_rope_variants(case + 1, shard, first_shape_only, keys)
 
 
-def run_proj_rope_variants(rng, case0: int, shard: tuple[int, int], first_shape_only: bool,
+def run_proj_rope_variants(case0: int, shard: tuple[int, int], first_shape_only: bool,
                            keys: frozenset = frozenset()) -> int:
-    """Every sm_90a proj_rope variant (tile x weight layout) at PROJ_ROPE_SHAPES, both input paths (or only the
-    first shape, bf16 in: the MXFP8 path reaches the same kernel after XLA's dequantization), bracketed; cases are
-    numbered from `case0`."""
+    """Every sm_90a proj_rope variant (tile x weight layout) at PROJ_ROPE_SHAPES, both input paths (the same values
+    as MXFP8 and as bf16: `bench.proj_rope_inputs`; or only the first shape, bf16 in: the MXFP8 path reaches the
+    same kernel after XLA's dequantization), bracketed; cases are numbered from `case0`."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     import jax_blockgemm as jbg
-    from jax_blockgemm import dispatch
+    from jax_blockgemm import bench, dispatch
     from jax_blockgemm.kernels import catalog
 
     failures = 0
-    for variant in _selected(catalog.variants_for("sm_90a", "proj_rope"), keys):
+    for n, variant in enumerate(_selected(catalog.variants_for("sm_90a", "proj_rope"), keys)):
         dispatch.PROJ_ROPE_TILE["sm_90a"] = variant.tile_mn  # the dispatcher's tile and cluster for these runs
         dispatch.PROJ_ROPE_CLUSTER["sm_90a"] = variant.cluster_mn
         dispatch.PROJ_ROPE_SCHEDULE["sm_90a"] = variant.schedule
         w_out_in = variant.b_major == "k"
-        cases = [(PROJ_ROPE_SHAPES[0], False)] if first_shape_only else itertools.product(PROJ_ROPE_SHAPES,
-                                                                                            (False, True))
-        for (t, h, k), mxfp8 in cases:
+        cases = [((0, PROJ_ROPE_SHAPES[0]), False)] if first_shape_only else itertools.product(
+            enumerate(PROJ_ROPE_SHAPES), (False, True))
+        for (s, (t, h, k)), mxfp8 in cases:
             case0 += 1
             if not _mine(case0 - 1, shard):
                 continue
             label = f"{variant.key} {'mxfp8' if mxfp8 else 'bf16'} (T, H, K) = {(t, h, k)}"
             print(f"{BEGIN} {label}", flush=True)
-            w_shape = (h * 192, k) if w_out_in else (k, h * 192)
-            x = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
-            w = jnp.asarray(rng.standard_normal(w_shape) / np.sqrt(k), jnp.float32)
-            angles = rng.uniform(-np.pi, np.pi, (t, 64))
-            cos, sin = (jnp.asarray(f(angles), jnp.bfloat16) for f in (np.cos, np.sin))
-            options = {}
-            if mxfp8:
-                options = dict(x_scale=jnp.asarray(rng.integers(120, 134, (t, k // 32)), jnp.uint8),
-                               w_scale=jnp.asarray(rng.integers(120, 134, (h * 192, k // 32) if w_out_in
-                                                   else (k // 32, h * 192)), jnp.uint8))
-                x, w = x.astype(jnp.float8_e4m3fn), w.astype(jnp.float8_e4m3fn)
-            else:
-                x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+            seed = 2026 + len(PROJ_ROPE_SHAPES) * n + s  # both paths of a shape: the same values
+            (x, w, cos, sin), options = bench.proj_rope_arguments(
+                bench.proj_rope_inputs(jax.random.key(seed), t, h, k, w_out_in=w_out_in), mxfp8)
             try:
                 call = lambda impl, opts: jax.jit(lambda *a: jbg.gemm_proj_rope_mxfp8(
                     *a, w_out_in=w_out_in, implementation=impl, **opts))

@@ -63,6 +63,7 @@ def make_cases(implementation: Any) -> list[tuple[str, Callable[[], Any]]]:
     import numpy as np
 
     import jax_blockgemm as jbg
+    from jax_blockgemm import bench
 
     cases = []
     for i, (l, m, n, k, ab, c_dtype) in enumerate(GEMM_CASES):
@@ -81,26 +82,13 @@ def make_cases(implementation: Any) -> list[tuple[str, Callable[[], Any]]]:
         cases.append((name + " jit", lambda f=jitted, x=inputs: f(*x)))
         cases.append((name + " eager", lambda f=op, x=inputs: f(*x)))
     for i, (t, h, k, mxfp8, w_out_in) in enumerate(PROJ_ROPE_CASES):
-        def rope_inputs(i=i, t=t, h=h, k=k, mxfp8=mxfp8, w_out_in=w_out_in):
-            rng = np.random.default_rng(2000 + i)
-            w_shape = (h * 192, k) if w_out_in else (k, h * 192)
-            x = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
-            w = jnp.asarray(rng.standard_normal(w_shape) / np.sqrt(k), jnp.float32)
-            angles = rng.uniform(-np.pi, np.pi, (t, 64))
-            cos, sin = (jnp.asarray(f(angles), jnp.bfloat16) for f in (np.cos, np.sin))
-            if not mxfp8:
-                return (x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), cos, sin), {}
-            kb_shape = lambda s: (s[0], s[1] // 32) if s[1] == k else (s[0] // 32, s[1])
-            scales = dict(x_scale=jnp.asarray(rng.integers(120, 134, kb_shape((t, k))), jnp.uint8),
-                          w_scale=jnp.asarray(rng.integers(120, 134, kb_shape(w_shape)), jnp.uint8))
-            return (x.astype(jnp.float8_e4m3fn), w.astype(jnp.float8_e4m3fn), cos, sin), scales
-
         def op(x, w, c, s, scales, w_out_in=w_out_in):
             return jbg.gemm_proj_rope_mxfp8(x, w, c, s, w_out_in=w_out_in, implementation=implementation, **scales)
 
         jitted = jax.jit(op)
         name = f"proj_rope T,H,K={t},{h},{k} {'mxfp8' if mxfp8 else 'bf16'} w_out_in={w_out_in}"
-        operands, scales = rope_inputs()
+        operands, scales = bench.proj_rope_arguments(
+            bench.proj_rope_inputs(jax.random.key(2000 + i), t, h, k, w_out_in=w_out_in), mxfp8)
         cases.append((name + " jit", lambda f=jitted, x=operands, s=scales: f(*x, s)))
         cases.append((name + " eager", lambda f=op, x=operands, s=scales: f(*x, s)))
     return cases

@@ -98,18 +98,34 @@ def gemm_inputs(key: jax.Array, m: int, n: int, k: int) -> dict[str, jax.Array]:
             "b_bf16": reference.dequantize_bf16(b, sfb, block=support.MX_BLOCK, axis=-1)}
 
 
-def proj_rope_inputs(key: jax.Array, tokens: int, heads: int, k: int) -> dict[str, jax.Array]:
-    """One input set for a proj_rope case: x and w (H*192, K) as MXFP8 and as the same values in bf16, cos, sin."""
+def proj_rope_inputs(key: jax.Array, tokens: int, heads: int, k: int, w_out_in: bool = True
+                     ) -> dict[str, jax.Array]:
+    """One input set for a proj_rope case: x and w as MXFP8 and as the same values in bf16, cos, sin.
+
+    w, w_scale and w_bf16 are (H*192, K) for w_out_in, else (K, H*192) (the same values); w_bf16_t is w_bf16 in
+    the other layout. `proj_rope_arguments` picks the arguments of one input path.
+    """
     k_x, k_w, k_angle = jax.random.split(key, 3)
     x, x_scale = random_mxfp8(k_x, (tokens, k))
     w, w_scale = random_mxfp8(k_w, (heads * support.HEAD_DIM, k))
     angles = jax.random.uniform(k_angle, (tokens, support.QK_ROPE), jnp.float32, 0.0, 2 * np.pi)
     w_bf16 = reference.dequantize_bf16(w, w_scale, block=support.MX_BLOCK, axis=-1)
+    if not w_out_in:
+        w, w_scale, w_bf16 = (jnp.asarray(a.T) for a in (w, w_scale, w_bf16))
     return {"x": x, "w": w, "x_scale": x_scale, "w_scale": w_scale,
             "x_scale_e8m0": _as_e8m0(x_scale), "w_scale_e8m0": _as_e8m0(w_scale),
             "x_bf16": reference.dequantize_bf16(x, x_scale, block=support.MX_BLOCK, axis=-1), "w_bf16": w_bf16,
             "w_bf16_t": jnp.asarray(w_bf16.T), "cos": jnp.cos(angles).astype(jnp.bfloat16),
             "sin": jnp.sin(angles).astype(jnp.bfloat16)}
+
+
+def proj_rope_arguments(inputs: dict[str, jax.Array], mxfp8: bool) -> tuple[tuple, dict]:
+    """(x, w, cos, sin) and the scale keywords of `gemm_proj_rope_mxfp8` for a `proj_rope_inputs` set: the MXFP8
+    codes and scales, or (bf16 path) the same values in bf16."""
+    if mxfp8:
+        return ((inputs["x"], inputs["w"], inputs["cos"], inputs["sin"]),
+                {"x_scale": inputs["x_scale"], "w_scale": inputs["w_scale"]})
+    return (inputs["x_bf16"], inputs["w_bf16"], inputs["cos"], inputs["sin"]), {}
 
 
 # --------------------------------------------------------------------------------------------------------------

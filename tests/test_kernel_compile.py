@@ -418,7 +418,7 @@ class CompileTest(parameterized.TestCase):
 _SURFACE_90 = [v for v in catalog.variants_for("sm_90a", "gemm_amax")
                if (v.ab_dtype not in _PTX_AB or v.c_dtype not in _WIDE_C or v.a_major + v.b_major != "kk")
                and not v.schedule]
-_FP8_PROMOTE_90 = [v for v in catalog.variants_for("sm_90a", "gemm_amax") if v.schedule == catalog.FP8_PROMOTE]
+_FP8_PROMOTE_90 = list(catalog.CANDIDATE_VARIANTS)
 
 
 class Fp8PromoteCompileTest(parameterized.TestCase):
@@ -426,10 +426,11 @@ class Fp8PromoteCompileTest(parameterized.TestCase):
     64-column chunk of a k-block, the promotion as one FMUL + one FFMA per accumulator element, the wgmma kept in
     flight across the promotion (ptxas would serialize it otherwise), no spills."""
 
-    def test_catalog_has_both_tiles_both_codes_both_outputs_and_is_never_the_default(self):
+    def test_candidates_have_both_tiles_both_codes_both_outputs_and_are_outside_the_catalog(self):
         self.assertEqual({(v.tile_mn, v.ab_dtype, v.c_dtype) for v in _FP8_PROMOTE_90},
                          {(t, a, c) for t in ((128, 128), (128, 256)) for a in _PTX_AB for c in _WIDE_C})
         for v in _FP8_PROMOTE_90:
+            self.assertNotIn(v, catalog.CATALOG)  # measured slower and outside SPEC §7 for bf16 C (NOTES.md)
             self.assertTrue(v.key.endswith(".fp8promote"), v.key)
             self.assertEqual(catalog.accuracy_class(v), "tensor-core FP8")
             picked = catalog.select_variant(arch="sm_90a", ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, sf_vec_size=32,

@@ -38,8 +38,7 @@ import cutlass.utils.blockscaled_layout as blockscaled_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from jax_blockgemm.kernels import common
-from jax_blockgemm.kernels.sm100 import (SMEM_CAPACITY, SUPPORTED_CLUSTERS_MN, SUPPORTED_TILES_MN, TMEM_COLUMNS,
-                                         persistent)
+from jax_blockgemm.kernels.sm100 import SMEM_CAPACITY, SUPPORTED_CLUSTERS_MN, SUPPORTED_TILES_MN, persistent
 
 _AB_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,
               "float4_e2m1fn": cutlass.Float4E2M1FN}
@@ -56,7 +55,7 @@ def scale_layout(shape_mkl: tuple, sf_vec_size: int) -> cute.Layout:
     return blockscaled_utils.tile_atom_to_shape_SF(shape_mkl, sf_vec_size)
 
 
-class BlackwellBlockScaledGemmAmax:
+class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
     """C = (A·sfa) (B·sfb)^T per batch, amax[l] = max|C[l]|, for MXFP8/MXFP4/NVFP4 K-major operands on sm_100a.
 
     Compile-time configuration only; every size is a run-time scalar of the exported function.
@@ -100,18 +99,9 @@ class BlackwellBlockScaledGemmAmax:
         major = lambda mn: cute.nvgpu.OperandMajorMode.MN if mn else cute.nvgpu.OperandMajorMode.K
         self.a_major, self.b_major = major(self.a_mn), major(self.b_mn)
         self.c_layout = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
-        # Warp roles.
-        self.epilogue_warps = (0, 1, 2, 3)
-        self.mma_warp = 4
-        self.producer_warp = 5
-        self.threads_per_cta = 32 * (len(self.epilogue_warps) + 2)
-        self.epilogue_threads = 32 * len(self.epilogue_warps)
-        self.epilogue_barrier_id = 1
-        self.tmem_alloc_barrier = pipeline.NamedBarrier(barrier_id=2, num_threads=self.epilogue_threads + 32)
+        super().__init__()  # the warp roles; the whole of tensor memory (one CTA per SM)
         # One accumulator stage holds a TILE_N-column fp32 tile; two fit beside the scales when TILE_N is 128.
         self.acc_stages = 2 if self.tile_mn[1] == 128 else 1
-        self.tmem_columns_allocated = TMEM_COLUMNS  # the whole of tensor memory: one CTA per SM
-        self.buffer_align_bytes = 1024
 
     def can_implement(self, m: int, n: int, k: int, l: int) -> tuple[bool, str]:
         """Whether the kernel handles these sizes, and why not (the caller checks before launching)."""
@@ -214,25 +204,10 @@ class BlackwellBlockScaledGemmAmax:
         tiles_mnl = cute.ceil_div(mC.shape, (self.cta_tile_mnk[0], self.cta_tile_mnk[1], 1))
         sched_params, grid = persistent.schedule(tiles_mnl, self.cluster_mn)
 
-        @cute.struct
-        class SharedStorage:
-            ab_full: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
-            ab_empty: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
-            acc_full: cute.struct.MemRange[cutlass.Int64, self.acc_stages]
-            acc_empty: cute.struct.MemRange[cutlass.Int64, self.acc_stages]
-            tmem_holding: cutlass.Int32
-            warp_amax: cute.struct.MemRange[cutlass.Int32, len(self.epilogue_warps)]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged.outer)],
-                                  self.buffer_align_bytes]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged.outer)],
-                                  self.buffer_align_bytes]
-            sSFA: cute.struct.Align[cute.struct.MemRange[self.sf_dtype, cute.cosize(self.sfa_smem_staged)],
-                                    self.buffer_align_bytes]
-            sSFB: cute.struct.Align[cute.struct.MemRange[self.sf_dtype, cute.cosize(self.sfb_smem_staged)],
-                                    self.buffer_align_bytes]
-
-        self.shared_storage = SharedStorage
-        self.smem_bytes = SharedStorage.size_in_bytes()  # dynamic shared memory per CTA (reported by precompile)
+        self._set_shared_storage(  # the epilogue warps' amax slots; the A, B, SFA and SFB stages
+            {"warp_amax": cute.struct.MemRange[cutlass.Int32, len(self.epilogue_warps)]},
+            {"sA": (self.ab_dtype, self.a_smem_staged.outer), "sB": (self.ab_dtype, self.b_smem_staged.outer),
+             "sSFA": (self.sf_dtype, self.sfa_smem_staged), "sSFB": (self.sf_dtype, self.sfb_smem_staged)})
         self.kernel(self.tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sfa, tma_sfa, tma_atom_sfb,
                     tma_sfb, mC, amax, alpha, self.cluster_layout_vmnk, self.a_smem_staged, self.b_smem_staged,
                     self.sfa_smem_staged, self.sfb_smem_staged, self.epi_tile, sched_params).launch(
@@ -268,20 +243,8 @@ class BlackwellBlockScaledGemmAmax:
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         # A stage is free again once every CTA that multicasts into it has seen its MMAs finish.
-        ab_pipeline = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.ab_full.data_ptr(), num_stages=self.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.mcast_ctas_a + self.mcast_ctas_b - 1),
-            tx_count=self.tma_bytes, cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
-        acc_pipeline = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.acc_full.data_ptr(), num_stages=self.acc_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, len(self.epilogue_warps)),
-            cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
-        tmem = cutlass.memory.TmemAllocator(storage.tmem_holding.ptr, barrier_for_retrieve=self.tmem_alloc_barrier,
-                                            allocator_warp_id=self.epilogue_warps[0])
-        pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+        ab_pipeline, acc_pipeline, tmem = self._make_pipelines(
+            storage, cluster_layout_vmnk, self.mcast_ctas_a + self.mcast_ctas_b - 1, self.cluster_mn)
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
@@ -312,10 +275,7 @@ class BlackwellBlockScaledGemmAmax:
         tAsSFA, tAgSFA = cute.filter_zeros(tAsSFA), cute.filter_zeros(tAgSFA)
         tBsSFB, tBgSFB = cute.filter_zeros(tBsSFB), cute.filter_zeros(tBgSFB)
 
-        tCrA = tiled_mma.make_fragment_A(sA)  # (MMA, MMA_M, MMA_K, STAGE) smem descriptors
-        tCrB = tiled_mma.make_fragment_B(sB)
-        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
-        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.acc_stages))
+        tCrA, tCrB, tCtAcc_fake = self._mma_fragments(tiled_mma, sA, sB)
 
         # Tensor-memory columns: the accumulator stages, then one k-tile of SFA and of SFB (static counts).
         sfa_tmem_layout = blockscaled_utils.make_tmem_layout_sfa(
@@ -337,30 +297,11 @@ class BlackwellBlockScaledGemmAmax:
             if cutlass.const_expr(mcast):
                 a_mask = cpasync.create_tma_multicast_mask(cluster_layout_vmnk, cta_coord_vmnk, mcast_mode=2)
                 b_mask = cpasync.create_tma_multicast_mask(cluster_layout_vmnk, cta_coord_vmnk, mcast_mode=1)
-            sched = persistent.tile_scheduler(sched_params)
-            work = sched.initial_work_tile_info()
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-            while work.is_valid_tile:
-                tile_m, tile_n, batch = work.tile_idx
-                gA = tAgA[(None, tile_m, None, batch)]
-                gB = tBgB[(None, tile_n, None, batch)]
-                gSFA = tAgSFA[(None, tile_m, None, batch)]
-                gSFB = tBgSFB[(None, tile_n, None, batch)]
-                for kt in cutlass.range(0, k_tiles, 1, unroll=1):
-                    ab_pipeline.producer_acquire(state)
-                    bar = ab_pipeline.producer_get_barrier(state)
-                    cute.copy(tma_atom_a, gA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar,
-                              mcast_mask=a_mask)
-                    cute.copy(tma_atom_b, gB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar,
-                              mcast_mask=b_mask)
-                    cute.copy(tma_atom_sfa, gSFA[(None, kt)], tAsSFA[(None, state.index)], tma_bar_ptr=bar,
-                              mcast_mask=a_mask)
-                    cute.copy(tma_atom_sfb, gSFB[(None, kt)], tBsSFB[(None, state.index)], tma_bar_ptr=bar,
-                              mcast_mask=b_mask)
-                    state.advance()
-                sched.advance_to_next_work()
-                work = sched.get_current_work()
-            ab_pipeline.producer_tail(state)
+            # A and SFA are read by the M tile, B and SFB by the N tile.
+            self._produce(ab_pipeline, sched_params, k_tiles,
+                          ((tma_atom_a, tAgA, tAsA, 0, a_mask), (tma_atom_b, tBgB, tBsB, 1, b_mask),
+                           (tma_atom_sfa, tAgSFA, tAsSFA, 0, a_mask), (tma_atom_sfb, tBgSFB, tBsSFB, 1, b_mask)),
+                          batched=True)
 
         if warp_idx == self.mma_warp:
             # ------------------------------------------------------------------------------ mma
@@ -371,56 +312,23 @@ class BlackwellBlockScaledGemmAmax:
             tCtSFA = cute.make_tensor(cute.recast_ptr(acc_ptr + acc_cols, dtype=self.sf_dtype), sfa_tmem_layout)
             tCtSFB = cute.make_tensor(cute.recast_ptr(acc_ptr + acc_cols + sfa_cols, dtype=self.sf_dtype),
                                       sfb_tmem_layout)
-            s2t_sfa, tCsSFA_s2t, tCtSFA_s2t = self._scale_copy_to_tmem(sSFA, tCtSFA)
-            s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self._scale_copy_to_tmem(sSFB, tCtSFB)
-            num_kblocks = cute.size(tCrA, mode=[2])
-
-            sched = persistent.tile_scheduler(sched_params)
-            work = sched.initial_work_tile_info()
-            ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-            acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.acc_stages)
-            while work.is_valid_tile:
-                tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
-                acc_pipeline.producer_acquire(acc_state)
-                tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-                for kt in cutlass.range(0, k_tiles, 1, unroll=1):
-                    ab_pipeline.consumer_wait(ab_state)
-                    cute.copy(s2t_sfa, tCsSFA_s2t[(None, None, None, None, ab_state.index)], tCtSFA_s2t)
-                    cute.copy(s2t_sfb, tCsSFB_s2t[(None, None, None, None, ab_state.index)], tCtSFB_s2t)
-                    for kb in cutlass.range(num_kblocks, unroll_full=True):
-                        tiled_mma.set(tcgen05.Field.SFA, tCtSFA[(None, None, kb)].iterator)
-                        tiled_mma.set(tcgen05.Field.SFB, tCtSFB[(None, None, kb)].iterator)
-                        cute.gemm(tiled_mma, tCtAcc, tCrA[(None, None, kb, ab_state.index)],
-                                  tCrB[(None, None, kb, ab_state.index)], tCtAcc)
-                        tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
-                    ab_pipeline.consumer_release(ab_state)  # tcgen05.commit: frees the stage when the MMAs end
-                    ab_state.advance()
-                acc_pipeline.producer_commit(acc_state)
-                acc_state.advance()
-                sched.advance_to_next_work()
-                work = sched.get_current_work()
-            acc_pipeline.producer_tail(acc_state)
+            scales = (self._scale_copy_to_tmem(sSFA, tCtSFA), self._scale_copy_to_tmem(sSFB, tCtSFB))
+            self._mma(tiled_mma, tCtAcc_base, tCrA, tCrB, ab_pipeline, acc_pipeline, sched_params, k_tiles, scales)
 
         if warp_idx < self.mma_warp:
             # ------------------------------------------------------------------------------ epilogue
-            tmem.allocate(self.tmem_columns_allocated)
-            tmem.wait_for_alloc()
-            acc_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
-            self._epilogue(tiled_mma, epi_tile, tidx, tCtAcc_base, mC_mnl, amax, alpha, storage, acc_pipeline,
-                           sched_params)
-            tmem.relinquish_alloc_permit()
-            cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.epilogue_threads)
-            tmem.free(acc_ptr)
+            self._with_tmem(tmem, tCtAcc_fake.layout, lambda tCtAcc_base: self._epilogue(
+                tiled_mma, epi_tile, tidx, tCtAcc_base, mC_mnl, amax, alpha, storage, acc_pipeline, sched_params))
 
     def _scale_copy_to_tmem(self, sSF: cute.Tensor, tSF: cute.Tensor):
-        """The tcgen05.cp (4x32x128b) copy of staged scales in shared memory to their tensor-memory tensor."""
+        """The tcgen05.cp (4x32x128b) copy of staged scales in shared memory to their tensor-memory tensor `tSF`:
+        (copy, its source by stage, its destination, tSF), as `PersistentKernel._mma` takes each of its scales."""
         tCsSF = cute.filter_zeros(sSF)  # (MMA, MMA_MN, MMA_K, STAGE)
         tCtSF = cute.filter_zeros(tSF)  # (MMA, MMA_MN, MMA_K)
         s2t = tcgen05.make_s2t_copy(cute.make_copy_atom(tcgen05.Cp4x32x128bOp(self.cta_group), self.sf_dtype), tCtSF)
         thr = s2t.get_slice(0)
         src = tcgen05.get_s2t_smem_desc_tensor(s2t, thr.partition_S(tCsSF))
-        return s2t, src, thr.partition_D(tCtSF)
+        return s2t, src, thr.partition_D(tCtSF), tSF
 
     @cute.jit
     def _epilogue(self, tiled_mma: cute.TiledMma, epi_tile: cute.Tile, tidx: cutlass.Int32, tCtAcc_base: cute.Tensor,

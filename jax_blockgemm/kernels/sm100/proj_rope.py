@@ -37,7 +37,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from jax_blockgemm.kernels import common, epilogue
-from jax_blockgemm.kernels.sm100 import SMEM_CAPACITY, TMEM_COLUMNS, persistent
+from jax_blockgemm.kernels.sm100 import SMEM_CAPACITY, persistent
 from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, QK_NOPE, QK_ROPE
 
 W_MAJORS = ("k", "n")
@@ -76,7 +76,7 @@ def table_entry(i: int) -> tuple[int, bool]:
     return i // 2, i % 2 == 1
 
 
-class BlackwellProjRope:
+class BlackwellProjRope(persistent.PersistentKernel):
     """Fused MLA Q up-projection for bf16 x and W on sm_100a (SPEC §5): E4M3 codes + E8M0 scales, both ways.
 
     Compile-time configuration only; T, K and H are run-time scalars of the exported function.
@@ -91,16 +91,7 @@ class BlackwellProjRope:
         self.mma_tiler = (TILE_T, HEAD_DIM, TILE_K)
         self.cta_group = tcgen05.CtaGroup.ONE
         self.acc_stages = ACC_STAGES
-        # Warp roles, as in the gemm_amax kernel.
-        self.epilogue_warps = (0, 1, 2, 3)
-        self.mma_warp = 4
-        self.producer_warp = 5
-        self.threads_per_cta = 32 * (len(self.epilogue_warps) + 2)
-        self.epilogue_threads = 32 * len(self.epilogue_warps)
-        self.epilogue_barrier_id = 1
-        self.tmem_alloc_barrier = pipeline.NamedBarrier(barrier_id=2, num_threads=self.epilogue_threads + 32)
-        self.tmem_columns_allocated = TMEM_COLUMNS  # a power of two >= the 384 used: the whole of tensor memory
-        self.buffer_align_bytes = 1024
+        super().__init__()  # the warp roles, as in the gemm_amax kernel; all 512 tensor-memory columns (384 used)
 
     # Whether the kernel handles these sizes, and why not (the caller checks before launching).
     can_implement = staticmethod(common.proj_rope_can_implement)
@@ -155,20 +146,8 @@ class BlackwellProjRope:
         tiles = ((t + TILE_T - 1) // TILE_T, h, 1)  # (token tile, head, 1): tile_t varies fastest
         sched_params, grid = persistent.schedule(tiles, (1, 1))
 
-        @cute.struct
-        class SharedStorage:
-            ab_full: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
-            ab_empty: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
-            acc_full: cute.struct.MemRange[cutlass.Int64, self.acc_stages]
-            acc_empty: cute.struct.MemRange[cutlass.Int64, self.acc_stages]
-            tmem_holding: cutlass.Int32
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged.outer)],
-                                  self.buffer_align_bytes]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged.outer)],
-                                  self.buffer_align_bytes]
-
-        self.shared_storage = SharedStorage
-        self.smem_bytes = SharedStorage.size_in_bytes()  # dynamic shared memory per CTA (reported by precompile)
+        self._set_shared_storage({}, {"sA": (self.ab_dtype, self.a_smem_staged.outer),
+                                      "sB": (self.ab_dtype, self.b_smem_staged.outer)})
         self.kernel(self.tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, cos, sin, row_codes, row_scales,
                     col_codes, col_scales, t, h, self.cluster_layout_vmnk, self.a_smem_staged, self.b_smem_staged,
                     sched_params).launch(
@@ -191,19 +170,7 @@ class BlackwellProjRope:
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        ab_pipeline = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.ab_full.data_ptr(), num_stages=self.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            tx_count=self.tma_bytes, cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
-        acc_pipeline = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.acc_full.data_ptr(), num_stages=self.acc_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, len(self.epilogue_warps)),
-            cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
-        tmem = cutlass.memory.TmemAllocator(storage.tmem_holding.ptr, barrier_for_retrieve=self.tmem_alloc_barrier,
-                                            allocator_warp_id=self.epilogue_warps[0])
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        ab_pipeline, acc_pipeline, tmem = self._make_pipelines(storage, cluster_layout_vmnk, 1, (1, 1))
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
@@ -221,72 +188,28 @@ class BlackwellProjRope:
         tBsB, tBgB = cpasync.tma_partition(tma_atom_b, 0, one_cta, cute.group_modes(sB, 0, 3),
                                            cute.group_modes(tCgB, 0, 3))
 
-        tCrA = tiled_mma.make_fragment_A(sA)  # (MMA, MMA_M, MMA_K, STAGE) smem descriptors
-        tCrB = tiled_mma.make_fragment_B(sB)
-        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
-        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.acc_stages))
+        tCrA, tCrB, tCtAcc_fake = self._mma_fragments(tiled_mma, sA, sB)
         self.tmem_columns_used = tcgen05.find_tmem_tensor_col_offset(tCtAcc_fake)  # 384, reported by precompile
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         if warp_idx == self.producer_warp:
             # ------------------------------------------------------------------------------ producer
-            sched = persistent.tile_scheduler(sched_params)
-            work = sched.initial_work_tile_info()
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-            while work.is_valid_tile:
-                tile_t, head, _ = work.tile_idx
-                gA = tAgA[(None, tile_t, None, 0)]
-                gB = tBgB[(None, head, None, 0)]
-                for kt in cutlass.range(0, k_tiles, 1, unroll=1):
-                    ab_pipeline.producer_acquire(state)
-                    bar = ab_pipeline.producer_get_barrier(state)
-                    cute.copy(tma_atom_a, gA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                    cute.copy(tma_atom_b, gB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                    state.advance()
-                sched.advance_to_next_work()
-                work = sched.get_current_work()
-            ab_pipeline.producer_tail(state)
+            # (token tile, head) tiles: x's row tile is the token tile (M), W's the head (N).
+            self._produce(ab_pipeline, sched_params, k_tiles,
+                          ((tma_atom_a, tAgA, tAsA, 0, None), (tma_atom_b, tBgB, tBsB, 1, None)), batched=False)
 
         if warp_idx == self.mma_warp:
             # ------------------------------------------------------------------------------ mma
             tmem.wait_for_alloc()
-            acc_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
-            num_kblocks = cute.size(tCrA, mode=[2])
-            sched = persistent.tile_scheduler(sched_params)
-            work = sched.initial_work_tile_info()
-            ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-            acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.acc_stages)
-            while work.is_valid_tile:
-                tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
-                acc_pipeline.producer_acquire(acc_state)
-                tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-                for kt in cutlass.range(0, k_tiles, 1, unroll=1):
-                    ab_pipeline.consumer_wait(ab_state)
-                    for kb in cutlass.range(num_kblocks, unroll_full=True):
-                        cute.gemm(tiled_mma, tCtAcc, tCrA[(None, None, kb, ab_state.index)],
-                                  tCrB[(None, None, kb, ab_state.index)], tCtAcc)
-                        tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
-                    ab_pipeline.consumer_release(ab_state)  # tcgen05.commit: frees the stage when the MMAs end
-                    ab_state.advance()
-                acc_pipeline.producer_commit(acc_state)
-                acc_state.advance()
-                sched.advance_to_next_work()
-                work = sched.get_current_work()
-            acc_pipeline.producer_tail(acc_state)
+            tCtAcc_base = cute.make_tensor(tmem.retrieve_ptr(self.acc_dtype), tCtAcc_fake.layout)
+            self._mma(tiled_mma, tCtAcc_base, tCrA, tCrB, ab_pipeline, acc_pipeline, sched_params, k_tiles)
 
         if warp_idx < self.mma_warp:
             # ------------------------------------------------------------------------------ epilogue
-            tmem.allocate(self.tmem_columns_allocated)
-            tmem.wait_for_alloc()
-            acc_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
-            self._epilogue(tidx, tCtAcc_base, cos, sin, row_codes, row_scales, col_codes, col_scales, t, h,
-                           acc_pipeline, sched_params)
-            tmem.relinquish_alloc_permit()
-            cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.epilogue_threads)
-            tmem.free(acc_ptr)
+            self._with_tmem(tmem, tCtAcc_fake.layout, lambda tCtAcc_base: self._epilogue(
+                tidx, tCtAcc_base, cos, sin, row_codes, row_scales, col_codes, col_scales, t, h, acc_pipeline,
+                sched_params))
 
     @cute.jit
     def _epilogue(self, tidx: cutlass.Int32, tCtAcc_base: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor,

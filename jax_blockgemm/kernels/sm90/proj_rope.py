@@ -159,31 +159,38 @@ class HopperProjRope:
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), mB,
                 cute.slice_(b_smem_staged, (None, None, 0)), (self.tile_mnk[1], self.tile_mnk[2]),
                 num_multicast=self.cluster_t)
-        if cutlass.const_expr(self.schedule == "pingpong"):
-            self._launch_pingpong(tma_atom_a, tma_a, tma_atom_b, tma_b, cos, sin, row_codes, row_scales, col_codes,
-                                  col_scales, t, h, tiled_mma, a_smem_staged, b_smem_staged, stream)
-        else:
-            @cute.struct
-            class SharedStorage:
-                pipeline_mbars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-                col_amax: cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps * HEAD_DIM]
-                sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)],
-                                      self.buffer_align_bytes]
-                sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)],
-                                      self.buffer_align_bytes]
+        self.shared_storage = self._shared_storage(a_smem_staged, b_smem_staged)
+        args = (tma_atom_a, tma_a, tma_atom_b, tma_b, cos, sin, row_codes, row_scales, col_codes, col_scales, t, h,
+                tiled_mma, a_smem_staged, b_smem_staged)
+        tiles_t = (t + self.tile_mnk[0] - 1) // self.tile_mnk[0]
+        # preferred_smem_carveout=100: all of the SM's memory as shared memory
+        if cutlass.const_expr(self.schedule == "pingpong"):  # min(tiles, persistent_ctas) CTAs, one per SM
+            ctas = cutlass.min(tiles_t * h, cutlass.Int32(self.persistent_ctas))
+            self.kernel_pingpong(*args).launch(grid=(ctas, 1, 1), block=(self.threads_per_cta, 1, 1),
+                                               min_blocks_per_mp=1, preferred_smem_carveout=100, stream=stream)
+        elif cutlass.const_expr(self.cluster_t == 1):
+            self.kernel(*args).launch(grid=(tiles_t, h, 1), block=(self.threads_per_cta, 1, 1),
+                                      min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100, stream=stream)
+        else:  # whole clusters: a CTA past T loads its share of W for the others and stores nothing
+            tiles_t = (tiles_t + self.cluster_t - 1) // self.cluster_t * self.cluster_t
+            self.kernel(*args).launch(grid=(tiles_t, h, 1), block=(self.threads_per_cta, 1, 1),
+                                      cluster=(self.cluster_t, 1, 1), min_blocks_per_mp=self.ctas_per_sm,
+                                      preferred_smem_carveout=100, stream=stream)
 
-            self.shared_storage = SharedStorage
-            tiles_t = (t + self.tile_mnk[0] - 1) // self.tile_mnk[0]
-            kernel = self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, cos, sin, row_codes, row_scales, col_codes,
-                                 col_scales, t, h, tiled_mma, a_smem_staged, b_smem_staged)
-            if cutlass.const_expr(self.cluster_t == 1):
-                kernel.launch(grid=(tiles_t, h, 1), block=(self.threads_per_cta, 1, 1),
-                              min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100,
-                              stream=stream)  # all of the SM's memory as shared memory
-            else:  # whole clusters: a CTA past T loads its share of W for the others and stores nothing
-                tiles_t = (tiles_t + self.cluster_t - 1) // self.cluster_t * self.cluster_t
-                kernel.launch(grid=(tiles_t, h, 1), block=(self.threads_per_cta, 1, 1),
-                              cluster=(self.cluster_t, 1, 1), min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100, stream=stream)
+    def _shared_storage(self, a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout):
+        """The CTA's shared-memory struct: the stage pipeline's mbarriers, the columnwise amax exchange, with
+        schedule="pingpong" each consumer warpgroup's own code tiles, then the x and W stages (1 KB-aligned).
+        Built from a field dict: a `class` body here would keep its annotations as strings (module's __future__
+        import), which cute.struct does not evaluate."""
+        fields = dict(pipeline_mbars=cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2],
+                      col_amax=cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps * HEAD_DIM])
+        if self.schedule == "pingpong":
+            fields["codes"] = cute.struct.Align[
+                cute.struct.MemRange[cutlass.Uint8, self.num_consumer_wgs * self.codes_bytes_per_wg], 128]
+        for name, staged in (("sA", a_smem_staged), ("sB", b_smem_staged)):
+            fields[name] = cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(staged)],
+                                             self.buffer_align_bytes]
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ---------------------------------------------------------------------------------------------- device
     @cute.kernel
@@ -196,29 +203,10 @@ class HopperProjRope:
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tile_t, head, _ = cute.arch.block_idx()
-        bm, bn, bk = self.tile_mnk
-
-        if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
-
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        ab_pipeline = tma_pipeline.make_ab_pipeline(storage.pipeline_mbars.data_ptr(), a_smem_staged, b_smem_staged,
-                                                    self.ab_dtype, self.ab_stages, self.num_consumer_warps,
-                                                    (self.cluster_t, 1))
-
-        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
-        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-        tAsA, tAgA = tma_pipeline.tma_views(tma_atom_a, mA_mkl, sA, (bm, bk))
-        cta_rank = 0
-        if cutlass.const_expr(self.cluster_t > 1):
-            cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        tBsB, tBgB = tma_pipeline.tma_views(tma_atom_b, mB_nkl, sB, (bn, bk), cta_rank, self.cluster_t)
-        k_tiles = cute.size(tAgA, mode=[2])
-
-        wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
-        pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_t, 1))
+        bm = self.tile_mnk[0]
+        storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = self._prologue(
+            tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged,
+            self.num_consumer_warps)
 
         if wg_idx == 0:
             # ------------------------------------------------------------------------------ producer
@@ -226,29 +214,13 @@ class HopperProjRope:
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                 for kt in range(k_tiles):
-                    ab_pipeline.producer_acquire(state)
-                    bar = ab_pipeline.producer_get_barrier(state)
-                    cute.copy(tma_atom_a, tAgA[(None, tile_t, kt, 0)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                    if cutlass.const_expr(self.cluster_t == 1):
-                        cute.copy(tma_atom_b, tBgB[(None, head, kt, 0)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                    else:  # this CTA's share of W, into every CTA of the cluster
-                        cute.copy(tma_atom_b, tBgB[(None, head, kt, 0)], tBsB[(None, state.index)], tma_bar_ptr=bar,
-                                  mcast_mask=cutlass.Int16((1 << self.cluster_t) - 1))
-                    ab_pipeline.producer_commit(state)
+                    self.load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_t, head, kt)
                     state.advance()
                 ab_pipeline.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            wg = wg_idx - 1
-            wg_tid = tidx % self.threads_per_wg
-            warp = wg_tid // 32
-            lane = tidx % 32
-            quad = lane % 4
-            row0 = wg * 64 + warp * 16 + lane // 4  # this thread's first token inside the tile; +8 the second
-            thr_mma = tiled_mma.get_slice(wg * self.threads_per_wg)
-            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
+            wg, wg_tid, warp, lane, quad, row0, tCrA, tCrB, acc = self._consumer_operands(tidx, wg_idx, tiled_mma,
+                                                                                          sA, sB)
             acc.fill(0.0)
             num_k_steps = 0 if "mma" in self._skip else cute.size(tCrA, mode=[2])
 
@@ -260,15 +232,8 @@ class HopperProjRope:
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc starts at zero
-            self.mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps)
-            read_state.advance()
-            for kt in range(1, k_tiles):
-                # Pipeline states advance in the loop body itself: the DSL carries only what the body mutates.
-                self.mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps)
-                read_state.advance()
-                cute.nvgpu.warpgroup.wait_group(1)  # the previous k-tile's group is done: free its stage
-                ab_pipeline.consumer_release(release_state)
-                release_state.advance()
+            read_state, release_state = self._issue_k_tiles(ab_pipeline, read_state, release_state, tiled_mma, acc,
+                                                            tCrA, tCrB, num_k_steps, k_tiles)
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(release_state)
 
@@ -288,32 +253,6 @@ class HopperProjRope:
                                tile_t * bm, wg * 64, row0, wg, warp, lane, quad, wg_tid, t, h, head)
 
     # ------------------------------------------------------------------------------------ ping-pong (persistent)
-    @cute.jit
-    def _launch_pingpong(self, tma_atom_a: cute.CopyAtom, tma_a: cute.Tensor, tma_atom_b: cute.CopyAtom,
-                         tma_b: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor, row_codes: cute.Tensor,
-                         row_scales: cute.Tensor, col_codes: cute.Tensor, col_scales: cute.Tensor, t: cutlass.Int32,
-                         h: cutlass.Int32, tiled_mma: cute.TiledMma, a_smem_staged: cute.ComposedLayout,
-                         b_smem_staged: cute.ComposedLayout, stream: cuda.CUstream):
-        """Host side of the ping-pong schedule: min(tiles, persistent_ctas) CTAs, one per SM."""
-        @cute.struct
-        class PingPongStorage:
-            pipeline_mbars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            col_amax: cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps * HEAD_DIM]
-            codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8,
-                                                          self.num_consumer_wgs * self.codes_bytes_per_wg], 128]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)],
-                                  self.buffer_align_bytes]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)],
-                                  self.buffer_align_bytes]
-
-        self.shared_storage = PingPongStorage
-        tiles = (t + self.tile_mnk[0] - 1) // self.tile_mnk[0] * h
-        ctas = cutlass.min(tiles, cutlass.Int32(self.persistent_ctas))
-        kernel = self.kernel_pingpong(tma_atom_a, tma_a, tma_atom_b, tma_b, cos, sin, row_codes, row_scales,
-                                      col_codes, col_scales, t, h, tiled_mma, a_smem_staged, b_smem_staged)
-        kernel.launch(grid=(ctas, 1, 1), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1,
-                      preferred_smem_carveout=100, stream=stream)
-
     @cute.kernel
     def kernel_pingpong(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
                         mB_nkl: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor, row_codes: cute.Tensor,
@@ -327,27 +266,12 @@ class HopperProjRope:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         cta, _, _ = cute.arch.block_idx()
         n_ctas, _, _ = cute.arch.grid_dim()
-        bm, bn, bk = self.tile_mnk
+        bm = self.tile_mnk[0]
         tiles_t = (t + bm - 1) // bm
         my_tiles = (tiles_t * h - 1 - cta) // n_ctas + 1  # >= 1: the grid is at most the tile count
-
-        if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
-
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
         # A stage is read by one consumer warpgroup: its 4 warps release it.
-        ab_pipeline = tma_pipeline.make_ab_pipeline(storage.pipeline_mbars.data_ptr(), a_smem_staged, b_smem_staged,
-                                                    self.ab_dtype, self.ab_stages, 4, (1, 1))
-        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
-        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-        tAsA, tAgA = tma_pipeline.tma_views(tma_atom_a, mA_mkl, sA, (bm, bk))
-        tBsB, tBgB = tma_pipeline.tma_views(tma_atom_b, mB_nkl, sB, (bn, bk))
-        k_tiles = cute.size(tAgA, mode=[2])
-
-        wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = self._prologue(
+            tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, 4)
 
         if wg_idx == 0:
             # ------------------------------------------------------------------------------ producer
@@ -359,27 +283,13 @@ class HopperProjRope:
                     tile_t = tile % tiles_t
                     head = tile // tiles_t
                     for kt in range(k_tiles):
-                        ab_pipeline.producer_acquire(state)
-                        bar = ab_pipeline.producer_get_barrier(state)
-                        cute.copy(tma_atom_a, tAgA[(None, tile_t, kt, 0)], tAsA[(None, state.index)],
-                                  tma_bar_ptr=bar)
-                        cute.copy(tma_atom_b, tBgB[(None, head, kt, 0)], tBsB[(None, state.index)],
-                                  tma_bar_ptr=bar)
-                        ab_pipeline.producer_commit(state)
+                        self.load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_t, head, kt)
                         state.advance()
                 ab_pipeline.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            wg = wg_idx - 1
-            wg_tid = tidx % self.threads_per_wg
-            warp = wg_tid // 32
-            lane = tidx % 32
-            quad = lane % 4
-            row0 = warp * 16 + lane // 4  # this thread's first token inside the 64-token tile; +8 the second
-            thr_mma = tiled_mma.get_slice(0)
-            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
+            wg, wg_tid, warp, lane, quad, row0, tCrA, tCrB, acc = self._consumer_operands(tidx, wg_idx, tiled_mma,
+                                                                                          sA, sB)
             num_k_steps = 0 if "mma" in self._skip else cute.size(tCrA, mode=[2])
             rope_tab = cute.make_rmem_tensor((2, QK_ROPE // 8, 4), cutlass.BFloat16)
 
@@ -411,14 +321,8 @@ class HopperProjRope:
                 # ------------------------------------------------------------------------------ mainloop
                 if i > 0:  # the other warpgroup has issued every wgmma of tile i - 1
                     cute.arch.barrier(barrier_id=_ORDER_BARRIER0 + wg, number_of_threads=2 * self.threads_per_wg)
-                self.mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps)
-                read_state.advance()
-                for kt in range(1, k_tiles):
-                    self.mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps)
-                    read_state.advance()
-                    cute.nvgpu.warpgroup.wait_group(1)  # the previous k-tile's group is done: free its stage
-                    ab_pipeline.consumer_release(release_state)
-                    release_state.advance()
+                read_state, release_state = self._issue_k_tiles(ab_pipeline, read_state, release_state, tiled_mma,
+                                                                acc, tCrA, tCrB, num_k_steps, k_tiles)
                 if i + 1 < my_tiles:  # hand the tensor cores to the other warpgroup's tile i + 1
                     cute.arch.barrier_arrive(barrier_id=_ORDER_BARRIER0 + 1 - wg,
                                              number_of_threads=2 * self.threads_per_wg)
@@ -430,6 +334,75 @@ class HopperProjRope:
                 if cutlass.const_expr("epilogue" not in self._skip):
                     self._epilogue(acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales,
                                    tile_t * bm, 0, row0, wg, warp, lane, quad, wg_tid, t, h, head)
+
+    # ------------------------------------------------------------------------------------ shared by both schedules
+    @cute.jit
+    def _prologue(self, tidx, warp_idx, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
+                  mB_nkl: cute.Tensor, a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
+                  consumer_warps: int):
+        """Everything before the warp roles split, in both schedules: the TMA descriptors' prefetch, the shared
+        storage, the x/W stage pipeline (each stage released by `consumer_warps` warps; with cluster_t > 1 shared by
+        the cluster), the TMA views (with cluster_t > 1, this CTA's share of each W tile) and the pipeline's init
+        barrier. Inlined into the kernel at trace time. Returns (storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB,
+        tBgB), k_tiles, wg_idx)."""
+        bm, bn, bk = self.tile_mnk
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ab_pipeline = tma_pipeline.make_ab_pipeline(storage.pipeline_mbars.data_ptr(), a_smem_staged, b_smem_staged,
+                                                    self.ab_dtype, self.ab_stages, consumer_warps,
+                                                    (self.cluster_t, 1))
+
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        tAsA, tAgA = tma_pipeline.tma_views(tma_atom_a, mA_mkl, sA, (bm, bk))
+        cta_rank = 0
+        if cutlass.const_expr(self.cluster_t > 1):
+            cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        tBsB, tBgB = tma_pipeline.tma_views(tma_atom_b, mB_nkl, sB, (bn, bk), cta_rank, self.cluster_t)
+        k_tiles = cute.size(tAgA, mode=[2])
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_t, 1))
+        return storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB, tBgB), k_tiles, wg_idx
+
+    def load_k_tile(self, ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_t, head, kt):
+        """Wait for stage `state` to be free and load into it k-tile kt of x's token tile `tile_t` and of W's head
+        `head` (with cluster_t > 1, this CTA's share of W, into every CTA of the cluster); `views` are
+        `_prologue`'s. The caller advances `state` in its own loop body."""
+        tAsA, tAgA, tBsB, tBgB = views
+        ab_pipeline.producer_acquire(state)
+        bar = ab_pipeline.producer_get_barrier(state)
+        cute.copy(tma_atom_a, tAgA[(None, tile_t, kt, 0)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+        if cutlass.const_expr(self.cluster_t == 1):
+            cute.copy(tma_atom_b, tBgB[(None, head, kt, 0)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+        else:
+            cute.copy(tma_atom_b, tBgB[(None, head, kt, 0)], tBsB[(None, state.index)], tma_bar_ptr=bar,
+                      mcast_mask=cutlass.Int16((1 << self.cluster_t) - 1))
+        ab_pipeline.producer_commit(state)
+
+    def _consumer_operands(self, tidx, wg_idx, tiled_mma, sA, sB):
+        """A consumer thread's place and wgmma operands: (wg, wg_tid, warp, lane, quad, row0, tCrA, tCrB, acc).
+        row0 is this thread's first token (+8 the second) in the CTA's tile, whose 64-token slices are the
+        warpgroups' (default schedule), or in its warpgroup's own tile (ping-pong); acc is not zeroed."""
+        wg = wg_idx - 1
+        wg_tid = tidx % self.threads_per_wg
+        warp = wg_tid // 32
+        lane = tidx % 32
+        quad = lane % 4
+        if self.schedule == "pingpong":
+            row0 = warp * 16 + lane // 4
+            thr_mma = tiled_mma.get_slice(0)
+        else:
+            row0 = wg * 64 + warp * 16 + lane // 4
+            thr_mma = tiled_mma.get_slice(wg * self.threads_per_wg)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C(self.tile_mnk[:2]), self.acc_dtype)
+        return wg, wg_tid, warp, lane, quad, row0, tCrA, tCrB, acc
 
     @cute.jit
     def _epilogue(self, acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales, token0,
@@ -554,6 +527,26 @@ class HopperProjRope:
                 rope_tab[v1, q, 1] = sin[base]
                 rope_tab[v1, q, 2] = cos[base + half]
                 rope_tab[v1, q, 3] = sin[base + half]
+
+    @cute.jit
+    def _issue_k_tiles(self, ab_pipeline, read_state, release_state, tiled_mma, acc, tCrA, tCrB, num_k_steps: int,
+                       k_tiles):
+        """One tile's mainloop: the wgmmas of its k_tiles stages, one committed group per k-tile, keeping one group in
+        flight; each stage is released once the next k-tile's group is issued and its own is done. The last group is
+        left in flight and its stage held: the caller waits for it and releases that stage.
+
+        Returns the advanced (read_state, release_state), which the caller must rebind: the DSL carries a state that
+        a dynamic loop advances by rebinding the loop's own names, so the caller's objects keep their old values."""
+        self.mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps)
+        read_state.advance()
+        for kt in range(1, k_tiles):
+            # Pipeline states advance in the loop body itself: the DSL carries only what the body mutates.
+            self.mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps)
+            read_state.advance()
+            cute.nvgpu.warpgroup.wait_group(1)  # the previous k-tile's group is done: free its stage
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+        return read_state, release_state
 
     @staticmethod
     def mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps: int):
