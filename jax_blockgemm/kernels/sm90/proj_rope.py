@@ -48,21 +48,126 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_blockgemm.kernels import common, epilogue
-from jax_blockgemm.kernels.sm90 import tma_pipeline
+from jax_blockgemm.kernels.sm90 import code_tiles, tma_pipeline
 from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, QK_NOPE, QK_ROPE
 
 W_MAJORS = ("k", "n")
 TILE_K = 64  # bf16: one 128-byte swizzle row
 CONSUMER_WGS = (1, 2)
 CLUSTER_T = (1, 2, 4)  # CTAs (consecutive token tiles of one head) sharing each W tile through TMA multicast
-_ROW_PAD = 16  # shared-memory code rows of 192 + 16 bytes: the quads of a warp hit different banks
+_ROW_PAD = 0  # shared-memory code rows of 192 bytes: code_tiles.py's swizzle keeps stores and loads conflict-free
 SCHEDULES = ("", "pingpong")  # "": one tile per CTA; "pingpong": persistent, consumer warpgroups on alternate tiles
 SMEM_BYTES = 227 * 1024  # the most dynamic shared memory one sm_90 CTA may use
 PERSISTENT_CTAS = 132  # ping-pong grid: at most this many CTAs (one per SM of an H100/H200 SXM)
 _ORDER_BARRIER0 = 3  # ping-pong: named barrier 3 + w = "consumer warpgroup w may issue its mainloop" (1, 2: per-wg)
+
+
+# ------------------------------------------------------------------------------------------ epilogue primitives
+# Inline PTX, so that every store is one predicated instruction (no branch, no reconvergence point: the scheduler
+# may move the epilogue's shuffles and conversions across them) and every shared access has the width chosen here.
+def _s32(c: int) -> int:
+    """A 32-bit constant as the signed value an Int32 holds."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def _asm(ret, args, text: str, constraints: str, side_effects: bool, loc, ip):
+    return llvm.inline_asm(ret, [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints,
+                           has_side_effects=side_effects, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                           loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _e4m3x4(a, b, c, d, *, loc=None, ip=None) -> cutlass.Int32:
+    """Four E4M3 codes (RNE, saturating, NaN kept: cvt.rn.satfinite) packed as bytes a, b, c, d (a lowest)."""
+    f = [cutlass.Float32(x) for x in (b, a, d, c)]
+    return cutlass.Int32(_asm(T.i32(), f, "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $1, $2; "
+                              "cvt.rn.satfinite.e4m3x2.f32 hi, $3, $4; mov.b32 $0, {lo, hi}; }",
+                              "=r,f,f,f,f", False, loc, ip))
+
+
+@dsl_user_op
+def _st_shared_v4(addr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
+    args = [cutlass.Int32(x) for x in (addr, w0, w1, w2, w3)]
+    _asm(None, args, "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def _st_shared_v2(addr, w0, w1, *, loc=None, ip=None) -> None:
+    args = [cutlass.Int32(x) for x in (addr, w0, w1)]
+    _asm(None, args, "st.shared.v2.b32 [$0], {$1, $2};", "r,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def _st_shared_u16(addr, w, *, loc=None, ip=None) -> None:
+    args = [cutlass.Int32(x) for x in (addr, w)]
+    _asm(None, args, "st.shared.b16 [$0], $1;", "r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def _ld_shared_v4(addr, *, loc=None, ip=None) -> list:
+    ret = llvm.StructType.get_literal([T.i32()] * 4)
+    out = _asm(ret, [cutlass.Int32(addr)], "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
+               True, loc, ip)
+    return [cutlass.Int32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def _ld_shared_v2(addr, *, loc=None, ip=None) -> list:
+    ret = llvm.StructType.get_literal([T.i32()] * 2)
+    out = _asm(ret, [cutlass.Int32(addr)], "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r,~{memory}", True, loc, ip)
+    return [cutlass.Int32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(2)]
+
+
+@dsl_user_op
+def _st_global_v4_if(addr, w0, w1, w2, w3, pred, *, loc=None, ip=None) -> None:
+    """16-byte global store of (w0..w3) at the 16-byte aligned address `addr` where `pred`."""
+    args = [cutlass.Int64(addr)] + [cutlass.Int32(x) for x in (w0, w1, w2, w3, pred)]
+    _asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $5, 0; @p st.global.v4.b32 [$0], {$1, $2, $3, $4}; }",
+         "l,r,r,r,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def _st_global_u16_if(addr, w, pred, *, loc=None, ip=None) -> None:
+    args = [cutlass.Int64(addr), cutlass.Int32(w), cutlass.Int32(pred)]
+    _asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b16 [$0], $1; }", "l,r,r,~{memory}", True,
+         loc, ip)
+
+
+@dsl_user_op
+def _st_global_u8_if(addr, w, pred, *, loc=None, ip=None) -> None:
+    args = [cutlass.Int64(addr), cutlass.Int32(w), cutlass.Int32(pred)]
+    _asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b8 [$0], $1; }", "l,r,r,~{memory}", True,
+         loc, ip)
+
+
+def _sel(cond, a, b) -> cutlass.Int32:
+    return cutlass.Int32(cutlass.select_(cond, a, b))
+
+
+def _ff_bytes(word):
+    """0xFF in each byte of `word` that is 0xFF (a NaN/inf block's scale), 0 in the others."""
+    z = ((word & 0x7F7F7F7F) + 0x01010101) & word & _s32(0x80808080)
+    return common.prmt(z, z, code_tiles.PRMT_SIGN_BYTES)
+
+
+def _transpose_max(vals: list, lane, offsets) -> list:
+    """Transposing butterfly (epilogue.warp_column_max's, over some lane bits): `vals` are n partial maxima of the
+    same n columns in every lane; at each offset o a lane keeps the half of its columns selected by its lane bit o
+    and takes the max with the partner's copy of that half. Returns n / 2^len(offsets) values: with offsets
+    (16, 8, 4), entries 6·(lane >> 2) .. +5 of 48, each the max over the 8 lanes of one quad position."""
+    for o in offsets:
+        half = len(vals) // 2
+        upper = (lane & o) != 0
+        sends = [_sel(upper, vals[i], vals[i + half]) for i in range(half)]
+        keeps = [_sel(upper, vals[i + half], vals[i]) for i in range(half)]
+        got = [cute.arch.shuffle_sync_bfly(x, offset=o) for x in sends]
+        vals = [cutlass.max(k, g) for k, g in zip(keeps, got)]
+    return vals
 
 
 class HopperProjRope:
@@ -81,8 +186,9 @@ class HopperProjRope:
         self.schedule = schedule
         self.persistent_ctas = persistent_ctas
         # Profiling only (benchmarks/proj_rope_standalone.py --profile): phases to leave out, from {"mma", "epilogue",
-        # "stores"} (the wgmmas; the whole epilogue; the code tiles' global stores). The results are then wrong;
-        # never set in the catalog.
+        # "stores", "rowwise", "columnwise"} (the wgmmas; the whole epilogue; the code tiles' global stores; the
+        # rowwise maxima, scales, codes and their stores; the same columnwise). The results are then wrong; never set
+        # in the catalog.
         self._skip: frozenset = frozenset()
         common.require_choice("w_major", w_major, W_MAJORS)
         common.require_choice("consumer_wgs", consumer_wgs, CONSUMER_WGS)
@@ -100,6 +206,10 @@ class HopperProjRope:
         self.num_consumer_warps = 4 * self.num_consumer_wgs
         self.threads_per_cta = (1 + self.num_consumer_wgs) * self.threads_per_wg
         self.code_row_bytes = HEAD_DIM + _ROW_PAD
+        assert self.code_row_bytes == code_tiles.ROW_BYTES
+        # Whether stage_codes() ends in a barrier over (at least) this warpgroup, which then also publishes the
+        # columnwise partial maxima; otherwise (one consumer warpgroup, one tile per CTA) _epilogue adds one.
+        self._stage_codes_syncs_warpgroup = schedule == "pingpong" or consumer_wgs > 1
         self.producer_regs = 40
         if consumer_wgs == 2:  # one CTA per SM: 5 x 40 KB of bf16 tiles
             self.ctas_per_sm, self.consumer_regs, self.ab_stages = 1, 232, 5
@@ -116,7 +226,7 @@ class HopperProjRope:
             self.atom_layout_mnk = (1, 1, 1)
             self.codes_bytes_per_wg = 2 * 64 * self.code_row_bytes
             stage_bytes = (64 + HEAD_DIM) * TILE_K * self.ab_dtype.width // 8
-            fixed = (self.num_consumer_wgs * self.codes_bytes_per_wg + self.num_consumer_warps * HEAD_DIM * 4
+            fixed = (self.num_consumer_wgs * self.codes_bytes_per_wg + self.num_consumer_warps * HEAD_DIM * 5
                      + 3 * self.buffer_align_bytes)  # + mbarriers and the two 1 KB-aligned buffers' padding
             self.ab_stages = (SMEM_BYTES - fixed) // stage_bytes
             assert self.ab_stages >= 2, self.ab_stages
@@ -183,7 +293,10 @@ class HopperProjRope:
         Built from a field dict: a `class` body here would keep its annotations as strings (module's __future__
         import), which cute.struct does not evaluate."""
         fields = dict(pipeline_mbars=cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2],
-                      col_amax=cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps * HEAD_DIM])
+                      # columnwise: 6 partial maxima per lane for the partner warp, and each warp's scale table
+                      col_amax=cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps * HEAD_DIM],
+                      col_scale_tab=cute.struct.Align[
+                          cute.struct.MemRange[cutlass.Uint8, self.num_consumer_warps * HEAD_DIM], 16])
         if self.schedule == "pingpong":
             fields["codes"] = cute.struct.Align[
                 cute.struct.MemRange[cutlass.Uint8, self.num_consumer_wgs * self.codes_bytes_per_wg], 128]
@@ -404,113 +517,203 @@ class HopperProjRope:
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C(self.tile_mnk[:2]), self.acc_dtype)
         return wg, wg_tid, warp, lane, quad, row0, tCrA, tCrB, acc
 
-    @cute.jit
     def _epilogue(self, acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales, token0,
                   row_base, row0, wg, warp, lane, quad, wg_tid, t, h, head):
         """RoPE, rowwise and columnwise MXFP8 of one warpgroup's 64 x 192 fragment `acc` (tokens token0 + row_base +
-        0..63 of head `head`), codes through shared memory, every store predicated on token < t. Inlined into the
-        kernel at trace time. `stage_codes()` synchronizes as the schedule needs and returns the (rows, 208)-byte row and
-        column code tiles this warpgroup writes at rows row_base..row_base+63; row0 is this thread's first row there."""
-        half = QK_ROPE // 2
+        0..63 of head `head`), codes through shared memory, every store predicated on token < t. Plain Python,
+        inlined into the kernel at trace time: one basic block from the RoPE to the first barrier and between the
+        barriers (stores are predicated instructions), so the scheduler overlaps the independent shuffle chains.
+        `stage_codes()` synchronizes as the schedule needs and returns the (rows, 192)-byte row and column code
+        tiles (layout: kernels/sm90/code_tiles.py) this warpgroup writes at rows row_base..row_base+63; row0 is this
+        thread's first row there.
+
+        Order: RoPE; every |value|; the 12 rowwise quad butterflies and the columnwise transposing butterfly (48
+        columns -> 6 per lane, 42 shuffles); the 6 partial column maxima to shared memory; `stage_codes()` (with one
+        consumer warpgroup and one tile per CTA, a warpgroup barrier) also publishes them; the partner warp's 6,
+        their E8M0 bytes, a per-warp table of the 48 bytes of each quad position (read back after __syncwarp as 3
+        16-byte loads = 12 scale words that line up with the code words); rowwise and columnwise code words, 3
+        16-byte shared stores per row and tile; a warpgroup barrier; 16-byte global stores.
+        """
+        I32 = cutlass.Int32
+        F32 = cutlass.Float32
+        do_row = "rowwise" not in self._skip
+        do_col = "columnwise" not in self._skip
+        lb = lane >> 2
         # ------------------------------------------------------------------------------ rope
         # Feature groups j >= 16 hold the rope pairs: (v0=0, v1, j) <- out[128+i], (v0=1, v1, j) <- out[160+i].
         n_groups = HEAD_DIM // 8
         rope_group0 = QK_NOPE // 8
-        for v1 in cutlass.range_constexpr(2):
-            for q in cutlass.range_constexpr(n_groups - rope_group0):
+        for v1 in range(2):
+            for q in range(n_groups - rope_group0):
                 i0 = 4 * (rope_group0 + q) + 2 * v1
                 first, second = epilogue.rope_pair(
-                    acc[i0], acc[i0 + 1], rope_tab[v1, q, 0].to(cutlass.Float32),
-                    rope_tab[v1, q, 1].to(cutlass.Float32), rope_tab[v1, q, 2].to(cutlass.Float32),
-                    rope_tab[v1, q, 3].to(cutlass.Float32))
+                    acc[i0], acc[i0 + 1], rope_tab[v1, q, 0].to(F32), rope_tab[v1, q, 1].to(F32),
+                    rope_tab[v1, q, 2].to(F32), rope_tab[v1, q, 3].to(F32))
                 acc[i0] = first
                 acc[i0 + 1] = second
+        vals = [acc[i] for i in range(4 * n_groups)]
+        mag = [common.abs_bits(v) for v in vals]
+
+        def idx(j, v0, v1):
+            return v0 + 2 * v1 + 4 * j
+
+        members = [code_tiles.word_members(n) for n in range(code_tiles.WORDS)]
+        n_blocks = HEAD_DIM // MX_BLOCK
+        # ------------------------------------------------------------------------------ rowwise maxima
+        # Block b of a row is code words 2b, 2b+1: 8 values here, 32 over the quad (2 shuffles). 12 chains.
+        row_max = {}
+        if do_row:
+            for v1 in range(2):
+                for b in range(n_blocks):
+                    ms = [mag[idx(j, v0, v1)] for n in (2 * b, 2 * b + 1) for j, v0 in members[n]]
+                    m = ms[0]
+                    for x in ms[1:]:
+                        m = cutlass.max(m, x)
+                    row_max[v1, b] = m
+            for o in (1, 2):
+                got = {key: cute.arch.shuffle_sync_bfly(m, offset=o) for key, m in row_max.items()}
+                row_max = {key: cutlass.max(m, got[key]) for key, m in row_max.items()}
+        # ------------------------------------------------------------------------------ columnwise maxima
+        # Column list entry 4n + k (code word n, byte k): max over this thread's 2 rows, then over the warp's 8
+        # quads (transposing butterfly: this lane keeps entries 6·lb..6·lb+5), then the partner warp's through
+        # shared memory (slot [warp][lane][6 words]).
+        warp_slot = wg * 4 + warp
+        xchg = storage.col_amax.data_ptr().toint()
+        if do_col:
+            part = [cutlass.max(mag[idx(j, v0, 0)], mag[idx(j, v0, 1)]) for n in range(code_tiles.WORDS)
+                    for j, v0 in members[n]]
+            part = _transpose_max(part, lane, (16, 8, 4))
+            mine = xchg + (warp_slot * 32 + lane) * 24
+            for e in range(3):
+                _st_shared_v2(mine + 8 * e, part[2 * e], part[2 * e + 1])
 
         sRow, sCol = stage_codes()
-        sRow16 = cute.recast_tensor(sRow, cutlass.Uint16)
-        sCol16 = cute.recast_tensor(sCol, cutlass.Uint16)
-        n_blocks = HEAD_DIM // MX_BLOCK
+        if cutlass.const_expr(not self._stage_codes_syncs_warpgroup):
+            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
+        rows = cute.size(sRow, mode=[0])
+        row_tile = sRow.iterator.toint()
+        col_tile = sCol.iterator.toint()
 
-        # ------------------------------------------------------------------------------ rowwise
-        # Block b < 4 holds groups 4b..4b+3 (both v0); block 4 the v0=0 rope values, block 5 the v0=1 ones.
-        for v1 in cutlass.range_constexpr(2):
-            r = row0 + 8 * v1
-            token = token0 + r
-            for b in cutlass.range_constexpr(n_blocks):
-                bits = cutlass.Int32(0)
-                for j, v0 in self._row_block_members(b):
-                    bits = cutlass.max(bits, common.abs_bits(acc[v0 + 2 * v1 + 4 * j]))
-                byte, inv, bad = epilogue.e8m0_scale(epilogue.lane_max(bits, 0, 2))
-                if (quad == 0) & (token < t):
-                    row_scales[(token * h + head) * n_blocks + b] = byte.to(cutlass.Uint8)
-                if cutlass.const_expr(b < QK_NOPE // MX_BLOCK):
-                    for j in cutlass.range_constexpr(4 * b, 4 * b + 4):
-                        i = 2 * v1 + 4 * j
-                        codes = epilogue.quantize_pair(acc[i], acc[i + 1], inv, inv, bad, bad)
-                        sRow16[r, (8 * j + 2 * quad) // 2] = codes.to(cutlass.Uint16)
-                else:
-                    v0 = b - QK_NOPE // MX_BLOCK
-                    for q in cutlass.range_constexpr(n_groups - rope_group0):
-                        codes = epilogue.quantize_pair(acc[v0 + 2 * v1 + 4 * (rope_group0 + q)], 0.0, inv, inv,
-                                                       bad, bad)
-                        sRow[r, QK_NOPE + half * v0 + 4 * q + quad] = codes.to(cutlass.Uint8)
+        # ------------------------------------------------------------------------------ columnwise scales
+        col_words = []
+        if do_col:
+            theirs = xchg + ((warp_slot ^ 1) * 32 + lane) * 24
+            other = []
+            for e in range(3):
+                other += _ld_shared_v2(theirs + 8 * e)
+            cbytes = [epilogue.e8m0_scale(cutlass.max(part[e], other[e]))[0] for e in range(6)]
+            pairs = [cbytes[2 * p] | (cbytes[2 * p + 1] << 8) for p in range(3)]
+            # This warp's table: quad position q's 48 bytes in list order at q·48.
+            tab = storage.col_scale_tab.data_ptr().toint() + warp_slot * 192 + quad * 48
+            for p in range(3):
+                _st_shared_u16(tab + 6 * lb + 2 * p, pairs[p])
+            # Global scales (the even warp of the pair): list entries 6·lb + 2p, +1 are one nope feature pair or
+            # two rope features 4 apart.
+            block_token0 = token0 + row_base + (warp // 2) * MX_BLOCK
+            cvalid = ((warp & 1) == 0) & (block_token0 < t)
+            crow = col_scales.iterator.toint() + cutlass.Int64(((block_token0 // MX_BLOCK) * h + head) * HEAD_DIM)
+            for p in range(3):
+                e0 = 6 * lb + 2 * p
+                nope = e0 < 2 * QK_NOPE // 8
+                _st_global_u16_if(crow + cutlass.Int64(8 * (e0 >> 1) + 2 * quad), pairs[p], cvalid & nope)
+                r = e0 - 2 * QK_NOPE // 8
+                f = QK_NOPE + 32 * (r >> 3) + 4 * (r & 7) + quad
+                _st_global_u8_if(crow + cutlass.Int64(f), cbytes[2 * p], cvalid & ~nope)
+                _st_global_u8_if(crow + cutlass.Int64(f + 4), cbytes[2 * p + 1], cvalid & ~nope)
+            cute.arch.sync_warp()
+            scale_words = []
+            for m in range(3):
+                scale_words += _ld_shared_v4(tab + 16 * m)
 
-        # ------------------------------------------------------------------------------ columnwise
-        # A column block is 32 tokens = this warp's 16 rows (2 values x 8 quads) and the partner warp's.
-        col_amax = storage.col_amax.get_tensor(cute.make_layout((self.num_consumer_warps, HEAD_DIM),
-                                                                stride=(HEAD_DIM, 1)))
-        warp_slot = wg * 4 + warp
-        for j in cutlass.range_constexpr(n_groups):
-            for v0 in cutlass.range_constexpr(2):
-                bits = cutlass.max(common.abs_bits(acc[v0 + 4 * j]), common.abs_bits(acc[v0 + 2 + 4 * j]))
-                bits = epilogue.lane_max(bits, 2, 3)
-                if lane < 4:
-                    col_amax[warp_slot, self._feature(j, v0, quad)] = bits
-        cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
-        block_token0 = token0 + row_base + (warp // 2) * MX_BLOCK
-        for j in cutlass.range_constexpr(n_groups):
-            f0 = self._feature(j, 0, quad)
-            f1 = self._feature(j, 1, quad)
-            byte0, inv0, bad0 = epilogue.e8m0_scale(
-                cutlass.max(col_amax[warp_slot, f0], col_amax[warp_slot ^ 1, f0]))
-            byte1, inv1, bad1 = epilogue.e8m0_scale(
-                cutlass.max(col_amax[warp_slot, f1], col_amax[warp_slot ^ 1, f1]))
-            if (warp % 2 == 0) & (lane < 4) & (block_token0 < t):
-                scale_row = ((block_token0 // MX_BLOCK) * h + head) * HEAD_DIM
-                col_scales[scale_row + f0] = byte0.to(cutlass.Uint8)
-                col_scales[scale_row + f1] = byte1.to(cutlass.Uint8)
-            for v1 in cutlass.range_constexpr(2):
+        # ------------------------------------------------------------------------------ rowwise scales and codes
+        row_words = []
+        if do_row:
+            for v1 in range(2):
+                token = token0 + row0 + 8 * v1
+                sc = [epilogue.e8m0_scale(row_max[v1, b]) for b in range(n_blocks)]
+                pairs = [sc[2 * p][0] | (sc[2 * p + 1][0] << 8) for p in range(n_blocks // 2)]
+                # Lane q < 3 stores scale bytes 2q, 2q+1 of the row.
+                mine = _sel(quad == 0, pairs[0], _sel(quad == 1, pairs[1], pairs[2]))
+                _st_global_u16_if(row_scales.iterator.toint() + cutlass.Int64((token * h + head) * n_blocks + 2 * quad),
+                                  mine, (quad < 3) & (token < t))
+                words = []
+                for n in range(code_tiles.WORDS):
+                    _, inv, bad = sc[n // 2]
+                    x = [vals[idx(j, v0, v1)] * inv for j, v0 in members[n]]
+                    words.append(_sel(bad, I32(0), _e4m3x4(*x)))
+                row_words.append(words)
+
+        # ------------------------------------------------------------------------------ columnwise codes
+        if do_col:
+            invs, keep = [], []
+            for n in range(code_tiles.WORDS):
+                sw = scale_words[n]
+                invs.append([common.f32_from_bits((254 - ((sw >> (8 * k)) & 0xFF)) << 23) for k in range(4)])
+                keep.append(~_ff_bytes(sw))
+            for v1 in range(2):
+                words = []
+                for n in range(code_tiles.WORDS):
+                    x = [vals[idx(j, v0, v1)] * invs[n][k] for k, (j, v0) in enumerate(members[n])]
+                    words.append(_e4m3x4(*x) & keep[n])
+                col_words.append(words)
+
+        # ------------------------------------------------------------------------------ stage
+        for tile, tile_words in ((row_tile, row_words), (col_tile, col_words)):
+            for v1 in range(len(tile_words)):
                 r = row0 + 8 * v1
-                i = 2 * v1 + 4 * j
-                codes = epilogue.quantize_pair(acc[i], acc[i + 1], inv0, inv1, bad0, bad1)
-                if cutlass.const_expr(j < rope_group0):
-                    sCol16[r, f0 // 2] = codes.to(cutlass.Uint16)
-                else:
-                    sCol[r, f0] = (codes & 0xFF).to(cutlass.Uint8)
-                    sCol[r, f1] = (codes >> 8).to(cutlass.Uint8)
+                w = tile_words[v1]
+                for s in range(2):
+                    _st_shared_v4(tile + code_tiles.nope_unit_offset(r, quad, s), *w[4 * s:4 * s + 4])
+                _st_shared_v4(tile + code_tiles.rope_unit_offset(rows, r, quad), *w[8:12])
 
         # ------------------------------------------------------------------------------ store
-        # This warpgroup's 64 rows of both code tiles leave as 16-byte chunks: 12 per token row.
+        # Reader thread (row rr, half hh): the nope unit s = hh of both tiles, and the rope unit of tile hh; each
+        # is 64 consecutive bytes of its output row (4 x 16-byte stores).
         cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
-        chunks_per_row = HEAD_DIM // 16
-        sRow32 = cute.recast_tensor(sRow, cutlass.Int32)
-        sCol32 = cute.recast_tensor(sCol, cutlass.Int32)
-        out_row32 = cute.make_tensor(cute.recast_ptr(row_codes.iterator, dtype=cutlass.Int32),
-                                     cute.make_layout((cute.size(row_codes) // 4,)))
-        out_col32 = cute.make_tensor(cute.recast_ptr(col_codes.iterator, dtype=cutlass.Int32),
-                                     cute.make_layout((cute.size(col_codes) // 4,)))
-        stores = 0 if "stores" in self._skip else 64 * chunks_per_row // self.threads_per_wg
-        for rep in cutlass.range_constexpr(stores):
-            idx = wg_tid + rep * self.threads_per_wg
-            r = row_base + idx // chunks_per_row
-            chunk = idx % chunks_per_row
-            token = token0 + r
-            if token < t:
-                dst = ((token * h + head) * HEAD_DIM + 16 * chunk) // 4
-                for wd in cutlass.range_constexpr(4):
-                    out_row32[dst + wd] = sRow32[r, 4 * chunk + wd]
-                    out_col32[dst + wd] = sCol32[r, 4 * chunk + wd]
-
+        if cutlass.const_expr("stores" in self._skip):
+            return
+        rr = wg_tid & 63
+        hh = wg_tid >> 6
+        r = row_base + rr
+        token = token0 + r
+        ok = token < t
+        out_row = cutlass.Int64((token * h + head) * HEAD_DIM)
+        row_out = row_codes.iterator.toint() + out_row
+        col_out = col_codes.iterator.toint() + out_row
+        units = []
+        if do_row:
+            units.append((row_tile, row_out))
+        if do_col:
+            units.append((col_tile, col_out))
+        for tile, out in units:
+            qs = [_ld_shared_v4(tile + code_tiles.nope_unit_offset(r, q, hh)) for q in range(4)]
+            out = out + cutlass.Int64(64 * hh)
+            for w in range(4):
+                o = [common.prmt(qs[0][w], qs[1][w], code_tiles.PRMT_LO16),
+                     common.prmt(qs[2][w], qs[3][w], code_tiles.PRMT_LO16),
+                     common.prmt(qs[0][w], qs[1][w], code_tiles.PRMT_HI16),
+                     common.prmt(qs[2][w], qs[3][w], code_tiles.PRMT_HI16)]
+                _st_global_v4_if(out + 16 * w, *o, ok)
+        if do_row or do_col:
+            if cutlass.const_expr(do_row and do_col):
+                tile = _sel(hh == 0, row_tile, col_tile)
+                out = cutlass.Int64(cutlass.select_(hh == 0, row_out, col_out))
+                rope_ok = ok
+            elif cutlass.const_expr(do_row):
+                tile, out, rope_ok = row_tile, row_out, ok & (hh == 0)
+            else:
+                tile, out, rope_ok = col_tile, col_out, ok & (hh == 1)
+            qs = [_ld_shared_v4(tile + code_tiles.rope_unit_offset(rows, r, q)) for q in range(4)]
+            out = out + QK_NOPE
+            for m in range(4):
+                lo01 = common.prmt(qs[0][m], qs[1][m], code_tiles.PRMT_ZIP_LO)
+                hi01 = common.prmt(qs[0][m], qs[1][m], code_tiles.PRMT_ZIP_HI)
+                lo23 = common.prmt(qs[2][m], qs[3][m], code_tiles.PRMT_ZIP_LO)
+                hi23 = common.prmt(qs[2][m], qs[3][m], code_tiles.PRMT_ZIP_HI)
+                _st_global_v4_if(out + 16 * m, common.prmt(lo01, lo23, code_tiles.PRMT_LO16),
+                                 common.prmt(lo01, lo23, code_tiles.PRMT_HI16),
+                                 common.prmt(hi01, hi23, code_tiles.PRMT_LO16),
+                                 common.prmt(hi01, hi23, code_tiles.PRMT_HI16), rope_ok)
 
     @staticmethod
     @cute.jit
