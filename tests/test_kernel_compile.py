@@ -235,8 +235,15 @@ class CompileTest(parameterized.TestCase):
         self.assertIn(f".target {v.arch}", ptx)
         self.assertRegex(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n192k16\.f32\.bf16\.bf16")
         self.assertIn("cp.async.bulk.tensor", ptx)
-        # 2 tokens x (4 pass-through blocks x 4 pairs + 2 rope blocks x 8 values) rowwise + 24 x 2 columnwise pairs
-        self.assertEqual(ptx.count("cvt.rn.satfinite.e4m3x2.f32"), 112)
+        # Epilogue (kernels/sm90/code_tiles.py): 2 tokens x 12 code words of 4 codes (2 pair conversions each),
+        # rowwise and columnwise; staged with 3 16-byte shared stores per token and tile, read back by 3 units of
+        # 4 16-byte loads and stored with 4 16-byte global stores each; 24 rowwise + 42 columnwise shuffles.
+        self.assertEqual(ptx.count("cvt.rn.satfinite.e4m3x2.f32"), 96)
+        self.assertEqual(ptx.count("st.shared.v4.b32"), 12)
+        self.assertEqual(ptx.count("ld.shared.v4.b32"), 3 + 12)  # + the column scale table
+        self.assertEqual(ptx.count("@p st.global.v4.b32"), 12)
+        self.assertEqual(len(re.findall(r"shfl\.sync\.bfly", ptx)), 66)
+        self.assertNotRegex(ptx, r"st\.shared\.(u8|b8)")
         self.assertNotIn(".local", ptx)  # the accumulator and the rope tables stay in registers
         multicast = re.findall(r"cp\.async\.bulk\.tensor\S*multicast::cluster", ptx)
         if v.cluster_mn == (1, 1):

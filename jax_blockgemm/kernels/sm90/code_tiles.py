@@ -73,3 +73,9 @@ def col_list_feature(index: int, q) -> int:
     """Feature of entry `index` (= 4n + k) of quad lane q's column list."""
     j, v0 = word_members(index // 4)[index % 4]
     return feature(j, v0, q)
+
+
+def ff_bytes_bit7(word: int) -> int:
+    """Bit 7 of each byte of the 32-bit `word` set iff that byte is 0xFF (no carry crosses bytes); the kernel then
+    spreads it over the byte with PRMT_SIGN_BYTES."""
+    return ((word & 0x7F7F7F7F) + 0x01010101) & word & 0x80808080

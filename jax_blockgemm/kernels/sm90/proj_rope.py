@@ -150,8 +150,8 @@ def _sel(cond, a, b) -> cutlass.Int32:
 
 
 def _ff_bytes(word):
-    """0xFF in each byte of `word` that is 0xFF (a NaN/inf block's scale), 0 in the others."""
-    z = ((word & 0x7F7F7F7F) + 0x01010101) & word & _s32(0x80808080)
+    """0xFF in each byte of `word` that is 0xFF (a NaN/inf block's scale), 0 in the others (code_tiles.ff_bytes)."""
+    z = ((word & 0x7F7F7F7F) + 0x01010101) & word & _s32(0x80808080)  # bit 7 of a byte: the byte is 0xFF
     return common.prmt(z, z, code_tiles.PRMT_SIGN_BYTES)
 
 
@@ -615,11 +615,12 @@ class HopperProjRope:
             for p in range(3):
                 e0 = 6 * lb + 2 * p
                 nope = e0 < 2 * QK_NOPE // 8
+                rope = e0 >= 2 * QK_NOPE // 8
                 _st_global_u16_if(crow + cutlass.Int64(8 * (e0 >> 1) + 2 * quad), pairs[p], cvalid & nope)
                 r = e0 - 2 * QK_NOPE // 8
                 f = QK_NOPE + 32 * (r >> 3) + 4 * (r & 7) + quad
-                _st_global_u8_if(crow + cutlass.Int64(f), cbytes[2 * p], cvalid & ~nope)
-                _st_global_u8_if(crow + cutlass.Int64(f + 4), cbytes[2 * p + 1], cvalid & ~nope)
+                _st_global_u8_if(crow + cutlass.Int64(f), cbytes[2 * p], cvalid & rope)
+                _st_global_u8_if(crow + cutlass.Int64(f + 4), cbytes[2 * p + 1], cvalid & rope)
             cute.arch.sync_warp()
             scale_words = []
             for m in range(3):
