@@ -5,7 +5,7 @@
 #     bash benchmarks/h200_session.sh STEP... (default: every step, in the order below)
 #
 # Steps: proj_rope_tests (proj_rope_tests_default_tile), proj_rope_kernel, proj_rope_pingpong_tests,
-# proj_rope_pingpong_kernel, bench_proj_rope, bench_gemm, handler_tests,
+# proj_rope_pingpong_kernel, proj_rope_profile, bench_proj_rope, bench_gemm, handler_tests,
 # selfcheck_tests, gemm_tests, gemm_all_tests, gemm_candidates, autodiff_tests, api_overhead, api_overhead_proj_rope,
 # train_step, sanitize, sanitize_bg + wait_bg, soak, proj_rope_cluster_tests, multi_gpu
 # (the last needs two GPUs: kind nvidia-h200-x2; the single-GPU steps then run on the first).
@@ -51,6 +51,9 @@ for step in "${STEPS[@]}"; do
     proj_rope_pingpong_kernel)  # ping-pong vs the 64x192 two-CTA default: checked (2-3 tiles per CTA too), then timed
       run_step "$step" 120 proj_rope_pingpong_kernel.log python3 benchmarks/proj_rope_standalone.py --quick \
         --consumer-wgs pp,1 --out "$OUT" ;;
+    proj_rope_profile)  # T = 4096 with each epilogue phase left out (HopperProjRope._skip), unchecked, 1-WG and ping-pong
+      run_step "$step" 200 proj_rope_profile.log python3 benchmarks/proj_rope_standalone.py --no-check \
+        --consumer-wgs 1,pp --profile --reps 10 ;;
     bench_proj_rope)
       run_step "$step" 90 bench.log python3 -m jax_blockgemm.bench --op proj_rope --json "$OUT/bench.json" ;;
     bench_gemm)

@@ -9,7 +9,8 @@ kernel, in the same run: XLA's bare bf16 dot of the same shape (both weight layo
 --consumer-wgs picks the kernels: "1" / "2" consumer warpgroups per CTA (one tile per CTA), "pp" the persistent
 ping-pong schedule (two consumer warpgroups on alternate 64-token tiles); the ping-pong kernel is also checked on
 PINGPONG_CHECK_SHAPES, where CTAs get 2-3 tiles. --profile also times each kernel with one phase left out
-(PROFILE_SKIPS: the wgmmas, the whole epilogue, the code tiles' global stores); those results are wrong by design and
+(PROFILE_SKIPS: the wgmmas, the whole epilogue, the code tiles' global stores, the rowwise or the columnwise
+quantization with its stores); those results are wrong by design and
 are not checked. Kernel times are CUDA events around bursts of BURST launches (host launch cost hidden).
 """
 
@@ -39,7 +40,7 @@ CHECK_SHAPES = [(32, 1, 64), (96, 3, 136), (160, 2, 520), (256, 5, 1536), (1000 
 BENCH_SHAPES = [(2048, 128, 1536), (4096, 128, 1536)]
 # More tiles than the 132 persistent CTAs: 297 (half tail tile, fewer k-tiles than stages), 264 (one k-tile, k tail).
 PINGPONG_CHECK_SHAPES = [(2080, 9, 200), (8448, 2, 40)]
-PROFILE_SKIPS = ("mma", "epilogue", "stores")
+PROFILE_SKIPS = ("mma", "epilogue", "stores", "rowwise", "columnwise")
 BURST = 10
 
 
