@@ -10,7 +10,9 @@ The epilogue (kernels/epilogue.py does the math) works on the wgmma fragment: va
 16·warp + lane/4 + 8·v1 and feature 8·j + 2·(lane%4) + v0 of its warpgroup's 64 x 192 slice. So a RoPE pair
 (p[2i], p[2i+1]) sits in one thread; a rowwise block of 32 features is 8 values of each of a quad's 4 lanes; a
 columnwise block of 32 tokens is 2 values x 8 quads of a warp, then the partner warp through shared memory. Codes go
-through shared memory so that each token's 192 bytes leave as 16-byte stores; scale bytes are stored directly.
+through shared memory (4 per 32-bit word, 16-byte stores and loads, layout in code_tiles.py) so that each token's
+192 bytes leave as 16-byte stores; scale bytes are stored directly. No branches inside the epilogue: every store
+is a predicated instruction, so the scheduler interleaves the independent shuffle chains.
 
 w_major "k" reads w as (H·192, K) (`w_out_in=True`), "n" as (K, H·192): only the TMA view and the shared-memory
 layout of B differ. cluster_t > 1 launches clusters of that many consecutive token tiles of one head: each CTA loads
@@ -22,7 +24,7 @@ per SM: registers 40 / 232 / 232 by setmaxnreg). Tiles are 64 tokens x one head,
 so the CTAs running at once share a head's W in L2); CTA c takes tiles c, c + grid, c + 2·grid, ... (its tiles
 i = 0, 1, ..., n-1, n >= 1). Warp 0 streams every k-tile of those tiles, in that order, through `ab_stages` (5)
 x/W stages. Consumer warpgroup w (0 or 1) owns its own 64 x 192 fp32 accumulator and runs tiles i = w, w + 2, ...:
-mainloop, then the same epilogue as the other schedule (`_epilogue`), with its own code tiles (64 x 208 bytes, rows
+mainloop, then the same epilogue as the other schedule (`_epilogue`), with its own code tiles (64 x 192 bytes, rows
 and columns) outside the pipeline's buffers, so while one warpgroup runs its epilogue the other issues wgmmas.
 Barrier protocol (every count holds on every path: a CTA's tile count n is known to all its threads, tiles past T
 only mask stores, and a warpgroup with no tile (n = 1, w = 1) touches no barrier but the init one):
