@@ -222,7 +222,7 @@ class HopperProjRope:
         self.buffer_align_bytes = 1024
         if schedule == "pingpong":
             # Each consumer warpgroup owns a 64-token tile and its 64 x 192 accumulator; the pipeline never drains,
-            # so each warpgroup stages its codes (row and column tiles of 64 x 208 bytes) outside W's buffers, and
+            # so each warpgroup stages its codes (row and column tiles of 64 x 192 bytes) outside W's buffers, and
             # the stages take what is left of the 227 KB (5 x 32 KB).
             self.tile_mnk = (64, HEAD_DIM, TILE_K)
             self.atom_layout_mnk = (1, 1, 1)
