@@ -7,7 +7,7 @@
 # Steps: proj_rope_tests (proj_rope_tests_default_tile), proj_rope_kernel, proj_rope_pingpong_tests,
 # proj_rope_pingpong_kernel, proj_rope_profile, bench_proj_rope, bench_gemm, handler_tests,
 # selfcheck_tests, gemm_tests, gemm_all_tests, gemm_candidates, autodiff_tests, api_overhead, api_overhead_proj_rope,
-# train_step, sanitize, sanitize_bg + wait_bg, sanitize_catalog, proj_rope_profile, soak, proj_rope_cluster_tests,
+# train_step, sanitize, sanitize_bg + wait_bg, sanitize_catalog, soak, proj_rope_cluster_tests,
 # multi_gpu
 # (the last needs two GPUs: kind nvidia-h200-x2; the single-GPU steps then run on the first).
 # Logs go to $OUT, one per step (at most 8 files come back from a device call); 00_session.log holds every step's
@@ -81,9 +81,6 @@ for step in "${STEPS[@]}"; do
     sanitize_catalog)  # every catalog variant x 3 tools, one shape each, racecheck split 6 ways (~7 min, BUILD.md)
       run_step "$step" 440 sanitize.log python3 benchmarks/sanitize.py --out /tmp/jbg_sanitize --first-shape \
         --shards racecheck=6,memcheck=3,synccheck=3 --budget 425 --timeout 400 ;;
-    proj_rope_profile)  # proj_rope phase costs: each kernel with its wgmmas, its epilogue or its stores left out
-      run_step "$step" 100 proj_rope_profile.log python3 benchmarks/proj_rope_standalone.py --no-check \
-        --consumer-wgs 1,pp --profile --reps 10 ;;
     soak)  # 8 minutes: a call of its own (SOAK_MINUTES to shorten it)
       run_step "$step" $(( ${SOAK_MINUTES:-8} * 60 + 60 )) soak.log python3 benchmarks/soak.py \
         --minutes "${SOAK_MINUTES:-8}" --out /tmp/jbg_soak ;;
