@@ -7,6 +7,7 @@ builds; on a Hopper or Blackwell GPU it runs (torch tensors through DLPack) and 
 """
 
 import os
+import tempfile
 
 import ml_dtypes
 import numpy as np
@@ -66,8 +67,10 @@ def _compile(arch: str | None):
     saved = envar._arch
     if arch:
         envar.arch = arch
-    try:
-        return cute.compile(_probe, *fakes, cuda.CUstream(0), options="--keep-ptx" if arch else "")
+    try:  # the DSL writes the PTX it keeps to --dump-dir (default: the working directory)
+        with tempfile.TemporaryDirectory(prefix="jbg-probe-") as dump_dir:
+            return cute.compile(_probe, *fakes, cuda.CUstream(0),
+                                options=f"--keep-ptx --dump-dir {dump_dir}" if arch else "")
     finally:
         envar._arch = saved
 

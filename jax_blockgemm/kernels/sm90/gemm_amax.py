@@ -644,24 +644,10 @@ class HopperMxf8GemmAmax(CEpilogue):
         tile_m, tile_n, batch = cute.arch.block_idx()
         bm, bn, bk = self.tile_mnk
 
-        if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
-
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        ab_pipeline = tma_pipeline.make_ab_pipeline(storage.pipeline_mbars.data_ptr(), a_smem_staged, b_smem_staged,
-                                                    self.ab_dtype, self.ab_stages, self.num_consumer_warps,
-                                                    self.cluster_mn)
-
-        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
-        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-        tAsA, tAgA = tma_pipeline.tma_views(tma_atom_a, mA_mkl, sA, (bm, bk // self.code_div))
-        tBsB, tBgB = tma_pipeline.tma_views(tma_atom_b, mB_nkl, sB, (bn, bk // self.code_div))
-        k_tiles = cute.size(tAgA, mode=[2])
-
-        wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
-        pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
+        storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB, tBgB), k_tiles, wg_idx = tma_pipeline.ab_prologue(
+            tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, self.shared_storage,
+            self.ab_dtype, self.ab_stages, self.num_consumer_warps, self.cluster_mn, (bm, bn, bk // self.code_div),
+            self.threads_per_wg)
 
         if wg_idx == 0:
             # ------------------------------------------------------------------------------ producer

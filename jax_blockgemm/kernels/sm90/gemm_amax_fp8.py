@@ -147,7 +147,7 @@ class HopperFp8PromoteGemmAmax(CEpilogue):
 
         @cute.struct
         class SharedStorage:
-            ab_mbars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            pipeline_mbars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
             sc_mbars: cute.struct.MemRange[cutlass.Int64, self.scale_stages * 2]
             warp_amax: cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps]
             sSA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.sa_stage * self.scale_stages], 16]
@@ -215,29 +215,23 @@ class HopperFp8PromoteGemmAmax(CEpilogue):
         tile_m, tile_n, batch = cute.arch.block_idx()
         bm, bn, bk = self.tile_mnk
 
-        if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+        # Every scale thread arrives on "full", every consumer thread on "empty" (initialized before the A+B
+        # pipeline, whose init fence then covers both).
+        sc_pipelines = []
 
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        # Every scale thread arrives on "full", every consumer thread on "empty" (initialized before
-        # make_ab_pipeline, whose init fence then covers both).
-        sc_pipeline = pipeline.PipelineAsync.create(
-            num_stages=self.scale_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.scale_threads),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.num_consumer_wgs * self.threads_per_wg),
-            barrier_storage=storage.sc_mbars.data_ptr(), defer_sync=True)
-        ab_pipeline = tma_pipeline.make_ab_pipeline(storage.ab_mbars.data_ptr(), a_smem_staged, b_smem_staged,
-                                                    self.ab_dtype, self.ab_stages, self.num_consumer_warps,
-                                                    self.cluster_mn)
+        def init_scale_pipeline(storage):
+            sc_pipelines.append(pipeline.PipelineAsync.create(
+                num_stages=self.scale_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.scale_threads),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.num_consumer_wgs * self.threads_per_wg),
+                barrier_storage=storage.sc_mbars.data_ptr(), defer_sync=True))
 
-        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
-        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-        tAsA, tAgA = tma_pipeline.tma_views(tma_atom_a, mA_mkl, sA, (bm, bk))
-        tBsB, tBgB = tma_pipeline.tma_views(tma_atom_b, mB_nkl, sB, (bn, bk))
-        k_tiles = cute.size(tAgA, mode=[2])
+        storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB, tBgB), k_tiles, wg_idx = tma_pipeline.ab_prologue(
+            tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, self.shared_storage,
+            self.ab_dtype, self.ab_stages, self.num_consumer_warps, self.cluster_mn, self.tile_mnk,
+            self.threads_per_wg, init_scale_pipeline)
+        sc_pipeline = sc_pipelines[0]
         # Decoded scales: A (kb, row, stage); B (value, u, quad, kb, stage), value 2w + e of column 16u + 8w + 2q + e.
         kbt = self.kb_per_tile
         sSA_t = storage.sSA.get_tensor(cute.make_layout((kbt, bm, self.scale_stages),
@@ -245,9 +239,6 @@ class HopperFp8PromoteGemmAmax(CEpilogue):
         sSB_t = storage.sSB.get_tensor(cute.make_layout(
             (4, bn // 16, 4, kbt, self.scale_stages),
             stride=(1, 4, self.sb_quad_stride, self.sb_kb_stride, self.sb_stage)))
-
-        wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
-        pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)

@@ -319,9 +319,10 @@ class HopperProjRope:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tile_t, head, _ = cute.arch.block_idx()
         bm = self.tile_mnk[0]
-        storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = self._prologue(
-            tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged,
-            self.num_consumer_warps)
+        storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
+            tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, self.shared_storage,
+            self.ab_dtype, self.ab_stages, self.num_consumer_warps, (self.cluster_t, 1), self.tile_mnk,
+            self.threads_per_wg)
 
         if wg_idx == 0:
             # ------------------------------------------------------------------------------ producer
@@ -386,8 +387,9 @@ class HopperProjRope:
         tiles_t = (t + bm - 1) // bm
         my_tiles = (tiles_t * h - 1 - cta) // n_ctas + 1  # >= 1: the grid is at most the tile count
         # A stage is read by one consumer warpgroup: its 4 warps release it.
-        storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = self._prologue(
-            tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, 4)
+        storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
+            tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, self.shared_storage,
+            self.ab_dtype, self.ab_stages, 4, (self.cluster_t, 1), self.tile_mnk, self.threads_per_wg)
 
         if wg_idx == 0:
             # ------------------------------------------------------------------------------ producer
@@ -452,44 +454,10 @@ class HopperProjRope:
                     self._epilogue(acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales,
                                    tile_t * bm, 0, row0, wg, warp, lane, quad, wg_tid, t, h, head)
 
-    # ------------------------------------------------------------------------------------ shared by both schedules
-    @cute.jit
-    def _prologue(self, tidx, warp_idx, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
-                  mB_nkl: cute.Tensor, a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
-                  consumer_warps: int):
-        """Everything before the warp roles split, in both schedules: the TMA descriptors' prefetch, the shared
-        storage, the x/W stage pipeline (each stage released by `consumer_warps` warps; with cluster_t > 1 shared by
-        the cluster), the TMA views (with cluster_t > 1, this CTA's share of each W tile) and the pipeline's init
-        barrier. Inlined into the kernel at trace time. Returns (storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB,
-        tBgB), k_tiles, wg_idx)."""
-        bm, bn, bk = self.tile_mnk
-        if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
-
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        ab_pipeline = tma_pipeline.make_ab_pipeline(storage.pipeline_mbars.data_ptr(), a_smem_staged, b_smem_staged,
-                                                    self.ab_dtype, self.ab_stages, consumer_warps,
-                                                    (self.cluster_t, 1))
-
-        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
-        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-        tAsA, tAgA = tma_pipeline.tma_views(tma_atom_a, mA_mkl, sA, (bm, bk))
-        cta_rank = 0
-        if cutlass.const_expr(self.cluster_t > 1):
-            cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        tBsB, tBgB = tma_pipeline.tma_views(tma_atom_b, mB_nkl, sB, (bn, bk), cta_rank, self.cluster_t)
-        k_tiles = cute.size(tAgA, mode=[2])
-
-        wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
-        pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_t, 1))
-        return storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB, tBgB), k_tiles, wg_idx
-
     def load_k_tile(self, ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_t, head, kt):
         """Wait for stage `state` to be free and load into it k-tile kt of x's token tile `tile_t` and of W's head
         `head` (with cluster_t > 1, this CTA's share of W, into every CTA of the cluster); `views` are
-        `_prologue`'s. The caller advances `state` in its own loop body."""
+        `tma_pipeline.ab_prologue`'s. The caller advances `state` in its own loop body."""
         tAsA, tAgA, tBsB, tBgB = views
         ab_pipeline.producer_acquire(state)
         bar = ab_pipeline.producer_get_barrier(state)

@@ -1,5 +1,5 @@
-"""The TMA side every Hopper kernel here shares: an A+B stage pipeline from a producer warp to consumer warps, and
-the TMA views of one operand. Plain Python, inlined into each kernel body at trace time."""
+"""The TMA side every Hopper kernel here shares: an A+B stage pipeline from a producer warp to consumer warps, the
+TMA views of one operand, and the kernel prologue that sets both up. Inlined into each kernel body at trace time."""
 
 from __future__ import annotations
 
@@ -46,3 +46,41 @@ def tma_views(tma_atom: cute.CopyAtom, operand: cute.Tensor, smem: cute.Tensor, 
     tiles = cute.local_tile(operand, tile, (None, None, None))  # (bRows, bK, RestRows, RestK, L)
     return cute.nvgpu.cpasync.tma_partition(tma_atom, cta_rank, cute.make_layout(multicast),
                                             cute.group_modes(smem, 0, 2), cute.group_modes(tiles, 0, 2))
+
+
+@cute.jit
+def ab_prologue(tidx, warp_idx, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
+                mB_nkl: cute.Tensor, a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
+                shared_storage: Any, dtype: Type[cutlass.Numeric], stages: int, consumer_warps: int,
+                cluster_mn: tuple, tile_mnk: tuple, threads_per_wg: int, init_barriers: Any = None):
+    """Everything before a Hopper kernel's warp roles split: the TMA descriptors' prefetch (warp 0), the shared
+    storage (`shared_storage`, a cute.struct with fields pipeline_mbars, sA and sB), `init_barriers(storage)` when
+    given (the kernel's other barriers, initialized before the A+B pipeline so that its init fence covers them), the
+    A+B stage pipeline (`make_ab_pipeline`), the TMA views of (tile_mnk[0], tile_mnk[2]) A tiles and (tile_mnk[1],
+    tile_mnk[2]) B tiles (with cluster_mn[0] > 1, this CTA's share of each B tile) and the pipeline's init barrier.
+    Returns (storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB, tBgB), k_tiles, wg_idx). Pipeline states are made
+    and advanced by the caller, in its own loops."""
+    bm, bn, bk = tile_mnk
+    if warp_idx == 0:
+        cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+        cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+
+    smem = cutlass.memory.SmemAllocator()
+    storage = smem.allocate(shared_storage)
+    if cutlass.const_expr(init_barriers is not None):
+        init_barriers(storage)
+    ab_pipeline = make_ab_pipeline(storage.pipeline_mbars.data_ptr(), a_smem_staged, b_smem_staged, dtype, stages,
+                                   consumer_warps, cluster_mn)
+
+    sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+    sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+    tAsA, tAgA = tma_views(tma_atom_a, mA_mkl, sA, (bm, bk))
+    cta_rank = 0
+    if cutlass.const_expr(cluster_mn[0] > 1):
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+    tBsB, tBgB = tma_views(tma_atom_b, mB_nkl, sB, (bn, bk), cta_rank, cluster_mn[0])
+    k_tiles = cute.size(tAgA, mode=[2])
+
+    wg_idx = cute.arch.make_warp_uniform(tidx // threads_per_wg)
+    pipeline.pipeline_init_wait(cluster_shape_mn=cluster_mn)
+    return storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB, tBgB), k_tiles, wg_idx
