@@ -60,7 +60,8 @@ C_ROUNDING = {
     "float8_e5m2": (2.0**-3, 2.0**-17, 57344.0),
     "float4_e2m1fn": (2.0**-2, 0.25, 6.0),
 }
-NARROW_C = ("float16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")  # small scales keep C in range
+BYTE_C = ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")  # C dtypes of 8 or 4 bits: NARROW_C_PROBLEMS
+NARROW_C = ("float16", *BYTE_C)  # small scales keep C in range
 POISON_ENV = "JAX_BLOCKGEMM_POISON_OUTPUTS"  # read by the FFI handler: NaN-fill C before each launch
 # proj_rope (T, H, K): a token tail (96 of a 128-token tile), two heads, K not a multiple of the 64-wide k-tile; a
 # single head; 20 x 8 = 160 tiles, more than a B200's 148 CTAs, so some CTAs walk two tiles (both accumulator stages).
@@ -158,7 +159,7 @@ def problems(variant: Any) -> tuple[tuple[int, int, int, int], ...]:
     """The (L, M, N, K) problems a gemm_amax `variant` is checked on: tails everywhere its layouts allow."""
     if (getattr(variant, "a_major", "k"), getattr(variant, "b_major", "k")) != ("k", "k"):
         return MN_PROBLEMS
-    return NARROW_C_PROBLEMS if variant.c_dtype in NARROW_C[1:] else PROBLEMS
+    return NARROW_C_PROBLEMS if variant.c_dtype in BYTE_C else PROBLEMS
 
 
 def _sf_vec_size(args: Sequence[Any]) -> int:

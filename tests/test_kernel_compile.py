@@ -47,6 +47,17 @@ def _sm90a_ptx(kernel) -> str:
     return catalog.compile_function(catalog.KernelVariant(arch="sm_90a"), keep_ptx=True, kernel=kernel).__ptx__
 
 
+def _assert_tma_amax_no_spills(test: absltest.TestCase, ptx: str, fn) -> None:
+    """An sm_90a gemm_amax kernel's common structure: TMA loads, the amax atomic, no local memory, no frame or
+    stack in the cubin, at most 255 registers."""
+    test.assertIn("cp.async.bulk.tensor", ptx)
+    test.assertIn("atom.global.max.s32", ptx)
+    test.assertNotIn(".local", ptx)
+    resources = structure.cubin_resources(fn.__cubin__)
+    test.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
+    test.assertLessEqual(resources.registers, 255)
+
+
 class CatalogTest(parameterized.TestCase):
 
     def test_keys_are_unique_and_prefixes_are_c_identifiers(self):
@@ -460,12 +471,7 @@ class Fp8PromoteCompileTest(parameterized.TestCase):
         self.assertEqual(len(re.findall(r"\bmul\.f32\b", ptx)), 32 * steps)
         self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 32 * steps)
         self.assertBetween(ptx.count("ld.shared.v4"), 4 * steps + 2, 4 * steps + 4)  # (+2 in the bf16 C epilogue)
-        self.assertIn("cp.async.bulk.tensor", ptx)
-        self.assertIn("atom.global.max.s32", ptx)
-        self.assertNotIn(".local", ptx)
-        resources = structure.cubin_resources(fn.__cubin__)
-        self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
-        self.assertLessEqual(resources.registers, 255)
+        _assert_tma_amax_no_spills(self, ptx, fn)
         self.assertGreaterEqual(kernel.ab_stages, 4)
 
     def test_decode_scale_word_special_bytes(self):
@@ -512,12 +518,7 @@ class Sm90SurfaceCompileTest(parameterized.TestCase):
         self.assertGreater(len(obj), 1000)
         self.assertIn(".target sm_90a", ptx)
         self.assertRegex(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16")
-        self.assertIn("cp.async.bulk.tensor", ptx)
-        self.assertIn("atom.global.max.s32", ptx)
-        self.assertNotIn(".local", ptx)
-        resources = structure.cubin_resources(fn.__cubin__)
-        self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
-        self.assertLessEqual(resources.registers, 255)
+        _assert_tma_amax_no_spills(self, ptx, fn)
         if v.ab_dtype == "float4_e2m1fn":
             # FP4: no FP8 converter; per k-tile each consumer thread converts 8 rows (4 of A, 4 of B) of 16 codes:
             # one 8-byte shared load and 8 output words of 2 packed bf16 multiplies each; the first k-tile before

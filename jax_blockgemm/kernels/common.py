@@ -21,6 +21,16 @@ def require_choice(name: str, value, allowed) -> None:
         raise ValueError(f"{name}={value!r} is not supported; expected one of {allowed}")
 
 
+def operand_view(x: cute.Tensor, rows, k, l, mn_major: bool) -> cute.Tensor:
+    """The (rows, K, L) view of a flat gemm_amax operand buffer: (L, rows, K) K-major, or (L, K, rows) MN-major
+    (rows then a multiple of 16: 16-byte TMA rows). `k` counts the buffer's elements along K (bytes for packed
+    FP4)."""
+    if mn_major:
+        rows16 = cute.assume(rows, divby=16)
+        return cute.make_tensor(x.iterator, cute.make_layout((rows16, k, l), stride=(1, rows16, rows16 * k)))
+    return cute.make_tensor(x.iterator, cute.make_layout((rows, k, l), stride=(k, 1, rows * k)))
+
+
 def proj_rope_can_implement(t: int, k: int, h: int) -> tuple[bool, str]:
     """Whether a proj_rope kernel (sm_90a or sm_100a: the same ABI and size rules) takes (T, K, H), and why not."""
     if min(t, k, h) < 1:

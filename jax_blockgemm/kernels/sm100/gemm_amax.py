@@ -172,8 +172,8 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
         stand-in (amax) that the kernel never reads."""
         self._setup()
         k16 = cute.assume(k, divby=self.k_align)
-        mA = self._operand_view(a, m, k16, l, self.a_mn)
-        mB = self._operand_view(b, n, k16, l, self.b_mn)
+        mA = common.operand_view(a, m, k16, l, self.a_mn)
+        mB = common.operand_view(b, n, k16, l, self.b_mn)
         mC = cute.make_tensor(c.iterator, cute.make_layout((m, n, l), stride=(n, 1, m * n)))
         # The SPEC §3 atom buffer is the layout the block-scaled MMA reads: ((32,4,M'),(32,4,K'),L) over bytes.
         mSFA = cute.make_tensor(cute.recast_ptr(sfa.iterator, dtype=self.sf_dtype),
@@ -213,14 +213,6 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
                     self.sfa_smem_staged, self.sfb_smem_staged, self.epi_tile, sched_params).launch(
             grid=grid, block=(self.threads_per_cta, 1, 1), cluster=(*self.cluster_mn, 1), min_blocks_per_mp=1,
             stream=stream)
-
-    @staticmethod
-    def _operand_view(x: cute.Tensor, rows, k16, l, mn_major: bool) -> cute.Tensor:
-        """The (rows, K, L) view of a flat operand buffer: (L, rows, K) K-major, or (L, K, rows) MN-major."""
-        if mn_major:
-            rows16 = cute.assume(rows, divby=16)
-            return cute.make_tensor(x.iterator, cute.make_layout((rows16, k16, l), stride=(1, rows16, rows16 * k16)))
-        return cute.make_tensor(x.iterator, cute.make_layout((rows, k16, l), stride=(k16, 1, rows * k16)))
 
     # ------------------------------------------------------------------------------------------ device
     @cute.kernel

@@ -115,9 +115,11 @@ class CEpilogue:
     def store_c_and_amax(self, acc: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor,
                          warp_amax: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, tile_m: cutlass.Int32,
                          tile_n: cutlass.Int32, batch: cutlass.Int32, wg_idx: cutlass.Int32, local_tid: cutlass.Int32):
-        """Store this thread's accumulator values of the CTA tile (tile_m, tile_n, batch) to C and publish amax.
-        `c` is C's flat buffer as `c_dtype` for f32/bf16/f16 C, as bytes (Uint8) for FP8 and packed FP4 C."""
+        """Store this thread's accumulator values of the CTA tile (tile_m, tile_n, batch) to C (the kernel's flat
+        `c_dtype` buffer) and publish amax."""
         bm, bn, _ = self.tile_mnk
+        if cutlass.const_expr(self.c_kind != "wide"):  # one-byte and packed FP4 C are stored as bytes
+            c = cute.make_tensor(cute.recast_ptr(c.iterator, dtype=cutlass.Uint8), cute.make_layout((cute.size(c),)))
         # The wgmma m64nNk16 accumulator fragment: value (v0, v1, v2) of a thread sits at row
         # 16·warp + lane/4 + 8·v1 and column 2·(lane%4) + v0 + 8·v2 of its warpgroup's 64 x bn slice.
         lane = local_tid % 32
@@ -330,8 +332,8 @@ class HopperMxf8GemmAmax(CEpilogue):
         stand-in (amax) that the kernel never reads."""
         # Row length in bytes: K codes, or K/2 bytes of packed FP4 pairs.
         kc = cute.assume(k // self.code_div, divby=16)
-        mA = self._operand_view(a, m, kc, l, self.a_mn)
-        mB = self._operand_view(b, n, kc, l, self.b_mn)
+        mA = common.operand_view(a, m, kc, l, self.a_mn)
+        mB = common.operand_view(b, n, kc, l, self.b_mn)
 
         major = lambda mn: cute.nvgpu.OperandMajorMode.MN if mn else cute.nvgpu.OperandMajorMode.K
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -378,14 +380,6 @@ class HopperMxf8GemmAmax(CEpilogue):
         """Swizzled shared-memory layout (the wgmma's) for `stages` (rows, cols) tiles of `dtype`, K-major or
         MN-major (cols defaults to bk; the packed FP4 stages hold bk/2 bytes per row)."""
         return smem_layout_staged(rows, dtype, stages, self.tile_mnk[2] if cols is None else cols, mn_major)
-
-    @staticmethod
-    def _operand_view(x: cute.Tensor, rows, kc, l, mn_major: bool) -> cute.Tensor:
-        """The (rows, K, L) view of a flat operand buffer: (L, rows, K) K-major, or (L, K, rows) MN-major."""
-        if mn_major:
-            rows16 = cute.assume(rows, divby=16)
-            return cute.make_tensor(x.iterator, cute.make_layout((rows16, kc, l), stride=(1, rows16, rows16 * kc)))
-        return cute.make_tensor(x.iterator, cute.make_layout((rows, kc, l), stride=(kc, 1, rows * kc)))
 
     # ------------------------------------------------------------------------------------ dequantization
     def tile_scale_byte(self, kt, lane_in_row, k_atoms=None):
@@ -644,7 +638,7 @@ class HopperMxf8GemmAmax(CEpilogue):
         tile_m, tile_n, batch = cute.arch.block_idx()
         bm, bn, bk = self.tile_mnk
 
-        storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB, tBgB), k_tiles, wg_idx = tma_pipeline.ab_prologue(
+        storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
             tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, self.shared_storage,
             self.ab_dtype, self.ab_stages, self.num_consumer_warps, self.cluster_mn, (bm, bn, bk // self.code_div),
             self.threads_per_wg)
@@ -655,13 +649,8 @@ class HopperMxf8GemmAmax(CEpilogue):
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                 for kt in range(k_tiles):
-                    ab_pipeline.producer_acquire(state)
-                    bar = ab_pipeline.producer_get_barrier(state)
-                    cute.copy(tma_atom_a, tAgA[(None, tile_m, kt, batch)], tAsA[(None, state.index)],
-                              tma_bar_ptr=bar)
-                    cute.copy(tma_atom_b, tBgB[(None, tile_n, kt, batch)], tBsB[(None, state.index)],
-                              tma_bar_ptr=bar)
-                    ab_pipeline.producer_commit(state)
+                    tma_pipeline.load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_m, tile_n, kt,
+                                             batch)
                     state.advance()
                 ab_pipeline.producer_tail(state)
         else:
@@ -901,11 +890,7 @@ class HopperMxf8GemmAmax(CEpilogue):
 
             # ------------------------------------------------------------------------------ epilogue
             warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
-            c_store = c  # one-byte and packed FP4 C are stored as bytes
-            if cutlass.const_expr(self.c_kind != "wide"):
-                c_store = cute.make_tensor(cute.recast_ptr(c.iterator, dtype=cutlass.Uint8),
-                                           cute.make_layout((cute.size(c),)))
-            self.store_c_and_amax(acc, c_store, amax, alpha, warp_amax, m, n, tile_m, tile_n, batch, wg_idx,
+            self.store_c_and_amax(acc, c, amax, alpha, warp_amax, m, n, tile_m, tile_n, batch, wg_idx,
                                   local_tid)
 
 

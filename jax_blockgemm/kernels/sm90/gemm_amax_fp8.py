@@ -132,8 +132,8 @@ class HopperFp8PromoteGemmAmax(CEpilogue):
                  stream: cuda.CUstream):
         """Host side: (L, M, K)-shaped views of the flat buffers, the TMA atoms, and the launch."""
         kc = cute.assume(k, divby=16)
-        mA = HopperMxf8GemmAmax._operand_view(a, m, kc, l, False)
-        mB = HopperMxf8GemmAmax._operand_view(b, n, kc, l, False)
+        mA = common.operand_view(a, m, kc, l, False)
+        mB = common.operand_view(b, n, kc, l, False)
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, MMA_N))
@@ -203,6 +203,19 @@ class HopperFp8PromoteGemmAmax(CEpilogue):
         special = (((word - _BYTE_ONES) & inv) | ((inv - _BYTE_ONES) & word)) & _BYTE_MSBS
         return vals, special
 
+    @cute.jit
+    def scale_word_bits(self, word):
+        """(v0, v1, v2, v3): the fp32 bit patterns of a scale word's 4 bytes, `decode_scale_word`'s fast path, or
+        `common.e8m0_bits` per byte when the word holds a 0x00 or 0xFF byte."""
+        vals, special = self.decode_scale_word(word)
+        v0, v1, v2, v3 = vals
+        if special != 0:
+            v0 = common.e8m0_bits(word & 0xFF)
+            v1 = common.e8m0_bits((word >> 8) & 0xFF)
+            v2 = common.e8m0_bits((word >> 16) & 0xFF)
+            v3 = common.e8m0_bits((word >> 24) & 0xFF)
+        return v0, v1, v2, v3
+
     # ---------------------------------------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
@@ -227,7 +240,7 @@ class HopperFp8PromoteGemmAmax(CEpilogue):
                                                          self.num_consumer_wgs * self.threads_per_wg),
                 barrier_storage=storage.sc_mbars.data_ptr(), defer_sync=True))
 
-        storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB, tBgB), k_tiles, wg_idx = tma_pipeline.ab_prologue(
+        storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
             tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, self.shared_storage,
             self.ab_dtype, self.ab_stages, self.num_consumer_warps, self.cluster_mn, self.tile_mnk,
             self.threads_per_wg, init_scale_pipeline)
@@ -246,13 +259,8 @@ class HopperFp8PromoteGemmAmax(CEpilogue):
                 # -------------------------------------------------------------------------- producer (TMA)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                 for kt in range(k_tiles):
-                    ab_pipeline.producer_acquire(state)
-                    bar = ab_pipeline.producer_get_barrier(state)
-                    cute.copy(tma_atom_a, tAgA[(None, tile_m, kt, batch)], tAsA[(None, state.index)],
-                              tma_bar_ptr=bar)
-                    cute.copy(tma_atom_b, tBgB[(None, tile_n, kt, batch)], tBsB[(None, state.index)],
-                              tma_bar_ptr=bar)
-                    ab_pipeline.producer_commit(state)
+                    tma_pipeline.load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_m, tile_n, kt,
+                                             batch)
                     state.advance()
                 ab_pipeline.producer_tail(state)
             else:
@@ -277,14 +285,7 @@ class HopperFp8PromoteGemmAmax(CEpilogue):
                             if w < bm:  # warp-uniform (96 and 128 are multiples of 32)
                                 word = sfa_w[((batch * a_atoms + tile_m) * k_atoms + kt) * atom_words + w]
                                 row = 32 * (w % 4) + w // 4
-                                vals, special = self.decode_scale_word(word)
-                                v0, v1, v2, v3 = vals
-                                if special != 0:
-                                    v0 = common.e8m0_bits(word & 0xFF)
-                                    v1 = common.e8m0_bits((word >> 8) & 0xFF)
-                                    v2 = common.e8m0_bits((word >> 16) & 0xFF)
-                                    v3 = common.e8m0_bits((word >> 24) & 0xFF)
-                                vs = (v0, v1, v2, v3)
+                                vs = self.scale_word_bits(word)
                                 for j in cutlass.range_constexpr(4):
                                     sSA_t[(j, row, state.index)] = common.f32_from_bits(vs[j])
                             else:
@@ -293,17 +294,10 @@ class HopperFp8PromoteGemmAmax(CEpilogue):
                                 ww = wb % atom_words
                                 word = sfb_w[((batch * b_atoms + atom) * k_atoms + kt) * atom_words + ww]
                                 col = (wb // atom_words) * common.ATOM_MN + 32 * (ww % 4) + ww // 4
-                                vals, special = self.decode_scale_word(word)
-                                v0, v1, v2, v3 = vals
-                                if special != 0:
-                                    v0 = common.e8m0_bits(word & 0xFF)
-                                    v1 = common.e8m0_bits((word >> 8) & 0xFF)
-                                    v2 = common.e8m0_bits((word >> 16) & 0xFF)
-                                    v3 = common.e8m0_bits((word >> 24) & 0xFF)
+                                vs = self.scale_word_bits(word)
                                 q = (col % 8) // 2
                                 u = col // 16
                                 e2 = ((col // 8) % 2) * 2 + col % 2
-                                vs = (v0, v1, v2, v3)
                                 for j in cutlass.range_constexpr(4):
                                     sSB_t[(e2, u, q, j, state.index)] = common.f32_from_bits(vs[j])
                     sc_pipeline.producer_commit(state)
@@ -358,9 +352,5 @@ class HopperFp8PromoteGemmAmax(CEpilogue):
 
             # ------------------------------------------------------------------------------ epilogue
             warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
-            c_store = c  # one-byte and packed FP4 C are stored as bytes
-            if cutlass.const_expr(self.c_kind != "wide"):
-                c_store = cute.make_tensor(cute.recast_ptr(c.iterator, dtype=cutlass.Uint8),
-                                           cute.make_layout((cute.size(c),)))
-            self.store_c_and_amax(acc, c_store, amax, amax, warp_amax, m, n, tile_m, tile_n, batch, wg_idx,
+            self.store_c_and_amax(acc, c, amax, amax, warp_amax, m, n, tile_m, tile_n, batch, wg_idx,
                                   local_tid)

@@ -330,7 +330,8 @@ class HopperProjRope:
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                 for kt in range(k_tiles):
-                    self.load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_t, head, kt)
+                    tma_pipeline.load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_t, head, kt,
+                                             multicast=self.cluster_t)
                     state.advance()
                 ab_pipeline.producer_tail(state)
         else:
@@ -401,7 +402,8 @@ class HopperProjRope:
                     tile_t = tile % tiles_t
                     head = tile // tiles_t
                     for kt in range(k_tiles):
-                        self.load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_t, head, kt)
+                        tma_pipeline.load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_t, head,
+                                                 kt, multicast=self.cluster_t)
                         state.advance()
                 ab_pipeline.producer_tail(state)
         else:
@@ -453,21 +455,6 @@ class HopperProjRope:
                 if cutlass.const_expr("epilogue" not in self._skip):
                     self._epilogue(acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales,
                                    tile_t * bm, 0, row0, wg, warp, lane, quad, wg_tid, t, h, head)
-
-    def load_k_tile(self, ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_t, head, kt):
-        """Wait for stage `state` to be free and load into it k-tile kt of x's token tile `tile_t` and of W's head
-        `head` (with cluster_t > 1, this CTA's share of W, into every CTA of the cluster); `views` are
-        `tma_pipeline.ab_prologue`'s. The caller advances `state` in its own loop body."""
-        tAsA, tAgA, tBsB, tBgB = views
-        ab_pipeline.producer_acquire(state)
-        bar = ab_pipeline.producer_get_barrier(state)
-        cute.copy(tma_atom_a, tAgA[(None, tile_t, kt, 0)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-        if cutlass.const_expr(self.cluster_t == 1):
-            cute.copy(tma_atom_b, tBgB[(None, head, kt, 0)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-        else:
-            cute.copy(tma_atom_b, tBgB[(None, head, kt, 0)], tBsB[(None, state.index)], tma_bar_ptr=bar,
-                      mcast_mask=cutlass.Int16((1 << self.cluster_t) - 1))
-        ab_pipeline.producer_commit(state)
 
     def _consumer_operands(self, tidx, wg_idx, tiled_mma, sA, sB):
         """A consumer thread's place and wgmma operands: (wg, wg_tid, warp, lane, quad, row0, tCrA, tCrB, acc).

@@ -1,5 +1,6 @@
 """The TMA side every Hopper kernel here shares: an A+B stage pipeline from a producer warp to consumer warps, the
-TMA views of one operand, and the kernel prologue that sets both up. Inlined into each kernel body at trace time."""
+TMA views of one operand, the kernel prologue that sets both up, and the producer's load of one k-tile. Inlined into
+each kernel body at trace time."""
 
 from __future__ import annotations
 
@@ -84,3 +85,20 @@ def ab_prologue(tidx, warp_idx, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, 
     wg_idx = cute.arch.make_warp_uniform(tidx // threads_per_wg)
     pipeline.pipeline_init_wait(cluster_shape_mn=cluster_mn)
     return storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB, tBgB), k_tiles, wg_idx
+
+
+def load_k_tile(ab_pipeline: Any, state: Any, tma_atom_a: cute.CopyAtom, tma_atom_b: cute.CopyAtom, views: tuple,
+                a_tile: Any, b_tile: Any, kt: Any, batch: Any = 0, multicast: int = 1) -> None:
+    """Wait for stage `state` to be free and load into it k-tile kt of A's row tile `a_tile` and B's `b_tile` in batch
+    `batch`; with multicast > 1, this CTA's share of the B tile goes to every CTA of its cluster. `views` are
+    `ab_prologue`'s. The caller advances `state` in its own loop body (the DSL carries only what a loop mutates)."""
+    tAsA, tAgA, tBsB, tBgB = views
+    ab_pipeline.producer_acquire(state)
+    bar = ab_pipeline.producer_get_barrier(state)
+    cute.copy(tma_atom_a, tAgA[(None, a_tile, kt, batch)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+    if cutlass.const_expr(multicast == 1):
+        cute.copy(tma_atom_b, tBgB[(None, b_tile, kt, batch)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+    else:
+        cute.copy(tma_atom_b, tBgB[(None, b_tile, kt, batch)], tBsB[(None, state.index)], tma_bar_ptr=bar,
+                  mcast_mask=cutlass.Int16((1 << multicast) - 1))
+    ab_pipeline.producer_commit(state)
