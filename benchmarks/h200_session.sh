@@ -7,7 +7,7 @@
 # Steps: proj_rope_tests (proj_rope_tests_default_tile), proj_rope_kernel, proj_rope_pingpong_tests,
 # proj_rope_pingpong_kernel, proj_rope_profile, bench_proj_rope, bench_gemm, handler_tests,
 # selfcheck_tests, gemm_tests, gemm_all_tests, gemm_candidates, autodiff_tests, api_overhead, api_overhead_proj_rope,
-# train_step, sanitize, sanitize_bg + wait_bg, sanitize_catalog, soak, proj_rope_cluster_tests,
+# train_step, sanitize, sanitize_bg / selfcheck_bg + wait_bg, sanitize_catalog, soak, proj_rope_cluster_tests,
 # multi_gpu
 # (the last needs two GPUs: kind nvidia-h200-x2; the single-GPU steps then run on the first).
 # Logs go to $OUT, one per step (at most 8 files come back from a device call); 00_session.log holds every step's
@@ -98,9 +98,17 @@ for step in "${STEPS[@]}"; do
           --budget "$(( ${SANITIZE_S:-300} - 15 ))" > "$OUT/sanitize.log" 2>&1;
         echo "sanitize rc=$?" >> "$OUT/sanitize.log" ) &
       echo "=== sanitize_bg: started" | tee -a "$LOG" ;;
-    wait_bg)
-      wait; printf '\n=== sanitize (background): %s\n' "$(tail -n 1 "$OUT/sanitize.log")" | tee -a "$LOG"
-      grep -E "FAIL|SUMMARY \(" "$OUT/sanitize.log" | head -20 | tee -a "$LOG" ;;
+    selfcheck_bg)  # selfcheck_tests in the background (no preallocation), beside correctness steps; see `wait_bg`
+      ( XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 330 python3 -m pytest tests/test_gpu_selfcheck.py -q \
+          -p no:cacheprovider > "$OUT/selfcheck_tests.log" 2>&1; echo "selfcheck rc=$?" >> "$OUT/selfcheck_tests.log" ) &
+      echo "=== selfcheck_bg: started" | tee -a "$LOG" ;;
+    wait_bg)  # waits for every background step and prints each one's verdict
+      wait
+      for f in sanitize selfcheck_tests; do
+        [ -f "$OUT/$f.log" ] || continue
+        printf '\n=== %s (background): %s\n' "$f" "$(tail -n 1 "$OUT/$f.log")" | tee -a "$LOG"
+        grep -E "FAIL|SUMMARY \(|passed|failed" "$OUT/$f.log" | head -20 | tee -a "$LOG"
+      done ;;
     multi_gpu)
       run_step "$step" 170 multi_gpu.log python3 benchmarks/multi_gpu.py --out "$OUT/multi_gpu.json" ;;
     *) echo "unknown step $step" | tee -a "$LOG" ;;
