@@ -5,7 +5,7 @@
 #     bash benchmarks/h200_session.sh STEP... (default: every step, in the order below)
 #
 # Steps: proj_rope_tests (proj_rope_tests_default_tile), proj_rope_kernel, proj_rope_pingpong_tests,
-# proj_rope_pingpong_kernel, proj_rope_profile, bench_proj_rope, bench_gemm, handler_tests,
+# proj_rope_pingpong_kernel, proj_rope_profile, proj_rope_ncu, sanitize_proj_rope, bench_proj_rope, bench_gemm, handler_tests,
 # selfcheck_tests, gemm_tests, gemm_all_tests, gemm_candidates, autodiff_tests, api_overhead, api_overhead_proj_rope,
 # train_step, sanitize, sanitize_bg / selfcheck_bg + wait_bg, sanitize_catalog, soak, proj_rope_cluster_tests,
 # multi_gpu
@@ -55,6 +55,13 @@ for step in "${STEPS[@]}"; do
     proj_rope_profile)  # T = 4096 with each epilogue phase left out (HopperProjRope._skip), unchecked, 1-WG and ping-pong
       run_step "$step" 200 proj_rope_profile.log python3 benchmarks/proj_rope_standalone.py --no-check \
         --consumer-wgs 1,pp --profile --reps 10 ;;
+    proj_rope_ncu)  # Nsight Compute (full set, per-instruction stall samples) of the default and ping-pong kernels
+      run_step "$step" 240 proj_rope_ncu.log bash benchmarks/proj_rope_ncu.sh "$OUT" ;;
+    sanitize_proj_rope)  # the 12 sm_90a proj_rope variants under all three tools (after an epilogue change)
+      keys=$(python3 -c "from jax_blockgemm.kernels import catalog; print(','.join(v.key for v in catalog.CATALOG
+if v.op == 'proj_rope' and v.arch == 'sm_90a'))")
+      run_step "$step" 290 sanitize.log python3 benchmarks/sanitize.py --out /tmp/jbg_sanitize --first-shape \
+        --shards racecheck=4,memcheck=2,synccheck=2 --keys "$keys" --no-fuzz --budget 275 --timeout 260 ;;
     bench_proj_rope)
       run_step "$step" 90 bench.log python3 -m jax_blockgemm.bench --op proj_rope --json "$OUT/bench.json" ;;
     bench_gemm)
