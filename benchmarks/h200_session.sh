@@ -5,7 +5,8 @@
 #     bash benchmarks/h200_session.sh STEP... (default: every step, in the order below)
 #
 # Steps: proj_rope_tests (proj_rope_tests_default_tile), proj_rope_kernel, proj_rope_pingpong_tests,
-# proj_rope_pingpong_kernel, proj_rope_profile, proj_rope_ncu, sanitize_proj_rope, bench_proj_rope, bench_gemm, handler_tests,
+# proj_rope_pingpong_kernel, proj_rope_persistent_tests, proj_rope_persistent_kernel, proj_rope_profile,
+# proj_rope_ncu, sanitize_keys, sanitize_proj_rope, bench_proj_rope, bench_gemm, handler_tests,
 # selfcheck_tests, gemm_tests, gemm_all_tests, gemm_candidates, autodiff_tests, api_overhead, api_overhead_proj_rope,
 # train_step, sanitize, sanitize_bg / selfcheck_bg + wait_bg, sanitize_catalog, soak, proj_rope_cluster_tests,
 # multi_gpu
@@ -55,6 +56,15 @@ for step in "${STEPS[@]}"; do
     proj_rope_profile)  # T = 4096 with each epilogue phase left out (HopperProjRope._skip), unchecked, 1-WG and ping-pong
       run_step "$step" 200 proj_rope_profile.log python3 benchmarks/proj_rope_standalone.py --no-check \
         --consumer-wgs 1,pp --profile --reps 10 ;;
+    proj_rope_persistent_tests)  # the persistent cooperative kernel (128-token tiles): the whole suite on it
+      run_step "$step" 150 proj_rope_persistent_tests.log python3 -m pytest tests/test_gpu_proj_rope.py -q -x \
+        -p no:cacheprovider -k "Persistent" ;;
+    proj_rope_persistent_kernel)  # persistent vs the 64x192 two-CTA default: checked (2-3 tiles per CTA too), timed
+      run_step "$step" 120 proj_rope_persistent_kernel.log python3 benchmarks/proj_rope_standalone.py --quick \
+        --consumer-wgs ps,1 --out "$OUT" ;;
+    sanitize_keys)  # SANITIZE_KEYS (comma-separated catalog keys) under all three tools, one shape each
+      run_step "$step" 200 sanitize.log python3 benchmarks/sanitize.py --out /tmp/jbg_sanitize --first-shape \
+        --shards racecheck=2,memcheck=1,synccheck=1 --keys "$SANITIZE_KEYS" --no-fuzz --budget 190 --timeout 180 ;;
     proj_rope_ncu)  # Nsight Compute (full set, per-instruction stall samples) of the default and ping-pong kernels
       run_step "$step" 240 proj_rope_ncu.log bash benchmarks/proj_rope_ncu.sh "$OUT" ;;
     sanitize_proj_rope)  # the 12 sm_90a proj_rope variants under all three tools (after an epilogue change)

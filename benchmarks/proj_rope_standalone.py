@@ -6,7 +6,8 @@ kernel, in the same run: XLA's bare bf16 dot of the same shape (both weight layo
 
     python3 benchmarks/proj_rope_standalone.py [--quick] [--no-bench] [--out DIR] [--consumer-wgs pp,2,1] [--profile]
 
---consumer-wgs picks the kernels: "1" / "2" consumer warpgroups per CTA (one tile per CTA), "pp" the persistent
+--consumer-wgs picks the kernels: "1" / "2" consumer warpgroups per CTA (one tile per CTA), "ps" the persistent
+cooperative kernel (128-token tiles), "pp" the persistent
 ping-pong schedule (two consumer warpgroups on alternate 64-token tiles); the ping-pong kernel is also checked on
 PINGPONG_CHECK_SHAPES, where CTAs get 2-3 tiles. --profile also times each kernel with one phase left out
 (PROFILE_SKIPS: the wgmmas, the whole epilogue, the code tiles' global stores, the rowwise or the columnwise
@@ -56,8 +57,9 @@ class Runner:
         from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
 
         self.cute, self.cutlass, self.cuda = cute, cutlass, cuda
-        if consumer_wgs == "pp":
-            self.kernel, self.label = HopperProjRope(w_major=w_major, schedule="pingpong"), "pingpong"
+        if consumer_wgs in ("pp", "ps"):
+            schedule = "pingpong" if consumer_wgs == "pp" else "persistent"
+            self.kernel, self.label = HopperProjRope(w_major=w_major, schedule=schedule), schedule
         else:
             self.kernel = HopperProjRope(w_major=w_major, consumer_wgs=int(consumer_wgs))
             self.label = f"{consumer_wgs}wg"
@@ -250,7 +252,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=None)
     p.add_argument("--consumer-wgs", default="2",
-                   help="comma-separated kernels to check and time: 1, 2 (consumer warpgroups), pp (ping-pong)")
+                   help="comma-separated kernels to check and time: 1, 2 (consumer warpgroups), pp (ping-pong), "
+                        "ps (persistent)")
     p.add_argument("--profile", action="store_true",
                    help="also time each kernel (w_out_in=True) with one phase left out (not checked)")
     args = p.parse_args()
@@ -266,7 +269,7 @@ def main() -> int:
     results = []
     shapes = [] if args.no_check else CHECK_SHAPES[:2] if args.quick else CHECK_SHAPES
     for (w_out_in, wgs), runner in runners.items():
-        for shape in shapes + (PINGPONG_CHECK_SHAPES if wgs == "pp" and not args.no_check else []):
+        for shape in shapes + (PINGPONG_CHECK_SHAPES if wgs in ("pp", "ps") and not args.no_check else []):
             for tables in ("random", "yarn"):
                 r = dict(check(runner, w_out_in, shape, rng, tables), wgs=wgs)
                 results.append(r)

@@ -207,5 +207,14 @@ class GpuProjRopePingPongTest(GpuProjRopeTest):
         oracle_ops.assert_proj_rope_close(self, outs, y_ref)
 
 
+
+class GpuProjRopePersistentTest(GpuProjRopePingPongTest):
+    """The persistent cooperative kernel (both consumer warpgroups on each 128-token tile, the next tile's k-tiles
+    loading during the epilogue, one CTA per SM): every test of the suite, and the ping-pong class's shapes where
+    CTAs walk 2-3 tiles (here 153, 160 and 132 tiles of 128 tokens: the last with one tile per CTA)."""
+
+    TILE, CLUSTER, SCHEDULE = catalog.PROJ_ROPE_SCHEDULE_TILES_SM90["persistent"], (1, 1), "persistent"
+
+
 if __name__ == "__main__":
     absltest.main()

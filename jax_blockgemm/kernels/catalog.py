@@ -121,8 +121,8 @@ def _blackwell_factory(v: KernelVariant) -> Any:
 def _hopper_proj_rope_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
 
-    if v.schedule == "pingpong":  # tile_mn: each consumer warpgroup's tile; two of them per CTA
-        return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major, consumer_wgs=2, schedule="pingpong")
+    if v.schedule:  # "pingpong" (tile_mn: each consumer warpgroup's tile) or "persistent" (the CTA's tile)
+        return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major, consumer_wgs=2, schedule=v.schedule)
     return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major, consumer_wgs=v.tile_mn[0] // 64,
                           cluster_t=v.cluster_mn[0])
 
@@ -150,10 +150,12 @@ _FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
 PROJ_ROPE_TILES = ((128, 192), (64, 192))
 PROJ_ROPE_CLUSTERS_SM90 = {(128, 192): ((1, 1), (2, 1)), (64, 192): ((1, 1), (2, 1), (4, 1))}
 PROJ_ROPE_TILES_SM100 = ((128, 192),)
-# sm_90a proj_rope's persistent ping-pong kernel (HopperProjRope(schedule="pingpong")): two consumer warpgroups on
-# alternate 64-token x one-head tiles, one CTA per SM. Keyed '...t64x192.c1x1[.bn].pingpong'.
-PROJ_ROPE_SCHEDULES_SM90 = ("pingpong",)
-PROJ_ROPE_PINGPONG_TILE = (64, 192)
+# sm_90a proj_rope's persistent kernels, one CTA per SM (HopperProjRope(schedule=...)), and their tiles:
+# "pingpong", two consumer warpgroups on alternate 64-token x one-head tiles ('...t64x192.c1x1[.bn].pingpong');
+# "persistent", both on each 128-token x one-head tile while the next tile loads ('...t128x192.c1x1[.bn].persistent').
+PROJ_ROPE_SCHEDULE_TILES_SM90 = {"pingpong": (64, 192), "persistent": (128, 192)}
+PROJ_ROPE_SCHEDULES_SM90 = tuple(PROJ_ROPE_SCHEDULE_TILES_SM90)
+PROJ_ROPE_PINGPONG_TILE = PROJ_ROPE_SCHEDULE_TILES_SM90["pingpong"]
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 _C = ("float32", "bfloat16")
@@ -204,7 +206,7 @@ CATALOG: tuple[KernelVariant, ...] = (
                           tile_mn=t, cluster_mn=cl, b_major=b_major)
             for t in PROJ_ROPE_TILES for cl in PROJ_ROPE_CLUSTERS_SM90[t] for b_major in ("k", "n"))
     + tuple(KernelVariant(op="proj_rope", arch="sm_90a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
-                          tile_mn=PROJ_ROPE_PINGPONG_TILE, b_major=b_major, schedule=sched)
+                          tile_mn=PROJ_ROPE_SCHEDULE_TILES_SM90[sched], b_major=b_major, schedule=sched)
             for sched in PROJ_ROPE_SCHEDULES_SM90 for b_major in ("k", "n"))
     # proj_rope on sm_100a: the same ABI and surface; compiled and structurally checked here, never run (no Blackwell
     # GPU). Selected only after the first-use self-check passed on the local GPU (dispatch, selfcheck).

@@ -14,6 +14,13 @@ through shared memory (4 per 32-bit word, 16-byte stores and loads, layout in co
 192 bytes leave as 16-byte stores; scale bytes are stored directly. No branches inside the epilogue: every store
 is a predicated instruction, so the scheduler interleaves the independent shuffle chains.
 
+schedule="persistent" (`kernel_persistent`): min(tiles, PERSISTENT_CTAS) CTAs of 384 threads, 128-token x one-head
+tiles in the same head-major order, both consumer warpgroups on every tile (one 64-token half each, every stage
+released by all 8 consumer warps), each with its own 64-row code tiles outside the pipeline's 4 stages of 40 KB, so
+warp 0 streams the next tile's k-tiles while the warpgroups run their epilogues. Against 64-token tiles it halves
+the bytes of W read per token (W is 3/4 of them), and against the 128x192 default it keeps loads in flight through
+the epilogue.
+
 w_major "k" reads w as (H·192, K) (`w_out_in=True`), "n" as (K, H·192): only the TMA view and the shared-memory
 layout of B differ. cluster_t > 1 launches clusters of that many consecutive token tiles of one head: each CTA loads
 1/cluster_t of every W tile and multicasts it to the cluster (W is 3/4 of the bytes a 64-token CTA reads), and a
@@ -63,7 +70,9 @@ TILE_K = 64  # bf16: one 128-byte swizzle row
 CONSUMER_WGS = (1, 2)
 CLUSTER_T = (1, 2, 4)  # CTAs (consecutive token tiles of one head) sharing each W tile through TMA multicast
 _ROW_PAD = 0  # shared-memory code rows of 192 bytes: code_tiles.py's swizzle keeps stores and loads conflict-free
-SCHEDULES = ("", "pingpong")  # "": one tile per CTA; "pingpong": persistent, consumer warpgroups on alternate tiles
+# "": one tile per CTA; "pingpong": persistent, consumer warpgroups on alternate 64-token tiles; "persistent":
+# persistent, both consumer warpgroups on each 128-token tile while the producer streams the next tile's k-tiles
+SCHEDULES = ("", "pingpong", "persistent")
 SMEM_BYTES = 227 * 1024  # the most dynamic shared memory one sm_90 CTA may use
 PERSISTENT_CTAS = 132  # ping-pong grid: at most this many CTAs (one per SM of an H100/H200 SXM)
 _ORDER_BARRIER0 = 3  # ping-pong: named barrier 3 + w = "consumer warpgroup w may issue its mainloop" (1, 2: per-wg)
@@ -182,8 +191,8 @@ class HopperProjRope:
                  schedule: str = "", persistent_ctas: int = PERSISTENT_CTAS):
         common.require_choice("x_dtype", x_dtype, ("bfloat16",))
         common.require_choice("schedule", schedule, SCHEDULES)
-        if schedule == "pingpong" and (consumer_wgs, cluster_t) != (2, 1):
-            raise ValueError(f"schedule='pingpong' runs two consumer warpgroups without clusters, got "
+        if schedule and (consumer_wgs, cluster_t) != (2, 1):
+            raise ValueError(f"schedule={schedule!r} runs two consumer warpgroups without clusters, got "
                              f"consumer_wgs={consumer_wgs}, cluster_t={cluster_t}")
         self.schedule = schedule
         self.persistent_ctas = persistent_ctas
@@ -211,7 +220,10 @@ class HopperProjRope:
         assert self.code_row_bytes == code_tiles.ROW_BYTES
         # Whether stage_codes() ends in a barrier over (at least) this warpgroup, which then also publishes the
         # columnwise partial maxima; otherwise (one consumer warpgroup, one tile per CTA) _epilogue adds one.
-        self._stage_codes_syncs_warpgroup = schedule == "pingpong" or consumer_wgs > 1
+        self._stage_codes_syncs_warpgroup = bool(schedule) or consumer_wgs > 1
+        # Persistent schedules: each consumer warpgroup stages its codes in its own 64-row tiles outside the
+        # pipeline's buffers (the producer keeps loading through the epilogue), and sees its 64 tokens as rows 0..63.
+        self._own_code_tiles = bool(schedule)
         self.producer_regs = 40
         if consumer_wgs == 2:  # one CTA per SM: 5 x 40 KB of bf16 tiles
             self.ctas_per_sm, self.consumer_regs, self.ab_stages = 1, 232, 5
@@ -220,14 +232,16 @@ class HopperProjRope:
         b_buffer_bytes = HEAD_DIM * TILE_K * self.ab_dtype.width // 8 * self.ab_stages
         assert 2 * self.tile_mnk[0] * self.code_row_bytes <= b_buffer_bytes  # both code tiles fit W's buffers
         self.buffer_align_bytes = 1024
-        if schedule == "pingpong":
-            # Each consumer warpgroup owns a 64-token tile and its 64 x 192 accumulator; the pipeline never drains,
-            # so each warpgroup stages its codes (row and column tiles of 64 x 192 bytes) outside W's buffers, and
-            # the stages take what is left of the 227 KB (5 x 32 KB).
-            self.tile_mnk = (64, HEAD_DIM, TILE_K)
-            self.atom_layout_mnk = (1, 1, 1)
+        if schedule:
+            # The pipeline never drains, so each consumer warpgroup stages its codes (row and column tiles of 64 x
+            # 192 bytes) outside W's buffers, and the stages take what is left of the 227 KB. "pingpong": each
+            # warpgroup owns a 64-token tile and its accumulator (5 stages of 32 KB); "persistent": 128-token tiles
+            # as the two-warpgroup default (4 stages of 40 KB).
+            if schedule == "pingpong":
+                self.tile_mnk = (64, HEAD_DIM, TILE_K)
+                self.atom_layout_mnk = (1, 1, 1)
             self.codes_bytes_per_wg = 2 * 64 * self.code_row_bytes
-            stage_bytes = (64 + HEAD_DIM) * TILE_K * self.ab_dtype.width // 8
+            stage_bytes = (self.tile_mnk[0] + HEAD_DIM) * TILE_K * self.ab_dtype.width // 8
             fixed = (self.num_consumer_wgs * self.codes_bytes_per_wg + self.num_consumer_warps * HEAD_DIM * 5
                      + 3 * self.buffer_align_bytes)  # + mbarriers and the two 1 KB-aligned buffers' padding
             self.ab_stages = (SMEM_BYTES - fixed) // stage_bytes
@@ -276,10 +290,11 @@ class HopperProjRope:
                 tiled_mma, a_smem_staged, b_smem_staged)
         tiles_t = (t + self.tile_mnk[0] - 1) // self.tile_mnk[0]
         # preferred_smem_carveout=100: all of the SM's memory as shared memory
-        if cutlass.const_expr(self.schedule == "pingpong"):  # min(tiles, persistent_ctas) CTAs, one per SM
+        if cutlass.const_expr(bool(self.schedule)):  # min(tiles, persistent_ctas) CTAs, one per SM
             ctas = cutlass.min(tiles_t * h, cutlass.Int32(self.persistent_ctas))
-            self.kernel_pingpong(*args).launch(grid=(ctas, 1, 1), block=(self.threads_per_cta, 1, 1),
-                                               min_blocks_per_mp=1, preferred_smem_carveout=100, stream=stream)
+            body = self.kernel_pingpong if cutlass.const_expr(self.schedule == "pingpong") else self.kernel_persistent
+            body(*args).launch(grid=(ctas, 1, 1), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1,
+                               preferred_smem_carveout=100, stream=stream)
         elif cutlass.const_expr(self.cluster_t == 1):
             self.kernel(*args).launch(grid=(tiles_t, h, 1), block=(self.threads_per_cta, 1, 1),
                                       min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100, stream=stream)
@@ -299,7 +314,7 @@ class HopperProjRope:
                       col_amax=cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps * HEAD_DIM],
                       col_scale_tab=cute.struct.Align[
                           cute.struct.MemRange[cutlass.Uint8, self.num_consumer_warps * HEAD_DIM], 16])
-        if self.schedule == "pingpong":
+        if self._own_code_tiles:
             fields["codes"] = cute.struct.Align[
                 cute.struct.MemRange[cutlass.Uint8, self.num_consumer_wgs * self.codes_bytes_per_wg], 128]
         for name, staged in (("sA", a_smem_staged), ("sB", b_smem_staged)):
@@ -396,16 +411,8 @@ class HopperProjRope:
             # ------------------------------------------------------------------------------ producer
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-                for i in range(my_tiles):
-                    tile = cta + i * n_ctas  # head-major: consecutive CTAs share W's head in L2
-                    tile_t = tile % tiles_t
-                    head = tile // tiles_t
-                    for kt in range(k_tiles):
-                        tma_pipeline.load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_t, head,
-                                                 kt, multicast=self.cluster_t)
-                        state.advance()
-                ab_pipeline.producer_tail(state)
+                self._produce_tiles(ab_pipeline, tma_atom_a, tma_atom_b, views, cta, n_ctas, my_tiles, tiles_t,
+                                    k_tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             wg, wg_tid, warp, lane, quad, row0, tCrA, tCrB, acc = self._consumer_operands(tidx, wg_idx, tiled_mma,
@@ -413,16 +420,7 @@ class HopperProjRope:
             num_k_steps = 0 if "mma" in self._skip else cute.size(tCrA, mode=[2])
             rope_tab = cute.make_rmem_tensor((2, QK_ROPE // 8, 4), cutlass.BFloat16)
 
-            # This warpgroup's own code tiles (rows, then columns), outside the pipeline's buffers.
-            code_layout = cute.make_layout((bm, self.code_row_bytes), stride=(self.code_row_bytes, 1))
-            own_codes = storage.codes.data_ptr() + cute.assume(wg * self.codes_bytes_per_wg, divby=128)
-            sRow_own = cute.make_tensor(own_codes, code_layout)
-            sCol_own = cute.make_tensor(own_codes + cute.cosize(code_layout), code_layout)
-
-            def stage_codes():
-                # The previous tile's store (every thread of this warpgroup) has read the code tiles.
-                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
-                return sRow_own, sCol_own
+            stage_codes = self._own_stage_codes(storage, wg)
 
             # Stages are consumed in the producer's order: warpgroup 1 starts after warpgroup 0's first tile, and
             # each warpgroup skips the other's k-tiles after each of its own tiles.
@@ -456,21 +454,107 @@ class HopperProjRope:
                     self._epilogue(acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales,
                                    tile_t * bm, 0, row0, wg, warp, lane, quad, wg_tid, t, h, head)
 
+    # ------------------------------------------------------------------------------ persistent (cooperative)
+    @cute.kernel
+    def kernel_persistent(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
+                          mB_nkl: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor, row_codes: cute.Tensor,
+                          row_scales: cute.Tensor, col_codes: cute.Tensor, col_scales: cute.Tensor, t: cutlass.Int32,
+                          h: cutlass.Int32, tiled_mma: cute.TiledMma, a_smem_staged: cute.ComposedLayout,
+                          b_smem_staged: cute.ComposedLayout):
+        """Device body of the persistent schedule: CTA c takes the 128-token x one-head tiles c, c + grid, ...; warp 0
+        streams their k-tiles without a pause, both consumer warpgroups read every stage (one 64-token half each)
+        and release it (8 warps), then each runs its epilogue on its own code tiles while the producer already fills
+        the stages with the next tile's k-tiles. Halves W's reads per token against 64-token tiles and keeps loads
+        in flight through the epilogue (Nsight Compute on the H200: the 64-token kernels' consumers spent ~40% of
+        their samples waiting for a full stage)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        cta, _, _ = cute.arch.block_idx()
+        n_ctas, _, _ = cute.arch.grid_dim()
+        bm = self.tile_mnk[0]
+        tiles_t = (t + bm - 1) // bm
+        my_tiles = (tiles_t * h - 1 - cta) // n_ctas + 1  # >= 1: the grid is at most the tile count
+        storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
+            tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, self.shared_storage,
+            self.ab_dtype, self.ab_stages, self.num_consumer_warps, (1, 1), self.tile_mnk, self.threads_per_wg)
+
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self._produce_tiles(ab_pipeline, tma_atom_a, tma_atom_b, views, cta, n_ctas, my_tiles, tiles_t,
+                                    k_tiles)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            wg, wg_tid, warp, lane, quad, row0, tCrA, tCrB, acc = self._consumer_operands(tidx, wg_idx, tiled_mma,
+                                                                                          sA, sB)
+            num_k_steps = 0 if "mma" in self._skip else cute.size(tCrA, mode=[2])
+            rope_tab = cute.make_rmem_tensor((2, QK_ROPE // 8, 4), cutlass.BFloat16)
+            stage_codes = self._own_stage_codes(storage, wg)
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc is zeroed per tile
+            for i in range(my_tiles):
+                tile = cta + i * n_ctas
+                tile_t = tile % tiles_t
+                head = tile // tiles_t
+                token0 = tile_t * bm + wg * 64  # this warpgroup's 64 tokens
+                self._load_rope_tab(rope_tab, cos, sin, token0, row0, quad, t)
+                acc.fill(0.0)
+                self._opaque_acc(acc, tidx + i)
+                read_state, release_state = self._issue_k_tiles(ab_pipeline, read_state, release_state, tiled_mma,
+                                                                acc, tCrA, tCrB, num_k_steps, k_tiles)
+                cute.nvgpu.warpgroup.wait_group(0)
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
+                if cutlass.const_expr("epilogue" not in self._skip):
+                    self._epilogue(acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales,
+                                   token0, 0, row0, wg, warp, lane, quad, wg_tid, t, h, head)
+
+    @cute.jit
+    def _produce_tiles(self, ab_pipeline, tma_atom_a, tma_atom_b, views, cta, n_ctas, my_tiles, tiles_t, k_tiles):
+        """Persistent producer (warp 0): every k-tile of this CTA's tiles cta, cta + n_ctas, ..., in that order.
+        Tiles are numbered head-major (token tile fastest), so the CTAs running at once share a few heads' W in L2."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        for i in range(my_tiles):
+            tile = cta + i * n_ctas
+            tile_t = tile % tiles_t
+            head = tile // tiles_t
+            for kt in range(k_tiles):
+                tma_pipeline.load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_t, head, kt,
+                                         multicast=self.cluster_t)
+                state.advance()
+        ab_pipeline.producer_tail(state)
+
+    def _own_stage_codes(self, storage, wg):
+        """Persistent schedules' `stage_codes` for `_epilogue`: warpgroup wg's own 64-row code tiles (rows, then
+        columns) outside the pipeline's buffers, handed out once every thread of the warpgroup has stored the
+        previous tile's codes from them (named barrier 1 + wg)."""
+        code_layout = cute.make_layout((64, self.code_row_bytes), stride=(self.code_row_bytes, 1))
+        own_codes = storage.codes.data_ptr() + cute.assume(wg * self.codes_bytes_per_wg, divby=128)
+        s_row = cute.make_tensor(own_codes, code_layout)
+        s_col = cute.make_tensor(own_codes + cute.cosize(code_layout), code_layout)
+
+        def stage_codes():
+            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
+            return s_row, s_col
+
+        return stage_codes
+
     def _consumer_operands(self, tidx, wg_idx, tiled_mma, sA, sB):
         """A consumer thread's place and wgmma operands: (wg, wg_tid, warp, lane, quad, row0, tCrA, tCrB, acc).
         row0 is this thread's first token (+8 the second) in the CTA's tile, whose 64-token slices are the
-        warpgroups' (default schedule), or in its warpgroup's own tile (ping-pong); acc is not zeroed."""
+        warpgroups' (default schedule), or in its warpgroup's own 64 tokens (persistent schedules); acc is not
+        zeroed."""
         wg = wg_idx - 1
         wg_tid = tidx % self.threads_per_wg
         warp = wg_tid // 32
         lane = tidx % 32
         quad = lane % 4
-        if self.schedule == "pingpong":
-            row0 = warp * 16 + lane // 4
+        if self.schedule == "pingpong":  # one warpgroup's 64-token tile
             thr_mma = tiled_mma.get_slice(0)
-        else:
-            row0 = wg * 64 + warp * 16 + lane // 4
+        else:  # the warpgroups' 64-token halves of the CTA's tile
             thr_mma = tiled_mma.get_slice(wg * self.threads_per_wg)
+        row0 = (0 if self._own_code_tiles else wg * 64) + warp * 16 + lane // 4
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C(self.tile_mnk[:2]), self.acc_dtype)
