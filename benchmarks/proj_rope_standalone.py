@@ -57,12 +57,17 @@ class Runner:
         from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
 
         self.cute, self.cutlass, self.cuda = cute, cutlass, cuda
-        if consumer_wgs in ("pp", "ps"):
-            schedule = "pingpong" if consumer_wgs == "pp" else "persistent"
-            self.kernel, self.label = HopperProjRope(w_major=w_major, schedule=schedule), schedule
+        kind, _, tile_k = str(consumer_wgs).partition("k")  # "1k32": one consumer warpgroup, 32-wide k-tiles
+        tile_k = int(tile_k or 64)
+        if kind in ("pp", "ps"):
+            schedule = "pingpong" if kind == "pp" else "persistent"
+            self.kernel = HopperProjRope(w_major=w_major, schedule=schedule, tile_k=tile_k)
+            self.label = schedule
         else:
-            self.kernel = HopperProjRope(w_major=w_major, consumer_wgs=int(consumer_wgs))
-            self.label = f"{consumer_wgs}wg"
+            self.kernel = HopperProjRope(w_major=w_major, consumer_wgs=int(kind), tile_k=tile_k)
+            self.label = f"{kind}wg"
+        if tile_k != 64:
+            self.label += f" k{tile_k}"
         self.kernel._skip = frozenset(skip)  # profiling only: phases left out
         if skip:
             self.label += " no-" + "+".join(sorted(skip))
@@ -253,7 +258,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--consumer-wgs", default="2",
                    help="comma-separated kernels to check and time: 1, 2 (consumer warpgroups), pp (ping-pong), "
-                        "ps (persistent)")
+                        "ps (persistent); a suffix k32 takes 32-wide k-tiles (twice the stages), e.g. 1k32")
     p.add_argument("--profile", action="store_true",
                    help="also time each kernel (w_out_in=True) with one phase left out (not checked)")
     args = p.parse_args()
@@ -269,7 +274,7 @@ def main() -> int:
     results = []
     shapes = [] if args.no_check else CHECK_SHAPES[:2] if args.quick else CHECK_SHAPES
     for (w_out_in, wgs), runner in runners.items():
-        for shape in shapes + (PINGPONG_CHECK_SHAPES if wgs in ("pp", "ps") and not args.no_check else []):
+        for shape in shapes + (PINGPONG_CHECK_SHAPES if wgs[:2] in ("pp", "ps") and not args.no_check else []):
             for tables in ("random", "yarn"):
                 r = dict(check(runner, w_out_in, shape, rng, tables), wgs=wgs)
                 results.append(r)

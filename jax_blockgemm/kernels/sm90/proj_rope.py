@@ -67,6 +67,7 @@ from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, QK_NOPE, QK_ROPE
 
 W_MAJORS = ("k", "n")
 TILE_K = 64  # bf16: one 128-byte swizzle row
+TILE_KS = (64, 32)  # 32: half-size stages, twice as many (SW64), for more loads in flight at the same bytes
 CONSUMER_WGS = (1, 2)
 CLUSTER_T = (1, 2, 4)  # CTAs (consecutive token tiles of one head) sharing each W tile through TMA multicast
 _ROW_PAD = 0  # shared-memory code rows of 192 bytes: code_tiles.py's swizzle keeps stores and loads conflict-free
@@ -188,7 +189,7 @@ class HopperProjRope:
     """
 
     def __init__(self, *, x_dtype: str = "bfloat16", w_major: str = "k", consumer_wgs: int = 2, cluster_t: int = 1,
-                 schedule: str = "", persistent_ctas: int = PERSISTENT_CTAS):
+                 schedule: str = "", persistent_ctas: int = PERSISTENT_CTAS, tile_k: int = TILE_K):
         common.require_choice("x_dtype", x_dtype, ("bfloat16",))
         common.require_choice("schedule", schedule, SCHEDULES)
         if schedule and (consumer_wgs, cluster_t) != (2, 1):
@@ -203,6 +204,7 @@ class HopperProjRope:
         self._skip: frozenset = frozenset()
         common.require_choice("w_major", w_major, W_MAJORS)
         common.require_choice("consumer_wgs", consumer_wgs, CONSUMER_WGS)
+        common.require_choice("tile_k", tile_k, TILE_KS)
         common.require_choice("cluster_t", cluster_t, CLUSTER_T)
         # cluster_t > 1: each CTA loads 1/cluster_t of the W tile and multicasts it to the cluster, which divides
         # W's traffic from L2 into shared memory (most of the bytes a CTA reads) by cluster_t.
@@ -211,7 +213,7 @@ class HopperProjRope:
         self.acc_dtype = cutlass.Float32
         self.w_major = w_major
         self.num_consumer_wgs = consumer_wgs
-        self.tile_mnk = (64 * consumer_wgs, HEAD_DIM, TILE_K)
+        self.tile_mnk = (64 * consumer_wgs, HEAD_DIM, tile_k)
         self.atom_layout_mnk = (consumer_wgs, 1, 1)  # consumer warpgroups stacked along tokens
         self.threads_per_wg = 128
         self.num_consumer_warps = 4 * self.num_consumer_wgs
@@ -229,7 +231,8 @@ class HopperProjRope:
             self.ctas_per_sm, self.consumer_regs, self.ab_stages = 1, 232, 5
         else:  # two CTAs per SM: 64K registers and 227 KB of shared memory split in two (3 x 32 KB each)
             self.ctas_per_sm, self.consumer_regs, self.ab_stages = 2, 208, 3
-        b_buffer_bytes = HEAD_DIM * TILE_K * self.ab_dtype.width // 8 * self.ab_stages
+        self.ab_stages *= TILE_K // tile_k  # the same bytes in smaller stages
+        b_buffer_bytes = HEAD_DIM * tile_k * self.ab_dtype.width // 8 * self.ab_stages
         assert 2 * self.tile_mnk[0] * self.code_row_bytes <= b_buffer_bytes  # both code tiles fit W's buffers
         self.buffer_align_bytes = 1024
         if schedule:
@@ -238,10 +241,10 @@ class HopperProjRope:
             # warpgroup owns a 64-token tile and its accumulator (5 stages of 32 KB); "persistent": 128-token tiles
             # as the two-warpgroup default (4 stages of 40 KB).
             if schedule == "pingpong":
-                self.tile_mnk = (64, HEAD_DIM, TILE_K)
+                self.tile_mnk = (64, HEAD_DIM, tile_k)
                 self.atom_layout_mnk = (1, 1, 1)
             self.codes_bytes_per_wg = 2 * 64 * self.code_row_bytes
-            stage_bytes = (self.tile_mnk[0] + HEAD_DIM) * TILE_K * self.ab_dtype.width // 8
+            stage_bytes = (self.tile_mnk[0] + HEAD_DIM) * tile_k * self.ab_dtype.width // 8
             fixed = (self.num_consumer_wgs * self.codes_bytes_per_wg + self.num_consumer_warps * HEAD_DIM * 5
                      + 3 * self.buffer_align_bytes)  # + mbarriers and the two 1 KB-aligned buffers' padding
             self.ab_stages = (SMEM_BYTES - fixed) // stage_bytes
