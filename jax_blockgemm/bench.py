@@ -3,23 +3,28 @@
 gemm_amax, MXFP8 E4M3 -> f32 C, at the SPEC §8 shapes (or `--shape M,N,K`, repeatable): ours with
 implementation=None and "cutedsl", the pure-JAX reference ("xla"), `jax.nn.scaled_matmul`, `jax.lax.scaled_dot`
 (where the installed jax has it), and two anchors without block scales: an FP8 dot and a bf16 dot, both -> f32.
+`--format mxfp4,nvfp4` (or repeated; default mxfp8) times the same columns with FP4 operands instead, one table per
+format: MXFP4 (E2M1 codes packed two per byte, E8M0 scales, block 32) and NVFP4 (E2M1 packed, E4M3 scales, block
+16, the fp32 per-tensor alpha); the anchors stay an E4M3 dot and a bf16 dot of the same M, N, K.
 
 gemm_proj_rope_mxfp8 at DeepSeek-V3's K = 1536, H = 128, T in {2048, 4096}, w as (H*192, K), bf16 and MXFP8
 inputs: ours (None and "cutedsl"), the reference, XLA's bare bf16 dot of the same shape (-> bf16; the faster of the
 two weight layouts) and the unfused pipeline through `jax.nn.scaled_matmul` (MXFP8 in on both paths:
 scaled_matmul -> RoPE -> rowwise and columnwise MXFP8 quantization).
 
-Method: fresh random inputs (normal values whose rows differ in magnitude, quantized by `formats.quantize_mxfp8`,
-so block scales are random and never zero), several input sets rotated so that caches cannot hold them, every
-function compiled ahead under jax.jit, warm-up calls, then the median of --reps samples, each --burst calls (10)
-issued back to back and ended by one block_until_ready, per call: the device time per call, as a model step sees
-it (--burst 1 waits for every call and adds its host latency, 0.1-0.4 ms on an H200, to every column). Ratios are speedups, baseline ms / column ms (> 1: faster than the baseline), against
+Method: fresh random inputs (normal values whose rows differ in magnitude, quantized by `formats.quantize_mxfp8`
+/ `quantize_mxfp4` / `quantize_nvfp4`, so block scales are random and never zero; NVFP4 first divides each operand
+by its per-tensor scale amax / (6 * 448), and alpha is the product of the two), several input sets rotated so
+that caches cannot hold them, every function compiled ahead under jax.jit, warm-up calls, then the median of
+--reps samples, each --burst calls (10) issued back to back and ended by one block_until_ready, per call: the device
+time per call, as a model step sees it (--burst 1 waits for every call and adds its host latency, 0.1-0.4 ms on an
+H200, to every column). Ratios are speedups, baseline ms / column ms (> 1: faster than the baseline), against
 `jax.nn.scaled_matmul`, the reference and `jax.lax.scaled_dot` for gemm_amax, against the bare dot and the unfused
 pipeline for proj_rope. Every column that computes the same function is checked against the reference on the
 first input set (gemm_amax: ||C - C_ref|| / ||C_ref||; proj_rope: the fraction of E4M3 codes equal to the
 reference's), so that a fast wrong answer shows. A column that cannot run here (no kernel applies, the installed
-jax lacks the API, no lowering for this platform) shows "n/a", and the reason is printed below the table and kept
-in the JSON.
+jax lacks the API or the format, no lowering for this platform; an error at compile time or on the first call)
+shows "n/a", and the reason is printed below the table and kept in the JSON.
 """
 
 from __future__ import annotations
@@ -58,6 +63,26 @@ PROJ_COLUMNS = {"ours": "ours(None)", "ours_cutedsl": "ours(cutedsl)", "referenc
                 "bf16_dot": "bare bf16 dot", "pipeline": "scaled_matmul pipeline"}
 BASELINES = {"gemm_amax": ("scaled_matmul", "reference", "scaled_dot"), "proj_rope": ("bf16_dot", "pipeline")}
 OPS = ("gemm_amax", "proj_rope")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmFormat:
+    """A gemm_amax input format --format can pick: its name, its table title, its block (sf_vec_size)."""
+
+    name: str
+    title: str
+    block: int
+
+    @property
+    def fp4(self) -> bool:
+        return self.name != "mxfp8"
+
+
+GEMM_FORMATS = {f.name: f for f in (
+    GemmFormat("mxfp8", "MXFP8 E4M3", support.MX_BLOCK),
+    GemmFormat("mxfp4", "MXFP4 E2M1", support.MX_BLOCK),
+    GemmFormat("nvfp4", "NVFP4 E2M1 x alpha", 16))}
+DEFAULT_FORMATS = ("mxfp8",)
 CHECKS = {"gemm_amax": ("rel err vs reference", ".1e"), "proj_rope": ("codes = reference", ".2%")}
 
 
@@ -87,15 +112,51 @@ def _as_e8m0(scale_bytes: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(scale_bytes, jnp.float8_e8m0fnu)
 
 
-def gemm_inputs(key: jax.Array, m: int, n: int, k: int) -> dict[str, jax.Array]:
-    """One input set for a gemm_amax case: codes, scales in each form the columns take, bf16 values."""
+def nvfp4_tensor_scale(values: jax.Array) -> jax.Array:
+    """NVFP4's per-tensor fp32 scale, amax / (6 * 448): the operand divided by it fills the E4M3 scale range."""
+    return jnp.max(jnp.abs(values)) / (formats.emax(formats.E2M1) * formats.emax(formats.E4M3))
+
+
+def quantize_operand(values: jax.Array, fmt: GemmFormat) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
+    """(codes, compact scales, per-tensor scale or None) of values in `fmt`, by the library's own quantizers.
+
+    MXFP8: E4M3 codes and uint8 E8M0 bytes; MXFP4: packed uint8 E2M1 codes and uint8 E8M0 bytes; NVFP4: packed
+    codes and float8_e4m3fn scales of values / nvfp4_tensor_scale(values), which is returned as the third item.
+    """
+    if fmt.name == "mxfp8":
+        return (*formats.quantize_mxfp8(values), None)
+    if fmt.name == "mxfp4":
+        return (*formats.quantize_mxfp4(values), None)
+    tensor_scale = nvfp4_tensor_scale(values)
+    return (*formats.quantize_nvfp4(values / tensor_scale), tensor_scale)
+
+
+def gemm_inputs(key: jax.Array, m: int, n: int, k: int, fmt: str = "mxfp8") -> dict[str, jax.Array]:
+    """One input set for a gemm_amax case in format `fmt`: codes and scales in each form the columns take.
+
+    a, b, sfa_atom, sfb_atom (and alpha, NVFP4): what ours and the reference take (FP4 packed two per byte);
+    a_sm, b_sm, sfa_sm, sfb_sm: what scaled_matmul / scaled_dot take (float4_e2m1fn codes, compact float8 scales);
+    a_fp8, b_fp8: E4M3 codes of the same values for the FP8 dot anchor (for MXFP8 the operands themselves);
+    a_bf16, b_bf16: the dequantized operands (code x block scale, without NVFP4's alpha; exact in bf16).
+    """
+    spec = GEMM_FORMATS[fmt]
     k_a, k_b = jax.random.split(key)
-    a, sfa = random_mxfp8(k_a, (m, k))
-    b, sfb = random_mxfp8(k_b, (n, k))
-    return {"a": a, "b": b, "sfa_atom": formats.to_scale_atom(sfa), "sfb_atom": formats.to_scale_atom(sfb),
-            "sfa_e8m0": _as_e8m0(sfa), "sfb_e8m0": _as_e8m0(sfb),
-            "a_bf16": reference.dequantize_bf16(a, sfa, block=support.MX_BLOCK, axis=-1),
-            "b_bf16": reference.dequantize_bf16(b, sfb, block=support.MX_BLOCK, axis=-1)}
+    values = (random_values(k_a, (m, k)), random_values(k_b, (n, k)))
+    (a, sfa, ta), (b, sfb, tb) = (quantize_operand(v, spec) for v in values)
+    codes = (formats.unpack_fp4(a), formats.unpack_fp4(b)) if spec.fp4 else (a, b)
+    inputs = {"a": a, "b": b, "sfa_atom": formats.to_scale_atom(sfa), "sfb_atom": formats.to_scale_atom(sfb),
+              "a_sm": codes[0], "b_sm": codes[1],
+              "a_bf16": reference.dequantize_bf16(codes[0], sfa, block=spec.block, axis=-1),
+              "b_bf16": reference.dequantize_bf16(codes[1], sfb, block=spec.block, axis=-1)}
+    e8m0 = sfa.dtype == jnp.uint8  # MX formats; NVFP4's scales are float8_e4m3fn already
+    inputs["sfa_sm"], inputs["sfb_sm"] = (_as_e8m0(sfa), _as_e8m0(sfb)) if e8m0 else (sfa, sfb)
+    if spec.fp4:
+        inputs["a_fp8"], inputs["b_fp8"] = (formats.quantize_mxfp8(v)[0] for v in values)
+    else:
+        inputs["a_fp8"], inputs["b_fp8"] = a, b
+    if ta is not None:
+        inputs["alpha"] = (ta * tb).astype(jnp.float32)
+    return inputs
 
 
 def proj_rope_inputs(key: jax.Array, tokens: int, heads: int, k: int, w_out_in: bool = True
@@ -142,6 +203,7 @@ class Column:
     na_errors: tuple[type[BaseException], ...] = ()
     missing: str = ""
     checked: bool = False  # computes the same function as the reference: its output is compared with it
+    check_times: str = ""  # an input (NVFP4's alpha) the output is multiplied by before the check, not timed
 
 
 def _nt_dot(lhs: jax.Array, rhs: jax.Array, out_dtype: Any = jnp.float32) -> jax.Array:
@@ -149,36 +211,47 @@ def _nt_dot(lhs: jax.Array, rhs: jax.Array, out_dtype: Any = jnp.float32) -> jax
     return jax.lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
 
 
-def _scaled_matmul(a: jax.Array, b: jax.Array, sa: jax.Array, sb: jax.Array) -> jax.Array:
-    """jax.nn.scaled_matmul on 2-D operands (it takes (B, M, K)): MXFP8 E4M3 + E8M0 -> f32."""
-    return jax.nn.scaled_matmul(a[None], b[None], sa[None], sb[None], preferred_element_type=jnp.float32)[0]
+def _scaled_matmul(a: jax.Array, b: jax.Array, sa: jax.Array, sb: jax.Array, alpha: Optional[jax.Array] = None
+                   ) -> jax.Array:
+    """jax.nn.scaled_matmul on 2-D operands (it takes (B, M, K)) -> f32: MXFP8 E4M3 or FP4 float4_e2m1fn codes,
+    E8M0 (or NVFP4's E4M3) scales; it has no per-tensor scale, so NVFP4's alpha multiplies its result."""
+    c = jax.nn.scaled_matmul(a[None], b[None], sa[None], sb[None], preferred_element_type=jnp.float32)[0]
+    return c if alpha is None else c * alpha
 
 
 def _scaled_dot_column(inputs: tuple[str, ...]) -> Column:
-    """jax.lax.scaled_dot where the installed jax has it (0.11 does; older ones may not)."""
+    """jax.lax.scaled_dot where the installed jax has it (0.11 does; older ones may not); NVFP4: times alpha."""
     scaled_dot = getattr(jax.lax, "scaled_dot", None)
     if scaled_dot is None:
         return Column("scaled_dot", None, inputs, missing=f"jax {jax.__version__} has no jax.lax.scaled_dot")
 
-    def fn(a: jax.Array, b: jax.Array, sa: jax.Array, sb: jax.Array) -> jax.Array:
-        return scaled_dot(a, b, lhs_scale=sa, rhs_scale=sb, dimension_numbers=(((1,), (1,)), ((), ())),
-                          preferred_element_type=jnp.float32)
+    def fn(a: jax.Array, b: jax.Array, sa: jax.Array, sb: jax.Array, alpha: Optional[jax.Array] = None
+           ) -> jax.Array:
+        c = scaled_dot(a, b, lhs_scale=sa, rhs_scale=sb, dimension_numbers=(((1,), (1,)), ((), ())),
+                       preferred_element_type=jnp.float32)
+        return c if alpha is None else c * alpha
 
     return Column("scaled_dot", fn, inputs, na_errors=(Exception,), checked=True)
 
 
-def gemm_columns() -> list[Column]:
-    """The gemm_amax columns, in table order."""
-    ours = ("a", "b", "sfa_atom", "sfb_atom")
-    scaled = ("a", "b", "sfa_e8m0", "sfb_e8m0")
-    impl = lambda implementation: lambda a, b, sa, sb: jbg.gemm_amax(a, b, sa, sb, implementation=implementation)
+def gemm_columns(fmt: str = "mxfp8") -> list[Column]:
+    """The gemm_amax columns in format `fmt`, in table order (input names: `gemm_inputs`)."""
+    spec = GEMM_FORMATS[fmt]
+    alpha = ("alpha",) if fmt == "nvfp4" else ()
+    ours = ("a", "b", "sfa_atom", "sfb_atom", *alpha)
+    scaled = ("a_sm", "b_sm", "sfa_sm", "sfb_sm", *alpha)
+    impl = lambda implementation: lambda a, b, sa, sb, alpha=None: jbg.gemm_amax(
+        a, b, sa, sb, alpha=alpha, sf_vec_size=spec.block, implementation=implementation)
     return [Column("ours", impl(None), ours, checked=True),
             Column("ours_cutedsl", impl("cutedsl"), ours, na_errors=(ValueError,), checked=True),
             Column("reference", impl("xla"), ours, checked=True),
             Column("scaled_matmul", _scaled_matmul, scaled, na_errors=(Exception,), checked=True),
             _scaled_dot_column(scaled),
-            Column("fp8_dot", _nt_dot, ("a", "b"), na_errors=(Exception,)),  # codes without scales: a speed anchor
-            Column("bf16_dot", _nt_dot, ("a_bf16", "b_bf16"), na_errors=(Exception,), checked=True)]
+            # E4M3 codes without scales: a speed anchor (for FP4 formats: the same values quantized to MXFP8)
+            Column("fp8_dot", _nt_dot, ("a_fp8", "b_fp8"), na_errors=(Exception,)),
+            # the bare dot of the dequantized operands; NVFP4's alpha is applied to its output for the check only
+            Column("bf16_dot", _nt_dot, ("a_bf16", "b_bf16"), na_errors=(Exception,), checked=True,
+                   check_times=alpha[0] if alpha else "")]
 
 
 def _unfused_pipeline(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array, cos: jax.Array,
@@ -239,12 +312,15 @@ class Case:
     make_inputs: Callable[[jax.Array], dict[str, jax.Array]]
     columns: Callable[[], list[Column]]
     check: Callable[[Any, Any], float]  # (a checked column's output, the reference's) -> the "check" number
+    fmt: Optional[str] = None  # gemm_amax: the GEMM_FORMATS name of its inputs
 
 
-def gemm_case(m: int, n: int, k: int) -> Case:
-    """gemm_amax at M x N x K, MXFP8 E4M3 -> f32."""
-    return Case("gemm_amax", f"{m}x{n}x{k}", {"m": m, "n": n, "k": k}, 2.0 * m * n * k,
-                functools.partial(gemm_inputs, m=m, n=n, k=k), gemm_columns, gemm_rel_err)
+def gemm_case(m: int, n: int, k: int, fmt: str = "mxfp8") -> Case:
+    """gemm_amax at M x N x K in format `fmt` -> f32; the name says the format unless it is the default MXFP8."""
+    name = f"{m}x{n}x{k}" if fmt == "mxfp8" else f"{m}x{n}x{k} {fmt}"
+    return Case("gemm_amax", name, {"m": m, "n": n, "k": k, "format": fmt}, 2.0 * m * n * k,
+                functools.partial(gemm_inputs, m=m, n=n, k=k, fmt=fmt), functools.partial(gemm_columns, fmt),
+                gemm_rel_err, fmt)
 
 
 def proj_rope_case(tokens: int, heads: int, k: int, mxfp8: bool) -> Case:
@@ -296,10 +372,13 @@ def time_column(column: Column, sets: list[dict[str, jax.Array]], *, warmup: int
     arg_sets = [tuple(s[name] for name in column.inputs) for s in sets]
     try:
         compiled = jax.jit(column.fn).lower(*arg_sets[0]).compile()
+        out = jax.block_until_ready(compiled(*arg_sets[0]))  # some backends refuse a format only when run
     except column.na_errors as e:
         raise NotAvailable(_first_line(e)) from e
     ms = median_ms(compiled, arg_sets, warmup=warmup, reps=reps, burst=burst)
-    return ms, (compiled(*arg_sets[0]) if column.checked else None)
+    if not column.checked:
+        return ms, None
+    return ms, (out * sets[0][column.check_times] if column.check_times else out)
 
 
 def _merge_layouts(results: dict[str, dict], prefix: str) -> None:
@@ -340,15 +419,18 @@ def run_case(case: Case, key: jax.Array, *, sets: int, warmup: int, reps: int, p
         base_ms = results.get(base, {}).get("ms")
         ratios[f"vs_{base}"] = {name: (base_ms / r["ms"] if base_ms and "ms" in r else None)
                                 for name, r in results.items()}
-    return {"op": case.op, "case": case.name, "dims": case.dims, "flops": case.flops, "check": CHECKS[case.op][0],
-            "columns": results, "ratios": ratios}
+    record = {"op": case.op, "case": case.name, "dims": case.dims, "flops": case.flops,
+              "check": CHECKS[case.op][0], "columns": results, "ratios": ratios}
+    return record if case.fmt is None else {**record, "format": case.fmt}
 
 
-def build_cases(*, ops: Sequence[str], shapes: Sequence[tuple[int, int, int]], small: bool) -> list[Case]:
-    """The cases to run, in order: gemm_amax shapes first, then proj_rope T x {bf16, mxfp8}."""
+def build_cases(*, ops: Sequence[str], shapes: Sequence[tuple[int, int, int]], small: bool,
+                gemm_formats: Sequence[str] = DEFAULT_FORMATS) -> list[Case]:
+    """The cases to run, in order: gemm_amax per format, its shapes, then proj_rope T x {bf16, mxfp8}."""
     cases = []
     if "gemm_amax" in ops:
-        cases += [gemm_case(*s) for s in (shapes or (SMALL_GEMM_SHAPES if small else GEMM_SHAPES))]
+        cases += [gemm_case(*s, fmt) for fmt in gemm_formats
+                  for s in (shapes or (SMALL_GEMM_SHAPES if small else GEMM_SHAPES))]
     if "proj_rope" in ops:
         tokens, heads, k = ((SMALL_PROJ_TOKENS, SMALL_PROJ_HEADS, SMALL_PROJ_K) if small
                             else (PROJ_TOKENS, PROJ_HEADS, PROJ_K))
@@ -467,10 +549,35 @@ def _labels(op: str) -> dict[str, str]:
     return GEMM_COLUMNS if op == "gemm_amax" else PROJ_COLUMNS
 
 
-def _title(op: str) -> str:
-    """The heading of an op's table and chart."""
-    return ("gemm_amax, MXFP8 E4M3 -> f32, M x N x K" if op == "gemm_amax"
-            else "gemm_proj_rope_mxfp8, w (H*192, K)")
+def _title(op: str, fmt: Optional[str] = None) -> str:
+    """The heading of a table and chart panel: the op and, for gemm_amax, the format (MXFP8 E4M3 if unsaid)."""
+    if op == "gemm_amax":
+        return f"gemm_amax, {GEMM_FORMATS[fmt or 'mxfp8'].title} -> f32, M x N x K"
+    return "gemm_proj_rope_mxfp8, w (H*192, K)"
+
+
+def _sections(record: dict[str, Any]) -> list[tuple[str, Optional[str], list[dict[str, Any]]]]:
+    """(op, format, cases) per table and chart panel: per op in OPS, one per gemm format in the order run."""
+    sections = []
+    for op in OPS:
+        cases = [c for c in record["cases"] if c["op"] == op]
+        for fmt in dict.fromkeys(c.get("format") for c in cases):
+            sections.append((op, fmt, [c for c in cases if c.get("format") == fmt]))
+    return sections
+
+
+def _gemm_note(fmt: Optional[str]) -> str:
+    """The footnote of a gemm_amax table: which input form each column takes."""
+    if fmt in (None, "mxfp8"):
+        return ("  ours and the reference take scales in the 128x4 atom (converted before timing); scaled_matmul "
+                "and scaled_dot take compact float8_e8m0fnu scales; fp8 dot: codes without scales; bf16 dot: the "
+                "dequantized operands")
+    scales = "float8_e8m0fnu scales per 32" if fmt == "mxfp4" else "float8_e4m3fn scales per 16"
+    alpha = ("; alpha (fp32 per-tensor scale): ours take it, scaled_matmul and scaled_dot multiply their result by "
+             "it, the bf16 dot's result is multiplied by it for the check only" if fmt == "nvfp4" else "")
+    return (f"  ours and the reference take E2M1 codes packed two per byte and scales in the 128x4 atom; "
+            f"scaled_matmul and scaled_dot take float4_e2m1fn codes and compact {scales}; fp8 dot: E4M3 codes of "
+            f"the same values without scales; bf16 dot: the dequantized operands{alpha}")
 
 
 def header_lines(record: dict[str, Any]) -> list[str]:
@@ -493,12 +600,9 @@ def _cell(entry: dict[str, Any], field: str, fmt: str) -> str:
 def format_table(record: dict[str, Any]) -> str:
     """The aligned text table: per op, one block of rows per case (ms, TFLOP/s, check, a speedup row per baseline)."""
     lines = header_lines(record)
-    for op in OPS:
-        cases = [c for c in record["cases"] if c["op"] == op]
-        if not cases:
-            continue
+    for op, gemm_format, cases in _sections(record):
         labels = _labels(op)
-        rows = [[_title(op), "", *labels.values()]]
+        rows = [[_title(op, gemm_format), "", *labels.values()]]
         for case in cases:
             cols = [case["columns"][key] for key in labels]
             rows.append([case["case"], "ms", *(_cell(c, "ms", ".4g") for c in cols)])
@@ -518,9 +622,7 @@ def format_table(record: dict[str, Any]) -> str:
                    if "na" in entry}
         lines += [f"  n/a {label}: {reason}" for label, reason in sorted(reasons)]
         if op == "gemm_amax":
-            lines.append("  ours and the reference take scales in the 128x4 atom (converted before timing); "
-                         "scaled_matmul and scaled_dot take compact float8_e8m0fnu scales; fp8 dot: codes without "
-                         "scales; bf16 dot: the dequantized operands")
+            lines.append(_gemm_note(gemm_format))
         if op == "proj_rope":
             lines.append("  bare bf16 dot: x . w^T -> bf16, the faster weight layout; scaled_matmul pipeline: MXFP8 "
                          "in on both paths")
@@ -539,10 +641,9 @@ def write_png(record: dict[str, Any], path: str) -> None:
         from matplotlib.patches import Patch
     except ImportError as e:
         raise SystemExit(f"--png needs matplotlib: pip install 'jax_blockgemm[bench]' ({e}).")
-    ops = [op for op in OPS if any(c["op"] == op for c in record["cases"])]
-    fig, axes = plt.subplots(len(ops), 1, figsize=(11, 4.2 * len(ops)), squeeze=False)
-    for ax, op in zip(axes[:, 0], ops):
-        cases = [c for c in record["cases"] if c["op"] == op]
+    sections = _sections(record)
+    fig, axes = plt.subplots(len(sections), 1, figsize=(11, 4.2 * len(sections)), squeeze=False)
+    for ax, (op, fmt, cases) in zip(axes[:, 0], sections):
         labels = _labels(op)
         width = 0.8 / len(labels)
         handles = []
@@ -554,7 +655,7 @@ def write_png(record: dict[str, Any], path: str) -> None:
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels([c["case"] for c in cases], fontsize=8)
         ax.set_ylabel("TFLOP/s (GEMM flops)")
-        ax.set_title(_title(op), fontsize=10)
+        ax.set_title(_title(op, fmt), fontsize=10)
         ax.set_ylim(top=1.3 * ax.get_ylim()[1])  # room for the legend
         ax.legend(handles=handles, fontsize=7, ncol=4, loc="upper left")
     fig.suptitle("\n".join(header_lines(record)), fontsize=7)
@@ -568,7 +669,8 @@ def write_png(record: dict[str, Any], path: str) -> None:
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
-    """--shape M,N,K: three positive integers, K a multiple of 32 (the MXFP8 block), 16-byte aligned rows."""
+    """--shape M,N,K: three positive integers, K a multiple of 32 (the MX block; also 16-byte FP4 rows), 16-byte
+    aligned rows."""
     parts = text.split(",")
     try:
         if len(parts) != 3:
@@ -589,6 +691,16 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
+def parse_formats(text: str) -> list[str]:
+    """--format: one gemm_amax format or a comma list of them, each one of GEMM_FORMATS."""
+    names = [name.strip().lower() for name in text.split(",")]
+    for name in names:
+        if name not in GEMM_FORMATS:
+            raise argparse.ArgumentTypeError(f"unknown format {name!r} in {text!r}; choose from "
+                                             f"{', '.join(GEMM_FORMATS)} (a comma list, or the option repeated).")
+    return names
+
+
 def _count(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -606,6 +718,9 @@ def parser() -> argparse.ArgumentParser:
                                 epilog="Without options: the SPEC §8 cases of both operations.")
     p.add_argument("--shape", type=parse_shape, action="append", default=[], metavar="M,N,K",
                    help="a gemm_amax shape to run instead of the SPEC §8 ones (repeatable)")
+    p.add_argument("--format", type=parse_formats, action="append", default=[], metavar="FORMAT[,FORMAT]",
+                   help=f"gemm_amax input format(s): {', '.join(GEMM_FORMATS)} (repeatable or a comma list; "
+                        "default mxfp8; proj_rope is MXFP8 only)")
     p.add_argument("--op", choices=OPS, action="append", default=[], help="run only this operation (repeatable)")
     p.add_argument("--small", action="store_true", help="a tiny twin of every case (runs on a CPU in seconds)")
     p.add_argument("--reps", type=_count(1), default=20, help="timed calls per column (the median is reported)")
@@ -625,11 +740,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """Runs the benchmark; prints progress to stderr and the table to stdout; returns the record."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
-    cases = build_cases(ops=args.op or OPS, shapes=args.shape, small=args.small)
+    gemm_formats = tuple(dict.fromkeys(name for names in args.format for name in names)) or DEFAULT_FORMATS
+    cases = build_cases(ops=args.op or OPS, shapes=args.shape, small=args.small, gemm_formats=gemm_formats)
     record = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "command": " ".join(["python -m jax_blockgemm.bench", *argv]), "environment": environment(),
               "method": {"reps": args.reps, "warmup": args.warmup, "sets": args.sets, "seed": args.seed,
-                         "burst": args.burst,
+                         "burst": args.burst, "formats": list(gemm_formats),
                          "timing": "median over samples of the wall time per call of `burst` jitted calls issued "
                                    "back to back and ended by one block_until_ready"},
               "cases": []}

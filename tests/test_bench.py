@@ -15,9 +15,11 @@ from unittest import mock
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl.testing import absltest, parameterized
 
-from jax_blockgemm import bench, dispatch
+import jax_blockgemm as jbg
+from jax_blockgemm import bench, dispatch, formats
 
 GEMM_LABELS = ("ours(None)", "ours(cutedsl)", "reference(xla)", "nn.scaled_matmul", "lax.scaled_dot", "fp8 dot",
                "bf16 dot")
@@ -27,6 +29,10 @@ PROJ_KEYS = {"ours", "ours_cutedsl", "reference", "bf16_dot", "pipeline"}
 SMALL_CASES = [("gemm_amax", "128x128x128"), ("gemm_amax", "64x112x256"), ("gemm_amax", "96x320x64"),
                ("proj_rope", "T=32 H=2 K=64 bf16"), ("proj_rope", "T=32 H=2 K=64 mxfp8"),
                ("proj_rope", "T=64 H=2 K=64 bf16"), ("proj_rope", "T=64 H=2 K=64 mxfp8")]
+SMALL_SHAPES = ("128x128x128", "64x112x256", "96x320x64")
+FP4_FORMATS = ("mxfp4", "nvfp4")
+FP4_TITLES = {"mxfp4": "gemm_amax, MXFP4 E2M1 -> f32, M x N x K",
+              "nvfp4": "gemm_amax, NVFP4 E2M1 x alpha -> f32, M x N x K"}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -121,6 +127,9 @@ class EndToEndTest(absltest.TestCase):
             self.assertTrue(env[key], key)
         self.assertEqual(self.record["method"]["reps"], 3)
         self.assertEqual(self.record["method"]["warmup"], 1)
+        self.assertEqual(self.record["method"]["formats"], ["mxfp8"])  # the default: MXFP8 only
+        for case in self.record["cases"]:
+            self.assertEqual(case.get("format"), "mxfp8" if case["op"] == "gemm_amax" else None, case["case"])
 
     def test_json_numbers_and_ratios(self):
         cases = self.record["cases"]
@@ -184,6 +193,121 @@ class EndToEndTest(absltest.TestCase):
                 self.assertEqual(dot["ms"], dot["layouts_ms"][dot["layout"]])
 
 
+class Fp4EndToEndTest(absltest.TestCase):
+    """`python -m jax_blockgemm.bench --small --format mxfp4,nvfp4` in a fresh process: FP4 gemm_amax tables."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.dir = tempfile.TemporaryDirectory()
+        cls.json_path = os.path.join(cls.dir.name, "bench.json")
+        cls.proc = subprocess.run(
+            [sys.executable, "-m", "jax_blockgemm.bench", "--small", "--format", "mxfp4,nvfp4", "--reps", "3",
+             "--warmup", "1", "--sets", "2", "--json", cls.json_path], capture_output=True, text=True, timeout=1200)
+        cls.record = None
+        if cls.proc.returncode == 0:
+            with open(cls.json_path) as f:
+                cls.record = json.load(f)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.dir.cleanup()
+        super().tearDownClass()
+
+    def setUp(self):
+        self.assertEqual(self.proc.returncode, 0, self.proc.stderr[-3000:])
+
+    def test_cases_say_the_format(self):
+        self.assertEqual(self.record["method"]["formats"], list(FP4_FORMATS))
+        gemm = [c for c in self.record["cases"] if c["op"] == "gemm_amax"]
+        self.assertEqual([(c["case"], c["format"], c["dims"]["format"]) for c in gemm],
+                         [(f"{shape} {fmt}", fmt, fmt) for fmt in FP4_FORMATS for shape in SMALL_SHAPES])
+        self.assertEqual([c["case"] for c in self.record["cases"] if c["op"] == "proj_rope"],
+                         [name for op, name in SMALL_CASES if op == "proj_rope"])  # proj_rope is MXFP8 only
+
+    def test_one_table_per_format(self):
+        out = self.proc.stdout
+        self.assertNotIn("MXFP8 E4M3", out)  # only the formats asked for
+        for fmt, title in FP4_TITLES.items():
+            block = _table_block(out, title)
+            self.assertEqual(_cells(block[0])[1:], list(GEMM_LABELS))
+            self.assertLen(block, 1 + 3 * 6)
+            self.assertLen({len(line) for line in block}, 1, "rows of one table must be aligned to one width")
+            ms_rows = [_cells(line)[0] for line in block if len(_cells(line)) > 1 and _cells(line)[1] == "ms"]
+            self.assertEqual(ms_rows, [f"{shape} {fmt}" for shape in SMALL_SHAPES])
+        self.assertIn("scaled_dot take float4_e2m1fn codes and compact float8_e4m3fn scales per 16", out)
+        self.assertIn("scaled_dot take float4_e2m1fn codes and compact float8_e8m0fnu scales per 32", out)
+
+    def test_timings_finite_and_checked_against_the_reference(self):
+        """ours matches the reference; the bf16 dot of the bench's dequantized operands (times alpha for NVFP4) and
+        scaled_dot, computed apart from gemm_amax, match it too: wrong scales, block or alpha would show there."""
+        for case in self.record["cases"]:
+            if case["op"] != "gemm_amax":
+                continue
+            columns = case["columns"]
+            for key in ("ours", "reference", "fp8_dot", "bf16_dot"):
+                self.assertTrue(math.isfinite(columns[key]["ms"]) and columns[key]["ms"] > 0, (case["case"], key))
+            self.assertEqual(columns["reference"]["check"], 0.0)
+            self.assertLessEqual(columns["ours"]["check"], 1e-6, case["case"])
+            self.assertLessEqual(columns["bf16_dot"]["check"], 1e-5, case["case"])
+            self.assertNotIn("check", columns["fp8_dot"])
+            for key in ("scaled_matmul", "scaled_dot"):
+                if "ms" in columns[key]:
+                    self.assertLessEqual(columns[key]["check"], 1e-4, (case["case"], key))
+                else:
+                    self.assertTrue(columns[key]["na"], (case["case"], key))
+            if jax.default_backend() == "cpu":
+                self.assertIn("use implementation=None or 'xla'", columns["ours_cutedsl"]["na"])
+
+
+class Fp4InputsTest(parameterized.TestCase):
+
+    @parameterized.parameters("mxfp4", "nvfp4")
+    def test_fp4_inputs(self, fmt):
+        """Packed codes, random non-trivial scales (and alpha), consistent forms: the bf16 operands x alpha give
+        the reference's C, and approximate the unquantized values' product."""
+        m, n, k = 64, 32, 256
+        block = 16 if fmt == "nvfp4" else 32
+        key = jax.random.key(5)
+        d = bench.gemm_inputs(key, m, n, k, fmt)
+        self.assertEqual((d["a"].dtype, d["a"].shape), (jnp.uint8, (m, k // 2)))
+        self.assertEqual((d["a_sm"].dtype, d["a_sm"].shape), (jnp.float4_e2m1fn, (m, k)))
+        self.assertEqual(d["a_fp8"].dtype, jnp.float8_e4m3fn)
+        self.assertEqual(d["sfa_sm"].dtype, jnp.float8_e4m3fn if fmt == "nvfp4" else jnp.float8_e8m0fnu)
+        self.assertEqual(d["sfa_sm"].shape, (m, k // block))
+        scales = np.asarray(formats.scales_to_float32(d["sfa_sm"]))
+        self.assertTrue(np.all(np.isfinite(scales)) and np.all(scales > 0))
+        self.assertGreater(len(np.unique(scales)), 8)
+        self.assertGreater(len(np.unique(scales[0])) + len(np.unique(scales[:, 0])), 4)
+        alpha = 1.0
+        if fmt == "nvfp4":
+            self.assertEqual((d["alpha"].dtype, d["alpha"].shape), (jnp.float32, ()))
+            alpha = float(d["alpha"])
+            self.assertNotAlmostEqual(alpha, 1.0, delta=0.5)
+            self.assertNotEqual(alpha, float(bench.gemm_inputs(jax.random.key(6), m, n, k, fmt)["alpha"]))
+        else:
+            self.assertNotIn("alpha", d)
+        ours = dict(sf_vec_size=block, implementation="xla", alpha=d.get("alpha"))
+        c_ref, _ = jbg.gemm_amax(d["a"], d["b"], d["sfa_atom"], d["sfb_atom"], **ours)
+        a64, b64 = (np.asarray(d[name], np.float64) for name in ("a_bf16", "b_bf16"))
+        c64 = alpha * a64 @ b64.T
+        self.assertLess(np.linalg.norm(np.asarray(c_ref) - c64) / np.linalg.norm(c64), 1e-6)
+        k_a, k_b = jax.random.split(key)  # the values gemm_inputs drew, before quantization
+        values = (np.asarray(bench.random_values(k, shape), np.float64) for k, shape in ((k_a, (m, k)), (k_b, (n, k))))
+        exact = np.matmul(next(values), next(values).T)
+        self.assertLess(np.linalg.norm(c64 - exact) / np.linalg.norm(exact), 0.2)  # FP4 quantization error only
+
+    def test_nvfp4_bf16_dot_is_checked_times_alpha(self):
+        """The bf16 anchor is timed without alpha; its output is multiplied by alpha before the check."""
+        sets = [bench.gemm_inputs(jax.random.key(7), 64, 32, 128, "nvfp4")]
+        columns = {c.key: c for c in bench.gemm_columns("nvfp4")}
+        self.assertEqual(columns["bf16_dot"].check_times, "alpha")
+        _, ref = bench.time_column(columns["reference"], sets, warmup=0, reps=1)
+        _, out = bench.time_column(columns["bf16_dot"], sets, warmup=0, reps=1)
+        self.assertLess(bench.gemm_rel_err(out, ref), 1e-5)
+        self.assertGreater(bench.gemm_rel_err(out / sets[0]["alpha"], ref), 0.5)
+
+
 class MissingScaledDotTest(absltest.TestCase):
 
     def test_missing_scaled_dot_is_shown_as_na(self):
@@ -227,6 +351,28 @@ class ArgumentsTest(parameterized.TestCase):
         self.assertEqual(raised.exception.code, 2)
         self.assertIn("argument --shape", err.getvalue())
         self.assertIn(message, err.getvalue())
+
+    @parameterized.parameters(("fp4", "unknown format 'fp4' in 'fp4'"),
+                              ("mxfp4,", "unknown format '' in 'mxfp4,'"),
+                              ("mxfp8,nvfp8", "unknown format 'nvfp8' in 'mxfp8,nvfp8'"))
+    def test_bad_format(self, text, message):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as raised:
+            bench.main(["--format", text])
+        self.assertEqual(raised.exception.code, 2)
+        self.assertIn(f"argument --format: {message}; choose from mxfp8, mxfp4, nvfp4", err.getvalue())
+
+    def test_formats_comma_list_or_repeated(self):
+        self.assertEqual(bench.parse_formats("mxfp4, NVFP4"), ["mxfp4", "nvfp4"])
+        cases = bench.build_cases(ops=("gemm_amax",), shapes=[(64, 32, 64)], small=False,
+                                  gemm_formats=("mxfp8", "nvfp4"))
+        self.assertEqual([(c.name, c.fmt, c.dims["format"]) for c in cases],
+                         [("64x32x64", "mxfp8", "mxfp8"), ("64x32x64 nvfp4", "nvfp4", "nvfp4")])
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            record = bench.main(["--op", "gemm_amax", "--shape", "64,32,64", "--reps", "1", "--warmup", "0",
+                                 "--format", "nvfp4", "--format", "mxfp4,nvfp4"])
+        self.assertEqual(record["method"]["formats"], ["nvfp4", "mxfp4"])
+        self.assertEqual([c["case"] for c in record["cases"]], ["64x32x64 nvfp4", "64x32x64 mxfp4"])
 
     def test_bad_shape_from_the_command_line(self):
         proc = subprocess.run([sys.executable, "-m", "jax_blockgemm.bench", "--shape", "4096,4096"],
