@@ -6,7 +6,7 @@
 #
 # Steps: proj_rope_tests (proj_rope_tests_default_tile), proj_rope_kernel, proj_rope_pingpong_tests,
 # proj_rope_pingpong_kernel, proj_rope_persistent_tests, proj_rope_persistent_kernel, proj_rope_profile,
-# proj_rope_ncu, sanitize_keys, sanitize_proj_rope, bench_proj_rope, bench_gemm, handler_tests,
+# proj_rope_k32_kernel, proj_rope_ncu, sanitize_keys, bench_gemm_fp4, sanitize_proj_rope, bench_proj_rope, bench_gemm, handler_tests,
 # selfcheck_tests, gemm_tests, gemm_all_tests, gemm_candidates, autodiff_tests, api_overhead, api_overhead_proj_rope,
 # train_step, sanitize, sanitize_bg / selfcheck_bg + wait_bg, sanitize_catalog, soak, proj_rope_cluster_tests,
 # multi_gpu
@@ -62,6 +62,12 @@ for step in "${STEPS[@]}"; do
     proj_rope_persistent_kernel)  # persistent vs the 64x192 two-CTA default: checked (2-3 tiles per CTA too), timed
       run_step "$step" 120 proj_rope_persistent_kernel.log python3 benchmarks/proj_rope_standalone.py --quick \
         --consumer-wgs ps,1 --out "$OUT" ;;
+    proj_rope_k32_kernel)  # 32-wide k-tiles (twice the stages) on three schedules beside the default: checked, timed
+      run_step "$step" 170 proj_rope_k32_kernel.log python3 benchmarks/proj_rope_standalone.py --quick \
+        --consumer-wgs 1k32,ppk32,psk32,1 --out "$OUT" ;;
+    bench_gemm_fp4)  # MXFP4 and NVFP4 gemm_amax at 8192^3 through the public API beside every baseline
+      run_step "$step" 150 bench_gemm_fp4.log python3 -m jax_blockgemm.bench --op gemm_amax --format mxfp4,nvfp4 \
+        --shape 8192,8192,8192 --reps 10 --json "$OUT/bench_fp4.json" ;;
     sanitize_keys)  # SANITIZE_KEYS (comma-separated catalog keys) under all three tools, one shape each
       run_step "$step" 200 sanitize.log python3 benchmarks/sanitize.py --out /tmp/jbg_sanitize --first-shape \
         --shards racecheck=2,memcheck=1,synccheck=1 --keys "$SANITIZE_KEYS" --no-fuzz --budget 190 --timeout 180 ;;
