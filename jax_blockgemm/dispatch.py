@@ -37,14 +37,16 @@ DEFAULT_TAKES_KERNEL = {("gemm_amax", "sm_90a"): False, ("proj_rope", "sm_90a"):
 
 # The proj_rope tile (tokens, features) each arch runs: sm_90a among catalog.PROJ_ROPE_TILES (benchmarks/RESULTS.md),
 # sm_100a its only one (catalog.PROJ_ROPE_TILES_SM100).
-# sm_90a: 64x192 (one consumer warpgroup, two CTAs per SM): 0.822-0.827 ms by CUDA events at T=4096, H=128,
-# K=1536 against 0.855-0.879 for 128x192; both pass tests/test_gpu_proj_rope.py and compute-sanitizer (H200,
-# 2026-11-30).
+# sm_90a: 64x192 (one consumer warpgroup, two CTAs per SM): with the current epilogue 0.619-0.637 ms per call
+# through the API at T=4096, H=128, K=1536 against 0.645-0.668 for 128x192 (H200, 2026-11-30); every tile passes
+# tests/test_gpu_proj_rope.py and compute-sanitizer.
 PROJ_ROPE_TILE = {"sm_90a": (64, 192), "sm_100a": (128, 192)}
 # The cluster (CTAs along tokens sharing each W tile by TMA multicast) each arch's proj_rope tile runs in.
 PROJ_ROPE_CLUSTER = {"sm_90a": (1, 1), "sm_100a": (1, 1)}
-# The schedule of each arch's proj_rope kernel: "" (one tile per CTA) or "pingpong" (sm_90a: persistent, two
-# consumer warpgroups on alternate tiles; catalog.PROJ_ROPE_SCHEDULES_SM90). Not the default until measured on a GPU.
+# The schedule of each arch's proj_rope kernel: "" (one tile per CTA), or on sm_90a one of the persistent schedules
+# (catalog.PROJ_ROPE_SCHEDULE_TILES_SM90): "pingpong" (two consumer warpgroups on alternate 64-token tiles) or
+# "persistent" (both on each 128-token tile). Both ran correct on an H200 and neither was faster than "" (2026-11-30,
+# benchmarks/RESULTS.md), so "" stays the default.
 PROJ_ROPE_SCHEDULE = {"sm_90a": "", "sm_100a": ""}
 
 # The kernels and the FFI handler take sizes and element counts as int32: a call with an operand or C of this many

@@ -54,7 +54,7 @@ class KernelVariant:
     sf_dtype: str = E8M0  # the scale format: E8M0 (MX formats), or E4M3 (NVFP4)
     b_major: str = "k"  # "n": B (proj_rope's w, gemm_amax's b) is read MN-major
     a_major: str = "k"  # "m": gemm_amax's A is read MN-major
-    schedule: str = ""  # "" for the kernel's default; "pingpong": sm_90a proj_rope's persistent ping-pong kernel;
+    schedule: str = ""  # "" for the kernel's default; "pingpong" / "persistent": sm_90a proj_rope's persistent kernels;
     # "fp8promote": sm_90a gemm_amax on FP8 wgmma with the block scales applied on the CUDA cores
 
     @property
