@@ -37,7 +37,7 @@ def _bf16_words(table: np.ndarray) -> np.ndarray:
 
 
 def _entry(words: np.ndarray, i: int) -> np.ndarray:
-    """`BlackwellProjRope._bf16_at` for a column of threads: entry i of each token's table, as fp32."""
+    """`token_rows.bf16_at` for a column of threads: entry i of each token's table, as fp32."""
     at, high = k.table_entry(i)
     w = words[:, at]
     bits = (w & np.uint32(0xFFFF0000)) if high else (w << np.uint32(16))

@@ -15,11 +15,12 @@ Warp roles (one CTA of 6 warps per SM, persistent over (token tile, head) tiles)
 - `epilogue` (warps 0-3): tensor memory -> fp32 registers with the 32x32b load, which gives thread 32w + l the
   accumulator row (token) 32w + l and 32 consecutive columns (features) per load. So a rowwise block (32 features
   of one token) is one load of one thread, reduced inside the thread; a columnwise block (32 tokens of one feature)
-  is one register across the 32 lanes of a warp, reduced with butterfly shuffles (`epilogue.lane_max`). RoPE pairs
-  (p[2j], p[2j+1]) sit in one thread too. Everything stays fp32 from the accumulator to the E4M3 conversion (no
-  bf16 staging, SPEC §5); the math is kernels/epilogue.py's, the same functions the Hopper kernel calls.
-  Each thread writes its token's codes (two 192-byte rows) and rowwise scales; lane l of warp w writes the column
-  scale of feature 32b + l of the warp's 32-token block.
+  is one register across the 32 lanes of a warp, reduced with a transposing butterfly (`epilogue.warp_column_max`).
+  RoPE pairs (p[2j], p[2j+1]) sit in one thread too. Everything stays fp32 from the accumulator to the E4M3
+  conversion (no bf16 staging, SPEC §5): the math is kernels/epilogue.py's, run per token row by
+  kernels/token_rows.py, which the sm_90a "staged" kernel shares. Each thread writes its token's codes (two
+  192-byte rows) and rowwise scales; lane l of warp w writes the column scale of feature 32b + l of the warp's
+  32-token block.
 
 Tokens past T (a tail tile; T is a multiple of 32) are whole warps of the epilogue: TMA fills their x rows with
 zeros, and those warps store nothing. w_major "k" reads w as (H·192, K) (`w_out_in=True`), "n" as (K, H·192): only
@@ -36,44 +37,15 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
-from jax_blockgemm.kernels import common, epilogue
+from jax_blockgemm.kernels import common, token_rows
 from jax_blockgemm.kernels.sm100 import SMEM_CAPACITY, persistent
-from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, QK_NOPE, QK_ROPE
+from jax_blockgemm.kernels.token_rows import (  # noqa: F401 (the index maps, re-exported for the model test)
+    TILE_T, code_word, col_scale_index, rope_source, row_scale_index, table_entry)
+from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, QK_NOPE
 
 W_MAJORS = ("k", "n")
-TILE_T = 128  # tokens per tile: the 128 lanes of tensor memory, one per accumulator row
 TILE_K = 64  # bf16: one 128-byte swizzle row
 ACC_STAGES = 2  # 2 x 192 fp32 columns of the 512
-_WORDS_PER_BLOCK = MX_BLOCK // 4  # one 32-feature block of E4M3 codes is 8 32-bit words
-
-
-# --- index maps (plain arithmetic on DSL or Python/NumPy integers: the kernel uses them, tests/ model them) ------
-def code_word(token, head, h):
-    """First 32-bit word of (token, head)'s 192 codes in either code output (T, H, 192) (rowwise and columnwise)."""
-    return (token * h + head) * (HEAD_DIM // 4)
-
-
-def row_scale_index(token, head, h):
-    """Index of (token, head)'s first rowwise scale byte in out_scales_row (T, H, 6); block b is at + b."""
-    return (token * h + head) * (HEAD_DIM // MX_BLOCK)
-
-
-def col_scale_index(tile_t, warp, lane, head, h):
-    """Index, in out_scales_col (T/32, H, 192), of the column scale that lane `lane` of epilogue warp `warp` writes
-    for block 0 of token tile `tile_t`: feature `lane` of the warp's 32-token block; block b (features 32b..) is at
-    + 32·b."""
-    return ((tile_t * (TILE_T // MX_BLOCK) + warp) * h + head) * HEAD_DIM + lane
-
-
-def rope_source(j: int) -> tuple[int, int]:
-    """Where RoPE pair j's even input p[2j] sits among the two 32-column loads of features 128..191: (load, value);
-    p[2j+1] is the next value of the same load."""
-    return (2 * j) // MX_BLOCK, (2 * j) % MX_BLOCK
-
-
-def table_entry(i: int) -> tuple[int, bool]:
-    """Where entry i of a token's 64 bf16 cos (sin) values sits among its 32 words: (word, in the high half)."""
-    return i // 2, i % 2 == 1
 
 
 class BlackwellProjRope(persistent.PersistentKernel):
@@ -225,19 +197,9 @@ class BlackwellProjRope(persistent.PersistentKernel):
         tTR_tAcc = thr_t2r.partition_S(tAcc_blocks)  # (T2R, T2R_M, T2R_N, 1, 6, STAGE)
         block_shape = thr_t2r.partition_D(cute.make_identity_tensor((TILE_T, MX_BLOCK))).shape
         nope_blocks = QK_NOPE // MX_BLOCK
-        half = QK_ROPE // 2
         lane = tidx % 32
         warp = tidx // 32
-
-        # 32-bit views of the byte outputs and of the bf16 rotary tables (two values per word).
-        row32 = cute.make_tensor(cute.recast_ptr(row_codes.iterator, dtype=cutlass.Int32),
-                                 cute.make_layout((cute.size(row_codes) // 4,)))
-        col32 = cute.make_tensor(cute.recast_ptr(col_codes.iterator, dtype=cutlass.Int32),
-                                 cute.make_layout((cute.size(col_codes) // 4,)))
-        cos32 = cute.make_tensor(cute.recast_ptr(cos.iterator, dtype=cutlass.Int32),
-                                 cute.make_layout((cute.size(cos) // 2,)))
-        sin32 = cute.make_tensor(cute.recast_ptr(sin.iterator, dtype=cutlass.Int32),
-                                 cute.make_layout((cute.size(sin) // 2,)))
+        row32, col32, cos32, sin32 = token_rows.word_views(row_codes, col_codes, cos, sin)
 
         sched = persistent.tile_scheduler(sched_params)
         work = sched.initial_work_tile_info()
@@ -246,14 +208,8 @@ class BlackwellProjRope(persistent.PersistentKernel):
             tile_t, head, _ = work.tile_idx
             token = tile_t * TILE_T + tidx
             live = token < t  # uniform over a warp: T is a multiple of 32
-            # This token's rotary tables, loaded before the accumulator wait so their latency hides: word q holds
-            # entries 2q (low half) and 2q+1 (high half) of cos[t, :] (sin[t, :]).
-            table_row = cutlass.min(token, t - 1) * (QK_ROPE // 2)  # tail rows read a valid row, unused
-            rcos = cute.make_rmem_tensor((QK_ROPE // 2,), cutlass.Int32)
-            rsin = cute.make_rmem_tensor((QK_ROPE // 2,), cutlass.Int32)
-            table_word0 = cute.assume(table_row, divby=QK_ROPE // 2)  # 128-byte rows: 16-byte loads
-            cute.autovec_copy(cute.make_tensor(cos32.iterator + table_word0, rcos.layout), rcos)
-            cute.autovec_copy(cute.make_tensor(sin32.iterator + table_word0, rsin.layout), rsin)
+            # This token's rotary tables, loaded before the accumulator wait so their latency hides.
+            rcos, rsin = token_rows.load_rope_tables(cos32, sin32, token, t)
             out_word = code_word(token, head, h)
             row_scale0 = row_scale_index(token, head, h)
             col_scale0 = col_scale_index(tile_t, warp, lane, head, h)
@@ -265,8 +221,8 @@ class BlackwellProjRope(persistent.PersistentKernel):
                 vals = cute.make_rmem_tensor(block_shape, self.acc_dtype)
                 cute.copy(t2r, tAcc[(None, None, None, b)], vals)
                 cute.arch.fence_view_async_tmem_load()
-                self._quantize_block(vals, b, lane, live, row32, col32, row_scales, col_scales, out_word,
-                                     row_scale0, col_scale0)
+                token_rows.quantize_block(vals, b, lane, live, row32, col32, row_scales, col_scales, out_word,
+                                          row_scale0, col_scale0)
             # ------------------------------------------------------------------ features 128..191: RoPE
             p_lo = cute.make_rmem_tensor(block_shape, self.acc_dtype)  # p[0..31]
             p_hi = cute.make_rmem_tensor(block_shape, self.acc_dtype)  # p[32..63]
@@ -279,68 +235,10 @@ class BlackwellProjRope(persistent.PersistentKernel):
             acc_state.advance()
             out_lo = cute.make_rmem_tensor(block_shape, self.acc_dtype)  # out[128 + j]
             out_hi = cute.make_rmem_tensor(block_shape, self.acc_dtype)  # out[160 + j]
-            for j in cutlass.range_constexpr(half):
-                load, e = rope_source(j)
-                src = (p_lo, p_hi)[load]
-                first, second = epilogue.rope_pair(
-                    src[e], src[e + 1], self._bf16_at(rcos, j), self._bf16_at(rsin, j),
-                    self._bf16_at(rcos, half + j), self._bf16_at(rsin, half + j))
-                out_lo[j] = first
-                out_hi[j] = second
-            self._quantize_block(out_lo, nope_blocks, lane, live, row32, col32, row_scales, col_scales, out_word,
-                                 row_scale0, col_scale0)
-            self._quantize_block(out_hi, nope_blocks + 1, lane, live, row32, col32, row_scales, col_scales,
-                                 out_word, row_scale0, col_scale0)
+            token_rows.rope(p_lo, p_hi, rcos, rsin, out_lo, out_hi)
+            token_rows.quantize_block(out_lo, nope_blocks, lane, live, row32, col32, row_scales, col_scales,
+                                      out_word, row_scale0, col_scale0)
+            token_rows.quantize_block(out_hi, nope_blocks + 1, lane, live, row32, col32, row_scales, col_scales,
+                                      out_word, row_scale0, col_scale0)
             sched.advance_to_next_work()
             work = sched.get_current_work()
-
-    @cute.jit
-    def _quantize_block(self, vals: cute.Tensor, b: cutlass.Constexpr[int], lane: cutlass.Int32,
-                        live: cutlass.Boolean, row32: cute.Tensor, col32: cute.Tensor, row_scales: cute.Tensor,
-                        col_scales: cute.Tensor, out_word: cutlass.Int32, row_scale0: cutlass.Int32,
-                        col_scale0: cutlass.Int32):
-        """Output features 32b..32b+31 of this thread's token (`vals`, fp32): both quantizations, then the stores.
-
-        Rowwise: the block is this thread's 32 values. Columnwise: value i's block is value i of the warp's 32
-        lanes (32 consecutive tokens), so its amax is a 5-step butterfly and every lane gets the same scale.
-        """
-        # rowwise
-        bits = cutlass.Int32(0)
-        for i in cutlass.range_constexpr(MX_BLOCK):
-            bits = cutlass.max(bits, common.abs_bits(vals[i]))
-        row_byte, inv, bad = epilogue.e8m0_scale(bits)
-        row_words = cute.make_rmem_tensor((_WORDS_PER_BLOCK,), cutlass.Int32)
-        for wd in cutlass.range_constexpr(_WORDS_PER_BLOCK):
-            lo = epilogue.quantize_pair(vals[4 * wd], vals[4 * wd + 1], inv, inv, bad, bad)
-            hi = epilogue.quantize_pair(vals[4 * wd + 2], vals[4 * wd + 3], inv, inv, bad, bad)
-            row_words[wd] = lo | (hi << 16)
-        # columnwise: lane l reduces column l of the warp's 32 x 32 block, makes its scale, and every lane then
-        # takes each column's scale byte from the lane that owns it
-        col_bits = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Int32)
-        for i in cutlass.range_constexpr(MX_BLOCK):
-            col_bits[i] = common.abs_bits(vals[i])
-        col_byte, _, _ = epilogue.e8m0_scale(epilogue.warp_column_max(col_bits, lane))
-        col_words = cute.make_rmem_tensor((_WORDS_PER_BLOCK,), cutlass.Int32)
-        for i in cutlass.range_constexpr(0, MX_BLOCK, 2):
-            inv0, bad0 = epilogue.e8m0_inverse(cute.arch.shuffle_sync(col_byte, i))
-            inv1, bad1 = epilogue.e8m0_inverse(cute.arch.shuffle_sync(col_byte, i + 1))
-            codes = epilogue.quantize_pair(vals[i], vals[i + 1], inv0, inv1, bad0, bad1)
-            if cutlass.const_expr(i % 4 == 0):
-                col_words[i // 4] = codes
-            else:
-                col_words[i // 4] = col_words[i // 4] | (codes << 16)
-        # stores (whole warps past T store nothing)
-        if live:
-            first = cute.assume(out_word + b * _WORDS_PER_BLOCK, divby=_WORDS_PER_BLOCK)  # 32-byte aligned
-            cute.autovec_copy(row_words, cute.make_tensor(row32.iterator + first, row_words.layout))
-            cute.autovec_copy(col_words, cute.make_tensor(col32.iterator + first, col_words.layout))
-            row_scales[row_scale0 + b] = row_byte.to(cutlass.Uint8)
-            col_scales[col_scale0 + b * MX_BLOCK] = col_byte.to(cutlass.Uint8)
-
-    @staticmethod
-    def _bf16_at(words: cute.Tensor, i: int) -> cutlass.Float32:
-        """Entry i of a row of bf16 values held two per 32-bit word (little-endian), as fp32 (exact)."""
-        at, high = table_entry(i)
-        word = words[at]
-        bits = (word & cutlass.Int32(-65536)) if high else (word << 16)
-        return common.f32_from_bits(bits)
