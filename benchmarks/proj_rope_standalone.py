@@ -59,8 +59,8 @@ class Runner:
         self.cute, self.cutlass, self.cuda = cute, cutlass, cuda
         kind, _, tile_k = str(consumer_wgs).partition("k")  # "1k32": one consumer warpgroup, 32-wide k-tiles
         tile_k = int(tile_k or 64)
-        if kind in ("pp", "ps"):
-            schedule = "pingpong" if kind == "pp" else "persistent"
+        if kind in ("pp", "ps", "st"):
+            schedule = {"pp": "pingpong", "ps": "persistent", "st": "staged"}[kind]
             self.kernel = HopperProjRope(w_major=w_major, schedule=schedule, tile_k=tile_k)
             self.label = schedule
         else:
@@ -258,7 +258,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--consumer-wgs", default="2",
                    help="comma-separated kernels to check and time: 1, 2 (consumer warpgroups), pp (ping-pong), "
-                        "ps (persistent); a suffix k32 takes 32-wide k-tiles (twice the stages), e.g. 1k32")
+                        "ps (persistent), st (staged); a suffix k32 takes 32-wide k-tiles (twice the stages), e.g. 1k32")
     p.add_argument("--profile", action="store_true",
                    help="also time each kernel (w_out_in=True) with one phase left out (not checked)")
     args = p.parse_args()
@@ -274,7 +274,7 @@ def main() -> int:
     results = []
     shapes = [] if args.no_check else CHECK_SHAPES[:2] if args.quick else CHECK_SHAPES
     for (w_out_in, wgs), runner in runners.items():
-        for shape in shapes + (PINGPONG_CHECK_SHAPES if wgs[:2] in ("pp", "ps") and not args.no_check else []):
+        for shape in shapes + (PINGPONG_CHECK_SHAPES if wgs[:2] in ("pp", "ps", "st") and not args.no_check else []):
             for tables in ("random", "yarn"):
                 r = dict(check(runner, w_out_in, shape, rng, tables), wgs=wgs)
                 results.append(r)

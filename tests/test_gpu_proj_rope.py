@@ -216,5 +216,14 @@ class GpuProjRopePersistentTest(GpuProjRopePingPongTest):
     TILE, CLUSTER, SCHEDULE = catalog.PROJ_ROPE_SCHEDULE_TILES_SM90["persistent"], (1, 1), "persistent"
 
 
+
+class GpuProjRopeStagedTest(GpuProjRopePingPongTest):
+    """The staged kernel (the persistent kernel's mainloop; a fourth warpgroup quantizes each fp32 tile from shared
+    memory, one thread per token, with the sm_100a kernel's per-row code): every test of the suite and the shapes
+    where CTAs walk 2-3 tiles."""
+
+    TILE, CLUSTER, SCHEDULE = catalog.PROJ_ROPE_SCHEDULE_TILES_SM90["staged"], (1, 1), "staged"
+
+
 if __name__ == "__main__":
     absltest.main()

@@ -247,16 +247,23 @@ class CompileTest(parameterized.TestCase):
         self.assertIn(f".target {v.arch}", ptx)
         self.assertRegex(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n192k16\.f32\.bf16\.bf16")
         self.assertIn("cp.async.bulk.tensor", ptx)
+        self.assertEqual(ptx.count("cvt.rn.satfinite.e4m3x2.f32"), 96)
+        self.assertNotRegex(ptx, r"st\.shared\.(u8|b8)")
+        self.assertNotIn(".local", ptx)  # the accumulator and the rope tables stay in registers
+        if v.schedule == "staged":
+            # Epilogue warpgroup (kernels/token_rows.py): one token per thread, a loop over the 4 nope blocks (8
+            # 16-byte loads of Y each, 32 pair conversions) and the 2 rope blocks after it: 3 block bodies.
+            self.assertEqual(ptx.count("ld.shared.v4.b32"), 3 * 8)
+            self.assertEqual(ptx.count("st.shared.v4.b32"), 0)
+            self.assertEqual(len(re.findall(r"shfl\.sync\.bfly", ptx)), 3 * 31)  # warp_column_max per block
+            return
         # Epilogue (kernels/sm90/code_tiles.py): 2 tokens x 12 code words of 4 codes (2 pair conversions each),
         # rowwise and columnwise; staged with 3 16-byte shared stores per token and tile, read back by 3 units of
         # 4 16-byte loads and stored with 4 16-byte global stores each; 24 rowwise + 42 columnwise shuffles.
-        self.assertEqual(ptx.count("cvt.rn.satfinite.e4m3x2.f32"), 96)
         self.assertEqual(ptx.count("st.shared.v4.b32"), 12)
         self.assertEqual(ptx.count("ld.shared.v4.b32"), 3 + 12)  # + the column scale table
         self.assertEqual(ptx.count("@p st.global.v4.b32"), 12)
         self.assertEqual(len(re.findall(r"shfl\.sync\.bfly", ptx)), 66)
-        self.assertNotRegex(ptx, r"st\.shared\.(u8|b8)")
-        self.assertNotIn(".local", ptx)  # the accumulator and the rope tables stay in registers
         multicast = re.findall(r"cp\.async\.bulk\.tensor\S*multicast::cluster", ptx)
         if v.cluster_mn == (1, 1):
             self.assertEmpty(multicast)
@@ -270,25 +277,34 @@ class CompileTest(parameterized.TestCase):
     def test_proj_rope_persistent_structure(self, v):
         """The persistent kernels: a grid-strided tile loop; for ping-pong the order barriers between the two consumer
         warpgroups (bar.sync / bar.arrive of 256 threads), for "persistent" none (both warpgroups read every stage);
-        registers split 40/232, no spills, and shared memory (the stages + each warpgroup's own code tiles) within
-        the 227 KB of one sm_90 CTA, with no room for one more stage."""
+        for "staged" a fourth (epilogue) warpgroup and the two barriers of 384 threads that hand it the fp32 tile;
+        registers split 40/232 (staged: 40/128/216), no spills, and shared memory (the stages + each warpgroup's own
+        code tiles, or the fp32 tile) within the 227 KB of one sm_90 CTA, with no room for one more stage."""
         ptx, _, _, fn, kernel = _compiled(v)
-        pingpong = v.schedule == "pingpong"
-        self.assertEqual((kernel.schedule, kernel.tile_mnk[0], kernel.ab_stages),
-                         (v.schedule, 64, 5) if pingpong else ("persistent", 128, 4))
+        expected = {"pingpong": (64, 5), "persistent": (128, 4), "staged": (128, 3)}[v.schedule]
+        self.assertEqual((kernel.schedule, kernel.tile_mnk[0], kernel.ab_stages), (v.schedule, *expected))
         self.assertIn("%nctaid.x", ptx)  # tiles cta, cta + grid, ...
-        if pingpong:
+        if v.schedule == "pingpong":
             self.assertRegex(ptx, r"bar\.sync\s+%r\d+, 256;")  # wait for this warpgroup's turn (id 3 + wg)
             self.assertRegex(ptx, r"bar\.arrive\s+%r\d+, 256;")  # hand the turn to the other warpgroup
         else:
             self.assertNotRegex(ptx, r"bar\.(sync|arrive)\s+%r\d+, 256;")
-        self.assertRegex(ptx, r"bar\.sync\s+%r\d+, 128;")  # the epilogue's per-warpgroup barriers (id 1 + wg)
+        threads = 512 if v.schedule == "staged" else 384
+        if v.schedule == "staged":  # Y full (1) and Y empty (2): each synced by one side, arrived on by the other
+            for bar in (1, 2):
+                self.assertRegex(ptx, rf"bar\.sync\s+{bar}, 384;")
+                self.assertRegex(ptx, rf"bar\.arrive\s+{bar}, 384;")
+            self.assertNotRegex(ptx, r"bar\.sync\s+%r\d+, 128;")
+            self.assertIn("setmaxnreg.inc.sync.aligned.u32 \t216", ptx)
+            self.assertEqual(ptx.count("st.shared.v2.b32"), 48)  # the 96 accumulators of an MMA thread into Y
+        else:
+            self.assertRegex(ptx, r"bar\.sync\s+%r\d+, 128;")  # the epilogue's per-warpgroup barriers (id 1 + wg)
+            self.assertIn("setmaxnreg.inc.sync.aligned.u32 \t232", ptx)
         self.assertIn("setmaxnreg.dec.sync.aligned.u32 \t40", ptx)
-        self.assertIn("setmaxnreg.inc.sync.aligned.u32 \t232", ptx)
-        self.assertIn(".reqntid 384, 1, 1", ptx)
+        self.assertIn(f".reqntid {threads}, 1, 1", ptx)
         resources = structure.cubin_resources(fn.__cubin__)
         self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
-        self.assertLessEqual(resources.registers, 65536 // 384)
+        self.assertLessEqual(resources.registers, 65536 // threads)
         smem = kernel.shared_storage.size_in_bytes() + resources.static_smem_bytes
         self.assertLessEqual(smem, 227 * 1024)
         stage_bytes = (kernel.tile_mnk[0] + 192) * 64 * 2

@@ -54,8 +54,9 @@ class KernelVariant:
     sf_dtype: str = E8M0  # the scale format: E8M0 (MX formats), or E4M3 (NVFP4)
     b_major: str = "k"  # "n": B (proj_rope's w, gemm_amax's b) is read MN-major
     a_major: str = "k"  # "m": gemm_amax's A is read MN-major
-    schedule: str = ""  # "" for the kernel's default; "pingpong" / "persistent": sm_90a proj_rope's persistent kernels;
+    # "" for the kernel's default; "pingpong" / "persistent" / "staged": sm_90a proj_rope's persistent kernels;
     # "fp8promote": sm_90a gemm_amax on FP8 wgmma with the block scales applied on the CUDA cores
+    schedule: str = ""
 
     @property
     def key(self) -> str:
@@ -153,7 +154,9 @@ PROJ_ROPE_TILES_SM100 = ((128, 192),)
 # sm_90a proj_rope's persistent kernels, one CTA per SM (HopperProjRope(schedule=...)), and their tiles:
 # "pingpong", two consumer warpgroups on alternate 64-token x one-head tiles ('...t64x192.c1x1[.bn].pingpong');
 # "persistent", both on each 128-token x one-head tile while the next tile loads ('...t128x192.c1x1[.bn].persistent').
-PROJ_ROPE_SCHEDULE_TILES_SM90 = {"pingpong": (64, 192), "persistent": (128, 192)}
+# "staged", "persistent" plus a fourth warpgroup that runs the epilogue from the fp32 tile in shared memory
+# ('...t128x192.c1x1[.bn].staged').
+PROJ_ROPE_SCHEDULE_TILES_SM90 = {"pingpong": (64, 192), "persistent": (128, 192), "staged": (128, 192)}
 PROJ_ROPE_SCHEDULES_SM90 = tuple(PROJ_ROPE_SCHEDULE_TILES_SM90)
 PROJ_ROPE_PINGPONG_TILE = PROJ_ROPE_SCHEDULE_TILES_SM90["pingpong"]
 

@@ -61,7 +61,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
-from jax_blockgemm.kernels import common, epilogue
+from jax_blockgemm.kernels import common, epilogue, token_rows
 from jax_blockgemm.kernels.sm90 import code_tiles, tma_pipeline
 from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, QK_NOPE, QK_ROPE
 
@@ -72,11 +72,15 @@ CONSUMER_WGS = (1, 2)
 CLUSTER_T = (1, 2, 4)  # CTAs (consecutive token tiles of one head) sharing each W tile through TMA multicast
 _ROW_PAD = 0  # shared-memory code rows of 192 bytes: code_tiles.py's swizzle keeps stores and loads conflict-free
 # "": one tile per CTA; "pingpong": persistent, consumer warpgroups on alternate 64-token tiles; "persistent":
-# persistent, both consumer warpgroups on each 128-token tile while the producer streams the next tile's k-tiles
-SCHEDULES = ("", "pingpong", "persistent")
+# persistent, both consumer warpgroups on each 128-token tile while the producer streams the next tile's k-tiles;
+# "staged": "persistent" whose MMA warpgroups hand each fp32 tile through shared memory to an epilogue warpgroup
+SCHEDULES = ("", "pingpong", "persistent", "staged")
 SMEM_BYTES = 227 * 1024  # the most dynamic shared memory one sm_90 CTA may use
 PERSISTENT_CTAS = 132  # ping-pong grid: at most this many CTAs (one per SM of an H100/H200 SXM)
 _ORDER_BARRIER0 = 3  # ping-pong: named barrier 3 + w = "consumer warpgroup w may issue its mainloop" (1, 2: per-wg)
+# staged: named barriers between the two MMA warpgroups (256 threads) and the epilogue warpgroup (128)
+_Y_FULL, _Y_EMPTY = 1, 2  # "the fp32 tile is in shared memory", "the epilogue has read it"
+_Y_BARRIER_THREADS = 384
 
 
 # ------------------------------------------------------------------------------------------ epilogue primitives
@@ -217,7 +221,8 @@ class HopperProjRope:
         self.atom_layout_mnk = (consumer_wgs, 1, 1)  # consumer warpgroups stacked along tokens
         self.threads_per_wg = 128
         self.num_consumer_warps = 4 * self.num_consumer_wgs
-        self.threads_per_cta = (1 + self.num_consumer_wgs) * self.threads_per_wg
+        # staged: a fourth warpgroup runs the epilogue
+        self.threads_per_cta = (1 + self.num_consumer_wgs + (schedule == "staged")) * self.threads_per_wg
         self.code_row_bytes = HEAD_DIM + _ROW_PAD
         assert self.code_row_bytes == code_tiles.ROW_BYTES
         # Whether stage_codes() ends in a barrier over (at least) this warpgroup, which then also publishes the
@@ -225,7 +230,7 @@ class HopperProjRope:
         self._stage_codes_syncs_warpgroup = bool(schedule) or consumer_wgs > 1
         # Persistent schedules: each consumer warpgroup stages its codes in its own 64-row tiles outside the
         # pipeline's buffers (the producer keeps loading through the epilogue), and sees its 64 tokens as rows 0..63.
-        self._own_code_tiles = bool(schedule)
+        self._own_code_tiles = schedule in ("pingpong", "persistent")
         self.producer_regs = 40
         if consumer_wgs == 2:  # one CTA per SM: 5 x 40 KB of bf16 tiles
             self.ctas_per_sm, self.consumer_regs, self.ab_stages = 1, 232, 5
@@ -235,7 +240,17 @@ class HopperProjRope:
         b_buffer_bytes = HEAD_DIM * tile_k * self.ab_dtype.width // 8 * self.ab_stages
         assert 2 * self.tile_mnk[0] * self.code_row_bytes <= b_buffer_bytes  # both code tiles fit W's buffers
         self.buffer_align_bytes = 1024
-        if schedule:
+        if schedule == "staged":
+            # 512 threads, 128 registers each at launch: the producer gives 88 of its own to the epilogue warpgroup
+            # (216), the MMA warpgroups keep 128 (96 accumulators). Shared memory: the fp32 tile (96 KB), then as
+            # many 40 KB stages as fit (3).
+            self.consumer_regs, self.epilogue_regs = 128, 216
+            assert self.producer_regs + 2 * self.consumer_regs + self.epilogue_regs <= 65536 // self.threads_per_wg
+            self.y_bytes = self.tile_mnk[0] * HEAD_DIM * 4
+            stage_bytes = (self.tile_mnk[0] + HEAD_DIM) * tile_k * self.ab_dtype.width // 8
+            self.ab_stages = (SMEM_BYTES - self.y_bytes - 3 * self.buffer_align_bytes) // stage_bytes
+            assert self.ab_stages >= 2, self.ab_stages
+        elif schedule:
             # The pipeline never drains, so each consumer warpgroup stages its codes (row and column tiles of 64 x
             # 192 bytes) outside W's buffers, and the stages take what is left of the 227 KB. "pingpong": each
             # warpgroup owns a 64-token tile and its accumulator (5 stages of 32 KB); "persistent": 128-token tiles
@@ -295,7 +310,8 @@ class HopperProjRope:
         # preferred_smem_carveout=100: all of the SM's memory as shared memory
         if cutlass.const_expr(bool(self.schedule)):  # min(tiles, persistent_ctas) CTAs, one per SM
             ctas = cutlass.min(tiles_t * h, cutlass.Int32(self.persistent_ctas))
-            body = self.kernel_pingpong if cutlass.const_expr(self.schedule == "pingpong") else self.kernel_persistent
+            body = {"pingpong": self.kernel_pingpong, "persistent": self.kernel_persistent,
+                    "staged": self.kernel_staged}[self.schedule]
             body(*args).launch(grid=(ctas, 1, 1), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1,
                                preferred_smem_carveout=100, stream=stream)
         elif cutlass.const_expr(self.cluster_t == 1):
@@ -312,11 +328,13 @@ class HopperProjRope:
         schedule="pingpong" each consumer warpgroup's own code tiles, then the x and W stages (1 KB-aligned).
         Built from a field dict: a `class` body here would keep its annotations as strings (module's __future__
         import), which cute.struct does not evaluate."""
-        fields = dict(pipeline_mbars=cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2],
-                      # columnwise: 6 partial maxima per lane for the partner warp, and each warp's scale table
-                      col_amax=cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps * HEAD_DIM],
-                      col_scale_tab=cute.struct.Align[
-                          cute.struct.MemRange[cutlass.Uint8, self.num_consumer_warps * HEAD_DIM], 16])
+        fields = dict(pipeline_mbars=cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2])
+        if self.schedule == "staged":  # the fp32 tile the MMA warpgroups hand to the epilogue warpgroup
+            fields["y"] = cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.y_bytes // 4], 128]
+        else:  # columnwise: 6 partial maxima per lane for the partner warp, and each warp's scale table
+            fields["col_amax"] = cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps * HEAD_DIM]
+            fields["col_scale_tab"] = cute.struct.Align[
+                cute.struct.MemRange[cutlass.Uint8, self.num_consumer_warps * HEAD_DIM], 16]
         if self._own_code_tiles:
             fields["codes"] = cute.struct.Align[
                 cute.struct.MemRange[cutlass.Uint8, self.num_consumer_wgs * self.codes_bytes_per_wg], 128]
@@ -512,6 +530,123 @@ class HopperProjRope:
                 if cutlass.const_expr("epilogue" not in self._skip):
                     self._epilogue(acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales,
                                    token0, 0, row0, wg, warp, lane, quad, wg_tid, t, h, head)
+
+    # ------------------------------------------------------------------------------ staged (epilogue warpgroup)
+    @cute.kernel
+    def kernel_staged(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
+                      mB_nkl: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor, row_codes: cute.Tensor,
+                      row_scales: cute.Tensor, col_codes: cute.Tensor, col_scales: cute.Tensor, t: cutlass.Int32,
+                      h: cutlass.Int32, tiled_mma: cute.TiledMma, a_smem_staged: cute.ComposedLayout,
+                      b_smem_staged: cute.ComposedLayout):
+        """Device body of the staged schedule: the persistent schedule's producer and 128-token cooperative mainloop
+        (warpgroups 1-2), which now only write each fp32 tile Y to shared memory (`_write_y`), and a fourth
+        warpgroup that runs the epilogue from there while the MMA warpgroups compute the next tile: thread i owns
+        token i of the tile and takes its 192 features as six 32-feature rows (`token_rows`, the same per-row code
+        as the sm_100a kernel's). So the tensor cores stop only for the tile's write to shared memory, and the
+        epilogue, latency-bound, has a whole mainloop to run in.
+        Barriers per tile: the MMA warpgroups arrive on _Y_FULL after writing Y and, from the second tile on, sync
+        on _Y_EMPTY before writing it; the epilogue warpgroup syncs on _Y_FULL before reading Y and arrives on
+        _Y_EMPTY once it holds the last of it, except after its last tile (n arrivals and syncs on _Y_FULL,
+        n - 1 on _Y_EMPTY, 384 threads each)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        cta, _, _ = cute.arch.block_idx()
+        n_ctas, _, _ = cute.arch.grid_dim()
+        bm = self.tile_mnk[0]
+        tiles_t = (t + bm - 1) // bm
+        my_tiles = (tiles_t * h - 1 - cta) // n_ctas + 1  # >= 1: the grid is at most the tile count
+        storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
+            tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, self.shared_storage,
+            self.ab_dtype, self.ab_stages, self.num_consumer_warps, (1, 1), self.tile_mnk, self.threads_per_wg)
+        y = storage.y.data_ptr().toint()
+        do_epilogue = "epilogue" not in self._skip
+
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self._produce_tiles(ab_pipeline, tma_atom_a, tma_atom_b, views, cta, n_ctas, my_tiles, tiles_t,
+                                    k_tiles)
+        elif wg_idx <= self.num_consumer_wgs:
+            wg, wg_tid, warp, lane, quad, row0, tCrA, tCrB, acc = self._consumer_operands(tidx, wg_idx, tiled_mma,
+                                                                                          sA, sB)
+            num_k_steps = 0 if "mma" in self._skip else cute.size(tCrA, mode=[2])
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc is zeroed per tile
+            for i in range(my_tiles):
+                acc.fill(0.0)
+                self._opaque_acc(acc, tidx + i)
+                read_state, release_state = self._issue_k_tiles(ab_pipeline, read_state, release_state, tiled_mma,
+                                                                acc, tCrA, tCrB, num_k_steps, k_tiles)
+                cute.nvgpu.warpgroup.wait_group(0)
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
+                if i > 0:  # the epilogue warpgroup holds the previous tile in registers
+                    cute.arch.barrier(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
+                if cutlass.const_expr(do_epilogue):
+                    self._write_y(acc, y, row0, lane, quad)
+                cute.arch.barrier_arrive(barrier_id=_Y_FULL, number_of_threads=_Y_BARRIER_THREADS)
+        else:
+            cute.arch.setmaxregister_increase(self.epilogue_regs)
+            tid = tidx - (1 + self.num_consumer_wgs) * self.threads_per_wg  # token tid of every tile
+            lane = tid % 32
+            warp = tid // 32
+            row32, col32, cos32, sin32 = token_rows.word_views(row_codes, col_codes, cos, sin)
+            nope_blocks = QK_NOPE // MX_BLOCK
+            for i in range(my_tiles):
+                tile = cta + i * n_ctas
+                tile_t = tile % tiles_t
+                head = tile // tiles_t
+                token = tile_t * bm + tid
+                live = token < t  # uniform over a warp: T is a multiple of 32
+                rcos, rsin = token_rows.load_rope_tables(cos32, sin32, token, t)
+                out_word = token_rows.code_word(token, head, h)
+                row_scale0 = token_rows.row_scale_index(token, head, h)
+                col_scale0 = token_rows.col_scale_index(tile_t, warp, lane, head, h)
+                cute.arch.barrier(barrier_id=_Y_FULL, number_of_threads=_Y_BARRIER_THREADS)
+                if cutlass.const_expr(do_epilogue):
+                    for b in range(nope_blocks):  # a loop, not unrolled: unrolled it spills at 216 registers
+                        vals = self._read_y_block(y, tid, b)
+                        token_rows.quantize_block(vals, b, lane, live, row32, col32, row_scales, col_scales,
+                                                  out_word, row_scale0, col_scale0)
+                    p_lo = self._read_y_block(y, tid, nope_blocks)
+                    p_hi = self._read_y_block(y, tid, nope_blocks + 1)
+                if i + 1 < my_tiles:  # Y is in registers: the MMA warpgroups may overwrite it
+                    cute.arch.barrier_arrive(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
+                if cutlass.const_expr(do_epilogue):
+                    out_lo = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)  # out[128 + j]
+                    out_hi = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)  # out[160 + j]
+                    token_rows.rope(p_lo, p_hi, rcos, rsin, out_lo, out_hi)
+                    token_rows.quantize_block(out_lo, nope_blocks, lane, live, row32, col32, row_scales, col_scales,
+                                              out_word, row_scale0, col_scale0)
+                    token_rows.quantize_block(out_hi, nope_blocks + 1, lane, live, row32, col32, row_scales,
+                                              col_scales, out_word, row_scale0, col_scale0)
+
+    @staticmethod
+    def _y_offset(row, chunk):
+        """Byte offset of Y's 16-byte chunk `chunk` (features 4·chunk..+3) of row `row`: rows of 192 fp32, chunks
+        XOR-swizzled by row % 8, so that eight threads reading the same chunk of eight consecutive rows (one
+        16-byte access per quarter warp) hit eight different bank groups."""
+        return (row * (HEAD_DIM // 4) + (chunk ^ (row & 7))) * 16
+
+    def _write_y(self, acc, y, row0, lane, quad):
+        """An MMA thread's 96 accumulator values into Y: value (v0, v1, j) is row row0 + 8·v1, feature 8j + 2·quad
+        + v0 (the wgmma fragment), so each (v1, j) pair is one 8-byte store."""
+        for v1 in range(2):
+            row = row0 + 8 * v1
+            for j in range(HEAD_DIM // 8):
+                addr = y + self._y_offset(row, 2 * j + quad // 2) + 8 * (quad % 2)
+                _st_shared_v2(addr, common.bits_from_f32(acc[4 * j + 2 * v1]),
+                              common.bits_from_f32(acc[4 * j + 2 * v1 + 1]))
+
+    def _read_y_block(self, y, row, b: int):
+        """Features 32b..32b+31 of Y's row `row` as 32 fp32 registers (eight 16-byte loads)."""
+        vals = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)
+        for c in range(MX_BLOCK // 4):
+            words = _ld_shared_v4(y + self._y_offset(row, (MX_BLOCK // 4) * b + c))
+            for e in range(4):
+                vals[4 * c + e] = common.f32_from_bits(words[e])
+        return vals
 
     @cute.jit
     def _produce_tiles(self, ab_pipeline, tma_atom_a, tma_atom_b, views, cta, n_ctas, my_tiles, tiles_t, k_tiles):
