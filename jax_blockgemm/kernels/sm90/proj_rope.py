@@ -416,24 +416,14 @@ class HopperProjRope:
         """Device body of the ping-pong schedule (module docstring: the barrier protocol). Warp 0 produces the
         k-tiles of this CTA's tiles cta, cta + grid, cta + 2·grid, ... in that order; consumer warpgroup w takes its
         tiles i = w, w + 2, ... (i counts this CTA's tiles)."""
-        tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        cta, _, _ = cute.arch.block_idx()
-        n_ctas, _, _ = cute.arch.grid_dim()
-        bm = self.tile_mnk[0]
-        tiles_t = (t + bm - 1) // bm
-        my_tiles = (tiles_t * h - 1 - cta) // n_ctas + 1  # >= 1: the grid is at most the tile count
         # A stage is read by one consumer warpgroup: its 4 warps release it.
-        storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
-            tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, self.shared_storage,
-            self.ab_dtype, self.ab_stages, 4, (self.cluster_t, 1), self.tile_mnk, self.threads_per_wg)
-
+        (tidx, warp_idx, cta, n_ctas, tiles_t, my_tiles, storage, ab_pipeline, sA, sB, views, k_tiles,
+         wg_idx) = self._persistent_prologue(tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, t,
+                                             h, consumer_warps=4)
+        bm = self.tile_mnk[0]
         if wg_idx == 0:
-            # ------------------------------------------------------------------------------ producer
-            cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == 0:
-                self._produce_tiles(ab_pipeline, tma_atom_a, tma_atom_b, views, cta, n_ctas, my_tiles, tiles_t,
-                                    k_tiles)
+            self._producer_role(warp_idx, ab_pipeline, tma_atom_a, tma_atom_b, views, cta, n_ctas, my_tiles, tiles_t,
+                                k_tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             wg, wg_tid, warp, lane, quad, row0, tCrA, tCrB, acc = self._consumer_operands(tidx, wg_idx, tiled_mma,
@@ -488,22 +478,14 @@ class HopperProjRope:
         the stages with the next tile's k-tiles. Halves W's reads per token against 64-token tiles and keeps loads
         in flight through the epilogue (Nsight Compute on the H200: the 64-token kernels' consumers spent ~40% of
         their samples waiting for a full stage)."""
-        tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        cta, _, _ = cute.arch.block_idx()
-        n_ctas, _, _ = cute.arch.grid_dim()
+        (tidx, warp_idx, cta, n_ctas, tiles_t, my_tiles, storage, ab_pipeline, sA, sB, views, k_tiles,
+         wg_idx) = self._persistent_prologue(tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, t,
+                                             h, consumer_warps=self.num_consumer_warps)
         bm = self.tile_mnk[0]
-        tiles_t = (t + bm - 1) // bm
-        my_tiles = (tiles_t * h - 1 - cta) // n_ctas + 1  # >= 1: the grid is at most the tile count
-        storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
-            tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, self.shared_storage,
-            self.ab_dtype, self.ab_stages, self.num_consumer_warps, (1, 1), self.tile_mnk, self.threads_per_wg)
 
         if wg_idx == 0:
-            cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == 0:
-                self._produce_tiles(ab_pipeline, tma_atom_a, tma_atom_b, views, cta, n_ctas, my_tiles, tiles_t,
-                                    k_tiles)
+            self._producer_role(warp_idx, ab_pipeline, tma_atom_a, tma_atom_b, views, cta, n_ctas, my_tiles, tiles_t,
+                                k_tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             wg, wg_tid, warp, lane, quad, row0, tCrA, tCrB, acc = self._consumer_operands(tidx, wg_idx, tiled_mma,
@@ -548,24 +530,16 @@ class HopperProjRope:
         on _Y_EMPTY before writing it; the epilogue warpgroup syncs on _Y_FULL before reading Y and arrives on
         _Y_EMPTY once it holds the last of it, except after its last tile (n arrivals and syncs on _Y_FULL,
         n - 1 on _Y_EMPTY, 384 threads each)."""
-        tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        cta, _, _ = cute.arch.block_idx()
-        n_ctas, _, _ = cute.arch.grid_dim()
+        (tidx, warp_idx, cta, n_ctas, tiles_t, my_tiles, storage, ab_pipeline, sA, sB, views, k_tiles,
+         wg_idx) = self._persistent_prologue(tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, t,
+                                             h, consumer_warps=self.num_consumer_warps)
         bm = self.tile_mnk[0]
-        tiles_t = (t + bm - 1) // bm
-        my_tiles = (tiles_t * h - 1 - cta) // n_ctas + 1  # >= 1: the grid is at most the tile count
-        storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
-            tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, self.shared_storage,
-            self.ab_dtype, self.ab_stages, self.num_consumer_warps, (1, 1), self.tile_mnk, self.threads_per_wg)
         y = storage.y.data_ptr().toint()
         do_epilogue = "epilogue" not in self._skip
 
         if wg_idx == 0:
-            cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == 0:
-                self._produce_tiles(ab_pipeline, tma_atom_a, tma_atom_b, views, cta, n_ctas, my_tiles, tiles_t,
-                                    k_tiles)
+            self._producer_role(warp_idx, ab_pipeline, tma_atom_a, tma_atom_b, views, cta, n_ctas, my_tiles, tiles_t,
+                                k_tiles)
         elif wg_idx <= self.num_consumer_wgs:
             wg, wg_tid, warp, lane, quad, row0, tCrA, tCrB, acc = self._consumer_operands(tidx, wg_idx, tiled_mma,
                                                                                           sA, sB)
@@ -647,6 +621,34 @@ class HopperProjRope:
             for e in range(4):
                 vals[4 * c + e] = common.f32_from_bits(words[e])
         return vals
+
+    @cute.jit
+    def _persistent_prologue(self, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, t, h,
+                             consumer_warps: int):
+        """What every persistent schedule's kernel starts with: this thread's and CTA's place, the token tile count
+        and this CTA's tile count (tiles cta, cta + grid, ...), and `tma_pipeline.ab_prologue` with stages released
+        by `consumer_warps` warps. Returns (tidx, warp_idx, cta, n_ctas, tiles_t, my_tiles, storage, ab_pipeline, sA,
+        sB, views, k_tiles, wg_idx)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        cta, _, _ = cute.arch.block_idx()
+        n_ctas, _, _ = cute.arch.grid_dim()
+        bm = self.tile_mnk[0]
+        tiles_t = (t + bm - 1) // bm
+        my_tiles = (tiles_t * h - 1 - cta) // n_ctas + 1  # >= 1: the grid is at most the tile count
+        storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
+            tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, self.shared_storage,
+            self.ab_dtype, self.ab_stages, consumer_warps, (self.cluster_t, 1), self.tile_mnk, self.threads_per_wg)
+        return (tidx, warp_idx, cta, n_ctas, tiles_t, my_tiles, storage, ab_pipeline, sA, sB, views, k_tiles,
+                wg_idx)
+
+    @cute.jit
+    def _producer_role(self, warp_idx, ab_pipeline, tma_atom_a, tma_atom_b, views, cta, n_ctas, my_tiles, tiles_t,
+                       k_tiles):
+        """Warpgroup 0 of a persistent kernel: gives its registers up; warp 0 streams the CTA's k-tiles."""
+        cute.arch.setmaxregister_decrease(self.producer_regs)
+        if warp_idx == 0:
+            self._produce_tiles(ab_pipeline, tma_atom_a, tma_atom_b, views, cta, n_ctas, my_tiles, tiles_t, k_tiles)
 
     @cute.jit
     def _produce_tiles(self, ab_pipeline, tma_atom_a, tma_atom_b, views, cta, n_ctas, my_tiles, tiles_t, k_tiles):
