@@ -58,8 +58,12 @@ def _has_kernel_gpu() -> bool:
     return bool(caps) and all(cc in dispatch.ARCH_OF_CAPABILITY for cc in caps)
 
 
-class EndToEndTest(absltest.TestCase):
-    """`python -m jax_blockgemm.bench --small` in a fresh process, as a user runs it."""
+class _BenchRun(absltest.TestCase):
+    """`python -m jax_blockgemm.bench --small ARGS` run once per class in a fresh process, as a user runs it; its
+    JSON record in `record`, its PNG (when PNG is set) at `png_path`. Every test needs the run to have succeeded."""
+
+    ARGS: tuple = ()
+    PNG = False
 
     @classmethod
     def setUpClass(cls):
@@ -68,8 +72,9 @@ class EndToEndTest(absltest.TestCase):
         cls.json_path = os.path.join(cls.dir.name, "bench.json")
         cls.png_path = os.path.join(cls.dir.name, "bench.png")
         cls.proc = subprocess.run(
-            [sys.executable, "-m", "jax_blockgemm.bench", "--small", "--reps", "3", "--warmup", "1", "--sets", "2",
-             "--json", cls.json_path, "--png", cls.png_path], capture_output=True, text=True, timeout=1200)
+            [sys.executable, "-m", "jax_blockgemm.bench", "--small", *cls.ARGS, "--reps", "3", "--warmup", "1",
+             "--sets", "2", "--json", cls.json_path, *(("--png", cls.png_path) if cls.PNG else ())],
+            capture_output=True, text=True, timeout=1200)
         cls.record = None
         if cls.proc.returncode == 0:
             with open(cls.json_path) as f:
@@ -82,6 +87,12 @@ class EndToEndTest(absltest.TestCase):
 
     def setUp(self):
         self.assertEqual(self.proc.returncode, 0, self.proc.stderr[-3000:])
+
+
+class EndToEndTest(_BenchRun):
+    """`python -m jax_blockgemm.bench --small` (with a PNG)."""
+
+    PNG = True
 
     def test_table_has_every_column_and_case(self):
         out = self.proc.stdout
@@ -193,29 +204,10 @@ class EndToEndTest(absltest.TestCase):
                 self.assertEqual(dot["ms"], dot["layouts_ms"][dot["layout"]])
 
 
-class Fp4EndToEndTest(absltest.TestCase):
-    """`python -m jax_blockgemm.bench --small --format mxfp4,nvfp4` in a fresh process: FP4 gemm_amax tables."""
+class Fp4EndToEndTest(_BenchRun):
+    """`python -m jax_blockgemm.bench --small --format mxfp4,nvfp4`: FP4 gemm_amax tables."""
 
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls.dir = tempfile.TemporaryDirectory()
-        cls.json_path = os.path.join(cls.dir.name, "bench.json")
-        cls.proc = subprocess.run(
-            [sys.executable, "-m", "jax_blockgemm.bench", "--small", "--format", "mxfp4,nvfp4", "--reps", "3",
-             "--warmup", "1", "--sets", "2", "--json", cls.json_path], capture_output=True, text=True, timeout=1200)
-        cls.record = None
-        if cls.proc.returncode == 0:
-            with open(cls.json_path) as f:
-                cls.record = json.load(f)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.dir.cleanup()
-        super().tearDownClass()
-
-    def setUp(self):
-        self.assertEqual(self.proc.returncode, 0, self.proc.stderr[-3000:])
+    ARGS = ("--format", "mxfp4,nvfp4")
 
     def test_cases_say_the_format(self):
         self.assertEqual(self.record["method"]["formats"], list(FP4_FORMATS))
