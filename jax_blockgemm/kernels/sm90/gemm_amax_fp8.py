@@ -258,10 +258,8 @@ class HopperFp8PromoteGemmAmax(CEpilogue):
             if warp_idx == 0:
                 # -------------------------------------------------------------------------- producer (TMA)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-                for kt in range(k_tiles):
-                    tma_pipeline.load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_m, tile_n, kt,
-                                             batch)
-                    state.advance()
+                state = tma_pipeline.produce_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_m, tile_n,
+                                                  k_tiles, batch)
                 ab_pipeline.producer_tail(state)
             else:
                 # -------------------------------------------------------------------------- scale decoders

@@ -365,10 +365,8 @@ class HopperProjRope:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-                for kt in range(k_tiles):
-                    tma_pipeline.load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_t, head, kt,
-                                             multicast=self.cluster_t)
-                    state.advance()
+                state = tma_pipeline.produce_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_t, head,
+                                                  k_tiles, multicast=self.cluster_t)
                 ab_pipeline.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -657,12 +655,8 @@ class HopperProjRope:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         for i in range(my_tiles):
             tile = cta + i * n_ctas
-            tile_t = tile % tiles_t
-            head = tile // tiles_t
-            for kt in range(k_tiles):
-                tma_pipeline.load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_t, head, kt,
-                                         multicast=self.cluster_t)
-                state.advance()
+            state = tma_pipeline.produce_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile % tiles_t,
+                                              tile // tiles_t, k_tiles, multicast=self.cluster_t)
         ab_pipeline.producer_tail(state)
 
     def _own_stage_codes(self, storage, wg):

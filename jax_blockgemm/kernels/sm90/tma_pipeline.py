@@ -102,3 +102,15 @@ def load_k_tile(ab_pipeline: Any, state: Any, tma_atom_a: cute.CopyAtom, tma_ato
         cute.copy(tma_atom_b, tBgB[(None, b_tile, kt, batch)], tBsB[(None, state.index)], tma_bar_ptr=bar,
                   mcast_mask=cutlass.Int16((1 << multicast) - 1))
     ab_pipeline.producer_commit(state)
+
+
+@cute.jit
+def produce_tile(ab_pipeline: Any, state: Any, tma_atom_a: cute.CopyAtom, tma_atom_b: cute.CopyAtom, views: tuple,
+                 a_tile: Any, b_tile: Any, k_tiles: Any, batch: Any = 0, multicast: cutlass.Constexpr[int] = 1):
+    """The producer's loads of one output tile: k-tiles 0..k_tiles-1 of A's row tile `a_tile` and B's `b_tile`,
+    each into the next stage (`load_k_tile`). Returns the advanced `state`, which the caller must rebind (the DSL
+    carries what a loop advances only through the loop's own names)."""
+    for kt in range(k_tiles):
+        load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, a_tile, b_tile, kt, batch, multicast)
+        state.advance()
+    return state
