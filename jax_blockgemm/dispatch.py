@@ -44,9 +44,10 @@ PROJ_ROPE_TILE = {"sm_90a": (64, 192), "sm_100a": (128, 192)}
 # The cluster (CTAs along tokens sharing each W tile by TMA multicast) each arch's proj_rope tile runs in.
 PROJ_ROPE_CLUSTER = {"sm_90a": (1, 1), "sm_100a": (1, 1)}
 # The schedule of each arch's proj_rope kernel: "" (one tile per CTA), or on sm_90a one of the persistent schedules
-# (catalog.PROJ_ROPE_SCHEDULE_TILES_SM90): "pingpong" (two consumer warpgroups on alternate 64-token tiles) or
-# "persistent" (both on each 128-token tile). Both ran correct on an H200 and neither was faster than "" (2026-11-30,
-# benchmarks/RESULTS.md), so "" stays the default.
+# (catalog.PROJ_ROPE_SCHEDULE_TILES_SM90): "pingpong" (two consumer warpgroups on alternate 64-token tiles),
+# "persistent" (both on each 128-token tile) or "staged" (as "persistent", with a fourth warpgroup quantizing each
+# fp32 tile from shared memory). All ran correct on an H200; none was clearly faster than "" (2026-11-30,
+# benchmarks/RESULTS.md: "staged" 8-9% at T = 2048, within noise at 4096, one run), so "" stays the default.
 PROJ_ROPE_SCHEDULE = {"sm_90a": "", "sm_100a": ""}
 
 # The kernels and the FFI handler take sizes and element counts as int32: a call with an operand or C of this many
