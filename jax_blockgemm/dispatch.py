@@ -35,20 +35,19 @@ ARCH_OF_CAPABILITY = {"9.0": "sm_90a", "10.0": "sm_100a"}
 DEFAULT_TAKES_KERNEL = {("gemm_amax", "sm_90a"): False, ("proj_rope", "sm_90a"): True,
                         ("gemm_amax", "sm_100a"): False, ("proj_rope", "sm_100a"): False}
 
-# The proj_rope tile (tokens, features) each arch runs: sm_90a among catalog.PROJ_ROPE_TILES (benchmarks/RESULTS.md),
-# sm_100a its only one (catalog.PROJ_ROPE_TILES_SM100).
-# sm_90a: 64x192 (one consumer warpgroup, two CTAs per SM): with the current epilogue 0.619-0.637 ms per call
-# through the API at T=4096, H=128, K=1536 against 0.645-0.668 for 128x192 (H200, 2026-11-30); every tile passes
-# tests/test_gpu_proj_rope.py and compute-sanitizer.
-PROJ_ROPE_TILE = {"sm_90a": (64, 192), "sm_100a": (128, 192)}
+# The proj_rope tile (tokens, features) each arch runs: sm_90a among catalog.PROJ_ROPE_TILES and
+# catalog.PROJ_ROPE_SCHEDULE_TILES_SM90 (benchmarks/RESULTS.md), sm_100a its only one (catalog.PROJ_ROPE_TILES_SM100).
+PROJ_ROPE_TILE = {"sm_90a": (128, 192), "sm_100a": (128, 192)}
 # The cluster (CTAs along tokens sharing each W tile by TMA multicast) each arch's proj_rope tile runs in.
 PROJ_ROPE_CLUSTER = {"sm_90a": (1, 1), "sm_100a": (1, 1)}
 # The schedule of each arch's proj_rope kernel: "" (one tile per CTA), or on sm_90a one of the persistent schedules
 # (catalog.PROJ_ROPE_SCHEDULE_TILES_SM90): "pingpong" (two consumer warpgroups on alternate 64-token tiles),
 # "persistent" (both on each 128-token tile) or "staged" (as "persistent", with a fourth warpgroup quantizing each
-# fp32 tile from shared memory). All ran correct on an H200; none was clearly faster than "" (2026-11-30,
-# benchmarks/RESULTS.md: "staged" 8-9% at T = 2048, within noise at 4096, one run), so "" stays the default.
-PROJ_ROPE_SCHEDULE = {"sm_90a": "", "sm_100a": ""}
+# fp32 tile from shared memory). All run correct on an H200 (tests/test_gpu_proj_rope.py, compute-sanitizer).
+# sm_90a takes "staged" (128-token tiles): through the API at K = 1536, H = 128, in one run (H200, 2026-11-30,
+# benchmarks/RESULTS.md) 0.596 / 0.326 ms (bf16 in, T = 4096 / 2048) and 0.676 / 0.353 (MXFP8 in) against 0.635 /
+# 0.341 and 0.716 / 0.385 for the 64x192 one-tile-per-CTA kernel that was the default before.
+PROJ_ROPE_SCHEDULE = {"sm_90a": "staged", "sm_100a": ""}
 
 # The kernels and the FFI handler take sizes and element counts as int32: a call with an operand or C of this many
 # elements or more never reaches them (None takes the reference, "cutedsl" raises at lowering).

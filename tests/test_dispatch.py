@@ -109,9 +109,13 @@ class ProjRopeDispatchTest(parameterized.TestCase):
         text = _proj_rope_text(w_out_in=w_out_in, implementation="cutedsl")
         self.assertIn("jbg_gemm_proj_rope_mxfp8", text)
         self.assertIn(f"w_out_in = {str(w_out_in).lower()}", text)
-        self.assertIn("_t64x192_c1x1" + ("" if w_out_in else "_bn"), text)  # the layout's own object
-        with mock.patch.dict(dispatch.PROJ_ROPE_TILE, {"sm_90a": (128, 192)}):
-            self.assertIn("_t128x192_c1x1", _proj_rope_text(w_out_in=w_out_in, implementation="cutedsl"))
+        # the layout's own object of the default schedule ("staged", 128-token tiles)
+        self.assertIn("_t128x192_c1x1" + ("" if w_out_in else "_bn") + "_staged", text)
+        with mock.patch.dict(dispatch.PROJ_ROPE_TILE, {"sm_90a": (64, 192)}), \
+                mock.patch.dict(dispatch.PROJ_ROPE_SCHEDULE, {"sm_90a": ""}):
+            text = _proj_rope_text(w_out_in=w_out_in, implementation="cutedsl")
+            self.assertIn("_t64x192_c1x1" + ("" if w_out_in else "_bn"), text)
+            self.assertNotIn("_staged", text)
 
     def test_xla_never_does(self):
         self.assertNotIn("jbg_gemm_proj_rope_mxfp8", _proj_rope_text(implementation="xla"))

@@ -19,7 +19,7 @@ try:
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor
 
-    from jax_blockgemm.kernels import epilogue
+    from jax_blockgemm.kernels import common, epilogue
 except ImportError as e:  # pragma: no cover - CuTeDSL is a hard dependency of this test file
     raise absltest.SkipTest(f"CuTeDSL not importable: {e}")
 
@@ -31,7 +31,7 @@ N = 4096  # elements per input array; one CTA of 128 threads, 32 elements each
 @cute.kernel
 def _probe_kernel(amax_bits: cute.Tensor, byte_out: cute.Tensor, inv_out: cute.Tensor, lo: cute.Tensor,
                   hi: cute.Tensor, codes_out: cute.Tensor, rope_in: cute.Tensor, rope_out: cute.Tensor,
-                  lanes_in: cute.Tensor, lanes_out: cute.Tensor):
+                  lanes_in: cute.Tensor, lanes_out: cute.Tensor, extra_out: cute.Tensor):
     tid, _, _ = cute.arch.thread_idx()
     for r in cutlass.range_constexpr(N // 128):
         i = tid + 128 * r
@@ -45,17 +45,20 @@ def _probe_kernel(amax_bits: cute.Tensor, byte_out: cute.Tensor, inv_out: cute.T
         rope_out[2 * i + 1] = second
         lanes_out[2 * i] = epilogue.lane_max(lanes_in[i], 0, 2)  # over the 4 lanes of a quad
         lanes_out[2 * i + 1] = epilogue.lane_max(lanes_in[i], 2, 3)  # over the 8 quads of a warp
+        extra_out[3 * i] = common.bits_from_f32(epilogue.nan_abs_max(-common.f32_from_bits(amax_bits[i]), lo[i]))
+        extra_out[3 * i + 1] = epilogue.byte_mask(lanes_in[i])
+        extra_out[3 * i + 2] = epilogue.e4m3x4(lo[i] * inv, hi[i] * inv, -lo[i] * inv, -hi[i] * inv)
 
 
 @cute.jit
-def _probe(amax_bits, byte_out, inv_out, lo, hi, codes_out, rope_in, rope_out, lanes_in, lanes_out,
+def _probe(amax_bits, byte_out, inv_out, lo, hi, codes_out, rope_in, rope_out, lanes_in, lanes_out, extra_out,
            stream: cuda.CUstream):
-    _probe_kernel(amax_bits, byte_out, inv_out, lo, hi, codes_out, rope_in, rope_out, lanes_in, lanes_out).launch(
-        grid=(1, 1, 1), block=(128, 1, 1), stream=stream)
+    _probe_kernel(amax_bits, byte_out, inv_out, lo, hi, codes_out, rope_in, rope_out, lanes_in, lanes_out,
+                  extra_out).launch(grid=(1, 1, 1), block=(128, 1, 1), stream=stream)
 
 
 _DTYPES = (cutlass.Int32, cutlass.Int32, cutlass.Float32, cutlass.Float32, cutlass.Float32, cutlass.Int32,
-           cutlass.Float32, cutlass.Float32, cutlass.Int32, cutlass.Int32)
+           cutlass.Float32, cutlass.Float32, cutlass.Int32, cutlass.Int32, cutlass.Int32)
 
 
 def _compile(arch: str | None):
@@ -116,14 +119,14 @@ class GpuEpilogueTest(absltest.TestCase):
         rope_in = rng.standard_normal(6 * N).astype(np.float32)
         lanes_in = rng.integers(0, 2**31 - 1, N, dtype=np.int32)
         host = [amax_bits, np.zeros(N, np.int32), np.zeros(N, np.float32), lo, hi, np.zeros(N, np.int32), rope_in,
-                np.zeros(2 * N, np.float32), lanes_in, np.zeros(2 * N, np.int32)]
+                np.zeros(2 * N, np.float32), lanes_in, np.zeros(2 * N, np.int32), np.zeros(3 * N, np.int32)]
         dev = [torch.from_numpy(a.copy()).cuda() for a in host]
         from cutlass.cute.runtime import from_dlpack
 
         fn = _compile(None)
         fn(*(from_dlpack(t, assumed_align=16) for t in dev), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
         torch.cuda.synchronize()
-        byte, inv, codes, rope_out, lanes_out = (dev[i].cpu().numpy() for i in (1, 2, 5, 7, 9))
+        byte, inv, codes, rope_out, lanes_out, extra = (dev[i].cpu().numpy() for i in (1, 2, 5, 7, 9, 10))
 
         # E8M0: the byte formats.py gives (the SPEC §2 rule), 0xFF for inf/NaN; the factor is exactly 2^-e.
         e = np.asarray(formats.scale_exponent(amax, 448.0))
@@ -152,6 +155,20 @@ class GpuEpilogueTest(absltest.TestCase):
         column = np.tile(grid.reshape(-1, 8, 4).max(axis=1), (1, 8))
         np.testing.assert_array_equal(lanes_out.reshape(-1, 2)[:, 0], quad.reshape(-1))
         np.testing.assert_array_equal(lanes_out.reshape(-1, 2)[:, 1], column.reshape(-1))
+
+        # max(|a|, |b|) propagates NaN (a block amax must see it) and is exact otherwise.
+        got = extra.reshape(N, 3)[:, 0].view(np.float32)
+        nan = np.isnan(amax)
+        self.assertTrue(nan.any() and np.isnan(got[nan]).all())
+        np.testing.assert_array_equal(got[~nan], np.maximum(np.abs(amax[~nan]), np.abs(lo[~nan])))
+        # byte k of the mask is 0xFF where bit k of the input is set (bits 0..3 only).
+        bits4 = (lanes_in[:, None] >> np.arange(4)) & 1
+        want_mask = (bits4 * (0xFF << (8 * np.arange(4)))).sum(axis=1).astype(np.int64)
+        np.testing.assert_array_equal(extra.reshape(N, 3)[:, 1].view(np.uint32), want_mask.astype(np.uint32))
+        # four codes per word, the first lowest
+        four = [lo * scale, hi * scale, -lo * scale, -hi * scale]
+        want4 = sum(e4m3_bytes(v).astype(np.int64) << (8 * k) for k, v in enumerate(four))
+        np.testing.assert_array_equal(extra.reshape(N, 3)[finite, 2].view(np.uint32), want4[finite].astype(np.uint32))
 
 
 if __name__ == "__main__":

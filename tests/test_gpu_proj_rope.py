@@ -131,6 +131,42 @@ class GpuProjRopeTest(parameterized.TestCase):
         # column blocks mix special tokens, so only the finite tokens' rowwise blocks meet the float64 oracle here
         oracle_ops.assert_quantized_close(self, "rowwise", rc[finite], rs[finite], y_ref, axis=2)
 
+    @parameterized.parameters(True, False)
+    def test_nan_inf_feature_columns(self, w_out_in):
+        """NaN/inf in single features (a row of W): the column blocks of exactly those output features get scale
+        0xFF and codes 0 in every token block, next to finite columns of the same 32-feature group (a partial
+        NaN/inf column mask in a warp); RoPE carries a bad input feature to both outputs of its pair."""
+        t, h, k = 96, 3, 64
+        inp = _inputs(np.random.SeedSequence().entropy, t, h, k, w_out_in=w_out_in, tables="random")
+        w = inp["w"].astype(np.float32)
+        rows = w if w_out_in else w.T  # (H*192, K) view
+        bad_inputs = {(1, 3): np.nan, (1, 129): np.nan, (0, 77): np.inf}  # (head, feature of Y before RoPE)
+        for (hd, f), v in bad_inputs.items():
+            rows[hd * 192 + f, 5] = v
+        inp["w"] = w.astype(inp["w"].dtype)
+        rc, rs, cc, cs = _run(inp, w_out_in=w_out_in)
+        bad = {(1, 3), (1, 128), (1, 160), (0, 77)}  # output features: p[1] feeds out[128] and out[160]
+        for hd in range(h):
+            for f in range(192):
+                col_bytes = cs[:, hd, f]
+                if (hd, f) in bad:
+                    self.assertTrue((col_bytes == 0xFF).all(), (hd, f, col_bytes))
+                    self.assertTrue((cc[:, hd, f].astype(np.float32) == 0).all(), (hd, f))
+                    self.assertTrue((rs[:, hd, f // 32] == 0xFF).all(), (hd, f))
+                    self.assertTrue((rc[:, hd, f // 32 * 32:(f // 32 + 1) * 32].astype(np.float32) == 0).all())
+                else:
+                    self.assertTrue((col_bytes < 0xFE).all(), (hd, f, col_bytes))
+        self.assertFalse(np.isnan(rc.astype(np.float32)).any() or np.isnan(cc.astype(np.float32)).any())
+        clean = inp["w"].astype(np.float32)
+        (clean if w_out_in else clean.T)[np.isnan(rows) | np.isinf(rows)] = 0.0
+        y_ref = oracle_ops.proj_rope_oracle(inp["x"], clean.astype(inp["w"].dtype), inp["cos"], inp["sin"],
+                                            w_out_in=w_out_in)
+        oracle_ops.assert_proj_rope_close(self, [o[:, 2:] for o in (rc, rs, cc, cs)], y_ref[:, 2:])
+        for hd in (0, 1):
+            good = [f for f in range(192) if (hd, f) not in bad]
+            oracle_ops.assert_quantized_close(self, f"columnwise head {hd}", cc[:, hd, good], cs[:, hd, good],
+                                              y_ref[:, hd, good], axis=0)
+
     def test_vmap_over_tokens_runs_the_kernel(self):
         t, h, k = 64, 2, 128
         inp = _inputs(np.random.SeedSequence().entropy, 2 * t, h, k, w_out_in=True, tables="rotary")

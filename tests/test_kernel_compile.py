@@ -247,16 +247,24 @@ class CompileTest(parameterized.TestCase):
         self.assertIn(f".target {v.arch}", ptx)
         self.assertRegex(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n192k16\.f32\.bf16\.bf16")
         self.assertIn("cp.async.bulk.tensor", ptx)
-        self.assertEqual(ptx.count("cvt.rn.satfinite.e4m3x2.f32"), 96)
         self.assertNotRegex(ptx, r"st\.shared\.(u8|b8)")
         self.assertNotIn(".local", ptx)  # the accumulator and the rope tables stay in registers
         if v.schedule == "staged":
-            # Epilogue warpgroup (kernels/token_rows.py): one token per thread, a loop over the 4 nope blocks (8
-            # 16-byte loads of Y each, 32 pair conversions) and the 2 rope blocks after it: 3 block bodies.
-            self.assertEqual(ptx.count("ld.shared.v4.b32"), 3 * 8)
-            self.assertEqual(ptx.count("st.shared.v4.b32"), 0)
-            self.assertEqual(len(re.findall(r"shfl\.sync\.bfly", ptx)), 3 * 31)  # warp_column_max per block
+            # Epilogue warpgroup (kernels/token_rows.py): one token per thread. RoPE in place in Y (2 blocks: 16
+            # 16-byte loads and stores), then one loop body for all 6 blocks: 8 16-byte loads of the row, 32 4-byte
+            # loads of the lane's column across the warp's rows, one 4-byte store of the column factor and 8
+            # broadcast 16-byte loads of the warp's 32 factors, a ballot of the NaN/inf columns; 31 + 31
+            # NaN-propagating abs-max; 32 pair conversions. No butterflies.
+            self.assertEqual(ptx.count("cvt.rn.satfinite.e4m3x2.f32"), 32)
+            self.assertEqual(ptx.count("ld.shared.v4.b32"), 16 + 8 + 8)
+            self.assertEqual(ptx.count("st.shared.v4.b32"), 16)
+            self.assertEqual(ptx.count("ld.shared.b32"), 32)
+            self.assertEqual(ptx.count("st.shared.b32"), 1)
+            self.assertEqual(ptx.count("max.NaN.f32"), 62)
+            self.assertEqual(len(re.findall(r"vote\.sync\.ballot", ptx)), 1)
+            self.assertNotRegex(ptx, r"shfl\.sync\.bfly")
             return
+        self.assertEqual(ptx.count("cvt.rn.satfinite.e4m3x2.f32"), 96)
         # Epilogue (kernels/sm90/code_tiles.py): 2 tokens x 12 code words of 4 codes (2 pair conversions each),
         # rowwise and columnwise; staged with 3 16-byte shared stores per token and tile, read back by 3 units of
         # 4 16-byte loads and stored with 4 16-byte global stores each; 24 rowwise + 42 columnwise shuffles.

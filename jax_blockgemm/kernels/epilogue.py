@@ -115,6 +115,48 @@ def fp8x2(lo: cutlass.Float32, hi: cutlass.Float32, fmt: str, *, loc=None, ip=No
         "=r,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+@dsl_user_op
+def e4m3x4(a: cutlass.Float32, b: cutlass.Float32, c: cutlass.Float32, d: cutlass.Float32, *, loc=None,
+           ip=None) -> cutlass.Int32:
+    """Four E4M3 codes (as `e4m3x2`) packed as the bytes of one word, a lowest: two conversions and a move."""
+    f = [cutlass.Float32(x).ir_value(loc=loc, ip=ip) for x in (b, a, d, c)]
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(), f, "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $1, $2; "
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $3, $4; mov.b32 $0, {lo, hi}; }",
+        "=r,f,f,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def nan_abs_max(a: cutlass.Float32, b: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Float32:
+    """max(|a|, |b|), NaN if either is NaN (`max.NaN`; ptxas folds the two `abs` into the FMNMX operands). The
+    fp32 bits of a block's fold of it are the amax bits `e8m0_scale` takes: finite, inf, or a NaN's (>= inf's)."""
+    args = [cutlass.Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b)]
+    return cutlass.Float32(llvm.inline_asm(
+        T.f32(), args, "{ .reg .f32 x, y; abs.f32 x, $1; abs.f32 y, $2; max.NaN.f32 $0, x, y; }", "=f,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+def amax_tree(vals: list, lanes: int = 4) -> cutlass.Float32:
+    """max |v| over `vals` (fp32, NaN-propagating) with `nan_abs_max`: `lanes` interleaved running maxima, then
+    their fold, so the chain is len/lanes + log2(lanes) deep while only `lanes` temporaries are live."""
+    if len(vals) == 1:
+        return nan_abs_max(vals[0], vals[0])
+    lanes = min(lanes, len(vals) // 2)
+    acc = [nan_abs_max(vals[j], vals[j + lanes]) for j in range(lanes)]
+    for i in range(2 * lanes, len(vals)):
+        acc[i % lanes] = nan_abs_max(acc[i % lanes], vals[i])
+    while len(acc) > 1:
+        acc = [nan_abs_max(acc[i], acc[i + 1]) if i + 1 < len(acc) else acc[i] for i in range(0, len(acc), 2)]
+    return acc[0]
+
+
+@cute.jit
+def byte_mask(bits4: cutlass.Int32) -> cutlass.Int32:
+    """0xFF in byte k of the result where bit k of `bits4` is set (k < 4; higher bits are ignored): the codes of a
+    word that belong to NaN/inf blocks, from a warp ballot of the blocks' `bad` flags."""
+    return (((bits4 & 0xF) * 0x00204081) & 0x01010101) * 0xFF
+
+
 # E2M1 rounding thresholds on |x| (SPEC §1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6): the code is the number of
 # thresholds |x| passes. Ties go to the even code: a midpoint below an odd code is passed only when strictly
 # exceeded (0.25 -> 0, 1.25 -> 1, 2.5 -> 2, 5 -> 4), one below an even code already when reached (0.75 -> 1,

@@ -3,7 +3,8 @@ sm_100a (tensor-memory 32x32b loads) and sm_90a's "staged" schedule (rows of an 
 
 Thread 32·warp + lane of a 128-token tile owns token 32·warp + lane and takes its 192 features in six 32-feature
 blocks. A rowwise block is then 32 values of one thread (reduced in the thread) and a columnwise block (32 tokens of
-one feature) is one value in each of a warp's 32 lanes (`epilogue.warp_column_max`). RoPE pairs (p[2j], p[2j+1])
+one feature) is one value in each of a warp's 32 lanes (its maximum: `shuffled_column_scales` from registers, or the
+caller's own from shared memory). RoPE pairs (p[2j], p[2j+1])
 sit in one thread. The math is kernels/epilogue.py's; this module only says where values come from and go to.
 """
 
@@ -58,49 +59,94 @@ def bf16_at(words: cute.Tensor, i: int) -> cutlass.Float32:
 
 
 @cute.jit
-def quantize_block(vals: cute.Tensor, b: cutlass.Constexpr[int], lane: cutlass.Int32, live: cutlass.Boolean,
-                   row32: cute.Tensor, col32: cute.Tensor, row_scales: cute.Tensor, col_scales: cute.Tensor,
-                   out_word: cutlass.Int32, row_scale0: cutlass.Int32, col_scale0: cutlass.Int32):
-    """Output features 32b..32b+31 of this thread's token (`vals`, fp32): both quantizations, then the stores.
-
-    Rowwise: the block is this thread's 32 values. Columnwise: value i's block is value i of the warp's 32 lanes
-    (32 consecutive tokens), so its amax is a transposing butterfly and every lane then takes each column's scale
-    from the lane that owns it. row32/col32 are 32-bit views of the code outputs; out_word = code_word(token, ..),
-    row_scale0 = row_scale_index(token, ..), col_scale0 = col_scale_index(tile_t, warp, lane, ..). A warp past T
-    (`live` false) stores nothing.
-    """
-    # rowwise
-    bits = cutlass.Int32(0)
-    for i in cutlass.range_constexpr(MX_BLOCK):
-        bits = cutlass.max(bits, common.abs_bits(vals[i]))
-    row_byte, inv, bad = epilogue.e8m0_scale(bits)
-    row_words = cute.make_rmem_tensor((WORDS_PER_BLOCK,), cutlass.Int32)
+def row_code_words(vals: cute.Tensor, inv: cutlass.Float32, bad: cutlass.Boolean) -> cute.Tensor:
+    """Rowwise: the block's 32 codes at one scale factor `inv`, four per word (value 4·wd + k in byte k of word wd);
+    all zero when the block holds a NaN or inf (`bad`)."""
+    words = cute.make_rmem_tensor((WORDS_PER_BLOCK,), cutlass.Int32)
     for wd in cutlass.range_constexpr(WORDS_PER_BLOCK):
-        lo = epilogue.quantize_pair(vals[4 * wd], vals[4 * wd + 1], inv, inv, bad, bad)
-        hi = epilogue.quantize_pair(vals[4 * wd + 2], vals[4 * wd + 3], inv, inv, bad, bad)
-        row_words[wd] = lo | (hi << 16)
-    # columnwise: lane l reduces column l of the warp's 32 x 32 block, makes its scale, and every lane then
-    # takes each column's scale byte from the lane that owns it
+        codes = epilogue.e4m3x4(vals[4 * wd] * inv, vals[4 * wd + 1] * inv, vals[4 * wd + 2] * inv,
+                                vals[4 * wd + 3] * inv)
+        words[wd] = cutlass.Int32(cutlass.select_(bad, cutlass.Int32(0), codes))
+    return words
+
+
+def column_word(vals: cute.Tensor, wd: int, inv: list) -> cutlass.Int32:
+    """Codes of values 4·wd .. 4·wd + 3, each at its own column's factor (inv: those four factors)."""
+    return epilogue.e4m3x4(*[vals[4 * wd + e] * inv[e] for e in range(4)])
+
+
+@cute.jit
+def zero_bad_columns(words: cute.Tensor, bad_mask: cutlass.Int32):
+    """Codes of the columns whose block holds a NaN or inf (bit i of `bad_mask`, a warp ballot: the branch is
+    uniform and rarely taken) set to zero, SPEC §2."""
+    if bad_mask != 0:
+        for wd in cutlass.range_constexpr(WORDS_PER_BLOCK):
+            words[wd] = words[wd] & ~epilogue.byte_mask(bad_mask >> (4 * wd))
+
+
+@cute.jit
+def col_code_words(vals: cute.Tensor, inv: cute.Tensor, bad_mask: cutlass.Int32) -> cute.Tensor:
+    """Columnwise: value i at its column's factor inv[i], packed as `row_code_words`; NaN/inf columns zero."""
+    words = cute.make_rmem_tensor((WORDS_PER_BLOCK,), cutlass.Int32)
+    for wd in cutlass.range_constexpr(WORDS_PER_BLOCK):
+        words[wd] = column_word(vals, wd, [inv[4 * wd + e] for e in range(4)])
+    zero_bad_columns(words, bad_mask)
+    return words
+
+
+@cute.jit
+def shuffled_col_code_words(vals: cute.Tensor, lane: cutlass.Int32):
+    """`col_code_words` with the column scales from registers alone (sm_100a, whose epilogue has the values only in
+    registers): a transposing butterfly for the maxima, then each column's byte by one shuffle as its factor is
+    needed (the 32 factors are never live at once). Returns (byte of column `lane`, the code words)."""
     col_bits = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Int32)
     for i in cutlass.range_constexpr(MX_BLOCK):
         col_bits[i] = common.abs_bits(vals[i])
-    col_byte, _, _ = epilogue.e8m0_scale(epilogue.warp_column_max(col_bits, lane))
-    col_words = cute.make_rmem_tensor((WORDS_PER_BLOCK,), cutlass.Int32)
-    for i in cutlass.range_constexpr(0, MX_BLOCK, 2):
-        inv0, bad0 = epilogue.e8m0_inverse(cute.arch.shuffle_sync(col_byte, i))
-        inv1, bad1 = epilogue.e8m0_inverse(cute.arch.shuffle_sync(col_byte, i + 1))
-        codes = epilogue.quantize_pair(vals[i], vals[i + 1], inv0, inv1, bad0, bad1)
-        if cutlass.const_expr(i % 4 == 0):
-            col_words[i // 4] = codes
-        else:
-            col_words[i // 4] = col_words[i // 4] | (codes << 16)
-    # stores (whole warps past T store nothing)
+    col_byte, _, col_bad = epilogue.e8m0_scale(epilogue.warp_column_max(col_bits, lane))
+    words = cute.make_rmem_tensor((WORDS_PER_BLOCK,), cutlass.Int32)
+    for wd in cutlass.range_constexpr(WORDS_PER_BLOCK):
+        inv = []
+        for e in cutlass.range_constexpr(4):
+            factor, _ = epilogue.e8m0_inverse(cute.arch.shuffle_sync(col_byte, 4 * wd + e))
+            inv.append(factor)
+        words[wd] = column_word(vals, wd, inv)
+    zero_bad_columns(words, cute.arch.vote_ballot_sync(col_bad))
+    return col_byte, words
+
+
+@cute.jit
+def quantize_block(vals: cute.Tensor, col_words: cute.Tensor, col_byte: cutlass.Int32, b: cutlass.Int32,
+                   live: cutlass.Boolean, row32: cute.Tensor, col32: cute.Tensor, row_scales: cute.Tensor,
+                   col_scales: cute.Tensor, out_word: cutlass.Int32, row_scale0: cutlass.Int32,
+                   col_scale0: cutlass.Int32):
+    """Output features 32b..32b+31 of this thread's token (`vals`, fp32): the rowwise quantization, then the stores
+    of both.
+
+    Rowwise: the block is this thread's 32 values (amax by `epilogue.amax_tree`). Columnwise: value i's block is
+    value i of the warp's 32 lanes (32 consecutive tokens); the caller brings its codes and this lane's column scale
+    byte (`col_code_words` from a shared-memory table, or `shuffled_col_code_words`). row32/col32 are 32-bit views
+    of the code outputs; out_word = code_word(token, ..), row_scale0 = row_scale_index(token, ..), col_scale0 =
+    col_scale_index(tile_t, warp, lane, ..). A warp past T (`live` false) stores nothing.
+    """
+    amax = epilogue.amax_tree([vals[i] for i in range(MX_BLOCK)])  # a comprehension: unrolled
+    row_byte, inv, bad = epilogue.e8m0_scale(common.bits_from_f32(amax))
+    row_words = row_code_words(vals, inv, bad)
     if live:
         first = cute.assume(out_word + b * WORDS_PER_BLOCK, divby=WORDS_PER_BLOCK)  # 32-byte aligned
         cute.autovec_copy(row_words, cute.make_tensor(row32.iterator + first, row_words.layout))
         cute.autovec_copy(col_words, cute.make_tensor(col32.iterator + first, col_words.layout))
         row_scales[row_scale0 + b] = row_byte.to(cutlass.Uint8)
         col_scales[col_scale0 + b * MX_BLOCK] = col_byte.to(cutlass.Uint8)
+
+
+@cute.jit
+def quantize_block_shuffled(vals: cute.Tensor, b: cutlass.Int32, lane: cutlass.Int32, live: cutlass.Boolean,
+                            row32: cute.Tensor, col32: cute.Tensor, row_scales: cute.Tensor, col_scales: cute.Tensor,
+                            out_word: cutlass.Int32, row_scale0: cutlass.Int32, col_scale0: cutlass.Int32):
+    """`quantize_block` with the columnwise codes from registers (`shuffled_col_code_words`): the sm_100a epilogue."""
+    col_byte, col_words = shuffled_col_code_words(vals, lane)
+    quantize_block(vals, col_words, col_byte, b, live, row32, col32, row_scales, col_scales, out_word, row_scale0,
+                   col_scale0)
 
 
 def word_views(row_codes: cute.Tensor, col_codes: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor) -> tuple:

@@ -221,8 +221,8 @@ class BlackwellProjRope(persistent.PersistentKernel):
                 vals = cute.make_rmem_tensor(block_shape, self.acc_dtype)
                 cute.copy(t2r, tAcc[(None, None, None, b)], vals)
                 cute.arch.fence_view_async_tmem_load()
-                token_rows.quantize_block(vals, b, lane, live, row32, col32, row_scales, col_scales, out_word,
-                                          row_scale0, col_scale0)
+                token_rows.quantize_block_shuffled(vals, b, lane, live, row32, col32, row_scales, col_scales,
+                                                   out_word, row_scale0, col_scale0)
             # ------------------------------------------------------------------ features 128..191: RoPE
             p_lo = cute.make_rmem_tensor(block_shape, self.acc_dtype)  # p[0..31]
             p_hi = cute.make_rmem_tensor(block_shape, self.acc_dtype)  # p[32..63]
@@ -236,9 +236,9 @@ class BlackwellProjRope(persistent.PersistentKernel):
             out_lo = cute.make_rmem_tensor(block_shape, self.acc_dtype)  # out[128 + j]
             out_hi = cute.make_rmem_tensor(block_shape, self.acc_dtype)  # out[160 + j]
             token_rows.rope(p_lo, p_hi, rcos, rsin, out_lo, out_hi)
-            token_rows.quantize_block(out_lo, nope_blocks, lane, live, row32, col32, row_scales, col_scales,
-                                      out_word, row_scale0, col_scale0)
-            token_rows.quantize_block(out_hi, nope_blocks + 1, lane, live, row32, col32, row_scales, col_scales,
-                                      out_word, row_scale0, col_scale0)
+            token_rows.quantize_block_shuffled(out_lo, nope_blocks, lane, live, row32, col32, row_scales,
+                                               col_scales, out_word, row_scale0, col_scale0)
+            token_rows.quantize_block_shuffled(out_hi, nope_blocks + 1, lane, live, row32, col32, row_scales,
+                                               col_scales, out_word, row_scale0, col_scale0)
             sched.advance_to_next_work()
             work = sched.get_current_work()

@@ -18,8 +18,13 @@ schedule="persistent" (`kernel_persistent`): min(tiles, PERSISTENT_CTAS) CTAs of
 tiles in the same head-major order, both consumer warpgroups on every tile (one 64-token half each, every stage
 released by all 8 consumer warps), each with its own 64-row code tiles outside the pipeline's 4 stages of 40 KB, so
 warp 0 streams the next tile's k-tiles while the warpgroups run their epilogues. Against 64-token tiles it halves
-the bytes of W read per token (W is 3/4 of them), and against the 128x192 default it keeps loads in flight through
-the epilogue.
+the bytes of W read per token (W is 3/4 of them), and against the one-tile-per-CTA 128x192 kernel it keeps loads in
+flight through the epilogue.
+
+schedule="staged" (`kernel_staged`, the one dispatch takes on sm_90a): "persistent" with 512 threads, whose two MMA
+warpgroups (128 registers: 96 accumulators, no epilogue) write each fp32 tile to 96 KB of shared memory (Y) and go on
+with the next tile, while a fourth warpgroup (216 registers) runs RoPE and both quantizations from Y, one thread per
+token (kernels/token_rows.py, shared with sm_100a). 3 stages of 40 KB fit beside Y.
 
 w_major "k" reads w as (H·192, K) (`w_out_in=True`), "n" as (K, H·192): only the TMA view and the shared-memory
 layout of B differ. cluster_t > 1 launches clusters of that many consecutive token tiles of one head: each CTA loads
@@ -73,7 +78,8 @@ CLUSTER_T = (1, 2, 4)  # CTAs (consecutive token tiles of one head) sharing each
 _ROW_PAD = 0  # shared-memory code rows of 192 bytes: code_tiles.py's swizzle keeps stores and loads conflict-free
 # "": one tile per CTA; "pingpong": persistent, consumer warpgroups on alternate 64-token tiles; "persistent":
 # persistent, both consumer warpgroups on each 128-token tile while the producer streams the next tile's k-tiles;
-# "staged": "persistent" whose MMA warpgroups hand each fp32 tile through shared memory to an epilogue warpgroup
+# "staged" (dispatch's default): "persistent" whose MMA warpgroups hand each fp32 tile through shared memory to an
+# epilogue warpgroup
 SCHEDULES = ("", "pingpong", "persistent", "staged")
 SMEM_BYTES = 227 * 1024  # the most dynamic shared memory one sm_90 CTA may use
 PERSISTENT_CTAS = 132  # ping-pong grid: at most this many CTAs (one per SM of an H100/H200 SXM)
@@ -95,15 +101,6 @@ def _asm(ret, args, text: str, constraints: str, side_effects: bool, loc, ip):
     return llvm.inline_asm(ret, [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints,
                            has_side_effects=side_effects, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
                            loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _e4m3x4(a, b, c, d, *, loc=None, ip=None) -> cutlass.Int32:
-    """Four E4M3 codes (RNE, saturating, NaN kept: cvt.rn.satfinite) packed as bytes a, b, c, d (a lowest)."""
-    f = [cutlass.Float32(x) for x in (b, a, d, c)]
-    return cutlass.Int32(_asm(T.i32(), f, "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $1, $2; "
-                              "cvt.rn.satfinite.e4m3x2.f32 hi, $3, $4; mov.b32 $0, {lo, hi}; }",
-                              "=r,f,f,f,f", False, loc, ip))
 
 
 @dsl_user_op
@@ -130,6 +127,18 @@ def _ld_shared_v4(addr, *, loc=None, ip=None) -> list:
     out = _asm(ret, [cutlass.Int32(addr)], "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
                True, loc, ip)
     return [cutlass.Int32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def _st_shared_u32(addr, w, *, loc=None, ip=None) -> None:
+    args = [cutlass.Int32(x) for x in (addr, w)]
+    _asm(None, args, "st.shared.b32 [$0], $1;", "r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def _ld_shared_u32(addr, *, loc=None, ip=None) -> cutlass.Int32:
+    return cutlass.Int32(_asm(T.i32(), [cutlass.Int32(addr)], "ld.shared.b32 $0, [$1];", "=r,r,~{memory}", True,
+                              loc, ip))
 
 
 @dsl_user_op
@@ -202,9 +211,10 @@ class HopperProjRope:
         self.schedule = schedule
         self.persistent_ctas = persistent_ctas
         # Profiling only (benchmarks/proj_rope_standalone.py --profile): phases to leave out, from {"mma", "epilogue",
-        # "stores", "rowwise", "columnwise"} (the wgmmas; the whole epilogue; the code tiles' global stores; the
-        # rowwise maxima, scales, codes and their stores; the same columnwise). The results are then wrong; never set
-        # in the catalog.
+        # "stores", "rowwise", "columnwise", "mainloop"} (the wgmmas; the whole epilogue; the code tiles' global
+        # stores; the rowwise maxima, scales, codes and their stores; the same columnwise; staged only: all but one
+        # k-tile's loads and every wgmma, so that the epilogue warpgroup alone sets the pace). The results are then
+        # wrong; never set in the catalog.
         self._skip: frozenset = frozenset()
         common.require_choice("w_major", w_major, W_MAJORS)
         common.require_choice("consumer_wgs", consumer_wgs, CONSUMER_WGS)
@@ -331,6 +341,8 @@ class HopperProjRope:
         fields = dict(pipeline_mbars=cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2])
         if self.schedule == "staged":  # the fp32 tile the MMA warpgroups hand to the epilogue warpgroup
             fields["y"] = cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.y_bytes // 4], 128]
+            # each epilogue warp's 32 columnwise scale factors of the block at hand
+            fields["col_inv"] = cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * MX_BLOCK], 16]
         else:  # columnwise: 6 partial maxima per lane for the partner warp, and each warp's scale table
             fields["col_amax"] = cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps * HEAD_DIM]
             fields["col_scale_tab"] = cute.struct.Align[
@@ -518,22 +530,27 @@ class HopperProjRope:
                       row_scales: cute.Tensor, col_codes: cute.Tensor, col_scales: cute.Tensor, t: cutlass.Int32,
                       h: cutlass.Int32, tiled_mma: cute.TiledMma, a_smem_staged: cute.ComposedLayout,
                       b_smem_staged: cute.ComposedLayout):
-        """Device body of the staged schedule: the persistent schedule's producer and 128-token cooperative mainloop
-        (warpgroups 1-2), which now only write each fp32 tile Y to shared memory (`_write_y`), and a fourth
-        warpgroup that runs the epilogue from there while the MMA warpgroups compute the next tile: thread i owns
-        token i of the tile and takes its 192 features as six 32-feature rows (`token_rows`, the same per-row code
-        as the sm_100a kernel's). So the tensor cores stop only for the tile's write to shared memory, and the
-        epilogue, latency-bound, has a whole mainloop to run in.
+        """Device body of the staged schedule (sm_90a's default): the persistent schedule's producer and 128-token
+        cooperative mainloop (warpgroups 1-2), which only write each fp32 tile Y to shared memory (`_write_y`), and a
+        fourth warpgroup that runs the epilogue from there while the MMA warpgroups compute the next tile. Thread i
+        of it owns token i of the tile: it rotates its row's 64 rope features in place in Y (fp32 from the
+        accumulator, `_rope_in_place`), then for each 32-feature block reads its row (rowwise block, reduced in the
+        thread) and, as lane l of its warp, feature 32b + l of the warp's 32 rows (columnwise block), publishes that
+        column's factor in a per-warp table and quantizes both ways (`token_rows.quantize_block`, the sm_100a
+        kernel's per-row code). No shuffles: the column maxima come from 4-byte loads that each read one row's
+        block for the whole warp, conflict-free (tests/test_proj_rope_staged_layout.py).
         Barriers per tile: the MMA warpgroups arrive on _Y_FULL after writing Y and, from the second tile on, sync
         on _Y_EMPTY before writing it; the epilogue warpgroup syncs on _Y_FULL before reading Y and arrives on
-        _Y_EMPTY once it holds the last of it, except after its last tile (n arrivals and syncs on _Y_FULL,
-        n - 1 on _Y_EMPTY, 384 threads each)."""
+        _Y_EMPTY once it has issued its last read of Y (the last block's loads, before quantizing it), except in
+        its last tile (n arrivals and syncs on _Y_FULL, n - 1 on _Y_EMPTY, 384 threads each)."""
         (tidx, warp_idx, cta, n_ctas, tiles_t, my_tiles, storage, ab_pipeline, sA, sB, views, k_tiles,
          wg_idx) = self._persistent_prologue(tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, t,
                                              h, consumer_warps=self.num_consumer_warps)
         bm = self.tile_mnk[0]
         y = storage.y.data_ptr().toint()
         do_epilogue = "epilogue" not in self._skip
+        if cutlass.const_expr("mainloop" in self._skip):  # profiling: one k-tile per tile, no wgmma
+            k_tiles = 1
 
         if wg_idx == 0:
             self._producer_role(warp_idx, ab_pipeline, tma_atom_a, tma_atom_b, views, cta, n_ctas, my_tiles, tiles_t,
@@ -541,7 +558,7 @@ class HopperProjRope:
         elif wg_idx <= self.num_consumer_wgs:
             wg, wg_tid, warp, lane, quad, row0, tCrA, tCrB, acc = self._consumer_operands(tidx, wg_idx, tiled_mma,
                                                                                           sA, sB)
-            num_k_steps = 0 if "mma" in self._skip else cute.size(tCrA, mode=[2])
+            num_k_steps = 0 if self._skip & {"mma", "mainloop"} else cute.size(tCrA, mode=[2])
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc is zeroed per tile
@@ -564,7 +581,10 @@ class HopperProjRope:
             lane = tid % 32
             warp = tid // 32
             row32, col32, cos32, sin32 = token_rows.word_views(row_codes, col_codes, cos, sin)
-            nope_blocks = QK_NOPE // MX_BLOCK
+            col_tab = storage.col_inv.data_ptr().toint() + warp * (MX_BLOCK * 4)  # this warp's 32 column factors
+            column_offsets = self._column_offsets(lane)
+            y_warp = y + warp * (MX_BLOCK * HEAD_DIM * 4)  # the warp's 32 rows of Y
+            row_addrs = self._y_row(y, tid)  # the thread's token row
             for i in range(my_tiles):
                 tile = cta + i * n_ctas
                 tile_t = tile % tiles_t
@@ -577,22 +597,23 @@ class HopperProjRope:
                 col_scale0 = token_rows.col_scale_index(tile_t, warp, lane, head, h)
                 cute.arch.barrier(barrier_id=_Y_FULL, number_of_threads=_Y_BARRIER_THREADS)
                 if cutlass.const_expr(do_epilogue):
-                    for b in range(nope_blocks):  # a loop, not unrolled: unrolled it spills at 216 registers
-                        vals = self._read_y_block(y, tid, b)
-                        token_rows.quantize_block(vals, b, lane, live, row32, col32, row_scales, col_scales,
-                                                  out_word, row_scale0, col_scale0)
-                    p_lo = self._read_y_block(y, tid, nope_blocks)
-                    p_hi = self._read_y_block(y, tid, nope_blocks + 1)
-                if i + 1 < my_tiles:  # Y is in registers: the MMA warpgroups may overwrite it
-                    cute.arch.barrier_arrive(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
-                if cutlass.const_expr(do_epilogue):
-                    out_lo = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)  # out[128 + j]
-                    out_hi = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)  # out[160 + j]
-                    token_rows.rope(p_lo, p_hi, rcos, rsin, out_lo, out_hi)
-                    token_rows.quantize_block(out_lo, nope_blocks, lane, live, row32, col32, row_scales, col_scales,
-                                              out_word, row_scale0, col_scale0)
-                    token_rows.quantize_block(out_hi, nope_blocks + 1, lane, live, row32, col32, row_scales,
-                                              col_scales, out_word, row_scale0, col_scale0)
+                    self._rope_in_place(row_addrs, rcos, rsin)
+                    cute.arch.sync_warp()  # each lane reads its columns across the warp's 32 rows
+                    for b in range(HEAD_DIM // MX_BLOCK):  # a loop, not unrolled: unrolled it spills
+                        vals = self._read_y_block(row_addrs, b)
+                        col = self._read_column(y_warp, b, column_offsets)
+                        if b == HEAD_DIM // MX_BLOCK - 1:
+                            if i + 1 < my_tiles:
+                                # the last reads of Y are issued, and a barrier orders them before the other side's
+                                # writes: the MMA warpgroups may write the next tile while this one is quantized
+                                cute.arch.barrier_arrive(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
+                        col_byte, col_inv, col_bad_mask = self._column_scales(col, col_tab, lane)
+                        col_words = token_rows.col_code_words(vals, col_inv, col_bad_mask)
+                        token_rows.quantize_block(vals, col_words, col_byte, b, live, row32, col32, row_scales,
+                                                  col_scales, out_word, row_scale0, col_scale0)
+                if cutlass.const_expr(not do_epilogue):  # profiling: Y is free at once
+                    if i + 1 < my_tiles:
+                        cute.arch.barrier_arrive(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
 
     @staticmethod
     def _y_offset(row, chunk):
@@ -601,24 +622,89 @@ class HopperProjRope:
         16-byte access per quarter warp) hit eight different bank groups."""
         return (row * (HEAD_DIM // 4) + (chunk ^ (row & 7))) * 16
 
+    @staticmethod
+    def _y_row(y, row) -> list:
+        """Addresses of chunks 0..7 of Y's row `row`; chunk 8m + c is entry c + 128·m bytes, because the swizzle of
+        `_y_offset` only permutes chunks within each aligned group of eight. So eight registers address a row."""
+        return [y + HopperProjRope._y_offset(row, c) for c in range(8)]
+
+    @staticmethod
+    def _fragment_addr(base: list, j: int, v1: int):
+        """Address of the 8-byte pair (v0 = 0, 1) of wgmma fragment value (v1, j) from `_fragment_bases`."""
+        return base[j % 4] + 128 * (j // 4) + v1 * (8 * HEAD_DIM * 4)
+
+    @staticmethod
+    def _fragment_bases(y, row0, quad) -> list:
+        """An MMA thread's fragment value (v0, v1, j) is row row0 + 8·v1, feature 8j + 2·quad + v0: chunk
+        8·(j // 4) + c with c = 2·(j % 4) + quad // 2, so four base addresses reach all 96 (rows row0 and row0 + 8
+        share their swizzle), `_fragment_addr` the rest."""
+        return [y + HopperProjRope._y_offset(row0, 2 * jj + quad // 2) + 8 * (quad % 2) for jj in range(4)]
+
     def _write_y(self, acc, y, row0, lane, quad):
-        """An MMA thread's 96 accumulator values into Y: value (v0, v1, j) is row row0 + 8·v1, feature 8j + 2·quad
-        + v0 (the wgmma fragment), so each (v1, j) pair is one 8-byte store."""
+        """An MMA thread's 96 accumulator values into Y, one 8-byte store per (v1, j) pair."""
+        base = self._fragment_bases(y, row0, quad)
         for v1 in range(2):
-            row = row0 + 8 * v1
             for j in range(HEAD_DIM // 8):
-                addr = y + self._y_offset(row, 2 * j + quad // 2) + 8 * (quad % 2)
-                _st_shared_v2(addr, common.bits_from_f32(acc[4 * j + 2 * v1]),
+                _st_shared_v2(self._fragment_addr(base, j, v1), common.bits_from_f32(acc[4 * j + 2 * v1]),
                               common.bits_from_f32(acc[4 * j + 2 * v1 + 1]))
 
-    def _read_y_block(self, y, row, b: int):
-        """Features 32b..32b+31 of Y's row `row` as 32 fp32 registers (eight 16-byte loads)."""
+    @staticmethod
+    def _read_y_block(row_addrs: list, b):
+        """Features 32b..32b+31 of a row of Y (its `_y_row` addresses) as 32 fp32 registers (eight 16-byte loads)."""
         vals = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)
         for c in range(MX_BLOCK // 4):
-            words = _ld_shared_v4(y + self._y_offset(row, (MX_BLOCK // 4) * b + c))
+            words = _ld_shared_v4(row_addrs[c] + b * 128)
             for e in range(4):
                 vals[4 * c + e] = common.f32_from_bits(words[e])
         return vals
+
+    def _rope_in_place(self, row_addrs: list, rcos, rsin):
+        """SPEC §5 RoPE of a row of Y (features 128..191, fp32 from the accumulator): read, rotated with the token's
+        tables, written back in place, so that the columnwise maxima of the rotated features are read from Y like
+        the others."""
+        nope_blocks = QK_NOPE // MX_BLOCK
+        p_lo = self._read_y_block(row_addrs, nope_blocks)
+        p_hi = self._read_y_block(row_addrs, nope_blocks + 1)
+        out_lo = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)  # out[128 + j]
+        out_hi = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)  # out[160 + j]
+        token_rows.rope(p_lo, p_hi, rcos, rsin, out_lo, out_hi)
+        for b, out in ((nope_blocks, out_lo), (nope_blocks + 1, out_hi)):
+            for c in range(MX_BLOCK // 4):
+                _st_shared_v4(row_addrs[c] + b * 128, *[common.bits_from_f32(out[4 * c + e]) for e in range(4)])
+
+    @staticmethod
+    def _column_offsets(lane) -> list:
+        """Byte offsets, within a warp's 32 rows of Y and a block's 128 bytes, of feature `lane` in a row r with
+        r % 8 = s (entry s): the swizzle of `_y_offset` permutes a block's 8 chunks within the row, so the 32 lanes
+        reading one row's block hit 32 different banks."""
+        return [((lane >> 2) ^ s) * 16 + (lane & 3) * 4 for s in range(8)]
+
+    @staticmethod
+    def _read_column(y_warp, b, column_offsets):
+        """Feature 32b + lane of the warp's 32 rows of Y (32 4-byte loads, each a whole row's block per warp)."""
+        col = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)
+        base = y_warp + b * (MX_BLOCK * 4)
+        for r in range(MX_BLOCK):
+            col[r] = common.f32_from_bits(_ld_shared_u32(base + r * (HEAD_DIM * 4) + column_offsets[r % 8]))
+        return col
+
+    @staticmethod
+    def _column_scales(col, col_tab, lane):
+        """Columnwise scales of a block for the warp's 32 tokens, from `_read_column`: lane l makes the E8M0 byte of
+        column l and publishes its factor in the warp's table; every lane then reads the 32 factors (8 broadcast
+        16-byte loads). Returns (byte of column `lane`, the 32 factors, ballot of the columns' NaN/inf flags), what
+        `token_rows.quantize_block` takes."""
+        amax = epilogue.amax_tree([col[r] for r in range(MX_BLOCK)])
+        col_byte, col_inv, col_bad = epilogue.e8m0_scale(common.bits_from_f32(amax))
+        cute.arch.sync_warp()  # the lanes' reads of the previous block's factors are done
+        _st_shared_u32(col_tab + 4 * lane, common.bits_from_f32(col_inv))
+        cute.arch.sync_warp()
+        inv = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)
+        for c in range(MX_BLOCK // 4):
+            words = _ld_shared_v4(col_tab + 16 * c)
+            for e in range(4):
+                inv[4 * c + e] = common.f32_from_bits(words[e])
+        return col_byte, inv, cute.arch.vote_ballot_sync(col_bad)
 
     @cute.jit
     def _persistent_prologue(self, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, t, h,
@@ -818,7 +904,7 @@ class HopperProjRope:
                 for n in range(code_tiles.WORDS):
                     _, inv, bad = sc[n // 2]
                     x = [vals[idx(j, v0, v1)] * inv for j, v0 in members[n]]
-                    words.append(_sel(bad, I32(0), _e4m3x4(*x)))
+                    words.append(_sel(bad, I32(0), epilogue.e4m3x4(*x)))
                 row_words.append(words)
 
         # ------------------------------------------------------------------------------ columnwise codes
@@ -832,7 +918,7 @@ class HopperProjRope:
                 words = []
                 for n in range(code_tiles.WORDS):
                     x = [vals[idx(j, v0, v1)] * invs[n][k] for k, (j, v0) in enumerate(members[n])]
-                    words.append(_e4m3x4(*x) & keep[n])
+                    words.append(epilogue.e4m3x4(*x) & keep[n])
                 col_words.append(words)
 
         # ------------------------------------------------------------------------------ stage

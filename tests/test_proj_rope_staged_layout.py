@@ -1,0 +1,88 @@
+"""CPU: the shared-memory tile Y of the sm_90a "staged" proj_rope kernel (kernels/sm90/proj_rope.py), by its own
+address functions on plain integers.
+
+The MMA warpgroups write their wgmma fragments into Y (`_fragment_bases`, `_fragment_addr`); the epilogue warpgroup
+reads each token's row (`_y_row`: eight base addresses, chunk 8m + c at + 128·m) and, per 32-feature block, lane l
+of warp w reads feature 32b + l of the warp's 32 rows (`_column_offsets`). Checked here: every fp32 of the 128 x 192
+tile is written exactly once at the address `_y_offset` defines for its (token, feature); the row and column readers
+fetch exactly that value; and no access has a shared-memory bank conflict beyond its width (a 16-byte access by a
+quarter warp hits 8 distinct 16-byte bank groups, a 4-byte access by a warp 32 distinct banks).
+"""
+
+import numpy as np
+from absl.testing import absltest
+
+try:
+    from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope as K
+except ImportError as e:  # pragma: no cover - CuTeDSL is a hard dependency of this test file
+    raise absltest.SkipTest(f"CuTeDSL not importable: {e}")
+
+from jax_blockgemm.support import HEAD_DIM, MX_BLOCK
+
+ROWS = 128
+BLOCKS = HEAD_DIM // MX_BLOCK
+
+
+def _addr(row: int, feature: int) -> int:
+    """Where Y holds (row, feature) by definition: its 16-byte chunk by `_y_offset`, then 4 bytes per feature."""
+    return K._y_offset(row, feature // 4) + 4 * (feature % 4)
+
+
+def _banks16(addrs) -> int:
+    return len({(a // 16) % 8 for a in addrs})
+
+
+class StagedYLayoutTest(absltest.TestCase):
+
+    def test_fragments_fill_the_tile_once(self):
+        """Thread (warp, lane) of MMA warpgroup g holds rows 64g + 16·warp + lane/4 (+ 8) and features
+        8j + 2·(lane % 4) (+ 1): each 8-byte store lands on exactly that pair, and the 256 threads cover Y once."""
+        seen = np.zeros((ROWS, HEAD_DIM), np.int64)
+        by_addr = {}
+        for g in range(2):
+            for warp in range(4):
+                for lane in range(32):
+                    row0, quad = 64 * g + 16 * warp + lane // 4, lane % 4
+                    base = K._fragment_bases(0, row0, quad)
+                    for v1 in range(2):
+                        for j in range(HEAD_DIM // 8):
+                            a = K._fragment_addr(base, j, v1)
+                            row, feature = row0 + 8 * v1, 8 * j + 2 * quad
+                            self.assertEqual(a, _addr(row, feature))
+                            self.assertEqual(a + 4, _addr(row, feature + 1))
+                            seen[row, feature:feature + 2] += 1
+                            by_addr[a] = (row, feature)
+        np.testing.assert_array_equal(seen, 1)
+        self.assertEqual(len(by_addr), ROWS * HEAD_DIM // 2)
+        self.assertEqual(max(by_addr) + 8, ROWS * HEAD_DIM * 4)  # the tile is exactly 96 KB
+
+    def test_row_reads_and_their_banks(self):
+        """Token row r, block b, chunk c: `_y_row(r)[c] + 128·b` holds features 32b + 4c .. + 3; the 8 threads of a
+        quarter warp (8 consecutive rows) reading the same chunk hit 8 different bank groups."""
+        for row in range(ROWS):
+            addrs = K._y_row(0, row)
+            for b in range(BLOCKS):
+                for c in range(MX_BLOCK // 4):
+                    self.assertEqual(addrs[c] + 128 * b, _addr(row, MX_BLOCK * b + 4 * c))
+        for first in range(0, ROWS, 8):
+            for b in range(BLOCKS):
+                for c in range(MX_BLOCK // 4):
+                    self.assertEqual(_banks16([K._y_row(0, r)[c] + 128 * b for r in range(first, first + 8)]), 8)
+
+    def test_column_reads_and_their_banks(self):
+        """Lane l of epilogue warp w, block b, row r of the warp: y_warp + 128·b + 768·r + offsets[r % 8] holds
+        (32w + r, 32b + l), and the warp's 32 lanes read 32 distinct banks."""
+        offsets = [K._column_offsets(lane) for lane in range(32)]
+        for warp in range(4):
+            y_warp = warp * MX_BLOCK * HEAD_DIM * 4
+            for b in range(BLOCKS):
+                for r in range(MX_BLOCK):
+                    addrs = [y_warp + b * MX_BLOCK * 4 + r * HEAD_DIM * 4 + offsets[lane][r % 8]
+                             for lane in range(32)]
+                    for lane in range(32):
+                        self.assertEqual(addrs[lane], _addr(32 * warp + r, MX_BLOCK * b + lane))
+                    self.assertEqual(len({(a // 4) % 32 for a in addrs}), 32)
+
+
+if __name__ == "__main__":
+    absltest.main()
