@@ -202,7 +202,8 @@ class RealPrimitiveTest(absltest.TestCase):
             variants = [catalog.select_variant(op="proj_rope", arch=arch, ab_dtype="bfloat16",
                                                c_dtype="float8_e4m3fn", sf_vec_size=32,
                                                tile_mn=dispatch.PROJ_ROPE_TILE[arch], cluster_mn=(1, 1),
-                                               b_major=b_major) for arch in ("sm_100a", "sm_90a")]
+                                               schedule=dispatch.PROJ_ROPE_SCHEDULE[arch], b_major=b_major)
+                        for arch in ("sm_100a", "sm_90a")]
             w = jax.ShapeDtypeStruct((h * 192, k) if w_out_in else (k, h * 192), jnp.bfloat16)
             with mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()) as get_object:
                 f = jax.jit(functools.partial(jbg.gemm_proj_rope_mxfp8, w_out_in=w_out_in, implementation="cutedsl"))

@@ -254,13 +254,16 @@ class CompileTest(parameterized.TestCase):
             # 16-byte loads and stores), then one loop body for all 6 blocks: 8 16-byte loads of the row, 32 4-byte
             # loads of the lane's column across the warp's rows, one 4-byte store of the column factor and 8
             # broadcast 16-byte loads of the warp's 32 factors, a ballot of the NaN/inf columns; 31 + 31
-            # NaN-propagating abs-max; 32 pair conversions. No butterflies.
+            # NaN-propagating abs-max; 32 pair conversions; the block's codes into the thread's own row of Y (4
+            # 16-byte stores). Then the warp's codes leave as whole rows: 2 x 12 16-byte loads and global stores.
+            # No butterflies.
             self.assertEqual(ptx.count("cvt.rn.satfinite.e4m3x2.f32"), 32)
-            self.assertEqual(ptx.count("ld.shared.v4.b32"), 16 + 8 + 8)
-            self.assertEqual(ptx.count("st.shared.v4.b32"), 16)
+            self.assertEqual(ptx.count("ld.shared.v4.b32"), 16 + 8 + 8 + 24)
+            self.assertEqual(ptx.count("st.shared.v4.b32"), 16 + 4)
             self.assertEqual(ptx.count("ld.shared.b32"), 32)
             self.assertEqual(ptx.count("st.shared.b32"), 1)
             self.assertEqual(ptx.count("max.NaN.f32"), 62)
+            self.assertEqual(ptx.count("@p st.global.v4.b32"), 24)
             self.assertEqual(len(re.findall(r"vote\.sync\.ballot", ptx)), 1)
             self.assertNotRegex(ptx, r"shfl\.sync\.bfly")
             return

@@ -84,5 +84,24 @@ class StagedYLayoutTest(absltest.TestCase):
                     self.assertEqual(len({(a // 4) % 32 for a in addrs}), 32)
 
 
+class StagedCodeSlotsTest(absltest.TestCase):
+
+    def test_codes_stay_in_their_own_block_and_never_collide(self):
+        """`_code_slot`: block b's 4 code chunks (2 outputs x 2 halves) lie among block b's own 8 chunks of the row
+        (the only ones free once block b is read), all 24 are distinct, and the 6 blocks' chunks of one kind spread
+        over at least 4 bank groups (the whole-row store reads them across a row)."""
+        slots = {}
+        for b in range(BLOCKS):
+            for out in range(2):
+                for half in range(2):
+                    c = K._code_slot(out, half, b)
+                    self.assertEqual(c // 8, b)
+                    slots[(out, half, b)] = c
+        self.assertEqual(len(set(slots.values())), 4 * BLOCKS)
+        for out in range(2):
+            for half in range(2):
+                self.assertGreaterEqual(len({slots[(out, half, b)] % 8 for b in range(BLOCKS)}), 4)
+
+
 if __name__ == "__main__":
     absltest.main()

@@ -115,28 +115,44 @@ def shuffled_col_code_words(vals: cute.Tensor, lane: cutlass.Int32):
 
 
 @cute.jit
+def row_quantize(vals: cute.Tensor):
+    """Rowwise: this thread's 32 values are the block (amax by `epilogue.amax_tree`). Returns (scale byte, the 8
+    code words)."""
+    amax = epilogue.amax_tree([vals[i] for i in range(MX_BLOCK)])  # a comprehension: unrolled
+    row_byte, inv, bad = epilogue.e8m0_scale(common.bits_from_f32(amax))
+    return row_byte, row_code_words(vals, inv, bad)
+
+
+@cute.jit
+def store_scales(row_byte: cutlass.Int32, col_byte: cutlass.Int32, b: cutlass.Int32, live: cutlass.Boolean,
+                 row_scales: cute.Tensor, col_scales: cute.Tensor, row_scale0: cutlass.Int32,
+                 col_scale0: cutlass.Int32):
+    """Block b's scale bytes: this token's rowwise one, and (lane l) column 32b + l's of the warp's 32 tokens.
+    row_scale0 = row_scale_index(token, ..), col_scale0 = col_scale_index(tile_t, warp, lane, ..); a warp past T
+    (`live` false) stores nothing."""
+    if live:
+        row_scales[row_scale0 + b] = row_byte.to(cutlass.Uint8)
+        col_scales[col_scale0 + b * MX_BLOCK] = col_byte.to(cutlass.Uint8)
+
+
+@cute.jit
 def quantize_block(vals: cute.Tensor, col_words: cute.Tensor, col_byte: cutlass.Int32, b: cutlass.Int32,
                    live: cutlass.Boolean, row32: cute.Tensor, col32: cute.Tensor, row_scales: cute.Tensor,
                    col_scales: cute.Tensor, out_word: cutlass.Int32, row_scale0: cutlass.Int32,
                    col_scale0: cutlass.Int32):
-    """Output features 32b..32b+31 of this thread's token (`vals`, fp32): the rowwise quantization, then the stores
-    of both.
+    """Output features 32b..32b+31 of this thread's token (`vals`, fp32): the rowwise quantization, then this
+    thread's stores of both (its token's 32 code bytes of each output, its scale bytes).
 
-    Rowwise: the block is this thread's 32 values (amax by `epilogue.amax_tree`). Columnwise: value i's block is
-    value i of the warp's 32 lanes (32 consecutive tokens); the caller brings its codes and this lane's column scale
-    byte (`col_code_words` from a shared-memory table, or `shuffled_col_code_words`). row32/col32 are 32-bit views
-    of the code outputs; out_word = code_word(token, ..), row_scale0 = row_scale_index(token, ..), col_scale0 =
-    col_scale_index(tile_t, warp, lane, ..). A warp past T (`live` false) stores nothing.
+    Columnwise: value i's block is value i of the warp's 32 lanes (32 consecutive tokens); the caller brings its
+    codes and this lane's column scale byte (`shuffled_col_code_words`). row32/col32 are 32-bit views of the code
+    outputs, out_word = code_word(token, ..); the scale indices as `store_scales`.
     """
-    amax = epilogue.amax_tree([vals[i] for i in range(MX_BLOCK)])  # a comprehension: unrolled
-    row_byte, inv, bad = epilogue.e8m0_scale(common.bits_from_f32(amax))
-    row_words = row_code_words(vals, inv, bad)
+    row_byte, row_words = row_quantize(vals)
     if live:
         first = cute.assume(out_word + b * WORDS_PER_BLOCK, divby=WORDS_PER_BLOCK)  # 32-byte aligned
         cute.autovec_copy(row_words, cute.make_tensor(row32.iterator + first, row_words.layout))
         cute.autovec_copy(col_words, cute.make_tensor(col32.iterator + first, col_words.layout))
-        row_scales[row_scale0 + b] = row_byte.to(cutlass.Uint8)
-        col_scales[col_scale0 + b * MX_BLOCK] = col_byte.to(cutlass.Uint8)
+    store_scales(row_byte, col_byte, b, live, row_scales, col_scales, row_scale0, col_scale0)
 
 
 @cute.jit

@@ -212,8 +212,9 @@ class HopperProjRope:
         self.persistent_ctas = persistent_ctas
         # Profiling only (benchmarks/proj_rope_standalone.py --profile): phases to leave out, from {"mma", "epilogue",
         # "stores", "rowwise", "columnwise", "mainloop"} (the wgmmas; the whole epilogue; the code tiles' global
-        # stores; the rowwise maxima, scales, codes and their stores; the same columnwise; staged only: all but one
-        # k-tile's loads and every wgmma, so that the epilogue warpgroup alone sets the pace). The results are then
+        # stores (staged: every global store of the epilogue, the work kept); the rowwise maxima, scales, codes and
+        # their stores; the same columnwise; staged only: all but one k-tile's loads and every wgmma, so that the
+        # epilogue warpgroup alone sets the pace). The results are then
         # wrong; never set in the catalog.
         self._skip: frozenset = frozenset()
         common.require_choice("w_major", w_major, W_MAJORS)
@@ -591,6 +592,8 @@ class HopperProjRope:
                 head = tile // tiles_t
                 token = tile_t * bm + tid
                 live = token < t  # uniform over a warp: T is a multiple of 32
+                if cutlass.const_expr("stores" in self._skip):  # profiling: the same work, no global stores
+                    live = token < 0
                 rcos, rsin = token_rows.load_rope_tables(cos32, sin32, token, t)
                 out_word = token_rows.code_word(token, head, h)
                 row_scale0 = token_rows.row_scale_index(token, head, h)
@@ -602,15 +605,19 @@ class HopperProjRope:
                     for b in range(HEAD_DIM // MX_BLOCK):  # a loop, not unrolled: unrolled it spills
                         vals = self._read_y_block(row_addrs, b)
                         col = self._read_column(y_warp, b, column_offsets)
-                        if b == HEAD_DIM // MX_BLOCK - 1:
-                            if i + 1 < my_tiles:
-                                # the last reads of Y are issued, and a barrier orders them before the other side's
-                                # writes: the MMA warpgroups may write the next tile while this one is quantized
-                                cute.arch.barrier_arrive(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
                         col_byte, col_inv, col_bad_mask = self._column_scales(col, col_tab, lane)
                         col_words = token_rows.col_code_words(vals, col_inv, col_bad_mask)
-                        token_rows.quantize_block(vals, col_words, col_byte, b, live, row32, col32, row_scales,
-                                                  col_scales, out_word, row_scale0, col_scale0)
+                        row_byte, row_words = token_rows.row_quantize(vals)
+                        token_rows.store_scales(row_byte, col_byte, b, live, row_scales, col_scales, row_scale0,
+                                                col_scale0)
+                        # every lane's column reads of block b are done (the table's barriers): the block's
+                        # part of this thread's own row of Y now holds its codes
+                        self._stage_codes(y, tid, b, row_words, col_words)
+                    cute.arch.sync_warp()  # the warp's 32 rows of codes are in Y
+                    self._store_codes(y, row_codes, col_codes, warp, lane, live, tile_t * bm + 32 * warp, head, h)
+                    if i + 1 < my_tiles:
+                        # the last reads of Y are issued, and a barrier orders them before the other side's writes
+                        cute.arch.barrier_arrive(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
                 if cutlass.const_expr(not do_epilogue):  # profiling: Y is free at once
                     if i + 1 < my_tiles:
                         cute.arch.barrier_arrive(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
@@ -671,6 +678,37 @@ class HopperProjRope:
         for b, out in ((nope_blocks, out_lo), (nope_blocks + 1, out_hi)):
             for c in range(MX_BLOCK // 4):
                 _st_shared_v4(row_addrs[c] + b * 128, *[common.bits_from_f32(out[4 * c + e]) for e in range(4)])
+
+    @staticmethod
+    def _code_slot(out: int, half, b):
+        """Chunk (of Y's row) that holds 16 bytes `half` of output `out`'s (0 row, 1 column) codes of block b: among
+        the block's own 8 chunks, rotated by b so that the 6 blocks of one kind spread over the bank groups."""
+        return 8 * b + ((2 * out + half + 2 * b) & 7)
+
+    def _stage_codes(self, y, row, b, row_words, col_words):
+        """This token's codes of block b (32 bytes per output) into its own row of Y, block b's chunks."""
+        for out, words in ((0, row_words), (1, col_words)):
+            for half in range(2):
+                _st_shared_v4(y + self._y_offset(row, self._code_slot(out, half, b)),
+                              *[words[4 * half + e] for e in range(4)])
+
+    def _store_codes(self, y, row_codes, col_codes, warp, lane, live, token0, head, h):
+        """The warp's 32 tokens' codes (staged in their rows of Y by `_stage_codes`) to global memory as whole
+        192-byte rows: 12 16-byte chunks per token and output, chunk i = lane + 32k of the warp, so a warp's store
+        writes 2-3 rows' contiguous bytes instead of 32 scattered 16-byte pieces. A warp past T stores nothing."""
+        chunks = HEAD_DIM // 16
+        for out, codes in ((0, row_codes), (1, col_codes)):
+            items = []
+            for k in range(chunks):
+                i = lane + 32 * k
+                r = i // chunks
+                q = i - chunks * r
+                b, half = q >> 1, q & 1
+                words = _ld_shared_v4(y + self._y_offset(32 * warp + r, self._code_slot(out, half, b)))
+                addr = codes.iterator.toint() + cutlass.Int64(((token0 + r) * h + head) * HEAD_DIM + 16 * q)
+                items.append((addr, words))
+            for addr, words in items:
+                _st_global_v4_if(addr, *words, live)
 
     @staticmethod
     def _column_offsets(lane) -> list:
