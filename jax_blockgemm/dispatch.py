@@ -46,7 +46,8 @@ PROJ_ROPE_CLUSTER = {"sm_90a": (1, 1), "sm_100a": (1, 1)}
 # fp32 tile from shared memory). All run correct on an H200 (tests/test_gpu_proj_rope.py, compute-sanitizer).
 # sm_90a takes "staged" (128-token tiles): through the API at K = 1536, H = 128, in one run (H200, 2026-11-30,
 # benchmarks/RESULTS.md) 0.596 / 0.326 ms (bf16 in, T = 4096 / 2048) and 0.676 / 0.353 (MXFP8 in) against 0.635 /
-# 0.341 and 0.716 / 0.385 for the 64x192 one-tile-per-CTA kernel that was the default before.
+# 0.341 and 0.716 / 0.385 for the 64x192 one-tile-per-CTA kernel that was the default before; with its whole-row
+# code stores (same day) 0.500-0.557 / 0.270 and 0.561-0.573 / 0.322.
 PROJ_ROPE_SCHEDULE = {"sm_90a": "staged", "sm_100a": ""}
 
 # The kernels and the FFI handler take sizes and element counts as int32: a call with an operand or C of this many
