@@ -1,11 +1,12 @@
-"""CPU: the shared-memory tile Y of the sm_90a "staged" proj_rope kernel (kernels/sm90/proj_rope.py), by its own
-address functions on plain integers.
+"""CPU: the shared-memory tile Y of the sm_90a "staged" proj_rope kernel (kernels/sm90/y_tile.py), by its own
+offset functions on plain integers.
 
-The MMA warpgroups write their wgmma fragments into Y (`_fragment_bases`, `_fragment_addr`); the epilogue warpgroup
-reads each token's row (`_y_row`: eight base addresses, chunk 8m + c at + 128·m) and, per 32-feature block, lane l
-of warp w reads feature 32b + l of the warp's 32 rows (`_column_offsets`). Checked here: every fp32 of the 128 x 192
-tile is written exactly once at the address `_y_offset` defines for its (token, feature); the row and column readers
-fetch exactly that value; and no access has a shared-memory bank conflict beyond its width (a 16-byte access by a
+The MMA warpgroups write their wgmma fragments into Y (`fragment_bases`, `fragment_address`); the epilogue warpgroup
+reads each token's row (`row_addresses`: eight base addresses, chunk 8m + c at + 128·m) and, per 32-feature block,
+lane l of warp w reads feature 32b + l of the warp's 32 rows (`column_offsets`), then parks each block's codes in
+its own row (`code_slot`). Checked here: every fp32 of the 128 x 192 tile is written exactly once at the address
+`offset` defines for its (token, feature); the row and column readers fetch exactly that value; the codes stay in
+their block's chunks; and no access has a shared-memory bank conflict beyond its width (a 16-byte access by a
 quarter warp hits 8 distinct 16-byte bank groups, a 4-byte access by a warp 32 distinct banks).
 """
 
@@ -13,7 +14,7 @@ import numpy as np
 from absl.testing import absltest
 
 try:
-    from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope as K
+    from jax_blockgemm.kernels.sm90 import y_tile as K
 except ImportError as e:  # pragma: no cover - CuTeDSL is a hard dependency of this test file
     raise absltest.SkipTest(f"CuTeDSL not importable: {e}")
 
@@ -24,8 +25,8 @@ BLOCKS = HEAD_DIM // MX_BLOCK
 
 
 def _addr(row: int, feature: int) -> int:
-    """Where Y holds (row, feature) by definition: its 16-byte chunk by `_y_offset`, then 4 bytes per feature."""
-    return K._y_offset(row, feature // 4) + 4 * (feature % 4)
+    """Where Y holds (row, feature) by definition: its 16-byte chunk by `offset`, then 4 bytes per feature."""
+    return K.offset(row, feature // 4) + 4 * (feature % 4)
 
 
 def _banks16(addrs) -> int:
@@ -43,10 +44,10 @@ class StagedYLayoutTest(absltest.TestCase):
             for warp in range(4):
                 for lane in range(32):
                     row0, quad = 64 * g + 16 * warp + lane // 4, lane % 4
-                    base = K._fragment_bases(0, row0, quad)
+                    base = K.fragment_bases(0, row0, quad)
                     for v1 in range(2):
                         for j in range(HEAD_DIM // 8):
-                            a = K._fragment_addr(base, j, v1)
+                            a = K.fragment_address(base, j, v1)
                             row, feature = row0 + 8 * v1, 8 * j + 2 * quad
                             self.assertEqual(a, _addr(row, feature))
                             self.assertEqual(a + 4, _addr(row, feature + 1))
@@ -60,19 +61,19 @@ class StagedYLayoutTest(absltest.TestCase):
         """Token row r, block b, chunk c: `_y_row(r)[c] + 128·b` holds features 32b + 4c .. + 3; the 8 threads of a
         quarter warp (8 consecutive rows) reading the same chunk hit 8 different bank groups."""
         for row in range(ROWS):
-            addrs = K._y_row(0, row)
+            addrs = K.row_addresses(0, row)
             for b in range(BLOCKS):
                 for c in range(MX_BLOCK // 4):
                     self.assertEqual(addrs[c] + 128 * b, _addr(row, MX_BLOCK * b + 4 * c))
         for first in range(0, ROWS, 8):
             for b in range(BLOCKS):
                 for c in range(MX_BLOCK // 4):
-                    self.assertEqual(_banks16([K._y_row(0, r)[c] + 128 * b for r in range(first, first + 8)]), 8)
+                    self.assertEqual(_banks16([K.row_addresses(0, r)[c] + 128 * b for r in range(first, first + 8)]), 8)
 
     def test_column_reads_and_their_banks(self):
         """Lane l of epilogue warp w, block b, row r of the warp: y_warp + 128·b + 768·r + offsets[r % 8] holds
         (32w + r, 32b + l), and the warp's 32 lanes read 32 distinct banks."""
-        offsets = [K._column_offsets(lane) for lane in range(32)]
+        offsets = [K.column_offsets(lane) for lane in range(32)]
         for warp in range(4):
             y_warp = warp * MX_BLOCK * HEAD_DIM * 4
             for b in range(BLOCKS):
@@ -87,14 +88,14 @@ class StagedYLayoutTest(absltest.TestCase):
 class StagedCodeSlotsTest(absltest.TestCase):
 
     def test_codes_stay_in_their_own_block_and_never_collide(self):
-        """`_code_slot`: block b's 4 code chunks (2 outputs x 2 halves) lie among block b's own 8 chunks of the row
+        """`code_slot`: block b's 4 code chunks (2 outputs x 2 halves) lie among block b's own 8 chunks of the row
         (the only ones free once block b is read), all 24 are distinct, and the 6 blocks' chunks of one kind spread
         over at least 4 bank groups (the whole-row store reads them across a row)."""
         slots = {}
         for b in range(BLOCKS):
             for out in range(2):
                 for half in range(2):
-                    c = K._code_slot(out, half, b)
+                    c = K.code_slot(out, half, b)
                     self.assertEqual(c // 8, b)
                     slots[(out, half, b)] = c
         self.assertEqual(len(set(slots.values())), 4 * BLOCKS)

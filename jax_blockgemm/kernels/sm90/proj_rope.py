@@ -62,12 +62,10 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_blockgemm.kernels import common, epilogue, token_rows
-from jax_blockgemm.kernels.sm90 import code_tiles, tma_pipeline
+from jax_blockgemm.kernels.sm90 import code_tiles, ptx_ops, tma_pipeline, y_tile
 from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, QK_NOPE, QK_ROPE
 
 W_MAJORS = ("k", "n")
@@ -89,94 +87,13 @@ _Y_FULL, _Y_EMPTY = 1, 2  # "the fp32 tile is in shared memory", "the epilogue h
 _Y_BARRIER_THREADS = 384
 
 
-# ------------------------------------------------------------------------------------------ epilogue primitives
-# Inline PTX, so that every store is one predicated instruction (no branch, no reconvergence point: the scheduler
-# may move the epilogue's shuffles and conversions across them) and every shared access has the width chosen here.
-def _s32(c: int) -> int:
-    """A 32-bit constant as the signed value an Int32 holds."""
-    return c - (1 << 32) if c >= 1 << 31 else c
-
-
-def _asm(ret, args, text: str, constraints: str, side_effects: bool, loc, ip):
-    return llvm.inline_asm(ret, [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints,
-                           has_side_effects=side_effects, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                           loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _st_shared_v4(addr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
-    args = [cutlass.Int32(x) for x in (addr, w0, w1, w2, w3)]
-    _asm(None, args, "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def _st_shared_v2(addr, w0, w1, *, loc=None, ip=None) -> None:
-    args = [cutlass.Int32(x) for x in (addr, w0, w1)]
-    _asm(None, args, "st.shared.v2.b32 [$0], {$1, $2};", "r,r,r,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def _st_shared_u16(addr, w, *, loc=None, ip=None) -> None:
-    args = [cutlass.Int32(x) for x in (addr, w)]
-    _asm(None, args, "st.shared.b16 [$0], $1;", "r,r,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def _ld_shared_v4(addr, *, loc=None, ip=None) -> list:
-    ret = llvm.StructType.get_literal([T.i32()] * 4)
-    out = _asm(ret, [cutlass.Int32(addr)], "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
-               True, loc, ip)
-    return [cutlass.Int32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def _st_shared_u32(addr, w, *, loc=None, ip=None) -> None:
-    args = [cutlass.Int32(x) for x in (addr, w)]
-    _asm(None, args, "st.shared.b32 [$0], $1;", "r,r,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def _ld_shared_u32(addr, *, loc=None, ip=None) -> cutlass.Int32:
-    return cutlass.Int32(_asm(T.i32(), [cutlass.Int32(addr)], "ld.shared.b32 $0, [$1];", "=r,r,~{memory}", True,
-                              loc, ip))
-
-
-@dsl_user_op
-def _ld_shared_v2(addr, *, loc=None, ip=None) -> list:
-    ret = llvm.StructType.get_literal([T.i32()] * 2)
-    out = _asm(ret, [cutlass.Int32(addr)], "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r,~{memory}", True, loc, ip)
-    return [cutlass.Int32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(2)]
-
-
-@dsl_user_op
-def _st_global_v4_if(addr, w0, w1, w2, w3, pred, *, loc=None, ip=None) -> None:
-    """16-byte global store of (w0..w3) at the 16-byte aligned address `addr` where `pred`."""
-    args = [cutlass.Int64(addr)] + [cutlass.Int32(x) for x in (w0, w1, w2, w3, pred)]
-    _asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $5, 0; @p st.global.v4.b32 [$0], {$1, $2, $3, $4}; }",
-         "l,r,r,r,r,r,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def _st_global_u16_if(addr, w, pred, *, loc=None, ip=None) -> None:
-    args = [cutlass.Int64(addr), cutlass.Int32(w), cutlass.Int32(pred)]
-    _asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b16 [$0], $1; }", "l,r,r,~{memory}", True,
-         loc, ip)
-
-
-@dsl_user_op
-def _st_global_u8_if(addr, w, pred, *, loc=None, ip=None) -> None:
-    args = [cutlass.Int64(addr), cutlass.Int32(w), cutlass.Int32(pred)]
-    _asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b8 [$0], $1; }", "l,r,r,~{memory}", True,
-         loc, ip)
-
-
 def _sel(cond, a, b) -> cutlass.Int32:
     return cutlass.Int32(cutlass.select_(cond, a, b))
 
 
 def _ff_bytes(word):
     """0xFF in each byte of `word` that is 0xFF (a NaN/inf block's scale), 0 in the others (code_tiles.ff_bytes)."""
-    z = ((word & 0x7F7F7F7F) + 0x01010101) & word & _s32(0x80808080)  # bit 7 of a byte: the byte is 0xFF
+    z = ((word & 0x7F7F7F7F) + 0x01010101) & word & ptx_ops.s32(0x80808080)  # bit 7 of a byte: the byte is 0xFF
     return common.prmt(z, z, code_tiles.PRMT_SIGN_BYTES)
 
 
@@ -257,7 +174,8 @@ class HopperProjRope:
             # many 40 KB stages as fit (3).
             self.consumer_regs, self.epilogue_regs = 128, 216
             assert self.producer_regs + 2 * self.consumer_regs + self.epilogue_regs <= 65536 // self.threads_per_wg
-            self.y_bytes = self.tile_mnk[0] * HEAD_DIM * 4
+            assert self.tile_mnk[0] == y_tile.ROWS
+            self.y_bytes = y_tile.BYTES
             stage_bytes = (self.tile_mnk[0] + HEAD_DIM) * tile_k * self.ab_dtype.width // 8
             self.ab_stages = (SMEM_BYTES - self.y_bytes - 3 * self.buffer_align_bytes) // stage_bytes
             assert self.ab_stages >= 2, self.ab_stages
@@ -574,7 +492,7 @@ class HopperProjRope:
                 if i > 0:  # the epilogue warpgroup holds the previous tile in registers
                     cute.arch.barrier(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
                 if cutlass.const_expr(do_epilogue):
-                    self._write_y(acc, y, row0, lane, quad)
+                    y_tile.write_fragment(acc, y, row0, quad)
                 cute.arch.barrier_arrive(barrier_id=_Y_FULL, number_of_threads=_Y_BARRIER_THREADS)
         else:
             cute.arch.setmaxregister_increase(self.epilogue_regs)
@@ -583,9 +501,9 @@ class HopperProjRope:
             warp = tid // 32
             row32, col32, cos32, sin32 = token_rows.word_views(row_codes, col_codes, cos, sin)
             col_tab = storage.col_inv.data_ptr().toint() + warp * (MX_BLOCK * 4)  # this warp's 32 column factors
-            column_offsets = self._column_offsets(lane)
-            y_warp = y + warp * (MX_BLOCK * HEAD_DIM * 4)  # the warp's 32 rows of Y
-            row_addrs = self._y_row(y, tid)  # the thread's token row
+            column_offsets = y_tile.column_offsets(lane)
+            y_warp = y + y_tile.row_offset(MX_BLOCK * warp)  # the warp's 32 rows of Y
+            row_addrs = y_tile.row_addresses(y, tid)  # the thread's token row
             for i in range(my_tiles):
                 tile = cta + i * n_ctas
                 tile_t = tile % tiles_t
@@ -600,149 +518,27 @@ class HopperProjRope:
                 col_scale0 = token_rows.col_scale_index(tile_t, warp, lane, head, h)
                 cute.arch.barrier(barrier_id=_Y_FULL, number_of_threads=_Y_BARRIER_THREADS)
                 if cutlass.const_expr(do_epilogue):
-                    self._rope_in_place(row_addrs, rcos, rsin)
+                    y_tile.rope_in_place(row_addrs, rcos, rsin)
                     cute.arch.sync_warp()  # each lane reads its columns across the warp's 32 rows
                     for b in range(HEAD_DIM // MX_BLOCK):  # a loop, not unrolled: unrolled it spills
-                        vals = self._read_y_block(row_addrs, b)
-                        col = self._read_column(y_warp, b, column_offsets)
-                        col_byte, col_inv, col_bad_mask = self._column_scales(col, col_tab, lane)
+                        vals = y_tile.read_row_block(row_addrs, b)
+                        col = y_tile.read_column(y_warp, b, column_offsets)
+                        col_byte, col_inv, col_bad_mask = y_tile.column_scales(col, col_tab, lane)
                         col_words = token_rows.col_code_words(vals, col_inv, col_bad_mask)
                         row_byte, row_words = token_rows.row_quantize(vals)
                         token_rows.store_scales(row_byte, col_byte, b, live, row_scales, col_scales, row_scale0,
                                                 col_scale0)
                         # every lane's column reads of block b are done (the table's barriers): the block's
                         # part of this thread's own row of Y now holds its codes
-                        self._stage_codes(y, tid, b, row_words, col_words)
+                        y_tile.stage_codes(y, tid, b, row_words, col_words)
                     cute.arch.sync_warp()  # the warp's 32 rows of codes are in Y
-                    self._store_codes(y, row_codes, col_codes, warp, lane, live, tile_t * bm + 32 * warp, head, h)
+                    y_tile.store_code_rows(y, row_codes, col_codes, warp, lane, live, tile_t * bm + 32 * warp, head, h)
                     if i + 1 < my_tiles:
                         # the last reads of Y are issued, and a barrier orders them before the other side's writes
                         cute.arch.barrier_arrive(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
                 if cutlass.const_expr(not do_epilogue):  # profiling: Y is free at once
                     if i + 1 < my_tiles:
                         cute.arch.barrier_arrive(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
-
-    @staticmethod
-    def _y_offset(row, chunk):
-        """Byte offset of Y's 16-byte chunk `chunk` (features 4·chunk..+3) of row `row`: rows of 192 fp32, chunks
-        XOR-swizzled by row % 8, so that eight threads reading the same chunk of eight consecutive rows (one
-        16-byte access per quarter warp) hit eight different bank groups."""
-        return (row * (HEAD_DIM // 4) + (chunk ^ (row & 7))) * 16
-
-    @staticmethod
-    def _y_row(y, row) -> list:
-        """Addresses of chunks 0..7 of Y's row `row`; chunk 8m + c is entry c + 128·m bytes, because the swizzle of
-        `_y_offset` only permutes chunks within each aligned group of eight. So eight registers address a row."""
-        return [y + HopperProjRope._y_offset(row, c) for c in range(8)]
-
-    @staticmethod
-    def _fragment_addr(base: list, j: int, v1: int):
-        """Address of the 8-byte pair (v0 = 0, 1) of wgmma fragment value (v1, j) from `_fragment_bases`."""
-        return base[j % 4] + 128 * (j // 4) + v1 * (8 * HEAD_DIM * 4)
-
-    @staticmethod
-    def _fragment_bases(y, row0, quad) -> list:
-        """An MMA thread's fragment value (v0, v1, j) is row row0 + 8·v1, feature 8j + 2·quad + v0: chunk
-        8·(j // 4) + c with c = 2·(j % 4) + quad // 2, so four base addresses reach all 96 (rows row0 and row0 + 8
-        share their swizzle), `_fragment_addr` the rest."""
-        return [y + HopperProjRope._y_offset(row0, 2 * jj + quad // 2) + 8 * (quad % 2) for jj in range(4)]
-
-    def _write_y(self, acc, y, row0, lane, quad):
-        """An MMA thread's 96 accumulator values into Y, one 8-byte store per (v1, j) pair."""
-        base = self._fragment_bases(y, row0, quad)
-        for v1 in range(2):
-            for j in range(HEAD_DIM // 8):
-                _st_shared_v2(self._fragment_addr(base, j, v1), common.bits_from_f32(acc[4 * j + 2 * v1]),
-                              common.bits_from_f32(acc[4 * j + 2 * v1 + 1]))
-
-    @staticmethod
-    def _read_y_block(row_addrs: list, b):
-        """Features 32b..32b+31 of a row of Y (its `_y_row` addresses) as 32 fp32 registers (eight 16-byte loads)."""
-        vals = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)
-        for c in range(MX_BLOCK // 4):
-            words = _ld_shared_v4(row_addrs[c] + b * 128)
-            for e in range(4):
-                vals[4 * c + e] = common.f32_from_bits(words[e])
-        return vals
-
-    def _rope_in_place(self, row_addrs: list, rcos, rsin):
-        """SPEC §5 RoPE of a row of Y (features 128..191, fp32 from the accumulator): read, rotated with the token's
-        tables, written back in place, so that the columnwise maxima of the rotated features are read from Y like
-        the others."""
-        nope_blocks = QK_NOPE // MX_BLOCK
-        p_lo = self._read_y_block(row_addrs, nope_blocks)
-        p_hi = self._read_y_block(row_addrs, nope_blocks + 1)
-        out_lo = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)  # out[128 + j]
-        out_hi = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)  # out[160 + j]
-        token_rows.rope(p_lo, p_hi, rcos, rsin, out_lo, out_hi)
-        for b, out in ((nope_blocks, out_lo), (nope_blocks + 1, out_hi)):
-            for c in range(MX_BLOCK // 4):
-                _st_shared_v4(row_addrs[c] + b * 128, *[common.bits_from_f32(out[4 * c + e]) for e in range(4)])
-
-    @staticmethod
-    def _code_slot(out: int, half, b):
-        """Chunk (of Y's row) that holds 16 bytes `half` of output `out`'s (0 row, 1 column) codes of block b: among
-        the block's own 8 chunks, rotated by b so that the 6 blocks of one kind spread over the bank groups."""
-        return 8 * b + ((2 * out + half + 2 * b) & 7)
-
-    def _stage_codes(self, y, row, b, row_words, col_words):
-        """This token's codes of block b (32 bytes per output) into its own row of Y, block b's chunks."""
-        for out, words in ((0, row_words), (1, col_words)):
-            for half in range(2):
-                _st_shared_v4(y + self._y_offset(row, self._code_slot(out, half, b)),
-                              *[words[4 * half + e] for e in range(4)])
-
-    def _store_codes(self, y, row_codes, col_codes, warp, lane, live, token0, head, h):
-        """The warp's 32 tokens' codes (staged in their rows of Y by `_stage_codes`) to global memory as whole
-        192-byte rows: 12 16-byte chunks per token and output, chunk i = lane + 32k of the warp, so a warp's store
-        writes 2-3 rows' contiguous bytes instead of 32 scattered 16-byte pieces. A warp past T stores nothing."""
-        chunks = HEAD_DIM // 16
-        for out, codes in ((0, row_codes), (1, col_codes)):
-            items = []
-            for k in range(chunks):
-                i = lane + 32 * k
-                r = i // chunks
-                q = i - chunks * r
-                b, half = q >> 1, q & 1
-                words = _ld_shared_v4(y + self._y_offset(32 * warp + r, self._code_slot(out, half, b)))
-                addr = codes.iterator.toint() + cutlass.Int64(((token0 + r) * h + head) * HEAD_DIM + 16 * q)
-                items.append((addr, words))
-            for addr, words in items:
-                _st_global_v4_if(addr, *words, live)
-
-    @staticmethod
-    def _column_offsets(lane) -> list:
-        """Byte offsets, within a warp's 32 rows of Y and a block's 128 bytes, of feature `lane` in a row r with
-        r % 8 = s (entry s): the swizzle of `_y_offset` permutes a block's 8 chunks within the row, so the 32 lanes
-        reading one row's block hit 32 different banks."""
-        return [((lane >> 2) ^ s) * 16 + (lane & 3) * 4 for s in range(8)]
-
-    @staticmethod
-    def _read_column(y_warp, b, column_offsets):
-        """Feature 32b + lane of the warp's 32 rows of Y (32 4-byte loads, each a whole row's block per warp)."""
-        col = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)
-        base = y_warp + b * (MX_BLOCK * 4)
-        for r in range(MX_BLOCK):
-            col[r] = common.f32_from_bits(_ld_shared_u32(base + r * (HEAD_DIM * 4) + column_offsets[r % 8]))
-        return col
-
-    @staticmethod
-    def _column_scales(col, col_tab, lane):
-        """Columnwise scales of a block for the warp's 32 tokens, from `_read_column`: lane l makes the E8M0 byte of
-        column l and publishes its factor in the warp's table; every lane then reads the 32 factors (8 broadcast
-        16-byte loads). Returns (byte of column `lane`, the 32 factors, ballot of the columns' NaN/inf flags), what
-        `token_rows.quantize_block` takes."""
-        amax = epilogue.amax_tree([col[r] for r in range(MX_BLOCK)])
-        col_byte, col_inv, col_bad = epilogue.e8m0_scale(common.bits_from_f32(amax))
-        cute.arch.sync_warp()  # the lanes' reads of the previous block's factors are done
-        _st_shared_u32(col_tab + 4 * lane, common.bits_from_f32(col_inv))
-        cute.arch.sync_warp()
-        inv = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)
-        for c in range(MX_BLOCK // 4):
-            words = _ld_shared_v4(col_tab + 16 * c)
-            for e in range(4):
-                inv[4 * c + e] = common.f32_from_bits(words[e])
-        return col_byte, inv, cute.arch.vote_ballot_sync(col_bad)
 
     @cute.jit
     def _persistent_prologue(self, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, t, h,
@@ -886,7 +682,7 @@ class HopperProjRope:
             part = _transpose_max(part, lane, (16, 8, 4))
             mine = xchg + (warp_slot * 32 + lane) * 24
             for e in range(3):
-                _st_shared_v2(mine + 8 * e, part[2 * e], part[2 * e + 1])
+                ptx_ops.st_shared_v2(mine + 8 * e, part[2 * e], part[2 * e + 1])
 
         sRow, sCol = stage_codes()
         if cutlass.const_expr(not self._stage_codes_syncs_warpgroup):
@@ -901,13 +697,13 @@ class HopperProjRope:
             theirs = xchg + ((warp_slot ^ 1) * 32 + lane) * 24
             other = []
             for e in range(3):
-                other += _ld_shared_v2(theirs + 8 * e)
+                other += ptx_ops.ld_shared_v2(theirs + 8 * e)
             cbytes = [epilogue.e8m0_scale(cutlass.max(part[e], other[e]))[0] for e in range(6)]
             pairs = [cbytes[2 * p] | (cbytes[2 * p + 1] << 8) for p in range(3)]
             # This warp's table: quad position q's 48 bytes in list order at q·48.
             tab = storage.col_scale_tab.data_ptr().toint() + warp_slot * 192 + quad * 48
             for p in range(3):
-                _st_shared_u16(tab + 6 * lb + 2 * p, pairs[p])
+                ptx_ops.st_shared_u16(tab + 6 * lb + 2 * p, pairs[p])
             # Global scales (the even warp of the pair): list entries 6·lb + 2p, +1 are one nope feature pair or
             # two rope features 4 apart.
             block_token0 = token0 + row_base + (warp // 2) * MX_BLOCK
@@ -917,15 +713,15 @@ class HopperProjRope:
                 e0 = 6 * lb + 2 * p
                 nope = e0 < 2 * QK_NOPE // 8
                 rope = e0 >= 2 * QK_NOPE // 8
-                _st_global_u16_if(crow + cutlass.Int64(8 * (e0 >> 1) + 2 * quad), pairs[p], cvalid & nope)
+                ptx_ops.st_global_u16_if(crow + cutlass.Int64(8 * (e0 >> 1) + 2 * quad), pairs[p], cvalid & nope)
                 r = e0 - 2 * QK_NOPE // 8
                 f = QK_NOPE + 32 * (r >> 3) + 4 * (r & 7) + quad
-                _st_global_u8_if(crow + cutlass.Int64(f), cbytes[2 * p], cvalid & rope)
-                _st_global_u8_if(crow + cutlass.Int64(f + 4), cbytes[2 * p + 1], cvalid & rope)
+                ptx_ops.st_global_u8_if(crow + cutlass.Int64(f), cbytes[2 * p], cvalid & rope)
+                ptx_ops.st_global_u8_if(crow + cutlass.Int64(f + 4), cbytes[2 * p + 1], cvalid & rope)
             cute.arch.sync_warp()
             scale_words = []
             for m in range(3):
-                scale_words += _ld_shared_v4(tab + 16 * m)
+                scale_words += ptx_ops.ld_shared_v4(tab + 16 * m)
 
         # ------------------------------------------------------------------------------ rowwise scales and codes
         row_words = []
@@ -936,7 +732,7 @@ class HopperProjRope:
                 pairs = [sc[2 * p][0] | (sc[2 * p + 1][0] << 8) for p in range(n_blocks // 2)]
                 # Lane q < 3 stores scale bytes 2q, 2q+1 of the row.
                 mine = _sel(quad == 0, pairs[0], _sel(quad == 1, pairs[1], pairs[2]))
-                _st_global_u16_if(row_scales.iterator.toint() + cutlass.Int64((token * h + head) * n_blocks + 2 * quad),
+                ptx_ops.st_global_u16_if(row_scales.iterator.toint() + cutlass.Int64((token * h + head) * n_blocks + 2 * quad),
                                   mine, (quad < 3) & (token < t))
                 words = []
                 for n in range(code_tiles.WORDS):
@@ -965,8 +761,8 @@ class HopperProjRope:
                 r = row0 + 8 * v1
                 w = tile_words[v1]
                 for s in range(2):
-                    _st_shared_v4(tile + code_tiles.nope_unit_offset(r, quad, s), *w[4 * s:4 * s + 4])
-                _st_shared_v4(tile + code_tiles.rope_unit_offset(rows, r, quad), *w[8:12])
+                    ptx_ops.st_shared_v4(tile + code_tiles.nope_unit_offset(r, quad, s), *w[4 * s:4 * s + 4])
+                ptx_ops.st_shared_v4(tile + code_tiles.rope_unit_offset(rows, r, quad), *w[8:12])
 
         # ------------------------------------------------------------------------------ store
         # Reader thread (row rr, half hh): the nope unit s = hh of both tiles, and the rope unit of tile hh; each
@@ -988,14 +784,14 @@ class HopperProjRope:
         if do_col:
             units.append((col_tile, col_out))
         for tile, out in units:
-            qs = [_ld_shared_v4(tile + code_tiles.nope_unit_offset(r, q, hh)) for q in range(4)]
+            qs = [ptx_ops.ld_shared_v4(tile + code_tiles.nope_unit_offset(r, q, hh)) for q in range(4)]
             out = out + cutlass.Int64(64 * hh)
             for w in range(4):
                 o = [common.prmt(qs[0][w], qs[1][w], code_tiles.PRMT_LO16),
                      common.prmt(qs[2][w], qs[3][w], code_tiles.PRMT_LO16),
                      common.prmt(qs[0][w], qs[1][w], code_tiles.PRMT_HI16),
                      common.prmt(qs[2][w], qs[3][w], code_tiles.PRMT_HI16)]
-                _st_global_v4_if(out + 16 * w, *o, ok)
+                ptx_ops.st_global_v4_if(out + 16 * w, *o, ok)
         if do_row or do_col:
             if cutlass.const_expr(do_row and do_col):
                 tile = _sel(hh == 0, row_tile, col_tile)
@@ -1005,14 +801,14 @@ class HopperProjRope:
                 tile, out, rope_ok = row_tile, row_out, ok & (hh == 0)
             else:
                 tile, out, rope_ok = col_tile, col_out, ok & (hh == 1)
-            qs = [_ld_shared_v4(tile + code_tiles.rope_unit_offset(rows, r, q)) for q in range(4)]
+            qs = [ptx_ops.ld_shared_v4(tile + code_tiles.rope_unit_offset(rows, r, q)) for q in range(4)]
             out = out + QK_NOPE
             for m in range(4):
                 lo01 = common.prmt(qs[0][m], qs[1][m], code_tiles.PRMT_ZIP_LO)
                 hi01 = common.prmt(qs[0][m], qs[1][m], code_tiles.PRMT_ZIP_HI)
                 lo23 = common.prmt(qs[2][m], qs[3][m], code_tiles.PRMT_ZIP_LO)
                 hi23 = common.prmt(qs[2][m], qs[3][m], code_tiles.PRMT_ZIP_HI)
-                _st_global_v4_if(out + 16 * m, common.prmt(lo01, lo23, code_tiles.PRMT_LO16),
+                ptx_ops.st_global_v4_if(out + 16 * m, common.prmt(lo01, lo23, code_tiles.PRMT_LO16),
                                  common.prmt(lo01, lo23, code_tiles.PRMT_HI16),
                                  common.prmt(hi01, hi23, code_tiles.PRMT_LO16),
                                  common.prmt(hi01, hi23, code_tiles.PRMT_HI16), rope_ok)
