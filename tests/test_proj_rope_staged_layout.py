@@ -104,5 +104,46 @@ class StagedCodeSlotsTest(absltest.TestCase):
                 self.assertGreaterEqual(len({slots[(out, half, b)] % 8 for b in range(BLOCKS)}), 4)
 
 
+class StagedCodePathTest(absltest.TestCase):
+
+    def test_staged_codes_leave_as_the_token_rows(self):
+        """The bytes' path: each thread parks block b's 32 code bytes of each output in its own row of Y
+        (`stage_codes`: chunk `code_slot` of the row); then lane l of warp w, step k, moves chunk
+        `code_store_item(l, k)` of token 32w + r to bytes 16q.. of that token's 192-byte output row. Played here on
+        byte arrays with random codes: both outputs come out exactly, every byte written once."""
+        rng = np.random.default_rng(3)
+        codes = rng.integers(0, 256, (2, ROWS, HEAD_DIM), dtype=np.uint8)  # (output, token, byte of the row)
+        y = np.zeros(K.BYTES, np.uint8)
+        for row in range(ROWS):
+            for b in range(BLOCKS):
+                for out in range(2):
+                    for half in range(2):
+                        a = K.offset(row, K.code_slot(out, half, b))
+                        y[a:a + 16] = codes[out, row, 32 * b + 16 * half:32 * b + 16 * (half + 1)]
+        got = np.zeros_like(codes)
+        written = np.zeros(codes.shape, np.int64)
+        for warp in range(4):
+            for lane in range(32):
+                for k in range(HEAD_DIM // 16):
+                    r, q, b, half = K.code_store_item(lane, k)
+                    self.assertEqual((b, half), (q // 2, q % 2))
+                    for out in range(2):
+                        a = K.offset(32 * warp + r, K.code_slot(out, half, b))
+                        got[out, 32 * warp + r, 16 * q:16 * q + 16] = y[a:a + 16]
+                        written[out, 32 * warp + r, 16 * q:16 * q + 16] += 1
+        np.testing.assert_array_equal(written, 1)
+        np.testing.assert_array_equal(got, codes)
+
+    def test_a_store_step_writes_contiguous_rows(self):
+        """Within one step k the warp's 32 lanes cover at most 4 tokens, each as one contiguous run of chunks."""
+        for k in range(HEAD_DIM // 16):
+            items = [K.code_store_item(lane, k) for lane in range(32)]
+            tokens = sorted({r for r, *_ in items})
+            self.assertLessEqual(len(tokens), 4)
+            for t in tokens:
+                qs = [q for r, q, *_ in items if r == t]
+                self.assertEqual(qs, list(range(qs[0], qs[0] + len(qs))))
+
+
 if __name__ == "__main__":
     absltest.main()

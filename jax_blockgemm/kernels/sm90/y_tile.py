@@ -64,6 +64,17 @@ def column_offsets(lane) -> list:
     return [((lane >> 2) ^ s) * 16 + (lane & 3) * 4 for s in range(8)]
 
 
+def code_store_item(lane, k: int):
+    """Which 16 bytes lane `lane` moves in step k (< 12) of `store_code_rows`: (token r of the warp, 16-byte chunk q
+    of its 192-byte code row, block b = q // 2, half = q % 2). Lane-major over the warp's 32 x 12 chunks, so
+    consecutive lanes write consecutive bytes of one row."""
+    chunks = HEAD_DIM // 16
+    i = lane + 32 * k
+    r = i // chunks
+    q = i - chunks * r
+    return r, q, q >> 1, q & 1
+
+
 def code_slot(out: int, half, b):
     """Chunk of a row that holds 16 bytes `half` of output `out`'s (0 rowwise, 1 columnwise) codes of block b: among
     the block's own 8 chunks (free once the block is read), rotated by b so that the 6 blocks of one kind spread
@@ -147,14 +158,10 @@ def store_code_rows(y, row_codes, col_codes, warp, lane, live, token0, head, h):
     """The warp's 32 tokens' codes (staged by `stage_codes`) to global memory as whole 192-byte rows: 12 16-byte
     chunks per token and output, chunk i = lane + 32k of the warp, so a store instruction writes 2-3 rows'
     contiguous bytes instead of 32 scattered 16-byte pieces. A warp past T (`live` false) stores nothing."""
-    chunks = HEAD_DIM // 16
     for out, codes in ((0, row_codes), (1, col_codes)):
         items = []
-        for k in range(chunks):
-            i = lane + 32 * k
-            r = i // chunks
-            q = i - chunks * r
-            b, half = q >> 1, q & 1
+        for k in range(HEAD_DIM // 16):
+            r, q, b, half = code_store_item(lane, k)
             words = ptx_ops.ld_shared_v4(y + offset(32 * warp + r, code_slot(out, half, b)))
             addr = codes.iterator.toint() + cutlass.Int64(((token0 + r) * h + head) * HEAD_DIM + 16 * q)
             items.append((addr, words))
