@@ -45,8 +45,8 @@ def _entry(words: np.ndarray, i: int) -> np.ndarray:
 
 
 def _pack(codes: np.ndarray) -> np.ndarray:
-    """The kernel's packing of 32 E4M3 codes per thread into 8 words: quantize_pair gives hi << 8 | lo, and word
-    wd = pair(4wd, 4wd+1) | pair(4wd+2, 4wd+3) << 16."""
+    """The kernel's packing of 32 E4M3 codes per thread into 8 words (`epilogue.e4m3x4`): byte k of word wd is the
+    code of value 4wd + k."""
     c = codes.view(np.uint8).astype(np.uint32)
     pair = lambda a, b: c[:, a] | (c[:, b] << 8)
     return np.stack([pair(4 * wd, 4 * wd + 1) | (pair(4 * wd + 2, 4 * wd + 3) << 16) for wd in range(8)], axis=1)
