@@ -431,13 +431,8 @@ class HopperProjRope:
                 head = tile // tiles_t
                 token0 = tile_t * bm + wg * 64  # this warpgroup's 64 tokens
                 self._load_rope_tab(rope_tab, cos, sin, token0, row0, quad, t)
-                acc.fill(0.0)
-                self._opaque_acc(acc, tidx + i)
-                read_state, release_state = self._issue_k_tiles(ab_pipeline, read_state, release_state, tiled_mma,
-                                                                acc, tCrA, tCrB, num_k_steps, k_tiles)
-                cute.nvgpu.warpgroup.wait_group(0)
-                ab_pipeline.consumer_release(release_state)
-                release_state.advance()
+                read_state, release_state = self._mma_tile(ab_pipeline, read_state, release_state, tiled_mma, acc,
+                                                           tCrA, tCrB, num_k_steps, k_tiles, tidx + i)
                 if cutlass.const_expr("epilogue" not in self._skip):
                     self._epilogue(acc, rope_tab, stage_codes, storage, row_codes, row_scales, col_codes, col_scales,
                                    token0, 0, row0, wg, warp, lane, quad, wg_tid, t, h, head)
@@ -482,13 +477,8 @@ class HopperProjRope:
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc is zeroed per tile
             for i in range(my_tiles):
-                acc.fill(0.0)
-                self._opaque_acc(acc, tidx + i)
-                read_state, release_state = self._issue_k_tiles(ab_pipeline, read_state, release_state, tiled_mma,
-                                                                acc, tCrA, tCrB, num_k_steps, k_tiles)
-                cute.nvgpu.warpgroup.wait_group(0)
-                ab_pipeline.consumer_release(release_state)
-                release_state.advance()
+                read_state, release_state = self._mma_tile(ab_pipeline, read_state, release_state, tiled_mma, acc,
+                                                           tCrA, tCrB, num_k_steps, k_tiles, tidx + i)
                 if i > 0:  # the epilogue warpgroup holds the previous tile in registers
                     cute.arch.barrier(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
                 if cutlass.const_expr(do_epilogue):
@@ -533,12 +523,9 @@ class HopperProjRope:
                         y_tile.stage_codes(y, tid, b, row_words, col_words)
                     cute.arch.sync_warp()  # the warp's 32 rows of codes are in Y
                     y_tile.store_code_rows(y, row_codes, col_codes, warp, lane, live, tile_t * bm + 32 * warp, head, h)
-                    if i + 1 < my_tiles:
-                        # the last reads of Y are issued, and a barrier orders them before the other side's writes
-                        cute.arch.barrier_arrive(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
-                if cutlass.const_expr(not do_epilogue):  # profiling: Y is free at once
-                    if i + 1 < my_tiles:
-                        cute.arch.barrier_arrive(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
+                if i + 1 < my_tiles:
+                    # the last reads of Y are issued, and a barrier orders them before the other side's writes
+                    cute.arch.barrier_arrive(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
 
     @cute.jit
     def _persistent_prologue(self, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, t, h,
@@ -828,6 +815,21 @@ class HopperProjRope:
                 rope_tab[v1, q, 1] = sin[base]
                 rope_tab[v1, q, 2] = cos[base + half]
                 rope_tab[v1, q, 3] = sin[base + half]
+
+    @cute.jit
+    def _mma_tile(self, ab_pipeline, read_state, release_state, tiled_mma, acc, tCrA, tCrB, num_k_steps: int,
+                  k_tiles, seed):
+        """One tile of a persistent schedule whose consumer warpgroups share every stage: acc from zero (or, when
+        profiling without wgmmas, opaque values from `seed`), every k-tile's wgmmas, all of them waited for, the
+        last stage released. Returns the advanced (read_state, release_state), to rebind (see `_issue_k_tiles`)."""
+        acc.fill(0.0)
+        self._opaque_acc(acc, seed)
+        read_state, release_state = self._issue_k_tiles(ab_pipeline, read_state, release_state, tiled_mma, acc,
+                                                        tCrA, tCrB, num_k_steps, k_tiles)
+        cute.nvgpu.warpgroup.wait_group(0)
+        ab_pipeline.consumer_release(release_state)
+        release_state.advance()
+        return read_state, release_state
 
     @cute.jit
     def _issue_k_tiles(self, ab_pipeline, read_state, release_state, tiled_mma, acc, tCrA, tCrB, num_k_steps: int,
