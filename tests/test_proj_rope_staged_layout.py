@@ -18,6 +18,7 @@ try:
 except ImportError as e:  # pragma: no cover - CuTeDSL is a hard dependency of this test file
     raise absltest.SkipTest(f"CuTeDSL not importable: {e}")
 
+from jax_blockgemm.kernels import token_rows
 from jax_blockgemm.support import HEAD_DIM, MX_BLOCK
 
 ROWS = 128
@@ -143,6 +144,36 @@ class StagedCodePathTest(absltest.TestCase):
             for t in tokens:
                 qs = [q for r, q, *_ in items if r == t]
                 self.assertEqual(qs, list(range(qs[0], qs[0] + len(qs))))
+
+
+class StagedRowScalesTest(absltest.TestCase):
+
+    def test_row_scale_pieces_cover_each_token_run_once(self):
+        """`store_row_scales`: over its 3 steps the warp's lanes store each of its 32 tokens' three 16-bit pieces
+        exactly once, at row_scale_index(token) + 2q: every byte of the warp's (32, H, 6) slab once, nothing else."""
+        h, head, token0 = 7, 3, 64
+        written = np.zeros(128 * h * BLOCKS, np.int64)
+        for lane in range(32):
+            for k in range(BLOCKS // 2):
+                r, q = K.row_scale_piece(lane, k)
+                self.assertLess(r, 32)
+                self.assertIn(q, range(BLOCKS // 2))
+                a = token_rows.row_scale_index(token0 + r, head, h) + 2 * q
+                self.assertEqual(a % 2, 0)  # a 16-bit store needs an even address
+                written[a:a + 2] += 1
+        expect = np.zeros_like(written)
+        for r in range(32):
+            first = token_rows.row_scale_index(token0 + r, head, h)
+            expect[first:first + BLOCKS] = 1
+        np.testing.assert_array_equal(written, expect)
+
+    def test_a_row_scale_step_writes_whole_runs(self):
+        """Within one step the lanes take consecutive pieces: at most 11 tokens per store instruction (one L2 request
+        each), against 32 for a byte per token."""
+        for k in range(BLOCKS // 2):
+            items = [K.row_scale_piece(lane, k) for lane in range(32)]
+            self.assertEqual([3 * r + q for r, q in items], list(range(32 * k, 32 * k + 32)))
+            self.assertLessEqual(len({r for r, _ in items}), 12)
 
 
 if __name__ == "__main__":

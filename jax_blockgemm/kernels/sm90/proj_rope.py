@@ -134,6 +134,9 @@ class HopperProjRope:
         # epilogue warpgroup alone sets the pace). The results are then
         # wrong; never set in the catalog.
         self._skip: frozenset = frozenset()
+        # Experiments beside the default, timed by benchmarks/proj_rope_standalone.py --tunes; never set in the
+        # catalog. None at present (NOTES.md lists the ones measured and dropped).
+        self._tune: frozenset = frozenset()
         common.require_choice("w_major", w_major, W_MAJORS)
         common.require_choice("consumer_wgs", consumer_wgs, CONSUMER_WGS)
         common.require_choice("tile_k", tile_k, TILE_KS)
@@ -504,25 +507,28 @@ class HopperProjRope:
                     live = token < 0
                 rcos, rsin = token_rows.load_rope_tables(cos32, sin32, token, t)
                 out_word = token_rows.code_word(token, head, h)
-                row_scale0 = token_rows.row_scale_index(token, head, h)
                 col_scale0 = token_rows.col_scale_index(tile_t, warp, lane, head, h)
                 cute.arch.barrier(barrier_id=_Y_FULL, number_of_threads=_Y_BARRIER_THREADS)
                 if cutlass.const_expr(do_epilogue):
                     y_tile.rope_in_place(row_addrs, rcos, rsin)
                     cute.arch.sync_warp()  # each lane reads its columns across the warp's 32 rows
+                    row_lo, row_hi = cutlass.Int32(0), cutlass.Int32(0)  # the token's 6 rowwise scale bytes
                     for b in range(HEAD_DIM // MX_BLOCK):  # a loop, not unrolled: unrolled it spills
                         vals = y_tile.read_row_block(row_addrs, b)
                         col = y_tile.read_column(y_warp, b, column_offsets)
                         col_byte, col_inv, col_bad_mask = y_tile.column_scales(col, col_tab, lane)
                         col_words = token_rows.col_code_words(vals, col_inv, col_bad_mask)
                         row_byte, row_words = token_rows.row_quantize(vals)
-                        token_rows.store_scales(row_byte, col_byte, b, live, row_scales, col_scales, row_scale0,
-                                                col_scale0)
+                        row_lo, row_hi = y_tile.add_row_scale(row_lo, row_hi, row_byte, b)
+                        if live:  # lane l: column 32b + l's byte, 32 consecutive bytes per warp
+                            col_scales[col_scale0 + b * MX_BLOCK] = col_byte.to(cutlass.Uint8)
                         # every lane's column reads of block b are done (the table's barriers): the block's
                         # part of this thread's own row of Y now holds its codes
                         y_tile.stage_codes(y, tid, b, row_words, col_words)
                     cute.arch.sync_warp()  # the warp's 32 rows of codes are in Y
-                    y_tile.store_code_rows(y, row_codes, col_codes, warp, lane, live, tile_t * bm + 32 * warp, head, h)
+                    warp_token0 = tile_t * bm + 32 * warp
+                    y_tile.store_row_scales(row_lo, row_hi, lane, live, row_scales, warp_token0, head, h)
+                    y_tile.store_code_rows(y, row_codes, col_codes, warp, lane, live, warp_token0, head, h)
                 if i + 1 < my_tiles:
                     # the last reads of Y are issued, and a barrier orders them before the other side's writes
                     cute.arch.barrier_arrive(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)

@@ -167,3 +167,35 @@ def store_code_rows(y, row_codes, col_codes, warp, lane, live, token0, head, h):
             items.append((addr, words))
         for addr, words in items:
             ptx_ops.st_global_v4_if(addr, *words, live)
+
+
+def add_row_scale(lo, hi, row_byte, b) -> tuple:
+    """Block b's rowwise scale byte into a token's six, packed little-endian: bytes 0-3 in lo, 4-5 in hi (b is a loop
+    variable: selects, no shift by 32 or more). Returns the new (lo, hi)."""
+    lo = cutlass.select_(b < 4, lo | (row_byte << ((b & 3) * 8)), lo)
+    hi = cutlass.select_(b >= 4, hi | (row_byte << ((b & 1) * 8)), hi)
+    return cutlass.Int32(lo), cutlass.Int32(hi)
+
+
+def row_scale_piece(lane, k: int):
+    """Which 16-bit piece lane `lane` stores in step k (< 3) of `store_row_scales`: (token r of the warp, piece q of
+    its six bytes: bytes 2q, 2q + 1). Lane-major over the warp's 32 x 3 pieces, so consecutive lanes write one
+    token's whole run, then the next token's."""
+    pieces = HEAD_DIM // MX_BLOCK // 2
+    i = lane + 32 * k
+    r = i // pieces
+    return r, i - pieces * r
+
+
+def store_row_scales(lo, hi, lane, live, row_scales, token0, head, h):
+    """The warp's 32 tokens' rowwise scale bytes (lane r's lo, hi from `add_row_scale`, token token0 + r) as three
+    16-bit stores per lane: each store instruction writes ~11 tokens' 6-byte runs (tokens are 6·H bytes apart, one L2
+    request each) instead of one byte of all 32 tokens. A warp past T (`live` false) stores nothing."""
+    base = row_scales.iterator.toint()
+    for k in range(HEAD_DIM // MX_BLOCK // 2):
+        r, q = row_scale_piece(lane, k)
+        lo_r = cute.arch.shuffle_sync(lo, r)
+        hi_r = cute.arch.shuffle_sync(hi, r)
+        piece = cutlass.select_(q == 0, lo_r & 0xFFFF, cutlass.select_(q == 1, (lo_r >> 16) & 0xFFFF, hi_r & 0xFFFF))
+        addr = base + cutlass.Int64(token_rows.row_scale_index(token0 + r, head, h) + 2 * q)
+        ptx_ops.st_global_u16_if(addr, piece, live)
