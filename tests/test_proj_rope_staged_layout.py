@@ -2,12 +2,13 @@
 offset functions on plain integers.
 
 The MMA warpgroups write their wgmma fragments into Y (`fragment_bases`, `fragment_address`); the epilogue warpgroup
-reads each token's row (`row_addresses`: eight base addresses, chunk 8m + c at + 128·m) and, per 32-feature block,
-lane l of warp w reads feature 32b + l of the warp's 32 rows (`column_offsets`), then parks each block's codes in
-its own row (`code_slot`). Checked here: every fp32 of the 128 x 192 tile is written exactly once at the address
-`offset` defines for its (token, feature); the row and column readers fetch exactly that value; the codes stay in
-their block's chunks; and no access has a shared-memory bank conflict beyond its width (a 16-byte access by a
-quarter warp hits 8 distinct 16-byte bank groups, a 4-byte access by a warp 32 distinct banks).
+reads each token's row (`row_addresses`: eight base addresses, chunk 8m + c at + BLOCK_REGION·m) and, per 32-feature
+block, lane l of warp w reads feature 32b + l of the warp's 32 rows (`column_offsets`), then writes the block's codes
+into two TMA boxes in the warp's block region (`box_offset`). Checked here: every fp32 of the 128 x 192 tile is
+written exactly once at the address `offset` defines for its (token, feature); the row and column readers fetch
+exactly that value; the boxes lie in the block's region and follow the TMA's 32-byte swizzle; and no access has a
+shared-memory bank conflict beyond its width (a 16-byte access by a quarter warp hits 8 distinct 16-byte bank
+groups, a 4-byte access by a warp 32 distinct banks).
 """
 
 import numpy as np
@@ -59,91 +60,89 @@ class StagedYLayoutTest(absltest.TestCase):
         self.assertEqual(max(by_addr) + 8, ROWS * HEAD_DIM * 4)  # the tile is exactly 96 KB
 
     def test_row_reads_and_their_banks(self):
-        """Token row r, block b, chunk c: `_y_row(r)[c] + 128·b` holds features 32b + 4c .. + 3; the 8 threads of a
-        quarter warp (8 consecutive rows) reading the same chunk hit 8 different bank groups."""
+        """Token row r, block b, chunk c: `row_addresses(r)[c] + BLOCK_REGION·b` holds features 32b + 4c .. + 3; the
+        8 threads of a quarter warp (8 consecutive rows) reading the same chunk hit 8 different bank groups."""
         for row in range(ROWS):
             addrs = K.row_addresses(0, row)
             for b in range(BLOCKS):
                 for c in range(MX_BLOCK // 4):
-                    self.assertEqual(addrs[c] + 128 * b, _addr(row, MX_BLOCK * b + 4 * c))
+                    self.assertEqual(addrs[c] + K.BLOCK_REGION * b, _addr(row, MX_BLOCK * b + 4 * c))
         for first in range(0, ROWS, 8):
             for b in range(BLOCKS):
                 for c in range(MX_BLOCK // 4):
-                    self.assertEqual(_banks16([K.row_addresses(0, r)[c] + 128 * b for r in range(first, first + 8)]), 8)
+                    self.assertEqual(
+                        _banks16([K.row_addresses(0, r)[c] + K.BLOCK_REGION * b for r in range(first, first + 8)]), 8)
 
     def test_column_reads_and_their_banks(self):
-        """Lane l of epilogue warp w, block b, row r of the warp: y_warp + 128·b + 768·r + offsets[r % 8] holds
-        (32w + r, 32b + l), and the warp's 32 lanes read 32 distinct banks."""
+        """Lane l of epilogue warp w, block b, row r of the warp: warp_offset(w) + BLOCK_REGION·b + ROW_PITCH·r +
+        offsets[r % 8] holds (32w + r, 32b + l), and the warp's 32 lanes read 32 distinct banks."""
         offsets = [K.column_offsets(lane) for lane in range(32)]
         for warp in range(4):
-            y_warp = warp * MX_BLOCK * HEAD_DIM * 4
             for b in range(BLOCKS):
                 for r in range(MX_BLOCK):
-                    addrs = [y_warp + b * MX_BLOCK * 4 + r * HEAD_DIM * 4 + offsets[lane][r % 8]
+                    addrs = [K.warp_offset(warp) + b * K.BLOCK_REGION + r * K.ROW_PITCH + offsets[lane][r % 8]
                              for lane in range(32)]
                     for lane in range(32):
                         self.assertEqual(addrs[lane], _addr(32 * warp + r, MX_BLOCK * b + lane))
                     self.assertEqual(len({(a // 4) % 32 for a in addrs}), 32)
 
-
-class StagedCodeSlotsTest(absltest.TestCase):
-
-    def test_codes_stay_in_their_own_block_and_never_collide(self):
-        """`code_slot`: block b's 4 code chunks (2 outputs x 2 halves) lie among block b's own 8 chunks of the row
-        (the only ones free once block b is read), all 24 are distinct, and the 6 blocks' chunks of one kind spread
-        over at least 4 bank groups (the whole-row store reads them across a row)."""
-        slots = {}
-        for b in range(BLOCKS):
-            for out in range(2):
-                for half in range(2):
-                    c = K.code_slot(out, half, b)
-                    self.assertEqual(c // 8, b)
-                    slots[(out, half, b)] = c
-        self.assertEqual(len(set(slots.values())), 4 * BLOCKS)
-        for out in range(2):
-            for half in range(2):
-                self.assertGreaterEqual(len({slots[(out, half, b)] % 8 for b in range(BLOCKS)}), 4)
-
-
-class StagedCodePathTest(absltest.TestCase):
-
-    def test_staged_codes_leave_as_the_token_rows(self):
-        """The bytes' path: each thread parks block b's 32 code bytes of each output in its own row of Y
-        (`stage_codes`: chunk `code_slot` of the row); then lane l of warp w, step k, moves chunk
-        `code_store_item(l, k)` of token 32w + r to bytes 16q.. of that token's 192-byte output row. Played here on
-        byte arrays with random codes: both outputs come out exactly, every byte written once."""
-        rng = np.random.default_rng(3)
-        codes = rng.integers(0, 256, (2, ROWS, HEAD_DIM), dtype=np.uint8)  # (output, token, byte of the row)
-        y = np.zeros(K.BYTES, np.uint8)
-        for row in range(ROWS):
-            for b in range(BLOCKS):
-                for out in range(2):
-                    for half in range(2):
-                        a = K.offset(row, K.code_slot(out, half, b))
-                        y[a:a + 16] = codes[out, row, 32 * b + 16 * half:32 * b + 16 * (half + 1)]
-        got = np.zeros_like(codes)
-        written = np.zeros(codes.shape, np.int64)
+    def test_a_block_region_is_the_warps_rows_of_that_block(self):
+        """Block b of warp w's 32 rows is exactly the 4 KB at warp_offset(w) + BLOCK_REGION·b: once the warp has
+        read block b (rows and columns), the whole region is free for its code boxes, and nothing else is."""
         for warp in range(4):
-            for lane in range(32):
-                for k in range(HEAD_DIM // 16):
-                    r, q, b, half = K.code_store_item(lane, k)
-                    self.assertEqual((b, half), (q // 2, q % 2))
-                    for out in range(2):
-                        a = K.offset(32 * warp + r, K.code_slot(out, half, b))
-                        got[out, 32 * warp + r, 16 * q:16 * q + 16] = y[a:a + 16]
-                        written[out, 32 * warp + r, 16 * q:16 * q + 16] += 1
-        np.testing.assert_array_equal(written, 1)
-        np.testing.assert_array_equal(got, codes)
+            for b in range(BLOCKS):
+                lo = K.warp_offset(warp) + b * K.BLOCK_REGION
+                got = sorted(_addr(32 * warp + r, MX_BLOCK * b + f) for r in range(32) for f in range(MX_BLOCK))
+                self.assertEqual(got, list(range(lo, lo + K.BLOCK_REGION, 4)))
 
-    def test_a_store_step_writes_contiguous_rows(self):
-        """Within one step k the warp's 32 lanes cover at most 4 tokens, each as one contiguous run of chunks."""
-        for k in range(HEAD_DIM // 16):
-            items = [K.code_store_item(lane, k) for lane in range(32)]
-            tokens = sorted({r for r, *_ in items})
-            self.assertLessEqual(len(tokens), 4)
-            for t in tokens:
-                qs = [q for r, q, *_ in items if r == t]
-                self.assertEqual(qs, list(range(qs[0], qs[0] + len(qs))))
+
+def _sw32(a: int) -> int:
+    """The TMA's 32-byte swizzle (CU_TENSOR_MAP_SWIZZLE_32B, cute Swizzle<1,4,3>) of byte offset a."""
+    return a ^ (((a >> 7) & 1) << 4)
+
+
+class StagedCodeBoxesTest(absltest.TestCase):
+
+    def test_boxes_are_what_the_tma_reads(self):
+        """`box_offset(out, r, half) + i` is where the TMA store of box `out` (32 tokens x 32 bytes, 32-byte swizzle)
+        reads byte 16·half + i of token r: the 2 KB of both boxes exactly, inside the 4 KB block region."""
+        seen = set()
+        for out in range(2):
+            for r in range(32):
+                for half in range(2):
+                    for i in range(16):
+                        a = K.box_offset(out, r, half) + i
+                        self.assertEqual(a, K.BOX_BYTES * out + _sw32(32 * r + 16 * half + i))
+                        seen.add(a)
+        self.assertEqual(sorted(seen), list(range(2 * K.BOX_BYTES)))
+        self.assertLessEqual(2 * K.BOX_BYTES, K.BLOCK_REGION)
+
+    def test_box_writes_are_conflict_free(self):
+        """A quarter warp (8 consecutive tokens) writing the same half of one box hits 8 bank groups."""
+        for out in range(2):
+            for first in range(0, 32, 8):
+                for half in range(2):
+                    self.assertEqual(_banks16([K.box_offset(out, r, half) for r in range(first, first + 8)]), 8)
+
+    def test_the_box_layout_matches_box_offset(self):
+        """The cute layout the TMA atoms are built from (`code_box_layout`) maps (byte f, head 0, token r) to the
+        same offset as `box_offset`, swizzle included."""
+        import cutlass
+        import cutlass.cute as cute
+
+        seen = []
+
+        @cute.jit
+        def probe():
+            layout = K.code_box_layout()
+            for r in cutlass.range_constexpr(32):
+                for f in cutlass.range_constexpr(32):
+                    seen.append((r, f, layout((f, 0, r))))
+
+        probe()
+        self.assertEqual(len(seen), 32 * 32)
+        for r, f, off in seen:
+            self.assertEqual(int(off), K.box_offset(0, r, f // 16) + f % 16)
 
 
 class StagedRowScalesTest(absltest.TestCase):

@@ -242,9 +242,13 @@ class HopperProjRope:
         # preferred_smem_carveout=100: all of the SM's memory as shared memory
         if cutlass.const_expr(bool(self.schedule)):  # min(tiles, persistent_ctas) CTAs, one per SM
             ctas = cutlass.min(tiles_t * h, cutlass.Int32(self.persistent_ctas))
-            body = {"pingpong": self.kernel_pingpong, "persistent": self.kernel_persistent,
-                    "staged": self.kernel_staged}[self.schedule]
-            body(*args).launch(grid=(ctas, 1, 1), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1,
+            if cutlass.const_expr(self.schedule == "staged"):  # the codes leave through TMA stores
+                (row_atom, row_tma), (col_atom, col_tma) = (y_tile.code_box_tma(c, t, h) for c in (row_codes,
+                                                                                                  col_codes))
+                body = self.kernel_staged(*args, row_atom, row_tma, col_atom, col_tma)
+            else:
+                body = {"pingpong": self.kernel_pingpong, "persistent": self.kernel_persistent}[self.schedule](*args)
+            body.launch(grid=(ctas, 1, 1), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1,
                                preferred_smem_carveout=100, stream=stream)
         elif cutlass.const_expr(self.cluster_t == 1):
             self.kernel(*args).launch(grid=(tiles_t, h, 1), block=(self.threads_per_cta, 1, 1),
@@ -262,7 +266,8 @@ class HopperProjRope:
         import), which cute.struct does not evaluate."""
         fields = dict(pipeline_mbars=cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2])
         if self.schedule == "staged":  # the fp32 tile the MMA warpgroups hand to the epilogue warpgroup
-            fields["y"] = cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.y_bytes // 4], 128]
+            # (1 KB-aligned: the TMA stores' 32-byte swizzle reads address bit 7 of the code boxes inside it)
+            fields["y"] = cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.y_bytes // 4], 1024]
             # each epilogue warp's 32 columnwise scale factors of the block at hand
             fields["col_inv"] = cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * MX_BLOCK], 16]
         else:  # columnwise: 6 partial maxima per lane for the partner warp, and each warp's scale table
@@ -446,20 +451,23 @@ class HopperProjRope:
                       mB_nkl: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor, row_codes: cute.Tensor,
                       row_scales: cute.Tensor, col_codes: cute.Tensor, col_scales: cute.Tensor, t: cutlass.Int32,
                       h: cutlass.Int32, tiled_mma: cute.TiledMma, a_smem_staged: cute.ComposedLayout,
-                      b_smem_staged: cute.ComposedLayout):
+                      b_smem_staged: cute.ComposedLayout, row_atom: cute.CopyAtom, row_tma: cute.Tensor,
+                      col_atom: cute.CopyAtom, col_tma: cute.Tensor):
         """Device body of the staged schedule (sm_90a's default): the persistent schedule's producer and 128-token
         cooperative mainloop (warpgroups 1-2), which only write each fp32 tile Y to shared memory (`_write_y`), and a
         fourth warpgroup that runs the epilogue from there while the MMA warpgroups compute the next tile. Thread i
         of it owns token i of the tile: it rotates its row's 64 rope features in place in Y (fp32 from the
-        accumulator, `_rope_in_place`), then for each 32-feature block reads its row (rowwise block, reduced in the
-        thread) and, as lane l of its warp, feature 32b + l of the warp's 32 rows (columnwise block), publishes that
-        column's factor in a per-warp table and quantizes both ways (`token_rows.quantize_block`, the sm_100a
+        accumulator, `y_tile.rope_in_place`), then for each 32-feature block reads its row (rowwise block, reduced
+        in the thread) and, as lane l of its warp, feature 32b + l of the warp's 32 rows (columnwise block),
+        publishes that column's factor in a per-warp table and quantizes both ways (`token_rows`, the sm_100a
         kernel's per-row code). No shuffles: the column maxima come from 4-byte loads that each read one row's
-        block for the whole warp, conflict-free (tests/test_proj_rope_staged_layout.py).
+        block for the whole warp, conflict-free (tests/test_proj_rope_staged_layout.py). The block's codes go into
+        the warp's now free 4 KB of Y as two 32-token boxes, which TMA stores take to global memory; the rowwise
+        scale bytes leave as whole 6-byte runs per token, the columnwise ones as 32 bytes per warp and block.
         Barriers per tile: the MMA warpgroups arrive on _Y_FULL after writing Y and, from the second tile on, sync
         on _Y_EMPTY before writing it; the epilogue warpgroup syncs on _Y_FULL before reading Y and arrives on
-        _Y_EMPTY once it has issued its last read of Y (the last block's loads, before quantizing it), except in
-        its last tile (n arrivals and syncs on _Y_FULL, n - 1 on _Y_EMPTY, 384 threads each)."""
+        _Y_EMPTY once the TMA has read its last code boxes, except in its last tile (n arrivals and syncs on
+        _Y_FULL, n - 1 on _Y_EMPTY, 384 threads each)."""
         (tidx, warp_idx, cta, n_ctas, tiles_t, my_tiles, storage, ab_pipeline, sA, sB, views, k_tiles,
          wg_idx) = self._persistent_prologue(tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, t,
                                              h, consumer_warps=self.num_consumer_warps)
@@ -492,10 +500,12 @@ class HopperProjRope:
             tid = tidx - (1 + self.num_consumer_wgs) * self.threads_per_wg  # token tid of every tile
             lane = tid % 32
             warp = tid // 32
-            row32, col32, cos32, sin32 = token_rows.word_views(row_codes, col_codes, cos, sin)
+            _, _, cos32, sin32 = token_rows.word_views(row_codes, col_codes, cos, sin)
             col_tab = storage.col_inv.data_ptr().toint() + warp * (MX_BLOCK * 4)  # this warp's 32 column factors
             column_offsets = y_tile.column_offsets(lane)
-            y_warp = y + y_tile.row_offset(MX_BLOCK * warp)  # the warp's 32 rows of Y
+            y_warp = y + y_tile.warp_offset(warp)  # the warp's 32 rows of Y
+            code_atoms = (row_atom, col_atom)
+            code_views = y_tile.code_box_views(storage.y.data_ptr(), code_atoms, (row_tma, col_tma))
             row_addrs = y_tile.row_addresses(y, tid)  # the thread's token row
             for i in range(my_tiles):
                 tile = cta + i * n_ctas
@@ -506,8 +516,8 @@ class HopperProjRope:
                 if cutlass.const_expr("stores" in self._skip):  # profiling: the same work, no global stores
                     live = token < 0
                 rcos, rsin = token_rows.load_rope_tables(cos32, sin32, token, t)
-                out_word = token_rows.code_word(token, head, h)
                 col_scale0 = token_rows.col_scale_index(tile_t, warp, lane, head, h)
+                warp_token0 = tile_t * bm + 32 * warp
                 cute.arch.barrier(barrier_id=_Y_FULL, number_of_threads=_Y_BARRIER_THREADS)
                 if cutlass.const_expr(do_epilogue):
                     y_tile.rope_in_place(row_addrs, rcos, rsin)
@@ -522,15 +532,15 @@ class HopperProjRope:
                         row_lo, row_hi = y_tile.add_row_scale(row_lo, row_hi, row_byte, b)
                         if live:  # lane l: column 32b + l's byte, 32 consecutive bytes per warp
                             col_scales[col_scale0 + b * MX_BLOCK] = col_byte.to(cutlass.Uint8)
-                        # every lane's column reads of block b are done (the table's barriers): the block's
-                        # part of this thread's own row of Y now holds its codes
-                        y_tile.stage_codes(y, tid, b, row_words, col_words)
-                    cute.arch.sync_warp()  # the warp's 32 rows of codes are in Y
-                    warp_token0 = tile_t * bm + 32 * warp
+                        # every lane's reads of block b are done (the table's barriers): the block's 4 KB of the
+                        # warp's region take its codes, which two TMA stores take out
+                        y_tile.stage_code_boxes(y_warp, b, lane, row_words, col_words)
+                        y_tile.store_code_boxes(code_atoms, code_views, warp, b, head, warp_token0, live)
                     y_tile.store_row_scales(row_lo, row_hi, lane, live, row_scales, warp_token0, head, h)
-                    y_tile.store_code_rows(y, row_codes, col_codes, warp, lane, live, warp_token0, head, h)
+                    y_tile.wait_code_boxes()
                 if i + 1 < my_tiles:
-                    # the last reads of Y are issued, and a barrier orders them before the other side's writes
+                    # the last reads of Y are issued, the TMA has read the code boxes, and a barrier orders
+                    # both before the other side's writes
                     cute.arch.barrier_arrive(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
 
     @cute.jit

@@ -2,15 +2,17 @@
 192 features of one head in 96 KB of shared memory, written by the two MMA warpgroups from their wgmma fragments and
 read by the epilogue warpgroup, one thread per token.
 
-Layout: rows of 192 fp32 (768 bytes); 16-byte chunk c of row r at r·768 + (c ^ (r % 8))·16. The XOR only permutes
-chunks within aligned groups of eight, so eight consecutive rows reading the same chunk (a quarter warp's 16-byte
-loads) hit eight bank groups, and a warp reading one 32-feature block of one row (the column reads) hits 32 banks
+Layout: block-major per epilogue warp. Warp w's 32 rows take 24 KB at 24 KB·w; in there, 32-feature block b of the
+32 rows is a 4 KB region at 4 KB·b, row r of it 128 bytes at 128·r, and 16-byte chunk c (features 32b + 4c .. + 3)
+sits at (c ^ r % 8)·16 in the row. The XOR makes eight consecutive rows reading the same chunk (a quarter warp's
+16-byte loads) hit eight bank groups, and a warp reading one row's block (the column reads) hit 32 banks
 (tests/test_proj_rope_staged_layout.py checks every address).
 
 What the epilogue does with it, per tile: RoPE in place (`rope_in_place`), then per block of 32 features the row
 (`read_row_block`), the lane's column across the warp's 32 rows (`read_column`), the column factors through a
-per-warp table (`column_scales`), and the block's codes back into the thread's own, already read part of its row
-(`stage_codes`), which the warp finally stores as whole 192-byte token rows (`store_code_rows`).
+per-warp table (`column_scales`); once the warp has read block b, its 4 KB region is free, and the warp's codes of
+the block go there as two dense 32-token x 32-byte boxes (`stage_code_boxes`) that one TMA store each takes to
+global memory (`store_code_boxes`).
 
 Offsets are plain integer arithmetic (the tests call them on Python ints); the rest emits device code.
 """
@@ -25,61 +27,56 @@ from jax_blockgemm.kernels.sm90 import ptx_ops
 from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, QK_NOPE
 
 ROWS = 128
-ROW_BYTES = HEAD_DIM * 4
-BYTES = ROWS * ROW_BYTES  # 96 KB
-BLOCK_BYTES = MX_BLOCK * 4  # one 32-feature block of a row: 8 chunks
+WARP_ROWS = 32  # an epilogue warp's token rows
+ROW_PITCH = MX_BLOCK * 4  # one row's 32-feature block: 8 chunks, 128 bytes
+BLOCK_REGION = WARP_ROWS * ROW_PITCH  # 4 KB: one block of a warp's 32 rows
+WARP_REGION = (HEAD_DIM // MX_BLOCK) * BLOCK_REGION  # 24 KB
+BYTES = (ROWS // WARP_ROWS) * WARP_REGION  # 96 KB
+BOX_BYTES = WARP_ROWS * MX_BLOCK  # one output's E4M3 codes of a block for a warp's 32 tokens: 1 KB
 
 
 # --- offsets --------------------------------------------------------------------------------------------------------
 def offset(row, chunk):
     """Byte offset of 16-byte chunk `chunk` (features 4·chunk .. + 3) of row `row`."""
-    return (row * (HEAD_DIM // 4) + (chunk ^ (row & 7))) * 16
+    return (warp_offset(row // WARP_ROWS) + (chunk // 8) * BLOCK_REGION + (row % WARP_ROWS) * ROW_PITCH
+            + ((chunk % 8) ^ (row % 8)) * 16)
 
 
-def row_offset(row):
-    """Byte offset of row `row`'s first byte (its chunk 0 sits somewhere in its first 128 bytes)."""
-    return row * ROW_BYTES
+def warp_offset(warp):
+    """Byte offset of epilogue warp `warp`'s 32 rows (its region: 6 blocks of 4 KB)."""
+    return warp * WARP_REGION
 
 
 def row_addresses(y, row) -> list:
-    """Addresses of chunks 0..7 of row `row`; chunk 8m + c is entry c + 128·m: eight registers address a row."""
+    """Addresses of chunks 0..7 of row `row`; chunk 8m + c is entry c + BLOCK_REGION·m: eight registers address a
+    row."""
     return [y + offset(row, c) for c in range(8)]
 
 
 def fragment_bases(y, row0, quad) -> list:
     """An MMA thread's fragment value (v0, v1, j) is row row0 + 8·v1, feature 8j + 2·quad + v0: chunk 8·(j // 4) + c
     with c = 2·(j % 4) + quad // 2, so four base addresses reach all 96 (rows row0 and row0 + 8 share their
-    swizzle); `fragment_address` gives the rest."""
+    swizzle and their warp region); `fragment_address` gives the rest."""
     return [y + offset(row0, 2 * jj + quad // 2) + 8 * (quad % 2) for jj in range(4)]
 
 
 def fragment_address(base: list, j: int, v1: int):
     """Address of the 8-byte pair (v0 = 0, 1) of fragment value (v1, j), from `fragment_bases`."""
-    return base[j % 4] + 128 * (j // 4) + v1 * (8 * ROW_BYTES)
+    return base[j % 4] + BLOCK_REGION * (j // 4) + v1 * (8 * ROW_PITCH)
 
 
 def column_offsets(lane) -> list:
-    """Byte offsets, within a warp's 32 rows and a block's 128 bytes, of feature `lane` in a row r with r % 8 = s
-    (entry s); row r of the warp adds r·768."""
+    """Byte offsets, within a row's block, of feature `lane` in a row r with r % 8 = s (entry s); row r of the warp's
+    block region adds ROW_PITCH·r."""
     return [((lane >> 2) ^ s) * 16 + (lane & 3) * 4 for s in range(8)]
 
 
-def code_store_item(lane, k: int):
-    """Which 16 bytes lane `lane` moves in step k (< 12) of `store_code_rows`: (token r of the warp, 16-byte chunk q
-    of its 192-byte code row, block b = q // 2, half = q % 2). Lane-major over the warp's 32 x 12 chunks, so
-    consecutive lanes write consecutive bytes of one row."""
-    chunks = HEAD_DIM // 16
-    i = lane + 32 * k
-    r = i // chunks
-    q = i - chunks * r
-    return r, q, q >> 1, q & 1
-
-
-def code_slot(out: int, half, b):
-    """Chunk of a row that holds 16 bytes `half` of output `out`'s (0 rowwise, 1 columnwise) codes of block b: among
-    the block's own 8 chunks (free once the block is read), rotated by b so that the 6 blocks of one kind spread
-    over the bank groups."""
-    return 8 * b + ((2 * out + half + 2 * b) & 7)
+def box_offset(out: int, r, half):
+    """Where, in a warp's block region, the codes of its token r (bytes 16·half .. + 15 of the block's 32) of output
+    `out` (0 rowwise, 1 columnwise) go: box `out` (1 KB at BOX_BYTES·out) is 32 rows of 32 bytes in the TMA's
+    32-byte swizzle (16-byte chunk index XOR address bit 7), which is the layout `store_code_boxes`' tensor maps
+    read; eight consecutive rows writing the same half then hit eight bank groups."""
+    return BOX_BYTES * out + r * MX_BLOCK + 16 * (half ^ ((r >> 2) & 1))
 
 
 # --- the MMA warpgroups -------------------------------------------------------------------------------------------
@@ -97,7 +94,7 @@ def read_row_block(row_addrs: list, b):
     """Features 32b..32b+31 of a row (its `row_addresses`) as 32 fp32 registers (eight 16-byte loads)."""
     vals = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)
     for c in range(MX_BLOCK // 4):
-        words = ptx_ops.ld_shared_v4(row_addrs[c] + b * BLOCK_BYTES)
+        words = ptx_ops.ld_shared_v4(row_addrs[c] + b * BLOCK_REGION)
         for e in range(4):
             vals[4 * c + e] = common.f32_from_bits(words[e])
     return vals
@@ -114,17 +111,17 @@ def rope_in_place(row_addrs: list, rcos, rsin):
     token_rows.rope(p_lo, p_hi, rcos, rsin, out_lo, out_hi)
     for b, out in ((nope_blocks, out_lo), (nope_blocks + 1, out_hi)):
         for c in range(MX_BLOCK // 4):
-            ptx_ops.st_shared_v4(row_addrs[c] + b * BLOCK_BYTES,
+            ptx_ops.st_shared_v4(row_addrs[c] + b * BLOCK_REGION,
                                  *[common.bits_from_f32(out[4 * c + e]) for e in range(4)])
 
 
 def read_column(y_warp, b, offsets: list):
-    """Feature 32b + lane of the warp's 32 rows (y_warp: the warp's first row; offsets: `column_offsets(lane)`):
+    """Feature 32b + lane of the warp's 32 rows (y_warp: the warp's region; offsets: `column_offsets(lane)`):
     32 4-byte loads, each one row's block for the whole warp."""
     col = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)
-    base = y_warp + b * BLOCK_BYTES
-    for r in range(MX_BLOCK):
-        col[r] = common.f32_from_bits(ptx_ops.ld_shared_u32(base + r * ROW_BYTES + offsets[r % 8]))
+    base = y_warp + b * BLOCK_REGION
+    for r in range(WARP_ROWS):
+        col[r] = common.f32_from_bits(ptx_ops.ld_shared_u32(base + r * ROW_PITCH + offsets[r % 8]))
     return col
 
 
@@ -147,26 +144,63 @@ def column_scales(col, col_tab, lane):
     return col_byte, inv, cute.arch.vote_ballot_sync(col_bad)
 
 
-def stage_codes(y, row, b, row_words, col_words):
-    """This token's codes of block b (32 bytes per output) into its own row, among block b's chunks."""
+def stage_code_boxes(y_warp, b, lane, row_words, col_words):
+    """Token `lane`'s codes of block b (8 words per output) into the warp's two code boxes in block b's region
+    (`box_offset`); the caller has ordered every lane's reads of the block before (`column_scales`' barriers)."""
     for out, words in ((0, row_words), (1, col_words)):
         for half in range(2):
-            ptx_ops.st_shared_v4(y + offset(row, code_slot(out, half, b)), *[words[4 * half + e] for e in range(4)])
+            ptx_ops.st_shared_v4(y_warp + b * BLOCK_REGION + box_offset(out, lane, half),
+                                 *[words[4 * half + e] for e in range(4)])
 
 
-def store_code_rows(y, row_codes, col_codes, warp, lane, live, token0, head, h):
-    """The warp's 32 tokens' codes (staged by `stage_codes`) to global memory as whole 192-byte rows: 12 16-byte
-    chunks per token and output, chunk i = lane + 32k of the warp, so a store instruction writes 2-3 rows'
-    contiguous bytes instead of 32 scattered 16-byte pieces. A warp past T (`live` false) stores nothing."""
-    for out, codes in ((0, row_codes), (1, col_codes)):
-        items = []
-        for k in range(HEAD_DIM // 16):
-            r, q, b, half = code_store_item(lane, k)
-            words = ptx_ops.ld_shared_v4(y + offset(32 * warp + r, code_slot(out, half, b)))
-            addr = codes.iterator.toint() + cutlass.Int64(((token0 + r) * h + head) * HEAD_DIM + 16 * q)
-            items.append((addr, words))
-        for addr, words in items:
-            ptx_ops.st_global_v4_if(addr, *words, live)
+def code_box_layout() -> cute.ComposedLayout:
+    """One code box as the TMA store sees it: (32 code bytes, 1 head, 32 tokens), rows of 32 bytes, 32-byte swizzle
+    (Swizzle<1,4,3> on byte offsets: the 16-byte chunk index XOR bit 7), i.e. `box_offset`."""
+    return cute.make_composed_layout(cute.make_swizzle(1, 4, 3), 0,
+                                     cute.make_layout((MX_BLOCK, 1, WARP_ROWS), stride=(1, MX_BLOCK, MX_BLOCK)))
+
+
+def code_box_tma(codes: cute.Tensor, t, h) -> tuple:
+    """Host side: the TMA store atom and tensor of one code output (T, H, 192) seen as (192 bytes, H, T), box
+    `code_box_layout`."""
+    view = cute.make_tensor(codes.iterator, cute.make_layout((HEAD_DIM, h, t), stride=(1, HEAD_DIM, HEAD_DIM * h)))
+    return cute.nvgpu.cpasync.make_tiled_tma_atom(cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), view,
+                                                  code_box_layout(), (MX_BLOCK, 1, WARP_ROWS))
+
+
+def code_box_views(y_ptr, tma_atoms: tuple, tma_tensors: tuple) -> list:
+    """Device side: per output, (boxes, tiles) from `cute.nvgpu.cpasync.tma_partition`: boxes[(None, (out, b, w))]
+    is warp w's box `out` of block b in Y (y_ptr: Y's shared-memory pointer), tiles[(None, (b, head, token / 32))]
+    the (32-token, block) tile of that output in global memory."""
+    box = code_box_layout()
+    stack = cute.make_layout((box.outer.shape, (2, HEAD_DIM // MX_BLOCK, ROWS // WARP_ROWS)),
+                             stride=(box.outer.stride, (BOX_BYTES, BLOCK_REGION, WARP_REGION)))
+    boxes = cute.make_tensor(cute.recast_ptr(y_ptr, swizzle_=box.inner, dtype=cutlass.Uint8), stack)
+    views = []
+    for atom, tensor in zip(tma_atoms, tma_tensors):
+        tiles = cute.zipped_divide(tensor, (MX_BLOCK, 1, WARP_ROWS))
+        views.append(cute.nvgpu.cpasync.tma_partition(atom, 0, cute.make_layout(1), boxes, tiles))
+    return views
+
+
+@cute.jit
+def store_code_boxes(tma_atoms: tuple, views: list, warp, b, head, token0, live):
+    """After `stage_code_boxes` by the whole warp: the async-proxy fence, then one TMA store per output of the warp's
+    block-b boxes to tokens token0 .. + 31 (elected lane), committed as one bulk group. A warp past T (`live`
+    false) stores nothing. Before Y is written again the warp waits for the TMA's reads (`wait_code_boxes`)."""
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.sync_warp()
+    if live:
+        for out in cutlass.range_constexpr(2):
+            boxes, tiles = views[out]
+            cute.copy(tma_atoms[out], boxes[(None, (out, b, warp))], tiles[(None, (b, head, token0 // WARP_ROWS))])
+    cute.arch.cp_async_bulk_commit_group()
+
+
+def wait_code_boxes():
+    """Every code box this thread's TMA stores read is read (Y may be written again); then the warp agrees."""
+    cute.arch.cp_async_bulk_wait_group(0, read=True)
+    cute.arch.sync_warp()
 
 
 def add_row_scale(lo, hi, row_byte, b) -> tuple:
