@@ -144,13 +144,12 @@ def column_scales(col, col_tab, lane):
     return col_byte, inv, cute.arch.vote_ballot_sync(col_bad)
 
 
-def stage_code_boxes(y_warp, b, lane, row_words, col_words):
-    """Token `lane`'s codes of block b (8 words per output) into the warp's two code boxes in block b's region
-    (`box_offset`); the caller has ordered every lane's reads of the block before (`column_scales`' barriers)."""
+def stage_code_boxes(box_pair, lane, row_words, col_words):
+    """Token `lane`'s codes of a block (8 words per output) into the warp's two code boxes at box_pair (`box_offset`);
+    the caller has ordered every lane's earlier use of those bytes before."""
     for out, words in ((0, row_words), (1, col_words)):
         for half in range(2):
-            ptx_ops.st_shared_v4(y_warp + b * BLOCK_REGION + box_offset(out, lane, half),
-                                 *[words[4 * half + e] for e in range(4)])
+            ptx_ops.st_shared_v4(box_pair + box_offset(out, lane, half), *[words[4 * half + e] for e in range(4)])
 
 
 def code_box_layout() -> cute.ComposedLayout:
@@ -168,14 +167,14 @@ def code_box_tma(codes: cute.Tensor, t, h) -> tuple:
                                                   code_box_layout(), (MX_BLOCK, 1, WARP_ROWS))
 
 
-def code_box_views(y_ptr, tma_atoms: tuple, tma_tensors: tuple) -> list:
+def code_box_views(area_ptr, block_stride: int, warp_stride: int, tma_atoms: tuple, tma_tensors: tuple) -> list:
     """Device side: per output, (boxes, tiles) from `cute.nvgpu.cpasync.tma_partition`: boxes[(None, (out, b, w))]
-    is warp w's box `out` of block b in Y (y_ptr: Y's shared-memory pointer), tiles[(None, (b, head, token / 32))]
-    the (32-token, block) tile of that output in global memory."""
+    is warp w's box `out` of block b at area_ptr + block_stride·b + warp_stride·w + BOX_BYTES·out (shared memory),
+    tiles[(None, (b, head, token / 32))] the (32-token, block) tile of that output in global memory."""
     box = code_box_layout()
     stack = cute.make_layout((box.outer.shape, (2, HEAD_DIM // MX_BLOCK, ROWS // WARP_ROWS)),
-                             stride=(box.outer.stride, (BOX_BYTES, BLOCK_REGION, WARP_REGION)))
-    boxes = cute.make_tensor(cute.recast_ptr(y_ptr, swizzle_=box.inner, dtype=cutlass.Uint8), stack)
+                             stride=(box.outer.stride, (BOX_BYTES, block_stride, warp_stride)))
+    boxes = cute.make_tensor(cute.recast_ptr(area_ptr, swizzle_=box.inner, dtype=cutlass.Uint8), stack)
     views = []
     for atom, tensor in zip(tma_atoms, tma_tensors):
         tiles = cute.zipped_divide(tensor, (MX_BLOCK, 1, WARP_ROWS))
@@ -187,7 +186,8 @@ def code_box_views(y_ptr, tma_atoms: tuple, tma_tensors: tuple) -> list:
 def store_code_boxes(tma_atoms: tuple, views: list, warp, b, head, token0, live):
     """After `stage_code_boxes` by the whole warp: the async-proxy fence, then one TMA store per output of the warp's
     block-b boxes to tokens token0 .. + 31 (elected lane), committed as one bulk group. A warp past T (`live`
-    false) stores nothing. Before Y is written again the warp waits for the TMA's reads (`wait_code_boxes`)."""
+    false) stores nothing. Before the boxes' bytes are written again the warp waits for the TMA's reads
+    (`wait_code_boxes`)."""
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.sync_warp()
     if live:
@@ -198,7 +198,8 @@ def store_code_boxes(tma_atoms: tuple, views: list, warp, b, head, token0, live)
 
 
 def wait_code_boxes():
-    """Every code box this thread's TMA stores read is read (Y may be written again); then the warp agrees."""
+    """Every code box this thread's TMA stores read is read (its bytes may be written again); then the warp
+    agrees."""
     cute.arch.cp_async_bulk_wait_group(0, read=True)
     cute.arch.sync_warp()
 
