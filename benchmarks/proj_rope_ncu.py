@@ -1,7 +1,8 @@
 """Launch one sm_90a proj_rope kernel at the DeepSeek-V3 shape (T = 4096, K = 1536, H = 128) a few times, for
 Nsight Compute: `ncu --kernel-name regex:HopperProjRope --launch-skip 2 --launch-count 1 python3
 benchmarks/proj_rope_ncu.py 1` (h200_session.sh step proj_rope_ncu). The kernel argument is as in
-proj_rope_standalone.py's --consumer-wgs: 1, 2 or pp. Unchecked: this only gives the profiler a warm launch."""
+proj_rope_standalone.py's --consumer-wgs (1, 2, pp, st, ...), optionally followed by ":" and profile phases to leave
+out ("st:epilogue", HopperProjRope._skip). Unchecked: this only gives the profiler a warm launch."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from jax_blockgemm.support import HEAD_DIM, QK_ROPE  # noqa: E402
 def main(kind: str = "1", t: int = 4096, h: int = 128, k: int = 1536) -> None:
     import torch
 
-    runner = Runner("k", kind)
+    kind, _, skips = kind.partition(":")  # "st:epilogue": the staged kernel with its epilogue compiled out
+    runner = Runner("k", kind, frozenset(filter(None, skips.split("+"))))
     rng = np.random.default_rng(0)
     bf16 = lambda a: bf16_dev(np.asarray(a, np.float32).astype(ml_dtypes.bfloat16))
     x = bf16(rng.standard_normal((t, k)))

@@ -59,6 +59,25 @@ class StagedYLayoutTest(absltest.TestCase):
         self.assertEqual(len(by_addr), ROWS * HEAD_DIM // 2)
         self.assertEqual(max(by_addr) + 8, ROWS * HEAD_DIM * 4)  # the tile is exactly 96 KB
 
+    def test_fragment_stores_are_one_wavefront_per_half_warp(self):
+        """An 8-byte `write_fragment` store (fixed j, v1) of a warp: each half warp (16 lanes, 128 bytes) hits 32
+        distinct banks, so the warp's 256 bytes take the minimum of 2 wavefronts."""
+        for g in range(2):
+            for warp in range(4):
+                for v1 in range(2):
+                    for j in range(HEAD_DIM // 8):
+                        for half in range(2):
+                            banks = set()
+                            for lane in range(16 * half, 16 * half + 16):
+                                row0, quad = 64 * g + 16 * warp + lane // 4, lane % 4
+                                a = K.fragment_address(K.fragment_bases(0, row0, quad), j, v1)
+                                banks |= {(a // 4) % 32, (a // 4 + 1) % 32}
+                            self.assertEqual(len(banks), 32, (g, warp, v1, j, half))
+
+    def test_swizzle_key_is_a_permutation(self):
+        self.assertEqual(sorted(K.swizzle_key(r) for r in range(8)), list(range(8)))
+        self.assertEqual([K.swizzle_key(r) for r in range(16)], [K.swizzle_key(r % 8) for r in range(16)])
+
     def test_row_reads_and_their_banks(self):
         """Token row r, block b, chunk c: `row_addresses(r)[c] + BLOCK_REGION·b` holds features 32b + 4c .. + 3; the
         8 threads of a quarter warp (8 consecutive rows) reading the same chunk hit 8 different bank groups."""

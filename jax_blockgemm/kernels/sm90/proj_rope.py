@@ -268,8 +268,6 @@ class HopperProjRope:
         if self.schedule == "staged":  # the fp32 tile the MMA warpgroups hand to the epilogue warpgroup
             # (1 KB-aligned: the TMA stores' 32-byte swizzle reads address bit 7 of the code boxes inside it)
             fields["y"] = cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.y_bytes // 4], 1024]
-            if "codes_apart" in self._tune:  # each epilogue warp's code boxes (2 x 1 KB)
-                fields["codes"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 8 * y_tile.BOX_BYTES], 1024]
             # each epilogue warp's 32 columnwise scale factors of the block at hand
             fields["col_inv"] = cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * MX_BLOCK], 16]
         else:  # columnwise: 6 partial maxima per lane for the partner warp, and each warp's scale table
@@ -507,13 +505,9 @@ class HopperProjRope:
             column_offsets = y_tile.column_offsets(lane)
             y_warp = y + y_tile.warp_offset(warp)  # the warp's 32 rows of Y
             code_atoms = (row_atom, col_atom)
-            codes_apart = "codes_apart" in self._tune
-            if cutlass.const_expr(codes_apart):  # one 2 KB box pair per warp, reused by every block
-                box_area, block_stride, warp_stride = storage.codes.data_ptr(), 0, 2 * y_tile.BOX_BYTES
-            else:  # block b's boxes in the warp's block-b region of Y, free once the block is read
-                box_area, block_stride, warp_stride = storage.y.data_ptr(), y_tile.BLOCK_REGION, y_tile.WARP_REGION
-            code_views = y_tile.code_box_views(box_area, block_stride, warp_stride, code_atoms, (row_tma, col_tma))
-            box_pair0 = box_area.toint() + warp * warp_stride
+            # block b's code boxes: in the warp's block-b region of Y, free once the block is read
+            code_views = y_tile.code_box_views(storage.y.data_ptr(), y_tile.BLOCK_REGION, y_tile.WARP_REGION,
+                                               code_atoms, (row_tma, col_tma))
             row_addrs = y_tile.row_addresses(y, tid)  # the thread's token row
             for i in range(my_tiles):
                 tile = cta + i * n_ctas
@@ -535,10 +529,6 @@ class HopperProjRope:
                         vals = y_tile.read_row_block(row_addrs, b)
                         col = y_tile.read_column(y_warp, b, column_offsets)
                         col_byte, col_inv, col_bad_mask = y_tile.column_scales(col, col_tab, lane)
-                        if cutlass.const_expr(codes_apart):
-                            if b == HEAD_DIM // MX_BLOCK - 1 and i + 1 < my_tiles:
-                                # the warp's last reads of Y are done (column_scales' barriers): Y is free
-                                cute.arch.barrier_arrive(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
                         col_words = token_rows.col_code_words(vals, col_inv, col_bad_mask)
                         row_byte, row_words = token_rows.row_quantize(vals)
                         row_lo, row_hi = y_tile.add_row_scale(row_lo, row_hi, row_byte, b)
@@ -546,20 +536,14 @@ class HopperProjRope:
                             col_scales[col_scale0 + b * MX_BLOCK] = col_byte.to(cutlass.Uint8)
                         # every lane's reads of block b are done (the table's barriers): the block's 4 KB of the
                         # warp's region take its codes, which two TMA stores take out
-                        if cutlass.const_expr(codes_apart):
-                            y_tile.wait_code_boxes()  # the TMA has read the previous block's boxes
-                        y_tile.stage_code_boxes(box_pair0 + b * block_stride, lane, row_words, col_words)
+                        y_tile.stage_code_boxes(y_warp + b * y_tile.BLOCK_REGION, lane, row_words, col_words)
                         y_tile.store_code_boxes(code_atoms, code_views, warp, b, head, warp_token0, live)
                     y_tile.store_row_scales(row_lo, row_hi, lane, live, row_scales, warp_token0, head, h)
-                    if cutlass.const_expr(not codes_apart):
-                        y_tile.wait_code_boxes()
-                if cutlass.const_expr(not (codes_apart and do_epilogue)):
-                    if i + 1 < my_tiles:
-                        # the last reads of Y are issued, the TMA has read the code boxes, and a barrier orders
-                        # both before the other side's writes
-                        cute.arch.barrier_arrive(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
-            if cutlass.const_expr(codes_apart):
-                y_tile.wait_code_boxes()  # the last boxes are read before the CTA's shared memory goes
+                    y_tile.wait_code_boxes()
+                if i + 1 < my_tiles:
+                    # the last reads of Y are issued, the TMA has read the code boxes, and a barrier orders both
+                    # before the other side's writes
+                    cute.arch.barrier_arrive(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
 
     @cute.jit
     def _persistent_prologue(self, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, t, h,

@@ -4,9 +4,10 @@ read by the epilogue warpgroup, one thread per token.
 
 Layout: block-major per epilogue warp. Warp w's 32 rows take 24 KB at 24 KB·w; in there, 32-feature block b of the
 32 rows is a 4 KB region at 4 KB·b, row r of it 128 bytes at 128·r, and 16-byte chunk c (features 32b + 4c .. + 3)
-sits at (c ^ r % 8)·16 in the row. The XOR makes eight consecutive rows reading the same chunk (a quarter warp's
-16-byte loads) hit eight bank groups, and a warp reading one row's block (the column reads) hit 32 banks
-(tests/test_proj_rope_staged_layout.py checks every address).
+sits at (c ^ swizzle_key(r))·16 in the row. The XOR makes eight consecutive rows reading the same chunk (a quarter
+warp's 16-byte loads) hit eight bank groups, a warp reading one row's block (the column reads) hit 32 banks, and a
+half warp of the MMA threads' 8-byte fragment stores hit 32 banks (tests/test_proj_rope_staged_layout.py checks
+every address).
 
 What the epilogue does with it, per tile: RoPE in place (`rope_in_place`), then per block of 32 features the row
 (`read_row_block`), the lane's column across the warp's 32 rows (`read_column`), the column factors through a
@@ -36,10 +37,18 @@ BOX_BYTES = WARP_ROWS * MX_BLOCK  # one output's E4M3 codes of a block for a war
 
 
 # --- offsets --------------------------------------------------------------------------------------------------------
+def swizzle_key(row):
+    """The XOR key of row `row`'s chunks: its low three bits rotated left by one (a permutation of 0..7). Any
+    permutation keeps the row and column reads conflict-free; this one also does for the MMA threads' 8-byte
+    fragment stores, whose half warps (4 rows x 2 chunk parities) then take 4 even and 4 odd keys: 8 bank groups
+    (plain `row % 8` put two chunks in each of 4 groups: 2 wavefronts per half warp instead of 1)."""
+    return ((row << 1) | ((row >> 2) & 1)) & 7
+
+
 def offset(row, chunk):
     """Byte offset of 16-byte chunk `chunk` (features 4·chunk .. + 3) of row `row`."""
     return (warp_offset(row // WARP_ROWS) + (chunk // 8) * BLOCK_REGION + (row % WARP_ROWS) * ROW_PITCH
-            + ((chunk % 8) ^ (row % 8)) * 16)
+            + ((chunk % 8) ^ swizzle_key(row)) * 16)
 
 
 def warp_offset(warp):
@@ -68,7 +77,7 @@ def fragment_address(base: list, j: int, v1: int):
 def column_offsets(lane) -> list:
     """Byte offsets, within a row's block, of feature `lane` in a row r with r % 8 = s (entry s); row r of the warp's
     block region adds ROW_PITCH·r."""
-    return [((lane >> 2) ^ s) * 16 + (lane & 3) * 4 for s in range(8)]
+    return [((lane >> 2) ^ swizzle_key(s)) * 16 + (lane & 3) * 4 for s in range(8)]
 
 
 def box_offset(out: int, r, half):
