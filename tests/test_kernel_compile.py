@@ -250,20 +250,26 @@ class CompileTest(parameterized.TestCase):
         self.assertNotRegex(ptx, r"st\.shared\.(u8|b8)")
         self.assertNotIn(".local", ptx)  # the accumulator and the rope tables stay in registers
         if v.schedule == "staged":
-            # Epilogue warpgroup (kernels/token_rows.py): one token per thread. RoPE in place in Y (2 blocks: 16
-            # 16-byte loads and stores), then one loop body for all 6 blocks: 8 16-byte loads of the row, 32 4-byte
-            # loads of the lane's column across the warp's rows, one 4-byte store of the column factor and 8
-            # broadcast 16-byte loads of the warp's 32 factors, a ballot of the NaN/inf columns; 31 + 31
-            # NaN-propagating abs-max; 32 pair conversions; the block's codes into the thread's own row of Y (4
-            # 16-byte stores). Then the warp's codes leave as whole rows: 2 x 12 16-byte loads and global stores.
-            # No butterflies.
+            # Epilogue warpgroup (kernels/token_rows.py, kernels/sm90/y_tile.py): one token per thread. RoPE in
+            # place in Y (2 blocks: 16 16-byte loads and stores), then one loop body for all 6 blocks: 8 16-byte
+            # loads of the row, 32 4-byte loads of the lane's column across the warp's rows, one 4-byte store of the
+            # column factor and 8 broadcast 16-byte loads of the warp's 32 factors, a ballot of the NaN/inf columns;
+            # 31 + 31 NaN-propagating abs-max; 32 pair conversions; the block's codes into two boxes in Y (4 16-byte
+            # stores), a proxy fence and one TMA store per output, one bulk group. After the loop: the rowwise scale
+            # runs (3 x 2 shuffles and 16-bit stores), one wait for the TMA's reads. No global code stores, no
+            # butterflies.
             self.assertEqual(ptx.count("cvt.rn.satfinite.e4m3x2.f32"), 32)
-            self.assertEqual(ptx.count("ld.shared.v4.b32"), 16 + 8 + 8 + 24)
+            self.assertEqual(ptx.count("ld.shared.v4.b32"), 16 + 8 + 8)
             self.assertEqual(ptx.count("st.shared.v4.b32"), 16 + 4)
             self.assertEqual(ptx.count("ld.shared.b32"), 32)
             self.assertEqual(ptx.count("st.shared.b32"), 1)
             self.assertEqual(ptx.count("max.NaN.f32"), 62)
-            self.assertEqual(ptx.count("@p st.global.v4.b32"), 24)
+            self.assertEqual(ptx.count("@p st.global.v4.b32"), 0)
+            self.assertEqual(ptx.count("cp.async.bulk.tensor.3d.global.shared::cta"), 2)
+            self.assertEqual(ptx.count("cp.async.bulk.commit_group"), 1)
+            self.assertEqual(ptx.count("cp.async.bulk.wait_group.read"), 1)
+            self.assertEqual(ptx.count("fence.proxy.async.shared::cta"), 1)
+            self.assertEqual(ptx.count("@p st.global.b16"), 3)
             self.assertEqual(len(re.findall(r"vote\.sync\.ballot", ptx)), 1)
             self.assertNotRegex(ptx, r"shfl\.sync\.bfly")
             return
