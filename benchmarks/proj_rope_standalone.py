@@ -230,6 +230,13 @@ def bench(runners: dict, reps: int) -> list:
             ms = median_ms(runner.bind(*args, outs, t, k, h), reps)
             name = f"kernel {runner.label} w_out_in={w_out_in}"
             rows.append(dict(what=name, t=t, ms=ms, tflops=2 * t * n * k / ms / 1e9))
+        # cuBLAS through torch, timed like the kernel (CUDA events over bursts): the dot's device time
+        xt = torch.randn((t, k), device="cuda", dtype=torch.bfloat16)
+        wt = torch.randn((n, k), device="cuda", dtype=torch.bfloat16) / 40
+        for name, f in (("torch bf16 matmul x.w^T, events", lambda: torch.matmul(xt, wt.t())),
+                        ("torch bf16 matmul x.w (K,N), events", lambda wk=wt.t().contiguous(): torch.matmul(xt, wk))):
+            ms = median_ms(f, reps)
+            rows.append(dict(what=name, t=t, ms=ms, tflops=2 * t * n * k / ms / 1e9))
         # XLA baselines, same shapes: bare bf16 dot (both layouts) and the library reference
         x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
         w_nk = jnp.asarray(rng.standard_normal((n, k)) / 40, jnp.bfloat16)
