@@ -18,7 +18,9 @@ by its per-tensor scale amax / (6 * 448), and alpha is the product of the two), 
 that caches cannot hold them, every function compiled ahead under jax.jit, warm-up calls, then the median of
 --reps samples, each --burst calls (10) issued back to back and ended by one block_until_ready, per call: the device
 time per call, as a model step sees it (--burst 1 waits for every call and adds its host latency, 0.1-0.4 ms on an
-H200, to every column). Ratios are speedups, baseline ms / column ms (> 1: faster than the baseline), against
+H200, to every column). `--sustained SECONDS` keeps each column busy that long instead and reports the median of
+the last two thirds: the steady state at the GPU's power limit (an H200 then runs both GEMMs and our kernels at
+1.5-1.6 GHz, not 1.98), which short bursts only partly see. Ratios are speedups, baseline ms / column ms (> 1: faster than the baseline), against
 `jax.nn.scaled_matmul`, the reference and `jax.lax.scaled_dot` for gemm_amax, against the bare dot and the unfused
 pipeline for proj_rope. Every column that computes the same function is checked against the reference on the
 first input set (gemm_amax: ||C - C_ref|| / ||C_ref||; proj_rope: the fraction of E4M3 codes equal to the
@@ -332,26 +334,33 @@ def proj_rope_case(tokens: int, heads: int, k: int, mxfp8: bool) -> Case:
                 functools.partial(proj_rope_columns, mxfp8), proj_rope_codes_equal)
 
 
-def median_ms(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int, reps: int, burst: int = 1
-              ) -> float:
+def median_ms(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int, reps: int, burst: int = 1,
+              sustained: float = 0.0) -> float:
     """Median over `reps` samples of the wall time in ms per call, after `warmup` untimed calls.
 
     A sample is `burst` calls issued back to back and ended by one block_until_ready, divided by `burst`: with
     burst=1 each call's host latency (dispatch, launch, the wait) is in the figure; with more the host overlaps the
     device and the figure approaches the device time per call (benchmarks/api_overhead.py measures both). The
     calls cycle through `arg_sets` (several input sets, so that caches do not hold one set between calls).
+    With `sustained` > 0 seconds, samples follow each other for that long instead of `reps` times, and the median
+    is over the samples of the last two thirds: the steady state of a GPU kept busy (clocks settle at its power
+    limit within about a second), which is what a training loop sees.
     """
     for i in range(warmup):
         jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-    times, call = [], 0
-    for _ in range(reps):
+    times, ends, call = [], [], 0
+    first = time.perf_counter()
+    while len(times) < reps if sustained <= 0 else (not ends or ends[-1] - first < sustained):
         start = time.perf_counter()
         out = None
         for _ in range(burst):
             out = fn(*arg_sets[call % len(arg_sets)])
             call += 1
         jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / burst)
+        ends.append(time.perf_counter())
+        times.append((ends[-1] - start) / burst)
+    if sustained > 0:
+        times = [t for t, end in zip(times, ends) if end - first >= sustained / 3] or times[-1:]
     return 1e3 * statistics.median(times)
 
 
@@ -361,8 +370,8 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def time_column(column: Column, sets: list[dict[str, jax.Array]], *, warmup: int, reps: int, burst: int = 1
-                ) -> tuple[float, Any]:
+def time_column(column: Column, sets: list[dict[str, jax.Array]], *, warmup: int, reps: int, burst: int = 1,
+                sustained: float = 0.0) -> tuple[float, Any]:
     """Compiles `column` ahead (a compile-time error in na_errors becomes NotAvailable) and times it.
 
     Returns (median ms, the output on the first input set where the column is checked, else None).
@@ -375,7 +384,7 @@ def time_column(column: Column, sets: list[dict[str, jax.Array]], *, warmup: int
         out = jax.block_until_ready(compiled(*arg_sets[0]))  # some backends refuse a format only when run
     except column.na_errors as e:
         raise NotAvailable(_first_line(e)) from e
-    ms = median_ms(compiled, arg_sets, warmup=warmup, reps=reps, burst=burst)
+    ms = median_ms(compiled, arg_sets, warmup=warmup, reps=reps, burst=burst, sustained=sustained)
     if not column.checked:
         return ms, None
     return ms, (out * sets[0][column.check_times] if column.check_times else out)
@@ -394,8 +403,8 @@ def _merge_layouts(results: dict[str, dict], prefix: str) -> None:
     results[prefix] = dict(timed[layout], layout=layout, layouts_ms={name: r["ms"] for name, r in timed.items()})
 
 
-def run_case(case: Case, key: jax.Array, *, sets: int, warmup: int, reps: int, progress: Any, burst: int = 1
-             ) -> dict[str, Any]:
+def run_case(case: Case, key: jax.Array, *, sets: int, warmup: int, reps: int, progress: Any, burst: int = 1,
+             sustained: float = 0.0) -> dict[str, Any]:
     """Draws `sets` fresh input sets, times every column, and returns the case's record (ms, TFLOP/s, ratios)."""
     inputs = [case.make_inputs(k) for k in jax.random.split(key, sets)]
     jax.block_until_ready(inputs)
@@ -403,7 +412,8 @@ def run_case(case: Case, key: jax.Array, *, sets: int, warmup: int, reps: int, p
     outputs: dict[str, Any] = {}
     for column in case.columns():
         try:
-            ms, outputs[column.key] = time_column(column, inputs, warmup=warmup, reps=reps, burst=burst)
+            ms, outputs[column.key] = time_column(column, inputs, warmup=warmup, reps=reps, burst=burst,
+                                                  sustained=sustained)
             results[column.key] = {"ms": ms, "tflops": case.flops / (ms * 1e-3) / 1e12}
             progress.write(f" {column.key} {ms:.4g} ms;")
         except NotAvailable as e:
@@ -585,8 +595,10 @@ def header_lines(record: dict[str, Any]) -> list[str]:
     env, method = record["environment"], record["method"]
     return [f"jax_blockgemm benchmark, {record['date']}: {env['device']} ({env['platform']}), jax {env['jax']}, "
             f"jaxlib {env['jaxlib']}, CuTeDSL {env['cutedsl']}, Python {env['python']}",
-            f"median of {method['reps']} samples of {method.get('burst', 1)} back-to-back calls after "
-            f"{method['warmup']} warm-up, {method['sets']} input sets rotated; "
+            (f"median of the samples in the last two thirds of {method['sustained_s']:g} s per column, each "
+             if method.get("sustained_s") else f"median of {method['reps']} samples of ")
+            + f"{method.get('burst', 1)} back-to-back calls after {method['warmup']} warm-up, {method['sets']} "
+            "input sets rotated; "
             "TFLOP/s counts the GEMM's 2*M*N*K; speedup = baseline ms / column ms"]
 
 
@@ -701,6 +713,17 @@ def parse_formats(text: str) -> list[str]:
     return names
 
 
+def _seconds(text: str) -> float:
+    """A --sustained duration: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (0.0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def _count(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -728,6 +751,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--burst", type=_count(1), default=10,
                    help="calls per timed sample, issued back to back with one wait (1: each call waited for)")
     p.add_argument("--sets", type=_count(1), default=2, help="input sets drawn per case and rotated between calls")
+    p.add_argument("--sustained", type=_seconds, default=0.0, metavar="SECONDS",
+                   help="time each column by samples back to back for this long instead of --reps, median of the "
+                        "last two thirds: the steady state at the GPU's power limit (0: off)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--launch", action="store_true",
                    help="also measure launch costs: first-call latency in fresh processes, per-call overhead")
@@ -745,9 +771,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     record = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "command": " ".join(["python -m jax_blockgemm.bench", *argv]), "environment": environment(),
               "method": {"reps": args.reps, "warmup": args.warmup, "sets": args.sets, "seed": args.seed,
-                         "burst": args.burst, "formats": list(gemm_formats),
+                         "burst": args.burst, "formats": list(gemm_formats), "sustained_s": args.sustained,
                          "timing": "median over samples of the wall time per call of `burst` jitted calls issued "
-                                   "back to back and ended by one block_until_ready"},
+                                   "back to back and ended by one block_until_ready"
+                                   + (f"; samples back to back for {args.sustained:g} s per column, the median over "
+                                      "the last two thirds" if args.sustained else "")},
               "cases": []}
     key = jax.random.key(args.seed)
     for i, (case, case_key) in enumerate(zip(cases, jax.random.split(key, len(cases)))):
@@ -755,7 +783,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         sys.stderr.write(f"[{i + 1}/{len(cases)}] {case.op} {case.name}:")
         sys.stderr.flush()
         record["cases"].append(run_case(case, case_key, sets=args.sets, warmup=args.warmup, reps=args.reps,
-                                        progress=sys.stderr, burst=args.burst))
+                                        progress=sys.stderr, burst=args.burst, sustained=args.sustained))
         sys.stderr.write(f" done in {time.perf_counter() - start:.1f} s\n")
         sys.stderr.flush()
     if args.launch:

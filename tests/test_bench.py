@@ -204,6 +204,28 @@ class EndToEndTest(_BenchRun):
                 self.assertEqual(dot["ms"], dot["layouts_ms"][dot["layout"]])
 
 
+class SustainedEndToEndTest(_BenchRun):
+    """`python -m jax_blockgemm.bench --small --op proj_rope --sustained 0.05`: each column timed for 0.05 s."""
+
+    ARGS = ("--op", "proj_rope", "--sustained", "0.05")
+
+    def test_method_and_header_say_sustained(self):
+        method = self.record["method"]
+        self.assertEqual(method["sustained_s"], 0.05)
+        self.assertIn("samples back to back for 0.05 s per column", method["timing"])
+        self.assertIn("median of the samples in the last two thirds of 0.05 s per column, each 10 back-to-back "
+                      "calls after 1 warm-up, 2 input sets rotated", self.proc.stdout)
+
+    def test_timings_finite_and_codes_checked(self):
+        cases = self.record["cases"]
+        self.assertEqual([c["case"] for c in cases], [name for op, name in SMALL_CASES if op == "proj_rope"])
+        for case in cases:
+            for name in ("ours", "reference", "bf16_dot"):
+                ms = case["columns"][name]["ms"]
+                self.assertTrue(0 < ms < 1e4, (case["case"], name, ms))
+            self.assertEqual(case["columns"]["ours"]["check"], 1.0)
+
+
 class Fp4EndToEndTest(_BenchRun):
     """`python -m jax_blockgemm.bench --small --format mxfp4,nvfp4`: FP4 gemm_amax tables."""
 
@@ -373,7 +395,8 @@ class ArgumentsTest(parameterized.TestCase):
         self.assertIn("argument --shape: expected M,N,K", proc.stderr)
         self.assertEqual(proc.stdout, "")
 
-    @parameterized.parameters(("--reps", "0"), ("--warmup", "-1"), ("--sets", "two"))
+    @parameterized.parameters(("--reps", "0"), ("--warmup", "-1"), ("--sets", "two"), ("--sustained", "-1"),
+                              ("--sustained", "inf"), ("--sustained", "3s"))
     def test_bad_counts(self, flag, value):
         err = io.StringIO()
         with contextlib.redirect_stderr(err), self.assertRaises(SystemExit):
@@ -419,6 +442,25 @@ class TimingTest(absltest.TestCase):
             bench.median_ms(fn, [(0,), (1,), (2,)], warmup=1, reps=2, burst=4)
         self.assertEqual(calls, [0, 0, 1, 2, 0, 1, 2, 0, 1])  # warm-up, then 2 x 4 calls cycling the sets
         self.assertLen(waits, 3)  # one per warm-up call, one per sample
+
+    def test_median_ms_sustained_runs_for_the_time_and_skips_the_first_third(self):
+        calls = []
+        start = time.perf_counter()
+
+        def fn(i):
+            calls.append(i)
+            # slow while the "GPU warms up" (the first 0.1 s), then fast: the steady state is what counts
+            time.sleep(0.03 if time.perf_counter() - start < 0.1 else 0.004)
+            return jnp.asarray(i)
+
+        ms = bench.median_ms(fn, [(0,), (1,)], warmup=0, reps=1, sustained=0.45)
+        elapsed = time.perf_counter() - start
+        self.assertGreaterEqual(elapsed, 0.45)
+        self.assertLess(elapsed, 5.0)
+        self.assertGreater(len(calls), 20)  # not `reps` samples: as many as fit in the time
+        self.assertEqual(calls[:4], [0, 1, 0, 1])
+        self.assertGreaterEqual(ms, 4.0)
+        self.assertLess(ms, 20.0)  # the slow first 0.1 s (30 ms calls) fall in the skipped first third
 
     def test_random_mxfp8_scales_are_random_and_never_zero(self):
         codes, scales = bench.random_mxfp8(jax.random.key(3), (64, 256))
