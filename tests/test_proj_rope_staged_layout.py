@@ -172,7 +172,7 @@ class StagedRowScalesTest(absltest.TestCase):
         h, head, token0 = 7, 3, 64
         written = np.zeros(128 * h * BLOCKS, np.int64)
         for lane in range(32):
-            for k in range(BLOCKS // 2):
+            for k in range(K.ROW_SCALE_PIECES):
                 r, q = K.row_scale_piece(lane, k)
                 self.assertLess(r, 32)
                 self.assertIn(q, range(BLOCKS // 2))
@@ -188,7 +188,7 @@ class StagedRowScalesTest(absltest.TestCase):
     def test_a_row_scale_step_writes_whole_runs(self):
         """Within one step the lanes take consecutive pieces: at most 11 tokens per store instruction (one L2 request
         each), against 32 for a byte per token."""
-        for k in range(BLOCKS // 2):
+        for k in range(K.ROW_SCALE_PIECES):
             items = [K.row_scale_piece(lane, k) for lane in range(32)]
             self.assertEqual([3 * r + q for r, q in items], list(range(32 * k, 32 * k + 32)))
             self.assertLessEqual(len({r for r, _ in items}), 12)

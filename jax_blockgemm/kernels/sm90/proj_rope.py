@@ -509,8 +509,8 @@ class HopperProjRope:
             y_warp = y + y_tile.warp_offset(warp)  # the warp's 32 rows of Y
             code_atoms = (row_atom, col_atom)
             # block b's code boxes: in the warp's block-b region of Y, free once the block is read
-            code_views = y_tile.code_box_views(storage.y.data_ptr(), y_tile.BLOCK_REGION, y_tile.WARP_REGION,
-                                               code_atoms, (row_tma, col_tma))
+            code_views = y_tile.code_box_views(storage.y.data_ptr(), code_atoms, (row_tma, col_tma))
+            column_shuffles, factor_shuffles = ("column_shuffles" in self._tune, "factor_shuffles" in self._tune)
             row_addrs = y_tile.row_addresses(y, tid)  # the thread's token row
             for i in range(my_tiles):
                 tile = cta + i * n_ctas
@@ -530,8 +530,7 @@ class HopperProjRope:
                     row_lo, row_hi = cutlass.Int32(0), cutlass.Int32(0)  # the token's 6 rowwise scale bytes
                     for b in range(HEAD_DIM // MX_BLOCK):  # a loop, not unrolled: unrolled it spills
                         vals = y_tile.read_row_block(row_addrs, b)
-                        factor_shuffles = "factor_shuffles" in self._tune
-                        if cutlass.const_expr("column_shuffles" in self._tune):
+                        if cutlass.const_expr(column_shuffles):
                             col_byte, col_inv, col_bad_mask = y_tile.publish_column_scales(
                                 y_tile.shuffled_column_amax(vals, lane), col_tab, lane, factor_shuffles)
                         else:

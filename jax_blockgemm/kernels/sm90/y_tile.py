@@ -34,6 +34,7 @@ BLOCK_REGION = WARP_ROWS * ROW_PITCH  # 4 KB: one block of a warp's 32 rows
 WARP_REGION = (HEAD_DIM // MX_BLOCK) * BLOCK_REGION  # 24 KB
 BYTES = (ROWS // WARP_ROWS) * WARP_REGION  # 96 KB
 BOX_BYTES = WARP_ROWS * MX_BLOCK  # one output's E4M3 codes of a block for a warp's 32 tokens: 1 KB
+ROW_SCALE_PIECES = HEAD_DIM // MX_BLOCK // 2  # a token's 6 rowwise scale bytes as 16-bit pieces
 
 
 # --- offsets --------------------------------------------------------------------------------------------------------
@@ -197,14 +198,15 @@ def code_box_tma(codes: cute.Tensor, t, h) -> tuple:
                                                   code_box_layout(), (MX_BLOCK, 1, WARP_ROWS))
 
 
-def code_box_views(area_ptr, block_stride: int, warp_stride: int, tma_atoms: tuple, tma_tensors: tuple) -> list:
+def code_box_views(y_ptr, tma_atoms: tuple, tma_tensors: tuple) -> list:
     """Device side: per output, (boxes, tiles) from `cute.nvgpu.cpasync.tma_partition`: boxes[(None, (out, b, w))]
-    is warp w's box `out` of block b at area_ptr + block_stride·b + warp_stride·w + BOX_BYTES·out (shared memory),
-    tiles[(None, (b, head, token / 32))] the (32-token, block) tile of that output in global memory."""
+    is warp w's box `out` of block b in Y (y_ptr: Y's shared-memory pointer; the box pair at warp_offset(w) +
+    BLOCK_REGION·b, as `stage_code_boxes` is given it), tiles[(None, (b, head, token / 32))] the (32-token, block)
+    tile of that output in global memory."""
     box = code_box_layout()
     stack = cute.make_layout((box.outer.shape, (2, HEAD_DIM // MX_BLOCK, ROWS // WARP_ROWS)),
-                             stride=(box.outer.stride, (BOX_BYTES, block_stride, warp_stride)))
-    boxes = cute.make_tensor(cute.recast_ptr(area_ptr, swizzle_=box.inner, dtype=cutlass.Uint8), stack)
+                             stride=(box.outer.stride, (BOX_BYTES, BLOCK_REGION, WARP_REGION)))
+    boxes = cute.make_tensor(cute.recast_ptr(y_ptr, swizzle_=box.inner, dtype=cutlass.Uint8), stack)
     views = []
     for atom, tensor in zip(tma_atoms, tma_tensors):
         tiles = cute.zipped_divide(tensor, (MX_BLOCK, 1, WARP_ROWS))
@@ -246,10 +248,9 @@ def row_scale_piece(lane, k: int):
     """Which 16-bit piece lane `lane` stores in step k (< 3) of `store_row_scales`: (token r of the warp, piece q of
     its six bytes: bytes 2q, 2q + 1). Lane-major over the warp's 32 x 3 pieces, so consecutive lanes write one
     token's whole run, then the next token's."""
-    pieces = HEAD_DIM // MX_BLOCK // 2
     i = lane + 32 * k
-    r = i // pieces
-    return r, i - pieces * r
+    r = i // ROW_SCALE_PIECES
+    return r, i - ROW_SCALE_PIECES * r
 
 
 def store_row_scales(lo, hi, lane, live, row_scales, token0, head, h):
@@ -257,7 +258,7 @@ def store_row_scales(lo, hi, lane, live, row_scales, token0, head, h):
     16-bit stores per lane: each store instruction writes ~11 tokens' 6-byte runs (tokens are 6·H bytes apart, one L2
     request each) instead of one byte of all 32 tokens. A warp past T (`live` false) stores nothing."""
     base = row_scales.iterator.toint()
-    for k in range(HEAD_DIM // MX_BLOCK // 2):
+    for k in range(ROW_SCALE_PIECES):
         r, q = row_scale_piece(lane, k)
         lo_r = cute.arch.shuffle_sync(lo, r)
         hi_r = cute.arch.shuffle_sync(hi, r)
