@@ -5,7 +5,7 @@ kernel from the bridge. Outputs are poisoned (codes 0xFF = E4M3 NaN, scales 0xFE
 kernel, in the same run: XLA's bare bf16 dot of the same shape (both weight layouts) and the library's reference.
 
     python3 benchmarks/proj_rope_standalone.py [--quick] [--no-bench] [--out DIR] [--consumer-wgs pp,2,1] [--profile]
-        [--tunes streaming_stores,row_scale_bytes]
+        [--tunes column_shuffles,factor_shuffles]
 
 --consumer-wgs picks the kernels: "1" / "2" consumer warpgroups per CTA (one tile per CTA), "ps" the persistent
 cooperative kernel (128-token tiles), "pp" the persistent
@@ -60,7 +60,7 @@ class Runner:
         from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
 
         self.cute, self.cutlass, self.cuda = cute, cutlass, cuda
-        # "1k32": one consumer warpgroup, 32-wide k-tiles; "st+streaming_stores": HopperProjRope._tune experiments
+        # "1k32": one consumer warpgroup, 32-wide k-tiles; "st+column_shuffles": HopperProjRope._tune experiments
         spec, *tune = str(consumer_wgs).split("+")
         kind, _, tile_k = spec.partition("k")
         tile_k = int(tile_k or 64)
@@ -274,11 +274,12 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--consumer-wgs", default="2",
                    help="comma-separated kernels to check and time: 1, 2 (consumer warpgroups), pp (ping-pong), "
-                        "ps (persistent), st (staged); a suffix k32 takes 32-wide k-tiles (twice the stages), e.g. 1k32")
+                        "ps (persistent), st (staged); a suffix k32 takes 32-wide k-tiles (twice the stages), "
+                        "e.g. 1k32")
     p.add_argument("--tunes", default="",
                    help="comma-separated HopperProjRope._tune sets ('+'-joined) of the staged kernel, each checked "
                         "(--quick shapes) and timed with w_out_in=True beside the others, e.g. "
-                        "row_scale_bytes,streaming_stores+x_evict_last")
+                        "column_shuffles,column_shuffles+factor_shuffles")
     p.add_argument("--profile", action="store_true",
                    help="also time each kernel (w_out_in=True) with one phase left out (not checked)")
     args = p.parse_args()
