@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "dequantize.h"
 #include "dsl_runtime.h"
 #include "gemm_amax.h"
 #include "object_check.h"
@@ -32,7 +33,8 @@ struct Target {
   XLA_FFI_Handler* execute;
 };
 const Target kTargets[] = {{jbg::kGemmAmaxTarget, JbgGemmAmaxInstantiate, JbgGemmAmaxExecute},
-                           {jbg::kProjRopeTarget, JbgProjRopeInstantiate, JbgProjRopeExecute}};
+                           {jbg::kProjRopeTarget, JbgProjRopeInstantiate, JbgProjRopeExecute},
+                           {jbg::kDequantizeTarget, JbgDequantizeInstantiate, JbgDequantizeExecute}};
 
 XLA_FFI_Handler* HandlerFor(const std::string& target, const std::string& stage) {
   const Target* found = nullptr;
@@ -124,6 +126,19 @@ std::tuple<std::string, std::tuple<int, int, int>> CheckProjRope(const std::vect
 }
 
 // Test hook for the instantiate-stage attribute parsing: returns [(arch, prefix, cc_major, cc_minor, begin, end)].
+std::tuple<std::string, std::tuple<int, int>> CheckDequantize(const std::vector<BufferSpec>& specs,
+                                                             int64_t scale_axis) {
+  if (specs.size() != 3) throw nb::value_error("expected 3 buffers: codes, scales, out");
+  jbg::BufferDesc descs[3];
+  for (int i = 0; i < 3; ++i) {
+    const auto& [dtype, dims, address] = specs[i];
+    descs[i] = jbg::BufferDesc{DtypeCode(dtype), dims.data(), dims.size(), reinterpret_cast<const void*>(address)};
+  }
+  jbg::DequantizeDims dims;
+  std::string message = jbg::CheckDequantizeBuffers(descs, scale_axis, &dims);
+  return {message, {dims.rows, dims.cols}};
+}
+
 std::vector<std::tuple<std::string, std::string, int, int, size_t, size_t>> ParseObjects(
     const std::string& archs, const std::string& prefixes, size_t objects_size, const std::vector<int64_t>& offsets,
     const std::string& target) {
@@ -145,6 +160,7 @@ NB_MODULE(_jbg_ffi, m) {
   m.attr("ABI_VERSION") = kAbiVersion;
   m.attr("GEMM_AMAX_TARGET") = jbg::kGemmAmaxTarget;
   m.attr("PROJ_ROPE_TARGET") = jbg::kProjRopeTarget;
+  m.attr("DEQUANTIZE_TARGET") = jbg::kDequantizeTarget;
   m.attr("KERNEL_OBJECTS_TYPE") = jbg::kKernelObjectsType;
   m.attr("TRAIT_COMMAND_BUFFER_COMPATIBLE") = static_cast<uint32_t>(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
 
@@ -203,6 +219,8 @@ NB_MODULE(_jbg_ffi, m) {
       "Test hook: the instantiate stage's ab_dtype / c_dtype / sf_dtype / sf_vec_size / a_major / b_major parsing.");
   m.def("check_proj_rope_buffers", &CheckProjRope, nb::arg("buffers"), nb::arg("w_out_in"),
         "Test hook: the proj_rope execute stage's buffer checks on [(dtype, dims, address)] * 8.");
+  m.def("check_dequantize_buffers", &CheckDequantize, nb::arg("buffers"), nb::arg("scale_axis"),
+        "Test hook: the dequantize execute stage's buffer checks on [(dtype, dims, address)] * 3.");
   m.def("parse_object_table", &ParseObjects, nb::arg("archs"), nb::arg("function_prefixes"),
         nb::arg("objects_size"), nb::arg("offsets"), nb::arg("target") = jbg::kGemmAmaxTarget,
         "Test hook: the instantiate stage's attribute parsing (errors name `target`).");

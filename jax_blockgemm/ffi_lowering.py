@@ -1,5 +1,5 @@
-"""MLIR lowering of both operations to their XLA FFI custom calls (`jbg_gemm_amax`, `jbg_gemm_proj_rope_mxfp8`;
-typed FFI, api_version 4).
+"""MLIR lowering of both operations to their XLA FFI custom calls (`jbg_gemm_amax`, `jbg_gemm_proj_rope_mxfp8`, and
+`jbg_dequantize_mxfp8`, the MXFP8 proj_rope path's input pass; typed FFI, api_version 4).
 
 The custom call carries one kernel object per architecture, so a program lowered or `jax.export`-ed on any
 machine (no GPU needed) runs on every GPU the objects cover; the handler picks by compute capability when XLA
@@ -29,6 +29,7 @@ from jax_blockgemm import _native, kernel_cache
 
 GEMM_AMAX_TARGET = _native.GEMM_AMAX_TARGET
 PROJ_ROPE_TARGET = _native.PROJ_ROPE_TARGET
+DEQUANTIZE_TARGET = _native.DEQUANTIZE_TARGET
 
 
 def object_table_attributes(variants: Sequence[Any], objects: Sequence[bytes]) -> dict[str, Any]:
@@ -141,6 +142,24 @@ def emit_proj_rope(ctx: Any, x: Any, w: Any, cos: Any, sin: Any, *, variants: Se
     return _emit(PROJ_ROPE_TARGET, ctx, (x, w, cos, sin), attributes)
 
 
+def emit_dequantize(ctx: Any, codes: Any, scales: Any, *, avals: Sequence[Any], variants: Sequence[Any],
+                    scale_axis: int) -> Any:
+    """Emits one `jbg_dequantize_mxfp8` custom call inside the lowering `ctx`: E4M3 codes (..., R, C) times E8M0
+    scales, one per 32 along `scale_axis` (-1: along C, scales (..., R, C/32); -2: along R, scales (..., R/32, C)),
+    as bfloat16 (..., R, C). `avals`: those of codes and scales. Returns the bf16 value."""
+    if scale_axis not in (-1, -2):
+        raise ValueError(f"emit_dequantize: scale_axis must be -1 or -2, got {scale_axis}")
+    codes_aval, scales_aval = avals
+    if np.dtype(codes_aval.dtype) != np.dtype("float8_e4m3fn") or np.dtype(scales_aval.dtype) != np.uint8:
+        raise ValueError(f"emit_dequantize expects float8_e4m3fn codes and uint8 scales; got {codes_aval}, "
+                         f"{scales_aval}")
+    out_aval = jax.core.ShapedArray(codes_aval.shape, np.dtype("bfloat16"))
+    sub = ctx.replace(avals_in=[codes_aval, scales_aval], avals_out=[out_aval])
+    attributes = dict(object_table_attributes(*_objects(variants)), scale_axis=np.int64(scale_axis))
+    return _emit(DEQUANTIZE_TARGET, sub, (codes, scales), attributes)[0]
+
+
 def export_disabled_checks() -> list:
     """What `jax.export.export(..., disabled_checks=...)` needs to export a program holding our custom calls."""
-    return [jax.export.DisabledSafetyCheck.custom_call(t) for t in (GEMM_AMAX_TARGET, PROJ_ROPE_TARGET)]
+    return [jax.export.DisabledSafetyCheck.custom_call(t)
+            for t in (GEMM_AMAX_TARGET, PROJ_ROPE_TARGET, DEQUANTIZE_TARGET)]

@@ -499,6 +499,49 @@ class CompileTest(parameterized.TestCase):
                          list(tensors) + ["&m", "&n", "&k", "&l", "&stream", "&ret"])
 
 
+class DequantizeCompileTest(parameterized.TestCase):
+    """The MXFP8 -> bf16 kernel of the MXFP8 proj_rope path: compiled for both archs, 16-byte accesses, the
+    hardware FP8 converter, no local memory, the ABI ffi/dequantize.cc passes."""
+
+    @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG if v.op == "dequantize")
+    def test_structure_and_abi(self, v):
+        ptx, obj, header, *_ = _compiled(v)
+        self.assertGreater(len(obj), 1000)
+        self.assertIn(f".target {v.arch}", ptx)
+        per_thread = v.tile_mn[1]
+        self.assertEqual(len(re.findall(r"ld\.global(?:\.nc)?\.v4\.b32", ptx)),
+                         per_thread // 16 * (1 if v.a_major == "k" else 2))  # codes (and a scale per column)
+        self.assertEqual(len(re.findall(r"st\.global\.v4\.b32", ptx)), per_thread // 8)
+        self.assertEqual(len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)), per_thread // 2)
+        self.assertEqual(len(re.findall(r"cvt\.rn\.bf16x2\.f32", ptx)), per_thread // 2)
+        self.assertNotIn(".local", ptx)
+        self.assertNotRegex(ptx, r"mul\.ftz")  # scale byte 0 is the float32 subnormal 2^-127: no flushing
+        p = v.function_prefix
+        wrapper = re.search(rf"int32_t cute_dsl_{p}_wrapper\(([^)]*)\)", header).group(1)
+        params = [x.strip() for x in wrapper.split(",")]
+        self.assertEqual(params[1:], [f"{p}_Tensor_{t}_t *{t}" for t in ("codes", "scales", "out")]
+                         + ["int32_t rows", "int32_t cols", "cudaStream_t stream"])
+        args = re.search(r"void \*args\[(\d+)\] = \{([^}]*)\}", header)
+        self.assertEqual([x.strip() for x in args.group(2).split(",")],
+                         ["codes", "scales", "out", "&rows", "&cols", "&stream", "&ret"])  # ffi/dequantize.cc
+
+    def test_can_implement(self):
+        from jax_blockgemm.kernels.dequantize import MxDequantize
+
+        self.assertEqual(MxDequantize.can_implement(2048, 1536, 1), (True, ""))
+        self.assertEqual(MxDequantize.can_implement(1536, 24576, 0), (True, ""))
+        for rows, cols, axis, why in ((64, 48, 1, "cols must be a multiple of 32"),
+                                      (48, 64, 0, "rows must be a multiple of 32"),
+                                      (0, 64, 1, "must be >= 1"), (65536, 32768, 1, "fewer than 2\\*\\*31")):
+            ok, message = MxDequantize.can_implement(rows, cols, axis)
+            self.assertFalse(ok)
+            self.assertRegex(message, why)
+        with self.assertRaisesRegex(ValueError, "scale_axis=2 is not supported"):
+            MxDequantize(scale_axis=2)
+        with self.assertRaisesRegex(ValueError, "codes_per_thread=8 is not supported"):
+            MxDequantize(codes_per_thread=8)
+
+
 _SURFACE_90 = [v for v in catalog.variants_for("sm_90a", "gemm_amax")
                if (v.ab_dtype not in _PTX_AB or v.c_dtype not in _WIDE_C or v.a_major + v.b_major != "kk")
                and not v.schedule]

@@ -77,6 +77,49 @@ class ProjRopeBufferCheckTest(parameterized.TestCase):
         self.assertRegex(ext.check_proj_rope_buffers(huge, True)[0], "x .*fewer than 2\\*\\*31 elements")
 
 
+class DequantizeBufferCheckTest(parameterized.TestCase):
+    """The dequantize execute stage's buffer checks (ffi/dequantize.cc), through the test hook."""
+
+    @staticmethod
+    def _buffers(shape=(1, 64, 1536), scale_axis=-1, **override):
+        scale_shape = list(shape)
+        scale_shape[scale_axis] //= 32
+        specs = {"codes": ("float8_e4m3fn", list(shape)), "scales": ("uint8", scale_shape),
+                 "out": ("bfloat16", list(shape))}
+        specs.update(override)
+        return [(dtype, dims, 4096 * (i + 1)) for i, (dtype, dims) in enumerate(specs.values())]
+
+    @parameterized.parameters(((1, 64, 1536), -1, (64, 1536)), ((1, 1536, 384), -2, (1536, 384)),
+                              ((96, 4128), -1, (96, 4128)), ((2, 32, 64), -2, (64, 64)))
+    def test_well_formed(self, shape, axis, dims):
+        """Leading dimensions fold into rows; scales are per 32 along the last (-1) or second-to-last (-2) axis."""
+        self.assertEqual(ext.check_dequantize_buffers(self._buffers(shape, axis), axis), ("", dims))
+
+    @parameterized.parameters(
+        (dict(codes=("bfloat16", [1, 64, 1536])), -1, "codes has shape .*expected float8_e4m3fn of rank >= 2"),
+        (dict(codes=("float8_e4m3fn", [64])), -1, "codes .*rank >= 2"),
+        (dict(codes=("float8_e4m3fn", [1, 64, 1520]), scales=("uint8", [1, 64, 47]),
+              out=("bfloat16", [1, 64, 1520])), -1, "codes .*last dimension a positive multiple of 32"),
+        (dict(codes=("float8_e4m3fn", [1, 48, 64]), scales=("uint8", [1, 1, 64]),
+              out=("bfloat16", [1, 48, 64])), -2, "codes .*both last dimensions positive multiples of 32"),
+        (dict(scales=("uint8", [1, 2, 1536])), -1, "scales has shape .1, 2, 1536.*expected uint8 .1, 64, 48."),
+        (dict(scales=("float8_e4m3fn", [1, 64, 48])), -1, "scales .*expected uint8"),
+        (dict(out=("float32", [1, 64, 1536])), -1, "out has shape .*expected bfloat16 .1, 64, 1536."),
+        (dict(out=("bfloat16", [1, 32, 1536])), -1, "out .*expected bfloat16 .1, 64, 1536."),
+    )
+    def test_each_violation_is_named(self, override, axis, message):
+        why, _ = ext.check_dequantize_buffers(self._buffers(scale_axis=axis, **override), axis)
+        self.assertRegex(why, "^jbg_dequantize_mxfp8: " + message)
+
+    def test_bad_axis_misaligned_and_huge_buffers(self):
+        self.assertRegex(ext.check_dequantize_buffers(self._buffers(), 0)[0], "scale_axis must be -1 or -2, got 0")
+        specs = self._buffers()
+        specs[2] = (specs[2][0], specs[2][1], 4096 * 3 + 8)
+        self.assertRegex(ext.check_dequantize_buffers(specs, -1)[0], "out .*16-byte aligned")
+        huge = self._buffers(shape=(65536, 32768))
+        self.assertRegex(ext.check_dequantize_buffers(huge, -1)[0], "codes .*fewer than 2\\*\\*31 elements")
+
+
 class ModuleTest(absltest.TestCase):
 
     def test_surface(self):
@@ -84,14 +127,16 @@ class ModuleTest(absltest.TestCase):
         self.assertEqual(ext.GEMM_AMAX_TARGET, "jbg_gemm_amax")
         self.assertEqual(ext.PROJ_ROPE_TARGET, "jbg_gemm_proj_rope_mxfp8")
         targets = ext.ffi_targets()
-        self.assertEqual(set(targets), {"jbg_gemm_amax", "jbg_gemm_proj_rope_mxfp8"})
+        self.assertEqual(ext.DEQUANTIZE_TARGET, "jbg_dequantize_mxfp8")
+        self.assertEqual(set(targets), {"jbg_gemm_amax", "jbg_gemm_proj_rope_mxfp8", "jbg_dequantize_mxfp8"})
         for stages in targets.values():
             self.assertEqual(set(stages), {"instantiate", "execute"})
         self.assertEqual(set(ext.ffi_types()["jbg_kernel_objects"]), {"type_id", "type_info"})
 
     def test_execute_handler_is_command_buffer_compatible(self):
-        _, _, traits = ext.handler_metadata("jbg_gemm_proj_rope_mxfp8", "execute")
-        self.assertEqual(traits & ext.TRAIT_COMMAND_BUFFER_COMPATIBLE, ext.TRAIT_COMMAND_BUFFER_COMPATIBLE)
+        for target in ("jbg_gemm_proj_rope_mxfp8", "jbg_dequantize_mxfp8"):
+            _, _, traits = ext.handler_metadata(target, "execute")
+            self.assertEqual(traits & ext.TRAIT_COMMAND_BUFFER_COMPATIBLE, ext.TRAIT_COMMAND_BUFFER_COMPATIBLE)
         major, minor, traits = ext.handler_metadata("jbg_gemm_amax", "execute")
         self.assertEqual(traits & ext.TRAIT_COMMAND_BUFFER_COMPATIBLE, ext.TRAIT_COMMAND_BUFFER_COMPATIBLE)
         self.assertEqual(ext.TRAIT_COMMAND_BUFFER_COMPATIBLE, 1)

@@ -11,6 +11,9 @@ dynamic_shapes[1];}` struct over a flat buffer.
     proj_rope: fn(x, w, cos, sin, x_scale, w_scale, row_codes, row_scales, col_codes, col_scales, t, k, h, stream)
       x (T, K); w (H·192, K) for b_major "k", (K, H·192) for "n"; cos/sin (T, 64); x_scale/w_scale: E8M0 bytes laid
       out like x and w (MXFP8 inputs; empty for bf16); the four outputs of SPEC §5, row-major; t/k/h int32.
+    dequantize: fn(codes, scales, out, rows, cols, stream)
+      codes (rows, cols) E4M3; out (rows, cols) bf16; scales E8M0 bytes (rows, cols/32) for a_major "k" (blocks
+      along the row), (rows/32, cols) for "m" (blocks along the column); rows/cols int32 (kernels/dequantize.py).
 
 The target architecture is a property of the DSL singleton (`CUTE_DSL_ARCH` is read once, when the singleton is
 built, or detected from the GPU); `compile_variant` sets it for the duration of each compile, so one process can
@@ -35,7 +38,7 @@ from jax_blockgemm.kernels import sm100 as _sm100
 _SHORT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float4_e2m1fn": "e2m1", "float32": "f32",
           "bfloat16": "bf16", "float16": "f16"}
 E8M0 = "float8_e8m0fnu"
-OPS = ("gemm_amax", "proj_rope")
+OPS = ("gemm_amax", "proj_rope", "dequantize")
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -134,6 +137,12 @@ def _blackwell_proj_rope_factory(v: KernelVariant) -> Any:
     return BlackwellProjRope(x_dtype=v.ab_dtype, w_major=v.b_major)
 
 
+def _dequantize_factory(v: KernelVariant) -> Any:
+    from jax_blockgemm.kernels.dequantize import MxDequantize
+
+    return MxDequantize(scale_axis=1 if v.a_major == "k" else 0, codes_per_thread=v.tile_mn[1])
+
+
 def _broken_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.testing import NegatedCornerHopperGemmAmax
 
@@ -143,7 +152,8 @@ def _broken_factory(v: KernelVariant) -> Any:
 # (op, arch) -> builds the kernel object (a class instance with `can_implement` and a `@cute.jit` __call__).
 _FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
     ("gemm_amax", "sm_90a"): _hopper_factory, ("gemm_amax", "sm_100a"): _blackwell_factory,
-    ("proj_rope", "sm_90a"): _hopper_proj_rope_factory, ("proj_rope", "sm_100a"): _blackwell_proj_rope_factory}
+    ("proj_rope", "sm_90a"): _hopper_proj_rope_factory, ("proj_rope", "sm_100a"): _blackwell_proj_rope_factory,
+    ("dequantize", "sm_90a"): _dequantize_factory, ("dequantize", "sm_100a"): _dequantize_factory}
 
 # proj_rope on sm_90a: one CTA is 64 tokens (one consumer warpgroup, two CTAs per SM) or 128 tokens (two, one CTA
 # per SM) x one head; the 64-token tile also in clusters of 2 or 4 token tiles that share each W tile (TMA
@@ -159,6 +169,9 @@ PROJ_ROPE_TILES_SM100 = ((128, 192),)
 PROJ_ROPE_SCHEDULE_TILES_SM90 = {"pingpong": (64, 192), "persistent": (128, 192), "staged": (128, 192)}
 PROJ_ROPE_SCHEDULES_SM90 = tuple(PROJ_ROPE_SCHEDULE_TILES_SM90)
 PROJ_ROPE_PINGPONG_TILE = PROJ_ROPE_SCHEDULE_TILES_SM90["pingpong"]
+
+# dequantize: each thread converts tile_mn[1] consecutive codes of a row (MxDequantize's codes_per_thread)
+DEQUANTIZE_TILE = (1, 16)
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 _C = ("float32", "bfloat16")
@@ -215,7 +228,12 @@ CATALOG: tuple[KernelVariant, ...] = (
     # GPU). Selected only after the first-use self-check passed on the local GPU (dispatch, selfcheck).
     + tuple(KernelVariant(op="proj_rope", arch="sm_100a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
                           tile_mn=t, b_major=b_major)
-            for t in PROJ_ROPE_TILES_SM100 for b_major in ("k", "n")))
+            for t in PROJ_ROPE_TILES_SM100 for b_major in ("k", "n"))
+    # MXFP8 -> bf16 for the MXFP8 proj_rope path (its kernels multiply bf16): x and K-major w (a_major "k": scales
+    # along the row), (K, N) w (a_major "m"). No MMA: one kernel serves both architectures; only sm_90a has run.
+    + tuple(KernelVariant(op="dequantize", arch=arch, ab_dtype="float8_e4m3fn", c_dtype="bfloat16",
+                          tile_mn=DEQUANTIZE_TILE, a_major=a_major)
+            for arch in ("sm_90a", "sm_100a") for a_major in ("k", "m")))
 
 
 # TEST ONLY: deliberately wrong kernels that the first-use self-check must catch (kernels/testing.py). Never
@@ -263,6 +281,9 @@ def fake_arguments(kernel: Any, op: str = "gemm_amax") -> list:
     def flat(dtype):
         return make_fake_compact_tensor(dtype, (cute.sym_int64(),), assumed_align=16)
 
+    if op == "dequantize":
+        return [flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(cutlass.BFloat16), cutlass.Int32(32),
+                cutlass.Int32(64), cuda.CUstream(0)]
     if op == "proj_rope":
         ab, u8 = kernel.ab_dtype, cutlass.Uint8
         return [flat(ab), flat(ab), flat(cutlass.BFloat16), flat(cutlass.BFloat16), flat(u8), flat(u8),
