@@ -23,7 +23,7 @@ import cutlass.cute as cute
 from jax_blockgemm.kernels import common
 from jax_blockgemm.support import MX_BLOCK
 
-CODES_PER_THREAD = (16, 32)  # one or two 16-byte loads of codes per thread
+CODES_PER_THREAD = (8, 16, 32)  # an 8-, 16- or 2 x 16-byte load of codes per thread
 THREADS = 256
 SCALE_AXES = (0, 1)
 
