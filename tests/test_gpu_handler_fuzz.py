@@ -8,7 +8,7 @@ checks are all that stands between a bad call and a kernel reading or writing ou
 - on a GPU with a kernel (skipped elsewhere, e.g. in CI): through raw `jax.ffi.ffi_call` on CUDA; afterwards the
   well-formed call must still match the float64 oracle. benchmarks/sanitize.py runs this module under
   `compute-sanitizer --tool memcheck`.
-A second handler (proj_rope) plugs in by adding its `Target` to TARGETS.
+Each handler (gemm_amax in four kinds, proj_rope, dequantize) is one `Target` in TARGETS.
 """
 
 from __future__ import annotations
@@ -510,7 +510,63 @@ def _proj_rope_cpu_check(call: Call) -> str:
 
 PROJ_ROPE = Target(_native.PROJ_ROPE_TARGET, _proj_rope_object, _proj_rope_well_formed, _proj_rope_cases,
                    _proj_rope_cpu_check)
-TARGETS = (GEMM_AMAX, GEMM_AMAX_NVFP4, GEMM_AMAX_FP4_C, GEMM_AMAX_MN, PROJ_ROPE)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# jbg_dequantize_mxfp8
+
+
+@functools.lru_cache(maxsize=None)
+def _dequantize_object() -> tuple[bytes, str]:
+    """The real sm_90a dequantize object (scales along the last axis) and its function prefix."""
+    from jax_blockgemm.kernels import catalog
+
+    variant = catalog.select_variant(op="dequantize", arch=DEVICE_ARCH, ab_dtype=E4M3, c_dtype=BF16, sf_vec_size=32,
+                                     tile_mn=catalog.DEQUANTIZE_TILE, cluster_mn=(1, 1), a_major="k")
+    return kernel_cache.get_object(variant), variant.function_prefix
+
+
+def _dequantize_well_formed(obj: bytes, prefix: str) -> Call:
+    return Call((Buffer(E4M3, (1, 96, 128)), Buffer(U8, (1, 96, 4))), (Buffer(BF16, (1, 96, 128)),),
+                dict(archs=DEVICE_ARCH, function_prefixes=prefix, objects=obj, offsets=(0, len(obj)), scale_axis=-1))
+
+
+def _dequantize_cases(good: Call) -> list[Case]:
+    buffers = [
+        ("codes bf16", dict(operand=0, buffer=Buffer(BF16, (1, 96, 128))), r"codes has shape .*float8_e4m3fn"),
+        ("codes of rank 1", dict(operand=0, buffer=Buffer(E4M3, (128,))), r"codes has shape \(128,\).*rank >= 2"),
+        ("columns not whole blocks", dict(operand=0, buffer=Buffer(E4M3, (1, 96, 120))),
+         r"codes has shape \(1, 96, 120\).*multiple of 32"),
+        ("scales for fewer rows", dict(operand=1, buffer=Buffer(U8, (1, 64, 4))),
+         r"scales has shape \(1, 64, 4\).*uint8 \(1, 96, 4\)"),
+        ("scales per 16", dict(operand=1, buffer=Buffer(U8, (1, 96, 8))), r"scales has shape \(1, 96, 8\)"),
+        ("scales int8", dict(operand=1, buffer=Buffer("int8", (1, 96, 4))), r"scales .*expected uint8"),
+        ("out float32", dict(result=0, buffer=Buffer(F32, (1, 96, 128))), r"out has shape .*bfloat16"),
+        ("out too small", dict(result=0, buffer=Buffer(BF16, (1, 96, 64))), r"out has shape \(1, 96, 64\)"),
+    ]
+    cases = [Case(name, good.replace(**change), "jbg_dequantize_mxfp8: " + message, "buffers")
+             for name, change, message in buffers]
+    cases.append(Case("scale axis that disagrees with the scales", good.replace(scale_axis=-2),
+                      r"jbg_dequantize_mxfp8: scales has shape \(1, 96, 4\).*expected uint8 \(1, 3, 128\)", "buffers"))
+    cases.append(Case("scale axis 0", good.replace(scale_axis=0), r"jbg_dequantize_mxfp8: scale_axis must be -1 or -2",
+                      "buffers"))
+    cases.append(Case("no archs", good.replace(archs="", function_prefixes=""),
+                      r"jbg_dequantize_mxfp8 attributes: .*archs is empty", "attributes"))
+    cases.append(Case("truncated object", good.replace(objects=good.attrs["objects"][:64], offsets=(0, 64)),
+                      r"jbg_dequantize_mxfp8: .*", "object"))
+    return cases
+
+
+def _dequantize_cpu_check(call: Call) -> str:
+    """What the dequantize handler's C++ says about `call`, as if instantiated and executed on an sm_90a device."""
+    if problem := _object_table_problem(call.attrs, _native.DEQUANTIZE_TARGET):
+        return problem
+    return ext.check_dequantize_buffers(_address_list(call), call.attrs["scale_axis"])[0]
+
+
+DEQUANTIZE = Target(_native.DEQUANTIZE_TARGET, _dequantize_object, _dequantize_well_formed, _dequantize_cases,
+                    _dequantize_cpu_check)
+TARGETS = (GEMM_AMAX, GEMM_AMAX_NVFP4, GEMM_AMAX_FP4_C, GEMM_AMAX_MN, PROJ_ROPE, DEQUANTIZE)
 
 
 # --------------------------------------------------------------------------------------------------------------
