@@ -240,31 +240,6 @@ class CompileTest(parameterized.TestCase):
         # The exact fallback for non-finite codes keeps the hardware converter.
         self.assertIn("cvt.rn.f16x2.e5m2x2", ptx)
 
-    @parameterized.parameters("column_shuffles", "factor_shuffles")
-    def test_staged_proj_rope_tune_experiments_compile_without_spills(self, tune):
-        """HopperProjRope._tune experiments (benchmarks/proj_rope_standalone.py --tunes; not in the catalog): each
-        builds for sm_90a without spills and replaces what it says it replaces: column_shuffles the 32 4-byte column
-        loads by the 31-shuffle transposing butterfly, factor_shuffles the column-factor table (its 4-byte store and
-        8 broadcast loads) by 32 index shuffles."""
-        from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
-
-        v = next(v for v in catalog.variants_for("sm_90a", "proj_rope") if v.schedule == "staged" and v.b_major == "k")
-        kernel = catalog.make_kernel(v)
-        self.assertIsInstance(kernel, HopperProjRope)
-        kernel._tune = frozenset({tune})
-        fn = catalog.compile_function(v, keep_ptx=True, kernel=kernel)
-        ptx = fn.__ptx__
-        self.assertNotIn(".local", ptx)
-        self.assertEqual(structure.cubin_resources(fn.__cubin__).frame_bytes, 0)
-        if tune == "column_shuffles":
-            self.assertEqual(ptx.count("ld.shared.b32"), 0)
-            self.assertEqual(len(re.findall(r"shfl\.sync\.bfly", ptx)), 31)
-        else:
-            self.assertEqual(ptx.count("ld.shared.b32"), 32)
-            self.assertEqual(ptx.count("st.shared.b32"), 0)
-            self.assertEqual(ptx.count("ld.shared.v4.b32"), 16 + 8)  # RoPE and the row: no table loads
-            self.assertEqual(ptx.count("shfl.sync.idx"), 10 + 32)  # 4 set-up, 6 scale runs, 32 factors
-
     @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_90a", "proj_rope"))
     def test_proj_rope_compiles_with_bf16_wgmma_tma_and_the_fp8_converter(self, v):
         ptx, obj, *_ = _compiled(v)

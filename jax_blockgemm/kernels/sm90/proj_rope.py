@@ -135,10 +135,8 @@ class HopperProjRope:
         # wrong; never set in the catalog.
         self._skip: frozenset = frozenset()
         # Experiments beside the default, timed by benchmarks/proj_rope_standalone.py --tunes; never set in the
-        # catalog (NOTES.md lists the ones measured and dropped). Staged, compiled, not yet run, for a kernel
-        # bound by shared-memory wavefronts: "column_shuffles" (the column maxima by a transposing shuffle
-        # butterfly over the row blocks already in registers instead of 32 shared loads per block) and
-        # "factor_shuffles" (the 32 column factors by shuffles instead of the per-warp table).
+        # catalog. None is staged now: NOTES.md lists the ones measured and dropped (the last two, column maxima
+        # and factors by shuffles, on 2026-11-30).
         self._tune: frozenset = frozenset()
         common.require_choice("w_major", w_major, W_MAJORS)
         common.require_choice("consumer_wgs", consumer_wgs, CONSUMER_WGS)
@@ -510,7 +508,6 @@ class HopperProjRope:
             code_atoms = (row_atom, col_atom)
             # block b's code boxes: in the warp's block-b region of Y, free once the block is read
             code_views = y_tile.code_box_views(storage.y.data_ptr(), code_atoms, (row_tma, col_tma))
-            column_shuffles, factor_shuffles = ("column_shuffles" in self._tune, "factor_shuffles" in self._tune)
             row_addrs = y_tile.row_addresses(y, tid)  # the thread's token row
             for i in range(my_tiles):
                 tile = cta + i * n_ctas
@@ -530,13 +527,8 @@ class HopperProjRope:
                     row_lo, row_hi = cutlass.Int32(0), cutlass.Int32(0)  # the token's 6 rowwise scale bytes
                     for b in range(HEAD_DIM // MX_BLOCK):  # a loop, not unrolled: unrolled it spills
                         vals = y_tile.read_row_block(row_addrs, b)
-                        if cutlass.const_expr(column_shuffles):
-                            col_byte, col_inv, col_bad_mask = y_tile.publish_column_scales(
-                                y_tile.shuffled_column_amax(vals, lane), col_tab, lane, factor_shuffles)
-                        else:
-                            col = y_tile.read_column(y_warp, b, column_offsets)
-                            col_byte, col_inv, col_bad_mask = y_tile.column_scales(col, col_tab, lane,
-                                                                                   factor_shuffles)
+                        col = y_tile.read_column(y_warp, b, column_offsets)
+                        col_byte, col_inv, col_bad_mask = y_tile.column_scales(col, col_tab, lane)
                         col_words = token_rows.col_code_words(vals, col_inv, col_bad_mask)
                         row_byte, row_words = token_rows.row_quantize(vals)
                         row_lo, row_hi = y_tile.add_row_scale(row_lo, row_hi, row_byte, b)

@@ -135,26 +135,15 @@ def read_column(y_warp, b, offsets: list):
     return col
 
 
-def column_scales(col, col_tab, lane, shuffled: bool = False):
+def column_scales(col, col_tab, lane):
     """Columnwise scales of a block for the warp's 32 tokens, from `read_column`: lane l makes the E8M0 byte of
     column l and publishes its factor in the warp's table (col_tab, 128 bytes); every lane then reads the 32
     factors (8 broadcast 16-byte loads). Returns (byte of column `lane`, the 32 factors, ballot of the columns'
     NaN/inf flags), what `token_rows.col_code_words` takes. Its two warp barriers also order every lane's column
     reads of the block before anything that follows."""
     amax = epilogue.amax_tree([col[r] for r in range(MX_BLOCK)])
-    return publish_column_scales(common.bits_from_f32(amax), col_tab, lane, shuffled)
-
-
-def publish_column_scales(amax_bits, col_tab, lane, shuffled: bool = False):
-    """`column_scales` from this lane's column amax bits (finite, inf, or >= inf's for NaN). shuffled (experiment,
-    HopperProjRope._tune "factor_shuffles"): the 32 factors reach every lane by 32 shuffles instead of the table
-    (1 shared store, 8 broadcast 16-byte loads and 2 warp barriers)."""
-    col_byte, col_inv, col_bad = epilogue.e8m0_scale(amax_bits)
+    col_byte, col_inv, col_bad = epilogue.e8m0_scale(common.bits_from_f32(amax))
     inv = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Float32)
-    if shuffled:
-        for i in range(MX_BLOCK):
-            inv[i] = cute.arch.shuffle_sync(col_inv, i)
-        return col_byte, inv, cute.arch.vote_ballot_sync(col_bad)
     cute.arch.sync_warp()  # the lanes' reads of the previous block's factors are done
     ptx_ops.st_shared_u32(col_tab + 4 * lane, common.bits_from_f32(col_inv))
     cute.arch.sync_warp()
@@ -163,16 +152,6 @@ def publish_column_scales(amax_bits, col_tab, lane, shuffled: bool = False):
         for e in range(4):
             inv[4 * c + e] = common.f32_from_bits(words[e])
     return col_byte, inv, cute.arch.vote_ballot_sync(col_bad)
-
-
-def shuffled_column_amax(vals, lane):
-    """Experiment (HopperProjRope._tune "column_shuffles"): the amax bits of column `lane` of the warp's 32 rows
-    from every lane's row block (`read_row_block`) by `epilogue.warp_column_max` (31 shuffles, integer max of the
-    |x| bits: NaN's bits exceed inf's, as `e8m0_scale` needs) instead of `read_column`'s 32 shared loads."""
-    bits = cute.make_rmem_tensor((MX_BLOCK,), cutlass.Int32)
-    for i in range(MX_BLOCK):
-        bits[i] = common.bits_from_f32(vals[i]) & 0x7FFFFFFF
-    return epilogue.warp_column_max(bits, lane)
 
 
 def stage_code_boxes(box_pair, lane, row_words, col_words):
