@@ -140,8 +140,7 @@ def _blackwell_proj_rope_factory(v: KernelVariant) -> Any:
 def _dequantize_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.dequantize import MxDequantize
 
-    return MxDequantize(scale_axis=1 if v.a_major == "k" else 0, runs_per_thread=v.tile_mn[0],
-                        codes_per_thread=v.tile_mn[1])
+    return MxDequantize(scale_axis=1 if v.a_major == "k" else 0, codes_per_thread=v.tile_mn[1])
 
 
 def _broken_factory(v: KernelVariant) -> Any:
@@ -171,8 +170,7 @@ PROJ_ROPE_SCHEDULE_TILES_SM90 = {"pingpong": (64, 192), "persistent": (128, 192)
 PROJ_ROPE_SCHEDULES_SM90 = tuple(PROJ_ROPE_SCHEDULE_TILES_SM90)
 PROJ_ROPE_PINGPONG_TILE = PROJ_ROPE_SCHEDULE_TILES_SM90["pingpong"]
 
-# dequantize: each thread converts tile_mn[0] runs of tile_mn[1] consecutive codes of a row (MxDequantize's
-# runs_per_thread, codes_per_thread)
+# dequantize: each thread converts tile_mn[1] consecutive codes of a row (MxDequantize's codes_per_thread)
 DEQUANTIZE_TILE = (1, 16)
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")

@@ -23,8 +23,7 @@ import cutlass.cute as cute
 from jax_blockgemm.kernels import common
 from jax_blockgemm.support import MX_BLOCK
 
-CODES_PER_THREAD = (8, 16, 32)  # a run: an 8-, 16- or 2 x 16-byte load of codes
-RUNS_PER_THREAD = (1, 2, 4)  # runs a thread loads before converting any (bytes in flight)
+CODES_PER_THREAD = (8, 16, 32)  # an 8-, 16- or 2 x 16-byte load of codes per thread
 THREADS = 256
 SCALE_AXES = (0, 1)
 
@@ -32,13 +31,11 @@ SCALE_AXES = (0, 1)
 class MxDequantize:
     """codes·2^(scale-127) as bfloat16 for MXFP8 E4M3 codes with scales per 32 along `scale_axis`."""
 
-    def __init__(self, *, scale_axis: int = 1, codes_per_thread: int = 16, runs_per_thread: int = 1):
+    def __init__(self, *, scale_axis: int = 1, codes_per_thread: int = 16):
         common.require_choice("scale_axis", scale_axis, SCALE_AXES)
         common.require_choice("codes_per_thread", codes_per_thread, CODES_PER_THREAD)
-        common.require_choice("runs_per_thread", runs_per_thread, RUNS_PER_THREAD)
         self.scale_axis = scale_axis
         self.per_thread = codes_per_thread
-        self.runs = runs_per_thread
         self.ab_dtype = cutlass.Float8E4M3FN
 
     @staticmethod
@@ -58,50 +55,36 @@ class MxDequantize:
     @cute.jit
     def __call__(self, codes: cute.Tensor, scales: cute.Tensor, out: cute.Tensor, rows: cutlass.Int32,
                  cols: cutlass.Int32, stream: cuda.CUstream):
-        """Host side: each thread converts `runs_per_thread` runs of `codes_per_thread` codes."""
+        """Host side: one thread per `codes_per_thread` codes of a row."""
         chunks = rows * (cols // self.per_thread)
-        per_block = THREADS * self.runs
         self.kernel(codes, scales, out, rows, cols).launch(
-            grid=((chunks + per_block - 1) // per_block, 1, 1), block=(THREADS, 1, 1), stream=stream)
+            grid=((chunks + THREADS - 1) // THREADS, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, codes: cute.Tensor, scales: cute.Tensor, out: cute.Tensor, rows: cutlass.Int32,
                cols: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        chunk = bidx * THREADS + tidx
         n = self.per_thread
         chunks_per_row = cols // n
-        total = rows * chunks_per_row
-        # Run j of a block is THREADS consecutive runs of codes (each warp access contiguous). Every load is issued
-        # before any conversion, at a clamped index past the end (valid memory; nothing is stored from it).
-        chunks, firsts, loaded, factors = [], [], [], []
-        for j in cutlass.range_constexpr(self.runs):
-            chunk = (bidx * self.runs + j) * THREADS + tidx
-            safe = cutlass.min(chunk, total - 1)
-            row = safe // chunks_per_row
-            col = (safe - row * chunks_per_row) * n
-            first = cute.assume(safe * n, divby=n)
+        if chunk < rows * chunks_per_row:
+            row = chunk // chunks_per_row
+            col = (chunk - row * chunks_per_row) * n
+            first = cute.assume(chunk * n, divby=n)
             src = cute.make_rmem_tensor((n,), self.ab_dtype)
             cute.autovec_copy(cute.make_tensor(codes.iterator + first, src.layout), src)
+            values = src.load().to(cutlass.Float32)
+            dst = cute.make_rmem_tensor((n,), cutlass.BFloat16)
             if cutlass.const_expr(self.scale_axis == 1):  # n <= 32: the run is inside one block
-                factors.append(scales[row * (cols // MX_BLOCK) + col // MX_BLOCK].to(cutlass.Int32))
+                byte = scales[row * (cols // MX_BLOCK) + col // MX_BLOCK].to(cutlass.Int32)
+                dst.store((values * common.f32_from_bits(common.e8m0_bits(byte))).to(cutlass.BFloat16))
             else:
                 scale_bytes = cute.make_rmem_tensor((n,), cutlass.Uint8)  # one scale per column
                 scale0 = cute.assume((row // MX_BLOCK) * cols + col, divby=n)
                 cute.autovec_copy(cute.make_tensor(scales.iterator + scale0, scale_bytes.layout), scale_bytes)
-                factors.append(scale_bytes)
-            chunks.append(chunk)
-            firsts.append(first)
-            loaded.append(src)
-        for j in cutlass.range_constexpr(self.runs):
-            values = loaded[j].load().to(cutlass.Float32)
-            dst = cute.make_rmem_tensor((n,), cutlass.BFloat16)
-            if cutlass.const_expr(self.scale_axis == 1):
-                dst.store((values * common.f32_from_bits(common.e8m0_bits(factors[j]))).to(cutlass.BFloat16))
-            else:
-                decoded = cute.make_rmem_tensor((n,), cutlass.Float32)
+                factors = cute.make_rmem_tensor((n,), cutlass.Float32)
                 for i in cutlass.range_constexpr(n):
-                    decoded[i] = common.f32_from_bits(common.e8m0_bits(factors[j][i].to(cutlass.Int32)))
-                dst.store((values * decoded.load()).to(cutlass.BFloat16))
-            if chunks[j] < total:
-                cute.autovec_copy(dst, cute.make_tensor(out.iterator + firsts[j], dst.layout))
+                    factors[i] = common.f32_from_bits(common.e8m0_bits(scale_bytes[i].to(cutlass.Int32)))
+                dst.store((values * factors.load()).to(cutlass.BFloat16))
+            cute.autovec_copy(dst, cute.make_tensor(out.iterator + first, dst.layout))
