@@ -60,18 +60,13 @@ std::string CheckDequantizeBuffers(const BufferDesc (&buf)[3], int64_t scale_axi
 
 namespace {
 
-BufferDesc Desc(const ffi::AnyBuffer& buffer) {
-  auto dims = buffer.dimensions();
-  return BufferDesc{static_cast<int>(buffer.element_type()), dims.begin(), dims.size(), buffer.untyped_data()};
-}
-
 ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::AnyBuffer codes,
                    ffi::AnyBuffer scales, ffi::Result<ffi::AnyBuffer> out, std::string_view, std::string_view,
                    ffi::Span<const uint8_t>, ffi::Span<const int64_t>, int64_t scale_axis) {
   const std::string target = kDequantizeTarget;
   DslFunction* fn = nullptr;
   if (ffi::Error e = DeviceFunction(*state, device, kDequantizeTarget, &fn); e.failure()) return e;
-  const BufferDesc buffers[3] = {Desc(codes), Desc(scales), Desc(*out)};
+  const BufferDesc buffers[3] = {ToBufferDesc(codes), ToBufferDesc(scales), ToBufferDesc(*out)};
   DequantizeDims dims;
   if (std::string message = CheckDequantizeBuffers(buffers, scale_axis, &dims); !message.empty()) {
     return ffi::Error::InvalidArgument(message);
@@ -104,25 +99,17 @@ ffi::ErrorOr<std::unique_ptr<KernelObjects>> Instantiate(std::string_view archs,
 }  // namespace jbg
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgDequantizeInstantiate, jbg::Instantiate,
-                              xla::ffi::Ffi::BindInstantiate()
-                                  .Attr<std::string_view>("archs")
-                                  .Attr<std::string_view>("function_prefixes")
-                                  .Attr<xla::ffi::Span<const uint8_t>>("objects")
-                                  .Attr<xla::ffi::Span<const int64_t>>("offsets")
+                              jbg::BindObjectTable(xla::ffi::Ffi::BindInstantiate())
                                   .Attr<int64_t>("scale_axis"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgDequantizeExecute, jbg::Execute,
-                              xla::ffi::Ffi::BindExecute()
+                              jbg::BindObjectTable(xla::ffi::Ffi::BindExecute()
                                   .Ctx<xla::ffi::PlatformStream<jbg::CUstream>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Ctx<xla::ffi::State<jbg::KernelObjects>>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<std::string_view>("archs")
-                                  .Attr<std::string_view>("function_prefixes")
-                                  .Attr<xla::ffi::Span<const uint8_t>>("objects")
-                                  .Attr<xla::ffi::Span<const int64_t>>("offsets")
+                                  .Ret<xla::ffi::AnyBuffer>())
                                   .Attr<int64_t>("scale_axis"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -235,19 +235,15 @@ StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span
   return state;
 }
 
-BufferDesc Desc(const ffi::AnyBuffer& buffer) {
-  auto dims = buffer.dimensions();
-  return BufferDesc{static_cast<int>(buffer.element_type()), dims.begin(), dims.size(), buffer.untyped_data()};
-}
-
 ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::AnyBuffer a, ffi::AnyBuffer b,
                    ffi::AnyBuffer sfa, ffi::AnyBuffer sfb, std::optional<ffi::AnyBuffer> alpha,
                    ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> amax) {
   DslFunction* fn = nullptr;
   if (ffi::Error e = DeviceFunction(*state, device, kGemmAmaxTarget, &fn); e.failure()) return e;
-  BufferDesc buffers[7] = {Desc(a), Desc(b), Desc(sfa), Desc(sfb), Desc(*c), Desc(*amax), {}};
+  BufferDesc buffers[7] = {ToBufferDesc(a),  ToBufferDesc(b),     ToBufferDesc(sfa), ToBufferDesc(sfb),
+                           ToBufferDesc(*c), ToBufferDesc(*amax), {}};
   const size_t count = alpha.has_value() ? 7 : 6;
-  if (alpha.has_value()) buffers[6] = Desc(*alpha);
+  if (alpha.has_value()) buffers[6] = ToBufferDesc(*alpha);
   GemmDims dims;
   if (std::string message = CheckGemmAmaxBuffers(buffers, count, state->dtypes, &dims); !message.empty()) {
     return ffi::Error::InvalidArgument(message);
@@ -294,11 +290,7 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
 }  // namespace jbg
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgGemmAmaxInstantiate, jbg::Instantiate,
-                              xla::ffi::Ffi::BindInstantiate()
-                                  .Attr<std::string_view>("archs")
-                                  .Attr<std::string_view>("function_prefixes")
-                                  .Attr<xla::ffi::Span<const uint8_t>>("objects")
-                                  .Attr<xla::ffi::Span<const int64_t>>("offsets")
+                              jbg::BindObjectTable(xla::ffi::Ffi::BindInstantiate())
                                   .Attr<std::string_view>("ab_dtype")
                                   .Attr<std::string_view>("c_dtype")
                                   .Attr<std::string_view>("sf_dtype")

@@ -49,6 +49,11 @@ std::string ShapeString(const int64_t* dims, size_t rank) {
   return s + (rank == 1 ? ",)" : ")");
 }
 
+BufferDesc ToBufferDesc(const xla::ffi::AnyBuffer& buffer) {
+  auto dims = buffer.dimensions();
+  return BufferDesc{static_cast<int>(buffer.element_type()), dims.begin(), dims.size(), buffer.untyped_data()};
+}
+
 bool ParseArch(std::string_view arch, int* major, int* minor) {
   if (arch.substr(0, 3) != "sm_") return false;
   std::string_view rest = arch.substr(3);

@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/c_api.h"
@@ -41,6 +42,8 @@ int64_t ElementCount(const BufferDesc& b);
 const char* DtypeName(int dtype);
 // "(2, 200, 96)".
 std::string ShapeString(const int64_t* dims, size_t rank);
+// What a handler's checks see of an XLA buffer.
+BufferDesc ToBufferDesc(const xla::ffi::AnyBuffer& buffer);
 
 // The C struct the exported kernels take for each 1-D tensor argument: the data pointer, then the element count.
 // Kernels exported with 32-bit symbolic sizes read the low half of `count` (little-endian), which is the same number
@@ -109,6 +112,17 @@ xla::ffi::Error RunKernel(const KernelObjects& state, int32_t device, std::strin
 xla::ffi::ErrorOr<std::unique_ptr<KernelObjects>> InstantiateKernelObjects(
     std::string_view target, std::string_view archs, std::string_view function_prefixes,
     xla::ffi::Span<const uint8_t> objects, xla::ffi::Span<const int64_t> offsets);
+
+// Appends the object table's four attributes to an FFI binding (both stages of every target take them first, in
+// this order, before their own).
+template <typename Binding>
+auto BindObjectTable(Binding binding) {
+  return std::move(binding)
+      .template Attr<std::string_view>("archs")
+      .template Attr<std::string_view>("function_prefixes")
+      .template Attr<xla::ffi::Span<const uint8_t>>("objects")
+      .template Attr<xla::ffi::Span<const int64_t>>("offsets");
+}
 
 }  // namespace jbg
 

@@ -73,11 +73,6 @@ std::string CheckProjRopeBuffers(const BufferDesc (&buf)[8], bool w_out_in, Proj
 
 namespace {
 
-BufferDesc Desc(const ffi::AnyBuffer& buffer) {
-  auto dims = buffer.dimensions();
-  return BufferDesc{static_cast<int>(buffer.element_type()), dims.begin(), dims.size(), buffer.untyped_data()};
-}
-
 ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
                    ffi::AnyBuffer cos, ffi::AnyBuffer sin, ffi::Result<ffi::AnyBuffer> row_codes,
                    ffi::Result<ffi::AnyBuffer> row_scales, ffi::Result<ffi::AnyBuffer> col_codes,
@@ -86,8 +81,9 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   const std::string target = kProjRopeTarget;
   DslFunction* fn = nullptr;
   if (ffi::Error e = DeviceFunction(*state, device, kProjRopeTarget, &fn); e.failure()) return e;
-  const BufferDesc buffers[8] = {Desc(x),          Desc(w),           Desc(cos),        Desc(sin),
-                                 Desc(*row_codes), Desc(*row_scales), Desc(*col_codes), Desc(*col_scales)};
+  const BufferDesc buffers[8] = {ToBufferDesc(x),          ToBufferDesc(w),          ToBufferDesc(cos),
+                                 ToBufferDesc(sin),        ToBufferDesc(*row_codes), ToBufferDesc(*row_scales),
+                                 ToBufferDesc(*col_codes), ToBufferDesc(*col_scales)};
   ProjRopeDims dims;
   if (std::string message = CheckProjRopeBuffers(buffers, w_out_in, &dims); !message.empty()) {
     return ffi::Error::InvalidArgument(message);
@@ -128,16 +124,12 @@ ffi::ErrorOr<std::unique_ptr<KernelObjects>> Instantiate(std::string_view archs,
 }  // namespace jbg
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgProjRopeInstantiate, jbg::Instantiate,
-                              xla::ffi::Ffi::BindInstantiate()
-                                  .Attr<std::string_view>("archs")
-                                  .Attr<std::string_view>("function_prefixes")
-                                  .Attr<xla::ffi::Span<const uint8_t>>("objects")
-                                  .Attr<xla::ffi::Span<const int64_t>>("offsets")
+                              jbg::BindObjectTable(xla::ffi::Ffi::BindInstantiate())
                                   .Attr<bool>("w_out_in"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgProjRopeExecute, jbg::Execute,
-                              xla::ffi::Ffi::BindExecute()
+                              jbg::BindObjectTable(xla::ffi::Ffi::BindExecute()
                                   .Ctx<xla::ffi::PlatformStream<jbg::CUstream>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Ctx<xla::ffi::State<jbg::KernelObjects>>()
@@ -148,10 +140,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgProjRopeExecute, jbg::Execute,
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<std::string_view>("archs")
-                                  .Attr<std::string_view>("function_prefixes")
-                                  .Attr<xla::ffi::Span<const uint8_t>>("objects")
-                                  .Attr<xla::ffi::Span<const int64_t>>("offsets")
+                                  .Ret<xla::ffi::AnyBuffer>())
                                   .Attr<bool>("w_out_in"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
