@@ -158,8 +158,8 @@ def run_variants(shard: tuple[int, int] = (0, 1), first_shape_only: bool = False
 def run_proj_rope_variants(case0: int, shard: tuple[int, int], first_shape_only: bool,
                            keys: frozenset = frozenset()) -> int:
     """Every sm_90a proj_rope variant (tile x weight layout) at PROJ_ROPE_SHAPES, both input paths (the same values
-    as MXFP8 and as bf16: `bench.proj_rope_inputs`; or only the first shape, bf16 in: the MXFP8 path reaches the
-    same kernel after XLA's dequantization), bracketed; cases are numbered from `case0`."""
+    as MXFP8 and as bf16: `bench.proj_rope_inputs`; or only the first shape, bf16 in), bracketed; cases are numbered
+    from `case0`. The MXFP8 cases also run the dequantize kernel (`jbg_dequantize_mxfp8`) before the bf16 one."""
     import jax
     import numpy as np
 
