@@ -251,7 +251,8 @@ class RealPrimitiveTest(absltest.TestCase):
             for call, a_major in ((x_call, "k"), (w_call, "k" if w_out_in else "m")):
                 keys = [catalog.select_variant(op="dequantize", arch=arch, ab_dtype="float8_e4m3fn",
                                                c_dtype="bfloat16", sf_vec_size=32, tile_mn=catalog.DEQUANTIZE_TILE,
-                                               cluster_mn=(1, 1), a_major=a_major).key for arch in ("sm_100a", "sm_90a")]
+                                               cluster_mn=(1, 1), a_major=a_major).key
+                        for arch in ("sm_100a", "sm_90a")]
                 objects = np.array(call.attributes["mhlo.backend_config"]["objects"]).tobytes()
                 self.assertEqual(objects, "".join(keys).encode())
             proj = [op for op in _walk(lowered.compiler_ir("stablehlo").operation)

@@ -1,11 +1,11 @@
 """MXFP8 codes times E8M0 block scales as bfloat16, on any GPU architecture (no MMA): the input pass of the MXFP8
-proj_rope path on sm_90a, whose kernel multiplies bf16 operands (kernels/sm90/proj_rope.py).
+proj_rope path, whose kernels (sm_90a, sm_100a) multiply bf16 operands.
 
 XLA's fusion of the same expression (reference.dequantize_bf16) moves DeepSeek-V3's w (37.7 MB of codes in, 75.5 MB
 of bf16 out) in ~47 us on the H200 (~2.4 TB/s); this kernel, with 16-byte loads and stores of whole runs of codes
-per thread, in ~35 us (benchmarks/RESULTS.md). The values are the reference's, bit for bit (SPEC §6): code -> float32 (exact), times the float32 scale
-2^(b-127) (exact but for results below float32's normal range, rounded the same way as the reference's multiply),
-rounded to bfloat16.
+per thread, in ~35 us (benchmarks/RESULTS.md; the sm_100a object is compiled, never run). The values are the
+reference's, bit for bit (SPEC §6): code -> float32 (exact), times the float32 scale 2^(b-127) (exact but for
+results below float32's normal range, rounded the same way as the reference's multiply), rounded to bfloat16.
 
 ABI (catalog op "dequantize"): fn(codes, scales, out, rows, cols, stream), flat buffers:
     codes (rows, cols) float8_e4m3fn, row-major; out (rows, cols) bfloat16;
