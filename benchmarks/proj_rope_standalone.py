@@ -5,7 +5,6 @@ kernel from the bridge. Outputs are poisoned (codes 0xFF = E4M3 NaN, scales 0xFE
 kernel, in the same run: XLA's bare bf16 dot of the same shape (both weight layouts) and the library's reference.
 
     python3 benchmarks/proj_rope_standalone.py [--quick] [--no-bench] [--out DIR] [--consumer-wgs pp,2,1] [--profile]
-        [--tunes NAME[+NAME],...]
 
 --consumer-wgs picks the kernels: "1" / "2" consumer warpgroups per CTA (one tile per CTA), "ps" the persistent
 cooperative kernel (128-token tiles), "pp" the persistent
@@ -60,9 +59,8 @@ class Runner:
         from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
 
         self.cute, self.cutlass, self.cuda = cute, cutlass, cuda
-        # "1k32": one consumer warpgroup, 32-wide k-tiles; "st+column_shuffles": HopperProjRope._tune experiments
-        spec, *tune = str(consumer_wgs).split("+")
-        kind, _, tile_k = spec.partition("k")
+        # "1k32": one consumer warpgroup, 32-wide k-tiles
+        kind, _, tile_k = str(consumer_wgs).partition("k")
         tile_k = int(tile_k or 64)
         if kind in ("pp", "ps", "st"):
             schedule = {"pp": "pingpong", "ps": "persistent", "st": "staged"}[kind]
@@ -74,9 +72,6 @@ class Runner:
         if tile_k != 64:
             self.label += f" k{tile_k}"
         self.kernel._skip = frozenset(skip)  # profiling only: phases left out
-        self.kernel._tune = frozenset(tune)
-        if tune:
-            self.label += " +" + "+".join(sorted(tune))
         if skip:
             self.label += " no-" + "+".join(sorted(skip))
         flat = lambda dt: make_fake_compact_tensor(dt, (cute.sym_int64(),), assumed_align=16)
@@ -276,10 +271,6 @@ def main() -> int:
                    help="comma-separated kernels to check and time: 1, 2 (consumer warpgroups), pp (ping-pong), "
                         "ps (persistent), st (staged); a suffix k32 takes 32-wide k-tiles (twice the stages), "
                         "e.g. 1k32")
-    p.add_argument("--tunes", default="",
-                   help="comma-separated HopperProjRope._tune sets ('+'-joined) of the staged kernel, each checked "
-                        "(--quick shapes) and timed with w_out_in=True beside the others (no experiment is staged "
-                        "now: the kernel ignores names it does not know; NOTES.md lists those measured)")
     p.add_argument("--profile", action="store_true",
                    help="also time each kernel (w_out_in=True) with one phase left out (not checked)")
     args = p.parse_args()
@@ -292,15 +283,12 @@ def main() -> int:
         for phase in skips if args.profile else ():
             r = profiled[(True, f"{wgs} no-{phase}")] = Runner("k", wgs, frozenset({phase}))
             print(f"compiled {r.label} in {r.compile_s:.1f} s", file=sys.stderr, flush=True)
-    for tune in filter(None, args.tunes.split(",")):
-        r = runners[(True, f"st+{tune}")] = Runner("k", f"st+{tune}")
-        print(f"compiled {r.label} in {r.compile_s:.1f} s", file=sys.stderr, flush=True)
     rng = np.random.default_rng(int(time.time()))
     results = []
     shapes = [] if args.no_check else CHECK_SHAPES[:2] if args.quick else CHECK_SHAPES
     for (w_out_in, wgs), runner in runners.items():
         multi_tile = PINGPONG_CHECK_SHAPES if wgs[:2] in ("pp", "ps", "st") and not args.no_check else []
-        for shape in (shapes if "+" not in wgs else shapes[:2]) + multi_tile:
+        for shape in shapes + multi_tile:
             for tables in ("random", "yarn"):
                 r = dict(check(runner, w_out_in, shape, rng, tables), wgs=wgs)
                 results.append(r)

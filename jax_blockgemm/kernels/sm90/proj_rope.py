@@ -134,10 +134,6 @@ class HopperProjRope:
         # epilogue warpgroup alone sets the pace). The results are then
         # wrong; never set in the catalog.
         self._skip: frozenset = frozenset()
-        # Experiments beside the default, timed by benchmarks/proj_rope_standalone.py --tunes; never set in the
-        # catalog. None is staged now: NOTES.md lists the ones measured and dropped (the last two, column maxima
-        # and factors by shuffles, on 2026-11-30).
-        self._tune: frozenset = frozenset()
         common.require_choice("w_major", w_major, W_MAJORS)
         common.require_choice("consumer_wgs", consumer_wgs, CONSUMER_WGS)
         common.require_choice("tile_k", tile_k, TILE_KS)
