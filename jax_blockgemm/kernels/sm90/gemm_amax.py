@@ -44,6 +44,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 
 from jax_blockgemm.kernels import common, epilogue
 from jax_blockgemm.kernels.sm90 import tma_pipeline
+from jax_blockgemm.kernels.sm90.ptx_ops import s32
 
 # Operand codes as they travel through TMA and shared memory: FP4 (E2M1) as packed bytes, two codes each.
 _AB_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,
@@ -64,20 +65,15 @@ DEQUANT_MODES = ("f32", "bits", "bits1")  # the first is the default
 _SMEM_RESERVE = 4096  # mbarriers and the per-warp amax slots
 
 
-def _i32(x: int) -> int:
-    """A 32-bit pattern as the signed int the DSL's Int32 constants take."""
-    return x - (1 << 32) if x >= 1 << 31 else x
-
-
-_NEG_ZERO_X2 = _i32(0x80008000)  # bf16x2 -0: x·s + (-0) == x·s, also for x·s == +0
-_BYTE_MSBS = _i32(0x80808080)
+_NEG_ZERO_X2 = s32(0x80008000)  # bf16x2 -0: x·s + (-0) == x·s, also for x·s == +0
+_BYTE_MSBS = s32(0x80808080)
 # prmt selectors: bytes 0,1 (2,3) of a word into the low bytes of the two 16-bit halves, the high byte of each half
 # filled with that byte's sign bit.
 _PRMT_LO, _PRMT_HI = 0x9180, 0xB3A2
 # "bits" per FP8 format: (left shift of a sign-filled half, mask keeping magnitude + sign, bias: the bits are
 # code·2^-bias, per-byte add whose carry into bit 7 flags the non-finite codes: E4M3 |b| = 0x7F, E5M2 exponent 31).
-_BITS = {"float8_e4m3fn": (4, _i32(0x87F087F0), 120, 0x01010101),
-         "float8_e5m2": (5, _i32(0x8FE08FE0), 112, 0x04040404)}
+_BITS = {"float8_e4m3fn": (4, s32(0x87F087F0), 120, 0x01010101),
+         "float8_e5m2": (5, s32(0x8FE08FE0), 112, 0x04040404)}
 _BF16X2_EXPONENT_ONE = 0x00800080  # times e: bf16x2 2^(e-127) in both halves, for 1 <= e <= 254
 
 
