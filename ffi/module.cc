@@ -125,20 +125,22 @@ std::tuple<std::string, std::tuple<int, int, int>> CheckProjRope(const std::vect
   return {message, {dims.t, dims.k, dims.h}};
 }
 
-// Test hook for the instantiate-stage attribute parsing: returns [(arch, prefix, cc_major, cc_minor, begin, end)].
-std::tuple<std::string, std::tuple<int, int>> CheckDequantize(const std::vector<BufferSpec>& specs,
-                                                             int64_t scale_axis) {
-  if (specs.size() != 3) throw nb::value_error("expected 3 buffers: codes, scales, out");
-  jbg::BufferDesc descs[3];
-  for (int i = 0; i < 3; ++i) {
+// Test hook for the dequantize execute stage's buffer checks on buffers in FFI order (`inputs` of them, then the
+// outputs): returns (message, (rows, cols, rows1, cols1)).
+std::tuple<std::string, std::tuple<int, int, int, int>> CheckDequantize(const std::vector<BufferSpec>& specs,
+                                                                       int64_t scale_axis, size_t inputs) {
+  if (specs.size() > 6 || inputs > specs.size()) throw nb::value_error("expected at most 6 buffers, inputs first");
+  jbg::BufferDesc descs[6];
+  for (size_t i = 0; i < specs.size(); ++i) {
     const auto& [dtype, dims, address] = specs[i];
     descs[i] = jbg::BufferDesc{DtypeCode(dtype), dims.data(), dims.size(), reinterpret_cast<const void*>(address)};
   }
-  jbg::DequantizeDims dims;
-  std::string message = jbg::CheckDequantizeBuffers(descs, scale_axis, &dims);
-  return {message, {dims.rows, dims.cols}};
+  jbg::DequantizeDims dims[2];
+  std::string message = jbg::CheckDequantizeBuffers(descs, inputs, specs.size() - inputs, scale_axis, dims);
+  return {message, {dims[0].rows, dims[0].cols, dims[1].rows, dims[1].cols}};
 }
 
+// Test hook for the instantiate-stage attribute parsing: returns [(arch, prefix, cc_major, cc_minor, begin, end)].
 std::vector<std::tuple<std::string, std::string, int, int, size_t, size_t>> ParseObjects(
     const std::string& archs, const std::string& prefixes, size_t objects_size, const std::vector<int64_t>& offsets,
     const std::string& target) {
@@ -220,7 +222,9 @@ NB_MODULE(_jbg_ffi, m) {
   m.def("check_proj_rope_buffers", &CheckProjRope, nb::arg("buffers"), nb::arg("w_out_in"),
         "Test hook: the proj_rope execute stage's buffer checks on [(dtype, dims, address)] * 8.");
   m.def("check_dequantize_buffers", &CheckDequantize, nb::arg("buffers"), nb::arg("scale_axis"),
-        "Test hook: the dequantize execute stage's buffer checks on [(dtype, dims, address)] * 3.");
+        nb::arg("inputs") = 2,
+        "Test hook: the dequantize execute stage's buffer checks on [(dtype, dims, address)] in FFI order: `inputs` "
+        "inputs (codes, scales[, codes1, scales1]), then the outputs (out[, out1]).");
   m.def("parse_object_table", &ParseObjects, nb::arg("archs"), nb::arg("function_prefixes"),
         nb::arg("objects_size"), nb::arg("offsets"), nb::arg("target") = jbg::kGemmAmaxTarget,
         "Test hook: the instantiate stage's attribute parsing (errors name `target`).");

@@ -195,17 +195,19 @@ def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation
     return _usable(variants, implementation, sizes=(t, k, h), names="(T, K, H)")
 
 
-def dequantize_variants(archs: Sequence[str], shape: Sequence[int], *, scale_axis: int) -> tuple:
+def dequantize_variants(archs: Sequence[str], shape: Sequence[int], *, scale_axis: int,
+                        paired_shape: Sequence[int] | None = None) -> tuple:
     """The dequantize kernels (one per arch in `archs`) for MXFP8 codes of `shape` with scales per 32 along
-    `scale_axis` (-1 or -2), or () when an arch has none or the kernel cannot take the shape (the caller then lets
-    XLA dequantize). Used on the MXFP8 proj_rope path, whose kernels multiply bf16."""
+    `scale_axis` (-1 or -2), and with `paired_shape` a second operand (scales along its last axis) in the same
+    launch; or () when an arch has none or the kernel cannot take a shape (the caller then lets XLA dequantize).
+    Used on the MXFP8 proj_rope path, whose kernels multiply bf16."""
     try:
         from jax_blockgemm.kernels import catalog
         from jax_blockgemm.kernels.dequantize import MxDequantize
     except ImportError:
         return ()
-    rows, cols = math.prod(shape[:-1]), shape[-1]
-    if not MxDequantize.can_implement(rows, cols, 1 if scale_axis == -1 else 0, catalog.DEQUANTIZE_TILE[1])[0]:
+    operands = [(shape, 1 if scale_axis == -1 else 0)] + ([(paired_shape, 1)] if paired_shape is not None else [])
+    if not all(MxDequantize.can_implement(math.prod(s[:-1]), s[-1], axis)[0] for s, axis in operands):
         return ()
     variants = tuple(catalog.select_variant(op="dequantize", arch=arch, ab_dtype="float8_e4m3fn", c_dtype="bfloat16",
                                             sf_vec_size=32, tile_mn=catalog.DEQUANTIZE_TILE, cluster_mn=(1, 1),

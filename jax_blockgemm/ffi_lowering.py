@@ -142,21 +142,25 @@ def emit_proj_rope(ctx: Any, x: Any, w: Any, cos: Any, sin: Any, *, variants: Se
     return _emit(PROJ_ROPE_TARGET, ctx, (x, w, cos, sin), attributes)
 
 
-def emit_dequantize(ctx: Any, codes: Any, scales: Any, *, avals: Sequence[Any], variants: Sequence[Any],
-                    scale_axis: int) -> Any:
-    """Emits one `jbg_dequantize_mxfp8` custom call inside the lowering `ctx`: E4M3 codes (..., R, C) times E8M0
-    scales, one per 32 along `scale_axis` (-1: along C, scales (..., R, C/32); -2: along R, scales (..., R/32, C)),
-    as bfloat16 (..., R, C). `avals`: those of codes and scales. Returns the bf16 value."""
+def emit_dequantize(ctx: Any, operands: Sequence[tuple[Any, Any]], *, avals: Sequence[tuple[Any, Any]],
+                    variants: Sequence[Any], scale_axis: int) -> list:
+    """Emits one `jbg_dequantize_mxfp8` custom call inside the lowering `ctx` for one or two (codes, scales) operands
+    (one launch): E4M3 codes (..., R, C) times E8M0 scales as bfloat16 (..., R, C). Operand 0 has one scale per 32
+    along `scale_axis` (-1: along C, scales (..., R, C/32); -2: along R, scales (..., R/32, C)); operand 1 along its
+    C. `avals`: (codes, scales) avals per operand. Returns the bf16 values."""
     if scale_axis not in (-1, -2):
         raise ValueError(f"emit_dequantize: scale_axis must be -1 or -2, got {scale_axis}")
-    codes_aval, scales_aval = avals
-    if np.dtype(codes_aval.dtype) != np.dtype("float8_e4m3fn") or np.dtype(scales_aval.dtype) != np.uint8:
-        raise ValueError(f"emit_dequantize expects float8_e4m3fn codes and uint8 scales; got {codes_aval}, "
-                         f"{scales_aval}")
-    out_aval = jax.core.ShapedArray(codes_aval.shape, np.dtype("bfloat16"))
-    sub = ctx.replace(avals_in=[codes_aval, scales_aval], avals_out=[out_aval])
+    if len(operands) not in (1, 2) or len(avals) != len(operands):
+        raise ValueError(f"emit_dequantize takes one or two (codes, scales) operands with their avals; got "
+                         f"{len(operands)} operands and {len(avals)} aval pairs")
+    for codes_aval, scales_aval in avals:
+        if np.dtype(codes_aval.dtype) != np.dtype("float8_e4m3fn") or np.dtype(scales_aval.dtype) != np.uint8:
+            raise ValueError(f"emit_dequantize expects float8_e4m3fn codes and uint8 scales; got {codes_aval}, "
+                             f"{scales_aval}")
+    outs = [jax.core.ShapedArray(codes_aval.shape, np.dtype("bfloat16")) for codes_aval, _ in avals]
+    sub = ctx.replace(avals_in=[a for pair in avals for a in pair], avals_out=outs)
     attributes = dict(object_table_attributes(*_objects(variants)), scale_axis=np.int64(scale_axis))
-    return _emit(DEQUANTIZE_TARGET, sub, (codes, scales), attributes)[0]
+    return _emit(DEQUANTIZE_TARGET, sub, [x for pair in operands for x in pair], attributes)
 
 
 def export_disabled_checks() -> list:

@@ -218,9 +218,10 @@ class RealPrimitiveTest(absltest.TestCase):
                                        f"tensor<1x{t}x{h}x192xf8E4M3FN>", f"tensor<1x{t // 32}x{h}x192xui8>"])
 
     def test_mxfp8_proj_rope_dequantizes_by_kernel_then_runs_the_bf16_kernel(self):
-        """MXFP8 inputs lower to two jbg_dequantize_mxfp8 calls (x: scales along K; w: along K, which is its rows
-        for w_out_in=False) whose bf16 results are the proj_rope call's x and w; each carries one dequantize object
-        per arch of the proj_rope kernels. Without dequantize kernels XLA dequantizes (no such call)."""
+        """MXFP8 inputs lower to one jbg_dequantize_mxfp8 call for w (operand 0: scales along K, which is its rows
+        for w_out_in=False) and x (operand 1: scales along K) whose bf16 results are the proj_rope call's w and x; it
+        carries one dequantize object per arch of the proj_rope kernels. Without dequantize kernels XLA dequantizes
+        (no such call)."""
         try:
             from jax_blockgemm.kernels import catalog
         except ImportError as e:
@@ -241,26 +242,28 @@ class RealPrimitiveTest(absltest.TestCase):
             calls = [op for op in _walk(lowered.compiler_ir("stablehlo").operation)
                      if op.name == "stablehlo.custom_call"
                      and ir_str(op.attributes["call_target_name"]) == "jbg_dequantize_mxfp8"]
-            self.assertLen(calls, 2)
-            (x_call, w_call) = sorted(calls, key=lambda op: str(op.operands[0].type) != f"tensor<1x{t}x{k}xf8E4M3FN>")
-            self.assertEqual([str(r.type) for r in x_call.results], [f"tensor<1x{t}x{k}xbf16>"])
-            w_shape = "x".join(map(str, (1, *w.shape)))
-            self.assertEqual([str(r.type) for r in w_call.results], [f"tensor<{w_shape}xbf16>"])
-            axes = [int(str(c.attributes["mhlo.backend_config"]["scale_axis"]).split(":")[0]) for c in (x_call, w_call)]
-            self.assertEqual(axes, [-1, -1 if w_out_in else -2])
-            for call, a_major in ((x_call, "k"), (w_call, "k" if w_out_in else "m")):
-                keys = [catalog.select_variant(op="dequantize", arch=arch, ab_dtype="float8_e4m3fn",
-                                               c_dtype="bfloat16", sf_vec_size=32, tile_mn=catalog.DEQUANTIZE_TILE,
-                                               cluster_mn=(1, 1), a_major=a_major).key
-                        for arch in ("sm_100a", "sm_90a")]
-                objects = np.array(call.attributes["mhlo.backend_config"]["objects"]).tobytes()
-                self.assertEqual(objects, "".join(keys).encode())
+            self.assertLen(calls, 1)
+            call = calls[0]
+            w_shape, ws_shape = ("x".join(map(str, (1, *a.shape))) for a in (w, ws))
+            self.assertEqual([str(o.type) for o in call.operands],
+                             [f"tensor<{w_shape}xf8E4M3FN>", f"tensor<{ws_shape}xui8>",
+                              f"tensor<1x{t}x{k}xf8E4M3FN>", f"tensor<1x{t}x{k // 32}xui8>"])
+            self.assertEqual([str(r.type) for r in call.results],
+                             [f"tensor<{w_shape}xbf16>", f"tensor<1x{t}x{k}xbf16>"])
+            axis = int(str(call.attributes["mhlo.backend_config"]["scale_axis"]).split(":")[0])
+            self.assertEqual(axis, -1 if w_out_in else -2)
+            keys = [catalog.select_variant(op="dequantize", arch=arch, ab_dtype="float8_e4m3fn",
+                                           c_dtype="bfloat16", sf_vec_size=32, tile_mn=catalog.DEQUANTIZE_TILE,
+                                           cluster_mn=(1, 1), a_major="k" if w_out_in else "m").key
+                    for arch in ("sm_100a", "sm_90a")]
+            objects = np.array(call.attributes["mhlo.backend_config"]["objects"]).tobytes()
+            self.assertEqual(objects, "".join(keys).encode())
             proj = [op for op in _walk(lowered.compiler_ir("stablehlo").operation)
                     if op.name == "stablehlo.custom_call"
                     and ir_str(op.attributes["call_target_name"]) == "jbg_gemm_proj_rope_mxfp8"]
             self.assertLen(proj, 1)
-            self.assertEqual(proj[0].operands[0].owner, x_call.operation)
-            self.assertEqual(proj[0].operands[1].owner, w_call.operation)
+            self.assertEqual(proj[0].operands[0], call.results[1])  # x
+            self.assertEqual(proj[0].operands[1], call.results[0])  # w
             with mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()), \
                     mock.patch.object(dispatch, "dequantize_variants", return_value=()):
                 f = jax.jit(functools.partial(jbg.gemm_proj_rope_mxfp8, w_out_in=w_out_in, implementation="cutedsl"))

@@ -1,5 +1,5 @@
-"""GPU: the MXFP8 -> bf16 dequantize kernel (kernels/dequantize.py) through its FFI call, bit for bit against a
-float64 oracle, and inside the MXFP8 proj_rope path.
+"""GPU: the MXFP8 -> bf16 dequantize kernel (kernels/dequantize.py) through its FFI call, one operand or two per
+launch, bit for bit against a float64 oracle, and inside the MXFP8 proj_rope path.
 
 Skipped without a CUDA device that has a kernel (CI has none). The handler poisons the output before each launch
 (JAX_BLOCKGEMM_POISON_OUTPUTS=1, set below: every byte 0xFF, a bf16 NaN), so an element the kernel leaves unwritten
@@ -24,20 +24,24 @@ from jax_blockgemm import dispatch, ffi_lowering
 import oracle_ops
 
 _dequantize_p = jex_core.Primitive("jbg_test_dequantize_mxfp8")
+_dequantize_p.multiple_results = True
 
 
 @_dequantize_p.def_abstract_eval
-def _abstract_eval(codes, scales, *, scale_axis):
-    return jax.core.ShapedArray(codes.shape, jnp.bfloat16)
+def _abstract_eval(*operands, scale_axis):
+    return [jax.core.ShapedArray(codes.shape, jnp.bfloat16) for codes in operands[::2]]
 
 
-def _cuda_lowering(ctx, codes, scales, *, scale_axis):
+def _cuda_lowering(ctx, *operands, scale_axis):
+    """One jbg_dequantize_mxfp8 call for (codes, scales[, codes1, scales1])."""
     archs = {dispatch.ARCH_OF_CAPABILITY[cc] for cc in dispatch.local_cuda_capabilities()}
-    variants = dispatch.dequantize_variants(archs, ctx.avals_in[0].shape, scale_axis=scale_axis)
+    paired = ctx.avals_in[2].shape if len(operands) == 4 else None
+    variants = dispatch.dequantize_variants(archs, ctx.avals_in[0].shape, scale_axis=scale_axis, paired_shape=paired)
     if not variants:
-        raise ValueError(f"no dequantize kernel for {ctx.avals_in[0]} with scale_axis {scale_axis}")
-    return [ffi_lowering.emit_dequantize(ctx, codes, scales, avals=ctx.avals_in, variants=variants,
-                                         scale_axis=scale_axis)]
+        raise ValueError(f"no dequantize kernel for {ctx.avals_in} with scale_axis {scale_axis}")
+    pairs = [tuple(operands[i:i + 2]) for i in range(0, len(operands), 2)]
+    avals = [tuple(ctx.avals_in[i:i + 2]) for i in range(0, len(operands), 2)]
+    return ffi_lowering.emit_dequantize(ctx, pairs, avals=avals, variants=variants, scale_axis=scale_axis)
 
 
 mlir.register_lowering(_dequantize_p, _cuda_lowering, platform="cuda")
@@ -48,9 +52,11 @@ def _has_kernel_gpu() -> bool:
     return bool(caps) and all(cc in dispatch.ARCH_OF_CAPABILITY for cc in caps)
 
 
-def _kernel(codes: np.ndarray, scales: np.ndarray, scale_axis: int) -> np.ndarray:
-    f = jax.jit(lambda c, s: _dequantize_p.bind(c, s, scale_axis=scale_axis))
-    return np.asarray(f(jnp.asarray(codes), jnp.asarray(scales)))
+def _kernel(codes: np.ndarray, scales: np.ndarray, scale_axis: int, *paired: np.ndarray) -> list[np.ndarray]:
+    """The kernel's bf16 values for (codes, scales) and, with `paired` (codes1, scales1: scales along the rows),
+    for a second operand in the same launch."""
+    f = jax.jit(lambda *ops: _dequantize_p.bind(*ops, scale_axis=scale_axis))
+    return [np.asarray(y) for y in f(*(jnp.asarray(a) for a in (codes, scales, *paired)))]
 
 
 def _oracle(codes: np.ndarray, scales: np.ndarray, scale_axis: int) -> np.ndarray:
@@ -82,7 +88,21 @@ class GpuDequantizeTest(parameterized.TestCase):
                               ((96, 4128), -1), ((2, 64, 96), -2), ((32, 32), -2), ((1, 32), -1))
     def test_random_operands(self, shape, scale_axis):
         codes, scales = _random(np.random.default_rng(sum(shape)), shape, scale_axis)
-        _assert_same_bits(self, _kernel(codes, scales, scale_axis), _oracle(codes, scales, scale_axis))
+        (got,) = _kernel(codes, scales, scale_axis)
+        _assert_same_bits(self, got, _oracle(codes, scales, scale_axis))
+
+    @parameterized.parameters(((1, 24576, 1536), -1, (1, 2048, 1536)), ((1, 1536, 24576), -2, (1, 2048, 1536)),
+                              ((96, 4128), -1, (1, 32)), ((2, 64, 96), -2, (96, 4128)), ((32, 32), -2, (3, 4160)),
+                              ((1, 32), -1, (8224, 32)))
+    def test_two_operands_in_one_launch(self, shape, scale_axis, shape1):
+        """Operand 1 (scales along its rows) beside operand 0 in either layout, sizes off the kernels' chunk
+        multiples: both bit-exact, both outputs poisoned before the launch."""
+        rng = np.random.default_rng(sum(shape) + sum(shape1))
+        codes, scales = _random(rng, shape, scale_axis)
+        codes1, scales1 = _random(rng, shape1, -1)
+        got, got1 = _kernel(codes, scales, scale_axis, codes1, scales1)
+        _assert_same_bits(self, got, _oracle(codes, scales, scale_axis))
+        _assert_same_bits(self, got1, _oracle(codes1, scales1, -1))
 
     @parameterized.parameters(-1, -2)
     def test_every_code_times_every_scale_byte(self, scale_axis):
@@ -95,7 +115,7 @@ class GpuDequantizeTest(parameterized.TestCase):
             codes = np.tile(np.repeat(np.arange(256, dtype=np.uint8)[:, None], 256, axis=1), (32, 1))
             scales = np.tile(np.arange(256, dtype=np.uint8), (256, 1))
         codes = codes.view(ml_dtypes.float8_e4m3fn)
-        got = _kernel(codes, scales, scale_axis)
+        (got,) = _kernel(codes, scales, scale_axis)
         want = _oracle(codes, scales, scale_axis)
         _assert_same_bits(self, got, want)
         self.assertTrue(np.isinf(want.astype(np.float32)).any())  # the grid reaches past bf16's range...
@@ -105,8 +125,8 @@ class GpuDequantizeTest(parameterized.TestCase):
     @parameterized.parameters(True, False)
     def test_mxfp8_proj_rope_equals_the_bf16_path_on_the_same_values(self, w_out_in):
         """The MXFP8 path (dequantize kernels, then the bf16 kernel) and the bf16 path on the dequantized values run
-        the same kernel on the same bf16 operands: all four outputs byte-identical. The compiled program holds the
-        two dequantize calls."""
+        the same kernel on the same bf16 operands: all four outputs byte-identical. The compiled program holds one
+        dequantize call (w and x in one launch)."""
         t, h, k = 160, 3, 256
         inp = oracle_ops.random_proj_rope_inputs(np.random.default_rng(11), t=t, h=h, k=k, mxfp8=True,
                                                  w_out_in=w_out_in)
@@ -117,7 +137,7 @@ class GpuDequantizeTest(parameterized.TestCase):
         bf = jax.jit(lambda x, w, c, s: jbg.gemm_proj_rope_mxfp8(x, w, c, s, w_out_in=w_out_in,
                                                                    implementation="cutedsl"))
         args = [jnp.asarray(inp[n]) for n in ("x", "w", "cos", "sin", "x_scale", "w_scale")]
-        self.assertEqual(mx.lower(*args).compile().as_text().count('custom_call_target="jbg_dequantize_mxfp8"'), 2)
+        self.assertEqual(mx.lower(*args).compile().as_text().count('custom_call_target="jbg_dequantize_mxfp8"'), 1)
         got = mx(*args)
         want = bf(jnp.asarray(x16), jnp.asarray(w16), args[2], args[3])
         for name, g, w in zip(("row codes", "row scales", "col codes", "col scales"), got, want):

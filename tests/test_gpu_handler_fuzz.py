@@ -550,6 +550,20 @@ def _dequantize_cases(good: Call) -> list[Case]:
                       r"jbg_dequantize_mxfp8: scales has shape \(1, 96, 4\).*expected uint8 \(1, 3, 128\)", "buffers"))
     cases.append(Case("scale axis 0", good.replace(scale_axis=0), r"jbg_dequantize_mxfp8: scale_axis must be -1 or -2",
                       "buffers"))
+    codes1, scales1, out1 = Buffer(E4M3, (1, 64, 96)), Buffer(U8, (1, 64, 3)), Buffer(BF16, (1, 64, 96))
+    pairs = [  # a second operand (scales along its rows) beside the first: (name, operands, results, message)
+        ("second operand's scales along the columns", (codes1, Buffer(U8, (1, 2, 96))), (out1,),
+         r"scales1 has shape \(1, 2, 96\).*expected uint8 \(1, 64, 3\)"),
+        ("second operand's codes not whole blocks", (Buffer(E4M3, (1, 64, 80)), Buffer(U8, (1, 64, 2))),
+         (Buffer(BF16, (1, 64, 80)),), r"codes1 has shape \(1, 64, 80\).*multiple of 32"),
+        ("second operand's out too small", (codes1, scales1), (Buffer(BF16, (1, 32, 96)),),
+         r"out1 has shape \(1, 32, 96\)"),
+        ("second operand without out1", (codes1, scales1), (), r"expected codes and scales with out, or also .*; got 4 inputs and 1 outputs"),
+        ("out1 without a second operand", (), (out1,), r"expected codes and scales with out, or also .*; got 2 inputs and 2 outputs"),
+        ("codes1 without scales1", (codes1,), (out1,), r"expected codes and scales with out, or also .*; got 3 inputs and 2 outputs"),
+    ]
+    cases += [Case(name, Call(good.operands + ops, good.results + res, good.attrs), "jbg_dequantize_mxfp8: " + message,
+                   "buffers") for name, ops, res, message in pairs]
     cases.append(Case("no archs", good.replace(archs="", function_prefixes=""),
                       r"jbg_dequantize_mxfp8 attributes: .*archs is empty", "attributes"))
     cases.append(Case("truncated object", good.replace(objects=good.attrs["objects"][:64], offsets=(0, 64)),
@@ -561,7 +575,7 @@ def _dequantize_cpu_check(call: Call) -> str:
     """What the dequantize handler's C++ says about `call`, as if instantiated and executed on an sm_90a device."""
     if problem := _object_table_problem(call.attrs, _native.DEQUANTIZE_TARGET):
         return problem
-    return ext.check_dequantize_buffers(_address_list(call), call.attrs["scale_axis"])[0]
+    return ext.check_dequantize_buffers(_address_list(call), call.attrs["scale_axis"], inputs=len(call.operands))[0]
 
 
 DEQUANTIZE = Target(_native.DEQUANTIZE_TARGET, _dequantize_object, _dequantize_well_formed, _dequantize_cases,

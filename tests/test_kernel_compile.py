@@ -475,31 +475,51 @@ class CompileTest(parameterized.TestCase):
 
 
 class DequantizeCompileTest(parameterized.TestCase):
-    """The MXFP8 -> bf16 kernel of the MXFP8 proj_rope path: compiled for both archs, 16-byte accesses, the
-    hardware FP8 converter, no local memory, the ABI ffi/dequantize.cc passes."""
+    """The MXFP8 -> bf16 kernel of the MXFP8 proj_rope path: compiled for both archs, two operands per launch, the
+    bulk-copy path where operand 0's scales run along the rows and the per-thread 16-byte path where they run along
+    the columns, the hardware FP8 converter, no local memory, the ABI ffi/dequantize.cc passes."""
 
     @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG if v.op == "dequantize")
     def test_structure_and_abi(self, v):
+        from jax_blockgemm.kernels import dequantize as dq
+
         ptx, obj, header, *_ = _compiled(v)
         self.assertGreater(len(obj), 1000)
         self.assertIn(f".target {v.arch}", ptx)
-        per_thread = v.tile_mn[1]
-        # codes (and for a_major "m" a scale byte per column) in vector loads: 4-byte words in all
-        loaded = sum(int(n) for n in re.findall(r"ld\.global(?:\.nc)?\.v(\d)\.b32", ptx))
-        self.assertEqual(loaded, per_thread // 4 * (1 if v.a_major == "k" else 2))
-        self.assertEqual(len(re.findall(r"st\.global\.v4\.b32", ptx)), per_thread // 8)
-        self.assertEqual(len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)), per_thread // 2)
-        self.assertEqual(len(re.findall(r"cvt\.rn\.bf16x2\.f32", ptx)), per_thread // 2)
+        count = lambda pattern: len(re.findall(pattern, ptx))
+        if v.a_major == "k":  # both operands by bulk copies: every chunk in and out, converted shared -> shared
+            per_operand = dq.STAGES
+            self.assertEqual(count(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes"),
+                             2 * per_operand)
+            self.assertEqual(count(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group"), 2 * per_operand)
+            self.assertEqual(count(r"cp\.async\.bulk\.wait_group\.read\s+0;"), 2)
+            runs = 2 * dq.STAGES * dq.RUNS
+            self.assertEqual(count(r"ld\.shared\.v2\.b32"), runs)  # a run's 8 codes
+            self.assertEqual(count(r"st\.shared\.v4\.b32"), runs)  # its 8 bf16 values
+            self.assertEqual(count(r"ld\.global\.[vb]"), runs)  # its scale byte, one per run
+            self.assertEqual(count(r"ld\.global\.u8|ld\.global\.b8"), runs)
+            self.assertEqual(count(r"st\.global"), 0)
+            converted = runs * dq.RUN
+        else:  # per thread from global memory: operand 0 with 16 column scales, operand 1 with one row scale
+            self.assertEqual(count(r"cp\.async\.bulk"), 0)
+            self.assertEqual(count(r"ld\.global(?:\.nc)?\.v4\.b32"), 3)  # codes twice, column scales once
+            self.assertEqual(count(r"ld\.global(?:\.nc)?\.(?:u8|b8)"), 1)
+            self.assertEqual(count(r"st\.global\.v4\.b32"), 4)
+            converted = 2 * dq.THREAD_RUN
+        self.assertEqual(count(r"cvt\.rn\.f16x2\.e4m3x2"), converted // 2)
+        self.assertEqual(count(r"cvt\.rn\.bf16x2\.f32"), converted // 2)
         self.assertNotIn(".local", ptx)
         self.assertNotRegex(ptx, r"mul\.ftz")  # scale byte 0 is the float32 subnormal 2^-127: no flushing
         p = v.function_prefix
         wrapper = re.search(rf"int32_t cute_dsl_{p}_wrapper\(([^)]*)\)", header).group(1)
         params = [x.strip() for x in wrapper.split(",")]
-        self.assertEqual(params[1:], [f"{p}_Tensor_{t}_t *{t}" for t in ("codes", "scales", "out")]
-                         + ["int32_t rows", "int32_t cols", "cudaStream_t stream"])
+        operand = lambda s: [f"{p}_Tensor_{t}{s}_t *{t}{s}" for t in ("codes", "scales", "out")] + [
+            f"int32_t rows{s}", f"int32_t cols{s}"]
+        self.assertEqual(params[1:], operand("") + operand("1") + ["cudaStream_t stream"])
         args = re.search(r"void \*args\[(\d+)\] = \{([^}]*)\}", header)
         self.assertEqual([x.strip() for x in args.group(2).split(",")],
-                         ["codes", "scales", "out", "&rows", "&cols", "&stream", "&ret"])  # ffi/dequantize.cc
+                         ["codes", "scales", "out", "&rows", "&cols", "codes1", "scales1", "out1", "&rows1",
+                          "&cols1", "&stream", "&ret"])  # ffi/dequantize.cc
 
     def test_can_implement(self):
         from jax_blockgemm.kernels.dequantize import MxDequantize
@@ -507,6 +527,7 @@ class DequantizeCompileTest(parameterized.TestCase):
         self.assertEqual(MxDequantize.can_implement(2048, 1536, 1), (True, ""))
         self.assertEqual(MxDequantize.can_implement(1536, 24576, 0), (True, ""))
         for rows, cols, axis, why in ((64, 48, 1, "cols must be a multiple of 32"),
+                                      (64, 48, 0, "cols must be a multiple of 32"),
                                       (48, 64, 0, "rows must be a multiple of 32"),
                                       (0, 64, 1, "must be >= 1"), (65536, 32768, 1, "fewer than 2\\*\\*31")):
             ok, message = MxDequantize.can_implement(rows, cols, axis)
@@ -514,8 +535,6 @@ class DequantizeCompileTest(parameterized.TestCase):
             self.assertRegex(message, why)
         with self.assertRaisesRegex(ValueError, "scale_axis=2 is not supported"):
             MxDequantize(scale_axis=2)
-        with self.assertRaisesRegex(ValueError, "codes_per_thread=4 is not supported"):
-            MxDequantize(codes_per_thread=4)
 
 
 _SURFACE_90 = [v for v in catalog.variants_for("sm_90a", "gemm_amax")

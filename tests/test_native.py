@@ -93,7 +93,29 @@ class DequantizeBufferCheckTest(parameterized.TestCase):
                               ((96, 4128), -1, (96, 4128)), ((2, 32, 64), -2, (64, 64)))
     def test_well_formed(self, shape, axis, dims):
         """Leading dimensions fold into rows; scales are per 32 along the last (-1) or second-to-last (-2) axis."""
-        self.assertEqual(ext.check_dequantize_buffers(self._buffers(shape, axis), axis), ("", dims))
+        self.assertEqual(ext.check_dequantize_buffers(self._buffers(shape, axis), axis), ("", (*dims, 0, 0)))
+
+    def test_pair(self):
+        """A second operand (codes1, scales1 after scales; out1 after out: FFI order) always has its scales along
+        its last axis, whatever scale_axis says of operand 0; each of its buffers is checked and named, and the
+        inputs and outputs must come as whole operands."""
+        w = self._buffers((1, 1536, 384), -2)
+        x = [(dtype, dims, address + 65536) for dtype, dims, address in self._buffers((1, 64, 1536), -1)]
+        pair = lambda w, x: w[:2] + x[:2] + [w[2], x[2]]
+        self.assertEqual(ext.check_dequantize_buffers(pair(w, x), -2, inputs=4), ("", (1536, 384, 64, 1536)))
+        x_along_k = [(dtype, dims, address + 65536) for dtype, dims, address in self._buffers((1, 1536, 64), -2)]
+        self.assertRegex(ext.check_dequantize_buffers(pair(w, x_along_k), -2, inputs=4)[0],
+                         r"^jbg_dequantize_mxfp8: scales1 has shape \(1, 48, 64\).*expected uint8 \(1, 1536, 2\)")
+        bad_out = x[:2] + [("bfloat16", [1, 32, 1536], x[2][2])]
+        self.assertRegex(ext.check_dequantize_buffers(pair(w, bad_out), -2, inputs=4)[0],
+                         r"out1 .*expected bfloat16 \(1, 64, 1536\)")
+        odd = [(d, dims, a + 8 * (i == 0)) for i, (d, dims, a) in enumerate(x)]
+        self.assertRegex(ext.check_dequantize_buffers(pair(w, odd), -2, inputs=4)[0], "codes1 .*16-byte aligned")
+        for buffers, inputs in ((w[:2] + x[:2] + [w[2]], 4), (w[:2] + x[:1] + [w[2], x[2]], 3),
+                                (w + [x[2]], 2)):
+            self.assertRegex(ext.check_dequantize_buffers(buffers, -2, inputs=inputs)[0],
+                             f"expected codes and scales with out, or also codes1 and scales1 with out1; got "
+                             f"{inputs} inputs and {len(buffers) - inputs} outputs")
 
     @parameterized.parameters(
         (dict(codes=("bfloat16", [1, 64, 1536])), -1, "codes has shape .*expected float8_e4m3fn of rank >= 2"),

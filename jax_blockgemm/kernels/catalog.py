@@ -11,9 +11,10 @@ dynamic_shapes[1];}` struct over a flat buffer.
     proj_rope: fn(x, w, cos, sin, x_scale, w_scale, row_codes, row_scales, col_codes, col_scales, t, k, h, stream)
       x (T, K); w (H·192, K) for b_major "k", (K, H·192) for "n"; cos/sin (T, 64); x_scale/w_scale: E8M0 bytes laid
       out like x and w (MXFP8 inputs; empty for bf16); the four outputs of SPEC §5, row-major; t/k/h int32.
-    dequantize: fn(codes, scales, out, rows, cols, stream)
-      codes (rows, cols) E4M3; out (rows, cols) bf16; scales E8M0 bytes (rows, cols/32) for a_major "k" (blocks
-      along the row), (rows/32, cols) for "m" (blocks along the column); rows/cols int32 (kernels/dequantize.py).
+    dequantize: fn(codes, scales, out, rows, cols, codes1, scales1, out1, rows1, cols1, stream)
+      two operands in one launch: codes (rows, cols) E4M3; out (rows, cols) bf16; scales E8M0 bytes (rows, cols/32)
+      for a_major "k" (blocks along the row), (rows/32, cols) for "m" (blocks along the column); operand 1 always
+      has its blocks along the row, and rows1 = 0 when there is none; sizes int32 (kernels/dequantize.py).
 
 The target architecture is a property of the DSL singleton (`CUTE_DSL_ARCH` is read once, when the singleton is
 built, or detected from the GPU); `compile_variant` sets it for the duration of each compile, so one process can
@@ -140,7 +141,7 @@ def _blackwell_proj_rope_factory(v: KernelVariant) -> Any:
 def _dequantize_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.dequantize import MxDequantize
 
-    return MxDequantize(scale_axis=1 if v.a_major == "k" else 0, codes_per_thread=v.tile_mn[1])
+    return MxDequantize(scale_axis=1 if v.a_major == "k" else 0)
 
 
 def _broken_factory(v: KernelVariant) -> Any:
@@ -170,7 +171,7 @@ PROJ_ROPE_SCHEDULE_TILES_SM90 = {"pingpong": (64, 192), "persistent": (128, 192)
 PROJ_ROPE_SCHEDULES_SM90 = tuple(PROJ_ROPE_SCHEDULE_TILES_SM90)
 PROJ_ROPE_PINGPONG_TILE = PROJ_ROPE_SCHEDULE_TILES_SM90["pingpong"]
 
-# dequantize: each thread converts tile_mn[1] consecutive codes of a row (MxDequantize's codes_per_thread)
+# the tile field of the dequantize keys (those kernels have no tile; their data path follows a_major)
 DEQUANTIZE_TILE = (1, 16)
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
@@ -282,8 +283,9 @@ def fake_arguments(kernel: Any, op: str = "gemm_amax") -> list:
         return make_fake_compact_tensor(dtype, (cute.sym_int64(),), assumed_align=16)
 
     if op == "dequantize":
-        return [flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(cutlass.BFloat16), cutlass.Int32(32),
-                cutlass.Int32(64), cuda.CUstream(0)]
+        operand = [flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(cutlass.BFloat16), cutlass.Int32(32),
+                   cutlass.Int32(64)]
+        return operand + operand + [cuda.CUstream(0)]
     if op == "proj_rope":
         ab, u8 = kernel.ab_dtype, cutlass.Uint8
         return [flat(ab), flat(ab), flat(cutlass.BFloat16), flat(cutlass.BFloat16), flat(u8), flat(u8),

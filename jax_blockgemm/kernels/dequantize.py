@@ -1,17 +1,26 @@
 """MXFP8 codes times E8M0 block scales as bfloat16, on any GPU architecture (no MMA): the input pass of the MXFP8
-proj_rope path, whose kernels (sm_90a, sm_100a) multiply bf16 operands.
+proj_rope path, whose kernels (sm_90a, sm_100a) multiply bf16 operands. One launch converts two operands (w and x).
 
-XLA's fusion of the same expression (reference.dequantize_bf16) moves DeepSeek-V3's w (37.7 MB of codes in, 75.5 MB
-of bf16 out) in ~47 us on the H200 (~2.4 TB/s); this kernel, with 16-byte loads and stores of whole runs of codes
-per thread, in ~35 us (benchmarks/RESULTS.md; the sm_100a object is compiled, never run). The values are the
-reference's, bit for bit (SPEC §6): code -> float32 (exact), times the float32 scale 2^(b-127) (exact but for
-results below float32's normal range, rounded the same way as the reference's multiply), rounded to bfloat16.
+The values are the reference's, bit for bit (SPEC §6): code -> float32 (exact, through the hardware E4M3x2 -> f16x2
+converter), times the float32 scale 2^(b-127) (exact but for results below float32's normal range, rounded the same
+way as the reference's multiply; no flush to zero), rounded to bfloat16.
 
-ABI (catalog op "dequantize"): fn(codes, scales, out, rows, cols, stream), flat buffers:
-    codes (rows, cols) float8_e4m3fn, row-major; out (rows, cols) bfloat16;
-    scales uint8 E8M0: (rows, cols / 32) for `scale_axis` 1 (blocks of 32 along a row), (rows / 32, cols) for 0.
-cols must be a multiple of `codes_per_thread` and of 32 for scale_axis 1; rows of 32 for scale_axis 0 (the handler
-checks).
+Two data paths, chosen by operand 0's scale axis (benchmarks/RESULTS.md 2026-11-30 13:20 has the H200 figures; the
+sm_100a objects are compiled, never run):
+- scales along the rows (`scale_axis` 1, both operands): bulk copies. A CTA owns UNIT consecutive codes in STAGES
+  chunks; one thread issues every chunk's global -> shared bulk copy at once (one mbarrier each), the threads convert
+  shared -> shared in runs of RUN codes (warp-contiguous 8-byte loads and 16-byte stores), one bulk store per chunk.
+  DeepSeek-V3's w (24576 x 1536): 31.8 us on the H200, against 35 for one thread per 16 codes from global memory
+  and 29.6 for a plain copy of the same bytes.
+- scales along the columns (`scale_axis` 0, operand 0 only): one thread per THREAD_RUN codes of a row straight from
+  global memory (one 16-byte load of codes and one of their 16 column scales, two 16-byte stores): 32.1 us for w as
+  (K, N), where the bulk path's per-run scale loads made it slower (34.1). Operand 1 then takes the same path.
+
+ABI (catalog op "dequantize"): fn(codes, scales, out, rows, cols, codes1, scales1, out1, rows1, cols1, stream), flat
+buffers: codes (rows, cols) float8_e4m3fn, row-major; out (rows, cols) bfloat16; scales uint8 E8M0: (rows, cols / 32)
+for `scale_axis` 1 (blocks of 32 along a row), (rows / 32, cols) for 0. Operand 1 always has its scales along its
+rows; rows1 = 0 means there is none (its buffers are then never touched). Sizes per `can_implement`; the handler
+(ffi/dequantize.cc) checks them.
 """
 
 from __future__ import annotations
@@ -21,31 +30,54 @@ import cutlass
 import cutlass.cute as cute
 
 from jax_blockgemm.kernels import common
+from jax_blockgemm.kernels.sm90.ptx_ops import bulk_load, bulk_store
 from jax_blockgemm.support import MX_BLOCK
 
-CODES_PER_THREAD = (8, 16, 32)  # an 8-, 16- or 2 x 16-byte load of codes per thread
 THREADS = 256
 SCALE_AXES = (0, 1)
+# bulk path (scales along the rows)
+RUN = 8  # codes a thread converts at a time
+RUNS = 2  # runs per thread per chunk
+CHUNK = THREADS * RUN * RUNS  # codes per bulk copy (4 KB in, 8 KB out)
+STAGES = 2  # chunks per CTA, all in flight at once
+UNIT = CHUNK * STAGES  # codes per CTA
+# per-thread path (scales along the columns)
+THREAD_RUN = 16  # codes per thread: one 16-byte load
+
+
+@cute.jit
+def _scaled_bf16(codes: cute.Tensor, factors, dst: cute.Tensor, per_element: cutlass.Constexpr):
+    """dst (bf16) = codes (E4M3, in registers) x the decoded E8M0 factor(s): one scale byte (Int32) for the whole run,
+    or with `per_element` a register tensor of one byte per code."""
+    values = codes.load().to(cutlass.Float32)
+    if cutlass.const_expr(per_element):
+        n = cute.size(codes)
+        decoded = cute.make_rmem_tensor((n,), cutlass.Float32)
+        for i in cutlass.range_constexpr(n):
+            decoded[i] = common.f32_from_bits(common.e8m0_bits(factors[i].to(cutlass.Int32)))
+        dst.store((values * decoded.load()).to(cutlass.BFloat16))
+    else:
+        dst.store((values * common.f32_from_bits(common.e8m0_bits(factors))).to(cutlass.BFloat16))
 
 
 class MxDequantize:
-    """codes·2^(scale-127) as bfloat16 for MXFP8 E4M3 codes with scales per 32 along `scale_axis`."""
+    """codes·2^(scale-127) as bfloat16 for up to two MXFP8 E4M3 operands in one launch; operand 0 has its scales per
+    32 along `scale_axis`, operand 1 along its rows."""
 
-    def __init__(self, *, scale_axis: int = 1, codes_per_thread: int = 16):
+    def __init__(self, *, scale_axis: int = 1):
         common.require_choice("scale_axis", scale_axis, SCALE_AXES)
-        common.require_choice("codes_per_thread", codes_per_thread, CODES_PER_THREAD)
         self.scale_axis = scale_axis
-        self.per_thread = codes_per_thread
+        self.bulk = scale_axis == 1
+        self.per_cta = UNIT if self.bulk else THREADS * THREAD_RUN
         self.ab_dtype = cutlass.Float8E4M3FN
 
     @staticmethod
-    def can_implement(rows: int, cols: int, scale_axis: int, codes_per_thread: int = 16) -> tuple[bool, str]:
+    def can_implement(rows: int, cols: int, scale_axis: int) -> tuple[bool, str]:
         """Whether the kernel takes a (rows, cols) operand with scales along `scale_axis`, and why not."""
         if min(rows, cols) < 1:
             return False, f"rows and cols must be >= 1, got {rows} x {cols}"
-        multiple = max(codes_per_thread, MX_BLOCK if scale_axis == 1 else 1)
-        if cols % multiple:
-            return False, f"cols must be a multiple of {multiple}, got {cols}"
+        if cols % MX_BLOCK:
+            return False, f"cols must be a multiple of {MX_BLOCK}, got {cols}"
         if scale_axis == 0 and rows % MX_BLOCK:
             return False, f"rows must be a multiple of {MX_BLOCK} (scales along rows), got {rows}"
         if rows * cols >= 2**31:
@@ -54,37 +86,112 @@ class MxDequantize:
 
     @cute.jit
     def __call__(self, codes: cute.Tensor, scales: cute.Tensor, out: cute.Tensor, rows: cutlass.Int32,
-                 cols: cutlass.Int32, stream: cuda.CUstream):
-        """Host side: one thread per `codes_per_thread` codes of a row."""
-        chunks = rows * (cols // self.per_thread)
-        self.kernel(codes, scales, out, rows, cols).launch(
-            grid=((chunks + THREADS - 1) // THREADS, 1, 1), block=(THREADS, 1, 1), stream=stream)
+                 cols: cutlass.Int32, codes1: cute.Tensor, scales1: cute.Tensor, out1: cute.Tensor,
+                 rows1: cutlass.Int32, cols1: cutlass.Int32, stream: cuda.CUstream):
+        """Host side: operand 0's CTAs, then operand 1's."""
+        ctas = (rows * cols + self.per_cta - 1) // self.per_cta + (rows1 * cols1 + self.per_cta - 1) // self.per_cta
+        smem = 0
+        if cutlass.const_expr(self.bulk):
+            fields = dict(full=cute.struct.MemRange[cutlass.Int64, STAGES],
+                          src=cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, UNIT], 128],
+                          dst=cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, UNIT], 128])
+            self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+            smem = self.shared_storage.size_in_bytes()
+        self.kernel(codes, scales, out, rows, cols, codes1, scales1, out1, rows1, cols1).launch(
+            grid=(ctas, 1, 1), block=(THREADS, 1, 1), smem=smem, stream=stream)
 
     @cute.kernel
     def kernel(self, codes: cute.Tensor, scales: cute.Tensor, out: cute.Tensor, rows: cutlass.Int32,
-               cols: cutlass.Int32):
+               cols: cutlass.Int32, codes1: cute.Tensor, scales1: cute.Tensor, out1: cute.Tensor,
+               rows1: cutlass.Int32, cols1: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        chunk = bidx * THREADS + tidx
-        n = self.per_thread
-        chunks_per_row = cols // n
-        if chunk < rows * chunks_per_row:
-            row = chunk // chunks_per_row
-            col = (chunk - row * chunks_per_row) * n
-            first = cute.assume(chunk * n, divby=n)
+        ctas0 = (rows * cols + self.per_cta - 1) // self.per_cta
+        if cutlass.const_expr(self.bulk):
+            storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+            if bidx < ctas0:
+                self._bulk_unit(storage, codes, scales, out, rows * cols, bidx, tidx)
+            else:
+                self._bulk_unit(storage, codes1, scales1, out1, rows1 * cols1, bidx - ctas0, tidx)
+        else:
+            if bidx < ctas0:
+                self._thread_run(codes, scales, out, rows, cols, bidx, tidx, self.scale_axis)
+            else:
+                self._thread_run(codes1, scales1, out1, rows1, cols1, bidx - ctas0, tidx, 1)
+
+    @cute.jit
+    def _bulk_unit(self, storage, codes: cute.Tensor, scales: cute.Tensor, out: cute.Tensor, total: cutlass.Int32,
+                   unit: cutlass.Int32, tidx: cutlass.Int32):
+        """Codes [unit·UNIT, +UNIT) ∩ [0, total) of an operand with scales along its rows (total: a multiple of 32,
+        so every chunk's bytes are a multiple of 16 and every run lies inside one scale block)."""
+        full0 = storage.full.data_ptr()
+        src0 = storage.src.data_ptr().toint()
+        dst0 = storage.dst.data_ptr().toint()
+        first = unit * UNIT
+        left = total - first
+        if tidx == 0:
+            for s in cutlass.range_constexpr(STAGES):
+                cute.arch.mbarrier_init(full0 + s, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        if tidx == 0:
+            for s in cutlass.range_constexpr(STAGES):
+                n = cutlass.max(cutlass.min(left - s * CHUNK, CHUNK), 0)
+                if n > 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(full0 + s, n)
+                    bulk_load(src0 + s * CHUNK, codes.iterator.toint() + cutlass.Int64(first + s * CHUNK), n,
+                              (full0 + s).toint())
+        # every run's scale byte, loaded while the chunks are in flight (a run past the end reads the last one)
+        factors = []
+        for s in cutlass.range_constexpr(STAGES):
+            for r in cutlass.range_constexpr(RUNS):
+                code = cutlass.min(first + s * CHUNK + r * (THREADS * RUN) + tidx * RUN, total - 1)
+                factors.append(scales[code // MX_BLOCK].to(cutlass.Int32))
+        for s in cutlass.range_constexpr(STAGES):
+            n = cutlass.max(cutlass.min(left - s * CHUNK, CHUNK), 0)
+            if n > 0:  # the same for every thread
+                cute.arch.mbarrier_wait(full0 + s, 0)
+                for r in cutlass.range_constexpr(RUNS):
+                    at = r * (THREADS * RUN) + tidx * RUN
+                    if at < n:
+                        src = cute.make_rmem_tensor((RUN,), self.ab_dtype)
+                        sp = cute.make_ptr(self.ab_dtype, src0 + s * CHUNK + at, cute.AddressSpace.smem,
+                                           assumed_align=RUN)
+                        cute.autovec_copy(cute.make_tensor(sp, src.layout), src)
+                        dst = cute.make_rmem_tensor((RUN,), cutlass.BFloat16)
+                        _scaled_bf16(src, factors[s * RUNS + r], dst, False)
+                        dp = cute.make_ptr(cutlass.BFloat16, dst0 + 2 * (s * CHUNK + at), cute.AddressSpace.smem,
+                                           assumed_align=2 * RUN)
+                        cute.autovec_copy(dst, cute.make_tensor(dp, dst.layout))
+                cute.arch.fence_proxy("async.shared", space="cta")  # the converted chunk, visible to the bulk copy
+                cute.arch.sync_threads()
+                if tidx == 0:
+                    bulk_store(out.iterator.toint() + cutlass.Int64(first + s * CHUNK) * 2, dst0 + 2 * s * CHUNK,
+                               2 * n)
+                    cute.arch.cp_async_bulk_commit_group()
+        if tidx == 0:  # shared memory stays the CTA's until its bulk stores have read it
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _thread_run(self, codes: cute.Tensor, scales: cute.Tensor, out: cute.Tensor, rows: cutlass.Int32,
+                    cols: cutlass.Int32, cta: cutlass.Int32, tidx: cutlass.Int32, scale_axis: cutlass.Constexpr):
+        """One thread's THREAD_RUN consecutive codes of a row (cols: a multiple of 32), straight from global
+        memory."""
+        n = THREAD_RUN
+        run = cta * THREADS + tidx
+        runs_per_row = cols // n
+        if run < rows * runs_per_row:
+            row = run // runs_per_row
+            col = (run - row * runs_per_row) * n
+            first = cute.assume(run * n, divby=n)
             src = cute.make_rmem_tensor((n,), self.ab_dtype)
             cute.autovec_copy(cute.make_tensor(codes.iterator + first, src.layout), src)
-            values = src.load().to(cutlass.Float32)
             dst = cute.make_rmem_tensor((n,), cutlass.BFloat16)
-            if cutlass.const_expr(self.scale_axis == 1):  # n <= 32: the run is inside one block
-                byte = scales[row * (cols // MX_BLOCK) + col // MX_BLOCK].to(cutlass.Int32)
-                dst.store((values * common.f32_from_bits(common.e8m0_bits(byte))).to(cutlass.BFloat16))
-            else:
-                scale_bytes = cute.make_rmem_tensor((n,), cutlass.Uint8)  # one scale per column
+            if cutlass.const_expr(scale_axis == 1):  # the run lies inside one block
+                _scaled_bf16(src, scales[row * (cols // MX_BLOCK) + col // MX_BLOCK].to(cutlass.Int32), dst, False)
+            else:  # one scale per column
+                column_scales = cute.make_rmem_tensor((n,), cutlass.Uint8)
                 scale0 = cute.assume((row // MX_BLOCK) * cols + col, divby=n)
-                cute.autovec_copy(cute.make_tensor(scales.iterator + scale0, scale_bytes.layout), scale_bytes)
-                factors = cute.make_rmem_tensor((n,), cutlass.Float32)
-                for i in cutlass.range_constexpr(n):
-                    factors[i] = common.f32_from_bits(common.e8m0_bits(scale_bytes[i].to(cutlass.Int32)))
-                dst.store((values * factors.load()).to(cutlass.BFloat16))
+                cute.autovec_copy(cute.make_tensor(scales.iterator + scale0, column_scales.layout), column_scales)
+                _scaled_bf16(src, column_scales, dst, True)
             cute.autovec_copy(dst, cute.make_tensor(out.iterator + first, dst.layout))

@@ -1,4 +1,5 @@
-"""Inline-PTX shared- and global-memory accesses of the sm_90a epilogues (kernels/sm90/proj_rope.py, y_tile.py).
+"""Inline-PTX shared- and global-memory accesses of the sm_90a epilogues (kernels/sm90/proj_rope.py, y_tile.py), and
+the bulk copies (sm_90 and later) of the arch-neutral kernels/dequantize.py.
 
 Each is one instruction of exactly the width named, and every global store is predicated inside the asm (no branch,
 no reconvergence point, so the scheduler may move shuffles and conversions across it). Loads and stores carry a
@@ -88,3 +89,20 @@ def st_global_u8_if(addr, w, pred, *, loc=None, ip=None) -> None:
     args = [cutlass.Int64(addr), cutlass.Int32(w), cutlass.Int32(pred)]
     _asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b8 [$0], $1; }", "l,r,r,~{memory}", True,
          loc, ip)
+
+
+@dsl_user_op
+def bulk_load(smem: cutlass.Int32, gmem: cutlass.Int64, size: cutlass.Int32, mbar: cutlass.Int32, *, loc=None,
+              ip=None) -> None:
+    """cp.async.bulk of `size` bytes (a multiple of 16; both addresses 16-byte aligned) from global to shared memory,
+    completing on the mbarrier at shared address `mbar`."""
+    args = [cutlass.Int32(smem), cutlass.Int64(gmem), cutlass.Int32(size), cutlass.Int32(mbar)]
+    _asm(None, args, "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+         "r,l,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def bulk_store(gmem: cutlass.Int64, smem: cutlass.Int32, size: cutlass.Int32, *, loc=None, ip=None) -> None:
+    """cp.async.bulk of `size` bytes from shared to global memory, in the thread's current bulk group."""
+    args = [cutlass.Int64(gmem), cutlass.Int32(smem), cutlass.Int32(size)]
+    _asm(None, args, "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;", "l,r,r,~{memory}", True, loc, ip)
