@@ -5,7 +5,7 @@ The values are the reference's, bit for bit (SPEC §6): code -> float32 (exact, 
 converter), times the float32 scale 2^(b-127) (exact but for results below float32's normal range, rounded the same
 way as the reference's multiply; no flush to zero), rounded to bfloat16.
 
-Two data paths, chosen by operand 0's scale axis (benchmarks/RESULTS.md 2026-11-30 13:20 has the H200 figures; the
+Two data paths, chosen by operand 0's scale axis (benchmarks/RESULTS.md, 2026-11-30 12:58, has the H200 figures; the
 sm_100a objects are compiled, never run):
 - scales along the rows (`scale_axis` 1, both operands): bulk copies. A CTA owns UNIT consecutive codes in STAGES
   chunks; one thread issues every chunk's global -> shared bulk copy at once (one mbarrier each), the threads convert
