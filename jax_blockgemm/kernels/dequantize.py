@@ -46,6 +46,12 @@ THREAD_RUN = 16  # codes per thread: one 16-byte load
 
 
 @cute.jit
+def _ceil_div(n: cutlass.Int32, d: int) -> cutlass.Int32:
+    """ceil(n / d) for 0 <= n < 2**31 without forming n + d - 1 (which overflows Int32 near the top)."""
+    return n // d + cutlass.min(n % d, 1)
+
+
+@cute.jit
 def _scaled_bf16(codes: cute.Tensor, factors, dst: cute.Tensor, per_element: cutlass.Constexpr):
     """dst (bf16) = codes (E4M3, in registers) x the decoded E8M0 factor(s): one scale byte (Int32) for the whole run,
     or with `per_element` a register tensor of one byte per code."""
@@ -89,7 +95,7 @@ class MxDequantize:
                  cols: cutlass.Int32, codes1: cute.Tensor, scales1: cute.Tensor, out1: cute.Tensor,
                  rows1: cutlass.Int32, cols1: cutlass.Int32, stream: cuda.CUstream):
         """Host side: operand 0's CTAs, then operand 1's."""
-        ctas = (rows * cols + self.per_cta - 1) // self.per_cta + (rows1 * cols1 + self.per_cta - 1) // self.per_cta
+        ctas = _ceil_div(rows * cols, self.per_cta) + _ceil_div(rows1 * cols1, self.per_cta)
         smem = 0
         if cutlass.const_expr(self.bulk):
             fields = dict(full=cute.struct.MemRange[cutlass.Int64, STAGES],
@@ -106,7 +112,7 @@ class MxDequantize:
                rows1: cutlass.Int32, cols1: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        ctas0 = (rows * cols + self.per_cta - 1) // self.per_cta
+        ctas0 = _ceil_div(rows * cols, self.per_cta)
         if cutlass.const_expr(self.bulk):
             storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
             if bidx < ctas0:
@@ -141,11 +147,12 @@ class MxDequantize:
                     cute.arch.mbarrier_arrive_and_expect_tx(full0 + s, n)
                     bulk_load(src0 + s * CHUNK, codes.iterator.toint() + cutlass.Int64(first + s * CHUNK), n,
                               (full0 + s).toint())
-        # every run's scale byte, loaded while the chunks are in flight (a run past the end reads the last one)
+        # every run's scale byte, loaded while the chunks are in flight (a run past the end reads the last one; the
+        # offset is clamped before it is added, so no sum passes `total`)
         factors = []
         for s in cutlass.range_constexpr(STAGES):
             for r in cutlass.range_constexpr(RUNS):
-                code = cutlass.min(first + s * CHUNK + r * (THREADS * RUN) + tidx * RUN, total - 1)
+                code = first + cutlass.min(s * CHUNK + r * (THREADS * RUN) + tidx * RUN, left - 1)
                 factors.append(scales[code // MX_BLOCK].to(cutlass.Int32))
         for s in cutlass.range_constexpr(STAGES):
             n = cutlass.max(cutlass.min(left - s * CHUNK, CHUNK), 0)
