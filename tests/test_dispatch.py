@@ -177,6 +177,31 @@ def _proj_rope_operands():
     return x, w, cs, cs
 
 
+class DequantizeVariantsTest(parameterized.TestCase):
+    """`dispatch.dequantize_variants`: which dequantize objects the MXFP8 proj_rope lowering gets, for w alone or
+    with x beside it in the same launch."""
+
+    @parameterized.parameters((-1, "k"), (-2, "m"))
+    def test_one_object_per_arch_by_operand_0s_scale_axis(self, axis, a_major):
+        variants = dispatch.dequantize_variants({"sm_90a", "sm_100a"}, (1, 24576, 1536) if axis == -1
+                                                else (1, 1536, 24576), scale_axis=axis, paired_shape=(1, 2048, 1536))
+        self.assertEqual([(v.op, v.arch, v.a_major) for v in variants],
+                         [("dequantize", "sm_100a", a_major), ("dequantize", "sm_90a", a_major)])
+
+    @parameterized.parameters(
+        ((1, 96, 48), -1, None),  # operand 0's rows (scales along them) are not whole blocks of 32
+        ((1, 48, 96), -2, None),  # scales along its columns: its rows must be whole blocks
+        ((1, 96, 64), -1, (1, 64, 48)),  # operand 1's rows (its scales run along them) are not whole blocks
+        ((1, 65536, 32768), -1, None),  # 2**31 codes
+        ((1, 96, 64), -1, (1, 65536, 32768)),
+    )
+    def test_none_where_the_kernel_cannot_take_an_operand(self, shape, axis, paired):
+        self.assertEqual(dispatch.dequantize_variants({"sm_90a"}, shape, scale_axis=axis, paired_shape=paired), ())
+
+    def test_none_where_an_arch_has_no_object(self):
+        self.assertEqual(dispatch.dequantize_variants({"sm_90a", "sm_80"}, (1, 96, 64), scale_axis=-1), ())
+
+
 class OffCudaTest(parameterized.TestCase):
     """SPEC §6 on the CPU: 'cutedsl' demands a kernel and fails loudly; None and 'xla' run the reference."""
 
