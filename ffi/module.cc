@@ -82,6 +82,14 @@ int DtypeCode(const std::string& name) {
 
 using BufferSpec = std::tuple<std::string, std::vector<int64_t>, uintptr_t>;
 
+// The test hooks' buffers as the handlers' checks see them (dims point into `specs`, which must outlive `descs`).
+void ToDescs(const std::vector<BufferSpec>& specs, jbg::BufferDesc* descs) {
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const auto& [dtype, dims, address] = specs[i];
+    descs[i] = jbg::BufferDesc{DtypeCode(dtype), dims.data(), dims.size(), reinterpret_cast<const void*>(address)};
+  }
+}
+
 // Test hook for the execute-stage buffer checks: each buffer as (dtype name, dims, address) (6, or 7 with alpha),
 // and the dtypes the call site's kernels were compiled for (ab_dtype and c_dtype both "" = the FP8 dtypes of a and
 // c with E8M0 scales per 32: no mismatch). Returns (message, (m, n, k, l)); message is "" when the buffers fit.
@@ -96,10 +104,7 @@ std::tuple<std::string, std::tuple<int, int, int, int>> CheckBuffers(const std::
     throw nb::value_error("expected 6 or 7 buffers: a, b, sfa, sfb, c, amax[, alpha]");
   }
   jbg::BufferDesc descs[7];
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const auto& [dtype, dims, address] = specs[i];
-    descs[i] = jbg::BufferDesc{DtypeCode(dtype), dims.data(), dims.size(), reinterpret_cast<const void*>(address)};
-  }
+  ToDescs(specs, descs);
   jbg::KernelDtypes kernel{descs[0].dtype, descs[4].dtype};
   if (ab_dtype.empty() != c_dtype.empty()) throw nb::value_error("give both ab_dtype and c_dtype, or neither");
   if (!ab_dtype.empty()) {
@@ -116,10 +121,7 @@ std::tuple<std::string, std::tuple<int, int, int, int>> CheckBuffers(const std::
 std::tuple<std::string, std::tuple<int, int, int>> CheckProjRope(const std::vector<BufferSpec>& specs, bool w_out_in) {
   if (specs.size() != 8) throw nb::value_error("expected 8 buffers: x, w, cos, sin and the four outputs");
   jbg::BufferDesc descs[8];
-  for (int i = 0; i < 8; ++i) {
-    const auto& [dtype, dims, address] = specs[i];
-    descs[i] = jbg::BufferDesc{DtypeCode(dtype), dims.data(), dims.size(), reinterpret_cast<const void*>(address)};
-  }
+  ToDescs(specs, descs);
   jbg::ProjRopeDims dims;
   std::string message = jbg::CheckProjRopeBuffers(descs, w_out_in, &dims);
   return {message, {dims.t, dims.k, dims.h}};
@@ -131,10 +133,7 @@ std::tuple<std::string, std::tuple<int, int, int, int>> CheckDequantize(const st
                                                                        int64_t scale_axis, size_t inputs) {
   if (specs.size() > 6 || inputs > specs.size()) throw nb::value_error("expected at most 6 buffers, inputs first");
   jbg::BufferDesc descs[6];
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const auto& [dtype, dims, address] = specs[i];
-    descs[i] = jbg::BufferDesc{DtypeCode(dtype), dims.data(), dims.size(), reinterpret_cast<const void*>(address)};
-  }
+  ToDescs(specs, descs);
   jbg::DequantizeDims dims[2];
   std::string message = jbg::CheckDequantizeBuffers(descs, inputs, specs.size() - inputs, scale_axis, dims);
   return {message, {dims[0].rows, dims[0].cols, dims[1].rows, dims[1].cols}};

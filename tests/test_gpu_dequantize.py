@@ -21,6 +21,7 @@ from jax.interpreters import mlir
 import jax_blockgemm as jbg
 from jax_blockgemm import dispatch, ffi_lowering
 
+import oracle
 import oracle_ops
 
 _dequantize_p = jex_core.Primitive("jbg_test_dequantize_mxfp8")
@@ -60,10 +61,8 @@ def _kernel(codes: np.ndarray, scales: np.ndarray, scale_axis: int, *paired: np.
 
 
 def _oracle(codes: np.ndarray, scales: np.ndarray, scale_axis: int) -> np.ndarray:
-    """code x 2^(byte-127) in float64 (exact), rounded once to bf16; byte 255 is NaN (SPEC §1)."""
-    factor = np.where(scales == 255, np.nan, np.exp2(scales.astype(np.float64) - 127.0))
-    factor = np.repeat(factor, 32, axis=scale_axis)
-    return (codes.astype(np.float64) * factor).astype(ml_dtypes.bfloat16)
+    """code x 2^(byte-127) in float64 (exact; byte 255 is NaN, SPEC §1), rounded once to bf16."""
+    return oracle.dequantize_f64(codes, scales, block=32, axis=scale_axis).astype(ml_dtypes.bfloat16)
 
 
 def _assert_same_bits(test, got: np.ndarray, want: np.ndarray) -> None:

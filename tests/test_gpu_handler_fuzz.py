@@ -551,6 +551,7 @@ def _dequantize_cases(good: Call) -> list[Case]:
     cases.append(Case("scale axis 0", good.replace(scale_axis=0), r"jbg_dequantize_mxfp8: scale_axis must be -1 or -2",
                       "buffers"))
     codes1, scales1, out1 = Buffer(E4M3, (1, 64, 96)), Buffer(U8, (1, 64, 3)), Buffer(BF16, (1, 64, 96))
+    whole = r"expected codes and scales with out, or also codes1 and scales1 with out1; "  # operands come whole
     pairs = [  # a second operand (scales along its rows) beside the first: (name, operands, results, message)
         ("second operand's scales along the columns", (codes1, Buffer(U8, (1, 2, 96))), (out1,),
          r"scales1 has shape \(1, 2, 96\).*expected uint8 \(1, 64, 3\)"),
@@ -558,9 +559,9 @@ def _dequantize_cases(good: Call) -> list[Case]:
          (Buffer(BF16, (1, 64, 80)),), r"codes1 has shape \(1, 64, 80\).*multiple of 32"),
         ("second operand's out too small", (codes1, scales1), (Buffer(BF16, (1, 32, 96)),),
          r"out1 has shape \(1, 32, 96\)"),
-        ("second operand without out1", (codes1, scales1), (), r"expected codes and scales with out, or also .*; got 4 inputs and 1 outputs"),
-        ("out1 without a second operand", (), (out1,), r"expected codes and scales with out, or also .*; got 2 inputs and 2 outputs"),
-        ("codes1 without scales1", (codes1,), (out1,), r"expected codes and scales with out, or also .*; got 3 inputs and 2 outputs"),
+        ("second operand without out1", (codes1, scales1), (), whole + "got 4 inputs and 1 outputs"),
+        ("out1 without a second operand", (), (out1,), whole + "got 2 inputs and 2 outputs"),
+        ("codes1 without scales1", (codes1,), (out1,), whole + "got 3 inputs and 2 outputs"),
     ]
     cases += [Case(name, Call(good.operands + ops, good.results + res, good.attrs), "jbg_dequantize_mxfp8: " + message,
                    "buffers") for name, ops, res, message in pairs]

@@ -4,7 +4,8 @@ sm_100a (tensor-memory 32x32b loads) and sm_90a's "staged" schedule (rows of an 
 Thread 32·warp + lane of a 128-token tile owns token 32·warp + lane and takes its 192 features in six 32-feature
 blocks. A rowwise block is then 32 values of one thread (reduced in the thread) and a columnwise block (32 tokens of
 one feature) is one value in each of a warp's 32 lanes (its maximum: `shuffled_col_code_words` from registers, or the
-caller's own from shared memory). RoPE pairs (p[2j], p[2j+1]) sit in one thread. The math is kernels/epilogue.py's; this module only says where values come from and go to.
+caller's own from shared memory). RoPE pairs (p[2j], p[2j+1]) sit in one thread. The math is kernels/epilogue.py's;
+this module only says where values come from and go to.
 """
 
 from __future__ import annotations
