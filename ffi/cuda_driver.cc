@@ -90,20 +90,22 @@ ScopedStreamContext::~ScopedStreamContext() {
   }
 }
 
-bool VisibleCapabilities(const CudaDriver& driver, std::vector<ComputeCapability>* out, std::string* error) {
+bool VisibleDevices(const CudaDriver& driver, std::vector<DeviceFacts>* out, std::string* error) {
   int count = 0;
   if (CUresult r = driver.cuDeviceGetCount(&count); r != kCudaSuccess) {
     *error = "cuDeviceGetCount failed: " + driver.ErrorName(r);
     return false;
   }
-  out->assign(static_cast<size_t>(count), ComputeCapability{});
+  out->assign(static_cast<size_t>(count), DeviceFacts{});
   for (int i = 0; i < count; ++i) {
     CUdevice dev = 0;
     CUresult r = driver.cuDeviceGet(&dev, i);
     if (r == kCudaSuccess) r = driver.cuDeviceGetAttribute(&(*out)[i].major, kAttrComputeCapabilityMajor, dev);
     if (r == kCudaSuccess) r = driver.cuDeviceGetAttribute(&(*out)[i].minor, kAttrComputeCapabilityMinor, dev);
+    if (r == kCudaSuccess) r = driver.cuDeviceGetAttribute(&(*out)[i].multiprocessors, kAttrMultiprocessorCount, dev);
     if (r != kCudaSuccess) {
-      *error = "cannot read the compute capability of CUDA device " + std::to_string(i) + ": " + driver.ErrorName(r);
+      *error = "cannot read the compute capability and SM count of CUDA device " + std::to_string(i) + ": " +
+               driver.ErrorName(r);
       return false;
     }
   }

@@ -23,6 +23,7 @@ using CUcontext = CUctx_st*;
 inline constexpr CUresult kCudaSuccess = 0;
 inline constexpr int kAttrComputeCapabilityMajor = 75;  // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
 inline constexpr int kAttrComputeCapabilityMinor = 76;  // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
+inline constexpr int kAttrMultiprocessorCount = 16;     // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
 
 struct CudaDriver {
   CUresult (*cuInit)(unsigned int flags);
@@ -60,12 +61,14 @@ class ScopedStreamContext {
 // missing or cuInit fails. Thread-safe.
 const CudaDriver* GetCudaDriver(std::string* error);
 
-// Compute capability (major, minor) of every visible device, by CUDA ordinal; empty with `*error` set on failure.
-struct ComputeCapability {
+// Compute capability (major, minor) and SM count of every visible device, by CUDA ordinal; false with `*error` set
+// on failure.
+struct DeviceFacts {
   int major = 0;
   int minor = 0;
+  int multiprocessors = 0;  // SMs: the persistent kernels' grid is at most this many CTAs
 };
-bool VisibleCapabilities(const CudaDriver& driver, std::vector<ComputeCapability>* out, std::string* error);
+bool VisibleDevices(const CudaDriver& driver, std::vector<DeviceFacts>* out, std::string* error);
 
 }  // namespace jbg
 

@@ -1,5 +1,6 @@
 #include "kernel_objects.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <utility>
@@ -168,23 +169,29 @@ StateOr InstantiateKernelObjects(std::string_view target, std::string_view archs
   }
   const CudaDriver* driver = GetCudaDriver(&error);
   if (driver == nullptr) return Fail(ffi::Error(ffi::ErrorCode::kFailedPrecondition, where + error));
-  std::vector<ComputeCapability> caps;
-  if (!VisibleCapabilities(*driver, &caps, &error)) return Fail(ffi::Error::Internal(where + error));
+  std::vector<DeviceFacts> devices;
+  if (!VisibleDevices(*driver, &devices, &error)) return Fail(ffi::Error::Internal(where + error));
 
   auto state = std::make_unique<KernelObjects>();
   state->archs = std::string(archs);
   const char* poison = std::getenv("JAX_BLOCKGEMM_POISON_OUTPUTS");
   state->poison_outputs = poison != nullptr && poison[0] != '\0' && poison[0] != '0';
-  state->functions.assign(caps.size(), nullptr);
-  state->function_prefixes.assign(caps.size(), "");
+  // Test aid: JAX_BLOCKGEMM_SM_LIMIT=n launches the persistent kernels on at most n SMs, as a smaller GPU of the
+  // same architecture would (an H100 PCIe has 114).
+  const char* sm_limit = std::getenv("JAX_BLOCKGEMM_SM_LIMIT");
+  const int limit = sm_limit != nullptr ? std::atoi(sm_limit) : 0;
+  state->functions.assign(devices.size(), nullptr);
+  state->function_prefixes.assign(devices.size(), "");
   bool any = false;
   std::string seen;
-  for (size_t dev = 0; dev < caps.size(); ++dev) {
-    const std::string cc = std::to_string(caps[dev].major) + "." + std::to_string(caps[dev].minor);
+  for (size_t dev = 0; dev < devices.size(); ++dev) {
+    const std::string cc = std::to_string(devices[dev].major) + "." + std::to_string(devices[dev].minor);
     state->capabilities.push_back(cc);
+    state->multiprocessors.push_back(limit > 0 ? std::min(devices[dev].multiprocessors, limit)
+                                               : devices[dev].multiprocessors);
     if (seen.find(cc) == std::string::npos) seen += (seen.empty() ? "" : ", ") + cc;
     for (const ObjectEntry& entry : entries) {
-      if (entry.cc_major != caps[dev].major || entry.cc_minor != caps[dev].minor) continue;
+      if (entry.cc_major != devices[dev].major || entry.cc_minor != devices[dev].minor) continue;
       std::string_view bytes(reinterpret_cast<const char*>(objects.begin()) + entry.begin, entry.end - entry.begin);
       // Only the object a device will run is checked (and loaded): a program may carry others for other GPUs.
       if (std::string why = CheckKernelObject(bytes, entry.function_prefix); !why.empty()) {

@@ -94,6 +94,8 @@ struct KernelObjects {
   std::vector<DslFunction*> functions;         // by CUDA device ordinal; nullptr where no object fits
   std::vector<std::string> function_prefixes;  // by CUDA device ordinal, for error messages
   std::vector<std::string> capabilities;       // "9.0", by CUDA device ordinal
+  std::vector<int32_t> multiprocessors;        // SM count, by CUDA device ordinal (proj_rope's persistent grid;
+                                               // JAX_BLOCKGEMM_SM_LIMIT caps it, a test aid)
   bool poison_outputs = false;                 // JAX_BLOCKGEMM_POISON_OUTPUTS: fill C with NaN before each launch
 };
 

@@ -107,10 +107,12 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   for (int i = 0; i < 4; ++i) tensors[i] = tensor(i);
   tensors[4] = tensors[5] = KernelTensor{const_cast<void*>(buffers[0].data), 0};  // x_scale, w_scale: bf16 path
   for (int i = 4; i < 8; ++i) tensors[i + 2] = tensor(i);
-  int32_t t = dims.t, k = dims.k, h = dims.h, ret = 0;
-  void* args[15] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5], &tensors[6],
-                    &tensors[7], &tensors[8], &tensors[9], &t,          &k,          &h,          &stream, &ret};
-  return RunKernel(*state, device, kProjRopeTarget, *driver, fn, args, 15, &ret);
+  // the device's SM count bounds the persistent kernels' grid (one CTA per SM: no second wave on smaller GPUs)
+  int32_t t = dims.t, k = dims.k, h = dims.h, sms = state->multiprocessors[device], ret = 0;
+  void* args[16] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5],
+                    &tensors[6], &tensors[7], &tensors[8], &tensors[9], &t,          &k,
+                    &h,          &sms,        &stream,     &ret};
+  return RunKernel(*state, device, kProjRopeTarget, *driver, fn, args, 16, &ret);
 }
 
 // The call site's attributes: the object table (read at instantiation) and the weight layout.

@@ -12,6 +12,7 @@ os.environ["JAX_BLOCKGEMM_POISON_OUTPUTS"] = "1"
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -242,6 +243,28 @@ class GpuProjRopePingPongTest(GpuProjRopeTest):
         y_ref = oracle_ops.proj_rope_oracle(inp["x"], inp["w"], inp["cos"], inp["sin"], w_out_in=w_out_in)
         oracle_ops.assert_proj_rope_close(self, outs, y_ref)
 
+    def test_grid_follows_the_sm_count(self):
+        """The handler passes the device's SM count and the grid is min(tiles, SMs): with JAX_BLOCKGEMM_SM_LIMIT
+        (read when a program is loaded) at 114 (an H100 PCIe) and at 7, CTAs walk more tiles each and the outputs
+        still match the oracle; at 7 the kernel takes several times longer than on the whole GPU, which shows that
+        the limit reached the launch."""
+        t, h, k = 2080, 9, 200
+        inp = _inputs(np.random.SeedSequence().entropy, t, h, k, w_out_in=True, tables="rotary")
+        y_ref = oracle_ops.proj_rope_oracle(inp["x"], inp["w"], inp["cos"], inp["sin"], w_out_in=True)
+        big = _inputs(5, 4096, 64, 1536, w_out_in=True, tables="random")
+        times = {}
+        for limit in ("114", "7", ""):
+            with mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_SM_LIMIT": limit}):
+                oracle_ops.assert_proj_rope_close(self, _run(inp, w_out_in=True), y_ref)
+                f = jax.jit(lambda x, w, c, s: jbg.gemm_proj_rope_mxfp8(x, w, c, s, implementation="cutedsl"))
+                args = [jnp.asarray(big[n]) for n in ("x", "w", "cos", "sin")]
+                jax.block_until_ready(f(*args))
+                start = time.perf_counter()
+                for _ in range(5):
+                    out = f(*args)
+                jax.block_until_ready(out)
+                times[limit] = time.perf_counter() - start
+        self.assertGreater(times["7"], 4 * times[""], times)
 
 
 class GpuProjRopePersistentTest(GpuProjRopePingPongTest):

@@ -334,9 +334,9 @@ class CompileTest(parameterized.TestCase):
         wrapper = re.search(rf"int32_t cute_dsl_{p}_wrapper\(([^)]*)\)", header).group(1)
         params = [x.strip() for x in wrapper.split(",")]
         self.assertEqual(params[1:], [f"{p}_Tensor_{t}_t *{t}" for t in _PROJ_ROPE_ABI_TENSORS]
-                         + [f"int32_t {s}" for s in "tkh"] + ["cudaStream_t stream"])
+                         + [f"int32_t {s}" for s in ("t", "k", "h", "sms")] + ["cudaStream_t stream"])
         args = re.search(r"void \*args\[(\d+)\] = \{([^}]*)\}", header)
-        self.assertEqual(int(args.group(1)), 15)  # what the proj_rope handler passes (ffi/proj_rope.cc)
+        self.assertEqual(int(args.group(1)), 16)  # what the proj_rope handler passes (ffi/proj_rope.cc)
 
     @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_100a", "gemm_amax"))
     def test_sm100a_structure(self, v):

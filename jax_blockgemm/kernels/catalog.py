@@ -8,9 +8,12 @@ dynamic_shapes[1];}` struct over a flat buffer.
       a/b: FP8 codes (or packed FP4 pairs for the sm_100a FP4 variants), (L, M, K) / (L, N, K) K-major; sfa/sfb:
       scale bytes in the SPEC §3 atom layout; c: (L, M, N) row-major; amax: L float32 values the handler zeroes
       first; m/n/k/l int32.
-    proj_rope: fn(x, w, cos, sin, x_scale, w_scale, row_codes, row_scales, col_codes, col_scales, t, k, h, stream)
+    proj_rope: fn(x, w, cos, sin, x_scale, w_scale, row_codes, row_scales, col_codes, col_scales, t, k, h, sms,
+                  stream)
       x (T, K); w (H·192, K) for b_major "k", (K, H·192) for "n"; cos/sin (T, 64); x_scale/w_scale: E8M0 bytes laid
-      out like x and w (MXFP8 inputs; empty for bf16); the four outputs of SPEC §5, row-major; t/k/h int32.
+      out like x and w (MXFP8 inputs; empty for bf16); the four outputs of SPEC §5, row-major; t/k/h int32; sms
+      int32, the device's SM count (the handler reads it from the driver): persistent kernels launch min(tiles, sms)
+      CTAs.
     dequantize: fn(codes, scales, out, rows, cols, codes1, scales1, out1, rows1, cols1, stream)
       two operands in one launch: codes (rows, cols) E4M3; out (rows, cols) bf16; scales E8M0 bytes (rows, cols/32)
       for a_major "k" (blocks along the row), (rows/32, cols) for "m" (blocks along the column); operand 1 always
@@ -290,7 +293,7 @@ def fake_arguments(kernel: Any, op: str = "gemm_amax") -> list:
         ab, u8 = kernel.ab_dtype, cutlass.Uint8
         return [flat(ab), flat(ab), flat(cutlass.BFloat16), flat(cutlass.BFloat16), flat(u8), flat(u8),
                 flat(u8), flat(u8), flat(u8), flat(u8), cutlass.Int32(32), cutlass.Int32(64), cutlass.Int32(1),
-                cuda.CUstream(0)]
+                cutlass.Int32(132), cuda.CUstream(0)]
     tensors = [flat(kernel.ab_dtype), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(cutlass.Uint8),
                flat(kernel.c_dtype), flat(cutlass.Float32)]
     if getattr(kernel, "has_alpha", False):

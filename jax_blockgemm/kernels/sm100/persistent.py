@@ -26,10 +26,11 @@ from jax_blockgemm.kernels.sm100 import SM_COUNT, TMEM_COLUMNS
 SchedulerParams = utils.PersistentTileSchedulerParams
 
 
-def schedule(tiles_mnl, cluster_mn: tuple[int, int]):
-    """(scheduler parameters, launch grid) for `tiles_mnl` output tiles on a B200 (SM_COUNT SMs)."""
+def schedule(tiles_mnl, cluster_mn: tuple[int, int], *, sms=SM_COUNT):
+    """(scheduler parameters, launch grid) for `tiles_mnl` output tiles on a GPU of `sms` SMs (a run-time Int32
+    where the ABI passes the device's count, as proj_rope's does; else a B200's SM_COUNT)."""
     params = utils.PersistentTileSchedulerParams(tiles_mnl, (*cluster_mn, 1))
-    grid = utils.StaticPersistentTileScheduler.get_grid_shape(params, SM_COUNT // (cluster_mn[0] * cluster_mn[1]))
+    grid = utils.StaticPersistentTileScheduler.get_grid_shape(params, sms // (cluster_mn[0] * cluster_mn[1]))
     return params, grid
 
 

@@ -91,10 +91,11 @@ class BlackwellProjRope(persistent.PersistentKernel):
     def __call__(self, x: cute.Tensor, w: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor, x_scale: cute.Tensor,
                  w_scale: cute.Tensor, row_codes: cute.Tensor, row_scales: cute.Tensor, col_codes: cute.Tensor,
                  col_scales: cute.Tensor, t: cutlass.Int32, k: cutlass.Int32, h: cutlass.Int32,
-                 stream: cuda.CUstream):
+                 sms: cutlass.Int32, stream: cuda.CUstream):
         """Host side: (rows, K, 1)-shaped views of x and W, the TMA atoms, the persistent grid; launch.
 
-        x_scale/w_scale: unused (bf16 inputs; MXFP8 inputs arrive dequantized).
+        x_scale/w_scale: unused (bf16 inputs; MXFP8 inputs arrive dequantized). sms: the device's SM count (the
+        grid is min(tiles, sms) CTAs).
         """
         self._setup()
         k8 = cute.assume(k, divby=8)
@@ -116,7 +117,7 @@ class BlackwellProjRope(persistent.PersistentKernel):
             self.tiled_mma, cluster_shape)
 
         tiles = ((t + TILE_T - 1) // TILE_T, h, 1)  # (token tile, head, 1): tile_t varies fastest
-        sched_params, grid = persistent.schedule(tiles, (1, 1))
+        sched_params, grid = persistent.schedule(tiles, (1, 1), sms=sms)
 
         self._set_shared_storage({}, {"sA": (self.ab_dtype, self.a_smem_staged.outer),
                                       "sB": (self.ab_dtype, self.b_smem_staged.outer)})

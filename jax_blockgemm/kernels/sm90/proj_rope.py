@@ -14,7 +14,7 @@ through shared memory (4 per 32-bit word, 16-byte stores and loads, layout in co
 192 bytes leave as 16-byte stores; scale bytes are stored directly. No branches inside the epilogue: every store
 is a predicated instruction, so the scheduler interleaves the independent shuffle chains.
 
-schedule="persistent" (`kernel_persistent`): min(tiles, PERSISTENT_CTAS) CTAs of 384 threads, 128-token x one-head
+schedule="persistent" (`kernel_persistent`): min(tiles, SMs) CTAs of 384 threads, 128-token x one-head
 tiles in the same head-major order, both consumer warpgroups on every tile (one 64-token half each, every stage
 released by all 8 consumer warps), each with its own 64-row code tiles outside the pipeline's 4 stages of 40 KB, so
 warp 0 streams the next tile's k-tiles while the warpgroups run their epilogues. Against 64-token tiles it halves
@@ -31,7 +31,7 @@ layout of B differ. cluster_t > 1 launches clusters of that many consecutive tok
 1/cluster_t of every W tile and multicasts it to the cluster (W is 3/4 of the bytes a 64-token CTA reads), and a
 stage is refilled only once every CTA of the cluster has released it. Phases are marked `producer`, `mainloop`, `rope`, `rowwise`, `columnwise`, `store`.
 
-schedule="pingpong" (`kernel_pingpong`): a persistent kernel, min(tiles, PERSISTENT_CTAS) CTAs of 384 threads (one
+schedule="pingpong" (`kernel_pingpong`): a persistent kernel, min(tiles, SMs) CTAs of 384 threads (one
 per SM: registers 40 / 232 / 232 by setmaxnreg). Tiles are 64 tokens x one head, numbered head-major (tile_t fastest,
 so the CTAs running at once share a head's W in L2); CTA c takes tiles c, c + grid, c + 2·grid, ... (its tiles
 i = 0, 1, ..., n-1, n >= 1). Warp 0 streams every k-tile of those tiles, in that order, through `ab_stages` (5)
@@ -80,7 +80,6 @@ _ROW_PAD = 0  # shared-memory code rows of 192 bytes: code_tiles.py's swizzle ke
 # epilogue warpgroup
 SCHEDULES = ("", "pingpong", "persistent", "staged")
 SMEM_BYTES = 227 * 1024  # the most dynamic shared memory one sm_90 CTA may use
-PERSISTENT_CTAS = 132  # ping-pong grid: at most this many CTAs (one per SM of an H100/H200 SXM)
 _ORDER_BARRIER0 = 3  # ping-pong: named barrier 3 + w = "consumer warpgroup w may issue its mainloop" (1, 2: per-wg)
 # staged: named barriers between the two MMA warpgroups (256 threads) and the epilogue warpgroup (128)
 _Y_FULL, _Y_EMPTY = 1, 2  # "the fp32 tile is in shared memory", "the epilogue has read it"
@@ -119,14 +118,13 @@ class HopperProjRope:
     """
 
     def __init__(self, *, x_dtype: str = "bfloat16", w_major: str = "k", consumer_wgs: int = 2, cluster_t: int = 1,
-                 schedule: str = "", persistent_ctas: int = PERSISTENT_CTAS, tile_k: int = TILE_K):
+                 schedule: str = "", tile_k: int = TILE_K):
         common.require_choice("x_dtype", x_dtype, ("bfloat16",))
         common.require_choice("schedule", schedule, SCHEDULES)
         if schedule and (consumer_wgs, cluster_t) != (2, 1):
             raise ValueError(f"schedule={schedule!r} runs two consumer warpgroups without clusters, got "
                              f"consumer_wgs={consumer_wgs}, cluster_t={cluster_t}")
         self.schedule = schedule
-        self.persistent_ctas = persistent_ctas
         # Profiling only (benchmarks/proj_rope_standalone.py --profile): phases to leave out, from {"mma", "epilogue",
         # "stores", "rowwise", "columnwise", "mainloop"} (the wgmmas; the whole epilogue; the code tiles' global
         # stores (staged: every global store of the epilogue, the work kept); the rowwise maxima, scales, codes and
@@ -202,8 +200,9 @@ class HopperProjRope:
     def __call__(self, x: cute.Tensor, w: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor, x_scale: cute.Tensor,
                  w_scale: cute.Tensor, row_codes: cute.Tensor, row_scales: cute.Tensor, col_codes: cute.Tensor,
                  col_scales: cute.Tensor, t: cutlass.Int32, k: cutlass.Int32, h: cutlass.Int32,
-                 stream: cuda.CUstream):
-        """Host side: (rows, K)-shaped views of x and W, the TMA atoms, the launch. x_scale/w_scale: unused here."""
+                 sms: cutlass.Int32, stream: cuda.CUstream):
+        """Host side: (rows, K)-shaped views of x and W, the TMA atoms, the launch. x_scale/w_scale: unused here;
+        sms: the device's SM count (the persistent schedules' grid is min(tiles, sms): one CTA per SM)."""
         k8 = cute.assume(k, divby=8)
         n = cute.assume(h * HEAD_DIM, divby=64)
         mA = cute.make_tensor(x.iterator, cute.make_layout((t, k8, 1), stride=(k8, 1, t * k8)))
@@ -237,8 +236,8 @@ class HopperProjRope:
                 tiled_mma, a_smem_staged, b_smem_staged)
         tiles_t = (t + self.tile_mnk[0] - 1) // self.tile_mnk[0]
         # preferred_smem_carveout=100: all of the SM's memory as shared memory
-        if cutlass.const_expr(bool(self.schedule)):  # min(tiles, persistent_ctas) CTAs, one per SM
-            ctas = cutlass.min(tiles_t * h, cutlass.Int32(self.persistent_ctas))
+        if cutlass.const_expr(bool(self.schedule)):  # min(tiles, SMs) CTAs, one per SM
+            ctas = cutlass.min(tiles_t * h, sms)
             if cutlass.const_expr(self.schedule == "staged"):  # the codes leave through TMA stores
                 (row_atom, row_tma), (col_atom, col_tma) = (y_tile.code_box_tma(c, t, h) for c in (row_codes,
                                                                                                   col_codes))
