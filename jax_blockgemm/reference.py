@@ -7,8 +7,11 @@ kernel against them, so they compute exactly the SPEC's function and never trade
     times an E4M3 scale (NVFP4), is exact in bfloat16 whenever its magnitude lies in [2**-126, 2**128), the
     float32 normal range. (Outside it -- e.g. an E4M3 code 448 under scale byte 254 -- the dequantized operand
     overflows to inf or flushes towards zero, where a kernel that applies scales inside the MMA might not.);
-  * the dot runs with the explicit ``BF16_BF16_F32`` algorithm: bfloat16 products, float32 accumulation, never
-    TF32 and never a bfloat16 accumulator, on every backend;
+  * the dot takes bfloat16 operands and returns float32 (`preferred_element_type`): bfloat16 products, float32
+    accumulation, never TF32 (the operands are bfloat16) and never a bfloat16 accumulator. It is written without an
+    explicit `DotAlgorithmPreset`: on the H200 the preset ``BF16_BF16_F32`` made XLA pick slower GEMM kernels
+    (2-9% on the whole reference at the SPEC §8 shapes, bit-identical results; benchmarks/NOTES.md "Reference
+    speed");
   * everything after the accumulator (alpha, amax, RoPE, quantization) stays in float32.
 
 One opt-in exception: an MXFP8 gemm_amax may take its accumulator from XLA's block-scaled `jax.lax.scaled_dot`
@@ -34,9 +37,6 @@ from jax_blockgemm.support import FP4_DTYPES, FP8_DTYPES, HEAD_DIM, MX_BLOCK, QK
 __all__ = ["gemm_amax_reference", "gemm_proj_rope_reference", "apply_rope", "convert_c", "dequantize_bf16",
            "has_scaled_dot", "scaled_dot_applies", "use_scaled_dot"]
 
-# bfloat16 x bfloat16 products, float32 accumulation: the SPEC §6 contract, stated to XLA rather than implied.
-_DOT_ALGORITHM = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
-
 _WIDE_C_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 # Platforms (as in jax.Device.platform) where the gemm_amax reference accumulates MXFP8 operands with
@@ -49,9 +49,10 @@ SCALED_DOT_MIN_SIZE: dict[str, int] = {}
 
 
 def _bf16_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
-    """bfloat16 dot_general with float32 accumulation and a float32 result."""
+    """bfloat16 dot_general with float32 accumulation and a float32 result (the SPEC §6 contract: bfloat16
+    operands with a float32 result accumulate in float32 on every XLA backend)."""
     return jax.lax.dot_general(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), dimension_numbers,
-                               precision=_DOT_ALGORITHM, preferred_element_type=jnp.float32)
+                               preferred_element_type=jnp.float32)
 
 
 def dequantize_bf16(codes: jax.Array, scales: jax.Array, *, block: int, axis: int) -> jax.Array:
