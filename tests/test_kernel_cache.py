@@ -354,7 +354,10 @@ class PrecompileTest(absltest.TestCase):
             self.skipTest(f"CuTeDSL is not importable: {e}")
         from jax_blockgemm import _native
 
-        variant = catalog.CATALOG[-1]
+        # One of the slowest kernels to compile (~2 s here), so that both processes usually find the cache empty and
+        # race to write it: with a fast one (the dequantize kernel, the catalog's last entry since 56eb88c) the second
+        # process found the first's entry in a CI run. Either outcome is correct, so the test asserts only that.
+        variant = next(v for v in catalog.CATALOG if v.op == "proj_rope" and v.arch == "sm_100a")
         directory = os.path.join(_tempdir(self), "fresh")  # not even created yet
         env = dict(os.environ, **{kernel_cache.CACHE_DIR_ENV: directory})
         procs = [subprocess.Popen([sys.executable, "-m", "jax_blockgemm.precompile", "--variant", variant.key],
@@ -363,7 +366,8 @@ class PrecompileTest(absltest.TestCase):
         outputs = [p.communicate(timeout=600) for p in procs]
         for p, (out, err) in zip(procs, outputs):
             self.assertEqual(p.returncode, 0, err)
-            self.assertRegex(out, rf"compiled {re.escape(variant.key)} ")  # neither found the other's entry
+            self.assertRegex(out, rf"(compiled|found   ) {re.escape(variant.key)} ")
+        self.assertTrue(any(f"compiled {variant.key} " in out for out, _ in outputs), outputs)
         files = list(pathlib.Path(directory).iterdir())
         self.assertLen(files, 1, files)
         payload = kernel_cache.decode_entry(files[0].read_bytes())
