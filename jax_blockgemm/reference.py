@@ -16,8 +16,9 @@ kernel against them, so they compute exactly the SPEC's function and never trade
 
 One opt-in exception: an MXFP8 gemm_amax may take its accumulator from XLA's block-scaled `jax.lax.scaled_dot`
 (`scaled_dot=True`). That puts it in SPEC §7's "tensor-core FP8" class (<= 1e-4; ~1e-5 measured on an H200)
-instead of "exact", for at most 6% less time on an H200, so the primitives never take it (`use_scaled_dot`
-with an empty SCALED_DOT_MIN_SIZE): GPU tests can compare kernels against the reference by the exact bound.
+instead of "exact", for 3-18% less time on an H200 (2026-11-30), and the primitives do not take it yet
+(`use_scaled_dot` with an empty SCALED_DOT_MIN_SIZE): GPU tests compare kernels against the reference by the exact
+bound, and what routing `implementation=None` through it needs is in benchmarks/NOTES.md ("the scaled_dot route").
 
 Inputs arrive canonical: the public API (`api.py`) has already validated and normalized them, so this module only
 asserts the few invariants it relies on.
@@ -42,9 +43,10 @@ _WIDE_C_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfl
 # Platforms (as in jax.Device.platform) where the gemm_amax reference accumulates MXFP8 operands with
 # jax.lax.scaled_dot, and the smallest M*N*K*L from which it does. Empty: the route stays off everywhere.
 # Measured on the H200 (2026-11-29, benchmarks/reference_variants.py), the route took 0.94x / 0.98x / 0.99x of
-# the bfloat16-dequantization path's time at 8192^3 / 4096x24576x1536 / 4096x7168x16384 -- at most 6% -- and it
-# would move the reference out of SPEC §7's "exact" class into the tensor-core FP8 one (<= 1e-4), so the GPU
-# tests could no longer judge kernels against it by the exact bound. Not worth it.
+# the bfloat16-dequantization path's time at 8192^3 / 4096x24576x1536 / 4096x7168x16384; against the faster
+# dequantization path of 2026-11-30 (no algorithm preset) 0.97x / 0.82-0.84x / 0.97x. It would move the reference
+# out of SPEC §7's "exact" class into the tensor-core FP8 one (<= 1e-4), so the GPU tests could no longer judge
+# kernels against it by the exact bound: a route for implementation=None only, still to build (NOTES.md).
 SCALED_DOT_MIN_SIZE: dict[str, int] = {}
 
 
