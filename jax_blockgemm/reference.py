@@ -40,13 +40,16 @@ __all__ = ["gemm_amax_reference", "gemm_proj_rope_reference", "apply_rope", "con
 
 _WIDE_C_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
-# Platforms (as in jax.Device.platform) where the gemm_amax reference accumulates MXFP8 operands with
-# jax.lax.scaled_dot, and the smallest M*N*K*L from which it does. Empty: the route stays off everywhere.
+# Device kinds where implementation=None takes the gemm_amax accumulator of MXFP8 operands from jax.lax.scaled_dot,
+# and the smallest L*M*N*K from which it does: "cpu", or "cuda:<compute capability>" as jax.Device spells it
+# ("cuda:9.0"). A program lowered for CUDA where JAX sees no GPU has the kind "cuda", which this table never names,
+# so it keeps the exact path; implementation="xla" never takes the route. Empty: off everywhere.
 # Measured on the H200 (2026-11-29, benchmarks/reference_variants.py), the route took 0.94x / 0.98x / 0.99x of
 # the bfloat16-dequantization path's time at 8192^3 / 4096x24576x1536 / 4096x7168x16384; against the faster
 # dequantization path of 2026-11-30 (no algorithm preset) 0.97x / 0.82-0.84x / 0.97x. It would move the reference
 # out of SPEC §7's "exact" class into the tensor-core FP8 one (<= 1e-4), so the GPU tests could no longer judge
-# kernels against it by the exact bound: a route for implementation=None only, still to build (NOTES.md).
+# kernels against it by the exact bound; hence None only. Before a kind is added: its NaN / 0xFF scale bytes and inf
+# checked on that GPU against SPEC §2 (checked on the CPU only so far; benchmarks/NOTES.md "the scaled_dot route").
 SCALED_DOT_MIN_SIZE: dict[str, int] = {}
 
 
@@ -121,14 +124,14 @@ def scaled_dot_applies(a_dtype: Any, b_dtype: Any, *, sf_vec_size: int, k: int) 
             and sf_vec_size == MX_BLOCK and k % MX_BLOCK == 0)
 
 
-def use_scaled_dot(platforms: Sequence[str], a_dtype: Any, b_dtype: Any, *, sf_vec_size: int, l: int, m: int,
+def use_scaled_dot(device_kinds: Sequence[str], a_dtype: Any, b_dtype: Any, *, sf_vec_size: int, l: int, m: int,
                    n: int, k: int) -> bool:
-    """The one decision of the gemm_amax reference's accumulator: `jax.lax.scaled_dot` where it applies and every
-    platform the program is lowered for has been measured faster with it at this size (SCALED_DOT_MIN_SIZE);
-    the bfloat16-dequantization dot everywhere else."""
-    if not platforms or not scaled_dot_applies(a_dtype, b_dtype, sf_vec_size=sf_vec_size, k=k):
+    """Whether implementation=None takes the gemm_amax accumulator from `jax.lax.scaled_dot`: where it applies and
+    every device kind the program is lowered for (`SCALED_DOT_MIN_SIZE`'s keys) has been measured faster with it at
+    this size; the bfloat16-dequantization dot everywhere else, and always for implementation="xla"."""
+    if not device_kinds or not scaled_dot_applies(a_dtype, b_dtype, sf_vec_size=sf_vec_size, k=k):
         return False
-    thresholds = [SCALED_DOT_MIN_SIZE.get(p) for p in platforms]
+    thresholds = [SCALED_DOT_MIN_SIZE.get(kind) for kind in device_kinds]
     return all(t is not None and l * m * n * k >= t for t in thresholds)
 
 

@@ -254,8 +254,8 @@ class ScaledDotDecisionTest(absltest.TestCase):
 
     def test_off_by_default(self):
         self.assertEqual(reference.SCALED_DOT_MIN_SIZE, {})
-        self.assertFalse(reference.use_scaled_dot(("cuda",), jnp.float8_e4m3fn, jnp.float8_e4m3fn, sf_vec_size=32,
-                                                  l=1, m=8192, n=8192, k=8192))
+        self.assertFalse(reference.use_scaled_dot(("cuda:9.0",), jnp.float8_e4m3fn, jnp.float8_e4m3fn,
+                                                  sf_vec_size=32, l=1, m=8192, n=8192, k=8192))
 
     def test_applies_only_to_mxfp8_in_whole_blocks(self):
         has = reference.has_scaled_dot()
@@ -265,30 +265,36 @@ class ScaledDotDecisionTest(absltest.TestCase):
         self.assertFalse(reference.scaled_dot_applies(e4, e4, sf_vec_size=16, k=96))
         self.assertFalse(reference.scaled_dot_applies(jnp.uint8, jnp.uint8, sf_vec_size=32, k=96))
 
-    def test_threshold_per_platform(self):
+    def test_threshold_per_device_kind(self):
         args = dict(sf_vec_size=32, l=1, m=64, n=64, k=64)
-        with mock.patch.dict(reference.SCALED_DOT_MIN_SIZE, {"cuda": 64 ** 3}):
-            on = reference.use_scaled_dot(("cuda",), jnp.float8_e4m3fn, jnp.float8_e4m3fn, **args)
-            self.assertEqual(on, reference.has_scaled_dot())
-            self.assertFalse(reference.use_scaled_dot(("cuda",), jnp.float8_e4m3fn, jnp.float8_e4m3fn,
-                                                      **{**args, "m": 63}))
-            self.assertFalse(reference.use_scaled_dot(("cuda", "cpu"), jnp.float8_e4m3fn, jnp.float8_e4m3fn,
-                                                      **args))
-            self.assertFalse(reference.use_scaled_dot(("cpu",), jnp.float8_e4m3fn, jnp.float8_e4m3fn, **args))
+        e4 = jnp.float8_e4m3fn
+        with mock.patch.dict(reference.SCALED_DOT_MIN_SIZE, {"cuda:9.0": 64 ** 3}):
+            self.assertEqual(reference.use_scaled_dot(("cuda:9.0",), e4, e4, **args), reference.has_scaled_dot())
+            self.assertFalse(reference.use_scaled_dot(("cuda:9.0",), e4, e4, **{**args, "m": 63}))
+            self.assertFalse(reference.use_scaled_dot(("cuda:9.0", "cuda:8.0"), e4, e4, **args))  # an A100 too
+            self.assertFalse(reference.use_scaled_dot(("cuda",), e4, e4, **args))  # no GPU seen at lowering
+            self.assertFalse(reference.use_scaled_dot(("cuda:9.0", "cpu"), e4, e4, **args))
+            self.assertFalse(reference.use_scaled_dot(("cpu",), e4, e4, **args))
 
     @absltest.skipUnless(reference.has_scaled_dot(), _NO_SCALED_DOT)
     def test_the_primitive_follows_the_decision(self):
-        """The lowering emits XLA's scaled-dot composite exactly when the decision says so, with the same result."""
+        """With implementation=None the lowering emits XLA's scaled-dot composite exactly when the decision says so,
+        with the same result; implementation="xla" (the exact reference) never does."""
         rng = np.random.default_rng(9)
         inp = oracle_ops.random_gemm_inputs(rng, l=1, m=64, n=96, k=128, fmt="mxfp8_e4m3")
         args = [jnp.asarray(inp[x][0]) for x in ("a", "b", "sfa", "sfb")]
         c_ref, amax_ref = oracle_ops.gemm_amax_oracle(inp["a"], inp["b"], inp["sfa"], inp["sfb"], k=128,
                                                       sf_vec_size=32)
-        for table, expected in (({}, False), ({"cpu": 0, "cuda": 0, "rocm": 0}, True)):
+        cpu = jax.devices("cpu")[0]  # on the CPU: on a GPU, None may take a kernel instead of the reference
+        args = [jax.device_put(x, cpu) for x in args]
+        cases = (({}, None, False), ({"cpu": 0}, None, True), ({"cpu": 0}, "xla", False))
+        for table, implementation, expected in cases:
             with mock.patch.dict(reference.SCALED_DOT_MIN_SIZE, table):
-                fn = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="xla"))
-                self.assertEqual("xla.scaled_dot" in fn.lower(*args).as_text(), expected, table)
-                c, amax = fn(*args)
+                fn = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation=implementation))
+                hlo = fn.trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+                self.assertEqual("xla.scaled_dot" in hlo, expected, (table, implementation))
+                with jax.default_device(cpu):
+                    c, amax = fn(*args)
             oracle_ops.assert_gemm_close(self, np.asarray(c), c_ref[0], c_dtype="float32")
             oracle_ops.assert_amax_close(self, np.asarray(amax), amax_ref)
 
