@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -202,6 +203,34 @@ class QuantizerTest(parameterized.TestCase):
 
 
 @absltest.skipUnless(reference.has_scaled_dot(), _NO_SCALED_DOT)
+class ReferenceDotTest(absltest.TestCase):
+    """The references' one GEMM: bfloat16 operands, a float32 result (SPEC §6), and no algorithm preset, which made
+    XLA pick slower GEMM kernels on the H200 at bit-identical results (benchmarks/NOTES.md "Reference speed")."""
+
+    _DOT = re.compile(r"stablehlo\.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)")
+
+    def _dots(self, fn, *args) -> list[str]:
+        hlo = jax.jit(fn).lower(*args).as_text()
+        return [line for line in hlo.splitlines() if "stablehlo.dot_general" in line]
+
+    def _check(self, dots: list[str]) -> None:
+        self.assertLen(dots, 1, dots)
+        self.assertNotIn("algorithm", dots[0])
+        lhs, rhs, out = self._DOT.search(dots[0]).groups()
+        self.assertTrue(lhs.endswith("xbf16>") and rhs.endswith("xbf16>") and out.endswith("xf32>"), dots[0])
+
+    def test_gemm_amax(self):
+        inp = oracle_ops.random_gemm_inputs(np.random.default_rng(3), l=1, m=64, n=32, k=64, fmt="mxfp8_e4m3")
+        args = [jnp.asarray(inp[x][0]) for x in ("a", "b", "sfa", "sfb")]
+        self._check(self._dots(lambda *x: jbg.gemm_amax(*x, implementation="xla"), *args))
+
+    def test_proj_rope(self):
+        x = jnp.ones((32, 64), jnp.bfloat16)
+        w = jnp.ones((192, 64), jnp.bfloat16)
+        table = jnp.ones((32, 64), jnp.bfloat16)
+        self._check(self._dots(lambda *a: jbg.gemm_proj_rope_mxfp8(*a, implementation="xla"), x, w, table, table))
+
+
 class ScaledDotRouteTest(parameterized.TestCase):
     """On CPU scaled_dot decomposes into bf16 dequantization + dot, so the "exact" bound (1e-5) applies; on a GPU
     it runs on FP8 tensor cores, judged by SPEC §7's 1e-4 for that class."""
