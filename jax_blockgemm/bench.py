@@ -20,7 +20,9 @@ that caches cannot hold them, every function compiled ahead under jax.jit, warm-
 time per call, as a model step sees it (--burst 1 waits for every call and adds its host latency, 0.1-0.4 ms on an
 H200, to every column). `--sustained SECONDS` keeps each column busy that long instead and reports the median of
 the last two thirds: the steady state at the GPU's power limit (an H200 then runs both GEMMs and our kernels at
-1.5-1.6 GHz, not 1.98), which short bursts only partly see. Ratios are speedups, baseline ms / column ms (> 1: faster than the baseline), against
+1.5-1.6 GHz, not 1.98), which short bursts only partly see. Columns are timed one after another, so the first
+meets a cooler GPU than the last; `--interleave` compiles them all first and takes their samples in turn instead.
+Ratios are speedups, baseline ms / column ms (> 1: faster than the baseline), against
 `jax.nn.scaled_matmul`, the reference and `jax.lax.scaled_dot` for gemm_amax, against the bare dot and the unfused
 pipeline for proj_rope. Every column that computes the same function is checked against the reference on the
 first input set (gemm_amax: ||C - C_ref|| / ||C_ref||; proj_rope: the fraction of E4M3 codes equal to the
@@ -346,22 +348,34 @@ def median_ms(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int,
     is over the samples of the last two thirds: the steady state of a GPU kept busy (clocks settle at its power
     limit within about a second), which is what a training loop sees.
     """
-    for i in range(warmup):
-        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-    times, ends, call = [], [], 0
+    return interleaved_medians_ms([fn], [arg_sets], warmup=warmup, reps=reps, burst=burst, sustained=sustained)[0]
+
+
+def interleaved_medians_ms(fns: Sequence[Callable[..., Any]], arg_sets: Sequence[Sequence[tuple]], *, warmup: int,
+                           reps: int, burst: int = 1, sustained: float = 0.0) -> list[float]:
+    """`median_ms` of several functions at once (fns[i] on arg_sets[i]): each round takes one sample of every
+    function in turn, so all of them meet the GPU in the same thermal state (timed one after another, the first
+    runs on a cool GPU and the last on a hot one). With `sustained`, the functions share that time."""
+    for fn, sets in zip(fns, arg_sets):
+        for i in range(warmup):
+            jax.block_until_ready(fn(*sets[i % len(sets)]))
+    times: list[list[float]] = [[] for _ in fns]
+    ends, calls = [], [0] * len(fns)
     first = time.perf_counter()
-    while len(times) < reps if sustained <= 0 else (not ends or ends[-1] - first < sustained):
-        start = time.perf_counter()
-        out = None
-        for _ in range(burst):
-            out = fn(*arg_sets[call % len(arg_sets)])
-            call += 1
-        jax.block_until_ready(out)
+    while len(ends) < reps if sustained <= 0 else (not ends or ends[-1] - first < sustained):
+        for j, (fn, sets) in enumerate(zip(fns, arg_sets)):
+            start = time.perf_counter()
+            out = None
+            for _ in range(burst):
+                out = fn(*sets[calls[j] % len(sets)])
+                calls[j] += 1
+            jax.block_until_ready(out)
+            times[j].append((time.perf_counter() - start) / burst)
         ends.append(time.perf_counter())
-        times.append((ends[-1] - start) / burst)
     if sustained > 0:
-        times = [t for t, end in zip(times, ends) if end - first >= sustained / 3] or times[-1:]
-    return 1e3 * statistics.median(times)
+        keep = [i for i, end in enumerate(ends) if end - first >= sustained / 3] or [len(ends) - 1]
+        times = [[t[i] for i in keep] for t in times]
+    return [1e3 * statistics.median(t) for t in times]
 
 
 def _first_line(e: BaseException) -> str:
@@ -370,12 +384,10 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def time_column(column: Column, sets: list[dict[str, jax.Array]], *, warmup: int, reps: int, burst: int = 1,
-                sustained: float = 0.0) -> tuple[float, Any]:
-    """Compiles `column` ahead (a compile-time error in na_errors becomes NotAvailable) and times it.
-
-    Returns (median ms, the output on the first input set where the column is checked, else None).
-    """
+def prepare_column(column: Column, sets: list[dict[str, jax.Array]]) -> tuple[Any, list[tuple], Any]:
+    """Compiles `column` ahead and runs it once (a compile-time or first-call error in na_errors becomes
+    NotAvailable). Returns (the compiled function, its argument sets, the output on the first input set where the
+    column is checked, else None)."""
     if column.fn is None:
         raise NotAvailable(column.missing)
     arg_sets = [tuple(s[name] for name in column.inputs) for s in sets]
@@ -384,10 +396,16 @@ def time_column(column: Column, sets: list[dict[str, jax.Array]], *, warmup: int
         out = jax.block_until_ready(compiled(*arg_sets[0]))  # some backends refuse a format only when run
     except column.na_errors as e:
         raise NotAvailable(_first_line(e)) from e
-    ms = median_ms(compiled, arg_sets, warmup=warmup, reps=reps, burst=burst, sustained=sustained)
     if not column.checked:
-        return ms, None
-    return ms, (out * sets[0][column.check_times] if column.check_times else out)
+        return compiled, arg_sets, None
+    return compiled, arg_sets, (out * sets[0][column.check_times] if column.check_times else out)
+
+
+def time_column(column: Column, sets: list[dict[str, jax.Array]], *, warmup: int, reps: int, burst: int = 1,
+                sustained: float = 0.0) -> tuple[float, Any]:
+    """`prepare_column`, then `median_ms`. Returns (median ms, the checked output or None)."""
+    compiled, arg_sets, out = prepare_column(column, sets)
+    return median_ms(compiled, arg_sets, warmup=warmup, reps=reps, burst=burst, sustained=sustained), out
 
 
 def _merge_layouts(results: dict[str, dict], prefix: str) -> None:
@@ -404,22 +422,36 @@ def _merge_layouts(results: dict[str, dict], prefix: str) -> None:
 
 
 def run_case(case: Case, key: jax.Array, *, sets: int, warmup: int, reps: int, progress: Any, burst: int = 1,
-             sustained: float = 0.0) -> dict[str, Any]:
-    """Draws `sets` fresh input sets, times every column, and returns the case's record (ms, TFLOP/s, ratios)."""
+             sustained: float = 0.0, interleave: bool = False) -> dict[str, Any]:
+    """Draws `sets` fresh input sets, times every column, and returns the case's record (ms, TFLOP/s, ratios).
+    interleave: compile every column first, then sample them in turn (`interleaved_medians_ms`)."""
     inputs = [case.make_inputs(k) for k in jax.random.split(key, sets)]
     jax.block_until_ready(inputs)
     results: dict[str, dict] = {}
     outputs: dict[str, Any] = {}
-    for column in case.columns():
+    timing = dict(warmup=warmup, reps=reps, burst=burst, sustained=sustained)
+    prepared: dict[str, tuple] = {}
+    columns = case.columns()
+    for column in columns:
         try:
-            ms, outputs[column.key] = time_column(column, inputs, warmup=warmup, reps=reps, burst=burst,
-                                                  sustained=sustained)
+            if interleave:
+                compiled, arg_sets, outputs[column.key] = prepare_column(column, inputs)
+                prepared[column.key] = (compiled, arg_sets)
+                continue
+            ms, outputs[column.key] = time_column(column, inputs, **timing)
             results[column.key] = {"ms": ms, "tflops": case.flops / (ms * 1e-3) / 1e12}
             progress.write(f" {column.key} {ms:.4g} ms;")
         except NotAvailable as e:
             results[column.key] = {"na": str(e)}
             progress.write(f" {column.key} n/a;")
         progress.flush()
+    if prepared:
+        medians = interleaved_medians_ms([c for c, _ in prepared.values()], [a for _, a in prepared.values()],
+                                         **timing)
+        for name, ms in zip(prepared, medians):
+            results[name] = {"ms": ms, "tflops": case.flops / (ms * 1e-3) / 1e12}
+            progress.write(f" {name} {ms:.4g} ms;")
+        results = {column.key: results[column.key] for column in columns}  # table order
     for name, out in outputs.items():
         if out is not None:
             results[name]["check"] = case.check(out, outputs["reference"])
@@ -595,11 +627,12 @@ def header_lines(record: dict[str, Any]) -> list[str]:
     env, method = record["environment"], record["method"]
     return [f"jax_blockgemm benchmark, {record['date']}: {env['device']} ({env['platform']}), jax {env['jax']}, "
             f"jaxlib {env['jaxlib']}, CuTeDSL {env['cutedsl']}, Python {env['python']}",
-            (f"median of the samples in the last two thirds of {method['sustained_s']:g} s per column, each "
+            (f"median of the samples in the last two thirds of {method['sustained_s']:g} s per "
+             f"{'case' if method.get('interleave') else 'column'}, each "
              if method.get("sustained_s") else f"median of {method['reps']} samples of ")
             + f"{method.get('burst', 1)} back-to-back calls after {method['warmup']} warm-up, {method['sets']} "
-            "input sets rotated; "
-            "TFLOP/s counts the GEMM's 2*M*N*K; speedup = baseline ms / column ms"]
+            "input sets rotated; " + ("the columns' samples taken in turn; " if method.get("interleave") else "")
+            + "TFLOP/s counts the GEMM's 2*M*N*K; speedup = baseline ms / column ms"]
 
 
 def _cell(entry: dict[str, Any], field: str, fmt: str) -> str:
@@ -754,6 +787,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sustained", type=_seconds, default=0.0, metavar="SECONDS",
                    help="time each column by samples back to back for this long instead of --reps, median of the "
                         "last two thirds: the steady state at the GPU's power limit (0: off)")
+    p.add_argument("--interleave", action="store_true",
+                   help="compile a case's columns first, then take their samples in turn, so that every column meets "
+                        "the GPU in the same thermal state (with --sustained the columns share that time)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--launch", action="store_true",
                    help="also measure launch costs: first-call latency in fresh processes, per-call overhead")
@@ -772,10 +808,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
               "command": " ".join(["python -m jax_blockgemm.bench", *argv]), "environment": environment(),
               "method": {"reps": args.reps, "warmup": args.warmup, "sets": args.sets, "seed": args.seed,
                          "burst": args.burst, "formats": list(gemm_formats), "sustained_s": args.sustained,
+                         "interleave": args.interleave,
                          "timing": "median over samples of the wall time per call of `burst` jitted calls issued "
                                    "back to back and ended by one block_until_ready"
-                                   + (f"; samples back to back for {args.sustained:g} s per column, the median over "
-                                      "the last two thirds" if args.sustained else "")},
+                                   + (f"; samples back to back for {args.sustained:g} s per "
+                                      f"{'case' if args.interleave else 'column'}, the median over the last two "
+                                      "thirds" if args.sustained else "")
+                                   + ("; the columns' samples taken in turn" if args.interleave else "")},
               "cases": []}
     key = jax.random.key(args.seed)
     for i, (case, case_key) in enumerate(zip(cases, jax.random.split(key, len(cases)))):
@@ -783,7 +822,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         sys.stderr.write(f"[{i + 1}/{len(cases)}] {case.op} {case.name}:")
         sys.stderr.flush()
         record["cases"].append(run_case(case, case_key, sets=args.sets, warmup=args.warmup, reps=args.reps,
-                                        progress=sys.stderr, burst=args.burst, sustained=args.sustained))
+                                        progress=sys.stderr, burst=args.burst, sustained=args.sustained,
+                                        interleave=args.interleave))
         sys.stderr.write(f" done in {time.perf_counter() - start:.1f} s\n")
         sys.stderr.flush()
     if args.launch:

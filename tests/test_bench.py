@@ -388,6 +388,19 @@ class ArgumentsTest(parameterized.TestCase):
         self.assertEqual(record["method"]["formats"], ["nvfp4", "mxfp4"])
         self.assertEqual([c["case"] for c in record["cases"]], ["64x32x64 nvfp4", "64x32x64 mxfp4"])
 
+    def test_interleave_times_every_column_in_table_order(self):
+        """--interleave: the same columns, checks and table as the default, the method says how it was timed."""
+        with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
+            record = bench.main(["--op", "gemm_amax", "--shape", "64,32,64", "--reps", "2", "--warmup", "0",
+                                 "--interleave"])
+        (case,) = record["cases"]
+        keys = [c.key for c in bench.gemm_columns()]
+        self.assertEqual([k for k in case["columns"] if k in keys], [k for k in keys if k in case["columns"]])
+        self.assertEqual(case["columns"]["reference"]["check"], 0.0)
+        self.assertIn("ms", case["columns"]["ours"])
+        self.assertTrue(record["method"]["interleave"])
+        self.assertIn("the columns' samples taken in turn", out.getvalue())
+
     def test_bad_shape_from_the_command_line(self):
         proc = subprocess.run([sys.executable, "-m", "jax_blockgemm.bench", "--shape", "4096,4096"],
                               capture_output=True, text=True, timeout=300)
@@ -461,6 +474,34 @@ class TimingTest(absltest.TestCase):
         self.assertEqual(calls[:4], [0, 1, 0, 1])
         self.assertGreaterEqual(ms, 4.0)
         self.assertLess(ms, 20.0)  # the slow first 0.1 s (30 ms calls) fall in the skipped first third
+
+    def test_interleaved_medians_take_one_sample_of_each_function_in_turn(self):
+        calls = []
+        make = lambda name, pause: lambda i: (calls.append((name, i)), time.sleep(pause), jnp.asarray(i))[-1]
+        slow, fast = make("slow", 0.02), make("fast", 0.001)
+        ms = bench.interleaved_medians_ms([slow, fast], [[(0,), (1,)], [(5,)]], warmup=1, reps=3, burst=2)
+        # warm-up of each in turn, then rounds of one 2-call sample of each, each cycling its own sets
+        self.assertEqual(calls, [("slow", 0), ("fast", 5)] + [("slow", 0), ("slow", 1), ("fast", 5), ("fast", 5)] * 3)
+        self.assertGreaterEqual(ms[0], 20.0)
+        self.assertLess(ms[1], 15.0)
+
+    def test_interleaved_sustained_shares_the_time(self):
+        start = time.perf_counter()
+        counts = [0, 0]
+
+        def fn(j):
+            def call(i):
+                counts[j] += 1
+                time.sleep(0.005)
+                return jnp.asarray(i)
+            return call
+
+        ms = bench.interleaved_medians_ms([fn(0), fn(1)], [[(0,)], [(0,)]], warmup=0, reps=1, sustained=0.3)
+        self.assertGreaterEqual(time.perf_counter() - start, 0.3)
+        self.assertLess(time.perf_counter() - start, 5.0)
+        self.assertEqual(counts[0], counts[1])  # whole rounds only
+        self.assertGreater(counts[0], 10)
+        self.assertTrue(all(4.0 <= m < 30.0 for m in ms), ms)
 
     def test_random_mxfp8_scales_are_random_and_never_zero(self):
         codes, scales = bench.random_mxfp8(jax.random.key(3), (64, 256))
