@@ -355,17 +355,19 @@ def interleaved_medians_ms(fns: Sequence[Callable[..., Any]], arg_sets: Sequence
                            reps: int, burst: int = 1, sustained: float = 0.0) -> list[float]:
     """`median_ms` of several functions at once (fns[i] on arg_sets[i]): each round takes one sample of every
     function in turn, so all of them meet the GPU in the same thermal state (timed one after another, the first
-    runs on a cool GPU and the last on a hot one). Round r starts with function r mod n, so that each function
-    follows each other one equally often (in a fixed order the one after the heaviest burst ran 3-5% slower on the
-    H200). With `sustained`, the functions share that time."""
+    runs on a cool GPU and the last on a hot one). Each round takes them in a fresh order (a seeded shuffle), so
+    that no function always follows the same one: on the H200 the column that always ran right after the
+    scaled_matmul pipeline's 15 ms burst was 3% slower than the same kernel in the next column, also with the order
+    rotated (a rotation keeps every function's predecessor). With `sustained`, the functions share that time."""
     for fn, sets in zip(fns, arg_sets):
         for i in range(warmup):
             jax.block_until_ready(fn(*sets[i % len(sets)]))
     times: list[list[float]] = [[] for _ in fns]
     ends, calls = [], [0] * len(fns)
+    orders = np.random.default_rng(0)
     first = time.perf_counter()
     while len(ends) < reps if sustained <= 0 else (not ends or ends[-1] - first < sustained):
-        for j in (np.arange(len(fns)) + len(ends)) % len(fns):
+        for j in orders.permutation(len(fns)):
             fn, sets = fns[j], arg_sets[j]
             start = time.perf_counter()
             out = None

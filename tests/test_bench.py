@@ -480,12 +480,25 @@ class TimingTest(absltest.TestCase):
         make = lambda name, pause: lambda i: (calls.append((name, i)), time.sleep(pause), jnp.asarray(i))[-1]
         slow, fast = make("slow", 0.02), make("fast", 0.001)
         ms = bench.interleaved_medians_ms([slow, fast], [[(0,), (1,)], [(5,)]], warmup=1, reps=3, burst=2)
-        # warm-up of each in turn, then rounds of one 2-call sample of each, each cycling its own sets, round r
-        # starting with function r mod 2
+        # warm-up of each in turn, then rounds of one 2-call sample of each (in a shuffled order), each cycling its
+        # own sets
+        self.assertEqual(calls[:2], [("slow", 0), ("fast", 5)])
+        rounds = [calls[2 + 4 * r:6 + 4 * r] for r in range(3)]
+        self.assertLen(calls, 14)
         slow2, fast2 = [("slow", 0), ("slow", 1)], [("fast", 5), ("fast", 5)]
-        self.assertEqual(calls, [("slow", 0), ("fast", 5)] + slow2 + fast2 + fast2 + slow2 + slow2 + fast2)
+        for r in rounds:
+            self.assertIn(r, (slow2 + fast2, fast2 + slow2))
         self.assertGreaterEqual(ms[0], 20.0)
         self.assertLess(ms[1], 15.0)
+
+    def test_interleaved_orders_vary_the_predecessor(self):
+        """Over the rounds every function is preceded by more than one other (a fixed or rotated order would give
+        each the same predecessor every time)."""
+        order = []
+        fns = [lambda i, n=n: (order.append(n), jnp.asarray(i))[-1] for n in range(4)]
+        bench.interleaved_medians_ms(fns, [[(0,)]] * 4, warmup=0, reps=12)
+        before = {n: {order[i - 1] for i in range(1, len(order)) if order[i] == n} for n in range(4)}
+        self.assertTrue(all(len(b) >= 2 for b in before.values()), before)
 
     def test_interleaved_sustained_shares_the_time(self):
         start = time.perf_counter()
