@@ -44,13 +44,18 @@ _WIDE_C_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfl
 # and the smallest L*M*N*K from which it does: "cpu", or "cuda:<compute capability>" as jax.Device spells it
 # ("cuda:9.0"). A program lowered for CUDA where JAX sees no GPU has the kind "cuda", which this table never names,
 # so it keeps the exact path; implementation="xla" never takes the route. Empty: off everywhere.
-# Measured on the H200 (2026-11-29, benchmarks/reference_variants.py), the route took 0.94x / 0.98x / 0.99x of
-# the bfloat16-dequantization path's time at 8192^3 / 4096x24576x1536 / 4096x7168x16384; against the faster
-# dequantization path of 2026-11-30 (no algorithm preset) 0.97x / 0.82-0.84x / 0.97x. It would move the reference
-# out of SPEC §7's "exact" class into the tensor-core FP8 one (<= 1e-4), so the GPU tests could no longer judge
-# kernels against it by the exact bound; hence None only. Before a kind is added: its NaN / 0xFF scale bytes and inf
-# checked on that GPU against SPEC §2 (checked on the CPU only so far; benchmarks/NOTES.md "the scaled_dot route").
+# Measured on the H200 (2026-11-29, benchmarks/reference_variants.py, both with amax), the route took 0.94x / 0.98x
+# / 0.99x of the bfloat16-dequantization path's time at 8192^3 / 4096x24576x1536 / 4096x7168x16384, whose dot then
+# carried an algorithm preset that made XLA pick slower GEMMs. The 2026-11-30 probe that put it at 0.97x / 0.82-0.84x
+# / 0.97x of the faster path timed the bare scaled_dot against the whole reference, which also writes C and reads it
+# again for amax (~0.1 ms of 400 MB at 4096x24576x1536). Through the public API in one run (H200, 2026-11-30 16:47, RESULTS.md) with this table at
+# {"cuda:9.0": 3e10}, implementation=None took 1.03x / 1.01x / 1.01x the reference's time at 4096x24576x1536 /
+# 4096x7168x16384 / 8192^3: no gain, so it is off. It would also move None's result out of SPEC §7's "exact" class
+# into the tensor-core FP8 one (<= 1e-4); "xla", which the GPU tests judge kernels by, never takes it. SPEC §2's
+# special values on the H200 (tests/test_reference_formulation.py ScaledDotRouteTest): NaN codes and NaN (0xFF)
+# scale bytes propagate like the oracle, E5M2's -inf + inf came out non-NaN, so the route takes E4M3 x E4M3 only.
 SCALED_DOT_MIN_SIZE: dict[str, int] = {}
+SCALED_DOT_CODES = (np.dtype(jnp.float8_e4m3fn),)  # code dtypes the route takes (both operands)
 
 
 def _bf16_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
@@ -130,6 +135,8 @@ def use_scaled_dot(device_kinds: Sequence[str], a_dtype: Any, b_dtype: Any, *, s
     every device kind the program is lowered for (`SCALED_DOT_MIN_SIZE`'s keys) has been measured faster with it at
     this size; the bfloat16-dequantization dot everywhere else, and always for implementation="xla"."""
     if not device_kinds or not scaled_dot_applies(a_dtype, b_dtype, sf_vec_size=sf_vec_size, k=k):
+        return False
+    if np.dtype(a_dtype) not in SCALED_DOT_CODES or np.dtype(b_dtype) not in SCALED_DOT_CODES:
         return False
     thresholds = [SCALED_DOT_MIN_SIZE.get(kind) for kind in device_kinds]
     return all(t is not None and l * m * n * k >= t for t in thresholds)

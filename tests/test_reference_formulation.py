@@ -271,6 +271,47 @@ class ScaledDotRouteTest(parameterized.TestCase):
         result = rv.nan_scale_poisons()
         self.assertTrue(result["ok"], result)
 
+    def _special(self, fmt: str, special_codes: dict) -> None:
+        """The route on codes with `special_codes` ({(row, k): byte} in A) and a NaN (0xFF) scale byte in B (column
+        3): NaN and ±inf exactly where the float64 oracle has them, the finite elements within the route's bound, a
+        NaN amax."""
+        rng = np.random.default_rng(11)
+        k = 128
+        inp = oracle_ops.random_gemm_inputs(rng, l=1, m=64, n=48, k=k, fmt=fmt)
+        a = inp["a"].copy()
+        for (row, kk), byte in special_codes.items():
+            a.view(np.uint8)[0, row, kk] = byte
+        sfb = inp["sfb"].copy()
+        sfb[0, 3, 1] = 0xFF
+        fn = jax.jit(functools.partial(reference.gemm_amax_reference, k=k, sf_vec_size=32, c_dtype=np.float32,
+                                       scaled_dot=True))
+        c, amax = fn(jnp.asarray(a), jnp.asarray(inp["b"]), formats.to_scale_atom(jnp.asarray(inp["sfa"])),
+                     formats.to_scale_atom(jnp.asarray(sfb)))
+        c_ref, amax_ref = oracle_ops.gemm_amax_oracle(a, inp["b"], inp["sfa"], sfb, k=k, sf_vec_size=32)
+        c, ref = np.asarray(c[0], np.float64), c_ref[0]
+        np.testing.assert_array_equal(np.isnan(c), np.isnan(ref))
+        np.testing.assert_array_equal(np.isposinf(c), np.isposinf(ref))
+        np.testing.assert_array_equal(np.isneginf(c), np.isneginf(ref))
+        self.assertGreater(np.isnan(ref).sum(), 64 + 10)  # the NaN column and more
+        finite = np.isfinite(ref)
+        err = np.linalg.norm(c[finite] - ref[finite]) / np.linalg.norm(ref[finite])
+        self.assertLessEqual(err, oracle_ops.GEMM_RTOL)
+        oracle_ops.assert_amax_close(self, np.asarray(amax), amax_ref)
+        return ref
+
+    def test_e4m3_nan_codes_and_nan_scales_propagate_like_the_oracle(self):
+        """What the route takes on a GPU (E4M3 only): NaN codes (0x7F, 0xFF) poison their rows."""
+        self._special("mxfp8_e4m3", {(5, 7): 0x7F, (9, 100): 0xFF})
+
+    def test_e5m2_inf_codes_propagate_like_the_oracle(self):
+        """E5M2 +inf and -inf in one row (inf - inf is NaN) and +inf in another (inf x 0 NaN, else ±inf). On the
+        H200 -inf + inf came out non-NaN, so the route never takes E5M2 there (SCALED_DOT_CODES); this runs where
+        scaled_dot decomposes exactly (the CPU)."""
+        if jax.default_backend() != "cpu":
+            self.skipTest("the route takes E4M3 codes only on a GPU (reference.SCALED_DOT_CODES)")
+        ref = self._special("mxfp8_e5m2", {(5, 7): 0x7C, (9, 40): 0xFC, (9, 41): 0x7C})
+        self.assertGreater(np.isinf(ref).sum(), 10)
+
     def test_refuses_what_it_cannot_compute(self):
         a = jnp.zeros((1, 128, 64), jnp.uint8)  # packed FP4
         atom = jnp.zeros(formats.atom_shape(1, 128, 4), jnp.uint8)
@@ -282,9 +323,19 @@ class ScaledDotRouteTest(parameterized.TestCase):
 class ScaledDotDecisionTest(absltest.TestCase):
 
     def test_off_by_default(self):
+        """Off: through the API it was not faster on the H200 (reference.py says what was measured)."""
         self.assertEqual(reference.SCALED_DOT_MIN_SIZE, {})
         self.assertFalse(reference.use_scaled_dot(("cuda:9.0",), jnp.float8_e4m3fn, jnp.float8_e4m3fn,
                                                   sf_vec_size=32, l=1, m=8192, n=8192, k=8192))
+
+    def test_e4m3_only(self):
+        """E5M2 never takes the route (its infinities did not follow SPEC §2 on the H200)."""
+        e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+        big = dict(sf_vec_size=32, l=1, m=4096, n=24576, k=1536)
+        with mock.patch.dict(reference.SCALED_DOT_MIN_SIZE, {"cuda:9.0": 0}, clear=True):
+            self.assertEqual(reference.use_scaled_dot(("cuda:9.0",), e4, e4, **big), reference.has_scaled_dot())
+            for a, b in ((e5, e5), (e4, e5), (e5, e4)):
+                self.assertFalse(reference.use_scaled_dot(("cuda:9.0",), a, b, **big))
 
     def test_applies_only_to_mxfp8_in_whole_blocks(self):
         has = reference.has_scaled_dot()
@@ -297,7 +348,7 @@ class ScaledDotDecisionTest(absltest.TestCase):
     def test_threshold_per_device_kind(self):
         args = dict(sf_vec_size=32, l=1, m=64, n=64, k=64)
         e4 = jnp.float8_e4m3fn
-        with mock.patch.dict(reference.SCALED_DOT_MIN_SIZE, {"cuda:9.0": 64 ** 3}):
+        with mock.patch.dict(reference.SCALED_DOT_MIN_SIZE, {"cuda:9.0": 64 ** 3}, clear=True):
             self.assertEqual(reference.use_scaled_dot(("cuda:9.0",), e4, e4, **args), reference.has_scaled_dot())
             self.assertFalse(reference.use_scaled_dot(("cuda:9.0",), e4, e4, **{**args, "m": 63}))
             self.assertFalse(reference.use_scaled_dot(("cuda:9.0", "cuda:8.0"), e4, e4, **args))  # an A100 too
