@@ -47,13 +47,14 @@ _WIDE_C_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfl
 # Measured on the H200 (2026-11-29, benchmarks/reference_variants.py, both with amax), the route took 0.94x / 0.98x
 # / 0.99x of the bfloat16-dequantization path's time at 8192^3 / 4096x24576x1536 / 4096x7168x16384, whose dot then
 # carried an algorithm preset that made XLA pick slower GEMMs. The 2026-11-30 probe that put it at 0.97x / 0.82-0.84x
-# / 0.97x of the faster path timed the bare scaled_dot against the whole reference, which also writes C and reads it
-# again for amax (~0.1 ms of 400 MB at 4096x24576x1536). Through the public API in one run (H200, 2026-11-30 16:36, RESULTS.md) with this table at
-# {"cuda:9.0": 3e10}, implementation=None took 1.03x / 1.01x / 1.01x the reference's time at 4096x24576x1536 /
-# 4096x7168x16384 / 8192^3: no gain, so it is off. It would also move None's result out of SPEC §7's "exact" class
-# into the tensor-core FP8 one (<= 1e-4); "xla", which the GPU tests judge kernels by, never takes it. SPEC §2's
-# special values on the H200 (tests/test_reference_formulation.py ScaledDotRouteTest): NaN codes and NaN (0xFF)
-# scale bytes propagate like the oracle, E5M2's -inf + inf came out non-NaN, so the route takes E4M3 x E4M3 only.
+# / 0.97x of the faster path timed the bare scaled_dot against the whole reference, which also writes C and reads
+# it again for amax (~0.1 ms of 400 MB at 4096x24576x1536). Through the public API in one run (H200, 2026-11-30
+# 16:36, RESULTS.md) with this table at {"cuda:9.0": 3e10}, implementation=None took 1.03x / 1.01x / 1.01x the
+# reference's time at 4096x24576x1536 / 4096x7168x16384 / 8192^3: no gain, so it is off. It would also move None's
+# result out of SPEC §7's "exact" class into the tensor-core FP8 one (<= 1e-4); "xla", which the GPU tests judge
+# kernels by, never takes it. SPEC §2's special values on the H200 (tests/test_reference_formulation.py
+# ScaledDotRouteTest): NaN codes and NaN (0xFF) scale bytes propagate like the oracle, E5M2's -inf + inf came out
+# non-NaN, so the route takes E4M3 x E4M3 only.
 SCALED_DOT_MIN_SIZE: dict[str, int] = {}
 SCALED_DOT_CODES = (np.dtype(jnp.float8_e4m3fn),)  # code dtypes the route takes (both operands)
 
