@@ -191,20 +191,30 @@ def check_special(runner: Runner, w_out_in: bool, rng) -> dict:
 
 def median_ms(fn, reps: int) -> float:
     """Median over `reps` of CUDA-event time per launch, timed over bursts of BURST back-to-back launches."""
+    return interleaved_medians_ms([fn], reps)[0]
+
+
+def interleaved_medians_ms(fns: list, reps: int) -> list:
+    """`median_ms` of several launches at once: each round times one burst of each, in a fresh shuffled order, so
+    that an A/B of two kernels meets the GPU in the same thermal state and neither always runs after the other
+    (benchmarks/RESULTS.md, 2026-11-30 16:00: in a fixed order the column after the heaviest ran 3% slow)."""
     import torch
 
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(BURST):
+    for fn in fns:
+        for _ in range(3):
             fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / BURST)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    order = np.random.default_rng(0)
+    for _ in range(reps):
+        for j in order.permutation(len(fns)):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(BURST):
+                fns[j]()
+            b.record()
+            b.synchronize()
+            times[j].append(a.elapsed_time(b) / BURST)
+    return [statistics.median(t) for t in times]
 
 
 def bench(runners: dict, reps: int) -> list:
@@ -218,13 +228,15 @@ def bench(runners: dict, reps: int) -> list:
     for t, h, k in BENCH_SHAPES:
         n = h * HEAD_DIM
         rng = np.random.default_rng(3)
-        for (w_out_in, _), runner in runners.items():
+        launches, names = [], []
+        for (w_out_in, _), runner in runners.items():  # every kernel's samples interleaved: a fair A/B
             inp = oracle_ops.random_proj_rope_inputs(rng, t=t, h=h, k=k, mxfp8=False, w_out_in=w_out_in)
             args = [bf16_dev(inp[n_]) for n_ in ("x", "w", "cos", "sin")]
             sizes = (t * n, t * h * 6, t * n, (t // 32) * n)
             outs = [torch.empty((s,), dtype=torch.uint8, device="cuda") for s in sizes]
-            ms = median_ms(runner.bind(*args, outs, t, k, h), reps)
-            name = f"kernel {runner.label} w_out_in={w_out_in}"
+            launches.append(runner.bind(*args, outs, t, k, h))
+            names.append(f"kernel {runner.label} w_out_in={w_out_in}")
+        for name, ms in zip(names, interleaved_medians_ms(launches, reps)):
             rows.append(dict(what=name, t=t, ms=ms, tflops=2 * t * n * k / ms / 1e9))
         # cuBLAS through torch, timed like the kernel (CUDA events over bursts): the dot's device time
         xt = torch.randn((t, k), device="cuda", dtype=torch.bfloat16)
