@@ -21,7 +21,8 @@ time per call, as a model step sees it (--burst 1 waits for every call and adds 
 H200, to every column). `--sustained SECONDS` keeps each column busy that long instead and reports the median of
 the last two thirds: the steady state at the GPU's power limit (an H200 then runs both GEMMs and our kernels at
 1.5-1.6 GHz, not 1.98), which short bursts only partly see. Columns are timed one after another, so the first
-meets a cooler GPU than the last; `--interleave` compiles them all first and takes their samples in turn instead.
+meets a cooler GPU than the last; `--interleave` compiles them all first and takes their samples in turn instead,
+in a fresh shuffled order each round.
 Ratios are speedups, baseline ms / column ms (> 1: faster than the baseline), against
 `jax.nn.scaled_matmul`, the reference and `jax.lax.scaled_dot` for gemm_amax, against the bare dot and the unfused
 pipeline for proj_rope. Every column that computes the same function is checked against the reference on the
@@ -793,8 +794,9 @@ def parser() -> argparse.ArgumentParser:
                    help="time each column by samples back to back for this long instead of --reps, median of the "
                         "last two thirds: the steady state at the GPU's power limit (0: off)")
     p.add_argument("--interleave", action="store_true",
-                   help="compile a case's columns first, then take their samples in turn, so that every column meets "
-                        "the GPU in the same thermal state (with --sustained the columns share that time)")
+                   help="compile a case's columns first, then take their samples in turn (a shuffled order each "
+                        "round), so that every column meets the GPU in the same thermal state (with --sustained the "
+                        "columns share that time)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--launch", action="store_true",
                    help="also measure launch costs: first-call latency in fresh processes, per-call overhead")

@@ -16,9 +16,9 @@ kernel against them, so they compute exactly the SPEC's function and never trade
 
 One opt-in exception: an MXFP8 gemm_amax may take its accumulator from XLA's block-scaled `jax.lax.scaled_dot`
 (`scaled_dot=True`). That puts it in SPEC §7's "tensor-core FP8" class (<= 1e-4; ~1e-5 measured on an H200)
-instead of "exact", for 3-18% less time on an H200 (2026-11-30), and the primitives do not take it yet
-(`use_scaled_dot` with an empty SCALED_DOT_MIN_SIZE): GPU tests compare kernels against the reference by the exact
-bound, and what routing `implementation=None` through it needs is in benchmarks/NOTES.md ("the scaled_dot route").
+instead of "exact", and through the public API on an H200 it was not faster (1.01-1.03x the reference's time,
+2026-11-30), so the primitives do not take it (`use_scaled_dot` with an empty SCALED_DOT_MIN_SIZE): GPU tests compare
+kernels against the reference by the exact bound (benchmarks/NOTES.md, "the scaled_dot route").
 
 Inputs arrive canonical: the public API (`api.py`) has already validated and normalized them, so this module only
 asserts the few invariants it relies on.

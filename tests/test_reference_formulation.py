@@ -202,7 +202,6 @@ class QuantizerTest(parameterized.TestCase):
         self.assertEqual(int(got[3][0, h - 1, 130]), 0xFF)
 
 
-@absltest.skipUnless(reference.has_scaled_dot(), _NO_SCALED_DOT)
 class ReferenceDotTest(absltest.TestCase):
     """The references' one GEMM: bfloat16 operands, a float32 result (SPEC §6), and no algorithm preset, which made
     XLA pick slower GEMM kernels on the H200 at bit-identical results (benchmarks/NOTES.md "Reference speed")."""
@@ -231,6 +230,7 @@ class ReferenceDotTest(absltest.TestCase):
         self._check(self._dots(lambda *a: jbg.gemm_proj_rope_mxfp8(*a, implementation="xla"), x, w, table, table))
 
 
+@absltest.skipUnless(reference.has_scaled_dot(), _NO_SCALED_DOT)
 class ScaledDotRouteTest(parameterized.TestCase):
     """On CPU scaled_dot decomposes into bf16 dequantization + dot, so the "exact" bound (1e-5) applies; on a GPU
     it runs on FP8 tensor cores, judged by SPEC §7's 1e-4 for that class."""
@@ -271,10 +271,10 @@ class ScaledDotRouteTest(parameterized.TestCase):
         result = rv.nan_scale_poisons()
         self.assertTrue(result["ok"], result)
 
-    def _special(self, fmt: str, special_codes: dict) -> None:
+    def _special(self, fmt: str, special_codes: dict) -> np.ndarray:
         """The route on codes with `special_codes` ({(row, k): byte} in A) and a NaN (0xFF) scale byte in B (column
         3): NaN and ±inf exactly where the float64 oracle has them, the finite elements within the route's bound, a
-        NaN amax."""
+        NaN amax. Returns the oracle's C."""
         rng = np.random.default_rng(11)
         k = 128
         inp = oracle_ops.random_gemm_inputs(rng, l=1, m=64, n=48, k=k, fmt=fmt)
