@@ -118,13 +118,18 @@ class HopperProjRope:
     """
 
     def __init__(self, *, x_dtype: str = "bfloat16", w_major: str = "k", consumer_wgs: int = 2, cluster_t: int = 1,
-                 schedule: str = "", tile_k: int = TILE_K):
+                 schedule: str = "", tile_k: int = TILE_K, pdl: bool = False):
         common.require_choice("x_dtype", x_dtype, ("bfloat16",))
         common.require_choice("schedule", schedule, SCHEDULES)
         if schedule and (consumer_wgs, cluster_t) != (2, 1):
             raise ValueError(f"schedule={schedule!r} runs two consumer warpgroups without clusters, got "
                              f"consumer_wgs={consumer_wgs}, cluster_t={cluster_t}")
         self.schedule = schedule
+        # staged: programmatic dependent launch. The launch lets this grid's CTAs start while the previous kernel on
+        # the stream finishes (each CTA signals launch_dependents at once, so the next launch's CTAs take SMs as ours
+        # exit), and every thread waits for the previous grid (griddepcontrol.wait) after the prologue, before its
+        # first global access: the barrier setup and descriptor prefetch overlap the previous kernel's tail.
+        self.pdl = bool(pdl) and schedule == "staged"
         # Profiling only (benchmarks/proj_rope_standalone.py --profile): phases to leave out, from {"mma", "epilogue",
         # "stores", "rowwise", "columnwise", "mainloop"} (the wgmmas; the whole epilogue; the code tiles' global
         # stores (staged: every global store of the epilogue, the work kept); the rowwise maxima, scales, codes and
@@ -245,7 +250,7 @@ class HopperProjRope:
             else:
                 body = {"pingpong": self.kernel_pingpong, "persistent": self.kernel_persistent}[self.schedule](*args)
             body.launch(grid=(ctas, 1, 1), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1,
-                               preferred_smem_carveout=100, stream=stream)
+                        preferred_smem_carveout=100, stream=stream, use_pdl=self.pdl)
         elif cutlass.const_expr(self.cluster_t == 1):
             self.kernel(*args).launch(grid=(tiles_t, h, 1), block=(self.threads_per_cta, 1, 1),
                                       min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100, stream=stream)
@@ -467,6 +472,9 @@ class HopperProjRope:
         (tidx, warp_idx, cta, n_ctas, tiles_t, my_tiles, storage, ab_pipeline, sA, sB, views, k_tiles,
          wg_idx) = self._persistent_prologue(tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, t,
                                              h, consumer_warps=self.num_consumer_warps)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()  # the previous grid's writes (x, w) are visible from here on
         bm = self.tile_mnk[0]
         y = storage.y.data_ptr().toint()
         do_epilogue = "epilogue" not in self._skip
