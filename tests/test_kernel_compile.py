@@ -327,6 +327,21 @@ class CompileTest(parameterized.TestCase):
         stage_bytes = (kernel.tile_mnk[0] + 192) * 64 * 2
         self.assertGreater(smem, 227 * 1024 - stage_bytes)  # no room left for one more stage
 
+    def test_staged_pdl_waits_for_the_previous_grid_before_any_global_access(self):
+        """HopperProjRope(pdl=True): one launch_dependents and one griddepcontrol.wait, the wait before the first TMA
+        load and the first global load; without pdl neither instruction."""
+        v = next(v for v in catalog.variants_for("sm_90a", "proj_rope") if v.schedule == "staged")
+        kernel = catalog.make_kernel(v)
+        kernel.pdl = True
+        ptx = catalog.compile_function(v, keep_ptx=True, kernel=kernel).__ptx__
+        self.assertEqual(ptx.count("griddepcontrol.launch_dependents"), 1)
+        self.assertEqual(ptx.count("griddepcontrol.wait"), 1)
+        wait = ptx.index("griddepcontrol.wait")
+        for access in ("cp.async.bulk.tensor", "ld.global"):
+            self.assertLess(wait, ptx.index(access), access)
+        plain, *_ = _compiled(v)
+        self.assertNotIn("griddepcontrol", plain)
+
     @parameterized.named_parameters((v.key, v) for v in _PROJ_ROPE_VARIANTS)
     def test_proj_rope_header_matches_abi(self, v):
         _, _, header, *_ = _compiled(v)
