@@ -62,10 +62,10 @@ class Runner:
         # "1k32": one consumer warpgroup, 32-wide k-tiles
         kind, _, tile_k = str(consumer_wgs).partition("k")
         tile_k = int(tile_k or 64)
-        if kind in ("pp", "ps", "st", "stp"):  # stp: staged with programmatic dependent launch
-            schedule = {"pp": "pingpong", "ps": "persistent", "st": "staged", "stp": "staged"}[kind]
-            self.kernel = HopperProjRope(w_major=w_major, schedule=schedule, tile_k=tile_k, pdl=kind == "stp")
-            self.label = schedule + (" pdl" if kind == "stp" else "")
+        if kind in ("pp", "ps", "st", "st-nopdl"):  # st-nopdl: staged without programmatic dependent launch
+            schedule = {"pp": "pingpong", "ps": "persistent", "st": "staged", "st-nopdl": "staged"}[kind]
+            self.kernel = HopperProjRope(w_major=w_major, schedule=schedule, tile_k=tile_k, pdl=kind == "st")
+            self.label = schedule + (" no-pdl" if kind == "st-nopdl" else "")
         else:
             self.kernel = HopperProjRope(w_major=w_major, consumer_wgs=int(kind), tile_k=tile_k)
             self.label = f"{kind}wg"

@@ -328,19 +328,18 @@ class CompileTest(parameterized.TestCase):
         self.assertGreater(smem, 227 * 1024 - stage_bytes)  # no room left for one more stage
 
     def test_staged_pdl_waits_for_the_previous_grid_before_any_global_access(self):
-        """HopperProjRope(pdl=True): one launch_dependents and one griddepcontrol.wait, the wait before the first TMA
-        load and the first global load; without pdl neither instruction."""
+        """The staged kernel (pdl=True, the default): one launch_dependents and one griddepcontrol.wait, the wait
+        before the first TMA load and the first global load; with pdl=False neither instruction."""
         v = next(v for v in catalog.variants_for("sm_90a", "proj_rope") if v.schedule == "staged")
-        kernel = catalog.make_kernel(v)
-        kernel.pdl = True
-        ptx = catalog.compile_function(v, keep_ptx=True, kernel=kernel).__ptx__
+        ptx, *_ = _compiled(v)
         self.assertEqual(ptx.count("griddepcontrol.launch_dependents"), 1)
         self.assertEqual(ptx.count("griddepcontrol.wait"), 1)
         wait = ptx.index("griddepcontrol.wait")
         for access in ("cp.async.bulk.tensor", "ld.global"):
             self.assertLess(wait, ptx.index(access), access)
-        plain, *_ = _compiled(v)
-        self.assertNotIn("griddepcontrol", plain)
+        kernel = catalog.make_kernel(v)
+        kernel.pdl = False
+        self.assertNotIn("griddepcontrol", catalog.compile_function(v, keep_ptx=True, kernel=kernel).__ptx__)
 
     @parameterized.named_parameters((v.key, v) for v in _PROJ_ROPE_VARIANTS)
     def test_proj_rope_header_matches_abi(self, v):
@@ -525,6 +524,12 @@ class DequantizeCompileTest(parameterized.TestCase):
         self.assertEqual(count(r"cvt\.rn\.bf16x2\.f32"), converted // 2)
         self.assertNotIn(".local", ptx)
         self.assertNotRegex(ptx, r"mul\.ftz")  # scale byte 0 is the float32 subnormal 2^-127: no flushing
+        # programmatic dependent launch: the next kernel may launch once every CTA started; each thread waits for
+        # the previous grid before its first global access
+        self.assertEqual(count(r"griddepcontrol\.launch_dependents"), 1)
+        self.assertEqual(count(r"griddepcontrol\.wait"), 1)
+        self.assertLess(ptx.index("griddepcontrol.wait"), min(ptx.index(x) for x in ("ld.global", "cp.async.bulk")
+                                                             if x in ptx))
         p = v.function_prefix
         wrapper = re.search(rf"int32_t cute_dsl_{p}_wrapper\(([^)]*)\)", header).group(1)
         params = [x.strip() for x in wrapper.split(",")]

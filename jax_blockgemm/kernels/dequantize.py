@@ -70,9 +70,14 @@ class MxDequantize:
     """codes·2^(scale-127) as bfloat16 for up to two MXFP8 E4M3 operands in one launch; operand 0 has its scales per
     32 along `scale_axis`, operand 1 along its rows."""
 
-    def __init__(self, *, scale_axis: int = 1):
+    def __init__(self, *, scale_axis: int = 1, pdl: bool = True):
         common.require_choice("scale_axis", scale_axis, SCALE_AXES)
         self.scale_axis = scale_axis
+        # programmatic dependent launch (sm_90 and later): this grid may start while the previous kernel finishes,
+        # and lets the next one (the proj_rope kernel) start as soon as all of its own CTAs have started, so the
+        # proj_rope CTAs' prologue overlaps this kernel's last wave; every thread waits for the previous grid before
+        # its first global access
+        self.pdl = pdl
         self.bulk = scale_axis == 1
         self.per_cta = UNIT if self.bulk else THREADS * THREAD_RUN
         self.ab_dtype = cutlass.Float8E4M3FN
@@ -104,7 +109,7 @@ class MxDequantize:
             self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
             smem = self.shared_storage.size_in_bytes()
         self.kernel(codes, scales, out, rows, cols, codes1, scales1, out1, rows1, cols1).launch(
-            grid=(ctas, 1, 1), block=(THREADS, 1, 1), smem=smem, stream=stream)
+            grid=(ctas, 1, 1), block=(THREADS, 1, 1), smem=smem, stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, codes: cute.Tensor, scales: cute.Tensor, out: cute.Tensor, rows: cutlass.Int32,
@@ -112,6 +117,9 @@ class MxDequantize:
                rows1: cutlass.Int32, cols1: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()
         ctas0 = _ceil_div(rows * cols, self.per_cta)
         if cutlass.const_expr(self.bulk):
             storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)

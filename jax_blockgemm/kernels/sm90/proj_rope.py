@@ -118,7 +118,7 @@ class HopperProjRope:
     """
 
     def __init__(self, *, x_dtype: str = "bfloat16", w_major: str = "k", consumer_wgs: int = 2, cluster_t: int = 1,
-                 schedule: str = "", tile_k: int = TILE_K, pdl: bool = False):
+                 schedule: str = "", tile_k: int = TILE_K, pdl: bool = True):
         common.require_choice("x_dtype", x_dtype, ("bfloat16",))
         common.require_choice("schedule", schedule, SCHEDULES)
         if schedule and (consumer_wgs, cluster_t) != (2, 1):
