@@ -180,7 +180,8 @@ class GpuProjRopeTest(parameterized.TestCase):
             oracle_ops.assert_proj_rope_close(self, [np.asarray(o[g]) for o in outs], y_ref)
 
     def test_same_bytes_in_a_larger_program_and_under_command_buffers(self):
-        """Inside a bigger jitted program, and with XLA's CUDA graphs on, the outputs are byte-identical."""
+        """Inside a bigger jitted program, and with XLA's CUDA graphs on, the outputs of both input paths are
+        byte-identical."""
         script = textwrap.dedent("""
             import os, sys
             os.environ["JAX_BLOCKGEMM_POISON_OUTPUTS"] = "1"
@@ -191,14 +192,18 @@ class GpuProjRopeTest(parameterized.TestCase):
             dispatch.PROJ_ROPE_TILE["sm_90a"] = tuple(int(v) for v in sys.argv[2].split(","))
             dispatch.PROJ_ROPE_CLUSTER["sm_90a"] = tuple(int(v) for v in sys.argv[3].split(","))
             dispatch.PROJ_ROPE_SCHEDULE["sm_90a"] = sys.argv[4]
-            inp = oracle_ops.random_proj_rope_inputs(np.random.default_rng(5), t=256, h=3, k=512, mxfp8=False)
-            args = [jnp.asarray(inp[n]) for n in ("x", "w", "cos", "sin")]
-            def step(x, w, c, s):
-                outs = jbg.gemm_proj_rope_mxfp8(x * 1, w, c, s, implementation="cutedsl")
+            def step(x, w, c, s, xs=None, ws=None):
+                x, c = (x * 1, c) if xs is None else (x, c * 1)  # an XLA op right before the custom call(s)
+                outs = jbg.gemm_proj_rope_mxfp8(x, w, c, s, x_scale=xs, w_scale=ws, implementation="cutedsl")
                 return outs, jnp.sum(outs[0].astype(jnp.float32))
-            for _ in range(3):
-                outs, _ = jax.jit(step)(*args)
-            sys.stdout.write("".join(np.asarray(o).view(np.uint8).tobytes().hex()[:4096] for o in outs))
+            for mxfp8 in (False, True):  # the MXFP8 path adds the dequantize kernel (both launched with PDL)
+                inp = oracle_ops.random_proj_rope_inputs(np.random.default_rng(5), t=256, h=3, k=512, mxfp8=mxfp8)
+                args = [jnp.asarray(inp[n]) for n in ("x", "w", "cos", "sin")]
+                if mxfp8:
+                    args += [jnp.asarray(inp["x_scale"]), jnp.asarray(inp["w_scale"])]
+                for _ in range(3):
+                    outs, _ = jax.jit(step)(*args)
+                sys.stdout.write("".join(np.asarray(o).view(np.uint8).tobytes().hex()[:4096] for o in outs))
         """)
         tests_dir = os.path.dirname(os.path.abspath(__file__))
         tile, cluster = ",".join(map(str, self.TILE)), ",".join(map(str, self.CLUSTER))
