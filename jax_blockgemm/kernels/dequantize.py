@@ -16,6 +16,9 @@ sm_100a objects are compiled, never run):
   global memory (one 16-byte load of codes and one of their 16 column scales, two 16-byte stores): 32.1 us for w as
   (K, N), where the bulk path's per-run scale loads made it slower (34.1). Operand 1 then takes the same path.
 
+Both paths launch with programmatic dependent launch (`pdl`): every thread first waits for the previous grid, and the
+CTAs signal at once that the next grid (the proj_rope kernel) may launch, so its prologue overlaps this kernel's tail.
+
 ABI (catalog op "dequantize"): fn(codes, scales, out, rows, cols, codes1, scales1, out1, rows1, cols1, stream), flat
 buffers: codes (rows, cols) float8_e4m3fn, row-major; out (rows, cols) bfloat16; scales uint8 E8M0: (rows, cols / 32)
 for `scale_axis` 1 (blocks of 32 along a row), (rows / 32, cols) for 0. Operand 1 always has its scales along its

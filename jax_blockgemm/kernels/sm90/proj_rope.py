@@ -53,6 +53,10 @@ only mask stores, and a warpgroup with no tile (n = 1, w = 1) touches no barrier
 - named barriers 1 + w (128 threads, warpgroup w only): the columnwise exchange and the store inside the epilogue, and
   one at its start (the previous tile's store has read the code tiles before they are rewritten).
 - named barrier 0: the pipeline init (all 384 threads, once).
+
+schedule="staged" (`kernel_staged`, the default) is described in its docstring. It launches with programmatic
+dependent launch (`pdl`): its CTAs may start while the previous kernel on the stream finishes, and every thread waits
+for that grid (`griddepcontrol.wait`) after the prologue, before its first global access.
 """
 
 from __future__ import annotations
