@@ -676,6 +676,45 @@ class Sm90SurfaceCompileTest(parameterized.TestCase):
             self.assertTrue(kernel.has_alpha)
 
 
+class ProjRopeProfilingBuildTest(parameterized.TestCase):
+    """The sm_90a proj_rope kernels' profiling builds (`HopperProjRope._skip`, benchmarks/proj_rope_standalone.py
+    --profile) that leave out the accumulator's readers still run every wgmma: without a reader, ptxas replaces each
+    wgmma by an empty HGMMA.64x8x16 on RZ, and "mainloop only" then timed no tensor work (it did, before
+    `_keep_live`). Checked in the SASS (nvdisasm, from the test extra)."""
+
+    @staticmethod
+    def _hgmma(schedule: str, skip: tuple) -> "collections.Counter":
+        from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
+
+        kernel = HopperProjRope(schedule=schedule)
+        kernel._skip = frozenset(skip)
+        fn = catalog.compile_function(catalog.KernelVariant(op="proj_rope", arch="sm_90a"), keep_ptx=True,
+                                      kernel=kernel)
+        return structure.hgmma_shapes(structure.sass(fn.__cubin__))
+
+    @parameterized.parameters(("staged", ("epilogue",)), ("staged", ("ywrite",)), ("staged", ("stores",)),
+                              ("persistent", ("epilogue",)))
+    def test_skipping_the_accumulator_readers_keeps_the_wgmmas(self, schedule, skip):
+        full = self._hgmma(schedule, ())
+        self.assertGreater(full["64x192x16.F32.BF16"], 0)
+        self.assertEqual(self._hgmma(schedule, skip), full)
+
+    def test_the_check_sees_dropped_wgmmas(self):
+        """Control: with `_keep_live` a no-op, the epilogue-less build loses its m64n192 wgmmas."""
+        from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
+
+        import cutlass.cute as cute
+
+        @cute.jit
+        def no_reader(self, acc, out, t):
+            pass
+
+        with mock.patch.object(HopperProjRope, "_keep_live", no_reader):
+            shapes = self._hgmma("staged", ("epilogue",))
+        self.assertEqual(shapes["64x192x16.F32.BF16"], 0)
+        self.assertGreater(sum(shapes.values()), 0)  # the empty ones ptxas leaves in their place
+
+
 class ReportTest(absltest.TestCase):
     """`python -m jax_blockgemm.precompile --arch sm_100a --report` prints the structural table."""
 
