@@ -676,43 +676,57 @@ class Sm90SurfaceCompileTest(parameterized.TestCase):
             self.assertTrue(kernel.has_alpha)
 
 
-class ProjRopeProfilingBuildTest(parameterized.TestCase):
-    """The sm_90a proj_rope kernels' profiling builds (`HopperProjRope._skip`, benchmarks/proj_rope_standalone.py
-    --profile) that leave out the accumulator's readers still run every wgmma: without a reader, ptxas replaces each
-    wgmma by an empty HGMMA.64x8x16 on RZ, and "mainloop only" then timed no tensor work (it did, before
-    `_keep_live`). Checked in the SASS (nvdisasm, from the test extra)."""
+class ProfilingBuildTest(parameterized.TestCase):
+    """Profiling builds (`_skip`: benchmarks/proj_rope_standalone.py --profile, kernel_standalone.py phases) that
+    leave out the accumulator's readers still run every wgmma. Without a reader, ptxas replaces each wgmma by an
+    empty HGMMA.64x8x16 on RZ: proj_rope's "mainloop only" and the FP8-promote kernel's "no promotion" then timed no
+    tensor work (they did, until these builds kept a reader). Checked in the SASS (nvdisasm, from the test extra)."""
 
     @staticmethod
-    def _hgmma(schedule: str, skip: tuple) -> "collections.Counter":
+    def _wgmmas(make_kernel, skip: tuple) -> "collections.Counter":
+        kernel, variant = make_kernel()
+        kernel._skip = frozenset(skip)
+        fn = catalog.compile_function(variant, keep_ptx=True, kernel=kernel)
+        return structure.wgmma_shapes(structure.sass(fn.__cubin__))
+
+    @staticmethod
+    def _proj_rope(schedule: str):
         from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
 
-        kernel = HopperProjRope(schedule=schedule)
-        kernel._skip = frozenset(skip)
-        fn = catalog.compile_function(catalog.KernelVariant(op="proj_rope", arch="sm_90a"), keep_ptx=True,
-                                      kernel=kernel)
-        return structure.hgmma_shapes(structure.sass(fn.__cubin__))
+        return lambda: (HopperProjRope(schedule=schedule), catalog.KernelVariant(op="proj_rope", arch="sm_90a"))
 
-    @parameterized.parameters(("staged", ("epilogue",)), ("staged", ("ywrite",)), ("staged", ("stores",)),
-                              ("persistent", ("epilogue",)))
-    def test_skipping_the_accumulator_readers_keeps_the_wgmmas(self, schedule, skip):
-        full = self._hgmma(schedule, ())
-        self.assertGreater(full["64x192x16.F32.BF16"], 0)
-        self.assertEqual(self._hgmma(schedule, skip), full)
+    @staticmethod
+    def _fp8_promote():
+        v = next(c for c in catalog.CANDIDATE_VARIANTS if c.schedule == catalog.FP8_PROMOTE
+                 and c.tile_mn == (128, 128) and c.ab_dtype == "float8_e4m3fn" and c.c_dtype == "float32")
+        return lambda: (catalog.make_kernel(v), v)
+
+    @parameterized.named_parameters(
+        ("staged_epilogue", "staged", ("epilogue",), "HGMMA.64x192x16.F32.BF16"),
+        ("staged_ywrite", "staged", ("ywrite",), "HGMMA.64x192x16.F32.BF16"),
+        ("staged_stores", "staged", ("stores",), "HGMMA.64x192x16.F32.BF16"),
+        ("persistent_epilogue", "persistent", ("epilogue",), "HGMMA.64x192x16.F32.BF16"),
+        ("fp8promote_no_promotion", catalog.FP8_PROMOTE, ("dequant",), "QGMMA.64x64x32.F32.E4M3.E4M3"))
+    def test_skipping_the_accumulator_readers_keeps_the_wgmmas(self, kind, skip, shape):
+        make = self._fp8_promote() if kind == catalog.FP8_PROMOTE else self._proj_rope(kind)
+        full = self._wgmmas(make, ())
+        self.assertGreater(full[shape], 0)
+        self.assertEqual(self._wgmmas(make, skip), full)
 
     def test_the_check_sees_dropped_wgmmas(self):
-        """Control: with `_keep_live` a no-op, the epilogue-less build loses its m64n192 wgmmas."""
-        from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
-
+        """Control: with `_keep_live` a no-op, proj_rope's epilogue-less build loses its m64n192 wgmmas."""
         import cutlass.cute as cute
+
+        from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
 
         @cute.jit
         def no_reader(self, acc, out, t):
             pass
 
         with mock.patch.object(HopperProjRope, "_keep_live", no_reader):
-            shapes = self._hgmma("staged", ("epilogue",))
-        self.assertEqual(shapes["64x192x16.F32.BF16"], 0)
-        self.assertGreater(sum(shapes.values()), 0)  # the empty ones ptxas leaves in their place
+            shapes = self._wgmmas(self._proj_rope("staged"), ("epilogue",))
+        self.assertEqual(shapes["HGMMA.64x192x16.F32.BF16"], 0)
+        self.assertGreater(shapes["HGMMA.64x8x16.F16"], 0)  # the empty ones ptxas leaves in their place
 
 
 class ReportTest(absltest.TestCase):

@@ -196,9 +196,8 @@ def sass(cubin: bytes) -> str:
         return subprocess.run([tool, f.name], check=True, capture_output=True, text=True).stdout
 
 
-def hgmma_shapes(sass_text: str) -> collections.Counter:
-    """Hopper wgmma instructions in SASS by shape and types, e.g. {'64x192x16.F32.BF16': 8}. ptxas replaces a wgmma
-    whose accumulator nothing reads by an empty 'HGMMA.64x8x16.F16' on RZ, which is how a profiling build that
-    leaves out the accumulator's readers would silently time no tensor work."""
-    return collections.Counter(re.findall(r"\bHGMMA\.([\w.]+)", sass_text))
-
+def wgmma_shapes(sass_text: str) -> collections.Counter:
+    """Hopper wgmma instructions in SASS by opcode, shape and types, e.g. {'HGMMA.64x192x16.F32.BF16': 8} (QGMMA for
+    FP8). ptxas replaces a wgmma whose accumulator nothing reads by an empty 'HGMMA.64x8x16.F16' on RZ, which is how
+    a profiling build that leaves out the accumulator's readers would silently time no tensor work."""
+    return collections.Counter(f"{op}.{shape}" for op, shape in re.findall(r"\b([HQ]GMMA)\.([\w.]+)", sass_text))

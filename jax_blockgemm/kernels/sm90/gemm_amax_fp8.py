@@ -186,7 +186,8 @@ class HopperFp8PromoteGemmAmax(CEpilogue):
         """acc[chunk h] += (part · sfb[col]) · sfa[row], one FMUL + one FFMA per element. Fragment value
         i = v0 + 2·v1 + 4·v2 of the m64n64 chunk: row g + 8·v1, column 2·(lane%4) + v0 + 8·v2; its column
         scale is value 2·(v2 % 2) + v0 of sb_frags[v2 // 2]."""
-        if "dequant" in self._skip:
+        if "dequant" in self._skip:  # profiling: one add still reads the partial, or ptxas would drop its wgmma
+            acc[0] = acc[0] + part[0]
             return
         for i in range(cute.size(part)):
             v0, v1, v2 = i % 2, (i // 2) % 2, i // 4
