@@ -1,6 +1,7 @@
 """SASS instruction counts of the sm_90a proj_rope kernels, compiled on the CPU (no GPU): the whole kernel and the
 profiling build without the epilogue (`HopperProjRope._skip = {"epilogue"}`), so the epilogue's count is the
-difference. Used to compare epilogue versions before they can be timed (benchmarks/NOTES.md).
+difference (that build keeps its wgmmas: `HopperProjRope._keep_live`). Used to compare epilogue versions before they
+can be timed (benchmarks/NOTES.md). SASS by nvdisasm (`kernels/structure.sass`; the test extra installs it).
 
     CUTE_DSL_ARCH=sm_90a python3 benchmarks/proj_rope_sass.py [--keys SUBSTR,...] [--dump DIR] [--skip PHASE,...]
 """
@@ -11,14 +12,11 @@ import argparse
 import collections
 import os
 import re
-import subprocess
-import tempfile
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from jax_blockgemm.kernels import catalog, structure  # noqa: E402
 
-NVDISASM = os.environ.get("NVDISASM", "/tmp/gf/tools/nvidia/cu13/bin/nvdisasm")
 CLASSES = (  # (label, opcode regex on the base opcode + modifiers)
     ("SHFL", r"^SHFL"), ("STS.8", r"^STS\.U8"), ("STS.16", r"^STS\.U16"), ("STS.32", r"^STS$"),
     ("STS.64", r"^STS\.64"), ("STS.128", r"^STS\.128"), ("LDS", r"^LDS"), ("STG.8", r"^STG\.E\.U8"), ("STG.16", r"^STG\.E\.U16"),
@@ -28,16 +26,9 @@ CLASSES = (  # (label, opcode regex on the base opcode + modifiers)
 )
 
 
-def disasm(cubin: bytes) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([NVDISASM, "-c", f.name], check=True, capture_output=True, text=True).stdout
-
-
 def sass(cubin: bytes) -> list[str]:
     ops = []
-    for line in disasm(cubin).splitlines():
+    for line in structure.sass(cubin).splitlines():
         m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
         if m:
             ops.append(m.group(2))

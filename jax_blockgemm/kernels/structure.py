@@ -186,14 +186,14 @@ def nvdisasm_path() -> str | None:
 
 
 def sass(cubin: bytes) -> str:
-    """The SASS of a cubin, by nvdisasm (raises RuntimeError when it is not installed)."""
+    """The SASS of a cubin's code sections, by nvdisasm (raises RuntimeError when it is not installed)."""
     tool = nvdisasm_path()
     if tool is None:
         raise RuntimeError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (in the test extra)")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([tool, f.name], check=True, capture_output=True, text=True).stdout
+        return subprocess.run([tool, "-c", f.name], check=True, capture_output=True, text=True).stdout
 
 
 def wgmma_shapes(sass_text: str) -> collections.Counter:
