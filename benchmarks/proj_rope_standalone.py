@@ -12,8 +12,8 @@ ping-pong schedule (two consumer warpgroups on alternate 64-token tiles); the pi
 PINGPONG_CHECK_SHAPES, where CTAs get 2-3 tiles. --profile also times each kernel with one phase left out
 (PROFILE_SKIPS: the wgmmas, the whole epilogue, the code tiles' global stores, the rowwise or the columnwise
 quantization with its stores; for the staged kernel STAGED_PROFILE_SKIPS: the wgmmas, the whole epilogue, all of
-the mainloop but one k-tile per tile, the epilogue's global stores, or the MMA warpgroups' writes of Y); those results are wrong by design and
-are not checked. Kernel times are CUDA events around bursts of BURST launches (host launch cost hidden).
+the mainloop but one k-tile per tile, the epilogue's global stores, or the MMA warpgroups' writes of Y); those
+results are wrong by design and are not checked. Kernel times are CUDA events around bursts of BURST launches (host launch cost hidden).
 """
 
 from __future__ import annotations

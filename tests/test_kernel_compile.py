@@ -706,6 +706,8 @@ class ProfilingBuildTest(parameterized.TestCase):
         ("staged_ywrite", "staged", ("ywrite",), "HGMMA.64x192x16.F32.BF16"),
         ("staged_stores", "staged", ("stores",), "HGMMA.64x192x16.F32.BF16"),
         ("persistent_epilogue", "persistent", ("epilogue",), "HGMMA.64x192x16.F32.BF16"),
+        ("pingpong_epilogue", "pingpong", ("epilogue",), "HGMMA.64x192x16.F32.BF16"),
+        ("one_tile_epilogue", "", ("epilogue",), "HGMMA.64x192x16.F32.BF16"),
         ("fp8promote_no_promotion", catalog.FP8_PROMOTE, ("dequant",), "QGMMA.64x64x32.F32.E4M3.E4M3"))
     def test_skipping_the_accumulator_readers_keeps_the_wgmmas(self, kind, skip, shape):
         make = self._fp8_promote() if kind == catalog.FP8_PROMOTE else self._proj_rope(kind)
