@@ -56,12 +56,13 @@ class Runner:
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_compact_tensor
 
-        from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
+        from jax_blockgemm.kernels.sm90.proj_rope import STAGED_TILE_K, HopperProjRope
 
         self.cute, self.cutlass, self.cuda = cute, cutlass, cuda
         # "1k32": one consumer warpgroup, 32-wide k-tiles
         kind, _, tile_k = str(consumer_wgs).partition("k")
-        tile_k = int(tile_k or 64)
+        # no suffix: the staged kernel takes the catalog's k-tile for this W layout, the others 64
+        tile_k = int(tile_k) if tile_k else STAGED_TILE_K[w_major] if kind in ("st", "st-nopdl") else 64
         if kind in ("pp", "ps", "st", "st-nopdl"):  # st-nopdl: staged without programmatic dependent launch
             schedule = {"pp": "pingpong", "ps": "persistent", "st": "staged", "st-nopdl": "staged"}[kind]
             self.kernel = HopperProjRope(w_major=w_major, schedule=schedule, tile_k=tile_k, pdl=kind == "st")
@@ -282,8 +283,8 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--consumer-wgs", default="2",
                    help="comma-separated kernels to check and time: 1, 2 (consumer warpgroups), pp (ping-pong), "
-                        "ps (persistent), st (staged); a suffix k32 takes 32-wide k-tiles (twice the stages), "
-                        "e.g. 1k32")
+                        "ps (persistent), st (staged); a suffix k32 / k64 takes 32- / 64-wide k-tiles (the "
+                        "default: st as the catalog, STAGED_TILE_K; the others 64), e.g. 1k32")
     p.add_argument("--profile", action="store_true",
                    help="also time each kernel (w_out_in=True) with one phase left out (not checked)")
     args = p.parse_args()

@@ -169,17 +169,19 @@ def proj_rope_inputs(key: jax.Array, tokens: int, heads: int, k: int, w_out_in: 
     """One input set for a proj_rope case: x and w as MXFP8 and as the same values in bf16, cos, sin.
 
     w, w_scale and w_bf16 are (H*192, K) for w_out_in, else (K, H*192) (the same values); w_bf16_t is w_bf16 in
-    the other layout. `proj_rope_arguments` picks the arguments of one input path.
+    the other layout; w_oi and w_scale_e8m0 are always (H*192, K) (the scaled_matmul pipeline's).
+    `proj_rope_arguments` picks the arguments of one input path.
     """
     k_x, k_w, k_angle = jax.random.split(key, 3)
     x, x_scale = random_mxfp8(k_x, (tokens, k))
     w, w_scale = random_mxfp8(k_w, (heads * support.HEAD_DIM, k))
     angles = jax.random.uniform(k_angle, (tokens, support.QK_ROPE), jnp.float32, 0.0, 2 * np.pi)
     w_bf16 = reference.dequantize_bf16(w, w_scale, block=support.MX_BLOCK, axis=-1)
+    w_oi, w_scale_oi = w, w_scale  # (H*192, K) in either case: what the scaled_matmul pipeline takes
     if not w_out_in:
         w, w_scale, w_bf16 = (jnp.asarray(a.T) for a in (w, w_scale, w_bf16))
-    return {"x": x, "w": w, "x_scale": x_scale, "w_scale": w_scale,
-            "x_scale_e8m0": _as_e8m0(x_scale), "w_scale_e8m0": _as_e8m0(w_scale),
+    return {"x": x, "w": w, "x_scale": x_scale, "w_scale": w_scale, "w_oi": w_oi,
+            "x_scale_e8m0": _as_e8m0(x_scale), "w_scale_e8m0": _as_e8m0(w_scale_oi),
             "x_bf16": reference.dequantize_bf16(x, x_scale, block=support.MX_BLOCK, axis=-1), "w_bf16": w_bf16,
             "w_bf16_t": jnp.asarray(w_bf16.T), "cos": jnp.cos(angles).astype(jnp.bfloat16),
             "sin": jnp.sin(angles).astype(jnp.bfloat16)}
@@ -269,24 +271,26 @@ def _unfused_pipeline(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: j
     return row_codes, row_scales, col_codes, col_scales
 
 
-def proj_rope_columns(mxfp8: bool) -> list[Column]:
-    """The proj_rope columns in table order; the bare dot is timed in both weight layouts (the faster is kept)."""
+def proj_rope_columns(mxfp8: bool, w_out_in: bool = True) -> list[Column]:
+    """The proj_rope columns in table order; the bare dot is timed in both weight layouts (the faster is kept).
+    With w_out_in=False ours runs on w as (K, H·192); the scaled_matmul pipeline always takes w as (H·192, K)."""
     if mxfp8:
         ours = ("x", "w", "cos", "sin", "x_scale", "w_scale")
         impl = lambda implementation: lambda x, w, c, s, xs, ws: jbg.gemm_proj_rope_mxfp8(
-            x, w, c, s, x_scale=xs, w_scale=ws, implementation=implementation)
+            x, w, c, s, x_scale=xs, w_scale=ws, w_out_in=w_out_in, implementation=implementation)
     else:
         ours = ("x_bf16", "w_bf16", "cos", "sin")
         impl = lambda implementation: lambda x, w, c, s: jbg.gemm_proj_rope_mxfp8(
-            x, w, c, s, implementation=implementation)
+            x, w, c, s, w_out_in=w_out_in, implementation=implementation)
     kn_dot = lambda x, w_t: jax.lax.dot_general(x, w_t, (((1,), (0,)), ((), ())))
+    w_nk, w_kn = ("w_bf16", "w_bf16_t") if w_out_in else ("w_bf16_t", "w_bf16")
     return [Column("ours", impl(None), ours, checked=True),
             Column("ours_cutedsl", impl("cutedsl"), ours, na_errors=(ValueError,), checked=True),
             Column("reference", impl("xla"), ours, checked=True),
-            Column("bf16_dot:w_out_in", functools.partial(_nt_dot, out_dtype=jnp.bfloat16), ("x_bf16", "w_bf16"),
+            Column("bf16_dot:w_out_in", functools.partial(_nt_dot, out_dtype=jnp.bfloat16), ("x_bf16", w_nk),
                    na_errors=(Exception,)),
-            Column("bf16_dot:w_in_out", kn_dot, ("x_bf16", "w_bf16_t"), na_errors=(Exception,)),
-            Column("pipeline", _unfused_pipeline, ("x", "w", "x_scale_e8m0", "w_scale_e8m0", "cos", "sin"),
+            Column("bf16_dot:w_in_out", kn_dot, ("x_bf16", w_kn), na_errors=(Exception,)),
+            Column("pipeline", _unfused_pipeline, ("x", "w_oi", "x_scale_e8m0", "w_scale_e8m0", "cos", "sin"),
                    na_errors=(Exception,), checked=True)]
 
 
@@ -328,13 +332,17 @@ def gemm_case(m: int, n: int, k: int, fmt: str = "mxfp8") -> Case:
                 gemm_rel_err, fmt)
 
 
-def proj_rope_case(tokens: int, heads: int, k: int, mxfp8: bool) -> Case:
-    """gemm_proj_rope_mxfp8 with T tokens, H heads, K inputs, on the MXFP8 or the bf16 input path."""
+def proj_rope_case(tokens: int, heads: int, k: int, mxfp8: bool, w_out_in: bool = True) -> Case:
+    """gemm_proj_rope_mxfp8 with T tokens, H heads, K inputs, on the MXFP8 or the bf16 input path; w as (H·192, K),
+    or (w_out_in=False, the Flax layers' layout) as (K, H·192)."""
     n = heads * support.HEAD_DIM
-    return Case("proj_rope", f"T={tokens} H={heads} K={k} {'mxfp8' if mxfp8 else 'bf16'}",
-                {"tokens": tokens, "heads": heads, "k": k, "input": "mxfp8" if mxfp8 else "bf16"},
-                2.0 * tokens * n * k, functools.partial(proj_rope_inputs, tokens=tokens, heads=heads, k=k),
-                functools.partial(proj_rope_columns, mxfp8), proj_rope_codes_equal)
+    name = f"T={tokens} H={heads} K={k} {'mxfp8' if mxfp8 else 'bf16'}" + ("" if w_out_in else " w(K,N)")
+    return Case("proj_rope", name,
+                {"tokens": tokens, "heads": heads, "k": k, "input": "mxfp8" if mxfp8 else "bf16",
+                 "w_out_in": w_out_in},
+                2.0 * tokens * n * k,
+                functools.partial(proj_rope_inputs, tokens=tokens, heads=heads, k=k, w_out_in=w_out_in),
+                functools.partial(proj_rope_columns, mxfp8, w_out_in), proj_rope_codes_equal)
 
 
 def median_ms(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int, reps: int, burst: int = 1,
@@ -473,8 +481,9 @@ def run_case(case: Case, key: jax.Array, *, sets: int, warmup: int, reps: int, p
 
 
 def build_cases(*, ops: Sequence[str], shapes: Sequence[tuple[int, int, int]], small: bool,
-                gemm_formats: Sequence[str] = DEFAULT_FORMATS) -> list[Case]:
-    """The cases to run, in order: gemm_amax per format, its shapes, then proj_rope T x {bf16, mxfp8}."""
+                gemm_formats: Sequence[str] = DEFAULT_FORMATS, w_in_out: bool = False) -> list[Case]:
+    """The cases to run, in order: gemm_amax per format, its shapes, then proj_rope T x {bf16, mxfp8} (and with
+    `w_in_out` the same again with w as (K, H·192))."""
     cases = []
     if "gemm_amax" in ops:
         cases += [gemm_case(*s, fmt) for fmt in gemm_formats
@@ -482,7 +491,8 @@ def build_cases(*, ops: Sequence[str], shapes: Sequence[tuple[int, int, int]], s
     if "proj_rope" in ops:
         tokens, heads, k = ((SMALL_PROJ_TOKENS, SMALL_PROJ_HEADS, SMALL_PROJ_K) if small
                             else (PROJ_TOKENS, PROJ_HEADS, PROJ_K))
-        cases += [proj_rope_case(t, heads, k, mxfp8) for t in tokens for mxfp8 in (False, True)]
+        cases += [proj_rope_case(t, heads, k, mxfp8, w_out_in) for w_out_in in (True, False)[:1 + w_in_out]
+                  for t in tokens for mxfp8 in (False, True)]
     return cases
 
 
@@ -797,6 +807,8 @@ def parser() -> argparse.ArgumentParser:
                    help="compile a case's columns first, then take their samples in turn (a shuffled order each "
                         "round), so that every column meets the GPU in the same thermal state (with --sustained the "
                         "columns share that time)")
+    p.add_argument("--w-in-out", action="store_true",
+                   help="also time proj_rope with w as (K, H*192) (w_out_in=False, the Flax layers' layout)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--launch", action="store_true",
                    help="also measure launch costs: first-call latency in fresh processes, per-call overhead")
@@ -810,7 +822,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
     gemm_formats = tuple(dict.fromkeys(name for names in args.format for name in names)) or DEFAULT_FORMATS
-    cases = build_cases(ops=args.op or OPS, shapes=args.shape, small=args.small, gemm_formats=gemm_formats)
+    cases = build_cases(ops=args.op or OPS, shapes=args.shape, small=args.small, gemm_formats=gemm_formats,
+                        w_in_out=args.w_in_out)
     record = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "command": " ".join(["python -m jax_blockgemm.bench", *argv]), "environment": environment(),
               "method": {"reps": args.reps, "warmup": args.warmup, "sets": args.sets, "seed": args.seed,

@@ -226,6 +226,26 @@ class SustainedEndToEndTest(_BenchRun):
             self.assertEqual(case["columns"]["ours"]["check"], 1.0)
 
 
+class WeightLayoutEndToEndTest(_BenchRun):
+    """`python -m jax_blockgemm.bench --small --op proj_rope --w-in-out`: the proj_rope cases again with w as
+    (K, H·192), every column checked against the reference of the same layout."""
+
+    ARGS = ("--op", "proj_rope", "--w-in-out")
+
+    def test_both_layouts_and_every_check(self):
+        self.assertEqual(self.proc.returncode, 0, self.proc.stderr[-2000:])
+        cases = self.record["cases"]
+        names = [name for op, name in SMALL_CASES if op == "proj_rope"]
+        self.assertEqual([c["case"] for c in cases], names + [n + " w(K,N)" for n in names])
+        self.assertEqual([c["dims"]["w_out_in"] for c in cases], [True] * len(names) + [False] * len(names))
+        for case in cases:
+            for name in ("ours", "reference"):
+                self.assertEqual(case["columns"][name]["check"], 1.0, (case["case"], name))
+            pipeline = case["columns"]["pipeline"]  # scaled_matmul has no CPU lowering; on a GPU it is checked
+            self.assertTrue("na" in pipeline or pipeline["check"] == 1.0, pipeline)
+            self.assertIn(case["columns"]["bf16_dot"]["layout"], ("w_out_in", "w_in_out"))
+
+
 class Fp4EndToEndTest(_BenchRun):
     """`python -m jax_blockgemm.bench --small --format mxfp4,nvfp4`: FP4 gemm_amax tables."""
 

@@ -298,8 +298,11 @@ class CompileTest(parameterized.TestCase):
         registers split 40/232 (staged: 40/128/216), no spills, and shared memory (the stages + each warpgroup's own
         code tiles, or the fp32 tile) within the 227 KB of one sm_90 CTA, with no room for one more stage."""
         ptx, _, _, fn, kernel = _compiled(v)
-        expected = {"pingpong": (64, 5), "persistent": (128, 4), "staged": (128, 3)}[v.schedule]
-        self.assertEqual((kernel.schedule, kernel.tile_mnk[0], kernel.ab_stages), (v.schedule, *expected))
+        # (tokens per tile, k-tile, stages); staged: 64-wide k-tiles for W (N, K), 32-wide (twice the stages) for W (K, N)
+        staged = (128, 64, 3) if v.b_major == "k" else (128, 32, 6)
+        expected = {"pingpong": (64, 64, 5), "persistent": (128, 64, 4), "staged": staged}[v.schedule]
+        self.assertEqual((kernel.schedule, kernel.tile_mnk[0], kernel.tile_mnk[2], kernel.ab_stages),
+                         (v.schedule, *expected))
         self.assertIn("%nctaid.x", ptx)  # tiles cta, cta + grid, ...
         if v.schedule == "pingpong":
             self.assertRegex(ptx, r"bar\.sync\s+%r\d+, 256;")  # wait for this warpgroup's turn (id 3 + wg)
@@ -324,7 +327,7 @@ class CompileTest(parameterized.TestCase):
         self.assertLessEqual(resources.registers, 65536 // threads)
         smem = kernel.shared_storage.size_in_bytes() + resources.static_smem_bytes
         self.assertLessEqual(smem, 227 * 1024)
-        stage_bytes = (kernel.tile_mnk[0] + 192) * 64 * 2
+        stage_bytes = (kernel.tile_mnk[0] + 192) * kernel.tile_mnk[2] * 2
         self.assertGreater(smem, 227 * 1024 - stage_bytes)  # no room left for one more stage
 
     def test_staged_pdl_waits_for_the_previous_grid_before_any_global_access(self):

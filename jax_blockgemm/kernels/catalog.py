@@ -127,10 +127,12 @@ def _blackwell_factory(v: KernelVariant) -> Any:
 
 
 def _hopper_proj_rope_factory(v: KernelVariant) -> Any:
-    from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
+    from jax_blockgemm.kernels.sm90.proj_rope import STAGED_TILE_K, TILE_K, HopperProjRope
 
-    if v.schedule:  # "pingpong" (tile_mn: each consumer warpgroup's tile) or "persistent" (the CTA's tile)
-        return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major, consumer_wgs=2, schedule=v.schedule)
+    if v.schedule:  # "pingpong" (tile_mn: each consumer warpgroup's tile), "persistent" or "staged" (the CTA's tile)
+        tile_k = STAGED_TILE_K[v.b_major] if v.schedule == "staged" else TILE_K
+        return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major, consumer_wgs=2, schedule=v.schedule,
+                              tile_k=tile_k)
     return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major, consumer_wgs=v.tile_mn[0] // 64,
                           cluster_t=v.cluster_mn[0])
 
