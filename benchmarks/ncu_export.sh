@@ -10,7 +10,7 @@ shift 5
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
 echo "ncu: $ncu"
 for kind in "$@"; do
-  tag=${kind//:/_}
+  tag=${kind//[:@]/_}
   rep=/tmp/${name}_ncu_$tag
   "$ncu" --clock-control none --kernel-name "regex:$regex" --launch-skip "$skip" --launch-count 1 --set full \
     --import-source no -f -o "$rep" python3 "$driver" "$kind"

@@ -2,7 +2,8 @@
 Nsight Compute: `ncu --kernel-name regex:HopperProjRope --launch-skip 2 --launch-count 1 python3
 benchmarks/proj_rope_ncu.py 1` (h200_session.sh step proj_rope_ncu). The kernel argument is as in
 proj_rope_standalone.py's --consumer-wgs (1, 2, pp, st, ...), optionally followed by ":" and profile phases to leave
-out ("st:epilogue", HopperProjRope._skip). Unchecked: this only gives the profiler a warm launch."""
+out ("st:epilogue", HopperProjRope._skip), then "@n" for W as (K, N) ("st@n", "stk64:ywrite@n"). Unchecked: this
+only gives the profiler a warm launch."""
 
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ from jax_blockgemm.support import HEAD_DIM, QK_ROPE  # noqa: E402
 def main(kind: str = "1", t: int = 4096, h: int = 128, k: int = 1536) -> None:
     import torch
 
+    kind, _, w_major = kind.partition("@")  # "st@n": W as (K, N) (w_out_in=False); default (N, K)
     kind, _, skips = kind.partition(":")  # "st:epilogue": the staged kernel with its epilogue compiled out
-    runner = Runner("k", kind, frozenset(filter(None, skips.split("+"))))
+    w_major = w_major or "k"
+    runner = Runner(w_major, kind, frozenset(filter(None, skips.split("+"))))
     rng = np.random.default_rng(0)
     bf16 = lambda a: bf16_dev(np.asarray(a, np.float32).astype(ml_dtypes.bfloat16))
     x = bf16(rng.standard_normal((t, k)))
-    w = bf16(rng.standard_normal((h * HEAD_DIM, k)) / 40)
+    w = bf16(rng.standard_normal((h * HEAD_DIM, k) if w_major == "k" else (k, h * HEAD_DIM)) / 40)
     ang = rng.uniform(-3, 3, (t, QK_ROPE))
     cos, sin = bf16(np.cos(ang)), bf16(np.sin(ang))
     n = h * HEAD_DIM

@@ -75,9 +75,10 @@ from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, QK_NOPE, QK_ROPE
 W_MAJORS = ("k", "n")
 TILE_K = 64  # bf16: one 128-byte swizzle row
 TILE_KS = (64, 32)  # 32: half-size stages, twice as many (SW64), for more loads in flight at the same bytes
-# The staged schedule's k-tile per W layout (the catalog's choice). H200, 2026-11-30, interleaved CUDA events, three
-# rounds (benchmarks/RESULTS.md): with W (K, N), 6 stages of 32 are 2.7% (T = 2048) and 1.2% (T = 4096) faster than
-# 3 of 64 (W's rows stay 128-byte swizzled along N); with W (N, K) they are 9% slower (64-byte swizzled K rows).
+# The staged schedule's k-tile per W layout (the catalog's choice). H200, 2026-11-30 (benchmarks/RESULTS.md): with
+# W (K, N), 6 stages of 32 are 2.7-3.9% (T = 2048) and 1.2-2% (T = 4096) faster than 3 of 64 in bursts (W's rows stay
+# 128-byte swizzled along N), a wash at the power cap (+0.5% / -0.9%: 25% more instructions); with W (N, K) they are
+# 9% slower (64-byte swizzled K rows).
 STAGED_TILE_K = {"k": 64, "n": 32}
 CONSUMER_WGS = (1, 2)
 CLUSTER_T = (1, 2, 4)  # CTAs (consecutive token tiles of one head) sharing each W tile through TMA multicast
