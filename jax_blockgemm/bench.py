@@ -7,8 +7,8 @@ implementation=None and "cutedsl", the pure-JAX reference ("xla"), `jax.nn.scale
 format: MXFP4 (E2M1 codes packed two per byte, E8M0 scales, block 32) and NVFP4 (E2M1 packed, E4M3 scales, block
 16, the fp32 per-tensor alpha); the anchors stay an E4M3 dot and a bf16 dot of the same M, N, K.
 
-gemm_proj_rope_mxfp8 at DeepSeek-V3's K = 1536, H = 128, T in {2048, 4096}, w as (H*192, K), bf16 and MXFP8
-inputs: ours (None and "cutedsl"), the reference, XLA's bare bf16 dot of the same shape (-> bf16; the faster of the
+gemm_proj_rope_mxfp8 at DeepSeek-V3's K = 1536, H = 128, T in {2048, 4096}, w as (H*192, K) (with --w-in-out also as
+(K, H*192)), bf16 and MXFP8 inputs: ours (None and "cutedsl"), the reference, XLA's bare bf16 dot of the same shape (-> bf16; the faster of the
 two weight layouts) and the unfused pipeline through `jax.nn.scaled_matmul` (MXFP8 in on both paths:
 scaled_matmul -> RoPE -> rowwise and columnwise MXFP8 quantization).
 
@@ -611,7 +611,7 @@ def _title(op: str, fmt: Optional[str] = None) -> str:
     """The heading of a table and chart panel: the op and, for gemm_amax, the format (MXFP8 E4M3 if unsaid)."""
     if op == "gemm_amax":
         return f"gemm_amax, {GEMM_FORMATS[fmt or 'mxfp8'].title} -> f32, M x N x K"
-    return "gemm_proj_rope_mxfp8, w (H*192, K)"
+    return "gemm_proj_rope_mxfp8, w (H*192, K) unless a case says w(K,N)"
 
 
 def _sections(record: dict[str, Any]) -> list[tuple[str, Optional[str], list[dict[str, Any]]]]:
