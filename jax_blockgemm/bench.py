@@ -8,9 +8,9 @@ format: MXFP4 (E2M1 codes packed two per byte, E8M0 scales, block 32) and NVFP4 
 16, the fp32 per-tensor alpha); the anchors stay an E4M3 dot and a bf16 dot of the same M, N, K.
 
 gemm_proj_rope_mxfp8 at DeepSeek-V3's K = 1536, H = 128, T in {2048, 4096}, w as (H*192, K) (with --w-in-out also as
-(K, H*192)), bf16 and MXFP8 inputs: ours (None and "cutedsl"), the reference, XLA's bare bf16 dot of the same shape (-> bf16; the faster of the
-two weight layouts) and the unfused pipeline through `jax.nn.scaled_matmul` (MXFP8 in on both paths:
-scaled_matmul -> RoPE -> rowwise and columnwise MXFP8 quantization).
+(K, H*192)), bf16 and MXFP8 inputs: ours (None and "cutedsl"), the reference, XLA's bare bf16 dot of the same shape
+(-> bf16; the faster of the two weight layouts) and the unfused pipeline through `jax.nn.scaled_matmul` (MXFP8 in on
+both paths: scaled_matmul -> RoPE -> rowwise and columnwise MXFP8 quantization).
 
 Method: fresh random inputs (normal values whose rows differ in magnitude, quantized by `formats.quantize_mxfp8`
 / `quantize_mxfp4` / `quantize_nvfp4`, so block scales are random and never zero; NVFP4 first divides each operand

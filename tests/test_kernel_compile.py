@@ -298,7 +298,8 @@ class CompileTest(parameterized.TestCase):
         registers split 40/232 (staged: 40/128/216), no spills, and shared memory (the stages + each warpgroup's own
         code tiles, or the fp32 tile) within the 227 KB of one sm_90 CTA, with no room for one more stage."""
         ptx, _, _, fn, kernel = _compiled(v)
-        # (tokens per tile, k-tile, stages); staged: 64-wide k-tiles for W (N, K), 32-wide (twice the stages) for W (K, N)
+        # (tokens per tile, k-tile, stages); staged: 64-wide k-tiles for W (N, K), 32-wide (twice the stages) for
+        # W (K, N)
         staged = (128, 64, 3) if v.b_major == "k" else (128, 32, 6)
         expected = {"pingpong": (64, 64, 5), "persistent": (128, 64, 4), "staged": staged}[v.schedule]
         self.assertEqual((kernel.schedule, kernel.tile_mnk[0], kernel.tile_mnk[2], kernel.ab_stages),
