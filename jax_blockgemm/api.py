@@ -112,26 +112,56 @@ def gemm_proj_rope_mxfp8(x: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Ar
     return tuple(o[0] for o in outs)
 
 
-def gemm_amax_jax_sm100(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Array, *,
-                        c_dtype: Any = jnp.float32, c_major: str = "n", acc_dtype: Any = jnp.float32,
+# CuTeDSL's names for the dtypes cuDNN frontend's entry points accept as c_dtype / acc_dtype.
+_CUTLASS_DTYPE_NAMES = {"Float32": "float32", "Float16": "float16", "BFloat16": "bfloat16",
+                        "Float8E4M3FN": "float8_e4m3fn", "Float8E5M2": "float8_e5m2",
+                        "Float4E2M1FN": "float4_e2m1fn", "Uint8": "uint8"}
+
+
+def _dtype_from_cutlass(name: str, dtype: Any) -> Any:
+    """Maps a CuTeDSL dtype class (cutlass.Float32, ...) to the JAX dtype of that name; other dtypes pass through.
+
+    Matched by class name and module, so this module never has to import CuTeDSL.
+    """
+    if not (isinstance(dtype, type) and dtype.__module__.split(".")[0] == "cutlass"):
+        return dtype
+    if dtype.__name__ not in _CUTLASS_DTYPE_NAMES:
+        raise TypeError(f"{name}=cutlass.{dtype.__name__} is not supported; allowed: "
+                        + ", ".join(f"cutlass.{n}" for n in _CUTLASS_DTYPE_NAMES) + ".")
+    return np.dtype(getattr(jnp, _CUTLASS_DTYPE_NAMES[dtype.__name__]))
+
+
+def gemm_amax_jax_sm100(a_tensor: jax.Array, b_tensor: jax.Array, sfa_tensor: jax.Array, sfb_tensor: jax.Array,
+                        c_dtype: Any = jnp.float32, acc_dtype: Any = jnp.float32,
                         mma_tiler_mn: Sequence[int] = (128, 128), cluster_shape_mn: Sequence[int] = (1, 1),
-                        sf_vec_size: int = 32, implementation: Implementation = None
+                        sf_vec_size: int = 32, *, c_major: str = "n", implementation: Implementation = None
                         ) -> tuple[jax.Array, jax.Array]:
-    """The seed's JAX entry point: a (M, K, L), b (N, K, L), physical-atom scales -> c (M, N, L), amax (1, 1, 1)."""
-    for name, x in (("a", a), ("b", b)):
+    """gemm_amax with cuDNN frontend's JAX signature, so its callers can switch by changing the import.
+
+    a_tensor (M, K, L), b_tensor (N, K, L), K-major; sfa_tensor / sfb_tensor the physical scale atoms
+    (L, MN', K', 32, 4, 4) or any other scale form gemm_amax takes. c_dtype / acc_dtype may be JAX, NumPy or
+    CuTeDSL dtypes. Returns c (M, N, L) and amax (1, 1, 1) float32. Beyond cuDNN frontend: any L, c_major="m"
+    (c as the transpose (N, M, L)), FP4 C as a (M, N/2, L) uint8 container, and `implementation`.
+    """
+    for name, x in (("a_tensor", a_tensor), ("b_tensor", b_tensor)):
         if x.ndim != 3:
-            raise ValueError(f"{name} must have the seed's shape (MN, K, L); got {tuple(x.shape)}.")
+            raise ValueError(f"{name} must have shape (MN, K, L); got {tuple(x.shape)}.")
     to_lmk = lambda x: jnp.moveaxis(x, 2, 0)
-    c, amax = gemm_amax(to_lmk(a), to_lmk(b), sfa, sfb, c_dtype=c_dtype, c_major=c_major, acc_dtype=acc_dtype,
-                        mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn, sf_vec_size=sf_vec_size,
-                        implementation=implementation)
+    c, amax = gemm_amax(to_lmk(a_tensor), to_lmk(b_tensor), sfa_tensor, sfb_tensor,
+                        c_dtype=_dtype_from_cutlass("c_dtype", c_dtype), c_major=c_major,
+                        acc_dtype=_dtype_from_cutlass("acc_dtype", acc_dtype), mma_tiler_mn=mma_tiler_mn,
+                        cluster_shape_mn=cluster_shape_mn, sf_vec_size=sf_vec_size, implementation=implementation)
     return jnp.moveaxis(c, 0, 2), amax.reshape(1, 1, 1)
 
 
 def gemm_proj_rope_mxfp8_jax_sm100(x: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Array,
                                    x_scale: Optional[jax.Array] = None, w_scale: Optional[jax.Array] = None, *,
-                                   implementation: Implementation = None
+                                   w_out_in: bool = True, implementation: Implementation = None
                                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The seed's JAX entry point: w in [out, in] = (H*192, K) layout, dtype dispatch on x."""
-    return gemm_proj_rope_mxfp8(x, w, cos, sin, x_scale=x_scale, w_scale=w_scale, w_out_in=True,
+    """gemm_proj_rope_mxfp8 with cuDNN frontend's JAX signature: the scales positional, w as (H*192, K) by default.
+
+    bfloat16 x / w, or float8_e4m3fn codes with (T, K/32) and (H*192, K/32) E8M0 scales (uint8 or float8_e8m0fnu).
+    Beyond cuDNN frontend: w_out_in=False for w as (K, H*192), and `implementation`.
+    """
+    return gemm_proj_rope_mxfp8(x, w, cos, sin, x_scale=x_scale, w_scale=w_scale, w_out_in=w_out_in,
                                 implementation=implementation)

@@ -176,7 +176,7 @@ class ErrorTest(parameterized.TestCase):
 
     def test_seed_form_rank(self):
         a = jax.ShapeDtypeStruct((128, 64), jnp.float8_e4m3fn)
-        with self.assertRaisesRegex(ValueError, r"a must have the seed's shape \(MN, K, L\)"):
+        with self.assertRaisesRegex(ValueError, r"a_tensor must have shape \(MN, K, L\); got \(128, 64\)"):
             jax.eval_shape(jbg.gemm_amax_jax_sm100, a, a, a, a)
 
     @parameterized.named_parameters(
@@ -324,14 +324,19 @@ class TransformTest(parameterized.TestCase):
         _assert_close(self, c[0, 1], c00)
         _assert_close(self, amax[0, 1], amax00)
 
-    def test_seed_form_matches_gemm_amax(self):
+    @parameterized.parameters(None, 2)
+    def test_cudnn_form_matches_gemm_amax(self, l):
+        """(MN, K, L) operands and physical atoms give gemm_amax's result with L moved last, for any L."""
         rng = np.random.default_rng(4)
-        a, b, sfa, sfb = _mx_inputs(rng, None, 128, 256, 64)
+        a, b, sfa, sfb = _mx_inputs(rng, l, 128, 256, 64)
         c, amax = jbg.gemm_amax(a, b, sfa, sfb)
+        to_mkl = (lambda x: x[..., None]) if l is None else (lambda x: jnp.moveaxis(x, 0, -1))
         atom_a, atom_b = jbg.formats.to_scale_atom(sfa), jbg.formats.to_scale_atom(sfb)
-        c3, amax3 = jax.jit(jbg.gemm_amax_jax_sm100)(a[..., None], b[..., None], atom_a, atom_b)
-        _assert_same(self, c3[..., 0], c)
-        _assert_same(self, amax3.reshape(()), amax)
+        c3, amax3 = jax.jit(jbg.gemm_amax_jax_sm100)(to_mkl(a), to_mkl(b), atom_a, atom_b)
+        _assert_close(self, c3, to_mkl(c))
+        _assert_close(self, amax3, amax.reshape(1, 1, 1))
+        c3_m, _ = jbg.gemm_amax_jax_sm100(to_mkl(a), to_mkl(b), atom_a, atom_b, c_major="m")
+        _assert_close(self, c3_m, jnp.swapaxes(c3, 0, 1))
 
     @parameterized.parameters(False, True)
     def test_proj_rope_vmap_over_tokens(self, mxfp8):
