@@ -1,6 +1,6 @@
-"""gemm_amax on several devices: the partitioning rules checked with the kernel, then timed (issue 6).
+"""gemm_amax on several devices: the partitioning rules checked with the kernel, then timed.
 
-Usage (two H200s, one command, a few minutes):   python benchmarks/multi_gpu.py --out $OUT/multi_gpu.json
+Usage (two or more GPUs, a few minutes):   python benchmarks/multi_gpu.py --out multi_gpu.json
 On CPU (8 host devices, small sizes, the reference):   python benchmarks/multi_gpu.py --cpu --out multi_gpu.json
 
 1. Checks on every visible device (MXFP8 E4M3 -> float32 C, implementation="cutedsl" on GPU, "xla" with --cpu):
@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import sys
 import time
 import traceback
@@ -51,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_blockgemm as jbg  # noqa: E402
 from jax_blockgemm import formats  # noqa: E402
+from jax_blockgemm.bench.timing import median_ms  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 import oracle_ops  # noqa: E402  (the float64 oracle and SPEC §7 checks the test suite uses)
@@ -188,17 +188,6 @@ def all_devices_at_once(mesh, impl: str, rng) -> dict:
     return record
 
 
-def _median_ms(fn, args, reps: int) -> float:
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
 def timing(mesh, impl: str, size: int, reps: int) -> dict:
     """size^3 with A's rows sharded over the mesh, beside one device, the reference and a hand-written shard_map."""
     key = jax.random.key(0)
@@ -233,7 +222,7 @@ def timing(mesh, impl: str, size: int, reps: int) -> dict:
                 want = (np.asarray(amax), np.asarray(c[:: max(1, size // 64)]))
             same = np.array_equal(np.asarray(amax), want[0]) and np.array_equal(np.asarray(c[:: max(1, size // 64)]),
                                                                              want[1])
-            result[name] = {"ms": _median_ms(fn, args, reps), "all_gathers": _gathers(hlo),
+            result[name] = {"ms": median_ms(fn, [args], warmup=3, reps=reps), "all_gathers": _gathers(hlo),
                             "kernel": 'custom_call_target="jbg_gemm_amax"' in hlo,
                             "same_result_as_one_device": bool(same)}
         except Exception as e:

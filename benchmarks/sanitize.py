@@ -1,6 +1,6 @@
 """compute-sanitizer (memcheck, racecheck, synccheck) over every Hopper kernel variant, and the handler fuzz test.
 
-Usage, on the H200 from the repository root (after `source .devpayload/setup.sh`):
+Usage, on an sm_90a GPU (H100, H200) from the repository root:
 
     python3 benchmarks/sanitize.py [--out DIR] [--tools memcheck,racecheck,synccheck] [--all-kernels]
 
@@ -10,12 +10,12 @@ under `compute-sanitizer --tool <tool>` that runs every sm_90a gemm_amax variant
 L > 1) and every sm_90a proj_rope variant (tiles, clusters and weight layouts, bf16 and MXFP8 inputs, token and k
 tails), checks each result against the reference (`implementation="xla"`), and brackets each variant with markers
 so that every sanitizer report is attributed to the variant that caused it; beside them, a fourth process runs
-tests/test_gpu_handler_fuzz.py (the raw-ffi_call cases) under memcheck. Under memcheck one variant takes ~5 s
-(H200, 2026-11-30), so the whole catalog needs about 6 minutes: the defaults fit one device call. It prints one summary line per
+tests/test_gpu_handler_fuzz.py (the raw-ffi_call cases) under memcheck. Under memcheck one variant takes about 5 s
+on an H200, so the whole catalog needs about 6 minutes; --budget bounds the whole run. It prints one summary line per
 tool x variant (and one for the fuzz run), writes the full logs to --out, and exits non-zero when any line is not OK.
 
 racecheck and synccheck instrument only our kernels (`--kernel-name kns=jax_blockgemm`; the kernel symbols carry
-the module path), which keeps them inside the time budget; --all-kernels instruments XLA's kernels too.
+the module path), which keeps the run short; --all-kernels instruments XLA's kernels too.
 compute-sanitizer is taken from $COMPUTE_SANITIZER, PATH, /usr/local/cuda/bin, or an installed
 nvidia-cuda-sanitizer-api wheel (nvidia/cu13 or nvidia/cu12 under any sys.path entry).
 """
@@ -158,13 +158,14 @@ def run_variants(shard: tuple[int, int] = (0, 1), first_shape_only: bool = False
 def run_proj_rope_variants(case0: int, shard: tuple[int, int], first_shape_only: bool,
                            keys: frozenset = frozenset()) -> int:
     """Every sm_90a proj_rope variant (tile x weight layout) at PROJ_ROPE_SHAPES, both input paths (the same values
-    as MXFP8 and as bf16: `bench.proj_rope_inputs`; or only the first shape, bf16 in), bracketed; cases are numbered
-    from `case0`. The MXFP8 cases also run the dequantize kernel (`jbg_dequantize_mxfp8`) before the bf16 one."""
+    as MXFP8 and as bf16: `bench.inputs.proj_rope_inputs`; or only the first shape, bf16 in), bracketed; cases are
+    numbered from `case0`. The MXFP8 cases also run the dequantize kernel (`jbg_dequantize_mxfp8`) before the bf16 one."""
     import jax
     import numpy as np
 
     import jax_blockgemm as jbg
-    from jax_blockgemm import bench, dispatch
+    from jax_blockgemm import dispatch
+    from jax_blockgemm.bench.inputs import proj_rope_arguments, proj_rope_inputs
     from jax_blockgemm.kernels import catalog
 
     failures = 0
@@ -182,8 +183,8 @@ def run_proj_rope_variants(case0: int, shard: tuple[int, int], first_shape_only:
             label = f"{variant.key} {'mxfp8' if mxfp8 else 'bf16'} (T, H, K) = {(t, h, k)}"
             print(f"{BEGIN} {label}", flush=True)
             seed = 2026 + len(PROJ_ROPE_SHAPES) * n + s  # both paths of a shape: the same values
-            (x, w, cos, sin), options = bench.proj_rope_arguments(
-                bench.proj_rope_inputs(jax.random.key(seed), t, h, k, w_out_in=w_out_in), mxfp8)
+            (x, w, cos, sin), options = proj_rope_arguments(
+                proj_rope_inputs(jax.random.key(seed), t, h, k, w_out_in=w_out_in), mxfp8)
             try:
                 call = lambda impl, opts: jax.jit(lambda *a: jbg.gemm_proj_rope_mxfp8(
                     *a, w_out_in=w_out_in, implementation=impl, **opts))

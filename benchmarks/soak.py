@@ -24,7 +24,8 @@ import sys
 import time
 from typing import Any, Callable
 
-COMMAND_BUFFERS = {"off": "--xla_gpu_enable_command_buffer=", "on": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"}
+COMMAND_BUFFERS = {"off": "--xla_gpu_enable_command_buffer=",
+                   "on": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"}
 # gemm_amax (L, M, N, K, ab dtype, C dtype) and proj_rope (T, H, K, MXFP8 inputs, w_out_in): tails in every size.
 GEMM_CASES = ((1, 1000, 776, 512, "float8_e4m3fn", "float32"), (2, 257, 136, 1040, "float8_e5m2", "bfloat16"),
               (1, 2048, 2048, 2048, "float8_e4m3fn", "bfloat16"), (3, 64, 8, 32, "float8_e4m3fn", "float32"))
@@ -42,11 +43,13 @@ def rss_mib() -> float:
 
 
 def device_mib(device: Any) -> float:
+    """Device memory in use in MiB, as the runtime reports it (0 where it reports none, e.g. a CPU)."""
     stats = device.memory_stats() or {}
     return stats.get("bytes_in_use", 0) / 2**20
 
 
 def digest(outputs: Any) -> str:
+    """A short hash of every output's bytes: equal digests across passes mean bit-identical results."""
     import jax
     import numpy as np
 
@@ -63,7 +66,7 @@ def make_cases(implementation: Any) -> list[tuple[str, Callable[[], Any]]]:
     import numpy as np
 
     import jax_blockgemm as jbg
-    from jax_blockgemm import bench
+    from jax_blockgemm.bench.inputs import proj_rope_arguments, proj_rope_inputs
 
     cases = []
     for i, (l, m, n, k, ab, c_dtype) in enumerate(GEMM_CASES):
@@ -87,8 +90,8 @@ def make_cases(implementation: Any) -> list[tuple[str, Callable[[], Any]]]:
 
         jitted = jax.jit(op)
         name = f"proj_rope T,H,K={t},{h},{k} {'mxfp8' if mxfp8 else 'bf16'} w_out_in={w_out_in}"
-        operands, scales = bench.proj_rope_arguments(
-            bench.proj_rope_inputs(jax.random.key(2000 + i), t, h, k, w_out_in=w_out_in), mxfp8)
+        operands, scales = proj_rope_arguments(
+            proj_rope_inputs(jax.random.key(2000 + i), t, h, k, w_out_in=w_out_in), mxfp8)
         cases.append((name + " jit", lambda f=jitted, x=operands, s=scales: f(*x, s)))
         cases.append((name + " eager", lambda f=op, x=operands, s=scales: f(*x, s)))
     return cases
@@ -136,6 +139,7 @@ def soak(seconds: float, implementation: Any, max_device_growth: float, max_rss_
 
 
 def main(argv: list | None = None) -> int:
+    """Runs one child process per command-buffer setting (or, with --child, the soak itself); 0 when all held."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=8.0, help="total soak time over both processes")
     parser.add_argument("--out", default=None, help="directory for soak.json")

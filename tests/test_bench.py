@@ -19,7 +19,14 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
-from jax_blockgemm import bench, dispatch, formats
+from jax_blockgemm import dispatch, formats
+from jax_blockgemm.bench.cases import build_cases, time_column
+from jax_blockgemm.bench.cli import main as bench_main, parse_formats, parse_shape
+from jax_blockgemm.bench.columns import BASELINES, OPS, gemm_columns, gemm_rel_err
+from jax_blockgemm.bench.inputs import gemm_inputs, random_mxfp8, random_values
+from jax_blockgemm.bench.launch import launch_costs
+from jax_blockgemm.bench.report import format_launch
+from jax_blockgemm.bench.timing import interleaved_medians_ms, median_ms
 
 GEMM_LABELS = ("ours(None)", "ours(cutedsl)", "reference(xla)", "nn.scaled_matmul", "lax.scaled_dot", "fp8 dot",
                "bf16 dot")
@@ -107,7 +114,8 @@ class EndToEndTest(_BenchRun):
                 self.assertLen(_cells(row), len(labels) + (1 if row.startswith(" ") else 2), row)
         metrics = [_cells(line)[0] for line in out.splitlines() if line.startswith(" " * 10)]
         for metric in ("TFLOP/s", "rel err vs reference", "codes = reference", "speedup vs nn.scaled_matmul",
-                       "speedup vs reference(xla)", "speedup vs lax.scaled_dot", "speedup vs bare bf16 dot", "speedup vs scaled_matmul pipeline"):
+                       "speedup vs reference(xla)", "speedup vs lax.scaled_dot", "speedup vs bare bf16 dot",
+                       "speedup vs scaled_matmul pipeline"):
             self.assertIn(metric, metrics)
         ms_rows = [_cells(line)[0] for line in out.splitlines() if len(_cells(line)) > 1 and _cells(line)[1] == "ms"]
         self.assertEqual(ms_rows, [name for _, name in SMALL_CASES])
@@ -156,7 +164,7 @@ class EndToEndTest(_BenchRun):
                                            delta=1e-9 * entry["tflops"])
                 else:
                     self.assertTrue(entry["na"], (case["case"], key))  # n/a always says why
-            self.assertEqual(set(case["ratios"]), {f"vs_{b}" for b in bench.BASELINES[case["op"]]})
+            self.assertEqual(set(case["ratios"]), {f"vs_{b}" for b in BASELINES[case["op"]]})
             for name, ratios in case["ratios"].items():
                 base = columns[name[3:]]
                 for key, ratio in ratios.items():
@@ -303,7 +311,7 @@ class Fp4InputsTest(parameterized.TestCase):
         m, n, k = 64, 32, 256
         block = 16 if fmt == "nvfp4" else 32
         key = jax.random.key(5)
-        d = bench.gemm_inputs(key, m, n, k, fmt)
+        d = gemm_inputs(key, m, n, k, fmt)
         self.assertEqual((d["a"].dtype, d["a"].shape), (jnp.uint8, (m, k // 2)))
         self.assertEqual((d["a_sm"].dtype, d["a_sm"].shape), (jnp.float4_e2m1fn, (m, k)))
         self.assertEqual(d["a_fp8"].dtype, jnp.float8_e4m3fn)
@@ -318,7 +326,7 @@ class Fp4InputsTest(parameterized.TestCase):
             self.assertEqual((d["alpha"].dtype, d["alpha"].shape), (jnp.float32, ()))
             alpha = float(d["alpha"])
             self.assertNotAlmostEqual(alpha, 1.0, delta=0.5)
-            self.assertNotEqual(alpha, float(bench.gemm_inputs(jax.random.key(6), m, n, k, fmt)["alpha"]))
+            self.assertNotEqual(alpha, float(gemm_inputs(jax.random.key(6), m, n, k, fmt)["alpha"]))
         else:
             self.assertNotIn("alpha", d)
         ours = dict(sf_vec_size=block, implementation="xla", alpha=d.get("alpha"))
@@ -327,19 +335,19 @@ class Fp4InputsTest(parameterized.TestCase):
         c64 = alpha * a64 @ b64.T
         self.assertLess(np.linalg.norm(np.asarray(c_ref) - c64) / np.linalg.norm(c64), 1e-6)
         k_a, k_b = jax.random.split(key)  # the values gemm_inputs drew, before quantization
-        values = (np.asarray(bench.random_values(k, shape), np.float64) for k, shape in ((k_a, (m, k)), (k_b, (n, k))))
+        values = (np.asarray(random_values(k, shape), np.float64) for k, shape in ((k_a, (m, k)), (k_b, (n, k))))
         exact = np.matmul(next(values), next(values).T)
         self.assertLess(np.linalg.norm(c64 - exact) / np.linalg.norm(exact), 0.2)  # FP4 quantization error only
 
     def test_nvfp4_bf16_dot_is_checked_times_alpha(self):
         """The bf16 anchor is timed without alpha; its output is multiplied by alpha before the check."""
-        sets = [bench.gemm_inputs(jax.random.key(7), 64, 32, 128, "nvfp4")]
-        columns = {c.key: c for c in bench.gemm_columns("nvfp4")}
+        sets = [gemm_inputs(jax.random.key(7), 64, 32, 128, "nvfp4")]
+        columns = {c.key: c for c in gemm_columns("nvfp4")}
         self.assertEqual(columns["bf16_dot"].check_times, "alpha")
-        _, ref = bench.time_column(columns["reference"], sets, warmup=0, reps=1)
-        _, out = bench.time_column(columns["bf16_dot"], sets, warmup=0, reps=1)
-        self.assertLess(bench.gemm_rel_err(out, ref), 1e-5)
-        self.assertGreater(bench.gemm_rel_err(out / sets[0]["alpha"], ref), 0.5)
+        _, ref = time_column(columns["reference"], sets, warmup=0, reps=1)
+        _, out = time_column(columns["bf16_dot"], sets, warmup=0, reps=1)
+        self.assertLess(gemm_rel_err(out, ref), 1e-5)
+        self.assertGreater(gemm_rel_err(out / sets[0]["alpha"], ref), 0.5)
 
 
 class MissingScaledDotTest(absltest.TestCase):
@@ -352,7 +360,7 @@ class MissingScaledDotTest(absltest.TestCase):
             self.addCleanup(setattr, jax.lax, "scaled_dot", saved)
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            record = bench.main(["--op", "gemm_amax", "--shape", "64,32,64", "--reps", "2", "--warmup", "0"])
+            record = bench_main(["--op", "gemm_amax", "--shape", "64,32,64", "--reps", "2", "--warmup", "0"])
         (case,) = record["cases"]
         self.assertEqual(case["columns"]["scaled_dot"], {"na": f"jax {jax.__version__} has no jax.lax.scaled_dot"})
         self.assertTrue(all(r is None for r in case["ratios"]["vs_scaled_dot"].values()))
@@ -381,7 +389,7 @@ class ArgumentsTest(parameterized.TestCase):
     def test_bad_shape(self, text, message):
         err = io.StringIO()
         with contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as raised:
-            bench.main(["--shape", text])
+            bench_main(["--shape", text])
         self.assertEqual(raised.exception.code, 2)
         self.assertIn("argument --shape", err.getvalue())
         self.assertIn(message, err.getvalue())
@@ -392,18 +400,18 @@ class ArgumentsTest(parameterized.TestCase):
     def test_bad_format(self, text, message):
         err = io.StringIO()
         with contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as raised:
-            bench.main(["--format", text])
+            bench_main(["--format", text])
         self.assertEqual(raised.exception.code, 2)
         self.assertIn(f"argument --format: {message}; choose from mxfp8, mxfp4, nvfp4", err.getvalue())
 
     def test_formats_comma_list_or_repeated(self):
-        self.assertEqual(bench.parse_formats("mxfp4, NVFP4"), ["mxfp4", "nvfp4"])
-        cases = bench.build_cases(ops=("gemm_amax",), shapes=[(64, 32, 64)], small=False,
+        self.assertEqual(parse_formats("mxfp4, NVFP4"), ["mxfp4", "nvfp4"])
+        cases = build_cases(ops=("gemm_amax",), shapes=[(64, 32, 64)], small=False,
                                   gemm_formats=("mxfp8", "nvfp4"))
         self.assertEqual([(c.name, c.fmt, c.dims["format"]) for c in cases],
                          [("64x32x64", "mxfp8", "mxfp8"), ("64x32x64 nvfp4", "nvfp4", "nvfp4")])
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            record = bench.main(["--op", "gemm_amax", "--shape", "64,32,64", "--reps", "1", "--warmup", "0",
+            record = bench_main(["--op", "gemm_amax", "--shape", "64,32,64", "--reps", "1", "--warmup", "0",
                                  "--format", "nvfp4", "--format", "mxfp4,nvfp4"])
         self.assertEqual(record["method"]["formats"], ["nvfp4", "mxfp4"])
         self.assertEqual([c["case"] for c in record["cases"]], ["64x32x64 nvfp4", "64x32x64 mxfp4"])
@@ -411,10 +419,10 @@ class ArgumentsTest(parameterized.TestCase):
     def test_interleave_times_every_column_in_table_order(self):
         """--interleave: the same columns, checks and table as the default, the method says how it was timed."""
         with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
-            record = bench.main(["--op", "gemm_amax", "--shape", "64,32,64", "--reps", "2", "--warmup", "0",
+            record = bench_main(["--op", "gemm_amax", "--shape", "64,32,64", "--reps", "2", "--warmup", "0",
                                  "--interleave"])
         (case,) = record["cases"]
-        keys = [c.key for c in bench.gemm_columns()]
+        keys = [c.key for c in gemm_columns()]
         self.assertEqual([k for k in case["columns"] if k in keys], [k for k in keys if k in case["columns"]])
         self.assertEqual(case["columns"]["reference"]["check"], 0.0)
         self.assertIn("ms", case["columns"]["ours"])
@@ -433,15 +441,15 @@ class ArgumentsTest(parameterized.TestCase):
     def test_bad_counts(self, flag, value):
         err = io.StringIO()
         with contextlib.redirect_stderr(err), self.assertRaises(SystemExit):
-            bench.main([flag, value])
+            bench_main([flag, value])
         self.assertIn(f"argument {flag}", err.getvalue())
 
     def test_shapes_replace_the_default_gemm_cases(self):
-        self.assertEqual(bench.parse_shape("4096,7168,16384"), (4096, 7168, 16384))
-        cases = bench.build_cases(ops=("gemm_amax",), shapes=[(64, 32, 64), (96, 40, 128)], small=False)
+        self.assertEqual(parse_shape("4096,7168,16384"), (4096, 7168, 16384))
+        cases = build_cases(ops=("gemm_amax",), shapes=[(64, 32, 64), (96, 40, 128)], small=False)
         self.assertEqual([(c.name, c.flops) for c in cases], [("64x32x64", 2.0 * 64 * 32 * 64),
                                                               ("96x40x128", 2.0 * 96 * 40 * 128)])
-        spec = bench.build_cases(ops=bench.OPS, shapes=[], small=False)
+        spec = build_cases(ops=OPS, shapes=[], small=False)
         self.assertEqual([c.name for c in spec],
                          ["8192x8192x8192", "4096x7168x16384", "4096x24576x1536", "T=2048 H=128 K=1536 bf16",
                           "T=2048 H=128 K=1536 mxfp8", "T=4096 H=128 K=1536 bf16", "T=4096 H=128 K=1536 mxfp8"])
@@ -458,7 +466,7 @@ class TimingTest(absltest.TestCase):
             time.sleep(pauses[i])
             return jnp.asarray(i)
 
-        ms = bench.median_ms(fn, [(0,), (1,), (2,)], warmup=2, reps=3)
+        ms = median_ms(fn, [(0,), (1,), (2,)], warmup=2, reps=3)
         self.assertEqual(calls, [0, 1, 0, 1, 2])
         self.assertGreaterEqual(ms, 1.0)
         self.assertLess(ms, 25.0)  # the 100 ms call is the outlier the median ignores (a mean would be >= 34 ms)
@@ -472,7 +480,7 @@ class TimingTest(absltest.TestCase):
 
         real = jax.block_until_ready
         with mock.patch.object(jax, "block_until_ready", side_effect=lambda x: (waits.append(1), real(x))[1]):
-            bench.median_ms(fn, [(0,), (1,), (2,)], warmup=1, reps=2, burst=4)
+            median_ms(fn, [(0,), (1,), (2,)], warmup=1, reps=2, burst=4)
         self.assertEqual(calls, [0, 0, 1, 2, 0, 1, 2, 0, 1])  # warm-up, then 2 x 4 calls cycling the sets
         self.assertLen(waits, 3)  # one per warm-up call, one per sample
 
@@ -486,7 +494,7 @@ class TimingTest(absltest.TestCase):
             time.sleep(0.03 if time.perf_counter() - start < 0.1 else 0.004)
             return jnp.asarray(i)
 
-        ms = bench.median_ms(fn, [(0,), (1,)], warmup=0, reps=1, sustained=0.45)
+        ms = median_ms(fn, [(0,), (1,)], warmup=0, reps=1, sustained=0.45)
         elapsed = time.perf_counter() - start
         self.assertGreaterEqual(elapsed, 0.45)
         self.assertLess(elapsed, 5.0)
@@ -499,7 +507,7 @@ class TimingTest(absltest.TestCase):
         calls = []
         make = lambda name, pause: lambda i: (calls.append((name, i)), time.sleep(pause), jnp.asarray(i))[-1]
         slow, fast = make("slow", 0.02), make("fast", 0.001)
-        ms = bench.interleaved_medians_ms([slow, fast], [[(0,), (1,)], [(5,)]], warmup=1, reps=3, burst=2)
+        ms = interleaved_medians_ms([slow, fast], [[(0,), (1,)], [(5,)]], warmup=1, reps=3, burst=2)
         # warm-up of each in turn, then rounds of one 2-call sample of each (in a shuffled order), each cycling its
         # own sets
         self.assertEqual(calls[:2], [("slow", 0), ("fast", 5)])
@@ -516,7 +524,7 @@ class TimingTest(absltest.TestCase):
         each the same predecessor every time)."""
         order = []
         fns = [lambda i, n=n: (order.append(n), jnp.asarray(i))[-1] for n in range(4)]
-        bench.interleaved_medians_ms(fns, [[(0,)]] * 4, warmup=0, reps=12)
+        interleaved_medians_ms(fns, [[(0,)]] * 4, warmup=0, reps=12)
         before = {n: {order[i - 1] for i in range(1, len(order)) if order[i] == n} for n in range(4)}
         self.assertTrue(all(len(b) >= 2 for b in before.values()), before)
 
@@ -531,7 +539,7 @@ class TimingTest(absltest.TestCase):
                 return jnp.asarray(i)
             return call
 
-        ms = bench.interleaved_medians_ms([fn(0), fn(1)], [[(0,)], [(0,)]], warmup=0, reps=1, sustained=0.3)
+        ms = interleaved_medians_ms([fn(0), fn(1)], [[(0,)], [(0,)]], warmup=0, reps=1, sustained=0.3)
         self.assertGreaterEqual(time.perf_counter() - start, 0.3)
         self.assertLess(time.perf_counter() - start, 5.0)
         self.assertEqual(counts[0], counts[1])  # whole rounds only
@@ -539,7 +547,7 @@ class TimingTest(absltest.TestCase):
         self.assertTrue(all(4.0 <= m < 30.0 for m in ms), ms)
 
     def test_random_mxfp8_scales_are_random_and_never_zero(self):
-        codes, scales = bench.random_mxfp8(jax.random.key(3), (64, 256))
+        codes, scales = random_mxfp8(jax.random.key(3), (64, 256))
         self.assertEqual(codes.dtype, jnp.float8_e4m3fn)
         self.assertEqual(scales.shape, (64, 8))
         self.assertGreater(len(set(scales.tolist()[0]) | set(scales[:, 0].tolist())), 4)
@@ -551,14 +559,14 @@ class LaunchCostsTest(absltest.TestCase):
 
     def test_launch_costs(self):
         """--launch: first calls in fresh processes and per-call costs are positive; no kernel here is n/a."""
-        launch = bench.launch_costs(calls=50)
+        launch = launch_costs(calls=50)
         ours = launch["ours"]
         for key in ("first_call_cold_ms", "first_call_warm_cache_ms", "per_call_us"):
             self.assertTrue(math.isfinite(ours[key]) and ours[key] > 0, key)
         self.assertGreater(launch["plain_xla_op_us"], 0)
         if not _has_kernel_gpu():
             self.assertIn("no CuTeDSL kernel", launch["ours_cutedsl"]["na"])
-        lines = bench.format_launch(launch)
+        lines = format_launch(launch)
         self.assertIn("launch costs, gemm_amax 128x128x128", lines[1])
         self.assertIn(f"{ours['per_call_us']:.1f} us per call", lines[2])
 
@@ -569,7 +577,7 @@ class GpuBenchTest(absltest.TestCase):
     def test_small_on_the_gpu(self):
         """On a GPU with a kernel, the kernel column and the cuDNN/XLA baselines all produce numbers."""
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            record = bench.main(["--small", "--op", "gemm_amax", "--reps", "3", "--warmup", "1"])
+            record = bench_main(["--small", "--op", "gemm_amax", "--reps", "3", "--warmup", "1"])
         for case in record["cases"]:
             for key in ("ours", "ours_cutedsl", "reference", "scaled_matmul", "fp8_dot", "bf16_dot"):
                 self.assertIn("ms", case["columns"][key], (case["case"], key, case["columns"][key]))

@@ -1,0 +1,155 @@
+"""The command line of `python -m jax_blockgemm.bench`: options, their checks, and the run from cases to report."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jax_blockgemm import bench, formats, support
+from jax_blockgemm.bench import report
+from jax_blockgemm.bench.cases import build_cases, run_case
+from jax_blockgemm.bench.columns import OPS
+from jax_blockgemm.bench.inputs import DEFAULT_FORMATS, GEMM_FORMATS
+from jax_blockgemm.bench.launch import launch_costs
+
+PROG = "python -m jax_blockgemm.bench"
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """--shape M,N,K: three positive integers, K a multiple of 32 (the MX block; also 16-byte FP4 rows), 16-byte
+    aligned rows."""
+    parts = text.split(",")
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        m, n, k = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected M,N,K (three integers separated by commas); got {text!r}.")
+    if min(m, n, k) < 1:
+        raise argparse.ArgumentTypeError(f"M, N and K must be positive; got {text!r}.")
+    if k % support.MX_BLOCK:
+        raise argparse.ArgumentTypeError(f"K must be a multiple of {support.MX_BLOCK} (the MXFP8 block, which every "
+                                         f"baseline needs whole); got K={k}.")
+    try:
+        support.check_alignment(ab_dtype=formats.E4M3, c_dtype=jnp.float32, m=m, n=n, k=k, a_major="k",
+                                b_major="k", c_major="n")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}")
+    return m, n, k
+
+
+def parse_formats(text: str) -> list[str]:
+    """--format: one gemm_amax format or a comma list of them, each one of inputs.GEMM_FORMATS."""
+    names = [name.strip().lower() for name in text.split(",")]
+    for name in names:
+        if name not in GEMM_FORMATS:
+            raise argparse.ArgumentTypeError(f"unknown format {name!r} in {text!r}; choose from "
+                                             f"{', '.join(GEMM_FORMATS)} (a comma list, or the option repeated).")
+    return names
+
+
+def _seconds(text: str) -> float:
+    """A --sustained duration: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (0.0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum` (a count of calls, samples or input sets)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}; got {text!r}.")
+        return value
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    """Every option of the benchmark; the description is the first line of the package's docstring."""
+    p = argparse.ArgumentParser(prog=PROG, description=bench.__doc__.split("\n\n")[0],
+                                epilog="Without options: the SPEC §8 cases of both operations.")
+    p.add_argument("--shape", type=parse_shape, action="append", default=[], metavar="M,N,K",
+                   help="a gemm_amax shape to run instead of the SPEC §8 ones (repeatable)")
+    p.add_argument("--format", type=parse_formats, action="append", default=[], metavar="FORMAT[,FORMAT]",
+                   help=f"gemm_amax input format(s): {', '.join(GEMM_FORMATS)} (repeatable or a comma list; "
+                        "default mxfp8; proj_rope is MXFP8 only)")
+    p.add_argument("--op", choices=OPS, action="append", default=[], help="run only this operation (repeatable)")
+    p.add_argument("--small", action="store_true", help="a tiny twin of every case (runs on a CPU in seconds)")
+    p.add_argument("--reps", type=_count(1), default=20, help="timed calls per column (the median is reported)")
+    p.add_argument("--warmup", type=_count(0), default=3, help="untimed calls per column before timing")
+    p.add_argument("--burst", type=_count(1), default=10,
+                   help="calls per timed sample, issued back to back with one wait (1: each call waited for)")
+    p.add_argument("--sets", type=_count(1), default=2, help="input sets drawn per case and rotated between calls")
+    p.add_argument("--sustained", type=_seconds, default=0.0, metavar="SECONDS",
+                   help="time each column by samples back to back for this long instead of --reps, median of the "
+                        "last two thirds: the steady state at the GPU's power limit (0: off)")
+    p.add_argument("--interleave", action="store_true",
+                   help="compile a case's columns first, then take their samples in turn (a shuffled order each "
+                        "round), so that every column meets the GPU in the same thermal state (with --sustained the "
+                        "columns share that time)")
+    p.add_argument("--w-in-out", action="store_true",
+                   help="also time proj_rope with w as (K, H*192) (w_out_in=False, the Flax layers' layout)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--launch", action="store_true",
+                   help="also measure launch costs: first-call latency in fresh processes, per-call overhead")
+    p.add_argument("--json", metavar="PATH", help="write the raw numbers here")
+    p.add_argument("--png", metavar="PATH", help="write a bar chart here (needs matplotlib)")
+    return p
+
+
+def _method(args: argparse.Namespace, gemm_formats: Sequence[str]) -> dict[str, Any]:
+    """The record's "method": the options that decide what the numbers mean, and the timing in words."""
+    per = "case" if args.interleave else "column"
+    timing = ("median over samples of the wall time per call of `burst` jitted calls issued back to back and ended "
+              "by one block_until_ready"
+              + (f"; samples back to back for {args.sustained:g} s per {per}, the median over the last two thirds"
+                 if args.sustained else "")
+              + ("; the columns' samples taken in turn" if args.interleave else ""))
+    return {"reps": args.reps, "warmup": args.warmup, "sets": args.sets, "seed": args.seed, "burst": args.burst,
+            "formats": list(gemm_formats), "sustained_s": args.sustained, "interleave": args.interleave,
+            "timing": timing}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Runs the benchmark; prints progress to stderr and the table to stdout; returns the record."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser().parse_args(argv)
+    gemm_formats = tuple(dict.fromkeys(name for names in args.format for name in names)) or DEFAULT_FORMATS
+    cases = build_cases(ops=args.op or OPS, shapes=args.shape, small=args.small, gemm_formats=gemm_formats,
+                        w_in_out=args.w_in_out)
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "command": " ".join([PROG, *argv]), "environment": report.environment(),
+              "method": _method(args, gemm_formats), "cases": []}
+    key = jax.random.key(args.seed)
+    for i, (case, case_key) in enumerate(zip(cases, jax.random.split(key, len(cases)))):
+        start = time.perf_counter()
+        sys.stderr.write(f"[{i + 1}/{len(cases)}] {case.op} {case.name}:")
+        sys.stderr.flush()
+        record["cases"].append(run_case(case, case_key, sets=args.sets, warmup=args.warmup, reps=args.reps,
+                                        progress=sys.stderr, burst=args.burst, sustained=args.sustained,
+                                        interleave=args.interleave))
+        sys.stderr.write(f" done in {time.perf_counter() - start:.1f} s\n")
+        sys.stderr.flush()
+    if args.launch:
+        sys.stderr.write("launch costs (fresh processes) ...\n")
+        record["launch"] = launch_costs()
+    print(report.format_table(record))
+    if args.json:
+        report.write_json(record, args.json)
+    if args.png:
+        report.write_png(record, args.png)
+    return record
