@@ -1,5 +1,5 @@
 """Training-step time of one MLP with three matmuls: mx_dot_general (MXFP8) vs jax.nn.scaled_dot_general (MXFP8
-config, cuDNN) vs bf16 dots, and how closely their loss curves agree. For the H200 (one command, under 3 minutes).
+config, cuDNN) vs bf16 dots, and how closely their loss curves agree. On an H200 it takes under 3 minutes.
 
 Usage: python benchmarks/train_step.py [--out DIR] [--sizes 64,4096,4096,4096,10] [--batch 4096] [--steps 200]
 
@@ -54,6 +54,7 @@ def step_time_s(dot_general, sizes, batch, data, *, warmup=3, reps=20) -> float:
 
 
 def smoothed(losses: np.ndarray, window: int = 10) -> np.ndarray:
+    """The loss curve's moving average over `window` steps, so that curves are compared without step noise."""
     return np.convolve(losses, np.ones(window) / window, mode="valid")
 
 
