@@ -23,7 +23,6 @@ from unittest import mock
 
 import jax_blockgemm as jbg
 from jax_blockgemm import dispatch
-from jax_blockgemm.kernels import catalog
 
 import oracle_ops
 
@@ -56,20 +55,8 @@ def _run(inp, *, w_out_in, implementation="cutedsl"):
 
 @absltest.skipUnless(_has_kernel_gpu(), "needs a CUDA GPU with a CuTeDSL proj_rope kernel (sm_90a, sm_100a)")
 class GpuProjRopeTest(parameterized.TestCase):
-    """Every test runs once per catalog tile and cluster (TILE, CLUSTER below): the dispatcher's choice is patched
-    per class."""
-
-    TILE = catalog.PROJ_ROPE_TILES[0]
-    CLUSTER = (1, 1)
-    SCHEDULE = ""
-
-    def setUp(self):
-        super().setUp()
-        for table, value in ((dispatch.PROJ_ROPE_TILE, self.TILE), (dispatch.PROJ_ROPE_CLUSTER, self.CLUSTER),
-                             (dispatch.PROJ_ROPE_SCHEDULE, self.SCHEDULE)):
-            patch = mock.patch.dict(table, {"sm_90a": value})
-            patch.start()
-            self.addCleanup(patch.stop)
+    """The kernel dispatch takes on the local GPU: on sm_90a the persistent kernel whose fourth warpgroup quantizes
+    each fp32 tile from shared memory (kernels/sm90/proj_rope.py), on sm_100a the tensor-memory kernel."""
 
     @parameterized.product(shape=SHAPES, w_out_in=(True, False), tables=("random", "rotary"))
     def test_matches_oracle(self, shape, w_out_in, tables):
@@ -105,7 +92,7 @@ class GpuProjRopeTest(parameterized.TestCase):
         f = jax.jit(lambda *a: jbg.gemm_proj_rope_mxfp8(*a, implementation="cutedsl"))
         text = f.lower(*(inp[n] for n in ("x", "w", "cos", "sin"))).as_text()
         self.assertIn("jbg_gemm_proj_rope_mxfp8", text)
-        self.assertIn(f"_t{self.TILE[0]}x{self.TILE[1]}_", text)
+        self.assertIn("_t128x192_", text)  # both architectures' kernels take 128-token x one-head tiles
 
     @parameterized.parameters(True, False)
     def test_nan_inf_and_zero_tokens(self, w_out_in):
@@ -179,67 +166,8 @@ class GpuProjRopeTest(parameterized.TestCase):
                                                 inp["sin"][g * t:(g + 1) * t])
             oracle_ops.assert_proj_rope_close(self, [np.asarray(o[g]) for o in outs], y_ref)
 
-    def test_same_bytes_in_a_larger_program_and_under_command_buffers(self):
-        """Inside a bigger jitted program, and with XLA's CUDA graphs on, the outputs of both input paths are
-        byte-identical."""
-        script = textwrap.dedent("""
-            import os, sys
-            os.environ["JAX_BLOCKGEMM_POISON_OUTPUTS"] = "1"
-            sys.path.insert(0, sys.argv[1])
-            import jax, jax.numpy as jnp, numpy as np
-            import jax_blockgemm as jbg, oracle_ops
-            from jax_blockgemm import dispatch
-            dispatch.PROJ_ROPE_TILE["sm_90a"] = tuple(int(v) for v in sys.argv[2].split(","))
-            dispatch.PROJ_ROPE_CLUSTER["sm_90a"] = tuple(int(v) for v in sys.argv[3].split(","))
-            dispatch.PROJ_ROPE_SCHEDULE["sm_90a"] = sys.argv[4]
-            def step(x, w, c, s, xs=None, ws=None):
-                x, c = (x * 1, c) if xs is None else (x, c * 1)  # an XLA op right before the custom call(s)
-                outs = jbg.gemm_proj_rope_mxfp8(x, w, c, s, x_scale=xs, w_scale=ws, implementation="cutedsl")
-                return outs, jnp.sum(outs[0].astype(jnp.float32))
-            for mxfp8 in (False, True):  # the MXFP8 path adds the dequantize kernel (both launched with PDL)
-                inp = oracle_ops.random_proj_rope_inputs(np.random.default_rng(5), t=256, h=3, k=512, mxfp8=mxfp8)
-                args = [jnp.asarray(inp[n]) for n in ("x", "w", "cos", "sin")]
-                if mxfp8:
-                    args += [jnp.asarray(inp["x_scale"]), jnp.asarray(inp["w_scale"])]
-                for _ in range(3):
-                    outs, _ = jax.jit(step)(*args)
-                sys.stdout.write("".join(np.asarray(o).view(np.uint8).tobytes().hex()[:4096] for o in outs))
-        """)
-        tests_dir = os.path.dirname(os.path.abspath(__file__))
-        tile, cluster = ",".join(map(str, self.TILE)), ",".join(map(str, self.CLUSTER))
-        argv = [sys.executable, "-c", script, tests_dir, tile, cluster, self.SCHEDULE]
-        plain = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""))
-        graphs = subprocess.run(argv, capture_output=True, text=True, timeout=300,
-                                env=dict(os.environ, XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"))
-        self.assertEqual(plain.returncode, 0, plain.stderr[-2000:])
-        self.assertEqual(graphs.returncode, 0, graphs.stderr[-2000:])
-        self.assertGreater(len(plain.stdout), 1000)
-        self.assertEqual(plain.stdout, graphs.stdout)
-
-
-class GpuProjRopeSmallTileTest(GpuProjRopeTest):
-    TILE = catalog.PROJ_ROPE_TILES[1]
-
-
-class GpuProjRopeCluster2Test(GpuProjRopeTest):
-    """64-token tiles in clusters of 2 sharing W by TMA multicast (a CTA past T still loads its share)."""
-
-    TILE, CLUSTER = (64, 192), (2, 1)
-
-
-class GpuProjRopeCluster4Test(GpuProjRopeTest):
-    TILE, CLUSTER = (64, 192), (4, 1)
-
-
-class GpuProjRopePingPongTest(GpuProjRopeTest):
-    """The persistent ping-pong kernel (two consumer warpgroups on alternate 64-token tiles, one CTA per SM):
-    every test of the suite, including shapes with fewer tiles than CTAs, odd tile counts per CTA and T tails."""
-
-    TILE, CLUSTER, SCHEDULE = catalog.PROJ_ROPE_PINGPONG_TILE, (1, 1), "pingpong"
-
-    # SHAPES give at most 132 tiles (one per CTA, warpgroup 1 idle); these give CTAs 2 or 3 tiles (both warpgroups,
-    # the order barriers, the stage skipping): 297 tiles with a half tail tile and fewer k-tiles than stages; 320
-    # with 24 k-tiles; 264 of one k-tile with a k tail.
+    # SHAPES give fewer tiles than an H200 has SMs (one tile per CTA); these give CTAs up to 2 tiles of 128 tokens:
+    # 153 tiles with a tail tile and fewer k-tiles than stages; 160 with 24 k-tiles; 132 of one k-tile with a k tail.
     @parameterized.product(shape=[(2080, 9, 200), (4096, 5, 1536), (8448, 2, 40)], w_out_in=(True, False))
     def test_several_tiles_per_cta_match_oracle(self, shape, w_out_in):
         t, h, k = shape
@@ -271,22 +199,37 @@ class GpuProjRopePingPongTest(GpuProjRopeTest):
                 times[limit] = time.perf_counter() - start
         self.assertGreater(times["7"], 4 * times[""], times)
 
-
-class GpuProjRopePersistentTest(GpuProjRopePingPongTest):
-    """The persistent cooperative kernel (both consumer warpgroups on each 128-token tile, the next tile's k-tiles
-    loading during the epilogue, one CTA per SM): every test of the suite, and the ping-pong class's shapes where
-    CTAs walk 2-3 tiles (here 153, 160 and 132 tiles of 128 tokens: the last with one tile per CTA)."""
-
-    TILE, CLUSTER, SCHEDULE = catalog.PROJ_ROPE_SCHEDULE_TILES_SM90["persistent"], (1, 1), "persistent"
-
-
-
-class GpuProjRopeStagedTest(GpuProjRopePingPongTest):
-    """The staged kernel (the persistent kernel's mainloop; a fourth warpgroup quantizes each fp32 tile from shared
-    memory, one thread per token, with the sm_100a kernel's per-row code): every test of the suite and the shapes
-    where CTAs walk 2-3 tiles."""
-
-    TILE, CLUSTER, SCHEDULE = catalog.PROJ_ROPE_SCHEDULE_TILES_SM90["staged"], (1, 1), "staged"
+    def test_same_bytes_in_a_larger_program_and_under_command_buffers(self):
+        """Inside a bigger jitted program, and with XLA's CUDA graphs on, the outputs of both input paths are
+        byte-identical."""
+        script = textwrap.dedent("""
+            import os, sys
+            os.environ["JAX_BLOCKGEMM_POISON_OUTPUTS"] = "1"
+            sys.path.insert(0, sys.argv[1])
+            import jax, jax.numpy as jnp, numpy as np
+            import jax_blockgemm as jbg, oracle_ops
+            def step(x, w, c, s, xs=None, ws=None):
+                x, c = (x * 1, c) if xs is None else (x, c * 1)  # an XLA op right before the custom call(s)
+                outs = jbg.gemm_proj_rope_mxfp8(x, w, c, s, x_scale=xs, w_scale=ws, implementation="cutedsl")
+                return outs, jnp.sum(outs[0].astype(jnp.float32))
+            for mxfp8 in (False, True):  # the MXFP8 path adds the dequantize kernel (both launched with PDL)
+                inp = oracle_ops.random_proj_rope_inputs(np.random.default_rng(5), t=256, h=3, k=512, mxfp8=mxfp8)
+                args = [jnp.asarray(inp[n]) for n in ("x", "w", "cos", "sin")]
+                if mxfp8:
+                    args += [jnp.asarray(inp["x_scale"]), jnp.asarray(inp["w_scale"])]
+                for _ in range(3):
+                    outs, _ = jax.jit(step)(*args)
+                sys.stdout.write("".join(np.asarray(o).view(np.uint8).tobytes().hex()[:4096] for o in outs))
+        """)
+        tests_dir = os.path.dirname(os.path.abspath(__file__))
+        argv = [sys.executable, "-c", script, tests_dir]
+        plain = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""))
+        graphs = subprocess.run(argv, capture_output=True, text=True, timeout=300,
+                                env=dict(os.environ, XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"))
+        self.assertEqual(plain.returncode, 0, plain.stderr[-2000:])
+        self.assertEqual(graphs.returncode, 0, graphs.stderr[-2000:])
+        self.assertGreater(len(plain.stdout), 1000)
+        self.assertEqual(plain.stdout, graphs.stdout)
 
 
 if __name__ == "__main__":

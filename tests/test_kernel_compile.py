@@ -42,11 +42,6 @@ def _compiled(v: "catalog.KernelVariant"):
     return _COMPILED[v.key]
 
 
-def _sm90a_ptx(kernel) -> str:
-    """The PTX of a Hopper kernel object outside the catalog (a configuration the tests pick), compiled for sm_90a."""
-    return catalog.compile_function(catalog.KernelVariant(arch="sm_90a"), keep_ptx=True, kernel=kernel).__ptx__
-
-
 def _assert_tma_amax_no_spills(test: absltest.TestCase, ptx: str, fn) -> None:
     """An sm_90a gemm_amax kernel's common structure: TMA loads, the amax atomic, no local memory, no frame or
     stack in the cubin, at most 255 registers."""
@@ -70,7 +65,7 @@ class CatalogTest(parameterized.TestCase):
 
     def test_sm90a_covers_both_fp8_codes_and_both_outputs(self):
         got = {(v.ab_dtype, v.c_dtype, v.sf_dtype, v.sf_vec_size, v.a_major, v.b_major)
-               for v in catalog.variants_for("sm_90a", "gemm_amax") if not v.schedule}
+               for v in catalog.variants_for("sm_90a", "gemm_amax")}
         fp8 = {(a, c, "float8_e8m0fnu", 32, "k", "k") for a in ("float8_e4m3fn", "float8_e5m2")
                for c in ("float32", "bfloat16", "float16")}
         # FP4 operands: every C dtype SPEC allows them (FP8 and packed FP4 C only with FP4 operands).
@@ -84,13 +79,8 @@ class CatalogTest(parameterized.TestCase):
                             for v in catalog.variants_for("sm_90a", "gemm_amax")))
         self.assertEqual(catalog.variants_for("sm_75"), ())
         rope = catalog.variants_for("sm_90a", "proj_rope")
-        self.assertEqual({(v.tile_mn, v.cluster_mn, v.b_major, v.schedule) for v in rope},
-                         {(t, c, b, "") for t in catalog.PROJ_ROPE_TILES for c in catalog.PROJ_ROPE_CLUSTERS_SM90[t]
-                          for b in ("k", "n")}
-                         | {(t, (1, 1), b, s) for s, t in catalog.PROJ_ROPE_SCHEDULE_TILES_SM90.items()
-                            for b in ("k", "n")})
-        self.assertIn("proj_rope.sm_90a.bf16.e4m3.sf32.t64x192.c1x1.bn.pingpong", {v.key for v in rope})
-        self.assertIn("proj_rope.sm_90a.bf16.e4m3.sf32.t128x192.c1x1.persistent", {v.key for v in rope})
+        self.assertEqual({v.key for v in rope}, {"proj_rope.sm_90a.bf16.e4m3.sf32.t128x192.c1x1.staged",
+                                                 "proj_rope.sm_90a.bf16.e4m3.sf32.t128x192.c1x1.bn.staged"})
         self.assertEqual(len({v.key for v in catalog.CATALOG}), len(catalog.CATALOG))
 
     def test_sm100a_proj_rope_variants_cover_both_w_layouts(self):
@@ -161,22 +151,8 @@ class CatalogTest(parameterized.TestCase):
         dict(kwargs=dict(sf_vec_size=16), match="(sf_dtype, sf_vec_size)=('float8_e8m0fnu', 16)"),
         dict(kwargs=dict(ab_dtype="float4_e2m1fn", sf_dtype="float8_e4m3fn"),
              match="(sf_dtype, sf_vec_size)=('float8_e4m3fn', 32)"),
-        dict(kwargs=dict(ab_dtype="float4_e2m1fn", dequant="bits1", promote=False, tile_k=64, a_regs=True),
-             match="a_regs=True needs FP8 operands"),
-        dict(kwargs=dict(tile_mn=(64, 64)), match="tile_mn"),
-        dict(kwargs=dict(cluster_mn=(2, 1)), match="cluster_mn"),
-        dict(kwargs=dict(dequant="int"), match="dequant='int'"),
-        dict(kwargs=dict(dequant="bf16x2"), match="dequant='bf16x2'"),
-        dict(kwargs=dict(tile_k=32), match="tile_k=32"),
-        dict(kwargs=dict(mma_buffers=4, promote=False), match="mma_buffers=4"),
-        dict(kwargs=dict(tile_mn=(128, 256)), match="promote=True needs tile_mn=(128, 128)"),
-        dict(kwargs=dict(mma_buffers=3), match="promote=True needs"),
-        dict(kwargs=dict(tile_mn=(128, 256), tile_k=128, promote=False), match="at least 2 are needed"),
-        dict(kwargs=dict(a_regs=True, promote=False, tile_k=64), match="a_regs=True needs dequant 'bits'"),
-        dict(kwargs=dict(tile_mn=(128, 256), dequant="bits", a_regs=True, promote=False, mma_buffers=3),
-             match="mma_buffers=3"),
-        dict(kwargs=dict(tile_mn=(128, 256), promote=False, mma_buffers=3, overlap=True),
-             match="overlap=True needs promote=False and mma_buffers=2"))
+        dict(kwargs=dict(a_major="n"), match="a_major='n'"),
+        dict(kwargs=dict(ab_dtype="float4_e2m1fn", b_major="n"), match="MN-major operands need FP8 codes"))
     def test_kernel_config_errors_name_the_argument(self, kwargs, match):
         with self.assertRaisesRegex(ValueError, re.escape(match)):
             HopperMxf8GemmAmax(**kwargs)
@@ -211,8 +187,7 @@ class CompileTest(parameterized.TestCase):
 
     @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_90a", "gemm_amax")
                                     + catalog.TEST_VARIANTS
-                                    if v.ab_dtype in _PTX_AB and v.c_dtype in _WIDE_C and v.a_major + v.b_major == "kk"
-                                    and not v.schedule)
+                                    if v.ab_dtype in _PTX_AB and v.c_dtype in _WIDE_C and v.a_major + v.b_major == "kk")
     def test_compiles_for_its_arch_with_wgmma_and_tma(self, v):
         ptx, obj, *_ = _compiled(v)
         self.assertGreater(len(obj), 1000)
@@ -224,22 +199,6 @@ class CompileTest(parameterized.TestCase):
         self.assertIn("cp.async.bulk.tensor", ptx)  # TMA loads
         self.assertIn("atom.global.max.s32", ptx)  # amax: integer atomic max on the float's bits
 
-    def test_bits1_dequant_compiles_to_byte_permutes_and_packed_bf16_multiplies(self):
-        """The 128x256 candidate: codes -> bf16 by prmt/shift/and + packed bf16 multiplies, m64n256 bf16 wgmma."""
-        kernel = HopperMxf8GemmAmax(ab_dtype="float8_e5m2", c_dtype="bfloat16", tile_mn=(128, 256), dequant="bits1",
-                                    mma_buffers=3, promote=False)
-        ptx = _sm90a_ptx(kernel)
-        # Per k-tile (64 wide) each consumer thread converts 2 A rows and 4 B rows of 16 codes (24 words): 2 prmt
-        # per word, and per output word 1 packed multiply (every scale byte of the warp <= 142) or 2 (the other
-        # path). Both paths appear twice: the first tile before the mainloop, then inside it.
-        self.assertEqual(ptx.count("prmt.b32"), 2 * 2 * 48)
-        self.assertEqual(len(re.findall(r"(?:mul|fma\.rn)\.bf16x2", ptx)), 2 * (48 + 96))
-        self.assertIn("vote.sync.all.pred", ptx)
-        self.assertRegex(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16")
-        self.assertNotIn("ld.local", ptx)  # no register spills to local memory
-        # The exact fallback for non-finite codes keeps the hardware converter.
-        self.assertIn("cvt.rn.f16x2.e5m2x2", ptx)
-
     @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_90a", "proj_rope"))
     def test_proj_rope_compiles_with_bf16_wgmma_tma_and_the_fp8_converter(self, v):
         ptx, obj, *_ = _compiled(v)
@@ -249,78 +208,48 @@ class CompileTest(parameterized.TestCase):
         self.assertIn("cp.async.bulk.tensor", ptx)
         self.assertNotRegex(ptx, r"st\.shared\.(u8|b8)")
         self.assertNotIn(".local", ptx)  # the accumulator and the rope tables stay in registers
-        if v.schedule == "staged":
-            # Epilogue warpgroup (kernels/token_rows.py, kernels/sm90/y_tile.py): one token per thread. RoPE in
-            # place in Y (2 blocks: 16 16-byte loads and stores), then one loop body for all 6 blocks: 8 16-byte
-            # loads of the row, 32 4-byte loads of the lane's column across the warp's rows, one 4-byte store of the
-            # column factor and 8 broadcast 16-byte loads of the warp's 32 factors, a ballot of the NaN/inf columns;
-            # 31 + 31 NaN-propagating abs-max; 32 pair conversions; the block's codes into two boxes in Y (4 16-byte
-            # stores), a proxy fence and one TMA store per output, one bulk group. After the loop: the rowwise scale
-            # runs (3 x 2 shuffles and 16-bit stores), one wait for the TMA's reads. No global code stores, no
-            # butterflies.
-            self.assertEqual(ptx.count("cvt.rn.satfinite.e4m3x2.f32"), 32)
-            self.assertEqual(ptx.count("ld.shared.v4.b32"), 16 + 8 + 8)
-            self.assertEqual(ptx.count("st.shared.v4.b32"), 16 + 4)
-            self.assertEqual(ptx.count("ld.shared.b32"), 32)
-            self.assertEqual(ptx.count("st.shared.b32"), 1)
-            self.assertEqual(ptx.count("max.NaN.f32"), 62)
-            self.assertEqual(ptx.count("@p st.global.v4.b32"), 0)
-            self.assertEqual(ptx.count("cp.async.bulk.tensor.3d.global.shared::cta"), 2)
-            self.assertEqual(ptx.count("cp.async.bulk.commit_group"), 1)
-            self.assertEqual(ptx.count("cp.async.bulk.wait_group.read"), 1)
-            self.assertEqual(ptx.count("fence.proxy.async.shared::cta"), 1)
-            self.assertEqual(ptx.count("@p st.global.b16"), 3)
-            self.assertEqual(len(re.findall(r"vote\.sync\.ballot", ptx)), 1)
-            self.assertNotRegex(ptx, r"shfl\.sync\.bfly")
-            return
-        self.assertEqual(ptx.count("cvt.rn.satfinite.e4m3x2.f32"), 96)
-        # Epilogue (kernels/sm90/code_tiles.py): 2 tokens x 12 code words of 4 codes (2 pair conversions each),
-        # rowwise and columnwise; staged with 3 16-byte shared stores per token and tile, read back by 3 units of
-        # 4 16-byte loads and stored with 4 16-byte global stores each; 24 rowwise + 42 columnwise shuffles.
-        self.assertEqual(ptx.count("st.shared.v4.b32"), 12)
-        self.assertEqual(ptx.count("ld.shared.v4.b32"), 3 + 12)  # + the column scale table
-        self.assertEqual(ptx.count("@p st.global.v4.b32"), 12)
-        self.assertEqual(len(re.findall(r"shfl\.sync\.bfly", ptx)), 66)
-        multicast = re.findall(r"cp\.async\.bulk\.tensor\S*multicast::cluster", ptx)
-        if v.cluster_mn == (1, 1):
-            self.assertEmpty(multicast)
-            self.assertNotIn("mapa", ptx)
-        else:  # W arrives by multicast, and each consumer warp releases a stage in every CTA of the cluster
-            self.assertNotEmpty(multicast)
-            self.assertIn("mapa.shared::cluster", ptx)
-            self.assertIn("barrier.cluster.arrive", ptx)
+        # Epilogue warpgroup (kernels/token_rows.py, kernels/sm90/y_tile.py): one token per thread. RoPE in
+        # place in Y (2 blocks: 16 16-byte loads and stores), then one loop body for all 6 blocks: 8 16-byte
+        # loads of the row, 32 4-byte loads of the lane's column across the warp's rows, one 4-byte store of the
+        # column factor and 8 broadcast 16-byte loads of the warp's 32 factors, a ballot of the NaN/inf columns;
+        # 31 + 31 NaN-propagating abs-max; 32 pair conversions; the block's codes into two boxes in Y (4 16-byte
+        # stores), a proxy fence and one TMA store per output, one bulk group. After the loop: the rowwise scale
+        # runs (3 x 2 shuffles and 16-bit stores), one wait for the TMA's reads. No global code stores, no
+        # butterflies.
+        self.assertEqual(ptx.count("cvt.rn.satfinite.e4m3x2.f32"), 32)
+        self.assertEqual(ptx.count("ld.shared.v4.b32"), 16 + 8 + 8)
+        self.assertEqual(ptx.count("st.shared.v4.b32"), 16 + 4)
+        self.assertEqual(ptx.count("ld.shared.b32"), 32)
+        self.assertEqual(ptx.count("st.shared.b32"), 1)
+        self.assertEqual(ptx.count("max.NaN.f32"), 62)
+        self.assertEqual(ptx.count("@p st.global.v4.b32"), 0)
+        self.assertEqual(ptx.count("cp.async.bulk.tensor.3d.global.shared::cta"), 2)
+        self.assertEqual(ptx.count("cp.async.bulk.commit_group"), 1)
+        self.assertEqual(ptx.count("cp.async.bulk.wait_group.read"), 1)
+        self.assertEqual(ptx.count("fence.proxy.async.shared::cta"), 1)
+        self.assertEqual(ptx.count("@p st.global.b16"), 3)
+        self.assertEqual(len(re.findall(r"vote\.sync\.ballot", ptx)), 1)
+        self.assertNotRegex(ptx, r"shfl\.sync\.bfly")
 
-    @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_90a", "proj_rope") if v.schedule)
+    @parameterized.named_parameters((v.key, v) for v in catalog.variants_for("sm_90a", "proj_rope"))
     def test_proj_rope_persistent_structure(self, v):
-        """The persistent kernels: a grid-strided tile loop; for ping-pong the order barriers between the two consumer
-        warpgroups (bar.sync / bar.arrive of 256 threads), for "persistent" none (both warpgroups read every stage);
-        for "staged" a fourth (epilogue) warpgroup and the two barriers of 384 threads that hand it the fp32 tile;
-        registers split 40/232 (staged: 40/128/216), no spills, and shared memory (the stages + each warpgroup's own
-        code tiles, or the fp32 tile) within the 227 KB of one sm_90 CTA, with no room for one more stage."""
+        """A grid-strided tile loop; a fourth (epilogue) warpgroup and the two barriers of 384 threads that hand it
+        the fp32 tile, none of 256 (both MMA warpgroups read every stage); registers split 40/128/216, no spills, and
+        shared memory (the stages + the fp32 tile) within the 227 KB of one sm_90 CTA, with no room for one more
+        stage."""
         ptx, _, _, fn, kernel = _compiled(v)
-        # (tokens per tile, k-tile, stages); staged: 64-wide k-tiles for W (N, K), 32-wide (twice the stages) for
-        # W (K, N)
-        staged = (128, 64, 3) if v.b_major == "k" else (128, 32, 6)
-        expected = {"pingpong": (64, 64, 5), "persistent": (128, 64, 4), "staged": staged}[v.schedule]
-        self.assertEqual((kernel.schedule, kernel.tile_mnk[0], kernel.tile_mnk[2], kernel.ab_stages),
-                         (v.schedule, *expected))
+        # (tokens per tile, k-tile, stages): 64-wide k-tiles for W (N, K), 32-wide (twice the stages) for W (K, N)
+        expected = (128, 64, 3) if v.b_major == "k" else (128, 32, 6)
+        self.assertEqual((kernel.tile_mnk[0], kernel.tile_mnk[2], kernel.ab_stages), expected)
         self.assertIn("%nctaid.x", ptx)  # tiles cta, cta + grid, ...
-        if v.schedule == "pingpong":
-            self.assertRegex(ptx, r"bar\.sync\s+%r\d+, 256;")  # wait for this warpgroup's turn (id 3 + wg)
-            self.assertRegex(ptx, r"bar\.arrive\s+%r\d+, 256;")  # hand the turn to the other warpgroup
-        else:
-            self.assertNotRegex(ptx, r"bar\.(sync|arrive)\s+%r\d+, 256;")
-        threads = 512 if v.schedule == "staged" else 384
-        if v.schedule == "staged":  # Y full (1) and Y empty (2): each synced by one side, arrived on by the other
-            for bar in (1, 2):
-                self.assertRegex(ptx, rf"bar\.sync\s+{bar}, 384;")
-                self.assertRegex(ptx, rf"bar\.arrive\s+{bar}, 384;")
-            self.assertNotRegex(ptx, r"bar\.sync\s+%r\d+, 128;")
-            self.assertIn("setmaxnreg.inc.sync.aligned.u32 \t216", ptx)
-            self.assertEqual(ptx.count("st.shared.v2.b32"), 48)  # the 96 accumulators of an MMA thread into Y
-        else:
-            self.assertRegex(ptx, r"bar\.sync\s+%r\d+, 128;")  # the epilogue's per-warpgroup barriers (id 1 + wg)
-            self.assertIn("setmaxnreg.inc.sync.aligned.u32 \t232", ptx)
+        self.assertNotRegex(ptx, r"bar\.(sync|arrive)\s+%r\d+, 256;")
+        threads = 512
+        for bar in (1, 2):  # Y full (1) and Y empty (2): each synced by one side, arrived on by the other
+            self.assertRegex(ptx, rf"bar\.sync\s+{bar}, 384;")
+            self.assertRegex(ptx, rf"bar\.arrive\s+{bar}, 384;")
+        self.assertNotRegex(ptx, r"bar\.sync\s+%r\d+, 128;")
+        self.assertIn("setmaxnreg.inc.sync.aligned.u32 \t216", ptx)
+        self.assertEqual(ptx.count("st.shared.v2.b32"), 48)  # the 96 accumulators of an MMA thread into Y
         self.assertIn("setmaxnreg.dec.sync.aligned.u32 \t40", ptx)
         self.assertIn(f".reqntid {threads}, 1, 1", ptx)
         resources = structure.cubin_resources(fn.__cubin__)
@@ -331,19 +260,16 @@ class CompileTest(parameterized.TestCase):
         stage_bytes = (kernel.tile_mnk[0] + 192) * kernel.tile_mnk[2] * 2
         self.assertGreater(smem, 227 * 1024 - stage_bytes)  # no room left for one more stage
 
-    def test_staged_pdl_waits_for_the_previous_grid_before_any_global_access(self):
-        """The staged kernel (pdl=True, the default): one launch_dependents and one griddepcontrol.wait, the wait
-        before the first TMA load and the first global load; with pdl=False neither instruction."""
-        v = next(v for v in catalog.variants_for("sm_90a", "proj_rope") if v.schedule == "staged")
+    def test_proj_rope_pdl_waits_for_the_previous_grid_before_any_global_access(self):
+        """Programmatic dependent launch: one launch_dependents and one griddepcontrol.wait, the wait before the
+        first TMA load and the first global load."""
+        v = catalog.variants_for("sm_90a", "proj_rope")[0]
         ptx, *_ = _compiled(v)
         self.assertEqual(ptx.count("griddepcontrol.launch_dependents"), 1)
         self.assertEqual(ptx.count("griddepcontrol.wait"), 1)
         wait = ptx.index("griddepcontrol.wait")
         for access in ("cp.async.bulk.tensor", "ld.global"):
             self.assertLess(wait, ptx.index(access), access)
-        kernel = catalog.make_kernel(v)
-        kernel.pdl = False
-        self.assertNotIn("griddepcontrol", catalog.compile_function(v, keep_ptx=True, kernel=kernel).__ptx__)
 
     @parameterized.named_parameters((v.key, v) for v in _PROJ_ROPE_VARIANTS)
     def test_proj_rope_header_matches_abi(self, v):
@@ -438,39 +364,6 @@ class CompileTest(parameterized.TestCase):
             envar._arch = saved
         self.assertEqual(seen, {s: [(s, i) for i in range(32)] for s in range(128)})
 
-    def test_a_from_registers_compiles_to_rs_wgmma(self):
-        """a_regs: A's codes go from shared memory (32-bit loads) to the wgmma's register operand; B as before."""
-        kernel = HopperMxf8GemmAmax(tile_mn=(128, 256), dequant="bits1", promote=False, a_regs=True)
-        ptx = _sm90a_ptx(kernel)
-        # wgmma with four 32-bit A registers (then the B descriptor) instead of two descriptors.
-        rs = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16\s*\{[^}]*\},\s*"
-                        r"\{\s*%r\d+,\s*%r\d+,\s*%r\d+,\s*%r\d+\s*\},\s*%rd\d+", ptx)
-        self.assertLen(rs, 2 * 4)  # 4 k16 steps per k-tile, twice (the mainloop is unrolled by two)
-        # Per k-tile each thread loads 2 rows x 4 steps of A code words; the first tile is dequantized before the
-        # mainloop, then once per unrolled half.
-        self.assertEqual(ptx.count("ld.shared.b32"), 3 * 8)
-        self.assertNotIn("ld.local", ptx)
-
-    def test_every_standalone_candidate_compiles_without_spills(self):
-        """The configurations benchmarks/kernel_standalone.py --candidates runs on the device all build for sm_90a."""
-        import importlib.util
-
-        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
-                            "kernel_standalone.py")
-        spec = importlib.util.spec_from_file_location("kernel_standalone_for_test", path)
-        standalone = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(standalone)
-        self.assertIn("current", standalone.CANDIDATES)
-        for name, kwargs in standalone.CANDIDATES.items():
-            with self.subTest(name):
-                kernel = standalone.make_kernel("float8_e4m3fn", "float32", kwargs)
-                ptx = _sm90a_ptx(kernel)
-                if kwargs.get("kernel") == "fp8promote":
-                    self.assertRegex(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3")
-                else:
-                    self.assertRegex(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{kernel.tile_mnk[1]}k16")
-                self.assertNotIn("ld.local", ptx)
-
     @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG + catalog.TEST_VARIANTS
                                     if v.op == "gemm_amax")
     def test_header_matches_abi(self, v):
@@ -562,77 +455,7 @@ class DequantizeCompileTest(parameterized.TestCase):
 
 
 _SURFACE_90 = [v for v in catalog.variants_for("sm_90a", "gemm_amax")
-               if (v.ab_dtype not in _PTX_AB or v.c_dtype not in _WIDE_C or v.a_major + v.b_major != "kk")
-               and not v.schedule]
-_FP8_PROMOTE_90 = list(catalog.CANDIDATE_VARIANTS)
-
-
-class Fp8PromoteCompileTest(parameterized.TestCase):
-    """The sm_90a "fp8promote" variants (kernels/sm90/gemm_amax_fp8.py): FP8 wgmma m64n64k32 with scale-d = 0 per
-    64-column chunk of a k-block, the promotion as one FMUL + one FFMA per accumulator element, the wgmma kept in
-    flight across the promotion (ptxas would serialize it otherwise), no spills."""
-
-    def test_candidates_have_both_tiles_both_codes_both_outputs_and_are_outside_the_catalog(self):
-        self.assertEqual({(v.tile_mn, v.ab_dtype, v.c_dtype) for v in _FP8_PROMOTE_90},
-                         {(t, a, c) for t in ((128, 128), (128, 256)) for a in _PTX_AB for c in _WIDE_C})
-        for v in _FP8_PROMOTE_90:
-            self.assertNotIn(v, catalog.CATALOG)  # measured slower and outside SPEC §7 for bf16 C (NOTES.md)
-            self.assertTrue(v.key.endswith(".fp8promote"), v.key)
-            self.assertEqual(catalog.accuracy_class(v), "tensor-core FP8")
-            picked = catalog.select_variant(arch="sm_90a", ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, sf_vec_size=32,
-                                            tile_mn=v.tile_mn, cluster_mn=(1, 1))
-            self.assertNotEqual(picked, v)
-        self.assertEqual(catalog.accuracy_class(catalog.KernelVariant()), "exact")
-
-    @parameterized.named_parameters((v.key, v) for v in _FP8_PROMOTE_90)
-    def test_structure(self, v):
-        ptx, obj, _, fn, kernel = _compiled(v)
-        self.assertGreater(len(obj), 1000)
-        ab = _PTX_AB[v.ab_dtype]
-        wgmma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.{ab}\.{ab}", ptx)
-        steps = 4 * v.tile_mn[1] // 64  # per 128-wide k-tile: 4 k-blocks x bn/64 chunks, unrolled once
-        self.assertLen(wgmma, steps)
-        self.assertNotRegex(ptx, r"cvt\.rn\.f16x2\.e[45]m[23]x2")
-        # wait_group 1 after every issue but the last of a k-tile, wait_group 0 there and after the loop.
-        self.assertLen(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx), steps - 1)
-        # The promotion: per step 32 elements x (mul + fma), 16-byte loads of the decoded scales.
-        self.assertEqual(len(re.findall(r"\bmul\.f32\b", ptx)), 32 * steps)
-        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 32 * steps)
-        self.assertBetween(ptx.count("ld.shared.v4"), 4 * steps + 2, 4 * steps + 4)  # (+2 in the bf16 C epilogue)
-        _assert_tma_amax_no_spills(self, ptx, fn)
-        self.assertGreaterEqual(kernel.ab_stages, 4)
-
-    def test_decode_scale_word_special_bytes(self):
-        """The scale decoders' per-word test flags exactly the words holding a byte 0x00 or 0xFF (NumPy model)."""
-        from jax_blockgemm.kernels.sm90 import gemm_amax_fp8 as f
-
-        rng = np.random.default_rng(0)
-        words = np.concatenate([rng.integers(0, 2**32, 200_000, dtype=np.uint64),
-                                np.array([0, 0xFFFFFFFF, 0x01FE0101, 0x00010203, 0xFF7F8081, 0x7F7F7F7F,
-                                          0x80808080, 0x0100FF01], np.uint64)]).astype(np.int64)
-        w = words.astype(np.int64)
-        inv = ~w
-        special = (((w - f._BYTE_ONES) & inv) | ((inv - f._BYTE_ONES) & w)) & f._BYTE_MSBS & 0xFFFFFFFF
-        bytes_ = [(words >> (8 * j)) & 0xFF for j in range(4)]
-        expect = np.zeros(len(words), bool)
-        for b in bytes_:
-            expect |= (b == 0) | (b == 0xFF)
-        np.testing.assert_array_equal(special != 0, expect)
-
-    def test_column_scale_positions_are_a_padded_permutation(self):
-        """Each column of a B scale stage has its own slot, the 4 quads of a warp start 4 banks apart, and thread
-        quad q finds columns 16u + 8w + 2q + e at q·(bn/4 + 4) + 4u + 2w + e (the accumulator fragment order)."""
-        from jax_blockgemm.kernels.sm90.gemm_amax_fp8 import HopperFp8PromoteGemmAmax
-
-        for bn in (128, 256):
-            k = HopperFp8PromoteGemmAmax(tile_mn=(128, bn))
-            pos = [k.sb_position(c) for c in range(bn)]
-            self.assertEqual(len(set(pos)), bn)
-            self.assertLess(max(pos), k.sb_kb_stride)
-            self.assertEqual(sorted({(k.sb_quad_stride * q) % 32 for q in range(4)}), [0, 4, 8, 12])
-            for c in range(bn):
-                u, w, q, e = c // 16, (c // 8) % 2, (c % 8) // 2, c % 2
-                self.assertEqual(pos[c], q * k.sb_quad_stride + 4 * u + 2 * w + e)
+               if v.ab_dtype not in _PTX_AB or v.c_dtype not in _WIDE_C or v.a_major + v.b_major != "kk"]
 
 
 class Sm90SurfaceCompileTest(parameterized.TestCase):
@@ -678,61 +501,6 @@ class Sm90SurfaceCompileTest(parameterized.TestCase):
         if catalog.takes_alpha(v):  # alpha[l] times each of the 64 accumulator values, before amax and conversion
             self.assertGreaterEqual(len(re.findall(r"mul\.(?:rn\.)?f32", ptx)), 64)
             self.assertTrue(kernel.has_alpha)
-
-
-class ProfilingBuildTest(parameterized.TestCase):
-    """Profiling builds (`_skip`: benchmarks/proj_rope_standalone.py --profile, kernel_standalone.py phases) that
-    leave out the accumulator's readers still run every wgmma. Without a reader, ptxas replaces each wgmma by an
-    empty HGMMA.64x8x16 on RZ: proj_rope's "mainloop only" and the FP8-promote kernel's "no promotion" then timed no
-    tensor work (they did, until these builds kept a reader). Checked in the SASS (nvdisasm, from the test extra)."""
-
-    @staticmethod
-    def _wgmmas(make_kernel, skip: tuple) -> "collections.Counter":
-        kernel, variant = make_kernel()
-        kernel._skip = frozenset(skip)
-        fn = catalog.compile_function(variant, keep_ptx=True, kernel=kernel)
-        return structure.wgmma_shapes(structure.sass(fn.__cubin__))
-
-    @staticmethod
-    def _proj_rope(schedule: str):
-        from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
-
-        return lambda: (HopperProjRope(schedule=schedule), catalog.KernelVariant(op="proj_rope", arch="sm_90a"))
-
-    @staticmethod
-    def _fp8_promote():
-        v = next(c for c in catalog.CANDIDATE_VARIANTS if c.schedule == catalog.FP8_PROMOTE
-                 and c.tile_mn == (128, 128) and c.ab_dtype == "float8_e4m3fn" and c.c_dtype == "float32")
-        return lambda: (catalog.make_kernel(v), v)
-
-    @parameterized.named_parameters(
-        ("staged_epilogue", "staged", ("epilogue",), "HGMMA.64x192x16.F32.BF16"),
-        ("staged_ywrite", "staged", ("ywrite",), "HGMMA.64x192x16.F32.BF16"),
-        ("staged_stores", "staged", ("stores",), "HGMMA.64x192x16.F32.BF16"),
-        ("persistent_epilogue", "persistent", ("epilogue",), "HGMMA.64x192x16.F32.BF16"),
-        ("pingpong_epilogue", "pingpong", ("epilogue",), "HGMMA.64x192x16.F32.BF16"),
-        ("one_tile_epilogue", "", ("epilogue",), "HGMMA.64x192x16.F32.BF16"),
-        ("fp8promote_no_promotion", catalog.FP8_PROMOTE, ("dequant",), "QGMMA.64x64x32.F32.E4M3.E4M3"))
-    def test_skipping_the_accumulator_readers_keeps_the_wgmmas(self, kind, skip, shape):
-        make = self._fp8_promote() if kind == catalog.FP8_PROMOTE else self._proj_rope(kind)
-        full = self._wgmmas(make, ())
-        self.assertGreater(full[shape], 0)
-        self.assertEqual(self._wgmmas(make, skip), full)
-
-    def test_the_check_sees_dropped_wgmmas(self):
-        """Control: with `_keep_live` a no-op, proj_rope's epilogue-less build loses its m64n192 wgmmas."""
-        import cutlass.cute as cute
-
-        from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
-
-        @cute.jit
-        def no_reader(self, acc, out, t):
-            pass
-
-        with mock.patch.object(HopperProjRope, "_keep_live", no_reader):
-            shapes = self._wgmmas(self._proj_rope("staged"), ("epilogue",))
-        self.assertEqual(shapes["HGMMA.64x192x16.F32.BF16"], 0)
-        self.assertGreater(shapes["HGMMA.64x8x16.F16"], 0)  # the empty ones ptxas leaves in their place
 
 
 class ReportTest(absltest.TestCase):
@@ -823,51 +591,6 @@ class StructureTest(absltest.TestCase):
         self.assertLessEqual(res.registers, 255)
         with self.assertRaisesRegex(ValueError, "not an ELF64"):
             structure.cubin_resources(b"PK\x03\x04")
-
-
-class BitsDequantModelTest(parameterized.TestCase):
-    """A bit-exact NumPy model of the "bits" dequantizer's integer steps, with the kernel module's constants."""
-
-    @staticmethod
-    def _prmt(a: np.ndarray, selector: int) -> np.ndarray:
-        """PTX prmt.b32 d, a, 0, selector (default mode) on uint32 words."""
-        out = np.zeros_like(a)
-        for i in range(4):
-            nib = (selector >> (4 * i)) & 0xF
-            byte = (a >> np.uint32(8 * (nib & 3))) & np.uint32(0xFF) if nib & 7 < 4 else np.zeros_like(a)
-            if nib & 8:
-                byte = np.where(byte & np.uint32(0x80), np.uint32(0xFF), np.uint32(0))
-            out |= byte.astype(np.uint32) << np.uint32(8 * i)
-        return out
-
-    @parameterized.parameters("float8_e4m3fn", "float8_e5m2")
-    def test_every_code_becomes_its_value_times_two_to_the_minus_bias(self, ab):
-        import ml_dtypes
-
-        from jax_blockgemm.kernels.sm90 import gemm_amax as g
-
-        shift, mask, bias, flag_add = g._BITS[ab]
-        fp8 = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}[ab]
-        codes = np.arange(256, dtype=np.uint8)
-        words = codes.view(np.uint32)  # 64 words, 4 consecutive codes each
-        halves = []
-        for selector in (g._PRMT_LO, g._PRMT_HI):
-            x = (self._prmt(words, selector) << np.uint32(shift)) & np.uint32(mask & 0xFFFFFFFF)
-            halves.append(x.view(np.uint16).reshape(-1, 2))
-        bits = np.stack(halves, axis=1).reshape(-1)  # codes 0..255 in order: (lo pair, hi pair) per word
-        got = bits.view(ml_dtypes.bfloat16).astype(np.float64) * 2.0 ** bias
-        want = codes.view(fp8).astype(np.float64)
-        finite = np.isfinite(want)
-        np.testing.assert_array_equal(got[finite], want[finite])
-        np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(want[finite]))  # -0 stays -0
-        # The flag word: bit 7 of some byte set iff the word holds a non-finite code (then the exact path runs).
-        rng = np.random.default_rng(0)
-        tests = np.concatenate([words, rng.integers(0, 2**32, 200000, dtype=np.uint64).astype(np.uint32)])
-        flagged = ((tests ^ (tests + np.uint32(flag_add))) & np.uint32(0x80808080)) != 0
-        nonfinite = ~np.isfinite(tests.view(np.uint8).view(fp8).astype(np.float32)).reshape(-1, 4).all(axis=1)
-        np.testing.assert_array_equal(flagged, nonfinite)
-        # bits1: the one-multiply constant (byte + bias) as a bf16 exponent is normal exactly up to 254 - bias.
-        self.assertEqual(254 - bias, {"float8_e4m3fn": 134, "float8_e5m2": 142}[ab])
 
 
 class AtomLayoutTest(absltest.TestCase):

@@ -61,8 +61,7 @@ class KernelVariant:
     sf_dtype: str = E8M0  # the scale format: E8M0 (MX formats), or E4M3 (NVFP4)
     b_major: str = "k"  # "n": B (proj_rope's w, gemm_amax's b) is read MN-major
     a_major: str = "k"  # "m": gemm_amax's A is read MN-major
-    # "" for the kernel's default; "pingpong" / "persistent" / "staged": sm_90a proj_rope's persistent kernels;
-    # "fp8promote": sm_90a gemm_amax on FP8 wgmma with the block scales applied on the CUDA cores
+    # "" for every kernel but sm_90a proj_rope's, whose persistent kernel with an epilogue warpgroup is "staged"
     schedule: str = ""
 
     @property
@@ -84,37 +83,19 @@ class KernelVariant:
         return "jbg_" + re.sub(r"[^0-9A-Za-z_]", "_", self.key)
 
 
-# Mainloop options (HopperMxf8GemmAmax's dequant / tile_k / mma_buffers / promote / a_regs / overlap) of the
-# sm_90a MXFP8 K-major variants; empty: the kernel's defaults.
-HOPPER_FP8_OPTIONS: dict = {}
-
-
 def takes_alpha(v: KernelVariant) -> bool:
     """Whether variant `v`'s exported function takes NVFP4's alpha tensor (after amax): the E4M3-scale gemm_amax
     kernels (the handler passes alpha = 1 when the call has none)."""
     return v.op == "gemm_amax" and v.sf_dtype == "float8_e4m3fn"
 
 
-def accuracy_class(v: KernelVariant) -> str:
-    """SPEC §7's accuracy class of variant `v`'s gemm_amax: "tensor-core FP8" (fp32 C within 1e-4: FP8 wgmma sums
-    each 32-wide block with ~14 fraction bits) for the sm_90a "fp8promote" kernels, "exact" (within 1e-5 here,
-    measured <= 1e-6; bf16 dequantization or block-scaled MMA with fp32 accumulation) for every other one."""
-    return "tensor-core FP8" if v.op == "gemm_amax" and v.schedule == FP8_PROMOTE else "exact"
-
-
 def _hopper_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.sm90.gemm_amax import HopperGemmAmaxAlpha, HopperMxf8GemmAmax
 
-    if v.schedule == FP8_PROMOTE:
-        from jax_blockgemm.kernels.sm90.gemm_amax_fp8 import HopperFp8PromoteGemmAmax
-
-        return HopperFp8PromoteGemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn,
-                                        cluster_mn=v.cluster_mn, sf_vec_size=v.sf_vec_size, sf_dtype=v.sf_dtype)
     cls = HopperGemmAmaxAlpha if takes_alpha(v) else HopperMxf8GemmAmax
-    # The FP4 and MN-major variants convert with dequantizers of their own and take the defaults for the rest.
-    options = HOPPER_FP8_OPTIONS if (v.ab_dtype in _FP8 and v.a_major == "k" and v.b_major == "k") else {}
-    return cls(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, tile_mn=v.tile_mn, cluster_mn=v.cluster_mn,
-               sf_vec_size=v.sf_vec_size, sf_dtype=v.sf_dtype, a_major=v.a_major, b_major=v.b_major, **options)
+    # one tile and no clusters: every sm_90a gemm_amax variant is keyed t128x128.c1x1
+    return cls(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, sf_vec_size=v.sf_vec_size, sf_dtype=v.sf_dtype,
+               a_major=v.a_major, b_major=v.b_major)
 
 
 def _blackwell_factory(v: KernelVariant) -> Any:
@@ -127,14 +108,9 @@ def _blackwell_factory(v: KernelVariant) -> Any:
 
 
 def _hopper_proj_rope_factory(v: KernelVariant) -> Any:
-    from jax_blockgemm.kernels.sm90.proj_rope import STAGED_TILE_K, TILE_K, HopperProjRope
+    from jax_blockgemm.kernels.sm90.proj_rope import HopperProjRope
 
-    if v.schedule:  # "pingpong" (tile_mn: each consumer warpgroup's tile), "persistent" or "staged" (the CTA's tile)
-        tile_k = STAGED_TILE_K[v.b_major] if v.schedule == "staged" else TILE_K
-        return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major, consumer_wgs=2, schedule=v.schedule,
-                              tile_k=tile_k)
-    return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major, consumer_wgs=v.tile_mn[0] // 64,
-                          cluster_t=v.cluster_mn[0])
+    return HopperProjRope(x_dtype=v.ab_dtype, w_major=v.b_major)
 
 
 def _blackwell_proj_rope_factory(v: KernelVariant) -> Any:
@@ -161,20 +137,12 @@ _FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
     ("proj_rope", "sm_90a"): _hopper_proj_rope_factory, ("proj_rope", "sm_100a"): _blackwell_proj_rope_factory,
     ("dequantize", "sm_90a"): _dequantize_factory, ("dequantize", "sm_100a"): _dequantize_factory}
 
-# proj_rope on sm_90a: one CTA is 64 tokens (one consumer warpgroup, two CTAs per SM) or 128 tokens (two, one CTA
-# per SM) x one head; the 64-token tile also in clusters of 2 or 4 token tiles that share each W tile (TMA
-# multicast). On sm_100a: one tile of 128 tokens (the 128 tensor-memory lanes) x one head.
-PROJ_ROPE_TILES = ((128, 192), (64, 192))
-PROJ_ROPE_CLUSTERS_SM90 = {(128, 192): ((1, 1), (2, 1)), (64, 192): ((1, 1), (2, 1), (4, 1))}
+# proj_rope on sm_90a: a persistent kernel, one CTA per SM, on 128-token x one-head tiles, whose MMA warpgroups
+# hand each fp32 tile through shared memory to an epilogue warpgroup: schedule "staged"
+# ('...t128x192.c1x1[.bn].staged'). On sm_100a: one tile of 128 tokens (the 128 tensor-memory lanes) x one head.
+PROJ_ROPE_TILE_SM90 = (128, 192)
+PROJ_ROPE_SCHEDULE_SM90 = "staged"
 PROJ_ROPE_TILES_SM100 = ((128, 192),)
-# sm_90a proj_rope's persistent kernels, one CTA per SM (HopperProjRope(schedule=...)), and their tiles:
-# "pingpong", two consumer warpgroups on alternate 64-token x one-head tiles ('...t64x192.c1x1[.bn].pingpong');
-# "persistent", both on each 128-token x one-head tile while the next tile loads ('...t128x192.c1x1[.bn].persistent').
-# "staged", "persistent" plus a fourth warpgroup that runs the epilogue from the fp32 tile in shared memory
-# ('...t128x192.c1x1[.bn].staged').
-PROJ_ROPE_SCHEDULE_TILES_SM90 = {"pingpong": (64, 192), "persistent": (128, 192), "staged": (128, 192)}
-PROJ_ROPE_SCHEDULES_SM90 = tuple(PROJ_ROPE_SCHEDULE_TILES_SM90)
-PROJ_ROPE_PINGPONG_TILE = PROJ_ROPE_SCHEDULE_TILES_SM90["pingpong"]
 
 # the tile field of the dequantize keys (those kernels have no tile; their data path follows a_major)
 DEQUANTIZE_TILE = (1, 16)
@@ -182,18 +150,9 @@ DEQUANTIZE_TILE = (1, 16)
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 _C = ("float32", "bfloat16")
 
-# sm_90a gemm_amax on FP8 wgmma, block scales applied on the CUDA cores with the promotion overlapped with the next
-# wgmma (kernels/sm90/gemm_amax_fp8.py; accuracy class "tensor-core FP8"). A measured candidate, not a catalog
-# kernel: on the H200 (2026-11-30, benchmarks/NOTES.md) fp8p_256 took 2.955 ms at 8192^3 against the default's
-# 2.77 and missed SPEC §7 (amax 1.1e-4 relative, bf16 C far outside one ulp on cancelling elements), so dispatch,
-# the self-check and the sanitizer never see it. Compiled in CI (CANDIDATE_VARIANTS); reachable by
-# forced_variants and benchmarks/kernel_standalone.py (fp8p_128, fp8p_256). Keyed '...t128x128.c1x1.fp8promote'.
-FP8_PROMOTE = "fp8promote"
-FP8_PROMOTE_TILES = ((128, 128), (128, 256))
-
-# sm_90a beyond MXFP8 -> f32/bf16 (issue 10 item 3; compiled and checked here, run on an H200 by the GPU tests):
-# MXFP8 -> f16 C; MXFP4 (E8M0, block 32) and NVFP4 (E4M3, block 16, alpha) -> every C dtype SPEC allows for FP4
-# operands (f32, bf16, f16, E4M3, E5M2, packed FP4), all through the bf16-dequantization mainloop.
+# sm_90a beyond MXFP8 -> f32/bf16 (compiled and checked here, run on an H200 by the GPU tests): MXFP8 -> f16 C;
+# MXFP4 (E8M0, block 32) and NVFP4 (E4M3, block 16, alpha) -> every C dtype SPEC allows for FP4 operands (f32, bf16,
+# f16, E4M3, E5M2, packed FP4), all through the bf16-dequantization mainloop.
 _SM90_FP4_C = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
 _SM90_FP4_SCALES = ((32, E8M0), (16, "float8_e4m3fn"))
 
@@ -225,11 +184,8 @@ CATALOG: tuple[KernelVariant, ...] = (
             for am, bm in (("m", "k"), ("k", "n"), ("m", "n")) for ab in _FP8 for c in _C)
     # proj_rope on sm_90a: bf16 x and w (MXFP8 inputs are dequantized to bf16 before the kernel), both w layouts.
     + tuple(KernelVariant(op="proj_rope", arch="sm_90a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
-                          tile_mn=t, cluster_mn=cl, b_major=b_major)
-            for t in PROJ_ROPE_TILES for cl in PROJ_ROPE_CLUSTERS_SM90[t] for b_major in ("k", "n"))
-    + tuple(KernelVariant(op="proj_rope", arch="sm_90a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
-                          tile_mn=PROJ_ROPE_SCHEDULE_TILES_SM90[sched], b_major=b_major, schedule=sched)
-            for sched in PROJ_ROPE_SCHEDULES_SM90 for b_major in ("k", "n"))
+                          tile_mn=PROJ_ROPE_TILE_SM90, b_major=b_major, schedule=PROJ_ROPE_SCHEDULE_SM90)
+            for b_major in ("k", "n"))
     # proj_rope on sm_100a: the same ABI and surface; compiled and structurally checked here, never run (no Blackwell
     # GPU). Selected only after the first-use self-check passed on the local GPU (dispatch, selfcheck).
     + tuple(KernelVariant(op="proj_rope", arch="sm_100a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
@@ -245,10 +201,6 @@ CATALOG: tuple[KernelVariant, ...] = (
 # TEST ONLY: deliberately wrong kernels that the first-use self-check must catch (kernels/testing.py). Never
 # selected by `select_variant`; only a forced run (`dispatch.forced_variants`) uses one.
 TEST_VARIANTS: tuple[KernelVariant, ...] = (KernelVariant(arch="sm_90a", flavor="broken_negc0"),)
-# Measured candidates outside the catalog (see FP8_PROMOTE): compiled and structurally checked in CI, never selected.
-CANDIDATE_VARIANTS: tuple[KernelVariant, ...] = tuple(
-    KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype=c, tile_mn=t, schedule=FP8_PROMOTE)
-    for t in FP8_PROMOTE_TILES for ab in _FP8 for c in _C)
 _TEST_FACTORIES: dict[str, Callable[[KernelVariant], Any]] = {"broken_negc0": _broken_factory}
 
 
@@ -268,11 +220,10 @@ def select_variant(*, arch: str, ab_dtype: str, c_dtype: str, sf_vec_size: int, 
 
 
 def make_kernel(v: KernelVariant) -> Any:
-    """The kernel object of variant `v` (raises ValueError for a variant outside the catalog, TEST_VARIANTS and
-    CANDIDATE_VARIANTS)."""
+    """The kernel object of variant `v` (raises ValueError for a variant outside the catalog and TEST_VARIANTS)."""
     if v in TEST_VARIANTS:
         return _TEST_FACTORIES[v.flavor](v)
-    if v not in CATALOG + CANDIDATE_VARIANTS or (v.op, v.arch) not in _FACTORIES:
+    if v not in CATALOG or (v.op, v.arch) not in _FACTORIES:
         raise ValueError(f"variant {v.key!r} is not in the catalog; known: {[c.key for c in CATALOG]}")
     return _FACTORIES[(v.op, v.arch)](v)
 

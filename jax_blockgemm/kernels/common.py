@@ -107,16 +107,6 @@ def e8m0_word_to_f32(word: cutlass.Int32, j: cutlass.Int32) -> cutlass.Float32:
     return f32_from_bits(e8m0_bits((word >> (8 * j)) & 0xFF))
 
 
-@cute.jit
-def e8m0_word_to_bf16x2(word: cutlass.Int32, j: cutlass.Int32) -> cutlass.Int32:
-    """Byte `j` of a word of four E8M0 scales as a packed pair of equal bfloat16 values (for bf16x2 arithmetic).
-
-    The float32 bits of 2^(b-127) have 16 zero low bits (also for 2^-127 and NaN), so bf16 is the high half.
-    """
-    bits = e8m0_bits((word >> (8 * j)) & 0xFF)
-    return bits | (bits >> 16)
-
-
 # --- E2M1 (FP4) codes and E4M3 scales, for dequantizing to bf16 ------------------------------------------
 # A byte holds two E2M1 codes (SPEC §1: element 2i in the low nibble), a 32-bit word eight: code j in bits 4j..4j+3.
 # Bit model: a nibble s|e1 e0|m (sign, 2 exponent bits, 1 mantissa bit) becomes the bfloat16 bit pattern

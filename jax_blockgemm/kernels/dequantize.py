@@ -5,8 +5,8 @@ The values are the reference's, bit for bit (SPEC §6): code -> float32 (exact, 
 converter), times the float32 scale 2^(b-127) (exact but for results below float32's normal range, rounded the same
 way as the reference's multiply; no flush to zero), rounded to bfloat16.
 
-Two data paths, chosen by operand 0's scale axis (benchmarks/RESULTS.md, 2026-11-30 12:58, has the H200 figures; the
-sm_100a objects are compiled, never run):
+Two data paths, chosen by operand 0's scale axis (H200 figures below, their measurement in docs/design/proj_rope.md;
+the sm_100a objects are compiled, never run):
 - scales along the rows (`scale_axis` 1, both operands): bulk copies. A CTA owns UNIT consecutive codes in STAGES
   chunks; one thread issues every chunk's global -> shared bulk copy at once (one mbarrier each), the threads convert
   shared -> shared in runs of RUN codes (warp-contiguous 8-byte loads and 16-byte stores), one bulk store per chunk.
@@ -16,8 +16,8 @@ sm_100a objects are compiled, never run):
   global memory (one 16-byte load of codes and one of their 16 column scales, two 16-byte stores): 32.1 us for w as
   (K, N), where the bulk path's per-run scale loads made it slower (34.1). Operand 1 then takes the same path.
 
-Both paths launch with programmatic dependent launch (`pdl`): every thread first waits for the previous grid, and the
-CTAs signal at once that the next grid (the proj_rope kernel) may launch, so its prologue overlaps this kernel's tail.
+Both paths launch with programmatic dependent launch: every thread first waits for the previous grid, and the CTAs
+signal at once that the next grid (the proj_rope kernel) may launch, so its prologue overlaps this kernel's tail.
 
 ABI (catalog op "dequantize"): fn(codes, scales, out, rows, cols, codes1, scales1, out1, rows1, cols1, stream), flat
 buffers: codes (rows, cols) float8_e4m3fn, row-major; out (rows, cols) bfloat16; scales uint8 E8M0: (rows, cols / 32)
@@ -73,14 +73,9 @@ class MxDequantize:
     """codes·2^(scale-127) as bfloat16 for up to two MXFP8 E4M3 operands in one launch; operand 0 has its scales per
     32 along `scale_axis`, operand 1 along its rows."""
 
-    def __init__(self, *, scale_axis: int = 1, pdl: bool = True):
+    def __init__(self, *, scale_axis: int = 1):
         common.require_choice("scale_axis", scale_axis, SCALE_AXES)
         self.scale_axis = scale_axis
-        # programmatic dependent launch (sm_90 and later): this grid may start while the previous kernel finishes,
-        # and lets the next one (the proj_rope kernel) start as soon as all of its own CTAs have started, so the
-        # proj_rope CTAs' prologue overlaps this kernel's last wave; every thread waits for the previous grid before
-        # its first global access
-        self.pdl = pdl
         self.bulk = scale_axis == 1
         self.per_cta = UNIT if self.bulk else THREADS * THREAD_RUN
         self.ab_dtype = cutlass.Float8E4M3FN
@@ -112,7 +107,7 @@ class MxDequantize:
             self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
             smem = self.shared_storage.size_in_bytes()
         self.kernel(codes, scales, out, rows, cols, codes1, scales1, out1, rows1, cols1).launch(
-            grid=(ctas, 1, 1), block=(THREADS, 1, 1), smem=smem, stream=stream, use_pdl=self.pdl)
+            grid=(ctas, 1, 1), block=(THREADS, 1, 1), smem=smem, stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, codes: cute.Tensor, scales: cute.Tensor, out: cute.Tensor, rows: cutlass.Int32,
@@ -120,9 +115,12 @@ class MxDequantize:
                rows1: cutlass.Int32, cols1: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
-            cute.arch.griddepcontrol_wait()
+        # programmatic dependent launch (sm_90 and later): this grid may start while the previous kernel finishes,
+        # and lets the next one (the proj_rope kernel) start as soon as all of its own CTAs have started, so the
+        # proj_rope CTAs' prologue overlaps this kernel's last wave; every thread waits for the previous grid before
+        # its first global access
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
         ctas0 = _ceil_div(rows * cols, self.per_cta)
         if cutlass.const_expr(self.bulk):
             storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)

@@ -8,15 +8,9 @@ registers and tensor-memory columns within the target's limits.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import glob
-import os
 import re
-import shutil
 import struct
-import subprocess
-import tempfile
 from typing import Any
 
 # Limits of one sm_100 SM (CUDA C Programming Guide, compute capability 10.0).
@@ -168,36 +162,3 @@ def sm100_report(variant: Any, compiled: Any, kernel: Any) -> Sm100Report:
         threads_per_cta=int(kernel.threads_per_cta), expect_kind=SM100_MMA_KIND[variant.ab_dtype],
         expect_scale_vec=SCALE_VEC[variant.sf_vec_size] if variant.op == "gemm_amax" else "")
 
-
-def nvdisasm_path() -> str | None:
-    """The nvdisasm binary: on PATH, or from the nvidia-cuda-nvdisasm wheel (the test extra installs it)."""
-    found = shutil.which("nvdisasm")
-    if found:
-        return found
-    try:
-        import nvidia
-    except ImportError:
-        return None
-    for root in nvidia.__path__:
-        hits = sorted(glob.glob(os.path.join(root, "cu*", "bin", "nvdisasm")))
-        if hits:
-            return hits[-1]
-    return None
-
-
-def sass(cubin: bytes) -> str:
-    """The SASS of a cubin's code sections, by nvdisasm (raises RuntimeError when it is not installed)."""
-    tool = nvdisasm_path()
-    if tool is None:
-        raise RuntimeError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (in the test extra)")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([tool, "-c", f.name], check=True, capture_output=True, text=True).stdout
-
-
-def wgmma_shapes(sass_text: str) -> collections.Counter:
-    """Hopper wgmma instructions in SASS by opcode, shape and types, e.g. {'HGMMA.64x192x16.F32.BF16': 8} (QGMMA for
-    FP8). ptxas replaces a wgmma whose accumulator nothing reads by an empty 'HGMMA.64x8x16.F16' on RZ, which is how
-    a profiling build that leaves out the accumulator's readers would silently time no tensor work."""
-    return collections.Counter(f"{op}.{shape}" for op, shape in re.findall(r"\b([HQ]GMMA)\.([\w.]+)", sass_text))

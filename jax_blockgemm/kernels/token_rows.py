@@ -1,5 +1,5 @@
 """The proj_rope epilogue on token rows, shared by the kernels whose epilogue threads each hold one token's features:
-sm_100a (tensor-memory 32x32b loads) and sm_90a's "staged" schedule (rows of an fp32 tile in shared memory).
+sm_100a (tensor-memory 32x32b loads) and sm_90a (rows of an fp32 tile in shared memory, kernels/sm90/y_tile.py).
 
 Thread 32·warp + lane of a 128-token tile owns token 32·warp + lane and takes its 192 features in six 32-feature
 blocks. A rowwise block is then 32 values of one thread (reduced in the thread) and a columnwise block (32 tokens of

@@ -1,35 +1,24 @@
 """Hopper (sm_90a) block-scaled gemm_amax: codes x scales dequantized to bf16 in shared memory, bf16 wgmma.
 
 Hopper has FP8 wgmma but no block-scaled MMA, and its FP8 wgmma accumulates with reduced precision inside each
-instruction (~2^-14 relative, see benchmarks/NOTES.md). code·2^(s-127) is exact in bf16, so the consumers fold
-the scales into the operands and the bf16 tensor cores (fp32 accumulation) do the rest. A producer warp streams
-FP8 A/B tiles with TMA through an mbarrier pipeline; the two consumer warpgroups dequantize k-tile k+1 into one
-of 2-3 bf16 buffers while the wgmma of k-tile k runs on another. Optionally (`promote`) each k-tile's wgmma sum
-goes into a fresh partial added to the accumulator in fp32 (the tensor cores truncate when accumulating: ~1e-5
-relative drift at K = 16384 without it, inside SPEC §7's 1e-4). Scale words are read from the 512-byte atoms of
-SPEC §3 straight from global memory, one k-tile ahead. The epilogue stores C with predication (any M, N) and
-folds max|acc| into amax[l] with one integer atomic max per CTA.
+instruction. code·2^(s-127) is exact in bf16, so the consumers fold the scales into the operands and the bf16 tensor
+cores (fp32 accumulation) do the rest. A producer warp streams FP8 (or packed FP4) A/B tiles of 128 x 128 x 128
+with TMA through an mbarrier pipeline; the two consumer warpgroups dequantize k-tile k+1 into one of two bf16
+buffers while the wgmma of k-tile k runs on the other. Each k-tile's wgmma sum goes into a fresh partial added to
+the accumulator in fp32 (the tensor cores truncate when they accumulate, which biases long sums). Scale words are
+read from the 512-byte atoms of SPEC §3 straight from global memory, one k-tile ahead. The epilogue stores C with
+predication (any M, N) and folds max|acc| into amax[l] with one integer atomic max per CTA.
 
-Three dequantizers (`dequant`), all exact: "f32" goes through the conversion pipe (FP8x2 -> f16x2 -> f32, times
-the scale, -> bf16x2); "bits" builds the bf16 bit pattern of code·2^-bias with a byte permute, a shift and a mask
-(bias 120 for E4M3, 112 for E5M2: FP8 subnormals land on bf16 subnormals), then two packed bf16 multiplies, by
-2^bias and by the scale; "bits1" multiplies once, by 2^(byte-127+bias), when that is a normal bf16 for every scale
-byte of the warp (bytes <= 134 for E4M3, <= 142 for E5M2: real MX data), and falls back to "bits" otherwise. The
-bit pattern is wrong for E4M3 NaN and E5M2 inf/NaN codes; one add and one xor per word flag those, and a thread
-that saw one redoes its part of the tile with "f32" (rare, exact).
-
-With `a_regs` (wgmma RS) each consumer thread dequantizes its own A fragment straight into registers and only B
-is written to shared memory as bf16 (A's bf16 round trip, 32 of the 176 KB of shared-memory traffic per 128x256x64
-k-tile, disappears); its scale words are loaded two k-tiles ahead.
-
-Beyond MXFP8 (same mainloop; benchmarks/NOTES.md "The sm_90a support surface"):
+FP8 codes are dequantized through the conversion pipe (FP8x2 -> f16x2 -> f32, times the scale, -> bf16x2), exact.
+Beyond MXFP8, through the same mainloop:
 - packed FP4 operands (MXFP4: E8M0 per 32; NVFP4: E4M3 per 16) through `convert_e2m1`, exact (the bit model in
   kernels/common.py); NVFP4's per-tensor alpha through `HopperGemmAmaxAlpha` (a 7th ABI tensor);
 - C in f32, bf16, f16, E4M3, E5M2 (saturating) or packed FP4 (software round-to-nearest-even, saturating);
 - MN-major FP8 operands (`a_major="m"`, `b_major="n"`): MN-major TMA tiles and bf16 buffers, 16 rows at one k
   per thread pass, each with its own row scale (`_mn_operand`), transposed bf16 wgmma.
 
-Phases are marked `producer`, `dequantize`, `mainloop`, `epilogue` in the kernel body.
+Why this design, its bound and the alternatives that were built and measured: docs/design/gemm_amax.md. Phases are
+marked `producer`, `dequantize`, `mainloop`, `epilogue` in the kernel body.
 """
 
 from __future__ import annotations
@@ -56,25 +45,13 @@ _C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16"
 E8M0 = "float8_e8m0fnu"
 # (scale dtype, sf_vec_size) per operand format: MXFP8 and MXFP4 take E8M0 per 32, NVFP4 E4M3 per 16.
 _SCALINGS = {"fp8": ((E8M0, 32),), "fp4": ((E8M0, 32), ("float8_e4m3fn", 16))}
-SUPPORTED_TILES_MN = ((128, 128), (128, 256))
-SUPPORTED_TILES_K = (64, 128)
-SUPPORTED_MMA_BUFFERS = (2, 3)
-SUPPORTED_CLUSTERS_MN = ((1, 1),)
+TILE_MNK = (128, 128, 128)  # the CTA tile: two consumer warpgroups of 64 rows; 128 codes of K per stage
+MMA_BUFFERS = 2  # bf16 tiles: the tensor cores read one while the consumers fill the other
 SF_VEC_SIZE = 32  # MXFP8's (and MXFP4's) block; NVFP4's is 16 (`sf_vec_size`)
-DEQUANT_MODES = ("f32", "bits", "bits1")  # the first is the default
 _SMEM_RESERVE = 4096  # mbarriers and the per-warp amax slots
 
 
 _NEG_ZERO_X2 = s32(0x80008000)  # bf16x2 -0: x·s + (-0) == x·s, also for x·s == +0
-_BYTE_MSBS = s32(0x80808080)
-# prmt selectors: bytes 0,1 (2,3) of a word into the low bytes of the two 16-bit halves, the high byte of each half
-# filled with that byte's sign bit.
-_PRMT_LO, _PRMT_HI = 0x9180, 0xB3A2
-# "bits" per FP8 format: (left shift of a sign-filled half, mask keeping magnitude + sign, bias: the bits are
-# code·2^-bias, per-byte add whose carry into bit 7 flags the non-finite codes: E4M3 |b| = 0x7F, E5M2 exponent 31).
-_BITS = {"float8_e4m3fn": (4, s32(0x87F087F0), 120, 0x01010101),
-         "float8_e5m2": (5, s32(0x8FE08FE0), 112, 0x04040404)}
-_BF16X2_EXPONENT_ONE = 0x00800080  # times e: bf16x2 2^(e-127) in both halves, for 1 <= e <= 254
 
 
 def smem_layout_staged(rows: int, dtype: Type[cutlass.Numeric], stages: int, cols: int,
@@ -90,142 +67,31 @@ def smem_layout_staged(rows: int, dtype: Type[cutlass.Numeric], stages: int, col
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
-class _ARegisters:
-    """With `a_regs`: a thread's A code words (2 rows x k16 steps), their shared-memory word offsets in stage 0,
-    the FP8 A buffer as 32-bit words, and the words per stage."""
-
-    def __init__(self, smem_words, offsets, codes, stage_words: int):
-        self.smem_words, self.offsets, self.codes, self.stage_words = smem_words, offsets, codes, stage_words
-
-
-class CEpilogue:
-    """The sm_90a gemm_amax epilogue, shared by every kernel whose two consumer warpgroups each hold a 64 x bn fp32
-    accumulator in the wgmma layout (`HopperMxf8GemmAmax`, `gemm_amax_fp8.HopperFp8PromoteGemmAmax`): predicated
-    stores of C (any M, N) and max|acc| folded into amax[l] with one integer atomic max per CTA.
-
-    Uses the kernel's tile_mnk, c_kind, c_dtype, c_name, has_alpha, _skip, num_consumer_warps and
-    epilogue_barrier_id; `warp_amax` is a shared-memory Int32 slot per consumer warp.
-    """
-
-    @cute.jit
-    def store_c_and_amax(self, acc: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor,
-                         warp_amax: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, tile_m: cutlass.Int32,
-                         tile_n: cutlass.Int32, batch: cutlass.Int32, wg_idx: cutlass.Int32, local_tid: cutlass.Int32):
-        """Store this thread's accumulator values of the CTA tile (tile_m, tile_n, batch) to C (the kernel's flat
-        `c_dtype` buffer) and publish amax."""
-        bm, bn, _ = self.tile_mnk
-        if cutlass.const_expr(self.c_kind != "wide"):  # one-byte and packed FP4 C are stored as bytes
-            c = cute.make_tensor(cute.recast_ptr(c.iterator, dtype=cutlass.Uint8), cute.make_layout((cute.size(c),)))
-        # The wgmma m64nNk16 accumulator fragment: value (v0, v1, v2) of a thread sits at row
-        # 16·warp + lane/4 + 8·v1 and column 2·(lane%4) + v0 + 8·v2 of its warpgroup's 64 x bn slice.
-        lane = local_tid % 32
-        row0 = (wg_idx - 1) * 64 + ((local_tid // 32) % 4) * 16 + lane // 4
-        col0 = (lane % 4) * 2
-        n_col_groups = bn // 8
-        amax_bits = cutlass.Int32(0)
-        c_row_base = (cutlass.Int64(batch) * m + tile_m * bm) * n + tile_n * bn
-        if cutlass.const_expr(self.has_alpha):  # NVFP4: C and amax are of alpha·acc (SPEC §1, §4)
-            alpha_l = alpha[batch]
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                acc[i] = acc[i] * alpha_l
-        if cutlass.const_expr(self.c_kind == "wide"):
-            for v1 in cutlass.range_constexpr(2):
-                r = row0 + 8 * v1
-                row_ok = tile_m * bm + r < m
-                for v2 in cutlass.range_constexpr(n_col_groups):
-                    for v0 in cutlass.range_constexpr(2):
-                        col = col0 + v0 + 8 * v2
-                        i = v0 + 2 * v1 + 4 * v2
-                        if row_ok & (tile_n * bn + col < n):
-                            x = acc[i]
-                            c[c_row_base + cutlass.Int64(r) * n + col] = x.to(self.c_dtype)
-                            if cutlass.const_expr("amax" not in self._skip):
-                                amax_bits = cutlass.max(amax_bits, common.abs_bits(x))
-        else:
-            # One-byte and packed FP4 C: values v0 = 0, 1 of a thread are adjacent columns (col0 is even), so
-            # both go through one conversion; stored as bytes (FP8: one per column, FP4: one per pair, N even).
-            c_bytes = c
-            for v1 in cutlass.range_constexpr(2):
-                r = row0 + 8 * v1
-                row_ok = tile_m * bm + r < m
-                for v2 in cutlass.range_constexpr(n_col_groups):
-                    col = col0 + 8 * v2
-                    i = 2 * v1 + 4 * v2
-                    x0, x1 = acc[i], acc[i + 1]
-                    index = c_row_base + cutlass.Int64(r) * n + col
-                    in0 = row_ok & (tile_n * bn + col < n)
-                    in1 = row_ok & (tile_n * bn + col + 1 < n)
-                    if cutlass.const_expr(self.c_kind == "fp8"):
-                        codes = epilogue.fp8x2(x0, x1, "e4m3" if self.c_name == "float8_e4m3fn" else "e5m2")
-                        if in0:
-                            c_bytes[index] = (codes & 0xFF).to(cutlass.Uint8)
-                            amax_bits = cutlass.max(amax_bits, common.abs_bits(x0))
-                        if in1:
-                            c_bytes[index + 1] = ((codes >> 8) & 0xFF).to(cutlass.Uint8)
-                            amax_bits = cutlass.max(amax_bits, common.abs_bits(x1))
-                    else:
-                        if in0:  # N is even: the pair is in or out together
-                            packed = epilogue.e2m1_nibble(x0) | (epilogue.e2m1_nibble(x1) << 4)
-                            c_bytes[index // 2] = packed.to(cutlass.Uint8)
-                            amax_bits = cutlass.max(amax_bits, common.abs_bits(x0))
-                            amax_bits = cutlass.max(amax_bits, common.abs_bits(x1))
-        amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
-        common.amax_block_reduce_and_publish(
-            amax_bits, warp_amax, (amax_i32.iterator + batch), local_tid, self.num_consumer_warps,
-            self.epilogue_barrier_id)
-
-
-class HopperMxf8GemmAmax(CEpilogue):
+class HopperMxf8GemmAmax:
     """C = (A·sfa) (B·sfb)^T per batch, amax[l] = max|C[l]|, for MXFP8 (K- or MN-major) and MXFP4/NVFP4 (K-major)
     operands on sm_90a.
 
-    Compile-time configuration only; every size is a run-time scalar of the exported function. `tile_k` defaults
-    to 128 for 128x128 tiles and 64 for 128x256 (shared memory); `promote` (the per-k-tile fp32 partial) needs the
-    128x128 tile (64 more registers per thread) and 2 bf16 buffers; `a_regs` (A from registers) needs a "bits"
-    dequantizer, no promotion, 2 buffers and tile_k 64; `overlap` needs no promotion and 2 buffers.
+    Compile-time configuration only; every size is a run-time scalar of the exported function.
     """
 
-    def __init__(self, *, ab_dtype: str = "float8_e4m3fn", c_dtype: str = "float32",
-                 tile_mn: tuple[int, int] = (128, 128), cluster_mn: tuple[int, int] = (1, 1),
-                 dequant: str = "f32", tile_k: int | None = None, mma_buffers: int = 2, promote: bool = True,
-                 a_regs: bool = False, overlap: bool = False, sf_vec_size: int = SF_VEC_SIZE, sf_dtype: str = E8M0,
-                 a_major: str = "k", b_major: str = "k"):
+    def __init__(self, *, ab_dtype: str = "float8_e4m3fn", c_dtype: str = "float32", sf_vec_size: int = SF_VEC_SIZE,
+                 sf_dtype: str = E8M0, a_major: str = "k", b_major: str = "k"):
         common.require_choice("ab_dtype", ab_dtype, sorted(_AB_DTYPES))
         common.require_choice("c_dtype", c_dtype, sorted(_C_DTYPES))
         self.fp4 = ab_dtype == "float4_e2m1fn"
         common.require_choice("(sf_dtype, sf_vec_size)", (sf_dtype, sf_vec_size),
                               _SCALINGS["fp4" if self.fp4 else "fp8"])
-        if self.fp4 and a_regs:
-            raise ValueError("a_regs=True needs FP8 operands (the FP4 dequantizer writes A and B to shared memory), "
-                             f"got ab_dtype={ab_dtype!r}")
         common.require_choice("a_major", a_major, ("k", "m"))
         common.require_choice("b_major", b_major, ("k", "n"))
         # MN-major operands (A given as (L, K, M), B as (L, K, N)): TMA copies MN-major tiles, the consumers
         # dequantize 16 consecutive rows at one k (16 row scales) into MN-major bf16 buffers, and the wgmma reads
-        # those MN-major (the bf16 wgmma takes both majors). FP8 codes only, through the "f32" dequantizer whatever
-        # `dequant` says (the bit tricks convert along K); a_regs is refused.
+        # those MN-major (the bf16 wgmma takes both majors). FP8 codes only.
         self.a_mn, self.b_mn = a_major == "m", b_major == "n"
-        if (self.a_mn or self.b_mn) and (self.fp4 or a_regs):
-            raise ValueError(f"a_major={a_major!r}, b_major={b_major!r}: MN-major operands need FP8 codes and "
-                             f"a_regs=False, got ab_dtype={ab_dtype!r}, a_regs={a_regs}")
-        common.require_choice("tile_mn", tuple(tile_mn), SUPPORTED_TILES_MN)
-        common.require_choice("cluster_mn", tuple(cluster_mn), SUPPORTED_CLUSTERS_MN)
-        common.require_choice("dequant", dequant, DEQUANT_MODES)
-        tile_k = (128 if tuple(tile_mn) == (128, 128) else 64) if tile_k is None else tile_k
-        common.require_choice("tile_k", tile_k, SUPPORTED_TILES_K)
-        common.require_choice("mma_buffers", mma_buffers, SUPPORTED_MMA_BUFFERS)
-        if promote and (tuple(tile_mn) != (128, 128) or mma_buffers != 2):
-            raise ValueError(f"promote=True needs tile_mn=(128, 128) and mma_buffers=2, got tile_mn={tile_mn!r}, "
-                             f"mma_buffers={mma_buffers}")
-        if a_regs and (dequant == "f32" or promote or mma_buffers != 2 or tile_k != 64):
-            raise ValueError(f"a_regs=True needs dequant 'bits' or 'bits1', promote=False, mma_buffers=2 and "
-                             f"tile_k=64, "
-                             f"got dequant={dequant!r}, promote={promote}, mma_buffers={mma_buffers}, tile_k={tile_k}")
-        if overlap and (promote or mma_buffers != 2):
-            raise ValueError(f"overlap=True needs promote=False and mma_buffers=2, got promote={promote}, "
-                             f"mma_buffers={mma_buffers}")
-        # FP4 codes have one exact dequantizer of their own (`convert_e2m1`); `dequant` chooses among the FP8 ones.
-        self.dequant_mode = "e2m1" if self.fp4 else "f32" if (self.a_mn or self.b_mn) else dequant
+        if (self.a_mn or self.b_mn) and self.fp4:
+            raise ValueError(f"a_major={a_major!r}, b_major={b_major!r}: MN-major operands need FP8 codes, "
+                             f"got ab_dtype={ab_dtype!r}")
+        # "f32" (FP8 codes through the conversion pipe) or "e2m1" (packed FP4 codes, `convert_e2m1`)
+        self.dequant_mode = "e2m1" if self.fp4 else "f32"
         self.sf_vec_size = sf_vec_size
         self.sf_e4m3 = sf_dtype == "float8_e4m3fn"
         # Codes per byte of the operand buffers: the TMA tiles and FP8/FP4 stages are (rows, bk / code_div) bytes.
@@ -237,31 +103,16 @@ class HopperMxf8GemmAmax(CEpilogue):
         self.c_name = c_dtype
         # NVFP4's per-tensor alpha: the exported function then takes a 7th tensor (see HopperGemmAmaxAlpha).
         self.has_alpha = False
-        self.promote = bool(promote)
-        # overlap: with 2 buffers, keep k-tile kt's wgmma in flight while k-tile kt+1 is dequantized (wait for
-        # kt-1 only, then a barrier so that no warpgroup still reads the buffer about to be overwritten): the
-        # tensor cores always have the next k-tile queued, at the price of a second barrier per k-tile.
-        self.overlap = bool(overlap)
-        # With 2 buffers and no promotion the mainloop is unrolled by two: the buffer (and A register set) of each
-        # k-tile is static, and the scale words live in two register sets, loaded two k-tiles ahead right after
-        # the proxy fence (whose CTA membar would otherwise wait for those loads every k-tile).
-        self.unrolled = bool(a_regs) or (not promote and mma_buffers == 2)
-        # A from registers (wgmma RS): each thread dequantizes its own A fragment (rows g, g+8 of its warp's 16,
-        # four codes per k16 step), so only B goes through shared memory as bf16. The fragment's k order is
-        # permuted inside every 16-wide group (codes 4t..4t+3 play k = 2t, 2t+1, 2t+8, 2t+9), and B is written
-        # with the same permutation: the products pair up as before, and the dot product is unchanged.
-        self.a_regs = bool(a_regs)
-        self._bits = _BITS.get(ab_dtype)
         self.ab_dtype: Type[cutlass.Numeric] = _AB_DTYPES[ab_dtype]
         self.c_dtype: Type[cutlass.Numeric] = _C_DTYPES[c_dtype]
         self.acc_dtype = cutlass.Float32
-        self.tile_mnk = (*tile_mn, tile_k)
-        self.cluster_mn = tuple(cluster_mn)
+        self.tile_mnk = TILE_MNK
+        tile_k = self.tile_mnk[2]
         # Codes x scales are exact in bfloat16 (same exponent range as float32, 8-bit significand), and the bf16
-        # tensor cores accumulate in float32, unlike Hopper's FP8 wgmma (see NOTES.md).
+        # tensor cores accumulate in float32, unlike Hopper's FP8 wgmma.
         self.mma_dtype = cutlass.BFloat16
-        # Two consumer warpgroups, each owning 64 rows of the tile (64·bn/128 fp32 accumulator registers per
-        # thread, twice that with the promotion partial).
+        # Two consumer warpgroups, each owning 64 rows of the tile (64 fp32 accumulator registers per thread, twice
+        # that with the per-k-tile partial).
         self.atom_layout_mnk = (2, 1, 1)
         self.num_consumer_wgs = 2
         self.threads_per_wg = 128
@@ -272,28 +123,21 @@ class HopperMxf8GemmAmax(CEpilogue):
         self.epilogue_barrier_id = 1
         self.mainloop_barrier_id = 2
         tile_elems = (self.tile_mnk[0] + self.tile_mnk[1]) * tile_k
-        self.mma_buffers = mma_buffers  # bf16 tiles: the tensor cores read one or two while the consumers fill one
-        mma_bytes = self.mma_buffers * tile_elems * self.mma_dtype.width // 8
+        mma_bytes = MMA_BUFFERS * tile_elems * self.mma_dtype.width // 8
         smem_capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
         stage_bytes = tile_elems // self.code_div * self.ab_dtype.width // 8
         self.ab_stages = min(6, (smem_capacity - mma_bytes - _SMEM_RESERVE) // stage_bytes)
-        if self.ab_stages < 2:
-            raise ValueError(f"tile_mn={tile_mn!r}, tile_k={tile_k}, mma_buffers={mma_buffers} leave shared memory "
-                             f"for {self.ab_stages} FP8 stages; at least 2 are needed")
+        assert self.ab_stages >= 2, self.ab_stages
         self.buffer_align_bytes = 1024
         # Dequantization: each consumer thread converts 16 consecutive codes of a row per pass.
         self.cvt_threads_per_row = tile_k // 16
         self.cvt_rows_per_pass = self.num_consumer_wgs * self.threads_per_wg // self.cvt_threads_per_row
-        # Scale words per thread of A (its rows; B's follow): 2 fragment rows with `a_regs`, 16 rows of an MN-major
-        # A, else one per K-major row pass.
-        self._words_a = 2 if self.a_regs else 16 if self.a_mn else self.tile_mnk[0] // self.cvt_rows_per_pass
-        # Both operands MN-major with the promotion registers: the 32 scale words are loaded right before each
-        # conversion instead of one k-tile ahead (their latency is then exposed, but they do not occupy 32
-        # registers across the wgmma, which would spill).
-        self.late_words = self.a_mn and self.b_mn and not self.unrolled
-        # Profiling only (benchmarks/kernel_standalone.py --profile): phases to leave out, from
-        # {"dequant", "mma", "amax"}. The results are then wrong; never set in the catalog.
-        self._skip: frozenset = frozenset()
+        # Scale words per thread of A (its rows; B's follow): 16 rows of an MN-major A, else one per K-major row pass.
+        self._words_a = 16 if self.a_mn else self.tile_mnk[0] // self.cvt_rows_per_pass
+        # Both operands MN-major: the 32 scale words are loaded right before each conversion instead of one k-tile
+        # ahead (their latency is then exposed, but they do not occupy 32 registers across the wgmma, which would
+        # spill).
+        self.late_words = self.a_mn and self.b_mn
 
     def can_implement(self, m: int, n: int, k: int, l: int) -> tuple[bool, str]:
         """Whether the kernel handles these sizes, and why not (the caller checks before launching)."""
@@ -334,15 +178,13 @@ class HopperMxf8GemmAmax(CEpilogue):
         major = lambda mn: cute.nvgpu.OperandMajorMode.MN if mn else cute.nvgpu.OperandMajorMode.K
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.mma_dtype, self.mma_dtype, major(self.a_mn), major(self.b_mn), self.acc_dtype, self.atom_layout_mnk,
-            tiler_mn=(64, self.tile_mnk[1]),
-            a_source=(cute.nvgpu.warpgroup.OperandSource.RMEM if self.a_regs
-                      else cute.nvgpu.warpgroup.OperandSource.SMEM))
+            tiler_mn=(64, self.tile_mnk[1]), a_source=cute.nvgpu.warpgroup.OperandSource.SMEM)
         bk_codes = self.tile_mnk[2] // self.code_div  # bytes per row of one FP8/FP4 stage
         a_smem_staged = self._smem_layout_staged(self.tile_mnk[0], self.ab_dtype, self.ab_stages, bk_codes, self.a_mn)
         b_smem_staged = self._smem_layout_staged(self.tile_mnk[1], self.ab_dtype, self.ab_stages, bk_codes, self.b_mn)
-        a16_smem_staged = self._smem_layout_staged(self.tile_mnk[0], self.mma_dtype, self.mma_buffers,
+        a16_smem_staged = self._smem_layout_staged(self.tile_mnk[0], self.mma_dtype, MMA_BUFFERS,
                                                    mn_major=self.a_mn)
-        b16_smem_staged = self._smem_layout_staged(self.tile_mnk[1], self.mma_dtype, self.mma_buffers,
+        b16_smem_staged = self._smem_layout_staged(self.tile_mnk[1], self.mma_dtype, MMA_BUFFERS,
                                                    mn_major=self.b_mn)
         tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem_staged, (None, None, 0)),
@@ -428,51 +270,35 @@ class HopperMxf8GemmAmax(CEpilogue):
             words[i] = src[base + k_atom * (common.ATOM_BYTES // 4)]
 
     def dequantize(self, ab_pipeline, read_state, words, bases, sfa_w, sfb_w, next_k_atom, jfirst, jbyte, operands,
-                   buf, areg=None, mn_operands=(), this_k_atom=None):
-        """Wait for one FP8 stage and load this thread's codes; returns (scales, flags, one_multiply).
+                   buf, mn_operands=(), this_k_atom=None):
+        """Wait for one FP8/FP4 stage and load this thread's codes; returns the scales of this thread's rows.
 
         Plain Python (inlined at trace time). `words` holds this tile's scale words (loaded one tile ahead, so
         their global-memory latency hides behind a k-tile); the next tile's are loaded here. `operands` lists
-        (FP8 source, bf16 destination, FP8 fragment, bf16 fragment, first scale) for A and B (B only with
-        `a_regs`: then `areg` holds A's code words). `jfirst` is the tile's first k-block in its atom, `jbyte`
-        this thread's. "f32" converts and stores here (`scales` are float32 values); the "bits" modes return the
-        scale bytes (A's first: per row, per k-block of the tile with `a_regs`), the non-finite-code flags (some
-        byte's bit 7 set: redo with `dequantize_exact`) and, for "bits1", whether every scale of the warp allows
-        one multiply; the caller then runs `convert_bits`.
+        (code source, bf16 destination, code fragment, bf16 fragment, first scale) for the K-major operands,
+        `mn_operands` the MN-major ones (`_mn_operand`). `jfirst` is the tile's first k-block in its atom, `jbyte`
+        this thread's. FP8 codes are converted and stored here (`scales` are float32 values); for FP4 `scales`
+        are the scale bytes and the caller runs `convert_e2m1`.
         """
         if self.late_words and this_k_atom is not None:  # this tile's words, just before they are used
             self.load_scale_words(words, bases, sfa_w, sfb_w, this_k_atom)
         if self.dequant_mode == "f32":
             scales = [common.e8m0_word_to_f32(words[i], jbyte) for i in range(cute.size(words))]
-        elif self.a_regs:
-            scales = [(words[v1] >> (8 * (jfirst + h))) & 0xFF for v1 in range(2) for h in range(2)]
-            scales += [(words[i] >> (8 * jbyte)) & 0xFF for i in range(2, cute.size(words))]
         else:
             scales = [(words[i] >> (8 * jbyte)) & 0xFF for i in range(cute.size(words))]
-        # (Else the caller loads them after its proxy fence, see the unrolled mainloop. With MN-major operands the
-        # next tile's words are loaded after the conversion, which reads this tile's: 16 words per operand stay
-        # live instead of 16 more.)
+        # (With MN-major operands the next tile's words are loaded after the conversion, which reads this tile's:
+        # 16 words per operand stay live instead of 16 more.)
         if next_k_atom is not None and not mn_operands:
             self.load_scale_words(words, bases, sfa_w, sfb_w, next_k_atom)
         ab_pipeline.consumer_wait(read_state)
-        flags = cutlass.Int32(0)
-        flag_add = self._bits[3] if self._bits is not None else 0  # E2M1 has no non-finite codes
-        if areg is not None and "dequant" not in self._skip:
-            for i in range(cute.size(areg.codes)):
-                areg.codes[i] = areg.smem_words[areg.offsets[i] + read_state.index * areg.stage_words]
-                flags = flags | (areg.codes[i] ^ (areg.codes[i] + flag_add))
-        for src, dst, frag8, frag16, first in (() if "dequant" in self._skip else operands):
+        for src, dst, frag8, frag16, first in operands:
             cute.autovec_copy(src[(None, None, None, read_state.index)], frag8)
             if self.dequant_mode == "f32":
                 for r in range(cute.size(frag8, mode=[1])):
                     vals = frag8[(None, r, 0)].load().to(cutlass.Float32) * scales[first + r]
                     frag16[(None, r, 0)].store(vals.to(self.mma_dtype))
                 cute.autovec_copy(frag16, dst[(None, None, None, buf)])
-            elif self.dequant_mode != "e2m1":
-                q = cute.recast_tensor(frag8, cutlass.Int32)
-                for i in range(cute.size(q)):
-                    flags = flags | (q[i] ^ (q[i] + flag_add))
-        for src, dst, frag8, frag16, rep_bytes, first in () if "dequant" in self._skip else mn_operands:
+        for src, dst, frag8, frag16, rep_bytes, first in mn_operands:
             # 16 consecutive rows at one k per rep: codes times their rows' scales, elementwise in float32.
             cute.autovec_copy(src[(None, None, None, read_state.index)], frag8)
             vals = cute.make_rmem_tensor(frag8[(None, 0, 0)].shape, cutlass.Float32)  # the 16 codes' shape
@@ -484,14 +310,7 @@ class HopperMxf8GemmAmax(CEpilogue):
             cute.autovec_copy(frag16, dst[(None, None, None, buf)])
         if next_k_atom is not None and mn_operands and not self.late_words:
             self.load_scale_words(words, bases, sfa_w, sfb_w, next_k_atom)
-        one_multiply = None
-        if self.dequant_mode == "bits1":
-            biggest = scales[0]
-            for x in scales[1:]:
-                biggest = cutlass.max(biggest, x)
-            # 2^(byte-127+bias) must be a normal bf16: byte + bias <= 254 (this also excludes the NaN byte 255).
-            one_multiply = cute.arch.vote_all_sync(biggest <= 254 - self._bits[2])
-        return scales, flags, one_multiply
+        return scales
 
     def _mn_operand(self, s8: cute.Tensor, s16: cute.Tensor, rows: int, local_tid):
         """Dequantization of an MN-major operand: thread t converts rows [16·(t % c), +16) (c = rows / 16 chunks)
@@ -517,54 +336,6 @@ class HopperMxf8GemmAmax(CEpilogue):
         chunk = local_tid % chunks
         return (src, dst, frag8, frag16, rep_bytes), [chunk * 16 + i for i in range(16)]
 
-    def _bits_pair(self, word, selector: int, scale, one_multiply: bool):
-        """Two codes of `word` (bytes picked by `selector`) as bf16x2 code·2^(byte-127), exact for finite codes."""
-        shift, mask, bias, _ = self._bits
-        neg_zero = cutlass.Int32(_NEG_ZERO_X2)
-        x = (common.prmt(word, 0, selector) << shift) & mask  # bf16 bits of code·2^-bias, both halves
-        if not one_multiply:
-            x = cute.arch.fma_packed_bf16x2(x, cutlass.Int32((127 + bias) * _BF16X2_EXPONENT_ONE), neg_zero)
-        return cute.arch.fma_packed_bf16x2(x, scale, neg_zero)
-
-    def _bits_scale(self, byte, one_multiply: bool):
-        """The bf16x2 multiplier of `_bits_pair` for scale byte `byte`."""
-        if one_multiply:
-            return (byte + self._bits[2]) * _BF16X2_EXPONENT_ONE  # 2^(byte-127+bias), a normal bf16
-        scale = common.e8m0_bits(byte)
-        return scale | (scale >> 16)  # 2^(byte-127), NaN for 255 (the high half of the float32 bits)
-
-    def convert_bits(self, operands, scale_bytes, one_multiply: bool, buf, areg=None, a_frag=None):
-        """Convert the loaded codes (`dequantize`) to bf16 by bit arithmetic: B (and A) into buffer `buf` (A into
-        the register fragment `a_frag` with `a_regs`).
-
-        Per 32-bit word of 4 codes: 2 prmt, 2 shifts, 2 ands give the bf16 bits of code·2^-bias for 2 codes each
-        (exact for every finite code, FP8 subnormals included); then per output word either one packed multiply
-        by 2^(byte-127+bias) (`one_multiply`: only for bytes up to 254-bias, so the constant is a normal bf16)
-        or two, by 2^bias and by the E8M0 scale (bytes 0 and 255 included).
-        """
-        if "dequant" in self._skip:
-            return
-        if areg is not None:
-            fw = cute.recast_tensor(a_frag, cutlass.Int32)  # word v1 + 2·v2 + 4·ks: row g + 8·v1, k 2t + 8·v2
-            steps = cute.size(areg.codes) // 2
-            for v1 in range(2):
-                for ks in range(steps):
-                    scale = self._bits_scale(scale_bytes[2 * v1 + ks // 2], one_multiply)
-                    for v2, selector in enumerate((_PRMT_LO, _PRMT_HI)):
-                        fw[v1 + 2 * v2 + 4 * ks] = self._bits_pair(areg.codes[v1 * steps + ks], selector, scale,
-                                                                   one_multiply)
-        for src, dst, frag8, frag16, first in operands:
-            q = cute.recast_tensor(frag8, cutlass.Int32)  # (4 words per row) x rows
-            o = cute.recast_tensor(frag16, cutlass.Int32)
-            for r in range(cute.size(frag8, mode=[1])):
-                scale = self._bits_scale(scale_bytes[first + r], one_multiply)
-                for w in range(4):
-                    for half, selector in enumerate((_PRMT_LO, _PRMT_HI)):
-                        # With `a_regs` the k order inside each 16-wide group matches the A fragment's.
-                        out = 8 * r + (w + 4 * half if self.a_regs else 2 * w + half)
-                        o[out] = self._bits_pair(q[4 * r + w], selector, scale, one_multiply)
-            cute.autovec_copy(frag16, dst[(None, None, None, buf)])
-
     def convert_e2m1(self, operands, scale_bytes, buf):
         """Convert the loaded packed FP4 codes (`dequantize`) to bf16 code·scale into buffer `buf`, exactly.
 
@@ -572,8 +343,6 @@ class HopperMxf8GemmAmax(CEpilogue):
         same k permutation for A and B), each times 2^126 (-> the code) and times the block scale, both packed bf16
         multiplies. The scale is an E8M0 byte (2^(b-127); 0 -> 2^-127, 255 -> NaN) or an E4M3 byte (NVFP4).
         """
-        if "dequant" in self._skip:
-            return
         neg_zero = cutlass.Int32(_NEG_ZERO_X2)
         two126 = cutlass.Int32(common.BF16X2_TWO_POW_126)
         for src, dst, frag8, frag16, first in operands:
@@ -593,33 +362,73 @@ class HopperMxf8GemmAmax(CEpilogue):
                         o[8 * r + 4 * w + i] = cute.arch.fma_packed_bf16x2(x, scale, neg_zero)
             cute.autovec_copy(frag16, dst[(None, None, None, buf)])
 
-    def dequantize_exact(self, stage, scale_bytes, operands, buf, areg=None, a_frag=None):
-        """Redo this thread's part of one tile through float32 (exact for every code; for the rare non-finite ones)."""
-        f32_scale = lambda byte: common.f32_from_bits(common.e8m0_bits(byte))
-        if areg is not None:
-            fw = cute.recast_tensor(a_frag, cutlass.Int32)
-            steps = cute.size(areg.codes) // 2
-            codes4 = cute.make_rmem_tensor((4,), self.ab_dtype)
-            out4 = cute.make_rmem_tensor((4,), self.mma_dtype)
-            for v1 in range(2):
-                for ks in range(steps):
-                    cute.recast_tensor(codes4, cutlass.Int32)[0] = areg.codes[v1 * steps + ks]
-                    out4.store((codes4.load().to(cutlass.Float32) * f32_scale(scale_bytes[2 * v1 + ks // 2])
-                                ).to(self.mma_dtype))
-                    pair = cute.recast_tensor(out4, cutlass.Int32)
-                    fw[v1 + 4 * ks] = pair[0]
-                    fw[v1 + 2 + 4 * ks] = pair[1]
-        for src, dst, frag8, frag16, first in operands:
-            cute.autovec_copy(src[(None, None, None, stage)], frag8)
-            o = cute.recast_tensor(frag16, cutlass.Int32)
-            for r in range(cute.size(frag8, mode=[1])):
-                vals = frag8[(None, r, 0)].load().to(cutlass.Float32) * f32_scale(scale_bytes[first + r])
-                frag16[(None, r, 0)].store(vals.to(self.mma_dtype))
-                if self.a_regs:  # the k permutation of `convert_bits`: natural pair p goes to p//2 + 4·(p%2)
-                    natural = [o[8 * r + p] for p in range(8)]
-                    for p in range(8):
-                        o[8 * r + p // 2 + 4 * (p % 2)] = natural[p]
-            cute.autovec_copy(frag16, dst[(None, None, None, buf)])
+    # ---------------------------------------------------------------------------------------------- epilogue
+    @cute.jit
+    def store_c_and_amax(self, acc: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor,
+                         warp_amax: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, tile_m: cutlass.Int32,
+                         tile_n: cutlass.Int32, batch: cutlass.Int32, wg_idx: cutlass.Int32, local_tid: cutlass.Int32):
+        """Store this thread's accumulator values of the CTA tile (tile_m, tile_n, batch) to C (the kernel's flat
+        `c_dtype` buffer) with predication (any M, N) and fold max|acc| into amax[l] with one integer atomic max per
+        CTA (`warp_amax`: a shared-memory Int32 slot per consumer warp)."""
+        bm, bn, _ = self.tile_mnk
+        if cutlass.const_expr(self.c_kind != "wide"):  # one-byte and packed FP4 C are stored as bytes
+            c = cute.make_tensor(cute.recast_ptr(c.iterator, dtype=cutlass.Uint8), cute.make_layout((cute.size(c),)))
+        # The wgmma m64nNk16 accumulator fragment: value (v0, v1, v2) of a thread sits at row
+        # 16·warp + lane/4 + 8·v1 and column 2·(lane%4) + v0 + 8·v2 of its warpgroup's 64 x bn slice.
+        lane = local_tid % 32
+        row0 = (wg_idx - 1) * 64 + ((local_tid // 32) % 4) * 16 + lane // 4
+        col0 = (lane % 4) * 2
+        n_col_groups = bn // 8
+        amax_bits = cutlass.Int32(0)
+        c_row_base = (cutlass.Int64(batch) * m + tile_m * bm) * n + tile_n * bn
+        if cutlass.const_expr(self.has_alpha):  # NVFP4: C and amax are of alpha·acc (SPEC §1, §4)
+            alpha_l = alpha[batch]
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = acc[i] * alpha_l
+        if cutlass.const_expr(self.c_kind == "wide"):
+            for v1 in cutlass.range_constexpr(2):
+                r = row0 + 8 * v1
+                row_ok = tile_m * bm + r < m
+                for v2 in cutlass.range_constexpr(n_col_groups):
+                    for v0 in cutlass.range_constexpr(2):
+                        col = col0 + v0 + 8 * v2
+                        i = v0 + 2 * v1 + 4 * v2
+                        if row_ok & (tile_n * bn + col < n):
+                            x = acc[i]
+                            c[c_row_base + cutlass.Int64(r) * n + col] = x.to(self.c_dtype)
+                            amax_bits = cutlass.max(amax_bits, common.abs_bits(x))
+        else:
+            # One-byte and packed FP4 C: values v0 = 0, 1 of a thread are adjacent columns (col0 is even), so
+            # both go through one conversion; stored as bytes (FP8: one per column, FP4: one per pair, N even).
+            c_bytes = c
+            for v1 in cutlass.range_constexpr(2):
+                r = row0 + 8 * v1
+                row_ok = tile_m * bm + r < m
+                for v2 in cutlass.range_constexpr(n_col_groups):
+                    col = col0 + 8 * v2
+                    i = 2 * v1 + 4 * v2
+                    x0, x1 = acc[i], acc[i + 1]
+                    index = c_row_base + cutlass.Int64(r) * n + col
+                    in0 = row_ok & (tile_n * bn + col < n)
+                    in1 = row_ok & (tile_n * bn + col + 1 < n)
+                    if cutlass.const_expr(self.c_kind == "fp8"):
+                        codes = epilogue.fp8x2(x0, x1, "e4m3" if self.c_name == "float8_e4m3fn" else "e5m2")
+                        if in0:
+                            c_bytes[index] = (codes & 0xFF).to(cutlass.Uint8)
+                            amax_bits = cutlass.max(amax_bits, common.abs_bits(x0))
+                        if in1:
+                            c_bytes[index + 1] = ((codes >> 8) & 0xFF).to(cutlass.Uint8)
+                            amax_bits = cutlass.max(amax_bits, common.abs_bits(x1))
+                    else:
+                        if in0:  # N is even: the pair is in or out together
+                            packed = epilogue.e2m1_nibble(x0) | (epilogue.e2m1_nibble(x1) << 4)
+                            c_bytes[index // 2] = packed.to(cutlass.Uint8)
+                            amax_bits = cutlass.max(amax_bits, common.abs_bits(x0))
+                            amax_bits = cutlass.max(amax_bits, common.abs_bits(x1))
+        amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
+        common.amax_block_reduce_and_publish(
+            amax_bits, warp_amax, (amax_i32.iterator + batch), local_tid, self.num_consumer_warps,
+            self.epilogue_barrier_id)
 
     # ---------------------------------------------------------------------------------------------- device
     @cute.kernel
@@ -636,8 +445,7 @@ class HopperMxf8GemmAmax(CEpilogue):
 
         storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
             tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, self.shared_storage,
-            self.ab_dtype, self.ab_stages, self.num_consumer_warps, self.cluster_mn, (bm, bn, bk // self.code_div),
-            self.threads_per_wg)
+            self.ab_dtype, self.ab_stages, self.num_consumer_warps, (bm, bn, bk // self.code_div), self.threads_per_wg)
 
         if wg_idx == 0:
             # ------------------------------------------------------------------------------ producer
@@ -654,20 +462,12 @@ class HopperMxf8GemmAmax(CEpilogue):
             sA16 = storage.sA16.get_tensor(a16_smem_staged.outer, swizzle=a16_smem_staged.inner)
             sB16 = storage.sB16.get_tensor(b16_smem_staged.outer, swizzle=b16_smem_staged.inner)
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB16))
-            if cutlass.const_expr(self.a_regs):  # two register sets: the wgmma reads one while the next is built
-                a_frags = [tiled_mma.make_fragment_A(thr_mma.partition_shape_A((bm, bk))) for _ in range(2)]
-                tCrA = a_frags[0]
-                a_sets = a_frags
-            else:
-                tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA16))
-                a_sets = [tCrA[(None, None, None, 0)], tCrA[(None, None, None, 1)]]  # shared-memory buffers 0, 1
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA16))
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
             acc.fill(0.0)
-            # With `promote`, each k-tile is summed into `partial` and added to `acc` with round-to-nearest fp32
-            # adds (the tensor cores truncate when they add into their accumulator, which biases long sums).
-            partial = acc
-            if cutlass.const_expr(self.promote):
-                partial = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
+            # Each k-tile is summed into `partial` and added to `acc` with round-to-nearest fp32 adds (the tensor
+            # cores truncate when they add into their accumulator, which biases long sums).
+            partial = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
             num_k_steps = cute.size(tCrA, mode=[2])
 
             # Dequantization through shared memory: thread t converts rows t / tpr + rows_per_pass·rep and
@@ -701,39 +501,20 @@ class HopperMxf8GemmAmax(CEpilogue):
                 b_operand = (tXsB8, tXsB16,
                              cute.make_rmem_tensor(tXsB8[(None, None, None, 0)].shape, self.ab_dtype),
                              cute.make_rmem_tensor(tXsB16[(None, None, None, 0)].shape, self.mma_dtype))
-            areg = None
-            if cutlass.const_expr(self.a_regs):
-                # This thread's A fragment rows (wgmma layout): g = 64·wg + 16·warp + lane/4 and g + 8; per k16
-                # step, the 4 codes at k = 16·ks + 4·(lane % 4) (see __init__ for the k permutation).
-                lane = local_tid % 32
-                a_row = (wg_idx - 1) * 64 + ((local_tid // 32) % 4) * 16 + lane // 4
-                rows_a = [a_row, a_row + 8]
-                steps = bk // 16
-                areg = _ARegisters(
-                    smem_words=cute.make_tensor(cute.recast_ptr(storage.sA.data_ptr(), dtype=cutlass.Int32),
-                                                cute.make_layout((cute.cosize(a_smem_staged) // 4,))),
-                    offsets=cute.make_rmem_tensor((2 * steps,), cutlass.Int32),
-                    codes=cute.make_rmem_tensor((2 * steps,), cutlass.Int32),
-                    stage_words=bm * bk // 4)
-                for v1 in cutlass.range_constexpr(2):
-                    for ks in cutlass.range_constexpr(steps):
-                        areg.offsets[v1 * steps + ks] = a_smem_staged((rows_a[v1], 16 * ks + 4 * (lane % 4), 0)) // 4
-                operands = (b_operand + (4,),)
+            k_ops = []
+            if cutlass.const_expr(self.a_mn):
+                a_mn_op, rows_a = self._mn_operand(sA, sA16, bm, local_tid)
+                mn_ops.append(a_mn_op + (0,))
             else:
-                k_ops = []
-                if cutlass.const_expr(self.a_mn):
-                    a_mn_op, rows_a = self._mn_operand(sA, sA16, bm, local_tid)
-                    mn_ops.append(a_mn_op + (0,))
-                else:
-                    rows_a = [cvt_row + rpp * rep for rep in range(bm // rpp)]
-                    k_ops.append((tXsA8, tXsA16,
-                                  cute.make_rmem_tensor(tXsA8[(None, None, None, 0)].shape, self.ab_dtype),
-                                  cute.make_rmem_tensor(tXsA16[(None, None, None, 0)].shape, self.mma_dtype), 0))
-                if cutlass.const_expr(self.b_mn):
-                    mn_ops.append(b_mn_op + (len(rows_a),))
-                else:
-                    k_ops.append(b_operand + (len(rows_a),))
-                operands = tuple(k_ops)
+                rows_a = [cvt_row + rpp * rep for rep in range(bm // rpp)]
+                k_ops.append((tXsA8, tXsA16,
+                              cute.make_rmem_tensor(tXsA8[(None, None, None, 0)].shape, self.ab_dtype),
+                              cute.make_rmem_tensor(tXsA16[(None, None, None, 0)].shape, self.mma_dtype), 0))
+            if cutlass.const_expr(self.b_mn):
+                mn_ops.append(b_mn_op + (len(rows_a),))
+            else:
+                k_ops.append(b_operand + (len(rows_a),))
+            operands = tuple(k_ops)
             reps = len(rows_a) + len(rows_b)
 
             # Scale atoms as 32-bit words: word (chunk·128 + (r%32)·4 + r//32) holds the 4 k-block scales of r.
@@ -748,13 +529,6 @@ class HopperMxf8GemmAmax(CEpilogue):
             words = cute.make_rmem_tensor((reps,), cutlass.Int32)
             atom0, _ = self.tile_scale_byte(0, atom_lane, k_atoms)
             self.load_scale_words(words, bases, sfa_w, sfb_w, atom0)
-            if cutlass.const_expr(self.unrolled):
-                # Two sets, k-tile t's words in set t % 2, loaded two k-tiles ahead right after the proxy fence: the
-                # fence (a CTA membar) then never waits for a scale load still in flight.
-                words_odd = cute.make_rmem_tensor((reps,), cutlass.Int32)
-                atom1, _ = self.tile_scale_byte(cutlass.min(1, k_tiles - 1), atom_lane, k_atoms)
-                self.load_scale_words(words_odd, bases, sfa_w, sfb_w, atom1)
-                word_sets = (words, words_odd)
 
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             # ------------------------------------------------------------------------------ dequantize tile 0
@@ -762,124 +536,42 @@ class HopperMxf8GemmAmax(CEpilogue):
             _, jfirst0 = self.tile_scale_byte(0, 0, k_atoms)
             _, jbyte0 = self.tile_scale_byte(0, lane_in_row, k_atoms)
             next_atom0, _ = self.tile_scale_byte(cutlass.min(1, k_tiles - 1), lane_in_row, k_atoms)
-            scales0, flags0, one0 = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w,
-                                                    None if self.unrolled else next_atom0, jfirst0, jbyte0, operands,
-                                                    0, areg, mn_ops)
-            if cutlass.const_expr(self.dequant_mode == "bits"):
-                self.convert_bits(operands, scales0, False, 0, areg, tCrA)
-            if cutlass.const_expr(self.dequant_mode == "bits1"):
-                if one0:
-                    self.convert_bits(operands, scales0, True, 0, areg, tCrA)
-                else:
-                    self.convert_bits(operands, scales0, False, 0, areg, tCrA)
+            scales0 = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w, next_atom0, jfirst0, jbyte0,
+                                      operands, 0, mn_ops)
             if cutlass.const_expr(self.dequant_mode == "e2m1"):
                 self.convert_e2m1(operands, scales0, 0)
-            if cutlass.const_expr(self.dequant_mode not in ("f32", "e2m1")):
-                if (flags0 & _BYTE_MSBS) != 0:
-                    self.dequantize_exact(read_state.index, scales0, operands, 0, areg, tCrA)
             ab_pipeline.consumer_release(read_state)
             read_state.advance()
             cute.arch.fence_proxy("async.shared", space="cta")
-            if cutlass.const_expr(self.unrolled):
-                atom2, _ = self.tile_scale_byte(cutlass.min(2, k_tiles - 1), atom_lane, k_atoms)
-                self.load_scale_words(words, bases, sfa_w, sfb_w, atom2)
             cute.arch.barrier(barrier_id=self.mainloop_barrier_id, number_of_threads=2 * self.threads_per_wg)
 
             # ------------------------------------------------------------------------------ mainloop
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            if cutlass.const_expr(self.unrolled):
-                # Unrolled by two so that the buffer (and the A register set) of each k-tile is static.
-                for kt_pair in range(0, k_tiles, 2):
-                    for half in cutlass.range_constexpr(2):
-                        kr = kt_pair + half
-                        if kr < k_tiles:
-                            cute.nvgpu.warpgroup.fence()
-                            for ks in cutlass.range_constexpr(0 if "mma" in self._skip else num_k_steps):
-                                cute.gemm(tiled_mma, acc, a_sets[half][(None, None, ks)],
-                                          tCrB[(None, None, ks, half)], acc)
-                            cute.nvgpu.warpgroup.commit_group()
-                            if cutlass.const_expr(self.overlap):  # tile kr-1's wgmma done in both warpgroups
-                                cute.nvgpu.warpgroup.wait_group(1)
-                                cute.arch.barrier(barrier_id=self.mainloop_barrier_id,
-                                                  number_of_threads=2 * self.threads_per_wg)
-                            if kr + 1 < k_tiles:  # the next tile into the other register set and buffer
-                                _, jfirst_r = self.tile_scale_byte(kr + 1, 0, k_atoms)
-                                _, jbyte_r = self.tile_scale_byte(kr + 1, lane_in_row, k_atoms)
-                                scales_r, flags_r, one_r = self.dequantize(
-                                    ab_pipeline, read_state, word_sets[1 - half], bases, sfa_w, sfb_w, None,
-                                    jfirst_r, jbyte_r, operands, 1 - half, areg, mn_ops)
-                                if cutlass.const_expr(self.dequant_mode == "bits"):
-                                    self.convert_bits(operands, scales_r, False, 1 - half, areg, a_sets[1 - half])
-                                if cutlass.const_expr(self.dequant_mode == "bits1"):
-                                    if one_r:
-                                        self.convert_bits(operands, scales_r, True, 1 - half, areg, a_sets[1 - half])
-                                    else:
-                                        self.convert_bits(operands, scales_r, False, 1 - half, areg,
-                                                          a_sets[1 - half])
-                                if cutlass.const_expr(self.dequant_mode == "e2m1"):
-                                    self.convert_e2m1(operands, scales_r, 1 - half)
-                                if cutlass.const_expr(self.dequant_mode not in ("f32", "e2m1")):
-                                    if (flags_r & _BYTE_MSBS) != 0:
-                                        self.dequantize_exact(read_state.index, scales_r, operands, 1 - half, areg,
-                                                              a_sets[1 - half])
-                                ab_pipeline.consumer_release(read_state)
-                                read_state.advance()
-                                cute.arch.fence_proxy("async.shared", space="cta")
-                                atom_r, _ = self.tile_scale_byte(cutlass.min(kr + 3, k_tiles - 1), atom_lane, k_atoms)
-                                self.load_scale_words(word_sets[1 - half], bases, sfa_w, sfb_w, atom_r)
-                            if cutlass.const_expr(not self.overlap):
-                                cute.nvgpu.warpgroup.wait_group(0)
-                            cute.arch.barrier(barrier_id=self.mainloop_barrier_id,
-                                              number_of_threads=2 * self.threads_per_wg)
-            else:
-                # With 3 buffers the wgmma of k-tile kt may still run when the warpgroups meet at the barrier: the
-                # dequantization of kt+2 overwrites the buffer of kt-1, whose wgmma each warpgroup waited for.
-                for kt in range(k_tiles):
-                    buf = kt % self.mma_buffers
-                    cute.nvgpu.warpgroup.fence()
-                    if cutlass.const_expr(self.promote):
-                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                    for ks in cutlass.range_constexpr(0 if "mma" in self._skip else num_k_steps):
-                        cute.gemm(tiled_mma, partial, tCrA[(None, None, ks, buf)], tCrB[(None, None, ks, buf)],
-                                  partial)
-                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.commit_group()
-                    if cutlass.const_expr(self.overlap):  # tile kt-1's wgmma done in both warpgroups
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        cute.arch.barrier(barrier_id=self.mainloop_barrier_id,
-                                          number_of_threads=2 * self.threads_per_wg)
-                    if kt + 1 < k_tiles:  # dequantize the next tile into a free buffer while the tensor cores run
-                        _, jfirst = self.tile_scale_byte(kt + 1, 0, k_atoms)
-                        _, jbyte = self.tile_scale_byte(kt + 1, lane_in_row, k_atoms)
-                        next_atom, _ = self.tile_scale_byte(cutlass.min(kt + 2, k_tiles - 1), lane_in_row, k_atoms)
-                        nbuf = (kt + 1) % self.mma_buffers
-                        scales, flags, one = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w,
-                                                             next_atom, jfirst, jbyte, operands, nbuf,
-                                                             mn_operands=mn_ops,
-                                                             this_k_atom=self.tile_scale_byte(kt + 1, atom_lane,
-                                                                                              k_atoms)[0])
-                        if cutlass.const_expr(self.dequant_mode == "bits"):
-                            self.convert_bits(operands, scales, False, nbuf)
-                        if cutlass.const_expr(self.dequant_mode == "bits1"):
-                            if one:
-                                self.convert_bits(operands, scales, True, nbuf)
-                            else:
-                                self.convert_bits(operands, scales, False, nbuf)
-                        if cutlass.const_expr(self.dequant_mode == "e2m1"):
-                            self.convert_e2m1(operands, scales, nbuf)
-                        if cutlass.const_expr(self.dequant_mode not in ("f32", "e2m1")):
-                            if (flags & _BYTE_MSBS) != 0:
-                                self.dequantize_exact(read_state.index, scales, operands, nbuf)
-                        ab_pipeline.consumer_release(read_state)
-                        read_state.advance()
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                    if cutlass.const_expr(self.promote):
-                        cute.nvgpu.warpgroup.wait_group(0)
-                        for i in cutlass.range_constexpr(cute.size(acc)):
-                            acc[i] = acc[i] + partial[i]
-                    if cutlass.const_expr(not self.promote and not self.overlap):
-                        cute.nvgpu.warpgroup.wait_group(self.mma_buffers - 2)
-                    cute.arch.barrier(barrier_id=self.mainloop_barrier_id, number_of_threads=2 * self.threads_per_wg)
+            for kt in range(k_tiles):
+                buf = kt % MMA_BUFFERS
+                cute.nvgpu.warpgroup.fence()
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                for ks in cutlass.range_constexpr(num_k_steps):
+                    cute.gemm(tiled_mma, partial, tCrA[(None, None, ks, buf)], tCrB[(None, None, ks, buf)], partial)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.commit_group()
+                if kt + 1 < k_tiles:  # dequantize the next tile into the other buffer while the tensor cores run
+                    _, jfirst = self.tile_scale_byte(kt + 1, 0, k_atoms)
+                    _, jbyte = self.tile_scale_byte(kt + 1, lane_in_row, k_atoms)
+                    next_atom, _ = self.tile_scale_byte(cutlass.min(kt + 2, k_tiles - 1), lane_in_row, k_atoms)
+                    nbuf = (kt + 1) % MMA_BUFFERS
+                    scales = self.dequantize(ab_pipeline, read_state, words, bases, sfa_w, sfb_w, next_atom, jfirst,
+                                             jbyte, operands, nbuf, mn_operands=mn_ops,
+                                             this_k_atom=self.tile_scale_byte(kt + 1, atom_lane, k_atoms)[0])
+                    if cutlass.const_expr(self.dequant_mode == "e2m1"):
+                        self.convert_e2m1(operands, scales, nbuf)
+                    ab_pipeline.consumer_release(read_state)
+                    read_state.advance()
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                cute.nvgpu.warpgroup.wait_group(0)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = acc[i] + partial[i]
+                cute.arch.barrier(barrier_id=self.mainloop_barrier_id, number_of_threads=2 * self.threads_per_wg)
             cute.nvgpu.warpgroup.wait_group(0)
 
             # ------------------------------------------------------------------------------ epilogue

@@ -1,5 +1,5 @@
-"""Inline-PTX shared- and global-memory accesses of the sm_90a epilogues (kernels/sm90/proj_rope.py, y_tile.py), and
-the bulk copies (sm_90 and later) of the arch-neutral kernels/dequantize.py.
+"""Inline-PTX shared- and global-memory accesses of the sm_90a proj_rope epilogue (kernels/sm90/y_tile.py), and the
+bulk copies (sm_90 and later) of the arch-neutral kernels/dequantize.py.
 
 Each is one instruction of exactly the width named, and every global store is predicated inside the asm (no branch,
 no reconvergence point, so the scheduler may move shuffles and conversions across it). Loads and stores carry a
@@ -42,11 +42,6 @@ def st_shared_u32(addr, w, *, loc=None, ip=None) -> None:
     _asm(None, args, "st.shared.b32 [$0], $1;", "r,r,~{memory}", True, loc, ip)
 
 
-@dsl_user_op
-def st_shared_u16(addr, w, *, loc=None, ip=None) -> None:
-    args = [cutlass.Int32(x) for x in (addr, w)]
-    _asm(None, args, "st.shared.b16 [$0], $1;", "r,r,~{memory}", True, loc, ip)
-
 
 @dsl_user_op
 def ld_shared_v4(addr, *, loc=None, ip=None) -> list:
@@ -56,25 +51,12 @@ def ld_shared_v4(addr, *, loc=None, ip=None) -> list:
     return [cutlass.Int32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
-@dsl_user_op
-def ld_shared_v2(addr, *, loc=None, ip=None) -> list:
-    ret = llvm.StructType.get_literal([T.i32()] * 2)
-    out = _asm(ret, [cutlass.Int32(addr)], "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r,~{memory}", True, loc, ip)
-    return [cutlass.Int32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(2)]
-
 
 @dsl_user_op
 def ld_shared_u32(addr, *, loc=None, ip=None) -> cutlass.Int32:
     return cutlass.Int32(_asm(T.i32(), [cutlass.Int32(addr)], "ld.shared.b32 $0, [$1];", "=r,r,~{memory}", True,
                               loc, ip))
 
-
-@dsl_user_op
-def st_global_v4_if(addr, w0, w1, w2, w3, pred, *, loc=None, ip=None) -> None:
-    """16-byte global store of (w0..w3) at the 16-byte aligned address `addr` where `pred`."""
-    args = [cutlass.Int64(addr)] + [cutlass.Int32(x) for x in (w0, w1, w2, w3, pred)]
-    _asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $5, 0; @p st.global.v4.b32 [$0], {$1, $2, $3, $4}; }",
-         "l,r,r,r,r,r,~{memory}", True, loc, ip)
 
 
 @dsl_user_op
@@ -83,12 +65,6 @@ def st_global_u16_if(addr, w, pred, *, loc=None, ip=None) -> None:
     _asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b16 [$0], $1; }", "l,r,r,~{memory}", True,
          loc, ip)
 
-
-@dsl_user_op
-def st_global_u8_if(addr, w, pred, *, loc=None, ip=None) -> None:
-    args = [cutlass.Int64(addr), cutlass.Int32(w), cutlass.Int32(pred)]
-    _asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b8 [$0], $1; }", "l,r,r,~{memory}", True,
-         loc, ip)
 
 
 @dsl_user_op

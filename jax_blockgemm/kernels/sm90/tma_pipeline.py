@@ -1,6 +1,6 @@
 """The TMA side every Hopper kernel here shares: an A+B stage pipeline from a producer warp to consumer warps, the
 TMA views of one operand, the kernel prologue that sets both up, and the producer's load of one k-tile. Inlined into
-each kernel body at trace time."""
+each kernel body at trace time. One CTA per cluster: no multicast."""
 
 from __future__ import annotations
 
@@ -10,57 +10,42 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 
+_NO_CLUSTER = (1, 1)
+
 
 def make_ab_pipeline(barrier_ptr: Any, a_smem_staged: Any, b_smem_staged: Any, dtype: Type[cutlass.Numeric],
-                     stages: int, consumer_warps: int, cluster_mn: tuple) -> pipeline.PipelineTmaAsync:
+                     stages: int, consumer_warps: int) -> pipeline.PipelineTmaAsync:
     """`stages` A+B buffers filled by one TMA thread (the transaction count is one A and one B tile) and released
-    by `consumer_warps` warps; also arrives on the pipeline's init barrier (the caller waits on it).
-
-    cluster_mn = (c, 1) with c > 1: the c CTAs of a cluster along M share B, each loading 1/c of it and multicasting
-    it to all (`tma_views(..., cta_rank, c)`); a stage is then free only once every CTA of the cluster released it,
-    so each consumer warp signals every CTA's empty barrier."""
+    by `consumer_warps` warps; also arrives on the pipeline's init barrier (the caller waits on it)."""
     tma_bytes = (cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
                  + cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0))))
-    if cluster_mn[0] * cluster_mn[1] == 1:
-        ab_pipeline = pipeline.PipelineTmaAsync.create(
-            barrier_storage=barrier_ptr, num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
-            tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
-    else:
-        assert cluster_mn[1] == 1, "only clusters along M (B multicast) are implemented"
-        ab_pipeline = pipeline.PipelineTmaAsync.create(
-            barrier_storage=barrier_ptr, num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * consumer_warps),
-            tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, cluster_mn[0], 1, 1)),
-            mcast_mode_mn=(0, 1), enable_multicast_signaling=True, defer_sync=True)
-    pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_mn, is_relaxed=True)
+    ab_pipeline = pipeline.PipelineTmaAsync.create(
+        barrier_storage=barrier_ptr, num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+        tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+    pipeline.pipeline_init_arrive(cluster_shape_mn=_NO_CLUSTER, is_relaxed=True)
     return ab_pipeline
 
 
-def tma_views(tma_atom: cute.CopyAtom, operand: cute.Tensor, smem: cute.Tensor, tile: tuple[int, int],
-              cta_rank: Any = 0, multicast: int = 1):
+def tma_views(tma_atom: cute.CopyAtom, operand: cute.Tensor, smem: cute.Tensor, tile: tuple[int, int]):
     """(shared, global) TMA views of one operand: its (rows, K, L) tensor cut into `tile` = (rows, k) tiles, indexed
-    (copy, row tile, k tile, batch) globally and (copy, stage) in shared memory. With `multicast` CTAs sharing the
-    tile, this CTA's views cover its 1/multicast part (`cta_rank` among them), which its copy multicasts."""
+    (copy, row tile, k tile, batch) globally and (copy, stage) in shared memory."""
     tiles = cute.local_tile(operand, tile, (None, None, None))  # (bRows, bK, RestRows, RestK, L)
-    return cute.nvgpu.cpasync.tma_partition(tma_atom, cta_rank, cute.make_layout(multicast),
-                                            cute.group_modes(smem, 0, 2), cute.group_modes(tiles, 0, 2))
+    return cute.nvgpu.cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                                            cute.group_modes(tiles, 0, 2))
 
 
 @cute.jit
 def ab_prologue(tidx, warp_idx, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
                 mB_nkl: cute.Tensor, a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
                 shared_storage: Any, dtype: Type[cutlass.Numeric], stages: int, consumer_warps: int,
-                cluster_mn: tuple, tile_mnk: tuple, threads_per_wg: int, init_barriers: Any = None):
+                tile_mnk: tuple, threads_per_wg: int):
     """Everything before a Hopper kernel's warp roles split: the TMA descriptors' prefetch (warp 0), the shared
-    storage (`shared_storage`, a cute.struct with fields pipeline_mbars, sA and sB), `init_barriers(storage)` when
-    given (the kernel's other barriers, initialized before the A+B pipeline so that its init fence covers them), the
-    A+B stage pipeline (`make_ab_pipeline`), the TMA views of (tile_mnk[0], tile_mnk[2]) A tiles and (tile_mnk[1],
-    tile_mnk[2]) B tiles (with cluster_mn[0] > 1, this CTA's share of each B tile) and the pipeline's init barrier.
-    Returns (storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB, tBgB), k_tiles, wg_idx). Pipeline states are made
-    and advanced by the caller, in its own loops."""
+    storage (`shared_storage`, a cute.struct with fields pipeline_mbars, sA and sB), the A+B stage pipeline
+    (`make_ab_pipeline`), the TMA views of (tile_mnk[0], tile_mnk[2]) A tiles and (tile_mnk[1], tile_mnk[2]) B tiles
+    and the pipeline's init barrier. Returns (storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB, tBgB), k_tiles,
+    wg_idx). Pipeline states are made and advanced by the caller, in its own loops."""
     bm, bn, bk = tile_mnk
     if warp_idx == 0:
         cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
@@ -68,49 +53,40 @@ def ab_prologue(tidx, warp_idx, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, 
 
     smem = cutlass.memory.SmemAllocator()
     storage = smem.allocate(shared_storage)
-    if cutlass.const_expr(init_barriers is not None):
-        init_barriers(storage)
     ab_pipeline = make_ab_pipeline(storage.pipeline_mbars.data_ptr(), a_smem_staged, b_smem_staged, dtype, stages,
-                                   consumer_warps, cluster_mn)
+                                   consumer_warps)
 
     sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
     sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
     tAsA, tAgA = tma_views(tma_atom_a, mA_mkl, sA, (bm, bk))
-    cta_rank = 0
-    if cutlass.const_expr(cluster_mn[0] > 1):
-        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-    tBsB, tBgB = tma_views(tma_atom_b, mB_nkl, sB, (bn, bk), cta_rank, cluster_mn[0])
+    tBsB, tBgB = tma_views(tma_atom_b, mB_nkl, sB, (bn, bk))
     k_tiles = cute.size(tAgA, mode=[2])
 
     wg_idx = cute.arch.make_warp_uniform(tidx // threads_per_wg)
-    pipeline.pipeline_init_wait(cluster_shape_mn=cluster_mn)
+    pipeline.pipeline_init_wait(cluster_shape_mn=_NO_CLUSTER)
     return storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB, tBgB), k_tiles, wg_idx
 
 
 def load_k_tile(ab_pipeline: Any, state: Any, tma_atom_a: cute.CopyAtom, tma_atom_b: cute.CopyAtom, views: tuple,
-                a_tile: Any, b_tile: Any, kt: Any, batch: Any = 0, multicast: int = 1) -> None:
+                a_tile: Any, b_tile: Any, kt: Any, batch: Any = 0) -> None:
     """Wait for stage `state` to be free and load into it k-tile kt of A's row tile `a_tile` and B's `b_tile` in batch
-    `batch`; with multicast > 1, this CTA's share of the B tile goes to every CTA of its cluster. `views` are
-    `ab_prologue`'s. The caller advances `state` in its own loop body (the DSL carries only what a loop mutates)."""
+    `batch`. `views` are `ab_prologue`'s. The caller advances `state` in its own loop body (the DSL carries only what
+    a loop mutates)."""
     tAsA, tAgA, tBsB, tBgB = views
     ab_pipeline.producer_acquire(state)
     bar = ab_pipeline.producer_get_barrier(state)
     cute.copy(tma_atom_a, tAgA[(None, a_tile, kt, batch)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-    if cutlass.const_expr(multicast == 1):
-        cute.copy(tma_atom_b, tBgB[(None, b_tile, kt, batch)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-    else:
-        cute.copy(tma_atom_b, tBgB[(None, b_tile, kt, batch)], tBsB[(None, state.index)], tma_bar_ptr=bar,
-                  mcast_mask=cutlass.Int16((1 << multicast) - 1))
+    cute.copy(tma_atom_b, tBgB[(None, b_tile, kt, batch)], tBsB[(None, state.index)], tma_bar_ptr=bar)
     ab_pipeline.producer_commit(state)
 
 
 @cute.jit
 def produce_tile(ab_pipeline: Any, state: Any, tma_atom_a: cute.CopyAtom, tma_atom_b: cute.CopyAtom, views: tuple,
-                 a_tile: Any, b_tile: Any, k_tiles: Any, batch: Any = 0, multicast: cutlass.Constexpr[int] = 1):
+                 a_tile: Any, b_tile: Any, k_tiles: Any, batch: Any = 0):
     """The producer's loads of one output tile: k-tiles 0..k_tiles-1 of A's row tile `a_tile` and B's `b_tile`,
     each into the next stage (`load_k_tile`). Returns the advanced `state`, which the caller must rebind (the DSL
     carries what a loop advances only through the loop's own names)."""
     for kt in range(k_tiles):
-        load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, a_tile, b_tile, kt, batch, multicast)
+        load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, a_tile, b_tile, kt, batch)
         state.advance()
     return state

@@ -1,6 +1,6 @@
-"""The fp32 tile Y of the sm_90a "staged" proj_rope kernel (kernels/sm90/proj_rope.py `kernel_staged`): 128 tokens x
-192 features of one head in 96 KB of shared memory, written by the two MMA warpgroups from their wgmma fragments and
-read by the epilogue warpgroup, one thread per token.
+"""The fp32 tile Y of the sm_90a proj_rope kernel (kernels/sm90/proj_rope.py): 128 tokens x 192 features of one
+head in 96 KB of shared memory, written by the two MMA warpgroups from their wgmma fragments and read by the epilogue
+warpgroup, one thread per token.
 
 Layout: block-major per epilogue warp. Warp w's 32 rows take 24 KB at 24 KB·w; in there, 32-feature block b of the
 32 rows is a 4 KB region at 4 KB·b, row r of it 128 bytes at 128·r, and 16-byte chunk c (features 32b + 4c .. + 3)
