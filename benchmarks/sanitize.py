@@ -135,7 +135,7 @@ def run_variants(shard: tuple[int, int] = (0, 1), first_shape_only: bool = False
                 options["alpha"] = jnp.float32(0.375)
             try:
                 kernel = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl", **options))
-                with dispatch.forced_variants((variant,)):  # candidates (fp8promote) are never the default
+                with dispatch.forced_variants((variant,)):  # exactly this variant, whatever the default is
                     if variant.function_prefix not in kernel.lower(a, b, sfa, sfb).as_text():
                         raise RuntimeError(f"the program holds no jbg_gemm_amax custom call with "
                                            f"{variant.function_prefix}: this variant would not run")
@@ -170,9 +170,6 @@ def run_proj_rope_variants(case0: int, shard: tuple[int, int], first_shape_only:
 
     failures = 0
     for n, variant in enumerate(_selected(catalog.variants_for("sm_90a", "proj_rope"), keys)):
-        dispatch.PROJ_ROPE_TILE["sm_90a"] = variant.tile_mn  # the dispatcher's tile and cluster for these runs
-        dispatch.PROJ_ROPE_CLUSTER["sm_90a"] = variant.cluster_mn
-        dispatch.PROJ_ROPE_SCHEDULE["sm_90a"] = variant.schedule
         w_out_in = variant.b_major == "k"
         cases = [((0, PROJ_ROPE_SHAPES[0]), False)] if first_shape_only else itertools.product(
             enumerate(PROJ_ROPE_SHAPES), (False, True))
@@ -189,9 +186,10 @@ def run_proj_rope_variants(case0: int, shard: tuple[int, int], first_shape_only:
                 call = lambda impl, opts: jax.jit(lambda *a: jbg.gemm_proj_rope_mxfp8(
                     *a, w_out_in=w_out_in, implementation=impl, **opts))
                 kernel = call("cutedsl", options)
-                if "jbg_gemm_proj_rope_mxfp8" not in kernel.lower(x, w, cos, sin).as_text():
-                    raise RuntimeError("the program holds no proj_rope custom call: the kernel would not run")
-                got = [np.asarray(o) for o in jax.block_until_ready(kernel(x, w, cos, sin))]
+                with dispatch.forced_variants((variant,)):  # this variant's tile, cluster and schedule
+                    if "jbg_gemm_proj_rope_mxfp8" not in kernel.lower(x, w, cos, sin).as_text():
+                        raise RuntimeError("the program holds no proj_rope custom call: the kernel would not run")
+                    got = [np.asarray(o) for o in jax.block_until_ready(kernel(x, w, cos, sin))]
                 cpu_options = dict(zip(options, _on_cpu(*options.values())))
                 want = [np.asarray(o) for o in call("xla", cpu_options)(*_on_cpu(x, w, cos, sin))]
                 # Codes may differ by one E4M3 step where fp32 summation orders round differently (SPEC §7).
