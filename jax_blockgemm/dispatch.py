@@ -2,9 +2,10 @@
 
 The CUDA lowering embeds one object per architecture that has a matching kernel, so a program lowered (or
 exported) anywhere runs on any GPU the catalog covers; the FFI handler picks by compute capability at run time.
-When the local GPU has no kernel, `implementation=None` falls back to the reference. A kernel of an architecture
-where it has never run (`selfcheck.UNVERIFIED_ARCHS`) is used on a local GPU only after the first-use self-check
-passed there; when it fails, None falls back to the reference and "cutedsl" raises.
+What `implementation=None` takes per architecture is `arch.TABLE`'s; where the local GPU has no kernel it takes the
+reference. A kernel of an architecture where ours never ran (`arch.is_verified`) is used on a local GPU only once
+its first-use self-check has passed there (`gate`: checked in a child process, verdicts kept on disk); when it
+failed, None falls back to the reference and "cutedsl" raises.
 """
 
 from __future__ import annotations
@@ -19,36 +20,7 @@ from typing import Any, Iterator, Sequence
 import jax
 import numpy as np
 
-from jax_blockgemm import formats
-
-# Compute capability -> the CuTeDSL target our kernels are compiled for.
-ARCH_OF_CAPABILITY = {"9.0": "sm_90a", "10.0": "sm_100a"}
-
-# Whether implementation=None takes an (operation, arch)'s kernels (SPEC §6: None picks the fastest correct
-# implementation). A kernel becomes the default only once it has run correct on that arch and beaten the reference
-# there; a pair missing here takes the reference. "cutedsl" always takes the kernel. See benchmarks/RESULTS.md:
-# gemm_amax sm_90a, H200, 2026-11-29: MXFP8 kernel 267 TFLOP/s at 8192^3 against the reference's 463 -> not yet.
-# proj_rope sm_90a, H200, 2026-11-29: kernel 1.067 ms against the reference's 1.556 ms at T=4096, H=128, K=1536.
-# gemm_amax sm_100a: compiled and checked here, never run (no Blackwell GPU), never measured -> not the default
-# either; benchmarks/RESULTS.md holds a prediction only. "cutedsl" takes it after the first-use self-check.
-# proj_rope sm_100a: the same, compiled and structurally checked, never run, never measured -> not the default.
-DEFAULT_TAKES_KERNEL = {("gemm_amax", "sm_90a"): False, ("proj_rope", "sm_90a"): True,
-                        ("gemm_amax", "sm_100a"): False, ("proj_rope", "sm_100a"): False}
-
-# The proj_rope tile (tokens, features) each arch runs: sm_90a among catalog.PROJ_ROPE_TILES and
-# catalog.PROJ_ROPE_SCHEDULE_TILES_SM90 (benchmarks/RESULTS.md), sm_100a its only one (catalog.PROJ_ROPE_TILES_SM100).
-PROJ_ROPE_TILE = {"sm_90a": (128, 192), "sm_100a": (128, 192)}
-# The cluster (CTAs along tokens sharing each W tile by TMA multicast) each arch's proj_rope tile runs in.
-PROJ_ROPE_CLUSTER = {"sm_90a": (1, 1), "sm_100a": (1, 1)}
-# The schedule of each arch's proj_rope kernel: "" (one tile per CTA), or on sm_90a one of the persistent schedules
-# (catalog.PROJ_ROPE_SCHEDULE_TILES_SM90): "pingpong" (two consumer warpgroups on alternate 64-token tiles),
-# "persistent" (both on each 128-token tile) or "staged" (as "persistent", with a fourth warpgroup quantizing each
-# fp32 tile from shared memory). All run correct on an H200 (tests/test_gpu_proj_rope.py, compute-sanitizer).
-# sm_90a takes "staged" (128-token tiles): through the API at K = 1536, H = 128, in one run (H200, 2026-11-30,
-# benchmarks/RESULTS.md) 0.596 / 0.326 ms (bf16 in, T = 4096 / 2048) and 0.676 / 0.353 (MXFP8 in) against 0.635 /
-# 0.341 and 0.716 / 0.385 for the 64x192 one-tile-per-CTA kernel that was the default before; with its whole-row
-# code stores (same day) 0.500-0.557 / 0.270 and 0.561-0.573 / 0.322.
-PROJ_ROPE_SCHEDULE = {"sm_90a": "staged", "sm_100a": ""}
+from jax_blockgemm import arch, formats
 
 # The kernels and the FFI handler take sizes and element counts as int32: a call with an operand or C of this many
 # elements or more never reaches them (None takes the reference, "cutedsl" raises at lowering).
@@ -74,7 +46,8 @@ def forced_variants(variants: Sequence[Any]) -> Iterator[None]:
     """Within this block (this thread), lowerings with implementation='cutedsl' use exactly those of `variants` that
     are of their operation (gemm_amax, proj_rope).
 
-    For the self-check, which must run one given variant (also a TEST_VARIANTS one) unchecked.
+    For the self-check's child process, which must run one given variant (also a deliberately broken test one)
+    without consulting its own verdict.
     """
     saved = getattr(_FORCED, "variants", None)
     _FORCED.variants = tuple(variants)
@@ -137,8 +110,8 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
     ab_dtype = "float4_e2m1fn" if packed else str(np.dtype(avals_in[0].dtype))
     sf_dtype = catalog.E8M0 if np.dtype(avals_in[2].dtype) == np.uint8 else str(np.dtype(avals_in[2].dtype))
     variants = []
-    for arch in sorted({v.arch for v in catalog.CATALOG}):
-        config = dict(arch=arch, ab_dtype=ab_dtype, c_dtype=str(np.dtype(c_dtype)), sf_vec_size=sf_vec_size,
+    for target in sorted({v.arch for v in catalog.CATALOG}):
+        config = dict(arch=target, ab_dtype=ab_dtype, c_dtype=str(np.dtype(c_dtype)), sf_vec_size=sf_vec_size,
                       sf_dtype=sf_dtype, a_major=a_major, b_major=b_major)
         variant = catalog.select_variant(**config, tile_mn=tuple(mma_tiler_mn), cluster_mn=tuple(cluster_shape_mn))
         if variant is None:  # the tile is a performance hint: fall back to the arch's default tile
@@ -182,12 +155,11 @@ def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation
     except ImportError as e:  # CuTeDSL or the native bridge missing: the reference still works
         return KernelChoice(reason=f"no kernel can run here: {e}")
     b_major = "k" if w_out_in else "n"
-    variants = [v for arch in sorted({v.arch for v in catalog.CATALOG})
-                if (v := catalog.select_variant(op="proj_rope", arch=arch, ab_dtype="bfloat16",
+    variants = [v for target in sorted({v.arch for v in catalog.CATALOG})
+                if (v := catalog.select_variant(op="proj_rope", arch=target, ab_dtype="bfloat16",
                                                 c_dtype="float8_e4m3fn", sf_vec_size=32,
-                                                tile_mn=PROJ_ROPE_TILE.get(arch, (64, 192)),
-                                                cluster_mn=PROJ_ROPE_CLUSTER.get(arch, (1, 1)),
-                                                schedule=PROJ_ROPE_SCHEDULE.get(arch, ""),
+                                                tile_mn=arch.policy(target).proj_rope_tile, cluster_mn=(1, 1),
+                                                schedule=arch.policy(target).proj_rope_schedule,
                                                 b_major=b_major)) is not None]
     if not variants:
         return KernelChoice(reason="no proj_rope kernel in the catalog")
@@ -209,10 +181,13 @@ def dequantize_variants(archs: Sequence[str], shape: Sequence[int], *, scale_axi
     operands = [(shape, 1 if scale_axis == -1 else 0)] + ([(paired_shape, 1)] if paired_shape is not None else [])
     if not all(MxDequantize.can_implement(math.prod(s[:-1]), s[-1], axis)[0] for s, axis in operands):
         return ()
-    variants = tuple(catalog.select_variant(op="dequantize", arch=arch, ab_dtype="float8_e4m3fn", c_dtype="bfloat16",
-                                            sf_vec_size=32, tile_mn=catalog.DEQUANTIZE_TILE, cluster_mn=(1, 1),
-                                            a_major="k" if scale_axis == -1 else "m") for arch in sorted(archs))
-    return () if None in variants else variants
+    variants = tuple(catalog.select_variant(op="dequantize", arch=target, ab_dtype="float8_e4m3fn",
+                                            c_dtype="bfloat16", sf_vec_size=32, tile_mn=catalog.DEQUANTIZE_TILE,
+                                            cluster_mn=(1, 1), a_major="k" if scale_axis == -1 else "m")
+                     for target in sorted(archs))
+    if None in variants or _failed_self_checks(variants):
+        return ()  # XLA dequantizes instead
+    return variants
 
 
 def _usable(variants: list, implementation: Any, *, sizes: tuple, names: str) -> KernelChoice:
@@ -235,32 +210,35 @@ def _usable(variants: list, implementation: Any, *, sizes: tuple, names: str) ->
     if not variants:
         return KernelChoice(reason=f"no kernel can be built here: {'; '.join(unbuildable)}")
     if implementation is None:
-        slower = sorted(v.arch for v in variants if not DEFAULT_TAKES_KERNEL.get((v.op, v.arch), False))
-        variants = [v for v in variants if DEFAULT_TAKES_KERNEL.get((v.op, v.arch), False)]
+        slower = sorted(v.arch for v in variants if not arch.none_takes_kernel(v.op, v.arch))
+        variants = [v for v in variants if arch.none_takes_kernel(v.op, v.arch)]
         if not variants:
-            return KernelChoice(reason=f"the reference is faster than the {', '.join(slower)} kernel "
-                                       "(implementation='cutedsl' forces it)")
+            return KernelChoice(reason=f"implementation=None takes the reference over the {', '.join(slower)} "
+                                       "kernel (arch.TABLE; implementation='cutedsl' forces it)")
     capabilities = local_cuda_capabilities()
     if capabilities is not None:
-        archs = {v.arch for v in variants}
-        missing = [cc for cc in capabilities if ARCH_OF_CAPABILITY.get(cc) not in archs]
+        targets = {v.arch for v in variants}
+        missing = [cc for cc in capabilities if arch.target_of(cc) not in targets]
         if missing:
             return KernelChoice(reason=f"no kernel for compute capability {', '.join(missing)} "
-                                       f"(kernels exist for {', '.join(sorted(archs))})")
-        failed = _failed_self_checks(variants, {ARCH_OF_CAPABILITY[cc] for cc in capabilities})
+                                       f"(kernels exist for {', '.join(sorted(targets))})")
+        failed = _failed_self_checks(variants)
         if failed:
             return KernelChoice(reason=f"the first-use self-check failed: {failed}")
     return KernelChoice(variants=tuple(variants))
 
 
-def _failed_self_checks(variants: Sequence[Any], local_archs: set) -> str:
-    """Self-check the variants of never-run archs that a local GPU would run; '' when all pass, else why not."""
-    from jax_blockgemm import selfcheck  # lazy: it runs jitted programs, which import this module
-
+def _failed_self_checks(variants: Sequence[Any]) -> str:
+    """'' when every variant a local GPU would run has run correct on its architecture or passed its first-use
+    self-check there (`gate.verdict`, which checks it in a child process the first time); else why not."""
+    capabilities = local_cuda_capabilities() or ()
+    local_targets = {arch.target_of(cc) for cc in capabilities}
     failures = []
     for v in variants:
-        if v.arch in local_archs and v.arch in selfcheck.UNVERIFIED_ARCHS:
-            verdict = selfcheck.ensure_verified(v)
+        if v.arch in local_targets and not arch.is_verified(v.arch):
+            from jax_blockgemm import gate  # lazy: it reads and writes the verdict store on disk
+
+            verdict = gate.ensure_verified(v)
             if not verdict.ok:
                 failures.append(f"{v.key} on {verdict.device}: {verdict.detail}")
     return "; ".join(failures)

@@ -20,12 +20,13 @@ import sys
 import time
 from typing import Sequence
 
-from jax_blockgemm import kernel_cache
+from jax_blockgemm import arch, kernel_cache
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jax_blockgemm.precompile", description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", action="append", default=[], help="target to compile for (repeatable), e.g. sm_90a")
+    p.add_argument("--arch", action="append", default=[], choices=arch.targets(),
+                   help="target to compile for (repeatable)")
     p.add_argument("--variant", action="append", default=[], metavar="KEY",
                    help="only this catalog key (repeatable); see --list")
     p.add_argument("--jobs", type=int, default=1, metavar="N", help="compile in N processes at once (default 1)")
@@ -69,10 +70,9 @@ def report(variants: Sequence) -> int:
 
 def select(catalog_variants: Sequence, archs: Sequence[str], keys: Sequence[str]) -> list:
     """Catalog variants for `archs` (all when empty) restricted to `keys` (all when empty)."""
-    known_archs = sorted({v.arch for v in catalog_variants})
-    for arch in archs:
-        if arch not in known_archs:
-            raise SystemExit(f"--arch {arch!r}: the catalog has kernels for {known_archs}")
+    for target in archs:
+        if target not in arch.targets():
+            raise SystemExit(f"--arch {target!r}: kernels exist for {list(arch.targets())} (arch.TABLE)")
     chosen = [v for v in catalog_variants if not archs or v.arch in archs]
     if keys:
         by_key = {v.key: v for v in chosen}

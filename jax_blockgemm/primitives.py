@@ -90,7 +90,7 @@ def _no_kernel_off_cuda(ctx, op: str, implementation: Any) -> None:
 
 
 def _device_kinds(ctx) -> tuple[str, ...]:
-    """The device kinds this lowering targets, as `reference.SCALED_DOT_MIN_SIZE` names them: each platform, CUDA
+    """The device kinds this lowering targets, as `arch.scaled_dot_min_size` takes them: each platform, CUDA
     as "cuda:<compute capability>" per visible GPU ("cuda" where JAX sees none, e.g. an export on a CPU host)."""
     kinds = []
     for platform in _lowering_platforms(ctx):

@@ -10,15 +10,14 @@ kernel against them, so they compute exactly the SPEC's function and never trade
   * the dot takes bfloat16 operands and returns float32 (`preferred_element_type`): bfloat16 products, float32
     accumulation, never TF32 (the operands are bfloat16) and never a bfloat16 accumulator. It is written without an
     explicit `DotAlgorithmPreset`: on the H200 the preset ``BF16_BF16_F32`` made XLA pick slower GEMM kernels
-    (2-9% on the whole reference at the SPEC §8 shapes, bit-identical results; benchmarks/NOTES.md "Reference
-    speed");
+    (2-9% on the whole reference at the SPEC §8 shapes, bit-identical results; docs/design/reference.md);
   * everything after the accumulator (alpha, amax, RoPE, quantization) stays in float32.
 
-One opt-in exception: an MXFP8 gemm_amax may take its accumulator from XLA's block-scaled `jax.lax.scaled_dot`
-(`scaled_dot=True`). That puts it in SPEC §7's "tensor-core FP8" class (<= 1e-4; ~1e-5 measured on an H200)
-instead of "exact", and through the public API on an H200 it was not faster (1.01-1.03x the reference's time,
-2026-11-30), so the primitives do not take it (`use_scaled_dot` with an empty SCALED_DOT_MIN_SIZE): GPU tests compare
-kernels against the reference by the exact bound (benchmarks/NOTES.md, "the scaled_dot route").
+One exception, per architecture: an MXFP8 gemm_amax may take its accumulator from XLA's block-scaled
+`jax.lax.scaled_dot` (`scaled_dot=True`), which puts it in SPEC §7's "tensor-core FP8" class (<= 1e-4; ~1e-5 measured
+on an H200) instead of "exact". `arch.TABLE` says where implementation=None does: on Blackwell, where XLA hands it to
+cuDNN's block-scaled GEMM on the FP8 tensor cores; not on Hopper, where it was no faster than the bf16 route
+(docs/design/reference.md). implementation="xla", which the GPU tests judge kernels by, never takes it.
 
 Inputs arrive canonical: the public API (`api.py`) has already validated and normalized them, so this module only
 asserts the few invariants it relies on.
@@ -32,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_blockgemm import formats
+from jax_blockgemm import arch, formats
 from jax_blockgemm.support import FP4_DTYPES, FP8_DTYPES, HEAD_DIM, MX_BLOCK, QK_NOPE, QK_ROPE
 
 __all__ = ["gemm_amax_reference", "gemm_proj_rope_reference", "apply_rope", "convert_c", "dequantize_bf16",
@@ -40,22 +39,10 @@ __all__ = ["gemm_amax_reference", "gemm_proj_rope_reference", "apply_rope", "con
 
 _WIDE_C_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
-# Device kinds where implementation=None takes the gemm_amax accumulator of MXFP8 operands from jax.lax.scaled_dot,
-# and the smallest L*M*N*K from which it does: "cpu", or "cuda:<compute capability>" as jax.Device spells it
-# ("cuda:9.0"). A program lowered for CUDA where JAX sees no GPU has the kind "cuda", which this table never names,
-# so it keeps the exact path; implementation="xla" never takes the route. Empty: off everywhere.
-# Measured on the H200 (2026-11-29, benchmarks/reference_variants.py, both with amax), the route took 0.94x / 0.98x
-# / 0.99x of the bfloat16-dequantization path's time at 8192^3 / 4096x24576x1536 / 4096x7168x16384, whose dot then
-# carried an algorithm preset that made XLA pick slower GEMMs. The 2026-11-30 probe that put it at 0.97x / 0.82-0.84x
-# / 0.97x of the faster path timed the bare scaled_dot against the whole reference, which also writes C and reads
-# it again for amax (~0.1 ms of 400 MB at 4096x24576x1536). Through the public API in one run (H200, 2026-11-30
-# 16:36, RESULTS.md) with this table at {"cuda:9.0": 3e10}, implementation=None took 1.03x / 1.01x / 1.01x the
-# reference's time at 4096x24576x1536 / 4096x7168x16384 / 8192^3: no gain, so it is off. It would also move None's
-# result out of SPEC §7's "exact" class into the tensor-core FP8 one (<= 1e-4); "xla", which the GPU tests judge
-# kernels by, never takes it. SPEC §2's special values on the H200 (tests/test_reference_formulation.py
-# ScaledDotRouteTest): NaN codes and NaN (0xFF) scale bytes propagate like the oracle, E5M2's -inf + inf came out
-# non-NaN, so the route takes E4M3 x E4M3 only.
-SCALED_DOT_MIN_SIZE: dict[str, int] = {}
+# Code dtypes the scaled_dot route takes (both operands). On the H200, SPEC §2's special values through
+# jax.lax.scaled_dot: NaN codes and NaN (0xFF) scale bytes propagate like the oracle, but E5M2's -inf + inf came out
+# non-NaN, so the route takes E4M3 x E4M3 only (docs/design/reference.md). Where None takes the route at all is
+# `arch.TABLE`'s.
 SCALED_DOT_CODES = (np.dtype(jnp.float8_e4m3fn),)  # code dtypes the route takes (both operands)
 
 
@@ -133,13 +120,13 @@ def scaled_dot_applies(a_dtype: Any, b_dtype: Any, *, sf_vec_size: int, k: int) 
 def use_scaled_dot(device_kinds: Sequence[str], a_dtype: Any, b_dtype: Any, *, sf_vec_size: int, l: int, m: int,
                    n: int, k: int) -> bool:
     """Whether implementation=None takes the gemm_amax accumulator from `jax.lax.scaled_dot`: where it applies and
-    every device kind the program is lowered for (`SCALED_DOT_MIN_SIZE`'s keys) has been measured faster with it at
-    this size; the bfloat16-dequantization dot everywhere else, and always for implementation="xla"."""
+    `arch.TABLE` sends every device kind the program is lowered for ("cuda:<capability>", "cpu", ...) there at this
+    size; the bfloat16-dequantization dot everywhere else, and always for implementation="xla"."""
     if not device_kinds or not scaled_dot_applies(a_dtype, b_dtype, sf_vec_size=sf_vec_size, k=k):
         return False
     if np.dtype(a_dtype) not in SCALED_DOT_CODES or np.dtype(b_dtype) not in SCALED_DOT_CODES:
         return False
-    thresholds = [SCALED_DOT_MIN_SIZE.get(kind) for kind in device_kinds]
+    thresholds = [arch.scaled_dot_min_size(kind) for kind in device_kinds]
     return all(t is not None and l * m * n * k >= t for t in thresholds)
 
 
@@ -250,21 +237,12 @@ def gemm_proj_rope_reference(x: jax.Array, w: jax.Array, cos: jax.Array, sin: ja
     Returns (out_fp8_row (T, H, 192), out_scales_row (T, H, 6) uint8, out_fp8_col (T, H, 192),
     out_scales_col (T/32, H, 192) uint8); float32 from the accumulator through RoPE to quantization.
 
-    Structure, chosen by measurement (benchmarks/reference_variants.py on an H200, 2026-11-29; K = 1536,
-    H = 128; ms at T=4096 bf16 / T=4096 mxfp8 / T=2048 bf16 / T=2048 mxfp8; every candidate was bit-identical;
-    full table in benchmarks/NOTES.md, "Reference speed"):
-
-      * one optimization_barrier, on the float32 Y AFTER RoPE: the dot's output goes through the concatenating
-        `apply_rope`, the rotated Y is written once, and both quantizers read it. This: 1.610 / 1.685 / 0.888 /
-        0.987. The barrier after the dot instead (RoPE recomputed inside the quantizers): 4.645 / 4.542 /
-        1.122 / 1.308, or 1.900 / 1.928 / 1.160 / 1.299 with a concatenate-free (select) RoPE; no barrier:
-        4.426 / 4.596 / 1.178 / 1.251, or 1.861 / 2.163 / 1.076 / 1.153 with the select RoPE; the barrier after
-        a select RoPE: 1.915 / 1.881 / 1.184 / 1.157;
-      * both quantizations on reshaped views of Y's own layout (`_quantize_rows_and_columns`), never the
-        moveaxis of `formats.quantize_mxfp8` (tokens moved last and back): >= 2.9 ms at T=4096, >= 1.6 at 2048.
-    The formulation before (the same barrier, moveaxis quantizers with two reductions per block and a division
-    in the code math) took 2.919 / 3.211 / 1.575 / 1.681; a plain unfused jnp pipeline of the same math 2.168 at
-    T=4096. tests/test_reference_formulation.py keeps that old formulation as the oracle of record.
+    Structure, chosen by measurement on the H200 (every candidate bit-identical; the figures are in
+    docs/design/reference.md): one optimization_barrier, on the float32 Y after RoPE, so the rotated Y is written
+    once and both quantizers read it (a barrier after the dot, or none, recomputes RoPE inside the quantizers and
+    took up to 2.9x longer); both quantizations on reshaped views of Y's own layout (`_quantize_rows_and_columns`),
+    never tokens moved last and back. tests/test_reference_formulation.py keeps the formulation before as the
+    oracle of record.
     """
     if x.dtype == np.dtype(jnp.float8_e4m3fn):
         if x_scale is None or w_scale is None:

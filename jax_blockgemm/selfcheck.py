@@ -1,44 +1,29 @@
-"""First-use self-check: run a kernel that has never run on an architecture against the reference, on this GPU.
+"""The first-use self-check itself: run one kernel on small problems and compare it with the reference.
 
-    python -m jax_blockgemm.selfcheck [--arch sm_100a] [--variant KEY ...] [--force] [--include-test-variants]
+    python -m jax_blockgemm.selfcheck [--arch sm_100a] [--variant KEY ...] [--force]
 
-The Blackwell (sm_100a) kernels were compiled and checked on machines without a Blackwell GPU; nobody here has
-run them. So the first time a process would use one on a local GPU (`dispatch` asks, per variant), this module
-runs it on a few small problems through the FFI bridge, with the outputs poisoned beforehand, and compares its
-outputs with the XLA reference on the same GPU (SPEC §7 bounds): gemm_amax's C and amax (tails in M, N and K,
-L > 1), proj_rope's four outputs (a token tail, several heads, K not a multiple of the k-tile, more tiles than
-SMs). The verdict is kept
-in memory and on disk, per (variant, kernel object hash, device name), so each kernel object is checked once
-per GPU model. A failure warns, naming the kernel, and the op falls back to the reference (or raises, for
-implementation='cutedsl'). The CLI runs the same check on demand and prints a table.
+The Blackwell (sm_100a) kernels were compiled and checked on machines without a Blackwell GPU; nobody here has run
+them. Before a process uses one on a local GPU, `gate` runs this module in a child process (`--child KEY`), which
+runs the kernel on problems chosen to reach the paths most likely to break (`problems`), with the outputs poisoned
+beforehand, and compares its outputs with the XLA reference on the same GPU (SPEC §7 bounds). The CLI checks the
+selected kernels through the same gate (one child each, verdicts stored) and prints one row per kernel.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
-import hashlib
+import importlib
 import json
-import logging
 import os
 import pathlib
-import re
 import sys
-import threading
-import time
-import warnings
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jax_blockgemm import kernel_cache
-
-logger = logging.getLogger(__name__)
-
-# Architectures whose kernels no GPU of ours has run: their kernels are self-checked before first use.
-UNVERIFIED_ARCHS = frozenset({"sm_100a"})
+from jax_blockgemm import gate
 # (L, M, N, K): M and N not multiples of the tile (N stays a multiple of 8: 16-byte C rows), K not a multiple
 # of the 128-wide k-tile, L = 2, several tiles.
 PROBLEMS = ((1, 200, 136, 96), (2, 129, 264, 160), (1, 384, 256, 512))
@@ -68,65 +53,6 @@ POISON_ENV = "JAX_BLOCKGEMM_POISON_OUTPUTS"  # read by the FFI handler: NaN-fill
 PROJ_ROPE_PROBLEMS = ((96, 2, 72), (160, 1, 200), (2560, 8, 64))
 CODE_MATCH_FRACTION = 0.99  # SPEC §7: at least 99% of the codes identical
 SCALE_MISMATCH_FRACTION = 0.01  # scale bytes one apart (block amax at a power-of-two boundary), at most this share
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    """The outcome of one self-check: which kernel object, on which GPU model, passed or not and why."""
-
-    key: str
-    device: str
-    object_sha: str
-    ok: bool
-    detail: str
-    source: str = "ran"  # "ran" (this call), "memory" or "disk" (an earlier check of the same object)
-
-
-_MEMORY: dict[tuple[str, str, str], Verdict] = {}
-_WARNED: set[tuple[str, str, str]] = set()
-_LOCK = threading.RLock()
-
-
-def verdict_path(key: str, device: str, object_sha: str) -> pathlib.Path:
-    """Where the verdict of `key` (object `object_sha`) on GPU model `device` is stored."""
-    slug = re.sub(r"[^0-9A-Za-z]+", "-", device).strip("-") or "gpu"
-    return kernel_cache.default_cache_dir() / "selfcheck" / f"{key}-{object_sha[:16]}-{slug}.json"
-
-
-def _load(path: pathlib.Path) -> Verdict | None:
-    """The verdict stored at `path`, or None when absent or unreadable (then the check simply runs again)."""
-    try:
-        fields = json.loads(path.read_text())
-        return Verdict(**{f.name: fields[f.name] for f in dataclasses.fields(Verdict) if f.name != "source"},
-                      source="disk")
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _store(path: pathlib.Path, verdict: Verdict) -> None:
-    """Write `verdict` atomically; an unwritable cache only means the check runs again next process."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**dataclasses.asdict(verdict), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                         time.gmtime())}))
-        os.replace(tmp, path)
-    except OSError as e:
-        logger.warning("jax_blockgemm: cannot store self-check verdict %s (%s)", path, e)
-
-
-def local_device(arch: str) -> Any | None:
-    """The first visible CUDA device whose compute capability our `arch` objects target, or None."""
-    import jax
-
-    from jax_blockgemm import dispatch
-
-    try:
-        devices = jax.devices("cuda")
-    except RuntimeError:
-        return None
-    return next((d for d in devices
-                 if dispatch.ARCH_OF_CAPABILITY.get(str(getattr(d, "compute_capability", ""))) == arch), None)
 
 
 def _operands(variant: Any, problem: tuple[int, int, int, int], seed: int) -> tuple[np.ndarray, ...]:
@@ -388,49 +314,93 @@ def run_proj_rope_problems(variant: Any, device: Any, *, run_kernel: Callable = 
     return ""
 
 
-def check(variant: Any, *, device: Any = None, force: bool = False, run: Callable | None = None) -> Verdict:
-    """The self-check verdict of `variant` on `device` (default: the first local GPU of its arch).
-
-    From memory or disk when this object was checked on this GPU model before (unless `force`), else by running
-    `run(variant, device)` (default: `run_problems` for gemm_amax, `run_proj_rope_problems` for proj_rope). Raises
-    RuntimeError when no local GPU runs `variant.arch`.
-    """
-    device = local_device(variant.arch) if device is None else device
-    if device is None:
-        raise RuntimeError(f"no local GPU runs {variant.arch} kernels; cannot self-check {variant.key}")
-    name = str(getattr(device, "device_kind", device))
-    sha = hashlib.sha256(kernel_cache.get_object(variant)).hexdigest()
-    ident = (variant.key, name, sha)
-    with _LOCK:
-        if not force and ident in _MEMORY:
-            return dataclasses.replace(_MEMORY[ident], source="memory")
-        path = verdict_path(*ident)
-        verdict = None if force else _load(path)
-        if verdict is None or (verdict.key, verdict.device, verdict.object_sha) != ident:
-            default = run_proj_rope_problems if variant.op == "proj_rope" else run_problems
-            why = (run or default)(variant, device)
-            verdict = Verdict(key=variant.key, device=name, object_sha=sha, ok=not why, detail=why or "ok")
-            _store(path, verdict)
-        _MEMORY[ident] = verdict
-        return verdict
+# --- dequantize (MXFP8 -> bf16, the MXFP8 proj_rope path's first launch) -------------------------------------
+# (rows, cols, scale axis of operand 0, paired second operand (rows, cols) or None): scales along rows and along
+# columns, a lone operand and a pair in one launch, sizes that leave partial CTAs.
+DEQUANTIZE_PROBLEMS = ((96, 224, -1, (64, 160)), (160, 96, -2, (32, 96)), (1000, 64, -1, None))
 
 
-def ensure_verified(variant: Any, **kwargs: Any) -> Verdict:
-    """`check(variant)`, warning once per process (naming the kernel) when it failed."""
-    verdict = check(variant, **kwargs)
-    ident = (verdict.key, verdict.device, verdict.object_sha)
-    if not verdict.ok and ident not in _WARNED:
-        _WARNED.add(ident)
-        message = (f"jax_blockgemm: kernel {verdict.key} failed its first-use self-check on {verdict.device} "
-                   f"({verdict.detail}); it will not be used: implementation=None falls back to the XLA reference "
-                   f"(verdict stored in {verdict_path(*ident)}; rerun with `python -m jax_blockgemm.selfcheck "
-                   f"--force`)")
-        logger.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-    return verdict
+def _dequantize_p():
+    """A one-off primitive whose CUDA lowering is one forced dequantize launch (the self-check's handle on it)."""
+    import jax
+    from jax.extend import core as jex_core
+    from jax.interpreters import mlir
+
+    from jax_blockgemm import ffi_lowering
+
+    p = jex_core.Primitive("jbg_selfcheck_dequantize")
+    p.multiple_results = True
+    p.def_abstract_eval(lambda *ops, variant, scale_axis: [jax.core.ShapedArray(c.shape, np.dtype("bfloat16"))
+                                                          for c in ops[::2]])
+
+    def lowering(ctx, *ops, variant, scale_axis):
+        pairs = [tuple(ops[i:i + 2]) for i in range(0, len(ops), 2)]
+        avals = [tuple(ctx.avals_in[i:i + 2]) for i in range(0, len(ops), 2)]
+        return ffi_lowering.emit_dequantize(ctx, pairs, avals=avals, variants=(variant,), scale_axis=scale_axis)
+
+    mlir.register_lowering(p, lowering, platform="cuda")
+    return p
 
 
-def format_table(verdicts: Sequence[Verdict], expect_fail: Sequence[str] = ()) -> str:
+_DEQUANTIZE_P = None
+
+
+def _dequantize_operands(rows: int, cols: int, scale_axis: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    import ml_dtypes
+
+    codes = np.clip(rng.standard_normal((rows, cols)) * 64, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    shape = (rows, cols // 32) if scale_axis == -1 else (rows // 32, cols)
+    return codes, rng.integers(100, 155, shape, dtype=np.uint8)  # 2^-27 .. 2^27, exact in bf16
+
+
+def _dequantize_expected(codes: np.ndarray, scales: np.ndarray, scale_axis: int) -> np.ndarray:
+    """code x 2^(byte - 127), exact in float64, rounded once to bf16 (exact here: the scales keep it normal)."""
+    import ml_dtypes
+
+    factor = np.repeat(np.exp2(scales.astype(np.float64) - 127), 32, axis=scale_axis)
+    return (codes.astype(np.float64) * factor).astype(ml_dtypes.bfloat16)
+
+
+def run_dequantize_problems(variant: Any, device: Any) -> str:
+    """'' when dequantize `variant` gives the exact bf16 values on every DEQUANTIZE_PROBLEMS, else the first failure.
+    Outputs are poisoned (NaN) before each launch."""
+    import jax
+
+    global _DEQUANTIZE_P
+    _DEQUANTIZE_P = _DEQUANTIZE_P or _dequantize_p()
+    scale_axis = -1 if variant.a_major == "k" else -2
+    for i, (rows, cols, _, paired) in enumerate(DEQUANTIZE_PROBLEMS):
+        problem = (rows, cols, scale_axis, paired)
+        if scale_axis == -2 and rows % 32:
+            continue  # scales along rows need whole 32-row blocks
+        rng = np.random.default_rng(i)
+        operands = [_dequantize_operands(rows, cols, scale_axis, rng)]
+        if paired is not None:
+            operands.append(_dequantize_operands(*paired, -1, rng))
+        args = [jax.device_put(x, device) for pair in operands for x in pair]
+        fn = jax.jit(functools.partial(_DEQUANTIZE_P.bind, variant=variant, scale_axis=scale_axis))
+        try:
+            with _forced_and_poisoned(variant):
+                outs = [np.asarray(o) for o in fn(*args)]
+        except Exception as e:  # noqa: BLE001 -- a kernel that cannot launch is a failed check
+            return f"(rows, cols, axis, paired) = {problem}: raised {type(e).__name__}: {e}"
+        for j, ((codes, scales), got) in enumerate(zip(operands, outs)):
+            want = _dequantize_expected(codes, scales, scale_axis if j == 0 else -1)
+            bad = got.view(np.uint16) != want.view(np.uint16)
+            if bad.any():
+                where = tuple(int(x) for x in np.argwhere(bad)[0])
+                return (f"(rows, cols, axis, paired) = {problem}, operand {j}: {int(bad.sum())} of {bad.size} "
+                        f"values differ, first at {where}: {float(got[where])} against {float(want[where])}")
+    return ""
+
+
+def run_check(variant: Any, device: Any) -> str:
+    """'' when `variant` passes every problem of its operation on `device`, else the first failure."""
+    runners = {"gemm_amax": run_problems, "proj_rope": run_proj_rope_problems, "dequantize": run_dequantize_problems}
+    return runners[variant.op](variant, device)
+
+
+def format_table(verdicts: Sequence[gate.Verdict], expect_fail: Sequence[str] = ()) -> str:
     """A plain-text table of verdicts: kernel, GPU, verdict, where it came from, detail.
 
     Keys in `expect_fail` (deliberately wrong test kernels) are marked as such, so that their FAIL reads right.
@@ -442,33 +412,65 @@ def format_table(verdicts: Sequence[Verdict], expect_fail: Sequence[str] = ()) -
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows)
 
 
+def known_variants() -> tuple:
+    """The catalog's variants, and any registered by the module that $JAX_BLOCKGEMM_EXTRA_VARIANTS_MODULE names
+    (tests register deliberately broken kernels that way; they must FAIL)."""
+    from jax_blockgemm.kernels import catalog
+
+    extra = os.environ.get(gate.EXTRA_VARIANTS_ENV)
+    if extra:
+        importlib.import_module(extra)
+    return catalog.CATALOG + catalog.extra_variants()
+
+
+def _child(key: str, result: pathlib.Path) -> int:
+    """Check kernel `key` on this process's first GPU of its arch; write {"ok", "detail"} to `result`."""
+    by_key = {v.key: v for v in known_variants()}
+    if key not in by_key:
+        raise SystemExit(f"--child {key!r}: no such kernel")
+    variant = by_key[key]
+    device = gate.local_device(variant.arch)
+    if device is None:
+        detail = f"no GPU of {variant.arch} visible to the check"
+    else:
+        try:
+            detail = run_check(variant, device)
+        except Exception as e:  # noqa: BLE001 -- whatever the kernel did, it is this check's outcome
+            detail = f"raised {type(e).__name__}: {e}"
+    result.write_text(json.dumps({"ok": not detail, "detail": detail or "ok"}))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jax_blockgemm.selfcheck", description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", action="append", default=[], help="only kernels of this target (repeatable)")
     p.add_argument("--variant", action="append", default=[], metavar="KEY", help="only this key (repeatable)")
     p.add_argument("--force", action="store_true", help="run again even where a verdict is stored")
-    p.add_argument("--include-test-variants", action="store_true",
-                   help="also check the deliberately wrong TEST_VARIANTS (they must FAIL)")
+    p.add_argument("--child", metavar="KEY", help=argparse.SUPPRESS)  # the gate's child process
+    p.add_argument("--result", type=pathlib.Path, help=argparse.SUPPRESS)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Check the selected kernels on the local GPUs; print the table.
+    """Check the selected kernels on the local GPUs through the gate; print one row per kernel.
 
-    Exit status 0 when every real kernel passed and every test kernel failed, 1 otherwise, 2 when nothing ran.
+    Exit status 0 when every real kernel passed and every deliberately broken one failed, 1 otherwise, 2 when
+    nothing ran.
     """
     args = _parser().parse_args(argv)
-    from jax_blockgemm.kernels import catalog
-
-    candidates = list(catalog.CATALOG) + (list(catalog.TEST_VARIANTS) if args.include_test_variants else [])
+    if args.child:
+        return _child(args.child, args.result)
+    # This process only enumerates GPUs and compiles objects; its children run the kernels and need the memory.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    candidates = known_variants()
     chosen = [v for v in candidates if (not args.arch or v.arch in args.arch)
               and (not args.variant or v.key in args.variant)]
-    runnable = [v for v in chosen if local_device(v.arch) is not None]
+    runnable = [v for v in chosen if gate.local_device(v.arch) is not None]
     if not runnable:
         print(f"nothing to check: no local GPU runs any of the {len(chosen)} selected kernels "
               f"(archs {sorted({v.arch for v in chosen})})")
         return 2
-    verdicts = [check(v, force=args.force) for v in runnable]
+    verdicts = [gate.check(v, force=args.force) for v in runnable]
     broken = {v.key for v in runnable if v.flavor}
     print(format_table(verdicts, expect_fail=sorted(broken)))
     return 0 if all(v.ok != (v.key in broken) for v in verdicts) else 1

@@ -25,8 +25,7 @@ _PACKED_FP4 = (E2M1, np.dtype(np.uint8))
 
 HEAD_DIM, QK_NOPE, QK_ROPE, MX_BLOCK = 192, 128, 64, 32
 GEMM_RTOL = 1e-5  # SPEC §7: fp32 C relative Frobenius error and amax relative error ("exact" class kernels)
-GEMM_RTOL_TC_FP8 = 1e-4  # SPEC §7's bound itself: the "tensor-core FP8" class (sm_90a fp8promote kernels)
-RTOL_OF_CLASS = {"exact": GEMM_RTOL, "tensor-core FP8": GEMM_RTOL_TC_FP8}  # catalog.accuracy_class -> bound
+GEMM_RTOL_TC_FP8 = 1e-4  # SPEC §7's bound itself: the "tensor-core FP8" class (XLA's block-scaled dot route)
 FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
 
 
@@ -150,7 +149,7 @@ def assert_gemm_close(test, c, c_ref_f64, *, c_dtype, c_major: str = "n", rtol: 
     an element whose exact value cancels far below its summands may also be off by the fp32 accumulation error
     the float32 criterion allows (1e-5 x rms(ref)) plus one step. Where the oracle is NaN (a NaN scale) C must be
     NaN too (FP4 C, which has no NaN, is not compared there); NaN elsewhere fails. `rtol` replaces 1e-5
-    (GEMM_RTOL) for a kernel of another accuracy class (RTOL_OF_CLASS).
+    (GEMM_RTOL) for an implementation of the "tensor-core FP8" class (GEMM_RTOL_TC_FP8).
     """
     rtol = GEMM_RTOL if rtol is None else rtol
     ref = np.asarray(c_ref_f64, np.float64)

@@ -17,7 +17,7 @@ import numpy as np
 from absl.testing import absltest
 
 import jax_blockgemm as jbg
-from jax_blockgemm import dispatch
+from jax_blockgemm import arch, dispatch
 
 import oracle_ops
 
@@ -28,7 +28,7 @@ TIMEOUT_S = 600
 
 def _kernel_gpu() -> bool:
     caps = dispatch.local_cuda_capabilities()
-    return bool(caps) and all(cc in dispatch.ARCH_OF_CAPABILITY for cc in caps)
+    return bool(caps) and all(arch.target_of(cc) for cc in caps)
 
 
 GEMM_IMPLEMENTATION = "cutedsl" if _kernel_gpu() else None

@@ -8,7 +8,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
-from jax_blockgemm import dispatch
+from jax_blockgemm import arch, dispatch
 
 import oracle
 
@@ -22,7 +22,10 @@ def _operands(m=256, n=128, k=128):
     return a, b, sfa, sfb
 
 
-_GEMM90, _ROPE90 = ("gemm_amax", "sm_90a"), ("proj_rope", "sm_90a")
+def _none_takes(op: str, choice: str, capability: str = "9.0"):
+    """arch.TABLE with implementation=None taking `choice` for `op` on `capability`."""
+    default = next(p.default for p in arch.TABLE if p.capability == capability)
+    return arch.overridden(capability, default={**default, op: choice})
 
 
 def _cuda_text(**kwargs) -> str:
@@ -41,15 +44,15 @@ class DispatchTest(parameterized.TestCase):
         self.assertNotIn("jbg_gemm_amax", _cuda_text(implementation="xla"))
 
     def test_default_follows_the_measured_preference(self):
-        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_GEMM90: False}):
+        with _none_takes("gemm_amax", "reference"):
             self.assertNotIn("jbg_gemm_amax", _cuda_text())
-        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_GEMM90: True}):
+        with _none_takes("gemm_amax", "kernel"):
             self.assertIn("jbg_gemm_amax", _cuda_text())
 
     def test_gpu_without_kernel(self):
         """On an sm_80 machine, None falls back to the reference and 'cutedsl' says why it cannot run."""
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("8.0",)), \
-                mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_GEMM90: True}):
+                _none_takes("gemm_amax", "kernel"):
             self.assertNotIn("jbg_gemm_amax", _cuda_text())
             with self.assertRaisesRegex(ValueError,
                                         "no kernel for compute capability 8.0 .kernels exist for sm_100a, sm_90a"):
@@ -111,11 +114,6 @@ class ProjRopeDispatchTest(parameterized.TestCase):
         self.assertIn(f"w_out_in = {str(w_out_in).lower()}", text)
         # the layout's own object of the default schedule ("staged", 128-token tiles)
         self.assertIn("_t128x192_c1x1" + ("" if w_out_in else "_bn") + "_staged", text)
-        with mock.patch.dict(dispatch.PROJ_ROPE_TILE, {"sm_90a": (64, 192)}), \
-                mock.patch.dict(dispatch.PROJ_ROPE_SCHEDULE, {"sm_90a": ""}):
-            text = _proj_rope_text(w_out_in=w_out_in, implementation="cutedsl")
-            self.assertIn("_t64x192_c1x1" + ("" if w_out_in else "_bn"), text)
-            self.assertNotIn("_staged", text)
 
     def test_xla_never_does(self):
         self.assertNotIn("jbg_gemm_proj_rope_mxfp8", _proj_rope_text(implementation="xla"))
@@ -128,18 +126,17 @@ class ProjRopeDispatchTest(parameterized.TestCase):
 
     def test_default_never_takes_the_never_run_sm100a_kernel(self):
         """Never run, never measured: None takes the reference on a Blackwell machine, without a self-check."""
-        from jax_blockgemm import selfcheck
+        from jax_blockgemm import gate
 
-        self.assertEqual(dispatch.PROJ_ROPE_TILE["sm_100a"], (128, 192))
-        self.assertFalse(dispatch.DEFAULT_TAKES_KERNEL[("proj_rope", "sm_100a")])
+        self.assertFalse(arch.none_takes_kernel("proj_rope", "sm_100a"))
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)), \
-                mock.patch.object(selfcheck, "ensure_verified", side_effect=AssertionError("no check expected")):
+                mock.patch.object(gate, "ensure_verified", side_effect=AssertionError("no check expected")):
             self.assertNotIn("jbg_gemm_proj_rope_mxfp8", _proj_rope_text())
 
     def test_default_follows_the_measured_preference(self):
-        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_ROPE90: False}):
+        with _none_takes("proj_rope", "reference"):
             self.assertNotIn("jbg_gemm_proj_rope_mxfp8", _proj_rope_text())
-        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_ROPE90: True}):
+        with _none_takes("proj_rope", "kernel"):
             self.assertIn("jbg_gemm_proj_rope_mxfp8", _proj_rope_text())
 
     @parameterized.parameters(True, False)
@@ -159,7 +156,7 @@ class ProjRopeDispatchTest(parameterized.TestCase):
         f = jax.jit(jax.vmap(lambda w: jbg.gemm_proj_rope_mxfp8(x, w, cs, cs, implementation="cutedsl")))
         with self.assertRaisesRegex(ValueError, "one weight matrix per call; got 3"):
             f.trace(w).lower(lowering_platforms=("cuda",))
-        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_ROPE90: True}):
+        with _none_takes("proj_rope", "kernel"):
             g = jax.jit(jax.vmap(lambda w: jbg.gemm_proj_rope_mxfp8(x, w, cs, cs)))
             self.assertNotIn("jbg_gemm_proj_rope_mxfp8", g.trace(w).lower(lowering_platforms=("cuda",)).as_text())
 
@@ -246,7 +243,7 @@ class Int32LimitTest(parameterized.TestCase):
         super().setUp()
         # The kernel would be the default here, so that None taking the reference shows the size decided it;
         # the object bytes are a stand-in (nothing is compiled or run).
-        self.enterContext(mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {("gemm_amax", "sm_90a"): True}))
+        self.enterContext(_none_takes("gemm_amax", "kernel"))
         from jax_blockgemm import kernel_cache
         self.enterContext(mock.patch.object(kernel_cache, "get_object", return_value=b"\x7fELF stand-in"))
 
@@ -325,8 +322,8 @@ class SurfaceDispatchTest(parameterized.TestCase):
         sf, v = ("float8_e4m3fn", 16) if fmt == "nvfp4" else ("float8_e8m0fnu", 32)
         self.assertIn(f'sf_dtype = "{sf}"', call)
         self.assertIn(f"sf_vec_size = {v} : i64", call)
-        for arch in archs.split(","):
-            self.assertRegex(call, rf"jbg_gemm_amax_{arch}_e2m1_")
+        for target in archs.split(","):
+            self.assertRegex(call, rf"jbg_gemm_amax_{target}_e2m1_")
         operand_types = call.split(" : (")[-1].split(") -> ")[0]
         self.assertEqual(operand_types.count("tensor<"), 5 if fmt == "nvfp4" else 4)  # alpha after sfb
         c_type = {"float4_e2m1fn": "2x200x80xui8", "float8_e4m3fn": "2x200x160xf8E4M3FN"}.get(c_dtype)
@@ -391,7 +388,7 @@ class SurfaceDispatchTest(parameterized.TestCase):
         """sm_100a has FP4 kernels for f32/bf16 C only: on a B200 an FP8 C call takes the reference (None) or
         raises ('cutedsl')."""
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)), \
-                mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {_GEMM90: True, ("gemm_amax", "sm_100a"): True}):
+                _none_takes("gemm_amax", "kernel"), _none_takes("gemm_amax", "kernel", "10.0"):
             with self.assertRaisesRegex(ValueError, r"no kernel for compute capability 10.0 \(kernels exist for "
                                                     r"sm_90a\)"):
                 self._lower("mxfp4", jnp.float8_e4m3fn, implementation="cutedsl")

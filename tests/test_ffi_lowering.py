@@ -12,6 +12,7 @@ from absl.testing import absltest
 from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
+from jax_blockgemm import arch as jbg_arch
 from jax_blockgemm import dispatch, ffi_lowering, kernel_cache
 
 
@@ -201,8 +202,8 @@ class RealPrimitiveTest(absltest.TestCase):
             b_major = "k" if w_out_in else "n"
             variants = [catalog.select_variant(op="proj_rope", arch=arch, ab_dtype="bfloat16",
                                                c_dtype="float8_e4m3fn", sf_vec_size=32,
-                                               tile_mn=dispatch.PROJ_ROPE_TILE[arch], cluster_mn=(1, 1),
-                                               schedule=dispatch.PROJ_ROPE_SCHEDULE[arch], b_major=b_major)
+                                               tile_mn=jbg_arch.policy(arch).proj_rope_tile, cluster_mn=(1, 1),
+                                               schedule=jbg_arch.policy(arch).proj_rope_schedule, b_major=b_major)
                         for arch in ("sm_100a", "sm_90a")]
             w = jax.ShapeDtypeStruct((h * 192, k) if w_out_in else (k, h * 192), jnp.bfloat16)
             with mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()) as get_object:

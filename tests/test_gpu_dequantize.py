@@ -19,7 +19,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
 import jax_blockgemm as jbg
-from jax_blockgemm import dispatch, ffi_lowering
+from jax_blockgemm import arch, dispatch, ffi_lowering
 
 import oracle
 import oracle_ops
@@ -35,7 +35,7 @@ def _abstract_eval(*operands, scale_axis):
 
 def _cuda_lowering(ctx, *operands, scale_axis):
     """One jbg_dequantize_mxfp8 call for (codes, scales[, codes1, scales1])."""
-    archs = {dispatch.ARCH_OF_CAPABILITY[cc] for cc in dispatch.local_cuda_capabilities()}
+    archs = {arch.target_of(cc) for cc in dispatch.local_cuda_capabilities()}
     paired = ctx.avals_in[2].shape if len(operands) == 4 else None
     variants = dispatch.dequantize_variants(archs, ctx.avals_in[0].shape, scale_axis=scale_axis, paired_shape=paired)
     if not variants:
@@ -50,7 +50,7 @@ mlir.register_lowering(_dequantize_p, _cuda_lowering, platform="cuda")
 
 def _has_kernel_gpu() -> bool:
     caps = dispatch.local_cuda_capabilities()
-    return bool(caps) and all(cc in dispatch.ARCH_OF_CAPABILITY for cc in caps)
+    return bool(caps) and all(arch.target_of(cc) for cc in caps)
 
 
 def _kernel(codes: np.ndarray, scales: np.ndarray, scale_axis: int, *paired: np.ndarray) -> list[np.ndarray]:

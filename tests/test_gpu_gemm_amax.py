@@ -19,7 +19,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
-from jax_blockgemm import dispatch
+from jax_blockgemm import arch, dispatch
 
 import oracle
 import oracle_ops
@@ -27,7 +27,7 @@ import oracle_ops
 
 def _has_kernel_gpu() -> bool:
     caps = dispatch.local_cuda_capabilities()
-    return bool(caps) and all(cc in dispatch.ARCH_OF_CAPABILITY for cc in caps)
+    return bool(caps) and all(arch.target_of(cc) for cc in caps)
 
 
 def _inputs(rng, l, m, n, k, dtype):
@@ -71,13 +71,13 @@ class GpuGemmAmaxTest(parameterized.TestCase):
         self.assertFalse(np.isnan(np.asarray(c)[0, 16]).any())
 
     def test_which_implementation_runs(self):
-        """'cutedsl' lowers to the kernel; None follows the measured preference (dispatch.DEFAULT_TAKES_KERNEL)."""
+        """'cutedsl' lowers to the kernel; None follows the per-architecture policy (arch.TABLE)."""
         a, b, sfa, sfb = _inputs(np.random.default_rng(8), 1, 128, 128, 128, jnp.float8_e4m3fn)
         args = (a, b, jnp.asarray(sfa), jnp.asarray(sfb))
         lower = lambda impl: jax.jit(lambda *x: jbg.gemm_amax(*x, implementation=impl)).lower(*args).as_text()
         self.assertIn("jbg_gemm_amax", lower("cutedsl"))
-        arch = dispatch.ARCH_OF_CAPABILITY[dispatch.local_cuda_capabilities()[0]]
-        self.assertEqual("jbg_gemm_amax" in lower(None), dispatch.DEFAULT_TAKES_KERNEL.get(("gemm_amax", arch), False))
+        target = arch.target_of(dispatch.local_cuda_capabilities()[0])
+        self.assertEqual("jbg_gemm_amax" in lower(None), arch.none_takes_kernel("gemm_amax", target))
 
     def _program(self, implementation):
         """Ops before and after the GEMM in one jitted program, no manual synchronization."""

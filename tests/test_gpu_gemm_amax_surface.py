@@ -24,7 +24,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
-from jax_blockgemm import dispatch
+from jax_blockgemm import arch, dispatch
 
 import oracle
 import oracle_ops
@@ -32,7 +32,7 @@ import oracle_ops
 
 def _local_archs() -> set:
     caps = dispatch.local_cuda_capabilities() or ()
-    return {dispatch.ARCH_OF_CAPABILITY.get(cc) for cc in caps}
+    return {arch.target_of(cc) for cc in caps}
 
 
 # (L, M, N, K): N a multiple of 32 (16-byte rows of packed FP4 C), K of 32 (16-byte rows of packed FP4 codes).

@@ -26,7 +26,7 @@ try:  # the test extra has it; a bare GPU machine may not, and the GPU cases nee
 except ImportError:
     st = None
 
-from jax_blockgemm import _native, dispatch, kernel_cache
+from jax_blockgemm import _native, arch, dispatch, kernel_cache
 
 import oracle
 import oracle_ops
@@ -242,8 +242,8 @@ def _object_table_problem(attrs: dict, target: str) -> str:
                                        list(attrs["offsets"]), target=target)
     except ValueError as e:
         return str(e)
-    for arch, prefix, _, _, begin, end in table:
-        if arch == DEVICE_ARCH:
+    for target_arch, prefix, _, _, begin, end in table:
+        if target_arch == DEVICE_ARCH:
             message = ext.check_kernel_object(bytes(attrs["objects"][begin:end]), prefix)
             if message:
                 return f"{target}: {message}"
@@ -450,7 +450,8 @@ def _proj_rope_object() -> tuple[bytes, str]:
     from jax_blockgemm.kernels import catalog
 
     variant = catalog.select_variant(op="proj_rope", arch=DEVICE_ARCH, ab_dtype=BF16, c_dtype=E4M3, sf_vec_size=32,
-                                     tile_mn=dispatch.PROJ_ROPE_TILE[DEVICE_ARCH], cluster_mn=(1, 1))
+                                     tile_mn=arch.policy(DEVICE_ARCH).proj_rope_tile, cluster_mn=(1, 1),
+                                     schedule=arch.policy(DEVICE_ARCH).proj_rope_schedule)
     return kernel_cache.get_object(variant), variant.function_prefix
 
 
@@ -720,7 +721,7 @@ if st is not None:
 
 def _has_kernel_gpu() -> bool:
     caps = dispatch.local_cuda_capabilities()
-    return bool(caps) and DEVICE_ARCH in {dispatch.ARCH_OF_CAPABILITY.get(cc) for cc in caps}
+    return bool(caps) and DEVICE_ARCH in {arch.target_of(cc) for cc in caps}
 
 
 @absltest.skipUnless(_has_kernel_gpu(), "needs a CUDA GPU with a CuTeDSL kernel (sm_90a)")

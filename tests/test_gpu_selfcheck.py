@@ -1,17 +1,20 @@
-"""GPU: the first-use self-check for real, on whatever GPU this is (skips without a CUDA GPU that has kernels).
+"""GPU: the first-use gate for real, on whatever GPU this is (skips without a CUDA GPU that has kernels).
 
-On the H200 it checks the sm_90a kernels (they must pass) and the deliberately wrong test variant (it must fail,
-and the gate must then fall back to the reference or raise). On a B200 the same file checks every sm_100a
-variant, which is how a Blackwell user verifies the never-run kernels:
+On the H200 it checks the sm_90a kernels (they must pass) and three deliberately broken ones (tests/broken_kernels.py:
+a wrong element, a hang on an mbarrier, an illegal address), each through the real gate's child process: each must
+end as a stored FAIL within the timeout, and this process must then still run the reference correctly. On a B200
+the same file checks every sm_100a variant, which is how a Blackwell user verifies the never-run kernels:
 
     JAX_BLOCKGEMM_CACHE_DIR=$(mktemp -d) python -m pytest tests/test_gpu_selfcheck.py tests/test_gpu_gemm_amax.py -q
 """
 
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from unittest import mock
 
@@ -21,19 +24,27 @@ import numpy as np
 from absl.testing import absltest
 
 import jax_blockgemm as jbg
-from jax_blockgemm import dispatch, precompile, selfcheck
+from jax_blockgemm import arch, dispatch, gate, precompile, selfcheck
 
+import broken_kernels
 import oracle_ops
 
 
 def _local_arch():
     caps = dispatch.local_cuda_capabilities()
-    archs = {dispatch.ARCH_OF_CAPABILITY.get(cc) for cc in caps or ()}
-    return archs.pop() if len(archs) == 1 and None not in archs else None
+    targets = {arch.target_of(cc) for cc in caps or ()}
+    return targets.pop() if len(targets) == 1 and None not in targets else None
 
 
 _ARCH = _local_arch()
 _FMT = "mxfp8_e4m3"
+_TESTS = str(pathlib.Path(__file__).resolve().parent)
+_TIMEOUT_S = 60.0  # the gate's limit in these tests (120 s by default)
+
+
+def _in_process(variant, device):
+    why = selfcheck.run_check(variant, device)
+    return not why, why
 
 
 @absltest.skipUnless(_ARCH, "needs a CUDA GPU of one architecture that has kernels (sm_90a or sm_100a)")
@@ -41,8 +52,8 @@ class GpuSelfCheckTest(absltest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        """One fresh object cache for the class, filled in parallel: compiling every local variant one by one, twice
-        (in-process and in the CLI's subprocess), took longer than the test's time on the H200."""
+        """One fresh object cache for the class, filled in parallel (compiling every local variant one by one took
+        longer than the test's time on the H200)."""
         super().setUpClass()
         from jax_blockgemm.kernels import catalog
 
@@ -64,36 +75,65 @@ class GpuSelfCheckTest(absltest.TestCase):
         self.catalog = catalog
         # Objects are shared across the class; verdicts are not (each test starts with none on disk).
         shutil.rmtree(os.path.join(self.dir, "selfcheck"), ignore_errors=True)
-        self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.dir}))
-        self.enter_context(mock.patch.dict(selfcheck._MEMORY, clear=True))
-        self.enter_context(mock.patch.object(selfcheck, "_WARNED", set()))
+        path = os.pathsep.join([_TESTS, os.environ.get("PYTHONPATH", "")])
+        self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.dir, "PYTHONPATH": path,
+                                                        gate.EXTRA_VARIANTS_ENV: "broken_kernels",
+                                                        gate.TIMEOUT_ENV: str(_TIMEOUT_S)}))
+        self.enter_context(mock.patch.dict(gate._MEMORY, clear=True))
+        self.enter_context(mock.patch.object(gate, "_WARNED", set()))
 
     def test_every_local_kernel_passes(self):
-        for v in self.catalog.variants_for(_ARCH):  # gemm_amax and proj_rope (on an H200: known-good kernels)
+        for v in self.catalog.variants_for(_ARCH):  # gemm_amax, proj_rope and dequantize
             with self.subTest(v.key):
-                verdict = selfcheck.check(v, force=True)
+                verdict = gate.check(v, force=True, run=_in_process)
                 self.assertTrue(verdict.ok, verdict.detail)
                 self.assertEqual(verdict.device, jax.devices("cuda")[0].device_kind)
 
-    def _broken(self):
+    def _broken(self, variant):
         if _ARCH != "sm_90a":
-            self.skipTest("the deliberately wrong test kernel is an sm_90a one")
-        return self.catalog.TEST_VARIANTS[0]
+            self.skipTest("the deliberately broken kernels are sm_90a ones")
+        return variant
 
-    def test_broken_kernel_is_caught(self):
-        verdict = selfcheck.check(self._broken(), force=True)
+    def _reference_still_runs(self):
+        """This process is usable after a broken kernel's check: the reference on this GPU matches the oracle."""
+        rng = np.random.default_rng(5)
+        x = oracle_ops.random_gemm_inputs(rng, l=1, m=256, n=128, k=256, fmt=_FMT)
+        c, amax = jax.jit(lambda *o: jbg.gemm_amax(*o, implementation="xla"))(
+            *(jnp.asarray(x[name]) for name in ("a", "b", "sfa", "sfb")))
+        c_ref, amax_ref = oracle_ops.gemm_amax_oracle(x["a"], x["b"], x["sfa"], x["sfb"], k=256, sf_vec_size=32)
+        oracle_ops.assert_gemm_close(self, np.asarray(c), c_ref, c_dtype=jnp.float32)
+        oracle_ops.assert_amax_close(self, np.asarray(amax), np.max(amax_ref))
+
+    def _check_broken(self, variant, detail_pattern):
+        start = time.monotonic()
+        verdict = gate.check(self._broken(variant), force=True)
+        took = time.monotonic() - start
+        print(f"\n{variant.key}: FAIL after {took:.1f} s: {verdict.detail}", file=sys.stderr)
         self.assertFalse(verdict.ok)
-        self.assertRegex(verdict.detail, r"^\(L, M, N, K\) = \(1, 200, 136, 96\): 1 of 27200 C elements off, "
-                                         r"worst at \(0, 0, 0\)")
+        self.assertRegex(verdict.detail, detail_pattern)
+        self.assertLess(took, _TIMEOUT_S + 30)
+        self.assertFalse(gate.verdict_path(*gate.identity(variant, gate.local_device(_ARCH))).with_suffix(
+            ".attempt").exists())
+        self._reference_still_runs()
+
+    def test_a_wrong_result_is_caught(self):
+        self._check_broken(broken_kernels.NEGATED_CORNER,
+                           r"^\(L, M, N, K\) = \(1, 200, 136, 96\): 1 of 27200 C elements off, worst at \(0, 0, 0\)")
+
+    def test_a_hang_is_killed_at_the_timeout(self):
+        self._check_broken(broken_kernels.SPINNING, r"timed out after 60 s")
+
+    def test_an_illegal_address_fails_in_the_child(self):
+        self._check_broken(broken_kernels.ILLEGAL_ADDRESS, r"(?i)illegal|CUDA|without a result|raised")
 
     def _gated(self, variant, implementation):
-        """gemm_amax on this GPU with `variant` as the catalog's choice and the gate on for this arch."""
+        """gemm_amax on this GPU with `variant` as the catalog's choice and this arch treated as never run."""
         rng = np.random.default_rng(3)
         x = oracle_ops.random_gemm_inputs(rng, l=1, m=256, n=128, k=256, fmt=_FMT)
         a, b, sfa, sfb = (jnp.asarray(x[name]) for name in ("a", "b", "sfa", "sfb"))
         select = lambda **kw: variant if kw["arch"] == _ARCH else None
-        with mock.patch.object(selfcheck, "UNVERIFIED_ARCHS", frozenset({_ARCH})), \
-                mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, {("gemm_amax", _ARCH): True}), \
+        capability = dispatch.local_cuda_capabilities()[0]
+        with arch.overridden(capability, verified=False, default={"gemm_amax": "kernel", "proj_rope": "kernel"}), \
                 mock.patch.object(self.catalog, "select_variant", side_effect=select):
             fn = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation=implementation))
             text = fn.lower(a, b, sfa, sfb).as_text()
@@ -104,8 +144,8 @@ class GpuSelfCheckTest(absltest.TestCase):
         oracle_ops.assert_amax_close(self, np.asarray(amax), np.max(amax_ref))
         return text
 
-    def test_gate_falls_back_from_the_broken_kernel_with_a_warning(self):
-        broken = self._broken()
+    def test_gate_falls_back_from_a_broken_kernel_with_a_warning_and_cutedsl_raises(self):
+        broken = self._broken(broken_kernels.NEGATED_CORNER)
         with self.assertWarnsRegex(RuntimeWarning, f"kernel {broken.key} failed its first-use self-check"):
             text = self._gated(broken, None)
         self.assertNotIn("jbg_gemm_amax", text)
@@ -117,16 +157,19 @@ class GpuSelfCheckTest(absltest.TestCase):
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             self.assertIn("jbg_gemm_amax", self._gated(v, None))
-        self.assertTrue(selfcheck.verdict_path(*next(iter(selfcheck._MEMORY))).is_file())
+        self.assertTrue(gate.verdict_path(*next(iter(gate._MEMORY))).is_file())
 
     def test_cli_table(self):
+        """The CLI in its own process (beside this one, which holds most of the GPU's memory): one row per kernel,
+        each checked in a child process of its own."""
+        chosen = [self.catalog.variants_for(_ARCH, op)[0] for op in ("gemm_amax", "proj_rope", "dequantize")]
         args = [sys.executable, "-m", "jax_blockgemm.selfcheck", "--arch", _ARCH, "--force"]
-        if _ARCH == "sm_90a":
-            args.append("--include-test-variants")
+        for v in chosen + ([broken_kernels.NEGATED_CORNER] if _ARCH == "sm_90a" else []):
+            args += ["--variant", v.key]
         out = subprocess.run(args, capture_output=True, text=True, env={**os.environ}, timeout=1800)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertRegex(out.stdout, r"kernel\s+device\s+verdict\s+source")
-        self.assertEqual(out.stdout.count(" PASS "), len(self.catalog.variants_for(_ARCH)))
+        self.assertEqual(out.stdout.count(" PASS "), len(chosen))
         if _ARCH == "sm_90a":
             self.assertIn("FAIL (must FAIL)", out.stdout)
 

@@ -1,23 +1,15 @@
 """The reference's measured formulation computes the same bits as the old one; the scaled_dot route stays in SPEC §7.
 
-proj_rope: `reference.gemm_proj_rope_reference` (restructured for speed on 2026-11-29, see its docstring) must be
+proj_rope: `reference.gemm_proj_rope_reference` (restructured for speed, see its docstring) must be
 bit-identical to the formulation it replaced (`legacy_proj_rope` below, the oracle of record) on random inputs
 with zero, NaN and inf blocks, at odd shapes; its quantizer is also checked on crafted Y (E4M3 ties,
 saturation, float32 subnormals, zero and non-finite blocks) against the old quantizer and the float64 oracle.
-gemm_amax: the `jax.lax.scaled_dot` accumulator against the float64 oracle (skipped where jax lacks scaled_dot),
-the one place that decides when the primitives take it (never, today), and that
-benchmarks/reference_variants.py itself runs (`--small`).
+gemm_amax: the `jax.lax.scaled_dot` accumulator against the float64 oracle (skipped where jax lacks scaled_dot), and
+the one place that decides when the primitives take it (`arch.TABLE`: Blackwell, not Hopper).
 """
 
 import functools
-import importlib.util
-import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
-import tempfile
 from unittest import mock
 
 import jax
@@ -31,24 +23,12 @@ from jax_blockgemm import formats, reference
 import oracle
 import oracle_ops
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
-_SCRIPT = _ROOT / "benchmarks" / "reference_variants.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("reference_variants", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-rv = _load_script()
 _NO_SCALED_DOT = "the installed jax has no jax.lax.scaled_dot"
 E4M3 = jnp.float8_e4m3fn
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The formulation before the 2026-11-29 rewrite (commit f7a3245), kept verbatim as the oracle of record.
+# The formulation before the reference was restructured for speed, kept verbatim as the oracle of record.
 
 
 def _legacy_round_to_e4m3_grid(y: jax.Array) -> jax.Array:
@@ -204,7 +184,7 @@ class QuantizerTest(parameterized.TestCase):
 
 class ReferenceDotTest(absltest.TestCase):
     """The references' one GEMM: bfloat16 operands, a float32 result (SPEC §6), and no algorithm preset, which made
-    XLA pick slower GEMM kernels on the H200 at bit-identical results (benchmarks/NOTES.md "Reference speed")."""
+    XLA pick slower GEMM kernels on the H200 at bit-identical results (docs/design/reference.md)."""
 
     _DOT = re.compile(r"stablehlo\.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)")
 
@@ -268,8 +248,19 @@ class ScaledDotRouteTest(parameterized.TestCase):
         self._check(l=1, m=40, n=24, k=4096, fmt="mxfp8_e4m3", c_dtype="float32", seed=5)
 
     def test_nan_scale_poisons_its_row_and_amax(self):
-        result = rv.nan_scale_poisons()
-        self.assertTrue(result["ok"], result)
+        """One NaN (0xFF) scale byte in A: exactly that row of C is NaN, and amax is NaN."""
+        k = 128
+        inp = oracle_ops.random_gemm_inputs(np.random.default_rng(3), l=1, m=160, n=96, k=k, fmt="mxfp8_e4m3")
+        sfa = inp["sfa"].copy()
+        sfa[0, 37, 1] = 0xFF
+        fn = jax.jit(functools.partial(reference.gemm_amax_reference, k=k, sf_vec_size=32, c_dtype=np.float32,
+                                       scaled_dot=True))
+        c, amax = fn(jnp.asarray(inp["a"]), jnp.asarray(inp["b"]), formats.to_scale_atom(jnp.asarray(sfa)),
+                     formats.to_scale_atom(jnp.asarray(inp["sfb"])))
+        c = np.asarray(c[0])
+        self.assertEqual(np.flatnonzero(np.isnan(c).any(axis=1)).tolist(), [37])
+        self.assertTrue(np.isnan(c[37]).all())
+        self.assertTrue(np.isnan(np.asarray(amax)[0]))
 
     def _special(self, fmt: str, special_codes: dict) -> np.ndarray:
         """The route on codes with `special_codes` ({(row, k): byte} in A) and a NaN (0xFF) scale byte in B (column
@@ -322,20 +313,23 @@ class ScaledDotRouteTest(parameterized.TestCase):
 
 class ScaledDotDecisionTest(absltest.TestCase):
 
-    def test_off_by_default(self):
-        """Off: through the API it was not faster on the H200 (reference.py says what was measured)."""
-        self.assertEqual(reference.SCALED_DOT_MIN_SIZE, {})
-        self.assertFalse(reference.use_scaled_dot(("cuda:9.0",), jnp.float8_e4m3fn, jnp.float8_e4m3fn,
-                                                  sf_vec_size=32, l=1, m=8192, n=8192, k=8192))
+    def test_hopper_keeps_the_exact_route_blackwell_takes_xlas_block_scaled_dot(self):
+        """Off on the H200, where it was no faster; on by default on compute capability 10.x (cuDNN's FP8 GEMM)."""
+        e4 = jnp.float8_e4m3fn
+        big = dict(sf_vec_size=32, l=1, m=8192, n=8192, k=8192)
+        self.assertFalse(reference.use_scaled_dot(("cuda:9.0",), e4, e4, **big))
+        self.assertFalse(reference.use_scaled_dot(("cpu",), e4, e4, **big))
+        for kind in ("cuda:10.0", "cuda:10.3"):
+            self.assertEqual(reference.use_scaled_dot((kind,), e4, e4, **big), reference.has_scaled_dot(), kind)
+        self.assertFalse(reference.use_scaled_dot(("cuda:10.0", "cuda:9.0"), e4, e4, **big))  # a mixed machine
 
     def test_e4m3_only(self):
         """E5M2 never takes the route (its infinities did not follow SPEC §2 on the H200)."""
         e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
         big = dict(sf_vec_size=32, l=1, m=4096, n=24576, k=1536)
-        with mock.patch.dict(reference.SCALED_DOT_MIN_SIZE, {"cuda:9.0": 0}, clear=True):
-            self.assertEqual(reference.use_scaled_dot(("cuda:9.0",), e4, e4, **big), reference.has_scaled_dot())
-            for a, b in ((e5, e5), (e4, e5), (e5, e4)):
-                self.assertFalse(reference.use_scaled_dot(("cuda:9.0",), a, b, **big))
+        self.assertEqual(reference.use_scaled_dot(("cuda:10.0",), e4, e4, **big), reference.has_scaled_dot())
+        for a, b in ((e5, e5), (e4, e5), (e5, e4)):
+            self.assertFalse(reference.use_scaled_dot(("cuda:10.0",), a, b, **big))
 
     def test_applies_only_to_mxfp8_in_whole_blocks(self):
         has = reference.has_scaled_dot()
@@ -348,7 +342,7 @@ class ScaledDotDecisionTest(absltest.TestCase):
     def test_threshold_per_device_kind(self):
         args = dict(sf_vec_size=32, l=1, m=64, n=64, k=64)
         e4 = jnp.float8_e4m3fn
-        with mock.patch.dict(reference.SCALED_DOT_MIN_SIZE, {"cuda:9.0": 64 ** 3}, clear=True):
+        with _scaled_dot_table({"cuda:9.0": 64 ** 3}):
             self.assertEqual(reference.use_scaled_dot(("cuda:9.0",), e4, e4, **args), reference.has_scaled_dot())
             self.assertFalse(reference.use_scaled_dot(("cuda:9.0",), e4, e4, **{**args, "m": 63}))
             self.assertFalse(reference.use_scaled_dot(("cuda:9.0", "cuda:8.0"), e4, e4, **args))  # an A100 too
@@ -369,7 +363,7 @@ class ScaledDotDecisionTest(absltest.TestCase):
         args = [jax.device_put(x, cpu) for x in args]
         cases = (({}, None, False), ({"cpu": 0}, None, True), ({"cpu": 0}, "xla", False))
         for table, implementation, expected in cases:
-            with mock.patch.dict(reference.SCALED_DOT_MIN_SIZE, table):
+            with _scaled_dot_table(table):
                 fn = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation=implementation))
                 hlo = fn.trace(*args).lower(lowering_platforms=("cpu",)).as_text()
                 self.assertEqual("xla.scaled_dot" in hlo, expected, (table, implementation))
@@ -379,40 +373,11 @@ class ScaledDotDecisionTest(absltest.TestCase):
             oracle_ops.assert_amax_close(self, np.asarray(amax), amax_ref)
 
 
-class ScriptTest(absltest.TestCase):
+def _scaled_dot_table(table: dict):
+    """arch.scaled_dot_min_size answering from `table` (device kind -> smallest L*M*N*K), e.g. {"cpu": 0}."""
+    from jax_blockgemm import arch
 
-    def test_small_run(self):
-        """benchmarks/reference_variants.py --small runs, the public API matches the reference bit for bit, the
-        scaled_dot route is close."""
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "rv.json")
-            env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-            proc = subprocess.run([sys.executable, str(_SCRIPT), "--small", "--reps", "2", "--out", out],
-                                  capture_output=True, text=True, env=env, timeout=1200)
-            self.assertEqual(proc.returncode, 0, proc.stdout[-3000:] + proc.stderr[-3000:])
-            with open(out) as f:
-                record = json.load(f)
-            hlo = sorted(os.listdir(os.path.join(tmp, "rv_hlo")))
-        self.assertIn("proj_rope_T64_bf16_reference.hlo.txt.gz", hlo)
-        self.assertIn("gemm_256x192x320_dequant.hlo.txt.gz", hlo)
-        self.assertEqual(len(record["proj_rope"]), 2)
-        for case in record["proj_rope"]:
-            for name in ("reference", "public_api"):
-                v = case["variants"][name]
-                self.assertTrue(v.get("identical"), (case["path"], name, v))
-                self.assertGreater(v["ms"], 0)
-            baselines = ("unfused_pipeline",) + (("bare_dot_w_nk", "bare_dot_w_kn") if case["path"] == "bf16" else ())
-            for name in baselines:
-                self.assertGreater(case["variants"][name]["ms"], 0)
-        self.assertEqual(len(record["gemm"]), 2)
-        for case in record["gemm"]:
-            names = ("dequant", "scaled_dot", "lax_scaled_dot_bare") if reference.has_scaled_dot() else ("dequant",)
-            self.assertEqual(tuple(case["variants"]), names)
-            for name in names:
-                self.assertTrue(case["variants"][name]["ok"], case["variants"][name])
-        if reference.has_scaled_dot():
-            self.assertTrue(record["nan_scale"]["ok"], record["nan_scale"])
-        self.assertIn("proj_rope: ms and ratio", proc.stdout)
+    return mock.patch.object(arch, "scaled_dot_min_size", side_effect=table.get)
 
 
 if __name__ == "__main__":

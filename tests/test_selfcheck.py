@@ -1,13 +1,16 @@
-"""CPU: the first-use self-check's decisions (compare, verdict cache, dispatch gate), with the GPU parts faked.
+"""CPU: the first-use self-check's decisions (compare, verdict store, the gate at lowering), GPU parts faked.
 
 The "kernel" here is the float64 oracle (right) or the oracle with one element negated / NaN (wrong), run on the
-CPU; the reference it is compared with is the real XLA reference, executed from inside a CUDA lowering exactly as
-on a GPU. The real thing, on a GPU, is tests/test_gpu_selfcheck.py.
+CPU; the reference it is compared with is the real XLA reference. The gate's child process is replaced by the same
+check run in-process, except in GateChildProcessTest, which runs real child processes (that hang, crash or answer).
+The real thing, on a GPU, is tests/test_gpu_selfcheck.py.
 """
 
 import dataclasses
 import os
+import sys
 import tempfile
+import time
 import warnings
 from unittest import mock
 
@@ -17,9 +20,10 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
-from jax_blockgemm import dispatch, selfcheck
+from jax_blockgemm import arch, dispatch, gate, selfcheck
 from jax_blockgemm.kernels import catalog
 
+import broken_kernels
 import oracle
 import oracle_ops
 
@@ -29,7 +33,15 @@ _SM100 = catalog.select_variant(arch="sm_100a", ab_dtype="float8_e4m3fn", c_dtyp
 _RUN_PROBLEMS = selfcheck.run_problems  # the real one, for fakes that stand in for it under mock.patch
 
 
-_BOTH_ARCHS_DEFAULT = {("gemm_amax", "sm_100a"): True, ("gemm_amax", "sm_90a"): True}
+def _none_takes_kernels(capability: str):
+    """A policy row in which implementation=None takes our kernels for both operations."""
+    return arch.overridden(capability, default={"gemm_amax": "kernel", "proj_rope": "kernel"})
+
+
+def _in_process(variant, device):
+    """The gate's child, run in this process: (ok, detail) of the real check (with its GPU parts patched)."""
+    why = selfcheck.run_check(variant, device)
+    return not why, why
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,8 +190,8 @@ class VerdictCacheTest(absltest.TestCase):
     def setUp(self):
         self.dir = self.enter_context(tempfile.TemporaryDirectory())
         self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.dir}))
-        self.enter_context(mock.patch.dict(selfcheck._MEMORY, clear=True))
-        self.enter_context(mock.patch.object(selfcheck, "_WARNED", set()))
+        self.enter_context(mock.patch.dict(gate._MEMORY, clear=True))
+        self.enter_context(mock.patch.object(gate, "_WARNED", set()))
         self.object = b"object-1"
         self.enter_context(mock.patch("jax_blockgemm.kernel_cache.get_object", side_effect=lambda v: self.object))
         self.calls = []
@@ -187,51 +199,66 @@ class VerdictCacheTest(absltest.TestCase):
     def _run(self, why):
         def run(variant, device):
             self.calls.append((variant.key, device.device_kind))
-            return why
+            return not why, why
         return run
 
     def test_pass_is_cached_in_memory_then_on_disk(self):
-        v = selfcheck.check(_SM100, device=FakeDevice(), run=self._run(""))
+        v = gate.check(_SM100, device=FakeDevice(), run=self._run(""))
         self.assertTrue(v.ok)
         self.assertEqual((v.source, v.detail), ("ran", "ok"))
-        self.assertEqual(selfcheck.check(_SM100, device=FakeDevice(), run=self._run("x")).source, "memory")
-        selfcheck._MEMORY.clear()  # a new process
-        again = selfcheck.check(_SM100, device=FakeDevice(), run=self._run("x"))
+        self.assertEqual(gate.check(_SM100, device=FakeDevice(), run=self._run("x")).source, "memory")
+        gate._MEMORY.clear()  # a new process
+        again = gate.check(_SM100, device=FakeDevice(), run=self._run("x"))
         self.assertEqual((again.ok, again.source), (True, "disk"))
         self.assertLen(self.calls, 1)
-        self.assertTrue(selfcheck.verdict_path(v.key, v.device, v.object_sha).is_file())
+        self.assertTrue(gate.verdict_path(v.key, v.device, v.object_sha).is_file())
 
     def test_new_object_new_device_or_force_runs_again(self):
-        selfcheck.check(_SM100, device=FakeDevice(), run=self._run(""))
+        gate.check(_SM100, device=FakeDevice(), run=self._run(""))
         self.object = b"object-2"  # the kernel source or the DSL changed
-        selfcheck.check(_SM100, device=FakeDevice(), run=self._run(""))
-        selfcheck.check(_SM100, device=FakeDevice("NVIDIA GB200"), run=self._run(""))
-        selfcheck.check(_SM100, device=FakeDevice("NVIDIA GB200"), run=self._run(""), force=True)
+        gate.check(_SM100, device=FakeDevice(), run=self._run(""))
+        gate.check(_SM100, device=FakeDevice("NVIDIA GB200"), run=self._run(""))
+        gate.check(_SM100, device=FakeDevice("NVIDIA GB200"), run=self._run(""), force=True)
         self.assertLen(self.calls, 4)
 
     def test_failure_warns_once_naming_the_kernel_and_is_remembered(self):
         with self.assertWarnsRegex(RuntimeWarning, r"kernel gemm_amax\.sm_100a\.e4m3\.f32\.sf32\.t128x128\.c1x1 "
                                                    r"failed its first-use self-check on NVIDIA B200 \(C relative"):
-            v = selfcheck.ensure_verified(_SM100, device=FakeDevice(), run=self._run("C relative error 0.5"))
+            v = gate.ensure_verified(_SM100, device=FakeDevice(), run=self._run("C relative error 0.5"))
         self.assertFalse(v.ok)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            self.assertFalse(selfcheck.ensure_verified(_SM100, device=FakeDevice(), run=self._run("")).ok)
+            self.assertFalse(gate.ensure_verified(_SM100, device=FakeDevice(), run=self._run("")).ok)
         self.assertLen(self.calls, 1)
 
     def test_unreadable_verdict_file_means_run_again(self):
-        v = selfcheck.check(_SM100, device=FakeDevice(), run=self._run(""))
-        selfcheck.verdict_path(v.key, v.device, v.object_sha).write_text("{not json")
-        selfcheck._MEMORY.clear()
-        self.assertEqual(selfcheck.check(_SM100, device=FakeDevice(), run=self._run("")).source, "ran")
+        v = gate.check(_SM100, device=FakeDevice(), run=self._run(""))
+        gate.verdict_path(v.key, v.device, v.object_sha).write_text("{not json")
+        gate._MEMORY.clear()
+        self.assertEqual(gate.check(_SM100, device=FakeDevice(), run=self._run("")).source, "ran")
+
+    def test_an_unfinished_earlier_attempt_is_a_failure_not_a_silent_retry(self):
+        """A process killed while checking (hang, crash) leaves its attempted record: the next one fails it."""
+        ident = gate.identity(_SM100, FakeDevice())
+        path = gate.verdict_path(*ident)
+        path.parent.mkdir(parents=True)
+        path.with_suffix(".attempt").write_text('{"pid": 999999999, "when": "then"}')  # no such process
+        v = gate.check(_SM100, device=FakeDevice(), run=self._run(""))
+        self.assertFalse(v.ok)
+        self.assertRegex(v.detail, r"an earlier check \(process 999999999, started then\) never finished")
+        self.assertEqual(self.calls, [])
+        gate._MEMORY.clear()
+        self.assertFalse(gate.check(_SM100, device=FakeDevice(), run=self._run("")).ok)  # stored
+        self.assertTrue(gate.check(_SM100, device=FakeDevice(), run=self._run(""), force=True).ok)
+        self.assertFalse(path.with_suffix(".attempt").exists())
 
     def test_no_local_gpu_raises(self):
         with self.assertRaisesRegex(RuntimeError, "no local GPU runs sm_100a kernels"):
-            selfcheck.check(_SM100)
+            gate.check(_SM100)
 
     def test_table(self):
-        ok = selfcheck.Verdict("k1", "NVIDIA B200", "ab", True, "ok")
-        bad = selfcheck.Verdict("k2.broken", "NVIDIA B200", "cd", False, "C relative error 1", "disk")
+        ok = gate.Verdict("k1", "NVIDIA B200", "ab", True, "ok")
+        bad = gate.Verdict("k2.broken", "NVIDIA B200", "cd", False, "C relative error 1", "disk")
         text = selfcheck.format_table([ok, bad], expect_fail=["k2.broken"])
         self.assertRegex(text, r"k1\s+NVIDIA B200\s+PASS\s+ran\s+ok")
         self.assertRegex(text, r"k2\.broken\s+NVIDIA B200\s+FAIL \(must FAIL\)\s+disk\s+C relative error 1")
@@ -256,10 +283,11 @@ class DispatchGateTest(absltest.TestCase):
     def setUp(self):
         self.dir = self.enter_context(tempfile.TemporaryDirectory())
         self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.dir}))
-        self.enter_context(mock.patch.dict(selfcheck._MEMORY, clear=True))
-        self.enter_context(mock.patch.object(selfcheck, "_WARNED", set()))
+        self.enter_context(mock.patch.dict(gate._MEMORY, clear=True))
+        self.enter_context(mock.patch.object(gate, "_WARNED", set()))
         self.enter_context(mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)))
-        self.enter_context(mock.patch.object(selfcheck, "local_device", return_value=FakeDevice()))
+        self.enter_context(mock.patch.object(gate, "local_device", return_value=FakeDevice()))
+        self.enter_context(mock.patch.object(gate, "_run_child", _in_process))
         self.runs = 0
 
     def _fake_run(self, perturb=None):
@@ -285,18 +313,17 @@ class DispatchGateTest(absltest.TestCase):
 
     def test_default_falls_back_with_a_warning_when_the_check_fails(self):
         negate = lambda c: c.__setitem__((0, 0, 0), -c[0, 0, 0])
-        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, _BOTH_ARCHS_DEFAULT), \
+        with _none_takes_kernels("10.0"), \
                 mock.patch.object(selfcheck, "run_problems", self._fake_run(negate)), \
                 self.assertWarnsRegex(RuntimeWarning, "falls back to the XLA reference"):
             self.assertNotIn("jbg_gemm_amax", _cuda_text())
 
     def test_default_takes_the_kernel_once_the_check_passed(self):
-        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, _BOTH_ARCHS_DEFAULT), \
-                mock.patch.object(selfcheck, "run_problems", self._fake_run()):
+        with _none_takes_kernels("10.0"), mock.patch.object(selfcheck, "run_problems", self._fake_run()):
             self.assertIn("jbg_gemm_amax", _cuda_text())
 
     def test_default_today_never_takes_the_never_run_kernel(self):
-        self.assertFalse(dispatch.DEFAULT_TAKES_KERNEL[("gemm_amax", "sm_100a")])
+        self.assertFalse(arch.none_takes_kernel("gemm_amax", "sm_100a"))
         with mock.patch.object(selfcheck, "run_problems", self._fake_run()):
             self.assertNotIn("jbg_gemm_amax", _cuda_text())
         self.assertEqual(self.runs, 0)
@@ -308,7 +335,7 @@ class DispatchGateTest(absltest.TestCase):
         self.assertEqual(self.runs, 0)
 
     def test_forced_variant_bypasses_selection_and_check(self):
-        broken = catalog.TEST_VARIANTS[0]
+        broken = broken_kernels.NEGATED_CORNER
         with dispatch.forced_variants((broken,)), mock.patch.object(selfcheck, "run_problems", self._fake_run()):
             text = _cuda_text(implementation="cutedsl")
             self.assertNotIn("jbg_gemm_amax", _cuda_text(implementation="xla"))
@@ -412,11 +439,11 @@ class ProjRopeSelfCheckTest(parameterized.TestCase):
     def test_check_runs_the_proj_rope_problems_for_a_proj_rope_variant(self):
         self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enter_context(
             tempfile.TemporaryDirectory())}))
-        self.enter_context(mock.patch.dict(selfcheck._MEMORY, clear=True))
+        self.enter_context(mock.patch.dict(gate._MEMORY, clear=True))
         self.enter_context(mock.patch("jax_blockgemm.kernel_cache.get_object", return_value=b"object"))
         with mock.patch.object(selfcheck, "run_proj_rope_problems", return_value="") as rope, \
                 mock.patch.object(selfcheck, "run_problems", return_value="wrong runner") as gemm:
-            self.assertTrue(selfcheck.check(_ROPE100, device=FakeDevice()).ok)
+            self.assertTrue(gate.check(_ROPE100, device=FakeDevice(), run=_in_process).ok)
         rope.assert_called_once()
         gemm.assert_not_called()
 
@@ -435,10 +462,11 @@ class ProjRopeDispatchGateTest(absltest.TestCase):
     def setUp(self):
         self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enter_context(
             tempfile.TemporaryDirectory())}))
-        self.enter_context(mock.patch.dict(selfcheck._MEMORY, clear=True))
-        self.enter_context(mock.patch.object(selfcheck, "_WARNED", set()))
+        self.enter_context(mock.patch.dict(gate._MEMORY, clear=True))
+        self.enter_context(mock.patch.object(gate, "_WARNED", set()))
         self.enter_context(mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)))
-        self.enter_context(mock.patch.object(selfcheck, "local_device", return_value=FakeDevice()))
+        self.enter_context(mock.patch.object(gate, "local_device", return_value=FakeDevice()))
+        self.enter_context(mock.patch.object(gate, "_run_child", _in_process))
         self.enter_context(mock.patch("jax_blockgemm.kernel_cache.get_object", side_effect=lambda v: v.key.encode()))
         self.checked = []
 
@@ -460,8 +488,7 @@ class ProjRopeDispatchGateTest(absltest.TestCase):
                 self.assertWarnsRegex(RuntimeWarning, "proj_rope.sm_100a.bf16.e4m3.sf32.t128x192.c1x1 failed"), \
                 self.assertRaisesRegex(ValueError, "first-use self-check failed: proj_rope.sm_100a.* rowwise"):
             _proj_rope_cuda_text(implementation="cutedsl")
-        rope_default = {("proj_rope", "sm_100a"): True, ("proj_rope", "sm_90a"): True}
-        with mock.patch.dict(dispatch.DEFAULT_TAKES_KERNEL, rope_default), \
+        with _none_takes_kernels("10.0"), \
                 mock.patch.object(selfcheck, "run_proj_rope_problems", self._fake_run("rowwise: 3 elements off")):
             self.assertNotIn("jbg_gemm_proj_rope_mxfp8", _proj_rope_cuda_text())
 
@@ -476,21 +503,94 @@ class ProjRopeDispatchGateTest(absltest.TestCase):
 class CliTest(absltest.TestCase):
 
     def test_without_gpu_says_so(self):
-        with mock.patch.object(selfcheck, "local_device", return_value=None), \
+        with mock.patch.object(gate, "local_device", return_value=None), \
                 mock.patch("sys.stdout") as out:
             self.assertEqual(selfcheck.main(["--arch", "sm_100a"]), 2)
         self.assertIn("no local GPU", "".join(str(c.args[0]) for c in out.write.call_args_list))
 
-    def test_exit_status_expects_test_kernels_to_fail(self):
-        verdicts = {v.key: selfcheck.Verdict(v.key, "GPU", "x", not v.flavor, "ok", "ran")
-                    for v in catalog.variants_for("sm_90a") + catalog.TEST_VARIANTS}  # gemm_amax and proj_rope
-        with mock.patch.object(selfcheck, "local_device", return_value=FakeDevice("NVIDIA H200")), \
-                mock.patch.object(selfcheck, "check", side_effect=lambda v, force: verdicts[v.key]), \
-                mock.patch("sys.stdout"):
-            self.assertEqual(selfcheck.main(["--arch", "sm_90a", "--include-test-variants"]), 0)
-            verdicts[catalog.TEST_VARIANTS[0].key] = dataclasses.replace(
-                verdicts[catalog.TEST_VARIANTS[0].key], ok=True)
-            self.assertEqual(selfcheck.main(["--arch", "sm_90a", "--include-test-variants"]), 1)
+    def test_one_row_per_kernel_and_the_exit_status_expects_broken_kernels_to_fail(self):
+        """Every sm_90a kernel (gemm_amax, proj_rope and dequantize alike) gets its row; broken ones must FAIL."""
+        self.enter_context(mock.patch.dict(os.environ, {gate.EXTRA_VARIANTS_ENV: "broken_kernels"}))
+        verdicts = {v.key: gate.Verdict(v.key, "GPU", "x", not v.flavor, "ok", "ran")
+                    for v in catalog.variants_for("sm_90a") + broken_kernels.BROKEN}
+        with mock.patch.object(gate, "local_device", return_value=FakeDevice("NVIDIA H200")), \
+                mock.patch.object(gate, "check", side_effect=lambda v, force: verdicts[v.key]), \
+                mock.patch("sys.stdout") as out:
+            self.assertEqual(selfcheck.main(["--arch", "sm_90a"]), 0)
+            verdicts[broken_kernels.NEGATED_CORNER.key] = dataclasses.replace(
+                verdicts[broken_kernels.NEGATED_CORNER.key], ok=True)
+            self.assertEqual(selfcheck.main(["--arch", "sm_90a"]), 1)
+        printed = "".join(str(c.args[0]) for c in out.write.call_args_list)
+        for key in verdicts:
+            self.assertIn(key, printed)
+
+    def test_every_kernel_dispatch_can_choose_has_a_problem_set(self):
+        device = FakeDevice()
+        ran = []
+        runners = {name: (lambda op: (lambda v, d: ran.append((op, v.op)) or ""))(name)
+                   for name in ("run_problems", "run_proj_rope_problems", "run_dequantize_problems")}
+        with mock.patch.multiple(selfcheck, **runners):
+            for v in catalog.CATALOG:
+                self.assertEqual(selfcheck.run_check(v, device), "", v.key)
+        expected = {"run_problems": "gemm_amax", "run_proj_rope_problems": "proj_rope",
+                    "run_dequantize_problems": "dequantize"}
+        self.assertEqual({(r, op) for r, op in ran}, set(expected.items()))
+        self.assertEqual({v.op for v in catalog.CATALOG}, set(expected.values()))
+
+
+class GateChildProcessTest(absltest.TestCase):
+    """The gate's child process for real (no GPU needed): what a hang, a crash or an answer leaves behind."""
+
+    def _run(self, code: str, timeout: float = 20.0):
+        with tempfile.TemporaryDirectory() as tmp:
+            result = os.path.join(tmp, "result.json")
+            return gate.run_in_child([sys.executable, "-c", code, "--result", result], gpu="0", timeout=timeout)
+
+    def test_an_answer_is_read(self):
+        code = ("import json, sys; open(sys.argv[-1], 'w').write(json.dumps({'ok': False, 'detail': 'C off'}))")
+        self.assertEqual(self._run(code), (False, "C off"))
+        ok = "import json, sys; open(sys.argv[-1], 'w').write(json.dumps({'ok': True, 'detail': 'ok'}))"
+        self.assertEqual(self._run(ok), (True, "ok"))
+
+    def test_a_hang_is_killed_with_its_whole_process_group(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            pidfile = os.path.join(tmp, "grandchild")
+            # the child starts a grandchild that would outlive it, then hangs itself
+            code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+                    "'import time; time.sleep(600)']); open(%r, 'w').write(str(p.pid)); time.sleep(600)" % pidfile)
+            start = time.monotonic()
+            ok, detail = self._run(code, timeout=3.0)
+            self.assertLess(time.monotonic() - start, 30)
+            self.assertFalse(ok)
+            self.assertRegex(detail, r"timed out after 3 s .*process group was killed")
+            grandchild = int(open(pidfile).read())
+        deadline = time.monotonic() + 10
+        while gate._pid_alive(grandchild) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.assertFalse(gate._pid_alive(grandchild), "the hung check's grandchild survived")
+
+    def test_a_crash_without_an_answer_fails_naming_the_status_and_last_words(self):
+        ok, detail = self._run("import os, sys; print('CUDA_ERROR_ILLEGAL_ADDRESS'); sys.stdout.flush(); "
+                               "os.abort()")
+        self.assertFalse(ok)
+        self.assertRegex(detail, r"killed by signal 6 .*without a result: CUDA_ERROR_ILLEGAL_ADDRESS")
+        ok, detail = self._run("raise SystemExit(3)")
+        self.assertRegex(detail, r"exited with status 3")
+
+    def test_the_child_gets_its_gpu_pinned_and_no_preallocation(self):
+        code = ("import json, os, sys; open(sys.argv[-1], 'w').write(json.dumps({'ok': True, 'detail': "
+                "os.environ['CUDA_VISIBLE_DEVICES'] + ',' + os.environ['XLA_PYTHON_CLIENT_PREALLOCATE']}))")
+        with tempfile.TemporaryDirectory() as tmp:
+            got = gate.run_in_child([sys.executable, "-c", code, "--result", os.path.join(tmp, "r")], gpu="3",
+                                    timeout=20)
+        self.assertEqual(got, (True, "3,false"))
+
+    def test_timeout_comes_from_the_environment(self):
+        self.assertEqual(gate.timeout_s(), gate.DEFAULT_TIMEOUT_S)
+        with mock.patch.dict(os.environ, {gate.TIMEOUT_ENV: "7.5"}):
+            self.assertEqual(gate.timeout_s(), 7.5)
+        with mock.patch.dict(os.environ, {gate.TIMEOUT_ENV: "-1"}), self.assertRaisesRegex(ValueError, "positive"):
+            gate.timeout_s()
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import cutlass  # noqa: F401  (an ImportError here tells the dispatcher that CuTeDSL is missing)
 
+from jax_blockgemm import arch
 from jax_blockgemm.kernels import sm100 as _sm100
 
 _SHORT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float4_e2m1fn": "e2m1", "float32": "f32",
@@ -57,7 +58,7 @@ class KernelVariant:
     sf_vec_size: int = 32
     tile_mn: tuple = (128, 128)
     cluster_mn: tuple = (1, 1)
-    flavor: str = ""  # "" for real kernels; the name of a deliberately wrong one in TEST_VARIANTS
+    flavor: str = ""  # "" for real kernels; names a deliberately broken one (`register_extra_variant`)
     sf_dtype: str = E8M0  # the scale format: E8M0 (MX formats), or E4M3 (NVFP4)
     b_major: str = "k"  # "n": B (proj_rope's w, gemm_amax's b) is read MN-major
     a_major: str = "k"  # "m": gemm_amax's A is read MN-major
@@ -125,24 +126,17 @@ def _dequantize_factory(v: KernelVariant) -> Any:
     return MxDequantize(scale_axis=1 if v.a_major == "k" else 0)
 
 
-def _broken_factory(v: KernelVariant) -> Any:
-    from jax_blockgemm.kernels.testing import NegatedCornerHopperGemmAmax
-
-    return NegatedCornerHopperGemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype)
-
-
 # (op, arch) -> builds the kernel object (a class instance with `can_implement` and a `@cute.jit` __call__).
 _FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
     ("gemm_amax", "sm_90a"): _hopper_factory, ("gemm_amax", "sm_100a"): _blackwell_factory,
     ("proj_rope", "sm_90a"): _hopper_proj_rope_factory, ("proj_rope", "sm_100a"): _blackwell_proj_rope_factory,
     ("dequantize", "sm_90a"): _dequantize_factory, ("dequantize", "sm_100a"): _dequantize_factory}
 
-# proj_rope on sm_90a: a persistent kernel, one CTA per SM, on 128-token x one-head tiles, whose MMA warpgroups
-# hand each fp32 tile through shared memory to an epilogue warpgroup: schedule "staged"
-# ('...t128x192.c1x1[.bn].staged'). On sm_100a: one tile of 128 tokens (the 128 tensor-memory lanes) x one head.
-PROJ_ROPE_TILE_SM90 = (128, 192)
-PROJ_ROPE_SCHEDULE_SM90 = "staged"
-PROJ_ROPE_TILES_SM100 = ((128, 192),)
+# proj_rope: the tile and schedule each target runs are arch.TABLE's. On sm_90a a persistent kernel, one CTA per SM,
+# on 128-token x one-head tiles, whose MMA warpgroups hand each fp32 tile through shared memory to an epilogue
+# warpgroup: schedule "staged" ('...t128x192.c1x1[.bn].staged'). On sm_100a one tile of 128 tokens (the 128
+# tensor-memory lanes) x one head.
+_ROPE_SM90, _ROPE_SM100 = arch.policy("sm_90a"), arch.policy("sm_100a")
 
 # the tile field of the dequantize keys (those kernels have no tile; their data path follows a_major)
 DEQUANTIZE_TILE = (1, 16)
@@ -184,13 +178,13 @@ CATALOG: tuple[KernelVariant, ...] = (
             for am, bm in (("m", "k"), ("k", "n"), ("m", "n")) for ab in _FP8 for c in _C)
     # proj_rope on sm_90a: bf16 x and w (MXFP8 inputs are dequantized to bf16 before the kernel), both w layouts.
     + tuple(KernelVariant(op="proj_rope", arch="sm_90a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
-                          tile_mn=PROJ_ROPE_TILE_SM90, b_major=b_major, schedule=PROJ_ROPE_SCHEDULE_SM90)
+                          tile_mn=_ROPE_SM90.proj_rope_tile, b_major=b_major, schedule=_ROPE_SM90.proj_rope_schedule)
             for b_major in ("k", "n"))
     # proj_rope on sm_100a: the same ABI and surface; compiled and structurally checked here, never run (no Blackwell
     # GPU). Selected only after the first-use self-check passed on the local GPU (dispatch, selfcheck).
     + tuple(KernelVariant(op="proj_rope", arch="sm_100a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
-                          tile_mn=t, b_major=b_major)
-            for t in PROJ_ROPE_TILES_SM100 for b_major in ("k", "n"))
+                          tile_mn=_ROPE_SM100.proj_rope_tile, b_major=b_major, schedule=_ROPE_SM100.proj_rope_schedule)
+            for b_major in ("k", "n"))
     # MXFP8 -> bf16 for the MXFP8 proj_rope path (its kernels multiply bf16): x and K-major w (a_major "k": scales
     # along the row), (K, N) w (a_major "m"). No MMA: one kernel serves both architectures; only sm_90a has run.
     + tuple(KernelVariant(op="dequantize", arch=arch, ab_dtype="float8_e4m3fn", c_dtype="bfloat16",
@@ -198,10 +192,22 @@ CATALOG: tuple[KernelVariant, ...] = (
             for arch in ("sm_90a", "sm_100a") for a_major in ("k", "m")))
 
 
-# TEST ONLY: deliberately wrong kernels that the first-use self-check must catch (kernels/testing.py). Never
-# selected by `select_variant`; only a forced run (`dispatch.forced_variants`) uses one.
-TEST_VARIANTS: tuple[KernelVariant, ...] = (KernelVariant(arch="sm_90a", flavor="broken_negc0"),)
-_TEST_FACTORIES: dict[str, Callable[[KernelVariant], Any]] = {"broken_negc0": _broken_factory}
+# Kernels built outside the package (tests' deliberately broken ones) that forced runs and the self-check may build:
+# never selected by `select_variant`. See `register_extra_variant`.
+_EXTRA_FACTORIES: dict[KernelVariant, Callable[[KernelVariant], Any]] = {}
+
+
+def register_extra_variant(v: KernelVariant, factory: Callable[[KernelVariant], Any]) -> None:
+    """Make variant `v` (with a `flavor`) buildable by `make_kernel` for forced runs and the self-check, outside the
+    catalog: tests register deliberately broken kernels this way to show that the first-use gate catches them."""
+    if not v.flavor:
+        raise ValueError(f"an extra variant needs a flavor naming what it is; got {v.key!r}")
+    _EXTRA_FACTORIES[v] = factory
+
+
+def extra_variants() -> tuple[KernelVariant, ...]:
+    """The variants registered by `register_extra_variant` in this process."""
+    return tuple(_EXTRA_FACTORIES)
 
 
 def variants_for(arch: str, op: str | None = None) -> tuple[KernelVariant, ...]:
@@ -220,9 +226,10 @@ def select_variant(*, arch: str, ab_dtype: str, c_dtype: str, sf_vec_size: int, 
 
 
 def make_kernel(v: KernelVariant) -> Any:
-    """The kernel object of variant `v` (raises ValueError for a variant outside the catalog and TEST_VARIANTS)."""
-    if v in TEST_VARIANTS:
-        return _TEST_FACTORIES[v.flavor](v)
+    """The kernel object of variant `v` (raises ValueError for a variant outside the catalog and the registered
+    extras)."""
+    if v in _EXTRA_FACTORIES:
+        return _EXTRA_FACTORIES[v](v)
     if v not in CATALOG or (v.op, v.arch) not in _FACTORIES:
         raise ValueError(f"variant {v.key!r} is not in the catalog; known: {[c.key for c in CATALOG]}")
     return _FACTORIES[(v.op, v.arch)](v)

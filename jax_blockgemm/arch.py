@@ -1,0 +1,134 @@
+"""Per-architecture policy, in one table: what each GPU runs and what `implementation=None` takes there.
+
+Dispatch, the first-use self-check, precompile, the benchmark and the docs all read this module; adding an
+architecture means adding a row here (and its kernels to the catalog). It imports nothing of the package, so any
+module may read it. `python -m jax_blockgemm.arch` prints the table as the docs show it.
+
+What `None` takes, per operation:
+  * "kernel": our CuTeDSL kernel (where one applies to the call; else the reference);
+  * "reference": the exact pure-JAX reference (bf16 dequantization + dot, SPEC §6);
+  * "scaled_dot": the reference with its MXFP8 E4M3 accumulator from `jax.lax.scaled_dot`, which XLA hands to
+    cuDNN's block-scaled GEMM where the GPU has one (SPEC §7's "tensor-core FP8" class); other formats, and
+    calls below `scaled_dot_min_size`, keep the exact reference.
+A per-GPU decision table written by a local measurement may later override "kernel"/"reference" choices; this
+table is what holds without one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from typing import Iterator, Literal, Mapping, Optional
+
+Choice = Literal["kernel", "reference", "scaled_dot"]
+OPS = ("gemm_amax", "proj_rope")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchPolicy:
+    """One compute capability: the target our objects are built for, and what runs there by default."""
+
+    capability: str  # as jax.Device.compute_capability spells it, e.g. "9.0"
+    target: Optional[str]  # CuTeDSL target of our kernel objects for it ("sm_90a"), None where we have none
+    verified: bool  # our kernels have run correct on a GPU of this capability; else each is self-checked first
+    default: Mapping[str, Choice]  # operation -> what implementation=None takes
+    proj_rope_tile: tuple[int, int] = (128, 192)  # (tokens, features) of one proj_rope tile
+    proj_rope_schedule: str = ""  # the proj_rope kernel's schedule ("" for the target's only one)
+    scaled_dot_min_size: Optional[int] = None  # smallest L*M*N*K for the "scaled_dot" route; None: never
+    why: str = ""  # the evidence behind `default`, one line for the docs
+
+
+TABLE: tuple[ArchPolicy, ...] = (
+    ArchPolicy(
+        capability="9.0", target="sm_90a", verified=True,
+        default={"gemm_amax": "reference", "proj_rope": "kernel"},
+        proj_rope_tile=(128, 192), proj_rope_schedule="staged",
+        why="H200: the proj_rope kernel is faster than the reference at every measured shape; MX gemm_amax is "
+            "bound by the bf16 tensor rate there, where XLA's dot is as fast as ours (docs/design/gemm_amax.md)"),
+    ArchPolicy(
+        capability="10.0", target="sm_100a", verified=False,
+        default={"gemm_amax": "scaled_dot", "proj_rope": "reference"},
+        proj_rope_tile=(128, 192), scaled_dot_min_size=0,
+        why="B200: our kernels compiled, never run here, so never the default; MXFP8 E4M3 gemm_amax through "
+            "XLA's block-scaled dot (cuDNN on the FP8 tensor cores), unmeasured here"),
+    ArchPolicy(
+        capability="10.3", target=None, verified=False,
+        default={"gemm_amax": "scaled_dot", "proj_rope": "reference"},
+        scaled_dot_min_size=0,
+        why="B300: no kernel of ours; MXFP8 E4M3 gemm_amax through XLA's block-scaled dot, unmeasured here"),
+)
+
+
+def _row_of_capability(capability: str) -> Optional[ArchPolicy]:
+    return next((p for p in TABLE if p.capability == capability), None)
+
+
+def policy(target: str) -> ArchPolicy:
+    """The row of kernel target `target` (e.g. "sm_90a"); KeyError for a target no row names."""
+    for p in TABLE:
+        if p.target == target:
+            return p
+    raise KeyError(f"no architecture policy for target {target!r}; known: {targets()}")
+
+
+def targets() -> tuple[str, ...]:
+    """Every kernel target the table names, in table order."""
+    return tuple(p.target for p in TABLE if p.target is not None)
+
+
+def target_of(capability: str) -> Optional[str]:
+    """The kernel target a GPU of `capability` runs ("9.0" -> "sm_90a"), or None where we build none."""
+    row = _row_of_capability(capability)
+    return row.target if row else None
+
+
+def is_verified(target: str) -> bool:
+    """Whether our `target` kernels have run correct on such a GPU; unverified ones pass a self-check first."""
+    return policy(target).verified
+
+
+def none_takes_kernel(op: str, target: str) -> bool:
+    """Whether implementation=None takes our `op` kernel on `target` (where one applies to the call)."""
+    return policy(target).default.get(op) == "kernel"
+
+
+def scaled_dot_min_size(device_kind: str) -> Optional[int]:
+    """For a lowering's device kind ("cuda:<capability>", "cpu", or "cuda" with no GPU visible): the smallest
+    L*M*N*K from which None takes the "scaled_dot" route, or None where it never does."""
+    platform, _, capability = device_kind.partition(":")
+    row = _row_of_capability(capability) if platform == "cuda" else None
+    if row is None or row.default.get("gemm_amax") != "scaled_dot":
+        return None
+    return row.scaled_dot_min_size
+
+
+@contextlib.contextmanager
+def overridden(capability: str, **changes) -> Iterator[ArchPolicy]:
+    """Within this block, the row of `capability` has `changes` applied (for tests and experiments)."""
+    global TABLE
+    saved = TABLE
+    row = _row_of_capability(capability)
+    if row is None:
+        raise KeyError(f"no architecture policy for compute capability {capability!r}")
+    new = dataclasses.replace(row, **changes)
+    TABLE = tuple(new if p is row else p for p in saved)
+    try:
+        yield new
+    finally:
+        TABLE = saved
+
+
+def markdown_table() -> str:
+    """The table as the docs show it: one row per compute capability."""
+    lines = ["| compute capability | kernel target | kernels verified on it | None: gemm_amax | None: proj_rope "
+             "| proj_rope tile, schedule | why |", "|---|---|---|---|---|---|---|"]
+    for p in TABLE:
+        tile = f"{p.proj_rope_tile[0]}x{p.proj_rope_tile[1]}, {p.proj_rope_schedule or 'default'}" if p.target else "-"
+        lines.append(f"| {p.capability} | {p.target or '-'} | {'yes' if p.verified else 'no (self-checked first)'} "
+                     f"| {p.default['gemm_amax']} | {p.default['proj_rope']} | {tile} | {p.why} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table() + "\n")

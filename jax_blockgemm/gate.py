@@ -1,0 +1,256 @@
+"""The first-use gate: a kernel of an architecture where ours never ran is used only after it passed a self-check.
+
+Lowering asks `ensure_verified(variant)`. A verdict is kept per (kernel key, object hash, GPU model), in memory and
+on disk beside the kernel cache, so each object is checked once per GPU model. Without one, the gate writes an
+"attempted" record, runs the check (`python -m jax_blockgemm.selfcheck --child KEY`) in a child process pinned to
+that GPU (no memory preallocation, its own process group, a timeout: `JAX_BLOCKGEMM_SELFCHECK_TIMEOUT`, 120 s by
+default, after which the whole group is killed), and stores what came of it. A wrong result, a hang, a crash or an
+illegal address all end in the child and become a stored FAIL naming what happened; the user's process never
+launched the kernel, so it stays usable: None falls back to the reference and "cutedsl" raises. An attempted record
+with no verdict (the checking process itself was killed) also reads as FAIL: nothing retries it silently;
+`python -m jax_blockgemm.selfcheck --force` checks again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+from jax_blockgemm import arch, kernel_cache
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT_ENV = "JAX_BLOCKGEMM_SELFCHECK_TIMEOUT"
+DEFAULT_TIMEOUT_S = 120.0
+# Test-only kernels (deliberately broken ones under tests/) are made known to the child by importing this module.
+EXTRA_VARIANTS_ENV = "JAX_BLOCKGEMM_EXTRA_VARIANTS_MODULE"
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The outcome of one self-check: which kernel object, on which GPU model, passed or not and why."""
+
+    key: str
+    device: str
+    object_sha: str
+    ok: bool
+    detail: str
+    source: str = "ran"  # "ran" (this call), "memory" or "disk" (an earlier check of the same object)
+
+
+_MEMORY: dict[tuple[str, str, str], Verdict] = {}
+_WARNED: set[tuple[str, str, str]] = set()
+_LOCK = threading.RLock()
+
+
+def timeout_s() -> float:
+    """The child's time limit: $JAX_BLOCKGEMM_SELFCHECK_TIMEOUT seconds, else DEFAULT_TIMEOUT_S."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def verdict_path(key: str, device: str, object_sha: str) -> pathlib.Path:
+    """Where the verdict of `key` (object `object_sha`) on GPU model `device` is stored."""
+    slug = re.sub(r"[^0-9A-Za-z]+", "-", device).strip("-") or "gpu"
+    return kernel_cache.default_cache_dir() / "selfcheck" / f"{key}-{object_sha[:16]}-{slug}.json"
+
+
+def _attempt_path(path: pathlib.Path) -> pathlib.Path:
+    return path.with_suffix(".attempt")
+
+
+def _write_json(path: pathlib.Path, fields: dict) -> None:
+    """Write atomically; an unwritable cache only means the check runs again in the next process."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**fields, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("jax_blockgemm: cannot write %s (%s)", path, e)
+
+
+def load(path: pathlib.Path) -> Optional[Verdict]:
+    """The verdict stored at `path`, or None when absent or unreadable."""
+    try:
+        fields = json.loads(path.read_text())
+        return Verdict(**{f.name: fields[f.name] for f in dataclasses.fields(Verdict) if f.name != "source"},
+                       source="disk")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store(path: pathlib.Path, verdict: Verdict) -> None:
+    """Keep `verdict` on disk at `path`."""
+    _write_json(path, {f.name: getattr(verdict, f.name) for f in dataclasses.fields(Verdict) if f.name != "source"})
+
+
+def local_device(target: str) -> Any | None:
+    """The first visible CUDA device whose compute capability runs our `target` objects, or None."""
+    import jax
+
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return None
+    return next((d for d in devices if arch.target_of(str(getattr(d, "compute_capability", ""))) == target), None)
+
+
+def physical_gpu(device: Any) -> str:
+    """The CUDA_VISIBLE_DEVICES entry that names `device` for a child process (the parent's own mapping applied)."""
+    index = int(getattr(device, "local_hardware_id", None) or 0)
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return visible[index] if index < len(visible) else str(index)
+
+
+def child_command(key: str, result: pathlib.Path) -> list[str]:
+    """The command line that checks kernel `key` and writes its outcome to `result` (JSON)."""
+    return [sys.executable, "-m", "jax_blockgemm.selfcheck", "--child", key, "--result", str(result)]
+
+
+def run_in_child(command: Sequence[str], *, gpu: str, timeout: float) -> tuple[bool, str]:
+    """Run a check `command` (its last argument pair is `--result PATH`) in its own process group on GPU `gpu`.
+
+    Returns (ok, detail). A child that outlives `timeout` is killed with its whole group; one that exits without
+    writing its result (a crash, an illegal address, a signal) fails with its exit status and its last words.
+    """
+    result = pathlib.Path(command[-1])
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_PLATFORMS="cuda")
+    start = time.monotonic()
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return False, (f"timed out after {timeout:g} s (a hang, e.g. a barrier never arrived); the check's "
+                           f"process group was killed")
+        took = time.monotonic() - start
+        _kill_group(proc)  # anything the child left running
+        try:
+            outcome = json.loads(result.read_text())
+            return bool(outcome["ok"]), str(outcome["detail"])
+        except (OSError, ValueError, KeyError, TypeError):
+            log.seek(0)
+            tail = log.read().decode(errors="replace").strip().splitlines()[-3:]
+            status = (f"killed by signal {-proc.returncode}" if proc.returncode < 0
+                      else f"exited with status {proc.returncode}")
+            return False, f"the check's process {status} after {took:.1f} s without a result: {' | '.join(tail)}"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _earlier_attempt(path: pathlib.Path, limit: float) -> Optional[str]:
+    """Why an earlier, unfinished attempt at this check fails it; None when there is none (or it is still running
+    in a live process and finished within `limit` seconds: then its verdict is at `path`)."""
+    attempt = _attempt_path(path)
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            record = json.loads(attempt.read_text())
+        except (OSError, ValueError):
+            return None
+        pid = int(record.get("pid", 0))
+        if path.exists():
+            return None
+        if pid == os.getpid() or not _pid_alive(pid) or time.monotonic() > deadline:
+            return (f"an earlier check (process {pid}, started {record.get('when', '?')}) never finished: the "
+                    "kernel may have hung or crashed that process")
+        time.sleep(0.5)
+
+
+def identity(variant: Any, device: Any) -> tuple[str, str, str]:
+    """(kernel key, GPU model, SHA-256 of the kernel object): what a verdict is kept under."""
+    name = str(getattr(device, "device_kind", device))
+    return variant.key, name, hashlib.sha256(kernel_cache.get_object(variant)).hexdigest()
+
+
+def check(variant: Any, *, device: Any = None, force: bool = False,
+          run: Optional[Callable[[Any, Any], tuple[bool, str]]] = None) -> Verdict:
+    """The self-check verdict of `variant` on `device` (default: the first local GPU of its arch).
+
+    From memory or disk where this object was checked on this GPU model before (unless `force`); else an
+    attempted record, then `run(variant, device)` -> (ok, detail) (default: the child process), then the stored
+    verdict. Raises RuntimeError when no local GPU runs `variant.arch`.
+    """
+    device = local_device(variant.arch) if device is None else device
+    if device is None:
+        raise RuntimeError(f"no local GPU runs {variant.arch} kernels; cannot self-check {variant.key}")
+    ident = identity(variant, device)
+    with _LOCK:
+        if not force and ident in _MEMORY:
+            return dataclasses.replace(_MEMORY[ident], source="memory")
+        path = verdict_path(*ident)
+        verdict = None
+        if not force:
+            verdict = load(path)
+            if verdict is None and (why := _earlier_attempt(path, timeout_s() + 30)) is not None:
+                verdict = Verdict(*ident, ok=False, detail=why)
+                store(path, verdict)
+            elif verdict is None:
+                verdict = load(path)  # a concurrent process may have just finished the same check
+        if verdict is None:
+            _write_json(_attempt_path(path), {"pid": os.getpid(), "key": variant.key})
+            ok, detail = (run or _run_child)(variant, device)
+            verdict = Verdict(*ident, ok=ok, detail=detail or "ok")
+            store(path, verdict)
+            _attempt_path(path).unlink(missing_ok=True)
+        _MEMORY[ident] = verdict
+        return verdict
+
+
+def _run_child(variant: Any, device: Any) -> tuple[bool, str]:
+    with tempfile.TemporaryDirectory(prefix="jbg-selfcheck-") as tmp:
+        return run_in_child(child_command(variant.key, pathlib.Path(tmp) / "result.json"),
+                            gpu=physical_gpu(device), timeout=timeout_s())
+
+
+def ensure_verified(variant: Any, **kwargs: Any) -> Verdict:
+    """`check(variant)`, warning once per process (naming the kernel) when it failed."""
+    verdict = check(variant, **kwargs)
+    ident = (verdict.key, verdict.device, verdict.object_sha)
+    if not verdict.ok and ident not in _WARNED:
+        _WARNED.add(ident)
+        message = (f"jax_blockgemm: kernel {verdict.key} failed its first-use self-check on {verdict.device} "
+                   f"({verdict.detail}); it will not be used: implementation=None falls back to the XLA reference "
+                   f"(verdict stored in {verdict_path(*ident)}; rerun with `python -m jax_blockgemm.selfcheck "
+                   f"--force`)")
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return verdict
