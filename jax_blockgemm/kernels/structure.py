@@ -122,15 +122,25 @@ class Sm100Report:
     def problems(self) -> list[str]:
         """Every violated expectation, in words (empty when the variant passes)."""
         out = []
-        scaled = f".block_scale.{self.expect_scale_vec}" if self.expect_scale_vec else ""
-        want = re.compile(r"^tcgen05\.mma\.cta_group::[12]\.kind::" + re.escape(self.expect_kind + scaled)
-                          + r"(?:\.collector\S*)?$")
-        if not self.mma or not all(want.match(op) for op in self.mma):
-            out.append(f"MMA opcodes {list(self.mma)}: expected only tcgen05.mma...kind::{self.expect_kind}{scaled}")
-        if not (self.has_alloc and self.has_dealloc):
-            out.append(f"tcgen05.alloc present={self.has_alloc}, tcgen05.dealloc present={self.has_dealloc}")
-        if self.tmem_loads and not self.tmem_load_waits:
-            out.append(f"{self.tmem_loads} tcgen05.ld but no tcgen05.wait::ld: registers read before the load lands")
+        if not self.expect_kind:  # a kernel without MMA (dequantize): no tcgen05 at all
+            if self.mma or self.has_alloc or self.tmem_loads:
+                out.append(f"expected no tcgen05 MMA or tensor memory; found MMA {list(self.mma)}, "
+                           f"alloc={self.has_alloc}, {self.tmem_loads} tcgen05.ld")
+        else:
+            scaled = f".block_scale.{self.expect_scale_vec}" if self.expect_scale_vec else ""
+            want = re.compile(r"^tcgen05\.mma\.cta_group::[12]\.kind::" + re.escape(self.expect_kind + scaled)
+                              + r"(?:\.collector\S*)?$")
+            if not self.mma or not all(want.match(op) for op in self.mma):
+                out.append(f"MMA opcodes {list(self.mma)}: expected only tcgen05.mma...kind::{self.expect_kind}"
+                           f"{scaled}")
+            if not (self.has_alloc and self.has_dealloc):
+                out.append(f"tcgen05.alloc present={self.has_alloc}, tcgen05.dealloc present={self.has_dealloc}")
+            if self.tmem_loads and not self.tmem_load_waits:
+                out.append(f"{self.tmem_loads} tcgen05.ld but no tcgen05.wait::ld: registers read before the load "
+                           "lands")
+            if not 0 < self.tmem_columns_used <= self.tmem_columns_allocated <= SM100_TMEM_COLUMNS:
+                out.append(f"tensor memory: {self.tmem_columns_used} columns used of {self.tmem_columns_allocated} "
+                           f"allocated (at most {SM100_TMEM_COLUMNS})")
         if self.ptx_local or self.resources.frame_bytes or self.resources.stack_bytes:
             out.append(f"local memory: {self.ptx_local} .local in PTX, frame {self.resources.frame_bytes} B, "
                        f"stack {self.resources.stack_bytes} B")
@@ -139,9 +149,6 @@ class Sm100Report:
         regs = self.resources.registers
         if not 0 < regs <= SM100_REGS_PER_THREAD or regs * self.threads_per_cta > SM100_REGS_PER_SM:
             out.append(f"{regs} registers x {self.threads_per_cta} threads: outside the sm_100 limits")
-        if not 0 < self.tmem_columns_used <= self.tmem_columns_allocated <= SM100_TMEM_COLUMNS:
-            out.append(f"tensor memory: {self.tmem_columns_used} columns used of {self.tmem_columns_allocated} "
-                       f"allocated (at most {SM100_TMEM_COLUMNS})")
         return out
 
 
@@ -159,6 +166,7 @@ def sm100_report(variant: Any, compiled: Any, kernel: Any) -> Sm100Report:
         tmem_load_waits=len(re.findall(r"\btcgen05\.wait::ld\b", ptx)), ptx_local=len(re.findall(r"\.local\b", ptx)),
         resources=cubin_resources(compiled.__cubin__), dynamic_smem_bytes=int(kernel.smem_bytes),
         tmem_columns_used=int(kernel.tmem_columns_used), tmem_columns_allocated=int(kernel.tmem_columns_allocated),
-        threads_per_cta=int(kernel.threads_per_cta), expect_kind=SM100_MMA_KIND[variant.ab_dtype],
+        threads_per_cta=int(kernel.threads_per_cta),
+        expect_kind="" if variant.op == "dequantize" else SM100_MMA_KIND[variant.ab_dtype],
         expect_scale_vec=SCALE_VEC[variant.sf_vec_size] if variant.op == "gemm_amax" else "")
 
