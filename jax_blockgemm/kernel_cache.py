@@ -135,11 +135,6 @@ class ObjectCache:
             self._memory[name] = payload
             return payload, source
 
-    def clear_memory(self) -> None:
-        """Forgets the in-process copies (the disk entries stay)."""
-        with self._lock:
-            self._memory.clear()
-
     def _store(self, path: pathlib.Path, payload: bytes) -> None:
         """Writes the entry and evicts; the first failure turns disk writes off for this process, with one warning."""
         try:

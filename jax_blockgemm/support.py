@@ -7,7 +7,6 @@ reference and the kernels only ever see inputs inside the contract (SPEC §4–�
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Sequence
 
 import jax.numpy as jnp
@@ -59,18 +58,6 @@ def check_implementation(implementation: Any) -> None:
 def check_rank(name: str, x: Any, ranks: Sequence[int], meaning: str) -> None:
     if x.ndim not in ranks:
         raise ValueError(f"{name} must have rank {' or '.join(map(str, ranks))} ({meaning}); got shape {tuple(x.shape)}.")
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmProblem:
-    """The canonical description of one gemm_amax call after validation."""
-
-    l: int
-    m: int
-    n: int
-    k: int
-    ab_fp4: bool
-    scale_kind: str  # "e8m0" or "e4m3"
 
 
 def check_gemm_operands(a: Any, b: Any, *, a_major: str, b_major: str) -> tuple[int, int, int, int]:

@@ -51,7 +51,6 @@ ATOM_BYTES = ATOM_MN * ATOM_KB  # 512: one atom is one contiguous chunk
 
 # Bit patterns used by the decoder and the amax.
 F32_ABS_MASK = 0x7FFFFFFF
-F32_QUIET_NAN = 0x7FC00000
 E8M0_ZERO_BITS = 0x00400000  # 2^-127, the value of E8M0 byte 0 (a float32 subnormal)
 
 
@@ -194,24 +193,3 @@ def amax_block_reduce_and_publish(
         for w in cutlass.range_constexpr(1, num_warps):
             block_max = cutlass.max(block_max, smem_warp_amax[w])
         cute.arch.atomic_max(amax_ptr, block_max)
-
-
-# --- byte permute ------------------------------------------------------------------------------------------
-@dsl_user_op
-def prmt(a: cutlass.Int32, b: cutlass.Int32, selector: int, *, loc=None, ip=None) -> cutlass.Int32:
-    """PTX `prmt.b32` (default mode): byte i of the result is byte selector[i] of {b, a} (nibble bit 3: sign-fill).
-
-    Pure (no side effects), unlike cute.arch.prmt, so the compiler may schedule and deduplicate it.
-    """
-    out = llvm.inline_asm(
-        T.i32(),
-        [cutlass.Int32(a).ir_value(loc=loc, ip=ip), cutlass.Int32(b).ir_value(loc=loc, ip=ip)],
-        f"prmt.b32 $0, $1, $2, {int(selector)};",
-        "=r,r,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return cutlass.Int32(out)

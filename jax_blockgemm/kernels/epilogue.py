@@ -32,19 +32,6 @@ def rope_pair(p_even: cutlass.Float32, p_odd: cutlass.Float32, cos_lo: cutlass.F
 
 
 @cute.jit
-def lane_max(bits: cutlass.Int32, first_lane_bit: cutlass.Constexpr[int],
-             num_lane_bits: cutlass.Constexpr[int]) -> cutlass.Int32:
-    """Max of `bits` over the lanes that differ only in lane-index bits [first, first + num): butterfly shuffles.
-
-    (0, 2) reduces over the 4 lanes of a quad (one wgmma accumulator row); (2, 3) over the 8 quads of a warp (one
-    accumulator column's 8 rows).
-    """
-    for i in cutlass.range_constexpr(num_lane_bits):
-        bits = cutlass.max(bits, cute.arch.shuffle_sync_bfly(bits, offset=1 << (first_lane_bit + i)))
-    return bits
-
-
-@cute.jit
 def e8m0_scale(amax_bits: cutlass.Int32):
     """E8M0 byte of a block whose max |x| has bits `amax_bits` (SPEC §2, E4M3 codes), and the factor to multiply by.
 
@@ -177,15 +164,3 @@ def e2m1_nibble(x: cutlass.Float32) -> cutlass.Int32:
     for t in cutlass.range_constexpr(len(E2M1_INCLUSIVE)):
         code = code + cutlass.Int32(a >= cutlass.Float32(E2M1_INCLUSIVE[t]))
     return code | ((bits >> 28) & 8)
-
-
-@cute.jit
-def quantize_pair(lo: cutlass.Float32, hi: cutlass.Float32, inv_lo: cutlass.Float32, inv_hi: cutlass.Float32,
-                  bad_lo: cutlass.Boolean, bad_hi: cutlass.Boolean) -> cutlass.Int32:
-    """E4M3 codes of lo·inv_lo and hi·inv_hi as hi << 8 | lo; a value of a NaN/inf block gets code 0 (SPEC §2)."""
-    codes = e4m3x2(lo * inv_lo, hi * inv_hi)
-    if bad_lo:
-        codes = codes & 0xFF00
-    if bad_hi:
-        codes = codes & 0x00FF
-    return codes
