@@ -20,7 +20,7 @@ from typing import Any, Iterator, Sequence
 import jax
 import numpy as np
 
-from jax_blockgemm import arch, formats
+from jax_blockgemm import arch, formats, tuning
 
 # The kernels and the FFI handler take sizes and element counts as int32: a call with an operand or C of this many
 # elements or more never reaches them (None takes the reference, "cutedsl" raises at lowering).
@@ -126,11 +126,13 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
     l, m, k_row = a_shape[0], a_shape[2 if a_major == "m" else 1], a_shape[1 if a_major == "m" else 2]
     n = b_shape[2 if b_major == "n" else 1]
     k = k if k is not None else k_row * (2 if packed else 1)  # the logical K (packed FP4: two codes per byte)
-    choice = _usable(variants, implementation, sizes=(m, n, k, l), names="(N, M, K, L)" if swap_ab else "(M, N, K, L)")
+    fmt = format_key(ab_dtype, sf_dtype, sf_vec_size)
+    choice = _usable(variants, implementation, sizes=(m, n, k, l), names="(N, M, K, L)" if swap_ab else "(M, N, K, L)",
+                     fmt=fmt)
     return dataclasses.replace(choice, swap_ab=swap_ab) if choice.variants else choice
 
 
-def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation: Any,
+def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation: Any, mxfp8: bool = False,
                       **_: Any) -> KernelChoice:
     """The proj_rope kernel variants (one per covered architecture) for this call, or why there are none.
 
@@ -164,7 +166,7 @@ def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation
     if not variants:
         return KernelChoice(reason="no proj_rope kernel in the catalog")
     h = avals_in[1].shape[1 if w_out_in else 2] // 192
-    return _usable(variants, implementation, sizes=(t, k, h), names="(T, K, H)")
+    return _usable(variants, implementation, sizes=(t, k, h), names="(T, K, H)", fmt="mxfp8" if mxfp8 else "bf16")
 
 
 def dequantize_variants(archs: Sequence[str], shape: Sequence[int], *, scale_axis: int,
@@ -190,7 +192,37 @@ def dequantize_variants(archs: Sequence[str], shape: Sequence[int], *, scale_axi
     return variants
 
 
-def _usable(variants: list, implementation: Any, *, sizes: tuple, names: str) -> KernelChoice:
+def format_key(ab_dtype: str, sf_dtype: str, sf_vec_size: int) -> str:
+    """The operand format of a gemm_amax call as the tuning tables name it: "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4",
+    "nvfp4" (E2M1 with E4M3 scales), or "e2m1_e8m0_16" for E2M1 with E8M0 scales per 16."""
+    if ab_dtype == "float4_e2m1fn":
+        if sf_dtype == "float8_e4m3fn":
+            return "nvfp4"
+        return "mxfp4" if sf_vec_size == 32 else f"e2m1_e8m0_{sf_vec_size}"
+    return {"float8_e4m3fn": "mxfp8_e4m3", "float8_e5m2": "mxfp8_e5m2"}.get(ab_dtype, ab_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def local_gpu_model() -> str | None:
+    """The model name (jax.Device.device_kind) of the visible CUDA GPUs when they are all one model, else None."""
+    try:
+        kinds = {str(d.device_kind) for d in jax.devices("cuda")}
+    except RuntimeError:
+        return None
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def _none_takes(v: Any, fmt: str, size: int, local_targets: set) -> bool:
+    """Whether implementation=None takes variant `v`: the local GPU model's measured decision (`tuning`) where one
+    exists for its target, else `arch.TABLE`."""
+    if v.arch in local_targets:
+        measured = tuning.takes_kernel(local_gpu_model(), v.op, fmt, size)
+        if measured is not None:
+            return measured
+    return arch.none_takes_kernel(v.op, v.arch)
+
+
+def _usable(variants: list, implementation: Any, *, sizes: tuple, names: str, fmt: str) -> KernelChoice:
     """The variants that take these sizes, that None may use, that cover every local GPU and passed the first-use
     self-check where they never ran before; else why there are none."""
     from jax_blockgemm.kernels import catalog
@@ -209,13 +241,15 @@ def _usable(variants: list, implementation: Any, *, sizes: tuple, names: str) ->
     variants = buildable
     if not variants:
         return KernelChoice(reason=f"no kernel can be built here: {'; '.join(unbuildable)}")
-    if implementation is None:
-        slower = sorted(v.arch for v in variants if not arch.none_takes_kernel(v.op, v.arch))
-        variants = [v for v in variants if arch.none_takes_kernel(v.op, v.arch)]
-        if not variants:
-            return KernelChoice(reason=f"implementation=None takes the reference over the {', '.join(slower)} "
-                                       "kernel (arch.TABLE; implementation='cutedsl' forces it)")
     capabilities = local_cuda_capabilities()
+    if implementation is None:
+        local_targets = {arch.target_of(cc) for cc in capabilities or ()}
+        taken = [v for v in variants if _none_takes(v, fmt, math.prod(sizes), local_targets)]
+        if not taken:
+            slower = sorted(v.arch for v in variants)
+            return KernelChoice(reason=f"implementation=None takes the reference over the {', '.join(slower)} "
+                                       "kernel (arch.TABLE or this GPU's tuning table; 'cutedsl' forces it)")
+        variants = taken
     if capabilities is not None:
         targets = {v.arch for v in variants}
         missing = [cc for cc in capabilities if arch.target_of(cc) not in targets]

@@ -1,0 +1,179 @@
+"""Turn our kernels on where they win on this GPU: `python -m jax_blockgemm.tune`.
+
+    python -m jax_blockgemm.tune [--op gemm_amax|proj_rope] [--format mxfp8_e4m3 ...] [--shape M,N,K ...]
+                                 [--reps N] [--reset]
+
+For every operation and format that a kernel of ours could serve on the local GPU: self-check that kernel (in a
+child process, through the first-use gate), time it (implementation="cutedsl") against what implementation=None runs
+without a decision (`arch.TABLE`: the reference, or XLA's block-scaled dot on Blackwell) at the given shapes or the
+benchmark's, print a table, and store the decisions for this GPU model (`tuning`), which None follows from then on.
+`--reset` deletes the stored table; JAX_BLOCKGEMM_IGNORE_TUNING=1 makes None ignore it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import re
+import sys
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from jax_blockgemm import tuning
+
+GEMM_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
+PROJ_ROPE_FORMATS = ("bf16", "mxfp8")
+# SPEC §8's shapes (gemm_amax M, N, K; proj_rope T at K = 1536, H = 128), and two smaller gemm_amax shapes so
+# that a decision can start at a size below the large ones.
+GEMM_SHAPES = ((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (4096, 7168, 16384), (4096, 24576, 1536))
+PROJ_ROPE_TOKENS = (2048, 4096)
+_BENCH_FORMAT = {"mxfp8_e4m3": "mxfp8", "mxfp8_e5m2": "mxfp8_e5m2", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
+
+# (kernel_ms, default_ms) of one problem, or None when no kernel of ours serves it; `why` says why not.
+Timer = Callable[[str, str, tuple], tuple[Optional[tuple[float, float]], str]]
+
+
+@contextlib.contextmanager
+def _tables_ignored() -> Iterator[None]:
+    """The default None takes without any decision: the table is ignored while we time it."""
+    saved = os.environ.get(tuning.IGNORE_ENV)
+    os.environ[tuning.IGNORE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(tuning.IGNORE_ENV, None)
+        else:
+            os.environ[tuning.IGNORE_ENV] = saved
+
+
+def problem_size(op: str, shape: tuple) -> int:
+    """The size a decision's threshold compares: gemm_amax L*M*N*K (L = 1), proj_rope T*K*H."""
+    return shape[0] * shape[1] * shape[2]
+
+
+def kernels_in(hlo_text: str, target: str) -> tuple:
+    """The catalog variants of `target` whose objects a lowered program's custom calls carry (in order)."""
+    from jax_blockgemm.kernels import catalog
+
+    by_prefix = {v.function_prefix: v for v in catalog.CATALOG if v.arch == target}
+    prefixes = [p for group in re.findall(r'function_prefixes = "([^"]*)"', hlo_text) for p in group.split(",")]
+    return tuple(by_prefix[p] for p in prefixes if p in by_prefix)
+
+
+def measure(op: str, fmt: str, shape: tuple, *, reps: int = 20) -> tuple[Optional[tuple[float, float]], str]:
+    """Self-check and time our kernel against None's default for one problem on the local GPU."""
+    import jax
+
+    import jax_blockgemm as jbg
+    from jax_blockgemm import arch, dispatch, gate
+    from jax_blockgemm.bench import inputs, timing
+
+    keys = jax.random.split(jax.random.key(0), 2)
+    if op == "gemm_amax":
+        sets = [inputs.gemm_inputs(k, *shape, fmt=_BENCH_FORMAT[fmt]) for k in keys]
+        names = ("a", "b", "sfa_atom", "sfb_atom") + (("alpha",) if fmt == "nvfp4" else ())
+        arg_sets = [tuple(s[n] for n in names) for s in sets]
+        sf = 16 if fmt == "nvfp4" else 32
+
+        def call(implementation):
+            def f(a, b, sfa, sfb, *alpha):
+                return jbg.gemm_amax(a, b, sfa, sfb, alpha=alpha[0] if alpha else None, sf_vec_size=sf,
+                                     implementation=implementation)
+            return f
+    else:
+        tokens, k, heads = shape
+        mxfp8 = fmt == "mxfp8"
+        sets = [inputs.proj_rope_inputs(key, tokens, heads, k) for key in keys]
+        arg_sets = [inputs.proj_rope_arguments(s, mxfp8)[0] for s in sets]
+
+        def call(implementation):
+            return functools.partial(jbg.gemm_proj_rope_mxfp8, implementation=implementation)
+    try:
+        text = jax.jit(call("cutedsl")).lower(*arg_sets[0]).as_text()
+    except ValueError as e:
+        return None, f"no kernel: {str(e).splitlines()[0]}"
+    variants = kernels_in(text, arch.target_of(dispatch.local_cuda_capabilities()[0]))
+    for v in variants:
+        verdict = gate.check(v)
+        if not verdict.ok:
+            return None, f"self-check failed: {verdict.detail}"
+    with _tables_ignored():
+        kernel, default = (jax.jit(call(impl)) for impl in ("cutedsl", None))
+        ms = timing.interleaved_medians_ms([kernel, default], [arg_sets, arg_sets], warmup=3, reps=reps, burst=10)
+    return (ms[0], ms[1]), ""
+
+
+def run(problems: Sequence[tuple[str, str, tuple]], gpu_model: str, *, timer: Timer,
+        out: Any = None) -> list[tuning.Decision]:
+    """Measure every (op, fmt, shape), print one row each and one decision per (op, fmt); store them."""
+    out = out or sys.stdout
+    rows = "{:10s} {:11s} {:>22s} {:>10s} {:>10s} {:>8s}  {}"
+    print(f"GPU: {gpu_model}", file=out)
+    print(rows.format("op", "format", "shape", "ours ms", "None ms", "speedup", "note"), file=out)
+    measured: dict[tuple[str, str], list] = {}
+    for op, fmt, shape in problems:
+        times, why = timer(op, fmt, shape)
+        measured.setdefault((op, fmt), [])
+        if times is None:
+            print(rows.format(op, fmt, "x".join(map(str, shape)), "-", "-", "-", why), file=out, flush=True)
+            continue
+        kernel_ms, default_ms = times
+        measured[(op, fmt)].append((problem_size(op, shape), kernel_ms, default_ms))
+        print(rows.format(op, fmt, "x".join(map(str, shape)), f"{kernel_ms:.3f}", f"{default_ms:.3f}",
+                          f"{default_ms / kernel_ms:.2f}x", ""), file=out, flush=True)
+    decisions = [tuning.decide(op, fmt, m) for (op, fmt), m in measured.items() if m]
+    print("decisions (None from now on):", file=out)
+    for d in decisions:
+        what = f"our kernel from size {d.min_size}" if d.choice == tuning.KERNEL else "the default (arch.TABLE)"
+        print(f"  {d.op} {d.fmt}: {what}", file=out)
+    path = tuning.store(gpu_model, decisions)
+    print(f"stored in {path}", file=out)
+    return decisions
+
+
+def problems(ops: Sequence[str], fmts: Sequence[str], shapes: Sequence[tuple]) -> list[tuple[str, str, tuple]]:
+    """The (op, fmt, shape) to time: gemm_amax shapes are (M, N, K), proj_rope shapes (T, K, H)."""
+    out = []
+    if "gemm_amax" in ops:
+        out += [("gemm_amax", f, s) for f in fmts if f in GEMM_FORMATS for s in (shapes or GEMM_SHAPES)]
+    if "proj_rope" in ops:
+        out += [("proj_rope", f, (t, 1536, 128)) for f in fmts if f in PROJ_ROPE_FORMATS for t in PROJ_ROPE_TOKENS]
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jax_blockgemm.tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--op", action="append", choices=("gemm_amax", "proj_rope"), help="repeatable; default: both")
+    p.add_argument("--format", action="append", choices=GEMM_FORMATS + PROJ_ROPE_FORMATS,
+                   help="repeatable; default: every format")
+    p.add_argument("--shape", action="append", default=[], type=lambda s: tuple(int(v) for v in s.split(",")),
+                   metavar="M,N,K", help="gemm_amax shapes to time (repeatable; default: the benchmark's)")
+    p.add_argument("--reps", type=int, default=20, help="timed samples per column (default 20)")
+    p.add_argument("--reset", action="store_true", help="delete this GPU model's stored decisions and exit")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, *, timer: Timer = measure) -> int:
+    """Exit status 0 after storing decisions (or resetting), 2 where no CUDA GPU is visible."""
+    args = _parser().parse_args(argv)
+    from jax_blockgemm import dispatch
+
+    gpu_model = dispatch.local_gpu_model()
+    if args.reset:
+        deleted = tuning.reset(gpu_model)
+        print("deleted: " + (", ".join(map(str, deleted)) or "nothing"))
+        return 0
+    if gpu_model is None:
+        print("no CUDA GPU visible (or GPUs of several models): nothing to tune; implementation=None follows "
+              "arch.TABLE")
+        return 2
+    todo = problems(args.op or ("gemm_amax", "proj_rope"), args.format or GEMM_FORMATS + PROJ_ROPE_FORMATS,
+                    args.shape)
+    run(todo, gpu_model, timer=functools.partial(timer, reps=args.reps) if timer is measure else timer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Per-GPU-model decisions measured on the user's own GPU: where `implementation=None` takes our kernels.
+
+`python -m jax_blockgemm.tune` self-checks and times our kernels against what None would otherwise run and writes
+one table per GPU model into the cache directory; dispatch reads it at lowering. A decision only ever says "our
+kernel, from this problem size on" for an operation and format; everything it does not name follows `arch.TABLE`,
+and a kernel of a never-run architecture still passes its first-use self-check before any use. Set
+`JAX_BLOCKGEMM_IGNORE_TUNING=1` to ignore the tables; `python -m jax_blockgemm.tune --reset` deletes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import pathlib
+import re
+import time
+from typing import Optional, Sequence
+
+from jax_blockgemm import kernel_cache
+
+logger = logging.getLogger(__name__)
+
+IGNORE_ENV = "JAX_BLOCKGEMM_IGNORE_TUNING"
+KERNEL = "kernel"
+DEFAULT = "default"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What None takes for one operation and operand format on one GPU model, and the measurements behind it."""
+
+    op: str  # "gemm_amax" or "proj_rope"
+    fmt: str  # gemm_amax: "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4"; proj_rope: "bf16", "mxfp8"
+    choice: str  # KERNEL or DEFAULT
+    min_size: int = 0  # with KERNEL: the smallest problem size (gemm_amax L*M*N*K, proj_rope T*K*H) it applies to
+    measured: tuple = ()  # ((size, kernel_ms, default_ms), ...) at the shapes that were timed
+
+
+def table_path(gpu_model: str) -> pathlib.Path:
+    """Where the decisions for `gpu_model` (jax.Device.device_kind, e.g. "NVIDIA H200") are kept."""
+    slug = re.sub(r"[^0-9A-Za-z]+", "-", gpu_model).strip("-") or "gpu"
+    return kernel_cache.default_cache_dir() / "tuning" / f"{slug}.json"
+
+
+def store(gpu_model: str, decisions: Sequence[Decision], *, environment: Optional[dict] = None) -> pathlib.Path:
+    """Write the decision table of `gpu_model` (replacing any earlier one); returns its path."""
+    path = table_path(gpu_model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"gpu": gpu_model, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "environment": environment or {}, "decisions": [dataclasses.asdict(d) for d in decisions]}
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
+    _load.cache_clear()
+    return path
+
+
+def reset(gpu_model: Optional[str] = None) -> list[pathlib.Path]:
+    """Delete the table of `gpu_model`, or every table when None; returns what was deleted."""
+    directory = kernel_cache.default_cache_dir() / "tuning"
+    paths = [table_path(gpu_model)] if gpu_model else sorted(directory.glob("*.json"))
+    deleted = [p for p in paths if p.is_file()]
+    for p in deleted:
+        p.unlink()
+    _load.cache_clear()
+    return deleted
+
+
+@functools.lru_cache(maxsize=None)
+def _load(gpu_model: str, directory: str) -> tuple[Decision, ...]:
+    path = table_path(gpu_model)
+    try:
+        record = json.loads(path.read_text())
+        return tuple(Decision(**{**d, "measured": tuple(tuple(m) for m in d.get("measured", ()))})
+                     for d in record["decisions"])
+    except FileNotFoundError:
+        return ()
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("jax_blockgemm: ignoring the unreadable tuning table %s (%s)", path, e)
+        return ()
+
+
+def load(gpu_model: str) -> tuple[Decision, ...]:
+    """The stored decisions of `gpu_model` (read once per process and cache directory; () when there are none)."""
+    return _load(gpu_model, str(kernel_cache.default_cache_dir()))
+
+
+def takes_kernel(gpu_model: Optional[str], op: str, fmt: str, size: int) -> Optional[bool]:
+    """Whether the measured table of `gpu_model` sends this call to our kernel: True or False where a decision
+    for (op, fmt) exists, None where there is none (or tables are ignored): then `arch.TABLE` decides."""
+    if not gpu_model or os.environ.get(IGNORE_ENV, "").strip() not in ("", "0"):
+        return None
+    for d in load(gpu_model):
+        if (d.op, d.fmt) == (op, fmt):
+            return d.choice == KERNEL and size >= d.min_size
+    return None
+
+
+def decide(op: str, fmt: str, measured: Sequence[tuple[int, float, float]], *, margin: float = 0.02) -> Decision:
+    """The decision from timings ((size, kernel_ms, default_ms), ...): our kernel from the smallest measured size at
+    and above which it was faster than the default by at least `margin` at every measured size (never below the
+    sizes measured); else the default."""
+    rows = sorted(measured)
+    first = len(rows)
+    while first > 0 and rows[first - 1][1] * (1 + margin) <= rows[first - 1][2]:
+        first -= 1
+    if first == len(rows):
+        return Decision(op, fmt, DEFAULT, 0, tuple(rows))
+    return Decision(op, fmt, KERNEL, rows[first][0], tuple(rows))

@@ -1,0 +1,139 @@
+"""`python -m jax_blockgemm.tune` and the per-GPU-model decision tables that implementation=None follows (CPU: the
+GPU, its timings and the lowering's device are faked; the decisions, the store and dispatch are real)."""
+
+import io
+import os
+import tempfile
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+
+import jax_blockgemm as jbg
+from jax_blockgemm import dispatch, tune, tuning
+
+import oracle
+
+H200 = "NVIDIA H200"
+
+
+class DecideTest(absltest.TestCase):
+
+    def test_kernel_from_the_smallest_size_from_which_it_always_wins(self):
+        d = tuning.decide("gemm_amax", "mxfp4", [(8, 1.0, 2.0), (1, 1.0, 0.5), (64, 3.0, 4.0)])
+        self.assertEqual((d.choice, d.min_size), (tuning.KERNEL, 8))
+        d = tuning.decide("gemm_amax", "mxfp4", [(8, 1.0, 2.0), (1, 1.0, 2.0)])
+        self.assertEqual((d.choice, d.min_size), (tuning.KERNEL, 1))
+
+    def test_default_when_the_kernel_loses_at_the_largest_size_or_wins_by_less_than_the_margin(self):
+        self.assertEqual(tuning.decide("proj_rope", "bf16", [(1, 1.0, 2.0), (9, 2.0, 1.9)]).choice, tuning.DEFAULT)
+        self.assertEqual(tuning.decide("proj_rope", "bf16", [(9, 1.0, 1.01)]).choice, tuning.DEFAULT)
+
+
+class StoreTest(absltest.TestCase):
+
+    def setUp(self):
+        self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enter_context(
+            tempfile.TemporaryDirectory())}))
+        self.enter_context(mock.patch.dict(os.environ, {tuning.IGNORE_ENV: ""}))
+
+    def test_round_trip_threshold_ignore_and_reset(self):
+        self.assertIsNone(tuning.takes_kernel(H200, "gemm_amax", "mxfp4", 10))
+        tuning.store(H200, [tuning.decide("gemm_amax", "mxfp4", [(8, 1.0, 2.0)]),
+                            tuning.decide("proj_rope", "bf16", [(8, 2.0, 1.0)])])
+        self.assertTrue(tuning.takes_kernel(H200, "gemm_amax", "mxfp4", 8))
+        self.assertFalse(tuning.takes_kernel(H200, "gemm_amax", "mxfp4", 7))  # below what was measured
+        self.assertFalse(tuning.takes_kernel(H200, "proj_rope", "bf16", 100))  # measured slower
+        self.assertIsNone(tuning.takes_kernel(H200, "gemm_amax", "nvfp4", 100))  # not measured: arch.TABLE
+        self.assertIsNone(tuning.takes_kernel("NVIDIA B200", "gemm_amax", "mxfp4", 100))  # another GPU model
+        with mock.patch.dict(os.environ, {tuning.IGNORE_ENV: "1"}):
+            self.assertIsNone(tuning.takes_kernel(H200, "gemm_amax", "mxfp4", 8))
+        self.assertEqual(tuning.load(H200)[0].measured, ((8, 1.0, 2.0),))
+        self.assertEqual(tuning.reset(H200), [tuning.table_path(H200)])
+        self.assertIsNone(tuning.takes_kernel(H200, "gemm_amax", "mxfp4", 8))
+
+    def test_an_unreadable_table_is_ignored_with_a_warning(self):
+        path = tuning.table_path(H200)
+        path.parent.mkdir(parents=True)
+        path.write_text("{not json")
+        tuning._load.cache_clear()
+        with self.assertLogs("jax_blockgemm.tuning", "WARNING"):
+            self.assertIsNone(tuning.takes_kernel(H200, "gemm_amax", "mxfp4", 8))
+
+
+def _gemm_text(m: int, fmt: str = "mxfp8_e4m3") -> str:
+    rng = np.random.default_rng(0)
+    dtype = jnp.float8_e4m3fn if fmt == "mxfp8_e4m3" else jnp.float8_e5m2
+    a = jnp.asarray(rng.standard_normal((m, 128)), jnp.float32).astype(dtype)
+    b = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32).astype(dtype)
+    s = lambda r: jnp.asarray(oracle.random_scale_bytes(rng, (r, 4)))
+    f = jax.jit(lambda *x: jbg.gemm_amax(*x))  # a fresh function: no lowering cached from another test
+    return f.trace(a, b, s(m), s(128)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+class DispatchFollowsTheTableTest(absltest.TestCase):
+    """A lowering on a (faked) H200 with a stored decision: None takes the kernel exactly where the table says."""
+
+    def setUp(self):
+        self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enter_context(
+            tempfile.TemporaryDirectory()), tuning.IGNORE_ENV: ""}))
+        self.enter_context(mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)))
+        self.enter_context(mock.patch.object(dispatch, "local_gpu_model", return_value=H200))
+        from jax_blockgemm import kernel_cache
+        self.enter_context(mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()))
+        tuning.store(H200, [tuning.Decision("gemm_amax", "mxfp8_e4m3", tuning.KERNEL, min_size=256 * 128 * 128)])
+
+    def test_none_takes_the_kernel_from_the_threshold_on(self):
+        self.assertIn("jbg_gemm_amax", _gemm_text(256))
+        self.assertNotIn("jbg_gemm_amax", _gemm_text(128))  # below the measured sizes
+        self.assertNotIn("jbg_gemm_amax", _gemm_text(256, "mxfp8_e5m2"))  # no decision: arch.TABLE's reference
+
+    def test_the_environment_variable_and_another_gpu_model_ignore_it(self):
+        with mock.patch.dict(os.environ, {tuning.IGNORE_ENV: "1"}):
+            self.assertNotIn("jbg_gemm_amax", _gemm_text(256))
+        with mock.patch.object(dispatch, "local_gpu_model", return_value="NVIDIA H100 80GB HBM3"):
+            self.assertNotIn("jbg_gemm_amax", _gemm_text(256))
+
+    def test_kernels_in_names_the_local_targets_objects(self):
+        text = _gemm_text(256)
+        self.assertEqual([v.key for v in tune.kernels_in(text, "sm_90a")],
+                         ["gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1"])
+
+
+class TuneCommandTest(absltest.TestCase):
+
+    def setUp(self):
+        self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enter_context(
+            tempfile.TemporaryDirectory()), tuning.IGNORE_ENV: ""}))
+
+    def test_without_a_gpu_it_says_so(self):
+        with mock.patch.object(dispatch, "local_gpu_model", return_value=None), \
+                mock.patch("sys.stdout", new_callable=io.StringIO) as out:
+            self.assertEqual(tune.main([]), 2)
+        self.assertIn("no CUDA GPU visible", out.getvalue())
+
+    def test_measures_prints_stores_and_resets(self):
+        def timer(op, fmt, shape):
+            if fmt == "mxfp8_e5m2":
+                return None, "no kernel: no CuTeDSL kernel applies"
+            return ((1.0, 2.0) if op == "gemm_amax" else (3.0, 2.0)), ""
+
+        with mock.patch.object(dispatch, "local_gpu_model", return_value=H200), \
+                mock.patch("sys.stdout", new_callable=io.StringIO) as out:
+            self.assertEqual(tune.main(["--format", "mxfp8_e4m3", "--format", "mxfp8_e5m2", "--format", "bf16",
+                                        "--shape", "256,256,256"], timer=timer), 0)
+            text = out.getvalue()
+            self.assertRegex(text, r"gemm_amax\s+mxfp8_e4m3\s+256x256x256\s+1.000\s+2.000\s+2.00x")
+            self.assertRegex(text, r"gemm_amax\s+mxfp8_e5m2\s+256x256x256\s+-\s+-\s+-\s+no kernel")
+            self.assertIn("gemm_amax mxfp8_e4m3: our kernel from size 16777216", text)
+            self.assertIn("proj_rope bf16: the default", text)
+            self.assertTrue(tuning.takes_kernel(H200, "gemm_amax", "mxfp8_e4m3", 256 ** 3))
+            self.assertFalse(tuning.takes_kernel(H200, "proj_rope", "bf16", 10 ** 12))
+            self.assertEqual(tune.main(["--reset"]), 0)
+        self.assertIsNone(tuning.takes_kernel(H200, "gemm_amax", "mxfp8_e4m3", 256 ** 3))
+
+
+if __name__ == "__main__":
+    absltest.main()
