@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_blockgemm import formats, primitives, support
+from jax_blockgemm import formats, primitives, support, weight_only
 
 Implementation = Optional[Literal["cutedsl", "xla"]]
 
@@ -110,6 +110,24 @@ def gemm_proj_rope_mxfp8(x: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Ar
     outs = primitives.proj_rope_p.bind(*(o[None] for o in operands), w_out_in=bool(w_out_in), mxfp8=mxfp8,
                                        implementation=implementation)
     return tuple(o[0] for o in outs)
+
+
+def weight_only_matmul(x: jax.Array, w: weight_only.QuantizedWeight, *, out_dtype: Any = jnp.bfloat16,
+                       implementation: Implementation = None) -> jax.Array:
+    """Weight-only quantized matmul (SPEC §5b): y = x · Ŵᵀ, x used as given, Ŵ the MX-quantized weight.
+
+    x: (..., K) bfloat16 or float32, not quantized. w: a QuantizedWeight of an (N, K) matrix (`quantize_weight`):
+    MXFP8 E4M3 / E5M2, MXFP4 or NVFP4 (with its per-tensor alpha). Products are summed in fp32 and y (..., N) is
+    returned in out_dtype (bfloat16 or float32). No decode kernel exists yet: every implementation runs the reference
+    (Ŵ dequantized to bf16, exact, then one dot in x's dtype with fp32 accumulation); "cutedsl" raises.
+
+    jit, vmap (over x's leading axes, or over stacked weights) and sharding work as for the other operations (x
+    sharded on rows or K, the weight on N or K: the weight is never gathered). Differentiable with respect to x
+    (dx = dy · Ŵ); differentiating with respect to w raises, the quantized weight being a constant.
+    """
+    x = jnp.asarray(x)
+    weight_only.check_call(x, w, out_dtype, implementation)
+    return weight_only.matmul(x, w, np.dtype(out_dtype), implementation)
 
 
 # CuTeDSL's names for the dtypes cuDNN frontend's entry points accept as c_dtype / acc_dtype.

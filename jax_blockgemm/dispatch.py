@@ -169,6 +169,15 @@ def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation
     return _usable(variants, implementation, sizes=(t, k, h), names="(T, K, H)", fmt="mxfp8" if mxfp8 else "bf16")
 
 
+def weight_only_kernels(avals_in: Sequence[Any], *, fmt: str, out_dtype: Any, implementation: Any,
+                        **_: Any) -> KernelChoice:
+    """The kernel for a weight_only_matmul call (x (L, M, K) times `fmt` weights): none exists yet, so every device
+    runs the reference. A decode kernel, when one is added, is chosen here."""
+    if implementation == "xla":
+        return KernelChoice(reason="implementation='xla' forces the reference")
+    return KernelChoice(reason=f"no decode kernel yet: weight-only {fmt} matmuls run the reference on every device")
+
+
 def dequantize_variants(archs: Sequence[str], shape: Sequence[int], *, scale_axis: int,
                         paired_shape: Sequence[int] | None = None) -> tuple:
     """The dequantize kernels (one per arch in `archs`) for MXFP8 codes of `shape` with scales per 32 along

@@ -1,4 +1,4 @@
-"""Partitioning rules of both primitives: under jax.jit each device runs the op on its own shard.
+"""Partitioning rules of the primitives: under jax.jit each device runs the op on its own shard.
 
 `primitives.py` splits each operation into an outer primitive (what the API binds: batching and partitioning) and a
 local primitive (abstract eval and the per-platform lowerings: kernel on CUDA, reference elsewhere). The outer
@@ -18,6 +18,13 @@ gemm_proj_rope_mxfp8, canonical operands x (G, T, K), w (G, N, K) / (G, K, N), c
 their codes:
   * G, tokens T (each shard a multiple of 32 tokens: the columnwise blocks) and heads (N on 192-feature
     boundaries: H divisible by the shard count) shard natively; outputs follow. K and any other split gather.
+
+weight_only_matmul, canonical operands x (L, M, K), codes (L, N, K or K/2), scales (L, N, K/block), alpha (L,):
+  * L, the rows M of x and the weight's rows N shard natively on any mesh axes; the weight is never gathered.
+  * K shards in whole scale blocks per shard: each device multiplies its slice of x by its slice of the weight,
+    and the fp32 partial products are summed over the K shards (one all-reduce of L·M·N floats, small in decode,
+    where the weight is the large operand), then alpha and the conversion to out_dtype follow. The summation order
+    differs from the unsharded call (fp32 sums, still SPEC §7's exact class). Another K split gathers K.
 
 Limits: jax.export cannot serialize these rules (Python callbacks), so an exported program carries the local op
 unpartitioned (see primitives._partitioned_lowering). Under Shardy, a dimension is tied to its coarse twin (M to
@@ -306,3 +313,86 @@ def _proj_rope_rule(params: Params, mesh: Any, operand_types: Any, result_types:
 def proj_rope_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
     """The partitioned gemm_proj_rope_mxfp8: call it as `(freeze_params(params), *operands)`."""
     return _make(local, _proj_rope_partition, _proj_rope_infer, _proj_rope_propagate, _proj_rope_rule)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# weight_only_matmul
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightOnlyPlan:
+    """Mesh axes of L, x's rows M, the weight's rows N, and K (in whole scale blocks; partial sums are reduced)."""
+
+    l: Axes
+    m: Axes
+    n: Axes
+    k: Axes
+
+    def operand_specs(self) -> tuple[P, ...]:
+        weight = _spec(self.l, self.n, self.k)
+        return _spec(self.l, self.m, self.k), weight, weight, _spec(self.l)
+
+    def result_specs(self) -> tuple[P]:
+        return (_spec(self.l, self.m, self.n),)
+
+
+def weight_only_plan(params: dict, mesh: Any, shapes: Sequence[Any]) -> WeightOnlyPlan:
+    """L from x (else the codes), M from x, N from the codes, K from x (else the codes) when each shard holds whole
+    blocks of `formats.FORMATS[fmt].block` elements (so codes, packed FP4 bytes and scales split with it)."""
+    x, codes = shapes[0], shapes[1]
+    block = formats.FORMATS[params["fmt"]].block
+    l_axes = _keep(mesh, _dim_axes(x.sharding, 0) or _dim_axes(codes.sharding, 0), x.shape[0], 1, ())
+    m_axes = _keep(mesh, _dim_axes(x.sharding, 1), x.shape[1], 1, l_axes)
+    n_axes = _keep(mesh, _dim_axes(codes.sharding, 1), codes.shape[1], 1, l_axes + m_axes)
+    k_axes = _dim_axes(x.sharding, 2) or _dim_axes(codes.sharding, 2)
+    k_axes = _keep(mesh, k_axes, x.shape[2], block, l_axes + m_axes + n_axes)
+    return WeightOnlyPlan(l_axes, m_axes, n_axes, k_axes)
+
+
+def _weight_only_partition(local: Callable, params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
+    """custom_partitioning's partition: the local op per shard; with K split, fp32 partial sums reduced over K, then
+    alpha and the conversion (as the unsharded reference applies them)."""
+    p = dict(params)
+    plan = weight_only_plan(p, mesh, arg_shapes)
+    if not plan.k:
+        per_shard = lambda *operands: tuple(local(*operands, **p))
+    else:
+        def per_shard(x, codes, scales, alpha):
+            (acc,) = local(x, codes, scales, jnp.ones_like(alpha), **{**p, "out_dtype": jnp.dtype(jnp.float32)})
+            acc = jax.lax.psum(acc, plan.k)
+            return ((acc * alpha[:, None, None]).astype(p["out_dtype"]),)
+    return mesh, per_shard, _named(mesh, plan.result_specs()), _named(mesh, plan.operand_specs())
+
+
+def _weight_only_infer(params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
+    """GSPMD: the result sharding the plan gives these operands."""
+    return _named(mesh, weight_only_plan(dict(params), mesh, arg_shapes).result_specs())
+
+
+def _weight_only_propagate(params: Params, mesh: Any, result_shape: Any):
+    """A user's sharding of y (L, M, N) is kept."""
+    return (result_shape[0].sharding,)
+
+
+def _weight_only_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
+    """Shardy: L, M, N pass through; K is a reduction factor linked across x, the codes and the scales in whole
+    blocks when it fills them (else each operand's K stays whole: gathered)."""
+    p = dict(params)
+    block_format = formats.FORMATS[p["fmt"]]
+    k = _shape(operand_types[0])[2]
+    sizes: dict = {}
+    if k % block_format.block == 0 and _linkable(k, block_format.block, mesh):
+        sizes["ki"] = block_format.block
+        sizes["kci"] = block_format.block // 2 if block_format.is_fp4 else block_format.block
+        x, codes, scales = "l m (kb ki)", "l n (kb kci)", "l n kb"
+        special = dict(reduction_factors=("kb",), need_replication_factors=("ki", "kci"))
+    else:
+        x, codes, scales = "l m k", "l n kc", "l n kb"
+        special = dict(need_replication_factors=("k", "kc", "kb"))
+    return f"{x}, {codes}, {scales}, l -> l m n", dict(**special, **sizes)
+
+
+def weight_only_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
+    """The partitioned weight_only_matmul: call it as `(freeze_params(params), *operands)`."""
+    return _make(local, _weight_only_partition, _weight_only_infer, _weight_only_propagate, _weight_only_rule)
