@@ -2,6 +2,9 @@
 
 The forward GEMM's amax is sown into the "intermediates" collection (`apply(..., mutable=["intermediates"])`);
 the gradient with respect to the "mx_grad_amax" collection's (2,) zeros is [dgrad amax, wgrad amax].
+
+For serving, `MXDense.quantized_for_inference(variables, format=...)` (or `WeightOnlyDense.convert` for any nn.Dense)
+returns a `WeightOnlyDense` and its variables, the kernel a QuantizedWeight; its forward is `weight_only_matmul`.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jax_blockgemm import autodiff, mla
+from jax_blockgemm import autodiff, mla, weight_only
+from jax_blockgemm.api import weight_only_matmul
 
-__all__ = ["MXDense", "MLAQProjection", "GRAD_AMAX"]
+__all__ = ["MXDense", "MLAQProjection", "GRAD_AMAX", "WeightOnlyDense"]
 
 GRAD_AMAX = "mx_grad_amax"  # the collection holding each layer's (2,) gradient-amax sink
 
@@ -43,6 +47,12 @@ class MXDense(nn.Dense):
             y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
         return y
 
+    def quantized_for_inference(self, variables: Any, format: str = "mxfp8_e4m3", *, out_dtype: Any = None
+                                ) -> tuple["WeightOnlyDense", dict]:
+        """(module, variables) for serving this layer: its kernel quantized once to `format`, its bias kept; the
+        module's forward is weight_only_matmul. `variables` are this layer's ({"params": {"kernel", "bias"}})."""
+        return WeightOnlyDense.convert(self, variables, format, out_dtype=out_dtype)
+
 
 class MLAQProjection(nn.Module):
     """MLA Q up-projection through the fused gemm_proj_rope_mxfp8: x (T, K), cos, sin (T, 64) -> MXFP8Views.
@@ -61,3 +71,49 @@ class MLAQProjection(nn.Module):
             raise ValueError(f"MLAQProjection: num_heads must be at least 1; got {self.num_heads}.")
         kernel = self.param("kernel", self.kernel_init, (jnp.shape(x)[-1], self.num_heads * 192), self.param_dtype)
         return mla.mla_q_projection(x, kernel, cos, sin, w_out_in=False, recipe=autodiff.as_recipe(self.recipe))
+
+
+class WeightOnlyDense(nn.Module):
+    """Inference twin of `nn.Dense`: y = inputs · Ŵᵀ + bias through `weight_only_matmul`; the "kernel" param is a
+    QuantizedWeight of the (features, in) weight (not differentiable), the bias a plain array.
+
+    Inputs in bfloat16 or float32 are used as given (other float dtypes are cast to float32); y comes back in
+    `out_dtype` (None: the inputs' dtype). `init` quantizes a freshly initialized kernel; `convert` quantizes a
+    trained nn.Dense's (or MXDense's).
+    """
+
+    features: int
+    format: str = "mxfp8_e4m3"
+    use_bias: bool = True
+    out_dtype: Any = None
+    kernel_init: Any = nn.initializers.lecun_normal()
+    bias_init: Any = nn.initializers.zeros_init()
+
+    @staticmethod
+    def convert(dense: nn.Dense, variables: Any, format: str = "mxfp8_e4m3", *, out_dtype: Any = None
+                ) -> tuple["WeightOnlyDense", dict]:
+        """(WeightOnlyDense, its variables) of an nn.Dense (or MXDense) and its variables: the (in, features) kernel
+        quantized along `in` as a (features, in) weight, the bias kept."""
+        params = variables["params"]
+        quantized = {"kernel": weight_only.quantize_weight(jnp.asarray(params["kernel"]).T, format)}
+        if dense.use_bias:
+            quantized["bias"] = params["bias"]
+        module = WeightOnlyDense(features=dense.features, format=format, use_bias=dense.use_bias,
+                                 out_dtype=out_dtype, parent=None)  # a top-level module, not a child of `dense`
+        return module, {"params": quantized}
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        inputs = jnp.asarray(inputs)
+        if inputs.ndim < 1:
+            raise ValueError(f"WeightOnlyDense: inputs must have rank >= 1; got shape {inputs.shape}.")
+        in_features = inputs.shape[-1]
+        kernel = self.param("kernel", lambda key: weight_only.quantize_weight(
+            self.kernel_init(key, (in_features, self.features), jnp.float32).T, self.format))
+        if inputs.dtype not in weight_only.X_DTYPES:
+            inputs = inputs.astype(jnp.float32)
+        out_dtype = inputs.dtype if self.out_dtype is None else self.out_dtype
+        y = weight_only_matmul(inputs, kernel, out_dtype=out_dtype)
+        if self.use_bias:
+            y = y + self.param("bias", self.bias_init, (self.features,), jnp.float32).astype(y.dtype)
+        return y

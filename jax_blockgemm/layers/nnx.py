@@ -4,19 +4,23 @@ Amax statistics, reachable without mutating the module (so jax.jit, jax.grad and
 nnx.Linear): `call_with_amax` returns the forward GEMM's amax, and the gradient with respect to the layer's
 `grad_amax` variable (type `GradAmax`, not a Param, so optimizers skip it) is [dgrad amax, wgrad amax]:
 `nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, GradAmax)))`.
+
+For serving, `MXLinear.quantized_for_inference(format=...)` (or `WeightOnlyLinear.from_linear` for any nnx.Linear)
+returns a `WeightOnlyLinear` holding the kernel as a QuantizedWeight, whose forward is `weight_only_matmul`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_blockgemm import autodiff, mla
+from jax_blockgemm import autodiff, mla, weight_only
+from jax_blockgemm.api import weight_only_matmul
 
-__all__ = ["GradAmax", "MXLinear", "MLAQProjection"]
+__all__ = ["GradAmax", "MXLinear", "MLAQProjection", "QuantizedKernel", "WeightOnlyLinear"]
 
 
 class GradAmax(nnx.Variable):
@@ -61,6 +65,11 @@ class MXLinear(nnx.Linear):
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         return self.call_with_amax(inputs, out_sharding)[0]
 
+    def quantized_for_inference(self, format: str = "mxfp8_e4m3", *, out_dtype: Any = None) -> "WeightOnlyLinear":
+        """This layer for serving: its kernel quantized once to `format` ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4",
+        "nvfp4"), its bias kept; the result's forward is weight_only_matmul (inputs not quantized)."""
+        return WeightOnlyLinear.from_linear(self, format, out_dtype=out_dtype)
+
 
 class MLAQProjection(nnx.Module):
     """DeepSeek-V3 MLA Q up-projection through the fused gemm_proj_rope_mxfp8: x (T, K) -> MXFP8Views.
@@ -82,3 +91,47 @@ class MLAQProjection(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> mla.MXFP8Views:
         return mla.mla_q_projection(x, self.kernel[...], cos, sin, w_out_in=False, recipe=self.recipe)
+
+
+class QuantizedKernel(nnx.Variable):
+    """A layer's QuantizedWeight: not a Param, so optimizers and nnx.grad leave it alone (it has no gradient)."""
+
+
+class WeightOnlyLinear(nnx.Module):
+    """Inference twin of nnx.Linear: y = inputs · Ŵᵀ + bias through `weight_only_matmul`, Ŵ a QuantizedWeight of the
+    (out_features, in_features) weight.
+
+    Inputs (..., in_features) in bfloat16 or float32 are used as given (other float dtypes are cast to float32); y
+    comes back in `out_dtype` (bfloat16 or float32; None: the inputs' dtype). Build it with `from_linear` or
+    `MXLinear.quantized_for_inference`.
+    """
+
+    def __init__(self, weight: weight_only.QuantizedWeight, bias: Optional[jax.Array] = None, *,
+                 out_dtype: Any = None):
+        if not isinstance(weight, weight_only.QuantizedWeight):
+            raise TypeError(f"WeightOnlyLinear: weight must be a QuantizedWeight; got {type(weight).__name__}.")
+        self.out_features, self.in_features = weight.shape
+        self.kernel = QuantizedKernel(weight)
+        self.bias = None if bias is None else nnx.Param(jnp.asarray(bias))
+        self.out_dtype = out_dtype
+
+    @classmethod
+    def from_linear(cls, layer: nnx.Linear, format: str = "mxfp8_e4m3", *, out_dtype: Any = None
+                    ) -> "WeightOnlyLinear":
+        """Quantizes an nnx.Linear's (or MXLinear's) kernel (in, out) as an (out, in) weight along in_features."""
+        kernel = layer.kernel[...]
+        bias = layer.bias[...] if layer.bias is not None else None
+        return cls(weight_only.quantize_weight(kernel.T, format), bias, out_dtype=out_dtype)
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        inputs = jnp.asarray(inputs)
+        if jnp.ndim(inputs) < 1 or jnp.shape(inputs)[-1] != self.in_features:
+            raise ValueError(f"WeightOnlyLinear: inputs must have last dimension in_features={self.in_features}; got "
+                             f"shape {jnp.shape(inputs)}.")
+        if inputs.dtype not in weight_only.X_DTYPES:
+            inputs = inputs.astype(jnp.float32)
+        out_dtype = inputs.dtype if self.out_dtype is None else self.out_dtype
+        y = weight_only_matmul(inputs, self.kernel.get_value(), out_dtype=out_dtype)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y
