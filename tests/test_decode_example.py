@@ -1,0 +1,64 @@
+"""The decoding example (jax_blockgemm/examples/decode.py): `--small` runs end to end on the CPU and prints its table;
+a quantized model decodes exactly the tokens of the bf16 model holding its dequantized weights; the full 16-layer,
+d = 4096 stack traces, with the weight bytes each format should have.
+"""
+
+import contextlib
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+
+from jax_blockgemm.examples import decode
+
+
+class DecodeExampleTest(absltest.TestCase):
+
+    def test_small_runs_and_prints_a_row_per_format_and_batch(self):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rows = decode.main(["--small", "--repeats", "1", "--batch", "1,3"])
+        text = out.getvalue()
+        self.assertEqual([(r["format"], r["batch"]) for r in rows],
+                         [(f, b) for f in ("bf16", "mxfp8_e4m3", "mxfp4") for b in (1, 3)])
+        cfg = decode.SMALL
+        for row in rows:
+            tokens = np.asarray(row["tokens"])
+            self.assertEqual(tokens.shape, (row["batch"], cfg.prompt + cfg.new_tokens))
+            self.assertTrue(((tokens >= 0) & (tokens < cfg.vocab)).all())
+            self.assertGreater(row["tokens_per_s"], 0)
+            self.assertRegex(text, rf"\n{row['format']} +{row['batch']} +[0-9.]+ +[0-9.]+ ")
+        bf16, mxfp8, mxfp4 = (rows[i]["weight_bytes"] for i in (0, 2, 4))
+        self.assertEqual(mxfp8, bf16 // 2 + bf16 // 64)  # one byte per weight plus one scale byte per 32
+        self.assertEqual(mxfp4, bf16 // 4 + bf16 // 64)
+        self.assertIn("No decode kernel exists yet", text)
+
+    def test_quantized_weights_decode_like_their_bf16_values(self):
+        """MXFP8 and MXFP4 weights are exact in bf16, and the reference multiplies as the bf16 dot does: the
+        weight-only model and the bf16 model of its dequantized weights choose the same tokens."""
+        cfg = decode.SMALL
+        params = decode.init_params(jax.random.key(1), cfg)
+        prompt = jax.random.randint(jax.random.key(2), (2, cfg.prompt), 0, cfg.vocab)
+        for fmt in ("mxfp8_e4m3", "mxfp4"):
+            quantized = decode.quantize_params(params, fmt)
+            got = decode.generate(quantized, prompt, cfg=cfg)
+            want = decode.generate(decode.dequantize_params(quantized), prompt, cfg=cfg)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            np.testing.assert_array_equal(np.asarray(got[:, :cfg.prompt]), np.asarray(prompt))
+
+    def test_the_full_stack_traces(self):
+        """16 layers, d = 4096, batch 16, MXFP4 weights: shapes only (nothing is allocated)."""
+        cfg = decode.FULL
+        params = jax.eval_shape(lambda: decode.quantize_params(decode.init_params(jax.random.key(0), cfg), "mxfp4"))
+        self.assertEqual(params["layers"]["w_gate_up"].codes.shape, (16, 2 * cfg.ffn, cfg.d_model // 2))
+        prompt = jax.ShapeDtypeStruct((16, cfg.prompt), jnp.int32)
+        tokens = jax.eval_shape(lambda p, t: decode.generate(p, t, cfg=cfg), params, prompt)
+        self.assertEqual(tokens.shape, (16, cfg.prompt + cfg.new_tokens))
+        weights = 16 * (3 + 1) * cfg.d_model ** 2 + 16 * 3 * cfg.d_model * cfg.ffn + cfg.vocab * cfg.d_model
+        self.assertEqual(decode.weight_bytes(params), weights // 2 + weights // 32)
+
+
+if __name__ == "__main__":
+    absltest.main()
