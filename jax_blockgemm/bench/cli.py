@@ -106,6 +106,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--launch", action="store_true",
                    help="also measure launch costs: first-call latency in fresh processes, per-call overhead")
+    p.add_argument("--decode", action="store_true",
+                   help="time the decode regime instead (bench/decode.py): weight-only matmuls of small M against 32 "
+                        "distinct weight matrices per program, beside the bf16 and FP8 dots (--format picks the "
+                        "weight formats, default all three)")
     p.add_argument("--json", metavar="PATH", help="write the raw numbers here")
     p.add_argument("--png", metavar="PATH", help="write a bar chart here (needs matplotlib)")
     return p
@@ -128,6 +132,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """Runs the benchmark; prints progress to stderr and the table to stdout; returns the record."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
+    if args.decode:
+        from jax_blockgemm.bench import decode
+
+        chosen = tuple(dict.fromkeys(name for names in args.format for name in names))
+        return decode.main(args, " ".join([PROG, *argv]), chosen)
     gemm_formats = tuple(dict.fromkeys(name for names in args.format for name in names)) or DEFAULT_FORMATS
     cases = build_cases(ops=args.op or OPS, shapes=args.shape, small=args.small, gemm_formats=gemm_formats,
                         w_in_out=args.w_in_out)

@@ -1,0 +1,216 @@
+"""`--decode`: the weight-streaming regime of serving (SPEC §8), a few rows times many distinct weight matrices.
+
+Per weight format (MXFP8 E4M3, MXFP4, NVFP4), per shape K -> N (7168 -> 7168, 7168 -> 18432, 2048 -> 7168) and per
+M in {1, 16, 64}, each column is one jitted program that applies 32 distinct weight matrices, each to its own x, and
+returns the 32 results: 32 weights are too many for L2 to keep any of them, no two GEMMs share an operand that XLA
+could merge or deduplicate, and dispatch cost is spread over the program. The figure is the program's time / 32, per
+GEMM. Columns:
+
+  * ours(None): `weight_only_matmul` (x bf16 as given, the QuantizedWeight, bf16 out), what serving code calls;
+  * reference(xla): the same with implementation="xla";
+  * gemm_amax(None): the quantized-x path, x already quantized to the weight's format (its quantization not timed);
+  * bf16 dot: XLA's dot of bf16 x and the bf16 weights of the same values (the unquantized model), bf16 out;
+  * fp8 dot: XLA's dot of E4M3 codes of x and of the weights without any scales (a speed anchor), f32 out.
+
+Beside each time: the rate at which that column reads its own weight bytes (codes and scales, bf16 values, or E4M3
+codes) as a fraction of the device's read bandwidth, measured in the same run by a jitted max over a large buffer.
+`--small` swaps in tiny shapes, M in {1, 4} and 4 matrices, which a CPU runs in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+import jax_blockgemm as jbg
+from jax_blockgemm import formats, weight_only
+from jax_blockgemm.bench import report
+from jax_blockgemm.bench.inputs import GEMM_FORMATS, quantize_operand, random_values
+from jax_blockgemm.bench.timing import median_ms
+
+SHAPES = ((7168, 7168), (7168, 18432), (2048, 7168))  # (K, N): SPEC §8's N = K = 7168 and two more
+M_VALUES = (1, 16, 64)
+MATRICES = 32
+SMALL_SHAPES = ((256, 128), (96, 320))
+SMALL_M_VALUES = (1, 4)
+SMALL_MATRICES = 4
+DEFAULT_FORMATS = ("mxfp8", "mxfp4", "nvfp4")
+WEIGHT_FORMAT = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}  # --format name -> QuantizedWeight's
+COLUMNS = {"ours": "ours(None)", "reference": "reference(xla)", "gemm_amax": "gemm_amax(None)",
+           "bf16_dot": "bf16 dot", "fp8_dot": "fp8 dot"}
+BANDWIDTH_BYTES, SMALL_BANDWIDTH_BYTES = 2**32, 2**24  # the buffer the read bandwidth is measured on
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One column: the per-GEMM function, the input names it takes per matrix, and its weight bytes per GEMM."""
+
+    key: str
+    fn: Callable[..., Any]
+    inputs: tuple[str, ...]
+    weight_bytes: Callable[[dict], int]
+
+
+def _nt(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+
+
+def columns(fmt: str) -> list[Column]:
+    """The decode columns for weights in `fmt` (an inputs.GEMM_FORMATS name), in table order."""
+    block = GEMM_FORMATS[fmt].block
+    quantized = lambda inputs: inputs["w"].nbytes
+
+    def gemm_amax(a, sfa, b, sfb, alpha=None):
+        return jbg.gemm_amax(a, b, sfa, sfb, alpha=alpha, c_dtype=jnp.bfloat16, sf_vec_size=block)[0]
+
+    alpha = ("alpha",) if fmt == "nvfp4" else ()
+    return [Column("ours", lambda x, w: jbg.weight_only_matmul(x, w), ("x", "w"), quantized),
+            Column("reference", lambda x, w: jbg.weight_only_matmul(x, w, implementation="xla"), ("x", "w"),
+                   quantized),
+            Column("gemm_amax", gemm_amax, ("a", "sfa", "b", "sfb", *alpha), quantized),
+            Column("bf16_dot", lambda x, w: _nt(x, w, jnp.bfloat16), ("x", "w_bf16"),
+                   lambda inputs: inputs["w_bf16"].size * 2),
+            Column("fp8_dot", lambda x, w: _nt(x, w, jnp.float32), ("x_fp8", "w_fp8"),
+                   lambda inputs: inputs["w_fp8"].size)]
+
+
+def weight_inputs(key: jax.Array, k: int, n: int, fmt: str) -> dict[str, Any]:
+    """One weight matrix (N, K) in every form the columns take: the QuantizedWeight, its codes and scale atom for
+    gemm_amax (with NVFP4's alpha factor), its bf16 values, and E4M3 codes of the same values."""
+    values = random_values(key, (n, k))
+    w = jbg.quantize_weight(values, WEIGHT_FORMAT[fmt])  # NVFP4: alpha = max|w| / (6 * 448), as inputs.py's
+    return {"w": w, "b": w.codes, "sfb": formats.to_scale_atom(w.scales), "w_tensor_scale": w.alpha,
+            "w_bf16": w.dequantize(jnp.bfloat16),
+            "w_fp8": w.codes if fmt == "mxfp8" else formats.quantize_mxfp8(values)[0]}
+
+
+def activation_inputs(key: jax.Array, m: int, k: int, fmt: str, weight: dict[str, Any]) -> dict[str, Any]:
+    """One x (M, K) for one weight: bf16 values, and (for gemm_amax) the same quantized to the weight's format
+    (NVFP4: alpha is the product of both per-tensor scales), and E4M3 codes for the fp8 anchor."""
+    values = random_values(key, (m, k))
+    codes, scales, tensor_scale = quantize_operand(values, GEMM_FORMATS[fmt])
+    out = {"x": values.astype(jnp.bfloat16), "a": codes, "sfa": formats.to_scale_atom(scales),
+           "x_fp8": formats.quantize_mxfp8(values)[0]}
+    if tensor_scale is not None:  # NVFP4: C = alpha · Â·B̂ᵀ with both per-tensor scales in alpha
+        out["alpha"] = (tensor_scale * weight["w_tensor_scale"]).astype(jnp.float32)
+    return out
+
+
+def program(fn: Callable[..., Any]) -> Callable[[list], tuple]:
+    """The timed program: fn applied to each matrix's own inputs, every result returned (nothing merged or dropped)."""
+    return lambda per_matrix: tuple(fn(*args) for args in per_matrix)
+
+
+def read_bandwidth(n_bytes: int, *, warmup: int, reps: int) -> dict[str, float]:
+    """The device's read bandwidth in GB/s: a jitted max over a uint32 buffer of `n_bytes`, timed like a column."""
+    buffer = jnp.arange(n_bytes // 4, dtype=jnp.uint32)
+    reduce = jax.jit(jnp.max).lower(buffer).compile()
+    ms = median_ms(reduce, [(buffer,)], warmup=max(warmup, 1), reps=reps)
+    return {"bytes": n_bytes, "ms": ms, "gb_per_s": n_bytes / (ms * 1e-3) / 1e9}
+
+
+def _rel_err(out: Any, ref: Any) -> float:
+    """||y - y_ref|| / ||y_ref|| over the 32 results (float32)."""
+    got = jnp.stack([o.astype(jnp.float32) for o in out])
+    want = jnp.stack([r.astype(jnp.float32) for r in ref])
+    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+
+
+def run_case(key: jax.Array, fmt: str, k: int, n: int, m_values: Sequence[int], matrices: int, *, warmup: int,
+             reps: int, burst: int, read_gbs: float, progress: Any) -> list[dict[str, Any]]:
+    """Draws `matrices` weights of (N, K) once, then per M times every column; returns one record per M."""
+    key_w, key_x = jax.random.split(key)
+    weights = [weight_inputs(kw, k, n, fmt) for kw in jax.random.split(key_w, matrices)]
+    jax.block_until_ready(weights)
+    records = []
+    for m in m_values:
+        xs = [activation_inputs(kx, m, k, fmt, w) for kx, w in zip(jax.random.split(jax.random.fold_in(key_x, m),
+                                                                                      matrices), weights)]
+        inputs = [{**w, **x} for w, x in zip(weights, xs)]
+        progress.write(f"  {fmt} {k} -> {n}, M = {m}:")
+        results, outputs = {}, {}
+        for column in columns(fmt):
+            per_matrix = [tuple(i[name] for name in column.inputs) for i in inputs]
+            try:
+                compiled = jax.jit(program(column.fn)).lower(per_matrix).compile()
+                outputs[column.key] = jax.block_until_ready(compiled(per_matrix))
+            except Exception as e:  # a column this platform cannot run (e.g. no FP8 dot): n/a, with the reason
+                results[column.key] = {"na": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"}
+                progress.write(f" {column.key} n/a;")
+                continue
+            us = median_ms(compiled, [(per_matrix,)], warmup=warmup, reps=reps, burst=burst) * 1e3 / matrices
+            gbs = column.weight_bytes(inputs[0]) / (us * 1e-6) / 1e9
+            results[column.key] = {"us": us, "weight_gb_per_s": gbs, "fraction_of_read_bandwidth": gbs / read_gbs}
+            progress.write(f" {column.key} {us:.4g} us;")
+        progress.write("\n")
+        progress.flush()
+        if "ours" in outputs and "reference" in outputs:
+            results["ours"]["rel_err_vs_reference"] = _rel_err(outputs["ours"], outputs["reference"])
+        records.append({"format": fmt, "k": k, "n": n, "m": m, "matrices": matrices, "columns": results})
+    return records
+
+
+def format_table(record: dict[str, Any]) -> str:
+    """One table per format: per K -> N and M, µs per GEMM and the fraction of the read bandwidth, per column."""
+    env, bw = record["environment"], record["read_bandwidth"]
+    matrices = record["cases"][0]["matrices"] if record["cases"] else 0
+    lines = [f"jax_blockgemm decode benchmark, {record['date']}: {env['device']} ({env['platform']}), jax {env['jax']}",
+             f"us per GEMM: one jitted program applies {matrices} distinct weight matrices (each to its own x), median "
+             f"of {record['method']['reps']} samples of {record['method']['burst']} programs;",
+             "in parentheses: the column's weight bytes read per second as a fraction of the measured read bandwidth, "
+             f"{bw['gb_per_s']:.0f} GB/s"]
+    for fmt in dict.fromkeys(c["format"] for c in record["cases"]):
+        cases = [c for c in record["cases"] if c["format"] == fmt]
+        rows = [[f"{GEMM_FORMATS[fmt].title} weights, bf16 x", "M", *COLUMNS.values()]]
+        for case in cases:
+            cells = []
+            for key in COLUMNS:
+                entry = case["columns"].get(key, {"na": "not run"})
+                cells.append("n/a" if "na" in entry else
+                             f"{entry['us']:.4g} ({entry['fraction_of_read_bandwidth']:.0%})")
+            rows.append([f"{case['k']} -> {case['n']}", str(case["m"]), *cells])
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines.append("")
+        lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                  for row in rows]
+        errors = [c["columns"]["ours"].get("rel_err_vs_reference") for c in cases if "us" in c["columns"]["ours"]]
+        if errors:
+            lines.append(f"  ours vs reference: relative error at most {max(errors):.1e}")
+        reasons = sorted({(COLUMNS[key], e["na"]) for c in cases for key, e in c["columns"].items() if "na" in e})
+        lines += [f"  n/a {label}: {reason}" for label, reason in reasons]
+    lines += ["", "  ours: weight_only_matmul, implementation=None (no decode kernel exists yet: it runs the "
+                  "reference); gemm_amax: x quantized",
+              "  to the weight's format beforehand (not timed); bf16 dot: bf16 weights of the same values; fp8 dot: "
+              "E4M3 codes of x and the weights, no scales"]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace, command: str, formats_: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Runs the decode benchmark with the command line's --small, --format, --reps, --warmup, --burst, --seed and
+    --json; prints progress to stderr and the tables to stdout; returns the record."""
+    shapes, m_values, matrices = ((SMALL_SHAPES, SMALL_M_VALUES, SMALL_MATRICES) if args.small
+                                  else (SHAPES, M_VALUES, MATRICES))
+    chosen = tuple(formats_ or DEFAULT_FORMATS)
+    timing = dict(warmup=args.warmup, reps=args.reps, burst=args.burst)
+    bandwidth = read_bandwidth(SMALL_BANDWIDTH_BYTES if args.small else BANDWIDTH_BYTES, warmup=args.warmup,
+                               reps=args.reps)
+    sys.stderr.write(f"read bandwidth: {bandwidth['gb_per_s']:.1f} GB/s\n")
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "command": command, "environment": report.environment(), "method": dict(timing, seed=args.seed),
+              "read_bandwidth": bandwidth, "cases": []}
+    key = jax.random.key(args.seed)
+    for i, fmt in enumerate(chosen):
+        for j, (k, n) in enumerate(shapes):
+            case_key = jax.random.fold_in(key, i * len(shapes) + j)
+            record["cases"] += run_case(case_key, fmt, k, n, m_values, matrices, read_gbs=bandwidth["gb_per_s"],
+                                        progress=sys.stderr, **timing)
+    print(format_table(record))
+    if args.json:
+        report.write_json(record, args.json)
+    return record

@@ -1,0 +1,104 @@
+"""`python -m jax_blockgemm.bench --decode` on the CPU (`--small`): its tables and JSON, the inputs each column
+takes (the same weight values in every form), the timed program (every matrix applied to its own x, every result
+kept) and the read-bandwidth measurement.
+"""
+
+import contextlib
+import io
+import json
+import os
+import re
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import jax_blockgemm as jbg
+from jax_blockgemm import formats
+from jax_blockgemm.bench import decode
+from jax_blockgemm.bench.cli import main as bench_main, parser
+
+import oracle_ops
+
+
+class DecodeBenchTest(parameterized.TestCase):
+
+    def test_small_run_prints_the_tables_and_writes_json(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "decode.json")
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                record = bench_main(["--decode", "--small", "--format", "mxfp8,nvfp4", "--reps", "2", "--warmup",
+                                     "1", "--burst", "1", "--json", path])
+            with open(path) as f:
+                self.assertEqual(json.load(f)["cases"], json.loads(json.dumps(record["cases"])))
+        text = out.getvalue()
+        self.assertGreater(record["read_bandwidth"]["gb_per_s"], 0)
+        cases = [(c["format"], c["k"], c["n"], c["m"]) for c in record["cases"]]
+        self.assertEqual(cases, [(f, k, n, m) for f in ("mxfp8", "nvfp4") for k, n in decode.SMALL_SHAPES
+                                 for m in decode.SMALL_M_VALUES])
+        for case in record["cases"]:
+            self.assertEqual(case["matrices"], decode.SMALL_MATRICES)
+            self.assertEqual(set(case["columns"]), set(decode.COLUMNS))
+            for key, entry in case["columns"].items():
+                if "na" in entry:  # only the FP8 anchor may be missing on some platforms
+                    self.assertEqual(key, "fp8_dot", entry)
+                    continue
+                self.assertGreater(entry["us"], 0)
+                self.assertAlmostEqual(entry["fraction_of_read_bandwidth"],
+                                       entry["weight_gb_per_s"] / record["read_bandwidth"]["gb_per_s"])
+            self.assertLessEqual(case["columns"]["ours"]["rel_err_vs_reference"], 1e-6)
+        for title in ("MXFP8 E4M3 weights, bf16 x", "NVFP4 E2M1 x alpha weights, bf16 x"):
+            self.assertIn(title, text)
+        header = next(line for line in text.splitlines() if line.startswith("MXFP8"))
+        self.assertEqual(re.split(r"\s{2,}", header)[1:], ["M", *decode.COLUMNS.values()])
+        rows = [line for line in text.splitlines() if re.match(r"\d+ -> \d+ ", line)]
+        self.assertLen(rows, len(cases))
+        self.assertRegex(rows[0], r"^256 -> 128 +1 +[0-9.]+ \(\d+%\)")
+        self.assertIn("no decode kernel exists yet", text)
+        self.assertEqual(decode.format_table(json.loads(json.dumps(record))), text.rstrip("\n"))
+
+    def test_decode_is_a_flag_of_the_benchmark(self):
+        self.assertIn("--decode", parser().format_help())
+
+    @parameterized.parameters("mxfp8", "mxfp4", "nvfp4")
+    def test_every_column_takes_the_same_weight_values(self, fmt):
+        k, n, m = 96, 40, 3
+        weight = decode.weight_inputs(jax.random.key(0), k, n, fmt)
+        x = decode.activation_inputs(jax.random.key(1), m, k, fmt, weight)
+        w = weight["w"]
+        self.assertEqual((w.format, w.shape), (decode.WEIGHT_FORMAT[fmt], (n, k)))
+        np.testing.assert_array_equal(np.asarray(weight["w_bf16"], np.float32), np.asarray(w.dequantize()).astype(
+            jnp.bfloat16).astype(np.float32))
+        block = 16 if fmt == "nvfp4" else 32
+        # gemm_amax's operands: the same codes and scales as the QuantizedWeight, alpha = both per-tensor scales
+        np.testing.assert_array_equal(np.asarray(formats.from_scale_atom(weight["sfb"], n, -(-k // block))[0]),
+                                      np.asarray(w.scales))
+        c, _ = jbg.gemm_amax(x["a"], weight["b"], x["sfa"], weight["sfb"], sf_vec_size=block, alpha=x.get("alpha"))
+        a_hat = formats.dequantize(x["a"], formats.from_scale_atom(x["sfa"], m, -(-k // block))[0], block=block)
+        b_hat = np.asarray(w.dequantize(), np.float64) / float(w.alpha)  # the codes times their block scales
+        alpha = float(x["alpha"]) if fmt == "nvfp4" else 1.0  # NVFP4: both per-tensor scales
+        want = alpha * np.asarray(a_hat, np.float64) @ b_hat.T
+        oracle_ops.assert_rel_close(self, "gemm_amax column", c, want, 1e-5)
+
+    def test_the_program_applies_each_matrix_to_its_own_x(self):
+        matrices = [decode.weight_inputs(jax.random.key(i), 64, 32, "mxfp4") for i in range(3)]
+        xs = [decode.activation_inputs(jax.random.key(10 + i), 2, 64, "mxfp4", w) for i, w in enumerate(matrices)]
+        ours = next(c for c in decode.columns("mxfp4") if c.key == "ours")
+        per_matrix = [(x["x"], w["w"]) for x, w in zip(xs, matrices)]
+        outs = jax.jit(decode.program(ours.fn))(per_matrix)
+        self.assertLen(outs, 3)
+        for out, (x, w) in zip(outs, per_matrix):
+            np.testing.assert_array_equal(np.asarray(out), np.asarray(jbg.weight_only_matmul(x, w)))
+        self.assertEqual(ours.weight_bytes({"w": matrices[0]["w"]}), 32 * 32 + 32 * 2)  # packed codes + scales
+
+    def test_read_bandwidth(self):
+        measured = decode.read_bandwidth(2**20, warmup=0, reps=2)
+        self.assertEqual(measured["bytes"], 2**20)
+        self.assertAlmostEqual(measured["gb_per_s"], 2**20 / (measured["ms"] * 1e-3) / 1e9)
+
+
+if __name__ == "__main__":
+    absltest.main()
