@@ -307,6 +307,30 @@ class CudaHookTest(absltest.TestCase):
             forced.trace(x, w).lower(lowering_platforms=("cuda",))
 
 
+class ReadmeTest(absltest.TestCase):
+
+    def test_readme_example_runs(self):
+        """README "Serving: weight-only MX matmul": its code runs as written and y is the oracle's."""
+        import pathlib
+        import tempfile
+
+        readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+        section = readme[readme.index("## Serving: weight-only MX matmul"):]
+        code = section[section.index("```python") + len("```python"):]
+        code = code[:code.index("```")]
+        scope: dict = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            cwd = os.getcwd()
+            os.chdir(tmp)
+            try:
+                exec(code, scope)  # noqa: S102 (the README's own example)
+            finally:
+                os.chdir(cwd)
+        x, w, y = scope["x"], scope["w"], scope["y"]
+        self.assertEqual((y.shape, y.dtype, w.format), ((16, 512), BF16, "mxfp4"))
+        oracle_ops.assert_gemm_close(self, y, weight_only_oracle(x, w), c_dtype=BF16)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Partitioning on 8 host devices
 
