@@ -377,7 +377,8 @@ def _weight_only_propagate(params: Params, mesh: Any, result_shape: Any):
 
 def _weight_only_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
     """Shardy: L, M, N pass through; K is a reduction factor linked across x, the codes and the scales in whole
-    blocks when it fills them (else each operand's K stays whole: gathered)."""
+    blocks where `_linkable` allows (else their K factors stay unlinked and Shardy propagates no K sharding between
+    them; the partition callback still splits K wherever the operands arrive split in whole blocks)."""
     p = dict(params)
     block_format = formats.FORMATS[p["fmt"]]
     k = _shape(operand_types[0])[2]
