@@ -2,10 +2,18 @@
 
 #include <dlfcn.h>
 
+#include <cstddef>
+#include <map>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 namespace jbg {
+
+static_assert(sizeof(LaunchAttribute) == 72, "cuda.h's CUlaunchAttribute");
+static_assert(offsetof(LaunchConfig, stream) == 32 && offsetof(LaunchConfig, attrs) == 40 &&
+                  offsetof(LaunchConfig, num_attrs) == 48 && sizeof(LaunchConfig) == 56,
+              "cuda.h's CUlaunchConfig");
 
 std::string CudaDriver::ErrorName(CUresult result) const {
   const char* name = nullptr;
@@ -57,6 +65,17 @@ LoadedDriver LoadDriver() {
       !Resolve(lib, "cuCtxPopCurrent_v2", &d.cuCtxPopCurrent, &out.error)) {
     return out;
   }
+  auto optional = [lib](const char* symbol, auto* fn) {
+    *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(dlsym(lib, symbol));
+  };
+  optional("cuDevicePrimaryCtxGetState", &d.cuDevicePrimaryCtxGetState);
+  optional("cuDevicePrimaryCtxRetain", &d.cuDevicePrimaryCtxRetain);
+  optional("cuDevicePrimaryCtxRelease_v2", &d.cuDevicePrimaryCtxRelease);
+  optional("cuModuleLoadData", &d.cuModuleLoadData);
+  optional("cuModuleUnload", &d.cuModuleUnload);
+  optional("cuModuleGetFunction", &d.cuModuleGetFunction);
+  optional("cuFuncSetAttribute", &d.cuFuncSetAttribute);
+  optional("cuOccupancyMaxActiveClusters", &d.cuOccupancyMaxActiveClusters);
   if (CUresult r = d.cuInit(0); r != kCudaSuccess) {
     out.error = "cuInit failed: " + d.ErrorName(r);
     return out;
@@ -110,6 +129,95 @@ bool VisibleDevices(const CudaDriver& driver, std::vector<DeviceFacts>* out, std
     }
   }
   return true;
+}
+
+namespace {
+
+// An empty kernel in PTX, which the driver compiles for whatever GPU it loads on (sm_90 and later run clusters).
+constexpr const char kProbePtx[] =
+    ".version 7.8\n.target sm_90\n.address_size 64\n.visible .entry jbg_cluster_probe()\n{\n  ret;\n}\n";
+
+int QueryMaxActiveClusters(const CudaDriver& d, int ordinal, int cluster_ctas, std::string* error) {
+  if (!d.cuDevicePrimaryCtxGetState || !d.cuDevicePrimaryCtxRetain || !d.cuDevicePrimaryCtxRelease ||
+      !d.cuModuleLoadData || !d.cuModuleUnload || !d.cuModuleGetFunction || !d.cuFuncSetAttribute ||
+      !d.cuOccupancyMaxActiveClusters) {
+    *error = "the CUDA driver lacks an entry point of the occupancy query";
+    return 0;
+  }
+  CUdevice device = 0;
+  unsigned int flags = 0;
+  int active = 0, smem = 0;
+  CUresult r = d.cuDeviceGet(&device, ordinal);
+  if (r == kCudaSuccess) r = d.cuDevicePrimaryCtxGetState(device, &flags, &active);
+  if (r == kCudaSuccess) r = d.cuDeviceGetAttribute(&smem, kAttrMaxSharedPerBlockOptin, device);
+  if (r != kCudaSuccess) {
+    *error = "reading device " + std::to_string(ordinal) + " failed: " + d.ErrorName(r);
+    return 0;
+  }
+  if (!active) {  // retaining it would create a context (and take device memory) on a GPU the process leaves alone
+    *error = "device " + std::to_string(ordinal) + " has no active primary context";
+    return 0;
+  }
+  CUcontext context = nullptr;
+  if ((r = d.cuDevicePrimaryCtxRetain(&context, device)) != kCudaSuccess) {
+    *error = "cuDevicePrimaryCtxRetain failed: " + d.ErrorName(r);
+    return 0;
+  }
+  int clusters = 0;
+  const char* step = "cuCtxPushCurrent";
+  if ((r = d.cuCtxPushCurrent(context)) == kCudaSuccess) {
+    CUmodule module = nullptr;
+    CUfunction function = nullptr;
+    step = "cuModuleLoadData";
+    if ((r = d.cuModuleLoadData(&module, kProbePtx)) == kCudaSuccess) {
+      step = "cuModuleGetFunction";
+      r = d.cuModuleGetFunction(&function, module, "jbg_cluster_probe");
+      // All of shared memory: one CTA per SM, as the persistent kernels run.
+      if (r == kCudaSuccess) {
+        step = "cuFuncSetAttribute";
+        r = d.cuFuncSetAttribute(function, kFuncAttrMaxDynamicShared, smem);
+      }
+      if (r == kCudaSuccess) r = d.cuFuncSetAttribute(function, kFuncAttrNonPortableCluster, 1);
+      if (r == kCudaSuccess) {
+        LaunchAttribute cluster{};
+        cluster.id = kLaunchAttrClusterDimension;
+        cluster.value.cluster_dim.x = static_cast<unsigned int>(cluster_ctas);
+        cluster.value.cluster_dim.y = cluster.value.cluster_dim.z = 1;
+        LaunchConfig config{};
+        config.grid_x = static_cast<unsigned int>(cluster_ctas);
+        config.grid_y = config.grid_z = 1;
+        config.block_x = 128;
+        config.block_y = config.block_z = 1;
+        config.shared_mem_bytes = static_cast<unsigned int>(smem);
+        config.attrs = &cluster;
+        config.num_attrs = 1;
+        step = "cuOccupancyMaxActiveClusters";
+        r = d.cuOccupancyMaxActiveClusters(&clusters, function, &config);
+      }
+      d.cuModuleUnload(module);
+    }
+    CUcontext popped = nullptr;
+    d.cuCtxPopCurrent(&popped);
+  }
+  d.cuDevicePrimaryCtxRelease(device);
+  if (r != kCudaSuccess || clusters < 1) {
+    *error = std::string(step) + " failed: " + (r != kCudaSuccess ? d.ErrorName(r) : std::string("no cluster fits"));
+    return 0;
+  }
+  return clusters;
+}
+
+}  // namespace
+
+int MaxActiveClusters(const CudaDriver& driver, int ordinal, int cluster_ctas, std::string* error) {
+  static auto* mu = new std::mutex;
+  static auto* answers = new std::map<std::pair<int, int>, int>;  // answers only: a failure is asked again later
+  std::lock_guard<std::mutex> lock(*mu);
+  const auto key = std::make_pair(ordinal, cluster_ctas);
+  if (auto it = answers->find(key); it != answers->end()) return it->second;
+  const int clusters = QueryMaxActiveClusters(driver, ordinal, cluster_ctas, error);
+  if (clusters > 0) answers->emplace(key, clusters);
+  return clusters;
 }
 
 }  // namespace jbg

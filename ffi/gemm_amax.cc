@@ -114,7 +114,8 @@ std::string ParseKernelDtypes(std::string_view ab_dtype, std::string_view c_dtyp
   return "";
 }
 
-std::string CheckGemmAmaxBuffers(const BufferDesc* buf, size_t count, KernelDtypes kernel, GemmDims* dims) {
+std::string CheckGemmAmaxBuffers(const BufferDesc* buf, size_t count, KernelDtypes kernel, GemmDims* dims,
+                                 bool c_rows_16_bytes) {
   if (count != 6 && count != 7) {
     return "jbg_gemm_amax: " + std::to_string(count) + " buffers; expected a, b, sfa, sfb, c, amax and, for NVFP4 "
            "kernels, alpha";
@@ -180,6 +181,12 @@ std::string CheckGemmAmaxBuffers(const BufferDesc* buf, size_t count, KernelDtyp
   } else if (!(e = ExpectShape(c, 4, {l, m, n}, "(L, M, N)")).empty()) {
     return e;
   }
+  // c has rank 3 here; its last dimension counts bytes of pairs for a packed FP4 C.
+  const int64_t c_bytes = static_cast<int64_t>(ElementBytes(static_cast<ffi::DataType>(c.dtype)));
+  if (c_rows_16_bytes && c.dims[2] * c_bytes % 16 != 0) {
+    return Describe(c, 4) + "; expected rows of a multiple of 16 bytes (N a multiple of " +
+           std::to_string(16 / c_bytes * (kernel.c_fp4 ? 2 : 1)) + "): this GPU's kernel stores C by TMA";
+  }
   if (!(e = ExpectShape(amax, 5, {l}, "(L,)")).empty()) return e;
   if (kernel.alpha && count != 7) {
     return "jbg_gemm_amax: alpha is missing; the kernel objects (NVFP4, E4M3 scales) take alpha, (L,) float32, "
@@ -224,13 +231,14 @@ namespace {
 StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span<const uint8_t> objects,
                     ffi::Span<const int64_t> offsets, std::string_view ab_dtype, std::string_view c_dtype,
                     std::string_view sf_dtype, int64_t sf_vec_size, std::string_view a_major,
-                    std::string_view b_major) {
+                    std::string_view b_major, ffi::Span<const int64_t> cluster_ctas) {
   KernelDtypes dtypes{};
   if (std::string why = ParseKernelDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, a_major, b_major, &dtypes);
       !why.empty()) {
     return Fail(ffi::Error::InvalidArgument(why));
   }
-  StateOr state = InstantiateKernelObjects(kGemmAmaxTarget, archs, prefixes, objects, offsets);
+  StateOr state = InstantiateKernelObjects(kGemmAmaxTarget, archs, prefixes, objects, offsets,
+                                           std::vector<int64_t>(cluster_ctas.begin(), cluster_ctas.end()));
   if (state.has_value()) (*state)->dtypes = dtypes;
   return state;
 }
@@ -245,7 +253,10 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   const size_t count = alpha.has_value() ? 7 : 6;
   if (alpha.has_value()) buffers[6] = ToBufferDesc(*alpha);
   GemmDims dims;
-  if (std::string message = CheckGemmAmaxBuffers(buffers, count, state->dtypes, &dims); !message.empty()) {
+  // A kernel that takes its grid size (sm_100a) stores C by TMA: C's rows must start 16-byte aligned.
+  const int32_t grid_ctas = state->grid_ctas[device];
+  if (std::string message = CheckGemmAmaxBuffers(buffers, count, state->dtypes, &dims, grid_ctas > 0);
+      !message.empty()) {
     return ffi::Error::InvalidArgument(message);
   }
   std::string error;
@@ -272,15 +283,18 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   for (size_t i = 0; i < count; ++i) {
     tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), ElementCount(buffers[i])};
   }
-  int32_t m = dims.m, n = dims.n, k = dims.k, l = dims.l, ret = 0;
-  // fn(a, b, sfa, sfb, c, amax[, alpha], m, n, k, l, stream) and the kernel's status slot.
-  void* args[13] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5]};
+  int32_t m = dims.m, n = dims.n, k = dims.k, l = dims.l, max_ctas = grid_ctas, ret = 0;
+  // fn(a, b, sfa, sfb, c, amax[, alpha], m, n, k, l[, max_ctas], stream) and the kernel's status slot.
+  void* args[14] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5]};
   size_t num_args = 6;
   if (count == 7) args[num_args++] = &tensors[6];
   for (void* scalar : {static_cast<void*>(&m), static_cast<void*>(&n), static_cast<void*>(&k),
-                       static_cast<void*>(&l), static_cast<void*>(&stream), static_cast<void*>(&ret)}) {
+                       static_cast<void*>(&l)}) {
     args[num_args++] = scalar;
   }
+  if (grid_ctas > 0) args[num_args++] = &max_ctas;
+  args[num_args++] = &stream;
+  args[num_args++] = &ret;
   return RunKernel(*state, device, kGemmAmaxTarget, *driver, fn, args, num_args, &ret);
 }
 
@@ -296,7 +310,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgGemmAmaxInstantiate, jbg::Instantiate,
                                   .Attr<std::string_view>("sf_dtype")
                                   .Attr<int64_t>("sf_vec_size")
                                   .Attr<std::string_view>("a_major")
-                                  .Attr<std::string_view>("b_major"),
+                                  .Attr<std::string_view>("b_major")
+                                  .Attr<xla::ffi::Span<const int64_t>>("cluster_ctas"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgGemmAmaxExecute, jbg::Execute,

@@ -2,7 +2,8 @@
 //
 // Two stages. INSTANTIATE (once per call site, when XLA builds the executable) parses `ab_dtype`, `c_dtype`,
 // `sf_dtype`, `sf_vec_size`, `a_major` and `b_major` (what the objects were compiled for) and loads the object
-// table (kernel_objects.h). EXECUTE checks the buffers,
+// table (kernel_objects.h); `cluster_ctas` says, per object, whether its function takes max_ctas (the persistent
+// grid, which instantiation works out per device) and its cluster size. EXECUTE checks the buffers,
 // zeroes amax on XLA's stream and runs the function: no loading, no allocation, no host synchronization.
 #ifndef JBG_FFI_GEMM_AMAX_H_
 #define JBG_FFI_GEMM_AMAX_H_
@@ -25,9 +26,11 @@ struct GemmDims {
 };
 
 // Checks a, b, sfa, sfb, c, amax and, when `count` is 7, alpha (in that order) against what the kernel reads and
-// writes; fills `*dims` (k is the logical K: twice the bytes of a row of packed FP4 codes).
+// writes; fills `*dims` (k is the logical K: twice the bytes of a row of packed FP4 codes). `c_rows_16_bytes`: the
+// kernel stores C by TMA, so each row of C must be a multiple of 16 bytes.
 // Returns "" when they fit, else a message naming the buffer, what it is and what is allowed.
-std::string CheckGemmAmaxBuffers(const BufferDesc* buffers, size_t count, KernelDtypes kernel, GemmDims* dims);
+std::string CheckGemmAmaxBuffers(const BufferDesc* buffers, size_t count, KernelDtypes kernel, GemmDims* dims,
+                                 bool c_rows_16_bytes = false);
 
 // Parses the `ab_dtype` / `c_dtype` / `sf_dtype` / `sf_vec_size` / `a_major` / `b_major` attributes
 // ("float8_e4m3fn", "float32", "float8_e8m0fnu", 32, "k", "k", ...; FP4 as "float4_e2m1fn"); returns "" or what is

@@ -158,14 +158,43 @@ constexpr const char kWayOut[] =
     ". Lower (or export) the program on a machine with this GPU, which embeds its kernel where one exists, or call "
     "the operation with implementation='xla' (the reference runs everywhere)";
 
+std::string CheckClusterCtas(std::string_view target, const int64_t* cluster_ctas, size_t count,
+                             size_t num_objects) {
+  const std::string where = std::string(target) + " attributes: cluster_ctas ";
+  if (count != num_objects) {
+    return where + "has " + std::to_string(count) + " entries; expected one per object (" +
+           std::to_string(num_objects) + ")";
+  }
+  for (size_t i = 0; i < count; ++i) {
+    if (cluster_ctas[i] < 0 || cluster_ctas[i] > kMaxClusterCtas) {
+      return where + "entry " + std::to_string(i) + " is " + std::to_string(cluster_ctas[i]) +
+             "; expected 0 (no grid size) or the CTAs of a cluster, 1 to " + std::to_string(kMaxClusterCtas);
+    }
+  }
+  return "";
+}
+
+int32_t GridCtas(int32_t sms, int32_t cluster_ctas, int32_t max_active_clusters) {
+  int32_t clusters = sms / cluster_ctas;
+  if (max_active_clusters > 0) clusters = std::min(clusters, max_active_clusters);
+  return std::max(clusters, int32_t{1}) * cluster_ctas;
+}
+
 StateOr InstantiateKernelObjects(std::string_view target, std::string_view archs, std::string_view prefixes,
-                                 ffi::Span<const uint8_t> objects, ffi::Span<const int64_t> offsets) {
+                                 ffi::Span<const uint8_t> objects, ffi::Span<const int64_t> offsets,
+                                 const std::vector<int64_t>& cluster_ctas) {
   const std::string where = std::string(target) + ": ";
   std::string error;
   std::vector<ObjectEntry> entries;
   if (!ParseObjectTable(target, archs, prefixes, objects.size(), offsets.begin(), offsets.size(), &entries,
                         &error)) {
     return Fail(ffi::Error::InvalidArgument(error));
+  }
+  if (!cluster_ctas.empty()) {
+    if (std::string why = CheckClusterCtas(target, cluster_ctas.data(), cluster_ctas.size(), entries.size());
+        !why.empty()) {
+      return Fail(ffi::Error::InvalidArgument(why));
+    }
   }
   const CudaDriver* driver = GetCudaDriver(&error);
   if (driver == nullptr) return Fail(ffi::Error(ffi::ErrorCode::kFailedPrecondition, where + error));
@@ -182,6 +211,7 @@ StateOr InstantiateKernelObjects(std::string_view target, std::string_view archs
   const int limit = sm_limit != nullptr ? std::atoi(sm_limit) : 0;
   state->functions.assign(devices.size(), nullptr);
   state->function_prefixes.assign(devices.size(), "");
+  state->grid_ctas.assign(devices.size(), 0);
   bool any = false;
   std::string seen;
   for (size_t dev = 0; dev < devices.size(); ++dev) {
@@ -190,7 +220,8 @@ StateOr InstantiateKernelObjects(std::string_view target, std::string_view archs
     state->multiprocessors.push_back(limit > 0 ? std::min(devices[dev].multiprocessors, limit)
                                                : devices[dev].multiprocessors);
     if (seen.find(cc) == std::string::npos) seen += (seen.empty() ? "" : ", ") + cc;
-    for (const ObjectEntry& entry : entries) {
+    for (size_t e = 0; e < entries.size(); ++e) {
+      const ObjectEntry& entry = entries[e];
       if (entry.cc_major != devices[dev].major || entry.cc_minor != devices[dev].minor) continue;
       std::string_view bytes(reinterpret_cast<const char*>(objects.begin()) + entry.begin, entry.end - entry.begin);
       // Only the object a device will run is checked (and loaded): a program may carry others for other GPUs.
@@ -201,6 +232,14 @@ StateOr InstantiateKernelObjects(std::string_view target, std::string_view archs
       if (fn == nullptr) return Fail(ffi::Error::Internal(where + error));
       state->functions[dev] = fn;
       state->function_prefixes[dev] = entry.function_prefix;
+      if (const int cluster = cluster_ctas.empty() ? 0 : static_cast<int>(cluster_ctas[e]); cluster > 0) {
+        // Clusters must fit inside a GPC, so fewer may fit at once than SMs / cluster: ask the driver (a cluster of
+        // one fits on every SM). If it cannot answer, the SM bound stands; a cluster it could not place would only
+        // start once another finished (a slower tail, the same results).
+        std::string why;
+        const int fit = cluster > 1 ? MaxActiveClusters(*driver, static_cast<int>(dev), cluster, &why) : 0;
+        state->grid_ctas[dev] = GridCtas(state->multiprocessors[dev], cluster, fit);
+      }
       any = true;
       break;
     }

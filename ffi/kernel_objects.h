@@ -26,6 +26,7 @@ namespace jbg {
 inline constexpr const char kKernelObjectsType[] = "jbg_kernel_objects";
 inline constexpr uintptr_t kAlignment = 16;
 inline constexpr int64_t kMaxBufferElements = int64_t{1} << 31;  // sizes travel to the kernels as int32
+inline constexpr int64_t kMaxClusterCtas = 16;  // the largest cluster a kernel launches (4 x 4, non-portable)
 
 // What the handler sees of one buffer; dtype is an XLA_FFI_DataType value.
 struct BufferDesc {
@@ -96,6 +97,8 @@ struct KernelObjects {
   std::vector<std::string> capabilities;       // "9.0", by CUDA device ordinal
   std::vector<int32_t> multiprocessors;        // SM count, by CUDA device ordinal (proj_rope's persistent grid;
                                                // JAX_BLOCKGEMM_SM_LIMIT caps it, a test aid)
+  std::vector<int32_t> grid_ctas;              // by CUDA device ordinal: 0 when the device's object takes no grid
+                                               // size, else max_ctas, the CTAs of its persistent grid (GridCtas)
   bool poison_outputs = false;                 // JAX_BLOCKGEMM_POISON_OUTPUTS: fill C with NaN before each launch
 };
 
@@ -109,11 +112,22 @@ xla::ffi::Error RunKernel(const KernelObjects& state, int32_t device, std::strin
                           const CudaDriver& driver, DslFunction* fn, void** args, size_t num_args,
                           const int32_t* ret);
 
+// Checks a call site's `cluster_ctas` attribute: one entry per object, 0 where the object's function takes no grid
+// size, else the CTAs of one of its clusters (1 to 16). Returns "" or what is wrong; `target` names the custom call.
+std::string CheckClusterCtas(std::string_view target, const int64_t* cluster_ctas, size_t count, size_t num_objects);
+
+// The persistent grid (max_ctas) of a kernel with `cluster_ctas`-CTA clusters on a GPU of `sms` SMs (after
+// JAX_BLOCKGEMM_SM_LIMIT) that runs `max_active_clusters` of them at once (0: unknown): whole clusters, no more
+// than fit at once or than the SMs hold, and at least one.
+int32_t GridCtas(int32_t sms, int32_t cluster_ctas, int32_t max_active_clusters);
+
 // The INSTANTIATE stage every target shares (it depends on the object table only): parses the attributes, checks
-// and loads each visible device's kernel object. `target` names the custom call in error messages.
+// and loads each visible device's kernel object. `target` names the custom call in error messages. `cluster_ctas`
+// (CheckClusterCtas; empty: no object takes a grid size) gives each device whose object takes one its max_ctas.
 xla::ffi::ErrorOr<std::unique_ptr<KernelObjects>> InstantiateKernelObjects(
     std::string_view target, std::string_view archs, std::string_view function_prefixes,
-    xla::ffi::Span<const uint8_t> objects, xla::ffi::Span<const int64_t> offsets);
+    xla::ffi::Span<const uint8_t> objects, xla::ffi::Span<const int64_t> offsets,
+    const std::vector<int64_t>& cluster_ctas = {});
 
 // Appends the object table's four attributes to an FFI binding (both stages of every target take them first, in
 // this order, before their own).

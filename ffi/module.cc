@@ -22,7 +22,7 @@ namespace nb = nanobind;
 
 namespace {
 
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 
 nb::capsule Capsule(const void* ptr) { return nb::capsule(ptr); }
 
@@ -99,7 +99,8 @@ std::tuple<std::string, std::tuple<int, int, int, int>> CheckBuffers(const std::
                                                                      const std::string& sf_dtype,
                                                                      int64_t sf_vec_size,
                                                                      const std::string& a_major,
-                                                                     const std::string& b_major) {
+                                                                     const std::string& b_major,
+                                                                     bool c_rows_16_bytes) {
   if (specs.size() != 6 && specs.size() != 7) {
     throw nb::value_error("expected 6 or 7 buffers: a, b, sfa, sfb, c, amax[, alpha]");
   }
@@ -112,7 +113,7 @@ std::tuple<std::string, std::tuple<int, int, int, int>> CheckBuffers(const std::
     if (!why.empty()) throw nb::value_error(why.c_str());
   }
   jbg::GemmDims dims;
-  std::string message = jbg::CheckGemmAmaxBuffers(descs, specs.size(), kernel, &dims);
+  std::string message = jbg::CheckGemmAmaxBuffers(descs, specs.size(), kernel, &dims, c_rows_16_bytes);
   return {message, {dims.m, dims.n, dims.k, dims.l}};
 }
 
@@ -203,9 +204,19 @@ NB_MODULE(_jbg_ffi, m) {
   m.def("runtime_path", &jbg::DslRuntimePath, "Path of the loaded CuTeDSL runtime, or '' when none is loaded.");
   m.def("check_gemm_amax_buffers", &CheckBuffers, nb::arg("buffers"), nb::arg("ab_dtype") = "",
         nb::arg("c_dtype") = "", nb::arg("sf_dtype") = "float8_e8m0fnu", nb::arg("sf_vec_size") = 32,
-        nb::arg("a_major") = "k", nb::arg("b_major") = "k",
+        nb::arg("a_major") = "k", nb::arg("b_major") = "k", nb::arg("c_rows_16_bytes") = false,
         "Test hook: the execute stage's buffer checks on [(dtype, dims, address)] * 6 (7 with alpha), for kernels "
-        "compiled for ab_dtype / c_dtype / sf_dtype / sf_vec_size ('' = whatever a / c are, E8M0 per 32).");
+        "compiled for ab_dtype / c_dtype / sf_dtype / sf_vec_size ('' = whatever a / c are, E8M0 per 32); "
+        "c_rows_16_bytes for a kernel that stores C by TMA (one that takes its grid size).");
+  m.def(
+      "check_cluster_ctas",
+      [](const std::vector<int64_t>& cluster_ctas, size_t num_objects) {
+        return jbg::CheckClusterCtas(jbg::kGemmAmaxTarget, cluster_ctas.data(), cluster_ctas.size(), num_objects);
+      },
+      nb::arg("cluster_ctas"), nb::arg("num_objects"),
+      "Test hook: the instantiate stage's check of the cluster_ctas attribute ('' when it is well formed).");
+  m.def("grid_ctas", &jbg::GridCtas, nb::arg("sms"), nb::arg("cluster_ctas"), nb::arg("max_active_clusters"),
+        "Test hook: max_ctas, the persistent grid instantiation passes to a kernel that takes its grid size.");
   m.def(
       "parse_kernel_dtypes",
       [](const std::string& ab_dtype, const std::string& c_dtype, const std::string& sf_dtype,

@@ -14,7 +14,10 @@ instantiates the program. Attributes:
   dtypes (a float32 kernel would write past the end of a bfloat16 C);
 - `sf_dtype`, `sf_vec_size`: the scales the objects read ("float8_e8m0fnu" per 32, or NVFP4's "float8_e4m3fn" per
   16). NVFP4 objects also take alpha ((L,) float32) as a fifth operand; a call without one passes ones;
-- `a_major`, `b_major`: "k" (a (L, M, K), b (L, N, K)), or "m" / "n" for an MN-major a (L, K, M) / b (L, K, N).
+- `a_major`, `b_major`: "k" (a (L, M, K), b (L, N, K)), or "m" / "n" for an MN-major a (L, K, M) / b (L, K, N);
+- `cluster_ctas`: int64 array, one entry per object: 0 where its function takes no grid size (sm_90a), else the CTAs
+  of one of its clusters (sm_100a, whose function takes max_ctas: the handler sizes the persistent grid per device
+  from the SM count and the clusters that fit at once).
 """
 
 from __future__ import annotations
@@ -73,7 +76,15 @@ def gemm_amax_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, a
             raise ValueError(f"variant {v.key!r} is compiled for {compiled_for} (operands, C, scales, block, "
                              f"majors), not the call's {call}")
     return dict(object_table_attributes(variants, objects), ab_dtype=ab_dtype, c_dtype=c_dtype, sf_dtype=sf_dtype,
-                sf_vec_size=int(sf_vec_size), a_major=a_major, b_major=b_major)
+                sf_vec_size=int(sf_vec_size), a_major=a_major, b_major=b_major,
+                cluster_ctas=np.array([_grid_cluster_ctas(v) for v in variants], np.int64))
+
+
+def _grid_cluster_ctas(variant: Any) -> int:
+    """The catalog's `grid_cluster_ctas` for a catalog variant; 0 (no grid size) for anything else."""
+    from jax_blockgemm.kernels import catalog
+
+    return catalog.grid_cluster_ctas(variant) if isinstance(variant, catalog.KernelVariant) else 0
 
 
 def _check_avals(ctx: Any, a_major: str = "k", b_major: str = "k") -> None:

@@ -4,6 +4,8 @@ TMA, with tensor memory allocated and freed, and pass the B200 limits of kernels
 The default tier compiles one representative gemm_amax variant per class and one proj_rope variant
 (compiled_kernels.py); the `catalog` tier compiles every sm_100a gemm_amax and proj_rope variant."""
 
+import re
+
 import pytest
 from absl.testing import absltest, parameterized
 
@@ -35,10 +37,37 @@ class _Checks(parameterized.TestCase):
         self.assertIn("cp.async.bulk.tensor", ptx)  # TMA loads
         self.assertEqual("multicast::cluster" in ptx, v.cluster_mn != (1, 1))
         self.assertIn("atom.global.max.s32", ptx)  # amax: integer atomic max on the float's bits
-        # Accumulator stages (2 x 128 or 1 x 256 columns), then one column per 4 scale blocks of a k-tile for SFA and
-        # for each 128 columns of SFB; a k-tile is 128 FP8 or 256 FP4 elements.
+        # C leaves by TMA stores of shared-memory sub-tiles, never by per-element global stores: each thread writes
+        # its row of a sub-tile with 16-byte shared stores, fenced for the TMA, and a staging buffer is reused only
+        # once the store that read it has.
+        self.assertIn("cp.async.bulk.tensor.3d.global.shared::cta", ptx)
+        self.assertNotIn("st.global", ptx)
+        self.assertIn("fence.proxy.async.shared::cta", ptx)
+        self.assertIn("cp.async.bulk.wait_group.read", ptx)
+        wide_stores = len(re.findall(r"st\.shared\.(v4\.b32|v2\.b64)\s", ptx))  # 16 bytes each
+        self.assertEqual(wide_stores, c.kernel.epi_columns * (4 if v.c_dtype == "float32" else 2) // 16)
+        # Two accumulator buffers for every tile, then one column per 4 scale blocks of a k-tile for SFA and for
+        # each 128 columns of SFB (a k-tile is 128 FP8 or 256 FP4 elements), all within the 512 columns.
         blocks = (256 if v.ab_dtype == "float4_e2m1fn" else 128) // v.sf_vec_size
-        self.assertEqual(report.tmem_columns_used, 256 + blocks * (1 + v.tile_mn[1] // 128))
+        scale_columns = blocks * (1 + v.tile_mn[1] // 128)
+        k = c.kernel
+        self.assertEqual(k.acc_buffers, 2)
+        self.assertEqual(report.tmem_columns_used, k.acc_buffer_columns + v.tile_mn[1] + scale_columns)
+        self.assertLessEqual(report.tmem_columns_used, 512)
+        if v.tile_mn[1] == 128:
+            self.assertEqual(k.acc_buffer_columns, 128)  # side by side
+        else:
+            # 2 x 256 leaves no room for the scales: the second buffer starts inside the first by at least the
+            # scales' columns, and the epilogue hands a buffer back only once it has read every shared column.
+            shared = 256 - k.acc_buffer_columns
+            self.assertGreaterEqual(shared, scale_columns)
+            self.assertGreaterEqual((k.acc_release_subtile + 1) * k.epi_columns, shared)
+            self.assertLess(k.acc_release_subtile + 1, 256 // k.epi_columns)  # and before the last sub-tile
+        # The host function reads max_ctas (the argument before the stream) to size the persistent grid.
+        host = str(c.fn.ir_module)
+        body = host[host.index("llvm.func @cutlass___call__"):]
+        body = body[body.index("{\n"):body.index("\n  }\n")]
+        self.assertRegex(body, rf"%arg{6 + catalog.takes_alpha(v) + 4}\b")
 
     def assert_proj_rope_structure(self, v: catalog.KernelVariant) -> None:
         """bf16 tcgen05 MMA (kind::f16, no block scales) from TMA-fed shared memory into tensor memory, the epilogue

@@ -44,10 +44,13 @@ class _AbiChecks(parameterized.TestCase):
             self.assertIsNotNone(struct, f"no tensor struct for {name!r}")
             fields = [f.strip() for f in struct.group(1).split(";") if f.strip()]
             self.assertEqual(fields, ["void *data", "int64_t dynamic_shapes[1]"], name)
+        # sm_100a: max_ctas, the persistent grid the handler works out per device (catalog.grid_cluster_ctas).
+        sizes = list("mnkl") + (["max_ctas"] if catalog.grid_cluster_ctas(v) else [])
+        self.assertEqual(catalog.grid_cluster_ctas(v) > 0, v.arch == "sm_100a")
         self.assertEqual(_wrapper_params(header, p), [f"{p}_Tensor_{t}_t *{t}" for t in tensors]
-                         + [f"int32_t {s}" for s in "mnkl"] + ["cudaStream_t stream"])
-        self.assertEqual(_launch_args(header), (6 + len(tensors), list(tensors) + ["&m", "&n", "&k", "&l", "&stream",
-                                                                                  "&ret"]))
+                         + [f"int32_t {s}" for s in sizes] + ["cudaStream_t stream"])
+        self.assertEqual(_launch_args(header), (len(tensors) + len(sizes) + 2,
+                                                list(tensors) + [f"&{s}" for s in sizes] + ["&stream", "&ret"]))
 
     def assert_proj_rope_abi(self, v: catalog.KernelVariant) -> None:
         header, p = compiled(v).header, v.function_prefix

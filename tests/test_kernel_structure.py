@@ -32,7 +32,7 @@ class ReportTest(absltest.TestCase):
         rc, text = _precompile_report("--variant", _GEMM_AMAX_KEY, "--variant", _PROJ_ROPE_KEY)
         self.assertEqual(rc, 0, text)
         self.assertRegex(text, re.escape(_GEMM_AMAX_KEY) + r"\s+\d+\.\d\d kind::mxf8f6f4\s+block32\s+yes/yes\s+0\s+"
-                               r"\d+\s+\d+\s+268/512\s+ok")
+                               r"\d+\s+\d+\s+476/512\s+ok")
         self.assertRegex(text, re.escape(_PROJ_ROPE_KEY) + r"\s+\d+\.\d\d kind::f16\s+-\s+yes/yes\s+0\s+\d+\s+\d+\s+"
                                                            r"384/512\s+ok")
         self.assertIn("2 variants in", text)

@@ -145,7 +145,7 @@ class DequantizeBufferCheckTest(parameterized.TestCase):
 class ModuleTest(absltest.TestCase):
 
     def test_surface(self):
-        self.assertEqual(ext.ABI_VERSION, 1)
+        self.assertEqual(ext.ABI_VERSION, 2)  # 2: sm_100a gemm_amax objects take max_ctas
         self.assertEqual(ext.GEMM_AMAX_TARGET, "jbg_gemm_amax")
         self.assertEqual(ext.PROJ_ROPE_TARGET, "jbg_gemm_proj_rope_mxfp8")
         targets = ext.ffi_targets()
@@ -273,6 +273,41 @@ class BufferCheckTest(parameterized.TestCase):
         self.assertRegex(message, r"c is float32 \(1, 65536, 32768\); expected fewer than 2\*\*31 elements")
 
 
+    def test_a_kernel_storing_c_by_tma_takes_16_byte_rows_only(self):
+        """N = 130 (520-byte f32 rows) passes the Hopper kernels' checks; a kernel that takes its grid size stores
+        C by TMA and is refused it, while N = 132 (f32) and 136 (bf16) pass both."""
+        odd = _buffers(1, 64, 130, 32)
+        self.assertEqual(ext.check_gemm_amax_buffers(odd)[0], "")
+        self.assertRegex(ext.check_gemm_amax_buffers(odd, c_rows_16_bytes=True)[0],
+                         r"^jbg_gemm_amax: c is float32 \(1, 64, 130\); expected rows of a multiple of 16 bytes "
+                         r"\(N a multiple of 4\)")
+        self.assertRegex(ext.check_gemm_amax_buffers(_buffers(1, 64, 132, 32, c=BF16), c_rows_16_bytes=True)[0],
+                         r"c is bfloat16 .*\(N a multiple of 8\)")
+        for n, c in ((132, F32), (136, BF16)):
+            self.assertEqual(ext.check_gemm_amax_buffers(_buffers(1, 64, n, 32, c=c), c_rows_16_bytes=True),
+                             ("", (64, n, 32, 1)))
+
+
+class GridTest(absltest.TestCase):
+    """The persistent grid instantiation passes to the sm_100a gemm_amax kernels (max_ctas) and its attribute."""
+
+    def test_whole_clusters_no_more_than_fit_at_least_one(self):
+        self.assertEqual(ext.grid_ctas(148, 1, 0), 148)  # B200, no cluster: one CTA per SM
+        self.assertEqual(ext.grid_ctas(148, 4, 0), 148)  # the SM bound when the driver cannot say: 37 clusters
+        self.assertEqual(ext.grid_ctas(148, 16, 0), 144)  # 9 whole clusters of 16
+        self.assertEqual(ext.grid_ctas(148, 4, 35), 140)  # GPCs that fit 35 clusters of 4: no waiting cluster
+        self.assertEqual(ext.grid_ctas(148, 2, 80), 148)  # an answer above the SM bound changes nothing
+        self.assertEqual(ext.grid_ctas(4, 4, 0), 4)  # JAX_BLOCKGEMM_SM_LIMIT=4: one cluster walks every tile
+        self.assertEqual(ext.grid_ctas(1, 16, 0), 16)  # a limit below one cluster still launches one
+
+    def test_cluster_ctas_attribute(self):
+        self.assertEqual(ext.check_cluster_ctas([0, 4], 2), "")
+        self.assertEqual(ext.check_cluster_ctas([16], 1), "")
+        self.assertRegex(ext.check_cluster_ctas([0, 4], 1), "cluster_ctas has 2 entries; expected one per object")
+        self.assertRegex(ext.check_cluster_ctas([-1], 1), "entry 0 is -1; expected 0 .* 1 to 16")
+        self.assertRegex(ext.check_cluster_ctas([0, 17], 2), "entry 1 is 17")
+
+
 class KernelAbiTest(absltest.TestCase):
     """The catalog's exported kernel takes exactly the arguments the handler passes (see BUILD.md)."""
 
@@ -311,12 +346,14 @@ _XLA_PROBE = textwrap.dedent("""
            jnp.zeros((l, 2, 2, 32, 4, 4), jnp.uint8), jnp.zeros((l, 1, 2, 32, 4, 4), jnp.uint8))
     out = (jax.ShapeDtypeStruct((l, m, n), jnp.float32), jax.ShapeDtypeStruct((l,), jnp.float32))
     blob = np.random.default_rng(0).integers(0, 256, 300_001, dtype=np.uint8)  # a large array attribute
-    for name, offsets in (("GOOD", [0, 1000, 300_001]), ("BAD", [0, 1000, 7])):
+    cases = (("GOOD", [0, 1000, 300_001], [0, 4]), ("BAD", [0, 1000, 7], [0, 4]),
+             ("BADCLUSTERS", [0, 1000, 300_001], [0]), ("BIGCLUSTER", [0, 1000, 300_001], [0, 32]))
+    for name, offsets, clusters in cases:
         call = jax.ffi.ffi_call("jbg_gemm_amax", out)
         f = jax.jit(lambda *x: call(*x, archs="sm_90a,sm_100a", function_prefixes="p90,p100", objects=blob,
                                     offsets=np.array(offsets, np.int64), ab_dtype="float8_e4m3fn",
                                     c_dtype="float32", sf_dtype="float8_e8m0fnu", sf_vec_size=32, a_major="k",
-                                    b_major="k"))
+                                    b_major="k", cluster_ctas=np.array(clusters, np.int64)))
         try:
             f(*ops)
             print(name, "RAN")
@@ -352,6 +389,12 @@ class XlaRegistrationTest(absltest.TestCase):
         self.assertRegex(self.lines.get("BAD", self.output),
                          r"INVALID_ARGUMENT: jbg_gemm_amax attributes: offsets must start at 0 and end at the size of "
                          r"objects \(300001\), got 0 \.\. 7")
+        self.assertRegex(self.lines.get("BADCLUSTERS", self.output),
+                         r"INVALID_ARGUMENT: jbg_gemm_amax attributes: cluster_ctas has 1 entries; expected one per "
+                         r"object \(2\)")
+        self.assertRegex(self.lines.get("BIGCLUSTER", self.output),
+                         r"INVALID_ARGUMENT: jbg_gemm_amax attributes: cluster_ctas entry 1 is 32; expected 0 \(no "
+                         r"grid size\) or the CTAs of a cluster, 1 to 16")
 
 
 if __name__ == "__main__":

@@ -4,10 +4,13 @@ Every variant is compiled ahead of time into a relocatable object (`dump_to_obje
 follows its operation's ABI, loaded by our XLA FFI handlers. Each tensor is a `{void *data; int64_t
 dynamic_shapes[1];}` struct over a flat buffer.
 
-    gemm_amax: fn(a, b, sfa, sfb, c, amax, m, n, k, l, stream)
+    gemm_amax: fn(a, b, sfa, sfb, c, amax[, alpha], m, n, k, l[, max_ctas], stream)
       a/b: FP8 codes (or packed FP4 pairs for the sm_100a FP4 variants), (L, M, K) / (L, N, K) K-major; sfa/sfb:
       scale bytes in the SPEC §3 atom layout; c: (L, M, N) row-major; amax: L float32 values the handler zeroes
-      first; m/n/k/l int32.
+      first; alpha: NVFP4's (L,) float32 (E4M3-scale variants only, `takes_alpha`); m/n/k/l int32; max_ctas int32,
+      sm_100a only (`grid_cluster_ctas`): the CTAs of the persistent grid, a multiple of the cluster size, which the
+      handler works out per device (the SM count, and how many clusters the driver says fit at once). The sm_100a
+      kernels store C by TMA, so they take rows of C of a multiple of 16 bytes.
     proj_rope: fn(x, w, cos, sin, x_scale, w_scale, row_codes, row_scales, col_codes, col_scales, t, k, h, sms,
                   stream)
       x (T, K); w (H·192, K) for b_major "k", (K, H·192) for "n"; cos/sin (T, 64); x_scale/w_scale: E8M0 bytes laid
@@ -88,6 +91,14 @@ def takes_alpha(v: KernelVariant) -> bool:
     """Whether variant `v`'s exported function takes NVFP4's alpha tensor (after amax): the E4M3-scale gemm_amax
     kernels (the handler passes alpha = 1 when the call has none)."""
     return v.op == "gemm_amax" and v.sf_dtype == "float8_e4m3fn"
+
+
+def grid_cluster_ctas(v: KernelVariant) -> int:
+    """0 when variant `v`'s exported function takes no grid size; else the CTAs of one of its clusters: the sm_100a
+    gemm_amax kernels take max_ctas after l, and the handler sizes it in whole clusters."""
+    if v.op != "gemm_amax" or v.arch != "sm_100a":
+        return 0
+    return v.cluster_mn[0] * v.cluster_mn[1]
 
 
 def _hopper_factory(v: KernelVariant) -> Any:
@@ -258,7 +269,10 @@ def fake_arguments(kernel: Any, op: str = "gemm_amax") -> list:
                flat(kernel.c_dtype), flat(cutlass.Float32)]
     if getattr(kernel, "has_alpha", False):
         tensors.append(flat(cutlass.Float32))
-    return tensors + [cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(16), cutlass.Int32(1), cuda.CUstream(0)]
+    sizes = [cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(16), cutlass.Int32(1)]
+    if getattr(kernel, "takes_grid_ctas", False):  # sm_100a: max_ctas, the persistent grid's bound
+        sizes.append(cutlass.Int32(148))
+    return tensors + sizes + [cuda.CUstream(0)]
 
 
 def compile_function(v: KernelVariant, *, keep_ptx: bool = False, kernel: Any = None) -> Any:

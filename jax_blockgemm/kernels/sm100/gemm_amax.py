@@ -16,13 +16,19 @@ Warp roles (one CTA of 6 warps per SM, persistent over output tiles):
 
 - `producer` (warp 5): TMA loads of A, B, SFA, SFB k-tiles into a ring of shared-memory stages (mbarriers),
   multicast across the cluster;
-- `mma` (warp 4): scales to tensor memory, then the block-scaled MMAs into a tensor-memory accumulator, one
-  accumulator stage per tile in flight (two when they fit, so the epilogue of tile i overlaps the MMAs of i+1);
-- `epilogue` (warps 0-3): tensor memory -> registers (tcgen05.ld), fp32 amax, conversion to C's dtype and a
-  predicated store of every in-bounds element (any M, N), then one integer atomic max per tile into amax[l]
-  through the helper the Hopper kernel uses (kernels/common.py).
+- `mma` (warp 4): scales to tensor memory, then the block-scaled MMAs into one of two tensor-memory accumulator
+  buffers, so that the epilogue of tile i overlaps the MMAs of tile i+1. Two 256-column buffers leave no room for
+  the scales, so the 128x256 tile overlaps its buffers by the scales' columns (as NVIDIA's
+  `dense_blockscaled_gemm_persistent` does): the epilogue reads the shared columns first and hands the buffer back
+  as soon as it has them;
+- `epilogue` (warps 0-3): tensor memory -> registers (tcgen05.ld) by sub-tiles, fp32 amax of the in-bounds
+  elements, conversion to C's dtype into a shared-memory sub-tile that one thread stores by TMA (which clips the
+  M and N tails), then one integer atomic max per tile into amax[l] through the helper the Hopper kernel uses
+  (kernels/common.py).
 
-The exported ABI is the catalog's: fn(a, b, sfa, sfb, c, amax[, alpha], m, n, k, l, stream) over flat buffers.
+The exported ABI is the catalog's: fn(a, b, sfa, sfb, c, amax[, alpha], m, n, k, l, max_ctas, stream) over flat
+buffers; max_ctas is how many CTAs of this kernel the GPU holds at once (the handler asks the driver), a multiple
+of the cluster size: the persistent grid is at most that many.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ import cutlass.utils.blockscaled_layout as blockscaled_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from jax_blockgemm.kernels import common
-from jax_blockgemm.kernels.sm100 import SMEM_CAPACITY, SUPPORTED_CLUSTERS_MN, SUPPORTED_TILES_MN, persistent
+from jax_blockgemm.kernels.sm100 import (C_STAGES, MAX_AB_STAGES, SMEM_CAPACITY, SUPPORTED_CLUSTERS_MN,
+                                         SUPPORTED_TILES_MN, TILE_K, persistent)
 
 _AB_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,
               "float4_e2m1fn": cutlass.Float4E2M1FN}
@@ -86,6 +93,7 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
         if sf_vec_size == 16 and tuple(tile_mn) == (128, 256):
             raise ValueError("tile_mn=(128, 256) with sf_vec_size=16 is disabled in the seed for float32/bfloat16 "
                              f"C; expected {SUPPORTED_TILES_MN[0]}")
+        self.ab_dtype_name = ab_dtype
         self.ab_dtype: Type[cutlass.Numeric] = _AB_DTYPES[ab_dtype]
         self.c_dtype: Type[cutlass.Numeric] = _C_DTYPES[c_dtype]
         self.has_alpha = False  # NVFP4's per-tensor alpha (BlackwellBlockScaledGemmAmaxAlpha)
@@ -99,9 +107,14 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
         major = lambda mn: cute.nvgpu.OperandMajorMode.MN if mn else cute.nvgpu.OperandMajorMode.K
         self.a_major, self.b_major = major(self.a_mn), major(self.b_mn)
         self.c_layout = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
+        self.c_per_16_bytes = 128 // self.c_dtype.width  # C's rows start 16-byte aligned (TMA stores them)
+        self.takes_grid_ctas = True  # the exported function takes max_ctas after l (catalog.fake_arguments)
         super().__init__()  # the warp roles; the whole of tensor memory (one CTA per SM)
-        # One accumulator stage holds a TILE_N-column fp32 tile; two fit beside the scales when TILE_N is 128.
-        self.acc_stages = 2 if self.tile_mn[1] == 128 else 1
+        # Two accumulator buffers of TILE_N fp32 columns each. Beside the scales they fit when TILE_N is 128; at 256
+        # they share the scales' worth of columns, with one pipeline stage whose phase picks the buffer.
+        self.overlapping_acc = self.tile_mn[1] == 256
+        self.acc_stages = 1 if self.overlapping_acc else 2
+        self.c_stages = C_STAGES
 
     def can_implement(self, m: int, n: int, k: int, l: int) -> tuple[bool, str]:
         """Whether the kernel handles these sizes, and why not (the caller checks before launching)."""
@@ -113,6 +126,9 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
             if mn_major and size % 16:
                 return False, (f"{name} must be a multiple of 16 for an MN-major operand (16-byte rows), "
                                f"got {name}={size}")
+        if n % self.c_per_16_bytes:
+            return False, (f"n must be a multiple of {self.c_per_16_bytes} (16-byte rows of C, which TMA stores), "
+                           f"got n={n}")
         if l * max(m, n) * k >= 2**31 or l * m * n >= 2**31:
             return False, f"operands must hold fewer than 2**31 elements, got m={m}, n={n}, k={k}, l={l}"
         return True, ""
@@ -124,7 +140,9 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
             self.ab_dtype, self.a_major, self.b_major, self.sf_dtype, self.sf_vec_size, self.cta_group,
             self.tile_mn)
         mma_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])  # 32 for FP8, 64 for FP4
-        self.mma_tiler = (*self.tile_mn, 4 * mma_k)  # one k-tile = 4 MMAs = 1 (FP8) to 4 (NVFP4) atoms along K
+        tile_k = TILE_K[self.ab_dtype_name]
+        assert tile_k == 4 * mma_k, (tile_k, mma_k)  # the self-check sizes K by TILE_K (no DSL there)
+        self.mma_tiler = (*self.tile_mn, tile_k)  # one k-tile = 4 MMAs = 1 (FP8) to 4 (NVFP4) atoms along K
         self.cta_tile_mnk = self.mma_tiler  # one CTA per MMA (no two-CTA instructions)
         self.cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster_mn, 1)),
                                                      (self.tiled_mma.thr_id.shape,))
@@ -132,6 +150,8 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
         self.mcast_ctas_b = self.cluster_mn[0]
         self.epi_tile = sm100_utils.compute_epilogue_tile_shape(
             self.cta_tile_mnk, False, self.c_layout, self.c_dtype)
+        self.c_smem_staged = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile,
+                                                              self.c_stages)
         self.ab_stages = self._ab_stages()
         self.a_smem_staged = sm100_utils.make_smem_layout_a(
             self.tiled_mma, self.mma_tiler, self.ab_dtype, self.ab_stages)
@@ -152,29 +172,31 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
                 + sum(cute.size_in_bytes(self.sf_dtype, x) for x in sfs))
 
     def _ab_stages(self) -> int:
-        """As many stages as fit beside the barriers and the amax slots (no C staging: C goes out from registers)."""
+        """As many stages as fit beside the barriers, the amax slots and C's staging sub-tiles."""
         reserved = 1024 + self.buffer_align_bytes  # mbarriers, tmem pointer, amax slots; alignment slack
-        return min(8, (SMEM_CAPACITY - reserved) // self.stage_bytes())
+        c_bytes = cute.size_in_bytes(self.c_dtype, self.c_smem_staged)
+        return min(MAX_AB_STAGES, (SMEM_CAPACITY - reserved - c_bytes) // self.stage_bytes())
 
     # ------------------------------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, c: cute.Tensor,
                  amax: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32,
-                 stream: cuda.CUstream):
+                 max_ctas: cutlass.Int32, stream: cuda.CUstream):
         """Host side: (M, K, L)-shaped views of the flat buffers, the TMA atoms, the persistent grid; launch."""
-        self._launch(a, b, sfa, sfb, c, amax, amax, m, n, k, l, stream)
+        self._launch(a, b, sfa, sfb, c, amax, amax, m, n, k, l, max_ctas, stream)
 
     @cute.jit
     def _launch(self, a: cute.Tensor, b: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, c: cute.Tensor,
                 amax: cute.Tensor, alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
-                l: cutlass.Int32, stream: cuda.CUstream):
+                l: cutlass.Int32, max_ctas: cutlass.Int32, stream: cuda.CUstream):
         """The body of both ABIs' `__call__`: `alpha` is NVFP4's (L,) float32 tensor with `has_alpha`, else a
         stand-in (amax) that the kernel never reads."""
         self._setup()
         k16 = cute.assume(k, divby=self.k_align)
         mA = common.operand_view(a, m, k16, l, self.a_mn)
         mB = common.operand_view(b, n, k16, l, self.b_mn)
-        mC = cute.make_tensor(c.iterator, cute.make_layout((m, n, l), stride=(n, 1, m * n)))
+        n16 = cute.assume(n, divby=self.c_per_16_bytes)  # can_implement and the handler require it
+        mC = cute.make_tensor(c.iterator, cute.make_layout((m, n16, l), stride=(n16, 1, m * n16)))
         # The SPEC §3 atom buffer is the layout the block-scaled MMA reads: ((32,4,M'),(32,4,K'),L) over bytes.
         mSFA = cute.make_tensor(cute.recast_ptr(sfa.iterator, dtype=self.sf_dtype),
                                 scale_layout(mA.shape, self.sf_vec_size))
@@ -200,17 +222,22 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
             sfb_op, mSFB, sfb_one, self.mma_tiler, self.tiled_mma, cluster_shape, internal_type=cutlass.Int16)
         self.tma_bytes = (cute.size_in_bytes(self.ab_dtype, a_one) + cute.size_in_bytes(self.ab_dtype, b_one)
                           + cute.size_in_bytes(self.sf_dtype, sfa_one) + cute.size_in_bytes(self.sf_dtype, sfb_one))
+        # C leaves by TMA stores of epilogue sub-tiles staged in shared memory; TMA writes no element past M or N.
+        tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(self.c_smem_staged, (None, None, 0)), self.epi_tile)
 
         tiles_mnl = cute.ceil_div(mC.shape, (self.cta_tile_mnk[0], self.cta_tile_mnk[1], 1))
-        sched_params, grid = persistent.schedule(tiles_mnl, self.cluster_mn)
+        sched_params, grid = persistent.schedule(tiles_mnl, self.cluster_mn, max_ctas)
 
-        self._set_shared_storage(  # the epilogue warps' amax slots; the A, B, SFA and SFB stages
+        self._set_shared_storage(  # the epilogue warps' amax slots; the A, B, SFA, SFB and C stages
             {"warp_amax": cute.struct.MemRange[cutlass.Int32, len(self.epilogue_warps)]},
             {"sA": (self.ab_dtype, self.a_smem_staged.outer), "sB": (self.ab_dtype, self.b_smem_staged.outer),
-             "sSFA": (self.sf_dtype, self.sfa_smem_staged), "sSFB": (self.sf_dtype, self.sfb_smem_staged)})
+             "sSFA": (self.sf_dtype, self.sfa_smem_staged), "sSFB": (self.sf_dtype, self.sfb_smem_staged),
+             "sC": (self.c_dtype, self.c_smem_staged.outer)})
         self.kernel(self.tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sfa, tma_sfa, tma_atom_sfb,
-                    tma_sfb, mC, amax, alpha, self.cluster_layout_vmnk, self.a_smem_staged, self.b_smem_staged,
-                    self.sfa_smem_staged, self.sfb_smem_staged, self.epi_tile, sched_params).launch(
+                    tma_sfb, tma_atom_c, tma_c, amax, alpha, self.cluster_layout_vmnk, self.a_smem_staged,
+                    self.b_smem_staged, self.sfa_smem_staged, self.sfb_smem_staged, self.c_smem_staged,
+                    self.epi_tile, sched_params).launch(
             grid=grid, block=(self.threads_per_cta, 1, 1), cluster=(*self.cluster_mn, 1), min_blocks_per_mp=1,
             stream=stream)
 
@@ -218,15 +245,16 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor,
                tma_atom_b: cute.CopyAtom, mB_nkl: cute.Tensor, tma_atom_sfa: cute.CopyAtom, mSFA_mkl: cute.Tensor,
-               tma_atom_sfb: cute.CopyAtom, mSFB_nkl: cute.Tensor, mC_mnl: cute.Tensor, amax: cute.Tensor,
-               alpha: cute.Tensor, cluster_layout_vmnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
-               b_smem_staged: cute.ComposedLayout, sfa_smem_staged: cute.Layout, sfb_smem_staged: cute.Layout,
-               epi_tile: cute.Tile, sched_params: persistent.SchedulerParams):
+               tma_atom_sfb: cute.CopyAtom, mSFB_nkl: cute.Tensor, tma_atom_c: cute.CopyAtom, mC_mnl: cute.Tensor,
+               amax: cute.Tensor, alpha: cute.Tensor, cluster_layout_vmnk: cute.Layout,
+               a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout, sfa_smem_staged: cute.Layout,
+               sfb_smem_staged: cute.Layout, c_smem_staged: cute.ComposedLayout, epi_tile: cute.Tile,
+               sched_params: persistent.SchedulerParams):
         """Device body: warp 5 produces (TMA), warp 4 issues the MMAs, warps 0-3 run the epilogue."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == self.producer_warp:
-            for atom in (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb):
+            for atom in (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb, tma_atom_c):
                 cpasync.prefetch_descriptor(atom)
 
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -242,6 +270,7 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         sSFA = storage.sSFA.get_tensor(sfa_smem_staged)
         sSFB = storage.sSFB.get_tensor(sfb_smem_staged)
+        sC = storage.sC.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
 
         # Global tiles: (bM, bK, RestM, RestK, L) and friends, partitioned the MMA's way.
         tiler_mk = cute.slice_(self.mma_tiler, (None, 0, None))
@@ -267,18 +296,33 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
         tAsSFA, tAgSFA = cute.filter_zeros(tAsSFA), cute.filter_zeros(tAgSFA)
         tBsSFB, tBgSFB = cute.filter_zeros(tBsSFB), cute.filter_zeros(tBgSFB)
 
-        tCrA, tCrB, tCtAcc_fake = self._mma_fragments(tiled_mma, sA, sB)
-
-        # Tensor-memory columns: the accumulator stages, then one k-tile of SFA and of SFB (static counts).
+        # Tensor-memory columns: the accumulator buffers, then one k-tile of SFA and of SFB (static counts).
         sfa_tmem_layout = blockscaled_utils.make_tmem_layout_sfa(
             tiled_mma, self.mma_tiler, self.sf_vec_size, cute.slice_(sfa_smem_staged, (None, None, None, 0)))
         sfb_tmem_layout = blockscaled_utils.make_tmem_layout_sfb(
             tiled_mma, self.mma_tiler, self.sf_vec_size, cute.slice_(sfb_smem_staged, (None, None, None, 0)))
-        sf_fake_ptr = cute.recast_ptr(tCtAcc_fake.iterator, dtype=self.sf_dtype)
-        acc_cols = tcgen05.find_tmem_tensor_col_offset(tCtAcc_fake)
+        tCrA, tCrB, tCtAcc_one = self._mma_fragments(tiled_mma, sA, sB)
+        sf_fake_ptr = cute.recast_ptr(tCtAcc_one.iterator, dtype=self.sf_dtype)
         sfa_cols = tcgen05.find_tmem_tensor_col_offset(cute.make_tensor(sf_fake_ptr, sfa_tmem_layout))
         sfb_cols = tcgen05.find_tmem_tensor_col_offset(cute.make_tensor(sf_fake_ptr, sfb_tmem_layout))
+        self.acc_buffer_columns = self.tile_mn[1]  # where the second accumulator buffer starts
+        if cutlass.const_expr(self.overlapping_acc):
+            # It starts inside the first by the columns NVIDIA's kernel sets aside for the scales (one per 32 rows
+            # of the tile and MMA of a k-tile: more than the layouts take, sfa_cols + sfb_cols), which then follow
+            # the second buffer up to the end of tensor memory.
+            mmas_per_k_tile = self.mma_tiler[2] // cute.size(tiled_mma.shape_mnk, mode=[2])
+            self.sf_tmem_columns = (self.tile_mn[0] + self.tile_mn[1]) // 32 * mmas_per_k_tile
+            assert sfa_cols + sfb_cols <= self.sf_tmem_columns, (sfa_cols, sfb_cols)
+            self.acc_buffer_columns = self.tile_mn[1] - self.sf_tmem_columns
+            tCrA, tCrB, tCtAcc_fake = self._mma_fragments(tiled_mma, sA, sB, self.acc_buffer_columns)
+        else:
+            self.sf_tmem_columns = sfa_cols + sfb_cols
+            tCtAcc_fake = tCtAcc_one
+        acc_cols = tcgen05.find_tmem_tensor_col_offset(tCtAcc_fake)
         self.tmem_columns_used = acc_cols + sfa_cols + sfb_cols  # reported by precompile; TMEM_COLUMNS allocated
+        self.acc_buffers = cute.size(tCtAcc_fake, mode=[3])
+        self.epi_columns = cute.size(epi_tile[1])
+        self.acc_release_subtile = self.sf_tmem_columns // self.epi_columns
 
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
 
@@ -310,7 +354,8 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
         if warp_idx < self.mma_warp:
             # ------------------------------------------------------------------------------ epilogue
             self._with_tmem(tmem, tCtAcc_fake.layout, lambda tCtAcc_base: self._epilogue(
-                tiled_mma, epi_tile, tidx, tCtAcc_base, mC_mnl, amax, alpha, storage, acc_pipeline, sched_params))
+                tiled_mma, epi_tile, tidx, tCtAcc_base, tma_atom_c, mC_mnl, sC, amax, alpha, storage, acc_pipeline,
+                sched_params))
 
     def _scale_copy_to_tmem(self, sSF: cute.Tensor, tSF: cute.Tensor):
         """The tcgen05.cp (4x32x128b) copy of staged scales in shared memory to their tensor-memory tensor `tSF`:
@@ -324,13 +369,14 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
 
     @cute.jit
     def _epilogue(self, tiled_mma: cute.TiledMma, epi_tile: cute.Tile, tidx: cutlass.Int32, tCtAcc_base: cute.Tensor,
-                  mC_mnl: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor, storage, acc_pipeline,
-                  sched_params: persistent.SchedulerParams):
-        """Per tile: tensor memory -> registers by epilogue sub-tile, predicated stores of C, amax into amax[l]."""
+                  tma_atom_c: cute.CopyAtom, mC_mnl: cute.Tensor, sC: cute.Tensor, amax: cute.Tensor,
+                  alpha: cute.Tensor, storage, acc_pipeline, sched_params: persistent.SchedulerParams):
+        """Per tile and epilogue sub-tile: tensor memory -> registers, amax of the in-bounds elements, C's dtype
+        into a shared-memory sub-tile, one TMA store of it; then amax into amax[l]."""
         tiler_mn = cute.slice_(self.mma_tiler, (None, None, 0))
         thr_mma = tiled_mma.get_slice(0)
         tCgC = thr_mma.partition_C(cute.local_tile(mC_mnl, tiler_mn, (None, None, None)))
-        # The same partition applied to coordinates: (row, col, l) of every element, for the tail predicates.
+        # The same partition applied to coordinates: (row, col, l) of every element, for the amax predicates.
         tCcC = thr_mma.partition_C(cute.local_tile(cute.make_identity_tensor(mC_mnl.shape), tiler_mn,
                                                    (None, None, None)))
         t2r_atom = sm100_utils.get_tmem_load_op(self.cta_tile_mnk, self.c_layout, self.c_dtype, self.acc_dtype,
@@ -339,44 +385,80 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
         t2r = tcgen05.make_tmem_copy(t2r_atom, tAcc_epi[(None, None, 0, 0, 0)])
         thr_t2r = t2r.get_slice(tidx)
         tTR_tAcc_base = thr_t2r.partition_S(tAcc_epi)  # (T2R, T2R_M, T2R_N, EPI_M, EPI_N, STAGE)
-        tTR_gC_all = thr_t2r.partition_D(cute.flat_divide(tCgC[((None, None), 0, 0, None, None, None)],
-                                                          epi_tile))
+        gC_epi = cute.flat_divide(tCgC[((None, None), 0, 0, None, None, None)], epi_tile)
         tTR_cC_all = thr_t2r.partition_D(cute.flat_divide(tCcC[((None, None), 0, 0, None, None, None)],
                                                           epi_tile))
-        tTR_rAcc = cute.make_rmem_tensor(tTR_gC_all[(None, None, None, 0, 0, 0, 0, 0)].shape, self.acc_dtype)
+        tTR_rAcc = cute.make_rmem_tensor(thr_t2r.partition_D(gC_epi)[(None, None, None, 0, 0, 0, 0, 0)].shape,
+                                         self.acc_dtype)
         tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+        # Registers -> the shared-memory sub-tile (the store op that matches the tensor-memory load's layout),
+        # then TMA: the sub-tile as one bulk copy to its place in C.
+        r2s = cute.make_tiled_copy_D(sm100_utils.get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype, t2r),
+                                     t2r)
+        thr_r2s = r2s.get_slice(tidx)
+        tRS_sC = thr_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, C_STAGE)
+        tRS_rC = r2s.retile(tTR_rC)
+        bSG_sC, bSG_gC_all = cpasync.tma_partition(tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                                                   cute.group_modes(gC_epi, 0, 2))
+        c_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=self.c_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epilogue_threads))
         warp_amax = storage.warp_amax.get_tensor(cute.make_layout((len(self.epilogue_warps),)))
         amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
-        m, n, _ = mC_mnl.shape
+        bounds = mC_mnl.shape
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        subtiles = self.tile_mn[1] // cute.size(epi_tile[1])
 
         sched = persistent.tile_scheduler(sched_params)
         work = sched.initial_work_tile_info()
         acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.acc_stages)
         while work.is_valid_tile:
             tile_m, tile_n, batch = work.tile_idx
-            tTR_tAcc = cute.group_modes(tTR_tAcc_base[(None, None, None, None, None, acc_state.index)], 3, 5)
-            tTR_gC = cute.group_modes(tTR_gC_all[(None, None, None, None, None, tile_m, tile_n, batch)], 3, 5)
+            buffer = self.acc_buffer(acc_state, producer=False)
+            # Overlapping buffers share buffer 0's last and buffer 1's first columns: read those first.
+            reverse = self.overlapping_acc and buffer == 0
+            tTR_tAcc = cute.group_modes(tTR_tAcc_base[(None, None, None, None, None, buffer)], 3, 5)
+            bSG_gC = cute.group_modes(bSG_gC_all[(None, None, None, tile_m, tile_n, batch)], 1, 3)
             tTR_cC = cute.group_modes(tTR_cC_all[(None, None, None, None, None, tile_m, tile_n, batch)], 3, 5)
             acc_pipeline.consumer_wait(acc_state)
+            first_subtile = sched.num_tiles_executed * subtiles
             amax_bits = cutlass.Int32(0)
-            for sub in cutlass.range(cute.size(tTR_tAcc, mode=[3])):
+            for step in cutlass.range(subtiles):
+                sub = step
+                if cutlass.const_expr(self.overlapping_acc):
+                    if reverse:
+                        sub = subtiles - 1 - step
                 cute.copy(t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
                 # tcgen05.ld is asynchronous: wait for it before reading the registers (and before the release
-                # below hands the stage back to the MMA warp), as the sm_100a proj_rope epilogue does.
+                # below hands the buffer back to the MMA warp), as the sm_100a proj_rope epilogue does.
                 cute.arch.fence_view_async_tmem_load()
+                if cutlass.const_expr(self.overlapping_acc):
+                    if step == self.acc_release_subtile:  # the shared columns are in registers
+                        with cute.arch.elect_one():
+                            acc_pipeline.consumer_release(acc_state)
+                        acc_state.advance()
                 if cutlass.const_expr(self.has_alpha):  # NVFP4: C and amax are of alpha·acc (SPEC §1, §4)
                     tTR_rAcc.store(tTR_rAcc.load() * alpha[batch])
-                tTR_rC.store(tTR_rAcc.load().to(self.c_dtype))
-                gC = tTR_gC[(None, None, None, sub)]
                 cC = tTR_cC[(None, None, None, sub)]
                 for i in cutlass.range_constexpr(cute.size(tTR_rAcc)):
-                    if cute.elem_less(cC[i], (m, n, mC_mnl.shape[2])):
-                        gC[i] = tTR_rC[i]
+                    if cute.elem_less(cC[i], bounds):  # rows past M and columns past N hold no result
                         amax_bits = cutlass.max(amax_bits, common.abs_bits(tTR_rAcc[i]))
-            # The accumulator stage is in registers now: hand it back to the MMA warp before the reduction.
-            with cute.arch.elect_one():
-                acc_pipeline.consumer_release(acc_state)
-            acc_state.advance()
+                tTR_rC.store(tTR_rAcc.load().to(self.c_dtype))
+                c_stage = (first_subtile + step) % self.c_stages
+                cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, c_stage)])
+                # The generic-proxy stores must be visible to the TMA (async proxy) before it reads the sub-tile.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.epilogue_threads)
+                if warp_idx == self.epilogue_warps[0]:
+                    cute.copy(tma_atom_c, bSG_sC[(None, c_stage)], bSG_gC[(None, sub)])
+                    c_pipeline.producer_commit()
+                    c_pipeline.producer_acquire()  # the next use of a staging buffer waits for its store's read
+                cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.epilogue_threads)
+            if cutlass.const_expr(not self.overlapping_acc):
+                # The accumulator stage is in registers now: hand it back to the MMA warp before the reduction.
+                with cute.arch.elect_one():
+                    acc_pipeline.consumer_release(acc_state)
+                acc_state.advance()
             # Every epilogue thread passes here only after thread 0 has read the previous tile's warp slots.
             cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.epilogue_threads)
             common.amax_block_reduce_and_publish(
@@ -384,6 +466,7 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
                 self.epilogue_barrier_id)
             sched.advance_to_next_work()
             work = sched.get_current_work()
+        c_pipeline.producer_tail()  # the last stores have read their sub-tiles before the CTA exits
 
 
 class BlackwellBlockScaledGemmAmaxAlpha(BlackwellBlockScaledGemmAmax):
@@ -399,6 +482,6 @@ class BlackwellBlockScaledGemmAmaxAlpha(BlackwellBlockScaledGemmAmax):
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, c: cute.Tensor,
                  amax: cute.Tensor, alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
-                 l: cutlass.Int32, stream: cuda.CUstream):
+                 l: cutlass.Int32, max_ctas: cutlass.Int32, stream: cuda.CUstream):
         """Host side of the alpha ABI: as `BlackwellBlockScaledGemmAmax.__call__`, alpha[l] applied per tile."""
-        self._launch(a, b, sfa, sfb, c, amax, alpha, m, n, k, l, stream)
+        self._launch(a, b, sfa, sfb, c, amax, alpha, m, n, k, l, max_ctas, stream)

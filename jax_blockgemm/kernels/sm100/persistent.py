@@ -21,16 +21,17 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass.cute.nvgpu import tcgen05
 
-from jax_blockgemm.kernels.sm100 import SM_COUNT, TMEM_COLUMNS
+from jax_blockgemm.kernels.sm100 import TMEM_COLUMNS
 
 SchedulerParams = utils.PersistentTileSchedulerParams
 
 
-def schedule(tiles_mnl, cluster_mn: tuple[int, int], *, sms=SM_COUNT):
-    """(scheduler parameters, launch grid) for `tiles_mnl` output tiles on a GPU of `sms` SMs (a run-time Int32
-    where the ABI passes the device's count, as proj_rope's does; else a B200's SM_COUNT)."""
+def schedule(tiles_mnl, cluster_mn: tuple[int, int], max_ctas: cutlass.Int32):
+    """(scheduler parameters, launch grid) for `tiles_mnl` output tiles with at most `max_ctas` CTAs resident at
+    once, a run-time Int32 the handler reads from the GPU (the grid is at least one cluster whatever it says)."""
     params = utils.PersistentTileSchedulerParams(tiles_mnl, (*cluster_mn, 1))
-    grid = utils.StaticPersistentTileScheduler.get_grid_shape(params, sms // (cluster_mn[0] * cluster_mn[1]))
+    clusters = cutlass.max(max_ctas // (cluster_mn[0] * cluster_mn[1]), 1)
+    grid = utils.StaticPersistentTileScheduler.get_grid_shape(params, clusters)
     return params, grid
 
 
@@ -43,7 +44,8 @@ class PersistentKernel:
     """Warp roles of one CTA of 6 warps and the operation-independent parts of its device body.
 
     A subclass sets, before its device body is traced: `acc_dtype`, `mma_tiler`, `ab_stages`,
-    `acc_stages` and `tma_bytes` (the bytes one stage's TMA loads bring).
+    `acc_stages` and `tma_bytes` (the bytes one stage's TMA loads bring), and `overlapping_acc` when its two
+    accumulator buffers share columns (one pipeline stage whose phase picks the buffer: `acc_buffer`).
     """
 
     def __init__(self):
@@ -56,7 +58,14 @@ class PersistentKernel:
         self.tmem_alloc_barrier = pipeline.NamedBarrier(barrier_id=2, num_threads=self.epilogue_threads + 32)
         self.tmem_columns_allocated = TMEM_COLUMNS  # the whole of tensor memory: one CTA per SM
         self.buffer_align_bytes = 1024
+        self.overlapping_acc = False
 
+    def acc_buffer(self, state, producer: bool):
+        """The accumulator buffer a pipeline state refers to: its stage, or with overlapping buffers (one stage)
+        its phase, which flips every tile (a producer's phase starts at 1, a consumer's at 0: both start on 0)."""
+        if cutlass.const_expr(not self.overlapping_acc):
+            return state.index
+        return state.phase ^ 1 if producer else state.phase
     def _set_shared_storage(self, extra: dict, buffers: dict):
         """Builds `shared_storage` and `smem_bytes` (dynamic shared memory per CTA, reported by precompile): the
         pipelines' mbarriers and the tensor-memory address, the `extra` fields (name -> field type), then every
@@ -93,13 +102,19 @@ class PersistentKernel:
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_mn, is_relaxed=True)
         return ab_pipeline, acc_pipeline, tmem
 
-    def _mma_fragments(self, tiled_mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor):
+    def _mma_fragments(self, tiled_mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor, buffer_columns=None):
         """(tCrA, tCrB, tCtAcc_fake): the MMA's shared-memory descriptors of A and B, (MMA, MMA_MN, MMA_K, STAGE),
-        and the layout of the accumulator stages in tensor memory (at address 0; the real one comes from tmem)."""
+        and the layout of the accumulator buffers in tensor memory (at address 0; the real one comes from tmem).
+        `buffer_columns`: with overlapping buffers, the column where the second one starts (else they follow each
+        other)."""
         tCrA = tiled_mma.make_fragment_A(sA)
         tCrB = tiled_mma.make_fragment_B(sB)
         acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
-        return tCrA, tCrB, tiled_mma.make_fragment_C(cute.append(acc_shape, self.acc_stages))
+        if cutlass.const_expr(buffer_columns is None):
+            return tCrA, tCrB, tiled_mma.make_fragment_C(cute.append(acc_shape, self.acc_stages))
+        two = tiled_mma.make_fragment_C(cute.append(acc_shape, 2))
+        stride = (*two.stride[:3], buffer_columns * two.stride[0][1])
+        return tCrA, tCrB, cute.make_tensor(two.iterator, cute.make_layout(two.shape, stride=stride))
 
     @cute.jit
     def _produce(self, ab_pipeline, sched_params: SchedulerParams, k_tiles, loads, batched: bool):
@@ -140,7 +155,7 @@ class PersistentKernel:
         ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.acc_stages)
         while work.is_valid_tile:
-            tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
+            tCtAcc = tCtAcc_base[(None, None, None, self.acc_buffer(acc_state, producer=True))]
             acc_pipeline.producer_acquire(acc_state)
             tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
             for kt in cutlass.range(0, k_tiles, 1, unroll=1):

@@ -38,7 +38,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from jax_blockgemm.kernels import common, token_rows
-from jax_blockgemm.kernels.sm100 import SMEM_CAPACITY, persistent
+from jax_blockgemm.kernels.sm100 import MAX_AB_STAGES, SMEM_CAPACITY, persistent
 from jax_blockgemm.kernels.token_rows import (  # noqa: F401 (the index maps, re-exported for the model test)
     TILE_T, code_word, col_scale_index, rope_source, row_scale_index, table_entry)
 from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, QK_NOPE
@@ -80,7 +80,7 @@ class BlackwellProjRope(persistent.PersistentKernel):
         one_b = sm100_utils.make_smem_layout_b(self.tiled_mma, self.mma_tiler, self.ab_dtype, 1)
         self.tma_bytes = cute.size_in_bytes(self.ab_dtype, one_a) + cute.size_in_bytes(self.ab_dtype, one_b)
         reserved = 1024 + self.buffer_align_bytes  # mbarriers, tmem pointer; alignment slack
-        self.ab_stages = min(8, (SMEM_CAPACITY - reserved) // self.tma_bytes)  # 5 x 40 KB
+        self.ab_stages = min(MAX_AB_STAGES, (SMEM_CAPACITY - reserved) // self.tma_bytes)  # 5 x 40 KB
         self.a_smem_staged = sm100_utils.make_smem_layout_a(self.tiled_mma, self.mma_tiler, self.ab_dtype,
                                                             self.ab_stages)
         self.b_smem_staged = sm100_utils.make_smem_layout_b(self.tiled_mma, self.mma_tiler, self.ab_dtype,
@@ -117,7 +117,7 @@ class BlackwellProjRope(persistent.PersistentKernel):
             self.tiled_mma, cluster_shape)
 
         tiles = ((t + TILE_T - 1) // TILE_T, h, 1)  # (token tile, head, 1): tile_t varies fastest
-        sched_params, grid = persistent.schedule(tiles, (1, 1), sms=sms)
+        sched_params, grid = persistent.schedule(tiles, (1, 1), sms)
 
         self._set_shared_storage({}, {"sA": (self.ab_dtype, self.a_smem_staged.outer),
                                       "sB": (self.ab_dtype, self.b_smem_staged.outer)})
