@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jax_blockgemm import gate
+from jax_blockgemm.kernels import sm100
 # (L, M, N, K): M and N not multiples of the tile (N stays a multiple of 8: 16-byte C rows), K not a multiple
 # of the 128-wide k-tile, L = 2, several tiles.
 PROBLEMS = ((1, 200, 136, 96), (2, 129, 264, 160), (1, 384, 256, 512))
@@ -51,13 +52,22 @@ POISON_ENV = "JAX_BLOCKGEMM_POISON_OUTPUTS"  # read by the FFI handler: NaN-fill
 # proj_rope (T, H, K): a token tail (96 of a 128-token tile), two heads, K not a multiple of the 64-wide k-tile; a
 # single head; 20 x 8 = 160 tiles, more than a B200's 148 CTAs, so some CTAs walk two tiles (both accumulator stages).
 PROJ_ROPE_PROBLEMS = ((96, 2, 72), (160, 1, 200), (2560, 8, 64))
+GRID_ENV = "JAX_BLOCKGEMM_SM_LIMIT"  # read by the FFI handler: the persistent grid as on a GPU of this many SMs
+NVFP4_ALPHA = 1.375  # NVFP4's per-tensor scale in the check: not 1, not a power of two, its square not itself
+# The paths a persistent kernel takes only on large problems, run small: the grid capped to one cluster (GRID_ENV),
+# so each CTA walks every tile of its cluster position, and K long enough that every k-loop wraps its stage ring
+# twice whatever the stage count (at most MAX_AB_STAGES), with a tail k-tile.
+K_TAIL = 96  # a partial k-tile and a partial scale atom; a multiple of 32 (packed FP4 rows of 16 bytes)
+# proj_rope's ((T, H, K), grid CTAs): one CTA walks 2 token tiles (the second a tail) x 2 heads, its bf16 k-tiles of
+# 64 wrapping the stage ring twice before a tail.
+PROJ_ROPE_GRID_PROBLEMS = (((224, 2, 2 * sm100.MAX_AB_STAGES * 64 + 8), 1),)
 CODE_MATCH_FRACTION = 0.99  # SPEC §7: at least 99% of the codes identical
 SCALE_MISMATCH_FRACTION = 0.01  # scale bytes one apart (block amax at a power-of-two boundary), at most this share
 
 
 def _operands(variant: Any, problem: tuple[int, int, int, int], seed: int) -> tuple[np.ndarray, ...]:
     """Random codes (FP8, or packed FP4 pairs: every nibble) and random scales (compact form: E8M0 bytes, or
-    NVFP4's positive E4M3 values) for `problem` = (L, M, N, K). NVFP4 kernels then run with alpha = 1."""
+    NVFP4's positive E4M3 values) for `problem` = (L, M, N, K); NVFP4 adds its alpha (NVFP4_ALPHA)."""
     import jax.numpy as jnp
 
     l, m, n, k = problem
@@ -78,6 +88,8 @@ def _operands(variant: Any, problem: tuple[int, int, int, int], seed: int) -> tu
         lo, hi = (121, 126) if narrow else (120, 135)  # 2^-6 .. 2^-2, else 2^-7 .. 2^7: non-trivial, no overflow
         sfa = rng.integers(lo, hi, (l, m, kb), dtype=np.uint8)
         sfb = rng.integers(lo, hi, (l, n, kb), dtype=np.uint8)
+    if variant.sf_dtype == "float8_e4m3fn":
+        return a, b, sfa, sfb, np.float32(NVFP4_ALPHA)
     return a, b, sfa, sfb
 
 
@@ -86,6 +98,38 @@ def problems(variant: Any) -> tuple[tuple[int, int, int, int], ...]:
     if (getattr(variant, "a_major", "k"), getattr(variant, "b_major", "k")) != ("k", "k"):
         return MN_PROBLEMS
     return NARROW_C_PROBLEMS if variant.c_dtype in BYTE_C else PROBLEMS
+
+
+def grid_problems(variant: Any) -> tuple[tuple[tuple[int, int, int, int], int], ...]:
+    """((L, M, N, K), grid CTAs) problems for a kernel that takes its grid size (sm_100a), else none: L = 3 and two
+    cluster rows of tiles, so that with the grid capped to one cluster each CTA walks 6 tiles (both accumulator
+    buffers, three times each); every CTA of the cluster gets rows and columns in bounds (tails of 48 in M and N,
+    multiples of 16 for MN-major operands and 16-byte C rows); K wraps the stage ring twice, with a tail."""
+    from jax_blockgemm.kernels import catalog
+
+    cluster_ctas = catalog.grid_cluster_ctas(variant) if isinstance(variant, catalog.KernelVariant) else 0
+    if not cluster_ctas:
+        return ()
+    (tile_m, tile_n), (cluster_m, cluster_n) = variant.tile_mn, variant.cluster_mn
+    k = 2 * sm100.MAX_AB_STAGES * sm100.TILE_K[variant.ab_dtype] + K_TAIL
+    return ((3, 2 * cluster_m * tile_m - 48, cluster_n * tile_n - 48, k), cluster_ctas),
+
+
+@contextlib.contextmanager
+def _grid_capped(ctas: int | None):
+    """Programs instantiated in this block launch the persistent kernels on a grid of at most `ctas` CTAs."""
+    if ctas is None:
+        yield
+        return
+    saved = os.environ.get(GRID_ENV)
+    os.environ[GRID_ENV] = str(ctas)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(GRID_ENV, None)
+        else:
+            os.environ[GRID_ENV] = saved
 
 
 def _sf_vec_size(args: Sequence[Any]) -> int:
@@ -163,14 +207,14 @@ def _run_kernel(variant: Any, args: Sequence[Any], device: Any) -> tuple[np.ndar
     from jax_blockgemm import api
 
     a_major, b_major = getattr(variant, "a_major", "k"), getattr(variant, "b_major", "k")
-    args = list(args)  # K-major (L, MN, K); an MN-major kernel reads its operand as (L, K, MN)
-    if a_major == "m":
+    args, alpha = list(args[:4]), args[4] if len(args) > 4 else None
+    if a_major == "m":  # K-major (L, MN, K); an MN-major kernel reads its operand as (L, K, MN)
         args[0] = np.swapaxes(args[0], 1, 2)
     if b_major == "n":
         args[1] = np.swapaxes(args[1], 1, 2)
     args = [jax.device_put(x, device) for x in args]
     fn = jax.jit(functools.partial(api.gemm_amax, c_dtype=variant.c_dtype, sf_vec_size=variant.sf_vec_size,
-                                   a_major=a_major, b_major=b_major, implementation="cutedsl"))
+                                   a_major=a_major, b_major=b_major, alpha=alpha, implementation="cutedsl"))
     with _forced_and_poisoned(variant):
         c, amax = fn(*args)
         if variant.c_dtype == "float4_e2m1fn":  # packed pairs -> one E2M1 value per element
@@ -182,32 +226,36 @@ def _run_kernel(variant: Any, args: Sequence[Any], device: Any) -> tuple[np.ndar
 
 
 def _run_reference(args: Sequence[Any], device: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(c, amax) of the XLA reference with fp32 C on `device`."""
+    """(c, amax) of the XLA reference with fp32 C on `device` (args: a, b, sfa, sfb[, NVFP4's alpha])."""
     import jax
 
     from jax_blockgemm import api
 
+    args, alpha = args[:4], args[4] if len(args) > 4 else None
     args = [jax.device_put(x, device) for x in args]
     c, amax = jax.jit(functools.partial(api.gemm_amax, c_dtype=np.float32, sf_vec_size=_sf_vec_size(args),
-                                        implementation="xla"))(*args)
+                                        alpha=alpha, implementation="xla"))(*args)
     return np.asarray(c), np.asarray(amax)
 
 
 def run_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_kernel,
                  run_reference: Callable = _run_reference) -> str:
-    """'' when `variant` matches the reference on every problem of `problems(variant)` on `device`, else the first
-    failure."""
-    for i, problem in enumerate(problems(variant)):
+    """'' when `variant` matches the reference on every problem of `problems(variant)` and `grid_problems(variant)`
+    (their grids capped) on `device`, else the first failure."""
+    checks = [(problem, None) for problem in problems(variant)] + list(grid_problems(variant))
+    for i, (problem, grid_ctas) in enumerate(checks):
         args = _operands(variant, problem, seed=i)
+        where = f"(L, M, N, K) = {problem}" + (f" on {grid_ctas} CTAs" if grid_ctas else "")
         try:
-            c, amax = run_kernel(variant, args, device)
+            with _grid_capped(grid_ctas):
+                c, amax = run_kernel(variant, args, device)
         except Exception as e:  # a kernel that cannot even launch is a failed check, not a crash of the caller
-            return f"(L, M, N, K) = {problem}: raised {type(e).__name__}: {e}"
+            return f"{where}: raised {type(e).__name__}: {e}"
         ref_c, ref_amax = run_reference(args, device)
         ref_abs, _ = run_reference((_magnitudes(args[0]), _magnitudes(args[1]), *args[2:]), device)
         why = compare(c, amax, ref_c, ref_amax, ref_abs, variant.c_dtype)
         if why:
-            return f"(L, M, N, K) = {problem}: {why}"
+            return f"{where}: {why}"
     return ""
 
 
@@ -300,17 +348,20 @@ def compare_proj_rope(outs: Sequence[np.ndarray], ref: Sequence[np.ndarray]) -> 
 
 def run_proj_rope_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_proj_rope_kernel,
                            run_reference: Callable = _run_proj_rope_reference) -> str:
-    """'' when proj_rope `variant` matches the reference on every PROJ_ROPE_PROBLEMS on `device`, else the first
-    failure."""
-    for i, problem in enumerate(PROJ_ROPE_PROBLEMS):
+    """'' when proj_rope `variant` matches the reference on every PROJ_ROPE_PROBLEMS and PROJ_ROPE_GRID_PROBLEMS
+    (their grids capped) on `device`, else the first failure."""
+    checks = [(problem, None) for problem in PROJ_ROPE_PROBLEMS] + list(PROJ_ROPE_GRID_PROBLEMS)
+    for i, (problem, grid_ctas) in enumerate(checks):
         args = _proj_rope_operands(variant, problem, seed=i)
+        where = f"(T, H, K) = {problem}" + (f" on {grid_ctas} CTAs" if grid_ctas else "")
         try:
-            outs = run_kernel(variant, args, device)
+            with _grid_capped(grid_ctas):
+                outs = run_kernel(variant, args, device)
         except Exception as e:  # a kernel that cannot even launch is a failed check, not a crash of the caller
-            return f"(T, H, K) = {problem}: raised {type(e).__name__}: {e}"
+            return f"{where}: raised {type(e).__name__}: {e}"
         why = compare_proj_rope(outs, run_reference(variant, args, device))
         if why:
-            return f"(T, H, K) = {problem}: {why}"
+            return f"{where}: {why}"
     return ""
 
 

@@ -17,6 +17,7 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
@@ -24,6 +25,7 @@ from jax_blockgemm import arch, dispatch, gate, selfcheck
 from jax_blockgemm.kernels import catalog
 
 import broken_kernels
+import compiled_kernels
 import oracle
 import oracle_ops
 
@@ -53,8 +55,10 @@ def _oracle_kernel(perturb=None):
     """A stand-in for a kernel run: the float64 oracle of the self-check's operands, optionally perturbed."""
 
     def run(variant, args, device):
-        a, b, sfa, sfb = (np.asarray(x) for x in args)
-        c, amax = oracle_ops.gemm_amax_oracle(a, b, sfa, sfb, k=a.shape[-1], sf_vec_size=variant.sf_vec_size)
+        a, b, sfa, sfb, *alpha = (np.asarray(x) for x in args)
+        k = a.shape[-1] * (2 if a.dtype == np.uint8 else 1)
+        c, amax = oracle_ops.gemm_amax_oracle(a, b, sfa, sfb, k=k, sf_vec_size=variant.sf_vec_size,
+                                              alpha=alpha[0] if alpha else None)
         c = c.astype(np.float32)
         if perturb is not None:
             perturb(c)
@@ -183,6 +187,129 @@ class RunProblemsTest(absltest.TestCase):
         self.assertTrue(any(m % 128 and n % 128 and k % 128 for _, m, n, k in selfcheck.PROBLEMS))
         self.assertTrue(any(l > 1 for l, *_ in selfcheck.PROBLEMS))
         self.assertTrue(all(k % 32 == 0 for *_, k in selfcheck.PROBLEMS))
+
+
+_SM100_GEMM = catalog.variants_for("sm_100a", "gemm_amax")
+_NVFP4 = next(v for v in _SM100_GEMM if v.sf_dtype == "float8_e4m3fn")
+
+
+def _tiles_per_cta(problem, tile_mn, cluster_mn) -> int:
+    """How many tiles each CTA of a grid of one cluster walks: one per cluster-shaped block of tiles and batch."""
+    l, m, n, _ = problem
+    return l * -(-m // (tile_mn[0] * cluster_mn[0])) * -(-n // (tile_mn[1] * cluster_mn[1]))
+
+
+class _GridCoverageChecks(parameterized.TestCase):
+    """What the sm_100a self-check problems reach, from each compiled kernel's own tiles and stage counts."""
+
+    def assert_gemm_amax_coverage(self, v):
+        kernel = compiled_kernels.compiled(v).kernel
+        (tile_m, tile_n, tile_k), stages = kernel.mma_tiler, kernel.ab_stages
+        cluster_ctas = v.cluster_mn[0] * v.cluster_mn[1]
+        grid = selfcheck.grid_problems(v)
+        self.assertNotEmpty(grid)
+        for problem, ctas in grid:
+            l, m, n, k = problem
+            self.assertEqual(ctas, cluster_ctas)  # one cluster walks every tile
+            self.assertGreaterEqual(_tiles_per_cta(problem, (tile_m, tile_n), v.cluster_mn), 3)
+            self.assertGreaterEqual(l, 3)
+            self.assertGreaterEqual(k // tile_k, 2 * stages)  # every tile's k-loop wraps the ring twice
+            self.assertTrue(m % tile_m and n % tile_n and k % tile_k, problem)  # tails in M, N and K
+            # every CTA of the cluster holds rows and columns in bounds: the multicast paths carry real data
+            self.assertEqual(-(-m // tile_m) % v.cluster_mn[0], 0)
+            self.assertEqual(-(-n // tile_n) % v.cluster_mn[1], 0)
+            self.assertTrue(kernel.can_implement(m, n, k, l)[0], problem)
+
+    def assert_proj_rope_coverage(self, v):
+        kernel = compiled_kernels.compiled(v).kernel
+        (tile_t, head, tile_k), stages = kernel.mma_tiler, kernel.ab_stages
+        self.assertNotEmpty(selfcheck.PROJ_ROPE_GRID_PROBLEMS)
+        for (t, h, k), ctas in selfcheck.PROJ_ROPE_GRID_PROBLEMS:
+            self.assertGreaterEqual(-(-t // tile_t) * h, 2 * ctas)  # each CTA walks two tiles or more
+            self.assertTrue(t % tile_t and k % tile_k)
+            self.assertGreaterEqual(k // tile_k, 2 * stages)
+            self.assertTrue(kernel.can_implement(t, k, h)[0])
+
+
+class GridCoverageTest(_GridCoverageChecks):
+    """The representative sm_100a variants (compiled once per test process)."""
+
+    @parameterized.named_parameters(compiled_kernels.named(compiled_kernels.representatives(_SM100_GEMM)))
+    def test_gemm_amax(self, v):
+        self.assert_gemm_amax_coverage(v)
+
+    @parameterized.named_parameters(compiled_kernels.named(compiled_kernels.representatives(
+        catalog.variants_for("sm_100a", "proj_rope"))))
+    def test_proj_rope(self, v):
+        self.assert_proj_rope_coverage(v)
+
+    def test_every_sm100_gemm_amax_variant_gets_a_grid_problem_and_no_sm90_one_does(self):
+        shapes = {v.cluster_mn for v in _SM100_GEMM if selfcheck.grid_problems(v)}
+        self.assertEqual(shapes, {cl for v in _SM100_GEMM for cl in [v.cluster_mn]})
+        self.assertTrue(all(selfcheck.grid_problems(v) for v in _SM100_GEMM))
+        self.assertFalse(any(selfcheck.grid_problems(v) for v in catalog.variants_for("sm_90a", "gemm_amax")))
+
+    def test_capped_problems_run_with_the_grid_capped_and_nvfp4_with_its_alpha(self):
+        """run_problems launches each grid problem under the handler's cap (one cluster) and the others uncapped,
+        and hands NVFP4 kernels and the reference the same alpha, not 1."""
+        seen = []
+
+        def kernel(variant, args, device):
+            seen.append(("kernel", os.environ.get(selfcheck.GRID_ENV), len(args), float(args[-1]) if len(args) > 4
+                         else None))
+            return _oracle_kernel()(variant, args, device)
+
+        def reference(args, device):
+            seen.append(("reference", None, len(args), float(args[-1]) if len(args) > 4 else None))
+            return _cpu_reference(args, device)
+
+        v = dataclasses.replace(_NVFP4, cluster_mn=(2, 1))
+        self.enter_context(mock.patch.dict(os.environ))  # restored afterwards, whatever happens here
+        os.environ.pop(selfcheck.GRID_ENV, None)
+        self.assertEqual(selfcheck.run_problems(v, None, run_kernel=kernel, run_reference=reference), "")
+        runs = [x for x in seen if x[0] == "kernel"]
+        self.assertEqual([x[1] for x in runs], [None] * len(selfcheck.problems(v)) + ["2"])
+        self.assertNotIn(selfcheck.GRID_ENV, os.environ)  # restored after the capped run
+        self.assertTrue(all(x[2] == 5 and x[3] == selfcheck.NVFP4_ALPHA != 1 for x in seen), seen)
+        # the alpha reaches the reference: its C is alpha times the unscaled one
+        args = selfcheck._operands(v, (1, 64, 32, 64), seed=0)
+        self.assertLen(args, 5)
+        scaled, _ = _cpu_reference(args, None)
+        plain, _ = _cpu_reference(args[:4], None)
+        np.testing.assert_allclose(scaled, plain * selfcheck.NVFP4_ALPHA, rtol=1e-6)
+
+    def test_a_kernel_ignoring_alpha_fails(self):
+        def no_alpha(variant, args, device):
+            return _oracle_kernel()(variant, args[:4], device)
+
+        why = selfcheck.run_problems(_NVFP4, None, run_kernel=no_alpha, run_reference=_cpu_reference)
+        self.assertRegex(why, r"^\(L, M, N, K\) = \(1, 200, 136, 96\): \d+ of 27200 C elements off")
+
+    def test_proj_rope_capped_problem_runs_on_one_cta(self):
+        seen = []
+
+        def kernel(variant, args, device):
+            seen.append((args[0].shape, os.environ.get(selfcheck.GRID_ENV)))
+            return _proj_rope_stand_in()(variant, args, device)
+
+        self.assertEqual(selfcheck.run_proj_rope_problems(_ROPE100, None, run_kernel=kernel,
+                                                          run_reference=_cpu_proj_rope_reference), "")
+        (t, h, k), ctas = selfcheck.PROJ_ROPE_GRID_PROBLEMS[0]
+        self.assertEqual(seen[-1], ((t, k), str(ctas)))
+        self.assertTrue(all(cap is None for _, cap in seen[:-1]))
+
+
+@pytest.mark.catalog
+class CatalogGridCoverageTest(_GridCoverageChecks):
+    """Every sm_100a gemm_amax and proj_rope variant."""
+
+    @parameterized.named_parameters(compiled_kernels.named(_SM100_GEMM))
+    def test_gemm_amax(self, v):
+        self.assert_gemm_amax_coverage(v)
+
+    @parameterized.named_parameters(compiled_kernels.named(catalog.variants_for("sm_100a", "proj_rope")))
+    def test_proj_rope(self, v):
+        self.assert_proj_rope_coverage(v)
 
 
 class VerdictCacheTest(absltest.TestCase):
@@ -427,14 +554,12 @@ class ProjRopeSelfCheckTest(parameterized.TestCase):
         self.assertIn("raised RuntimeError: CUDA_ERROR_ILLEGAL_ADDRESS", why)
 
     def test_problems_cover_tails_heads_k_tails_and_more_tiles_than_sms(self):
-        from jax_blockgemm.kernels import sm100
-
         problems = selfcheck.PROJ_ROPE_PROBLEMS
         self.assertTrue(all(t % 32 == 0 and k % 8 == 0 for t, _, k in problems))
         self.assertTrue(any(t % 128 for t, _, _ in problems))
         self.assertTrue(any(h > 1 for _, h, _ in problems) and any(h == 1 for _, h, _ in problems))
         self.assertTrue(any(k % 64 for *_, k in problems))
-        self.assertTrue(any(-(-t // 128) * h > sm100.SM_COUNT for t, h, _ in problems))
+        self.assertTrue(any(-(-t // 128) * h > 148 for t, h, _ in problems))  # a B200's SMs
 
     def test_check_runs_the_proj_rope_problems_for_a_proj_rope_variant(self):
         self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enter_context(
