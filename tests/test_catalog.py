@@ -148,7 +148,7 @@ class KernelConfigTest(parameterized.TestCase):
             BlackwellBlockScaledGemmAmax(**kwargs)
 
     @parameterized.parameters(
-        dict(mnkl=(1, 1, 16, 1), ok=True), dict(mnkl=(257, 129, 1040, 3), ok=True),
+        dict(mnkl=(1, 4, 16, 1), ok=True), dict(mnkl=(257, 132, 1040, 3), ok=True),
         dict(mnkl=(128, 128, 100, 1), ok=False), dict(mnkl=(0, 128, 128, 1), ok=False),
         dict(mnkl=(65536, 65536, 65536, 1), ok=False))
     def test_gemm_amax_can_implement(self, mnkl, ok):
@@ -156,6 +156,14 @@ class KernelConfigTest(parameterized.TestCase):
             got, why = kernel.can_implement(*mnkl)
             self.assertEqual(got, ok, why)
             self.assertEqual(bool(why), not ok)
+
+    def test_blackwell_needs_16_byte_c_rows_for_its_tma_stores(self):
+        """The sm_100a epilogue stores C by TMA (16-byte rows); the Hopper kernel takes any N."""
+        self.assertEqual(HopperMxf8GemmAmax().can_implement(64, 130, 16, 1), (True, ""))
+        ok, why = BlackwellBlockScaledGemmAmax().can_implement(64, 130, 16, 1)
+        self.assertFalse(ok)
+        self.assertIn("16", why)
+        self.assertTrue(BlackwellBlockScaledGemmAmax(c_dtype="bfloat16").can_implement(64, 136, 16, 1)[0])
 
     def test_fp4_gemm_amax_needs_32_aligned_k(self):
         fp4 = BlackwellBlockScaledGemmAmax(ab_dtype="float4_e2m1fn", sf_vec_size=16, sf_dtype="float8_e4m3fn")
