@@ -2,7 +2,7 @@
 
 The kernel cannot run here (no Blackwell GPU). What can be checked without it is where every value goes: the model
 plays each epilogue thread (token 32·warp + lane of a 128-token tile, as the 32x32b tensor-memory load hands them
-out; tests/test_kernel_compile.py checks that map), takes its six 32-feature blocks the way the kernel does (RoPE
+out; tests/test_compile_sm100.py checks that map), takes its six 32-feature blocks the way the kernel does (RoPE
 inputs from two loads through `rope_source`, the rotary tables as bf16 pairs in words through `table_entry`), packs
 codes into words as the kernel does, and writes them, the rowwise and the columnwise scale bytes through
 `code_word`, `row_scale_index` and `col_scale_index` into flat buffers, skipping warps past T. The quantization

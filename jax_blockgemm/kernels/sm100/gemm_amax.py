@@ -57,7 +57,7 @@ def scale_layout(shape_mkl: tuple, sf_vec_size: int) -> cute.Layout:
     """The layout the block-scaled MMA reads scales through, over the SPEC §3 atom buffer (mn, k, l) -> byte.
 
     ((32, 4, MN'), ((sf_vec_size, 4), K'), L) with strides ((16, 4, 512·K'), ((0, 1), 512), 512·MN'·K'): exactly
-    the physical atom of SPEC §3 (tests/test_kernel_compile.py checks it against `common.atom_byte_offset`).
+    the physical atom of SPEC §3 (tests/test_scale_atom_layout.py checks it against `formats.to_scale_atom`).
     """
     return blockscaled_utils.tile_atom_to_shape_SF(shape_mkl, sf_vec_size)
 
