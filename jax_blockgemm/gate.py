@@ -227,7 +227,10 @@ def check(variant: Any, *, device: Any = None, force: bool = False,
                 verdict = load(path)  # a concurrent process may have just finished the same check
         if verdict is None:
             _write_json(_attempt_path(path), {"pid": os.getpid(), "key": variant.key})
-            ok, detail = (run or _run_child)(variant, device)
+            try:
+                ok, detail = (run or _run_child)(variant, device)
+            except Exception as e:  # noqa: BLE001 -- a check that cannot even start fails; the caller goes on
+                ok, detail = False, f"the check could not run: {type(e).__name__}: {e}"
             verdict = Verdict(*ident, ok=ok, detail=detail or "ok")
             store(path, verdict)
             _attempt_path(path).unlink(missing_ok=True)

@@ -379,6 +379,15 @@ class VerdictCacheTest(absltest.TestCase):
         self.assertTrue(gate.check(_SM100, device=FakeDevice(), run=self._run(""), force=True).ok)
         self.assertFalse(path.with_suffix(".attempt").exists())
 
+    def test_a_check_that_cannot_start_is_a_stored_failure(self):
+        def cannot_spawn(variant, device):
+            raise OSError("no such file: python")
+
+        v = gate.check(_SM100, device=FakeDevice(), run=cannot_spawn)
+        self.assertFalse(v.ok)
+        self.assertIn("could not run: OSError: no such file", v.detail)
+        self.assertFalse(gate.verdict_path(*gate.identity(_SM100, FakeDevice())).with_suffix(".attempt").exists())
+
     def test_no_local_gpu_raises(self):
         with self.assertRaisesRegex(RuntimeError, "no local GPU runs sm_100a kernels"):
             gate.check(_SM100)
