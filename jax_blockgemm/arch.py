@@ -6,12 +6,12 @@ module may read it. `python -m jax_blockgemm.arch` prints the table as the docs 
 
 What `None` takes, per operation:
   * "kernel": our CuTeDSL kernel (where one applies to the call; else the reference);
-  * "reference": the exact pure-JAX reference (bf16 dequantization + dot, SPEC §6);
-  * "scaled_dot": the reference with its MXFP8 E4M3 accumulator from `jax.lax.scaled_dot`, which XLA hands to
-    cuDNN's block-scaled GEMM where the GPU has one (SPEC §7's "tensor-core FP8" class); other formats, and
-    calls below `scaled_dot_min_size`, keep the exact reference.
-A per-GPU decision table written by a local measurement may later override "kernel"/"reference" choices; this
-table is what holds without one.
+  * "reference": the pure-JAX reference (bf16 dequantization + dot, SPEC §6). Where `scaled_dot_min_size` is set,
+    the reference takes the accumulator of its MXFP8 E4M3 GEMMs (gemm_amax's, and proj_rope's with MXFP8 inputs)
+    from `jax.lax.scaled_dot` instead, which XLA hands to cuDNN's block-scaled GEMM on the FP8 tensor cores (SPEC
+    §7's "tensor-core FP8" class); other formats, and smaller calls, keep the exact bf16 route.
+A per-GPU-model decision table measured by `python -m jax_blockgemm.tune` (`tuning`) may send calls to our kernels
+instead; this table is what holds without one.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import dataclasses
 import sys
 from typing import Iterator, Literal, Mapping, Optional
 
-Choice = Literal["kernel", "reference", "scaled_dot"]
+Choice = Literal["kernel", "reference"]
 OPS = ("gemm_amax", "proj_rope")
 
 
@@ -35,7 +35,8 @@ class ArchPolicy:
     default: Mapping[str, Choice]  # operation -> what implementation=None takes
     proj_rope_tile: tuple[int, int] = (128, 192)  # (tokens, features) of one proj_rope tile
     proj_rope_schedule: str = ""  # the proj_rope kernel's schedule ("" for the target's only one)
-    scaled_dot_min_size: Optional[int] = None  # smallest L*M*N*K for the "scaled_dot" route; None: never
+    scaled_dot_min_size: Optional[int] = None  # smallest GEMM (L*M*N*K) whose MXFP8 E4M3 accumulator the reference
+    # takes from jax.lax.scaled_dot; None: never
     why: str = ""  # the evidence behind `default`, one line for the docs
 
 
@@ -48,15 +49,15 @@ TABLE: tuple[ArchPolicy, ...] = (
             "bound by the bf16 tensor rate there, where XLA's dot is as fast as ours (docs/design/gemm_amax.md)"),
     ArchPolicy(
         capability="10.0", target="sm_100a", verified=False,
-        default={"gemm_amax": "scaled_dot", "proj_rope": "reference"},
+        default={"gemm_amax": "reference", "proj_rope": "reference"},
         proj_rope_tile=(128, 192), scaled_dot_min_size=0,
-        why="B200: our kernels compiled, never run here, so never the default; MXFP8 E4M3 gemm_amax through "
-            "XLA's block-scaled dot (cuDNN on the FP8 tensor cores), unmeasured here"),
+        why="B200: our kernels compiled, never run here, so never the default; MXFP8 E4M3 GEMMs through XLA's "
+            "block-scaled dot (cuDNN on the FP8 tensor cores), unmeasured here"),
     ArchPolicy(
         capability="10.3", target=None, verified=False,
-        default={"gemm_amax": "scaled_dot", "proj_rope": "reference"},
+        default={"gemm_amax": "reference", "proj_rope": "reference"},
         scaled_dot_min_size=0,
-        why="B300: no kernel of ours; MXFP8 E4M3 gemm_amax through XLA's block-scaled dot, unmeasured here"),
+        why="B300: no kernel of ours; MXFP8 E4M3 GEMMs through XLA's block-scaled dot, unmeasured here"),
 )
 
 
@@ -95,12 +96,11 @@ def none_takes_kernel(op: str, target: str) -> bool:
 
 def scaled_dot_min_size(device_kind: str) -> Optional[int]:
     """For a lowering's device kind ("cuda:<capability>", "cpu", or "cuda" with no GPU visible): the smallest
-    L*M*N*K from which None takes the "scaled_dot" route, or None where it never does."""
+    L*M*N*K from which the reference takes its MXFP8 E4M3 accumulator from jax.lax.scaled_dot, or None where it
+    never does."""
     platform, _, capability = device_kind.partition(":")
     row = _row_of_capability(capability) if platform == "cuda" else None
-    if row is None or row.default.get("gemm_amax") != "scaled_dot":
-        return None
-    return row.scaled_dot_min_size
+    return row.scaled_dot_min_size if row else None
 
 
 @contextlib.contextmanager
@@ -122,11 +122,12 @@ def overridden(capability: str, **changes) -> Iterator[ArchPolicy]:
 def markdown_table() -> str:
     """The table as the docs show it: one row per compute capability."""
     lines = ["| compute capability | kernel target | kernels verified on it | None: gemm_amax | None: proj_rope "
-             "| proj_rope tile, schedule | why |", "|---|---|---|---|---|---|---|"]
+             "| reference's MXFP8 E4M3 GEMM | proj_rope tile, schedule | why |", "|---|---|---|---|---|---|---|---|"]
     for p in TABLE:
         tile = f"{p.proj_rope_tile[0]}x{p.proj_rope_tile[1]}, {p.proj_rope_schedule or 'default'}" if p.target else "-"
+        gemm = "bf16 dot" if p.scaled_dot_min_size is None else "jax.lax.scaled_dot"
         lines.append(f"| {p.capability} | {p.target or '-'} | {'yes' if p.verified else 'no (self-checked first)'} "
-                     f"| {p.default['gemm_amax']} | {p.default['proj_rope']} | {tile} | {p.why} |")
+                     f"| {p.default['gemm_amax']} | {p.default['proj_rope']} | {gemm} | {tile} | {p.why} |")
     return "\n".join(lines)
 
 

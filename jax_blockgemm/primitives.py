@@ -173,18 +173,25 @@ def _proj_rope_abstract_eval(x, w, *_, w_out_in, **__):
     return tuple(jax.core.ShapedArray(s, d) for s, d in zip(shapes, dtypes))
 
 
-def _proj_rope_reference(x, w, cos, sin, *scales, w_out_in, mxfp8, **_):
+def _proj_rope_reference(x, w, cos, sin, *scales, w_out_in, mxfp8, scaled_dot=False, **_):
     def one_group(x, w, cos, sin, *scales):
         x_scale, w_scale = scales if mxfp8 else (None, None)
         return reference.gemm_proj_rope_reference(x, w, cos, sin, x_scale=x_scale, w_scale=w_scale,
-                                                  w_out_in=w_out_in)
+                                                  w_out_in=w_out_in, scaled_dot=scaled_dot)
 
     return jax.vmap(one_group)(x, w, cos, sin, *scales)
 
 
 def _proj_rope_reference_lowering(ctx, *args, **params):
     _no_kernel_off_cuda(ctx, "gemm_proj_rope_mxfp8", params["implementation"])
-    return mlir.lower_fun(functools.partial(_proj_rope_reference, **params), multiple_results=True)(ctx, *args)
+    x, w = ctx.avals_in[:2]
+    g, t, k = x.shape
+    n = w.shape[1] if params["w_out_in"] else w.shape[2]
+    # MXFP8 inputs: only None may take scaled_dot's FP8 accumulator, where arch.TABLE sends the device kinds there
+    scaled_dot = params["implementation"] is None and params["mxfp8"] and reference.use_scaled_dot(
+        _device_kinds(ctx), x.dtype, w.dtype, sf_vec_size=MX_BLOCK, l=g, m=t, n=n, k=k)
+    reference_fn = functools.partial(_proj_rope_reference, **params, scaled_dot=scaled_dot)
+    return mlir.lower_fun(reference_fn, multiple_results=True)(ctx, *args)
 
 
 def _proj_rope_via_bf16(x, w, cos, sin, x_scale, w_scale, *, w_out_in, implementation, **_):

@@ -229,7 +229,8 @@ def _quantize_rows_and_columns(y: jax.Array) -> tuple[jax.Array, jax.Array, jax.
 
 def gemm_proj_rope_reference(x: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Array, *,
                              x_scale: Optional[jax.Array] = None, w_scale: Optional[jax.Array] = None,
-                             w_out_in: bool = True) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+                             w_out_in: bool = True, scaled_dot: bool = False
+                             ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """DeepSeek-V3 MLA Q up-projection (SPEC §5): GEMM, per-head RoPE, MXFP8 E4M3 quantization both ways.
 
     x: (T, K) bfloat16, or float8_e4m3fn codes with x_scale (T, K/32) E8M0 bytes. w: (H*192, K) when w_out_in,
@@ -242,14 +243,23 @@ def gemm_proj_rope_reference(x: jax.Array, w: jax.Array, cos: jax.Array, sin: ja
     once and both quantizers read it (a barrier after the dot, or none, recomputes RoPE inside the quantizers and
     took up to 2.9x longer); both quantizations on reshaped views of Y's own layout (`_quantize_rows_and_columns`),
     never tokens moved last and back. tests/test_reference_formulation.py keeps the formulation before as the
-    oracle of record.
+    oracle of record. scaled_dot=True takes the MXFP8 GEMM from `jax.lax.scaled_dot` (see `use_scaled_dot`).
     """
+    dimension_numbers = (((1,), (1 if w_out_in else 0,)), ((), ()))
     if x.dtype == np.dtype(jnp.float8_e4m3fn):
         if x_scale is None or w_scale is None:
             raise ValueError("x_scale and w_scale are required when x and w are float8_e4m3fn codes.")
-        x = dequantize_bf16(x, x_scale, block=MX_BLOCK, axis=1)
-        w = dequantize_bf16(w, w_scale, block=MX_BLOCK, axis=1 if w_out_in else 0)
-    y = _bf16_dot(x, w, (((1,), (1 if w_out_in else 0,)), ((), ())))  # (T, H*192)
+    if scaled_dot:  # MXFP8 through XLA's block-scaled dot ("tensor-core FP8" class), RoPE and quantization as below
+        if x.dtype != np.dtype(jnp.float8_e4m3fn) or not has_scaled_dot():
+            raise ValueError(f"scaled_dot=True needs float8_e4m3fn x and w and jax.lax.scaled_dot (installed: "
+                             f"{has_scaled_dot()}); got x {x.dtype}.")
+        e8m0 = lambda s: jax.lax.bitcast_convert_type(s, formats.E8M0)
+        y = _scaled_dot((x, e8m0(x_scale)), (w, e8m0(w_scale)), dimension_numbers)
+    else:
+        if x.dtype == np.dtype(jnp.float8_e4m3fn):
+            x = dequantize_bf16(x, x_scale, block=MX_BLOCK, axis=1)
+            w = dequantize_bf16(w, w_scale, block=MX_BLOCK, axis=1 if w_out_in else 0)
+        y = _bf16_dot(x, w, dimension_numbers)  # (T, H*192)
     t, n = y.shape
     if t % MX_BLOCK:
         raise ValueError(f"x must have a multiple of {MX_BLOCK} tokens (the columnwise blocks); got T={t}.")

@@ -373,6 +373,39 @@ class ScaledDotDecisionTest(absltest.TestCase):
             oracle_ops.assert_amax_close(self, np.asarray(amax), amax_ref)
 
 
+class ProjRopeScaledDotRouteTest(parameterized.TestCase):
+    """proj_rope's MXFP8 GEMM through jax.lax.scaled_dot (what None takes on Blackwell), on the CPU: within SPEC §7 of
+    the float64 oracle, and taken exactly where the decision says so."""
+
+    @absltest.skipUnless(reference.has_scaled_dot(), _NO_SCALED_DOT)
+    @parameterized.parameters(True, False)
+    def test_route_matches_the_oracle(self, w_out_in):
+        rng = np.random.default_rng(21)
+        inp = oracle_ops.random_proj_rope_inputs(rng, t=64, h=2, k=96, mxfp8=True, w_out_in=w_out_in)
+        args = [jnp.asarray(inp[n]) for n in ("x", "w", "cos", "sin")]
+        scales = dict(x_scale=jnp.asarray(inp["x_scale"]), w_scale=jnp.asarray(inp["w_scale"]))
+        y_ref = oracle_ops.proj_rope_oracle(inp["x"], inp["w"], inp["cos"], inp["sin"], x_scale=inp["x_scale"],
+                                            w_scale=inp["w_scale"], w_out_in=w_out_in)
+        cases = (({"cpu": 0}, None, True), ({"cpu": 0}, "xla", False), ({}, None, False))
+        for table, implementation, expected in cases:
+            with _scaled_dot_table(table):
+                fn = jax.jit(lambda *a, **kw: jbg.gemm_proj_rope_mxfp8(*a, **kw, w_out_in=w_out_in,
+                                                                       implementation=implementation))
+                hlo = fn.trace(*args, **scales).lower(lowering_platforms=("cpu",)).as_text()
+                self.assertEqual("xla.scaled_dot" in hlo, expected, (table, implementation))
+                outs = [np.asarray(o) for o in fn(*args, **scales)]
+            oracle_ops.assert_proj_rope_close(self, outs, y_ref)
+
+    def test_bf16_inputs_never_take_it(self):
+        rng = np.random.default_rng(22)
+        inp = oracle_ops.random_proj_rope_inputs(rng, t=32, h=1, k=64, mxfp8=False)
+        with _scaled_dot_table({"cpu": 0}):
+            fn = jax.jit(lambda *a: jbg.gemm_proj_rope_mxfp8(*a))
+            hlo = fn.trace(*(jnp.asarray(inp[n]) for n in ("x", "w", "cos", "sin"))).lower(
+                lowering_platforms=("cpu",)).as_text()
+        self.assertNotIn("xla.scaled_dot", hlo)
+
+
 def _scaled_dot_table(table: dict):
     """arch.scaled_dot_min_size answering from `table` (device kind -> smallest L*M*N*K), e.g. {"cpu": 0}."""
     from jax_blockgemm import arch
