@@ -288,7 +288,7 @@ class Ptx:
         if len(found) != 1:
             raise AssertionError(f"expected one branch of warp {warp} holding {marker}, found {len(found)}")
         body = found[0]
-        # The role's code is contiguous: its branches stay inside it (or leave the kernel, after an if/elif chain).
+        # The role's code is contiguous: every jump stays inside it (or leaves the kernel, after an if/elif chain).
         allowed = {label for label, at in self.labels.items()
                    if body[0].index <= at <= body[-1].index + 1 or self.instructions[at].opcode in ("ret", "exit")}
         for ins in body:
