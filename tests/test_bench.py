@@ -1,6 +1,8 @@
 """The benchmark command (`python -m jax_blockgemm.bench`): end to end on the CPU, its numbers, n/a and errors."""
 
 import contextlib
+import functools
+import importlib.util
 import io
 import json
 import math
@@ -20,9 +22,10 @@ from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
 from jax_blockgemm import dispatch, formats
+from jax_blockgemm.bench import columns as bench_columns
 from jax_blockgemm.bench.cases import build_cases, time_column
 from jax_blockgemm.bench.cli import main as bench_main, parse_formats, parse_shape
-from jax_blockgemm.bench.columns import BASELINES, OPS, gemm_columns, gemm_rel_err
+from jax_blockgemm.bench.columns import BASELINES, OPS, gemm_columns, gemm_rel_err, proj_rope_columns
 from jax_blockgemm.bench.inputs import gemm_inputs, random_mxfp8, random_values
 from jax_blockgemm.bench.launch import launch_costs
 from jax_blockgemm.bench.report import format_launch
@@ -379,6 +382,96 @@ class MissingScaledDotTest(absltest.TestCase):
         self.assertEqual(_cells(block[2])[1 + column], "n/a")  # TFLOP/s
         self.assertIn("n/a lax.scaled_dot: jax", out.getvalue())
         self.assertIn("scaled_dot n/a", err.getvalue())
+
+
+class NvidiaColumnTest(parameterized.TestCase):
+    """NVIDIA's JAX entry points (nvidia-cudnn-frontend) are a column on compute capability 10.x only: absent here,
+    added when the capability reads 10.0 (mocked; NVIDIA's kernels are never run), n/a there when they do not
+    import."""
+
+    @staticmethod
+    def _keys() -> dict[str, list[str]]:
+        """The column keys of every gemm format and proj_rope input path and weight layout."""
+        keys = {fmt: [c.key for c in gemm_columns(fmt)] for fmt in ("mxfp8", "mxfp4", "nvfp4")}
+        for mxfp8 in (False, True):
+            for w_out_in in (True, False):
+                keys[f"proj_rope mxfp8={mxfp8} w_out_in={w_out_in}"] = [
+                    c.key for c in proj_rope_columns(mxfp8, w_out_in)]
+        return keys
+
+    def _on(self, capability, load=None):
+        """Pretend the bench's device has `capability`; `load` stands in for importing an entry point."""
+        self.enter_context(mock.patch.object(bench_columns, "device_capability", return_value=capability))
+        if load is not None:
+            self.enter_context(mock.patch.object(bench_columns, "_load_entry_point", side_effect=load))
+
+    def test_absent_here(self):
+        self.assertNotEqual((bench_columns.device_capability() or "").split(".")[0], "10")
+        for name, keys in self._keys().items():
+            self.assertNotIn("nvidia", keys, name)
+
+    @parameterized.parameters(None, "9.0", "8.9", "12.0")
+    def test_absent_on_other_devices(self, capability):
+        self._on(capability, load=lambda module, name: self.fail(f"imported {module} on {capability}"))
+        for name, keys in self._keys().items():
+            self.assertNotIn("nvidia", keys, name)
+
+    def test_added_on_compute_capability_10(self):
+        """On 10.0: a column for MXFP8 gemm_amax (not the FP4 formats, which NVIDIA's entry point is not documented
+        for) and proj_rope with w as (H*192, K); n/a with the reason for w as (K, H*192)."""
+        loaded = []
+        self._on("10.0", load=lambda module, name: loaded.append((module, name)) or (lambda *args: None))
+        keys = self._keys()
+        self.assertEqual(keys["mxfp8"][-1], "nvidia")
+        self.assertNotIn("nvidia", keys["mxfp4"])
+        self.assertNotIn("nvidia", keys["nvfp4"])
+        self.assertEqual(set(loaded), set(bench_columns.NVIDIA_ENTRY_POINTS.values()))
+        (gemm,) = [c for c in gemm_columns("mxfp8") if c.key == "nvidia"]
+        self.assertEqual((gemm.inputs, gemm.checked), (("a", "b", "sfa_atom", "sfb_atom"), True))
+        for mxfp8, inputs in ((False, ("x_bf16", "w_bf16", "cos", "sin")),
+                              (True, ("x", "w", "cos", "sin", "x_scale", "w_scale"))):
+            (rope,) = [c for c in proj_rope_columns(mxfp8, True) if c.key == "nvidia"]
+            self.assertEqual((rope.inputs, rope.checked), (inputs, True))
+            self.assertIsNotNone(rope.fn)
+            (other,) = [c for c in proj_rope_columns(mxfp8, False) if c.key == "nvidia"]
+            self.assertIsNone(other.fn)
+            self.assertIn("takes w as (H*192, K) only", other.missing)
+
+    def test_na_on_compute_capability_10_without_the_wheel(self):
+        def load(module, name):
+            raise ModuleNotFoundError(f"No module named {module.split('.')[0]!r}")
+
+        self._on("10.0", load=load)
+        (gemm,) = [c for c in gemm_columns("mxfp8") if c.key == "nvidia"]
+        self.assertIsNone(gemm.fn)
+        self.assertIn("gemm_amax_jax_sm100 does not import (ModuleNotFoundError: No module named 'cudnn')",
+                      gemm.missing)
+        self.assertIn("pip install 'nvidia-cudnn-frontend>=1.28'", gemm.missing)
+
+    @absltest.skipUnless(importlib.util.find_spec("cudnn") is not None, "nvidia-cudnn-frontend is not installed")
+    def test_entry_points_resolve_to_nvidia_functions(self):
+        """The module paths name NVIDIA's functions in the installed wheel (imported, never called)."""
+        self._on("10.0")
+        for op, (module, name) in bench_columns.NVIDIA_ENTRY_POINTS.items():
+            fn, why = bench_columns.nvidia_entry_point(op)
+            self.assertEqual(why, "")
+            self.assertEqual((fn.__module__, fn.__name__), (module, name))
+
+    def test_table_on_compute_capability_10(self):
+        """The whole bench on the CPU with a 10.0 capability, NVIDIA's entry point played by our function of the same
+        signature (jbg.gemm_amax_jax_sm100, the reference path): the column is timed and checked (a wrong operand or
+        result reshaping would fail the check), labelled in the table."""
+        fake = functools.partial(jbg.gemm_amax_jax_sm100, implementation="xla")
+        self._on("10.0", load=lambda module, name: fake if name == "gemm_amax_jax_sm100" else None)
+        with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
+            record = bench_main(["--op", "gemm_amax", "--shape", "64,32,64", "--reps", "1", "--warmup", "0"])
+        (case,) = record["cases"]
+        entry = case["columns"]["nvidia"]
+        self.assertIn("ms", entry)
+        self.assertLessEqual(entry["check"], 1e-6)
+        block = _table_block(out.getvalue(), "gemm_amax,")
+        self.assertEqual(_cells(block[0])[1:], [*GEMM_LABELS, bench_columns.NVIDIA_LABEL])
+        self.assertLen({len(line) for line in block}, 1)
 
 
 class ArgumentsTest(parameterized.TestCase):

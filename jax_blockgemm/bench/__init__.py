@@ -12,6 +12,11 @@ gemm_proj_rope_mxfp8 at DeepSeek-V3's K = 1536, H = 128, T in {2048, 4096}, w as
 (-> bf16; the faster of the two weight layouts) and the unfused pipeline through `jax.nn.scaled_matmul` (MXFP8 in on
 both paths: scaled_matmul -> RoPE -> rowwise and columnwise MXFP8 quantization).
 
+On a GPU of compute capability 10.x with nvidia-cudnn-frontend installed, NVIDIA's own JAX entry points for the same
+operations are one more column ("cudnn-fe sm100"): `gemm_amax_jax_sm100` (MXFP8 tables) and
+`gemm_proj_rope_mxfp8_jax_sm100` (w as (H*192, K); n/a for the other layout). Their kernels are built for sm_100
+only, so the tables elsewhere do not show the column.
+
 Method: fresh random inputs (normal values whose rows differ in magnitude, quantized by `formats.quantize_mxfp8`
 / `quantize_mxfp4` / `quantize_nvfp4`, so block scales are random and never zero; NVFP4 first divides each operand
 by its per-tensor scale amax / (6 * 448), and alpha is the product of the two), several input sets rotated so

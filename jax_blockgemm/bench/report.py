@@ -90,6 +90,12 @@ def header_lines(record: dict[str, Any]) -> list[str]:
             + "TFLOP/s counts the GEMM's 2*M*N*K; speedup = baseline ms / column ms"]
 
 
+def _labels(op: str, cases: list[dict[str, Any]]) -> dict[str, str]:
+    """The columns of one table, key -> label in table order: those its cases ran or marked n/a (NVIDIA's entry
+    points are a column only where they apply)."""
+    return {key: label for key, label in LABELS[op].items() if any(key in c["columns"] for c in cases)}
+
+
 def _cell(entry: dict[str, Any], field: str, fmt: str) -> str:
     """A table cell: the formatted number, "n/a" for a column that did not run, "-" for a number it does not have."""
     if "ms" not in entry:
@@ -101,10 +107,10 @@ def format_table(record: dict[str, Any]) -> str:
     """The aligned text table: per op, one block of rows per case (ms, TFLOP/s, check, a speedup row per baseline)."""
     lines = header_lines(record)
     for op, gemm_format, cases in _sections(record):
-        labels = LABELS[op]
+        labels = _labels(op, cases)
         rows = [[_title(op, gemm_format), "", *labels.values()]]
         for case in cases:
-            cols = [case["columns"][key] for key in labels]
+            cols = [case["columns"].get(key, {}) for key in labels]
             rows.append([case["case"], "ms", *(_cell(c, "ms", ".4g") for c in cols)])
             rows.append(["", "TFLOP/s", *(_cell(c, "tflops", ".4g") for c in cols)])
             check, fmt = CHECKS[op]
@@ -112,7 +118,7 @@ def format_table(record: dict[str, Any]) -> str:
             for base in BASELINES[op]:
                 ratios = case["ratios"][f"vs_{base}"]
                 rows.append(["", f"speedup vs {labels[base]}",
-                             *("n/a" if ratios[key] is None else f"{ratios[key]:.3g}x" for key in labels)])
+                             *("n/a" if ratios.get(key) is None else f"{ratios[key]:.3g}x" for key in labels)])
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines.append("")
         for row in rows:
@@ -166,11 +172,12 @@ def write_png(record: dict[str, Any], path: str) -> None:
     sections = _sections(record)
     fig, axes = plt.subplots(len(sections), 1, figsize=(11, 4.2 * len(sections)), squeeze=False)
     for ax, (op, fmt, cases) in zip(axes[:, 0], sections):
-        labels = LABELS[op]
+        labels = _labels(op, cases)
         width = 0.8 / len(labels)
         handles = []
         for j, (key, label) in enumerate(labels.items()):
-            timed = [(i, c["columns"][key]["tflops"]) for i, c in enumerate(cases) if "ms" in c["columns"][key]]
+            timed = [(i, c["columns"][key]["tflops"]) for i, c in enumerate(cases)
+                     if "ms" in c["columns"].get(key, {})]
             xs = [i + (j - (len(labels) - 1) / 2) * width for i, _ in timed]
             ax.bar(xs, [y for _, y in timed], width, color=f"C{j}")
             handles.append(Patch(color=f"C{j}", label=label if timed else f"{label} (n/a)"))
