@@ -163,6 +163,29 @@ class RunProblemsTest(absltest.TestCase):
         self.assertEqual(selfcheck.run_problems(_SM100, None, run_kernel=_oracle_kernel(),
                                                 run_reference=_cpu_reference), "")
 
+    def test_nvidia_kernel_is_a_second_oracle_where_it_applies(self):
+        seen = []
+
+        def nvidia(shift):
+            def run(variant, args, device):
+                seen.append(args[0].shape[0])
+                c, amax = _oracle_kernel()(variant, args, device)
+                return c + shift * np.abs(c).max(), amax
+            return run
+
+        self.assertEqual(selfcheck.run_problems(_SM100, None, run_kernel=_oracle_kernel(),
+                                                run_reference=_cpu_reference, run_second_oracle=nvidia(0.0)), "")
+        self.assertEqual(len(seen), len(selfcheck.problems(_SM100)))  # never on the capped-grid problems
+        why = selfcheck.run_problems(_SM100, None, run_kernel=_oracle_kernel(), run_reference=_cpu_reference,
+                                     run_second_oracle=nvidia(0.01))
+        self.assertRegex(why, r"^\(L, M, N, K\) = \(1, 200, 136, 96\): against NVIDIA's gemm_amax_jax_sm100: .*off")
+
+    def test_no_second_oracle_off_its_surface(self):
+        args = selfcheck._operands(_SM100, (2, 64, 64, 64), seed=0)
+        self.assertIsNone(selfcheck._run_nvidia(_SM100, args, None))  # L = 2: NVIDIA's takes L = 1 only
+        hopper = dataclasses.replace(_SM100, arch="sm_90a")
+        self.assertIsNone(selfcheck._run_nvidia(hopper, selfcheck._operands(hopper, (1, 64, 64, 64), 0), None))
+
     def test_one_wrong_element_is_caught(self):
         why = selfcheck.run_problems(_SM100, None, run_reference=_cpu_reference, run_kernel=_oracle_kernel(
             lambda c: c.__setitem__((0, 0, 0), -c[0, 0, 0])))
