@@ -3,7 +3,8 @@
 gemm_amax: block-scaled GEMM that also returns amax = max|C|. gemm_proj_rope_mxfp8: DeepSeek-V3's MLA Q
 up-projection (GEMM + per-head RoPE + MXFP8 rowwise and columnwise quantization). Both run everywhere through a
 pure-JAX reference and through CuTeDSL kernels where the GPU has one; `formats` holds the quantizers and layouts.
-For serving: `weight_only_matmul` (x in bf16 / float32 times a `QuantizedWeight` from `quantize_weight`).
+Mixture of experts: `ragged_gemm_amax` (tokens sorted by group times per-group weights) and its differentiable
+`mx_ragged_dot`, a drop-in for jax.lax.ragged_dot. For serving: `weight_only_matmul` (x in bf16 / float32 times a `QuantizedWeight` from `quantize_weight`).
 For training: `mx_dot_general` (a differentiable drop-in for jax.lax.dot_general) and `mla_q_projection`; Flax and
 Equinox layers live in `jax_blockgemm.layers` (optional extras).
 """
@@ -14,10 +15,12 @@ from jax_blockgemm.api import (
     gemm_amax_jax_sm100,
     gemm_proj_rope_mxfp8,
     gemm_proj_rope_mxfp8_jax_sm100,
+    ragged_gemm_amax,
     weight_only_matmul,
 )
 from jax_blockgemm.autodiff import RECIPES, Recipe, mx_dot_general, mx_dot_general_amax
 from jax_blockgemm.mla import MXFP8Views, mla_q_projection
+from jax_blockgemm.moe import mx_ragged_dot
 from jax_blockgemm.weight_only import QuantizedWeight, quantize_weight
 
 __all__ = [
@@ -28,6 +31,8 @@ __all__ = [
     "gemm_proj_rope_mxfp8_jax_sm100",
     "mx_dot_general",
     "mx_dot_general_amax",
+    "mx_ragged_dot",
+    "ragged_gemm_amax",
     "Recipe",
     "RECIPES",
     "MXFP8Views",

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_blockgemm import formats, primitives, support, weight_only
+from jax_blockgemm import formats, primitives, ragged, support, weight_only
 
 Implementation = Optional[Literal["cutedsl", "xla"]]
 
@@ -110,6 +110,31 @@ def gemm_proj_rope_mxfp8(x: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Ar
     outs = primitives.proj_rope_p.bind(*(o[None] for o in operands), w_out_in=bool(w_out_in), mxfp8=mxfp8,
                                        implementation=implementation)
     return tuple(o[0] for o in outs)
+
+
+def ragged_gemm_amax(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Array, group_sizes: jax.Array, *,
+                     alpha: Any = None, c_dtype: Any = jnp.float32, sf_vec_size: int = 32,
+                     implementation: Implementation = None) -> tuple[jax.Array, jax.Array]:
+    """Ragged block-scaled GEMM with fused amax (mixture of experts): C[t] = Â[t]·B̂[g]ᵀ for each row t of group g.
+
+    a: (T, K) codes of the tokens, sorted by group; b: (G, N, K) codes, one (N, K) weight per group; both K-major,
+      in the dtypes gemm_amax takes (MXFP8, MXFP4, NVFP4; FP4 as float4_e2m1fn or packed uint8).
+    sfa: (T, ceil(K/sf_vec_size)) scales, or their 128x4 atom / seed view as gemm_amax takes them (L = 1); sfb:
+      (G, N, ceil(K/sf_vec_size)), or the atom / seed view with L = G.
+    group_sizes: (G,) integers, the row count of each group, in order from row 0; zeros allowed. Concrete sizes
+      must be non-negative with sum <= T (ValueError otherwise). Traced sizes outside that get a defined meaning: a
+      negative size counts as 0 and rows past T are cut off (`ragged.group_bounds`).
+    alpha, c_dtype, sf_vec_size, implementation: as in gemm_amax (C is N-major).
+
+    Returns (c (T, N), amax): rows of no group (past sum(group_sizes)) are zero; amax is a float32 scalar, max|C| on
+    the float32 accumulator over the rows of the groups (NaN if one holds a NaN). No grouped kernel exists yet: every
+    implementation but "cutedsl" (which raises) runs the reference, which never materializes a per-group mask.
+    jit, vmap and sharding (tokens, experts, N) work as for gemm_amax (README "Mixture of experts").
+    """
+    operands, params = ragged.check_call(a, b, sfa, sfb, group_sizes, alpha=alpha, c_dtype=c_dtype,
+                                         sf_vec_size=sf_vec_size, implementation=implementation)
+    c, amax = ragged.ragged_p.bind(*operands, **params)
+    return c[0], amax[0]
 
 
 def weight_only_matmul(x: jax.Array, w: weight_only.QuantizedWeight, *, out_dtype: Any = jnp.bfloat16,

@@ -178,6 +178,14 @@ def weight_only_kernels(avals_in: Sequence[Any], *, fmt: str, out_dtype: Any, im
     return KernelChoice(reason=f"no decode kernel yet: weight-only {fmt} matmuls run the reference on every device")
 
 
+def ragged_kernels(avals_in: Sequence[Any], *, implementation: Any, **_: Any) -> KernelChoice:
+    """The kernel for a ragged_gemm_amax call (tokens sorted by group times per-group weights): none exists yet, so
+    every device runs the reference. A grouped kernel, when one is added, is chosen here."""
+    if implementation == "xla":
+        return KernelChoice(reason="implementation='xla' forces the reference")
+    return KernelChoice(reason="no ragged kernel yet: ragged_gemm_amax runs the reference on every device")
+
+
 def dequantize_variants(archs: Sequence[str], shape: Sequence[int], *, scale_axis: int,
                         paired_shape: Sequence[int] | None = None) -> tuple:
     """The dequantize kernels (one per arch in `archs`) for MXFP8 codes of `shape` with scales per 32 along

@@ -397,3 +397,105 @@ def _weight_only_rule(params: Params, mesh: Any, operand_types: Any, result_type
 def weight_only_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
     """The partitioned weight_only_matmul: call it as `(freeze_params(params), *operands)`."""
     return _make(local, _weight_only_partition, _weight_only_infer, _weight_only_propagate, _weight_only_rule)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# ragged_gemm_amax
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedPlan:
+    """Mesh axes of L, the tokens T, the groups G (experts) and the weights' rows N (K never: it is gathered)."""
+
+    l: Axes
+    t: Axes
+    g: Axes
+    n: Axes
+
+    def operand_specs(self, count: int) -> tuple[P, ...]:
+        tokens = _spec(self.l, self.t, ())
+        weights = _spec(self.l, self.g, self.n, ())
+        bounds = _spec(self.l, self.g)
+        return (tokens, weights, tokens, weights, bounds, bounds, _spec(self.l))[:count]
+
+    def result_specs(self) -> tuple[P, P]:
+        return _spec(self.l, self.t, self.n), _spec(self.l)
+
+
+def ragged_plan(params: dict, mesh: Any, shapes: Sequence[Any]) -> RaggedPlan:
+    """L from a (else b), T from a, G from b (else the group bounds), N from b (in pairs for packed FP4 C)."""
+    a, b, starts = shapes[0], shapes[1], shapes[4]
+    l_axes = _keep(mesh, _dim_axes(a.sharding, 0) or _dim_axes(b.sharding, 0), a.shape[0], 1, ())
+    t_axes = _keep(mesh, _dim_axes(a.sharding, 1), a.shape[1], 1, l_axes)
+    g_axes = _keep(mesh, _dim_axes(b.sharding, 1) or _dim_axes(starts.sharding, 1), b.shape[1], 1, l_axes + t_axes)
+    n_quantum = 2 if is_fp4(params["c_dtype"]) else 1
+    n_axes = _keep(mesh, _dim_axes(b.sharding, 2), b.shape[2], n_quantum, l_axes + t_axes + g_axes)
+    return RaggedPlan(l_axes, t_axes, g_axes, n_axes)
+
+
+def _sum_disjoint(c: jax.Array, axes: Axes) -> jax.Array:
+    """Combines per-shard C whose nonzero rows are disjoint: a sum of the bit patterns (the other shards hold zero
+    bits there), so every dtype, NaN payloads and -0 come through unchanged."""
+    if not axes:
+        return c
+    bits = jnp.dtype(f"uint{8 * c.dtype.itemsize}")
+    as_bits = c if c.dtype == bits else jax.lax.bitcast_convert_type(c, bits)
+    summed = jax.lax.psum(as_bits, axes)
+    return summed if c.dtype == bits else jax.lax.bitcast_convert_type(summed, c.dtype)
+
+
+def _ragged_partition(local: Callable, params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
+    """custom_partitioning's partition: each device multiplies its tokens by its experts' weights.
+
+    Tokens sharded: the group bounds move to the shard's first row (clipped to its rows), no communication. Experts
+    sharded: each device computes the rows of its groups (zero elsewhere) and C is combined over the expert axes
+    (`_sum_disjoint`, one all-reduce of C). amax is the NaN-safe max over every sharded axis but L.
+    """
+    p = dict(params)
+    plan = ragged_plan(p, mesh, arg_shapes)
+
+    def per_shard(a, b, sfa, sfb, starts, ends, *alpha):
+        if plan.t:
+            rows = a.shape[1]
+            first = jax.lax.axis_index(plan.t if len(plan.t) > 1 else plan.t[0]) * rows
+            starts = jnp.clip(starts - first, 0, rows).astype(starts.dtype)
+            ends = jnp.clip(ends - first, 0, rows).astype(ends.dtype)
+        c, amax = local(a, b, sfa, sfb, starts, ends, *alpha, **p)
+        return _sum_disjoint(c, plan.g), _global_amax(amax, plan.t + plan.g + plan.n)
+
+    return (mesh, per_shard, _named(mesh, plan.result_specs()),
+            _named(mesh, plan.operand_specs(len(arg_shapes))))
+
+
+def _ragged_infer(params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
+    """GSPMD: the result shardings the plan gives these operands."""
+    return _named(mesh, ragged_plan(dict(params), mesh, arg_shapes).result_specs())
+
+
+def _ragged_propagate(params: Params, mesh: Any, result_shape: Any):
+    """A user's sharding of C (L, T, N) is kept; amax follows its L."""
+    c = result_shape[0].sharding
+    return c, NamedSharding(c.mesh, _spec(_dim_axes(c, 0)))
+
+
+def _ragged_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
+    """Shardy: L, T and N pass through, G is a reduction factor (the expert-sharded combine), K is replicated."""
+    p = dict(params)
+    n = _shape(operand_types[1])[2]
+    sizes: dict = {}
+    nf = c_n = "n"
+    if is_fp4(p["c_dtype"]):  # packed C (L, T, N/2): linked to b's N through pairs where Shardy allows it
+        if _linkable(n, 2, mesh):
+            sizes["n_pair"] = 2
+            nf, c_n = "(n_half n_pair)", "n_half"
+        else:
+            c_n = "n_packed"
+    operands = ["l t kc", f"l g {nf} kc", "l t kb", f"l g {nf} kb", "l g", "l g", "l"][:len(operand_types)]
+    return (f"{', '.join(operands)} -> l t {c_n}, l",
+            dict(reduction_factors=("g",), need_replication_factors=("kc", "kb"), **sizes))
+
+
+def ragged_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
+    """The partitioned ragged_gemm_amax: call it as `(freeze_params(params), *operands)`."""
+    return _make(local, _ragged_partition, _ragged_infer, _ragged_propagate, _ragged_rule)

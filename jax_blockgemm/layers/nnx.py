@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_blockgemm import autodiff, mla, weight_only
+from jax_blockgemm import autodiff, mla, moe, weight_only
 from jax_blockgemm.api import weight_only_matmul
 
-__all__ = ["GradAmax", "MXLinear", "MLAQProjection", "QuantizedKernel", "WeightOnlyLinear"]
+__all__ = ["GradAmax", "MXExperts", "MXLinear", "MLAQProjection", "QuantizedKernel", "WeightOnlyLinear"]
 
 
 class GradAmax(nnx.Variable):
@@ -135,3 +135,28 @@ class WeightOnlyLinear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y
+
+
+class MXExperts(nnx.Module):
+    """G experts' linear maps for a mixture-of-experts layer: y[t] = x[t] · kernel[g] for the tokens t routed to g.
+
+    kernel: (num_experts, in_features, out_features), each expert initialized like nnx.Linear's kernel. Call with
+    x (T, in_features) sorted by expert and group_sizes (num_experts,); the product is `mx_ragged_dot` in `recipe`'s
+    formats (rows past sum(group_sizes) come back zero).
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, *,
+                 recipe: autodiff.Recipe | str = "mxfp8", param_dtype: Any = jnp.float32,
+                 kernel_init: Any = nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
+        if min(num_experts, in_features, out_features) < 1:
+            raise ValueError(f"MXExperts: num_experts, in_features and out_features must be at least 1; got "
+                             f"{num_experts}, {in_features}, {out_features}.")
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        self.recipe = autodiff.as_recipe(recipe)
+        init = lambda key: kernel_init(key, (in_features, out_features), param_dtype)
+        self.kernel = nnx.Param(jax.vmap(init)(jax.random.split(rngs.params(), num_experts)))
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        if jnp.ndim(x) != 2 or jnp.shape(x)[1] != self.in_features:
+            raise ValueError(f"MXExperts: x must be (T, in_features={self.in_features}); got shape {jnp.shape(x)}.")
+        return moe.mx_ragged_dot(x, self.kernel[...], group_sizes, recipe=self.recipe)

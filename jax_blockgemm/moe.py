@@ -1,0 +1,141 @@
+"""Differentiable mixture-of-experts matmul: `mx_ragged_dot`, a drop-in for `jax.lax.ragged_dot` that trains in MX.
+
+lhs (T, K) tokens sorted by expert, rhs (G, K, N) one weight per expert, group_sizes (G,). Both operands are
+block-quantized by a `Recipe` (as in `mx_dot_general`) and the product runs through `ragged_gemm_amax`. The custom VJP
+is straight-through, each operand quantized along its own contraction axis:
+
+  dgrad  dX = dY · W_gᵀ over N: a ragged GEMM of dY (T, N) against the weights read with N as the contraction
+         (rhs is already (G, K, N), N-last, so no transposed copy), through `ragged_gemm_amax`;
+  wgrad  dW_g = X_gᵀ · dY_g over the group's tokens. Blocks of 32 tokens would straddle group boundaries that are
+         not multiples of 32, so each group is zero-padded to a multiple of 32 rows first (at most 31·G extra rows);
+         every block then lies inside one group, X and dY are quantized along the tokens, and the per-group
+         contraction runs on the dequantized values (exact in bf16) with float32 accumulation. No ragged-contraction
+         primitive or kernel exists yet: this is the reference formulation on every device.
+
+A GEMM whose contraction is not a multiple of 32 (K for the forward, N for dgrad) runs in bf16 instead, as in
+mx_dot_general; wgrad's padding makes the token contraction always fit.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_blockgemm import api, autodiff, formats, ragged, reference, support
+
+__all__ = ["mx_ragged_dot"]
+
+_BLOCK_ROWS = 32  # wgrad pads each group to a multiple of this many tokens (the MX block; two NVFP4 blocks)
+
+
+def _quantize(x: jax.Array, fmt: str, axis: int) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
+    """(codes, scales, NVFP4 tensor scale or None) of x quantized along `axis`; FP4 codes unpacked (float4_e2m1fn)."""
+    if fmt == "nvfp4":
+        tensor_scale = autodiff._tensor_scale(x)
+        codes, scales = formats.quantize_nvfp4(x.astype(jnp.float32) / tensor_scale, axis=axis, packed=False)
+        return codes, scales, tensor_scale.astype(jnp.float32)
+    if fmt == "mxfp4":
+        return (*formats.quantize_mxfp4(x, axis=axis, packed=False), None)
+    return (*formats.quantize_mxfp8(x, axis=axis, dtype=formats.FORMATS[fmt].code_dtype), None)
+
+
+def _ragged_gemm(a: jax.Array, b: jax.Array, group_sizes: jax.Array, fmt: str, implementation: Any) -> jax.Array:
+    """(T, F) float32: a (T, C) times b (G, F, C) per group, contracted over C, quantized along C in `fmt`."""
+    t, c = a.shape
+    f = b.shape[1]
+    if fmt == "bf16" or c % autodiff.K_MULTIPLE:
+        starts, ends = ragged.group_bounds(group_sizes, t)
+        return ragged.grouped_rows_dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), starts, ends)
+    b = autodiff._pad_axis(b, 1, 16)  # C's rows: 16 bytes of any C dtype
+    qa, sa, ta = _quantize(a, fmt, 1)
+    qb, sb, tb = _quantize(b, fmt, 2)
+    alpha = None if ta is None else ta * tb
+    out, _ = api.ragged_gemm_amax(qa, qb, sa, sb, group_sizes, alpha=alpha, c_dtype=jnp.float32,
+                                  sf_vec_size=formats.FORMATS[fmt].block, implementation=implementation)
+    return out[:, :f]
+
+
+def _group_padded(x: jax.Array, starts: jax.Array, ends: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x's group rows with each group zero-padded to a multiple of 32: (rows (T + 31·G, rounded to 32), starts, ends
+    of the padded groups). Rows of no group are dropped."""
+    t, g = x.shape[0], starts.shape[0]
+    sizes = ends - starts
+    padded_sizes = -(-sizes // _BLOCK_ROWS) * _BLOCK_ROWS
+    p_ends = jnp.cumsum(padded_sizes)
+    p_starts = p_ends - padded_sizes
+    rows = -(-(t + (_BLOCK_ROWS - 1) * g) // _BLOCK_ROWS) * _BLOCK_ROWS
+    position = jnp.arange(rows, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(p_ends, position, side="right"), g - 1)
+    offset = position - p_starts[group]
+    valid = (offset >= 0) & (offset < sizes[group])
+    source = jnp.clip(starts[group] + offset, 0, t - 1)
+    return jnp.where(valid[:, None], x[source], 0), p_starts, p_starts + sizes
+
+
+def _dequantized_along_tokens(x: jax.Array, fmt: str) -> tuple[jax.Array, Optional[jax.Array]]:
+    """x (rows, F) quantized along the rows in `fmt`, as exact bf16 values, and its NVFP4 tensor scale or None."""
+    codes, scales, tensor_scale = _quantize(x, fmt, 0)
+    return reference.dequantize_bf16(codes, scales, block=formats.FORMATS[fmt].block, axis=0), tensor_scale
+
+
+def _wgrad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, fmt: str) -> jax.Array:
+    """dW (G, K, N) float32: per group x_gᵀ · dy_g, both quantized along the group's tokens (see the module)."""
+    starts, ends = ragged.group_bounds(group_sizes, x.shape[0])
+    if fmt == "bf16":
+        return ragged.grouped_contraction(x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16), starts, ends)
+    xp, p_starts, p_ends = _group_padded(x, starts, ends)
+    dyp, _, _ = _group_padded(dy, starts, ends)
+    xq, tx = _dequantized_along_tokens(xp, fmt)
+    dyq, td = _dequantized_along_tokens(dyp, fmt)
+    dw = ragged.grouped_contraction(xq, dyq, p_starts, p_ends)
+    return dw if tx is None else dw * (tx * td)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: np.dtype,
+                   recipe: autodiff.Recipe) -> jax.Array:
+    """out (T, N) = x (T, K) · w_g (K, N) for each group's rows, in the recipe's forward format."""
+    return _ragged_gemm(x, jnp.swapaxes(w, 1, 2), group_sizes, recipe.fwd, recipe.implementation).astype(out_dtype)
+
+
+def _ragged_matmul_fwd(x, w, group_sizes, out_dtype, recipe):
+    return _ragged_matmul(x, w, group_sizes, out_dtype, recipe), (x, w, group_sizes)
+
+
+def _ragged_matmul_bwd(out_dtype, recipe, residuals, dy):
+    x, w, group_sizes = residuals
+    dx = _ragged_gemm(dy, w, group_sizes, recipe.dgrad, recipe.implementation)
+    dw = _wgrad(x, dy, group_sizes, recipe.wgrad)
+    return dx.astype(x.dtype), dw.astype(w.dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
+
+
+_ragged_matmul.defvjp(_ragged_matmul_fwd, _ragged_matmul_bwd)
+
+
+def mx_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision: Any = None,
+                  preferred_element_type: Any = None, *, recipe: autodiff.Recipe | str = "mxfp8") -> jax.Array:
+    """Drop-in for `jax.lax.ragged_dot(lhs, rhs, group_sizes)` (lhs (T, K), rhs (G, K, N)) in block formats.
+
+    Rows of group g (group g holds group_sizes[g] consecutive rows, from row 0) are multiplied by rhs[g]; rows past
+    sum(group_sizes) come back zero. Operands are quantized by `recipe` (a Recipe or a name in RECIPES) and the
+    forward runs through `ragged_gemm_amax`; differentiable with respect to lhs and rhs (see the module docstring
+    for dgrad and wgrad). group_sizes follow ragged_gemm_amax's rules (concrete bad sizes raise). precision is
+    accepted and ignored, as in mx_dot_general; the result has dtype preferred_element_type, else the operands'.
+    """
+    recipe = autodiff.as_recipe(recipe)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    for name, x in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"mx_ragged_dot: {name} has dtype {support.dtype_name(x)}; allowed: a floating dtype.")
+    support.check_rank("lhs", lhs, (2,), "(T, K) tokens sorted by group")
+    support.check_rank("rhs", rhs, (3,), "(G, K, N): one weight per group")
+    if lhs.shape[1] != rhs.shape[1] or min(*lhs.shape, *rhs.shape) < 1:
+        raise ValueError(f"mx_ragged_dot: lhs (T, K) and rhs (G, K, N) must agree on K and be non-empty; got lhs "
+                         f"{tuple(lhs.shape)}, rhs {tuple(rhs.shape)}.")
+    group_sizes = ragged.check_group_sizes(group_sizes, groups=rhs.shape[0], tokens=lhs.shape[0])
+    out_dtype = autodiff._out_dtype(lhs, rhs, preferred_element_type)
+    return _ragged_matmul(lhs, rhs, group_sizes, out_dtype, recipe)

@@ -1,0 +1,279 @@
+"""Ragged (grouped) block-scaled GEMM with fused amax, the mixture-of-experts product: tokens sorted by group, each
+group multiplied by its own expert's weights.
+
+`ragged_gemm_amax` (api.py) validates and binds `ragged_p` (batching, and a lowering through the partitioning rules of
+`sharding.py`); `ragged_local_p` is what one device runs. The local one lowers to the pure-JAX reference on every
+platform; on CUDA it first asks `dispatch.ragged_kernels`, and no ragged kernel exists yet, so every device runs the
+reference.
+
+The reference never builds a (G, T, K) or (G, T, N) mask, which is how `jax.lax.ragged_dot` lowers on CPU (and, by
+measurement, on GPU): a dense dot over G masked copies of the tokens, G times the work and memory. Here the tokens
+are cut into tiles of `tile` rows and a loop visits each (tile, group) pair that holds rows of that group: at most
+ceil(T / tile) + G - 1 products of (tile, K) x (K, N), each written into its own rows of C. Work: T·K·N plus at most
+(G - 1)·tile·K·N multiply-adds; memory: C, the operands, and the weights dequantized to bfloat16 once (exact).
+
+Canonical operands (what the API binds): a (L, T, K) codes (packed FP4: uint8 (L, T, K/2)); b (L, G, N, K) likewise;
+sfa (L, T, KB) and sfb (L, G, N, KB) compact scales (E8M0 bytes as uint8, or float8_e4m3fn for NVFP4); starts, ends
+(L, G) int32: the rows [starts[g], ends[g]) of group g (from group_sizes, see `group_bounds`); alpha (L,) float32 when
+given. Params: k, sf_vec_size, c_dtype (np.dtype), implementation. Results: c (L, T, N) (packed FP4: (L, T, N/2)) and
+amax (L,) float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import dispatch as jax_dispatch
+from jax.extend import core as jex_core
+from jax.interpreters import batching, mlir
+
+from jax_blockgemm import formats, primitives, reference, sharding, support
+
+__all__ = ["ragged_p", "ragged_local_p", "check_call", "group_bounds", "grouped_rows_dot", "grouped_contraction",
+           "ragged_reference", "check_group_sizes", "tile_rows"]
+
+ragged_p = jex_core.Primitive("jbg_ragged_gemm_amax")
+ragged_local_p = jex_core.Primitive("jbg_ragged_gemm_amax_local")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Groups
+# --------------------------------------------------------------------------------------------------------------
+
+
+def check_group_sizes(group_sizes: Any, *, groups: int, tokens: int, name: str = "group_sizes") -> jax.Array:
+    """group_sizes as int32 (G,): shape and dtype checked; negative sizes or a sum past T raise when concrete.
+
+    Traced sizes are not checked (they are only known on the device); `group_bounds` gives them a defined meaning.
+    """
+    gs = jnp.asarray(group_sizes) if not isinstance(group_sizes, jax.core.Tracer) else group_sizes
+    if not jnp.issubdtype(gs.dtype, jnp.integer):
+        raise TypeError(f"{name} has dtype {support.dtype_name(gs)}; allowed: an integer dtype (int32).")
+    if tuple(gs.shape) != (groups,):
+        raise ValueError(f"{name} must have shape (G,) = ({groups},), one size per group of the weights; got "
+                         f"{tuple(gs.shape)}.")
+    if not isinstance(gs, jax.core.Tracer):
+        sizes = np.asarray(gs, np.int64)
+        if (sizes < 0).any():
+            raise ValueError(f"{name} must be non-negative; got {sizes.tolist()}.")
+        if sizes.sum() > tokens:
+            raise ValueError(f"{name} sums to {int(sizes.sum())}, more than the {tokens} tokens (rows) of the "
+                             "input; their sum must be at most T.")
+    return gs.astype(jnp.int32)
+
+
+def group_bounds(group_sizes: jax.Array, tokens: int) -> tuple[jax.Array, jax.Array]:
+    """(starts, ends) int32 of each group's rows, groups laid out in order from row 0.
+
+    The defined behaviour for traced sizes outside the contract: a negative size counts as 0, and rows past T are
+    cut off (the group that crosses T keeps its rows below T, the groups after it are empty).
+    """
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes, axis=-1), tokens)  # int32: T < 2**31 rows
+    starts = jnp.concatenate([jnp.zeros_like(ends[..., :1]), ends[..., :-1]], axis=-1)
+    return starts, ends
+
+
+def tile_rows(tokens: int, groups: int) -> int:
+    """Rows per tile of the reference loop: about the mean group size, a power of two in [16, 256]."""
+    mean = max(1, -(-tokens // max(groups, 1)))
+    return int(min(256, max(16, 1 << (mean - 1).bit_length())))
+
+
+def _work_items(starts: jax.Array, ends: jax.Array, tile: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The (tile, group) pairs holding rows of a group: (first tile per group, exclusive item offsets, count)."""
+    first = starts // tile
+    spans = jnp.where(ends > starts, (ends - 1) // tile - first + 1, 0)
+    item_ends = jnp.cumsum(spans)
+    return first, item_ends, item_ends[-1]
+
+
+def _item(i: jax.Array, first: jax.Array, item_ends: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Group and tile of work item i."""
+    g = jnp.searchsorted(item_ends, i, side="right").astype(jnp.int32)
+    item_start = jnp.concatenate([jnp.zeros((1,), item_ends.dtype), item_ends])[g]  # exclusive offsets
+    return g, first[g] + i - item_start
+
+
+def grouped_rows_dot(x: jax.Array, w: jax.Array, starts: jax.Array, ends: jax.Array,
+                     tile: Optional[int] = None) -> jax.Array:
+    """out[t] = x[t] · w[g]ᵀ for the rows t of group g, 0 on rows of no group: x (T, K), w (G, N, K) -> (T, N) float32.
+
+    Operands in bfloat16 (or what they are), float32 accumulation; memory O(T·N), see the module docstring.
+    """
+    t, k = x.shape
+    g_count, n, _ = w.shape
+    tile = tile or tile_rows(t, g_count)
+    padded = -(-t // tile) * tile
+    x = jnp.pad(x, ((0, padded - t), (0, 0)))
+    first, item_ends, total = _work_items(starts, ends, tile)
+    rows = jnp.arange(tile, dtype=jnp.int32)
+
+    def body(i, out):
+        g, tile_index = _item(i, first, item_ends)
+        row0 = tile_index * tile
+        prod = jax.lax.dot_general(jax.lax.dynamic_slice_in_dim(x, row0, tile), w[g], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+        mine = ((row0 + rows >= starts[g]) & (row0 + rows < ends[g]))[:, None]
+        current = jax.lax.dynamic_slice_in_dim(out, row0, tile)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, prod, current), row0, 0)
+
+    out = jax.lax.fori_loop(0, total, body, jnp.zeros((padded, n), jnp.float32))
+    return out[:t]
+
+
+def grouped_contraction(x: jax.Array, y: jax.Array, starts: jax.Array, ends: jax.Array,
+                        tile: Optional[int] = None) -> jax.Array:
+    """out[g] = x_gᵀ · y_g over the rows of group g: x (T, K), y (T, N) -> (G, K, N) float32 (0 for an empty group).
+
+    The weight gradient of a ragged product; the same tile loop as `grouped_rows_dot`, memory O(G·K·N).
+    """
+    t, k = x.shape
+    n = y.shape[1]
+    g_count = starts.shape[0]
+    tile = tile or tile_rows(t, g_count)
+    padded = -(-t // tile) * tile
+    x = jnp.pad(x, ((0, padded - t), (0, 0)))
+    y = jnp.pad(y, ((0, padded - t), (0, 0)))
+    first, item_ends, total = _work_items(starts, ends, tile)
+    rows = jnp.arange(tile, dtype=jnp.int32)
+
+    def body(i, out):
+        g, tile_index = _item(i, first, item_ends)
+        row0 = tile_index * tile
+        mine = ((row0 + rows >= starts[g]) & (row0 + rows < ends[g]))[:, None]
+        xs = jnp.where(mine, jax.lax.dynamic_slice_in_dim(x, row0, tile), 0)  # select: a NaN elsewhere stays out
+        ys = jnp.where(mine, jax.lax.dynamic_slice_in_dim(y, row0, tile), 0)
+        prod = jax.lax.dot_general(xs, ys, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return out.at[g].add(prod)
+
+    return jax.lax.fori_loop(0, total, body, jnp.zeros((g_count, k, n), jnp.float32))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Validation and the canonical form
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _compact_scales(name: str, s: jax.Array, *, l: int, mn: int, kb: int, batched: bool) -> jax.Array:
+    """Any scale form gemm_amax accepts -> compact ((L,) MN, KB), E8M0 as uint8 bytes."""
+    if s.dtype in (jnp.float8_e8m0fnu, jnp.int8):
+        s = jax.lax.bitcast_convert_type(s, jnp.uint8)
+    form = support.scale_form(name, s, l=l, mn=mn, kb=kb, batched=batched)
+    if form == "compact":
+        return s
+    atom = formats.seed_view_to_atom(s) if form == "seed" else s
+    compact = formats.from_scale_atom(atom, mn, kb)  # (L, MN, KB)
+    return compact if batched else compact[0]
+
+
+def check_call(a: Any, b: Any, sfa: Any, sfb: Any, group_sizes: Any, *, alpha: Any, c_dtype: Any, sf_vec_size: int,
+               implementation: Any) -> tuple[list, dict]:
+    """Trace-time checks of a ragged_gemm_amax call; returns (canonical operands, params)."""
+    support.check_implementation(implementation)
+    support.check_rank("a", a, (2,), "(T, K) tokens sorted by group")
+    support.check_rank("b", b, (3,), "(G, N, K): one (N, K) weight per group")
+    _, t, n, k = support.check_gemm_operands(a[None], b[:1], a_major="k", b_major="k")
+    g = b.shape[0]
+    if sfa.dtype != sfb.dtype:
+        raise TypeError(f"sfa and sfb must have the same dtype; got sfa: {support.dtype_name(sfa)}, "
+                        f"sfb: {support.dtype_name(sfb)}.")
+    support.check_gemm_config(ab_dtype=a.dtype, scale_dtype=sfa.dtype, c_dtype=c_dtype, c_major="n",
+                              acc_dtype=jnp.float32, mma_tiler_mn=(128, 128), cluster_shape_mn=(1, 1),
+                              sf_vec_size=sf_vec_size, k=k, has_alpha=alpha is not None)
+    support.check_alignment(ab_dtype=a.dtype, c_dtype=c_dtype, m=t, n=n, k=k, a_major="k", b_major="k", c_major="n")
+    kb = support.ceil_div(k, sf_vec_size)
+    sfa = _compact_scales("sfa", sfa, l=1, mn=t, kb=kb, batched=False)
+    sfb = _compact_scales("sfb", sfb, l=g, mn=n, kb=kb, batched=True)
+    gs = check_group_sizes(group_sizes, groups=g, tokens=t)
+    if a.dtype == jnp.float4_e2m1fn:
+        a, b = formats.pack_fp4(a), formats.pack_fp4(b)
+    starts, ends = group_bounds(gs, t)
+    operands = [a[None], b[None], sfa[None], sfb[None], starts[None], ends[None]]
+    if alpha is not None:
+        alpha = jnp.asarray(alpha)
+        if alpha.shape != () or alpha.dtype != jnp.float32:
+            raise ValueError(f"alpha must be a float32 scalar; got {support.dtype_name(alpha)}{tuple(alpha.shape)}.")
+        operands.append(alpha.reshape(1))
+    c_dtype = np.dtype(jnp.float4_e2m1fn) if support.is_fp4(c_dtype) else np.dtype(c_dtype)
+    return operands, dict(k=k, sf_vec_size=sf_vec_size, c_dtype=c_dtype, implementation=implementation)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The reference
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _unpacked(codes: jax.Array, k: int) -> jax.Array:
+    return formats.unpack_fp4(codes)[..., :k] if np.dtype(codes.dtype) == np.dtype(jnp.uint8) else codes
+
+
+def ragged_reference(a, b, sfa, sfb, starts, ends, *maybe_alpha, k: int, sf_vec_size: int, c_dtype: Any,
+                     **_: Any) -> tuple[jax.Array, jax.Array]:
+    """The canonical call: both operands dequantized to bfloat16 (exact in the normal range, as gemm_amax's
+    reference), `grouped_rows_dot` with float32 accumulation, alpha, then amax of the float32 accumulator (rows of no
+    group are 0; a NaN in a group's rows makes it NaN) and the conversion to c_dtype."""
+
+    def one(a, b, sfa, sfb, starts, ends, *alpha):
+        a16 = reference.dequantize_bf16(_unpacked(a, k), sfa, block=sf_vec_size, axis=1)
+        b16 = reference.dequantize_bf16(_unpacked(b, k), sfb, block=sf_vec_size, axis=2)
+        acc = grouped_rows_dot(a16, b16, starts, ends)
+        if alpha:
+            acc = acc * alpha[0]
+        return reference.convert_c(acc, c_dtype), formats.magnitude_max(acc, axis=None)
+
+    return jax.vmap(one)(a, b, sfa, sfb, starts, ends, *maybe_alpha)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Primitive rules
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _abstract_eval(a, b, *_, c_dtype, **__):
+    l, t = a.shape[:2]
+    n = b.shape[2]
+    fp4 = support.is_fp4(c_dtype)
+    c = jax.core.ShapedArray((l, t, n // 2 if fp4 else n), np.dtype(jnp.uint8) if fp4 else np.dtype(c_dtype))
+    return c, jax.core.ShapedArray((l,), np.float32)
+
+
+def _reference_lowering(ctx, *args, **params):
+    primitives._no_kernel_off_cuda(ctx, "ragged_gemm_amax", params["implementation"])
+    return mlir.lower_fun(functools.partial(ragged_reference, **params), multiple_results=True)(ctx, *args)
+
+
+def _cuda_lowering(ctx, *args, **params):
+    """The GPU hook: dispatch names the kernel for this call; today it has none, so the reference runs."""
+    from jax_blockgemm import dispatch  # lazy, as in primitives.py
+
+    choice = dispatch.ragged_kernels(ctx.avals_in, **params)
+    if choice.variants:  # where a grouped kernel's FFI emitter will plug in
+        raise NotImplementedError(f"dispatch chose ragged kernels {choice.variants}, but no lowering emits them")
+    if params["implementation"] == "cutedsl":
+        raise ValueError(f"implementation='cutedsl': no CuTeDSL kernel applies to this ragged_gemm_amax call: "
+                         f"{choice.reason}; use implementation=None or 'xla'.")
+    return _reference_lowering(ctx, *args, **params)
+
+
+def _batch(args, dims, **params):
+    """vmap folds into L (an unmapped operand, e.g. the weights under vmap over tokens, is broadcast)."""
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not primitives._NOT_MAPPED)
+    c, amax = ragged_p.bind(*primitives._fold_into_leading(args, dims, size), **params)
+    return (c.reshape(size, -1, *c.shape[1:]), amax.reshape(size, -1)), (0, 0)
+
+
+for _q in (ragged_p, ragged_local_p):
+    _q.multiple_results = True
+    _q.def_impl(functools.partial(jax_dispatch.apply_primitive, _q))
+    _q.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(ragged_local_p, _reference_lowering)
+mlir.register_lowering(ragged_local_p, _cuda_lowering, platform="cuda")
+mlir.register_lowering(ragged_p, primitives._partitioned_lowering(
+    ragged_local_p, sharding.ragged_partitioned(ragged_local_p.bind)))
+jax_dispatch.prim_requires_devices_during_lowering.add(ragged_p)
+batching.primitive_batchers[ragged_p] = _batch

@@ -1,0 +1,173 @@
+"""ragged_gemm_amax (the mixture-of-experts GEMM) against its float64 oracle: MXFP8, MXFP4 and NVFP4, random group
+sizes with empty, one-token and all-token groups, tails in N and K, every scale form, NaN per group, rows past the
+groups zero, bad group sizes (static and traced), jit / vmap, the CUDA hook, no per-group mask in the program, and
+the partitioning rules on 8 host devices (tokens, experts, N).
+"""
+
+import os
+import re
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax, when run directly
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_blockgemm as jbg
+from jax_blockgemm import dispatch, ragged
+
+import oracle
+import oracle_ops
+from oracle_ragged import random_group_sizes, random_ragged_inputs, ragged_oracle
+
+
+def _call(d, gs, **kw):
+    alpha = d["alpha"] if d["sfa"].dtype == oracle.E4M3 else None
+    return jbg.ragged_gemm_amax(d["a"], d["b"], d["sfa"], d["sfb"], gs, alpha=alpha, sf_vec_size=d["sf_vec_size"],
+                                **kw)
+
+
+def _oracle(d, gs):
+    alpha = d["alpha"] if d["sfa"].dtype == oracle.E4M3 else None
+    return ragged_oracle(d["a"], d["b"], d["sfa"], d["sfb"], gs, k=d["k"], sf_vec_size=d["sf_vec_size"], alpha=alpha)
+
+
+class RaggedTest(parameterized.TestCase):
+
+    def _check(self, d, gs, c, amax, c_dtype=jnp.float32):
+        ref, ref_amax = _oracle(d, gs)
+        oracle_ops.assert_gemm_close(self, c, ref, c_dtype=c_dtype)
+        oracle_ops.assert_amax_close(self, amax, ref_amax)
+        past = int(np.sum(gs))
+        self.assertTrue(np.all(np.asarray(c, np.float32)[past:] == 0), "rows past sum(group_sizes) must be zero")
+
+    # MXFP8 with a partial K block (48 = 32 + 16) and N = 40; MXFP4 and NVFP4 with K = 96, N = 72
+    @parameterized.parameters(("mxfp8_e4m3", 48, 40), ("mxfp8_e5m2", 64, 24), ("mxfp4", 96, 72), ("nvfp4", 96, 72))
+    def test_matches_oracle(self, fmt, k, n):
+        rng = np.random.default_rng(1)
+        d = random_ragged_inputs(rng, t=120, g=6, n=n, k=k, fmt=fmt)
+        sizes = (np.array([0, 17, 1, 0, 60, 30], np.int32),  # empty, one-token; 12 rows past the groups
+                 random_group_sizes(rng, 120, 6, fill=False),
+                 np.array([0, 0, 120, 0, 0, 0], np.int32))  # one group holds every token
+        for gs in sizes:
+            c, amax = _call(d, gs)
+            self.assertEqual((c.shape, c.dtype, amax.shape), ((120, n), jnp.float32, ()))
+            self._check(d, gs, c, amax)
+
+    def test_low_precision_c(self):
+        rng = np.random.default_rng(2)
+        d = random_ragged_inputs(rng, t=64, g=3, n=32, k=64, fmt="mxfp8_e4m3")
+        gs = np.array([20, 0, 30], np.int32)
+        c, amax = _call(d, gs, c_dtype=jnp.bfloat16)
+        self.assertEqual(c.dtype, jnp.bfloat16)
+        self._check(d, gs, c, amax, c_dtype=jnp.bfloat16)
+
+    def test_scale_forms(self):
+        """The 128x4 atom (sfa with L = 1, sfb with L = G) gives the compact form's result bit for bit."""
+        rng = np.random.default_rng(3)
+        d = random_ragged_inputs(rng, t=40, g=3, n=16, k=64, fmt="mxfp8_e4m3")
+        gs = np.array([10, 5, 20], np.int32)
+        c, amax = _call(d, gs)
+        atoms = dict(d, sfa=oracle.compact_to_atom_np(d["sfa"]), sfb=oracle.compact_to_atom_np(d["sfb"]))
+        c2, amax2 = _call(atoms, gs)
+        np.testing.assert_array_equal(np.asarray(c), np.asarray(c2))
+        self.assertEqual(float(amax), float(amax2))
+
+    def test_nan_stays_in_its_group(self):
+        rng = np.random.default_rng(4)
+        d = random_ragged_inputs(rng, t=48, g=3, n=16, k=64, fmt="mxfp8_e4m3")
+        gs = np.array([10, 12, 20], np.int32)  # rows 42.. belong to no group
+        d["sfb"] = d["sfb"].copy()
+        d["sfb"][1, 5, 0] = 0xFF  # NaN scale: column 5 of group 1's rows
+        d["sfa"] = d["sfa"].copy()
+        d["sfa"][45, 1] = 0xFF  # NaN in a row of no group: never read
+        c, amax = _call(d, gs)
+        c = np.asarray(c)
+        self.assertTrue(np.isnan(c[10:22, 5]).all())
+        self.assertEqual(int(np.isnan(c).sum()), 12)
+        self.assertTrue((c[42:] == 0).all())
+        self.assertTrue(np.isnan(float(amax)))
+        self._check(d, gs, c, amax)
+        gs_clean = np.array([10, 0, 32], np.int32)  # group 1 empty: its NaN weight is never used
+        c, amax = _call(d, gs_clean)
+        self.assertTrue(np.isfinite(np.asarray(c)).all() and np.isfinite(float(amax)))
+
+    def test_bad_group_sizes(self):
+        d = random_ragged_inputs(np.random.default_rng(5), t=32, g=3, n=16, k=32, fmt="mxfp8_e4m3")
+        for gs, pattern in (([4, -1, 3], "non-negative"), ([10, 10, 13], "sums to 33"),
+                            ([4, 4], r"shape \(G,\)"), (np.ones(3, np.float32), "integer")):
+            with self.assertRaisesRegex((ValueError, TypeError), pattern):
+                _call(d, np.asarray(gs))
+
+    def test_traced_group_sizes_clamp(self):
+        """Traced sizes outside the contract: negative counts as 0, rows past T are cut off."""
+        d = random_ragged_inputs(np.random.default_rng(6), t=32, g=4, n=16, k=32, fmt="mxfp8_e4m3")
+        c, amax = jax.jit(lambda gs: _call(d, gs))(jnp.array([5, -7, 20, 40], jnp.int32))
+        self._check(d, np.array([5, 0, 20, 7]), c, amax)
+
+    def test_jit_and_vmap(self):
+        rng = np.random.default_rng(7)
+        d = random_ragged_inputs(rng, t=32, g=3, n=16, k=64, fmt="mxfp4")
+        a2 = np.stack([d["a"], d["a"][::-1]])
+        sfa2 = np.stack([d["sfa"], d["sfa"][::-1]])
+        gs2 = np.array([[10, 0, 22], [1, 30, 0]], np.int32)
+        f = jax.jit(jax.vmap(lambda a, s, gs: jbg.ragged_gemm_amax(a, d["b"], s, d["sfb"], gs)))
+        c, amax = f(a2, sfa2, gs2)
+        for i in range(2):
+            self._check(dict(d, a=a2[i], sfa=sfa2[i]), gs2[i], c[i], amax[i])
+
+    def test_matches_jax_ragged_dot(self):
+        """Same products as jax.lax.ragged_dot on the bf16-dequantized operands (float32 accumulation)."""
+        rng = np.random.default_rng(8)
+        d = random_ragged_inputs(rng, t=64, g=4, n=32, k=64, fmt="mxfp8_e4m3")
+        gs = np.array([10, 0, 40, 14], np.int32)
+        c, _ = _call(d, gs)
+        a = jnp.asarray(oracle.dequantize_f64(d["a"], d["sfa"], block=32), jnp.bfloat16)
+        b = jnp.asarray(oracle.dequantize_f64(d["b"], d["sfb"], block=32), jnp.bfloat16)
+        ref = jax.lax.ragged_dot(a, jnp.swapaxes(b, 1, 2), jnp.asarray(gs), preferred_element_type=jnp.float32)
+        np.testing.assert_allclose(np.asarray(c), np.asarray(ref), rtol=1e-6, atol=1e-6 * float(jnp.abs(ref).max()))
+
+    def test_no_per_group_mask(self):
+        """The program holds no (G, T, K) or (G, T, N) array (jax.lax.ragged_dot's CPU lowering does)."""
+        t, g, n, k = 256, 8, 96, 128
+        d = random_ragged_inputs(np.random.default_rng(9), t=t, g=g, n=n, k=k, fmt="mxfp8_e4m3")
+        text = jax.jit(lambda gs: _call(d, gs)).lower(jnp.zeros(g, jnp.int32)).as_text()
+        for shape in (f"{g}x{t}x{k}", f"{g}x{t}x{n}"):
+            self.assertNotIn(shape, text)
+        self.assertIn("while", text)
+
+    def test_cutedsl_raises_and_dispatch(self):
+        d = random_ragged_inputs(np.random.default_rng(10), t=32, g=2, n=16, k=32, fmt="mxfp8_e4m3")
+        with self.assertRaisesRegex(ValueError, "cutedsl"):
+            _call(d, np.array([16, 16], np.int32), implementation="cutedsl")
+        self.assertIn("no ragged kernel yet", dispatch.ragged_kernels((), implementation=None).reason)
+        self.assertIn("forces the reference", dispatch.ragged_kernels((), implementation="xla").reason)
+
+
+class RaggedShardingTest(parameterized.TestCase):
+
+    @parameterized.parameters((P("t", None), P("e", None, None)),  # tokens on one axis, experts on the other
+                              (P(None, None), P("e", "t", None)))  # experts and the weights' rows N
+    def test_sharded_equals_unsharded(self, a_spec, b_spec):
+        mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("t", "e"))
+        rng = np.random.default_rng(11)
+        d = random_ragged_inputs(rng, t=64, g=8, n=32, k=64, fmt="mxfp8_e4m3")
+        gs = jnp.asarray(np.array([5, 0, 20, 1, 0, 13, 9, 3], np.int32))
+        want_c, want_amax = _call(d, gs)
+        put = lambda x, spec: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+        sfb_spec = P(*b_spec[:2], None)
+        a, sfa = put(d["a"], a_spec), put(d["sfa"], a_spec)
+        b, sfb = put(d["b"], b_spec), put(d["sfb"], sfb_spec)
+        f = jax.jit(lambda a, b, sfa, sfb, gs: jbg.ragged_gemm_amax(a, b, sfa, sfb, gs))
+        c, amax = f(a, b, sfa, sfb, gs)
+        np.testing.assert_array_equal(np.asarray(c), np.asarray(want_c))
+        self.assertEqual(float(amax), float(want_amax))
+        hlo = f.lower(a, b, sfa, sfb, gs).compile().as_text()
+        if b_spec[0] is not None:  # experts sharded: the weights are never gathered
+            self.assertNotRegex(hlo, r"all-gather[^\n]*f8e4m3fn\[8,32,64\]")
+
+
+if __name__ == "__main__":
+    absltest.main()

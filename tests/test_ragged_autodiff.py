@@ -1,0 +1,87 @@
+"""mx_ragged_dot (the differentiable mixture-of-experts matmul) and the MXExperts layer against the float64 oracle's
+straight-through rule: forward, dgrad and wgrad per recipe, group boundaries off the 32-token blocks (each group
+quantized on its own blocks), empty groups, rows past the groups, contractions off the multiple of 32 (bf16), bad
+group sizes, jit.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax, when run directly
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from flax import nnx
+
+import jax_blockgemm as jbg
+from jax_blockgemm.layers.nnx import MXExperts
+
+import oracle_ops
+from oracle_ragged import mx_ragged_dot_oracle
+
+RTOL = 1e-5  # the library and the oracle apply the same quantization; only float32 accumulation differs
+
+
+def _inputs(seed, t, g, k, n):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(t, k)).astype(np.float32), rng.normal(size=(g, k, n)).astype(np.float32),
+            rng.normal(size=(t, n)).astype(np.float32))
+
+
+class MxRaggedDotTest(parameterized.TestCase):
+
+    # group sizes off the 32-token blocks, an empty group, a one-token group, 12 rows past the groups; K = 40 makes the
+    # forward fall back to bf16 (dgrad over N = 64 stays quantized)
+    @parameterized.parameters(("nvfp4", 64, 48), ("mxfp8_hybrid", 40, 64))
+    def test_against_oracle(self, recipe, k, n):
+        x, w, dy = _inputs(0, 100, 5, k, n)
+        gs = np.array([0, 37, 1, 0, 50], np.int32)
+        r = jbg.RECIPES[recipe]
+        out, vjp = jax.vjp(jax.jit(lambda x, w: jbg.mx_ragged_dot(x, w, jnp.asarray(gs), recipe=r)), x, w)
+        dx, dw = vjp(jnp.asarray(dy))
+        ref = mx_ragged_dot_oracle(x, w, gs, dy, fwd=r.fwd, dgrad=r.dgrad, wgrad=r.wgrad)
+        oracle_ops.assert_rel_close(self, "out", out, ref["out"], RTOL)
+        oracle_ops.assert_rel_close(self, "dx", dx, ref["dx"], RTOL)
+        oracle_ops.assert_rel_close(self, "dw", dw, ref["dw"], RTOL)
+        self.assertTrue((np.asarray(out)[88:] == 0).all() and (np.asarray(dx)[88:] == 0).all())
+        self.assertTrue((np.asarray(dw)[[0, 3]] == 0).all(), "empty groups get a zero weight gradient")
+
+    def test_wgrad_blocks_follow_groups(self):
+        """A spike in group 0 must not set the block scale of group 1's tokens (one shared 32-token block would)."""
+        x, w, dy = _inputs(1, 32, 2, 32, 32)
+        x[3] *= 1e4
+        gs = np.array([5, 27], np.int32)
+        dw = jax.jit(jax.grad(lambda w: jnp.vdot(jbg.mx_ragged_dot(x, w, gs), dy)))(w)
+        ref = mx_ragged_dot_oracle(x, w, gs, dy, fwd="mxfp8_e4m3", dgrad="mxfp8_e4m3", wgrad="mxfp8_e4m3")
+        oracle_ops.assert_rel_close(self, "dw[1]", dw[1], ref["dw"][1], RTOL)
+        exact = x[5:].astype(np.float64).T @ dy[5:]
+        self.assertLess(np.linalg.norm(dw[1] - exact) / np.linalg.norm(exact), 0.05)
+
+    def test_traced_group_sizes_and_errors(self):
+        x, w, _ = _inputs(2, 32, 3, 32, 32)
+        out = jax.jit(jbg.mx_ragged_dot)(x, w, jnp.array([10, 30, 5], jnp.int32))  # cut off at T
+        ref = mx_ragged_dot_oracle(x, w, np.array([10, 22, 0]), np.zeros((32, 32)), fwd="mxfp8_e4m3",
+                                   dgrad="mxfp8_e4m3", wgrad="mxfp8_e4m3")
+        oracle_ops.assert_rel_close(self, "out", out, ref["out"], RTOL)
+        with self.assertRaisesRegex(ValueError, "sums to 45"):
+            jbg.mx_ragged_dot(x, w, np.array([10, 30, 5], np.int32))
+        with self.assertRaisesRegex(ValueError, "agree on K"):
+            jbg.mx_ragged_dot(x, w[:, :16], np.array([1, 1, 1], np.int32))
+
+    def test_experts_layer(self):
+        layer = MXExperts(4, 32, 16, rngs=nnx.Rngs(0))
+        self.assertEqual(layer.kernel[...].shape, (4, 32, 16))
+        x = jnp.asarray(np.random.default_rng(3).normal(size=(40, 32)), jnp.float32)
+        gs = jnp.array([10, 0, 25, 5], jnp.int32)
+        loss, grads = nnx.jit(nnx.value_and_grad(lambda m: jnp.sum(m(x, gs))))(layer)
+        ref = mx_ragged_dot_oracle(x, layer.kernel[...], gs, np.ones((40, 16)), fwd="mxfp8_e4m3", dgrad="mxfp8_e4m3",
+                                   wgrad="mxfp8_e4m3")
+        self.assertAlmostEqual(float(loss), float(ref["out"].sum()), delta=1e-4 * np.abs(ref["out"]).sum())
+        oracle_ops.assert_rel_close(self, "d kernel", grads.kernel[...], ref["dw"], RTOL)
+        self.assertEqual(grads.kernel[...].shape, (4, 32, 16))
+        self.assertTrue((np.asarray(grads.kernel[...])[1] == 0).all())
+
+
+if __name__ == "__main__":
+    absltest.main()
