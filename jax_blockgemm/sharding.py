@@ -11,9 +11,14 @@ gemm_amax, canonical operands a (L, M, K) / (L, K, M), b (L, N, K) / (L, K, N), 
     cleanly only on 128-row atom boundaries: M (N) stays sharded when each shard holds a multiple of 128 rows and
     is gathered otherwise. C follows the operands (c_major="m" and MN-major operands included); amax (L,) is
     sharded like L and is the NaN-safe max over the M and N shards (one all-reduce of L floats).
-  * K is gathered. A local GEMM + psum would all-reduce the fp32 C (4·M·N bytes) instead of gathering the FP8/FP4
-    operands ((M+N)·K bytes or less), lose the fused amax (it must be taken on the reduced C) and C's conversion,
-    and change the summation order; gathering keeps results bitwise equal to the unsharded call.
+  * K shards natively on mesh axes that L, M and N leave free when every shard holds whole K scale atoms (a
+    multiple of 4·sf_vec_size elements) and C is a float dtype: each device multiplies its K slice into a float32
+    partial C, the partials are summed over the K shards (one all-reduce of the fp32 C), then amax is taken on the
+    sum and C converted. This is what training needs: wgrad contracts over the data-sharded tokens and a
+    row-parallel layer over its tensor-parallel features, and gathering there would make every device compute the
+    whole product. The sum's order differs from the unsharded call (float32 sums, SPEC §7's class, not bitwise).
+    Any other K split is gathered (bitwise equal to the unsharded call), as is K when its axes are taken (FSDP's
+    weight gather: the weight's K is sharded on the axis that also shards the activations' rows).
 gemm_proj_rope_mxfp8, canonical operands x (G, T, K), w (G, N, K) / (G, K, N), cos/sin (G, T, 64), scales like
 their codes:
   * G, tokens T (each shard a multiple of 32 tokens: the columnwise blocks) and heads (N on 192-feature
@@ -51,6 +56,7 @@ from jax_blockgemm import formats
 from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, is_fp4
 
 ATOM_ROWS = 128  # rows of one 128x4 scale atom: the finest split of M (N) that keeps a shard's scales whole
+ATOM_SCALES = 4  # scale columns of one atom: K splits in multiples of 4 blocks
 
 Axes = tuple[str, ...]
 Params = tuple[tuple[str, Any], ...]  # the primitive's params, frozen so that custom_partitioning can hold them
@@ -142,16 +148,17 @@ def _make(local: Callable[..., Sequence[jax.Array]], partition, infer, propagate
 
 @dataclasses.dataclass(frozen=True)
 class GemmPlan:
-    """Mesh axes each logical dimension of one gemm_amax call runs sharded on (K never: it is gathered)."""
+    """Mesh axes each logical dimension of one gemm_amax call runs sharded on (K: partial sums reduced over k)."""
 
     l: Axes
     m: Axes
     n: Axes
+    k: Axes = ()
 
     def operand_specs(self, params: dict, count: int) -> tuple[P, ...]:
-        a = _spec(self.l, self.m, ()) if params["a_major"] == "k" else _spec(self.l, (), self.m)
-        b = _spec(self.l, self.n, ()) if params["b_major"] == "k" else _spec(self.l, (), self.n)
-        specs = (a, b, _spec(self.l, self.m), _spec(self.l, self.n), _spec(self.l))
+        a = _spec(self.l, self.m, self.k) if params["a_major"] == "k" else _spec(self.l, self.k, self.m)
+        b = _spec(self.l, self.n, self.k) if params["b_major"] == "k" else _spec(self.l, self.k, self.n)
+        specs = (a, b, _spec(self.l, self.m, self.k), _spec(self.l, self.n, self.k), _spec(self.l))
         return specs[:count]
 
     def result_specs(self, params: dict) -> tuple[P, P]:
@@ -159,8 +166,19 @@ class GemmPlan:
         return c, _spec(self.l)
 
 
+def k_atom(params: dict) -> int:
+    """K elements one scale atom column covers (4 scales of sf_vec_size): the finest K split that keeps atoms whole."""
+    return ATOM_SCALES * params["sf_vec_size"]
+
+
+def _k_splittable(params: dict) -> bool:
+    """Whether partial products over K can be summed: a float C (packed FP4 C is quantized per block of N)."""
+    return not is_fp4(params["c_dtype"])
+
+
 def gemm_plan(params: dict, mesh: Any, shapes: Sequence[Any]) -> GemmPlan:
-    """Which of a's and b's shardings the op keeps: L from a (else b), M from a, N from b, on whole scale atoms."""
+    """Which of a's and b's shardings the op keeps: L from a (else b), M from a, N from b, on whole scale atoms;
+    then K from a (else b) on the axes left, in whole K atoms."""
     a, b = shapes[0], shapes[1]
     m_dim = 1 if params["a_major"] == "k" else 2
     n_dim = 1 if params["b_major"] == "k" else 2
@@ -168,7 +186,11 @@ def gemm_plan(params: dict, mesh: Any, shapes: Sequence[Any]) -> GemmPlan:
     l_axes = _keep(mesh, l_axes, a.shape[0], 1, ())
     m_axes = _keep(mesh, _dim_axes(a.sharding, m_dim), a.shape[m_dim], ATOM_ROWS, l_axes)
     n_axes = _keep(mesh, _dim_axes(b.sharding, n_dim), b.shape[n_dim], ATOM_ROWS, l_axes + m_axes)
-    return GemmPlan(l_axes, m_axes, n_axes)
+    k_axes: Axes = ()
+    if _k_splittable(params):
+        k_axes = _dim_axes(a.sharding, 3 - m_dim) or _dim_axes(b.sharding, 3 - n_dim)
+        k_axes = _keep(mesh, k_axes, params["k"], k_atom(params), l_axes + m_axes + n_axes)
+    return GemmPlan(l_axes, m_axes, n_axes, k_axes)
 
 
 def _named(mesh: Any, specs: Sequence[P]) -> tuple[NamedSharding, ...]:
@@ -183,8 +205,15 @@ def _gemm_partition(local: Callable, params: Params, mesh: Any, arg_shapes: Any,
     reduce_axes = plan.m + plan.n
 
     def per_shard(*operands):
-        c, amax = local(*operands, **p)
-        return c, _global_amax(amax, reduce_axes)
+        if not plan.k:
+            c, amax = local(*operands, **p)
+            return c, _global_amax(amax, reduce_axes)
+        # this shard's K slice into a float32 partial C, summed over the K shards; amax and C's dtype after the sum
+        local_k = p["k"] // _shard_count(mesh, plan.k)
+        partial, _ = local(*operands, **{**p, "k": local_k, "c_dtype": jnp.dtype(jnp.float32)})
+        c = jax.lax.psum(partial, plan.k)
+        amax = formats.magnitude_max(c.reshape(c.shape[0], -1), axis=1) if c.size else jnp.zeros(c.shape[:1])
+        return c.astype(p["c_dtype"]), _global_amax(amax, reduce_axes)
 
     return (mesh, per_shard, _named(mesh, plan.result_specs(p)),
             _named(mesh, plan.operand_specs(p, len(arg_shapes))))
@@ -203,8 +232,8 @@ def _gemm_propagate(params: Params, mesh: Any, result_shape: Any):
 
 
 def _gemm_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
-    """Shardy: L passes through; M (N) is linked to the scale atoms' M' (N') when it fills whole atoms; K is
-    replicated (gathered, see the module docstring)."""
+    """Shardy: L passes through; M (N) is linked to the scale atoms' M' (N') when it fills whole atoms; K is a
+    reduction factor linked to the atoms' K' when it fills whole K atoms (and C is a float), else replicated."""
     p = dict(params)
     a, b = _shape(operand_types[0]), _shape(operand_types[1])
     m = a[1] if p["a_major"] == "k" else a[2]
@@ -222,14 +251,19 @@ def _gemm_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any)
             nf, c_n = "(n_half n_pair)", "n_half"
         else:
             c_n = "n_packed"
-    a_rule = f"l {mf} k" if p["a_major"] == "k" else f"l k {mf}"
-    b_rule = f"l {nf} k" if p["b_major"] == "k" else f"l k {nf}"
+    kf, special = "k", dict(need_replication_factors=("k", "kt"))
+    k_codes = _shape(operand_types[0])[2 if p["a_major"] == "k" else 1]  # K, or K/2 for packed FP4 codes
+    if _k_splittable(p) and _linkable(p["k"], k_atom(p), mesh):
+        sizes["ki"] = k_atom(p) * k_codes // p["k"]  # the codes of one K atom column
+        kf, special = "(kt ki)", dict(reduction_factors=("kt",), need_replication_factors=("ki",))
+    a_rule = f"l {mf} {kf}" if p["a_major"] == "k" else f"l {kf} {mf}"
+    b_rule = f"l {nf} {kf}" if p["b_major"] == "k" else f"l {kf} {nf}"
     sfa = f"l {_coarse('m', m_linked)} kt s0 s1 s2"
     sfb = f"l {_coarse('n', n_linked)} kt s0 s1 s2"
     operands = [a_rule, b_rule, sfa, sfb, "l"][:len(operand_types)]
     c_rule = f"l {mf} {c_n}" if p["c_major"] == "n" else f"l {c_n} {mf}"
     rule = f"{', '.join(operands)} -> {c_rule}, l"
-    return rule, dict(need_replication_factors=("k", "kt"), **sizes)
+    return rule, dict(**special, **sizes)
 
 
 def gemm_amax_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
