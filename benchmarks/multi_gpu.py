@@ -4,8 +4,8 @@ Usage (two or more GPUs, a few minutes):   python benchmarks/multi_gpu.py --out 
 On CPU (8 host devices, small sizes, the reference):   python benchmarks/multi_gpu.py --cpu --out multi_gpu.json
 
 1. Checks on every visible device (MXFP8 E4M3 -> float32 C, implementation="cutedsl" on GPU, "xla" with --cpu):
-   for L, M and N sharded and for the two shardings the rules gather on purpose (K, and M off the 128-row scale
-   atoms), under jax.jit and jax.vmap: C and amax equal the unsharded call bit for bit and the float64 oracle
+   for L, M and N sharded and for the two shardings the rules gather on purpose (K and M off the scale atoms),
+   under jax.jit and jax.vmap: C and amax equal the unsharded call bit for bit and the float64 oracle
    (SPEC §7), the compiled program all-gathers exactly where the rules say, runs the kernel (GPU), and returns C
    sharded like the operands. Then one program that uses all devices at once, each on its own batch entry: each
    device's shard is checked against the oracle on its own. Last, gemm_proj_rope_mxfp8 with tokens and with heads
@@ -13,12 +13,16 @@ On CPU (8 host devices, small sizes, the reference):   python benchmarks/multi_g
 2. Timing (median of --reps calls, block_until_ready, after warm-up): M = N = K = --size (8192 on GPU) with A's
    rows sharded over all devices, beside the unsharded call on one device, the reference sharded the same way and
    a hand-written shard_map around the kernel.
-Prints a table; writes everything as JSON to --out. Exits non-zero when a check fails.
+3. The training step of jax_blockgemm/examples/sharded_step.py (FSDP + tensor parallelism, MXFP8 layers and the
+   bf16 nnx.Linear twin) on one device and on a (fsdp, tp) mesh of all of them, weak scaling: the global batch
+   grows with the device count, so equal step times are 100% efficiency. --step-mesh picks the mesh.
+Prints tables; writes everything as JSON to --out. Exits non-zero when a check fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -33,6 +37,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--cpu", action="store_true", help="8 host CPU devices, small sizes, the reference")
     parser.add_argument("--size", type=int, default=None, help="M = N = K of the timed GEMM (8192; 1024 with --cpu)")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per measurement (median reported)")
+    parser.add_argument("--step-mesh", default=None, help="FSDPxTP of the training step's mesh (default: all "
+                        "devices, tp = 4 from 8 devices, 2 from 4, else 1)")
+    parser.add_argument("--no-step", action="store_true", help="skip the training step (part 3)")
     return parser.parse_args()
 
 
@@ -120,7 +127,8 @@ def correctness(mesh, impl: str) -> list[dict]:
             ("batch L", (nd, 256, 200, 160), (P(AXIS),) * 4, False, P(AXIS)),
             ("rows M (odd N)", (1, 256 * nd, 200, 96), (rows, P(), rows, P()), False, rows),
             ("columns N (odd M)", (2, 136, 128 * nd, 256), (P(), rows, P(), rows), False, P(None, None, AXIS)),
-            ("K: gathered", (1, 256, 256, 128 * nd), (P(None, None, AXIS),) * 2 + (P(), P()), True, None),
+            ("K off the scale atoms: gathered", (1, 256, 256, 64 * nd), (P(None, None, AXIS),) * 2 + (P(), P()),
+             True, None),
             ("M off the 128-row atoms: gathered", (1, 64 * nd, 128, 64), (rows, P(), P(), P()), True, None)):
         args, oracle = _problem(rng, l, m, n, k)
         cases.append(_check_case(name, fn, args, specs, oracle, mesh=mesh, impl=impl, gathers=gathers,
@@ -234,6 +242,50 @@ def timing(mesh, impl: str, size: int, reps: int) -> dict:
     return result
 
 
+def _step_mesh_shape(devices: int, spec: str | None) -> tuple[int, int]:
+    """(fsdp, tp) of the step's mesh: --step-mesh, else all devices with tp 4 (8+ devices), 2 (4+) or 1."""
+    if spec:
+        fsdp, tp = (int(v) for v in spec.lower().split("x"))
+        return fsdp, tp
+    tp = 4 if devices >= 8 else 2 if devices >= 4 else 1
+    return devices // tp, tp
+
+
+def training_step(devices: list, *, cpu: bool, reps: int, mesh_spec: str | None) -> dict:
+    """Step time of the sharded training step (MXFP8 and bf16) on one device and on the (fsdp, tp) mesh, per-device
+    work held constant (weak scaling): efficiency = one-device time / mesh time."""
+    from jax_blockgemm.examples import sharded_step as ss
+
+    fsdp, tp = _step_mesh_shape(len(devices), mesh_spec)
+    per_device = dataclasses.replace(ss.SMALL, batch=4) if cpu else ss.BlockConfig(batch=2, seq=2048)
+    result = {"mesh": {"fsdp": fsdp, "tp": tp}, "per_device_config": dataclasses.asdict(per_device), "reps": reps,
+              "runs": {}}
+    for layers in ("mxfp8", "bf16"):
+        for shape in ((1, 1), (fsdp, tp)):
+            name = f"{layers} {shape[0]}x{shape[1]}"
+            try:
+                config = dataclasses.replace(per_device, batch=per_device.batch * shape[0] * shape[1])
+                mesh = ss.make_mesh(*shape, devices=devices)
+                built = ss.build_train_step(config, mx=layers == "mxfp8", mesh=mesh)
+                x, target = (built.put(a) for a in ss.make_batch(config, 0))
+                compiled = built.step.lower(built.state, x, target).compile()
+                state, loss = compiled(built.state, x, target)  # warm-up, and the state the timed steps start from
+                run = lambda state: compiled(state, x, target)[1]
+                ms = median_ms(run, [(state,)], warmup=1, reps=reps)
+                result["runs"][name] = {"ms": ms, "devices": shape[0] * shape[1], "tokens": config.batch * config.seq,
+                                        "loss": float(loss), "all_gathers": _gathers(compiled.as_text())}
+            except Exception as e:
+                result["runs"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    for layers in ("mxfp8", "bf16"):
+        one, many = result["runs"][f"{layers} 1x1"], result["runs"][f"{layers} {fsdp}x{tp}"]
+        if "ms" in one and "ms" in many:
+            many["weak_scaling_efficiency"] = one["ms"] / many["ms"]
+    mx, bf = result["runs"][f"mxfp8 {fsdp}x{tp}"], result["runs"][f"bf16 {fsdp}x{tp}"]
+    if "ms" in mx and "ms" in bf:
+        result["mxfp8_speedup_over_bf16"] = bf["ms"] / mx["ms"]
+    return result
+
+
 def main() -> int:
     args = ARGS or _parse()
     devices = jax.devices()
@@ -252,6 +304,8 @@ def main() -> int:
               "implementation": impl, "partitioner": "shardy" if jax.config.jax_use_shardy_partitioner else "gspmd"}
     record["checks"] = correctness(mesh, impl)
     record["timing"] = timing(mesh, impl, size, args.reps)
+    if not args.no_step:
+        record["training_step"] = training_step(devices, cpu=args.cpu, reps=args.reps, mesh_spec=args.step_mesh)
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(record, indent=1))
 
@@ -272,6 +326,19 @@ def main() -> int:
                       f"{row['all_gathers']:13}{str(row['kernel']):>8}{str(row['same_result_as_one_device']):>8}")
             else:
                 print(f"{name:40}  {row['error']}")
+    if "training_step" in record:
+        ts = record["training_step"]
+        print(f"\ntraining step (sharded_step.py), weak scaling, median of {ts['reps']}:")
+        print(f"{'run':20}{'devices':>8}{'tokens':>8}{'ms':>10}{'efficiency':>12}{'all-gathers':>13}")
+        for name, row in ts["runs"].items():
+            if "ms" in row:
+                eff = row.get("weak_scaling_efficiency")
+                print(f"{name:20}{row['devices']:8}{row['tokens']:8}{row['ms']:10.3f}"
+                      f"{'' if eff is None else f'{eff:.0%}':>12}{row['all_gathers']:13}")
+            else:
+                print(f"{name:20}  {row['error']}")
+        if "mxfp8_speedup_over_bf16" in ts:
+            print(f"on the mesh, bf16 step time / MXFP8 step time: {ts['mxfp8_speedup_over_bf16']:.2f}")
     failed = [c["name"] for c in record["checks"] if not c["passed"]]
     print(f"\nwrote {args.out}; {len(record['checks']) - len(failed)} of {len(record['checks'])} checks passed")
     return 1 if failed else 0
