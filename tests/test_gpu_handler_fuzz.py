@@ -116,7 +116,7 @@ def _gemm_amax_well_formed(obj: bytes, prefix: str) -> Call:
     operands, results = gemm_amax_buffers(2, 200, 136, 96)
     return Call(operands, results, dict(archs=DEVICE_ARCH, function_prefixes=prefix, objects=obj,
                                         offsets=(0, len(obj)), ab_dtype=E4M3, c_dtype=F32, sf_dtype=E8M0,
-                                        sf_vec_size=32, a_major="k", b_major="k"))
+                                        sf_vec_size=32, a_major="k", b_major="k", cluster_ctas=(0,)))
 
 
 def _gemm_amax_cases(good: Call) -> list[Case]:
@@ -298,7 +298,7 @@ def _fp4_object(c_dtype: str, sf_vec_size: int, sf_dtype: str) -> tuple[bytes, s
 
 def _fp4_attrs(obj: bytes, prefix: str, **dtypes: Any) -> dict:
     return dict(archs=DEVICE_ARCH, function_prefixes=prefix, objects=obj, offsets=(0, len(obj)), ab_dtype=E2M1,
-                a_major="k", b_major="k", **dtypes)
+                a_major="k", b_major="k", cluster_ctas=(0,), **dtypes)
 
 
 def _nvfp4_well_formed(obj: bytes, prefix: str) -> Call:
@@ -392,7 +392,7 @@ def _mn_well_formed(obj: bytes, prefix: str) -> Call:
                 Buffer(U8, (l, _cdiv(n, 128), kp, 32, 4, 4)))
     return Call(operands, (Buffer(F32, (l, m, n)), Buffer(F32, (l,))),
                 dict(archs=DEVICE_ARCH, function_prefixes=prefix, objects=obj, offsets=(0, len(obj)), ab_dtype=E4M3,
-                     c_dtype=F32, sf_dtype=E8M0, sf_vec_size=32, a_major="m", b_major="n"))
+                     c_dtype=F32, sf_dtype=E8M0, sf_vec_size=32, a_major="m", b_major="n", cluster_ctas=(0,)))
 
 
 def _mn_cases(good: Call) -> list[Case]:
@@ -601,7 +601,7 @@ def _target_cases() -> list[tuple[str, Target, Case]]:
 def _ffi_call(target: Target, call: Call, *, device: Any) -> Any:
     """Runs `call` through raw jax.ffi.ffi_call on `device`, bypassing every Python check; returns the results."""
     attrs = {k: (np.frombuffer(bytes(v), np.uint8) if k == "objects" else
-                 np.asarray(v, np.int64) if k == "offsets" else v) for k, v in call.attrs.items()}
+                 np.asarray(v, np.int64) if k in ("offsets", "cluster_ctas") else v) for k, v in call.attrs.items()}
     operands = [jax.device_put(jnp.zeros(b.shape, b.dtype), device) for b in call.operands]
     results = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in call.results]
     fn = jax.jit(lambda *xs: jax.ffi.ffi_call(target.name, results)(*xs, **attrs))
