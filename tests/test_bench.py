@@ -18,6 +18,7 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
@@ -74,6 +75,7 @@ def _has_kernel_gpu() -> bool:
 
 
 class _BenchRun(absltest.TestCase):
+    pytestmark = pytest.mark.end_to_end
     """`python -m jax_blockgemm.bench --small ARGS` run once per class in a fresh process, as a user runs it; its
     JSON record in `record`, its PNG (when PNG is set) at `png_path`. Every test needs the run to have succeeded."""
 
@@ -653,6 +655,7 @@ class TimingTest(absltest.TestCase):
         self.assertGreater(float(jnp.mean(codes.astype(jnp.float32) != 0)), 0.9)
 
 
+@pytest.mark.end_to_end
 class LaunchCostsTest(absltest.TestCase):
 
     def test_launch_costs(self):

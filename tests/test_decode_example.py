@@ -9,6 +9,7 @@ import io
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 
 from jax_blockgemm.examples import decode
@@ -16,6 +17,7 @@ from jax_blockgemm.examples import decode
 
 class DecodeExampleTest(absltest.TestCase):
 
+    @pytest.mark.end_to_end
     def test_small_runs_and_prints_a_row_per_format_and_batch(self):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -35,6 +37,7 @@ class DecodeExampleTest(absltest.TestCase):
         self.assertEqual(mxfp4, bf16 // 4 + bf16 // 64)
         self.assertIn("No decode kernel exists yet", text)
 
+    @pytest.mark.end_to_end
     def test_quantized_weights_decode_like_their_bf16_values(self):
         """MXFP8 and MXFP4 weights are exact in bf16, and the reference multiplies as the bf16 dot does: the
         weight-only model and the bf16 model of its dequantized weights choose the same tokens."""

@@ -15,6 +15,7 @@ import threading
 import time
 from unittest import mock
 
+import pytest
 from absl.testing import absltest
 
 from jax_blockgemm import kernel_cache, precompile
@@ -328,6 +329,7 @@ class PrecompileTest(absltest.TestCase):
         with self.assertRaisesRegex(SystemExit, r"--variant \['a100'\]"):
             precompile.select(variants, ["sm_90a"], ["a100"])
 
+    @pytest.mark.end_to_end
     def test_compiles_once_then_finds(self):
         try:
             from jax_blockgemm.kernels import catalog
@@ -345,6 +347,7 @@ class PrecompileTest(absltest.TestCase):
         entry = next(pathlib.Path(directory).glob(key + "-*.obj"))
         self.assertEqual(kernel_cache.decode_entry(entry.read_bytes())[:4], b"\x7fELF")
 
+    @pytest.mark.end_to_end
     def test_two_processes_fill_the_same_empty_cache(self):
         """Two processes compile the same real kernel into one empty directory at once: both succeed, and the
         directory ends with one valid entry (an object the handler would load) and no temporary files."""

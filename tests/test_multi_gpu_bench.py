@@ -8,11 +8,13 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
 from absl.testing import absltest
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "multi_gpu.py"
 
 
+@pytest.mark.end_to_end
 class MultiGpuBenchCpuTest(absltest.TestCase):
 
     def test_cpu_mode(self):

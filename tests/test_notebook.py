@@ -8,6 +8,7 @@ import tempfile
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 import numpy as np
+import pytest
 from absl.testing import absltest
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
@@ -32,6 +33,7 @@ def run_notebook(name: str) -> dict:
     return scope
 
 
+@pytest.mark.end_to_end
 class NotebookTest(absltest.TestCase):
 
     def test_quickstart_runs(self):

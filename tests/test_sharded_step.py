@@ -13,6 +13,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -51,26 +52,20 @@ def our_gathers(hlo: str) -> list[tuple[tuple[int, ...], int, str]]:
     return found
 
 
-class ShardedStepTest(absltest.TestCase):
+def _needs_eight_devices() -> None:
+    if len(jax.devices()) < FSDP_SIZE * TP_SIZE:
+        raise absltest.SkipTest("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+
+
+class ShardedStepHloTest(absltest.TestCase):
+    """The compiled program of the sharded MXFP8 step (compiled once, not run)."""
 
     @classmethod
     def setUpClass(cls):
-        if len(jax.devices()) < FSDP_SIZE * TP_SIZE:
-            raise absltest.SkipTest("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-        cls.sharded = ss.build_train_step(CONFIG, mx=True, fsdp=FSDP_SIZE, tp=TP_SIZE)
-        cls.single = ss.build_train_step(CONFIG, mx=True, fsdp=1, tp=1)
-        batches = [ss.make_batch(CONFIG, i) for i in range(STEPS)]
-        cls.losses = {}
-        for name, built in (("sharded", cls.sharded), ("single", cls.single)):
-            x0, t0 = built.put(batches[0][0]), built.put(batches[0][1])
-            compiled = built.step.lower(built.state, x0, t0).compile()  # one compile per configuration
-            if name == "sharded":
-                cls.hlo = compiled.as_text()
-            state, losses = built.state, []
-            for x, target in batches:
-                state, loss = compiled(state, built.put(x), built.put(target))
-                losses.append(float(loss))
-            cls.losses[name] = np.array(losses)
+        _needs_eight_devices()
+        built = ss.build_train_step(CONFIG, mx=True, fsdp=FSDP_SIZE, tp=TP_SIZE)
+        x0, t0 = (built.put(v) for v in ss.make_batch(CONFIG, 0))
+        cls.hlo = built.step.lower(built.state, x0, t0).compile().as_text()
 
     def test_only_fsdp_weight_gathers(self):
         """Every gather of an operand of ours runs over the fsdp axis (2 devices) and holds a weight: no
@@ -94,6 +89,25 @@ class ShardedStepTest(absltest.TestCase):
         self.assertNotEmpty(shapes, "no per-head proj_rope array found")
         local = (str(CONFIG.batch * CONFIG.seq // FSDP_SIZE), str(CONFIG.heads // TP_SIZE))
         self.assertEqual(shapes, {local})
+
+@pytest.mark.end_to_end
+class ShardedStepLossTest(absltest.TestCase):
+    """The sharded step trained for a few steps beside the one-device step (two compiles and runs)."""
+
+    @classmethod
+    def setUpClass(cls):
+        _needs_eight_devices()
+        batches = [ss.make_batch(CONFIG, i) for i in range(STEPS)]
+        cls.losses = {}
+        for name, (fsdp, tp) in (("sharded", (FSDP_SIZE, TP_SIZE)), ("single", (1, 1))):
+            built = ss.build_train_step(CONFIG, mx=True, fsdp=fsdp, tp=tp)
+            x0, t0 = built.put(batches[0][0]), built.put(batches[0][1])
+            compiled = built.step.lower(built.state, x0, t0).compile()  # one compile per configuration
+            state, losses = built.state, []
+            for x, target in batches:
+                state, loss = compiled(state, built.put(x), built.put(target))
+                losses.append(float(loss))
+            cls.losses[name] = np.array(losses)
 
     def test_losses_follow_the_unsharded_step(self):
         """Same seed, same batches, same MXFP8 recipe on one device and on the 2x4 mesh. The operands quantize

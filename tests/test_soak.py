@@ -4,6 +4,7 @@ import importlib.util
 import pathlib
 from unittest import mock
 
+import pytest
 from absl.testing import absltest
 
 _SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
@@ -12,6 +13,7 @@ soak = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(soak)
 
 
+@pytest.mark.end_to_end
 class SoakCpuTest(absltest.TestCase):
     """The soak's mechanics on the small cases of its lists (the large ones are for a GPU: seconds per pass here)."""
 

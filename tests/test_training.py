@@ -17,6 +17,7 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 
 try:
@@ -33,6 +34,7 @@ TEST_LOSS_ATOL = 0.02
 TEST_ACCURACY_ATOL = 0.02
 
 
+@pytest.mark.end_to_end
 class TrainingComparisonTest(absltest.TestCase):
 
     def test_mxfp8_trains_like_bf16(self):

@@ -28,7 +28,7 @@ from oracle_weight_only import FORMATS, dequantized_f64, random_weight, random_x
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 # (x's leading shape, N, K): M = 1; odd N with K a whole number of blocks; a K tail in every format (98 = 3*32 + 2
 # = 6*16 + 2) with M from two leading axes and N past 256
-SHAPES = (((1,), 33, 64), ((2, 3), 257, 98), ((5,), 1, 32))
+SHAPES = (((2, 3), 257, 98), ((1,), 1, 32))  # N and K tails with a batch of rows; M = 1 and N = 1
 
 
 def _check(test, y, ref, out_dtype):
@@ -40,7 +40,10 @@ def _check(test, y, ref, out_dtype):
 
 class WeightOnlyMatmulTest(parameterized.TestCase):
 
-    @parameterized.product(fmt=FORMATS, x_dtype=("bfloat16", "float32"), out_dtype=("bfloat16", "float32"))
+    # every format twice, every (x dtype, out dtype) pair with two formats
+    @parameterized.parameters(*[dict(fmt=f, x_dtype=x, out_dtype=o) for i, f in enumerate(FORMATS)
+                                for x, o in ((("bfloat16", "bfloat16"), ("float32", "float32")),
+                                             (("bfloat16", "float32"), ("float32", "bfloat16")))[i % 2]])
     def test_matches_the_oracle(self, fmt, x_dtype, out_dtype):
         rng = np.random.default_rng(abs(hash((fmt, x_dtype, out_dtype))) % 2**32)
         for lead, n, k in SHAPES:
@@ -99,7 +102,7 @@ class WeightOnlyMatmulTest(parameterized.TestCase):
             want = jbg.weight_only_matmul(want, w, out_dtype=jnp.float32)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
-    @parameterized.product(fmt=FORMATS, x_dtype=("bfloat16", "float32"))
+    @parameterized.parameters(*[dict(fmt=f, x_dtype=("bfloat16", "float32")[i % 2]) for i, f in enumerate(FORMATS)])
     def test_gradient_with_respect_to_x(self, fmt, x_dtype):
         """dx = dy · Ŵ (alpha included) against float64, through jax.vjp, jax.grad under jit, and jax.jvp."""
         rng = np.random.default_rng(4)
@@ -380,7 +383,8 @@ SHARDING_CASES = [
 
 class ShardingTest(parameterized.TestCase):
 
-    @parameterized.product(case=SHARDING_CASES, partitioner=("shardy", "gspmd"))
+    @parameterized.parameters(*[dict(case=c, partitioner="shardy") for c in SHARDING_CASES]
+                              + [dict(case=c, partitioner="gspmd") for c in SHARDING_CASES[:2]])
     def test_sharded(self, case, partitioner):
         name, fmt, (lead, n, k), x_spec, w_spec, y_spec, stacked, split_k, gathers = case
         mesh = _mesh()
