@@ -179,7 +179,7 @@ class GemmAmaxPropertyTest(absltest.TestCase):
     def test_error_or_oracle(self):
         outcomes = collections.Counter()
 
-        @settings(max_examples=40, **_SETTINGS)
+        @settings(max_examples=30, **_SETTINGS)
         @given(call=gemm_calls())
         def run(call):
             outcomes[self._once(call)] += 1
@@ -228,7 +228,7 @@ class ProjRopePropertyTest(absltest.TestCase):
     def test_error_or_oracle(self):
         outcomes = collections.Counter()
 
-        @settings(max_examples=20, **_SETTINGS)
+        @settings(max_examples=12, **_SETTINGS)
         @given(call=proj_rope_calls())
         def run(call):
             outcomes[self._once(call)] += 1

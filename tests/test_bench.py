@@ -362,6 +362,7 @@ class Fp4InputsTest(parameterized.TestCase):
 
 class MissingScaledDotTest(absltest.TestCase):
 
+    @pytest.mark.end_to_end
     def test_missing_scaled_dot_is_shown_as_na(self):
         """A jax without jax.lax.scaled_dot (simulated) gets "n/a" in that column and every other column runs."""
         if hasattr(jax.lax, "scaled_dot"):
@@ -459,6 +460,7 @@ class NvidiaColumnTest(parameterized.TestCase):
             self.assertEqual(why, "")
             self.assertEqual((fn.__module__, fn.__name__), (module, name))
 
+    @pytest.mark.end_to_end
     def test_table_on_compute_capability_10(self):
         """The whole bench on the CPU with a 10.0 capability, NVIDIA's entry point played by our function of the same
         signature (jbg.gemm_amax_jax_sm100, the reference path): the column is timed and checked (a wrong operand or
@@ -504,6 +506,7 @@ class ArgumentsTest(parameterized.TestCase):
         self.assertEqual(raised.exception.code, 2)
         self.assertIn(f"argument --format: {message}; choose from mxfp8, mxfp4, nvfp4", err.getvalue())
 
+    @pytest.mark.end_to_end
     def test_formats_comma_list_or_repeated(self):
         self.assertEqual(parse_formats("mxfp4, NVFP4"), ["mxfp4", "nvfp4"])
         cases = build_cases(ops=("gemm_amax",), shapes=[(64, 32, 64)], small=False,
