@@ -80,13 +80,19 @@ def _lowering_platforms(ctx) -> tuple[str, ...]:
     return tuple(getattr(ctx, "platforms", None) or ctx.module_context.platforms)
 
 
-def _no_kernel_off_cuda(ctx, op: str, implementation: Any) -> None:
+def no_kernel_off_cuda(ctx, op: str, implementation: Any) -> None:
     """SPEC §6: 'cutedsl' demands a kernel and there is none off CUDA, so say so rather than run the reference."""
     if implementation == "cutedsl":
         platforms = _lowering_platforms(ctx)
         raise ValueError(f"implementation='cutedsl': {op} has no CuTeDSL kernel on platform"
                          f"{'s' * (len(platforms) > 1)} {', '.join(platforms)} (kernels run on CUDA GPUs only); use "
                          "implementation=None or 'xla'.")
+
+
+def no_kernel_applies(op: str, implementation: Any, reason: str) -> None:
+    """'cutedsl' demands a kernel: where dispatch found none for this call on CUDA, raise at lowering, saying why."""
+    if implementation == "cutedsl":
+        raise ValueError(f"implementation='cutedsl': no CuTeDSL kernel applies to this {op} call: {reason}")
 
 
 def _device_kinds(ctx) -> tuple[str, ...]:
@@ -104,7 +110,7 @@ def _device_kinds(ctx) -> tuple[str, ...]:
 
 
 def _gemm_amax_reference_lowering(ctx, *args, **params):
-    _no_kernel_off_cuda(ctx, "gemm_amax", params["implementation"])
+    no_kernel_off_cuda(ctx, "gemm_amax", params["implementation"])
     a, b = ctx.avals_in[:2]
     l, m, n = _gemm_dims(a.shape, b.shape, params["a_major"], params["b_major"])
     # "xla" is the exact reference the GPU tests judge kernels by: only None may take scaled_dot's FP8 accumulator
@@ -127,8 +133,7 @@ def _gemm_amax_cuda_lowering(ctx, *args, **params):
             args = [args[i] for i in order]
             ctx = ctx.replace(avals_in=[ctx.avals_in[i] for i in order])
         return ffi_lowering.emit_gemm_amax(ctx, *args, variants=choice.variants, sf_vec_size=params["sf_vec_size"])
-    if params["implementation"] == "cutedsl":
-        raise ValueError(f"implementation='cutedsl': no CuTeDSL kernel applies to this gemm_amax call: {choice.reason}")
+    no_kernel_applies("gemm_amax", params["implementation"], choice.reason)
     return _gemm_amax_reference_lowering(ctx, *args, **params)
 
 
@@ -183,7 +188,7 @@ def _proj_rope_reference(x, w, cos, sin, *scales, w_out_in, mxfp8, scaled_dot=Fa
 
 
 def _proj_rope_reference_lowering(ctx, *args, **params):
-    _no_kernel_off_cuda(ctx, "gemm_proj_rope_mxfp8", params["implementation"])
+    no_kernel_off_cuda(ctx, "gemm_proj_rope_mxfp8", params["implementation"])
     x, w = ctx.avals_in[:2]
     g, t, k = x.shape
     n = w.shape[1] if params["w_out_in"] else w.shape[2]
@@ -235,9 +240,7 @@ def _proj_rope_cuda_lowering(ctx, *args, **params):
         from jax_blockgemm import ffi_lowering
 
         return ffi_lowering.emit_proj_rope(ctx, *args, variants=choice.variants, w_out_in=params["w_out_in"])
-    if params["implementation"] == "cutedsl":
-        raise ValueError("implementation='cutedsl': no CuTeDSL kernel applies to this gemm_proj_rope_mxfp8 call: "
-                         f"{choice.reason}")
+    no_kernel_applies("gemm_proj_rope_mxfp8", params["implementation"], choice.reason)
     return _proj_rope_reference_lowering(ctx, *args, **params)
 
 

@@ -243,7 +243,7 @@ def _abstract_eval(a, b, *_, c_dtype, **__):
 
 
 def _reference_lowering(ctx, *args, **params):
-    primitives._no_kernel_off_cuda(ctx, "ragged_gemm_amax", params["implementation"])
+    primitives.no_kernel_off_cuda(ctx, "ragged_gemm_amax", params["implementation"])
     return mlir.lower_fun(functools.partial(ragged_reference, **params), multiple_results=True)(ctx, *args)
 
 
@@ -252,9 +252,8 @@ def _cuda_lowering(ctx, *args, **params):
     from jax_blockgemm import dispatch  # lazy, as in primitives.py
 
     choice = dispatch.ragged_kernels(ctx.avals_in, **params)
-    if params["implementation"] == "cutedsl":
-        raise ValueError(f"implementation='cutedsl': no CuTeDSL kernel applies to this ragged_gemm_amax call: "
-                         f"{choice.reason}; use implementation=None or 'xla'.")
+    primitives.no_kernel_applies("ragged_gemm_amax", params["implementation"],
+                                 f"{choice.reason}; use implementation=None or 'xla'.")
     return _reference_lowering(ctx, *args, **params)
 
 

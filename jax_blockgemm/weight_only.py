@@ -287,7 +287,7 @@ def _reference_call(x, codes, scales, alpha, *, fmt, out_dtype, **_):
 
 
 def _reference_lowering(ctx, *args, **params):
-    primitives._no_kernel_off_cuda(ctx, "weight_only_matmul", params["implementation"])
+    primitives.no_kernel_off_cuda(ctx, "weight_only_matmul", params["implementation"])
     return mlir.lower_fun(functools.partial(_reference_call, **params), multiple_results=True)(ctx, *args)
 
 
@@ -296,9 +296,8 @@ def _cuda_lowering(ctx, *args, **params):
     from jax_blockgemm import dispatch  # lazy, as in primitives.py
 
     choice = dispatch.weight_only_kernels(ctx.avals_in, **params)
-    if params["implementation"] == "cutedsl":
-        raise ValueError(f"implementation='cutedsl': no CuTeDSL kernel applies to this weight_only_matmul call: "
-                         f"{choice.reason}; use implementation=None or 'xla'.")
+    primitives.no_kernel_applies("weight_only_matmul", params["implementation"],
+                                 f"{choice.reason}; use implementation=None or 'xla'.")
     return _reference_lowering(ctx, *args, **params)
 
 

@@ -7,7 +7,6 @@ check can fail), and outputs come back sharded like the inputs; the same under b
 jax.vmap, a jitted training step and jax.export.
 """
 
-import contextlib
 import functools
 import os
 import re
@@ -25,6 +24,7 @@ from jax_blockgemm import formats
 
 import oracle
 import oracle_ops
+import partitioners
 
 
 def _mesh():
@@ -107,17 +107,6 @@ _GATHER = re.compile(r"=\s*\S+\s+all-gather(-start)?\(")  # an all-gather instru
 def _gathers(hlo: str) -> list[str]:
     """The all-gather instructions of a compiled program's HLO text."""
     return [line.strip() for line in hlo.splitlines() if _GATHER.search(line)]
-
-
-@contextlib.contextmanager
-def _partitioner(name: str):
-    """Runs the block under Shardy ("shardy", JAX's default) or the GSPMD partitioner ("gspmd")."""
-    before = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", name == "shardy")
-    try:
-        yield
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", before)
 
 
 def _put(mesh, x, spec):
@@ -210,7 +199,7 @@ class GemmAmaxPartitionTest(_PartitionCase):
         mesh = _mesh()
         fn, args, (c_ref, amax_ref) = _gemm_problem(np.random.default_rng(len(name)), shape, fmt, majors, c_dtype)
         sharded = [_put(mesh, x, s) for x, s in zip(args, specs)]
-        with _partitioner(partitioner):
+        with partitioners.partitioner(partitioner):
             c, amax = self.check_partitioned(fn, args, sharded, gathers=c_spec is None, mesh=mesh,
                                              out_specs=None if c_spec is None else (c_spec, P()))
         oracle_ops.assert_gemm_close(self, c, c_ref, c_dtype=jnp.dtype(c_dtype), c_major=majors[2])
@@ -417,7 +406,7 @@ class ProjRopePartitionTest(_PartitionCase):
         fn, args, y_ref = _proj_rope_problem(np.random.default_rng(len(name)), t, h, k, mxfp8, w_out_in)
         specs = (tok_spec, w_spec, tok_spec, tok_spec, tok_spec, w_spec)
         sharded = [_put(mesh, x, s) for x, s in zip(args, specs)]
-        with _partitioner(partitioner):
+        with partitioners.partitioner(partitioner):
             outs = self.check_partitioned(fn, args, sharded, gathers=out_spec is None, mesh=mesh,
                                           out_specs=None if out_spec is None else (out_spec,) * 4)
         oracle_ops.assert_proj_rope_close(self, outs, y_ref)

@@ -3,7 +3,6 @@ odd N, K tails, NaN / inf, jit / vmap (stacked weights) / grad, the weight as a 
 the CUDA hook, and the partitioning rules on 8 host devices (no gather of the weight, under Shardy and GSPMD).
 """
 
-import contextlib
 import dataclasses
 import functools
 import io
@@ -23,6 +22,7 @@ from jax_blockgemm import dispatch, formats
 
 import oracle
 import oracle_ops
+import partitioners
 from oracle_weight_only import FORMATS, dequantized_f64, random_weight, random_x, weight_only_oracle
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
@@ -347,16 +347,6 @@ def _mesh():
     return Mesh(np.array(devices[:8]).reshape(4, 2), ("data", "model"))
 
 
-@contextlib.contextmanager
-def _partitioner(name: str):
-    before = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", name == "shardy")
-    try:
-        yield
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", before)
-
-
 def _put_weight(mesh, w, spec):
     """The weight's codes and scales sharded by `spec` (over (N, K)); alpha replicated."""
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
@@ -403,7 +393,7 @@ class ShardingTest(parameterized.TestCase):
         want = f(x, w)
         xs = jax.device_put(x, NamedSharding(mesh, x_spec))
         ws_ = _put_weight(mesh, w, w_spec)
-        with _partitioner(partitioner):
+        with partitioners.partitioner(partitioner):
             jitted = jax.jit(f)
             lowered = jitted.lower(xs, ws_)
             self.assertIn("CustomSPMDPartitioning", lowered.as_text())
