@@ -532,6 +532,7 @@ class ArgumentsTest(parameterized.TestCase):
         self.assertTrue(record["method"]["interleave"])
         self.assertIn("the columns' samples taken in turn", out.getvalue())
 
+    @pytest.mark.end_to_end
     def test_bad_shape_from_the_command_line(self):
         proc = subprocess.run([sys.executable, "-m", "jax_blockgemm.bench", "--shape", "4096,4096"],
                               capture_output=True, text=True, timeout=300)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 from absl.testing import absltest
 
 # Runs the demo as `python -m jax_blockgemm` does, then lists the benchmark modules it left imported.
@@ -16,6 +17,7 @@ print("bench modules:", sorted(name for name in sys.modules if name.split(".")[:
 """
 
 
+@pytest.mark.end_to_end
 class DemoTest(absltest.TestCase):
 
     @classmethod
