@@ -16,6 +16,7 @@
 #include "gemm_amax.h"
 #include "object_check.h"
 #include "proj_rope.h"
+#include "weight_stream.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -34,7 +35,8 @@ struct Target {
 };
 const Target kTargets[] = {{jbg::kGemmAmaxTarget, JbgGemmAmaxInstantiate, JbgGemmAmaxExecute},
                            {jbg::kProjRopeTarget, JbgProjRopeInstantiate, JbgProjRopeExecute},
-                           {jbg::kDequantizeTarget, JbgDequantizeInstantiate, JbgDequantizeExecute}};
+                           {jbg::kDequantizeTarget, JbgDequantizeInstantiate, JbgDequantizeExecute},
+                           {jbg::kWeightStreamTarget, JbgWeightStreamInstantiate, JbgWeightStreamExecute}};
 
 XLA_FFI_Handler* HandlerFor(const std::string& target, const std::string& stage) {
   const Target* found = nullptr;
@@ -140,6 +142,29 @@ std::tuple<std::string, std::tuple<int, int, int, int>> CheckDequantize(const st
   return {message, {dims[0].rows, dims[0].cols, dims[1].rows, dims[1].cols}};
 }
 
+// The weight_stream attributes parsed (ValueError naming what is wrong otherwise).
+jbg::KernelDtypes WeightStreamDtypes(const std::string& w_dtype, const std::string& c_dtype,
+                                     const std::string& sf_dtype, int64_t sf_vec_size, int64_t max_m) {
+  jbg::KernelDtypes kernel{};
+  std::string why = jbg::ParseWeightStreamAttributes(w_dtype, c_dtype, sf_dtype, sf_vec_size, max_m, &kernel);
+  if (!why.empty()) throw nb::value_error(why.c_str());
+  return kernel;
+}
+
+// Test hook for the weight_stream execute stage's buffer checks: x, w, sw, c, amax, alpha as (dtype, dims,
+// address), for objects compiled for the given attributes. Returns (message, (m, n, k, l, sf_atom)).
+std::tuple<std::string, std::tuple<int, int, int, int, int>> CheckWeightStream(
+    const std::vector<BufferSpec>& specs, const std::string& w_dtype, const std::string& c_dtype,
+    const std::string& sf_dtype, int64_t sf_vec_size, int64_t max_m) {
+  if (specs.size() != 6) throw nb::value_error("expected 6 buffers: x, w, sw, c, amax, alpha");
+  const jbg::KernelDtypes kernel = WeightStreamDtypes(w_dtype, c_dtype, sf_dtype, sf_vec_size, max_m);
+  jbg::BufferDesc descs[6];
+  ToDescs(specs, descs);
+  jbg::WeightStreamDims dims;
+  std::string message = jbg::CheckWeightStreamBuffers(descs, kernel, max_m, &dims);
+  return {message, {dims.m, dims.n, dims.k, dims.l, dims.sf_atom}};
+}
+
 // Test hook for the instantiate-stage attribute parsing: returns [(arch, prefix, cc_major, cc_minor, begin, end)].
 std::vector<std::tuple<std::string, std::string, int, int, size_t, size_t>> ParseObjects(
     const std::string& archs, const std::string& prefixes, size_t objects_size, const std::vector<int64_t>& offsets,
@@ -163,6 +188,7 @@ NB_MODULE(_jbg_ffi, m) {
   m.attr("GEMM_AMAX_TARGET") = jbg::kGemmAmaxTarget;
   m.attr("PROJ_ROPE_TARGET") = jbg::kProjRopeTarget;
   m.attr("DEQUANTIZE_TARGET") = jbg::kDequantizeTarget;
+  m.attr("WEIGHT_STREAM_TARGET") = jbg::kWeightStreamTarget;
   m.attr("KERNEL_OBJECTS_TYPE") = jbg::kKernelObjectsType;
   m.attr("TRAIT_COMMAND_BUFFER_COMPATIBLE") = static_cast<uint32_t>(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
 
@@ -235,6 +261,20 @@ NB_MODULE(_jbg_ffi, m) {
         nb::arg("inputs") = 2,
         "Test hook: the dequantize execute stage's buffer checks on [(dtype, dims, address)] in FFI order: `inputs` "
         "inputs (codes, scales[, codes1, scales1]), then the outputs (out[, out1]).");
+  m.def("check_weight_stream_buffers", &CheckWeightStream, nb::arg("buffers"), nb::arg("w_dtype"),
+        nb::arg("c_dtype"), nb::arg("sf_dtype") = "float8_e8m0fnu", nb::arg("sf_vec_size") = 32,
+        nb::arg("max_m") = 64,
+        "Test hook: the weight_stream execute stage's buffer checks on [(dtype, dims, address)] * 6 (x, w, sw, c, "
+        "amax, alpha) for objects compiled for w_dtype / c_dtype / sf_dtype / sf_vec_size taking max_m rows.");
+  m.def(
+      "parse_weight_stream_attributes",
+      [](const std::string& w_dtype, const std::string& c_dtype, const std::string& sf_dtype, int64_t sf_vec_size,
+         int64_t max_m) {
+        const jbg::KernelDtypes k = WeightStreamDtypes(w_dtype, c_dtype, sf_dtype, sf_vec_size, max_m);
+        return std::make_tuple(k.ab, k.c, k.sf);
+      },
+      nb::arg("w_dtype"), nb::arg("c_dtype"), nb::arg("sf_dtype"), nb::arg("sf_vec_size"), nb::arg("max_m"),
+      "Test hook: the weight_stream instantiate stage's attribute parsing: (w, c, sf) as XLA FFI dtype codes.");
   m.def("parse_object_table", &ParseObjects, nb::arg("archs"), nb::arg("function_prefixes"),
         nb::arg("objects_size"), nb::arg("offsets"), nb::arg("target") = jbg::kGemmAmaxTarget,
         "Test hook: the instantiate stage's attribute parsing (errors name `target`).");

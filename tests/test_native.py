@@ -142,6 +142,121 @@ class DequantizeBufferCheckTest(parameterized.TestCase):
         self.assertRegex(ext.check_dequantize_buffers(huge, -1)[0], "codes .*fewer than 2\\*\\*31 elements")
 
 
+F16 = "float16"
+NVFP4 = dict(sf_dtype=E4M3, sf_vec_size=16)
+
+
+def _ws_buffers(l, m, n, k, *, w=E4M3, c=BF16, sf=U8, v=32, atom=False, base=1 << 20):
+    """Well-formed x, w, sw, c, amax, alpha for the weight_stream checks (packed FP4 rows when w is uint8);
+    addresses 4096 apart."""
+    kb = _cdiv(k, v)
+    sw = [l, _cdiv(n, 128), _cdiv(kb, 4), 32, 4, 4] if atom else [l, n, kb]
+    dims = [[l, m, k], [l, n, k // 2 if w == U8 else k], sw, [l, m, n], [l], [l]]
+    dtypes = [BF16, w, sf, c, F32, F32]
+    return [(d, s, base + 4096 * i) for i, (d, s) in enumerate(zip(dtypes, dims))]
+
+
+class WeightStreamBufferCheckTest(parameterized.TestCase):
+    """The jbg_weight_stream execute stage's buffer checks (ffi/weight_stream.cc), through the test hook."""
+
+    @parameterized.parameters(
+        (1, 1, 1, 16, E4M3, F32, False), (2, 16, 200, 96, E5M2, BF16, False), (3, 64, 7168, 7168, E4M3, F16, True),
+        (1, 5, 129, 64, E5M2, F32, True))
+    def test_well_formed_fp8(self, l, m, n, k, w, c, atom):
+        """Compact scales give sf_atom 0, the 128x4 atom form 1; k is the logical K."""
+        got = ext.check_weight_stream_buffers(_ws_buffers(l, m, n, k, w=w, c=c, atom=atom), w, c)
+        self.assertEqual(got, ("", (m, n, k, l, int(atom))))
+
+    @parameterized.parameters((False, False), (True, False), (False, True), (True, True))
+    def test_well_formed_fp4(self, nvfp4, atom):
+        """Packed FP4 codes (L, N, K/2) uint8: K counts codes; NVFP4 scales are float8_e4m3fn per 16."""
+        l, m, n, k = 2, 3, 40, 96
+        kwargs = dict(sf=E4M3, v=16) if nvfp4 else {}
+        buffers = _ws_buffers(l, m, n, k, w=U8, atom=atom, **kwargs)
+        got = ext.check_weight_stream_buffers(buffers, "float4_e2m1fn", BF16, **(NVFP4 if nvfp4 else {}))
+        self.assertEqual(got, ("", (m, n, k, l, int(atom))))
+
+    def test_each_violation_is_named(self):
+        good = _ws_buffers(2, 16, 72, 160)
+        fp4 = _ws_buffers(2, 16, 72, 160, w=U8)
+        cases = [
+            (good, _replace(good, 0, dtype=F32), r"x is float32 \(2, 16, 160\); expected bfloat16 activations"),
+            (good, _replace(good, 0, dims=[16, 160]), r"x is .*expected rank 3 \(L, M, K\)"),
+            (good, _replace(good, 0, dims=[2, 0, 160]), r"x is .*expected every dimension >= 1"),
+            (good, _replace(good, 0, dims=[2, 65, 160]), r"x is bfloat16 \(2, 65, 160\); expected M <= 64"),
+            (good, _replace(good, 0, dims=[2, 16, 152]), r"x is .*expected K a multiple of 16"),
+            (fp4, _replace(fp4, 0, dims=[2, 16, 144]), r"x is .*expected K a multiple of 32 \(16-byte rows of packed"),
+            (good, _replace(good, 1, dtype=E5M2), r"w is float8_e5m2 .*compiled for float8_e4m3fn codes"),
+            (fp4, _replace(fp4, 1, dtype=E4M3), r"w is float8_e4m3fn .*compiled for float4_e2m1fn codes \(uint8"),
+            (good, _replace(good, 1, dims=[2, 72, 80]), r"w is .*expected \(L, N, K\) = \(2, N >= 1, 160\)"),
+            (fp4, _replace(fp4, 1, dims=[2, 72, 160]), r"w is uint8 .*expected \(L, N, K/2\) = \(2, N >= 1, 80\)"),
+            (good, _replace(good, 1, dims=[1, 72, 160]), r"w is .*\(L, N, K\)"),
+            (good, _replace(good, 2, dtype=E4M3), r"sw is float8_e4m3fn .*expected uint8 E8M0 scale bytes"),
+            (good, _replace(good, 2, dims=[2, 72, 4]), r"sw is uint8 \(2, 72, 4\); expected the compact form "
+                                                       r"\(2, 72, 5\) \(L, N, ceil\(K/32\)\)"),
+            (good, _replace(good, 2, dims=[2, 1, 1, 32, 4, 4]), r"sw is .*expected the 128x4 atom form "
+                                                               r"\(2, 1, 2, 32, 4, 4\)"),
+            (good, _replace(good, 2, dims=[2, 72 * 5]), r"sw is .*expected rank 3, the compact form \(2, 72, 5\), or "
+                                                       r"rank 6, the 128x4 atom form \(2, 1, 2, 32, 4, 4\)"),
+            (good, _replace(good, 3, dtype=F32), r"c is float32 .*compiled for a bfloat16 C"),
+            (good, _replace(good, 3, dims=[2, 72, 16]), r"c is .*expected \(2, 16, 72\) \(L, M, N\)"),
+            (good, _replace(good, 4, dims=[1]), r"amax is float32 \(1,\); expected float32 \(2,\)"),
+            (good, _replace(good, 4, dtype=BF16), r"amax is bfloat16 .*expected float32 \(2,\)"),
+            (good, _replace(good, 5, dtype=U8), r"alpha is uint8 .*expected float32 \(2,\)"),
+            (good, _replace(good, 5, address=(1 << 20) + 5 * 4096 + 4), r"alpha is .* at address .*; expected a "
+                                                                       r"16-byte aligned pointer"),
+            (good, _replace(good, 0, address=0), r"x is .* at address 0; expected a 16-byte aligned"),
+        ]
+        self.assertEqual(ext.check_weight_stream_buffers(good, E4M3, BF16)[0], "")
+        self.assertEqual(ext.check_weight_stream_buffers(fp4, "float4_e2m1fn", BF16)[0], "")
+        for base, buffers, message in cases:
+            with self.subTest(message=message):
+                w_dtype = "float4_e2m1fn" if base is fp4 else E4M3
+                got, dims = ext.check_weight_stream_buffers(buffers, w_dtype, BF16)
+                self.assertRegex(got, "^jbg_weight_stream: " + message)
+                self.assertEqual(dims, (0, 0, 0, 0, 0))  # nothing to launch with
+
+    def test_nvfp4_scales_must_be_e4m3(self):
+        buffers = _ws_buffers(1, 2, 32, 64, w=U8, v=16)  # uint8 scales for an NVFP4 object
+        self.assertRegex(ext.check_weight_stream_buffers(buffers, "float4_e2m1fn", BF16, **NVFP4)[0],
+                         r"sw is uint8 .*expected float8_e4m3fn scales \(NVFP4\)")
+
+    def test_capacity_is_the_attribute(self):
+        """M is checked against the call site's max_m: 16 rows fit a capacity of 16, 17 do not."""
+        self.assertEqual(ext.check_weight_stream_buffers(_ws_buffers(1, 16, 64, 64), E4M3, BF16, max_m=16)[0], "")
+        self.assertRegex(ext.check_weight_stream_buffers(_ws_buffers(1, 17, 64, 64), E4M3, BF16, max_m=16)[0],
+                         r"x is bfloat16 \(1, 17, 64\); expected M <= 16")
+
+    def test_element_counts_fit_int32(self):
+        """A weight of 2**31 codes is refused even though every dimension fits an int32."""
+        message, _ = ext.check_weight_stream_buffers(_ws_buffers(1, 1, 1 << 16, 1 << 15), E4M3, BF16)
+        self.assertRegex(message, r"^jbg_weight_stream: w is float8_e4m3fn \(1, 65536, 32768\); expected fewer than "
+                                  r"2\*\*31 elements")
+
+    @parameterized.parameters(
+        (("float16", BF16, "float8_e8m0fnu", 32, 64), 'w_dtype "float16" is not supported'),
+        ((E4M3, "float8_e4m3fn", "float8_e8m0fnu", 32, 64), 'c_dtype "float8_e4m3fn" is not supported; expected '
+                                                            'float32, bfloat16 or float16'),
+        ((E4M3, BF16, "float8_e4m3fn", 16, 64), 'sf_dtype "float8_e4m3fn" with sf_vec_size 16 is not supported for '
+                                                'w_dtype float8_e4m3fn'),
+        (("float4_e2m1fn", BF16, "float8_e8m0fnu", 16, 64), 'sf_dtype "float8_e8m0fnu" with sf_vec_size 16 is not '
+                                                            'supported'),
+        (("float4_e2m1fn", BF16, "float8_e4m3fn", 32, 64), 'sf_dtype "float8_e4m3fn" with sf_vec_size 32 is not '
+                                                           'supported'),
+        ((E4M3, BF16, "float8_e8m0fnu", 32, 0), "max_m 0 is not supported"))
+    def test_attributes_are_refused_by_name(self, args, message):
+        with self.assertRaisesRegex(ValueError, "^jbg_weight_stream attributes: " + message):
+            ext.parse_weight_stream_attributes(*args)
+
+    def test_attributes_map_to_buffer_dtypes(self):
+        """FP4 weights travel as uint8, E8M0 scales as uint8, NVFP4's as float8_e4m3fn (XLA FFI dtype codes)."""
+        u8, f32, bf16, f16, e4m3 = 6, 11, 16, 10, 20
+        self.assertEqual(ext.parse_weight_stream_attributes(E4M3, F32, "float8_e8m0fnu", 32, 16), (e4m3, f32, u8))
+        self.assertEqual(ext.parse_weight_stream_attributes("float4_e2m1fn", F16, E4M3, 16, 64), (u8, f16, e4m3))
+        self.assertEqual(ext.parse_weight_stream_attributes("float4_e2m1fn", BF16, "float8_e8m0fnu", 32, 64)[:2],
+                         (u8, bf16))
+
+
 class ModuleTest(absltest.TestCase):
 
     def test_surface(self):
@@ -150,13 +265,15 @@ class ModuleTest(absltest.TestCase):
         self.assertEqual(ext.PROJ_ROPE_TARGET, "jbg_gemm_proj_rope_mxfp8")
         targets = ext.ffi_targets()
         self.assertEqual(ext.DEQUANTIZE_TARGET, "jbg_dequantize_mxfp8")
-        self.assertEqual(set(targets), {"jbg_gemm_amax", "jbg_gemm_proj_rope_mxfp8", "jbg_dequantize_mxfp8"})
+        self.assertEqual(ext.WEIGHT_STREAM_TARGET, "jbg_weight_stream")
+        self.assertEqual(set(targets), {"jbg_gemm_amax", "jbg_gemm_proj_rope_mxfp8", "jbg_dequantize_mxfp8",
+                                        "jbg_weight_stream"})
         for stages in targets.values():
             self.assertEqual(set(stages), {"instantiate", "execute"})
         self.assertEqual(set(ext.ffi_types()["jbg_kernel_objects"]), {"type_id", "type_info"})
 
     def test_execute_handler_is_command_buffer_compatible(self):
-        for target in ("jbg_gemm_proj_rope_mxfp8", "jbg_dequantize_mxfp8"):
+        for target in ("jbg_gemm_proj_rope_mxfp8", "jbg_dequantize_mxfp8", "jbg_weight_stream"):
             _, _, traits = ext.handler_metadata(target, "execute")
             self.assertEqual(traits & ext.TRAIT_COMMAND_BUFFER_COMPATIBLE, ext.TRAIT_COMMAND_BUFFER_COMPATIBLE)
         major, minor, traits = ext.handler_metadata("jbg_gemm_amax", "execute")
@@ -359,6 +476,20 @@ _XLA_PROBE = textwrap.dedent("""
             print(name, "RAN")
         except Exception as e:
             print(name, " ".join(str(e).split())[:500])
+    x, w = jnp.zeros((1, 4, 64), jnp.bfloat16), jnp.zeros((1, 32, 64), jnp.float8_e4m3fn)
+    sw, alpha = jnp.zeros((1, 32, 2), jnp.uint8), jnp.ones((1,), jnp.float32)
+    out = (jax.ShapeDtypeStruct((1, 4, 32), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.float32))
+    for name, w_dtype, max_m in (("WS_GOOD", "float8_e4m3fn", 16), ("WS_BADW", "float16", 16),
+                                 ("WS_BADM", "float8_e4m3fn", 0)):
+        call = jax.ffi.ffi_call("jbg_weight_stream", out)
+        f = jax.jit(lambda *x: call(*x, archs="sm_90a", function_prefixes="p90", objects=blob[:1000],
+                                    offsets=np.array([0, 1000], np.int64), w_dtype=w_dtype, c_dtype="bfloat16",
+                                    sf_dtype="float8_e8m0fnu", sf_vec_size=np.int64(32), max_m=np.int64(max_m)))
+        try:
+            f(x, w, sw, alpha)
+            print(name, "RAN")
+        except Exception as e:
+            print(name, " ".join(str(e).split())[:500])
 """)
 
 
@@ -395,6 +526,18 @@ class XlaRegistrationTest(absltest.TestCase):
         self.assertRegex(self.lines.get("BIGCLUSTER", self.output),
                          r"INVALID_ARGUMENT: jbg_gemm_amax attributes: cluster_ctas entry 1 is 32; expected 0 \(no "
                          r"grid size\) or the CTAs of a cluster, 1 to 16")
+
+    def test_weight_stream_instantiate_parses_its_attributes(self):
+        """jbg_weight_stream's instantiate stage reads its own attributes: well-formed ones reach the device query,
+        a w_dtype or max_m it cannot take is an INVALID_ARGUMENT naming it."""
+        good = self.lines.get("WS_GOOD", self.output)
+        self.assertNotIn("RAN", good)
+        self.assertRegex(good, r"jbg_weight_stream: (cannot load the CUDA driver|cuInit failed|cuDeviceGetCount|no "
+                               r"kernel)")
+        self.assertRegex(self.lines.get("WS_BADW", self.output),
+                         r'INVALID_ARGUMENT: jbg_weight_stream attributes: w_dtype "float16" is not supported')
+        self.assertRegex(self.lines.get("WS_BADM", self.output),
+                         r"INVALID_ARGUMENT: jbg_weight_stream attributes: max_m 0 is not supported")
 
 
 if __name__ == "__main__":

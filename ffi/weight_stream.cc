@@ -1,0 +1,246 @@
+#include "weight_stream.h"
+
+#include <initializer_list>
+#include <memory>
+#include <utility>
+
+#include "cuda_driver.h"
+
+namespace jbg {
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr const char* kNames[6] = {"x", "w", "sw", "c", "amax", "alpha"};
+constexpr int64_t kScaleAtomRows = 128;   // the 128x4 scale atom: 128 rows of N ...
+constexpr int64_t kScaleAtomBlocks = 4;   // ... by 4 scale blocks, stored as (32, 4, 4) bytes
+
+// ceil(x / y) for x >= 0, y > 0, without overflow near INT64_MAX.
+int64_t CeilDiv(int64_t x, int64_t y) { return x / y + (x % y != 0); }
+
+std::string Describe(const BufferDesc& b, int index) {
+  return std::string(kWeightStreamTarget) + ": " + kNames[index] + " is " + DtypeName(b.dtype) + " " +
+         ShapeString(b.dims, b.rank);
+}
+
+bool HasShape(const BufferDesc& b, std::initializer_list<int64_t> want) {
+  if (b.rank != want.size()) return false;
+  size_t i = 0;
+  for (int64_t d : want) {
+    if (b.dims[i++] != d) return false;
+  }
+  return true;
+}
+
+std::string Shape(std::initializer_list<int64_t> dims) { return ShapeString(dims.begin(), dims.size()); }
+
+// "float8_e4m3fn codes" or "float4_e2m1fn codes (uint8 pairs)": what w holds for these objects.
+std::string WeightCodes(const KernelDtypes& kernel) {
+  return kernel.ab_fp4 ? "float4_e2m1fn codes (uint8 pairs)" : std::string(DtypeName(kernel.ab)) + " codes";
+}
+
+}  // namespace
+
+std::string ParseWeightStreamAttributes(std::string_view w_dtype, std::string_view c_dtype,
+                                        std::string_view sf_dtype, int64_t sf_vec_size, int64_t max_m,
+                                        KernelDtypes* out) {
+  const std::string where = std::string(kWeightStreamTarget) + " attributes: ";
+  KernelDtypes k{};
+  k.alpha = true;
+  if (w_dtype == "float8_e4m3fn") {
+    k.ab = XLA_FFI_DataType_F8E4M3FN;
+  } else if (w_dtype == "float8_e5m2") {
+    k.ab = XLA_FFI_DataType_F8E5M2;
+  } else if (w_dtype == "float4_e2m1fn") {
+    k.ab = XLA_FFI_DataType_U8;
+    k.ab_fp4 = true;
+  } else {
+    return where + "w_dtype \"" + std::string(w_dtype) +
+           "\" is not supported; expected float8_e4m3fn, float8_e5m2 or float4_e2m1fn";
+  }
+  if (c_dtype == "float32") {
+    k.c = XLA_FFI_DataType_F32;
+  } else if (c_dtype == "bfloat16") {
+    k.c = XLA_FFI_DataType_BF16;
+  } else if (c_dtype == "float16") {
+    k.c = XLA_FFI_DataType_F16;
+  } else {
+    return where + "c_dtype \"" + std::string(c_dtype) + "\" is not supported; expected float32, bfloat16 or float16";
+  }
+  // The formats: MXFP8 and MXFP4 take E8M0 scales per 32; NVFP4 (FP4 codes only) E4M3 scales per 16.
+  if (sf_dtype == "float8_e8m0fnu" && sf_vec_size == 32) {
+    k.sf = XLA_FFI_DataType_U8;
+  } else if (sf_dtype == "float8_e4m3fn" && sf_vec_size == 16 && k.ab_fp4) {
+    k.sf = XLA_FFI_DataType_F8E4M3FN;
+  } else {
+    return where + "sf_dtype \"" + std::string(sf_dtype) + "\" with sf_vec_size " + std::to_string(sf_vec_size) +
+           " is not supported for w_dtype " + std::string(w_dtype) +
+           "; expected float8_e8m0fnu with 32, or (float4_e2m1fn weights only) float8_e4m3fn with 16";
+  }
+  k.sf_vec_size = static_cast<int>(sf_vec_size);
+  if (max_m < 1 || max_m >= kMaxBufferElements) {
+    return where + "max_m " + std::to_string(max_m) + " is not supported; expected the objects' row capacity, >= 1";
+  }
+  *out = k;
+  return "";
+}
+
+std::string CheckWeightStreamBuffers(const BufferDesc (&buf)[6], const KernelDtypes& kernel, int64_t max_m,
+                                     WeightStreamDims* dims) {
+  const BufferDesc &x = buf[0], &w = buf[1], &sw = buf[2], &c = buf[3];
+  if (x.dtype != XLA_FFI_DataType_BF16) return Describe(x, 0) + "; expected bfloat16 activations";
+  if (x.rank != 3) return Describe(x, 0) + "; expected rank 3 (L, M, K)";
+  const int64_t l = x.dims[0], m = x.dims[1], k = x.dims[2];
+  if (l < 1 || m < 1 || k < 1) return Describe(x, 0) + "; expected every dimension >= 1";
+  if (m > max_m) {
+    return Describe(x, 0) + "; expected M <= " + std::to_string(max_m) +
+           ": these kernel objects take at most that many rows (the variant's capacity)";
+  }
+  if (kernel.ab_fp4 && k % 32 != 0) {
+    return Describe(x, 0) + "; expected K a multiple of 32 (16-byte rows of packed FP4 weight codes)";
+  }
+  if (k % 16 != 0) return Describe(x, 0) + "; expected K a multiple of 16 (16-byte rows of FP8 weight codes)";
+  if (w.dtype != kernel.ab) {
+    return Describe(w, 1) + "; the kernel objects were compiled for " + WeightCodes(kernel);
+  }
+  const int64_t row = kernel.ab_fp4 ? k / 2 : k;
+  const int64_t n = w.rank == 3 ? w.dims[1] : 0;
+  if (w.rank != 3 || w.dims[0] != l || w.dims[2] != row || n < 1) {
+    return Describe(w, 1) + "; expected (L, N, " + (kernel.ab_fp4 ? "K/2" : "K") + ") = (" + std::to_string(l) +
+           ", N >= 1, " + std::to_string(row) + ") for x's L and K";
+  }
+  if (sw.dtype != kernel.sf) {
+    return Describe(sw, 2) + (kernel.sf == XLA_FFI_DataType_U8 ? "; expected uint8 E8M0 scale bytes"
+                                                                : "; expected float8_e4m3fn scales (NVFP4)");
+  }
+  const int64_t blocks = CeilDiv(k, kernel.sf_vec_size);
+  const int64_t compact_dims[3] = {l, n, blocks};
+  const int64_t atom_dims[6] = {l, CeilDiv(n, kScaleAtomRows), CeilDiv(blocks, kScaleAtomBlocks), 32, 4, 4};
+  int32_t sf_atom = 0;
+  if (sw.rank == 3) {
+    if (!HasShape(sw, {l, n, blocks})) {
+      return Describe(sw, 2) + "; expected the compact form " + ShapeString(compact_dims, 3) + " (L, N, ceil(K/" +
+             std::to_string(kernel.sf_vec_size) + "))";
+    }
+  } else if (sw.rank == 6) {
+    if (!HasShape(sw, {atom_dims[0], atom_dims[1], atom_dims[2], 32, 4, 4})) {
+      return Describe(sw, 2) + "; expected the 128x4 atom form " + ShapeString(atom_dims, 6) +
+             " (L, ceil(N/128), ceil(ceil(K/" + std::to_string(kernel.sf_vec_size) + ")/4), 32, 4, 4)";
+    }
+    sf_atom = 1;
+  } else {
+    return Describe(sw, 2) + "; expected rank 3, the compact form " + ShapeString(compact_dims, 3) +
+           ", or rank 6, the 128x4 atom form " + ShapeString(atom_dims, 6);
+  }
+  if (c.dtype != kernel.c) {
+    return Describe(c, 3) + "; the kernel objects were compiled for a " + DtypeName(kernel.c) + " C";
+  }
+  if (!HasShape(c, {l, m, n})) return Describe(c, 3) + "; expected " + Shape({l, m, n}) + " (L, M, N)";
+  for (int i : {4, 5}) {
+    if (buf[i].dtype != XLA_FFI_DataType_F32 || !HasShape(buf[i], {l})) {
+      return Describe(buf[i], i) + "; expected float32 " + Shape({l}) + " (L,)";
+    }
+  }
+  for (int i = 0; i < 6; ++i) {
+    if (ElementCount(buf[i]) >= kMaxBufferElements) return Describe(buf[i], i) + "; expected fewer than 2**31 elements";
+    const auto address = reinterpret_cast<uintptr_t>(buf[i].data);
+    if (address == 0 || address % kAlignment != 0) {
+      return Describe(buf[i], i) + " at address " + std::to_string(address) + "; expected a 16-byte aligned pointer";
+    }
+  }
+  *dims = WeightStreamDims{static_cast<int32_t>(m), static_cast<int32_t>(n), static_cast<int32_t>(k),
+                           static_cast<int32_t>(l), sf_atom};
+  return "";
+}
+
+namespace {
+
+using StateOr = ffi::ErrorOr<std::unique_ptr<KernelObjects>>;
+
+// Bytes per element of the C dtypes the objects write.
+size_t CBytes(int dtype) { return dtype == XLA_FFI_DataType_F32 ? 4 : 2; }
+
+StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span<const uint8_t> objects,
+                    ffi::Span<const int64_t> offsets, std::string_view w_dtype, std::string_view c_dtype,
+                    std::string_view sf_dtype, int64_t sf_vec_size, int64_t max_m) {
+  KernelDtypes dtypes{};
+  if (std::string why = ParseWeightStreamAttributes(w_dtype, c_dtype, sf_dtype, sf_vec_size, max_m, &dtypes);
+      !why.empty()) {
+    return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(why));
+  }
+  StateOr state = InstantiateKernelObjects(kWeightStreamTarget, archs, prefixes, objects, offsets);
+  if (state.has_value()) (*state)->dtypes = dtypes;
+  return state;
+}
+
+// The state holds what instantiation parsed; max_m, which it checked, is read again from the call's attributes.
+ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                   ffi::AnyBuffer sw, ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> c,
+                   ffi::Result<ffi::AnyBuffer> amax, std::string_view, std::string_view, ffi::Span<const uint8_t>,
+                   ffi::Span<const int64_t>, std::string_view, std::string_view, std::string_view, int64_t,
+                   int64_t max_m) {
+  DslFunction* fn = nullptr;
+  if (ffi::Error e = DeviceFunction(*state, device, kWeightStreamTarget, &fn); e.failure()) return e;
+  const BufferDesc buffers[6] = {ToBufferDesc(x),  ToBufferDesc(w),     ToBufferDesc(sw),
+                                 ToBufferDesc(*c), ToBufferDesc(*amax), ToBufferDesc(alpha)};
+  WeightStreamDims dims;
+  if (std::string message = CheckWeightStreamBuffers(buffers, state->dtypes, max_m, &dims); !message.empty()) {
+    return ffi::Error::InvalidArgument(message);
+  }
+  std::string error;
+  const CudaDriver* driver = GetCudaDriver(&error);  // loaded at instantiation; a pointer read here
+  if (driver == nullptr) return ffi::Error::Internal(std::string(kWeightStreamTarget) + ": " + error);
+  ScopedStreamContext context(*driver, stream);
+  // amax is an integer atomic max over the bits of |C|: start from +0.0 on XLA's stream, before the kernel.
+  if (CUresult r = driver->cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(amax->untyped_data()), 0u,
+                                            static_cast<size_t>(dims.l), stream);
+      r != kCudaSuccess) {
+    return ffi::Error::Internal(std::string(kWeightStreamTarget) + ": zeroing amax failed: " + driver->ErrorName(r));
+  }
+  // Test aid (read once at instantiation): all-ones bytes are NaN in float32, bfloat16 and float16, so an element
+  // the kernel leaves unwritten fails the caller's check.
+  if (state->poison_outputs) {
+    const size_t c_bytes = static_cast<size_t>(ElementCount(buffers[3])) * CBytes(buffers[3].dtype);
+    if (CUresult r = driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(c->untyped_data()), 0xFF, c_bytes, stream);
+        r != kCudaSuccess) {
+      return ffi::Error::Internal(std::string(kWeightStreamTarget) + ": poisoning C failed: " + driver->ErrorName(r));
+    }
+  }
+  KernelTensor tensors[6];
+  for (int i = 0; i < 6; ++i) tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), ElementCount(buffers[i])};
+  int32_t m = dims.m, n = dims.n, k = dims.k, l = dims.l, sf_atom = dims.sf_atom, ret = 0;
+  // fn(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom, stream) and the kernel's status slot.
+  void* args[13] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5], &m,
+                    &n,          &k,          &l,          &sf_atom,    &stream,     &ret};
+  return RunKernel(*state, device, kWeightStreamTarget, *driver, fn, args, 13, &ret);
+}
+
+}  // namespace
+}  // namespace jbg
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgWeightStreamInstantiate, jbg::Instantiate,
+                              jbg::BindObjectTable(xla::ffi::Ffi::BindInstantiate())
+                                  .Attr<std::string_view>("w_dtype")
+                                  .Attr<std::string_view>("c_dtype")
+                                  .Attr<std::string_view>("sf_dtype")
+                                  .Attr<int64_t>("sf_vec_size")
+                                  .Attr<int64_t>("max_m"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgWeightStreamExecute, jbg::Execute,
+                              jbg::BindObjectTable(xla::ffi::Ffi::BindExecute()
+                                  .Ctx<xla::ffi::PlatformStream<jbg::CUstream>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Ctx<xla::ffi::State<jbg::KernelObjects>>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // x
+                                  .Arg<xla::ffi::AnyBuffer>()   // w
+                                  .Arg<xla::ffi::AnyBuffer>()   // sw
+                                  .Arg<xla::ffi::AnyBuffer>()   // alpha
+                                  .Ret<xla::ffi::AnyBuffer>()   // c
+                                  .Ret<xla::ffi::AnyBuffer>())  // amax
+                                  .Attr<std::string_view>("w_dtype")
+                                  .Attr<std::string_view>("c_dtype")
+                                  .Attr<std::string_view>("sf_dtype")
+                                  .Attr<int64_t>("sf_vec_size")
+                                  .Attr<int64_t>("max_m"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
