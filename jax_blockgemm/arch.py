@@ -10,6 +10,9 @@ What `None` takes, per operation:
     the reference takes the accumulator of its MXFP8 E4M3 GEMMs (gemm_amax's, and proj_rope's with MXFP8 inputs)
     from `jax.lax.scaled_dot` instead, which XLA hands to cuDNN's block-scaled GEMM on the FP8 tensor cores (SPEC
     §7's "tensor-core FP8" class); other formats, and smaller calls, keep the exact bf16 route.
+The decode kernel (op "weight_stream": bf16 activations of few rows against a block-scaled weight, for
+weight_only_matmul and small-M gemm_amax) has its own column: per weight format, the largest M for which None
+takes it (`decode_max_m`; 0 or absent: never).
 A per-GPU-model decision table measured by `python -m jax_blockgemm.tune` (`tuning`) may send calls to our kernels
 instead; this table is what holds without one.
 """
@@ -23,6 +26,8 @@ from typing import Iterator, Literal, Mapping, Optional
 
 Choice = Literal["kernel", "reference"]
 OPS = ("gemm_amax", "proj_rope")
+DECODE_OP = "weight_stream"
+DECODE_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")  # the weight formats the decode kernel reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +43,9 @@ class ArchPolicy:
     scaled_dot_min_size: Optional[int] = None  # smallest GEMM (L*M*N*K) whose MXFP8 E4M3 accumulator the reference
     # takes from jax.lax.scaled_dot; None: never
     why: str = ""  # the evidence behind `default`, one line for the docs
+    # weight format (DECODE_FORMATS) -> the largest M (rows of x) for which None takes the decode kernel; 0 or
+    # absent: never (a tuning table measured on the local GPU may still turn it on)
+    decode_max_m: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 TABLE: tuple[ArchPolicy, ...] = (
@@ -45,12 +53,14 @@ TABLE: tuple[ArchPolicy, ...] = (
         capability="9.0", target="sm_90a", verified=True,
         default={"gemm_amax": "reference", "proj_rope": "kernel"},
         proj_rope_tile=(128, 192), proj_rope_schedule="staged",
+        # provisional: the thresholds measured on the H200 go here
+        decode_max_m={fmt: 64 for fmt in DECODE_FORMATS},
         why="H200: the proj_rope kernel is faster than the reference at every measured shape; MX gemm_amax is "
             "bound by the bf16 tensor rate there, where XLA's dot is as fast as ours (docs/design/gemm_amax.md)"),
     ArchPolicy(
         capability="10.0", target="sm_100a", verified=False,
         default={"gemm_amax": "reference", "proj_rope": "reference"},
-        proj_rope_tile=(128, 192), scaled_dot_min_size=0,
+        proj_rope_tile=(128, 192), scaled_dot_min_size=0, decode_max_m={fmt: 0 for fmt in DECODE_FORMATS},
         why="B200: our kernels compiled, never run here, so never the default; MXFP8 E4M3 GEMMs through XLA's "
             "block-scaled dot (cuDNN on the FP8 tensor cores), unmeasured here"),
     ArchPolicy(
@@ -89,8 +99,13 @@ def is_verified(target: str) -> bool:
     return policy(target).verified
 
 
-def none_takes_kernel(op: str, target: str) -> bool:
-    """Whether implementation=None takes our `op` kernel on `target` (where one applies to the call)."""
+def none_takes_kernel(op: str, target: str, *, fmt: str = "", m: Optional[int] = None) -> bool:
+    """Whether implementation=None takes our `op` kernel on `target` (where one applies to the call). For the decode
+    kernel (DECODE_OP) that depends on the weight format `fmt` and the call's rows `m`: M at most the row's
+    `decode_max_m` for the format (with `m` None: whether it ever does)."""
+    if op == DECODE_OP:
+        largest = policy(target).decode_max_m.get(fmt, 0)
+        return largest > 0 and (m is None or m <= largest)
     return policy(target).default.get(op) == "kernel"
 
 
@@ -119,15 +134,28 @@ def overridden(capability: str, **changes) -> Iterator[ArchPolicy]:
         TABLE = saved
 
 
+def _decode_cell(p: ArchPolicy) -> str:
+    """What None takes for decode-sized calls on row `p`: "M <= 64, every format", "never", or per format."""
+    if p.target is None:
+        return "-"
+    largest = {fmt: p.decode_max_m.get(fmt, 0) for fmt in DECODE_FORMATS}
+    if len(set(largest.values())) == 1:
+        value = next(iter(largest.values()))
+        return f"decode kernel for M <= {value}, every format" if value else "never"
+    return ", ".join(f"{fmt}: M <= {value}" if value else f"{fmt}: never" for fmt, value in largest.items())
+
+
 def markdown_table() -> str:
     """The table as the docs show it: one row per compute capability."""
     lines = ["| compute capability | kernel target | kernels verified on it | None: gemm_amax | None: proj_rope "
-             "| reference's MXFP8 E4M3 GEMM | proj_rope tile, schedule | why |", "|---|---|---|---|---|---|---|---|"]
+             "| None: decode (weight-only, small-M gemm_amax) | reference's MXFP8 E4M3 GEMM | proj_rope tile, schedule "
+             "| why |", "|---|---|---|---|---|---|---|---|---|"]
     for p in TABLE:
         tile = f"{p.proj_rope_tile[0]}x{p.proj_rope_tile[1]}, {p.proj_rope_schedule or 'default'}" if p.target else "-"
         gemm = "bf16 dot" if p.scaled_dot_min_size is None else "jax.lax.scaled_dot"
         lines.append(f"| {p.capability} | {p.target or '-'} | {'yes' if p.verified else 'no (self-checked first)'} "
-                     f"| {p.default['gemm_amax']} | {p.default['proj_rope']} | {gemm} | {tile} | {p.why} |")
+                     f"| {p.default['gemm_amax']} | {p.default['proj_rope']} | {_decode_cell(p)} | {gemm} | {tile} "
+                     f"| {p.why} |")
     return "\n".join(lines)
 
 

@@ -28,6 +28,43 @@ class ArchTableTest(absltest.TestCase):
         for p in arch.TABLE:
             if not p.verified:
                 self.assertNotIn("kernel", p.default.values(), p.capability)
+                self.assertFalse(any(p.decode_max_m.values()), p.capability)
+
+    def test_decode_kernel_by_format_and_rows(self):
+        """None takes the decode kernel up to the row's largest M for the weight format (every format on sm_90a),
+        never on sm_100a; a format the row does not name never."""
+        self.assertEqual(set(arch.policy("sm_90a").decode_max_m), set(arch.DECODE_FORMATS))
+        for fmt in arch.DECODE_FORMATS:
+            largest = arch.policy("sm_90a").decode_max_m[fmt]
+            self.assertGreater(largest, 0, fmt)
+            self.assertTrue(arch.none_takes_kernel("weight_stream", "sm_90a", fmt=fmt, m=1))
+            self.assertTrue(arch.none_takes_kernel("weight_stream", "sm_90a", fmt=fmt, m=largest))
+            self.assertFalse(arch.none_takes_kernel("weight_stream", "sm_90a", fmt=fmt, m=largest + 1))
+            self.assertFalse(arch.none_takes_kernel("weight_stream", "sm_100a", fmt=fmt, m=1))
+        self.assertFalse(arch.none_takes_kernel("weight_stream", "sm_90a", fmt="e2m1_e8m0_16", m=1))
+        with arch.overridden("10.0", decode_max_m={"mxfp4": 16}):
+            self.assertTrue(arch.none_takes_kernel("weight_stream", "sm_100a", fmt="mxfp4", m=16))
+            self.assertFalse(arch.none_takes_kernel("weight_stream", "sm_100a", fmt="mxfp4", m=17))
+            self.assertFalse(arch.none_takes_kernel("weight_stream", "sm_100a", fmt="nvfp4", m=1))
+            row = next(line for line in arch.markdown_table().splitlines() if line.startswith("| 10.0 |"))
+            self.assertIn("| mxfp8_e4m3: never, mxfp8_e5m2: never, mxfp4: M <= 16, nvfp4: never |", row)
+        with arch.overridden("9.0", decode_max_m={fmt: 48 for fmt in arch.DECODE_FORMATS}):
+            self.assertIn("| decode kernel for M <= 48, every format |", arch.markdown_table().splitlines()[2])
+
+    def test_every_decode_threshold_has_kernels_that_hold_it(self):
+        """Where None takes the decode kernel up to M rows, the catalog has a variant of that format with room for M
+        rows (C in every dtype the kernel writes)."""
+        from jax_blockgemm.kernels import catalog
+
+        formats = {"mxfp8_e4m3": ("float8_e4m3fn", 32), "mxfp8_e5m2": ("float8_e5m2", 32),
+                   "mxfp4": ("float4_e2m1fn", 32), "nvfp4": ("float4_e2m1fn", 16)}
+        for target in arch.targets():
+            for fmt, largest in arch.policy(target).decode_max_m.items():
+                if largest:
+                    ab, v = formats[fmt]
+                    room = {x.c_dtype for x in catalog.variants_for(target, "weight_stream")
+                            if (x.ab_dtype, x.sf_vec_size) == (ab, v) and x.tile_mn[1] >= largest}
+                    self.assertEqual(room, {"float32", "bfloat16", "float16"}, (target, fmt))
 
     def test_capabilities_map_to_targets(self):
         self.assertEqual(arch.target_of("9.0"), "sm_90a")

@@ -3,11 +3,15 @@ variant selection and naming, and the configuration checks of the kernel classes
 
 import dataclasses
 import re
+import sys
+import types
+from unittest import mock
 
 from absl.testing import absltest, parameterized
 
 import broken_kernels
 import compiled_kernels
+import decode_standin
 from jax_blockgemm.kernels import catalog
 from jax_blockgemm.kernels.dequantize import MxDequantize
 from jax_blockgemm.kernels.sm90.gemm_amax import HopperMxf8GemmAmax
@@ -51,8 +55,8 @@ class CatalogTest(absltest.TestCase):
                                                  "proj_rope.sm_100a.bf16.e4m3.sf32.t128x192.c1x1.bn"})
 
     def test_sm100a_fp4_variants(self):
-        fp4 = {(v.sf_vec_size, v.sf_dtype, v.c_dtype, v.tile_mn, v.cluster_mn) for v in catalog.variants_for("sm_100a")
-               if v.ab_dtype == "float4_e2m1fn"}
+        fp4 = {(v.sf_vec_size, v.sf_dtype, v.c_dtype, v.tile_mn, v.cluster_mn)
+               for v in catalog.variants_for("sm_100a", "gemm_amax") if v.ab_dtype == "float4_e2m1fn"}
         clusters = ((1, 1), (2, 1), (1, 2), (2, 2))
         want = {(32, "float8_e8m0fnu", c, t, cl) for c in ("float32", "bfloat16") for t in ((128, 128), (128, 256))
                 for cl in clusters}
@@ -114,6 +118,104 @@ class CatalogTest(absltest.TestCase):
             self.assertTrue(any(v.ab_dtype != "float4_e2m1fn" and v.a_major + v.b_major == "kk" for v in ours))
             self.assertTrue(any(catalog.takes_alpha(v) for v in ours))
             self.assertTrue(any(v.a_major + v.b_major != "kk" for v in ours))
+
+
+_WS_FORMATS = {("float8_e4m3fn", 32, "float8_e8m0fnu"), ("float8_e5m2", 32, "float8_e8m0fnu"),
+               ("float4_e2m1fn", 32, "float8_e8m0fnu"), ("float4_e2m1fn", 16, "float8_e4m3fn")}
+
+
+class WeightStreamCatalogTest(parameterized.TestCase):
+    """The decode GEMM's catalog entries (op "weight_stream"), its factory and its ABI's fake arguments."""
+
+    def test_every_format_c_dtype_tile_and_arch(self):
+        got = [(v.arch, (v.ab_dtype, v.sf_vec_size, v.sf_dtype), v.c_dtype, v.tile_mn, v.cluster_mn, v.a_major,
+                v.b_major) for v in catalog.CATALOG if v.op == "weight_stream"]
+        want = {(a, f, c, t, (1, 1), "k", "k") for a in ("sm_90a", "sm_100a") for f in _WS_FORMATS
+                for c in ("float32", "bfloat16", "float16") for t in ((32, 16), (32, 64))}
+        self.assertLen(got, len(want))  # no duplicates
+        self.assertEqual(set(got), want)
+        self.assertIn("weight_stream", catalog.OPS)
+        self.assertEqual({v.op for v in catalog.variants_for("sm_100a")} - {"weight_stream"},
+                         {"gemm_amax", "proj_rope", "dequantize"})
+
+    def test_keys_name_the_format_c_and_tile(self):
+        keys = {v.key for v in catalog.CATALOG if v.op == "weight_stream"}
+        self.assertIn("weight_stream.sm_90a.e4m3.f32.sf32.t32x16.c1x1", keys)
+        self.assertIn("weight_stream.sm_90a.e2m1.bf16.sf16e4m3.t32x64.c1x1", keys)  # NVFP4
+        self.assertIn("weight_stream.sm_100a.e2m1.f16.sf32.t32x64.c1x1", keys)  # MXFP4
+        self.assertIn("weight_stream.sm_100a.e5m2.bf16.sf32.t32x16.c1x1", keys)
+        v = catalog.select_variant(op="weight_stream", arch="sm_90a", ab_dtype="float4_e2m1fn", c_dtype="float16",
+                                   sf_vec_size=16, sf_dtype="float8_e4m3fn", tile_mn=(32, 64), cluster_mn=(1, 1))
+        self.assertEqual(v.function_prefix, "jbg_weight_stream_sm_90a_e2m1_f16_sf16e4m3_t32x64_c1x1")
+        self.assertFalse(catalog.takes_alpha(v))  # gemm_amax's alpha rule; this ABI always carries alpha
+        self.assertEqual(catalog.grid_cluster_ctas(v), 0)
+
+    def test_select_variant_needs_op_and_an_existing_tile(self):
+        cfg = dict(arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype="bfloat16", sf_vec_size=32, cluster_mn=(1, 1))
+        self.assertEqual(catalog.select_variant(op="weight_stream", **cfg, tile_mn=(32, 16)).op, "weight_stream")
+        self.assertIsNone(catalog.select_variant(op="weight_stream", **cfg, tile_mn=(32, 32)))
+        self.assertIsNone(catalog.select_variant(**cfg, tile_mn=(32, 16)))  # op defaults to gemm_amax
+        self.assertIsNone(catalog.select_variant(op="weight_stream", **{**cfg, "c_dtype": "float8_e4m3fn"},
+                                                 tile_mn=(32, 16)))
+        self.assertIsNone(catalog.select_variant(op="weight_stream", **{**cfg, "sf_vec_size": 16},
+                                                 sf_dtype="float8_e4m3fn", tile_mn=(32, 16)))  # NVFP4 scales: FP4 only
+
+    def test_factory_passes_the_variant_to_the_interface(self):
+        """make_kernel builds kernels.weight_stream.WeightStreamGemm with the variant's dtypes, scales and tile."""
+        made = []
+        module = types.ModuleType("jax_blockgemm.kernels.weight_stream")
+        module.WeightStreamGemm = lambda **kwargs: made.append(kwargs) or kwargs
+        v = catalog.select_variant(op="weight_stream", arch="sm_100a", ab_dtype="float4_e2m1fn", c_dtype="float32",
+                                   sf_vec_size=16, sf_dtype="float8_e4m3fn", tile_mn=(32, 64), cluster_mn=(1, 1))
+        with mock.patch.dict(sys.modules, {module.__name__: module}):
+            catalog.make_kernel(v)
+        self.assertEqual(made, [dict(w_dtype="float4_e2m1fn", c_dtype="float32", sf_vec_size=16,
+                                     sf_dtype="float8_e4m3fn", tile=(32, 64))])
+
+    def test_fake_arguments_follow_the_abi(self):
+        """fn(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom, stream): x bf16, w and c as the kernel says, scale bytes
+        uint8, amax and alpha float32, five int32 scalars, the stream."""
+        import cutlass
+
+        kernel = types.SimpleNamespace(ab_dtype=cutlass.Float8E5M2, c_dtype=cutlass.Float16)
+        args = catalog.fake_arguments(kernel, "weight_stream")
+        self.assertLen(args, 12)
+        self.assertEqual([a.element_type for a in args[:6]], [cutlass.BFloat16, cutlass.Float8E5M2, cutlass.Uint8,
+                                                             cutlass.Float16, cutlass.Float32, cutlass.Float32])
+        self.assertTrue(all(isinstance(a, cutlass.Int32) for a in args[6:11]))
+        self.assertEqual(type(args[11]).__name__, "CUstream")
+
+    def test_the_real_class_takes_every_catalog_variant(self):
+        """Needs kernels/weight_stream.py: each variant builds, with the dtypes the handler checks buffers against
+        and the capacity and K rules dispatch relies on."""
+        if decode_standin.real_class() is None:
+            self.skipTest(decode_standin.MISSING)
+        import cutlass
+
+        codes = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,
+                 "float4_e2m1fn": cutlass.Uint8}
+        c_types = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+        for v in (v for v in catalog.CATALOG if v.op == "weight_stream"):
+            with self.subTest(v.key):
+                kernel = catalog.make_kernel(v)
+                self.assertEqual((kernel.ab_dtype, kernel.c_dtype), (codes[v.ab_dtype], c_types[v.c_dtype]))
+                step = 32 if v.ab_dtype == "float4_e2m1fn" else 16
+                rows = v.tile_mn[1]
+                self.assertEqual(kernel.can_implement(rows, 7168, 7168, 1)[0], True)
+                self.assertEqual(kernel.can_implement(1, 1, step, 3)[0], True)
+                self.assertFalse(kernel.can_implement(rows + 1, 128, 128, 1)[0])
+                self.assertFalse(kernel.can_implement(1, 128, 128 + step // 2, 1)[0])
+
+    def test_the_stand_in_agrees_with_the_real_class(self):
+        """The dispatch tests use a stand-in with the documented can_implement: it must answer as the real class."""
+        if decode_standin.real_class() is None:
+            self.skipTest(decode_standin.MISSING)
+        sizes = [(m, n, k, l) for m in (1, 16, 17, 64, 65) for n in (1, 200) for k in (16, 32, 48, 96, 7168)
+                 for l in (1, 2)]
+        for v in (v for v in catalog.CATALOG if v.op == "weight_stream" and v.arch == "sm_90a"):
+            real, stand_in = catalog.make_kernel(v), decode_standin.StandInWeightStream(v)
+            for size in sizes:
+                self.assertEqual(real.can_implement(*size)[0], stand_in.can_implement(*size)[0], (v.key, size))
 
 
 class KernelConfigTest(parameterized.TestCase):

@@ -21,6 +21,12 @@ dynamic_shapes[1];}` struct over a flat buffer.
       two operands in one launch: codes (rows, cols) E4M3; out (rows, cols) bf16; scales E8M0 bytes (rows, cols/32)
       for a_major "k" (blocks along the row), (rows/32, cols) for "m" (blocks along the column); operand 1 always
       has its blocks along the row, and rows1 = 0 when there is none; sizes int32 (kernels/dequantize.py).
+    weight_stream: fn(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom, stream)
+      the decode GEMM (kernels/weight_stream.py): x bf16 (L, M, K) with M at most tile_mn[1]; w codes (L, N, K), or
+      packed FP4 (L, N, K/2) uint8; sw the weight's scale bytes, compact (L, N, ceil(K/v)) for sf_atom = 0 or the
+      SPEC §3 atom (L, ceil(N/128), ceil(ceil(K/v)/4), 32, 4, 4) for sf_atom = 1; c (L, M, N) row-major; amax L
+      float32 values the handler zeroes first; alpha (L,) float32, always passed (ones for the MX formats); m/n/k/l
+      and sf_atom int32, k the logical K. tile_mn is (rows of W per CTA, the most rows of x the variant takes).
 
 The target architecture is a property of the DSL singleton (`CUTE_DSL_ARCH` is read once, when the singleton is
 built, or detected from the GPU); `compile_variant` sets it for the duration of each compile, so one process can
@@ -46,7 +52,7 @@ from jax_blockgemm.kernels import sm100 as _sm100
 _SHORT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float4_e2m1fn": "e2m1", "float32": "f32",
           "bfloat16": "bf16", "float16": "f16"}
 E8M0 = "float8_e8m0fnu"
-OPS = ("gemm_amax", "proj_rope", "dequantize")
+OPS = ("gemm_amax", "proj_rope", "dequantize", "weight_stream")
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -137,11 +143,19 @@ def _dequantize_factory(v: KernelVariant) -> Any:
     return MxDequantize(scale_axis=1 if v.a_major == "k" else 0)
 
 
+def _weight_stream_factory(v: KernelVariant) -> Any:
+    from jax_blockgemm.kernels.weight_stream import WeightStreamGemm
+
+    return WeightStreamGemm(w_dtype=v.ab_dtype, c_dtype=v.c_dtype, sf_vec_size=v.sf_vec_size, sf_dtype=v.sf_dtype,
+                            tile=v.tile_mn)
+
+
 # (op, arch) -> builds the kernel object (a class instance with `can_implement` and a `@cute.jit` __call__).
 _FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
     ("gemm_amax", "sm_90a"): _hopper_factory, ("gemm_amax", "sm_100a"): _blackwell_factory,
     ("proj_rope", "sm_90a"): _hopper_proj_rope_factory, ("proj_rope", "sm_100a"): _blackwell_proj_rope_factory,
-    ("dequantize", "sm_90a"): _dequantize_factory, ("dequantize", "sm_100a"): _dequantize_factory}
+    ("dequantize", "sm_90a"): _dequantize_factory, ("dequantize", "sm_100a"): _dequantize_factory,
+    ("weight_stream", "sm_90a"): _weight_stream_factory, ("weight_stream", "sm_100a"): _weight_stream_factory}
 
 # proj_rope: the tile and schedule each target runs are arch.TABLE's. On sm_90a a persistent kernel, one CTA per SM,
 # on 128-token x one-head tiles, whose MMA warpgroups hand each fp32 tile through shared memory to an epilogue
@@ -160,6 +174,14 @@ _C = ("float32", "bfloat16")
 # f16, E4M3, E5M2, packed FP4), all through the bf16-dequantization mainloop.
 _SM90_FP4_C = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
 _SM90_FP4_SCALES = ((32, E8M0), (16, "float8_e4m3fn"))
+
+# The decode kernel's weight formats ((codes, scale block, scale dtype): MXFP8 E4M3 and E5M2, MXFP4, NVFP4), its C
+# dtypes and its tiles (rows of W per CTA, the most rows of x a variant takes): dispatch picks, per arch, the
+# variant of the smallest capacity that holds the call's M.
+WEIGHT_STREAM_FORMATS = (("float8_e4m3fn", 32, E8M0), ("float8_e5m2", 32, E8M0), ("float4_e2m1fn", 32, E8M0),
+                         ("float4_e2m1fn", 16, "float8_e4m3fn"))
+WEIGHT_STREAM_C = ("float32", "bfloat16", "float16")
+WEIGHT_STREAM_TILES = ((32, 16), (32, 64))
 
 CATALOG: tuple[KernelVariant, ...] = (
     tuple(KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype=c) for ab in _FP8 for c in _C)
@@ -200,7 +222,13 @@ CATALOG: tuple[KernelVariant, ...] = (
     # along the row), (K, N) w (a_major "m"). No MMA: one kernel serves both architectures; only sm_90a has run.
     + tuple(KernelVariant(op="dequantize", arch=arch, ab_dtype="float8_e4m3fn", c_dtype="bfloat16",
                           tile_mn=DEQUANTIZE_TILE, a_major=a_major)
-            for arch in ("sm_90a", "sm_100a") for a_major in ("k", "m")))
+            for arch in ("sm_90a", "sm_100a") for a_major in ("k", "m"))
+    # The decode GEMM (weight_stream): bf16 activations, few rows, against a block-scaled weight read once. One
+    # design for both targets; the sm_100a objects are compiled here and gated by the first-use self-check.
+    + tuple(KernelVariant(op="weight_stream", arch=arch, ab_dtype=w, c_dtype=c, sf_vec_size=v, sf_dtype=sf,
+                          tile_mn=tile)
+            for arch in ("sm_90a", "sm_100a") for w, v, sf in WEIGHT_STREAM_FORMATS for c in WEIGHT_STREAM_C
+            for tile in WEIGHT_STREAM_TILES))
 
 
 # Kernels built outside the package (tests' deliberately broken ones) that forced runs and the self-check may build:
@@ -260,6 +288,11 @@ def fake_arguments(kernel: Any, op: str = "gemm_amax") -> list:
         operand = [flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(cutlass.BFloat16), cutlass.Int32(32),
                    cutlass.Int32(64)]
         return operand + operand + [cuda.CUstream(0)]
+    if op == "weight_stream":  # scale bytes travel as uint8 whatever their format, as gemm_amax's do
+        i32 = cutlass.Int32
+        return [flat(cutlass.BFloat16), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(kernel.c_dtype),
+                flat(cutlass.Float32), flat(cutlass.Float32), i32(1), i32(32), i32(64), i32(1), i32(0),
+                cuda.CUstream(0)]
     if op == "proj_rope":
         ab, u8 = kernel.ab_dtype, cutlass.Uint8
         return [flat(ab), flat(ab), flat(cutlass.BFloat16), flat(cutlass.BFloat16), flat(u8), flat(u8),
