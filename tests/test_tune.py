@@ -137,3 +137,22 @@ class TuneCommandTest(absltest.TestCase):
 
 if __name__ == "__main__":
     absltest.main()
+
+
+class BenchmarkInputsTest(absltest.TestCase):
+
+    def test_every_format_tune_times_has_benchmark_operands_of_that_format(self):
+        """tune draws its operands from the benchmark's generator: each of its formats must exist there, with codes
+        and scales of the format's dtypes."""
+        from jax_blockgemm.bench import inputs
+
+        want = {"mxfp8_e4m3": (jnp.float8_e4m3fn, np.uint8), "mxfp8_e5m2": (jnp.float8_e5m2, np.uint8),
+                "mxfp4": (np.uint8, np.uint8), "nvfp4": (np.uint8, jnp.float8_e4m3fn)}
+        self.assertEqual(set(tune.GEMM_FORMATS), set(want))
+        for fmt in tune.GEMM_FORMATS:
+            d = inputs.gemm_inputs(jax.random.key(1), 16, 32, 64, fmt=tune._BENCH_FORMAT[fmt])
+            codes, scales = want[fmt]
+            self.assertEqual((np.dtype(d["a"].dtype), np.dtype(d["sfa_sm"].dtype if fmt == "nvfp4" else
+                                                                d["sfa_atom"].dtype)),
+                             (np.dtype(codes), np.dtype(scales)), fmt)
+            self.assertEqual(d["b"].shape, (32, 64 // (2 if codes is np.uint8 else 1)), fmt)

@@ -29,11 +29,12 @@ class GemmFormat:
     @property
     def fp4(self) -> bool:
         """True for the E2M1 formats, whose codes are packed two per byte."""
-        return self.name != "mxfp8"
+        return self.name in ("mxfp4", "nvfp4")
 
 
 GEMM_FORMATS = {f.name: f for f in (
     GemmFormat("mxfp8", "MXFP8 E4M3", support.MX_BLOCK),
+    GemmFormat("mxfp8_e5m2", "MXFP8 E5M2", support.MX_BLOCK),
     GemmFormat("mxfp4", "MXFP4 E2M1", support.MX_BLOCK),
     GemmFormat("nvfp4", "NVFP4 E2M1 x alpha", 16))}
 DEFAULT_FORMATS = ("mxfp8",)
@@ -65,11 +66,13 @@ def nvfp4_tensor_scale(values: jax.Array) -> jax.Array:
 def quantize_operand(values: jax.Array, fmt: GemmFormat) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
     """(codes, compact scales, per-tensor scale or None) of values in `fmt`, by the library's own quantizers.
 
-    MXFP8: E4M3 codes and uint8 E8M0 bytes; MXFP4: packed uint8 E2M1 codes and uint8 E8M0 bytes; NVFP4: packed
+    MXFP8: E4M3 (or E5M2, "mxfp8_e5m2") codes and uint8 E8M0 bytes; MXFP4: packed uint8 E2M1 codes and uint8 E8M0 bytes; NVFP4: packed
     codes and float8_e4m3fn scales of values / nvfp4_tensor_scale(values), which is returned as the third item.
     """
     if fmt.name == "mxfp8":
         return (*formats.quantize_mxfp8(values), None)
+    if fmt.name == "mxfp8_e5m2":
+        return (*formats.quantize_mxfp8(values, dtype=formats.E5M2), None)
     if fmt.name == "mxfp4":
         return (*formats.quantize_mxfp4(values), None)
     tensor_scale = nvfp4_tensor_scale(values)
