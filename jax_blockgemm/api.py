@@ -143,8 +143,9 @@ def weight_only_matmul(x: jax.Array, w: weight_only.QuantizedWeight, *, out_dtyp
 
     x: (..., K) bfloat16 or float32, not quantized. w: a QuantizedWeight of an (N, K) matrix (`quantize_weight`):
     MXFP8 E4M3 / E5M2, MXFP4 or NVFP4 (with its per-tensor alpha). Products are summed in fp32 and y (..., N) is
-    returned in out_dtype (bfloat16 or float32). No decode kernel exists yet: every implementation runs the reference
-    (Ŵ dequantized to bf16, exact, then one dot in x's dtype with fp32 accumulation); "cutedsl" raises.
+    returned in out_dtype (bfloat16 or float32). On CUDA, bf16 x with few rows (at most 64) runs the decode kernel
+    where dispatch finds one ("cutedsl" forces it; None follows `arch.TABLE`); float32 x and everything else runs the
+    reference (Ŵ dequantized to bf16, exact, then one dot in x's dtype with fp32 accumulation).
 
     jit, vmap (over x's leading axes, or over stacked weights) and sharding work as for the other operations (x
     sharded on rows or K, the weight on N or K: the weight is never gathered). Differentiable with respect to x

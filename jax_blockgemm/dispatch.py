@@ -6,6 +6,10 @@ What `implementation=None` takes per architecture is `arch.TABLE`'s; where the l
 reference. A kernel of an architecture where ours never ran (`arch.is_verified`) is used on a local GPU only once
 its first-use self-check has passed there (`gate`: checked in a child process, verdicts kept on disk); when it
 failed, None falls back to the reference and "cutedsl" raises.
+
+Decode-sized calls (few rows of activations against a block-scaled weight) have their own kernel, op
+"weight_stream": weight_only_matmul with bf16 x, and gemm_amax with M <= 64 (its A dequantized to bf16 first), take
+it before any other; `arch.TABLE`'s `decode_max_m` says up to which M None does.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import threading
 from typing import Any, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_blockgemm import arch, formats, tuning
@@ -44,7 +49,7 @@ class KernelChoice:
 @contextlib.contextmanager
 def forced_variants(variants: Sequence[Any]) -> Iterator[None]:
     """Within this block (this thread), lowerings with implementation='cutedsl' use exactly those of `variants` that
-    are of their operation (gemm_amax, proj_rope).
+    are of their operation (gemm_amax, proj_rope; weight_stream for decode-sized gemm_amax and weight-only calls).
 
     For the self-check's child process, which must run one given variant (also a deliberately broken test one)
     without consulting its own verdict.
@@ -169,13 +174,100 @@ def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation
     return _usable(variants, implementation, sizes=(t, k, h), names="(T, K, H)", fmt="mxfp8" if mxfp8 else "bf16")
 
 
+_E8M0 = "float8_e8m0fnu"
+_DECODE_C_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
+def _decode_variants(*, ab_dtype: str, c_dtype: str, sf_dtype: str, sf_vec_size: int, m: int) -> list:
+    """Per architecture, the decode variant for these dtypes with the smallest capacity (tile_mn[1]) that holds m
+    rows; an architecture without one is left out."""
+    from jax_blockgemm.kernels import catalog
+
+    variants = []
+    for target in sorted({v.arch for v in catalog.CATALOG}):
+        for tile in sorted(catalog.WEIGHT_STREAM_TILES, key=lambda t: t[1]):
+            if tile[1] < m:
+                continue
+            variant = catalog.select_variant(op="weight_stream", arch=target, ab_dtype=ab_dtype, c_dtype=c_dtype,
+                                             sf_vec_size=sf_vec_size, sf_dtype=sf_dtype, tile_mn=tile,
+                                             cluster_mn=(1, 1))
+            if variant is not None:
+                variants.append(variant)
+                break
+    return variants
+
+
+def _decode_choice(implementation: Any, *, fmt: str, ab_dtype: str, sf_dtype: str, sf_vec_size: int, c_dtype: Any,
+                   sizes: tuple[int, int, int, int], shapes: Sequence[tuple[str, tuple]]) -> KernelChoice:
+    """The decode kernels for a call of `sizes` (M, N, K, L) whose buffers have `shapes` ((name, shape), ...), or why
+    there are none: the last steps weight_only_kernels and decode_kernels share."""
+    for name, shape in shapes:
+        if math.prod(shape) >= MAX_KERNEL_ELEMENTS:
+            return KernelChoice(reason=f"{name} {tuple(shape)} holds {math.prod(shape)} elements, past the kernels' "
+                                       f"32-bit indexing (fewer than 2**31 = {MAX_KERNEL_ELEMENTS})")
+    try:
+        from jax_blockgemm import _native
+        from jax_blockgemm.kernels import catalog
+
+        _native.extension()
+    except ImportError as e:  # CuTeDSL or the native bridge missing: the reference still works
+        return KernelChoice(reason=f"no kernel can run here: {e}")
+    m = sizes[0]
+    capacity = max(tile[1] for tile in catalog.WEIGHT_STREAM_TILES)
+    if m > capacity:
+        return KernelChoice(reason=f"M = {m} rows is more than the decode kernel takes ({capacity})")
+    forced = getattr(_FORCED, "variants", None)
+    if forced is not None and implementation == "cutedsl":
+        return KernelChoice(variants=tuple(v for v in forced if v.op == "weight_stream"))
+    c_name = str(np.dtype(c_dtype))
+    variants = _decode_variants(ab_dtype=ab_dtype, c_dtype=c_name, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size, m=m)
+    if not variants:
+        return KernelChoice(reason=f"no decode kernel in the catalog for {fmt} weights into {c_name}")
+    return _usable(variants, implementation, sizes=sizes, names="(M, N, K, L)", fmt=fmt)
+
+
 def weight_only_kernels(avals_in: Sequence[Any], *, fmt: str, out_dtype: Any, implementation: Any,
                         **_: Any) -> KernelChoice:
-    """The kernel for a weight_only_matmul call (x (L, M, K) times `fmt` weights): none exists yet, so every device
-    runs the reference. A decode kernel, when one is added, is chosen here."""
+    """The decode kernels (one per covered architecture) for a weight_only_matmul call: x (L, M, K) bf16 times `fmt`
+    weights (codes (L, N, K) or packed FP4 (L, N, K/2), compact scales); or why there are none. The kernel takes
+    bf16 activations only: float32 x keeps the reference, whose dot runs in float32."""
     if implementation == "xla":
         return KernelChoice(reason="implementation='xla' forces the reference")
-    return KernelChoice(reason=f"no decode kernel yet: weight-only {fmt} matmuls run the reference on every device")
+    x, codes, scales = avals_in[:3]
+    if np.dtype(x.dtype) != np.dtype(jnp.bfloat16):
+        return KernelChoice(reason=f"x is {np.dtype(x.dtype)}: the decode kernel takes bfloat16 activations, so "
+                                   f"{np.dtype(x.dtype)} x runs the reference (its dot in x's dtype)")
+    block_format = formats.FORMATS[fmt]
+    l, m, k = x.shape
+    n = codes.shape[1]
+    return _decode_choice(implementation, fmt=fmt, ab_dtype=str(block_format.code_dtype),
+                          sf_dtype=_E8M0 if block_format.scale_kind == "e8m0" else "float8_e4m3fn",
+                          sf_vec_size=block_format.block, c_dtype=out_dtype, sizes=(m, n, k, l),
+                          shapes=(("x", x.shape), ("w", codes.shape), ("sw", scales.shape), ("y", (l, m, n))))
+
+
+def decode_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, a_major: str, b_major: str,
+                   c_major: str, implementation: Any, k: int | None = None, **_: Any) -> KernelChoice:
+    """The decode kernels (one per covered architecture) for a gemm_amax call, which the CUDA lowering tries before
+    the large-GEMM kernels: M at most the decode kernel's capacity (64), K-major operands, N-major C in float32,
+    bfloat16 or float16. B (L, N, K) is the streamed weight with its atom scales (sf_atom = 1); A is dequantized to
+    bf16 (exact) before the kernel. Under implementation="cutedsl" such a call takes this kernel."""
+    if implementation == "xla":
+        return KernelChoice(reason="implementation='xla' forces the reference")
+    if (a_major, b_major, c_major) != ("k", "k", "n"):
+        return KernelChoice(reason=f"the decode kernel takes K-major operands and an N-major C; got a_major="
+                                   f"{a_major!r}, b_major={b_major!r}, c_major={c_major!r}")
+    if np.dtype(c_dtype) not in _DECODE_C_DTYPES:
+        return KernelChoice(reason=f"the decode kernel writes float32, bfloat16 or float16 C; got {np.dtype(c_dtype)}")
+    a, b, sfa, sfb = avals_in[:4]
+    packed = np.dtype(b.dtype) == np.uint8
+    ab_dtype = "float4_e2m1fn" if packed else str(np.dtype(b.dtype))
+    sf_dtype = _E8M0 if np.dtype(sfb.dtype) == np.uint8 else str(np.dtype(sfb.dtype))
+    l, m, n = a.shape[0], a.shape[1], b.shape[1]
+    k = k if k is not None else b.shape[2] * (2 if packed else 1)
+    return _decode_choice(implementation, fmt=format_key(ab_dtype, sf_dtype, sf_vec_size), ab_dtype=ab_dtype,
+                          sf_dtype=sf_dtype, sf_vec_size=sf_vec_size, c_dtype=c_dtype, sizes=(m, n, k, l),
+                          shapes=(("x", (l, m, k)), ("b", b.shape), ("sfb", sfb.shape), ("c", (l, m, n))))
 
 
 def ragged_kernels(avals_in: Sequence[Any], *, implementation: Any, **_: Any) -> KernelChoice:
@@ -229,14 +321,15 @@ def local_gpu_model() -> str | None:
     return kinds.pop() if len(kinds) == 1 else None
 
 
-def _none_takes(v: Any, fmt: str, size: int, local_targets: set) -> bool:
-    """Whether implementation=None takes variant `v`: the local GPU model's measured decision (`tuning`) where one
-    exists for its target, else `arch.TABLE`."""
+def _none_takes(v: Any, fmt: str, sizes: tuple, local_targets: set) -> bool:
+    """Whether implementation=None takes variant `v` for a call of `sizes` (M or T first): the local GPU model's
+    measured decision (`tuning`, for the problem size prod(sizes)) where one exists for its target, else
+    `arch.TABLE` (for the decode kernel, by M and the weight format)."""
     if v.arch in local_targets:
-        measured = tuning.takes_kernel(local_gpu_model(), v.op, fmt, size)
+        measured = tuning.takes_kernel(local_gpu_model(), v.op, fmt, math.prod(sizes))
         if measured is not None:
             return measured
-    return arch.none_takes_kernel(v.op, v.arch)
+    return arch.none_takes_kernel(v.op, v.arch, fmt=fmt, m=sizes[0])
 
 
 def _usable(variants: list, implementation: Any, *, sizes: tuple, names: str, fmt: str) -> KernelChoice:
@@ -261,7 +354,7 @@ def _usable(variants: list, implementation: Any, *, sizes: tuple, names: str, fm
     capabilities = local_cuda_capabilities()
     if implementation is None:
         local_targets = {arch.target_of(cc) for cc in capabilities or ()}
-        taken = [v for v in variants if _none_takes(v, fmt, math.prod(sizes), local_targets)]
+        taken = [v for v in variants if _none_takes(v, fmt, sizes, local_targets)]
         if not taken:
             slower = sorted(v.arch for v in variants)
             return KernelChoice(reason=f"implementation=None takes the reference over the {', '.join(slower)} "

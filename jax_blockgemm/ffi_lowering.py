@@ -1,5 +1,6 @@
-"""MLIR lowering of both operations to their XLA FFI custom calls (`jbg_gemm_amax`, `jbg_gemm_proj_rope_mxfp8`, and
-`jbg_dequantize_mxfp8`, the MXFP8 proj_rope path's input pass; typed FFI, api_version 4).
+"""MLIR lowering of the operations to their XLA FFI custom calls (`jbg_gemm_amax`, `jbg_gemm_proj_rope_mxfp8`,
+`jbg_dequantize_mxfp8`, the MXFP8 proj_rope path's input pass, and `jbg_weight_stream`, the decode kernel; typed FFI,
+api_version 4).
 
 The custom call carries one kernel object per architecture, so a program lowered or `jax.export`-ed on any
 machine (no GPU needed) runs on every GPU the objects cover; the handler picks by compute capability when XLA
@@ -18,6 +19,10 @@ instantiates the program. Attributes:
 - `cluster_ctas`: int64 array, one entry per object: 0 where its function takes no grid size (sm_90a), else the CTAs
   of one of its clusters (sm_100a, whose function takes max_ctas: the handler sizes the persistent grid per device
   from the SM count and the clusters that fit at once).
+
+`jbg_weight_stream` (x, w, sw, alpha -> c, amax) carries the object table and `w_dtype`, `c_dtype`, `sf_dtype`,
+`sf_vec_size` (what its objects were compiled for, named as above) and `max_m` (int64: the most rows of x every
+object takes); sw's rank tells the handler its form (3: compact scales, 6: the 128x4 atom).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
@@ -33,6 +39,7 @@ from jax_blockgemm import _native, kernel_cache
 GEMM_AMAX_TARGET = _native.GEMM_AMAX_TARGET
 PROJ_ROPE_TARGET = _native.PROJ_ROPE_TARGET
 DEQUANTIZE_TARGET = _native.DEQUANTIZE_TARGET
+WEIGHT_STREAM_TARGET = "jbg_weight_stream"
 
 
 def object_table_attributes(variants: Sequence[Any], objects: Sequence[bytes]) -> dict[str, Any]:
@@ -174,7 +181,57 @@ def emit_dequantize(ctx: Any, operands: Sequence[tuple[Any, Any]], *, avals: Seq
     return _emit(DEQUANTIZE_TARGET, sub, [x for pair in operands for x in pair], attributes)
 
 
+def weight_stream_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, w_dtype: Any, c_dtype: Any,
+                             sf_dtype: str) -> dict[str, Any]:
+    """The jbg_weight_stream call's attributes for `variants` (one per arch, all compiled for the weight codes
+    `w_dtype` (uint8: packed FP4), C dtype `c_dtype` and scales `sf_dtype`); max_m is the smallest row capacity among
+    them (tile_mn[1])."""
+    w_dtype, c_dtype = logical_dtype(w_dtype), str(np.dtype(c_dtype))
+    for v in variants:
+        if (v.ab_dtype, v.c_dtype, v.sf_dtype) != (w_dtype, c_dtype, sf_dtype):
+            raise ValueError(f"variant {v.key!r} is compiled for {(v.ab_dtype, v.c_dtype, v.sf_dtype)} (weight codes, "
+                             f"C, scales), not the call's {(w_dtype, c_dtype, sf_dtype)}")
+    block_sizes = {v.sf_vec_size for v in variants}
+    if len(block_sizes) != 1:
+        raise ValueError(f"variants disagree on the scale block: {sorted(block_sizes)}")
+    return dict(object_table_attributes(variants, objects), w_dtype=w_dtype, c_dtype=c_dtype, sf_dtype=sf_dtype,
+                sf_vec_size=np.int64(block_sizes.pop()), max_m=np.int64(min(v.tile_mn[1] for v in variants)))
+
+
+def emit_weight_stream(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variants: Sequence[Any]) -> list:
+    """Emits the `jbg_weight_stream` custom call (the decode GEMM) for the lowering context `ctx`; returns [c, amax].
+
+    x (L, M, K) bf16; w (L, N, K) codes or packed FP4 (L, N, K/2) uint8; sw the weight's scales, compact (L, N,
+    ceil(K/v)) or the 128x4 atom (L, ceil(N/128), ceil(ceil(K/v)/4), 32, 4, 4), uint8 E8M0 bytes or float8_e4m3fn
+    (NVFP4); alpha (L,) float32. Results from `ctx.avals_out`: c (L, M, N) in the variants' C dtype, amax (L,)
+    float32. `variants`: catalog entries, one per architecture, each taking at least M rows.
+    """
+    x_aval, w_aval, sw_aval, alpha_aval = ctx.avals_in
+    c_aval, amax_aval = ctx.avals_out
+    if x_aval.ndim != 3 or np.dtype(x_aval.dtype) != np.dtype(jnp.bfloat16):
+        raise ValueError(f"emit_weight_stream expects x (L, M, K) bfloat16; got {x_aval}")
+    l, m, k = x_aval.shape
+    packed = np.dtype(w_aval.dtype) == np.uint8
+    n = w_aval.shape[1] if w_aval.ndim == 3 else -1
+    if w_aval.shape != (l, n, k // 2 if packed else k) or n < 1 or sw_aval.ndim not in (3, 6):
+        raise ValueError(f"emit_weight_stream expects w (L, N, K) (packed FP4: (L, N, K/2)) and sw of rank 3 or 6 for "
+                         f"x {x_aval}; got w {w_aval}, sw {sw_aval}")
+    if alpha_aval.shape != (l,) or np.dtype(alpha_aval.dtype) != np.float32:
+        raise ValueError(f"emit_weight_stream expects alpha ({l},) float32; got {alpha_aval}")
+    if c_aval.shape != (l, m, n) or amax_aval.shape != (l,) or np.dtype(amax_aval.dtype) != np.float32:
+        raise ValueError(f"emit_weight_stream expects results c {(l, m, n)} and amax ({l},) float32; got c {c_aval} "
+                         f"and amax {amax_aval}")
+    if any(v.tile_mn[1] < m for v in variants):
+        raise ValueError(f"emit_weight_stream: M = {m} rows; variants take at most "
+                         f"{[(v.key, v.tile_mn[1]) for v in variants]}")
+    variants, objects = _objects(variants)
+    sf_dtype = E8M0 if np.dtype(sw_aval.dtype) == np.uint8 else str(np.dtype(sw_aval.dtype))
+    attributes = weight_stream_attributes(variants, objects, w_dtype=w_aval.dtype, c_dtype=c_aval.dtype,
+                                          sf_dtype=sf_dtype)
+    return _emit(WEIGHT_STREAM_TARGET, ctx, (x, w, sw, alpha), attributes)
+
+
 def export_disabled_checks() -> list:
     """What `jax.export.export(..., disabled_checks=...)` needs to export a program holding our custom calls."""
     return [jax.export.DisabledSafetyCheck.custom_call(t)
-            for t in (GEMM_AMAX_TARGET, PROJ_ROPE_TARGET, DEQUANTIZE_TARGET)]
+            for t in (GEMM_AMAX_TARGET, PROJ_ROPE_TARGET, DEQUANTIZE_TARGET, WEIGHT_STREAM_TARGET)]

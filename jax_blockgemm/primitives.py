@@ -6,7 +6,8 @@ Operands reach these primitives canonical (see `api.py`): batched 3-D GEMM opera
 sharded inputs every device runs the op on its own shard) and a local one (`*_local_p`: what one device runs).
 The local one lowers to the pure-JAX reference (`reference.py`) on every platform; on CUDA it first asks
 `dispatch.py` for CuTeDSL kernels and, where one applies, emits the XLA FFI custom call (`ffi_lowering.py`)
-instead. Rules are registered in one block at the end of the module.
+instead (a decode-sized gemm_amax, M <= 64, tries the decode kernel first). Rules are registered in one block at
+the end of the module.
 """
 
 from __future__ import annotations
@@ -120,10 +121,36 @@ def _gemm_amax_reference_lowering(ctx, *args, **params):
     return mlir.lower_fun(reference_fn, multiple_results=True)(ctx, *args)
 
 
+def _dequantized_a(a, sfa, *, m, k, sf_vec_size):
+    """A (L, M, K) codes (packed FP4: (L, M, K/2)) times its atom scales as bf16: exact, as the reference's."""
+    return [reference._dequantize_operand(a, sfa, mn=m, k=k, sf_vec_size=sf_vec_size, k_axis=2)]
+
+
+def _gemm_amax_decode_lowering(ctx, a, b, sfa, sfb, *maybe_alpha, variants, k, sf_vec_size, **_):
+    """gemm_amax through the decode kernel `variants`: A dequantized to bf16 in XLA is its x, B (L, N, K) its
+    streamed weight with the atom scales sfb; alpha is the call's, else ones."""
+    from jax_blockgemm import ffi_lowering
+
+    a_aval, b_aval, sfa_aval, sfb_aval = ctx.avals_in[:4]
+    l, m = a_aval.shape[:2]
+    x_aval = jax.core.ShapedArray((l, m, k), np.dtype(jnp.bfloat16))
+    dequantize = functools.partial(_dequantized_a, m=m, k=k, sf_vec_size=sf_vec_size)
+    (x,) = mlir.lower_fun(dequantize, multiple_results=True)(
+        ctx.replace(avals_in=[a_aval, sfa_aval], avals_out=[x_aval]), a, sfa)
+    alpha_aval = jax.core.ShapedArray((l,), np.dtype(np.float32))
+    alpha = maybe_alpha[0] if maybe_alpha else mlir.ir_constant(np.ones((l,), np.float32))
+    return ffi_lowering.emit_weight_stream(ctx.replace(avals_in=[x_aval, b_aval, sfb_aval, alpha_aval]), x, b, sfb,
+                                           alpha, variants=variants)
+
+
 def _gemm_amax_cuda_lowering(ctx, *args, **params):
-    """The GPU hook: a CuTeDSL kernel through the FFI bridge where one applies, else the reference."""
+    """The GPU hook: a CuTeDSL kernel through the FFI bridge where one applies (the decode kernel first), else the
+    reference."""
     from jax_blockgemm import dispatch  # lazy: keeps CuTeDSL out of CPU-only imports
 
+    decode = dispatch.decode_kernels(ctx.avals_in, **params)
+    if decode.variants:
+        return _gemm_amax_decode_lowering(ctx, *args, variants=decode.variants, **params)
     choice = dispatch.gemm_amax_kernels(ctx.avals_in, **params)
     if choice.variants:
         from jax_blockgemm import ffi_lowering

@@ -6,8 +6,10 @@ once by `quantize_weight` and stored like any other array tree. The operation is
 `primitives.py`: `weight_only_p` (what the API binds: batching, and a lowering through the partitioning rules of
 `sharding.py`) and `weight_only_local_p` (what one device runs). The local one lowers to the pure-JAX reference on
 every platform: Ŵ dequantized to bf16 (exact, SPEC §6) and one dot with x in its own dtype, fp32 accumulation. On
-CUDA it first asks `dispatch.weight_only_kernels` for a kernel; no decode kernel exists yet, so every device runs
-the reference. `matmul` adds the derivative with respect to x (dx = dy · Ŵ, times alpha); the weight is a constant.
+CUDA it first asks `dispatch.weight_only_kernels` for the decode kernel (`jbg_weight_stream`, which streams the
+codes and compact scales once per call) and emits it where one applies: bf16 x with few rows (`arch.TABLE`'s
+`decode_max_m` says how many under implementation=None); float32 x always keeps the reference, whose dot runs in
+float32. `matmul` adds the derivative with respect to x (dx = dy · Ŵ, times alpha); the weight is a constant.
 
 Canonical operands (what the API binds): x (L, M, K) bf16 or float32; codes (L, N, K) float8 or packed FP4 uint8
 (L, N, K/2); scales (L, N, ceil(K / block)) uint8 E8M0 bytes or float8_e4m3fn (NVFP4); alpha (L,) float32.
@@ -292,10 +294,18 @@ def _reference_lowering(ctx, *args, **params):
 
 
 def _cuda_lowering(ctx, *args, **params):
-    """The GPU hook: dispatch names the kernel for this call; today it has none, so the reference runs."""
+    """The GPU hook: the decode kernel dispatch names for this call (x, the codes, the compact scales as sw, alpha;
+    its amax result is dropped), else the reference."""
     from jax_blockgemm import dispatch  # lazy, as in primitives.py
 
     choice = dispatch.weight_only_kernels(ctx.avals_in, **params)
+    if choice.variants:
+        from jax_blockgemm import ffi_lowering
+
+        amax = jax.core.ShapedArray((ctx.avals_in[0].shape[0],), np.dtype(np.float32))
+        y, _ = ffi_lowering.emit_weight_stream(ctx.replace(avals_out=[*ctx.avals_out, amax]), *args,
+                                               variants=choice.variants)
+        return [y]
     primitives.no_kernel_applies("weight_only_matmul", params["implementation"],
                                  f"{choice.reason}; use implementation=None or 'xla'.")
     return _reference_lowering(ctx, *args, **params)

@@ -1,5 +1,7 @@
 """Which implementation a CUDA lowering picks: kernel, reference, or a clear error (no GPU needed)."""
 
+import os
+import tempfile
 from unittest import mock
 
 import jax
@@ -8,8 +10,9 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
-from jax_blockgemm import arch, dispatch
+from jax_blockgemm import arch, dispatch, formats, primitives, tuning
 
+import decode_standin
 import oracle
 
 
@@ -395,6 +398,199 @@ class SurfaceDispatchTest(parameterized.TestCase):
             operands, v = _surface_operands("mxfp4")
             f = jax.jit(lambda *x: jbg.gemm_amax(*x, c_dtype=jnp.float8_e4m3fn, sf_vec_size=v))
             self.assertNotIn("jbg_gemm_amax", f.trace(*operands).lower(lowering_platforms=("cuda",)).as_text())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The decode kernel (op "weight_stream"): weight_only_matmul with bf16 x, and gemm_amax with M <= 64
+
+
+def _gemm_avals(m, n=144, k=96, l=2, *, fmt="mxfp8_e4m3"):
+    """gemm_amax's canonical avals (atom scales) for `fmt` weights."""
+    sa = jax.core.ShapedArray
+    fp4 = fmt in ("mxfp4", "nvfp4")
+    v = 16 if fmt == "nvfp4" else 32
+    codes = {"mxfp8_e4m3": jnp.float8_e4m3fn, "mxfp8_e5m2": jnp.float8_e5m2}.get(fmt, jnp.uint8)
+    sf = jnp.float8_e4m3fn if fmt == "nvfp4" else jnp.uint8
+    row = k // 2 if fp4 else k
+    atom = lambda mn: sa(formats.atom_shape(l, mn, -(-k // v)), sf)
+    return [sa((l, m, row), codes), sa((l, n, row), codes), atom(m), atom(n)], v
+
+
+def _decode(m, *, implementation="cutedsl", fmt="mxfp8_e4m3", c_dtype=jnp.bfloat16, **params):
+    avals, v = _gemm_avals(m, fmt=fmt)
+    config = dict(c_dtype=np.dtype(c_dtype), sf_vec_size=v, a_major="k", b_major="k", c_major="n", k=96)
+    return dispatch.decode_kernels(avals, **{**config, **params}, implementation=implementation)
+
+
+class DecodeDispatchTest(parameterized.TestCase):
+    """Which decode variants dispatch names, and why none, with a stand-in kernel class (the real one need not
+    exist) answering can_implement as documented."""
+
+    def setUp(self):
+        super().setUp()
+        self.enterContext(decode_standin.stand_in_kernels())
+
+    @parameterized.parameters((1, 16), (16, 16), (17, 64), (64, 64))
+    def test_the_smallest_capacity_that_holds_m(self, m, rows):
+        choice = _decode(m)
+        self.assertEqual([(v.op, v.arch, v.tile_mn) for v in choice.variants],
+                         [("weight_stream", "sm_100a", (32, rows)), ("weight_stream", "sm_90a", (32, rows))])
+        self.assertTrue(all(v.ab_dtype == "float8_e4m3fn" and v.c_dtype == "bfloat16" for v in choice.variants))
+
+    @parameterized.parameters(("mxfp8_e5m2", "float8_e5m2", 32, "float8_e8m0fnu"),
+                              ("mxfp4", "float4_e2m1fn", 32, "float8_e8m0fnu"),
+                              ("nvfp4", "float4_e2m1fn", 16, "float8_e4m3fn"))
+    def test_each_weight_format_selects_its_variants(self, fmt, codes, v, sf):
+        choice = _decode(8, fmt=fmt, c_dtype=jnp.float16)
+        self.assertLen(choice.variants, 2)
+        self.assertTrue(all((x.ab_dtype, x.sf_vec_size, x.sf_dtype, x.c_dtype) == (codes, v, sf, "float16")
+                            for x in choice.variants), choice.variants)
+
+    @parameterized.parameters(
+        (dict(m=65), "M = 65 rows is more than the decode kernel takes .64."),
+        (dict(m=8, c_major="m"), "K-major operands and an N-major C; got a_major='k', b_major='k', c_major='m'"),
+        (dict(m=8, a_major="m"), "K-major operands"),
+        (dict(m=8, fmt="mxfp4", c_dtype=jnp.float8_e4m3fn), "writes float32, bfloat16 or float16 C; got "
+                                                             "float8_e4m3fn"),
+        (dict(m=8, implementation="xla"), "implementation='xla' forces the reference"),
+    )
+    def test_why_none(self, kwargs, reason):
+        m = kwargs.pop("m")
+        choice = _decode(m, **kwargs)
+        self.assertEqual(choice.variants, ())
+        self.assertRegex(choice.reason, reason)
+
+    def test_k_the_kernel_cannot_take(self):
+        avals, _ = _gemm_avals(8, k=40)
+        choice = dispatch.decode_kernels(avals, c_dtype=np.dtype(jnp.float32), sf_vec_size=32, a_major="k",
+                                         b_major="k", c_major="n", k=40, implementation="cutedsl")
+        self.assertRegex(choice.reason, r"the sm_100a kernel cannot take \(M, N, K, L\) = \(8, 144, 40, 2\): k "
+                                        r"must be a multiple of 16")
+
+    def test_none_follows_the_thresholds_of_the_local_gpu(self):
+        """No GPU seen: None carries the objects of every arch whose threshold holds M (sm_90a only). An H200: the
+        sm_90a kernel up to its threshold. A B200 (threshold 0): no object None may run there, so the reference,
+        without a self-check."""
+        from jax_blockgemm import gate
+
+        self.assertEqual([v.arch for v in _decode(8, implementation=None).variants], ["sm_90a"])
+        largest = arch.policy("sm_90a").decode_max_m["mxfp8_e4m3"]
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)):
+            self.assertEqual([v.arch for v in _decode(largest, implementation=None).variants], ["sm_90a"])
+            with arch.overridden("9.0", decode_max_m={"mxfp8_e4m3": 8}):
+                self.assertEqual([v.arch for v in _decode(8, implementation=None).variants], ["sm_90a"])
+                self.assertRegex(_decode(9, implementation=None).reason, "implementation=None takes the reference "
+                                                                         "over the sm_100a, sm_90a kernel")
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)), \
+                mock.patch.object(gate, "ensure_verified", side_effect=AssertionError("no check expected")):
+            choice = _decode(8, implementation=None)
+            self.assertEqual(choice.variants, ())
+            self.assertIn("no kernel for compute capability 10.0 (kernels exist for sm_90a)", choice.reason)
+
+    def test_the_tuning_table_overrides_the_threshold(self):
+        """A measured decision for ("weight_stream", format) on the local GPU model decides for None: off on an
+        H200, on (after the self-check) on a B200."""
+        from jax_blockgemm import gate
+
+        self.enterContext(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enterContext(
+            tempfile.TemporaryDirectory()), tuning.IGNORE_ENV: ""}))
+        tuning.store("NVIDIA H200", [tuning.Decision("weight_stream", "mxfp8_e4m3", tuning.DEFAULT)])
+        tuning.store("NVIDIA B200", [tuning.Decision("weight_stream", "mxfp8_e4m3", tuning.KERNEL)])
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
+                mock.patch.object(dispatch, "local_gpu_model", return_value="NVIDIA H200"):
+            self.assertEqual(_decode(8, implementation=None).variants, ())
+            self.assertLen(_decode(8, implementation=None, fmt="mxfp4").variants, 1)  # no decision: arch.TABLE
+        ok = lambda v: gate.Verdict(v.key, "NVIDIA B200", "x", True, "ok")
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)), \
+                mock.patch.object(dispatch, "local_gpu_model", return_value="NVIDIA B200"), \
+                mock.patch.object(gate, "ensure_verified", side_effect=ok) as checked:
+            self.assertEqual([v.arch for v in _decode(8, implementation=None).variants], ["sm_100a", "sm_90a"])
+            self.assertEqual([c.args[0].key for c in checked.call_args_list],
+                             ["weight_stream.sm_100a.e4m3.bf16.sf32.t32x16.c1x1"])
+
+    def test_a_failed_self_check_leaves_the_decode_kernel(self):
+        from jax_blockgemm import gate
+
+        failed = lambda v: gate.Verdict(v.key, "NVIDIA B200", "x", False, "C differs")
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)), \
+                mock.patch.object(gate, "ensure_verified", side_effect=failed):
+            self.assertRegex(_decode(8).reason, "first-use self-check failed: weight_stream.sm_100a.*C differs")
+
+    def test_forced_variants(self):
+        """The self-check's forced variants: a weight_stream one is what a decode-sized 'cutedsl' call runs; a
+        gemm_amax one leaves the decode path empty (the gemm_amax path then runs it)."""
+        from jax_blockgemm.kernels import catalog
+
+        ws = catalog.select_variant(op="weight_stream", arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype="float32",
+                                    sf_vec_size=32, tile_mn=(32, 64), cluster_mn=(1, 1))
+        gemm = catalog.select_variant(arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype="float32", sf_vec_size=32,
+                                      tile_mn=(128, 128), cluster_mn=(1, 1))
+        with dispatch.forced_variants([ws, gemm]):
+            self.assertEqual(_decode(40, c_dtype=jnp.float32).variants, (ws,))
+        with dispatch.forced_variants([gemm]):
+            self.assertEqual(_decode(40, c_dtype=jnp.float32).variants, ())
+            self.assertEqual(_decode(40, c_dtype=jnp.float32, implementation=None).variants[0].op, "weight_stream")
+
+    def test_weight_only_choice(self):
+        sa = jax.core.ShapedArray
+        avals = [sa((1, 3, 64), jnp.bfloat16), sa((1, 48, 32), jnp.uint8), sa((1, 48, 4), jnp.float8_e4m3fn),
+                 sa((1,), jnp.float32)]
+        choice = dispatch.weight_only_kernels(avals, fmt="nvfp4", out_dtype=np.dtype(jnp.float32),
+                                              implementation="cutedsl")
+        self.assertEqual([v.key for v in choice.variants], ["weight_stream.sm_100a.e2m1.f32.sf16e4m3.t32x16.c1x1",
+                                                            "weight_stream.sm_90a.e2m1.f32.sf16e4m3.t32x16.c1x1"])
+        f32 = dispatch.weight_only_kernels([sa((1, 3, 64), jnp.float32), *avals[1:]], fmt="nvfp4",
+                                           out_dtype=np.dtype(jnp.float32), implementation="cutedsl")
+        self.assertEqual(f32.variants, ())
+        self.assertIn("x is float32: the decode kernel takes bfloat16 activations", f32.reason)
+        huge = [sa((1, 1, 32768), jnp.bfloat16), sa((1, 131072, 16384), jnp.uint8), sa((1, 131072, 2048),
+                                                                                       jnp.float8_e4m3fn), avals[3]]
+        self.assertRegex(dispatch.weight_only_kernels(huge, fmt="nvfp4", out_dtype=np.dtype(jnp.float32),
+                                                      implementation="cutedsl").reason,
+                         r"w \(1, 131072, 16384\) holds 2147483648 elements, past the kernels' 32-bit indexing")
+
+    def test_an_unbuildable_decode_kernel_leaves_the_other_paths(self):
+        """Where the decode kernel's module cannot be imported (not written yet, or a DSL piece missing), dispatch
+        says so and the gemm_amax lowering takes its large-GEMM kernel."""
+        from jax_blockgemm.kernels import catalog
+
+        def missing(v):
+            raise ImportError("No module named 'jax_blockgemm.kernels.weight_stream'")
+
+        with mock.patch.dict(catalog._FACTORIES, {("weight_stream", a): missing for a in ("sm_90a", "sm_100a")}):
+            self.assertRegex(_decode(8).reason, "no kernel can be built here: sm_100a: No module named")
+            sd = jax.ShapeDtypeStruct
+            from jax_blockgemm import kernel_cache
+            with mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()):
+                f = jax.jit(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl"))
+                text = f.trace(sd((8, 64), jnp.float8_e4m3fn), sd((48, 64), jnp.float8_e4m3fn), sd((8, 2), jnp.uint8),
+                               sd((48, 2), jnp.uint8)).lower(lowering_platforms=("cuda",)).as_text()
+            self.assertIn("custom_call @jbg_gemm_amax", text)
+            self.assertNotIn("jbg_weight_stream", text)
+
+
+class DecodeOperandTest(parameterized.TestCase):
+    """The decode path's x: gemm_amax's A with its atom scales as bf16, exactly the values the reference multiplies
+    (checked against the float32 dequantization of the compact scales, on the CPU)."""
+
+    @parameterized.parameters("mxfp8_e4m3", "mxfp4", "nvfp4")
+    def test_a_is_dequantized_exactly(self, fmt):
+        rng = np.random.default_rng(3)
+        m, k = 7, 96
+        block = formats.FORMATS[fmt].block
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        if fmt == "nvfp4":
+            codes, scales = formats.quantize_nvfp4(jnp.asarray(a), axis=-1)
+        elif fmt == "mxfp4":
+            codes, scales = formats.quantize_mxfp4(jnp.asarray(a), axis=-1)
+        else:
+            codes, scales = formats.quantize_mxfp8(jnp.asarray(a), axis=-1)
+        atom = formats.to_scale_atom(scales[None])
+        (x,) = primitives._dequantized_a(codes[None], atom, m=m, k=k, sf_vec_size=block)
+        unpacked = formats.unpack_fp4(codes)[..., :k] if np.dtype(codes.dtype) == np.uint8 else codes
+        want = formats.dequantize(unpacked, scales, block=block, axis=-1)  # float32
+        self.assertEqual(x.dtype, jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(x[0], np.float32), np.asarray(want, np.float32))
 
 
 if __name__ == "__main__":

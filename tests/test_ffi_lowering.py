@@ -15,6 +15,8 @@ from jax.interpreters import mlir
 from jax_blockgemm import arch as jbg_arch
 from jax_blockgemm import dispatch, ffi_lowering, kernel_cache
 
+import decode_standin
+
 
 @dataclasses.dataclass(frozen=True)
 class StandInVariant:
@@ -271,6 +273,255 @@ class RealPrimitiveTest(absltest.TestCase):
                 text = f.trace(x, w, cs, cs, x_scale=xs, w_scale=ws).lower(lowering_platforms=("cuda",)).as_text()
             self.assertNotIn("jbg_dequantize_mxfp8", text)
             self.assertIn("jbg_gemm_proj_rope_mxfp8", text)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The decode kernel: jbg_weight_stream
+
+
+@dataclasses.dataclass(frozen=True)
+class StandInDecodeVariant:
+    arch: str
+    ab_dtype: str = "float8_e4m3fn"
+    c_dtype: str = "bfloat16"
+    sf_dtype: str = "float8_e8m0fnu"
+    sf_vec_size: int = 32
+    tile_mn: tuple = (32, 64)
+
+    @property
+    def key(self):
+        return f"standin.{self.arch}.{self.tile_mn[1]}"
+
+    @property
+    def function_prefix(self):
+        return f"jbg_standin_{self.arch}_{self.tile_mn[1]}"
+
+
+_ws_test_p = jex_core.Primitive("jbg_test_weight_stream")
+_ws_test_p.multiple_results = True
+
+
+@_ws_test_p.def_abstract_eval
+def _ws_abstract_eval(x, w, sw, alpha, *, variants, c_dtype):
+    l, m, _ = x.shape
+    return jax.core.ShapedArray((l, m, w.shape[1]), c_dtype), jax.core.ShapedArray((l,), jnp.float32)
+
+
+mlir.register_lowering(_ws_test_p, lambda ctx, *ops, variants, c_dtype: ffi_lowering.emit_weight_stream(
+    ctx, *ops, variants=variants), platform="cuda")
+
+_WS_NAMES = ("archs", "function_prefixes", "objects", "offsets", "w_dtype", "c_dtype", "sf_dtype", "sf_vec_size",
+             "max_m")
+
+
+def _ws_operands(l=2, m=5, n=40, k=96, *, w=jnp.float8_e4m3fn, sf=jnp.uint8, v=32, atom=False):
+    sd = jax.ShapeDtypeStruct
+    kb = -(-k // v)
+    sw = (l, -(-n // 128), -(-kb // 4), 32, 4, 4) if atom else (l, n, kb)
+    return (sd((l, m, k), jnp.bfloat16), sd((l, n, k // 2 if w == jnp.uint8 else k), w), sd(sw, sf),
+            sd((l,), jnp.float32))
+
+
+def _ws_lower(operands, variants, c_dtype=jnp.bfloat16):
+    with mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()):
+        f = jax.jit(lambda *x: _ws_test_p.bind(*x, variants=tuple(variants), c_dtype=np.dtype(c_dtype)))
+        return f.trace(*operands).lower(lowering_platforms=("cuda",))
+
+
+def _int_attr(attr):
+    return int(str(attr).split(":")[0])
+
+
+class EmitWeightStreamTest(absltest.TestCase):
+    """emit_weight_stream: the custom call, its attributes and the contract it refuses to break."""
+
+    def test_custom_call_carries_the_objects_and_what_they_were_compiled_for(self):
+        variants = (StandInDecodeVariant("sm_90a"), StandInDecodeVariant("sm_100a", tile_mn=(32, 16)))
+        lowered = _ws_lower(_ws_operands(m=5), variants)
+        attrs, operands, results = _custom_call(lowered, "jbg_weight_stream", _WS_NAMES)
+        self.assertEqual(attrs["archs"], "sm_100a,sm_90a")
+        self.assertEqual(attrs["function_prefixes"], "jbg_standin_sm_100a_16,jbg_standin_sm_90a_64")
+        self.assertEqual(attrs["objects"].tobytes(), b"standin.sm_100a.16standin.sm_90a.64")
+        np.testing.assert_array_equal(attrs["offsets"], [0, 18, 35])
+        self.assertEqual((attrs["w_dtype"], attrs["c_dtype"], attrs["sf_dtype"]),
+                         ("float8_e4m3fn", "bfloat16", "float8_e8m0fnu"))
+        self.assertEqual((_int_attr(attrs["sf_vec_size"]), _int_attr(attrs["max_m"])), (32, 16))  # the least room
+        self.assertEqual(operands, ["tensor<2x5x96xbf16>", "tensor<2x40x96xf8E4M3FN>", "tensor<2x40x3xui8>",
+                                    "tensor<2xf32>"])
+        self.assertEqual(results, ["tensor<2x5x40xbf16>", "tensor<2xf32>"])
+
+    def test_packed_fp4_nvfp4_scales_in_the_atom_form(self):
+        variant = StandInDecodeVariant("sm_90a", ab_dtype="float4_e2m1fn", c_dtype="float16",
+                                       sf_dtype="float8_e4m3fn", sf_vec_size=16)
+        lowered = _ws_lower(_ws_operands(n=200, k=128, w=jnp.uint8, sf=jnp.float8_e4m3fn, v=16, atom=True),
+                            [variant], c_dtype=jnp.float16)
+        attrs, operands, results = _custom_call(lowered, "jbg_weight_stream", _WS_NAMES)
+        self.assertEqual((attrs["w_dtype"], attrs["c_dtype"], attrs["sf_dtype"], _int_attr(attrs["sf_vec_size"])),
+                         ("float4_e2m1fn", "float16", "float8_e4m3fn", 16))
+        self.assertEqual(operands[1:3], ["tensor<2x200x64xui8>", "tensor<2x2x2x32x4x4xf8E4M3FN>"])
+        self.assertEqual(results[0], "tensor<2x5x200xf16>")
+
+    def test_refuses_what_the_handler_would(self):
+        ok = StandInDecodeVariant("sm_90a")
+        cases = [
+            (_ws_operands(m=65), [ok], "M = 65 rows; variants take at most"),
+            (_ws_operands(m=17), [ok, StandInDecodeVariant("sm_100a", tile_mn=(32, 16))], "M = 17 rows"),
+            (_ws_operands()[:3] + (jax.ShapeDtypeStruct((1,), jnp.float32),), [ok], r"alpha \(2,\) float32"),
+            (_ws_operands()[:2] + (jax.ShapeDtypeStruct((2, 40, 3, 1), jnp.uint8),) + _ws_operands()[3:], [ok],
+             "sw of rank 3 or 6"),
+            ((jax.ShapeDtypeStruct((2, 5, 96), jnp.float32),) + _ws_operands()[1:], [ok], "x .L, M, K. bfloat16"),
+            (_ws_operands(), [StandInDecodeVariant("sm_90a", c_dtype="float32")], "compiled for .*'float32'"),
+        ]
+        for operands, variants, message in cases:
+            with self.subTest(message=message), self.assertRaisesRegex(ValueError, message):
+                _ws_lower(operands, variants)
+
+    def test_export_names_the_target(self):
+        self.assertIn(jax.export.DisabledSafetyCheck.custom_call("jbg_weight_stream"),
+                      ffi_lowering.export_disabled_checks())
+        self.assertEqual(ffi_lowering.WEIGHT_STREAM_TARGET, "jbg_weight_stream")
+        with mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()):
+            f = jax.jit(lambda *x: _ws_test_p.bind(*x, variants=(StandInDecodeVariant("sm_90a"),),
+                                                   c_dtype=np.dtype(jnp.bfloat16)))
+            exported = jax.export.export(f, platforms=("cuda",),
+                                         disabled_checks=ffi_lowering.export_disabled_checks())(*_ws_operands())
+        self.assertIn("stablehlo.custom_call @jbg_weight_stream", exported.mlir_module())
+
+
+def _calls(lowered, target):
+    return [op for op in _walk(lowered.compiler_ir("stablehlo").operation)
+            if op.name == "stablehlo.custom_call" and ir_str(op.attributes["call_target_name"]) == target]
+
+
+class PublicDecodeLoweringTest(absltest.TestCase):
+    """The public operations lowered for CUDA (no GPU) reach jbg_weight_stream for decode-sized calls: a stand-in
+    kernel class answers can_implement, object bytes are stand-ins."""
+
+    def setUp(self):
+        super().setUp()
+        try:
+            from jax_blockgemm.kernels import catalog  # noqa: F401
+        except ImportError as e:
+            self.skipTest(f"CuTeDSL is not importable: {e}")
+        self.enterContext(decode_standin.stand_in_kernels())
+        self.get_object = self.enterContext(mock.patch.object(kernel_cache, "get_object",
+                                                              side_effect=lambda v: v.key.encode()))
+
+    def _weight_only(self, fmt, x_dtype=jnp.bfloat16, m=3, n=48, k=64, **kwargs):
+        import jax_blockgemm as jbg
+
+        w = jbg.quantize_weight(jnp.ones((n, k)), fmt)
+        x = jax.ShapeDtypeStruct((m, k), x_dtype)
+        f = jax.jit(functools.partial(jbg.weight_only_matmul, **kwargs))
+        return f.trace(x, w).lower(lowering_platforms=("cuda",))
+
+    def test_weight_only_with_bf16_x(self):
+        """x, the codes (packed FP4), the compact scales (sf_atom 0) and alpha go to the kernel as they are; None
+        takes it on sm_90a only (sm_100a's threshold is 0), 'cutedsl' carries both archs."""
+        for fmt, codes, scales in (("mxfp4", "tensor<1x48x32xui8>", "tensor<1x48x2xui8>"),
+                                   ("nvfp4", "tensor<1x48x32xui8>", "tensor<1x48x4xf8E4M3FN>"),
+                                   ("mxfp8_e5m2", "tensor<1x48x64xf8E5M2>", "tensor<1x48x2xui8>")):
+            for implementation, archs in ((None, "sm_90a"), ("cutedsl", "sm_100a,sm_90a")):
+                with self.subTest(fmt=fmt, implementation=implementation):
+                    lowered = self._weight_only(fmt, implementation=implementation, out_dtype=jnp.float32)
+                    (call,) = _calls(lowered, "jbg_weight_stream")
+                    self.assertEqual([str(o.type) for o in call.operands],
+                                     ["tensor<1x3x64xbf16>", codes, scales, "tensor<1xf32>"])
+                    self.assertEqual([str(r.type) for r in call.results], ["tensor<1x3x48xf32>", "tensor<1xf32>"])
+                    config = call.attributes["mhlo.backend_config"]
+                    self.assertEqual(ir_str(config["archs"]), archs)
+                    self.assertEqual(_int_attr(config["max_m"]), 16)  # 3 rows: the 16-row variants
+                    self.assertNotIn("dot_general", lowered.as_text())
+
+    def test_weight_only_with_float32_x_keeps_the_reference(self):
+        lowered = self._weight_only("mxfp8_e4m3", x_dtype=jnp.float32)
+        self.assertEqual(_calls(lowered, "jbg_weight_stream"), [])
+        self.assertIn("stablehlo.dot_general", lowered.as_text())
+        with self.assertRaisesRegex(ValueError, "implementation='cutedsl': .*x is float32: the decode kernel takes "
+                                                "bfloat16 activations"):
+            self._weight_only("mxfp8_e4m3", x_dtype=jnp.float32, implementation="cutedsl")
+
+    def test_weight_only_with_more_rows_than_the_kernel_takes(self):
+        lowered = self._weight_only("mxfp4", m=65)
+        self.assertEqual(_calls(lowered, "jbg_weight_stream"), [])
+        with self.assertRaisesRegex(ValueError, "M = 65 rows is more than the decode kernel takes .64."):
+            self._weight_only("mxfp4", m=65, implementation="cutedsl")
+
+    def _gemm(self, m, *, fmt="mxfp8", c_dtype=jnp.bfloat16, alpha=None, **kwargs):
+        import jax_blockgemm as jbg
+
+        sd = jax.ShapeDtypeStruct
+        l, n, k = 2, 144, 96
+        fp4 = fmt in ("mxfp4", "nvfp4")
+        v = 16 if fmt == "nvfp4" else 32
+        codes, row = (jnp.uint8, k // 2) if fp4 else (jnp.float8_e4m3fn, k)
+        sf = jnp.float8_e4m3fn if fmt == "nvfp4" else jnp.uint8
+        operands = (sd((l, m, row), codes), sd((l, n, row), codes), sd((l, m, k // v), sf), sd((l, n, k // v), sf))
+        extra = {} if alpha is None else dict(alpha=alpha)
+        f = jax.jit(lambda *x: jbg.gemm_amax(*x, c_dtype=c_dtype, sf_vec_size=v, **extra, **kwargs))
+        return f.trace(*operands).lower(lowering_platforms=("cuda",))
+
+    def test_small_m_gemm_amax_with_none_on_an_h200(self):
+        """On a (faked) compute capability 9.0 GPU, None takes the decode kernel for M <= 64: A dequantized to bf16
+        in XLA is x, B and its atom scales (sf_atom 1) are w and sw, alpha is ones; amax is the kernel's."""
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)):
+            lowered = self._gemm(7)
+        (call,) = _calls(lowered, "jbg_weight_stream")
+        self.assertEqual([str(o.type) for o in call.operands],
+                         ["tensor<2x7x96xbf16>", "tensor<2x144x96xf8E4M3FN>", "tensor<2x2x1x32x4x4xui8>",
+                          "tensor<2xf32>"])
+        self.assertEqual([str(r.type) for r in call.results], ["tensor<2x7x144xbf16>", "tensor<2xf32>"])
+        config = call.attributes["mhlo.backend_config"]
+        self.assertEqual(ir_str(config["archs"]), "sm_90a")
+        self.assertEqual(ir_str(config["function_prefixes"]), "jbg_weight_stream_sm_90a_e4m3_bf16_sf32_t32x16_c1x1")
+        text = lowered.as_text()
+        self.assertNotIn("jbg_gemm_amax", text)
+        self.assertNotIn("dot_general", text)
+        self.assertRegex(text, r"stablehlo.constant dense<1.000000e\+00> : tensor<2xf32>")  # alpha = ones
+
+    def test_nvfp4_gemm_amax_passes_its_alpha(self):
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)):
+            lowered = self._gemm(64, fmt="nvfp4", c_dtype=jnp.float16, alpha=jnp.float32(0.5))
+        (call,) = _calls(lowered, "jbg_weight_stream")
+        types = [str(o.type) for o in call.operands]
+        self.assertEqual(types[1:3], ["tensor<2x144x48xui8>", "tensor<2x2x2x32x4x4xf8E4M3FN>"])
+        self.assertEqual(_int_attr(call.attributes["mhlo.backend_config"]["max_m"]), 64)
+        self.assertNotIn("dense<1.000000e+00> : tensor<2xf32>", lowered.as_text())  # the call's alpha, not ones
+
+    def test_larger_m_and_other_layouts_keep_the_gemm_amax_path(self):
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)):
+            self.assertEqual(_calls(self._gemm(65), "jbg_weight_stream"), [])  # None: the reference
+            self.assertLen(_calls(self._gemm(65, implementation="cutedsl"), "jbg_gemm_amax"), 1)
+            for kwargs in (dict(fmt="mxfp4", c_dtype=jnp.float8_e4m3fn), dict(c_major="m")):
+                lowered = self._gemm(8, implementation="cutedsl", **kwargs)
+                self.assertEqual(_calls(lowered, "jbg_weight_stream"), [], kwargs)
+                self.assertLen(_calls(lowered, "jbg_gemm_amax"), 1)
+
+    def test_cutedsl_small_m_gemm_amax_is_the_decode_kernel(self):
+        lowered = self._gemm(16, implementation="cutedsl")
+        (call,) = _calls(lowered, "jbg_weight_stream")
+        self.assertEqual(ir_str(call.attributes["mhlo.backend_config"]["archs"]), "sm_100a,sm_90a")
+        self.assertEqual(_calls(lowered, "jbg_gemm_amax"), [])
+
+
+class RealDecodeKernelLoweringTest(absltest.TestCase):
+    """The same lowering with the real kernels/weight_stream.py class answering can_implement (no stand-in)."""
+
+    def test_weight_only_and_gemm_amax_reach_the_real_class(self):
+        if decode_standin.real_class() is None:
+            self.skipTest(decode_standin.MISSING)
+        import jax_blockgemm as jbg
+
+        w = jbg.quantize_weight(jnp.ones((48, 64)), "mxfp4")
+        with mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()):
+            f = jax.jit(functools.partial(jbg.weight_only_matmul, implementation="cutedsl"))
+            lowered = f.trace(jax.ShapeDtypeStruct((4, 64), jnp.bfloat16), w).lower(lowering_platforms=("cuda",))
+            self.assertLen(_calls(lowered, "jbg_weight_stream"), 1)
+            g = jax.jit(lambda *x: jbg.gemm_amax(*x, c_dtype=jnp.float32, implementation="cutedsl"))
+            sd = jax.ShapeDtypeStruct
+            lowered = g.trace(sd((4, 64), jnp.float8_e4m3fn), sd((48, 64), jnp.float8_e4m3fn),
+                              sd((4, 2), jnp.uint8), sd((48, 2), jnp.uint8)).lower(lowering_platforms=("cuda",))
+            self.assertLen(_calls(lowered, "jbg_weight_stream"), 1)
 
 
 if __name__ == "__main__":

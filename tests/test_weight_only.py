@@ -8,6 +8,7 @@ import functools
 import io
 import os
 import re
+from unittest import mock
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax, when run directly
 
@@ -18,8 +19,9 @@ from absl.testing import absltest, parameterized
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_blockgemm as jbg
-from jax_blockgemm import dispatch, formats
+from jax_blockgemm import formats
 
+import decode_standin
 import oracle
 import oracle_ops
 import partitioners
@@ -289,25 +291,62 @@ class ErrorsTest(parameterized.TestCase):
 
 
 class CudaHookTest(absltest.TestCase):
+    """The CUDA lowering (no GPU needed): the decode kernel for bf16 x, the reference for float32 x."""
 
-    def test_dispatch_has_no_decode_kernel_yet(self):
-        avals = [jax.core.ShapedArray((1, 1, 64), BF16)]
-        none = dispatch.weight_only_kernels(avals, fmt="mxfp4", out_dtype=BF16, implementation=None)
-        self.assertEqual(none.variants, ())
-        self.assertIn("no decode kernel yet", none.reason)
-        forced = dispatch.weight_only_kernels(avals, fmt="mxfp4", out_dtype=BF16, implementation="xla")
-        self.assertIn("forces the reference", forced.reason)
+    def _lower(self, x, w, **kwargs):
+        from jax_blockgemm import kernel_cache
 
-    def test_cuda_lowering_runs_the_reference_and_cutedsl_raises(self):
-        """Lowered for CUDA (no GPU needed): the reference's dot, no custom call; 'cutedsl' names dispatch's reason."""
+        with mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()):
+            f = jax.jit(functools.partial(jbg.weight_only_matmul, **kwargs))
+            return f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+
+    def test_bf16_x_takes_the_decode_kernel(self):
+        """Stand-in kernel class: the custom call gets x, the packed codes, the compact scales and alpha, and y is
+        its first result; no reference dot."""
         w = jbg.quantize_weight(jnp.ones((16, 64)), "mxfp4")
         x = jnp.ones((2, 64), jnp.bfloat16)
-        text = jax.jit(jbg.weight_only_matmul).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-        self.assertIn("stablehlo.dot_general", text)
-        self.assertNotIn("custom_call @jbg", text)
-        forced = jax.jit(functools.partial(jbg.weight_only_matmul, implementation="cutedsl"))
-        with self.assertRaisesRegex(ValueError, "no CuTeDSL kernel applies .* no decode kernel yet"):
-            forced.trace(x, w).lower(lowering_platforms=("cuda",))
+        with decode_standin.stand_in_kernels():
+            text = self._lower(x, w)
+        call = [line for line in text.splitlines() if "stablehlo.custom_call @jbg_weight_stream" in line]
+        self.assertLen(call, 1)
+        self.assertIn("(tensor<1x2x64xbf16>, tensor<1x16x32xui8>, tensor<1x16x2xui8>, tensor<1xf32>) -> "
+                      "(tensor<1x2x16xbf16>, tensor<1xf32>)", call[0])
+        result = call[0].split(" = ")[0].strip()  # "%N:2"
+        self.assertRegex(text, re.escape(result.split(":")[0]) + r"#0")
+        self.assertNotIn("dot_general", text)
+
+    def test_float32_x_runs_the_reference_and_cutedsl_raises(self):
+        w = jbg.quantize_weight(jnp.ones((16, 64)), "mxfp4")
+        x = jnp.ones((2, 64), jnp.float32)
+        with decode_standin.stand_in_kernels():
+            text = self._lower(x, w)
+            self.assertIn("stablehlo.dot_general", text)
+            self.assertNotIn("custom_call @jbg", text)
+            with self.assertRaisesRegex(ValueError, "no CuTeDSL kernel applies .* x is float32: the decode kernel "
+                                                    "takes bfloat16 activations"):
+                self._lower(x, w, implementation="cutedsl")
+
+    def test_xla_and_an_unbuildable_kernel_run_the_reference(self):
+        from jax_blockgemm.kernels import catalog
+
+        def missing(v):
+            raise ImportError("No module named 'jax_blockgemm.kernels.weight_stream'")
+
+        w = jbg.quantize_weight(jnp.ones((16, 64)), "mxfp8_e4m3")
+        x = jnp.ones((2, 64), jnp.bfloat16)
+        with decode_standin.stand_in_kernels():
+            self.assertNotIn("custom_call @jbg", self._lower(x, w, implementation="xla"))
+        with mock.patch.dict(catalog._FACTORIES, {("weight_stream", a): missing for a in ("sm_90a", "sm_100a")}):
+            self.assertNotIn("custom_call @jbg", self._lower(x, w))
+            with self.assertRaisesRegex(ValueError, "no CuTeDSL kernel applies .* no kernel can be built here"):
+                self._lower(x, w, implementation="cutedsl")
+
+    def test_the_real_kernel_class(self):
+        if decode_standin.real_class() is None:
+            self.skipTest(decode_standin.MISSING)
+        w = jbg.quantize_weight(jnp.ones((16, 64)), "nvfp4")
+        text = self._lower(jnp.ones((2, 64), jnp.bfloat16), w, implementation="cutedsl")
+        self.assertIn("stablehlo.custom_call @jbg_weight_stream", text)
 
 
 class ReadmeTest(absltest.TestCase):
