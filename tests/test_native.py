@@ -448,6 +448,33 @@ class KernelAbiTest(absltest.TestCase):
         self.assertRegex(wrapper, r"int32_t m, int32_t n, int32_t k, int32_t l, cudaStream_t stream$")
         self.assertRegex(header, r"void \*args\[12\] = \{\s*a, b, sfa, sfb, c, amax, &m, &n, &k, &l, &stream,\s*&ret")
 
+    def test_weight_stream_exports_what_its_handler_passes(self):
+        """The decode kernel's object takes x, w, sw, c, amax, alpha, m, n, k, l, sf_atom, stream and the status
+        slot: the 13 arguments ffi/weight_stream.cc fills (compiled here for sm_90a, NVFP4, the 64-row tile)."""
+        try:
+            from jax_blockgemm.kernels import catalog
+        except ImportError as e:
+            self.skipTest(f"CuTeDSL is not importable: {e}")
+        import decode_standin
+
+        if decode_standin.real_class() is None:
+            self.skipTest(decode_standin.MISSING)
+        variant = catalog.select_variant(op="weight_stream", arch="sm_90a", ab_dtype="float4_e2m1fn",
+                                         c_dtype="bfloat16", sf_vec_size=16, sf_dtype="float8_e4m3fn",
+                                         tile_mn=(32, 64), cluster_mn=(1, 1))
+        directory = tempfile.mkdtemp(prefix="jbg_abi_")
+        self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
+        catalog.compile_function(variant).export_to_c(directory, "kernel", function_prefix=variant.function_prefix)
+        header = (pathlib.Path(directory) / "kernel.h").read_text()
+        prefix = variant.function_prefix
+        structs = re.findall(r"typedef struct \{\s*void \*data;\s*int64_t dynamic_shapes\[1\];\s*\} "
+                             + prefix + r"_Tensor_(\w+)_t;", header)
+        self.assertEqual(structs, ["x", "w", "sw", "c", "amax", "alpha"], header)
+        wrapper = re.search(r"cute_dsl_" + prefix + r"_wrapper\((.*?)\)", header).group(1)
+        self.assertRegex(wrapper, r"int32_t m, int32_t n, int32_t k, int32_t l, int32_t sf_atom, cudaStream_t stream$")
+        self.assertRegex(header, r"void \*args\[13\] = \{\s*x, w, sw, c, amax, alpha, &m, &n, &k, &l, &sf_atom, "
+                                 r"&stream,\s*&ret")
+
 
 _XLA_PROBE = textwrap.dedent("""
     import sys
