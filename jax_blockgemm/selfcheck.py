@@ -93,8 +93,22 @@ def _operands(variant: Any, problem: tuple[int, int, int, int], seed: int) -> tu
     return a, b, sfa, sfb
 
 
+def decode_problems(variant: Any) -> tuple[tuple[int, int, int, int], ...]:
+    """The (L, M, N, K) problems of a weight_stream (decode) `variant`, run through gemm_amax with a small M: one
+    token; the variant's full token capacity with L = 3 and a K whose chunks wrap every warp's register ring twice
+    before a tail; a partial token tile. N is never a multiple of the CTA's rows."""
+    from jax_blockgemm.kernels import weight_stream
+
+    tokens = variant.tile_mn[1]
+    chunk = 4 * weight_stream.LANE_BYTES * (2 if variant.ab_dtype == "float4_e2m1fn" else 1)
+    k_wrap = 2 * weight_stream.RING * weight_stream.WARPS * chunk + K_TAIL
+    return (1, 1, 200, K_TAIL), (3, tokens, 129, k_wrap), (2, max(1, tokens - 3), 72, 544)
+
+
 def problems(variant: Any) -> tuple[tuple[int, int, int, int], ...]:
     """The (L, M, N, K) problems a gemm_amax `variant` is checked on: tails everywhere its layouts allow."""
+    if getattr(variant, "op", "gemm_amax") == "weight_stream":
+        return decode_problems(variant)
     if (getattr(variant, "a_major", "k"), getattr(variant, "b_major", "k")) != ("k", "k"):
         return MN_PROBLEMS
     return NARROW_C_PROBLEMS if variant.c_dtype in BYTE_C else PROBLEMS
@@ -480,7 +494,8 @@ def run_dequantize_problems(variant: Any, device: Any) -> str:
 
 def run_check(variant: Any, device: Any) -> str:
     """'' when `variant` passes every problem of its operation on `device`, else the first failure."""
-    runners = {"gemm_amax": run_problems, "proj_rope": run_proj_rope_problems, "dequantize": run_dequantize_problems}
+    runners = {"gemm_amax": run_problems, "weight_stream": run_problems, "proj_rope": run_proj_rope_problems,
+               "dequantize": run_dequantize_problems}
     return runners[variant.op](variant, device)
 
 

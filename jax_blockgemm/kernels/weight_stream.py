@@ -1,0 +1,340 @@
+"""Decode GEMM: a few rows of bf16 activations times block-scaled weights streamed once from memory, with amax.
+
+C[l, m, n] = Σ_k x[l, m, k] · Ŵ[l, n, k] for M up to the variant's token capacity (decode: M = 1..64), where the
+time is that of reading Ŵ (N·K codes and their scales) once. One design for every architecture from sm_80 on: no
+TMA, no wgmma, no tensor memory; warp-level `mma.sync` m16n8k16 bf16 with fp32 accumulation.
+
+Roles are swapped against the large-GEMM kernels: the weight rows are the MMA's M (16 per instruction) and the
+tokens its N (8), so one token pads only the N of 8. A CTA of WARPS warps owns ROWS consecutive weight rows and all
+of K; warp w takes the K-chunks w, w + WARPS, ... (a chunk is 64 FP8 or 128 FP4 codes of every row), so every warp
+streams: each lane loads 16 bytes of codes per row and chunk straight into registers, one chunk ahead of the one
+it multiplies. The codes become bf16 code·scale in registers (exact: SPEC §6's argument), FP8 through the hardware
+E4M3/E5M2 -> f16x2 converter (NaN and infinity preserved), FP4 by the bit model of kernels/common.py. Each lane's
+16 bytes feed the k-slots the mma gives that lane (a permutation of K applied identically to the activations, which
+each lane loads for the same k's), and every chunk's MMAs sum into a fresh fp32 partial that is then added to the
+accumulator. At the end the warps' partial C tiles meet in shared memory and are summed in warp order: the result is
+the same bits on every run (a deterministic split of K). alpha (NVFP4's per-tensor factor; 1 otherwise) multiplies
+the sums, which are stored with predication (any M, N) and folded into amax[l] by one integer atomic max per CTA.
+
+Accuracy: SPEC §7's "exact" class (bf16 products are exact, sums in fp32 per chunk of at most 128 products).
+
+ABI (catalog op "weight_stream"): fn(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom, stream), flat buffers: x bf16
+(L, M, K); w codes (L, N, K) (packed FP4: (L, N, K/2) uint8); sw scale bytes, compact (L, N, ceil(K/v)) when sf_atom
+is 0, SPEC §3's atom form when 1; c (L, M, N) row-major; amax (L,) float32, zeroed by the handler; alpha (L,) float32;
+sizes int32 (k counts codes). The handler (ffi/weight_stream.cc) checks every size against `can_implement`.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from jax_blockgemm.kernels import common
+
+WARPS = 8  # warps per CTA, each on its own K-chunks of the CTA's rows
+THREADS = 32 * WARPS
+LANE_BYTES = 16  # bytes of codes a lane loads per row and chunk
+RING = 3  # register stages per lane: two chunks in flight while a third is multiplied
+X_IN_RING_MAX_TILES = 2  # token tiles whose activations travel in the ring (more would cost too many registers)
+_W_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,
+             "float4_e2m1fn": cutlass.Uint8}
+_C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+_SCALINGS = {(32, "float8_e8m0fnu"), (16, "float8_e4m3fn")}
+_NEG_ZERO_X2 = -0x7FFF8000  # bf16x2 -0 (0x80008000): x·s + (-0) == x·s
+
+
+def _asm(ret, args, text: str, constraints: str, loc, ip):
+    return llvm.inline_asm(ret, [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints,
+                           has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                           loc=loc, ip=ip)
+
+
+def _words(out, n: int, loc, ip) -> list:
+    return [cutlass.Int32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(n)]
+
+
+@dsl_user_op
+def load_stream_v4(addr, pred, *, loc=None, ip=None) -> list:
+    """16 bytes from global memory that is read once (no L1 allocation; L2 fetches the surrounding 256 bytes, which
+    the neighbouring warps read next), or zeros where `pred` is 0."""
+    ret = llvm.StructType.get_literal([T.i32()] * 4)
+    out = _asm(ret, [cutlass.Int64(addr), cutlass.Int32(pred)],
+               "{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; "
+               "@p ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4]; }", "=r,=r,=r,=r,l,r", loc, ip)
+    return _words(out, 4, loc, ip)
+
+
+@dsl_user_op
+def load_v4(addr, pred, *, loc=None, ip=None) -> list:
+    """16 bytes of read-only global memory (cached: the activations serve every CTA), or zeros where `pred` is 0."""
+    ret = llvm.StructType.get_literal([T.i32()] * 4)
+    out = _asm(ret, [cutlass.Int64(addr), cutlass.Int32(pred)],
+               "{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; "
+               "@p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4]; }", "=r,=r,=r,=r,l,r", loc, ip)
+    return _words(out, 4, loc, ip)
+
+
+@dsl_user_op
+def fp8x4_scaled_bf16(word, scale, e5m2: bool, *, loc=None, ip=None) -> list:
+    """Four FP8 codes (bytes 0..3 of `word`) times the float32 `scale` as two bf16x2 words (codes 0,1 and 2,3),
+    exactly: code -> f16 (hardware converter) -> f32, times the scale in f32, rounded to bf16 (exact for a power of
+    two scale unless the product leaves bf16's range, as in the reference)."""
+    fmt = "e5m2x2" if e5m2 else "e4m3x2"
+    ret = llvm.StructType.get_literal([T.i32()] * 2)
+    out = _asm(ret, [cutlass.Int32(word), cutlass.Float32(scale)],
+               "{ .reg .b16 l, h, a, b, c, d; .reg .b32 p, q; .reg .f32 f0, f1, f2, f3; "
+               "mov.b32 {l, h}, $2; "
+               f"cvt.rn.f16x2.{fmt} p, l; cvt.rn.f16x2.{fmt} q, h; "
+               "mov.b32 {a, b}, p; mov.b32 {c, d}, q; "
+               "cvt.f32.f16 f0, a; cvt.f32.f16 f1, b; cvt.f32.f16 f2, c; cvt.f32.f16 f3, d; "
+               "mul.rn.f32 f0, f0, $3; mul.rn.f32 f1, f1, $3; mul.rn.f32 f2, f2, $3; mul.rn.f32 f3, f3, $3; "
+               "cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }", "=r,=r,r,f", loc, ip)
+    return _words(out, 2, loc, ip)
+
+
+@dsl_user_op
+def byte_perm(a, b, selector: int, *, loc=None, ip=None) -> cutlass.Int32:
+    """prmt.b32: bytes of (b:a) picked by the four nibbles of `selector` (lowest nibble -> byte 0)."""
+    return cutlass.Int32(_asm(T.i32(), [cutlass.Int32(a), cutlass.Int32(b)], f"prmt.b32 $0, $1, $2, {selector};",
+                              "=r,r,r", loc, ip))
+
+
+@dsl_user_op
+def mma_bf16_m16n8k16(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
+    """D = A·B + C of one mma.sync m16n8k16 (bf16 operands, fp32 accumulator): a four words, b two, c four floats."""
+    ret = llvm.StructType.get_literal([T.f32()] * 4)
+    args = [cutlass.Int32(x) for x in a] + [cutlass.Int32(x) for x in b] + [cutlass.Float32(x) for x in c]
+    out = _asm(ret, args, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+                          "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+               "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", loc, ip)
+    return [cutlass.Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+class WeightStreamGemm:
+    """The decode GEMM for one weight format, C dtype and tile: (ROWS of the weight per CTA, largest M)."""
+
+    def __init__(self, *, w_dtype: str = "float8_e4m3fn", c_dtype: str = "float32", sf_vec_size: int = 32,
+                 sf_dtype: str = "float8_e8m0fnu", tile: tuple = (32, 16)):
+        common.require_choice("w_dtype", w_dtype, _W_DTYPES)
+        common.require_choice("c_dtype", c_dtype, _C_DTYPES)
+        if (sf_vec_size, sf_dtype) not in _SCALINGS:
+            raise ValueError(f"(sf_vec_size, sf_dtype)=({sf_vec_size}, {sf_dtype!r}) is not supported; allowed: "
+                             f"{sorted(_SCALINGS)}")
+        self.fp4 = w_dtype == "float4_e2m1fn"
+        if sf_dtype == "float8_e4m3fn" and not self.fp4:
+            raise ValueError("E4M3 scales (NVFP4) take float4_e2m1fn weights")
+        rows, tokens = tile
+        if rows % 16 or rows < 16 or tokens % 8 or tokens < 8:
+            raise ValueError(f"tile=({rows}, {tokens}): rows must be a multiple of 16, tokens a multiple of 8")
+        self.w_name, self.c_name = w_dtype, c_dtype
+        self.ab_dtype = _W_DTYPES[w_dtype]
+        self.c_dtype = _C_DTYPES[c_dtype]
+        self.sf_vec_size, self.sf_e4m3 = sf_vec_size, sf_dtype == "float8_e4m3fn"
+        self.rows, self.tokens = rows, tokens
+        self.row_tiles, self.token_tiles = rows // 16, tokens // 8
+        self.lane_codes = 2 * LANE_BYTES if self.fp4 else LANE_BYTES  # codes per lane, row and chunk
+        self.chunk = 4 * self.lane_codes  # codes of a row per chunk: the four lanes of a quad
+        self.steps = self.lane_codes // 4  # mma k16 steps per chunk
+        self.lane_scales = max(1, self.lane_codes // sf_vec_size)  # scale blocks per lane, row and chunk (2: NVFP4)
+        self.x_words = self.lane_codes // 2  # bf16x2 words of one token's activations per lane and chunk
+        # with few tokens the activations are loaded a chunk ahead with the codes; with many, where they are used
+        self.x_in_ring = self.token_tiles <= X_IN_RING_MAX_TILES
+
+    def can_implement(self, m: int, n: int, k: int, l: int) -> tuple[bool, str]:
+        """Whether this variant takes (M, N, K, L)."""
+        if min(m, n, k, l) < 1:
+            return False, f"every size must be >= 1, got (M, N, K, L) = ({m}, {n}, {k}, {l})"
+        if m > self.tokens:
+            return False, f"M = {m} is past this variant's {self.tokens} tokens"
+        row_bytes = 16 * (2 if self.fp4 else 1)
+        if k % row_bytes:
+            return False, f"K must be a multiple of {row_bytes} (16-byte weight rows), got {k}"
+        if max(l * m * k, l * n * k, l * m * n) >= 2**31:
+            return False, "operands must hold fewer than 2**31 elements"
+        return True, ""
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, sw: cute.Tensor, c: cute.Tensor, amax: cute.Tensor,
+                 alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32,
+                 sf_atom: cutlass.Int32, stream: cuda.CUstream):
+        """Host side: one CTA per ROWS weight rows and batch."""
+        fields = dict(partials=cute.struct.Align[cute.struct.MemRange[cutlass.Float32,
+                                                                      WARPS * self.rows * self.tokens], 16],
+                      warp_amax=cute.struct.MemRange[cutlass.Int32, WARPS])
+        self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        self.kernel(x, w, sw, c, amax, alpha, m, n, k, sf_atom).launch(
+            grid=((n + self.rows - 1) // self.rows, l, 1), block=(THREADS, 1, 1),
+            smem=self.shared_storage.size_in_bytes(), stream=stream)
+
+    # ------------------------------------------------------------------------------------------- device helpers
+    def _scale_offset(self, batch, row, kb, n, kb_count, sf_atom):
+        """Byte offset of scale (batch, row, kb): compact row-major, or SPEC §3's atom form."""
+        compact = (batch * n + row) * kb_count + kb
+        atom_rows = (n + common.ATOM_MN - 1) // common.ATOM_MN
+        atom_kbs = (kb_count + common.ATOM_KB - 1) // common.ATOM_KB
+        atom = (((batch * atom_rows + row // common.ATOM_MN) * atom_kbs + kb // common.ATOM_KB) * common.ATOM_BYTES
+                + (row % 32) * 16 + ((row // 32) % 4) * 4 + kb % common.ATOM_KB)
+        return cutlass.select_(sf_atom != 0, atom, compact)
+
+    def _new_stage(self) -> tuple:
+        """Registers of one ring stage: codes, scale bytes, and (with few token tiles) the activations."""
+        codes = cute.make_rmem_tensor((8 * self.row_tiles,), cutlass.Int32)
+        scales = cute.make_rmem_tensor((2 * self.row_tiles * self.lane_scales,), cutlass.Int32)
+        xs = cute.make_rmem_tensor((max(1, self.token_tiles * self.x_words if self.x_in_ring else 1),), cutlass.Int32)
+        return codes, scales, xs
+
+    def _load_chunk(self, stage, w, sw, x, batch, row0, lane, chunk_index, live, m, n, k, kb_count, sf_atom):
+        """Issue this lane's loads of one chunk into `stage`: codes (16 bytes per row) and scale bytes of its
+        2·row_tiles rows, zeros where the row, the chunk or the lane's codes lie past N or K (their scales are then
+        marked -1: no scale); with `x_in_ring` the activations of its tokens too."""
+        codes, scales, xs = stage
+        group, quad = lane // 4, lane % 4
+        first_code = chunk_index * self.chunk + quad * self.lane_codes
+        in_k = live & (first_code < k)
+        row_bytes = k // 2 if cutlass.const_expr(self.fp4) else k
+        for r in range(2 * self.row_tiles):
+            row = row0 + 16 * (r // 2) + group + 8 * (r % 2)
+            ok = in_k & (row < n)
+            offset = (cutlass.Int64(batch) * n + row) * row_bytes + (first_code // (2 if self.fp4 else 1))
+            words = load_stream_v4(w.iterator.toint() + offset, ok.to(cutlass.Int32))
+            for i in range(4):
+                codes[4 * r + i] = words[i]
+            for s in range(self.lane_scales):
+                kb = first_code // self.sf_vec_size + s
+                at = self._scale_offset(batch, cutlass.min(row, n - 1), cutlass.min(kb, kb_count - 1), n, kb_count,
+                                        sf_atom)
+                byte = sw[at].to(cutlass.Int32) & 0xFF  # the recast view loads signed bytes
+                scales[self.lane_scales * r + s] = cutlass.select_(ok, byte, cutlass.Int32(-1))
+        if cutlass.const_expr(self.x_in_ring):
+            for j in range(self.token_tiles):
+                token = 8 * j + group
+                words = self._x_load(x, batch, cutlass.min(token, m - 1), first_code,
+                                     (in_k & (token < m)).to(cutlass.Int32), m, k)
+                for i in range(self.x_words):
+                    xs[j * self.x_words + i] = words[i]
+
+    def _operand_words(self, codes, scales, r: int):
+        """bf16x2 words code·scale of row slot r (2·steps words, two per mma step, the k order of `_x_pairs`)."""
+        out = []
+        if cutlass.const_expr(not self.fp4):
+            byte = scales[r]
+            scale = cutlass.select_(byte < 0, cutlass.Float32(0.0), common.f32_from_bits(common.e8m0_bits(byte & 0xFF)))
+            for i in range(4):
+                out += fp8x4_scaled_bf16(codes[4 * r + i], scale, self.w_name == "float8_e5m2")
+            return out
+        neg_zero = cutlass.Int32(_NEG_ZERO_X2)
+        two126 = cutlass.Int32(common.BF16X2_TWO_POW_126)
+        for i in range(4):  # word i holds codes 8i..8i+7 (lane-relative); NVFP4: words 0, 1 and 2, 3 per block
+            byte = scales[self.lane_scales * r + (i // 2 if self.lane_scales == 2 else 0)]
+            if cutlass.const_expr(self.sf_e4m3):
+                scale = common.e4m3_scale_bf16x2(byte & 0xFF)
+            else:
+                scale = common.e8m0_bits(byte & 0xFF)
+                scale = scale | ((scale >> 16) & 0xFFFF)
+            scale = cutlass.select_(byte < 0, cutlass.Int32(0), scale)
+            for p in range(4):  # pair p: codes 8i+p (low half) and 8i+p+4 (high half)
+                bits = common.e2m1_pair_bits(codes[4 * r + i], p)
+                bits = cute.arch.fma_packed_bf16x2(bits, two126, neg_zero)
+                out.append(cute.arch.fma_packed_bf16x2(bits, scale, neg_zero))
+        return out
+
+    def _x_load(self, x, batch, token, first_code, ok, m, k) -> list:
+        """The raw bf16x2 words of token `token`'s activations at the lane's codes of a chunk (x_words of them)."""
+        offset = ((cutlass.Int64(batch) * m + token) * k + first_code) * 2
+        base = x.iterator.toint() + offset
+        return [wd for i in range(self.x_words // 4) for wd in load_v4(base + 16 * i, ok)]
+
+    def _x_pairs(self, v: list) -> list:
+        """Raw activation words in `_operand_words`' k order: as loaded for FP8; for FP4 the pairs (8i+p, 8i+p+4)."""
+        if cutlass.const_expr(not self.fp4):
+            return v
+        out = []
+        for i in range(4):  # v[4i..4i+3] = x01 x23 x45 x67 of codes 8i..8i+7
+            a, b, c_, d = v[4 * i:4 * i + 4]
+            out += [byte_perm(a, c_, 0x5410), byte_perm(a, c_, 0x7632), byte_perm(b, d, 0x5410),
+                    byte_perm(b, d, 0x7632)]
+        return out
+
+    def _multiply_chunk(self, acc, stage, x, batch, lane, chunk_index, m, k):
+        """acc += the products of the chunk in `stage` (a fresh fp32 partial per chunk and tile, added to acc)."""
+        codes, scales, xs_ring = stage
+        group, quad = lane // 4, lane % 4
+        first_code = chunk_index * self.chunk + quad * self.lane_codes
+        in_k = first_code < k
+        xs = []
+        for j in range(self.token_tiles):
+            if cutlass.const_expr(self.x_in_ring):
+                raw = [xs_ring[j * self.x_words + i] for i in range(self.x_words)]
+            else:
+                token = 8 * j + group
+                raw = self._x_load(x, batch, cutlass.min(token, m - 1), first_code,
+                                   (in_k & (token < m)).to(cutlass.Int32), m, k)
+            xs.append(self._x_pairs(raw))
+        for t in range(self.row_tiles):
+            lo, hi = self._operand_words(codes, scales, 2 * t), self._operand_words(codes, scales, 2 * t + 1)
+            for j in range(self.token_tiles):
+                part = [cutlass.Float32(0.0)] * 4
+                for s in range(self.steps):
+                    a = [lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1]]
+                    part = mma_bf16_m16n8k16(a, [xs[j][2 * s], xs[j][2 * s + 1]], part)
+                for v in range(4):
+                    acc[(t * self.token_tiles + j) * 4 + v] = acc[(t * self.token_tiles + j) * 4 + v] + part[v]
+
+    # ------------------------------------------------------------------------------------------------ kernel
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, w: cute.Tensor, sw: cute.Tensor, c: cute.Tensor, amax: cute.Tensor,
+               alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, sf_atom: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        row_block, batch, _ = cute.arch.block_idx()
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        sw = cute.make_tensor(cute.recast_ptr(sw.iterator, dtype=cutlass.Uint8), cute.make_layout((cute.size(sw),)))
+        partials = storage.partials.get_tensor(cute.make_layout(WARPS * self.rows * self.tokens))
+        warp_amax = storage.warp_amax.get_tensor(cute.make_layout(WARPS))
+        warp, lane = tidx // 32, tidx % 32
+        row0 = row_block * self.rows
+        kb_count = (k + self.sf_vec_size - 1) // self.sf_vec_size
+        chunks = (k + self.chunk - 1) // self.chunk
+        mine = (chunks - warp + WARPS - 1) // WARPS  # chunks warp, warp + WARPS, ... below `chunks`
+
+        acc = cute.make_rmem_tensor((self.row_tiles * self.token_tiles * 4,), cutlass.Float32)
+        acc.fill(0.0)
+        # mainloop: a ring of RING register stages, RING - 1 chunks in flight while one is multiplied
+        ring = [self._new_stage() for _ in range(RING)]
+        for r in cutlass.range_constexpr(RING - 1):
+            self._load_chunk(ring[r], w, sw, x, batch, row0, lane, warp + WARPS * r, r < mine, m, n, k, kb_count,
+                             sf_atom)
+        for i in cutlass.range(0, mine, RING, unroll=1):
+            for r in cutlass.range_constexpr(RING):
+                ahead = i + r + RING - 1
+                self._load_chunk(ring[(r + RING - 1) % RING], w, sw, x, batch, row0, lane, warp + WARPS * ahead,
+                                 ahead < mine, m, n, k, kb_count, sf_atom)
+                if i + r < mine:
+                    self._multiply_chunk(acc, ring[r], x, batch, lane, warp + WARPS * (i + r), m, k)
+
+        # epilogue: the warps' partial tiles summed in warp order (deterministic), alpha, C, amax
+        group, quad = lane // 4, lane % 4
+        for t in cutlass.range_constexpr(self.row_tiles):
+            for j in cutlass.range_constexpr(self.token_tiles):
+                for v in cutlass.range_constexpr(4):
+                    row = 16 * t + group + 8 * (v // 2)
+                    token = 8 * j + 2 * quad + v % 2
+                    partials[(warp * self.rows + row) * self.tokens + token] = acc[(t * self.token_tiles + j) * 4 + v]
+        cute.arch.sync_threads()
+        scale = alpha[batch]
+        amax_bits = cutlass.Int32(0)
+        for e in cutlass.range_constexpr((self.rows * self.tokens + THREADS - 1) // THREADS):
+            idx = e * THREADS + tidx
+            row, token = idx % self.rows, idx // self.rows
+            if idx < self.rows * self.tokens:
+                total = partials[row * self.tokens + token]
+                for p in cutlass.range_constexpr(1, WARPS):
+                    total = total + partials[(p * self.rows + row) * self.tokens + token]
+                total = total * scale
+                if (token < m) & (row0 + row < n):
+                    c[(cutlass.Int64(batch) * m + token) * n + row0 + row] = total.to(self.c_dtype)
+                    amax_bits = cutlass.max(amax_bits, common.abs_bits(total))
+        amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
+        common.amax_block_reduce_and_publish(amax_bits, warp_amax, amax_i32.iterator + batch, tidx, WARPS, 1)
