@@ -44,6 +44,8 @@ _W_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float
 _C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 _SCALINGS = {(32, "float8_e8m0fnu"), (16, "float8_e4m3fn")}
 _NEG_ZERO_X2 = -0x7FFF8000  # bf16x2 -0 (0x80008000): x·s + (-0) == x·s
+BF16X2_TWO_POW_120 = 0x7B807B80  # 2^120 in both halves (biased exponent 247)
+_HIGH_BITS = -0x7F7F7F80  # 0x80808080: bit 7 of every byte
 
 
 def _asm(ret, args, text: str, constraints: str, loc, ip):
@@ -219,12 +221,14 @@ class WeightStreamGemm:
     def _operand_words(self, codes, scales, r: int):
         """bf16x2 words code·scale of row slot r (2·steps words, two per mma step, the k order of `_x_pairs`)."""
         out = []
-        if cutlass.const_expr(not self.fp4):
+        if cutlass.const_expr(self.w_name == "float8_e5m2"):  # the converter keeps E5M2's infinities and NaNs
             byte = scales[r]
             scale = cutlass.select_(byte < 0, cutlass.Float32(0.0), common.f32_from_bits(common.e8m0_bits(byte & 0xFF)))
             for i in range(4):
-                out += fp8x4_scaled_bf16(codes[4 * r + i], scale, self.w_name == "float8_e5m2")
+                out += fp8x4_scaled_bf16(codes[4 * r + i], scale, True)
             return out
+        if cutlass.const_expr(not self.fp4):
+            return self._e4m3_words(codes, scales, r)
         neg_zero = cutlass.Int32(_NEG_ZERO_X2)
         two126 = cutlass.Int32(common.BF16X2_TWO_POW_126)
         for i in range(4):  # word i holds codes 8i..8i+7 (lane-relative); NVFP4: words 0, 1 and 2, 3 per block
@@ -241,6 +245,33 @@ class WeightStreamGemm:
                 out.append(cute.arch.fma_packed_bf16x2(bits, scale, neg_zero))
         return out
 
+    def _e4m3_words(self, codes, scales, r: int) -> list:
+        """bf16x2 words code·scale of an E4M3 row slot by bit moves and packed bf16 multiplies (no converter).
+
+        Bytes 0, 2 and 1, 3 of each word pair up as (low, high) halves; an E4M3 byte s|eeee|mmm placed as the bf16
+        bits s<<15 | eeeemmm<<4 is exactly code·2^-120 (subnormals included), times 2^120 the code, times the
+        block scale code·scale, both exact. A NaN code (0x7F, 0xFF) would read as 480: a NaN anywhere in the lane's
+        16 codes of the row makes its scale NaN instead, which gives the same outputs a NaN product gives (NaN in
+        every C element of that row, whatever x holds)."""
+        neg_zero = cutlass.Int32(_NEG_ZERO_X2)
+        two120 = cutlass.Int32(BF16X2_TWO_POW_120)
+        byte = scales[r]
+        nan_bytes = cutlass.Int32(0)
+        for i in range(4):
+            nan_bytes = nan_bytes | (((codes[4 * r + i] & 0x7F7F7F7F) + 0x01010101) & _HIGH_BITS)
+        scale = common.e8m0_bits(byte & 0xFF)
+        scale = scale | ((scale >> 16) & 0xFFFF)
+        scale = cutlass.select_(nan_bytes != 0, cutlass.Int32(common.E4M3_NAN_BF16X2), scale)
+        scale = cutlass.select_(byte < 0, cutlass.Int32(0), scale)
+        out = []
+        for i in range(4):
+            word = codes[4 * r + i]
+            for pair in (word & 0x00FF00FF, (word >> 8) & 0x00FF00FF):  # codes (0, 2), then (1, 3)
+                bits = ((pair & 0x007F007F) << 4) | ((pair & 0x00800080) << 8)
+                bits = cute.arch.fma_packed_bf16x2(bits, two120, neg_zero)
+                out.append(cute.arch.fma_packed_bf16x2(bits, scale, neg_zero))
+        return out
+
     def _x_load(self, x, batch, token, first_code, ok, m, k) -> list:
         """The raw bf16x2 words of token `token`'s activations at the lane's codes of a chunk (x_words of them)."""
         offset = ((cutlass.Int64(batch) * m + token) * k + first_code) * 2
@@ -248,9 +279,15 @@ class WeightStreamGemm:
         return [wd for i in range(self.x_words // 4) for wd in load_v4(base + 16 * i, ok)]
 
     def _x_pairs(self, v: list) -> list:
-        """Raw activation words in `_operand_words`' k order: as loaded for FP8; for FP4 the pairs (8i+p, 8i+p+4)."""
-        if cutlass.const_expr(not self.fp4):
+        """Raw activation words in `_operand_words`' k order: as loaded for E5M2; for E4M3 the pairs (4i, 4i+2),
+        (4i+1, 4i+3); for FP4 the pairs (8i+p, 8i+p+4)."""
+        if cutlass.const_expr(self.w_name == "float8_e5m2"):
             return v
+        if cutlass.const_expr(not self.fp4):
+            out = []
+            for i in range(len(v) // 2):  # v[2i], v[2i+1] = x01, x23 of codes 4i..4i+3
+                out += [byte_perm(v[2 * i], v[2 * i + 1], 0x5410), byte_perm(v[2 * i], v[2 * i + 1], 0x7632)]
+            return out
         out = []
         for i in range(4):  # v[4i..4i+3] = x01 x23 x45 x67 of codes 8i..8i+7
             a, b, c_, d = v[4 * i:4 * i + 4]
