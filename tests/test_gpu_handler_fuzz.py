@@ -598,10 +598,18 @@ def _target_cases() -> list[tuple[str, Target, Case]]:
     return out
 
 
+ARRAY_ATTRS = ("offsets", "cluster_ctas")  # the int64-array attributes; the typed FFI refuses a tuple for either
+
+
+def ffi_attrs(attrs: dict) -> dict:
+    """`attrs` as jax.ffi.ffi_call takes them: the objects as a uint8 array, the ARRAY_ATTRS as int64 arrays."""
+    return {k: (np.frombuffer(bytes(v), np.uint8) if k == "objects" else
+                np.asarray(v, np.int64) if k in ARRAY_ATTRS else v) for k, v in attrs.items()}
+
+
 def _ffi_call(target: Target, call: Call, *, device: Any) -> Any:
     """Runs `call` through raw jax.ffi.ffi_call on `device`, bypassing every Python check; returns the results."""
-    attrs = {k: (np.frombuffer(bytes(v), np.uint8) if k == "objects" else
-                 np.asarray(v, np.int64) if k in ("offsets", "cluster_ctas") else v) for k, v in call.attrs.items()}
+    attrs = ffi_attrs(call.attrs)
     operands = [jax.device_put(jnp.zeros(b.shape, b.dtype), device) for b in call.operands]
     results = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in call.results]
     fn = jax.jit(lambda *xs: jax.ffi.ffi_call(target.name, results)(*xs, **attrs))
@@ -625,6 +633,17 @@ class CpuHandlerChecksTest(absltest.TestCase):
     def test_well_formed_calls_pass(self):
         for target in TARGETS:
             self.assertEqual(target.cpu_check(target.well_formed(*target.object_fn())), "", target.name)
+
+    def test_raw_call_attributes_are_types_the_typed_ffi_takes(self):
+        """A tuple attribute passes the C++ hooks but XLA refuses it ('Unsupported attribute type'): after ffi_attrs
+        every well-formed attribute must be a str, an int or a NumPy array, else the GPU run fails on the good call."""
+        for target in TARGETS:
+            attrs = ffi_attrs(target.well_formed(*target.object_fn()).attrs)
+            unsupported = {k: type(v).__name__ for k, v in attrs.items() if not isinstance(v, (str, int, np.ndarray))}
+            self.assertEqual(unsupported, {}, target.name)
+            for key in ARRAY_ATTRS:
+                if key in attrs:
+                    self.assertEqual(attrs[key].dtype, np.int64, f"{target.name}: {key}")
 
     def test_every_case_is_refused_with_its_message(self):
         cases = [c for c in _target_cases() if c[2].cpu]
@@ -744,8 +763,7 @@ class GpuHandlerFuzzTest(absltest.TestCase):
         codes = [np.clip(rng.standard_normal((l, mn, k)) * 8, -448, 448).astype(np.float32).astype(oracle_ops.E4M3)
                  for mn in (m, n)]
         scales = [oracle.random_scale_bytes(rng, (l, mn, _cdiv(k, 32))) for mn in (m, n)]
-        attrs = {key: (np.frombuffer(v, np.uint8) if key == "objects" else
-                       np.asarray(v, np.int64) if key == "offsets" else v) for key, v in good.attrs.items()}
+        attrs = ffi_attrs(good.attrs)
         results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in good.results]
         fn = jax.jit(lambda *xs: jax.ffi.ffi_call(GEMM_AMAX.name, results)(*xs, **attrs))
         c, amax = fn(*codes, *(oracle.compact_to_atom_np(s) for s in scales))
