@@ -17,7 +17,7 @@ import pytest
 from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
-from jax_blockgemm import formats
+from jax_blockgemm import arch, formats
 from jax_blockgemm.bench import decode
 from jax_blockgemm.bench.cli import main as bench_main, parser
 
@@ -59,8 +59,27 @@ class DecodeBenchTest(parameterized.TestCase):
         rows = [line for line in text.splitlines() if re.match(r"\d+ -> \d+ ", line)]
         self.assertLen(rows, len(cases))
         self.assertRegex(rows[0], r"^256 -> 128 +1 +[0-9.]+ \(\d+%\)")
-        self.assertIn("no decode kernel exists yet", text)
+        footnote = " ".join(text[text.index("ours: weight_only_matmul"):].split())  # unwrapped
+        self.assertIn(" ".join(decode.decode_policy(("mxfp8", "nvfp4")).split()), footnote)
+        for row in arch.TABLE:  # every threshold the table holds for these formats is spelled out with its target
+            largest = {row.decode_max_m.get(decode.WEIGHT_FORMAT[f], 0) for f in ("mxfp8", "nvfp4")}
+            if row.target and len(largest) == 1 and min(largest) > 0:
+                self.assertIn(f"on {row.target} for M <= {min(largest)}", footnote)
         self.assertEqual(decode.format_table(json.loads(json.dumps(record))), text.rstrip("\n"))
+
+    def test_the_footnote_reads_the_decode_thresholds_from_the_arch_table(self):
+        formats_ = ("mxfp8", "mxfp4", "nvfp4")
+        with arch.overridden("9.0", decode_max_m={f: 48 for f in arch.DECODE_FORMATS}):
+            self.assertIn("weight_stream decode kernel on sm_90a for M <= 48 (", decode.decode_policy(formats_))
+        with arch.overridden("9.0", decode_max_m={"mxfp8_e4m3": 16, "mxfp4": 0, "nvfp4": 32}):
+            self.assertIn("on sm_90a for MXFP8 E4M3: M <= 16, MXFP4 E2M1: never, NVFP4 E2M1 x alpha: M <= 32 (",
+                          decode.decode_policy(formats_))
+            self.assertIn("on sm_90a for M <= 16 (", decode.decode_policy(("mxfp8",)))
+        with arch.overridden("9.0", decode_max_m={}), arch.overridden("10.0", decode_max_m={"mxfp4": 8}):
+            policy = decode.decode_policy(formats_)
+            self.assertNotIn("sm_90a", policy)
+            self.assertIn("on sm_100a for MXFP8 E4M3: never, MXFP4 E2M1: M <= 8, NVFP4 E2M1 x alpha: never", policy)
+            self.assertRegex(decode.decode_policy(("nvfp4",)), r"runs the reference .* on every device")
 
     def test_decode_is_a_flag_of_the_benchmark(self):
         self.assertIn("--decode", parser().format_help())

@@ -6,9 +6,12 @@ returns the 32 results: 32 weights are too many for L2 to keep any of them, no t
 could merge or deduplicate, and dispatch cost is spread over the program. The figure is the program's time / 32, per
 GEMM. Columns:
 
-  * ours(None): `weight_only_matmul` (x bf16 as given, the QuantizedWeight, bf16 out), what serving code calls;
+  * ours(None): `weight_only_matmul` (x bf16 as given, the QuantizedWeight, bf16 out), what serving code calls: the
+    weight_stream decode kernel where `arch.TABLE`'s `decode_max_m` takes it (per target, the largest M of each
+    weight format), the reference elsewhere; the printed footnote spells those thresholds out;
   * reference(xla): the same with implementation="xla";
   * gemm_amax(None): the quantized-x path, x already quantized to the weight's format (its quantization not timed);
+    within the same thresholds it runs the decode kernel too, x dequantized to bf16 (exactly) first;
   * bf16 dot: XLA's dot of bf16 x and the bf16 weights of the same values (the unquantized model), bf16 out;
   * fp8 dot: XLA's dot of E4M3 codes of x and of the weights without any scales (a speed anchor), f32 out.
 
@@ -23,13 +26,14 @@ import argparse
 import dataclasses
 import datetime
 import sys
+import textwrap
 from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 
 import jax_blockgemm as jbg
-from jax_blockgemm import formats, weight_only
+from jax_blockgemm import arch, formats, weight_only
 from jax_blockgemm.bench import report
 from jax_blockgemm.bench.inputs import GEMM_FORMATS, quantize_operand, random_values
 from jax_blockgemm.bench.timing import median_ms
@@ -156,6 +160,28 @@ def run_case(key: jax.Array, fmt: str, k: int, n: int, m_values: Sequence[int], 
     return records
 
 
+def decode_policy(formats_: Sequence[str]) -> str:
+    """Where implementation=None runs the weight_stream decode kernel for weights in `formats_` (--format names),
+    read from `arch.TABLE`'s `decode_max_m`: per target, the largest M (per format where they differ)."""
+    places = []
+    for row in arch.TABLE:
+        largest = {fmt: row.decode_max_m.get(WEIGHT_FORMAT[fmt], 0) for fmt in formats_}
+        if row.target is None or not any(largest.values()):
+            continue
+        if len(set(largest.values())) == 1:
+            places.append(f"on {row.target} for M <= {next(iter(largest.values()))}")
+        else:
+            places.append(f"on {row.target} for " + ", ".join(
+                f"{GEMM_FORMATS[fmt].title}: M <= {value}" if value else f"{GEMM_FORMATS[fmt].title}: never"
+                for fmt, value in largest.items()))
+    if not places:
+        return ("implementation=None runs the reference (bf16 dequantization, XLA's dot) on every device: no row of "
+                "arch.TABLE's decode_max_m takes the weight_stream decode kernel for these formats")
+    return (f"implementation=None runs the weight_stream decode kernel {'; '.join(places)} (arch.TABLE's "
+            "decode_max_m, unless a tuning table measured on the GPU decides otherwise), the reference (bf16 "
+            "dequantization, XLA's dot) for every other call")
+
+
 def format_table(record: dict[str, Any]) -> str:
     """One table per format: per K -> N and M, µs per GEMM and the fraction of the read bandwidth, per column."""
     env, bw = record["environment"], record["read_bandwidth"]
@@ -184,10 +210,11 @@ def format_table(record: dict[str, Any]) -> str:
             lines.append(f"  ours vs reference: relative error at most {max(errors):.1e}")
         reasons = sorted({(COLUMNS[key], e["na"]) for c in cases for key, e in c["columns"].items() if "na" in e})
         lines += [f"  n/a {label}: {reason}" for label, reason in reasons]
-    lines += ["", "  ours: weight_only_matmul, implementation=None (no decode kernel exists yet: it runs the "
-                  "reference); gemm_amax: x quantized",
-              "  to the weight's format beforehand (not timed); bf16 dot: bf16 weights of the same values; fp8 dot: "
-              "E4M3 codes of x and the weights, no scales"]
+    shown = tuple(dict.fromkeys(c["format"] for c in record["cases"])) or DEFAULT_FORMATS
+    notes = (f"ours: weight_only_matmul; {decode_policy(shown)}. gemm_amax: x quantized to the weight's format "
+             "beforehand (not timed), then the same choice (the decode kernel takes x dequantized to bf16). bf16 dot: "
+             "bf16 weights of the same values; fp8 dot: E4M3 codes of x and the weights, no scales.")
+    lines += ["", *textwrap.wrap(notes, width=118, initial_indent="  ", subsequent_indent="  ")]
     return "\n".join(lines)
 
 
