@@ -5,6 +5,7 @@ d = 4096 stack traces, with the weight bytes each format should have.
 
 import contextlib
 import io
+import types
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from absl.testing import absltest
 
+from jax_blockgemm import arch
 from jax_blockgemm.examples import decode
 
 
@@ -35,7 +37,30 @@ class DecodeExampleTest(absltest.TestCase):
         bf16, mxfp8, mxfp4 = (rows[i]["weight_bytes"] for i in (0, 2, 4))
         self.assertEqual(mxfp8, bf16 // 2 + bf16 // 64)  # one byte per weight plus one scale byte per 32
         self.assertEqual(mxfp4, bf16 // 4 + bf16 // 64)
-        self.assertIn("No decode kernel exists yet", text)
+        self.assertEqual(text.rstrip("\n").splitlines()[-1],
+                         decode.matmul_path(jax.devices()[0], ("bf16", "mxfp8_e4m3", "mxfp4")))
+
+    def test_the_last_line_names_the_decode_kernel_and_the_arch_tables_thresholds(self):
+        h200 = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
+        formats_ = ("bf16", "mxfp8_e4m3", "mxfp4", "nvfp4")
+        shipped = arch.policy("sm_90a").decode_max_m.get("mxfp4", 0)  # the table as it stands
+        self.assertIn(f"weight_stream decode kernel for batch <= {shipped} (" if shipped else "at every batch",
+                      decode.matmul_path(h200, ("mxfp4",)))
+        with arch.overridden("9.0", decode_max_m={"mxfp8_e4m3": 16, "mxfp4": 48, "nvfp4": 48}):
+            self.assertIn("on sm_90a, implementation=None", decode.matmul_path(h200, formats_))
+            self.assertIn("the weight_stream decode kernel for batch <= 16 (mxfp8_e4m3), batch <= 48 (mxfp4, nvfp4); "
+                          "the reference", decode.matmul_path(h200, formats_))
+        with arch.overridden("9.0", decode_max_m={"mxfp4": 8}):
+            note = decode.matmul_path(h200, formats_)
+            self.assertIn("kernel for batch <= 8 (mxfp4); the reference", note)
+            self.assertNotIn("mxfp8_e4m3", note)  # no threshold: the reference, as "every other format" says
+            self.assertRegex(decode.matmul_path(h200, ("mxfp8_e4m3",)), r"the reference .* at every batch\.$")
+        b200 = types.SimpleNamespace(platform="gpu", compute_capability="10.0", device_kind="NVIDIA B200")
+        with arch.overridden("10.0", decode_max_m={}):
+            self.assertNotIn("weight_stream", decode.matmul_path(b200, formats_))
+        cpu = types.SimpleNamespace(platform="cpu", device_kind="cpu")
+        self.assertIn("no kernel of ours runs here", decode.matmul_path(cpu, formats_))
+        self.assertEqual(decode.matmul_path(h200, ("bf16",)), "")
 
     @pytest.mark.end_to_end
     def test_quantized_weights_decode_like_their_bf16_values(self):

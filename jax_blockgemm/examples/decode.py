@@ -8,9 +8,11 @@ The model is a pre-norm decoder (RMSNorm, multi-head attention with rotary posit
 untied output head), its layers stacked and run by `jax.lax.scan`. A prompt is fed one token per step and then every
 step appends the argmax token; the whole loop is one `jax.jit` program, so the figure is device time. It prints, per
 weight format and batch size, the time per decode step, tokens per second (batch x steps / time) and the rate at
-which the step reads its weights. No decode kernel exists yet, so the quantized formats run the reference
-(dequantize to bf16, then XLA's dot): the figures show what that costs today, and the weights' bytes show what a
-kernel could reach.
+which the step reads its weights. The quantized formats' matmuls are `weight_only_matmul` calls with M = the batch
+and implementation=None: on a GPU whose `arch.TABLE` row sets a `decode_max_m` for the format (sm_90a), batches up to
+that threshold run the weight_stream decode kernel, which streams the codes and scales once per step; larger
+batches and other devices run the reference (dequantize to bf16, then XLA's dot). The last line printed says which
+for the device at hand, read from the table.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_blockgemm import api, weight_only
+from jax_blockgemm import api, arch, weight_only
 
 __all__ = ["Config", "FULL", "SMALL", "init_params", "quantize_params", "dequantize_params", "weight_bytes",
-           "generate", "main"]
+           "generate", "matmul_path", "main"]
 
 WEIGHT_FORMATS = ("bf16", *weight_only.WEIGHT_FORMATS)
 DEFAULT_FORMATS = ("bf16", "mxfp8_e4m3", "mxfp4")
@@ -170,6 +172,27 @@ def generate(params: dict[str, Any], prompt: jax.Array, *, cfg: Config) -> jax.A
     return jax.lax.fori_loop(0, cfg.steps, step, (cache, tokens))[1]
 
 
+def matmul_path(device: Any, formats_: Sequence[str]) -> str:
+    """What implementation=None runs on `device` for the matmuls of the quantized formats among `formats_` (M = the
+    batch), from `arch.TABLE`'s `decode_max_m` for the device's kernel target; "" when every format is bf16."""
+    quantized = [fmt for fmt in formats_ if fmt != "bf16"]
+    if not quantized:
+        return ""
+    reference = "the reference (the weight dequantized to bf16, then XLA's dot)"
+    capability = getattr(device, "compute_capability", None)  # CUDA devices only
+    target = arch.target_of(str(capability)) if capability else None
+    if target is None:
+        return f"Quantized weights on {device.device_kind}: no kernel of ours runs here, so {reference}."
+    by_threshold: dict[int, list[str]] = {}
+    for fmt in quantized:
+        by_threshold.setdefault(arch.policy(target).decode_max_m.get(fmt, 0), []).append(fmt)
+    kernel = [f"batch <= {value} ({', '.join(fmts)})" for value, fmts in sorted(by_threshold.items()) if value]
+    runs = (f"the weight_stream decode kernel for {', '.join(kernel)}; {reference} for every other batch and format"
+            if kernel else f"{reference} at every batch")
+    return (f"Quantized weights on {target}, implementation=None (arch.TABLE's decode_max_m, unless a tuning table "
+            f"measured on this GPU decides otherwise): {runs}.")
+
+
 def _time_s(fn, *args, repeats: int) -> float:
     """Median wall time of `repeats` waited calls, after one warm-up call (which also compiles)."""
     jax.block_until_ready(fn(*args))
@@ -247,8 +270,9 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
                   f"{mbytes / 1e6:>11.1f} {row['weight_gb_per_s']:>8.1f}  {same}")
             sys.stdout.flush()
         del params
-    print("No decode kernel exists yet: the quantized formats run the reference (the weight dequantized to bf16, "
-          "then XLA's dot).")
+    note = matmul_path(device, args.formats)
+    if note:
+        print(note)
     return rows
 
 
