@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_blockgemm as jbg
-from jax_blockgemm import arch, formats, weight_only
+from jax_blockgemm import arch, formats
 from jax_blockgemm.bench import report
 from jax_blockgemm.bench.inputs import GEMM_FORMATS, quantize_operand, random_values
 from jax_blockgemm.bench.timing import median_ms
