@@ -529,7 +529,8 @@ class DecodeDispatchTest(parameterized.TestCase):
             self.assertEqual(_decode(40, c_dtype=jnp.float32).variants, (ws,))
         with dispatch.forced_variants([gemm]):
             self.assertEqual(_decode(40, c_dtype=jnp.float32).variants, ())
-            self.assertEqual(_decode(40, c_dtype=jnp.float32, implementation=None).variants[0].op, "weight_stream")
+            self.assertEqual(_decode(40, fmt="mxfp4", c_dtype=jnp.float32, implementation=None).variants[0].op,
+                             "weight_stream")  # MXFP4's threshold (arch.TABLE) is past 40 rows
 
     def test_weight_only_choice(self):
         sa = jax.core.ShapedArray
