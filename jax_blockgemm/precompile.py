@@ -8,7 +8,8 @@ Without --arch, every architecture in the catalog; without --variant, every vari
 Prints, per variant, whether it was compiled or already cached, the time it took and the entry's path.
 --report compiles the sm_100a variants afresh (the cache holds objects, not PTX) and prints their structural
 checks instead (kernels/structure.py): MMA kind and scale-vector size, tensor memory, local memory, shared
-memory, registers; exit status 1 if any variant fails one.
+memory, registers; exit status 1 if any variant fails one. The weight_stream decode kernel is held to warp-level
+mma.sync (bf16 m16n8k16) and no tensor memory, the other MMA kernels to Blackwell's tcgen05 MMA.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def report(variants: Sequence) -> int:
         raise SystemExit("--report: no sm_100a variant selected (the structural checks are those of sm_100a)")
     print(f"limits: shared memory <= {structure.SM100_SMEM_PER_CTA} B per CTA, registers <= "
           f"{structure.SM100_REGS_PER_THREAD} per thread, tensor memory <= {structure.SM100_TMEM_COLUMNS} columns")
-    row = "{:52s} {:>9s} {:16s} {:9s} {:13s} {:>7s} {:>7s} {:>4s} {:>15s}  {}"
+    row = "{:52s} {:>9s} {:17s} {:9s} {:13s} {:>7s} {:>7s} {:>4s} {:>15s}  {}"
     print(row.format("variant", "compile s", "MMA kind", "scale_vec", "alloc/dealloc", "local B", "smem B", "regs",
                      "TMEM used/alloc", "verdict"))
     failed = 0
@@ -55,11 +56,10 @@ def report(variants: Sequence) -> int:
         start = time.perf_counter()
         kernel = catalog.make_kernel(v)
         r = structure.sm100_report(v, catalog.compile_function(v, keep_ptx=True, kernel=kernel), kernel)
-        kinds = sorted({k for op in r.mma for k in op.split(".") if k.startswith("kind::")})
         vecs = sorted({k for op in r.mma for k in op.split(".") if k in structure.SCALE_VEC.values()})
         problems = r.problems()
         failed += bool(problems)
-        print(row.format(*[v.key, f"{time.perf_counter() - start:.2f}", ",".join(kinds) or "-", ",".join(vecs) or "-",
+        print(row.format(*[v.key, f"{time.perf_counter() - start:.2f}", r.mma_label, ",".join(vecs) or "-",
                          f"{'yes' if r.has_alloc else 'NO'}/{'yes' if r.has_dealloc else 'NO'}",
                          str(r.ptx_local + r.resources.frame_bytes + r.resources.stack_bytes), str(r.smem_bytes),
                          str(r.resources.registers), f"{r.tmem_columns_used}/{r.tmem_columns_allocated}",

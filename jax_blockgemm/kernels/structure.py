@@ -3,7 +3,9 @@
 Used by the CI compile tests and by `python -m jax_blockgemm.precompile --report`. For a kernel that no GPU here
 can run (sm_100a), these checks are what stands between the source and the hardware: the right tensor-core
 instruction (kind and scale-vector size), tensor memory allocated and freed, no local memory, and shared memory,
-registers and tensor-memory columns within the target's limits.
+registers and tensor-memory columns within the target's limits. The decode kernel (weight_stream) is the exception
+by design: on every architecture it multiplies with warp-level `mma.sync` (bf16 m16n8k16, fp32 accumulation) and
+holds its accumulators in registers, so its check is that instruction and no tcgen05 MMA or tensor memory at all.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ SM100_TMEM_COLUMNS = 512
 SM100_MMA_KIND = {"float8_e4m3fn": "mxf8f6f4", "float8_e5m2": "mxf8f6f4", "float4_e2m1fn": "mxf4nvf4",
                   "bfloat16": "f16"}
 SCALE_VEC = {32: "block32", 16: "block16"}
+# The one warp-level MMA of the weight_stream kernel (bf16 x bf16 -> fp32), the same opcode on sm_90a and sm_100a.
+WARP_MMA_BF16 = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+WARP_MMA_OPS = {"weight_stream": WARP_MMA_BF16}  # op -> its expected mma.sync opcode (instead of tcgen05)
 
 _EIATTR_FRAME_SIZE = 0x11
 _EIATTR_MIN_STACK_SIZE = 0x12
@@ -112,8 +117,17 @@ class Sm100Report:
     tmem_columns_used: int
     tmem_columns_allocated: int
     threads_per_cta: int
-    expect_kind: str
+    expect_kind: str  # "" for a kernel without tcgen05 MMA (dequantize, weight_stream)
     expect_scale_vec: str  # "" for an MMA without block scales (kind::f16)
+    warp_mma: tuple[str, ...] = ()  # distinct `mma.sync...` opcodes in the PTX
+    expect_warp_mma: str = ""  # the only mma.sync opcode a warp-level-MMA kernel (weight_stream) may hold; "" none
+
+    @property
+    def mma_label(self) -> str:
+        """The MMA as the report's table shows it: the tcgen05 kinds, else the mma.sync shape, else "-"."""
+        kinds = sorted({k for op in self.mma for k in op.split(".") if k.startswith("kind::")})
+        shapes = sorted({k for op in self.warp_mma for k in op.split(".") if re.fullmatch(r"m\d+n\d+k\d+", k)})
+        return ",".join(kinds) or ("mma.sync " + ",".join(shapes) if shapes else "-")
 
     @property
     def smem_bytes(self) -> int:
@@ -122,10 +136,12 @@ class Sm100Report:
     def problems(self) -> list[str]:
         """Every violated expectation, in words (empty when the variant passes)."""
         out = []
-        if not self.expect_kind:  # a kernel without MMA (dequantize): no tcgen05 at all
+        if not self.expect_kind:  # no tcgen05 at all: dequantize (no MMA), weight_stream (mma.sync, registers)
             if self.mma or self.has_alloc or self.tmem_loads:
                 out.append(f"expected no tcgen05 MMA or tensor memory; found MMA {list(self.mma)}, "
                            f"alloc={self.has_alloc}, {self.tmem_loads} tcgen05.ld")
+            if self.expect_warp_mma and self.warp_mma != (self.expect_warp_mma,):
+                out.append(f"warp MMA opcodes {list(self.warp_mma)}: expected only {self.expect_warp_mma}")
         else:
             scaled = f".block_scale.{self.expect_scale_vec}" if self.expect_scale_vec else ""
             want = re.compile(r"^tcgen05\.mma\.cta_group::[12]\.kind::" + re.escape(self.expect_kind + scaled)
@@ -157,16 +173,35 @@ def mma_opcodes(ptx: str) -> tuple[str, ...]:
     return tuple(sorted(set(re.findall(r"\btcgen05\.mma[.\w:]*", ptx))))
 
 
+def warp_mma_opcodes(ptx: str) -> tuple[str, ...]:
+    """The distinct warp-level mma.sync opcodes in `ptx`."""
+    return tuple(sorted(set(re.findall(r"\bmma\.sync[.\w]*", ptx))))
+
+
+def _launch_facts(variant: Any, kernel: Any) -> tuple[int, int, int, int]:
+    """(dynamic shared memory bytes, TMEM columns used, TMEM columns allocated, threads per CTA) of a traced kernel.
+    The weight_stream kernel records none of them itself: its shared storage (the warps' partial C tiles) is sized
+    while traced, its CTA is weight_stream.THREADS threads, and it has no tensor memory."""
+    if variant.op == "weight_stream":
+        from jax_blockgemm.kernels import weight_stream
+
+        return int(kernel.shared_storage.size_in_bytes()), 0, 0, weight_stream.THREADS
+    return (int(kernel.smem_bytes), int(kernel.tmem_columns_used), int(kernel.tmem_columns_allocated),
+            int(kernel.threads_per_cta))
+
+
 def sm100_report(variant: Any, compiled: Any, kernel: Any) -> Sm100Report:
     """The report of `variant`, from its compiled function (`keep_ptx`) and the kernel object it was traced from."""
     ptx = compiled.__ptx__
+    smem, tmem_used, tmem_allocated, threads = _launch_facts(variant, kernel)
+    tcgen05 = variant.op not in ("dequantize", *WARP_MMA_OPS)
     return Sm100Report(
         key=variant.key, mma=mma_opcodes(ptx), has_alloc="tcgen05.alloc" in ptx,
         has_dealloc="tcgen05.dealloc" in ptx, tmem_loads=len(re.findall(r"\btcgen05\.ld\.", ptx)),
         tmem_load_waits=len(re.findall(r"\btcgen05\.wait::ld\b", ptx)), ptx_local=len(re.findall(r"\.local\b", ptx)),
-        resources=cubin_resources(compiled.__cubin__), dynamic_smem_bytes=int(kernel.smem_bytes),
-        tmem_columns_used=int(kernel.tmem_columns_used), tmem_columns_allocated=int(kernel.tmem_columns_allocated),
-        threads_per_cta=int(kernel.threads_per_cta),
-        expect_kind="" if variant.op == "dequantize" else SM100_MMA_KIND[variant.ab_dtype],
-        expect_scale_vec=SCALE_VEC[variant.sf_vec_size] if variant.op == "gemm_amax" else "")
+        resources=cubin_resources(compiled.__cubin__), dynamic_smem_bytes=smem, tmem_columns_used=tmem_used,
+        tmem_columns_allocated=tmem_allocated, threads_per_cta=threads,
+        expect_kind=SM100_MMA_KIND[variant.ab_dtype] if tcgen05 else "",
+        expect_scale_vec=SCALE_VEC[variant.sf_vec_size] if variant.op == "gemm_amax" else "",
+        warp_mma=warp_mma_opcodes(ptx), expect_warp_mma=WARP_MMA_OPS.get(variant.op, ""))
 
