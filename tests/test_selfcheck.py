@@ -697,10 +697,34 @@ class CliTest(absltest.TestCase):
         with mock.patch.multiple(selfcheck, **runners):
             for v in catalog.CATALOG:
                 self.assertEqual(selfcheck.run_check(v, device), "", v.key)
-        expected = {"run_problems": "gemm_amax", "run_proj_rope_problems": "proj_rope",
-                    "run_dequantize_problems": "dequantize"}
-        self.assertEqual({(r, op) for r, op in ran}, set(expected.items()))
-        self.assertEqual({v.op for v in catalog.CATALOG}, set(expected.values()))
+        # the decode kernel is checked through gemm_amax calls of small M, so by the gemm_amax runner
+        expected = {("run_problems", "gemm_amax"), ("run_problems", "weight_stream"),
+                    ("run_proj_rope_problems", "proj_rope"), ("run_dequantize_problems", "dequantize")}
+        self.assertEqual(set(ran), expected)
+        self.assertEqual({v.op for v in catalog.CATALOG}, {op for _, op in expected})
+
+    def test_decode_problems_fit_the_variant_and_reach_its_edges(self):
+        """Every weight_stream variant's problems are ones it takes, one of them fills its token capacity, and
+        together they cover a single token, a partial token tile, L > 1 and N off the CTA's row multiple."""
+        from jax_blockgemm.kernels import weight_stream
+
+        variants = [v for v in catalog.CATALOG if v.op == "weight_stream"]
+        self.assertNotEmpty(variants)
+        for v in variants:
+            with self.subTest(variant=v.key):
+                probs = selfcheck.problems(v)
+                self.assertEqual(probs, selfcheck.decode_problems(v))
+                kernel = weight_stream.WeightStreamGemm(w_dtype=v.ab_dtype, c_dtype=v.c_dtype,
+                                                        sf_vec_size=v.sf_vec_size, sf_dtype=v.sf_dtype,
+                                                        tile=v.tile_mn)
+                for l, m, n, k in probs:
+                    self.assertEqual(kernel.can_implement(m, n, k, l), (True, ""), (l, m, n, k))
+                    self.assertNotEqual(n % v.tile_mn[0], 0)
+                ms = {m for _, m, _, _ in probs}
+                self.assertIn(1, ms)
+                self.assertIn(v.tile_mn[1], ms)
+                self.assertTrue(any(m % 8 for m in ms if m > 1))  # a partial tile of 8 tokens (the MMA's N)
+                self.assertGreater(max(l for l, _, _, _ in probs), 1)
 
 
 class GateChildProcessTest(absltest.TestCase):
