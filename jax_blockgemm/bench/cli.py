@@ -87,7 +87,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--format", type=parse_formats, action="append", default=[], metavar="FORMAT[,FORMAT]",
                    help=f"gemm_amax input format(s): {', '.join(GEMM_FORMATS)} (repeatable or a comma list; "
                         "default mxfp8; proj_rope is MXFP8 only)")
-    p.add_argument("--op", choices=OPS, action="append", default=[], help="run only this operation (repeatable)")
+    p.add_argument("--op", choices=OPS + ("ragged",), action="append", default=[],
+                   help="run only this operation (repeatable); 'ragged': the mixture-of-experts GEMMs instead "
+                        "(bench/ragged.py)")
     p.add_argument("--small", action="store_true", help="a tiny twin of every case (runs on a CPU in seconds)")
     p.add_argument("--reps", type=_count(1), default=20, help="timed calls per column (the median is reported)")
     p.add_argument("--warmup", type=_count(0), default=3, help="untimed calls per column before timing")
@@ -137,6 +139,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
         chosen = tuple(dict.fromkeys(name for names in args.format for name in names))
         return decode.main(args, " ".join([PROG, *argv]), chosen)
+    if "ragged" in args.op:
+        if set(args.op) != {"ragged"}:
+            raise SystemExit(f"{PROG}: --op ragged runs on its own (bench/ragged.py); got --op {' '.join(args.op)}")
+        from jax_blockgemm.bench import ragged
+
+        return ragged.main(args, " ".join([PROG, *argv]))
     gemm_formats = tuple(dict.fromkeys(name for names in args.format for name in names)) or DEFAULT_FORMATS
     cases = build_cases(ops=args.op or OPS, shapes=args.shape, small=args.small, gemm_formats=gemm_formats,
                         w_in_out=args.w_in_out)

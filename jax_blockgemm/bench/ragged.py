@@ -1,0 +1,188 @@
+"""`--op ragged`: mixture-of-experts GEMMs (tokens sorted by expert, one weight per expert), forward and training step.
+
+Per shape (T tokens, G experts, K -> N) and grouping (equal groups, or skewed: Dirichlet(0.5) shares of the tokens,
+one seed), each column is one jitted program timed like the other benchmarks. Forward columns:
+
+  * ours(None): `ragged_gemm_amax`, MXFP8 E4M3 codes of x and of the weights (quantized beforehand, not timed), bf16 C;
+  * mx_ragged_dot bf16: `mx_ragged_dot` with the bf16 recipe (bf16 operands, float32 accumulation);
+  * lax.ragged_dot: `jax.lax.ragged_dot` on bf16 operands (XLA masks a dense operand per group on GPU);
+  * dense bf16: a batched bf16 dot of the same FLOPs, (G, T/G, K) x (G, K, N), the speed every MoE GEMM wants.
+
+Training-step columns (forward, dgrad and wgrad of y = x · W_g, the loss <y, dy> with a fixed dy): `mx_ragged_dot`
+with the mxfp8 and the bf16 recipes, and the batched dense bf16 dots. Each result is compared with the dense bf16
+dot's on equal groups (where the two compute the same product). `--small` swaps in tiny shapes a CPU runs in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_blockgemm as jbg
+from jax_blockgemm import formats
+from jax_blockgemm.bench import report
+from jax_blockgemm.bench.inputs import random_values
+from jax_blockgemm.bench.timing import median_ms
+
+SHAPES = ((16384, 32, 7168, 2048), (16384, 32, 2048, 7168), (65536, 256, 7168, 2048))  # (T, G, K, N)
+SMALL_SHAPES = ((256, 4, 96, 64), (512, 8, 64, 96))
+GROUPINGS = ("equal", "skewed")
+DIRICHLET_ALPHA = 0.5
+FORWARD = {"ours": "ours(None)", "bf16_recipe": "mx_ragged_dot bf16", "ragged_dot": "lax.ragged_dot",
+           "dense": "dense bf16"}
+STEP = {"step_mxfp8": "step mxfp8", "step_bf16": "step bf16 recipe", "step_dense": "step dense bf16"}
+
+
+def group_sizes(tokens: int, groups: int, grouping: str, seed: int) -> np.ndarray:
+    """(G,) int32 sizes summing to `tokens`: equal (the remainder spread over the first groups), or skewed by a
+    Dirichlet(0.5) draw rounded by largest remainders (empty groups possible)."""
+    if grouping == "equal":
+        sizes = np.full(groups, tokens // groups)
+        sizes[:tokens % groups] += 1
+        return sizes.astype(np.int32)
+    shares = np.random.default_rng(seed).dirichlet(np.full(groups, DIRICHLET_ALPHA)) * tokens
+    sizes = np.floor(shares).astype(np.int64)
+    order = np.argsort(sizes - shares)  # the largest remainders first
+    sizes[order[:tokens - sizes.sum()]] += 1
+    return sizes.astype(np.int32)
+
+
+def inputs(key: jax.Array, tokens: int, groups: int, k: int, n: int) -> dict[str, Any]:
+    """bf16 x (T, K), w (G, K, N) and a cotangent dy (T, N); MXFP8 E4M3 codes and scales of x and of w (K-major)."""
+    kx, kw, kd = jax.random.split(key, 3)
+    x, w = random_values(kx, (tokens, k)), random_values(kw, (groups, n, k))
+    a, sfa = formats.quantize_mxfp8(x)
+    b, sfb = formats.quantize_mxfp8(w)
+    return {"x": x.astype(jnp.bfloat16), "w": jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16), "a": a, "sfa": sfa, "b": b,
+            "sfb": sfb, "dy": jax.random.normal(kd, (tokens, n), jnp.bfloat16)}
+
+
+def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """The batched dense dot of the same FLOPs: x as (G, T/G, K) against w (G, K, N) (equal groups' layout)."""
+    g = w.shape[0]
+    return jnp.einsum("gtk,gkn->gtn", x.reshape(g, -1, x.shape[-1]), w,
+                      preferred_element_type=jnp.float32).astype(jnp.bfloat16).reshape(x.shape[0], -1)
+
+
+def _step(matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> Callable[..., Any]:
+    """Forward, dgrad and wgrad of <matmul(x, w), dy>: what one expert layer's training step runs."""
+    def loss(x, w, dy):
+        return jnp.vdot(matmul(x, w).astype(jnp.float32), dy.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1))
+
+
+def columns(gs: jax.Array) -> dict[str, tuple[Callable[..., Any], tuple[str, ...]]]:
+    """Column key -> (function, the input names it takes), for the group sizes `gs`."""
+    bf16 = jnp.bfloat16
+    return {
+        "ours": (lambda a, b, sfa, sfb: jbg.ragged_gemm_amax(a, b, sfa, sfb, gs, c_dtype=bf16)[0],
+                 ("a", "b", "sfa", "sfb")),
+        "bf16_recipe": (lambda x, w: jbg.mx_ragged_dot(x, w, gs, recipe="bf16"), ("x", "w")),
+        "ragged_dot": (lambda x, w: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32).astype(bf16),
+                       ("x", "w")),
+        "dense": (_dense, ("x", "w")),
+        "step_mxfp8": (_step(lambda x, w: jbg.mx_ragged_dot(x, w, gs, recipe="mxfp8")), ("x", "w", "dy")),
+        "step_bf16": (_step(lambda x, w: jbg.mx_ragged_dot(x, w, gs, recipe="bf16")), ("x", "w", "dy")),
+        "step_dense": (_step(_dense), ("x", "w", "dy")),
+    }
+
+
+def _rel_err(got: Any, want: Any) -> float:
+    leaves = zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))
+    num = den = 0.0
+    for g, w in leaves:
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        num, den = num + float(np.sum((g - w) ** 2)), den + float(np.sum(w ** 2))
+    return (num / den) ** 0.5 if den else float("nan")
+
+
+def run_case(key: jax.Array, tokens: int, groups: int, k: int, n: int, grouping: str, *, warmup: int, reps: int,
+             burst: int, seed: int, progress: Any) -> dict[str, Any]:
+    """Times every column on one shape and grouping; returns the case's record."""
+    data = jax.block_until_ready(inputs(key, tokens, groups, k, n))
+    gs = jnp.asarray(group_sizes(tokens, groups, grouping, seed))
+    flops = 2.0 * tokens * k * n
+    results: dict[str, Any] = {}
+    outputs: dict[str, Any] = {}
+    progress.write(f"  T={tokens} G={groups} {k} -> {n}, {grouping}:")
+    for name, (fn, names) in columns(gs).items():
+        args = tuple(data[x] for x in names)
+        try:
+            compiled = jax.jit(fn).lower(*args).compile()
+            outputs[name] = jax.block_until_ready(compiled(*args))
+        except Exception as e:  # e.g. lax.ragged_dot out of memory at 256 experts: reported, not fatal
+            results[name] = {"na": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"}
+            progress.write(f" {name} n/a;")
+            continue
+        ms = median_ms(compiled, [args], warmup=warmup, reps=reps, burst=burst)
+        step = name.startswith("step")
+        results[name] = {"ms": ms, "tflops": (3 if step else 1) * flops / (ms * 1e-3) / 1e12}
+        progress.write(f" {name} {ms:.4g} ms;")
+    progress.write("\n")
+    progress.flush()
+    if grouping == "equal":  # the dense dot computes the same product only when the groups are equal
+        for name, ref in (("ours", "dense"), ("bf16_recipe", "dense"), ("ragged_dot", "dense"),
+                          ("step_mxfp8", "step_dense"), ("step_bf16", "step_dense")):
+            if name in outputs and ref in outputs:
+                results[name]["rel_err_vs_dense"] = _rel_err(outputs[name], outputs[ref])
+    return {"tokens": tokens, "groups": groups, "k": k, "n": n, "grouping": grouping,
+            "group_sizes": [int(s) for s in np.asarray(gs)], "columns": results}
+
+
+def _cell(result: dict[str, Any], dense: Optional[dict[str, Any]]) -> str:
+    if "na" in result:
+        return "fails"
+    ratio = f" ({result['ms'] / dense['ms']:.2f}x)" if dense and "ms" in dense else ""
+    return f"{result['ms']:.4g}{ratio}"
+
+
+def format_table(record: dict[str, Any]) -> str:
+    """Two tables (forward; training step): ms per call and, in parentheses, the ratio to the dense bf16 column."""
+    lines = [f"{record['environment'].get('device', '?')}, {record['date']}: ms per call (x the dense bf16 dot's "
+             "time of the same FLOPs)"]
+    for title, keys, dense_key in (("forward, MXFP8 E4M3 -> bf16 (ours) and bf16", FORWARD, "dense"),
+                                   ("training step: forward, dgrad, wgrad", STEP, "step_dense")):
+        lines += ["", title, "T, G, K -> N, groups".ljust(36) + "".join(v.rjust(24) for v in keys.values())]
+        for case in record["cases"]:
+            cols = case["columns"]
+            label = f"{case['tokens']}, {case['groups']}, {case['k']} -> {case['n']}, {case['grouping']}"
+            lines.append(label.ljust(36) + "".join(_cell(cols.get(key, {"na": "-"}), cols.get(dense_key)).rjust(24)
+                                                   for key in keys))
+    failures = [(case, key, r["na"]) for case in record["cases"] for key, r in case["columns"].items() if "na" in r]
+    for case, key, why in failures:
+        lines.append(f"  {key} at T={case['tokens']}, G={case['groups']}: {why}")
+    worst: dict[str, float] = {}
+    for case in record["cases"]:
+        for key, r in case["columns"].items():
+            if r.get("rel_err_vs_dense") is not None:
+                worst[key] = max(worst.get(key, 0.0), r["rel_err_vs_dense"])
+    if worst:
+        names = {**FORWARD, **STEP}
+        lines.append("  equal groups, relative error against the dense bf16 dot (MXFP8 columns: the format's own "
+                     "rounding): " + ", ".join(f"{names[k]} {v:.2g}" for k, v in worst.items()))
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """Runs the ragged benchmark with the command line's --small, --reps, --warmup, --burst, --seed and --json;
+    prints progress to stderr and the tables to stdout; returns the record."""
+    shapes = SMALL_SHAPES if args.small else SHAPES
+    timing = dict(warmup=args.warmup, reps=args.reps, burst=args.burst)
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "command": command, "environment": report.environment(), "method": dict(timing, seed=args.seed),
+              "cases": []}
+    key = jax.random.key(args.seed)
+    for i, (tokens, groups, k, n) in enumerate(shapes):
+        for grouping in GROUPINGS:
+            record["cases"].append(run_case(jax.random.fold_in(key, i), tokens, groups, k, n, grouping,
+                                            seed=args.seed, progress=sys.stderr, **timing))
+    print(format_table(record))
+    if args.json:
+        report.write_json(record, args.json)
+    return record

@@ -1,0 +1,68 @@
+"""`python -m jax_blockgemm.bench --op ragged` on the CPU (`--small`): group sizes, the columns and their tables."""
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+
+import numpy as np
+import pytest
+from absl.testing import absltest
+
+from jax_blockgemm.bench import ragged
+from jax_blockgemm.bench.cli import main as bench_main
+
+
+class GroupSizesTest(absltest.TestCase):
+
+    def test_equal_groups_differ_by_at_most_one_token(self):
+        sizes = ragged.group_sizes(1000, 7, "equal", seed=0)
+        self.assertEqual((sizes.sum(), sizes.max() - sizes.min(), sizes.dtype), (1000, 1, np.int32))
+
+    def test_skewed_groups_sum_to_the_tokens_and_follow_the_seed(self):
+        a = ragged.group_sizes(16384, 32, "skewed", seed=3)
+        self.assertEqual(int(a.sum()), 16384)
+        self.assertTrue((a >= 0).all())
+        self.assertGreater(a.max(), 3 * 16384 // 32)  # Dirichlet(0.5): some expert takes several times its share
+        np.testing.assert_array_equal(a, ragged.group_sizes(16384, 32, "skewed", seed=3))
+        self.assertFalse(np.array_equal(a, ragged.group_sizes(16384, 32, "skewed", seed=4)))
+
+
+class RaggedBenchTest(absltest.TestCase):
+
+    def test_ragged_runs_alone(self):
+        with self.assertRaises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            bench_main(["--op", "ragged", "--op", "gemm_amax", "--small"])
+
+    @pytest.mark.end_to_end
+    def test_small_run_prints_both_tables_and_writes_json(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "ragged.json")
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+                record = bench_main(["--op", "ragged", "--small", "--reps", "1", "--warmup", "0", "--burst", "1",
+                                     "--json", path])
+            with open(path) as f:
+                self.assertEqual(json.load(f)["cases"], json.loads(json.dumps(record["cases"])))
+        cases = record["cases"]
+        self.assertLen(cases, len(ragged.SMALL_SHAPES) * len(ragged.GROUPINGS))
+        for case in cases:
+            self.assertEqual(sum(case["group_sizes"]), case["tokens"])
+            self.assertEqual(set(case["columns"]), set(ragged.FORWARD) | set(ragged.STEP))
+            for key, result in case["columns"].items():
+                self.assertGreater(result["ms"], 0, key)  # every column runs on a CPU
+            if case["grouping"] == "equal":  # bf16 columns agree with the dense dot to bf16 rounding; MXFP8 to its
+                cols = case["columns"]
+                for key in ("bf16_recipe", "ragged_dot", "step_bf16"):
+                    self.assertLess(cols[key]["rel_err_vs_dense"], 1e-2, key)
+                for key in ("ours", "step_mxfp8"):
+                    self.assertLess(cols[key]["rel_err_vs_dense"], 0.1, key)
+        text = out.getvalue()
+        self.assertIn("training step: forward, dgrad, wgrad", text)
+        for case in cases:
+            self.assertIn(f"{case['tokens']}, {case['groups']}, {case['k']} -> {case['n']}, {case['grouping']}", text)
+
+
+if __name__ == "__main__":
+    absltest.main()
