@@ -1,0 +1,106 @@
+"""GPU: the weight_stream decode kernel through the public API, against float64 oracles (runs where a kernel exists).
+
+`weight_only_matmul` (bf16 x, compact scales) and small-M `gemm_amax` (A dequantized to bf16, the weight's atom
+scales), both with implementation="cutedsl", on fresh random codes over each format's whole range with random
+scales: one token, full and partial token tiles, N and K tails, L > 1, a K long enough to wrap every warp's register
+ring, NaN codes and scales. Outputs are poisoned before every launch (an unwritten element reads NaN and fails).
+Skipped without a CUDA GPU that has kernels (CI has none); on the H200: `python -m pytest tests/test_gpu_weight_stream.py`.
+"""
+
+import os
+
+os.environ["JAX_BLOCKGEMM_POISON_OUTPUTS"] = "1"
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import jax_blockgemm as jbg
+from jax_blockgemm import arch, dispatch
+from jax_blockgemm.kernels import weight_stream
+
+import oracle_ops
+import oracle_weight_only
+
+FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
+K_WRAP = 2 * weight_stream.RING * weight_stream.WARPS * 4 * weight_stream.LANE_BYTES * 2 + 96  # wraps FP4's ring too
+# (L, M, N, K): one token; a full 16-token tile; a partial 64-token tile; N and K tails; the ring wrapped twice
+SHAPES = ((1, 1, 200, 96), (2, 16, 129, 544), (1, 37, 64, 4096), (3, 64, 333, 1024), (1, 5, 72, K_WRAP))
+
+
+def _has_kernel_gpu() -> bool:
+    caps = dispatch.local_cuda_capabilities()
+    return bool(caps) and all(arch.target_of(cc) for cc in caps)
+
+
+@absltest.skipUnless(_has_kernel_gpu(), "needs a CUDA GPU with a CuTeDSL kernel (sm_90a, or sm_100a after its "
+                                        "first-use self-check)")
+class GpuWeightStreamTest(parameterized.TestCase):
+
+    @parameterized.product(fmt=FORMATS, shape=SHAPES, out_dtype=("float32", "bfloat16"))
+    def test_weight_only_matches_oracle(self, fmt, shape, out_dtype):
+        l, m, n, k = shape
+        rng = np.random.default_rng(hash((fmt, shape, out_dtype)) % 2**32)
+        weights = [oracle_weight_only.random_weight(rng, n, k, fmt) for _ in range(l)]
+        w = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *weights)  # L stacked weights: one batched call
+        x = oracle_weight_only.random_x(rng, (l, m, k), jnp.bfloat16)
+        y = jax.jit(jax.vmap(lambda x, w: jbg.weight_only_matmul(x, w, out_dtype=jnp.dtype(out_dtype),
+                                                                  implementation="cutedsl")))(x, w)
+        ref = np.stack([oracle_weight_only.weight_only_oracle(x[i], weights[i]) for i in range(l)])
+        oracle_ops.assert_gemm_close(self, np.asarray(y), ref, c_dtype=jnp.dtype(out_dtype))
+
+    @parameterized.product(fmt=FORMATS, shape=SHAPES, c_dtype=("float32", "bfloat16", "float16"))
+    def test_gemm_amax_small_m_matches_oracle(self, fmt, shape, c_dtype):
+        l, m, n, k = shape
+        rng = np.random.default_rng(hash((fmt, shape, c_dtype, "gemm")) % 2**32)
+        narrow = (-3.0, 1.0) if c_dtype == "float16" else None  # keep C inside f16's range
+        d = oracle_ops.random_gemm_inputs(rng, l=l, m=m, n=n, k=k, fmt=fmt, scale_log2=narrow)
+        alpha = jnp.float32(d["alpha"]) if fmt == "nvfp4" else None
+        args = [jnp.asarray(d[name]) for name in ("a", "b", "sfa_atom", "sfb_atom")]
+        c, amax = jax.jit(lambda *a: jbg.gemm_amax(*a, alpha=alpha, c_dtype=jnp.dtype(c_dtype),
+                                                   sf_vec_size=d["sf_vec_size"], implementation="cutedsl"))(*args)
+        c_ref, amax_ref = oracle_ops.gemm_amax_oracle(d["a"], d["b"], d["sfa"], d["sfb"], k=k,
+                                                      sf_vec_size=d["sf_vec_size"],
+                                                      alpha=d["alpha"] if fmt == "nvfp4" else None)
+        oracle_ops.assert_gemm_close(self, np.asarray(c), c_ref, c_dtype=jnp.dtype(c_dtype))
+        oracle_ops.assert_amax_close(self, np.asarray(amax), amax_ref.max())
+
+    def test_the_decode_kernel_is_what_runs(self):
+        """A small-M call lowers to the weight_stream custom call, not the reference's dot."""
+        w = oracle_weight_only.random_weight(np.random.default_rng(0), 64, 128, "mxfp4")
+        x = jnp.ones((3, 128), jnp.bfloat16)
+        text = jax.jit(lambda x, w: jbg.weight_only_matmul(x, w, implementation="cutedsl")).lower(x, w).as_text()
+        self.assertIn("jbg_weight_stream", text)
+        self.assertNotIn("dot_general", text)
+
+    @parameterized.parameters("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
+    def test_nan_scale_and_nan_code_poison_exactly_their_rows(self, fmt):
+        rng = np.random.default_rng(7)
+        w = oracle_weight_only.random_weight(rng, 100, 512, fmt)
+        scales = np.asarray(w.scales).copy()
+        scales.view(np.uint8)[3, 1] = 0x7F if fmt == "nvfp4" else 0xFF  # NaN scale byte in row 3
+        codes = np.asarray(w.codes).copy()
+        if fmt == "mxfp8_e4m3":
+            codes.view(np.uint8)[11, 200] = 0x7F  # a NaN code in row 11 (finite scale)
+        w = jbg.QuantizedWeight(jnp.asarray(codes), jnp.asarray(scales), w.alpha, fmt)
+        x = oracle_weight_only.random_x(rng, (5, 512), jnp.bfloat16)
+        y = np.asarray(jax.jit(lambda x, w: jbg.weight_only_matmul(x, w, out_dtype=jnp.float32,
+                                                                    implementation="cutedsl"))(x, w))
+        nan_rows = [3, 11] if fmt == "mxfp8_e4m3" else [3]
+        self.assertTrue(np.isnan(y[:, nan_rows]).all())
+        self.assertFalse(np.isnan(np.delete(y, nan_rows, axis=1)).any())
+
+    def test_same_bits_on_every_run(self):
+        """The split of K is reduced in a fixed order: repeated calls give identical bits."""
+        rng = np.random.default_rng(3)
+        w = oracle_weight_only.random_weight(rng, 4096, 7168, "mxfp8_e4m3")
+        x = oracle_weight_only.random_x(rng, (16, 7168), jnp.bfloat16)
+        f = jax.jit(lambda x, w: jbg.weight_only_matmul(x, w, out_dtype=jnp.float32, implementation="cutedsl"))
+        first = np.asarray(f(x, w))
+        for _ in range(3):
+            np.testing.assert_array_equal(np.asarray(f(x, w)), first)
+
+
+if __name__ == "__main__":
+    absltest.main()
