@@ -504,7 +504,7 @@ class ArgumentsTest(parameterized.TestCase):
         with contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as raised:
             bench_main(["--format", text])
         self.assertEqual(raised.exception.code, 2)
-        self.assertIn(f"argument --format: {message}; choose from mxfp8, mxfp4, nvfp4", err.getvalue())
+        self.assertIn(f"argument --format: {message}; choose from mxfp8, mxfp8_e5m2, mxfp4, nvfp4", err.getvalue())
 
     @pytest.mark.end_to_end
     def test_formats_comma_list_or_repeated(self):
