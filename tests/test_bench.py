@@ -496,6 +496,14 @@ class ArgumentsTest(parameterized.TestCase):
         self.assertIn("argument --shape", err.getvalue())
         self.assertIn(message, err.getvalue())
 
+    def test_each_format_footnote_names_its_own_codes(self):
+        """The table footnote says which input form each column takes: E2M1 only for the FP4 formats."""
+        from jax_blockgemm.bench import report
+        from jax_blockgemm.bench.inputs import GEMM_FORMATS
+
+        for fmt, spec in GEMM_FORMATS.items():
+            self.assertEqual("E2M1" in report._gemm_note(fmt), spec.fp4, fmt)
+
     @parameterized.parameters(("fp4", "unknown format 'fp4' in 'fp4'"),
                               ("mxfp4,", "unknown format '' in 'mxfp4,'"),
                               ("mxfp8,nvfp8", "unknown format 'nvfp8' in 'mxfp8,nvfp8'"))

@@ -65,7 +65,7 @@ def _sections(record: dict[str, Any]) -> list[Section]:
 
 def _gemm_note(fmt: Optional[str]) -> str:
     """The footnote of a gemm_amax table: which input form each column takes."""
-    if fmt in (None, "mxfp8"):
+    if fmt in (None, "mxfp8", "mxfp8_e5m2"):
         return ("  ours and the reference take scales in the 128x4 atom (converted before timing); scaled_matmul "
                 "and scaled_dot take compact float8_e8m0fnu scales; fp8 dot: codes without scales; bf16 dot: the "
                 "dequantized operands")
