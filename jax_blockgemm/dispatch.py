@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import math
 import threading
 from typing import Any, Iterator, Sequence
@@ -84,6 +85,19 @@ def _past_int32(avals_in: Sequence[Any], a_major: str = "k", b_major: str = "k")
     return ""
 
 
+def _kernels_missing() -> str:
+    """Why no kernel can run in this process (CuTeDSL or the native bridge missing), or "" when they can; the
+    reference serves every call either way."""
+    try:
+        from jax_blockgemm import _native
+
+        importlib.import_module("jax_blockgemm.kernels.catalog")  # CuTeDSL itself
+        _native.extension()
+    except ImportError as e:
+        return f"no kernel can run here: {e}"
+    return ""
+
+
 def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, a_major: str, b_major: str,
                       c_major: str, mma_tiler_mn: tuple, cluster_shape_mn: tuple, implementation: Any,
                       k: int | None = None, **_: Any) -> KernelChoice:
@@ -104,13 +118,10 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
         a_major, b_major = ("m" if b_major == "n" else "k"), ("n" if a_major == "m" else "k")
     if too_large := _past_int32(avals_in, a_major, b_major):
         return KernelChoice(reason=too_large)
-    try:
-        from jax_blockgemm import _native
-        from jax_blockgemm.kernels import catalog
-
-        _native.extension()
-    except ImportError as e:  # CuTeDSL or the native bridge missing: the reference still works
-        return KernelChoice(reason=f"no kernel can run here: {e}")
+    missing = _kernels_missing()
+    if missing:
+        return KernelChoice(reason=missing)
+    from jax_blockgemm.kernels import catalog
     packed = np.dtype(avals_in[0].dtype) == np.uint8
     ab_dtype = "float4_e2m1fn" if packed else str(np.dtype(avals_in[0].dtype))
     sf_dtype = catalog.E8M0 if np.dtype(avals_in[2].dtype) == np.uint8 else str(np.dtype(avals_in[2].dtype))
@@ -154,13 +165,10 @@ def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation
     if formats.get_scale_rule() != "ceil":
         return KernelChoice(reason=f"the kernel quantizes with the 'ceil' scale rule; the process uses "
                                    f"{formats.get_scale_rule()!r}")
-    try:
-        from jax_blockgemm import _native
-        from jax_blockgemm.kernels import catalog
-
-        _native.extension()
-    except ImportError as e:  # CuTeDSL or the native bridge missing: the reference still works
-        return KernelChoice(reason=f"no kernel can run here: {e}")
+    missing = _kernels_missing()
+    if missing:
+        return KernelChoice(reason=missing)
+    from jax_blockgemm.kernels import catalog
     b_major = "k" if w_out_in else "n"
     variants = [v for target in sorted({v.arch for v in catalog.CATALOG})
                 if (v := catalog.select_variant(op="proj_rope", arch=target, ab_dtype="bfloat16",
@@ -205,13 +213,10 @@ def _decode_choice(implementation: Any, *, fmt: str, ab_dtype: str, sf_dtype: st
         if math.prod(shape) >= MAX_KERNEL_ELEMENTS:
             return KernelChoice(reason=f"{name} {tuple(shape)} holds {math.prod(shape)} elements, past the kernels' "
                                        f"32-bit indexing (fewer than 2**31 = {MAX_KERNEL_ELEMENTS})")
-    try:
-        from jax_blockgemm import _native
-        from jax_blockgemm.kernels import catalog
-
-        _native.extension()
-    except ImportError as e:  # CuTeDSL or the native bridge missing: the reference still works
-        return KernelChoice(reason=f"no kernel can run here: {e}")
+    missing = _kernels_missing()
+    if missing:
+        return KernelChoice(reason=missing)
+    from jax_blockgemm.kernels import catalog
     m = sizes[0]
     capacity = max(tile[1] for tile in catalog.WEIGHT_STREAM_TILES)
     if m > capacity:
