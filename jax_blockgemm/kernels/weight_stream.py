@@ -58,25 +58,25 @@ def _words(out, n: int, loc, ip) -> list:
     return [cutlass.Int32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(n)]
 
 
+def _load_v4(addr, pred, qualifiers: str, loc, ip) -> list:
+    ret = llvm.StructType.get_literal([T.i32()] * 4)
+    out = _asm(ret, [cutlass.Int64(addr), cutlass.Int32(pred)],
+               "{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; "
+               f"@p ld.global.nc{qualifiers}.v4.b32 {{$0, $1, $2, $3}}, [$4]; }}", "=r,=r,=r,=r,l,r", loc, ip)
+    return _words(out, 4, loc, ip)
+
+
 @dsl_user_op
 def load_stream_v4(addr, pred, *, loc=None, ip=None) -> list:
     """16 bytes from global memory that is read once (no L1 allocation; L2 fetches the surrounding 256 bytes, which
     the neighbouring warps read next), or zeros where `pred` is 0."""
-    ret = llvm.StructType.get_literal([T.i32()] * 4)
-    out = _asm(ret, [cutlass.Int64(addr), cutlass.Int32(pred)],
-               "{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; "
-               "@p ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4]; }", "=r,=r,=r,=r,l,r", loc, ip)
-    return _words(out, 4, loc, ip)
+    return _load_v4(addr, pred, ".L1::no_allocate.L2::256B", loc, ip)
 
 
 @dsl_user_op
 def load_v4(addr, pred, *, loc=None, ip=None) -> list:
     """16 bytes of read-only global memory (cached: the activations serve every CTA), or zeros where `pred` is 0."""
-    ret = llvm.StructType.get_literal([T.i32()] * 4)
-    out = _asm(ret, [cutlass.Int64(addr), cutlass.Int32(pred)],
-               "{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; "
-               "@p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4]; }", "=r,=r,=r,=r,l,r", loc, ip)
-    return _words(out, 4, loc, ip)
+    return _load_v4(addr, pred, "", loc, ip)
 
 
 @dsl_user_op
