@@ -582,7 +582,87 @@ def _dequantize_cpu_check(call: Call) -> str:
 
 DEQUANTIZE = Target(_native.DEQUANTIZE_TARGET, _dequantize_object, _dequantize_well_formed, _dequantize_cases,
                     _dequantize_cpu_check)
-TARGETS = (GEMM_AMAX, GEMM_AMAX_NVFP4, GEMM_AMAX_FP4_C, GEMM_AMAX_MN, PROJ_ROPE, DEQUANTIZE)
+# --------------------------------------------------------------------------------------------------------------
+# jbg_weight_stream (the decode kernel): operands x, w, sw, alpha; results c, amax
+
+
+@functools.lru_cache(maxsize=None)
+def _weight_stream_object() -> tuple[bytes, str]:
+    """The real sm_90a decode object (E4M3 weights, f32 C, up to 16 rows) and its function prefix."""
+    from jax_blockgemm.kernels import catalog
+
+    variant = catalog.select_variant(op="weight_stream", arch=DEVICE_ARCH, ab_dtype=E4M3, c_dtype=F32, sf_vec_size=32,
+                                     tile_mn=(32, 16), cluster_mn=(1, 1))
+    return kernel_cache.get_object(variant), variant.function_prefix
+
+
+def _weight_stream_well_formed(obj: bytes, prefix: str) -> Call:
+    l, m, n, k = 2, 5, 72, 96
+    return Call((Buffer(BF16, (l, m, k)), Buffer(E4M3, (l, n, k)), Buffer(U8, (l, n, _cdiv(k, 32))), Buffer(F32, (l,))),
+                (Buffer(F32, (l, m, n)), Buffer(F32, (l,))),
+                dict(archs=DEVICE_ARCH, function_prefixes=prefix, objects=obj, offsets=(0, len(obj)), w_dtype=E4M3,
+                     c_dtype=F32, sf_dtype=E8M0, sf_vec_size=32, max_m=16))
+
+
+def _weight_stream_cases(good: Call) -> list[Case]:
+    buffers = [
+        ("x float32", dict(operand=0, buffer=Buffer(F32, (2, 5, 96))), r"x is float32 .*expected bfloat16"),
+        ("x of more rows than the objects take", dict(operand=0, buffer=Buffer(BF16, (2, 17, 96))),
+         r"x is bfloat16 \(2, 17, 96\); expected M <= 16"),
+        ("x rows not 16 bytes of codes", dict(operand=0, buffer=Buffer(BF16, (2, 5, 88))),
+         r"x is bfloat16 \(2, 5, 88\); expected K a multiple of 16"),
+        ("w E5M2 for E4M3 objects", dict(operand=1, buffer=Buffer(E5M2, (2, 72, 96))),
+         r"w is float8_e5m2 .*compiled for"),
+        ("w of another K", dict(operand=1, buffer=Buffer(E4M3, (2, 72, 64))), r"w is float8_e4m3fn \(2, 72, 64\)"),
+        ("sw per 16", dict(operand=2, buffer=Buffer(U8, (2, 72, 6))), r"sw is uint8 \(2, 72, 6\).*compact form"),
+        ("sw atom of the wrong shape", dict(operand=2, buffer=Buffer(U8, (2, 2, 1, 32, 4, 4))), r"sw .*atom form"),
+        ("sw int8", dict(operand=2, buffer=Buffer("int8", (2, 72, 3))), r"sw .*expected uint8 E8M0 scale bytes"),
+        ("alpha of one batch", dict(operand=3, buffer=Buffer(F32, (1,))),
+         r"alpha is float32 \(1,\); expected float32 \(2,\) \(L,\)"),
+        ("c bfloat16 for float32 objects", dict(result=0, buffer=Buffer(BF16, (2, 5, 72))),
+         r"c is bfloat16 .*float32 C"),
+        ("c too small", dict(result=0, buffer=Buffer(F32, (2, 5, 64))), r"c is float32 \(2, 5, 64\); expected"),
+        ("amax per row", dict(result=1, buffer=Buffer(F32, (5,))),
+         r"amax is float32 \(5,\); expected float32 \(2,\) \(L,\)"),
+    ]
+    cases = [Case(name, good.replace(**change), "jbg_weight_stream: " + message, "buffers")
+             for name, change, message in buffers]
+    where = "jbg_weight_stream attributes: "
+    cases += [
+        Case("w_dtype bfloat16", good.replace(w_dtype=BF16), where + 'w_dtype "bfloat16" is not supported',
+             "attributes"),
+        Case("c_dtype E4M3", good.replace(c_dtype=E4M3), where + 'c_dtype "float8_e4m3fn" is not supported',
+             "attributes"),
+        Case("NVFP4 scales for FP8 weights", good.replace(sf_dtype=E4M3, sf_vec_size=16), where + "sf_dtype",
+             "attributes"),
+        Case("no row capacity", good.replace(max_m=0), where + "max_m 0 is not supported", "attributes"),
+        Case("truncated object", good.replace(objects=good.attrs["objects"][:64], offsets=(0, 64)),
+             r"jbg_weight_stream: .*", "object"),
+    ]
+    return cases
+
+
+def _weight_stream_cpu_check(call: Call) -> str:
+    """What the weight_stream handler's C++ says about `call`, as if instantiated and executed on an sm_90a device."""
+    attrs = call.attrs
+    dtypes = dict(w_dtype=attrs["w_dtype"], c_dtype=attrs["c_dtype"], sf_dtype=attrs["sf_dtype"],
+                  sf_vec_size=attrs["sf_vec_size"], max_m=attrs["max_m"])
+    try:
+        ext.parse_weight_stream_attributes(**dtypes)
+    except ValueError as e:
+        return str(e)
+    if problem := _object_table_problem(attrs, "jbg_weight_stream"):
+        return problem
+    x, w, sw, alpha, c, amax = _address_list(call)  # the hook takes the handler's order: x, w, sw, c, amax, alpha
+    try:
+        return ext.check_weight_stream_buffers([x, w, sw, c, amax, alpha], **dtypes)[0]
+    except ValueError as e:  # a dtype the hook cannot describe to the C++ side
+        return f"jbg_weight_stream: {e}"
+
+
+WEIGHT_STREAM = Target("jbg_weight_stream", _weight_stream_object, _weight_stream_well_formed, _weight_stream_cases,
+                       _weight_stream_cpu_check)
+TARGETS = (GEMM_AMAX, GEMM_AMAX_NVFP4, GEMM_AMAX_FP4_C, GEMM_AMAX_MN, PROJ_ROPE, DEQUANTIZE, WEIGHT_STREAM)
 
 
 # --------------------------------------------------------------------------------------------------------------

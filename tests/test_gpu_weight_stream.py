@@ -4,7 +4,8 @@
 scales), both with implementation="cutedsl", on fresh random codes over each format's whole range with random
 scales: one token, full and partial token tiles, N and K tails, L > 1, a K long enough to wrap every warp's register
 ring, NaN codes and scales. Outputs are poisoned before every launch (an unwritten element reads NaN and fails).
-Skipped without a CUDA GPU that has kernels (CI has none); on the H200: `python -m pytest tests/test_gpu_weight_stream.py`.
+Skipped without a CUDA GPU that has kernels (CI has none); on the H200:
+`python -m pytest tests/test_gpu_weight_stream.py`.
 """
 
 import os
