@@ -326,7 +326,7 @@ class WeightStreamGemm:
                alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, sf_atom: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         row_block, batch, _ = cute.arch.block_idx()
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sw = cute.make_tensor(cute.recast_ptr(sw.iterator, dtype=cutlass.Uint8), cute.make_layout((cute.size(sw),)))
         partials = storage.partials.get_tensor(cute.make_layout(WARPS * self.rows * self.tokens))
         warp_amax = storage.warp_amax.get_tensor(cute.make_layout(WARPS))
