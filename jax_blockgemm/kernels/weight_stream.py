@@ -5,18 +5,20 @@ time is that of reading Ŵ (N·K codes and their scales) once. One design for ev
 TMA, no wgmma, no tensor memory; warp-level `mma.sync` m16n8k16 bf16 with fp32 accumulation.
 
 Roles are swapped against the large-GEMM kernels: the weight rows are the MMA's M (16 per instruction) and the
-tokens its N (8), so one token pads only the N of 8. A CTA of WARPS warps owns ROWS consecutive weight rows and all
-of K; warp w takes the K-chunks w, w + WARPS, ... (a chunk is 64 FP8 or 128 FP4 codes of every row), so every warp
-streams: each lane loads 16 bytes of codes per row and chunk straight into registers, one chunk ahead of the one
-it multiplies. The codes become bf16 code·scale in registers (exact: SPEC §6's argument), FP8 through the hardware
-E4M3/E5M2 -> f16x2 converter (NaN and infinity preserved), FP4 by the bit model of kernels/common.py. Each lane's
-16 bytes feed the k-slots the mma gives that lane (a permutation of K applied identically to the activations, which
-each lane loads for the same k's), and every chunk's MMAs sum into a fresh fp32 partial that is then added to the
-accumulator. At the end the warps' partial C tiles meet in shared memory and are summed in warp order: the result is
-the same bits on every run (a deterministic split of K). alpha (NVFP4's per-tensor factor; 1 otherwise) multiplies
-the sums, which are stored with predication (any M, N) and folded into amax[l] by one integer atomic max per CTA.
+tokens its N (8), so one token pads only the N of 8. A CTA of WARPS warps owns tile[0] consecutive weight rows and
+all of K; warp w takes the K-chunks w, w + WARPS, ... (a chunk is 64 FP8 or 128 FP4 codes of every row), so every
+warp streams: each lane loads 16 bytes of codes per row and chunk straight into registers, RING - 1 chunks ahead of
+the one it multiplies. The codes become bf16 code·scale in registers (exact: SPEC §6's argument): E4M3 by bit moves
+and packed bf16 multiplies, E5M2 through the hardware converter (which keeps its infinities and NaNs), FP4 by the bit
+model of kernels/common.py. Each lane's 16 bytes feed the k-slots the mma gives that lane (a permutation of K applied
+identically to the activations, which each lane loads for the same k's), and every chunk's MMAs sum into a fresh
+fp32 partial that is then added to the accumulator. At the end the warps' partial C tiles meet in shared memory and
+are summed in warp order: the result is the same bits on every run (a deterministic split of K). alpha (NVFP4's
+per-tensor factor; 1 otherwise) multiplies the sums, which are stored with predication (any M, N) and folded into
+amax[l] by one integer atomic max per CTA.
 
 Accuracy: SPEC §7's "exact" class (bf16 products are exact, sums in fp32 per chunk of at most 128 products).
+What it reaches on the H200, what limits it (registers, one CTA per SM) and the next design: docs/design/decode.md.
 
 ABI (catalog op "weight_stream"): fn(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom, stream), flat buffers: x bf16
 (L, M, K); w codes (L, N, K) (packed FP4: (L, N, K/2) uint8); sw scale bytes, compact (L, N, ceil(K/v)) when sf_atom
