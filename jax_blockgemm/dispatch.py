@@ -331,7 +331,7 @@ def _none_takes(v: Any, fmt: str, sizes: tuple, local_targets: set) -> bool:
     measured decision (`tuning`, for the problem size prod(sizes)) where one exists for its target, else
     `arch.TABLE` (for the decode kernel, by M and the weight format)."""
     if v.arch in local_targets:
-        measured = tuning.takes_kernel(local_gpu_model(), v.op, fmt, math.prod(sizes))
+        measured = tuning.takes_kernel(local_gpu_model(), v.op, fmt, math.prod(sizes), m=sizes[0])
         if measured is not None:
             return measured
     return arch.none_takes_kernel(v.op, v.arch, fmt=fmt, m=sizes[0])

@@ -1,12 +1,15 @@
 """Turn our kernels on where they win on this GPU: `python -m jax_blockgemm.tune`.
 
-    python -m jax_blockgemm.tune [--op gemm_amax|proj_rope] [--format mxfp8_e4m3 ...] [--shape M,N,K ...]
-                                 [--reps N] [--reset]
+    python -m jax_blockgemm.tune [--op gemm_amax|proj_rope|weight_stream] [--format mxfp8_e4m3 ...]
+                                 [--shape M,N,K ...] [--reps N] [--reset]
 
 For every operation and format that a kernel of ours could serve on the local GPU: self-check that kernel (in a
 child process, through the first-use gate), time it (implementation="cutedsl") against what implementation=None runs
 without a decision (`arch.TABLE`: the reference, or XLA's block-scaled dot on Blackwell) at the given shapes or the
 benchmark's, print a table, and store the decisions for this GPU model (`tuning`), which None follows from then on.
+The decode kernel ("weight_stream": `weight_only_matmul` with bf16 x, few rows) is timed against the reference
+(implementation="xla") over DECODE_MATRICES distinct weights in one program (one call alone would time its launch),
+and its decision reads "our kernel up to M rows".
 `--reset` deletes the stored table; JAX_BLOCKGEMM_IGNORE_TUNING=1 makes None ignore it.
 """
 
@@ -28,6 +31,10 @@ PROJ_ROPE_FORMATS = ("bf16", "mxfp8")
 # that a decision can start at a size below the large ones.
 GEMM_SHAPES = ((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (4096, 7168, 16384), (4096, 24576, 1536))
 PROJ_ROPE_TOKENS = (2048, 4096)
+# the decode kernel: (M, N, K) at SPEC §8's N = K = 7168, M up to the kernel's largest token tile
+DECODE_SHAPES = ((1, 7168, 7168), (16, 7168, 7168), (64, 7168, 7168))
+DECODE_MATRICES = 16
+OPS = ("gemm_amax", "proj_rope", tuning.DECODE_OP)
 _BENCH_FORMAT = {"mxfp8_e4m3": "mxfp8", "mxfp8_e5m2": "mxfp8_e5m2", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
 
 # (kernel_ms, default_ms) of one problem, or None when no kernel of ours serves it; `why` says why not.
@@ -49,8 +56,9 @@ def _tables_ignored() -> Iterator[None]:
 
 
 def problem_size(op: str, shape: tuple) -> int:
-    """The size a decision's threshold compares: gemm_amax L*M*N*K (L = 1), proj_rope T*K*H."""
-    return shape[0] * shape[1] * shape[2]
+    """The size a decision's threshold compares: gemm_amax L*M*N*K (L = 1), proj_rope T*K*H; the decode kernel's
+    rows M."""
+    return shape[0] if op == tuning.DECODE_OP else shape[0] * shape[1] * shape[2]
 
 
 def kernels_in(hlo_text: str, target: str) -> tuple:
@@ -71,7 +79,21 @@ def measure(op: str, fmt: str, shape: tuple, *, reps: int = 20) -> tuple[Optiona
     from jax_blockgemm.bench import inputs, timing
 
     keys = jax.random.split(jax.random.key(0), 2)
-    if op == "gemm_amax":
+    baseline = None  # what the kernel is timed against: None's default, for the decode kernel the reference
+    if op == tuning.DECODE_OP:
+        m, n, k = shape
+        weights = [jbg.quantize_weight(inputs.random_values(key, (n, k)), fmt)
+                   for key in jax.random.split(keys[0], DECODE_MATRICES)]
+        xs = [inputs.random_values(key, (m, k)).astype(jax.numpy.bfloat16)
+              for key in jax.random.split(keys[1], DECODE_MATRICES)]
+        arg_sets = [(weights, xs)]
+        baseline = "xla"
+
+        def call(implementation):
+            def f(ws, xs):  # every weight applied to its own x, every result kept
+                return tuple(jbg.weight_only_matmul(x, w, implementation=implementation) for w, x in zip(ws, xs))
+            return f
+    elif op == "gemm_amax":
         sets = [inputs.gemm_inputs(k, *shape, fmt=_BENCH_FORMAT[fmt]) for k in keys]
         names = ("a", "b", "sfa_atom", "sfb_atom") + (("alpha",) if fmt == "nvfp4" else ())
         arg_sets = [tuple(s[n] for n in names) for s in sets]
@@ -100,9 +122,10 @@ def measure(op: str, fmt: str, shape: tuple, *, reps: int = 20) -> tuple[Optiona
         if not verdict.ok:
             return None, f"self-check failed: {verdict.detail}"
     with _tables_ignored():
-        kernel, default = (jax.jit(call(impl)) for impl in ("cutedsl", None))
+        kernel, default = (jax.jit(call(impl)) for impl in ("cutedsl", baseline))
         ms = timing.interleaved_medians_ms([kernel, default], [arg_sets, arg_sets], warmup=3, reps=reps, burst=10)
-    return (ms[0], ms[1]), ""
+    per_call = DECODE_MATRICES if op == tuning.DECODE_OP else 1
+    return (ms[0] / per_call, ms[1] / per_call), ""
 
 
 def run(problems: Sequence[tuple[str, str, tuple]], gpu_model: str, *, timer: Timer,
@@ -123,10 +146,16 @@ def run(problems: Sequence[tuple[str, str, tuple]], gpu_model: str, *, timer: Ti
         measured[(op, fmt)].append((problem_size(op, shape), kernel_ms, default_ms))
         print(rows.format(op, fmt, "x".join(map(str, shape)), f"{kernel_ms:.3f}", f"{default_ms:.3f}",
                           f"{default_ms / kernel_ms:.2f}x", ""), file=out, flush=True)
-    decisions = [tuning.decide(op, fmt, m) for (op, fmt), m in measured.items() if m]
+    decisions = [tuning.decide_decode(fmt, m) if op == tuning.DECODE_OP else tuning.decide(op, fmt, m)
+                 for (op, fmt), m in measured.items() if m]
     print("decisions (None from now on):", file=out)
     for d in decisions:
-        what = f"our kernel from size {d.min_size}" if d.choice == tuning.KERNEL else "the default (arch.TABLE)"
+        if d.choice != tuning.KERNEL:
+            what = "the default (arch.TABLE)"
+        elif d.op == tuning.DECODE_OP:
+            what = f"our kernel up to M = {d.max_m}"
+        else:
+            what = f"our kernel from size {d.min_size}"
         print(f"  {d.op} {d.fmt}: {what}", file=out)
     path = tuning.store(gpu_model, decisions)
     print(f"stored in {path}", file=out)
@@ -134,10 +163,13 @@ def run(problems: Sequence[tuple[str, str, tuple]], gpu_model: str, *, timer: Ti
 
 
 def problems(ops: Sequence[str], fmts: Sequence[str], shapes: Sequence[tuple]) -> list[tuple[str, str, tuple]]:
-    """The (op, fmt, shape) to time: gemm_amax shapes are (M, N, K), proj_rope shapes (T, K, H)."""
+    """The (op, fmt, shape) to time: gemm_amax and decode shapes are (M, N, K), proj_rope shapes (T, K, H)."""
     out = []
     if "gemm_amax" in ops:
         out += [("gemm_amax", f, s) for f in fmts if f in GEMM_FORMATS for s in (shapes or GEMM_SHAPES)]
+    if tuning.DECODE_OP in ops:
+        out += [(tuning.DECODE_OP, f, s) for f in fmts if f in GEMM_FORMATS
+                for s in ([s for s in shapes if s[0] <= DECODE_SHAPES[-1][0]] if shapes else DECODE_SHAPES)]
     if "proj_rope" in ops:
         out += [("proj_rope", f, (t, 1536, 128)) for f in fmts if f in PROJ_ROPE_FORMATS for t in PROJ_ROPE_TOKENS]
     return out
@@ -145,11 +177,12 @@ def problems(ops: Sequence[str], fmts: Sequence[str], shapes: Sequence[tuple]) -
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jax_blockgemm.tune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--op", action="append", choices=("gemm_amax", "proj_rope"), help="repeatable; default: both")
+    p.add_argument("--op", action="append", choices=OPS, help="repeatable; default: all three")
     p.add_argument("--format", action="append", choices=GEMM_FORMATS + PROJ_ROPE_FORMATS,
                    help="repeatable; default: every format")
     p.add_argument("--shape", action="append", default=[], type=lambda s: tuple(int(v) for v in s.split(",")),
-                   metavar="M,N,K", help="gemm_amax shapes to time (repeatable; default: the benchmark's)")
+                   metavar="M,N,K", help="gemm_amax (and, with M <= 64, decode) shapes to time (repeatable; default: "
+                                         "the benchmark's)")
     p.add_argument("--reps", type=int, default=20, help="timed samples per column (default 20)")
     p.add_argument("--reset", action="store_true", help="delete this GPU model's stored decisions and exit")
     return p
@@ -169,7 +202,7 @@ def main(argv: Sequence[str] | None = None, *, timer: Timer = measure) -> int:
         print("no CUDA GPU visible (or GPUs of several models): nothing to tune; implementation=None follows "
               "arch.TABLE")
         return 2
-    todo = problems(args.op or ("gemm_amax", "proj_rope"), args.format or GEMM_FORMATS + PROJ_ROPE_FORMATS,
+    todo = problems(args.op or OPS, args.format or GEMM_FORMATS + PROJ_ROPE_FORMATS,
                     args.shape)
     run(todo, gpu_model, timer=functools.partial(timer, reps=args.reps) if timer is measure else timer)
     return 0

@@ -2,7 +2,8 @@
 
 `python -m jax_blockgemm.tune` self-checks and times our kernels against what None would otherwise run and writes
 one table per GPU model into the cache directory; dispatch reads it at lowering. A decision only ever says "our
-kernel, from this problem size on" for an operation and format; everything it does not name follows `arch.TABLE`,
+kernel, from this problem size on" for an operation and format (for the decode kernel, which wins at few rows: "up to
+this M"); everything it does not name follows `arch.TABLE`,
 and a kernel of a never-run architecture still passes its first-use self-check before any use. Set
 `JAX_BLOCKGEMM_IGNORE_TUNING=1` to ignore the tables; `python -m jax_blockgemm.tune --reset` deletes them.
 """
@@ -26,17 +27,19 @@ logger = logging.getLogger(__name__)
 IGNORE_ENV = "JAX_BLOCKGEMM_IGNORE_TUNING"
 KERNEL = "kernel"
 DEFAULT = "default"
+DECODE_OP = "weight_stream"  # the decode kernel: decided by the rows M of x, up to a largest M
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """What None takes for one operation and operand format on one GPU model, and the measurements behind it."""
 
-    op: str  # "gemm_amax" or "proj_rope"
-    fmt: str  # gemm_amax: "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4"; proj_rope: "bf16", "mxfp8"
+    op: str  # "gemm_amax", "proj_rope" or "weight_stream" (DECODE_OP)
+    fmt: str  # gemm_amax, weight_stream: "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4"; proj_rope: "bf16", "mxfp8"
     choice: str  # KERNEL or DEFAULT
     min_size: int = 0  # with KERNEL: the smallest problem size (gemm_amax L*M*N*K, proj_rope T*K*H) it applies to
-    measured: tuple = ()  # ((size, kernel_ms, default_ms), ...) at the shapes that were timed
+    measured: tuple = ()  # ((size, kernel_ms, default_ms), ...) at the shapes that were timed (decode: size = M)
+    max_m: int = 0  # with KERNEL and DECODE_OP: the largest M it applies to
 
 
 def table_path(gpu_model: str) -> pathlib.Path:
@@ -88,15 +91,31 @@ def load(gpu_model: str) -> tuple[Decision, ...]:
     return _load(gpu_model, str(kernel_cache.default_cache_dir()))
 
 
-def takes_kernel(gpu_model: Optional[str], op: str, fmt: str, size: int) -> Optional[bool]:
-    """Whether the measured table of `gpu_model` sends this call to our kernel: True or False where a decision
-    for (op, fmt) exists, None where there is none (or tables are ignored): then `arch.TABLE` decides."""
+def takes_kernel(gpu_model: Optional[str], op: str, fmt: str, size: int, m: Optional[int] = None) -> Optional[bool]:
+    """Whether the measured table of `gpu_model` sends this call (problem size `size`; rows `m` for the decode
+    kernel) to our kernel: True or False where a decision for (op, fmt) exists, None where there is none (or tables
+    are ignored): then `arch.TABLE` decides."""
     if not gpu_model or os.environ.get(IGNORE_ENV, "").strip() not in ("", "0"):
         return None
     for d in load(gpu_model):
         if (d.op, d.fmt) == (op, fmt):
+            if op == DECODE_OP:
+                return d.choice == KERNEL and m is not None and m <= d.max_m
             return d.choice == KERNEL and size >= d.min_size
     return None
+
+
+def decide_decode(fmt: str, measured: Sequence[tuple[int, float, float]], *, margin: float = 0.02) -> Decision:
+    """The decode kernel's decision from timings ((m, kernel_ms, default_ms), ...): our kernel up to the largest
+    measured M below which it was faster than the default by at least `margin` at every measured M (never beyond the
+    rows measured); else the default."""
+    rows = sorted(measured)
+    wins = 0
+    while wins < len(rows) and rows[wins][1] * (1 + margin) <= rows[wins][2]:
+        wins += 1
+    if wins == 0:
+        return Decision(DECODE_OP, fmt, DEFAULT, measured=tuple(rows))
+    return Decision(DECODE_OP, fmt, KERNEL, measured=tuple(rows), max_m=rows[wins - 1][0])
 
 
 def decide(op: str, fmt: str, measured: Sequence[tuple[int, float, float]], *, margin: float = 0.02) -> Decision:

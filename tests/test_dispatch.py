@@ -495,7 +495,7 @@ class DecodeDispatchTest(parameterized.TestCase):
         self.enterContext(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enterContext(
             tempfile.TemporaryDirectory()), tuning.IGNORE_ENV: ""}))
         tuning.store("NVIDIA H200", [tuning.Decision("weight_stream", "mxfp8_e4m3", tuning.DEFAULT)])
-        tuning.store("NVIDIA B200", [tuning.Decision("weight_stream", "mxfp8_e4m3", tuning.KERNEL)])
+        tuning.store("NVIDIA B200", [tuning.Decision("weight_stream", "mxfp8_e4m3", tuning.KERNEL, max_m=64)])
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
                 mock.patch.object(dispatch, "local_gpu_model", return_value="NVIDIA H200"):
             self.assertEqual(_decode(8, implementation=None).variants, ())

@@ -32,6 +32,28 @@ class DecideTest(absltest.TestCase):
         self.assertEqual(tuning.decide("proj_rope", "bf16", [(9, 1.0, 1.01)]).choice, tuning.DEFAULT)
 
 
+class DecideDecodeTest(absltest.TestCase):
+
+    def test_kernel_up_to_the_largest_m_below_which_it_always_wins(self):
+        d = tuning.decide_decode("mxfp4", [(64, 3.0, 2.0), (1, 1.0, 2.0), (16, 1.0, 1.5)])
+        self.assertEqual((d.op, d.choice, d.max_m), ("weight_stream", tuning.KERNEL, 16))
+        d = tuning.decide_decode("mxfp4", [(1, 1.0, 2.0), (16, 2.0, 1.0), (64, 1.0, 2.0)])  # a loss at 16 ends it
+        self.assertEqual((d.choice, d.max_m), (tuning.KERNEL, 1))
+
+    def test_default_when_it_loses_at_the_fewest_rows(self):
+        d = tuning.decide_decode("nvfp4", [(1, 1.0, 1.01), (16, 1.0, 2.0)])  # within the margin at M = 1
+        self.assertEqual((d.choice, d.max_m), (tuning.DEFAULT, 0))
+
+    def test_a_decode_decision_is_read_by_rows(self):
+        with mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enter_context(
+                tempfile.TemporaryDirectory()), tuning.IGNORE_ENV: ""}):
+            tuning.store(H200, [tuning.decide_decode("mxfp8_e4m3", [(1, 1.0, 2.0), (16, 1.0, 2.0),
+                                                                   (64, 3.0, 2.0)])])
+            self.assertTrue(tuning.takes_kernel(H200, "weight_stream", "mxfp8_e4m3", 10 ** 9, m=16))
+            self.assertFalse(tuning.takes_kernel(H200, "weight_stream", "mxfp8_e4m3", 1, m=17))
+            self.assertIsNone(tuning.takes_kernel(H200, "weight_stream", "mxfp4", 1, m=1))
+
+
 class StoreTest(absltest.TestCase):
 
     def setUp(self):
@@ -102,6 +124,37 @@ class DispatchFollowsTheTableTest(absltest.TestCase):
                          ["gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1"])
 
 
+def _weight_only_text(m: int, fmt: str = "mxfp8_e4m3") -> str:
+    w = jbg.quantize_weight(jnp.ones((64, 128), jnp.float32), fmt)
+    x = jnp.ones((m, 128), jnp.bfloat16)
+    f = jax.jit(lambda x, w: jbg.weight_only_matmul(x, w))  # a fresh function: no lowering cached from another test
+    return f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+
+
+class DispatchFollowsADecodeDecisionTest(absltest.TestCase):
+    """A stored decode decision overrides arch.TABLE's thresholds both ways on a (faked) H200."""
+
+    def setUp(self):
+        self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enter_context(
+            tempfile.TemporaryDirectory()), tuning.IGNORE_ENV: ""}))
+        self.enter_context(mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)))
+        self.enter_context(mock.patch.object(dispatch, "local_gpu_model", return_value=H200))
+        from jax_blockgemm import kernel_cache
+        self.enter_context(mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()))
+
+    def test_up_to_the_decided_rows_and_not_beyond(self):
+        from jax_blockgemm import arch
+
+        self.assertEqual(arch.policy("sm_90a").decode_max_m["mxfp8_e4m3"], 16)  # the table alone: up to 16 rows
+        self.assertIn("jbg_weight_stream", _weight_only_text(16))
+        self.assertNotIn("jbg_weight_stream", _weight_only_text(40))
+        tuning.store(H200, [tuning.Decision("weight_stream", "mxfp8_e4m3", tuning.KERNEL, max_m=40)])
+        self.assertIn("jbg_weight_stream", _weight_only_text(40))
+        self.assertNotIn("jbg_weight_stream", _weight_only_text(41))
+        tuning.store(H200, [tuning.Decision("weight_stream", "mxfp8_e4m3", tuning.DEFAULT)])
+        self.assertNotIn("jbg_weight_stream", _weight_only_text(1))  # measured slower here: the reference
+
+
 class TuneCommandTest(absltest.TestCase):
 
     def setUp(self):
@@ -123,20 +176,19 @@ class TuneCommandTest(absltest.TestCase):
         with mock.patch.object(dispatch, "local_gpu_model", return_value=H200), \
                 mock.patch("sys.stdout", new_callable=io.StringIO) as out:
             self.assertEqual(tune.main(["--format", "mxfp8_e4m3", "--format", "mxfp8_e5m2", "--format", "bf16",
-                                        "--shape", "256,256,256"], timer=timer), 0)
+                                        "--shape", "256,256,256", "--shape", "16,256,256"], timer=timer), 0)
             text = out.getvalue()
             self.assertRegex(text, r"gemm_amax\s+mxfp8_e4m3\s+256x256x256\s+1.000\s+2.000\s+2.00x")
             self.assertRegex(text, r"gemm_amax\s+mxfp8_e5m2\s+256x256x256\s+-\s+-\s+-\s+no kernel")
-            self.assertIn("gemm_amax mxfp8_e4m3: our kernel from size 16777216", text)
+            self.assertIn("gemm_amax mxfp8_e4m3: our kernel from size 1048576", text)  # 16 x 256 x 256 and up
+            self.assertRegex(text, r"weight_stream\s+mxfp8_e4m3\s+16x256x256\s+3.000\s+2.000")  # M <= 64 only
             self.assertIn("proj_rope bf16: the default", text)
+            self.assertIn("weight_stream mxfp8_e4m3: the default", text)  # the fake kernel loses: (3.0, 2.0)
             self.assertTrue(tuning.takes_kernel(H200, "gemm_amax", "mxfp8_e4m3", 256 ** 3))
             self.assertFalse(tuning.takes_kernel(H200, "proj_rope", "bf16", 10 ** 12))
             self.assertEqual(tune.main(["--reset"]), 0)
         self.assertIsNone(tuning.takes_kernel(H200, "gemm_amax", "mxfp8_e4m3", 256 ** 3))
 
-
-if __name__ == "__main__":
-    absltest.main()
 
 
 class BenchmarkInputsTest(absltest.TestCase):
@@ -156,3 +208,17 @@ class BenchmarkInputsTest(absltest.TestCase):
                                                                 d["sfa_atom"].dtype)),
                              (np.dtype(codes), np.dtype(scales)), fmt)
             self.assertEqual(d["b"].shape, (32, 64 // (2 if codes is np.uint8 else 1)), fmt)
+
+
+class DecodeProblemsTest(absltest.TestCase):
+
+    def test_decode_rows_are_timed_per_weight_format_and_only_shapes_of_few_rows(self):
+        todo = tune.problems(("weight_stream",), ("mxfp4", "bf16"), [])
+        self.assertEqual(todo, [("weight_stream", "mxfp4", s) for s in tune.DECODE_SHAPES])
+        todo = tune.problems(("weight_stream",), ("nvfp4",), [(8, 256, 512), (4096, 256, 512)])
+        self.assertEqual(todo, [("weight_stream", "nvfp4", (8, 256, 512))])
+        self.assertEqual(tune.problem_size("weight_stream", (8, 256, 512)), 8)
+
+
+if __name__ == "__main__":
+    absltest.main()
