@@ -100,7 +100,7 @@ def decode_problems(variant: Any) -> tuple[tuple[int, int, int, int], ...]:
     from jax_blockgemm.kernels import weight_stream
 
     tokens = variant.tile_mn[1]
-    chunk = 4 * weight_stream.LANE_BYTES * (2 if variant.ab_dtype == "float4_e2m1fn" else 1)
+    chunk = weight_stream.WeightStreamGemm(w_dtype=variant.ab_dtype).chunk  # codes of a row per K-chunk
     k_wrap = 2 * weight_stream.RING * weight_stream.WARPS * chunk + K_TAIL
     return (1, 1, 200, K_TAIL), (3, tokens, 129, k_wrap), (2, max(1, tokens - 3), 72, 544)
 

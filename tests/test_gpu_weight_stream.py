@@ -25,7 +25,9 @@ import oracle_ops
 import oracle_weight_only
 
 FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
-K_WRAP = 2 * weight_stream.RING * weight_stream.WARPS * 4 * weight_stream.LANE_BYTES * 2 + 96  # wraps FP4's ring too
+# K wrapping every warp's register ring twice for the widest chunk (FP4's), with a tail
+_FP4_CHUNK = weight_stream.WeightStreamGemm(w_dtype="float4_e2m1fn").chunk
+K_WRAP = 2 * weight_stream.RING * weight_stream.WARPS * _FP4_CHUNK + 96
 # (L, M, N, K): one token; a full 16-token tile; a partial 64-token tile; N and K tails; the ring wrapped twice
 SHAPES = ((1, 1, 200, 96), (2, 16, 129, 544), (1, 37, 64, 4096), (3, 64, 333, 1024), (1, 5, 72, K_WRAP))
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp

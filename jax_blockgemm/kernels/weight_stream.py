@@ -133,7 +133,7 @@ class WeightStreamGemm:
         rows, tokens = tile
         if rows % 16 or rows < 16 or tokens % 8 or tokens < 8:
             raise ValueError(f"tile=({rows}, {tokens}): rows must be a multiple of 16, tokens a multiple of 8")
-        self.w_name, self.c_name = w_dtype, c_dtype
+        self.w_name = w_dtype
         self.ab_dtype = _W_DTYPES[w_dtype]
         self.c_dtype = _C_DTYPES[c_dtype]
         self.sf_vec_size, self.sf_e4m3 = sf_vec_size, sf_dtype == "float8_e4m3fn"
