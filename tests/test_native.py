@@ -428,12 +428,9 @@ class GridTest(absltest.TestCase):
 class KernelAbiTest(absltest.TestCase):
     """The catalog's exported kernel takes exactly the arguments the handler passes (see BUILD.md)."""
 
-    def test_exported_signature_matches_the_handler(self):
-        try:
-            from jax_blockgemm.kernels import catalog
-        except ImportError as e:
-            self.skipTest(f"CuTeDSL is not importable: {e}")
-        variant = catalog.CATALOG[0]
+    def _exported(self, catalog, variant) -> tuple[str, list[str], str]:
+        """The C header CuTeDSL exports for `variant`'s object: the header, the names of its tensor structs in
+        order, and the wrapper function's parameter list."""
         directory = tempfile.mkdtemp(prefix="jbg_abi_")
         self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
         catalog.compile_function(variant).export_to_c(directory, "kernel", function_prefix=variant.function_prefix)
@@ -441,8 +438,16 @@ class KernelAbiTest(absltest.TestCase):
         prefix = variant.function_prefix
         structs = re.findall(r"typedef struct \{\s*void \*data;\s*int64_t dynamic_shapes\[1\];\s*\} "
                              + prefix + r"_Tensor_(\w+)_t;", header)
-        self.assertEqual(structs, ["a", "b", "sfa", "sfb", "c", "amax"], header)
         wrapper = re.search(r"cute_dsl_" + prefix + r"_wrapper\((.*?)\)", header).group(1)
+        return header, structs, wrapper
+
+    def test_exported_signature_matches_the_handler(self):
+        try:
+            from jax_blockgemm.kernels import catalog
+        except ImportError as e:
+            self.skipTest(f"CuTeDSL is not importable: {e}")
+        header, structs, wrapper = self._exported(catalog, catalog.CATALOG[0])
+        self.assertEqual(structs, ["a", "b", "sfa", "sfb", "c", "amax"], header)
         params = [p.strip().split()[-1].lstrip("*") for p in wrapper.split(",")][1:]  # drop the module handle
         self.assertEqual(params, ["a", "b", "sfa", "sfb", "c", "amax", "m", "n", "k", "l", "stream"])
         self.assertRegex(wrapper, r"int32_t m, int32_t n, int32_t k, int32_t l, cudaStream_t stream$")
@@ -462,15 +467,8 @@ class KernelAbiTest(absltest.TestCase):
         variant = catalog.select_variant(op="weight_stream", arch="sm_90a", ab_dtype="float4_e2m1fn",
                                          c_dtype="bfloat16", sf_vec_size=16, sf_dtype="float8_e4m3fn",
                                          tile_mn=(32, 64), cluster_mn=(1, 1))
-        directory = tempfile.mkdtemp(prefix="jbg_abi_")
-        self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
-        catalog.compile_function(variant).export_to_c(directory, "kernel", function_prefix=variant.function_prefix)
-        header = (pathlib.Path(directory) / "kernel.h").read_text()
-        prefix = variant.function_prefix
-        structs = re.findall(r"typedef struct \{\s*void \*data;\s*int64_t dynamic_shapes\[1\];\s*\} "
-                             + prefix + r"_Tensor_(\w+)_t;", header)
+        header, structs, wrapper = self._exported(catalog, variant)
         self.assertEqual(structs, ["x", "w", "sw", "c", "amax", "alpha"], header)
-        wrapper = re.search(r"cute_dsl_" + prefix + r"_wrapper\((.*?)\)", header).group(1)
         self.assertRegex(wrapper, r"int32_t m, int32_t n, int32_t k, int32_t l, int32_t sf_atom, cudaStream_t stream$")
         self.assertRegex(header, r"void \*args\[13\] = \{\s*x, w, sw, c, amax, alpha, &m, &n, &k, &l, &sf_atom, "
                                  r"&stream,\s*&ret")

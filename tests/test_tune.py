@@ -95,16 +95,23 @@ def _gemm_text(m: int, fmt: str = "mxfp8_e4m3") -> str:
     return f.trace(a, b, s(m), s(128)).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _fake_h200(test: absltest.TestCase) -> None:
+    """For `test`: a fresh cache directory with tables honoured, lowerings as on an H200 (sm_90a) whose objects are
+    stand-in bytes."""
+    from jax_blockgemm import kernel_cache
+
+    test.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": test.enter_context(
+        tempfile.TemporaryDirectory()), tuning.IGNORE_ENV: ""}))
+    test.enter_context(mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)))
+    test.enter_context(mock.patch.object(dispatch, "local_gpu_model", return_value=H200))
+    test.enter_context(mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()))
+
+
 class DispatchFollowsTheTableTest(absltest.TestCase):
     """A lowering on a (faked) H200 with a stored decision: None takes the kernel exactly where the table says."""
 
     def setUp(self):
-        self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enter_context(
-            tempfile.TemporaryDirectory()), tuning.IGNORE_ENV: ""}))
-        self.enter_context(mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)))
-        self.enter_context(mock.patch.object(dispatch, "local_gpu_model", return_value=H200))
-        from jax_blockgemm import kernel_cache
-        self.enter_context(mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()))
+        _fake_h200(self)
         tuning.store(H200, [tuning.Decision("gemm_amax", "mxfp8_e4m3", tuning.KERNEL, min_size=256 * 128 * 128)])
 
     def test_none_takes_the_kernel_from_the_threshold_on(self):
@@ -135,12 +142,7 @@ class DispatchFollowsADecodeDecisionTest(absltest.TestCase):
     """A stored decode decision overrides arch.TABLE's thresholds both ways on a (faked) H200."""
 
     def setUp(self):
-        self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enter_context(
-            tempfile.TemporaryDirectory()), tuning.IGNORE_ENV: ""}))
-        self.enter_context(mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)))
-        self.enter_context(mock.patch.object(dispatch, "local_gpu_model", return_value=H200))
-        from jax_blockgemm import kernel_cache
-        self.enter_context(mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()))
+        _fake_h200(self)
 
     def test_up_to_the_decided_rows_and_not_beyond(self):
         from jax_blockgemm import arch
