@@ -26,9 +26,6 @@ size_t ElementBytes(ffi::DataType dtype) {
   }
 }
 
-// ceil(x / y) for x >= 0, y > 0, without the overflow of (x + y - 1) / y near INT64_MAX.
-int64_t CeilDiv(int64_t x, int64_t y) { return x / y + (x % y != 0); }
-
 std::string Describe(const BufferDesc& b, int index) {
   return std::string("jbg_gemm_amax: ") + kBufferNames[index] + " is " + DtypeName(b.dtype) + " " +
          ShapeString(b.dims, b.rank);
@@ -36,10 +33,8 @@ std::string Describe(const BufferDesc& b, int index) {
 
 // Checks that buffer `index` has exactly `want` dims ("" when it does).
 std::string ExpectShape(const BufferDesc& b, int index, std::initializer_list<int64_t> want, const char* what) {
-  bool same = b.rank == want.size();
-  for (size_t i = 0; same && i < b.rank; ++i) same = b.dims[i] == want.begin()[i];
-  if (same) return "";
-  return Describe(b, index) + "; expected " + ShapeString(want.begin(), want.size()) + " " + what;
+  if (HasShape(b, want)) return "";
+  return Describe(b, index) + "; expected " + ShapeString(want) + " " + what;
 }
 
 }  // namespace
@@ -58,14 +53,7 @@ std::string ParseKernelDtypes(std::string_view ab_dtype, std::string_view c_dtyp
   }
   k.a_mn = a_major == "m";
   k.b_mn = b_major == "n";
-  if (ab == "float8_e4m3fn") {
-    k.ab = XLA_FFI_DataType_F8E4M3FN;
-  } else if (ab == "float8_e5m2") {
-    k.ab = XLA_FFI_DataType_F8E5M2;
-  } else if (ab == "float4_e2m1fn") {
-    k.ab = XLA_FFI_DataType_U8;  // two codes per byte
-    k.ab_fp4 = true;
-  } else {
+  if (!ParseCodeDtype(ab, &k)) {
     return where + "ab_dtype \"" + ab + "\" is not supported; expected float8_e4m3fn, float8_e5m2 or float4_e2m1fn";
   }
   if (c == "float32") {

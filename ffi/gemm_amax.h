@@ -18,8 +18,6 @@ namespace jbg {
 
 inline constexpr const char kGemmAmaxTarget[] = "jbg_gemm_amax";
 inline constexpr int64_t kScaleBlock = 32;  // MXFP8 / MXFP4: one E8M0 scale per 32 elements along K (NVFP4: 16)
-inline constexpr int64_t kAtomRows = 128;   // scale atom: 128 rows (of M or N) ...
-inline constexpr int64_t kAtomBlocks = 4;   // ... by 4 scale blocks, stored as (32, 4, 4) bytes
 
 struct GemmDims {
   int32_t m = 0, n = 0, k = 0, l = 0;

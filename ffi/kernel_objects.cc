@@ -50,6 +50,31 @@ std::string ShapeString(const int64_t* dims, size_t rank) {
   return s + (rank == 1 ? ",)" : ")");
 }
 
+std::string ShapeString(std::initializer_list<int64_t> dims) { return ShapeString(dims.begin(), dims.size()); }
+
+bool HasShape(const BufferDesc& b, std::initializer_list<int64_t> want) {
+  if (b.rank != want.size()) return false;
+  size_t i = 0;
+  for (int64_t d : want) {
+    if (b.dims[i++] != d) return false;
+  }
+  return true;
+}
+
+bool ParseCodeDtype(std::string_view name, KernelDtypes* k) {
+  if (name == "float8_e4m3fn") {
+    k->ab = XLA_FFI_DataType_F8E4M3FN;
+  } else if (name == "float8_e5m2") {
+    k->ab = XLA_FFI_DataType_F8E5M2;
+  } else if (name == "float4_e2m1fn") {
+    k->ab = XLA_FFI_DataType_U8;  // two codes per byte
+    k->ab_fp4 = true;
+  } else {
+    return false;
+  }
+  return true;
+}
+
 BufferDesc ToBufferDesc(const xla::ffi::AnyBuffer& buffer) {
   auto dims = buffer.dimensions();
   return BufferDesc{static_cast<int>(buffer.element_type()), dims.begin(), dims.size(), buffer.untyped_data()};

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -27,6 +28,8 @@ inline constexpr const char kKernelObjectsType[] = "jbg_kernel_objects";
 inline constexpr uintptr_t kAlignment = 16;
 inline constexpr int64_t kMaxBufferElements = int64_t{1} << 31;  // sizes travel to the kernels as int32
 inline constexpr int64_t kMaxClusterCtas = 16;  // the largest cluster a kernel launches (4 x 4, non-portable)
+inline constexpr int64_t kAtomRows = 128;   // SPEC §3's scale atom: 128 rows (of M or N) ...
+inline constexpr int64_t kAtomBlocks = 4;   // ... by 4 scale blocks, stored as (32, 4, 4) bytes
 
 // What the handler sees of one buffer; dtype is an XLA_FFI_DataType value.
 struct BufferDesc {
@@ -43,6 +46,11 @@ int64_t ElementCount(const BufferDesc& b);
 const char* DtypeName(int dtype);
 // "(2, 200, 96)".
 std::string ShapeString(const int64_t* dims, size_t rank);
+std::string ShapeString(std::initializer_list<int64_t> dims);
+// Whether `b` has exactly the dims `want` (its rank included).
+bool HasShape(const BufferDesc& b, std::initializer_list<int64_t> want);
+// ceil(x / y) for x >= 0, y > 0, without the overflow of (x + y - 1) / y near INT64_MAX.
+inline int64_t CeilDiv(int64_t x, int64_t y) { return x / y + (x % y != 0); }
 // What a handler's checks see of an XLA buffer.
 BufferDesc ToBufferDesc(const xla::ffi::AnyBuffer& buffer);
 
@@ -68,6 +76,10 @@ struct KernelDtypes {
   bool a_mn = false;         // a is M-major: (L, K, M)
   bool b_mn = false;         // b is N-major: (L, K, N)
 };
+
+// Sets k->ab (and k->ab_fp4) from the name of a GEMM operand's codes: "float8_e4m3fn", "float8_e5m2", or
+// "float4_e2m1fn" (carried as uint8 pairs); false for any other name.
+bool ParseCodeDtype(std::string_view name, KernelDtypes* k);
 
 // Parses "sm_90a" / "sm_100a" (any "sm_<major><minor>[suffix]") into a compute capability.
 bool ParseArch(std::string_view arch, int* major, int* minor);

@@ -17,15 +17,8 @@ std::string Problem(int index, const BufferDesc& b, const std::string& expected)
 }
 
 bool Is(const BufferDesc& b, int dtype, std::initializer_list<int64_t> dims) {
-  if (b.dtype != dtype || b.rank != dims.size()) return false;
-  size_t i = 0;
-  for (int64_t d : dims) {
-    if (b.dims[i++] != d) return false;
-  }
-  return true;
+  return b.dtype == dtype && HasShape(b, dims);
 }
-
-std::string Shape(std::initializer_list<int64_t> dims) { return ShapeString(dims.begin(), dims.size()); }
 
 }  // namespace
 
@@ -46,21 +39,21 @@ std::string CheckProjRopeBuffers(const BufferDesc (&buf)[8], bool w_out_in, Proj
   const int64_t h = n / kHeadDim;
   for (int i : {2, 3}) {
     if (!Is(buf[i], XLA_FFI_DataType_BF16, {1, t, kRopeDim})) {
-      return Problem(i, buf[i], "bfloat16 " + Shape({1, t, kRopeDim}));
+      return Problem(i, buf[i], "bfloat16 " + ShapeString({1, t, kRopeDim}));
     }
   }
   const int64_t blocks = kHeadDim / 32;
   if (!Is(buf[4], XLA_FFI_DataType_F8E4M3FN, {1, t, h, kHeadDim})) {
-    return Problem(4, buf[4], "float8_e4m3fn " + Shape({1, t, h, kHeadDim}));
+    return Problem(4, buf[4], "float8_e4m3fn " + ShapeString({1, t, h, kHeadDim}));
   }
   if (!Is(buf[5], XLA_FFI_DataType_U8, {1, t, h, blocks})) {
-    return Problem(5, buf[5], "uint8 " + Shape({1, t, h, blocks}));
+    return Problem(5, buf[5], "uint8 " + ShapeString({1, t, h, blocks}));
   }
   if (!Is(buf[6], XLA_FFI_DataType_F8E4M3FN, {1, t, h, kHeadDim})) {
-    return Problem(6, buf[6], "float8_e4m3fn " + Shape({1, t, h, kHeadDim}));
+    return Problem(6, buf[6], "float8_e4m3fn " + ShapeString({1, t, h, kHeadDim}));
   }
   if (!Is(buf[7], XLA_FFI_DataType_U8, {1, t / 32, h, kHeadDim})) {
-    return Problem(7, buf[7], "uint8 " + Shape({1, t / 32, h, kHeadDim}));
+    return Problem(7, buf[7], "uint8 " + ShapeString({1, t / 32, h, kHeadDim}));
   }
   for (int i = 0; i < 8; ++i) {
     if (ElementCount(buf[i]) >= kMaxBufferElements) return Problem(i, buf[i], "fewer than 2**31 elements");

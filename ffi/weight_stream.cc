@@ -12,27 +12,11 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr const char* kNames[6] = {"x", "w", "sw", "c", "amax", "alpha"};
-constexpr int64_t kScaleAtomRows = 128;   // the 128x4 scale atom: 128 rows of N ...
-constexpr int64_t kScaleAtomBlocks = 4;   // ... by 4 scale blocks, stored as (32, 4, 4) bytes
-
-// ceil(x / y) for x >= 0, y > 0, without overflow near INT64_MAX.
-int64_t CeilDiv(int64_t x, int64_t y) { return x / y + (x % y != 0); }
 
 std::string Describe(const BufferDesc& b, int index) {
   return std::string(kWeightStreamTarget) + ": " + kNames[index] + " is " + DtypeName(b.dtype) + " " +
          ShapeString(b.dims, b.rank);
 }
-
-bool HasShape(const BufferDesc& b, std::initializer_list<int64_t> want) {
-  if (b.rank != want.size()) return false;
-  size_t i = 0;
-  for (int64_t d : want) {
-    if (b.dims[i++] != d) return false;
-  }
-  return true;
-}
-
-std::string Shape(std::initializer_list<int64_t> dims) { return ShapeString(dims.begin(), dims.size()); }
 
 // "float8_e4m3fn codes" or "float4_e2m1fn codes (uint8 pairs)": what w holds for these objects.
 std::string WeightCodes(const KernelDtypes& kernel) {
@@ -47,14 +31,7 @@ std::string ParseWeightStreamAttributes(std::string_view w_dtype, std::string_vi
   const std::string where = std::string(kWeightStreamTarget) + " attributes: ";
   KernelDtypes k{};
   k.alpha = true;
-  if (w_dtype == "float8_e4m3fn") {
-    k.ab = XLA_FFI_DataType_F8E4M3FN;
-  } else if (w_dtype == "float8_e5m2") {
-    k.ab = XLA_FFI_DataType_F8E5M2;
-  } else if (w_dtype == "float4_e2m1fn") {
-    k.ab = XLA_FFI_DataType_U8;
-    k.ab_fp4 = true;
-  } else {
+  if (!ParseCodeDtype(w_dtype, &k)) {
     return where + "w_dtype \"" + std::string(w_dtype) +
            "\" is not supported; expected float8_e4m3fn, float8_e5m2 or float4_e2m1fn";
   }
@@ -115,7 +92,7 @@ std::string CheckWeightStreamBuffers(const BufferDesc (&buf)[6], const KernelDty
   }
   const int64_t blocks = CeilDiv(k, kernel.sf_vec_size);
   const int64_t compact_dims[3] = {l, n, blocks};
-  const int64_t atom_dims[6] = {l, CeilDiv(n, kScaleAtomRows), CeilDiv(blocks, kScaleAtomBlocks), 32, 4, 4};
+  const int64_t atom_dims[6] = {l, CeilDiv(n, kAtomRows), CeilDiv(blocks, kAtomBlocks), 32, 4, 4};
   int32_t sf_atom = 0;
   if (sw.rank == 3) {
     if (!HasShape(sw, {l, n, blocks})) {
@@ -135,10 +112,10 @@ std::string CheckWeightStreamBuffers(const BufferDesc (&buf)[6], const KernelDty
   if (c.dtype != kernel.c) {
     return Describe(c, 3) + "; the kernel objects were compiled for a " + DtypeName(kernel.c) + " C";
   }
-  if (!HasShape(c, {l, m, n})) return Describe(c, 3) + "; expected " + Shape({l, m, n}) + " (L, M, N)";
+  if (!HasShape(c, {l, m, n})) return Describe(c, 3) + "; expected " + ShapeString({l, m, n}) + " (L, M, N)";
   for (int i : {4, 5}) {
     if (buf[i].dtype != XLA_FFI_DataType_F32 || !HasShape(buf[i], {l})) {
-      return Describe(buf[i], i) + "; expected float32 " + Shape({l}) + " (L,)";
+      return Describe(buf[i], i) + "; expected float32 " + ShapeString({l}) + " (L,)";
     }
   }
   for (int i = 0; i < 6; ++i) {
