@@ -16,15 +16,6 @@ namespace {
 constexpr const char* kBufferNames[7] = {"a", "b", "sfa", "sfb", "c", "amax", "alpha"};
 constexpr int64_t kMaxElements = kMaxBufferElements;
 
-// Bytes per element of the C dtypes the kernels write.
-size_t ElementBytes(ffi::DataType dtype) {
-  switch (dtype) {
-    case ffi::F32: return 4;
-    case ffi::BF16:
-    case ffi::F16: return 2;
-    default: return 1;  // FP8 codes, packed FP4 pairs
-  }
-}
 
 std::string Describe(const BufferDesc& b, int index) {
   return std::string("jbg_gemm_amax: ") + kBufferNames[index] + " is " + DtypeName(b.dtype) + " " +
@@ -170,7 +161,7 @@ std::string CheckGemmAmaxBuffers(const BufferDesc* buf, size_t count, KernelDtyp
     return e;
   }
   // c has rank 3 here; its last dimension counts bytes of pairs for a packed FP4 C.
-  const int64_t c_bytes = static_cast<int64_t>(ElementBytes(static_cast<ffi::DataType>(c.dtype)));
+  const int64_t c_bytes = static_cast<int64_t>(ElementBytes(c.dtype));
   if (c_rows_16_bytes && c.dims[2] * c_bytes % 16 != 0) {
     return Describe(c, 4) + "; expected rows of a multiple of 16 bytes (N a multiple of " +
            std::to_string(16 / c_bytes * (kernel.c_fp4 ? 2 : 1)) + "): this GPU's kernel stores C by TMA";
@@ -251,21 +242,13 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   const CudaDriver* driver = GetCudaDriver(&error);  // loaded at instantiation; a pointer read here
   if (driver == nullptr) return ffi::Error::Internal("jbg_gemm_amax: " + error);
   ScopedStreamContext context(*driver, stream);
-  // amax is an atomic max over |C| bit patterns: start from +0.0 on XLA's stream, before the kernel.
-  if (CUresult r = driver->cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(amax->untyped_data()), 0u,
-                                            static_cast<size_t>(dims.l), stream);
-      r != kCudaSuccess) {
-    return ffi::Error::Internal("jbg_gemm_amax: zeroing amax failed: " + driver->ErrorName(r));
-  }
-  // Test aid: all-ones bytes are NaN in float32 and bfloat16, so any element the kernel leaves unwritten fails
-  // the caller's check. Read once at instantiation; costs one memset per launch when on.
-  if (state->poison_outputs) {
-    // Whole bytes of C as the buffer holds it (packed FP4: N/2 per row).
-    const size_t c_bytes = static_cast<size_t>(ElementCount(buffers[4])) * ElementBytes(c->element_type());
-    if (CUresult r = driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(c->untyped_data()), 0xFF, c_bytes, stream);
-        r != kCudaSuccess) {
-      return ffi::Error::Internal("jbg_gemm_amax: poisoning C failed: " + driver->ErrorName(r));
-    }
+  // amax is an atomic max over |C| bit patterns: it starts from +0.0, on XLA's stream, before the kernel. With the
+  // poison test aid, C's whole bytes as the buffer holds them (packed FP4: N/2 per row) are filled first.
+  const size_t c_bytes = static_cast<size_t>(ElementCount(buffers[4])) * ElementBytes(buffers[4].dtype);
+  if (ffi::Error e = ZeroAmaxAndPoisonC(*state, kGemmAmaxTarget, *driver, stream, amax->untyped_data(),
+                                        static_cast<size_t>(dims.l), c->untyped_data(), c_bytes);
+      e.failure()) {
+    return e;
   }
   KernelTensor tensors[7];
   for (size_t i = 0; i < count; ++i) {

@@ -50,6 +50,15 @@ std::string ShapeString(const int64_t* dims, size_t rank) {
   return s + (rank == 1 ? ",)" : ")");
 }
 
+size_t ElementBytes(int dtype) {
+  switch (dtype) {
+    case XLA_FFI_DataType_F32: return 4;
+    case XLA_FFI_DataType_BF16:
+    case XLA_FFI_DataType_F16: return 2;
+    default: return 1;
+  }
+}
+
 std::string ShapeString(std::initializer_list<int64_t> dims) { return ShapeString(dims.begin(), dims.size()); }
 
 bool HasShape(const BufferDesc& b, std::initializer_list<int64_t> want) {
@@ -290,6 +299,21 @@ ffi::Error DeviceFunction(const KernelObjects& state, int32_t device, std::strin
                       where + "no kernel object for compute capability " + state.capabilities[device] +
                           " (device " + std::to_string(device) + "); this program carries objects for " + state.archs +
                           kWayOut);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ZeroAmaxAndPoisonC(const KernelObjects& state, std::string_view target, const CudaDriver& driver,
+                              CUstream stream, void* amax, size_t batches, void* c, size_t c_bytes) {
+  if (CUresult r = driver.cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(amax), 0u, batches, stream);
+      r != kCudaSuccess) {
+    return ffi::Error::Internal(std::string(target) + ": zeroing amax failed: " + driver.ErrorName(r));
+  }
+  if (state.poison_outputs) {
+    if (CUresult r = driver.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(c), 0xFF, c_bytes, stream);
+        r != kCudaSuccess) {
+      return ffi::Error::Internal(std::string(target) + ": poisoning C failed: " + driver.ErrorName(r));
+    }
   }
   return ffi::Error::Success();
 }

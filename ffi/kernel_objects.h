@@ -44,6 +44,9 @@ struct BufferDesc {
 int64_t ElementCount(const BufferDesc& b);
 // "float8_e4m3fn", "bfloat16", ... for the dtypes the handlers take; "another dtype" otherwise.
 const char* DtypeName(int dtype);
+// Bytes per element of a C dtype the kernels write: 4 (float32), 2 (bfloat16, float16), else 1 (FP8 codes, packed
+// FP4 pairs).
+size_t ElementBytes(int dtype);
 // "(2, 200, 96)".
 std::string ShapeString(const int64_t* dims, size_t rank);
 std::string ShapeString(std::initializer_list<int64_t> dims);
@@ -119,6 +122,11 @@ XLA_FFI_TypeInfo* KernelObjectsTypeInfo();
 // The execute-stage steps every target shares; `target` names the custom call in error messages.
 // The function loaded for `device`, or an error naming the device, its compute capability and the archs carried.
 xla::ffi::Error DeviceFunction(const KernelObjects& state, int32_t device, std::string_view target, DslFunction** fn);
+// Before a kernel that folds |C| into amax by an integer atomic max: zeroes the `batches` float32 amax values on
+// `stream`, and with `state.poison_outputs` fills C's `c_bytes` with 0xFF (NaN in float32, bfloat16 and float16),
+// so that an element the kernel leaves unwritten fails the caller's check.
+xla::ffi::Error ZeroAmaxAndPoisonC(const KernelObjects& state, std::string_view target, const CudaDriver& driver,
+                                   CUstream stream, void* amax, size_t batches, void* c, size_t c_bytes);
 // Runs `fn` on `args` (pointers to each argument; the last one is `ret`, the kernel's CUDA status slot).
 xla::ffi::Error RunKernel(const KernelObjects& state, int32_t device, std::string_view target,
                           const CudaDriver& driver, DslFunction* fn, void** args, size_t num_args,

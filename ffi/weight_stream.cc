@@ -135,8 +135,6 @@ namespace {
 using StateOr = ffi::ErrorOr<std::unique_ptr<KernelObjects>>;
 
 // Bytes per element of the C dtypes the objects write.
-size_t CBytes(int dtype) { return dtype == XLA_FFI_DataType_F32 ? 4 : 2; }
-
 StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span<const uint8_t> objects,
                     ffi::Span<const int64_t> offsets, std::string_view w_dtype, std::string_view c_dtype,
                     std::string_view sf_dtype, int64_t sf_vec_size, int64_t max_m) {
@@ -168,20 +166,12 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   const CudaDriver* driver = GetCudaDriver(&error);  // loaded at instantiation; a pointer read here
   if (driver == nullptr) return ffi::Error::Internal(std::string(kWeightStreamTarget) + ": " + error);
   ScopedStreamContext context(*driver, stream);
-  // amax is an integer atomic max over the bits of |C|: start from +0.0 on XLA's stream, before the kernel.
-  if (CUresult r = driver->cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(amax->untyped_data()), 0u,
-                                            static_cast<size_t>(dims.l), stream);
-      r != kCudaSuccess) {
-    return ffi::Error::Internal(std::string(kWeightStreamTarget) + ": zeroing amax failed: " + driver->ErrorName(r));
-  }
-  // Test aid (read once at instantiation): all-ones bytes are NaN in float32, bfloat16 and float16, so an element
-  // the kernel leaves unwritten fails the caller's check.
-  if (state->poison_outputs) {
-    const size_t c_bytes = static_cast<size_t>(ElementCount(buffers[3])) * CBytes(buffers[3].dtype);
-    if (CUresult r = driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(c->untyped_data()), 0xFF, c_bytes, stream);
-        r != kCudaSuccess) {
-      return ffi::Error::Internal(std::string(kWeightStreamTarget) + ": poisoning C failed: " + driver->ErrorName(r));
-    }
+  // amax is an integer atomic max over the bits of |C|: it starts from +0.0, on XLA's stream, before the kernel.
+  const size_t c_bytes = static_cast<size_t>(ElementCount(buffers[3])) * ElementBytes(buffers[3].dtype);
+  if (ffi::Error e = ZeroAmaxAndPoisonC(*state, kWeightStreamTarget, *driver, stream, amax->untyped_data(),
+                                        static_cast<size_t>(dims.l), c->untyped_data(), c_bytes);
+      e.failure()) {
+    return e;
   }
   KernelTensor tensors[6];
   for (int i = 0; i < 6; ++i) tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), ElementCount(buffers[i])};
