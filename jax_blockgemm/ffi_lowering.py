@@ -39,7 +39,7 @@ from jax_blockgemm import _native, kernel_cache
 GEMM_AMAX_TARGET = _native.GEMM_AMAX_TARGET
 PROJ_ROPE_TARGET = _native.PROJ_ROPE_TARGET
 DEQUANTIZE_TARGET = _native.DEQUANTIZE_TARGET
-WEIGHT_STREAM_TARGET = "jbg_weight_stream"
+WEIGHT_STREAM_TARGET = _native.WEIGHT_STREAM_TARGET
 
 
 def object_table_attributes(variants: Sequence[Any], objects: Sequence[bytes]) -> dict[str, Any]:

@@ -651,7 +651,7 @@ def _weight_stream_cpu_check(call: Call) -> str:
         ext.parse_weight_stream_attributes(**dtypes)
     except ValueError as e:
         return str(e)
-    if problem := _object_table_problem(attrs, "jbg_weight_stream"):
+    if problem := _object_table_problem(attrs, _native.WEIGHT_STREAM_TARGET):
         return problem
     x, w, sw, alpha, c, amax = _address_list(call)  # the hook takes the handler's order: x, w, sw, c, amax, alpha
     try:
@@ -660,8 +660,8 @@ def _weight_stream_cpu_check(call: Call) -> str:
         return f"jbg_weight_stream: {e}"
 
 
-WEIGHT_STREAM = Target("jbg_weight_stream", _weight_stream_object, _weight_stream_well_formed, _weight_stream_cases,
-                       _weight_stream_cpu_check)
+WEIGHT_STREAM = Target(_native.WEIGHT_STREAM_TARGET, _weight_stream_object, _weight_stream_well_formed,
+                       _weight_stream_cases, _weight_stream_cpu_check)
 TARGETS = (GEMM_AMAX, GEMM_AMAX_NVFP4, GEMM_AMAX_FP4_C, GEMM_AMAX_MN, PROJ_ROPE, DEQUANTIZE, WEIGHT_STREAM)
 
 

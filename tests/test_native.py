@@ -266,6 +266,8 @@ class ModuleTest(absltest.TestCase):
         targets = ext.ffi_targets()
         self.assertEqual(ext.DEQUANTIZE_TARGET, "jbg_dequantize_mxfp8")
         self.assertEqual(ext.WEIGHT_STREAM_TARGET, "jbg_weight_stream")
+        for name in ("GEMM_AMAX_TARGET", "PROJ_ROPE_TARGET", "DEQUANTIZE_TARGET", "WEIGHT_STREAM_TARGET"):
+            self.assertEqual(getattr(_native, name), getattr(ext, name), name)  # the lowering names what C++ registers
         self.assertEqual(set(targets), {"jbg_gemm_amax", "jbg_gemm_proj_rope_mxfp8", "jbg_dequantize_mxfp8",
                                         "jbg_weight_stream"})
         for stages in targets.values():
