@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -148,9 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     gemm_formats = tuple(dict.fromkeys(name for names in args.format for name in names)) or DEFAULT_FORMATS
     cases = build_cases(ops=args.op or OPS, shapes=args.shape, small=args.small, gemm_formats=gemm_formats,
                         w_in_out=args.w_in_out)
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "command": " ".join([PROG, *argv]), "environment": report.environment(),
-              "method": _method(args, gemm_formats), "cases": []}
+    record = report.new_record(" ".join([PROG, *argv]), _method(args, gemm_formats))
     key = jax.random.key(args.seed)
     for i, (case, case_key) in enumerate(zip(cases, jax.random.split(key, len(cases)))):
         start = time.perf_counter()

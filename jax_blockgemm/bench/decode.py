@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import sys
 import textwrap
 from typing import Any, Callable, Optional, Sequence
@@ -228,9 +227,7 @@ def main(args: argparse.Namespace, command: str, formats_: Optional[Sequence[str
     bandwidth = read_bandwidth(SMALL_BANDWIDTH_BYTES if args.small else BANDWIDTH_BYTES, warmup=args.warmup,
                                reps=args.reps)
     sys.stderr.write(f"read bandwidth: {bandwidth['gb_per_s']:.1f} GB/s\n")
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "command": command, "environment": report.environment(), "method": dict(timing, seed=args.seed),
-              "read_bandwidth": bandwidth, "cases": []}
+    record = report.new_record(command, dict(timing, seed=args.seed), read_bandwidth=bandwidth)
     key = jax.random.key(args.seed)
     for i, fmt in enumerate(chosen):
         for j, (k, n) in enumerate(shapes):

@@ -16,7 +16,6 @@ dot's on equal groups (where the two compute the same product). `--small` swaps 
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from typing import Any, Callable, Optional
 
@@ -174,9 +173,7 @@ def main(args: argparse.Namespace, command: str) -> dict[str, Any]:
     prints progress to stderr and the tables to stdout; returns the record."""
     shapes = SMALL_SHAPES if args.small else SHAPES
     timing = dict(warmup=args.warmup, reps=args.reps, burst=args.burst)
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "command": command, "environment": report.environment(), "method": dict(timing, seed=args.seed),
-              "cases": []}
+    record = report.new_record(command, dict(timing, seed=args.seed))
     key = jax.random.key(args.seed)
     for i, (tokens, groups, k, n) in enumerate(shapes):
         for grouping in GROUPINGS:

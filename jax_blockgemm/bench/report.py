@@ -5,6 +5,7 @@ All of it reads only the run's record (a plain dict, the JSON's content), so a s
 
 from __future__ import annotations
 
+import datetime
 import importlib.metadata
 import json
 import platform
@@ -34,6 +35,13 @@ def environment() -> dict[str, str]:
     return {"device": device.device_kind, "platform": device.platform, "device_count": str(jax.device_count()),
             "jax": jax.__version__, "jaxlib": _version("jaxlib"), "cutedsl": _version("nvidia-cutlass-dsl"),
             "jax_blockgemm": jbg.__version__, "python": platform.python_version()}
+
+
+def new_record(command: str, method: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """A run's record before its cases: when (UTC, to the minute), the command, the environment, the method, and
+    `extra` fields (e.g. the measured read bandwidth)."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": command,
+            "environment": environment(), "method": method, **extra, "cases": []}
 
 
 def speedups(results: dict[str, dict], baselines: Sequence[str]) -> dict[str, dict[str, Optional[float]]]:
