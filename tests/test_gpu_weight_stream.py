@@ -25,11 +25,13 @@ import oracle_ops
 import oracle_weight_only
 
 FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
-# K wrapping every warp's register ring twice for the widest chunk (FP4's), with a tail
+# K wrapping every warp's shared-memory ring twice for the widest chunk (FP4's) and the deepest ring, with a tail
 _FP4_CHUNK = weight_stream.WeightStreamGemm(w_dtype="float4_e2m1fn").chunk
-K_WRAP = 2 * weight_stream.RING * weight_stream.WARPS * _FP4_CHUNK + 96
+K_WRAP = 2 * weight_stream.MAX_STAGES * weight_stream.WARPS * _FP4_CHUNK + 96
 # (L, M, N, K): one token; a full 16-token tile; a partial 64-token tile; N and K tails; the ring wrapped twice
 SHAPES = ((1, 1, 200, 96), (2, 16, 129, 544), (1, 37, 64, 4096), (3, 64, 333, 1024), (1, 5, 72, K_WRAP))
+# gemm_amax's contract wants 16-byte rows of C: the same shapes with N rounded up to 8 (still not a multiple of 32)
+GEMM_SHAPES = tuple((l, m, -(-n // 8) * 8, k) for l, m, n, k in SHAPES)
 
 
 def _has_kernel_gpu() -> bool:
@@ -53,7 +55,7 @@ class GpuWeightStreamTest(parameterized.TestCase):
         ref = np.stack([oracle_weight_only.weight_only_oracle(x[i], weights[i]) for i in range(l)])
         oracle_ops.assert_gemm_close(self, np.asarray(y), ref, c_dtype=jnp.dtype(out_dtype))
 
-    @parameterized.product(fmt=FORMATS, shape=SHAPES, c_dtype=("float32", "bfloat16", "float16"))
+    @parameterized.product(fmt=FORMATS, shape=GEMM_SHAPES, c_dtype=("float32", "bfloat16", "float16"))
     def test_gemm_amax_small_m_matches_oracle(self, fmt, shape, c_dtype):
         l, m, n, k = shape
         rng = np.random.default_rng(hash((fmt, shape, c_dtype, "gemm")) % 2**32)

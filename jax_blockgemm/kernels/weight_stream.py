@@ -7,18 +7,21 @@ TMA, no wgmma, no tensor memory; warp-level `mma.sync` m16n8k16 bf16 with fp32 a
 Roles are swapped against the large-GEMM kernels: the weight rows are the MMA's M (16 per instruction) and the
 tokens its N (8), so one token pads only the N of 8. A CTA of WARPS warps owns tile[0] consecutive weight rows and
 all of K; warp w takes the K-chunks w, w + WARPS, ... (a chunk is 64 FP8 or 128 FP4 codes of every row), so every
-warp streams: each lane loads 16 bytes of codes per row and chunk straight into registers, RING - 1 chunks ahead of
-the one it multiplies. The codes become bf16 code·scale in registers (exact: SPEC §6's argument): E4M3 by bit moves
-and packed bf16 multiplies, E5M2 through the hardware converter (which keeps its infinities and NaNs), FP4 by the bit
-model of kernels/common.py. Each lane's 16 bytes feed the k-slots the mma gives that lane (a permutation of K applied
-identically to the activations, which each lane loads for the same k's), and every chunk's MMAs sum into a fresh
-fp32 partial that is then added to the accumulator. At the end the warps' partial C tiles meet in shared memory and
-are summed in warp order: the result is the same bits on every run (a deterministic split of K). alpha (NVFP4's
+warp streams. Each lane copies 16 bytes of codes per row and chunk, and the words holding their scale bytes, into its
+own slots of a shared-memory ring with `cp.async` (sm_80 and later), up to MAX_STAGES - 1 chunks ahead of the one it
+multiplies: the bytes in flight take shared memory, not registers, and since a lane reads back only what it copied,
+waiting for its own copies is the only synchronization. The activations (L2-resident: every CTA reads them) come a
+chunk ahead in registers. The codes become bf16 code·scale in registers (exact: SPEC §6's argument): E4M3 by bit
+moves and packed bf16 multiplies, E5M2 through the hardware converter (which keeps its infinities and NaNs), FP4 by
+the bit model of kernels/common.py. Each lane's 16 bytes feed the k-slots the mma gives that lane (a permutation of K
+applied identically to the activations, which each lane loads for the same k's), and every chunk's MMAs sum into a
+fresh fp32 partial that is then added to the accumulator. At the end the warps' partial C tiles meet in shared memory
+and are summed in warp order: the result is the same bits on every run (a deterministic split of K). alpha (NVFP4's
 per-tensor factor; 1 otherwise) multiplies the sums, which are stored with predication (any M, N) and folded into
 amax[l] by one integer atomic max per CTA.
 
 Accuracy: SPEC §7's "exact" class (bf16 products are exact, sums in fp32 per chunk of at most 128 products).
-What it reaches on the H200, what limits it (registers, one CTA per SM) and the next design: docs/design/decode.md.
+What it reaches on the H200, what limits it and the designs measured before it: docs/design/decode.md.
 
 ABI (catalog op "weight_stream"): fn(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom, stream), flat buffers: x bf16
 (L, M, K); w codes (L, N, K) (packed FP4: (L, N, K/2) uint8); sw scale bytes, compact (L, N, ceil(K/v)) when sf_atom
@@ -35,12 +38,16 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_blockgemm.kernels import common
+from jax_blockgemm.kernels.sm90.ptx_ops import cp_async_4, cp_async_16, cp_async_commit, cp_async_wait, ld_shared_u32, \
+    ld_shared_v4
 
 WARPS = 8  # warps per CTA, each on its own K-chunks of the CTA's rows
 THREADS = 32 * WARPS
-LANE_BYTES = 16  # bytes of codes a lane loads per row and chunk
-RING = 3  # register stages per lane: two chunks in flight while a third is multiplied
-X_IN_RING_MAX_TILES = 2  # token tiles whose activations travel in the ring (more would cost too many registers)
+LANE_BYTES = 16  # bytes of codes a lane copies per row and chunk
+MAX_STAGES = 8  # shared-memory ring stages per warp at most (7 chunks of codes in flight while one is multiplied)
+SHARED_BYTES = 200 * 1024  # ring and partial C tiles: one CTA per SM on sm_90 and sm_100 (227 KB there)
+X_STAGES = 2  # register stages of activations: the chunk being multiplied and the next
+X_IN_RING_MAX_TILES = 2  # token tiles whose activations are loaded ahead (more would cost too many registers)
 _W_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,
              "float4_e2m1fn": cutlass.Uint8}
 _C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -66,13 +73,6 @@ def _load_v4(addr, pred, qualifiers: str, loc, ip) -> list:
                "{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; "
                f"@p ld.global.nc{qualifiers}.v4.b32 {{$0, $1, $2, $3}}, [$4]; }}", "=r,=r,=r,=r,l,r", loc, ip)
     return _words(out, 4, loc, ip)
-
-
-@dsl_user_op
-def load_stream_v4(addr, pred, *, loc=None, ip=None) -> list:
-    """16 bytes from global memory that is read once (no L1 allocation; L2 fetches the surrounding 256 bytes, which
-    the neighbouring warps read next), or zeros where `pred` is 0."""
-    return _load_v4(addr, pred, ".L1::no_allocate.L2::256B", loc, ip)
 
 
 @dsl_user_op
@@ -144,8 +144,16 @@ class WeightStreamGemm:
         self.steps = self.lane_codes // 4  # mma k16 steps per chunk
         self.lane_scales = max(1, self.lane_codes // sf_vec_size)  # scale blocks per lane, row and chunk (2: NVFP4)
         self.x_words = self.lane_codes // 2  # bf16x2 words of one token's activations per lane and chunk
-        # with few tokens the activations are loaded a chunk ahead with the codes; with many, where they are used
+        # with few tokens the activations are loaded a chunk ahead in registers; with many, where they are used
         self.x_in_ring = self.token_tiles <= X_IN_RING_MAX_TILES
+        # one warp's share of a ring stage: 16 bytes of codes per lane and row slot, a 4-byte word per scale byte
+        self.codes_bytes = 32 * LANE_BYTES * 2 * self.row_tiles
+        self.warp_stage_bytes = self.codes_bytes + 32 * 4 * 2 * self.row_tiles * self.lane_scales
+        self.partial_bytes = 4 * WARPS * rows * tokens
+        self.stages = min(MAX_STAGES, (SHARED_BYTES - self.partial_bytes) // (WARPS * self.warp_stage_bytes))
+        if self.stages < 2:
+            raise ValueError(f"tile=({rows}, {tokens}) leaves no room for two ring stages in shared memory")
+        self.ring_bytes = self.stages * WARPS * self.warp_stage_bytes
 
     def can_implement(self, m: int, n: int, k: int, l: int) -> tuple[bool, str]:
         """Whether this variant takes (M, N, K, L)."""
@@ -165,67 +173,105 @@ class WeightStreamGemm:
                  alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32,
                  sf_atom: cutlass.Int32, stream: cuda.CUstream):
         """Host side: one CTA per ROWS weight rows and batch."""
-        fields = dict(partials=cute.struct.Align[cute.struct.MemRange[cutlass.Float32,
-                                                                      WARPS * self.rows * self.tokens], 16],
+        fields = dict(ring=cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.ring_bytes // 4], 128],
+                      partials=cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.partial_bytes // 4], 16],
                       warp_amax=cute.struct.MemRange[cutlass.Int32, WARPS])
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
-        self.kernel(x, w, sw, c, amax, alpha, m, n, k, sf_atom).launch(
+        self.kernel(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom).launch(
             grid=((n + self.rows - 1) // self.rows, l, 1), block=(THREADS, 1, 1),
             smem=self.shared_storage.size_in_bytes(), stream=stream)
 
     # ------------------------------------------------------------------------------------------- device helpers
-    def _scale_offset(self, batch, row, kb, n, kb_count, sf_atom):
-        """Byte offset of scale (batch, row, kb): compact row-major, or SPEC §3's atom form."""
-        compact = (batch * n + row) * kb_count + kb
+    def _scale_row_parts(self, batch, row0, group, n, kb_count, sf_atom):
+        """Per row slot, the part of its scale bytes' offset that depends on the row (and batch) only: compact
+        row-major, or SPEC §3's atom form; `_scale_at` adds the block's part. Rows past N are clamped to N - 1."""
         atom_rows = (n + common.ATOM_MN - 1) // common.ATOM_MN
         atom_kbs = (kb_count + common.ATOM_KB - 1) // common.ATOM_KB
-        atom = (((batch * atom_rows + row // common.ATOM_MN) * atom_kbs + kb // common.ATOM_KB) * common.ATOM_BYTES
-                + (row % 32) * 16 + ((row // 32) % 4) * 4 + kb % common.ATOM_KB)
-        return cutlass.select_(sf_atom != 0, atom, compact)
+        parts = cute.make_rmem_tensor((2 * self.row_tiles,), cutlass.Int32)
+        for r in range(2 * self.row_tiles):
+            row = cutlass.min(row0 + 16 * (r // 2) + group + 8 * (r % 2), n - 1)
+            compact = (batch * n + row) * kb_count
+            atom = ((batch * atom_rows + row // common.ATOM_MN) * atom_kbs * common.ATOM_BYTES
+                    + (row % 32) * 16 + ((row // 32) % 4) * 4)
+            parts[r] = cutlass.select_(sf_atom != 0, atom, compact)
+        return parts
 
-    def _new_stage(self) -> tuple:
-        """Registers of one ring stage: codes, scale bytes, and (with few token tiles) the activations."""
-        codes = cute.make_rmem_tensor((8 * self.row_tiles,), cutlass.Int32)
-        scales = cute.make_rmem_tensor((2 * self.row_tiles * self.lane_scales,), cutlass.Int32)
-        xs = cute.make_rmem_tensor((max(1, self.token_tiles * self.x_words if self.x_in_ring else 1),), cutlass.Int32)
-        return codes, scales, xs
+    def _scale_at(self, row_part, kb, kb_count, sf_atom):
+        """Byte offset of the scale of block kb (clamped to the last) in the row whose part is `row_part`."""
+        kb = cutlass.min(kb, kb_count - 1)
+        return row_part + cutlass.select_(sf_atom != 0, (kb // common.ATOM_KB) * common.ATOM_BYTES + kb % common.ATOM_KB,
+                                          kb)
 
-    def _load_chunk(self, stage, w, sw, x, batch, row0, lane, chunk_index, live, m, n, k, kb_count, sf_atom):
-        """Issue this lane's loads of one chunk into `stage`: codes (16 bytes per row) and scale bytes of its
-        2·row_tiles rows, zeros where the row, the chunk or the lane's codes lie past N or K (their scales are then
-        marked -1: no scale); with `x_in_ring` the activations of its tokens too."""
-        codes, scales, xs = stage
+    def _slot_addresses(self, ring0, warp, lane, stage) -> tuple:
+        """Shared addresses of this lane's codes (row slot 0; slots 32·16 bytes apart) and scale words (slot 0; 32·4
+        bytes apart) in ring stage `stage`: lane-contiguous, so the reads are free of bank conflicts."""
+        base = ring0 + (stage * WARPS + warp) * self.warp_stage_bytes
+        return base + lane * LANE_BYTES, base + self.codes_bytes + lane * 4
+
+    def _issue_chunk(self, ring0, stage, w, sw, row_parts, batch, row0, warp, lane, chunk_index, live, n, k,
+                     kb_count, sf_atom, sw_bytes):
+        """Start this lane's asynchronous copies of one chunk into ring stage `stage`: 16 bytes of codes per row slot
+        and the 4-byte words holding its scale bytes, zero-filled where the row, the chunk or the lane's codes lie
+        past N or K (a zero code times any finite scale adds nothing)."""
         group, quad = lane // 4, lane % 4
         first_code = chunk_index * self.chunk + quad * self.lane_codes
         in_k = live & (first_code < k)
         row_bytes = k // 2 if cutlass.const_expr(self.fp4) else k
+        codes_at, scales_at = self._slot_addresses(ring0, warp, lane, stage)
+        w0, sw0 = w.iterator.toint(), sw.iterator.toint()
         for r in range(2 * self.row_tiles):
             row = row0 + 16 * (r // 2) + group + 8 * (r % 2)
             ok = in_k & (row < n)
-            offset = (cutlass.Int64(batch) * n + row) * row_bytes + (first_code // (2 if self.fp4 else 1))
-            words = load_stream_v4(w.iterator.toint() + offset, ok.to(cutlass.Int32))
-            for i in range(4):
-                codes[4 * r + i] = words[i]
+            offset = (cutlass.Int64(batch) * n + cutlass.min(row, n - 1)) * row_bytes + (
+                cutlass.min(first_code, k - self.lane_codes) // (2 if self.fp4 else 1))
+            cp_async_16(codes_at + r * (32 * LANE_BYTES), w0 + offset, cutlass.select_(ok, 16, 0))
             for s in range(self.lane_scales):
-                kb = first_code // self.sf_vec_size + s
-                at = self._scale_offset(batch, cutlass.min(row, n - 1), cutlass.min(kb, kb_count - 1), n, kb_count,
-                                        sf_atom)
-                byte = sw[at].to(cutlass.Int32) & 0xFF  # the recast view loads signed bytes
-                scales[self.lane_scales * r + s] = cutlass.select_(ok, byte, cutlass.Int32(-1))
-        if cutlass.const_expr(self.x_in_ring):
-            for j in range(self.token_tiles):
-                token = 8 * j + group
-                words = self._x_load(x, batch, cutlass.min(token, m - 1), first_code,
-                                     (in_k & (token < m)).to(cutlass.Int32), m, k)
-                for i in range(self.x_words):
-                    xs[j * self.x_words + i] = words[i]
+                at = self._scale_at(row_parts[r], first_code // self.sf_vec_size + s, kb_count, sf_atom)
+                word = at - at % 4
+                size = cutlass.select_(ok, cutlass.min(sw_bytes - word, 4), 0)
+                cp_async_4(scales_at + (self.lane_scales * r + s) * (32 * 4), sw0 + cutlass.Int64(word), size)
+
+    def _read_chunk(self, ring0, stage, row_parts, warp, lane, chunk_index, kb_count, sf_atom) -> tuple:
+        """This lane's codes (four words per row slot) and scale bytes (one per row slot and block) of the chunk in
+        ring stage `stage`, once its copies have landed."""
+        quad = lane % 4
+        first_code = chunk_index * self.chunk + quad * self.lane_codes
+        codes_at, scales_at = self._slot_addresses(ring0, warp, lane, stage)
+        codes, scales = [], []
+        for r in range(2 * self.row_tiles):
+            codes += ld_shared_v4(codes_at + r * (32 * LANE_BYTES))
+            for s in range(self.lane_scales):
+                at = self._scale_at(row_parts[r], first_code // self.sf_vec_size + s, kb_count, sf_atom)
+                word = ld_shared_u32(scales_at + (self.lane_scales * r + s) * (32 * 4))
+                scales.append((word >> ((at % 4) * 8)) & 0xFF)
+        return codes, scales
+
+    def _load_x_into(self, dst, x, batch, lane, chunk_index, live, m, k) -> None:
+        """`_load_x` into the register tensor `dst`."""
+        words = self._load_x(x, batch, lane, chunk_index, m, k, live)
+        for e in range(len(words)):
+            dst[e] = words[e]
+
+    def _load_x(self, x, batch, lane, chunk_index, m, k, live=None) -> list:
+        """The raw activation words of this lane's tokens (one per token tile) at its codes of a chunk, zeros past M
+        or K (or where `live` is false)."""
+        group, quad = lane // 4, lane % 4
+        first_code = chunk_index * self.chunk + quad * self.lane_codes
+        in_k = first_code < k
+        if cutlass.const_expr(live is not None):
+            in_k = live & in_k
+        words = []
+        for j in range(self.token_tiles):
+            token = 8 * j + group
+            words += self._x_load(x, batch, cutlass.min(token, m - 1), cutlass.min(first_code, k - self.lane_codes),
+                                  (in_k & (token < m)).to(cutlass.Int32), m, k)
+        return words
 
     def _operand_words(self, codes, scales, r: int):
         """bf16x2 words code·scale of row slot r (2·steps words, two per mma step, the k order of `_x_pairs`)."""
         out = []
         if cutlass.const_expr(self.w_name == "float8_e5m2"):  # the converter keeps E5M2's infinities and NaNs
-            byte = scales[r]
-            scale = cutlass.select_(byte < 0, cutlass.Float32(0.0), common.f32_from_bits(common.e8m0_bits(byte & 0xFF)))
+            scale = common.f32_from_bits(common.e8m0_bits(scales[r]))
             for i in range(4):
                 out += fp8x4_scaled_bf16(codes[4 * r + i], scale, True)
             return out
@@ -236,11 +282,10 @@ class WeightStreamGemm:
         for i in range(4):  # word i holds codes 8i..8i+7 (lane-relative); NVFP4: words 0, 1 and 2, 3 per block
             byte = scales[self.lane_scales * r + (i // 2 if self.lane_scales == 2 else 0)]
             if cutlass.const_expr(self.sf_e4m3):
-                scale = common.e4m3_scale_bf16x2(byte & 0xFF)
+                scale = common.e4m3_scale_bf16x2(byte)
             else:
-                scale = common.e8m0_bits(byte & 0xFF)
+                scale = common.e8m0_bits(byte)
                 scale = scale | ((scale >> 16) & 0xFFFF)
-            scale = cutlass.select_(byte < 0, cutlass.Int32(0), scale)
             for p in range(4):  # pair p: codes 8i+p (low half) and 8i+p+4 (high half)
                 bits = common.e2m1_pair_bits(codes[4 * r + i], p)
                 bits = cute.arch.fma_packed_bf16x2(bits, two126, neg_zero)
@@ -261,10 +306,9 @@ class WeightStreamGemm:
         nan_bytes = cutlass.Int32(0)
         for i in range(4):
             nan_bytes = nan_bytes | (((codes[4 * r + i] & 0x7F7F7F7F) + 0x01010101) & _HIGH_BITS)
-        scale = common.e8m0_bits(byte & 0xFF)
+        scale = common.e8m0_bits(byte)
         scale = scale | ((scale >> 16) & 0xFFFF)
         scale = cutlass.select_(nan_bytes != 0, cutlass.Int32(common.E4M3_NAN_BF16X2), scale)
-        scale = cutlass.select_(byte < 0, cutlass.Int32(0), scale)
         out = []
         for i in range(4):
             word = codes[4 * r + i]
@@ -297,21 +341,12 @@ class WeightStreamGemm:
                     byte_perm(b, d, 0x7632)]
         return out
 
-    def _multiply_chunk(self, acc, stage, x, batch, lane, chunk_index, m, k):
-        """acc += the products of the chunk in `stage` (a fresh fp32 partial per chunk and tile, added to acc)."""
-        codes, scales, xs_ring = stage
-        group, quad = lane // 4, lane % 4
-        first_code = chunk_index * self.chunk + quad * self.lane_codes
-        in_k = first_code < k
-        xs = []
-        for j in range(self.token_tiles):
-            if cutlass.const_expr(self.x_in_ring):
-                raw = [xs_ring[j * self.x_words + i] for i in range(self.x_words)]
-            else:
-                token = 8 * j + group
-                raw = self._x_load(x, batch, cutlass.min(token, m - 1), first_code,
-                                   (in_k & (token < m)).to(cutlass.Int32), m, k)
-            xs.append(self._x_pairs(raw))
+    def _multiply_chunk(self, acc, codes, scales, x_raw, x, batch, lane, chunk_index, m, k):
+        """acc += the products of one chunk (a fresh fp32 partial per chunk and tile, added to acc): its codes and
+        scales as read from the ring, its activations `x_raw` as loaded ahead, or (None) loaded here."""
+        if cutlass.const_expr(x_raw is None):
+            x_raw = self._load_x(x, batch, lane, chunk_index, m, k)
+        xs = [self._x_pairs(x_raw[j * self.x_words:(j + 1) * self.x_words]) for j in range(self.token_tiles)]
         for t in range(self.row_tiles):
             lo, hi = self._operand_words(codes, scales, 2 * t), self._operand_words(codes, scales, 2 * t + 1)
             for j in range(self.token_tiles):
@@ -325,33 +360,56 @@ class WeightStreamGemm:
     # ------------------------------------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(self, x: cute.Tensor, w: cute.Tensor, sw: cute.Tensor, c: cute.Tensor, amax: cute.Tensor,
-               alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, sf_atom: cutlass.Int32):
+               alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32,
+               sf_atom: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         row_block, batch, _ = cute.arch.block_idx()
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sw = cute.make_tensor(cute.recast_ptr(sw.iterator, dtype=cutlass.Uint8), cute.make_layout((cute.size(sw),)))
         partials = storage.partials.get_tensor(cute.make_layout(WARPS * self.rows * self.tokens))
         warp_amax = storage.warp_amax.get_tensor(cute.make_layout(WARPS))
+        ring0 = storage.ring.data_ptr().toint()
         warp, lane = tidx // 32, tidx % 32
         row0 = row_block * self.rows
         kb_count = (k + self.sf_vec_size - 1) // self.sf_vec_size
+        atom_bytes = (((n + common.ATOM_MN - 1) // common.ATOM_MN) * ((kb_count + common.ATOM_KB - 1) // common.ATOM_KB)
+                      * common.ATOM_BYTES)
+        sw_bytes = l * cutlass.select_(sf_atom != 0, atom_bytes, n * kb_count)  # to zero-fill past the last word
         chunks = (k + self.chunk - 1) // self.chunk
         mine = (chunks - warp + WARPS - 1) // WARPS  # chunks warp, warp + WARPS, ... below `chunks`
+        row_parts = self._scale_row_parts(batch, row0, lane // 4, n, kb_count, sf_atom)
 
         acc = cute.make_rmem_tensor((self.row_tiles * self.token_tiles * 4,), cutlass.Float32)
         acc.fill(0.0)
-        # mainloop: a ring of RING register stages, RING - 1 chunks in flight while one is multiplied
-        ring = [self._new_stage() for _ in range(RING)]
-        for r in cutlass.range_constexpr(RING - 1):
-            self._load_chunk(ring[r], w, sw, x, batch, row0, lane, warp + WARPS * r, r < mine, m, n, k, kb_count,
-                             sf_atom)
-        for i in cutlass.range(0, mine, RING, unroll=1):
-            for r in cutlass.range_constexpr(RING):
-                ahead = i + r + RING - 1
-                self._load_chunk(ring[(r + RING - 1) % RING], w, sw, x, batch, row0, lane, warp + WARPS * ahead,
-                                 ahead < mine, m, n, k, kb_count, sf_atom)
-                if i + r < mine:
-                    self._multiply_chunk(acc, ring[r], x, batch, lane, warp + WARPS * (i + r), m, k)
+        # mainloop: codes and scales in a shared-memory ring of `stages` per warp (stages - 1 chunks in flight while
+        # one is multiplied), one commit group per chunk even when empty; with few tokens the activations one chunk
+        # ahead in two register stages
+        for r in cutlass.range_constexpr(self.stages - 1):
+            self._issue_chunk(ring0, r, w, sw, row_parts, batch, row0, warp, lane, warp + WARPS * r, r < mine, n, k,
+                              kb_count, sf_atom, sw_bytes)
+            cp_async_commit()
+        x_stages = [cute.make_rmem_tensor((self.token_tiles * self.x_words,), cutlass.Int32)
+                    for _ in range(X_STAGES)] if cutlass.const_expr(self.x_in_ring) else None
+        if cutlass.const_expr(self.x_in_ring):
+            self._load_x_into(x_stages[0], x, batch, lane, warp, 0 < mine, m, k)
+        for i in cutlass.range(0, mine, X_STAGES, unroll=1):
+            for r in cutlass.range_constexpr(X_STAGES):
+                index = i + r
+                ahead = index + self.stages - 1
+                self._issue_chunk(ring0, ahead % self.stages, w, sw, row_parts, batch, row0, warp, lane,
+                                  warp + WARPS * ahead, ahead < mine, n, k, kb_count, sf_atom, sw_bytes)
+                cp_async_commit()
+                x_now = None
+                if cutlass.const_expr(self.x_in_ring):
+                    self._load_x_into(x_stages[(r + 1) % X_STAGES], x, batch, lane, warp + WARPS * (index + 1),
+                                      index + 1 < mine, m, k)
+                    x_now = [x_stages[r][e] for e in range(self.token_tiles * self.x_words)]
+                cp_async_wait(self.stages - 1)
+                if index < mine:
+                    codes, scales = self._read_chunk(ring0, index % self.stages, row_parts, warp, lane,
+                                                     warp + WARPS * index, kb_count, sf_atom)
+                    self._multiply_chunk(acc, codes, scales, x_now, x, batch, lane, warp + WARPS * index, m, k)
+        cp_async_wait(0)
 
         # epilogue: the warps' partial tiles summed in warp order (deterministic), alpha, C, amax
         group, quad = lane // 4, lane % 4

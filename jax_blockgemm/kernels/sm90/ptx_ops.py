@@ -1,5 +1,6 @@
-"""Inline-PTX shared- and global-memory accesses of the sm_90a proj_rope epilogue (kernels/sm90/y_tile.py), and the
-bulk copies (sm_90 and later) of the arch-neutral kernels/dequantize.py.
+"""Inline-PTX shared- and global-memory accesses of the sm_90a proj_rope epilogue (kernels/sm90/y_tile.py), the
+bulk copies (sm_90 and later) of the arch-neutral kernels/dequantize.py, and the per-thread asynchronous copies
+(sm_80 and later) of kernels/weight_stream.py.
 
 Each is one instruction of exactly the width named, and every global store is predicated inside the asm (no branch,
 no reconvergence point, so the scheduler may move shuffles and conversions across it). Loads and stores carry a
@@ -82,3 +83,32 @@ def bulk_store(gmem: cutlass.Int64, smem: cutlass.Int32, size: cutlass.Int32, *,
     """cp.async.bulk of `size` bytes from shared to global memory, in the thread's current bulk group."""
     args = [cutlass.Int64(gmem), cutlass.Int32(smem), cutlass.Int32(size)]
     _asm(None, args, "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;", "l,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def cp_async_16(smem: cutlass.Int32, gmem: cutlass.Int64, src_bytes: cutlass.Int32, *, loc=None, ip=None) -> None:
+    """cp.async of 16 bytes from global to shared memory, L1 bypassed and 256 bytes prefetched into L2; only the
+    first `src_bytes` (0 or 16) are read, the rest are zero-filled. Completes with the thread's commit group."""
+    args = [cutlass.Int32(smem), cutlass.Int64(gmem), cutlass.Int32(src_bytes)]
+    _asm(None, args, "cp.async.cg.shared.global.L2::256B [$0], [$1], 16, $2;", "r,l,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def cp_async_4(smem: cutlass.Int32, gmem: cutlass.Int64, src_bytes: cutlass.Int32, *, loc=None, ip=None) -> None:
+    """cp.async of one 4-byte aligned word from global to shared memory; only the first `src_bytes` (0..4) are read,
+    the rest are zero-filled. Completes with the thread's commit group."""
+    args = [cutlass.Int32(smem), cutlass.Int64(gmem), cutlass.Int32(src_bytes)]
+    _asm(None, args, "cp.async.ca.shared.global [$0], [$1], 4, $2;", "r,l,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def cp_async_commit(*, loc=None, ip=None) -> None:
+    """Close the thread's current group of cp.async copies (an empty group is allowed)."""
+    _asm(None, [], "cp.async.commit_group;", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def cp_async_wait(pending: int, *, loc=None, ip=None) -> None:
+    """Wait until at most `pending` of the thread's newest commit groups are in flight; the copies of the older ones
+    are then visible to this thread."""
+    _asm(None, [], f"cp.async.wait_group {pending};", "~{memory}", True, loc, ip)
