@@ -7,18 +7,18 @@ TMA, no wgmma, no tensor memory; warp-level `mma.sync` m16n8k16 bf16 with fp32 a
 Roles are swapped against the large-GEMM kernels: the weight rows are the MMA's M (16 per instruction) and the
 tokens its N (8), so one token pads only the N of 8. A CTA of WARPS warps owns tile[0] consecutive weight rows and
 all of K; warp w takes the K-chunks w, w + WARPS, ... (a chunk is 64 FP8 or 128 FP4 codes of every row), so every
-warp streams. Each lane copies 16 bytes of codes per row and chunk, and the words holding their scale bytes, into
-its own slots of a shared-memory ring with `cp.async` (sm_80 and later), up to MAX_STAGES - 1 chunks ahead of the
-one it multiplies, and with at most X_IN_RING_MAX_TILES token tiles the activations of its tokens at the same k's
-(with more, loaded where they are used): the bytes in flight take shared memory, not registers, and since a lane
-reads back only what it copied, waiting for its own copies is the only synchronization. The codes become bf16
-code·scale in registers (exact: SPEC §6's argument): E4M3 by bit moves and packed bf16 multiplies, E5M2 through the
-hardware converter (which keeps its infinities and NaNs), FP4 by the bit model of kernels/common.py. Each lane's 16
-bytes feed the k-slots the mma gives that lane (a permutation of K applied identically to the activations, which
-each lane loads for the same k's), and every chunk's MMAs sum into a fresh fp32 partial that is then added to the
-accumulator. At the end the warps' partial C tiles meet in shared memory and are summed in warp order: the result is
-the same bits on every run (a deterministic split of K). alpha (NVFP4's per-tensor factor; 1 otherwise) multiplies
-the sums, which are stored with predication (any M, N) and folded into amax[l] by one integer atomic max per CTA.
+warp streams. Each lane copies 16 bytes of codes per row and chunk, and the words holding their scale bytes, into its
+own slots of a shared-memory ring with `cp.async` (sm_80 and later), up to MAX_STAGES - 1 chunks ahead of the one it
+multiplies: the bytes in flight take shared memory, not registers, and since a lane reads back only what it copied,
+waiting for its own copies is the only synchronization. The activations (L2-resident: every CTA reads them) come a
+chunk ahead in registers. The codes become bf16 code·scale in registers (exact: SPEC §6's argument): E4M3 by bit
+moves and packed bf16 multiplies, E5M2 through the hardware converter (which keeps its infinities and NaNs), FP4 by
+the bit model of kernels/common.py. Each lane's 16 bytes feed the k-slots the mma gives that lane (a permutation of K
+applied identically to the activations, which each lane loads for the same k's), and every chunk's MMAs sum into a
+fresh fp32 partial that is then added to the accumulator. At the end the warps' partial C tiles meet in shared memory
+and are summed in warp order: the result is the same bits on every run (a deterministic split of K). alpha (NVFP4's
+per-tensor factor; 1 otherwise) multiplies the sums, which are stored with predication (any M, N) and folded into
+amax[l] by one integer atomic max per CTA.
 
 Accuracy: SPEC §7's "exact" class (bf16 products are exact, sums in fp32 per chunk of at most 128 products).
 What it reaches on the H200, what limits it and the designs measured before it: docs/design/decode.md.
@@ -44,10 +44,11 @@ from jax_blockgemm.kernels.sm90.ptx_ops import cp_async_4, cp_async_16, cp_async
 WARPS = 8  # warps per CTA, each on its own K-chunks of the CTA's rows
 THREADS = 32 * WARPS
 LANE_BYTES = 16  # bytes of codes a lane copies per row and chunk
-MAX_STAGES = 8  # shared-memory ring stages per warp at most (7 chunks in flight while one is multiplied)
-SHARED_BYTES_PER_SM = 216 * 1024  # the rings (later the partial C tiles) of the CTAs on one SM (227 KB on sm_90/100)
-CTAS_PER_SM = 1  # CTAs resident per SM: they split its shared memory (and registers) between them
-X_IN_RING_MAX_TILES = 2  # token tiles whose activations travel in the ring (more would leave too few stages)
+MAX_STAGES = 8  # shared-memory ring stages per warp at most (7 chunks of codes in flight while one is multiplied)
+SHARED_BYTES_PER_SM = 200 * 1024  # rings and partial C tiles of the CTAs on one SM (227 KB on sm_90 and sm_100)
+CTAS_PER_SM = 1  # CTAs resident per SM: they split its shared memory and registers between them
+X_STAGES = 2  # register stages of activations: the chunk being multiplied and the next
+X_IN_RING_MAX_TILES = 2  # token tiles whose activations are loaded ahead (more would cost too many registers)
 _W_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,
              "float4_e2m1fn": cutlass.Uint8}
 _C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -144,19 +145,17 @@ class WeightStreamGemm:
         self.steps = self.lane_codes // 4  # mma k16 steps per chunk
         self.lane_scales = max(1, self.lane_codes // sf_vec_size)  # scale blocks per lane, row and chunk (2: NVFP4)
         self.x_words = self.lane_codes // 2  # bf16x2 words of one token's activations per lane and chunk
-        # with few tokens the activations travel in the ring with the codes; with many, they are loaded where used
+        # with few tokens the activations are loaded a chunk ahead in registers; with many, where they are used
         self.x_in_ring = self.token_tiles <= X_IN_RING_MAX_TILES
-        # one warp's share of a ring stage: 16 bytes of codes per lane and row slot, a 4-byte word per scale byte,
-        # and (x_in_ring) the lane's activation words per token tile
+        # one warp's share of a ring stage: 16 bytes of codes per lane and row slot, a 4-byte word per scale byte
         self.codes_bytes = 32 * LANE_BYTES * 2 * self.row_tiles
-        self.scale_bytes = 32 * 4 * 2 * self.row_tiles * self.lane_scales
-        x_bytes = 32 * 4 * self.x_words * self.token_tiles if self.x_in_ring else 0
-        self.warp_stage_bytes = self.codes_bytes + self.scale_bytes + x_bytes
-        self.stages = min(MAX_STAGES, SHARED_BYTES_PER_SM // CTAS_PER_SM // (WARPS * self.warp_stage_bytes))
+        self.warp_stage_bytes = self.codes_bytes + 32 * 4 * 2 * self.row_tiles * self.lane_scales
+        self.partial_bytes = 4 * WARPS * rows * tokens
+        self.stages = min(MAX_STAGES, (SHARED_BYTES_PER_SM // CTAS_PER_SM - self.partial_bytes)
+                          // (WARPS * self.warp_stage_bytes))
         if self.stages < 2:
             raise ValueError(f"tile=({rows}, {tokens}) leaves no room for two ring stages in shared memory")
-        # the warps' partial C tiles reuse the ring's bytes once every warp is past its mainloop
-        self.shared_words = max(self.stages * WARPS * self.warp_stage_bytes, 4 * WARPS * rows * tokens) // 4
+        self.ring_bytes = self.stages * WARPS * self.warp_stage_bytes
 
     def can_implement(self, m: int, n: int, k: int, l: int) -> tuple[bool, str]:
         """Whether this variant takes (M, N, K, L)."""
@@ -176,7 +175,8 @@ class WeightStreamGemm:
                  alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32,
                  sf_atom: cutlass.Int32, stream: cuda.CUstream):
         """Host side: one CTA per ROWS weight rows and batch."""
-        fields = dict(ring=cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.shared_words], 128],
+        fields = dict(ring=cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.ring_bytes // 4], 128],
+                      partials=cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.partial_bytes // 4], 16],
                       warp_amax=cute.struct.MemRange[cutlass.Int32, WARPS])
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         self.kernel(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom).launch(
@@ -201,37 +201,25 @@ class WeightStreamGemm:
     def _scale_at(self, row_part, kb, kb_count, sf_atom):
         """Byte offset of the scale of block kb (clamped to the last) in the row whose part is `row_part`."""
         kb = cutlass.min(kb, kb_count - 1)
-        atom = (kb // common.ATOM_KB) * common.ATOM_BYTES + kb % common.ATOM_KB
-        return row_part + cutlass.select_(sf_atom != 0, atom, kb)
+        return row_part + cutlass.select_(sf_atom != 0, (kb // common.ATOM_KB) * common.ATOM_BYTES + kb % common.ATOM_KB,
+                                          kb)
 
     def _slot_addresses(self, ring0, warp, lane, stage) -> tuple:
-        """Shared addresses of this lane's codes (row slot 0; slots 32·16 bytes apart), scale words (slot 0; 32·4
-        bytes apart) and activations (16-byte piece 0; pieces 32·16 bytes apart) in ring stage `stage`:
-        lane-contiguous, so the reads are free of bank conflicts."""
+        """Shared addresses of this lane's codes (row slot 0; slots 32·16 bytes apart) and scale words (slot 0; 32·4
+        bytes apart) in ring stage `stage`: lane-contiguous, so the reads are free of bank conflicts."""
         base = ring0 + (stage * WARPS + warp) * self.warp_stage_bytes
-        return (base + lane * LANE_BYTES, base + self.codes_bytes + lane * 4,
-                base + self.codes_bytes + self.scale_bytes + lane * LANE_BYTES)
+        return base + lane * LANE_BYTES, base + self.codes_bytes + lane * 4
 
-    def _issue_chunk(self, ring0, stage, x, w, sw, row_parts, batch, row0, warp, lane, chunk_index, live, m, n, k,
+    def _issue_chunk(self, ring0, stage, w, sw, row_parts, batch, row0, warp, lane, chunk_index, live, n, k,
                      kb_count, sf_atom, sw_bytes):
-        """Start this lane's asynchronous copies of one chunk into ring stage `stage`: 16 bytes of codes per row slot,
-        the 4-byte words holding its scale bytes and (x_in_ring) its tokens' activations at its codes, zero-filled
-        where the row, the token, the chunk or the lane's codes lie past N, M or K (a zero code times any finite
-        scale adds nothing)."""
+        """Start this lane's asynchronous copies of one chunk into ring stage `stage`: 16 bytes of codes per row slot
+        and the 4-byte words holding its scale bytes, zero-filled where the row, the chunk or the lane's codes lie
+        past N or K (a zero code times any finite scale adds nothing)."""
         group, quad = lane // 4, lane % 4
         first_code = chunk_index * self.chunk + quad * self.lane_codes
         in_k = live & (first_code < k)
         row_bytes = k // 2 if cutlass.const_expr(self.fp4) else k
-        codes_at, scales_at, x_at = self._slot_addresses(ring0, warp, lane, stage)
-        if cutlass.const_expr(self.x_in_ring):
-            pieces = self.x_words // 4  # 16-byte pieces of one token's activations per lane
-            for j in range(self.token_tiles):
-                token = 8 * j + group
-                offset = ((cutlass.Int64(batch) * m + cutlass.min(token, m - 1)) * k
-                          + cutlass.min(first_code, k - self.lane_codes)) * 2
-                for i in range(pieces):
-                    cp_async_16(x_at + (j * pieces + i) * (32 * LANE_BYTES), x.iterator.toint() + offset + 16 * i,
-                                cutlass.select_(in_k & (token < m), 16, 0))
+        codes_at, scales_at = self._slot_addresses(ring0, warp, lane, stage)
         w0, sw0 = w.iterator.toint(), sw.iterator.toint()
         for r in range(2 * self.row_tiles):
             row = row0 + 16 * (r // 2) + group + 8 * (r % 2)
@@ -246,16 +234,11 @@ class WeightStreamGemm:
                 cp_async_4(scales_at + (self.lane_scales * r + s) * (32 * 4), sw0 + cutlass.Int64(word), size)
 
     def _read_chunk(self, ring0, stage, row_parts, warp, lane, chunk_index, kb_count, sf_atom) -> tuple:
-        """This lane's codes (four words per row slot), scale bytes (one per row slot and block) and (x_in_ring, else
-        None) raw activation words of the chunk in ring stage `stage`, once its copies have landed."""
+        """This lane's codes (four words per row slot) and scale bytes (one per row slot and block) of the chunk in
+        ring stage `stage`, once its copies have landed."""
         quad = lane % 4
         first_code = chunk_index * self.chunk + quad * self.lane_codes
-        codes_at, scales_at, x_at = self._slot_addresses(ring0, warp, lane, stage)
-        x_raw = None
-        if cutlass.const_expr(self.x_in_ring):
-            x_raw = []
-            for piece in range(self.token_tiles * self.x_words // 4):
-                x_raw += ld_shared_v4(x_at + piece * (32 * LANE_BYTES))
+        codes_at, scales_at = self._slot_addresses(ring0, warp, lane, stage)
         codes, scales = [], []
         for r in range(2 * self.row_tiles):
             codes += ld_shared_v4(codes_at + r * (32 * LANE_BYTES))
@@ -263,14 +246,22 @@ class WeightStreamGemm:
                 at = self._scale_at(row_parts[r], first_code // self.sf_vec_size + s, kb_count, sf_atom)
                 word = ld_shared_u32(scales_at + (self.lane_scales * r + s) * (32 * 4))
                 scales.append((word >> ((at % 4) * 8)) & 0xFF)
-        return codes, scales, x_raw
+        return codes, scales
 
-    def _load_x(self, x, batch, lane, chunk_index, m, k) -> list:
+    def _load_x_into(self, dst, x, batch, lane, chunk_index, live, m, k) -> None:
+        """`_load_x` into the register tensor `dst`."""
+        words = self._load_x(x, batch, lane, chunk_index, m, k, live)
+        for e in range(len(words)):
+            dst[e] = words[e]
+
+    def _load_x(self, x, batch, lane, chunk_index, m, k, live=None) -> list:
         """The raw activation words of this lane's tokens (one per token tile) at its codes of a chunk, zeros past M
-        or K: where the activations do not travel in the ring."""
+        or K (or where `live` is false)."""
         group, quad = lane // 4, lane % 4
         first_code = chunk_index * self.chunk + quad * self.lane_codes
         in_k = first_code < k
+        if cutlass.const_expr(live is not None):
+            in_k = live & in_k
         words = []
         for j in range(self.token_tiles):
             token = 8 * j + group
@@ -353,8 +344,8 @@ class WeightStreamGemm:
         return out
 
     def _multiply_chunk(self, acc, codes, scales, x_raw, x, batch, lane, chunk_index, m, k):
-        """acc += the products of one chunk (a fresh fp32 partial per chunk and tile, added to acc): its codes,
-        scales and activations `x_raw` as read from the ring, or with x_raw None the activations loaded here."""
+        """acc += the products of one chunk (a fresh fp32 partial per chunk and tile, added to acc): its codes and
+        scales as read from the ring, its activations `x_raw` as loaded ahead, or (None) loaded here."""
         if cutlass.const_expr(x_raw is None):
             x_raw = self._load_x(x, batch, lane, chunk_index, m, k)
         xs = [self._x_pairs(x_raw[j * self.x_words:(j + 1) * self.x_words]) for j in range(self.token_tiles)]
@@ -377,16 +368,14 @@ class WeightStreamGemm:
         row_block, batch, _ = cute.arch.block_idx()
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sw = cute.make_tensor(cute.recast_ptr(sw.iterator, dtype=cutlass.Uint8), cute.make_layout((cute.size(sw),)))
-        ring = storage.ring.data_ptr()
-        partials = cute.make_tensor(cute.recast_ptr(ring, dtype=cutlass.Float32),
-                                    cute.make_layout(WARPS * self.rows * self.tokens))
+        partials = storage.partials.get_tensor(cute.make_layout(WARPS * self.rows * self.tokens))
         warp_amax = storage.warp_amax.get_tensor(cute.make_layout(WARPS))
-        ring0 = ring.toint()
+        ring0 = storage.ring.data_ptr().toint()
         warp, lane = tidx // 32, tidx % 32
         row0 = row_block * self.rows
         kb_count = (k + self.sf_vec_size - 1) // self.sf_vec_size
-        atom_bytes = ((n + common.ATOM_MN - 1) // common.ATOM_MN) * (
-            (kb_count + common.ATOM_KB - 1) // common.ATOM_KB) * common.ATOM_BYTES
+        atom_bytes = (((n + common.ATOM_MN - 1) // common.ATOM_MN) * ((kb_count + common.ATOM_KB - 1) // common.ATOM_KB)
+                      * common.ATOM_BYTES)
         sw_bytes = l * cutlass.select_(sf_atom != 0, atom_bytes, n * kb_count)  # to zero-fill past the last word
         chunks = (k + self.chunk - 1) // self.chunk
         mine = (chunks - warp + WARPS - 1) // WARPS  # chunks warp, warp + WARPS, ... below `chunks`
@@ -394,23 +383,35 @@ class WeightStreamGemm:
 
         acc = cute.make_rmem_tensor((self.row_tiles * self.token_tiles * 4,), cutlass.Float32)
         acc.fill(0.0)
-        # mainloop: a shared-memory ring of `stages` per warp, stages - 1 chunks in flight while one is multiplied,
-        # one commit group per chunk even when it copies nothing
+        # mainloop: codes and scales in a shared-memory ring of `stages` per warp (stages - 1 chunks in flight while
+        # one is multiplied), one commit group per chunk even when empty; with few tokens the activations one chunk
+        # ahead in two register stages
         for r in cutlass.range_constexpr(self.stages - 1):
-            self._issue_chunk(ring0, r, x, w, sw, row_parts, batch, row0, warp, lane, warp + WARPS * r, r < mine, m, n,
-                              k, kb_count, sf_atom, sw_bytes)
+            self._issue_chunk(ring0, r, w, sw, row_parts, batch, row0, warp, lane, warp + WARPS * r, r < mine, n, k,
+                              kb_count, sf_atom, sw_bytes)
             cp_async_commit()
-        for index in cutlass.range(0, mine, unroll=1):
-            ahead = index + self.stages - 1
-            self._issue_chunk(ring0, ahead % self.stages, x, w, sw, row_parts, batch, row0, warp, lane,
-                              warp + WARPS * ahead, ahead < mine, m, n, k, kb_count, sf_atom, sw_bytes)
-            cp_async_commit()
-            cp_async_wait(self.stages - 1)
-            codes, scales, x_raw = self._read_chunk(ring0, index % self.stages, row_parts, warp, lane,
-                                                    warp + WARPS * index, kb_count, sf_atom)
-            self._multiply_chunk(acc, codes, scales, x_raw, x, batch, lane, warp + WARPS * index, m, k)
+        x_stages = [cute.make_rmem_tensor((self.token_tiles * self.x_words,), cutlass.Int32)
+                    for _ in range(X_STAGES)] if cutlass.const_expr(self.x_in_ring) else None
+        if cutlass.const_expr(self.x_in_ring):
+            self._load_x_into(x_stages[0], x, batch, lane, warp, 0 < mine, m, k)
+        for i in cutlass.range(0, mine, X_STAGES, unroll=1):
+            for r in cutlass.range_constexpr(X_STAGES):
+                index = i + r
+                ahead = index + self.stages - 1
+                self._issue_chunk(ring0, ahead % self.stages, w, sw, row_parts, batch, row0, warp, lane,
+                                  warp + WARPS * ahead, ahead < mine, n, k, kb_count, sf_atom, sw_bytes)
+                cp_async_commit()
+                x_now = None
+                if cutlass.const_expr(self.x_in_ring):
+                    self._load_x_into(x_stages[(r + 1) % X_STAGES], x, batch, lane, warp + WARPS * (index + 1),
+                                      index + 1 < mine, m, k)
+                    x_now = [x_stages[r][e] for e in range(self.token_tiles * self.x_words)]
+                cp_async_wait(self.stages - 1)
+                if index < mine:
+                    codes, scales = self._read_chunk(ring0, index % self.stages, row_parts, warp, lane,
+                                                     warp + WARPS * index, kb_count, sf_atom)
+                    self._multiply_chunk(acc, codes, scales, x_now, x, batch, lane, warp + WARPS * index, m, k)
         cp_async_wait(0)
-        cute.arch.sync_threads()  # every warp is done with the ring: the partial tiles may take its bytes
 
         # epilogue: the warps' partial tiles summed in warp order (deterministic), alpha, C, amax
         group, quad = lane // 4, lane % 4
