@@ -147,9 +147,10 @@ class DispatchFollowsADecodeDecisionTest(absltest.TestCase):
     def test_up_to_the_decided_rows_and_not_beyond(self):
         from jax_blockgemm import arch
 
-        self.assertEqual(arch.policy("sm_90a").decode_max_m["mxfp8_e4m3"], 16)  # the table alone: up to 16 rows
-        self.assertIn("jbg_weight_stream", _weight_only_text(16))
-        self.assertNotIn("jbg_weight_stream", _weight_only_text(40))
+        table_rows = arch.policy("sm_90a").decode_max_m["mxfp8_e4m3"]  # the table alone: the kernel up to these
+        self.assertGreater(table_rows, 40)
+        self.assertIn("jbg_weight_stream", _weight_only_text(table_rows))
+        self.assertIn("jbg_weight_stream", _weight_only_text(41))
         tuning.store(H200, [tuning.Decision("weight_stream", "mxfp8_e4m3", tuning.KERNEL, max_m=40)])
         self.assertIn("jbg_weight_stream", _weight_only_text(40))
         self.assertNotIn("jbg_weight_stream", _weight_only_text(41))
