@@ -33,7 +33,7 @@ import cutlass
 import cutlass.cute as cute
 
 from jax_blockgemm.kernels import common
-from jax_blockgemm.kernels.sm90.ptx_ops import bulk_load, bulk_store
+from jax_blockgemm.kernels.ptx_ops import bulk_load, bulk_store
 from jax_blockgemm.support import MX_BLOCK
 
 THREADS = 256

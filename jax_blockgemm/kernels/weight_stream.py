@@ -38,7 +38,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_blockgemm.kernels import common
-from jax_blockgemm.kernels.sm90.ptx_ops import cp_async_4, cp_async_16, cp_async_commit, cp_async_wait, ld_shared_u32, \
+from jax_blockgemm.kernels.ptx_ops import cp_async_4, cp_async_16, cp_async_commit, cp_async_wait, ld_shared_u32, \
     ld_shared_v4
 
 WARPS = 8  # warps per CTA, each on its own K-chunks of the CTA's rows

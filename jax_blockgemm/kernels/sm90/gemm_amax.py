@@ -33,7 +33,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 
 from jax_blockgemm.kernels import common, epilogue
 from jax_blockgemm.kernels.sm90 import tma_pipeline
-from jax_blockgemm.kernels.sm90.ptx_ops import s32
+from jax_blockgemm.kernels.ptx_ops import s32
 
 # Operand codes as they travel through TMA and shared memory: FP4 (E2M1) as packed bytes, two codes each.
 _AB_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,

@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 
 from jax_blockgemm.kernels import common, epilogue, token_rows
-from jax_blockgemm.kernels.sm90 import ptx_ops
+from jax_blockgemm.kernels import ptx_ops
 from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, QK_NOPE
 
 ROWS = 128

@@ -1,6 +1,6 @@
-"""Inline-PTX shared- and global-memory accesses of the sm_90a proj_rope epilogue (kernels/sm90/y_tile.py), the
-bulk copies (sm_90 and later) of the arch-neutral kernels/dequantize.py, and the per-thread asynchronous copies
-(sm_80 and later) of kernels/weight_stream.py.
+"""Inline-PTX memory instructions the CuTeDSL kernels need one at a time: shared- and
+global-memory accesses (the sm_90a proj_rope epilogue, kernels/sm90/y_tile.py), bulk copies (sm_90 and later;
+kernels/dequantize.py) and per-thread asynchronous copies (sm_80 and later; kernels/weight_stream.py).
 
 Each is one instruction of exactly the width named, and every global store is predicated inside the asm (no branch,
 no reconvergence point, so the scheduler may move shuffles and conversions across it). Loads and stores carry a
