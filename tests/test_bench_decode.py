@@ -26,6 +26,20 @@ import oracle_ops
 
 class DecodeBenchTest(parameterized.TestCase):
 
+    def test_shapes_given_replace_the_default_cases_grouped_by_weight(self):
+        self.assertEqual(decode.plan([(16, 7168, 2048), (1, 4096, 1024), (1, 7168, 2048), (16, 7168, 2048)],
+                                     small=False),
+                         [(2048, 7168, (16, 1)), (1024, 4096, (1,))])
+        self.assertEqual(decode.plan([], small=False), [(k, n, decode.M_VALUES) for k, n in decode.SHAPES])
+        self.assertEqual(decode.plan([], small=True), [(k, n, decode.SMALL_M_VALUES) for k, n in decode.SMALL_SHAPES])
+
+    def test_a_run_with_shapes_times_exactly_those_cases(self):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            record = bench_main(["--decode", "--small", "--shape", "3,64,96", "--format", "mxfp4", "--reps", "1",
+                                 "--warmup", "0", "--burst", "1"])
+        self.assertEqual([(c["format"], c["m"], c["n"], c["k"]) for c in record["cases"]], [("mxfp4", 3, 64, 96)])
+        self.assertGreater(record["cases"][0]["columns"]["ours"]["us"], 0)
+
     @pytest.mark.end_to_end
     def test_small_run_prints_the_tables_and_writes_json(self):
         with tempfile.TemporaryDirectory() as tmp:

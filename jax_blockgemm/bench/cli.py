@@ -82,7 +82,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=bench.__doc__.split("\n\n")[0],
                                 epilog="Without options: the SPEC §8 cases of both operations.")
     p.add_argument("--shape", type=parse_shape, action="append", default=[], metavar="M,N,K",
-                   help="a gemm_amax shape to run instead of the SPEC §8 ones (repeatable)")
+                   help="a gemm_amax shape to run instead of the SPEC §8 ones (repeatable); with --decode, M rows "
+                        "against an N x K weight")
     p.add_argument("--format", type=parse_formats, action="append", default=[], metavar="FORMAT[,FORMAT]",
                    help=f"gemm_amax input format(s): {', '.join(GEMM_FORMATS)} (repeatable or a comma list; "
                         "default mxfp8; proj_rope is MXFP8 only)")

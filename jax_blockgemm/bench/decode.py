@@ -17,7 +17,8 @@ GEMM. Columns:
 
 Beside each time: the rate at which that column reads its own weight bytes (codes and scales, bf16 values, or E4M3
 codes) as a fraction of the device's read bandwidth, measured in the same run by a jitted max over a large buffer.
-`--small` swaps in tiny shapes, M in {1, 4} and 4 matrices, which a CPU runs in seconds.
+`--small` swaps in tiny shapes, M in {1, 4} and 4 matrices, which a CPU runs in seconds; `--shape M,N,K` (repeatable)
+times those cases instead of the shapes above.
 """
 
 from __future__ import annotations
@@ -217,11 +218,22 @@ def format_table(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plan(shapes: Sequence[tuple[int, int, int]], *, small: bool) -> list[tuple[int, int, tuple[int, ...]]]:
+    """The (K, N, M values) to time: the --shape M,N,K cases grouped by weight (in the order given), else the SPEC §8
+    shapes (their tiny twins with `small`), each at every M of the set."""
+    if shapes:
+        grouped: dict[tuple[int, int], list[int]] = {}
+        for m, n, k in shapes:
+            grouped.setdefault((k, n), []).append(m)
+        return [(k, n, tuple(dict.fromkeys(ms))) for (k, n), ms in grouped.items()]
+    return [(k, n, SMALL_M_VALUES if small else M_VALUES) for k, n in (SMALL_SHAPES if small else SHAPES)]
+
+
 def main(args: argparse.Namespace, command: str, formats_: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    """Runs the decode benchmark with the command line's --small, --format, --reps, --warmup, --burst, --seed and
-    --json; prints progress to stderr and the tables to stdout; returns the record."""
-    shapes, m_values, matrices = ((SMALL_SHAPES, SMALL_M_VALUES, SMALL_MATRICES) if args.small
-                                  else (SHAPES, M_VALUES, MATRICES))
+    """Runs the decode benchmark with the command line's --shape, --small, --format, --reps, --warmup, --burst,
+    --seed and --json; prints progress to stderr and the tables to stdout; returns the record."""
+    cases = plan(args.shape, small=args.small)
+    matrices = SMALL_MATRICES if args.small else MATRICES
     chosen = tuple(formats_ or DEFAULT_FORMATS)
     timing = dict(warmup=args.warmup, reps=args.reps, burst=args.burst)
     bandwidth = read_bandwidth(SMALL_BANDWIDTH_BYTES if args.small else BANDWIDTH_BYTES, warmup=args.warmup,
@@ -230,8 +242,8 @@ def main(args: argparse.Namespace, command: str, formats_: Optional[Sequence[str
     record = report.new_record(command, dict(timing, seed=args.seed), read_bandwidth=bandwidth)
     key = jax.random.key(args.seed)
     for i, fmt in enumerate(chosen):
-        for j, (k, n) in enumerate(shapes):
-            case_key = jax.random.fold_in(key, i * len(shapes) + j)
+        for j, (k, n, m_values) in enumerate(cases):
+            case_key = jax.random.fold_in(key, i * len(cases) + j)
             record["cases"] += run_case(case_key, fmt, k, n, m_values, matrices, read_gbs=bandwidth["gb_per_s"],
                                         progress=sys.stderr, **timing)
     print(format_table(record))
