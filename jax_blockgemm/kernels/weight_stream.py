@@ -46,7 +46,7 @@ THREADS = 32 * WARPS
 LANE_BYTES = 16  # bytes of codes a lane copies per row and chunk
 MAX_STAGES = 8  # shared-memory ring stages per warp at most (7 chunks of codes in flight while one is multiplied)
 SHARED_BYTES = 200 * 1024  # ring and partial C tiles: one CTA per SM on sm_90 and sm_100 (227 KB there)
-X_STAGES = 2  # register stages of activations: the chunk being multiplied and the next
+X_STAGES = 2  # register stages of activations: the chunk being multiplied and X_STAGES - 1 loaded ahead
 X_IN_RING_MAX_TILES = 2  # token tiles whose activations are loaded ahead (more would cost too many registers)
 _W_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,
              "float4_e2m1fn": cutlass.Uint8}
@@ -382,8 +382,8 @@ class WeightStreamGemm:
         acc = cute.make_rmem_tensor((self.row_tiles * self.token_tiles * 4,), cutlass.Float32)
         acc.fill(0.0)
         # mainloop: codes and scales in a shared-memory ring of `stages` per warp (stages - 1 chunks in flight while
-        # one is multiplied), one commit group per chunk even when empty; with few tokens the activations one chunk
-        # ahead in two register stages
+        # one is multiplied), one commit group per chunk even when empty; with few tokens the activations X_STAGES - 1
+        # chunks ahead in X_STAGES register stages
         for r in cutlass.range_constexpr(self.stages - 1):
             self._issue_chunk(ring0, r, w, sw, row_parts, batch, row0, warp, lane, warp + WARPS * r, r < mine, n, k,
                               kb_count, sf_atom, sw_bytes)
@@ -391,7 +391,8 @@ class WeightStreamGemm:
         x_stages = [cute.make_rmem_tensor((self.token_tiles * self.x_words,), cutlass.Int32)
                     for _ in range(X_STAGES)] if cutlass.const_expr(self.x_in_ring) else None
         if cutlass.const_expr(self.x_in_ring):
-            self._load_x_into(x_stages[0], x, batch, lane, warp, 0 < mine, m, k)
+            for r in cutlass.range_constexpr(X_STAGES - 1):
+                self._load_x_into(x_stages[r], x, batch, lane, warp + WARPS * r, r < mine, m, k)
         for i in cutlass.range(0, mine, X_STAGES, unroll=1):
             for r in cutlass.range_constexpr(X_STAGES):
                 index = i + r
@@ -401,8 +402,9 @@ class WeightStreamGemm:
                 cp_async_commit()
                 x_now = None
                 if cutlass.const_expr(self.x_in_ring):
-                    self._load_x_into(x_stages[(r + 1) % X_STAGES], x, batch, lane, warp + WARPS * (index + 1),
-                                      index + 1 < mine, m, k)
+                    x_ahead = index + X_STAGES - 1
+                    self._load_x_into(x_stages[(r + X_STAGES - 1) % X_STAGES], x, batch, lane,
+                                      warp + WARPS * x_ahead, x_ahead < mine, m, k)
                     x_now = [x_stages[r][e] for e in range(self.token_tiles * self.x_words)]
                 cp_async_wait(self.stages - 1)
                 if index < mine:
