@@ -159,7 +159,8 @@ def run_proj_rope_variants(case0: int, shard: tuple[int, int], first_shape_only:
                            keys: frozenset = frozenset()) -> int:
     """Every sm_90a proj_rope variant (tile x weight layout) at PROJ_ROPE_SHAPES, both input paths (the same values
     as MXFP8 and as bf16: `bench.inputs.proj_rope_inputs`; or only the first shape, bf16 in), bracketed; cases are
-    numbered from `case0`. The MXFP8 cases also run the dequantize kernel (`jbg_dequantize_mxfp8`) before the bf16 one."""
+    numbered from `case0`. The MXFP8 cases also run the dequantize kernel (`jbg_dequantize_mxfp8`) before the bf16
+    one."""
     import jax
     import numpy as np
 

@@ -4,7 +4,8 @@ gemm_amax: block-scaled GEMM that also returns amax = max|C|. gemm_proj_rope_mxf
 up-projection (GEMM + per-head RoPE + MXFP8 rowwise and columnwise quantization). Both run everywhere through a
 pure-JAX reference and through CuTeDSL kernels where the GPU has one; `formats` holds the quantizers and layouts.
 Mixture of experts: `ragged_gemm_amax` (tokens sorted by group times per-group weights) and its differentiable
-`mx_ragged_dot`, a drop-in for jax.lax.ragged_dot. For serving: `weight_only_matmul` (x in bf16 / float32 times a `QuantizedWeight` from `quantize_weight`).
+`mx_ragged_dot`, a drop-in for jax.lax.ragged_dot. For serving: `weight_only_matmul` (x in bf16 / float32 times a
+`QuantizedWeight` from `quantize_weight`).
 For training: `mx_dot_general` (a differentiable drop-in for jax.lax.dot_general) and `mla_q_projection`; Flax and
 Equinox layers live in `jax_blockgemm.layers` (optional extras).
 """

@@ -390,7 +390,8 @@ def compare_proj_rope(outs: Sequence[np.ndarray], ref: Sequence[np.ndarray]) -> 
                     f"{where}: {got[where]:.6g} against {want[where]:.6g}")
         same = (codes.view(np.uint8) == ref_codes.view(np.uint8)).mean()
         if same < CODE_MATCH_FRACTION:
-            return f"{direction}: only {same:.2%} of the codes equal the reference's (at least {CODE_MATCH_FRACTION:.0%})"
+            return (f"{direction}: only {same:.2%} of the codes equal the reference's "
+                    f"(at least {CODE_MATCH_FRACTION:.0%})")
     return ""
 
 

@@ -57,7 +57,8 @@ def check_implementation(implementation: Any) -> None:
 
 def check_rank(name: str, x: Any, ranks: Sequence[int], meaning: str) -> None:
     if x.ndim not in ranks:
-        raise ValueError(f"{name} must have rank {' or '.join(map(str, ranks))} ({meaning}); got shape {tuple(x.shape)}.")
+        raise ValueError(f"{name} must have rank {' or '.join(map(str, ranks))} ({meaning}); "
+                         f"got shape {tuple(x.shape)}.")
 
 
 def check_gemm_operands(a: Any, b: Any, *, a_major: str, b_major: str) -> tuple[int, int, int, int]:
@@ -149,7 +150,8 @@ def check_gemm_config(*, ab_dtype: Any, scale_dtype: Any, c_dtype: Any, c_major:
         raise ValueError(f"FP8 operands (MXFP8) need sf_vec_size=32; got sf_vec_size={sf_vec_size}.")
     c_fp8 = np.dtype(c_dtype) in FP8_DTYPES
     if is_fp4(c_dtype) and not fp4_ab:
-        raise ValueError(f"c_dtype={dtype_name(c_dtype)} (packed FP4 C) needs FP4 operands; got {dtype_name(ab_dtype)}.")
+        raise ValueError(f"c_dtype={dtype_name(c_dtype)} (packed FP4 C) needs FP4 operands; "
+                         f"got {dtype_name(ab_dtype)}.")
     if is_fp4(c_dtype) and c_major != "n":
         raise ValueError(f"FP4 C must be N-major; got c_major={c_major!r}.")
     if c_fp8 and not fp4_ab:

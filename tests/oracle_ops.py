@@ -225,9 +225,10 @@ def random_gemm_inputs(rng: np.random.Generator, *, l: int, m: int, n: int, k: i
     """Random codes over the format's whole range and random non-trivial scales for one gemm_amax call.
 
     scale_log2: the range of log2 of the block scales (default (-9, 9) for E8M0, (-4, 4) for NVFP4's E4M3); pick
-    a narrow one to keep C inside a low-precision C dtype's range. Returns a dict with a, b (NumPy arrays in the requested majors; FP4 as packed uint8 (L, MN, K//2)), sfa, sfb
-    (compact (L, MN, KB)), sfa_atom, sfb_atom (physical atoms built by the SPEC's byte-offset formula), k,
-    sf_vec_size, scale_dtype and alpha (a random float32 scalar; meaningful for NVFP4 only).
+    a narrow one to keep C inside a low-precision C dtype's range. Returns a dict with a, b (NumPy arrays in the
+    requested majors; FP4 as packed uint8 (L, MN, K//2)), sfa, sfb (compact (L, MN, KB)), sfa_atom, sfb_atom
+    (physical atoms built by the SPEC's byte-offset formula), k, sf_vec_size, scale_dtype and alpha (a random
+    float32 scalar; meaningful for NVFP4 only).
     """
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}; got {fmt!r}.")
@@ -462,7 +463,8 @@ def fake_quant_f64(x: np.ndarray, fmt: str, axis: int) -> np.ndarray:
 # u = 2**-(mantissa bits + 1) is round-to-nearest's relative error on normal codes; below the smallest normal code
 # N_min the error is at most u * N_min * scale, and the ceil rule keeps scale < 2 * block amax / Emax, so
 # eps = 2 u N_min / Emax: 2**-4 * 2**-6 * 2/448 (E4M3), ~0 (E5M2), 1/12 (E2M1; NVFP4's E4M3 block scale, rounded up
-# at most twice by 2**-3, is below 2 * amax / 6 too). bf16 (the fallback, 7 mantissa bits) rounds within 2**-8 in its normal range.
+# at most twice by 2**-3, is below 2 * amax / 6 too). bf16 (the fallback, 7 mantissa bits) rounds within 2**-8 in
+# its normal range.
 QUANT_ERROR = {"mxfp8_e4m3": (2.0 ** -4, 2.0 ** -9 / 448.0), "mxfp8_e5m2": (2.0 ** -3, 2.0 ** -16 / 57344.0),
                "mxfp4": (0.25, 1.0 / 12.0), "nvfp4": (0.25, 1.0 / 12.0), "bf16": (2.0 ** -8, 0.0)}
 ACCUMULATION_SLACK = 1e-6  # float32 accumulation over K <= a few thousand, relative to sum |a| |b|

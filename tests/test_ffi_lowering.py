@@ -119,9 +119,9 @@ class EmitGemmAmaxTest(absltest.TestCase):
 
     def test_export_for_cuda_without_gpu(self):
         with mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: OBJECTS[v.key]):
-            exported = jax.export.export(jax.jit(lambda *x: _test_p.bind(*x, variants=VARIANTS)),
-                                         platforms=("cuda",),
-                                         disabled_checks=ffi_lowering.export_disabled_checks())(*_operands(2, 64, 32, 64))
+            export = jax.export.export(jax.jit(lambda *x: _test_p.bind(*x, variants=VARIANTS)), platforms=("cuda",),
+                                       disabled_checks=ffi_lowering.export_disabled_checks())
+            exported = export(*_operands(2, 64, 32, 64))
         self.assertEqual(exported.platforms, ("cuda",))
         self.assertIn("stablehlo.custom_call @jbg_gemm_amax", exported.mlir_module())
         self.assertEqual([a.shape for a in exported.out_avals], [(2, 64, 32), (2,)])

@@ -1,9 +1,10 @@
 """The architecture-neutral epilogue pieces (kernels/epilogue.py), each against formats.py / NumPy on a GPU.
 
 A small probe kernel applies every piece to arrays: E8M0 scale bytes and factors from amax bit patterns (zero,
-subnormal, normal, around every power-of-two boundary, inf, NaN), E4M3 conversion with RNE and saturation (two and
-four codes per word), RoPE of a pair, the NaN-propagating |max| and the byte mask. On CPU (CI) the probe is compiled for sm_90a, which proves it
-builds; on a Hopper or Blackwell GPU it runs (torch tensors through DLPack) and every output is compared exactly.
+subnormal, normal, around every power-of-two boundary, inf, NaN), E4M3 conversion with RNE and saturation (two and four
+codes per word), RoPE of a pair, the NaN-propagating |max| and the byte mask. On CPU (CI) the probe is compiled for
+sm_90a, which proves it builds; on a Hopper or Blackwell GPU it runs (torch tensors through DLPack) and every output is
+compared exactly.
 """
 
 import os

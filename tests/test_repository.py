@@ -3,7 +3,7 @@
 Every "SPEC §N" cited in code, tests and docs must be a section of docs/SPEC.md. Every repository path a file names
 (e.g. `docs/design/proj_rope.md`, `benchmarks/soak.py`) must exist. The tracked tree says what the software does:
 no sessions, device calls, budgets, issue numbers or branch names, and dates only beside measurements (the
-performance page and the design notes).
+performance page and the design notes). Code lines fit 120 columns.
 """
 
 import pathlib
@@ -51,6 +51,12 @@ class RepositoryTextTest(parameterized.TestCase):
 
     def setUp(self):
         self.files = {p.relative_to(ROOT).as_posix(): p.read_text(errors="replace") for p in tracked_files()}
+
+    def test_code_lines_fit_120_columns(self):
+        long = [f"{name}:{i}: {len(line)} columns" for name, text in self.files.items()
+                if pathlib.Path(name).suffix in (".py", ".cc", ".h")
+                for i, line in enumerate(text.splitlines(), 1) if len(line) > 120]
+        self.assertEqual(long, [])
 
     def test_every_spec_reference_resolves(self):
         sections = spec_sections()

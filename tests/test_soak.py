@@ -1,4 +1,5 @@
-"""benchmarks/soak.py on CPU (the reference): a short soak passes, and a non-reproducible output or an error fails it."""
+"""benchmarks/soak.py on CPU (the reference): a short soak passes, and a non-reproducible output or an error fails
+it."""
 
 import importlib.util
 import pathlib

@@ -66,8 +66,9 @@ def nvfp4_tensor_scale(values: jax.Array) -> jax.Array:
 def quantize_operand(values: jax.Array, fmt: GemmFormat) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
     """(codes, compact scales, per-tensor scale or None) of values in `fmt`, by the library's own quantizers.
 
-    MXFP8: E4M3 (or E5M2, "mxfp8_e5m2") codes and uint8 E8M0 bytes; MXFP4: packed uint8 E2M1 codes and uint8 E8M0 bytes; NVFP4: packed
-    codes and float8_e4m3fn scales of values / nvfp4_tensor_scale(values), which is returned as the third item.
+    MXFP8: E4M3 (or E5M2, "mxfp8_e5m2") codes and uint8 E8M0 bytes; MXFP4: packed uint8 E2M1 codes and uint8 E8M0
+    bytes; NVFP4: packed codes and float8_e4m3fn scales of values / nvfp4_tensor_scale(values), which is returned as
+    the third item.
     """
     if fmt.name == "mxfp8":
         return (*formats.quantize_mxfp8(values), None)

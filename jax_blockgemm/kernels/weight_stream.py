@@ -199,8 +199,8 @@ class WeightStreamGemm:
     def _scale_at(self, row_part, kb, kb_count, sf_atom):
         """Byte offset of the scale of block kb (clamped to the last) in the row whose part is `row_part`."""
         kb = cutlass.min(kb, kb_count - 1)
-        return row_part + cutlass.select_(sf_atom != 0, (kb // common.ATOM_KB) * common.ATOM_BYTES + kb % common.ATOM_KB,
-                                          kb)
+        atom = (kb // common.ATOM_KB) * common.ATOM_BYTES + kb % common.ATOM_KB
+        return row_part + cutlass.select_(sf_atom != 0, atom, kb)
 
     def _slot_addresses(self, ring0, warp, lane, stage) -> tuple:
         """Shared addresses of this lane's codes (row slot 0; slots 32·16 bytes apart) and scale words (slot 0; 32·4
