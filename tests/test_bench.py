@@ -527,6 +527,7 @@ class ArgumentsTest(parameterized.TestCase):
         self.assertEqual(record["method"]["formats"], ["nvfp4", "mxfp4"])
         self.assertEqual([c["case"] for c in record["cases"]], ["64x32x64 nvfp4", "64x32x64 mxfp4"])
 
+    @pytest.mark.end_to_end
     def test_interleave_times_every_column_in_table_order(self):
         """--interleave: the same columns, checks and table as the default, the method says how it was timed."""
         with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):

@@ -33,6 +33,7 @@ class DecodeBenchTest(parameterized.TestCase):
         self.assertEqual(decode.plan([], small=False), [(k, n, decode.M_VALUES) for k, n in decode.SHAPES])
         self.assertEqual(decode.plan([], small=True), [(k, n, decode.SMALL_M_VALUES) for k, n in decode.SMALL_SHAPES])
 
+    @pytest.mark.end_to_end
     def test_a_run_with_shapes_times_exactly_those_cases(self):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             record = bench_main(["--decode", "--small", "--shape", "3,64,96", "--format", "mxfp4", "--reps", "1",
