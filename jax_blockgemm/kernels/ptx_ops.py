@@ -19,53 +19,55 @@ def s32(c: int) -> int:
     return c - (1 << 32) if c >= 1 << 31 else c
 
 
-def _asm(ret, args, text: str, constraints: str, side_effects: bool, loc, ip):
+def asm(ret, args, text: str, constraints: str, side_effects: bool, loc, ip):
+    """One inline-PTX statement on DSL values `args` (LLVM constraint string; `side_effects` keeps it in place)."""
     return llvm.inline_asm(ret, [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints,
                            has_side_effects=side_effects, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
                            loc=loc, ip=ip)
 
 
+def words(out, n: int, loc, ip) -> list:
+    """The `n` 32-bit results of an inline-PTX statement that returns a struct of i32."""
+    return [cutlass.Int32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(n)]
+
+
 @dsl_user_op
 def st_shared_v4(addr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
     args = [cutlass.Int32(x) for x in (addr, w0, w1, w2, w3)]
-    _asm(None, args, "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}", True, loc, ip)
+    asm(None, args, "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}", True, loc, ip)
 
 
 @dsl_user_op
 def st_shared_v2(addr, w0, w1, *, loc=None, ip=None) -> None:
     args = [cutlass.Int32(x) for x in (addr, w0, w1)]
-    _asm(None, args, "st.shared.v2.b32 [$0], {$1, $2};", "r,r,r,~{memory}", True, loc, ip)
+    asm(None, args, "st.shared.v2.b32 [$0], {$1, $2};", "r,r,r,~{memory}", True, loc, ip)
 
 
 @dsl_user_op
 def st_shared_u32(addr, w, *, loc=None, ip=None) -> None:
     args = [cutlass.Int32(x) for x in (addr, w)]
-    _asm(None, args, "st.shared.b32 [$0], $1;", "r,r,~{memory}", True, loc, ip)
-
+    asm(None, args, "st.shared.b32 [$0], $1;", "r,r,~{memory}", True, loc, ip)
 
 
 @dsl_user_op
 def ld_shared_v4(addr, *, loc=None, ip=None) -> list:
     ret = llvm.StructType.get_literal([T.i32()] * 4)
-    out = _asm(ret, [cutlass.Int32(addr)], "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
-               True, loc, ip)
-    return [cutlass.Int32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
-
+    out = asm(ret, [cutlass.Int32(addr)], "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
+              True, loc, ip)
+    return words(out, 4, loc, ip)
 
 
 @dsl_user_op
 def ld_shared_u32(addr, *, loc=None, ip=None) -> cutlass.Int32:
-    return cutlass.Int32(_asm(T.i32(), [cutlass.Int32(addr)], "ld.shared.b32 $0, [$1];", "=r,r,~{memory}", True,
-                              loc, ip))
-
+    return cutlass.Int32(asm(T.i32(), [cutlass.Int32(addr)], "ld.shared.b32 $0, [$1];", "=r,r,~{memory}", True,
+                             loc, ip))
 
 
 @dsl_user_op
 def st_global_u16_if(addr, w, pred, *, loc=None, ip=None) -> None:
     args = [cutlass.Int64(addr), cutlass.Int32(w), cutlass.Int32(pred)]
-    _asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b16 [$0], $1; }", "l,r,r,~{memory}", True,
-         loc, ip)
-
+    asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b16 [$0], $1; }", "l,r,r,~{memory}", True,
+        loc, ip)
 
 
 @dsl_user_op
@@ -74,15 +76,15 @@ def bulk_load(smem: cutlass.Int32, gmem: cutlass.Int64, size: cutlass.Int32, mba
     """cp.async.bulk of `size` bytes (a multiple of 16; both addresses 16-byte aligned) from global to shared memory,
     completing on the mbarrier at shared address `mbar`."""
     args = [cutlass.Int32(smem), cutlass.Int64(gmem), cutlass.Int32(size), cutlass.Int32(mbar)]
-    _asm(None, args, "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-         "r,l,r,r,~{memory}", True, loc, ip)
+    asm(None, args, "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        "r,l,r,r,~{memory}", True, loc, ip)
 
 
 @dsl_user_op
 def bulk_store(gmem: cutlass.Int64, smem: cutlass.Int32, size: cutlass.Int32, *, loc=None, ip=None) -> None:
     """cp.async.bulk of `size` bytes from shared to global memory, in the thread's current bulk group."""
     args = [cutlass.Int64(gmem), cutlass.Int32(smem), cutlass.Int32(size)]
-    _asm(None, args, "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;", "l,r,r,~{memory}", True, loc, ip)
+    asm(None, args, "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;", "l,r,r,~{memory}", True, loc, ip)
 
 
 @dsl_user_op
@@ -90,7 +92,7 @@ def cp_async_16(smem: cutlass.Int32, gmem: cutlass.Int64, src_bytes: cutlass.Int
     """cp.async of 16 bytes from global to shared memory, L1 bypassed and 256 bytes prefetched into L2; only the
     first `src_bytes` (0 or 16) are read, the rest are zero-filled. Completes with the thread's commit group."""
     args = [cutlass.Int32(smem), cutlass.Int64(gmem), cutlass.Int32(src_bytes)]
-    _asm(None, args, "cp.async.cg.shared.global.L2::256B [$0], [$1], 16, $2;", "r,l,r,~{memory}", True, loc, ip)
+    asm(None, args, "cp.async.cg.shared.global.L2::256B [$0], [$1], 16, $2;", "r,l,r,~{memory}", True, loc, ip)
 
 
 @dsl_user_op
@@ -98,17 +100,17 @@ def cp_async_4(smem: cutlass.Int32, gmem: cutlass.Int64, src_bytes: cutlass.Int3
     """cp.async of one 4-byte aligned word from global to shared memory; only the first `src_bytes` (0..4) are read,
     the rest are zero-filled. Completes with the thread's commit group."""
     args = [cutlass.Int32(smem), cutlass.Int64(gmem), cutlass.Int32(src_bytes)]
-    _asm(None, args, "cp.async.ca.shared.global [$0], [$1], 4, $2;", "r,l,r,~{memory}", True, loc, ip)
+    asm(None, args, "cp.async.ca.shared.global [$0], [$1], 4, $2;", "r,l,r,~{memory}", True, loc, ip)
 
 
 @dsl_user_op
 def cp_async_commit(*, loc=None, ip=None) -> None:
     """Close the thread's current group of cp.async copies (an empty group is allowed)."""
-    _asm(None, [], "cp.async.commit_group;", "~{memory}", True, loc, ip)
+    asm(None, [], "cp.async.commit_group;", "~{memory}", True, loc, ip)
 
 
 @dsl_user_op
 def cp_async_wait(pending: int, *, loc=None, ip=None) -> None:
     """Wait until at most `pending` of the thread's newest commit groups are in flight; the copies of the older ones
     are then visible to this thread."""
-    _asm(None, [], f"cp.async.wait_group {pending};", "~{memory}", True, loc, ip)
+    asm(None, [], f"cp.async.wait_group {pending};", "~{memory}", True, loc, ip)

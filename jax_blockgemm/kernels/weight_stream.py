@@ -38,8 +38,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_blockgemm.kernels import common
-from jax_blockgemm.kernels.ptx_ops import cp_async_4, cp_async_16, cp_async_commit, cp_async_wait, ld_shared_u32, \
-    ld_shared_v4
+from jax_blockgemm.kernels.ptx_ops import asm, cp_async_4, cp_async_16, cp_async_commit, cp_async_wait, \
+    ld_shared_u32, ld_shared_v4, words
 
 WARPS = 8  # warps per CTA, each on its own K-chunks of the CTA's rows
 THREADS = 32 * WARPS
@@ -47,7 +47,7 @@ LANE_BYTES = 16  # bytes of codes a lane copies per row and chunk
 MAX_STAGES = 8  # shared-memory ring stages per warp at most (7 chunks of codes in flight while one is multiplied)
 SHARED_BYTES = 200 * 1024  # ring and partial C tiles: one CTA per SM on sm_90 and sm_100 (227 KB there)
 X_STAGES = 2  # register stages of activations: the chunk being multiplied and X_STAGES - 1 loaded ahead
-X_IN_RING_MAX_TILES = 2  # token tiles whose activations are loaded ahead (more would cost too many registers)
+X_AHEAD_MAX_TILES = 2  # token tiles whose activations are loaded ahead (more would cost too many registers)
 _W_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,
              "float4_e2m1fn": cutlass.Uint8}
 _C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -57,28 +57,14 @@ BF16X2_TWO_POW_120 = 0x7B807B80  # 2^120 in both halves (biased exponent 247)
 _HIGH_BITS = -0x7F7F7F80  # 0x80808080: bit 7 of every byte
 
 
-def _asm(ret, args, text: str, constraints: str, loc, ip):
-    return llvm.inline_asm(ret, [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints,
-                           has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                           loc=loc, ip=ip)
-
-
-def _words(out, n: int, loc, ip) -> list:
-    return [cutlass.Int32(llvm.extractvalue(T.i32(), out, [i], loc=loc, ip=ip)) for i in range(n)]
-
-
-def _load_v4(addr, pred, qualifiers: str, loc, ip) -> list:
-    ret = llvm.StructType.get_literal([T.i32()] * 4)
-    out = _asm(ret, [cutlass.Int64(addr), cutlass.Int32(pred)],
-               "{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; "
-               f"@p ld.global.nc{qualifiers}.v4.b32 {{$0, $1, $2, $3}}, [$4]; }}", "=r,=r,=r,=r,l,r", loc, ip)
-    return _words(out, 4, loc, ip)
-
-
 @dsl_user_op
 def load_v4(addr, pred, *, loc=None, ip=None) -> list:
     """16 bytes of read-only global memory (cached: the activations serve every CTA), or zeros where `pred` is 0."""
-    return _load_v4(addr, pred, "", loc, ip)
+    ret = llvm.StructType.get_literal([T.i32()] * 4)
+    out = asm(ret, [cutlass.Int64(addr), cutlass.Int32(pred)],
+              "{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; "
+              "@p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4]; }", "=r,=r,=r,=r,l,r", False, loc, ip)
+    return words(out, 4, loc, ip)
 
 
 @dsl_user_op
@@ -88,22 +74,22 @@ def fp8x4_scaled_bf16(word, scale, e5m2: bool, *, loc=None, ip=None) -> list:
     two scale unless the product leaves bf16's range, as in the reference)."""
     fmt = "e5m2x2" if e5m2 else "e4m3x2"
     ret = llvm.StructType.get_literal([T.i32()] * 2)
-    out = _asm(ret, [cutlass.Int32(word), cutlass.Float32(scale)],
-               "{ .reg .b16 l, h, a, b, c, d; .reg .b32 p, q; .reg .f32 f0, f1, f2, f3; "
-               "mov.b32 {l, h}, $2; "
-               f"cvt.rn.f16x2.{fmt} p, l; cvt.rn.f16x2.{fmt} q, h; "
-               "mov.b32 {a, b}, p; mov.b32 {c, d}, q; "
-               "cvt.f32.f16 f0, a; cvt.f32.f16 f1, b; cvt.f32.f16 f2, c; cvt.f32.f16 f3, d; "
-               "mul.rn.f32 f0, f0, $3; mul.rn.f32 f1, f1, $3; mul.rn.f32 f2, f2, $3; mul.rn.f32 f3, f3, $3; "
-               "cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }", "=r,=r,r,f", loc, ip)
-    return _words(out, 2, loc, ip)
+    out = asm(ret, [cutlass.Int32(word), cutlass.Float32(scale)],
+              "{ .reg .b16 l, h, a, b, c, d; .reg .b32 p, q; .reg .f32 f0, f1, f2, f3; "
+              "mov.b32 {l, h}, $2; "
+              f"cvt.rn.f16x2.{fmt} p, l; cvt.rn.f16x2.{fmt} q, h; "
+              "mov.b32 {a, b}, p; mov.b32 {c, d}, q; "
+              "cvt.f32.f16 f0, a; cvt.f32.f16 f1, b; cvt.f32.f16 f2, c; cvt.f32.f16 f3, d; "
+              "mul.rn.f32 f0, f0, $3; mul.rn.f32 f1, f1, $3; mul.rn.f32 f2, f2, $3; mul.rn.f32 f3, f3, $3; "
+              "cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }", "=r,=r,r,f", False, loc, ip)
+    return words(out, 2, loc, ip)
 
 
 @dsl_user_op
 def byte_perm(a, b, selector: int, *, loc=None, ip=None) -> cutlass.Int32:
     """prmt.b32: bytes of (b:a) picked by the four nibbles of `selector` (lowest nibble -> byte 0)."""
-    return cutlass.Int32(_asm(T.i32(), [cutlass.Int32(a), cutlass.Int32(b)], f"prmt.b32 $0, $1, $2, {selector};",
-                              "=r,r,r", loc, ip))
+    return cutlass.Int32(asm(T.i32(), [cutlass.Int32(a), cutlass.Int32(b)], f"prmt.b32 $0, $1, $2, {selector};",
+                             "=r,r,r", False, loc, ip))
 
 
 @dsl_user_op
@@ -111,14 +97,14 @@ def mma_bf16_m16n8k16(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
     """D = A·B + C of one mma.sync m16n8k16 (bf16 operands, fp32 accumulator): a four words, b two, c four floats."""
     ret = llvm.StructType.get_literal([T.f32()] * 4)
     args = [cutlass.Int32(x) for x in a] + [cutlass.Int32(x) for x in b] + [cutlass.Float32(x) for x in c]
-    out = _asm(ret, args, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
-                          "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-               "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", loc, ip)
+    out = asm(ret, args, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+                         "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+              "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", False, loc, ip)
     return [cutlass.Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
 class WeightStreamGemm:
-    """The decode GEMM for one weight format, C dtype and tile: (ROWS of the weight per CTA, largest M)."""
+    """The decode GEMM for one weight format, C dtype and tile: (weight rows per CTA, largest M)."""
 
     def __init__(self, *, w_dtype: str = "float8_e4m3fn", c_dtype: str = "float32", sf_vec_size: int = 32,
                  sf_dtype: str = "float8_e8m0fnu", tile: tuple = (32, 16)):
@@ -145,7 +131,7 @@ class WeightStreamGemm:
         self.lane_scales = max(1, self.lane_codes // sf_vec_size)  # scale blocks per lane, row and chunk (2: NVFP4)
         self.x_words = self.lane_codes // 2  # bf16x2 words of one token's activations per lane and chunk
         # with few tokens the activations are loaded a chunk ahead in registers; with many, where they are used
-        self.x_in_ring = self.token_tiles <= X_IN_RING_MAX_TILES
+        self.x_ahead = self.token_tiles <= X_AHEAD_MAX_TILES
         # one warp's share of a ring stage: 16 bytes of codes per lane and row slot, a 4-byte word per scale byte
         self.codes_bytes = 32 * LANE_BYTES * 2 * self.row_tiles
         self.warp_stage_bytes = self.codes_bytes + 32 * 4 * 2 * self.row_tiles * self.lane_scales
@@ -172,7 +158,7 @@ class WeightStreamGemm:
     def __call__(self, x: cute.Tensor, w: cute.Tensor, sw: cute.Tensor, c: cute.Tensor, amax: cute.Tensor,
                  alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32,
                  sf_atom: cutlass.Int32, stream: cuda.CUstream):
-        """Host side: one CTA per ROWS weight rows and batch."""
+        """Host side: one CTA per tile[0] weight rows and batch."""
         fields = dict(ring=cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.ring_bytes // 4], 128],
                       partials=cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.partial_bytes // 4], 16],
                       warp_amax=cute.struct.MemRange[cutlass.Int32, WARPS])
@@ -389,8 +375,8 @@ class WeightStreamGemm:
                               kb_count, sf_atom, sw_bytes)
             cp_async_commit()
         x_stages = [cute.make_rmem_tensor((self.token_tiles * self.x_words,), cutlass.Int32)
-                    for _ in range(X_STAGES)] if cutlass.const_expr(self.x_in_ring) else None
-        if cutlass.const_expr(self.x_in_ring):
+                    for _ in range(X_STAGES)] if cutlass.const_expr(self.x_ahead) else None
+        if cutlass.const_expr(self.x_ahead):
             for r in cutlass.range_constexpr(X_STAGES - 1):
                 self._load_x_into(x_stages[r], x, batch, lane, warp + WARPS * r, r < mine, m, k)
         for i in cutlass.range(0, mine, X_STAGES, unroll=1):
@@ -401,7 +387,7 @@ class WeightStreamGemm:
                                   warp + WARPS * ahead, ahead < mine, n, k, kb_count, sf_atom, sw_bytes)
                 cp_async_commit()
                 x_now = None
-                if cutlass.const_expr(self.x_in_ring):
+                if cutlass.const_expr(self.x_ahead):
                     x_ahead = index + X_STAGES - 1
                     self._load_x_into(x_stages[(r + X_STAGES - 1) % X_STAGES], x, batch, lane,
                                       warp + WARPS * x_ahead, x_ahead < mine, m, k)
