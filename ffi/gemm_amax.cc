@@ -16,7 +16,6 @@ namespace {
 constexpr const char* kBufferNames[7] = {"a", "b", "sfa", "sfb", "c", "amax", "alpha"};
 constexpr int64_t kMaxElements = kMaxBufferElements;
 
-
 std::string Describe(const BufferDesc& b, int index) {
   return std::string("jbg_gemm_amax: ") + kBufferNames[index] + " is " + DtypeName(b.dtype) + " " +
          ShapeString(b.dims, b.rank);

@@ -183,8 +183,8 @@ def warp_mma_opcodes(ptx: str) -> tuple[str, ...]:
 
 def _launch_facts(variant: Any, kernel: Any) -> tuple[int, int, int, int]:
     """(dynamic shared memory bytes, TMEM columns used, TMEM columns allocated, threads per CTA) of a traced kernel.
-    The weight_stream kernel records none of them itself: its shared storage (the warps' partial C tiles) is sized
-    while traced, its CTA is weight_stream.THREADS threads, and it has no tensor memory."""
+    The weight_stream kernel records none of them itself: its shared storage (its copy ring and the warps' partial C
+    tiles) is sized while traced, its CTA is weight_stream.THREADS threads, and it has no tensor memory."""
     if variant.op == "weight_stream":
         from jax_blockgemm.kernels import weight_stream
 
