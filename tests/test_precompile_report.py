@@ -40,6 +40,7 @@ class PrecompileReportTest(absltest.TestCase):
         for row in rows:
             self.assertRegex(row, r"^\S+ +[\d.]+ " + expected[row.split(".")[0]] + " +ok$")
 
+
 class WeightStreamStructureTest(absltest.TestCase):
     """The decode kernel's own expectation, on its real sm_100a report and on reports that break it."""
 
@@ -56,7 +57,7 @@ class WeightStreamStructureTest(absltest.TestCase):
         self.assertEqual(r.warp_mma, (structure.WARP_MMA_BF16,))
         self.assertEqual((r.mma, r.has_alloc, r.tmem_loads, r.expect_kind), ((), False, 0, ""))
         self.assertEqual(r.threads_per_cta, 256)
-        self.assertGreater(r.dynamic_smem_bytes, 0)  # the warps' partial C tiles
+        self.assertGreater(r.dynamic_smem_bytes, 0)  # the copy ring and the warps' partial C tiles
         self.assertEqual(r.problems(), [])
 
     def test_tcgen05_or_another_warp_mma_fails_it(self):

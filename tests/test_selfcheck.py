@@ -705,7 +705,8 @@ class CliTest(absltest.TestCase):
 
     def test_decode_problems_fit_the_variant_and_reach_its_edges(self):
         """Every weight_stream variant's problems are ones it takes, one of them fills its token capacity, and
-        together they cover a single token, a partial token tile, L > 1 and N off the CTA's row multiple."""
+        together they cover a single token, a partial token tile, L > 1, N off the CTA's row multiple and a K whose
+        chunks wrap every warp's copy ring at least twice."""
         from jax_blockgemm.kernels import weight_stream
 
         variants = [v for v in catalog.CATALOG if v.op == "weight_stream"]
@@ -725,6 +726,8 @@ class CliTest(absltest.TestCase):
                 self.assertIn(v.tile_mn[1], ms)
                 self.assertTrue(any(m % 8 for m in ms if m > 1))  # a partial tile of 8 tokens (the MMA's N)
                 self.assertGreater(max(l for l, _, _, _ in probs), 1)
+                chunks_per_warp = -(-max(k for _, _, _, k in probs) // kernel.chunk) / weight_stream.WARPS
+                self.assertGreaterEqual(chunks_per_warp, 2 * kernel.stages)
 
 
 class GateChildProcessTest(absltest.TestCase):
