@@ -388,9 +388,9 @@ class WeightStreamGemm:
                 cp_async_commit()
                 x_now = None
                 if cutlass.const_expr(self.x_ahead):
-                    x_ahead = index + X_STAGES - 1
+                    x_index = index + X_STAGES - 1  # the chunk whose activations load now
                     self._load_x_into(x_stages[(r + X_STAGES - 1) % X_STAGES], x, batch, lane,
-                                      warp + WARPS * x_ahead, x_ahead < mine, m, k)
+                                      warp + WARPS * x_index, x_index < mine, m, k)
                     x_now = [x_stages[r][e] for e in range(self.token_tiles * self.x_words)]
                 cp_async_wait(self.stages - 1)
                 if index < mine:
