@@ -3,7 +3,8 @@
 `weight_only_matmul` (bf16 x, compact scales) and small-M `gemm_amax` (A dequantized to bf16, the weight's atom
 scales), both with implementation="cutedsl", on fresh random codes over each format's whole range with random
 scales: one token, full and partial token tiles, N and K tails, L > 1, a K long enough to wrap every warp's
-shared-memory ring twice, NaN codes and scales. Outputs are poisoned before every launch (an unwritten element reads NaN and fails).
+shared-memory ring twice, NaN codes and scales. Outputs are poisoned before every launch (an unwritten element reads
+NaN and fails).
 Skipped without a CUDA GPU that has kernels (CI has none); on the H200:
 `python -m pytest tests/test_gpu_weight_stream.py`.
 """
