@@ -96,14 +96,14 @@ def _operands(variant: Any, problem: tuple[int, int, int, int], seed: int) -> tu
 def decode_problems(variant: Any) -> tuple[tuple[int, int, int, int], ...]:
     """The (L, M, N, K) problems of a weight_stream (decode) `variant`, run through gemm_amax with a small M: one
     token; the variant's full token capacity with L = 3 and a K whose chunks wrap every warp's shared-memory ring twice
-    before a tail; a partial token tile. N is never a multiple of the CTA's rows."""
+    before a tail; a partial token tile. N is never a multiple of the CTA's rows, always one of 8 (16-byte C rows)."""
     from jax_blockgemm.kernels import weight_stream
 
     tokens = variant.tile_mn[1]
     kernel = weight_stream.WeightStreamGemm(w_dtype=variant.ab_dtype, sf_vec_size=variant.sf_vec_size,
                                             sf_dtype=variant.sf_dtype, tile=variant.tile_mn)
     k_wrap = 2 * kernel.stages * weight_stream.WARPS * kernel.chunk + K_TAIL  # chunk: codes of a row per K-chunk
-    return (1, 1, 200, K_TAIL), (3, tokens, 129, k_wrap), (2, max(1, tokens - 3), 72, 544)
+    return (1, 1, 200, K_TAIL), (3, tokens, 136, k_wrap), (2, max(1, tokens - 3), 72, 544)
 
 
 def problems(variant: Any) -> tuple[tuple[int, int, int, int], ...]:

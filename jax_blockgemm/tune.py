@@ -70,33 +70,31 @@ def kernels_in(hlo_text: str, target: str) -> tuple:
     return tuple(by_prefix[p] for p in prefixes if p in by_prefix)
 
 
-def measure(op: str, fmt: str, shape: tuple, *, reps: int = 20) -> tuple[Optional[tuple[float, float]], str]:
-    """Self-check and time our kernel against None's default for one problem on the local GPU."""
+def programs(op: str, fmt: str, shape: tuple) -> tuple[Callable[[Optional[str]], Callable], list[tuple], Optional[str]]:
+    """What `measure` times for one problem: `call(implementation)` -> the function, two argument sets (fresh
+    operands per timed call), and the implementation the kernel is timed against (None's default, for the decode
+    kernel the reference)."""
     import jax
 
     import jax_blockgemm as jbg
-    from jax_blockgemm import arch, dispatch, gate
-    from jax_blockgemm.bench import inputs, timing
+    from jax_blockgemm.bench import inputs
 
     keys = jax.random.split(jax.random.key(0), 2)
-    baseline = None  # what the kernel is timed against: None's default, for the decode kernel the reference
     if op == tuning.DECODE_OP:
         m, n, k = shape
         weights = [jbg.quantize_weight(inputs.random_values(key, (n, k)), fmt)
                    for key in jax.random.split(keys[0], DECODE_MATRICES)]
         xs = [inputs.random_values(key, (m, k)).astype(jax.numpy.bfloat16)
               for key in jax.random.split(keys[1], DECODE_MATRICES)]
-        arg_sets = [(weights, xs)]
-        baseline = "xla"
 
         def call(implementation):
             def f(ws, xs):  # every weight applied to its own x, every result kept
                 return tuple(jbg.weight_only_matmul(x, w, implementation=implementation) for w, x in zip(ws, xs))
             return f
-    elif op == "gemm_amax":
+        return call, [(weights, xs)], "xla"
+    if op == "gemm_amax":
         sets = [inputs.gemm_inputs(k, *shape, fmt=_BENCH_FORMAT[fmt]) for k in keys]
         names = ("a", "b", "sfa_atom", "sfb_atom") + (("alpha",) if fmt == "nvfp4" else ())
-        arg_sets = [tuple(s[n] for n in names) for s in sets]
         sf = 16 if fmt == "nvfp4" else 32
 
         def call(implementation):
@@ -104,14 +102,27 @@ def measure(op: str, fmt: str, shape: tuple, *, reps: int = 20) -> tuple[Optiona
                 return jbg.gemm_amax(a, b, sfa, sfb, alpha=alpha[0] if alpha else None, sf_vec_size=sf,
                                      implementation=implementation)
             return f
-    else:
-        tokens, k, heads = shape
-        mxfp8 = fmt == "mxfp8"
-        sets = [inputs.proj_rope_inputs(key, tokens, heads, k) for key in keys]
-        arg_sets = [inputs.proj_rope_arguments(s, mxfp8)[0] for s in sets]
+        return call, [tuple(s[n] for n in names) for s in sets], None
+    tokens, k, heads = shape
+    sets = [inputs.proj_rope_arguments(inputs.proj_rope_inputs(key, tokens, heads, k), fmt == "mxfp8")
+            for key in keys]
 
-        def call(implementation):
-            return functools.partial(jbg.gemm_proj_rope_mxfp8, implementation=implementation)
+    def call(implementation):
+        def f(x, w, cos, sin, *scales):  # scales: x_scale, w_scale on the MXFP8 path
+            return jbg.gemm_proj_rope_mxfp8(x, w, cos, sin, **dict(zip(("x_scale", "w_scale"), scales)),
+                                            implementation=implementation)
+        return f
+    return call, [args + tuple(scales.values()) for args, scales in sets], None
+
+
+def measure(op: str, fmt: str, shape: tuple, *, reps: int = 20) -> tuple[Optional[tuple[float, float]], str]:
+    """Self-check and time our kernel against None's default for one problem on the local GPU."""
+    import jax
+
+    from jax_blockgemm import arch, dispatch, gate
+    from jax_blockgemm.bench import timing
+
+    call, arg_sets, baseline = programs(op, fmt, shape)
     try:
         text = jax.jit(call("cutedsl")).lower(*arg_sets[0]).as_text()
     except ValueError as e:

@@ -213,6 +213,26 @@ class BenchmarkInputsTest(absltest.TestCase):
             self.assertEqual(d["b"].shape, (32, 64 // (2 if codes is np.uint8 else 1)), fmt)
 
 
+class ProgramsTest(absltest.TestCase):
+
+    def test_every_timed_program_traces_with_our_kernel_and_its_baseline(self):
+        """What tune times must be a valid call of the op in its format (the MXFP8 proj_rope one with its scales),
+        for the kernel and for the baseline, with the same outputs: checked at small shapes by tracing."""
+        cases = [("gemm_amax", f, (64, 128, 256)) for f in tune.GEMM_FORMATS]
+        cases += [("proj_rope", f, (128, 256, 2)) for f in tune.PROJ_ROPE_FORMATS]
+        cases += [(tuning.DECODE_OP, f, (4, 128, 256)) for f in ("mxfp8_e4m3", "mxfp4", "nvfp4")]
+        for op, fmt, shape in cases:
+            with self.subTest(op=op, fmt=fmt), mock.patch.object(tune, "DECODE_MATRICES", 2):
+                call, arg_sets, baseline = tune.programs(op, fmt, shape)
+                self.assertNotEmpty(arg_sets)
+                outs = [jax.tree.map(lambda x: (x.shape, x.dtype), jax.eval_shape(call(impl), *arg_sets[0]))
+                        for impl in ("cutedsl", baseline)]
+                self.assertEqual(outs[0], outs[1])
+                if op == "proj_rope" and fmt == "mxfp8":  # codes in, so the MXFP8 path with its scales
+                    self.assertEqual(np.dtype(arg_sets[0][0].dtype), np.dtype(jnp.float8_e4m3fn))
+                    self.assertLen(arg_sets[0], 6)
+
+
 class DecodeProblemsTest(absltest.TestCase):
 
     def test_decode_rows_are_timed_per_weight_format_and_only_shapes_of_few_rows(self):
