@@ -39,7 +39,7 @@ def _probe_kernel(amax_bits: cute.Tensor, byte_out: cute.Tensor, inv_out: cute.T
         byte, inv, _ = epilogue.e8m0_scale(amax_bits[i])
         byte_out[i] = byte
         inv_out[i] = inv
-        codes_out[i] = epilogue.e4m3x2(lo[i] * inv, hi[i] * inv)
+        codes_out[i] = epilogue.fp8x2(lo[i] * inv, hi[i] * inv, "e4m3")
         first, second = epilogue.rope_pair(rope_in[6 * i], rope_in[6 * i + 1], rope_in[6 * i + 2],
                                            rope_in[6 * i + 3], rope_in[6 * i + 4], rope_in[6 * i + 5])
         rope_out[2 * i] = first

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_blockgemm import formats
-from jax_blockgemm.kernels import common
+from jax_blockgemm.kernels import common, ptx_ops
 
 F32_INF_BITS = 0x7F800000  # |x| bits at or above this: inf or NaN
 E8M0_NAN = 0xFF
@@ -80,47 +79,32 @@ def warp_column_max(bits: cute.Tensor, lane: cutlass.Int32) -> cutlass.Int32:
 
 
 @dsl_user_op
-def e4m3x2(lo: cutlass.Float32, hi: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
-    """Two E4M3 codes (round-to-nearest-even, saturated to +-448, NaN kept) as the 16-bit value hi << 8 | lo."""
-    return cutlass.Int32(llvm.inline_asm(
-        T.i32(),
-        [cutlass.Float32(hi).ir_value(loc=loc, ip=ip), cutlass.Float32(lo).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $2; cvt.u32.u16 $0, t; }",
-        "=r,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
 def fp8x2(lo: cutlass.Float32, hi: cutlass.Float32, fmt: str, *, loc=None, ip=None) -> cutlass.Int32:
     """Two FP8 codes of `fmt` ("e4m3" or "e5m2") as hi << 8 | lo: round-to-nearest-even, saturated to the largest
     finite value (+-448 / +-57344, also for +-inf), NaN kept (SPEC §4's FP8 C conversion)."""
     if fmt not in ("e4m3", "e5m2"):
         raise ValueError(f"fmt={fmt!r} is not supported; expected 'e4m3' or 'e5m2'")
-    return cutlass.Int32(llvm.inline_asm(
-        T.i32(),
-        [cutlass.Float32(hi).ir_value(loc=loc, ip=ip), cutlass.Float32(lo).ir_value(loc=loc, ip=ip)],
-        f"{{ .reg .b16 t; cvt.rn.satfinite.{fmt}x2.f32 t, $1, $2; cvt.u32.u16 $0, t; }}",
-        "=r,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+    return cutlass.Int32(ptx_ops.asm(
+        T.i32(), [cutlass.Float32(hi), cutlass.Float32(lo)],
+        f"{{ .reg .b16 t; cvt.rn.satfinite.{fmt}x2.f32 t, $1, $2; cvt.u32.u16 $0, t; }}", "=r,f,f", False, loc, ip))
 
 
 @dsl_user_op
 def e4m3x4(a: cutlass.Float32, b: cutlass.Float32, c: cutlass.Float32, d: cutlass.Float32, *, loc=None,
            ip=None) -> cutlass.Int32:
-    """Four E4M3 codes (as `e4m3x2`) packed as the bytes of one word, a lowest: two conversions and a move."""
-    f = [cutlass.Float32(x).ir_value(loc=loc, ip=ip) for x in (b, a, d, c)]
-    return cutlass.Int32(llvm.inline_asm(
-        T.i32(), f, "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $1, $2; "
-        "cvt.rn.satfinite.e4m3x2.f32 hi, $3, $4; mov.b32 $0, {lo, hi}; }",
-        "=r,f,f,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    """Four E4M3 codes (as `fp8x2`) packed as the bytes of one word, a lowest: two conversions and a move."""
+    return cutlass.Int32(ptx_ops.asm(
+        T.i32(), [cutlass.Float32(x) for x in (b, a, d, c)], "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, "
+        "$1, $2; cvt.rn.satfinite.e4m3x2.f32 hi, $3, $4; mov.b32 $0, {lo, hi}; }", "=r,f,f,f,f", False, loc, ip))
 
 
 @dsl_user_op
 def nan_abs_max(a: cutlass.Float32, b: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Float32:
     """max(|a|, |b|), NaN if either is NaN (`max.NaN`; ptxas folds the two `abs` into the FMNMX operands). The
     fp32 bits of a block's fold of it are the amax bits `e8m0_scale` takes: finite, inf, or a NaN's (>= inf's)."""
-    args = [cutlass.Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b)]
-    return cutlass.Float32(llvm.inline_asm(
-        T.f32(), args, "{ .reg .f32 x, y; abs.f32 x, $1; abs.f32 y, $2; max.NaN.f32 $0, x, y; }", "=f,f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return cutlass.Float32(ptx_ops.asm(
+        T.f32(), [cutlass.Float32(x) for x in (a, b)],
+        "{ .reg .f32 x, y; abs.f32 x, $1; abs.f32 y, $2; max.NaN.f32 $0, x, y; }", "=f,f,f", False, loc, ip))
 
 
 def amax_tree(vals: list, lanes: int = 4) -> cutlass.Float32:
