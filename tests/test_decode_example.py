@@ -34,6 +34,10 @@ class DecodeExampleTest(absltest.TestCase):
             self.assertTrue(((tokens >= 0) & (tokens < cfg.vocab)).all())
             self.assertGreater(row["tokens_per_s"], 0)
             self.assertRegex(text, rf"\n{row['format']} +{row['batch']} +[0-9.]+ +[0-9.]+ ")
+        for row in rows:  # bf16 fed its own greedy tokens predicts each of them again: exactly 1
+            agreement = row["next_token_agreement"]
+            self.assertTrue(agreement == 1.0 if row["format"] == "bf16" else 0.0 <= agreement <= 1.0, row)
+            self.assertRegex(text, rf"\n{row['format']} +{row['batch']} .* {100 * agreement:.1f}%\n")
         bf16, mxfp8, mxfp4 = (rows[i]["weight_bytes"] for i in (0, 2, 4))
         self.assertEqual(mxfp8, bf16 // 2 + bf16 // 64)  # one byte per weight plus one scale byte per 32
         self.assertEqual(mxfp4, bf16 // 4 + bf16 // 64)
@@ -75,6 +79,18 @@ class DecodeExampleTest(absltest.TestCase):
             want = decode.generate(decode.dequantize_params(quantized), prompt, cfg=cfg)
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
             np.testing.assert_array_equal(np.asarray(got[:, :cfg.prompt]), np.asarray(prompt))
+
+    def test_teacher_forcing_reproduces_greedy_decoding_and_counts_disagreements(self):
+        """Fed its own greedy output, a model predicts every generated token again; with each row's last token changed
+        (a target of the last step, never an input), exactly one prediction per row disagrees."""
+        cfg = decode.SMALL
+        params = decode.init_params(jax.random.key(3), cfg)
+        prompt = jax.random.randint(jax.random.key(4), (3, cfg.prompt), 0, cfg.vocab)
+        tokens = np.asarray(decode.generate(params, prompt, cfg=cfg))
+        self.assertEqual(decode.next_token_agreement(params, tokens, cfg), 1.0)
+        changed = tokens.copy()
+        changed[:, -1] = (changed[:, -1] + 1) % cfg.vocab
+        self.assertAlmostEqual(decode.next_token_agreement(params, changed, cfg), 1 - 1 / cfg.new_tokens)
 
     def test_the_full_stack_traces(self):
         """16 layers, d = 4096, batch 16, MXFP4 weights: shapes only (nothing is allocated)."""
