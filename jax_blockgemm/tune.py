@@ -36,6 +36,7 @@ DECODE_SHAPES = ((1, 7168, 7168), (16, 7168, 7168), (64, 7168, 7168))
 DECODE_MATRICES = 16
 OPS = ("gemm_amax", "proj_rope", tuning.DECODE_OP)
 _BENCH_FORMAT = {"mxfp8_e4m3": "mxfp8", "mxfp8_e5m2": "mxfp8_e5m2", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
+_PROJ_ROPE_SCALES = ("x_scale", "w_scale")  # gemm_proj_rope_mxfp8's scale keywords (the MXFP8 path)
 
 # (kernel_ms, default_ms) of one problem, or None when no kernel of ours serves it; `why` says why not.
 Timer = Callable[[str, str, tuple], tuple[Optional[tuple[float, float]], str]]
@@ -71,8 +72,9 @@ def kernels_in(hlo_text: str, target: str) -> tuple:
 
 
 def programs(op: str, fmt: str, shape: tuple) -> tuple[Callable[[Optional[str]], Callable], list[tuple], Optional[str]]:
-    """What `measure` times for one problem: `call(implementation)` -> the function, two argument sets (fresh
-    operands per timed call), and the implementation the kernel is timed against (None's default, for the decode
+    """What `measure` times for one problem: `call(implementation)` -> the function; its argument sets (two, rotated
+    so that no call finds the previous call's operands in L2; one for the decode program, whose DECODE_MATRICES
+    weights already differ); and the implementation the kernel is timed against (None's default; for the decode
     kernel the reference)."""
     import jax
 
@@ -108,11 +110,11 @@ def programs(op: str, fmt: str, shape: tuple) -> tuple[Callable[[Optional[str]],
             for key in keys]
 
     def call(implementation):
-        def f(x, w, cos, sin, *scales):  # scales: x_scale, w_scale on the MXFP8 path
-            return jbg.gemm_proj_rope_mxfp8(x, w, cos, sin, **dict(zip(("x_scale", "w_scale"), scales)),
+        def f(x, w, cos, sin, *scales):  # the MXFP8 path's scales, in _PROJ_ROPE_SCALES order
+            return jbg.gemm_proj_rope_mxfp8(x, w, cos, sin, **dict(zip(_PROJ_ROPE_SCALES, scales)),
                                             implementation=implementation)
         return f
-    return call, [args + tuple(scales.values()) for args, scales in sets], None
+    return call, [args + tuple(kw[n] for n in _PROJ_ROPE_SCALES if n in kw) for args, kw in sets], None
 
 
 def measure(op: str, fmt: str, shape: tuple, *, reps: int = 20) -> tuple[Optional[tuple[float, float]], str]:
