@@ -1,19 +1,15 @@
 """GPU: the first-use gate for real, on whatever GPU this is (skips without a CUDA GPU that has kernels).
 
-On the H200 it checks the sm_90a kernels (they must pass) and three deliberately broken ones (tests/broken_kernels.py:
-a wrong element, a hang on an mbarrier, an illegal address), each through the real gate's child process: each must
-end as a stored FAIL within the timeout, and this process must then still run the reference correctly. On a B200
-the same file checks every sm_100a variant, which is how a Blackwell user verifies the never-run kernels:
-
-    JAX_BLOCKGEMM_CACHE_DIR=$(mktemp -d) python -m pytest tests/test_gpu_selfcheck.py tests/test_gpu_gemm_amax.py -q
+On the H200 it checks three deliberately broken sm_90a kernels (tests/broken_kernels.py: a wrong element, a hang on an
+mbarrier, an illegal address), each through the real gate's child process: each must end as a stored FAIL within the
+timeout, and this process must then still run the reference correctly; the gate then uses a kernel that passed, falls
+back from one that failed, and `python -m jax_blockgemm.selfcheck` prints its table. That every local kernel passes
+is tests/test_gpu_selfcheck_catalog.py; on a B200 a user verifies the never-run kernels with it (see its docstring).
 """
 
 import os
-import pathlib
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from unittest import mock
@@ -24,70 +20,19 @@ import numpy as np
 from absl.testing import absltest
 
 import jax_blockgemm as jbg
-from jax_blockgemm import arch, dispatch, gate, precompile, selfcheck
+from jax_blockgemm import arch, dispatch, gate
 
 import broken_kernels
+import gate_fixture
 import oracle_ops
 
-
-def _local_arch():
-    caps = dispatch.local_cuda_capabilities()
-    targets = {arch.target_of(cc) for cc in caps or ()}
-    return targets.pop() if len(targets) == 1 and None not in targets else None
-
-
-_ARCH = _local_arch()
+_ARCH = gate_fixture.ARCH
 _FMT = "mxfp8_e4m3"
-_TESTS = str(pathlib.Path(__file__).resolve().parent)
-_TIMEOUT_S = 60.0  # the gate's limit in these tests (120 s by default)
-
-
-def _in_process(variant, device):
-    why = selfcheck.run_check(variant, device)
-    return not why, why
+_TIMEOUT_S = gate_fixture.TIMEOUT_S
 
 
 @absltest.skipUnless(_ARCH, "needs a CUDA GPU of one architecture that has kernels (sm_90a or sm_100a)")
-class GpuSelfCheckTest(absltest.TestCase):
-
-    @classmethod
-    def setUpClass(cls):
-        """One fresh object cache for the class, filled in parallel (compiling every local variant one by one took
-        longer than the test's time on the H200)."""
-        super().setUpClass()
-        from jax_blockgemm.kernels import catalog
-
-        cls.dir = tempfile.mkdtemp(prefix="jbg_selfcheck_test_")
-        with mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": cls.dir}):
-            failed = precompile.compile_in_processes([v.key for v in catalog.variants_for(_ARCH)],
-                                                     min(8, os.cpu_count() or 1))
-        if failed:
-            raise RuntimeError("precompiling the local variants failed:\n" + "\n".join(failed))
-
-    @classmethod
-    def tearDownClass(cls):
-        shutil.rmtree(cls.dir, ignore_errors=True)
-        super().tearDownClass()
-
-    def setUp(self):
-        from jax_blockgemm.kernels import catalog
-
-        self.catalog = catalog
-        # Objects are shared across the class; verdicts are not (each test starts with none on disk).
-        shutil.rmtree(os.path.join(self.dir, "selfcheck"), ignore_errors=True)
-        path = os.pathsep.join([_TESTS, os.environ.get("PYTHONPATH", "")])
-        self.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.dir, "PYTHONPATH": path,
-                                                        gate.EXTRA_VARIANTS_ENV: "broken_kernels",
-                                                        gate.TIMEOUT_ENV: str(_TIMEOUT_S)}))
-        self.enter_context(mock.patch.dict(gate._MEMORY, clear=True))
-        self.enter_context(mock.patch.object(gate, "_WARNED", set()))
-
-    def test_every_local_kernel_passes(self):
-        for v in self.catalog.variants_for(_ARCH):  # gemm_amax, proj_rope and dequantize
-            with self.subTest(v.key):
-                verdict = gate.check(v, force=True, run=_in_process)
-                self.assertTrue(verdict.ok, verdict.detail)
-                self.assertEqual(verdict.device, jax.devices("cuda")[0].device_kind)
+class GpuSelfCheckTest(gate_fixture.FreshGateCache):
 
     def _broken(self, variant):
         if _ARCH != "sm_90a":

@@ -3,7 +3,7 @@
 The "kernel" here is the float64 oracle (right) or the oracle with one element negated / NaN (wrong), run on the
 CPU; the reference it is compared with is the real XLA reference. The gate's child process is replaced by the same
 check run in-process, except in GateChildProcessTest, which runs real child processes (that hang, crash or answer).
-The real thing, on a GPU, is tests/test_gpu_selfcheck.py.
+The real thing, on a GPU, is tests/test_gpu_selfcheck.py and tests/test_gpu_selfcheck_catalog.py.
 """
 
 import dataclasses
