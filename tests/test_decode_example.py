@@ -80,6 +80,27 @@ class DecodeExampleTest(absltest.TestCase):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
             np.testing.assert_array_equal(np.asarray(got[:, :cfg.prompt]), np.asarray(prompt))
 
+    def test_unstacked_layers_decode_the_same_tokens_and_weigh_the_same(self):
+        """The layers as separate buffers in an unrolled loop compute what the scan over stacked layers computes: the
+        same logits and cache over two steps (to bf16 rounding: XLA may fuse the two programs differently)."""
+        cfg = decode.SMALL
+        params = decode.init_params(jax.random.key(5), cfg)
+        tokens = jax.random.randint(jax.random.key(6), (2, 2), 0, cfg.vocab)
+        step = jax.jit(decode._decode_step, static_argnames=("cfg",))
+        for fmt in ("mxfp4",):  # QuantizedWeight leaves sliced per layer (bf16 arrays are sliced the same way)
+            stacked = decode.quantize_params(params, fmt)
+            unstacked = decode.unstack_layers(stacked)
+            self.assertLen(unstacked["layers"], cfg.layers)
+            self.assertEqual(decode.weight_bytes(unstacked), decode.weight_bytes(stacked))
+            caches = [jnp.zeros((cfg.layers, 2, 2, 2, cfg.heads, cfg.head_dim), jnp.bfloat16)] * 2
+            for t in range(2):
+                (a, caches[0]), (b, caches[1]) = (step(p, c, tokens[:, t], jnp.int32(t), cfg=cfg)
+                                                  for p, c in zip((stacked, unstacked), caches))
+                np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2,
+                                           atol=2e-2 * float(np.abs(np.asarray(a, np.float32)).max()))
+            np.testing.assert_allclose(np.asarray(caches[0], np.float32), np.asarray(caches[1], np.float32),
+                                       rtol=2e-2, atol=2e-2)
+
     def test_teacher_forcing_reproduces_greedy_decoding_and_counts_disagreements(self):
         """Fed its own greedy output, a model predicts every generated token again; with each row's last token changed
         (a target of the last step, never an input), exactly one prediction per row disagrees."""

@@ -5,15 +5,16 @@ the activations bf16 throughout: the serving case `weight_only_matmul` exists fo
     python -m jax_blockgemm.examples.decode --small    # a tiny stack a CPU runs in seconds
 
 The model is a pre-norm decoder (RMSNorm, multi-head attention with rotary positions and a KV cache, a SwiGLU MLP,
-an untied output head), its layers stacked and run by `jax.lax.scan`. A prompt is fed one token per step and then
-every step appends the argmax token; the whole loop is one `jax.jit` program, so the figure is device time. It
-prints, per weight format and batch size, the time per decode step, tokens per second (batch x steps / time) and the
-rate at which the step reads its weights, and how often the model's next token, fed the bf16 model's output, is the
-bf16 model's (free-running tokens part ways at the first near-tie and never meet again). The quantized formats'
-matmuls are `weight_only_matmul` calls with M = the batch and implementation=None: on a GPU whose `arch.TABLE` row
-sets a `decode_max_m` for the format (sm_90a), batches up to that threshold run the weight_stream decode kernel,
-which streams the codes and scales once per step; larger batches and other devices run the reference (dequantize to
-bf16, then XLA's dot). The last line printed says which for the device at hand, read from the table.
+an untied output head), its layers stacked and run by `jax.lax.scan` (`--unstacked`: each layer's weights in buffers
+of their own, the layers unrolled). A prompt is fed one token per step and then every step appends the argmax token;
+the whole loop is one `jax.jit` program, so the figure is device time. It prints, per weight format and batch size,
+the time per decode step, tokens per second (batch x steps / time) and the rate at which the step reads its weights,
+and how often the model's next token, fed the bf16 model's output, is the bf16 model's (free-running tokens part
+ways at the first near-tie and never meet again). The quantized formats' matmuls are `weight_only_matmul` calls with
+M = the batch and implementation=None: on a GPU whose `arch.TABLE` row sets a `decode_max_m` for the format
+(sm_90a), batches up to that threshold run the weight_stream decode kernel, which streams the codes and scales once
+per step; larger batches and other devices run the reference (dequantize to bf16, then XLA's dot). The last line
+printed says which for the device at hand, read from the table.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 from jax_blockgemm import api, arch, weight_only
 
 __all__ = ["Config", "FULL", "SMALL", "init_params", "quantize_params", "dequantize_params", "weight_bytes",
-           "generate", "teacher_forced", "next_token_agreement", "matmul_path", "main"]
+           "unstack_layers", "generate", "teacher_forced", "next_token_agreement", "matmul_path", "main"]
 
 WEIGHT_FORMATS = ("bf16", *weight_only.WEIGHT_FORMATS)
 DEFAULT_FORMATS = ("bf16", "mxfp8_e4m3", "mxfp4")
@@ -98,9 +99,17 @@ def dequantize_params(params: dict[str, Any]) -> dict[str, Any]:
     return jax.tree.map(lambda x: x.dequantize(jnp.bfloat16) if is_weight(x) else x, params, is_leaf=is_weight)
 
 
+def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
+    """The layers as a list of per-layer dicts, each weight a buffer of its own: `generate` then runs them in a Python
+    loop (unrolled in the program) instead of `lax.scan` over the stacked arrays."""
+    layers, count = params["layers"], params["layers"]["attn_norm"].shape[0]
+    return {**params, "layers": [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(count)]}
+
+
 def weight_bytes(params: dict[str, Any]) -> int:
     """Bytes of the matmul weights one decode step reads (codes and scales, or bf16 values)."""
-    weights = [params["lm_head"], *(params["layers"][name] for name in MATMUL_WEIGHTS)]
+    layers = params["layers"] if isinstance(params["layers"], list) else [params["layers"]]
+    weights = [params["lm_head"], *(layer[name] for layer in layers for name in MATMUL_WEIGHTS)]
     return sum(w.nbytes if isinstance(w, weight_only.QuantizedWeight) else w.size * w.dtype.itemsize for w in weights)
 
 
@@ -151,7 +160,13 @@ def _decode_step(params: dict[str, Any], cache: jax.Array, tokens: jax.Array, po
         h = h + _matmul((jax.nn.silu(gate.astype(jnp.float32)) * up).astype(jnp.bfloat16), p["w_down"])
         return (h, cache, i + 1), None
 
-    (h, cache, _), _ = jax.lax.scan(layer, (h, cache, jnp.int32(0)), params["layers"])
+    if isinstance(params["layers"], list):  # unstacked: one layer after another, each with its own buffers
+        carry = (h, cache, jnp.int32(0))
+        for p in params["layers"]:
+            carry, _ = layer(carry, p)
+        h, cache, _ = carry
+    else:
+        (h, cache, _), _ = jax.lax.scan(layer, (h, cache, jnp.int32(0)), params["layers"])
     return _matmul(_rms_norm(h, params["final_norm"]), params["lm_head"]), cache
 
 
@@ -258,6 +273,9 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--d-model", type=int, help="model width d (default 4096; --small 64)")
     p.add_argument("--new-tokens", type=int, help="tokens generated after the prompt (default 64; --small 8)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row (the median is reported)")
+    p.add_argument("--unstacked", action="store_true",
+                   help="each layer's weights as buffers of their own, the layers unrolled (default: lax.scan over "
+                        "stacked weights)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     cfg = SMALL if args.small else FULL
@@ -270,12 +288,14 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     device = jax.devices()[0]
     print(f"greedy decoding: {cfg.layers} layers, d = {cfg.d_model}, {cfg.heads} heads, ffn {cfg.ffn}, vocab "
           f"{cfg.vocab}; a {cfg.prompt}-token prompt, then {cfg.new_tokens} new tokens ({cfg.steps} decode steps, "
-          f"one jitted program); bf16 activations; {device.device_kind} ({device.platform})")
+          f"one jitted program); bf16 activations; layers {'unrolled' if args.unstacked else 'by lax.scan'}; "
+          f"{device.device_kind} ({device.platform})")
     print(f"{'weights':<11} {'batch':>5} {'ms/step':>9} {'tokens/s':>10} {'weights MB':>11} {'GB/s':>8}  "
           "next token as bf16's")
     rows, reference_tokens = [], {}
     for fmt in args.formats:
-        params = jax.block_until_ready(quantize_params(base, fmt))
+        params = quantize_params(base, fmt)
+        params = jax.block_until_ready(unstack_layers(params) if args.unstacked else params)
         mbytes = weight_bytes(params)
         for batch in args.batch:
             prompt = jax.random.randint(jax.random.fold_in(key_prompt, batch), (batch, cfg.prompt), 0, cfg.vocab)
