@@ -194,30 +194,14 @@ class TuneCommandTest(absltest.TestCase):
 
 
 
-class BenchmarkInputsTest(absltest.TestCase):
-
-    def test_every_format_tune_times_has_benchmark_operands_of_that_format(self):
-        """tune draws its operands from the benchmark's generator: each of its formats must exist there, with codes
-        and scales of the format's dtypes."""
-        from jax_blockgemm.bench import inputs
-
-        want = {"mxfp8_e4m3": (jnp.float8_e4m3fn, np.uint8), "mxfp8_e5m2": (jnp.float8_e5m2, np.uint8),
-                "mxfp4": (np.uint8, np.uint8), "nvfp4": (np.uint8, jnp.float8_e4m3fn)}
-        self.assertEqual(set(tune.GEMM_FORMATS), set(want))
-        for fmt in tune.GEMM_FORMATS:
-            d = inputs.gemm_inputs(jax.random.key(1), 16, 32, 64, fmt=tune._BENCH_FORMAT[fmt])
-            codes, scales = want[fmt]
-            self.assertEqual((np.dtype(d["a"].dtype), np.dtype(d["sfa_sm"].dtype if fmt == "nvfp4" else
-                                                                d["sfa_atom"].dtype)),
-                             (np.dtype(codes), np.dtype(scales)), fmt)
-            self.assertEqual(d["b"].shape, (32, 64 // (2 if codes is np.uint8 else 1)), fmt)
-
-
 class ProgramsTest(absltest.TestCase):
 
     def test_every_timed_program_traces_with_our_kernel_and_its_baseline(self):
-        """What tune times must be a valid call of the op in its format (the MXFP8 proj_rope one with its scales),
-        for the kernel and for the baseline, with the same outputs: checked at small shapes by tracing."""
+        """What tune times must be a valid call of the op in its format (the benchmark's operands of that format; the
+        MXFP8 proj_rope call with its scales), for the kernel and for the baseline, with the same outputs: checked at
+        small shapes by tracing."""
+        codes = {"mxfp8_e4m3": jnp.float8_e4m3fn, "mxfp8_e5m2": jnp.float8_e5m2, "mxfp4": np.uint8, "nvfp4": np.uint8}
+        self.assertEqual(set(tune.GEMM_FORMATS), set(codes))
         cases = [("gemm_amax", f, (64, 128, 256)) for f in tune.GEMM_FORMATS]
         cases += [("proj_rope", f, (128, 256, 2)) for f in tune.PROJ_ROPE_FORMATS]
         cases += [(tuning.DECODE_OP, f, (4, 128, 256)) for f in ("mxfp8_e4m3", "mxfp4", "nvfp4")]
@@ -231,6 +215,12 @@ class ProgramsTest(absltest.TestCase):
                 if op == "proj_rope" and fmt == "mxfp8":  # codes in, so the MXFP8 path with its scales
                     self.assertEqual(np.dtype(arg_sets[0][0].dtype), np.dtype(jnp.float8_e4m3fn))
                     self.assertLen(arg_sets[0], 6)
+                if op == "gemm_amax":  # the benchmark's operands of the format: codes (FP4 packed), scale bytes
+                    a, b, sfa = arg_sets[0][:3]
+                    self.assertEqual(np.dtype(a.dtype), np.dtype(codes[fmt]), fmt)
+                    self.assertEqual(b.shape, (shape[1], shape[2] // (2 if codes[fmt] is np.uint8 else 1)), fmt)
+                    scale = jnp.float8_e4m3fn if fmt == "nvfp4" else np.uint8  # NVFP4's E4M3, else E8M0 bytes
+                    self.assertEqual(np.dtype(sfa.dtype), np.dtype(scale), fmt)
 
 
 class DecodeProblemsTest(absltest.TestCase):
