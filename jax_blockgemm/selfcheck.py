@@ -215,10 +215,10 @@ def _forced_and_poisoned(variant: Any):
             os.environ[POISON_ENV] = saved
 
 
-def _run_kernel(variant: Any, args: Sequence[Any], device: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(c, amax) of `variant` itself (forced through dispatch) on `device`, outputs poisoned before the launch."""
-    import jax
-
+def api_call(variant: Any, args: Sequence[Any], *, implementation: str = "cutedsl"
+             ) -> tuple[Callable[..., Any], list]:
+    """(gemm_amax with `variant`'s C dtype, scale block, majors and NVFP4 alpha bound; the operands a, b, sfa, sfb as
+    that call takes them) for `_operands(variant, ...)`: how the self-check calls the public API."""
     from jax_blockgemm import api
 
     a_major, b_major = getattr(variant, "a_major", "k"), getattr(variant, "b_major", "k")
@@ -227,9 +227,18 @@ def _run_kernel(variant: Any, args: Sequence[Any], device: Any) -> tuple[np.ndar
         args[0] = np.swapaxes(args[0], 1, 2)
     if b_major == "n":
         args[1] = np.swapaxes(args[1], 1, 2)
+    fn = functools.partial(api.gemm_amax, c_dtype=variant.c_dtype, sf_vec_size=variant.sf_vec_size,
+                           a_major=a_major, b_major=b_major, alpha=alpha, implementation=implementation)
+    return fn, args
+
+
+def _run_kernel(variant: Any, args: Sequence[Any], device: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(c, amax) of `variant` itself (forced through dispatch) on `device`, outputs poisoned before the launch."""
+    import jax
+
+    call, args = api_call(variant, args)
     args = [jax.device_put(x, device) for x in args]
-    fn = jax.jit(functools.partial(api.gemm_amax, c_dtype=variant.c_dtype, sf_vec_size=variant.sf_vec_size,
-                                   a_major=a_major, b_major=b_major, alpha=alpha, implementation="cutedsl"))
+    fn = jax.jit(call)
     with _forced_and_poisoned(variant):
         c, amax = fn(*args)
         if variant.c_dtype == "float4_e2m1fn":  # packed pairs -> one E2M1 value per element

@@ -154,30 +154,22 @@ class CompareTest(parameterized.TestCase):
             self.assertTrue(any(m % 128 and n % 128 and k % 128 for _, m, n, k in selfcheck.problems(v)), v.key)
 
     def test_every_problem_passes_the_public_api_checks(self):
-        """The self-check calls gemm_amax like a user: each problem of each variant it runs through gemm_amax must
-        get past the API's trace-time checks (C's row alignment for the variant's C dtype among them), or the kernel
-        would be failed without ever running."""
+        """The self-check calls gemm_amax like a user (`selfcheck.api_call`): each problem of each variant it runs
+        through gemm_amax must get past the API's trace-time checks (C's row alignment for the variant's C dtype among
+        them), or the kernel would be failed without ever running."""
         seen = set()
         for v in catalog.CATALOG:
             if v.op not in ("gemm_amax", "weight_stream"):
                 continue
-            a_major, b_major = getattr(v, "a_major", "k"), getattr(v, "b_major", "k")
+            majors = (getattr(v, "a_major", "k"), getattr(v, "b_major", "k"))
             for i, problem in enumerate(selfcheck.problems(v)):
-                key = (v.ab_dtype, v.sf_dtype, v.sf_vec_size, v.c_dtype, a_major, b_major, problem)
+                key = (v.ab_dtype, v.sf_dtype, v.sf_vec_size, v.c_dtype, majors, problem)
                 if key in seen:
                     continue
                 seen.add(key)
-                args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in selfcheck._operands(v, problem, seed=i)]
-                a, b = args[0], args[1]
-                if a_major == "m":
-                    a = jax.ShapeDtypeStruct((a.shape[0], a.shape[2], a.shape[1]), a.dtype)
-                if b_major == "n":
-                    b = jax.ShapeDtypeStruct((b.shape[0], b.shape[2], b.shape[1]), b.dtype)
-                alpha = args[4] if len(args) > 4 else None
+                call, args = selfcheck.api_call(v, selfcheck._operands(v, problem, seed=i), implementation="xla")
                 with self.subTest(variant=v.key, problem=problem):
-                    c, _ = jax.eval_shape(lambda a, b, sfa, sfb, alpha: jbg.gemm_amax(
-                        a, b, sfa, sfb, alpha=alpha, c_dtype=v.c_dtype, sf_vec_size=v.sf_vec_size, a_major=a_major,
-                        b_major=b_major, implementation="xla"), a, b, args[2], args[3], alpha)
+                    c, _ = jax.eval_shape(call, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args))
                     self.assertEqual(c.shape[:2], problem[:2])
         self.assertGreater(len(seen), 20)
 
