@@ -80,7 +80,7 @@ class DecodeExampleTest(absltest.TestCase):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
             np.testing.assert_array_equal(np.asarray(got[:, :cfg.prompt]), np.asarray(prompt))
 
-    def test_unstacked_layers_decode_the_same_tokens_and_weigh_the_same(self):
+    def test_unstacked_layers_give_the_scans_logits_and_cache_and_weigh_the_same(self):
         """The layers as separate buffers in an unrolled loop compute what the scan over stacked layers computes: the
         same logits and cache over two steps (to bf16 rounding: XLA may fuse the two programs differently)."""
         cfg = decode.SMALL
