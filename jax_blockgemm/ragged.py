@@ -34,7 +34,7 @@ from jax.interpreters import batching, mlir
 from jax_blockgemm import formats, primitives, reference, sharding, support
 
 __all__ = ["ragged_p", "ragged_local_p", "check_call", "group_bounds", "grouped_rows_dot", "grouped_contraction",
-           "ragged_reference", "check_group_sizes", "tile_rows"]
+           "ragged_reference", "check_group_sizes", "tile_rows", "kernel_items", "max_kernel_items"]
 
 ragged_p = jex_core.Primitive("jbg_ragged_gemm_amax")
 ragged_local_p = jex_core.Primitive("jbg_ragged_gemm_amax_local")
@@ -97,6 +97,37 @@ def _item(i: jax.Array, first: jax.Array, item_ends: jax.Array) -> tuple[jax.Arr
     g = jnp.searchsorted(item_ends, i, side="right").astype(jnp.int32)
     item_start = jnp.concatenate([jnp.zeros((1,), item_ends.dtype), item_ends])[g]  # exclusive offsets
     return g, first[g] + i - item_start
+
+
+def kernel_items(starts: jax.Array, ends: jax.Array, tokens: int, rows: int = 128) -> jax.Array:
+    """The ragged kernel's work items: int32 (max_items, 4) rows (row tile, group, first row, end row).
+
+    One item per (tile of `rows` rows, group) pair holding rows of that group, in group order; then the rows of no
+    group, [ends[-1], tokens), as items of group -1; then padding items with first == end (nothing to do). At most
+    `max_kernel_items(tokens, G)` items: each group adds at most one tile beyond the tiles of the grid.
+    """
+    g_count = starts.shape[0]
+    bound = max_kernel_items(tokens, g_count, rows)
+    s_all = jnp.concatenate([starts, ends[-1:]])  # the rows of no group as a last pseudo-group
+    e_all = jnp.concatenate([ends, jnp.full((1,), tokens, ends.dtype)])
+    first = s_all // rows
+    spans = jnp.where(e_all > s_all, (e_all - 1) // rows - first + 1, 0)
+    item_ends = jnp.cumsum(spans)
+    i = jnp.arange(bound, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(item_ends, i, side="right"), g_count).astype(jnp.int32)
+    tile = first[g] + i - (item_ends[g] - spans[g])
+    lo = jnp.maximum(s_all[g], tile * rows)
+    hi = jnp.minimum(e_all[g], tile * rows + rows)
+    valid = i < item_ends[-1]
+    zero = jnp.zeros_like(i)
+    return jnp.stack([jnp.where(valid, tile, zero), jnp.where(g == g_count, -1, g), jnp.where(valid, lo, zero),
+                      jnp.where(valid, hi, zero)], axis=-1).astype(jnp.int32)
+
+
+def max_kernel_items(tokens: int, groups: int, rows: int = 128) -> int:
+    """The static bound on `kernel_items`' count: the grid's tiles plus one per group (a tile shared with the next
+    group, or with the rows of no group)."""
+    return -(-tokens // rows) + groups
 
 
 def grouped_rows_dot(x: jax.Array, w: jax.Array, starts: jax.Array, ends: jax.Array,

@@ -52,7 +52,7 @@ from jax_blockgemm.kernels import sm100 as _sm100
 _SHORT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float4_e2m1fn": "e2m1", "float32": "f32",
           "bfloat16": "bf16", "float16": "f16"}
 E8M0 = "float8_e8m0fnu"
-OPS = ("gemm_amax", "proj_rope", "dequantize", "weight_stream")
+OPS = ("gemm_amax", "proj_rope", "dequantize", "weight_stream", "ragged")
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -143,6 +143,13 @@ def _dequantize_factory(v: KernelVariant) -> Any:
     return MxDequantize(scale_axis=1 if v.a_major == "k" else 0)
 
 
+def _ragged_factory(v: KernelVariant) -> Any:
+    from jax_blockgemm.kernels.sm90.ragged import HopperRaggedGemmAmax
+
+    return HopperRaggedGemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, sf_vec_size=v.sf_vec_size,
+                                sf_dtype=v.sf_dtype)
+
+
 def _weight_stream_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.weight_stream import WeightStreamGemm
 
@@ -155,7 +162,8 @@ _FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
     ("gemm_amax", "sm_90a"): _hopper_factory, ("gemm_amax", "sm_100a"): _blackwell_factory,
     ("proj_rope", "sm_90a"): _hopper_proj_rope_factory, ("proj_rope", "sm_100a"): _blackwell_proj_rope_factory,
     ("dequantize", "sm_90a"): _dequantize_factory, ("dequantize", "sm_100a"): _dequantize_factory,
-    ("weight_stream", "sm_90a"): _weight_stream_factory, ("weight_stream", "sm_100a"): _weight_stream_factory}
+    ("weight_stream", "sm_90a"): _weight_stream_factory, ("weight_stream", "sm_100a"): _weight_stream_factory,
+    ("ragged", "sm_90a"): _ragged_factory}
 
 # proj_rope: the tile and schedule each target runs are arch.TABLE's. On sm_90a a persistent kernel, one CTA per SM,
 # on 128-token x one-head tiles, whose MMA warpgroups hand each fp32 tile through shared memory to an epilogue
@@ -293,6 +301,11 @@ def fake_arguments(kernel: Any, op: str = "gemm_amax") -> list:
         return [flat(cutlass.BFloat16), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(kernel.c_dtype),
                 flat(cutlass.Float32), flat(cutlass.Float32), i32(1), i32(32), i32(64), i32(1), i32(0),
                 cuda.CUstream(0)]
+    if op == "ragged":
+        i32 = cutlass.Int32
+        return [flat(kernel.ab_dtype), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(cutlass.Uint8),
+                flat(cutlass.Int32), flat(kernel.c_dtype), flat(cutlass.Float32), flat(cutlass.Float32), i32(128),
+                i32(128), i32(128), i32(1), i32(1), i32(2), cuda.CUstream(0)]
     if op == "proj_rope":
         ab, u8 = kernel.ab_dtype, cutlass.Uint8
         return [flat(ab), flat(ab), flat(cutlass.BFloat16), flat(cutlass.BFloat16), flat(u8), flat(u8),

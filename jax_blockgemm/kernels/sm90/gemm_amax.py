@@ -170,10 +170,22 @@ class HopperMxf8GemmAmax:
                 l: cutlass.Int32, stream: cuda.CUstream):
         """The body of both ABIs' `__call__`: `alpha` is NVFP4's (L,) float32 tensor with `has_alpha`, else a
         stand-in (amax) that the kernel never reads."""
+        tma_a, tma_b, tiled_mma, layouts = self.operands(a, b, m, n, k, l, l)
+        tiles_m = (m + self.tile_mnk[0] - 1) // self.tile_mnk[0]
+        tiles_n = (n + self.tile_mnk[1] - 1) // self.tile_mnk[1]
+        self.kernel(*tma_a, *tma_b, sfa, sfb, c, amax, alpha, m, n, k, tiled_mma, *layouts).launch(
+            grid=(tiles_m, tiles_n, l), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1, stream=stream)
+
+    @cute.jit
+    def operands(self, a: cute.Tensor, b: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+                 l_a: cutlass.Int32, l_b: cutlass.Int32):
+        """Host side, inlined into `__call__`: the TMA atoms and views of A ((L_a, M, K) codes) and B ((L_b, N, K)), the bf16
+        tiled MMA, the four shared-memory layouts (FP8/FP4 stages of A and B, bf16 buffers of A and B), and
+        `self.shared_storage`. Returns ((atom A, view A), (atom B, view B), tiled MMA, layouts)."""
         # Row length in bytes: K codes, or K/2 bytes of packed FP4 pairs.
         kc = cute.assume(k // self.code_div, divby=16)
-        mA = common.operand_view(a, m, kc, l, self.a_mn)
-        mB = common.operand_view(b, n, kc, l, self.b_mn)
+        mA = common.operand_view(a, m, kc, l_a, self.a_mn)
+        mB = common.operand_view(b, n, kc, l_b, self.b_mn)
 
         major = lambda mn: cute.nvgpu.OperandMajorMode.MN if mn else cute.nvgpu.OperandMajorMode.K
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -207,11 +219,8 @@ class HopperMxf8GemmAmax:
                                     self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
-        tiles_m = (m + self.tile_mnk[0] - 1) // self.tile_mnk[0]
-        tiles_n = (n + self.tile_mnk[1] - 1) // self.tile_mnk[1]
-        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, sfa, sfb, c, amax, alpha,
-                    m, n, k, tiled_mma, a_smem_staged, b_smem_staged, a16_smem_staged, b16_smem_staged).launch(
-            grid=(tiles_m, tiles_n, l), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1, stream=stream)
+        layouts = (a_smem_staged, b_smem_staged, a16_smem_staged, b16_smem_staged)
+        return (tma_atom_a, tma_a), (tma_atom_b, tma_b), tiled_mma, layouts
 
     def _smem_layout_staged(self, rows: int, dtype: Type[cutlass.Numeric], stages: int,
                             cols: int | None = None, mn_major: bool = False) -> cute.ComposedLayout:
@@ -241,14 +250,16 @@ class HopperMxf8GemmAmax:
         return lane_in_row if self.tile_mnk[2] // self.sf_vec_size > common.ATOM_KB else 0
 
     @staticmethod
-    def scale_word_bases(bases, rows_a, rows_b, batch, tile_m, tile_n, tile_mn, m, n, k_atoms):
-        """Word index (at k-atom 0) of the scale word of each row this thread converts: `rows_a`, then `rows_b`.
+    def scale_word_bases(bases, rows_a, rows_b, batches, tile_m, tile_n, tile_mn, m, n, k_atoms):
+        """Word index (at k-atom 0) of the scale word of each row this thread converts: `rows_a`, then `rows_b`
+        (`batches`: A's batch, B's batch).
 
         Rows are tile-relative; the atom index is clamped to the last atom, so rows past M (N) read a real scale
         word (their codes are TMA's zero fill and their C elements are never stored).
         """
         i = 0
-        for tile, rows, tile_rows, size in ((tile_m, rows_a, tile_mn[0], m), (tile_n, rows_b, tile_mn[1], n)):
+        for tile, rows, tile_rows, size, batch in ((tile_m, rows_a, tile_mn[0], m, batches[0]),
+                                                   (tile_n, rows_b, tile_mn[1], n, batches[1])):
             atoms = (size + common.ATOM_MN - 1) // common.ATOM_MN
             for row in rows:
                 atom = cutlass.min(tile * (tile_rows // common.ATOM_MN) + row // common.ATOM_MN, atoms - 1)
@@ -366,10 +377,11 @@ class HopperMxf8GemmAmax:
     @cute.jit
     def store_c_and_amax(self, acc: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor,
                          warp_amax: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, tile_m: cutlass.Int32,
-                         tile_n: cutlass.Int32, batch: cutlass.Int32, wg_idx: cutlass.Int32, local_tid: cutlass.Int32):
+                         tile_n: cutlass.Int32, batch: cutlass.Int32, wg_idx: cutlass.Int32, local_tid: cutlass.Int32,
+                         rows_lo: cutlass.Int32, rows_hi: cutlass.Int32):
         """Store this thread's accumulator values of the CTA tile (tile_m, tile_n, batch) to C (the kernel's flat
-        `c_dtype` buffer) with predication (any M, N) and fold max|acc| into amax[l] with one integer atomic max per
-        CTA (`warp_amax`: a shared-memory Int32 slot per consumer warp)."""
+        `c_dtype` buffer), its rows in [rows_lo, rows_hi) and columns below N, and fold max|acc| of those into
+        amax[l] with one integer atomic max per CTA (`warp_amax`: a shared-memory Int32 slot per consumer warp)."""
         bm, bn, _ = self.tile_mnk
         if cutlass.const_expr(self.c_kind != "wide"):  # one-byte and packed FP4 C are stored as bytes
             c = cute.make_tensor(cute.recast_ptr(c.iterator, dtype=cutlass.Uint8), cute.make_layout((cute.size(c),)))
@@ -388,7 +400,7 @@ class HopperMxf8GemmAmax:
         if cutlass.const_expr(self.c_kind == "wide"):
             for v1 in cutlass.range_constexpr(2):
                 r = row0 + 8 * v1
-                row_ok = tile_m * bm + r < m
+                row_ok = (tile_m * bm + r >= rows_lo) & (tile_m * bm + r < rows_hi)
                 for v2 in cutlass.range_constexpr(n_col_groups):
                     for v0 in cutlass.range_constexpr(2):
                         col = col0 + v0 + 8 * v2
@@ -403,7 +415,7 @@ class HopperMxf8GemmAmax:
             c_bytes = c
             for v1 in cutlass.range_constexpr(2):
                 r = row0 + 8 * v1
-                row_ok = tile_m * bm + r < m
+                row_ok = (tile_m * bm + r >= rows_lo) & (tile_m * bm + r < rows_hi)
                 for v2 in cutlass.range_constexpr(n_col_groups):
                     col = col0 + 8 * v2
                     i = 2 * v1 + 4 * v2
@@ -437,15 +449,32 @@ class HopperMxf8GemmAmax:
                alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, tiled_mma: cute.TiledMma,
                a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
                a16_smem_staged: cute.ComposedLayout, b16_smem_staged: cute.ComposedLayout):
-        """Device body: warpgroup 0 produces (TMA), warpgroups 1-2 consume (dequantize + wgmma + epilogue)."""
+        """Device body: the CTA computes output tile (tile_m, tile_n) of batch l (its block index)."""
+        tile_m, tile_n, batch = cute.arch.block_idx()
+        self.tile(tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, sfa, sfb, c, amax, alpha, m, n, k, tiled_mma,
+                  (a_smem_staged, b_smem_staged, a16_smem_staged, b16_smem_staged), tile_m, tile_n, batch, batch,
+                  cutlass.Int32(0), m, None)
+
+    @cute.jit
+    def tile(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom, mB_nkl: cute.Tensor,
+             sfa: cute.Tensor, sfb: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor,
+             m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, tiled_mma: cute.TiledMma, layouts: tuple,
+             tile_m: cutlass.Int32, tile_n: cutlass.Int32, batch: cutlass.Int32, b_batch: cutlass.Int32,
+             rows_lo: cutlass.Int32, rows_hi: cutlass.Int32, zero: cutlass.Boolean | None):
+        """One output tile, inlined into a kernel: warpgroup 0 produces (TMA), warpgroups 1-2 consume (dequantize +
+        wgmma + epilogue). A's row tile `tile_m` of batch `batch` times B's row tile `tile_n` of batch `b_batch`;
+        C rows [rows_lo, rows_hi) of the tile are stored (of batch `batch`) and folded into amax[batch]. `zero`
+        (None: never) stores zeros instead, after a single k-tile (the ragged kernel's rows of no group)."""
+        a_smem_staged, b_smem_staged, a16_smem_staged, b16_smem_staged = layouts
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tile_m, tile_n, batch = cute.arch.block_idx()
         bm, bn, bk = self.tile_mnk
 
         storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
             tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged, self.shared_storage,
             self.ab_dtype, self.ab_stages, self.num_consumer_warps, (bm, bn, bk // self.code_div), self.threads_per_wg)
+        if cutlass.const_expr(zero is not None):
+            k_tiles = cutlass.min(k_tiles, cutlass.select_(zero, 1, k_tiles))
 
         if wg_idx == 0:
             # ------------------------------------------------------------------------------ producer
@@ -453,7 +482,7 @@ class HopperMxf8GemmAmax:
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                 state = tma_pipeline.produce_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, tile_m, tile_n,
-                                                  k_tiles, batch)
+                                                  k_tiles, batch, b_batch)
                 ab_pipeline.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -525,7 +554,8 @@ class HopperMxf8GemmAmax:
             k_atoms = (k + common.ATOM_KB * self.sf_vec_size - 1) // (common.ATOM_KB * self.sf_vec_size)
             atom_lane = self.atom_lane(lane_in_row)
             bases = cute.make_rmem_tensor((reps,), cutlass.Int32)
-            self.scale_word_bases(bases, rows_a, rows_b, batch, tile_m, tile_n, (bm, bn), m, n, k_atoms)
+            self.scale_word_bases(bases, rows_a, rows_b, (batch, b_batch), tile_m, tile_n, (bm, bn), m, n,
+                                  k_atoms)
             words = cute.make_rmem_tensor((reps,), cutlass.Int32)
             atom0, _ = self.tile_scale_byte(0, atom_lane, k_atoms)
             self.load_scale_words(words, bases, sfa_w, sfb_w, atom0)
@@ -576,8 +606,11 @@ class HopperMxf8GemmAmax:
 
             # ------------------------------------------------------------------------------ epilogue
             warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
+            if cutlass.const_expr(zero is not None):
+                if zero:
+                    acc.fill(0.0)
             self.store_c_and_amax(acc, c, amax, alpha, warp_amax, m, n, tile_m, tile_n, batch, wg_idx,
-                                  local_tid)
+                                  local_tid, rows_lo, rows_hi)
 
 
 class HopperGemmAmaxAlpha(HopperMxf8GemmAmax):

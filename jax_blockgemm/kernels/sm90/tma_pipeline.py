@@ -68,25 +68,26 @@ def ab_prologue(tidx, warp_idx, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, 
 
 
 def load_k_tile(ab_pipeline: Any, state: Any, tma_atom_a: cute.CopyAtom, tma_atom_b: cute.CopyAtom, views: tuple,
-                a_tile: Any, b_tile: Any, kt: Any, batch: Any = 0) -> None:
-    """Wait for stage `state` to be free and load into it k-tile kt of A's row tile `a_tile` and B's `b_tile` in batch
-    `batch`. `views` are `ab_prologue`'s. The caller advances `state` in its own loop body (the DSL carries only what
-    a loop mutates)."""
+                a_tile: Any, b_tile: Any, kt: Any, batch: Any = 0, b_batch: Any = None) -> None:
+    """Wait for stage `state` to be free and load into it k-tile kt of A's row tile `a_tile` in batch `batch` and
+    B's `b_tile` in batch `b_batch` (default: `batch`). `views` are `ab_prologue`'s. The caller advances `state` in
+    its own loop body (the DSL carries only what a loop mutates)."""
     tAsA, tAgA, tBsB, tBgB = views
     ab_pipeline.producer_acquire(state)
     bar = ab_pipeline.producer_get_barrier(state)
     cute.copy(tma_atom_a, tAgA[(None, a_tile, kt, batch)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-    cute.copy(tma_atom_b, tBgB[(None, b_tile, kt, batch)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+    b_batch = batch if b_batch is None else b_batch
+    cute.copy(tma_atom_b, tBgB[(None, b_tile, kt, b_batch)], tBsB[(None, state.index)], tma_bar_ptr=bar)
     ab_pipeline.producer_commit(state)
 
 
 @cute.jit
 def produce_tile(ab_pipeline: Any, state: Any, tma_atom_a: cute.CopyAtom, tma_atom_b: cute.CopyAtom, views: tuple,
-                 a_tile: Any, b_tile: Any, k_tiles: Any, batch: Any = 0):
-    """The producer's loads of one output tile: k-tiles 0..k_tiles-1 of A's row tile `a_tile` and B's `b_tile`,
-    each into the next stage (`load_k_tile`). Returns the advanced `state`, which the caller must rebind (the DSL
-    carries what a loop advances only through the loop's own names)."""
+                 a_tile: Any, b_tile: Any, k_tiles: Any, batch: Any = 0, b_batch: Any = None):
+    """The producer's loads of one output tile: k-tiles 0..k_tiles-1 of A's row tile `a_tile` and B's `b_tile`
+    (batches as `load_k_tile`), each into the next stage. Returns the advanced `state`, which the caller must rebind
+    (the DSL carries what a loop advances only through the loop's own names)."""
     for kt in range(k_tiles):
-        load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, a_tile, b_tile, kt, batch)
+        load_k_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, a_tile, b_tile, kt, batch, b_batch)
         state.advance()
     return state
