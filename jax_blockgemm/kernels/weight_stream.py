@@ -45,7 +45,9 @@ WARPS = 8  # warps per CTA, each on its own K-chunks of the CTA's rows
 THREADS = 32 * WARPS
 LANE_BYTES = 16  # bytes of codes a lane copies per row and chunk
 MAX_STAGES = 8  # shared-memory ring stages per warp at most (7 chunks of codes in flight while one is multiplied)
-SHARED_BYTES = 200 * 1024  # ring and partial C tiles: one CTA per SM on sm_90 and sm_100 (227 KB there)
+SHARED_BYTES_PER_SM = 216 * 1024  # the rings (later the partial C tiles) of the CTAs on one SM (227 KB on sm_90/100)
+CTAS_PER_SM_X_AHEAD = 2  # CTAs per SM (splitting its shared memory and registers) for tiles whose activations are
+# loaded ahead (x_ahead: few registers); the 64-token tile needs its registers and runs one CTA per SM
 X_STAGES = 2  # register stages of activations: the chunk being multiplied and X_STAGES - 1 loaded ahead
 X_AHEAD_MAX_TILES = 2  # token tiles whose activations are loaded ahead (more would cost too many registers)
 _W_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,
@@ -135,11 +137,12 @@ class WeightStreamGemm:
         # one warp's share of a ring stage: 16 bytes of codes per lane and row slot, a 4-byte word per scale byte
         self.codes_bytes = 32 * LANE_BYTES * 2 * self.row_tiles
         self.warp_stage_bytes = self.codes_bytes + 32 * 4 * 2 * self.row_tiles * self.lane_scales
-        self.partial_bytes = 4 * WARPS * rows * tokens
-        self.stages = min(MAX_STAGES, (SHARED_BYTES - self.partial_bytes) // (WARPS * self.warp_stage_bytes))
+        self.ctas_per_sm = CTAS_PER_SM_X_AHEAD if self.x_ahead else 1
+        self.stages = min(MAX_STAGES, SHARED_BYTES_PER_SM // self.ctas_per_sm // (WARPS * self.warp_stage_bytes))
         if self.stages < 2:
             raise ValueError(f"tile=({rows}, {tokens}) leaves no room for two ring stages in shared memory")
-        self.ring_bytes = self.stages * WARPS * self.warp_stage_bytes
+        # the warps' partial C tiles reuse the ring's bytes once every warp is past its mainloop
+        self.shared_words = max(self.stages * WARPS * self.warp_stage_bytes, 4 * WARPS * rows * tokens) // 4
 
     def can_implement(self, m: int, n: int, k: int, l: int) -> tuple[bool, str]:
         """Whether this variant takes (M, N, K, L)."""
@@ -159,13 +162,13 @@ class WeightStreamGemm:
                  alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32,
                  sf_atom: cutlass.Int32, stream: cuda.CUstream):
         """Host side: one CTA per tile[0] weight rows and batch."""
-        fields = dict(ring=cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.ring_bytes // 4], 128],
-                      partials=cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.partial_bytes // 4], 16],
+        fields = dict(ring=cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.shared_words], 128],
                       warp_amax=cute.struct.MemRange[cutlass.Int32, WARPS])
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         self.kernel(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom).launch(
             grid=((n + self.rows - 1) // self.rows, l, 1), block=(THREADS, 1, 1),
-            smem=self.shared_storage.size_in_bytes(), stream=stream)
+            smem=self.shared_storage.size_in_bytes(), min_blocks_per_mp=self.ctas_per_sm,
+            preferred_smem_carveout=100, stream=stream)  # all of L1 as shared memory: ctas_per_sm rings fit
 
     # ------------------------------------------------------------------------------------------- device helpers
     def _scale_row_parts(self, batch, row0, group, n, kb_count, sf_atom):
@@ -352,9 +355,11 @@ class WeightStreamGemm:
         row_block, batch, _ = cute.arch.block_idx()
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sw = cute.make_tensor(cute.recast_ptr(sw.iterator, dtype=cutlass.Uint8), cute.make_layout((cute.size(sw),)))
-        partials = storage.partials.get_tensor(cute.make_layout(WARPS * self.rows * self.tokens))
+        ring = storage.ring.data_ptr()
+        partials = cute.make_tensor(cute.recast_ptr(ring, dtype=cutlass.Float32),
+                                    cute.make_layout(WARPS * self.rows * self.tokens))
         warp_amax = storage.warp_amax.get_tensor(cute.make_layout(WARPS))
-        ring0 = storage.ring.data_ptr().toint()
+        ring0 = ring.toint()
         warp, lane = tidx // 32, tidx % 32
         row0 = row_block * self.rows
         kb_count = (k + self.sf_vec_size - 1) // self.sf_vec_size
@@ -398,6 +403,7 @@ class WeightStreamGemm:
                                                      warp + WARPS * index, kb_count, sf_atom)
                     self._multiply_chunk(acc, codes, scales, x_now, x, batch, lane, warp + WARPS * index, m, k)
         cp_async_wait(0)
+        cute.arch.sync_threads()  # every warp is done with the ring: the partial tiles may take its bytes
 
         # epilogue: the warps' partial tiles summed in warp order (deterministic), alpha, C, amax
         group, quad = lane // 4, lane % 4
