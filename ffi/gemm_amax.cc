@@ -46,20 +46,7 @@ std::string ParseKernelDtypes(std::string_view ab_dtype, std::string_view c_dtyp
   if (!ParseCodeDtype(ab, &k)) {
     return where + "ab_dtype \"" + ab + "\" is not supported; expected float8_e4m3fn, float8_e5m2 or float4_e2m1fn";
   }
-  if (c == "float32") {
-    k.c = XLA_FFI_DataType_F32;
-  } else if (c == "bfloat16") {
-    k.c = XLA_FFI_DataType_BF16;
-  } else if (c == "float16") {
-    k.c = XLA_FFI_DataType_F16;
-  } else if (c == "float8_e4m3fn") {
-    k.c = XLA_FFI_DataType_F8E4M3FN;
-  } else if (c == "float8_e5m2") {
-    k.c = XLA_FFI_DataType_F8E5M2;
-  } else if (c == "float4_e2m1fn") {
-    k.c = XLA_FFI_DataType_U8;  // two codes per byte
-    k.c_fp4 = true;
-  } else {
+  if (!ParseCDtype(c, &k)) {
     return where + "c_dtype \"" + c + "\" is not supported; expected float32, bfloat16, float16, float8_e4m3fn, "
            "float8_e5m2 or float4_e2m1fn";
   }

@@ -37,6 +37,7 @@ const char* DtypeName(int dtype) {
     case XLA_FFI_DataType_F8E4M3FN: return "float8_e4m3fn";
     case XLA_FFI_DataType_F8E5M2: return "float8_e5m2";
     case XLA_FFI_DataType_F16: return "float16";
+    case XLA_FFI_DataType_S32: return "int32";
     default: return "another dtype";
   }
 }
@@ -82,6 +83,42 @@ bool ParseCodeDtype(std::string_view name, KernelDtypes* k) {
     return false;
   }
   return true;
+}
+
+bool ParseCDtype(std::string_view name, KernelDtypes* k) {
+  if (name == "float32") {
+    k->c = XLA_FFI_DataType_F32;
+  } else if (name == "bfloat16") {
+    k->c = XLA_FFI_DataType_BF16;
+  } else if (name == "float16") {
+    k->c = XLA_FFI_DataType_F16;
+  } else if (name == "float8_e4m3fn") {
+    k->c = XLA_FFI_DataType_F8E4M3FN;
+  } else if (name == "float8_e5m2") {
+    k->c = XLA_FFI_DataType_F8E5M2;
+  } else if (name == "float4_e2m1fn") {
+    k->c = XLA_FFI_DataType_U8;  // two codes per byte
+    k->c_fp4 = true;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+bool ParseBlockScales(std::string_view sf_dtype, int64_t sf_vec_size, KernelDtypes* k) {
+  if (sf_dtype == "float8_e8m0fnu" && sf_vec_size == 32) {
+    k->sf = XLA_FFI_DataType_U8;
+  } else if (sf_dtype == "float8_e4m3fn" && sf_vec_size == 16 && k->ab_fp4) {
+    k->sf = XLA_FFI_DataType_F8E4M3FN;
+  } else {
+    return false;
+  }
+  k->sf_vec_size = static_cast<int>(sf_vec_size);
+  return true;
+}
+
+std::string CodeName(const KernelDtypes& k) {
+  return k.ab_fp4 ? "float4_e2m1fn codes (uint8 pairs)" : std::string(DtypeName(k.ab)) + " codes";
 }
 
 BufferDesc ToBufferDesc(const xla::ffi::AnyBuffer& buffer) {

@@ -59,7 +59,7 @@ BufferDesc ToBufferDesc(const xla::ffi::AnyBuffer& buffer);
 
 // The C struct the exported kernels take for each 1-D tensor argument: the data pointer, then the element count.
 // Kernels exported with 32-bit symbolic sizes read the low half of `count` (little-endian), which is the same number
-// because every handler keeps counts below kMaxBufferElements.
+// because every handler keeps counts below kMaxBufferElements (all but ragged's b, whose kernel takes 64-bit sizes).
 struct KernelTensor {
   void* data;
   int64_t count;
@@ -83,6 +83,14 @@ struct KernelDtypes {
 // Sets k->ab (and k->ab_fp4) from the name of a GEMM operand's codes: "float8_e4m3fn", "float8_e5m2", or
 // "float4_e2m1fn" (carried as uint8 pairs); false for any other name.
 bool ParseCodeDtype(std::string_view name, KernelDtypes* k);
+// Sets k->c (and k->c_fp4) from the name of a C dtype: "float32", "bfloat16", "float16", "float8_e4m3fn",
+// "float8_e5m2", or "float4_e2m1fn" (written as uint8 pairs); false for any other name.
+bool ParseCDtype(std::string_view name, KernelDtypes* k);
+// Sets k->sf and k->sf_vec_size from a block-scale format the kernels take for k's codes (ParseCodeDtype first):
+// E8M0 bytes per 32 (MXFP8, MXFP4) or, for FP4 codes only, float8_e4m3fn per 16 (NVFP4); false for any other.
+bool ParseBlockScales(std::string_view sf_dtype, int64_t sf_vec_size, KernelDtypes* k);
+// "float8_e4m3fn codes" or "float4_e2m1fn codes (uint8 pairs)": what a and b hold for objects compiled for `k`.
+std::string CodeName(const KernelDtypes& k);
 
 // Parses "sm_90a" / "sm_100a" (any "sm_<major><minor>[suffix]") into a compute capability.
 bool ParseArch(std::string_view arch, int* major, int* minor);

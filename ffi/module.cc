@@ -16,6 +16,7 @@
 #include "gemm_amax.h"
 #include "object_check.h"
 #include "proj_rope.h"
+#include "ragged.h"
 #include "weight_stream.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -36,7 +37,8 @@ struct Target {
 const Target kTargets[] = {{jbg::kGemmAmaxTarget, JbgGemmAmaxInstantiate, JbgGemmAmaxExecute},
                            {jbg::kProjRopeTarget, JbgProjRopeInstantiate, JbgProjRopeExecute},
                            {jbg::kDequantizeTarget, JbgDequantizeInstantiate, JbgDequantizeExecute},
-                           {jbg::kWeightStreamTarget, JbgWeightStreamInstantiate, JbgWeightStreamExecute}};
+                           {jbg::kWeightStreamTarget, JbgWeightStreamInstantiate, JbgWeightStreamExecute},
+                           {jbg::kRaggedTarget, JbgRaggedInstantiate, JbgRaggedExecute}};
 
 XLA_FFI_Handler* HandlerFor(const std::string& target, const std::string& stage) {
   const Target* found = nullptr;
@@ -165,6 +167,29 @@ std::tuple<std::string, std::tuple<int, int, int, int, int>> CheckWeightStream(
   return {message, {dims.m, dims.n, dims.k, dims.l, dims.sf_atom}};
 }
 
+// The ragged attributes parsed (ValueError naming what is wrong otherwise).
+jbg::KernelDtypes RaggedDtypes(const std::string& ab_dtype, const std::string& c_dtype, const std::string& sf_dtype,
+                               int64_t sf_vec_size) {
+  jbg::KernelDtypes kernel{};
+  std::string why = jbg::ParseRaggedAttributes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, &kernel);
+  if (!why.empty()) throw nb::value_error(why.c_str());
+  return kernel;
+}
+
+// Test hook for the ragged execute stage's buffer checks: a, b, sfa, sfb, items, c, amax, alpha as (dtype, dims,
+// address), for objects compiled for the given attributes. Returns (message, (t, n, k, l, g, max_items)).
+std::tuple<std::string, std::tuple<int, int, int, int, int, int>> CheckRagged(
+    const std::vector<BufferSpec>& specs, const std::string& ab_dtype, const std::string& c_dtype,
+    const std::string& sf_dtype, int64_t sf_vec_size) {
+  if (specs.size() != 8) throw nb::value_error("expected 8 buffers: a, b, sfa, sfb, items, c, amax, alpha");
+  const jbg::KernelDtypes kernel = RaggedDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size);
+  jbg::BufferDesc descs[8];
+  ToDescs(specs, descs);
+  jbg::RaggedDims dims;
+  std::string message = jbg::CheckRaggedBuffers(descs, kernel, &dims);
+  return {message, {dims.t, dims.n, dims.k, dims.l, dims.g, dims.max_items}};
+}
+
 // Test hook for the instantiate-stage attribute parsing: returns [(arch, prefix, cc_major, cc_minor, begin, end)].
 std::vector<std::tuple<std::string, std::string, int, int, size_t, size_t>> ParseObjects(
     const std::string& archs, const std::string& prefixes, size_t objects_size, const std::vector<int64_t>& offsets,
@@ -189,6 +214,7 @@ NB_MODULE(_jbg_ffi, m) {
   m.attr("PROJ_ROPE_TARGET") = jbg::kProjRopeTarget;
   m.attr("DEQUANTIZE_TARGET") = jbg::kDequantizeTarget;
   m.attr("WEIGHT_STREAM_TARGET") = jbg::kWeightStreamTarget;
+  m.attr("RAGGED_TARGET") = jbg::kRaggedTarget;
   m.attr("KERNEL_OBJECTS_TYPE") = jbg::kKernelObjectsType;
   m.attr("TRAIT_COMMAND_BUFFER_COMPATIBLE") = static_cast<uint32_t>(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
 
@@ -275,6 +301,19 @@ NB_MODULE(_jbg_ffi, m) {
       },
       nb::arg("w_dtype"), nb::arg("c_dtype"), nb::arg("sf_dtype"), nb::arg("sf_vec_size"), nb::arg("max_m"),
       "Test hook: the weight_stream instantiate stage's attribute parsing: (w, c, sf) as XLA FFI dtype codes.");
+  m.def("check_ragged_buffers", &CheckRagged, nb::arg("buffers"), nb::arg("ab_dtype"), nb::arg("c_dtype"),
+        nb::arg("sf_dtype") = "float8_e8m0fnu", nb::arg("sf_vec_size") = 32,
+        "Test hook: the ragged execute stage's buffer checks on [(dtype, dims, address)] * 8 (a, b, sfa, sfb, items, "
+        "c, amax, alpha) for objects compiled for ab_dtype / c_dtype / sf_dtype / sf_vec_size.");
+  m.def(
+      "parse_ragged_attributes",
+      [](const std::string& ab_dtype, const std::string& c_dtype, const std::string& sf_dtype, int64_t sf_vec_size) {
+        const jbg::KernelDtypes k = RaggedDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size);
+        return std::make_tuple(k.ab, k.c, k.sf, k.sf_vec_size, k.ab_fp4, k.c_fp4, k.alpha);
+      },
+      nb::arg("ab_dtype"), nb::arg("c_dtype"), nb::arg("sf_dtype"), nb::arg("sf_vec_size"),
+      "Test hook: the ragged instantiate stage's attribute parsing: (ab, c, sf) as XLA FFI dtype codes, sf_vec_size, "
+      "whether a and b, and C, are packed FP4, and whether the objects take alpha.");
   m.def("parse_object_table", &ParseObjects, nb::arg("archs"), nb::arg("function_prefixes"),
         nb::arg("objects_size"), nb::arg("offsets"), nb::arg("target") = jbg::kGemmAmaxTarget,
         "Test hook: the instantiate stage's attribute parsing (errors name `target`).");

@@ -18,11 +18,6 @@ std::string Describe(const BufferDesc& b, int index) {
          ShapeString(b.dims, b.rank);
 }
 
-// "float8_e4m3fn codes" or "float4_e2m1fn codes (uint8 pairs)": what w holds for these objects.
-std::string WeightCodes(const KernelDtypes& kernel) {
-  return kernel.ab_fp4 ? "float4_e2m1fn codes (uint8 pairs)" : std::string(DtypeName(kernel.ab)) + " codes";
-}
-
 }  // namespace
 
 std::string ParseWeightStreamAttributes(std::string_view w_dtype, std::string_view c_dtype,
@@ -44,17 +39,11 @@ std::string ParseWeightStreamAttributes(std::string_view w_dtype, std::string_vi
   } else {
     return where + "c_dtype \"" + std::string(c_dtype) + "\" is not supported; expected float32, bfloat16 or float16";
   }
-  // The formats: MXFP8 and MXFP4 take E8M0 scales per 32; NVFP4 (FP4 codes only) E4M3 scales per 16.
-  if (sf_dtype == "float8_e8m0fnu" && sf_vec_size == 32) {
-    k.sf = XLA_FFI_DataType_U8;
-  } else if (sf_dtype == "float8_e4m3fn" && sf_vec_size == 16 && k.ab_fp4) {
-    k.sf = XLA_FFI_DataType_F8E4M3FN;
-  } else {
+  if (!ParseBlockScales(sf_dtype, sf_vec_size, &k)) {
     return where + "sf_dtype \"" + std::string(sf_dtype) + "\" with sf_vec_size " + std::to_string(sf_vec_size) +
            " is not supported for w_dtype " + std::string(w_dtype) +
            "; expected float8_e8m0fnu with 32, or (float4_e2m1fn weights only) float8_e4m3fn with 16";
   }
-  k.sf_vec_size = static_cast<int>(sf_vec_size);
   if (max_m < 1 || max_m >= kMaxBufferElements) {
     return where + "max_m " + std::to_string(max_m) + " is not supported; expected the objects' row capacity, >= 1";
   }
@@ -78,7 +67,7 @@ std::string CheckWeightStreamBuffers(const BufferDesc (&buf)[6], const KernelDty
   }
   if (k % 16 != 0) return Describe(x, 0) + "; expected K a multiple of 16 (16-byte rows of FP8 weight codes)";
   if (w.dtype != kernel.ab) {
-    return Describe(w, 1) + "; the kernel objects were compiled for " + WeightCodes(kernel);
+    return Describe(w, 1) + "; the kernel objects were compiled for " + CodeName(kernel);
   }
   const int64_t row = kernel.ab_fp4 ? k / 2 : k;
   const int64_t n = w.rank == 3 ? w.dims[1] : 0;

@@ -27,6 +27,7 @@ GEMM_AMAX_TARGET = "jbg_gemm_amax"
 PROJ_ROPE_TARGET = "jbg_gemm_proj_rope_mxfp8"
 DEQUANTIZE_TARGET = "jbg_dequantize_mxfp8"
 WEIGHT_STREAM_TARGET = "jbg_weight_stream"
+RAGGED_TARGET = "jbg_ragged_gemm_amax"
 
 _LOCK = threading.Lock()
 _REGISTERED: set[str] = set()

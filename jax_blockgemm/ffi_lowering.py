@@ -1,6 +1,6 @@
 """MLIR lowering of the operations to their XLA FFI custom calls (`jbg_gemm_amax`, `jbg_gemm_proj_rope_mxfp8`,
-`jbg_dequantize_mxfp8`, the MXFP8 proj_rope path's input pass, and `jbg_weight_stream`, the decode kernel; typed FFI,
-api_version 4).
+`jbg_dequantize_mxfp8`, the MXFP8 proj_rope path's input pass, `jbg_weight_stream`, the decode kernel, and
+`jbg_ragged_gemm_amax`, the mixture-of-experts kernel; typed FFI, api_version 4).
 
 The custom call carries one kernel object per architecture, so a program lowered or `jax.export`-ed on any
 machine (no GPU needed) runs on every GPU the objects cover; the handler picks by compute capability when XLA
@@ -23,6 +23,10 @@ instantiates the program. Attributes:
 `jbg_weight_stream` (x, w, sw, alpha -> c, amax) carries the object table and `w_dtype`, `c_dtype`, `sf_dtype`,
 `sf_vec_size` (what its objects were compiled for, named as above) and `max_m` (int64: the most rows of x every
 object takes); sw's rank tells the handler its form (3: compact scales, 6: the 128x4 atom).
+
+`jbg_ragged_gemm_amax` (a, b, sfa, sfb, items, alpha -> c, amax) carries the object table and `ab_dtype`, `c_dtype`,
+`sf_dtype`, `sf_vec_size` as `jbg_gemm_amax` names them: b holds one weight per batch and group, (L, G, N, K), its
+scales the atoms of L·G batches; items, int32 (L, max_items, 4), is the work-item table the program computes.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ GEMM_AMAX_TARGET = _native.GEMM_AMAX_TARGET
 PROJ_ROPE_TARGET = _native.PROJ_ROPE_TARGET
 DEQUANTIZE_TARGET = _native.DEQUANTIZE_TARGET
 WEIGHT_STREAM_TARGET = _native.WEIGHT_STREAM_TARGET
+RAGGED_TARGET = _native.RAGGED_TARGET
 
 
 def object_table_attributes(variants: Sequence[Any], objects: Sequence[bytes]) -> dict[str, Any]:
@@ -231,7 +236,67 @@ def emit_weight_stream(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variant
     return _emit(WEIGHT_STREAM_TARGET, ctx, (x, w, sw, alpha), attributes)
 
 
+def ragged_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, ab_dtype: Any, c_dtype: Any,
+                      sf_dtype: str, sf_vec_size: int) -> dict[str, Any]:
+    """The jbg_ragged_gemm_amax call's attributes for `variants` (one per arch, all ragged kernels compiled for the
+    codes ab_dtype and C dtype c_dtype (uint8: packed FP4) with sf_dtype scales per sf_vec_size)."""
+    call = (logical_dtype(ab_dtype), logical_dtype(c_dtype), sf_dtype, int(sf_vec_size))
+    for v in variants:
+        if v.op != "ragged" or (v.ab_dtype, v.c_dtype, v.sf_dtype, v.sf_vec_size) != call:
+            raise ValueError(f"variant {v.key!r} is not a ragged kernel compiled for the call's {call} (codes, C, "
+                             f"scales, block)")
+    return dict(object_table_attributes(variants, objects), ab_dtype=call[0], c_dtype=call[1], sf_dtype=sf_dtype,
+                sf_vec_size=np.int64(sf_vec_size))
+
+
+def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha: Any, *,
+                variants: Sequence[Any]) -> list:
+    """Emits the `jbg_ragged_gemm_amax` custom call (the grouped GEMM) for the lowering context `ctx`; returns
+    [c, amax].
+
+    a (L, T, K) codes or packed FP4 (L, T, K/2) uint8; b (L, G, N, K) likewise, one weight per group; sfa and sfb
+    their scales in the 128x4 atom of (L, T, K) and (L·G, N, K) (rank 6), uint8 E8M0 bytes or float8_e4m3fn
+    (NVFP4); items int32 (L, max_items, 4); alpha (L,) float32. Results from `ctx.avals_out`: c (L, T, N) (packed
+    FP4: (L, T, N/2) uint8) in the variants' C dtype, amax (L,) float32. `variants`: catalog entries of op "ragged",
+    one per architecture.
+    """
+    if not variants:
+        raise ValueError("emit_ragged needs at least one variant")
+    if len(ctx.avals_in) != 6 or len(ctx.avals_out) != 2:
+        raise ValueError(f"emit_ragged expects operands a, b, sfa, sfb, items, alpha and results c, amax; got "
+                         f"{[str(x) for x in ctx.avals_in]} -> {[str(x) for x in ctx.avals_out]}")
+    a_aval, b_aval, sfa_aval, sfb_aval, items_aval, alpha_aval = ctx.avals_in
+    c_aval, amax_aval = ctx.avals_out
+    if a_aval.ndim != 3:
+        raise ValueError(f"emit_ragged expects a (L, T, K) (packed FP4: (L, T, K/2)); got {a_aval}")
+    l, t, row = a_aval.shape
+    g, n = b_aval.shape[1:3] if b_aval.ndim == 4 else (-1, -1)
+    if b_aval.shape != (l, g, n, row) or np.dtype(b_aval.dtype) != np.dtype(a_aval.dtype) or min(g, n) < 1:
+        raise ValueError(f"emit_ragged expects b (L, G, N, K) (packed FP4: (L, G, N, K/2)) of a's dtype for a "
+                         f"{a_aval}; got b {b_aval}")
+    if sfa_aval.ndim != 6 or sfb_aval.ndim != 6 or np.dtype(sfa_aval.dtype) != np.dtype(sfb_aval.dtype):
+        raise ValueError(f"emit_ragged expects sfa and sfb in the 128x4 atom form (rank 6), of one dtype; got sfa "
+                         f"{sfa_aval}, sfb {sfb_aval}")
+    max_items = items_aval.shape[1] if items_aval.ndim == 3 else -1
+    if items_aval.shape != (l, max_items, 4) or max_items < 1 or np.dtype(items_aval.dtype) != np.int32:
+        raise ValueError(f"emit_ragged expects items ({l}, max_items >= 1, 4) int32; got {items_aval}")
+    if alpha_aval.shape != (l,) or np.dtype(alpha_aval.dtype) != np.float32:
+        raise ValueError(f"emit_ragged expects alpha ({l},) float32; got {alpha_aval}")
+    packed_c = np.dtype(c_aval.dtype) == np.uint8
+    if packed_c and n % 2:
+        raise ValueError(f"emit_ragged: N = {n} is odd; a packed FP4 C holds two codes per byte")
+    c_shape = (l, t, n // 2) if packed_c else (l, t, n)
+    if c_aval.shape != c_shape or amax_aval.shape != (l,) or np.dtype(amax_aval.dtype) != np.float32:
+        raise ValueError(f"emit_ragged expects results c {c_shape} and amax ({l},) float32; got c {c_aval} and "
+                         f"amax {amax_aval}")
+    variants, objects = _objects(variants)
+    sf_dtype = E8M0 if np.dtype(sfa_aval.dtype) == np.uint8 else str(np.dtype(sfa_aval.dtype))
+    attributes = ragged_attributes(variants, objects, ab_dtype=a_aval.dtype, c_dtype=c_aval.dtype, sf_dtype=sf_dtype,
+                                   sf_vec_size=variants[0].sf_vec_size)
+    return _emit(RAGGED_TARGET, ctx, (a, b, sfa, sfb, items, alpha), attributes)
+
+
 def export_disabled_checks() -> list:
     """What `jax.export.export(..., disabled_checks=...)` needs to export a program holding our custom calls."""
     return [jax.export.DisabledSafetyCheck.custom_call(t)
-            for t in (GEMM_AMAX_TARGET, PROJ_ROPE_TARGET, DEQUANTIZE_TARGET, WEIGHT_STREAM_TARGET)]
+            for t in (GEMM_AMAX_TARGET, PROJ_ROPE_TARGET, DEQUANTIZE_TARGET, WEIGHT_STREAM_TARGET, RAGGED_TARGET)]

@@ -139,7 +139,7 @@ def _gemm_amax_cases(good: Call) -> list[Case]:
          r"c is bfloat16 \(2, 200, 136\); the kernel objects were compiled for a float32 C"),
         ("c float16 for an f32 kernel", dict(result=0, buffer=Buffer("float16", c.shape)),
          r"c is float16 \(2, 200, 136\); the kernel objects were compiled for a float32 C"),
-        ("c int32", dict(result=0, buffer=Buffer("int32", c.shape)), r"c is another dtype .*expected float32, "
+        ("c int32", dict(result=0, buffer=Buffer("int32", c.shape)), r"c is int32 .*expected float32, "
          r"bfloat16, float16"),
         ("amax bf16", dict(result=1, buffer=Buffer(BF16, amax.shape)), r"amax is bfloat16 \(2,\); expected float32"),
         ("a rank 2", dict(operand=0, buffer=Buffer(E4M3, (m, k))), r"a is .*expected rank 3 \(L, M, K\)"),

@@ -1,0 +1,206 @@
+#include "ragged.h"
+
+#include <memory>
+
+#include "cuda_driver.h"
+
+namespace jbg {
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr const char* kNames[8] = {"a", "b", "sfa", "sfb", "items", "c", "amax", "alpha"};
+
+std::string Describe(const BufferDesc& b, int index) {
+  return std::string(kRaggedTarget) + ": " + kNames[index] + " is " + DtypeName(b.dtype) + " " +
+         ShapeString(b.dims, b.rank);
+}
+
+// "" when buffer `index` holds fewer than 2**31 elements, else the message saying so.
+std::string CheckCount(const BufferDesc& b, int index) {
+  return ElementCount(b) < kMaxBufferElements ? "" : Describe(b, index) + "; expected fewer than 2**31 elements";
+}
+
+}  // namespace
+
+std::string ParseRaggedAttributes(std::string_view ab_dtype, std::string_view c_dtype, std::string_view sf_dtype,
+                                  int64_t sf_vec_size, KernelDtypes* out) {
+  const std::string where = std::string(kRaggedTarget) + " attributes: ";
+  KernelDtypes k{};
+  k.alpha = true;
+  if (!ParseCodeDtype(ab_dtype, &k)) {
+    return where + "ab_dtype \"" + std::string(ab_dtype) +
+           "\" is not supported; expected float8_e4m3fn, float8_e5m2 or float4_e2m1fn";
+  }
+  if (!ParseCDtype(c_dtype, &k)) {
+    return where + "c_dtype \"" + std::string(c_dtype) + "\" is not supported; expected float32, bfloat16, float16, "
+           "float8_e4m3fn, float8_e5m2 or float4_e2m1fn";
+  }
+  if (!ParseBlockScales(sf_dtype, sf_vec_size, &k)) {
+    return where + "sf_dtype \"" + std::string(sf_dtype) + "\" with sf_vec_size " + std::to_string(sf_vec_size) +
+           " is not supported for ab_dtype " + std::string(ab_dtype) +
+           "; expected float8_e8m0fnu with 32, or (float4_e2m1fn codes only) float8_e4m3fn with 16";
+  }
+  *out = k;
+  return "";
+}
+
+std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& kernel, RaggedDims* dims) {
+  const BufferDesc &a = buf[0], &b = buf[1], &items = buf[4], &c = buf[5];
+  const char* k_name = kernel.ab_fp4 ? "K/2" : "K";  // the last dimension of a and b
+  std::string e;
+  if (a.dtype != kernel.ab) return Describe(a, 0) + "; the kernel objects were compiled for " + CodeName(kernel);
+  if (a.rank != 3) return Describe(a, 0) + "; expected rank 3 (L, T, " + k_name + ")";
+  const int64_t l = a.dims[0], t = a.dims[1], row = a.dims[2];
+  if (l < 1 || t < 1 || row < 1) return Describe(a, 0) + "; expected every dimension >= 1";
+  if (!(e = CheckCount(a, 0)).empty()) return e;  // bounds L and K, which the products below take
+  if (row % 16 != 0) {
+    return Describe(a, 0) + (kernel.ab_fp4 ? "; expected K a multiple of 32 (16-byte rows of packed FP4 codes)"
+                                           : "; expected K a multiple of 16 (16-byte rows of FP8 codes)");
+  }
+  const int64_t k = kernel.ab_fp4 ? 2 * row : row;
+  if (b.dtype != kernel.ab) return Describe(b, 1) + "; the kernel objects were compiled for " + CodeName(kernel);
+  const int64_t g = b.rank == 4 ? b.dims[1] : 0, n = b.rank == 4 ? b.dims[2] : 0;
+  if (b.rank != 4 || b.dims[0] != l || b.dims[3] != row || g < 1 || n < 1) {
+    return Describe(b, 1) + "; expected (L, G, N, " + k_name + ") = (" + std::to_string(l) + ", G >= 1, N >= 1, " +
+           std::to_string(row) + ") for a's L and K: one weight per group and batch";
+  }
+  // TMA addresses b by weight, so only one weight (N, K) and the L·G batches need fit 32 bits, not b as a whole.
+  if (n > (kMaxBufferElements - 1) / k) {
+    return Describe(b, 1) + "; expected one weight (N, K) of fewer than 2**31 elements";
+  }
+  if (g > (kMaxBufferElements - 1) / l) return Describe(b, 1) + "; expected L*G below 2**31";
+  for (int i : {2, 3}) {
+    if (buf[i].dtype != kernel.sf) {
+      return Describe(buf[i], i) + (kernel.sf == XLA_FFI_DataType_U8 ? "; expected uint8 E8M0 scale bytes"
+                                                                      : "; expected float8_e4m3fn scales (NVFP4)");
+    }
+  }
+  // SPEC §3's atom over A's L batches of T rows, and over B's L·G batches (batch l·G + g) of N rows.
+  const int64_t k_atoms = CeilDiv(CeilDiv(k, kernel.sf_vec_size), kAtomBlocks);
+  const std::string blocks = "ceil(ceil(K/" + std::to_string(kernel.sf_vec_size) + ")/4), 32, 4, 4)";
+  const int64_t sfa_dims[6] = {l, CeilDiv(t, kAtomRows), k_atoms, 32, 4, 4};
+  if (!HasShape(buf[2], {sfa_dims[0], sfa_dims[1], k_atoms, 32, 4, 4})) {
+    return Describe(buf[2], 2) + "; expected " + ShapeString(sfa_dims, 6) + " (L, ceil(T/128), " + blocks +
+           ": the 128x4 scale atom of a";
+  }
+  const int64_t sfb_dims[6] = {l * g, CeilDiv(n, kAtomRows), k_atoms, 32, 4, 4};
+  if (!HasShape(buf[3], {sfb_dims[0], sfb_dims[1], k_atoms, 32, 4, 4})) {
+    return Describe(buf[3], 3) + "; expected " + ShapeString(sfb_dims, 6) + " (L*G, ceil(N/128), " + blocks +
+           ": the 128x4 scale atom of b's L*G weights";
+  }
+  if (items.dtype != XLA_FFI_DataType_S32) return Describe(items, 4) + "; expected int32 work items";
+  const int64_t max_items = items.rank == 3 ? items.dims[1] : 0;
+  if (items.rank != 3 || items.dims[0] != l || max_items < 1 || items.dims[2] != kItemFields) {
+    return Describe(items, 4) + "; expected (L, max_items, 4) = (" + std::to_string(l) +
+           ", max_items >= 1, 4): (row tile, group, first row, end row) per work item";
+  }
+  if (c.dtype != kernel.c) {
+    return Describe(c, 5) + "; the kernel objects were compiled for a " +
+           (kernel.c_fp4 ? std::string("float4_e2m1fn C (uint8 pairs)") : std::string(DtypeName(kernel.c)) + " C");
+  }
+  if (kernel.c_fp4) {
+    if (n % 2 != 0) return Describe(b, 1) + "; expected N even for a packed FP4 C (two codes per byte)";
+    if (!HasShape(c, {l, t, n / 2})) {
+      return Describe(c, 5) + "; expected " + ShapeString({l, t, n / 2}) + " (L, T, N/2): packed FP4 pairs";
+    }
+  } else if (!HasShape(c, {l, t, n})) {
+    return Describe(c, 5) + "; expected " + ShapeString({l, t, n}) + " (L, T, N)";
+  }
+  for (int i : {6, 7}) {
+    if (buf[i].dtype != XLA_FFI_DataType_F32 || !HasShape(buf[i], {l})) {
+      return Describe(buf[i], i) + "; expected float32 " + ShapeString({l}) + " (L,)";
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    if (i != 1 && !(e = CheckCount(buf[i], i)).empty()) return e;
+    const auto address = reinterpret_cast<uintptr_t>(buf[i].data);
+    if (address == 0 || address % kAlignment != 0) {
+      return Describe(buf[i], i) + " at address " + std::to_string(address) + "; expected a 16-byte aligned pointer";
+    }
+  }
+  // The kernel indexes C in elements of the logical (L, T, N) even when it is packed.
+  if (kernel.c_fp4 && l * t >= kMaxBufferElements / n) {
+    return Describe(c, 5) + "; expected fewer than 2**31 elements in (L, T, N)";
+  }
+  *dims = RaggedDims{static_cast<int32_t>(t), static_cast<int32_t>(n), static_cast<int32_t>(k),
+                     static_cast<int32_t>(l), static_cast<int32_t>(g), static_cast<int32_t>(max_items)};
+  return "";
+}
+
+namespace {
+
+using StateOr = ffi::ErrorOr<std::unique_ptr<KernelObjects>>;
+
+StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span<const uint8_t> objects,
+                    ffi::Span<const int64_t> offsets, std::string_view ab_dtype, std::string_view c_dtype,
+                    std::string_view sf_dtype, int64_t sf_vec_size) {
+  KernelDtypes dtypes{};
+  if (std::string why = ParseRaggedAttributes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, &dtypes); !why.empty()) {
+    return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(why));
+  }
+  StateOr state = InstantiateKernelObjects(kRaggedTarget, archs, prefixes, objects, offsets);
+  if (state.has_value()) (*state)->dtypes = dtypes;
+  return state;
+}
+
+// Everything the execute stage needs from the attributes is in the state, which instantiation filled.
+ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                   ffi::AnyBuffer sfa, ffi::AnyBuffer sfb, ffi::AnyBuffer items, ffi::AnyBuffer alpha,
+                   ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> amax) {
+  DslFunction* fn = nullptr;
+  if (ffi::Error e = DeviceFunction(*state, device, kRaggedTarget, &fn); e.failure()) return e;
+  const BufferDesc buffers[8] = {ToBufferDesc(a),     ToBufferDesc(b),  ToBufferDesc(sfa),   ToBufferDesc(sfb),
+                                 ToBufferDesc(items), ToBufferDesc(*c), ToBufferDesc(*amax), ToBufferDesc(alpha)};
+  RaggedDims dims;
+  if (std::string message = CheckRaggedBuffers(buffers, state->dtypes, &dims); !message.empty()) {
+    return ffi::Error::InvalidArgument(message);
+  }
+  std::string error;
+  const CudaDriver* driver = GetCudaDriver(&error);  // loaded at instantiation; a pointer read here
+  if (driver == nullptr) return ffi::Error::Internal(std::string(kRaggedTarget) + ": " + error);
+  ScopedStreamContext context(*driver, stream);
+  // amax is an integer atomic max over the bits of |C|: it starts from +0.0, on XLA's stream, before the kernel.
+  const size_t c_bytes = static_cast<size_t>(ElementCount(buffers[5])) * ElementBytes(buffers[5].dtype);
+  if (ffi::Error e = ZeroAmaxAndPoisonC(*state, kRaggedTarget, *driver, stream, amax->untyped_data(),
+                                        static_cast<size_t>(dims.l), c->untyped_data(), c_bytes);
+      e.failure()) {
+    return e;
+  }
+  KernelTensor tensors[8];
+  for (int i = 0; i < 8; ++i) tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), ElementCount(buffers[i])};
+  // b's count exactly (ElementCount saturates at 2**31): L·G weights of N rows, each below 2**31 elements.
+  tensors[1].count = int64_t{dims.l} * dims.g * (buffers[1].dims[2] * buffers[1].dims[3]);
+  int32_t t = dims.t, n = dims.n, k = dims.k, l = dims.l, g = dims.g, max_items = dims.max_items, ret = 0;
+  // fn(a, b, sfa, sfb, items, c, amax, alpha, t, n, k, l, g, max_items, stream) and the kernel's status slot.
+  void* args[16] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5],
+                    &tensors[6], &tensors[7], &t,          &n,          &k,          &l,
+                    &g,          &max_items,  &stream,     &ret};
+  return RunKernel(*state, device, kRaggedTarget, *driver, fn, args, 16, &ret);
+}
+
+}  // namespace
+}  // namespace jbg
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgRaggedInstantiate, jbg::Instantiate,
+                              jbg::BindObjectTable(xla::ffi::Ffi::BindInstantiate())
+                                  .Attr<std::string_view>("ab_dtype")
+                                  .Attr<std::string_view>("c_dtype")
+                                  .Attr<std::string_view>("sf_dtype")
+                                  .Attr<int64_t>("sf_vec_size"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgRaggedExecute, jbg::Execute,
+                              xla::ffi::Ffi::BindExecute()
+                                  .Ctx<xla::ffi::PlatformStream<jbg::CUstream>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Ctx<xla::ffi::State<jbg::KernelObjects>>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // a
+                                  .Arg<xla::ffi::AnyBuffer>()   // b
+                                  .Arg<xla::ffi::AnyBuffer>()   // sfa
+                                  .Arg<xla::ffi::AnyBuffer>()   // sfb
+                                  .Arg<xla::ffi::AnyBuffer>()   // items
+                                  .Arg<xla::ffi::AnyBuffer>()   // alpha
+                                  .Ret<xla::ffi::AnyBuffer>()   // c
+                                  .Ret<xla::ffi::AnyBuffer>(),  // amax
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,46 @@
+// The `jbg_ragged_gemm_amax` XLA FFI handler: the mixture-of-experts GEMM, tokens sorted by group, C[rows of group
+// g] = alpha·(A·sfa)(B[g]·sfb)^T and amax = max|C| per batch, in one launch driven by a table of work items that the
+// program computes on the device (kernels/sm90/ragged.py, op "ragged").
+//
+// INSTANTIATE parses `ab_dtype`, `c_dtype`, `sf_dtype` and `sf_vec_size` (what the objects were compiled for) and
+// loads the object table (kernel_objects.h). EXECUTE checks every buffer, zeroes amax on XLA's stream, poisons C
+// when asked (JAX_BLOCKGEMM_POISON_OUTPUTS) and runs the function. The items' values need no check: the kernel
+// clamps each one into its row tile, below T and below G.
+#ifndef JBG_FFI_RAGGED_H_
+#define JBG_FFI_RAGGED_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "kernel_objects.h"
+
+namespace jbg {
+
+inline constexpr const char kRaggedTarget[] = "jbg_ragged_gemm_amax";
+inline constexpr int64_t kItemFields = 4;  // (row tile, group or -1, first row, end row) per work item
+
+// The launch's sizes: t tokens (rows of A and C), n, the logical k (twice the bytes of a packed FP4 row), l
+// batches, g groups (weights per batch) and max_items work items per batch (the launch's grid rows).
+struct RaggedDims {
+  int32_t t = 0, n = 0, k = 0, l = 0, g = 0, max_items = 0;
+};
+
+// Parses the instantiate attributes into `*out` (alpha is always true: every object takes alpha). The formats are
+// the sm_90a kernel's: FP8 or FP4 codes with E8M0 scales per 32, or FP4 codes with float8_e4m3fn scales per 16.
+// Returns "" or what is wrong.
+std::string ParseRaggedAttributes(std::string_view ab_dtype, std::string_view c_dtype, std::string_view sf_dtype,
+                                  int64_t sf_vec_size, KernelDtypes* out);
+
+// Checks a, b, sfa, sfb, items, c, amax, alpha (the ABI order) against what the kernel reads and writes, for
+// objects compiled for `kernel`; fills `*dims`. Every buffer but b holds fewer than 2**31 elements; b may hold more
+// (TMA addresses it by weight) when one weight (N, K) and L·G fit. Returns "" when they fit, else a message naming
+// the buffer, what it is and what is allowed.
+std::string CheckRaggedBuffers(const BufferDesc (&buffers)[8], const KernelDtypes& kernel, RaggedDims* dims);
+
+}  // namespace jbg
+
+extern "C" XLA_FFI_Error* JbgRaggedInstantiate(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JbgRaggedExecute(XLA_FFI_CallFrame* call_frame);
+
+#endif  // JBG_FFI_RAGGED_H_

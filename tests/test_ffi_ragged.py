@@ -1,0 +1,480 @@
+"""The jbg_ragged_gemm_amax bridge on a CPU machine: the handler's attribute parsing and buffer checks (ffi/ragged.cc,
+through the module's test hooks), its registration with XLA, and emit_ragged's custom call lowered for CUDA."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from jax.extend import core as jex_core
+from jax.interpreters import mlir
+
+from jax_blockgemm import _native, ffi_lowering, kernel_cache
+
+ext = _native.extension()
+
+U8, I32, F32, BF16, F16, E4M3, E5M2 = "uint8", "int32", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"
+FP4, E8M0 = "float4_e2m1fn", "float8_e8m0fnu"
+NVFP4 = dict(sf_dtype=E4M3, sf_vec_size=16)
+# XLA FFI dtype codes (xla/ffi/api/c_api.h).
+CODE = {U8: 6, I32: 4, F32: 11, BF16: 16, F16: 10, E4M3: 20, E5M2: 19}
+
+
+def _cdiv(x, y):
+    return -(-x // y)
+
+
+def _buffers(l, t, n, k, g, max_items, *, ab=E4M3, c=F32, sf=U8, v=32, base=1 << 20):
+    """Well-formed (dtype, dims, address) for a, b, sfa, sfb, items, c, amax, alpha (packed FP4 rows when ab is
+    uint8, a packed FP4 C when c is uint8); addresses 4096 apart."""
+    row = k // 2 if ab == U8 else k
+    k_atoms = _cdiv(_cdiv(k, v), 4)
+    dims = [[l, t, row], [l, g, n, row], [l, _cdiv(t, 128), k_atoms, 32, 4, 4],
+            [l * g, _cdiv(n, 128), k_atoms, 32, 4, 4], [l, max_items, 4], [l, t, n // 2 if c == U8 else n], [l], [l]]
+    dtypes = [ab, ab, sf, sf, I32, c, F32, F32]
+    return [(d, s, base + 4096 * i) for i, (d, s) in enumerate(zip(dtypes, dims))]
+
+
+def _replace(buffers, index, *, dtype=None, dims=None, address=None):
+    out = list(buffers)
+    d, s, p = out[index]
+    out[index] = (dtype or d, s if dims is None else dims, p if address is None else address)
+    return out
+
+
+class RaggedAttributesTest(parameterized.TestCase):
+    """The instantiate stage's attribute parsing: the sm_90a ragged kernel's formats, named by the catalog."""
+
+    @parameterized.parameters(
+        ((E4M3, F32, E8M0, 32), (CODE[E4M3], CODE[F32], CODE[U8], 32, False, False)),
+        ((E5M2, BF16, E8M0, 32), (CODE[E5M2], CODE[BF16], CODE[U8], 32, False, False)),
+        ((E4M3, E5M2, E8M0, 32), (CODE[E4M3], CODE[E5M2], CODE[U8], 32, False, False)),
+        ((FP4, F16, E8M0, 32), (CODE[U8], CODE[F16], CODE[U8], 32, True, False)),
+        ((FP4, FP4, E4M3, 16), (CODE[U8], CODE[U8], CODE[E4M3], 16, True, True)),
+        ((E4M3, FP4, E8M0, 32), (CODE[E4M3], CODE[U8], CODE[U8], 32, False, True)))
+    def test_attributes_map_to_buffer_dtypes(self, args, want):
+        """FP4 codes and an FP4 C travel as uint8, E8M0 scales as uint8, NVFP4's as float8_e4m3fn; every object
+        takes alpha."""
+        self.assertEqual(ext.parse_ragged_attributes(*args), (*want, True))
+
+    @parameterized.parameters(
+        (("float16", F32, E8M0, 32), 'ab_dtype "float16" is not supported; expected float8_e4m3fn, float8_e5m2 or '
+                                     'float4_e2m1fn'),
+        (("uint8", F32, E8M0, 32), 'ab_dtype "uint8" is not supported'),
+        ((E4M3, "int32", E8M0, 32), 'c_dtype "int32" is not supported; expected float32, bfloat16, float16, '
+                                    'float8_e4m3fn, float8_e5m2 or float4_e2m1fn'),
+        ((E4M3, F32, E4M3, 16), 'sf_dtype "float8_e4m3fn" with sf_vec_size 16 is not supported for ab_dtype '
+                                'float8_e4m3fn; expected float8_e8m0fnu with 32, or \\(float4_e2m1fn codes only\\) '
+                                'float8_e4m3fn with 16'),
+        ((E4M3, F32, E8M0, 16), 'sf_dtype "float8_e8m0fnu" with sf_vec_size 16 is not supported'),
+        ((FP4, F32, E8M0, 16), 'sf_dtype "float8_e8m0fnu" with sf_vec_size 16 is not supported for ab_dtype '
+                               'float4_e2m1fn'),
+        ((FP4, F32, E4M3, 32), 'sf_dtype "float8_e4m3fn" with sf_vec_size 32 is not supported'),
+        ((FP4, F32, "bfloat16", 32), 'sf_dtype "bfloat16" with sf_vec_size 32 is not supported'))
+    def test_attributes_are_refused_by_name(self, args, message):
+        with self.assertRaisesRegex(ValueError, "^jbg_ragged_gemm_amax attributes: " + message):
+            ext.parse_ragged_attributes(*args)
+
+
+class RaggedBufferCheckTest(parameterized.TestCase):
+    """The execute stage's buffer checks (ffi/ragged.cc), through the test hook."""
+
+    @parameterized.parameters(
+        (1, 1, 1, 16, 1, 1, E4M3, F32), (2, 200, 72, 160, 3, 5, E5M2, BF16), (3, 129, 300, 4096, 8, 10, E4M3, F16),
+        (1, 64, 30, 96, 2, 3, E4M3, E4M3), (2, 256, 64, 128, 4, 6, E5M2, E5M2), (1, 7, 40, 64, 3, 4, E4M3, U8))
+    def test_well_formed_fp8(self, l, t, n, k, g, max_items, ab, c):
+        """The dims are (t, n, k, l, g, max_items): G from b, max_items from items."""
+        c_dtype = FP4 if c == U8 else c
+        got = ext.check_ragged_buffers(_buffers(l, t, n, k, g, max_items, ab=ab, c=c), ab, c_dtype)
+        self.assertEqual(got, ("", (t, n, k, l, g, max_items)))
+
+    @parameterized.parameters((False, F32), (True, BF16), (False, U8), (True, U8))
+    def test_well_formed_fp4(self, nvfp4, c):
+        """Packed FP4 codes (L, T, K/2) and (L, G, N, K/2) uint8: k counts codes; NVFP4 scales are float8_e4m3fn
+        per 16."""
+        l, t, n, k, g = 2, 130, 48, 96, 3
+        kwargs = dict(sf=E4M3, v=16) if nvfp4 else {}
+        buffers = _buffers(l, t, n, k, g, 4, ab=U8, c=c, **kwargs)
+        got = ext.check_ragged_buffers(buffers, FP4, FP4 if c == U8 else c, **(NVFP4 if nvfp4 else {}))
+        self.assertEqual(got, ("", (t, n, k, l, g, 4)))
+
+    def test_each_violation_is_named(self):
+        good = _buffers(2, 200, 72, 160, 3, 5)  # sfa (2, 2, 2, 32, 4, 4), sfb (6, 1, 2, 32, 4, 4)
+        fp4 = _buffers(2, 200, 72, 160, 3, 5, ab=U8)
+        fp4_c = _buffers(2, 200, 72, 160, 3, 5, c=U8)
+        cases = [
+            (good, _replace(good, 0, dtype=E5M2), r"a is float8_e5m2 \(2, 200, 160\); the kernel objects were "
+                                                  r"compiled for float8_e4m3fn codes"),
+            (good, _replace(good, 0, dtype=U8), r"a is uint8 .*compiled for float8_e4m3fn codes"),
+            (fp4, _replace(fp4, 0, dtype=E4M3), r"a is float8_e4m3fn .*compiled for float4_e2m1fn codes \(uint8 "
+                                                r"pairs\)"),
+            (good, _replace(good, 0, dims=[200, 160]), r"a is .*expected rank 3 \(L, T, K\)"),
+            (fp4, _replace(fp4, 0, dims=[200, 80]), r"a is .*expected rank 3 \(L, T, K/2\)"),
+            (good, _replace(good, 0, dims=[2, 0, 160]), r"a is .*expected every dimension >= 1"),
+            (good, _replace(good, 0, dims=[2, 200, 152]), r"a is float8_e4m3fn \(2, 200, 152\); expected K a "
+                                                          r"multiple of 16"),
+            (fp4, _replace(fp4, 0, dims=[2, 200, 72]), r"a is uint8 \(2, 200, 72\); expected K a multiple of 32 "
+                                                       r"\(16-byte rows of packed FP4 codes\)"),
+            (good, _replace(good, 1, dtype=E5M2), r"b is float8_e5m2 .*compiled for float8_e4m3fn codes"),
+            (good, _replace(good, 1, dims=[6, 72, 160]), r"b is float8_e4m3fn \(6, 72, 160\); expected \(L, G, N, "
+                                                         r"K\) = \(2, G >= 1, N >= 1, 160\)"),
+            (good, _replace(good, 1, dims=[1, 3, 72, 160]), r"b is .*expected \(L, G, N, K\) = \(2, "),
+            (good, _replace(good, 1, dims=[2, 3, 72, 128]), r"b is .*expected \(L, G, N, K\) = \(2, G >= 1, N >= 1, "
+                                                            r"160\)"),
+            (good, _replace(good, 1, dims=[2, 0, 72, 160]), r"b is .*expected \(L, G, N, K\)"),
+            (fp4, _replace(fp4, 1, dims=[2, 3, 72, 160]), r"b is uint8 .*expected \(L, G, N, K/2\) = \(2, G >= 1, "
+                                                          r"N >= 1, 80\)"),
+            (good, _replace(good, 2, dtype=E4M3), r"sfa is float8_e4m3fn .*expected uint8 E8M0 scale bytes"),
+            (good, _replace(good, 2, dims=[2, 1, 2, 32, 4, 4]), r"sfa is uint8 \(2, 1, 2, 32, 4, 4\); expected "
+                                                                r"\(2, 2, 2, 32, 4, 4\) \(L, ceil\(T/128\), "
+                                                                r"ceil\(ceil\(K/32\)/4\), 32, 4, 4\)"),
+            (good, _replace(good, 2, dims=[2, 200, 5]), r"sfa is .*expected \(2, 2, 2, 32, 4, 4\)"),
+            (good, _replace(good, 3, dtype=F32), r"sfb is float32 .*expected uint8 E8M0 scale bytes"),
+            (good, _replace(good, 3, dims=[2, 1, 2, 32, 4, 4]), r"sfb is uint8 \(2, 1, 2, 32, 4, 4\); expected "
+                                                                r"\(6, 1, 2, 32, 4, 4\) \(L\*G, ceil\(N/128\), "
+                                                                r"ceil\(ceil\(K/32\)/4\), 32, 4, 4\): the 128x4 scale "
+                                                                r"atom of b's L\*G weights"),
+            (good, _replace(good, 3, dims=[6, 1, 1, 32, 4, 4]), r"sfb is .*expected \(6, 1, 2, 32, 4, 4\)"),
+            (good, _replace(good, 4, dtype=F32), r"items is float32 \(2, 5, 4\); expected int32 work items"),
+            (good, _replace(good, 4, dtype=U8), r"items is uint8 .*expected int32"),
+            (good, _replace(good, 4, dims=[10, 4]), r"items is int32 \(10, 4\); expected \(L, max_items, 4\) = "
+                                                    r"\(2, max_items >= 1, 4\)"),
+            (good, _replace(good, 4, dims=[2, 5, 3]), r"items is int32 \(2, 5, 3\); expected \(L, max_items, 4\)"),
+            (good, _replace(good, 4, dims=[1, 5, 4]), r"items is int32 \(1, 5, 4\); expected \(L, max_items, 4\)"),
+            (good, _replace(good, 4, dims=[2, 0, 4]), r"items is int32 \(2, 0, 4\); expected \(L, max_items, 4\)"),
+            (good, _replace(good, 5, dtype=BF16), r"c is bfloat16 .*compiled for a float32 C"),
+            (good, _replace(good, 5, dims=[2, 72, 200]), r"c is float32 \(2, 72, 200\); expected \(2, 200, 72\) "
+                                                         r"\(L, T, N\)"),
+            (fp4_c, _replace(fp4_c, 5, dtype=F32), r"c is float32 .*compiled for a float4_e2m1fn C \(uint8 pairs\)"),
+            (fp4_c, _replace(fp4_c, 5, dims=[2, 200, 72]), r"c is uint8 \(2, 200, 72\); expected \(2, 200, 36\) "
+                                                           r"\(L, T, N/2\): packed FP4 pairs"),
+            (good, _replace(good, 6, dims=[1]), r"amax is float32 \(1,\); expected float32 \(2,\) \(L,\)"),
+            (good, _replace(good, 6, dtype=BF16), r"amax is bfloat16 .*expected float32 \(2,\)"),
+            (good, _replace(good, 7, dtype=U8), r"alpha is uint8 .*expected float32 \(2,\)"),
+            (good, _replace(good, 7, dims=[2, 1]), r"alpha is float32 \(2, 1\); expected float32 \(2,\)"),
+            (good, _replace(good, 7, address=(1 << 20) + 7 * 4096 + 4), r"alpha is .* at address .*; expected a "
+                                                                       r"16-byte aligned pointer"),
+            (good, _replace(good, 4, address=(1 << 20) + 4 * 4096 + 8), r"items is .* at address .*16-byte aligned"),
+            (good, _replace(good, 0, address=0), r"a is .* at address 0; expected a 16-byte aligned pointer"),
+        ]
+        self.assertEqual(ext.check_ragged_buffers(good, E4M3, F32)[0], "")
+        self.assertEqual(ext.check_ragged_buffers(fp4, FP4, F32)[0], "")
+        self.assertEqual(ext.check_ragged_buffers(fp4_c, E4M3, FP4)[0], "")
+        for base, buffers, message in cases:
+            with self.subTest(message=message):
+                ab, c = (FP4 if base is fp4 else E4M3), (FP4 if base is fp4_c else F32)
+                got, dims = ext.check_ragged_buffers(buffers, ab, c)
+                self.assertRegex(got, "^jbg_ragged_gemm_amax: " + message)
+                self.assertEqual(dims, (0, 0, 0, 0, 0, 0))  # nothing to launch with
+
+    def test_odd_n_with_an_fp4_c_names_b(self):
+        """N, b's dimension, must be even for a packed FP4 C: an (L, T, (N-1)/2) C does not make 71 columns fit."""
+        buffers = _buffers(2, 200, 71, 160, 3, 5, c=U8)
+        self.assertEqual(buffers[5][1], [2, 200, 35])
+        self.assertRegex(ext.check_ragged_buffers(buffers, E4M3, FP4)[0],
+                         r"^jbg_ragged_gemm_amax: b is float8_e4m3fn \(2, 3, 71, 160\); expected N even for a packed "
+                         r"FP4 C \(two codes per byte\)")
+        self.assertEqual(ext.check_ragged_buffers(_buffers(2, 200, 71, 160, 3, 5), E4M3, F32)[0], "")
+
+    def test_nvfp4_scales_must_be_e4m3(self):
+        buffers = _buffers(1, 64, 32, 64, 2, 3, ab=U8, v=16)  # uint8 scales for NVFP4 objects
+        self.assertRegex(ext.check_ragged_buffers(buffers, FP4, F32, **NVFP4)[0],
+                         r"^jbg_ragged_gemm_amax: sfa is uint8 .*expected float8_e4m3fn scales \(NVFP4\)")
+        buffers = _replace(_buffers(1, 64, 32, 64, 2, 3, ab=U8, sf=E4M3, v=16), 3, dtype=U8)
+        self.assertRegex(ext.check_ragged_buffers(buffers, FP4, F32, **NVFP4)[0],
+                         r"^jbg_ragged_gemm_amax: sfb is uint8 .*expected float8_e4m3fn scales \(NVFP4\)")
+
+    def test_scale_blocks_follow_the_objects(self):
+        """K = 192: 6 E8M0 blocks of 32 (2 atoms of 4) but 12 NVFP4 blocks of 16 (3 atoms)."""
+        mx = _buffers(1, 128, 128, 192, 2, 3, ab=U8)
+        self.assertEqual(mx[2][1], [1, 1, 2, 32, 4, 4])
+        self.assertEqual(ext.check_ragged_buffers(mx, FP4, F32)[0], "")
+        nv = _replace(_replace(mx, 2, dtype=E4M3), 3, dtype=E4M3)
+        self.assertRegex(ext.check_ragged_buffers(nv, FP4, F32, **NVFP4)[0],
+                         r"sfa is float8_e4m3fn \(1, 1, 2, 32, 4, 4\); expected \(1, 1, 3, 32, 4, 4\) \(L, "
+                         r"ceil\(T/128\), ceil\(ceil\(K/16\)/4\)")
+
+    def test_element_counts_fit_int32(self):
+        """Buffers of 2**31 elements are refused even though every dimension fits an int32: C, a packed FP4 C whose
+        logical (L, T, N) is that large, one weight (N, K) of b, and L·G batches of weights."""
+        big_c = _buffers(1, 1 << 16, 1 << 15, 16, 1, 1, c=BF16)
+        self.assertRegex(ext.check_ragged_buffers(big_c, E4M3, BF16)[0],
+                         r"^jbg_ragged_gemm_amax: c is bfloat16 \(1, 65536, 32768\); expected fewer than 2\*\*31")
+        fp4_c = _buffers(1, 1 << 16, 1 << 15, 16, 1, 1, c=U8)
+        self.assertRegex(ext.check_ragged_buffers(fp4_c, E4M3, FP4)[0],
+                         r"^jbg_ragged_gemm_amax: c is uint8 \(1, 65536, 16384\); expected fewer than 2\*\*31 elements "
+                         r"in \(L, T, N\)")
+        self.assertEqual(ext.check_ragged_buffers(_buffers(1, 1 << 16, 1 << 14, 16, 1, 1, c=U8), E4M3, FP4)[0], "")
+        big_weight = _buffers(1, 128, 1 << 16, 1 << 15, 1, 1)
+        self.assertRegex(ext.check_ragged_buffers(big_weight, E4M3, F32)[0],
+                         r"^jbg_ragged_gemm_amax: b is float8_e4m3fn \(1, 1, 65536, 32768\); expected one weight "
+                         r"\(N, K\) of fewer than 2\*\*31 elements")
+        fp4_weight = _buffers(1, 128, 1 << 16, 1 << 15, 1, 1, ab=U8)  # 2**30 bytes, but 2**31 codes
+        self.assertRegex(ext.check_ragged_buffers(fp4_weight, FP4, F32)[0],
+                         r"^jbg_ragged_gemm_amax: b is uint8 \(1, 1, 65536, 16384\); expected one weight")
+        many = _buffers(2, 128, 1, 16, 1 << 30, 1)
+        self.assertRegex(ext.check_ragged_buffers(many, E4M3, F32)[0],
+                         r"^jbg_ragged_gemm_amax: b is float8_e4m3fn \(2, 1073741824, 1, 16\); expected L\*G below "
+                         r"2\*\*31")
+
+    def test_weights_past_int32_elements_are_taken(self):
+        """b as a whole may hold 2**31 elements or more (TMA addresses it by weight): 160 weights of 2048 x 7168."""
+        buffers = _buffers(1, 512, 2048, 7168, 160, 164)
+        self.assertGreaterEqual(np.prod(buffers[1][1]), 2**31)
+        self.assertEqual(ext.check_ragged_buffers(buffers, E4M3, F32),
+                         ("", (512, 2048, 7168, 1, 160, 164)))
+
+    def test_hook_takes_eight_buffers(self):
+        with self.assertRaisesRegex(ValueError, "expected 8 buffers"):
+            ext.check_ragged_buffers(_buffers(1, 1, 1, 16, 1, 1)[:7], E4M3, F32)
+        with self.assertRaisesRegex(ValueError, "jbg_ragged_gemm_amax attributes: c_dtype"):
+            ext.check_ragged_buffers(_buffers(1, 1, 1, 16, 1, 1), E4M3, "int32")
+
+
+class RaggedModuleTest(absltest.TestCase):
+
+    def test_target_is_registered_under_one_name(self):
+        self.assertEqual(ext.RAGGED_TARGET, "jbg_ragged_gemm_amax")
+        self.assertEqual(_native.RAGGED_TARGET, ext.RAGGED_TARGET)
+        self.assertEqual(ffi_lowering.RAGGED_TARGET, ext.RAGGED_TARGET)
+        self.assertEqual(set(ext.ffi_targets()["jbg_ragged_gemm_amax"]), {"instantiate", "execute"})
+        self.assertIn(jax.export.DisabledSafetyCheck.custom_call("jbg_ragged_gemm_amax"),
+                      ffi_lowering.export_disabled_checks())
+
+    def test_execute_handler_is_command_buffer_compatible(self):
+        _, _, traits = ext.handler_metadata("jbg_ragged_gemm_amax", "execute")
+        self.assertEqual(traits & ext.TRAIT_COMMAND_BUFFER_COMPATIBLE, ext.TRAIT_COMMAND_BUFFER_COMPATIBLE)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# emit_ragged lowered for CUDA without a GPU
+
+
+@dataclasses.dataclass(frozen=True)
+class StandInRaggedVariant:
+    """The fields of a catalog.KernelVariant that the lowering reads."""
+    arch: str
+    op: str = "ragged"
+    ab_dtype: str = E4M3
+    c_dtype: str = F32
+    sf_vec_size: int = 32
+    sf_dtype: str = E8M0
+
+    @property
+    def key(self):
+        return f"standin.{self.op}.{self.arch}"
+
+    @property
+    def function_prefix(self):
+        return f"jbg_standin_{self.op}_{self.arch}"
+
+
+# A tiny primitive whose CUDA lowering is emit_ragged; abstract eval gives c (L, T, N) (packed: N/2) and amax.
+_ragged_test_p = jex_core.Primitive("jbg_test_ragged")
+_ragged_test_p.multiple_results = True
+
+
+@_ragged_test_p.def_abstract_eval
+def _abstract_eval(a, b, sfa, sfb, items, alpha, *, variants, c_dtype, c_cols):
+    l, t = a.shape[:2]  # whatever a's rank: emit_ragged is the one to refuse it
+    return jax.core.ShapedArray((l, t, c_cols), c_dtype), jax.core.ShapedArray((l,), jnp.float32)
+
+
+mlir.register_lowering(_ragged_test_p, lambda ctx, *ops, variants, c_dtype, c_cols: ffi_lowering.emit_ragged(
+    ctx, *ops, variants=variants), platform="cuda")
+
+_NAMES = ("archs", "function_prefixes", "objects", "offsets", "ab_dtype", "c_dtype", "sf_dtype", "sf_vec_size")
+
+
+def _operands(l=2, t=200, n=72, k=160, g=3, max_items=5, *, ab=jnp.float8_e4m3fn, sf=jnp.uint8, v=32):
+    sd = jax.ShapeDtypeStruct
+    row = k // 2 if ab == jnp.uint8 else k
+    k_atoms = _cdiv(_cdiv(k, v), 4)
+    return (sd((l, t, row), ab), sd((l, g, n, row), ab), sd((l, _cdiv(t, 128), k_atoms, 32, 4, 4), sf),
+            sd((l * g, _cdiv(n, 128), k_atoms, 32, 4, 4), sf), sd((l, max_items, 4), jnp.int32), sd((l,), jnp.float32))
+
+
+def _function(variants, c_dtype, c_cols):
+    return jax.jit(lambda *x: _ragged_test_p.bind(*x, variants=tuple(variants), c_dtype=np.dtype(c_dtype),
+                                                  c_cols=c_cols))
+
+
+def _lower(operands, variants, c_dtype=jnp.float32, c_cols=None):
+    c_cols = operands[1].shape[2] if c_cols is None else c_cols
+    with mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()):
+        return _function(variants, c_dtype, c_cols).trace(*operands).lower(lowering_platforms=("cuda",))
+
+
+def _walk(op):
+    for region in op.regions:
+        for block in region:
+            for child in block:
+                yield child
+                yield from _walk(child)
+
+
+def _custom_call(lowered, target="jbg_ragged_gemm_amax"):
+    """(attributes, operand types, result types) of the one `target` custom call in `lowered`."""
+    calls = [op for op in _walk(lowered.compiler_ir("stablehlo").operation)
+             if op.name == "stablehlo.custom_call" and str(op.attributes["call_target_name"]) == f'"{target}"']
+    assert len(calls) == 1, lowered.as_text()
+    config = calls[0].attributes["mhlo.backend_config"]  # jax's encoding of typed-FFI attributes
+    attrs = {name: config[name] for name in _NAMES}
+    attrs = {k: (np.array(v) if k in ("objects", "offsets") else str(v).strip('"')) for k, v in attrs.items()}
+    return attrs, [str(x.type) for x in calls[0].operands], [str(r.type) for r in calls[0].results]
+
+
+class EmitRaggedTest(absltest.TestCase):
+    """emit_ragged: the custom call, its attributes and the contract it refuses to break."""
+
+    def test_custom_call_carries_the_objects_and_what_they_were_compiled_for(self):
+        variants = (StandInRaggedVariant("sm_90a"), StandInRaggedVariant("sm_100a"))
+        lowered = _lower(_operands(), variants)
+        text = lowered.as_text(dialect="hlo")
+        self.assertRegex(text, r'custom_call_target="jbg_ragged_gemm_amax".*api_version=API_VERSION_TYPED_FFI')
+        attrs, operands, results = _custom_call(lowered)
+        self.assertEqual(attrs["archs"], "sm_100a,sm_90a")  # sorted by arch
+        self.assertEqual(attrs["function_prefixes"], "jbg_standin_ragged_sm_100a,jbg_standin_ragged_sm_90a")
+        self.assertEqual(attrs["objects"].tobytes(), b"standin.ragged.sm_100astandin.ragged.sm_90a")
+        np.testing.assert_array_equal(attrs["offsets"], [0, 22, 43])
+        self.assertEqual((attrs["ab_dtype"], attrs["c_dtype"], attrs["sf_dtype"]), (E4M3, F32, E8M0))
+        self.assertEqual(attrs["sf_vec_size"], "32 : i64")
+        self.assertEqual(operands, ["tensor<2x200x160xf8E4M3FN>", "tensor<2x3x72x160xf8E4M3FN>",
+                                    "tensor<2x2x2x32x4x4xui8>", "tensor<6x1x2x32x4x4xui8>", "tensor<2x5x4xi32>",
+                                    "tensor<2xf32>"])
+        self.assertEqual(results, ["tensor<2x200x72xf32>", "tensor<2xf32>"])
+
+    def test_packed_fp4_nvfp4_with_an_fp4_c(self):
+        variant = StandInRaggedVariant("sm_90a", ab_dtype=FP4, c_dtype=FP4, sf_vec_size=16, sf_dtype=E4M3)
+        operands = _operands(n=72, k=128, ab=jnp.uint8, sf=jnp.float8_e4m3fn, v=16)
+        attrs, types, results = _custom_call(_lower(operands, [variant], c_dtype=jnp.uint8, c_cols=36))
+        self.assertEqual((attrs["ab_dtype"], attrs["c_dtype"], attrs["sf_dtype"], attrs["sf_vec_size"]),
+                         (FP4, FP4, E4M3, "16 : i64"))
+        self.assertEqual(types[:4], ["tensor<2x200x64xui8>", "tensor<2x3x72x64xui8>", "tensor<2x2x2x32x4x4xf8E4M3FN>",
+                                     "tensor<6x1x2x32x4x4xf8E4M3FN>"])
+        self.assertEqual(results, ["tensor<2x200x36xui8>", "tensor<2xf32>"])
+
+    def test_catalog_variant(self):
+        """A real catalog entry of op "ragged" lowers the same way (its key names the object)."""
+        try:
+            from jax_blockgemm.kernels import catalog
+        except ImportError as e:
+            self.skipTest(f"CuTeDSL is not importable: {e}")
+        variant = catalog.KernelVariant(op="ragged", arch="sm_90a", ab_dtype=E5M2, c_dtype=BF16, sf_vec_size=32,
+                                        sf_dtype=E8M0)
+        attrs, _, results = _custom_call(_lower(_operands(ab=jnp.float8_e5m2), [variant], c_dtype=jnp.bfloat16))
+        self.assertEqual(attrs["function_prefixes"], variant.function_prefix)
+        self.assertEqual(attrs["objects"].tobytes(), variant.key.encode())
+        self.assertEqual((attrs["ab_dtype"], attrs["c_dtype"]), (E5M2, BF16))
+        self.assertEqual(results[0], "tensor<2x200x72xbf16>")
+
+    def test_refuses_what_the_handler_would(self):
+        ok = StandInRaggedVariant("sm_90a")
+        good = _operands()
+        sd = jax.ShapeDtypeStruct
+
+        def swap(i, aval):
+            return good[:i] + (aval,) + good[i + 1:]
+
+        cases = [
+            (swap(0, sd((200, 160), jnp.float8_e4m3fn)), [ok], {}, r"a \(L, T, K\)"),
+            (swap(1, sd((6, 72, 160), jnp.float8_e4m3fn)), [ok], {}, r"b \(L, G, N, K\)"),
+            (swap(1, sd((2, 3, 72, 128), jnp.float8_e4m3fn)), [ok], {}, r"b \(L, G, N, K\)"),
+            (swap(1, sd((2, 3, 72, 160), jnp.float8_e5m2)), [ok], {}, "of a's dtype"),
+            (swap(2, sd((2, 2, 10), jnp.uint8)), [ok], {}, r"sfa and sfb in the 128x4 atom form \(rank 6\)"),
+            (swap(3, sd((6, 1, 2, 32, 4, 4), jnp.float8_e4m3fn)), [ok], {}, "of one dtype"),
+            (swap(4, sd((2, 5, 4), jnp.uint32)), [ok], {}, r"items \(2, max_items >= 1, 4\) int32"),
+            (swap(4, sd((10, 4), jnp.int32)), [ok], {}, r"items \(2, max_items >= 1, 4\) int32"),
+            (swap(4, sd((2, 5, 3), jnp.int32)), [ok], {}, r"items \(2, max_items >= 1, 4\) int32"),
+            (swap(5, sd((1,), jnp.float32)), [ok], {}, r"alpha \(2,\) float32"),
+            (swap(5, sd((2,), jnp.bfloat16)), [ok], {}, r"alpha \(2,\) float32"),
+            (good, [ok], dict(c_cols=71), r"results c \(2, 200, 72\)"),
+            (_operands(n=71), [StandInRaggedVariant("sm_90a", c_dtype=FP4)], dict(c_dtype=jnp.uint8, c_cols=35),
+             "N = 71 is odd"),
+            (good, [StandInRaggedVariant("sm_90a", c_dtype=BF16)], {}, r"not a ragged kernel compiled for the "
+                                                                        r"call's \('float8_e4m3fn', 'float32'"),
+            (good, [StandInRaggedVariant("sm_90a", op="gemm_amax")], {}, "not a ragged kernel"),
+            (good, [ok, StandInRaggedVariant("sm_100a", sf_vec_size=16)], {}, r"variant 'standin.ragged.sm_90a' is "
+                                                                             r"not a ragged kernel compiled for"),
+            (good, [], {}, "at least one variant"),
+        ]
+        for operands, variants, kwargs, message in cases:
+            with self.subTest(message=message), self.assertRaisesRegex(ValueError, message):
+                _lower(operands, variants, **kwargs)
+
+    def test_export_names_the_target(self):
+        with mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()):
+            exported = jax.export.export(_function([StandInRaggedVariant("sm_90a")], jnp.float32, 72),
+                                         platforms=("cuda",),
+                                         disabled_checks=ffi_lowering.export_disabled_checks())(*_operands())
+        self.assertIn("stablehlo.custom_call @jbg_ragged_gemm_amax", exported.mlir_module())
+        self.assertEqual([a.shape for a in exported.out_avals], [(2, 200, 72), (2,)])
+
+
+# The lowering's attributes, given to the real instantiate stage by XLA:CPU in a fresh process: well-formed ones
+# reach the device query (no GPU here), malformed ones are refused by name.
+_XLA_PROBE = textwrap.dedent("""
+    import types
+    import jax, jax.numpy as jnp, numpy as np
+    from jax_blockgemm import _native, ffi_lowering
+    jax.devices()  # start the CPU client so that the registrations below reach XLA now
+    _native.register_ffi_targets(platform="cpu")
+    l, t, n, k, g = 1, 200, 72, 160, 3
+    ops = (jnp.zeros((l, t, k), jnp.float8_e4m3fn), jnp.zeros((l, g, n, k), jnp.float8_e4m3fn),
+           jnp.zeros((l, 2, 2, 32, 4, 4), jnp.uint8), jnp.zeros((l * g, 1, 2, 32, 4, 4), jnp.uint8),
+           jnp.zeros((l, 5, 4), jnp.int32), jnp.ones((l,), jnp.float32))
+    out = (jax.ShapeDtypeStruct((l, t, n), jnp.float32), jax.ShapeDtypeStruct((l,), jnp.float32))
+    for name, ab_dtype, sf_vec_size in (("GOOD", "float8_e4m3fn", 32), ("BADAB", "float16", 32),
+                                        ("BADSF", "float8_e4m3fn", 16)):
+        variant = types.SimpleNamespace(op="ragged", arch="sm_90a", key="p90", function_prefix="p90",
+                                        ab_dtype=ab_dtype, c_dtype="float32", sf_dtype="float8_e8m0fnu",
+                                        sf_vec_size=sf_vec_size)
+        attributes = ffi_lowering.ragged_attributes([variant], [b"x" * 1000], ab_dtype=np.dtype(ab_dtype),
+                                                    c_dtype=np.float32, sf_dtype="float8_e8m0fnu",
+                                                    sf_vec_size=sf_vec_size)
+        call = jax.ffi.ffi_call("jbg_ragged_gemm_amax", out)
+        try:
+            jax.jit(lambda *x: call(*x, **attributes))(*ops)
+            print(name, "RAN")
+        except Exception as e:
+            print(name, " ".join(str(e).split())[:500])
+""")
+
+
+class XlaInstantiateTest(absltest.TestCase):
+    """Registers the real handlers with XLA:CPU (in a fresh process) so that XLA runs the instantiate stage on the
+    attributes ragged_attributes makes: its names and types are the ones the handler binds."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env.pop("XLA_FLAGS", None)
+        proc = subprocess.run([sys.executable, "-c", _XLA_PROBE], capture_output=True, text=True, env=env,
+                              timeout=120)
+        cls.output = proc.stdout + proc.stderr
+        cls.lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in proc.stdout.splitlines() if " " in line}
+
+    def test_well_formed_attributes_reach_the_device_query(self):
+        good = self.lines.get("GOOD", self.output)
+        self.assertNotIn("RAN", good)
+        self.assertNotIn("attributes", good)
+        self.assertRegex(good, r"jbg_ragged_gemm_amax: (cannot load the CUDA driver|cuInit failed|cuDeviceGetCount|no "
+                               r"kernel)")
+
+    def test_malformed_attributes_are_invalid_arguments(self):
+        self.assertRegex(self.lines.get("BADAB", self.output),
+                         r'INVALID_ARGUMENT: jbg_ragged_gemm_amax attributes: ab_dtype "float16" is not supported')
+        self.assertRegex(self.lines.get("BADSF", self.output),
+                         r'INVALID_ARGUMENT: jbg_ragged_gemm_amax attributes: sf_dtype "float8_e8m0fnu" with '
+                         r"sf_vec_size 16 is not supported")
+
+
+if __name__ == "__main__":
+    absltest.main()
