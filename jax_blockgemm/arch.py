@@ -25,7 +25,7 @@ import sys
 from typing import Iterator, Literal, Mapping, Optional
 
 Choice = Literal["kernel", "reference"]
-OPS = ("gemm_amax", "proj_rope")
+OPS = ("gemm_amax", "proj_rope", "ragged")
 DECODE_OP = "weight_stream"
 DECODE_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")  # the weight formats the decode kernel reads
 
@@ -51,7 +51,7 @@ class ArchPolicy:
 TABLE: tuple[ArchPolicy, ...] = (
     ArchPolicy(
         capability="9.0", target="sm_90a", verified=True,
-        default={"gemm_amax": "reference", "proj_rope": "kernel"},
+        default={"gemm_amax": "reference", "proj_rope": "kernel", "ragged": "kernel"},
         proj_rope_tile=(128, 192), proj_rope_schedule="staged",
         # H200, weight_only_matmul inside a many-weight program (docs/performance.md, decode and tune): the kernel
         # beats the reference at M = 1, 16 and 64 in every format, except MXFP8 at M = 64 with K = 2048 (one
@@ -59,16 +59,17 @@ TABLE: tuple[ArchPolicy, ...] = (
         decode_max_m={"mxfp8_e4m3": 64, "mxfp8_e5m2": 64, "mxfp4": 64, "nvfp4": 64},
         why="H200: the proj_rope kernel is faster than the reference at every measured shape; MX gemm_amax is "
             "bound by the bf16 tensor rate there, where XLA's dot is as fast as ours (docs/design/gemm_amax.md); "
-            "the decode kernel is faster than the reference up to the M shown (docs/design/decode.md)"),
+            "the decode kernel is faster than the reference up to the M shown (docs/design/decode.md); the ragged "
+            "kernel is faster than the reference's tile loop (docs/design/moe.md)"),
     ArchPolicy(
         capability="10.0", target="sm_100a", verified=False,
-        default={"gemm_amax": "reference", "proj_rope": "reference"},
+        default={"gemm_amax": "reference", "proj_rope": "reference", "ragged": "reference"},
         proj_rope_tile=(128, 192), scaled_dot_min_size=0, decode_max_m={fmt: 0 for fmt in DECODE_FORMATS},
         why="B200: our kernels compiled, never run here, so never the default; MXFP8 E4M3 GEMMs through XLA's "
             "block-scaled dot (cuDNN on the FP8 tensor cores), unmeasured here"),
     ArchPolicy(
         capability="10.3", target=None, verified=False,
-        default={"gemm_amax": "reference", "proj_rope": "reference"},
+        default={"gemm_amax": "reference", "proj_rope": "reference", "ragged": "reference"},
         scaled_dot_min_size=0,
         why="B300: no kernel of ours; MXFP8 E4M3 GEMMs through XLA's block-scaled dot, unmeasured here"),
 )
@@ -151,13 +152,14 @@ def _decode_cell(p: ArchPolicy) -> str:
 def markdown_table() -> str:
     """The table as the docs show it: one row per compute capability."""
     lines = ["| compute capability | kernel target | kernels verified on it | None: gemm_amax | None: proj_rope "
-             "| None: decode (weight-only, small-M gemm_amax) | reference's MXFP8 E4M3 GEMM | proj_rope tile, schedule "
-             "| why |", "|---|---|---|---|---|---|---|---|---|"]
+             "| None: decode (weight-only, small-M gemm_amax) | None: ragged | reference's MXFP8 E4M3 GEMM "
+             "| proj_rope tile, schedule | why |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in TABLE:
         tile = f"{p.proj_rope_tile[0]}x{p.proj_rope_tile[1]}, {p.proj_rope_schedule or 'default'}" if p.target else "-"
         gemm = "bf16 dot" if p.scaled_dot_min_size is None else "jax.lax.scaled_dot"
         lines.append(f"| {p.capability} | {p.target or '-'} | {'yes' if p.verified else 'no (self-checked first)'} "
-                     f"| {p.default['gemm_amax']} | {p.default['proj_rope']} | {_decode_cell(p)} | {gemm} | {tile} "
+                     f"| {p.default['gemm_amax']} | {p.default['proj_rope']} | {_decode_cell(p)} "
+                     f"| {p.default['ragged']} | {gemm} | {tile} "
                      f"| {p.why} |")
     return "\n".join(lines)
 

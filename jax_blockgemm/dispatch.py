@@ -275,12 +275,40 @@ def decode_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, a
                           shapes=(("x", (l, m, k)), ("b", b.shape), ("sfb", sfb.shape), ("c", (l, m, n))))
 
 
-def ragged_kernels(avals_in: Sequence[Any], *, implementation: Any, **_: Any) -> KernelChoice:
-    """The kernel for a ragged_gemm_amax call (tokens sorted by group times per-group weights): none exists yet, so
-    every device runs the reference. A grouped kernel, when one is added, is chosen here."""
+def ragged_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, k: int, implementation: Any,
+                   **_: Any) -> KernelChoice:
+    """The grouped kernel variants (one per covered architecture) for a canonical ragged_gemm_amax call: a (L, T, K)
+    codes (packed FP4: uint8), b (L, G, N, K), compact scales sfa (L, T, KB) and sfb (L, G, N, KB)."""
     if implementation == "xla":
         return KernelChoice(reason="implementation='xla' forces the reference")
-    return KernelChoice(reason="no ragged kernel yet: ragged_gemm_amax runs the reference on every device")
+    forced = getattr(_FORCED, "variants", None)
+    if forced is not None and implementation == "cutedsl":
+        return KernelChoice(variants=tuple(v for v in forced if v.op == "ragged"))
+    a, b, sfa = avals_in[:3]
+    l, t = a.shape[:2]
+    g, n = b.shape[1:3]
+    # One weight (N, K) and every other buffer within 32-bit element counts; b as a whole may be larger (TMA
+    # addresses it by batch).
+    for name, shape in (("a", a.shape), ("one weight of b", (n, k)), ("sfb", avals_in[3].shape), ("c", (l, t, n))):
+        if math.prod(shape) >= MAX_KERNEL_ELEMENTS:
+            return KernelChoice(reason=f"{name} {tuple(shape)} holds {math.prod(shape)} elements, past the kernel's "
+                                       f"32-bit indexing; implementation=None or 'xla' takes the reference")
+    missing = _kernels_missing()
+    if missing:
+        return KernelChoice(reason=missing)
+    from jax_blockgemm.kernels import catalog
+
+    ab_dtype = "float4_e2m1fn" if np.dtype(a.dtype) == np.uint8 else str(np.dtype(a.dtype))
+    sf_dtype = catalog.E8M0 if np.dtype(sfa.dtype) == np.uint8 else str(np.dtype(sfa.dtype))
+    variants = [v for v in (catalog.select_variant(op="ragged", arch=target, ab_dtype=ab_dtype,
+                                                   c_dtype=str(np.dtype(c_dtype)), sf_vec_size=sf_vec_size,
+                                                   sf_dtype=sf_dtype, tile_mn=(128, 128), cluster_mn=(1, 1))
+                            for target in arch.targets()) if v is not None]
+    if not variants:
+        return KernelChoice(reason=f"no ragged kernel in the catalog for {ab_dtype} operands, {np.dtype(c_dtype)} C, "
+                                   f"{sf_dtype} scales per {sf_vec_size}")
+    return _usable(variants, implementation, sizes=(t, n, k, l, g), names="(T, N, K, L, G)",
+                   fmt=format_key(ab_dtype, sf_dtype, sf_vec_size))
 
 
 def dequantize_variants(archs: Sequence[str], shape: Sequence[int], *, scale_axis: int,

@@ -316,6 +316,67 @@ def run_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_kerne
     return ""
 
 
+# --- ragged (grouped) gemm_amax -------------------------------------------------------------------------
+# (T, N, K, group sizes): a row tile shared by three groups, an empty group, a one-token group and rows of no group;
+# one group holding every token (T not a multiple of the tile); groups of 129 and 127 rows straddling tiles, L = 1.
+# N and K tails as in NARROW_C_PROBLEMS (N a multiple of 32: 16-byte C rows of every C dtype).
+RAGGED_PROBLEMS = ((200, 160, 96, (40, 0, 1, 30, 100)), (300, 288, 160, (0, 300, 0)),
+                   (384, 224, 512, (129, 127, 128)))
+
+
+def ragged_api_call(variant: Any, args: Sequence[Any], *, implementation: str = "cutedsl"
+                    ) -> tuple[Callable[..., Any], list]:
+    """(ragged_gemm_amax with `variant`'s C dtype, scale block and NVFP4 alpha bound; its operands a, b, sfa, sfb,
+    group_sizes) for `_operands(variant, (1, T, G·N, K))` and the sizes (args[-1])."""
+    from jax_blockgemm import api
+
+    *args, sizes = args
+    alpha = args[4] if len(args) > 4 else None
+    a, b, sfa, sfb = (x[0] for x in args[:4])
+    g = len(sizes)
+    b, sfb = b.reshape(g, -1, b.shape[-1]), sfb.reshape(g, -1, sfb.shape[-1])
+    fn = functools.partial(api.ragged_gemm_amax, c_dtype=variant.c_dtype, sf_vec_size=variant.sf_vec_size,
+                           alpha=alpha, implementation=implementation)
+    return fn, [a, b, sfa, sfb, np.asarray(sizes, np.int32)]
+
+
+def _run_ragged(variant: Any, args: Sequence[Any], device: Any, implementation: str = "cutedsl",
+                c_dtype: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(c, amax) of ragged_gemm_amax on `device`: `variant` itself (forced, outputs poisoned before the launch) with
+    "cutedsl", the reference with "xla"; C in `c_dtype` (default the variant's), packed FP4 C unpacked."""
+    import jax
+
+    from jax_blockgemm import formats
+
+    c_dtype = c_dtype or variant.c_dtype
+    call, operands = ragged_api_call(variant, args, implementation=implementation)
+    fn = jax.jit(functools.partial(call, c_dtype=c_dtype))
+    operands = [jax.device_put(x, device) for x in operands]
+    with _forced_and_poisoned(variant) if implementation == "cutedsl" else contextlib.nullcontext():
+        c, amax = fn(*operands)
+        c = formats.unpack_fp4(c) if c_dtype == "float4_e2m1fn" else c
+        return np.asarray(c), np.asarray(amax)
+
+
+def run_ragged_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_ragged) -> str:
+    """'' when the grouped kernel `variant` (`run_kernel`) matches the reference (fp32 C, on `device`) on every
+    RAGGED_PROBLEMS within SPEC §7; else the first failure."""
+    for i, (t, n, k, sizes) in enumerate(RAGGED_PROBLEMS):
+        args = (*_operands(variant, (1, t, len(sizes) * n, k), seed=i), sizes)
+        where = f"(T, N, K) = {(t, n, k)}, group sizes {sizes}"
+        try:
+            c, amax = run_kernel(variant, args, device)
+        except Exception as e:  # a kernel that cannot even launch is a failed check, not a crash of the caller
+            return f"{where}: raised {type(e).__name__}: {e}"
+        ref_c, ref_amax = _run_ragged(variant, args, device, "xla", "float32")
+        magnitudes = (_magnitudes(args[0]), _magnitudes(args[1]), *args[2:])
+        ref_abs, _ = _run_ragged(variant, magnitudes, device, "xla", "float32")
+        why = compare(c, amax, ref_c, ref_amax, ref_abs, variant.c_dtype)
+        if why:
+            return f"{where}: {why}"
+    return ""
+
+
 # --- proj_rope ------------------------------------------------------------------------------------------
 def _proj_rope_operands(variant: Any, problem: tuple[int, int, int], seed: int) -> tuple[np.ndarray, ...]:
     """Random bf16 x and w (laid out as `variant.b_major` reads it) and rotary tables for (T, H, K)."""
@@ -506,7 +567,7 @@ def run_dequantize_problems(variant: Any, device: Any) -> str:
 def run_check(variant: Any, device: Any) -> str:
     """'' when `variant` passes every problem of its operation on `device`, else the first failure."""
     runners = {"gemm_amax": run_problems, "weight_stream": run_problems, "proj_rope": run_proj_rope_problems,
-               "dequantize": run_dequantize_problems}
+               "dequantize": run_dequantize_problems, "ragged": run_ragged_problems}
     return runners[variant.op](variant, device)
 
 

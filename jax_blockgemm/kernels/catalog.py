@@ -27,6 +27,12 @@ dynamic_shapes[1];}` struct over a flat buffer.
       SPEC §3 atom (L, ceil(N/128), ceil(ceil(K/v)/4), 32, 4, 4) for sf_atom = 1; c (L, M, N) row-major; amax L
       float32 values the handler zeroes first; alpha (L,) float32, always passed (ones for the MX formats); m/n/k/l
       and sf_atom int32, k the logical K. tile_mn is (rows of W per CTA, the most rows of x the variant takes).
+    ragged: fn(a, b, sfa, sfb, items, c, amax, alpha, t, n, k, l, g, max_items, stream)
+      the grouped GEMM (kernels/sm90/ragged.py): a (L, T, K) codes (packed FP4: (L, T, K/2) bytes), tokens sorted
+      by group; b (L·G, N, K) likewise, one weight per group; sfa/sfb their scale bytes in the SPEC §3 atom layout
+      of (L, T, K) and (L·G, N, K); items int32 (L, max_items, 4) work items (row tile, group or -1, first row, end
+      row), from `ragged.kernel_items`; c (L, T, N); amax L float32 values the handler zeroes first; alpha (L,)
+      float32, always passed (ones for the MX formats); t/n/k/l/g/max_items int32, k the logical K.
 
 The target architecture is a property of the DSL singleton (`CUTE_DSL_ARCH` is read once, when the singleton is
 built, or detected from the GPU); `compile_variant` sets it for the duration of each compile, so one process can
@@ -189,6 +195,7 @@ _SM90_FP4_SCALES = ((32, E8M0), (16, "float8_e4m3fn"))
 WEIGHT_STREAM_FORMATS = (("float8_e4m3fn", 32, E8M0), ("float8_e5m2", 32, E8M0), ("float4_e2m1fn", 32, E8M0),
                          ("float4_e2m1fn", 16, "float8_e4m3fn"))
 WEIGHT_STREAM_C = ("float32", "bfloat16", "float16")
+RAGGED_FORMATS = WEIGHT_STREAM_FORMATS  # MXFP8 E4M3 and E5M2, MXFP4, NVFP4
 WEIGHT_STREAM_TILES = ((32, 16), (32, 64))
 
 CATALOG: tuple[KernelVariant, ...] = (
@@ -236,7 +243,11 @@ CATALOG: tuple[KernelVariant, ...] = (
     + tuple(KernelVariant(op="weight_stream", arch=arch, ab_dtype=w, c_dtype=c, sf_vec_size=v, sf_dtype=sf,
                           tile_mn=tile)
             for arch in ("sm_90a", "sm_100a") for w, v, sf in WEIGHT_STREAM_FORMATS for c in WEIGHT_STREAM_C
-            for tile in WEIGHT_STREAM_TILES))
+            for tile in WEIGHT_STREAM_TILES)
+    # The ragged (grouped) GEMM on sm_90a: tokens sorted by group times each group's weight in one launch, the
+    # gemm_amax mainloop per work item; the operand formats and C dtypes of the sm_90a gemm_amax kernels (K-major).
+    + tuple(KernelVariant(op="ragged", arch="sm_90a", ab_dtype=ab, c_dtype=c, sf_vec_size=v, sf_dtype=sf)
+            for ab, v, sf in RAGGED_FORMATS for c in (_SM90_FP4_C if ab == "float4_e2m1fn" else (*_C, "float16"))))
 
 
 # Kernels built outside the package (tests' deliberately broken ones) that forced runs and the self-check may build:

@@ -179,9 +179,9 @@ class HopperMxf8GemmAmax:
     @cute.jit
     def operands(self, a: cute.Tensor, b: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
                  l_a: cutlass.Int32, l_b: cutlass.Int32):
-        """Host side, inlined into `__call__`: the TMA atoms and views of A ((L_a, M, K) codes) and B ((L_b, N, K)), the bf16
-        tiled MMA, the four shared-memory layouts (FP8/FP4 stages of A and B, bf16 buffers of A and B), and
-        `self.shared_storage`. Returns ((atom A, view A), (atom B, view B), tiled MMA, layouts)."""
+        """Host side, inlined into `__call__`: the TMA atoms and views of A ((L_a, M, K) codes) and B
+        ((L_b, N, K)), the bf16 tiled MMA, the four shared-memory layouts (FP8/FP4 stages of A and B, bf16 buffers of
+        A and B), and `self.shared_storage`. Returns ((atom A, view A), (atom B, view B), tiled MMA, layouts)."""
         # Row length in bytes: K codes, or K/2 bytes of packed FP4 pairs.
         kc = cute.assume(k // self.code_div, divby=16)
         mA = common.operand_view(a, m, kc, l_a, self.a_mn)

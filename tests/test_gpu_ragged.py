@@ -1,0 +1,156 @@
+"""GPU: the grouped (ragged) kernel through the public API, against the float64 oracle (runs where a kernel exists).
+
+`ragged_gemm_amax` with implementation="cutedsl" in every operand format, on fresh random codes and scales: empty,
+one-token and all-token groups, tiles shared by several groups, rows of no group, N and K tails, vmap (L = 2), every C
+dtype, NaN per group, traced group sizes, a weight stack past 2**31 elements; `mx_ragged_dot` with the kernel under
+its forward and dgrad, against the straight-through oracle. Outputs are poisoned before every launch (an unwritten
+element reads NaN and fails). Skipped without a CUDA GPU that has kernels (CI has none); on the H200:
+`python -m pytest tests/test_gpu_ragged.py`.
+"""
+
+import os
+
+os.environ["JAX_BLOCKGEMM_POISON_OUTPUTS"] = "1"
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import jax_blockgemm as jbg
+from jax_blockgemm import arch, dispatch
+
+import oracle
+import oracle_ops
+from oracle_ragged import mx_ragged_dot_oracle, random_group_sizes, random_ragged_inputs, ragged_oracle
+
+FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
+RTOL = 1e-5  # the straight-through oracle's float32 class, as tests/test_ragged_autodiff.py
+
+
+def _has_kernel_gpu() -> bool:
+    caps = dispatch.local_cuda_capabilities()
+    return bool(caps) and all(arch.target_of(cc) == "sm_90a" for cc in caps)
+
+
+def _call(d, gs, **kw):
+    alpha = d["alpha"] if d["sfa"].dtype == oracle.E4M3 else None
+    return jbg.ragged_gemm_amax(d["a"], d["b"], d["sfa"], d["sfb"], gs, alpha=alpha, sf_vec_size=d["sf_vec_size"],
+                                **kw)
+
+
+def _oracle(d, gs):
+    alpha = d["alpha"] if d["sfa"].dtype == oracle.E4M3 else None
+    return ragged_oracle(d["a"], d["b"], d["sfa"], d["sfb"], gs, k=d["k"], sf_vec_size=d["sf_vec_size"], alpha=alpha)
+
+
+def _sizes(rng, t, g):
+    """Group sizes reaching the kernel's item table: empty, one-token, a tile shared by 3 groups, rows of no group;
+    random ones; one group holding every token."""
+    shared = np.zeros(g, np.int32)
+    shared[:4] = (0, 1, 50, 30)
+    shared[-1] = t - 140
+    return (shared, random_group_sizes(rng, t, g, fill=False), np.eye(g, dtype=np.int32)[g // 2] * t)
+
+
+@absltest.skipUnless(_has_kernel_gpu(), "needs a CUDA GPU with the sm_90a ragged kernel")
+class GpuRaggedTest(parameterized.TestCase):
+
+    def _check(self, d, gs, c, amax, c_dtype=jnp.float32):
+        ref, ref_amax = _oracle(d, gs)
+        oracle_ops.assert_gemm_close(self, c, ref, c_dtype=c_dtype)
+        oracle_ops.assert_amax_close(self, amax, ref_amax)
+        self.assertTrue(np.all(np.asarray(c, np.float32)[int(np.sum(gs)):] == 0), "rows past the groups")
+
+    @parameterized.product(fmt=FORMATS, c_dtype=("float32", "bfloat16"))
+    def test_matches_oracle(self, fmt, c_dtype):
+        rng = np.random.default_rng(hash((fmt, c_dtype)) % 2**32)
+        for t, g, n, k in ((300, 6, 200, 160 if fmt.startswith("mxfp8") else 192), (517, 9, 264, 1024)):
+            d = random_ragged_inputs(rng, t=t, g=g, n=n, k=k, fmt=fmt)
+            for gs in _sizes(rng, t, g):
+                with self.subTest(t=t, g=g, n=n, k=k, sizes=gs.tolist()):
+                    c, amax = jax.jit(lambda gs: _call(d, gs, c_dtype=c_dtype, implementation="cutedsl"))(gs)
+                    self._check(d, gs, c, amax, c_dtype=c_dtype)
+
+    @parameterized.parameters("float16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
+    def test_narrow_c(self, c_dtype):
+        rng = np.random.default_rng(11)
+        d = random_ragged_inputs(rng, t=260, g=4, n=96, k=256, fmt="mxfp4")
+        gs = np.array([100, 0, 1, 120], np.int32)
+        c, amax = _call(d, gs, c_dtype=c_dtype, implementation="cutedsl")
+        self._check(d, gs, c, amax, c_dtype=c_dtype)
+
+    def test_vmap_and_traced_sizes(self):
+        rng = np.random.default_rng(12)
+        d = random_ragged_inputs(rng, t=200, g=5, n=136, k=96, fmt="mxfp8_e4m3")
+        a2, sfa2 = np.stack([d["a"], d["a"][::-1]]), np.stack([d["sfa"], d["sfa"][::-1]])
+        gs2 = np.array([[10, 0, 90, 1, 99], [0, 200, 0, 0, 0]], np.int32)
+        f = jax.jit(jax.vmap(lambda a, s, gs: jbg.ragged_gemm_amax(a, d["b"], s, d["sfb"], gs,
+                                                                  implementation="cutedsl")))
+        c, amax = f(a2, sfa2, gs2)
+        for i in range(2):
+            self._check(dict(d, a=a2[i], sfa=sfa2[i]), gs2[i], c[i], amax[i])
+        # traced sizes outside the contract: negative counts as 0, rows past T are cut off
+        c, amax = jax.jit(lambda gs: _call(d, gs, implementation="cutedsl"))(jnp.array([50, -3, 100, 80, 9]))
+        self._check(d, np.array([50, 0, 100, 50, 0]), c, amax)
+
+    def test_nan_stays_in_its_group(self):
+        rng = np.random.default_rng(13)
+        d = random_ragged_inputs(rng, t=300, g=3, n=72, k=64, fmt="mxfp8_e4m3")
+        gs = np.array([100, 60, 120], np.int32)  # group 1 shares row tiles with groups 0 and 2
+        d["sfb"] = d["sfb"].copy()
+        d["sfb"][1, 5, 0] = 0xFF  # NaN scale: column 5 of group 1's rows
+        d["sfa"] = d["sfa"].copy()
+        d["sfa"][290, 1] = 0xFF  # NaN in a row of no group: never read
+        d["sfa"][99, 0] = 0xFF  # NaN in group 0's last row, in the tile group 1 also computes
+        c, amax = _call(d, gs, implementation="cutedsl")
+        c = np.asarray(c)
+        self.assertTrue(np.isnan(c[100:160, 5]).all() and np.isnan(c[99]).all())
+        self.assertEqual(int(np.isnan(c).sum()), 60 + 72)  # row 99 is group 0's: no overlap
+        self.assertTrue((c[280:] == 0).all())
+        self.assertTrue(np.isnan(float(amax)))
+        self._check(d, gs, c, amax)
+
+    def test_weights_past_int32_elements(self):
+        """b (G, N, K) of 2**31 elements or more still runs the kernel (TMA addresses it per group)."""
+        t, g, n, k = 512, 160, 2048, 7168  # b: 2.35e9 codes
+        rng = np.random.default_rng(14)
+        a = jnp.asarray(rng.standard_normal((t, k)), jnp.float32).astype(jnp.float8_e4m3fn)
+        b = jax.random.normal(jax.random.key(0), (g, n, k), jnp.float32).astype(jnp.float8_e4m3fn)
+        sfa = jnp.asarray(rng.integers(120, 134, (t, k // 32)), jnp.uint8)
+        sfb = jnp.asarray(rng.integers(120, 134, (g, n, k // 32)), jnp.uint8)
+        gs = np.zeros(g, np.int32)
+        gs[[0, 77, g - 1]] = (100, 200, 212)
+        f = jax.jit(lambda *x: jbg.ragged_gemm_amax(*x, implementation="cutedsl"))
+        self.assertIn("jbg_ragged_gemm_amax", f.lower(a, b, sfa, sfb, gs).as_text())
+        c, amax = f(a, b, sfa, sfb, gs)
+        c = np.asarray(c)
+        a_hat = oracle.dequantize_f64(np.asarray(a), np.asarray(sfa), block=32)
+        for grp, (s, e) in ((0, (0, 100)), (77, (100, 300)), (g - 1, (300, 512))):
+            b_hat = oracle.dequantize_f64(np.asarray(b[grp]), np.asarray(sfb[grp]), block=32)
+            ref = a_hat[s:e] @ b_hat.T
+            self.assertLess(np.linalg.norm(c[s:e] - ref) / np.linalg.norm(ref), 1e-5, f"group {grp}")
+        self.assertTrue(np.isfinite(float(amax)))
+
+    @parameterized.parameters("mxfp8", "nvfp4", "bf16")
+    def test_mx_ragged_dot_forward_and_grads(self, recipe):
+        """The forward and dgrad run the kernel (implementation None takes it on sm_90a); all three against the
+        straight-through oracle. Group sizes off the 32-token blocks, an empty group."""
+        rng = np.random.default_rng(15)
+        t, g, k, n = 300, 4, 128, 96
+        x, dy = rng.standard_normal((t, k)).astype(np.float32), rng.standard_normal((t, n)).astype(np.float32)
+        w = (rng.standard_normal((g, k, n)) / np.sqrt(k)).astype(np.float32)
+        gs = np.array([61, 0, 130, 90], np.int32)
+        r = jbg.RECIPES[recipe] if recipe != "bf16" else jbg.Recipe("bf16", "bf16", "bf16")
+        f = jax.jit(lambda x, w: jbg.mx_ragged_dot(x, w, jnp.asarray(gs), recipe=r))
+        if recipe != "bf16":
+            self.assertIn("jbg_ragged_gemm_amax", f.lower(x, w).as_text())
+        out, vjp = jax.vjp(f, x, w)
+        dx, dw = vjp(jnp.asarray(dy))
+        ref = mx_ragged_dot_oracle(x, w, gs, dy, fwd=r.fwd, dgrad=r.dgrad, wgrad=r.wgrad)
+        for name, got in (("out", out), ("dx", dx), ("dw", dw)):
+            oracle_ops.assert_rel_close(self, name, got, ref[name], RTOL)
+
+
+if __name__ == "__main__":
+    absltest.main()

@@ -1,0 +1,138 @@
+"""The grouped kernel's side that runs without a GPU: its work-item table against the group sizes it encodes,
+dispatch and the CUDA lowering (the custom call, its operands, when the reference stays), and the self-check's
+ragged problems catching a wrong result.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import jax_blockgemm as jbg
+from jax_blockgemm import dispatch, ragged, selfcheck
+from jax_blockgemm.kernels import catalog
+from jax_blockgemm.kernels.sm90 import ragged as ragged_kernel
+
+from oracle_ragged import random_group_sizes, random_ragged_inputs
+
+
+def _owners(items: np.ndarray, tokens: int) -> np.ndarray:
+    """Each token's group as the table says (-1: rows of no group), -2 where no item covers it; asserts that items
+    lie in their row tile and never overlap."""
+    owner = np.full(tokens, -2)
+    for tile, group, lo, hi in items:
+        if lo >= hi:
+            continue
+        rows = ragged_kernel.ITEM_ROWS
+        assert tile * rows <= lo < hi <= min(tile * rows + rows, tokens), (tile, lo, hi)
+        assert (owner[lo:hi] == -2).all(), "items overlap"
+        owner[lo:hi] = group
+    return owner
+
+
+class KernelItemsTest(parameterized.TestCase):
+
+    @parameterized.parameters((1, 1), (127, 3), (128, 4), (700, 9), (1000, 32), (4096, 256))
+    def test_every_row_once_with_its_group(self, tokens, groups):
+        rng = np.random.default_rng(tokens + groups)
+        cases = [random_group_sizes(rng, tokens, groups, fill=False), random_group_sizes(rng, tokens, groups),
+                 np.eye(groups, dtype=np.int32)[groups // 2] * tokens, np.zeros(groups, np.int32)]
+        for sizes in cases:
+            starts, ends = ragged.group_bounds(jnp.asarray(sizes, jnp.int32), tokens)
+            items = np.asarray(ragged.kernel_items(starts, ends, tokens))
+            self.assertEqual(items.shape, (ragged.max_kernel_items(tokens, groups), ragged_kernel.ITEM_FIELDS))
+            expect = np.concatenate([np.repeat(np.arange(groups), sizes),
+                                     np.full(tokens - int(sizes.sum()), -1)])
+            np.testing.assert_array_equal(_owners(items, tokens), expect)
+
+    def test_bound_is_reached(self):
+        """Every group boundary, and the end of the groups, inside a row tile: each adds an item to the tiles'."""
+        tokens, groups = 300, 5
+        sizes = np.array([1, 128, 128, 2, 1], np.int32)  # boundaries at rows 1, 129, 257, 259, 260
+        items = np.asarray(ragged.kernel_items(*ragged.group_bounds(jnp.asarray(sizes), tokens), tokens))
+        self.assertEqual(items.shape[0], ragged.max_kernel_items(tokens, groups))  # 3 tiles + 5
+        self.assertTrue((items[:, 2] < items[:, 3]).all(), "every item of the bound is used")
+
+
+def _lowered(fmt="mxfp8_e4m3", implementation="cutedsl", t=256, g=4, n=64, k=128, vmap=False, c_dtype=jnp.float32):
+    d = random_ragged_inputs(np.random.default_rng(0), t=t, g=g, n=n, k=k, fmt=fmt)
+    alpha = d["alpha"] if fmt == "nvfp4" else None
+
+    def call(a, sfa, gs):
+        return jbg.ragged_gemm_amax(a, d["b"], sfa, d["sfb"], gs, alpha=alpha, sf_vec_size=d["sf_vec_size"],
+                                    c_dtype=c_dtype, implementation=implementation)
+
+    a, sfa, gs = d["a"], d["sfa"], jnp.full((g,), t // g, jnp.int32)
+    if vmap:
+        call, a, sfa, gs = jax.vmap(call), np.stack([a, a]), np.stack([sfa, sfa]), jnp.stack([gs, gs])
+    return jax.jit(call).trace(a, sfa, gs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+class RaggedLoweringTest(parameterized.TestCase):
+
+    @parameterized.parameters("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
+    def test_cutedsl_and_none_emit_the_kernel_call(self, fmt):
+        for implementation in ("cutedsl", None):
+            text = _lowered(fmt, implementation)
+            self.assertEqual(text.count("jbg_ragged_gemm_amax"), 1, implementation)
+            self.assertNotIn("while", text, "the reference's loop must not be in a kernel program")
+
+    def test_xla_keeps_the_reference(self):
+        text = _lowered(implementation="xla")
+        self.assertNotIn("jbg_ragged_gemm_amax", text)
+        self.assertIn("while", text)
+
+    def test_vmap_folds_into_one_launch(self):
+        self.assertEqual(_lowered(vmap=True).count("jbg_ragged_gemm_amax"), 1)
+
+    def test_every_c_dtype_of_the_catalog(self):
+        for c_dtype in ("bfloat16", "float16", "float8_e4m3fn", "float4_e2m1fn"):
+            self.assertIn("jbg_ragged_gemm_amax", _lowered("mxfp4", c_dtype=c_dtype, n=96))
+
+    def test_choice_by_size(self):
+        sa = jax.core.ShapedArray
+        e8 = jnp.uint8
+
+        def choice(t, g, n, k, implementation=None):
+            avals = [sa((1, t, k), jnp.float8_e4m3fn), sa((1, g, n, k), jnp.float8_e4m3fn), sa((1, t, k // 32), e8),
+                     sa((1, g, n, k // 32), e8), sa((1, g), jnp.int32), sa((1, g), jnp.int32)]
+            return dispatch.ragged_kernels(avals, c_dtype=np.dtype(jnp.bfloat16), sf_vec_size=32, k=k,
+                                           implementation=implementation)
+
+        # 256 experts of 2048 x 7168: b holds 3.8e9 codes, each weight 1.5e7: the kernel takes it
+        self.assertEqual([v.key for v in choice(65536, 256, 2048, 7168).variants],
+                         ["ragged.sm_90a.e4m3.bf16.sf32.t128x128.c1x1"])
+        self.assertRegex(choice(2**18, 2, 256, 8192).reason, r"a \(1, 262144, 8192\) holds .* 32-bit indexing")
+        self.assertRegex(choice(64, 2, 2**16, 2**15).reason, r"one weight of b \(65536, 32768\)")
+        self.assertIn("forces the reference", choice(64, 2, 64, 64, "xla").reason)
+
+
+class RaggedSelfCheckTest(absltest.TestCase):
+    """The self-check's ragged problems (on the CPU, the reference standing in for the kernel) pass an exact result
+    and catch one wrong element, and nonzero rows past the groups."""
+
+    def test_catches_wrong_results(self):
+        variant = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype="bfloat16",
+                                         sf_vec_size=32, tile_mn=(128, 128), cluster_mn=(1, 1))
+        device = jax.devices("cpu")[0]
+        exact = lambda v, args, dev: selfcheck._run_ragged(v, args, dev, "xla")
+
+        def off_by_one(v, args, dev):
+            c, amax = exact(v, args, dev)
+            c = c.astype(np.float32)
+            c[np.flatnonzero(c[:, 0])[0], 0] += 1.0
+            return c, amax
+
+        def tail_written(v, args, dev):
+            c, amax = exact(v, args, dev)
+            c = c.astype(np.float32)
+            c[-1] = 1.0
+            return c, amax
+
+        self.assertEqual(selfcheck.run_ragged_problems(variant, device, run_kernel=exact), "")
+        self.assertIn("1 of", selfcheck.run_ragged_problems(variant, device, run_kernel=off_by_one))
+        self.assertIn("C elements off", selfcheck.run_ragged_problems(variant, device, run_kernel=tail_written))
+
+
+if __name__ == "__main__":
+    absltest.main()
