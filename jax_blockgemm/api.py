@@ -127,8 +127,9 @@ def ragged_gemm_amax(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Array,
     alpha, c_dtype, sf_vec_size, implementation: as in gemm_amax (C is N-major).
 
     Returns (c (T, N), amax): rows of no group (past sum(group_sizes)) are zero; amax is a float32 scalar, max|C| on
-    the float32 accumulator over the rows of the groups (NaN if one holds a NaN). No grouped kernel exists yet: every
-    implementation but "cutedsl" (which raises) runs the reference, which never materializes a per-group mask.
+    the float32 accumulator over the rows of the groups (NaN if one holds a NaN). On sm_90a None and "cutedsl" run
+    the grouped kernel (one launch; kernels/sm90/ragged.py); elsewhere, and with "xla", the reference runs, which
+    never materializes a per-group mask.
     jit, vmap and sharding (tokens, experts, N) work as for gemm_amax (README "Mixture of experts").
     """
     operands, params = ragged.check_call(a, b, sfa, sfb, group_sizes, alpha=alpha, c_dtype=c_dtype,
