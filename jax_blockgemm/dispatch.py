@@ -78,9 +78,14 @@ def _past_int32(avals_in: Sequence[Any], a_major: str = "k", b_major: str = "k")
     l, m = avals_in[0].shape[0], avals_in[0].shape[2 if a_major == "m" else 1]
     n = avals_in[1].shape[2 if b_major == "n" else 1]
     named = [(name, tuple(x.shape)) for name, x in zip(("a", "b", "sfa", "sfb"), avals_in)] + [("c", (l, m, n))]
-    for name, shape in named:
+    return _first_past_int32(named)
+
+
+def _first_past_int32(named_shapes: Sequence[tuple[str, tuple]]) -> str:
+    """Why the first of the (name, shape) buffers with 2**31 elements or more cannot reach a kernel, or ""."""
+    for name, shape in named_shapes:
         if math.prod(shape) >= MAX_KERNEL_ELEMENTS:
-            return (f"{name} {shape} holds {math.prod(shape)} elements, past the kernels' 32-bit indexing (fewer "
+            return (f"{name} {tuple(shape)} holds {math.prod(shape)} elements, past the kernels' 32-bit indexing (fewer "
                     f"than 2**31 = {MAX_KERNEL_ELEMENTS}); implementation=None or 'xla' takes the reference")
     return ""
 
@@ -209,10 +214,9 @@ def _decode_choice(implementation: Any, *, fmt: str, ab_dtype: str, sf_dtype: st
                    sizes: tuple[int, int, int, int], shapes: Sequence[tuple[str, tuple]]) -> KernelChoice:
     """The decode kernels for a call of `sizes` (M, N, K, L) whose buffers have `shapes` ((name, shape), ...), or why
     there are none: the last steps weight_only_kernels and decode_kernels share."""
-    for name, shape in shapes:
-        if math.prod(shape) >= MAX_KERNEL_ELEMENTS:
-            return KernelChoice(reason=f"{name} {tuple(shape)} holds {math.prod(shape)} elements, past the kernels' "
-                                       f"32-bit indexing (fewer than 2**31 = {MAX_KERNEL_ELEMENTS})")
+    too_large = _first_past_int32(shapes)
+    if too_large:
+        return KernelChoice(reason=too_large)
     missing = _kernels_missing()
     if missing:
         return KernelChoice(reason=missing)
@@ -289,10 +293,10 @@ def ragged_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, k
     g, n = b.shape[1:3]
     # One weight (N, K) and every other buffer within 32-bit element counts; b as a whole may be larger (TMA
     # addresses it by batch).
-    for name, shape in (("a", a.shape), ("one weight of b", (n, k)), ("sfb", avals_in[3].shape), ("c", (l, t, n))):
-        if math.prod(shape) >= MAX_KERNEL_ELEMENTS:
-            return KernelChoice(reason=f"{name} {tuple(shape)} holds {math.prod(shape)} elements, past the kernel's "
-                                       f"32-bit indexing; implementation=None or 'xla' takes the reference")
+    too_large = _first_past_int32((("a", a.shape), ("one weight of b", (n, k)), ("sfb", avals_in[3].shape),
+                                   ("c", (l, t, n))))
+    if too_large:
+        return KernelChoice(reason=too_large)
     missing = _kernels_missing()
     if missing:
         return KernelChoice(reason=missing)

@@ -37,6 +37,13 @@ def ragged_oracle(a, b, sfa, sfb, group_sizes, *, k: int, sf_vec_size: int, alph
     return c, amax
 
 
+def ragged_oracle_of(d: dict, group_sizes) -> tuple[np.ndarray, float]:
+    """`ragged_oracle` of one `random_ragged_inputs` call (with its NVFP4 alpha where the scales are E4M3)."""
+    alpha = d["alpha"] if np.asarray(d["sfa"]).dtype == oracle.E4M3 else None
+    return ragged_oracle(d["a"], d["b"], d["sfa"], d["sfb"], group_sizes, k=d["k"], sf_vec_size=d["sf_vec_size"],
+                         alpha=alpha)
+
+
 def wgrad_blocks_f64(x: np.ndarray, fmt: str, group_sizes) -> np.ndarray:
     """x (T, F) quantized along the tokens in blocks of 32 that start at each group's first row (each group zero-
     padded to a multiple of 32), NVFP4's tensor scale taken over all of x; rows of no group are zero."""

@@ -2,9 +2,6 @@
 through the module's test hooks), its registration with XLA, and emit_ragged's custom call lowered for CUDA."""
 
 import dataclasses
-import os
-import subprocess
-import sys
 import textwrap
 from unittest import mock
 
@@ -16,6 +13,8 @@ from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
 from jax_blockgemm import _native, ffi_lowering, kernel_cache
+
+import xla_probe
 
 ext = _native.extension()
 
@@ -454,12 +453,7 @@ class XlaInstantiateTest(absltest.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
-        env.pop("XLA_FLAGS", None)
-        proc = subprocess.run([sys.executable, "-c", _XLA_PROBE], capture_output=True, text=True, env=env,
-                              timeout=120)
-        cls.output = proc.stdout + proc.stderr
-        cls.lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in proc.stdout.splitlines() if " " in line}
+        cls.output, cls.lines = xla_probe.run(_XLA_PROBE)
 
     def test_well_formed_attributes_reach_the_device_query(self):
         good = self.lines.get("GOOD", self.output)

@@ -22,7 +22,7 @@ from jax_blockgemm import arch, dispatch
 
 import oracle
 import oracle_ops
-from oracle_ragged import mx_ragged_dot_oracle, random_group_sizes, random_ragged_inputs, ragged_oracle
+from oracle_ragged import mx_ragged_dot_oracle, random_group_sizes, random_ragged_inputs, ragged_oracle_of
 
 FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
 RTOL = 1e-5  # the straight-through oracle's float32 class, as tests/test_ragged_autodiff.py
@@ -39,11 +39,6 @@ def _call(d, gs, **kw):
                                 **kw)
 
 
-def _oracle(d, gs):
-    alpha = d["alpha"] if d["sfa"].dtype == oracle.E4M3 else None
-    return ragged_oracle(d["a"], d["b"], d["sfa"], d["sfb"], gs, k=d["k"], sf_vec_size=d["sf_vec_size"], alpha=alpha)
-
-
 def _sizes(rng, t, g):
     """Group sizes reaching the kernel's item table: empty, one-token, a tile shared by 3 groups, rows of no group;
     random ones; one group holding every token."""
@@ -57,7 +52,7 @@ def _sizes(rng, t, g):
 class GpuRaggedTest(parameterized.TestCase):
 
     def _check(self, d, gs, c, amax, c_dtype=jnp.float32):
-        ref, ref_amax = _oracle(d, gs)
+        ref, ref_amax = ragged_oracle_of(d, gs)
         oracle_ops.assert_gemm_close(self, c, ref, c_dtype=c_dtype)
         oracle_ops.assert_amax_close(self, amax, ref_amax)
         self.assertTrue(np.all(np.asarray(c, np.float32)[int(np.sum(gs)):] == 0), "rows past the groups")

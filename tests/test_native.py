@@ -5,14 +5,14 @@ import os
 import pathlib
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import textwrap
 
 from absl.testing import absltest, parameterized
 
 from jax_blockgemm import _native
+
+import xla_probe
 
 ext = _native.extension()
 
@@ -529,12 +529,7 @@ class XlaRegistrationTest(absltest.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
-        env.pop("XLA_FLAGS", None)
-        proc = subprocess.run([sys.executable, "-c", _XLA_PROBE], capture_output=True, text=True, env=env,
-                              timeout=120)
-        cls.output = proc.stdout + proc.stderr
-        cls.lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in proc.stdout.splitlines() if " " in line}
+        cls.output, cls.lines = xla_probe.run(_XLA_PROBE)
 
     def test_state_type_registered_before_handler(self):
         self.assertGreater(int(self.lines["TYPE_ID"]), 0, self.output)

@@ -19,7 +19,7 @@ import jax_blockgemm as jbg
 
 import oracle
 import oracle_ops
-from oracle_ragged import random_group_sizes, random_ragged_inputs, ragged_oracle
+from oracle_ragged import random_group_sizes, random_ragged_inputs, ragged_oracle_of
 
 
 def _call(d, gs, **kw):
@@ -28,15 +28,10 @@ def _call(d, gs, **kw):
                                 **kw)
 
 
-def _oracle(d, gs):
-    alpha = d["alpha"] if d["sfa"].dtype == oracle.E4M3 else None
-    return ragged_oracle(d["a"], d["b"], d["sfa"], d["sfb"], gs, k=d["k"], sf_vec_size=d["sf_vec_size"], alpha=alpha)
-
-
 class RaggedTest(parameterized.TestCase):
 
     def _check(self, d, gs, c, amax, c_dtype=jnp.float32):
-        ref, ref_amax = _oracle(d, gs)
+        ref, ref_amax = ragged_oracle_of(d, gs)
         oracle_ops.assert_gemm_close(self, c, ref, c_dtype=c_dtype)
         oracle_ops.assert_amax_close(self, amax, ref_amax)
         past = int(np.sum(gs))
