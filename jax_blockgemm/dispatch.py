@@ -85,8 +85,8 @@ def _first_past_int32(named_shapes: Sequence[tuple[str, tuple]]) -> str:
     """Why the first of the (name, shape) buffers with 2**31 elements or more cannot reach a kernel, or ""."""
     for name, shape in named_shapes:
         if math.prod(shape) >= MAX_KERNEL_ELEMENTS:
-            return (f"{name} {tuple(shape)} holds {math.prod(shape)} elements, past the kernels' 32-bit indexing (fewer "
-                    f"than 2**31 = {MAX_KERNEL_ELEMENTS}); implementation=None or 'xla' takes the reference")
+            return (f"{name} {tuple(shape)} holds {math.prod(shape)} elements, past the kernels' 32-bit indexing "
+                    f"(fewer than 2**31 = {MAX_KERNEL_ELEMENTS}); implementation=None or 'xla' takes the reference")
     return ""
 
 
