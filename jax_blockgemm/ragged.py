@@ -100,16 +100,22 @@ def _work_items(starts: jax.Array, ends: jax.Array, tile: int) -> tuple[jax.Arra
     return first, item_ends, item_ends[-1]
 
 
+def _item_of(i: jax.Array, first: jax.Array, item_ends: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(group, tile) of work items i (`_work_items`' numbering); i at or past the count gives the group past the
+    last. A comparison against every group's offset: no loop, len(i) x G compares."""
+    g = jnp.searchsorted(item_ends, i, side="right", method="compare_all").astype(jnp.int32)
+    item_start = jnp.concatenate([jnp.zeros((1,), item_ends.dtype), item_ends])[g]  # exclusive offsets
+    return g, first[jnp.minimum(g, first.shape[0] - 1)] + i - item_start
+
+
 def _chunk_items(c: jax.Array, first: jax.Array, item_ends: jax.Array, total: jax.Array, tile: int, rows: jax.Array,
                  starts: jax.Array, ends: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Work items c·CHUNK .. c·CHUNK + CHUNK - 1: (group, first row, (CHUNK, tile) mask of the group's rows); an item
     past the count masks every row (it repeats the last one)."""
     i = c * CHUNK + jnp.arange(CHUNK, dtype=jnp.int32)
     valid = i < total
-    i = jnp.minimum(i, total - 1)
-    g = jnp.searchsorted(item_ends, i, side="right").astype(jnp.int32)
-    item_start = jnp.concatenate([jnp.zeros((1,), item_ends.dtype), item_ends])[g]  # exclusive offsets
-    row0 = (first[g] + i - item_start) * tile
+    g, tile_index = _item_of(jnp.minimum(i, total - 1), first, item_ends)
+    row0 = tile_index * tile
     r = row0[:, None] + rows[None, :]
     mine = (r >= starts[g][:, None]) & (r < ends[g][:, None]) & valid[:, None]
     return g, row0, mine
@@ -126,16 +132,13 @@ def kernel_items(starts: jax.Array, ends: jax.Array, tokens: int, rows: int = 12
     bound = max_kernel_items(tokens, g_count, rows)
     s_all = jnp.concatenate([starts, ends[-1:]])  # the rows of no group as a last pseudo-group
     e_all = jnp.concatenate([ends, jnp.full((1,), tokens, ends.dtype)])
-    first = s_all // rows
-    spans = jnp.where(e_all > s_all, (e_all - 1) // rows - first + 1, 0)
-    item_ends = jnp.cumsum(spans)
+    first, item_ends, total = _work_items(s_all, e_all, rows)
     i = jnp.arange(bound, dtype=jnp.int32)
-    g = jnp.searchsorted(item_ends, i, side="right", method="compare_all")  # no loop: bound x (G + 1) compares
-    g = jnp.minimum(g, g_count).astype(jnp.int32)
-    tile = first[g] + i - (item_ends[g] - spans[g])
+    g, tile = _item_of(i, first, item_ends)
+    g = jnp.minimum(g, g_count)  # padding items: the last (pseudo-)group, masked below
     lo = jnp.maximum(s_all[g], tile * rows)
     hi = jnp.minimum(e_all[g], tile * rows + rows)
-    valid = i < item_ends[-1]
+    valid = i < total
     zero = jnp.zeros_like(i)
     return jnp.stack([jnp.where(valid, tile, zero), jnp.where(g == g_count, -1, g), jnp.where(valid, lo, zero),
                       jnp.where(valid, hi, zero)], axis=-1).astype(jnp.int32)
