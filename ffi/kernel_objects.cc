@@ -118,6 +118,7 @@ bool ParseBlockScales(std::string_view sf_dtype, int64_t sf_vec_size, KernelDtyp
 }
 
 std::string CodeName(const KernelDtypes& k) {
+  if (k.ab_bf16) return "bfloat16 operands";
   return k.ab_fp4 ? "float4_e2m1fn codes (uint8 pairs)" : std::string(DtypeName(k.ab)) + " codes";
 }
 

@@ -69,11 +69,14 @@ static_assert(sizeof(KernelTensor) == 16, "the DSL's tensor struct is a pointer 
 // The dtypes a call site's kernel objects were compiled for (XLA_FFI_DataType values of the buffers) and how the
 // buffers hold them.
 struct KernelDtypes {
-  int ab;                    // float8_e4m3fn, float8_e5m2, or uint8 (packed FP4 pairs): the dtype of a and b
+  int ab;                    // float8_e4m3fn, float8_e5m2, uint8 (packed FP4 pairs), or bfloat16 (ragged's bf16
+                             // objects): the dtype of a and b
   int c;                     // float32, bfloat16, float16, float8_e4m3fn, float8_e5m2, or uint8 (packed FP4 C)
-  int sf = XLA_FFI_DataType_U8;  // uint8 (E8M0 bytes) or float8_e4m3fn (NVFP4 scales)
-  int sf_vec_size = 32;      // elements per scale along K: 32 (MX formats) or 16 (NVFP4)
+  int sf = XLA_FFI_DataType_U8;  // uint8 (E8M0 bytes; empty buffers for bf16 operands) or float8_e4m3fn (NVFP4)
+  int sf_vec_size = 32;      // elements per scale along K: 32 (MX formats), 16 (NVFP4), or 0 (bf16: no scales)
   bool ab_fp4 = false;       // a and b hold two E2M1 codes per byte: K = 2 x their last dimension
+  bool ab_bf16 = false;      // a and b are bfloat16 with no block scales (sf_dtype "none", sf_vec_size 0): sfa and
+                             // sfb are empty uint8 buffers the kernel does not read
   bool c_fp4 = false;        // c holds two E2M1 codes per byte: its last dimension is N / 2
   bool alpha = false;        // the kernels take NVFP4's alpha, (L,) float32, after amax (E4M3 scales)
   bool a_mn = false;         // a is M-major: (L, K, M)
@@ -89,7 +92,8 @@ bool ParseCDtype(std::string_view name, KernelDtypes* k);
 // Sets k->sf and k->sf_vec_size from a block-scale format the kernels take for k's codes (ParseCodeDtype first):
 // E8M0 bytes per 32 (MXFP8, MXFP4) or, for FP4 codes only, float8_e4m3fn per 16 (NVFP4); false for any other.
 bool ParseBlockScales(std::string_view sf_dtype, int64_t sf_vec_size, KernelDtypes* k);
-// "float8_e4m3fn codes" or "float4_e2m1fn codes (uint8 pairs)": what a and b hold for objects compiled for `k`.
+// "float8_e4m3fn codes", "float4_e2m1fn codes (uint8 pairs)" or "bfloat16 operands": what a and b hold for objects
+// compiled for `k`.
 std::string CodeName(const KernelDtypes& k);
 
 // Parses "sm_90a" / "sm_100a" (any "sm_<major><minor>[suffix]") into a compute capability.

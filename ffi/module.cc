@@ -169,9 +169,9 @@ std::tuple<std::string, std::tuple<int, int, int, int, int>> CheckWeightStream(
 
 // The ragged attributes parsed (ValueError naming what is wrong otherwise).
 jbg::KernelDtypes RaggedDtypes(const std::string& ab_dtype, const std::string& c_dtype, const std::string& sf_dtype,
-                               int64_t sf_vec_size) {
+                               int64_t sf_vec_size, const std::string& b_major) {
   jbg::KernelDtypes kernel{};
-  std::string why = jbg::ParseRaggedAttributes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, &kernel);
+  std::string why = jbg::ParseRaggedAttributes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, b_major, &kernel);
   if (!why.empty()) throw nb::value_error(why.c_str());
   return kernel;
 }
@@ -180,9 +180,9 @@ jbg::KernelDtypes RaggedDtypes(const std::string& ab_dtype, const std::string& c
 // address), for objects compiled for the given attributes. Returns (message, (t, n, k, l, g, max_items)).
 std::tuple<std::string, std::tuple<int, int, int, int, int, int>> CheckRagged(
     const std::vector<BufferSpec>& specs, const std::string& ab_dtype, const std::string& c_dtype,
-    const std::string& sf_dtype, int64_t sf_vec_size) {
+    const std::string& sf_dtype, int64_t sf_vec_size, const std::string& b_major) {
   if (specs.size() != 8) throw nb::value_error("expected 8 buffers: a, b, sfa, sfb, items, c, amax, alpha");
-  const jbg::KernelDtypes kernel = RaggedDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size);
+  const jbg::KernelDtypes kernel = RaggedDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, b_major);
   jbg::BufferDesc descs[8];
   ToDescs(specs, descs);
   jbg::RaggedDims dims;
@@ -302,18 +302,20 @@ NB_MODULE(_jbg_ffi, m) {
       nb::arg("w_dtype"), nb::arg("c_dtype"), nb::arg("sf_dtype"), nb::arg("sf_vec_size"), nb::arg("max_m"),
       "Test hook: the weight_stream instantiate stage's attribute parsing: (w, c, sf) as XLA FFI dtype codes.");
   m.def("check_ragged_buffers", &CheckRagged, nb::arg("buffers"), nb::arg("ab_dtype"), nb::arg("c_dtype"),
-        nb::arg("sf_dtype") = "float8_e8m0fnu", nb::arg("sf_vec_size") = 32,
+        nb::arg("sf_dtype") = "float8_e8m0fnu", nb::arg("sf_vec_size") = 32, nb::arg("b_major") = "k",
         "Test hook: the ragged execute stage's buffer checks on [(dtype, dims, address)] * 8 (a, b, sfa, sfb, items, "
-        "c, amax, alpha) for objects compiled for ab_dtype / c_dtype / sf_dtype / sf_vec_size.");
+        "c, amax, alpha) for objects compiled for ab_dtype / c_dtype / sf_dtype / sf_vec_size / b_major.");
   m.def(
       "parse_ragged_attributes",
-      [](const std::string& ab_dtype, const std::string& c_dtype, const std::string& sf_dtype, int64_t sf_vec_size) {
-        const jbg::KernelDtypes k = RaggedDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size);
-        return std::make_tuple(k.ab, k.c, k.sf, k.sf_vec_size, k.ab_fp4, k.c_fp4, k.alpha);
+      [](const std::string& ab_dtype, const std::string& c_dtype, const std::string& sf_dtype, int64_t sf_vec_size,
+         const std::string& b_major) {
+        const jbg::KernelDtypes k = RaggedDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, b_major);
+        return std::make_tuple(k.ab, k.c, k.sf, k.sf_vec_size, k.ab_fp4, k.c_fp4, k.alpha, k.ab_bf16, k.b_mn);
       },
-      nb::arg("ab_dtype"), nb::arg("c_dtype"), nb::arg("sf_dtype"), nb::arg("sf_vec_size"),
+      nb::arg("ab_dtype"), nb::arg("c_dtype"), nb::arg("sf_dtype"), nb::arg("sf_vec_size"), nb::arg("b_major") = "k",
       "Test hook: the ragged instantiate stage's attribute parsing: (ab, c, sf) as XLA FFI dtype codes, sf_vec_size, "
-      "whether a and b, and C, are packed FP4, and whether the objects take alpha.");
+      "whether a and b, and C, are packed FP4, whether the objects take alpha, whether a and b are bfloat16 (no "
+      "scales) and whether b is N-major.");
   m.def("parse_object_table", &ParseObjects, nb::arg("archs"), nb::arg("function_prefixes"),
         nb::arg("objects_size"), nb::arg("offsets"), nb::arg("target") = jbg::kGemmAmaxTarget,
         "Test hook: the instantiate stage's attribute parsing (errors name `target`).");

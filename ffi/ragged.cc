@@ -21,62 +21,10 @@ std::string CheckCount(const BufferDesc& b, int index) {
   return ElementCount(b) < kMaxBufferElements ? "" : Describe(b, index) + "; expected fewer than 2**31 elements";
 }
 
-}  // namespace
-
-std::string ParseRaggedAttributes(std::string_view ab_dtype, std::string_view c_dtype, std::string_view sf_dtype,
-                                  int64_t sf_vec_size, KernelDtypes* out) {
-  const std::string where = std::string(kRaggedTarget) + " attributes: ";
-  KernelDtypes k{};
-  k.alpha = true;
-  if (!ParseCodeDtype(ab_dtype, &k)) {
-    return where + "ab_dtype \"" + std::string(ab_dtype) +
-           "\" is not supported; expected float8_e4m3fn, float8_e5m2 or float4_e2m1fn";
-  }
-  if (!ParseCDtype(c_dtype, &k)) {
-    return where + "c_dtype \"" + std::string(c_dtype) + "\" is not supported; expected float32, bfloat16, float16, "
-           "float8_e4m3fn, float8_e5m2 or float4_e2m1fn";
-  }
-  if (!ParseBlockScales(sf_dtype, sf_vec_size, &k)) {
-    return where + "sf_dtype \"" + std::string(sf_dtype) + "\" with sf_vec_size " + std::to_string(sf_vec_size) +
-           " is not supported for ab_dtype " + std::string(ab_dtype) +
-           "; expected float8_e8m0fnu with 32, or (float4_e2m1fn codes only) float8_e4m3fn with 16";
-  }
-  *out = k;
-  return "";
-}
-
-std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& kernel, RaggedDims* dims) {
-  const BufferDesc &a = buf[0], &b = buf[1], &items = buf[4], &c = buf[5];
-  const char* k_name = kernel.ab_fp4 ? "K/2" : "K";  // the last dimension of a and b
-  std::string e;
-  if (a.dtype != kernel.ab) return Describe(a, 0) + "; the kernel objects were compiled for " + CodeName(kernel);
-  if (a.rank != 3) return Describe(a, 0) + "; expected rank 3 (L, T, " + k_name + ")";
-  const int64_t l = a.dims[0], t = a.dims[1], row = a.dims[2];
-  if (l < 1 || t < 1 || row < 1) return Describe(a, 0) + "; expected every dimension >= 1";
-  if (!(e = CheckCount(a, 0)).empty()) return e;  // bounds L and K, which the products below take
-  if (row % 16 != 0) {
-    return Describe(a, 0) + (kernel.ab_fp4 ? "; expected K a multiple of 32 (16-byte rows of packed FP4 codes)"
-                                           : "; expected K a multiple of 16 (16-byte rows of FP8 codes)");
-  }
-  const int64_t k = kernel.ab_fp4 ? 2 * row : row;
-  if (b.dtype != kernel.ab) return Describe(b, 1) + "; the kernel objects were compiled for " + CodeName(kernel);
-  const int64_t g = b.rank == 4 ? b.dims[1] : 0, n = b.rank == 4 ? b.dims[2] : 0;
-  if (b.rank != 4 || b.dims[0] != l || b.dims[3] != row || g < 1 || n < 1) {
-    return Describe(b, 1) + "; expected (L, G, N, " + k_name + ") = (" + std::to_string(l) + ", G >= 1, N >= 1, " +
-           std::to_string(row) + ") for a's L and K: one weight per group and batch";
-  }
-  // TMA addresses b by weight, so only one weight (N, K) and the L·G batches need fit 32 bits, not b as a whole.
-  if (n > (kMaxBufferElements - 1) / k) {
-    return Describe(b, 1) + "; expected one weight (N, K) of fewer than 2**31 elements";
-  }
-  if (g > (kMaxBufferElements - 1) / l) return Describe(b, 1) + "; expected L*G below 2**31";
-  for (int i : {2, 3}) {
-    if (buf[i].dtype != kernel.sf) {
-      return Describe(buf[i], i) + (kernel.sf == XLA_FFI_DataType_U8 ? "; expected uint8 E8M0 scale bytes"
-                                                                      : "; expected float8_e4m3fn scales (NVFP4)");
-    }
-  }
-  // SPEC §3's atom over A's L batches of T rows, and over B's L·G batches (batch l·G + g) of N rows.
+// "" when sfa and sfb hold SPEC §3's atom over A's L batches of T rows and over B's L·G batches (batch l·G + g) of
+// N rows, for K along the scale blocks of `kernel` (one with scales: sf_vec_size > 0), else the message saying so.
+std::string CheckScaleAtoms(const BufferDesc (&buf)[8], const KernelDtypes& kernel, int64_t l, int64_t t, int64_t n,
+                            int64_t k, int64_t g) {
   const int64_t k_atoms = CeilDiv(CeilDiv(k, kernel.sf_vec_size), kAtomBlocks);
   const std::string blocks = "ceil(ceil(K/" + std::to_string(kernel.sf_vec_size) + ")/4), 32, 4, 4)";
   const int64_t sfa_dims[6] = {l, CeilDiv(t, kAtomRows), k_atoms, 32, 4, 4};
@@ -89,6 +37,101 @@ std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& k
     return Describe(buf[3], 3) + "; expected " + ShapeString(sfb_dims, 6) + " (L*G, ceil(N/128), " + blocks +
            ": the 128x4 scale atom of b's L*G weights";
   }
+  return "";
+}
+
+}  // namespace
+
+std::string ParseRaggedAttributes(std::string_view ab_dtype, std::string_view c_dtype, std::string_view sf_dtype,
+                                  int64_t sf_vec_size, std::string_view b_major, KernelDtypes* out) {
+  const std::string where = std::string(kRaggedTarget) + " attributes: ";
+  KernelDtypes k{};
+  k.alpha = true;
+  if (ab_dtype == "bfloat16") {
+    k.ab = XLA_FFI_DataType_BF16;
+    k.ab_bf16 = true;
+  } else if (!ParseCodeDtype(ab_dtype, &k)) {
+    return where + "ab_dtype \"" + std::string(ab_dtype) +
+           "\" is not supported; expected float8_e4m3fn, float8_e5m2, float4_e2m1fn or bfloat16";
+  }
+  if (k.ab_bf16 && c_dtype != "float32" && c_dtype != "bfloat16") {
+    return where + "c_dtype \"" + std::string(c_dtype) +
+           "\" is not supported for ab_dtype bfloat16; expected float32 or bfloat16";
+  }
+  if (!ParseCDtype(c_dtype, &k)) {
+    return where + "c_dtype \"" + std::string(c_dtype) + "\" is not supported; expected float32, bfloat16, float16, "
+           "float8_e4m3fn, float8_e5m2 or float4_e2m1fn";
+  }
+  if (k.ab_bf16) {
+    if (sf_dtype != "none" || sf_vec_size != 0) {
+      return where + "sf_dtype \"" + std::string(sf_dtype) + "\" with sf_vec_size " + std::to_string(sf_vec_size) +
+             " is not supported for ab_dtype bfloat16; expected none with 0 (bfloat16 operands carry no scales)";
+    }
+    k.sf = XLA_FFI_DataType_U8;  // sfa and sfb: empty uint8 buffers
+    k.sf_vec_size = 0;
+  } else if (!ParseBlockScales(sf_dtype, sf_vec_size, &k)) {
+    return where + "sf_dtype \"" + std::string(sf_dtype) + "\" with sf_vec_size " + std::to_string(sf_vec_size) +
+           " is not supported for ab_dtype " + std::string(ab_dtype) +
+           "; expected float8_e8m0fnu with 32, or (float4_e2m1fn codes only) float8_e4m3fn with 16" +
+           (sf_dtype == "none" ? " (none with 0 is for bfloat16 operands only)" : "");
+  }
+  if (b_major != "k" && b_major != "n") {
+    return where + "b_major \"" + std::string(b_major) + "\" is not supported; expected k or n";
+  }
+  if (b_major == "n" && !k.ab_bf16) {
+    return where + "b_major \"n\" is not supported for ab_dtype " + std::string(ab_dtype) +
+           "; expected k (only bfloat16 operands take an N-major b)";
+  }
+  k.b_mn = b_major == "n";
+  *out = k;
+  return "";
+}
+
+std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& kernel, RaggedDims* dims) {
+  const BufferDesc &a = buf[0], &b = buf[1], &items = buf[4], &c = buf[5];
+  const char* k_name = kernel.ab_fp4 ? "K/2" : "K";  // the last dimension of a (and of a K-major b)
+  std::string e;
+  if (a.dtype != kernel.ab) return Describe(a, 0) + "; the kernel objects were compiled for " + CodeName(kernel);
+  if (a.rank != 3) return Describe(a, 0) + "; expected rank 3 (L, T, " + k_name + ")";
+  const int64_t l = a.dims[0], t = a.dims[1], row = a.dims[2];
+  if (l < 1 || t < 1 || row < 1) return Describe(a, 0) + "; expected every dimension >= 1";
+  if (!(e = CheckCount(a, 0)).empty()) return e;  // bounds L and K, which the products below take
+  if (kernel.ab_bf16 && row % 8 != 0) return Describe(a, 0) + "; expected K a multiple of 8 (16-byte rows of bfloat16)";
+  if (!kernel.ab_bf16 && row % 16 != 0) {
+    return Describe(a, 0) + (kernel.ab_fp4 ? "; expected K a multiple of 32 (16-byte rows of packed FP4 codes)"
+                                           : "; expected K a multiple of 16 (16-byte rows of FP8 codes)");
+  }
+  const int64_t k = kernel.ab_fp4 ? 2 * row : row;
+  if (b.dtype != kernel.ab) return Describe(b, 1) + "; the kernel objects were compiled for " + CodeName(kernel);
+  // b is (L, G, N, K) or, N-major (bfloat16 only), (L, G, K, N): one weight per group and batch either way.
+  const int n_axis = kernel.b_mn ? 3 : 2, k_axis = kernel.b_mn ? 2 : 3;
+  const int64_t g = b.rank == 4 ? b.dims[1] : 0, n = b.rank == 4 ? b.dims[n_axis] : 0;
+  if (b.rank != 4 || b.dims[0] != l || b.dims[k_axis] != row || g < 1 || n < 1) {
+    const std::string l_s = std::to_string(l), row_s = std::to_string(row);
+    const std::string want = kernel.b_mn ? "(L, G, K, N) = (" + l_s + ", G >= 1, " + row_s + ", N >= 1)"
+                                         : "(L, G, N, " + std::string(k_name) + ") = (" + l_s + ", G >= 1, N >= 1, " +
+                                               row_s + ")";
+    const char* major = !kernel.ab_bf16 ? "" : kernel.b_mn ? ", N-major (b_major n)" : ", K-major (b_major k)";
+    return Describe(b, 1) + "; expected " + want + " for a's L and K: one weight per group and batch" + major;
+  }
+  if (kernel.b_mn && n % 8 != 0) {
+    return Describe(b, 1) + "; expected N a multiple of 8 (16-byte rows of an N-major bfloat16 b)";
+  }
+  // TMA addresses b by weight, so only one weight (N, K) and the L·G batches need fit 32 bits, not b as a whole.
+  if (n > (kMaxBufferElements - 1) / k) {
+    return Describe(b, 1) + "; expected one weight (N, K) of fewer than 2**31 elements";
+  }
+  if (g > (kMaxBufferElements - 1) / l) return Describe(b, 1) + "; expected L*G below 2**31";
+  for (int i : {2, 3}) {
+    if (kernel.ab_bf16 && (buf[i].dtype != XLA_FFI_DataType_U8 || ElementCount(buf[i]) != 0)) {
+      return Describe(buf[i], i) + "; expected uint8 of zero elements (bfloat16 objects read no scales)";
+    }
+    if (buf[i].dtype != kernel.sf) {
+      return Describe(buf[i], i) + (kernel.sf == XLA_FFI_DataType_U8 ? "; expected uint8 E8M0 scale bytes"
+                                                                      : "; expected float8_e4m3fn scales (NVFP4)");
+    }
+  }
+  if (!kernel.ab_bf16 && !(e = CheckScaleAtoms(buf, kernel, l, t, n, k, g)).empty()) return e;
   if (items.dtype != XLA_FFI_DataType_S32) return Describe(items, 4) + "; expected int32 work items";
   const int64_t max_items = items.rank == 3 ? items.dims[1] : 0;
   if (items.rank != 3 || items.dims[0] != l || max_items < 1 || items.dims[2] != kItemFields) {
@@ -114,6 +157,7 @@ std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& k
   }
   for (int i = 0; i < 8; ++i) {
     if (i != 1 && !(e = CheckCount(buf[i], i)).empty()) return e;
+    if (kernel.ab_bf16 && (i == 2 || i == 3)) continue;  // empty and unread: its pointer may be null
     const auto address = reinterpret_cast<uintptr_t>(buf[i].data);
     if (address == 0 || address % kAlignment != 0) {
       return Describe(buf[i], i) + " at address " + std::to_string(address) + "; expected a 16-byte aligned pointer";
@@ -134,9 +178,10 @@ using StateOr = ffi::ErrorOr<std::unique_ptr<KernelObjects>>;
 
 StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span<const uint8_t> objects,
                     ffi::Span<const int64_t> offsets, std::string_view ab_dtype, std::string_view c_dtype,
-                    std::string_view sf_dtype, int64_t sf_vec_size) {
+                    std::string_view sf_dtype, int64_t sf_vec_size, std::string_view b_major) {
   KernelDtypes dtypes{};
-  if (std::string why = ParseRaggedAttributes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, &dtypes); !why.empty()) {
+  if (std::string why = ParseRaggedAttributes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, b_major, &dtypes);
+      !why.empty()) {
     return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(why));
   }
   StateOr state = InstantiateKernelObjects(kRaggedTarget, archs, prefixes, objects, offsets);
@@ -169,7 +214,8 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   }
   KernelTensor tensors[8];
   for (int i = 0; i < 8; ++i) tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), ElementCount(buffers[i])};
-  // b's count exactly (ElementCount saturates at 2**31): L·G weights of N rows, each below 2**31 elements.
+  // b's count exactly (ElementCount saturates at 2**31): L·G weights, each below 2**31 elements, of N rows of K
+  // (L, G, N, K) or K rows of N (L, G, K, N): the product of b's last two dimensions either way.
   tensors[1].count = int64_t{dims.l} * dims.g * (buffers[1].dims[2] * buffers[1].dims[3]);
   int32_t t = dims.t, n = dims.n, k = dims.k, l = dims.l, g = dims.g, max_items = dims.max_items, ret = 0;
   // fn(a, b, sfa, sfb, items, c, amax, alpha, t, n, k, l, g, max_items, stream) and the kernel's status slot.
@@ -187,7 +233,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgRaggedInstantiate, jbg::Instantiate,
                                   .Attr<std::string_view>("ab_dtype")
                                   .Attr<std::string_view>("c_dtype")
                                   .Attr<std::string_view>("sf_dtype")
-                                  .Attr<int64_t>("sf_vec_size"),
+                                  .Attr<int64_t>("sf_vec_size")
+                                  .Attr<std::string_view>("b_major"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgRaggedExecute, jbg::Execute,

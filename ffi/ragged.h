@@ -2,10 +2,15 @@
 // g] = alpha·(A·sfa)(B[g]·sfb)^T and amax = max|C| per batch, in one launch driven by a table of work items that the
 // program computes on the device (kernels/sm90/ragged.py, op "ragged").
 //
-// INSTANTIATE parses `ab_dtype`, `c_dtype`, `sf_dtype` and `sf_vec_size` (what the objects were compiled for) and
-// loads the object table (kernel_objects.h). EXECUTE checks every buffer, zeroes amax on XLA's stream, poisons C
-// when asked (JAX_BLOCKGEMM_POISON_OUTPUTS) and runs the function. The items' values need no check: the kernel
-// clamps each one into its row tile, below T and below G.
+// INSTANTIATE parses `ab_dtype`, `c_dtype`, `sf_dtype`, `sf_vec_size` and `b_major` (what the objects were compiled
+// for) and loads the object table (kernel_objects.h). EXECUTE checks every buffer, zeroes amax on XLA's stream,
+// poisons C when asked (JAX_BLOCKGEMM_POISON_OUTPUTS) and runs the function. The items' values need no check: the
+// kernel clamps each one into its row tile, below T and below G.
+//
+// The bf16 objects (ab_dtype "bfloat16", sf_dtype "none", sf_vec_size 0; C float32 or bfloat16) take bfloat16 a
+// (L, T, K) and b (L, G, N, K) for b_major "k" or (L, G, K, N) for "n", and read neither sfa nor sfb (uint8 buffers
+// of zero elements, whose addresses go unchecked) nor alpha (passed all the same: ones). Every other format takes
+// b_major "k".
 #ifndef JBG_FFI_RAGGED_H_
 #define JBG_FFI_RAGGED_H_
 
@@ -27,15 +32,16 @@ struct RaggedDims {
 };
 
 // Parses the instantiate attributes into `*out` (alpha is always true: every object takes alpha). The formats are
-// the sm_90a kernel's: FP8 or FP4 codes with E8M0 scales per 32, or FP4 codes with float8_e4m3fn scales per 16.
-// Returns "" or what is wrong.
+// the sm_90a kernel's: FP8 or FP4 codes with E8M0 scales per 32, or FP4 codes with float8_e4m3fn scales per 16,
+// all with b_major "k"; or bfloat16 operands with no scales ("none", 0), a float32 or bfloat16 C and b_major "k" or
+// "n" (out->ab_bf16, out->b_mn). Returns "" or what is wrong.
 std::string ParseRaggedAttributes(std::string_view ab_dtype, std::string_view c_dtype, std::string_view sf_dtype,
-                                  int64_t sf_vec_size, KernelDtypes* out);
+                                  int64_t sf_vec_size, std::string_view b_major, KernelDtypes* out);
 
 // Checks a, b, sfa, sfb, items, c, amax, alpha (the ABI order) against what the kernel reads and writes, for
-// objects compiled for `kernel`; fills `*dims`. Every buffer but b holds fewer than 2**31 elements; b may hold more
-// (TMA addresses it by weight) when one weight (N, K) and L·G fit. Returns "" when they fit, else a message naming
-// the buffer, what it is and what is allowed.
+// objects compiled for `kernel`; fills `*dims` (n and k logical, whatever b's major). Every buffer but b holds fewer
+// than 2**31 elements; b may hold more (TMA addresses it by weight) when one weight (N, K) and L·G fit. Returns ""
+// when they fit, else a message naming the buffer, what it is and what is allowed.
 std::string CheckRaggedBuffers(const BufferDesc (&buffers)[8], const KernelDtypes& kernel, RaggedDims* dims);
 
 }  // namespace jbg

@@ -280,9 +280,10 @@ def decode_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, a
 
 
 def ragged_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, k: int, implementation: Any,
-                   **_: Any) -> KernelChoice:
+                   b_major: str = "k", **_: Any) -> KernelChoice:
     """The grouped kernel variants (one per covered architecture) for a canonical ragged_gemm_amax call: a (L, T, K)
-    codes (packed FP4: uint8), b (L, G, N, K), compact scales sfa (L, T, KB) and sfb (L, G, N, KB)."""
+    codes (packed FP4: uint8) or bf16, b (L, G, N, K) (bf16 with b_major "n": (L, G, K, N)), compact scales sfa
+    (L, T, KB) and sfb (L, G, N, KB) (KB = 0 for bf16)."""
     if implementation == "xla":
         return KernelChoice(reason="implementation='xla' forces the reference")
     forced = getattr(_FORCED, "variants", None)
@@ -290,7 +291,8 @@ def ragged_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, k
         return KernelChoice(variants=tuple(v for v in forced if v.op == "ragged"))
     a, b, sfa = avals_in[:3]
     l, t = a.shape[:2]
-    g, n = b.shape[1:3]
+    g = b.shape[1]
+    n = b.shape[2] if b_major == "k" else b.shape[3]
     # One weight (N, K) and every other buffer within 32-bit element counts; b as a whole may be larger (TMA
     # addresses it by batch).
     too_large = _first_past_int32((("a", a.shape), ("one weight of b", (n, k)), ("sfb", avals_in[3].shape),
@@ -303,14 +305,19 @@ def ragged_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, k
     from jax_blockgemm.kernels import catalog
 
     ab_dtype = "float4_e2m1fn" if np.dtype(a.dtype) == np.uint8 else str(np.dtype(a.dtype))
-    sf_dtype = catalog.E8M0 if np.dtype(sfa.dtype) == np.uint8 else str(np.dtype(sfa.dtype))
+    if sf_vec_size == 0:  # bf16 operands
+        sf_dtype = catalog.NO_SCALES
+    else:
+        sf_dtype = catalog.E8M0 if np.dtype(sfa.dtype) == np.uint8 else str(np.dtype(sfa.dtype))
     variants = [v for v in (catalog.select_variant(op="ragged", arch=target, ab_dtype=ab_dtype,
                                                    c_dtype=str(np.dtype(c_dtype)), sf_vec_size=sf_vec_size,
-                                                   sf_dtype=sf_dtype, tile_mn=(128, 128), cluster_mn=(1, 1))
+                                                   sf_dtype=sf_dtype, tile_mn=(128, 128), cluster_mn=(1, 1),
+                                                   b_major=b_major)
                             for target in arch.targets()) if v is not None]
     if not variants:
+        layout = "" if b_major == "k" else f", b_major {b_major!r}"
         return KernelChoice(reason=f"no ragged kernel in the catalog for {ab_dtype} operands, {np.dtype(c_dtype)} C, "
-                                   f"{sf_dtype} scales per {sf_vec_size}")
+                                   f"{sf_dtype} scales per {sf_vec_size}{layout}")
     return _usable(variants, implementation, sizes=(t, n, k, l, g), names="(T, N, K, L, G)",
                    fmt=format_key(ab_dtype, sf_dtype, sf_vec_size))
 

@@ -25,8 +25,11 @@ instantiates the program. Attributes:
 object takes); sw's rank tells the handler its form (3: compact scales, 6: the 128x4 atom).
 
 `jbg_ragged_gemm_amax` (a, b, sfa, sfb, items, alpha -> c, amax) carries the object table and `ab_dtype`, `c_dtype`,
-`sf_dtype`, `sf_vec_size` as `jbg_gemm_amax` names them: b holds one weight per batch and group, (L, G, N, K), its
-scales the atoms of L·G batches; items, int32 (L, max_items, 4), is the work-item table the program computes.
+`sf_dtype`, `sf_vec_size`, `b_major` as `jbg_gemm_amax` names them: b holds one weight per batch and group, (L, G, N,
+K), its scales the atoms of L·G batches; items, int32 (L, max_items, 4), is the work-item table the program computes.
+The bf16 objects (ab_dtype "bfloat16", sf_dtype "none" (NO_SCALES), sf_vec_size 0, C float32 or bfloat16) take
+bfloat16 a (L, T, K) and b (L, G, N, K) for b_major "k" or (L, G, K, N) for "n", and read neither sfa nor sfb
+(uint8 of zero elements, any rank) nor alpha (passed: ones); every other format takes b_major "k".
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def object_table_attributes(variants: Sequence[Any], objects: Sequence[bytes]) -
 
 
 E8M0 = "float8_e8m0fnu"
+NO_SCALES = "none"  # catalog.NO_SCALES: the sf_dtype (with sf_vec_size 0) of objects whose operands carry no scales
 
 
 def logical_dtype(dtype: Any) -> str:
@@ -237,16 +241,17 @@ def emit_weight_stream(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variant
 
 
 def ragged_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, ab_dtype: Any, c_dtype: Any,
-                      sf_dtype: str, sf_vec_size: int) -> dict[str, Any]:
+                      sf_dtype: str, sf_vec_size: int, b_major: str = "k") -> dict[str, Any]:
     """The jbg_ragged_gemm_amax call's attributes for `variants` (one per arch, all ragged kernels compiled for the
-    codes ab_dtype and C dtype c_dtype (uint8: packed FP4) with sf_dtype scales per sf_vec_size)."""
-    call = (logical_dtype(ab_dtype), logical_dtype(c_dtype), sf_dtype, int(sf_vec_size))
+    codes ab_dtype and C dtype c_dtype (uint8: packed FP4) with sf_dtype scales per sf_vec_size ("none" and 0 for
+    bfloat16 operands) and b_major)."""
+    call = (logical_dtype(ab_dtype), logical_dtype(c_dtype), sf_dtype, int(sf_vec_size), b_major)
     for v in variants:
-        if v.op != "ragged" or (v.ab_dtype, v.c_dtype, v.sf_dtype, v.sf_vec_size) != call:
+        if v.op != "ragged" or (v.ab_dtype, v.c_dtype, v.sf_dtype, v.sf_vec_size, getattr(v, "b_major", "k")) != call:
             raise ValueError(f"variant {v.key!r} is not a ragged kernel compiled for the call's {call} (codes, C, "
-                             f"scales, block)")
+                             f"scales, block, b major)")
     return dict(object_table_attributes(variants, objects), ab_dtype=call[0], c_dtype=call[1], sf_dtype=sf_dtype,
-                sf_vec_size=np.int64(sf_vec_size))
+                sf_vec_size=np.int64(sf_vec_size), b_major=b_major)
 
 
 def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha: Any, *,
@@ -258,7 +263,11 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
     their scales in the 128x4 atom of (L, T, K) and (L·G, N, K) (rank 6), uint8 E8M0 bytes or float8_e4m3fn
     (NVFP4); items int32 (L, max_items, 4); alpha (L,) float32. Results from `ctx.avals_out`: c (L, T, N) (packed
     FP4: (L, T, N/2) uint8) in the variants' C dtype, amax (L,) float32. `variants`: catalog entries of op "ragged",
-    one per architecture.
+    one per architecture, all of one b_major.
+
+    bf16 variants (ab_dtype "bfloat16", sf_dtype NO_SCALES): a (L, T, K) and b bfloat16, b (L, G, N, K) for the
+    variants' b_major "k" or (L, G, K, N) for "n"; sfa and sfb uint8 of zero elements (any rank), which the kernel
+    does not read, nor alpha; c float32 or bfloat16.
     """
     if not variants:
         raise ValueError("emit_ragged needs at least one variant")
@@ -267,14 +276,21 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
                          f"{[str(x) for x in ctx.avals_in]} -> {[str(x) for x in ctx.avals_out]}")
     a_aval, b_aval, sfa_aval, sfb_aval, items_aval, alpha_aval = ctx.avals_in
     c_aval, amax_aval = ctx.avals_out
+    bf16, b_major = variants[0].ab_dtype == "bfloat16", getattr(variants[0], "b_major", "k")
     if a_aval.ndim != 3:
         raise ValueError(f"emit_ragged expects a (L, T, K) (packed FP4: (L, T, K/2)); got {a_aval}")
     l, t, row = a_aval.shape
-    g, n = b_aval.shape[1:3] if b_aval.ndim == 4 else (-1, -1)
-    if b_aval.shape != (l, g, n, row) or np.dtype(b_aval.dtype) != np.dtype(a_aval.dtype) or min(g, n) < 1:
-        raise ValueError(f"emit_ragged expects b (L, G, N, K) (packed FP4: (L, G, N, K/2)) of a's dtype for a "
-                         f"{a_aval}; got b {b_aval}")
-    if sfa_aval.ndim != 6 or sfb_aval.ndim != 6 or np.dtype(sfa_aval.dtype) != np.dtype(sfb_aval.dtype):
+    g = b_aval.shape[1] if b_aval.ndim == 4 else -1
+    n = b_aval.shape[3 if b_major == "n" else 2] if b_aval.ndim == 4 else -1
+    b_shape = (l, g, row, n) if b_major == "n" else (l, g, n, row)
+    if b_aval.shape != b_shape or np.dtype(b_aval.dtype) != np.dtype(a_aval.dtype) or min(g, n) < 1:
+        raise ValueError(f"emit_ragged expects b (L, G, N, K) (packed FP4: (L, G, N, K/2); b_major 'n': (L, G, K, N)) "
+                         f"of a's dtype for a {a_aval} and b_major {b_major!r}; got b {b_aval}")
+    if bf16:
+        if any(x.size or np.dtype(x.dtype) != np.uint8 for x in (sfa_aval, sfb_aval)):
+            raise ValueError(f"emit_ragged expects sfa and sfb uint8 of zero elements for bfloat16 variants (no "
+                             f"scales); got sfa {sfa_aval}, sfb {sfb_aval}")
+    elif sfa_aval.ndim != 6 or sfb_aval.ndim != 6 or np.dtype(sfa_aval.dtype) != np.dtype(sfb_aval.dtype):
         raise ValueError(f"emit_ragged expects sfa and sfb in the 128x4 atom form (rank 6), of one dtype; got sfa "
                          f"{sfa_aval}, sfb {sfb_aval}")
     max_items = items_aval.shape[1] if items_aval.ndim == 3 else -1
@@ -290,9 +306,12 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
         raise ValueError(f"emit_ragged expects results c {c_shape} and amax ({l},) float32; got c {c_aval} and "
                          f"amax {amax_aval}")
     variants, objects = _objects(variants)
-    sf_dtype = E8M0 if np.dtype(sfa_aval.dtype) == np.uint8 else str(np.dtype(sfa_aval.dtype))
+    if bf16:
+        sf_dtype = NO_SCALES
+    else:
+        sf_dtype = E8M0 if np.dtype(sfa_aval.dtype) == np.uint8 else str(np.dtype(sfa_aval.dtype))
     attributes = ragged_attributes(variants, objects, ab_dtype=a_aval.dtype, c_dtype=c_aval.dtype, sf_dtype=sf_dtype,
-                                   sf_vec_size=variants[0].sf_vec_size)
+                                   sf_vec_size=variants[0].sf_vec_size, b_major=b_major)
     return _emit(RAGGED_TARGET, ctx, (a, b, sfa, sfb, items, alpha), attributes)
 
 

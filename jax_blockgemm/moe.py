@@ -13,7 +13,9 @@ is straight-through, each operand quantized along its own contraction axis:
          primitive or kernel exists yet: this is the reference formulation on every device.
 
 A GEMM whose contraction is not a multiple of 32 (K for the forward, N for dgrad) runs in bf16 instead, as in
-mx_dot_general; wgrad's padding makes the token contraction always fit.
+mx_dot_general; wgrad's padding makes the token contraction always fit. The bf16 recipe's forward and dgrad run the
+bf16 grouped kernel where it applies (`ragged.grouped_dot`), reading the (G, K, N) weights in place both ways; its
+wgrad is the reference's per-group contraction.
 """
 
 from __future__ import annotations
@@ -43,13 +45,16 @@ def _quantize(x: jax.Array, fmt: str, axis: int) -> tuple[jax.Array, jax.Array, 
     return (*formats.quantize_mxfp8(x, axis=axis, dtype=formats.FORMATS[fmt].code_dtype), None)
 
 
-def _ragged_gemm(a: jax.Array, b: jax.Array, group_sizes: jax.Array, fmt: str, implementation: Any) -> jax.Array:
-    """(T, F) float32: a (T, C) times b (G, F, C) per group, contracted over C, quantized along C in `fmt`."""
-    t, c = a.shape
-    f = b.shape[1]
+def _ragged_gemm(a: jax.Array, w: jax.Array, group_sizes: jax.Array, fmt: str, implementation: Any, *,
+                 w_major: str) -> jax.Array:
+    """(T, F) float32: a (T, C) times each group's weight, contracted over C: w (G, F, C) for w_major "k", (G, C, F)
+    for "n"; both quantized along C in `fmt`, or bf16 (then the N-major w is read as it is)."""
+    c = a.shape[1]
     if fmt == "bf16" or c % autodiff.K_MULTIPLE:
-        starts, ends = ragged.group_bounds(group_sizes, t)
-        return ragged.grouped_rows_dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), starts, ends)
+        return ragged.grouped_dot(a, w, group_sizes, w_major=w_major,
+                                  implementation=implementation if fmt == "bf16" else None)[0]
+    b = w if w_major == "k" else jnp.swapaxes(w, 1, 2)  # the transpose fuses into the quantization
+    f = b.shape[1]
     b = autodiff._pad_axis(b, 1, 16)  # C's rows: 16 bytes of any C dtype
     qa, sa, ta = _quantize(a, fmt, 1)
     qb, sb, tb = _quantize(b, fmt, 2)
@@ -99,7 +104,7 @@ def _wgrad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, fmt: str) -> jax
 def _ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: np.dtype,
                    recipe: autodiff.Recipe) -> jax.Array:
     """out (T, N) = x (T, K) · w_g (K, N) for each group's rows, in the recipe's forward format."""
-    return _ragged_gemm(x, jnp.swapaxes(w, 1, 2), group_sizes, recipe.fwd, recipe.implementation).astype(out_dtype)
+    return _ragged_gemm(x, w, group_sizes, recipe.fwd, recipe.implementation, w_major="n").astype(out_dtype)
 
 
 def _ragged_matmul_fwd(x, w, group_sizes, out_dtype, recipe):
@@ -108,7 +113,7 @@ def _ragged_matmul_fwd(x, w, group_sizes, out_dtype, recipe):
 
 def _ragged_matmul_bwd(out_dtype, recipe, residuals, dy):
     x, w, group_sizes = residuals
-    dx = _ragged_gemm(dy, w, group_sizes, recipe.dgrad, recipe.implementation)
+    dx = _ragged_gemm(dy, w, group_sizes, recipe.dgrad, recipe.implementation, w_major="k")
     dw = _wgrad(x, dy, group_sizes, recipe.wgrad)
     return dx.astype(x.dtype), dw.astype(w.dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
 

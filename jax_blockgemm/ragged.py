@@ -16,8 +16,12 @@ bfloat16 once (exact).
 Canonical operands (what the API binds): a (L, T, K) codes (packed FP4: uint8 (L, T, K/2)); b (L, G, N, K) likewise;
 sfa (L, T, KB) and sfb (L, G, N, KB) compact scales (E8M0 bytes as uint8, or float8_e4m3fn for NVFP4); starts, ends
 (L, G) int32: the rows [starts[g], ends[g]) of group g (from group_sizes, see `group_bounds`); alpha (L,) float32 when
-given. Params: k, sf_vec_size, c_dtype (np.dtype), implementation. Results: c (L, T, N) (packed FP4: (L, T, N/2)) and
-amax (L,) float32.
+given. Params: k, sf_vec_size, c_dtype (np.dtype), implementation, b_major. Results: c (L, T, N) (packed FP4: (L, T,
+N/2)) and amax (L,) float32.
+
+bf16 operands (`grouped_dot`, mx_ragged_dot's bf16 recipe) take the same primitive with sf_vec_size 0: a and b in
+bf16, b (L, G, N, K) for b_major "k" or (L, G, K, N) for "n" (the (G, K, N) weights of `jax.lax.ragged_dot`, read
+without a transposed copy), and empty scales sfa (L, T, 0) and sfb (L, G, N, 0).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from jax.interpreters import batching, mlir
 from jax_blockgemm import formats, primitives, reference, sharding, support
 
 __all__ = ["ragged_p", "ragged_local_p", "check_call", "group_bounds", "grouped_rows_dot", "grouped_contraction",
-           "ragged_reference", "check_group_sizes", "tile_rows", "kernel_items", "max_kernel_items"]
+           "grouped_dot", "ragged_reference", "check_group_sizes", "tile_rows", "kernel_items", "max_kernel_items"]
 
 ragged_p = jex_core.Primitive("jbg_ragged_gemm_amax")
 ragged_local_p = jex_core.Primitive("jbg_ragged_gemm_amax_local")
@@ -253,7 +257,26 @@ def check_call(a: Any, b: Any, sfa: Any, sfb: Any, group_sizes: Any, *, alpha: A
             raise ValueError(f"alpha must be a float32 scalar; got {support.dtype_name(alpha)}{tuple(alpha.shape)}.")
         operands.append(alpha.reshape(1))
     c_dtype = np.dtype(jnp.float4_e2m1fn) if support.is_fp4(c_dtype) else np.dtype(c_dtype)
-    return operands, dict(k=k, sf_vec_size=sf_vec_size, c_dtype=c_dtype, implementation=implementation)
+    return operands, dict(k=k, sf_vec_size=sf_vec_size, c_dtype=c_dtype, implementation=implementation, b_major="k")
+
+
+def grouped_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, w_major: str, c_dtype: Any = jnp.float32,
+                implementation: Any = None) -> tuple[jax.Array, jax.Array]:
+    """(out, amax): out[t] = x[t] · w[g]ᵀ for the rows t of group g, 0 on rows of no group, in bf16 with float32
+    accumulation, and max|out| as float32: x (T, K), w (G, N, K) for w_major "k" or (G, K, N) for "n", group_sizes
+    int32 (G,) (checked by the caller) -> (T, N) in c_dtype (float32 or bfloat16). Through `ragged_p`: the bf16
+    grouped kernel where it runs (one launch, no transposed copy of an N-major w), else the reference's chunked loop;
+    vmap, sharding as ragged_gemm_amax."""
+    support.check_implementation(implementation)
+    t, k = x.shape
+    g = w.shape[0]
+    n = w.shape[1] if w_major == "k" else w.shape[2]
+    starts, ends = group_bounds(group_sizes, t)
+    operands = [x.astype(jnp.bfloat16)[None], w.astype(jnp.bfloat16)[None], jnp.zeros((1, t, 0), jnp.uint8),
+                jnp.zeros((1, g, n, 0), jnp.uint8), starts[None], ends[None]]
+    c, amax = ragged_p.bind(*operands, k=k, sf_vec_size=0, c_dtype=np.dtype(c_dtype), implementation=implementation,
+                            b_major=w_major)
+    return c[0], amax[0]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -266,14 +289,18 @@ def _unpacked(codes: jax.Array, k: int) -> jax.Array:
 
 
 def ragged_reference(a, b, sfa, sfb, starts, ends, *maybe_alpha, k: int, sf_vec_size: int, c_dtype: Any,
-                     **_: Any) -> tuple[jax.Array, jax.Array]:
+                     b_major: str = "k", **_: Any) -> tuple[jax.Array, jax.Array]:
     """The canonical call: both operands dequantized to bfloat16 (exact in the normal range, as gemm_amax's
-    reference), `grouped_rows_dot` with float32 accumulation, alpha, then amax of the float32 accumulator (rows of no
-    group are 0; a NaN in a group's rows makes it NaN) and the conversion to c_dtype."""
+    reference; bf16 operands as they are), `grouped_rows_dot` with float32 accumulation, alpha, then amax of the
+    float32 accumulator (rows of no group are 0; a NaN in a group's rows makes it NaN) and the conversion to
+    c_dtype."""
 
     def one(a, b, sfa, sfb, starts, ends, *alpha):
-        a16 = reference.dequantize_bf16(_unpacked(a, k), sfa, block=sf_vec_size, axis=1)
-        b16 = reference.dequantize_bf16(_unpacked(b, k), sfb, block=sf_vec_size, axis=2)
+        if sf_vec_size == 0:  # bf16 operands
+            a16, b16 = a, (b if b_major == "k" else jnp.swapaxes(b, 1, 2))
+        else:
+            a16 = reference.dequantize_bf16(_unpacked(a, k), sfa, block=sf_vec_size, axis=1)
+            b16 = reference.dequantize_bf16(_unpacked(b, k), sfb, block=sf_vec_size, axis=2)
         acc = grouped_rows_dot(a16, b16, starts, ends)
         if alpha:
             acc = acc * alpha[0]
@@ -287,9 +314,9 @@ def ragged_reference(a, b, sfa, sfb, starts, ends, *maybe_alpha, k: int, sf_vec_
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _abstract_eval(a, b, *_, c_dtype, **__):
+def _abstract_eval(a, b, *_, c_dtype, b_major, **__):
     l, t = a.shape[:2]
-    n = b.shape[2]
+    n = b.shape[2] if b_major == "k" else b.shape[3]
     fp4 = support.is_fp4(c_dtype)
     c = jax.core.ShapedArray((l, t, n // 2 if fp4 else n), np.dtype(jnp.uint8) if fp4 else np.dtype(c_dtype))
     return c, jax.core.ShapedArray((l,), np.float32)
@@ -302,9 +329,11 @@ def _reference_lowering(ctx, *args, **params):
 
 def _kernel_operands(sfa, sfb, starts, ends, *, tokens: int) -> list:
     """What the grouped kernel reads besides the codes: both scales in the SPEC §3 atom layout (sfb over L·G
-    batches) and the work items of each batch (`kernel_items`)."""
+    batches; bf16 operands' empty scales as they are) and the work items of each batch (`kernel_items`)."""
     l, g, n, kb = sfb.shape
     items = jax.vmap(lambda s, e: kernel_items(s, e, tokens))(starts, ends)
+    if kb == 0:
+        return [sfa, sfb, items]
     return [formats.to_scale_atom(sfa), formats.to_scale_atom(sfb.reshape(l * g, n, kb)), items]
 
 

@@ -67,11 +67,15 @@ SCALE_MISMATCH_FRACTION = 0.01  # scale bytes one apart (block amax at a power-o
 
 def _operands(variant: Any, problem: tuple[int, int, int, int], seed: int) -> tuple[np.ndarray, ...]:
     """Random codes (FP8, or packed FP4 pairs: every nibble) and random scales (compact form: E8M0 bytes, or
-    NVFP4's positive E4M3 values) for `problem` = (L, M, N, K); NVFP4 adds its alpha (NVFP4_ALPHA)."""
+    NVFP4's positive E4M3 values) for `problem` = (L, M, N, K); NVFP4 adds its alpha (NVFP4_ALPHA). bf16 operands
+    (sf_vec_size 0) come with empty scales."""
     import jax.numpy as jnp
 
     l, m, n, k = problem
     rng = np.random.default_rng(seed)
+    if variant.sf_vec_size == 0:
+        a, b = ((rng.standard_normal((l, rows, k)) * 4).astype(jnp.bfloat16) for rows in (m, n))
+        return a, b, np.zeros((l, m, 0), np.uint8), np.zeros((l, n, 0), np.uint8)
     if variant.ab_dtype == "float4_e2m1fn":
         a = rng.integers(0, 256, (l, m, k // 2), dtype=np.uint8)
         b = rng.integers(0, 256, (l, n, k // 2), dtype=np.uint8)
@@ -327,14 +331,20 @@ RAGGED_PROBLEMS = ((200, 160, 96, (40, 0, 1, 30, 100)), (300, 288, 160, (0, 300,
 def ragged_api_call(variant: Any, args: Sequence[Any], *, implementation: str = "cutedsl"
                     ) -> tuple[Callable[..., Any], list]:
     """(ragged_gemm_amax with `variant`'s C dtype, scale block and NVFP4 alpha bound; its operands a, b, sfa, sfb,
-    group_sizes) for `_operands(variant, (1, T, G·N, K))` and the sizes (args[-1])."""
-    from jax_blockgemm import api
+    group_sizes) for `_operands(variant, (1, T, G·N, K))` and the sizes (args[-1]). bf16 variants: `ragged.grouped_dot`
+    with the weights as the variant's b_major reads them; its operands a, b, group_sizes."""
+    from jax_blockgemm import api, ragged
 
     *args, sizes = args
     alpha = args[4] if len(args) > 4 else None
     a, b, sfa, sfb = (x[0] for x in args[:4])
     g = len(sizes)
-    b, sfb = b.reshape(g, -1, b.shape[-1]), sfb.reshape(g, -1, sfb.shape[-1])
+    b = b.reshape(g, -1, b.shape[-1])
+    if variant.sf_vec_size == 0:
+        b = b if variant.b_major == "k" else np.ascontiguousarray(np.swapaxes(b, 1, 2))
+        fn = functools.partial(ragged.grouped_dot, w_major=variant.b_major, implementation=implementation)
+        return fn, [a, b, np.asarray(sizes, np.int32)]
+    sfb = sfb.reshape(g, -1, sfb.shape[-1])
     fn = functools.partial(api.ragged_gemm_amax, c_dtype=variant.c_dtype, sf_vec_size=variant.sf_vec_size,
                            alpha=alpha, implementation=implementation)
     return fn, [a, b, sfa, sfb, np.asarray(sizes, np.int32)]

@@ -447,11 +447,12 @@ class RaggedPlan:
     g: Axes
     n: Axes
 
-    def operand_specs(self, count: int) -> tuple[P, ...]:
+    def operand_specs(self, count: int, b_major: str = "k") -> tuple[P, ...]:
         tokens = _spec(self.l, self.t, ())
-        weights = _spec(self.l, self.g, self.n, ())
+        weights = _spec(self.l, self.g, self.n, ())  # and sfb, (L, G, N, KB) in either layout of b
+        b = weights if b_major == "k" else _spec(self.l, self.g, (), self.n)
         bounds = _spec(self.l, self.g)
-        return (tokens, weights, tokens, weights, bounds, bounds, _spec(self.l))[:count]
+        return (tokens, b, tokens, weights, bounds, bounds, _spec(self.l))[:count]
 
     def result_specs(self) -> tuple[P, P]:
         return _spec(self.l, self.t, self.n), _spec(self.l)
@@ -460,11 +461,12 @@ class RaggedPlan:
 def ragged_plan(params: dict, mesh: Any, shapes: Sequence[Any]) -> RaggedPlan:
     """L from a (else b), T from a, G from b (else the group bounds), N from b (in pairs for packed FP4 C)."""
     a, b, starts = shapes[0], shapes[1], shapes[4]
+    n_dim = 2 if params["b_major"] == "k" else 3
     l_axes = _keep(mesh, _dim_axes(a.sharding, 0) or _dim_axes(b.sharding, 0), a.shape[0], 1, ())
     t_axes = _keep(mesh, _dim_axes(a.sharding, 1), a.shape[1], 1, l_axes)
     g_axes = _keep(mesh, _dim_axes(b.sharding, 1) or _dim_axes(starts.sharding, 1), b.shape[1], 1, l_axes + t_axes)
     n_quantum = 2 if is_fp4(params["c_dtype"]) else 1
-    n_axes = _keep(mesh, _dim_axes(b.sharding, 2), b.shape[2], n_quantum, l_axes + t_axes + g_axes)
+    n_axes = _keep(mesh, _dim_axes(b.sharding, n_dim), b.shape[n_dim], n_quantum, l_axes + t_axes + g_axes)
     return RaggedPlan(l_axes, t_axes, g_axes, n_axes)
 
 
@@ -499,7 +501,7 @@ def _ragged_partition(local: Callable, params: Params, mesh: Any, arg_shapes: An
         return _sum_disjoint(c, plan.g), _global_amax(amax, plan.t + plan.g + plan.n)
 
     return (mesh, per_shard, _named(mesh, plan.result_specs()),
-            _named(mesh, plan.operand_specs(len(arg_shapes))))
+            _named(mesh, plan.operand_specs(len(arg_shapes), p["b_major"])))
 
 
 def _ragged_infer(params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
@@ -516,7 +518,7 @@ def _ragged_propagate(params: Params, mesh: Any, result_shape: Any):
 def _ragged_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
     """Shardy: L, T and N pass through, G is a reduction factor (the expert-sharded combine), K is replicated."""
     p = dict(params)
-    n = _shape(operand_types[1])[2]
+    n = _shape(operand_types[3])[2]  # sfb (L, G, N, KB): N in either layout of b
     sizes: dict = {}
     nf = c_n = "n"
     if is_fp4(p["c_dtype"]):  # packed C (L, T, N/2): linked to b's N through pairs where Shardy allows it
@@ -525,7 +527,8 @@ def _ragged_rule(params: Params, mesh: Any, operand_types: Any, result_types: An
             nf, c_n = "(n_half n_pair)", "n_half"
         else:
             c_n = "n_packed"
-    operands = ["l t kc", f"l g {nf} kc", "l t kb", f"l g {nf} kb", "l g", "l g", "l"][:len(operand_types)]
+    b = f"l g {nf} kc" if p["b_major"] == "k" else f"l g kc {nf}"
+    operands = ["l t kc", b, "l t kb", f"l g {nf} kb", "l g", "l g", "l"][:len(operand_types)]
     return (f"{', '.join(operands)} -> l t {c_n}, l",
             dict(reduction_factors=("g",), need_replication_factors=("kc", "kb"), **sizes))
 

@@ -37,6 +37,29 @@ def ragged_oracle(a, b, sfa, sfb, group_sizes, *, k: int, sf_vec_size: int, alph
     return c, amax
 
 
+def grouped_dot_oracle(x, w_gkn, group_sizes) -> tuple[np.ndarray, float]:
+    """(out (T, N) float64, amax) of the bf16 grouped product: x (T, K) and w (G, K, N) as the float64 values of
+    their (bf16) elements, each group's rows times its weight."""
+    x = np.asarray(x, np.float64)
+    w = np.asarray(w_gkn, np.float64)
+    out = np.zeros((x.shape[0], w.shape[2]))
+    touched = np.zeros(x.shape[0], bool)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for g, (s, e) in enumerate(bounds(group_sizes)):
+            out[s:e] = x[s:e] @ w[g]
+            touched[s:e] = True
+    return out, (float(np.max(np.abs(out[touched]))) if touched.any() else 0.0)
+
+
+def random_bf16_grouped(rng: np.random.Generator, *, t: int, g: int, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """bf16 x (T, K) and w (G, K, N) with random per-row and per-column magnitudes (2^-4 .. 2^4)."""
+    import ml_dtypes
+
+    x = rng.standard_normal((t, k)) * np.exp2(rng.uniform(-4, 4, (t, 1)))
+    w = rng.standard_normal((g, k, n)) * np.exp2(rng.uniform(-4, 4, (g, 1, n))) / np.sqrt(k)
+    return x.astype(ml_dtypes.bfloat16), w.astype(ml_dtypes.bfloat16)
+
+
 def ragged_oracle_of(d: dict, group_sizes) -> tuple[np.ndarray, float]:
     """`ragged_oracle` of one `random_ragged_inputs` call (with its NVFP4 alpha where the scales are E4M3)."""
     alpha = d["alpha"] if np.asarray(d["sfa"]).dtype == oracle.E4M3 else None

@@ -19,8 +19,9 @@ import xla_probe
 ext = _native.extension()
 
 U8, I32, F32, BF16, F16, E4M3, E5M2 = "uint8", "int32", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"
-FP4, E8M0 = "float4_e2m1fn", "float8_e8m0fnu"
+FP4, E8M0, NONE = "float4_e2m1fn", "float8_e8m0fnu", "none"
 NVFP4 = dict(sf_dtype=E4M3, sf_vec_size=16)
+NO_SCALES = dict(sf_dtype=NONE, sf_vec_size=0)  # the bf16 objects' (catalog.NO_SCALES)
 # XLA FFI dtype codes (xla/ffi/api/c_api.h).
 CODE = {U8: 6, I32: 4, F32: 11, BF16: 16, F16: 10, E4M3: 20, E5M2: 19}
 
@@ -38,6 +39,14 @@ def _buffers(l, t, n, k, g, max_items, *, ab=E4M3, c=F32, sf=U8, v=32, base=1 <<
             [l * g, _cdiv(n, 128), k_atoms, 32, 4, 4], [l, max_items, 4], [l, t, n // 2 if c == U8 else n], [l], [l]]
     dtypes = [ab, ab, sf, sf, I32, c, F32, F32]
     return [(d, s, base + 4096 * i) for i, (d, s) in enumerate(zip(dtypes, dims))]
+
+
+def _bf16_buffers(l, t, n, k, g, max_items, *, b_major="k", c=F32, base=1 << 20):
+    """Well-formed buffers for the bf16 objects: bfloat16 a (L, T, K) and b (L, G, N, K) (b_major "k") or (L, G, K,
+    N) ("n"); sfa and sfb empty uint8 at address 0 (sfa (0,), sfb (L*G, 0): any shape of zero elements)."""
+    out = _buffers(l, t, n, k, g, max_items, ab=BF16, c=c, base=base)
+    out = _replace(_replace(out, 2, dims=[0], address=0), 3, dims=[l * g, 0], address=0)
+    return _replace(out, 1, dims=[l, g, k, n]) if b_major == "n" else out
 
 
 def _replace(buffers, index, *, dtype=None, dims=None, address=None):
@@ -59,12 +68,20 @@ class RaggedAttributesTest(parameterized.TestCase):
         ((E4M3, FP4, E8M0, 32), (CODE[E4M3], CODE[U8], CODE[U8], 32, False, True)))
     def test_attributes_map_to_buffer_dtypes(self, args, want):
         """FP4 codes and an FP4 C travel as uint8, E8M0 scales as uint8, NVFP4's as float8_e4m3fn; every object
-        takes alpha."""
-        self.assertEqual(ext.parse_ragged_attributes(*args), (*want, True))
+        takes alpha; none of these is bfloat16 or N-major (b_major defaults to "k")."""
+        self.assertEqual(ext.parse_ragged_attributes(*args), (*want, True, False, False))
+        self.assertEqual(ext.parse_ragged_attributes(*args, b_major="k"), (*want, True, False, False))
+
+    @parameterized.parameters((F32, "k"), (F32, "n"), (BF16, "k"), (BF16, "n"))
+    def test_bf16_attributes(self, c, b_major):
+        """bfloat16 operands with no scales ("none", 0): sfa and sfb are (empty) uint8; b K- or N-major; the objects
+        take alpha all the same (passed, unused)."""
+        self.assertEqual(ext.parse_ragged_attributes(BF16, c, NONE, 0, b_major),
+                         (CODE[BF16], CODE[c], CODE[U8], 0, False, False, True, True, b_major == "n"))
 
     @parameterized.parameters(
-        (("float16", F32, E8M0, 32), 'ab_dtype "float16" is not supported; expected float8_e4m3fn, float8_e5m2 or '
-                                     'float4_e2m1fn'),
+        (("float16", F32, E8M0, 32), 'ab_dtype "float16" is not supported; expected float8_e4m3fn, float8_e5m2, '
+                                     'float4_e2m1fn or bfloat16'),
         (("uint8", F32, E8M0, 32), 'ab_dtype "uint8" is not supported'),
         ((E4M3, "int32", E8M0, 32), 'c_dtype "int32" is not supported; expected float32, bfloat16, float16, '
                                     'float8_e4m3fn, float8_e5m2 or float4_e2m1fn'),
@@ -75,7 +92,30 @@ class RaggedAttributesTest(parameterized.TestCase):
         ((FP4, F32, E8M0, 16), 'sf_dtype "float8_e8m0fnu" with sf_vec_size 16 is not supported for ab_dtype '
                                'float4_e2m1fn'),
         ((FP4, F32, E4M3, 32), 'sf_dtype "float8_e4m3fn" with sf_vec_size 32 is not supported'),
-        ((FP4, F32, "bfloat16", 32), 'sf_dtype "bfloat16" with sf_vec_size 32 is not supported'))
+        ((FP4, F32, "bfloat16", 32), 'sf_dtype "bfloat16" with sf_vec_size 32 is not supported'),
+        # bfloat16 operands take no scales, a float32 or bfloat16 C; "none" with 0 belongs to them only.
+        ((BF16, F32, E8M0, 32), 'sf_dtype "float8_e8m0fnu" with sf_vec_size 32 is not supported for ab_dtype '
+                                'bfloat16; expected none with 0 \\(bfloat16 operands carry no scales\\)'),
+        ((BF16, F32, NONE, 32), 'sf_dtype "none" with sf_vec_size 32 is not supported for ab_dtype bfloat16'),
+        ((BF16, F32, E4M3, 16, "n"), 'sf_dtype "float8_e4m3fn" with sf_vec_size 16 is not supported for ab_dtype '
+                                     'bfloat16'),
+        ((BF16, F16, NONE, 0), 'c_dtype "float16" is not supported for ab_dtype bfloat16; expected float32 or '
+                               'bfloat16'),
+        ((BF16, E4M3, NONE, 0), 'c_dtype "float8_e4m3fn" is not supported for ab_dtype bfloat16; expected float32 '
+                                'or bfloat16'),
+        ((BF16, FP4, NONE, 0, "n"), 'c_dtype "float4_e2m1fn" is not supported for ab_dtype bfloat16'),
+        ((E4M3, F32, NONE, 0), 'sf_dtype "none" with sf_vec_size 0 is not supported for ab_dtype float8_e4m3fn; '
+                               'expected float8_e8m0fnu with 32, or \\(float4_e2m1fn codes only\\) float8_e4m3fn '
+                               'with 16 \\(none with 0 is for bfloat16 operands only\\)'),
+        ((FP4, F32, NONE, 0), 'sf_dtype "none" with sf_vec_size 0 is not supported for ab_dtype float4_e2m1fn'),
+        ((E4M3, F32, E8M0, 0), 'sf_dtype "float8_e8m0fnu" with sf_vec_size 0 is not supported'),
+        # b_major: "k" or "n", and "n" for bfloat16 operands only.
+        ((E4M3, F32, E8M0, 32, "n"), 'b_major "n" is not supported for ab_dtype float8_e4m3fn; expected k \\(only '
+                                     'bfloat16 operands take an N-major b\\)'),
+        ((FP4, FP4, E4M3, 16, "n"), 'b_major "n" is not supported for ab_dtype float4_e2m1fn; expected k'),
+        ((BF16, F32, NONE, 0, "m"), 'b_major "m" is not supported; expected k or n'),
+        ((E4M3, F32, E8M0, 32, ""), 'b_major "" is not supported; expected k or n'),
+        ((BF16, F32, NONE, 0, "N"), 'b_major "N" is not supported; expected k or n'))
     def test_attributes_are_refused_by_name(self, args, message):
         with self.assertRaisesRegex(ValueError, "^jbg_ragged_gemm_amax attributes: " + message):
             ext.parse_ragged_attributes(*args)
@@ -236,6 +276,123 @@ class RaggedBufferCheckTest(parameterized.TestCase):
             ext.check_ragged_buffers(_buffers(1, 1, 1, 16, 1, 1), E4M3, "int32")
 
 
+class RaggedBf16BufferCheckTest(parameterized.TestCase):
+    """The execute stage's buffer checks for the bf16 objects (ab_dtype bfloat16, no scales, b_major "k" or "n")."""
+
+    @parameterized.product(dims=[(1, 1, 8, 8, 1, 1), (2, 200, 72, 160, 3, 5), (3, 129, 256, 4104, 8, 10)],
+                           b_major=["k", "n"], c=[F32, BF16])
+    def test_well_formed_bf16(self, dims, b_major, c):
+        """The dims are the logical (t, n, k, l, g, max_items) in either of b's layouts; sfa and sfb are empty and
+        at address 0."""
+        l, t, n, k, g, max_items = dims
+        buffers = _bf16_buffers(l, t, n, k, g, max_items, b_major=b_major, c=c)
+        self.assertEqual(buffers[1][1], [l, g, k, n] if b_major == "n" else [l, g, n, k])
+        got = ext.check_ragged_buffers(buffers, BF16, c, **NO_SCALES, b_major=b_major)
+        self.assertEqual(got, ("", (t, n, k, l, g, max_items)))
+
+    @parameterized.parameters("k", "n")
+    def test_empty_scales_of_any_shape_and_address(self, b_major):
+        """The kernel reads neither sfa nor sfb: any shape with a zero dimension, at any address (null, unaligned)."""
+        good = _bf16_buffers(2, 200, 72, 160, 3, 5, b_major=b_major)
+        for sfa, sfb in (([0], [0]), ([2, 0, 4], [6, 1, 0]), ([0, 0, 0, 0, 0, 0], [6, 1, 2, 32, 4, 0])):
+            for address in (0, 3, (1 << 20) + 16):
+                buffers = _replace(_replace(good, 2, dims=sfa, address=address), 3, dims=sfb, address=address)
+                with self.subTest(sfa=sfa, sfb=sfb, address=address):
+                    self.assertEqual(ext.check_ragged_buffers(buffers, BF16, F32, **NO_SCALES, b_major=b_major)[0], "")
+
+    def test_each_bf16_violation_is_named(self):
+        k_major = _bf16_buffers(2, 200, 72, 160, 3, 5)
+        n_major = _bf16_buffers(2, 200, 72, 160, 3, 5, b_major="n")
+        bf16_c = _bf16_buffers(2, 200, 72, 160, 3, 5, c=BF16)
+        cases = [
+            (k_major, _replace(k_major, 0, dtype=E4M3), r"a is float8_e4m3fn \(2, 200, 160\); the kernel objects "
+                                                        r"were compiled for bfloat16 operands"),
+            (n_major, _replace(n_major, 0, dtype=F16), r"a is float16 .*compiled for bfloat16 operands"),
+            (k_major, _replace(k_major, 0, dims=[200, 160]), r"a is .*expected rank 3 \(L, T, K\)"),
+            (k_major, _replace(k_major, 0, dims=[2, 200, 164]), r"a is bfloat16 \(2, 200, 164\); expected K a "
+                                                                r"multiple of 8 \(16-byte rows of bfloat16\)"),
+            (k_major, _replace(k_major, 1, dtype=E4M3), r"b is float8_e4m3fn .*compiled for bfloat16 operands"),
+            (k_major, _replace(k_major, 1, dims=[2, 3, 160, 72]), r"b is bfloat16 \(2, 3, 160, 72\); expected \(L, "
+                                                                  r"G, N, K\) = \(2, G >= 1, N >= 1, 160\) for a's "
+                                                                  r"L and K: one weight per group and batch, K-major "
+                                                                  r"\(b_major k\)"),
+            (n_major, _replace(n_major, 1, dims=[2, 3, 72, 160]), r"b is bfloat16 \(2, 3, 72, 160\); expected \(L, "
+                                                                  r"G, K, N\) = \(2, G >= 1, 160, N >= 1\) for a's "
+                                                                  r"L and K: one weight per group and batch, N-major "
+                                                                  r"\(b_major n\)"),
+            (n_major, _replace(n_major, 1, dims=[6, 160, 72]), r"b is .*expected \(L, G, K, N\) = \(2, G >= 1, 160"),
+            (n_major, _replace(n_major, 1, dims=[2, 0, 160, 72]), r"b is .*expected \(L, G, K, N\)"),
+            (n_major, _replace(n_major, 1, dims=[2, 3, 160, 0]), r"b is .*expected \(L, G, K, N\)"),
+            (n_major, _replace(n_major, 1, dims=[2, 3, 160, 36]), r"b is bfloat16 \(2, 3, 160, 36\); expected N a "
+                                                                  r"multiple of 8 \(16-byte rows of an N-major "
+                                                                  r"bfloat16 b\)"),
+            (k_major, _replace(k_major, 2, dims=[2, 2, 2, 32, 4, 4]), r"sfa is uint8 \(2, 2, 2, 32, 4, 4\); expected "
+                                                                      r"uint8 of zero elements \(bfloat16 objects "
+                                                                      r"read no scales\)"),
+            (n_major, _replace(n_major, 2, dims=[]), r"sfa is uint8 \(\); expected uint8 of zero elements"),
+            (k_major, _replace(k_major, 2, dtype=E4M3), r"sfa is float8_e4m3fn \(0,\); expected uint8 of zero "
+                                                        r"elements"),
+            (n_major, _replace(n_major, 3, dims=[6, 1]), r"sfb is uint8 \(6, 1\); expected uint8 of zero elements"),
+            (k_major, _replace(k_major, 3, dtype=BF16), r"sfb is bfloat16 \(6, 0\); expected uint8 of zero "
+                                                        r"elements"),
+            (k_major, _replace(k_major, 4, dims=[2, 5, 3]), r"items is int32 \(2, 5, 3\); expected \(L, max_items, "
+                                                            r"4\)"),
+            (k_major, _replace(k_major, 5, dtype=BF16), r"c is bfloat16 .*compiled for a float32 C"),
+            (k_major, _replace(k_major, 5, dtype=F16), r"c is float16 .*compiled for a float32 C"),
+            (bf16_c, _replace(bf16_c, 5, dtype=F32), r"c is float32 .*compiled for a bfloat16 C"),
+            (n_major, _replace(n_major, 5, dims=[2, 200, 160]), r"c is float32 \(2, 200, 160\); expected \(2, 200, "
+                                                                r"72\) \(L, T, N\)"),
+            (n_major, _replace(n_major, 6, dims=[1]), r"amax is float32 \(1,\); expected float32 \(2,\) \(L,\)"),
+            (k_major, _replace(k_major, 7, dtype=BF16), r"alpha is bfloat16 .*expected float32 \(2,\)"),
+            (k_major, _replace(k_major, 0, address=0), r"a is .* at address 0; expected a 16-byte aligned pointer"),
+            (n_major, _replace(n_major, 1, address=(1 << 20) + 4096 + 2), r"b is .* at address .*16-byte aligned"),
+            (k_major, _replace(k_major, 7, address=0), r"alpha is .* at address 0; expected a 16-byte aligned"),
+        ]
+        attributes = {id(k_major): (F32, "k"), id(n_major): (F32, "n"), id(bf16_c): (BF16, "k")}  # (c, b_major)
+        for base in (k_major, n_major, bf16_c):
+            c, b_major = attributes[id(base)]
+            self.assertEqual(ext.check_ragged_buffers(base, BF16, c, **NO_SCALES, b_major=b_major)[0], "")
+        for base, buffers, message in cases:
+            with self.subTest(message=message):
+                c, b_major = attributes[id(base)]
+                got, dims = ext.check_ragged_buffers(buffers, BF16, c, **NO_SCALES, b_major=b_major)
+                self.assertRegex(got, "^jbg_ragged_gemm_amax: " + message)
+                self.assertEqual(dims, (0, 0, 0, 0, 0, 0))
+
+    def test_n_need_not_be_a_multiple_of_8_when_k_major(self):
+        """16-byte rows along N bind an N-major b only; a K-major b's rows run along K."""
+        self.assertEqual(ext.check_ragged_buffers(_bf16_buffers(2, 200, 36, 160, 3, 5), BF16, F32, **NO_SCALES)[0],
+                         "")
+
+    def test_fp8_buffers_are_not_bf16_ones(self):
+        """FP8 buffers (scale atoms and all) for bf16 objects, and bf16 buffers for FP8 objects, are refused."""
+        self.assertRegex(ext.check_ragged_buffers(_buffers(2, 200, 72, 160, 3, 5), BF16, F32, **NO_SCALES)[0],
+                         r"^jbg_ragged_gemm_amax: a is float8_e4m3fn .*compiled for bfloat16 operands")
+        self.assertRegex(ext.check_ragged_buffers(_bf16_buffers(2, 200, 72, 160, 3, 5), E4M3, F32)[0],
+                         r"^jbg_ragged_gemm_amax: a is bfloat16 .*compiled for float8_e4m3fn codes")
+        fp8_with_empty_scales = _replace(_replace(_buffers(2, 200, 72, 160, 3, 5), 2, dims=[0]), 3, dims=[0])
+        self.assertRegex(ext.check_ragged_buffers(fp8_with_empty_scales, E4M3, F32)[0],
+                         r"^jbg_ragged_gemm_amax: sfa is uint8 \(0,\); expected \(2, 2, 2, 32, 4, 4\)")
+
+    @parameterized.parameters("k", "n")
+    def test_bf16_element_counts(self, b_major):
+        """One weight (N, K) below 2**31 elements in either layout; b as a whole may hold more, and the dims are the
+        logical n and k (160 weights of 2048 x 7168)."""
+        big = _bf16_buffers(1, 128, 1 << 16, 1 << 15, 1, 1, b_major=b_major)
+        self.assertRegex(ext.check_ragged_buffers(big, BF16, F32, **NO_SCALES, b_major=b_major)[0],
+                         r"^jbg_ragged_gemm_amax: b is bfloat16 \(1, 1, \d+, \d+\); expected one weight \(N, K\) of "
+                         r"fewer than 2\*\*31 elements")
+        many = _bf16_buffers(1, 512, 2048, 7168, 160, 164, b_major=b_major)
+        self.assertGreaterEqual(np.prod(many[1][1]), 2**31)
+        self.assertEqual(ext.check_ragged_buffers(many, BF16, F32, **NO_SCALES, b_major=b_major),
+                         ("", (512, 2048, 7168, 1, 160, 164)))
+
+    def test_hook_parses_b_major(self):
+        with self.assertRaisesRegex(ValueError, 'jbg_ragged_gemm_amax attributes: b_major "n" is not supported for '
+                                                "ab_dtype float8_e4m3fn"):
+            ext.check_ragged_buffers(_buffers(1, 1, 1, 16, 1, 1), E4M3, F32, b_major="n")
+
+
 class RaggedModuleTest(absltest.TestCase):
 
     def test_target_is_registered_under_one_name(self):
@@ -264,6 +421,7 @@ class StandInRaggedVariant:
     c_dtype: str = F32
     sf_vec_size: int = 32
     sf_dtype: str = E8M0
+    b_major: str = "k"
 
     @property
     def key(self):
@@ -288,7 +446,8 @@ def _abstract_eval(a, b, sfa, sfb, items, alpha, *, variants, c_dtype, c_cols):
 mlir.register_lowering(_ragged_test_p, lambda ctx, *ops, variants, c_dtype, c_cols: ffi_lowering.emit_ragged(
     ctx, *ops, variants=variants), platform="cuda")
 
-_NAMES = ("archs", "function_prefixes", "objects", "offsets", "ab_dtype", "c_dtype", "sf_dtype", "sf_vec_size")
+_NAMES = ("archs", "function_prefixes", "objects", "offsets", "ab_dtype", "c_dtype", "sf_dtype", "sf_vec_size",
+          "b_major")
 
 
 def _operands(l=2, t=200, n=72, k=160, g=3, max_items=5, *, ab=jnp.float8_e4m3fn, sf=jnp.uint8, v=32):
@@ -297,6 +456,14 @@ def _operands(l=2, t=200, n=72, k=160, g=3, max_items=5, *, ab=jnp.float8_e4m3fn
     k_atoms = _cdiv(_cdiv(k, v), 4)
     return (sd((l, t, row), ab), sd((l, g, n, row), ab), sd((l, _cdiv(t, 128), k_atoms, 32, 4, 4), sf),
             sd((l * g, _cdiv(n, 128), k_atoms, 32, 4, 4), sf), sd((l, max_items, 4), jnp.int32), sd((l,), jnp.float32))
+
+
+def _bf16_operands(l=2, t=200, n=72, k=160, g=3, max_items=5, *, b_major="k"):
+    """bf16 a and b (b (L, G, N, K), or (L, G, K, N) for b_major "n"), empty uint8 sfa (0,) and sfb (L*G, 0)."""
+    sd = jax.ShapeDtypeStruct
+    b_shape = (l, g, k, n) if b_major == "n" else (l, g, n, k)
+    return (sd((l, t, k), jnp.bfloat16), sd(b_shape, jnp.bfloat16), sd((0,), jnp.uint8), sd((l * g, 0), jnp.uint8),
+            sd((l, max_items, 4), jnp.int32), sd((l,), jnp.float32))
 
 
 def _function(variants, c_dtype, c_cols):
@@ -344,6 +511,7 @@ class EmitRaggedTest(absltest.TestCase):
         np.testing.assert_array_equal(attrs["offsets"], [0, 22, 43])
         self.assertEqual((attrs["ab_dtype"], attrs["c_dtype"], attrs["sf_dtype"]), (E4M3, F32, E8M0))
         self.assertEqual(attrs["sf_vec_size"], "32 : i64")
+        self.assertEqual(attrs["b_major"], "k")  # always passed
         self.assertEqual(operands, ["tensor<2x200x160xf8E4M3FN>", "tensor<2x3x72x160xf8E4M3FN>",
                                     "tensor<2x2x2x32x4x4xui8>", "tensor<6x1x2x32x4x4xui8>", "tensor<2x5x4xi32>",
                                     "tensor<2xf32>"])
@@ -359,6 +527,67 @@ class EmitRaggedTest(absltest.TestCase):
                                      "tensor<6x1x2x32x4x4xf8E4M3FN>"])
         self.assertEqual(results, ["tensor<2x200x36xui8>", "tensor<2xf32>"])
 
+    def test_bf16_variants(self):
+        """bf16 objects: ab_dtype "bfloat16", sf_dtype "none" per 0 (not sfa's uint8), the variants' b_major; b in
+        that major, the empty scales passed as they are."""
+        for b_major in ("k", "n"):
+            for c_dtype, c_name, c_type in ((jnp.float32, F32, "f32"), (jnp.bfloat16, BF16, "bf16")):
+                variants = [StandInRaggedVariant(arch, ab_dtype=BF16, c_dtype=c_name, sf_vec_size=0, sf_dtype=NONE,
+                                                 b_major=b_major) for arch in ("sm_90a", "sm_100a")]
+                with self.subTest(b_major=b_major, c=c_name):
+                    attrs, types, results = _custom_call(_lower(_bf16_operands(b_major=b_major), variants,
+                                                                c_dtype=c_dtype, c_cols=72))
+                    self.assertEqual((attrs["ab_dtype"], attrs["c_dtype"], attrs["sf_dtype"], attrs["sf_vec_size"],
+                                      attrs["b_major"]), (BF16, c_name, NONE, "0 : i64", b_major))
+                    self.assertEqual(attrs["archs"], "sm_100a,sm_90a")
+                    b_type = "tensor<2x3x160x72xbf16>" if b_major == "n" else "tensor<2x3x72x160xbf16>"
+                    self.assertEqual(types, ["tensor<2x200x160xbf16>", b_type, "tensor<0xui8>", "tensor<6x0xui8>",
+                                             "tensor<2x5x4xi32>", "tensor<2xf32>"])
+                    self.assertEqual(results, [f"tensor<2x200x72x{c_type}>", "tensor<2xf32>"])
+
+    def test_bf16_scales_of_any_rank(self):
+        """Empty scales of any rank, the atom's included (a zero dimension); the handler skips them."""
+        variant = StandInRaggedVariant("sm_90a", ab_dtype=BF16, sf_vec_size=0, sf_dtype=NONE, b_major="n")
+        sd = jax.ShapeDtypeStruct
+        for sfa, sfb in (((0, 0, 0), (0,)), ((2, 2, 0, 32, 4, 4), (6, 1, 0, 32, 4, 4))):
+            operands = _bf16_operands(b_major="n")
+            operands = operands[:2] + (sd(sfa, jnp.uint8), sd(sfb, jnp.uint8)) + operands[4:]
+            with self.subTest(sfa=sfa, sfb=sfb):
+                attrs, types, _ = _custom_call(_lower(operands, [variant], c_cols=72))
+                self.assertEqual((attrs["sf_dtype"], attrs["b_major"]), (NONE, "n"))
+                self.assertEqual(types[2], "tensor<" + "x".join(map(str, sfa)) + "xui8>")
+
+    def test_bf16_refusals(self):
+        """What the handler would refuse of bf16 operands, emit_ragged refuses first."""
+        k_major = StandInRaggedVariant("sm_90a", ab_dtype=BF16, sf_vec_size=0, sf_dtype=NONE)
+        n_major = dataclasses.replace(k_major, b_major="n")
+        good_k, good_n = _bf16_operands(), _bf16_operands(b_major="n")
+        sd = jax.ShapeDtypeStruct
+
+        def swap(operands, i, aval):
+            return operands[:i] + (aval,) + operands[i + 1:]
+
+        cases = [
+            (good_n, [k_major], r"b \(L, G, N, K\) .* and b_major 'k'; got b bfloat16\[2,3,160,72\]"),
+            (good_k, [n_major], r"b \(L, G, N, K\) .*b_major 'n': \(L, G, K, N\)\) of a's dtype .* and b_major 'n'"),
+            (swap(good_k, 1, sd((2, 3, 72, 160), jnp.float16)), [k_major], "of a's dtype"),
+            (swap(good_k, 2, sd((2, 2, 2, 32, 4, 4), jnp.uint8)), [k_major], "sfa and sfb uint8 of zero elements for "
+                                                                            r"bfloat16 variants \(no scales\)"),
+            (swap(good_k, 3, sd((), jnp.uint8)), [k_major], "sfa and sfb uint8 of zero elements"),
+            (swap(good_n, 3, sd((6, 0), jnp.float8_e4m3fn)), [n_major], "sfa and sfb uint8 of zero elements"),
+            (good_k, [k_major, dataclasses.replace(n_major, arch="sm_100a")], r"variant 'standin.ragged.sm_100a' is "
+                                                                              r"not a ragged kernel compiled for the "
+                                                                              r"call's \('bfloat16', 'float32', "
+                                                                              r"'none', 0, 'k'\)"),
+            (good_k, [dataclasses.replace(k_major, c_dtype=BF16)], "not a ragged kernel compiled for the call's"),
+            (_operands(), [k_major], "sfa and sfb uint8 of zero elements"),  # FP8 operands, bf16 objects
+            (swap(swap(_operands(), 2, sd((0,), jnp.uint8)), 3, sd((0,), jnp.uint8)), [StandInRaggedVariant("sm_90a")],
+             r"sfa and sfb in the 128x4 atom form \(rank 6\)"),  # FP8 objects keep the atom
+        ]
+        for operands, variants, message in cases:
+            with self.subTest(message=message), self.assertRaisesRegex(ValueError, message):
+                _lower(operands, variants, c_cols=72)
+
     def test_catalog_variant(self):
         """A real catalog entry of op "ragged" lowers the same way (its key names the object)."""
         try:
@@ -372,6 +601,23 @@ class EmitRaggedTest(absltest.TestCase):
         self.assertEqual(attrs["objects"].tobytes(), variant.key.encode())
         self.assertEqual((attrs["ab_dtype"], attrs["c_dtype"]), (E5M2, BF16))
         self.assertEqual(results[0], "tensor<2x200x72xbf16>")
+
+    def test_catalog_bf16_variants(self):
+        """The catalog's bf16 ragged entries lower with sf_dtype catalog.NO_SCALES and their b_major."""
+        try:
+            from jax_blockgemm.kernels import catalog
+        except ImportError as e:
+            self.skipTest(f"CuTeDSL is not importable: {e}")
+        self.assertEqual(ffi_lowering.NO_SCALES, catalog.NO_SCALES)
+        bf16 = [v for v in catalog.CATALOG if v.op == "ragged" and v.ab_dtype == BF16]
+        self.assertEqual({(v.c_dtype, v.b_major) for v in bf16}, {(F32, "k"), (F32, "n"), (BF16, "k"), (BF16, "n")})
+        for v in bf16:
+            with self.subTest(key=v.key):
+                attrs, _, results = _custom_call(_lower(_bf16_operands(b_major=v.b_major), [v],
+                                                        c_dtype=jnp.dtype(v.c_dtype), c_cols=72))
+                self.assertEqual(attrs["function_prefixes"], v.function_prefix)
+                self.assertEqual((attrs["ab_dtype"], attrs["c_dtype"], attrs["sf_dtype"], attrs["sf_vec_size"],
+                                  attrs["b_major"]), (BF16, v.c_dtype, catalog.NO_SCALES, "0 : i64", v.b_major))
 
     def test_refuses_what_the_handler_would(self):
         ok = StandInRaggedVariant("sm_90a")
@@ -429,14 +675,17 @@ _XLA_PROBE = textwrap.dedent("""
            jnp.zeros((l, 2, 2, 32, 4, 4), jnp.uint8), jnp.zeros((l * g, 1, 2, 32, 4, 4), jnp.uint8),
            jnp.zeros((l, 5, 4), jnp.int32), jnp.ones((l,), jnp.float32))
     out = (jax.ShapeDtypeStruct((l, t, n), jnp.float32), jax.ShapeDtypeStruct((l,), jnp.float32))
-    for name, ab_dtype, sf_vec_size in (("GOOD", "float8_e4m3fn", 32), ("BADAB", "float16", 32),
-                                        ("BADSF", "float8_e4m3fn", 16)):
+    # (name, ab_dtype, sf_dtype, sf_vec_size, b_major); a variant without b_major is K-major
+    for name, ab_dtype, sf_dtype, sf_vec_size, b_major in (
+            ("GOOD", "float8_e4m3fn", "float8_e8m0fnu", 32, None), ("BADAB", "float16", "float8_e8m0fnu", 32, None),
+            ("BADSF", "float8_e4m3fn", "float8_e8m0fnu", 16, None), ("BF16", "bfloat16", "none", 0, "n"),
+            ("BADMAJOR", "float8_e4m3fn", "float8_e8m0fnu", 32, "n")):
         variant = types.SimpleNamespace(op="ragged", arch="sm_90a", key="p90", function_prefix="p90",
-                                        ab_dtype=ab_dtype, c_dtype="float32", sf_dtype="float8_e8m0fnu",
-                                        sf_vec_size=sf_vec_size)
+                                        ab_dtype=ab_dtype, c_dtype="float32", sf_dtype=sf_dtype,
+                                        sf_vec_size=sf_vec_size, **({"b_major": b_major} if b_major else {}))
         attributes = ffi_lowering.ragged_attributes([variant], [b"x" * 1000], ab_dtype=np.dtype(ab_dtype),
-                                                    c_dtype=np.float32, sf_dtype="float8_e8m0fnu",
-                                                    sf_vec_size=sf_vec_size)
+                                                    c_dtype=np.float32, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size,
+                                                    b_major=b_major or "k")
         call = jax.ffi.ffi_call("jbg_ragged_gemm_amax", out)
         try:
             jax.jit(lambda *x: call(*x, **attributes))(*ops)
@@ -456,11 +705,12 @@ class XlaInstantiateTest(absltest.TestCase):
         cls.output, cls.lines = xla_probe.run(_XLA_PROBE)
 
     def test_well_formed_attributes_reach_the_device_query(self):
-        good = self.lines.get("GOOD", self.output)
-        self.assertNotIn("RAN", good)
-        self.assertNotIn("attributes", good)
-        self.assertRegex(good, r"jbg_ragged_gemm_amax: (cannot load the CUDA driver|cuInit failed|cuDeviceGetCount|no "
-                               r"kernel)")
+        for name in ("GOOD", "BF16"):  # b_major bound for both; bf16 with no scales and an N-major b
+            got = self.lines.get(name, self.output)
+            self.assertNotIn("RAN", got)
+            self.assertNotIn("attributes", got)
+            self.assertRegex(got, r"jbg_ragged_gemm_amax: (cannot load the CUDA driver|cuInit failed|cuDeviceGetCount|"
+                                  r"no kernel)")
 
     def test_malformed_attributes_are_invalid_arguments(self):
         self.assertRegex(self.lines.get("BADAB", self.output),
@@ -468,6 +718,9 @@ class XlaInstantiateTest(absltest.TestCase):
         self.assertRegex(self.lines.get("BADSF", self.output),
                          r'INVALID_ARGUMENT: jbg_ragged_gemm_amax attributes: sf_dtype "float8_e8m0fnu" with '
                          r"sf_vec_size 16 is not supported")
+        self.assertRegex(self.lines.get("BADMAJOR", self.output),
+                         r'INVALID_ARGUMENT: jbg_ragged_gemm_amax attributes: b_major "n" is not supported for '
+                         r"ab_dtype float8_e4m3fn")
 
 
 if __name__ == "__main__":

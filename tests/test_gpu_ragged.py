@@ -3,7 +3,8 @@
 `ragged_gemm_amax` with implementation="cutedsl" in every operand format, on fresh random codes and scales: empty,
 one-token and all-token groups, tiles shared by several groups, rows of no group, N and K tails, vmap (L = 2), every C
 dtype, NaN per group, traced group sizes, a weight stack past 2**31 elements; `mx_ragged_dot` with the kernel under
-its forward and dgrad, against the straight-through oracle. Outputs are poisoned before every launch (an unwritten
+its forward and dgrad, against the straight-through oracle; the bf16 kernel (`ragged.grouped_dot`, both weight
+layouts, f32 and bf16 C) likewise. Outputs are poisoned before every launch (an unwritten
 element reads NaN and fails). Skipped without a CUDA GPU that has kernels (CI has none); on the H200:
 `python -m pytest tests/test_gpu_ragged.py`.
 """
@@ -18,11 +19,12 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
-from jax_blockgemm import arch, dispatch
+from jax_blockgemm import arch, dispatch, ragged
 
 import oracle
 import oracle_ops
-from oracle_ragged import mx_ragged_dot_oracle, random_group_sizes, random_ragged_inputs, ragged_oracle_of
+from oracle_ragged import (grouped_dot_oracle, mx_ragged_dot_oracle, random_bf16_grouped, random_group_sizes,
+                           random_ragged_inputs, ragged_oracle_of)
 
 FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
 RTOL = 1e-5  # the straight-through oracle's float32 class, as tests/test_ragged_autodiff.py
@@ -138,13 +140,44 @@ class GpuRaggedTest(parameterized.TestCase):
         gs = np.array([61, 0, 130, 90], np.int32)
         r = jbg.RECIPES[recipe] if recipe != "bf16" else jbg.Recipe("bf16", "bf16", "bf16")
         f = jax.jit(lambda x, w: jbg.mx_ragged_dot(x, w, jnp.asarray(gs), recipe=r))
-        if recipe != "bf16":
-            self.assertIn("jbg_ragged_gemm_amax", f.lower(x, w).as_text())
+        self.assertIn("jbg_ragged_gemm_amax", f.lower(x, w).as_text())
         out, vjp = jax.vjp(f, x, w)
         dx, dw = vjp(jnp.asarray(dy))
         ref = mx_ragged_dot_oracle(x, w, gs, dy, fwd=r.fwd, dgrad=r.dgrad, wgrad=r.wgrad)
         for name, got in (("out", out), ("dx", dx), ("dw", dw)):
             oracle_ops.assert_rel_close(self, name, got, ref[name], RTOL)
+
+
+    @parameterized.product(w_major=("k", "n"), c_dtype=("float32", "bfloat16"))
+    def test_bf16_operands(self, w_major, c_dtype):
+        """The bf16 kernel: K tails (168: 64 x 2 + 40), N tails, T tails, shared tiles, rows of no group."""
+        rng = np.random.default_rng(hash((w_major, c_dtype)) % 2**32)
+        for t, g, n, k in ((300, 6, 200, 168), (517, 9, 264, 1024)):
+            x, w = random_bf16_grouped(rng, t=t, g=g, n=n, k=k)
+            wl = w if w_major == "n" else np.ascontiguousarray(np.swapaxes(w, 1, 2))
+            f = jax.jit(lambda x, w, gs: ragged.grouped_dot(x, w, gs, w_major=w_major, c_dtype=jnp.dtype(c_dtype),
+                                                             implementation="cutedsl"))
+            self.assertEqual(f.lower(x, wl, np.zeros(g, np.int32)).as_text().count("jbg_ragged_gemm_amax"), 1)
+            for gs in _sizes(rng, t, g):
+                with self.subTest(t=t, g=g, n=n, k=k, sizes=gs.tolist()):
+                    out, amax = f(x, wl, gs)
+                    ref, ref_amax = grouped_dot_oracle(x, w, gs)
+                    oracle_ops.assert_gemm_close(self, out, ref, c_dtype=jnp.dtype(c_dtype))
+                    oracle_ops.assert_amax_close(self, amax, ref_amax)
+                    self.assertTrue(np.all(np.asarray(out, np.float32)[int(np.sum(gs)):] == 0))
+
+    def test_bf16_nan_stays_in_its_group(self):
+        x, w = random_bf16_grouped(np.random.default_rng(16), t=300, g=3, n=72, k=64)
+        gs = np.array([100, 60, 120], np.int32)  # group 1 shares row tiles with groups 0 and 2
+        x[99, 3] = np.nan  # group 0's last row, in the tile group 1 also computes
+        x[290, 1] = np.nan  # a row of no group: never read
+        w[1, :, 5] = np.nan  # column 5 of group 1's rows
+        out, amax = ragged.grouped_dot(x, w, gs, w_major="n", implementation="cutedsl")
+        out = np.asarray(out)
+        self.assertTrue(np.isnan(out[100:160, 5]).all() and np.isnan(out[99]).all())
+        self.assertEqual(int(np.isnan(out).sum()), 60 + 72)
+        self.assertTrue((out[280:] == 0).all())
+        self.assertTrue(np.isnan(float(amax)))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ import jax_blockgemm as jbg
 
 import oracle
 import oracle_ops
-from oracle_ragged import random_group_sizes, random_ragged_inputs, ragged_oracle_of
+from jax_blockgemm import ragged
+from oracle_ragged import (grouped_dot_oracle, random_bf16_grouped, random_group_sizes, random_ragged_inputs,
+                           ragged_oracle_of)
 
 
 def _call(d, gs, **kw):
@@ -159,6 +161,67 @@ class RaggedShardingTest(parameterized.TestCase):
         hlo = f.lower(a, b, sfa, sfb, gs).compile().as_text()
         if b_spec[0] is not None:  # experts sharded: the weights are never gathered
             self.assertNotRegex(hlo, r"all-gather[^\n]*f8e4m3fn\[8,32,64\]")
+
+
+def _weights(w_gkn: np.ndarray, w_major: str) -> np.ndarray:
+    """(G, K, N) weights as `grouped_dot` reads them for w_major: (G, N, K) for "k", as they are for "n"."""
+    return np.ascontiguousarray(np.swapaxes(w_gkn, 1, 2)) if w_major == "k" else w_gkn
+
+
+class GroupedDotTest(parameterized.TestCase):
+    """The bf16 grouped product (`ragged.grouped_dot`, mx_ragged_dot's bf16 recipe) against the float64 oracle:
+    both weight layouts, f32 and bf16 out, odd sizes, empty and one-token groups, rows of no group, NaN per group,
+    vmap and the partitioning rules with an N-major weight."""
+
+    def _check(self, out, amax, ref, ref_amax, gs, c_dtype):
+        oracle_ops.assert_gemm_close(self, out, ref, c_dtype=c_dtype)
+        oracle_ops.assert_amax_close(self, amax, ref_amax)
+        self.assertTrue(np.all(np.asarray(out, np.float32)[int(np.sum(gs)):] == 0), "rows past the groups")
+
+    @parameterized.product(w_major=("k", "n"), c_dtype=(jnp.float32, jnp.bfloat16))
+    def test_matches_oracle(self, w_major, c_dtype):
+        rng = np.random.default_rng(hash((w_major, str(c_dtype))) % 2**32)
+        x, w = random_bf16_grouped(rng, t=70, g=5, n=24, k=40)
+        f = jax.jit(lambda x, w, gs: ragged.grouped_dot(x, w, gs, w_major=w_major, c_dtype=c_dtype))
+        for gs in (np.array([9, 0, 1, 33, 20], np.int32), random_group_sizes(rng, 70, 5, fill=False)):
+            out, amax = f(x, _weights(w, w_major), gs)
+            self.assertEqual(out.dtype, c_dtype)
+            self._check(out, amax, *grouped_dot_oracle(x, w, gs), gs, c_dtype)
+
+    def test_nan_stays_in_its_group(self):
+        x, w = random_bf16_grouped(np.random.default_rng(3), t=40, g=3, n=16, k=24)
+        x[12, 5] = np.nan  # group 1's row 12
+        x[39, 0] = np.nan  # a row of no group: never read
+        gs = np.array([10, 5, 20], np.int32)
+        out, amax = ragged.grouped_dot(x, w, gs, w_major="n")
+        out = np.asarray(out)
+        self.assertTrue(np.isnan(out[12]).all())
+        self.assertEqual(int(np.isnan(out).sum()), 16)
+        self.assertTrue(np.isnan(float(amax)))
+        self.assertTrue((out[35:] == 0).all())
+
+    def test_vmap(self):
+        x, w = random_bf16_grouped(np.random.default_rng(4), t=48, g=3, n=16, k=32)
+        x2 = np.stack([x, x[::-1]])
+        gs2 = np.array([[10, 0, 38], [48, 0, 0]], np.int32)
+        out, amax = jax.vmap(lambda x, gs: ragged.grouped_dot(x, w, gs, w_major="n"))(x2, gs2)
+        for i in range(2):
+            ref, ref_amax = grouped_dot_oracle(x2[i], w, gs2[i])
+            self._check(out[i], amax[i], ref, ref_amax, gs2[i], jnp.float32)
+
+    @parameterized.parameters((P("t", None), P("e", None, None)),  # tokens on one axis, experts on the other
+                              (P(None, None), P("e", None, "t")))  # experts and the weights' columns N
+    def test_sharded_n_major_weights(self, x_spec, w_spec):
+        mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("t", "e"))
+        x, w = random_bf16_grouped(np.random.default_rng(5), t=64, g=8, n=32, k=64)
+        gs = jnp.asarray(np.array([5, 0, 20, 1, 0, 13, 9, 3], np.int32))
+        f = jax.jit(lambda x, w, gs: ragged.grouped_dot(x, w, gs, w_major="n"))
+        want_out, want_amax = f(x, w, gs)
+        put = lambda v, spec: jax.device_put(jnp.asarray(v), NamedSharding(mesh, spec))
+        out, amax = f(put(x, x_spec), put(w, w_spec), gs)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+        self.assertEqual(float(amax), float(want_amax))
+        self.assertIn("CustomSPMDPartitioning", f.lower(put(x, x_spec), put(w, w_spec), gs).as_text())
 
 
 if __name__ == "__main__":

@@ -89,6 +89,38 @@ class RaggedLoweringTest(parameterized.TestCase):
         for c_dtype in ("bfloat16", "float16", "float8_e4m3fn", "float4_e2m1fn"):
             self.assertIn("jbg_ragged_gemm_amax", _lowered("mxfp4", c_dtype=c_dtype, n=96))
 
+    @parameterized.product(w_major=("k", "n"), implementation=("cutedsl", None))
+    def test_bf16_operands_emit_the_bf16_kernel(self, w_major, implementation):
+        """grouped_dot (the bf16 recipe) lowers to one launch of the bf16 variant for the weights' layout, with
+        empty scales and no transposed copy of an N-major weight."""
+        t, g, n, k = 256, 4, 64, 96
+        x = jnp.zeros((t, k), jnp.bfloat16)
+        w = jnp.zeros((g, n, k) if w_major == "k" else (g, k, n), jnp.bfloat16)
+        f = jax.jit(lambda x, w, gs: ragged.grouped_dot(x, w, gs, w_major=w_major, implementation=implementation))
+        text = f.trace(x, w, jnp.full((g,), t // g, jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+        self.assertEqual(text.count("jbg_ragged_gemm_amax"), 1)
+        self.assertIn('ab_dtype = "bfloat16"', text)
+        self.assertIn(f'b_major = "{w_major}"', text)
+        self.assertNotIn("transpose", text)
+        self.assertNotIn("while", text)
+
+    def test_bf16_choice(self):
+        sa = jax.core.ShapedArray
+
+        def choice(n, k, w_major, implementation=None):
+            w = sa((1, 4, n, k) if w_major == "k" else (1, 4, k, n), jnp.bfloat16)
+            avals = [sa((1, 512, k), jnp.bfloat16), w, sa((1, 512, 0), jnp.uint8), sa((1, 4, n, 0), jnp.uint8),
+                     sa((1, 4), jnp.int32), sa((1, 4), jnp.int32)]
+            return dispatch.ragged_kernels(avals, c_dtype=np.dtype(jnp.float32), sf_vec_size=0, k=k,
+                                           implementation=implementation, b_major=w_major)
+
+        self.assertEqual([v.key for v in choice(256, 128, "n").variants],
+                         ["ragged.sm_90a.bf16.f32.sf0none.t128x128.c1x1.bn"])
+        self.assertEqual([v.key for v in choice(200, 136, "k").variants],
+                         ["ragged.sm_90a.bf16.f32.sf0none.t128x128.c1x1"])
+        self.assertRegex(choice(256, 100, "k").reason, r"k must be a multiple of 8")
+        self.assertRegex(choice(100, 128, "n").reason, r"n must be a multiple of 8 for an N-major b")
+
     def test_choice_by_size(self):
         sa = jax.core.ShapedArray
         e8 = jnp.uint8
@@ -107,13 +139,16 @@ class RaggedLoweringTest(parameterized.TestCase):
         self.assertIn("forces the reference", choice(64, 2, 64, 64, "xla").reason)
 
 
-class RaggedSelfCheckTest(absltest.TestCase):
+class RaggedSelfCheckTest(parameterized.TestCase):
     """The self-check's ragged problems (on the CPU, the reference standing in for the kernel) pass an exact result
     and catch one wrong element, and nonzero rows past the groups."""
 
-    def test_catches_wrong_results(self):
-        variant = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype="bfloat16",
-                                         sf_vec_size=32, tile_mn=(128, 128), cluster_mn=(1, 1))
+    @parameterized.parameters(
+        dict(ab_dtype="float8_e4m3fn", sf_vec_size=32, sf_dtype=catalog.E8M0, b_major="k"),
+        dict(ab_dtype="bfloat16", sf_vec_size=0, sf_dtype=catalog.NO_SCALES, b_major="n"))
+    def test_catches_wrong_results(self, **fields):
+        variant = catalog.select_variant(op="ragged", arch="sm_90a", c_dtype="bfloat16", tile_mn=(128, 128),
+                                         cluster_mn=(1, 1), **fields)
         device = jax.devices("cpu")[0]
         exact = lambda v, args, dev: selfcheck._run_ragged(v, args, dev, "xla")
 

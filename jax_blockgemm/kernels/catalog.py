@@ -32,7 +32,9 @@ dynamic_shapes[1];}` struct over a flat buffer.
       by group; b (L·G, N, K) likewise, one weight per group; sfa/sfb their scale bytes in the SPEC §3 atom layout
       of (L, T, K) and (L·G, N, K); items int32 (L, max_items, 4) work items (row tile, group or -1, first row, end
       row), from `ragged.kernel_items`; c (L, T, N); amax L float32 values the handler zeroes first; alpha (L,)
-      float32, always passed (ones for the MX formats); t/n/k/l/g/max_items int32, k the logical K.
+      float32, always passed (ones for the MX formats); t/n/k/l/g/max_items int32, k the logical K. The bf16
+      variants (ab_dtype "bfloat16", sf_dtype "none", sf_vec_size 0) take bf16 a and b, b as (L·G, N, K) for
+      b_major "k" or (L·G, K, N) for "n", and read neither sfa, sfb nor alpha (empty buffers).
 
 The target architecture is a property of the DSL singleton (`CUTE_DSL_ARCH` is read once, when the singleton is
 built, or detected from the GPU); `compile_variant` sets it for the duration of each compile, so one process can
@@ -150,8 +152,10 @@ def _dequantize_factory(v: KernelVariant) -> Any:
 
 
 def _ragged_factory(v: KernelVariant) -> Any:
-    from jax_blockgemm.kernels.sm90.ragged import HopperRaggedGemmAmax
+    from jax_blockgemm.kernels.sm90.ragged import HopperRaggedBf16Gemm, HopperRaggedGemmAmax
 
+    if v.ab_dtype == "bfloat16":
+        return HopperRaggedBf16Gemm(c_dtype=v.c_dtype, b_major=v.b_major)
     return HopperRaggedGemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, sf_vec_size=v.sf_vec_size,
                                 sf_dtype=v.sf_dtype)
 
@@ -196,6 +200,7 @@ WEIGHT_STREAM_FORMATS = (("float8_e4m3fn", 32, E8M0), ("float8_e5m2", 32, E8M0),
                          ("float4_e2m1fn", 16, "float8_e4m3fn"))
 WEIGHT_STREAM_C = ("float32", "bfloat16", "float16")
 RAGGED_FORMATS = WEIGHT_STREAM_FORMATS  # MXFP8 E4M3 and E5M2, MXFP4, NVFP4
+NO_SCALES = "none"  # the sf_dtype of variants whose operands carry no block scales (bf16), with sf_vec_size 0
 WEIGHT_STREAM_TILES = ((32, 16), (32, 64))
 
 CATALOG: tuple[KernelVariant, ...] = (
@@ -247,7 +252,12 @@ CATALOG: tuple[KernelVariant, ...] = (
     # The ragged (grouped) GEMM on sm_90a: tokens sorted by group times each group's weight in one launch, the
     # gemm_amax mainloop per work item; the operand formats and C dtypes of the sm_90a gemm_amax kernels (K-major).
     + tuple(KernelVariant(op="ragged", arch="sm_90a", ab_dtype=ab, c_dtype=c, sf_vec_size=v, sf_dtype=sf)
-            for ab, v, sf in RAGGED_FORMATS for c in (_SM90_FP4_C if ab == "float4_e2m1fn" else (*_C, "float16"))))
+            for ab, v, sf in RAGGED_FORMATS for c in (_SM90_FP4_C if ab == "float4_e2m1fn" else (*_C, "float16")))
+    # ... and with bf16 operands (mx_ragged_dot's bf16 recipe, and its GEMMs whose contraction is no multiple of 32):
+    # no scales; B K-major (dgrad reads the (G, K, N) weights with N as the contraction) or N-major (the forward
+    # reads them with K as the contraction, no transposed copy).
+    + tuple(KernelVariant(op="ragged", arch="sm_90a", ab_dtype="bfloat16", c_dtype=c, sf_vec_size=0,
+                          sf_dtype=NO_SCALES, b_major=bm) for bm in ("k", "n") for c in _C))
 
 
 # Kernels built outside the package (tests' deliberately broken ones) that forced runs and the self-check may build:

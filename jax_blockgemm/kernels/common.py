@@ -21,12 +21,12 @@ def require_choice(name: str, value, allowed) -> None:
         raise ValueError(f"{name}={value!r} is not supported; expected one of {allowed}")
 
 
-def operand_view(x: cute.Tensor, rows, k, l, mn_major: bool) -> cute.Tensor:
+def operand_view(x: cute.Tensor, rows, k, l, mn_major: bool, row_align: int = 16) -> cute.Tensor:
     """The (rows, K, L) view of a flat gemm_amax operand buffer: (L, rows, K) K-major, or (L, K, rows) MN-major
-    (rows then a multiple of 16: 16-byte TMA rows). `k` counts the buffer's elements along K (bytes for packed
-    FP4)."""
+    (rows then a multiple of `row_align`, the elements of a 16-byte TMA row: 16 one-byte codes, 8 bf16). `k`
+    counts the buffer's elements along K (bytes for packed FP4)."""
     if mn_major:
-        rows16 = cute.assume(rows, divby=16)
+        rows16 = cute.assume(rows, divby=row_align)
         return cute.make_tensor(x.iterator, cute.make_layout((rows16, k, l), stride=(1, rows16, rows16 * k)))
     return cute.make_tensor(x.iterator, cute.make_layout((rows, k, l), stride=(k, 1, rows * k)))
 

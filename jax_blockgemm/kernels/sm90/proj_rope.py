@@ -29,7 +29,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_blockgemm.kernels import common, token_rows
-from jax_blockgemm.kernels.sm90 import tma_pipeline, y_tile
+from jax_blockgemm.kernels.sm90 import tma_pipeline, wgmma_mainloop, y_tile
 from jax_blockgemm.support import HEAD_DIM, MX_BLOCK
 
 W_MAJORS = ("k", "n")
@@ -178,8 +178,8 @@ class HopperProjRope:
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc is zeroed per tile
             for i in range(my_tiles):
-                read_state, release_state = self._mma_tile(ab_pipeline, read_state, release_state, tiled_mma, acc,
-                                                           tCrA, tCrB, num_k_steps, k_tiles)
+                read_state, release_state = wgmma_mainloop.mma_tile(ab_pipeline, read_state, release_state,
+                                                                    tiled_mma, acc, tCrA, tCrB, num_k_steps, k_tiles)
                 if i > 0:  # the epilogue warpgroup holds the previous tile in registers
                     cute.arch.barrier(barrier_id=_Y_EMPTY, number_of_threads=_Y_BARRIER_THREADS)
                 y_tile.write_fragment(acc, y, row0, quad)
@@ -274,47 +274,3 @@ class HopperProjRope:
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C(self.tile_mnk[:2]), self.acc_dtype)
         return row0, quad, tCrA, tCrB, acc
-
-    @cute.jit
-    def _mma_tile(self, ab_pipeline, read_state, release_state, tiled_mma, acc, tCrA, tCrB, num_k_steps: int,
-                  k_tiles):
-        """One tile's mainloop, shared by both MMA warpgroups (each reads every stage): acc from zero, every k-tile's
-        wgmmas, all of them waited for, the last stage released. Returns the advanced (read_state, release_state),
-        to rebind (see `_issue_k_tiles`)."""
-        acc.fill(0.0)
-        read_state, release_state = self._issue_k_tiles(ab_pipeline, read_state, release_state, tiled_mma, acc,
-                                                        tCrA, tCrB, num_k_steps, k_tiles)
-        cute.nvgpu.warpgroup.wait_group(0)
-        ab_pipeline.consumer_release(release_state)
-        release_state.advance()
-        return read_state, release_state
-
-    @cute.jit
-    def _issue_k_tiles(self, ab_pipeline, read_state, release_state, tiled_mma, acc, tCrA, tCrB, num_k_steps: int,
-                       k_tiles):
-        """One tile's mainloop: the wgmmas of its k_tiles stages, one committed group per k-tile, keeping one group in
-        flight; each stage is released once the next k-tile's group is issued and its own is done. The last group is
-        left in flight and its stage held: the caller waits for it and releases that stage.
-
-        Returns the advanced (read_state, release_state), which the caller must rebind: the DSL carries a state that
-        a dynamic loop advances by rebinding the loop's own names, so the caller's objects keep their old values."""
-        self.mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps)
-        read_state.advance()
-        for kt in range(1, k_tiles):
-            # Pipeline states advance in the loop body itself: the DSL carries only what the body mutates.
-            self.mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps)
-            read_state.advance()
-            cute.nvgpu.warpgroup.wait_group(1)  # the previous k-tile's group is done: free its stage
-            ab_pipeline.consumer_release(release_state)
-            release_state.advance()
-        return read_state, release_state
-
-    @staticmethod
-    def mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps: int):
-        """Wait for one k-tile's stage and issue its wgmma steps as one committed group (not waited for)."""
-        ab_pipeline.consumer_wait(read_state)
-        cute.nvgpu.warpgroup.fence()
-        for ks in range(num_k_steps):  # plain Python: this helper is inlined at trace time
-            cute.gemm(tiled_mma, acc, tCrA[(None, None, ks, read_state.index)],
-                      tCrB[(None, None, ks, read_state.index)], acc)
-        cute.nvgpu.warpgroup.commit_group()

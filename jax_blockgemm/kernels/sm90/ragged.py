@@ -11,6 +11,9 @@ row tile and below T, its group below G), so no table can make it read or write 
 Each CTA runs one output tile of the gemm_amax mainloop (kernels/sm90/gemm_amax.py: codes x scales dequantized to
 bf16 in shared memory, bf16 wgmma) with B's batch coordinate set to the item's group. The grid is (N tiles, item
 bound, L) with the N tiles fastest, so the CTAs running at once share a few A tiles and groups' weights in L2.
+
+`HopperRaggedBf16Gemm` runs the same items over bf16 operands (no dequantization): a producer warp and two wgmma
+warpgroups per 128 x 128 tile, two CTAs per SM, so that one CTA's epilogue overlaps the other's mainloop.
 """
 
 from __future__ import annotations
@@ -18,11 +21,29 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
 
-from jax_blockgemm.kernels.sm90.gemm_amax import HopperMxf8GemmAmax
+from jax_blockgemm.kernels import common
+from jax_blockgemm.kernels.sm90 import tma_pipeline, wgmma_mainloop
+from jax_blockgemm.kernels.sm90.c_store import AccumulatorStore
+from jax_blockgemm.kernels.sm90.gemm_amax import HopperMxf8GemmAmax, smem_layout_staged
 
 ITEM_ROWS = 128  # rows of the token grid per work item: the CTA tile's M
 ITEM_FIELDS = 4  # (row tile, group or -1, first row, end row) per item, int32
+BF16_C_DTYPES = ("float32", "bfloat16")
+
+
+def work_item(items: cute.Tensor, batch, item, max_items, t, g):
+    """(row tile, group, first row, end row) of `item` in `batch`, clamped into range whatever the table holds: the
+    rows lie in the row tile and below T, the group names one of the batch's weights (or is negative: zeros). The
+    CTA has nothing to do when first >= end."""
+    entry = (batch * max_items + item) * ITEM_FIELDS
+    row_tile = cutlass.min(cutlass.max(items[entry], 0), (t - 1) // ITEM_ROWS)
+    group = cutlass.min(items[entry + 1], g - 1)
+    rows_lo = cutlass.max(items[entry + 2], row_tile * ITEM_ROWS)
+    rows_hi = cutlass.min(cutlass.min(items[entry + 3], row_tile * ITEM_ROWS + ITEM_ROWS), t)
+    return row_tile, group, rows_lo, rows_hi
 
 
 class HopperRaggedGemmAmax(HopperMxf8GemmAmax):
@@ -69,17 +90,133 @@ class HopperRaggedGemmAmax(HopperMxf8GemmAmax):
                       a16_smem_staged: cute.ComposedLayout, b16_smem_staged: cute.ComposedLayout):
         """Device body: the CTA reads its item and runs that output tile, or returns when the item is empty."""
         tile_n, item, batch = cute.arch.block_idx()
-        entry = (batch * max_items + item) * ITEM_FIELDS
-        # Clamped into range whatever the table holds: the rows stored lie in the row tile and below T, the group
-        # names one of this batch's weights (or is negative: zeros).
-        row_tile = cutlass.min(cutlass.max(items[entry], 0), (t - 1) // ITEM_ROWS)
-        group = cutlass.min(items[entry + 1], g - 1)
-        rows_lo = cutlass.max(items[entry + 2], row_tile * ITEM_ROWS)
-        rows_hi = cutlass.min(cutlass.min(items[entry + 3], row_tile * ITEM_ROWS + ITEM_ROWS), t)
+        row_tile, group, rows_lo, rows_hi = work_item(items, batch, item, max_items, t, g)
         if rows_lo < rows_hi:
             self.tile(tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, sfa, sfb, c, amax, alpha, t, n, k, tiled_mma,
                       (a_smem_staged, b_smem_staged, a16_smem_staged, b16_smem_staged), row_tile, tile_n, batch,
                       batch * g + cutlass.max(group, 0), rows_lo, rows_hi, group < 0)
 
 
-__all__ = ["HopperRaggedGemmAmax", "ITEM_ROWS", "ITEM_FIELDS"]
+class HopperRaggedBf16Gemm(AccumulatorStore):
+    """C[rows of group g] = A·B[g]^T per batch l, amax[l] = max|C[l]|, bf16 operands, f32 or bf16 C.
+
+    The ragged ABI (`HopperRaggedGemmAmax`) with a (L, T, K) and b (L·G, N, K) for b_major "k" or (L·G, K, N) for
+    "n" in bf16; sfa, sfb and alpha are not read. Per CTA one 128 x 128 output tile of one item: warp 8 streams
+    64-wide k-tiles of A and B by TMA through 3 stages, warps 0-7 (two warpgroups of 64 rows) run bf16 wgmma with
+    fp32 accumulation in the tensor cores and store their rows of the item. 288 threads of at most 112 registers and
+    ~97 KB of shared memory: two CTAs per SM.
+    """
+
+    def __init__(self, *, c_dtype: str = "float32", b_major: str = "k"):
+        common.require_choice("c_dtype", c_dtype, BF16_C_DTYPES)
+        common.require_choice("b_major", b_major, ("k", "n"))
+        self.ab_dtype = cutlass.BFloat16
+        self.acc_dtype = cutlass.Float32
+        self.c_name = c_dtype
+        self.c_dtype = cutlass.Float32 if c_dtype == "float32" else cutlass.BFloat16
+        self.c_kind = "wide"
+        self.has_alpha = False
+        self.b_mn = b_major == "n"
+        self.tile_mnk = (ITEM_ROWS, 128, 64)
+        self.threads_per_wg = 128
+        self.num_consumer_warps = 8  # warps 0-7: the two MMA warpgroups
+        self.producer_warp = self.num_consumer_warps
+        self.threads_per_cta = (self.num_consumer_warps + 1) * 32
+        self.epilogue_barrier_id = 1
+        self.ctas_per_sm = 2
+        self.ab_stages = 3  # 32 KB each: two CTAs' stages fill most of the SM's 228 KB
+        self.buffer_align_bytes = 1024
+
+    def can_implement(self, t: int, n: int, k: int, l: int, g: int = 1) -> tuple[bool, str]:
+        """Whether the kernel handles these sizes, and why not: 16-byte rows (K, and N when B is N-major, multiples
+        of 8) and 32-bit element counts for A, C and one weight."""
+        if min(t, n, k, l, g) < 1:
+            return False, f"every size must be >= 1, got t={t}, n={n}, k={k}, l={l}, g={g}"
+        if k % 8:
+            return False, f"k must be a multiple of 8 (16-byte rows of bf16), got k={k}"
+        if self.b_mn and n % 8:
+            return False, f"n must be a multiple of 8 for an N-major b (16-byte rows of bf16), got n={n}"
+        if l * t * max(n, k) >= 2**31 or n * k >= 2**31 or l * g >= 2**31:
+            return False, f"a, c and one weight must hold fewer than 2**31 elements, got t={t}, n={n}, k={k}, l={l}"
+        return True, ""
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, items: cute.Tensor,
+                 c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor, t: cutlass.Int32, n: cutlass.Int32,
+                 k: cutlass.Int32, l: cutlass.Int32, g: cutlass.Int32, max_items: cutlass.Int32,
+                 stream: cuda.CUstream):
+        """Host side: the TMA views of A as L batches and B as L·G, and a launch of (N tiles, max_items, L)."""
+        bm, bn, bk = self.tile_mnk
+        k8 = cute.assume(k, divby=8)
+        mA = common.operand_view(a, t, k8, l, False)
+        mB = common.operand_view(b, n, k8, l * g, self.b_mn, row_align=8)
+        b_mode = cute.nvgpu.OperandMajorMode.MN if self.b_mn else cute.nvgpu.OperandMajorMode.K
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, cute.nvgpu.OperandMajorMode.K, b_mode, self.acc_dtype, (2, 1, 1),
+            tiler_mn=(64, bn))
+        a_smem_staged = smem_layout_staged(bm, self.ab_dtype, self.ab_stages, bk)
+        b_smem_staged = smem_layout_staged(bn, self.ab_dtype, self.ab_stages, bk, self.b_mn)
+        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem_staged, (None, None, 0)), (bm, bk))
+        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem_staged, (None, None, 0)), (bn, bk))
+
+        @cute.struct
+        class SharedStorage:
+            pipeline_mbars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            warp_amax: cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)],
+                                  self.buffer_align_bytes]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)],
+                                  self.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+        tiles_n = (n + bn - 1) // bn
+        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, items, c, amax, t, n, g, max_items, tiled_mma,
+                    a_smem_staged, b_smem_staged).launch(
+            grid=(tiles_n, max_items, l), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=self.ctas_per_sm,
+            preferred_smem_carveout=100, stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom, mB_nkl: cute.Tensor,
+               items: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, t: cutlass.Int32, n: cutlass.Int32,
+               g: cutlass.Int32, max_items: cutlass.Int32, tiled_mma: cute.TiledMma,
+               a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout):
+        """Device body: the CTA reads its item and runs that output tile (producer warp 8, MMA warps 0-7), or
+        returns when the item is empty. Items of group -1 (rows of no group) store zeros after one k-tile."""
+        tile_n, item, batch = cute.arch.block_idx()
+        row_tile, group, rows_lo, rows_hi = work_item(items, batch, item, max_items, t, g)
+        if rows_lo < rows_hi:
+            tidx, _, _ = cute.arch.thread_idx()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            bm, bn, _ = self.tile_mnk
+            storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
+                tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged,
+                self.shared_storage, self.ab_dtype, self.ab_stages, self.num_consumer_warps, self.tile_mnk,
+                self.threads_per_wg)
+            zero = group < 0
+            k_tiles = cutlass.min(k_tiles, cutlass.select_(zero, 1, k_tiles))
+            if warp_idx == self.producer_warp:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+                state = tma_pipeline.produce_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, row_tile, tile_n,
+                                                  k_tiles, batch, batch * g + cutlass.max(group, 0))
+                ab_pipeline.producer_tail(state)
+            elif warp_idx < self.producer_warp:
+                thr_mma = tiled_mma.get_slice(wg_idx * self.threads_per_wg)
+                tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+                tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+                acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
+                read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+                release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc starts from zero
+                read_state, release_state = wgmma_mainloop.mma_tile(ab_pipeline, read_state, release_state,
+                                                                    tiled_mma, acc, tCrA, tCrB,
+                                                                    cute.size(tCrA, mode=[2]), k_tiles)
+                if zero:
+                    acc.fill(0.0)
+                warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
+                self.store_c_and_amax(acc, c, amax, amax, warp_amax, t, n, row_tile, tile_n, batch, wg_idx, tidx,
+                                      rows_lo, rows_hi)
+
+
+__all__ = ["HopperRaggedGemmAmax", "HopperRaggedBf16Gemm", "ITEM_ROWS", "ITEM_FIELDS", "BF16_C_DTYPES", "work_item"]
