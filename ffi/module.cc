@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "contraction.h"
 #include "dequantize.h"
 #include "dsl_runtime.h"
 #include "gemm_amax.h"
@@ -38,7 +39,8 @@ const Target kTargets[] = {{jbg::kGemmAmaxTarget, JbgGemmAmaxInstantiate, JbgGem
                            {jbg::kProjRopeTarget, JbgProjRopeInstantiate, JbgProjRopeExecute},
                            {jbg::kDequantizeTarget, JbgDequantizeInstantiate, JbgDequantizeExecute},
                            {jbg::kWeightStreamTarget, JbgWeightStreamInstantiate, JbgWeightStreamExecute},
-                           {jbg::kRaggedTarget, JbgRaggedInstantiate, JbgRaggedExecute}};
+                           {jbg::kRaggedTarget, JbgRaggedInstantiate, JbgRaggedExecute},
+                           {jbg::kContractionTarget, JbgContractionInstantiate, JbgContractionExecute}};
 
 XLA_FFI_Handler* HandlerFor(const std::string& target, const std::string& stage) {
   const Target* found = nullptr;
@@ -190,6 +192,28 @@ std::tuple<std::string, std::tuple<int, int, int, int, int, int>> CheckRagged(
   return {message, {dims.t, dims.n, dims.k, dims.l, dims.g, dims.max_items}};
 }
 
+// The contraction attributes parsed (ValueError naming what is wrong otherwise).
+jbg::KernelDtypes ContractionDtypes(const std::string& ab_dtype, const std::string& c_dtype) {
+  jbg::KernelDtypes kernel{};
+  std::string why = jbg::ParseContractionAttributes(ab_dtype, c_dtype, &kernel);
+  if (!why.empty()) throw nb::value_error(why.c_str());
+  return kernel;
+}
+
+// Test hook for the contraction execute stage's buffer checks: x, y, bounds, c, amax as (dtype, dims, address), for
+// objects compiled for the given attributes. Returns (message, (t, k, n, l, g)).
+std::tuple<std::string, std::tuple<int, int, int, int, int>> CheckContraction(const std::vector<BufferSpec>& specs,
+                                                                              const std::string& ab_dtype,
+                                                                              const std::string& c_dtype) {
+  if (specs.size() != 5) throw nb::value_error("expected 5 buffers: x, y, bounds, c, amax");
+  const jbg::KernelDtypes kernel = ContractionDtypes(ab_dtype, c_dtype);
+  jbg::BufferDesc descs[5];
+  ToDescs(specs, descs);
+  jbg::ContractionDims dims;
+  std::string message = jbg::CheckContractionBuffers(descs, kernel, &dims);
+  return {message, {dims.t, dims.k, dims.n, dims.l, dims.g}};
+}
+
 // Test hook for the instantiate-stage attribute parsing: returns [(arch, prefix, cc_major, cc_minor, begin, end)].
 std::vector<std::tuple<std::string, std::string, int, int, size_t, size_t>> ParseObjects(
     const std::string& archs, const std::string& prefixes, size_t objects_size, const std::vector<int64_t>& offsets,
@@ -215,6 +239,7 @@ NB_MODULE(_jbg_ffi, m) {
   m.attr("DEQUANTIZE_TARGET") = jbg::kDequantizeTarget;
   m.attr("WEIGHT_STREAM_TARGET") = jbg::kWeightStreamTarget;
   m.attr("RAGGED_TARGET") = jbg::kRaggedTarget;
+  m.attr("CONTRACTION_TARGET") = jbg::kContractionTarget;
   m.attr("KERNEL_OBJECTS_TYPE") = jbg::kKernelObjectsType;
   m.attr("TRAIT_COMMAND_BUFFER_COMPATIBLE") = static_cast<uint32_t>(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
 
@@ -316,6 +341,17 @@ NB_MODULE(_jbg_ffi, m) {
       "Test hook: the ragged instantiate stage's attribute parsing: (ab, c, sf) as XLA FFI dtype codes, sf_vec_size, "
       "whether a and b, and C, are packed FP4, whether the objects take alpha, whether a and b are bfloat16 (no "
       "scales) and whether b is N-major.");
+  m.def("check_contraction_buffers", &CheckContraction, nb::arg("buffers"), nb::arg("ab_dtype"), nb::arg("c_dtype"),
+        "Test hook: the contraction execute stage's buffer checks on [(dtype, dims, address)] * 5 (x, y, bounds, c, "
+        "amax) for objects compiled for ab_dtype / c_dtype.");
+  m.def(
+      "parse_contraction_attributes",
+      [](const std::string& ab_dtype, const std::string& c_dtype) {
+        const jbg::KernelDtypes k = ContractionDtypes(ab_dtype, c_dtype);
+        return std::make_tuple(k.ab, k.c);
+      },
+      nb::arg("ab_dtype"), nb::arg("c_dtype"),
+      "Test hook: the contraction instantiate stage's attribute parsing: (ab, c) as XLA FFI dtype codes.");
   m.def("parse_object_table", &ParseObjects, nb::arg("archs"), nb::arg("function_prefixes"),
         nb::arg("objects_size"), nb::arg("offsets"), nb::arg("target") = jbg::kGemmAmaxTarget,
         "Test hook: the instantiate stage's attribute parsing (errors name `target`).");

@@ -28,6 +28,7 @@ PROJ_ROPE_TARGET = "jbg_gemm_proj_rope_mxfp8"
 DEQUANTIZE_TARGET = "jbg_dequantize_mxfp8"
 WEIGHT_STREAM_TARGET = "jbg_weight_stream"
 RAGGED_TARGET = "jbg_ragged_gemm_amax"
+CONTRACTION_TARGET = "jbg_grouped_contraction"
 
 _LOCK = threading.Lock()
 _REGISTERED: set[str] = set()

@@ -28,6 +28,9 @@ Choice = Literal["kernel", "reference"]
 OPS = ("gemm_amax", "proj_rope", "ragged")
 DECODE_OP = "weight_stream"
 DECODE_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")  # the weight formats the decode kernel reads
+# Kernels that follow another operation's column: the grouped contraction (the ragged product's weight gradient)
+# is part of the mixture-of-experts family, "ragged".
+_POLICY_OF = {"contraction": "ragged"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +113,7 @@ def none_takes_kernel(op: str, target: str, *, fmt: str = "", m: Optional[int] =
     if op == DECODE_OP:
         largest = policy(target).decode_max_m.get(fmt, 0)
         return largest > 0 and (m is None or m <= largest)
-    return policy(target).default.get(op) == "kernel"
+    return policy(target).default.get(_POLICY_OF.get(op, op)) == "kernel"
 
 
 def scaled_dot_min_size(device_kind: str) -> Optional[int]:

@@ -322,6 +322,35 @@ def ragged_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, k
                    fmt=format_key(ab_dtype, sf_dtype, sf_vec_size))
 
 
+def contraction_kernels(avals_in: Sequence[Any], *, c_dtype: Any, implementation: Any, **_: Any) -> KernelChoice:
+    """The grouped contraction kernel variants (one per covered architecture) for a canonical call: x (L, T, K) and
+    y (L, T, N) bf16, starts and ends (L, G)."""
+    if implementation == "xla":
+        return KernelChoice(reason="implementation='xla' forces the reference")
+    forced = getattr(_FORCED, "variants", None)
+    if forced is not None and implementation == "cutedsl":
+        return KernelChoice(variants=tuple(v for v in forced if v.op == "contraction"))
+    x, y, starts = avals_in[:3]
+    l, t, k = x.shape
+    n, g = y.shape[2], starts.shape[1]
+    too_large = _first_past_int32((("x", x.shape), ("y", y.shape), ("one (K, N) result", (k, n))))
+    if too_large:
+        return KernelChoice(reason=too_large)
+    missing = _kernels_missing()
+    if missing:
+        return KernelChoice(reason=missing)
+    from jax_blockgemm.kernels import catalog
+
+    variants = [v for v in (catalog.select_variant(op="contraction", arch=target, ab_dtype="bfloat16",
+                                                   c_dtype=str(np.dtype(c_dtype)), sf_vec_size=0,
+                                                   sf_dtype=catalog.NO_SCALES, tile_mn=(128, 128), cluster_mn=(1, 1),
+                                                   a_major="m", b_major="n")
+                            for target in arch.targets()) if v is not None]
+    if not variants:
+        return KernelChoice(reason=f"no grouped contraction kernel in the catalog for {np.dtype(c_dtype)} C")
+    return _usable(variants, implementation, sizes=(t, k, n, l, g), names="(T, K, N, L, G)", fmt="bfloat16")
+
+
 def dequantize_variants(archs: Sequence[str], shape: Sequence[int], *, scale_axis: int,
                         paired_shape: Sequence[int] | None = None) -> tuple:
     """The dequantize kernels (one per arch in `archs`) for MXFP8 codes of `shape` with scales per 32 along

@@ -1,6 +1,7 @@
 """MLIR lowering of the operations to their XLA FFI custom calls (`jbg_gemm_amax`, `jbg_gemm_proj_rope_mxfp8`,
-`jbg_dequantize_mxfp8`, the MXFP8 proj_rope path's input pass, `jbg_weight_stream`, the decode kernel, and
-`jbg_ragged_gemm_amax`, the mixture-of-experts kernel; typed FFI, api_version 4).
+`jbg_dequantize_mxfp8`, the MXFP8 proj_rope path's input pass, `jbg_weight_stream`, the decode kernel,
+`jbg_ragged_gemm_amax`, the mixture-of-experts kernel, and `jbg_grouped_contraction`, its weight gradient; typed FFI,
+api_version 4).
 
 The custom call carries one kernel object per architecture, so a program lowered or `jax.export`-ed on any
 machine (no GPU needed) runs on every GPU the objects cover; the handler picks by compute capability when XLA
@@ -30,6 +31,10 @@ K), its scales the atoms of L·G batches; items, int32 (L, max_items, 4), is the
 The bf16 objects (ab_dtype "bfloat16", sf_dtype "none" (NO_SCALES), sf_vec_size 0, C float32 or bfloat16) take
 bfloat16 a (L, T, K) and b (L, G, N, K) for b_major "k" or (L, G, K, N) for "n", and read neither sfa nor sfb
 (uint8 of zero elements, any rank) nor alpha (passed: ones); every other format takes b_major "k".
+
+`jbg_grouped_contraction` (x, y, bounds -> c, amax) carries the object table and `ab_dtype` ("bfloat16") and
+`c_dtype` ("float32" or "bfloat16"): x (L, T, K) and y (L, T, N) bfloat16, tokens sorted by group, bounds int32 (L,
+G, 2) the rows [start, end) of each group; c (L, G, K, N), c[l, g] = x[l, rows of g]ᵀ · y[l, rows of g].
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ PROJ_ROPE_TARGET = _native.PROJ_ROPE_TARGET
 DEQUANTIZE_TARGET = _native.DEQUANTIZE_TARGET
 WEIGHT_STREAM_TARGET = _native.WEIGHT_STREAM_TARGET
 RAGGED_TARGET = _native.RAGGED_TARGET
+CONTRACTION_TARGET = _native.CONTRACTION_TARGET
 
 
 def object_table_attributes(variants: Sequence[Any], objects: Sequence[bytes]) -> dict[str, Any]:
@@ -315,7 +321,63 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
     return _emit(RAGGED_TARGET, ctx, (a, b, sfa, sfb, items, alpha), attributes)
 
 
+_CONTRACTION_C_DTYPES = ("float32", "bfloat16")  # what the jbg_grouped_contraction handler takes for c_dtype
+
+
+def contraction_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, c_dtype: Any) -> dict[str, Any]:
+    """The jbg_grouped_contraction call's attributes for `variants` (one per arch, all contraction kernels compiled
+    for bfloat16 operands and C dtype c_dtype, float32 or bfloat16)."""
+    c_dtype = str(np.dtype(c_dtype))
+    if c_dtype not in _CONTRACTION_C_DTYPES:
+        raise ValueError(f"contraction: c_dtype {c_dtype} is not supported; expected float32 or bfloat16")
+    call = ("bfloat16", c_dtype)
+    for v in variants:
+        if v.op != "contraction" or (v.ab_dtype, v.c_dtype) != call:
+            raise ValueError(f"variant {v.key!r} is not a contraction kernel compiled for the call's {call} "
+                             f"(operands, C)")
+    return dict(object_table_attributes(variants, objects), ab_dtype=call[0], c_dtype=c_dtype)
+
+
+def emit_contraction(ctx: Any, x: Any, y: Any, bounds: Any, *, variants: Sequence[Any]) -> list:
+    """Emits the `jbg_grouped_contraction` custom call (the per-group contraction over tokens, the weight gradient
+    of a ragged product) for the lowering context `ctx`; returns [c, amax].
+
+    x (L, T, K) and y (L, T, N) bfloat16, tokens sorted by group, K and N multiples of 8 (16-byte rows); bounds
+    int32 (L, G, 2), the rows [start, end) of each group. Results from `ctx.avals_out`: c (L, G, K, N) in the
+    variants' C dtype (float32 or bfloat16), amax (L,) float32. `variants`: catalog entries of op "contraction", one
+    per architecture.
+    """
+    if not variants:
+        raise ValueError("emit_contraction needs at least one variant")
+    if len(ctx.avals_in) != 3 or len(ctx.avals_out) != 2:
+        raise ValueError(f"emit_contraction expects operands x, y, bounds and results c, amax; got "
+                         f"{[str(a) for a in ctx.avals_in]} -> {[str(a) for a in ctx.avals_out]}")
+    x_aval, y_aval, bounds_aval = ctx.avals_in
+    c_aval, amax_aval = ctx.avals_out
+    bf16 = np.dtype(jnp.bfloat16)
+    if x_aval.ndim != 3 or np.dtype(x_aval.dtype) != bf16 or min(x_aval.shape) < 1:
+        raise ValueError(f"emit_contraction expects x (L, T, K) bfloat16, every dimension >= 1; got {x_aval}")
+    l, t, k = x_aval.shape
+    n = y_aval.shape[2] if y_aval.ndim == 3 else -1
+    if y_aval.shape != (l, t, n) or np.dtype(y_aval.dtype) != bf16 or n < 1:
+        raise ValueError(f"emit_contraction expects y (L, T, N) bfloat16 for x {x_aval}; got y {y_aval}")
+    if k % 8 or n % 8:
+        raise ValueError(f"emit_contraction: K = {k} and N = {n} must be multiples of 8 (16-byte rows of bfloat16)")
+    g = bounds_aval.shape[1] if bounds_aval.ndim == 3 else -1
+    if bounds_aval.shape != (l, g, 2) or g < 1 or np.dtype(bounds_aval.dtype) != np.int32:
+        raise ValueError(f"emit_contraction expects bounds ({l}, G >= 1, 2) int32; got {bounds_aval}")
+    if str(np.dtype(c_aval.dtype)) not in _CONTRACTION_C_DTYPES:
+        raise ValueError(f"emit_contraction expects c float32 or bfloat16; got {c_aval}")
+    if c_aval.shape != (l, g, k, n) or amax_aval.shape != (l,) or np.dtype(amax_aval.dtype) != np.float32:
+        raise ValueError(f"emit_contraction expects results c {(l, g, k, n)} and amax ({l},) float32; got c {c_aval} "
+                         f"and amax {amax_aval}")
+    variants, objects = _objects(variants)
+    attributes = contraction_attributes(variants, objects, c_dtype=c_aval.dtype)
+    return _emit(CONTRACTION_TARGET, ctx, (x, y, bounds), attributes)
+
+
 def export_disabled_checks() -> list:
     """What `jax.export.export(..., disabled_checks=...)` needs to export a program holding our custom calls."""
     return [jax.export.DisabledSafetyCheck.custom_call(t)
-            for t in (GEMM_AMAX_TARGET, PROJ_ROPE_TARGET, DEQUANTIZE_TARGET, WEIGHT_STREAM_TARGET, RAGGED_TARGET)]
+            for t in (GEMM_AMAX_TARGET, PROJ_ROPE_TARGET, DEQUANTIZE_TARGET, WEIGHT_STREAM_TARGET, RAGGED_TARGET,
+                      CONTRACTION_TARGET)]

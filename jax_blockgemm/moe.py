@@ -9,13 +9,12 @@ is straight-through, each operand quantized along its own contraction axis:
   wgrad  dW_g = X_gᵀ · dY_g over the group's tokens. Blocks of 32 tokens would straddle group boundaries that are
          not multiples of 32, so each group is zero-padded to a multiple of 32 rows first (at most 31·G extra rows);
          every block then lies inside one group, X and dY are quantized along the tokens, and the per-group
-         contraction runs on the dequantized values (exact in bf16) with float32 accumulation. No ragged-contraction
-         primitive or kernel exists yet: this is the reference formulation on every device.
+         contraction (`contraction.contract_groups`, its kernel where one applies) runs on the dequantized values
+         (exact in bf16) with float32 accumulation.
 
 A GEMM whose contraction is not a multiple of 32 (K for the forward, N for dgrad) runs in bf16 instead, as in
 mx_dot_general; wgrad's padding makes the token contraction always fit. The bf16 recipe's forward and dgrad run the
-bf16 grouped kernel where it applies (`ragged.grouped_dot`), reading the (G, K, N) weights in place both ways; its
-wgrad is the reference's per-group contraction.
+bf16 grouped kernel where it applies (`ragged.grouped_dot`), reading the (G, K, N) weights in place both ways.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_blockgemm import api, autodiff, formats, ragged, reference, support
+from jax_blockgemm import api, autodiff, contraction, formats, ragged, reference, support
 
 __all__ = ["mx_ragged_dot"]
 
@@ -64,12 +63,17 @@ def _ragged_gemm(a: jax.Array, w: jax.Array, group_sizes: jax.Array, fmt: str, i
     return out[:, :f]
 
 
-def _group_padded(x: jax.Array, starts: jax.Array, ends: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x's group rows with each group zero-padded to a multiple of 32: (rows (T + 31·G, rounded to 32), starts, ends
-    of the padded groups). Rows of no group are dropped."""
+def _padded_sizes(starts: jax.Array, ends: jax.Array) -> jax.Array:
+    """Each group's size rounded up to a multiple of 32 rows."""
+    return -(-(ends - starts) // _BLOCK_ROWS) * _BLOCK_ROWS
+
+
+def _group_padded(x: jax.Array, starts: jax.Array, ends: jax.Array) -> jax.Array:
+    """x's group rows with each group zero-padded to `_padded_sizes`, the groups contiguous from row 0: (T + 31·G,
+    rounded to 32) rows. Rows of no group are dropped."""
     t, g = x.shape[0], starts.shape[0]
     sizes = ends - starts
-    padded_sizes = -(-sizes // _BLOCK_ROWS) * _BLOCK_ROWS
+    padded_sizes = _padded_sizes(starts, ends)
     p_ends = jnp.cumsum(padded_sizes)
     p_starts = p_ends - padded_sizes
     rows = -(-(t + (_BLOCK_ROWS - 1) * g) // _BLOCK_ROWS) * _BLOCK_ROWS
@@ -78,7 +82,7 @@ def _group_padded(x: jax.Array, starts: jax.Array, ends: jax.Array) -> tuple[jax
     offset = position - p_starts[group]
     valid = (offset >= 0) & (offset < sizes[group])
     source = jnp.clip(starts[group] + offset, 0, t - 1)
-    return jnp.where(valid[:, None], x[source], 0), p_starts, p_starts + sizes
+    return jnp.where(valid[:, None], x[source], 0)
 
 
 def _dequantized_along_tokens(x: jax.Array, fmt: str) -> tuple[jax.Array, Optional[jax.Array]]:
@@ -87,16 +91,20 @@ def _dequantized_along_tokens(x: jax.Array, fmt: str) -> tuple[jax.Array, Option
     return reference.dequantize_bf16(codes, scales, block=formats.FORMATS[fmt].block, axis=0), tensor_scale
 
 
-def _wgrad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, fmt: str) -> jax.Array:
-    """dW (G, K, N) float32: per group x_gᵀ · dy_g, both quantized along the group's tokens (see the module)."""
-    starts, ends = ragged.group_bounds(group_sizes, x.shape[0])
+def _wgrad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, fmt: str, implementation: Any,
+           dw_dtype: np.dtype) -> jax.Array:
+    """dW (G, K, N): per group x_gᵀ · dy_g, both quantized along the group's tokens (see the module), through the
+    grouped contraction (`contraction.contract_groups`: its kernel where one applies); in dw_dtype where that is
+    bfloat16 and no tensor scale follows, else float32."""
+    c_dtype = jnp.bfloat16 if dw_dtype == jnp.bfloat16 and fmt != "nvfp4" else jnp.float32
     if fmt == "bf16":
-        return ragged.grouped_contraction(x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16), starts, ends)
-    xp, p_starts, p_ends = _group_padded(x, starts, ends)
-    dyp, _, _ = _group_padded(dy, starts, ends)
+        return contraction.contract_groups(x, dy, group_sizes, c_dtype=c_dtype, implementation=implementation)[0]
+    starts, ends = ragged.group_bounds(group_sizes, x.shape[0])
+    xp, dyp = _group_padded(x, starts, ends), _group_padded(dy, starts, ends)
     xq, tx = _dequantized_along_tokens(xp, fmt)
     dyq, td = _dequantized_along_tokens(dyp, fmt)
-    dw = ragged.grouped_contraction(xq, dyq, p_starts, p_ends)
+    dw = contraction.contract_groups(xq, dyq, _padded_sizes(starts, ends), c_dtype=c_dtype,
+                                     implementation=implementation)[0]
     return dw if tx is None else dw * (tx * td)
 
 
@@ -114,7 +122,7 @@ def _ragged_matmul_fwd(x, w, group_sizes, out_dtype, recipe):
 def _ragged_matmul_bwd(out_dtype, recipe, residuals, dy):
     x, w, group_sizes = residuals
     dx = _ragged_gemm(dy, w, group_sizes, recipe.dgrad, recipe.implementation, w_major="k")
-    dw = _wgrad(x, dy, group_sizes, recipe.wgrad)
+    dw = _wgrad(x, dy, group_sizes, recipe.wgrad, recipe.implementation, np.dtype(w.dtype))
     return dx.astype(x.dtype), dw.astype(w.dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
 
 

@@ -387,6 +387,53 @@ def run_ragged_problems(variant: Any, device: Any, *, run_kernel: Callable = _ru
     return ""
 
 
+# --- the grouped contraction (the ragged product's weight gradient) ------------------------------------------
+# (T, K, N, group sizes): an empty group, a one-token group, groups ending inside a 64-token k-tile and one spanning
+# several, rows of no group (which must not count); one group holding every token; K and N tails of the 128 tile.
+CONTRACTION_PROBLEMS = ((200, 136, 96, (40, 0, 1, 70, 60)), (300, 64, 200, (0, 300, 0)))
+
+
+def _run_contraction(variant: Any, args: Sequence[Any], device: Any, implementation: str = "cutedsl",
+                     c_dtype: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(c, amax) of `contraction.contract_groups` on `device`: `variant` itself (forced, outputs poisoned) with
+    "cutedsl", the reference with "xla"; C in `c_dtype` (default the variant's)."""
+    import jax
+
+    from jax_blockgemm import contraction
+
+    fn = jax.jit(functools.partial(contraction.contract_groups, c_dtype=np.dtype(c_dtype or variant.c_dtype),
+                                   implementation=implementation))
+    args = [jax.device_put(x, device) for x in args]
+    with _forced_and_poisoned(variant) if implementation == "cutedsl" else contextlib.nullcontext():
+        c, amax = fn(*args)
+        return np.asarray(c), np.asarray(amax)
+
+
+def run_contraction_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_contraction) -> str:
+    """'' when the grouped contraction `variant` (`run_kernel`) matches the reference (fp32 C, on `device`) on every
+    CONTRACTION_PROBLEMS within SPEC §7, with a NaN in a row of no group left out; else the first failure."""
+    import jax.numpy as jnp
+
+    for i, (t, k, n, sizes) in enumerate(CONTRACTION_PROBLEMS):
+        rng = np.random.default_rng(i)
+        x, y = ((rng.standard_normal((t, f)) * 4).astype(jnp.bfloat16) for f in (k, n))
+        if sum(sizes) < t:
+            x[-1, 0] = np.nan  # a row of no group: never part of a sum
+        args = (x, y, np.asarray(sizes, np.int32))
+        where = f"(T, K, N) = {(t, k, n)}, group sizes {sizes}"
+        try:
+            c, amax = run_kernel(variant, args, device)
+        except Exception as e:  # a kernel that cannot even launch is a failed check, not a crash of the caller
+            return f"{where}: raised {type(e).__name__}: {e}"
+        ref_c, ref_amax = _run_contraction(variant, args, device, "xla", "float32")
+        ref_abs, _ = _run_contraction(variant, (np.abs(x), np.abs(y), args[2]), device, "xla", "float32")
+        why = compare(c.reshape(-1, n), amax, ref_c.reshape(-1, n), ref_amax, ref_abs.reshape(-1, n),
+                      variant.c_dtype)
+        if why:
+            return f"{where}: {why}"
+    return ""
+
+
 # --- proj_rope ------------------------------------------------------------------------------------------
 def _proj_rope_operands(variant: Any, problem: tuple[int, int, int], seed: int) -> tuple[np.ndarray, ...]:
     """Random bf16 x and w (laid out as `variant.b_major` reads it) and rotary tables for (T, H, K)."""
@@ -577,7 +624,8 @@ def run_dequantize_problems(variant: Any, device: Any) -> str:
 def run_check(variant: Any, device: Any) -> str:
     """'' when `variant` passes every problem of its operation on `device`, else the first failure."""
     runners = {"gemm_amax": run_problems, "weight_stream": run_problems, "proj_rope": run_proj_rope_problems,
-               "dequantize": run_dequantize_problems, "ragged": run_ragged_problems}
+               "dequantize": run_dequantize_problems, "ragged": run_ragged_problems,
+               "contraction": run_contraction_problems}
     return runners[variant.op](variant, device)
 
 

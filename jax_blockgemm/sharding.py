@@ -536,3 +536,82 @@ def _ragged_rule(params: Params, mesh: Any, operand_types: Any, result_types: An
 def ragged_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
     """The partitioned ragged_gemm_amax: call it as `(freeze_params(params), *operands)`."""
     return _make(local, _ragged_partition, _ragged_infer, _ragged_propagate, _ragged_rule)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The per-group contraction (contraction.py)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ContractionPlan:
+    """Mesh axes of L, the tokens T (summed over), the groups G, and the result's K and N."""
+
+    l: Axes
+    t: Axes
+    g: Axes
+    k: Axes
+    n: Axes
+
+    def operand_specs(self) -> tuple[P, ...]:
+        bounds = _spec(self.l, self.g)
+        return _spec(self.l, self.t, self.k), _spec(self.l, self.t, self.n), bounds, bounds
+
+    def result_specs(self) -> tuple[P, P]:
+        return _spec(self.l, self.g, self.k, self.n), _spec(self.l)
+
+
+def contraction_plan(mesh: Any, shapes: Sequence[Any]) -> ContractionPlan:
+    """L from x (else y), T from x (else y), G from the group bounds, K from x, N from y: each on axes no other
+    dimension took."""
+    x, y, starts = shapes[0], shapes[1], shapes[2]
+    l_axes = _keep(mesh, _dim_axes(x.sharding, 0) or _dim_axes(y.sharding, 0), x.shape[0], 1, ())
+    t_axes = _keep(mesh, _dim_axes(x.sharding, 1) or _dim_axes(y.sharding, 1), x.shape[1], 1, l_axes)
+    g_axes = _keep(mesh, _dim_axes(starts.sharding, 1), starts.shape[1], 1, l_axes + t_axes)
+    k_axes = _keep(mesh, _dim_axes(x.sharding, 2), x.shape[2], 1, l_axes + t_axes + g_axes)
+    n_axes = _keep(mesh, _dim_axes(y.sharding, 2), y.shape[2], 1, l_axes + t_axes + g_axes + k_axes)
+    return ContractionPlan(l_axes, t_axes, g_axes, k_axes, n_axes)
+
+
+def _contraction_partition(local: Callable, params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
+    """custom_partitioning's partition: each device contracts its tokens for its groups, (K, N) block. Tokens
+    sharded: the group bounds move to the shard's first row (clipped to its rows) and the partial sums are added
+    over the token axes in float32 (then converted to C's dtype)."""
+    p = dict(params)
+    plan = contraction_plan(mesh, arg_shapes)
+    c_dtype = p["c_dtype"]
+
+    def per_shard(x, y, starts, ends):
+        if not plan.t:
+            c, amax = local(x, y, starts, ends, **p)
+            return c, _global_amax(amax, plan.g + plan.k + plan.n)
+        rows = x.shape[1]
+        first = jax.lax.axis_index(plan.t if len(plan.t) > 1 else plan.t[0]) * rows
+        starts = jnp.clip(starts - first, 0, rows).astype(starts.dtype)
+        ends = jnp.clip(ends - first, 0, rows).astype(ends.dtype)
+        c, _ = local(x, y, starts, ends, **dict(p, c_dtype=jnp.dtype(jnp.float32)))
+        c = jax.lax.psum(c, plan.t)
+        return c.astype(c_dtype), _global_amax(formats.magnitude_max(c, axis=(1, 2, 3)), plan.g + plan.k + plan.n)
+
+    return (mesh, per_shard, _named(mesh, plan.result_specs()), _named(mesh, plan.operand_specs()))
+
+
+def _contraction_infer(params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
+    """GSPMD: the result shardings the plan gives these operands."""
+    return _named(mesh, contraction_plan(mesh, arg_shapes).result_specs())
+
+
+def _contraction_propagate(params: Params, mesh: Any, result_shape: Any):
+    """A user's sharding of c (L, G, K, N) is kept; amax follows its L."""
+    c = result_shape[0].sharding
+    return c, NamedSharding(c.mesh, _spec(_dim_axes(c, 0)))
+
+
+def _contraction_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
+    """Shardy: L, G, K and N pass through, T is a reduction factor (the token-sharded sum)."""
+    return "l t k, l t n, l g, l g -> l g k n, l", dict(reduction_factors=("t",))
+
+
+def contraction_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
+    """The partitioned per-group contraction: call it as `(freeze_params(params), *operands)`."""
+    return _make(local, _contraction_partition, _contraction_infer, _contraction_propagate, _contraction_rule)

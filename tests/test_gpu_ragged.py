@@ -4,7 +4,8 @@
 one-token and all-token groups, tiles shared by several groups, rows of no group, N and K tails, vmap (L = 2), every C
 dtype, NaN per group, traced group sizes, a weight stack past 2**31 elements; `mx_ragged_dot` with the kernel under
 its forward and dgrad, against the straight-through oracle; the bf16 kernel (`ragged.grouped_dot`, both weight
-layouts, f32 and bf16 C) likewise. Outputs are poisoned before every launch (an unwritten
+layouts, f32 and bf16 C) and the grouped contraction kernel (`contraction.contract_groups`, the weight gradient)
+likewise. Outputs are poisoned before every launch (an unwritten
 element reads NaN and fails). Skipped without a CUDA GPU that has kernels (CI has none); on the H200:
 `python -m pytest tests/test_gpu_ragged.py`.
 """
@@ -19,7 +20,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
-from jax_blockgemm import arch, dispatch, ragged
+from jax_blockgemm import arch, contraction, dispatch, ragged
 
 import oracle
 import oracle_ops
@@ -178,6 +179,68 @@ class GpuRaggedTest(parameterized.TestCase):
         self.assertEqual(int(np.isnan(out).sum()), 60 + 72)
         self.assertTrue((out[280:] == 0).all())
         self.assertTrue(np.isnan(float(amax)))
+
+
+def _contraction_oracle(x, y, gs):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    c = np.zeros((len(gs), x.shape[1], y.shape[1]))
+    with np.errstate(invalid="ignore", over="ignore"):
+        for g, (s, e) in enumerate(zip(np.cumsum(gs) - gs, np.cumsum(gs))):
+            c[g] = x[s:e].T @ y[s:e]
+    return c, float(np.max(np.abs(c)))
+
+
+@absltest.skipUnless(_has_kernel_gpu(), "needs a CUDA GPU with the sm_90a contraction kernel")
+class GpuContractionTest(parameterized.TestCase):
+
+    @parameterized.parameters("float32", "bfloat16")
+    def test_matches_oracle(self, c_dtype):
+        """Groups ending inside a 64-token k-tile, one-token and empty groups, rows of no group holding NaN, K and
+        N tails of the 128 tile; the forced kernel."""
+        rng = np.random.default_rng(hash(c_dtype) % 2**32)
+        for t, g, k, n in ((300, 6, 200, 136), (1000, 5, 264, 512)):
+            x, _ = random_bf16_grouped(rng, t=t, g=1, n=1, k=k)
+            y, _ = random_bf16_grouped(rng, t=t, g=1, n=1, k=n)
+            x[-1, 0] = np.nan  # a row of no group in the first size pattern; must not reach any sum
+            f = jax.jit(lambda x, y, gs: contraction.contract_groups(x, y, gs, c_dtype=jnp.dtype(c_dtype),
+                                                                     implementation="cutedsl"))
+            self.assertEqual(f.lower(x, y, np.zeros(g, np.int32)).as_text().count("jbg_grouped_contraction"), 1)
+            sizes = np.zeros(g, np.int32)
+            sizes[:4] = (1, 0, 65, 130)
+            for gs in (sizes, random_group_sizes(rng, t - 1, g, fill=True)):
+                with self.subTest(t=t, g=g, k=k, n=n, sizes=gs.tolist()):
+                    c, amax = f(x, y, gs)
+                    ref, ref_amax = _contraction_oracle(x, y, gs)
+                    oracle_ops.assert_gemm_close(self, c, ref, c_dtype=jnp.dtype(c_dtype))
+                    oracle_ops.assert_amax_close(self, amax, ref_amax)
+
+    def test_nan_stays_in_its_group(self):
+        rng = np.random.default_rng(17)
+        x, _ = random_bf16_grouped(rng, t=200, g=1, n=1, k=64)
+        y, _ = random_bf16_grouped(rng, t=200, g=1, n=1, k=72)
+        x[70, 5] = np.nan  # group 1's rows are 60 .. 129: row 5 of its dW
+        c, amax = contraction.contract_groups(x, y, np.array([60, 70, 70], np.int32), implementation="cutedsl")
+        c = np.asarray(c)
+        self.assertTrue(np.isnan(c[1, 5]).all())
+        self.assertEqual(int(np.isnan(c).sum()), 72)
+        self.assertTrue(np.isnan(float(amax)))
+
+    def test_result_past_int32_elements(self):
+        """256 groups of (7168, 2048): c holds 3.76e9 elements (7.5 GB in bf16), addressed in 64 bits."""
+        t, g, k, n = 1024, 256, 7168, 2048
+        rng = np.random.default_rng(18)
+        x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
+        y = jnp.asarray(rng.standard_normal((t, n)), jnp.bfloat16)
+        gs = np.full(g, t // g, np.int32)
+        c, amax = jax.jit(lambda x, y: contraction.contract_groups(x, y, gs, c_dtype=jnp.bfloat16,
+                                                                   implementation="cutedsl"))(x, y)
+        xs, ys = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        for grp in (0, 131, g - 1):
+            rows = slice(grp * 4, grp * 4 + 4)
+            ref = xs[rows].T @ ys[rows]
+            got = np.asarray(c[grp], np.float64)
+            self.assertLess(np.linalg.norm(got - ref) / np.linalg.norm(ref), 1e-2, f"group {grp}")
+        self.assertTrue(np.isfinite(float(amax)))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,12 @@ dynamic_shapes[1];}` struct over a flat buffer.
       float32, always passed (ones for the MX formats); t/n/k/l/g/max_items int32, k the logical K. The bf16
       variants (ab_dtype "bfloat16", sf_dtype "none", sf_vec_size 0) take bf16 a and b, b as (L·G, N, K) for
       b_major "k" or (L·G, K, N) for "n", and read neither sfa, sfb nor alpha (empty buffers).
+    contraction: fn(x, y, bounds, c, amax, t, k, n, l, g, stream)
+      the per-group contraction over tokens, the weight gradient of a ragged product (kernels/sm90/contraction.py):
+      x bf16 (L, T, K) and y bf16 (L, T, N), tokens sorted by group; bounds int32 (L, G, 2), the rows [start, end)
+      of each group; c (L, G, K, N) row-major, c[l, g] = x[l, rows of g]ᵀ · y[l, rows of g] (0 for an empty group);
+      amax L float32 values the handler zeroes first; t/k/n/l/g int32. c may hold 2**31 elements or more (it is
+      addressed in 64 bits); one (K, N) slice and every other buffer may not.
 
 The target architecture is a property of the DSL singleton (`CUTE_DSL_ARCH` is read once, when the singleton is
 built, or detected from the GPU); `compile_variant` sets it for the duration of each compile, so one process can
@@ -60,7 +66,7 @@ from jax_blockgemm.kernels import sm100 as _sm100
 _SHORT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float4_e2m1fn": "e2m1", "float32": "f32",
           "bfloat16": "bf16", "float16": "f16"}
 E8M0 = "float8_e8m0fnu"
-OPS = ("gemm_amax", "proj_rope", "dequantize", "weight_stream", "ragged")
+OPS = ("gemm_amax", "proj_rope", "dequantize", "weight_stream", "ragged", "contraction")
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -160,6 +166,12 @@ def _ragged_factory(v: KernelVariant) -> Any:
                                 sf_dtype=v.sf_dtype)
 
 
+def _contraction_factory(v: KernelVariant) -> Any:
+    from jax_blockgemm.kernels.sm90.contraction import HopperGroupedContraction
+
+    return HopperGroupedContraction(c_dtype=v.c_dtype)
+
+
 def _weight_stream_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.weight_stream import WeightStreamGemm
 
@@ -173,7 +185,7 @@ _FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
     ("proj_rope", "sm_90a"): _hopper_proj_rope_factory, ("proj_rope", "sm_100a"): _blackwell_proj_rope_factory,
     ("dequantize", "sm_90a"): _dequantize_factory, ("dequantize", "sm_100a"): _dequantize_factory,
     ("weight_stream", "sm_90a"): _weight_stream_factory, ("weight_stream", "sm_100a"): _weight_stream_factory,
-    ("ragged", "sm_90a"): _ragged_factory}
+    ("ragged", "sm_90a"): _ragged_factory, ("contraction", "sm_90a"): _contraction_factory}
 
 # proj_rope: the tile and schedule each target runs are arch.TABLE's. On sm_90a a persistent kernel, one CTA per SM,
 # on 128-token x one-head tiles, whose MMA warpgroups hand each fp32 tile through shared memory to an epilogue
@@ -257,7 +269,11 @@ CATALOG: tuple[KernelVariant, ...] = (
     # no scales; B K-major (dgrad reads the (G, K, N) weights with N as the contraction) or N-major (the forward
     # reads them with K as the contraction, no transposed copy).
     + tuple(KernelVariant(op="ragged", arch="sm_90a", ab_dtype="bfloat16", c_dtype=c, sf_vec_size=0,
-                          sf_dtype=NO_SCALES, b_major=bm) for bm in ("k", "n") for c in _C))
+                          sf_dtype=NO_SCALES, b_major=bm) for bm in ("k", "n") for c in _C)
+    # The per-group contraction over tokens (the ragged product's weight gradient) on sm_90a: bf16 x and y, both
+    # read with the tokens as the contraction (MN-major tiles), f32 or bf16 C.
+    + tuple(KernelVariant(op="contraction", arch="sm_90a", ab_dtype="bfloat16", c_dtype=c, sf_vec_size=0,
+                          sf_dtype=NO_SCALES, a_major="m", b_major="n") for c in _C))
 
 
 # Kernels built outside the package (tests' deliberately broken ones) that forced runs and the self-check may build:
@@ -322,6 +338,10 @@ def fake_arguments(kernel: Any, op: str = "gemm_amax") -> list:
         return [flat(cutlass.BFloat16), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(kernel.c_dtype),
                 flat(cutlass.Float32), flat(cutlass.Float32), i32(1), i32(32), i32(64), i32(1), i32(0),
                 cuda.CUstream(0)]
+    if op == "contraction":
+        i32 = cutlass.Int32
+        return [flat(cutlass.BFloat16), flat(cutlass.BFloat16), flat(cutlass.Int32), flat(kernel.c_dtype),
+                flat(cutlass.Float32), i32(128), i32(128), i32(128), i32(1), i32(2), cuda.CUstream(0)]
     if op == "ragged":
         i32 = cutlass.Int32
         return [flat(kernel.ab_dtype), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(cutlass.Uint8),

@@ -9,15 +9,20 @@ from typing import Any
 import cutlass.cute as cute
 
 
+def issue_stage(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, num_k_steps: int,
+                stage: Any) -> None:
+    """Issue the wgmma steps of the k-tile in `stage` (already arrived) as one committed group (not waited for)."""
+    cute.nvgpu.warpgroup.fence()
+    for ks in range(num_k_steps):  # plain Python: unrolled at trace time
+        cute.gemm(tiled_mma, acc, tCrA[(None, None, ks, stage)], tCrB[(None, None, ks, stage)], acc)
+    cute.nvgpu.warpgroup.commit_group()
+
+
 def mma_k_tile(ab_pipeline: Any, read_state: Any, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor,
                tCrB: cute.Tensor, num_k_steps: int) -> None:
     """Wait for one k-tile's stage and issue its wgmma steps as one committed group (not waited for)."""
     ab_pipeline.consumer_wait(read_state)
-    cute.nvgpu.warpgroup.fence()
-    for ks in range(num_k_steps):  # plain Python: unrolled at trace time
-        cute.gemm(tiled_mma, acc, tCrA[(None, None, ks, read_state.index)], tCrB[(None, None, ks, read_state.index)],
-                  acc)
-    cute.nvgpu.warpgroup.commit_group()
+    issue_stage(tiled_mma, acc, tCrA, tCrB, num_k_steps, read_state.index)
 
 
 @cute.jit
