@@ -45,22 +45,25 @@ def _quantize(x: jax.Array, fmt: str, axis: int) -> tuple[jax.Array, jax.Array, 
 
 
 def _ragged_gemm(a: jax.Array, w: jax.Array, group_sizes: jax.Array, fmt: str, implementation: Any, *,
-                 w_major: str) -> jax.Array:
-    """(T, F) float32: a (T, C) times each group's weight, contracted over C: w (G, F, C) for w_major "k", (G, C, F)
-    for "n"; both quantized along C in `fmt`, or bf16 (then the N-major w is read as it is)."""
+                 w_major: str, out_dtype: np.dtype) -> jax.Array:
+    """(T, F) out_dtype: a (T, C) times each group's weight, contracted over C: w (G, F, C) for w_major "k",
+    (G, C, F) for "n"; both quantized along C in `fmt`, or bf16 (then the N-major w is read as it is). The kernels
+    write bf16 C when that is the result's dtype, else float32 (converted after)."""
     c = a.shape[1]
+    c_dtype = jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
     if fmt == "bf16" or c % autodiff.K_MULTIPLE:
-        return ragged.grouped_dot(a, w, group_sizes, w_major=w_major,
-                                  implementation=implementation if fmt == "bf16" else None)[0]
+        out, _ = ragged.grouped_dot(a, w, group_sizes, w_major=w_major, c_dtype=c_dtype,
+                                    implementation=implementation if fmt == "bf16" else None)
+        return out.astype(out_dtype)
     b = w if w_major == "k" else jnp.swapaxes(w, 1, 2)  # the transpose fuses into the quantization
     f = b.shape[1]
     b = autodiff._pad_axis(b, 1, 16)  # C's rows: 16 bytes of any C dtype
     qa, sa, ta = _quantize(a, fmt, 1)
     qb, sb, tb = _quantize(b, fmt, 2)
     alpha = None if ta is None else ta * tb
-    out, _ = api.ragged_gemm_amax(qa, qb, sa, sb, group_sizes, alpha=alpha, c_dtype=jnp.float32,
+    out, _ = api.ragged_gemm_amax(qa, qb, sa, sb, group_sizes, alpha=alpha, c_dtype=c_dtype,
                                   sf_vec_size=formats.FORMATS[fmt].block, implementation=implementation)
-    return out[:, :f]
+    return out[:, :f].astype(out_dtype)
 
 
 def _padded_sizes(starts: jax.Array, ends: jax.Array) -> jax.Array:
@@ -112,7 +115,7 @@ def _wgrad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, fmt: str, implem
 def _ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: np.dtype,
                    recipe: autodiff.Recipe) -> jax.Array:
     """out (T, N) = x (T, K) · w_g (K, N) for each group's rows, in the recipe's forward format."""
-    return _ragged_gemm(x, w, group_sizes, recipe.fwd, recipe.implementation, w_major="n").astype(out_dtype)
+    return _ragged_gemm(x, w, group_sizes, recipe.fwd, recipe.implementation, w_major="n", out_dtype=out_dtype)
 
 
 def _ragged_matmul_fwd(x, w, group_sizes, out_dtype, recipe):
@@ -121,7 +124,8 @@ def _ragged_matmul_fwd(x, w, group_sizes, out_dtype, recipe):
 
 def _ragged_matmul_bwd(out_dtype, recipe, residuals, dy):
     x, w, group_sizes = residuals
-    dx = _ragged_gemm(dy, w, group_sizes, recipe.dgrad, recipe.implementation, w_major="k")
+    dx = _ragged_gemm(dy, w, group_sizes, recipe.dgrad, recipe.implementation, w_major="k",
+                      out_dtype=np.dtype(x.dtype))
     dw = _wgrad(x, dy, group_sizes, recipe.wgrad, recipe.implementation, np.dtype(w.dtype))
     return dx.astype(x.dtype), dw.astype(w.dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
 
