@@ -144,6 +144,11 @@ def _scaled_dot(lhs: tuple[jax.Array, ...], rhs: tuple[jax.Array, ...], dimensio
                               dimension_numbers=dimension_numbers, preferred_element_type=jnp.float32)
 
 
+def _k_major(codes: jax.Array, k_axis: int) -> jax.Array:
+    """(L, K, MN) codes (k_axis=1) as (L, MN, K); K-major codes (k_axis=2) unchanged."""
+    return codes if k_axis == 2 else jnp.swapaxes(codes, 1, 2)
+
+
 def gemm_amax_reference(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Array, *, k: int,
                         sf_vec_size: int, c_dtype: Any, a_major: str = "k", b_major: str = "k",
                         c_major: str = "n", alpha: Optional[jax.Array] = None,
@@ -178,8 +183,15 @@ def gemm_amax_reference(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Arr
         b_op = _scaled_operand(b, sfb, mn=n, k=k, k_axis=b_k_axis)
         dot = _scaled_dot
     else:
-        a_op = _dequantize_operand(a, sfa, mn=m, k=k, sf_vec_size=sf_vec_size, k_axis=a_k_axis)
-        b_op = _dequantize_operand(b, sfb, mn=n, k=k, sf_vec_size=sf_vec_size, k_axis=b_k_axis)
+        # Every major runs one dot of two K-major operands: MN-major codes are transposed first (exact: codes only
+        # move). An element's float32 sum must not depend on how many rows the call has, or a sharded call differs
+        # from the unsharded one. XLA:CPU hands a dot to YNNPACK only when its left operand is K-major, and YNNPACK's
+        # sums did not change with M or N in whole 128-row blocks (tests/test_reference.py); a dot with an MN-major
+        # left operand goes to Eigen, whose edge tiles sum K in another order than its inner ones (seen on an AVX2
+        # machine: rows 126-127 of a 128-row N shard). The scaled_dot route above takes any major as it is.
+        a_op = _dequantize_operand(_k_major(a, a_k_axis), sfa, mn=m, k=k, sf_vec_size=sf_vec_size, k_axis=2)
+        b_op = _dequantize_operand(_k_major(b, b_k_axis), sfb, mn=n, k=k, sf_vec_size=sf_vec_size, k_axis=2)
+        a_k_axis = b_k_axis = 2
         dot = _bf16_dot
     if c_major == "n":  # dot_general orders the result (batch, lhs free, rhs free): no transpose needed
         acc = dot(a_op, b_op, (((a_k_axis,), (b_k_axis,)), ((0,), (0,))))

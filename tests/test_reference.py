@@ -83,6 +83,28 @@ class GemmAmaxReferenceTest(parameterized.TestCase):
         self._check(l=2, m=136, n=48, k=96, fmt="mxfp8_e4m3", c_dtype="bfloat16", a_major=a_major,
                     b_major=b_major, c_major=c_major, seed=ord(a_major) * 7 + ord(b_major) * 3 + ord(c_major))
 
+    @parameterized.product(a_major=("k", "m"), b_major=("k", "n"), c_major=("n", "m"))
+    def test_rows_do_not_depend_on_the_other_rows(self, a_major, b_major, c_major):
+        """128 rows of M and of N (one scale atom each: the finest split the partitioning rules make) give the same
+        bits as those rows of the whole product, in every major: what lets a sharded call equal the unsharded one.
+
+        On XLA:CPU an MN-major operand used to reach the dot as is, which XLA:CPU runs through Eigen, whose edge
+        tiles sum K in another order than its inner ones (rows 126-127 of a 128-row shard differed in low bits from
+        the whole product's on an AVX2 machine); the reference now transposes MN-major codes to K-major first.
+        """
+        m, n, m0, n0 = 512, 256, 384, 128  # the last 128-row block of M and the second of N
+        inp = oracle_ops.random_gemm_inputs(np.random.default_rng(_seed(a_major, b_major, c_major)), l=1, m=m, n=n,
+                                            k=96, fmt="mxfp8_e4m3", a_major=a_major, b_major=b_major)
+        majors = dict(c_dtype="float32", a_major=a_major, b_major=b_major, c_major=c_major)
+        c, _ = _run_gemm(inp, **majors)
+        rows = lambda x, major, r0: x[:, r0:r0 + 128] if major == "k" else x[:, :, r0:r0 + 128]
+        atom = lambda x, r0: x[:, r0 // 128:r0 // 128 + 1]  # (L, MN', K', 32, 4, 4): one 128-row atom
+        part = dict(inp, a=rows(inp["a"], a_major, m0), b=rows(inp["b"], b_major, n0),
+                    sfa_atom=atom(inp["sfa_atom"], m0), sfb_atom=atom(inp["sfb_atom"], n0))
+        c_part, _ = _run_gemm(part, **majors)
+        want = c[:, m0:m0 + 128, n0:n0 + 128] if c_major == "n" else c[:, n0:n0 + 128, m0:m0 + 128]
+        np.testing.assert_array_equal(c_part, want)
+
     @parameterized.product(
         fmt_alpha=(("mxfp4", False), ("nvfp4", False), ("nvfp4", True)),
         c_dtype=C_DTYPES_WIDE + ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn"),
