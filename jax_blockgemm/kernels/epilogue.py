@@ -90,6 +90,13 @@ def fp8x2(lo: cutlass.Float32, hi: cutlass.Float32, fmt: str, *, loc=None, ip=No
 
 
 @dsl_user_op
+def bf16x2(lo: cutlass.Float32, hi: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
+    """Two bf16 values, round-to-nearest-even, as hi << 16 | lo (NaN kept)."""
+    return cutlass.Int32(ptx_ops.asm(T.i32(), [cutlass.Float32(hi), cutlass.Float32(lo)],
+                                     "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", False, loc, ip))
+
+
+@dsl_user_op
 def e4m3x4(a: cutlass.Float32, b: cutlass.Float32, c: cutlass.Float32, d: cutlass.Float32, *, loc=None,
            ip=None) -> cutlass.Int32:
     """Four E4M3 codes (as `fp8x2`) packed as the bytes of one word, a lowest: two conversions and a move."""

@@ -71,6 +71,14 @@ def st_global_u16_if(addr, w, pred, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def st_global_v4_if(addr, w0, w1, w2, w3, pred, *, loc=None, ip=None) -> None:
+    """16 bytes (four words) to a 16-byte aligned global address when pred != 0."""
+    args = [cutlass.Int64(addr)] + [cutlass.Int32(x) for x in (w0, w1, w2, w3, pred)]
+    asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $5, 0; @p st.global.v4.b32 [$0], {$1, $2, $3, $4}; }",
+        "l,r,r,r,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
 def bulk_load(smem: cutlass.Int32, gmem: cutlass.Int64, size: cutlass.Int32, mbar: cutlass.Int32, *, loc=None,
               ip=None) -> None:
     """cp.async.bulk of `size` bytes (a multiple of 16; both addresses 16-byte aligned) from global to shared memory,

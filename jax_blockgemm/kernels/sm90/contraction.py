@@ -155,7 +155,8 @@ class HopperGroupedContraction(AccumulatorStore):
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(release_state)
             warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
-            self.store_c_and_amax(acc, c, amax, amax, warp_amax, k, n, tile_m, tile_n, lg, wg_idx, tidx,
+            # c is (L·G, K, N): batch lg of (K, N) results; amax has one slot per l
+            self.store_c_and_amax(acc, c, amax, amax, warp_amax, k, n, tile_m, tile_n, lg, batch, wg_idx, tidx,
                                   cutlass.Int32(0), k)
 
     @cute.jit

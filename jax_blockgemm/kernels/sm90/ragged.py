@@ -215,8 +215,8 @@ class HopperRaggedBf16Gemm(AccumulatorStore):
                 if zero:
                     acc.fill(0.0)
                 warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
-                self.store_c_and_amax(acc, c, amax, amax, warp_amax, t, n, row_tile, tile_n, batch, wg_idx, tidx,
-                                      rows_lo, rows_hi)
+                self.store_c_and_amax(acc, c, amax, amax, warp_amax, t, n, row_tile, tile_n, batch, batch, wg_idx,
+                                      tidx, rows_lo, rows_hi)
 
 
 __all__ = ["HopperRaggedGemmAmax", "HopperRaggedBf16Gemm", "ITEM_ROWS", "ITEM_FIELDS", "BF16_C_DTYPES", "work_item"]
