@@ -13,7 +13,8 @@ bf16 in shared memory, bf16 wgmma) with B's batch coordinate set to the item's g
 bound, L) with the N tiles fastest, so the CTAs running at once share a few A tiles and groups' weights in L2.
 
 `HopperRaggedBf16Gemm` runs the same items over bf16 operands (no dequantization): a producer warp and two wgmma
-warpgroups per 128 x 128 tile, two CTAs per SM, so that one CTA's epilogue overlaps the other's mainloop.
+warpgroups per 128 x 128 tile, two CTAs per SM, so that one CTA's epilogue overlaps the other's mainloop. A
+warpgroup none of whose 64 rows an item holds (one side of a group boundary inside a tile) issues no MMAs.
 """
 
 from __future__ import annotations
@@ -209,9 +210,13 @@ class HopperRaggedBf16Gemm(AccumulatorStore):
                 read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
                 release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc starts from zero
+                # A warpgroup none of whose 64 rows the item holds (one side of a group boundary inside the tile)
+                # issues no MMAs: the item then costs the tensor cores half a tile.
+                half = row_tile * bm + wg_idx * (bm // 2)
+                active = (rows_lo < half + bm // 2) & (rows_hi > half) & (group >= 0)
                 read_state, release_state = wgmma_mainloop.mma_tile(ab_pipeline, read_state, release_state,
                                                                     tiled_mma, acc, tCrA, tCrB,
-                                                                    cute.size(tCrA, mode=[2]), k_tiles)
+                                                                    cute.size(tCrA, mode=[2]), k_tiles, active)
                 if zero:
                     acc.fill(0.0)
                 warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))

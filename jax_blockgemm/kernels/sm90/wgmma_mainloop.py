@@ -6,39 +6,48 @@ from __future__ import annotations
 
 from typing import Any
 
+import cutlass
 import cutlass.cute as cute
 
 
+@cute.jit
 def issue_stage(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, num_k_steps: int,
-                stage: Any) -> None:
-    """Issue the wgmma steps of the k-tile in `stage` (already arrived) as one committed group (not waited for)."""
+                stage: Any, active: Any = None) -> None:
+    """Issue the wgmma steps of the k-tile in `stage` (already arrived) as one committed group (not waited for).
+    With `active` (a run-time flag) false the group is empty: the warpgroup keeps the pipeline's pace and its
+    accumulator without using the tensor cores."""
     cute.nvgpu.warpgroup.fence()
-    for ks in range(num_k_steps):  # plain Python: unrolled at trace time
-        cute.gemm(tiled_mma, acc, tCrA[(None, None, ks, stage)], tCrB[(None, None, ks, stage)], acc)
+    if cutlass.const_expr(active is None):
+        for ks in cutlass.range_constexpr(num_k_steps):
+            cute.gemm(tiled_mma, acc, tCrA[(None, None, ks, stage)], tCrB[(None, None, ks, stage)], acc)
+    else:
+        if active:
+            for ks in cutlass.range_constexpr(num_k_steps):
+                cute.gemm(tiled_mma, acc, tCrA[(None, None, ks, stage)], tCrB[(None, None, ks, stage)], acc)
     cute.nvgpu.warpgroup.commit_group()
 
 
 def mma_k_tile(ab_pipeline: Any, read_state: Any, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor,
-               tCrB: cute.Tensor, num_k_steps: int) -> None:
+               tCrB: cute.Tensor, num_k_steps: int, active: Any = None) -> None:
     """Wait for one k-tile's stage and issue its wgmma steps as one committed group (not waited for)."""
     ab_pipeline.consumer_wait(read_state)
-    issue_stage(tiled_mma, acc, tCrA, tCrB, num_k_steps, read_state.index)
+    issue_stage(tiled_mma, acc, tCrA, tCrB, num_k_steps, read_state.index, active)
 
 
 @cute.jit
 def issue_k_tiles(ab_pipeline: Any, read_state: Any, release_state: Any, tiled_mma: cute.TiledMma, acc: cute.Tensor,
-                  tCrA: cute.Tensor, tCrB: cute.Tensor, num_k_steps: int, k_tiles: Any):
+                  tCrA: cute.Tensor, tCrB: cute.Tensor, num_k_steps: int, k_tiles: Any, active: Any = None):
     """One tile's mainloop: the wgmmas of its k_tiles stages, one committed group per k-tile, keeping one group in
     flight; each stage is released once the next k-tile's group is issued and its own is done. The last group is
     left in flight and its stage held: the caller waits for it and releases that stage.
 
     Returns the advanced (read_state, release_state), which the caller must rebind: the DSL carries a state that a
     dynamic loop advances by rebinding the loop's own names, so the caller's objects keep their old values."""
-    mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps)
+    mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps, active)
     read_state.advance()
     for kt in range(1, k_tiles):
         # Pipeline states advance in the loop body itself: the DSL carries only what the body mutates.
-        mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps)
+        mma_k_tile(ab_pipeline, read_state, tiled_mma, acc, tCrA, tCrB, num_k_steps, active)
         read_state.advance()
         cute.nvgpu.warpgroup.wait_group(1)  # the previous k-tile's group is done: free its stage
         ab_pipeline.consumer_release(release_state)
@@ -48,12 +57,13 @@ def issue_k_tiles(ab_pipeline: Any, read_state: Any, release_state: Any, tiled_m
 
 @cute.jit
 def mma_tile(ab_pipeline: Any, read_state: Any, release_state: Any, tiled_mma: cute.TiledMma, acc: cute.Tensor,
-             tCrA: cute.Tensor, tCrB: cute.Tensor, num_k_steps: int, k_tiles: Any):
-    """One tile's whole mainloop: acc from zero, every k-tile's wgmmas, all of them waited for, the last stage
-    released. Returns the advanced (read_state, release_state), to rebind (see `issue_k_tiles`)."""
+             tCrA: cute.Tensor, tCrB: cute.Tensor, num_k_steps: int, k_tiles: Any, active: Any = None):
+    """One tile's whole mainloop: acc from zero, every k-tile's wgmmas (none where `active` is false), all of them
+    waited for, the last stage released. Returns the advanced (read_state, release_state), to rebind (see
+    `issue_k_tiles`)."""
     acc.fill(0.0)
     read_state, release_state = issue_k_tiles(ab_pipeline, read_state, release_state, tiled_mma, acc, tCrA, tCrB,
-                                              num_k_steps, k_tiles)
+                                              num_k_steps, k_tiles, active)
     cute.nvgpu.warpgroup.wait_group(0)
     ab_pipeline.consumer_release(release_state)
     release_state.advance()
