@@ -63,7 +63,7 @@ TABLE: tuple[ArchPolicy, ...] = (
         why="H200: the proj_rope kernel is faster than the reference at every measured shape; MX gemm_amax is "
             "bound by the bf16 tensor rate there, where XLA's dot is as fast as ours (docs/design/gemm_amax.md); "
             "the decode kernel is faster than the reference up to the M shown (docs/design/decode.md); the ragged "
-            "kernel is faster than the reference's tile loop (docs/design/moe.md)"),
+            "kernels and the grouped contraction are faster than the reference's tile loops (docs/design/moe.md)"),
     ArchPolicy(
         capability="10.0", target="sm_100a", verified=False,
         default={"gemm_amax": "reference", "proj_rope": "reference", "ragged": "reference"},
