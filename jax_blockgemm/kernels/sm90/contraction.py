@@ -19,39 +19,21 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 
 from jax_blockgemm.kernels import common
 from jax_blockgemm.kernels.sm90 import tma_pipeline, wgmma_mainloop
-from jax_blockgemm.kernels.sm90.c_store import AccumulatorStore
-from jax_blockgemm.kernels.sm90.gemm_amax import smem_layout_staged
+from jax_blockgemm.kernels.sm90.bf16_tile import Bf16TileKernel
 
-C_DTYPES = ("float32", "bfloat16")
 _MASK_BARRIER_ID = 2  # the MMA warps, after zeroing the rows past the group in the last k-tile
 
 
-class HopperGroupedContraction(AccumulatorStore):
+class HopperGroupedContraction(Bf16TileKernel):
     """c[l, g] = x[l, rows of g]ᵀ · y[l, rows of g] (K, N) per batch l and group g, amax[l] = max|c[l]|: bf16 x
     (L, T, K) and y (L, T, N), f32 or bf16 c (L·G, K, N). The ABI: fn(x, y, bounds, c, amax, t, k, n, l, g, stream),
     bounds int32 (L, G, 2) the rows [start, end) of each group (kernels/catalog.py)."""
 
     def __init__(self, *, c_dtype: str = "float32"):
-        common.require_choice("c_dtype", c_dtype, C_DTYPES)
-        self.ab_dtype = cutlass.BFloat16
-        self.acc_dtype = cutlass.Float32
-        self.c_name = c_dtype
-        self.c_dtype = cutlass.Float32 if c_dtype == "float32" else cutlass.BFloat16
-        self.c_kind = "wide"
-        self.has_alpha = False
-        self.tile_mnk = (128, 128, 64)  # (rows of K, columns of N, tokens) per CTA and k-tile; A and B tiles alike
-        self.threads_per_wg = 128
-        self.num_consumer_warps = 8  # warps 0-7: the two MMA warpgroups
-        self.producer_warp = self.num_consumer_warps
-        self.threads_per_cta = (self.num_consumer_warps + 1) * 32
-        self.epilogue_barrier_id = 1
-        self.ctas_per_sm = 2
-        self.ab_stages = 3
-        self.buffer_align_bytes = 1024
+        super().__init__(c_dtype=c_dtype)  # tile_mnk: (rows of K, columns of N, tokens) per CTA and k-tile
 
     def can_implement(self, t: int, k: int, n: int, l: int, g: int = 1) -> tuple[bool, str]:
         """Whether the kernel handles these sizes, and why not: 16-byte rows (K and N multiples of 8), 32-bit element
@@ -70,33 +52,12 @@ class HopperGroupedContraction(AccumulatorStore):
                  t: cutlass.Int32, k: cutlass.Int32, n: cutlass.Int32, l: cutlass.Int32, g: cutlass.Int32,
                  stream: cuda.CUstream):
         """Host side: x and y as (K or N, T, L) MN-major TMA views, and a launch of (K tiles, N tiles, L·G)."""
-        bm, bn, bk = self.tile_mnk
+        bm, bn, _ = self.tile_mnk
         mA = common.operand_view(x, k, t, l, True, row_align=8)
         mB = common.operand_view(y, n, t, l, True, row_align=8)
-        mn = cute.nvgpu.OperandMajorMode.MN
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(self.ab_dtype, self.ab_dtype, mn, mn, self.acc_dtype, (2, 1, 1),
-                                                      tiler_mn=(64, bn))
-        a_smem_staged = smem_layout_staged(bm, self.ab_dtype, self.ab_stages, bk, mn_major=True)
-        b_smem_staged = smem_layout_staged(bn, self.ab_dtype, self.ab_stages, bk, mn_major=True)
-        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem_staged, (None, None, 0)), (bm, bk))
-        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem_staged, (None, None, 0)), (bn, bk))
-
-        @cute.struct
-        class SharedStorage:
-            pipeline_mbars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            warp_amax: cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)],
-                                  self.buffer_align_bytes]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)],
-                                  self.buffer_align_bytes]
-
-        self.shared_storage = SharedStorage
-        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, bounds, c, amax, t, k, n, g, tiled_mma, a_smem_staged,
-                    b_smem_staged).launch(
-            grid=((k + bm - 1) // bm, (n + bn - 1) // bn, l * g), block=(self.threads_per_cta, 1, 1),
-            min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100, stream=stream)
+        tma_a, tma_b, tiled_mma, layouts = self.tma_operands(mA, mB, True, True)
+        self.kernel(*tma_a, *tma_b, bounds, c, amax, t, k, n, g, tiled_mma, *layouts).launch(
+            **self.launch_config(((k + bm - 1) // bm, (n + bn - 1) // bn, l * g)), stream=stream)
 
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom, mB_nkl: cute.Tensor,
@@ -108,7 +69,7 @@ class HopperGroupedContraction(AccumulatorStore):
         tile_m, tile_n, lg = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        bm, bn, bk = self.tile_mnk
+        bk = self.tile_mnk[2]
         batch = lg // g
         start = cutlass.min(cutlass.max(bounds[lg * 2], 0), t)
         end = cutlass.min(cutlass.max(bounds[lg * 2 + 1], start), t)
@@ -127,10 +88,7 @@ class HopperGroupedContraction(AccumulatorStore):
                                               k_tiles, batch)
             ab_pipeline.producer_tail(state)
         elif warp_idx < self.producer_warp:
-            thr_mma = tiled_mma.get_slice(wg_idx * self.threads_per_wg)
-            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
+            tCrA, tCrB, acc = self.mma_fragments(tiled_mma, sA, sB, wg_idx)
             acc.fill(0.0)
             num_k_steps = cute.size(tCrA, mode=[2])
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
@@ -163,7 +121,7 @@ class HopperGroupedContraction(AccumulatorStore):
     def zero_rows_past(self, sA: cute.Tensor, sB: cute.Tensor, stage, valid, local_tid):
         """Zero tokens valid .. 63 of both operands' k-tile in `stage` (when valid < 64), then make the writes visible
         to the tensor cores and wait for every MMA thread (both warpgroups read all of B)."""
-        bm, bn, bk = self.tile_mnk
+        bm, _, bk = self.tile_mnk  # A and B tiles alike: bm rows each
         if valid < bk:
             zero = cutlass.BFloat16(0.0)
             for i in range(local_tid, (bk - valid) * bm, self.num_consumer_warps * 32):
@@ -174,4 +132,4 @@ class HopperGroupedContraction(AccumulatorStore):
             cute.arch.barrier(barrier_id=_MASK_BARRIER_ID, number_of_threads=self.num_consumer_warps * 32)
 
 
-__all__ = ["HopperGroupedContraction", "C_DTYPES"]
+__all__ = ["HopperGroupedContraction"]

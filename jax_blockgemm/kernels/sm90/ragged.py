@@ -23,16 +23,14 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 
 from jax_blockgemm.kernels import common
 from jax_blockgemm.kernels.sm90 import tma_pipeline, wgmma_mainloop
-from jax_blockgemm.kernels.sm90.c_store import AccumulatorStore
-from jax_blockgemm.kernels.sm90.gemm_amax import HopperMxf8GemmAmax, smem_layout_staged
+from jax_blockgemm.kernels.sm90.bf16_tile import Bf16TileKernel
+from jax_blockgemm.kernels.sm90.gemm_amax import HopperMxf8GemmAmax
 
 ITEM_ROWS = 128  # rows of the token grid per work item: the CTA tile's M
 ITEM_FIELDS = 4  # (row tile, group or -1, first row, end row) per item, int32
-BF16_C_DTYPES = ("float32", "bfloat16")
 
 
 def work_item(items: cute.Tensor, batch, item, max_items, t, g):
@@ -98,7 +96,7 @@ class HopperRaggedGemmAmax(HopperMxf8GemmAmax):
                       batch * g + cutlass.max(group, 0), rows_lo, rows_hi, group < 0)
 
 
-class HopperRaggedBf16Gemm(AccumulatorStore):
+class HopperRaggedBf16Gemm(Bf16TileKernel):
     """C[rows of group g] = A·B[g]^T per batch l, amax[l] = max|C[l]|, bf16 operands, f32 or bf16 C.
 
     The ragged ABI (`HopperRaggedGemmAmax`) with a (L, T, K) and b (L·G, N, K) for b_major "k" or (L·G, K, N) for
@@ -109,24 +107,10 @@ class HopperRaggedBf16Gemm(AccumulatorStore):
     """
 
     def __init__(self, *, c_dtype: str = "float32", b_major: str = "k"):
-        common.require_choice("c_dtype", c_dtype, BF16_C_DTYPES)
+        super().__init__(c_dtype=c_dtype)
         common.require_choice("b_major", b_major, ("k", "n"))
-        self.ab_dtype = cutlass.BFloat16
-        self.acc_dtype = cutlass.Float32
-        self.c_name = c_dtype
-        self.c_dtype = cutlass.Float32 if c_dtype == "float32" else cutlass.BFloat16
-        self.c_kind = "wide"
-        self.has_alpha = False
         self.b_mn = b_major == "n"
-        self.tile_mnk = (ITEM_ROWS, 128, 64)
-        self.threads_per_wg = 128
-        self.num_consumer_warps = 8  # warps 0-7: the two MMA warpgroups
-        self.producer_warp = self.num_consumer_warps
-        self.threads_per_cta = (self.num_consumer_warps + 1) * 32
-        self.epilogue_barrier_id = 1
-        self.ctas_per_sm = 2
-        self.ab_stages = 3  # 32 KB each: two CTAs' stages fill most of the SM's 228 KB
-        self.buffer_align_bytes = 1024
+        assert self.tile_mnk[0] == ITEM_ROWS
 
     def can_implement(self, t: int, n: int, k: int, l: int, g: int = 1) -> tuple[bool, str]:
         """Whether the kernel handles these sizes, and why not: 16-byte rows (K, and N when B is N-major, multiples
@@ -147,36 +131,14 @@ class HopperRaggedBf16Gemm(AccumulatorStore):
                  k: cutlass.Int32, l: cutlass.Int32, g: cutlass.Int32, max_items: cutlass.Int32,
                  stream: cuda.CUstream):
         """Host side: the TMA views of A as L batches and B as L·G, and a launch of (N tiles, max_items, L)."""
-        bm, bn, bk = self.tile_mnk
+        bn = self.tile_mnk[1]
         k8 = cute.assume(k, divby=8)
         mA = common.operand_view(a, t, k8, l, False)
         mB = common.operand_view(b, n, k8, l * g, self.b_mn, row_align=8)
-        b_mode = cute.nvgpu.OperandMajorMode.MN if self.b_mn else cute.nvgpu.OperandMajorMode.K
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, cute.nvgpu.OperandMajorMode.K, b_mode, self.acc_dtype, (2, 1, 1),
-            tiler_mn=(64, bn))
-        a_smem_staged = smem_layout_staged(bm, self.ab_dtype, self.ab_stages, bk)
-        b_smem_staged = smem_layout_staged(bn, self.ab_dtype, self.ab_stages, bk, self.b_mn)
-        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem_staged, (None, None, 0)), (bm, bk))
-        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem_staged, (None, None, 0)), (bn, bk))
-
-        @cute.struct
-        class SharedStorage:
-            pipeline_mbars: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            warp_amax: cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)],
-                                  self.buffer_align_bytes]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)],
-                                  self.buffer_align_bytes]
-
-        self.shared_storage = SharedStorage
+        tma_a, tma_b, tiled_mma, layouts = self.tma_operands(mA, mB, False, self.b_mn)
         tiles_n = (n + bn - 1) // bn
-        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, items, c, amax, t, n, g, max_items, tiled_mma,
-                    a_smem_staged, b_smem_staged).launch(
-            grid=(tiles_n, max_items, l), block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=self.ctas_per_sm,
-            preferred_smem_carveout=100, stream=stream)
+        self.kernel(*tma_a, *tma_b, items, c, amax, t, n, g, max_items, tiled_mma, *layouts).launch(
+            **self.launch_config((tiles_n, max_items, l)), stream=stream)
 
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom, mB_nkl: cute.Tensor,
@@ -190,7 +152,7 @@ class HopperRaggedBf16Gemm(AccumulatorStore):
         if rows_lo < rows_hi:
             tidx, _, _ = cute.arch.thread_idx()
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            bm, bn, _ = self.tile_mnk
+            bm = self.tile_mnk[0]
             storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
                 tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged,
                 self.shared_storage, self.ab_dtype, self.ab_stages, self.num_consumer_warps, self.tile_mnk,
@@ -203,10 +165,7 @@ class HopperRaggedBf16Gemm(AccumulatorStore):
                                                   k_tiles, batch, batch * g + cutlass.max(group, 0))
                 ab_pipeline.producer_tail(state)
             elif warp_idx < self.producer_warp:
-                thr_mma = tiled_mma.get_slice(wg_idx * self.threads_per_wg)
-                tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-                tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-                acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, bn)), self.acc_dtype)
+                tCrA, tCrB, acc = self.mma_fragments(tiled_mma, sA, sB, wg_idx)
                 read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
                 release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc starts from zero
@@ -224,4 +183,4 @@ class HopperRaggedBf16Gemm(AccumulatorStore):
                                       tidx, rows_lo, rows_hi)
 
 
-__all__ = ["HopperRaggedGemmAmax", "HopperRaggedBf16Gemm", "ITEM_ROWS", "ITEM_FIELDS", "BF16_C_DTYPES", "work_item"]
+__all__ = ["HopperRaggedGemmAmax", "HopperRaggedBf16Gemm", "ITEM_ROWS", "ITEM_FIELDS", "work_item"]
