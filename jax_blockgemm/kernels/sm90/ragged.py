@@ -170,14 +170,13 @@ class HopperRaggedBf16Gemm(Bf16TileKernel):
                 release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc starts from zero
                 # A warpgroup none of whose 64 rows the item holds (one side of a group boundary inside the tile)
-                # issues no MMAs: the item then costs the tensor cores half a tile.
+                # issues no MMAs: the item then costs the tensor cores half a tile. Items of no group issue none
+                # and store the zeroed accumulator.
                 half = row_tile * bm + wg_idx * (bm // 2)
                 active = (rows_lo < half + bm // 2) & (rows_hi > half) & (group >= 0)
                 read_state, release_state = wgmma_mainloop.mma_tile(ab_pipeline, read_state, release_state,
                                                                     tiled_mma, acc, tCrA, tCrB,
                                                                     cute.size(tCrA, mode=[2]), k_tiles, active)
-                if zero:
-                    acc.fill(0.0)
                 warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
                 self.store_c_and_amax(acc, c, amax, amax, warp_amax, t, n, row_tile, tile_n, batch, batch, wg_idx,
                                       tidx, rows_lo, rows_hi)
