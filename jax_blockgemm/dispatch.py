@@ -81,6 +81,17 @@ def _past_int32(avals_in: Sequence[Any], a_major: str = "k", b_major: str = "k")
     return _first_past_int32(named)
 
 
+def _settled_by_implementation(implementation: Any, op: str) -> KernelChoice | None:
+    """The choice `implementation` makes alone for an `op` call: "xla" forces the reference, "cutedsl" inside
+    `forced_variants` takes those of `op`; None when dispatch must look at the call."""
+    if implementation == "xla":
+        return KernelChoice(reason="implementation='xla' forces the reference")
+    forced = getattr(_FORCED, "variants", None)
+    if forced is not None and implementation == "cutedsl":
+        return KernelChoice(variants=tuple(v for v in forced if v.op == op))
+    return None
+
+
 def _first_past_int32(named_shapes: Sequence[tuple[str, tuple]]) -> str:
     """Why the first of the (name, shape) buffers with 2**31 elements or more cannot reach a kernel, or ""."""
     for name, shape in named_shapes:
@@ -110,11 +121,9 @@ def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int
 
     FP4 operands and C arrive packed (uint8) and select the "float4_e2m1fn" variants; E4M3 scales (NVFP4) select
     the variants that take alpha (the lowering passes ones when the call has none)."""
-    if implementation == "xla":
-        return KernelChoice(reason="implementation='xla' forces the reference")
-    forced = getattr(_FORCED, "variants", None)
-    if forced is not None and implementation == "cutedsl":
-        return KernelChoice(variants=tuple(v for v in forced if v.op == "gemm_amax"))
+    settled = _settled_by_implementation(implementation, "gemm_amax")
+    if settled is not None:
+        return settled
     # c_major="m": C^T (L, N, M) is the N-major result of the kernels run on (B, A); an M-major A is then the
     # kernel's N-major B and an N-major B its M-major A.
     swap_ab = c_major == "m"
@@ -159,11 +168,9 @@ def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation
 
     The kernels take bf16 x and w; MXFP8 inputs reach them dequantized (exact in bf16; see primitives.py).
     """
-    if implementation == "xla":
-        return KernelChoice(reason="implementation='xla' forces the reference")
-    forced = getattr(_FORCED, "variants", None)
-    if forced is not None and implementation == "cutedsl":
-        return KernelChoice(variants=tuple(v for v in forced if v.op == "proj_rope"))
+    settled = _settled_by_implementation(implementation, "proj_rope")
+    if settled is not None:
+        return settled
     g, t, k = avals_in[0].shape
     if g != 1:
         return KernelChoice(reason=f"the kernel takes one weight matrix per call; got {g} (vmap over w)")
@@ -284,11 +291,9 @@ def ragged_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, k
     """The grouped kernel variants (one per covered architecture) for a canonical ragged_gemm_amax call: a (L, T, K)
     codes (packed FP4: uint8) or bf16, b (L, G, N, K) (bf16 with b_major "n": (L, G, K, N)), compact scales sfa
     (L, T, KB) and sfb (L, G, N, KB) (KB = 0 for bf16)."""
-    if implementation == "xla":
-        return KernelChoice(reason="implementation='xla' forces the reference")
-    forced = getattr(_FORCED, "variants", None)
-    if forced is not None and implementation == "cutedsl":
-        return KernelChoice(variants=tuple(v for v in forced if v.op == "ragged"))
+    settled = _settled_by_implementation(implementation, "ragged")
+    if settled is not None:
+        return settled
     a, b, sfa = avals_in[:3]
     l, t = a.shape[:2]
     g = b.shape[1]
@@ -325,11 +330,9 @@ def ragged_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, k
 def contraction_kernels(avals_in: Sequence[Any], *, c_dtype: Any, implementation: Any, **_: Any) -> KernelChoice:
     """The grouped contraction kernel variants (one per covered architecture) for a canonical call: x (L, T, K) and
     y (L, T, N) bf16, starts and ends (L, G)."""
-    if implementation == "xla":
-        return KernelChoice(reason="implementation='xla' forces the reference")
-    forced = getattr(_FORCED, "variants", None)
-    if forced is not None and implementation == "cutedsl":
-        return KernelChoice(variants=tuple(v for v in forced if v.op == "contraction"))
+    settled = _settled_by_implementation(implementation, "contraction")
+    if settled is not None:
+        return settled
     x, y, starts = avals_in[:3]
     l, t, k = x.shape
     n, g = y.shape[2], starts.shape[1]
