@@ -19,9 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import dispatch as jax_dispatch
 from jax.extend import core as jex_core
-from jax.interpreters import batching, mlir
+from jax.interpreters import mlir
 
 from jax_blockgemm import formats, primitives, ragged, reference, sharding, support
 
@@ -96,20 +95,7 @@ def _cuda_lowering(ctx, *args, **params):
     return _reference_lowering(ctx, *args, **params)
 
 
-def _batch(args, dims, **params):
-    """vmap folds into L (an unmapped operand is broadcast)."""
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not primitives._NOT_MAPPED)
-    c, amax = contraction_p.bind(*primitives._fold_into_leading(args, dims, size), **params)
-    return (c.reshape(size, -1, *c.shape[1:]), amax.reshape(size, -1)), (0, 0)
-
-
-for _q in (contraction_p, contraction_local_p):
-    _q.multiple_results = True
-    _q.def_impl(functools.partial(jax_dispatch.apply_primitive, _q))
-    _q.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(contraction_local_p, _reference_lowering)
-mlir.register_lowering(contraction_local_p, _cuda_lowering, platform="cuda")
-mlir.register_lowering(contraction_p, primitives._partitioned_lowering(
-    contraction_local_p, sharding.contraction_partitioned(contraction_local_p.bind)))
-jax_dispatch.prim_requires_devices_during_lowering.add(contraction_p)
-batching.primitive_batchers[contraction_p] = _batch
+primitives.register(contraction_p, contraction_local_p, abstract_eval=_abstract_eval,
+                    reference_lowering=_reference_lowering, cuda_lowering=_cuda_lowering,
+                    batch_rule=primitives.fold_into_l_batch_rule(contraction_p),
+                    partitioned=sharding.contraction_partitioned)

@@ -177,11 +177,17 @@ def _fold_into_leading(args, dims, size):
     return [x.reshape(size * x.shape[1], *x.shape[2:]) for x in fronted]
 
 
-def _gemm_amax_batch(args, dims, **params):
-    """vmap folds the mapped axis into L: (B, L, ...) -> (B*L, ...); each example keeps its own amax."""
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not _NOT_MAPPED)
-    c, amax = gemm_amax_p.bind(*_fold_into_leading(args, dims, size), **params)
-    return (c.reshape(size, -1, *c.shape[1:]), amax.reshape(size, -1)), (0, 0)
+def fold_into_l_batch_rule(p):
+    """The batching rule of a primitive `p` whose operands and results (c, amax) all lead with L: vmap folds the
+    mapped axis into L, (B, L, ...) -> (B*L, ...) (an unmapped operand is broadcast); each example keeps its own
+    amax."""
+
+    def rule(args, dims, **params):
+        size = next(x.shape[d] for x, d in zip(args, dims) if d is not _NOT_MAPPED)
+        c, amax = p.bind(*_fold_into_leading(args, dims, size), **params)
+        return (c.reshape(size, -1, *c.shape[1:]), amax.reshape(size, -1)), (0, 0)
+
+    return rule
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -317,18 +323,24 @@ def _partitioned_lowering(local_p, partitioned):
 # Registration.
 # --------------------------------------------------------------------------------------------------------------
 
-for _p, _local_p, _abstract, _reference_lowering, _cuda_lowering, _batch, _partitioned in (
-        (gemm_amax_p, gemm_amax_local_p, _gemm_amax_abstract_eval, _gemm_amax_reference_lowering,
-         _gemm_amax_cuda_lowering, _gemm_amax_batch, sharding.gemm_amax_partitioned),
-        (proj_rope_p, proj_rope_local_p, _proj_rope_abstract_eval, _proj_rope_reference_lowering,
-         _proj_rope_cuda_lowering, _proj_rope_batch, sharding.proj_rope_partitioned)):
-    for _q in (_p, _local_p):
-        _q.multiple_results = True
-        _q.def_impl(functools.partial(jax_dispatch.apply_primitive, _q))
-        _q.def_abstract_eval(_abstract)
-    mlir.register_lowering(_local_p, _reference_lowering)
-    mlir.register_lowering(_local_p, _cuda_lowering, platform="cuda")
-    mlir.register_lowering(_p, _partitioned_lowering(_local_p, _partitioned(_local_p.bind)))
-    jax_dispatch.prim_requires_devices_during_lowering.add(_p)  # its lowering needs the device assignment
-    batching.primitive_batchers[_p] = _batch
+def register(p, local_p, *, abstract_eval, reference_lowering, cuda_lowering, batch_rule, partitioned) -> None:
+    """Registers an operation's pair of primitives: `local_p` (what one device runs: the reference, and on CUDA the
+    kernel hook) and `p` (lowered through the partitioning rules `partitioned` of sharding.py, batched by
+    `batch_rule`). Both return several results."""
+    for q in (p, local_p):
+        q.multiple_results = True
+        q.def_impl(functools.partial(jax_dispatch.apply_primitive, q))
+        q.def_abstract_eval(abstract_eval)
+    mlir.register_lowering(local_p, reference_lowering)
+    mlir.register_lowering(local_p, cuda_lowering, platform="cuda")
+    mlir.register_lowering(p, _partitioned_lowering(local_p, partitioned(local_p.bind)))
+    jax_dispatch.prim_requires_devices_during_lowering.add(p)  # its lowering needs the device assignment
+    batching.primitive_batchers[p] = batch_rule
 
+
+register(gemm_amax_p, gemm_amax_local_p, abstract_eval=_gemm_amax_abstract_eval,
+         reference_lowering=_gemm_amax_reference_lowering, cuda_lowering=_gemm_amax_cuda_lowering,
+         batch_rule=fold_into_l_batch_rule(gemm_amax_p), partitioned=sharding.gemm_amax_partitioned)
+register(proj_rope_p, proj_rope_local_p, abstract_eval=_proj_rope_abstract_eval,
+         reference_lowering=_proj_rope_reference_lowering, cuda_lowering=_proj_rope_cuda_lowering,
+         batch_rule=_proj_rope_batch, partitioned=sharding.proj_rope_partitioned)

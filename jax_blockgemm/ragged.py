@@ -32,9 +32,8 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import dispatch as jax_dispatch
 from jax.extend import core as jex_core
-from jax.interpreters import batching, mlir
+from jax.interpreters import mlir
 
 from jax_blockgemm import formats, primitives, reference, sharding, support
 
@@ -368,20 +367,6 @@ def _cuda_lowering(ctx, *args, **params):
     return _reference_lowering(ctx, *args, **params)
 
 
-def _batch(args, dims, **params):
-    """vmap folds into L (an unmapped operand, e.g. the weights under vmap over tokens, is broadcast)."""
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not primitives._NOT_MAPPED)
-    c, amax = ragged_p.bind(*primitives._fold_into_leading(args, dims, size), **params)
-    return (c.reshape(size, -1, *c.shape[1:]), amax.reshape(size, -1)), (0, 0)
-
-
-for _q in (ragged_p, ragged_local_p):
-    _q.multiple_results = True
-    _q.def_impl(functools.partial(jax_dispatch.apply_primitive, _q))
-    _q.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(ragged_local_p, _reference_lowering)
-mlir.register_lowering(ragged_local_p, _cuda_lowering, platform="cuda")
-mlir.register_lowering(ragged_p, primitives._partitioned_lowering(
-    ragged_local_p, sharding.ragged_partitioned(ragged_local_p.bind)))
-jax_dispatch.prim_requires_devices_during_lowering.add(ragged_p)
-batching.primitive_batchers[ragged_p] = _batch
+primitives.register(ragged_p, ragged_local_p, abstract_eval=_abstract_eval,
+                    reference_lowering=_reference_lowering, cuda_lowering=_cuda_lowering,
+                    batch_rule=primitives.fold_into_l_batch_rule(ragged_p), partitioned=sharding.ragged_partitioned)

@@ -25,10 +25,9 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import dispatch as jax_dispatch
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex_core
-from jax.interpreters import batching, mlir
+from jax.interpreters import mlir
 
 from jax_blockgemm import formats, primitives, reference, sharding, support
 
@@ -324,13 +323,6 @@ def _batch(args, dims, **params):
     return [y.reshape(size, -1, *y.shape[1:])], [0]
 
 
-for _q in (weight_only_p, weight_only_local_p):
-    _q.multiple_results = True
-    _q.def_impl(functools.partial(jax_dispatch.apply_primitive, _q))
-    _q.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(weight_only_local_p, _reference_lowering)
-mlir.register_lowering(weight_only_local_p, _cuda_lowering, platform="cuda")
-mlir.register_lowering(weight_only_p, primitives._partitioned_lowering(
-    weight_only_local_p, sharding.weight_only_partitioned(weight_only_local_p.bind)))
-jax_dispatch.prim_requires_devices_during_lowering.add(weight_only_p)
-batching.primitive_batchers[weight_only_p] = _batch
+primitives.register(weight_only_p, weight_only_local_p, abstract_eval=_abstract_eval,
+                    reference_lowering=_reference_lowering, cuda_lowering=_cuda_lowering, batch_rule=_batch,
+                    partitioned=sharding.weight_only_partitioned)
