@@ -50,6 +50,7 @@ CTAS_PER_SM_X_AHEAD = 2  # CTAs per SM (splitting its shared memory and register
 # loaded ahead (x_ahead: few registers); the 64-token tile needs its registers and runs one CTA per SM
 X_STAGES = 2  # register stages of activations: the chunk being multiplied and X_STAGES - 1 loaded ahead
 X_AHEAD_MAX_TILES = 2  # token tiles whose activations are loaded ahead (more would cost too many registers)
+X_AHEAD_MAX_WORDS = 16  # and at most this many registers per stage: FP4's second tile (16 words) loads where used
 _W_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,
              "float4_e2m1fn": cutlass.Uint8}
 _C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -57,6 +58,7 @@ _SCALINGS = {(32, "float8_e8m0fnu"), (16, "float8_e4m3fn")}
 _NEG_ZERO_X2 = -0x7FFF8000  # bf16x2 -0 (0x80008000): x·s + (-0) == x·s
 BF16X2_TWO_POW_120 = 0x7B807B80  # 2^120 in both halves (biased exponent 247)
 _HIGH_BITS = -0x7F7F7F80  # 0x80808080: bit 7 of every byte
+_SIGN_BITS_X2 = -0x7FFF8000  # 0x80008000: bit 15 of both halves
 
 
 @dsl_user_op
@@ -85,6 +87,13 @@ def fp8x4_scaled_bf16(word, scale, e5m2: bool, *, loc=None, ip=None) -> list:
               "mul.rn.f32 f0, f0, $3; mul.rn.f32 f1, f1, $3; mul.rn.f32 f2, f2, $3; mul.rn.f32 f3, f3, $3; "
               "cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }", "=r,=r,r,f", False, loc, ip)
     return words(out, 2, loc, ip)
+
+
+def e8m0_bf16x2(byte):
+    """An E8M0 scale byte as a pair of equal bf16 values 2^(b-127): b·0x00800080 puts b in both exponent fields;
+    byte 0 (2^-127) becomes the subnormal 0x0040 and byte 255 the NaN 0x7FC0 by setting bit 6 of both halves."""
+    special = (((byte + 1) & 0xFE) - 1) >> 31  # -1 for bytes 0 and 255, else 0 (arithmetic shift)
+    return byte * 0x00800080 | (special & 0x00400040)
 
 
 @dsl_user_op
@@ -134,6 +143,8 @@ class WeightStreamGemm:
         self.x_words = self.lane_codes // 2  # bf16x2 words of one token's activations per lane and chunk
         # with few tokens the activations are loaded a chunk ahead in registers; with many, where they are used
         self.x_ahead = self.token_tiles <= X_AHEAD_MAX_TILES
+        # token tiles whose activations load a chunk ahead (the others load where they are used)
+        self.x_ahead_tiles = min(self.token_tiles, X_AHEAD_MAX_WORDS // self.x_words) if self.x_ahead else 0
         # one warp's share of a ring stage: 16 bytes of codes per lane and row slot, a 4-byte word per scale byte
         self.codes_bytes = 32 * LANE_BYTES * 2 * self.row_tiles
         self.warp_stage_bytes = self.codes_bytes + 32 * 4 * 2 * self.row_tiles * self.lane_scales
@@ -173,7 +184,8 @@ class WeightStreamGemm:
     # ------------------------------------------------------------------------------------------- device helpers
     def _scale_row_parts(self, batch, row0, group, n, kb_count, sf_atom):
         """Per row slot, the part of its scale bytes' offset that depends on the row (and batch) only: compact
-        row-major, or SPEC §3's atom form; `_scale_at` adds the block's part. Rows past N are clamped to N - 1."""
+        row-major, or SPEC §3's atom form; `_scale_block_part` gives the block's part. Rows past N are clamped to
+        N - 1."""
         atom_rows = (n + common.ATOM_MN - 1) // common.ATOM_MN
         atom_kbs = (kb_count + common.ATOM_KB - 1) // common.ATOM_KB
         parts = cute.make_rmem_tensor((2 * self.row_tiles,), cutlass.Int32)
@@ -185,76 +197,89 @@ class WeightStreamGemm:
             parts[r] = cutlass.select_(sf_atom != 0, atom, compact)
         return parts
 
-    def _scale_at(self, row_part, kb, kb_count, sf_atom):
-        """Byte offset of the scale of block kb (clamped to the last) in the row whose part is `row_part`."""
-        kb = cutlass.min(kb, kb_count - 1)
-        atom = (kb // common.ATOM_KB) * common.ATOM_BYTES + kb % common.ATOM_KB
-        return row_part + cutlass.select_(sf_atom != 0, atom, kb)
-
     def _slot_addresses(self, ring0, warp, lane, stage) -> tuple:
         """Shared addresses of this lane's codes (row slot 0; slots 32·16 bytes apart) and scale words (slot 0; 32·4
         bytes apart) in ring stage `stage`: lane-contiguous, so the reads are free of bank conflicts."""
         base = ring0 + (stage * WARPS + warp) * self.warp_stage_bytes
         return base + lane * LANE_BYTES, base + self.codes_bytes + lane * 4
 
-    def _issue_chunk(self, ring0, stage, w, sw, row_parts, batch, row0, warp, lane, chunk_index, live, n, k,
-                     kb_count, sf_atom, sw_bytes):
-        """Start this lane's asynchronous copies of one chunk into ring stage `stage`: 16 bytes of codes per row slot
-        and the 4-byte words holding its scale bytes, zero-filled where the row, the chunk or the lane's codes lie
-        past N or K (a zero code times any finite scale adds nothing)."""
-        group, quad = lane // 4, lane % 4
-        first_code = chunk_index * self.chunk + quad * self.lane_codes
-        in_k = live & (first_code < k)
+    def _code_rows(self, batch, row0, group, n, k) -> cute.Tensor:
+        """Per row slot, the byte offset of its row of codes in w (rows past N clamped to N - 1): loop-invariant, so
+        a chunk's copy addresses are one add each."""
         row_bytes = k // 2 if cutlass.const_expr(self.fp4) else k
+        rows = cute.make_rmem_tensor((2 * self.row_tiles,), cutlass.Int32)
+        for r in range(2 * self.row_tiles):
+            rows[r] = (batch * n + cutlass.min(row0 + 16 * (r // 2) + group + 8 * (r % 2), n - 1)) * row_bytes
+        return rows
+
+    def _first_code(self, lane, chunk_index):
+        """The first of this lane's codes in chunk `chunk_index` (the quad's lanes take lane_codes codes each)."""
+        return chunk_index * self.chunk + (lane % 4) * self.lane_codes
+
+    def _scale_block_part(self, first_code, s: int, in_k, sf_atom):
+        """The block's part of the scale offset of this lane's block s in a chunk (row parts add the rest): block
+        first_code / sf_vec_size + s, in compact or atom form; 0 (the row's first block) where the codes lie past K."""
+        kb = first_code // self.sf_vec_size + s
+        atom = (kb // common.ATOM_KB) * common.ATOM_BYTES + kb % common.ATOM_KB
+        return cutlass.select_(in_k, cutlass.select_(sf_atom != 0, atom, kb), 0)
+
+    def _issue_chunk(self, ring0, stage, w, sw, code_rows, row_parts, warp, lane, chunk_index, live, k, sf_atom,
+                     sw_bytes):
+        """Start this lane's asynchronous copies of one chunk into ring stage `stage`: 16 bytes of codes per row slot
+        and the 4-byte words holding its scale bytes, zero-filled where the chunk or the lane's codes lie past K (a
+        zero code times any finite scale adds nothing; such copies read nothing and point at the row's start)."""
+        first_code = self._first_code(lane, chunk_index)
+        in_k = live & (first_code < k)
+        code_part = cutlass.select_(in_k, first_code // (2 if self.fp4 else 1), 0)
+        size = cutlass.select_(in_k, 16, 0)
+        block_parts = [self._scale_block_part(first_code, s, in_k, sf_atom) for s in range(self.lane_scales)]
         codes_at, scales_at = self._slot_addresses(ring0, warp, lane, stage)
         w0, sw0 = w.iterator.toint(), sw.iterator.toint()
         for r in range(2 * self.row_tiles):
-            row = row0 + 16 * (r // 2) + group + 8 * (r % 2)
-            ok = in_k & (row < n)
-            offset = (cutlass.Int64(batch) * n + cutlass.min(row, n - 1)) * row_bytes + (
-                cutlass.min(first_code, k - self.lane_codes) // (2 if self.fp4 else 1))
-            cp_async_16(codes_at + r * (32 * LANE_BYTES), w0 + offset, cutlass.select_(ok, 16, 0))
+            cp_async_16(codes_at + r * (32 * LANE_BYTES), w0 + cutlass.Int64(code_rows[r] + code_part), size)
             for s in range(self.lane_scales):
-                at = self._scale_at(row_parts[r], first_code // self.sf_vec_size + s, kb_count, sf_atom)
-                word = at - at % 4
-                size = cutlass.select_(ok, cutlass.min(sw_bytes - word, 4), 0)
-                cp_async_4(scales_at + (self.lane_scales * r + s) * (32 * 4), sw0 + cutlass.Int64(word), size)
+                word = (row_parts[r] + block_parts[s]) & -4
+                scale_size = cutlass.select_(in_k, cutlass.min(sw_bytes - word, 4), 0)
+                cp_async_4(scales_at + (self.lane_scales * r + s) * (32 * 4), sw0 + cutlass.Int64(word), scale_size)
 
-    def _read_chunk(self, ring0, stage, row_parts, warp, lane, chunk_index, kb_count, sf_atom) -> tuple:
+    def _read_chunk(self, ring0, stage, row_parts, warp, lane, chunk_index, k, sf_atom) -> tuple:
         """This lane's codes (four words per row slot) and scale bytes (one per row slot and block) of the chunk in
         ring stage `stage`, once its copies have landed."""
-        quad = lane % 4
-        first_code = chunk_index * self.chunk + quad * self.lane_codes
+        first_code = self._first_code(lane, chunk_index)
+        in_k = first_code < k
+        block_parts = [self._scale_block_part(first_code, s, in_k, sf_atom) for s in range(self.lane_scales)]
         codes_at, scales_at = self._slot_addresses(ring0, warp, lane, stage)
         codes, scales = [], []
         for r in range(2 * self.row_tiles):
             codes += ld_shared_v4(codes_at + r * (32 * LANE_BYTES))
             for s in range(self.lane_scales):
-                at = self._scale_at(row_parts[r], first_code // self.sf_vec_size + s, kb_count, sf_atom)
                 word = ld_shared_u32(scales_at + (self.lane_scales * r + s) * (32 * 4))
-                scales.append((word >> ((at % 4) * 8)) & 0xFF)
+                scales.append((word >> (((row_parts[r] + block_parts[s]) & 3) * 8)) & 0xFF)
         return codes, scales
 
-    def _load_x_into(self, dst, x, batch, lane, chunk_index, live, m, k) -> None:
-        """`_load_x` into the register tensor `dst`."""
-        words = self._load_x(x, batch, lane, chunk_index, m, k, live)
-        for e in range(len(words)):
-            dst[e] = words[e]
+    def _x_row(self, x, batch, group, m, k, j: int):
+        """The address of this lane's token row of x in token tile j (tokens past M clamped to M - 1)."""
+        return x.iterator.toint() + (cutlass.Int64(batch) * m + cutlass.min(8 * j + group, m - 1)) * k * 2
 
-    def _load_x(self, x, batch, lane, chunk_index, m, k, live=None) -> list:
-        """The raw activation words of this lane's tokens (one per token tile) at its codes of a chunk, zeros past M
-        or K (or where `live` is false)."""
-        group, quad = lane // 4, lane % 4
-        first_code = chunk_index * self.chunk + quad * self.lane_codes
-        in_k = first_code < k
-        if cutlass.const_expr(live is not None):
-            in_k = live & in_k
-        words = []
-        for j in range(self.token_tiles):
-            token = 8 * j + group
-            words += self._x_load(x, batch, cutlass.min(token, m - 1), cutlass.min(first_code, k - self.lane_codes),
-                                  (in_k & (token < m)).to(cutlass.Int32), m, k)
-        return words
+    def _x_tile(self, x_row, lane, chunk_index, live, token_ok, k) -> list:
+        """The raw bf16x2 words (x_words) of one token tile's activations at this lane's codes of a chunk, from the
+        token row at `x_row`; zeros past M or K, or where `live` is false."""
+        first_code = self._first_code(lane, chunk_index)
+        ok = (live & token_ok & (first_code < k)).to(cutlass.Int32)
+        base = x_row + cutlass.min(first_code, k - self.lane_codes) * 2
+        return [wd for i in range(self.x_words // 4) for wd in load_v4(base + 16 * i, ok)]
+
+    def _fill_x(self, stage, j: int, words: list) -> None:
+        """Token tile j's activation words into the register stage `stage`."""
+        for e in range(self.x_words):
+            stage[j * self.x_words + e] = words[e]
+
+    def _chunk_x(self, x_stages, r: int, x, batch, lane, chunk_index, group, m, k, j: int) -> list:
+        """Token tile j's activation words of the chunk being multiplied: from register stage r where they were
+        loaded ahead, else loaded now."""
+        if cutlass.const_expr(j < self.x_ahead_tiles):
+            return [x_stages[r][j * self.x_words + e] for e in range(self.x_words)]
+        return self._x_tile(self._x_row(x, batch, group, m, k, j), lane, chunk_index, True, 8 * j + group < m, k)
 
     def _operand_words(self, codes, scales, r: int):
         """bf16x2 words code·scale of row slot r (2·steps words, two per mma step, the k order of `_x_pairs`)."""
@@ -270,11 +295,7 @@ class WeightStreamGemm:
         two126 = cutlass.Int32(common.BF16X2_TWO_POW_126)
         for i in range(4):  # word i holds codes 8i..8i+7 (lane-relative); NVFP4: words 0, 1 and 2, 3 per block
             byte = scales[self.lane_scales * r + (i // 2 if self.lane_scales == 2 else 0)]
-            if cutlass.const_expr(self.sf_e4m3):
-                scale = common.e4m3_scale_bf16x2(byte)
-            else:
-                scale = common.e8m0_bits(byte)
-                scale = scale | ((scale >> 16) & 0xFFFF)
+            scale = common.e4m3_scale_bf16x2(byte) if cutlass.const_expr(self.sf_e4m3) else e8m0_bf16x2(byte)
             for p in range(4):  # pair p: codes 8i+p (low half) and 8i+p+4 (high half)
                 bits = common.e2m1_pair_bits(codes[4 * r + i], p)
                 bits = cute.arch.fma_packed_bf16x2(bits, two126, neg_zero)
@@ -295,23 +316,16 @@ class WeightStreamGemm:
         nan_bytes = cutlass.Int32(0)
         for i in range(4):
             nan_bytes = nan_bytes | (((codes[4 * r + i] & 0x7F7F7F7F) + 0x01010101) & _HIGH_BITS)
-        scale = common.e8m0_bits(byte)
-        scale = scale | ((scale >> 16) & 0xFFFF)
-        scale = cutlass.select_(nan_bytes != 0, cutlass.Int32(common.E4M3_NAN_BF16X2), scale)
+        scale = cutlass.select_(nan_bytes != 0, cutlass.Int32(common.E4M3_NAN_BF16X2), e8m0_bf16x2(byte))
         out = []
         for i in range(4):
             word = codes[4 * r + i]
-            for pair in (word & 0x00FF00FF, (word >> 8) & 0x00FF00FF):  # codes (0, 2), then (1, 3)
-                bits = ((pair & 0x007F007F) << 4) | ((pair & 0x00800080) << 8)
+            low = ((word << 4) & 0x07F007F0) | ((word << 8) & _SIGN_BITS_X2)  # codes 0, 2: bytes 0, 2
+            high = ((word >> 4) & 0x07F007F0) | (word & _SIGN_BITS_X2)  # codes 1, 3: bytes 1, 3
+            for bits in (low, high):
                 bits = cute.arch.fma_packed_bf16x2(bits, two120, neg_zero)
                 out.append(cute.arch.fma_packed_bf16x2(bits, scale, neg_zero))
         return out
-
-    def _x_load(self, x, batch, token, first_code, ok, m, k) -> list:
-        """The raw bf16x2 words of token `token`'s activations at the lane's codes of a chunk (x_words of them)."""
-        offset = ((cutlass.Int64(batch) * m + token) * k + first_code) * 2
-        base = x.iterator.toint() + offset
-        return [wd for i in range(self.x_words // 4) for wd in load_v4(base + 16 * i, ok)]
 
     def _x_pairs(self, v: list) -> list:
         """Raw activation words in `_operand_words`' k order: as loaded for E5M2; for E4M3 the pairs (4i, 4i+2),
@@ -330,21 +344,19 @@ class WeightStreamGemm:
                     byte_perm(b, d, 0x7632)]
         return out
 
-    def _multiply_chunk(self, acc, codes, scales, x_raw, x, batch, lane, chunk_index, m, k):
-        """acc += the products of one chunk (a fresh fp32 partial per chunk and tile, added to acc): its codes and
-        scales as read from the ring, its activations `x_raw` as loaded ahead, or (None) loaded here."""
-        if cutlass.const_expr(x_raw is None):
-            x_raw = self._load_x(x, batch, lane, chunk_index, m, k)
-        xs = [self._x_pairs(x_raw[j * self.x_words:(j + 1) * self.x_words]) for j in range(self.token_tiles)]
-        for t in range(self.row_tiles):
-            lo, hi = self._operand_words(codes, scales, 2 * t), self._operand_words(codes, scales, 2 * t + 1)
-            for j in range(self.token_tiles):
-                part = [cutlass.Float32(0.0)] * 4
-                for s in range(self.steps):
-                    a = [lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1]]
-                    part = mma_bf16_m16n8k16(a, [xs[j][2 * s], xs[j][2 * s + 1]], part)
-                for v in range(4):
-                    acc[(t * self.token_tiles + j) * 4 + v] = acc[(t * self.token_tiles + j) * 4 + v] + part[v]
+    def _row_operands(self, codes, scales, t: int) -> list:
+        """Row tile t's A words of one chunk (four per mma step): its codes times their scales in bf16."""
+        lo, hi = self._operand_words(codes, scales, 2 * t), self._operand_words(codes, scales, 2 * t + 1)
+        return [[lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1]] for s in range(self.steps)]
+
+    def _multiply_tile(self, acc, operands, xs, t: int, j: int) -> None:
+        """acc += one chunk's products of row tile t and token tile j (activation pairs `xs`), through a fresh
+        fp32 partial."""
+        part = [cutlass.Float32(0.0)] * 4
+        for s in range(self.steps):
+            part = mma_bf16_m16n8k16(operands[s], [xs[2 * s], xs[2 * s + 1]], part)
+        for v in range(4):
+            acc[(t * self.token_tiles + j) * 4 + v] = acc[(t * self.token_tiles + j) * 4 + v] + part[v]
 
     # ------------------------------------------------------------------------------------------------ kernel
     @cute.kernel
@@ -368,40 +380,64 @@ class WeightStreamGemm:
         sw_bytes = l * cutlass.select_(sf_atom != 0, atom_bytes, n * kb_count)  # to zero-fill past the last word
         chunks = (k + self.chunk - 1) // self.chunk
         mine = (chunks - warp + WARPS - 1) // WARPS  # chunks warp, warp + WARPS, ... below `chunks`
-        row_parts = self._scale_row_parts(batch, row0, lane // 4, n, kb_count, sf_atom)
+        group = lane // 4
+        row_parts = self._scale_row_parts(batch, row0, group, n, kb_count, sf_atom)
+        code_rows = self._code_rows(batch, row0, group, n, k)
 
         acc = cute.make_rmem_tensor((self.row_tiles * self.token_tiles * 4,), cutlass.Float32)
         acc.fill(0.0)
         # mainloop: codes and scales in a shared-memory ring of `stages` per warp (stages - 1 chunks in flight while
         # one is multiplied), one commit group per chunk even when empty; with few tokens the activations X_STAGES - 1
-        # chunks ahead in X_STAGES register stages
+        # chunks ahead in X_STAGES register stages. Token tiles past M (all but the first) are skipped.
         for r in cutlass.range_constexpr(self.stages - 1):
-            self._issue_chunk(ring0, r, w, sw, row_parts, batch, row0, warp, lane, warp + WARPS * r, r < mine, n, k,
-                              kb_count, sf_atom, sw_bytes)
+            self._issue_chunk(ring0, r, w, sw, code_rows, row_parts, warp, lane, warp + WARPS * r, r < mine, k,
+                              sf_atom, sw_bytes)
             cp_async_commit()
-        x_stages = [cute.make_rmem_tensor((self.token_tiles * self.x_words,), cutlass.Int32)
+        x_stages = [cute.make_rmem_tensor((self.x_ahead_tiles * self.x_words,), cutlass.Int32)
                     for _ in range(X_STAGES)] if cutlass.const_expr(self.x_ahead) else None
         if cutlass.const_expr(self.x_ahead):
             for r in cutlass.range_constexpr(X_STAGES - 1):
-                self._load_x_into(x_stages[r], x, batch, lane, warp + WARPS * r, r < mine, m, k)
+                for j in cutlass.range_constexpr(self.x_ahead_tiles):
+                    self._fill_x(x_stages[r], j, self._x_tile(self._x_row(x, batch, group, m, k, j), lane,
+                                                              warp + WARPS * r, r < mine, 8 * j + group < m, k))
         for i in cutlass.range(0, mine, X_STAGES, unroll=1):
             for r in cutlass.range_constexpr(X_STAGES):
                 index = i + r
                 ahead = index + self.stages - 1
-                self._issue_chunk(ring0, ahead % self.stages, w, sw, row_parts, batch, row0, warp, lane,
-                                  warp + WARPS * ahead, ahead < mine, n, k, kb_count, sf_atom, sw_bytes)
+                self._issue_chunk(ring0, ahead % self.stages, w, sw, code_rows, row_parts, warp, lane,
+                                  warp + WARPS * ahead, ahead < mine, k, sf_atom, sw_bytes)
                 cp_async_commit()
-                x_now = None
                 if cutlass.const_expr(self.x_ahead):
                     x_index = index + X_STAGES - 1  # the chunk whose activations load now
-                    self._load_x_into(x_stages[(r + X_STAGES - 1) % X_STAGES], x, batch, lane,
-                                      warp + WARPS * x_index, x_index < mine, m, k)
-                    x_now = [x_stages[r][e] for e in range(self.token_tiles * self.x_words)]
+                    x_next = x_stages[(r + X_STAGES - 1) % X_STAGES]
+                    x_row = self._x_row(x, batch, group, m, k, 0)
+                    self._fill_x(x_next, 0, self._x_tile(x_row, lane, warp + WARPS * x_index, x_index < mine, group < m,
+                                                         k))
+                    for j in cutlass.range_constexpr(1, self.x_ahead_tiles):
+                        if 8 * j < m:
+                            x_row = self._x_row(x, batch, group, m, k, j)
+                            self._fill_x(x_next, j, self._x_tile(x_row, lane, warp + WARPS * x_index, x_index < mine,
+                                                                 8 * j + group < m, k))
                 cp_async_wait(self.stages - 1)
                 if index < mine:
-                    codes, scales = self._read_chunk(ring0, index % self.stages, row_parts, warp, lane,
-                                                     warp + WARPS * index, kb_count, sf_atom)
-                    self._multiply_chunk(acc, codes, scales, x_now, x, batch, lane, warp + WARPS * index, m, k)
+                    chunk_index = warp + WARPS * index
+                    codes, scales = self._read_chunk(ring0, index % self.stages, row_parts, warp, lane, chunk_index, k,
+                                                     sf_atom)
+                    # the activation pairs of every token tile at hand now: tiles loaded ahead, and with many tokens
+                    # all tiles at once (their loads in flight together); the others load where they are used
+                    x_pairs = [self._x_pairs(self._chunk_x(x_stages, r, x, batch, lane, chunk_index, group, m, k, j))
+                               if j < self.x_ahead_tiles or not self.x_ahead else None
+                               for j in range(self.token_tiles)]
+                    for t in cutlass.range_constexpr(self.row_tiles):  # one row tile's operands live at a time
+                        operands = self._row_operands(codes, scales, t)
+                        self._multiply_tile(acc, operands, x_pairs[0], t, 0)
+                        for j in cutlass.range_constexpr(1, self.token_tiles):
+                            if 8 * j < m:
+                                xs = x_pairs[j]
+                                if cutlass.const_expr(xs is None):
+                                    xs = self._x_pairs(self._chunk_x(x_stages, r, x, batch, lane, chunk_index, group,
+                                                                     m, k, j))
+                                self._multiply_tile(acc, operands, xs, t, j)
         cp_async_wait(0)
         cute.arch.sync_threads()  # every warp is done with the ring: the partial tiles may take its bytes
 
