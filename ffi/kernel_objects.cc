@@ -343,7 +343,8 @@ ffi::Error DeviceFunction(const KernelObjects& state, int32_t device, std::strin
 
 ffi::Error ZeroAmaxAndPoisonC(const KernelObjects& state, std::string_view target, const CudaDriver& driver,
                               CUstream stream, void* amax, size_t batches, void* c, size_t c_bytes) {
-  if (CUresult r = driver.cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(amax), 0u, batches, stream);
+  if (CUresult r = amax == nullptr ? kCudaSuccess
+                                   : driver.cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(amax), 0u, batches, stream);
       r != kCudaSuccess) {
     return ffi::Error::Internal(std::string(target) + ": zeroing amax failed: " + driver.ErrorName(r));
   }

@@ -136,8 +136,8 @@ XLA_FFI_TypeInfo* KernelObjectsTypeInfo();
 // The function loaded for `device`, or an error naming the device, its compute capability and the archs carried.
 xla::ffi::Error DeviceFunction(const KernelObjects& state, int32_t device, std::string_view target, DslFunction** fn);
 // Before a kernel that folds |C| into amax by an integer atomic max: zeroes the `batches` float32 amax values on
-// `stream`, and with `state.poison_outputs` fills C's `c_bytes` with 0xFF (NaN in float32, bfloat16 and float16),
-// so that an element the kernel leaves unwritten fails the caller's check.
+// `stream` (unless `amax` is null: a caller that drops amax), and with `state.poison_outputs` fills C's `c_bytes`
+// with 0xFF (NaN in float32, bfloat16 and float16), so that an element the kernel leaves unwritten fails the check.
 xla::ffi::Error ZeroAmaxAndPoisonC(const KernelObjects& state, std::string_view target, const CudaDriver& driver,
                                    CUstream stream, void* amax, size_t batches, void* c, size_t c_bytes);
 // Runs `fn` on `args` (pointers to each argument; the last one is `ret`, the kernel's CUDA status slot).

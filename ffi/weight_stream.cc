@@ -126,7 +126,7 @@ using StateOr = ffi::ErrorOr<std::unique_ptr<KernelObjects>>;
 // Bytes per element of the C dtypes the objects write.
 StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span<const uint8_t> objects,
                     ffi::Span<const int64_t> offsets, std::string_view w_dtype, std::string_view c_dtype,
-                    std::string_view sf_dtype, int64_t sf_vec_size, int64_t max_m) {
+                    std::string_view sf_dtype, int64_t sf_vec_size, int64_t max_m, int64_t) {
   KernelDtypes dtypes{};
   if (std::string why = ParseWeightStreamAttributes(w_dtype, c_dtype, sf_dtype, sf_vec_size, max_m, &dtypes);
       !why.empty()) {
@@ -142,7 +142,7 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
                    ffi::AnyBuffer sw, ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> c,
                    ffi::Result<ffi::AnyBuffer> amax, std::string_view, std::string_view, ffi::Span<const uint8_t>,
                    ffi::Span<const int64_t>, std::string_view, std::string_view, std::string_view, int64_t,
-                   int64_t max_m) {
+                   int64_t max_m, int64_t zero_amax) {
   DslFunction* fn = nullptr;
   if (ffi::Error e = DeviceFunction(*state, device, kWeightStreamTarget, &fn); e.failure()) return e;
   const BufferDesc buffers[6] = {ToBufferDesc(x),  ToBufferDesc(w),     ToBufferDesc(sw),
@@ -155,9 +155,11 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   const CudaDriver* driver = GetCudaDriver(&error);  // loaded at instantiation; a pointer read here
   if (driver == nullptr) return ffi::Error::Internal(std::string(kWeightStreamTarget) + ": " + error);
   ScopedStreamContext context(*driver, stream);
-  // amax is an integer atomic max over the bits of |C|: it starts from +0.0, on XLA's stream, before the kernel.
+  // amax is an integer atomic max over the bits of |C|: it starts from +0.0, on XLA's stream, before the kernel;
+  // a caller that drops amax (zero_amax 0: weight_only_matmul) leaves it unzeroed and its value undefined.
   const size_t c_bytes = static_cast<size_t>(ElementCount(buffers[3])) * ElementBytes(buffers[3].dtype);
-  if (ffi::Error e = ZeroAmaxAndPoisonC(*state, kWeightStreamTarget, *driver, stream, amax->untyped_data(),
+  void* amax_to_zero = zero_amax != 0 ? amax->untyped_data() : nullptr;
+  if (ffi::Error e = ZeroAmaxAndPoisonC(*state, kWeightStreamTarget, *driver, stream, amax_to_zero,
                                         static_cast<size_t>(dims.l), c->untyped_data(), c_bytes);
       e.failure()) {
     return e;
@@ -180,7 +182,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgWeightStreamInstantiate, jbg::Instantiate,
                                   .Attr<std::string_view>("c_dtype")
                                   .Attr<std::string_view>("sf_dtype")
                                   .Attr<int64_t>("sf_vec_size")
-                                  .Attr<int64_t>("max_m"),
+                                  .Attr<int64_t>("max_m")
+                                  .Attr<int64_t>("zero_amax"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgWeightStreamExecute, jbg::Execute,
@@ -198,5 +201,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgWeightStreamExecute, jbg::Execute,
                                   .Attr<std::string_view>("c_dtype")
                                   .Attr<std::string_view>("sf_dtype")
                                   .Attr<int64_t>("sf_vec_size")
-                                  .Attr<int64_t>("max_m"),
+                                  .Attr<int64_t>("max_m")
+                                  .Attr<int64_t>("zero_amax"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -197,10 +197,10 @@ def emit_dequantize(ctx: Any, operands: Sequence[tuple[Any, Any]], *, avals: Seq
 
 
 def weight_stream_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, w_dtype: Any, c_dtype: Any,
-                             sf_dtype: str) -> dict[str, Any]:
+                             sf_dtype: str, zero_amax: bool = True) -> dict[str, Any]:
     """The jbg_weight_stream call's attributes for `variants` (one per arch, all compiled for the weight codes
     `w_dtype` (uint8: packed FP4), C dtype `c_dtype` and scales `sf_dtype`); max_m is the smallest row capacity among
-    them (tile_mn[1])."""
+    them (tile_mn[1]); zero_amax 0 tells the handler that the caller drops amax (no memset before the kernel)."""
     w_dtype, c_dtype = logical_dtype(w_dtype), str(np.dtype(c_dtype))
     for v in variants:
         if (v.ab_dtype, v.c_dtype, v.sf_dtype) != (w_dtype, c_dtype, sf_dtype):
@@ -210,16 +210,19 @@ def weight_stream_attributes(variants: Sequence[Any], objects: Sequence[bytes], 
     if len(block_sizes) != 1:
         raise ValueError(f"variants disagree on the scale block: {sorted(block_sizes)}")
     return dict(object_table_attributes(variants, objects), w_dtype=w_dtype, c_dtype=c_dtype, sf_dtype=sf_dtype,
-                sf_vec_size=np.int64(block_sizes.pop()), max_m=np.int64(min(v.tile_mn[1] for v in variants)))
+                sf_vec_size=np.int64(block_sizes.pop()), max_m=np.int64(min(v.tile_mn[1] for v in variants)),
+                zero_amax=np.int64(bool(zero_amax)))
 
 
-def emit_weight_stream(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variants: Sequence[Any]) -> list:
+def emit_weight_stream(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variants: Sequence[Any],
+                       amax_used: bool = True) -> list:
     """Emits the `jbg_weight_stream` custom call (the decode GEMM) for the lowering context `ctx`; returns [c, amax].
 
     x (L, M, K) bf16; w (L, N, K) codes or packed FP4 (L, N, K/2) uint8; sw the weight's scales, compact (L, N,
     ceil(K/v)) or the 128x4 atom (L, ceil(N/128), ceil(ceil(K/v)/4), 32, 4, 4), uint8 E8M0 bytes or float8_e4m3fn
     (NVFP4); alpha (L,) float32. Results from `ctx.avals_out`: c (L, M, N) in the variants' C dtype, amax (L,)
-    float32. `variants`: catalog entries, one per architecture, each taking at least M rows.
+    float32. `variants`: catalog entries, one per architecture, each taking at least M rows. amax_used=False (the
+    caller drops amax) spares the memset that zeroes it before the kernel: one stream operation less per call.
     """
     x_aval, w_aval, sw_aval, alpha_aval = ctx.avals_in
     c_aval, amax_aval = ctx.avals_out
@@ -242,7 +245,7 @@ def emit_weight_stream(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variant
     variants, objects = _objects(variants)
     sf_dtype = E8M0 if np.dtype(sw_aval.dtype) == np.uint8 else str(np.dtype(sw_aval.dtype))
     attributes = weight_stream_attributes(variants, objects, w_dtype=w_aval.dtype, c_dtype=c_aval.dtype,
-                                          sf_dtype=sf_dtype)
+                                          sf_dtype=sf_dtype, zero_amax=amax_used)
     return _emit(WEIGHT_STREAM_TARGET, ctx, (x, w, sw, alpha), attributes)
 
 

@@ -515,7 +515,8 @@ _XLA_PROBE = textwrap.dedent("""
         call = jax.ffi.ffi_call("jbg_weight_stream", out)
         f = jax.jit(lambda *x: call(*x, archs="sm_90a", function_prefixes="p90", objects=blob[:1000],
                                     offsets=np.array([0, 1000], np.int64), w_dtype=w_dtype, c_dtype="bfloat16",
-                                    sf_dtype="float8_e8m0fnu", sf_vec_size=np.int64(32), max_m=np.int64(max_m)))
+                                    sf_dtype="float8_e8m0fnu", sf_vec_size=np.int64(32), max_m=np.int64(max_m),
+                                    zero_amax=np.int64(1)))
         try:
             f(x, w, sw, alpha)
             print(name, "RAN")
