@@ -3,9 +3,9 @@
 // op "weight_stream").
 //
 // INSTANTIATE parses `w_dtype`, `c_dtype`, `sf_dtype`, `sf_vec_size` and `max_m` (what the objects were compiled
-// for) and loads the object table (kernel_objects.h). EXECUTE checks every buffer, zeroes amax on XLA's stream,
-// poisons C when asked (JAX_BLOCKGEMM_POISON_OUTPUTS) and runs the function; it never launches on sizes the kernel
-// cannot take.
+// for) and loads the object table (kernel_objects.h); `zero_amax` is read at execution. EXECUTE checks every buffer,
+// zeroes amax on XLA's stream unless `zero_amax` is 0 (a caller that drops amax), poisons C when asked
+// (JAX_BLOCKGEMM_POISON_OUTPUTS) and runs the function; it never launches on sizes the kernel cannot take.
 #ifndef JBG_FFI_WEIGHT_STREAM_H_
 #define JBG_FFI_WEIGHT_STREAM_H_
 

@@ -22,8 +22,9 @@ instantiates the program. Attributes:
   from the SM count and the clusters that fit at once).
 
 `jbg_weight_stream` (x, w, sw, alpha -> c, amax) carries the object table and `w_dtype`, `c_dtype`, `sf_dtype`,
-`sf_vec_size` (what its objects were compiled for, named as above) and `max_m` (int64: the most rows of x every
-object takes); sw's rank tells the handler its form (3: compact scales, 6: the 128x4 atom).
+`sf_vec_size` (what its objects were compiled for, named as above), `max_m` (int64: the most rows of x every
+object takes) and `zero_amax` (int64: 0 when the caller drops amax, so nothing zeroes it); sw's rank tells the handler
+its form (3: compact scales, 6: the 128x4 atom).
 
 `jbg_ragged_gemm_amax` (a, b, sfa, sfb, items, alpha -> c, amax) carries the object table and `ab_dtype`, `c_dtype`,
 `sf_dtype`, `sf_vec_size`, `b_major` as `jbg_gemm_amax` names them: b holds one weight per batch and group, (L, G, N,
