@@ -68,8 +68,8 @@ TABLE: tuple[ArchPolicy, ...] = (
         capability="10.0", target="sm_100a", verified=False,
         default={"gemm_amax": "reference", "proj_rope": "reference", "ragged": "reference"},
         proj_rope_tile=(128, 192), scaled_dot_min_size=0, decode_max_m={fmt: 0 for fmt in DECODE_FORMATS},
-        why="B200: our kernels compiled, never run here, so never the default; MXFP8 E4M3 GEMMs through XLA's "
-            "block-scaled dot (cuDNN on the FP8 tensor cores), unmeasured here"),
+        why="B200: our kernels (the ragged one too) compiled, never run here, so never the default; MXFP8 E4M3 "
+            "GEMMs through XLA's block-scaled dot (cuDNN on the FP8 tensor cores), unmeasured here"),
     ArchPolicy(
         capability="10.3", target=None, verified=False,
         default={"gemm_amax": "reference", "proj_rope": "reference", "ragged": "reference"},

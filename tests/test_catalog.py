@@ -136,7 +136,7 @@ class WeightStreamCatalogTest(parameterized.TestCase):
         self.assertEqual(set(got), want)
         self.assertIn("weight_stream", catalog.OPS)
         self.assertEqual({v.op for v in catalog.variants_for("sm_100a")} - {"weight_stream"},
-                         {"gemm_amax", "proj_rope", "dequantize"})
+                         {"gemm_amax", "proj_rope", "dequantize", "ragged"})
 
     def test_keys_name_the_format_c_and_tile(self):
         keys = {v.key for v in catalog.CATALOG if v.op == "weight_stream"}

@@ -23,7 +23,7 @@ def _report(keys: list[str]) -> tuple[int, str]:
 class PrecompileReportTest(absltest.TestCase):
 
     def test_one_kernel_of_each_operation(self):
-        ops = [op for op in catalog.OPS if catalog.variants_for("sm_100a", op)]  # the ragged GEMM: sm_90a only
+        ops = [op for op in catalog.OPS if catalog.variants_for("sm_100a", op)]  # the contraction: sm_90a only
         keys = [catalog.variants_for("sm_100a", op)[0].key for op in ops]
         keys.append(next(v.key for v in catalog.variants_for("sm_100a", "dequantize") if v.a_major == "m"))
         rc, text = _report(keys)
@@ -34,6 +34,7 @@ class PrecompileReportTest(absltest.TestCase):
         self.assertIn(f"{len(keys)} variants in", text)
         # after the compile time: MMA kind, scale_vec, alloc/dealloc, local B, smem B, regs, TMEM used/alloc, verdict
         expected = {"gemm_amax": r"kind::mxf8f6f4 +block32 +yes/yes +0 +\d+ +\d+ +\d+/512",
+                    "ragged": r"kind::mxf8f6f4 +block32 +yes/yes +0 +\d+ +\d+ +\d+/512",
                     "proj_rope": r"kind::f16 +- +yes/yes +0 +\d+ +\d+ +\d+/512",
                     "dequantize": r"- +- +NO/NO +0 +\d+ +\d+ +0/0",
                     # the 16-token decode tiles run two CTAs per SM at 128 registers and keep a few stack bytes

@@ -77,6 +77,15 @@ class RaggedLoweringTest(parameterized.TestCase):
             self.assertEqual(text.count("jbg_ragged_gemm_amax"), 1, implementation)
             self.assertNotIn("while", text, "the reference's loop must not be in a kernel program")
 
+    def test_cutedsl_carries_the_sm100a_objects_none_does_not(self):
+        """sm_100a's tcgen05 objects ride along with "cutedsl" (a B200 runs them after its first-use self-check) for
+        f32 and bf16 C; None keeps the reference there (arch.TABLE), so its call carries sm_90a's object only."""
+        for fmt in ("mxfp8_e4m3", "nvfp4"):
+            for c_dtype in (jnp.float32, jnp.bfloat16):
+                self.assertIn('archs = "sm_100a,sm_90a"', _lowered(fmt, "cutedsl", c_dtype=c_dtype))
+                self.assertIn('archs = "sm_90a"', _lowered(fmt, None, c_dtype=c_dtype))
+        self.assertIn('archs = "sm_90a"', _lowered("mxfp4", "cutedsl", c_dtype=jnp.float16, n=96))  # no sm_100a f16
+
     def test_xla_keeps_the_reference(self):
         text = _lowered(implementation="xla")
         self.assertNotIn("jbg_ragged_gemm_amax", text)
@@ -137,6 +146,8 @@ class RaggedLoweringTest(parameterized.TestCase):
         self.assertRegex(choice(2**18, 2, 256, 8192).reason, r"a \(1, 262144, 8192\) holds .* 32-bit indexing")
         self.assertRegex(choice(64, 2, 2**16, 2**15).reason, r"one weight of b \(65536, 32768\)")
         self.assertIn("forces the reference", choice(64, 2, 64, 64, "xla").reason)
+        self.assertEqual([v.key for v in choice(65536, 256, 2048, 7168, "cutedsl").variants],
+                         ["ragged.sm_90a.e4m3.bf16.sf32.t128x128.c1x1", "ragged.sm_100a.e4m3.bf16.sf32.t128x128.c1x1"])
 
 
 class RaggedSelfCheckTest(parameterized.TestCase):

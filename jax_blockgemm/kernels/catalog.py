@@ -28,13 +28,13 @@ dynamic_shapes[1];}` struct over a flat buffer.
       float32 values the handler zeroes first; alpha (L,) float32, always passed (ones for the MX formats); m/n/k/l
       and sf_atom int32, k the logical K. tile_mn is (rows of W per CTA, the most rows of x the variant takes).
     ragged: fn(a, b, sfa, sfb, items, c, amax, alpha, t, n, k, l, g, max_items, stream)
-      the grouped GEMM (kernels/sm90/ragged.py): a (L, T, K) codes (packed FP4: (L, T, K/2) bytes), tokens sorted
-      by group; b (L·G, N, K) likewise, one weight per group; sfa/sfb their scale bytes in the SPEC §3 atom layout
-      of (L, T, K) and (L·G, N, K); items int32 (L, max_items, 4) work items (row tile, group or -1, first row, end
-      row), from `ragged.kernel_items`; c (L, T, N); amax L float32 values the handler zeroes first; alpha (L,)
-      float32, always passed (ones for the MX formats); t/n/k/l/g/max_items int32, k the logical K. The bf16
-      variants (ab_dtype "bfloat16", sf_dtype "none", sf_vec_size 0) take bf16 a and b, b as (L·G, N, K) for
-      b_major "k" or (L·G, K, N) for "n", and read neither sfa, sfb nor alpha (empty buffers).
+      the grouped GEMM (kernels/sm90/ragged.py, kernels/sm100/ragged.py): a (L, T, K) codes (packed FP4: (L, T, K/2)
+      bytes), tokens sorted by group; b (L·G, N, K) likewise, one weight per group; sfa/sfb their scale bytes in the
+      SPEC §3 atom layout of (L, T, K) and (L·G, N, K); items int32 (L, max_items, 4) work items (row tile, group or -1,
+      first row, end row), from `ragged.kernel_items`; c (L, T, N); amax L float32 values the handler zeroes first;
+      alpha (L,) float32, always passed (ones for the MX formats); t/n/k/l/g/max_items int32, k the logical K. The bf16
+      variants (ab_dtype "bfloat16", sf_dtype "none", sf_vec_size 0) take bf16 a and b, b as (L·G, N, K) for b_major "k"
+      or (L·G, K, N) for "n", and read neither sfa, sfb nor alpha (empty buffers).
     contraction: fn(x, y, bounds, c, amax, t, k, n, l, g, stream)
       the per-group contraction over tokens, the weight gradient of a ragged product (kernels/sm90/contraction.py):
       x bf16 (L, T, K) and y bf16 (L, T, N), tokens sorted by group; bounds int32 (L, G, 2), the rows [start, end)
@@ -166,6 +166,13 @@ def _ragged_factory(v: KernelVariant) -> Any:
                                 sf_dtype=v.sf_dtype)
 
 
+def _blackwell_ragged_factory(v: KernelVariant) -> Any:
+    from jax_blockgemm.kernels.sm100.ragged import BlackwellRaggedGemmAmax
+
+    return BlackwellRaggedGemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, sf_vec_size=v.sf_vec_size,
+                                   sf_dtype=v.sf_dtype)
+
+
 def _contraction_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.sm90.contraction import HopperGroupedContraction
 
@@ -185,7 +192,8 @@ _FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
     ("proj_rope", "sm_90a"): _hopper_proj_rope_factory, ("proj_rope", "sm_100a"): _blackwell_proj_rope_factory,
     ("dequantize", "sm_90a"): _dequantize_factory, ("dequantize", "sm_100a"): _dequantize_factory,
     ("weight_stream", "sm_90a"): _weight_stream_factory, ("weight_stream", "sm_100a"): _weight_stream_factory,
-    ("ragged", "sm_90a"): _ragged_factory, ("contraction", "sm_90a"): _contraction_factory}
+    ("ragged", "sm_90a"): _ragged_factory, ("ragged", "sm_100a"): _blackwell_ragged_factory,
+    ("contraction", "sm_90a"): _contraction_factory}
 
 # proj_rope: the tile and schedule each target runs are arch.TABLE's. On sm_90a a persistent kernel, one CTA per SM,
 # on 128-token x one-head tiles, whose MMA warpgroups hand each fp32 tile through shared memory to an epilogue
@@ -265,6 +273,10 @@ CATALOG: tuple[KernelVariant, ...] = (
     # gemm_amax mainloop per work item; the operand formats and C dtypes of the sm_90a gemm_amax kernels (K-major).
     + tuple(KernelVariant(op="ragged", arch="sm_90a", ab_dtype=ab, c_dtype=c, sf_vec_size=v, sf_dtype=sf)
             for ab, v, sf in RAGGED_FORMATS for c in (_SM90_FP4_C if ab == "float4_e2m1fn" else (*_C, "float16")))
+    # ... on sm_100a the block-scaled tcgen05 form (kernels/sm100/ragged.py; compiled here, gated by the first-use
+    # self-check on a B200), f32 or bf16 C (its epilogue stores elements: no FP8/FP4 C there);
+    + tuple(KernelVariant(op="ragged", arch="sm_100a", ab_dtype=ab, c_dtype=c, sf_vec_size=v, sf_dtype=sf)
+            for ab, v, sf in RAGGED_FORMATS for c in _C)
     # ... and with bf16 operands (mx_ragged_dot's bf16 recipe, and its GEMMs whose contraction is no multiple of 32):
     # no scales; B K-major (dgrad reads the (G, K, N) weights with N as the contraction) or N-major (the forward
     # reads them with K as the contraction, no transposed copy).

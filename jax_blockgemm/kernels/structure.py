@@ -205,6 +205,6 @@ def sm100_report(variant: Any, compiled: Any, kernel: Any) -> Sm100Report:
         resources=cubin_resources(compiled.__cubin__), dynamic_smem_bytes=smem, tmem_columns_used=tmem_used,
         tmem_columns_allocated=tmem_allocated, threads_per_cta=threads,
         expect_kind=SM100_MMA_KIND[variant.ab_dtype] if tcgen05 else "",
-        expect_scale_vec=SCALE_VEC[variant.sf_vec_size] if variant.op == "gemm_amax" else "",
+        expect_scale_vec=SCALE_VEC[variant.sf_vec_size] if variant.op in ("gemm_amax", "ragged") else "",
         warp_mma=warp_mma_opcodes(ptx), expect_warp_mma=WARP_MMA_OPS.get(variant.op, ""))
 

@@ -203,6 +203,29 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
         mSFB = cute.make_tensor(cute.recast_ptr(sfb.iterator, dtype=self.sf_dtype),
                                 scale_layout(mB.shape, self.sf_vec_size))
 
+        operands = self.operand_atoms(mA, mB, mSFA, mSFB)
+        # C leaves by TMA stores of epilogue sub-tiles staged in shared memory; TMA writes no element past M or N.
+        tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(self.c_smem_staged, (None, None, 0)), self.epi_tile)
+
+        tiles_mnl = cute.ceil_div(mC.shape, (self.cta_tile_mnk[0], self.cta_tile_mnk[1], 1))
+        sched_params, grid = persistent.schedule(tiles_mnl, self.cluster_mn, max_ctas)
+
+        self._set_shared_storage(  # the epilogue warps' amax slots; the A, B, SFA, SFB and C stages
+            {"warp_amax": cute.struct.MemRange[cutlass.Int32, len(self.epilogue_warps)]},
+            {"sA": (self.ab_dtype, self.a_smem_staged.outer), "sB": (self.ab_dtype, self.b_smem_staged.outer),
+             "sSFA": (self.sf_dtype, self.sfa_smem_staged), "sSFB": (self.sf_dtype, self.sfb_smem_staged),
+             "sC": (self.c_dtype, self.c_smem_staged.outer)})
+        self.kernel(self.tiled_mma, *operands[0], *operands[1], *operands[2], *operands[3], tma_atom_c, tma_c, amax,
+                    alpha, self.cluster_layout_vmnk, self.a_smem_staged,
+                    self.b_smem_staged, self.sfa_smem_staged, self.sfb_smem_staged, self.c_smem_staged,
+                    self.epi_tile, sched_params).launch(
+            grid=grid, block=(self.threads_per_cta, 1, 1), cluster=(*self.cluster_mn, 1), min_blocks_per_mp=1,
+            stream=stream)
+
+    def operand_atoms(self, mA: cute.Tensor, mB: cute.Tensor, mSFA: cute.Tensor, mSFB: cute.Tensor) -> tuple:
+        """Host side: the TMA atoms and views ((atom, view) each) of A, B, SFA and SFB for their (rows, K, L) views,
+        and `self.tma_bytes`, the bytes one stage's loads bring."""
         cluster_shape = self.cluster_layout_vmnk.shape
         a_op = sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_mn, self.tiled_mma.thr_id)
         b_op = sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_mn, self.tiled_mma.thr_id)
@@ -222,24 +245,7 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
             sfb_op, mSFB, sfb_one, self.mma_tiler, self.tiled_mma, cluster_shape, internal_type=cutlass.Int16)
         self.tma_bytes = (cute.size_in_bytes(self.ab_dtype, a_one) + cute.size_in_bytes(self.ab_dtype, b_one)
                           + cute.size_in_bytes(self.sf_dtype, sfa_one) + cute.size_in_bytes(self.sf_dtype, sfb_one))
-        # C leaves by TMA stores of epilogue sub-tiles staged in shared memory; TMA writes no element past M or N.
-        tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(self.c_smem_staged, (None, None, 0)), self.epi_tile)
-
-        tiles_mnl = cute.ceil_div(mC.shape, (self.cta_tile_mnk[0], self.cta_tile_mnk[1], 1))
-        sched_params, grid = persistent.schedule(tiles_mnl, self.cluster_mn, max_ctas)
-
-        self._set_shared_storage(  # the epilogue warps' amax slots; the A, B, SFA, SFB and C stages
-            {"warp_amax": cute.struct.MemRange[cutlass.Int32, len(self.epilogue_warps)]},
-            {"sA": (self.ab_dtype, self.a_smem_staged.outer), "sB": (self.ab_dtype, self.b_smem_staged.outer),
-             "sSFA": (self.sf_dtype, self.sfa_smem_staged), "sSFB": (self.sf_dtype, self.sfb_smem_staged),
-             "sC": (self.c_dtype, self.c_smem_staged.outer)})
-        self.kernel(self.tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sfa, tma_sfa, tma_atom_sfb,
-                    tma_sfb, tma_atom_c, tma_c, amax, alpha, self.cluster_layout_vmnk, self.a_smem_staged,
-                    self.b_smem_staged, self.sfa_smem_staged, self.sfb_smem_staged, self.c_smem_staged,
-                    self.epi_tile, sched_params).launch(
-            grid=grid, block=(self.threads_per_cta, 1, 1), cluster=(*self.cluster_mn, 1), min_blocks_per_mp=1,
-            stream=stream)
+        return (tma_atom_a, tma_a), (tma_atom_b, tma_b), (tma_atom_sfa, tma_sfa), (tma_atom_sfb, tma_sfb)
 
     # ------------------------------------------------------------------------------------------ device
     @cute.kernel
@@ -250,11 +256,29 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
                a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout, sfa_smem_staged: cute.Layout,
                sfb_smem_staged: cute.Layout, c_smem_staged: cute.ComposedLayout, epi_tile: cute.Tile,
                sched_params: persistent.SchedulerParams):
-        """Device body: warp 5 produces (TMA), warp 4 issues the MMAs, warps 0-3 run the epilogue."""
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        """Device body: warp 5 produces (TMA), warp 4 issues the MMAs, warps 0-3 run the epilogue (TMA stores)."""
         tidx, _, _ = cute.arch.thread_idx()
+        self.roles(tiled_mma, ((tma_atom_a, mA_mkl), (tma_atom_b, mB_nkl), (tma_atom_sfa, mSFA_mkl),
+                               (tma_atom_sfb, mSFB_nkl)), (tma_atom_c,), cluster_layout_vmnk,
+                   (a_smem_staged, b_smem_staged, sfa_smem_staged, sfb_smem_staged), epi_tile, sched_params,
+                   lambda tCtAcc_base, storage, acc_pipeline: self._epilogue(
+                       tiled_mma, epi_tile, tidx, tCtAcc_base, tma_atom_c, mC_mnl,
+                       storage.sC.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner), amax, alpha, storage,
+                       acc_pipeline, sched_params))
+
+    @cute.jit
+    def roles(self, tiled_mma: cute.TiledMma, operands, other_atoms, cluster_layout_vmnk: cute.Layout, staged,
+              epi_tile: cute.Tile, sched_params: persistent.SchedulerParams, epilogue, plan=None):
+        """The warp roles of the device body: `operands` ((TMA atom, (rows, K, L) view) of A, B, SFA, SFB),
+        `other_atoms` (more TMA descriptors to prefetch), `staged` (the shared-memory layouts of A, B, SFA, SFB),
+        `epi_tile` (the epilogue's sub-tile),
+        `epilogue(tCtAcc_base, storage, acc_pipeline)` (the epilogue warps' part), `plan` (None: every tile
+        loads its own M and N tiles; else as `PersistentKernel._produce` takes it)."""
+        (tma_atom_a, mA_mkl), (tma_atom_b, mB_nkl), (tma_atom_sfa, mSFA_mkl), (tma_atom_sfb, mSFB_nkl) = operands
+        a_smem_staged, b_smem_staged, sfa_smem_staged, sfb_smem_staged = staged
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == self.producer_warp:
-            for atom in (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb, tma_atom_c):
+            for atom in (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb, *other_atoms):
                 cpasync.prefetch_descriptor(atom)
 
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -270,7 +294,6 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         sSFA = storage.sSFA.get_tensor(sfa_smem_staged)
         sSFB = storage.sSFB.get_tensor(sfb_smem_staged)
-        sC = storage.sC.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
 
         # Global tiles: (bM, bK, RestM, RestK, L) and friends, partitioned the MMA's way.
         tiler_mk = cute.slice_(self.mma_tiler, (None, 0, None))
@@ -337,7 +360,7 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
             self._produce(ab_pipeline, sched_params, k_tiles,
                           ((tma_atom_a, tAgA, tAsA, 0, a_mask), (tma_atom_b, tBgB, tBsB, 1, b_mask),
                            (tma_atom_sfa, tAgSFA, tAsSFA, 0, a_mask), (tma_atom_sfb, tBgSFB, tBsSFB, 1, b_mask)),
-                          batched=True)
+                          batched=True, plan=plan)
 
         if warp_idx == self.mma_warp:
             # ------------------------------------------------------------------------------ mma
@@ -349,13 +372,13 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
             tCtSFB = cute.make_tensor(cute.recast_ptr(acc_ptr + acc_cols + sfa_cols, dtype=self.sf_dtype),
                                       sfb_tmem_layout)
             scales = (self._scale_copy_to_tmem(sSFA, tCtSFA), self._scale_copy_to_tmem(sSFB, tCtSFB))
-            self._mma(tiled_mma, tCtAcc_base, tCrA, tCrB, ab_pipeline, acc_pipeline, sched_params, k_tiles, scales)
+            self._mma(tiled_mma, tCtAcc_base, tCrA, tCrB, ab_pipeline, acc_pipeline, sched_params, k_tiles, scales,
+                      plan=plan)
 
         if warp_idx < self.mma_warp:
             # ------------------------------------------------------------------------------ epilogue
-            self._with_tmem(tmem, tCtAcc_fake.layout, lambda tCtAcc_base: self._epilogue(
-                tiled_mma, epi_tile, tidx, tCtAcc_base, tma_atom_c, mC_mnl, sC, amax, alpha, storage, acc_pipeline,
-                sched_params))
+            self._with_tmem(tmem, tCtAcc_fake.layout,
+                            lambda tCtAcc_base: epilogue(tCtAcc_base, storage, acc_pipeline))
 
     def _scale_copy_to_tmem(self, sSF: cute.Tensor, tSF: cute.Tensor):
         """The tcgen05.cp (4x32x128b) copy of staged scales in shared memory to their tensor-memory tensor `tSF`:
@@ -367,16 +390,15 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
         src = tcgen05.get_s2t_smem_desc_tensor(s2t, thr.partition_S(tCsSF))
         return s2t, src, thr.partition_D(tCtSF), tSF
 
-    @cute.jit
-    def _epilogue(self, tiled_mma: cute.TiledMma, epi_tile: cute.Tile, tidx: cutlass.Int32, tCtAcc_base: cute.Tensor,
-                  tma_atom_c: cute.CopyAtom, mC_mnl: cute.Tensor, sC: cute.Tensor, amax: cute.Tensor,
-                  alpha: cute.Tensor, storage, acc_pipeline, sched_params: persistent.SchedulerParams):
-        """Per tile and epilogue sub-tile: tensor memory -> registers, amax of the in-bounds elements, C's dtype
-        into a shared-memory sub-tile, one TMA store of it; then amax into amax[l]."""
+    def accumulator_reads(self, tiled_mma: cute.TiledMma, epi_tile: cute.Tile, tidx: cutlass.Int32,
+                          tCtAcc_base: cute.Tensor, mC_mnl: cute.Tensor) -> tuple:
+        """The epilogue thread's view of the accumulators: (the tensor-memory load, its source by (sub-tile, stage),
+        C's tiles by epilogue sub-tile, the (row, col, l) coordinates of this thread's elements likewise, and the
+        registers one sub-tile loads into)."""
         tiler_mn = cute.slice_(self.mma_tiler, (None, None, 0))
         thr_mma = tiled_mma.get_slice(0)
         tCgC = thr_mma.partition_C(cute.local_tile(mC_mnl, tiler_mn, (None, None, None)))
-        # The same partition applied to coordinates: (row, col, l) of every element, for the amax predicates.
+        # The same partition applied to coordinates: (row, col, l) of every element, for the store predicates.
         tCcC = thr_mma.partition_C(cute.local_tile(cute.make_identity_tensor(mC_mnl.shape), tiler_mn,
                                                    (None, None, None)))
         t2r_atom = sm100_utils.get_tmem_load_op(self.cta_tile_mnk, self.c_layout, self.c_dtype, self.acc_dtype,
@@ -390,6 +412,16 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
                                                           epi_tile))
         tTR_rAcc = cute.make_rmem_tensor(thr_t2r.partition_D(gC_epi)[(None, None, None, 0, 0, 0, 0, 0)].shape,
                                          self.acc_dtype)
+        return t2r, tTR_tAcc_base, gC_epi, tTR_cC_all, tTR_rAcc
+
+    @cute.jit
+    def _epilogue(self, tiled_mma: cute.TiledMma, epi_tile: cute.Tile, tidx: cutlass.Int32, tCtAcc_base: cute.Tensor,
+                  tma_atom_c: cute.CopyAtom, mC_mnl: cute.Tensor, sC: cute.Tensor, amax: cute.Tensor,
+                  alpha: cute.Tensor, storage, acc_pipeline, sched_params: persistent.SchedulerParams):
+        """Per tile and epilogue sub-tile: tensor memory -> registers, amax of the in-bounds elements, C's dtype
+        into a shared-memory sub-tile, one TMA store of it; then amax into amax[l]."""
+        t2r, tTR_tAcc_base, gC_epi, tTR_cC_all, tTR_rAcc = self.accumulator_reads(tiled_mma, epi_tile, tidx,
+                                                                                  tCtAcc_base, mC_mnl)
         tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
         # Registers -> the shared-memory sub-tile (the store op that matches the tensor-memory load's layout),
         # then TMA: the sub-tile as one bulk copy to its place in C.

@@ -117,18 +117,24 @@ class PersistentKernel:
         return tCrA, tCrB, cute.make_tensor(two.iterator, cute.make_layout(two.shape, stride=stride))
 
     @cute.jit
-    def _produce(self, ab_pipeline, sched_params: SchedulerParams, k_tiles, loads, batched: bool):
+    def _produce(self, ab_pipeline, sched_params: SchedulerParams, k_tiles, loads, batched: bool, plan=None):
         """The producer warp: for each of this CTA's tiles, for each k-tile, wait for a free stage and TMA every
         operand's k-tile into it. `loads`: per operand, (TMA atom, global view (copy, row tile, k-tile, L), shared
         view (copy, stage), 0 if its row tile is the tile's M index or 1 if its N index, multicast mask or None).
-        batched=False reads L index 0 (the tile index's L is always 0 there)."""
+        batched=False reads L index 0 (the tile index's L is always 0 there). `plan`: None, or a function of the
+        tile index giving ((M-side row tile, N-side row tile), (M-side L, N-side L), whether the tile has products:
+        a tile without runs no k-tile)."""
         sched = tile_scheduler(sched_params)
         work = sched.initial_work_tile_info()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         while work.is_valid_tile:
             tile_m, tile_n, batch = work.tile_idx
-            tiles = [load[1][(None, (tile_m, tile_n)[load[3]], None, batch if batched else 0)] for load in loads]
-            for kt in cutlass.range(0, k_tiles, 1, unroll=1):
+            rows, batches, count = (tile_m, tile_n), (batch, batch), k_tiles
+            if cutlass.const_expr(plan is not None):
+                rows, batches, active = plan(tile_m, tile_n, batch)
+                count = cutlass.select_(active, k_tiles, 0)
+            tiles = [load[1][(None, rows[load[3]], None, batches[load[3]] if batched else 0)] for load in loads]
+            for kt in cutlass.range(0, count, 1, unroll=1):
                 ab_pipeline.producer_acquire(state)
                 bar = ab_pipeline.producer_get_barrier(state)
                 for load, tile in zip(loads, tiles):
@@ -141,14 +147,15 @@ class PersistentKernel:
 
     @cute.jit
     def _mma(self, tiled_mma: cute.TiledMma, tCtAcc_base: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-             ab_pipeline, acc_pipeline, sched_params: SchedulerParams, k_tiles, scales=None):
+             ab_pipeline, acc_pipeline, sched_params: SchedulerParams, k_tiles, scales=None, plan=None):
         """The MMA warp: for each of this CTA's tiles, take a free accumulator stage, and for each k-tile wait for
         its stage, issue its MMAs (the first of the tile overwrites, the rest accumulate) and release the stage
         when they complete (tcgen05.commit); then hand the accumulator stage to the epilogue.
 
         scales: None, or for the block-scaled MMA a pair (SFA, SFB) of (tcgen05.cp copy, its shared-memory source
         by stage, its tensor-memory destination, the MMA's tensor-memory view (.., .., k-block)): each k-tile's
-        scales are copied to tensor memory before its MMAs read them."""
+        scales are copied to tensor memory before its MMAs read them. `plan`: as `_produce` takes it (a tile without
+        products runs no k-tile and still hands its accumulator stage, unwritten, to the epilogue)."""
         num_kblocks = cute.size(tCrA, mode=[2])
         sched = tile_scheduler(sched_params)
         work = sched.initial_work_tile_info()
@@ -158,7 +165,11 @@ class PersistentKernel:
             tCtAcc = tCtAcc_base[(None, None, None, self.acc_buffer(acc_state, producer=True))]
             acc_pipeline.producer_acquire(acc_state)
             tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-            for kt in cutlass.range(0, k_tiles, 1, unroll=1):
+            count = k_tiles
+            if cutlass.const_expr(plan is not None):
+                tile_m, tile_n, batch = work.tile_idx
+                count = cutlass.select_(plan(tile_m, tile_n, batch)[2], k_tiles, 0)
+            for kt in cutlass.range(0, count, 1, unroll=1):
                 ab_pipeline.consumer_wait(ab_state)
                 if cutlass.const_expr(scales is not None):
                     for sf in scales:  # (s2t copy, source by stage, destination, MMA view)
