@@ -601,7 +601,7 @@ def _weight_stream_well_formed(obj: bytes, prefix: str) -> Call:
     return Call((Buffer(BF16, (l, m, k)), Buffer(E4M3, (l, n, k)), Buffer(U8, (l, n, _cdiv(k, 32))), Buffer(F32, (l,))),
                 (Buffer(F32, (l, m, n)), Buffer(F32, (l,))),
                 dict(archs=DEVICE_ARCH, function_prefixes=prefix, objects=obj, offsets=(0, len(obj)), w_dtype=E4M3,
-                     c_dtype=F32, sf_dtype=E8M0, sf_vec_size=32, max_m=16))
+                     c_dtype=F32, sf_dtype=E8M0, sf_vec_size=32, max_m=16, zero_amax=1))
 
 
 def _weight_stream_cases(good: Call) -> list[Case]:
