@@ -1,6 +1,6 @@
 """Turn our kernels on where they win on this GPU: `python -m jax_blockgemm.tune`.
 
-    python -m jax_blockgemm.tune [--op gemm_amax|proj_rope|weight_stream] [--format mxfp8_e4m3 ...]
+    python -m jax_blockgemm.tune [--op gemm_amax|proj_rope|weight_stream|ragged] [--format mxfp8_e4m3 ...]
                                  [--shape M,N,K ...] [--reps N] [--reset]
 
 For every operation and format that a kernel of ours could serve on the local GPU: self-check that kernel (in a
@@ -9,7 +9,8 @@ without a decision (`arch.TABLE`: the reference, or XLA's block-scaled dot on Bl
 benchmark's, print a table, and store the decisions for this GPU model (`tuning`), which None follows from then on.
 The decode kernel ("weight_stream": `weight_only_matmul` with bf16 x, few rows) is timed against the reference
 (implementation="xla") over DECODE_MATRICES distinct weights in one program (one call alone would time its launch),
-and its decision reads "our kernel up to M rows".
+and its decision reads "our kernel up to M rows". The ragged (grouped) kernel is timed at RAGGED_SHAPES, equal groups,
+bf16 C.
 `--reset` deletes the stored table; JAX_BLOCKGEMM_IGNORE_TUNING=1 makes None ignore it.
 """
 
@@ -34,7 +35,9 @@ PROJ_ROPE_TOKENS = (2048, 4096)
 # the decode kernel: (M, N, K) at SPEC §8's N = K = 7168, M up to the kernel's largest token tile
 DECODE_SHAPES = ((1, 7168, 7168), (16, 7168, 7168), (64, 7168, 7168))
 DECODE_MATRICES = 16
-OPS = ("gemm_amax", "proj_rope", tuning.DECODE_OP)
+# the ragged kernel: (T, G, N, K), equal groups, from a small problem up to the MoE benchmark's (bench --op ragged)
+RAGGED_SHAPES = ((4096, 8, 2048, 7168), (16384, 32, 2048, 7168), (16384, 32, 7168, 2048))
+OPS = ("gemm_amax", "proj_rope", tuning.DECODE_OP, "ragged")
 _BENCH_FORMAT = {"mxfp8_e4m3": "mxfp8", "mxfp8_e5m2": "mxfp8_e5m2", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
 _PROJ_ROPE_SCALES = ("x_scale", "w_scale")  # gemm_proj_rope_mxfp8's scale keywords (the MXFP8 path)
 
@@ -57,9 +60,11 @@ def _tables_ignored() -> Iterator[None]:
 
 
 def problem_size(op: str, shape: tuple) -> int:
-    """The size a decision's threshold compares: gemm_amax L*M*N*K (L = 1), proj_rope T*K*H; the decode kernel's
-    rows M."""
-    return shape[0] if op == tuning.DECODE_OP else shape[0] * shape[1] * shape[2]
+    """The size a decision's threshold compares, as dispatch computes it for a call: gemm_amax L*M*N*K (L = 1),
+    proj_rope T*K*H, ragged T*N*K*L*G (L = 1); the decode kernel's rows M."""
+    if op == tuning.DECODE_OP:
+        return shape[0]
+    return shape[0] * shape[1] * shape[2] * (shape[3] if op == "ragged" else 1)
 
 
 def kernels_in(hlo_text: str, target: str) -> tuple:
@@ -105,6 +110,8 @@ def programs(op: str, fmt: str, shape: tuple) -> tuple[Callable[[Optional[str]],
                                      implementation=implementation)
             return f
         return call, [tuple(s[n] for n in names) for s in sets], None
+    if op == "ragged":
+        return _ragged_program(fmt, shape, keys)
     tokens, k, heads = shape
     sets = [inputs.proj_rope_arguments(inputs.proj_rope_inputs(key, tokens, heads, k), fmt == "mxfp8")
             for key in keys]
@@ -115,6 +122,34 @@ def programs(op: str, fmt: str, shape: tuple) -> tuple[Callable[[Optional[str]],
                                             implementation=implementation)
         return f
     return call, [args + tuple(kw[n] for n in _PROJ_ROPE_SCALES if n in kw) for args, kw in sets], None
+
+
+def _ragged_program(fmt: str, shape: tuple, keys: Any) -> tuple[Callable[[Optional[str]], Callable], list[tuple], None]:
+    """`programs` for the ragged kernel: ragged_gemm_amax of T tokens in G equal groups against G weights (N, K) in
+    `fmt`, compact scales, bf16 C."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_blockgemm as jbg
+    from jax_blockgemm.bench import inputs
+
+    tokens, groups, n, k = shape
+    fmt_ = inputs.GEMM_FORMATS[_BENCH_FORMAT[fmt]]
+    sizes = jnp.full((groups,), tokens // groups, jnp.int32)
+
+    def operands(key):
+        kx, kw = jax.random.split(key)
+        a, sfa, a_scale = inputs.quantize_operand(inputs.random_values(kx, (tokens, k)), fmt_)
+        b, sfb, b_scale = inputs.quantize_operand(inputs.random_values(kw, (groups * n, k)), fmt_)
+        alpha = () if a_scale is None else ((a_scale * b_scale).astype(jnp.float32),)  # NVFP4's per-tensor scales
+        return (a, b.reshape(groups, n, -1), sfa, sfb.reshape(groups, n, -1), *alpha)
+
+    def call(implementation):
+        def f(a, b, sfa, sfb, *alpha):
+            return jbg.ragged_gemm_amax(a, b, sfa, sfb, sizes, alpha=alpha[0] if alpha else None,
+                                        sf_vec_size=fmt_.block, c_dtype=jnp.bfloat16, implementation=implementation)
+        return f
+    return call, [operands(key) for key in keys], None
 
 
 def measure(op: str, fmt: str, shape: tuple, *, reps: int = 20) -> tuple[Optional[tuple[float, float]], str]:
@@ -176,7 +211,8 @@ def run(problems: Sequence[tuple[str, str, tuple]], gpu_model: str, *, timer: Ti
 
 
 def problems(ops: Sequence[str], fmts: Sequence[str], shapes: Sequence[tuple]) -> list[tuple[str, str, tuple]]:
-    """The (op, fmt, shape) to time: gemm_amax and decode shapes are (M, N, K), proj_rope shapes (T, K, H)."""
+    """The (op, fmt, shape) to time: gemm_amax and decode shapes are (M, N, K), proj_rope shapes (T, K, H), ragged
+    shapes (T, G, N, K) (always RAGGED_SHAPES)."""
     out = []
     if "gemm_amax" in ops:
         out += [("gemm_amax", f, s) for f in fmts if f in GEMM_FORMATS for s in (shapes or GEMM_SHAPES)]
@@ -185,12 +221,14 @@ def problems(ops: Sequence[str], fmts: Sequence[str], shapes: Sequence[tuple]) -
                 for s in ([s for s in shapes if s[0] <= DECODE_SHAPES[-1][0]] if shapes else DECODE_SHAPES)]
     if "proj_rope" in ops:
         out += [("proj_rope", f, (t, 1536, 128)) for f in fmts if f in PROJ_ROPE_FORMATS for t in PROJ_ROPE_TOKENS]
+    if "ragged" in ops:
+        out += [("ragged", f, s) for f in fmts if f in GEMM_FORMATS for s in RAGGED_SHAPES]
     return out
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jax_blockgemm.tune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--op", action="append", choices=OPS, help="repeatable; default: all three")
+    p.add_argument("--op", action="append", choices=OPS, help="repeatable; default: all four")
     p.add_argument("--format", action="append", choices=GEMM_FORMATS + PROJ_ROPE_FORMATS,
                    help="repeatable; default: every format")
     p.add_argument("--shape", action="append", default=[], type=lambda s: tuple(int(v) for v in s.split(",")),

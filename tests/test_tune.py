@@ -205,6 +205,7 @@ class ProgramsTest(absltest.TestCase):
         cases = [("gemm_amax", f, (64, 128, 256)) for f in tune.GEMM_FORMATS]
         cases += [("proj_rope", f, (128, 256, 2)) for f in tune.PROJ_ROPE_FORMATS]
         cases += [(tuning.DECODE_OP, f, (4, 128, 256)) for f in ("mxfp8_e4m3", "mxfp4", "nvfp4")]
+        cases += [("ragged", f, (256, 4, 64, 128)) for f in tune.GEMM_FORMATS]
         for op, fmt, shape in cases:
             with self.subTest(op=op, fmt=fmt), mock.patch.object(tune, "DECODE_MATRICES", 2):
                 call, arg_sets, baseline = tune.programs(op, fmt, shape)
@@ -215,6 +216,10 @@ class ProgramsTest(absltest.TestCase):
                 if op == "proj_rope" and fmt == "mxfp8":  # codes in, so the MXFP8 path with its scales
                     self.assertEqual(np.dtype(arg_sets[0][0].dtype), np.dtype(jnp.float8_e4m3fn))
                     self.assertLen(arg_sets[0], 6)
+                if op == "ragged":  # T tokens of K codes, G weights (N, K), C (T, N)
+                    self.assertEqual(np.dtype(arg_sets[0][0].dtype), np.dtype(codes[fmt]), fmt)
+                    self.assertEqual(arg_sets[0][1].shape[:2], (4, 64), fmt)
+                    self.assertEqual(outs[0][0], ((256, 64), np.dtype(jnp.bfloat16)), fmt)
                 if op == "gemm_amax":  # the benchmark's operands of the format: codes (FP4 packed), scale bytes
                     a, b, sfa = arg_sets[0][:3]
                     self.assertEqual(np.dtype(a.dtype), np.dtype(codes[fmt]), fmt)
@@ -231,6 +236,40 @@ class DecodeProblemsTest(absltest.TestCase):
         todo = tune.problems(("weight_stream",), ("nvfp4",), [(8, 256, 512), (4096, 256, 512)])
         self.assertEqual(todo, [("weight_stream", "nvfp4", (8, 256, 512))])
         self.assertEqual(tune.problem_size("weight_stream", (8, 256, 512)), 8)
+
+
+class RaggedTuningTest(absltest.TestCase):
+
+    def test_ragged_shapes_per_format_and_the_size_dispatch_compares(self):
+        """Every ragged shape per MX format, and the problem size of each the very one dispatch computes for that
+        call (T*N*K*L*G): a stored decision then turns the kernel on for None on a (faked) B200 from that size on,
+        after its self-check, and not below."""
+        from jax_blockgemm import gate
+
+        self.assertEqual(tune.problems(("ragged",), ("nvfp4", "bf16"), [(8, 256, 512)]),
+                         [("ragged", "nvfp4", s) for s in tune.RAGGED_SHAPES])
+        t, g, n, k = 256, 4, 64, 128
+        self.enterContext(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enterContext(
+            tempfile.TemporaryDirectory()), tuning.IGNORE_ENV: ""}))
+        tuning.store("NVIDIA B200", [tuning.Decision("ragged", "mxfp8_e4m3", tuning.KERNEL,
+                                                     min_size=tune.problem_size("ragged", (t, g, n, k)))])
+        sa = jax.core.ShapedArray
+
+        def choice(tokens):
+            avals = [sa((1, tokens, k), jnp.float8_e4m3fn), sa((1, g, n, k), jnp.float8_e4m3fn),
+                     sa((1, tokens, k // 32), np.uint8), sa((1, g, n, k // 32), np.uint8), sa((1, g), jnp.int32),
+                     sa((1, g), jnp.int32)]
+            return dispatch.ragged_kernels(avals, c_dtype=np.dtype(jnp.bfloat16), sf_vec_size=32, k=k,
+                                           implementation=None)
+
+        ok = lambda v: gate.Verdict(v.key, "NVIDIA B200", "x", True, "ok")
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)), \
+                mock.patch.object(dispatch, "local_gpu_model", return_value="NVIDIA B200"), \
+                mock.patch.object(gate, "ensure_verified", side_effect=ok) as checked:
+            self.assertIn("ragged.sm_100a.e4m3.bf16.sf32.t128x128.c1x1", [v.key for v in choice(t).variants])
+            self.assertEqual([c.args[0].key for c in checked.call_args_list],
+                             ["ragged.sm_100a.e4m3.bf16.sf32.t128x128.c1x1"])
+            self.assertEqual(choice(t // 2).variants, ())  # below the measured size: arch.TABLE's reference
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 COMPILED AND CHECKED HERE, NEVER RUN: no Blackwell GPU was available when this was written. A B200 uses it only
 after the first-use self-check (`jax_blockgemm.selfcheck`, the ragged problems) has compared it with the reference
-there, and only when asked for (`implementation="cutedsl"`): `None` keeps the reference on 10.x (arch.TABLE; `tune`
-does not time ragged calls).
+there; `implementation=None` keeps the reference on 10.x (arch.TABLE) until `python -m jax_blockgemm.tune --op
+ragged` has measured it faster on that GPU model.
 
 The work items are the Hopper kernel's (`kernels/sm90/ragged.py`, `ragged.kernel_items`): item i is a 128-row tile
 of the token grid, a group and the rows [first, end) of that tile the group holds. The warp roles and pipelines are
