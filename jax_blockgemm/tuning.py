@@ -93,15 +93,18 @@ def load(gpu_model: str) -> tuple[Decision, ...]:
 
 def takes_kernel(gpu_model: Optional[str], op: str, fmt: str, size: int, m: Optional[int] = None) -> Optional[bool]:
     """Whether the measured table of `gpu_model` sends this call (problem size `size`; rows `m` for the decode
-    kernel) to our kernel: True or False where a decision for (op, fmt) exists, None where there is none (or tables
-    are ignored): then `arch.TABLE` decides."""
+    kernel) to our kernel: True or False where a decision for (op, fmt) says so, None where there is none, where it
+    keeps None's default (which tune timed the kernel against: arch.TABLE's choice, a kernel of ours on sm_90a for
+    proj_rope and ragged) or where tables are ignored: then `arch.TABLE` decides."""
     if not gpu_model or os.environ.get(IGNORE_ENV, "").strip() not in ("", "0"):
         return None
     for d in load(gpu_model):
         if (d.op, d.fmt) == (op, fmt):
-            if op == DECODE_OP:
+            if op == DECODE_OP:  # timed against the reference: DEFAULT is the reference
                 return d.choice == KERNEL and m is not None and m <= d.max_m
-            return d.choice == KERNEL and size >= d.min_size
+            if d.choice != KERNEL:  # timed against None's default: DEFAULT is arch.TABLE's choice, kernel or not
+                return None
+            return size >= d.min_size
     return None
 
 

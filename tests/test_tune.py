@@ -271,6 +271,19 @@ class RaggedTuningTest(absltest.TestCase):
                              ["ragged.sm_100a.e4m3.bf16.sf32.t128x128.c1x1"])
             self.assertEqual(choice(t // 2).variants, ())  # below the measured size: arch.TABLE's reference
 
+    def test_a_default_decision_keeps_the_kernel_that_arch_table_takes(self):
+        """tune times the ragged kernel against None's default, which on an H200 is that kernel: a DEFAULT decision
+        (no margin over itself) must leave it on, where a DEFAULT for the decode kernel (timed against the
+        reference) turns that one off."""
+        self.enterContext(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enterContext(
+            tempfile.TemporaryDirectory()), tuning.IGNORE_ENV: ""}))
+        tuning.store(H200, [tuning.Decision("ragged", "mxfp8_e4m3", tuning.DEFAULT),
+                            tuning.Decision("proj_rope", "bf16", tuning.DEFAULT),
+                            tuning.Decision(tuning.DECODE_OP, "mxfp4", tuning.DEFAULT)])
+        self.assertIsNone(tuning.takes_kernel(H200, "ragged", "mxfp8_e4m3", 2**30))
+        self.assertIsNone(tuning.takes_kernel(H200, "proj_rope", "bf16", 2**30))
+        self.assertFalse(tuning.takes_kernel(H200, tuning.DECODE_OP, "mxfp4", 1, m=1))
+
 
 if __name__ == "__main__":
     absltest.main()
