@@ -34,10 +34,12 @@ DECODE_OP = "weight_stream"  # the decode kernel: decided by the rows M of x, up
 class Decision:
     """What None takes for one operation and operand format on one GPU model, and the measurements behind it."""
 
-    op: str  # "gemm_amax", "proj_rope" or "weight_stream" (DECODE_OP)
-    fmt: str  # gemm_amax, weight_stream: "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4"; proj_rope: "bf16", "mxfp8"
+    op: str  # "gemm_amax", "proj_rope", "ragged" or "weight_stream" (DECODE_OP)
+    fmt: str  # gemm_amax, ragged, weight_stream: "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4"; proj_rope: "bf16",
+    # "mxfp8"
     choice: str  # KERNEL or DEFAULT
-    min_size: int = 0  # with KERNEL: the smallest problem size (gemm_amax L*M*N*K, proj_rope T*K*H) it applies to
+    min_size: int = 0  # with KERNEL: the smallest problem size (gemm_amax L*M*N*K, proj_rope T*K*H, ragged
+    # T*N*K*L*G) it applies to
     measured: tuple = ()  # ((size, kernel_ms, default_ms), ...) at the shapes that were timed (decode: size = M)
     max_m: int = 0  # with KERNEL and DECODE_OP: the largest M it applies to
 
