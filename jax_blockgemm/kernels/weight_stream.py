@@ -182,6 +182,11 @@ class WeightStreamGemm:
             preferred_smem_carveout=100, stream=stream)  # all of L1 as shared memory: ctas_per_sm rings fit
 
     # ------------------------------------------------------------------------------------------- device helpers
+    def _slot_row(self, row0, group, r: int, n):
+        """The weight row of this lane's row slot r (the mma fragment's rows group and group + 8 of each 16-row
+        tile), clamped to N - 1."""
+        return cutlass.min(row0 + 16 * (r // 2) + group + 8 * (r % 2), n - 1)
+
     def _scale_row_parts(self, batch, row0, group, n, kb_count, sf_atom):
         """Per row slot, the part of its scale bytes' offset that depends on the row (and batch) only: compact
         row-major, or SPEC §3's atom form; `_scale_block_part` gives the block's part. Rows past N are clamped to
@@ -190,7 +195,7 @@ class WeightStreamGemm:
         atom_kbs = (kb_count + common.ATOM_KB - 1) // common.ATOM_KB
         parts = cute.make_rmem_tensor((2 * self.row_tiles,), cutlass.Int32)
         for r in range(2 * self.row_tiles):
-            row = cutlass.min(row0 + 16 * (r // 2) + group + 8 * (r % 2), n - 1)
+            row = self._slot_row(row0, group, r, n)
             compact = (batch * n + row) * kb_count
             atom = ((batch * atom_rows + row // common.ATOM_MN) * atom_kbs * common.ATOM_BYTES
                     + (row % 32) * 16 + ((row // 32) % 4) * 4)
@@ -209,7 +214,7 @@ class WeightStreamGemm:
         row_bytes = k // 2 if cutlass.const_expr(self.fp4) else k
         rows = cute.make_rmem_tensor((2 * self.row_tiles,), cutlass.Int32)
         for r in range(2 * self.row_tiles):
-            rows[r] = (batch * n + cutlass.min(row0 + 16 * (r // 2) + group + 8 * (r % 2), n - 1)) * row_bytes
+            rows[r] = (batch * n + self._slot_row(row0, group, r, n)) * row_bytes
         return rows
 
     def _first_code(self, lane, chunk_index):
@@ -257,15 +262,13 @@ class WeightStreamGemm:
                 scales.append((word >> (((row_parts[r] + block_parts[s]) & 3) * 8)) & 0xFF)
         return codes, scales
 
-    def _x_row(self, x, batch, group, m, k, j: int):
-        """The address of this lane's token row of x in token tile j (tokens past M clamped to M - 1)."""
-        return x.iterator.toint() + (cutlass.Int64(batch) * m + cutlass.min(8 * j + group, m - 1)) * k * 2
-
-    def _x_tile(self, x_row, lane, chunk_index, live, token_ok, k) -> list:
-        """The raw bf16x2 words (x_words) of one token tile's activations at this lane's codes of a chunk, from the
-        token row at `x_row`; zeros past M or K, or where `live` is false."""
+    def _x_tile(self, x, batch, lane, chunk_index, live, m, k, j: int) -> list:
+        """The raw bf16x2 words (x_words) of token tile j's activations at this lane's codes of a chunk (the lane's
+        token row clamped to M - 1); zeros past M or K, or where `live` is false."""
+        token = 8 * j + lane // 4
+        x_row = x.iterator.toint() + (cutlass.Int64(batch) * m + cutlass.min(token, m - 1)) * k * 2
         first_code = self._first_code(lane, chunk_index)
-        ok = (live & token_ok & (first_code < k)).to(cutlass.Int32)
+        ok = (live & (token < m) & (first_code < k)).to(cutlass.Int32)
         base = x_row + cutlass.min(first_code, k - self.lane_codes) * 2
         return [wd for i in range(self.x_words // 4) for wd in load_v4(base + 16 * i, ok)]
 
@@ -274,12 +277,12 @@ class WeightStreamGemm:
         for e in range(self.x_words):
             stage[j * self.x_words + e] = words[e]
 
-    def _chunk_x(self, x_stages, r: int, x, batch, lane, chunk_index, group, m, k, j: int) -> list:
+    def _chunk_x(self, x_stages, r: int, x, batch, lane, chunk_index, m, k, j: int) -> list:
         """Token tile j's activation words of the chunk being multiplied: from register stage r where they were
         loaded ahead, else loaded now."""
         if cutlass.const_expr(j < self.x_ahead_tiles):
             return [x_stages[r][j * self.x_words + e] for e in range(self.x_words)]
-        return self._x_tile(self._x_row(x, batch, group, m, k, j), lane, chunk_index, True, 8 * j + group < m, k)
+        return self._x_tile(x, batch, lane, chunk_index, True, m, k, j)
 
     def _operand_words(self, codes, scales, r: int):
         """bf16x2 words code·scale of row slot r (2·steps words, two per mma step, the k order of `_x_pairs`)."""
@@ -398,8 +401,7 @@ class WeightStreamGemm:
         if cutlass.const_expr(self.x_ahead):
             for r in cutlass.range_constexpr(X_STAGES - 1):
                 for j in cutlass.range_constexpr(self.x_ahead_tiles):
-                    self._fill_x(x_stages[r], j, self._x_tile(self._x_row(x, batch, group, m, k, j), lane,
-                                                              warp + WARPS * r, r < mine, 8 * j + group < m, k))
+                    self._fill_x(x_stages[r], j, self._x_tile(x, batch, lane, warp + WARPS * r, r < mine, m, k, j))
         for i in cutlass.range(0, mine, X_STAGES, unroll=1):
             for r in cutlass.range_constexpr(X_STAGES):
                 index = i + r
@@ -410,14 +412,12 @@ class WeightStreamGemm:
                 if cutlass.const_expr(self.x_ahead):
                     x_index = index + X_STAGES - 1  # the chunk whose activations load now
                     x_next = x_stages[(r + X_STAGES - 1) % X_STAGES]
-                    x_row = self._x_row(x, batch, group, m, k, 0)
-                    self._fill_x(x_next, 0, self._x_tile(x_row, lane, warp + WARPS * x_index, x_index < mine, group < m,
-                                                         k))
+                    self._fill_x(x_next, 0, self._x_tile(x, batch, lane, warp + WARPS * x_index, x_index < mine, m,
+                                                         k, 0))
                     for j in cutlass.range_constexpr(1, self.x_ahead_tiles):
                         if 8 * j < m:
-                            x_row = self._x_row(x, batch, group, m, k, j)
-                            self._fill_x(x_next, j, self._x_tile(x_row, lane, warp + WARPS * x_index, x_index < mine,
-                                                                 8 * j + group < m, k))
+                            self._fill_x(x_next, j, self._x_tile(x, batch, lane, warp + WARPS * x_index,
+                                                                 x_index < mine, m, k, j))
                 cp_async_wait(self.stages - 1)
                 if index < mine:
                     chunk_index = warp + WARPS * index
@@ -425,7 +425,7 @@ class WeightStreamGemm:
                                                      sf_atom)
                     # the activation pairs of every token tile at hand now: tiles loaded ahead, and with many tokens
                     # all tiles at once (their loads in flight together); the others load where they are used
-                    x_pairs = [self._x_pairs(self._chunk_x(x_stages, r, x, batch, lane, chunk_index, group, m, k, j))
+                    x_pairs = [self._x_pairs(self._chunk_x(x_stages, r, x, batch, lane, chunk_index, m, k, j))
                                if j < self.x_ahead_tiles or not self.x_ahead else None
                                for j in range(self.token_tiles)]
                     for t in cutlass.range_constexpr(self.row_tiles):  # one row tile's operands live at a time
@@ -435,8 +435,8 @@ class WeightStreamGemm:
                             if 8 * j < m:
                                 xs = x_pairs[j]
                                 if cutlass.const_expr(xs is None):
-                                    xs = self._x_pairs(self._chunk_x(x_stages, r, x, batch, lane, chunk_index, group,
-                                                                     m, k, j))
+                                    xs = self._x_pairs(self._chunk_x(x_stages, r, x, batch, lane, chunk_index, m,
+                                                                     k, j))
                                 self._multiply_tile(acc, operands, xs, t, j)
         cp_async_wait(0)
         cute.arch.sync_threads()  # every warp is done with the ring: the partial tiles may take its bytes
