@@ -211,11 +211,7 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
         tiles_mnl = cute.ceil_div(mC.shape, (self.cta_tile_mnk[0], self.cta_tile_mnk[1], 1))
         sched_params, grid = persistent.schedule(tiles_mnl, self.cluster_mn, max_ctas)
 
-        self._set_shared_storage(  # the epilogue warps' amax slots; the A, B, SFA, SFB and C stages
-            {"warp_amax": cute.struct.MemRange[cutlass.Int32, len(self.epilogue_warps)]},
-            {"sA": (self.ab_dtype, self.a_smem_staged.outer), "sB": (self.ab_dtype, self.b_smem_staged.outer),
-             "sSFA": (self.sf_dtype, self.sfa_smem_staged), "sSFB": (self.sf_dtype, self.sfb_smem_staged),
-             "sC": (self.c_dtype, self.c_smem_staged.outer)})
+        self.set_stage_storage(c_staging=True)
         self.kernel(self.tiled_mma, *operands[0], *operands[1], *operands[2], *operands[3], tma_atom_c, tma_c, amax,
                     alpha, self.cluster_layout_vmnk, self.a_smem_staged,
                     self.b_smem_staged, self.sfa_smem_staged, self.sfb_smem_staged, self.c_smem_staged,
@@ -246,6 +242,24 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
         self.tma_bytes = (cute.size_in_bytes(self.ab_dtype, a_one) + cute.size_in_bytes(self.ab_dtype, b_one)
                           + cute.size_in_bytes(self.sf_dtype, sfa_one) + cute.size_in_bytes(self.sf_dtype, sfb_one))
         return (tma_atom_a, tma_a), (tma_atom_b, tma_b), (tma_atom_sfa, tma_sfa), (tma_atom_sfb, tma_sfb)
+
+    def set_stage_storage(self, *, c_staging: bool) -> None:
+        """Host side: the shared storage of the epilogue warps' amax slots and the A, B, SFA, SFB stages, and with
+        `c_staging` C's sub-tiles on their way to a TMA store."""
+        buffers = {"sA": (self.ab_dtype, self.a_smem_staged.outer), "sB": (self.ab_dtype, self.b_smem_staged.outer),
+                   "sSFA": (self.sf_dtype, self.sfa_smem_staged), "sSFB": (self.sf_dtype, self.sfb_smem_staged)}
+        if c_staging:
+            buffers["sC"] = (self.c_dtype, self.c_smem_staged.outer)
+        self._set_shared_storage({"warp_amax": cute.struct.MemRange[cutlass.Int32, len(self.epilogue_warps)]}, buffers)
+
+    def publish_tile_amax(self, amax_bits, storage, amax: cute.Tensor, batch, tidx) -> None:
+        """The end of a tile's epilogue: once every epilogue thread is past the previous tile's reduction (thread 0
+        has read the warp slots), the threads' max |C| bits (`amax_bits`) folded into amax[batch]."""
+        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.epilogue_threads)
+        warp_amax = storage.warp_amax.get_tensor(cute.make_layout((len(self.epilogue_warps),)))
+        amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
+        common.amax_block_reduce_and_publish(amax_bits, warp_amax, amax_i32.iterator + batch, tidx,
+                                             len(self.epilogue_warps), self.epilogue_barrier_id)
 
     # ------------------------------------------------------------------------------------------ device
     @cute.kernel
@@ -435,8 +449,6 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
         c_pipeline = pipeline.PipelineTmaStore.create(
             num_stages=self.c_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epilogue_threads))
-        warp_amax = storage.warp_amax.get_tensor(cute.make_layout((len(self.epilogue_warps),)))
-        amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
         bounds = mC_mnl.shape
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         subtiles = self.tile_mn[1] // cute.size(epi_tile[1])
@@ -491,11 +503,7 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
                 with cute.arch.elect_one():
                     acc_pipeline.consumer_release(acc_state)
                 acc_state.advance()
-            # Every epilogue thread passes here only after thread 0 has read the previous tile's warp slots.
-            cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.epilogue_threads)
-            common.amax_block_reduce_and_publish(
-                amax_bits, warp_amax, amax_i32.iterator + batch, tidx, len(self.epilogue_warps),
-                self.epilogue_barrier_id)
+            self.publish_tile_amax(amax_bits, storage, amax, batch, tidx)
             sched.advance_to_next_work()
             work = sched.get_current_work()
         c_pipeline.producer_tail()  # the last stores have read their sub-tiles before the CTA exits

@@ -75,10 +75,7 @@ class BlackwellRaggedGemmAmax(BlackwellBlockScaledGemmAmax):
         operands = self.operand_atoms(mA, mB, mSFA, mSFB)
         tiles_n = (n + self.tile_mn[1] - 1) // self.tile_mn[1]
         sched_params, grid = persistent.schedule((max_items, tiles_n, l), self.cluster_mn, max_items * tiles_n * l)
-        self._set_shared_storage(  # the epilogue warps' amax slots; the A, B, SFA, SFB stages (no C staging)
-            {"warp_amax": cute.struct.MemRange[cutlass.Int32, len(self.epilogue_warps)]},
-            {"sA": (self.ab_dtype, self.a_smem_staged.outer), "sB": (self.ab_dtype, self.b_smem_staged.outer),
-             "sSFA": (self.sf_dtype, self.sfa_smem_staged), "sSFB": (self.sf_dtype, self.sfb_smem_staged)})
+        self.set_stage_storage(c_staging=False)  # the epilogue stores C itself
         self.ragged_kernel(self.tiled_mma, *operands[0], *operands[1], *operands[2], *operands[3], items, mC, amax,
                            alpha, t, g, max_items, self.cluster_layout_vmnk, self.a_smem_staged, self.b_smem_staged,
                            self.sfa_smem_staged, self.sfb_smem_staged, self.epi_tile, sched_params).launch(
@@ -123,8 +120,6 @@ class BlackwellRaggedGemmAmax(BlackwellBlockScaledGemmAmax):
         t2r, tTR_tAcc_base, gC_epi, tTR_cC_all, tTR_rAcc = self.accumulator_reads(tiled_mma, epi_tile, tidx,
                                                                                   tCtAcc_base, mC_mnl)
         tTR_gC_all = t2r.get_slice(tidx).partition_D(gC_epi)  # C by element, as the registers hold it
-        warp_amax = storage.warp_amax.get_tensor(cute.make_layout((len(self.epilogue_warps),)))
-        amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
         n = mC_mnl.shape[1]
         subtiles = self.tile_mn[1] // cute.size(epi_tile[1])
 
@@ -156,10 +151,6 @@ class BlackwellRaggedGemmAmax(BlackwellBlockScaledGemmAmax):
             with cute.arch.elect_one():
                 acc_pipeline.consumer_release(acc_state)
             acc_state.advance()
-            # Every epilogue thread passes here only after thread 0 has read the previous tile's warp slots.
-            cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.epilogue_threads)
-            common.amax_block_reduce_and_publish(
-                amax_bits, warp_amax, amax_i32.iterator + batch, tidx, len(self.epilogue_warps),
-                self.epilogue_barrier_id)
+            self.publish_tile_amax(amax_bits, storage, amax, batch, tidx)
             sched.advance_to_next_work()
             work = sched.get_current_work()
