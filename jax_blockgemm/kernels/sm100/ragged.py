@@ -27,12 +27,12 @@ import cutlass.pipeline as pipeline
 from jax_blockgemm.kernels import common
 from jax_blockgemm.kernels.sm100 import persistent
 from jax_blockgemm.kernels.sm100.gemm_amax import BlackwellBlockScaledGemmAmax, scale_layout
-from jax_blockgemm.kernels.sm90.ragged import ITEM_ROWS, work_item
+from jax_blockgemm.kernels.sm90.ragged import ITEM_ROWS, BlockScaledGroups, work_item
 
 RAGGED_TILE_MN = (128, 128)  # one item (128 rows) by 128 columns; no cluster (each item has its own weight)
 
 
-class BlackwellRaggedGemmAmax(BlackwellBlockScaledGemmAmax):
+class BlackwellRaggedGemmAmax(BlockScaledGroups, BlackwellBlockScaledGemmAmax):
     """C[rows of group g] = alpha[l]·(A·sfa)(B[g]·sfb)^T per batch l, amax[l] = max|C[l]|, K-major MXFP8, MXFP4
     or NVFP4 operands, f32 or bf16 C.
 
@@ -47,13 +47,6 @@ class BlackwellRaggedGemmAmax(BlackwellBlockScaledGemmAmax):
         self.has_alpha = True  # the ragged ABI always carries alpha
         self.takes_grid_ctas = False  # ... and no max_ctas: one CTA per output tile
         assert self.tile_mn[0] == ITEM_ROWS and not self.overlapping_acc
-
-    def can_implement(self, t: int, n: int, k: int, l: int, g: int = 1) -> tuple[bool, str]:
-        """Whether the kernel handles these sizes, and why not: gemm_amax's rules for A (L, T, K), C (L, T, N) and
-        one weight (N, K); b as a whole may hold more than 2**31 elements (TMA addresses it by batch)."""
-        if g < 1:
-            return False, f"g must be >= 1, got g={g}"
-        return super().can_implement(t, n, k, l)
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, items: cute.Tensor,

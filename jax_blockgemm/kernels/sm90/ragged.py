@@ -45,7 +45,18 @@ def work_item(items: cute.Tensor, batch, item, max_items, t, g):
     return row_tile, group, rows_lo, rows_hi
 
 
-class HopperRaggedGemmAmax(HopperMxf8GemmAmax):
+class BlockScaledGroups:
+    """The size rule of a block-scaled ragged kernel built on a gemm_amax kernel (mixed in before it)."""
+
+    def can_implement(self, t: int, n: int, k: int, l: int, g: int = 1) -> tuple[bool, str]:
+        """Whether the kernel handles these sizes, and why not: gemm_amax's rules for A (L, T, K), C (L, T, N) and
+        one weight (N, K); b as a whole may hold more than 2**31 elements (TMA addresses it by batch)."""
+        if g < 1:
+            return False, f"g must be >= 1, got g={g}"
+        return super().can_implement(t, n, k, l)
+
+
+class HopperRaggedGemmAmax(BlockScaledGroups, HopperMxf8GemmAmax):
     """C[rows of group g] = alpha[l]·(A·sfa)(B[g]·sfb)^T per batch l, amax[l] = max|C[l]|, K-major MXFP8, MXFP4
     or NVFP4 operands.
 
@@ -60,13 +71,6 @@ class HopperRaggedGemmAmax(HopperMxf8GemmAmax):
         super().__init__(ab_dtype=ab_dtype, c_dtype=c_dtype, sf_vec_size=sf_vec_size, sf_dtype=sf_dtype)
         self.has_alpha = True
         assert self.tile_mnk[0] == ITEM_ROWS
-
-    def can_implement(self, t: int, n: int, k: int, l: int, g: int = 1) -> tuple[bool, str]:
-        """Whether the kernel handles these sizes, and why not: gemm_amax's rules for A (L, T, K), C (L, T, N) and
-        one weight (N, K); b as a whole may hold more than 2**31 elements (TMA addresses it by batch)."""
-        if g < 1:
-            return False, f"g must be >= 1, got g={g}"
-        return super().can_implement(t, n, k, l)
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, items: cute.Tensor,
