@@ -10,6 +10,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 
 from jax_blockgemm.kernels import common
+from jax_blockgemm.kernels.sm90 import tma_pipeline
 from jax_blockgemm.kernels.sm90.c_store import AccumulatorStore
 from jax_blockgemm.kernels.sm90.gemm_amax import smem_layout_staged
 
@@ -49,10 +50,8 @@ class Bf16TileKernel(AccumulatorStore):
                                                       self.acc_dtype, (2, 1, 1), tiler_mn=(64, bn))
         a_smem_staged = smem_layout_staged(bm, self.ab_dtype, self.ab_stages, bk, a_mn)
         b_smem_staged = smem_layout_staged(bn, self.ab_dtype, self.ab_stages, bk, b_mn)
-        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem_staged, (None, None, 0)), (bm, bk))
-        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem_staged, (None, None, 0)), (bn, bk))
+        tma_atom_a, tma_a = tma_pipeline.load_atom(mA, a_smem_staged, (bm, bk))
+        tma_atom_b, tma_b = tma_pipeline.load_atom(mB, b_smem_staged, (bn, bk))
 
         @cute.struct
         class SharedStorage:

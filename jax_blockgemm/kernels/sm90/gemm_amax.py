@@ -199,12 +199,8 @@ class HopperMxf8GemmAmax(AccumulatorStore):
                                                    mn_major=self.a_mn)
         b16_smem_staged = self._smem_layout_staged(self.tile_mnk[1], self.mma_dtype, MMA_BUFFERS,
                                                    mn_major=self.b_mn)
-        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem_staged, (None, None, 0)),
-            (self.tile_mnk[0], bk_codes))
-        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem_staged, (None, None, 0)),
-            (self.tile_mnk[1], bk_codes))
+        tma_atom_a, tma_a = tma_pipeline.load_atom(mA, a_smem_staged, (self.tile_mnk[0], bk_codes))
+        tma_atom_b, tma_b = tma_pipeline.load_atom(mB, b_smem_staged, (self.tile_mnk[1], bk_codes))
 
         @cute.struct
         class SharedStorage:

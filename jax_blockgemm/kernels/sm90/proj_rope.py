@@ -100,12 +100,8 @@ class HopperProjRope:
         a_smem_staged = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.tile_mnk, self.ab_dtype,
                                                       self.ab_stages)
         b_smem_staged = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.ab_stages)
-        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem_staged, (None, None, 0)),
-            (self.tile_mnk[0], self.tile_mnk[2]))
-        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem_staged, (None, None, 0)),
-            (self.tile_mnk[1], self.tile_mnk[2]))
+        tma_atom_a, tma_a = tma_pipeline.load_atom(mA, a_smem_staged, (self.tile_mnk[0], self.tile_mnk[2]))
+        tma_atom_b, tma_b = tma_pipeline.load_atom(mB, b_smem_staged, (self.tile_mnk[1], self.tile_mnk[2]))
         self.shared_storage = self._shared_storage(a_smem_staged, b_smem_staged)
         tiles_t = (t + self.tile_mnk[0] - 1) // self.tile_mnk[0]
         ctas = cutlass.min(tiles_t * h, sms)

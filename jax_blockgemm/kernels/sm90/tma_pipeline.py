@@ -13,6 +13,13 @@ import cutlass.pipeline as pipeline
 _NO_CLUSTER = (1, 1)
 
 
+def load_atom(operand: cute.Tensor, smem_staged: Any, tile: tuple):
+    """Host side: (TMA load atom, its view of `operand`) copying `tile` blocks of the (rows, K, L) operand into the
+    stages of `smem_staged`."""
+    return cute.nvgpu.cpasync.make_tiled_tma_atom(cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), operand,
+                                                  cute.slice_(smem_staged, (None, None, 0)), tile)
+
+
 def make_ab_pipeline(barrier_ptr: Any, a_smem_staged: Any, b_smem_staged: Any, dtype: Type[cutlass.Numeric],
                      stages: int, consumer_warps: int) -> pipeline.PipelineTmaAsync:
     """`stages` A+B buffers filled by one TMA thread (the transaction count is one A and one B tile) and released
