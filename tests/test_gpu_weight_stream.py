@@ -97,6 +97,21 @@ class GpuWeightStreamTest(parameterized.TestCase):
         self.assertTrue(np.isnan(y[:, nan_rows]).all())
         self.assertFalse(np.isnan(np.delete(y, nan_rows, axis=1)).any())
 
+    def test_large_e4m3_scales_take_the_two_multiply_path(self):
+        """E8M0 bytes past 134 (scales above 2^7) do not fit the one-multiply form: warps whose chunk holds one
+        multiply twice; bytes on both sides of the limit, mixed within chunks and within warps, match the oracle."""
+        rng = np.random.default_rng(11)
+        for low, high in ((100, 134), (120, 150), (135, 160)):
+            with self.subTest(bytes=(low, high)):
+                w = oracle_weight_only.random_weight(rng, 200, 1024, "mxfp8_e4m3")
+                scales = rng.integers(low, high + 1, size=np.shape(w.scales)).astype(np.uint8)
+                w = jbg.QuantizedWeight(w.codes, jnp.asarray(scales), w.alpha, w.format)
+                x = oracle_weight_only.random_x(rng, (9, 1024), jnp.bfloat16)
+                y = jax.jit(lambda x, w: jbg.weight_only_matmul(x, w, out_dtype=jnp.float32,
+                                                                implementation="cutedsl"))(x, w)
+                ref = oracle_weight_only.weight_only_oracle(x, w)
+                oracle_ops.assert_gemm_close(self, np.asarray(y), ref, c_dtype=jnp.dtype(jnp.float32))
+
     def test_same_bits_on_every_run(self):
         """The split of K is reduced in a fixed order: repeated calls give identical bits."""
         rng = np.random.default_rng(3)

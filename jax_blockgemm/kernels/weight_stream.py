@@ -58,6 +58,10 @@ _SCALINGS = {(32, "float8_e8m0fnu"), (16, "float8_e4m3fn")}
 _NEG_ZERO_X2 = -0x7FFF8000  # bf16x2 -0 (0x80008000): x·s + (-0) == x·s
 BF16X2_TWO_POW_120 = 0x7B807B80  # 2^120 in both halves (biased exponent 247)
 _HIGH_BITS = -0x7F7F7F80  # 0x80808080: bit 7 of every byte
+# One packed multiply per word instead of two: the bit-placed codes (E4M3 code·2^-120, E2M1 code·2^-126) times
+# 2^120·scale (2^126·scale) at once, while that product of powers of two is a bf16 normal: E8M0 bytes up to these.
+_ONE_MULTIPLY_BIAS = {"float8_e4m3fn": 120}  # the placement's exponent offset (FP4 keeps two: one spills)
+_ONE_MULTIPLY_MAX_BYTE = {w: 254 - bias for w, bias in _ONE_MULTIPLY_BIAS.items()}
 _SIGN_BITS_X2 = -0x7FFF8000  # 0x80008000: bit 15 of both halves
 
 
@@ -136,6 +140,9 @@ class WeightStreamGemm:
         self.sf_vec_size, self.sf_e4m3 = sf_vec_size, sf_dtype == "float8_e4m3fn"
         self.rows, self.tokens = rows, tokens
         self.row_tiles, self.token_tiles = rows // 16, tokens // 8
+        # E4M3 and MXFP4 codes take one multiply per word where every scale byte of the chunk allows (NVFP4's E4M3
+        # scales and E5M2's converter path keep two)
+        self.one_multiply = w_dtype in _ONE_MULTIPLY_BIAS and not self.sf_e4m3
         self.lane_codes = 2 * LANE_BYTES if self.fp4 else LANE_BYTES  # codes per lane, row and chunk
         self.chunk = 4 * self.lane_codes  # codes of a row per chunk: the four lanes of a quad
         self.steps = self.lane_codes // 4  # mma k16 steps per chunk
@@ -284,8 +291,23 @@ class WeightStreamGemm:
             return [x_stages[r][j * self.x_words + e] for e in range(self.x_words)]
         return self._x_tile(x, batch, lane, chunk_index, True, m, k, j)
 
-    def _operand_words(self, codes, scales, r: int):
-        """bf16x2 words code·scale of row slot r (2·steps words, two per mma step, the k order of `_x_pairs`)."""
+    def _needs_two_multiplies(self, scales):
+        """Whether a scale byte of this chunk, in any lane of the warp, is too large for one multiply per word (a
+        warp-uniform answer: the two forms are two code paths)."""
+        big = cutlass.Boolean(False)
+        for byte in scales:
+            big = big | (byte > _ONE_MULTIPLY_MAX_BYTE[self.w_name])
+        return cute.arch.vote_any_sync(big)
+
+    def _multiplier(self, byte, one: bool):
+        """The bf16x2 block-scale multiplier: 2^(placement offset)·scale for the one-multiply form, else the scale."""
+        if cutlass.const_expr(one):
+            return (byte + _ONE_MULTIPLY_BIAS[self.w_name]) * 0x00800080
+        return e8m0_bf16x2(byte)
+
+    def _operand_words(self, codes, scales, r: int, one: bool):
+        """bf16x2 words code·scale of row slot r (2·steps words, two per mma step, the k order of `_x_pairs`);
+        `one`: the one-multiply form (`_needs_two_multiplies`)."""
         out = []
         if cutlass.const_expr(self.w_name == "float8_e5m2"):  # the converter keeps E5M2's infinities and NaNs
             scale = common.f32_from_bits(common.e8m0_bits(scales[r]))
@@ -293,24 +315,26 @@ class WeightStreamGemm:
                 out += fp8x4_scaled_bf16(codes[4 * r + i], scale, True)
             return out
         if cutlass.const_expr(not self.fp4):
-            return self._e4m3_words(codes, scales, r)
+            return self._e4m3_words(codes, scales, r, one)
         neg_zero = cutlass.Int32(_NEG_ZERO_X2)
         two126 = cutlass.Int32(common.BF16X2_TWO_POW_126)
         for i in range(4):  # word i holds codes 8i..8i+7 (lane-relative); NVFP4: words 0, 1 and 2, 3 per block
             byte = scales[self.lane_scales * r + (i // 2 if self.lane_scales == 2 else 0)]
-            scale = common.e4m3_scale_bf16x2(byte) if cutlass.const_expr(self.sf_e4m3) else e8m0_bf16x2(byte)
+            scale = common.e4m3_scale_bf16x2(byte) if cutlass.const_expr(self.sf_e4m3) else self._multiplier(byte, one)
             for p in range(4):  # pair p: codes 8i+p (low half) and 8i+p+4 (high half)
                 bits = common.e2m1_pair_bits(codes[4 * r + i], p)
-                bits = cute.arch.fma_packed_bf16x2(bits, two126, neg_zero)
+                if cutlass.const_expr(not one):
+                    bits = cute.arch.fma_packed_bf16x2(bits, two126, neg_zero)
                 out.append(cute.arch.fma_packed_bf16x2(bits, scale, neg_zero))
         return out
 
-    def _e4m3_words(self, codes, scales, r: int) -> list:
+    def _e4m3_words(self, codes, scales, r: int, one: bool) -> list:
         """bf16x2 words code·scale of an E4M3 row slot by bit moves and packed bf16 multiplies (no converter).
 
         Bytes 0, 2 and 1, 3 of each word pair up as (low, high) halves; an E4M3 byte s|eeee|mmm placed as the bf16
         bits s<<15 | eeeemmm<<4 is exactly code·2^-120 (subnormals included), times 2^120 the code, times the
-        block scale code·scale, both exact. A NaN code (0x7F, 0xFF) would read as 480: a NaN anywhere in the lane's
+        block scale code·scale, both exact; or, where `one`, times 2^120·scale at once (one rounding of the same
+        exact product). A NaN code (0x7F, 0xFF) would read as 480: a NaN anywhere in the lane's
         16 codes of the row makes its scale NaN instead, which gives the same outputs a NaN product gives (NaN in
         every C element of that row, whatever x holds)."""
         neg_zero = cutlass.Int32(_NEG_ZERO_X2)
@@ -319,14 +343,15 @@ class WeightStreamGemm:
         nan_bytes = cutlass.Int32(0)
         for i in range(4):
             nan_bytes = nan_bytes | (((codes[4 * r + i] & 0x7F7F7F7F) + 0x01010101) & _HIGH_BITS)
-        scale = cutlass.select_(nan_bytes != 0, cutlass.Int32(common.E4M3_NAN_BF16X2), e8m0_bf16x2(byte))
+        scale = cutlass.select_(nan_bytes != 0, cutlass.Int32(common.E4M3_NAN_BF16X2), self._multiplier(byte, one))
         out = []
         for i in range(4):
             word = codes[4 * r + i]
             low = ((word << 4) & 0x07F007F0) | ((word << 8) & _SIGN_BITS_X2)  # codes 0, 2: bytes 0, 2
             high = ((word >> 4) & 0x07F007F0) | (word & _SIGN_BITS_X2)  # codes 1, 3: bytes 1, 3
             for bits in (low, high):
-                bits = cute.arch.fma_packed_bf16x2(bits, two120, neg_zero)
+                if cutlass.const_expr(not one):
+                    bits = cute.arch.fma_packed_bf16x2(bits, two120, neg_zero)
                 out.append(cute.arch.fma_packed_bf16x2(bits, scale, neg_zero))
         return out
 
@@ -347,9 +372,9 @@ class WeightStreamGemm:
                     byte_perm(b, d, 0x7632)]
         return out
 
-    def _row_operands(self, codes, scales, t: int) -> list:
+    def _row_operands(self, codes, scales, t: int, one: bool) -> list:
         """Row tile t's A words of one chunk (four per mma step): its codes times their scales in bf16."""
-        lo, hi = self._operand_words(codes, scales, 2 * t), self._operand_words(codes, scales, 2 * t + 1)
+        lo, hi = self._operand_words(codes, scales, 2 * t, one), self._operand_words(codes, scales, 2 * t + 1, one)
         return [[lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1]] for s in range(self.steps)]
 
     def _multiply_tile(self, acc, operands, xs, t: int, j: int) -> None:
@@ -360,6 +385,20 @@ class WeightStreamGemm:
             part = mma_bf16_m16n8k16(operands[s], [xs[2 * s], xs[2 * s + 1]], part)
         for v in range(4):
             acc[(t * self.token_tiles + j) * 4 + v] = acc[(t * self.token_tiles + j) * 4 + v] + part[v]
+
+    @cute.jit
+    def _multiply_chunk(self, acc, codes, scales, x_pairs, chunk_x, m, one: cutlass.Constexpr[bool]) -> None:
+        """acc += one chunk's products, row tile by row tile (one row tile's operands live at a time), for every token
+        tile below M; activations not at hand (`x_pairs` None) load here."""
+        for t in cutlass.range_constexpr(self.row_tiles):
+            operands = self._row_operands(codes, scales, t, one)
+            self._multiply_tile(acc, operands, x_pairs[0], t, 0)
+            for j in cutlass.range_constexpr(1, self.token_tiles):
+                if 8 * j < m:
+                    xs = x_pairs[j]
+                    if cutlass.const_expr(xs is None):
+                        xs = self._x_pairs(self._chunk_x(*chunk_x, j))
+                    self._multiply_tile(acc, operands, xs, t, j)
 
     # ------------------------------------------------------------------------------------------------ kernel
     @cute.kernel
@@ -428,16 +467,14 @@ class WeightStreamGemm:
                     x_pairs = [self._x_pairs(self._chunk_x(x_stages, r, x, batch, lane, chunk_index, m, k, j))
                                if j < self.x_ahead_tiles or not self.x_ahead else None
                                for j in range(self.token_tiles)]
-                    for t in cutlass.range_constexpr(self.row_tiles):  # one row tile's operands live at a time
-                        operands = self._row_operands(codes, scales, t)
-                        self._multiply_tile(acc, operands, x_pairs[0], t, 0)
-                        for j in cutlass.range_constexpr(1, self.token_tiles):
-                            if 8 * j < m:
-                                xs = x_pairs[j]
-                                if cutlass.const_expr(xs is None):
-                                    xs = self._x_pairs(self._chunk_x(x_stages, r, x, batch, lane, chunk_index, m,
-                                                                     k, j))
-                                self._multiply_tile(acc, operands, xs, t, j)
+                    chunk_x = (x_stages, r, x, batch, lane, chunk_index, m, k)
+                    if cutlass.const_expr(self.one_multiply):
+                        if self._needs_two_multiplies(scales):
+                            self._multiply_chunk(acc, codes, scales, x_pairs, chunk_x, m, False)
+                        else:
+                            self._multiply_chunk(acc, codes, scales, x_pairs, chunk_x, m, True)
+                    else:
+                        self._multiply_chunk(acc, codes, scales, x_pairs, chunk_x, m, False)
         cp_async_wait(0)
         cute.arch.sync_threads()  # every warp is done with the ring: the partial tiles may take its bytes
 
