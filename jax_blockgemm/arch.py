@@ -12,7 +12,7 @@ What `None` takes, per operation:
     §7's "tensor-core FP8" class); other formats, and smaller calls, keep the exact bf16 route.
 The decode kernel (op "weight_stream": bf16 activations of few rows against a block-scaled weight, for
 weight_only_matmul and small-M gemm_amax) has its own column: per weight format, the largest M for which None
-takes it (`decode_max_m`; 0 or absent: never).
+takes it (`decode_max_m`; 0 or absent: never), and below a K where fewer rows pay (`decode_short_k`).
 A per-GPU-model decision table measured by `python -m jax_blockgemm.tune` (`tuning`) may send calls to our kernels
 instead; this table is what holds without one.
 """
@@ -49,6 +49,9 @@ class ArchPolicy:
     # weight format (DECODE_FORMATS) -> the largest M (rows of x) for which None takes the decode kernel; 0 or
     # absent: never (a tuning table measured on the local GPU may still turn it on)
     decode_max_m: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # weight format -> (K, M): for calls with fewer than K columns (codes per weight row) None takes the decode
+    # kernel only up to M rows (the kernel's cost per row of x does not shrink with K as the reference's does)
+    decode_short_k: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
 TABLE: tuple[ArchPolicy, ...] = (
@@ -57,9 +60,10 @@ TABLE: tuple[ArchPolicy, ...] = (
         default={"gemm_amax": "reference", "proj_rope": "kernel", "ragged": "kernel"},
         proj_rope_tile=(128, 192), proj_rope_schedule="staged",
         # H200, weight_only_matmul inside a many-weight program (docs/performance.md, decode and tune): the kernel
-        # beats the reference at M = 1, 16 and 64 in every format, except MXFP8 at M = 64 with K = 2048 (one
-        # threshold per format cannot follow K)
+        # beats the reference at M = 1, 16 and 64 in every format measured, except MXFP8 at M = 64 with K = 2048
+        # (45.5 against 32.7 us; at K = 7168 it wins at M = 64, at K = 2048 up to M = 16)
         decode_max_m={"mxfp8_e4m3": 64, "mxfp8_e5m2": 64, "mxfp4": 64, "nvfp4": 64},
+        decode_short_k={"mxfp8_e4m3": (7168, 16), "mxfp8_e5m2": (7168, 16)},
         why="H200: the proj_rope kernel is faster than the reference at every measured shape; MX gemm_amax is "
             "bound by the bf16 tensor rate there, where XLA's dot is as fast as ours (docs/design/gemm_amax.md); "
             "the decode kernel is faster than the reference up to the M shown (docs/design/decode.md); the ragged "
@@ -106,12 +110,22 @@ def is_verified(target: str) -> bool:
     return policy(target).verified
 
 
-def none_takes_kernel(op: str, target: str, *, fmt: str = "", m: Optional[int] = None) -> bool:
+def decode_largest_m(target: str, fmt: str, k: Optional[int] = None) -> int:
+    """The most rows of x for which None takes the decode kernel on `target` for `fmt` weights of `k` columns (k
+    None: at long K); 0: never."""
+    row = policy(target)
+    largest = row.decode_max_m.get(fmt, 0)
+    short_k, short_m = row.decode_short_k.get(fmt, (0, largest))
+    return min(largest, short_m) if k is not None and k < short_k else largest
+
+
+def none_takes_kernel(op: str, target: str, *, fmt: str = "", m: Optional[int] = None,
+                      k: Optional[int] = None) -> bool:
     """Whether implementation=None takes our `op` kernel on `target` (where one applies to the call). For the decode
-    kernel (DECODE_OP) that depends on the weight format `fmt` and the call's rows `m`: M at most the row's
-    `decode_max_m` for the format (with `m` None: whether it ever does)."""
+    kernel (DECODE_OP) that depends on the weight format `fmt`, the call's rows `m` and columns `k`: M at most
+    `decode_largest_m` (with `m` None: whether it ever does)."""
     if op == DECODE_OP:
-        largest = policy(target).decode_max_m.get(fmt, 0)
+        largest = decode_largest_m(target, fmt, k)
         return largest > 0 and (m is None or m <= largest)
     return policy(target).default.get(_POLICY_OF.get(op, op)) == "kernel"
 
@@ -148,8 +162,20 @@ def _decode_cell(p: ArchPolicy) -> str:
     largest = {fmt: p.decode_max_m.get(fmt, 0) for fmt in DECODE_FORMATS}
     if len(set(largest.values())) == 1:
         value = next(iter(largest.values()))
-        return f"decode kernel for M <= {value}, every format" if value else "never"
-    return ", ".join(f"{fmt}: M <= {value}" if value else f"{fmt}: never" for fmt, value in largest.items())
+        cell = f"decode kernel for M <= {value}, every format" if value else "never"
+    else:
+        cell = ", ".join(f"{fmt}: M <= {value}" if value else f"{fmt}: never" for fmt, value in largest.items())
+    return cell + decode_short_k_note(p)
+
+
+def decode_short_k_note(p: ArchPolicy, formats: Optional[tuple] = None) -> str:
+    """"; M <= 16 below K = 7168 for mxfp8_e4m3, mxfp8_e5m2"-style text for row `p`'s short-K rules (for the
+    weight formats `formats`, default all), "" where there are none."""
+    rules: dict[tuple[int, int], list[str]] = {}
+    for fmt, rule in p.decode_short_k.items():
+        if (formats is None or fmt in formats) and 0 < rule[1] < p.decode_max_m.get(fmt, 0):
+            rules.setdefault(tuple(rule), []).append(fmt)
+    return "".join(f"; M <= {m} below K = {k} for {', '.join(fmts)}" for (k, m), fmts in sorted(rules.items()))
 
 
 def markdown_table() -> str:

@@ -86,9 +86,14 @@ class DecodeBenchTest(parameterized.TestCase):
 
     def test_the_footnote_reads_the_decode_thresholds_from_the_arch_table(self):
         formats_ = ("mxfp8", "mxfp4", "nvfp4")
-        with arch.overridden("9.0", decode_max_m={f: 48 for f in arch.DECODE_FORMATS}):
+        with arch.overridden("9.0", decode_max_m={f: 48 for f in arch.DECODE_FORMATS}, decode_short_k={}):
             self.assertIn("weight_stream decode kernel on sm_90a for M <= 48 (", decode.decode_policy(formats_))
-        with arch.overridden("9.0", decode_max_m={"mxfp8_e4m3": 16, "mxfp4": 0, "nvfp4": 32}):
+        with arch.overridden("9.0", decode_max_m={f: 48 for f in arch.DECODE_FORMATS},
+                             decode_short_k={"mxfp8_e4m3": (4096, 16)}):
+            self.assertIn("on sm_90a for M <= 48; M <= 16 below K = 4096 for mxfp8_e4m3 (",
+                          decode.decode_policy(formats_))
+            self.assertIn("on sm_90a for M <= 48 (", decode.decode_policy(("mxfp4",)))  # not its rule
+        with arch.overridden("9.0", decode_max_m={"mxfp8_e4m3": 16, "mxfp4": 0, "nvfp4": 32}, decode_short_k={}):
             self.assertIn("on sm_90a for MXFP8 E4M3: M <= 16, MXFP4 E2M1: never, NVFP4 E2M1 x alpha: M <= 32 (",
                           decode.decode_policy(formats_))
             self.assertIn("on sm_90a for M <= 16 (", decode.decode_policy(("mxfp8",)))

@@ -476,7 +476,15 @@ class DecodeDispatchTest(parameterized.TestCase):
         self.assertEqual([v.arch for v in _decode(8, implementation=None).variants], ["sm_90a"])
         largest = arch.policy("sm_90a").decode_max_m["mxfp8_e4m3"]
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)):
-            self.assertEqual([v.arch for v in _decode(largest, implementation=None).variants], ["sm_90a"])
+            self.assertEqual([v.arch for v in _decode(largest, implementation=None, k=7168).variants], ["sm_90a"])
+            # below the short-K rule's K (decode_short_k), None takes fewer rows: MXFP8 at K = 96 up to 16
+            short_k, short_m = arch.policy("sm_90a").decode_short_k["mxfp8_e4m3"]
+            self.assertLess(short_m, largest)
+            self.assertEqual([v.arch for v in _decode(short_m, implementation=None, k=96).variants], ["sm_90a"])
+            self.assertRegex(_decode(short_m + 1, implementation=None, k=short_k - 32).reason,
+                             "implementation=None takes the reference")
+            self.assertEqual([v.arch for v in _decode(short_m + 1, implementation=None, k=short_k).variants],
+                             ["sm_90a"])
             with arch.overridden("9.0", decode_max_m={"mxfp8_e4m3": 8}):
                 self.assertEqual([v.arch for v in _decode(8, implementation=None).variants], ["sm_90a"])
                 self.assertRegex(_decode(9, implementation=None).reason, "implementation=None takes the reference "

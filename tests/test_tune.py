@@ -139,7 +139,7 @@ def _weight_only_text(m: int, fmt: str = "mxfp8_e4m3") -> str:
 
 
 class DispatchFollowsADecodeDecisionTest(absltest.TestCase):
-    """A stored decode decision overrides arch.TABLE's thresholds both ways on a (faked) H200."""
+    """A stored decode decision (by M alone) overrides arch.TABLE's thresholds both ways on a (faked) H200."""
 
     def setUp(self):
         _fake_h200(self)
@@ -147,10 +147,10 @@ class DispatchFollowsADecodeDecisionTest(absltest.TestCase):
     def test_up_to_the_decided_rows_and_not_beyond(self):
         from jax_blockgemm import arch
 
-        table_rows = arch.policy("sm_90a").decode_max_m["mxfp8_e4m3"]  # the table alone: the kernel up to these
-        self.assertGreater(table_rows, 40)
+        table_rows = arch.decode_largest_m("sm_90a", "mxfp8_e4m3", 128)  # the table alone at K = 128: up to these
+        self.assertLess(table_rows, 40)  # decode_short_k: MXFP8 weight rows of 128 codes take few rows
         self.assertIn("jbg_weight_stream", _weight_only_text(table_rows))
-        self.assertIn("jbg_weight_stream", _weight_only_text(41))
+        self.assertNotIn("jbg_weight_stream", _weight_only_text(table_rows + 1))
         tuning.store(H200, [tuning.Decision("weight_stream", "mxfp8_e4m3", tuning.KERNEL, max_m=40)])
         self.assertIn("jbg_weight_stream", _weight_only_text(40))
         self.assertNotIn("jbg_weight_stream", _weight_only_text(41))

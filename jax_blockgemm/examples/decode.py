@@ -226,8 +226,9 @@ def matmul_path(device: Any, formats_: Sequence[str]) -> str:
     for fmt in quantized:
         by_threshold.setdefault(arch.policy(target).decode_max_m.get(fmt, 0), []).append(fmt)
     kernel = [f"batch <= {value} ({', '.join(fmts)})" for value, fmts in sorted(by_threshold.items()) if value]
-    runs = (f"the weight_stream decode kernel for {', '.join(kernel)}; {reference} for every other batch and format"
-            if kernel else f"{reference} at every batch")
+    short_k = arch.decode_short_k_note(arch.policy(target), tuple(quantized))
+    runs = (f"the weight_stream decode kernel for {', '.join(kernel)}{short_k}; {reference} for every other batch "
+            "and format" if kernel else f"{reference} at every batch")
     return (f"Quantized weights on {target}, implementation=None (arch.TABLE's decode_max_m, unless a tuning table "
             f"measured on this GPU decides otherwise): {runs}.")
 
