@@ -100,6 +100,26 @@ def e8m0_bf16x2(byte):
     return byte * 0x00800080 | (special & 0x00400040)
 
 
+def e4m3_pair_bits(word, high: bool):
+    """bf16x2 bits of codes 0, 2 (bytes 0, 2 of `word`; `high`: codes 1, 3) of a word of four E4M3 codes, each
+    placed as s<<15 | eeeemmm<<4: exactly code·2^-120, subnormals included (NaN codes read as 480·2^-120). Plain
+    Python on Int32: the kernel inlines it, tests run it on NumPy int32."""
+    if high:
+        return ((word >> 4) & 0x07F007F0) | (word & _SIGN_BITS_X2)
+    return ((word << 4) & 0x07F007F0) | ((word << 8) & _SIGN_BITS_X2)
+
+
+def e4m3_nan_bits(word):
+    """Nonzero exactly where a byte of `word` is an E4M3 NaN (0x7F or 0xFF): bit 7 of that byte. Plain Python."""
+    return ((word & 0x7F7F7F7F) + 0x01010101) & _HIGH_BITS
+
+
+def one_multiply_bf16x2(byte, w_dtype: str):
+    """The bf16x2 pair 2^offset·2^(byte-127) for E8M0 byte `byte` (offset: the placement's, 120 for E4M3): the
+    placed codes times it give code·scale in one multiply, while byte <= _ONE_MULTIPLY_MAX_BYTE. Plain Python."""
+    return (byte + _ONE_MULTIPLY_BIAS[w_dtype]) * 0x00800080
+
+
 @dsl_user_op
 def byte_perm(a, b, selector: int, *, loc=None, ip=None) -> cutlass.Int32:
     """prmt.b32: bytes of (b:a) picked by the four nibbles of `selector` (lowest nibble -> byte 0)."""
@@ -302,7 +322,7 @@ class WeightStreamGemm:
     def _multiplier(self, byte, one: bool):
         """The bf16x2 block-scale multiplier: 2^(placement offset)·scale for the one-multiply form, else the scale."""
         if cutlass.const_expr(one):
-            return (byte + _ONE_MULTIPLY_BIAS[self.w_name]) * 0x00800080
+            return one_multiply_bf16x2(byte, self.w_name)
         return e8m0_bf16x2(byte)
 
     def _operand_words(self, codes, scales, r: int, one: bool):
@@ -342,14 +362,11 @@ class WeightStreamGemm:
         byte = scales[r]
         nan_bytes = cutlass.Int32(0)
         for i in range(4):
-            nan_bytes = nan_bytes | (((codes[4 * r + i] & 0x7F7F7F7F) + 0x01010101) & _HIGH_BITS)
+            nan_bytes = nan_bytes | e4m3_nan_bits(codes[4 * r + i])
         scale = cutlass.select_(nan_bytes != 0, cutlass.Int32(common.E4M3_NAN_BF16X2), self._multiplier(byte, one))
         out = []
         for i in range(4):
-            word = codes[4 * r + i]
-            low = ((word << 4) & 0x07F007F0) | ((word << 8) & _SIGN_BITS_X2)  # codes 0, 2: bytes 0, 2
-            high = ((word >> 4) & 0x07F007F0) | (word & _SIGN_BITS_X2)  # codes 1, 3: bytes 1, 3
-            for bits in (low, high):
+            for bits in (e4m3_pair_bits(codes[4 * r + i], False), e4m3_pair_bits(codes[4 * r + i], True)):
                 if cutlass.const_expr(not one):
                     bits = cute.arch.fma_packed_bf16x2(bits, two120, neg_zero)
                 out.append(cute.arch.fma_packed_bf16x2(bits, scale, neg_zero))
