@@ -58,9 +58,10 @@ _SCALINGS = {(32, "float8_e8m0fnu"), (16, "float8_e4m3fn")}
 _NEG_ZERO_X2 = -0x7FFF8000  # bf16x2 -0 (0x80008000): x·s + (-0) == x·s
 BF16X2_TWO_POW_120 = 0x7B807B80  # 2^120 in both halves (biased exponent 247)
 _HIGH_BITS = -0x7F7F7F80  # 0x80808080: bit 7 of every byte
-# One packed multiply per word instead of two: the bit-placed codes (E4M3 code·2^-120, E2M1 code·2^-126) times
-# 2^120·scale (2^126·scale) at once, while that product of powers of two is a bf16 normal: E8M0 bytes up to these.
-_ONE_MULTIPLY_BIAS = {"float8_e4m3fn": 120}  # the placement's exponent offset (FP4 keeps two: one spills)
+# One packed multiply per word instead of two: the bit-placed E4M3 codes (code·2^-120) times 2^120·scale at once,
+# while that power of two is a bf16 normal: E8M0 bytes up to _ONE_MULTIPLY_MAX_BYTE. Per format, the placement's
+# exponent offset; FP4 (code·2^-126) keeps two multiplies: with one its 16-token objects spill.
+_ONE_MULTIPLY_BIAS = {"float8_e4m3fn": 120}
 _ONE_MULTIPLY_MAX_BYTE = {w: 254 - bias for w, bias in _ONE_MULTIPLY_BIAS.items()}
 _SIGN_BITS_X2 = -0x7FFF8000  # 0x80008000: bit 15 of both halves
 
@@ -160,9 +161,8 @@ class WeightStreamGemm:
         self.sf_vec_size, self.sf_e4m3 = sf_vec_size, sf_dtype == "float8_e4m3fn"
         self.rows, self.tokens = rows, tokens
         self.row_tiles, self.token_tiles = rows // 16, tokens // 8
-        # E4M3 and MXFP4 codes take one multiply per word where every scale byte of the chunk allows (NVFP4's E4M3
-        # scales and E5M2's converter path keep two)
-        self.one_multiply = w_dtype in _ONE_MULTIPLY_BIAS and not self.sf_e4m3
+        # E4M3 codes take one multiply per word where every scale byte of the chunk allows (_ONE_MULTIPLY_BIAS)
+        self.one_multiply = w_dtype in _ONE_MULTIPLY_BIAS
         self.lane_codes = 2 * LANE_BYTES if self.fp4 else LANE_BYTES  # codes per lane, row and chunk
         self.chunk = 4 * self.lane_codes  # codes of a row per chunk: the four lanes of a quad
         self.steps = self.lane_codes // 4  # mma k16 steps per chunk
@@ -327,7 +327,7 @@ class WeightStreamGemm:
 
     def _operand_words(self, codes, scales, r: int, one: bool):
         """bf16x2 words code·scale of row slot r (2·steps words, two per mma step, the k order of `_x_pairs`);
-        `one`: the one-multiply form (`_needs_two_multiplies`)."""
+        `one`: the one-multiply form of E4M3 codes (`_needs_two_multiplies`; the other formats have one form)."""
         out = []
         if cutlass.const_expr(self.w_name == "float8_e5m2"):  # the converter keeps E5M2's infinities and NaNs
             scale = common.f32_from_bits(common.e8m0_bits(scales[r]))
@@ -340,11 +340,10 @@ class WeightStreamGemm:
         two126 = cutlass.Int32(common.BF16X2_TWO_POW_126)
         for i in range(4):  # word i holds codes 8i..8i+7 (lane-relative); NVFP4: words 0, 1 and 2, 3 per block
             byte = scales[self.lane_scales * r + (i // 2 if self.lane_scales == 2 else 0)]
-            scale = common.e4m3_scale_bf16x2(byte) if cutlass.const_expr(self.sf_e4m3) else self._multiplier(byte, one)
+            scale = common.e4m3_scale_bf16x2(byte) if cutlass.const_expr(self.sf_e4m3) else e8m0_bf16x2(byte)
             for p in range(4):  # pair p: codes 8i+p (low half) and 8i+p+4 (high half)
                 bits = common.e2m1_pair_bits(codes[4 * r + i], p)
-                if cutlass.const_expr(not one):
-                    bits = cute.arch.fma_packed_bf16x2(bits, two126, neg_zero)
+                bits = cute.arch.fma_packed_bf16x2(bits, two126, neg_zero)
                 out.append(cute.arch.fma_packed_bf16x2(bits, scale, neg_zero))
         return out
 
