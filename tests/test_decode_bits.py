@@ -65,13 +65,13 @@ class E4M3DequantizerTest(absltest.TestCase):
         """Every byte up to the limit: placed bits times 2^120·scale equals code·2^(b-127) rounded to bf16 once
         (subnormal results included); past the limit the multiplier is no bf16 normal, so two multiplies."""
         placed, finite = self._placed(), ~np.isnan(self.values)
-        limit = ws._ONE_MULTIPLY_MAX_BYTE["float8_e4m3fn"]
+        limit = ws.ONE_MULTIPLY_MAX_BYTE
         self.assertEqual(limit, 134)
         for b in range(0, 255):
             exact = (self.values[finite] * 2.0 ** (b - 127)).astype(BF16).astype(np.float64)
             two = _mul(_mul(placed[finite], 2.0**120), _bf16(ws.e8m0_bf16x2(b)))
             np.testing.assert_array_equal(two, exact, err_msg=f"two multiplies, byte {b}")
-            multiplier = ws.one_multiply_bf16x2(b, "float8_e4m3fn")
+            multiplier = ws.one_multiply_bf16x2(b)
             if b <= limit:
                 self.assertEqual(multiplier & 0xFFFF, multiplier >> 16)  # the same value in both halves
                 self.assertEqual(_bf16(multiplier), 2.0 ** (b - 7))

@@ -56,13 +56,13 @@ _W_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float
 _C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 _SCALINGS = {(32, "float8_e8m0fnu"), (16, "float8_e4m3fn")}
 _NEG_ZERO_X2 = -0x7FFF8000  # bf16x2 -0 (0x80008000): x·s + (-0) == x·s
-BF16X2_TWO_POW_120 = 0x7B807B80  # 2^120 in both halves (biased exponent 247)
+E4M3_PLACEMENT = 120  # an E4M3 code placed by e4m3_pair_bits reads as code·2^-E4M3_PLACEMENT
+BF16X2_TWO_POW_120 = (127 + E4M3_PLACEMENT) * 0x00800080  # 2^120 in both halves (0x7B807B80)
 _HIGH_BITS = -0x7F7F7F80  # 0x80808080: bit 7 of every byte
-# One packed multiply per word instead of two: the bit-placed E4M3 codes (code·2^-120) times 2^120·scale at once,
-# while that power of two is a bf16 normal: E8M0 bytes up to _ONE_MULTIPLY_MAX_BYTE. Per format, the placement's
-# exponent offset; FP4 (code·2^-126) keeps two multiplies: with one its 16-token objects spill.
-_ONE_MULTIPLY_BIAS = {"float8_e4m3fn": 120}
-_ONE_MULTIPLY_MAX_BYTE = {w: 254 - bias for w, bias in _ONE_MULTIPLY_BIAS.items()}
+# One packed multiply per E4M3 word instead of two: the placed codes times 2^120·scale at once, while that power of
+# two is a bf16 normal (biased exponent at most 254): E8M0 bytes up to 134. FP4 (code·2^-126) keeps two multiplies:
+# with one its 16-token objects spill.
+ONE_MULTIPLY_MAX_BYTE = 254 - E4M3_PLACEMENT
 _SIGN_BITS_X2 = -0x7FFF8000  # 0x80008000: bit 15 of both halves
 
 
@@ -115,10 +115,10 @@ def e4m3_nan_bits(word):
     return ((word & 0x7F7F7F7F) + 0x01010101) & _HIGH_BITS
 
 
-def one_multiply_bf16x2(byte, w_dtype: str):
-    """The bf16x2 pair 2^offset·2^(byte-127) for E8M0 byte `byte` (offset: the placement's, 120 for E4M3): the
-    placed codes times it give code·scale in one multiply, while byte <= _ONE_MULTIPLY_MAX_BYTE. Plain Python."""
-    return (byte + _ONE_MULTIPLY_BIAS[w_dtype]) * 0x00800080
+def one_multiply_bf16x2(byte):
+    """The bf16x2 pair 2^120·2^(byte-127) for E8M0 byte `byte`: the placed E4M3 codes times it give code·scale in
+    one multiply, while byte <= ONE_MULTIPLY_MAX_BYTE. Plain Python."""
+    return (byte + E4M3_PLACEMENT) * 0x00800080
 
 
 @dsl_user_op
@@ -161,8 +161,6 @@ class WeightStreamGemm:
         self.sf_vec_size, self.sf_e4m3 = sf_vec_size, sf_dtype == "float8_e4m3fn"
         self.rows, self.tokens = rows, tokens
         self.row_tiles, self.token_tiles = rows // 16, tokens // 8
-        # E4M3 codes take one multiply per word where every scale byte of the chunk allows (_ONE_MULTIPLY_BIAS)
-        self.one_multiply = w_dtype in _ONE_MULTIPLY_BIAS
         self.lane_codes = 2 * LANE_BYTES if self.fp4 else LANE_BYTES  # codes per lane, row and chunk
         self.chunk = 4 * self.lane_codes  # codes of a row per chunk: the four lanes of a quad
         self.steps = self.lane_codes // 4  # mma k16 steps per chunk
@@ -316,14 +314,8 @@ class WeightStreamGemm:
         warp-uniform answer: the two forms are two code paths)."""
         big = cutlass.Boolean(False)
         for byte in scales:
-            big = big | (byte > _ONE_MULTIPLY_MAX_BYTE[self.w_name])
+            big = big | (byte > ONE_MULTIPLY_MAX_BYTE)
         return cute.arch.vote_any_sync(big)
-
-    def _multiplier(self, byte, one: bool):
-        """The bf16x2 block-scale multiplier: 2^(placement offset)·scale for the one-multiply form, else the scale."""
-        if cutlass.const_expr(one):
-            return one_multiply_bf16x2(byte, self.w_name)
-        return e8m0_bf16x2(byte)
 
     def _operand_words(self, codes, scales, r: int, one: bool):
         """bf16x2 words code·scale of row slot r (2·steps words, two per mma step, the k order of `_x_pairs`);
@@ -362,7 +354,8 @@ class WeightStreamGemm:
         nan_bytes = cutlass.Int32(0)
         for i in range(4):
             nan_bytes = nan_bytes | e4m3_nan_bits(codes[4 * r + i])
-        scale = cutlass.select_(nan_bytes != 0, cutlass.Int32(common.E4M3_NAN_BF16X2), self._multiplier(byte, one))
+        scale = cutlass.select_(nan_bytes != 0, cutlass.Int32(common.E4M3_NAN_BF16X2),
+                                one_multiply_bf16x2(byte) if cutlass.const_expr(one) else e8m0_bf16x2(byte))
         out = []
         for i in range(4):
             for bits in (e4m3_pair_bits(codes[4 * r + i], False), e4m3_pair_bits(codes[4 * r + i], True)):
@@ -484,7 +477,7 @@ class WeightStreamGemm:
                                if j < self.x_ahead_tiles or not self.x_ahead else None
                                for j in range(self.token_tiles)]
                     chunk_x = (x_stages, r, x, batch, lane, chunk_index, m, k)
-                    if cutlass.const_expr(self.one_multiply):
+                    if cutlass.const_expr(self.w_name == "float8_e4m3fn"):  # E4M3: one multiply where scales allow
                         if self._needs_two_multiplies(scales):
                             self._multiply_chunk(acc, codes, scales, x_pairs, chunk_x, m, False)
                         else:
