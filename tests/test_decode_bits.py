@@ -28,6 +28,20 @@ def _mul(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return (x * y).astype(BF16).astype(np.float64)
 
 
+def _prmt(word: np.ndarray, selector: int) -> np.ndarray:
+    """prmt.b32 of `word` with itself, as the PTX ISA defines it: result byte i is the byte the selector's nibble i
+    names (its low 2 bits here), or, where the nibble's bit 3 is set, that byte's top bit copied to all 8 bits."""
+    w = np.asarray(word, np.int64) & 0xFFFFFFFF
+    out = np.zeros_like(w)
+    for i in range(4):
+        nibble = (selector >> (4 * i)) & 0xF
+        byte = (w >> (8 * (nibble & 3))) & 0xFF
+        if nibble & 8:
+            byte = np.where(byte & 0x80, 0xFF, 0)
+        out |= byte << (8 * i)
+    return out.astype(np.uint32).view(np.int32)
+
+
 def _halves(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     w = np.asarray(words, np.int64) & 0xFFFFFFFF
     return w & 0xFFFF, w >> 16
@@ -44,12 +58,13 @@ class E4M3DequantizerTest(absltest.TestCase):
         self.values = self.bytes.view(E4M3).astype(np.float64)  # (256, 4), NaN for 0x7F and 0xFF
 
     def _placed(self) -> np.ndarray:
-        """(256, 4) bf16 values of the placed codes, in byte order (pairs: bytes 0, 2 low; 1, 3 high)."""
+        """(256, 4) bf16 values of the placed codes, in byte order (pairs: bytes 0, 1 and 2, 3)."""
         out = np.empty((len(self.words), 4))
         for high in (False, True):
-            lo, hi = _halves(ws.e4m3_pair_bits(self.words, high))
-            self.assertEqual(ws.e4m3_pair_bits(self.words, high).dtype, np.int32)
-            out[:, 1 if high else 0], out[:, 3 if high else 2] = _bf16(lo), _bf16(hi)
+            bits = ws.e4m3_pair_bits(self.words, high, _prmt)
+            self.assertEqual(bits.dtype, np.int32)
+            lo, hi = _halves(bits)
+            out[:, 2 if high else 0], out[:, 3 if high else 1] = _bf16(lo), _bf16(hi)
         return out
 
     def test_placement_is_code_times_two_to_the_minus_120(self):

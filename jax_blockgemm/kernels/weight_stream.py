@@ -7,13 +7,13 @@ TMA, no wgmma, no tensor memory; warp-level `mma.sync` m16n8k16 bf16 with fp32 a
 Roles are swapped against the large-GEMM kernels: the weight rows are the MMA's M (16 per instruction) and the
 tokens its N (8), so one token pads only the N of 8. A CTA of WARPS warps owns tile[0] consecutive weight rows and
 all of K; warp w takes the K-chunks w, w + WARPS, ... (a chunk is 64 FP8 or 128 FP4 codes of every row), so every
-warp streams. Each lane copies 16 bytes of codes per row and chunk, and the words holding their scale bytes, into its
-own slots of a shared-memory ring with `cp.async` (sm_80 and later), up to MAX_STAGES - 1 chunks ahead of the one it
-multiplies: the bytes in flight take shared memory, not registers, and since a lane reads back only what it copied,
-waiting for its own copies is the only synchronization. The activations (L2-resident: every CTA reads them) come a
-chunk ahead in registers. The codes become bf16 code·scale in registers (exact: SPEC §6's argument): E4M3 by bit
-moves and packed bf16 multiplies, E5M2 through the hardware converter (which keeps its infinities and NaNs), FP4 by
-the bit model of kernels/common.py. Each lane's 16 bytes feed the k-slots the mma gives that lane (a permutation of K
+warp streams. Each lane copies 16 bytes of codes per row and chunk into its own slots of a shared-memory ring with
+`cp.async` (sm_80 and later), up to MAX_STAGES - 1 chunks ahead of the one it multiplies: the bytes in flight take
+shared memory, not registers, and since a lane reads back only what it copied, waiting for its own copies is the only
+synchronization. Its scale bytes (one per row slot and block, loaded as bytes: no word to pick them from) and the
+activations (L2-resident: every CTA reads them) come a chunk ahead in registers. The codes become bf16 code·scale in
+registers (exact: SPEC §6's argument): E4M3 by bit moves and packed bf16 multiplies, E5M2 through the hardware
+converter (which keeps its infinities and NaNs), FP4 by the bit model of kernels/common.py. Each lane's 16 bytes feed the k-slots the mma gives that lane (a permutation of K
 applied identically to the activations, which each lane loads for the same k's), and every chunk's MMAs sum into a
 fresh fp32 partial that is then added to the accumulator. At the end the warps' partial C tiles meet in shared memory
 and are summed in warp order: the result is the same bits on every run (a deterministic split of K). alpha (NVFP4's
@@ -38,8 +38,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_blockgemm.kernels import common
-from jax_blockgemm.kernels.ptx_ops import asm, cp_async_4, cp_async_16, cp_async_commit, cp_async_wait, \
-    ld_shared_u32, ld_shared_v4, words
+from jax_blockgemm.kernels.ptx_ops import asm, cp_async_16, cp_async_commit, cp_async_wait, ld_shared_v4, words
 
 WARPS = 8  # warps per CTA, each on its own K-chunks of the CTA's rows
 THREADS = 32 * WARPS
@@ -63,7 +62,10 @@ _HIGH_BITS = -0x7F7F7F80  # 0x80808080: bit 7 of every byte
 # two is a bf16 normal (biased exponent at most 254): E8M0 bytes up to 134. FP4 (code·2^-126) keeps two multiplies:
 # with one its 16-token objects spill.
 ONE_MULTIPLY_MAX_BYTE = 254 - E4M3_PLACEMENT
-_SIGN_BITS_X2 = -0x7FFF8000  # 0x80008000: bit 15 of both halves
+# prmt selectors spreading bytes 0, 1 (2, 3) of a word into the low bytes of a word's halves, each over a byte of its
+# sign bit: the halves read s·0xFF00 | code, so a shift by 4 and one mask place the code (`e4m3_pair_bits`)
+E4M3_PAIR_SELECTORS = (0x9180, 0xB3A2)
+_E4M3_PAIR_MASK = -0x780F7810  # 0x87F087F0: the sign bit and the 7 bits below bit 11 of both halves
 
 
 @dsl_user_op
@@ -74,6 +76,14 @@ def load_v4(addr, pred, *, loc=None, ip=None) -> list:
               "{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; "
               "@p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4]; }", "=r,=r,=r,=r,l,r", False, loc, ip)
     return words(out, 4, loc, ip)
+
+
+@dsl_user_op
+def load_u8(addr, pred, *, loc=None, ip=None) -> cutlass.Int32:
+    """One byte of read-only global memory, zero-extended, or 0 where `pred` is 0."""
+    return cutlass.Int32(asm(T.i32(), [cutlass.Int64(addr), cutlass.Int32(pred)],
+                             "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.u8 $0, [$1]; }",
+                             "=r,l,r", False, loc, ip))
 
 
 @dsl_user_op
@@ -101,13 +111,12 @@ def e8m0_bf16x2(byte):
     return byte * 0x00800080 | (special & 0x00400040)
 
 
-def e4m3_pair_bits(word, high: bool):
-    """bf16x2 bits of codes 0, 2 (bytes 0, 2 of `word`; `high`: codes 1, 3) of a word of four E4M3 codes, each
+def e4m3_pair_bits(word, high: bool, byte_perm):
+    """bf16x2 bits of codes 0, 1 (bytes 0, 1 of `word`; `high`: codes 2, 3) of a word of four E4M3 codes, each
     placed as s<<15 | eeeemmm<<4: exactly code·2^-120, subnormals included (NaN codes read as 480·2^-120). Plain
-    Python on Int32: the kernel inlines it, tests run it on NumPy int32."""
-    if high:
-        return ((word >> 4) & 0x07F007F0) | (word & _SIGN_BITS_X2)
-    return ((word << 4) & 0x07F007F0) | ((word << 8) & _SIGN_BITS_X2)
+    Python on Int32 but for `byte_perm(word, selector)`, prmt.b32 of the word with itself: the kernel passes the
+    instruction, tests an emulation. Three instructions per pair: prmt, shift, mask."""
+    return (byte_perm(word, E4M3_PAIR_SELECTORS[int(high)]) << 4) & _E4M3_PAIR_MASK
 
 
 def e4m3_nan_bits(word):
@@ -170,9 +179,9 @@ class WeightStreamGemm:
         self.x_ahead = self.token_tiles <= X_AHEAD_MAX_TILES
         # token tiles whose activations load a chunk ahead (the others load where they are used)
         self.x_ahead_tiles = min(self.token_tiles, X_AHEAD_MAX_WORDS // self.x_words) if self.x_ahead else 0
-        # one warp's share of a ring stage: 16 bytes of codes per lane and row slot, a 4-byte word per scale byte
-        self.codes_bytes = 32 * LANE_BYTES * 2 * self.row_tiles
-        self.warp_stage_bytes = self.codes_bytes + 32 * 4 * 2 * self.row_tiles * self.lane_scales
+        # one warp's share of a ring stage: 16 bytes of codes per lane and row slot (scale bytes go to registers)
+        self.warp_stage_bytes = 32 * LANE_BYTES * 2 * self.row_tiles
+        self.scale_shift = sf_vec_size.bit_length() - 1  # code index >> scale_shift = its scale block
         self.ctas_per_sm = CTAS_PER_SM_X_AHEAD if self.x_ahead else 1
         self.stages = min(MAX_STAGES, SHARED_BYTES_PER_SM // self.ctas_per_sm // (WARPS * self.warp_stage_bytes))
         if self.stages < 2:
@@ -227,12 +236,6 @@ class WeightStreamGemm:
             parts[r] = cutlass.select_(sf_atom != 0, atom, compact)
         return parts
 
-    def _slot_addresses(self, ring0, warp, lane, stage) -> tuple:
-        """Shared addresses of this lane's codes (row slot 0; slots 32·16 bytes apart) and scale words (slot 0; 32·4
-        bytes apart) in ring stage `stage`: lane-contiguous, so the reads are free of bank conflicts."""
-        base = ring0 + (stage * WARPS + warp) * self.warp_stage_bytes
-        return base + lane * LANE_BYTES, base + self.codes_bytes + lane * 4
-
     def _code_rows(self, batch, row0, group, n, k) -> cute.Tensor:
         """Per row slot, the byte offset of its row of codes in w (rows past N clamped to N - 1): loop-invariant, so
         a chunk's copy addresses are one add each."""
@@ -242,72 +245,72 @@ class WeightStreamGemm:
             rows[r] = (batch * n + self._slot_row(row0, group, r, n)) * row_bytes
         return rows
 
-    def _first_code(self, lane, chunk_index):
-        """The first of this lane's codes in chunk `chunk_index` (the quad's lanes take lane_codes codes each)."""
-        return chunk_index * self.chunk + (lane % 4) * self.lane_codes
+    def _first_code(self, quad_codes, chunk_index):
+        """The first of this lane's codes in chunk `chunk_index`; `quad_codes` (the lane's place in its quad times
+        lane_codes) is loop-invariant."""
+        return chunk_index * self.chunk + quad_codes
 
     def _scale_block_part(self, first_code, s: int, in_k, sf_atom):
         """The block's part of the scale offset of this lane's block s in a chunk (row parts add the rest): block
-        first_code / sf_vec_size + s, in compact or atom form; 0 (the row's first block) where the codes lie past K."""
-        kb = first_code // self.sf_vec_size + s
-        atom = (kb // common.ATOM_KB) * common.ATOM_BYTES + kb % common.ATOM_KB
+        first_code / sf_vec_size + s, in compact or atom form; 0 (the row's first block) where the codes lie past K.
+        Shifts and masks, not divisions: every operand is non-negative."""
+        kb = (first_code >> self.scale_shift) + s
+        atom = (kb >> 2) * common.ATOM_BYTES + (kb & (common.ATOM_KB - 1))
         return cutlass.select_(in_k, cutlass.select_(sf_atom != 0, atom, kb), 0)
 
-    def _issue_chunk(self, ring0, stage, w, sw, code_rows, row_parts, warp, lane, chunk_index, live, k, sf_atom,
-                     sw_bytes):
-        """Start this lane's asynchronous copies of one chunk into ring stage `stage`: 16 bytes of codes per row slot
-        and the 4-byte words holding its scale bytes, zero-filled where the chunk or the lane's codes lie past K (a
-        zero code times any finite scale adds nothing; such copies read nothing and point at the row's start)."""
-        first_code = self._first_code(lane, chunk_index)
+    def _issue_chunk(self, codes_at, w, code_rows, first_code, live, k):
+        """Start this lane's asynchronous copies of one chunk's codes into the ring stage at `codes_at`: 16 bytes
+        per row slot, zero-filled where the chunk or the lane's codes lie past K (such copies read nothing and point
+        at the row's start)."""
         in_k = live & (first_code < k)
-        code_part = cutlass.select_(in_k, first_code // (2 if self.fp4 else 1), 0)
+        code_part = cutlass.select_(in_k, first_code >> 1 if cutlass.const_expr(self.fp4) else first_code, 0)
         size = cutlass.select_(in_k, 16, 0)
-        block_parts = [self._scale_block_part(first_code, s, in_k, sf_atom) for s in range(self.lane_scales)]
-        codes_at, scales_at = self._slot_addresses(ring0, warp, lane, stage)
-        w0, sw0 = w.iterator.toint(), sw.iterator.toint()
+        w0 = w.iterator.toint()
         for r in range(2 * self.row_tiles):
             cp_async_16(codes_at + r * (32 * LANE_BYTES), w0 + cutlass.Int64(code_rows[r] + code_part), size)
-            for s in range(self.lane_scales):
-                word = (row_parts[r] + block_parts[s]) & -4
-                scale_size = cutlass.select_(in_k, cutlass.min(sw_bytes - word, 4), 0)
-                cp_async_4(scales_at + (self.lane_scales * r + s) * (32 * 4), sw0 + cutlass.Int64(word), scale_size)
 
-    def _read_chunk(self, ring0, stage, row_parts, warp, lane, chunk_index, k, sf_atom) -> tuple:
-        """This lane's codes (four words per row slot) and scale bytes (one per row slot and block) of the chunk in
-        ring stage `stage`, once its copies have landed."""
-        first_code = self._first_code(lane, chunk_index)
-        in_k = first_code < k
+    def _scale_bytes(self, sw, row_parts, first_code, live, k, sf_atom) -> list:
+        """This lane's scale bytes of one chunk, one word per row slot (NVFP4's two blocks as bytes 0 and 1), read
+        straight into registers a chunk before they are used; 0 where the codes lie past K (they are zero-filled,
+        so any finite scale adds 0)."""
+        in_k = live & (first_code < k)
+        ok = in_k.to(cutlass.Int32)
         block_parts = [self._scale_block_part(first_code, s, in_k, sf_atom) for s in range(self.lane_scales)]
-        codes_at, scales_at = self._slot_addresses(ring0, warp, lane, stage)
-        codes, scales = [], []
+        sw0 = sw.iterator.toint()
+        out = []
         for r in range(2 * self.row_tiles):
-            codes += ld_shared_v4(codes_at + r * (32 * LANE_BYTES))
+            word = cutlass.Int32(0)
             for s in range(self.lane_scales):
-                word = ld_shared_u32(scales_at + (self.lane_scales * r + s) * (32 * 4))
-                scales.append((word >> (((row_parts[r] + block_parts[s]) & 3) * 8)) & 0xFF)
-        return codes, scales
+                word = word | (load_u8(sw0 + cutlass.Int64(row_parts[r] + block_parts[s]), ok) << (8 * s))
+            out.append(word)
+        return out
 
-    def _x_tile(self, x, batch, lane, chunk_index, live, m, k, j: int) -> list:
+    def _read_codes(self, codes_at) -> list:
+        """This lane's codes (four words per row slot) of the chunk in the ring stage at `codes_at`, once its copies
+        have landed."""
+        return [wd for r in range(2 * self.row_tiles) for wd in ld_shared_v4(codes_at + r * (32 * LANE_BYTES))]
+
+    def _x_tile(self, x, batch, group, first_code, live, m, k, j: int) -> list:
         """The raw bf16x2 words (x_words) of token tile j's activations at this lane's codes of a chunk (the lane's
         token row clamped to M - 1); zeros past M or K, or where `live` is false."""
-        token = 8 * j + lane // 4
+        token = 8 * j + group
         x_row = x.iterator.toint() + (cutlass.Int64(batch) * m + cutlass.min(token, m - 1)) * k * 2
-        first_code = self._first_code(lane, chunk_index)
         ok = (live & (token < m) & (first_code < k)).to(cutlass.Int32)
         base = x_row + cutlass.min(first_code, k - self.lane_codes) * 2
         return [wd for i in range(self.x_words // 4) for wd in load_v4(base + 16 * i, ok)]
 
-    def _fill_x(self, stage, j: int, words: list) -> None:
-        """Token tile j's activation words into the register stage `stage`."""
-        for e in range(self.x_words):
-            stage[j * self.x_words + e] = words[e]
+    @staticmethod
+    def _fill(stage, at: int, words: list) -> None:
+        """`words` into the register stage `stage` from element `at` on."""
+        for e, word in enumerate(words):
+            stage[at + e] = word
 
-    def _chunk_x(self, x_stages, r: int, x, batch, lane, chunk_index, m, k, j: int) -> list:
+    def _chunk_x(self, x_stages, r: int, x, batch, group, first_code, m, k, j: int) -> list:
         """Token tile j's activation words of the chunk being multiplied: from register stage r where they were
         loaded ahead, else loaded now."""
         if cutlass.const_expr(j < self.x_ahead_tiles):
             return [x_stages[r][j * self.x_words + e] for e in range(self.x_words)]
-        return self._x_tile(x, batch, lane, chunk_index, True, m, k, j)
+        return self._x_tile(x, batch, group, first_code, True, m, k, j)
 
     def _needs_two_multiplies(self, scales):
         """Whether a scale byte of this chunk, in any lane of the warp, is too large for one multiply per word (a
@@ -331,7 +334,7 @@ class WeightStreamGemm:
         neg_zero = cutlass.Int32(_NEG_ZERO_X2)
         two126 = cutlass.Int32(common.BF16X2_TWO_POW_126)
         for i in range(4):  # word i holds codes 8i..8i+7 (lane-relative); NVFP4: words 0, 1 and 2, 3 per block
-            byte = scales[self.lane_scales * r + (i // 2 if self.lane_scales == 2 else 0)]
+            byte = scales[r] >> (8 * (i // 2)) if self.lane_scales == 2 else scales[r]  # bits 8+: masked below
             scale = common.e4m3_scale_bf16x2(byte) if cutlass.const_expr(self.sf_e4m3) else e8m0_bf16x2(byte)
             for p in range(4):  # pair p: codes 8i+p (low half) and 8i+p+4 (high half)
                 bits = common.e2m1_pair_bits(codes[4 * r + i], p)
@@ -342,7 +345,7 @@ class WeightStreamGemm:
     def _e4m3_words(self, codes, scales, r: int, one: bool) -> list:
         """bf16x2 words code·scale of an E4M3 row slot by bit moves and packed bf16 multiplies (no converter).
 
-        Bytes 0, 2 and 1, 3 of each word pair up as (low, high) halves; an E4M3 byte s|eeee|mmm placed as the bf16
+        Bytes 0, 1 and 2, 3 of each word pair up as (low, high) halves; an E4M3 byte s|eeee|mmm placed as the bf16
         bits s<<15 | eeeemmm<<4 is exactly code·2^-120 (subnormals included), times 2^120 the code, times the
         block scale code·scale, both exact; or, where `one`, times 2^120·scale at once (one rounding of the same
         exact product). A NaN code (0x7F, 0xFF) would read as 480: a NaN anywhere in the lane's
@@ -358,22 +361,18 @@ class WeightStreamGemm:
                                 one_multiply_bf16x2(byte) if cutlass.const_expr(one) else e8m0_bf16x2(byte))
         out = []
         for i in range(4):
-            for bits in (e4m3_pair_bits(codes[4 * r + i], False), e4m3_pair_bits(codes[4 * r + i], True)):
+            for high in (False, True):
+                bits = e4m3_pair_bits(codes[4 * r + i], high, lambda w, sel: byte_perm(w, w, sel))
                 if cutlass.const_expr(not one):
                     bits = cute.arch.fma_packed_bf16x2(bits, two120, neg_zero)
                 out.append(cute.arch.fma_packed_bf16x2(bits, scale, neg_zero))
         return out
 
     def _x_pairs(self, v: list) -> list:
-        """Raw activation words in `_operand_words`' k order: as loaded for E5M2; for E4M3 the pairs (4i, 4i+2),
-        (4i+1, 4i+3); for FP4 the pairs (8i+p, 8i+p+4)."""
-        if cutlass.const_expr(self.w_name == "float8_e5m2"):
-            return v
+        """Raw activation words in `_operand_words`' k order: as loaded for FP8 (pairs of consecutive codes); for
+        FP4 the pairs (8i+p, 8i+p+4)."""
         if cutlass.const_expr(not self.fp4):
-            out = []
-            for i in range(len(v) // 2):  # v[2i], v[2i+1] = x01, x23 of codes 4i..4i+3
-                out += [byte_perm(v[2 * i], v[2 * i + 1], 0x5410), byte_perm(v[2 * i], v[2 * i + 1], 0x7632)]
-            return out
+            return v
         out = []
         for i in range(4):  # v[4i..4i+3] = x01 x23 x45 x67 of codes 8i..8i+7
             a, b, c_, d = v[4 * i:4 * i + 4]
@@ -423,60 +422,70 @@ class WeightStreamGemm:
                                     cute.make_layout(WARPS * self.rows * self.tokens))
         warp_amax = storage.warp_amax.get_tensor(cute.make_layout(WARPS))
         ring0 = ring.toint()
-        warp, lane = tidx // 32, tidx % 32
+        warp, lane = tidx >> 5, tidx & 31
+        group, quad_codes = lane >> 2, (lane & 3) * self.lane_codes
         row0 = row_block * self.rows
         kb_count = (k + self.sf_vec_size - 1) // self.sf_vec_size
-        atom_bytes = (((n + common.ATOM_MN - 1) // common.ATOM_MN) * ((kb_count + common.ATOM_KB - 1) // common.ATOM_KB)
-                      * common.ATOM_BYTES)
-        sw_bytes = l * cutlass.select_(sf_atom != 0, atom_bytes, n * kb_count)  # to zero-fill past the last word
         chunks = (k + self.chunk - 1) // self.chunk
         mine = (chunks - warp + WARPS - 1) // WARPS  # chunks warp, warp + WARPS, ... below `chunks`
-        group = lane // 4
         row_parts = self._scale_row_parts(batch, row0, group, n, kb_count, sf_atom)
         code_rows = self._code_rows(batch, row0, group, n, k)
+        lane_ring = ring0 + warp * self.warp_stage_bytes + lane * LANE_BYTES  # this lane's codes in ring stage 0
+        stage_bytes = WARPS * self.warp_stage_bytes
 
         acc = cute.make_rmem_tensor((self.row_tiles * self.token_tiles * 4,), cutlass.Float32)
         acc.fill(0.0)
-        # mainloop: codes and scales in a shared-memory ring of `stages` per warp (stages - 1 chunks in flight while
-        # one is multiplied), one commit group per chunk even when empty; with few tokens the activations X_STAGES - 1
-        # chunks ahead in X_STAGES register stages. Token tiles past M (all but the first) are skipped.
+        # mainloop: codes in a shared-memory ring of `stages` per warp (stages - 1 chunks in flight while one is
+        # multiplied), one commit group per chunk even when empty; the scale bytes (and, with few tokens, the
+        # activations) X_STAGES - 1 chunks ahead in X_STAGES register stages. Token tiles past M (all but the first)
+        # are skipped.
         for r in cutlass.range_constexpr(self.stages - 1):
-            self._issue_chunk(ring0, r, w, sw, code_rows, row_parts, warp, lane, warp + WARPS * r, r < mine, k,
-                              sf_atom, sw_bytes)
+            self._issue_chunk(lane_ring + r * stage_bytes, w, code_rows,
+                              self._first_code(quad_codes, warp + WARPS * r), r < mine, k)
             cp_async_commit()
+        s_stages = [cute.make_rmem_tensor((2 * self.row_tiles,), cutlass.Int32)
+                    for _ in range(X_STAGES)]
         x_stages = [cute.make_rmem_tensor((self.x_ahead_tiles * self.x_words,), cutlass.Int32)
                     for _ in range(X_STAGES)] if cutlass.const_expr(self.x_ahead) else None
-        if cutlass.const_expr(self.x_ahead):
-            for r in cutlass.range_constexpr(X_STAGES - 1):
+        for r in cutlass.range_constexpr(X_STAGES - 1):
+            first_code = self._first_code(quad_codes, warp + WARPS * r)
+            self._fill(s_stages[r], 0, self._scale_bytes(sw, row_parts, first_code, r < mine, k, sf_atom))
+            if cutlass.const_expr(self.x_ahead):
                 for j in cutlass.range_constexpr(self.x_ahead_tiles):
-                    self._fill_x(x_stages[r], j, self._x_tile(x, batch, lane, warp + WARPS * r, r < mine, m, k, j))
+                    self._fill(x_stages[r], j * self.x_words,
+                               self._x_tile(x, batch, group, first_code, r < mine, m, k, j))
+        slot = cutlass.Int32(0)  # the ring stage of chunk `index`: index % stages, kept as a counter
         for i in cutlass.range(0, mine, X_STAGES, unroll=1):
             for r in cutlass.range_constexpr(X_STAGES):
                 index = i + r
-                ahead = index + self.stages - 1
-                self._issue_chunk(ring0, ahead % self.stages, w, sw, code_rows, row_parts, warp, lane,
-                                  warp + WARPS * ahead, ahead < mine, k, sf_atom, sw_bytes)
+                ahead = index + self.stages - 1  # its copies go to the stage chunk index - 1 has just left
+                free = cutlass.select_(slot == 0, self.stages - 1, slot - 1)
+                self._issue_chunk(lane_ring + free * stage_bytes, w, code_rows,
+                                  self._first_code(quad_codes, warp + WARPS * ahead), ahead < mine, k)
                 cp_async_commit()
+                next_index = index + X_STAGES - 1  # the chunk whose scale bytes (and activations) load now
+                next_stage = (r + X_STAGES - 1) % X_STAGES
+                next_first = self._first_code(quad_codes, warp + WARPS * next_index)
+                self._fill(s_stages[next_stage], 0,
+                           self._scale_bytes(sw, row_parts, next_first, next_index < mine, k, sf_atom))
                 if cutlass.const_expr(self.x_ahead):
-                    x_index = index + X_STAGES - 1  # the chunk whose activations load now
-                    x_next = x_stages[(r + X_STAGES - 1) % X_STAGES]
-                    self._fill_x(x_next, 0, self._x_tile(x, batch, lane, warp + WARPS * x_index, x_index < mine, m,
-                                                         k, 0))
+                    x_next = x_stages[next_stage]
+                    self._fill(x_next, 0, self._x_tile(x, batch, group, next_first, next_index < mine, m, k, 0))
                     for j in cutlass.range_constexpr(1, self.x_ahead_tiles):
                         if 8 * j < m:
-                            self._fill_x(x_next, j, self._x_tile(x, batch, lane, warp + WARPS * x_index,
-                                                                 x_index < mine, m, k, j))
+                            self._fill(x_next, j * self.x_words,
+                                       self._x_tile(x, batch, group, next_first, next_index < mine, m, k, j))
                 cp_async_wait(self.stages - 1)
                 if index < mine:
-                    chunk_index = warp + WARPS * index
-                    codes, scales = self._read_chunk(ring0, index % self.stages, row_parts, warp, lane, chunk_index, k,
-                                                     sf_atom)
+                    first_code = self._first_code(quad_codes, warp + WARPS * index)
+                    codes = self._read_codes(lane_ring + slot * stage_bytes)
+                    scales = [s_stages[r][e] for e in range(2 * self.row_tiles)]
                     # the activation pairs of every token tile at hand now: tiles loaded ahead, and with many tokens
                     # all tiles at once (their loads in flight together); the others load where they are used
-                    x_pairs = [self._x_pairs(self._chunk_x(x_stages, r, x, batch, lane, chunk_index, m, k, j))
+                    x_pairs = [self._x_pairs(self._chunk_x(x_stages, r, x, batch, group, first_code, m, k, j))
                                if j < self.x_ahead_tiles or not self.x_ahead else None
                                for j in range(self.token_tiles)]
-                    chunk_x = (x_stages, r, x, batch, lane, chunk_index, m, k)
+                    chunk_x = (x_stages, r, x, batch, group, first_code, m, k)
                     if cutlass.const_expr(self.w_name == "float8_e4m3fn"):  # E4M3: one multiply where scales allow
                         if self._needs_two_multiplies(scales):
                             self._multiply_chunk(acc, codes, scales, x_pairs, chunk_x, m, False)
@@ -484,11 +493,12 @@ class WeightStreamGemm:
                             self._multiply_chunk(acc, codes, scales, x_pairs, chunk_x, m, True)
                     else:
                         self._multiply_chunk(acc, codes, scales, x_pairs, chunk_x, m, False)
+                slot = cutlass.select_(slot == self.stages - 1, 0, slot + 1)
         cp_async_wait(0)
         cute.arch.sync_threads()  # every warp is done with the ring: the partial tiles may take its bytes
 
         # epilogue: the warps' partial tiles summed in warp order (deterministic), alpha, C, amax
-        group, quad = lane // 4, lane % 4
+        quad = lane & 3
         for t in cutlass.range_constexpr(self.row_tiles):
             for j in cutlass.range_constexpr(self.token_tiles):
                 for v in cutlass.range_constexpr(4):
