@@ -104,14 +104,6 @@ def cp_async_16(smem: cutlass.Int32, gmem: cutlass.Int64, src_bytes: cutlass.Int
 
 
 @dsl_user_op
-def cp_async_4(smem: cutlass.Int32, gmem: cutlass.Int64, src_bytes: cutlass.Int32, *, loc=None, ip=None) -> None:
-    """cp.async of one 4-byte aligned word from global to shared memory; only the first `src_bytes` (0..4) are read,
-    the rest are zero-filled. Completes with the thread's commit group."""
-    args = [cutlass.Int32(smem), cutlass.Int64(gmem), cutlass.Int32(src_bytes)]
-    asm(None, args, "cp.async.ca.shared.global [$0], [$1], 4, $2;", "r,l,r,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
 def cp_async_commit(*, loc=None, ip=None) -> None:
     """Close the thread's current group of cp.async copies (an empty group is allowed)."""
     asm(None, [], "cp.async.commit_group;", "~{memory}", True, loc, ip)

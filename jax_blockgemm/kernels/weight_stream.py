@@ -13,12 +13,12 @@ shared memory, not registers, and since a lane reads back only what it copied, w
 synchronization. Its scale bytes (one per row slot and block, loaded as bytes: no word to pick them from) and the
 activations (L2-resident: every CTA reads them) come a chunk ahead in registers. The codes become bf16 code·scale in
 registers (exact: SPEC §6's argument): E4M3 by bit moves and packed bf16 multiplies, E5M2 through the hardware
-converter (which keeps its infinities and NaNs), FP4 by the bit model of kernels/common.py. Each lane's 16 bytes feed the k-slots the mma gives that lane (a permutation of K
-applied identically to the activations, which each lane loads for the same k's), and every chunk's MMAs sum into a
-fresh fp32 partial that is then added to the accumulator. At the end the warps' partial C tiles meet in shared memory
-and are summed in warp order: the result is the same bits on every run (a deterministic split of K). alpha (NVFP4's
-per-tensor factor; 1 otherwise) multiplies the sums, which are stored with predication (any M, N) and folded into
-amax[l] by one integer atomic max per CTA.
+converter (which keeps its infinities and NaNs), FP4 by the bit model of kernels/common.py. Each lane's 16 bytes
+feed the k-slots the mma gives that lane (a permutation of K applied identically to the activations, which each lane
+loads for the same k's), and every chunk's MMAs sum into a fresh fp32 partial that is then added to the accumulator.
+At the end the warps' partial C tiles meet in shared memory and are summed in warp order: the result is the same bits
+on every run (a deterministic split of K). alpha (NVFP4's per-tensor factor; 1 otherwise) multiplies the sums, which
+are stored with predication (any M, N) and folded into amax[l] by one integer atomic max per CTA.
 
 Accuracy: SPEC §7's "exact" class (bf16 products are exact, sums in fp32 per chunk of at most 128 products).
 What it reaches on the H200, what limits it and the designs measured before it: docs/design/decode.md.
