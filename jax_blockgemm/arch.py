@@ -110,22 +110,23 @@ def is_verified(target: str) -> bool:
     return policy(target).verified
 
 
-def decode_largest_m(target: str, fmt: str, k: Optional[int] = None) -> int:
+def decode_largest_m(target: str, fmt: str, k: Optional[int] = None, *, measured_max_m: Optional[int] = None) -> int:
     """The most rows of x for which None takes the decode kernel on `target` for `fmt` weights of `k` columns (k
-    None: at long K); 0: never."""
+    None: at long K); 0: never. `measured_max_m`: the local GPU's tuning table's threshold (timed at long K), which
+    replaces `decode_max_m`; the short-K rule still caps it below its K."""
     row = policy(target)
-    largest = row.decode_max_m.get(fmt, 0)
+    largest = row.decode_max_m.get(fmt, 0) if measured_max_m is None else measured_max_m
     short_k, short_m = row.decode_short_k.get(fmt, (0, largest))
     return min(largest, short_m) if k is not None and k < short_k else largest
 
 
 def none_takes_kernel(op: str, target: str, *, fmt: str = "", m: Optional[int] = None,
-                      k: Optional[int] = None) -> bool:
+                      k: Optional[int] = None, measured_max_m: Optional[int] = None) -> bool:
     """Whether implementation=None takes our `op` kernel on `target` (where one applies to the call). For the decode
     kernel (DECODE_OP) that depends on the weight format `fmt`, the call's rows `m` and columns `k`: M at most
-    `decode_largest_m` (with `m` None: whether it ever does)."""
+    `decode_largest_m` (with `m` None: whether it ever does; `measured_max_m` as there)."""
     if op == DECODE_OP:
-        largest = decode_largest_m(target, fmt, k)
+        largest = decode_largest_m(target, fmt, k, measured_max_m=measured_max_m)
         return largest > 0 and (m is None or m <= largest)
     return policy(target).default.get(_POLICY_OF.get(op, op)) == "kernel"
 

@@ -400,13 +400,17 @@ def local_gpu_model() -> str | None:
 def _none_takes(v: Any, fmt: str, sizes: tuple, local_targets: set) -> bool:
     """Whether implementation=None takes variant `v` for a call of `sizes` (M or T first): the local GPU model's
     measured decision (`tuning`, for the problem size prod(sizes)) where one exists for its target, else
-    `arch.TABLE` (for the decode kernel, whose sizes are (M, N, K, L), by the weight format, M and K)."""
-    if v.arch in local_targets:
-        measured = tuning.takes_kernel(local_gpu_model(), v.op, fmt, math.prod(sizes), m=sizes[0])
+    `arch.TABLE`. The decode kernel (sizes (M, N, K, L)) by the weight format, M and K: up to the measured largest M
+    where the table has one, else arch.TABLE's, and below the short-K rule's K at most its M either way."""
+    local = v.arch in local_targets
+    if v.op == arch.DECODE_OP:
+        measured_max_m = tuning.decode_max_m(local_gpu_model(), fmt) if local else None
+        return arch.none_takes_kernel(v.op, v.arch, fmt=fmt, m=sizes[0], k=sizes[2], measured_max_m=measured_max_m)
+    if local:
+        measured = tuning.takes_kernel(local_gpu_model(), v.op, fmt, math.prod(sizes))
         if measured is not None:
             return measured
-    k = sizes[2] if v.op == arch.DECODE_OP else None
-    return arch.none_takes_kernel(v.op, v.arch, fmt=fmt, m=sizes[0], k=k)
+    return arch.none_takes_kernel(v.op, v.arch)
 
 
 def _usable(variants: list, implementation: Any, *, sizes: tuple, names: str, fmt: str) -> KernelChoice:

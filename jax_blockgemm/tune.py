@@ -9,8 +9,8 @@ without a decision (`arch.TABLE`: the reference, or XLA's block-scaled dot on Bl
 benchmark's, print a table, and store the decisions for this GPU model (`tuning`), which None follows from then on.
 The decode kernel ("weight_stream": `weight_only_matmul` with bf16 x, few rows) is timed against the reference
 (implementation="xla") over DECODE_MATRICES distinct weights in one program (one call alone would time its launch),
-and its decision reads "our kernel up to M rows". The ragged (grouped) kernel is timed at RAGGED_SHAPES, equal groups,
-bf16 C.
+and its decision reads "our kernel up to M rows" (measured at DECODE_SHAPES' K; below arch.TABLE's short-K rule's K
+that rule still caps M). The ragged (grouped) kernel is timed at RAGGED_SHAPES, equal groups, bf16 C.
 `--reset` deletes the stored table; JAX_BLOCKGEMM_IGNORE_TUNING=1 makes None ignore it.
 """
 

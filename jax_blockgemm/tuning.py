@@ -93,21 +93,34 @@ def load(gpu_model: str) -> tuple[Decision, ...]:
     return _load(gpu_model, str(kernel_cache.default_cache_dir()))
 
 
-def takes_kernel(gpu_model: Optional[str], op: str, fmt: str, size: int, m: Optional[int] = None) -> Optional[bool]:
-    """Whether the measured table of `gpu_model` sends this call (problem size `size`; rows `m` for the decode
-    kernel) to our kernel: True or False where a decision for (op, fmt) says so, None where there is none, where it
-    keeps None's default (which tune timed the kernel against: arch.TABLE's choice, a kernel of ours on sm_90a for
-    proj_rope and ragged) or where tables are ignored: then `arch.TABLE` decides."""
+def _decision(gpu_model: Optional[str], op: str, fmt: str) -> Optional[Decision]:
+    """The measured decision of `gpu_model` for (op, fmt); None where there is none or tables are ignored."""
     if not gpu_model or os.environ.get(IGNORE_ENV, "").strip() not in ("", "0"):
         return None
-    for d in load(gpu_model):
-        if (d.op, d.fmt) == (op, fmt):
-            if op == DECODE_OP:  # timed against the reference: DEFAULT is the reference
-                return d.choice == KERNEL and m is not None and m <= d.max_m
-            if d.choice != KERNEL:  # timed against None's default: DEFAULT is arch.TABLE's choice, kernel or not
-                return None
-            return size >= d.min_size
-    return None
+    return next((d for d in load(gpu_model) if (d.op, d.fmt) == (op, fmt)), None)
+
+
+def takes_kernel(gpu_model: Optional[str], op: str, fmt: str, size: int) -> Optional[bool]:
+    """Whether the measured table of `gpu_model` sends this call (problem size `size`) of a large-GEMM op (not the
+    decode kernel: `decode_max_m`) to our kernel: True or False where a decision for (op, fmt) says so, None where
+    there is none, where it keeps None's default (which tune timed the kernel against: arch.TABLE's choice, a kernel
+    of ours on sm_90a for proj_rope and ragged) or where tables are ignored: then `arch.TABLE` decides."""
+    if op == DECODE_OP:
+        raise ValueError(f"op={DECODE_OP!r} is decided by rows: use decode_max_m")
+    d = _decision(gpu_model, op, fmt)
+    if d is None or d.choice != KERNEL:  # timed against None's default: DEFAULT is arch.TABLE's choice
+        return None
+    return size >= d.min_size
+
+
+def decode_max_m(gpu_model: Optional[str], fmt: str) -> Optional[int]:
+    """The measured table's largest M for the decode kernel with `fmt` weights on `gpu_model` (timed against the
+    reference at N = K = 7168: 0 where the reference won), or None where there is no decision; it replaces
+    `arch.TABLE`'s decode_max_m, whose short-K rule still applies (`arch.decode_largest_m`)."""
+    d = _decision(gpu_model, DECODE_OP, fmt)
+    if d is None:
+        return None
+    return d.max_m if d.choice == KERNEL else 0
 
 
 def decide_decode(fmt: str, measured: Sequence[tuple[int, float, float]], *, margin: float = 0.02) -> Decision:

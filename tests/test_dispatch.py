@@ -516,6 +516,22 @@ class DecodeDispatchTest(parameterized.TestCase):
             self.assertEqual([c.args[0].key for c in checked.call_args_list],
                              ["weight_stream.sm_100a.e4m3.bf16.sf32.t32x16.c1x1"])
 
+    def test_the_short_k_rule_caps_a_measured_threshold(self):
+        """tune times the decode kernel at K = 7168 only: its largest M replaces arch.TABLE's decode_max_m, and below
+        the short-K rule's K None still takes the kernel only up to the rule's M."""
+        self.enterContext(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enterContext(
+            tempfile.TemporaryDirectory()), tuning.IGNORE_ENV: ""}))
+        short_k, short_m = arch.policy("sm_90a").decode_short_k["mxfp8_e4m3"]
+        tuning.store("NVIDIA H200", [tuning.Decision("weight_stream", "mxfp8_e4m3", tuning.KERNEL, max_m=48)])
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
+                mock.patch.object(dispatch, "local_gpu_model", return_value="NVIDIA H200"):
+            self.assertEqual([v.arch for v in _decode(48, implementation=None, k=short_k).variants], ["sm_90a"])
+            self.assertRegex(_decode(49, implementation=None, k=short_k).reason,
+                             "implementation=None takes the reference")
+            self.assertEqual([v.arch for v in _decode(short_m, implementation=None, k=96).variants], ["sm_90a"])
+            self.assertRegex(_decode(short_m + 1, implementation=None, k=96).reason,
+                             "implementation=None takes the reference")
+
     def test_a_failed_self_check_leaves_the_decode_kernel(self):
         from jax_blockgemm import gate
 

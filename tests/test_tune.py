@@ -49,9 +49,11 @@ class DecideDecodeTest(absltest.TestCase):
                 tempfile.TemporaryDirectory()), tuning.IGNORE_ENV: ""}):
             tuning.store(H200, [tuning.decide_decode("mxfp8_e4m3", [(1, 1.0, 2.0), (16, 1.0, 2.0),
                                                                    (64, 3.0, 2.0)])])
-            self.assertTrue(tuning.takes_kernel(H200, "weight_stream", "mxfp8_e4m3", 10 ** 9, m=16))
-            self.assertFalse(tuning.takes_kernel(H200, "weight_stream", "mxfp8_e4m3", 1, m=17))
-            self.assertIsNone(tuning.takes_kernel(H200, "weight_stream", "mxfp4", 1, m=1))
+            self.assertEqual(tuning.decode_max_m(H200, "mxfp8_e4m3"), 16)
+            self.assertIsNone(tuning.decode_max_m(H200, "mxfp4"))  # no decision: arch.TABLE decides
+            self.assertIsNone(tuning.decode_max_m("NVIDIA B200", "mxfp8_e4m3"))  # another GPU model
+            with self.assertRaisesRegex(ValueError, "decided by rows: use decode_max_m"):
+                tuning.takes_kernel(H200, "weight_stream", "mxfp8_e4m3", 1)
 
 
 class StoreTest(absltest.TestCase):
@@ -139,7 +141,8 @@ def _weight_only_text(m: int, fmt: str = "mxfp8_e4m3") -> str:
 
 
 class DispatchFollowsADecodeDecisionTest(absltest.TestCase):
-    """A stored decode decision (by M alone) overrides arch.TABLE's thresholds both ways on a (faked) H200."""
+    """A stored decode decision (by M, timed at long K) replaces arch.TABLE's threshold both ways on a (faked) H200;
+    below the short-K rule's K that rule still caps it."""
 
     def setUp(self):
         _fake_h200(self)
@@ -151,9 +154,12 @@ class DispatchFollowsADecodeDecisionTest(absltest.TestCase):
         self.assertLess(table_rows, 40)  # decode_short_k: MXFP8 weight rows of 128 codes take few rows
         self.assertIn("jbg_weight_stream", _weight_only_text(table_rows))
         self.assertNotIn("jbg_weight_stream", _weight_only_text(table_rows + 1))
+        tuning.store(H200, [tuning.Decision("weight_stream", "mxfp8_e4m3", tuning.KERNEL, max_m=table_rows // 2)])
+        self.assertIn("jbg_weight_stream", _weight_only_text(table_rows // 2))  # fewer rows measured: fewer taken
+        self.assertNotIn("jbg_weight_stream", _weight_only_text(table_rows // 2 + 1))
         tuning.store(H200, [tuning.Decision("weight_stream", "mxfp8_e4m3", tuning.KERNEL, max_m=40)])
-        self.assertIn("jbg_weight_stream", _weight_only_text(40))
-        self.assertNotIn("jbg_weight_stream", _weight_only_text(41))
+        self.assertIn("jbg_weight_stream", _weight_only_text(table_rows))  # more rows measured at long K: the
+        self.assertNotIn("jbg_weight_stream", _weight_only_text(table_rows + 1))  # short-K rule still caps K = 128
         tuning.store(H200, [tuning.Decision("weight_stream", "mxfp8_e4m3", tuning.DEFAULT)])
         self.assertNotIn("jbg_weight_stream", _weight_only_text(1))  # measured slower here: the reference
 
@@ -282,7 +288,7 @@ class RaggedTuningTest(absltest.TestCase):
                             tuning.Decision(tuning.DECODE_OP, "mxfp4", tuning.DEFAULT)])
         self.assertIsNone(tuning.takes_kernel(H200, "ragged", "mxfp8_e4m3", 2**30))
         self.assertIsNone(tuning.takes_kernel(H200, "proj_rope", "bf16", 2**30))
-        self.assertFalse(tuning.takes_kernel(H200, tuning.DECODE_OP, "mxfp4", 1, m=1))
+        self.assertEqual(tuning.decode_max_m(H200, "mxfp4"), 0)  # the reference won: never the decode kernel
 
 
 if __name__ == "__main__":
