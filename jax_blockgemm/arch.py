@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from typing import Iterator, Literal, Mapping, Optional
+from typing import Callable, Iterator, Literal, Mapping, Optional, Sequence
 
 Choice = Literal["kernel", "reference"]
 OPS = ("gemm_amax", "proj_rope", "ragged")
@@ -157,26 +157,31 @@ def overridden(capability: str, **changes) -> Iterator[ArchPolicy]:
 
 
 def _decode_cell(p: ArchPolicy) -> str:
-    """What None takes for decode-sized calls on row `p`: "M <= 64, every format", "never", or per format."""
+    """What None takes for decode-sized calls on row `p`: "decode kernel for M <= 64" (every format), "never", or
+    per format."""
     if p.target is None:
         return "-"
-    largest = {fmt: p.decode_max_m.get(fmt, 0) for fmt in DECODE_FORMATS}
+    rule = decode_rule(p, DECODE_FORMATS)
+    return ("decode kernel for " if rule.startswith("M <=") else "") + rule if rule else "never"
+
+
+def decode_rule(p: ArchPolicy, formats: Sequence[str], *, name: Callable[[str], str] = str) -> str:
+    """Up to how many rows None takes the decode kernel on row `p` for weights in `formats` (DECODE_FORMATS names;
+    `name` spells them): "M <= 64" where they share one threshold, else "name: M <= 64, name: never"; then the
+    short-K rules ("; M <= 16 below K = 7168 for name, name"); "" where none of the formats ever takes it."""
+    largest = {fmt: p.decode_max_m.get(fmt, 0) for fmt in formats}
+    if not any(largest.values()):
+        return ""
     if len(set(largest.values())) == 1:
-        value = next(iter(largest.values()))
-        cell = f"decode kernel for M <= {value}, every format" if value else "never"
+        text = f"M <= {next(iter(largest.values()))}"
     else:
-        cell = ", ".join(f"{fmt}: M <= {value}" if value else f"{fmt}: never" for fmt, value in largest.items())
-    return cell + decode_short_k_note(p)
-
-
-def decode_short_k_note(p: ArchPolicy, formats: Optional[tuple] = None) -> str:
-    """"; M <= 16 below K = 7168 for mxfp8_e4m3, mxfp8_e5m2"-style text for row `p`'s short-K rules (for the
-    weight formats `formats`, default all), "" where there are none."""
+        text = ", ".join(f"{name(fmt)}: M <= {value}" if value else f"{name(fmt)}: never"
+                         for fmt, value in largest.items())
     rules: dict[tuple[int, int], list[str]] = {}
     for fmt, rule in p.decode_short_k.items():
-        if (formats is None or fmt in formats) and 0 < rule[1] < p.decode_max_m.get(fmt, 0):
-            rules.setdefault(tuple(rule), []).append(fmt)
-    return "".join(f"; M <= {m} below K = {k} for {', '.join(fmts)}" for (k, m), fmts in sorted(rules.items()))
+        if fmt in largest and 0 < rule[1] < largest[fmt]:
+            rules.setdefault(tuple(rule), []).append(name(fmt))
+    return text + "".join(f"; M <= {m} below K = {k} for {', '.join(names)}" for (k, m), names in sorted(rules.items()))
 
 
 def markdown_table() -> str:

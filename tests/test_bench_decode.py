@@ -90,7 +90,7 @@ class DecodeBenchTest(parameterized.TestCase):
             self.assertIn("weight_stream decode kernel on sm_90a for M <= 48 (", decode.decode_policy(formats_))
         with arch.overridden("9.0", decode_max_m={f: 48 for f in arch.DECODE_FORMATS},
                              decode_short_k={"mxfp8_e4m3": (4096, 16)}):
-            self.assertIn("on sm_90a for M <= 48; M <= 16 below K = 4096 for mxfp8_e4m3 (",
+            self.assertIn("on sm_90a for M <= 48; M <= 16 below K = 4096 for MXFP8 E4M3 (",
                           decode.decode_policy(formats_))
             self.assertIn("on sm_90a for M <= 48 (", decode.decode_policy(("mxfp4",)))  # not its rule
         with arch.overridden("9.0", decode_max_m={"mxfp8_e4m3": 16, "mxfp4": 0, "nvfp4": 32}, decode_short_k={}):

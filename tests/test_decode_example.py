@@ -48,16 +48,15 @@ class DecodeExampleTest(absltest.TestCase):
         h200 = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
         formats_ = ("bf16", "mxfp8_e4m3", "mxfp4", "nvfp4")
         shipped = arch.policy("sm_90a").decode_max_m.get("mxfp4", 0)  # the table as it stands
-        self.assertIn(f"weight_stream decode kernel for batch <= {shipped} (" if shipped else "at every batch",
+        self.assertIn(f"weight_stream decode kernel for M <= {shipped}" if shipped else "at every batch",
                       decode.matmul_path(h200, ("mxfp4",)))
-        with arch.overridden("9.0", decode_max_m={"mxfp8_e4m3": 16, "mxfp4": 48, "nvfp4": 48}):
+        with arch.overridden("9.0", decode_max_m={"mxfp8_e4m3": 16, "mxfp4": 48, "nvfp4": 48}, decode_short_k={}):
             self.assertIn("on sm_90a, implementation=None", decode.matmul_path(h200, formats_))
-            self.assertIn("the weight_stream decode kernel for batch <= 16 (mxfp8_e4m3), batch <= 48 (mxfp4, nvfp4); "
-                          "the reference", decode.matmul_path(h200, formats_))
+            self.assertIn("the weight_stream decode kernel for mxfp8_e4m3: M <= 16, mxfp4: M <= 48, nvfp4: M <= 48 (M: the "
+                          "batch); the reference", decode.matmul_path(h200, formats_))
         with arch.overridden("9.0", decode_max_m={"mxfp4": 8}):
             note = decode.matmul_path(h200, formats_)
-            self.assertIn("kernel for batch <= 8 (mxfp4); the reference", note)
-            self.assertNotIn("mxfp8_e4m3", note)  # no threshold: the reference, as "every other format" says
+            self.assertIn("kernel for mxfp8_e4m3: never, mxfp4: M <= 8, nvfp4: never (M: the batch); the reference", note)
             self.assertRegex(decode.matmul_path(h200, ("mxfp8_e4m3",)), r"the reference .* at every batch\.$")
         b200 = types.SimpleNamespace(platform="gpu", compute_capability="10.0", device_kind="NVIDIA B200")
         with arch.overridden("10.0", decode_max_m={}):

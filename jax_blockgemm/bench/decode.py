@@ -164,18 +164,9 @@ def decode_policy(formats_: Sequence[str]) -> str:
     """Where implementation=None runs the weight_stream decode kernel for weights in `formats_` (--format names),
     read from `arch.TABLE`'s `decode_max_m`: per target, the largest M (per format where they differ), and its
     `decode_short_k` rules."""
-    places = []
-    for row in arch.TABLE:
-        largest = {fmt: row.decode_max_m.get(WEIGHT_FORMAT[fmt], 0) for fmt in formats_}
-        if row.target is None or not any(largest.values()):
-            continue
-        if len(set(largest.values())) == 1:
-            place = f"on {row.target} for M <= {next(iter(largest.values()))}"
-        else:
-            place = f"on {row.target} for " + ", ".join(
-                f"{GEMM_FORMATS[fmt].title}: M <= {value}" if value else f"{GEMM_FORMATS[fmt].title}: never"
-                for fmt, value in largest.items())
-        places.append(place + arch.decode_short_k_note(row, tuple(WEIGHT_FORMAT[fmt] for fmt in formats_)))
+    titles = {WEIGHT_FORMAT[fmt]: GEMM_FORMATS[fmt].title for fmt in formats_}
+    rules = [(row.target, arch.decode_rule(row, list(titles), name=titles.get)) for row in arch.TABLE if row.target]
+    places = [f"on {target} for {rule}" for target, rule in rules if rule]
     if not places:
         return ("implementation=None runs the reference (bf16 dequantization, XLA's dot) on every device: no row of "
                 "arch.TABLE's decode_max_m takes the weight_stream decode kernel for these formats")

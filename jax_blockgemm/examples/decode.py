@@ -222,13 +222,9 @@ def matmul_path(device: Any, formats_: Sequence[str]) -> str:
     target = arch.target_of(str(capability)) if capability else None
     if target is None:
         return f"Quantized weights on {device.device_kind}: no kernel of ours runs here, so {reference}."
-    by_threshold: dict[int, list[str]] = {}
-    for fmt in quantized:
-        by_threshold.setdefault(arch.policy(target).decode_max_m.get(fmt, 0), []).append(fmt)
-    kernel = [f"batch <= {value} ({', '.join(fmts)})" for value, fmts in sorted(by_threshold.items()) if value]
-    short_k = arch.decode_short_k_note(arch.policy(target), tuple(quantized))
-    runs = (f"the weight_stream decode kernel for {', '.join(kernel)}{short_k}; {reference} for every other batch "
-            "and format" if kernel else f"{reference} at every batch")
+    rule = arch.decode_rule(arch.policy(target), quantized)
+    runs = (f"the weight_stream decode kernel for {rule} (M: the batch); {reference} for every other batch and "
+            "format" if rule else f"{reference} at every batch")
     return (f"Quantized weights on {target}, implementation=None (arch.TABLE's decode_max_m, unless a tuning table "
             f"measured on this GPU decides otherwise): {runs}.")
 
