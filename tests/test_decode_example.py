@@ -52,11 +52,12 @@ class DecodeExampleTest(absltest.TestCase):
                       decode.matmul_path(h200, ("mxfp4",)))
         with arch.overridden("9.0", decode_max_m={"mxfp8_e4m3": 16, "mxfp4": 48, "nvfp4": 48}, decode_short_k={}):
             self.assertIn("on sm_90a, implementation=None", decode.matmul_path(h200, formats_))
-            self.assertIn("the weight_stream decode kernel for mxfp8_e4m3: M <= 16, mxfp4: M <= 48, nvfp4: M <= 48 (M: the "
-                          "batch); the reference", decode.matmul_path(h200, formats_))
+            self.assertIn("the weight_stream decode kernel for mxfp8_e4m3: M <= 16, mxfp4: M <= 48, nvfp4: M <= 48 "
+                          "(M: the batch); the reference", decode.matmul_path(h200, formats_))
         with arch.overridden("9.0", decode_max_m={"mxfp4": 8}):
             note = decode.matmul_path(h200, formats_)
-            self.assertIn("kernel for mxfp8_e4m3: never, mxfp4: M <= 8, nvfp4: never (M: the batch); the reference", note)
+            self.assertIn("kernel for mxfp8_e4m3: never, mxfp4: M <= 8, nvfp4: never (M: the batch); the reference",
+                          note)
             self.assertRegex(decode.matmul_path(h200, ("mxfp8_e4m3",)), r"the reference .* at every batch\.$")
         b200 = types.SimpleNamespace(platform="gpu", compute_capability="10.0", device_kind="NVIDIA B200")
         with arch.overridden("10.0", decode_max_m={}):
