@@ -4,7 +4,7 @@ each kernel body at trace time. One CTA per cluster: no multicast."""
 
 from __future__ import annotations
 
-from typing import Any, Type
+from typing import Any
 
 import cutlass
 import cutlass.cute as cute
@@ -20,12 +20,14 @@ def load_atom(operand: cute.Tensor, smem_staged: Any, tile: tuple):
                                                   cute.slice_(smem_staged, (None, None, 0)), tile)
 
 
-def make_ab_pipeline(barrier_ptr: Any, a_smem_staged: Any, b_smem_staged: Any, dtype: Type[cutlass.Numeric],
-                     stages: int, consumer_warps: int) -> pipeline.PipelineTmaAsync:
+def make_ab_pipeline(barrier_ptr: Any, a_smem_staged: Any, b_smem_staged: Any, dtype: Any, stages: int,
+                     consumer_warps: int) -> pipeline.PipelineTmaAsync:
     """`stages` A+B buffers filled by one TMA thread (the transaction count is one A and one B tile) and released
-    by `consumer_warps` warps; also arrives on the pipeline's init barrier (the caller waits on it)."""
-    tma_bytes = (cute.size_in_bytes(dtype, cute.slice_(a_smem_staged, (None, None, 0)))
-                 + cute.size_in_bytes(dtype, cute.slice_(b_smem_staged, (None, None, 0))))
+    by `consumer_warps` warps; also arrives on the pipeline's init barrier (the caller waits on it). `dtype` is
+    both operands' element type, or an (A type, B type) pair."""
+    a_dtype, b_dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
+    tma_bytes = (cute.size_in_bytes(a_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
+                 + cute.size_in_bytes(b_dtype, cute.slice_(b_smem_staged, (None, None, 0))))
     ab_pipeline = pipeline.PipelineTmaAsync.create(
         barrier_storage=barrier_ptr, num_stages=stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -46,13 +48,13 @@ def tma_views(tma_atom: cute.CopyAtom, operand: cute.Tensor, smem: cute.Tensor, 
 @cute.jit
 def ab_prologue(tidx, warp_idx, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
                 mB_nkl: cute.Tensor, a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
-                shared_storage: Any, dtype: Type[cutlass.Numeric], stages: int, consumer_warps: int,
+                shared_storage: Any, dtype: Any, stages: int, consumer_warps: int,
                 tile_mnk: tuple, threads_per_wg: int):
     """Everything before a Hopper kernel's warp roles split: the TMA descriptors' prefetch (warp 0), the shared
     storage (`shared_storage`, a cute.struct with fields pipeline_mbars, sA and sB), the A+B stage pipeline
-    (`make_ab_pipeline`), the TMA views of (tile_mnk[0], tile_mnk[2]) A tiles and (tile_mnk[1], tile_mnk[2]) B tiles
-    and the pipeline's init barrier. Returns (storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB, tBgB), k_tiles,
-    wg_idx). Pipeline states are made and advanced by the caller, in its own loops."""
+    (`make_ab_pipeline`; `dtype` as there), the TMA views of (tile_mnk[0], tile_mnk[2]) A tiles and (tile_mnk[1],
+    tile_mnk[2]) B tiles and the pipeline's init barrier. Returns (storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB,
+    tBgB), k_tiles, wg_idx). Pipeline states are made and advanced by the caller, in its own loops."""
     bm, bn, bk = tile_mnk
     if warp_idx == 0:
         cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
