@@ -171,9 +171,10 @@ std::tuple<std::string, std::tuple<int, int, int, int, int>> CheckWeightStream(
 
 // The ragged attributes parsed (ValueError naming what is wrong otherwise).
 jbg::KernelDtypes RaggedDtypes(const std::string& ab_dtype, const std::string& c_dtype, const std::string& sf_dtype,
-                               int64_t sf_vec_size, const std::string& b_major) {
+                               int64_t sf_vec_size, const std::string& b_major, const std::string& a_dtype) {
   jbg::KernelDtypes kernel{};
-  std::string why = jbg::ParseRaggedAttributes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, b_major, &kernel);
+  std::string why = jbg::ParseRaggedAttributes(ab_dtype, a_dtype.empty() ? ab_dtype : a_dtype, c_dtype, sf_dtype,
+                                               sf_vec_size, b_major, &kernel);
   if (!why.empty()) throw nb::value_error(why.c_str());
   return kernel;
 }
@@ -182,9 +183,9 @@ jbg::KernelDtypes RaggedDtypes(const std::string& ab_dtype, const std::string& c
 // address), for objects compiled for the given attributes. Returns (message, (t, n, k, l, g, max_items)).
 std::tuple<std::string, std::tuple<int, int, int, int, int, int>> CheckRagged(
     const std::vector<BufferSpec>& specs, const std::string& ab_dtype, const std::string& c_dtype,
-    const std::string& sf_dtype, int64_t sf_vec_size, const std::string& b_major) {
+    const std::string& sf_dtype, int64_t sf_vec_size, const std::string& b_major, const std::string& a_dtype) {
   if (specs.size() != 8) throw nb::value_error("expected 8 buffers: a, b, sfa, sfb, items, c, amax, alpha");
-  const jbg::KernelDtypes kernel = RaggedDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, b_major);
+  const jbg::KernelDtypes kernel = RaggedDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, b_major, a_dtype);
   jbg::BufferDesc descs[8];
   ToDescs(specs, descs);
   jbg::RaggedDims dims;
@@ -328,19 +329,24 @@ NB_MODULE(_jbg_ffi, m) {
       "Test hook: the weight_stream instantiate stage's attribute parsing: (w, c, sf) as XLA FFI dtype codes.");
   m.def("check_ragged_buffers", &CheckRagged, nb::arg("buffers"), nb::arg("ab_dtype"), nb::arg("c_dtype"),
         nb::arg("sf_dtype") = "float8_e8m0fnu", nb::arg("sf_vec_size") = 32, nb::arg("b_major") = "k",
+        nb::arg("a_dtype") = "",
         "Test hook: the ragged execute stage's buffer checks on [(dtype, dims, address)] * 8 (a, b, sfa, sfb, items, "
-        "c, amax, alpha) for objects compiled for ab_dtype / c_dtype / sf_dtype / sf_vec_size / b_major.");
+        "c, amax, alpha) for objects compiled for ab_dtype / c_dtype / sf_dtype / sf_vec_size / b_major / a_dtype "
+        "(empty: ab_dtype's).");
   m.def(
       "parse_ragged_attributes",
       [](const std::string& ab_dtype, const std::string& c_dtype, const std::string& sf_dtype, int64_t sf_vec_size,
-         const std::string& b_major) {
-        const jbg::KernelDtypes k = RaggedDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, b_major);
-        return std::make_tuple(k.ab, k.c, k.sf, k.sf_vec_size, k.ab_fp4, k.c_fp4, k.alpha, k.ab_bf16, k.b_mn);
+         const std::string& b_major, const std::string& a_dtype) {
+        const jbg::KernelDtypes k = RaggedDtypes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, b_major, a_dtype);
+        return std::make_tuple(k.ab, k.c, k.sf, k.sf_vec_size, k.ab_fp4, k.c_fp4, k.alpha, k.ab_bf16, k.b_mn,
+                               k.a_bf16);
       },
       nb::arg("ab_dtype"), nb::arg("c_dtype"), nb::arg("sf_dtype"), nb::arg("sf_vec_size"), nb::arg("b_major") = "k",
+      nb::arg("a_dtype") = "",
       "Test hook: the ragged instantiate stage's attribute parsing: (ab, c, sf) as XLA FFI dtype codes, sf_vec_size, "
       "whether a and b, and C, are packed FP4, whether the objects take alpha, whether a and b are bfloat16 (no "
-      "scales) and whether b is N-major.");
+      "scales), whether b is N-major and whether a is bfloat16 tokens for the codes of b (a_dtype, empty: "
+      "ab_dtype's).");
   m.def("check_contraction_buffers", &CheckContraction, nb::arg("buffers"), nb::arg("ab_dtype"), nb::arg("c_dtype"),
         "Test hook: the contraction execute stage's buffer checks on [(dtype, dims, address)] * 5 (x, y, bounds, c, "
         "amax) for objects compiled for ab_dtype / c_dtype.");

@@ -21,14 +21,15 @@ std::string CheckCount(const BufferDesc& b, int index) {
   return ElementCount(b) < kMaxBufferElements ? "" : Describe(b, index) + "; expected fewer than 2**31 elements";
 }
 
-// "" when sfa and sfb hold SPEC §3's atom over A's L batches of T rows and over B's L·G batches (batch l·G + g) of
-// N rows, for K along the scale blocks of `kernel` (one with scales: sf_vec_size > 0), else the message saying so.
+// "" when sfa (unless the objects take bfloat16 tokens) and sfb hold SPEC §3's atom over A's L batches of T rows and
+// over B's L·G batches (batch l·G + g) of N rows, for K along the scale blocks of `kernel` (one with scales:
+// sf_vec_size > 0), else the message saying so.
 std::string CheckScaleAtoms(const BufferDesc (&buf)[8], const KernelDtypes& kernel, int64_t l, int64_t t, int64_t n,
                             int64_t k, int64_t g) {
   const int64_t k_atoms = CeilDiv(CeilDiv(k, kernel.sf_vec_size), kAtomBlocks);
   const std::string blocks = "ceil(ceil(K/" + std::to_string(kernel.sf_vec_size) + ")/4), 32, 4, 4)";
   const int64_t sfa_dims[6] = {l, CeilDiv(t, kAtomRows), k_atoms, 32, 4, 4};
-  if (!HasShape(buf[2], {sfa_dims[0], sfa_dims[1], k_atoms, 32, 4, 4})) {
+  if (!kernel.a_bf16 && !HasShape(buf[2], {sfa_dims[0], sfa_dims[1], k_atoms, 32, 4, 4})) {
     return Describe(buf[2], 2) + "; expected " + ShapeString(sfa_dims, 6) + " (L, ceil(T/128), " + blocks +
            ": the 128x4 scale atom of a";
   }
@@ -42,8 +43,9 @@ std::string CheckScaleAtoms(const BufferDesc (&buf)[8], const KernelDtypes& kern
 
 }  // namespace
 
-std::string ParseRaggedAttributes(std::string_view ab_dtype, std::string_view c_dtype, std::string_view sf_dtype,
-                                  int64_t sf_vec_size, std::string_view b_major, KernelDtypes* out) {
+std::string ParseRaggedAttributes(std::string_view ab_dtype, std::string_view a_dtype, std::string_view c_dtype,
+                                  std::string_view sf_dtype, int64_t sf_vec_size, std::string_view b_major,
+                                  KernelDtypes* out) {
   const std::string where = std::string(kRaggedTarget) + " attributes: ";
   KernelDtypes k{};
   k.alpha = true;
@@ -83,31 +85,72 @@ std::string ParseRaggedAttributes(std::string_view ab_dtype, std::string_view c_
            "; expected k (only bfloat16 operands take an N-major b)";
   }
   k.b_mn = b_major == "n";
+  if (a_dtype != ab_dtype) {
+    k.a_bf16 = a_dtype == "bfloat16" && ab_dtype == "float8_e4m3fn" && k.sf_vec_size == 32 && !k.b_mn &&
+               (c_dtype == "float32" || c_dtype == "bfloat16");
+    if (!k.a_bf16) {
+      return where + "a_dtype \"" + std::string(a_dtype) + "\" is not supported with ab_dtype \"" +
+             std::string(ab_dtype) + "\" and c_dtype \"" + std::string(c_dtype) +
+             "\"; expected ab_dtype's, or bfloat16 tokens for float8_e4m3fn codes with float8_e8m0fnu scales per 32 "
+             "and a float32 or bfloat16 C";
+    }
+  }
   *out = k;
   return "";
 }
+
+namespace {
+
+// "" when a (bfloat16 tokens) and b (the codes) fit the swap_ab objects, with `*row` and `*k` set to a's row length
+// (K rounded up to 256) and the logical K (b's), else the message saying so.
+std::string CheckSwapAbOperands(const BufferDesc (&buf)[8], const KernelDtypes& kernel, int64_t* row, int64_t* k) {
+  const BufferDesc &a = buf[0], &b = buf[1];
+  if (a.dtype != XLA_FFI_DataType_BF16) return Describe(a, 0) + "; the swap_ab objects take bfloat16 tokens";
+  if (a.rank != 3) return Describe(a, 0) + "; expected rank 3 (L, T, K rounded up to 256)";
+  if (b.dtype != kernel.ab) return Describe(b, 1) + "; the kernel objects were compiled for " + CodeName(kernel);
+  if (b.rank != 4) return Describe(b, 1) + "; expected rank 4 (L, G, N, K)";
+  *row = a.dims[2];
+  *k = b.dims[3];
+  if (*k < 1 || *k % 16 != 0) return Describe(b, 1) + "; expected K >= 1, a multiple of 16 (16-byte rows of codes)";
+  if (*row != CeilDiv(*k, kSwapAbKPad) * kSwapAbKPad) {
+    return Describe(a, 0) + "; expected K = " + std::to_string(CeilDiv(*k, kSwapAbKPad) * kSwapAbKPad) +
+           ": b's K rounded up to " + std::to_string(kSwapAbKPad) + " (ragged.swap_ab_tokens)";
+  }
+  if (ElementCount(buf[2]) != 0 || buf[2].dtype != XLA_FFI_DataType_U8) {
+    return Describe(buf[2], 2) + "; expected uint8 of zero elements (the swap_ab objects read no token scales)";
+  }
+  return "";
+}
+
+}  // namespace
 
 std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& kernel, RaggedDims* dims) {
   const BufferDesc &a = buf[0], &b = buf[1], &items = buf[4], &c = buf[5];
   const char* k_name = kernel.ab_fp4 ? "K/2" : "K";  // the last dimension of a (and of a K-major b)
   std::string e;
-  if (a.dtype != kernel.ab) return Describe(a, 0) + "; the kernel objects were compiled for " + CodeName(kernel);
-  if (a.rank != 3) return Describe(a, 0) + "; expected rank 3 (L, T, " + k_name + ")";
-  const int64_t l = a.dims[0], t = a.dims[1], row = a.dims[2];
+  int64_t row = a.rank == 3 ? a.dims[2] : 0, k = 0;
+  if (kernel.a_bf16) {
+    if (!(e = CheckSwapAbOperands(buf, kernel, &row, &k)).empty()) return e;
+  } else {
+    if (a.dtype != kernel.ab) return Describe(a, 0) + "; the kernel objects were compiled for " + CodeName(kernel);
+    if (a.rank != 3) return Describe(a, 0) + "; expected rank 3 (L, T, " + k_name + ")";
+  }
+  const int64_t l = a.dims[0], t = a.dims[1];
   if (l < 1 || t < 1 || row < 1) return Describe(a, 0) + "; expected every dimension >= 1";
   if (!(e = CheckCount(a, 0)).empty()) return e;  // bounds L and K, which the products below take
   if (kernel.ab_bf16 && row % 8 != 0) return Describe(a, 0) + "; expected K a multiple of 8 (16-byte rows of bfloat16)";
-  if (!kernel.ab_bf16 && row % 16 != 0) {
+  if (!kernel.ab_bf16 && !kernel.a_bf16 && row % 16 != 0) {
     return Describe(a, 0) + (kernel.ab_fp4 ? "; expected K a multiple of 32 (16-byte rows of packed FP4 codes)"
                                            : "; expected K a multiple of 16 (16-byte rows of FP8 codes)");
   }
-  const int64_t k = kernel.ab_fp4 ? 2 * row : row;
+  if (!kernel.a_bf16) k = kernel.ab_fp4 ? 2 * row : row;
+  const int64_t b_row = kernel.a_bf16 ? k : row;  // the length of b's rows (a K-major b)
   if (b.dtype != kernel.ab) return Describe(b, 1) + "; the kernel objects were compiled for " + CodeName(kernel);
   // b is (L, G, N, K) or, N-major (bfloat16 only), (L, G, K, N): one weight per group and batch either way.
   const int n_axis = kernel.b_mn ? 3 : 2, k_axis = kernel.b_mn ? 2 : 3;
   const int64_t g = b.rank == 4 ? b.dims[1] : 0, n = b.rank == 4 ? b.dims[n_axis] : 0;
-  if (b.rank != 4 || b.dims[0] != l || b.dims[k_axis] != row || g < 1 || n < 1) {
-    const std::string l_s = std::to_string(l), row_s = std::to_string(row);
+  if (b.rank != 4 || b.dims[0] != l || b.dims[k_axis] != b_row || g < 1 || n < 1) {
+    const std::string l_s = std::to_string(l), row_s = std::to_string(b_row);
     const std::string want = kernel.b_mn ? "(L, G, K, N) = (" + l_s + ", G >= 1, " + row_s + ", N >= 1)"
                                          : "(L, G, N, " + std::string(k_name) + ") = (" + l_s + ", G >= 1, N >= 1, " +
                                                row_s + ")";
@@ -157,7 +200,8 @@ std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& k
   }
   for (int i = 0; i < 8; ++i) {
     if (i != 1 && !(e = CheckCount(buf[i], i)).empty()) return e;
-    if (kernel.ab_bf16 && (i == 2 || i == 3)) continue;  // empty and unread: its pointer may be null
+    if ((kernel.ab_bf16 && (i == 2 || i == 3)) || (kernel.a_bf16 && i == 2)) continue;  // empty and unread: its
+                                                                                       // pointer may be null
     const auto address = reinterpret_cast<uintptr_t>(buf[i].data);
     if (address == 0 || address % kAlignment != 0) {
       return Describe(buf[i], i) + " at address " + std::to_string(address) + "; expected a 16-byte aligned pointer";
@@ -177,10 +221,11 @@ namespace {
 using StateOr = ffi::ErrorOr<std::unique_ptr<KernelObjects>>;
 
 StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span<const uint8_t> objects,
-                    ffi::Span<const int64_t> offsets, std::string_view ab_dtype, std::string_view c_dtype,
-                    std::string_view sf_dtype, int64_t sf_vec_size, std::string_view b_major) {
+                    ffi::Span<const int64_t> offsets, std::string_view ab_dtype, std::string_view a_dtype,
+                    std::string_view c_dtype, std::string_view sf_dtype, int64_t sf_vec_size,
+                    std::string_view b_major) {
   KernelDtypes dtypes{};
-  if (std::string why = ParseRaggedAttributes(ab_dtype, c_dtype, sf_dtype, sf_vec_size, b_major, &dtypes);
+  if (std::string why = ParseRaggedAttributes(ab_dtype, a_dtype, c_dtype, sf_dtype, sf_vec_size, b_major, &dtypes);
       !why.empty()) {
     return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(why));
   }
@@ -231,6 +276,7 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgRaggedInstantiate, jbg::Instantiate,
                               jbg::BindObjectTable(xla::ffi::Ffi::BindInstantiate())
                                   .Attr<std::string_view>("ab_dtype")
+                                  .Attr<std::string_view>("a_dtype")
                                   .Attr<std::string_view>("c_dtype")
                                   .Attr<std::string_view>("sf_dtype")
                                   .Attr<int64_t>("sf_vec_size")

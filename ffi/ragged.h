@@ -11,6 +11,10 @@
 // (L, T, K) and b (L, G, N, K) for b_major "k" or (L, G, K, N) for "n", and read neither sfa nor sfb (uint8 buffers
 // of zero elements, whose addresses go unchecked) nor alpha (passed all the same: ones). Every other format takes
 // b_major "k".
+//
+// The swap_ab objects (a_dtype "bfloat16" with ab_dtype "float8_e4m3fn": E8M0 scales per 32, b_major "k", C float32
+// or bfloat16) take the tokens already dequantized: a bfloat16 (L, T, K256), K256 = K rounded up to 256, each 64
+// columns permuted (ragged.swap_ab_tokens); b the codes (L, G, N, K) with sfb their atoms; sfa an empty uint8 buffer.
 #ifndef JBG_FFI_RAGGED_H_
 #define JBG_FFI_RAGGED_H_
 
@@ -24,6 +28,7 @@ namespace jbg {
 
 inline constexpr const char kRaggedTarget[] = "jbg_ragged_gemm_amax";
 inline constexpr int64_t kItemFields = 4;  // (row tile, group or -1, first row, end row) per work item
+inline constexpr int64_t kSwapAbKPad = 256;  // the swap_ab objects' tokens: K rounded up to a multiple of this
 
 // The launch's sizes: t tokens (rows of A and C), n, the logical k (twice the bytes of a packed FP4 row), l
 // batches, g groups (weights per batch) and max_items work items per batch (the launch's grid rows).
@@ -34,9 +39,11 @@ struct RaggedDims {
 // Parses the instantiate attributes into `*out` (alpha is always true: every object takes alpha). The formats are
 // the sm_90a kernel's: FP8 or FP4 codes with E8M0 scales per 32, or FP4 codes with float8_e4m3fn scales per 16,
 // all with b_major "k"; or bfloat16 operands with no scales ("none", 0), a float32 or bfloat16 C and b_major "k" or
-// "n" (out->ab_bf16, out->b_mn). Returns "" or what is wrong.
-std::string ParseRaggedAttributes(std::string_view ab_dtype, std::string_view c_dtype, std::string_view sf_dtype,
-                                  int64_t sf_vec_size, std::string_view b_major, KernelDtypes* out);
+// "n" (out->ab_bf16, out->b_mn). a_dtype is ab_dtype's but for the swap_ab objects (out->a_bf16, above). Returns ""
+// or what is wrong.
+std::string ParseRaggedAttributes(std::string_view ab_dtype, std::string_view a_dtype, std::string_view c_dtype,
+                                  std::string_view sf_dtype, int64_t sf_vec_size, std::string_view b_major,
+                                  KernelDtypes* out);
 
 // Checks a, b, sfa, sfb, items, c, amax, alpha (the ABI order) against what the kernel reads and writes, for
 // objects compiled for `kernel`; fills `*dims` (n and k logical, whatever b's major). Every buffer but b holds fewer

@@ -52,11 +52,17 @@ class ArchPolicy:
     # weight format -> (K, M): for calls with fewer than K columns (codes per weight row) None takes the decode
     # kernel only up to M rows (the kernel's cost per row of x does not shrink with K as the reference's does)
     decode_short_k: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # kernel schedules (the catalog's KernelVariant.schedule) of this target whose kernels have not yet run correct
+    # on such a GPU: self-checked first even where `verified` holds
+    unverified_schedules: tuple[str, ...] = ()
 
 
 TABLE: tuple[ArchPolicy, ...] = (
     ArchPolicy(
         capability="9.0", target="sm_90a", verified=True,
+        # the MXFP8 E4M3 ragged kernel that converts only the weights: benchmarked on the H200, its GPU tests not yet
+        # run in its final form (docs/design/moe.md)
+        unverified_schedules=("swap_ab",),
         default={"gemm_amax": "reference", "proj_rope": "kernel", "ragged": "kernel"},
         proj_rope_tile=(128, 192), proj_rope_schedule="staged",
         # H200, weight_only_matmul inside a many-weight program (docs/performance.md, decode and tune): the kernel
@@ -105,9 +111,11 @@ def target_of(capability: str) -> Optional[str]:
     return row.target if row else None
 
 
-def is_verified(target: str) -> bool:
-    """Whether our `target` kernels have run correct on such a GPU; unverified ones pass a self-check first."""
-    return policy(target).verified
+def is_verified(target: str, schedule: str = "") -> bool:
+    """Whether our `target` kernels (of `schedule`) have run correct on such a GPU; unverified ones pass a self-check
+    first."""
+    row = policy(target)
+    return row.verified and schedule not in row.unverified_schedules
 
 
 def decode_largest_m(target: str, fmt: str, k: Optional[int] = None, *, measured_max_m: Optional[int] = None) -> int:
@@ -192,7 +200,9 @@ def markdown_table() -> str:
     for p in TABLE:
         tile = f"{p.proj_rope_tile[0]}x{p.proj_rope_tile[1]}, {p.proj_rope_schedule or 'default'}" if p.target else "-"
         gemm = "bf16 dot" if p.scaled_dot_min_size is None else "jax.lax.scaled_dot"
-        lines.append(f"| {p.capability} | {p.target or '-'} | {'yes' if p.verified else 'no (self-checked first)'} "
+        verified = "no (self-checked first)" if not p.verified else "yes" + "".join(
+            f" (but the {name} kernels: self-checked first)" for name in p.unverified_schedules)
+        lines.append(f"| {p.capability} | {p.target or '-'} | {verified} "
                      f"| {p.default['gemm_amax']} | {p.default['proj_rope']} | {_decode_cell(p)} "
                      f"| {p.default['ragged']} | {gemm} | {tile} "
                      f"| {p.why} |")

@@ -3,9 +3,10 @@
 The CUDA lowering embeds one object per architecture that has a matching kernel, so a program lowered (or
 exported) anywhere runs on any GPU the catalog covers; the FFI handler picks by compute capability at run time.
 What `implementation=None` takes per architecture is `arch.TABLE`'s; where the local GPU has no kernel it takes the
-reference. A kernel of an architecture where ours never ran (`arch.is_verified`) is used on a local GPU only once
-its first-use self-check has passed there (`gate`: checked in a child process, verdicts kept on disk); when it
-failed, None falls back to the reference and "cutedsl" raises.
+reference. A kernel of an architecture (or schedule) where ours never ran (`arch.is_verified`) is used on a local
+GPU only once its first-use self-check has passed there (`gate`: checked in a child process, verdicts kept on
+disk); when it failed, None falls back to the reference and "cutedsl" raises (the ragged kernels: to the
+block-scaled grouped kernel where the swap_ab one failed).
 
 Decode-sized calls (few rows of activations against a block-scaled weight) have their own kernel, op
 "weight_stream": weight_only_matmul with bf16 x, and gemm_amax with M <= 64 (its A dequantized to bf16 first), take
@@ -314,17 +315,28 @@ def ragged_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, k
         sf_dtype = catalog.NO_SCALES
     else:
         sf_dtype = catalog.E8M0 if np.dtype(sfa.dtype) == np.uint8 else str(np.dtype(sfa.dtype))
-    variants = [v for v in (catalog.select_variant(op="ragged", arch=target, ab_dtype=ab_dtype,
+    def catalog_variants(schedule: str) -> list:
+        return [v for v in (catalog.select_variant(op="ragged", arch=target, ab_dtype=ab_dtype,
                                                    c_dtype=str(np.dtype(c_dtype)), sf_vec_size=sf_vec_size,
                                                    sf_dtype=sf_dtype, tile_mn=(128, 128), cluster_mn=(1, 1),
-                                                   b_major=b_major)
+                                                   b_major=b_major, schedule=schedule)
                             for target in arch.targets()) if v is not None]
+
+    fmt = format_key(ab_dtype, sf_dtype, sf_vec_size)
+    # The kernels that convert only the weights (MXFP8 E4M3: the tokens dequantized by XLA) where every local GPU
+    # has one, else the block-scaled ones (also with no GPU: a program lowered here may run on any target).
+    swapped = catalog_variants(catalog.SWAP_AB)
+    local_targets = {arch.target_of(cc) for cc in local_cuda_capabilities() or ()}
+    if local_targets and local_targets <= {v.arch for v in swapped}:
+        choice = _usable(swapped, implementation, sizes=(t, n, k, l, g), names="(T, N, K, L, G)", fmt=fmt)
+        if choice.variants:
+            return choice
+    variants = catalog_variants("")
     if not variants:
         layout = "" if b_major == "k" else f", b_major {b_major!r}"
         return KernelChoice(reason=f"no ragged kernel in the catalog for {ab_dtype} operands, {np.dtype(c_dtype)} C, "
                                    f"{sf_dtype} scales per {sf_vec_size}{layout}")
-    return _usable(variants, implementation, sizes=(t, n, k, l, g), names="(T, N, K, L, G)",
-                   fmt=format_key(ab_dtype, sf_dtype, sf_vec_size))
+    return _usable(variants, implementation, sizes=(t, n, k, l, g), names="(T, N, K, L, G)", fmt=fmt)
 
 
 def contraction_kernels(avals_in: Sequence[Any], *, c_dtype: Any, implementation: Any, **_: Any) -> KernelChoice:
@@ -460,7 +472,7 @@ def _failed_self_checks(variants: Sequence[Any]) -> str:
     local_targets = {arch.target_of(cc) for cc in capabilities}
     failures = []
     for v in variants:
-        if v.arch in local_targets and not arch.is_verified(v.arch):
+        if v.arch in local_targets and not arch.is_verified(v.arch, v.schedule):
             from jax_blockgemm import gate  # lazy: it reads and writes the verdict store on disk
 
             verdict = gate.ensure_verified(v)

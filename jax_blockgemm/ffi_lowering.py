@@ -31,7 +31,9 @@ its form (3: compact scales, 6: the 128x4 atom).
 K), its scales the atoms of L·G batches; items, int32 (L, max_items, 4), is the work-item table the program computes.
 The bf16 objects (ab_dtype "bfloat16", sf_dtype "none" (NO_SCALES), sf_vec_size 0, C float32 or bfloat16) take
 bfloat16 a (L, T, K) and b (L, G, N, K) for b_major "k" or (L, G, K, N) for "n", and read neither sfa nor sfb
-(uint8 of zero elements, any rank) nor alpha (passed: ones); every other format takes b_major "k".
+(uint8 of zero elements, any rank) nor alpha (passed: ones); every other format takes b_major "k". The call also
+carries `a_dtype`, ab_dtype's but for the swap_ab objects (MXFP8 E4M3 weights): "bfloat16", whose a is the tokens
+dequantized and permuted by `ragged.swap_ab_tokens`, (L, T, K rounded up to 256), and whose sfa is empty.
 
 `jbg_grouped_contraction` (x, y, bounds -> c, amax) carries the object table and `ab_dtype` ("bfloat16") and
 `c_dtype` ("float32" or "bfloat16"): x (L, T, K) and y (L, T, N) bfloat16, tokens sorted by group, bounds int32 (L,
@@ -76,6 +78,8 @@ def object_table_attributes(variants: Sequence[Any], objects: Sequence[bytes]) -
 
 E8M0 = "float8_e8m0fnu"
 NO_SCALES = "none"  # catalog.NO_SCALES: the sf_dtype (with sf_vec_size 0) of objects whose operands carry no scales
+SWAP_AB = "swap_ab"  # catalog.SWAP_AB: the ragged objects that take bfloat16 tokens and convert only the weights
+SWAP_AB_K_PAD = 256  # ragged.SWAP_AB_K_PAD: their tokens' K is rounded up to a multiple of this
 
 
 def logical_dtype(dtype: Any) -> str:
@@ -251,16 +255,18 @@ def emit_weight_stream(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variant
 
 
 def ragged_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, ab_dtype: Any, c_dtype: Any,
-                      sf_dtype: str, sf_vec_size: int, b_major: str = "k") -> dict[str, Any]:
+                      sf_dtype: str, sf_vec_size: int, b_major: str = "k", schedule: str = "") -> dict[str, Any]:
     """The jbg_ragged_gemm_amax call's attributes for `variants` (one per arch, all ragged kernels compiled for the
     codes ab_dtype and C dtype c_dtype (uint8: packed FP4) with sf_dtype scales per sf_vec_size ("none" and 0 for
-    bfloat16 operands) and b_major)."""
-    call = (logical_dtype(ab_dtype), logical_dtype(c_dtype), sf_dtype, int(sf_vec_size), b_major)
+    bfloat16 operands), b_major and schedule (SWAP_AB: bfloat16 tokens, `a_dtype`))."""
+    call = (logical_dtype(ab_dtype), logical_dtype(c_dtype), sf_dtype, int(sf_vec_size), b_major, schedule)
     for v in variants:
-        if v.op != "ragged" or (v.ab_dtype, v.c_dtype, v.sf_dtype, v.sf_vec_size, getattr(v, "b_major", "k")) != call:
+        if v.op != "ragged" or (v.ab_dtype, v.c_dtype, v.sf_dtype, v.sf_vec_size, getattr(v, "b_major", "k"),
+                                getattr(v, "schedule", "")) != call:
             raise ValueError(f"variant {v.key!r} is not a ragged kernel compiled for the call's {call} (codes, C, "
-                             f"scales, block, b major)")
-    return dict(object_table_attributes(variants, objects), ab_dtype=call[0], c_dtype=call[1], sf_dtype=sf_dtype,
+                             f"scales, block, b major, schedule)")
+    return dict(object_table_attributes(variants, objects), ab_dtype=call[0],
+                a_dtype="bfloat16" if schedule == SWAP_AB else call[0], c_dtype=call[1], sf_dtype=sf_dtype,
                 sf_vec_size=np.int64(sf_vec_size), b_major=b_major)
 
 
@@ -286,21 +292,35 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
                          f"{[str(x) for x in ctx.avals_in]} -> {[str(x) for x in ctx.avals_out]}")
     a_aval, b_aval, sfa_aval, sfb_aval, items_aval, alpha_aval = ctx.avals_in
     c_aval, amax_aval = ctx.avals_out
-    bf16, b_major = variants[0].ab_dtype == "bfloat16", getattr(variants[0], "b_major", "k")
+    bf16 = variants[0].ab_dtype == "bfloat16"
+    b_major, schedule = getattr(variants[0], "b_major", "k"), getattr(variants[0], "schedule", "")
+    swap = schedule == SWAP_AB
     if a_aval.ndim != 3:
         raise ValueError(f"emit_ragged expects a (L, T, K) (packed FP4: (L, T, K/2)); got {a_aval}")
     l, t, row = a_aval.shape
     g = b_aval.shape[1] if b_aval.ndim == 4 else -1
     n = b_aval.shape[3 if b_major == "n" else 2] if b_aval.ndim == 4 else -1
-    b_shape = (l, g, row, n) if b_major == "n" else (l, g, n, row)
-    if b_aval.shape != b_shape or np.dtype(b_aval.dtype) != np.dtype(a_aval.dtype) or min(g, n) < 1:
-        raise ValueError(f"emit_ragged expects b (L, G, N, K) (packed FP4: (L, G, N, K/2); b_major 'n': (L, G, K, N)) "
-                         f"of a's dtype for a {a_aval} and b_major {b_major!r}; got b {b_aval}")
+    if swap:  # bf16 tokens (L, T, K rounded up to SWAP_AB_K_PAD), E4M3 codes (L, G, N, K)
+        k = b_aval.shape[3] if b_aval.ndim == 4 else -1
+        if (np.dtype(a_aval.dtype) != np.dtype(jnp.bfloat16) or b_aval.shape != (l, g, n, k) or min(g, n, k) < 1
+                or row != -(-k // SWAP_AB_K_PAD) * SWAP_AB_K_PAD
+                or np.dtype(b_aval.dtype) != np.dtype(jnp.float8_e4m3fn)):
+            raise ValueError(f"emit_ragged expects, for swap_ab variants, a bfloat16 (L, T, K rounded up to 256) and "
+                             f"b float8_e4m3fn (L, G, N, K); got a {a_aval}, b {b_aval}")
+        if sfa_aval.size or np.dtype(sfa_aval.dtype) != np.uint8 or sfb_aval.ndim != 6:
+            raise ValueError(f"emit_ragged expects, for swap_ab variants, sfa uint8 of zero elements and sfb in the "
+                             f"128x4 atom form (rank 6); got sfa {sfa_aval}, sfb {sfb_aval}")
+    else:
+        b_shape = (l, g, row, n) if b_major == "n" else (l, g, n, row)
+        if b_aval.shape != b_shape or np.dtype(b_aval.dtype) != np.dtype(a_aval.dtype) or min(g, n) < 1:
+            raise ValueError(f"emit_ragged expects b (L, G, N, K) (packed FP4: (L, G, N, K/2); b_major 'n': (L, G, K, "
+                             f"N)) of a's dtype for a {a_aval} and b_major {b_major!r}; got b {b_aval}")
     if bf16:
         if any(x.size or np.dtype(x.dtype) != np.uint8 for x in (sfa_aval, sfb_aval)):
             raise ValueError(f"emit_ragged expects sfa and sfb uint8 of zero elements for bfloat16 variants (no "
                              f"scales); got sfa {sfa_aval}, sfb {sfb_aval}")
-    elif sfa_aval.ndim != 6 or sfb_aval.ndim != 6 or np.dtype(sfa_aval.dtype) != np.dtype(sfb_aval.dtype):
+    elif not swap and (sfa_aval.ndim != 6 or sfb_aval.ndim != 6
+                       or np.dtype(sfa_aval.dtype) != np.dtype(sfb_aval.dtype)):
         raise ValueError(f"emit_ragged expects sfa and sfb in the 128x4 atom form (rank 6), of one dtype; got sfa "
                          f"{sfa_aval}, sfb {sfb_aval}")
     max_items = items_aval.shape[1] if items_aval.ndim == 3 else -1
@@ -319,9 +339,9 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
     if bf16:
         sf_dtype = NO_SCALES
     else:
-        sf_dtype = E8M0 if np.dtype(sfa_aval.dtype) == np.uint8 else str(np.dtype(sfa_aval.dtype))
-    attributes = ragged_attributes(variants, objects, ab_dtype=a_aval.dtype, c_dtype=c_aval.dtype, sf_dtype=sf_dtype,
-                                   sf_vec_size=variants[0].sf_vec_size, b_major=b_major)
+        sf_dtype = E8M0 if np.dtype(sfb_aval.dtype) == np.uint8 else str(np.dtype(sfb_aval.dtype))
+    attributes = ragged_attributes(variants, objects, ab_dtype=b_aval.dtype, c_dtype=c_aval.dtype, sf_dtype=sf_dtype,
+                                   sf_vec_size=variants[0].sf_vec_size, b_major=b_major, schedule=schedule)
     return _emit(RAGGED_TARGET, ctx, (a, b, sfa, sfb, items, alpha), attributes)
 
 

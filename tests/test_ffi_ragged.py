@@ -69,15 +69,15 @@ class RaggedAttributesTest(parameterized.TestCase):
     def test_attributes_map_to_buffer_dtypes(self, args, want):
         """FP4 codes and an FP4 C travel as uint8, E8M0 scales as uint8, NVFP4's as float8_e4m3fn; every object
         takes alpha; none of these is bfloat16 or N-major (b_major defaults to "k")."""
-        self.assertEqual(ext.parse_ragged_attributes(*args), (*want, True, False, False))
-        self.assertEqual(ext.parse_ragged_attributes(*args, b_major="k"), (*want, True, False, False))
+        self.assertEqual(ext.parse_ragged_attributes(*args), (*want, True, False, False, False))
+        self.assertEqual(ext.parse_ragged_attributes(*args, b_major="k"), (*want, True, False, False, False))
 
     @parameterized.parameters((F32, "k"), (F32, "n"), (BF16, "k"), (BF16, "n"))
     def test_bf16_attributes(self, c, b_major):
         """bfloat16 operands with no scales ("none", 0): sfa and sfb are (empty) uint8; b K- or N-major; the objects
         take alpha all the same (passed, unused)."""
         self.assertEqual(ext.parse_ragged_attributes(BF16, c, NONE, 0, b_major),
-                         (CODE[BF16], CODE[c], CODE[U8], 0, False, False, True, True, b_major == "n"))
+                         (CODE[BF16], CODE[c], CODE[U8], 0, False, False, True, True, b_major == "n", False))
 
     @parameterized.parameters(
         (("float16", F32, E8M0, 32), 'ab_dtype "float16" is not supported; expected float8_e4m3fn, float8_e5m2, '
@@ -578,7 +578,7 @@ class EmitRaggedTest(absltest.TestCase):
             (good_k, [k_major, dataclasses.replace(n_major, arch="sm_100a")], r"variant 'standin.ragged.sm_100a' is "
                                                                               r"not a ragged kernel compiled for the "
                                                                               r"call's \('bfloat16', 'float32', "
-                                                                              r"'none', 0, 'k'\)"),
+                                                                              r"'none', 0, 'k', ''\)"),
             (good_k, [dataclasses.replace(k_major, c_dtype=BF16)], "not a ragged kernel compiled for the call's"),
             (_operands(), [k_major], "sfa and sfb uint8 of zero elements"),  # FP8 operands, bf16 objects
             (swap(swap(_operands(), 2, sd((0,), jnp.uint8)), 3, sd((0,), jnp.uint8)), [StandInRaggedVariant("sm_90a")],

@@ -70,6 +70,26 @@ class GpuRaggedTest(parameterized.TestCase):
                     c, amax = jax.jit(lambda gs: _call(d, gs, c_dtype=c_dtype, implementation="cutedsl"))(gs)
                     self._check(d, gs, c, amax, c_dtype=c_dtype)
 
+    @parameterized.parameters("float32", "bfloat16")
+    def test_swap_ab_kernel(self, c_dtype):
+        """MXFP8 E4M3 with f32 or bf16 C runs the swap_ab kernel (bf16 tokens, the weights converted in registers):
+        K past the last whole promotion group (272: a k-tile of zeros and a clamped scale block), N not a multiple of
+        the 16-byte stores, a NaN code in one weight (its column of that group's rows), scale bytes above 134 (the
+        two-multiply path) in another group, rows of no group."""
+        rng = np.random.default_rng(15)
+        t, g, n, k = 333, 4, 203, 272
+        d = random_ragged_inputs(rng, t=t, g=g, n=n, k=k, fmt="mxfp8_e4m3")
+        d["b"] = np.asarray(d["b"]).copy()
+        d["b"][2, 7, 100] = np.float8_e4m3fn(np.nan)
+        d["sfb"] = np.asarray(d["sfb"]).copy()
+        d["sfb"][1, :, 3] = 140  # 2^13: beyond one multiply per pair
+        gs = np.array([90, 0, 150, 60], np.int32)
+        f = jax.jit(lambda gs: _call(d, gs, c_dtype=c_dtype, implementation="cutedsl"))
+        self.assertIn('a_dtype = "bfloat16"', f.lower(gs).as_text())
+        c, amax = f(gs)
+        self._check(d, gs, c, amax, c_dtype=c_dtype)
+        self.assertTrue(np.isnan(np.asarray(c, np.float32)[90:240, 7]).all())
+
     @parameterized.parameters("float16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
     def test_narrow_c(self, c_dtype):
         rng = np.random.default_rng(11)

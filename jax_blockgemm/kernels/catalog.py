@@ -34,7 +34,10 @@ dynamic_shapes[1];}` struct over a flat buffer.
       first row, end row), from `ragged.kernel_items`; c (L, T, N); amax L float32 values the handler zeroes first;
       alpha (L,) float32, always passed (ones for the MX formats); t/n/k/l/g/max_items int32, k the logical K. The bf16
       variants (ab_dtype "bfloat16", sf_dtype "none", sf_vec_size 0) take bf16 a and b, b as (L·G, N, K) for b_major "k"
-      or (L·G, K, N) for "n", and read neither sfa, sfb nor alpha (empty buffers).
+      or (L·G, K, N) for "n", and read neither sfa, sfb nor alpha (empty buffers). The swap_ab variants (schedule
+      SWAP_AB; MXFP8 E4M3 weights, f32 or bf16 C) take the tokens dequantized to bf16 and permuted
+      (`ragged.swap_ab_tokens`: a (L, T, K rounded up to 256)), the weights' codes b and their atoms sfb; sfa is empty
+      and alpha unread.
     contraction: fn(x, y, bounds, c, amax, t, k, n, l, g, stream)
       the per-group contraction over tokens, the weight gradient of a ragged product (kernels/sm90/contraction.py):
       x bf16 (L, T, K) and y bf16 (L, T, N), tokens sorted by group; bounds int32 (L, G, 2), the rows [start, end)
@@ -85,7 +88,8 @@ class KernelVariant:
     sf_dtype: str = E8M0  # the scale format: E8M0 (MX formats), or E4M3 (NVFP4)
     b_major: str = "k"  # "n": B (proj_rope's w, gemm_amax's b) is read MN-major
     a_major: str = "k"  # "m": gemm_amax's A is read MN-major
-    # "" for every kernel but sm_90a proj_rope's, whose persistent kernel with an epilogue warpgroup is "staged"
+    # "" for every kernel but sm_90a proj_rope's, whose persistent kernel with an epilogue warpgroup is "staged",
+    # and the sm_90a ragged kernels that convert only the weights (SWAP_AB)
     schedule: str = ""
 
     @property
@@ -159,7 +163,10 @@ def _dequantize_factory(v: KernelVariant) -> Any:
 
 def _ragged_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.sm90.ragged import HopperRaggedBf16Gemm, HopperRaggedGemmAmax
+    from jax_blockgemm.kernels.sm90.ragged_swap_ab import HopperRaggedSwapAB
 
+    if v.schedule == SWAP_AB:
+        return HopperRaggedSwapAB(c_dtype=v.c_dtype)
     if v.ab_dtype == "bfloat16":
         return HopperRaggedBf16Gemm(c_dtype=v.c_dtype, b_major=v.b_major)
     return HopperRaggedGemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, sf_vec_size=v.sf_vec_size,
@@ -221,6 +228,9 @@ WEIGHT_STREAM_FORMATS = (("float8_e4m3fn", 32, E8M0), ("float8_e5m2", 32, E8M0),
 WEIGHT_STREAM_C = ("float32", "bfloat16", "float16")
 RAGGED_FORMATS = WEIGHT_STREAM_FORMATS  # MXFP8 E4M3 and E5M2, MXFP4, NVFP4
 NO_SCALES = "none"  # the sf_dtype of variants whose operands carry no block scales (bf16), with sf_vec_size 0
+# The schedule of the ragged kernels that take the tokens in bf16 and convert only the weights' codes, in registers
+# (kernels/sm90/ragged_swap_ab.py); their ABI's a is `ragged.swap_ab_tokens` of the dequantized tokens.
+SWAP_AB = "swap_ab"
 WEIGHT_STREAM_TILES = ((32, 16), (32, 64))
 
 CATALOG: tuple[KernelVariant, ...] = (
@@ -273,6 +283,10 @@ CATALOG: tuple[KernelVariant, ...] = (
     # gemm_amax mainloop per work item; the operand formats and C dtypes of the sm_90a gemm_amax kernels (K-major).
     + tuple(KernelVariant(op="ragged", arch="sm_90a", ab_dtype=ab, c_dtype=c, sf_vec_size=v, sf_dtype=sf)
             for ab, v, sf in RAGGED_FORMATS for c in (_SM90_FP4_C if ab == "float4_e2m1fn" else (*_C, "float16")))
+    # ... and for MXFP8 E4M3 weights with f32 or bf16 C, the roles swapped: the tokens dequantized to bf16 by XLA,
+    # only the weights' codes converted in the kernel, in registers (what `implementation=None` runs for them);
+    + tuple(KernelVariant(op="ragged", arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype=c, schedule=SWAP_AB)
+            for c in _C)
     # ... on sm_100a the block-scaled tcgen05 form (kernels/sm100/ragged.py; compiled here, gated by the first-use
     # self-check on a B200), f32 or bf16 C (its epilogue stores elements: no FP8/FP4 C there);
     + tuple(KernelVariant(op="ragged", arch="sm_100a", ab_dtype=ab, c_dtype=c, sf_vec_size=v, sf_dtype=sf)
@@ -356,7 +370,8 @@ def fake_arguments(kernel: Any, op: str = "gemm_amax") -> list:
                 flat(cutlass.Float32), i32(128), i32(128), i32(128), i32(1), i32(2), cuda.CUstream(0)]
     if op == "ragged":
         i32 = cutlass.Int32
-        return [flat(kernel.ab_dtype), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(cutlass.Uint8),
+        a_dtype = getattr(kernel, "a_dtype", kernel.ab_dtype)  # the swap_ab kernels read bf16 tokens
+        return [flat(a_dtype), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(cutlass.Uint8),
                 flat(cutlass.Int32), flat(kernel.c_dtype), flat(cutlass.Float32), flat(cutlass.Float32), i32(128),
                 i32(128), i32(128), i32(1), i32(1), i32(2), cuda.CUstream(0)]
     if op == "proj_rope":

@@ -12,6 +12,9 @@ Each CTA runs one output tile of the gemm_amax mainloop (kernels/sm90/gemm_amax.
 bf16 in shared memory, bf16 wgmma) with B's batch coordinate set to the item's group. The grid is (N tiles, item
 bound, L) with the N tiles fastest, so the CTAs running at once share a few A tiles and groups' weights in L2.
 
+MXFP8 E4M3 weights with f32 or bf16 C take `ragged_swap_ab.HopperRaggedSwapAB` instead (only the weights converted,
+in registers; the tokens dequantized by XLA), which reads the same items.
+
 `HopperRaggedBf16Gemm` runs the same items over bf16 operands (no dequantization): a producer warp and two wgmma
 warpgroups per 128 x 128 tile, two CTAs per SM, so that one CTA's epilogue overlaps the other's mainloop. A
 warpgroup none of whose 64 rows an item holds (one side of a group boundary inside a tile) issues no MMAs.

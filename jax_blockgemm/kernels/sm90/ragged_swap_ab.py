@@ -1,0 +1,361 @@
+"""Hopper (sm_90a) ragged GEMM for MXFP8 E4M3 weights with the roles swapped: each expert's weights are the wgmma's A
+operand, converted from codes to bf16 in registers (register-sourced wgmma), and the tokens, dequantized to bf16 by
+XLA before the launch, its B operand from shared memory.
+
+Why: in a mixture-of-experts layer each weight element meets only T/G tokens (512 at T = 16384, G = 32), so the
+gemm_amax mainloop (kernels/sm90/gemm_amax.py), which converts both operands' codes through shared memory on every
+tile, spends as long converting as multiplying. Here only the weights are converted, once per 128-token tile, with
+no shared-memory round trip: a thread loads its 16 codes of two weight rows per k-tile (two 16-byte shared loads),
+turns them into its own A-fragment registers, and the tensor cores read them there. The tokens, T x K, are
+dequantized once by XLA (about a tenth of the GEMM's time on the H200). Design and figures: docs/design/moe.md.
+
+The A fragment of a bf16 m64nNk16 wgmma gives lane (g, c) = (lane / 4, lane % 4) of warp w the k's 2c, 2c + 1 and
+2c + 8, 2c + 9 of rows 16w + g and + 8 per k-step, while its 16-byte load holds codes 16c .. 16c + 15 of a 64-wide
+k-tile. A dot product does not care about the order of k, so the thread feeds its codes to its slots as loaded and
+the tokens arrive with the same permutation of every 64 columns (`ragged.swap_ab_tokens`): logical column
+16s + 8h + 2c + j of a k-tile holds column 16c + 4s + 2h + j (k-step s, half h, pair element j). The 16 codes of a
+load lie inside one 32-wide scale block, so each thread needs one scale byte per row and k-tile.
+
+E4M3 to bf16 exactly as the decode kernel does it (kernels/weight_stream.py): bit moves make code·2^-120 a bf16
+pair, then one packed multiply by 2^120·scale (scale bytes up to 134, voted per warp; else two multiplies); a NaN
+code among a thread's 16 makes its row's scale NaN, which gives the outputs a NaN product gives.
+
+Per CTA: one work item (kernels/sm90/ragged.py's table: a 128-token tile, a group, its rows) times a 128-row tile of
+the group's weights: warpgroups 1 and 2 of 64 weight rows each, warp 0 the TMA producer (tokens and codes in 6
+stages of 64-wide k-tiles). Each warpgroup alternates two register fragments: it converts k-tile k + 1 while the
+tensor cores multiply k-tile k. Every four k-tiles (256 of K) the tensor cores' partial sum is added to the fp32
+accumulator with round-to-nearest adds (their truncating sums drift with K: 6e-6 relative over 8192 as gemm_amax
+measured, so about 2e-7 over 256): SPEC §7's "exact" class. The accumulator holds C transposed (weight rows x
+tokens); the epilogue writes it through shared memory (reusing the stages) and stores C rows of the item with
+16-byte stores, amax of what it stored by one atomic per CTA.
+
+ABI: the ragged one (catalog "ragged"), fn(a, b, sfa, sfb, items, c, amax, alpha, t, n, k, l, g, max_items, stream),
+with a the permuted bf16 tokens (L, T, K256), K256 = K rounded up to 256 (zeros past K); b the E4M3 codes (L·G, N, K);
+sfb their E8M0 bytes in the SPEC §3 atom of (L·G, N, K); sfa an empty uint8 buffer and alpha unread; c (L, T, N)
+float32 or bfloat16; k the logical K.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+
+from jax_blockgemm.kernels import common, epilogue, ptx_ops
+from jax_blockgemm.kernels.sm90 import tma_pipeline
+from jax_blockgemm.kernels.sm90.gemm_amax import smem_layout_staged
+from jax_blockgemm.kernels.sm90.ragged import ITEM_ROWS, work_item
+from jax_blockgemm.kernels.weight_stream import (BF16X2_TWO_POW_120, ONE_MULTIPLY_MAX_BYTE, byte_perm, e4m3_nan_bits,
+                                                 e4m3_pair_bits, e8m0_bf16x2, one_multiply_bf16x2)
+
+C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
+K_TILE = 64  # codes of K per stage
+PROMOTE_TILES = 4  # k-tiles per partial sum of the tensor cores (256 of K), added to the fp32 accumulator
+K_PAD = PROMOTE_TILES * K_TILE  # the tokens' K is padded to this: the mainloop runs whole promotion groups
+WEIGHT_ROWS = 128  # weight rows per CTA: two warpgroups of 64
+STAGES = 6  # 24 KB each (16 KB of tokens, 8 KB of codes)
+C_STAGE_STRIDE = WEIGHT_ROWS + 4  # words per token row of the epilogue's fp32 tile: the 4 extra spread the banks
+_NEG_ZERO_X2 = ptx_ops.s32(0x80008000)  # bf16x2 -0: x·s + (-0) == x·s
+
+
+class HopperRaggedSwapAB:
+    """C[rows of group g] = (tokens)(B[g]·sfb)^T per batch l and amax[l] = max|C[l]|, for bf16 tokens (permuted,
+    `ragged.swap_ab_tokens`) and MXFP8 E4M3 weights; f32 or bf16 C. Compile-time configuration only."""
+
+    def __init__(self, *, c_dtype: str = "float32"):
+        common.require_choice("c_dtype", c_dtype, tuple(C_DTYPES))
+        self.a_dtype = cutlass.BFloat16  # the tokens, as the kernel reads them
+        self.ab_dtype = cutlass.Float8E4M3FN  # the weights' codes
+        self.c_name = c_dtype
+        self.c_dtype = C_DTYPES[c_dtype]
+        self.acc_dtype = cutlass.Float32
+        self.tile_mnk = (ITEM_ROWS, WEIGHT_ROWS, K_TILE)  # tokens (the TMA's A), weight rows (its B), k-tile
+        self.threads_per_wg = 128
+        self.num_consumer_warps = 8
+        # Warpgroup 0 produces (its warp 0 issues the TMA copies) with few registers, warpgroups 1-2 multiply with
+        # up to 232: ptxas budgets a wgmma kernel's registers per warpgroup, so 288 threads would cap both at 168.
+        self.threads_per_cta = 3 * self.threads_per_wg
+        self.producer_regs = 40
+        self.consumer_regs = 232
+        self.epilogue_barrier_id = 1
+        self.stages = STAGES
+        self.has_alpha = True  # the ABI passes alpha (ones for MXFP8); never read
+
+    def can_implement(self, t: int, n: int, k: int, l: int, g: int = 1) -> tuple[bool, str]:
+        """Whether the kernel handles these sizes, and why not: K a multiple of 16 (16-byte TMA rows of codes),
+        32-bit element counts for the tokens, C and one weight."""
+        if min(t, n, k, l, g) < 1:
+            return False, f"every size must be >= 1, got t={t}, n={n}, k={k}, l={l}, g={g}"
+        if k % 16:
+            return False, f"k must be a multiple of 16 (16-byte rows of E4M3 codes), got k={k}"
+        k_pad = -(-k // K_PAD) * K_PAD
+        if l * t * k_pad >= 2**31 or l * t * n >= 2**31 or n * k >= 2**31 or l * g >= 2**31:
+            return False, f"tokens, c and one weight must hold fewer than 2**31 elements, got t={t}, n={n}, k={k}"
+        return True, ""
+
+    # ------------------------------------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, items: cute.Tensor,
+                 c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor, t: cutlass.Int32, n: cutlass.Int32,
+                 k: cutlass.Int32, l: cutlass.Int32, g: cutlass.Int32, max_items: cutlass.Int32,
+                 stream: cuda.CUstream):
+        """Host side: TMA views of the tokens (L batches of (T, K256) bf16) and codes (L·G of (N, K)), a launch of
+        (N tiles, max_items, L) CTAs."""
+        bt, bw, bk = self.tile_mnk
+        k_pad = cute.assume((k + K_PAD - 1) // K_PAD * K_PAD, divby=K_PAD)
+        tokens = common.operand_view(a, t, k_pad, l, False)
+        codes = common.operand_view(b, n, cute.assume(k, divby=16), l * g, False)
+        kmajor = cute.nvgpu.OperandMajorMode.K
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, kmajor, kmajor, self.acc_dtype, (2, 1, 1), tiler_mn=(64, bt),
+            a_source=cute.nvgpu.warpgroup.OperandSource.RMEM)
+        x_staged = smem_layout_staged(bt, cutlass.BFloat16, self.stages, bk)
+        # The codes' stages as plain 64-byte rows (no swizzle): each thread reads its own 16 bytes of two rows, and
+        # a warp's eight rows are 512 contiguous bytes (no bank conflict).
+        w_staged = cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, cute.make_layout(
+            (bw, bk, self.stages), stride=(bk, 1, bw * bk)))
+        tma_atom_x, tma_x = tma_pipeline.load_atom(tokens, x_staged, (bt, bk))
+        tma_atom_w, tma_w = tma_pipeline.load_atom(codes, w_staged, (bw, bk))
+
+        @cute.struct
+        class SharedStorage:
+            pipeline_mbars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            warp_amax: cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps]
+            sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(x_staged)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(w_staged)], 1024]
+
+        self.shared_storage = SharedStorage
+        tiles_n = (n + bw - 1) // bw
+        self.kernel(tma_atom_x, tma_x, tma_atom_w, tma_w, sfb, items, c, amax, t, n, k, g, max_items, tiled_mma,
+                    x_staged, w_staged).launch(grid=(tiles_n, max_items, l), block=(self.threads_per_cta, 1, 1),
+                                               min_blocks_per_mp=1, stream=stream)
+
+    # ---------------------------------------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(self, tma_atom_x: cute.CopyAtom, mX: cute.Tensor, tma_atom_w: cute.CopyAtom, mW: cute.Tensor,
+               sfb: cute.Tensor, items: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, t: cutlass.Int32,
+               n: cutlass.Int32, k: cutlass.Int32, g: cutlass.Int32, max_items: cutlass.Int32,
+               tiled_mma: cute.TiledMma, x_staged: cute.ComposedLayout, w_staged: cute.ComposedLayout):
+        """Device body: the CTA reads its item and runs (weight tile, item), or returns when the item is empty.
+        Items of group -1 (rows of no group) store zeros after one k-tile."""
+        tile_n, item, batch = cute.arch.block_idx()
+        row_tile, group, rows_lo, rows_hi = work_item(items, batch, item, max_items, t, g)
+        if rows_lo < rows_hi:
+            tidx, _, _ = cute.arch.thread_idx()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            storage, ab_pipeline, sX, sW, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
+                tidx, warp_idx, tma_atom_x, mX, tma_atom_w, mW, x_staged, w_staged, self.shared_storage,
+                (cutlass.BFloat16, self.ab_dtype), self.stages, self.num_consumer_warps, self.tile_mnk,
+                self.threads_per_wg)
+            zero = group < 0
+            k_tiles = cutlass.select_(zero, PROMOTE_TILES, k_tiles)  # zeros: one group of k-tiles, never added
+            w_batch = batch * g + cutlass.max(group, 0)
+            if wg_idx == 0:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                    state = tma_pipeline.produce_tile(ab_pipeline, state, tma_atom_x, tma_atom_w, views, row_tile,
+                                                      tile_n, k_tiles, batch, w_batch)
+                    ab_pipeline.producer_tail(state)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                mma_tid = tidx - self.threads_per_wg  # 0..255 over the MMA warpgroups
+                acc = self.mainloop(ab_pipeline, tiled_mma, sX, sW, sfb, wg_idx - 1, mma_tid, tile_n, w_batch, n, k,
+                                    k_tiles)
+                if zero:
+                    acc.fill(0.0)
+                self.epilogue(acc, storage, c, amax, t, n, row_tile, tile_n, batch, rows_lo, rows_hi, wg_idx - 1,
+                              mma_tid)
+
+    @cute.jit
+    def mainloop(self, ab_pipeline, tiled_mma: cute.TiledMma, sX: cute.Tensor, sW: cute.Tensor, sfb: cute.Tensor,
+                 wg_idx, tidx, tile_n, w_batch, n, k, k_tiles):
+        """This thread's part of the warpgroup's fp32 accumulator (its 64 weight rows x 128 tokens) over all of K.
+        k_tiles is a multiple of PROMOTE_TILES (the tokens' K is padded to K_PAD)."""
+        bt, bw, bk = self.tile_mnk
+        thr_mma = tiled_mma.get_slice(wg_idx * self.threads_per_wg)
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
+        frag_shape = thr_mma.partition_shape_A((bw, bk))
+        frags = (tiled_mma.make_fragment_A(frag_shape), tiled_mma.make_fragment_A(frag_shape))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bw, bt)), self.acc_dtype)
+        partial = cute.make_rmem_tensor(thr_mma.partition_shape_C((bw, bt)), self.acc_dtype)
+        acc.fill(0.0)
+        k_steps = cute.size(tCrB, mode=[2])
+
+        lane = tidx % 32
+        quad, pair = lane // 4, lane % 4
+        row0 = wg_idx * 64 + (tidx // 32 % 4) * 16 + quad  # and row0 + 8: tile-relative weight rows
+        w_base = sW.iterator.toint()
+        code_at = (w_base + row0 * bk + 16 * pair, w_base + (row0 + 8) * bk + 16 * pair)
+        stage_bytes = bw * bk
+
+        # Scale words of the 128 x 4 atom: the word of row r holds its four 32-wide k-blocks of one atom (128 of
+        # K: two k-tiles); this thread's byte is block c // 2 of a pair's first k-tile and 2 + c // 2 of its second.
+        # Blocks past K read the last real block (its codes there are TMA's zeros).
+        sfb_w = cute.make_tensor(cute.recast_ptr(sfb.iterator, dtype=cutlass.Int32),
+                                 cute.make_layout((cute.size(sfb) // 4,)))
+        atoms_n = (n + common.ATOM_MN - 1) // common.ATOM_MN
+        blocks = (k + 31) // 32
+        k_atoms = (blocks + common.ATOM_KB - 1) // common.ATOM_KB
+        atom_row = cutlass.min(tile_n, atoms_n - 1)
+        base0, base1 = [(w_batch * atoms_n + atom_row) * k_atoms * 128 + (r % 32) * 4 + (r // 32) % 4
+                        for r in (row0, row0 + 8)]
+        scale_words = lambda atom: self._scale_words(sfb_w, base0, base1, atom, k_atoms)
+        scale_bytes = lambda w0, w1, atom, second: self._scale_bytes(w0, w1, atom, second, pair, blocks, k_atoms)
+
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        # Scale words (rows row0, row0 + 8) of this group's two atoms (a, b) and of the next group's (c, d), loaded a
+        # group ahead; scalars, which the DSL carries through the loop.
+        a0, a1 = scale_words(0)
+        b0, b1 = scale_words(1)
+        ab_pipeline.consumer_wait(read_state)
+        self.convert(frags[0], code_at, read_state.index * stage_bytes, scale_bytes(a0, a1, 0, False))
+        per = PROMOTE_TILES
+        for q in range(k_tiles // per):
+            c0, c1 = scale_words(2 * q + 2)
+            d0, d1 = scale_words(2 * q + 3)
+            for i in cutlass.range_constexpr(per):
+                cute.nvgpu.warpgroup.fence()
+                for ks in cutlass.range_constexpr(k_steps):
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, i + ks > 0)
+                    cute.gemm(tiled_mma, partial, frags[i % 2][(None, None, ks)],
+                              tCrB[(None, None, ks, read_state.index)], partial)
+                cute.nvgpu.warpgroup.commit_group()
+                read_state.advance()
+                if cutlass.const_expr(i > 0):  # k-tile i - 1 is done: its fragment and stage are free
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                # k-tile i + 1 into the other fragment while the tensor cores run k-tile i
+                if cutlass.const_expr(i + 1 < per):
+                    ab_pipeline.consumer_wait(read_state)
+                    w0, w1 = (a0, a1) if (i + 1) // 2 == 0 else (b0, b1)
+                    self.convert(frags[(i + 1) % 2], code_at, read_state.index * stage_bytes,
+                                 scale_bytes(w0, w1, 2 * q + (i + 1) // 2, (i + 1) % 2 == 1))
+                else:
+                    if per * q + per < k_tiles:
+                        ab_pipeline.consumer_wait(read_state)
+                        self.convert(frags[0], code_at, read_state.index * stage_bytes,
+                                     scale_bytes(c0, c1, 2 * q + 2, False))
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+            for j in cutlass.range_constexpr(cute.size(acc)):
+                acc[j] = acc[j] + partial[j]
+            a0, a1, b0, b1 = c0, c1, d0, d1
+        return acc
+
+    @staticmethod
+    def _scale_words(sfb_w: cute.Tensor, base0, base1, atom, k_atoms) -> tuple:
+        """The words of rows row0 and row0 + 8 (word indices base0, base1 at k-atom 0) in k-atom `atom` (clamped to
+        the last atom)."""
+        at = cutlass.min(atom, k_atoms - 1) * (common.ATOM_BYTES // 4)
+        return sfb_w[base0 + at], sfb_w[base1 + at]
+
+    @staticmethod
+    def _scale_bytes(w0, w1, atom, second: bool, pair, blocks, k_atoms) -> list:
+        """This thread's scale bytes of the first (`second`: the second) of the two k-tiles of k-atom `atom` from its
+        rows' words there: block c // 2 (+ 2) of the atom, clamped to the last block of K."""
+        block = cutlass.min(4 * atom + (2 if second else 0) + pair // 2, blocks - 1)
+        shift = 8 * (block - 4 * cutlass.min(atom, k_atoms - 1))
+        return [(w0 >> shift) & 0xFF, (w1 >> shift) & 0xFF]
+
+    @cute.jit
+    def convert(self, frag: cute.Tensor, code_at: tuple, stage_offset, scales: list):
+        """This thread's A fragment of one k-tile: its 16 codes of rows row0 and row0 + 8 (shared memory, at
+        `code_at` + `stage_offset`) times their rows' scale bytes `scales`, as bf16 pairs in the fragment's slots
+        (k-step s: row0's codes 4s, 4s + 1; row0 + 8's; row0's 4s + 2, 4s + 3; row0 + 8's)."""
+        codes = [ptx_ops.ld_shared_v4(code_at[r] + stage_offset) for r in range(2)]
+        big = cutlass.Boolean(False)
+        for byte in scales:  # a Python list: unrolled
+            big = big | (byte > ONE_MULTIPLY_MAX_BYTE)
+        words = cute.recast_tensor(frag, cutlass.Int32)  # 4 words per k-step
+        if cute.arch.vote_any_sync(big):
+            self._convert_words(words, codes, scales, False)
+        else:
+            self._convert_words(words, codes, scales, True)
+
+    @cute.jit
+    def _convert_words(self, words: cute.Tensor, codes: list, scales: list, one: cutlass.Constexpr[bool]):
+        """`convert`'s bit moves and packed multiplies: `one` multiply by 2^120·scale per pair (every scale byte of
+        the warp at most ONE_MULTIPLY_MAX_BYTE), else by 2^120 and then by the scale."""
+        neg_zero = cutlass.Int32(_NEG_ZERO_X2)
+        two120 = cutlass.Int32(BF16X2_TWO_POW_120)
+        factors = []
+        for r in cutlass.range_constexpr(2):
+            nan = cutlass.Int32(0)
+            for i in cutlass.range_constexpr(4):
+                nan = nan | e4m3_nan_bits(codes[r][i])
+            factor = one_multiply_bf16x2(scales[r]) if cutlass.const_expr(one) else e8m0_bf16x2(scales[r])
+            factors.append(cutlass.select_(nan != 0, cutlass.Int32(common.E4M3_NAN_BF16X2), factor))
+        for s in cutlass.range_constexpr(4):
+            for high in cutlass.range_constexpr(2):
+                for r in cutlass.range_constexpr(2):
+                    bits = e4m3_pair_bits(codes[r][s], bool(high), lambda w, sel: byte_perm(w, w, sel))
+                    if cutlass.const_expr(not one):
+                        bits = cute.arch.fma_packed_bf16x2(bits, two120, neg_zero)
+                    words[4 * s + 2 * high + r] = cute.arch.fma_packed_bf16x2(bits, factors[r], neg_zero)
+
+    @cute.jit
+    def epilogue(self, acc: cute.Tensor, storage, c: cute.Tensor, amax: cute.Tensor, t, n, row_tile, tile_n, batch,
+                 rows_lo, rows_hi, wg_idx, tidx):
+        """C rows [rows_lo, rows_hi) of the item, columns of this weight tile below N, from the transposed
+        accumulators: written to shared memory as an fp32 (token, weight row) tile over the drained stages, then
+        each token row stored in 16-byte pieces where N allows (else element by element); amax of what was
+        stored."""
+        bt, bw, _ = self.tile_mnk
+        mma_threads = self.num_consumer_warps * 32
+        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=mma_threads)  # stages drained
+        tile_at = storage.sA.data_ptr().toint()
+        lane = tidx % 32
+        row0 = wg_idx * 64 + (tidx // 32 % 4) * 16 + lane // 4
+        # accumulator value (v0, v1, j): weight row row0 + 8·v1, token 8j + 2·(lane % 4) + v0
+        for j in cutlass.range_constexpr(bt // 8):
+            for v1 in cutlass.range_constexpr(2):
+                for v0 in cutlass.range_constexpr(2):
+                    token = 8 * j + 2 * (lane % 4) + v0
+                    ptx_ops.st_shared_u32(tile_at + (token * C_STAGE_STRIDE + row0 + 8 * v1) * 4,
+                                          common.bits_from_f32(acc[v0 + 2 * v1 + 4 * j]))
+        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=mma_threads)
+
+        # Each thread stores `per` consecutive columns of a token row: 4 (f32) or 8 (bf16) per 16 bytes.
+        per = 16 // (self.c_dtype.width // 8)
+        threads_per_row = bw // per
+        rows_per_pass = mma_threads // threads_per_row
+        col = (tidx % threads_per_row) * per
+        gcol = tile_n * bw + col
+        vector = (n % per == 0) & (gcol + per <= n)
+        c_addr = c.iterator.toint()
+        amax_bits = cutlass.Int32(0)
+        for pass_ in cutlass.range_constexpr(bt // rows_per_pass):
+            token = pass_ * rows_per_pass + tidx // threads_per_row
+            row = row_tile * bt + token
+            if (row >= rows_lo) & (row < rows_hi):
+                values = []
+                for q in cutlass.range_constexpr(per // 4):
+                    values += ptx_ops.ld_shared_v4(tile_at + (token * C_STAGE_STRIDE + col + 4 * q) * 4)
+                at = (cutlass.Int64(batch) * t + row) * n + gcol
+                xs = [common.f32_from_bits(v) for v in values]
+                for e in cutlass.range_constexpr(per):
+                    if gcol + e < n:
+                        amax_bits = cutlass.max(amax_bits, common.abs_bits(xs[e]))
+                if vector:
+                    if cutlass.const_expr(self.c_name == "float32"):
+                        ptx_ops.st_global_v4_if(c_addr + at * 4, values[0], values[1], values[2], values[3], 1)
+                    else:
+                        ptx_ops.st_global_v4_if(c_addr + at * 2, *[epilogue.bf16x2(xs[2 * i], xs[2 * i + 1])
+                                                                   for i in range(4)], 1)
+                else:
+                    for e in cutlass.range_constexpr(per):
+                        if gcol + e < n:
+                            c[at + e] = xs[e].to(self.c_dtype)
+        warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
+        amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
+        common.amax_block_reduce_and_publish(amax_bits, warp_amax, amax_i32.iterator + batch, tidx,
+                                             self.num_consumer_warps, self.epilogue_barrier_id)
+
+
+__all__ = ["HopperRaggedSwapAB", "K_PAD", "K_TILE", "PROMOTE_TILES"]

@@ -1,0 +1,207 @@
+"""The swap_ab ragged path on a CPU machine (MXFP8 E4M3 weights converted in registers, bf16 tokens): the token
+column order against the wgmma register layout CuTe builds, the handler's checks of its buffers, which calls
+dispatch sends to it, and its custom call lowered for CUDA. The kernel's results are checked on the H200 by
+tests/test_gpu_ragged.py."""
+
+import re
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from jax_blockgemm import _native, dispatch, gate, ragged
+from jax_blockgemm.kernels import catalog, structure
+
+from compiled_kernels import compiled
+
+import test_ffi_ragged as ffi_cases
+import test_ragged_kernel as lowering_cases
+
+ext = _native.extension()
+U8, F32, BF16, F16, E4M3, E5M2 = "uint8", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"
+
+
+def _rs_fragment_layout():
+    """(thread, value) -> column-major (64 x 16) index of the bf16 register-sourced wgmma A fragment that the
+    kernel's tiled MMA uses, and the fragment's register layout, as CuTe builds them for sm_90a."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    out = {}
+
+    @cute.jit
+    def probe():
+        kmajor = cute.nvgpu.OperandMajorMode.K
+        mma = sm90_utils.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, kmajor, kmajor, cutlass.Float32,
+                                                (2, 1, 1), tiler_mn=(64, 128),
+                                                a_source=cute.nvgpu.warpgroup.OperandSource.RMEM)
+        tv = mma.tv_layout_A
+        out["index"] = [[tv((t, v)) for v in range(8)] for t in range(128)]
+        out["registers"] = str(mma.make_fragment_A(mma.get_slice(0).partition_shape_A((128, 64))).layout)
+
+    envar = CuTeDSL._get_dsl().envar
+    saved = envar._arch
+    envar.arch = "sm_90a"
+    try:
+        probe()
+    finally:
+        envar._arch = saved
+    return out
+
+
+class TokenOrderTest(absltest.TestCase):
+
+    def test_order_is_the_fragment_order(self):
+        """The kernel gives thread (g, c) of warp w codes 16c .. 16c + 15 of rows 16w + g and + 8 (one 16-byte load
+        each) and puts code 16c + 4s + 2h + j of row + 8r into value (j, r, h) of k-step s (word 4s + 2h + r,
+        `_convert_words`); CuTe's fragment says which k that value multiplies. The tokens' column there must be that
+        code's column."""
+        frag = _rs_fragment_layout()
+        self.assertEqual(frag["registers"], "((2,2,2),1,4):((1,2,4),0,8)")  # value (j, r, h), then k-step s
+        order = ragged.swap_ab_column_order()
+        self.assertEqual(sorted(order.tolist()), list(range(64)))
+        for t in range(128):
+            w, g, c = t // 32, t % 32 // 4, t % 4
+            for j in range(2):
+                for r in range(2):
+                    for h in range(2):
+                        k16, m = divmod(frag["index"][t][j + 2 * r + 4 * h], 64)  # column-major (64, 16)
+                        self.assertEqual(m, 16 * w + g + 8 * r, (t, j, r, h))
+                        for s in range(4):
+                            self.assertEqual(order[16 * s + k16], 16 * c + 4 * s + 2 * h + j, (t, j, r, h, s))
+
+    def test_tokens_padded_and_permuted(self):
+        """swap_ab_tokens: K rounded up to 256 with zeros, every 64 columns in `swap_ab_column_order`, and a dot
+        product with weights permuted the same way unchanged."""
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((2, 5, 272)).astype(np.float32)
+        got = np.asarray(ragged.swap_ab_tokens(jnp.asarray(x)))
+        self.assertEqual(got.shape, (2, 5, 512))
+        padded = np.pad(x, ((0, 0), (0, 0), (0, 240)))
+        order = (np.arange(8)[:, None] * 64 + ragged.swap_ab_column_order()[None]).reshape(-1)
+        np.testing.assert_array_equal(got, padded[..., order])
+        w = rng.standard_normal(272)
+        np.testing.assert_allclose(got @ np.pad(w, (0, 240))[order], x @ w, rtol=1e-12)
+
+
+class CompileTest(parameterized.TestCase):
+    """Both swap_ab objects compile for sm_90a to what the design rests on (kernels/sm90/ragged_swap_ab.py)."""
+
+    @parameterized.parameters(F32, BF16)
+    def test_structure(self, c_dtype):
+        v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype=E4M3, c_dtype=c_dtype, sf_vec_size=32,
+                                   tile_mn=(128, 128), cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
+        c = compiled(v)
+        # the weights from registers (four 32-bit A registers), the tokens from shared memory, 128 tokens wide; the
+        # codes by bit moves, not the converter; TMA loads; registers moved to the MMA warpgroups; the amax atomic
+        wanted = {"register-sourced wgmma": r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, "
+                                             r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+",
+                  "prmt": r"prmt\.b32", "TMA": r"cp\.async\.bulk\.tensor",
+                  "setmaxnreg": r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", "amax": r"atom\.global\.max\.s32"}
+        for name, pattern in wanted.items():
+            self.assertTrue(re.search(pattern, c.ptx), name)
+        for name, pattern in {"FP8 converter": r"cvt\.rn\.f16x2\.e4m3x2", "local memory": r"\.local"}.items():
+            self.assertFalse(re.search(pattern, c.ptx), name)
+        resources = structure.cubin_resources(c.fn.__cubin__)
+        self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
+
+
+class HandlerTest(parameterized.TestCase):
+    """ffi/ragged.cc's swap_ab attributes and buffer checks, through the module's test hooks."""
+
+    @staticmethod
+    def _buffers(l=1, t=300, n=72, k=160, g=5, max_items=8):
+        out = ffi_cases._buffers(l, t, n, k, g, max_items)
+        out = ffi_cases._replace(out, 0, dtype=BF16, dims=[l, t, -(-k // 256) * 256])
+        return ffi_cases._replace(out, 2, dims=[0], address=0)
+
+    def test_attributes(self):
+        got = ext.parse_ragged_attributes(E4M3, BF16, "float8_e8m0fnu", 32, "k", BF16)
+        self.assertTrue(got[-1])  # a_bf16
+        self.assertFalse(ext.parse_ragged_attributes(E4M3, BF16, "float8_e8m0fnu", 32, "k")[-1])
+        for args in ((E5M2, F32, "float8_e8m0fnu", 32, "k", BF16), (E4M3, F16, "float8_e8m0fnu", 32, "k", BF16),
+                     (E4M3, F32, "float8_e8m0fnu", 32, "k", F32)):
+            with self.assertRaisesRegex(ValueError, r"a_dtype .* is not supported"):
+                ext.parse_ragged_attributes(*args)
+
+    def test_buffers(self):
+        message, dims = ext.check_ragged_buffers(self._buffers(), E4M3, F32, a_dtype=BF16)
+        self.assertEqual(message, "")
+        self.assertEqual(dims, (300, 72, 160, 1, 5, 8))
+        cases = [
+            (ffi_cases._replace(self._buffers(), 0, dims=[1, 300, 160]), r"expected K = 256: b's K rounded up to 256"),
+            (ffi_cases._replace(self._buffers(), 0, dtype=E4M3), r"bfloat16 tokens"),
+            (ffi_cases._replace(self._buffers(), 2, dims=[1, 3, 2, 32, 4, 4], address=4096),
+             r"sfa .* uint8 of zero elements"),
+            (ffi_cases._replace(self._buffers(), 1, dims=[1, 5, 72, 168]), r"a multiple of 16"),
+            (ffi_cases._replace(self._buffers(), 3, dims=[5, 1, 1, 32, 4, 4]), r"sfb .* atom"),
+            (ffi_cases._replace(self._buffers(), 5, dims=[1, 300, 71]), r"c is .*expected \(1, 300, 72\)")]
+        for buffers, pattern in cases:
+            with self.subTest(pattern=pattern):
+                self.assertRegex(ext.check_ragged_buffers(buffers, E4M3, F32, a_dtype=BF16)[0], pattern)
+
+
+def _verdict(ok: bool):
+    """A stand-in for the first-use self-check's verdict (the gate runs it in a child process on a GPU)."""
+    return lambda v: gate.Verdict(key=v.key, device="NVIDIA H200", object_sha="0" * 64, ok=ok,
+                                  detail="" if ok else "hung: killed after 120 s")
+
+
+def _choice(ab=jnp.float8_e4m3fn, c=jnp.bfloat16, capabilities=("9.0",), t=512, g=4, n=256, k=512, checked=True):
+    """dispatch.ragged_kernels for a "cutedsl" call, on the given local GPUs, the self-check passing (`checked`) or
+    failing."""
+    sa = jax.core.ShapedArray
+    avals = [sa((1, t, k), ab), sa((1, g, n, k), ab), sa((1, t, k // 32), jnp.uint8), sa((1, g, n, k // 32), jnp.uint8),
+             sa((1, g), jnp.int32), sa((1, g), jnp.int32)]
+    with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=capabilities), \
+            mock.patch.object(gate, "ensure_verified", side_effect=_verdict(checked)) as check:
+        choice = dispatch.ragged_kernels(avals, c_dtype=np.dtype(c), sf_vec_size=32, k=k, implementation="cutedsl")
+    return choice, [call.args[0].key for call in check.call_args_list]
+
+
+class DispatchTest(absltest.TestCase):
+
+    def test_which_calls_take_it(self):
+        """MXFP8 E4M3 with f32 or bf16 C on an H200, once its first-use self-check passed (the swap_ab kernels are
+        not yet verified there: arch.TABLE); the block-scaled kernels otherwise."""
+        swap_bf16 = "ragged.sm_90a.e4m3.bf16.sf32.t128x128.c1x1.swap_ab"
+        choice, checked = _choice()
+        self.assertEqual([v.key for v in choice.variants], [swap_bf16])
+        self.assertEqual(checked, [swap_bf16])
+        choice, _ = _choice(c=jnp.float32)
+        self.assertEqual([v.key for v in choice.variants], ["ragged.sm_90a.e4m3.f32.sf32.t128x128.c1x1.swap_ab"])
+        # the self-check failed (a wrong result, a hang): the block-scaled kernel, which ran correct on the H200
+        choice, checked = _choice(checked=False)
+        self.assertEqual({v.schedule for v in choice.variants}, {""})
+        self.assertEqual(checked, [swap_bf16])
+        # other formats and C dtypes, and no GPU (a program lowered for any target): the block-scaled kernels
+        for kwargs in (dict(ab=jnp.float8_e5m2), dict(c=jnp.float16), dict(capabilities=None)):
+            choice, checked = _choice(**kwargs)
+            self.assertEqual({v.schedule for v in choice.variants}, {""}, kwargs)
+            self.assertEqual(checked, [], kwargs)
+
+    def test_catalog(self):
+        swapped = [v for v in catalog.CATALOG if v.schedule == catalog.SWAP_AB]
+        self.assertEqual(sorted((v.arch, v.ab_dtype, v.c_dtype) for v in swapped),
+                         [("sm_90a", E4M3, BF16), ("sm_90a", E4M3, F32)])
+
+    def test_lowered_call(self):
+        """The custom call takes bf16 tokens of K rounded up to 256 (a fusion of the dequantization and the gather
+        before it), empty token scales, and a_dtype bfloat16."""
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
+                mock.patch.object(gate, "ensure_verified", side_effect=_verdict(True)):
+            text = lowering_cases._lowered(t=300, g=5, n=72, k=160)
+        call = next(line for line in text.splitlines() if "@jbg_ragged_gemm_amax" in line)
+        self.assertIn('a_dtype = "bfloat16"', call)
+        self.assertIn('ab_dtype = "float8_e4m3fn"', call)
+        self.assertRegex(call, r"\(tensor<1x300x256xbf16>, tensor<1x5x72x160xf8E4M3FN>, tensor<1x0xui8>, "
+                               r"tensor<5x1x2x32x4x4xui8>")
+        self.assertRegex(call, r"swap_ab")
+
+
+if __name__ == "__main__":
+    absltest.main()
