@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 from absl.testing import absltest
 
-from jax_blockgemm.kernels import weight_stream as ws
+from jax_blockgemm.kernels import common
 
 BF16 = ml_dtypes.bfloat16
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -61,7 +61,7 @@ class E4M3DequantizerTest(absltest.TestCase):
         """(256, 4) bf16 values of the placed codes, in byte order (pairs: bytes 0, 1 and 2, 3)."""
         out = np.empty((len(self.words), 4))
         for high in (False, True):
-            bits = ws.e4m3_pair_bits(self.words, high, _prmt)
+            bits = common.e4m3_pair_bits(self.words, high, _prmt)
             self.assertEqual(bits.dtype, np.int32)
             lo, hi = _halves(bits)
             out[:, 2 if high else 0], out[:, 3 if high else 1] = _bf16(lo), _bf16(hi)
@@ -72,7 +72,7 @@ class E4M3DequantizerTest(absltest.TestCase):
         np.testing.assert_array_equal(self._placed()[finite], self.values[finite] * 2.0**-120)
 
     def test_nan_bits_flag_exactly_the_nan_codes(self):
-        flagged = np.asarray(ws.e4m3_nan_bits(self.words), np.int64) & 0xFFFFFFFF
+        flagged = np.asarray(common.e4m3_nan_bits(self.words), np.int64) & 0xFFFFFFFF
         per_byte = np.stack([(flagged >> (8 * p + 7)) & 1 for p in range(4)], axis=1).astype(bool)
         np.testing.assert_array_equal(per_byte, np.isnan(self.values))
 
@@ -80,13 +80,13 @@ class E4M3DequantizerTest(absltest.TestCase):
         """Every byte up to the limit: placed bits times 2^120·scale equals code·2^(b-127) rounded to bf16 once
         (subnormal results included); past the limit the multiplier is no bf16 normal, so two multiplies."""
         placed, finite = self._placed(), ~np.isnan(self.values)
-        limit = ws.ONE_MULTIPLY_MAX_BYTE
+        limit = common.ONE_MULTIPLY_MAX_BYTE
         self.assertEqual(limit, 134)
         for b in range(0, 255):
             exact = (self.values[finite] * 2.0 ** (b - 127)).astype(BF16).astype(np.float64)
-            two = _mul(_mul(placed[finite], 2.0**120), _bf16(ws.e8m0_bf16x2(b)))
+            two = _mul(_mul(placed[finite], 2.0**120), _bf16(common.e8m0_bf16x2(b)))
             np.testing.assert_array_equal(two, exact, err_msg=f"two multiplies, byte {b}")
-            multiplier = ws.one_multiply_bf16x2(b)
+            multiplier = common.one_multiply_bf16x2(b)
             if b <= limit:
                 self.assertEqual(multiplier & 0xFFFF, multiplier >> 16)  # the same value in both halves
                 self.assertEqual(_bf16(multiplier), 2.0 ** (b - 7))

@@ -162,6 +162,46 @@ def e4m3_scale_bf16x2(byte: cutlass.Int32) -> cutlass.Int32:
     return pair
 
 
+# --- E4M3 codes to bf16 by bit moves (the decode kernel and the ragged swap_ab kernel) --------------------
+E4M3_PLACEMENT = 120  # an E4M3 code placed by e4m3_pair_bits reads as code·2^-E4M3_PLACEMENT
+BF16X2_TWO_POW_120 = (127 + E4M3_PLACEMENT) * 0x00800080  # 2^120 in both halves (0x7B807B80)
+_HIGH_BITS = -0x7F7F7F80  # 0x80808080: bit 7 of every byte
+# One packed multiply per E4M3 word instead of two: the placed codes times 2^120·scale at once, while that power of
+# two is a bf16 normal (biased exponent at most 254): E8M0 bytes up to 134. FP4 (code·2^-126) keeps two multiplies:
+# with one its 16-token objects spill.
+ONE_MULTIPLY_MAX_BYTE = 254 - E4M3_PLACEMENT
+# prmt selectors spreading bytes 0, 1 (2, 3) of a word into the low bytes of a word's halves, each over a byte of its
+# sign bit: the halves read s·0xFF00 | code, so a shift by 4 and one mask place the code (`e4m3_pair_bits`)
+E4M3_PAIR_SELECTORS = (0x9180, 0xB3A2)
+_E4M3_PAIR_MASK = -0x780F7810  # 0x87F087F0: the sign bit and the 7 bits below bit 11 of both halves
+
+
+def e8m0_bf16x2(byte):
+    """An E8M0 scale byte as a pair of equal bf16 values 2^(b-127): b·0x00800080 puts b in both exponent fields;
+    byte 0 (2^-127) becomes the subnormal 0x0040 and byte 255 the NaN 0x7FC0 by setting bit 6 of both halves."""
+    special = (((byte + 1) & 0xFE) - 1) >> 31  # -1 for bytes 0 and 255, else 0 (arithmetic shift)
+    return byte * 0x00800080 | (special & 0x00400040)
+
+
+def e4m3_pair_bits(word, high: bool, byte_perm):
+    """bf16x2 bits of codes 0, 1 (bytes 0, 1 of `word`; `high`: codes 2, 3) of a word of four E4M3 codes, each
+    placed as s<<15 | eeeemmm<<4: exactly code·2^-120, subnormals included (NaN codes read as 480·2^-120). Plain
+    Python on Int32 but for `byte_perm(word, selector)`, prmt.b32 of the word with itself: the kernel passes the
+    instruction, tests an emulation. Three instructions per pair: prmt, shift, mask."""
+    return (byte_perm(word, E4M3_PAIR_SELECTORS[int(high)]) << 4) & _E4M3_PAIR_MASK
+
+
+def e4m3_nan_bits(word):
+    """Nonzero exactly where a byte of `word` is an E4M3 NaN (0x7F or 0xFF): bit 7 of that byte. Plain Python."""
+    return ((word & 0x7F7F7F7F) + 0x01010101) & _HIGH_BITS
+
+
+def one_multiply_bf16x2(byte):
+    """The bf16x2 pair 2^120·2^(byte-127) for E8M0 byte `byte`: the placed E4M3 codes times it give code·scale in
+    one multiply, while byte <= ONE_MULTIPLY_MAX_BYTE. Plain Python."""
+    return (byte + E4M3_PLACEMENT) * 0x00800080
+
+
 # --- amax ----------------------------------------------------------------------------------------------
 @cute.jit
 def abs_bits(x: cutlass.Float32) -> cutlass.Int32:

@@ -114,3 +114,10 @@ def cp_async_wait(pending: int, *, loc=None, ip=None) -> None:
     """Wait until at most `pending` of the thread's newest commit groups are in flight; the copies of the older ones
     are then visible to this thread."""
     asm(None, [], f"cp.async.wait_group {pending};", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def byte_perm(a, b, selector: int, *, loc=None, ip=None) -> cutlass.Int32:
+    """prmt.b32: bytes of (b:a) picked by the four nibbles of `selector` (lowest nibble -> byte 0)."""
+    return cutlass.Int32(asm(T.i32(), [cutlass.Int32(a), cutlass.Int32(b)], f"prmt.b32 $0, $1, $2, {selector};",
+                             "=r,r,r", False, loc, ip))

@@ -38,7 +38,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_blockgemm.kernels import common
-from jax_blockgemm.kernels.ptx_ops import asm, cp_async_16, cp_async_commit, cp_async_wait, ld_shared_v4, words
+from jax_blockgemm.kernels.ptx_ops import (asm, byte_perm, cp_async_16, cp_async_commit, cp_async_wait, ld_shared_v4,
+                                           words)
 
 WARPS = 8  # warps per CTA, each on its own K-chunks of the CTA's rows
 THREADS = 32 * WARPS
@@ -55,17 +56,6 @@ _W_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float
 _C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 _SCALINGS = {(32, "float8_e8m0fnu"), (16, "float8_e4m3fn")}
 _NEG_ZERO_X2 = -0x7FFF8000  # bf16x2 -0 (0x80008000): x·s + (-0) == x·s
-E4M3_PLACEMENT = 120  # an E4M3 code placed by e4m3_pair_bits reads as code·2^-E4M3_PLACEMENT
-BF16X2_TWO_POW_120 = (127 + E4M3_PLACEMENT) * 0x00800080  # 2^120 in both halves (0x7B807B80)
-_HIGH_BITS = -0x7F7F7F80  # 0x80808080: bit 7 of every byte
-# One packed multiply per E4M3 word instead of two: the placed codes times 2^120·scale at once, while that power of
-# two is a bf16 normal (biased exponent at most 254): E8M0 bytes up to 134. FP4 (code·2^-126) keeps two multiplies:
-# with one its 16-token objects spill.
-ONE_MULTIPLY_MAX_BYTE = 254 - E4M3_PLACEMENT
-# prmt selectors spreading bytes 0, 1 (2, 3) of a word into the low bytes of a word's halves, each over a byte of its
-# sign bit: the halves read s·0xFF00 | code, so a shift by 4 and one mask place the code (`e4m3_pair_bits`)
-E4M3_PAIR_SELECTORS = (0x9180, 0xB3A2)
-_E4M3_PAIR_MASK = -0x780F7810  # 0x87F087F0: the sign bit and the 7 bits below bit 11 of both halves
 
 
 @dsl_user_op
@@ -102,39 +92,6 @@ def fp8x4_scaled_bf16(word, scale, e5m2: bool, *, loc=None, ip=None) -> list:
               "mul.rn.f32 f0, f0, $3; mul.rn.f32 f1, f1, $3; mul.rn.f32 f2, f2, $3; mul.rn.f32 f3, f3, $3; "
               "cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }", "=r,=r,r,f", False, loc, ip)
     return words(out, 2, loc, ip)
-
-
-def e8m0_bf16x2(byte):
-    """An E8M0 scale byte as a pair of equal bf16 values 2^(b-127): b·0x00800080 puts b in both exponent fields;
-    byte 0 (2^-127) becomes the subnormal 0x0040 and byte 255 the NaN 0x7FC0 by setting bit 6 of both halves."""
-    special = (((byte + 1) & 0xFE) - 1) >> 31  # -1 for bytes 0 and 255, else 0 (arithmetic shift)
-    return byte * 0x00800080 | (special & 0x00400040)
-
-
-def e4m3_pair_bits(word, high: bool, byte_perm):
-    """bf16x2 bits of codes 0, 1 (bytes 0, 1 of `word`; `high`: codes 2, 3) of a word of four E4M3 codes, each
-    placed as s<<15 | eeeemmm<<4: exactly code·2^-120, subnormals included (NaN codes read as 480·2^-120). Plain
-    Python on Int32 but for `byte_perm(word, selector)`, prmt.b32 of the word with itself: the kernel passes the
-    instruction, tests an emulation. Three instructions per pair: prmt, shift, mask."""
-    return (byte_perm(word, E4M3_PAIR_SELECTORS[int(high)]) << 4) & _E4M3_PAIR_MASK
-
-
-def e4m3_nan_bits(word):
-    """Nonzero exactly where a byte of `word` is an E4M3 NaN (0x7F or 0xFF): bit 7 of that byte. Plain Python."""
-    return ((word & 0x7F7F7F7F) + 0x01010101) & _HIGH_BITS
-
-
-def one_multiply_bf16x2(byte):
-    """The bf16x2 pair 2^120·2^(byte-127) for E8M0 byte `byte`: the placed E4M3 codes times it give code·scale in
-    one multiply, while byte <= ONE_MULTIPLY_MAX_BYTE. Plain Python."""
-    return (byte + E4M3_PLACEMENT) * 0x00800080
-
-
-@dsl_user_op
-def byte_perm(a, b, selector: int, *, loc=None, ip=None) -> cutlass.Int32:
-    """prmt.b32: bytes of (b:a) picked by the four nibbles of `selector` (lowest nibble -> byte 0)."""
-    return cutlass.Int32(asm(T.i32(), [cutlass.Int32(a), cutlass.Int32(b)], f"prmt.b32 $0, $1, $2, {selector};",
-                             "=r,r,r", False, loc, ip))
 
 
 @dsl_user_op
@@ -317,7 +274,7 @@ class WeightStreamGemm:
         warp-uniform answer: the two forms are two code paths)."""
         big = cutlass.Boolean(False)
         for byte in scales:
-            big = big | (byte > ONE_MULTIPLY_MAX_BYTE)
+            big = big | (byte > common.ONE_MULTIPLY_MAX_BYTE)
         return cute.arch.vote_any_sync(big)
 
     def _operand_words(self, codes, scales, r: int, one: bool):
@@ -335,7 +292,7 @@ class WeightStreamGemm:
         two126 = cutlass.Int32(common.BF16X2_TWO_POW_126)
         for i in range(4):  # word i holds codes 8i..8i+7 (lane-relative); NVFP4: words 0, 1 and 2, 3 per block
             byte = scales[r] >> (8 * (i // 2)) if self.lane_scales == 2 else scales[r]  # bits 8+: masked below
-            scale = common.e4m3_scale_bf16x2(byte) if cutlass.const_expr(self.sf_e4m3) else e8m0_bf16x2(byte)
+            scale = common.e4m3_scale_bf16x2(byte) if cutlass.const_expr(self.sf_e4m3) else common.e8m0_bf16x2(byte)
             for p in range(4):  # pair p: codes 8i+p (low half) and 8i+p+4 (high half)
                 bits = common.e2m1_pair_bits(codes[4 * r + i], p)
                 bits = cute.arch.fma_packed_bf16x2(bits, two126, neg_zero)
@@ -352,17 +309,18 @@ class WeightStreamGemm:
         16 codes of the row makes its scale NaN instead, which gives the same outputs a NaN product gives (NaN in
         every C element of that row, whatever x holds)."""
         neg_zero = cutlass.Int32(_NEG_ZERO_X2)
-        two120 = cutlass.Int32(BF16X2_TWO_POW_120)
+        two120 = cutlass.Int32(common.BF16X2_TWO_POW_120)
         byte = scales[r]
         nan_bytes = cutlass.Int32(0)
         for i in range(4):
-            nan_bytes = nan_bytes | e4m3_nan_bits(codes[4 * r + i])
-        scale = cutlass.select_(nan_bytes != 0, cutlass.Int32(common.E4M3_NAN_BF16X2),
-                                one_multiply_bf16x2(byte) if cutlass.const_expr(one) else e8m0_bf16x2(byte))
+            nan_bytes = nan_bytes | common.e4m3_nan_bits(codes[4 * r + i])
+        nan_pair = cutlass.Int32(common.E4M3_NAN_BF16X2)
+        pair_of = common.one_multiply_bf16x2 if cutlass.const_expr(one) else common.e8m0_bf16x2
+        scale = cutlass.select_(nan_bytes != 0, nan_pair, pair_of(byte))
         out = []
         for i in range(4):
             for high in (False, True):
-                bits = e4m3_pair_bits(codes[4 * r + i], high, lambda w, sel: byte_perm(w, w, sel))
+                bits = common.e4m3_pair_bits(codes[4 * r + i], high, lambda w, sel: byte_perm(w, w, sel))
                 if cutlass.const_expr(not one):
                     bits = cute.arch.fma_packed_bf16x2(bits, two120, neg_zero)
                 out.append(cute.arch.fma_packed_bf16x2(bits, scale, neg_zero))

@@ -47,8 +47,6 @@ from jax_blockgemm.kernels import common, epilogue, ptx_ops
 from jax_blockgemm.kernels.sm90 import tma_pipeline
 from jax_blockgemm.kernels.sm90.gemm_amax import smem_layout_staged
 from jax_blockgemm.kernels.sm90.ragged import ITEM_ROWS, work_item
-from jax_blockgemm.kernels.weight_stream import (BF16X2_TWO_POW_120, ONE_MULTIPLY_MAX_BYTE, byte_perm, e4m3_nan_bits,
-                                                 e4m3_pair_bits, e8m0_bf16x2, one_multiply_bf16x2)
 
 C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
 K_TILE = 64  # codes of K per stage
@@ -271,7 +269,7 @@ class HopperRaggedSwapAB:
         codes = [ptx_ops.ld_shared_v4(code_at[r] + stage_offset) for r in range(2)]
         big = cutlass.Boolean(False)
         for byte in scales:  # a Python list: unrolled
-            big = big | (byte > ONE_MULTIPLY_MAX_BYTE)
+            big = big | (byte > common.ONE_MULTIPLY_MAX_BYTE)
         words = cute.recast_tensor(frag, cutlass.Int32)  # 4 words per k-step
         if cute.arch.vote_any_sync(big):
             self._convert_words(words, codes, scales, False)
@@ -281,20 +279,24 @@ class HopperRaggedSwapAB:
     @cute.jit
     def _convert_words(self, words: cute.Tensor, codes: list, scales: list, one: cutlass.Constexpr[bool]):
         """`convert`'s bit moves and packed multiplies: `one` multiply by 2^120·scale per pair (every scale byte of
-        the warp at most ONE_MULTIPLY_MAX_BYTE), else by 2^120 and then by the scale."""
+        the warp at most common.ONE_MULTIPLY_MAX_BYTE), else by 2^120 and then by the scale."""
         neg_zero = cutlass.Int32(_NEG_ZERO_X2)
-        two120 = cutlass.Int32(BF16X2_TWO_POW_120)
+        two120 = cutlass.Int32(common.BF16X2_TWO_POW_120)
         factors = []
         for r in cutlass.range_constexpr(2):
             nan = cutlass.Int32(0)
             for i in cutlass.range_constexpr(4):
-                nan = nan | e4m3_nan_bits(codes[r][i])
-            factor = one_multiply_bf16x2(scales[r]) if cutlass.const_expr(one) else e8m0_bf16x2(scales[r])
+                nan = nan | common.e4m3_nan_bits(codes[r][i])
+            if cutlass.const_expr(one):
+                factor = common.one_multiply_bf16x2(scales[r])
+            else:
+                factor = common.e8m0_bf16x2(scales[r])
             factors.append(cutlass.select_(nan != 0, cutlass.Int32(common.E4M3_NAN_BF16X2), factor))
         for s in cutlass.range_constexpr(4):
             for high in cutlass.range_constexpr(2):
                 for r in cutlass.range_constexpr(2):
-                    bits = e4m3_pair_bits(codes[r][s], bool(high), lambda w, sel: byte_perm(w, w, sel))
+                    bits = common.e4m3_pair_bits(codes[r][s], bool(high),
+                                                 lambda w, sel: ptx_ops.byte_perm(w, w, sel))
                     if cutlass.const_expr(not one):
                         bits = cute.arch.fma_packed_bf16x2(bits, two120, neg_zero)
                     words[4 * s + 2 * high + r] = cute.arch.fma_packed_bf16x2(bits, factors[r], neg_zero)
