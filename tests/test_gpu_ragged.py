@@ -2,7 +2,9 @@
 
 `ragged_gemm_amax` with implementation="cutedsl" in every operand format, on fresh random codes and scales: empty,
 one-token and all-token groups, tiles shared by several groups, rows of no group, N and K tails, vmap (L = 2), every C
-dtype, NaN per group, traced group sizes, a weight stack past 2**31 elements; `mx_ragged_dot` with the kernel under
+dtype, NaN per group, traced group sizes, a weight stack past 2**31 elements (MXFP8 E4M3 with f32 or bf16 C through
+the swap_ab kernel, after its first-use self-check, with its own case for NaN codes, large scales and K past a whole
+promotion group); `mx_ragged_dot` with the kernel under
 its forward and dgrad, against the straight-through oracle; the bf16 kernel (`ragged.grouped_dot`, both weight
 layouts, f32 and bf16 C) and the grouped contraction kernel (`contraction.contract_groups`, the weight gradient)
 likewise. Outputs are poisoned before every launch (an unwritten
