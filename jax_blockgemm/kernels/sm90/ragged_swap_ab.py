@@ -137,7 +137,8 @@ class HopperRaggedSwapAB:
                n: cutlass.Int32, k: cutlass.Int32, g: cutlass.Int32, max_items: cutlass.Int32,
                tiled_mma: cute.TiledMma, x_staged: cute.ComposedLayout, w_staged: cute.ComposedLayout):
         """Device body: the CTA reads its item and runs (weight tile, item), or returns when the item is empty.
-        Items of group -1 (rows of no group) store zeros after one k-tile."""
+        Items of group -1 (rows of no group) store zeros after one group of PROMOTE_TILES k-tiles (the mainloop's
+        unit: the producer must fill, and the consumers release, a whole group)."""
         tile_n, item, batch = cute.arch.block_idx()
         row_tile, group, rows_lo, rows_hi = work_item(items, batch, item, max_items, t, g)
         if rows_lo < rows_hi:
