@@ -101,20 +101,14 @@ std::string ParseRaggedAttributes(std::string_view ab_dtype, std::string_view a_
 
 namespace {
 
-// "" when a (bfloat16 tokens) and b (the codes) fit the swap_ab objects, with `*row` and `*k` set to a's row length
-// (K rounded up to 256) and the logical K (b's), else the message saying so.
-std::string CheckSwapAbOperands(const BufferDesc (&buf)[8], const KernelDtypes& kernel, int64_t* row, int64_t* k) {
-  const BufferDesc &a = buf[0], &b = buf[1];
-  if (a.dtype != XLA_FFI_DataType_BF16) return Describe(a, 0) + "; the swap_ab objects take bfloat16 tokens";
-  if (a.rank != 3) return Describe(a, 0) + "; expected rank 3 (L, T, K rounded up to 256)";
-  if (b.dtype != kernel.ab) return Describe(b, 1) + "; the kernel objects were compiled for " + CodeName(kernel);
-  if (b.rank != 4) return Describe(b, 1) + "; expected rank 4 (L, G, N, K)";
-  *row = a.dims[2];
-  *k = b.dims[3];
-  if (*k < 1 || *k % 16 != 0) return Describe(b, 1) + "; expected K >= 1, a multiple of 16 (16-byte rows of codes)";
-  if (*row != CeilDiv(*k, kSwapAbKPad) * kSwapAbKPad) {
-    return Describe(a, 0) + "; expected K = " + std::to_string(CeilDiv(*k, kSwapAbKPad) * kSwapAbKPad) +
-           ": b's K rounded up to " + std::to_string(kSwapAbKPad) + " (ragged.swap_ab_tokens)";
+// "" when the swap_ab objects' tokens a (checked as bfloat16 of rank 3) and sfa fit the codes' logical K: K >= 1 a
+// multiple of 16 (16-byte rows of codes), a's rows K rounded up to kSwapAbKPad, sfa empty; else the message saying so.
+std::string CheckSwapAbTokens(const BufferDesc (&buf)[8], int64_t k) {
+  if (k < 1 || k % 16 != 0) return Describe(buf[1], 1) + "; expected K >= 1, a multiple of 16 (16-byte rows of codes)";
+  const int64_t padded = CeilDiv(k, kSwapAbKPad) * kSwapAbKPad;
+  if (buf[0].dims[2] != padded) {
+    return Describe(buf[0], 0) + "; expected K = " + std::to_string(padded) + ": b's K rounded up to " +
+           std::to_string(kSwapAbKPad) + " (ragged.swap_ab_tokens)";
   }
   if (ElementCount(buf[2]) != 0 || buf[2].dtype != XLA_FFI_DataType_U8) {
     return Describe(buf[2], 2) + "; expected uint8 of zero elements (the swap_ab objects read no token scales)";
@@ -128,14 +122,17 @@ std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& k
   const BufferDesc &a = buf[0], &b = buf[1], &items = buf[4], &c = buf[5];
   const char* k_name = kernel.ab_fp4 ? "K/2" : "K";  // the last dimension of a (and of a K-major b)
   std::string e;
-  int64_t row = a.rank == 3 ? a.dims[2] : 0, k = 0;
-  if (kernel.a_bf16) {
-    if (!(e = CheckSwapAbOperands(buf, kernel, &row, &k)).empty()) return e;
-  } else {
-    if (a.dtype != kernel.ab) return Describe(a, 0) + "; the kernel objects were compiled for " + CodeName(kernel);
-    if (a.rank != 3) return Describe(a, 0) + "; expected rank 3 (L, T, " + k_name + ")";
+  if (kernel.a_bf16 && a.dtype != XLA_FFI_DataType_BF16) {
+    return Describe(a, 0) + "; the swap_ab objects take bfloat16 tokens";
   }
-  const int64_t l = a.dims[0], t = a.dims[1];
+  if (!kernel.a_bf16 && a.dtype != kernel.ab) {
+    return Describe(a, 0) + "; the kernel objects were compiled for " + CodeName(kernel);
+  }
+  if (a.rank != 3) {
+    return Describe(a, 0) + "; expected rank 3 (L, T, " +
+           (kernel.a_bf16 ? "K rounded up to " + std::to_string(kSwapAbKPad) : std::string(k_name)) + ")";
+  }
+  const int64_t l = a.dims[0], t = a.dims[1], row = a.dims[2];
   if (l < 1 || t < 1 || row < 1) return Describe(a, 0) + "; expected every dimension >= 1";
   if (!(e = CheckCount(a, 0)).empty()) return e;  // bounds L and K, which the products below take
   if (kernel.ab_bf16 && row % 8 != 0) return Describe(a, 0) + "; expected K a multiple of 8 (16-byte rows of bfloat16)";
@@ -143,20 +140,22 @@ std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& k
     return Describe(a, 0) + (kernel.ab_fp4 ? "; expected K a multiple of 32 (16-byte rows of packed FP4 codes)"
                                            : "; expected K a multiple of 16 (16-byte rows of FP8 codes)");
   }
-  if (!kernel.a_bf16) k = kernel.ab_fp4 ? 2 * row : row;
-  const int64_t b_row = kernel.a_bf16 ? k : row;  // the length of b's rows (a K-major b)
+  // The length of b's rows (K-major b): a's, but for the swap_ab objects, whose tokens' rows are b's K rounded up.
+  const int64_t b_row = kernel.a_bf16 ? (b.rank == 4 ? b.dims[3] : 0) : row;
+  const int64_t k = kernel.a_bf16 ? b_row : kernel.ab_fp4 ? 2 * row : row;
   if (b.dtype != kernel.ab) return Describe(b, 1) + "; the kernel objects were compiled for " + CodeName(kernel);
   // b is (L, G, N, K) or, N-major (bfloat16 only), (L, G, K, N): one weight per group and batch either way.
   const int n_axis = kernel.b_mn ? 3 : 2, k_axis = kernel.b_mn ? 2 : 3;
   const int64_t g = b.rank == 4 ? b.dims[1] : 0, n = b.rank == 4 ? b.dims[n_axis] : 0;
   if (b.rank != 4 || b.dims[0] != l || b.dims[k_axis] != b_row || g < 1 || n < 1) {
-    const std::string l_s = std::to_string(l), row_s = std::to_string(b_row);
+    const std::string l_s = std::to_string(l), row_s = kernel.a_bf16 ? "K" : std::to_string(b_row);
     const std::string want = kernel.b_mn ? "(L, G, K, N) = (" + l_s + ", G >= 1, " + row_s + ", N >= 1)"
                                          : "(L, G, N, " + std::string(k_name) + ") = (" + l_s + ", G >= 1, N >= 1, " +
                                                row_s + ")";
     const char* major = !kernel.ab_bf16 ? "" : kernel.b_mn ? ", N-major (b_major n)" : ", K-major (b_major k)";
     return Describe(b, 1) + "; expected " + want + " for a's L and K: one weight per group and batch" + major;
   }
+  if (kernel.a_bf16 && !(e = CheckSwapAbTokens(buf, k)).empty()) return e;
   if (kernel.b_mn && n % 8 != 0) {
     return Describe(b, 1) + "; expected N a multiple of 8 (16-byte rows of an N-major bfloat16 b)";
   }
@@ -200,8 +199,9 @@ std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& k
   }
   for (int i = 0; i < 8; ++i) {
     if (i != 1 && !(e = CheckCount(buf[i], i)).empty()) return e;
-    if ((kernel.ab_bf16 && (i == 2 || i == 3)) || (kernel.a_bf16 && i == 2)) continue;  // empty and unread: its
-                                                                                       // pointer may be null
+    // Scales the objects do not read (bf16 operands: sfa and sfb; the swap_ab objects: sfa) are empty, and their
+    // pointers may be null.
+    if ((kernel.ab_bf16 && (i == 2 || i == 3)) || (kernel.a_bf16 && i == 2)) continue;
     const auto address = reinterpret_cast<uintptr_t>(buf[i].data);
     if (address == 0 || address % kAlignment != 0) {
       return Describe(buf[i], i) + " at address " + std::to_string(address) + "; expected a 16-byte aligned pointer";

@@ -138,6 +138,9 @@ class HandlerTest(parameterized.TestCase):
             (ffi_cases._replace(self._buffers(), 2, dims=[1, 3, 2, 32, 4, 4], address=4096),
              r"sfa .* uint8 of zero elements"),
             (ffi_cases._replace(self._buffers(), 1, dims=[1, 5, 72, 168]), r"a multiple of 16"),
+            (ffi_cases._replace(self._buffers(), 1, dims=[1, 5, 72]), r"b is .*expected \(L, G, N, K\) = \(1, G >= 1"),
+            (ffi_cases._replace(self._buffers(), 1, dtype=E5M2), r"b is .*compiled for float8_e4m3fn codes"),
+            (ffi_cases._replace(self._buffers(), 0, dims=[300, 256]), r"expected rank 3 \(L, T, K rounded up to 256\)"),
             (ffi_cases._replace(self._buffers(), 3, dims=[5, 1, 1, 32, 4, 4]), r"sfb .* atom"),
             (ffi_cases._replace(self._buffers(), 5, dims=[1, 300, 71]), r"c is .*expected \(1, 300, 72\)")]
         for buffers, pattern in cases:
@@ -183,6 +186,16 @@ class DispatchTest(absltest.TestCase):
             choice, checked = _choice(**kwargs)
             self.assertEqual({v.schedule for v in choice.variants}, {""}, kwargs)
             self.assertEqual(checked, [], kwargs)
+
+    def test_constants_agree(self):
+        """The swap_ab names and sizes each layer keeps (the kernels import cutlass, the lowering must not): the
+        schedule, the tokens' k-tile and K padding."""
+        from jax_blockgemm import ffi_lowering
+        from jax_blockgemm.kernels.sm90 import ragged_swap_ab
+
+        self.assertEqual(ffi_lowering.SWAP_AB, catalog.SWAP_AB)
+        self.assertEqual({ragged.SWAP_AB_K_PAD, ffi_lowering.SWAP_AB_K_PAD}, {ragged_swap_ab.K_PAD})
+        self.assertEqual(ragged.SWAP_AB_K_TILE, ragged_swap_ab.K_TILE)
 
     def test_catalog(self):
         swapped = [v for v in catalog.CATALOG if v.schedule == catalog.SWAP_AB]
