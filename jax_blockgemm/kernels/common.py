@@ -163,6 +163,7 @@ def e4m3_scale_bf16x2(byte: cutlass.Int32) -> cutlass.Int32:
 
 
 # --- E4M3 codes to bf16 by bit moves (the decode kernel and the ragged swap_ab kernel) --------------------
+NEG_ZERO_BF16X2 = -0x7FFF8000  # bf16x2 -0 (0x80008000), the addend of a packed multiply: x·s + (-0) == x·s, +0 too
 E4M3_PLACEMENT = 120  # an E4M3 code placed by e4m3_pair_bits reads as code·2^-E4M3_PLACEMENT
 BF16X2_TWO_POW_120 = (127 + E4M3_PLACEMENT) * 0x00800080  # 2^120 in both halves (0x7B807B80)
 _HIGH_BITS = -0x7F7F7F80  # 0x80808080: bit 7 of every byte

@@ -55,7 +55,6 @@ _W_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float
              "float4_e2m1fn": cutlass.Uint8}
 _C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 _SCALINGS = {(32, "float8_e8m0fnu"), (16, "float8_e4m3fn")}
-_NEG_ZERO_X2 = -0x7FFF8000  # bf16x2 -0 (0x80008000): x·s + (-0) == x·s
 
 
 @dsl_user_op
@@ -288,7 +287,7 @@ class WeightStreamGemm:
             return out
         if cutlass.const_expr(not self.fp4):
             return self._e4m3_words(codes, scales, r, one)
-        neg_zero = cutlass.Int32(_NEG_ZERO_X2)
+        neg_zero = cutlass.Int32(common.NEG_ZERO_BF16X2)
         two126 = cutlass.Int32(common.BF16X2_TWO_POW_126)
         for i in range(4):  # word i holds codes 8i..8i+7 (lane-relative); NVFP4: words 0, 1 and 2, 3 per block
             byte = scales[r] >> (8 * (i // 2)) if self.lane_scales == 2 else scales[r]  # bits 8+: masked below
@@ -308,7 +307,7 @@ class WeightStreamGemm:
         exact product). A NaN code (0x7F, 0xFF) would read as 480: a NaN anywhere in the lane's
         16 codes of the row makes its scale NaN instead, which gives the same outputs a NaN product gives (NaN in
         every C element of that row, whatever x holds)."""
-        neg_zero = cutlass.Int32(_NEG_ZERO_X2)
+        neg_zero = cutlass.Int32(common.NEG_ZERO_BF16X2)
         two120 = cutlass.Int32(common.BF16X2_TWO_POW_120)
         byte = scales[r]
         nan_bytes = cutlass.Int32(0)

@@ -34,7 +34,6 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from jax_blockgemm.kernels import common
 from jax_blockgemm.kernels.sm90 import tma_pipeline
 from jax_blockgemm.kernels.sm90.c_store import AccumulatorStore
-from jax_blockgemm.kernels.ptx_ops import s32
 
 # Operand codes as they travel through TMA and shared memory: FP4 (E2M1) as packed bytes, two codes each.
 _AB_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2,
@@ -52,7 +51,6 @@ SF_VEC_SIZE = 32  # MXFP8's (and MXFP4's) block; NVFP4's is 16 (`sf_vec_size`)
 _SMEM_RESERVE = 4096  # mbarriers and the per-warp amax slots
 
 
-_NEG_ZERO_X2 = s32(0x80008000)  # bf16x2 -0: x·s + (-0) == x·s, also for x·s == +0
 
 
 def smem_layout_staged(rows: int, dtype: Type[cutlass.Numeric], stages: int, cols: int,
@@ -351,7 +349,7 @@ class HopperMxf8GemmAmax(AccumulatorStore):
         same k permutation for A and B), each times 2^126 (-> the code) and times the block scale, both packed bf16
         multiplies. The scale is an E8M0 byte (2^(b-127); 0 -> 2^-127, 255 -> NaN) or an E4M3 byte (NVFP4).
         """
-        neg_zero = cutlass.Int32(_NEG_ZERO_X2)
+        neg_zero = cutlass.Int32(common.NEG_ZERO_BF16X2)
         two126 = cutlass.Int32(common.BF16X2_TWO_POW_126)
         for src, dst, frag8, frag16, first in operands:
             q = cute.recast_tensor(frag8, cutlass.Int32)  # 2 words (16 codes) per row

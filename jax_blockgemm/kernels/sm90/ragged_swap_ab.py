@@ -55,7 +55,6 @@ K_PAD = PROMOTE_TILES * K_TILE  # the tokens' K is padded to this: the mainloop 
 WEIGHT_ROWS = 128  # weight rows per CTA: two warpgroups of 64
 STAGES = 6  # 24 KB each (16 KB of tokens, 8 KB of codes)
 C_STAGE_STRIDE = WEIGHT_ROWS + 4  # words per token row of the epilogue's fp32 tile: the 4 extra spread the banks
-_NEG_ZERO_X2 = ptx_ops.s32(0x80008000)  # bf16x2 -0: x·s + (-0) == x·s
 
 
 class HopperRaggedSwapAB:
@@ -281,7 +280,7 @@ class HopperRaggedSwapAB:
     def _convert_words(self, words: cute.Tensor, codes: list, scales: list, one: cutlass.Constexpr[bool]):
         """`convert`'s bit moves and packed multiplies: `one` multiply by 2^120·scale per pair (every scale byte of
         the warp at most common.ONE_MULTIPLY_MAX_BYTE), else by 2^120 and then by the scale."""
-        neg_zero = cutlass.Int32(_NEG_ZERO_X2)
+        neg_zero = cutlass.Int32(common.NEG_ZERO_BF16X2)
         two120 = cutlass.Int32(common.BF16X2_TWO_POW_120)
         factors = []
         for r in cutlass.range_constexpr(2):
