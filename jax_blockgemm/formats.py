@@ -27,8 +27,9 @@ __all__ = [
     "E4M3", "E5M2", "E2M1", "E8M0", "BlockFormat", "MXFP8_E4M3", "MXFP8_E5M2", "MXFP4", "NVFP4", "FORMATS",
     "emax", "SCALE_RULE", "set_scale_rule", "scale_rule", "get_scale_rule", "scale_exponent", "e8m0_to_float32",
     "exponent_to_e8m0", "mx_block_exponents", "mx_encode_blocks", "round_to_grid", "round_to_e2m1", "pack_fp4",
-    "unpack_fp4", "quantize_mxfp8", "quantize_mxfp4", "quantize_nvfp4", "dequantize", "scales_to_float32",
-    "num_blocks", "atom_shape", "to_scale_atom", "from_scale_atom", "atom_to_seed_view", "seed_view_to_atom",
+    "unpack_fp4", "quantize_mxfp8", "quantize_mxfp4", "quantize_nvfp4", "quantize_dequantize", "dequantize",
+    "scales_to_float32", "num_blocks", "atom_shape", "to_scale_atom", "from_scale_atom", "atom_to_seed_view",
+    "seed_view_to_atom",
 ]
 
 E4M3 = jnp.float8_e4m3fn
@@ -458,6 +459,37 @@ def quantize_nvfp4(x: jax.Array, *, axis: int = -1, block: int = 16,
     """
     x, axis, block = _validated("quantize_nvfp4", x, axis, block, packed)
     return _quantize_nvfp4(x, axis=axis, block=block, packed=bool(packed))
+
+
+def quantize_dequantize(x: jax.Array, fmt: str, *, axis: int = -1) -> jax.Array:
+    """float32 code x scale of x quantized in `fmt` (a FORMATS name) along `axis`: the values of
+    `dequantize(*quantize_<fmt>(x, axis=axis))`, bit for bit, with the blocks split where `axis` lies, so that no
+    transposed copy of x is made for any axis (for large operands XLA's transposes cost more than the quantization).
+    The values are exact in bfloat16 (SPEC §6); NVFP4's per-tensor scale, if wanted, is the caller's."""
+    if fmt not in FORMATS:
+        raise ValueError(f"quantize_dequantize: fmt must be one of {', '.join(map(repr, FORMATS))}; got {fmt!r}.")
+    x, axis, _ = _validated("quantize_dequantize", x, axis, FORMATS[fmt].block)
+    return _quantize_dequantize(x, fmt=fmt, axis=axis)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "axis"))
+def _quantize_dequantize(x: jax.Array, *, fmt: str, axis: int) -> jax.Array:
+    f = FORMATS[fmt]
+    n = x.shape[axis]
+    nb = num_blocks(n, f.block)
+    x = jnp.pad(x.astype(jnp.float32), [(0, 0)] * axis + [(0, nb * f.block - n)] + [(0, 0)] * (x.ndim - axis - 1))
+    blocks = x.reshape(*x.shape[:axis], nb, f.block, *x.shape[axis + 1:])
+    if f.scale_kind == "e8m0":
+        e = mx_block_exponents(blocks, axis=axis + 1, code_dtype=f.code_dtype)
+        codes = mx_encode_blocks(blocks, e, code_dtype=f.code_dtype)
+        scale = e8m0_to_float32(exponent_to_e8m0(e))
+    else:  # NVFP4, as _quantize_nvfp4
+        amax = magnitude_max(blocks, axis=axis + 1, keepdims=True)
+        bad = ~jnp.isfinite(amax)
+        sf = _nvfp4_scale(amax)
+        codes = round_to_e2m1(jnp.where(bad | (sf == 0), 0.0, blocks / jnp.where(sf == 0, 1.0, sf)))
+        scale = jnp.where(bad, jnp.nan, sf)
+    return jax.lax.slice_in_dim((codes.astype(jnp.float32) * scale).reshape(x.shape), 0, n, axis=axis)
 
 
 def dequantize(codes: jax.Array, scales: jax.Array, *, block: int, axis: int = -1) -> jax.Array:

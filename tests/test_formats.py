@@ -334,6 +334,38 @@ class DequantizeTest(parameterized.TestCase):
             F.dequantize(jnp.zeros((4, 40), F.E4M3), jnp.zeros((4, 1), jnp.uint8), block=32)
 
 
+class QuantizeDequantizeTest(parameterized.TestCase):
+    """quantize_dequantize splits the blocks where they lie: its values must be those of dequantize(quantize), bit for
+    bit, along any axis, with tails, NaN / inf blocks, zero blocks and scales spread over 40 binades."""
+
+    _QUANTIZERS = {"mxfp8_e4m3": lambda x, a: F.quantize_mxfp8(x, axis=a),
+                   "mxfp8_e5m2": lambda x, a: F.quantize_mxfp8(x, axis=a, dtype=F.E5M2),
+                   "mxfp4": lambda x, a: F.quantize_mxfp4(x, axis=a, packed=False),
+                   "nvfp4": lambda x, a: F.quantize_nvfp4(x, axis=a, packed=False)}
+
+    @parameterized.product(fmt=tuple(F.FORMATS), case=(((3, 70, 5), 1), ((4, 6, 96), 2), ((50, 7), 0),
+                                                       ((2, 33, 40), -2)))
+    def test_equals_dequantized_codes(self, fmt, case):
+        shape, axis = case
+        rng = np.random.default_rng(zlib.crc32(f"{fmt}{shape}".encode()))
+        x = rng.standard_normal(shape) * np.exp2(rng.integers(-20, 20, shape))
+        x.flat[5], x.flat[77 % x.size] = np.nan, -np.inf
+        x[..., 0] = 0.0
+        x = jnp.asarray(x, jnp.float32)
+        want = np.asarray(F.dequantize(*self._QUANTIZERS[fmt](x, axis), block=F.FORMATS[fmt].block, axis=axis))
+        got = np.asarray(jax.jit(lambda x: F.quantize_dequantize(x, fmt, axis=axis))(x))
+        self.assertEqual(got.shape, x.shape)
+        self.assertTrue(np.isnan(got).any())
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        np.testing.assert_array_equal(got.astype(jnp.bfloat16).astype(np.float32), got)  # exact in bf16
+
+    def test_refuses_unknown_format(self):
+        with self.assertRaisesRegex(ValueError, "fmt must be one of .*'mxfp8_e4m3'.*got 'fp8'"):
+            F.quantize_dequantize(jnp.zeros((4, 32)), "fp8")
+        with self.assertRaisesRegex(TypeError, "floating-point"):
+            F.quantize_dequantize(jnp.zeros((4, 32), jnp.int32), "mxfp4")
+
+
 class AtomTest(parameterized.TestCase):
 
     _SHAPES = [(1, 128, 4), (2, 256, 8), (1, 200, 5), (3, 37, 3), (1, 129, 1), (2, 1, 9)]
