@@ -55,14 +55,15 @@ class ArchPolicy:
     # kernel schedules (the catalog's KernelVariant.schedule) of this target whose kernels have not yet run correct
     # on such a GPU: self-checked first even where `verified` holds
     unverified_schedules: tuple[str, ...] = ()
+    # what mx_ragged_dot's MX recipes hand their forward and dgrad ragged GEMMs: "bf16", the operands quantized and
+    # dequantized in place (the same values, exact in bf16; no transposed copy) for the bf16 grouped GEMM, or
+    # "codes", the quantized codes for a block-scaled one (worth it where MX codes run faster than bf16)
+    mx_ragged_operands: Literal["bf16", "codes"] = "bf16"
 
 
 TABLE: tuple[ArchPolicy, ...] = (
     ArchPolicy(
         capability="9.0", target="sm_90a", verified=True,
-        # the MXFP8 E4M3 ragged kernel that converts only the weights: benchmarked on the H200, its GPU tests not yet
-        # run in its final form (docs/design/moe.md)
-        unverified_schedules=("swap_ab",),
         default={"gemm_amax": "reference", "proj_rope": "kernel", "ragged": "kernel"},
         proj_rope_tile=(128, 192), proj_rope_schedule="staged",
         # H200, weight_only_matmul inside a many-weight program (docs/performance.md, decode and tune): the kernel
@@ -70,6 +71,9 @@ TABLE: tuple[ArchPolicy, ...] = (
         # (45.5 against 32.7 us; at K = 7168 it wins at M = 64, at K = 2048 up to M = 16)
         decode_max_m={"mxfp8_e4m3": 64, "mxfp8_e5m2": 64, "mxfp4": 64, "nvfp4": 64},
         decode_short_k={"mxfp8_e4m3": (7168, 16), "mxfp8_e5m2": (7168, 16)},
+        # H200: an MX ragged GEMM runs at the bf16 tensor rate, and quantizing the (G, K, N) weights to K-major codes
+        # (a transposed copy) took 3.2 ms, three times the GEMM (docs/design/moe.md)
+        mx_ragged_operands="bf16",
         why="H200: the proj_rope kernel is faster than the reference at every measured shape; MX gemm_amax is "
             "bound by the bf16 tensor rate there, where XLA's dot is as fast as ours (docs/design/gemm_amax.md); "
             "the decode kernel is faster than the reference up to the M shown (docs/design/decode.md); the ragged "
@@ -78,6 +82,7 @@ TABLE: tuple[ArchPolicy, ...] = (
         capability="10.0", target="sm_100a", verified=False,
         default={"gemm_amax": "reference", "proj_rope": "reference", "ragged": "reference"},
         proj_rope_tile=(128, 192), scaled_dot_min_size=0, decode_max_m={fmt: 0 for fmt in DECODE_FORMATS},
+        mx_ragged_operands="codes",  # the block-scaled tcgen05 ragged kernel multiplies MX codes at the FP8 rate
         why="B200: our kernels (the ragged one too) compiled, never run here, so never the default; MXFP8 E4M3 "
             "GEMMs through XLA's block-scaled dot (cuDNN on the FP8 tensor cores), unmeasured here"),
     ArchPolicy(
@@ -139,6 +144,14 @@ def none_takes_kernel(op: str, target: str, *, fmt: str = "", m: Optional[int] =
     return policy(target).default.get(_POLICY_OF.get(op, op)) == "kernel"
 
 
+def mx_ragged_operands(capabilities: Sequence[str]) -> str:
+    """What mx_ragged_dot's MX recipes hand their ragged GEMMs on GPUs of `capabilities` (`mx_ragged_operands`):
+    "codes" where any of them has a row that asks for codes, else "bf16" (also with no GPU: the reference then runs
+    on the same values either way)."""
+    rows = (_row_of_capability(c) for c in capabilities)
+    return "codes" if any(r is not None and r.mx_ragged_operands == "codes" for r in rows) else "bf16"
+
+
 def scaled_dot_min_size(device_kind: str) -> Optional[int]:
     """For a lowering's device kind ("cuda:<capability>", "cpu", or "cuda" with no GPU visible): the smallest
     L*M*N*K from which the reference takes its MXFP8 E4M3 accumulator from jax.lax.scaled_dot, or None where it
@@ -195,7 +208,8 @@ def decode_rule(p: ArchPolicy, formats: Sequence[str], *, name: Callable[[str], 
 def markdown_table() -> str:
     """The table as the docs show it: one row per compute capability."""
     lines = ["| compute capability | kernel target | kernels verified on it | None: gemm_amax | None: proj_rope "
-             "| None: decode (weight-only, small-M gemm_amax) | None: ragged | reference's MXFP8 E4M3 GEMM "
+             "| None: decode (weight-only, small-M gemm_amax) | None: ragged; mx_ragged_dot's MX GEMMs take "
+             "| reference's MXFP8 E4M3 GEMM "
              "| proj_rope tile, schedule | why |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in TABLE:
         tile = f"{p.proj_rope_tile[0]}x{p.proj_rope_tile[1]}, {p.proj_rope_schedule or 'default'}" if p.target else "-"
@@ -204,7 +218,7 @@ def markdown_table() -> str:
             f" (but the {name} kernels: self-checked first)" for name in p.unverified_schedules)
         lines.append(f"| {p.capability} | {p.target or '-'} | {verified} "
                      f"| {p.default['gemm_amax']} | {p.default['proj_rope']} | {_decode_cell(p)} "
-                     f"| {p.default['ragged']} | {gemm} | {tile} "
+                     f"| {p.default['ragged']}; {p.mx_ragged_operands} | {gemm} | {tile} "
                      f"| {p.why} |")
     return "\n".join(lines)
 

@@ -74,6 +74,12 @@ def local_cuda_capabilities() -> tuple[str, ...] | None:
     return tuple(sorted({str(getattr(d, "compute_capability", "")) for d in devices}))
 
 
+def mx_ragged_operands() -> str:
+    """What mx_ragged_dot's MX recipes hand their ragged GEMMs on the local GPUs: "bf16" values or "codes"
+    (`arch.mx_ragged_operands`)."""
+    return arch.mx_ragged_operands(local_cuda_capabilities() or ())
+
+
 def _past_int32(avals_in: Sequence[Any], a_major: str = "k", b_major: str = "k") -> str:
     """Why a canonical call (a (L, M, K) or (L, K, M), b likewise) is too large for int32 indexing, or ""."""
     l, m = avals_in[0].shape[0], avals_in[0].shape[2 if a_major == "m" else 1]

@@ -1,20 +1,28 @@
 """Differentiable mixture-of-experts matmul: `mx_ragged_dot`, a drop-in for `jax.lax.ragged_dot` that trains in MX.
 
 lhs (T, K) tokens sorted by expert, rhs (G, K, N) one weight per expert, group_sizes (G,). Both operands are
-block-quantized by a `Recipe` (as in `mx_dot_general`) and the product runs through `ragged_gemm_amax`. The custom VJP
-is straight-through, each operand quantized along its own contraction axis:
+block-quantized by a `Recipe` (as in `mx_dot_general`). The custom VJP is straight-through, each operand quantized
+along its own contraction axis:
 
-  dgrad  dX = dY · W_gᵀ over N: a ragged GEMM of dY (T, N) against the weights read with N as the contraction
-         (rhs is already (G, K, N), N-last, so no transposed copy), through `ragged_gemm_amax`;
-  wgrad  dW_g = X_gᵀ · dY_g over the group's tokens. Blocks of 32 tokens would straddle group boundaries that are
-         not multiples of 32, so each group is zero-padded to a multiple of 32 rows first (at most 31·G extra rows);
-         every block then lies inside one group, X and dY are quantized along the tokens, and the per-group
-         contraction (`contraction.contract_groups`, its kernel where one applies) runs on the dequantized values
-         (exact in bf16) with float32 accumulation.
+  forward  Y = X · W_g over K;
+  dgrad    dX = dY · W_gᵀ over N: the weights read with N as the contraction (rhs is already (G, K, N), N-last);
+  wgrad    dW_g = X_gᵀ · dY_g over the group's tokens. Blocks of 32 tokens would straddle group boundaries that are
+           not multiples of 32, so each group is zero-padded to a multiple of 32 rows first (at most 31·G extra rows);
+           every block then lies inside one group, X and dY are quantized along the tokens, and the per-group
+           contraction (`contraction.contract_groups`, its kernel where one applies) runs on the dequantized values
+           (exact in bf16) with float32 accumulation.
+
+Forward and dgrad take one of two forms, per architecture (`arch.TABLE`'s `mx_ragged_operands`): "bf16" quantizes
+each operand and dequantizes it in place (`formats.quantize_dequantize`: the blocks split where they lie, so the
+K-blocked weights need no transposed copy) and multiplies the values, exact in bf16, on the bf16 grouped GEMM
+(`ragged.grouped_dot`); "codes" hands the codes and scales to `ragged_gemm_amax` (the weights quantized K-major, a
+transposed copy for the forward). Both give the same values up to float32 summation order. Where MX GEMMs run at the
+bf16 tensor rate (sm_90a) the codes buy nothing and the transposed copy costs three times the GEMM
+(docs/design/moe.md).
 
 A GEMM whose contraction is not a multiple of 32 (K for the forward, N for dgrad) runs in bf16 instead, as in
-mx_dot_general; wgrad's padding makes the token contraction always fit. The bf16 recipe's forward and dgrad run the
-bf16 grouped kernel where it applies (`ragged.grouped_dot`), reading the (G, K, N) weights in place both ways.
+mx_dot_general; wgrad's padding makes the token contraction always fit. The bf16 recipe runs the bf16 grouped GEMM,
+reading the (G, K, N) weights in place both ways.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_blockgemm import api, autodiff, contraction, formats, ragged, reference, support
+from jax_blockgemm import api, autodiff, contraction, dispatch, formats, ragged, support
 
 __all__ = ["mx_ragged_dot"]
 
@@ -47,15 +55,24 @@ def _quantize(x: jax.Array, fmt: str, axis: int) -> tuple[jax.Array, jax.Array, 
 def _ragged_gemm(a: jax.Array, w: jax.Array, group_sizes: jax.Array, fmt: str, implementation: Any, *,
                  w_major: str, out_dtype: np.dtype) -> jax.Array:
     """(T, F) out_dtype: a (T, C) times each group's weight, contracted over C: w (G, F, C) for w_major "k",
-    (G, C, F) for "n"; both quantized along C in `fmt`, or bf16 (then the N-major w is read as it is). The kernels
-    write bf16 C when that is the result's dtype, else float32 (converted after)."""
+    (G, C, F) for "n"; both quantized along C in `fmt` and multiplied as their bf16 values or as codes (the module's
+    two forms), or bf16 (then the N-major w is read as it is). The kernels write bf16 C when that is the result's
+    dtype and no tensor scale follows, else float32 (converted after)."""
     c = a.shape[1]
     c_dtype = jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
     if fmt == "bf16" or c % autodiff.K_MULTIPLE:
         out, _ = ragged.grouped_dot(a, w, group_sizes, w_major=w_major, c_dtype=c_dtype,
                                     implementation=implementation if fmt == "bf16" else None)
         return out.astype(out_dtype)
-    b = w if w_major == "k" else jnp.swapaxes(w, 1, 2)  # the transpose fuses into the quantization
+    if dispatch.mx_ragged_operands() == "bf16":
+        (a16, ta), (w16, tw) = _fake_quantized(a, fmt, 1), _fake_quantized(w, fmt, 2 if w_major == "k" else 1)
+        if ta is None:
+            out, _ = ragged.grouped_dot(a16, w16, group_sizes, w_major=w_major, c_dtype=c_dtype,
+                                        implementation=implementation)
+            return out.astype(out_dtype)
+        out, _ = ragged.grouped_dot(a16, w16, group_sizes, w_major=w_major, implementation=implementation)
+        return (out * (ta * tw)).astype(out_dtype)
+    b = w if w_major == "k" else jnp.swapaxes(w, 1, 2)
     f = b.shape[1]
     b = autodiff._pad_axis(b, 1, 16)  # C's rows: 16 bytes of any C dtype
     qa, sa, ta = _quantize(a, fmt, 1)
@@ -88,10 +105,14 @@ def _group_padded(x: jax.Array, starts: jax.Array, ends: jax.Array) -> jax.Array
     return jnp.where(valid[:, None], x[source], 0)
 
 
-def _dequantized_along_tokens(x: jax.Array, fmt: str) -> tuple[jax.Array, Optional[jax.Array]]:
-    """x (rows, F) quantized along the rows in `fmt`, as exact bf16 values, and its NVFP4 tensor scale or None."""
-    codes, scales, tensor_scale = _quantize(x, fmt, 0)
-    return reference.dequantize_bf16(codes, scales, block=formats.FORMATS[fmt].block, axis=0), tensor_scale
+def _fake_quantized(x: jax.Array, fmt: str, axis: int) -> tuple[jax.Array, Optional[jax.Array]]:
+    """x quantized along `axis` in `fmt` and dequantized in place (no transposed copy), as exact bf16 values, and
+    its NVFP4 tensor scale (which the values still need as a factor) or None."""
+    if fmt == "nvfp4":
+        tensor_scale = autodiff._tensor_scale(x)
+        values = formats.quantize_dequantize(x.astype(jnp.float32) / tensor_scale, fmt, axis=axis)
+        return values.astype(jnp.bfloat16), tensor_scale.astype(jnp.float32)
+    return formats.quantize_dequantize(x, fmt, axis=axis).astype(jnp.bfloat16), None
 
 
 def _wgrad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, fmt: str, implementation: Any,
@@ -104,8 +125,8 @@ def _wgrad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, fmt: str, implem
         return contraction.contract_groups(x, dy, group_sizes, c_dtype=c_dtype, implementation=implementation)[0]
     starts, ends = ragged.group_bounds(group_sizes, x.shape[0])
     xp, dyp = _group_padded(x, starts, ends), _group_padded(dy, starts, ends)
-    xq, tx = _dequantized_along_tokens(xp, fmt)
-    dyq, td = _dequantized_along_tokens(dyp, fmt)
+    xq, tx = _fake_quantized(xp, fmt, 0)
+    dyq, td = _fake_quantized(dyp, fmt, 0)
     dw = contraction.contract_groups(xq, dyq, _padded_sizes(starts, ends), c_dtype=c_dtype,
                                      implementation=implementation)[0]
     return dw if tx is None else dw * (tx * td)
@@ -124,6 +145,10 @@ def _ragged_matmul_fwd(x, w, group_sizes, out_dtype, recipe):
 
 def _ragged_matmul_bwd(out_dtype, recipe, residuals, dy):
     x, w, group_sizes = residuals
+    # dgrad's w as a value of its own, so that XLA cannot fuse the forward's in-place quantization of w (blocks along
+    # K) with dgrad's (blocks along N) into one kernel: at G = 256 that kernel was 30 times slower than the two apart
+    # (docs/design/moe.md)
+    w, dy = jax.lax.optimization_barrier((w, dy))
     dx = _ragged_gemm(dy, w, group_sizes, recipe.dgrad, recipe.implementation, w_major="k",
                       out_dtype=np.dtype(x.dtype))
     dw = _wgrad(x, dy, group_sizes, recipe.wgrad, recipe.implementation, np.dtype(w.dtype))

@@ -108,6 +108,22 @@ class ArchTableTest(absltest.TestCase):
             self.assertEqual(arch.policy("sm_100a"), next(p for p in before if p.target == "sm_100a"))
         self.assertIs(arch.TABLE, before)
 
+    def test_mx_ragged_operands_follow_the_local_gpus(self):
+        self.assertEqual(arch.mx_ragged_operands(["9.0"]), "bf16")  # H200: MX GEMMs at the bf16 rate
+        self.assertEqual(arch.mx_ragged_operands(["10.0"]), "codes")  # B200: the block-scaled kernel takes codes
+        self.assertEqual(arch.mx_ragged_operands(["9.0", "10.0"]), "codes")
+        self.assertEqual(arch.mx_ragged_operands([]), "bf16")  # no GPU
+        self.assertEqual(arch.mx_ragged_operands(["8.0"]), "bf16")  # no row
+        with arch.overridden("9.0", mx_ragged_operands="codes"):
+            self.assertEqual(arch.mx_ragged_operands(["9.0"]), "codes")
+
+    def test_an_unverified_schedule_is_self_checked_and_shown(self):
+        self.assertTrue(arch.is_verified("sm_90a", "swap_ab"))
+        with arch.overridden("9.0", unverified_schedules=("swap_ab",)):
+            self.assertFalse(arch.is_verified("sm_90a", "swap_ab"))
+            self.assertTrue(arch.is_verified("sm_90a"))
+            self.assertIn("yes (but the swap_ab kernels: self-checked first)", arch.markdown_table())
+
     def test_the_readme_shows_the_current_table(self):
         self.assertIn(arch.markdown_table(), (ROOT / "README.md").read_text())
         printed = subprocess.run([sys.executable, "-m", "jax_blockgemm.arch"], capture_output=True, text=True,

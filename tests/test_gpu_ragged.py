@@ -3,13 +3,12 @@
 `ragged_gemm_amax` with implementation="cutedsl" in every operand format, on fresh random codes and scales: empty,
 one-token and all-token groups, tiles shared by several groups, rows of no group, N and K tails, vmap (L = 2), every C
 dtype, NaN per group, traced group sizes, a weight stack past 2**31 elements (MXFP8 E4M3 with f32 or bf16 C through
-the swap_ab kernel, after its first-use self-check, with its own case for NaN codes, large scales and K past a whole
-promotion group); `mx_ragged_dot` with the kernel under
-its forward and dgrad, against the straight-through oracle; the bf16 kernel (`ragged.grouped_dot`, both weight
-layouts, f32 and bf16 C) and the grouped contraction kernel (`contraction.contract_groups`, the weight gradient)
-likewise. Outputs are poisoned before every launch (an unwritten
-element reads NaN and fails). Skipped without a CUDA GPU that has kernels (CI has none); on the H200:
-`python -m pytest tests/test_gpu_ragged.py`.
+the swap_ab kernel, with its own case for NaN codes, large scales and K past a whole promotion group); `mx_ragged_dot`
+with kernels under its forward and dgrad (on sm_90a the bf16 grouped kernel on the quantized values), against the
+straight-through oracle; the bf16 kernel (`ragged.grouped_dot`, both weight layouts, f32 and bf16 C) and the grouped
+contraction kernel (`contraction.contract_groups`, the weight gradient) likewise. Outputs are poisoned before every
+launch (an unwritten element reads NaN and fails). Skipped without a CUDA GPU that has kernels (CI has none); on the
+H200: `python -m pytest tests/test_gpu_ragged.py`.
 """
 
 import os
@@ -75,14 +74,14 @@ class GpuRaggedTest(parameterized.TestCase):
     @parameterized.parameters("float32", "bfloat16")
     def test_swap_ab_kernel(self, c_dtype):
         """MXFP8 E4M3 with f32 or bf16 C runs the swap_ab kernel (bf16 tokens, the weights converted in registers):
-        K past the last whole promotion group (272: a k-tile of zeros and a clamped scale block), N not a multiple of
-        the 16-byte stores, a NaN code in one weight (its column of that group's rows), scale bytes above 134 (the
+        K past the last whole promotion group (272: a k-tile of zeros and a clamped scale block), N off the 128-row
+        tile, a NaN code in one weight (its column of that group's rows), scale bytes above 134 (the
         two-multiply path) in another group, rows of no group."""
         rng = np.random.default_rng(15)
-        t, g, n, k = 333, 4, 203, 272
+        t, g, n, k = 333, 4, 200, 272
         d = random_ragged_inputs(rng, t=t, g=g, n=n, k=k, fmt="mxfp8_e4m3")
         d["b"] = np.asarray(d["b"]).copy()
-        d["b"][2, 7, 100] = np.float8_e4m3fn(np.nan)
+        d["b"][2, 7, 100] = np.nan  # code 0x7F
         d["sfb"] = np.asarray(d["sfb"]).copy()
         d["sfb"][1, :, 3] = 140  # 2^13: beyond one multiply per pair
         gs = np.array([90, 0, 150, 60], np.int32)

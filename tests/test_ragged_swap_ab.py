@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from jax_blockgemm import _native, dispatch, gate, ragged
+from jax_blockgemm import _native, arch, dispatch, gate, ragged
 from jax_blockgemm.kernels import catalog, structure
 
 from compiled_kernels import compiled
@@ -169,18 +169,21 @@ def _choice(ab=jnp.float8_e4m3fn, c=jnp.bfloat16, capabilities=("9.0",), t=512, 
 class DispatchTest(absltest.TestCase):
 
     def test_which_calls_take_it(self):
-        """MXFP8 E4M3 with f32 or bf16 C on an H200, once its first-use self-check passed (the swap_ab kernels are
-        not yet verified there: arch.TABLE); the block-scaled kernels otherwise."""
+        """MXFP8 E4M3 with f32 or bf16 C on an H200 (verified there: no self-check); while a schedule is listed as
+        unverified, only once its first-use self-check passed; the block-scaled kernels otherwise."""
         swap_bf16 = "ragged.sm_90a.e4m3.bf16.sf32.t128x128.c1x1.swap_ab"
         choice, checked = _choice()
         self.assertEqual([v.key for v in choice.variants], [swap_bf16])
-        self.assertEqual(checked, [swap_bf16])
+        self.assertEqual(checked, [])
         choice, _ = _choice(c=jnp.float32)
         self.assertEqual([v.key for v in choice.variants], ["ragged.sm_90a.e4m3.f32.sf32.t128x128.c1x1.swap_ab"])
-        # the self-check failed (a wrong result, a hang): the block-scaled kernel, which ran correct on the H200
-        choice, checked = _choice(checked=False)
-        self.assertEqual({v.schedule for v in choice.variants}, {""})
-        self.assertEqual(checked, [swap_bf16])
+        with arch.overridden("9.0", unverified_schedules=(catalog.SWAP_AB,)):
+            choice, checked = _choice()
+            self.assertEqual(([v.key for v in choice.variants], checked), ([swap_bf16], [swap_bf16]))
+            # the self-check failed (a wrong result, a hang): the block-scaled kernel, which ran correct on the H200
+            choice, checked = _choice(checked=False)
+            self.assertEqual({v.schedule for v in choice.variants}, {""})
+            self.assertEqual(checked, [swap_bf16])
         # other formats and C dtypes, and no GPU (a program lowered for any target): the block-scaled kernels
         for kwargs in (dict(ab=jnp.float8_e5m2), dict(c=jnp.float16), dict(capabilities=None)):
             choice, checked = _choice(**kwargs)
