@@ -6,6 +6,8 @@ import json
 import os
 import tempfile
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl.testing import absltest
@@ -35,6 +37,20 @@ class RaggedBenchTest(absltest.TestCase):
         with self.assertRaises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
             bench_main(["--op", "ragged", "--op", "gemm_amax", "--small"])
 
+    def test_the_step_computes_the_forward(self):
+        """The step returns the loss <x · W_g, dy> with its gradients, so its forward is part of the program (with the
+        gradients alone XLA drops it: the loss is linear in the forward's result)."""
+        rng = np.random.default_rng(0)
+        x, w, dy = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((8, 6), (2, 6, 5), (8, 5)))
+        loss, (dx, dw) = jax.jit(ragged._step(ragged._dense))(x, w, dy)
+        as64 = lambda a: np.asarray(a.astype(jnp.bfloat16), np.float64)  # the dense step multiplies in bf16
+        y = np.einsum("gtk,gkn->gtn", as64(x).reshape(2, 4, 6), as64(w)).reshape(8, 5)
+        terms = y * np.asarray(dy, np.float64)
+        self.assertLess(abs(float(loss) - terms.sum()), 1e-2 * np.abs(terms).sum())
+        self.assertEqual((dx.shape, dw.shape), (x.shape, w.shape))
+        text = jax.jit(ragged._step(ragged._dense)).lower(x, w, dy).compile().as_text()
+        self.assertEqual(text.count(" dot("), 3)  # forward, dgrad, wgrad
+
     @pytest.mark.end_to_end
     def test_small_run_prints_both_tables_and_writes_json(self):
         with tempfile.TemporaryDirectory() as tmp:
@@ -56,7 +72,7 @@ class RaggedBenchTest(absltest.TestCase):
                 cols = case["columns"]
                 for key in ("bf16_recipe", "ragged_dot", "step_bf16"):
                     self.assertLess(cols[key]["rel_err_vs_dense"], 1e-2, key)
-                for key in ("ours", "step_mxfp8"):
+                for key in ("ours", "mxfp8_recipe", "step_mxfp8"):
                     self.assertLess(cols[key]["rel_err_vs_dense"], 0.1, key)
         text = out.getvalue()
         self.assertIn("training step: forward, dgrad, wgrad", text)

@@ -4,11 +4,13 @@ Per shape (T tokens, G experts, K -> N) and grouping (equal groups, or skewed: D
 one seed), each column is one jitted program timed like the other benchmarks. Forward columns:
 
   * ours(None): `ragged_gemm_amax`, MXFP8 E4M3 codes of x and of the weights (quantized beforehand, not timed), bf16 C;
+  * mx_ragged_dot mxfp8: `mx_ragged_dot` with the mxfp8 recipe on bf16 x and w, their quantization included;
   * mx_ragged_dot bf16: `mx_ragged_dot` with the bf16 recipe (bf16 operands, float32 accumulation);
   * lax.ragged_dot: `jax.lax.ragged_dot` on bf16 operands (XLA masks a dense operand per group on GPU);
   * dense bf16: a batched bf16 dot of the same FLOPs, (G, T/G, K) x (G, K, N), the speed every MoE GEMM wants.
 
-Training-step columns (forward, dgrad and wgrad of y = x · W_g, the loss <y, dy> with a fixed dy): `mx_ragged_dot`
+Training-step columns (forward, dgrad and wgrad of y = x · W_g: the loss <y, dy> with a fixed dy and its gradients,
+the loss returned too so that the forward is not dropped as dead code): `mx_ragged_dot`
 with the mxfp8 and the bf16 recipes, and the batched dense bf16 dots. Each result is compared with the dense bf16
 dot's on equal groups (where the two compute the same product). `--small` swaps in tiny shapes a CPU runs in seconds.
 """
@@ -33,8 +35,8 @@ SHAPES = ((16384, 32, 7168, 2048), (16384, 32, 2048, 7168), (65536, 256, 7168, 2
 SMALL_SHAPES = ((256, 4, 96, 64), (512, 8, 64, 96))
 GROUPINGS = ("equal", "skewed")
 DIRICHLET_ALPHA = 0.5
-FORWARD = {"ours": "ours(None)", "bf16_recipe": "mx_ragged_dot bf16", "ragged_dot": "lax.ragged_dot",
-           "dense": "dense bf16"}
+FORWARD = {"ours": "ours(None)", "mxfp8_recipe": "mx_ragged_dot mxfp8", "bf16_recipe": "mx_ragged_dot bf16",
+           "ragged_dot": "lax.ragged_dot", "dense": "dense bf16"}
 STEP = {"step_mxfp8": "step mxfp8", "step_bf16": "step bf16 recipe", "step_dense": "step dense bf16"}
 
 
@@ -93,10 +95,12 @@ _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
 def _step(matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> Callable[..., Any]:
-    """Forward, dgrad and wgrad of <matmul(x, w), dy>: what one expert layer's training step runs."""
+    """Forward, dgrad and wgrad of <matmul(x, w), dy>: what one expert layer's training step runs. The loss comes back
+    with the gradients: they do not depend on the forward's result (the loss is linear in it), so with the gradients
+    alone XLA would drop the forward GEMM."""
     def loss(x, w, dy):
         return jnp.vdot(matmul(x, w).astype(jnp.float32), dy.astype(jnp.float32))
-    return jax.grad(loss, argnums=(0, 1))
+    return jax.value_and_grad(loss, argnums=(0, 1))
 
 
 def columns(gs: jax.Array) -> dict[str, tuple[Callable[..., Any], tuple[str, ...]]]:
@@ -105,6 +109,7 @@ def columns(gs: jax.Array) -> dict[str, tuple[Callable[..., Any], tuple[str, ...
     return {
         "ours": (lambda a, b, sfa, sfb: jbg.ragged_gemm_amax(a, b, sfa, sfb, gs, c_dtype=bf16)[0],
                  ("a", "b", "sfa", "sfb")),
+        "mxfp8_recipe": (lambda x, w: jbg.mx_ragged_dot(x, w, gs, recipe="mxfp8"), ("x", "w")),
         "bf16_recipe": (lambda x, w: jbg.mx_ragged_dot(x, w, gs, recipe="bf16"), ("x", "w")),
         "ragged_dot": (lambda x, w: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32).astype(bf16),
                        ("x", "w")),
@@ -137,7 +142,8 @@ def run_case(key: jax.Array, tokens: int, groups: int, k: int, n: int, grouping:
         args = tuple(data[x] for x in names)
         try:
             compiled = jax.jit(fn).lower(*args).compile()
-            outputs[name] = jax.block_until_ready(compiled(*args))
+            out = jax.block_until_ready(compiled(*args))
+            outputs[name] = out[1] if name.startswith("step") else out  # a step's gradients (not its loss) compared
         except Exception as e:  # e.g. lax.ragged_dot out of memory at 256 experts: reported, not fatal
             results[name] = {"na": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"}
             progress.write(f" {name} n/a;")
@@ -149,8 +155,8 @@ def run_case(key: jax.Array, tokens: int, groups: int, k: int, n: int, grouping:
     progress.write("\n")
     progress.flush()
     if grouping == "equal":  # the dense dot computes the same product only when the groups are equal
-        for name, ref in (("ours", "dense"), ("bf16_recipe", "dense"), ("ragged_dot", "dense"),
-                          ("step_mxfp8", "step_dense"), ("step_bf16", "step_dense")):
+        for name, ref in (("ours", "dense"), ("mxfp8_recipe", "dense"), ("bf16_recipe", "dense"),
+                          ("ragged_dot", "dense"), ("step_mxfp8", "step_dense"), ("step_bf16", "step_dense")):
             if name in outputs and ref in outputs:
                 results[name]["rel_err_vs_dense"] = _rel_err(outputs[name], outputs[ref])
     return {"tokens": tokens, "groups": groups, "k": k, "n": n, "grouping": grouping,
@@ -168,7 +174,8 @@ def format_table(record: dict[str, Any]) -> str:
     """Two tables (forward; training step): ms per call and, in parentheses, the ratio to the dense bf16 column."""
     lines = [f"{record['environment'].get('device', '?')}, {record['date']}: ms per call (x the dense bf16 dot's "
              "time of the same FLOPs)"]
-    for title, keys, dense_key in (("forward, MXFP8 E4M3 -> bf16 (ours) and bf16", FORWARD, "dense"),
+    for title, keys, dense_key in (("forward, MXFP8 E4M3 -> bf16 (ours; mx_ragged_dot mxfp8) and bf16", FORWARD,
+                                    "dense"),
                                    ("training step: forward, dgrad, wgrad", STEP, "step_dense")):
         lines += ["", title, "T, G, K -> N, groups".ljust(36) + "".join(v.rjust(24) for v in keys.values())]
         for case in record["cases"]:
