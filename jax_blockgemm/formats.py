@@ -323,13 +323,17 @@ def _check_block(name: str, block: int) -> int:
     return int(block)
 
 
+def _split_blocks(x: jax.Array, axis: int, block: int) -> jax.Array:
+    """Zero-pad non-negative `axis` to whole blocks and split it where it lies: (..., nb, block, ...)."""
+    n = x.shape[axis]
+    nb = num_blocks(n, block)
+    x = jnp.pad(x, [(0, 0)] * axis + [(0, nb * block - n)] + [(0, 0)] * (x.ndim - axis - 1))
+    return x.reshape(*x.shape[:axis], nb, block, *x.shape[axis + 1:])
+
+
 def _to_blocks(x: jax.Array, axis: int, block: int) -> jax.Array:
     """Move `axis` last, zero-pad it to whole blocks and split it: (..., nb, block)."""
-    x = jnp.moveaxis(x, axis, -1)
-    n = x.shape[-1]
-    nb = num_blocks(n, block)
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, nb * block - n)])
-    return x.reshape(*x.shape[:-1], nb, block)
+    return _split_blocks(jnp.moveaxis(x, axis, -1), x.ndim - 1, block)
 
 
 def _from_blocks(xb: jax.Array, axis: int, n: int) -> jax.Array:
@@ -338,11 +342,6 @@ def _from_blocks(xb: jax.Array, axis: int, n: int) -> jax.Array:
     return jnp.moveaxis(x, -1, axis)
 
 
-def _block_stats(xb: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-block max |x| (the amax over finite elements wherever the block is finite) and whether the block holds
-    a NaN or an inf. One reduction serves both: a block's max |x| is NaN or inf exactly when it holds one."""
-    amax = magnitude_max(xb)
-    return amax, ~jnp.isfinite(amax)
 
 
 def mx_block_exponents(blocks: jax.Array, *, axis: int, code_dtype: DTypeLike,
@@ -436,16 +435,24 @@ def _nvfp4_scale(amax: jax.Array) -> jax.Array:
     return jnp.where(bump, next_up, s)
 
 
+def _nvfp4_encode_blocks(blocks: jax.Array, axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """E2M1 codes of float32 NVFP4 `blocks` whose elements run along `axis`, their float32 block scales and whether a
+    block holds a NaN or an inf (both kept on `axis`, size 1). One reduction serves both: a block's max |x| is NaN or
+    inf exactly when it holds one; such a block gets zero codes, as does one whose scale is 0."""
+    amax = magnitude_max(blocks, axis=axis, keepdims=True)
+    bad = ~jnp.isfinite(amax)
+    sf = _nvfp4_scale(amax)
+    # a correctly rounded division: it lands on the same side of every E2M1 midpoint as the exact quotient
+    y = jnp.where(bad | (sf == 0), 0.0, blocks / jnp.where(sf == 0, 1.0, sf))
+    return round_to_e2m1(y), sf, bad
+
+
 @functools.partial(jax.jit, static_argnames=("axis", "block", "packed"))
 def _quantize_nvfp4(x: jax.Array, *, axis: int, block: int, packed: bool) -> tuple[jax.Array, jax.Array]:
-    xb = _to_blocks(x.astype(jnp.float32), axis, block)
-    amax, bad = _block_stats(xb)
-    sf = _nvfp4_scale(amax)[..., None]
-    # a correctly rounded division: it lands on the same side of every E2M1 midpoint as the exact quotient
-    y = jnp.where(bad[..., None] | (sf == 0), 0.0, xb / jnp.where(sf == 0, 1.0, sf))
-    codes = _from_blocks(round_to_e2m1(y), axis, x.shape[axis])
+    codes, sf, bad = _nvfp4_encode_blocks(_to_blocks(x.astype(jnp.float32), axis, block), -1)
+    codes = _from_blocks(codes, axis, x.shape[axis])
     scale_bits = jax.lax.bitcast_convert_type(sf[..., 0].astype(E4M3), jnp.uint8)  # an exact cast
-    scale = jax.lax.bitcast_convert_type(jnp.where(bad, jnp.uint8(_E4M3_NAN), scale_bits), E4M3)
+    scale = jax.lax.bitcast_convert_type(jnp.where(bad[..., 0], jnp.uint8(_E4M3_NAN), scale_bits), E4M3)
     return (pack_fp4(codes) if packed else codes), jnp.moveaxis(scale, -1, axis)
 
 
@@ -475,21 +482,16 @@ def quantize_dequantize(x: jax.Array, fmt: str, *, axis: int = -1) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("fmt", "axis"))
 def _quantize_dequantize(x: jax.Array, *, fmt: str, axis: int) -> jax.Array:
     f = FORMATS[fmt]
-    n = x.shape[axis]
-    nb = num_blocks(n, f.block)
-    x = jnp.pad(x.astype(jnp.float32), [(0, 0)] * axis + [(0, nb * f.block - n)] + [(0, 0)] * (x.ndim - axis - 1))
-    blocks = x.reshape(*x.shape[:axis], nb, f.block, *x.shape[axis + 1:])
+    blocks = _split_blocks(x.astype(jnp.float32), axis, f.block)
     if f.scale_kind == "e8m0":
         e = mx_block_exponents(blocks, axis=axis + 1, code_dtype=f.code_dtype)
         codes = mx_encode_blocks(blocks, e, code_dtype=f.code_dtype)
         scale = e8m0_to_float32(exponent_to_e8m0(e))
-    else:  # NVFP4, as _quantize_nvfp4
-        amax = magnitude_max(blocks, axis=axis + 1, keepdims=True)
-        bad = ~jnp.isfinite(amax)
-        sf = _nvfp4_scale(amax)
-        codes = round_to_e2m1(jnp.where(bad | (sf == 0), 0.0, blocks / jnp.where(sf == 0, 1.0, sf)))
+    else:
+        codes, sf, bad = _nvfp4_encode_blocks(blocks, axis + 1)
         scale = jnp.where(bad, jnp.nan, sf)
-    return jax.lax.slice_in_dim((codes.astype(jnp.float32) * scale).reshape(x.shape), 0, n, axis=axis)
+    values = (codes.astype(jnp.float32) * scale).reshape(*x.shape[:axis], -1, *x.shape[axis + 1:])
+    return jax.lax.slice_in_dim(values, 0, x.shape[axis], axis=axis)
 
 
 def dequantize(codes: jax.Array, scales: jax.Array, *, block: int, axis: int = -1) -> jax.Array:

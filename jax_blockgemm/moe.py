@@ -66,12 +66,9 @@ def _ragged_gemm(a: jax.Array, w: jax.Array, group_sizes: jax.Array, fmt: str, i
         return out.astype(out_dtype)
     if dispatch.mx_ragged_operands() == "bf16":
         (a16, ta), (w16, tw) = _fake_quantized(a, fmt, 1), _fake_quantized(w, fmt, 2 if w_major == "k" else 1)
-        if ta is None:
-            out, _ = ragged.grouped_dot(a16, w16, group_sizes, w_major=w_major, c_dtype=c_dtype,
-                                        implementation=implementation)
-            return out.astype(out_dtype)
-        out, _ = ragged.grouped_dot(a16, w16, group_sizes, w_major=w_major, implementation=implementation)
-        return (out * (ta * tw)).astype(out_dtype)
+        out, _ = ragged.grouped_dot(a16, w16, group_sizes, w_major=w_major,
+                                    c_dtype=c_dtype if ta is None else jnp.float32, implementation=implementation)
+        return (out if ta is None else out * (ta * tw)).astype(out_dtype)
     b = w if w_major == "k" else jnp.swapaxes(w, 1, 2)
     f = b.shape[1]
     b = autodiff._pad_axis(b, 1, 16)  # C's rows: 16 bytes of any C dtype

@@ -140,16 +140,16 @@ def run_case(key: jax.Array, tokens: int, groups: int, k: int, n: int, grouping:
     progress.write(f"  T={tokens} G={groups} {k} -> {n}, {grouping}:")
     for name, (fn, names) in columns(gs).items():
         args = tuple(data[x] for x in names)
+        step = name.startswith("step")
         try:
             compiled = jax.jit(fn).lower(*args).compile()
             out = jax.block_until_ready(compiled(*args))
-            outputs[name] = out[1] if name.startswith("step") else out  # a step's gradients (not its loss) compared
+            outputs[name] = out[1] if step else out  # a step's gradients (not its loss) are compared
         except Exception as e:  # e.g. lax.ragged_dot out of memory at 256 experts: reported, not fatal
             results[name] = {"na": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"}
             progress.write(f" {name} n/a;")
             continue
         ms = median_ms(compiled, [args], warmup=warmup, reps=reps, burst=burst)
-        step = name.startswith("step")
         results[name] = {"ms": ms, "tflops": (3 if step else 1) * flops / (ms * 1e-3) / 1e12}
         progress.write(f" {name} {ms:.4g} ms;")
     progress.write("\n")
