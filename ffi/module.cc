@@ -17,6 +17,7 @@
 #include "gemm_amax.h"
 #include "object_check.h"
 #include "proj_rope.h"
+#include "quantize_pair.h"
 #include "ragged.h"
 #include "weight_stream.h"
 #include "xla/ffi/api/c_api.h"
@@ -40,7 +41,8 @@ const Target kTargets[] = {{jbg::kGemmAmaxTarget, JbgGemmAmaxInstantiate, JbgGem
                            {jbg::kDequantizeTarget, JbgDequantizeInstantiate, JbgDequantizeExecute},
                            {jbg::kWeightStreamTarget, JbgWeightStreamInstantiate, JbgWeightStreamExecute},
                            {jbg::kRaggedTarget, JbgRaggedInstantiate, JbgRaggedExecute},
-                           {jbg::kContractionTarget, JbgContractionInstantiate, JbgContractionExecute}};
+                           {jbg::kContractionTarget, JbgContractionInstantiate, JbgContractionExecute},
+                           {jbg::kQuantizePairTarget, JbgQuantizePairInstantiate, JbgQuantizePairExecute}};
 
 XLA_FFI_Handler* HandlerFor(const std::string& target, const std::string& stage) {
   const Target* found = nullptr;
@@ -146,6 +148,17 @@ std::tuple<std::string, std::tuple<int, int, int, int>> CheckDequantize(const st
   return {message, {dims[0].rows, dims[0].cols, dims[1].rows, dims[1].cols}};
 }
 
+// Test hook for the quantize_pair execute stage's buffer checks: w, values, codes, scales as (dtype, dims, address).
+// Returns (message, (rows, cols)).
+std::tuple<std::string, std::tuple<int, int>> CheckQuantizePair(const std::vector<BufferSpec>& specs) {
+  if (specs.size() != 4) throw nb::value_error("expected 4 buffers: w, values, codes, scales");
+  jbg::BufferDesc descs[4];
+  ToDescs(specs, descs);
+  jbg::QuantizePairDims dims;
+  std::string message = jbg::CheckQuantizePairBuffers(descs, &dims);
+  return {message, {dims.rows, dims.cols}};
+}
+
 // The weight_stream attributes parsed (ValueError naming what is wrong otherwise).
 jbg::KernelDtypes WeightStreamDtypes(const std::string& w_dtype, const std::string& c_dtype,
                                      const std::string& sf_dtype, int64_t sf_vec_size, int64_t max_m) {
@@ -241,6 +254,7 @@ NB_MODULE(_jbg_ffi, m) {
   m.attr("WEIGHT_STREAM_TARGET") = jbg::kWeightStreamTarget;
   m.attr("RAGGED_TARGET") = jbg::kRaggedTarget;
   m.attr("CONTRACTION_TARGET") = jbg::kContractionTarget;
+  m.attr("QUANTIZE_PAIR_TARGET") = jbg::kQuantizePairTarget;
   m.attr("KERNEL_OBJECTS_TYPE") = jbg::kKernelObjectsType;
   m.attr("TRAIT_COMMAND_BUFFER_COMPATIBLE") = static_cast<uint32_t>(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
 
@@ -358,6 +372,9 @@ NB_MODULE(_jbg_ffi, m) {
       },
       nb::arg("ab_dtype"), nb::arg("c_dtype"),
       "Test hook: the contraction instantiate stage's attribute parsing: (ab, c) as XLA FFI dtype codes.");
+  m.def("check_quantize_pair_buffers", &CheckQuantizePair, nb::arg("buffers"),
+        "Test hook: the quantize_pair execute stage's buffer checks on [(dtype, dims, address)] * 4 (w, values, "
+        "codes, scales).");
   m.def("parse_object_table", &ParseObjects, nb::arg("archs"), nb::arg("function_prefixes"),
         nb::arg("objects_size"), nb::arg("offsets"), nb::arg("target") = jbg::kGemmAmaxTarget,
         "Test hook: the instantiate stage's attribute parsing (errors name `target`).");

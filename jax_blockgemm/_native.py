@@ -29,6 +29,7 @@ DEQUANTIZE_TARGET = "jbg_dequantize_mxfp8"
 WEIGHT_STREAM_TARGET = "jbg_weight_stream"
 RAGGED_TARGET = "jbg_ragged_gemm_amax"
 CONTRACTION_TARGET = "jbg_grouped_contraction"
+QUANTIZE_PAIR_TARGET = "jbg_quantize_pair"
 
 _LOCK = threading.Lock()
 _REGISTERED: set[str] = set()

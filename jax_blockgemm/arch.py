@@ -29,8 +29,8 @@ OPS = ("gemm_amax", "proj_rope", "ragged")
 DECODE_OP = "weight_stream"
 DECODE_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")  # the weight formats the decode kernel reads
 # Kernels that follow another operation's column: the grouped contraction (the ragged product's weight gradient)
-# is part of the mixture-of-experts family, "ragged".
-_POLICY_OF = {"contraction": "ragged"}
+# and the pair quantization of its weights are part of the mixture-of-experts family, "ragged".
+_POLICY_OF = {"contraction": "ragged", "quantize_pair": "ragged"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -372,6 +372,34 @@ def contraction_kernels(avals_in: Sequence[Any], *, c_dtype: Any, implementation
     return _usable(variants, implementation, sizes=(t, k, n, l, g), names="(T, K, N, L, G)", fmt="bfloat16")
 
 
+def quantize_pair_kernels(avals_in: Sequence[Any], *, row_dtype: Any, col_dtype: Any, implementation: Any,
+                          **_: Any) -> KernelChoice:
+    """The pair-quantization kernel variants (one per covered architecture) for a canonical call: w (B, R, C)."""
+    settled = _settled_by_implementation(implementation, "quantize_pair")
+    if settled is not None:
+        return settled
+    (w,) = avals_in
+    if np.dtype(w.dtype) != np.dtype(jnp.bfloat16):
+        return KernelChoice(reason=f"the kernel reads bfloat16 w; got {np.dtype(w.dtype)}")
+    if formats.get_scale_rule() != "ceil":
+        return KernelChoice(reason=f"the kernel quantizes with the 'ceil' scale rule; the process uses "
+                                   f"{formats.get_scale_rule()!r}")
+    missing = _kernels_missing()
+    if missing:
+        return KernelChoice(reason=missing)
+    from jax_blockgemm.kernels import catalog
+
+    variants = [v for v in (catalog.select_variant(op="quantize_pair", arch=target, ab_dtype=str(np.dtype(row_dtype)),
+                                                   c_dtype=str(np.dtype(col_dtype)), sf_vec_size=32,
+                                                   tile_mn=catalog.QUANTIZE_PAIR_TILE, cluster_mn=(1, 1))
+                            for target in arch.targets()) if v is not None]
+    if not variants:
+        return KernelChoice(reason=f"no quantize_pair kernel in the catalog for {np.dtype(row_dtype)} row blocks and "
+                                   f"{np.dtype(col_dtype)} column blocks")
+    b, r, c = w.shape
+    return _usable(variants, implementation, sizes=(b * r, c), names="(rows, cols)", fmt=str(np.dtype(row_dtype)))
+
+
 def dequantize_variants(archs: Sequence[str], shape: Sequence[int], *, scale_axis: int,
                         paired_shape: Sequence[int] | None = None) -> tuple:
     """The dequantize kernels (one per arch in `archs`) for MXFP8 codes of `shape` with scales per 32 along

@@ -1,7 +1,7 @@
 """MLIR lowering of the operations to their XLA FFI custom calls (`jbg_gemm_amax`, `jbg_gemm_proj_rope_mxfp8`,
 `jbg_dequantize_mxfp8`, the MXFP8 proj_rope path's input pass, `jbg_weight_stream`, the decode kernel,
-`jbg_ragged_gemm_amax`, the mixture-of-experts kernel, and `jbg_grouped_contraction`, its weight gradient; typed FFI,
-api_version 4).
+`jbg_ragged_gemm_amax`, the mixture-of-experts kernel, `jbg_grouped_contraction`, its weight gradient, and
+`jbg_quantize_pair`, its weights quantized both ways in one pass; typed FFI, api_version 4).
 
 The custom call carries one kernel object per architecture, so a program lowered or `jax.export`-ed on any
 machine (no GPU needed) runs on every GPU the objects cover; the handler picks by compute capability when XLA
@@ -38,6 +38,10 @@ dequantized and permuted by `ragged.swap_ab_tokens`, (L, T, K rounded up to 256)
 `jbg_grouped_contraction` (x, y, bounds -> c, amax) carries the object table and `ab_dtype` ("bfloat16") and
 `c_dtype` ("float32" or "bfloat16"): x (L, T, K) and y (L, T, N) bfloat16, tokens sorted by group, bounds int32 (L,
 G, 2) the rows [start, end) of each group; c (L, G, K, N), c[l, g] = x[l, rows of g]ᵀ · y[l, rows of g].
+
+`jbg_quantize_pair` (w -> values, codes, scales) carries the object table only: w (..., R, C) bfloat16, values its
+bf16 code·scale with blocks along R in the objects' ab_dtype format, codes (c_dtype) and uint8 scales (..., R, C/32)
+with blocks along C.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ DEQUANTIZE_TARGET = _native.DEQUANTIZE_TARGET
 WEIGHT_STREAM_TARGET = _native.WEIGHT_STREAM_TARGET
 RAGGED_TARGET = _native.RAGGED_TARGET
 CONTRACTION_TARGET = _native.CONTRACTION_TARGET
+QUANTIZE_PAIR_TARGET = _native.QUANTIZE_PAIR_TARGET
 
 
 def object_table_attributes(variants: Sequence[Any], objects: Sequence[bytes]) -> dict[str, Any]:
@@ -400,8 +405,33 @@ def emit_contraction(ctx: Any, x: Any, y: Any, bounds: Any, *, variants: Sequenc
     return _emit(CONTRACTION_TARGET, ctx, (x, y, bounds), attributes)
 
 
+def emit_quantize_pair(ctx: Any, w: Any, *, variants: Sequence[Any]) -> list:
+    """Emits the `jbg_quantize_pair` custom call (both MX quantizations of a bf16 matrix in one pass) for the lowering
+    context `ctx`; returns [values, codes, scales].
+
+    w (..., R, C) bfloat16, R and C multiples of 32. Results from `ctx.avals_out`: values (..., R, C) bfloat16 (w
+    quantized along R in the variants' ab_dtype format, as code·scale), codes (..., R, C) in their c_dtype and scales
+    (..., R, C/32) uint8 (w quantized along C). `variants`: catalog entries of op "quantize_pair", one per
+    architecture, all compiled for the result's formats.
+    """
+    (w_aval,), (values_aval, codes_aval, scales_aval) = ctx.avals_in, ctx.avals_out
+    shape = tuple(w_aval.shape)
+    if len(shape) < 2 or np.dtype(w_aval.dtype) != np.dtype("bfloat16") or shape[-1] % 32 or shape[-2] % 32:
+        raise ValueError(f"emit_quantize_pair expects w (..., R, C) bfloat16 with R and C multiples of 32; got "
+                         f"{w_aval}")
+    if (tuple(values_aval.shape) != shape or np.dtype(values_aval.dtype) != np.dtype("bfloat16")
+            or tuple(codes_aval.shape) != shape or tuple(scales_aval.shape) != (*shape[:-1], shape[-1] // 32)
+            or np.dtype(scales_aval.dtype) != np.uint8):
+        raise ValueError(f"emit_quantize_pair expects results values bfloat16 {shape}, codes {shape} and scales uint8 "
+                         f"{(*shape[:-1], shape[-1] // 32)}; got {values_aval}, {codes_aval}, {scales_aval}")
+    for v in variants:
+        if v.op != "quantize_pair" or v.c_dtype != str(np.dtype(codes_aval.dtype)):
+            raise ValueError(f"variant {v.key!r} is not a quantize_pair kernel writing {codes_aval.dtype} codes")
+    return _emit(QUANTIZE_PAIR_TARGET, ctx, (w,), object_table_attributes(*_objects(variants)))
+
+
 def export_disabled_checks() -> list:
     """What `jax.export.export(..., disabled_checks=...)` needs to export a program holding our custom calls."""
     return [jax.export.DisabledSafetyCheck.custom_call(t)
             for t in (GEMM_AMAX_TARGET, PROJ_ROPE_TARGET, DEQUANTIZE_TARGET, WEIGHT_STREAM_TARGET, RAGGED_TARGET,
-                      CONTRACTION_TARGET)]
+                      CONTRACTION_TARGET, QUANTIZE_PAIR_TARGET)]

@@ -18,7 +18,9 @@ K-blocked weights need no transposed copy) and multiplies the values, exact in b
 (`ragged.grouped_dot`); "codes" hands the codes and scales to `ragged_gemm_amax` (the weights quantized K-major, a
 transposed copy for the forward). Both give the same values up to float32 summation order. Where MX GEMMs run at the
 bf16 tensor rate (sm_90a) the codes buy nothing and the transposed copy costs three times the GEMM
-(docs/design/moe.md).
+(docs/design/moe.md). Under differentiation the "bf16" form quantizes the weights once for both GEMMs
+(`quantize_pair`: one pass, its kernel where one applies): the forward takes their values along K, and dgrad their
+codes along N, kept from the forward (half the weights' bf16 bytes) and read by `ragged_gemm_amax` as they lie.
 
 A GEMM whose contraction is not a multiple of 32 (K for the forward, N for dgrad) runs in bf16 instead, as in
 mx_dot_general; wgrad's padding makes the token contraction always fit. The bf16 recipe runs the bf16 grouped GEMM,
@@ -34,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_blockgemm import api, autodiff, contraction, dispatch, formats, ragged, support
+from jax_blockgemm import api, autodiff, contraction, dispatch, formats, quantize_pair, ragged, support
 
 __all__ = ["mx_ragged_dot"]
 
@@ -56,28 +58,59 @@ def _ragged_gemm(a: jax.Array, w: jax.Array, group_sizes: jax.Array, fmt: str, i
                  w_major: str, out_dtype: np.dtype) -> jax.Array:
     """(T, F) out_dtype: a (T, C) times each group's weight, contracted over C: w (G, F, C) for w_major "k",
     (G, C, F) for "n"; both quantized along C in `fmt` and multiplied as their bf16 values or as codes (the module's
-    two forms), or bf16 (then the N-major w is read as it is). The kernels write bf16 C when that is the result's
-    dtype and no tensor scale follows, else float32 (converted after)."""
+    two forms), or bf16 (then the N-major w is read as it is)."""
     c = a.shape[1]
-    c_dtype = jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
     if fmt == "bf16" or c % autodiff.K_MULTIPLE:
-        out, _ = ragged.grouped_dot(a, w, group_sizes, w_major=w_major, c_dtype=c_dtype,
+        out, _ = ragged.grouped_dot(a, w, group_sizes, w_major=w_major, c_dtype=_c_dtype(out_dtype),
                                     implementation=implementation if fmt == "bf16" else None)
         return out.astype(out_dtype)
     if dispatch.mx_ragged_operands() == "bf16":
-        (a16, ta), (w16, tw) = _fake_quantized(a, fmt, 1), _fake_quantized(w, fmt, 2 if w_major == "k" else 1)
-        out, _ = ragged.grouped_dot(a16, w16, group_sizes, w_major=w_major,
-                                    c_dtype=c_dtype if ta is None else jnp.float32, implementation=implementation)
-        return (out if ta is None else out * (ta * tw)).astype(out_dtype)
+        w16, tw = _fake_quantized(w, fmt, 2 if w_major == "k" else 1)
+        return _values_gemm(a, w16, tw, group_sizes, fmt, implementation, w_major=w_major, out_dtype=out_dtype)
     b = w if w_major == "k" else jnp.swapaxes(w, 1, 2)
-    f = b.shape[1]
-    b = autodiff._pad_axis(b, 1, 16)  # C's rows: 16 bytes of any C dtype
+    qb, sb, tb = _quantize(autodiff._pad_axis(b, 1, 16), fmt, 2)  # C's rows: 16 bytes of any C dtype
+    return _codes_gemm(a, qb, sb, tb, group_sizes, fmt, implementation, out_dtype=out_dtype)[:, :b.shape[1]]
+
+
+def _c_dtype(out_dtype: np.dtype) -> Any:
+    """The kernels write bf16 C when that is the result's dtype, else float32 (converted after)."""
+    return jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
+
+
+def _values_gemm(a: jax.Array, w16: jax.Array, tw: Optional[jax.Array], group_sizes: jax.Array, fmt: str,
+                 implementation: Any, *, w_major: str, out_dtype: np.dtype) -> jax.Array:
+    """a quantized along C in `fmt` and dequantized in place, times the weights' quantized bf16 values w16 (laid
+    out as `_ragged_gemm` says; tw: their NVFP4 tensor scale or None) on the bf16 grouped GEMM."""
+    a16, ta = _fake_quantized(a, fmt, 1)
+    out, _ = ragged.grouped_dot(a16, w16, group_sizes, w_major=w_major,
+                                c_dtype=_c_dtype(out_dtype) if ta is None else jnp.float32,
+                                implementation=implementation)
+    return (out if ta is None else out * (ta * tw)).astype(out_dtype)
+
+
+def _codes_gemm(a: jax.Array, qb: jax.Array, sb: jax.Array, tb: Optional[jax.Array], group_sizes: jax.Array,
+                fmt: str, implementation: Any, *, out_dtype: np.dtype) -> jax.Array:
+    """a quantized along C in `fmt`, times the weights' codes qb (G, F, C), F a multiple of 16, with their scales sb
+    (tb: the NVFP4 tensor scale or None) through `ragged_gemm_amax`: (T, F) out_dtype."""
     qa, sa, ta = _quantize(a, fmt, 1)
-    qb, sb, tb = _quantize(b, fmt, 2)
     alpha = None if ta is None else ta * tb
-    out, _ = api.ragged_gemm_amax(qa, qb, sa, sb, group_sizes, alpha=alpha, c_dtype=c_dtype,
+    out, _ = api.ragged_gemm_amax(qa, qb, sa, sb, group_sizes, alpha=alpha, c_dtype=_c_dtype(out_dtype),
                                   sf_vec_size=formats.FORMATS[fmt].block, implementation=implementation)
-    return out[:, :f].astype(out_dtype)
+    return out.astype(out_dtype)
+
+
+def _weight_pair(w: jax.Array, recipe: autodiff.Recipe) -> Optional[tuple[jax.Array, jax.Array, jax.Array]]:
+    """The forward's bf16 values of w (blocks along K) and dgrad's codes and scales of it (blocks along N), from one
+    pass over w (`quantize_pair`), where the recipe quantizes both GEMMs in MXFP8, the forward takes bf16 values and
+    both contractions are whole blocks; else None (each GEMM quantizes w itself). The quantizer follows the recipe's
+    "xla"; otherwise it takes its kernel where one applies (it is not one of the recipe's GEMMs)."""
+    if (dispatch.mx_ragged_operands() != "bf16" or recipe.fwd not in quantize_pair.FORMATS
+            or recipe.dgrad not in quantize_pair.FORMATS or w.shape[1] % autodiff.K_MULTIPLE
+            or w.shape[2] % autodiff.K_MULTIPLE):
+        return None
+    implementation = "xla" if recipe.implementation == "xla" else None
+    return quantize_pair.quantize_pair(w, row_format=recipe.fwd, col_format=recipe.dgrad,
+                                       implementation=implementation)
 
 
 def _padded_sizes(starts: jax.Array, ends: jax.Array) -> jax.Array:
@@ -137,17 +170,27 @@ def _ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype
 
 
 def _ragged_matmul_fwd(x, w, group_sizes, out_dtype, recipe):
-    return _ragged_matmul(x, w, group_sizes, out_dtype, recipe), (x, w, group_sizes)
+    pair = _weight_pair(w, recipe)
+    if pair is None:
+        return _ragged_matmul(x, w, group_sizes, out_dtype, recipe), (x, w, group_sizes, None)
+    values, codes, scales = pair
+    out = _values_gemm(x, values, None, group_sizes, recipe.fwd, recipe.implementation, w_major="n",
+                       out_dtype=out_dtype)
+    return out, (x, w, group_sizes, (codes, scales))
 
 
 def _ragged_matmul_bwd(out_dtype, recipe, residuals, dy):
-    x, w, group_sizes = residuals
-    # dgrad's w as a value of its own, so that XLA cannot fuse the forward's in-place quantization of w (blocks along
-    # K) with dgrad's (blocks along N) into one kernel: at G = 256 on the H200 that kernel took 106 ms, where both
-    # quantizations apart should take about 19 (docs/design/moe.md)
-    w, dy = jax.lax.optimization_barrier((w, dy))
-    dx = _ragged_gemm(dy, w, group_sizes, recipe.dgrad, recipe.implementation, w_major="k",
-                      out_dtype=np.dtype(x.dtype))
+    x, w, group_sizes, dgrad_codes = residuals
+    if dgrad_codes is not None:  # w's codes along N from the forward's pass over it: (G, K, N) as dgrad reads them
+        dx = _codes_gemm(dy, *dgrad_codes, None, group_sizes, recipe.dgrad, recipe.implementation,
+                         out_dtype=np.dtype(x.dtype))
+    else:
+        # dgrad's w as a value of its own, so that XLA cannot fuse the forward's in-place quantization of w (blocks
+        # along K) with dgrad's (blocks along N) into one kernel: at G = 256 on the H200 that kernel took 106 ms,
+        # where both quantizations apart should take about 19 (docs/design/moe.md)
+        w, dy = jax.lax.optimization_barrier((w, dy))
+        dx = _ragged_gemm(dy, w, group_sizes, recipe.dgrad, recipe.implementation, w_major="k",
+                          out_dtype=np.dtype(x.dtype))
     dw = _wgrad(x, dy, group_sizes, recipe.wgrad, recipe.implementation, np.dtype(w.dtype))
     return dx.astype(x.dtype), dw.astype(w.dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
 

@@ -434,6 +434,51 @@ def run_contraction_problems(variant: Any, device: Any, *, run_kernel: Callable 
     return ""
 
 
+# --- the pair quantization of a weight (both MX quantizations in one pass) ------------------------------------
+# (B, R, C): one tile, column tails off the 256-column tile, several batches; the first problem carries a NaN, an inf
+# and an all-zero block.
+QUANTIZE_PAIR_PROBLEMS = ((1, 32, 256), (3, 64, 160), (2, 96, 544))
+
+
+def _run_quantize_pair(variant: Any, w: np.ndarray, device: Any, implementation: str = "cutedsl") -> list:
+    """(values, codes, scales) of `quantize_pair` on `device` in the variant's formats: `variant` itself (forced,
+    outputs poisoned) with "cutedsl", the reference with "xla"; each as its raw bits."""
+    import jax
+
+    from jax_blockgemm import quantize_pair
+
+    names = {"float8_e4m3fn": "mxfp8_e4m3", "float8_e5m2": "mxfp8_e5m2"}
+    fn = jax.jit(functools.partial(quantize_pair.quantize_pair, row_format=names[variant.ab_dtype],
+                                   col_format=names[variant.c_dtype], implementation=implementation))
+    with _forced_and_poisoned(variant) if implementation == "cutedsl" else contextlib.nullcontext():
+        out = fn(jax.device_put(w, device))
+        return [np.asarray(x).view(np.uint16 if x.dtype.itemsize == 2 else np.uint8) for x in out]
+
+
+def run_quantize_pair_problems(variant: Any, device: Any) -> str:
+    """'' when the pair-quantization `variant` gives the reference's values, codes and scale bytes bit for bit on
+    every QUANTIZE_PAIR_PROBLEMS (weights spread over 2**-20 .. 2**20 per row and column); else the first failure."""
+    import jax.numpy as jnp
+
+    for i, shape in enumerate(QUANTIZE_PAIR_PROBLEMS):
+        rng = np.random.default_rng(i)
+        w = rng.standard_normal(shape) * np.exp2(rng.integers(-20, 21, (*shape[:2], 1))) \
+            * np.exp2(rng.integers(-20, 21, shape[2]))
+        if i == 0:
+            w[0, 3, 5], w[0, 7, 200], w[0, :32, 32:64] = np.nan, np.inf, 0.0
+        w = w.astype(jnp.bfloat16)
+        where = f"(B, R, C) = {shape}"
+        try:
+            got = _run_quantize_pair(variant, w, device)
+        except Exception as e:  # a kernel that cannot even launch is a failed check, not a crash of the caller
+            return f"{where}: raised {type(e).__name__}: {e}"
+        for name, g, want in zip(("values", "codes", "scales"), got, _run_quantize_pair(variant, w, device, "xla")):
+            differ = np.argwhere(g != want)
+            if differ.size:
+                return f"{where}: {name} differ at {len(differ)} places, first at {tuple(differ[0])}"
+    return ""
+
+
 # --- proj_rope ------------------------------------------------------------------------------------------
 def _proj_rope_operands(variant: Any, problem: tuple[int, int, int], seed: int) -> tuple[np.ndarray, ...]:
     """Random bf16 x and w (laid out as `variant.b_major` reads it) and rotary tables for (T, H, K)."""
@@ -625,7 +670,7 @@ def run_check(variant: Any, device: Any) -> str:
     """'' when `variant` passes every problem of its operation on `device`, else the first failure."""
     runners = {"gemm_amax": run_problems, "weight_stream": run_problems, "proj_rope": run_proj_rope_problems,
                "dequantize": run_dequantize_problems, "ragged": run_ragged_problems,
-               "contraction": run_contraction_problems}
+               "contraction": run_contraction_problems, "quantize_pair": run_quantize_pair_problems}
     return runners[variant.op](variant, device)
 
 

@@ -615,3 +615,58 @@ def _contraction_rule(params: Params, mesh: Any, operand_types: Any, result_type
 def contraction_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
     """The partitioned per-group contraction: call it as `(freeze_params(params), *operands)`."""
     return _make(local, _contraction_partition, _contraction_infer, _contraction_propagate, _contraction_rule)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Both MX quantizations of a weight (quantize_pair.py): w (B, R, C) -> values (B, R, C), codes (B, R, C), scales
+# (B, R, C/32)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def quantize_pair_plan(mesh: Any, shapes: Sequence[Any]) -> tuple[Axes, Axes, Axes]:
+    """Mesh axes of B, R and C: each kept where it splits its dimension into whole blocks of 32 (B: any split), on
+    axes no other dimension took; every block then lies in one shard and the op runs per shard as it is."""
+    w = shapes[0]
+    b_axes = _keep(mesh, _dim_axes(w.sharding, 0), w.shape[0], 1, ())
+    r_axes = _keep(mesh, _dim_axes(w.sharding, 1), w.shape[1], MX_BLOCK, b_axes)
+    c_axes = _keep(mesh, _dim_axes(w.sharding, 2), w.shape[2], MX_BLOCK, b_axes + r_axes)
+    return b_axes, r_axes, c_axes
+
+
+def _quantize_pair_specs(plan: tuple[Axes, Axes, Axes]) -> tuple[P, P, P]:
+    spec = _spec(*plan)
+    return spec, spec, spec  # the scales' last dimension (C/32) splits like C: whole blocks per shard
+
+
+def _quantize_pair_partition(local: Callable, params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
+    """custom_partitioning's partition: every device quantizes its own shard (blocks never cross one)."""
+    plan = quantize_pair_plan(mesh, arg_shapes)
+    p = dict(params)
+    return (mesh, lambda w: local(w, **p), _named(mesh, _quantize_pair_specs(plan)),
+            _named(mesh, (_spec(*plan),)))
+
+
+def _quantize_pair_infer(params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
+    """GSPMD: the results shard like the plan's w."""
+    return _named(mesh, _quantize_pair_specs(quantize_pair_plan(mesh, arg_shapes)))
+
+
+def _quantize_pair_propagate(params: Params, mesh: Any, result_shape: Any):
+    """A user's sharding of the values is kept for all three results."""
+    values = result_shape[0].sharding
+    return values, values, values
+
+
+def _quantize_pair_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
+    """Shardy: B and R pass through; C is tied to the scales' C/32 where `_linkable` (else they are separate factors
+    and the partition callback still keeps C in whole blocks)."""
+    sizes: dict = {}
+    linked = _linkable(_shape(operand_types[0])[2], MX_BLOCK, mesh)
+    c = _fine("c", linked, MX_BLOCK, sizes)
+    return f"b r {c} -> b r {c}, b r {c}, b r {_coarse('c', linked)}", sizes
+
+
+def quantize_pair_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
+    """The partitioned pair quantization: call it as `(freeze_params(params), *operands)`."""
+    return _make(local, _quantize_pair_partition, _quantize_pair_infer, _quantize_pair_propagate,
+                 _quantize_pair_rule)

@@ -163,5 +163,32 @@ class ProjRopeTest(parameterized.TestCase):
             self.assertLess(wait, ptx.index(access), access)
 
 
+
+class QuantizePairStructureTest(parameterized.TestCase):
+
+    @parameterized.named_parameters(named(catalog.variants_for("sm_90a", "quantize_pair")))
+    def test_structure(self, v):
+        """The pair quantization: 32 cp.async of 16 bytes per lane (a tile's rows), the magnitudes' maxima as u16x2
+        integer maxima, hardware FP8 conversions both ways for the row blocks' format, RNE to bf16, no MMA, no local
+        memory, at most 128 registers (three CTAs per SM) and the tiles' shared memory within the per-CTA limit."""
+        c = compiled(v)
+        ptx = c.ptx
+        row, col = _PTX_FP8[v.ab_dtype], _PTX_FP8[v.c_dtype]
+        self.assertIn(".target sm_90a", ptx)
+        self.assertEqual(len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)), 32)
+        self.assertIn("max.u16x2", ptx)
+        self.assertIn(f"cvt.rn.satfinite.{row}x2.f32", ptx)
+        self.assertIn(f"cvt.rn.satfinite.{col}x2.f32", ptx)
+        self.assertIn(f"cvt.rn.f16x2.{row}x2", ptx)
+        self.assertIn("cvt.rn.bf16x2.f32", ptx)
+        self.assertNotRegex(ptx, r"\b(w?gmma|mma\.sync)")
+        self.assertNotIn(".local", ptx)
+        resources = structure.cubin_resources(c.fn.__cubin__)
+        self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
+        self.assertLessEqual(resources.registers, 128)
+        smem = c.kernel.shared_storage.size_in_bytes() + resources.static_smem_bytes
+        self.assertLessEqual(3 * smem, 228 * 1024)  # three CTAs fit an SM's shared memory
+
+
 if __name__ == "__main__":
     absltest.main()

@@ -1,6 +1,6 @@
 """CPU: the C header each compiled kernel exports declares the wrapper that the FFI handlers call (ffi/gemm_amax.cc,
-ffi/proj_rope.cc, ffi/dequantize.cc, ffi/ragged.cc, ffi/contraction.cc): its tensor structs, its parameters in
-order, the argument array it launches with.
+ffi/proj_rope.cc, ffi/dequantize.cc, ffi/ragged.cc, ffi/contraction.cc, ffi/quantize_pair.cc): its tensor structs,
+its parameters in order, the argument array it launches with.
 
 The default tier checks the representative variants (compiled_kernels.py), every dequantize variant and the broken
 kernel the GPU self-check tests load; the `catalog` tier checks every variant."""
@@ -17,11 +17,13 @@ from jax_blockgemm.kernels import catalog
 
 _GEMM_AMAX = tuple(v for v in catalog.CATALOG if v.op == "gemm_amax")
 _PROJ_ROPE = tuple(v for v in catalog.CATALOG if v.op == "proj_rope")
-_GROUPED = tuple(v for v in catalog.CATALOG if v.op in ("ragged", "contraction"))
-# (tensors, int32 sizes) of the grouped kernels' wrappers, in the order the handlers pass them
-_GROUPED_ABI = {"ragged": (("a", "b", "sfa", "sfb", "items", "c", "amax", "alpha"), ("t", "n", "k", "l", "g",
-                                                                                     "max_items")),
-                "contraction": (("x", "y", "bounds", "c", "amax"), ("t", "k", "n", "l", "g"))}
+# (tensors, int32 sizes) of the wrappers that take their tensors and then their sizes (the grouped kernels and the
+# pair quantization), in the order the handlers pass them
+_PLAIN_ABI = {"ragged": (("a", "b", "sfa", "sfb", "items", "c", "amax", "alpha"), ("t", "n", "k", "l", "g",
+                                                                                  "max_items")),
+              "contraction": (("x", "y", "bounds", "c", "amax"), ("t", "k", "n", "l", "g")),
+              "quantize_pair": (("w", "values", "codes", "scales"), ("rows", "cols"))}
+_PLAIN = tuple(v for v in catalog.CATALOG if v.op in _PLAIN_ABI)
 _PROJ_ROPE_TENSORS = ("x", "w", "cos", "sin", "x_scale", "w_scale", "row_codes", "row_scales", "col_codes",
                       "col_scales")
 
@@ -63,9 +65,9 @@ class _AbiChecks(parameterized.TestCase):
                          + [f"int32_t {s}" for s in ("t", "k", "h", "sms")] + ["cudaStream_t stream"])
         self.assertEqual(_launch_args(header)[0], 16)
 
-    def assert_grouped_abi(self, v: catalog.KernelVariant) -> None:
+    def assert_plain_abi(self, v: catalog.KernelVariant) -> None:
         header, p = compiled(v).header, v.function_prefix
-        tensors, sizes = _GROUPED_ABI[v.op]
+        tensors, sizes = _PLAIN_ABI[v.op]
         self.assertEqual(_wrapper_params(header, p), [f"{p}_Tensor_{t}_t *{t}" for t in tensors]
                          + [f"int32_t {s}" for s in sizes] + ["cudaStream_t stream"])
         self.assertEqual(_launch_args(header), (len(tensors) + len(sizes) + 2,
@@ -83,9 +85,9 @@ class AbiTest(_AbiChecks):
     def test_proj_rope(self, v):
         self.assert_proj_rope_abi(v)
 
-    @parameterized.named_parameters(named(compiled_kernels.representatives(_GROUPED)))
-    def test_grouped(self, v):
-        self.assert_grouped_abi(v)
+    @parameterized.named_parameters(named(compiled_kernels.representatives(_PLAIN)))
+    def test_plain(self, v):
+        self.assert_plain_abi(v)
 
     @parameterized.named_parameters(named(v for v in catalog.CATALOG if v.op == "dequantize"))
     def test_dequantize(self, v):
@@ -109,9 +111,9 @@ class CatalogAbiTest(_AbiChecks):
     def test_proj_rope(self, v):
         self.assert_proj_rope_abi(v)
 
-    @parameterized.named_parameters(named(_GROUPED))
-    def test_grouped(self, v):
-        self.assert_grouped_abi(v)
+    @parameterized.named_parameters(named(_PLAIN))
+    def test_plain(self, v):
+        self.assert_plain_abi(v)
 
 
 if __name__ == "__main__":

@@ -268,18 +268,20 @@ class ModuleTest(absltest.TestCase):
         self.assertEqual(ext.WEIGHT_STREAM_TARGET, "jbg_weight_stream")
         self.assertEqual(ext.RAGGED_TARGET, "jbg_ragged_gemm_amax")
         self.assertEqual(ext.CONTRACTION_TARGET, "jbg_grouped_contraction")
+        self.assertEqual(ext.QUANTIZE_PAIR_TARGET, "jbg_quantize_pair")
         for name in ("GEMM_AMAX_TARGET", "PROJ_ROPE_TARGET", "DEQUANTIZE_TARGET", "WEIGHT_STREAM_TARGET",
-                     "RAGGED_TARGET", "CONTRACTION_TARGET"):
+                     "RAGGED_TARGET", "CONTRACTION_TARGET", "QUANTIZE_PAIR_TARGET"):
             self.assertEqual(getattr(_native, name), getattr(ext, name), name)  # the lowering names what C++ registers
         self.assertEqual(set(targets), {"jbg_gemm_amax", "jbg_gemm_proj_rope_mxfp8", "jbg_dequantize_mxfp8",
-                                        "jbg_weight_stream", "jbg_ragged_gemm_amax", "jbg_grouped_contraction"})
+                                        "jbg_weight_stream", "jbg_ragged_gemm_amax", "jbg_grouped_contraction",
+                                        "jbg_quantize_pair"})
         for stages in targets.values():
             self.assertEqual(set(stages), {"instantiate", "execute"})
         self.assertEqual(set(ext.ffi_types()["jbg_kernel_objects"]), {"type_id", "type_info"})
 
     def test_execute_handler_is_command_buffer_compatible(self):
         for target in ("jbg_gemm_proj_rope_mxfp8", "jbg_dequantize_mxfp8", "jbg_weight_stream",
-                       "jbg_ragged_gemm_amax", "jbg_grouped_contraction"):
+                       "jbg_ragged_gemm_amax", "jbg_grouped_contraction", "jbg_quantize_pair"):
             _, _, traits = ext.handler_metadata(target, "execute")
             self.assertEqual(traits & ext.TRAIT_COMMAND_BUFFER_COMPATIBLE, ext.TRAIT_COMMAND_BUFFER_COMPATIBLE)
         major, minor, traits = ext.handler_metadata("jbg_gemm_amax", "execute")

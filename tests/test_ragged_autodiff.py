@@ -16,7 +16,7 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 
 import jax_blockgemm as jbg
-from jax_blockgemm import api, dispatch
+from jax_blockgemm import api, dispatch, quantize_pair
 from jax_blockgemm.layers.nnx import MXExperts
 
 import oracle_ops
@@ -35,20 +35,27 @@ class MxRaggedDotTest(parameterized.TestCase):
 
     # group sizes off the 32-token blocks, an empty group, a one-token group, 12 rows past the groups; K = 40 makes the
     # forward fall back to bf16 (dgrad over N = 64 stays quantized). Both forms of the MX GEMMs (`arch.TABLE`'s
-    # mx_ragged_operands): the values quantized and dequantized in place on the bf16 GEMM, or the codes.
-    @parameterized.product(case=(("nvfp4", 64, 48), ("mxfp8_hybrid", 40, 64), ("mxfp8", 96, 32)),
+    # mx_ragged_operands): the values quantized and dequantized in place on the bf16 GEMM, or the codes. The last
+    # element of a case: whether the bf16 form quantizes the weights once for both GEMMs (quantize_pair: MXFP8
+    # forward and dgrad, K and N whole blocks), dgrad then taking their codes.
+    @parameterized.product(case=(("nvfp4", 64, 48, False), ("mxfp8_hybrid", 40, 64, False),
+                                 ("mxfp8_hybrid", 64, 96, True), ("mxfp8", 96, 32, True)),
                            form=("bf16", "codes"))
     def test_against_oracle(self, case, form):
-        recipe, k, n = case
+        recipe, k, n, pairs = case
+        pairs = pairs and form == "bf16"
         x, w, dy = _inputs(0, 100, 5, k, n)
         gs = np.array([0, 37, 1, 0, 50], np.int32)
         r = jbg.RECIPES[recipe]
         with mock.patch.object(dispatch, "mx_ragged_operands", return_value=form), \
-                mock.patch.object(api, "ragged_gemm_amax", wraps=api.ragged_gemm_amax) as codes_gemm:
+                mock.patch.object(api, "ragged_gemm_amax", wraps=api.ragged_gemm_amax) as codes_gemm, \
+                mock.patch.object(quantize_pair, "quantize_pair", wraps=quantize_pair.quantize_pair) as pair:
             out, vjp = jax.vjp(jax.jit(lambda x, w: jbg.mx_ragged_dot(x, w, jnp.asarray(gs), recipe=r)), x, w)
             dx, dw = vjp(jnp.asarray(dy))
-        # each case quantizes its forward or its dgrad; only the codes form hands codes to ragged_gemm_amax
-        self.assertEqual(codes_gemm.called, form == "codes")
+        # each case quantizes its forward or its dgrad; the codes form hands codes to ragged_gemm_amax, and so does the
+        # bf16 form's dgrad where the weights were quantized as a pair
+        self.assertEqual(pair.call_count, int(pairs))
+        self.assertEqual(codes_gemm.called, form == "codes" or pairs)
         ref = mx_ragged_dot_oracle(x, w, gs, dy, fwd=r.fwd, dgrad=r.dgrad, wgrad=r.wgrad)
         oracle_ops.assert_rel_close(self, "out", out, ref["out"], RTOL)
         oracle_ops.assert_rel_close(self, "dx", dx, ref["dx"], RTOL)

@@ -714,14 +714,15 @@ class CliTest(absltest.TestCase):
         ran = []
         runners = {name: (lambda op: (lambda v, d: ran.append((op, v.op)) or ""))(name)
                    for name in ("run_problems", "run_proj_rope_problems", "run_dequantize_problems",
-                                "run_ragged_problems", "run_contraction_problems")}
+                                "run_ragged_problems", "run_contraction_problems", "run_quantize_pair_problems")}
         with mock.patch.multiple(selfcheck, **runners):
             for v in catalog.CATALOG:
                 self.assertEqual(selfcheck.run_check(v, device), "", v.key)
         # the decode kernel is checked through gemm_amax calls of small M, so by the gemm_amax runner
         expected = {("run_problems", "gemm_amax"), ("run_problems", "weight_stream"),
                     ("run_proj_rope_problems", "proj_rope"), ("run_dequantize_problems", "dequantize"),
-                    ("run_ragged_problems", "ragged"), ("run_contraction_problems", "contraction")}
+                    ("run_ragged_problems", "ragged"), ("run_contraction_problems", "contraction"),
+                    ("run_quantize_pair_problems", "quantize_pair")}
         self.assertEqual(set(ran), expected)
         self.assertEqual({v.op for v in catalog.CATALOG}, {op for _, op in expected})
 

@@ -38,6 +38,11 @@ dynamic_shapes[1];}` struct over a flat buffer.
       SWAP_AB; MXFP8 E4M3 weights, f32 or bf16 C) take the tokens dequantized to bf16 and permuted
       (`ragged.swap_ab_tokens`: a (L, T, K rounded up to 256)), the weights' codes b and their atoms sfb; sfa is empty
       and alpha unread.
+    quantize_pair: fn(w, values, codes, scales, rows, cols, stream)
+      both MX quantizations of a bf16 matrix in one pass (kernels/quantize_pair.py): w (rows, cols) bf16; values
+      (rows, cols) bf16, w quantized with its blocks along the rows in ab_dtype's format, as code·scale; codes (rows,
+      cols) in c_dtype's FP8 format and scales uint8 (rows, cols / 32), w quantized with its blocks along the columns;
+      rows and cols int32, multiples of 32.
     contraction: fn(x, y, bounds, c, amax, t, k, n, l, g, stream)
       the per-group contraction over tokens, the weight gradient of a ragged product (kernels/sm90/contraction.py):
       x bf16 (L, T, K) and y bf16 (L, T, N), tokens sorted by group; bounds int32 (L, G, 2), the rows [start, end)
@@ -69,7 +74,7 @@ from jax_blockgemm.kernels import sm100 as _sm100
 _SHORT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float4_e2m1fn": "e2m1", "float32": "f32",
           "bfloat16": "bf16", "float16": "f16"}
 E8M0 = "float8_e8m0fnu"
-OPS = ("gemm_amax", "proj_rope", "dequantize", "weight_stream", "ragged", "contraction")
+OPS = ("gemm_amax", "proj_rope", "dequantize", "weight_stream", "ragged", "contraction", "quantize_pair")
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -186,6 +191,12 @@ def _contraction_factory(v: KernelVariant) -> Any:
     return HopperGroupedContraction(c_dtype=v.c_dtype)
 
 
+def _quantize_pair_factory(v: KernelVariant) -> Any:
+    from jax_blockgemm.kernels.quantize_pair import MxQuantizePair
+
+    return MxQuantizePair(row_dtype=v.ab_dtype, col_dtype=v.c_dtype)
+
+
 def _weight_stream_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.weight_stream import WeightStreamGemm
 
@@ -200,7 +211,7 @@ _FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
     ("dequantize", "sm_90a"): _dequantize_factory, ("dequantize", "sm_100a"): _dequantize_factory,
     ("weight_stream", "sm_90a"): _weight_stream_factory, ("weight_stream", "sm_100a"): _weight_stream_factory,
     ("ragged", "sm_90a"): _ragged_factory, ("ragged", "sm_100a"): _blackwell_ragged_factory,
-    ("contraction", "sm_90a"): _contraction_factory}
+    ("contraction", "sm_90a"): _contraction_factory, ("quantize_pair", "sm_90a"): _quantize_pair_factory}
 
 # proj_rope: the tile and schedule each target runs are arch.TABLE's. On sm_90a a persistent kernel, one CTA per SM,
 # on 128-token x one-head tiles, whose MMA warpgroups hand each fp32 tile through shared memory to an epilogue
@@ -232,6 +243,7 @@ NO_SCALES = "none"  # the sf_dtype of variants whose operands carry no block sca
 # (kernels/sm90/ragged_swap_ab.py); their ABI's a is `ragged.swap_ab_tokens` of the dequantized tokens.
 SWAP_AB = "swap_ab"
 WEIGHT_STREAM_TILES = ((32, 16), (32, 64))
+QUANTIZE_PAIR_TILE = (32, 256)  # the tile field of the quantize_pair keys: a warp's rows x columns
 
 CATALOG: tuple[KernelVariant, ...] = (
     tuple(KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype=c) for ab in _FP8 for c in _C)
@@ -299,7 +311,12 @@ CATALOG: tuple[KernelVariant, ...] = (
     # The per-group contraction over tokens (the ragged product's weight gradient) on sm_90a: bf16 x and y, both
     # read with the tokens as the contraction (MN-major tiles), f32 or bf16 C.
     + tuple(KernelVariant(op="contraction", arch="sm_90a", ab_dtype="bfloat16", c_dtype=c, sf_vec_size=0,
-                          sf_dtype=NO_SCALES, a_major="m", b_major="n") for c in _C))
+                          sf_dtype=NO_SCALES, a_major="m", b_major="n") for c in _C)
+    # Both MX quantizations of a bf16 weight in one pass (mx_ragged_dot's MX recipes on sm_90a: the forward's values
+    # along K, dgrad's codes along N): ab_dtype the row blocks' format, c_dtype the column blocks' (every FP8 pair
+    # a Recipe can name). sm_90a only: sm_100a's MX recipes hand the ragged GEMMs codes (arch.TABLE).
+    + tuple(KernelVariant(op="quantize_pair", arch="sm_90a", ab_dtype=row, c_dtype=col, tile_mn=QUANTIZE_PAIR_TILE)
+            for row in _FP8 for col in _FP8))
 
 
 # Kernels built outside the package (tests' deliberately broken ones) that forced runs and the self-check may build:
@@ -364,6 +381,9 @@ def fake_arguments(kernel: Any, op: str = "gemm_amax") -> list:
         return [flat(cutlass.BFloat16), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(kernel.c_dtype),
                 flat(cutlass.Float32), flat(cutlass.Float32), i32(1), i32(32), i32(64), i32(1), i32(0),
                 cuda.CUstream(0)]
+    if op == "quantize_pair":
+        return [flat(cutlass.BFloat16), flat(cutlass.BFloat16), flat(kernel.c_dtype), flat(cutlass.Uint8),
+                cutlass.Int32(32), cutlass.Int32(256), cuda.CUstream(0)]
     if op == "contraction":
         i32 = cutlass.Int32
         return [flat(cutlass.BFloat16), flat(cutlass.BFloat16), flat(cutlass.Int32), flat(kernel.c_dtype),

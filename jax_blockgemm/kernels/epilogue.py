@@ -17,7 +17,9 @@ from jax_blockgemm.kernels import common, ptx_ops
 
 F32_INF_BITS = 0x7F800000  # |x| bits at or above this: inf or NaN
 E8M0_NAN = 0xFF
-_E4M3_EMAX_EXP, _E4M3_EMAX_MAN = formats.float32_exponent_mantissa(formats.emax(formats.E4M3))
+# (exponent, mantissa field) of each FP8 code format's largest finite value: the E8M0 scale rule's constants
+_EMAX_BITS = {"e4m3": formats.float32_exponent_mantissa(formats.emax(formats.E4M3)),
+              "e5m2": formats.float32_exponent_mantissa(formats.emax(formats.E5M2))}
 
 
 @cute.jit
@@ -31,16 +33,18 @@ def rope_pair(p_even: cutlass.Float32, p_odd: cutlass.Float32, cos_lo: cutlass.F
 
 
 @cute.jit
-def e8m0_scale(amax_bits: cutlass.Int32):
-    """E8M0 byte of a block whose max |x| has bits `amax_bits` (SPEC §2, E4M3 codes), and the factor to multiply by.
+def e8m0_scale(amax_bits: cutlass.Int32, fmt: cutlass.Constexpr = "e4m3"):
+    """E8M0 byte of a block whose max |x| has bits `amax_bits` (SPEC §2, codes of `fmt`: "e4m3" or "e5m2"), and the
+    factor to multiply by.
 
-    Returns (byte, inv, bad): byte = ceil(log2(amax/448)) + 127 clamped to [0, 254] (0 for zero and subnormal amax;
+    Returns (byte, inv, bad): byte = ceil(log2(amax/emax)) + 127 clamped to [0, 254] (0 for zero and subnormal amax;
     the rule of `formats.scale_exponent`, computed on the bits, no log2), 0xFF when the block holds NaN or inf
     (`bad`, whose codes must be zero); inv = 2^-e as fp32 (2^127 for byte 0, never subnormal: a finite fp32 amax gives
     e <= 120).
     """
+    emax_exp, emax_man = _EMAX_BITS[fmt]
     biased = amax_bits >> 23
-    byte = biased - _E4M3_EMAX_EXP + cutlass.Int32((amax_bits & 0x7FFFFF) > _E4M3_EMAX_MAN)
+    byte = biased - emax_exp + cutlass.Int32((amax_bits & 0x7FFFFF) > emax_man)
     byte = cutlass.min(cutlass.max(byte, 0), 254)
     bad = amax_bits >= F32_INF_BITS
     inv, _ = e8m0_inverse(byte)

@@ -1,0 +1,173 @@
+"""`quantize_pair` (both MX quantizations of a weight in one pass) on the CPU: the reference against the float64
+oracle bit for bit (values along R, codes and scales along C), tails, errors at trace time, vmap, sharding on 8 host
+devices, the CUDA lowering without a GPU, the handler's buffer checks and the kernels compiled for sm_90a.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax, when run directly
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from absl.testing import absltest, parameterized
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_blockgemm import formats
+from jax_blockgemm.quantize_pair import quantize_pair
+
+import oracle
+import oracle_ops
+
+_CODES = {"mxfp8_e4m3": (oracle.E4M3, 448.0), "mxfp8_e5m2": (oracle.E5M2, 57344.0)}
+
+
+def random_weights(rng: np.random.Generator, shape, *, specials: bool = False, tiny: bool = False) -> np.ndarray:
+    """bf16 weights with scales spread per row and per column (2**-20 .. 2**20, so both block directions see
+    different amaxes), with `specials` a NaN, a +inf, a -inf and an all-zero 32 x 32 tile, and with `tiny` a tile of
+    values near 2**-130, whose blocks take the smallest scale (2**-127) and whose values are bf16 subnormals (XLA:CPU
+    flushes those: GPU only)."""
+    b, r, c = shape
+    w = rng.normal(size=shape) * np.exp2(rng.integers(-20, 21, size=(b, r, 1))) \
+        * np.exp2(rng.integers(-20, 21, size=(1, 1, c)))
+    if specials:
+        w[0, rng.integers(r), rng.integers(c)] = np.nan
+        w[-1, rng.integers(r), rng.integers(c)] = np.inf
+        w[0, rng.integers(r), rng.integers(c)] = -np.inf
+        w[-1, :32, -32:] = 0.0
+    if tiny:
+        w[0, -32:, :32] = rng.normal(size=(32, 32)) * 2.0 ** -130
+    return w.astype(ml_dtypes.bfloat16)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint8)
+
+
+def assert_matches_oracle(test, w, got, row_format: str, col_format: str) -> None:
+    """(values, codes, scales) equal the float64 oracle's: codes and scale bytes bit for bit, values bit for bit
+    where finite and NaN exactly where the oracle's are."""
+    values, codes, scales = (np.asarray(x) for x in got)
+    w64 = np.asarray(w).astype(np.float64)
+    code_dtype, emax = _CODES[col_format]
+    want_codes, want_scales = oracle.quantize_mx_f64(w64, emax=emax, code_dtype=code_dtype, axis=-1)
+    np.testing.assert_array_equal(scales, want_scales, err_msg="scales")
+    np.testing.assert_array_equal(_bits(codes), _bits(want_codes.astype(code_dtype)), err_msg="codes")
+    want_values = oracle_ops.fake_quant_f64(w64, row_format, axis=-2).astype(ml_dtypes.bfloat16)
+    nan = np.isnan(want_values.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(values.astype(np.float32)), nan, err_msg="NaN values")
+    np.testing.assert_array_equal(_bits(values)[~nan], _bits(want_values)[~nan], err_msg="values")
+    test.assertFalse(nan.all(), "the inputs hold finite blocks")
+
+
+class ReferenceTest(parameterized.TestCase):
+
+    @parameterized.product(shape=((1, 32, 32), (2, 64, 96), (3, 40, 70)),
+                           formats=(("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e4m3", "mxfp8_e5m2"),
+                                    ("mxfp8_e5m2", "mxfp8_e4m3")))
+    def test_against_oracle(self, shape, formats):
+        """Whole blocks and tails (R = 40, C = 70: partial blocks both ways), spread scales, NaN, inf, zeros."""
+        w = random_weights(np.random.default_rng(sum(shape)), shape, specials=True)
+        row, col = formats
+        got = jax.jit(lambda w: quantize_pair(w, row_format=row, col_format=col))(w)
+        assert_matches_oracle(self, w, got, row, col)
+
+    def test_float32_weights_and_leading_dims(self):
+        """float32 w is quantized from its own values (not rounded to bf16 first); leading dims fold and unfold."""
+        rng = np.random.default_rng(7)
+        w = rng.normal(size=(2, 3, 64, 32)).astype(np.float32) * 3
+        values, codes, scales = quantize_pair(w)
+        self.assertEqual((values.shape, codes.shape, scales.shape), ((2, 3, 64, 32), (2, 3, 64, 32), (2, 3, 64, 1)))
+        want_values = formats.quantize_dequantize(jnp.asarray(w), "mxfp8_e4m3", axis=-2).astype(jnp.bfloat16)
+        want_codes, want_scales = formats.quantize_mxfp8(jnp.asarray(w), axis=-1)
+        np.testing.assert_array_equal(_bits(values), _bits(want_values))
+        np.testing.assert_array_equal(_bits(codes), _bits(want_codes))
+        np.testing.assert_array_equal(scales, want_scales)
+
+    def test_vmap(self):
+        w = random_weights(np.random.default_rng(8), (4, 64, 64))
+        batched = jax.vmap(quantize_pair)(w[:, None])
+        for got, want in zip(batched, quantize_pair(w[:, None])):
+            np.testing.assert_array_equal(_bits(got), _bits(want))
+
+    def test_errors_at_trace_time(self):
+        with self.assertRaisesRegex(TypeError, "w has dtype int32; allowed: bfloat16, float32"):
+            quantize_pair(jnp.zeros((32, 32), jnp.int32))
+        with self.assertRaisesRegex(ValueError, r"\(\.\.\., R, C\)"):
+            quantize_pair(jnp.zeros((32,), jnp.bfloat16))
+        with self.assertRaisesRegex(ValueError, "row_format='mxfp4' is not supported"):
+            quantize_pair(jnp.zeros((32, 32)), row_format="mxfp4")
+        with self.assertRaisesRegex(ValueError, "implementation='cutedsl'.*no CuTeDSL kernel on platform cpu"):
+            jax.jit(lambda w: quantize_pair(w, implementation="cutedsl")).lower(jnp.zeros((32, 32), jnp.bfloat16))
+
+
+class ShardingTest(parameterized.TestCase):
+
+    @parameterized.parameters(*((spec,) for spec in (P("x", None, None), P(None, "x", None), P(None, None, "x"),
+                                                      P("x", "y", None), P(None, "x", "y"))))
+    def test_sharded_equals_unsharded(self, spec):
+        """B, R and C shard on whole blocks (each shard 32 x n rows or columns); the results equal the unsharded
+        call's bit for bit and keep the shard layout (no gather)."""
+        mesh = jax.make_mesh((4, 2), ("x", "y"))
+        w = random_weights(np.random.default_rng(9), (8, 256, 256))
+        ws = jax.device_put(w, NamedSharding(mesh, spec))
+        got = jax.jit(quantize_pair)(ws)
+        for g, want in zip(got, quantize_pair(w)):
+            np.testing.assert_array_equal(_bits(g), _bits(want))
+        for g in got:
+            self.assertTrue(g.sharding.is_equivalent_to(NamedSharding(mesh, spec), 3), g.sharding)
+        hlo = jax.jit(quantize_pair).lower(ws).compile().as_text()
+        self.assertNotIn("all-gather", hlo)
+
+
+class LoweringTest(absltest.TestCase):
+
+    def _cuda_text(self, w) -> str:
+        return jax.jit(quantize_pair).trace(w).lower(lowering_platforms=("cuda",)).as_text()
+
+    def test_kernel_call_where_one_applies(self):
+        """bf16 w with whole blocks lowers to one jbg_quantize_pair call on CUDA; float32 w and tails keep the
+        reference (no custom call)."""
+        self.assertEqual(self._cuda_text(jnp.zeros((2, 64, 512), jnp.bfloat16)).count("custom_call @jbg_quantize_pair("), 1)
+        self.assertNotIn("jbg_quantize_pair", self._cuda_text(jnp.zeros((2, 64, 512), jnp.float32)))
+        self.assertNotIn("jbg_quantize_pair", self._cuda_text(jnp.zeros((2, 64, 500), jnp.bfloat16)))
+
+    def test_scale_rule_floor_keeps_the_reference(self):
+        with formats.scale_rule("floor"):
+            self.assertNotIn("jbg_quantize_pair", self._cuda_text(jnp.zeros((1, 64, 64), jnp.bfloat16)))
+
+
+class HandlerChecksTest(absltest.TestCase):
+    """The execute stage's buffer checks (ffi/quantize_pair.cc), through the extension's test hook."""
+
+    def setUp(self):
+        from jax_blockgemm import _native
+
+        self.ext = _native.extension()
+
+    def _check(self, w_shape, *, values=None, codes=None, scales=None, codes_dtype="float8_e4m3fn", address=256):
+        scale_shape = (*w_shape[:-1], w_shape[-1] // 32)
+        specs = [("bfloat16", list(w_shape), address), ("bfloat16", list(values or w_shape), address),
+                 (codes_dtype, list(codes or w_shape), address), ("uint8", list(scales or scale_shape), address)]
+        return self.ext.check_quantize_pair_buffers(specs)
+
+    def test_accepts_and_folds_leading_dims(self):
+        self.assertEqual(self._check((3, 64, 96)), ("", (192, 96)))
+        self.assertEqual(self._check((64, 32), codes_dtype="float8_e5m2"), ("", (64, 32)))
+        # past 2**31 elements in w is fine (the kernel addresses in 64 bits); the scales stay below
+        self.assertEqual(self._check((65600, 32768))[0], "")
+
+    def test_refuses(self):
+        self.assertRegex(self._check((64, 48))[0], "w has shape .* multiples of 32")
+        self.assertRegex(self._check((40, 64))[0], "w has shape .* multiples of 32")
+        self.assertRegex(self._check((64, 64), values=[64, 32])[0], "values has shape")
+        self.assertRegex(self._check((64, 64), codes_dtype="uint8")[0], "codes has shape .* float8_e4m3fn or")
+        self.assertRegex(self._check((64, 64), scales=[64, 1])[0], r"scales has shape .* uint8 \(64, 2\)")
+        self.assertRegex(self._check((64, 64), address=8)[0], "16-byte aligned")
+        self.assertRegex(self._check((2**26, 2**11))[0], "fewer than 2\\*\\*31 scales")
+
+
+if __name__ == "__main__":
+    absltest.main()
