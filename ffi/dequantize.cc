@@ -15,14 +15,6 @@ std::string Problem(const char* name, const BufferDesc& b, const std::string& ex
          DtypeName(b.dtype) + "; expected " + expected;
 }
 
-bool SameShape(const BufferDesc& b, const std::vector<int64_t>& dims) {
-  if (b.rank != dims.size()) return false;
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (b.dims[i] != dims[i]) return false;
-  }
-  return true;
-}
-
 // One operand's codes, scales and out; `suffix` names operand 1's ("1").
 std::string CheckOperand(const BufferDesc& codes, const BufferDesc& scales, const BufferDesc& out,
                          int64_t scale_axis, const std::string& suffix, DequantizeDims* dims) {
@@ -39,10 +31,10 @@ std::string CheckOperand(const BufferDesc& codes, const BufferDesc& scales, cons
   std::vector<int64_t> shape(codes.dims, codes.dims + codes.rank);
   std::vector<int64_t> scale_shape = shape;
   scale_shape[codes.rank + scale_axis] /= kMxBlock;
-  if (scales.dtype != XLA_FFI_DataType_U8 || !SameShape(scales, scale_shape)) {
+  if (scales.dtype != XLA_FFI_DataType_U8 || !HasShape(scales, scale_shape)) {
     return Problem(names[1].c_str(), scales, "uint8 " + ShapeString(scale_shape.data(), scale_shape.size()));
   }
-  if (out.dtype != XLA_FFI_DataType_BF16 || !SameShape(out, shape)) {
+  if (out.dtype != XLA_FFI_DataType_BF16 || !HasShape(out, shape)) {
     return Problem(names[2].c_str(), out, "bfloat16 " + ShapeString(shape.data(), shape.size()));
   }
   const BufferDesc* all[3] = {&codes, &scales, &out};

@@ -71,6 +71,14 @@ bool HasShape(const BufferDesc& b, std::initializer_list<int64_t> want) {
   return true;
 }
 
+bool HasShape(const BufferDesc& b, const std::vector<int64_t>& want) {
+  if (b.rank != want.size()) return false;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (b.dims[i] != want[i]) return false;
+  }
+  return true;
+}
+
 bool ParseCodeDtype(std::string_view name, KernelDtypes* k) {
   if (name == "float8_e4m3fn") {
     k->ab = XLA_FFI_DataType_F8E4M3FN;

@@ -52,6 +52,7 @@ std::string ShapeString(const int64_t* dims, size_t rank);
 std::string ShapeString(std::initializer_list<int64_t> dims);
 // Whether `b` has exactly the dims `want` (its rank included).
 bool HasShape(const BufferDesc& b, std::initializer_list<int64_t> want);
+bool HasShape(const BufferDesc& b, const std::vector<int64_t>& want);
 // ceil(x / y) for x >= 0, y > 0, without the overflow of (x + y - 1) / y near INT64_MAX.
 inline int64_t CeilDiv(int64_t x, int64_t y) { return x / y + (x % y != 0); }
 // What a handler's checks see of an XLA buffer.

@@ -17,14 +17,6 @@ std::string Problem(const char* name, const BufferDesc& b, const std::string& ex
          " and dtype " + DtypeName(b.dtype) + "; expected " + expected;
 }
 
-bool SameShape(const BufferDesc& b, const std::vector<int64_t>& dims) {
-  if (b.rank != dims.size()) return false;
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (b.dims[i] != dims[i]) return false;
-  }
-  return true;
-}
-
 }  // namespace
 
 std::string CheckQuantizePairBuffers(const BufferDesc* buffers, QuantizePairDims* dims) {
@@ -46,16 +38,16 @@ std::string CheckQuantizePairBuffers(const BufferDesc* buffers, QuantizePairDims
     return Problem("w", w, "rows (its leading dimensions' product) and columns below 2**31, and fewer than 2**31 "
                            "scales");
   }
-  if (values.dtype != XLA_FFI_DataType_BF16 || !SameShape(values, shape)) {
+  if (values.dtype != XLA_FFI_DataType_BF16 || !HasShape(values, shape)) {
     return Problem("values", values, "bfloat16 " + ShapeString(shape.data(), shape.size()));
   }
   if ((codes.dtype != XLA_FFI_DataType_F8E4M3FN && codes.dtype != XLA_FFI_DataType_F8E5M2) ||
-      !SameShape(codes, shape)) {
+      !HasShape(codes, shape)) {
     return Problem("codes", codes, "float8_e4m3fn or float8_e5m2 " + ShapeString(shape.data(), shape.size()));
   }
   std::vector<int64_t> scale_shape = shape;
   scale_shape.back() /= kBlock;
-  if (scales.dtype != XLA_FFI_DataType_U8 || !SameShape(scales, scale_shape)) {
+  if (scales.dtype != XLA_FFI_DataType_U8 || !HasShape(scales, scale_shape)) {
     return Problem("scales", scales, "uint8 " + ShapeString(scale_shape.data(), scale_shape.size()));
   }
   const char* names[4] = {"w", "values", "codes", "scales"};

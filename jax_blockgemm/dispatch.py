@@ -121,6 +121,14 @@ def _kernels_missing() -> str:
     return ""
 
 
+def _quantizing_kernels_unavailable() -> str:
+    """Why no kernel that quantizes (proj_rope, quantize_pair: the "ceil" scale rule only) can serve a call here, or
+    ""."""
+    if formats.get_scale_rule() != "ceil":
+        return f"the kernel quantizes with the 'ceil' scale rule; the process uses {formats.get_scale_rule()!r}"
+    return _kernels_missing()
+
+
 def gemm_amax_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, a_major: str, b_major: str,
                       c_major: str, mma_tiler_mn: tuple, cluster_shape_mn: tuple, implementation: Any,
                       k: int | None = None, **_: Any) -> KernelChoice:
@@ -181,12 +189,9 @@ def proj_rope_kernels(avals_in: Sequence[Any], *, w_out_in: bool, implementation
     g, t, k = avals_in[0].shape
     if g != 1:
         return KernelChoice(reason=f"the kernel takes one weight matrix per call; got {g} (vmap over w)")
-    if formats.get_scale_rule() != "ceil":
-        return KernelChoice(reason=f"the kernel quantizes with the 'ceil' scale rule; the process uses "
-                                   f"{formats.get_scale_rule()!r}")
-    missing = _kernels_missing()
-    if missing:
-        return KernelChoice(reason=missing)
+    unavailable = _quantizing_kernels_unavailable()
+    if unavailable:
+        return KernelChoice(reason=unavailable)
     from jax_blockgemm.kernels import catalog
     b_major = "k" if w_out_in else "n"
     variants = [v for target in sorted({v.arch for v in catalog.CATALOG})
@@ -381,12 +386,9 @@ def quantize_pair_kernels(avals_in: Sequence[Any], *, row_dtype: Any, col_dtype:
     (w,) = avals_in
     if np.dtype(w.dtype) != np.dtype(jnp.bfloat16):
         return KernelChoice(reason=f"the kernel reads bfloat16 w; got {np.dtype(w.dtype)}")
-    if formats.get_scale_rule() != "ceil":
-        return KernelChoice(reason=f"the kernel quantizes with the 'ceil' scale rule; the process uses "
-                                   f"{formats.get_scale_rule()!r}")
-    missing = _kernels_missing()
-    if missing:
-        return KernelChoice(reason=missing)
+    unavailable = _quantizing_kernels_unavailable()
+    if unavailable:
+        return KernelChoice(reason=unavailable)
     from jax_blockgemm.kernels import catalog
 
     variants = [v for v in (catalog.select_variant(op="quantize_pair", arch=target, ab_dtype=str(np.dtype(row_dtype)),
