@@ -130,7 +130,8 @@ class LoweringTest(absltest.TestCase):
     def test_kernel_call_where_one_applies(self):
         """bf16 w with whole blocks lowers to one jbg_quantize_pair call on CUDA; float32 w and tails keep the
         reference (no custom call)."""
-        self.assertEqual(self._cuda_text(jnp.zeros((2, 64, 512), jnp.bfloat16)).count("custom_call @jbg_quantize_pair("), 1)
+        text = self._cuda_text(jnp.zeros((2, 64, 512), jnp.bfloat16))
+        self.assertEqual(text.count("custom_call @jbg_quantize_pair("), 1)
         self.assertNotIn("jbg_quantize_pair", self._cuda_text(jnp.zeros((2, 64, 512), jnp.float32)))
         self.assertNotIn("jbg_quantize_pair", self._cuda_text(jnp.zeros((2, 64, 500), jnp.bfloat16)))
 
