@@ -162,21 +162,31 @@ def _wgrad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, fmt: str, implem
     return dw if tx is None else dw * (tx * td)
 
 
+def _forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: np.dtype, recipe: autodiff.Recipe
+             ) -> tuple[jax.Array, Optional[tuple[jax.Array, jax.Array]]]:
+    """out (T, N) = x (T, K) · w_g (K, N) for each group's rows in the recipe's forward format, and dgrad's codes and
+    scales of w where `_weight_pair` made them (else None). The pair serves the forward alone too: one pass of its
+    kernel takes less time than XLA's quantization along K by itself (docs/design/moe.md)."""
+    pair = _weight_pair(w, recipe)
+    if pair is None:
+        return _ragged_gemm(x, w, group_sizes, recipe.fwd, recipe.implementation, w_major="n",
+                            out_dtype=out_dtype), None
+    values, codes, scales = pair
+    out = _values_gemm(x, values, None, group_sizes, recipe.fwd, recipe.implementation, w_major="n",
+                       out_dtype=out_dtype)
+    return out, (codes, scales)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: np.dtype,
                    recipe: autodiff.Recipe) -> jax.Array:
     """out (T, N) = x (T, K) · w_g (K, N) for each group's rows, in the recipe's forward format."""
-    return _ragged_gemm(x, w, group_sizes, recipe.fwd, recipe.implementation, w_major="n", out_dtype=out_dtype)
+    return _forward(x, w, group_sizes, out_dtype, recipe)[0]
 
 
 def _ragged_matmul_fwd(x, w, group_sizes, out_dtype, recipe):
-    pair = _weight_pair(w, recipe)
-    if pair is None:
-        return _ragged_matmul(x, w, group_sizes, out_dtype, recipe), (x, w, group_sizes, None)
-    values, codes, scales = pair
-    out = _values_gemm(x, values, None, group_sizes, recipe.fwd, recipe.implementation, w_major="n",
-                       out_dtype=out_dtype)
-    return out, (x, w, group_sizes, (codes, scales))
+    out, dgrad_codes = _forward(x, w, group_sizes, out_dtype, recipe)
+    return out, (x, w, group_sizes, dgrad_codes)
 
 
 def _ragged_matmul_bwd(out_dtype, recipe, residuals, dy):
