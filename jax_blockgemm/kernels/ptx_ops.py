@@ -1,6 +1,7 @@
 """Inline-PTX memory instructions the CuTeDSL kernels need one at a time: shared- and
-global-memory accesses (the sm_90a proj_rope epilogue, kernels/sm90/y_tile.py), bulk copies (sm_90 and later;
-kernels/dequantize.py) and per-thread asynchronous copies (sm_80 and later; kernels/weight_stream.py).
+global-memory accesses (the sm_90a proj_rope epilogue, kernels/sm90/y_tile.py; kernels/quantize_pair.py), bulk
+copies (sm_90 and later; kernels/dequantize.py) and per-thread asynchronous copies (sm_80 and later;
+kernels/weight_stream.py, kernels/quantize_pair.py).
 
 Each is one instruction of exactly the width named, and every global store is predicated inside the asm (no branch,
 no reconvergence point, so the scheduler may move shuffles and conversions across it). Loads and stores carry a
@@ -76,6 +77,22 @@ def st_global_v4_if(addr, w0, w1, w2, w3, pred, *, loc=None, ip=None) -> None:
     args = [cutlass.Int64(addr)] + [cutlass.Int32(x) for x in (w0, w1, w2, w3, pred)]
     asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $5, 0; @p st.global.v4.b32 [$0], {$1, $2, $3, $4}; }",
         "l,r,r,r,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def st_global_v2_if(addr, w0, w1, pred, *, loc=None, ip=None) -> None:
+    """8 bytes (two words) to an 8-byte aligned global address when pred != 0."""
+    args = [cutlass.Int64(addr)] + [cutlass.Int32(x) for x in (w0, w1, pred)]
+    asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.v2.b32 [$0], {$1, $2}; }",
+        "l,r,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def st_global_u8_if(addr, byte, pred, *, loc=None, ip=None) -> None:
+    """The low byte of `byte` to a global address when pred != 0."""
+    args = [cutlass.Int64(addr), cutlass.Int32(byte), cutlass.Int32(pred)]
+    asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b8 [$0], $1; }", "l,r,r,~{memory}", True,
+        loc, ip)
 
 
 @dsl_user_op

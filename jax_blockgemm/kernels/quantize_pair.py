@@ -55,30 +55,6 @@ _ABS_X2 = 0x7FFF7FFF  # the magnitude bits of two bf16 values
 
 
 @dsl_user_op
-def _st_v2_if(addr, w0, w1, pred, *, loc=None, ip=None) -> None:
-    """8 bytes (two words) to an 8-byte aligned global address when pred != 0."""
-    args = [cutlass.Int64(addr)] + [cutlass.Int32(x) for x in (w0, w1, pred)]
-    ptx_ops.asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.v2.b32 [$0], {$1, $2}; }",
-                "l,r,r,r,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def _st_u32_if(addr, w, pred, *, loc=None, ip=None) -> None:
-    """One word to a 4-byte aligned global address when pred != 0."""
-    args = [cutlass.Int64(addr), cutlass.Int32(w), cutlass.Int32(pred)]
-    ptx_ops.asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b32 [$0], $1; }", "l,r,r,~{memory}",
-                True, loc, ip)
-
-
-@dsl_user_op
-def _st_u8_if(addr, byte, pred, *, loc=None, ip=None) -> None:
-    """The low byte of `byte` to a global address when pred != 0."""
-    args = [cutlass.Int64(addr), cutlass.Int32(byte), cutlass.Int32(pred)]
-    ptx_ops.asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b8 [$0], $1; }", "l,r,r,~{memory}",
-                True, loc, ip)
-
-
-@dsl_user_op
 def _max_u16x2(a, b, *, loc=None, ip=None) -> cutlass.Int32:
     """The two 16-bit halves' unsigned maxima (sm_90 and later)."""
     return cutlass.Int32(ptx_ops.asm(T.i32(), [cutlass.Int32(a), cutlass.Int32(b)], "max.u16x2 $0, $1, $2;",
@@ -191,6 +167,7 @@ class MxQuantizePair:
                 at = first + cutlass.Int64(r) * cols
                 keep = cutlass.Int32(cutlass.select_(row_bad, 0, -1))  # a NaN/inf block's codes are zero
                 ptx_ops.st_global_v4_if(v0 + at * 2, *out_words, cutlass.Int32(live))
-                _st_v2_if(c0 + at, (code_pairs[0] | (code_pairs[1] << 16)) & keep,
+                ptx_ops.st_global_v2_if(c0 + at, (code_pairs[0] | (code_pairs[1] << 16)) & keep,
                           (code_pairs[2] | (code_pairs[3] << 16)) & keep, cutlass.Int32(live))
-                _st_u8_if(s0 + at // MX_BLOCK, row_byte, cutlass.Int32(live & ((lane & (QUAD - 1)) == 0)))
+                first_of_block = (lane & (QUAD - 1)) == 0  # one lane of the QUAD stores the row block's byte
+                ptx_ops.st_global_u8_if(s0 + at // MX_BLOCK, row_byte, cutlass.Int32(live & first_of_block))
