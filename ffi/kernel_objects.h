@@ -60,8 +60,8 @@ BufferDesc ToBufferDesc(const xla::ffi::AnyBuffer& buffer);
 
 // The C struct the exported kernels take for each 1-D tensor argument: the data pointer, then the element count.
 // Kernels exported with 32-bit symbolic sizes read the low half of `count` (little-endian), which is the same number
-// because every handler keeps counts below kMaxBufferElements (all but ragged's b and contraction's c, whose kernels
-// take 64-bit sizes).
+// because every handler keeps counts below kMaxBufferElements (all but ragged's b, contraction's c and quantize_pair's
+// w, values and codes, whose kernels take 64-bit sizes).
 struct KernelTensor {
   void* data;
   int64_t count;

@@ -61,13 +61,6 @@ std::string CheckQuantizePairBuffers(const BufferDesc* buffers, QuantizePairDims
 
 namespace {
 
-// The element count of a buffer whose count may pass 2**31 (ElementCount saturates there); its dims were checked.
-int64_t FullCount(const BufferDesc& b) {
-  int64_t n = 1;
-  for (size_t i = 0; i < b.rank; ++i) n *= b.dims[i];
-  return n;
-}
-
 ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::AnyBuffer w,
                    ffi::Result<ffi::AnyBuffer> values, ffi::Result<ffi::AnyBuffer> codes,
                    ffi::Result<ffi::AnyBuffer> scales, std::string_view, std::string_view, ffi::Span<const uint8_t>,
@@ -84,10 +77,14 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   const CudaDriver* driver = GetCudaDriver(&error);
   if (driver == nullptr) return ffi::Error::Internal(target + ": " + error);
   ScopedStreamContext context(*driver, stream);
+  // the counts exactly (ElementCount saturates at 2**31): w, values and codes hold rows·cols elements, the scales a
+  // 32nd of them
+  const int64_t elements = int64_t{dims.rows} * dims.cols;
+  const int64_t counts[4] = {elements, elements, elements, elements / kBlock};
   if (state->poison_outputs) {  // test aid: 0xFF bytes are NaN in bf16 values and FP8 codes, so a missed one fails
     const char* names[3] = {"values", "codes", "scales"};
     for (int i = 1; i < 4; ++i) {
-      const size_t bytes = static_cast<size_t>(FullCount(buffers[i])) * ElementBytes(buffers[i].dtype);
+      const size_t bytes = static_cast<size_t>(counts[i]) * ElementBytes(buffers[i].dtype);
       if (CUresult r = driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(buffers[i].data), 0xFF, bytes, stream);
           r != kCudaSuccess) {
         return ffi::Error::Internal(target + ": poisoning " + names[i - 1] + " failed: " + driver->ErrorName(r));
@@ -95,7 +92,7 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
     }
   }
   KernelTensor tensors[4];
-  for (int i = 0; i < 4; ++i) tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), FullCount(buffers[i])};
+  for (int i = 0; i < 4; ++i) tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), counts[i]};
   int32_t rows = dims.rows, cols = dims.cols, ret = 0;
   void* args[8] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &rows, &cols, &stream, &ret};
   return RunKernel(*state, device, kQuantizePairTarget, *driver, fn, args, 8, &ret);
