@@ -377,7 +377,7 @@ def contraction_kernels(avals_in: Sequence[Any], *, c_dtype: Any, implementation
     return _usable(variants, implementation, sizes=(t, k, n, l, g), names="(T, K, N, L, G)", fmt="bfloat16")
 
 
-def quantize_pair_kernels(avals_in: Sequence[Any], *, row_dtype: Any, col_dtype: Any, implementation: Any,
+def quantize_pair_kernels(avals_in: Sequence[Any], *, row_format: str, col_format: str, implementation: Any,
                           **_: Any) -> KernelChoice:
     """The pair-quantization kernel variants (one per covered architecture) for a canonical call: w (B, R, C)."""
     settled = _settled_by_implementation(implementation, "quantize_pair")
@@ -391,15 +391,16 @@ def quantize_pair_kernels(avals_in: Sequence[Any], *, row_dtype: Any, col_dtype:
         return KernelChoice(reason=unavailable)
     from jax_blockgemm.kernels import catalog
 
-    variants = [v for v in (catalog.select_variant(op="quantize_pair", arch=target, ab_dtype=str(np.dtype(row_dtype)),
-                                                   c_dtype=str(np.dtype(col_dtype)), sf_vec_size=32,
+    row_dtype, col_dtype = (str(np.dtype(formats.FORMATS[f].code_dtype)) for f in (row_format, col_format))
+    variants = [v for v in (catalog.select_variant(op="quantize_pair", arch=target, ab_dtype=row_dtype,
+                                                   c_dtype=col_dtype, sf_vec_size=32,
                                                    tile_mn=catalog.QUANTIZE_PAIR_TILE, cluster_mn=(1, 1))
                             for target in arch.targets()) if v is not None]
     if not variants:
-        return KernelChoice(reason=f"no quantize_pair kernel in the catalog for {np.dtype(row_dtype)} row blocks and "
-                                   f"{np.dtype(col_dtype)} column blocks")
+        return KernelChoice(reason=f"no quantize_pair kernel in the catalog for {row_format} row blocks and "
+                                   f"{col_format} column blocks")
     b, r, c = w.shape
-    return _usable(variants, implementation, sizes=(b * r, c), names="(rows, cols)", fmt=str(np.dtype(row_dtype)))
+    return _usable(variants, implementation, sizes=(b * r, c), names="(rows, cols)", fmt=row_format)
 
 
 def dequantize_variants(archs: Sequence[str], shape: Sequence[int], *, scale_axis: int,

@@ -9,9 +9,9 @@ partitioning rules of `sharding.py`); `quantize_pair_local_p` is what one device
 else, and on every other platform, the reference: `formats.quantize_dequantize` and `formats.quantize_mxfp8`, which
 the kernel matches bit for bit.
 
-Canonical operand: w (B, R, C) bfloat16 or float32. Params: row_dtype and col_dtype (np.dtype: float8_e4m3fn or
-float8_e5m2, the code formats of the two quantizations, E8M0 scales per 32), implementation. Results: values (B, R,
-C) bfloat16, codes (B, R, C) col_dtype, scales (B, R, ceil(C/32)) uint8.
+Canonical operand: w (B, R, C) bfloat16 or float32. Params: row_format and col_format (FORMATS: the MXFP8 formats of
+the two quantizations, E8M0 scales per 32), implementation. Results: values (B, R, C) bfloat16, codes (B, R, C) in
+col_format's code dtype, scales (B, R, ceil(C/32)) uint8.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
-from jax.interpreters import batching, mlir
+from jax.interpreters import mlir
 
 from jax_blockgemm import formats, primitives, sharding, support
 from jax_blockgemm.support import MX_BLOCK
@@ -56,26 +56,26 @@ def quantize_pair(w: jax.Array, *, row_format: str = "mxfp8_e4m3", col_format: s
     if w.ndim < 2 or min(w.shape) < 1:
         raise ValueError(f"quantize_pair: w must be (..., R, C) with every dimension >= 1; got {tuple(w.shape)}.")
     lead = w.shape[:-2]
-    values, codes, scales = quantize_pair_p.bind(
-        w.reshape(math.prod(lead), *w.shape[-2:]), row_dtype=formats.FORMATS[row_format].code_dtype,
-        col_dtype=formats.FORMATS[col_format].code_dtype, implementation=implementation)
+    values, codes, scales = quantize_pair_p.bind(w.reshape(math.prod(lead), *w.shape[-2:]), row_format=row_format,
+                                                 col_format=col_format, implementation=implementation)
     return tuple(x.reshape(*lead, *x.shape[1:]) for x in (values, codes, scales))
 
 
-def _reference(w, *, row_dtype: Any, col_dtype: Any, **_: Any) -> list:
+def _reference(w, *, row_format: str, col_format: str, **_: Any) -> list:
     """The two quantizations as formats.py defines them (blocks split in place: no transposed copy of w)."""
-    row_format = "mxfp8_e4m3" if row_dtype == np.dtype(formats.E4M3) else "mxfp8_e5m2"
     values = formats.quantize_dequantize(w, row_format, axis=1).astype(jnp.bfloat16)
     # the second quantization reads w through a barrier: XLA fused the two into one kernel that took 106 ms on the
     # H200 at (256, 7168, 2048), where apart they take about 19 (docs/design/moe.md)
-    codes, scales = formats.quantize_mxfp8(jax.lax.optimization_barrier(w), axis=2, dtype=col_dtype)
+    codes, scales = formats.quantize_mxfp8(jax.lax.optimization_barrier(w), axis=2,
+                                           dtype=formats.FORMATS[col_format].code_dtype)
     return [values, codes, scales]
 
 
-def _abstract_eval(w, *, col_dtype, **_):
+def _abstract_eval(w, *, col_format: str, **_):
     b, r, c = w.shape
-    return (jax.core.ShapedArray((b, r, c), np.dtype(jnp.bfloat16)), jax.core.ShapedArray((b, r, c), col_dtype),
-            jax.core.ShapedArray((b, r, -(-c // MX_BLOCK)), np.dtype(np.uint8)))
+    return (jax.core.ShapedArray((b, r, c), np.dtype(jnp.bfloat16)),
+            jax.core.ShapedArray((b, r, c), np.dtype(formats.FORMATS[col_format].code_dtype)),
+            jax.core.ShapedArray((b, r, formats.num_blocks(c, MX_BLOCK)), np.dtype(np.uint8)))
 
 
 def _reference_lowering(ctx, *args, **params):

@@ -445,11 +445,12 @@ def _run_quantize_pair(variant: Any, w: np.ndarray, device: Any, implementation:
     outputs poisoned) with "cutedsl", the reference with "xla"; each as its raw bits."""
     import jax
 
-    from jax_blockgemm import quantize_pair
+    from jax_blockgemm import dispatch, quantize_pair
 
-    names = {"float8_e4m3fn": "mxfp8_e4m3", "float8_e5m2": "mxfp8_e5m2"}
-    fn = jax.jit(functools.partial(quantize_pair.quantize_pair, row_format=names[variant.ab_dtype],
-                                   col_format=names[variant.c_dtype], implementation=implementation))
+    row, col = (dispatch.format_key(dtype, variant.sf_dtype, variant.sf_vec_size)
+                for dtype in (variant.ab_dtype, variant.c_dtype))
+    fn = jax.jit(functools.partial(quantize_pair.quantize_pair, row_format=row, col_format=col,
+                                   implementation=implementation))
     with _forced_and_poisoned(variant) if implementation == "cutedsl" else contextlib.nullcontext():
         out = fn(jax.device_put(w, device))
         return [np.asarray(x).view(np.uint16 if x.dtype.itemsize == 2 else np.uint8) for x in out]
