@@ -342,8 +342,6 @@ def _from_blocks(xb: jax.Array, axis: int, n: int) -> jax.Array:
     return jnp.moveaxis(x, -1, axis)
 
 
-
-
 def mx_block_exponents(blocks: jax.Array, *, axis: int, code_dtype: DTypeLike,
                        rule: str | None = None) -> jax.Array:
     """int32 E8M0 scale exponent of every block of float32 `blocks` whose elements run along `axis` (kept, size 1).

@@ -99,18 +99,22 @@ def _codes_gemm(a: jax.Array, qb: jax.Array, sb: jax.Array, tb: Optional[jax.Arr
     return out.astype(out_dtype)
 
 
+def _quantizer_implementation(implementation: Any) -> Any:
+    """What `quantize_pair` runs under a recipe's `implementation`: the reference under "xla", else its kernel where
+    one applies (it is not one of the recipe's GEMMs, which "cutedsl" governs)."""
+    return "xla" if implementation == "xla" else None
+
+
 def _weight_pair(w: jax.Array, recipe: autodiff.Recipe) -> Optional[tuple[jax.Array, jax.Array, jax.Array]]:
     """The forward's bf16 values of w (blocks along K) and dgrad's codes and scales of it (blocks along N), from one
     pass over w (`quantize_pair`), where the recipe quantizes both GEMMs in MXFP8, the forward takes bf16 values and
-    both contractions are whole blocks; else None (each GEMM quantizes w itself). The quantizer follows the recipe's
-    "xla"; otherwise it takes its kernel where one applies (it is not one of the recipe's GEMMs)."""
+    both contractions are whole blocks; else None (each GEMM quantizes w itself)."""
     if (dispatch.mx_ragged_operands() != "bf16" or recipe.fwd not in quantize_pair.FORMATS
             or recipe.dgrad not in quantize_pair.FORMATS or w.shape[1] % autodiff.K_MULTIPLE
             or w.shape[2] % autodiff.K_MULTIPLE):
         return None
-    implementation = "xla" if recipe.implementation == "xla" else None
     return quantize_pair.quantize_pair(w, row_format=recipe.fwd, col_format=recipe.dgrad,
-                                       implementation=implementation)
+                                       implementation=_quantizer_implementation(recipe.implementation))
 
 
 def _padded_sizes(starts: jax.Array, ends: jax.Array) -> jax.Array:
@@ -153,7 +157,7 @@ def _token_values(x: jax.Array, fmt: str, implementation: Any) -> tuple[jax.Arra
     if fmt not in quantize_pair.FORMATS:
         return _fake_quantized(x, fmt, 0)
     values, _, _ = quantize_pair.quantize_pair(x, row_format=fmt, col_format=fmt,
-                                               implementation="xla" if implementation == "xla" else None)
+                                               implementation=_quantizer_implementation(implementation))
     return values, None
 
 

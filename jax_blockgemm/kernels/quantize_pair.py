@@ -168,6 +168,6 @@ class MxQuantizePair:
                 keep = cutlass.Int32(cutlass.select_(row_bad, 0, -1))  # a NaN/inf block's codes are zero
                 ptx_ops.st_global_v4_if(v0 + at * 2, *out_words, cutlass.Int32(live))
                 ptx_ops.st_global_v2_if(c0 + at, (code_pairs[0] | (code_pairs[1] << 16)) & keep,
-                          (code_pairs[2] | (code_pairs[3] << 16)) & keep, cutlass.Int32(live))
+                                        (code_pairs[2] | (code_pairs[3] << 16)) & keep, cutlass.Int32(live))
                 first_of_block = (lane & (QUAD - 1)) == 0  # one lane of the QUAD stores the row block's byte
                 ptx_ops.st_global_u8_if(s0 + at // MX_BLOCK, row_byte, cutlass.Int32(live & first_of_block))
