@@ -38,8 +38,8 @@ from jax.interpreters import mlir
 from jax_blockgemm import formats, primitives, reference, sharding, support
 
 __all__ = ["ragged_p", "ragged_local_p", "check_call", "group_bounds", "grouped_rows_dot", "grouped_contraction",
-           "grouped_dot", "ragged_reference", "check_group_sizes", "tile_rows", "kernel_items", "max_kernel_items",
-           "swap_ab_tokens", "swap_ab_column_order"]
+           "grouped_dot", "ragged_reference", "check_group_sizes", "tile_rows", "kernel_items", "group_items",
+           "max_kernel_items", "swap_ab_tokens", "swap_ab_column_order"]
 
 ragged_p = jex_core.Primitive("jbg_ragged_gemm_amax")
 ragged_local_p = jex_core.Primitive("jbg_ragged_gemm_amax_local")
@@ -148,9 +148,35 @@ def kernel_items(starts: jax.Array, ends: jax.Array, tokens: int, rows: int = 12
                       jnp.where(valid, hi, zero)], axis=-1).astype(jnp.int32)
 
 
+def group_items(starts: jax.Array, ends: jax.Array, tokens: int, rows: int = 128) -> jax.Array:
+    """The group-local work items of the kernels without scale atoms (the bf16 grouped kernel): int32 (max_items, 4)
+    rows (0, group, first row, end row).
+
+    Each group's rows cut into tiles of `rows` from the group's own first row, in group order; then the rows of no
+    group, [ends[-1], tokens), likewise as items of group -1; then padding items with first == end. A group boundary
+    inside a tile of the grid costs no second item here, only the group's last tile may be short: about G/2 fewer
+    items than `kernel_items` gives for sizes that are no multiple of `rows`, and never more
+    (`max_kernel_items` bounds both)."""
+    g_count = starts.shape[0]
+    bound = max_kernel_items(tokens, g_count, rows)
+    s_all = jnp.concatenate([starts, ends[-1:]])  # the rows of no group as a last pseudo-group
+    e_all = jnp.concatenate([ends, jnp.full((1,), tokens, ends.dtype)])
+    item_ends = jnp.cumsum(jnp.maximum(-(-(e_all - s_all) // rows), 0))
+    i = jnp.arange(bound, dtype=jnp.int32)
+    g = jnp.searchsorted(item_ends, i, side="right", method="compare_all").astype(jnp.int32)
+    g = jnp.minimum(g, g_count)  # padding items: the last (pseudo-)group, masked below
+    item_start = jnp.concatenate([jnp.zeros((1,), item_ends.dtype), item_ends])[g]
+    lo = s_all[g] + (i - item_start) * rows
+    hi = jnp.minimum(lo + rows, e_all[g])
+    valid = i < item_ends[-1]
+    zero = jnp.zeros_like(i)
+    return jnp.stack([zero, jnp.where(g == g_count, -1, g), jnp.where(valid, lo, zero), jnp.where(valid, hi, zero)],
+                     axis=-1).astype(jnp.int32)
+
+
 def max_kernel_items(tokens: int, groups: int, rows: int = 128) -> int:
-    """The static bound on `kernel_items`' count: the tiles of the grid plus one per group (the G boundaries after
-    each group, inside a tile or not)."""
+    """The static bound on the count of `kernel_items` and of `group_items`: the tiles of the grid plus one per
+    group (the G boundaries after each group, inside a tile or not; each group's short last tile)."""
     return -(-tokens // rows) + groups
 
 
@@ -358,11 +384,12 @@ def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int
     """What the grouped kernel reads besides the weights' codes: a (the codes, or for `swap_ab` kernels the tokens
     dequantized to bf16 and permuted by `swap_ab_tokens`, with empty token scales), both scales in the SPEC §3 atom
     layout (sfb over L·G batches; bf16 operands' empty scales as they are) and the work items of each batch
-    (`kernel_items`)."""
+    (`group_items` for bf16 operands, whose kernel starts a tile at any row; `kernel_items`, on the 128-row grid of
+    the scale atoms, for the rest)."""
     l, g, n, kb = sfb.shape
-    items = jax.vmap(lambda s, e: kernel_items(s, e, tokens))(starts, ends)
     if kb == 0:
-        return [a, sfa, sfb, items]
+        return [a, sfa, sfb, jax.vmap(lambda s, e: group_items(s, e, tokens))(starts, ends)]
+    items = jax.vmap(lambda s, e: kernel_items(s, e, tokens))(starts, ends)
     sfb_atom = formats.to_scale_atom(sfb.reshape(l * g, n, kb))
     if swap_ab:
         tokens16 = reference.dequantize_bf16(a, sfa, block=sf_vec_size, axis=2)

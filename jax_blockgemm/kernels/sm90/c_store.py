@@ -16,14 +16,14 @@ class AccumulatorStore:
 
     @cute.jit
     def store_c_and_amax(self, acc: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor,
-                         warp_amax: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, tile_m: cutlass.Int32,
+                         warp_amax: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, m_start: cutlass.Int32,
                          tile_n: cutlass.Int32, batch: cutlass.Int32, amax_slot: cutlass.Int32,
                          consumer_wg: cutlass.Int32, local_tid: cutlass.Int32, rows_lo: cutlass.Int32,
                          rows_hi: cutlass.Int32):
-        """Store this thread's accumulator values of the CTA tile (tile_m, tile_n, batch) to C (the kernel's flat
-        `c_dtype` buffer, batches of (m, n)), its rows in [rows_lo, rows_hi) and columns below N, and fold max|acc|
-        of those into amax[amax_slot] with one integer atomic max per CTA (`warp_amax`: a shared-memory Int32 slot
-        per consumer warp). bf16 C with N a multiple of 8 leaves in 16-byte stores (`_store_bf16_rows`).
+        """Store this thread's accumulator values of the CTA tile whose rows start at m_start (column tile tile_n,
+        batch `batch`) to C (the kernel's flat `c_dtype` buffer, batches of (m, n)), its rows in [rows_lo, rows_hi)
+        and columns below N, and fold max|acc| of those into amax[amax_slot] with one integer atomic max per CTA
+        (`warp_amax`: a shared-memory Int32 slot per consumer warp). bf16 C with N a multiple of 8 leaves in 16-byte stores (`_store_bf16_rows`).
         consumer_wg is this thread's MMA warpgroup (0 or 1: rows 0-63 or 64-127), local_tid its index over the
         256 MMA threads."""
         bm, bn, _ = self.tile_mnk
@@ -34,7 +34,7 @@ class AccumulatorStore:
         lane = local_tid % 32
         row0 = consumer_wg * 64 + ((local_tid // 32) % 4) * 16 + lane // 4
         col0 = (lane % 4) * 2
-        c_row_base = (cutlass.Int64(batch) * m + tile_m * bm) * n + tile_n * bn
+        c_row_base = (cutlass.Int64(batch) * m + m_start) * n + tile_n * bn
         if cutlass.const_expr(self.has_alpha):  # NVFP4: C and amax are of alpha·acc (SPEC §1, §4)
             alpha_l = alpha[batch]
             for i in cutlass.range_constexpr(cute.size(acc)):
@@ -42,15 +42,15 @@ class AccumulatorStore:
         amax_bits = cutlass.Int32(0)
         if cutlass.const_expr(self.c_name == "bfloat16"):
             if n % 8 == 0:
-                amax_bits = self._store_bf16_rows(acc, c, n, tile_n, c_row_base, row0, col0, tile_m * bm, rows_lo,
+                amax_bits = self._store_bf16_rows(acc, c, n, tile_n, c_row_base, row0, col0, m_start, rows_lo,
                                                   rows_hi, lane)
             else:
-                amax_bits = self._store_scalars(acc, c, n, tile_n, c_row_base, row0, col0, tile_m * bm, rows_lo,
+                amax_bits = self._store_scalars(acc, c, n, tile_n, c_row_base, row0, col0, m_start, rows_lo,
                                                 rows_hi)
         elif cutlass.const_expr(self.c_kind == "wide"):
-            amax_bits = self._store_scalars(acc, c, n, tile_n, c_row_base, row0, col0, tile_m * bm, rows_lo, rows_hi)
+            amax_bits = self._store_scalars(acc, c, n, tile_n, c_row_base, row0, col0, m_start, rows_lo, rows_hi)
         else:
-            amax_bits = self._store_bytes(acc, c, n, tile_n, c_row_base, row0, col0, tile_m * bm, rows_lo, rows_hi)
+            amax_bits = self._store_bytes(acc, c, n, tile_n, c_row_base, row0, col0, m_start, rows_lo, rows_hi)
         amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
         common.amax_block_reduce_and_publish(
             amax_bits, warp_amax, (amax_i32.iterator + amax_slot), local_tid, self.num_consumer_warps,

@@ -114,8 +114,8 @@ class HopperGroupedContraction(Bf16TileKernel):
             ab_pipeline.consumer_release(release_state)
             warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
             # c is (L·G, K, N): batch lg of (K, N) results; amax has one slot per l
-            self.store_c_and_amax(acc, c, amax, amax, warp_amax, k, n, tile_m, tile_n, lg, batch, wg_idx, tidx,
-                                  cutlass.Int32(0), k)
+            self.store_c_and_amax(acc, c, amax, amax, warp_amax, k, n, tile_m * self.tile_mnk[0], tile_n, lg, batch,
+                                  wg_idx, tidx, cutlass.Int32(0), k)
 
     @cute.jit
     def zero_rows_past(self, sA: cute.Tensor, sB: cute.Tensor, stage, valid, local_tid):

@@ -536,8 +536,8 @@ class HopperMxf8GemmAmax(AccumulatorStore):
             if cutlass.const_expr(zero is not None):
                 if zero:
                     acc.fill(0.0)
-            self.store_c_and_amax(acc, c, amax, alpha, warp_amax, m, n, tile_m, tile_n, batch, batch, wg_idx - 1,
-                                  local_tid, rows_lo, rows_hi)
+            self.store_c_and_amax(acc, c, amax, alpha, warp_amax, m, n, tile_m * self.tile_mnk[0], tile_n, batch,
+                                  batch, wg_idx - 1, local_tid, rows_lo, rows_hi)
 
 
 class HopperGemmAmaxAlpha(HopperMxf8GemmAmax):

@@ -15,9 +15,11 @@ bound, L) with the N tiles fastest, so the CTAs running at once share a few A ti
 MXFP8 E4M3 weights with f32 or bf16 C take `ragged_swap_ab.HopperRaggedSwapAB` instead (only the weights converted,
 in registers; the tokens dequantized by XLA), which reads the same items.
 
-`HopperRaggedBf16Gemm` runs the same items over bf16 operands (no dequantization): a producer warp and two wgmma
+`HopperRaggedBf16Gemm` runs bf16 operands (no dequantization, no scale atoms tied to the 128-row grid) over
+group-local items (`ragged.group_items`): each group's rows cut into tiles of 128 from its own first row, so a group
+boundary costs no second item; the A tile is loaded at the item's first row. A producer warp and two wgmma
 warpgroups per 128 x 128 tile, two CTAs per SM, so that one CTA's epilogue overlaps the other's mainloop. A
-warpgroup none of whose 64 rows an item holds (one side of a group boundary inside a tile) issues no MMAs.
+warpgroup none of whose 64 rows an item holds (a group's last, short tile) issues no MMAs.
 """
 
 from __future__ import annotations
@@ -46,6 +48,17 @@ def work_item(items: cute.Tensor, batch, item, max_items, t, g):
     rows_lo = cutlass.max(items[entry + 2], row_tile * ITEM_ROWS)
     rows_hi = cutlass.min(cutlass.min(items[entry + 3], row_tile * ITEM_ROWS + ITEM_ROWS), t)
     return row_tile, group, rows_lo, rows_hi
+
+
+def group_item(items: cute.Tensor, batch, item, max_items, t, g):
+    """(group, first row, end row) of `item` in `batch` of a group-local table (`ragged.group_items`), clamped into
+    range whatever the table holds: the rows lie in [0, T) and span at most one tile of ITEM_ROWS, the group names
+    one of the batch's weights (or is negative: zeros). The CTA has nothing to do when first >= end."""
+    entry = (batch * max_items + item) * ITEM_FIELDS
+    group = cutlass.min(items[entry + 1], g - 1)
+    rows_lo = cutlass.min(cutlass.max(items[entry + 2], 0), t)
+    rows_hi = cutlass.min(cutlass.min(items[entry + 3], rows_lo + ITEM_ROWS), t)
+    return group, rows_lo, rows_hi
 
 
 class BlockScaledGroups:
@@ -107,7 +120,8 @@ class HopperRaggedBf16Gemm(Bf16TileKernel):
     """C[rows of group g] = A·B[g]^T per batch l, amax[l] = max|C[l]|, bf16 operands, f32 or bf16 C.
 
     The ragged ABI (`HopperRaggedGemmAmax`) with a (L, T, K) and b (L·G, N, K) for b_major "k" or (L·G, K, N) for
-    "n" in bf16; sfa, sfb and alpha are not read. Per CTA one 128 x 128 output tile of one item: warp 8 streams
+    "n" in bf16, and a group-local item table (`group_item`); sfa, sfb and alpha are not read. Per CTA one 128 x 128
+    output tile of one item, from the item's first row: warp 8 streams
     64-wide k-tiles of A and B by TMA through 3 stages, warps 0-7 (two warpgroups of 64 rows) run bf16 wgmma with
     fp32 accumulation in the tensor cores and store their rows of the item. 288 threads of at most 112 registers and
     ~97 KB of shared memory: two CTAs per SM.
@@ -155,20 +169,23 @@ class HopperRaggedBf16Gemm(Bf16TileKernel):
         """Device body: the CTA reads its item and runs that output tile (producer warp 8, MMA warps 0-7), or
         returns when the item is empty. Items of group -1 (rows of no group) store zeros after one k-tile."""
         tile_n, item, batch = cute.arch.block_idx()
-        row_tile, group, rows_lo, rows_hi = work_item(items, batch, item, max_items, t, g)
+        group, rows_lo, rows_hi = group_item(items, batch, item, max_items, t, g)
         if rows_lo < rows_hi:
             tidx, _, _ = cute.arch.thread_idx()
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             bm = self.tile_mnk[0]
+            # A's tile 0 starts at the item's first row (TMA fills rows past T with zeros; rows past the item's end
+            # are computed and not stored)
+            mA_item = cute.domain_offset((rows_lo, 0, 0), mA_mkl)
             storage, ab_pipeline, sA, sB, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
-                tidx, warp_idx, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged,
+                tidx, warp_idx, tma_atom_a, mA_item, tma_atom_b, mB_nkl, a_smem_staged, b_smem_staged,
                 self.shared_storage, self.ab_dtype, self.ab_stages, self.num_consumer_warps, self.tile_mnk,
                 self.threads_per_wg)
             zero = group < 0
             k_tiles = cutlass.min(k_tiles, cutlass.select_(zero, 1, k_tiles))
             if warp_idx == self.producer_warp:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-                state = tma_pipeline.produce_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, row_tile, tile_n,
+                state = tma_pipeline.produce_tile(ab_pipeline, state, tma_atom_a, tma_atom_b, views, 0, tile_n,
                                                   k_tiles, batch, batch * g + cutlass.max(group, 0))
                 ab_pipeline.producer_tail(state)
             elif warp_idx < self.producer_warp:
@@ -176,17 +193,16 @@ class HopperRaggedBf16Gemm(Bf16TileKernel):
                 read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
                 release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc starts from zero
-                # A warpgroup none of whose 64 rows the item holds (one side of a group boundary inside the tile)
-                # issues no MMAs: the item then costs the tensor cores half a tile. Items of no group issue none
-                # and store the zeroed accumulator.
-                half = row_tile * bm + wg_idx * (bm // 2)
-                active = (rows_lo < half + bm // 2) & (rows_hi > half) & (group >= 0)
+                # A warpgroup none of whose 64 rows the item holds (a group's last tile of 64 rows or fewer) issues
+                # no MMAs: the item then costs the tensor cores half a tile. Items of no group issue none and store
+                # the zeroed accumulator.
+                active = (rows_hi > rows_lo + wg_idx * (bm // 2)) & (group >= 0)
                 read_state, release_state = wgmma_mainloop.mma_tile(ab_pipeline, read_state, release_state,
                                                                     tiled_mma, acc, tCrA, tCrB,
                                                                     cute.size(tCrA, mode=[2]), k_tiles, active)
                 warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
-                self.store_c_and_amax(acc, c, amax, amax, warp_amax, t, n, row_tile, tile_n, batch, batch, wg_idx,
+                self.store_c_and_amax(acc, c, amax, amax, warp_amax, t, n, rows_lo, tile_n, batch, batch, wg_idx,
                                       tidx, rows_lo, rows_hi)
 
 
-__all__ = ["HopperRaggedGemmAmax", "HopperRaggedBf16Gemm", "ITEM_ROWS", "ITEM_FIELDS", "work_item"]
+__all__ = ["HopperRaggedGemmAmax", "HopperRaggedBf16Gemm", "ITEM_ROWS", "ITEM_FIELDS", "work_item", "group_item"]
