@@ -23,10 +23,10 @@ class AccumulatorStore:
         """Store this thread's accumulator values of the CTA tile whose rows start at m_start (column tile tile_n,
         batch `batch`) to C (the kernel's flat `c_dtype` buffer, batches of (m, n)), its rows in [rows_lo, rows_hi)
         and columns below N, and fold max|acc| of those into amax[amax_slot] with one integer atomic max per CTA
-        (`warp_amax`: a shared-memory Int32 slot per consumer warp). bf16 C with N a multiple of 8 leaves in 16-byte stores (`_store_bf16_rows`).
-        consumer_wg is this thread's MMA warpgroup (0 or 1: rows 0-63 or 64-127), local_tid its index over the
-        256 MMA threads."""
-        bm, bn, _ = self.tile_mnk
+        (`warp_amax`: a shared-memory Int32 slot per consumer warp). bf16 C with N a multiple of 8 leaves in 16-byte
+        stores (`_store_bf16_rows`). consumer_wg is this thread's MMA warpgroup (0 or 1: rows 0-63 or 64-127),
+        local_tid its index over the 256 MMA threads."""
+        bn = self.tile_mnk[1]
         if cutlass.const_expr(self.c_kind != "wide"):  # one-byte and packed FP4 C are stored as bytes
             c = cute.make_tensor(cute.recast_ptr(c.iterator, dtype=cutlass.Uint8), cute.make_layout((cute.size(c),)))
         # The wgmma m64nNk16 accumulator fragment: value (v0, v1, v2) of a thread sits at row
@@ -113,7 +113,7 @@ class AccumulatorStore:
         every 8-column group; a 4 x 4 word transpose inside the quad (three xor shuffles) gives lane q the whole
         group 4j + q of four consecutive groups, so each store writes 8 columns and a quad 64 contiguous bytes of a
         row. Returns the thread's max |acc| bits over the elements in bounds (the values before rounding)."""
-        bm, bn, _ = self.tile_mnk
+        bn = self.tile_mnk[1]
         quad = lane % 4
         amax_bits = cutlass.Int32(0)
         c_addr = c.iterator.toint()
