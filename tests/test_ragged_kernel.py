@@ -30,30 +30,6 @@ def _owners(items: np.ndarray, tokens: int) -> np.ndarray:
     return owner
 
 
-class KernelItemsTest(parameterized.TestCase):
-
-    @parameterized.parameters((1, 1), (127, 3), (128, 4), (700, 9), (1000, 32), (4096, 256))
-    def test_every_row_once_with_its_group(self, tokens, groups):
-        rng = np.random.default_rng(tokens + groups)
-        cases = [random_group_sizes(rng, tokens, groups, fill=False), random_group_sizes(rng, tokens, groups),
-                 np.eye(groups, dtype=np.int32)[groups // 2] * tokens, np.zeros(groups, np.int32)]
-        for sizes in cases:
-            starts, ends = ragged.group_bounds(jnp.asarray(sizes, jnp.int32), tokens)
-            items = np.asarray(ragged.kernel_items(starts, ends, tokens))
-            self.assertEqual(items.shape, (ragged.max_kernel_items(tokens, groups), ragged_kernel.ITEM_FIELDS))
-            expect = np.concatenate([np.repeat(np.arange(groups), sizes),
-                                     np.full(tokens - int(sizes.sum()), -1)])
-            np.testing.assert_array_equal(_owners(items, tokens), expect)
-
-    def test_bound_is_reached(self):
-        """Every group boundary, and the end of the groups, inside a row tile: each adds an item to the tiles'."""
-        tokens, groups = 300, 5
-        sizes = np.array([1, 128, 128, 2, 1], np.int32)  # boundaries at rows 1, 129, 257, 259, 260
-        items = np.asarray(ragged.kernel_items(*ragged.group_bounds(jnp.asarray(sizes), tokens), tokens))
-        self.assertEqual(items.shape[0], ragged.max_kernel_items(tokens, groups))  # 3 tiles + 5
-        self.assertTrue((items[:, 2] < items[:, 3]).all(), "every item of the bound is used")
-
-
 def _group_owners(items: np.ndarray, first_rows: np.ndarray, tokens: int) -> np.ndarray:
     """`_owners` for a group-local table: asserts that each item spans at most one tile, starts a whole number of
     tiles past its group's first row (first_rows: each group's, then that of the rows of no group) and never
@@ -70,37 +46,44 @@ def _group_owners(items: np.ndarray, first_rows: np.ndarray, tokens: int) -> np.
     return owner
 
 
-class GroupItemsTest(parameterized.TestCase):
-    """The bf16 grouped kernel's table: each group's rows in tiles from its own first row."""
+class KernelItemsTest(parameterized.TestCase):
+    """Both item tables: the grid's (`kernel_items`, 128-row tiles of the token grid) and the group-local one
+    (`group_items`, the bf16 grouped kernel's: each group's rows in tiles from its own first row)."""
 
     @parameterized.parameters((1, 1), (127, 3), (128, 4), (700, 9), (1000, 32), (4096, 256))
     def test_every_row_once_with_its_group(self, tokens, groups):
         rng = np.random.default_rng(tokens + groups)
         cases = [random_group_sizes(rng, tokens, groups, fill=False), random_group_sizes(rng, tokens, groups),
                  np.eye(groups, dtype=np.int32)[groups // 2] * tokens, np.zeros(groups, np.int32)]
+        shape = (ragged.max_kernel_items(tokens, groups), ragged_kernel.ITEM_FIELDS)
         for sizes in cases:
             starts, ends = ragged.group_bounds(jnp.asarray(sizes, jnp.int32), tokens)
-            items = np.asarray(ragged.group_items(starts, ends, tokens))
-            self.assertEqual(items.shape, (ragged.max_kernel_items(tokens, groups), ragged_kernel.ITEM_FIELDS))
             expect = np.concatenate([np.repeat(np.arange(groups), sizes),
                                      np.full(tokens - int(sizes.sum()), -1)])
+            grid = np.asarray(ragged.kernel_items(starts, ends, tokens))
+            self.assertEqual(grid.shape, shape)
+            np.testing.assert_array_equal(_owners(grid, tokens), expect)
+            local = np.asarray(ragged.group_items(starts, ends, tokens))
+            self.assertEqual(local.shape, shape)
             # the rows of no group start where the groups end
-            owner = _group_owners(items, np.append(np.asarray(starts), int(sizes.sum())), tokens)
+            owner = _group_owners(local, np.append(np.asarray(starts), int(sizes.sum())), tokens)
             np.testing.assert_array_equal(owner, expect)
-            used = items[items[:, 2] < items[:, 3]]
+            used = local[local[:, 2] < local[:, 3]]
             want_count = sum(-(-int(s) // ragged_kernel.ITEM_ROWS) for s in (*sizes, tokens - int(sizes.sum())))
-            self.assertEqual(len(used), want_count, "one item per started tile of each group")
-            self.assertTrue((items[len(used):, 2] == items[len(used):, 3]).all(), "padding after the items")
+            self.assertEqual(len(used), want_count, "one group-local item per started tile of each group")
+            self.assertTrue((local[len(used):, 2] == local[len(used):, 3]).all(), "padding after the items")
 
-    def test_fewer_items_than_the_grid_table(self):
-        """Sizes off the 128-row grid: the grid's table splits every tile a boundary crosses, this one only cuts
-        each group's tail."""
+    def test_bound_is_reached(self):
+        """Every group boundary, and the end of the groups, inside a row tile: each adds an item to the grid's
+        tiles; the group-local table only cuts each group's tail."""
         tokens, groups = 300, 5
-        sizes = np.array([1, 128, 128, 2, 1], np.int32)
+        sizes = np.array([1, 128, 128, 2, 1], np.int32)  # boundaries at rows 1, 129, 257, 259, 260
         bounds = ragged.group_bounds(jnp.asarray(sizes), tokens)
-        count = lambda items: int((np.asarray(items)[:, 2] < np.asarray(items)[:, 3]).sum())
-        self.assertEqual(count(ragged.kernel_items(*bounds, tokens)), 8)
-        self.assertEqual(count(ragged.group_items(*bounds, tokens)), 6)  # five groups of one tile, and 40 rows
+        items = np.asarray(ragged.kernel_items(*bounds, tokens))
+        self.assertEqual(items.shape[0], ragged.max_kernel_items(tokens, groups))  # 3 tiles + 5
+        self.assertTrue((items[:, 2] < items[:, 3]).all(), "every item of the bound is used")
+        local = np.asarray(ragged.group_items(*bounds, tokens))
+        self.assertEqual(int((local[:, 2] < local[:, 3]).sum()), 6)  # five groups of one tile, and 40 rows
 
 
 def _lowered(fmt="mxfp8_e4m3", implementation="cutedsl", t=256, g=4, n=64, k=128, vmap=False, c_dtype=jnp.float32):
