@@ -149,8 +149,8 @@ def kernel_items(starts: jax.Array, ends: jax.Array, tokens: int, rows: int = 12
 
 
 def group_items(starts: jax.Array, ends: jax.Array, tokens: int, rows: int = 128) -> jax.Array:
-    """The group-local work items of the kernels without scale atoms (the bf16 grouped kernel): int32 (max_items, 4)
-    rows (0, group, first row, end row).
+    """The group-local work items of the kernels whose tokens carry no scale atoms (the bf16 grouped and swap_ab
+    kernels): int32 (max_items, 4) rows (0, group, first row, end row).
 
     Each group's rows cut into tiles of `rows` from the group's own first row, in group order; then the rows of no
     group, [ends[-1], tokens), likewise as items of group -1; then padding items with first == end. A group boundary
@@ -384,12 +384,13 @@ def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int
     """What the grouped kernel reads besides the weights' codes: a (the codes, or for `swap_ab` kernels the tokens
     dequantized to bf16 and permuted by `swap_ab_tokens`, with empty token scales), both scales in the SPEC §3 atom
     layout (sfb over L·G batches; bf16 operands' empty scales as they are) and the work items of each batch
-    (`group_items` for bf16 operands, whose kernel starts a tile at any row; `kernel_items`, on the 128-row grid of
-    the scale atoms, for the rest)."""
+    (`group_items` for bf16 operands and swap_ab kernels, which start a tile at any row; `kernel_items`, on the
+    128-row grid of the tokens' scale atoms, for the block-scaled kernels)."""
     l, g, n, kb = sfb.shape
+    table = group_items if kb == 0 or swap_ab else kernel_items
+    items = jax.vmap(lambda s, e: table(s, e, tokens))(starts, ends)
     if kb == 0:
-        return [a, sfa, sfb, jax.vmap(lambda s, e: group_items(s, e, tokens))(starts, ends)]
-    items = jax.vmap(lambda s, e: kernel_items(s, e, tokens))(starts, ends)
+        return [a, sfa, sfb, items]
     sfb_atom = formats.to_scale_atom(sfb.reshape(l * g, n, kb))
     if swap_ab:
         tokens16 = reference.dequantize_bf16(a, sfa, block=sf_vec_size, axis=2)

@@ -13,7 +13,7 @@ bf16 in shared memory, bf16 wgmma) with B's batch coordinate set to the item's g
 bound, L) with the N tiles fastest, so the CTAs running at once share a few A tiles and groups' weights in L2.
 
 MXFP8 E4M3 weights with f32 or bf16 C take `ragged_swap_ab.HopperRaggedSwapAB` instead (only the weights converted,
-in registers; the tokens dequantized by XLA), which reads the same items.
+in registers; the tokens dequantized by XLA), over group-local items like the bf16 kernel below.
 
 `HopperRaggedBf16Gemm` runs bf16 operands (no dequantization, no scale atoms tied to the 128-row grid) over
 group-local items (`ragged.group_items`): each group's rows cut into tiles of 128 from its own first row, so a group

@@ -20,14 +20,14 @@ E4M3 to bf16 exactly as the decode kernel does it (kernels/weight_stream.py): bi
 pair, then one packed multiply by 2^120·scale (scale bytes up to 134, voted per warp; else two multiplies); a NaN
 code among a thread's 16 makes its row's scale NaN, which gives the outputs a NaN product gives.
 
-Per CTA: one work item (kernels/sm90/ragged.py's table: a 128-token tile, a group, its rows) times a 128-row tile of
-the group's weights: warpgroups 1 and 2 of 64 weight rows each, warp 0 the TMA producer (tokens and codes in 6
-stages of 64-wide k-tiles). Each warpgroup alternates two register fragments: it converts k-tile k + 1 while the
-tensor cores multiply k-tile k. Every four k-tiles (256 of K) the tensor cores' partial sum is added to the fp32
-accumulator with round-to-nearest adds (their truncating sums drift with K: 6e-6 relative over 8192 as gemm_amax
-measured, so about 2e-7 over 256): SPEC §7's "exact" class. The accumulator holds C transposed (weight rows x
-tokens); the epilogue writes it through shared memory (reusing the stages) and stores C rows of the item with
-16-byte stores, amax of what it stored by one atomic per CTA.
+Per CTA: one work item (a group-local table, `ragged.group_items`: up to 128 of a group's tokens from the item's first
+row, where the tokens' TMA view starts) times a 128-row tile of the group's weights: warpgroups 1 and 2 of 64 weight
+rows each, warp 0 the TMA producer (tokens and codes in 6 stages of 64-wide k-tiles). Each warpgroup alternates two
+register fragments: it converts k-tile k + 1 while the tensor cores multiply k-tile k. Every four k-tiles (256 of K) the
+tensor cores' partial sum is added to the fp32 accumulator with round-to-nearest adds (their truncating sums drift with
+K: 6e-6 relative over 8192 as gemm_amax measured, so about 2e-7 over 256): SPEC §7's "exact" class. The accumulator
+holds C transposed (weight rows x tokens); the epilogue writes it through shared memory (reusing the stages) and stores
+C rows of the item with 16-byte stores, amax of what it stored by one atomic per CTA.
 
 ABI: the ragged one (catalog "ragged"), fn(a, b, sfa, sfb, items, c, amax, alpha, t, n, k, l, g, max_items, stream),
 with a the permuted bf16 tokens (L, T, K256), K256 = K rounded up to 256 (zeros past K); b the E4M3 codes (L·G, N, K);
@@ -46,7 +46,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from jax_blockgemm.kernels import common, epilogue, ptx_ops
 from jax_blockgemm.kernels.sm90 import tma_pipeline
 from jax_blockgemm.kernels.sm90.gemm_amax import smem_layout_staged
-from jax_blockgemm.kernels.sm90.ragged import ITEM_ROWS, work_item
+from jax_blockgemm.kernels.sm90.ragged import ITEM_ROWS, group_item
 
 C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
 K_TILE = 64  # codes of K per stage
@@ -139,12 +139,14 @@ class HopperRaggedSwapAB:
         Items of group -1 (rows of no group) store zeros after one group of PROMOTE_TILES k-tiles (the mainloop's
         unit: the producer must fill, and the consumers release, a whole group)."""
         tile_n, item, batch = cute.arch.block_idx()
-        row_tile, group, rows_lo, rows_hi = work_item(items, batch, item, max_items, t, g)
+        group, rows_lo, rows_hi = group_item(items, batch, item, max_items, t, g)
         if rows_lo < rows_hi:
             tidx, _, _ = cute.arch.thread_idx()
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            # the tokens' tile 0 starts at the item's first row (group-local items, as the bf16 grouped kernel's)
+            mX_item = cute.domain_offset((rows_lo, 0, 0), mX)
             storage, ab_pipeline, sX, sW, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
-                tidx, warp_idx, tma_atom_x, mX, tma_atom_w, mW, x_staged, w_staged, self.shared_storage,
+                tidx, warp_idx, tma_atom_x, mX_item, tma_atom_w, mW, x_staged, w_staged, self.shared_storage,
                 (cutlass.BFloat16, self.ab_dtype), self.stages, self.num_consumer_warps, self.tile_mnk,
                 self.threads_per_wg)
             zero = group < 0
@@ -154,8 +156,8 @@ class HopperRaggedSwapAB:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
                     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                    state = tma_pipeline.produce_tile(ab_pipeline, state, tma_atom_x, tma_atom_w, views, row_tile,
-                                                      tile_n, k_tiles, batch, w_batch)
+                    state = tma_pipeline.produce_tile(ab_pipeline, state, tma_atom_x, tma_atom_w, views, 0, tile_n,
+                                                      k_tiles, batch, w_batch)
                     ab_pipeline.producer_tail(state)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -164,8 +166,7 @@ class HopperRaggedSwapAB:
                                     k_tiles)
                 if zero:
                     acc.fill(0.0)
-                self.epilogue(acc, storage, c, amax, t, n, row_tile, tile_n, batch, rows_lo, rows_hi, wg_idx - 1,
-                              mma_tid)
+                self.epilogue(acc, storage, c, amax, t, n, tile_n, batch, rows_lo, rows_hi, wg_idx - 1, mma_tid)
 
     @cute.jit
     def mainloop(self, ab_pipeline, tiled_mma: cute.TiledMma, sX: cute.Tensor, sW: cute.Tensor, sfb: cute.Tensor,
@@ -302,9 +303,10 @@ class HopperRaggedSwapAB:
                     words[4 * s + 2 * high + r] = cute.arch.fma_packed_bf16x2(bits, factors[r], neg_zero)
 
     @cute.jit
-    def epilogue(self, acc: cute.Tensor, storage, c: cute.Tensor, amax: cute.Tensor, t, n, row_tile, tile_n, batch,
-                 rows_lo, rows_hi, wg_idx, tidx):
-        """C rows [rows_lo, rows_hi) of the item, columns of this weight tile below N, from the transposed
+    def epilogue(self, acc: cute.Tensor, storage, c: cute.Tensor, amax: cute.Tensor, t, n, tile_n, batch, rows_lo,
+                 rows_hi, wg_idx, tidx):
+        """C rows [rows_lo, rows_hi) of the item (its token tile starts at rows_lo), columns of this weight tile
+        below N, from the transposed
         accumulators: written to shared memory as an fp32 (token, weight row) tile over the drained stages, then
         each token row stored in 16-byte pieces where N allows (else element by element); amax of what was
         stored."""
@@ -334,8 +336,8 @@ class HopperRaggedSwapAB:
         amax_bits = cutlass.Int32(0)
         for pass_ in cutlass.range_constexpr(bt // rows_per_pass):
             token = pass_ * rows_per_pass + tidx // threads_per_row
-            row = row_tile * bt + token
-            if (row >= rows_lo) & (row < rows_hi):
+            row = rows_lo + token
+            if row < rows_hi:
                 values = []
                 for q in cutlass.range_constexpr(per // 4):
                     values += ptx_ops.ld_shared_v4(tile_at + (token * C_STAGE_STRIDE + col + 4 * q) * 4)
