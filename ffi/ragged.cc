@@ -178,7 +178,7 @@ std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& k
   const int64_t max_items = items.rank == 3 ? items.dims[1] : 0;
   if (items.rank != 3 || items.dims[0] != l || max_items < 1 || items.dims[2] != kItemFields) {
     return Describe(items, 4) + "; expected (L, max_items, 4) = (" + std::to_string(l) +
-           ", max_items >= 1, 4): (row tile, group, first row, end row) per work item";
+           ", max_items >= 1, 4): (row tile or 0, group, first row, end row) per work item";
   }
   if (c.dtype != kernel.c) {
     return Describe(c, 5) + "; the kernel objects were compiled for a " +

@@ -5,7 +5,8 @@
 // INSTANTIATE parses `ab_dtype`, `c_dtype`, `sf_dtype`, `sf_vec_size` and `b_major` (what the objects were compiled
 // for) and loads the object table (kernel_objects.h). EXECUTE checks every buffer, zeroes amax on XLA's stream,
 // poisons C when asked (JAX_BLOCKGEMM_POISON_OUTPUTS) and runs the function. The items' values need no check: the
-// kernel clamps each one into its row tile, below T and below G.
+// kernel clamps each one into range (into its row tile, or for group-local items to at most one tile from its first
+// row; below T and below G).
 //
 // The bf16 objects (ab_dtype "bfloat16", sf_dtype "none", sf_vec_size 0; C float32 or bfloat16) take bfloat16 a
 // (L, T, K) and b (L, G, N, K) for b_major "k" or (L, G, K, N) for "n", and read neither sfa nor sfb (uint8 buffers
@@ -27,7 +28,7 @@
 namespace jbg {
 
 inline constexpr const char kRaggedTarget[] = "jbg_ragged_gemm_amax";
-inline constexpr int64_t kItemFields = 4;  // (row tile, group or -1, first row, end row) per work item
+inline constexpr int64_t kItemFields = 4;  // (row tile or 0, group or -1, first row, end row) per work item
 inline constexpr int64_t kSwapAbKPad = 256;  // the swap_ab objects' tokens: K rounded up to a multiple of this
 
 // The launch's sizes: t tokens (rows of A and C), n, the logical k (twice the bytes of a packed FP4 row), l

@@ -87,6 +87,13 @@ SWAP_AB = "swap_ab"  # catalog.SWAP_AB: the ragged objects that take bfloat16 to
 SWAP_AB_K_PAD = 256  # ragged.SWAP_AB_K_PAD: their tokens' K is rounded up to a multiple of this
 
 
+def takes_group_items(variant: Any) -> bool:
+    """Whether ragged `variant` reads a group-local item table (`ragged.group_items`: the sm_90a bf16 and swap_ab
+    kernels, whose tokens carry no scale atoms) rather than the 128-row grid's (`ragged.kernel_items`)."""
+    return variant.op == "ragged" and variant.arch == "sm_90a" and (
+        variant.schedule == SWAP_AB or variant.sf_dtype == NO_SCALES)
+
+
 def logical_dtype(dtype: Any) -> str:
     """The dtype name the kernels and the handler use: uint8 operands and C are packed FP4 ("float4_e2m1fn")."""
     name = str(np.dtype(dtype))

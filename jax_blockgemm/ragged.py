@@ -4,7 +4,7 @@ group multiplied by its own expert's weights.
 `ragged_gemm_amax` (api.py) validates and binds `ragged_p` (batching, and a lowering through the partitioning rules of
 `sharding.py`); `ragged_local_p` is what one device runs. On CUDA it lowers to the grouped kernel where
 `dispatch.ragged_kernels` names one (kernels/sm90/ragged.py, through the jbg_ragged_gemm_amax handler; its work items
-come from `kernel_items`), else, and on every other platform, to the pure-JAX reference below.
+come from `kernel_items` or `group_items`), else, and on every other platform, to the pure-JAX reference below.
 
 The reference never builds a (G, T, K) or (G, T, N) mask, which is how `jax.lax.ragged_dot` lowers on CPU (and, by
 measurement, on GPU): a dense dot over G masked copies of the tokens, G times the work and memory. Here the tokens
@@ -125,26 +125,37 @@ def _chunk_items(c: jax.Array, first: jax.Array, item_ends: jax.Array, total: ja
     return g, row0, mine
 
 
-def kernel_items(starts: jax.Array, ends: jax.Array, tokens: int, rows: int = 128) -> jax.Array:
-    """The grouped kernel's work items: int32 (max_items, 4) rows (row tile, group, first row, end row).
+def _parts(starts: jax.Array, ends: jax.Array, tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(starts, ends, group) of the G groups with the rows of no group around them as pseudo-groups -1: the rows
+    before the first group ([0, starts[0]): a shard of the experts holds groups from its own first one) and those
+    past the last ([ends[-1], tokens)). Every row then belongs to one part, so the kernels write all of C."""
+    zero = jnp.zeros((1,), starts.dtype)
+    s_all = jnp.concatenate([zero, starts, ends[-1:]])
+    e_all = jnp.concatenate([starts[:1], ends, jnp.full((1,), tokens, ends.dtype)])
+    group = jnp.concatenate([-jnp.ones((1,), jnp.int32), jnp.arange(starts.shape[0], dtype=jnp.int32),
+                             -jnp.ones((1,), jnp.int32)])
+    return s_all, e_all, group
 
-    One item per (tile of `rows` rows, group) pair holding rows of that group, in group order; then the rows of no
-    group, [ends[-1], tokens), as items of group -1; then padding items with first == end (nothing to do). At most
-    `max_kernel_items(tokens, G)` items: each group boundary inside a tile adds one to the tiles of the grid.
+
+def kernel_items(starts: jax.Array, ends: jax.Array, tokens: int, rows: int = 128) -> jax.Array:
+    """The block-scaled grouped kernels' work items, on the grid of `rows`-row tiles (their token scale atoms follow
+    it): int32 (max_items, 4) rows (row tile, group, first row, end row).
+
+    One item per (tile, part) pair holding rows of that part (`_parts`: the groups in order, the rows of no group
+    before and after them as group -1); then padding items with first == end (nothing to do). At most
+    `max_kernel_items(tokens, G)` items: each part boundary inside a tile adds one to the tiles of the grid.
     """
-    g_count = starts.shape[0]
-    bound = max_kernel_items(tokens, g_count, rows)
-    s_all = jnp.concatenate([starts, ends[-1:]])  # the rows of no group as a last pseudo-group
-    e_all = jnp.concatenate([ends, jnp.full((1,), tokens, ends.dtype)])
+    bound = max_kernel_items(tokens, starts.shape[0], rows)
+    s_all, e_all, group = _parts(starts, ends, tokens)
     first, item_ends, total = _work_items(s_all, e_all, rows)
     i = jnp.arange(bound, dtype=jnp.int32)
-    g, tile = _item_of(i, first, item_ends)
-    g = jnp.minimum(g, g_count)  # padding items: the last (pseudo-)group, masked below
-    lo = jnp.maximum(s_all[g], tile * rows)
-    hi = jnp.minimum(e_all[g], tile * rows + rows)
+    part, tile = _item_of(i, first, item_ends)
+    part = jnp.minimum(part, s_all.shape[0] - 1)  # padding items: the last part, masked below
+    lo = jnp.maximum(s_all[part], tile * rows)
+    hi = jnp.minimum(e_all[part], tile * rows + rows)
     valid = i < total
     zero = jnp.zeros_like(i)
-    return jnp.stack([jnp.where(valid, tile, zero), jnp.where(g == g_count, -1, g), jnp.where(valid, lo, zero),
+    return jnp.stack([jnp.where(valid, tile, zero), group[part], jnp.where(valid, lo, zero),
                       jnp.where(valid, hi, zero)], axis=-1).astype(jnp.int32)
 
 
@@ -152,32 +163,30 @@ def group_items(starts: jax.Array, ends: jax.Array, tokens: int, rows: int = 128
     """The group-local work items of the kernels whose tokens carry no scale atoms (the bf16 grouped and swap_ab
     kernels): int32 (max_items, 4) rows (0, group, first row, end row).
 
-    Each group's rows cut into tiles of `rows` from the group's own first row, in group order; then the rows of no
-    group, [ends[-1], tokens), likewise as items of group -1; then padding items with first == end. A group boundary
-    inside a tile of the grid costs no second item here, only the group's last tile may be short: about G/2 fewer
-    items than `kernel_items` gives for sizes that are no multiple of `rows`, and never more
-    (`max_kernel_items` bounds both)."""
-    g_count = starts.shape[0]
-    bound = max_kernel_items(tokens, g_count, rows)
-    s_all = jnp.concatenate([starts, ends[-1:]])  # the rows of no group as a last pseudo-group
-    e_all = jnp.concatenate([ends, jnp.full((1,), tokens, ends.dtype)])
+    Each part's rows (`_parts`: the groups in order, the rows of no group before and after them as group -1) cut
+    into tiles of `rows` from the part's own first row; then padding items with first == end. A group boundary
+    inside a tile of the grid costs no second item here, only a part's last tile may be short: about G/2 fewer items
+    than `kernel_items` gives for sizes that are no multiple of `rows`, and never more (`max_kernel_items` bounds
+    both)."""
+    bound = max_kernel_items(tokens, starts.shape[0], rows)
+    s_all, e_all, group = _parts(starts, ends, tokens)
     item_ends = jnp.cumsum(jnp.maximum(-(-(e_all - s_all) // rows), 0))
     i = jnp.arange(bound, dtype=jnp.int32)
-    g = jnp.searchsorted(item_ends, i, side="right", method="compare_all").astype(jnp.int32)
-    g = jnp.minimum(g, g_count)  # padding items: the last (pseudo-)group, masked below
-    item_start = jnp.concatenate([jnp.zeros((1,), item_ends.dtype), item_ends])[g]
-    lo = s_all[g] + (i - item_start) * rows
-    hi = jnp.minimum(lo + rows, e_all[g])
+    part = jnp.searchsorted(item_ends, i, side="right", method="compare_all").astype(jnp.int32)
+    part = jnp.minimum(part, s_all.shape[0] - 1)  # padding items: the last part, masked below
+    item_start = jnp.concatenate([jnp.zeros((1,), item_ends.dtype), item_ends])[part]
+    lo = s_all[part] + (i - item_start) * rows
+    hi = jnp.minimum(lo + rows, e_all[part])
     valid = i < item_ends[-1]
     zero = jnp.zeros_like(i)
-    return jnp.stack([zero, jnp.where(g == g_count, -1, g), jnp.where(valid, lo, zero), jnp.where(valid, hi, zero)],
+    return jnp.stack([zero, group[part], jnp.where(valid, lo, zero), jnp.where(valid, hi, zero)],
                      axis=-1).astype(jnp.int32)
 
 
 def max_kernel_items(tokens: int, groups: int, rows: int = 128) -> int:
     """The static bound on the count of `kernel_items` and of `group_items`: the tiles of the grid plus one per
-    group (the G boundaries after each group, inside a tile or not; each group's short last tile)."""
-    return -(-tokens // rows) + groups
+    part boundary (G + 1 of them, inside a tile or not; for `group_items`, each part's short last tile)."""
+    return -(-tokens // rows) + groups + 1
 
 
 def grouped_rows_dot(x: jax.Array, w: jax.Array, starts: jax.Array, ends: jax.Array,
@@ -380,14 +389,15 @@ def swap_ab_tokens(x: jax.Array) -> jax.Array:
     return jnp.take(x, jnp.asarray(order), axis=-1, unique_indices=True)
 
 
-def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int, swap_ab: bool) -> list:
+def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int, swap_ab: bool,
+                     group_local: bool) -> list:
     """What the grouped kernel reads besides the weights' codes: a (the codes, or for `swap_ab` kernels the tokens
     dequantized to bf16 and permuted by `swap_ab_tokens`, with empty token scales), both scales in the SPEC §3 atom
     layout (sfb over L·G batches; bf16 operands' empty scales as they are) and the work items of each batch
-    (`group_items` for bf16 operands and swap_ab kernels, which start a tile at any row; `kernel_items`, on the
-    128-row grid of the tokens' scale atoms, for the block-scaled kernels)."""
+    (`group_items` for kernels that start a tile at any row, `group_local`; else `kernel_items`, on the 128-row grid
+    of the tokens' scale atoms)."""
     l, g, n, kb = sfb.shape
-    table = group_items if kb == 0 or swap_ab else kernel_items
+    table = group_items if group_local else kernel_items
     items = jax.vmap(lambda s, e: table(s, e, tokens))(starts, ends)
     if kb == 0:
         return [a, sfa, sfb, items]
@@ -407,7 +417,11 @@ def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, 
     a_aval, b_aval, sfa_aval, sfb_aval, starts_aval, ends_aval = ctx.avals_in[:6]
     l, t = a_aval.shape[:2]
     swap_ab = getattr(variants[0], "schedule", "") == ffi_lowering.SWAP_AB
-    prepare = functools.partial(_kernel_operands, tokens=t, sf_vec_size=sf_vec_size, swap_ab=swap_ab)
+    tables = {ffi_lowering.takes_group_items(v) for v in variants}
+    if len(tables) != 1:  # one call passes one table to every object it carries
+        raise ValueError(f"ragged kernels that read different item tables in one call: {[v.key for v in variants]}")
+    prepare = functools.partial(_kernel_operands, tokens=t, sf_vec_size=sf_vec_size, swap_ab=swap_ab,
+                                group_local=tables.pop())
     in_avals = [a_aval, sfa_aval, sfb_aval, starts_aval, ends_aval]
     out_avals = [jax.core.ShapedArray(o.shape, o.dtype) for o in jax.eval_shape(prepare, *in_avals)]
     a_in, sfa_in, sfb_in, items = mlir.lower_fun(prepare, multiple_results=True)(

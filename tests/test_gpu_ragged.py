@@ -187,13 +187,14 @@ class GpuRaggedTest(parameterized.TestCase):
             return (out, *vjp(dy))
 
         f = jax.jit(step)
-        self.assertEqual(f.lower(x, w, dy).as_text().count("custom_call @jbg_quantize_pair("), 3)
+        text = f.lower(x, w, dy).as_text()
+        self.assertEqual(text.count("custom_call @jbg_quantize_pair("), 3)
+        self.assertEqual(text.count("custom_call @jbg_ragged_gemm_amax("), 2)  # forward (bf16) and dgrad (swap_ab)
         ref = mx_ragged_dot_oracle(*(np.asarray(v, np.float32) for v in (x, w)), gs, np.asarray(dy, np.float32),
                                    fwd=r.fwd, dgrad=r.dgrad, wgrad=r.wgrad)
         for name, got in zip(("out", "dx", "dw"), f(x, w, dy)):
             self.assertEqual(got.dtype, jnp.bfloat16, name)
             oracle_ops.assert_rel_close(self, name, got, ref[name], 4e-3)  # bf16 rounding: 1.7e-3; unquantized: 4e-2
-
 
     @parameterized.product(w_major=("k", "n"), c_dtype=("float32", "bfloat16"))
     def test_bf16_operands(self, w_major, c_dtype):
@@ -215,8 +216,8 @@ class GpuRaggedTest(parameterized.TestCase):
 
     def test_bf16_nan_stays_in_its_group(self):
         x, w = random_bf16_grouped(np.random.default_rng(16), t=300, g=3, n=72, k=64)
-        gs = np.array([100, 60, 120], np.int32)  # group 1 shares row tiles with groups 0 and 2
-        x[99, 3] = np.nan  # group 0's last row, in the tile group 1 also computes
+        gs = np.array([100, 60, 120], np.int32)  # group boundaries inside tiles of the 128-row grid
+        x[99, 3] = np.nan  # group 0's last row (its item also computes rows of group 1, and stores none of them)
         x[290, 1] = np.nan  # a row of no group: never read
         w[1, :, 5] = np.nan  # column 5 of group 1's rows
         out, amax = ragged.grouped_dot(x, w, gs, w_major="n", implementation="cutedsl")
@@ -225,6 +226,19 @@ class GpuRaggedTest(parameterized.TestCase):
         self.assertEqual(int(np.isnan(out).sum()), 60 + 72)
         self.assertTrue((out[280:] == 0).all())
         self.assertTrue(np.isnan(float(amax)))
+
+    def test_bf16_amax_of_stored_rows_only(self):
+        """A group's short last tile computes the next group's first rows with its own weight and stores none of
+        them; amax must not see them either: here they would be 2**12 times the largest stored value."""
+        x, w = random_bf16_grouped(np.random.default_rng(17), t=300, g=3, n=72, k=64)
+        gs = np.array([100, 60, 120], np.int32)
+        x[100:160] *= 4096  # group 1's rows, which group 0's item also computes (rows 100-127)
+        w[1] = 0  # group 1 stores zeros
+        out, amax = ragged.grouped_dot(x, w, gs, w_major="n", implementation="cutedsl")
+        ref, ref_amax = grouped_dot_oracle(x, w, gs)
+        oracle_ops.assert_gemm_close(self, out, ref, c_dtype=jnp.dtype(jnp.float32))
+        oracle_ops.assert_amax_close(self, amax, ref_amax)
+        self.assertTrue((np.asarray(out)[100:160] == 0).all())
 
 
 def _contraction_oracle(x, y, gs):

@@ -5,6 +5,7 @@ group sizes, jit.
 """
 
 import os
+import re
 from unittest import mock
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax, when run directly
@@ -65,6 +66,28 @@ class MxRaggedDotTest(parameterized.TestCase):
         oracle_ops.assert_rel_close(self, "dw", dw, ref["dw"], RTOL)
         self.assertTrue((np.asarray(out)[88:] == 0).all() and (np.asarray(dx)[88:] == 0).all())
         self.assertTrue((np.asarray(dw)[[0, 3]] == 0).all(), "empty groups get a zero weight gradient")
+
+    def test_mxfp8_step_lowers_to_the_sm90a_kernels(self):
+        """What a training step on bf16 operands runs on sm_90a (lowered here for CUDA, as on an H200): the weights
+        and wgrad's two token operands quantized by the pair kernel (3 calls), the forward on the bf16 grouped kernel
+        (its values), dgrad on the swap_ab kernel (the weights' codes along N), wgrad on the grouped contraction."""
+        t, g, k, n = 600, 5, 256, 192
+        x, w, dy = (jnp.asarray(v, jnp.bfloat16) for v in _inputs(1, t, g, k, n))
+        gs = jnp.asarray([97, 0, 1, 300, 170], jnp.int32)
+
+        def step(x, w, dy):
+            out, vjp = jax.vjp(lambda x, w: jbg.mx_ragged_dot(x, w, gs, recipe="mxfp8"), x, w)
+            return (out, *vjp(dy))
+
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)):
+            text = jax.jit(step).trace(x, w, dy).lower(lowering_platforms=("cuda",)).as_text()
+        calls = {name: text.count(f"custom_call @{name}(") for name in
+                 ("jbg_quantize_pair", "jbg_ragged_gemm_amax", "jbg_grouped_contraction")}
+        self.assertEqual(calls, {"jbg_quantize_pair": 3, "jbg_ragged_gemm_amax": 2, "jbg_grouped_contraction": 1})
+        ragged_ab = sorted(re.findall(r'custom_call @jbg_ragged_gemm_amax\(.*?ab_dtype = "(\w+)"', text))
+        self.assertEqual(ragged_ab, ["bfloat16", "float8_e4m3fn"])  # the forward's values, dgrad's codes
+        # the swap_ab objects: E4M3 weights, bf16 tokens
+        self.assertTrue('a_dtype = "bfloat16", ab_dtype = "float8_e4m3fn"' in text, "dgrad is not on swap_ab")
 
     def test_wgrad_blocks_follow_groups(self):
         """A spike in group 0 must not set the block scale of group 1's tokens (one shared 32-token block would)."""

@@ -3,13 +3,15 @@ dispatch and the CUDA lowering (the custom call, its operands, when the referenc
 ragged problems catching a wrong result.
 """
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
-from jax_blockgemm import dispatch, ragged, selfcheck
+from jax_blockgemm import dispatch, ffi_lowering, ragged, selfcheck
 from jax_blockgemm.kernels import catalog
 from jax_blockgemm.kernels.sm90 import ragged as ragged_kernel
 
@@ -30,60 +32,95 @@ def _owners(items: np.ndarray, tokens: int) -> np.ndarray:
     return owner
 
 
-def _group_owners(items: np.ndarray, first_rows: np.ndarray, tokens: int) -> np.ndarray:
+def _group_owners(items: np.ndarray, starts: np.ndarray, ends: np.ndarray, tokens: int) -> np.ndarray:
     """`_owners` for a group-local table: asserts that each item spans at most one tile, starts a whole number of
-    tiles past its group's first row (first_rows: each group's, then that of the rows of no group) and never
-    overlaps another."""
+    tiles past the first row of its part (its group's, or for group -1 that of the rows of no group before the first
+    group or after the last) and never overlaps another."""
     owner = np.full(tokens, -2)
     for field, group, lo, hi in items:
         if lo >= hi:
             continue
         rows = ragged_kernel.ITEM_ROWS
-        first = first_rows[group]  # group -1: the rows of no group, last
+        first = starts[group] if group >= 0 else (0 if lo < starts[0] else ends[-1])
         assert field == 0 and 0 <= lo < hi <= min(lo + rows, tokens) and (lo - first) % rows == 0, (group, lo, hi)
         assert (owner[lo:hi] == -2).all(), "items overlap"
         owner[lo:hi] = group
     return owner
 
 
+def _expected_owners(starts: np.ndarray, ends: np.ndarray, tokens: int) -> np.ndarray:
+    owner = np.full(tokens, -1)
+    for group, (s, e) in enumerate(zip(starts, ends)):
+        owner[s:e] = group
+    return owner
+
+
 class KernelItemsTest(parameterized.TestCase):
     """Both item tables: the grid's (`kernel_items`, 128-row tiles of the token grid) and the group-local one
-    (`group_items`, the bf16 grouped kernel's: each group's rows in tiles from its own first row)."""
+    (`group_items`, the bf16 and swap_ab kernels': each group's rows in tiles from its own first row)."""
+
+    def assert_tables(self, starts: np.ndarray, ends: np.ndarray, tokens: int) -> None:
+        """Both tables of these bounds cover every row once with its group (-1: rows of no group, before the first
+        group or past the last), within the bound; the group-local one with one item per started tile of each part
+        and its padding after the items."""
+        shape = (ragged.max_kernel_items(tokens, len(starts)), ragged_kernel.ITEM_FIELDS)
+        expect = _expected_owners(starts, ends, tokens)
+        grid = np.asarray(ragged.kernel_items(jnp.asarray(starts), jnp.asarray(ends), tokens))
+        self.assertEqual(grid.shape, shape)
+        np.testing.assert_array_equal(_owners(grid, tokens), expect)
+        local = np.asarray(ragged.group_items(jnp.asarray(starts), jnp.asarray(ends), tokens))
+        self.assertEqual(local.shape, shape)
+        np.testing.assert_array_equal(_group_owners(local, starts, ends, tokens), expect)
+        used = local[local[:, 2] < local[:, 3]]
+        parts = (starts[0], *(ends - starts), tokens - ends[-1])
+        self.assertEqual(len(used), sum(-(-int(p) // ragged_kernel.ITEM_ROWS) for p in parts),
+                         "one group-local item per started tile of each part")
+        self.assertTrue((local[len(used):, 2] == local[len(used):, 3]).all(), "padding after the items")
 
     @parameterized.parameters((1, 1), (127, 3), (128, 4), (700, 9), (1000, 32), (4096, 256))
     def test_every_row_once_with_its_group(self, tokens, groups):
         rng = np.random.default_rng(tokens + groups)
         cases = [random_group_sizes(rng, tokens, groups, fill=False), random_group_sizes(rng, tokens, groups),
                  np.eye(groups, dtype=np.int32)[groups // 2] * tokens, np.zeros(groups, np.int32)]
-        shape = (ragged.max_kernel_items(tokens, groups), ragged_kernel.ITEM_FIELDS)
         for sizes in cases:
-            starts, ends = ragged.group_bounds(jnp.asarray(sizes, jnp.int32), tokens)
-            expect = np.concatenate([np.repeat(np.arange(groups), sizes),
-                                     np.full(tokens - int(sizes.sum()), -1)])
-            grid = np.asarray(ragged.kernel_items(starts, ends, tokens))
-            self.assertEqual(grid.shape, shape)
-            np.testing.assert_array_equal(_owners(grid, tokens), expect)
-            local = np.asarray(ragged.group_items(starts, ends, tokens))
-            self.assertEqual(local.shape, shape)
-            # the rows of no group start where the groups end
-            owner = _group_owners(local, np.append(np.asarray(starts), int(sizes.sum())), tokens)
-            np.testing.assert_array_equal(owner, expect)
-            used = local[local[:, 2] < local[:, 3]]
-            want_count = sum(-(-int(s) // ragged_kernel.ITEM_ROWS) for s in (*sizes, tokens - int(sizes.sum())))
-            self.assertEqual(len(used), want_count, "one group-local item per started tile of each group")
-            self.assertTrue((local[len(used):, 2] == local[len(used):, 3]).all(), "padding after the items")
+            starts, ends = (np.asarray(x) for x in ragged.group_bounds(jnp.asarray(sizes, jnp.int32), tokens))
+            self.assertEqual(starts[0], 0)
+            self.assertTrue((_expected_owners(starts, ends, tokens) == np.concatenate(
+                [np.repeat(np.arange(groups), sizes), np.full(tokens - int(sizes.sum()), -1)])).all())
+            self.assert_tables(starts, ends, tokens)
+            # a shard of the experts: the last groups' bounds, from their own first row (rows before them: -1)
+            half = groups // 2
+            if half and ends[-1] > starts[half]:
+                self.assert_tables(starts[half:], ends[half:], tokens)
 
     def test_bound_is_reached(self):
-        """Every group boundary, and the end of the groups, inside a row tile: each adds an item to the grid's
-        tiles; the group-local table only cuts each group's tail."""
-        tokens, groups = 300, 5
-        sizes = np.array([1, 128, 128, 2, 1], np.int32)  # boundaries at rows 1, 129, 257, 259, 260
-        bounds = ragged.group_bounds(jnp.asarray(sizes), tokens)
-        items = np.asarray(ragged.kernel_items(*bounds, tokens))
-        self.assertEqual(items.shape[0], ragged.max_kernel_items(tokens, groups))  # 3 tiles + 5
+        """Every part boundary inside a row tile (rows of no group before the first group and after the last, as a
+        shard of the experts sees them): each adds an item to the grid's tiles; the group-local table only cuts
+        each part's tail."""
+        tokens = 300
+        starts = np.array([3, 4, 132, 260, 262], np.int32)  # boundaries at rows 3, 4, 132, 260, 262, 263
+        ends = np.array([4, 132, 260, 262, 263], np.int32)
+        self.assert_tables(starts, ends, tokens)
+        items = np.asarray(ragged.kernel_items(jnp.asarray(starts), jnp.asarray(ends), tokens))
+        self.assertEqual(items.shape[0], ragged.max_kernel_items(tokens, 5))  # 3 tiles + 6
         self.assertTrue((items[:, 2] < items[:, 3]).all(), "every item of the bound is used")
-        local = np.asarray(ragged.group_items(*bounds, tokens))
-        self.assertEqual(int((local[:, 2] < local[:, 3]).sum()), 6)  # five groups of one tile, and 40 rows
+        local = np.asarray(ragged.group_items(jnp.asarray(starts), jnp.asarray(ends), tokens))
+        self.assertEqual(int((local[:, 2] < local[:, 3]).sum()), 7)  # six parts of one tile, 37 rows after
+
+
+class ItemTableChoiceTest(parameterized.TestCase):
+    """Each ragged kernel gets the table it reads: the lowering passes `group_items` where
+    `ffi_lowering.takes_group_items` says so, and the kernel's device code reads entries with `group_item` exactly
+    then (`work_item` otherwise)."""
+
+    @parameterized.named_parameters((v.key, v) for v in catalog.CATALOG if v.op == "ragged")
+    def test_kernel_reads_the_table_it_is_given(self, v):
+        kernel = catalog.make_kernel(v)
+        source = "".join(inspect.getsource(c) for c in type(kernel).__mro__
+                         if c.__module__.startswith("jax_blockgemm.kernels"))
+        local = ffi_lowering.takes_group_items(v)
+        self.assertEqual("group_item(" in source, local)
+        self.assertEqual("work_item(" in source, not local)
 
 
 def _lowered(fmt="mxfp8_e4m3", implementation="cutedsl", t=256, g=4, n=64, k=128, vmap=False, c_dtype=jnp.float32):

@@ -31,7 +31,8 @@ dynamic_shapes[1];}` struct over a flat buffer.
       the grouped GEMM (kernels/sm90/ragged.py, kernels/sm100/ragged.py): a (L, T, K) codes (packed FP4: (L, T, K/2)
       bytes), tokens sorted by group; b (L·G, N, K) likewise, one weight per group; sfa/sfb their scale bytes in the
       SPEC §3 atom layout of (L, T, K) and (L·G, N, K); items int32 (L, max_items, 4) work items (row tile, group or -1,
-      first row, end row), from `ragged.kernel_items`; c (L, T, N); amax L float32 values the handler zeroes first;
+      first row, end row), from `ragged.kernel_items` (the bf16 and swap_ab variants: group-local items, from
+      `ragged.group_items`, whose first field is 0); c (L, T, N); amax L float32 values the handler zeroes first;
       alpha (L,) float32, always passed (ones for the MX formats); t/n/k/l/g/max_items int32, k the logical K. The bf16
       variants (ab_dtype "bfloat16", sf_dtype "none", sf_vec_size 0) take bf16 a and b, b as (L·G, N, K) for b_major "k"
       or (L·G, K, N) for "n", and read neither sfa, sfb nor alpha (empty buffers). The swap_ab variants (schedule

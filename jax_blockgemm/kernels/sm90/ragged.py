@@ -1,12 +1,13 @@
 """Hopper (sm_90a) ragged gemm_amax: the mixture-of-experts product, tokens sorted by group, each group times its own
 weight, in one launch with no host synchronization.
 
-The work is a table of items computed on the device from the group sizes (`ragged.kernel_items`): item i is a
-128-row tile of the token grid, a group, and the rows [first, end) of that tile the group holds. A tile that holds
-rows of two groups is two items, each storing only its own rows (no atomics on C: deterministic). The rows of no
-group, past the sum of the sizes, are items of group -1, whose CTAs store zeros after one k-tile. Items past the
-count have first == end and their CTAs return at once. The kernel clamps every item into range (its rows into its
-row tile and below T, its group below G), so no table can make it read or write outside its buffers.
+The work is a table of items computed on the device from the group bounds. For the block-scaled kernel
+(`ragged.kernel_items`, `work_item`) item i is a 128-row tile of the token grid, a group, and the rows [first, end)
+of that tile the group holds: a tile that holds rows of two groups is two items, each storing only its own rows (no
+atomics on C: deterministic). The rows of no group, before the first group (a shard of the experts) and past the
+last, are items of group -1, whose CTAs store zeros after one k-tile. Items past the count have first == end and
+their CTAs return at once. The kernel clamps every item into range (its rows into its row tile and below T, its
+group below G), so no table can make it read or write outside its buffers.
 
 Each CTA runs one output tile of the gemm_amax mainloop (kernels/sm90/gemm_amax.py: codes x scales dequantized to
 bf16 in shared memory, bf16 wgmma) with B's batch coordinate set to the item's group. The grid is (N tiles, item
@@ -35,7 +36,7 @@ from jax_blockgemm.kernels.sm90.bf16_tile import Bf16TileKernel
 from jax_blockgemm.kernels.sm90.gemm_amax import HopperMxf8GemmAmax
 
 ITEM_ROWS = 128  # rows of the token grid per work item: the CTA tile's M
-ITEM_FIELDS = 4  # (row tile, group or -1, first row, end row) per item, int32
+ITEM_FIELDS = 4  # (row tile or 0 in a group-local table, group or -1, first row, end row) per item, int32
 
 
 def work_item(items: cute.Tensor, batch, item, max_items, t, g):
@@ -121,9 +122,9 @@ class HopperRaggedBf16Gemm(Bf16TileKernel):
 
     The ragged ABI (`HopperRaggedGemmAmax`) with a (L, T, K) and b (L·G, N, K) for b_major "k" or (L·G, K, N) for
     "n" in bf16, and a group-local item table (`group_item`); sfa, sfb and alpha are not read. Per CTA one 128 x 128
-    output tile of one item, from the item's first row: warp 8 streams
-    64-wide k-tiles of A and B by TMA through 3 stages, warps 0-7 (two warpgroups of 64 rows) run bf16 wgmma with
-    fp32 accumulation in the tensor cores and store their rows of the item. 288 threads of at most 112 registers and
+    output tile of one item, from the item's first row: warp 8 streams 64-wide k-tiles of A and B by TMA through 3
+    stages, warps 0-7 (two warpgroups of 64 rows) run bf16 wgmma with fp32 accumulation in the tensor cores and store
+    their rows of the item. 288 threads of at most 112 registers and
     ~97 KB of shared memory: two CTAs per SM.
     """
 

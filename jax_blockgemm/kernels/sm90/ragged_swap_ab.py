@@ -306,10 +306,9 @@ class HopperRaggedSwapAB:
     def epilogue(self, acc: cute.Tensor, storage, c: cute.Tensor, amax: cute.Tensor, t, n, tile_n, batch, rows_lo,
                  rows_hi, wg_idx, tidx):
         """C rows [rows_lo, rows_hi) of the item (its token tile starts at rows_lo), columns of this weight tile
-        below N, from the transposed
-        accumulators: written to shared memory as an fp32 (token, weight row) tile over the drained stages, then
-        each token row stored in 16-byte pieces where N allows (else element by element); amax of what was
-        stored."""
+        below N, from the transposed accumulators: written to shared memory as an fp32 (token, weight row) tile over
+        the drained stages, then each token row stored in 16-byte pieces where N allows (else element by element);
+        amax of what was stored."""
         bt, bw, _ = self.tile_mnk
         mma_threads = self.num_consumer_warps * 32
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=mma_threads)  # stages drained
