@@ -105,8 +105,9 @@ def _work_items(starts: jax.Array, ends: jax.Array, tile: int) -> tuple[jax.Arra
 
 
 def _item_of(i: jax.Array, first: jax.Array, item_ends: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(group, tile) of work items i (`_work_items`' numbering); i at or past the count gives the group past the
-    last. A comparison against every group's offset: no loop, len(i) x G compares."""
+    """(group, tile) of work items i, numbered by `item_ends` (exclusive offsets per group), tile counted from the
+    group's first tile `first`; i at or past the count gives the group past the last. A comparison against every
+    group's offset: no loop, len(i) x G compares."""
     g = jnp.searchsorted(item_ends, i, side="right", method="compare_all").astype(jnp.int32)
     item_start = jnp.concatenate([jnp.zeros((1,), item_ends.dtype), item_ends])[g]  # exclusive offsets
     return g, first[jnp.minimum(g, first.shape[0] - 1)] + i - item_start
@@ -172,10 +173,9 @@ def group_items(starts: jax.Array, ends: jax.Array, tokens: int, rows: int = 128
     s_all, e_all, group = _parts(starts, ends, tokens)
     item_ends = jnp.cumsum(jnp.maximum(-(-(e_all - s_all) // rows), 0))
     i = jnp.arange(bound, dtype=jnp.int32)
-    part = jnp.searchsorted(item_ends, i, side="right", method="compare_all").astype(jnp.int32)
+    part, tile = _item_of(i, jnp.zeros_like(s_all), item_ends)  # tile: the item's index within its part
     part = jnp.minimum(part, s_all.shape[0] - 1)  # padding items: the last part, masked below
-    item_start = jnp.concatenate([jnp.zeros((1,), item_ends.dtype), item_ends])[part]
-    lo = s_all[part] + (i - item_start) * rows
+    lo = s_all[part] + tile * rows
     hi = jnp.minimum(lo + rows, e_all[part])
     valid = i < item_ends[-1]
     zero = jnp.zeros_like(i)

@@ -124,8 +124,7 @@ class HopperRaggedBf16Gemm(Bf16TileKernel):
     "n" in bf16, and a group-local item table (`group_item`); sfa, sfb and alpha are not read. Per CTA one 128 x 128
     output tile of one item, from the item's first row: warp 8 streams 64-wide k-tiles of A and B by TMA through 3
     stages, warps 0-7 (two warpgroups of 64 rows) run bf16 wgmma with fp32 accumulation in the tensor cores and store
-    their rows of the item. 288 threads of at most 112 registers and
-    ~97 KB of shared memory: two CTAs per SM.
+    their rows of the item. 288 threads of at most 112 registers and ~97 KB of shared memory: two CTAs per SM.
     """
 
     def __init__(self, *, c_dtype: str = "float32", b_major: str = "k"):
