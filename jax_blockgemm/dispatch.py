@@ -426,6 +426,26 @@ def dequantize_variants(archs: Sequence[str], shape: Sequence[int], *, scale_axi
     return variants
 
 
+def swap_ab_token_variants(archs: Sequence[str], shape: Sequence[int]) -> tuple:
+    """The dequantize kernels (one per arch in `archs`) that write MXFP8 tokens of `shape` (..., T, K), scales per
+    32 along K, as bf16 in the swap_ab ragged kernel's column order (`ragged.swap_ab_tokens` without its padding),
+    or () when an arch has none, the kernel cannot take the shape or a self-check failed (XLA then does it)."""
+    try:
+        from jax_blockgemm.kernels import catalog
+        from jax_blockgemm.kernels.dequantize import MxDequantize
+    except ImportError:
+        return ()
+    if not MxDequantize.can_implement(math.prod(shape[:-1]), shape[-1], 1, swap_ab_order=True)[0]:
+        return ()
+    variants = tuple(catalog.select_variant(op="dequantize", arch=target, ab_dtype="float8_e4m3fn",
+                                            c_dtype="bfloat16", sf_vec_size=32, tile_mn=catalog.DEQUANTIZE_TILE,
+                                            cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
+                     for target in sorted(archs))
+    if None in variants or _failed_self_checks(variants):
+        return ()
+    return variants
+
+
 def format_key(ab_dtype: str, sf_dtype: str, sf_vec_size: int) -> str:
     """The operand format of a gemm_amax call as the tuning tables name it: "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4",
     "nvfp4" (E2M1 with E4M3 scales), or "e2m1_e8m0_16" for E2M1 with E8M0 scales per 16."""

@@ -390,12 +390,12 @@ def swap_ab_tokens(x: jax.Array) -> jax.Array:
 
 
 def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int, swap_ab: bool,
-                     group_local: bool) -> list:
+                     group_local: bool, tokens_ready: bool = False) -> list:
     """What the grouped kernel reads besides the weights' codes: a (the codes, or for `swap_ab` kernels the tokens
-    dequantized to bf16 and permuted by `swap_ab_tokens`, with empty token scales), both scales in the SPEC §3 atom
-    layout (sfb over L·G batches; bf16 operands' empty scales as they are) and the work items of each batch
-    (`group_items` for kernels that start a tile at any row, `group_local`; else `kernel_items`, on the 128-row grid
-    of the tokens' scale atoms)."""
+    dequantized to bf16 and permuted by `swap_ab_tokens`, with empty token scales; `tokens_ready`: a is that already,
+    the dequantize kernel's output), both scales in the SPEC §3 atom layout (sfb over L·G batches; bf16 operands'
+    empty scales as they are) and the work items of each batch (`group_items` for kernels that start a tile at any
+    row, `group_local`; else `kernel_items`, on the 128-row grid of the tokens' scale atoms)."""
     l, g, n, kb = sfb.shape
     table = group_items if group_local else kernel_items
     items = jax.vmap(lambda s, e: table(s, e, tokens))(starts, ends)
@@ -403,16 +403,18 @@ def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int
         return [a, sfa, sfb, items]
     sfb_atom = formats.to_scale_atom(sfb.reshape(l * g, n, kb))
     if swap_ab:
-        tokens16 = reference.dequantize_bf16(a, sfa, block=sf_vec_size, axis=2)
-        return [swap_ab_tokens(tokens16), jnp.zeros((l, 0), jnp.uint8), sfb_atom, items]
+        if not tokens_ready:
+            a = swap_ab_tokens(reference.dequantize_bf16(a, sfa, block=sf_vec_size, axis=2))
+        return [a, jnp.zeros((l, 0), jnp.uint8), sfb_atom, items]
     return [a, formats.to_scale_atom(sfa), sfb_atom, items]
 
 
 def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, sf_vec_size, **_):
-    """The call through the grouped kernel `variants` (jbg_ragged_gemm_amax): scales to atoms (for swap_ab kernels
-    the tokens to bf16) and the item table in XLA (a few fusions, no host synchronization), then one launch; alpha is
-    the call's, else ones."""
-    from jax_blockgemm import ffi_lowering
+    """The call through the grouped kernel `variants` (jbg_ragged_gemm_amax): scales to atoms and the item table in
+    XLA (a few fusions, no host synchronization), then one launch; alpha is the call's, else ones. For swap_ab kernels
+    the tokens become bf16 in the kernel's column order: by the dequantize kernel where K needs no padding and one
+    applies (`dispatch.swap_ab_token_variants`; one pass at memory speed), else in XLA (`swap_ab_tokens`)."""
+    from jax_blockgemm import dispatch, ffi_lowering
 
     a_aval, b_aval, sfa_aval, sfb_aval, starts_aval, ends_aval = ctx.avals_in[:6]
     l, t = a_aval.shape[:2]
@@ -420,8 +422,15 @@ def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, 
     tables = {ffi_lowering.takes_group_items(v) for v in variants}
     if len(tables) != 1:  # one call passes one table to every object it carries
         raise ValueError(f"ragged kernels that read different item tables in one call: {[v.key for v in variants]}")
+    token_kernels = ()
+    if swap_ab and a_aval.shape[-1] % SWAP_AB_K_PAD == 0:
+        token_kernels = dispatch.swap_ab_token_variants({v.arch for v in variants}, a_aval.shape)
+    if token_kernels:
+        (a,) = ffi_lowering.emit_dequantize(ctx, [(a, sfa)], avals=[(a_aval, sfa_aval)], variants=token_kernels,
+                                            scale_axis=-1)
+        a_aval = a_aval.update(dtype=np.dtype(jnp.bfloat16))
     prepare = functools.partial(_kernel_operands, tokens=t, sf_vec_size=sf_vec_size, swap_ab=swap_ab,
-                                group_local=tables.pop())
+                                group_local=tables.pop(), tokens_ready=bool(token_kernels))
     in_avals = [a_aval, sfa_aval, sfb_aval, starts_aval, ends_aval]
     out_avals = [jax.core.ShapedArray(o.shape, o.dtype) for o in jax.eval_shape(prepare, *in_avals)]
     a_in, sfa_in, sfb_in, items = mlir.lower_fun(prepare, multiple_results=True)(

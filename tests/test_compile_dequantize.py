@@ -1,5 +1,6 @@
-"""CPU: the MXFP8 -> bf16 kernel of the MXFP8 proj_rope path, compiled for sm_90a and sm_100a (about 0.2 s each, so
-every variant in the default tier): two operands per launch, the bulk-copy path where operand 0's scales run along
+"""CPU: the MXFP8 -> bf16 kernel of the MXFP8 proj_rope path (and, in the swap_ab column order, of the swap_ab ragged
+kernel's tokens), compiled for sm_90a and sm_100a (about 0.2 s each, so every variant in the default tier): two
+operands per launch, the bulk-copy path where operand 0's scales run along
 the rows and the per-thread 16-byte path where they run along the columns, the hardware FP8 converter, no local
 memory, programmatic dependent launch."""
 
@@ -29,7 +30,10 @@ class DequantizeCompileTest(parameterized.TestCase):
             self.assertEqual(count(r"cp\.async\.bulk\.wait_group\.read\s+0;"), 2)
             runs = 2 * dq.STAGES * dq.RUNS
             self.assertEqual(count(r"ld\.shared\.v2\.b32"), runs)  # a run's 8 codes
-            self.assertEqual(count(r"st\.shared\.v4\.b32"), runs)  # its 8 bf16 values
+            if v.schedule == catalog.SWAP_AB:  # its 4 bf16 pairs, each to its column in the swap_ab order
+                self.assertEqual((count(r"st\.shared\.v4\.b32"), count(r"st\.shared\.b32")), (0, 4 * runs))
+            else:  # its 8 bf16 values
+                self.assertEqual(count(r"st\.shared\.v4\.b32"), runs)
             self.assertEqual(count(r"ld\.global\.[vb]"), runs)  # its scale byte, one per run
             self.assertEqual(count(r"ld\.global\.u8|ld\.global\.b8"), runs)
             self.assertEqual(count(r"st\.global"), 0)

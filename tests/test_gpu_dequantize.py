@@ -1,5 +1,6 @@
 """GPU: the MXFP8 -> bf16 dequantize kernel (kernels/dequantize.py) through its FFI call, one operand or two per
-launch, bit for bit against a float64 oracle, and inside the MXFP8 proj_rope path.
+launch, bit for bit against a float64 oracle, in the swap_ab ragged kernel's column order, and inside the MXFP8
+proj_rope path.
 
 Skipped without a CUDA device that has a kernel (CI has none). The handler poisons the output before each launch
 (JAX_BLOCKGEMM_POISON_OUTPUTS=1, set below: every byte 0xFF, a bf16 NaN), so an element the kernel leaves unwritten
@@ -19,7 +20,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
 import jax_blockgemm as jbg
-from jax_blockgemm import arch, dispatch, ffi_lowering
+from jax_blockgemm import arch, dispatch, ffi_lowering, ragged
 
 import oracle
 import oracle_ops
@@ -46,6 +47,26 @@ def _cuda_lowering(ctx, *operands, scale_axis):
 
 
 mlir.register_lowering(_dequantize_p, _cuda_lowering, platform="cuda")
+
+_swap_ab_p = jex_core.Primitive("jbg_test_dequantize_swap_ab_order")
+
+
+@_swap_ab_p.def_abstract_eval
+def _swap_ab_abstract_eval(codes, scales):
+    return jax.core.ShapedArray(codes.shape, jnp.bfloat16)
+
+
+def _swap_ab_lowering(ctx, codes, scales):
+    """One jbg_dequantize_mxfp8 call through the swap_ab order's object (`dispatch.swap_ab_token_variants`)."""
+    archs = {arch.target_of(cc) for cc in dispatch.local_cuda_capabilities()}
+    variants = dispatch.swap_ab_token_variants(archs, ctx.avals_in[0].shape)
+    if not variants:
+        raise ValueError(f"no swap_ab dequantize kernel for {ctx.avals_in}")
+    return ffi_lowering.emit_dequantize(ctx, [(codes, scales)], avals=[tuple(ctx.avals_in)], variants=variants,
+                                        scale_axis=-1)
+
+
+mlir.register_lowering(_swap_ab_p, _swap_ab_lowering, platform="cuda")
 
 
 def _has_kernel_gpu() -> bool:
@@ -120,6 +141,20 @@ class GpuDequantizeTest(parameterized.TestCase):
         self.assertTrue(np.isinf(want.astype(np.float32)).any())  # the grid reaches past bf16's range...
         tiny = np.abs(want.astype(np.float32))
         self.assertTrue(((tiny > 0) & (tiny < 2.0**-126)).any())  # ...and into its subnormals
+
+    @parameterized.parameters((1, 333, 512), (2, 70, 7168), (1, 1, 256))
+    def test_swap_ab_order(self, l, t, k):
+        """The swap_ab ragged kernel's tokens: the oracle's bf16 values, every 64 columns in
+        `ragged.swap_ab_column_order`, bit for bit; all 256 codes and the scale bytes 0, 1, 254 and 255 among them;
+        the output poisoned first."""
+        rng = np.random.default_rng(t + k)
+        codes, scales = _random(rng, (l, t, k), -1)
+        codes.reshape(-1)[:256] = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+        scales.reshape(-1)[:4] = (0, 1, 254, 255)
+        got = np.asarray(jax.jit(_swap_ab_p.bind)(jnp.asarray(codes), jnp.asarray(scales)))
+        want = np.asarray(ragged.swap_ab_tokens(jnp.asarray(_oracle(codes, scales, -1))))
+        self.assertEqual(want.shape, got.shape)  # K a multiple of 256: no padding
+        _assert_same_bits(self, got, want)
 
     @parameterized.parameters(True, False)
     def test_mxfp8_proj_rope_equals_the_bf16_path_on_the_same_values(self, w_out_in):

@@ -91,6 +91,30 @@ class GpuRaggedTest(parameterized.TestCase):
         self._check(d, gs, c, amax, c_dtype=c_dtype)
         self.assertTrue(np.isnan(np.asarray(c, np.float32)[90:240, 7]).all())
 
+    @parameterized.parameters("float32", "bfloat16")
+    def test_swap_ab_tokens_by_the_dequantize_kernel(self, c_dtype):
+        """K a multiple of 256: the tokens reach the swap_ab kernel through the dequantize kernel (its swap_ab column
+        order), not XLA's gather. A NaN token code (its row NaN in every column), a token block with scale byte 0
+        (2^-127: products far below the others, kept), rows of no group; against the float64 oracle."""
+        rng = np.random.default_rng(18)
+        t, g, n, k = 333, 4, 200, 512
+        d = random_ragged_inputs(rng, t=t, g=g, n=n, k=k, fmt="mxfp8_e4m3")
+        d["a"] = np.asarray(d["a"]).copy()
+        d["a"][100, 300] = np.nan
+        d["sfa"] = np.asarray(d["sfa"]).copy()
+        d["sfa"][7, 2] = 0
+        gs = np.array([120, 0, 151, 40], np.int32)
+        f = jax.jit(lambda gs: _call(d, gs, c_dtype=c_dtype, implementation="cutedsl"))
+        self.assertEqual(f.lower(gs).as_text().count("custom_call @jbg_dequantize_mxfp8("), 1)
+        c, amax = f(gs)
+        c32 = np.asarray(c, np.float32)
+        self.assertTrue(np.isnan(c32[100]).all())
+        self.assertTrue(np.isnan(float(amax)))
+        rows = np.r_[0:100, 101:t]  # the oracle's check on every other row (amax is NaN)
+        ref, _ = ragged_oracle_of(d, gs)
+        oracle_ops.assert_gemm_close(self, np.asarray(c)[rows], np.asarray(ref)[rows], c_dtype=c_dtype)
+        self.assertTrue(np.all(c32[int(np.sum(gs)):] == 0), "rows past the groups")
+
     @parameterized.parameters("float16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
     def test_narrow_c(self, c_dtype):
         rng = np.random.default_rng(11)

@@ -74,6 +74,21 @@ class TokenOrderTest(absltest.TestCase):
                         for s in range(4):
                             self.assertEqual(order[16 * s + k16], 16 * c + 4 * s + 2 * h + j, (t, j, r, h, s))
 
+    def test_dequantize_kernel_writes_the_same_order(self):
+        """The dequantize kernel's swap_ab order (kernels/dequantize.py): the run of 8 codes at column 8·run of a
+        64-column tile stores its bf16 pair q (codes 2q, 2q + 1) at `swap_ab_pair_column(run, q)`; every output column
+        must then hold the code `swap_ab_column_order` names, each column written once."""
+        from jax_blockgemm.kernels import dequantize
+
+        order = ragged.swap_ab_column_order()
+        written = {}
+        for run in range(dequantize.SWAP_AB_TILE // dequantize.RUN):
+            for q in range(dequantize.RUN // 2):
+                for j in range(2):
+                    written[dequantize.swap_ab_pair_column(run, q) + j] = dequantize.RUN * run + 2 * q + j
+        self.assertEqual(sorted(written), list(range(64)))
+        self.assertEqual([written[c] for c in range(64)], order.tolist())
+
     def test_tokens_padded_and_permuted(self):
         """swap_ab_tokens: K rounded up to 256 with zeros, every 64 columns in `swap_ab_column_order`, and a dot
         product with weights permuted the same way unchanged."""
@@ -202,8 +217,9 @@ class DispatchTest(absltest.TestCase):
 
     def test_catalog(self):
         swapped = [v for v in catalog.CATALOG if v.schedule == catalog.SWAP_AB]
-        self.assertEqual(sorted((v.arch, v.ab_dtype, v.c_dtype) for v in swapped),
-                         [("sm_90a", E4M3, BF16), ("sm_90a", E4M3, F32)])
+        self.assertEqual(sorted((v.op, v.arch, v.ab_dtype, v.c_dtype) for v in swapped),
+                         [("dequantize", "sm_90a", E4M3, BF16), ("ragged", "sm_90a", E4M3, BF16),
+                          ("ragged", "sm_90a", E4M3, F32)])
 
     def test_lowered_call(self):
         """The custom call takes bf16 tokens of K rounded up to 256 (a fusion of the dequantization and the gather
@@ -217,6 +233,31 @@ class DispatchTest(absltest.TestCase):
         self.assertRegex(call, r"\(tensor<1x300x256xbf16>, tensor<1x5x72x160xf8E4M3FN>, tensor<1x0xui8>, "
                                r"tensor<5x1x2x32x4x4xui8>")
         self.assertRegex(call, r"swap_ab")
+        self.assertNotIn("jbg_dequantize_mxfp8", text)  # K = 160 needs padding: XLA's gather pads it
+
+    def test_lowered_call_with_the_dequantize_kernel(self):
+        """K a multiple of 256: the tokens become bf16 in the kernel's column order by one dequantize launch (its
+        swap_ab object) that feeds the ragged call directly, with no gather of tokens; where that kernel's self-check
+        failed, XLA's dequantization and gather instead."""
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
+                mock.patch.object(gate, "ensure_verified", side_effect=_verdict(True)):
+            text = lowering_cases._lowered(t=300, g=5, n=72, k=512)
+            # both swap_ab objects unverified, the ragged kernel's self-check passing and the dequantize one's not
+            only_ragged = lambda v: _verdict(v.op == "ragged")(v)
+            with arch.overridden("9.0", unverified_schedules=(catalog.SWAP_AB,)), \
+                    mock.patch.object(gate, "ensure_verified", side_effect=only_ragged):
+                fallback = lowering_cases._lowered(t=300, g=5, n=72, k=512)
+        (dequant,) = [line for line in text.splitlines() if "@jbg_dequantize_mxfp8" in line]
+        self.assertTrue('function_prefixes = "jbg_dequantize_sm_90a_e4m3_bf16_sf32_t1x16_c1x1_swap_ab"' in dequant,
+                        "the call carries the swap_ab dequantize object only")
+        signature = "(tensor<1x300x512xf8E4M3FN>, tensor<1x300x16xui8>) -> tensor<1x300x512xbf16>"
+        self.assertTrue(dequant.endswith(signature), dequant[-200:])
+        call = next(line for line in text.splitlines() if "@jbg_ragged_gemm_amax" in line)
+        self.assertTrue("(tensor<1x300x512xbf16>, tensor<1x5x72x512xf8E4M3FN>, tensor<1x0xui8>" in call, call[-300:])
+        token_gathers = lambda program: [line for line in program.splitlines() if "gather" in line and "bf16" in line]
+        self.assertEqual(token_gathers(text), [])  # (the item tables' small int32 gathers stay)
+        self.assertNotIn("jbg_dequantize_mxfp8", fallback)
+        self.assertEqual(len(token_gathers(fallback)), 1)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ dynamic_shapes[1];}` struct over a flat buffer.
     dequantize: fn(codes, scales, out, rows, cols, codes1, scales1, out1, rows1, cols1, stream)
       two operands in one launch: codes (rows, cols) E4M3; out (rows, cols) bf16; scales E8M0 bytes (rows, cols/32)
       for a_major "k" (blocks along the row), (rows/32, cols) for "m" (blocks along the column); operand 1 always
-      has its blocks along the row, and rows1 = 0 when there is none; sizes int32 (kernels/dequantize.py).
+      has its blocks along the row, and rows1 = 0 when there is none; sizes int32 (kernels/dequantize.py). The
+      SWAP_AB variant writes every 64 columns of out in the swap_ab ragged kernel's token order.
     weight_stream: fn(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom, stream)
       the decode GEMM (kernels/weight_stream.py): x bf16 (L, M, K) with M at most tile_mn[1]; w codes (L, N, K), or
       packed FP4 (L, N, K/2) uint8; sw the weight's scale bytes, compact (L, N, ceil(K/v)) for sf_atom = 0 or the
@@ -95,7 +96,7 @@ class KernelVariant:
     b_major: str = "k"  # "n": B (proj_rope's w, gemm_amax's b) is read MN-major
     a_major: str = "k"  # "m": gemm_amax's A is read MN-major
     # "" for every kernel but sm_90a proj_rope's, whose persistent kernel with an epilogue warpgroup is "staged",
-    # and the sm_90a ragged kernels that convert only the weights (SWAP_AB)
+    # the sm_90a ragged kernels that convert only the weights (SWAP_AB), and the dequantize kernel of their tokens
     schedule: str = ""
 
     @property
@@ -164,7 +165,7 @@ def _blackwell_proj_rope_factory(v: KernelVariant) -> Any:
 def _dequantize_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.dequantize import MxDequantize
 
-    return MxDequantize(scale_axis=1 if v.a_major == "k" else 0)
+    return MxDequantize(scale_axis=1 if v.a_major == "k" else 0, swap_ab_order=v.schedule == SWAP_AB)
 
 
 def _ragged_factory(v: KernelVariant) -> Any:
@@ -286,6 +287,9 @@ CATALOG: tuple[KernelVariant, ...] = (
     + tuple(KernelVariant(op="dequantize", arch=arch, ab_dtype="float8_e4m3fn", c_dtype="bfloat16",
                           tile_mn=DEQUANTIZE_TILE, a_major=a_major)
             for arch in ("sm_90a", "sm_100a") for a_major in ("k", "m"))
+    # ... and the tokens of the sm_90a swap_ab ragged kernel below: dequantized and written in its column order
+    + (KernelVariant(op="dequantize", arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype="bfloat16",
+                     tile_mn=DEQUANTIZE_TILE, schedule=SWAP_AB),)
     # The decode GEMM (weight_stream): bf16 activations, few rows, against a block-scaled weight read once. One
     # design for both targets; the sm_100a objects are compiled here and gated by the first-use self-check.
     + tuple(KernelVariant(op="weight_stream", arch=arch, ab_dtype=w, c_dtype=c, sf_vec_size=v, sf_dtype=sf,

@@ -16,6 +16,14 @@ the sm_100a objects are compiled, never run):
   global memory (one 16-byte load of codes and one of their 16 column scales, two 16-byte stores): 32.1 us for w as
   (K, N), where the bulk path's per-run scale loads made it slower (34.1). Operand 1 then takes the same path.
 
+The bulk path has a second output order, for the tokens of the ragged swap_ab kernel (`swap_ab_order`,
+kernels/sm90/ragged_swap_ab.py): within every 64 columns, column 16s + 8h + 2c + j of the output holds code
+16c + 4s + 2h + j (`ragged.swap_ab_column_order`), the order in which that kernel's threads hold the weights' codes.
+A run of 8 codes is 4 bf16 pairs, each stored to its own place in the shared-memory chunk (`swap_ab_pair_column`),
+so the bulk store still writes whole chunks; the chunks start on 64-column tiles, and with the operand's columns a
+multiple of 64 every tile lies in one row. It replaces XLA's dequantization with a gather, which was slower
+(docs/design/moe.md).
+
 Both paths launch with programmatic dependent launch: every thread first waits for the previous grid, and the CTAs
 signal at once that the next grid (the proj_rope kernel) may launch, so its prologue overlaps this kernel's tail.
 
@@ -33,7 +41,7 @@ import cutlass
 import cutlass.cute as cute
 
 from jax_blockgemm.kernels import common
-from jax_blockgemm.kernels.ptx_ops import bulk_load, bulk_store
+from jax_blockgemm.kernels.ptx_ops import bulk_load, bulk_store, st_shared_u32
 from jax_blockgemm.support import MX_BLOCK
 
 THREADS = 256
@@ -46,6 +54,16 @@ STAGES = 2  # chunks per CTA, all in flight at once
 UNIT = CHUNK * STAGES  # codes per CTA
 # per-thread path (scales along the columns)
 THREAD_RUN = 16  # codes per thread: one 16-byte load
+SWAP_AB_TILE = 64  # the columns the swap_ab output order permutes among
+
+
+def swap_ab_pair_column(run, pair: int):
+    """The output column (within its 64-column tile) of bf16 pair `pair` (codes 2·pair, 2·pair + 1) of the run of
+    RUN codes that starts at column 8·run of the tile, in the swap_ab order: codes 16c + 8x + e (run = 2c + x) are
+    16c + 4s + 2h + j with s = 2x + e // 4, h = e // 2 % 2, j = e % 2, and go to column 16s + 8h + 2c + j. Plain
+    arithmetic: `run` may be a traced Int32."""
+    c, x = run // 2, run % 2
+    return 32 * x + 16 * (pair // 2) + 8 * (pair % 2) + 2 * c
 
 
 @cute.jit
@@ -71,27 +89,35 @@ def _scaled_bf16(codes: cute.Tensor, factors, dst: cute.Tensor, per_element: cut
 
 class MxDequantize:
     """codes·2^(scale-127) as bfloat16 for up to two MXFP8 E4M3 operands in one launch; operand 0 has its scales per
-    32 along `scale_axis`, operand 1 along its rows."""
+    32 along `scale_axis`, operand 1 along its rows. `swap_ab_order` (scales along the rows only): every 64 columns
+    written in the swap_ab kernel's token order."""
 
     # What the structural report reads of every kernel (kernels/structure.py): no MMA, no tensor memory.
     threads_per_cta = THREADS
     tmem_columns_used = tmem_columns_allocated = 0
 
-    def __init__(self, *, scale_axis: int = 1):
+    def __init__(self, *, scale_axis: int = 1, swap_ab_order: bool = False):
         common.require_choice("scale_axis", scale_axis, SCALE_AXES)
+        if swap_ab_order and scale_axis != 1:
+            raise ValueError("swap_ab_order takes scales along the rows (scale_axis 1)")
         self.scale_axis = scale_axis
+        self.swap_ab_order = swap_ab_order
         self.bulk = scale_axis == 1
         self.per_cta = UNIT if self.bulk else THREADS * THREAD_RUN
         self.ab_dtype = cutlass.Float8E4M3FN
         self.smem_bytes = 0  # dynamic shared memory per CTA, set when traced (the bulk path's stage buffers)
 
     @staticmethod
-    def can_implement(rows: int, cols: int, scale_axis: int) -> tuple[bool, str]:
-        """Whether the kernel takes a (rows, cols) operand with scales along `scale_axis`, and why not."""
+    def can_implement(rows: int, cols: int, scale_axis: int, swap_ab_order: bool = False) -> tuple[bool, str]:
+        """Whether the kernel takes a (rows, cols) operand with scales along `scale_axis` (in the swap_ab order:
+        `swap_ab_order`), and why not."""
         if min(rows, cols) < 1:
             return False, f"rows and cols must be >= 1, got {rows} x {cols}"
         if cols % MX_BLOCK:
             return False, f"cols must be a multiple of {MX_BLOCK}, got {cols}"
+        if swap_ab_order and (scale_axis != 1 or cols % SWAP_AB_TILE):
+            return False, (f"the swap_ab order takes scales along the rows and cols a multiple of {SWAP_AB_TILE}, "
+                           f"got scale_axis {scale_axis}, cols {cols}")
         if scale_axis == 0 and rows % MX_BLOCK:
             return False, f"rows must be a multiple of {MX_BLOCK} (scales along rows), got {rows}"
         if rows * cols >= 2**31:
@@ -182,9 +208,16 @@ class MxDequantize:
                         cute.autovec_copy(cute.make_tensor(sp, src.layout), src)
                         dst = cute.make_rmem_tensor((RUN,), cutlass.BFloat16)
                         _scaled_bf16(src, factors[s * RUNS + r], dst, False)
-                        dp = cute.make_ptr(cutlass.BFloat16, dst0 + 2 * (s * CHUNK + at), cute.AddressSpace.smem,
-                                           assumed_align=2 * RUN)
-                        cute.autovec_copy(dst, cute.make_tensor(dp, dst.layout))
+                        if cutlass.const_expr(self.swap_ab_order):  # run tidx % 8 of a 64-column tile
+                            run = tidx % (SWAP_AB_TILE // RUN)
+                            tile_at = dst0 + 2 * (s * CHUNK + at - RUN * run)
+                            pairs = cute.recast_tensor(dst, cutlass.Int32)
+                            for q in cutlass.range_constexpr(RUN // 2):
+                                st_shared_u32(tile_at + 2 * swap_ab_pair_column(run, q), pairs[q])
+                        else:
+                            dp = cute.make_ptr(cutlass.BFloat16, dst0 + 2 * (s * CHUNK + at),
+                                               cute.AddressSpace.smem, assumed_align=2 * RUN)
+                            cute.autovec_copy(dst, cute.make_tensor(dp, dst.layout))
                 cute.arch.fence_proxy("async.shared", space="cta")  # the converted chunk, visible to the bulk copy
                 cute.arch.sync_threads()
                 if tidx == 0:
