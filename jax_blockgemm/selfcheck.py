@@ -591,6 +591,9 @@ def run_proj_rope_problems(variant: Any, device: Any, *, run_kernel: Callable = 
 # (rows, cols, scale axis of operand 0, paired second operand (rows, cols) or None): scales along rows and along
 # columns, a lone operand and a pair in one launch, sizes that leave partial CTAs.
 DEQUANTIZE_PROBLEMS = ((96, 224, -1, (64, 160)), (160, 96, -2, (32, 96)), (1000, 64, -1, None))
+# The swap_ab order's object (the swap_ab ragged kernel's tokens) takes columns in whole 64-column tiles: a pair with
+# partial CTAs, and one tile alone.
+SWAP_AB_DEQUANTIZE_PROBLEMS = ((200, 512, -1, (40, 192)), (3, 64, -1, None))
 
 
 def _dequantize_p():
@@ -626,12 +629,19 @@ def _dequantize_operands(rows: int, cols: int, scale_axis: int, rng: np.random.G
     return codes, rng.integers(100, 155, shape, dtype=np.uint8)  # 2^-27 .. 2^27, exact in bf16
 
 
-def _dequantize_expected(codes: np.ndarray, scales: np.ndarray, scale_axis: int) -> np.ndarray:
-    """code x 2^(byte - 127), exact in float64, rounded once to bf16 (exact here: the scales keep it normal)."""
+def _dequantize_expected(codes: np.ndarray, scales: np.ndarray, scale_axis: int, swap_ab: bool) -> np.ndarray:
+    """code x 2^(byte - 127), exact in float64, rounded once to bf16 (exact here: the scales keep it normal); with
+    `swap_ab`, every 64 columns in the swap_ab ragged kernel's order (`ragged.swap_ab_column_order`)."""
     import ml_dtypes
 
     factor = np.repeat(np.exp2(scales.astype(np.float64) - 127), 32, axis=scale_axis)
-    return (codes.astype(np.float64) * factor).astype(ml_dtypes.bfloat16)
+    values = (codes.astype(np.float64) * factor).astype(ml_dtypes.bfloat16)
+    if not swap_ab:
+        return values
+    from jax_blockgemm import ragged
+
+    cols = np.arange(values.shape[-1])
+    return values[:, cols - cols % 64 + ragged.swap_ab_column_order()[cols % 64]]
 
 
 def run_dequantize_problems(variant: Any, device: Any) -> str:
@@ -639,10 +649,13 @@ def run_dequantize_problems(variant: Any, device: Any) -> str:
     Outputs are poisoned (NaN) before each launch."""
     import jax
 
+    from jax_blockgemm.kernels import catalog
+
     global _DEQUANTIZE_P
     _DEQUANTIZE_P = _DEQUANTIZE_P or _dequantize_p()
     scale_axis = -1 if variant.a_major == "k" else -2
-    for i, (rows, cols, _, paired) in enumerate(DEQUANTIZE_PROBLEMS):
+    swap_ab = variant.schedule == catalog.SWAP_AB  # both operands written in the swap_ab order
+    for i, (rows, cols, _, paired) in enumerate(SWAP_AB_DEQUANTIZE_PROBLEMS if swap_ab else DEQUANTIZE_PROBLEMS):
         problem = (rows, cols, scale_axis, paired)
         if scale_axis == -2 and rows % 32:
             continue  # scales along rows need whole 32-row blocks
@@ -658,7 +671,7 @@ def run_dequantize_problems(variant: Any, device: Any) -> str:
         except Exception as e:  # noqa: BLE001 -- a kernel that cannot launch is a failed check
             return f"(rows, cols, axis, paired) = {problem}: raised {type(e).__name__}: {e}"
         for j, ((codes, scales), got) in enumerate(zip(operands, outs)):
-            want = _dequantize_expected(codes, scales, scale_axis if j == 0 else -1)
+            want = _dequantize_expected(codes, scales, scale_axis if j == 0 else -1, swap_ab)
             bad = got.view(np.uint16) != want.view(np.uint16)
             if bad.any():
                 where = tuple(int(x) for x in np.argwhere(bad)[0])
