@@ -1,7 +1,8 @@
 """MLIR lowering of the operations to their XLA FFI custom calls (`jbg_gemm_amax`, `jbg_gemm_proj_rope_mxfp8`,
-`jbg_dequantize_mxfp8`, the MXFP8 proj_rope path's input pass, `jbg_weight_stream`, the decode kernel,
-`jbg_ragged_gemm_amax`, the mixture-of-experts kernel, `jbg_grouped_contraction`, its weight gradient, and
-`jbg_quantize_pair`, its weights quantized both ways in one pass; typed FFI, api_version 4).
+`jbg_dequantize_mxfp8`, the input pass of the MXFP8 proj_rope path and of the swap_ab ragged kernel's tokens,
+`jbg_weight_stream`, the decode kernel, `jbg_ragged_gemm_amax`, the mixture-of-experts kernel,
+`jbg_grouped_contraction`, its weight gradient, and `jbg_quantize_pair`, its weights quantized both ways in one pass;
+typed FFI, api_version 4).
 
 The custom call carries one kernel object per architecture, so a program lowered or `jax.export`-ed on any
 machine (no GPU needed) runs on every GPU the objects cover; the handler picks by compute capability when XLA

@@ -587,7 +587,7 @@ def run_proj_rope_problems(variant: Any, device: Any, *, run_kernel: Callable = 
     return ""
 
 
-# --- dequantize (MXFP8 -> bf16, the MXFP8 proj_rope path's first launch) -------------------------------------
+# --- dequantize (MXFP8 -> bf16: the MXFP8 proj_rope path's first launch, the swap_ab ragged kernel's tokens) ---
 # (rows, cols, scale axis of operand 0, paired second operand (rows, cols) or None): scales along rows and along
 # columns, a lone operand and a pair in one launch, sizes that leave partial CTAs.
 DEQUANTIZE_PROBLEMS = ((96, 224, -1, (64, 160)), (160, 96, -2, (32, 96)), (1000, 64, -1, None))

@@ -1,5 +1,6 @@
 """MXFP8 codes times E8M0 block scales as bfloat16, on any GPU architecture (no MMA): the input pass of the MXFP8
-proj_rope path, whose kernels (sm_90a, sm_100a) multiply bf16 operands. One launch converts two operands (w and x).
+proj_rope path, whose kernels (sm_90a, sm_100a) multiply bf16 operands, and (in its column order) of the swap_ab ragged
+kernel's tokens. One launch converts two operands (w and x).
 
 The values are the reference's, bit for bit (SPEC §6): code -> float32 (exact, through the hardware E4M3x2 -> f16x2
 converter), times the float32 scale 2^(b-127) (exact but for results below float32's normal range, rounded the same
