@@ -404,45 +404,28 @@ def quantize_pair_kernels(avals_in: Sequence[Any], *, row_format: str, col_forma
 
 
 def dequantize_variants(archs: Sequence[str], shape: Sequence[int], *, scale_axis: int,
-                        paired_shape: Sequence[int] | None = None) -> tuple:
+                        paired_shape: Sequence[int] | None = None, swap_ab_order: bool = False) -> tuple:
     """The dequantize kernels (one per arch in `archs`) for MXFP8 codes of `shape` with scales per 32 along
     `scale_axis` (-1 or -2), and with `paired_shape` a second operand (scales along its last axis) in the same
-    launch; or () when an arch has none or the kernel cannot take a shape (the caller then lets XLA dequantize).
-    Used on the MXFP8 proj_rope path, whose kernels multiply bf16."""
+    launch; or () when an arch has none, the kernel cannot take a shape or a self-check failed (the caller then lets
+    XLA dequantize). Used on the MXFP8 proj_rope path, whose kernels multiply bf16, and with `swap_ab_order` for the
+    swap_ab ragged kernel's tokens (scales along K, every 64 columns in its order: `ragged.swap_ab_tokens` without the
+    padding)."""
     try:
         from jax_blockgemm.kernels import catalog
         from jax_blockgemm.kernels.dequantize import MxDequantize
     except ImportError:
         return ()
     operands = [(shape, 1 if scale_axis == -1 else 0)] + ([(paired_shape, 1)] if paired_shape is not None else [])
-    if not all(MxDequantize.can_implement(math.prod(s[:-1]), s[-1], axis)[0] for s, axis in operands):
+    if not all(MxDequantize.can_implement(math.prod(s[:-1]), s[-1], axis, swap_ab_order)[0] for s, axis in operands):
         return ()
     variants = tuple(catalog.select_variant(op="dequantize", arch=target, ab_dtype="float8_e4m3fn",
                                             c_dtype="bfloat16", sf_vec_size=32, tile_mn=catalog.DEQUANTIZE_TILE,
-                                            cluster_mn=(1, 1), a_major="k" if scale_axis == -1 else "m")
+                                            cluster_mn=(1, 1), a_major="k" if scale_axis == -1 else "m",
+                                            schedule=catalog.SWAP_AB if swap_ab_order else "")
                      for target in sorted(archs))
     if None in variants or _failed_self_checks(variants):
         return ()  # XLA dequantizes instead
-    return variants
-
-
-def swap_ab_token_variants(archs: Sequence[str], shape: Sequence[int]) -> tuple:
-    """The dequantize kernels (one per arch in `archs`) that write MXFP8 tokens of `shape` (..., T, K), scales per
-    32 along K, as bf16 in the swap_ab ragged kernel's column order (`ragged.swap_ab_tokens` without its padding),
-    or () when an arch has none, the kernel cannot take the shape or a self-check failed (XLA then does it)."""
-    try:
-        from jax_blockgemm.kernels import catalog
-        from jax_blockgemm.kernels.dequantize import MxDequantize
-    except ImportError:
-        return ()
-    if not MxDequantize.can_implement(math.prod(shape[:-1]), shape[-1], 1, swap_ab_order=True)[0]:
-        return ()
-    variants = tuple(catalog.select_variant(op="dequantize", arch=target, ab_dtype="float8_e4m3fn",
-                                            c_dtype="bfloat16", sf_vec_size=32, tile_mn=catalog.DEQUANTIZE_TILE,
-                                            cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
-                     for target in sorted(archs))
-    if None in variants or _failed_self_checks(variants):
-        return ()
     return variants
 
 

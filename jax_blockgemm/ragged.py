@@ -39,7 +39,7 @@ from jax_blockgemm import formats, primitives, reference, sharding, support
 
 __all__ = ["ragged_p", "ragged_local_p", "check_call", "group_bounds", "grouped_rows_dot", "grouped_contraction",
            "grouped_dot", "ragged_reference", "check_group_sizes", "tile_rows", "kernel_items", "group_items",
-           "max_kernel_items", "swap_ab_tokens", "swap_ab_column_order"]
+           "max_kernel_items", "swap_ab_tokens", "swap_ab_column_order", "swap_ab_columns"]
 
 ragged_p = jex_core.Primitive("jbg_ragged_gemm_amax")
 ragged_local_p = jex_core.Primitive("jbg_ragged_gemm_amax_local")
@@ -375,6 +375,13 @@ def swap_ab_column_order(k_tile: int = SWAP_AB_K_TILE) -> np.ndarray:
     return 16 * c + 4 * s + 2 * h + j
 
 
+def swap_ab_columns(k: int) -> np.ndarray:
+    """For each of the K columns (a multiple of SWAP_AB_K_TILE) as the swap_ab kernel reads them, the column it takes
+    from: `swap_ab_column_order` within every k-tile."""
+    tiles = np.arange(k // SWAP_AB_K_TILE)[:, None] * SWAP_AB_K_TILE
+    return (tiles + swap_ab_column_order()[None, :]).reshape(-1).astype(np.int32)
+
+
 def swap_ab_tokens(x: jax.Array) -> jax.Array:
     """Tokens (..., T, K) as the swap_ab kernel reads them (kernels/sm90/ragged_swap_ab.py): zeros past K up to a
     multiple of SWAP_AB_K_PAD, and the columns of every k-tile in `swap_ab_column_order`, the order of the weights'
@@ -384,9 +391,7 @@ def swap_ab_tokens(x: jax.Array) -> jax.Array:
     k = x.shape[-1]
     padded = -(-k // SWAP_AB_K_PAD) * SWAP_AB_K_PAD
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - k)])
-    tiles = np.arange(padded // SWAP_AB_K_TILE)[:, None] * SWAP_AB_K_TILE
-    order = (tiles + swap_ab_column_order()[None, :]).reshape(-1).astype(np.int32)
-    return jnp.take(x, jnp.asarray(order), axis=-1, unique_indices=True)
+    return jnp.take(x, jnp.asarray(swap_ab_columns(padded)), axis=-1, unique_indices=True)
 
 
 def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int, swap_ab: bool,
@@ -413,7 +418,8 @@ def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, 
     """The call through the grouped kernel `variants` (jbg_ragged_gemm_amax): scales to atoms and the item table in
     XLA (a few fusions, no host synchronization), then one launch; alpha is the call's, else ones. For swap_ab kernels
     the tokens become bf16 in the kernel's column order: by the dequantize kernel where K needs no padding and one
-    applies (`dispatch.swap_ab_token_variants`; one pass at memory speed), else in XLA (`swap_ab_tokens`)."""
+    applies (`dispatch.dequantize_variants` with `swap_ab_order`; one pass at memory speed), else in XLA
+    (`swap_ab_tokens`)."""
     from jax_blockgemm import dispatch, ffi_lowering
 
     a_aval, b_aval, sfa_aval, sfb_aval, starts_aval, ends_aval = ctx.avals_in[:6]
@@ -424,7 +430,8 @@ def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, 
         raise ValueError(f"ragged kernels that read different item tables in one call: {[v.key for v in variants]}")
     token_kernels = ()
     if swap_ab and a_aval.shape[-1] % SWAP_AB_K_PAD == 0:
-        token_kernels = dispatch.swap_ab_token_variants({v.arch for v in variants}, a_aval.shape)
+        token_kernels = dispatch.dequantize_variants({v.arch for v in variants}, a_aval.shape, scale_axis=-1,
+                                                     swap_ab_order=True)
     if token_kernels:
         (a,) = ffi_lowering.emit_dequantize(ctx, [(a, sfa)], avals=[(a_aval, sfa_aval)], variants=token_kernels,
                                             scale_axis=-1)

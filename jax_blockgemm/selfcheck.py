@@ -631,7 +631,7 @@ def _dequantize_operands(rows: int, cols: int, scale_axis: int, rng: np.random.G
 
 def _dequantize_expected(codes: np.ndarray, scales: np.ndarray, scale_axis: int, swap_ab: bool) -> np.ndarray:
     """code x 2^(byte - 127), exact in float64, rounded once to bf16 (exact here: the scales keep it normal); with
-    `swap_ab`, every 64 columns in the swap_ab ragged kernel's order (`ragged.swap_ab_column_order`)."""
+    `swap_ab`, the columns in the swap_ab ragged kernel's order (`ragged.swap_ab_columns`)."""
     import ml_dtypes
 
     factor = np.repeat(np.exp2(scales.astype(np.float64) - 127), 32, axis=scale_axis)
@@ -640,8 +640,7 @@ def _dequantize_expected(codes: np.ndarray, scales: np.ndarray, scale_axis: int,
         return values
     from jax_blockgemm import ragged
 
-    cols = np.arange(values.shape[-1])
-    return values[:, cols - cols % 64 + ragged.swap_ab_column_order()[cols % 64]]
+    return values[:, ragged.swap_ab_columns(values.shape[-1])]
 
 
 def run_dequantize_problems(variant: Any, device: Any) -> str:

@@ -201,6 +201,16 @@ class DequantizeVariantsTest(parameterized.TestCase):
     def test_none_where_an_arch_has_no_object(self):
         self.assertEqual(dispatch.dequantize_variants({"sm_90a", "sm_80"}, (1, 96, 64), scale_axis=-1), ())
 
+    def test_swap_ab_order(self):
+        """The swap_ab ragged kernel's tokens: the sm_90a object of that order (sm_100a has none), for columns in
+        whole 64-column tiles with scales along them only."""
+        variants = dispatch.dequantize_variants({"sm_90a"}, (1, 300, 512), scale_axis=-1, swap_ab_order=True)
+        self.assertEqual([(v.arch, v.a_major, v.schedule) for v in variants], [("sm_90a", "k", "swap_ab")])
+        for archs, shape, axis in (({"sm_90a", "sm_100a"}, (1, 300, 512), -1), ({"sm_90a"}, (1, 300, 96), -1),
+                                   ({"sm_90a"}, (1, 320, 512), -2)):
+            self.assertEqual(dispatch.dequantize_variants(archs, shape, scale_axis=axis, swap_ab_order=True), (),
+                             (archs, shape, axis))
+
 
 class OffCudaTest(parameterized.TestCase):
     """SPEC §6 on the CPU: 'cutedsl' demands a kernel and fails loudly; None and 'xla' run the reference."""

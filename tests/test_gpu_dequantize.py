@@ -57,9 +57,9 @@ def _swap_ab_abstract_eval(codes, scales):
 
 
 def _swap_ab_lowering(ctx, codes, scales):
-    """One jbg_dequantize_mxfp8 call through the swap_ab order's object (`dispatch.swap_ab_token_variants`)."""
+    """One jbg_dequantize_mxfp8 call through the swap_ab order's object."""
     archs = {arch.target_of(cc) for cc in dispatch.local_cuda_capabilities()}
-    variants = dispatch.swap_ab_token_variants(archs, ctx.avals_in[0].shape)
+    variants = dispatch.dequantize_variants(archs, ctx.avals_in[0].shape, scale_axis=-1, swap_ab_order=True)
     if not variants:
         raise ValueError(f"no swap_ab dequantize kernel for {ctx.avals_in}")
     return ffi_lowering.emit_dequantize(ctx, [(codes, scales)], avals=[tuple(ctx.avals_in)], variants=variants,

@@ -207,13 +207,14 @@ class DispatchTest(absltest.TestCase):
 
     def test_constants_agree(self):
         """The swap_ab names and sizes each layer keeps (the kernels import cutlass, the lowering must not): the
-        schedule, the tokens' k-tile and K padding."""
+        schedule, the tokens' k-tile (also the dequantize kernel's permuted tile) and K padding."""
         from jax_blockgemm import ffi_lowering
+        from jax_blockgemm.kernels import dequantize
         from jax_blockgemm.kernels.sm90 import ragged_swap_ab
 
         self.assertEqual(ffi_lowering.SWAP_AB, catalog.SWAP_AB)
         self.assertEqual({ragged.SWAP_AB_K_PAD, ffi_lowering.SWAP_AB_K_PAD}, {ragged_swap_ab.K_PAD})
-        self.assertEqual(ragged.SWAP_AB_K_TILE, ragged_swap_ab.K_TILE)
+        self.assertEqual({ragged.SWAP_AB_K_TILE, dequantize.SWAP_AB_TILE}, {ragged_swap_ab.K_TILE})
 
     def test_catalog(self):
         swapped = [v for v in catalog.CATALOG if v.schedule == catalog.SWAP_AB]
