@@ -148,15 +148,23 @@ std::tuple<std::string, std::tuple<int, int, int, int>> CheckDequantize(const st
   return {message, {dims[0].rows, dims[0].cols, dims[1].rows, dims[1].cols}};
 }
 
-// Test hook for the quantize_pair execute stage's buffer checks: w, values, codes, scales as (dtype, dims, address).
-// Returns (message, (rows, cols)).
-std::tuple<std::string, std::tuple<int, int>> CheckQuantizePair(const std::vector<BufferSpec>& specs) {
-  if (specs.size() != 4) throw nb::value_error("expected 4 buffers: w, values, codes, scales");
-  jbg::BufferDesc descs[4];
+// Test hook for the quantize_pair execute stage's buffer checks: w, [row_map,] values, codes, scales as (dtype,
+// dims, address), for objects of `schedule` (0 plain, 1 gather, 2 gather_values; the gather ones take the map).
+// Returns (message, (rows, cols, src_rows)).
+std::tuple<std::string, std::tuple<int, int, int>> CheckQuantizePair(const std::vector<BufferSpec>& specs,
+                                                                     int64_t schedule) {
+  if (schedule < 0 || schedule > 2) throw nb::value_error("schedule must be 0, 1 or 2");
+  const size_t want = schedule == 0 ? 4 : 5;
+  if (specs.size() != want) {
+    throw nb::value_error(schedule == 0 ? "expected 4 buffers: w, values, codes, scales"
+                                        : "expected 5 buffers: w, row_map, values, codes, scales");
+  }
+  jbg::BufferDesc descs[5];
   ToDescs(specs, descs);
   jbg::QuantizePairDims dims;
-  std::string message = jbg::CheckQuantizePairBuffers(descs, &dims);
-  return {message, {dims.rows, dims.cols}};
+  std::string message =
+      jbg::CheckQuantizePairBuffers(descs, static_cast<jbg::QuantizePairSchedule>(schedule), &dims);
+  return {message, {dims.rows, dims.cols, dims.src_rows}};
 }
 
 // The weight_stream attributes parsed (ValueError naming what is wrong otherwise).
@@ -372,9 +380,9 @@ NB_MODULE(_jbg_ffi, m) {
       },
       nb::arg("ab_dtype"), nb::arg("c_dtype"),
       "Test hook: the contraction instantiate stage's attribute parsing: (ab, c) as XLA FFI dtype codes.");
-  m.def("check_quantize_pair_buffers", &CheckQuantizePair, nb::arg("buffers"),
-        "Test hook: the quantize_pair execute stage's buffer checks on [(dtype, dims, address)] * 4 (w, values, "
-        "codes, scales).");
+  m.def("check_quantize_pair_buffers", &CheckQuantizePair, nb::arg("buffers"), nb::arg("schedule") = 0,
+        "Test hook: the quantize_pair execute stage's buffer checks on [(dtype, dims, address)] (w, [row_map,] "
+        "values, codes, scales) for objects of `schedule` (0 plain, 1 gather, 2 gather_values).");
   m.def("parse_object_table", &ParseObjects, nb::arg("archs"), nb::arg("function_prefixes"),
         nb::arg("objects_size"), nb::arg("offsets"), nb::arg("target") = jbg::kGemmAmaxTarget,
         "Test hook: the instantiate stage's attribute parsing (errors name `target`).");

@@ -377,30 +377,38 @@ def contraction_kernels(avals_in: Sequence[Any], *, c_dtype: Any, implementation
     return _usable(variants, implementation, sizes=(t, k, n, l, g), names="(T, K, N, L, G)", fmt="bfloat16")
 
 
-def quantize_pair_kernels(avals_in: Sequence[Any], *, row_format: str, col_format: str, implementation: Any,
-                          **_: Any) -> KernelChoice:
-    """The pair-quantization kernel variants (one per covered architecture) for a canonical call: w (B, R, C)."""
+def quantize_pair_kernels(avals_in: Sequence[Any], *, row_format: str, col_format: str, col_values: bool,
+                          implementation: Any, **_: Any) -> KernelChoice:
+    """The pair-quantization kernel variants (one per covered architecture) for a canonical call: w (B, R, C), or
+    w (1, R, C) and a row map (1, R') (the GATHER schedules; GATHER_VALUES for col_values)."""
     settled = _settled_by_implementation(implementation, "quantize_pair")
     if settled is not None:
         return settled
-    (w,) = avals_in
+    w, *row_map = avals_in
     if np.dtype(w.dtype) != np.dtype(jnp.bfloat16):
         return KernelChoice(reason=f"the kernel reads bfloat16 w; got {np.dtype(w.dtype)}")
+    if col_values and not row_map:
+        return KernelChoice(reason="the kernels write the column blocks' values only through a row map")
     unavailable = _quantizing_kernels_unavailable()
     if unavailable:
         return KernelChoice(reason=unavailable)
     from jax_blockgemm.kernels import catalog
 
+    schedule = (catalog.GATHER_VALUES if col_values else catalog.GATHER) if row_map else ""
     row_dtype, col_dtype = (str(np.dtype(formats.FORMATS[f].code_dtype)) for f in (row_format, col_format))
     variants = [v for v in (catalog.select_variant(op="quantize_pair", arch=target, ab_dtype=row_dtype,
                                                    c_dtype=col_dtype, sf_vec_size=32,
-                                                   tile_mn=catalog.QUANTIZE_PAIR_TILE, cluster_mn=(1, 1))
+                                                   tile_mn=catalog.QUANTIZE_PAIR_TILE, cluster_mn=(1, 1),
+                                                   schedule=schedule)
                             for target in arch.targets()) if v is not None]
     if not variants:
         return KernelChoice(reason=f"no quantize_pair kernel in the catalog for {row_format} row blocks and "
                                    f"{col_format} column blocks")
     b, r, c = w.shape
-    return _usable(variants, implementation, sizes=(b * r, c), names="(rows, cols)", fmt=row_format)
+    if not row_map:
+        return _usable(variants, implementation, sizes=(b * r, c), names="(rows, cols)", fmt=row_format)
+    return _usable(variants, implementation, sizes=(row_map[0].shape[1], c, r), names="(rows, cols, src_rows)",
+                   fmt=row_format)
 
 
 def dequantize_variants(archs: Sequence[str], shape: Sequence[int], *, scale_axis: int,

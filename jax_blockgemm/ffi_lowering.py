@@ -40,9 +40,11 @@ dequantized and permuted by `ragged.swap_ab_tokens`, (L, T, K rounded up to 256)
 `c_dtype` ("float32" or "bfloat16"): x (L, T, K) and y (L, T, N) bfloat16, tokens sorted by group, bounds int32 (L,
 G, 2) the rows [start, end) of each group; c (L, G, K, N), c[l, g] = x[l, rows of g]ᵀ · y[l, rows of g].
 
-`jbg_quantize_pair` (w -> values, codes, scales) carries the object table only: w (..., R, C) bfloat16, values its
-bf16 code·scale with blocks along R in the objects' ab_dtype format, codes (c_dtype) and uint8 scales (..., R, C/32)
-with blocks along C.
+`jbg_quantize_pair` (w[, row_map] -> values, codes, scales) carries the object table and `schedule` (the objects'
+index in QUANTIZE_PAIR_SCHEDULES): w (..., R, C) bfloat16, values its bf16 code·scale with blocks along R in the
+objects' ab_dtype format, codes (c_dtype) and uint8 scales (..., R, C/32) with blocks along C; the gather schedules
+take a row map (..., R') int32 whose rows the values are ((..., R', C)), and GATHER_VALUES writes the column blocks
+as bfloat16 values.
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ E8M0 = "float8_e8m0fnu"
 NO_SCALES = "none"  # catalog.NO_SCALES: the sf_dtype (with sf_vec_size 0) of objects whose operands carry no scales
 SWAP_AB = "swap_ab"  # catalog.SWAP_AB: the ragged objects that take bfloat16 tokens and convert only the weights
 SWAP_AB_K_PAD = 256  # ragged.SWAP_AB_K_PAD: their tokens' K is rounded up to a multiple of this
+# the quantize_pair schedules (catalog's "", GATHER, GATHER_VALUES), each one's index its handler's `schedule`
+QUANTIZE_PAIR_SCHEDULES = ("", "gather", "gather_values")
 
 
 def takes_group_items(variant: Any) -> bool:
@@ -413,29 +417,52 @@ def emit_contraction(ctx: Any, x: Any, y: Any, bounds: Any, *, variants: Sequenc
     return _emit(CONTRACTION_TARGET, ctx, (x, y, bounds), attributes)
 
 
-def emit_quantize_pair(ctx: Any, w: Any, *, variants: Sequence[Any]) -> list:
+def emit_quantize_pair(ctx: Any, w: Any, *row_map: Any, variants: Sequence[Any]) -> list:
     """Emits the `jbg_quantize_pair` custom call (both MX quantizations of a bf16 matrix in one pass) for the lowering
     context `ctx`; returns [values, codes, scales].
 
-    w (..., R, C) bfloat16, R and C multiples of 32. Results from `ctx.avals_out`: values (..., R, C) bfloat16 (w
-    quantized along R in the variants' ab_dtype format, as code·scale), codes (..., R, C) in their c_dtype and scales
-    (..., R, C/32) uint8 (w quantized along C). `variants`: catalog entries of op "quantize_pair", one per
-    architecture, all compiled for the result's formats.
+    w (..., R, C) bfloat16, C a multiple of 32, and R too without a row map. Results from `ctx.avals_out`: values
+    bfloat16 (w quantized along the rows in the variants' ab_dtype format, as code·scale; (..., R, C), or with a
+    row map (..., R') int32 the rows it names: (..., R', C)), codes (..., R, C) in their c_dtype (bfloat16 values for
+    the GATHER_VALUES schedule) and scales (..., R, C/32) uint8 (w quantized along C). `variants`: catalog entries of
+    op "quantize_pair", one per architecture, all of one schedule (the gather ones take the row map) compiled for the
+    results' formats.
     """
-    (w_aval,), (values_aval, codes_aval, scales_aval) = ctx.avals_in, ctx.avals_out
+    w_aval, (values_aval, codes_aval, scales_aval) = ctx.avals_in[0], ctx.avals_out
+    schedule = variants[0].schedule if variants else ""
+    if schedule not in QUANTIZE_PAIR_SCHEDULES or any(v.schedule != schedule for v in variants):
+        raise ValueError(f"emit_quantize_pair: the variants must share one schedule of {QUANTIZE_PAIR_SCHEDULES}; "
+                         f"got {[v.key for v in variants]}")
+    gather = schedule != ""
     shape = tuple(w_aval.shape)
-    if len(shape) < 2 or np.dtype(w_aval.dtype) != np.dtype("bfloat16") or shape[-1] % 32 or shape[-2] % 32:
-        raise ValueError(f"emit_quantize_pair expects w (..., R, C) bfloat16 with R and C multiples of 32; got "
-                         f"{w_aval}")
-    if (tuple(values_aval.shape) != shape or np.dtype(values_aval.dtype) != np.dtype("bfloat16")
+    if (len(shape) < 2 or np.dtype(w_aval.dtype) != np.dtype("bfloat16") or shape[-1] % 32
+            or (not gather and shape[-2] % 32)):
+        raise ValueError(f"emit_quantize_pair expects w (..., R, C) bfloat16 with C a multiple of 32 (R too without "
+                         f"a row map); got {w_aval}")
+    if len(row_map) != int(gather):
+        raise ValueError(f"emit_quantize_pair: schedule {schedule!r} takes {int(gather)} row map(s); got "
+                         f"{len(row_map)}")
+    values_shape = shape
+    if gather:
+        map_aval = ctx.avals_in[1]
+        if np.dtype(map_aval.dtype) != np.int32 or not map_aval.shape or map_aval.shape[-1] % 32:
+            raise ValueError(f"emit_quantize_pair expects row_map (..., R') int32 with R' a multiple of 32; got "
+                             f"{map_aval}")
+        values_shape = (*map_aval.shape, shape[-1])
+    col_dtype = "bfloat16" if schedule == "gather_values" else None
+    if (tuple(values_aval.shape) != values_shape or np.dtype(values_aval.dtype) != np.dtype("bfloat16")
             or tuple(codes_aval.shape) != shape or tuple(scales_aval.shape) != (*shape[:-1], shape[-1] // 32)
-            or np.dtype(scales_aval.dtype) != np.uint8):
-        raise ValueError(f"emit_quantize_pair expects results values bfloat16 {shape}, codes {shape} and scales uint8 "
-                         f"{(*shape[:-1], shape[-1] // 32)}; got {values_aval}, {codes_aval}, {scales_aval}")
+            or np.dtype(scales_aval.dtype) != np.uint8
+            or (col_dtype is not None and str(np.dtype(codes_aval.dtype)) != col_dtype)):
+        raise ValueError(f"emit_quantize_pair expects results values bfloat16 {values_shape}, codes {shape} and "
+                         f"scales uint8 {(*shape[:-1], shape[-1] // 32)}; got {values_aval}, {codes_aval}, "
+                         f"{scales_aval}")
     for v in variants:
-        if v.op != "quantize_pair" or v.c_dtype != str(np.dtype(codes_aval.dtype)):
+        if v.op != "quantize_pair" or (col_dtype is None and v.c_dtype != str(np.dtype(codes_aval.dtype))):
             raise ValueError(f"variant {v.key!r} is not a quantize_pair kernel writing {codes_aval.dtype} codes")
-    return _emit(QUANTIZE_PAIR_TARGET, ctx, (w,), object_table_attributes(*_objects(variants)))
+    attributes = dict(object_table_attributes(*_objects(variants)),
+                      schedule=np.int64(QUANTIZE_PAIR_SCHEDULES.index(schedule)))
+    return _emit(QUANTIZE_PAIR_TARGET, ctx, (w, *row_map), attributes)
 
 
 def export_disabled_checks() -> list:

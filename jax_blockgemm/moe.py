@@ -66,10 +66,12 @@ def _ragged_gemm(a: jax.Array, w: jax.Array, group_sizes: jax.Array, fmt: str, i
         return out.astype(out_dtype)
     if dispatch.mx_ragged_operands() == "bf16":
         w16, tw = _fake_quantized(w, fmt, 2 if w_major == "k" else 1)
-        return _values_gemm(a, w16, tw, group_sizes, fmt, implementation, w_major=w_major, out_dtype=out_dtype)
+        return _values_gemm(*_fake_quantized(a, fmt, 1), w16, tw, group_sizes, implementation, w_major=w_major,
+                            out_dtype=out_dtype)
     b = w if w_major == "k" else jnp.swapaxes(w, 1, 2)
     qb, sb, tb = _quantize(autodiff._pad_axis(b, 1, 16), fmt, 2)  # C's rows: 16 bytes of any C dtype
-    return _codes_gemm(a, qb, sb, tb, group_sizes, fmt, implementation, out_dtype=out_dtype)[:, :b.shape[1]]
+    return _codes_gemm(*_quantize(a, fmt, 1), qb, sb, tb, group_sizes, fmt, implementation,
+                       out_dtype=out_dtype)[:, :b.shape[1]]
 
 
 def _c_dtype(out_dtype: np.dtype) -> Any:
@@ -77,22 +79,22 @@ def _c_dtype(out_dtype: np.dtype) -> Any:
     return jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
 
 
-def _values_gemm(a: jax.Array, w16: jax.Array, tw: Optional[jax.Array], group_sizes: jax.Array, fmt: str,
-                 implementation: Any, *, w_major: str, out_dtype: np.dtype) -> jax.Array:
-    """a quantized along C in `fmt` and dequantized in place, times the weights' quantized bf16 values w16 (laid
-    out as `_ragged_gemm` says; tw: their NVFP4 tensor scale or None) on the bf16 grouped GEMM."""
-    a16, ta = _fake_quantized(a, fmt, 1)
+def _values_gemm(a16: jax.Array, ta: Optional[jax.Array], w16: jax.Array, tw: Optional[jax.Array],
+                 group_sizes: jax.Array, implementation: Any, *, w_major: str, out_dtype: np.dtype) -> jax.Array:
+    """a's quantized bf16 values a16 (blocks along C; ta: their NVFP4 tensor scale or None) times the weights' w16
+    (laid out as `_ragged_gemm` says; tw likewise) on the bf16 grouped GEMM."""
     out, _ = ragged.grouped_dot(a16, w16, group_sizes, w_major=w_major,
                                 c_dtype=_c_dtype(out_dtype) if ta is None else jnp.float32,
                                 implementation=implementation)
     return (out if ta is None else out * (ta * tw)).astype(out_dtype)
 
 
-def _codes_gemm(a: jax.Array, qb: jax.Array, sb: jax.Array, tb: Optional[jax.Array], group_sizes: jax.Array,
-                fmt: str, implementation: Any, *, out_dtype: np.dtype) -> jax.Array:
-    """a quantized along C in `fmt`, times the weights' codes qb (G, F, C), F a multiple of 16, with their scales sb
-    (tb: the NVFP4 tensor scale or None) through `ragged_gemm_amax`: (T, F) out_dtype."""
-    qa, sa, ta = _quantize(a, fmt, 1)
+def _codes_gemm(qa: jax.Array, sa: jax.Array, ta: Optional[jax.Array], qb: jax.Array, sb: jax.Array,
+                tb: Optional[jax.Array], group_sizes: jax.Array, fmt: str, implementation: Any, *,
+                out_dtype: np.dtype) -> jax.Array:
+    """a's codes qa quantized along C in `fmt` with their scales sa (ta: the NVFP4 tensor scale or None), times the
+    weights' codes qb (G, F, C), F a multiple of 16, with theirs (sb, tb) through `ragged_gemm_amax`: (T, F)
+    out_dtype."""
     alpha = None if ta is None else ta * tb
     out, _ = api.ragged_gemm_amax(qa, qb, sa, sb, group_sizes, alpha=alpha, c_dtype=_c_dtype(out_dtype),
                                   sf_vec_size=formats.FORMATS[fmt].block, implementation=implementation)
@@ -122,21 +124,32 @@ def _padded_sizes(starts: jax.Array, ends: jax.Array) -> jax.Array:
     return -(-(ends - starts) // _BLOCK_ROWS) * _BLOCK_ROWS
 
 
-def _group_padded(x: jax.Array, starts: jax.Array, ends: jax.Array) -> jax.Array:
-    """x's group rows with each group zero-padded to `_padded_sizes`, the groups contiguous from row 0: (T + 31·G,
-    rounded to 32) rows. Rows of no group are dropped."""
-    t, g = x.shape[0], starts.shape[0]
-    sizes = ends - starts
-    padded_sizes = _padded_sizes(starts, ends)
+def _padded_rows(tokens: int, groups: int) -> int:
+    """Rows of the group-padded layout: every group rounded up to whole blocks, and the rows of no group, fit."""
+    return -(-(tokens + (_BLOCK_ROWS - 1) * groups) // _BLOCK_ROWS) * _BLOCK_ROWS
+
+
+def _group_padding_map(starts: jax.Array, ends: jax.Array, tokens: int) -> jax.Array:
+    """The group-padded layout as a row map ((`_padded_rows`,) int32, -1 for a padding row): each group's rows, from
+    row 0, padded to `_padded_sizes`, then the rows of no group (past the last group). Every token row is named once,
+    so `quantize_pair` through it writes every row's column blocks."""
+    g = starts.shape[0]
+    sizes, padded_sizes = ends - starts, _padded_sizes(starts, ends)
     p_ends = jnp.cumsum(padded_sizes)
     p_starts = p_ends - padded_sizes
-    rows = -(-(t + (_BLOCK_ROWS - 1) * g) // _BLOCK_ROWS) * _BLOCK_ROWS
-    position = jnp.arange(rows, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(p_ends, position, side="right"), g - 1)
-    offset = position - p_starts[group]
-    valid = (offset >= 0) & (offset < sizes[group])
-    source = jnp.clip(starts[group] + offset, 0, t - 1)
-    return jnp.where(valid[:, None], x[source], 0)
+    position = jnp.arange(_padded_rows(tokens, g), dtype=jnp.int32)
+    group = jnp.searchsorted(p_ends, position, side="right")  # g: past the padded groups
+    inside = jnp.minimum(group, g - 1)
+    offset = position - p_starts[inside]
+    of_group = jnp.where(offset < sizes[inside], starts[inside] + offset, -1)
+    no_group = ends[-1] + position - p_ends[-1]  # the rows of no group, in order after the padded groups
+    return jnp.where(group < g, of_group, jnp.where(no_group < tokens, no_group, -1)).astype(jnp.int32)
+
+
+def _group_padded(x: jax.Array, starts: jax.Array, ends: jax.Array) -> jax.Array:
+    """x's rows in the group-padded layout (`_group_padding_map`), zeros in the padding rows."""
+    row_map = _group_padding_map(starts, ends, x.shape[0])
+    return jnp.where((row_map >= 0)[:, None], x[jnp.maximum(row_map, 0)], 0)
 
 
 def _fake_quantized(x: jax.Array, fmt: str, axis: int) -> tuple[jax.Array, Optional[jax.Array]]:
@@ -161,21 +174,26 @@ def _token_values(x: jax.Array, fmt: str, implementation: Any) -> tuple[jax.Arra
     return values, None
 
 
+def _contract(xq: jax.Array, dyq: jax.Array, sizes: jax.Array, implementation: Any, dw_dtype: np.dtype,
+              tensor_scale: Optional[jax.Array] = None) -> jax.Array:
+    """dW (G, K, N) = per group xqᵀ · dyq over its rows (`sizes` of them, from row 0), through the grouped contraction
+    (`contraction.contract_groups`: its kernel where one applies); in dw_dtype where that is bfloat16 and no tensor
+    scale follows, else float32."""
+    c_dtype = jnp.bfloat16 if dw_dtype == jnp.bfloat16 and tensor_scale is None else jnp.float32
+    dw = contraction.contract_groups(xq, dyq, sizes, c_dtype=c_dtype, implementation=implementation)[0]
+    return dw if tensor_scale is None else dw * tensor_scale
+
+
 def _wgrad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, fmt: str, implementation: Any,
            dw_dtype: np.dtype) -> jax.Array:
-    """dW (G, K, N): per group x_gᵀ · dy_g, both quantized along the group's tokens (see the module), through the
-    grouped contraction (`contraction.contract_groups`: its kernel where one applies); in dw_dtype where that is
-    bfloat16 and no tensor scale follows, else float32."""
-    c_dtype = jnp.bfloat16 if dw_dtype == jnp.bfloat16 and fmt != "nvfp4" else jnp.float32
+    """dW (G, K, N): per group x_gᵀ · dy_g, both quantized along the group's tokens (see the module)."""
     if fmt == "bf16":
-        return contraction.contract_groups(x, dy, group_sizes, c_dtype=c_dtype, implementation=implementation)[0]
+        return _contract(x, dy, group_sizes, implementation, dw_dtype)
     starts, ends = ragged.group_bounds(group_sizes, x.shape[0])
-    xp, dyp = _group_padded(x, starts, ends), _group_padded(dy, starts, ends)
-    xq, tx = _token_values(xp, fmt, implementation)
-    dyq, td = _token_values(dyp, fmt, implementation)
-    dw = contraction.contract_groups(xq, dyq, _padded_sizes(starts, ends), c_dtype=c_dtype,
-                                     implementation=implementation)[0]
-    return dw if tx is None else dw * (tx * td)
+    xq, tx = _token_values(_group_padded(x, starts, ends), fmt, implementation)
+    dyq, td = _token_values(_group_padded(dy, starts, ends), fmt, implementation)
+    return _contract(xq, dyq, _padded_sizes(starts, ends), implementation, dw_dtype,
+                     None if tx is None else tx * td)
 
 
 def _forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: np.dtype, recipe: autodiff.Recipe
@@ -188,9 +206,22 @@ def _forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: np.d
         return _ragged_gemm(x, w, group_sizes, recipe.fwd, recipe.implementation, w_major="n",
                             out_dtype=out_dtype), None
     values, codes, scales = pair
-    out = _values_gemm(x, values, None, group_sizes, recipe.fwd, recipe.implementation, w_major="n",
-                       out_dtype=out_dtype)
+    out = _values_gemm(*_fake_quantized(x, recipe.fwd, 1), values, None, group_sizes, recipe.implementation,
+                       w_major="n", out_dtype=out_dtype)
     return out, (codes, scales)
+
+
+def _tokens_in_one_pass(recipe: autodiff.Recipe, dgrad_codes: Optional[tuple]) -> bool:
+    """Whether a training step quantizes the tokens (x in the forward, dY in the backward) by one `quantize_pair`
+    pass each through the group-padding map: where the weights took theirs (`_weight_pair`, so every contraction is
+    whole blocks and the forward and dgrad formats are MXFP8) and wgrad's format is MXFP8 too."""
+    return dgrad_codes is not None and recipe.wgrad in quantize_pair.FORMATS
+
+
+def _padding_map(group_sizes: jax.Array, tokens: int) -> tuple[jax.Array, jax.Array]:
+    """The group-padding row map of the tokens and the padded groups' sizes (wgrad's contraction)."""
+    starts, ends = ragged.group_bounds(group_sizes, tokens)
+    return _group_padding_map(starts, ends, tokens), _padded_sizes(starts, ends)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -201,24 +232,45 @@ def _ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype
 
 
 def _ragged_matmul_fwd(x, w, group_sizes, out_dtype, recipe):
-    out, dgrad_codes = _forward(x, w, group_sizes, out_dtype, recipe)
-    return out, (x, w, group_sizes, dgrad_codes)
+    """The forward, keeping for the backward x (or, where the tokens take one pass, wgrad's values of x along the
+    padded groups' rows, from the same pass that gives the forward its values along K) and dgrad's codes of w."""
+    pair = _weight_pair(w, recipe)
+    if not _tokens_in_one_pass(recipe, None if pair is None else pair[1:]):
+        out, dgrad_codes = _forward(x, w, group_sizes, out_dtype, recipe)
+        return out, (x, None, w, group_sizes, dgrad_codes)
+    values, codes, scales = pair
+    row_map, _ = _padding_map(group_sizes, x.shape[0])
+    x_rows, x16, _ = quantize_pair.quantize_pair(x, row_format=recipe.wgrad, col_format=recipe.fwd, row_map=row_map,
+                                                 col_values=True,
+                                                 implementation=_quantizer_implementation(recipe.implementation))
+    out = _values_gemm(x16, None, values, None, group_sizes, recipe.implementation, w_major="n", out_dtype=out_dtype)
+    x_like = jnp.zeros((0,), x.dtype)  # what dX's dtype is, without keeping x
+    return out, (x_like, x_rows, w, group_sizes, (codes, scales))
 
 
 def _ragged_matmul_bwd(out_dtype, recipe, residuals, dy):
-    x, w, group_sizes, dgrad_codes = residuals
+    x, x_rows, w, group_sizes, dgrad_codes = residuals  # x: empty (its dtype only) where x_rows is kept
+    x_dtype = np.dtype(x.dtype)
+    if x_rows is not None:  # the tokens in one pass each: dY's codes along N for dgrad, its values along the rows
+        row_map, padded_sizes = _padding_map(group_sizes, dy.shape[0])
+        dy_rows, dy_codes, dy_scales = quantize_pair.quantize_pair(
+            dy, row_format=recipe.wgrad, col_format=recipe.dgrad, row_map=row_map,
+            implementation=_quantizer_implementation(recipe.implementation))
+        dx = _codes_gemm(dy_codes, dy_scales, None, *dgrad_codes, None, group_sizes, recipe.dgrad,
+                         recipe.implementation, out_dtype=x_dtype)
+        dw = _contract(x_rows, dy_rows, padded_sizes, recipe.implementation, np.dtype(w.dtype))
+        return dx.astype(x_dtype), dw.astype(w.dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
     if dgrad_codes is not None:  # w's codes along N from the forward's pass over it: (G, K, N) as dgrad reads them
-        dx = _codes_gemm(dy, *dgrad_codes, None, group_sizes, recipe.dgrad, recipe.implementation,
-                         out_dtype=np.dtype(x.dtype))
+        dx = _codes_gemm(*_quantize(dy, recipe.dgrad, 1), *dgrad_codes, None, group_sizes, recipe.dgrad,
+                         recipe.implementation, out_dtype=x_dtype)
     else:
         # dgrad's w as a value of its own, so that XLA cannot fuse the forward's in-place quantization of w (blocks
         # along K) with dgrad's (blocks along N) into one kernel: at G = 256 on the H200 that kernel took 106 ms,
         # where both quantizations apart should take about 19 (docs/design/moe.md)
         w, dy = jax.lax.optimization_barrier((w, dy))
-        dx = _ragged_gemm(dy, w, group_sizes, recipe.dgrad, recipe.implementation, w_major="k",
-                          out_dtype=np.dtype(x.dtype))
+        dx = _ragged_gemm(dy, w, group_sizes, recipe.dgrad, recipe.implementation, w_major="k", out_dtype=x_dtype)
     dw = _wgrad(x, dy, group_sizes, recipe.wgrad, recipe.implementation, np.dtype(w.dtype))
-    return dx.astype(x.dtype), dw.astype(w.dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
+    return dx.astype(x_dtype), dw.astype(w.dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
 _ragged_matmul.defvjp(_ragged_matmul_fwd, _ragged_matmul_bwd)

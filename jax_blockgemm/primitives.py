@@ -164,7 +164,7 @@ def _gemm_amax_cuda_lowering(ctx, *args, **params):
     return _gemm_amax_reference_lowering(ctx, *args, **params)
 
 
-def _move_to_front(x, dim, size):
+def move_to_front(x, dim, size):
     """Puts the vmapped axis first (broadcasting an unbatched operand to `size`)."""
     if dim is _NOT_MAPPED:
         return jnp.broadcast_to(x, (size, *x.shape))
@@ -173,7 +173,7 @@ def _move_to_front(x, dim, size):
 
 def _fold_into_leading(args, dims, size):
     """Merges the vmapped axis into every operand's leading axis: (B, L, ...) -> (B*L, ...)."""
-    fronted = [_move_to_front(x, d, size) for x, d in zip(args, dims)]
+    fronted = [move_to_front(x, d, size) for x, d in zip(args, dims)]
     return [x.reshape(size * x.shape[1], *x.shape[2:]) for x in fronted]
 
 
@@ -288,7 +288,7 @@ def _proj_rope_batch(args, dims, **params):
         folded = list(args)
         for i in _TOKEN_OPERANDS:
             if i < len(args):
-                x = _move_to_front(args[i], dims[i], size)  # (B, G, T, ...)
+                x = move_to_front(args[i], dims[i], size)  # (B, G, T, ...)
                 x = jnp.moveaxis(x, 0, 1)  # (G, B, T, ...)
                 folded[i] = x.reshape(x.shape[0], size * x.shape[2], *x.shape[3:])
         outs = proj_rope_p.bind(*folded, **params)

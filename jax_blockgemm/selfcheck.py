@@ -438,43 +438,66 @@ def run_contraction_problems(variant: Any, device: Any, *, run_kernel: Callable 
 # (B, R, C): one tile, column tails off the 256-column tile, several batches; the first problem carries a NaN, an inf
 # and an all-zero block.
 QUANTIZE_PAIR_PROBLEMS = ((1, 32, 256), (3, 64, 160), (2, 96, 544))
+# The gather schedules' problems: (rows of w, rows of the map, columns); w's rows no multiple of 32
+QUANTIZE_PAIR_GATHER_PROBLEMS = ((70, 128, 96), (33, 96, 544), (300, 416, 288))
 
 
-def _run_quantize_pair(variant: Any, w: np.ndarray, device: Any, implementation: str = "cutedsl") -> list:
-    """(values, codes, scales) of `quantize_pair` on `device` in the variant's formats: `variant` itself (forced,
-    outputs poisoned) with "cutedsl", the reference with "xla"; each as its raw bits."""
+def _run_quantize_pair(variant: Any, w: np.ndarray, row_map: np.ndarray | None, device: Any,
+                       implementation: str = "cutedsl") -> list:
+    """(values, codes, scales) of `quantize_pair` on `device` in the variant's formats and schedule (a row map for
+    the gather ones): `variant` itself (forced, outputs poisoned) with "cutedsl", the reference with "xla"; each as
+    its raw bits."""
     import jax
 
     from jax_blockgemm import dispatch, quantize_pair
+    from jax_blockgemm.kernels import catalog
 
     row, col = (dispatch.format_key(dtype, variant.sf_dtype, variant.sf_vec_size)
                 for dtype in (variant.ab_dtype, variant.c_dtype))
     fn = jax.jit(functools.partial(quantize_pair.quantize_pair, row_format=row, col_format=col,
+                                   col_values=variant.schedule == catalog.GATHER_VALUES,
                                    implementation=implementation))
     with _forced_and_poisoned(variant) if implementation == "cutedsl" else contextlib.nullcontext():
-        out = fn(jax.device_put(w, device))
+        out = fn(jax.device_put(w, device)) if row_map is None else fn(jax.device_put(w, device), row_map=row_map)
         return [np.asarray(x).view(np.uint16 if x.dtype.itemsize == 2 else np.uint8) for x in out]
+
+
+def _quantize_pair_inputs(variant: Any, i: int) -> tuple[np.ndarray, np.ndarray | None, str]:
+    """Problem i of the variant's schedule: bf16 w spread over 2**-20 .. 2**20 per row and column (the first with a
+    NaN, an inf and a zero block), for the gather schedules a row map naming each of w's rows once in a random order
+    among empty and out-of-range entries; and where it is, for messages."""
+    import jax.numpy as jnp
+
+    gather = variant.schedule != ""
+    shape = QUANTIZE_PAIR_GATHER_PROBLEMS[i] if gather else QUANTIZE_PAIR_PROBLEMS[i]
+    rng = np.random.default_rng(i)
+    w_shape = (shape[0], shape[2]) if gather else shape
+    w = rng.standard_normal(w_shape) * np.exp2(rng.integers(-20, 21, (*w_shape[:-1], 1))) \
+        * np.exp2(rng.integers(-20, 21, w_shape[-1]))
+    if i == 0:
+        w.reshape(-1, w_shape[-1])[3, 5], w.reshape(-1, w_shape[-1])[7, 20] = np.nan, np.inf
+        w.reshape(-1, w_shape[-1])[:32, 32:64] = 0.0
+    if not gather:
+        return w.astype(jnp.bfloat16), None, f"(B, R, C) = {shape}"
+    row_map = np.full(shape[1], -1, np.int32)
+    row_map[np.sort(rng.choice(shape[1], shape[0], replace=False))] = rng.permutation(shape[0])
+    row_map[np.flatnonzero(row_map < 0)[::2]] = shape[0] + 3  # past w's rows: zeros, as empty entries
+    return w.astype(jnp.bfloat16), row_map, f"(R, R', C) = {shape}"
 
 
 def run_quantize_pair_problems(variant: Any, device: Any) -> str:
     """'' when the pair-quantization `variant` gives the reference's values, codes and scale bytes bit for bit on
-    every QUANTIZE_PAIR_PROBLEMS (weights spread over 2**-20 .. 2**20 per row and column); else the first failure."""
-    import jax.numpy as jnp
-
-    for i, shape in enumerate(QUANTIZE_PAIR_PROBLEMS):
-        rng = np.random.default_rng(i)
-        w = rng.standard_normal(shape) * np.exp2(rng.integers(-20, 21, (*shape[:2], 1))) \
-            * np.exp2(rng.integers(-20, 21, shape[2]))
-        if i == 0:
-            w[0, 3, 5], w[0, 7, 200], w[0, :32, 32:64] = np.nan, np.inf, 0.0
-        w = w.astype(jnp.bfloat16)
-        where = f"(B, R, C) = {shape}"
+    every problem of its schedule (`_quantize_pair_inputs`); else the first failure."""
+    count = len(QUANTIZE_PAIR_GATHER_PROBLEMS if variant.schedule else QUANTIZE_PAIR_PROBLEMS)
+    for i in range(count):
+        w, row_map, where = _quantize_pair_inputs(variant, i)
         try:
-            got = _run_quantize_pair(variant, w, device)
+            got = _run_quantize_pair(variant, w, row_map, device)
         except Exception as e:  # a kernel that cannot even launch is a failed check, not a crash of the caller
             return f"{where}: raised {type(e).__name__}: {e}"
-        for name, g, want in zip(("values", "codes", "scales"), got, _run_quantize_pair(variant, w, device, "xla")):
-            differ = np.argwhere(g != want)
+        want = _run_quantize_pair(variant, w, row_map, device, "xla")
+        for name, g, r in zip(("values", "codes", "scales"), got, want):
+            differ = np.argwhere(g != r)
             if differ.size:
                 return f"{where}: {name} differ at {len(differ)} places, first at {tuple(differ[0])}"
     return ""

@@ -619,14 +619,17 @@ def contraction_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom
 
 # --------------------------------------------------------------------------------------------------------------
 # Both MX quantizations of a weight (quantize_pair.py): w (B, R, C) -> values (B, R, C), codes (B, R, C), scales
-# (B, R, C/32)
+# (B, R, C/32); with a row map (1, R') w is (1, R, C) and the values (1, R', C)
 # --------------------------------------------------------------------------------------------------------------
 
 
 def quantize_pair_plan(mesh: Any, shapes: Sequence[Any]) -> tuple[Axes, Axes, Axes]:
     """Mesh axes of B, R and C: each kept where it splits its dimension into whole blocks of 32 (B: any split), on
-    axes no other dimension took; every block then lies in one shard and the op runs per shard as it is."""
+    axes no other dimension took; every block then lies in one shard and the op runs per shard as it is. With a row
+    map (a second operand) only C: a map may name any row, so the rows stay whole on every device."""
     w = shapes[0]
+    if len(shapes) > 1:
+        return (), (), _keep(mesh, _dim_axes(w.sharding, 2), w.shape[2], MX_BLOCK, ())
     b_axes = _keep(mesh, _dim_axes(w.sharding, 0), w.shape[0], 1, ())
     r_axes = _keep(mesh, _dim_axes(w.sharding, 1), w.shape[1], MX_BLOCK, b_axes)
     c_axes = _keep(mesh, _dim_axes(w.sharding, 2), w.shape[2], MX_BLOCK, b_axes + r_axes)
@@ -642,8 +645,8 @@ def _quantize_pair_partition(local: Callable, params: Params, mesh: Any, arg_sha
     """custom_partitioning's partition: every device quantizes its own shard (blocks never cross one)."""
     plan = quantize_pair_plan(mesh, arg_shapes)
     p = dict(params)
-    return (mesh, lambda w: local(w, **p), _named(mesh, _quantize_pair_specs(plan)),
-            _named(mesh, (_spec(*plan),)))
+    operands = (_spec(*plan), _spec())[:len(arg_shapes)]  # a row map whole on every device
+    return (mesh, lambda *args: local(*args, **p), _named(mesh, _quantize_pair_specs(plan)), _named(mesh, operands))
 
 
 def _quantize_pair_infer(params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
@@ -659,10 +662,13 @@ def _quantize_pair_propagate(params: Params, mesh: Any, result_shape: Any):
 
 def _quantize_pair_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
     """Shardy: B and R pass through; C is tied to the scales' C/32 where `_linkable` (else they are separate factors
-    and the partition callback still keeps C in whole blocks)."""
+    and the partition callback still keeps C in whole blocks). With a row map the rows (R, R') are replicated."""
     sizes: dict = {}
     linked = _linkable(_shape(operand_types[0])[2], MX_BLOCK, mesh)
     c = _fine("c", linked, MX_BLOCK, sizes)
+    if len(operand_types) > 1:
+        return (f"b r {c}, b p -> b p {c}, b r {c}, b r {_coarse('c', linked)}",
+                dict(need_replication_factors=("b", "r", "p"), **sizes))
     return f"b r {c} -> b r {c}, b r {c}, b r {_coarse('c', linked)}", sizes
 
 

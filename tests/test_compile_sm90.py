@@ -188,6 +188,17 @@ class QuantizePairStructureTest(parameterized.TestCase):
         self.assertLessEqual(resources.registers, 128)
         smem = c.kernel.shared_storage.size_in_bytes() + resources.static_smem_bytes
         self.assertLessEqual(3 * smem, 228 * 1024)  # three CTAs fit an SM's shared memory
+        gather = v.schedule in (catalog.GATHER, catalog.GATHER_VALUES)
+        # the GATHER schedules: one map entry per lane (one global load: the kernel's only one), handed to every
+        # lane by an index shuffle per row (32 for the copies, one per row of the store loop, unrolled twice)
+        self.assertEqual(len(re.findall(r"ld\.global", ptx)), int(gather))
+        shuffles = len(re.findall(r"shfl\.sync\.idx", ptx))
+        self.assertTrue(34 <= shuffles <= 36 if gather else shuffles < 32, shuffles)
+        # values along the rows as 16-byte stores (the store loop unrolled twice), along the columns too for
+        # GATHER_VALUES, whose column blocks leave no codes (8-byte stores)
+        col_values = v.schedule == catalog.GATHER_VALUES
+        self.assertEqual(len(re.findall(r"st\.global\.v4", ptx)), 4 if col_values else 2)
+        self.assertEqual(len(re.findall(r"st\.global\.v2", ptx)), 0 if col_values else 2)
 
 
 if __name__ == "__main__":

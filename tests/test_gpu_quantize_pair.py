@@ -1,6 +1,8 @@
 """GPU: the pair quantization kernel (kernels/quantize_pair.py) through `quantize_pair`, bit for bit against the
 float64 oracle (SPEC §2: codes, scale bytes and dequantized values), on fresh random weights with spread scales,
-NaN, inf, zero and tiny blocks, column tails off the 256-column tile, every format pair, and past 2**31 elements.
+NaN, inf, zero and tiny blocks, column tails off the 256-column tile, every format pair, and past 2**31 elements;
+and its gather schedules (rows through a row map, the column blocks as codes or bf16 values) likewise, on maps
+that name every row once among empty and out-of-range entries, and on mx_ragged_dot's group-padding map.
 
 Skipped without a CUDA device that has a kernel (CI has none). The handler poisons the outputs before each launch
 (JAX_BLOCKGEMM_POISON_OUTPUTS=1, set below: every byte 0xFF, NaN in bf16 and FP8), so an element the kernel leaves
@@ -19,7 +21,8 @@ from absl.testing import absltest, parameterized
 from jax_blockgemm import arch, dispatch
 from jax_blockgemm.quantize_pair import quantize_pair
 
-from test_quantize_pair import assert_matches_oracle, random_weights
+from test_quantize_pair import (_oracle_row_map, assert_mapped_matches_oracle, assert_matches_oracle,
+                                random_weights)
 
 
 def _has_kernel_gpu() -> bool:
@@ -58,6 +61,37 @@ class QuantizePairKernelTest(parameterized.TestCase):
             for name, g, r in zip(("values", "codes", "scales"), got, want):
                 bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16 if a.dtype == jnp.bfloat16 else jnp.uint8)
                 self.assertTrue(bool(jnp.array_equal(bits(g[:, rows]), bits(r))), f"{name} rows {rows}")
+
+    @parameterized.product(shape=((70, 96), (33, 544), (1000, 2080)), col_values=(False, True),
+                           formats=(("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e5m2", "mxfp8_e4m3"),
+                                    ("mxfp8_e5m2", "mxfp8_e5m2")))
+    def test_row_map_against_oracle(self, shape, col_values, formats):
+        """The gather kernels: w's rows any number, the map's a multiple of 32 with empty and out-of-range entries,
+        each of w's rows named once in a random order; outputs poisoned, so a row or column left unwritten fails."""
+        rng = np.random.default_rng(sum(shape) + col_values)
+        w = random_weights(rng, (1, *shape), specials=True, tiny=True)[0]
+        row_map = _oracle_row_map(rng, shape[0], -(-(shape[0] + 50) // 32) * 32)
+        row, col = formats
+        got = jax.jit(lambda w, m: quantize_pair(w, row_format=row, col_format=col, row_map=m, col_values=col_values,
+                                                 implementation="cutedsl"))(w, row_map)
+        assert_mapped_matches_oracle(self, w, row_map, got, row, col, col_values)
+
+    def test_row_map_of_routed_tokens(self):
+        """16384 tokens of 7168 features in 32 skewed groups through the group-padding map mx_ragged_dot builds (the
+        rows of no group after the padded groups): the kernel against the reference (XLA), bit for bit."""
+        from jax_blockgemm import moe, ragged
+
+        sizes = np.random.default_rng(6).dirichlet(np.full(32, 0.5)) * 16000
+        sizes = jnp.asarray(np.floor(sizes), jnp.int32)
+        starts, ends = ragged.group_bounds(sizes, 16384)
+        row_map = moe._group_padding_map(starts, ends, 16384)
+        x = jax.random.normal(jax.random.PRNGKey(5), (16384, 7168), jnp.bfloat16)
+        for col_values in (False, True):
+            f = lambda impl: jax.jit(lambda x, m: quantize_pair(x, row_map=m, col_values=col_values,
+                                                                implementation=impl))(x, row_map)
+            for name, got, want in zip(("values", "codes", "scales"), f("cutedsl"), f("xla")):
+                bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16 if a.dtype == jnp.bfloat16 else jnp.uint8)
+                self.assertTrue(bool(jnp.array_equal(bits(got), bits(want))), f"{name}, col_values={col_values}")
 
 
 if __name__ == "__main__":

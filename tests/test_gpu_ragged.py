@@ -12,6 +12,7 @@ H200: `python -m pytest tests/test_gpu_ragged.py`.
 """
 
 import os
+import re
 
 os.environ["JAX_BLOCKGEMM_POISON_OUTPUTS"] = "1"
 
@@ -196,9 +197,10 @@ class GpuRaggedTest(parameterized.TestCase):
     @parameterized.parameters("mxfp8", "mxfp8_hybrid")
     def test_mx_ragged_dot_step_on_bf16_weights(self, recipe):
         """A training step on bf16 operands, as a model runs it: the weights quantized once by the pair kernel (the
-        forward's values along K, dgrad's codes along N), wgrad's tokens by it too (three jbg_quantize_pair calls),
-        the forward and wgrad on the bf16 grouped kernels, dgrad on the swap_ab kernel; against the straight-through
-        oracle to bf16's rounding of the results."""
+        forward's values along K, dgrad's codes along N), x and dY by its gather kernels through the group-padding
+        map (x: the forward's values along K and wgrad's along the padded groups' rows; dY: dgrad's codes along N and
+        wgrad's values), three jbg_quantize_pair calls; the forward and wgrad on the bf16 grouped kernels, dgrad on
+        the swap_ab kernel; against the straight-through oracle to bf16's rounding of the results."""
         rng = np.random.default_rng(16)
         t, g, k, n = 600, 5, 256, 192
         x, dy = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((t, k), (t, n)))
@@ -213,6 +215,8 @@ class GpuRaggedTest(parameterized.TestCase):
         f = jax.jit(step)
         text = f.lower(x, w, dy).as_text()
         self.assertEqual(text.count("custom_call @jbg_quantize_pair("), 3)
+        pair_calls = "\n".join(line for line in text.splitlines() if "custom_call @jbg_quantize_pair(" in line)
+        self.assertEqual(sorted(re.findall(r"schedule = (\d) : i64", pair_calls)), ["0", "1", "2"])
         self.assertEqual(text.count("custom_call @jbg_ragged_gemm_amax("), 2)  # forward (bf16) and dgrad (swap_ab)
         ref = mx_ragged_dot_oracle(*(np.asarray(v, np.float32) for v in (x, w)), gs, np.asarray(dy, np.float32),
                                    fwd=r.fwd, dgrad=r.dgrad, wgrad=r.wgrad)

@@ -22,7 +22,7 @@ _PROJ_ROPE = tuple(v for v in catalog.CATALOG if v.op == "proj_rope")
 _PLAIN_ABI = {"ragged": (("a", "b", "sfa", "sfb", "items", "c", "amax", "alpha"), ("t", "n", "k", "l", "g",
                                                                                   "max_items")),
               "contraction": (("x", "y", "bounds", "c", "amax"), ("t", "k", "n", "l", "g")),
-              "quantize_pair": (("w", "values", "codes", "scales"), ("rows", "cols"))}
+              "quantize_pair": (("w", "row_map", "values", "codes", "scales"), ("rows", "cols", "src_rows"))}
 _PLAIN = tuple(v for v in catalog.CATALOG if v.op in _PLAIN_ABI)
 _PROJ_ROPE_TENSORS = ("x", "w", "cos", "sin", "x_scale", "w_scale", "row_codes", "row_scales", "col_codes",
                       "col_scales")

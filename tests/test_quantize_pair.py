@@ -103,6 +103,94 @@ class ReferenceTest(parameterized.TestCase):
             jax.jit(lambda w: quantize_pair(w, implementation="cutedsl")).lower(jnp.zeros((32, 32), jnp.bfloat16))
 
 
+def _oracle_row_map(rng: np.random.Generator, rows: int, mapped_rows: int) -> np.ndarray:
+    """A row map of `mapped_rows` entries naming each of w's `rows` rows once, in a random order, with empty rows
+    (-1, and entries past w's rows, which read zeros) between them."""
+    row_map = np.full(mapped_rows, -1, np.int32)
+    row_map[np.sort(rng.choice(mapped_rows, rows, replace=False))] = rng.permutation(rows)
+    empty = np.flatnonzero(row_map < 0)
+    row_map[empty[: len(empty) // 2]] = rows + rng.integers(0, 5, len(empty) // 2)  # out of range: zeros too
+    return row_map
+
+
+def assert_mapped_matches_oracle(test, w, row_map, got, row_format: str, col_format: str, col_values: bool):
+    """The values are the oracle's of the rows the map names (zeros elsewhere), the column blocks w's own: codes and
+    scale bytes bit for bit, or with col_values the bf16 values of the codes; NaN exactly where the oracle's are."""
+    w64 = np.asarray(w).astype(np.float64)
+    inside = (row_map >= 0) & (row_map < w64.shape[-2])
+    rows = np.where(inside[:, None], w64[np.clip(row_map, 0, w64.shape[-2] - 1)], 0.0)
+    values, codes, scales = (np.asarray(x) for x in got)
+    code_dtype, emax = _CODES[col_format]
+    want_codes, want_scales = oracle.quantize_mx_f64(w64, emax=emax, code_dtype=code_dtype, axis=-1)
+    np.testing.assert_array_equal(scales, want_scales, err_msg="scales")
+    checks = [("values", values, oracle_ops.fake_quant_f64(rows, row_format, axis=-2).astype(ml_dtypes.bfloat16))]
+    if col_values:
+        checks.append(("column values", codes,
+                       oracle_ops.fake_quant_f64(w64, col_format, axis=-1).astype(ml_dtypes.bfloat16)))
+    else:
+        np.testing.assert_array_equal(_bits(codes), _bits(want_codes.astype(code_dtype)), err_msg="codes")
+    for name, g, want in checks:
+        nan = np.isnan(want.astype(np.float32))
+        np.testing.assert_array_equal(np.isnan(g.astype(np.float32)), nan, err_msg=f"NaN {name}")
+        np.testing.assert_array_equal(_bits(g)[~nan], _bits(want)[~nan], err_msg=name)
+        test.assertFalse(nan.all(), "the inputs hold finite blocks")
+
+
+class RowMapTest(parameterized.TestCase):
+
+    @parameterized.product(shape=((70, 96), (33, 70), (64, 32)), col_values=(False, True),
+                           formats=(("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e5m2", "mxfp8_e4m3"),
+                                    ("mxfp8_e5m2", "mxfp8_e5m2")))
+    def test_against_oracle(self, shape, col_values, formats):
+        """Any number of w's rows (70, 33), the map's rows whole blocks or not (a tail of 70 columns), empty and
+        out-of-range entries reading zeros, NaN, inf and a zero tile; the row blocks follow the map, the column
+        blocks stay w's."""
+        rng = np.random.default_rng(sum(shape) + col_values)
+        w = random_weights(rng, (1, *shape), specials=True)[0]
+        row_map = _oracle_row_map(rng, shape[0], shape[0] + 40)
+        row, col = formats
+        got = jax.jit(lambda w, m: quantize_pair(w, row_format=row, col_format=col, row_map=m,
+                                                 col_values=col_values))(w, row_map)
+        self.assertEqual([x.shape for x in got], [(shape[0] + 40, shape[1]), shape, (shape[0], -(-shape[1] // 32))])
+        assert_mapped_matches_oracle(self, w, row_map, got, row, col, col_values)
+
+    def test_leading_dims_and_vmap(self):
+        """Each batch's map names its own rows: the batched call, vmap over both operands and vmap over w alone
+        (one map for every batch) equal per-batch calls."""
+        rng = np.random.default_rng(3)
+        w = random_weights(rng, (3, 40, 64))
+        maps = np.stack([_oracle_row_map(rng, 40, 64) for _ in range(3)])
+        f = lambda w, m: quantize_pair(w, row_map=m, col_values=True)
+        each = [f(w[i], maps[i]) for i in range(3)]
+        for got in (f(w, maps), jax.vmap(f)(w, maps)):
+            for i in range(3):
+                for g, want in zip(got, each[i]):
+                    np.testing.assert_array_equal(_bits(g[i]), _bits(want))
+        shared = jax.vmap(f, in_axes=(0, None))(w, maps[0])
+        for i in range(3):
+            for g, want in zip(shared, f(w[i], maps[0])):
+                np.testing.assert_array_equal(_bits(g[i]), _bits(want))
+
+    def test_errors_at_trace_time(self):
+        w = jnp.zeros((40, 64), jnp.bfloat16)
+        with self.assertRaisesRegex(TypeError, "row_map has dtype int64; allowed: int32"):
+            quantize_pair(w, row_map=np.zeros(64, np.int64))
+        with self.assertRaisesRegex(ValueError, r"row_map must be \(\.\.\., R'\) with w's leading dimensions"):
+            quantize_pair(w, row_map=np.zeros((2, 64), np.int32))
+
+    def test_sharded_columns(self):
+        """With a map the columns shard on whole blocks and the rows stay whole: equal to the unsharded call."""
+        mesh = jax.make_mesh((4, 2), ("x", "y"))
+        rng = np.random.default_rng(5)
+        w = random_weights(rng, (1, 72, 512))[0]
+        row_map = _oracle_row_map(rng, 72, 128)
+        f = jax.jit(lambda w, m: quantize_pair(w, row_map=m))
+        for spec in (P(None, "x"), P("x", "y")):
+            got = f(jax.device_put(w, NamedSharding(mesh, spec)), row_map)
+            for g, want in zip(got, f(w, row_map)):
+                np.testing.assert_array_equal(_bits(g), _bits(want))
+
+
 class ShardingTest(parameterized.TestCase):
 
     @parameterized.parameters(*((spec,) for spec in (P("x", None, None), P(None, "x", None), P(None, None, "x"),
@@ -135,6 +223,21 @@ class LoweringTest(absltest.TestCase):
         self.assertNotIn("jbg_quantize_pair", self._cuda_text(jnp.zeros((2, 64, 512), jnp.float32)))
         self.assertNotIn("jbg_quantize_pair", self._cuda_text(jnp.zeros((2, 64, 500), jnp.bfloat16)))
 
+    def test_row_map_takes_the_gather_kernels(self):
+        """With a row map the call lowers to one jbg_quantize_pair call taking w and the map (schedule 1, or 2 for
+        col_values); col_values without a map has no kernel (the reference)."""
+        w, row_map = jnp.zeros((70, 512), jnp.bfloat16), jnp.zeros((128,), jnp.int32)
+        for col_values, schedule in ((False, 1), (True, 2)):
+            text = jax.jit(lambda w, m: quantize_pair(w, row_map=m, col_values=col_values)).trace(
+                w, row_map).lower(lowering_platforms=("cuda",)).as_text()
+            calls = [line for line in text.splitlines() if "custom_call @jbg_quantize_pair(" in line]
+            self.assertEqual(len(calls), 1)
+            self.assertRegex(calls[0], r"jbg_quantize_pair\(%[^,]+, %[^)]+\)")  # two operands
+            self.assertIn(f"schedule = {schedule} : i64", text)
+        text = jax.jit(lambda w: quantize_pair(w, col_values=True)).trace(
+            jnp.zeros((64, 512), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+        self.assertNotIn("jbg_quantize_pair", text)
+
     def test_scale_rule_floor_keeps_the_reference(self):
         with formats.scale_rule("floor"):
             self.assertNotIn("jbg_quantize_pair", self._cuda_text(jnp.zeros((1, 64, 64), jnp.bfloat16)))
@@ -155,8 +258,8 @@ class HandlerChecksTest(absltest.TestCase):
         return self.ext.check_quantize_pair_buffers(specs)
 
     def test_accepts_and_folds_leading_dims(self):
-        self.assertEqual(self._check((3, 64, 96)), ("", (192, 96)))
-        self.assertEqual(self._check((64, 32), codes_dtype="float8_e5m2"), ("", (64, 32)))
+        self.assertEqual(self._check((3, 64, 96)), ("", (192, 96, 192)))
+        self.assertEqual(self._check((64, 32), codes_dtype="float8_e5m2"), ("", (64, 32, 64)))
         # past 2**31 elements in w is fine (the kernel addresses in 64 bits); the scales stay below
         self.assertEqual(self._check((65600, 32768))[0], "")
 
@@ -168,6 +271,27 @@ class HandlerChecksTest(absltest.TestCase):
         self.assertRegex(self._check((64, 64), scales=[64, 1])[0], r"scales has shape .* uint8 \(64, 2\)")
         self.assertRegex(self._check((64, 64), address=8)[0], "16-byte aligned")
         self.assertRegex(self._check((2**26, 2**11))[0], "fewer than 2\\*\\*31 scales")
+
+    def _check_gather(self, w_shape, map_shape, *, values=None, codes_dtype="float8_e4m3fn", schedule=1,
+                      map_dtype="int32", scales=None):
+        scale_shape = (*w_shape[:-1], w_shape[-1] // 32)
+        specs = [("bfloat16", list(w_shape), 256), (map_dtype, list(map_shape), 512),
+                 ("bfloat16", list(values or (*map_shape, w_shape[-1])), 256), (codes_dtype, list(w_shape), 256),
+                 ("uint8", list(scales or scale_shape), 256)]
+        return self.ext.check_quantize_pair_buffers(specs, schedule)
+
+    def test_gather_schedules(self):
+        """With a row map w's rows may be any number (here 70), the values have the map's rows, and the column
+        blocks are codes (gather) or bf16 values (gather_values)."""
+        self.assertEqual(self._check_gather((1, 70, 96), (1, 128)), ("", (128, 96, 70)))
+        self.assertEqual(self._check_gather((70, 96), (128,), codes_dtype="bfloat16", schedule=2), ("", (128, 96, 70)))
+        self.assertRegex(self._check_gather((70, 96), (100,))[0], "row_map has shape .* multiple of 32 entries")
+        self.assertRegex(self._check_gather((70, 96), (128,), map_dtype="float32")[0], "row_map .* int32")
+        self.assertRegex(self._check_gather((70, 96), (128,), values=[70, 96])[0], r"values .* bfloat16 \(128, 96\)")
+        self.assertRegex(self._check_gather((70, 96), (128,), codes_dtype="bfloat16")[0], "codes .* float8_e4m3fn")
+        self.assertRegex(self._check_gather((70, 96), (128,), schedule=2)[0], r"codes .* bfloat16 \(70, 96\)")
+        self.assertRegex(self._check_gather((70, 80), (128,))[0], "w has shape .* last dimension a positive multiple")
+        self.assertRegex(self._check_gather((70, 96), (128,), scales=[70, 2])[0], r"scales .* uint8 \(70, 3\)")
 
 
 if __name__ == "__main__":

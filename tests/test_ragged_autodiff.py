@@ -55,7 +55,7 @@ class MxRaggedDotTest(parameterized.TestCase):
             dx, dw = vjp(jnp.asarray(dy))
         # each case quantizes its forward or its dgrad; the codes form hands codes to ragged_gemm_amax, and so does the
         # bf16 form's dgrad where the weights were quantized as a pair; wgrad's MXFP8 token quantization always takes
-        # quantize_pair (2-D: the padded tokens), the weights only where they pair (3-D)
+        # quantize_pair (2-D: the tokens, padded or through the padding map), the weights only where they pair (3-D)
         ranks = {call.args[0].ndim for call in pair.call_args_list}
         self.assertEqual(3 in ranks, pairs)
         self.assertEqual(2 in ranks, r.wgrad in quantize_pair.FORMATS)
@@ -68,9 +68,11 @@ class MxRaggedDotTest(parameterized.TestCase):
         self.assertTrue((np.asarray(dw)[[0, 3]] == 0).all(), "empty groups get a zero weight gradient")
 
     def test_mxfp8_step_lowers_to_the_sm90a_kernels(self):
-        """What a training step on bf16 operands runs on sm_90a (lowered here for CUDA, as on an H200): the weights
-        and wgrad's two token operands quantized by the pair kernel (3 calls), the forward on the bf16 grouped kernel
-        (its values), dgrad on the swap_ab kernel (the weights' codes along N), wgrad on the grouped contraction."""
+        """What a training step on bf16 operands runs on sm_90a (lowered here for CUDA, as on an H200): the pair
+        kernel on the weights (schedule 0: values along K, codes along N), on x (schedule 2, through the group
+        padding map: values along the padded groups' rows for wgrad, along K for the forward) and on dY (schedule 1:
+        values along the rows, codes along N for dgrad), the forward on the bf16 grouped kernel, dgrad on the swap_ab
+        kernel (both operands' codes along N), wgrad on the grouped contraction."""
         t, g, k, n = 600, 5, 256, 192
         x, w, dy = (jnp.asarray(v, jnp.bfloat16) for v in _inputs(1, t, g, k, n))
         gs = jnp.asarray([97, 0, 1, 300, 170], jnp.int32)
@@ -84,6 +86,8 @@ class MxRaggedDotTest(parameterized.TestCase):
         calls = {name: text.count(f"custom_call @{name}(") for name in
                  ("jbg_quantize_pair", "jbg_ragged_gemm_amax", "jbg_grouped_contraction")}
         self.assertEqual(calls, {"jbg_quantize_pair": 3, "jbg_ragged_gemm_amax": 2, "jbg_grouped_contraction": 1})
+        pair_calls = [line for line in text.splitlines() if "custom_call @jbg_quantize_pair(" in line]
+        self.assertEqual(sorted(re.findall(r"schedule = (\d) : i64", "\n".join(pair_calls))), ["0", "1", "2"])
         ragged_ab = sorted(re.findall(r'custom_call @jbg_ragged_gemm_amax\(.*?ab_dtype = "(\w+)"', text))
         self.assertEqual(ragged_ab, ["bfloat16", "float8_e4m3fn"])  # the forward's values, dgrad's codes
         # the swap_ab objects: E4M3 weights, bf16 tokens

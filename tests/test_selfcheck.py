@@ -747,6 +747,29 @@ class CliTest(absltest.TestCase):
         self.assertEqual(set(ran), expected)
         self.assertEqual({v.op for v in catalog.CATALOG}, {op for _, op in expected})
 
+    def test_quantize_pair_problems_fit_their_schedule(self):
+        """Every quantize_pair variant's problems are ones its kernel takes; the gather schedules' maps name each of
+        w's rows exactly once (the kernel writes the column blocks of named rows only) and leave some entries empty;
+        the reference runs them (with col_values for GATHER_VALUES: bf16 column values)."""
+        import jax
+
+        for v in catalog.variants_for("sm_90a", "quantize_pair"):
+            kernel = catalog.make_kernel(v)
+            count = len(selfcheck.QUANTIZE_PAIR_GATHER_PROBLEMS if v.schedule else selfcheck.QUANTIZE_PAIR_PROBLEMS)
+            for i in range(count):
+                with self.subTest(variant=v.key, problem=i):
+                    w, row_map, _ = selfcheck._quantize_pair_inputs(v, i)
+                    if row_map is None:
+                        self.assertTrue(kernel.can_implement(int(np.prod(w.shape[:-1])), w.shape[-1])[0])
+                    else:
+                        self.assertTrue(kernel.can_implement(len(row_map), w.shape[1], w.shape[0])[0])
+                        self.assertNotEqual(w.shape[0] % 32, 0)
+                        named = row_map[(row_map >= 0) & (row_map < w.shape[0])]
+                        np.testing.assert_array_equal(np.sort(named), np.arange(w.shape[0]))
+                        self.assertLess(len(named), len(row_map))
+                    out = selfcheck._run_quantize_pair(v, w, row_map, jax.devices("cpu")[0], "xla")
+                    self.assertEqual(out[1].dtype, np.uint16 if v.schedule == catalog.GATHER_VALUES else np.uint8)
+
     def test_decode_problems_fit_the_variant_and_reach_its_edges(self):
         """Every weight_stream variant's problems are ones it takes, one of them fills its token capacity, and
         together they cover a single token, a partial token tile, L > 1, N off the CTA's row multiple and a K whose

@@ -40,11 +40,13 @@ dynamic_shapes[1];}` struct over a flat buffer.
       SWAP_AB; MXFP8 E4M3 weights, f32 or bf16 C) take the tokens dequantized to bf16 and permuted
       (`ragged.swap_ab_tokens`: a (L, T, K rounded up to 256)), the weights' codes b and their atoms sfb; sfa is empty
       and alpha unread.
-    quantize_pair: fn(w, values, codes, scales, rows, cols, stream)
-      both MX quantizations of a bf16 matrix in one pass (kernels/quantize_pair.py): w (rows, cols) bf16; values
-      (rows, cols) bf16, w quantized with its blocks along the rows in ab_dtype's format, as code·scale; codes (rows,
-      cols) in c_dtype's FP8 format and scales uint8 (rows, cols / 32), w quantized with its blocks along the columns;
-      rows and cols int32, multiples of 32.
+    quantize_pair: fn(w, row_map, values, codes, scales, rows, cols, src_rows, stream)
+      both MX quantizations of a bf16 matrix in one pass (kernels/quantize_pair.py): w (src_rows, cols) bf16; values
+      (rows, cols) bf16, w quantized with its blocks along the rows in ab_dtype's format, as code·scale; codes
+      (src_rows, cols) in c_dtype's FP8 format and scales uint8 (src_rows, cols / 32), w quantized with its blocks
+      along the columns; rows and cols int32, multiples of 32. The plain schedule reads row_map not at all (src_rows
+      = rows); GATHER reads row i of the row blocks from w's row row_map[i] (int32 (rows,); zeros where negative) and
+      writes the column blocks of the rows it names; GATHER_VALUES likewise, with codes bf16 code·scale.
     contraction: fn(x, y, bounds, c, amax, t, k, n, l, g, stream)
       the per-group contraction over tokens, the weight gradient of a ragged product (kernels/sm90/contraction.py):
       x bf16 (L, T, K) and y bf16 (L, T, N), tokens sorted by group; bounds int32 (L, G, 2), the rows [start, end)
@@ -196,7 +198,8 @@ def _contraction_factory(v: KernelVariant) -> Any:
 def _quantize_pair_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.quantize_pair import MxQuantizePair
 
-    return MxQuantizePair(row_dtype=v.ab_dtype, col_dtype=v.c_dtype)
+    return MxQuantizePair(row_dtype=v.ab_dtype, col_dtype=v.c_dtype, gather=v.schedule in (GATHER, GATHER_VALUES),
+                          col_values=v.schedule == GATHER_VALUES)
 
 
 def _weight_stream_factory(v: KernelVariant) -> Any:
@@ -246,6 +249,9 @@ NO_SCALES = "none"  # the sf_dtype of variants whose operands carry no block sca
 SWAP_AB = "swap_ab"
 WEIGHT_STREAM_TILES = ((32, 16), (32, 64))
 QUANTIZE_PAIR_TILE = (32, 256)  # the tile field of the quantize_pair keys: a warp's rows x columns
+# The schedules of the quantize_pair kernels that read their rows through a row map (mx_ragged_dot's tokens, each
+# group padded to whole blocks of 32 along the rows), writing the column blocks as codes or as bf16 values
+GATHER, GATHER_VALUES = "gather", "gather_values"
 
 CATALOG: tuple[KernelVariant, ...] = (
     tuple(KernelVariant(arch="sm_90a", ab_dtype=ab, c_dtype=c) for ab in _FP8 for c in _C)
@@ -321,7 +327,13 @@ CATALOG: tuple[KernelVariant, ...] = (
     # along K, dgrad's codes along N): ab_dtype the row blocks' format, c_dtype the column blocks' (every FP8 pair
     # a Recipe can name). sm_90a only: sm_100a's MX recipes hand the ragged GEMMs codes (arch.TABLE).
     + tuple(KernelVariant(op="quantize_pair", arch="sm_90a", ab_dtype=row, c_dtype=col, tile_mn=QUANTIZE_PAIR_TILE)
-            for row in _FP8 for col in _FP8))
+            for row in _FP8 for col in _FP8)
+    # ... and of mx_ragged_dot's tokens (its MX recipes on sm_90a), their rows through the group padding's map: x's
+    # values along the tokens for wgrad and along K for the forward (GATHER_VALUES), dY's values along the tokens
+    # and codes along N for dgrad (GATHER)
+    + tuple(KernelVariant(op="quantize_pair", arch="sm_90a", ab_dtype=row, c_dtype=col, tile_mn=QUANTIZE_PAIR_TILE,
+                          schedule=schedule)
+            for schedule in (GATHER, GATHER_VALUES) for row in _FP8 for col in _FP8))
 
 
 # Kernels built outside the package (tests' deliberately broken ones) that forced runs and the self-check may build:
@@ -387,8 +399,8 @@ def fake_arguments(kernel: Any, op: str = "gemm_amax") -> list:
                 flat(cutlass.Float32), flat(cutlass.Float32), i32(1), i32(32), i32(64), i32(1), i32(0),
                 cuda.CUstream(0)]
     if op == "quantize_pair":
-        return [flat(cutlass.BFloat16), flat(cutlass.BFloat16), flat(kernel.c_dtype), flat(cutlass.Uint8),
-                cutlass.Int32(32), cutlass.Int32(256), cuda.CUstream(0)]
+        return [flat(cutlass.BFloat16), flat(cutlass.Int32), flat(cutlass.BFloat16), flat(kernel.c_dtype),
+                flat(cutlass.Uint8), cutlass.Int32(32), cutlass.Int32(256), cutlass.Int32(32), cuda.CUstream(0)]
     if op == "contraction":
         i32 = cutlass.Int32
         return [flat(cutlass.BFloat16), flat(cutlass.BFloat16), flat(cutlass.Int32), flat(kernel.c_dtype),

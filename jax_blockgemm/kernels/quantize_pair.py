@@ -1,5 +1,6 @@
 """Both MX quantizations of a bf16 matrix in one pass: what a training step needs of a weight that it multiplies
-with one axis as the contraction (forward) and then with the other (dgrad).
+with one axis as the contraction (forward) and then with the other (dgrad), or of tokens that it contracts over their
+features (forward, dgrad) and over each group's rows (wgrad).
 
 For w as a (rows, cols) matrix (a batch of (R, C) matrices with R a multiple of 32 is one such matrix: no block
 crosses a batch boundary) the kernel reads w once and writes
@@ -14,6 +15,12 @@ Both are `formats.quantize_dequantize` and `formats.quantize_mxfp8` of the same 
 rule of SPEC §2, computed on the amax bits; RNE conversions by the hardware with saturation, which the rule never
 needs; a block holding NaN or inf gets the byte 0xFF, zero codes and NaN values).
 
+The GATHER schedules read their rows through a map instead: row i of the row-blocked matrix is w's row row_map[i]
+(zeros where it is negative), so that blocks of 32 along the rows can follow groups of tokens that do not start at
+multiples of 32 (mx_ragged_dot's wgrad pads each group to whole blocks); the column blocks belong to w's rows and are
+written at row_map[i] (rows the map does not name are not written). GATHER_VALUES writes them as bf16 code·scale
+instead of codes (the scales as well).
+
 A warp owns a tile of 32 rows (one block) by 256 columns. Each lane copies 16 bytes (8 columns) of each of the 32
 rows into its own slots in shared memory with `cp.async` (all 32 copies in flight at once; a lane reads back only
 what it copied, so waiting for its own copies is the only synchronization), then reads its rows twice: once for its
@@ -24,10 +31,12 @@ as `formats.magnitude_max` orders them. Columns past `cols` (a multiple of 32, s
 together) are neither read nor written. Bandwidth-bound: 2 bytes read and 3 + 1/32 written per element; 64
 registers, three CTAs (12 warps, 192 KB of tiles in flight) per SM.
 
-ABI (catalog op "quantize_pair"): fn(w, values, codes, scales, rows, cols, stream), flat buffers: w bf16 (rows,
-cols); values bf16 (rows, cols); codes (rows, cols) in the column blocks' FP8 format; scales uint8 (rows, cols / 32);
-rows and cols int32, both multiples of 32; element offsets in 64 bits (rows · cols may pass 2**31). The handler
-(ffi/quantize_pair.cc) checks every size against `can_implement`.
+ABI (catalog op "quantize_pair"): fn(w, row_map, values, codes, scales, rows, cols, src_rows, stream), flat
+buffers: w bf16 (src_rows, cols); row_map int32 (rows,), read by the GATHER schedules only (src_rows = rows
+otherwise); values bf16 (rows, cols); codes (src_rows, cols) in the column blocks' FP8 format (bf16 for
+GATHER_VALUES); scales uint8 (src_rows, cols / 32); rows and cols int32, multiples of 32, src_rows >= 1; element
+offsets in 64 bits (rows · cols may pass 2**31). Map entries outside [0, src_rows) read zeros and write nothing. The
+handler (ffi/quantize_pair.cc) checks every size against `can_implement`.
 """
 
 from __future__ import annotations
@@ -73,44 +82,57 @@ def _fp8x2_to_f32(pair, fmt: str, *, loc=None, ip=None) -> tuple:
 
 class MxQuantizePair:
     """w (rows, cols) bf16 -> its values quantized along the rows in `row_dtype` (bf16) and its codes and scales
-    quantized along the columns in `col_dtype`; both FP8 MX formats (E4M3 or E5M2), E8M0 scales per 32."""
+    quantized along the columns in `col_dtype`; both FP8 MX formats (E4M3 or E5M2), E8M0 scales per 32. `gather`:
+    the rows come through a row map (the module's GATHER schedules); `col_values`: the column blocks are written as
+    bf16 code·scale instead of codes (GATHER_VALUES)."""
 
     # What the structural report reads of every kernel (kernels/structure.py): no MMA, no tensor memory.
     threads_per_cta = THREADS
     tmem_columns_used = tmem_columns_allocated = 0
 
-    def __init__(self, *, row_dtype: str = "float8_e4m3fn", col_dtype: str = "float8_e4m3fn"):
+    def __init__(self, *, row_dtype: str = "float8_e4m3fn", col_dtype: str = "float8_e4m3fn", gather: bool = False,
+                 col_values: bool = False):
         common.require_choice("row_dtype", row_dtype, tuple(CODE_FORMATS))
         common.require_choice("col_dtype", col_dtype, tuple(CODE_FORMATS))
+        if col_values and not gather:
+            raise ValueError("col_values is a GATHER schedule's option: it needs gather=True")
         self.row_fmt, self.col_fmt = CODE_FORMATS[row_dtype], CODE_FORMATS[col_dtype]
+        self.gather, self.col_values = gather, col_values
         self.ab_dtype = cutlass.BFloat16
-        self.c_dtype = cutlass.Float8E4M3FN if col_dtype == "float8_e4m3fn" else cutlass.Float8E5M2
+        fp8 = cutlass.Float8E4M3FN if col_dtype == "float8_e4m3fn" else cutlass.Float8E5M2
+        self.c_dtype = cutlass.BFloat16 if col_values else fp8  # what the codes buffer holds
 
     @staticmethod
-    def can_implement(rows: int, cols: int) -> tuple[bool, str]:
-        """Whether the kernel takes a (rows, cols) matrix, and why not."""
+    def can_implement(rows: int, cols: int, src_rows: int | None = None) -> tuple[bool, str]:
+        """Whether the kernel takes a (rows, cols) matrix (read from src_rows rows of w through a map, where given),
+        and why not."""
+        src_rows = rows if src_rows is None else src_rows
         if min(rows, cols) < 1 or rows % MX_BLOCK or cols % MX_BLOCK:
             return False, f"rows and cols must be positive multiples of {MX_BLOCK}, got {rows} x {cols}"
-        if rows >= 2**31 or cols >= 2**31 or rows * (cols // MX_BLOCK) >= 2**31:
-            return False, f"rows, cols and the scales' rows * cols / 32 must be below 2**31, got {rows} x {cols}"
+        if src_rows < 1:
+            return False, f"w must have at least one row, got {src_rows}"
+        if max(rows, src_rows, cols) >= 2**31 or max(rows, src_rows) * (cols // MX_BLOCK) >= 2**31:
+            return False, (f"rows, cols and the scales' rows * cols / 32 must be below 2**31, got {rows} x {cols} "
+                           f"({src_rows} rows of w)")
         if (rows // MX_BLOCK) * -(-cols // TILE_COLS) >= 2**31:
             return False, f"too many tiles of {MX_BLOCK} x {TILE_COLS} in {rows} x {cols}"
         return True, ""
 
     @cute.jit
-    def __call__(self, w: cute.Tensor, values: cute.Tensor, codes: cute.Tensor, scales: cute.Tensor,
-                 rows: cutlass.Int32, cols: cutlass.Int32, stream: cuda.CUstream):
+    def __call__(self, w: cute.Tensor, row_map: cute.Tensor, values: cute.Tensor, codes: cute.Tensor,
+                 scales: cute.Tensor, rows: cutlass.Int32, cols: cutlass.Int32, src_rows: cutlass.Int32,
+                 stream: cuda.CUstream):
         """Host side: one warp per tile, WARPS tiles per CTA."""
         fields = dict(tiles=cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WARPS * WARP_BYTES // 4], 128])
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         tiles = (rows // MX_BLOCK) * ((cols + TILE_COLS - 1) // TILE_COLS)
-        self.kernel(w, values, codes, scales, rows, cols).launch(
+        self.kernel(w, row_map, values, codes, scales, rows, cols, src_rows).launch(
             grid=((tiles + WARPS - 1) // WARPS, 1, 1), block=(THREADS, 1, 1), smem=self.shared_storage.size_in_bytes(),
             min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=100, stream=stream)
 
     @cute.kernel
-    def kernel(self, w: cute.Tensor, values: cute.Tensor, codes: cute.Tensor, scales: cute.Tensor,
-               rows: cutlass.Int32, cols: cutlass.Int32):
+    def kernel(self, w: cute.Tensor, row_map: cute.Tensor, values: cute.Tensor, codes: cute.Tensor,
+               scales: cute.Tensor, rows: cutlass.Int32, cols: cutlass.Int32, src_rows: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -122,13 +144,26 @@ class MxQuantizePair:
             col = (tile - row_block * col_tiles) * TILE_COLS + lane * LANE_COLS
             live = col < cols
             first = cutlass.Int64(row_block * MX_BLOCK) * cols + col  # element offset of the lane's first row
-            # the lane's 16 bytes of every row into its own slots (a lane past cols copies nothing, zero-filled,
-            # from its row's start): it reads back only what it copied, so its own wait is the only synchronization
+            lane_col = cutlass.Int64(cutlass.select_(live, col, 0))
+            # the row of w that the tile's row r reads: itself, or through the map, where lane l loads row l's entry
+            # and a shuffle hands it to every lane (-1 for a negative entry or one past w's rows: zeros read,
+            # nothing written)
+            mapped = row_block * MX_BLOCK + lane
+            if cutlass.const_expr(self.gather):
+                mapped = cutlass.Int32(row_map[mapped])
+                mapped = cutlass.select_((mapped >= 0) & (mapped < src_rows), mapped, -1)
+            # the lane's 16 bytes of every row into its own slots (a lane past cols, or a row the map leaves empty,
+            # copies nothing, zero-filled, from a valid address): it reads back only what it copied, so its own wait
+            # is the only synchronization
             slot0 = storage.tiles.data_ptr().toint() + warp * WARP_BYTES + lane * 16
-            source = w.iterator.toint() + cutlass.select_(live, first, first - col) * 2
+            w0 = w.iterator.toint()
             for r in cutlass.range_constexpr(MX_BLOCK):
-                ptx_ops.cp_async_16(slot0 + r * ROW_BYTES, source + cutlass.Int64(r) * cols * 2,
-                                    cutlass.select_(live, 16, 0))
+                src = row_block * MX_BLOCK + r
+                if cutlass.const_expr(self.gather):
+                    src = cute.arch.shuffle_sync(mapped, r)
+                offset = cutlass.Int64(cutlass.max(src, 0)) * cols + lane_col
+                ptx_ops.cp_async_16(slot0 + r * ROW_BYTES, w0 + offset * 2,
+                                    cutlass.select_(live & (src >= 0), 16, 0))
             ptx_ops.cp_async_commit()
             ptx_ops.cp_async_wait(0)
             # the blocks along the rows: each column's max magnitude over the 32 rows, the lane's own (as integer
@@ -148,6 +183,9 @@ class MxQuantizePair:
             v0, c0, s0 = values.iterator.toint(), codes.iterator.toint(), scales.iterator.toint()
             for r in cutlass.range(MX_BLOCK, unroll=2):
                 words = ptx_ops.ld_shared_v4(slot0 + r * ROW_BYTES)
+                src = row_block * MX_BLOCK + r
+                if cutlass.const_expr(self.gather):
+                    src = cute.arch.shuffle_sync(mapped, r)
                 # the row's block along the columns: LANE_COLS columns here, 32 over the QUAD lanes that hold it
                 m = cutlass.Int32(0)
                 for j in cutlass.range_constexpr(WORDS):
@@ -156,7 +194,8 @@ class MxQuantizePair:
                 for o in cutlass.range_constexpr(QUAD.bit_length() - 1):
                     m = cutlass.max(m, cute.arch.shuffle_sync_bfly(m, offset=1 << o))
                 row_byte, row_inv, row_bad = epilogue.e8m0_scale(m << 16, self.col_fmt)
-                out_words, code_pairs = [], []
+                row_scale = common.f32_from_bits(common.e8m0_bits(row_byte))  # NaN for a NaN/inf block
+                out_words, code_pairs, col_words = [], [], []
                 for j in cutlass.range_constexpr(WORDS):
                     lo = common.f32_from_bits(words[j] << 16)
                     hi = common.f32_from_bits(words[j] & ptx_ops.s32(0xFFFF0000))
@@ -164,10 +203,17 @@ class MxQuantizePair:
                     v_lo, v_hi = _fp8x2_to_f32(pair, self.row_fmt)
                     out_words.append(epilogue.bf16x2(v_lo * scale_col[2 * j], v_hi * scale_col[2 * j + 1]))
                     code_pairs.append(epilogue.fp8x2(lo * row_inv, hi * row_inv, self.col_fmt))
-                at = first + cutlass.Int64(r) * cols
-                keep = cutlass.Int32(cutlass.select_(row_bad, 0, -1))  # a NaN/inf block's codes are zero
-                ptx_ops.st_global_v4_if(v0 + at * 2, *out_words, cutlass.Int32(live))
-                ptx_ops.st_global_v2_if(c0 + at, (code_pairs[0] | (code_pairs[1] << 16)) & keep,
-                                        (code_pairs[2] | (code_pairs[3] << 16)) & keep, cutlass.Int32(live))
+                    if cutlass.const_expr(self.col_values):
+                        c_lo, c_hi = _fp8x2_to_f32(code_pairs[j], self.col_fmt)
+                        col_words.append(epilogue.bf16x2(c_lo * row_scale, c_hi * row_scale))
+                ptx_ops.st_global_v4_if(v0 + (first + cutlass.Int64(r) * cols) * 2, *out_words, cutlass.Int32(live))
+                at = cutlass.Int64(cutlass.max(src, 0)) * cols + lane_col  # the column blocks' row: w's own
+                stored = live & (src >= 0)
+                if cutlass.const_expr(self.col_values):
+                    ptx_ops.st_global_v4_if(c0 + at * 2, *col_words, cutlass.Int32(stored))
+                else:
+                    keep = cutlass.Int32(cutlass.select_(row_bad, 0, -1))  # a NaN/inf block's codes are zero
+                    ptx_ops.st_global_v2_if(c0 + at, (code_pairs[0] | (code_pairs[1] << 16)) & keep,
+                                            (code_pairs[2] | (code_pairs[3] << 16)) & keep, cutlass.Int32(stored))
                 first_of_block = (lane & (QUAD - 1)) == 0  # one lane of the QUAD stores the row block's byte
-                ptx_ops.st_global_u8_if(s0 + at // MX_BLOCK, row_byte, cutlass.Int32(live & first_of_block))
+                ptx_ops.st_global_u8_if(s0 + at // MX_BLOCK, row_byte, cutlass.Int32(stored & first_of_block))
