@@ -20,7 +20,10 @@ transposed copy for the forward). Both give the same values up to float32 summat
 bf16 tensor rate (sm_90a) the codes buy nothing and the transposed copy costs three times the GEMM
 (docs/design/moe.md). Under differentiation the "bf16" form quantizes the weights once for both GEMMs
 (`quantize_pair`: one pass, its kernel where one applies): the forward takes their values along K, and dgrad their
-codes along N, kept from the forward (half the weights' bf16 bytes) and read by `ragged_gemm_amax` as they lie.
+codes along N, kept from the forward (half the weights' bf16 bytes) and read by `ragged_gemm_amax` as they lie. The
+tokens then take one pass each too, through the group-padding map (`_group_padding_map`): x's values along K for the
+forward and along the padded groups' rows for wgrad (kept instead of x), dY's codes along N for dgrad and its values
+along the rows for wgrad.
 
 A GEMM whose contraction is not a multiple of 32 (K for the forward, N for dgrad) runs in bf16 instead, as in
 mx_dot_general; wgrad's padding makes the token contraction always fit. The bf16 recipe runs the bf16 grouped GEMM,
