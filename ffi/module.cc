@@ -176,12 +176,12 @@ jbg::KernelDtypes WeightStreamDtypes(const std::string& w_dtype, const std::stri
   return kernel;
 }
 
-// Test hook for the weight_stream execute stage's buffer checks: x, w, sw, c, amax_parts, alpha as (dtype, dims,
+// Test hook for the weight_stream execute stage's buffer checks: x, w, sw, c, amax, alpha as (dtype, dims,
 // address), for objects compiled for the given attributes. Returns (message, (m, n, k, l, sf_atom)).
 std::tuple<std::string, std::tuple<int, int, int, int, int>> CheckWeightStream(
     const std::vector<BufferSpec>& specs, const std::string& w_dtype, const std::string& c_dtype,
     const std::string& sf_dtype, int64_t sf_vec_size, int64_t max_m) {
-  if (specs.size() != 6) throw nb::value_error("expected 6 buffers: x, w, sw, c, amax_parts, alpha");
+  if (specs.size() != 6) throw nb::value_error("expected 6 buffers: x, w, sw, c, amax, alpha");
   const jbg::KernelDtypes kernel = WeightStreamDtypes(w_dtype, c_dtype, sf_dtype, sf_vec_size, max_m);
   jbg::BufferDesc descs[6];
   ToDescs(specs, descs);
@@ -339,7 +339,7 @@ NB_MODULE(_jbg_ffi, m) {
         nb::arg("c_dtype"), nb::arg("sf_dtype") = "float8_e8m0fnu", nb::arg("sf_vec_size") = 32,
         nb::arg("max_m") = 64,
         "Test hook: the weight_stream execute stage's buffer checks on [(dtype, dims, address)] * 6 (x, w, sw, c, "
-        "amax_parts, alpha) for objects compiled for w_dtype / c_dtype / sf_dtype / sf_vec_size taking max_m rows.");
+        "amax, alpha) for objects compiled for w_dtype / c_dtype / sf_dtype / sf_vec_size taking max_m rows.");
   m.def(
       "parse_weight_stream_attributes",
       [](const std::string& w_dtype, const std::string& c_dtype, const std::string& sf_dtype, int64_t sf_vec_size,

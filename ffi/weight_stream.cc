@@ -11,7 +11,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr const char* kNames[6] = {"x", "w", "sw", "c", "amax_parts", "alpha"};
+constexpr const char* kNames[6] = {"x", "w", "sw", "c", "amax", "alpha"};
 
 std::string Describe(const BufferDesc& b, int index) {
   return std::string(kWeightStreamTarget) + ": " + kNames[index] + " is " + DtypeName(b.dtype) + " " +
@@ -102,13 +102,10 @@ std::string CheckWeightStreamBuffers(const BufferDesc (&buf)[6], const KernelDty
     return Describe(c, 3) + "; the kernel objects were compiled for a " + DtypeName(kernel.c) + " C";
   }
   if (!HasShape(c, {l, m, n})) return Describe(c, 3) + "; expected " + ShapeString({l, m, n}) + " (L, M, N)";
-  const int64_t row_blocks = CeilDiv(n, kWeightStreamRows);
-  if (buf[4].dtype != XLA_FFI_DataType_F32 || !HasShape(buf[4], {l, row_blocks})) {
-    return Describe(buf[4], 4) + "; expected float32 " + ShapeString({l, row_blocks}) + " (L, ceil(N/" +
-           std::to_string(kWeightStreamRows) + "): one slot per CTA)";
-  }
-  if (buf[5].dtype != XLA_FFI_DataType_F32 || !HasShape(buf[5], {l})) {
-    return Describe(buf[5], 5) + "; expected float32 " + ShapeString({l}) + " (L,)";
+  for (int i : {4, 5}) {
+    if (buf[i].dtype != XLA_FFI_DataType_F32 || !HasShape(buf[i], {l})) {
+      return Describe(buf[i], i) + "; expected float32 " + ShapeString({l}) + " (L,)";
+    }
   }
   for (int i = 0; i < 6; ++i) {
     if (ElementCount(buf[i]) >= kMaxBufferElements) return Describe(buf[i], i) + "; expected fewer than 2**31 elements";
@@ -129,7 +126,7 @@ using StateOr = ffi::ErrorOr<std::unique_ptr<KernelObjects>>;
 // Bytes per element of the C dtypes the objects write.
 StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span<const uint8_t> objects,
                     ffi::Span<const int64_t> offsets, std::string_view w_dtype, std::string_view c_dtype,
-                    std::string_view sf_dtype, int64_t sf_vec_size, int64_t max_m) {
+                    std::string_view sf_dtype, int64_t sf_vec_size, int64_t max_m, int64_t) {
   KernelDtypes dtypes{};
   if (std::string why = ParseWeightStreamAttributes(w_dtype, c_dtype, sf_dtype, sf_vec_size, max_m, &dtypes);
       !why.empty()) {
@@ -143,13 +140,13 @@ StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span
 // The state holds what instantiation parsed; max_m, which it checked, is read again from the call's attributes.
 ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
                    ffi::AnyBuffer sw, ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> c,
-                   ffi::Result<ffi::AnyBuffer> amax_parts, std::string_view, std::string_view,
-                   ffi::Span<const uint8_t>, ffi::Span<const int64_t>, std::string_view, std::string_view,
-                   std::string_view, int64_t, int64_t max_m) {
+                   ffi::Result<ffi::AnyBuffer> amax, std::string_view, std::string_view, ffi::Span<const uint8_t>,
+                   ffi::Span<const int64_t>, std::string_view, std::string_view, std::string_view, int64_t,
+                   int64_t max_m, int64_t zero_amax) {
   DslFunction* fn = nullptr;
   if (ffi::Error e = DeviceFunction(*state, device, kWeightStreamTarget, &fn); e.failure()) return e;
-  const BufferDesc buffers[6] = {ToBufferDesc(x),  ToBufferDesc(w),           ToBufferDesc(sw),
-                                 ToBufferDesc(*c), ToBufferDesc(*amax_parts), ToBufferDesc(alpha)};
+  const BufferDesc buffers[6] = {ToBufferDesc(x),  ToBufferDesc(w),     ToBufferDesc(sw),
+                                 ToBufferDesc(*c), ToBufferDesc(*amax), ToBufferDesc(alpha)};
   WeightStreamDims dims;
   if (std::string message = CheckWeightStreamBuffers(buffers, state->dtypes, max_m, &dims); !message.empty()) {
     return ffi::Error::InvalidArgument(message);
@@ -158,22 +155,19 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   const CudaDriver* driver = GetCudaDriver(&error);  // loaded at instantiation; a pointer read here
   if (driver == nullptr) return ffi::Error::Internal(std::string(kWeightStreamTarget) + ": " + error);
   ScopedStreamContext context(*driver, stream);
-  // every CTA writes its own slot of amax_parts: nothing is zeroed before the kernel (poisoned with C when asked, so
-  // that a slot left unwritten fails the checks)
-  if (state->poison_outputs) {
-    for (int i : {3, 4}) {
-      const size_t bytes = static_cast<size_t>(ElementCount(buffers[i])) * ElementBytes(buffers[i].dtype);
-      if (CUresult r = driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(buffers[i].data), 0xFF, bytes, stream);
-          r != kCudaSuccess) {
-        return ffi::Error::Internal(std::string(kWeightStreamTarget) + ": poisoning " + kNames[i] +
-                                    " failed: " + driver->ErrorName(r));
-      }
-    }
+  // amax is an integer atomic max over the bits of |C|: it starts from +0.0, on XLA's stream, before the kernel;
+  // a caller that drops amax (zero_amax 0: weight_only_matmul) leaves it unzeroed and its value undefined.
+  const size_t c_bytes = static_cast<size_t>(ElementCount(buffers[3])) * ElementBytes(buffers[3].dtype);
+  void* amax_to_zero = zero_amax != 0 ? amax->untyped_data() : nullptr;
+  if (ffi::Error e = ZeroAmaxAndPoisonC(*state, kWeightStreamTarget, *driver, stream, amax_to_zero,
+                                        static_cast<size_t>(dims.l), c->untyped_data(), c_bytes);
+      e.failure()) {
+    return e;
   }
   KernelTensor tensors[6];
   for (int i = 0; i < 6; ++i) tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), ElementCount(buffers[i])};
   int32_t m = dims.m, n = dims.n, k = dims.k, l = dims.l, sf_atom = dims.sf_atom, ret = 0;
-  // fn(x, w, sw, c, amax_parts, alpha, m, n, k, l, sf_atom, stream) and the kernel's status slot.
+  // fn(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom, stream) and the kernel's status slot.
   void* args[13] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5], &m,
                     &n,          &k,          &l,          &sf_atom,    &stream,     &ret};
   return RunKernel(*state, device, kWeightStreamTarget, *driver, fn, args, 13, &ret);
@@ -188,7 +182,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgWeightStreamInstantiate, jbg::Instantiate,
                                   .Attr<std::string_view>("c_dtype")
                                   .Attr<std::string_view>("sf_dtype")
                                   .Attr<int64_t>("sf_vec_size")
-                                  .Attr<int64_t>("max_m"),
+                                  .Attr<int64_t>("max_m")
+                                  .Attr<int64_t>("zero_amax"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgWeightStreamExecute, jbg::Execute,
@@ -201,10 +196,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgWeightStreamExecute, jbg::Execute,
                                   .Arg<xla::ffi::AnyBuffer>()   // sw
                                   .Arg<xla::ffi::AnyBuffer>()   // alpha
                                   .Ret<xla::ffi::AnyBuffer>()   // c
-                                  .Ret<xla::ffi::AnyBuffer>())  // amax_parts
+                                  .Ret<xla::ffi::AnyBuffer>())  // amax
                                   .Attr<std::string_view>("w_dtype")
                                   .Attr<std::string_view>("c_dtype")
                                   .Attr<std::string_view>("sf_dtype")
                                   .Attr<int64_t>("sf_vec_size")
-                                  .Attr<int64_t>("max_m"),
+                                  .Attr<int64_t>("max_m")
+                                  .Attr<int64_t>("zero_amax"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

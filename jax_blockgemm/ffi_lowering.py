@@ -22,10 +22,10 @@ instantiates the program. Attributes:
   of one of its clusters (sm_100a, whose function takes max_ctas: the handler sizes the persistent grid per device
   from the SM count and the clusters that fit at once).
 
-`jbg_weight_stream` (x, w, sw, alpha -> c, amax_parts) carries the object table and `w_dtype`, `c_dtype`,
-`sf_dtype`, `sf_vec_size` (what its objects were compiled for, named as above) and `max_m` (int64: the most rows of x
-every object takes); sw's rank tells the handler its form (3: compact scales, 6: the 128x4 atom). amax_parts (L,
-ceil(N/32)) float32 holds each CTA's max |C|; the lowering reduces it to amax.
+`jbg_weight_stream` (x, w, sw, alpha -> c, amax) carries the object table and `w_dtype`, `c_dtype`, `sf_dtype`,
+`sf_vec_size` (what its objects were compiled for, named as above), `max_m` (int64: the most rows of x every
+object takes) and `zero_amax` (int64: 0 when the caller drops amax, so nothing zeroes it); sw's rank tells the handler
+its form (3: compact scales, 6: the 128x4 atom).
 
 `jbg_ragged_gemm_amax` (a, b, sfa, sfb, items, alpha -> c, amax) carries the object table and `ab_dtype`, `c_dtype`,
 `sf_dtype`, `sf_vec_size`, `b_major` as `jbg_gemm_amax` names them: b holds one weight per batch and group, (L, G, N,
@@ -88,7 +88,6 @@ E8M0 = "float8_e8m0fnu"
 NO_SCALES = "none"  # catalog.NO_SCALES: the sf_dtype (with sf_vec_size 0) of objects whose operands carry no scales
 SWAP_AB = "swap_ab"  # catalog.SWAP_AB: the ragged objects that take bfloat16 tokens and convert only the weights
 SWAP_AB_K_PAD = 256  # ragged.SWAP_AB_K_PAD: their tokens' K is rounded up to a multiple of this
-WEIGHT_STREAM_ROWS = 32  # weight rows per CTA of every decode kernel (tile_mn[0]): one amax_parts slot each
 # the quantize_pair schedules (catalog's "", GATHER, GATHER_VALUES), each one's index its handler's `schedule`
 QUANTIZE_PAIR_SCHEDULES = ("", "gather", "gather_values")
 
@@ -220,10 +219,10 @@ def emit_dequantize(ctx: Any, operands: Sequence[tuple[Any, Any]], *, avals: Seq
 
 
 def weight_stream_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, w_dtype: Any, c_dtype: Any,
-                             sf_dtype: str) -> dict[str, Any]:
+                             sf_dtype: str, zero_amax: bool = True) -> dict[str, Any]:
     """The jbg_weight_stream call's attributes for `variants` (one per arch, all compiled for the weight codes
     `w_dtype` (uint8: packed FP4), C dtype `c_dtype` and scales `sf_dtype`); max_m is the smallest row capacity among
-    them (tile_mn[1])."""
+    them (tile_mn[1]); zero_amax 0 tells the handler that the caller drops amax (no memset before the kernel)."""
     w_dtype, c_dtype = logical_dtype(w_dtype), str(np.dtype(c_dtype))
     for v in variants:
         if (v.ab_dtype, v.c_dtype, v.sf_dtype) != (w_dtype, c_dtype, sf_dtype):
@@ -233,18 +232,19 @@ def weight_stream_attributes(variants: Sequence[Any], objects: Sequence[bytes], 
     if len(block_sizes) != 1:
         raise ValueError(f"variants disagree on the scale block: {sorted(block_sizes)}")
     return dict(object_table_attributes(variants, objects), w_dtype=w_dtype, c_dtype=c_dtype, sf_dtype=sf_dtype,
-                sf_vec_size=np.int64(block_sizes.pop()), max_m=np.int64(min(v.tile_mn[1] for v in variants)))
+                sf_vec_size=np.int64(block_sizes.pop()), max_m=np.int64(min(v.tile_mn[1] for v in variants)),
+                zero_amax=np.int64(bool(zero_amax)))
 
 
-def emit_weight_stream(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variants: Sequence[Any]) -> list:
+def emit_weight_stream(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variants: Sequence[Any],
+                       amax_used: bool = True) -> list:
     """Emits the `jbg_weight_stream` custom call (the decode GEMM) for the lowering context `ctx`; returns [c, amax].
 
     x (L, M, K) bf16; w (L, N, K) codes or packed FP4 (L, N, K/2) uint8; sw the weight's scales, compact (L, N,
     ceil(K/v)) or the 128x4 atom (L, ceil(N/128), ceil(ceil(K/v)/4), 32, 4, 4), uint8 E8M0 bytes or float8_e4m3fn
     (NVFP4); alpha (L,) float32. Results from `ctx.avals_out`: c (L, M, N) in the variants' C dtype, amax (L,)
-    float32. `variants`: catalog entries, one per architecture, each taking at least M rows. The kernel writes each
-    CTA's max |C| to a slot of its own (amax_parts, (L, ceil(N/32))) and amax is their max, an XLA reduction after the
-    call: nothing is zeroed before the kernel, and a caller that drops amax drops the reduction with it.
+    float32. `variants`: catalog entries, one per architecture, each taking at least M rows. amax_used=False (the
+    caller drops amax) spares the memset that zeroes it before the kernel: one stream operation less per call.
     """
     x_aval, w_aval, sw_aval, alpha_aval = ctx.avals_in
     c_aval, amax_aval = ctx.avals_out
@@ -264,25 +264,11 @@ def emit_weight_stream(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variant
     if any(v.tile_mn[1] < m for v in variants):
         raise ValueError(f"emit_weight_stream: M = {m} rows; variants take at most "
                          f"{[(v.key, v.tile_mn[1]) for v in variants]}")
-    if any(v.tile_mn[0] != WEIGHT_STREAM_ROWS for v in variants):
-        raise ValueError(f"emit_weight_stream: every variant takes {WEIGHT_STREAM_ROWS} weight rows per CTA; got "
-                         f"{[(v.key, v.tile_mn[0]) for v in variants]}")
     variants, objects = _objects(variants)
     sf_dtype = E8M0 if np.dtype(sw_aval.dtype) == np.uint8 else str(np.dtype(sw_aval.dtype))
     attributes = weight_stream_attributes(variants, objects, w_dtype=w_aval.dtype, c_dtype=c_aval.dtype,
-                                          sf_dtype=sf_dtype)
-    parts_aval = jax.core.ShapedArray((l, -(-n // WEIGHT_STREAM_ROWS)), np.dtype(np.float32))
-    c, parts = _emit(WEIGHT_STREAM_TARGET, ctx.replace(avals_out=[c_aval, parts_aval]), (x, w, sw, alpha), attributes)
-    (amax,) = mlir.lower_fun(lambda p: [_max_of_magnitudes(p)], multiple_results=True)(
-        ctx.replace(avals_in=[parts_aval], avals_out=[amax_aval]), parts)
-    return [c, amax]
-
-
-def _max_of_magnitudes(parts: jax.Array) -> jax.Array:
-    """The max over the last axis of non-negative float32 values compared as their bits, as the kernels' integer
-    atomic max compares them (a NaN, whose bits are above inf's, wins)."""
-    bits = jax.lax.bitcast_convert_type(parts, jnp.int32)
-    return jax.lax.bitcast_convert_type(jnp.max(bits, axis=-1), jnp.float32)
+                                          sf_dtype=sf_dtype, zero_amax=amax_used)
+    return _emit(WEIGHT_STREAM_TARGET, ctx, (x, w, sw, alpha), attributes)
 
 
 def ragged_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, ab_dtype: Any, c_dtype: Any,

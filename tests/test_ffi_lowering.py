@@ -311,7 +311,7 @@ mlir.register_lowering(_ws_test_p, lambda ctx, *ops, variants, c_dtype: ffi_lowe
     ctx, *ops, variants=variants), platform="cuda")
 
 _WS_NAMES = ("archs", "function_prefixes", "objects", "offsets", "w_dtype", "c_dtype", "sf_dtype", "sf_vec_size",
-             "max_m")
+             "max_m", "zero_amax")
 
 
 def _ws_operands(l=2, m=5, n=40, k=96, *, w=jnp.float8_e4m3fn, sf=jnp.uint8, v=32, atom=False):
@@ -348,18 +348,7 @@ class EmitWeightStreamTest(absltest.TestCase):
         self.assertEqual((_int_attr(attrs["sf_vec_size"]), _int_attr(attrs["max_m"])), (32, 16))  # the least room
         self.assertEqual(operands, ["tensor<2x5x96xbf16>", "tensor<2x40x96xf8E4M3FN>", "tensor<2x40x3xui8>",
                                     "tensor<2xf32>"])
-        # one amax slot per CTA of 32 weight rows (40 rows: 2), which XLA reduces after the call
-        self.assertEqual(results, ["tensor<2x5x40xbf16>", "tensor<2x2xf32>"])
-        self.assertRegex(lowered.as_text(), r"stablehlo.reduce.*stablehlo.maximum")
-
-    def test_amax_is_the_max_of_the_slots_as_their_bits(self):
-        """The reduction after the call compares the slots' float32 bits as the kernels' integer max does: a NaN
-        slot wins over inf and every finite magnitude; without one, the largest magnitude."""
-        parts = np.array([[0.5, np.inf, 3.0], [np.nan, np.inf, 7.0], [0.0, 0.0, 0.0]], np.float32)
-        got = np.asarray(ffi_lowering._max_of_magnitudes(jnp.asarray(parts)))
-        self.assertEqual(got[0], np.inf)
-        self.assertTrue(np.isnan(got[1]))
-        self.assertEqual(got[2], 0.0)
+        self.assertEqual(results, ["tensor<2x5x40xbf16>", "tensor<2xf32>"])
 
     def test_packed_fp4_nvfp4_scales_in_the_atom_form(self):
         variant = StandInDecodeVariant("sm_90a", ab_dtype="float4_e2m1fn", c_dtype="float16",
@@ -443,10 +432,11 @@ class PublicDecodeLoweringTest(absltest.TestCase):
                     (call,) = _calls(lowered, "jbg_weight_stream")
                     self.assertEqual([str(o.type) for o in call.operands],
                                      ["tensor<1x3x64xbf16>", codes, scales, "tensor<1xf32>"])
-                    self.assertEqual([str(r.type) for r in call.results], ["tensor<1x3x48xf32>", "tensor<1x2xf32>"])
+                    self.assertEqual([str(r.type) for r in call.results], ["tensor<1x3x48xf32>", "tensor<1xf32>"])
                     config = call.attributes["mhlo.backend_config"]
                     self.assertEqual(ir_str(config["archs"]), archs)
                     self.assertEqual(_int_attr(config["max_m"]), 16)  # 3 rows: the 16-row variants
+                    self.assertEqual(_int_attr(config["zero_amax"]), 0)  # amax is dropped: no memset for it
                     self.assertNotIn("dot_general", lowered.as_text())
 
     def test_weight_only_with_float32_x_keeps_the_reference(self):
@@ -486,8 +476,7 @@ class PublicDecodeLoweringTest(absltest.TestCase):
         self.assertEqual([str(o.type) for o in call.operands],
                          ["tensor<2x7x96xbf16>", "tensor<2x144x96xf8E4M3FN>", "tensor<2x2x1x32x4x4xui8>",
                           "tensor<2xf32>"])
-        # amax: the max of one slot per CTA (144 rows: 5), reduced by XLA after the call
-        self.assertEqual([str(r.type) for r in call.results], ["tensor<2x7x144xbf16>", "tensor<2x5xf32>"])
+        self.assertEqual([str(r.type) for r in call.results], ["tensor<2x7x144xbf16>", "tensor<2xf32>"])
         config = call.attributes["mhlo.backend_config"]
         self.assertEqual(ir_str(config["archs"]), "sm_90a")
         self.assertEqual(ir_str(config["function_prefixes"]), "jbg_weight_stream_sm_90a_e4m3_bf16_sf32_t32x16_c1x1")
@@ -518,7 +507,7 @@ class PublicDecodeLoweringTest(absltest.TestCase):
         lowered = self._gemm(16, implementation="cutedsl")
         (call,) = _calls(lowered, "jbg_weight_stream")
         self.assertEqual(ir_str(call.attributes["mhlo.backend_config"]["archs"]), "sm_100a,sm_90a")
-        self.assertNotIn("zero_amax", str(call.attributes["mhlo.backend_config"]))  # nothing zeroed before the call
+        self.assertEqual(_int_attr(call.attributes["mhlo.backend_config"]["zero_amax"]), 1)  # gemm_amax returns it
         self.assertEqual(_calls(lowered, "jbg_gemm_amax"), [])
 
 

@@ -599,9 +599,9 @@ def _weight_stream_object() -> tuple[bytes, str]:
 def _weight_stream_well_formed(obj: bytes, prefix: str) -> Call:
     l, m, n, k = 2, 5, 72, 96
     return Call((Buffer(BF16, (l, m, k)), Buffer(E4M3, (l, n, k)), Buffer(U8, (l, n, _cdiv(k, 32))), Buffer(F32, (l,))),
-                (Buffer(F32, (l, m, n)), Buffer(F32, (l, _cdiv(n, 32)))),  # amax_parts: one slot per 32 weight rows
+                (Buffer(F32, (l, m, n)), Buffer(F32, (l,))),
                 dict(archs=DEVICE_ARCH, function_prefixes=prefix, objects=obj, offsets=(0, len(obj)), w_dtype=E4M3,
-                     c_dtype=F32, sf_dtype=E8M0, sf_vec_size=32, max_m=16))
+                     c_dtype=F32, sf_dtype=E8M0, sf_vec_size=32, max_m=16, zero_amax=1))
 
 
 def _weight_stream_cases(good: Call) -> list[Case]:
@@ -622,8 +622,8 @@ def _weight_stream_cases(good: Call) -> list[Case]:
         ("c bfloat16 for float32 objects", dict(result=0, buffer=Buffer(BF16, (2, 5, 72))),
          r"c is bfloat16 .*float32 C"),
         ("c too small", dict(result=0, buffer=Buffer(F32, (2, 5, 64))), r"c is float32 \(2, 5, 64\); expected"),
-        ("amax per batch, not per CTA", dict(result=1, buffer=Buffer(F32, (2,))),
-         r"amax_parts is float32 \(2,\); expected float32 \(2, 3\) \(L, ceil\(N/32\)"),
+        ("amax per row", dict(result=1, buffer=Buffer(F32, (5,))),
+         r"amax is float32 \(5,\); expected float32 \(2,\) \(L,\)"),
     ]
     cases = [Case(name, good.replace(**change), "jbg_weight_stream: " + message, "buffers")
              for name, change, message in buffers]
@@ -653,9 +653,9 @@ def _weight_stream_cpu_check(call: Call) -> str:
         return str(e)
     if problem := _object_table_problem(attrs, _native.WEIGHT_STREAM_TARGET):
         return problem
-    x, w, sw, alpha, c, parts = _address_list(call)  # the hook takes the handler's order: x, w, sw, c, parts, alpha
+    x, w, sw, alpha, c, amax = _address_list(call)  # the hook takes the handler's order: x, w, sw, c, amax, alpha
     try:
-        return ext.check_weight_stream_buffers([x, w, sw, c, parts, alpha], **dtypes)[0]
+        return ext.check_weight_stream_buffers([x, w, sw, c, amax, alpha], **dtypes)[0]
     except ValueError as e:  # a dtype the hook cannot describe to the C++ side
         return f"jbg_weight_stream: {e}"
 

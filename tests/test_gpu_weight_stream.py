@@ -26,7 +26,7 @@ import oracle_ops
 import oracle_weight_only
 
 FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
-IMPLEMENTATION = "cutedsl"
+IMPLEMENTATION = "cutedsl"  # what the tests force (a dry run of their logic can set "xla")
 # K wrapping every warp's shared-memory ring twice for the widest chunk (FP4's) and the deepest ring, with a tail
 _FP4_CHUNK = weight_stream.WeightStreamGemm(w_dtype="float4_e2m1fn").chunk
 K_WRAP = 2 * weight_stream.MAX_STAGES * weight_stream.WARPS * _FP4_CHUNK + 96
@@ -114,9 +114,9 @@ class GpuWeightStreamTest(parameterized.TestCase):
                 oracle_ops.assert_gemm_close(self, np.asarray(y), ref, c_dtype=jnp.dtype(jnp.float32))
 
     def test_amax_is_each_calls_own(self):
-        """amax is the max of every CTA's slot, all written on each call (nothing is zeroed before the launch): one
-        compiled call site run on large values, small ones, with a NaN scale, then small ones again gives each
-        call's own max |C|, never a previous call's (a NaN does not stick either)."""
+        """amax starts from zero on every call (the handler zeroes it before the launch; the kernel folds each CTA's
+        max into it): one compiled call site run on large values, small ones, with a NaN scale, then small ones
+        again gives each call's own max |C|, never a previous call's (a NaN does not stick either)."""
         rng = np.random.default_rng(5)
         l, m, n, k = 2, 3, 336, 1024  # 11 CTAs of 32 weight rows per batch, the last one half full
         f = jax.jit(lambda *a: jbg.gemm_amax(*a, c_dtype=jnp.float32, implementation=IMPLEMENTATION))

@@ -147,11 +147,11 @@ NVFP4 = dict(sf_dtype=E4M3, sf_vec_size=16)
 
 
 def _ws_buffers(l, m, n, k, *, w=E4M3, c=BF16, sf=U8, v=32, atom=False, base=1 << 20):
-    """Well-formed x, w, sw, c, amax_parts (one slot per 32 weight rows), alpha for the weight_stream checks (packed
-    FP4 rows when w is uint8); addresses 4096 apart."""
+    """Well-formed x, w, sw, c, amax, alpha for the weight_stream checks (packed FP4 rows when w is uint8);
+    addresses 4096 apart."""
     kb = _cdiv(k, v)
     sw = [l, _cdiv(n, 128), _cdiv(kb, 4), 32, 4, 4] if atom else [l, n, kb]
-    dims = [[l, m, k], [l, n, k // 2 if w == U8 else k], sw, [l, m, n], [l, _cdiv(n, 32)], [l]]
+    dims = [[l, m, k], [l, n, k // 2 if w == U8 else k], sw, [l, m, n], [l], [l]]
     dtypes = [BF16, w, sf, c, F32, F32]
     return [(d, s, base + 4096 * i) for i, (d, s) in enumerate(zip(dtypes, dims))]
 
@@ -200,10 +200,8 @@ class WeightStreamBufferCheckTest(parameterized.TestCase):
                                                        r"rank 6, the 128x4 atom form \(2, 1, 2, 32, 4, 4\)"),
             (good, _replace(good, 3, dtype=F32), r"c is float32 .*compiled for a bfloat16 C"),
             (good, _replace(good, 3, dims=[2, 72, 16]), r"c is .*expected \(2, 16, 72\) \(L, M, N\)"),
-            (good, _replace(good, 4, dims=[2]), r"amax_parts is float32 \(2,\); expected float32 \(2, 3\) \(L, "
-                                                r"ceil\(N/32\): one slot per CTA\)"),
-            (good, _replace(good, 4, dims=[2, 2]), r"amax_parts is float32 \(2, 2\); expected float32 \(2, 3\)"),
-            (good, _replace(good, 4, dtype=BF16), r"amax_parts is bfloat16 .*expected float32 \(2, 3\)"),
+            (good, _replace(good, 4, dims=[1]), r"amax is float32 \(1,\); expected float32 \(2,\)"),
+            (good, _replace(good, 4, dtype=BF16), r"amax is bfloat16 .*expected float32 \(2,\)"),
             (good, _replace(good, 5, dtype=U8), r"alpha is uint8 .*expected float32 \(2,\)"),
             (good, _replace(good, 5, address=(1 << 20) + 5 * 4096 + 4), r"alpha is .* at address .*; expected a "
                                                                        r"16-byte aligned pointer"),
@@ -464,7 +462,7 @@ class KernelAbiTest(absltest.TestCase):
         self.assertRegex(header, r"void \*args\[12\] = \{\s*a, b, sfa, sfb, c, amax, &m, &n, &k, &l, &stream,\s*&ret")
 
     def test_weight_stream_exports_what_its_handler_passes(self):
-        """The decode kernel's object takes x, w, sw, c, amax_parts, alpha, m, n, k, l, sf_atom, stream and the status
+        """The decode kernel's object takes x, w, sw, c, amax, alpha, m, n, k, l, sf_atom, stream and the status
         slot: the 13 arguments ffi/weight_stream.cc fills (compiled here for sm_90a, NVFP4, the 64-row tile)."""
         try:
             from jax_blockgemm.kernels import catalog
@@ -478,9 +476,9 @@ class KernelAbiTest(absltest.TestCase):
                                          c_dtype="bfloat16", sf_vec_size=16, sf_dtype="float8_e4m3fn",
                                          tile_mn=(32, 64), cluster_mn=(1, 1))
         header, structs, wrapper = self._exported(catalog, variant)
-        self.assertEqual(structs, ["x", "w", "sw", "c", "amax_parts", "alpha"], header)
+        self.assertEqual(structs, ["x", "w", "sw", "c", "amax", "alpha"], header)
         self.assertRegex(wrapper, r"int32_t m, int32_t n, int32_t k, int32_t l, int32_t sf_atom, cudaStream_t stream$")
-        self.assertRegex(header, r"void \*args\[13\] = \{\s*x, w, sw, c, amax_parts, alpha, &m, &n, &k, &l, &sf_atom, "
+        self.assertRegex(header, r"void \*args\[13\] = \{\s*x, w, sw, c, amax, alpha, &m, &n, &k, &l, &sf_atom, "
                                  r"&stream,\s*&ret")
 
 
@@ -513,13 +511,14 @@ _XLA_PROBE = textwrap.dedent("""
             print(name, " ".join(str(e).split())[:500])
     x, w = jnp.zeros((1, 4, 64), jnp.bfloat16), jnp.zeros((1, 32, 64), jnp.float8_e4m3fn)
     sw, alpha = jnp.zeros((1, 32, 2), jnp.uint8), jnp.ones((1,), jnp.float32)
-    out = (jax.ShapeDtypeStruct((1, 4, 32), jnp.bfloat16), jax.ShapeDtypeStruct((1, 1), jnp.float32))
+    out = (jax.ShapeDtypeStruct((1, 4, 32), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.float32))
     for name, w_dtype, max_m in (("WS_GOOD", "float8_e4m3fn", 16), ("WS_BADW", "float16", 16),
                                  ("WS_BADM", "float8_e4m3fn", 0)):
         call = jax.ffi.ffi_call("jbg_weight_stream", out)
         f = jax.jit(lambda *x: call(*x, archs="sm_90a", function_prefixes="p90", objects=blob[:1000],
                                     offsets=np.array([0, 1000], np.int64), w_dtype=w_dtype, c_dtype="bfloat16",
-                                    sf_dtype="float8_e8m0fnu", sf_vec_size=np.int64(32), max_m=np.int64(max_m)))
+                                    sf_dtype="float8_e8m0fnu", sf_vec_size=np.int64(32), max_m=np.int64(max_m),
+                                    zero_amax=np.int64(1)))
         try:
             f(x, w, sw, alpha)
             print(name, "RAN")

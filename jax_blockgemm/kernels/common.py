@@ -218,13 +218,11 @@ def amax_block_reduce_and_publish(
     local_tid: cutlass.Int32,
     num_warps: cutlass.Constexpr[int],
     barrier_id: cutlass.Constexpr[int],
-    store: cutlass.Constexpr[bool] = False,
 ):
     """Reduce per-thread |x| bit patterns over `num_warps` warps and fold the result into *amax_ptr.
 
     Warp max (redux.sync), one shared-memory slot per warp, a named barrier over those warps only, then one
-    `atomicMax` on the int32 view of the float32 amax from the first thread (the caller zeroed *amax_ptr); with
-    `store`, a plain store of the block's max instead (a slot of its own, which nothing needs to zero).
+    `atomicMax` on the int32 view of the float32 amax from the first thread. The caller zeroed *amax_ptr.
     """
     warp_max = cute.arch.warp_redux_sync(thread_amax_bits, "max")
     warp = local_tid // 32
@@ -235,7 +233,4 @@ def amax_block_reduce_and_publish(
         block_max = smem_warp_amax[0]
         for w in cutlass.range_constexpr(1, num_warps):
             block_max = cutlass.max(block_max, smem_warp_amax[w])
-        if cutlass.const_expr(store):
-            cute.make_tensor(amax_ptr, cute.make_layout(1))[0] = block_max
-        else:
-            cute.arch.atomic_max(amax_ptr, block_max)
+        cute.arch.atomic_max(amax_ptr, block_max)

@@ -18,18 +18,15 @@ feed the k-slots the mma gives that lane (a permutation of K applied identically
 loads for the same k's), and every chunk's MMAs sum into a fresh fp32 partial that is then added to the accumulator.
 At the end the warps' partial C tiles meet in shared memory and are summed in warp order: the result is the same bits
 on every run (a deterministic split of K). alpha (NVFP4's per-tensor factor; 1 otherwise) multiplies the sums, which
-are stored with predication (any M, N), and each CTA stores the max |C| of its tile into its own slot of amax_parts
-(no atomics, so nothing has to zero it before the launch: docs/design/decode.md); the caller reduces the slots
-(ffi_lowering.emit_weight_stream).
+are stored with predication (any M, N) and folded into amax[l] by one integer atomic max per CTA.
 
 Accuracy: SPEC §7's "exact" class (bf16 products are exact, sums in fp32 per chunk of at most 128 products).
 What it reaches on the H200, what limits it and the designs measured before it: docs/design/decode.md.
 
-ABI (catalog op "weight_stream"): fn(x, w, sw, c, amax_parts, alpha, m, n, k, l, sf_atom, stream), flat buffers: x
-bf16 (L, M, K); w codes (L, N, K) (packed FP4: (L, N, K/2) uint8); sw scale bytes, compact (L, N, ceil(K/v)) when
-sf_atom is 0, SPEC §3's atom form when 1; c (L, M, N) row-major; amax_parts (L, ceil(N / tile[0])) float32, each
-CTA's max |C| (every slot written); alpha (L,) float32; sizes int32 (k counts codes). The handler
-(ffi/weight_stream.cc) checks every size against `can_implement`.
+ABI (catalog op "weight_stream"): fn(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom, stream), flat buffers: x bf16
+(L, M, K); w codes (L, N, K) (packed FP4: (L, N, K/2) uint8); sw scale bytes, compact (L, N, ceil(K/v)) when sf_atom
+is 0, SPEC §3's atom form when 1; c (L, M, N) row-major; amax (L,) float32, zeroed by the handler; alpha (L,) float32;
+sizes int32 (k counts codes). The handler (ffi/weight_stream.cc) checks every size against `can_implement`.
 """
 
 from __future__ import annotations
@@ -162,14 +159,14 @@ class WeightStreamGemm:
         return True, ""
 
     @cute.jit
-    def __call__(self, x: cute.Tensor, w: cute.Tensor, sw: cute.Tensor, c: cute.Tensor, amax_parts: cute.Tensor,
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, sw: cute.Tensor, c: cute.Tensor, amax: cute.Tensor,
                  alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32,
                  sf_atom: cutlass.Int32, stream: cuda.CUstream):
         """Host side: one CTA per tile[0] weight rows and batch."""
         fields = dict(ring=cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.shared_words], 128],
                       warp_amax=cute.struct.MemRange[cutlass.Int32, WARPS])
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
-        self.kernel(x, w, sw, c, amax_parts, alpha, m, n, k, l, sf_atom).launch(
+        self.kernel(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom).launch(
             grid=((n + self.rows - 1) // self.rows, l, 1), block=(THREADS, 1, 1),
             smem=self.shared_storage.size_in_bytes(), min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=100, stream=stream)  # all of L1 as shared memory: ctas_per_sm rings fit
@@ -370,7 +367,7 @@ class WeightStreamGemm:
 
     # ------------------------------------------------------------------------------------------------ kernel
     @cute.kernel
-    def kernel(self, x: cute.Tensor, w: cute.Tensor, sw: cute.Tensor, c: cute.Tensor, amax_parts: cute.Tensor,
+    def kernel(self, x: cute.Tensor, w: cute.Tensor, sw: cute.Tensor, c: cute.Tensor, amax: cute.Tensor,
                alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32,
                sf_atom: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -479,7 +476,5 @@ class WeightStreamGemm:
                 if (token < m) & (row0 + row < n):
                     c[(cutlass.Int64(batch) * m + token) * n + row0 + row] = total.to(self.c_dtype)
                     amax_bits = cutlass.max(amax_bits, common.abs_bits(total))
-        # this CTA's max |C| into its own slot (batch, row block) of amax_parts, as float32 bits
-        slot = batch * ((n + self.rows - 1) // self.rows) + row_block
-        parts_i32 = cute.recast_ptr(amax_parts.iterator, dtype=cutlass.Int32)
-        common.amax_block_reduce_and_publish(amax_bits, warp_amax, parts_i32 + slot, tidx, WARPS, 1, store=True)
+        amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
+        common.amax_block_reduce_and_publish(amax_bits, warp_amax, amax_i32.iterator + batch, tidx, WARPS, 1)
