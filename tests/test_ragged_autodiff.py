@@ -32,6 +32,29 @@ def _inputs(seed, t, g, k, n):
             rng.normal(size=(t, n)).astype(np.float32))
 
 
+class GroupPaddingMapTest(parameterized.TestCase):
+
+    @parameterized.parameters(([0, 37, 1, 0, 50], 100), ([32, 64, 0], 96), ([5, 27], 32), ([0, 0, 7], 200),
+                              ([300], 300))
+    def test_names_every_token_once_with_groups_on_whole_blocks(self, sizes, tokens):
+        """The padded layout's map: group g's rows in order from the first row of its own block of 32 (after the
+        groups before it, each rounded up), padding rows -1 between groups, then the rows of no group; every token
+        row named exactly once, so the gather kernels write every row's column blocks."""
+        from jax_blockgemm import moe, ragged
+
+        starts, ends = ragged.group_bounds(jnp.asarray(sizes, jnp.int32), tokens)
+        row_map = np.asarray(moe._group_padding_map(starts, ends, tokens))
+        self.assertEqual(len(row_map) % 32, 0)
+        np.testing.assert_array_equal(np.sort(row_map[row_map >= 0]), np.arange(tokens))
+        first = 0
+        for size, start in zip(sizes, np.asarray(starts)):
+            np.testing.assert_array_equal(row_map[first:first + size], np.arange(start, start + size))
+            self.assertTrue((row_map[first + size:first + -(-size // 32) * 32] == -1).all())
+            first += -(-size // 32) * 32
+        rest = row_map[first:]
+        np.testing.assert_array_equal(rest[rest >= 0], np.arange(sum(sizes), tokens))
+
+
 class MxRaggedDotTest(parameterized.TestCase):
 
     # group sizes off the 32-token blocks, an empty group, a one-token group, 12 rows past the groups; K = 40 makes the
