@@ -199,12 +199,12 @@ def _wgrad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, fmt: str, implem
                      None if tx is None else tx * td)
 
 
-def _forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: np.dtype, recipe: autodiff.Recipe
+def _forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: np.dtype, recipe: autodiff.Recipe,
+             pair: Optional[tuple[jax.Array, jax.Array, jax.Array]]
              ) -> tuple[jax.Array, Optional[tuple[jax.Array, jax.Array]]]:
     """out (T, N) = x (T, K) · w_g (K, N) for each group's rows in the recipe's forward format, and dgrad's codes and
-    scales of w where `_weight_pair` made them (else None). The pair serves the forward alone too: one pass of its
+    scales of w from `pair` (`_weight_pair`'s, else None). The pair serves the forward alone too: one pass of its
     kernel takes less time than XLA's quantization along K by itself (docs/design/moe.md)."""
-    pair = _weight_pair(w, recipe)
     if pair is None:
         return _ragged_gemm(x, w, group_sizes, recipe.fwd, recipe.implementation, w_major="n",
                             out_dtype=out_dtype), None
@@ -214,11 +214,11 @@ def _forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: np.d
     return out, (codes, scales)
 
 
-def _tokens_in_one_pass(recipe: autodiff.Recipe, dgrad_codes: Optional[tuple]) -> bool:
+def _tokens_in_one_pass(recipe: autodiff.Recipe, pair: Optional[tuple]) -> bool:
     """Whether a training step quantizes the tokens (x in the forward, dY in the backward) by one `quantize_pair`
-    pass each through the group-padding map: where the weights took theirs (`_weight_pair`, so every contraction is
-    whole blocks and the forward and dgrad formats are MXFP8) and wgrad's format is MXFP8 too."""
-    return dgrad_codes is not None and recipe.wgrad in quantize_pair.FORMATS
+    pass each through the group-padding map: where the weights took theirs (`pair`, `_weight_pair`'s: every
+    contraction is whole blocks and the forward and dgrad formats are MXFP8) and wgrad's format is MXFP8 too."""
+    return pair is not None and recipe.wgrad in quantize_pair.FORMATS
 
 
 def _padding_map(group_sizes: jax.Array, tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -231,15 +231,15 @@ def _padding_map(group_sizes: jax.Array, tokens: int) -> tuple[jax.Array, jax.Ar
 def _ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: np.dtype,
                    recipe: autodiff.Recipe) -> jax.Array:
     """out (T, N) = x (T, K) · w_g (K, N) for each group's rows, in the recipe's forward format."""
-    return _forward(x, w, group_sizes, out_dtype, recipe)[0]
+    return _forward(x, w, group_sizes, out_dtype, recipe, _weight_pair(w, recipe))[0]
 
 
 def _ragged_matmul_fwd(x, w, group_sizes, out_dtype, recipe):
     """The forward, keeping for the backward x (or, where the tokens take one pass, wgrad's values of x along the
     padded groups' rows, from the same pass that gives the forward its values along K) and dgrad's codes of w."""
     pair = _weight_pair(w, recipe)
-    if not _tokens_in_one_pass(recipe, None if pair is None else pair[1:]):
-        out, dgrad_codes = _forward(x, w, group_sizes, out_dtype, recipe)
+    if not _tokens_in_one_pass(recipe, pair):
+        out, dgrad_codes = _forward(x, w, group_sizes, out_dtype, recipe, pair)
         return out, (x, None, w, group_sizes, dgrad_codes)
     values, codes, scales = pair
     row_map, _ = _padding_map(group_sizes, x.shape[0])

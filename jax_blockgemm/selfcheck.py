@@ -442,6 +442,16 @@ QUANTIZE_PAIR_PROBLEMS = ((1, 32, 256), (3, 64, 160), (2, 96, 544))
 QUANTIZE_PAIR_GATHER_PROBLEMS = ((70, 128, 96), (33, 96, 544), (300, 416, 288))
 
 
+def random_row_map(rng: np.random.Generator, rows: int, entries: int) -> np.ndarray:
+    """A row map of `entries` int32 entries naming each of w's `rows` rows once, in a random order, with empty rows
+    between them: -1, and (half of them) entries just past w's rows, which read zeros too."""
+    row_map = np.full(entries, -1, np.int32)
+    row_map[np.sort(rng.choice(entries, rows, replace=False))] = rng.permutation(rows)
+    empty = np.flatnonzero(row_map < 0)
+    row_map[empty[: len(empty) // 2]] = rows + rng.integers(0, 5, len(empty) // 2)
+    return row_map
+
+
 def _run_quantize_pair(variant: Any, w: np.ndarray, row_map: np.ndarray | None, device: Any,
                        implementation: str = "cutedsl") -> list:
     """(values, codes, scales) of `quantize_pair` on `device` in the variant's formats and schedule (a row map for
@@ -475,14 +485,11 @@ def _quantize_pair_inputs(variant: Any, i: int) -> tuple[np.ndarray, np.ndarray 
     w = rng.standard_normal(w_shape) * np.exp2(rng.integers(-20, 21, (*w_shape[:-1], 1))) \
         * np.exp2(rng.integers(-20, 21, w_shape[-1]))
     if i == 0:
-        w.reshape(-1, w_shape[-1])[3, 5], w.reshape(-1, w_shape[-1])[7, 20] = np.nan, np.inf
-        w.reshape(-1, w_shape[-1])[:32, 32:64] = 0.0
+        rows = w.reshape(-1, w_shape[-1])  # a view: the batches' rows one after another
+        rows[3, 5], rows[7, 20], rows[:32, 32:64] = np.nan, np.inf, 0.0
     if not gather:
         return w.astype(jnp.bfloat16), None, f"(B, R, C) = {shape}"
-    row_map = np.full(shape[1], -1, np.int32)
-    row_map[np.sort(rng.choice(shape[1], shape[0], replace=False))] = rng.permutation(shape[0])
-    row_map[np.flatnonzero(row_map < 0)[::2]] = shape[0] + 3  # past w's rows: zeros, as empty entries
-    return w.astype(jnp.bfloat16), row_map, f"(R, R', C) = {shape}"
+    return w.astype(jnp.bfloat16), random_row_map(rng, shape[0], shape[1]), f"(R, R', C) = {shape}"
 
 
 def run_quantize_pair_problems(variant: Any, device: Any) -> str:

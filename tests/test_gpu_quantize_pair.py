@@ -18,11 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from jax_blockgemm import arch, dispatch
+from jax_blockgemm import arch, dispatch, selfcheck
 from jax_blockgemm.quantize_pair import quantize_pair
 
-from test_quantize_pair import (_oracle_row_map, assert_mapped_matches_oracle, assert_matches_oracle,
-                                random_weights)
+from test_quantize_pair import assert_mapped_matches_oracle, assert_matches_oracle, random_weights
 
 
 def _has_kernel_gpu() -> bool:
@@ -70,7 +69,7 @@ class QuantizePairKernelTest(parameterized.TestCase):
         each of w's rows named once in a random order; outputs poisoned, so a row or column left unwritten fails."""
         rng = np.random.default_rng(sum(shape) + col_values)
         w = random_weights(rng, (1, *shape), specials=True, tiny=True)[0]
-        row_map = _oracle_row_map(rng, shape[0], -(-(shape[0] + 50) // 32) * 32)
+        row_map = selfcheck.random_row_map(rng, shape[0], -(-(shape[0] + 50) // 32) * 32)
         row, col = formats
         got = jax.jit(lambda w, m: quantize_pair(w, row_format=row, col_format=col, row_map=m, col_values=col_values,
                                                  implementation="cutedsl"))(w, row_map)

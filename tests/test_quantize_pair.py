@@ -14,7 +14,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_blockgemm import formats
+from jax_blockgemm import formats, selfcheck
 from jax_blockgemm.quantize_pair import quantize_pair
 
 import oracle
@@ -103,16 +103,6 @@ class ReferenceTest(parameterized.TestCase):
             jax.jit(lambda w: quantize_pair(w, implementation="cutedsl")).lower(jnp.zeros((32, 32), jnp.bfloat16))
 
 
-def _oracle_row_map(rng: np.random.Generator, rows: int, mapped_rows: int) -> np.ndarray:
-    """A row map of `mapped_rows` entries naming each of w's `rows` rows once, in a random order, with empty rows
-    (-1, and entries past w's rows, which read zeros) between them."""
-    row_map = np.full(mapped_rows, -1, np.int32)
-    row_map[np.sort(rng.choice(mapped_rows, rows, replace=False))] = rng.permutation(rows)
-    empty = np.flatnonzero(row_map < 0)
-    row_map[empty[: len(empty) // 2]] = rows + rng.integers(0, 5, len(empty) // 2)  # out of range: zeros too
-    return row_map
-
-
 def assert_mapped_matches_oracle(test, w, row_map, got, row_format: str, col_format: str, col_values: bool):
     """The values are the oracle's of the rows the map names (zeros elsewhere), the column blocks w's own: codes and
     scale bytes bit for bit, or with col_values the bf16 values of the codes; NaN exactly where the oracle's are."""
@@ -147,7 +137,7 @@ class RowMapTest(parameterized.TestCase):
         blocks stay w's."""
         rng = np.random.default_rng(sum(shape) + col_values)
         w = random_weights(rng, (1, *shape), specials=True)[0]
-        row_map = _oracle_row_map(rng, shape[0], shape[0] + 40)
+        row_map = selfcheck.random_row_map(rng, shape[0], shape[0] + 40)
         row, col = formats
         got = jax.jit(lambda w, m: quantize_pair(w, row_format=row, col_format=col, row_map=m,
                                                  col_values=col_values))(w, row_map)
@@ -159,7 +149,7 @@ class RowMapTest(parameterized.TestCase):
         (one map for every batch) equal per-batch calls."""
         rng = np.random.default_rng(3)
         w = random_weights(rng, (3, 40, 64))
-        maps = np.stack([_oracle_row_map(rng, 40, 64) for _ in range(3)])
+        maps = np.stack([selfcheck.random_row_map(rng, 40, 64) for _ in range(3)])
         f = lambda w, m: quantize_pair(w, row_map=m, col_values=True)
         each = [f(w[i], maps[i]) for i in range(3)]
         for got in (f(w, maps), jax.vmap(f)(w, maps)):
@@ -183,7 +173,7 @@ class RowMapTest(parameterized.TestCase):
         mesh = jax.make_mesh((4, 2), ("x", "y"))
         rng = np.random.default_rng(5)
         w = random_weights(rng, (1, 72, 512))[0]
-        row_map = _oracle_row_map(rng, 72, 128)
+        row_map = selfcheck.random_row_map(rng, 72, 128)
         f = jax.jit(lambda w, m: quantize_pair(w, row_map=m))
         for spec in (P(None, "x"), P("x", "y")):
             got = f(jax.device_put(w, NamedSharding(mesh, spec)), row_map)
