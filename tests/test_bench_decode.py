@@ -137,6 +137,19 @@ class DecodeBenchTest(parameterized.TestCase):
             np.testing.assert_array_equal(np.asarray(out), np.asarray(jbg.weight_only_matmul(x, w)))
         self.assertEqual(ours.weight_bytes({"w": matrices[0]["w"]}), 32 * 32 + 32 * 2)  # packed codes + scales
 
+    @parameterized.parameters("mxfp8", "mxfp4")
+    def test_the_read_floor_reads_every_code_byte(self, fmt):
+        codes = decode.weight_inputs(jax.random.key(3), 96, 40, fmt)["b"]
+        raw = np.asarray(jax.lax.bitcast_convert_type(codes, jnp.uint8) if codes.dtype != jnp.uint8 else codes)
+        self.assertEqual(int(decode.read_all(codes)), int(raw.view(np.uint32).max()))
+        for row, col in ((0, 0), (39, raw.shape[1] - 1), (17, raw.shape[1] // 2)):  # the largest word anywhere
+            marked = raw.copy()
+            marked[row, col] = 0xFF
+            marked[row, col - col % 4:col - col % 4 + 4] = 0xFF
+            as_codes = jnp.asarray(marked) if codes.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(
+                jnp.asarray(marked), codes.dtype)
+            self.assertEqual(int(decode.read_all(as_codes)), 0xFFFFFFFF)
+
     def test_read_bandwidth(self):
         measured = decode.read_bandwidth(2**20, warmup=0, reps=2)
         self.assertEqual(measured["bytes"], 2**20)

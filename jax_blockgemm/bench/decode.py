@@ -47,7 +47,7 @@ SMALL_MATRICES = 4
 DEFAULT_FORMATS = ("mxfp8", "mxfp4", "nvfp4")
 WEIGHT_FORMAT = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}  # --format name -> QuantizedWeight's
 COLUMNS = {"ours": "ours(None)", "reference": "reference(xla)", "gemm_amax": "gemm_amax(None)",
-           "bf16_dot": "bf16 dot", "fp8_dot": "fp8 dot"}
+           "bf16_dot": "bf16 dot", "fp8_dot": "fp8 dot", "read_floor": "read floor"}
 BANDWIDTH_BYTES, SMALL_BANDWIDTH_BYTES = 2**32, 2**24  # the buffer the read bandwidth is measured on
 
 
@@ -63,6 +63,12 @@ class Column:
 
 def _nt(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+
+
+def read_all(codes: jax.Array) -> jax.Array:
+    """Every byte of a weight's codes (rows of a multiple of 4 bytes) read once: their max as uint32 words."""
+    raw = codes if codes.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(codes, jnp.uint8)
+    return jnp.max(jax.lax.bitcast_convert_type(raw.reshape(*raw.shape[:-1], -1, 4), jnp.uint32))
 
 
 def columns(fmt: str) -> list[Column]:
@@ -81,7 +87,8 @@ def columns(fmt: str) -> list[Column]:
             Column("bf16_dot", lambda x, w: _nt(x, w, jnp.bfloat16), ("x", "w_bf16"),
                    lambda inputs: inputs["w_bf16"].size * 2),
             Column("fp8_dot", lambda x, w: _nt(x, w, jnp.float32), ("x_fp8", "w_fp8"),
-                   lambda inputs: inputs["w_fp8"].size)]
+                   lambda inputs: inputs["w_fp8"].size),
+            Column("read_floor", read_all, ("b",), lambda inputs: inputs["b"].nbytes)]
 
 
 def weight_inputs(key: jax.Array, k: int, n: int, fmt: str) -> dict[str, Any]:
@@ -206,7 +213,8 @@ def format_table(record: dict[str, Any]) -> str:
     shown = tuple(dict.fromkeys(c["format"] for c in record["cases"])) or DEFAULT_FORMATS
     notes = (f"ours: weight_only_matmul; {decode_policy(shown)}. gemm_amax: x quantized to the weight's format "
              "beforehand (not timed), then the same choice (the decode kernel takes x dequantized to bf16). bf16 dot: "
-             "bf16 weights of the same values; fp8 dot: E4M3 codes of x and the weights, no scales.")
+             "bf16 weights of the same values; fp8 dot: E4M3 codes of x and the weights, no scales. read floor: "
+             "XLA's max over each weight's code bytes, no product (scales not read).")
     lines += ["", *textwrap.wrap(notes, width=118, initial_indent="  ", subsequent_indent="  ")]
     return "\n".join(lines)
 
