@@ -1,7 +1,7 @@
 """Inline-PTX memory instructions the CuTeDSL kernels need one at a time: shared- and
 global-memory accesses (the sm_90a proj_rope epilogue, kernels/sm90/y_tile.py; kernels/quantize_pair.py), bulk
 copies (sm_90 and later; kernels/dequantize.py) and per-thread asynchronous copies (sm_80 and later;
-kernels/weight_stream.py, kernels/quantize_pair.py).
+kernels/quantize_pair.py).
 
 Each is one instruction of exactly the width named, and every global store is predicated inside the asm (no branch,
 no reconvergence point, so the scheduler may move shuffles and conversions across it). Loads and stores carry a

@@ -1,16 +1,17 @@
 """Decode GEMM: a few rows of bf16 activations times block-scaled weights streamed once from memory, with amax.
 
 C[l, m, n] = Σ_k x[l, m, k] · Ŵ[l, n, k] for M up to the variant's token capacity (decode: M = 1..64), where the
-time is that of reading Ŵ (N·K codes and their scales) once. One design for every architecture from sm_80 on: no
-TMA, no wgmma, no tensor memory; warp-level `mma.sync` m16n8k16 bf16 with fp32 accumulation.
+time is that of reading Ŵ (N·K codes and their scales) once. One design for sm_90 and later (TMA copies; no wgmma,
+no tensor memory): warp-level `mma.sync` m16n8k16 bf16 with fp32 accumulation.
 
 Roles are swapped against the large-GEMM kernels: the weight rows are the MMA's M (16 per instruction) and the
 tokens its N (8), so one token pads only the N of 8. A CTA of WARPS warps owns tile[0] consecutive weight rows and
 all of K; warp w takes the K-chunks w, w + WARPS, ... (a chunk is 64 FP8 or 128 FP4 codes of every row), so every
-warp streams. Each lane copies 16 bytes of codes per row and chunk into its own slots of a shared-memory ring with
-`cp.async` (sm_80 and later), up to MAX_STAGES - 1 chunks ahead of the one it multiplies: the bytes in flight take
-shared memory, not registers, and since a lane reads back only what it copied, waiting for its own copies is the only
-synchronization. Its scale bytes (one per row slot and block, loaded as bytes: no word to pick them from) and the
+warp streams. Each warp's chunks arrive by TMA, one box of the CTA's rows per chunk (zeros past N and K), in a
+shared-memory ring of its own, up to MAX_STAGES - 1 chunks ahead of the one it multiplies, each completing on the
+stage's mbarrier: the bytes in flight take shared memory, not registers, and the warp that multiplies a stage is the
+one that refills it, so a warp synchronizes with no other. Each lane reads 16 bytes of codes per row slot. Its scale
+bytes (one per row slot and block, loaded as bytes: no word to pick them from) and the
 activations (L2-resident: every CTA reads them) come a chunk ahead in registers. The codes become bf16 code·scale in
 registers (exact: SPEC §6's argument): E4M3 by bit moves and packed bf16 multiplies, E5M2 through the hardware
 converter (which keeps its infinities and NaNs), FP4 by the bit model of kernels/common.py. Each lane's 16 bytes
@@ -38,12 +39,12 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_blockgemm.kernels import common
-from jax_blockgemm.kernels.ptx_ops import (asm, byte_perm, cp_async_16, cp_async_commit, cp_async_wait, ld_shared_v4,
-                                           words)
+from jax_blockgemm.kernels.ptx_ops import asm, byte_perm, ld_shared_v4, words
 
 WARPS = 8  # warps per CTA, each on its own K-chunks of the CTA's rows
 THREADS = 32 * WARPS
-LANE_BYTES = 16  # bytes of codes a lane copies per row and chunk
+LANE_BYTES = 16  # bytes of codes a lane multiplies per row and chunk
+ROW_BYTES = 4 * LANE_BYTES  # bytes of codes of one row per chunk (a quad of lanes): a row of a TMA box
 MAX_STAGES = 8  # shared-memory ring stages per warp at most (7 chunks of codes in flight while one is multiplied)
 SHARED_BYTES_PER_SM = 216 * 1024  # the rings (later the partial C tiles) of the CTAs on one SM (227 KB on sm_90/100)
 CTAS_PER_SM_X_AHEAD = 2  # CTAs per SM (splitting its shared memory and registers) for tiles whose activations are
@@ -135,8 +136,8 @@ class WeightStreamGemm:
         self.x_ahead = self.token_tiles <= X_AHEAD_MAX_TILES
         # token tiles whose activations load a chunk ahead (the others load where they are used)
         self.x_ahead_tiles = min(self.token_tiles, X_AHEAD_MAX_WORDS // self.x_words) if self.x_ahead else 0
-        # one warp's share of a ring stage: 16 bytes of codes per lane and row slot (scale bytes go to registers)
-        self.warp_stage_bytes = 32 * LANE_BYTES * 2 * self.row_tiles
+        # one warp's share of a ring stage, a TMA box: ROW_BYTES of codes per row (scale bytes go to registers)
+        self.warp_stage_bytes = rows * ROW_BYTES
         self.scale_shift = sf_vec_size.bit_length() - 1  # code index >> scale_shift = its scale block
         self.ctas_per_sm = CTAS_PER_SM_X_AHEAD if self.x_ahead else 1
         self.stages = min(MAX_STAGES, SHARED_BYTES_PER_SM // self.ctas_per_sm // (WARPS * self.warp_stage_bytes))
@@ -162,11 +163,23 @@ class WeightStreamGemm:
     def __call__(self, x: cute.Tensor, w: cute.Tensor, sw: cute.Tensor, c: cute.Tensor, amax: cute.Tensor,
                  alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32,
                  sf_atom: cutlass.Int32, stream: cuda.CUstream):
-        """Host side: one CTA per tile[0] weight rows and batch."""
-        fields = dict(ring=cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.shared_words], 128],
+        """Host side: the TMA view of the codes (L, N, row bytes) in (rows, ROW_BYTES) boxes, one CTA per tile[0]
+        weight rows and batch."""
+        row_bytes = cute.assume(k // 2 if cutlass.const_expr(self.fp4) else k, divby=16)
+        codes = common.operand_view(cute.make_tensor(cute.recast_ptr(w.iterator, dtype=cutlass.Uint8), w.layout), n,
+                                    row_bytes, l, False)
+        # the ring: per stage and warp one box of the warp's chunk, plain ROW_BYTES rows (no swizzle: a quad reads
+        # 64 consecutive bytes and two rows fill the 32 banks)
+        staged = cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, cute.make_layout(
+            (self.rows, ROW_BYTES, self.stages * WARPS), stride=(ROW_BYTES, 1, self.warp_stage_bytes)))
+        tma_atom, tma_codes = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), codes, cute.slice_(staged, (None, None, 0)),
+            (self.rows, ROW_BYTES))
+        fields = dict(ring=cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.shared_words], 1024],
+                      full=cute.struct.MemRange[cutlass.Int64, WARPS * self.stages],
                       warp_amax=cute.struct.MemRange[cutlass.Int32, WARPS])
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
-        self.kernel(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom).launch(
+        self.kernel(x, tma_atom, tma_codes, staged, sw, c, amax, alpha, m, n, k, l, sf_atom).launch(
             grid=((n + self.rows - 1) // self.rows, l, 1), block=(THREADS, 1, 1),
             smem=self.shared_storage.size_in_bytes(), min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=100, stream=stream)  # all of L1 as shared memory: ctas_per_sm rings fit
@@ -192,15 +205,6 @@ class WeightStreamGemm:
             parts[r] = cutlass.select_(sf_atom != 0, atom, compact)
         return parts
 
-    def _code_rows(self, batch, row0, group, n, k) -> cute.Tensor:
-        """Per row slot, the byte offset of its row of codes in w (rows past N clamped to N - 1): loop-invariant, so
-        a chunk's copy addresses are one add each."""
-        row_bytes = k // 2 if cutlass.const_expr(self.fp4) else k
-        rows = cute.make_rmem_tensor((2 * self.row_tiles,), cutlass.Int32)
-        for r in range(2 * self.row_tiles):
-            rows[r] = (batch * n + self._slot_row(row0, group, r, n)) * row_bytes
-        return rows
-
     def _first_code(self, quad_codes, chunk_index):
         """The first of this lane's codes in chunk `chunk_index`; `quad_codes` (the lane's place in its quad times
         lane_codes) is loop-invariant."""
@@ -214,16 +218,16 @@ class WeightStreamGemm:
         atom = (kb >> 2) * common.ATOM_BYTES + (kb & (common.ATOM_KB - 1))
         return cutlass.select_(in_k, cutlass.select_(sf_atom != 0, atom, kb), 0)
 
-    def _issue_chunk(self, codes_at, w, code_rows, first_code, live, k):
-        """Start this lane's asynchronous copies of one chunk's codes into the ring stage at `codes_at`: 16 bytes
-        per row slot, zero-filled where the chunk or the lane's codes lie past K (such copies read nothing and point
-        at the row's start)."""
-        in_k = live & (first_code < k)
-        code_part = cutlass.select_(in_k, first_code >> 1 if cutlass.const_expr(self.fp4) else first_code, 0)
-        size = cutlass.select_(in_k, 16, 0)
-        w0 = w.iterator.toint()
-        for r in range(2 * self.row_tiles):
-            cp_async_16(codes_at + r * (32 * LANE_BYTES), w0 + cutlass.Int64(code_rows[r] + code_part), size)
+    @cute.jit
+    def _issue_chunk(self, tma_atom, views, full, slot, warp, chunk_index, row_block, batch, live, lane):
+        """Start one chunk's copy into the warp's ring stage `slot`: one TMA box of the CTA's rows (zeros past N and
+        K), completing on the stage's mbarrier `full + slot`; nothing where the chunk is not the warp's (`live`)."""
+        if live:
+            if lane == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(full + slot, self.warp_stage_bytes)
+            ring_view, codes_view = views  # the copy elects one lane: the whole warp comes here
+            cute.copy(tma_atom, codes_view[(None, row_block, chunk_index, batch)],
+                      ring_view[(None, slot * WARPS + warp)], tma_bar_ptr=full + slot)
 
     def _scale_bytes(self, sw, row_parts, first_code, live, k, sf_atom) -> list:
         """This lane's scale bytes of one chunk, one word per row slot (NVFP4's two blocks as bytes 0 and 1), read
@@ -241,10 +245,16 @@ class WeightStreamGemm:
             out.append(word)
         return out
 
-    def _read_codes(self, codes_at) -> list:
-        """This lane's codes (four words per row slot) of the chunk in the ring stage at `codes_at`, once its copies
-        have landed."""
-        return [wd for r in range(2 * self.row_tiles) for wd in ld_shared_v4(codes_at + r * (32 * LANE_BYTES))]
+    def _read_codes(self, stage_at) -> list:
+        """This lane's codes (four words per row slot) of the chunk in the ring stage at `stage_at` (rows of
+        ROW_BYTES), once its mbarrier has completed."""
+        return [wd for r in range(2 * self.row_tiles)
+                for wd in ld_shared_v4(stage_at + self._slot_offset(r) * ROW_BYTES)]
+
+    def _slot_offset(self, r: int) -> int:
+        """Row slot r's row inside the CTA's tile (the mma fragment's rows group and group + 8 of each 16-row tile),
+        without the lane's group."""
+        return 16 * (r // 2) + 8 * (r % 2)
 
     def _x_tile(self, x, batch, group, first_code, live, m, k, j: int) -> list:
         """The raw bf16x2 words (x_words) of token tile j's activations at this lane's codes of a chunk (the lane's
@@ -367,9 +377,9 @@ class WeightStreamGemm:
 
     # ------------------------------------------------------------------------------------------------ kernel
     @cute.kernel
-    def kernel(self, x: cute.Tensor, w: cute.Tensor, sw: cute.Tensor, c: cute.Tensor, amax: cute.Tensor,
-               alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32,
-               sf_atom: cutlass.Int32):
+    def kernel(self, x: cute.Tensor, tma_atom: cute.CopyAtom, w_tma: cute.Tensor, staged: cute.ComposedLayout,
+               sw: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor, m: cutlass.Int32,
+               n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32, sf_atom: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         row_block, batch, _ = cute.arch.block_idx()
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -386,20 +396,28 @@ class WeightStreamGemm:
         chunks = (k + self.chunk - 1) // self.chunk
         mine = (chunks - warp + WARPS - 1) // WARPS  # chunks warp, warp + WARPS, ... below `chunks`
         row_parts = self._scale_row_parts(batch, row0, group, n, kb_count, sf_atom)
-        code_rows = self._code_rows(batch, row0, group, n, k)
-        lane_ring = ring0 + warp * self.warp_stage_bytes + lane * LANE_BYTES  # this lane's codes in ring stage 0
+        ring_view = cute.make_tensor(cute.recast_ptr(ring, dtype=cutlass.Uint8), staged)
+        views = cute.nvgpu.cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.group_modes(ring_view, 0, 2),
+            cute.group_modes(cute.local_tile(w_tma, (self.rows, ROW_BYTES), (None, None, None)), 0, 2))
+        warp_ring = ring0 + warp * self.warp_stage_bytes  # the warp's part of ring stage 0
         stage_bytes = WARPS * self.warp_stage_bytes
+        full = storage.full.data_ptr() + warp * self.stages  # the warp's mbarriers, one per ring stage
+        lane_at = group * ROW_BYTES + (lane & 3) * LANE_BYTES  # this lane's codes of its first row slot in a stage
+        if lane == 0:
+            for r in cutlass.range_constexpr(self.stages):
+                cute.arch.mbarrier_init(full + r, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_warp()
 
         acc = cute.make_rmem_tensor((self.row_tiles * self.token_tiles * 4,), cutlass.Float32)
         acc.fill(0.0)
         # mainloop: codes in a shared-memory ring of `stages` per warp (stages - 1 chunks in flight while one is
-        # multiplied), one commit group per chunk even when empty; the scale bytes (and, with few tokens, the
-        # activations) X_STAGES - 1 chunks ahead in X_STAGES register stages. Token tiles past M (all but the first)
-        # are skipped.
+        # multiplied), each chunk one TMA box completing on its stage's mbarrier; the scale bytes (and, with few
+        # tokens, the activations) X_STAGES - 1 chunks ahead in X_STAGES register stages. Token tiles past M (all but
+        # the first) are skipped.
         for r in cutlass.range_constexpr(self.stages - 1):
-            self._issue_chunk(lane_ring + r * stage_bytes, w, code_rows,
-                              self._first_code(quad_codes, warp + WARPS * r), r < mine, k)
-            cp_async_commit()
+            self._issue_chunk(tma_atom, views, full, r, warp, warp + WARPS * r, row_block, batch, r < mine, lane)
         s_stages = [cute.make_rmem_tensor((2 * self.row_tiles,), cutlass.Int32)
                     for _ in range(X_STAGES)]
         x_stages = [cute.make_rmem_tensor((self.x_ahead_tiles * self.x_words,), cutlass.Int32)
@@ -412,14 +430,15 @@ class WeightStreamGemm:
                     self._fill(x_stages[r], j * self.x_words,
                                self._x_tile(x, batch, group, first_code, r < mine, m, k, j))
         slot = cutlass.Int32(0)  # the ring stage of chunk `index`: index % stages, kept as a counter
+        phase = cutlass.Int32(0)  # and the parity of its mbarrier's phase: (index // stages) % 2
         for i in cutlass.range(0, mine, X_STAGES, unroll=1):
             for r in cutlass.range_constexpr(X_STAGES):
                 index = i + r
                 ahead = index + self.stages - 1  # its copies go to the stage chunk index - 1 has just left
                 free = cutlass.select_(slot == 0, self.stages - 1, slot - 1)
-                self._issue_chunk(lane_ring + free * stage_bytes, w, code_rows,
-                                  self._first_code(quad_codes, warp + WARPS * ahead), ahead < mine, k)
-                cp_async_commit()
+                cute.arch.sync_warp()  # every lane has read chunk index - 1 out of the stage the copies now refill
+                self._issue_chunk(tma_atom, views, full, free, warp, warp + WARPS * ahead, row_block, batch,
+                                  ahead < mine, lane)
                 next_index = index + X_STAGES - 1  # the chunk whose scale bytes (and activations) load now
                 next_stage = (r + X_STAGES - 1) % X_STAGES
                 next_first = self._first_code(quad_codes, warp + WARPS * next_index)
@@ -432,10 +451,10 @@ class WeightStreamGemm:
                         if 8 * j < m:
                             self._fill(x_next, j * self.x_words,
                                        self._x_tile(x, batch, group, next_first, next_index < mine, m, k, j))
-                cp_async_wait(self.stages - 1)
                 if index < mine:
                     first_code = self._first_code(quad_codes, warp + WARPS * index)
-                    codes = self._read_codes(lane_ring + slot * stage_bytes)
+                    cute.arch.mbarrier_wait(full + slot, phase)
+                    codes = self._read_codes(warp_ring + slot * stage_bytes + lane_at)
                     scales = [s_stages[r][e] for e in range(2 * self.row_tiles)]
                     # the activation pairs of every token tile at hand now: tiles loaded ahead, and with many tokens
                     # all tiles at once (their loads in flight together); the others load where they are used
@@ -450,9 +469,10 @@ class WeightStreamGemm:
                             self._multiply_chunk(acc, codes, scales, x_pairs, chunk_x, m, True)
                     else:
                         self._multiply_chunk(acc, codes, scales, x_pairs, chunk_x, m, False)
+                phase = cutlass.select_(slot == self.stages - 1, phase ^ 1, phase)
                 slot = cutlass.select_(slot == self.stages - 1, 0, slot + 1)
-        cp_async_wait(0)
-        cute.arch.sync_threads()  # every warp is done with the ring: the partial tiles may take its bytes
+        cute.arch.sync_threads()  # every warp is done with the ring (every copy issued was waited for): the partial
+        # tiles may take its bytes
 
         # epilogue: the warps' partial tiles summed in warp order (deterministic), alpha, C, amax
         quad = lane & 3
