@@ -87,19 +87,37 @@ class StructureTest(absltest.TestCase):
             self.assertLen(problems, 1, changes)
             self.assertIn(match, problems[0])
 
-    def test_spills_fail_every_kernel_but_the_warp_mma_decode_kernel(self):
-        """Local memory is a defect in the tcgen05 kernels; the decode kernel (mma.sync, operands in registers) is
-        known to spill in some objects, which the report lists without failing them."""
+    def test_spills_fail_every_kernel_but_the_wide_decode_objects(self):
+        """Local memory is a defect in the tcgen05 kernels and in the decode kernel's objects of at most 16 tokens;
+        its 64-token objects (operands in registers) may spill, which the report lists without failing them."""
         spilled = structure.CubinResources(registers=255, frame_bytes=440, stack_bytes=440, static_smem_bytes=1024)
         warp = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
-        decode = self._report(mma=(), has_alloc=False, has_dealloc=False, tmem_loads=0, tmem_load_waits=0,
-                              tmem_columns_used=0, tmem_columns_allocated=0, expect_kind="", expect_scale_vec="",
-                              warp_mma=(warp,), expect_warp_mma=warp, threads_per_cta=256, dynamic_smem_bytes=0,
-                              resources=spilled)
-        self.assertEqual(decode.problems(), [])
+        wide = self._report(mma=(), has_alloc=False, has_dealloc=False, tmem_loads=0, tmem_load_waits=0,
+                            tmem_columns_used=0, tmem_columns_allocated=0, expect_kind="", expect_scale_vec="",
+                            warp_mma=(warp,), expect_warp_mma=warp, threads_per_cta=256, dynamic_smem_bytes=0,
+                            resources=spilled, spills_allowed=True)
+        self.assertEqual(wide.problems(), [])
+        narrow = dataclasses.replace(wide, spills_allowed=False)
+        self.assertIn("local memory", " ".join(narrow.problems()))
         self.assertIn("local memory", " ".join(self._report(resources=spilled).problems()))
-        dequantize = dataclasses.replace(decode, warp_mma=(), expect_warp_mma="")
+        dequantize = dataclasses.replace(narrow, warp_mma=(), expect_warp_mma="")
         self.assertIn("local memory", " ".join(dequantize.problems()))
+
+    def test_the_16_token_decode_objects_hold_their_operands_in_128_registers(self):
+        """The decode path of M <= 16 (two CTAs per SM): no local memory and at most 128 registers, for the H200's
+        sm_90a objects and the sm_100a ones, in the two weight widths (FP8 and packed FP4 codes)."""
+        for arch in ("sm_90a", "sm_100a"):
+            for w in ("float8_e4m3fn", "float4_e2m1fn"):
+                v = next(v for v in catalog.variants_for(arch, "weight_stream")
+                         if v.tile_mn[1] == structure.DECODE_SPILL_FREE_TOKENS and v.ab_dtype == w
+                         and v.sf_vec_size == 32 and v.c_dtype == "bfloat16")
+                res = structure.cubin_resources(compiled(v).fn.__cubin__)
+                self.assertEqual((res.frame_bytes, res.stack_bytes), (0, 0), v.key)
+                self.assertLessEqual(res.registers, 128, v.key)
+                if arch == "sm_100a":
+                    report = structure.sm100_report(v, compiled(v).fn, compiled(v).kernel)
+                    self.assertFalse(report.spills_allowed)
+                    self.assertEqual(report.problems(), [], v.key)
 
     def test_cubin_parser_reads_a_compiled_kernel(self):
         v = next(v for v in catalog.CATALOG if v.key == _GEMM_AMAX_KEY)

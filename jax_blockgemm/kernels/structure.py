@@ -29,6 +29,9 @@ SCALE_VEC = {32: "block32", 16: "block16"}
 # The one warp-level MMA of the weight_stream kernel (bf16 x bf16 -> fp32), the same opcode on sm_90a and sm_100a.
 WARP_MMA_BF16 = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 WARP_MMA_OPS = {"weight_stream": WARP_MMA_BF16}  # op -> its expected mma.sync opcode (instead of tcgen05)
+# The decode kernel holds its operands in registers: objects of at most this many tokens (two CTAs per SM, at most 128
+# registers) must not spill; the 64-token FP4 objects keep 80-112 stack bytes (docs/design/decode.md), reported only.
+DECODE_SPILL_FREE_TOKENS = 16
 
 _EIATTR_FRAME_SIZE = 0x11
 _EIATTR_MIN_STACK_SIZE = 0x12
@@ -121,6 +124,7 @@ class Sm100Report:
     expect_scale_vec: str  # "" for an MMA without block scales (kind::f16)
     warp_mma: tuple[str, ...] = ()  # distinct `mma.sync...` opcodes in the PTX
     expect_warp_mma: str = ""  # the only mma.sync opcode a warp-level-MMA kernel (weight_stream) may hold; "" none
+    spills_allowed: bool = False  # local memory reported, not a defect (the wide decode objects)
 
     @property
     def mma_label(self) -> str:
@@ -157,10 +161,7 @@ class Sm100Report:
             if not 0 < self.tmem_columns_used <= self.tmem_columns_allocated <= SM100_TMEM_COLUMNS:
                 out.append(f"tensor memory: {self.tmem_columns_used} columns used of {self.tmem_columns_allocated} "
                            f"allocated (at most {SM100_TMEM_COLUMNS})")
-        # weight_stream keeps its operands in registers and is known to spill in its 64-token and NVFP4 objects
-        # (docs/design/decode.md, "What it reaches"): reported in the table, not a structural defect
-        spills_allowed = bool(self.expect_warp_mma)
-        if (self.ptx_local or self.resources.frame_bytes or self.resources.stack_bytes) and not spills_allowed:
+        if (self.ptx_local or self.resources.frame_bytes or self.resources.stack_bytes) and not self.spills_allowed:
             out.append(f"local memory: {self.ptx_local} .local in PTX, frame {self.resources.frame_bytes} B, "
                        f"stack {self.resources.stack_bytes} B")
         if self.smem_bytes > SM100_SMEM_PER_CTA:
@@ -206,5 +207,6 @@ def sm100_report(variant: Any, compiled: Any, kernel: Any) -> Sm100Report:
         tmem_columns_allocated=tmem_allocated, threads_per_cta=threads,
         expect_kind=SM100_MMA_KIND[variant.ab_dtype] if tcgen05 else "",
         expect_scale_vec=SCALE_VEC[variant.sf_vec_size] if variant.op in ("gemm_amax", "ragged") else "",
-        warp_mma=warp_mma_opcodes(ptx), expect_warp_mma=WARP_MMA_OPS.get(variant.op, ""))
+        warp_mma=warp_mma_opcodes(ptx), expect_warp_mma=WARP_MMA_OPS.get(variant.op, ""),
+        spills_allowed=variant.op in WARP_MMA_OPS and variant.tile_mn[1] > DECODE_SPILL_FREE_TOKENS)
 
