@@ -185,10 +185,14 @@ class WeightStreamGemm:
             preferred_smem_carveout=100, stream=stream)  # all of L1 as shared memory: ctas_per_sm rings fit
 
     # ------------------------------------------------------------------------------------------- device helpers
+    def _slot_offset(self, r: int) -> int:
+        """Row slot r's row inside the CTA's tile (the mma fragment's rows group and group + 8 of each 16-row tile),
+        without the lane's group."""
+        return 16 * (r // 2) + 8 * (r % 2)
+
     def _slot_row(self, row0, group, r: int, n):
-        """The weight row of this lane's row slot r (the mma fragment's rows group and group + 8 of each 16-row
-        tile), clamped to N - 1."""
-        return cutlass.min(row0 + 16 * (r // 2) + group + 8 * (r % 2), n - 1)
+        """The weight row of this lane's row slot r, clamped to N - 1."""
+        return cutlass.min(row0 + self._slot_offset(r) + group, n - 1)
 
     def _scale_row_parts(self, batch, row0, group, n, kb_count, sf_atom):
         """Per row slot, the part of its scale bytes' offset that depends on the row (and batch) only: compact
@@ -250,11 +254,6 @@ class WeightStreamGemm:
         ROW_BYTES), once its mbarrier has completed."""
         return [wd for r in range(2 * self.row_tiles)
                 for wd in ld_shared_v4(stage_at + self._slot_offset(r) * ROW_BYTES)]
-
-    def _slot_offset(self, r: int) -> int:
-        """Row slot r's row inside the CTA's tile (the mma fragment's rows group and group + 8 of each 16-row tile),
-        without the lane's group."""
-        return 16 * (r // 2) + 8 * (r % 2)
 
     def _x_tile(self, x, batch, group, first_code, live, m, k, j: int) -> list:
         """The raw bf16x2 words (x_words) of token tile j's activations at this lane's codes of a chunk (the lane's
