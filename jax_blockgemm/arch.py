@@ -59,6 +59,8 @@ class ArchPolicy:
     # dequantized in place (the same values, exact in bf16; no transposed copy) for the bf16 grouped GEMM, or
     # "codes", the quantized codes for a block-scaled one (worth it where MX codes run faster than bf16)
     mx_ragged_operands: Literal["bf16", "codes"] = "bf16"
+    # (rows, columns) of the bf16 grouped GEMM's CTA tile (kernels/sm90/bf16_tile.py), where the target has one
+    ragged_bf16_tile: tuple[int, int] = (128, 128)
 
 
 TABLE: tuple[ArchPolicy, ...] = (
@@ -74,6 +76,9 @@ TABLE: tuple[ArchPolicy, ...] = (
         # H200: an MX ragged GEMM runs at the bf16 tensor rate, and quantizing the (G, K, N) weights to K-major codes
         # (a transposed copy) took 3.2 ms, three times the GEMM (docs/design/moe.md)
         mx_ragged_operands="bf16",
+        # H200: 128 x 256 tiles, one CTA per SM, read a third fewer bytes from L2 than 128 x 128 at two
+        # (docs/design/moe.md)
+        ragged_bf16_tile=(128, 256),
         why="H200: the proj_rope kernel is faster than the reference at every measured shape; MX gemm_amax is "
             "bound by the bf16 tensor rate there, where XLA's dot is as fast as ours (docs/design/gemm_amax.md); "
             "the decode kernel is faster than the reference up to the M shown (docs/design/decode.md); the ragged "

@@ -59,7 +59,7 @@ REPRESENTATIVE_KEYS: frozenset[str] = frozenset({
     "weight_stream.sm_100a.e4m3.f32.sf32.t32x16.c1x1",  # MXFP8, the 16-row variant
     "ragged.sm_90a.e2m1.bf16.sf16e4m3.t128x128.c1x1",  # the grouped GEMM: NVFP4 (alpha), bf16 C
     "ragged.sm_100a.e4m3.f32.sf32.t128x128.c1x1",  # ... its tcgen05 form: MXFP8, the row-predicated epilogue
-    "ragged.sm_90a.bf16.f32.sf0none.t128x128.c1x1.bn",  # the bf16 grouped GEMM, N-major weights
+    "ragged.sm_90a.bf16.f32.sf0none.t128x256.c1x1.bn",  # the bf16 grouped GEMM, N-major weights
     "contraction.sm_90a.bf16.bf16.sf0none.t128x128.c1x1.am.bn",  # the grouped contraction (weight gradient)
     "quantize_pair.sm_90a.e4m3.e5m2.sf32.t32x256.c1x1",  # both quantizations of a weight, E4M3 values, E5M2 codes
 })

@@ -11,7 +11,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
-from jax_blockgemm import dispatch, ffi_lowering, ragged, selfcheck
+from jax_blockgemm import arch, dispatch, ffi_lowering, ragged, selfcheck
 from jax_blockgemm.kernels import catalog
 from jax_blockgemm.kernels.sm90 import ragged as ragged_kernel
 
@@ -192,10 +192,11 @@ class RaggedLoweringTest(parameterized.TestCase):
             return dispatch.ragged_kernels(avals, c_dtype=np.dtype(jnp.float32), sf_vec_size=0, k=k,
                                            implementation=implementation, b_major=w_major)
 
+        tile = "t{}x{}".format(*arch.policy("sm_90a").ragged_bf16_tile)  # the table's tile, not 128 x 128
         self.assertEqual([v.key for v in choice(256, 128, "n").variants],
-                         ["ragged.sm_90a.bf16.f32.sf0none.t128x128.c1x1.bn"])
+                         [f"ragged.sm_90a.bf16.f32.sf0none.{tile}.c1x1.bn"])
         self.assertEqual([v.key for v in choice(200, 136, "k").variants],
-                         ["ragged.sm_90a.bf16.f32.sf0none.t128x128.c1x1"])
+                         [f"ragged.sm_90a.bf16.f32.sf0none.{tile}.c1x1"])
         self.assertRegex(choice(256, 100, "k").reason, r"k must be a multiple of 8")
         self.assertRegex(choice(100, 128, "n").reason, r"n must be a multiple of 8 for an N-major b")
 
@@ -227,8 +228,10 @@ class RaggedSelfCheckTest(parameterized.TestCase):
         dict(ab_dtype="float8_e4m3fn", sf_vec_size=32, sf_dtype=catalog.E8M0, b_major="k"),
         dict(ab_dtype="bfloat16", sf_vec_size=0, sf_dtype=catalog.NO_SCALES, b_major="n"))
     def test_catches_wrong_results(self, **fields):
-        variant = catalog.select_variant(op="ragged", arch="sm_90a", c_dtype="bfloat16", tile_mn=(128, 128),
+        tile = arch.policy("sm_90a").ragged_bf16_tile if fields["sf_vec_size"] == 0 else (128, 128)
+        variant = catalog.select_variant(op="ragged", arch="sm_90a", c_dtype="bfloat16", tile_mn=tile,
                                          cluster_mn=(1, 1), **fields)
+        self.assertIsNotNone(variant)
         device = jax.devices("cpu")[0]
         exact = lambda v, args, dev: selfcheck._run_ragged(v, args, dev, "xla")
 

@@ -177,7 +177,7 @@ def _ragged_factory(v: KernelVariant) -> Any:
     if v.schedule == SWAP_AB:
         return HopperRaggedSwapAB(c_dtype=v.c_dtype)
     if v.ab_dtype == "bfloat16":
-        return HopperRaggedBf16Gemm(c_dtype=v.c_dtype, b_major=v.b_major)
+        return HopperRaggedBf16Gemm(c_dtype=v.c_dtype, b_major=v.b_major, tile_n=v.tile_mn[1])
     return HopperRaggedGemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, sf_vec_size=v.sf_vec_size,
                                 sf_dtype=v.sf_dtype)
 
@@ -222,7 +222,7 @@ _FACTORIES: dict[tuple[str, str], Callable[[KernelVariant], Any]] = {
 # on 128-token x one-head tiles, whose MMA warpgroups hand each fp32 tile through shared memory to an epilogue
 # warpgroup: schedule "staged" ('...t128x192.c1x1[.bn].staged'). On sm_100a one tile of 128 tokens (the 128
 # tensor-memory lanes) x one head.
-_ROPE_SM90, _ROPE_SM100 = arch.policy("sm_90a"), arch.policy("sm_100a")
+_SM90_POLICY, _SM100_POLICY = arch.policy("sm_90a"), arch.policy("sm_100a")
 
 # the tile field of the dequantize keys (those kernels have no tile; their data path follows a_major)
 DEQUANTIZE_TILE = (1, 16)
@@ -281,12 +281,14 @@ CATALOG: tuple[KernelVariant, ...] = (
             for am, bm in (("m", "k"), ("k", "n"), ("m", "n")) for ab in _FP8 for c in _C)
     # proj_rope on sm_90a: bf16 x and w (MXFP8 inputs are dequantized to bf16 before the kernel), both w layouts.
     + tuple(KernelVariant(op="proj_rope", arch="sm_90a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
-                          tile_mn=_ROPE_SM90.proj_rope_tile, b_major=b_major, schedule=_ROPE_SM90.proj_rope_schedule)
+                          tile_mn=_SM90_POLICY.proj_rope_tile, b_major=b_major,
+                          schedule=_SM90_POLICY.proj_rope_schedule)
             for b_major in ("k", "n"))
     # proj_rope on sm_100a: the same ABI and surface; compiled and structurally checked here, never run (no Blackwell
     # GPU). Selected only after the first-use self-check passed on the local GPU (dispatch, selfcheck).
     + tuple(KernelVariant(op="proj_rope", arch="sm_100a", ab_dtype="bfloat16", c_dtype="float8_e4m3fn",
-                          tile_mn=_ROPE_SM100.proj_rope_tile, b_major=b_major, schedule=_ROPE_SM100.proj_rope_schedule)
+                          tile_mn=_SM100_POLICY.proj_rope_tile, b_major=b_major,
+                          schedule=_SM100_POLICY.proj_rope_schedule)
             for b_major in ("k", "n"))
     # MXFP8 -> bf16 for the MXFP8 proj_rope path (its kernels multiply bf16): x and K-major w (a_major "k": scales
     # along the row), (K, N) w (a_major "m"). No MMA: one kernel serves both architectures; only sm_90a has run.
@@ -316,9 +318,10 @@ CATALOG: tuple[KernelVariant, ...] = (
             for ab, v, sf in RAGGED_FORMATS for c in _C)
     # ... and with bf16 operands (mx_ragged_dot's bf16 recipe, and its GEMMs whose contraction is no multiple of 32):
     # no scales; B K-major (dgrad reads the (G, K, N) weights with N as the contraction) or N-major (the forward
-    # reads them with K as the contraction, no transposed copy).
+    # reads them with K as the contraction, no transposed copy); the tile is arch.TABLE's.
     + tuple(KernelVariant(op="ragged", arch="sm_90a", ab_dtype="bfloat16", c_dtype=c, sf_vec_size=0,
-                          sf_dtype=NO_SCALES, b_major=bm) for bm in ("k", "n") for c in _C)
+                          sf_dtype=NO_SCALES, b_major=bm, tile_mn=_SM90_POLICY.ragged_bf16_tile)
+            for bm in ("k", "n") for c in _C)
     # The per-group contraction over tokens (the ragged product's weight gradient) on sm_90a: bf16 x and y, both
     # read with the tokens as the contraction (MN-major tiles), f32 or bf16 C.
     + tuple(KernelVariant(op="contraction", arch="sm_90a", ab_dtype="bfloat16", c_dtype=c, sf_vec_size=0,

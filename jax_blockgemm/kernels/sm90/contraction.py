@@ -9,8 +9,8 @@ past T) are zeroed in shared memory before the MMA reads them, so neither their 
 the sum. An empty group stores zeros after one masked k-tile. The group bounds are clamped into [0, T]: no table can
 make the kernel read or write outside its buffers.
 
-The rest is `HopperRaggedBf16Gemm`'s design (kernels/sm90/ragged.py): a producer warp, two wgmma warpgroups, three
-32 KB stages, two CTAs per SM, the shared epilogue (`c_store`).
+The rest is the bf16 tile kernels' design (kernels/sm90/bf16_tile.py) in its 128 x 128 form: a producer warp, two
+wgmma warpgroups, three 32 KB stages, two CTAs per SM, the shared epilogue (`c_store`).
 """
 
 from __future__ import annotations

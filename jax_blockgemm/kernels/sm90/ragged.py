@@ -19,8 +19,9 @@ in registers; the tokens dequantized by XLA), over group-local items like the bf
 `HopperRaggedBf16Gemm` runs bf16 operands (no dequantization, no scale atoms tied to the 128-row grid) over
 group-local items (`ragged.group_items`): each group's rows cut into tiles of 128 from its own first row, so a group
 boundary costs no second item; the A tile is loaded at the item's first row. A producer warp and two wgmma
-warpgroups per 128 x 128 tile, two CTAs per SM, so that one CTA's epilogue overlaps the other's mainloop. A
-warpgroup none of whose 64 rows an item holds (a group's last, short tile) issues no MMAs.
+warpgroups per tile of 128 rows and `arch.TABLE`'s columns (`bf16_tile`: 128 at two CTAs per SM, so that one CTA's
+epilogue overlaps the other's mainloop, or 256 at one, a third fewer bytes from L2 per product). A warpgroup none of
+whose 64 rows an item holds (a group's last, short tile) issues no MMAs.
 """
 
 from __future__ import annotations
@@ -121,14 +122,14 @@ class HopperRaggedBf16Gemm(Bf16TileKernel):
     """C[rows of group g] = A·B[g]^T per batch l, amax[l] = max|C[l]|, bf16 operands, f32 or bf16 C.
 
     The ragged ABI (`HopperRaggedGemmAmax`) with a (L, T, K) and b (L·G, N, K) for b_major "k" or (L·G, K, N) for
-    "n" in bf16, and a group-local item table (`group_item`); sfa, sfb and alpha are not read. Per CTA one 128 x 128
-    output tile of one item, from the item's first row: warp 8 streams 64-wide k-tiles of A and B by TMA through 3
-    stages, warps 0-7 (two warpgroups of 64 rows) run bf16 wgmma with fp32 accumulation in the tensor cores and store
-    their rows of the item. 288 threads of at most 112 registers and ~97 KB of shared memory: two CTAs per SM.
+    "n" in bf16, and a group-local item table (`group_item`); sfa, sfb and alpha are not read. Per CTA one output
+    tile of 128 rows x `tile_n` columns of one item, from the item's first row: warp 8 streams 64-wide k-tiles of A
+    and B by TMA through the stages of `bf16_tile.TILE_COLUMNS`, warps 0-7 (two warpgroups of 64 rows) run bf16 wgmma
+    with fp32 accumulation in the tensor cores and store their rows of the item.
     """
 
-    def __init__(self, *, c_dtype: str = "float32", b_major: str = "k"):
-        super().__init__(c_dtype=c_dtype)
+    def __init__(self, *, tile_n: int, c_dtype: str = "float32", b_major: str = "k"):
+        super().__init__(c_dtype=c_dtype, tile_n=tile_n)
         common.require_choice("b_major", b_major, ("k", "n"))
         self.b_mn = b_major == "n"
         assert self.tile_mnk[0] == ITEM_ROWS
