@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from absl.testing import absltest
 
-from jax_blockgemm.bench import ragged
+from jax_blockgemm.bench import kernel_time, ragged
 from jax_blockgemm.bench.cli import main as bench_main
 
 
@@ -78,6 +78,56 @@ class RaggedBenchTest(absltest.TestCase):
         self.assertIn("training step: forward, dgrad, wgrad", text)
         for case in cases:
             self.assertIn(f"{case['tokens']}, {case['groups']}, {case['k']} -> {case['n']}, {case['grouping']}", text)
+
+    def test_kernels_option_records_the_step_columns_kernels(self):
+        """--kernels traces each step column; on a CPU the trace has no GPU stream, so the record holds an empty
+        breakdown and the table says so (the labels and sums come from `kernel_time`, tested below)."""
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            record = bench_main(["--op", "ragged", "--small", "--reps", "1", "--warmup", "0", "--burst", "1",
+                                 "--kernels"])
+        on_cpu = jax.default_backend() == "cpu"
+        for case in record["cases"]:
+            for key, result in case["columns"].items():
+                self.assertEqual("kernels" in result, key in ragged.STEP, key)
+                if key in ragged.STEP and on_cpu:
+                    self.assertEqual(result["kernels"], {}, key)
+                elif key in ragged.STEP:
+                    self.assertTrue(result["kernels"] and min(result["kernels"].values()) > 0, key)
+        self.assertIn("GPU time per kernel of a step", out.getvalue())
+        if on_cpu:
+            self.assertIn("step bf16 recipe: no GPU kernels in the trace", out.getvalue())
+
+
+class KernelTimeTest(absltest.TestCase):
+    """`kernel_time`: the GPU stream tracks of a Chrome-format trace, summed per kernel label."""
+
+    def _trace(self):
+        meta = lambda ph_name, pid, name, tid=None: dict(ph="M", name=ph_name, pid=pid, args=dict(name=name),
+                                                        **({} if tid is None else dict(tid=tid)))
+        ours = "kernel_cutlass_kernel_jax_blockgemmkernelssm90ragged_swap_abHopperRaggedSwapAB_object_at__CopyAtom_x"
+        contraction = "kernel_cutlass_kernel_jax_blockgemmkernelssm90contractionHopperGroupedContraction_object_a"
+        return [meta("process_name", 1, "/device:GPU:0"), meta("process_name", 2, "/host:CPU"),
+                meta("thread_name", 1, "Stream #14(Compute,Memset)", 7), meta("thread_name", 1, "XLA Ops", 8),
+                meta("thread_name", 2, "python", 9),
+                dict(ph="X", pid=1, tid=7, name=ours, dur=300.0), dict(ph="X", pid=1, tid=7, name=ours, dur=200.0),
+                dict(ph="X", pid=1, tid=7, name=contraction, dur=100.0),
+                dict(ph="X", pid=1, tid=7, name="gemm_fusion_dot_general_9", dur=50.0),
+                dict(ph="X", pid=1, tid=8, name="fusion.3", dur=999.0),  # XLA's op track: the same time again
+                dict(ph="X", pid=2, tid=9, name=ours, dur=999.0)]  # host side
+
+    def test_sums_stream_tracks_of_the_device_only(self):
+        self.assertEqual(kernel_time.device_kernel_us(self._trace()),
+                         {"HopperRaggedSwapAB": 500.0, "HopperGroupedContraction": 100.0,
+                          "gemm_fusion_dot_general_9": 50.0})
+        self.assertEqual(kernel_time.device_kernel_us(self._trace(), device="/device:TPU:"), {})
+
+    def test_labels(self):
+        self.assertEqual(kernel_time.kernel_label(
+            "kernel_cutlass_kernel_jax_blockgemmkernelsquantize_pairMxQuantizePair_object_at__tensorptr"),
+            "MxQuantizePair")
+        self.assertEqual(kernel_time.kernel_label("nvjet_sm90_tss_256x128_64x4_1x2_h_bz_coopA_NNT"),
+                         "nvjet_sm90_tss_256x128_64x4_1x2_h_bz_coopA_NNT")
 
 
 if __name__ == "__main__":

@@ -112,6 +112,9 @@ def parser() -> argparse.ArgumentParser:
                    help="time the decode regime instead (bench/decode.py): weight-only matmuls of small M against 32 "
                         "distinct weight matrices per program, beside the bf16 and FP8 dots (--format picks the "
                         "weight formats, default all three)")
+    p.add_argument("--kernels", action="store_true",
+                   help="with --op ragged: also the GPU time of each kernel of the training-step columns (a CUPTI "
+                        "trace through jax.profiler): where a step's time goes")
     p.add_argument("--json", metavar="PATH", help="write the raw numbers here")
     p.add_argument("--png", metavar="PATH", help="write a bar chart here (needs matplotlib)")
     return p

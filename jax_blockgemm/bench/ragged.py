@@ -13,6 +13,7 @@ Training-step columns (forward, dgrad and wgrad of y = x · W_g: the loss <y, dy
 the loss returned too so that the forward is not dropped as dead code): `mx_ragged_dot`
 with the mxfp8 and the bf16 recipes, and the batched dense bf16 dots. Each result is compared with the dense bf16
 dot's on equal groups (where the two compute the same product). `--small` swaps in tiny shapes a CPU runs in seconds.
+`--kernels` adds where each step's time goes: the GPU time of each of its kernels, from a CUPTI trace.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 
 import jax_blockgemm as jbg
 from jax_blockgemm import formats
-from jax_blockgemm.bench import report
+from jax_blockgemm.bench import kernel_time, report
 from jax_blockgemm.bench.inputs import random_values
 from jax_blockgemm.bench.timing import median_ms
 
@@ -38,6 +39,7 @@ DIRICHLET_ALPHA = 0.5
 FORWARD = {"ours": "ours(None)", "mxfp8_recipe": "mx_ragged_dot mxfp8", "bf16_recipe": "mx_ragged_dot bf16",
            "ragged_dot": "lax.ragged_dot", "dense": "dense bf16"}
 STEP = {"step_mxfp8": "step mxfp8", "step_bf16": "step bf16 recipe", "step_dense": "step dense bf16"}
+KERNEL_TRACE_CALLS = 5  # calls traced together for --kernels
 
 
 def group_sizes(tokens: int, groups: int, grouping: str, seed: int) -> np.ndarray:
@@ -130,8 +132,9 @@ def _rel_err(got: Any, want: Any) -> float:
 
 
 def run_case(key: jax.Array, tokens: int, groups: int, k: int, n: int, grouping: str, *, warmup: int, reps: int,
-             burst: int, seed: int, progress: Any) -> dict[str, Any]:
-    """Times every column on one shape and grouping; returns the case's record."""
+             burst: int, seed: int, progress: Any, kernels: bool = False) -> dict[str, Any]:
+    """Times every column on one shape and grouping; returns the case's record. With `kernels`, a step column's
+    record also holds the GPU time of each of its kernels ("kernels": label -> ms per call, `kernel_time`)."""
     data = jax.block_until_ready(inputs(key, tokens, groups, k, n))
     gs = jnp.asarray(group_sizes(tokens, groups, grouping, seed))
     flops = 2.0 * tokens * k * n
@@ -151,6 +154,8 @@ def run_case(key: jax.Array, tokens: int, groups: int, k: int, n: int, grouping:
             continue
         ms = median_ms(compiled, [args], warmup=warmup, reps=reps, burst=burst)
         results[name] = {"ms": ms, "tflops": (3 if step else 1) * flops / (ms * 1e-3) / 1e12}
+        if kernels and step:
+            results[name]["kernels"] = kernel_time.kernel_ms(compiled, args, reps=KERNEL_TRACE_CALLS)
         progress.write(f" {name} {ms:.4g} ms;")
     progress.write("\n")
     progress.flush()
@@ -195,11 +200,22 @@ def format_table(record: dict[str, Any]) -> str:
         names = {**FORWARD, **STEP}
         lines.append("  equal groups, relative error against the dense bf16 dot (MXFP8 columns: the format's own "
                      "rounding): " + ", ".join(f"{names[k]} {v:.2g}" for k, v in worst.items()))
+    traced = [(case, key, r["kernels"]) for case in record["cases"] for key, r in case["columns"].items()
+              if "kernels" in r]
+    if traced:
+        lines += ["", "GPU time per kernel of a step, ms per call (a CUPTI trace of "
+                  f"{KERNEL_TRACE_CALLS} calls; kernel time only, no gaps)"]
+        for case, key, times in traced:
+            label = f"{case['tokens']}, {case['groups']}, {case['k']} -> {case['n']}, {case['grouping']}, {STEP[key]}"
+            parts = ", ".join(f"{name} {ms:.3f}" for name, ms in times.items())
+            lines.append(f"  {label}: " + (f"{sum(times.values()):.3f} = {parts}" if times
+                                           else "no GPU kernels in the trace"))
     return "\n".join(lines)
 
 
 def main(args: argparse.Namespace, command: str) -> dict[str, Any]:
-    """Runs the ragged benchmark with the command line's --small, --reps, --warmup, --burst, --seed and --json;
+    """Runs the ragged benchmark with the command line's --small, --reps, --warmup, --burst, --seed, --kernels and
+    --json;
     prints progress to stderr and the tables to stdout; returns the record."""
     shapes = SMALL_SHAPES if args.small else SHAPES
     timing = dict(warmup=args.warmup, reps=args.reps, burst=args.burst)
@@ -208,7 +224,7 @@ def main(args: argparse.Namespace, command: str) -> dict[str, Any]:
     for i, (tokens, groups, k, n) in enumerate(shapes):
         for grouping in GROUPINGS:
             record["cases"].append(run_case(jax.random.fold_in(key, i), tokens, groups, k, n, grouping,
-                                            seed=args.seed, progress=sys.stderr, **timing))
+                                            seed=args.seed, progress=sys.stderr, kernels=args.kernels, **timing))
     print(format_table(record))
     if args.json:
         report.write_json(record, args.json)
