@@ -41,6 +41,23 @@ class DecodeBenchTest(parameterized.TestCase):
         self.assertEqual([(c["format"], c["m"], c["n"], c["k"]) for c in record["cases"]], [("mxfp4", 3, 64, 96)])
         self.assertGreater(record["cases"][0]["columns"]["ours"]["us"], 0)
 
+    def test_kernels_option_traces_every_column(self):
+        """--kernels records each column's kernels per GEMM; on a CPU the trace has no GPU stream, so each breakdown is
+        empty and the table says so. Without --op ragged or --decode the option is refused."""
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            record = bench_main(["--decode", "--small", "--shape", "2,64,96", "--format", "mxfp8", "--reps", "1",
+                                 "--warmup", "0", "--burst", "1", "--kernels"])
+        columns = record["cases"][0]["columns"]
+        self.assertTrue(all("kernels_us" in e for e in columns.values() if "us" in e))
+        if jax.default_backend() == "cpu":
+            self.assertEqual({key: e["kernels_us"] for key, e in columns.items() if "us" in e},
+                             {key: {} for key, e in columns.items() if "us" in e})
+            self.assertIn("M = 2, ours(None): no GPU kernels in the trace", out.getvalue())
+        self.assertIn("GPU time per GEMM by kernel", out.getvalue())
+        with self.assertRaises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            bench_main(["--small", "--kernels"])
+
     @pytest.mark.end_to_end
     def test_small_run_prints_the_tables_and_writes_json(self):
         with tempfile.TemporaryDirectory() as tmp:

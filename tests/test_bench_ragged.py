@@ -122,6 +122,11 @@ class KernelTimeTest(absltest.TestCase):
                           "gemm_fusion_dot_general_9": 50.0})
         self.assertEqual(kernel_time.device_kernel_us(self._trace(), device="/device:TPU:"), {})
 
+    def test_describe(self):
+        self.assertEqual(kernel_time.describe({"HopperRaggedBf16Gemm": 1.5, "HopperGroupedContraction": 0.25}),
+                         "1.750 = HopperRaggedBf16Gemm 1.500, HopperGroupedContraction 0.250")
+        self.assertEqual(kernel_time.describe({}), "no GPU kernels in the trace")
+
     def test_labels(self):
         self.assertEqual(kernel_time.kernel_label(
             "kernel_cutlass_kernel_jax_blockgemmkernelsquantize_pairMxQuantizePair_object_at__tensorptr"),

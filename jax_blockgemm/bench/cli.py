@@ -113,8 +113,9 @@ def parser() -> argparse.ArgumentParser:
                         "distinct weight matrices per program, beside the bf16 and FP8 dots (--format picks the "
                         "weight formats, default all three)")
     p.add_argument("--kernels", action="store_true",
-                   help="with --op ragged: also the GPU time of each kernel of the training-step columns (a CUPTI "
-                        "trace through jax.profiler): where a step's time goes")
+                   help="with --op ragged or --decode: also the GPU time of each kernel (a CUPTI trace through "
+                        "jax.profiler) of the training-step columns, or per GEMM of every decode column: where the "
+                        "time goes")
     p.add_argument("--json", metavar="PATH", help="write the raw numbers here")
     p.add_argument("--png", metavar="PATH", help="write a bar chart here (needs matplotlib)")
     return p
@@ -137,6 +138,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """Runs the benchmark; prints progress to stderr and the table to stdout; returns the record."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
+    if args.kernels and not (args.decode or "ragged" in args.op):
+        raise SystemExit(f"{PROG}: --kernels goes with --op ragged or --decode")
     if args.decode:
         from jax_blockgemm.bench import decode
 

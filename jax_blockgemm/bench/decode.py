@@ -18,7 +18,8 @@ GEMM. Columns:
 Beside each time: the rate at which that column reads its own weight bytes (codes and scales, bf16 values, or E4M3
 codes) as a fraction of the device's read bandwidth, measured in the same run by a jitted max over a large buffer.
 `--small` swaps in tiny shapes, M in {1, 4} and 4 matrices, which a CPU runs in seconds; `--shape M,N,K` (repeatable)
-times those cases instead of the shapes above.
+times those cases instead of the shapes above. `--kernels` adds the GPU time of each kernel per GEMM (a CUPTI trace of
+the program, `kernel_time`): what the GEMM's kernel itself takes, apart from the launches' gaps between kernels.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 
 import jax_blockgemm as jbg
 from jax_blockgemm import arch, formats
-from jax_blockgemm.bench import report
+from jax_blockgemm.bench import kernel_time, report
 from jax_blockgemm.bench.inputs import GEMM_FORMATS, quantize_operand, random_values
 from jax_blockgemm.bench.timing import median_ms
 
@@ -49,6 +50,7 @@ WEIGHT_FORMAT = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}  # -
 COLUMNS = {"ours": "ours(None)", "reference": "reference(xla)", "gemm_amax": "gemm_amax(None)",
            "bf16_dot": "bf16 dot", "fp8_dot": "fp8 dot", "read_floor": "read floor"}
 BANDWIDTH_BYTES, SMALL_BANDWIDTH_BYTES = 2**32, 2**24  # the buffer the read bandwidth is measured on
+KERNEL_TRACE_PROGRAMS = 3  # programs traced together for --kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +136,9 @@ def _rel_err(out: Any, ref: Any) -> float:
 
 
 def run_case(key: jax.Array, fmt: str, k: int, n: int, m_values: Sequence[int], matrices: int, *, warmup: int,
-             reps: int, burst: int, read_gbs: float, progress: Any) -> list[dict[str, Any]]:
-    """Draws `matrices` weights of (N, K) once, then per M times every column; returns one record per M."""
+             reps: int, burst: int, read_gbs: float, progress: Any, kernels: bool = False) -> list[dict[str, Any]]:
+    """Draws `matrices` weights of (N, K) once, then per M times every column; returns one record per M. With
+    `kernels`, each column's record also holds the GPU time per GEMM of each of its kernels ("kernels_us")."""
     key_w, key_x = jax.random.split(key)
     weights = [weight_inputs(kw, k, n, fmt) for kw in jax.random.split(key_w, matrices)]
     jax.block_until_ready(weights)
@@ -158,6 +161,9 @@ def run_case(key: jax.Array, fmt: str, k: int, n: int, m_values: Sequence[int], 
             us = median_ms(compiled, [(per_matrix,)], warmup=warmup, reps=reps, burst=burst) * 1e3 / matrices
             gbs = column.weight_bytes(inputs[0]) / (us * 1e-6) / 1e9
             results[column.key] = {"us": us, "weight_gb_per_s": gbs, "fraction_of_read_bandwidth": gbs / read_gbs}
+            if kernels:
+                per_program = kernel_time.kernel_ms(compiled, (per_matrix,), reps=KERNEL_TRACE_PROGRAMS)
+                results[column.key]["kernels_us"] = {label: ms * 1e3 / matrices for label, ms in per_program.items()}
             progress.write(f" {column.key} {us:.4g} us;")
         progress.write("\n")
         progress.flush()
@@ -210,6 +216,14 @@ def format_table(record: dict[str, Any]) -> str:
             lines.append(f"  ours vs reference: relative error at most {max(errors):.1e}")
         reasons = sorted({(COLUMNS[key], e["na"]) for c in cases for key, e in c["columns"].items() if "na" in e})
         lines += [f"  n/a {label}: {reason}" for label, reason in reasons]
+    traced = [(c, key, e["kernels_us"]) for c in record["cases"] for key, e in c["columns"].items()
+              if "kernels_us" in e]
+    if traced:
+        lines += ["", f"GPU time per GEMM by kernel, us (a CUPTI trace of {KERNEL_TRACE_PROGRAMS} programs; kernel "
+                  "time only: the column's time above less this sum is the gaps between kernels)"]
+        for c, key, times in traced:
+            label = f"{GEMM_FORMATS[c['format']].title} {c['k']} -> {c['n']}, M = {c['m']}, {COLUMNS[key]}"
+            lines.append(f"  {label}: {kernel_time.describe(times, '.3g')}")
     shown = tuple(dict.fromkeys(c["format"] for c in record["cases"])) or DEFAULT_FORMATS
     notes = (f"ours: weight_only_matmul; {decode_policy(shown)}. gemm_amax: x quantized to the weight's format "
              "beforehand (not timed), then the same choice (the decode kernel takes x dequantized to bf16). bf16 dot: "
@@ -232,7 +246,7 @@ def plan(shapes: Sequence[tuple[int, int, int]], *, small: bool) -> list[tuple[i
 
 def main(args: argparse.Namespace, command: str, formats_: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """Runs the decode benchmark with the command line's --shape, --small, --format, --reps, --warmup, --burst,
-    --seed and --json; prints progress to stderr and the tables to stdout; returns the record."""
+    --seed, --kernels and --json; prints progress to stderr and the tables to stdout; returns the record."""
     cases = plan(args.shape, small=args.small)
     matrices = SMALL_MATRICES if args.small else MATRICES
     chosen = tuple(formats_ or DEFAULT_FORMATS)
@@ -246,7 +260,7 @@ def main(args: argparse.Namespace, command: str, formats_: Optional[Sequence[str
         for j, (k, n, m_values) in enumerate(cases):
             case_key = jax.random.fold_in(key, i * len(cases) + j)
             record["cases"] += run_case(case_key, fmt, k, n, m_values, matrices, read_gbs=bandwidth["gb_per_s"],
-                                        progress=sys.stderr, **timing)
+                                        progress=sys.stderr, kernels=args.kernels, **timing)
     print(format_table(record))
     if args.json:
         report.write_json(record, args.json)

@@ -63,4 +63,12 @@ def kernel_ms(fn: Callable[..., Any], args: tuple, *, reps: int) -> dict[str, fl
     return {label: us / reps / 1000 for label, us in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
-__all__ = ["device_kernel_us", "kernel_label", "kernel_ms"]
+def describe(times: Mapping[str, float], number: str = ".3f") -> str:
+    """One line of a table's footnote: the sum of `times` (label -> time), then each label's time, or that the
+    trace holds no GPU kernel."""
+    if not times:
+        return "no GPU kernels in the trace"
+    return f"{sum(times.values()):{number}} = " + ", ".join(f"{label} {t:{number}}" for label, t in times.items())
+
+
+__all__ = ["describe", "device_kernel_us", "kernel_label", "kernel_ms"]

@@ -207,9 +207,7 @@ def format_table(record: dict[str, Any]) -> str:
                   f"{KERNEL_TRACE_CALLS} calls; kernel time only, no gaps)"]
         for case, key, times in traced:
             label = f"{case['tokens']}, {case['groups']}, {case['k']} -> {case['n']}, {case['grouping']}, {STEP[key]}"
-            parts = ", ".join(f"{name} {ms:.3f}" for name, ms in times.items())
-            lines.append(f"  {label}: " + (f"{sum(times.values()):.3f} = {parts}" if times
-                                           else "no GPU kernels in the trace"))
+            lines.append(f"  {label}: {kernel_time.describe(times)}")
     return "\n".join(lines)
 
 
