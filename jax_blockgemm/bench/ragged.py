@@ -213,8 +213,7 @@ def format_table(record: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace, command: str) -> dict[str, Any]:
     """Runs the ragged benchmark with the command line's --small, --reps, --warmup, --burst, --seed, --kernels and
-    --json;
-    prints progress to stderr and the tables to stdout; returns the record."""
+    --json; prints progress to stderr and the tables to stdout; returns the record."""
     shapes = SMALL_SHAPES if args.small else SHAPES
     timing = dict(warmup=args.warmup, reps=args.reps, burst=args.burst)
     record = report.new_record(command, dict(timing, seed=args.seed))
