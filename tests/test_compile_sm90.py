@@ -2,8 +2,9 @@
 FP4 codes dequantized to bf16 for the bf16 wgmma, TMA loads, the amax atomic, no local memory; proj_rope's
 warp-specialized persistent schedule and its epilogue's instruction counts.
 
-The default tier compiles one representative gemm_amax variant per class (compiled_kernels.py) and both proj_rope
-variants; the `catalog` tier compiles every sm_90a gemm_amax variant and the deliberately broken kernels."""
+The default tier compiles one representative gemm_amax variant per class (compiled_kernels.py), both proj_rope
+variants and every bf16 tile kernel (the bf16 grouped GEMM, the grouped contraction: their occupancy); the `catalog`
+tier compiles every sm_90a gemm_amax variant and the deliberately broken kernels."""
 
 import re
 
@@ -13,7 +14,9 @@ from absl.testing import absltest, parameterized
 import broken_kernels
 import compiled_kernels
 from compiled_kernels import compiled, named
+from jax_blockgemm import arch
 from jax_blockgemm.kernels import catalog, structure
+from jax_blockgemm.kernels.sm90 import bf16_tile
 
 _PTX_FP8 = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 _GEMM_AMAX = catalog.variants_for("sm_90a", "gemm_amax")
@@ -162,6 +165,41 @@ class ProjRopeTest(parameterized.TestCase):
         for access in ("cp.async.bulk.tensor", "ld.global"):
             self.assertLess(wait, ptx.index(access), access)
 
+
+
+_BF16_TILE = ([v for v in catalog.variants_for("sm_90a", "ragged") if v.ab_dtype == "bfloat16"]
+              + list(catalog.variants_for("sm_90a", "contraction")))
+
+
+class Bf16TileStructureTest(parameterized.TestCase):
+    """The bf16 tile kernels (kernels/sm90/bf16_tile.py: the bf16 grouped GEMM, the grouped contraction) fit the
+    occupancy their tile is built for: the registers and shared memory of `TILE_COLUMNS`' CTAs per SM."""
+
+    @parameterized.named_parameters(named(_BF16_TILE))
+    def test_structure(self, v):
+        """TMA loads, the bf16 wgmma over the tile's columns with each operand's transpose flag, no local memory;
+        CTAs per SM x threads x registers within the SM's 64 K registers and x shared memory within its 228 KB."""
+        c = compiled(v)
+        ptx, kernel = c.ptx, c.kernel
+        self.assertEqual(kernel.tile_mnk[:2], v.tile_mn)
+        self.assertIn(".target sm_90a", ptx)
+        self.assertIn("cp.async.bulk.tensor", ptx)
+        self.assertRegex(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{v.tile_mn[1]}k16\.f32\.bf16\.bf16")
+        flags = set(re.findall(r"wgmma\.mma_async[^;]*, p, 1,\s*1, (\d), (\d);", ptx))
+        self.assertEqual(flags, {(str(int(v.a_major == "m")), str(int(v.b_major == "n")))})
+        self.assertNotIn(".local", ptx)
+        resources = structure.cubin_resources(c.fn.__cubin__)
+        self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
+        ctas, stages = bf16_tile.TILE_COLUMNS[v.tile_mn[1]]
+        self.assertEqual((kernel.ctas_per_sm, kernel.ab_stages), (ctas, stages))
+        self.assertLessEqual(ctas * kernel.threads_per_cta * resources.registers, 64 * 1024)
+        smem = kernel.shared_storage.size_in_bytes() + resources.static_smem_bytes
+        self.assertLessEqual(ctas * smem, 228 * 1024)
+
+    def test_the_ragged_tile_is_the_tables(self):
+        """The catalog's bf16 grouped GEMMs are built with arch.TABLE's tile; the contraction keeps 128 x 128."""
+        tiles = {v.op: v.tile_mn for v in _BF16_TILE}
+        self.assertEqual(tiles, {"ragged": arch.policy("sm_90a").ragged_bf16_tile, "contraction": (128, 128)})
 
 
 class QuantizePairStructureTest(parameterized.TestCase):
