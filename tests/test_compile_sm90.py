@@ -194,12 +194,13 @@ class Bf16TileStructureTest(parameterized.TestCase):
         self.assertEqual((kernel.ctas_per_sm, kernel.ab_stages), (ctas, stages))
         self.assertLessEqual(ctas * kernel.threads_per_cta * resources.registers, 64 * 1024)
         smem = kernel.shared_storage.size_in_bytes() + resources.static_smem_bytes
+        self.assertLessEqual(smem, _SM90_SMEM_PER_CTA)
         self.assertLessEqual(ctas * smem, 228 * 1024)
 
     def test_the_ragged_tile_is_the_tables(self):
         """The catalog's bf16 grouped GEMMs are built with arch.TABLE's tile; the contraction keeps 128 x 128."""
-        tiles = {v.op: v.tile_mn for v in _BF16_TILE}
-        self.assertEqual(tiles, {"ragged": arch.policy("sm_90a").ragged_bf16_tile, "contraction": (128, 128)})
+        tiles = {(v.op, v.tile_mn) for v in _BF16_TILE}
+        self.assertEqual(tiles, {("ragged", arch.policy("sm_90a").ragged_bf16_tile), ("contraction", (128, 128))})
 
 
 class QuantizePairStructureTest(parameterized.TestCase):
