@@ -44,6 +44,19 @@ class DecodeExampleTest(absltest.TestCase):
         self.assertEqual(text.rstrip("\n").splitlines()[-1],
                          decode.matmul_path(jax.devices()[0], ("bf16", "mxfp8_e4m3", "mxfp4")))
 
+    @pytest.mark.end_to_end
+    def test_scan_and_unrolled_layers_decode_the_same_tokens(self):
+        """--scan runs the stacked layers by lax.scan, the default unrolls them: the same greedy tokens either way."""
+        runs = {}
+        for flags in ((), ("--scan",)):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                runs[flags] = decode.main(["--small", "--repeats", "1", "--batch", "2", "--formats", "bf16,mxfp8_e4m3",
+                                           *flags])
+            self.assertIn("layers by lax.scan;" if flags else "layers unrolled;", out.getvalue())
+        for unrolled, scanned in zip(runs[()], runs[("--scan",)]):
+            np.testing.assert_array_equal(np.asarray(unrolled["tokens"]), np.asarray(scanned["tokens"]))
+
     def test_the_last_line_names_the_decode_kernel_and_the_arch_tables_thresholds(self):
         h200 = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
         formats_ = ("bf16", "mxfp8_e4m3", "mxfp4", "nvfp4")

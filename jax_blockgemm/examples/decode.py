@@ -4,17 +4,17 @@ the activations bf16 throughout: the serving case `weight_only_matmul` exists fo
     python -m jax_blockgemm.examples.decode            # 16 layers, d = 4096 (about 3.4 B weights): a GPU
     python -m jax_blockgemm.examples.decode --small    # a tiny stack a CPU runs in seconds
 
-The model is a pre-norm decoder (RMSNorm, multi-head attention with rotary positions and a KV cache, a SwiGLU MLP,
-an untied output head), its layers stacked and run by `jax.lax.scan` (`--unstacked`: each layer's weights in buffers
-of their own, the layers unrolled). A prompt is fed one token per step and then every step appends the argmax token;
-the whole loop is one `jax.jit` program, so the figure is device time. It prints, per weight format and batch size,
-the time per decode step, tokens per second (batch x steps / time) and the rate at which the step reads its weights,
-and how often the model's next token, fed the bf16 model's output, is the bf16 model's (free-running tokens part
-ways at the first near-tie and never meet again). The quantized formats' matmuls are `weight_only_matmul` calls with
-M = the batch and implementation=None: on a GPU whose `arch.TABLE` row sets a `decode_max_m` for the format
-(sm_90a), batches up to that threshold run the weight_stream decode kernel, which streams the codes and scales once
-per step; larger batches and other devices run the reference (dequantize to bf16, then XLA's dot). The last line
-printed says which for the device at hand, read from the table.
+The model is a pre-norm decoder (RMSNorm, multi-head attention with rotary positions and a KV cache, a SwiGLU MLP, an
+untied output head), each layer's weights in buffers of their own and the layers unrolled (`--scan`: stacked and run
+by `jax.lax.scan`, where XLA's bf16 dots run 2.4x slower on the H200: docs/performance.md). A prompt is fed one token
+per step and then every step appends the argmax token; the whole loop is one `jax.jit` program, so the figure is
+device time. It prints, per weight format and batch size, the time per decode step, tokens per second (batch x steps /
+time) and the rate at which the step reads its weights, and how often the model's next token, fed the bf16 model's
+output, is the bf16 model's (free-running tokens part ways at the first near-tie and never meet again). The quantized
+formats' matmuls are `weight_only_matmul` calls with M = the batch and implementation=None: on a GPU whose
+`arch.TABLE` row sets a `decode_max_m` for the format (sm_90a), batches up to that threshold run the weight_stream
+decode kernel, which streams the codes and scales once per step; larger batches and other devices run the reference
+(dequantize to bf16, then XLA's dot). The last line printed says which for the device at hand, read from the table.
 """
 
 from __future__ import annotations
@@ -270,9 +270,10 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--d-model", type=int, help="model width d (default 4096; --small 64)")
     p.add_argument("--new-tokens", type=int, help="tokens generated after the prompt (default 64; --small 8)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row (the median is reported)")
-    p.add_argument("--unstacked", action="store_true",
-                   help="each layer's weights as buffers of their own, the layers unrolled (default: lax.scan over "
-                        "stacked weights)")
+    p.add_argument("--scan", action="store_true",
+                   help="the layers' weights stacked and run by lax.scan (default: each layer's weights as buffers "
+                        "of their own, the layers unrolled; under the scan XLA's bf16 dots run 2.4x slower on the "
+                        "H200, which flatters the MX weights)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     cfg = SMALL if args.small else FULL
@@ -285,14 +286,14 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     device = jax.devices()[0]
     print(f"greedy decoding: {cfg.layers} layers, d = {cfg.d_model}, {cfg.heads} heads, ffn {cfg.ffn}, vocab "
           f"{cfg.vocab}; a {cfg.prompt}-token prompt, then {cfg.new_tokens} new tokens ({cfg.steps} decode steps, "
-          f"one jitted program); bf16 activations; layers {'unrolled' if args.unstacked else 'by lax.scan'}; "
+          f"one jitted program); bf16 activations; layers {'by lax.scan' if args.scan else 'unrolled'}; "
           f"{device.device_kind} ({device.platform})")
     print(f"{'weights':<11} {'batch':>5} {'ms/step':>9} {'tokens/s':>10} {'weights MB':>11} {'GB/s':>8}  "
           "next token as bf16's")
     rows, reference_tokens = [], {}
     for fmt in args.formats:
         params = quantize_params(base, fmt)
-        params = jax.block_until_ready(unstack_layers(params) if args.unstacked else params)
+        params = jax.block_until_ready(params if args.scan else unstack_layers(params))
         mbytes = weight_bytes(params)
         for batch in args.batch:
             prompt = jax.random.randint(jax.random.fold_in(key_prompt, batch), (batch, cfg.prompt), 0, cfg.vocab)
