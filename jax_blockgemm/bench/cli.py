@@ -114,8 +114,8 @@ def parser() -> argparse.ArgumentParser:
                         "weight formats, default all three)")
     p.add_argument("--kernels", action="store_true",
                    help="with --op ragged or --decode: also the GPU time of each kernel (a CUPTI trace through "
-                        "jax.profiler) of the training-step columns, or per GEMM of every decode column: where the "
-                        "time goes")
+                        "jax.profiler) of every ragged column, or per GEMM of every decode column: where the time "
+                        "goes")
     p.add_argument("--json", metavar="PATH", help="write the raw numbers here")
     p.add_argument("--png", metavar="PATH", help="write a bar chart here (needs matplotlib)")
     return p

@@ -13,7 +13,8 @@ Training-step columns (forward, dgrad and wgrad of y = x · W_g: the loss <y, dy
 the loss returned too so that the forward is not dropped as dead code): `mx_ragged_dot`
 with the mxfp8 and the bf16 recipes, and the batched dense bf16 dots. Each result is compared with the dense bf16
 dot's on equal groups (where the two compute the same product). `--small` swaps in tiny shapes a CPU runs in seconds.
-`--kernels` adds where each step's time goes: the GPU time of each of its kernels, from a CUPTI trace.
+`--kernels` adds where each column's time goes: the GPU time of each of its kernels, from a CUPTI trace (for `ours`,
+the tokens' dequantization apart from the grouped kernel; for a step, its GEMMs and quantization passes).
 """
 
 from __future__ import annotations
@@ -133,8 +134,8 @@ def _rel_err(got: Any, want: Any) -> float:
 
 def run_case(key: jax.Array, tokens: int, groups: int, k: int, n: int, grouping: str, *, warmup: int, reps: int,
              burst: int, seed: int, progress: Any, kernels: bool = False) -> dict[str, Any]:
-    """Times every column on one shape and grouping; returns the case's record. With `kernels`, a step column's
-    record also holds the GPU time of each of its kernels ("kernels": label -> ms per call, `kernel_time`)."""
+    """Times every column on one shape and grouping; returns the case's record. With `kernels`, each column's record
+    also holds the GPU time of each of its kernels ("kernels": label -> ms per call, `kernel_time`)."""
     data = jax.block_until_ready(inputs(key, tokens, groups, k, n))
     gs = jnp.asarray(group_sizes(tokens, groups, grouping, seed))
     flops = 2.0 * tokens * k * n
@@ -154,7 +155,7 @@ def run_case(key: jax.Array, tokens: int, groups: int, k: int, n: int, grouping:
             continue
         ms = median_ms(compiled, [args], warmup=warmup, reps=reps, burst=burst)
         results[name] = {"ms": ms, "tflops": (3 if step else 1) * flops / (ms * 1e-3) / 1e12}
-        if kernels and step:
+        if kernels:
             results[name]["kernels"] = kernel_time.kernel_ms(compiled, args, reps=KERNEL_TRACE_CALLS)
         progress.write(f" {name} {ms:.4g} ms;")
     progress.write("\n")
@@ -203,10 +204,11 @@ def format_table(record: dict[str, Any]) -> str:
     traced = [(case, key, r["kernels"]) for case in record["cases"] for key, r in case["columns"].items()
               if "kernels" in r]
     if traced:
-        lines += ["", "GPU time per kernel of a step, ms per call (a CUPTI trace of "
+        lines += ["", "GPU time per kernel, ms per call (a CUPTI trace of "
                   f"{KERNEL_TRACE_CALLS} calls; kernel time only, no gaps)"]
+        names = {**FORWARD, **STEP}
         for case, key, times in traced:
-            label = f"{case['tokens']}, {case['groups']}, {case['k']} -> {case['n']}, {case['grouping']}, {STEP[key]}"
+            label = f"{case['tokens']}, {case['groups']}, {case['k']} -> {case['n']}, {case['grouping']}, {names[key]}"
             lines.append(f"  {label}: {kernel_time.describe(times)}")
     return "\n".join(lines)
 

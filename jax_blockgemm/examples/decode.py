@@ -272,7 +272,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row (the median is reported)")
     p.add_argument("--scan", action="store_true",
                    help="the layers' weights stacked and run by lax.scan (default: each layer's weights as buffers "
-                        "of their own, the layers unrolled; the module docstring says why)")
+                        "of their own, the layers unrolled; docs/performance.md compares the two)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     cfg = SMALL if args.small else FULL
