@@ -79,6 +79,18 @@ class RaggedBenchTest(absltest.TestCase):
         for case in cases:
             self.assertIn(f"{case['tokens']}, {case['groups']}, {case['k']} -> {case['n']}, {case['grouping']}", text)
 
+    def test_interleaved_sustained_run_times_every_column_and_records_the_method(self):
+        """--interleave compiles a case's columns first and samples them in turn; --sustained replaces --reps by a
+        time; both reach the timing and the record's method (the ragged benchmark used to ignore them)."""
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            record = bench_main(["--op", "ragged", "--small", "--warmup", "0", "--burst", "1", "--interleave",
+                                 "--sustained", "0.05"])
+        self.assertEqual((record["method"]["interleave"], record["method"]["sustained"]), (True, 0.05))
+        for case in record["cases"]:
+            self.assertEqual(set(case["columns"]), set(ragged.FORWARD) | set(ragged.STEP))
+            for key, result in case["columns"].items():
+                self.assertGreater(result["ms"], 0, key)
+
     def test_kernels_option_records_every_columns_kernels(self):
         """--kernels traces each column, forward and step; on a CPU the trace has no GPU stream, so the record holds
         an empty breakdown and the table says so (the labels and sums come from `kernel_time`, tested below)."""

@@ -13,8 +13,10 @@ Training-step columns (forward, dgrad and wgrad of y = x · W_g: the loss <y, dy
 the loss returned too so that the forward is not dropped as dead code): `mx_ragged_dot`
 with the mxfp8 and the bf16 recipes, and the batched dense bf16 dots. Each result is compared with the dense bf16
 dot's on equal groups (where the two compute the same product). `--small` swaps in tiny shapes a CPU runs in seconds.
-`--kernels` adds where each column's time goes: the GPU time of each of its kernels, from a CUPTI trace (for `ours`,
-the tokens' dequantization apart from the grouped kernel; for a step, its GEMMs and quantization passes).
+`--sustained` and `--interleave` time the columns as the other benchmarks do (the GPU's steady state at its power
+limit; the columns' samples taken in turn). `--kernels` adds where each column's time goes: the GPU time of each of
+its kernels, from a CUPTI trace (for `ours`, the tokens' dequantization apart from the grouped kernel; for a step,
+its GEMMs and quantization passes).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import jax_blockgemm as jbg
 from jax_blockgemm import formats
 from jax_blockgemm.bench import kernel_time, report
 from jax_blockgemm.bench.inputs import random_values
-from jax_blockgemm.bench.timing import median_ms
+from jax_blockgemm.bench.timing import interleaved_medians_ms, median_ms
 
 SHAPES = ((16384, 32, 7168, 2048), (16384, 32, 2048, 7168), (65536, 256, 7168, 2048))  # (T, G, K, N)
 SMALL_SHAPES = ((256, 4, 96, 64), (512, 8, 64, 96))
@@ -133,31 +135,45 @@ def _rel_err(got: Any, want: Any) -> float:
 
 
 def run_case(key: jax.Array, tokens: int, groups: int, k: int, n: int, grouping: str, *, warmup: int, reps: int,
-             burst: int, seed: int, progress: Any, kernels: bool = False) -> dict[str, Any]:
-    """Times every column on one shape and grouping; returns the case's record. With `kernels`, each column's record
-    also holds the GPU time of each of its kernels ("kernels": label -> ms per call, `kernel_time`)."""
+             burst: int, seed: int, progress: Any, kernels: bool = False, sustained: float = 0.0,
+             interleave: bool = False) -> dict[str, Any]:
+    """Times every column on one shape and grouping; returns the case's record. `sustained` and `interleave` as in
+    `timing.interleaved_medians_ms` (interleaved: every column compiled first, then their samples taken in turn).
+    With `kernels`, each column's record also holds the GPU time of each of its kernels ("kernels": label -> ms per
+    call, `kernel_time`)."""
     data = jax.block_until_ready(inputs(key, tokens, groups, k, n))
     gs = jnp.asarray(group_sizes(tokens, groups, grouping, seed))
     flops = 2.0 * tokens * k * n
     results: dict[str, Any] = {}
     outputs: dict[str, Any] = {}
+    ready: dict[str, tuple[Callable[..., Any], tuple]] = {}
     progress.write(f"  T={tokens} G={groups} {k} -> {n}, {grouping}:")
+    timing = dict(warmup=warmup, reps=reps, burst=burst, sustained=sustained)
+
+    def record(name: str, ms: float) -> None:
+        results[name] = {"ms": ms, "tflops": (3 if name in STEP else 1) * flops / (ms * 1e-3) / 1e12}
+        if kernels:
+            results[name]["kernels"] = kernel_time.kernel_ms(*ready[name], reps=KERNEL_TRACE_CALLS)
+        progress.write(f" {name} {ms:.4g} ms;")
+
     for name, (fn, names) in columns(gs).items():
         args = tuple(data[x] for x in names)
-        step = name.startswith("step")
         try:
             compiled = jax.jit(fn).lower(*args).compile()
             out = jax.block_until_ready(compiled(*args))
-            outputs[name] = out[1] if step else out  # a step's gradients (not its loss) are compared
+            outputs[name] = out[1] if name in STEP else out  # a step's gradients (not its loss) are compared
         except Exception as e:  # e.g. lax.ragged_dot out of memory at 256 experts: reported, not fatal
             results[name] = {"na": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"}
             progress.write(f" {name} n/a;")
             continue
-        ms = median_ms(compiled, [args], warmup=warmup, reps=reps, burst=burst)
-        results[name] = {"ms": ms, "tflops": (3 if step else 1) * flops / (ms * 1e-3) / 1e12}
-        if kernels:
-            results[name]["kernels"] = kernel_time.kernel_ms(compiled, args, reps=KERNEL_TRACE_CALLS)
-        progress.write(f" {name} {ms:.4g} ms;")
+        ready[name] = (compiled, args)
+        if not interleave:
+            record(name, median_ms(compiled, [args], **timing))
+    if interleave and ready:
+        times = interleaved_medians_ms([fn for fn, _ in ready.values()], [[args] for _, args in ready.values()],
+                                       **timing)
+        for name, ms in zip(ready, times):
+            record(name, ms)
     progress.write("\n")
     progress.flush()
     if grouping == "equal":  # the dense dot computes the same product only when the groups are equal
@@ -214,10 +230,12 @@ def format_table(record: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace, command: str) -> dict[str, Any]:
-    """Runs the ragged benchmark with the command line's --small, --reps, --warmup, --burst, --seed, --kernels and
-    --json; prints progress to stderr and the tables to stdout; returns the record."""
+    """Runs the ragged benchmark with the command line's --small, --reps, --warmup, --burst, --sustained,
+    --interleave, --seed, --kernels and --json; prints progress to stderr and the tables to stdout; returns the
+    record."""
     shapes = SMALL_SHAPES if args.small else SHAPES
-    timing = dict(warmup=args.warmup, reps=args.reps, burst=args.burst)
+    timing = dict(warmup=args.warmup, reps=args.reps, burst=args.burst, sustained=args.sustained,
+                  interleave=args.interleave)
     record = report.new_record(command, dict(timing, seed=args.seed))
     key = jax.random.key(args.seed)
     for i, (tokens, groups, k, n) in enumerate(shapes):
