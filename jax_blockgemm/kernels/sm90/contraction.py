@@ -20,7 +20,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 
-from jax_blockgemm.kernels import common
+from jax_blockgemm.kernels import common, ptx_ops
 from jax_blockgemm.kernels.sm90 import tma_pipeline, wgmma_mainloop
 from jax_blockgemm.kernels.sm90.bf16_tile import Bf16TileKernel
 
@@ -120,14 +120,25 @@ class HopperGroupedContraction(Bf16TileKernel):
     @cute.jit
     def zero_rows_past(self, sA: cute.Tensor, sB: cute.Tensor, stage, valid, local_tid):
         """Zero tokens valid .. 63 of both operands' k-tile in `stage` (when valid < 64), then make the writes visible
-        to the tensor cores and wait for every MMA thread (both warpgroups read all of B)."""
+        to the tensor cores and wait for every MMA thread (both warpgroups read all of B).
+
+        The stages are MN-major with the 128-byte swizzle: a token's 64 consecutive rows of one half of the tile fill
+        one 128-byte line (the swizzle permutes the line's 16-byte pieces, never moves them out of it), so a token is
+        zeroed by 16-byte stores of whole lines, without the swizzle: 16 per token and operand."""
         bm, _, bk = self.tile_mnk  # A and B tiles alike: bm rows each
+        half = bm // 2
+        layout_a, layout_b = sA.layout, sB.layout  # unswizzled: the swizzle lives in the iterator
+        for layout in (layout_a, layout_b):  # 64 rows of a token contiguous: the lines hold no other token
+            assert cute.crd2idx((half - 1, 0, 0), layout) == half - 1
+            assert cute.crd2idx((half, 0, 0), layout) % half == 0
         if valid < bk:
-            zero = cutlass.BFloat16(0.0)
-            for i in range(local_tid, (bk - valid) * bm, self.num_consumer_warps * 32):
-                row, token = i % bm, valid + i // bm
-                sA[(row, token, stage)] = zero
-                sB[(row, token, stage)] = zero
+            bases = (sA.iterator.toint(), sB.iterator.toint())
+            layouts = (layout_a, layout_b)
+            for i in range(local_tid, (bk - valid) * 16, self.num_consumer_warps * 32):  # 2 lines of 8 pieces
+                piece, row0, token = i % 8, (i // 8) % 2 * half, valid + i // 16
+                for op in cutlass.range_constexpr(2):  # A, then B: each lane one 16-byte piece of a line
+                    line = (cute.crd2idx((row0, token, stage), layouts[op]) * 2) & ~127
+                    ptx_ops.st_shared_v4(bases[op] + line + 16 * piece, 0, 0, 0, 0)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=_MASK_BARRIER_ID, number_of_threads=self.num_consumer_warps * 32)
 
