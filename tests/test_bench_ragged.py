@@ -76,16 +76,19 @@ class RaggedBenchTest(absltest.TestCase):
                     self.assertLess(cols[key]["rel_err_vs_dense"], 0.1, key)
         text = out.getvalue()
         self.assertIn("training step: forward, dgrad, wgrad", text)
+        self.assertIn("median of 1 samples of 1 back-to-back calls\n", text)  # the protocol, in the header
         for case in cases:
             self.assertIn(f"{case['tokens']}, {case['groups']}, {case['k']} -> {case['n']}, {case['grouping']}", text)
 
     def test_interleaved_sustained_run_times_every_column_and_records_the_method(self):
         """--interleave compiles a case's columns first and samples them in turn; --sustained replaces --reps by a
         time; both reach the timing and the record's method (the ragged benchmark used to ignore them)."""
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
             record = bench_main(["--op", "ragged", "--small", "--warmup", "0", "--burst", "1", "--interleave",
                                  "--sustained", "0.05"])
         self.assertEqual((record["method"]["interleave"], record["method"]["sustained"]), (True, 0.05))
+        self.assertIn("last two thirds of 0.05 s per case; the columns' samples taken in turn", out.getvalue())
         for case in record["cases"]:
             self.assertEqual(set(case["columns"]), set(ragged.FORWARD) | set(ragged.STEP))
             for key, result in case["columns"].items():

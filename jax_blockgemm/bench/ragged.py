@@ -192,10 +192,21 @@ def _cell(result: dict[str, Any], dense: Optional[dict[str, Any]]) -> str:
     return f"{result['ms']:.4g}{ratio}"
 
 
+def _timing(method: dict[str, Any]) -> str:
+    """How the columns were timed, in words: the ratios depend on it (docs/performance.md)."""
+    burst = f"{method['burst']} back-to-back calls"
+    if method.get("sustained"):
+        per = "case" if method.get("interleave") else "column"
+        text = f"median of the samples of {burst} in the last two thirds of {method['sustained']:g} s per {per}"
+    else:
+        text = f"median of {method['reps']} samples of {burst}"
+    return text + ("; the columns' samples taken in turn" if method.get("interleave") else "")
+
+
 def format_table(record: dict[str, Any]) -> str:
     """Two tables (forward; training step): ms per call and, in parentheses, the ratio to the dense bf16 column."""
     lines = [f"{record['environment'].get('device', '?')}, {record['date']}: ms per call (x the dense bf16 dot's "
-             "time of the same FLOPs)"]
+             "time of the same FLOPs); " + _timing(record["method"])]
     for title, keys, dense_key in (("forward, MXFP8 E4M3 -> bf16 (ours; mx_ragged_dot mxfp8) and bf16", FORWARD,
                                     "dense"),
                                    ("training step: forward, dgrad, wgrad", STEP, "step_dense")):
