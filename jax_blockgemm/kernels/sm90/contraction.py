@@ -127,7 +127,8 @@ class HopperGroupedContraction(Bf16TileKernel):
         zeroed by 16-byte stores of whole lines, without the swizzle: 16 per token and operand."""
         bm, _, bk = self.tile_mnk  # A and B tiles alike: bm rows each
         half = bm // 2
-        for layout in (sA.layout, sB.layout):  # (static) each token's rows of each half: one whole line, its own
+        layouts = (sA.layout, sB.layout)  # unswizzled: the swizzle lives in the iterator
+        for layout in layouts:  # (static) each token's rows of each half: one whole line, its own
             for token in cutlass.range_constexpr(bk):
                 for row0 in (0, half):
                     first = cute.crd2idx((row0, token, 0), layout)
@@ -135,7 +136,6 @@ class HopperGroupedContraction(Bf16TileKernel):
             assert cute.crd2idx((0, 0, 1), layout) % half == 0  # stages start on a line
         if valid < bk:
             bases = (sA.iterator.toint(), sB.iterator.toint())
-            layouts = (sA.layout, sB.layout)  # unswizzled: the swizzle lives in the iterator
             for i in range(local_tid, (bk - valid) * 16, self.num_consumer_warps * 32):  # 2 lines of 8 pieces
                 piece, row0, token = i % 8, (i // 8) % 2 * half, valid + i // 16
                 for op in cutlass.range_constexpr(2):  # A, then B: each lane one 16-byte piece of a line
