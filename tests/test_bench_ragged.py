@@ -76,7 +76,8 @@ class RaggedBenchTest(absltest.TestCase):
                     self.assertLess(cols[key]["rel_err_vs_dense"], 0.1, key)
         text = out.getvalue()
         self.assertIn("training step: forward, dgrad, wgrad", text)
-        self.assertIn("median of 1 samples of 1 back-to-back calls\n", text)  # the protocol, in the header
+        self.assertIn("wall time per call of 1 jitted calls issued back to back and ended by one block_until_ready; "
+                      "the median of 1 samples\n", text)  # the protocol, in the header
         for case in cases:
             self.assertIn(f"{case['tokens']}, {case['groups']}, {case['k']} -> {case['n']}, {case['grouping']}", text)
 
@@ -88,7 +89,8 @@ class RaggedBenchTest(absltest.TestCase):
             record = bench_main(["--op", "ragged", "--small", "--warmup", "0", "--burst", "1", "--interleave",
                                  "--sustained", "0.05"])
         self.assertEqual((record["method"]["interleave"], record["method"]["sustained"]), (True, 0.05))
-        self.assertIn("last two thirds of 0.05 s per case; the columns' samples taken in turn", out.getvalue())
+        self.assertIn("samples back to back for 0.05 s per case, the median over the last two thirds; the columns' "
+                      "samples taken in turn\n", out.getvalue())
         for case in record["cases"]:
             self.assertEqual(set(case["columns"]), set(ragged.FORWARD) | set(ragged.STEP))
             for key, result in case["columns"].items():

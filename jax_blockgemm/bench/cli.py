@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_blockgemm import bench, formats, support
-from jax_blockgemm.bench import report
+from jax_blockgemm.bench import report, timing
 from jax_blockgemm.bench.cases import build_cases, run_case
 from jax_blockgemm.bench.columns import OPS
 from jax_blockgemm.bench.inputs import DEFAULT_FORMATS, GEMM_FORMATS
@@ -123,15 +123,10 @@ def parser() -> argparse.ArgumentParser:
 
 def _method(args: argparse.Namespace, gemm_formats: Sequence[str]) -> dict[str, Any]:
     """The record's "method": the options that decide what the numbers mean, and the timing in words."""
-    per = "case" if args.interleave else "column"
-    timing = ("median over samples of the wall time per call of `burst` jitted calls issued back to back and ended "
-              "by one block_until_ready"
-              + (f"; samples back to back for {args.sustained:g} s per {per}, the median over the last two thirds"
-                 if args.sustained else "")
-              + ("; the columns' samples taken in turn" if args.interleave else ""))
     return {"reps": args.reps, "warmup": args.warmup, "sets": args.sets, "seed": args.seed, "burst": args.burst,
             "formats": list(gemm_formats), "sustained_s": args.sustained, "interleave": args.interleave,
-            "timing": timing}
+            "timing": timing.describe(reps=args.reps, burst=args.burst, sustained=args.sustained,
+                                      interleave=args.interleave)}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:

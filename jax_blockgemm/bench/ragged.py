@@ -33,7 +33,7 @@ import jax_blockgemm as jbg
 from jax_blockgemm import formats
 from jax_blockgemm.bench import kernel_time, report
 from jax_blockgemm.bench.inputs import random_values
-from jax_blockgemm.bench.timing import interleaved_medians_ms, median_ms
+from jax_blockgemm.bench.timing import describe, interleaved_medians_ms, median_ms
 
 SHAPES = ((16384, 32, 7168, 2048), (16384, 32, 2048, 7168), (65536, 256, 7168, 2048))  # (T, G, K, N)
 SMALL_SHAPES = ((256, 4, 96, 64), (512, 8, 64, 96))
@@ -192,21 +192,10 @@ def _cell(result: dict[str, Any], dense: Optional[dict[str, Any]]) -> str:
     return f"{result['ms']:.4g}{ratio}"
 
 
-def _timing(method: dict[str, Any]) -> str:
-    """How the columns were timed, in words: the ratios depend on it (docs/performance.md)."""
-    burst = f"{method['burst']} back-to-back calls"
-    if method.get("sustained"):
-        per = "case" if method.get("interleave") else "column"
-        text = f"median of the samples of {burst} in the last two thirds of {method['sustained']:g} s per {per}"
-    else:
-        text = f"median of {method['reps']} samples of {burst}"
-    return text + ("; the columns' samples taken in turn" if method.get("interleave") else "")
-
-
 def format_table(record: dict[str, Any]) -> str:
     """Two tables (forward; training step): ms per call and, in parentheses, the ratio to the dense bf16 column."""
     lines = [f"{record['environment'].get('device', '?')}, {record['date']}: ms per call (x the dense bf16 dot's "
-             "time of the same FLOPs); " + _timing(record["method"])]
+             "time of the same FLOPs); " + record["method"]["timing"]]
     for title, keys, dense_key in (("forward, MXFP8 E4M3 -> bf16 (ours; mx_ragged_dot mxfp8) and bf16", FORWARD,
                                     "dense"),
                                    ("training step: forward, dgrad, wgrad", STEP, "step_dense")):
@@ -247,7 +236,8 @@ def main(args: argparse.Namespace, command: str) -> dict[str, Any]:
     shapes = SMALL_SHAPES if args.small else SHAPES
     timing = dict(warmup=args.warmup, reps=args.reps, burst=args.burst, sustained=args.sustained,
                   interleave=args.interleave)
-    record = report.new_record(command, dict(timing, seed=args.seed))
+    record = report.new_record(command, dict(timing, seed=args.seed, timing=describe(
+        reps=args.reps, burst=args.burst, sustained=args.sustained, interleave=args.interleave)))
     key = jax.random.key(args.seed)
     for i, (tokens, groups, k, n) in enumerate(shapes):
         for grouping in GROUPINGS:

@@ -61,6 +61,16 @@ def interleaved_medians_ms(fns: Sequence[Callable[..., Any]], arg_sets: Sequence
     return [1e3 * statistics.median(t) for t in times]
 
 
+def describe(*, reps: int, burst: int, sustained: float = 0.0, interleave: bool = False) -> str:
+    """The timing protocol of `interleaved_medians_ms` in words, for a record's method and a table's header: what
+    the ratios between columns mean depends on it (docs/performance.md)."""
+    per = "case" if interleave else "column"
+    samples = (f"samples back to back for {sustained:g} s per {per}, the median over the last two thirds" if sustained
+               else f"the median of {reps} samples")
+    return (f"wall time per call of {burst} jitted calls issued back to back and ended by one block_until_ready; "
+            + samples + ("; the columns' samples taken in turn" if interleave else ""))
+
+
 def per_call_us(fn: Callable[..., Any], args: tuple, calls: int) -> float:
     """µs per call of `calls` back-to-back calls (no sync between them), after one warm-up call."""
     jax.block_until_ready(fn(*args))
