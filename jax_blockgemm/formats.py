@@ -297,7 +297,9 @@ def unpack_fp4(packed: jax.Array) -> jax.Array:
     if packed.dtype != np.dtype(jnp.uint8) or packed.ndim == 0:
         raise TypeError(f"unpack_fp4: packed must be a uint8 array of rank >= 1; got "
                         f"{_dtype_name(packed.dtype)}{tuple(packed.shape)}.")
-    nib = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+    # shifts broadcast along a new last axis, not a stack: XLA then fuses the unpacking into its consumer (a stack
+    # lowers to a concatenate, one more kernel on the GPU)
+    nib = (packed[..., None] >> jnp.array([0, 4], jnp.uint8)) & 0xF
     return _nibbles_to_e2m1(nib.reshape(*packed.shape[:-1], packed.shape[-1] * 2))
 
 
