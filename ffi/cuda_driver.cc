@@ -58,6 +58,9 @@ LoadedDriver LoadDriver() {
       !Resolve(lib, "cuDeviceGetAttribute", &d.cuDeviceGetAttribute, &out.error) ||
       !Resolve(lib, "cuMemsetD32Async", &d.cuMemsetD32Async, &out.error) ||
       !Resolve(lib, "cuMemsetD8Async", &d.cuMemsetD8Async, &out.error) ||
+      !Resolve(lib, "cuMemAlloc_v2", &d.cuMemAlloc, &out.error) ||
+      !Resolve(lib, "cuMemsetD32_v2", &d.cuMemsetD32, &out.error) ||
+      !Resolve(lib, "cuMemFree_v2", &d.cuMemFree, &out.error) ||
       !Resolve(lib, "cuGetErrorName", &d.cuGetErrorName, &out.error) ||
       !Resolve(lib, "cuStreamGetCtx", &d.cuStreamGetCtx, &out.error) ||
       !Resolve(lib, "cuCtxGetCurrent", &d.cuCtxGetCurrent, &out.error) ||

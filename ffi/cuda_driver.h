@@ -60,6 +60,10 @@ struct CudaDriver {
   CUresult (*cuDeviceGetAttribute)(int* value, int attribute, CUdevice device);
   CUresult (*cuMemsetD32Async)(CUdeviceptr dst, unsigned int value, size_t count, CUstream stream);
   CUresult (*cuMemsetD8Async)(CUdeviceptr dst, unsigned char value, size_t count, CUstream stream);
+  // Instantiation only (a call site's zeroed words, kernel_objects.h's DeviceTally): allocate, zero, free.
+  CUresult (*cuMemAlloc)(CUdeviceptr* dst, size_t bytes);
+  CUresult (*cuMemsetD32)(CUdeviceptr dst, unsigned int value, size_t count);
+  CUresult (*cuMemFree)(CUdeviceptr ptr);
   CUresult (*cuGetErrorName)(CUresult error, const char** name);
   CUresult (*cuStreamGetCtx)(CUstream stream, CUcontext* context);
   CUresult (*cuCtxGetCurrent)(CUcontext* context);

@@ -351,8 +351,7 @@ ffi::Error DeviceFunction(const KernelObjects& state, int32_t device, std::strin
 
 ffi::Error ZeroAmaxAndPoisonC(const KernelObjects& state, std::string_view target, const CudaDriver& driver,
                               CUstream stream, void* amax, size_t batches, void* c, size_t c_bytes) {
-  if (CUresult r = amax == nullptr ? kCudaSuccess
-                                   : driver.cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(amax), 0u, batches, stream);
+  if (CUresult r = driver.cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(amax), 0u, batches, stream);
       r != kCudaSuccess) {
     return ffi::Error::Internal(std::string(target) + ": zeroing amax failed: " + driver.ErrorName(r));
   }
@@ -362,6 +361,77 @@ ffi::Error ZeroAmaxAndPoisonC(const KernelObjects& state, std::string_view targe
       return ffi::Error::Internal(std::string(target) + ": poisoning C failed: " + driver.ErrorName(r));
     }
   }
+  return ffi::Error::Success();
+}
+
+KernelObjects::~KernelObjects() {
+  std::string error;
+  const CudaDriver* driver = tallies.empty() ? nullptr : GetCudaDriver(&error);
+  if (driver == nullptr) return;
+  for (const DeviceTally& tally : tallies) {  // errors are ignored: at process exit the driver may be gone
+    if (tally.context == nullptr) continue;
+    if (tally.words != 0 && driver->cuCtxPushCurrent(tally.context) == kCudaSuccess) {
+      driver->cuMemFree(tally.words);
+      CUcontext popped = nullptr;
+      driver->cuCtxPopCurrent(&popped);
+    }
+    driver->cuDevicePrimaryCtxRelease(tally.device);
+  }
+}
+
+ffi::Error AllocateTallies(KernelObjects* state, std::string_view target, size_t bytes) {
+  const std::string where = std::string(target) + ": allocating the amax tally: ";
+  std::string error;
+  const CudaDriver* d = GetCudaDriver(&error);
+  if (d == nullptr) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, where + error);
+  if (!d->cuDevicePrimaryCtxGetState || !d->cuDevicePrimaryCtxRetain || !d->cuDevicePrimaryCtxRelease) {
+    return ffi::Error::Internal(where + "the CUDA driver lacks the primary-context entry points");
+  }
+  state->tally_bytes = bytes;
+  state->tallies.assign(state->functions.size(), DeviceTally{});
+  for (size_t dev = 0; dev < state->functions.size(); ++dev) {
+    if (state->functions[dev] == nullptr) continue;  // no object for this GPU: nothing launches there
+    CUdevice device = 0;
+    unsigned int flags = 0;
+    int active = 0;
+    CUresult r = d->cuDeviceGet(&device, static_cast<int>(dev));
+    if (r == kCudaSuccess) r = d->cuDevicePrimaryCtxGetState(device, &flags, &active);
+    if (r != kCudaSuccess) {
+      return ffi::Error::Internal(where + "device " + std::to_string(dev) + ": " + d->ErrorName(r));
+    }
+    if (!active) continue;  // the process leaves this GPU alone: no context is created for it (EXECUTE says so)
+    DeviceTally& tally = state->tallies[dev];
+    if ((r = d->cuDevicePrimaryCtxRetain(&tally.context, device)) != kCudaSuccess) {
+      tally.context = nullptr;
+      return ffi::Error::Internal(where + "cuDevicePrimaryCtxRetain: " + d->ErrorName(r));
+    }
+    tally.device = device;
+    if ((r = d->cuCtxPushCurrent(tally.context)) != kCudaSuccess) {
+      return ffi::Error::Internal(where + "cuCtxPushCurrent: " + d->ErrorName(r));
+    }
+    r = d->cuMemAlloc(&tally.words, bytes);
+    if (r == kCudaSuccess) r = d->cuMemsetD32(tally.words, 0u, bytes / 4);  // synchronous: zero before any launch
+    CUcontext popped = nullptr;
+    d->cuCtxPopCurrent(&popped);
+    if (r != kCudaSuccess) return ffi::Error::Internal(where + std::to_string(bytes) + " bytes: " + d->ErrorName(r));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error DeviceTallyWords(const KernelObjects& state, int32_t device, std::string_view target, size_t bytes,
+                            void** words) {
+  const std::string where = std::string(target) + ": ";
+  if (device < 0 || static_cast<size_t>(device) >= state.tallies.size() || state.tallies[device].words == 0) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      where + "no amax tally on device " + std::to_string(device) +
+                          ": its CUDA context was not active when the program was instantiated");
+  }
+  if (bytes > state.tally_bytes) {
+    return ffi::Error::InvalidArgument(where + "the call needs " + std::to_string(bytes) +
+                                       " bytes of amax tally; the call site was instantiated with " +
+                                       std::to_string(state.tally_bytes));
+  }
+  *words = reinterpret_cast<void*>(state.tallies[device].words);
   return ffi::Error::Success();
 }
 

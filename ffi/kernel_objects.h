@@ -117,9 +117,22 @@ bool ParseObjectTable(std::string_view target, std::string_view archs, std::stri
                       size_t objects_size, const int64_t* offsets, size_t num_offsets,
                       std::vector<ObjectEntry>* out, std::string* error);
 
+// Zeroed device memory a call site keeps on one device for the life of its state: the decode kernel's amax tally
+// (kernels/weight_stream.py), which every launch leaves zero again, so nothing writes it between launches.
+struct DeviceTally {
+  CUdeviceptr words = 0;        // 0 where the device has none
+  CUcontext context = nullptr;  // the device's primary context, retained while the words live
+  CUdevice device = 0;
+};
+
 // State kept per call site between INSTANTIATE and EXECUTE, for every target: the kernel object loaded for each
 // device. Owned by XLA (destroyed with the executable).
 struct KernelObjects {
+  KernelObjects() = default;
+  KernelObjects(const KernelObjects&) = delete;
+  KernelObjects& operator=(const KernelObjects&) = delete;
+  ~KernelObjects();  // frees the tallies
+
   static xla::ffi::TypeId id;
   std::string archs;                           // as given, for error messages
   KernelDtypes dtypes{};                       // gemm_amax: what the objects were compiled for (checked per call)
@@ -131,6 +144,8 @@ struct KernelObjects {
   std::vector<int32_t> grid_ctas;              // by CUDA device ordinal: 0 when the device's object takes no grid
                                                // size, else max_ctas, the CTAs of its persistent grid (GridCtas)
   bool poison_outputs = false;                 // JAX_BLOCKGEMM_POISON_OUTPUTS: fill C with NaN before each launch
+  std::vector<DeviceTally> tallies;            // by CUDA device ordinal; empty for targets that keep none
+  size_t tally_bytes = 0;                      // the size of each
 };
 
 XLA_FFI_TypeInfo* KernelObjectsTypeInfo();
@@ -139,10 +154,17 @@ XLA_FFI_TypeInfo* KernelObjectsTypeInfo();
 // The function loaded for `device`, or an error naming the device, its compute capability and the archs carried.
 xla::ffi::Error DeviceFunction(const KernelObjects& state, int32_t device, std::string_view target, DslFunction** fn);
 // Before a kernel that folds |C| into amax by an integer atomic max: zeroes the `batches` float32 amax values on
-// `stream` (unless `amax` is null: a caller that drops amax), and with `state.poison_outputs` fills C's `c_bytes`
-// with 0xFF (NaN in float32, bfloat16 and float16), so that an element the kernel leaves unwritten fails the check.
+// `stream`, and with `state.poison_outputs` fills C's `c_bytes` with 0xFF (NaN in float32, bfloat16 and float16), so
+// that an element the kernel leaves unwritten fails the check.
 xla::ffi::Error ZeroAmaxAndPoisonC(const KernelObjects& state, std::string_view target, const CudaDriver& driver,
                                    CUstream stream, void* amax, size_t batches, void* c, size_t c_bytes);
+// INSTANTIATE: `bytes` of zeroed device memory for each device that has a loaded object and an active primary
+// context (the devices the process runs on; none is created for the others), allocated and zeroed synchronously here
+// so that EXECUTE neither allocates nor writes them.
+xla::ffi::Error AllocateTallies(KernelObjects* state, std::string_view target, size_t bytes);
+// EXECUTE: the tally of `device`, or an error when it has none or it is smaller than `bytes`.
+xla::ffi::Error DeviceTallyWords(const KernelObjects& state, int32_t device, std::string_view target, size_t bytes,
+                                 void** words);
 // Runs `fn` on `args` (pointers to each argument; the last one is `ret`, the kernel's CUDA status slot).
 xla::ffi::Error RunKernel(const KernelObjects& state, int32_t device, std::string_view target,
                           const CudaDriver& driver, DslFunction* fn, void** args, size_t num_args,

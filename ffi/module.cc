@@ -169,9 +169,11 @@ std::tuple<std::string, std::tuple<int, int, int>> CheckQuantizePair(const std::
 
 // The weight_stream attributes parsed (ValueError naming what is wrong otherwise).
 jbg::KernelDtypes WeightStreamDtypes(const std::string& w_dtype, const std::string& c_dtype,
-                                     const std::string& sf_dtype, int64_t sf_vec_size, int64_t max_m) {
+                                     const std::string& sf_dtype, int64_t sf_vec_size, int64_t max_m,
+                                     int64_t amax_batches = 1) {
   jbg::KernelDtypes kernel{};
-  std::string why = jbg::ParseWeightStreamAttributes(w_dtype, c_dtype, sf_dtype, sf_vec_size, max_m, &kernel);
+  std::string why =
+      jbg::ParseWeightStreamAttributes(w_dtype, c_dtype, sf_dtype, sf_vec_size, max_m, amax_batches, &kernel);
   if (!why.empty()) throw nb::value_error(why.c_str());
   return kernel;
 }
@@ -343,11 +345,13 @@ NB_MODULE(_jbg_ffi, m) {
   m.def(
       "parse_weight_stream_attributes",
       [](const std::string& w_dtype, const std::string& c_dtype, const std::string& sf_dtype, int64_t sf_vec_size,
-         int64_t max_m) {
-        const jbg::KernelDtypes k = WeightStreamDtypes(w_dtype, c_dtype, sf_dtype, sf_vec_size, max_m);
+         int64_t max_m, int64_t amax_batches) {
+        const jbg::KernelDtypes k =
+            WeightStreamDtypes(w_dtype, c_dtype, sf_dtype, sf_vec_size, max_m, amax_batches);
         return std::make_tuple(k.ab, k.c, k.sf);
       },
       nb::arg("w_dtype"), nb::arg("c_dtype"), nb::arg("sf_dtype"), nb::arg("sf_vec_size"), nb::arg("max_m"),
+      nb::arg("amax_batches") = 1,
       "Test hook: the weight_stream instantiate stage's attribute parsing: (w, c, sf) as XLA FFI dtype codes.");
   m.def("check_ragged_buffers", &CheckRagged, nb::arg("buffers"), nb::arg("ab_dtype"), nb::arg("c_dtype"),
         nb::arg("sf_dtype") = "float8_e8m0fnu", nb::arg("sf_vec_size") = 32, nb::arg("b_major") = "k",

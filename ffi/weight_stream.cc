@@ -22,7 +22,7 @@ std::string Describe(const BufferDesc& b, int index) {
 
 std::string ParseWeightStreamAttributes(std::string_view w_dtype, std::string_view c_dtype,
                                         std::string_view sf_dtype, int64_t sf_vec_size, int64_t max_m,
-                                        KernelDtypes* out) {
+                                        int64_t amax_batches, KernelDtypes* out) {
   const std::string where = std::string(kWeightStreamTarget) + " attributes: ";
   KernelDtypes k{};
   k.alpha = true;
@@ -46,6 +46,10 @@ std::string ParseWeightStreamAttributes(std::string_view w_dtype, std::string_vi
   }
   if (max_m < 1 || max_m >= kMaxBufferElements) {
     return where + "max_m " + std::to_string(max_m) + " is not supported; expected the objects' row capacity, >= 1";
+  }
+  if (amax_batches < 0 || amax_batches >= kMaxBufferElements) {
+    return where + "amax_batches " + std::to_string(amax_batches) +
+           " is not supported; expected L, the call's batch count (0: the caller drops amax)";
   }
   *out = k;
   return "";
@@ -126,14 +130,24 @@ using StateOr = ffi::ErrorOr<std::unique_ptr<KernelObjects>>;
 // Bytes per element of the C dtypes the objects write.
 StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span<const uint8_t> objects,
                     ffi::Span<const int64_t> offsets, std::string_view w_dtype, std::string_view c_dtype,
-                    std::string_view sf_dtype, int64_t sf_vec_size, int64_t max_m, int64_t) {
+                    std::string_view sf_dtype, int64_t sf_vec_size, int64_t max_m, int64_t amax_batches) {
   KernelDtypes dtypes{};
-  if (std::string why = ParseWeightStreamAttributes(w_dtype, c_dtype, sf_dtype, sf_vec_size, max_m, &dtypes);
+  if (std::string why =
+          ParseWeightStreamAttributes(w_dtype, c_dtype, sf_dtype, sf_vec_size, max_m, amax_batches, &dtypes);
       !why.empty()) {
     return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(why));
   }
   StateOr state = InstantiateKernelObjects(kWeightStreamTarget, archs, prefixes, objects, offsets);
-  if (state.has_value()) (*state)->dtypes = dtypes;
+  if (!state.has_value()) return state;
+  (*state)->dtypes = dtypes;
+  // amax's tally: per batch two int32 words (the CTAs' running max and their count), zero between launches; none
+  // where the caller drops amax
+  if (amax_batches > 0) {
+    if (ffi::Error e = AllocateTallies(state->get(), kWeightStreamTarget, static_cast<size_t>(amax_batches) * 8);
+        e.failure()) {
+      return ffi::Unexpected<ffi::Error>(std::move(e));
+    }
+  }
   return state;
 }
 
@@ -142,7 +156,7 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
                    ffi::AnyBuffer sw, ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> c,
                    ffi::Result<ffi::AnyBuffer> amax, std::string_view, std::string_view, ffi::Span<const uint8_t>,
                    ffi::Span<const int64_t>, std::string_view, std::string_view, std::string_view, int64_t,
-                   int64_t max_m, int64_t zero_amax) {
+                   int64_t max_m, int64_t) {
   DslFunction* fn = nullptr;
   if (ffi::Error e = DeviceFunction(*state, device, kWeightStreamTarget, &fn); e.failure()) return e;
   const BufferDesc buffers[6] = {ToBufferDesc(x),  ToBufferDesc(w),     ToBufferDesc(sw),
@@ -154,23 +168,35 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   std::string error;
   const CudaDriver* driver = GetCudaDriver(&error);  // loaded at instantiation; a pointer read here
   if (driver == nullptr) return ffi::Error::Internal(std::string(kWeightStreamTarget) + ": " + error);
-  ScopedStreamContext context(*driver, stream);
-  // amax is an integer atomic max over the bits of |C|: it starts from +0.0, on XLA's stream, before the kernel;
-  // a caller that drops amax (zero_amax 0: weight_only_matmul) leaves it unzeroed and its value undefined.
-  const size_t c_bytes = static_cast<size_t>(ElementCount(buffers[3])) * ElementBytes(buffers[3].dtype);
-  void* amax_to_zero = zero_amax != 0 ? amax->untyped_data() : nullptr;
-  if (ffi::Error e = ZeroAmaxAndPoisonC(*state, kWeightStreamTarget, *driver, stream, amax_to_zero,
-                                        static_cast<size_t>(dims.l), c->untyped_data(), c_bytes);
-      e.failure()) {
-    return e;
+  // amax needs no zeroing: the kernel folds |C| through the call site's tally (zero at every launch) and its
+  // last CTA per batch writes amax whole, so one kernel is all a call puts on XLA's stream. Without a tally (the
+  // caller drops amax) the kernel skips amax and leaves it unwritten.
+  void* tally = nullptr;
+  if (state->tally_bytes > 0) {
+    if (ffi::Error e = DeviceTallyWords(*state, device, kWeightStreamTarget, static_cast<size_t>(dims.l) * 8, &tally);
+        e.failure()) {
+      return e;
+    }
   }
-  KernelTensor tensors[6];
+  ScopedStreamContext context(*driver, stream);
+  if (state->poison_outputs) {  // NaN in C and amax: whatever the kernel leaves unwritten fails the check
+    for (int i : {3, 4}) {
+      const size_t bytes = static_cast<size_t>(ElementCount(buffers[i])) * ElementBytes(buffers[i].dtype);
+      if (CUresult r = driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(buffers[i].data), 0xFF, bytes, stream);
+          r != kCudaSuccess) {
+        return ffi::Error::Internal(std::string(kWeightStreamTarget) + ": poisoning " + kNames[i] +
+                                    " failed: " + driver->ErrorName(r));
+      }
+    }
+  }
+  KernelTensor tensors[7];
   for (int i = 0; i < 6; ++i) tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), ElementCount(buffers[i])};
+  tensors[6] = KernelTensor{tally, tally == nullptr ? 0 : int64_t{dims.l}};
   int32_t m = dims.m, n = dims.n, k = dims.k, l = dims.l, sf_atom = dims.sf_atom, ret = 0;
-  // fn(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom, stream) and the kernel's status slot.
-  void* args[13] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5], &m,
-                    &n,          &k,          &l,          &sf_atom,    &stream,     &ret};
-  return RunKernel(*state, device, kWeightStreamTarget, *driver, fn, args, 13, &ret);
+  // fn(x, w, sw, c, amax, alpha, tally, m, n, k, l, sf_atom, stream) and the kernel's status slot.
+  void* args[14] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5], &tensors[6],
+                    &m,          &n,          &k,          &l,          &sf_atom,    &stream,     &ret};
+  return RunKernel(*state, device, kWeightStreamTarget, *driver, fn, args, 14, &ret);
 }
 
 }  // namespace
@@ -183,7 +209,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgWeightStreamInstantiate, jbg::Instantiate,
                                   .Attr<std::string_view>("sf_dtype")
                                   .Attr<int64_t>("sf_vec_size")
                                   .Attr<int64_t>("max_m")
-                                  .Attr<int64_t>("zero_amax"),
+                                  .Attr<int64_t>("amax_batches"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgWeightStreamExecute, jbg::Execute,
@@ -202,5 +228,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgWeightStreamExecute, jbg::Execute,
                                   .Attr<std::string_view>("sf_dtype")
                                   .Attr<int64_t>("sf_vec_size")
                                   .Attr<int64_t>("max_m")
-                                  .Attr<int64_t>("zero_amax"),
+                                  .Attr<int64_t>("amax_batches"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -3,9 +3,11 @@
 // op "weight_stream").
 //
 // INSTANTIATE parses `w_dtype`, `c_dtype`, `sf_dtype`, `sf_vec_size` and `max_m` (what the objects were compiled
-// for) and loads the object table (kernel_objects.h); `zero_amax` is read at execution. EXECUTE checks every buffer,
-// zeroes amax on XLA's stream unless `zero_amax` is 0 (a caller that drops amax), poisons C when asked
-// (JAX_BLOCKGEMM_POISON_OUTPUTS) and runs the function; it never launches on sizes the kernel cannot take.
+// for), loads the object table (kernel_objects.h) and allocates, per device, the call site's zeroed amax tally for
+// `amax_batches` (L) batches, none when it is 0 (the caller drops amax). EXECUTE checks every buffer, poisons C and
+// amax when asked (JAX_BLOCKGEMM_POISON_OUTPUTS) and runs the function, which writes amax whole where there is a
+// tally (nothing zeroes it first: one launch per call on XLA's stream) and leaves it unwritten where there is none; it
+// never launches on sizes the kernel cannot take.
 #ifndef JBG_FFI_WEIGHT_STREAM_H_
 #define JBG_FFI_WEIGHT_STREAM_H_
 
@@ -26,10 +28,11 @@ struct WeightStreamDims {
 };
 
 // Parses the instantiate attributes into `*out` (ab: the dtype of w's buffer; alpha is always true: every object
-// takes alpha) and checks `max_m`, the most rows of x the objects take. Returns "" or what is wrong.
+// takes alpha) and checks `max_m`, the most rows of x the objects take, and `amax_batches`, the L the call site's
+// amax tally is sized for (0: no tally, the caller drops amax). Returns "" or what is wrong.
 std::string ParseWeightStreamAttributes(std::string_view w_dtype, std::string_view c_dtype,
                                         std::string_view sf_dtype, int64_t sf_vec_size, int64_t max_m,
-                                        KernelDtypes* out);
+                                        int64_t amax_batches, KernelDtypes* out);
 
 // Checks x, w, sw, c, amax, alpha (the ABI order) against what the kernel reads and writes, for objects compiled
 // for `kernel` that take at most `max_m` rows; fills `*dims`. Returns "" when they fit, else a message naming the

@@ -24,8 +24,9 @@ instantiates the program. Attributes:
 
 `jbg_weight_stream` (x, w, sw, alpha -> c, amax) carries the object table and `w_dtype`, `c_dtype`, `sf_dtype`,
 `sf_vec_size` (what its objects were compiled for, named as above), `max_m` (int64: the most rows of x every
-object takes) and `zero_amax` (int64: 0 when the caller drops amax, so nothing zeroes it); sw's rank tells the handler
-its form (3: compact scales, 6: the 128x4 atom).
+object takes) and `amax_batches` (int64: L, for which the handler keeps amax's zeroed tally per device; 0 when the
+caller drops amax, which the kernel then leaves unwritten); sw's rank tells the handler its form (3: compact scales,
+6: the 128x4 atom).
 
 `jbg_ragged_gemm_amax` (a, b, sfa, sfb, items, alpha -> c, amax) carries the object table and `ab_dtype`, `c_dtype`,
 `sf_dtype`, `sf_vec_size`, `b_major` as `jbg_gemm_amax` names them: b holds one weight per batch and group, (L, G, N,
@@ -219,10 +220,11 @@ def emit_dequantize(ctx: Any, operands: Sequence[tuple[Any, Any]], *, avals: Seq
 
 
 def weight_stream_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, w_dtype: Any, c_dtype: Any,
-                             sf_dtype: str, zero_amax: bool = True) -> dict[str, Any]:
+                             sf_dtype: str, amax_batches: int) -> dict[str, Any]:
     """The jbg_weight_stream call's attributes for `variants` (one per arch, all compiled for the weight codes
     `w_dtype` (uint8: packed FP4), C dtype `c_dtype` and scales `sf_dtype`); max_m is the smallest row capacity among
-    them (tile_mn[1]); zero_amax 0 tells the handler that the caller drops amax (no memset before the kernel)."""
+    them (tile_mn[1]); amax_batches is the call's L, for which the handler keeps amax's tally, or 0 where the caller
+    drops amax (no tally: the kernel skips amax)."""
     w_dtype, c_dtype = logical_dtype(w_dtype), str(np.dtype(c_dtype))
     for v in variants:
         if (v.ab_dtype, v.c_dtype, v.sf_dtype) != (w_dtype, c_dtype, sf_dtype):
@@ -233,7 +235,7 @@ def weight_stream_attributes(variants: Sequence[Any], objects: Sequence[bytes], 
         raise ValueError(f"variants disagree on the scale block: {sorted(block_sizes)}")
     return dict(object_table_attributes(variants, objects), w_dtype=w_dtype, c_dtype=c_dtype, sf_dtype=sf_dtype,
                 sf_vec_size=np.int64(block_sizes.pop()), max_m=np.int64(min(v.tile_mn[1] for v in variants)),
-                zero_amax=np.int64(bool(zero_amax)))
+                amax_batches=np.int64(amax_batches))
 
 
 def emit_weight_stream(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variants: Sequence[Any],
@@ -243,8 +245,9 @@ def emit_weight_stream(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variant
     x (L, M, K) bf16; w (L, N, K) codes or packed FP4 (L, N, K/2) uint8; sw the weight's scales, compact (L, N,
     ceil(K/v)) or the 128x4 atom (L, ceil(N/128), ceil(ceil(K/v)/4), 32, 4, 4), uint8 E8M0 bytes or float8_e4m3fn
     (NVFP4); alpha (L,) float32. Results from `ctx.avals_out`: c (L, M, N) in the variants' C dtype, amax (L,)
-    float32. `variants`: catalog entries, one per architecture, each taking at least M rows. amax_used=False (the
-    caller drops amax) spares the memset that zeroes it before the kernel: one stream operation less per call.
+    float32. `variants`: catalog entries, one per architecture, each taking at least M rows. The call is one
+    kernel on XLA's stream: nothing zeroes amax before it (the handler keeps a tally, kernels/weight_stream.py);
+    amax_used=False (the caller drops amax) spares the kernel amax altogether and leaves it unwritten.
     """
     x_aval, w_aval, sw_aval, alpha_aval = ctx.avals_in
     c_aval, amax_aval = ctx.avals_out
@@ -267,7 +270,7 @@ def emit_weight_stream(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variant
     variants, objects = _objects(variants)
     sf_dtype = E8M0 if np.dtype(sw_aval.dtype) == np.uint8 else str(np.dtype(sw_aval.dtype))
     attributes = weight_stream_attributes(variants, objects, w_dtype=w_aval.dtype, c_dtype=c_aval.dtype,
-                                          sf_dtype=sf_dtype, zero_amax=amax_used)
+                                          sf_dtype=sf_dtype, amax_batches=l if amax_used else 0)
     return _emit(WEIGHT_STREAM_TARGET, ctx, (x, w, sw, alpha), attributes)
 
 

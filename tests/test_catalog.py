@@ -173,17 +173,18 @@ class WeightStreamCatalogTest(parameterized.TestCase):
                                      sf_dtype="float8_e4m3fn", tile=(32, 64))])
 
     def test_fake_arguments_follow_the_abi(self):
-        """fn(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom, stream): x bf16, w and c as the kernel says, scale bytes
-        uint8, amax and alpha float32, five int32 scalars, the stream."""
+        """fn(x, w, sw, c, amax, alpha, tally, m, n, k, l, sf_atom, stream): x bf16, w and c as the kernel says,
+        scale bytes uint8, amax and alpha float32, the amax tally int64, five int32 scalars, the stream."""
         import cutlass
 
         kernel = types.SimpleNamespace(ab_dtype=cutlass.Float8E5M2, c_dtype=cutlass.Float16)
         args = catalog.fake_arguments(kernel, "weight_stream")
-        self.assertLen(args, 12)
-        self.assertEqual([a.element_type for a in args[:6]], [cutlass.BFloat16, cutlass.Float8E5M2, cutlass.Uint8,
-                                                             cutlass.Float16, cutlass.Float32, cutlass.Float32])
-        self.assertTrue(all(isinstance(a, cutlass.Int32) for a in args[6:11]))
-        self.assertEqual(type(args[11]).__name__, "CUstream")
+        self.assertLen(args, 13)
+        self.assertEqual([a.element_type for a in args[:7]], [cutlass.BFloat16, cutlass.Float8E5M2, cutlass.Uint8,
+                                                             cutlass.Float16, cutlass.Float32, cutlass.Float32,
+                                                             cutlass.Int64])
+        self.assertTrue(all(isinstance(a, cutlass.Int32) for a in args[7:12]))
+        self.assertEqual(type(args[12]).__name__, "CUstream")
 
     def test_the_real_class_takes_every_catalog_variant(self):
         """Needs kernels/weight_stream.py: each variant builds, with the dtypes the handler checks buffers against

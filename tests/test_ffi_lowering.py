@@ -311,7 +311,7 @@ mlir.register_lowering(_ws_test_p, lambda ctx, *ops, variants, c_dtype: ffi_lowe
     ctx, *ops, variants=variants), platform="cuda")
 
 _WS_NAMES = ("archs", "function_prefixes", "objects", "offsets", "w_dtype", "c_dtype", "sf_dtype", "sf_vec_size",
-             "max_m", "zero_amax")
+             "max_m", "amax_batches")
 
 
 def _ws_operands(l=2, m=5, n=40, k=96, *, w=jnp.float8_e4m3fn, sf=jnp.uint8, v=32, atom=False):
@@ -346,6 +346,7 @@ class EmitWeightStreamTest(absltest.TestCase):
         self.assertEqual((attrs["w_dtype"], attrs["c_dtype"], attrs["sf_dtype"]),
                          ("float8_e4m3fn", "bfloat16", "float8_e8m0fnu"))
         self.assertEqual((_int_attr(attrs["sf_vec_size"]), _int_attr(attrs["max_m"])), (32, 16))  # the least room
+        self.assertEqual(_int_attr(attrs["amax_batches"]), 2)  # L: the handler keeps a tally of that many batches
         self.assertEqual(operands, ["tensor<2x5x96xbf16>", "tensor<2x40x96xf8E4M3FN>", "tensor<2x40x3xui8>",
                                     "tensor<2xf32>"])
         self.assertEqual(results, ["tensor<2x5x40xbf16>", "tensor<2xf32>"])
@@ -436,7 +437,7 @@ class PublicDecodeLoweringTest(absltest.TestCase):
                     config = call.attributes["mhlo.backend_config"]
                     self.assertEqual(ir_str(config["archs"]), archs)
                     self.assertEqual(_int_attr(config["max_m"]), 16)  # 3 rows: the 16-row variants
-                    self.assertEqual(_int_attr(config["zero_amax"]), 0)  # amax is dropped: no memset for it
+                    self.assertEqual(_int_attr(config["amax_batches"]), 0)  # amax is dropped: no tally, not computed
                     self.assertNotIn("dot_general", lowered.as_text())
 
     def test_weight_only_with_float32_x_keeps_the_reference(self):
@@ -507,7 +508,7 @@ class PublicDecodeLoweringTest(absltest.TestCase):
         lowered = self._gemm(16, implementation="cutedsl")
         (call,) = _calls(lowered, "jbg_weight_stream")
         self.assertEqual(ir_str(call.attributes["mhlo.backend_config"]["archs"]), "sm_100a,sm_90a")
-        self.assertEqual(_int_attr(call.attributes["mhlo.backend_config"]["zero_amax"]), 1)  # gemm_amax returns it
+        self.assertEqual(_int_attr(call.attributes["mhlo.backend_config"]["amax_batches"]), 2)  # L: amax's tally
         self.assertEqual(_calls(lowered, "jbg_gemm_amax"), [])
 
 

@@ -601,7 +601,7 @@ def _weight_stream_well_formed(obj: bytes, prefix: str) -> Call:
     return Call((Buffer(BF16, (l, m, k)), Buffer(E4M3, (l, n, k)), Buffer(U8, (l, n, _cdiv(k, 32))), Buffer(F32, (l,))),
                 (Buffer(F32, (l, m, n)), Buffer(F32, (l,))),
                 dict(archs=DEVICE_ARCH, function_prefixes=prefix, objects=obj, offsets=(0, len(obj)), w_dtype=E4M3,
-                     c_dtype=F32, sf_dtype=E8M0, sf_vec_size=32, max_m=16, zero_amax=1))
+                     c_dtype=F32, sf_dtype=E8M0, sf_vec_size=32, max_m=16, amax_batches=2))
 
 
 def _weight_stream_cases(good: Call) -> list[Case]:
@@ -636,6 +636,8 @@ def _weight_stream_cases(good: Call) -> list[Case]:
         Case("NVFP4 scales for FP8 weights", good.replace(sf_dtype=E4M3, sf_vec_size=16), where + "sf_dtype",
              "attributes"),
         Case("no row capacity", good.replace(max_m=0), where + "max_m 0 is not supported", "attributes"),
+        Case("negative batches", good.replace(amax_batches=-1), where + "amax_batches -1 is not supported",
+             "attributes"),
         Case("truncated object", good.replace(objects=good.attrs["objects"][:64], offsets=(0, 64)),
              r"jbg_weight_stream: .*", "object"),
     ]
@@ -648,7 +650,7 @@ def _weight_stream_cpu_check(call: Call) -> str:
     dtypes = dict(w_dtype=attrs["w_dtype"], c_dtype=attrs["c_dtype"], sf_dtype=attrs["sf_dtype"],
                   sf_vec_size=attrs["sf_vec_size"], max_m=attrs["max_m"])
     try:
-        ext.parse_weight_stream_attributes(**dtypes)
+        ext.parse_weight_stream_attributes(**dtypes, amax_batches=attrs["amax_batches"])
     except ValueError as e:
         return str(e)
     if problem := _object_table_problem(attrs, _native.WEIGHT_STREAM_TARGET):

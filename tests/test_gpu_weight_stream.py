@@ -114,9 +114,9 @@ class GpuWeightStreamTest(parameterized.TestCase):
                 oracle_ops.assert_gemm_close(self, np.asarray(y), ref, c_dtype=jnp.dtype(jnp.float32))
 
     def test_amax_is_each_calls_own(self):
-        """amax starts from zero on every call (the handler zeroes it before the launch; the kernel folds each CTA's
-        max into it): one compiled call site run on large values, small ones, with a NaN scale, then small ones
-        again gives each call's own max |C|, never a previous call's (a NaN does not stick either)."""
+        """amax is each call's own: the CTAs fold their max into the call site's tally, which the last CTA of a batch
+        empties into amax and leaves zero. One compiled call site run on large values, small ones, with a NaN scale,
+        then small ones again gives each call's own max |C|, never a previous call's (a NaN does not stick either)."""
         rng = np.random.default_rng(5)
         l, m, n, k = 2, 3, 336, 1024  # 11 CTAs of 32 weight rows per batch, the last one half full
         f = jax.jit(lambda *a: jbg.gemm_amax(*a, c_dtype=jnp.float32, implementation=IMPLEMENTATION))
@@ -134,6 +134,40 @@ class GpuWeightStreamTest(parameterized.TestCase):
                     self.assertTrue(np.isnan(float(amax)))
                 else:
                     self.assertEqual(float(amax), float(np.abs(c).max()))
+
+    def test_amax_per_batch_and_per_call_site(self):
+        """Under vmap each batch's amax is its own (batches of very different magnitudes share one launch and one
+        tally, a word pair per batch), and two call sites in one program, each run twice, keep theirs apart."""
+        rng = np.random.default_rng(9)
+        l, m, n, k = 3, 5, 200, 512  # 7 CTAs per batch
+
+        def inputs(scale_log2):
+            return oracle_ops.random_gemm_inputs(rng, l=l, m=m, n=n, k=k, fmt="mxfp8_e4m3", scale_log2=scale_log2)
+
+        def one(a, b, sfa, sfb):
+            return jbg.gemm_amax(a, b, sfa, sfb, c_dtype=jnp.float32, implementation=IMPLEMENTATION)
+
+        batched = jax.vmap(lambda *x: one(*(y[None] for y in x)))
+
+        def program(first, second):
+            return batched(*first), batched(*second)
+
+        f = jax.jit(program)
+        names = ("a", "b", "sfa_atom", "sfb_atom")
+        for run in range(2):
+            d1, d2 = inputs((6.0, 10.0)), inputs((-10.0, -6.0))
+            for d in (d1, d2):  # batch 1 ten powers of two larger than its neighbours
+                d["b"] = np.asarray(d["b"])
+                sfb = np.asarray(d["sfb_atom"]).copy()
+                sfb.reshape(l, -1)[1] = np.minimum(sfb.reshape(l, -1)[1].astype(int) + 10, 254).astype(np.uint8)
+                d["sfb_atom"] = sfb
+            out1, out2 = f([jnp.asarray(d1[x]) for x in names], [jnp.asarray(d2[x]) for x in names])
+            for (c, amax), d in ((out1, d1), (out2, d2)):
+                c, amax = np.asarray(c), np.asarray(amax)
+                self.assertEqual(amax.shape, (l,))
+                for i in range(l):
+                    with self.subTest(run=run, batch=i):
+                        self.assertEqual(float(amax[i].reshape(())), float(np.abs(c[i]).max()))
 
     def test_same_bits_on_every_run(self):
         """The split of K is reduced in a fixed order: repeated calls give identical bits."""

@@ -243,7 +243,8 @@ class WeightStreamBufferCheckTest(parameterized.TestCase):
                                                             'supported'),
         (("float4_e2m1fn", BF16, "float8_e4m3fn", 32, 64), 'sf_dtype "float8_e4m3fn" with sf_vec_size 32 is not '
                                                            'supported'),
-        ((E4M3, BF16, "float8_e8m0fnu", 32, 0), "max_m 0 is not supported"))
+        ((E4M3, BF16, "float8_e8m0fnu", 32, 0), "max_m 0 is not supported"),
+        ((E4M3, BF16, "float8_e8m0fnu", 32, 16, -1), "amax_batches -1 is not supported; expected L"))
     def test_attributes_are_refused_by_name(self, args, message):
         with self.assertRaisesRegex(ValueError, "^jbg_weight_stream attributes: " + message):
             ext.parse_weight_stream_attributes(*args)
@@ -462,8 +463,8 @@ class KernelAbiTest(absltest.TestCase):
         self.assertRegex(header, r"void \*args\[12\] = \{\s*a, b, sfa, sfb, c, amax, &m, &n, &k, &l, &stream,\s*&ret")
 
     def test_weight_stream_exports_what_its_handler_passes(self):
-        """The decode kernel's object takes x, w, sw, c, amax, alpha, m, n, k, l, sf_atom, stream and the status
-        slot: the 13 arguments ffi/weight_stream.cc fills (compiled here for sm_90a, NVFP4, the 64-row tile)."""
+        """The decode kernel's object takes x, w, sw, c, amax, alpha, tally, m, n, k, l, sf_atom, stream and the
+        status slot: the 14 arguments ffi/weight_stream.cc fills (compiled here for sm_90a, NVFP4, the 64-row tile)."""
         try:
             from jax_blockgemm.kernels import catalog
         except ImportError as e:
@@ -476,10 +477,10 @@ class KernelAbiTest(absltest.TestCase):
                                          c_dtype="bfloat16", sf_vec_size=16, sf_dtype="float8_e4m3fn",
                                          tile_mn=(32, 64), cluster_mn=(1, 1))
         header, structs, wrapper = self._exported(catalog, variant)
-        self.assertEqual(structs, ["x", "w", "sw", "c", "amax", "alpha"], header)
+        self.assertEqual(structs, ["x", "w", "sw", "c", "amax", "alpha", "tally"], header)
         self.assertRegex(wrapper, r"int32_t m, int32_t n, int32_t k, int32_t l, int32_t sf_atom, cudaStream_t stream$")
-        self.assertRegex(header, r"void \*args\[13\] = \{\s*x, w, sw, c, amax, alpha, &m, &n, &k, &l, &sf_atom, "
-                                 r"&stream,\s*&ret")
+        self.assertRegex(header, r"void \*args\[14\] = \{\s*x, w, sw, c, amax, alpha, tally, &m, &n, &k, &l, "
+                                 r"&sf_atom, &stream,\s*&ret")
 
 
 _XLA_PROBE = textwrap.dedent("""
@@ -512,13 +513,13 @@ _XLA_PROBE = textwrap.dedent("""
     x, w = jnp.zeros((1, 4, 64), jnp.bfloat16), jnp.zeros((1, 32, 64), jnp.float8_e4m3fn)
     sw, alpha = jnp.zeros((1, 32, 2), jnp.uint8), jnp.ones((1,), jnp.float32)
     out = (jax.ShapeDtypeStruct((1, 4, 32), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.float32))
-    for name, w_dtype, max_m in (("WS_GOOD", "float8_e4m3fn", 16), ("WS_BADW", "float16", 16),
-                                 ("WS_BADM", "float8_e4m3fn", 0)):
+    for name, w_dtype, max_m, batches in (("WS_GOOD", "float8_e4m3fn", 16, 1), ("WS_BADW", "float16", 16, 1),
+                                          ("WS_BADM", "float8_e4m3fn", 0, 1), ("WS_BADL", "float8_e4m3fn", 16, -1)):
         call = jax.ffi.ffi_call("jbg_weight_stream", out)
         f = jax.jit(lambda *x: call(*x, archs="sm_90a", function_prefixes="p90", objects=blob[:1000],
                                     offsets=np.array([0, 1000], np.int64), w_dtype=w_dtype, c_dtype="bfloat16",
                                     sf_dtype="float8_e8m0fnu", sf_vec_size=np.int64(32), max_m=np.int64(max_m),
-                                    zero_amax=np.int64(1)))
+                                    amax_batches=np.int64(batches)))
         try:
             f(x, w, sw, alpha)
             print(name, "RAN")
@@ -558,7 +559,7 @@ class XlaRegistrationTest(absltest.TestCase):
 
     def test_weight_stream_instantiate_parses_its_attributes(self):
         """jbg_weight_stream's instantiate stage reads its own attributes: well-formed ones reach the device query,
-        a w_dtype or max_m it cannot take is an INVALID_ARGUMENT naming it."""
+        a w_dtype, max_m or amax_batches it cannot take is an INVALID_ARGUMENT naming it."""
         good = self.lines.get("WS_GOOD", self.output)
         self.assertNotIn("RAN", good)
         self.assertRegex(good, r"jbg_weight_stream: (cannot load the CUDA driver|cuInit failed|cuDeviceGetCount|no "
@@ -567,6 +568,9 @@ class XlaRegistrationTest(absltest.TestCase):
                          r'INVALID_ARGUMENT: jbg_weight_stream attributes: w_dtype "float16" is not supported')
         self.assertRegex(self.lines.get("WS_BADM", self.output),
                          r"INVALID_ARGUMENT: jbg_weight_stream attributes: max_m 0 is not supported")
+        self.assertRegex(self.lines.get("WS_BADL", self.output),
+                         r"INVALID_ARGUMENT: jbg_weight_stream attributes: amax_batches -1 is not supported; "
+                         r"expected L")
 
 
 if __name__ == "__main__":

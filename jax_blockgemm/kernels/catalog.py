@@ -22,12 +22,15 @@ dynamic_shapes[1];}` struct over a flat buffer.
       for a_major "k" (blocks along the row), (rows/32, cols) for "m" (blocks along the column); operand 1 always
       has its blocks along the row, and rows1 = 0 when there is none; sizes int32 (kernels/dequantize.py). The
       SWAP_AB variant writes every 64 columns of out in the swap_ab ragged kernel's token order.
-    weight_stream: fn(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom, stream)
+    weight_stream: fn(x, w, sw, c, amax, alpha, tally, m, n, k, l, sf_atom, stream)
       the decode GEMM (kernels/weight_stream.py): x bf16 (L, M, K) with M at most tile_mn[1]; w codes (L, N, K), or
       packed FP4 (L, N, K/2) uint8; sw the weight's scale bytes, compact (L, N, ceil(K/v)) for sf_atom = 0 or the
       SPEC §3 atom (L, ceil(N/128), ceil(ceil(K/v)/4), 32, 4, 4) for sf_atom = 1; c (L, M, N) row-major; amax L
-      float32 values the handler zeroes first; alpha (L,) float32, always passed (ones for the MX formats); m/n/k/l
-      and sf_atom int32, k the logical K. tile_mn is (rows of W per CTA, the most rows of x the variant takes).
+      float32 values, written whole (nothing zeroes them first); alpha (L,) float32, always passed (ones for the MX
+      formats); tally (L,) int64 of the handler's, zero at every launch and left zero by it (the last CTA of a batch
+      writes amax from it), or a null pointer where the caller drops amax (then neither computed nor written);
+      m/n/k/l and sf_atom int32, k the logical K. tile_mn is (rows of W per CTA, the most rows of x the variant
+      takes).
     ragged: fn(a, b, sfa, sfb, items, c, amax, alpha, t, n, k, l, g, max_items, stream)
       the grouped GEMM (kernels/sm90/ragged.py, kernels/sm100/ragged.py): a (L, T, K) codes (packed FP4: (L, T, K/2)
       bytes), tokens sorted by group; b (L·G, N, K) likewise, one weight per group; sfa/sfb their scale bytes in the
@@ -399,8 +402,8 @@ def fake_arguments(kernel: Any, op: str = "gemm_amax") -> list:
     if op == "weight_stream":  # scale bytes travel as uint8 whatever their format, as gemm_amax's do
         i32 = cutlass.Int32
         return [flat(cutlass.BFloat16), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(kernel.c_dtype),
-                flat(cutlass.Float32), flat(cutlass.Float32), i32(1), i32(32), i32(64), i32(1), i32(0),
-                cuda.CUstream(0)]
+                flat(cutlass.Float32), flat(cutlass.Float32), flat(cutlass.Int64), i32(1), i32(32), i32(64), i32(1),
+                i32(0), cuda.CUstream(0)]
     if op == "quantize_pair":
         return [flat(cutlass.BFloat16), flat(cutlass.Int32), flat(cutlass.BFloat16), flat(kernel.c_dtype),
                 flat(cutlass.Uint8), cutlass.Int32(32), cutlass.Int32(256), cutlass.Int32(32), cuda.CUstream(0)]

@@ -12,6 +12,7 @@ import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from jax_blockgemm.kernels import ptx_ops
 from jax_blockgemm.support import HEAD_DIM, MX_BLOCK
 
 # --- configuration checks --------------------------------------------------------------------------------
@@ -211,6 +212,26 @@ def abs_bits(x: cutlass.Float32) -> cutlass.Int32:
 
 
 @cute.jit
+def _warp_amax_to_shared(thread_amax_bits: cutlass.Int32, smem_warp_amax: cute.Tensor, local_tid: cutlass.Int32,
+                         num_warps: cutlass.Constexpr[int], barrier_id: cutlass.Constexpr[int]):
+    """Each warp's max of per-thread |x| bit patterns (redux.sync) into its shared-memory slot, then a named barrier
+    over those `num_warps` warps only."""
+    warp_max = cute.arch.warp_redux_sync(thread_amax_bits, "max")
+    warp = local_tid // 32
+    if local_tid % 32 == 0:
+        smem_warp_amax[warp] = warp_max
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_warps * 32)
+
+
+def _slots_max(smem_warp_amax: cute.Tensor, num_warps: int) -> cutlass.Int32:
+    """The max of the warps' slots (`_warp_amax_to_shared`)."""
+    block_max = smem_warp_amax[0]
+    for w in range(1, num_warps):  # a Python loop: unrolled while traced
+        block_max = cutlass.max(block_max, smem_warp_amax[w])
+    return block_max
+
+
+@cute.jit
 def amax_block_reduce_and_publish(
     thread_amax_bits: cutlass.Int32,
     smem_warp_amax: cute.Tensor,
@@ -219,18 +240,21 @@ def amax_block_reduce_and_publish(
     num_warps: cutlass.Constexpr[int],
     barrier_id: cutlass.Constexpr[int],
 ):
-    """Reduce per-thread |x| bit patterns over `num_warps` warps and fold the result into *amax_ptr.
-
-    Warp max (redux.sync), one shared-memory slot per warp, a named barrier over those warps only, then one
-    `atomicMax` on the int32 view of the float32 amax from the first thread. The caller zeroed *amax_ptr.
-    """
-    warp_max = cute.arch.warp_redux_sync(thread_amax_bits, "max")
-    warp = local_tid // 32
-    if local_tid % 32 == 0:
-        smem_warp_amax[warp] = warp_max
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_warps * 32)
+    """Reduce per-thread |x| bit patterns over `num_warps` warps and fold the result into *amax_ptr by one
+    `atomicMax` on the int32 view of the float32 amax from the first thread. The caller zeroed *amax_ptr."""
+    _warp_amax_to_shared(thread_amax_bits, smem_warp_amax, local_tid, num_warps, barrier_id)
     if local_tid == 0:
-        block_max = smem_warp_amax[0]
-        for w in cutlass.range_constexpr(1, num_warps):
-            block_max = cutlass.max(block_max, smem_warp_amax[w])
-        cute.arch.atomic_max(amax_ptr, block_max)
+        cute.arch.atomic_max(amax_ptr, _slots_max(smem_warp_amax, num_warps))
+
+
+@cute.jit
+def amax_block_reduce_and_fold_last(thread_amax_bits: cutlass.Int32, smem_warp_amax: cute.Tensor,
+                                    tally: cutlass.Int64, amax: cutlass.Int64, ctas: cutlass.Int32,
+                                    local_tid: cutlass.Int32, num_warps: cutlass.Constexpr[int],
+                                    barrier_id: cutlass.Constexpr[int]):
+    """Reduce per-thread |x| bit patterns over `num_warps` warps and fold the result into the float32 at address
+    `amax` through the two-word `tally` that `ctas` CTAs share (ptx_ops.fold_amax_last_cta): nothing zeroes amax
+    before the kernel."""
+    _warp_amax_to_shared(thread_amax_bits, smem_warp_amax, local_tid, num_warps, barrier_id)
+    if local_tid == 0:
+        ptx_ops.fold_amax_last_cta(tally, amax, _slots_max(smem_warp_amax, num_warps), ctas)

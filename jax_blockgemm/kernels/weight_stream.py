@@ -19,15 +19,21 @@ feed the k-slots the mma gives that lane (a permutation of K applied identically
 loads for the same k's), and every chunk's MMAs sum into a fresh fp32 partial that is then added to the accumulator.
 At the end the warps' partial C tiles meet in shared memory and are summed in warp order: the result is the same bits
 on every run (a deterministic split of K). alpha (NVFP4's per-tensor factor; 1 otherwise) multiplies the sums, which
-are stored with predication (any M, N) and folded into amax[l] by one integer atomic max per CTA.
+are stored with predication (any M, N). amax[l] needs nothing to zero it first: each CTA folds its max |C| bits and
+its arrival into the batch's two words of a tally the handler keeps per call site and device (zero between
+launches), and the last of the batch's CTAs to arrive writes amax[l] and zeroes the words again (a memset before the
+launch cost a decode GEMM as much as 10% on XLA's stream). Without a tally (a caller that drops amax) amax is
+skipped.
 
 Accuracy: SPEC §7's "exact" class (bf16 products are exact, sums in fp32 per chunk of at most 128 products).
 What it reaches on the H200, what limits it and the designs measured before it: docs/design/decode.md.
 
-ABI (catalog op "weight_stream"): fn(x, w, sw, c, amax, alpha, m, n, k, l, sf_atom, stream), flat buffers: x bf16
-(L, M, K); w codes (L, N, K) (packed FP4: (L, N, K/2) uint8); sw scale bytes, compact (L, N, ceil(K/v)) when sf_atom
-is 0, SPEC §3's atom form when 1; c (L, M, N) row-major; amax (L,) float32, zeroed by the handler; alpha (L,) float32;
-sizes int32 (k counts codes). The handler (ffi/weight_stream.cc) checks every size against `can_implement`.
+ABI (catalog op "weight_stream"): fn(x, w, sw, c, amax, alpha, tally, m, n, k, l, sf_atom, stream), flat buffers:
+x bf16 (L, M, K); w codes (L, N, K) (packed FP4: (L, N, K/2) uint8); sw scale bytes, compact (L, N, ceil(K/v)) when
+sf_atom is 0, SPEC §3's atom form when 1; c (L, M, N) row-major; amax (L,) float32 (written, never read); alpha (L,)
+float32; tally (L,) int64 (two int32 words per batch), zero at the launch and left so (the handler's), or a null
+pointer where amax is not wanted; sizes int32 (k counts codes). The handler (ffi/weight_stream.cc) checks every size
+against `can_implement`.
 """
 
 from __future__ import annotations
@@ -143,6 +149,9 @@ class WeightStreamGemm:
         self.stages = min(MAX_STAGES, SHARED_BYTES_PER_SM // self.ctas_per_sm // (WARPS * self.warp_stage_bytes))
         if self.stages < 2:
             raise ValueError(f"tile=({rows}, {tokens}) leaves no room for two ring stages in shared memory")
+        self.sums_per_thread = rows * tokens // THREADS  # C elements each thread sums and stores in the epilogue
+        if rows * tokens % THREADS:
+            raise ValueError(f"tile=({rows}, {tokens}): rows x tokens must be a multiple of {THREADS}")
         # the warps' partial C tiles reuse the ring's bytes once every warp is past its mainloop
         self.shared_words = max(self.stages * WARPS * self.warp_stage_bytes, 4 * WARPS * rows * tokens) // 4
 
@@ -161,8 +170,8 @@ class WeightStreamGemm:
 
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, sw: cute.Tensor, c: cute.Tensor, amax: cute.Tensor,
-                 alpha: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32,
-                 sf_atom: cutlass.Int32, stream: cuda.CUstream):
+                 alpha: cute.Tensor, tally: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+                 l: cutlass.Int32, sf_atom: cutlass.Int32, stream: cuda.CUstream):
         """Host side: the TMA view of the codes (L, N, row bytes) in (rows, ROW_BYTES) boxes, one CTA per tile[0]
         weight rows and batch."""
         row_bytes = cute.assume(k // 2 if cutlass.const_expr(self.fp4) else k, divby=16)
@@ -179,7 +188,7 @@ class WeightStreamGemm:
                       full=cute.struct.MemRange[cutlass.Int64, WARPS * self.stages],
                       warp_amax=cute.struct.MemRange[cutlass.Int32, WARPS])
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
-        self.kernel(x, tma_atom, tma_codes, staged, sw, c, amax, alpha, m, n, k, l, sf_atom).launch(
+        self.kernel(x, tma_atom, tma_codes, staged, sw, c, amax, alpha, tally, m, n, k, l, sf_atom).launch(
             grid=((n + self.rows - 1) // self.rows, l, 1), block=(THREADS, 1, 1),
             smem=self.shared_storage.size_in_bytes(), min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=100, stream=stream)  # all of L1 as shared memory: ctas_per_sm rings fit
@@ -208,6 +217,11 @@ class WeightStreamGemm:
                     + (row % 32) * 16 + ((row // 32) % 4) * 4)
             parts[r] = cutlass.select_(sf_atom != 0, atom, compact)
         return parts
+
+    def _sum_place(self, e: int, tidx):
+        """The (row, token) of C the thread sums and stores in its e-th turn of the epilogue."""
+        idx = e * THREADS + tidx
+        return idx % self.rows, idx // self.rows
 
     def _first_code(self, quad_codes, chunk_index):
         """The first of this lane's codes in chunk `chunk_index`; `quad_codes` (the lane's place in its quad times
@@ -377,8 +391,8 @@ class WeightStreamGemm:
     # ------------------------------------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(self, x: cute.Tensor, tma_atom: cute.CopyAtom, w_tma: cute.Tensor, staged: cute.ComposedLayout,
-               sw: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor, m: cutlass.Int32,
-               n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32, sf_atom: cutlass.Int32):
+               sw: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor, tally: cute.Tensor,
+               m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32, sf_atom: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         row_block, batch, _ = cute.arch.block_idx()
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -482,18 +496,24 @@ class WeightStreamGemm:
                     token = 8 * j + 2 * quad + v % 2
                     partials[(warp * self.rows + row) * self.tokens + token] = acc[(t * self.token_tiles + j) * 4 + v]
         cute.arch.sync_threads()
+        # the sums first, then amax's tally (its round trips to L2 on the first thread) while every thread stores C
         scale = alpha[batch]
         amax_bits = cutlass.Int32(0)
-        for e in cutlass.range_constexpr((self.rows * self.tokens + THREADS - 1) // THREADS):
-            idx = e * THREADS + tidx
-            row, token = idx % self.rows, idx // self.rows
-            if idx < self.rows * self.tokens:
-                total = partials[row * self.tokens + token]
-                for p in cutlass.range_constexpr(1, WARPS):
-                    total = total + partials[(p * self.rows + row) * self.tokens + token]
-                total = total * scale
-                if (token < m) & (row0 + row < n):
-                    c[(cutlass.Int64(batch) * m + token) * n + row0 + row] = total.to(self.c_dtype)
-                    amax_bits = cutlass.max(amax_bits, common.abs_bits(total))
-        amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
-        common.amax_block_reduce_and_publish(amax_bits, warp_amax, amax_i32.iterator + batch, tidx, WARPS, 1)
+        totals = cute.make_rmem_tensor((self.sums_per_thread,), cutlass.Float32)
+        for e in cutlass.range_constexpr(self.sums_per_thread):
+            row, token = self._sum_place(e, tidx)
+            total = partials[row * self.tokens + token]
+            for p in cutlass.range_constexpr(1, WARPS):
+                total = total + partials[(p * self.rows + row) * self.tokens + token]
+            totals[e] = total * scale
+            if (token < m) & (row0 + row < n):
+                amax_bits = cutlass.max(amax_bits, common.abs_bits(totals[e]))
+        if tally.iterator.toint() != 0:  # a tally: the caller wants amax
+            row_blocks, _, _ = cute.arch.grid_dim()
+            common.amax_block_reduce_and_fold_last(
+                amax_bits, warp_amax, tally.iterator.toint() + cutlass.Int64(batch) * 8,
+                amax.iterator.toint() + cutlass.Int64(batch) * 4, row_blocks, tidx, WARPS, 1)
+        for e in cutlass.range_constexpr(self.sums_per_thread):
+            row, token = self._sum_place(e, tidx)
+            if (token < m) & (row0 + row < n):
+                c[(cutlass.Int64(batch) * m + token) * n + row0 + row] = totals[e].to(self.c_dtype)
