@@ -349,19 +349,23 @@ ffi::Error DeviceFunction(const KernelObjects& state, int32_t device, std::strin
   return ffi::Error::Success();
 }
 
+ffi::Error PoisonBytes(std::string_view target, std::string_view name, const CudaDriver& driver, CUstream stream,
+                       const void* data, size_t bytes) {
+  if (CUresult r = driver.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(data), 0xFF, bytes, stream);
+      r != kCudaSuccess) {
+    return ffi::Error::Internal(std::string(target) + ": poisoning " + std::string(name) + " failed: " +
+                                driver.ErrorName(r));
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error ZeroAmaxAndPoisonC(const KernelObjects& state, std::string_view target, const CudaDriver& driver,
                               CUstream stream, void* amax, size_t batches, void* c, size_t c_bytes) {
   if (CUresult r = driver.cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(amax), 0u, batches, stream);
       r != kCudaSuccess) {
     return ffi::Error::Internal(std::string(target) + ": zeroing amax failed: " + driver.ErrorName(r));
   }
-  if (state.poison_outputs) {
-    if (CUresult r = driver.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(c), 0xFF, c_bytes, stream);
-        r != kCudaSuccess) {
-      return ffi::Error::Internal(std::string(target) + ": poisoning C failed: " + driver.ErrorName(r));
-    }
-  }
-  return ffi::Error::Success();
+  return state.poison_outputs ? PoisonBytes(target, "C", driver, stream, c, c_bytes) : ffi::Error::Success();
 }
 
 KernelObjects::~KernelObjects() {

@@ -153,6 +153,11 @@ XLA_FFI_TypeInfo* KernelObjectsTypeInfo();
 // The execute-stage steps every target shares; `target` names the custom call in error messages.
 // The function loaded for `device`, or an error naming the device, its compute capability and the archs carried.
 xla::ffi::Error DeviceFunction(const KernelObjects& state, int32_t device, std::string_view target, DslFunction** fn);
+// Test aid (JAX_BLOCKGEMM_POISON_OUTPUTS): fills `bytes` of an output buffer with 0xFF on `stream` (NaN in float32,
+// bfloat16, float16 and FP8), so that an element the kernel leaves unwritten fails the check; the error names the
+// buffer `name`.
+xla::ffi::Error PoisonBytes(std::string_view target, std::string_view name, const CudaDriver& driver, CUstream stream,
+                            const void* data, size_t bytes);
 // Before a kernel that folds |C| into amax by an integer atomic max: zeroes the `batches` float32 amax values on
 // `stream`, and with `state.poison_outputs` fills C's `c_bytes` with 0xFF (NaN in float32, bfloat16 and float16), so
 // that an element the kernel leaves unwritten fails the check.

@@ -182,10 +182,9 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   if (state->poison_outputs) {  // NaN in C and amax: whatever the kernel leaves unwritten fails the check
     for (int i : {3, 4}) {
       const size_t bytes = static_cast<size_t>(ElementCount(buffers[i])) * ElementBytes(buffers[i].dtype);
-      if (CUresult r = driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(buffers[i].data), 0xFF, bytes, stream);
-          r != kCudaSuccess) {
-        return ffi::Error::Internal(std::string(kWeightStreamTarget) + ": poisoning " + kNames[i] +
-                                    " failed: " + driver->ErrorName(r));
+      if (ffi::Error e = PoisonBytes(kWeightStreamTarget, kNames[i], *driver, stream, buffers[i].data, bytes);
+          e.failure()) {
+        return e;
       }
     }
   }
