@@ -274,27 +274,32 @@ def weight_only_kernels(avals_in: Sequence[Any], *, fmt: str, out_dtype: Any, im
                           shapes=(("x", x.shape), ("w", codes.shape), ("sw", scales.shape), ("y", (l, m, n))))
 
 
+def decode_c_dtype(c_dtype: Any) -> np.dtype:
+    """The C dtype the decode kernel writes for a gemm_amax call of `c_dtype`: that dtype where the kernel writes it
+    (float32, bfloat16, float16), else float32, which XLA then converts (FP8, packed FP4) as the reference does."""
+    return np.dtype(c_dtype) if np.dtype(c_dtype) in _DECODE_C_DTYPES else np.dtype(np.float32)
+
+
 def decode_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, a_major: str, b_major: str,
                    c_major: str, implementation: Any, k: int | None = None, **_: Any) -> KernelChoice:
     """The decode kernels (one per covered architecture) for a gemm_amax call, which the CUDA lowering tries before
-    the large-GEMM kernels: M at most the decode kernel's capacity (64), K-major operands, N-major C in float32,
-    bfloat16 or float16. B (L, N, K) is the streamed weight with its atom scales (sf_atom = 1); A is dequantized to
-    bf16 (exact) before the kernel. Under implementation="cutedsl" such a call takes this kernel."""
+    the large-GEMM kernels: M at most the decode kernel's capacity (64) and a K-major B, the weight the kernel
+    streams (B (L, N, K) with its atom scales, sf_atom = 1). A of either major is dequantized to bf16 (exact) before
+    the kernel; the kernel writes C (L, M, N) in `decode_c_dtype(c_dtype)`, which XLA converts to FP8 or packed FP4
+    and transposes for an M-major C. Under implementation="cutedsl" such a call takes this kernel."""
     if implementation == "xla":
         return KernelChoice(reason="implementation='xla' forces the reference")
-    if (a_major, b_major, c_major) != ("k", "k", "n"):
-        return KernelChoice(reason=f"the decode kernel takes K-major operands and an N-major C; got a_major="
-                                   f"{a_major!r}, b_major={b_major!r}, c_major={c_major!r}")
-    if np.dtype(c_dtype) not in _DECODE_C_DTYPES:
-        return KernelChoice(reason=f"the decode kernel writes float32, bfloat16 or float16 C; got {np.dtype(c_dtype)}")
+    if b_major != "k":
+        return KernelChoice(reason=f"the decode kernel streams a K-major weight; got b_major={b_major!r}")
     a, b, sfa, sfb = avals_in[:4]
     packed = np.dtype(b.dtype) == np.uint8
     ab_dtype = "float4_e2m1fn" if packed else str(np.dtype(b.dtype))
     sf_dtype = _E8M0 if np.dtype(sfb.dtype) == np.uint8 else str(np.dtype(sfb.dtype))
-    l, m, n = a.shape[0], a.shape[1], b.shape[1]
+    l, m, n = a.shape[0], a.shape[1 if a_major == "k" else 2], b.shape[1]
     k = k if k is not None else b.shape[2] * (2 if packed else 1)
     return _decode_choice(implementation, fmt=format_key(ab_dtype, sf_dtype, sf_vec_size), ab_dtype=ab_dtype,
-                          sf_dtype=sf_dtype, sf_vec_size=sf_vec_size, c_dtype=c_dtype, sizes=(m, n, k, l),
+                          sf_dtype=sf_dtype, sf_vec_size=sf_vec_size, c_dtype=decode_c_dtype(c_dtype),
+                          sizes=(m, n, k, l),
                           shapes=(("x", (l, m, k)), ("b", b.shape), ("sfb", sfb.shape), ("c", (l, m, n))))
 
 

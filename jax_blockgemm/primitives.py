@@ -121,26 +121,49 @@ def _gemm_amax_reference_lowering(ctx, *args, **params):
     return mlir.lower_fun(reference_fn, multiple_results=True)(ctx, *args)
 
 
-def _dequantized_a(a, sfa, *, m, k, sf_vec_size):
-    """A (L, M, K) codes (packed FP4: (L, M, K/2)) times its atom scales as bf16: exact, as the reference's."""
+def _dequantized_a(a, sfa, *, m, k, sf_vec_size, a_major):
+    """A codes, (L, M, K) or M-major (L, K, M) (packed FP4: (L, M, K/2)), times its atom scales as bf16 (L, M, K):
+    exact, as the reference's."""
+    if a_major == "m":
+        a = jnp.swapaxes(a, 1, 2)  # codes only move
     return [reference._dequantize_operand(a, sfa, mn=m, k=k, sf_vec_size=sf_vec_size, k_axis=2)]
 
 
-def _gemm_amax_decode_lowering(ctx, a, b, sfa, sfb, *maybe_alpha, variants, k, sf_vec_size, **_):
-    """gemm_amax through the decode kernel `variants`: A dequantized to bf16 in XLA is its x, B (L, N, K) its
-    streamed weight with the atom scales sfb; alpha is the call's, else ones."""
+def decode_c(c, *, c_dtype, c_major):
+    """The decode kernel's C (L, M, N), in `dispatch.decode_c_dtype(c_dtype)`, as gemm_amax returns it: transposed
+    for an M-major C, converted to FP8 or packed FP4 by `reference.convert_c` (from float32, as the reference
+    converts its accumulator)."""
+    if c_major == "m":
+        c = jnp.swapaxes(c, 1, 2)
+    return [c if c.dtype == np.dtype(c_dtype) else reference.convert_c(c, c_dtype)]
+
+
+def _gemm_amax_decode_lowering(ctx, a, b, sfa, sfb, *maybe_alpha, variants, k, sf_vec_size, c_dtype, a_major,
+                               c_major, **_):
+    """gemm_amax through the decode kernel `variants`: A dequantized to bf16 (L, M, K) in XLA is its x, B (L, N, K)
+    its streamed weight with the atom scales sfb; alpha is the call's, else ones. C leaves the kernel (L, M, N) in
+    the variants' C dtype and XLA finishes it (`decode_c`) where the call wants another dtype or major."""
     from jax_blockgemm import ffi_lowering
 
     a_aval, b_aval, sfa_aval, sfb_aval = ctx.avals_in[:4]
-    l, m = a_aval.shape[:2]
+    c_aval, amax_aval = ctx.avals_out
+    l, m, n = a_aval.shape[0], a_aval.shape[1 if a_major == "k" else 2], b_aval.shape[1]
     x_aval = jax.core.ShapedArray((l, m, k), np.dtype(jnp.bfloat16))
-    dequantize = functools.partial(_dequantized_a, m=m, k=k, sf_vec_size=sf_vec_size)
+    dequantize = functools.partial(_dequantized_a, m=m, k=k, sf_vec_size=sf_vec_size, a_major=a_major)
     (x,) = mlir.lower_fun(dequantize, multiple_results=True)(
         ctx.replace(avals_in=[a_aval, sfa_aval], avals_out=[x_aval]), a, sfa)
     alpha_aval = jax.core.ShapedArray((l,), np.dtype(np.float32))
     alpha = maybe_alpha[0] if maybe_alpha else mlir.ir_constant(np.ones((l,), np.float32))
-    return ffi_lowering.emit_weight_stream(ctx.replace(avals_in=[x_aval, b_aval, sfb_aval, alpha_aval]), x, b, sfb,
-                                           alpha, variants=variants)
+    kernel_c_aval = jax.core.ShapedArray((l, m, n), np.dtype(variants[0].c_dtype))
+    c, amax = ffi_lowering.emit_weight_stream(
+        ctx.replace(avals_in=[x_aval, b_aval, sfb_aval, alpha_aval], avals_out=[kernel_c_aval, amax_aval]), x, b,
+        sfb, alpha, variants=variants)
+    if kernel_c_aval == c_aval:
+        return [c, amax]
+    finish = functools.partial(decode_c, c_dtype=c_dtype, c_major=c_major)
+    (c,) = mlir.lower_fun(finish, multiple_results=True)(
+        ctx.replace(avals_in=[kernel_c_aval], avals_out=[c_aval]), c)
+    return [c, amax]
 
 
 def _gemm_amax_cuda_lowering(ctx, *args, **params):

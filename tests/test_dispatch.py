@@ -10,7 +10,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
-from jax_blockgemm import arch, dispatch, formats, primitives, tuning
+from jax_blockgemm import arch, dispatch, formats, primitives, reference, tuning
 
 import decode_standin
 import oracle
@@ -456,12 +456,30 @@ class DecodeDispatchTest(parameterized.TestCase):
         self.assertTrue(all((x.ab_dtype, x.sf_vec_size, x.sf_dtype, x.c_dtype) == (codes, v, sf, "float16")
                             for x in choice.variants), choice.variants)
 
+    @parameterized.parameters((jnp.float8_e4m3fn, "float32"), (jnp.float8_e5m2, "float32"),
+                              (jnp.float4_e2m1fn, "float32"), (jnp.float16, "float16"))
+    def test_c_dtypes_the_kernel_does_not_write_take_its_float32_variants(self, c_dtype, kernel_c):
+        """FP8 and packed FP4 C (MXFP4 / NVFP4 operands): the kernel writes float32, XLA converts."""
+        choice = _decode(8, fmt="mxfp4", c_dtype=c_dtype)
+        self.assertLen(choice.variants, 2)
+        self.assertEqual({v.c_dtype for v in choice.variants}, {kernel_c})
+
+    def test_either_a_major_and_c_major_take_the_kernel(self):
+        for params in (dict(c_major="m"), dict(a_major="m"), dict(a_major="m", c_major="m")):
+            with self.subTest(**params):
+                avals, v = _gemm_avals(8)
+                if params.get("a_major") == "m":
+                    a = avals[0]
+                    avals[0] = jax.ShapeDtypeStruct((a.shape[0], a.shape[2], a.shape[1]), a.dtype)  # (L, K, M)
+                config = dict(c_dtype=np.dtype(jnp.bfloat16), sf_vec_size=v, a_major="k", b_major="k", c_major="n",
+                              k=96)
+                choice = dispatch.decode_kernels(avals, **{**config, **params}, implementation="cutedsl")
+                self.assertEqual([(v.arch, v.tile_mn, v.c_dtype) for v in choice.variants],
+                                 [("sm_100a", (32, 16), "bfloat16"), ("sm_90a", (32, 16), "bfloat16")])
+
     @parameterized.parameters(
         (dict(m=65), "M = 65 rows is more than the decode kernel takes .64."),
-        (dict(m=8, c_major="m"), "K-major operands and an N-major C; got a_major='k', b_major='k', c_major='m'"),
-        (dict(m=8, a_major="m"), "K-major operands"),
-        (dict(m=8, fmt="mxfp4", c_dtype=jnp.float8_e4m3fn), "writes float32, bfloat16 or float16 C; got "
-                                                             "float8_e4m3fn"),
+        (dict(m=8, b_major="n"), "streams a K-major weight; got b_major='n'"),
         (dict(m=8, implementation="xla"), "implementation='xla' forces the reference"),
     )
     def test_why_none(self, kwargs, reason):
@@ -608,8 +626,8 @@ class DecodeOperandTest(parameterized.TestCase):
     """The decode path's x: gemm_amax's A with its atom scales as bf16, exactly the values the reference multiplies
     (checked against the float32 dequantization of the compact scales, on the CPU)."""
 
-    @parameterized.parameters("mxfp8_e4m3", "mxfp4", "nvfp4")
-    def test_a_is_dequantized_exactly(self, fmt):
+    @parameterized.product(fmt=("mxfp8_e4m3", "mxfp4", "nvfp4"), a_major=("k", "m"))
+    def test_a_is_dequantized_exactly(self, fmt, a_major):
         rng = np.random.default_rng(3)
         m, k = 7, 96
         block = formats.FORMATS[fmt].block
@@ -621,11 +639,33 @@ class DecodeOperandTest(parameterized.TestCase):
         else:
             codes, scales = formats.quantize_mxfp8(jnp.asarray(a), axis=-1)
         atom = formats.to_scale_atom(scales[None])
-        (x,) = primitives._dequantized_a(codes[None], atom, m=m, k=k, sf_vec_size=block)
+        if a_major == "m" and fmt != "mxfp8_e4m3":
+            self.skipTest("FP4 operands are K-major only (gemm_amax refuses an M-major FP4 A)")
+        a_codes = codes[None] if a_major == "k" else jnp.swapaxes(codes[None], 1, 2)  # (1, K, M)
+        (x,) = primitives._dequantized_a(a_codes, atom, m=m, k=k, sf_vec_size=block, a_major=a_major)
         unpacked = formats.unpack_fp4(codes)[..., :k] if np.dtype(codes.dtype) == np.uint8 else codes
         want = formats.dequantize(unpacked, scales, block=block, axis=-1)  # float32
         self.assertEqual(x.dtype, jnp.bfloat16)
         np.testing.assert_array_equal(np.asarray(x[0], np.float32), np.asarray(want, np.float32))
+
+
+class DecodeResultTest(parameterized.TestCase):
+    """The decode path's C: the kernel's (L, M, N) in `dispatch.decode_c_dtype`, finished by `primitives.decode_c`,
+    holds the same bytes the reference returns from the same float32 sums (on the CPU)."""
+
+    @parameterized.parameters((jnp.float8_e4m3fn, "n"), (jnp.float8_e5m2, "n"), (jnp.float4_e2m1fn, "n"),
+                              (jnp.bfloat16, "m"), (jnp.float16, "m"), (jnp.float32, "m"))
+    def test_finished_c_is_the_references(self, c_dtype, c_major):
+        rng = np.random.default_rng(5)
+        magnitudes = rng.choice([1e-3, 1.0, 300.0, 1e5], size=(2, 5, 64))
+        sums = (rng.standard_normal((2, 5, 64)) * magnitudes).astype(np.float32)  # (L, M, N), past E4M3's range too
+        sums[0, 1, 3], sums[1, 4, 60] = np.nan, -np.inf
+        c_dtype = np.dtype(c_dtype)
+        kernel_c = jnp.asarray(sums).astype(dispatch.decode_c_dtype(c_dtype))  # what the kernel stores
+        (c,) = primitives.decode_c(kernel_c, c_dtype=c_dtype, c_major=c_major)
+        want = reference.convert_c(jnp.asarray(sums if c_major == "n" else np.swapaxes(sums, 1, 2)), c_dtype)
+        self.assertEqual((c.shape, c.dtype), (want.shape, want.dtype))
+        self.assertEqual(np.asarray(c).tobytes(), np.asarray(want).tobytes())
 
 
 if __name__ == "__main__":

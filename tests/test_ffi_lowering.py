@@ -454,16 +454,18 @@ class PublicDecodeLoweringTest(absltest.TestCase):
         with self.assertRaisesRegex(ValueError, "M = 65 rows is more than the decode kernel takes .64."):
             self._weight_only("mxfp4", m=65, implementation="cutedsl")
 
-    def _gemm(self, m, *, fmt="mxfp8", c_dtype=jnp.bfloat16, alpha=None, **kwargs):
+    def _gemm(self, m, *, fmt="mxfp8", c_dtype=jnp.bfloat16, alpha=None, n=144, **kwargs):
         import jax_blockgemm as jbg
 
         sd = jax.ShapeDtypeStruct
-        l, n, k = 2, 144, 96
+        l, k = 2, 96
         fp4 = fmt in ("mxfp4", "nvfp4")
         v = 16 if fmt == "nvfp4" else 32
         codes, row = (jnp.uint8, k // 2) if fp4 else (jnp.float8_e4m3fn, k)
         sf = jnp.float8_e4m3fn if fmt == "nvfp4" else jnp.uint8
-        operands = (sd((l, m, row), codes), sd((l, n, row), codes), sd((l, m, k // v), sf), sd((l, n, k // v), sf))
+        a_shape = (l, row, m) if kwargs.get("a_major") == "m" else (l, m, row)
+        b_shape = (l, row, n) if kwargs.get("b_major") == "n" else (l, n, row)
+        operands = (sd(a_shape, codes), sd(b_shape, codes), sd((l, m, k // v), sf), sd((l, n, k // v), sf))
         extra = {} if alpha is None else dict(alpha=alpha)
         f = jax.jit(lambda *x: jbg.gemm_amax(*x, c_dtype=c_dtype, sf_vec_size=v, **extra, **kwargs))
         return f.trace(*operands).lower(lowering_platforms=("cuda",))
@@ -495,14 +497,31 @@ class PublicDecodeLoweringTest(absltest.TestCase):
         self.assertEqual(_int_attr(call.attributes["mhlo.backend_config"]["max_m"]), 64)
         self.assertNotIn("dense<1.000000e+00> : tensor<2xf32>", lowered.as_text())  # the call's alpha, not ones
 
-    def test_larger_m_and_other_layouts_keep_the_gemm_amax_path(self):
+    def test_larger_m_and_an_n_major_weight_keep_the_gemm_amax_path(self):
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)):
             self.assertEqual(_calls(self._gemm(65), "jbg_weight_stream"), [])  # None: the reference
             self.assertLen(_calls(self._gemm(65, implementation="cutedsl"), "jbg_gemm_amax"), 1)
-            for kwargs in (dict(fmt="mxfp4", c_dtype=jnp.float8_e4m3fn), dict(c_major="m")):
-                lowered = self._gemm(8, implementation="cutedsl", **kwargs)
-                self.assertEqual(_calls(lowered, "jbg_weight_stream"), [], kwargs)
-                self.assertLen(_calls(lowered, "jbg_gemm_amax"), 1)
+            lowered = self._gemm(8, implementation="cutedsl", b_major="n")
+            self.assertEqual(_calls(lowered, "jbg_weight_stream"), [])
+            self.assertLen(_calls(lowered, "jbg_gemm_amax"), 1)
+
+    def test_fp8_fp4_and_m_major_c_leave_the_kernel_as_float32_or_their_dtype(self):
+        """C dtypes the decode kernel does not write come out of it as float32 (N-major, (L, M, N)) and XLA
+        converts them; an M-major C is the kernel's N-major one transposed."""
+        cases = ((dict(fmt="mxfp4", c_dtype=jnp.float8_e4m3fn), "tensor<2x8x144xf32>", "tensor<2x8x144xf8E4M3FN>"),
+                 (dict(fmt="nvfp4", c_dtype=jnp.float4_e2m1fn, alpha=jnp.float32(2.0), n=160), "tensor<2x8x160xf32>",
+                  "tensor<2x8x80xui8>"),
+                 (dict(c_major="m"), "tensor<2x8x144xbf16>", "tensor<2x144x8xbf16>"),
+                 (dict(m=16, a_major="m", c_major="m", c_dtype=jnp.float32), "tensor<2x16x144xf32>",
+                  "tensor<2x144x16xf32>"))  # an M-major A: M a multiple of 16 (16-byte rows of codes)
+        for kwargs, kernel_c, c in cases:
+            with self.subTest(**{k: str(v) for k, v in kwargs.items()}):
+                kwargs = dict(kwargs)
+                lowered = self._gemm(kwargs.pop("m", 8), implementation="cutedsl", **kwargs)
+                (call,) = _calls(lowered, "jbg_weight_stream")
+                self.assertEqual(str(call.results[0].type), kernel_c)
+                self.assertEqual(_calls(lowered, "jbg_gemm_amax"), [])
+                self.assertRegex(lowered.as_text(), rf"-> \({c} {{jax.result_info")  # what gemm_amax returns
 
     def test_cutedsl_small_m_gemm_amax_is_the_decode_kernel(self):
         lowered = self._gemm(16, implementation="cutedsl")
