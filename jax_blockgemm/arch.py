@@ -68,11 +68,11 @@ TABLE: tuple[ArchPolicy, ...] = (
         capability="9.0", target="sm_90a", verified=True,
         default={"gemm_amax": "reference", "proj_rope": "kernel", "ragged": "kernel"},
         proj_rope_tile=(128, 192), proj_rope_schedule="staged",
-        # H200, weight_only_matmul inside a many-weight program (docs/performance.md, decode and tune): the kernel
-        # beats the reference at M = 1, 16 and 64 in every format measured, except MXFP8 at M = 64 with K = 2048
-        # (45.5 against 32.7 us; at K = 7168 it wins at M = 64, at K = 2048 up to M = 16)
+        # H200, weight_only_matmul inside a many-weight program (docs/performance.md, decode and tune): at K = 7168
+        # the kernel beats the reference up to M = 64 (MXFP4 at 7168 -> 7168, M = 64 within 5%), at K = 2048 only
+        # up to M = 16 in every format (M = 32: 36-38 against 29-33 us of GPU time)
         decode_max_m={"mxfp8_e4m3": 64, "mxfp8_e5m2": 64, "mxfp4": 64, "nvfp4": 64},
-        decode_short_k={"mxfp8_e4m3": (7168, 16), "mxfp8_e5m2": (7168, 16)},
+        decode_short_k={fmt: (7168, 16) for fmt in DECODE_FORMATS},
         # H200: an MX ragged GEMM runs at the bf16 tensor rate, and quantizing the (G, K, N) weights to K-major codes
         # (a transposed copy) took 3.2 ms, three times the GEMM (docs/design/moe.md)
         mx_ragged_operands="bf16",
@@ -194,7 +194,8 @@ def _decode_cell(p: ArchPolicy) -> str:
 def decode_rule(p: ArchPolicy, formats: Sequence[str], *, name: Callable[[str], str] = str) -> str:
     """Up to how many rows None takes the decode kernel on row `p` for weights in `formats` (DECODE_FORMATS names;
     `name` spells them): "M <= 64" where they share one threshold, else "name: M <= 64, name: never"; then the
-    short-K rules ("; M <= 16 below K = 7168 for name, name"); "" where none of the formats ever takes it."""
+    short-K rules ("; M <= 16 below K = 7168 for name, name", without the names where every format has it); "" where
+    none of the formats ever takes it."""
     largest = {fmt: p.decode_max_m.get(fmt, 0) for fmt in formats}
     if not any(largest.values()):
         return ""
@@ -207,7 +208,9 @@ def decode_rule(p: ArchPolicy, formats: Sequence[str], *, name: Callable[[str], 
     for fmt, rule in p.decode_short_k.items():
         if fmt in largest and 0 < rule[1] < largest[fmt]:
             rules.setdefault(tuple(rule), []).append(name(fmt))
-    return text + "".join(f"; M <= {m} below K = {k} for {', '.join(names)}" for (k, m), names in sorted(rules.items()))
+    every = sorted(name(fmt) for fmt in formats)
+    for_names = lambda names: "" if sorted(names) == every else f" for {', '.join(names)}"
+    return text + "".join(f"; M <= {m} below K = {k}{for_names(names)}" for (k, m), names in sorted(rules.items()))
 
 
 def markdown_table() -> str:

@@ -69,6 +69,11 @@ class ArchTableTest(absltest.TestCase):
             self.assertEqual(arch.decode_largest_m("sm_90a", "mxfp8_e4m3"), 64)
             row = arch.markdown_table().splitlines()[2]
             self.assertIn("mxfp4: M <= 64, nvfp4: never; M <= 16 below K = 4096 for mxfp8_e4m3 |", row)
+        with arch.overridden("9.0", decode_max_m={fmt: 64 for fmt in arch.DECODE_FORMATS},
+                             decode_short_k={fmt: (4096, 16) for fmt in arch.DECODE_FORMATS}):
+            self.assertFalse(arch.none_takes_kernel("weight_stream", "sm_90a", fmt="nvfp4", m=17, k=2048))
+            row = arch.markdown_table().splitlines()[2]
+            self.assertIn("| decode kernel for M <= 64; M <= 16 below K = 4096 |", row)  # every format: no names
 
     def test_every_decode_threshold_has_kernels_that_hold_it(self):
         """Where None takes the decode kernel up to M rows, the catalog has a variant of that format with room for M

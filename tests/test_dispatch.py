@@ -426,9 +426,9 @@ def _gemm_avals(m, n=144, k=96, l=2, *, fmt="mxfp8_e4m3"):
     return [sa((l, m, row), codes), sa((l, n, row), codes), atom(m), atom(n)], v
 
 
-def _decode(m, *, implementation="cutedsl", fmt="mxfp8_e4m3", c_dtype=jnp.bfloat16, **params):
-    avals, v = _gemm_avals(m, fmt=fmt)
-    config = dict(c_dtype=np.dtype(c_dtype), sf_vec_size=v, a_major="k", b_major="k", c_major="n", k=96)
+def _decode(m, *, implementation="cutedsl", fmt="mxfp8_e4m3", c_dtype=jnp.bfloat16, k=96, **params):
+    avals, v = _gemm_avals(m, k=k, fmt=fmt)
+    config = dict(c_dtype=np.dtype(c_dtype), sf_vec_size=v, a_major="k", b_major="k", c_major="n", k=k)
     return dispatch.decode_kernels(avals, **{**config, **params}, implementation=implementation)
 
 
@@ -581,8 +581,9 @@ class DecodeDispatchTest(parameterized.TestCase):
             self.assertEqual(_decode(40, c_dtype=jnp.float32).variants, (ws,))
         with dispatch.forced_variants([gemm]):
             self.assertEqual(_decode(40, c_dtype=jnp.float32).variants, ())
-            self.assertEqual(_decode(40, fmt="mxfp4", c_dtype=jnp.float32, implementation=None).variants[0].op,
-                             "weight_stream")  # MXFP4's threshold (arch.TABLE) is past 40 rows
+            self.assertEqual(_decode(40, fmt="mxfp4", c_dtype=jnp.float32, implementation=None,
+                                     k=7168).variants[0].op, "weight_stream")  # MXFP4's threshold (arch.TABLE)
+            # at K = 7168 is past 40 rows
 
     def test_weight_only_choice(self):
         sa = jax.core.ShapedArray
