@@ -490,11 +490,11 @@ class PublicDecodeLoweringTest(absltest.TestCase):
 
     def test_nvfp4_gemm_amax_passes_its_alpha(self):
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)):
-            lowered = self._gemm(64, fmt="nvfp4", c_dtype=jnp.float16, alpha=jnp.float32(0.5))
+            lowered = self._gemm(16, fmt="nvfp4", c_dtype=jnp.float16, alpha=jnp.float32(0.5))
         (call,) = _calls(lowered, "jbg_weight_stream")
         types = [str(o.type) for o in call.operands]
         self.assertEqual(types[1:3], ["tensor<2x144x48xui8>", "tensor<2x2x2x32x4x4xf8E4M3FN>"])
-        self.assertEqual(_int_attr(call.attributes["mhlo.backend_config"]["max_m"]), 64)
+        self.assertEqual(_int_attr(call.attributes["mhlo.backend_config"]["max_m"]), 16)
         self.assertNotIn("dense<1.000000e+00> : tensor<2xf32>", lowered.as_text())  # the call's alpha, not ones
 
     def test_larger_m_and_an_n_major_weight_keep_the_gemm_amax_path(self):
