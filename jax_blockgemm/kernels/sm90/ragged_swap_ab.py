@@ -52,28 +52,34 @@ C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
 K_TILE = 64  # codes of K per stage
 PROMOTE_TILES = 4  # k-tiles per partial sum of the tensor cores (256 of K), added to the fp32 accumulator
 K_PAD = PROMOTE_TILES * K_TILE  # the tokens' K is padded to this: the mainloop runs whole promotion groups
-WEIGHT_ROWS = 128  # weight rows per CTA: two warpgroups of 64
-STAGES = 6  # 24 KB each (16 KB of tokens, 8 KB of codes)
-C_STAGE_STRIDE = WEIGHT_ROWS + 4  # words per token row of the epilogue's fp32 tile: the 4 extra spread the banks
+STAGES = 6  # 24 KB each with the default tile (16 KB of tokens, 8 KB of codes)
 
 
 class HopperRaggedSwapAB:
     """C[rows of group g] = (tokens)(B[g]·sfb)^T per batch l and amax[l] = max|C[l]|, for bf16 tokens (permuted,
     `ragged.swap_ab_tokens`) and MXFP8 E4M3 weights; f32 or bf16 C. Compile-time configuration only."""
 
-    def __init__(self, *, c_dtype: str = "float32"):
+    def __init__(self, *, c_dtype: str = "float32", token_rows: int = ITEM_ROWS, weight_warpgroups: int = 2):
+        """token_rows: tokens per CTA tile (the wgmma's N; an item's rows past it are not computed, so a tile
+        smaller than ITEM_ROWS serves only calls whose groups fit in it); weight_warpgroups: MMA warpgroups, each
+        64 weight rows."""
         common.require_choice("c_dtype", c_dtype, tuple(C_DTYPES))
+        common.require_choice("token_rows", token_rows, (16, 32, 64, ITEM_ROWS))
+        common.require_choice("weight_warpgroups", weight_warpgroups, (1, 2))
         self.a_dtype = cutlass.BFloat16  # the tokens, as the kernel reads them
         self.ab_dtype = cutlass.Float8E4M3FN  # the weights' codes
         self.c_name = c_dtype
         self.c_dtype = C_DTYPES[c_dtype]
         self.acc_dtype = cutlass.Float32
-        self.tile_mnk = (ITEM_ROWS, WEIGHT_ROWS, K_TILE)  # tokens (the TMA's A), weight rows (its B), k-tile
+        self.weight_warpgroups = weight_warpgroups
+        self.tile_mnk = (token_rows, 64 * weight_warpgroups, K_TILE)  # tokens (the TMA's A), weight rows, k-tile
+        self.c_stage_stride = self.tile_mnk[1] + 4  # words per token row of the epilogue's fp32 tile (the 4 extra
+        # spread the banks)
         self.threads_per_wg = 128
-        self.num_consumer_warps = 8
+        self.num_consumer_warps = 4 * weight_warpgroups
         # Warpgroup 0 produces (its warp 0 issues the TMA copies) with few registers, warpgroups 1-2 multiply with
         # up to 232: ptxas budgets a wgmma kernel's registers per warpgroup, so 288 threads would cap both at 168.
-        self.threads_per_cta = 3 * self.threads_per_wg
+        self.threads_per_cta = (1 + weight_warpgroups) * self.threads_per_wg
         self.producer_regs = 40
         self.consumer_regs = 232
         self.epilogue_barrier_id = 1
@@ -106,7 +112,7 @@ class HopperRaggedSwapAB:
         codes = common.operand_view(b, n, cute.assume(k, divby=16), l * g, False)
         kmajor = cute.nvgpu.OperandMajorMode.K
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            cutlass.BFloat16, cutlass.BFloat16, kmajor, kmajor, self.acc_dtype, (2, 1, 1), tiler_mn=(64, bt),
+            cutlass.BFloat16, cutlass.BFloat16, kmajor, kmajor, self.acc_dtype, (self.weight_warpgroups, 1, 1), tiler_mn=(64, bt),
             a_source=cute.nvgpu.warpgroup.OperandSource.RMEM)
         x_staged = smem_layout_staged(bt, cutlass.BFloat16, self.stages, bk)
         # The codes' stages as plain 64-byte rows (no swizzle): each thread reads its own 16 bytes of two rows, and
@@ -198,9 +204,11 @@ class HopperRaggedSwapAB:
         atoms_n = (n + common.ATOM_MN - 1) // common.ATOM_MN
         blocks = (k + 31) // 32
         k_atoms = (blocks + common.ATOM_KB - 1) // common.ATOM_KB
-        atom_row = cutlass.min(tile_n, atoms_n - 1)
-        base0, base1 = [(w_batch * atoms_n + atom_row) * k_atoms * 128 + (r % 32) * 4 + (r // 32) % 4
-                        for r in (row0, row0 + 8)]
+        atom_row, in_atom = cutlass.min(tile_n, atoms_n - 1), 0  # in_atom: the tile's first row within its atom
+        if cutlass.const_expr(bw < common.ATOM_MN):  # 64-row tiles: two per atom
+            atom_row, in_atom = tile_n // 2, tile_n % 2 * bw
+        base0, base1 = [(w_batch * atoms_n + atom_row) * k_atoms * 128 + ((in_atom + r) % 32) * 4
+                        + (in_atom + r) // 32 % 4 for r in (row0, row0 + 8)]
         scale_words = lambda atom: self._scale_words(sfb_w, base0, base1, atom, k_atoms)
         scale_bytes = lambda w0, w1, atom, second: self._scale_bytes(w0, w1, atom, second, pair, blocks, k_atoms)
 
@@ -320,7 +328,7 @@ class HopperRaggedSwapAB:
             for v1 in cutlass.range_constexpr(2):
                 for v0 in cutlass.range_constexpr(2):
                     token = 8 * j + 2 * (lane % 4) + v0
-                    ptx_ops.st_shared_u32(tile_at + (token * C_STAGE_STRIDE + row0 + 8 * v1) * 4,
+                    ptx_ops.st_shared_u32(tile_at + (token * self.c_stage_stride + row0 + 8 * v1) * 4,
                                           common.bits_from_f32(acc[v0 + 2 * v1 + 4 * j]))
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=mma_threads)
 
@@ -339,7 +347,7 @@ class HopperRaggedSwapAB:
             if row < rows_hi:
                 values = []
                 for q in cutlass.range_constexpr(per // 4):
-                    values += ptx_ops.ld_shared_v4(tile_at + (token * C_STAGE_STRIDE + col + 4 * q) * 4)
+                    values += ptx_ops.ld_shared_v4(tile_at + (token * self.c_stage_stride + col + 4 * q) * 4)
                 at = (cutlass.Int64(batch) * t + row) * n + gcol
                 xs = [common.f32_from_bits(v) for v in values]
                 for e in cutlass.range_constexpr(per):
