@@ -52,6 +52,10 @@ class ArchPolicy:
     # weight format -> (K, M): for calls with fewer than K columns (codes per weight row) None takes the decode
     # kernel only up to M rows (the kernel's cost per row of x does not shrink with K as the reference's does)
     decode_short_k: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # weight format -> (first M, last M): decode-sized calls of these M take the swap_ab ragged kernel's decode tile
+    # (wgmma, one group of M tokens; catalog.SWAP_AB_DECODE_TILE) instead of the decode kernel, at any K, where every
+    # local GPU has one
+    decode_swap_ab_m: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     # kernel schedules (the catalog's KernelVariant.schedule) of this target whose kernels have not yet run correct
     # on such a GPU: self-checked first even where `verified` holds
     unverified_schedules: tuple[str, ...] = ()
@@ -73,6 +77,10 @@ TABLE: tuple[ArchPolicy, ...] = (
         # up to M = 16 in every format (M = 32: 36-38 against 29-33 us of GPU time)
         decode_max_m={"mxfp8_e4m3": 64, "mxfp8_e5m2": 64, "mxfp4": 64, "nvfp4": 64},
         decode_short_k={fmt: (7168, 16) for fmt in DECODE_FORMATS},
+        # H200, the 32-weight program: at M = 64 the swap_ab decode tile took 35.2 / 89.9 / 15.7 us of GPU time
+        # (tokens' preparation included) where the decode kernel took 82.8 / 198.3 (7168 -> 7168 / 18432) and the
+        # reference 31.7 (2048 -> 7168); at M <= 16 the decode kernel is faster (docs/design/decode.md)
+        decode_swap_ab_m={"mxfp8_e4m3": (17, 64)},
         # H200: an MX ragged GEMM runs at the bf16 tensor rate, and quantizing the (G, K, N) weights to K-major codes
         # (a transposed copy) took 3.2 ms, three times the GEMM (docs/design/moe.md)
         mx_ragged_operands="bf16",
@@ -136,6 +144,13 @@ def decode_largest_m(target: str, fmt: str, k: Optional[int] = None, *, measured
     largest = row.decode_max_m.get(fmt, 0) if measured_max_m is None else measured_max_m
     short_k, short_m = row.decode_short_k.get(fmt, (0, largest))
     return min(largest, short_m) if k is not None and k < short_k else largest
+
+
+def decode_takes_swap_ab(target: str, fmt: str, m: int) -> bool:
+    """Whether a decode-sized call of `m` rows against `fmt` weights takes the swap_ab ragged kernel's decode tile on
+    `target` (`decode_swap_ab_m`)."""
+    first, last = policy(target).decode_swap_ab_m.get(fmt, (1, 0))
+    return first <= m <= last
 
 
 def none_takes_kernel(op: str, target: str, *, fmt: str = "", m: Optional[int] = None,
@@ -210,7 +225,9 @@ def decode_rule(p: ArchPolicy, formats: Sequence[str], *, name: Callable[[str], 
             rules.setdefault(tuple(rule), []).append(name(fmt))
     every = sorted(name(fmt) for fmt in formats)
     for_names = lambda names: "" if sorted(names) == every else f" for {', '.join(names)}"
-    return text + "".join(f"; M <= {m} below K = {k}{for_names(names)}" for (k, m), names in sorted(rules.items()))
+    text += "".join(f"; M <= {m} below K = {k}{for_names(names)}" for (k, m), names in sorted(rules.items()))
+    return text + "".join(f"; {name(fmt)} at M = {first}-{last}: the swap_ab tile"
+                          for fmt, (first, last) in p.decode_swap_ab_m.items() if fmt in largest)
 
 
 def markdown_table() -> str:

@@ -241,6 +241,9 @@ def _decode_choice(implementation: Any, *, fmt: str, ab_dtype: str, sf_dtype: st
         return KernelChoice(reason=missing)
     from jax_blockgemm.kernels import catalog
     m = sizes[0]
+    swapped = _decode_swap_ab_choice(fmt=fmt, c_dtype=c_dtype, sizes=sizes)
+    if swapped is not None and getattr(_FORCED, "variants", None) is None:
+        return swapped
     capacity = max(tile[1] for tile in catalog.WEIGHT_STREAM_TILES)
     if m > capacity:
         return KernelChoice(reason=f"M = {m} rows is more than the decode kernel takes ({capacity})")
@@ -252,6 +255,26 @@ def _decode_choice(implementation: Any, *, fmt: str, ab_dtype: str, sf_dtype: st
     if not variants:
         return KernelChoice(reason=f"no decode kernel in the catalog for {fmt} weights into {c_name}")
     return _usable(variants, implementation, sizes=sizes, names="(M, N, K, L)", fmt=fmt)
+
+
+def _decode_swap_ab_choice(*, fmt: str, c_dtype: Any, sizes: tuple[int, int, int, int]) -> KernelChoice | None:
+    """For a decode-sized call of `sizes` (M, N, K, L) that `arch.TABLE`'s decode_swap_ab_m gives to the swap_ab
+    ragged kernel's decode tile on every local GPU (MXFP8 E4M3 weights, f32 or bf16 C): those variants, run as one
+    group of M tokens (`ffi_lowering.emit_decode_swap_ab`); None where the call keeps the decode kernel. The M range is
+    implementation=None's choice and "cutedsl"'s alike: there the tile is the faster kernel."""
+    from jax_blockgemm.kernels import catalog
+
+    m, n, k, l = sizes
+    local_targets = {arch.target_of(cc) for cc in local_cuda_capabilities() or ()}
+    if not local_targets or not all(arch.decode_takes_swap_ab(t, fmt, m) for t in local_targets):
+        return None
+    variants = [catalog.select_variant(op="ragged", arch=t, ab_dtype="float8_e4m3fn", c_dtype=str(np.dtype(c_dtype)),
+                                       sf_vec_size=32, sf_dtype=_E8M0, tile_mn=catalog.SWAP_AB_DECODE_TILE,
+                                       cluster_mn=(1, 1), schedule=catalog.SWAP_AB) for t in sorted(local_targets)]
+    if any(v is None for v in variants):  # e.g. a float16 C, which the tile does not write
+        return None
+    choice = _usable(variants, "cutedsl", sizes=(m, n, k, l, 1), names="(T, N, K, L, G)", fmt=fmt)
+    return choice if choice.variants else None
 
 
 def weight_only_kernels(avals_in: Sequence[Any], *, fmt: str, out_dtype: Any, implementation: Any,
@@ -425,8 +448,8 @@ def dequantize_variants(archs: Sequence[str], shape: Sequence[int], *, scale_axi
     `scale_axis` (-1 or -2), and with `paired_shape` a second operand (scales along its last axis) in the same
     launch; or () when an arch has none, the kernel cannot take a shape or a self-check failed (the caller then lets
     XLA dequantize). Used on the MXFP8 proj_rope path, whose kernels multiply bf16, and with `swap_ab_order` for the
-    swap_ab ragged kernel's tokens (scales along K, every 64 columns in its order: `ragged.swap_ab_tokens` without the
-    padding)."""
+    swap_ab ragged kernel's tokens (scales along K, every 64 columns in its order: `swap_ab_layout.swap_ab_tokens`
+    without the padding)."""
     try:
         from jax_blockgemm.kernels import catalog
         from jax_blockgemm.kernels.dequantize import MxDequantize

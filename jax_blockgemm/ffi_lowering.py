@@ -35,7 +35,7 @@ The bf16 objects (ab_dtype "bfloat16", sf_dtype "none" (NO_SCALES), sf_vec_size 
 bfloat16 a (L, T, K) and b (L, G, N, K) for b_major "k" or (L, G, K, N) for "n", and read neither sfa nor sfb
 (uint8 of zero elements, any rank) nor alpha (passed: ones); every other format takes b_major "k". The call also
 carries `a_dtype`, ab_dtype's but for the swap_ab objects (MXFP8 E4M3 weights): "bfloat16", whose a is the tokens
-dequantized and permuted by `ragged.swap_ab_tokens`, (L, T, K rounded up to 256), and whose sfa is empty.
+dequantized and permuted by `swap_ab_layout.swap_ab_tokens`, (L, T, K rounded up to 256), and whose sfa is empty.
 
 `jbg_grouped_contraction` (x, y, bounds -> c, amax) carries the object table and `ab_dtype` ("bfloat16") and
 `c_dtype` ("float32" or "bfloat16"): x (L, T, K) and y (L, T, N) bfloat16, tokens sorted by group, bounds int32 (L,
@@ -57,7 +57,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from jax_blockgemm import _native, kernel_cache
+from jax_blockgemm import _native, formats, kernel_cache
+from jax_blockgemm.swap_ab_layout import SWAP_AB_K_PAD, swap_ab_tokens
 
 GEMM_AMAX_TARGET = _native.GEMM_AMAX_TARGET
 PROJ_ROPE_TARGET = _native.PROJ_ROPE_TARGET
@@ -88,7 +89,6 @@ def object_table_attributes(variants: Sequence[Any], objects: Sequence[bytes]) -
 E8M0 = "float8_e8m0fnu"
 NO_SCALES = "none"  # catalog.NO_SCALES: the sf_dtype (with sf_vec_size 0) of objects whose operands carry no scales
 SWAP_AB = "swap_ab"  # catalog.SWAP_AB: the ragged objects that take bfloat16 tokens and convert only the weights
-SWAP_AB_K_PAD = 256  # ragged.SWAP_AB_K_PAD: their tokens' K is rounded up to a multiple of this
 # the quantize_pair schedules (catalog's "", GATHER, GATHER_VALUES), each one's index its handler's `schedule`
 QUANTIZE_PAIR_SCHEDULES = ("", "gather", "gather_values")
 
@@ -363,6 +363,28 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
     attributes = ragged_attributes(variants, objects, ab_dtype=b_aval.dtype, c_dtype=c_aval.dtype, sf_dtype=sf_dtype,
                                    sf_vec_size=variants[0].sf_vec_size, b_major=b_major, schedule=schedule)
     return _emit(RAGGED_TARGET, ctx, (a, b, sfa, sfb, items, alpha), attributes)
+
+
+def emit_decode_swap_ab(ctx: Any, x: Any, b: Any, sfb: Any, alpha: Any, *, variants: Sequence[Any]) -> list:
+    """A decode-sized GEMM through the swap_ab ragged kernel's decode tile (catalog.SWAP_AB_DECODE_TILE; dispatch
+    picks it for MXFP8 E4M3 weights at arch.TABLE's decode_swap_ab_m): x (L, M, K) bf16 as one group of M tokens,
+    permuted by `swap_ab_tokens`, against b (L, N, K) E4M3 codes, one weight per batch, with sfb compact (L, N, KB)
+    or in the atom form, and alpha (L,); `ctx.avals_out` are c (L, M, N) in the variants' C dtype and amax (L,).
+    One work item per batch, all M rows (the tile holds them). Returns [c, amax]."""
+    x_aval, b_aval, sfb_aval, alpha_aval = ctx.avals_in
+    l, m, k = x_aval.shape
+    n = b_aval.shape[1]
+
+    def prepare(x, b, sfb):
+        atom = sfb if sfb.ndim == 6 else formats.to_scale_atom(sfb)
+        items = jnp.broadcast_to(jnp.array([[0, 0, 0, m]], jnp.int32), (l, 1, 4))  # (row tile, group, rows)
+        return [swap_ab_tokens(x), b.reshape(l, 1, n, k), jnp.zeros((l, 0), jnp.uint8), atom, items]
+
+    in_avals = [x_aval, b_aval, sfb_aval]
+    out_avals = [jax.core.ShapedArray(o.shape, o.dtype) for o in jax.eval_shape(prepare, *in_avals)]
+    prepared = mlir.lower_fun(prepare, multiple_results=True)(ctx.replace(avals_in=in_avals, avals_out=out_avals),
+                                                              x, b, sfb)
+    return emit_ragged(ctx.replace(avals_in=[*out_avals, alpha_aval]), *prepared, alpha, variants=variants)
 
 
 _CONTRACTION_C_DTYPES = ("float32", "bfloat16")  # what the jbg_grouped_contraction handler takes for c_dtype

@@ -326,6 +326,9 @@ def run_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_kerne
 # N and K tails as in NARROW_C_PROBLEMS (N a multiple of 32: 16-byte C rows of every C dtype).
 RAGGED_PROBLEMS = ((200, 160, 96, (40, 0, 1, 30, 100)), (300, 288, 160, (0, 300, 0)),
                    (384, 224, 512, (129, 127, 128)))
+# ... and for the swap_ab kernel's decode tile (64 tokens: decode-sized calls as one group): a full tile, rows of no
+# group past a group of 30, one token; N off the 64-row tile, K off the 256-column padding.
+RAGGED_DECODE_PROBLEMS = ((64, 160, 96, (64,)), (37, 288, 512, (30,)), (1, 224, 160, (1,)))
 
 
 def ragged_api_call(variant: Any, args: Sequence[Any], *, implementation: str = "cutedsl"
@@ -370,8 +373,10 @@ def _run_ragged(variant: Any, args: Sequence[Any], device: Any, implementation: 
 
 def run_ragged_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_ragged) -> str:
     """'' when the grouped kernel `variant` (`run_kernel`) matches the reference (fp32 C, on `device`) on every
-    RAGGED_PROBLEMS within SPEC §7; else the first failure."""
-    for i, (t, n, k, sizes) in enumerate(RAGGED_PROBLEMS):
+    RAGGED_PROBLEMS (RAGGED_DECODE_PROBLEMS for the swap_ab decode tile) within SPEC §7; else the first failure."""
+    problems = RAGGED_DECODE_PROBLEMS if variant.tile_mn[0] < 128 else RAGGED_PROBLEMS  # a tile of fewer tokens
+    # than a work item serves only calls whose groups fit in it
+    for i, (t, n, k, sizes) in enumerate(problems):
         args = (*_operands(variant, (1, t, len(sizes) * n, k), seed=i), sizes)
         where = f"(T, N, K) = {(t, n, k)}, group sizes {sizes}"
         try:
@@ -661,16 +666,16 @@ def _dequantize_operands(rows: int, cols: int, scale_axis: int, rng: np.random.G
 
 def _dequantize_expected(codes: np.ndarray, scales: np.ndarray, scale_axis: int, swap_ab: bool) -> np.ndarray:
     """code x 2^(byte - 127), exact in float64, rounded once to bf16 (exact here: the scales keep it normal); with
-    `swap_ab`, the columns in the swap_ab ragged kernel's order (`ragged.swap_ab_columns`)."""
+    `swap_ab`, the columns in the swap_ab ragged kernel's order (`swap_ab_layout.swap_ab_columns`)."""
     import ml_dtypes
 
     factor = np.repeat(np.exp2(scales.astype(np.float64) - 127), 32, axis=scale_axis)
     values = (codes.astype(np.float64) * factor).astype(ml_dtypes.bfloat16)
     if not swap_ab:
         return values
-    from jax_blockgemm import ragged
+    from jax_blockgemm import swap_ab_layout
 
-    return values[:, ragged.swap_ab_columns(values.shape[-1])]
+    return values[:, swap_ab_layout.swap_ab_columns(values.shape[-1])]
 
 
 def run_dequantize_problems(variant: Any, device: Any) -> str:

@@ -294,7 +294,7 @@ def _reference_lowering(ctx, *args, **params):
 
 def _cuda_lowering(ctx, *args, **params):
     """The GPU hook: the decode kernel dispatch names for this call (x, the codes, the compact scales as sw, alpha;
-    its amax result is dropped, so never zeroed), else the reference."""
+    its amax result is dropped, so never zeroed) or the swap_ab kernel's decode tile, else the reference."""
     from jax_blockgemm import dispatch  # lazy, as in primitives.py
 
     choice = dispatch.weight_only_kernels(ctx.avals_in, **params)
@@ -302,8 +302,11 @@ def _cuda_lowering(ctx, *args, **params):
         from jax_blockgemm import ffi_lowering
 
         amax = jax.core.ShapedArray((ctx.avals_in[0].shape[0],), np.dtype(np.float32))
-        y, _ = ffi_lowering.emit_weight_stream(ctx.replace(avals_out=[*ctx.avals_out, amax]), *args,
-                                               variants=choice.variants, amax_used=False)
+        ctx = ctx.replace(avals_out=[*ctx.avals_out, amax])
+        if choice.variants[0].op == "ragged":  # the swap_ab kernel's decode tile (dispatch.weight_only_kernels)
+            y, _ = ffi_lowering.emit_decode_swap_ab(ctx, *args, variants=choice.variants)
+        else:
+            y, _ = ffi_lowering.emit_weight_stream(ctx, *args, variants=choice.variants, amax_used=False)
         return [y]
     primitives.no_kernel_applies("weight_only_matmul", params["implementation"],
                                  f"{choice.reason}; use implementation=None or 'xla'.")

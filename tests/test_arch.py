@@ -50,14 +50,15 @@ class ArchTableTest(absltest.TestCase):
             self.assertFalse(arch.none_takes_kernel("weight_stream", "sm_100a", fmt="nvfp4", m=1))
             row = next(line for line in arch.markdown_table().splitlines() if line.startswith("| 10.0 |"))
             self.assertIn("| mxfp8_e4m3: never, mxfp8_e5m2: never, mxfp4: M <= 16, nvfp4: never |", row)
-        with arch.overridden("9.0", decode_max_m={fmt: 48 for fmt in arch.DECODE_FORMATS}, decode_short_k={}):
+        with arch.overridden("9.0", decode_max_m={fmt: 48 for fmt in arch.DECODE_FORMATS}, decode_short_k={},
+                             decode_swap_ab_m={}):
             self.assertIn("| decode kernel for M <= 48 |", arch.markdown_table().splitlines()[2])
 
     def test_decode_kernel_takes_fewer_rows_below_the_short_k(self):
         """decode_short_k: below its K, None takes the decode kernel only up to its M; at or above that K (and with
         K unknown) up to decode_max_m; the table's cell names the rule."""
         with arch.overridden("9.0", decode_max_m={"mxfp8_e4m3": 64, "mxfp4": 64},
-                             decode_short_k={"mxfp8_e4m3": (4096, 16)}):
+                             decode_short_k={"mxfp8_e4m3": (4096, 16)}, decode_swap_ab_m={}):
             takes = lambda fmt, m, k: arch.none_takes_kernel("weight_stream", "sm_90a", fmt=fmt, m=m, k=k)
             self.assertTrue(takes("mxfp8_e4m3", 16, 2048))
             self.assertFalse(takes("mxfp8_e4m3", 17, 2048))
@@ -70,7 +71,7 @@ class ArchTableTest(absltest.TestCase):
             row = arch.markdown_table().splitlines()[2]
             self.assertIn("mxfp4: M <= 64, nvfp4: never; M <= 16 below K = 4096 for mxfp8_e4m3 |", row)
         with arch.overridden("9.0", decode_max_m={fmt: 64 for fmt in arch.DECODE_FORMATS},
-                             decode_short_k={fmt: (4096, 16) for fmt in arch.DECODE_FORMATS}):
+                             decode_short_k={fmt: (4096, 16) for fmt in arch.DECODE_FORMATS}, decode_swap_ab_m={}):
             self.assertFalse(arch.none_takes_kernel("weight_stream", "sm_90a", fmt="nvfp4", m=17, k=2048))
             row = arch.markdown_table().splitlines()[2]
             self.assertIn("| decode kernel for M <= 64; M <= 16 below K = 4096 |", row)  # every format: no names

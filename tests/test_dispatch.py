@@ -439,6 +439,8 @@ class DecodeDispatchTest(parameterized.TestCase):
     def setUp(self):
         super().setUp()
         self.enterContext(decode_standin.stand_in_kernels())
+        self.enterContext(arch.overridden("9.0", decode_swap_ab_m={}))  # the decode kernel's rules alone (the swap_ab
+        # tile's: DecodeSwapAbDispatchTest)
 
     @parameterized.parameters((1, 16), (16, 16), (17, 64), (64, 64))
     def test_the_smallest_capacity_that_holds_m(self, m, rows):
@@ -621,6 +623,66 @@ class DecodeDispatchTest(parameterized.TestCase):
                                sd((48, 2), jnp.uint8)).lower(lowering_platforms=("cuda",)).as_text()
             self.assertIn("custom_call @jbg_gemm_amax", text)
             self.assertNotIn("jbg_weight_stream", text)
+
+
+class DecodeSwapAbDispatchTest(parameterized.TestCase):
+    """Decode-sized MXFP8 E4M3 calls of arch.TABLE's decode_swap_ab_m rows take the swap_ab ragged kernel's decode
+    tile where every local GPU has one; every other call keeps the decode kernel's rules."""
+
+    def setUp(self):
+        super().setUp()
+        try:
+            from jax_blockgemm.kernels import catalog  # noqa: F401
+        except ImportError as e:
+            self.skipTest(f"CuTeDSL is not importable: {e}")
+        self.enterContext(decode_standin.stand_in_kernels())
+        self.first, self.last = arch.policy("sm_90a").decode_swap_ab_m["mxfp8_e4m3"]
+
+    def test_the_rows_of_the_range_on_an_h200(self):
+        from jax_blockgemm.kernels import catalog
+
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)):
+            for implementation in (None, "cutedsl"):
+                for m, k in ((self.first, 96), (self.last, 7168)):
+                    with self.subTest(implementation=implementation, m=m, k=k):
+                        (v,) = _decode(m, implementation=implementation, k=k).variants
+                        self.assertEqual((v.op, v.arch, v.schedule, v.tile_mn, v.c_dtype),
+                                         ("ragged", "sm_90a", catalog.SWAP_AB, catalog.SWAP_AB_DECODE_TILE,
+                                          "bfloat16"))
+            self.assertEqual(_decode(self.first - 1, k=7168).variants[0].op, "weight_stream")
+            self.assertEqual(_decode(self.last + 1, k=7168).variants, ())  # past every decode kernel: M > 64
+            self.assertEqual(_decode(40, k=7168, c_dtype=jnp.float32).variants[0].c_dtype, "float32")
+            self.assertEqual(_decode(40, k=7168, c_dtype=jnp.float16).variants[0].op, "weight_stream")
+            self.assertEqual(_decode(40, k=7168, fmt="mxfp8_e5m2").variants[0].op, "weight_stream")
+            self.assertEqual(_decode(40, k=7168, fmt="mxfp4").variants[0].op, "weight_stream")
+
+    def test_elsewhere_the_decode_kernel(self):
+        """No GPU seen (a program lowered here may run on any target), a B200, a machine with both, or a process that
+        forces variants (the self-check): the decode kernel, whose objects cover every architecture."""
+        self.assertEqual(_decode(40, k=7168).variants[0].op, "weight_stream")
+        for capabilities in (("10.0",), ("9.0", "10.0")):
+            with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=capabilities), \
+                    mock.patch.object(dispatch, "_failed_self_checks", return_value=""):
+                self.assertNotIn("ragged", [v.op for v in _decode(40, k=7168).variants])
+        from jax_blockgemm.kernels import catalog
+
+        ws = catalog.select_variant(op="weight_stream", arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype="bfloat16",
+                                    sf_vec_size=32, tile_mn=(32, 64), cluster_mn=(1, 1))
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
+                dispatch.forced_variants([ws]):
+            self.assertEqual(_decode(40, k=7168).variants, (ws,))
+
+    def test_the_tile_refuses_more_tokens_than_it_holds(self):
+        from jax_blockgemm.kernels import catalog
+
+        v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype="float32",
+                                   sf_vec_size=32, tile_mn=catalog.SWAP_AB_DECODE_TILE, cluster_mn=(1, 1),
+                                   schedule=catalog.SWAP_AB)
+        kernel = catalog.make_kernel(v)
+        self.assertEqual(kernel.can_implement(64, 160, 96, 1), (True, ""))
+        fits, why = kernel.can_implement(65, 160, 96, 1)
+        self.assertFalse(fits)
+        self.assertIn("t must be at most 64", why)
 
 
 class DecodeOperandTest(parameterized.TestCase):

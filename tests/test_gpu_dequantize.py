@@ -20,7 +20,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
 import jax_blockgemm as jbg
-from jax_blockgemm import arch, dispatch, ffi_lowering, ragged
+from jax_blockgemm import arch, dispatch, ffi_lowering, swap_ab_layout
 
 import oracle
 import oracle_ops
@@ -145,14 +145,14 @@ class GpuDequantizeTest(parameterized.TestCase):
     @parameterized.parameters((1, 333, 512), (2, 70, 7168), (1, 1, 256))
     def test_swap_ab_order(self, l, t, k):
         """The swap_ab ragged kernel's tokens: the oracle's bf16 values, every 64 columns in
-        `ragged.swap_ab_column_order`, bit for bit; all 256 codes and the scale bytes 0, 1, 254 and 255 among them;
-        the output poisoned first."""
+        `swap_ab_layout.swap_ab_column_order`, bit for bit; all 256 codes and the scale bytes 0, 1, 254 and 255 among
+        them; the output poisoned first."""
         rng = np.random.default_rng(t + k)
         codes, scales = _random(rng, (l, t, k), -1)
         codes.reshape(-1)[:256] = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
         scales.reshape(-1)[:4] = (0, 1, 254, 255)
         got = np.asarray(jax.jit(_swap_ab_p.bind)(jnp.asarray(codes), jnp.asarray(scales)))
-        want = np.asarray(ragged.swap_ab_tokens(jnp.asarray(_oracle(codes, scales, -1))))
+        want = np.asarray(swap_ab_layout.swap_ab_tokens(jnp.asarray(_oracle(codes, scales, -1))))
         self.assertEqual(want.shape, got.shape)  # K a multiple of 256: no padding
         _assert_same_bits(self, got, want)
 

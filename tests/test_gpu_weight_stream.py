@@ -41,9 +41,39 @@ def _has_kernel_gpu() -> bool:
     return bool(caps) and all(arch.target_of(cc) for cc in caps)
 
 
+def _gemm_amax_against_oracle(test, seed, fmt, shape, c_dtype, *, a_major="k", c_major="n",
+                              call="jbg_weight_stream"):
+    """gemm_amax on fresh random inputs (scales narrowed where C's dtype needs it), lowered to the decode kernel
+    (custom call `call`), against the float64 oracle: C within SPEC §7 for its dtype, amax."""
+    l, m, n, k = shape
+    rng = np.random.default_rng(hash(seed) % 2**32)
+    low_precision = c_dtype in ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
+    narrow = (-3.0, 1.0) if c_dtype == "float16" else (-2.0, 0.0) if low_precision else None  # C in range
+    d = oracle_ops.random_gemm_inputs(rng, l=l, m=m, n=n, k=k, fmt=fmt, a_major=a_major, scale_log2=narrow)
+    alpha = jnp.float32(d["alpha"]) if fmt == "nvfp4" else None
+    args = [jnp.asarray(d[name]) for name in ("a", "b", "sfa_atom", "sfb_atom")]
+    f = jax.jit(lambda *a: jbg.gemm_amax(*a, alpha=alpha, c_dtype=jnp.dtype(c_dtype), a_major=a_major,
+                                         c_major=c_major, sf_vec_size=d["sf_vec_size"],
+                                         implementation=IMPLEMENTATION))
+    if IMPLEMENTATION == "cutedsl":
+        test.assertIn(call, f.lower(*args).as_text())
+    c, amax = f(*args)
+    c_ref, amax_ref = oracle_ops.gemm_amax_oracle(d["a"], d["b"], d["sfa"], d["sfb"], k=k,
+                                                  sf_vec_size=d["sf_vec_size"], a_major=a_major,
+                                                  alpha=d["alpha"] if fmt == "nvfp4" else None)
+    oracle_ops.assert_gemm_close(test, np.asarray(c), c_ref, c_dtype=jnp.dtype(c_dtype), c_major=c_major)
+    oracle_ops.assert_amax_close(test, np.asarray(amax), amax_ref.max())
+
+
 @absltest.skipUnless(_has_kernel_gpu(), "needs a CUDA GPU with a CuTeDSL kernel (sm_90a, or sm_100a after its "
                                         "first-use self-check)")
 class GpuWeightStreamTest(parameterized.TestCase):
+    """The weight_stream kernel itself: MXFP8 E4M3 calls of 17-64 rows, which arch.TABLE gives to the swap_ab
+    kernel's decode tile, stay on it here (GpuDecodeSwapAbTest tests the tile)."""
+
+    def setUp(self):
+        super().setUp()
+        self.enterContext(arch.overridden("9.0", decode_swap_ab_m={}))
 
     @parameterized.product(fmt=FORMATS, shape=SHAPES, out_dtype=("float32", "bfloat16"))
     def test_weight_only_matches_oracle(self, fmt, shape, out_dtype):
@@ -57,31 +87,9 @@ class GpuWeightStreamTest(parameterized.TestCase):
         ref = np.stack([oracle_weight_only.weight_only_oracle(x[i], weights[i]) for i in range(l)])
         oracle_ops.assert_gemm_close(self, np.asarray(y), ref, c_dtype=jnp.dtype(out_dtype))
 
-    def _gemm_amax_against_oracle(self, seed, fmt, shape, c_dtype, *, a_major="k", c_major="n"):
-        """gemm_amax on fresh random inputs (scales narrowed where C's dtype needs it), lowered to the decode kernel,
-        against the float64 oracle: C within SPEC §7 for its dtype, amax."""
-        l, m, n, k = shape
-        rng = np.random.default_rng(hash(seed) % 2**32)
-        low_precision = c_dtype in ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
-        narrow = (-3.0, 1.0) if c_dtype == "float16" else (-2.0, 0.0) if low_precision else None  # C in range
-        d = oracle_ops.random_gemm_inputs(rng, l=l, m=m, n=n, k=k, fmt=fmt, a_major=a_major, scale_log2=narrow)
-        alpha = jnp.float32(d["alpha"]) if fmt == "nvfp4" else None
-        args = [jnp.asarray(d[name]) for name in ("a", "b", "sfa_atom", "sfb_atom")]
-        f = jax.jit(lambda *a: jbg.gemm_amax(*a, alpha=alpha, c_dtype=jnp.dtype(c_dtype), a_major=a_major,
-                                             c_major=c_major, sf_vec_size=d["sf_vec_size"],
-                                             implementation=IMPLEMENTATION))
-        if IMPLEMENTATION == "cutedsl":
-            self.assertIn("jbg_weight_stream", f.lower(*args).as_text())
-        c, amax = f(*args)
-        c_ref, amax_ref = oracle_ops.gemm_amax_oracle(d["a"], d["b"], d["sfa"], d["sfb"], k=k,
-                                                      sf_vec_size=d["sf_vec_size"], a_major=a_major,
-                                                      alpha=d["alpha"] if fmt == "nvfp4" else None)
-        oracle_ops.assert_gemm_close(self, np.asarray(c), c_ref, c_dtype=jnp.dtype(c_dtype), c_major=c_major)
-        oracle_ops.assert_amax_close(self, np.asarray(amax), amax_ref.max())
-
     @parameterized.product(fmt=FORMATS, shape=GEMM_SHAPES, c_dtype=("float32", "bfloat16", "float16"))
     def test_gemm_amax_small_m_matches_oracle(self, fmt, shape, c_dtype):
-        self._gemm_amax_against_oracle((fmt, shape, c_dtype, "gemm"), fmt, shape, c_dtype)
+        _gemm_amax_against_oracle(self, (fmt, shape, c_dtype, "gemm"), fmt, shape, c_dtype)
 
     @parameterized.parameters(("mxfp4", "float8_e4m3fn", "k", "n"), ("nvfp4", "float8_e5m2", "k", "n"),
                               ("mxfp4", "float4_e2m1fn", "k", "n"), ("nvfp4", "float4_e2m1fn", "k", "n"),
@@ -91,8 +99,8 @@ class GpuWeightStreamTest(parameterized.TestCase):
         """The decode path for C dtypes the kernel does not write (it writes float32, XLA converts to FP8 or packed
         FP4) and for M-major A or C (XLA transposes)."""
         shape = (2, 16, 96, 544)  # M-major A: M a multiple of 16; packed FP4 C: N a multiple of 32
-        self._gemm_amax_against_oracle((fmt, c_dtype, a_major, c_major), fmt, shape, c_dtype, a_major=a_major,
-                                       c_major=c_major)
+        _gemm_amax_against_oracle(self, (fmt, c_dtype, a_major, c_major), fmt, shape, c_dtype, a_major=a_major,
+                                  c_major=c_major)
 
     def test_the_decode_kernel_is_what_runs(self):
         """A small-M call lowers to the weight_stream custom call, not the reference's dot."""
@@ -199,6 +207,77 @@ class GpuWeightStreamTest(parameterized.TestCase):
         first = np.asarray(f(x, w))
         for _ in range(3):
             np.testing.assert_array_equal(np.asarray(f(x, w)), first)
+
+
+
+# (L, M, N, K) for the swap_ab decode tile: the first and last M of its range, N off the 64-row tile, K off the
+# 256-column padding and long, L > 1
+SWAP_AB_SHAPES = ((1, 17, 200, 96), (2, 40, 136, 544), (1, 64, 64, 4096), (3, 64, 328, 1024))
+
+
+@absltest.skipUnless(_has_kernel_gpu() and set(dispatch.local_cuda_capabilities() or ()) == {"9.0"},
+                     "needs an sm_90a GPU (the swap_ab decode tile exists for sm_90a only)")
+class GpuDecodeSwapAbTest(parameterized.TestCase):
+    """Decode-sized MXFP8 E4M3 calls of arch.TABLE's decode_swap_ab_m rows: the swap_ab ragged kernel's decode tile
+    (one group of M tokens), through the public API, against the float64 oracle, outputs poisoned."""
+
+    def setUp(self):
+        super().setUp()
+        first, last = arch.policy("sm_90a").decode_swap_ab_m["mxfp8_e4m3"]
+        self.assertTrue(all(first <= m <= last for _, m, _, _ in SWAP_AB_SHAPES))
+
+    def _weight_only(self, x, w, out_dtype=jnp.float32):
+        f = jax.jit(lambda x, w: jbg.weight_only_matmul(x, w, out_dtype=out_dtype, implementation=IMPLEMENTATION))
+        if IMPLEMENTATION == "cutedsl":
+            text = f.lower(x, w).as_text()
+            self.assertIn("jbg_ragged_gemm_amax", text)
+            self.assertNotIn("jbg_weight_stream", text)
+        return np.asarray(f(x, w))
+
+    @parameterized.product(shape=SWAP_AB_SHAPES, out_dtype=("float32", "bfloat16"))
+    def test_weight_only_matches_oracle(self, shape, out_dtype):
+        l, m, n, k = shape
+        rng = np.random.default_rng(hash((shape, out_dtype, "swap_ab")) % 2**32)
+        weights = [oracle_weight_only.random_weight(rng, n, k, "mxfp8_e4m3") for _ in range(l)]
+        w = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *weights)
+        x = oracle_weight_only.random_x(rng, (l, m, k), jnp.bfloat16)
+        y = jax.jit(jax.vmap(lambda x, w: jbg.weight_only_matmul(x, w, out_dtype=jnp.dtype(out_dtype),
+                                                                  implementation=IMPLEMENTATION)))(x, w)
+        ref = np.stack([oracle_weight_only.weight_only_oracle(x[i], weights[i]) for i in range(l)])
+        oracle_ops.assert_gemm_close(self, np.asarray(y), ref, c_dtype=jnp.dtype(out_dtype))
+
+    @parameterized.product(shape=SWAP_AB_SHAPES, c_dtype=("float32", "bfloat16"))
+    def test_gemm_amax_matches_oracle(self, shape, c_dtype):
+        _gemm_amax_against_oracle(self, (shape, c_dtype, "swap_ab"), "mxfp8_e4m3", shape, c_dtype,
+                                  call="jbg_ragged_gemm_amax")
+
+    @parameterized.parameters(("m", "n"), ("k", "m"))
+    def test_gemm_amax_either_major(self, a_major, c_major):
+        _gemm_amax_against_oracle(self, (a_major, c_major, "swap_ab"), "mxfp8_e4m3", (2, 48, 96, 544), "bfloat16",
+                                  a_major=a_major, c_major=c_major, call="jbg_ragged_gemm_amax")
+
+    def test_nan_scale_and_nan_code_poison_exactly_their_rows(self):
+        rng = np.random.default_rng(17)
+        w = oracle_weight_only.random_weight(rng, 100, 512, "mxfp8_e4m3")
+        scales = np.asarray(w.scales).copy()
+        scales.view(np.uint8)[3, 1] = 0xFF  # NaN scale byte in row 3
+        codes = np.asarray(w.codes).copy()
+        codes.view(np.uint8)[70, 200] = 0x7F  # a NaN code in row 70 (finite scale; the second 64-row tile)
+        w = jbg.QuantizedWeight(jnp.asarray(codes), jnp.asarray(scales), w.alpha, "mxfp8_e4m3")
+        y = self._weight_only(oracle_weight_only.random_x(rng, (33, 512), jnp.bfloat16), w)
+        self.assertTrue(np.isnan(y[:, [3, 70]]).all())
+        self.assertFalse(np.isnan(np.delete(y, [3, 70], axis=1)).any())
+
+    def test_large_scales_take_the_two_multiply_path(self):
+        rng = np.random.default_rng(19)
+        for low, high in ((100, 134), (120, 150), (135, 160)):
+            with self.subTest(bytes=(low, high)):
+                w = oracle_weight_only.random_weight(rng, 200, 1024, "mxfp8_e4m3")
+                scales = rng.integers(low, high + 1, size=np.shape(w.scales)).astype(np.uint8)
+                w = jbg.QuantizedWeight(w.codes, jnp.asarray(scales), w.alpha, w.format)
+                x = oracle_weight_only.random_x(rng, (29, 1024), jnp.bfloat16)
+                oracle_ops.assert_gemm_close(self, self._weight_only(x, w), oracle_weight_only.weight_only_oracle(x, w),
+                                             c_dtype=jnp.dtype(jnp.float32))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from jax_blockgemm import _native, arch, dispatch, gate, ragged
+from jax_blockgemm import _native, arch, dispatch, gate, swap_ab_layout
 from jax_blockgemm.kernels import catalog, structure
 
 from compiled_kernels import compiled
@@ -62,7 +62,7 @@ class TokenOrderTest(absltest.TestCase):
         code's column."""
         frag = _rs_fragment_layout()
         self.assertEqual(frag["registers"], "((2,2,2),1,4):((1,2,4),0,8)")  # value (j, r, h), then k-step s
-        order = ragged.swap_ab_column_order()
+        order = swap_ab_layout.swap_ab_column_order()
         self.assertEqual(sorted(order.tolist()), list(range(64)))
         for t in range(128):
             w, g, c = t // 32, t % 32 // 4, t % 4
@@ -80,7 +80,7 @@ class TokenOrderTest(absltest.TestCase):
         must then hold the code `swap_ab_column_order` names, each column written once."""
         from jax_blockgemm.kernels import dequantize
 
-        order = ragged.swap_ab_column_order()
+        order = swap_ab_layout.swap_ab_column_order()
         written = {}
         for run in range(dequantize.SWAP_AB_TILE // dequantize.RUN):
             for q in range(dequantize.RUN // 2):
@@ -94,10 +94,10 @@ class TokenOrderTest(absltest.TestCase):
         product with weights permuted the same way unchanged."""
         rng = np.random.default_rng(0)
         x = rng.standard_normal((2, 5, 272)).astype(np.float32)
-        got = np.asarray(ragged.swap_ab_tokens(jnp.asarray(x)))
+        got = np.asarray(swap_ab_layout.swap_ab_tokens(jnp.asarray(x)))
         self.assertEqual(got.shape, (2, 5, 512))
         padded = np.pad(x, ((0, 0), (0, 0), (0, 240)))
-        order = (np.arange(8)[:, None] * 64 + ragged.swap_ab_column_order()[None]).reshape(-1)
+        order = (np.arange(8)[:, None] * 64 + swap_ab_layout.swap_ab_column_order()[None]).reshape(-1)
         np.testing.assert_array_equal(got, padded[..., order])
         w = rng.standard_normal(272)
         np.testing.assert_allclose(got @ np.pad(w, (0, 240))[order], x @ w, rtol=1e-12)
@@ -121,6 +121,22 @@ class CompileTest(parameterized.TestCase):
             self.assertTrue(re.search(pattern, c.ptx), name)
         for name, pattern in {"FP8 converter": r"cvt\.rn\.f16x2\.e4m3x2", "local memory": r"\.local"}.items():
             self.assertFalse(re.search(pattern, c.ptx), name)
+        resources = structure.cubin_resources(c.fn.__cubin__)
+        self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
+
+    @parameterized.parameters(F32, BF16)
+    def test_decode_tile_structure(self, c_dtype):
+        """The decode tile (catalog.SWAP_AB_DECODE_TILE): one MMA warpgroup of 64 weight rows (256 threads), 64
+        tokens wide, the same register-sourced wgmma and no local memory."""
+        v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype=E4M3, c_dtype=c_dtype, sf_vec_size=32,
+                                   tile_mn=catalog.SWAP_AB_DECODE_TILE, cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
+        c = compiled(v)
+        tokens, rows = catalog.SWAP_AB_DECODE_TILE
+        self.assertEqual(c.kernel.tile_mnk[:2], (tokens, rows))
+        self.assertEqual(c.kernel.threads_per_cta, 128 * (1 + rows // 64))
+        self.assertTrue(re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tokens}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
+                                  r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", c.ptx))
+        self.assertFalse(re.search(r"\.local", c.ptx))
         resources = structure.cubin_resources(c.fn.__cubin__)
         self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
 
@@ -213,14 +229,17 @@ class DispatchTest(absltest.TestCase):
         from jax_blockgemm.kernels.sm90 import ragged_swap_ab
 
         self.assertEqual(ffi_lowering.SWAP_AB, catalog.SWAP_AB)
-        self.assertEqual({ragged.SWAP_AB_K_PAD, ffi_lowering.SWAP_AB_K_PAD}, {ragged_swap_ab.K_PAD})
-        self.assertEqual({ragged.SWAP_AB_K_TILE, dequantize.SWAP_AB_TILE}, {ragged_swap_ab.K_TILE})
+        self.assertEqual({swap_ab_layout.SWAP_AB_K_PAD}, {ragged_swap_ab.K_PAD})
+        self.assertEqual({swap_ab_layout.SWAP_AB_K_TILE, dequantize.SWAP_AB_TILE}, {ragged_swap_ab.K_TILE})
 
     def test_catalog(self):
         swapped = [v for v in catalog.CATALOG if v.schedule == catalog.SWAP_AB]
-        self.assertEqual(sorted((v.op, v.arch, v.ab_dtype, v.c_dtype) for v in swapped),
-                         [("dequantize", "sm_90a", E4M3, BF16), ("ragged", "sm_90a", E4M3, BF16),
-                          ("ragged", "sm_90a", E4M3, F32)])
+        decode = catalog.SWAP_AB_DECODE_TILE
+        self.assertEqual(sorted((v.op, v.arch, v.ab_dtype, v.c_dtype, v.tile_mn) for v in swapped if v.op == "ragged"),
+                         [("ragged", "sm_90a", E4M3, BF16, decode), ("ragged", "sm_90a", E4M3, BF16, (128, 128)),
+                          ("ragged", "sm_90a", E4M3, F32, decode), ("ragged", "sm_90a", E4M3, F32, (128, 128))])
+        self.assertEqual([(v.arch, v.ab_dtype, v.c_dtype) for v in swapped if v.op == "dequantize"],
+                         [("sm_90a", E4M3, BF16)])
 
     def test_lowered_call(self):
         """The custom call takes bf16 tokens of K rounded up to 256 (a fusion of the dequantization and the gather

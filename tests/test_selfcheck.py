@@ -567,9 +567,10 @@ class DequantizeSelfCheckTest(absltest.TestCase):
     """What the dequantize self-check expects of each object, on the CPU (the kernels run on the H200)."""
 
     def test_swap_ab_object_expects_the_ragged_kernels_token_order(self):
-        """The swap_ab object's expected values are `ragged.swap_ab_tokens` of the plain ones without the padding to
-        256 columns (its problems' columns are whole 64-column tiles, each permuted alone), not the plain ones."""
-        from jax_blockgemm import ragged
+        """The swap_ab object's expected values are `swap_ab_layout.swap_ab_tokens` of the plain ones without the
+        padding to 256 columns (its problems' columns are whole 64-column tiles, each permuted alone), not the plain
+        ones."""
+        from jax_blockgemm import swap_ab_layout
 
         rng = np.random.default_rng(0)
         for rows, cols, axis, paired in selfcheck.SWAP_AB_DEQUANTIZE_PROBLEMS:
@@ -577,7 +578,7 @@ class DequantizeSelfCheckTest(absltest.TestCase):
                 codes, scales = selfcheck._dequantize_operands(*shape, -1, rng)
                 plain = selfcheck._dequantize_expected(codes, scales, -1, False)
                 ordered = selfcheck._dequantize_expected(codes, scales, -1, True)
-                tokens = np.asarray(ragged.swap_ab_tokens(jnp.asarray(plain)))[:, :shape[1]]  # less its padding
+                tokens = np.asarray(swap_ab_layout.swap_ab_tokens(jnp.asarray(plain)))[:, :shape[1]]  # less its padding
                 np.testing.assert_array_equal(ordered.view(np.uint16), tokens.view(np.uint16))
                 self.assertFalse(np.array_equal(ordered.view(np.uint16), plain.view(np.uint16)))
         swap_ab = [v for v in catalog.CATALOG if v.op == "dequantize" and v.schedule == catalog.SWAP_AB]

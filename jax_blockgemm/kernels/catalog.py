@@ -41,8 +41,8 @@ dynamic_shapes[1];}` struct over a flat buffer.
       variants (ab_dtype "bfloat16", sf_dtype "none", sf_vec_size 0) take bf16 a and b, b as (L·G, N, K) for b_major "k"
       or (L·G, K, N) for "n", and read neither sfa, sfb nor alpha (empty buffers). The swap_ab variants (schedule
       SWAP_AB; MXFP8 E4M3 weights, f32 or bf16 C) take the tokens dequantized to bf16 and permuted
-      (`ragged.swap_ab_tokens`: a (L, T, K rounded up to 256)), the weights' codes b and their atoms sfb; sfa is empty
-      and alpha unread.
+      (`swap_ab_layout.swap_ab_tokens`: a (L, T, K rounded up to 256)), the weights' codes b and their atoms sfb; sfa
+      is empty and alpha unread.
     quantize_pair: fn(w, row_map, values, codes, scales, rows, cols, src_rows, stream)
       both MX quantizations of a bf16 matrix in one pass (kernels/quantize_pair.py): w (src_rows, cols) bf16; values
       (rows, cols) bf16, w quantized with its blocks along the rows in ab_dtype's format, as code·scale; codes
@@ -178,7 +178,7 @@ def _ragged_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.sm90.ragged_swap_ab import HopperRaggedSwapAB
 
     if v.schedule == SWAP_AB:
-        return HopperRaggedSwapAB(c_dtype=v.c_dtype)
+        return HopperRaggedSwapAB(c_dtype=v.c_dtype, token_rows=v.tile_mn[0], weight_warpgroups=v.tile_mn[1] // 64)
     if v.ab_dtype == "bfloat16":
         return HopperRaggedBf16Gemm(c_dtype=v.c_dtype, b_major=v.b_major, tile_n=v.tile_mn[1])
     return HopperRaggedGemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, sf_vec_size=v.sf_vec_size,
@@ -248,9 +248,12 @@ WEIGHT_STREAM_C = ("float32", "bfloat16", "float16")
 RAGGED_FORMATS = WEIGHT_STREAM_FORMATS  # MXFP8 E4M3 and E5M2, MXFP4, NVFP4
 NO_SCALES = "none"  # the sf_dtype of variants whose operands carry no block scales (bf16), with sf_vec_size 0
 # The schedule of the ragged kernels that take the tokens in bf16 and convert only the weights' codes, in registers
-# (kernels/sm90/ragged_swap_ab.py); their ABI's a is `ragged.swap_ab_tokens` of the dequantized tokens.
+# (kernels/sm90/ragged_swap_ab.py); their ABI's a is `swap_ab_layout.swap_ab_tokens` of the dequantized tokens.
 SWAP_AB = "swap_ab"
 WEIGHT_STREAM_TILES = ((32, 16), (32, 64))
+# (tokens, weight rows) of the swap_ab ragged kernel's decode tile: decode-sized MXFP8 E4M3 calls of the M range
+# arch.TABLE's decode_swap_ab_m names run there as one group of M tokens (docs/design/decode.md)
+SWAP_AB_DECODE_TILE = (64, 64)
 QUANTIZE_PAIR_TILE = (32, 256)  # the tile field of the quantize_pair keys: a warp's rows x columns
 # The schedules of the quantize_pair kernels that read their rows through a row map (mx_ragged_dot's tokens, each
 # group padded to whole blocks of 32 along the rows), writing the column blocks as codes or as bf16 values
@@ -315,6 +318,9 @@ CATALOG: tuple[KernelVariant, ...] = (
     # only the weights' codes converted in the kernel, in registers (what `implementation=None` runs for them);
     + tuple(KernelVariant(op="ragged", arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype=c, schedule=SWAP_AB)
             for c in _C)
+    # ... and its decode tile (64 tokens x 64 weight rows, a CTA per 64 rows), for decode-sized calls;
+    + tuple(KernelVariant(op="ragged", arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype=c, schedule=SWAP_AB,
+                          tile_mn=SWAP_AB_DECODE_TILE) for c in _C)
     # ... on sm_100a the block-scaled tcgen05 form (kernels/sm100/ragged.py; compiled here, gated by the first-use
     # self-check on a B200), f32 or bf16 C (its epilogue stores elements: no FP8/FP4 C there);
     + tuple(KernelVariant(op="ragged", arch="sm_100a", ab_dtype=ab, c_dtype=c, sf_vec_size=v, sf_dtype=sf)

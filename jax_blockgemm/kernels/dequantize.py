@@ -19,7 +19,8 @@ the sm_100a objects are compiled, never run):
 
 The bulk path has a second output order, for the tokens of the ragged swap_ab kernel (`swap_ab_order`,
 kernels/sm90/ragged_swap_ab.py): within every 64 columns, column 16s + 8h + 2c + j of the output holds code
-16c + 4s + 2h + j (`ragged.swap_ab_column_order`), the order in which that kernel's threads hold the weights' codes.
+16c + 4s + 2h + j (`swap_ab_layout.swap_ab_column_order`), the order in which that kernel's threads hold the
+weights' codes.
 A run of 8 codes is 4 bf16 pairs, each stored to its own place in the shared-memory chunk (`swap_ab_pair_column`),
 so the bulk store still writes whole chunks; the chunks start on 64-column tiles, and with the operand's columns a
 multiple of 64 every tile lies in one row. It replaces XLA's dequantization with a gather, which was slower

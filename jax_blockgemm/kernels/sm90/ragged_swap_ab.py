@@ -12,7 +12,7 @@ dequantized once by XLA (about a tenth of the GEMM's time on the H200). Design a
 The A fragment of a bf16 m64nNk16 wgmma gives lane (g, c) = (lane / 4, lane % 4) of warp w the k's 2c, 2c + 1 and
 2c + 8, 2c + 9 of rows 16w + g and + 8 per k-step, while its 16-byte load holds codes 16c .. 16c + 15 of a 64-wide
 k-tile. A dot product does not care about the order of k, so the thread feeds its codes to its slots as loaded and
-the tokens arrive with the same permutation of every 64 columns (`ragged.swap_ab_tokens`): logical column
+the tokens arrive with the same permutation of every 64 columns (`swap_ab_layout.swap_ab_tokens`): logical column
 16s + 8h + 2c + j of a k-tile holds column 16c + 4s + 2h + j (k-step s, half h, pair element j). The 16 codes of a
 load lie inside one 32-wide scale block, so each thread needs one scale byte per row and k-tile.
 
@@ -57,7 +57,7 @@ STAGES = 6  # 24 KB each with the default tile (16 KB of tokens, 8 KB of codes)
 
 class HopperRaggedSwapAB:
     """C[rows of group g] = (tokens)(B[g]·sfb)^T per batch l and amax[l] = max|C[l]|, for bf16 tokens (permuted,
-    `ragged.swap_ab_tokens`) and MXFP8 E4M3 weights; f32 or bf16 C. Compile-time configuration only."""
+    `swap_ab_layout.swap_ab_tokens`) and MXFP8 E4M3 weights; f32 or bf16 C. Compile-time configuration only."""
 
     def __init__(self, *, c_dtype: str = "float32", token_rows: int = ITEM_ROWS, weight_warpgroups: int = 2):
         """token_rows: tokens per CTA tile (the wgmma's N; an item's rows past it are not computed, so a tile
@@ -88,11 +88,14 @@ class HopperRaggedSwapAB:
 
     def can_implement(self, t: int, n: int, k: int, l: int, g: int = 1) -> tuple[bool, str]:
         """Whether the kernel handles these sizes, and why not: K a multiple of 16 (16-byte TMA rows of codes),
-        32-bit element counts for the tokens, C and one weight."""
+        32-bit element counts for the tokens, C and one weight, and T within one tile where the tile holds fewer
+        tokens than a work item (the decode tile)."""
         if min(t, n, k, l, g) < 1:
             return False, f"every size must be >= 1, got t={t}, n={n}, k={k}, l={l}, g={g}"
         if k % 16:
             return False, f"k must be a multiple of 16 (16-byte rows of E4M3 codes), got k={k}"
+        if self.tile_mnk[0] < ITEM_ROWS and t > self.tile_mnk[0]:  # a work item's rows past the tile go uncomputed
+            return False, f"t must be at most {self.tile_mnk[0]} (one tile of tokens), got t={t}"
         k_pad = -(-k // K_PAD) * K_PAD
         if l * t * k_pad >= 2**31 or l * t * n >= 2**31 or n * k >= 2**31 or l * g >= 2**31:
             return False, f"tokens, c and one weight must hold fewer than 2**31 elements, got t={t}, n={n}, k={k}"
@@ -112,8 +115,8 @@ class HopperRaggedSwapAB:
         codes = common.operand_view(b, n, cute.assume(k, divby=16), l * g, False)
         kmajor = cute.nvgpu.OperandMajorMode.K
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            cutlass.BFloat16, cutlass.BFloat16, kmajor, kmajor, self.acc_dtype, (self.weight_warpgroups, 1, 1), tiler_mn=(64, bt),
-            a_source=cute.nvgpu.warpgroup.OperandSource.RMEM)
+            cutlass.BFloat16, cutlass.BFloat16, kmajor, kmajor, self.acc_dtype, (self.weight_warpgroups, 1, 1),
+            tiler_mn=(64, bt), a_source=cute.nvgpu.warpgroup.OperandSource.RMEM)
         x_staged = smem_layout_staged(bt, cutlass.BFloat16, self.stages, bk)
         # The codes' stages as plain 64-byte rows (no swizzle): each thread reads its own 16 bytes of two rows, and
         # a warp's eight rows are 512 contiguous bytes (no bank conflict).
