@@ -53,7 +53,7 @@ class ArchPolicy:
     # kernel only up to M rows (the kernel's cost per row of x does not shrink with K as the reference's does)
     decode_short_k: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     # weight format -> (first M, last M): decode-sized calls of these M take the swap_ab ragged kernel's decode tile
-    # (wgmma, one group of M tokens; catalog.SWAP_AB_DECODE_TILE) instead of the decode kernel, at any K, where every
+    # (wgmma, one group of M tokens; catalog.SWAP_AB_DECODE_TILES) instead of the decode kernel, at any K, where every
     # local GPU has one
     decode_swap_ab_m: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     # kernel schedules (the catalog's KernelVariant.schedule) of this target whose kernels have not yet run correct

@@ -259,7 +259,8 @@ def _decode_choice(implementation: Any, *, fmt: str, ab_dtype: str, sf_dtype: st
 
 def _decode_swap_ab_choice(*, fmt: str, c_dtype: Any, sizes: tuple[int, int, int, int]) -> KernelChoice | None:
     """For a decode-sized call of `sizes` (M, N, K, L) that `arch.TABLE`'s decode_swap_ab_m gives to the swap_ab
-    ragged kernel's decode tile on every local GPU (MXFP8 E4M3 weights, f32 or bf16 C): those variants, run as one
+    ragged kernel's decode tiles on every local GPU (MXFP8 E4M3 weights, f32 or bf16 C): the variants of the smallest
+    tile that holds M, run as one
     group of M tokens (`ffi_lowering.emit_decode_swap_ab`); None where the call keeps the decode kernel. The M range is
     implementation=None's choice and "cutedsl"'s alike: there the tile is the faster kernel."""
     from jax_blockgemm.kernels import catalog
@@ -268,9 +269,12 @@ def _decode_swap_ab_choice(*, fmt: str, c_dtype: Any, sizes: tuple[int, int, int
     local_targets = {arch.target_of(cc) for cc in local_cuda_capabilities() or ()}
     if not local_targets or not all(arch.decode_takes_swap_ab(t, fmt, m) for t in local_targets):
         return None
+    tiles = [tile for tile in sorted(catalog.SWAP_AB_DECODE_TILES) if tile[0] >= m]
+    if not tiles:
+        return None
     variants = [catalog.select_variant(op="ragged", arch=t, ab_dtype="float8_e4m3fn", c_dtype=str(np.dtype(c_dtype)),
-                                       sf_vec_size=32, sf_dtype=_E8M0, tile_mn=catalog.SWAP_AB_DECODE_TILE,
-                                       cluster_mn=(1, 1), schedule=catalog.SWAP_AB) for t in sorted(local_targets)]
+                                       sf_vec_size=32, sf_dtype=_E8M0, tile_mn=tiles[0], cluster_mn=(1, 1),
+                                       schedule=catalog.SWAP_AB) for t in sorted(local_targets)]
     if any(v is None for v in variants):  # e.g. a float16 C, which the tile does not write
         return None
     choice = _usable(variants, "cutedsl", sizes=(m, n, k, l, 1), names="(T, N, K, L, G)", fmt=fmt)

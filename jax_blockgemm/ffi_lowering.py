@@ -366,7 +366,7 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
 
 
 def emit_decode_swap_ab(ctx: Any, x: Any, b: Any, sfb: Any, alpha: Any, *, variants: Sequence[Any]) -> list:
-    """A decode-sized GEMM through the swap_ab ragged kernel's decode tile (catalog.SWAP_AB_DECODE_TILE; dispatch
+    """A decode-sized GEMM through the swap_ab ragged kernel's decode tiles (catalog.SWAP_AB_DECODE_TILES; dispatch
     picks it for MXFP8 E4M3 weights at arch.TABLE's decode_swap_ab_m): x (L, M, K) bf16 as one group of M tokens,
     permuted by `swap_ab_tokens`, against b (L, N, K) E4M3 codes, one weight per batch, with sfb compact (L, N, KB)
     or in the atom form, and alpha (L,); `ctx.avals_out` are c (L, M, N) in the variants' C dtype and amax (L,).

@@ -326,9 +326,10 @@ def run_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_kerne
 # N and K tails as in NARROW_C_PROBLEMS (N a multiple of 32: 16-byte C rows of every C dtype).
 RAGGED_PROBLEMS = ((200, 160, 96, (40, 0, 1, 30, 100)), (300, 288, 160, (0, 300, 0)),
                    (384, 224, 512, (129, 127, 128)))
-# ... and for the swap_ab kernel's decode tile (64 tokens: decode-sized calls as one group): a full tile, rows of no
-# group past a group of 30, one token; N off the 64-row tile, K off the 256-column padding.
-RAGGED_DECODE_PROBLEMS = ((64, 160, 96, (64,)), (37, 288, 512, (30,)), (1, 224, 160, (1,)))
+# ... and for the swap_ab kernel's decode tiles (32 or 64 tokens: decode-sized calls as one group), those within the
+# tile: full tiles, rows of no group past a group, one token; N off the 64-row tile, K off the 256-column padding.
+RAGGED_DECODE_PROBLEMS = ((32, 160, 96, (32,)), (29, 288, 512, (20,)), (1, 224, 160, (1,)), (64, 136, 544, (64,)),
+                          (37, 200, 1024, (30,)))
 
 
 def ragged_api_call(variant: Any, args: Sequence[Any], *, implementation: str = "cutedsl"
@@ -374,8 +375,9 @@ def _run_ragged(variant: Any, args: Sequence[Any], device: Any, implementation: 
 def run_ragged_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_ragged) -> str:
     """'' when the grouped kernel `variant` (`run_kernel`) matches the reference (fp32 C, on `device`) on every
     RAGGED_PROBLEMS (RAGGED_DECODE_PROBLEMS for the swap_ab decode tile) within SPEC §7; else the first failure."""
-    problems = RAGGED_DECODE_PROBLEMS if variant.tile_mn[0] < 128 else RAGGED_PROBLEMS  # a tile of fewer tokens
-    # than a work item serves only calls whose groups fit in it
+    problems = RAGGED_PROBLEMS
+    if variant.tile_mn[0] < 128:  # a tile of fewer tokens than a work item serves only calls that fit in it
+        problems = tuple(p for p in RAGGED_DECODE_PROBLEMS if p[0] <= variant.tile_mn[0])
     for i, (t, n, k, sizes) in enumerate(problems):
         args = (*_operands(variant, (1, t, len(sizes) * n, k), seed=i), sizes)
         where = f"(T, N, K) = {(t, n, k)}, group sizes {sizes}"

@@ -643,12 +643,13 @@ class DecodeSwapAbDispatchTest(parameterized.TestCase):
 
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)):
             for implementation in (None, "cutedsl"):
-                for m, k in ((self.first, 96), (self.last, 7168)):
+                for m, k, tile in ((self.first, 96, (32, 64)), (32, 7168, (32, 64)), (33, 7168, (64, 64)),
+                                   (self.last, 7168, (64, 64))):  # the smallest tile that holds M
                     with self.subTest(implementation=implementation, m=m, k=k):
                         (v,) = _decode(m, implementation=implementation, k=k).variants
                         self.assertEqual((v.op, v.arch, v.schedule, v.tile_mn, v.c_dtype),
-                                         ("ragged", "sm_90a", catalog.SWAP_AB, catalog.SWAP_AB_DECODE_TILE,
-                                          "bfloat16"))
+                                         ("ragged", "sm_90a", catalog.SWAP_AB, tile, "bfloat16"))
+                        self.assertIn(tile, catalog.SWAP_AB_DECODE_TILES)
             self.assertEqual(_decode(self.first - 1, k=7168).variants[0].op, "weight_stream")
             self.assertEqual(_decode(self.last + 1, k=7168).variants, ())  # past every decode kernel: M > 64
             self.assertEqual(_decode(40, k=7168, c_dtype=jnp.float32).variants[0].c_dtype, "float32")
@@ -675,14 +676,15 @@ class DecodeSwapAbDispatchTest(parameterized.TestCase):
     def test_the_tile_refuses_more_tokens_than_it_holds(self):
         from jax_blockgemm.kernels import catalog
 
-        v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype="float32",
-                                   sf_vec_size=32, tile_mn=catalog.SWAP_AB_DECODE_TILE, cluster_mn=(1, 1),
-                                   schedule=catalog.SWAP_AB)
-        kernel = catalog.make_kernel(v)
-        self.assertEqual(kernel.can_implement(64, 160, 96, 1), (True, ""))
-        fits, why = kernel.can_implement(65, 160, 96, 1)
-        self.assertFalse(fits)
-        self.assertIn("t must be at most 64", why)
+        for tokens, rows in catalog.SWAP_AB_DECODE_TILES:
+            v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype="float32",
+                                       sf_vec_size=32, tile_mn=(tokens, rows), cluster_mn=(1, 1),
+                                       schedule=catalog.SWAP_AB)
+            kernel = catalog.make_kernel(v)
+            self.assertEqual(kernel.can_implement(tokens, 160, 96, 1), (True, ""))
+            fits, why = kernel.can_implement(tokens + 1, 160, 96, 1)
+            self.assertFalse(fits)
+            self.assertIn(f"t must be at most {tokens}", why)
 
 
 class DecodeOperandTest(parameterized.TestCase):

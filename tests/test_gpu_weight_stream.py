@@ -212,7 +212,8 @@ class GpuWeightStreamTest(parameterized.TestCase):
 
 # (L, M, N, K) for the swap_ab decode tile: the first and last M of its range, N off the 64-row tile, K off the
 # 256-column padding and long, L > 1
-SWAP_AB_SHAPES = ((1, 17, 200, 96), (2, 40, 136, 544), (1, 64, 64, 4096), (3, 64, 328, 1024))
+# (both decode tiles: 32 and 64 tokens)
+SWAP_AB_SHAPES = ((1, 17, 200, 96), (2, 32, 72, 2080), (2, 40, 136, 544), (1, 64, 64, 4096), (3, 64, 328, 1024))
 
 
 @absltest.skipUnless(_has_kernel_gpu() and set(dispatch.local_cuda_capabilities() or ()) == {"9.0"},

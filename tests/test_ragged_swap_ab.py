@@ -124,14 +124,14 @@ class CompileTest(parameterized.TestCase):
         resources = structure.cubin_resources(c.fn.__cubin__)
         self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
 
-    @parameterized.parameters(F32, BF16)
-    def test_decode_tile_structure(self, c_dtype):
-        """The decode tile (catalog.SWAP_AB_DECODE_TILE): one MMA warpgroup of 64 weight rows (256 threads), 64
-        tokens wide, the same register-sourced wgmma and no local memory."""
+    @parameterized.product(c_dtype=(F32, BF16), tile=catalog.SWAP_AB_DECODE_TILES)
+    def test_decode_tile_structure(self, c_dtype, tile):
+        """The decode tiles (catalog.SWAP_AB_DECODE_TILES): one MMA warpgroup per 64 weight rows, as many tokens wide
+        as the tile, the same register-sourced wgmma and no local memory."""
         v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype=E4M3, c_dtype=c_dtype, sf_vec_size=32,
-                                   tile_mn=catalog.SWAP_AB_DECODE_TILE, cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
+                                   tile_mn=tile, cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
         c = compiled(v)
-        tokens, rows = catalog.SWAP_AB_DECODE_TILE
+        tokens, rows = tile
         self.assertEqual(c.kernel.tile_mnk[:2], (tokens, rows))
         self.assertEqual(c.kernel.threads_per_cta, 128 * (1 + rows // 64))
         self.assertTrue(re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tokens}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
@@ -234,10 +234,9 @@ class DispatchTest(absltest.TestCase):
 
     def test_catalog(self):
         swapped = [v for v in catalog.CATALOG if v.schedule == catalog.SWAP_AB]
-        decode = catalog.SWAP_AB_DECODE_TILE
+        tiles = sorted(((128, 128), *catalog.SWAP_AB_DECODE_TILES))
         self.assertEqual(sorted((v.op, v.arch, v.ab_dtype, v.c_dtype, v.tile_mn) for v in swapped if v.op == "ragged"),
-                         [("ragged", "sm_90a", E4M3, BF16, decode), ("ragged", "sm_90a", E4M3, BF16, (128, 128)),
-                          ("ragged", "sm_90a", E4M3, F32, decode), ("ragged", "sm_90a", E4M3, F32, (128, 128))])
+                         [("ragged", "sm_90a", E4M3, c, tile) for c in (BF16, F32) for tile in tiles])
         self.assertEqual([(v.arch, v.ab_dtype, v.c_dtype) for v in swapped if v.op == "dequantize"],
                          [("sm_90a", E4M3, BF16)])
 

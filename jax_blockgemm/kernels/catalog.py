@@ -251,9 +251,10 @@ NO_SCALES = "none"  # the sf_dtype of variants whose operands carry no block sca
 # (kernels/sm90/ragged_swap_ab.py); their ABI's a is `swap_ab_layout.swap_ab_tokens` of the dequantized tokens.
 SWAP_AB = "swap_ab"
 WEIGHT_STREAM_TILES = ((32, 16), (32, 64))
-# (tokens, weight rows) of the swap_ab ragged kernel's decode tile: decode-sized MXFP8 E4M3 calls of the M range
-# arch.TABLE's decode_swap_ab_m names run there as one group of M tokens (docs/design/decode.md)
-SWAP_AB_DECODE_TILE = (64, 64)
+# (tokens, weight rows) of the swap_ab ragged kernel's decode tiles: decode-sized MXFP8 E4M3 calls of the M range
+# arch.TABLE's decode_swap_ab_m names run as one group of M tokens on the smallest that holds them (rows past M would
+# be TMA zero fill, which costs; docs/design/decode.md)
+SWAP_AB_DECODE_TILES = ((32, 64), (64, 64))
 QUANTIZE_PAIR_TILE = (32, 256)  # the tile field of the quantize_pair keys: a warp's rows x columns
 # The schedules of the quantize_pair kernels that read their rows through a row map (mx_ragged_dot's tokens, each
 # group padded to whole blocks of 32 along the rows), writing the column blocks as codes or as bf16 values
@@ -318,9 +319,9 @@ CATALOG: tuple[KernelVariant, ...] = (
     # only the weights' codes converted in the kernel, in registers (what `implementation=None` runs for them);
     + tuple(KernelVariant(op="ragged", arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype=c, schedule=SWAP_AB)
             for c in _C)
-    # ... and its decode tile (64 tokens x 64 weight rows, a CTA per 64 rows), for decode-sized calls;
+    # ... and its decode tiles (32 or 64 tokens x 64 weight rows, a CTA per 64 rows), for decode-sized calls;
     + tuple(KernelVariant(op="ragged", arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype=c, schedule=SWAP_AB,
-                          tile_mn=SWAP_AB_DECODE_TILE) for c in _C)
+                          tile_mn=tile) for tile in SWAP_AB_DECODE_TILES for c in _C)
     # ... on sm_100a the block-scaled tcgen05 form (kernels/sm100/ragged.py; compiled here, gated by the first-use
     # self-check on a B200), f32 or bf16 C (its epilogue stores elements: no FP8/FP4 C there);
     + tuple(KernelVariant(op="ragged", arch="sm_100a", ab_dtype=ab, c_dtype=c, sf_vec_size=v, sf_dtype=sf)
