@@ -241,13 +241,14 @@ def _decode_choice(implementation: Any, *, fmt: str, ab_dtype: str, sf_dtype: st
         return KernelChoice(reason=missing)
     from jax_blockgemm.kernels import catalog
     m = sizes[0]
-    swapped = _decode_swap_ab_choice(fmt=fmt, c_dtype=c_dtype, sizes=sizes)
-    if swapped is not None and getattr(_FORCED, "variants", None) is None:
-        return swapped
+    forced = getattr(_FORCED, "variants", None)
+    if forced is None or implementation != "cutedsl":  # forced variants (the self-check's) are weight_stream ones
+        swapped = _decode_swap_ab_choice(fmt=fmt, c_dtype=c_dtype, sizes=sizes)
+        if swapped is not None:
+            return swapped
     capacity = max(tile[1] for tile in catalog.WEIGHT_STREAM_TILES)
     if m > capacity:
         return KernelChoice(reason=f"M = {m} rows is more than the decode kernel takes ({capacity})")
-    forced = getattr(_FORCED, "variants", None)
     if forced is not None and implementation == "cutedsl":
         return KernelChoice(variants=tuple(v for v in forced if v.op == "weight_stream"))
     c_name = str(np.dtype(c_dtype))
@@ -260,9 +261,9 @@ def _decode_choice(implementation: Any, *, fmt: str, ab_dtype: str, sf_dtype: st
 def _decode_swap_ab_choice(*, fmt: str, c_dtype: Any, sizes: tuple[int, int, int, int]) -> KernelChoice | None:
     """For a decode-sized call of `sizes` (M, N, K, L) that `arch.TABLE`'s decode_swap_ab_m gives to the swap_ab
     ragged kernel's decode tiles on every local GPU (MXFP8 E4M3 weights, f32 or bf16 C): the variants of the smallest
-    tile that holds M, run as one
-    group of M tokens (`ffi_lowering.emit_decode_swap_ab`); None where the call keeps the decode kernel. The M range is
-    implementation=None's choice and "cutedsl"'s alike: there the tile is the faster kernel."""
+    tile that holds M, run as one group of M tokens (`ffi_lowering.emit_decode_swap_ab`); None where the call keeps
+    the decode kernel. The M range is implementation=None's choice and "cutedsl"'s alike: there the tile is the
+    faster kernel."""
     from jax_blockgemm.kernels import catalog
 
     m, n, k, l = sizes
