@@ -10,7 +10,8 @@ benchmark's, print a table, and store the decisions for this GPU model (`tuning`
 The decode kernel ("weight_stream": `weight_only_matmul` with bf16 x, few rows) is timed against the reference
 (implementation="xla") over DECODE_MATRICES distinct weights in one program (one call alone would time its launch),
 and its decision reads "our kernel up to M rows" (measured at DECODE_SHAPES' K; below arch.TABLE's short-K rule's K
-that rule still caps M). The ragged (grouped) kernel is timed at RAGGED_SHAPES, equal groups, bf16 C.
+that rule still caps M); it times the weight_stream kernel at every M, also where arch.TABLE gives MXFP8 rows to the
+swap_ab decode tiles (their range is not tuned). The ragged (grouped) kernel is timed at RAGGED_SHAPES, equal groups, bf16 C.
 `--reset` deletes the stored table; JAX_BLOCKGEMM_IGNORE_TUNING=1 makes None ignore it.
 """
 
@@ -152,8 +153,28 @@ def _ragged_program(fmt: str, shape: tuple, keys: Any) -> tuple[Callable[[Option
     return call, [operands(key) for key in keys], None
 
 
+@contextlib.contextmanager
+def _the_decode_kernel_alone(op: str) -> Iterator[None]:
+    """For the decode op, the local GPU's arch.TABLE row without decode_swap_ab_m, so that "cutedsl" runs the
+    weight_stream kernel at every M, the kernel whose rows the decision governs (the swap_ab decode tiles' range is
+    arch.TABLE's, not tuned); other ops as they are."""
+    from jax_blockgemm import arch, dispatch
+
+    capabilities = dispatch.local_cuda_capabilities() or ()
+    with contextlib.ExitStack() as stack:
+        if op == tuning.DECODE_OP:
+            for capability in capabilities:
+                stack.enter_context(arch.overridden(capability, decode_swap_ab_m={}))
+        yield
+
+
 def measure(op: str, fmt: str, shape: tuple, *, reps: int = 20) -> tuple[Optional[tuple[float, float]], str]:
     """Self-check and time our kernel against None's default for one problem on the local GPU."""
+    with _the_decode_kernel_alone(op):
+        return _measure(op, fmt, shape, reps=reps)
+
+
+def _measure(op: str, fmt: str, shape: tuple, *, reps: int) -> tuple[Optional[tuple[float, float]], str]:
     import jax
 
     from jax_blockgemm import arch, dispatch, gate

@@ -236,6 +236,29 @@ class ProgramsTest(absltest.TestCase):
 
 class DecodeProblemsTest(absltest.TestCase):
 
+    def test_the_decode_timing_runs_the_decode_kernel_at_every_m(self):
+        """On an H200, MXFP8 E4M3 calls of decode_swap_ab_m's rows take the swap_ab decode tile; while tune times the
+        decode op, "cutedsl" runs the weight_stream kernel there (the kernel its decision governs)."""
+        try:
+            from jax_blockgemm.kernels import catalog  # noqa: F401
+        except ImportError as e:
+            self.skipTest(f"CuTeDSL is not importable: {e}")
+        from jax_blockgemm import arch, dispatch, kernel_cache
+
+        first, _ = arch.policy("sm_90a").decode_swap_ab_m["mxfp8_e4m3"]
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
+                mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()), \
+                mock.patch.object(tune, "DECODE_MATRICES", 1):
+            call, arg_sets, _ = tune.programs(tuning.DECODE_OP, "mxfp8_e4m3", (first, 128, 256))
+            lower = lambda: jax.jit(call("cutedsl")).trace(*arg_sets[0]).lower(lowering_platforms=("cuda",)).as_text()
+            self.assertIn("jbg_ragged_gemm_amax", lower())
+            with tune._the_decode_kernel_alone(tuning.DECODE_OP):
+                text = lower()
+            self.assertIn("jbg_weight_stream", text)
+            self.assertNotIn("jbg_ragged_gemm_amax", text)
+            with tune._the_decode_kernel_alone("gemm_amax"):
+                self.assertIn("jbg_ragged_gemm_amax", lower())
+
     def test_decode_rows_are_timed_per_weight_format_and_only_shapes_of_few_rows(self):
         todo = tune.problems(("weight_stream",), ("mxfp4", "bf16"), [])
         self.assertEqual(todo, [("weight_stream", "mxfp4", s) for s in tune.DECODE_SHAPES])
