@@ -11,7 +11,8 @@ The decode kernel ("weight_stream": `weight_only_matmul` with bf16 x, few rows) 
 (implementation="xla") over DECODE_MATRICES distinct weights in one program (one call alone would time its launch),
 and its decision reads "our kernel up to M rows" (measured at DECODE_SHAPES' K; below arch.TABLE's short-K rule's K
 that rule still caps M); it times the weight_stream kernel at every M, also where arch.TABLE gives MXFP8 rows to the
-swap_ab decode tiles (their range is not tuned). The ragged (grouped) kernel is timed at RAGGED_SHAPES, equal groups, bf16 C.
+swap_ab decode tiles (their range is not tuned). The ragged (grouped) kernel is timed at RAGGED_SHAPES, equal
+groups, bf16 C.
 `--reset` deletes the stored table; JAX_BLOCKGEMM_IGNORE_TUNING=1 makes None ignore it.
 """
 
