@@ -387,6 +387,16 @@ def emit_decode_swap_ab(ctx: Any, x: Any, b: Any, sfb: Any, alpha: Any, *, varia
     return emit_ragged(ctx.replace(avals_in=[*out_avals, alpha_aval]), *prepared, alpha, variants=variants)
 
 
+def emit_decode(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variants: Sequence[Any],
+                amax_used: bool = True) -> list:
+    """A decode-sized GEMM through the variants dispatch chose (`dispatch.decode_kernels` / `weight_only_kernels`):
+    the swap_ab ragged kernel's decode tile where they are ragged ones (`emit_decode_swap_ab`, which always computes
+    amax), else the weight_stream kernel (`emit_weight_stream`). Operands and results as there; returns [c, amax]."""
+    if variants[0].op == "ragged":
+        return emit_decode_swap_ab(ctx, x, w, sw, alpha, variants=variants)
+    return emit_weight_stream(ctx, x, w, sw, alpha, variants=variants, amax_used=amax_used)
+
+
 _CONTRACTION_C_DTYPES = ("float32", "bfloat16")  # what the jbg_grouped_contraction handler takes for c_dtype
 
 

@@ -155,10 +155,9 @@ def _gemm_amax_decode_lowering(ctx, a, b, sfa, sfb, *maybe_alpha, variants, k, s
     alpha_aval = jax.core.ShapedArray((l,), np.dtype(np.float32))
     alpha = maybe_alpha[0] if maybe_alpha else mlir.ir_constant(np.ones((l,), np.float32))
     kernel_c_aval = jax.core.ShapedArray((l, m, n), np.dtype(variants[0].c_dtype))
-    # the weight_stream kernel, or the swap_ab ragged kernel's decode tile (dispatch.decode_kernels)
-    emit = ffi_lowering.emit_decode_swap_ab if variants[0].op == "ragged" else ffi_lowering.emit_weight_stream
-    c, amax = emit(ctx.replace(avals_in=[x_aval, b_aval, sfb_aval, alpha_aval], avals_out=[kernel_c_aval, amax_aval]),
-                   x, b, sfb, alpha, variants=variants)
+    c, amax = ffi_lowering.emit_decode(
+        ctx.replace(avals_in=[x_aval, b_aval, sfb_aval, alpha_aval], avals_out=[kernel_c_aval, amax_aval]), x, b, sfb,
+        alpha, variants=variants)
     if kernel_c_aval == c_aval:
         return [c, amax]
     finish = functools.partial(decode_c, c_dtype=c_dtype, c_major=c_major)

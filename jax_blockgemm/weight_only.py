@@ -302,11 +302,8 @@ def _cuda_lowering(ctx, *args, **params):
         from jax_blockgemm import ffi_lowering
 
         amax = jax.core.ShapedArray((ctx.avals_in[0].shape[0],), np.dtype(np.float32))
-        ctx = ctx.replace(avals_out=[*ctx.avals_out, amax])
-        if choice.variants[0].op == "ragged":  # the swap_ab kernel's decode tile (dispatch.weight_only_kernels)
-            y, _ = ffi_lowering.emit_decode_swap_ab(ctx, *args, variants=choice.variants)
-        else:
-            y, _ = ffi_lowering.emit_weight_stream(ctx, *args, variants=choice.variants, amax_used=False)
+        y, _ = ffi_lowering.emit_decode(ctx.replace(avals_out=[*ctx.avals_out, amax]), *args,
+                                        variants=choice.variants, amax_used=False)
         return [y]
     primitives.no_kernel_applies("weight_only_matmul", params["implementation"],
                                  f"{choice.reason}; use implementation=None or 'xla'.")
