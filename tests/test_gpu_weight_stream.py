@@ -65,6 +65,16 @@ def _gemm_amax_against_oracle(test, seed, fmt, shape, c_dtype, *, a_major="k", c
     oracle_ops.assert_amax_close(test, np.asarray(amax), amax_ref.max())
 
 
+def _scale_bytes_past_one_multiply(rng, m):
+    """(bytes, x, w) per range of E8M0 scale bytes on both sides of the one-multiply limit (134: scales above 2^7
+    take two multiplies): an MXFP8 E4M3 weight (200, 1024) with those bytes and an x of `m` rows."""
+    for low, high in ((100, 134), (120, 150), (135, 160)):
+        w = oracle_weight_only.random_weight(rng, 200, 1024, "mxfp8_e4m3")
+        scales = rng.integers(low, high + 1, size=np.shape(w.scales)).astype(np.uint8)
+        w = jbg.QuantizedWeight(w.codes, jnp.asarray(scales), w.alpha, w.format)
+        yield (low, high), oracle_weight_only.random_x(rng, (m, 1024), jnp.bfloat16), w
+
+
 @absltest.skipUnless(_has_kernel_gpu(), "needs a CUDA GPU with a CuTeDSL kernel (sm_90a, or sm_100a after its "
                                         "first-use self-check)")
 class GpuWeightStreamTest(parameterized.TestCase):
@@ -130,13 +140,8 @@ class GpuWeightStreamTest(parameterized.TestCase):
     def test_large_e4m3_scales_take_the_two_multiply_path(self):
         """E8M0 bytes past 134 (scales above 2^7) do not fit the one-multiply form: warps whose chunk holds one
         multiply twice; bytes on both sides of the limit, mixed within chunks and within warps, match the oracle."""
-        rng = np.random.default_rng(11)
-        for low, high in ((100, 134), (120, 150), (135, 160)):
-            with self.subTest(bytes=(low, high)):
-                w = oracle_weight_only.random_weight(rng, 200, 1024, "mxfp8_e4m3")
-                scales = rng.integers(low, high + 1, size=np.shape(w.scales)).astype(np.uint8)
-                w = jbg.QuantizedWeight(w.codes, jnp.asarray(scales), w.alpha, w.format)
-                x = oracle_weight_only.random_x(rng, (9, 1024), jnp.bfloat16)
+        for scale_bytes, x, w in _scale_bytes_past_one_multiply(np.random.default_rng(11), 9):
+            with self.subTest(bytes=scale_bytes):
                 y = jax.jit(lambda x, w: jbg.weight_only_matmul(x, w, out_dtype=jnp.float32,
                                                                 implementation="cutedsl"))(x, w)
                 ref = oracle_weight_only.weight_only_oracle(x, w)
@@ -270,13 +275,8 @@ class GpuDecodeSwapAbTest(parameterized.TestCase):
         self.assertFalse(np.isnan(np.delete(y, [3, 70], axis=1)).any())
 
     def test_large_scales_take_the_two_multiply_path(self):
-        rng = np.random.default_rng(19)
-        for low, high in ((100, 134), (120, 150), (135, 160)):
-            with self.subTest(bytes=(low, high)):
-                w = oracle_weight_only.random_weight(rng, 200, 1024, "mxfp8_e4m3")
-                scales = rng.integers(low, high + 1, size=np.shape(w.scales)).astype(np.uint8)
-                w = jbg.QuantizedWeight(w.codes, jnp.asarray(scales), w.alpha, w.format)
-                x = oracle_weight_only.random_x(rng, (29, 1024), jnp.bfloat16)
+        for scale_bytes, x, w in _scale_bytes_past_one_multiply(np.random.default_rng(19), 29):
+            with self.subTest(bytes=scale_bytes):
                 oracle_ops.assert_gemm_close(self, self._weight_only(x, w), oracle_weight_only.weight_only_oracle(x, w),
                                              c_dtype=jnp.dtype(jnp.float32))
 
