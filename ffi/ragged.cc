@@ -86,13 +86,18 @@ std::string ParseRaggedAttributes(std::string_view ab_dtype, std::string_view a_
   }
   k.b_mn = b_major == "n";
   if (a_dtype != ab_dtype) {
-    k.a_bf16 = a_dtype == "bfloat16" && ab_dtype == "float8_e4m3fn" && k.sf_vec_size == 32 && !k.b_mn &&
+    // The swap_ab objects: MXFP8 E4M3, MXFP4 or NVFP4 weights (ParseBlockScales has paired the scales with the
+    // codes), bfloat16 tokens, a float32 or bfloat16 C.
+    const bool weights = ab_dtype == "float8_e4m3fn" || ab_dtype == "float4_e2m1fn";
+    const bool scales = (k.sf_vec_size == 32) == (k.sf == XLA_FFI_DataType_U8);  // E8M0 per 32 or E4M3 per 16
+    k.a_bf16 = a_dtype == "bfloat16" && weights && scales && !k.b_mn &&
                (c_dtype == "float32" || c_dtype == "bfloat16");
     if (!k.a_bf16) {
       return where + "a_dtype \"" + std::string(a_dtype) + "\" is not supported with ab_dtype \"" +
-             std::string(ab_dtype) + "\" and c_dtype \"" + std::string(c_dtype) +
-             "\"; expected ab_dtype's, or bfloat16 tokens for float8_e4m3fn codes with float8_e8m0fnu scales per 32 "
-             "and a float32 or bfloat16 C";
+             std::string(ab_dtype) + "\", sf_dtype \"" + std::string(sf_dtype) + "\" and c_dtype \"" +
+             std::string(c_dtype) + "\"; expected ab_dtype's, or bfloat16 tokens for float8_e4m3fn or float4_e2m1fn "
+             "codes with float8_e8m0fnu scales per 32 (float4_e2m1fn also float8_e4m3fn per 16) and a float32 or "
+             "bfloat16 C";
     }
   }
   *out = k;
@@ -102,9 +107,14 @@ std::string ParseRaggedAttributes(std::string_view ab_dtype, std::string_view a_
 namespace {
 
 // "" when the swap_ab objects' tokens a (checked as bfloat16 of rank 3) and sfa fit the codes' logical K: K >= 1 a
-// multiple of 16 (16-byte rows of codes), a's rows K rounded up to kSwapAbKPad, sfa empty; else the message saying so.
-std::string CheckSwapAbTokens(const BufferDesc (&buf)[8], int64_t k) {
-  if (k < 1 || k % 16 != 0) return Describe(buf[1], 1) + "; expected K >= 1, a multiple of 16 (16-byte rows of codes)";
+// multiple of 16 (16-byte rows of codes; packed FP4 (`fp4`) 32), a's rows K rounded up to kSwapAbKPad, sfa empty;
+// else the message saying so.
+std::string CheckSwapAbTokens(const BufferDesc (&buf)[8], int64_t k, bool fp4) {
+  const int64_t row_codes = fp4 ? 32 : 16;
+  if (k < 1 || k % row_codes != 0) {
+    return Describe(buf[1], 1) + "; expected K >= 1, a multiple of " + std::to_string(row_codes) +
+           (fp4 ? " (16-byte rows of packed FP4 codes)" : " (16-byte rows of codes)");
+  }
   const int64_t padded = CeilDiv(k, kSwapAbKPad) * kSwapAbKPad;
   if (buf[0].dims[2] != padded) {
     return Describe(buf[0], 0) + "; expected K = " + std::to_string(padded) + ": b's K rounded up to " +
@@ -142,20 +152,20 @@ std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& k
   }
   // The length of b's rows (K-major b): a's, but for the swap_ab objects, whose tokens' rows are b's K rounded up.
   const int64_t b_row = kernel.a_bf16 ? (b.rank == 4 ? b.dims[3] : 0) : row;
-  const int64_t k = kernel.a_bf16 ? b_row : kernel.ab_fp4 ? 2 * row : row;
+  const int64_t k = kernel.ab_fp4 ? 2 * b_row : b_row;
   if (b.dtype != kernel.ab) return Describe(b, 1) + "; the kernel objects were compiled for " + CodeName(kernel);
   // b is (L, G, N, K) or, N-major (bfloat16 only), (L, G, K, N): one weight per group and batch either way.
   const int n_axis = kernel.b_mn ? 3 : 2, k_axis = kernel.b_mn ? 2 : 3;
   const int64_t g = b.rank == 4 ? b.dims[1] : 0, n = b.rank == 4 ? b.dims[n_axis] : 0;
   if (b.rank != 4 || b.dims[0] != l || b.dims[k_axis] != b_row || g < 1 || n < 1) {
-    const std::string l_s = std::to_string(l), row_s = kernel.a_bf16 ? "K" : std::to_string(b_row);
+    const std::string l_s = std::to_string(l), row_s = kernel.a_bf16 ? k_name : std::to_string(b_row);
     const std::string want = kernel.b_mn ? "(L, G, K, N) = (" + l_s + ", G >= 1, " + row_s + ", N >= 1)"
                                          : "(L, G, N, " + std::string(k_name) + ") = (" + l_s + ", G >= 1, N >= 1, " +
                                                row_s + ")";
     const char* major = !kernel.ab_bf16 ? "" : kernel.b_mn ? ", N-major (b_major n)" : ", K-major (b_major k)";
     return Describe(b, 1) + "; expected " + want + " for a's L and K: one weight per group and batch" + major;
   }
-  if (kernel.a_bf16 && !(e = CheckSwapAbTokens(buf, k)).empty()) return e;
+  if (kernel.a_bf16 && !(e = CheckSwapAbTokens(buf, k, kernel.ab_fp4)).empty()) return e;
   if (kernel.b_mn && n % 8 != 0) {
     return Describe(b, 1) + "; expected N a multiple of 8 (16-byte rows of an N-major bfloat16 b)";
   }
@@ -165,6 +175,7 @@ std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& k
   }
   if (g > (kMaxBufferElements - 1) / l) return Describe(b, 1) + "; expected L*G below 2**31";
   for (int i : {2, 3}) {
+    if (kernel.a_bf16 && i == 2) continue;  // the swap_ab objects' empty sfa: checked with their tokens
     if (kernel.ab_bf16 && (buf[i].dtype != XLA_FFI_DataType_U8 || ElementCount(buf[i]) != 0)) {
       return Describe(buf[i], i) + "; expected uint8 of zero elements (bfloat16 objects read no scales)";
     }

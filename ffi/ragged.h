@@ -40,8 +40,8 @@ struct RaggedDims {
 // Parses the instantiate attributes into `*out` (alpha is always true: every object takes alpha). The formats are
 // the sm_90a kernel's: FP8 or FP4 codes with E8M0 scales per 32, or FP4 codes with float8_e4m3fn scales per 16,
 // all with b_major "k"; or bfloat16 operands with no scales ("none", 0), a float32 or bfloat16 C and b_major "k" or
-// "n" (out->ab_bf16, out->b_mn). a_dtype is ab_dtype's but for the swap_ab objects (out->a_bf16, above). Returns ""
-// or what is wrong.
+// "n" (out->ab_bf16, out->b_mn). a_dtype is ab_dtype's but for the swap_ab objects (out->a_bf16, above: MXFP8 E4M3,
+// MXFP4 or NVFP4 codes, bfloat16 tokens). Returns "" or what is wrong.
 std::string ParseRaggedAttributes(std::string_view ab_dtype, std::string_view a_dtype, std::string_view c_dtype,
                                   std::string_view sf_dtype, int64_t sf_vec_size, std::string_view b_major,
                                   KernelDtypes* out);

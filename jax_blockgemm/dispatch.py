@@ -243,7 +243,8 @@ def _decode_choice(implementation: Any, *, fmt: str, ab_dtype: str, sf_dtype: st
     m = sizes[0]
     forced = getattr(_FORCED, "variants", None)
     if forced is None or implementation != "cutedsl":  # forced variants (the self-check's) are weight_stream ones
-        swapped = _decode_swap_ab_choice(fmt=fmt, c_dtype=c_dtype, sizes=sizes)
+        swapped = _decode_swap_ab_choice(fmt=fmt, ab_dtype=ab_dtype, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size,
+                                         c_dtype=c_dtype, sizes=sizes)
         if swapped is not None:
             return swapped
     capacity = max(tile[1] for tile in catalog.WEIGHT_STREAM_TILES)
@@ -258,12 +259,13 @@ def _decode_choice(implementation: Any, *, fmt: str, ab_dtype: str, sf_dtype: st
     return _usable(variants, implementation, sizes=sizes, names="(M, N, K, L)", fmt=fmt)
 
 
-def _decode_swap_ab_choice(*, fmt: str, c_dtype: Any, sizes: tuple[int, int, int, int]) -> KernelChoice | None:
+def _decode_swap_ab_choice(*, fmt: str, ab_dtype: str, sf_dtype: str, sf_vec_size: int, c_dtype: Any,
+                           sizes: tuple[int, int, int, int]) -> KernelChoice | None:
     """For a decode-sized call of `sizes` (M, N, K, L) that `arch.TABLE`'s decode_swap_ab_m gives to the swap_ab
-    ragged kernel's decode tiles on every local GPU (MXFP8 E4M3 weights, f32 or bf16 C): the variants of the smallest
-    tile that holds M, run as one group of M tokens (`ffi_lowering.emit_decode_swap_ab`); None where the call keeps
-    the decode kernel. The M range is implementation=None's choice and "cutedsl"'s alike: there the tile is the
-    faster kernel."""
+    ragged kernel's decode tiles on every local GPU (`fmt` weights of codes ab_dtype with sf_dtype scales per
+    sf_vec_size, f32 or bf16 C): the variants of the smallest tile that holds M, run as one group of M tokens
+    (`ffi_lowering.emit_decode_swap_ab`); None where the call keeps the decode kernel. The M range is
+    implementation=None's choice and "cutedsl"'s alike: there the tile is the faster kernel."""
     from jax_blockgemm.kernels import catalog
 
     m, n, k, l = sizes
@@ -273,9 +275,9 @@ def _decode_swap_ab_choice(*, fmt: str, c_dtype: Any, sizes: tuple[int, int, int
     tiles = [tile for tile in sorted(catalog.SWAP_AB_DECODE_TILES) if tile[0] >= m]
     if not tiles:
         return None
-    variants = [catalog.select_variant(op="ragged", arch=t, ab_dtype="float8_e4m3fn", c_dtype=str(np.dtype(c_dtype)),
-                                       sf_vec_size=32, sf_dtype=_E8M0, tile_mn=tiles[0], cluster_mn=(1, 1),
-                                       schedule=catalog.SWAP_AB) for t in sorted(local_targets)]
+    variants = [catalog.select_variant(op="ragged", arch=t, ab_dtype=ab_dtype, c_dtype=str(np.dtype(c_dtype)),
+                                       sf_vec_size=sf_vec_size, sf_dtype=sf_dtype, tile_mn=tiles[0],
+                                       cluster_mn=(1, 1), schedule=catalog.SWAP_AB) for t in sorted(local_targets)]
     if any(v is None for v in variants):  # e.g. a float16 C, which the tile does not write
         return None
     choice = _usable(variants, "cutedsl", sizes=(m, n, k, l, 1), names="(T, N, K, L, G)", fmt=fmt)

@@ -320,13 +320,16 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
     l, t, row = a_aval.shape
     g = b_aval.shape[1] if b_aval.ndim == 4 else -1
     n = b_aval.shape[3 if b_major == "n" else 2] if b_aval.ndim == 4 else -1
-    if swap:  # bf16 tokens (L, T, K rounded up to SWAP_AB_K_PAD), E4M3 codes (L, G, N, K)
-        k = b_aval.shape[3] if b_aval.ndim == 4 else -1
-        if (np.dtype(a_aval.dtype) != np.dtype(jnp.bfloat16) or b_aval.shape != (l, g, n, k) or min(g, n, k) < 1
-                or row != -(-k // SWAP_AB_K_PAD) * SWAP_AB_K_PAD
-                or np.dtype(b_aval.dtype) != np.dtype(jnp.float8_e4m3fn)):
+    if swap:  # bf16 tokens (L, T, K rounded up to SWAP_AB_K_PAD), E4M3 codes (L, G, N, K) or packed FP4 (.., K/2)
+        fp4 = variants[0].ab_dtype == "float4_e2m1fn"
+        code_dtype = np.uint8 if fp4 else jnp.float8_e4m3fn
+        k = (b_aval.shape[3] * (2 if fp4 else 1)) if b_aval.ndim == 4 else -1
+        if (np.dtype(a_aval.dtype) != np.dtype(jnp.bfloat16) or b_aval.ndim != 4
+                or b_aval.shape != (l, g, n, b_aval.shape[3]) or min(g, n, k) < 1
+                or row != -(-k // SWAP_AB_K_PAD) * SWAP_AB_K_PAD or np.dtype(b_aval.dtype) != np.dtype(code_dtype)):
             raise ValueError(f"emit_ragged expects, for swap_ab variants, a bfloat16 (L, T, K rounded up to 256) and "
-                             f"b float8_e4m3fn (L, G, N, K); got a {a_aval}, b {b_aval}")
+                             f"b {np.dtype(code_dtype)} (L, G, N, {'K/2' if fp4 else 'K'}); got a {a_aval}, b "
+                             f"{b_aval}")
         if sfa_aval.size or np.dtype(sfa_aval.dtype) != np.uint8 or sfb_aval.ndim != 6:
             raise ValueError(f"emit_ragged expects, for swap_ab variants, sfa uint8 of zero elements and sfb in the "
                              f"128x4 atom form (rank 6); got sfa {sfa_aval}, sfb {sfb_aval}")
@@ -367,18 +370,20 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
 
 def emit_decode_swap_ab(ctx: Any, x: Any, b: Any, sfb: Any, alpha: Any, *, variants: Sequence[Any]) -> list:
     """A decode-sized GEMM through the swap_ab ragged kernel's decode tiles (catalog.SWAP_AB_DECODE_TILES; dispatch
-    picks it for MXFP8 E4M3 weights at arch.TABLE's decode_swap_ab_m): x (L, M, K) bf16 as one group of M tokens,
-    permuted by `swap_ab_tokens`, against b (L, N, K) E4M3 codes, one weight per batch, with sfb compact (L, N, KB)
-    or in the atom form, and alpha (L,); `ctx.avals_out` are c (L, M, N) in the variants' C dtype and amax (L,).
-    One work item per batch, all M rows (the tile holds them). Returns [c, amax]."""
+    picks it at arch.TABLE's decode_swap_ab_m): x (L, M, K) bf16 as one group of M tokens, permuted by
+    `swap_ab_tokens` (in the FP4 order for FP4 weights), against b (L, N, K) E4M3 codes or packed FP4 (L, N, K/2),
+    one weight per batch, with sfb compact (L, N, KB) or in the atom form, and alpha (L,); `ctx.avals_out` are c
+    (L, M, N) in the variants' C dtype and amax (L,). One work item per batch, all M rows (the tile holds them).
+    Returns [c, amax]."""
     x_aval, b_aval, sfb_aval, alpha_aval = ctx.avals_in
     l, m, k = x_aval.shape
-    n = b_aval.shape[1]
+    n, row = b_aval.shape[1:]
+    fp4 = variants[0].ab_dtype == "float4_e2m1fn"
 
     def prepare(x, b, sfb):
         atom = sfb if sfb.ndim == 6 else formats.to_scale_atom(sfb)
         items = jnp.broadcast_to(jnp.array([[0, 0, 0, m]], jnp.int32), (l, 1, 4))  # (row tile, group, rows)
-        return [swap_ab_tokens(x), b.reshape(l, 1, n, k), jnp.zeros((l, 0), jnp.uint8), atom, items]
+        return [swap_ab_tokens(x, fp4=fp4), b.reshape(l, 1, n, row), jnp.zeros((l, 0), jnp.uint8), atom, items]
 
     in_avals = [x_aval, b_aval, sfb_aval]
     out_avals = [jax.core.ShapedArray(o.shape, o.dtype) for o in jax.eval_shape(prepare, *in_avals)]

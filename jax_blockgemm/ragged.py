@@ -366,10 +366,11 @@ def _reference_lowering(ctx, *args, **params):
 def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int, swap_ab: bool,
                      group_local: bool, tokens_ready: bool = False) -> list:
     """What the grouped kernel reads besides the weights' codes: a (the codes, or for `swap_ab` kernels the tokens
-    dequantized to bf16 and permuted by `swap_ab_tokens`, with empty token scales; `tokens_ready`: a is that already,
-    the dequantize kernel's output), both scales in the SPEC §3 atom layout (sfb over L·G batches; bf16 operands'
-    empty scales as they are) and the work items of each batch (`group_items` for kernels that start a tile at any
-    row, `group_local`; else `kernel_items`, on the 128-row grid of the tokens' scale atoms)."""
+    dequantized to bf16 and permuted by `swap_ab_tokens`, in the FP4 order for packed FP4 codes, with empty token
+    scales; `tokens_ready`: a is that already, the dequantize kernel's output), both scales in the SPEC §3 atom layout
+    (sfb over L·G batches; bf16 operands' empty scales as they are) and the work items of each batch (`group_items` for
+    kernels that start a tile at any row, `group_local`; else `kernel_items`, on the 128-row grid of the tokens' scale
+    atoms)."""
     l, g, n, kb = sfb.shape
     table = group_items if group_local else kernel_items
     items = jax.vmap(lambda s, e: table(s, e, tokens))(starts, ends)
@@ -378,7 +379,9 @@ def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int
     sfb_atom = formats.to_scale_atom(sfb.reshape(l * g, n, kb))
     if swap_ab:
         if not tokens_ready:
-            a = swap_ab_tokens(reference.dequantize_bf16(a, sfa, block=sf_vec_size, axis=2))
+            fp4 = np.dtype(a.dtype) == np.dtype(jnp.uint8)  # packed FP4 codes, K = 2 x their row (a multiple of 32)
+            values = reference.dequantize_bf16(_unpacked(a, 2 * a.shape[-1]), sfa, block=sf_vec_size, axis=2)
+            a = swap_ab_tokens(values, fp4=fp4)
         return [a, jnp.zeros((l, 0), jnp.uint8), sfb_atom, items]
     return [a, formats.to_scale_atom(sfa), sfb_atom, items]
 
@@ -386,9 +389,9 @@ def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int
 def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, sf_vec_size, **_):
     """The call through the grouped kernel `variants` (jbg_ragged_gemm_amax): scales to atoms and the item table in
     XLA (a few fusions, no host synchronization), then one launch; alpha is the call's, else ones. For swap_ab kernels
-    the tokens become bf16 in the kernel's column order: by the dequantize kernel where K needs no padding and one
-    applies (`dispatch.dequantize_variants` with `swap_ab_order`; one pass at memory speed), else in XLA
-    (`swap_ab_tokens`)."""
+    the tokens become bf16 in the kernel's column order: by the dequantize kernel where they are MXFP8 E4M3 codes, K
+    needs no padding and one applies (`dispatch.dequantize_variants` with `swap_ab_order`; one pass at memory
+    speed), else in XLA (`swap_ab_tokens`)."""
     from jax_blockgemm import dispatch, ffi_lowering
 
     a_aval, b_aval, sfa_aval, sfb_aval, starts_aval, ends_aval = ctx.avals_in[:6]
@@ -398,7 +401,7 @@ def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, 
     if len(tables) != 1:  # one call passes one table to every object it carries
         raise ValueError(f"ragged kernels that read different item tables in one call: {[v.key for v in variants]}")
     token_kernels = ()
-    if swap_ab and a_aval.shape[-1] % SWAP_AB_K_PAD == 0:
+    if swap_ab and a_aval.shape[-1] % SWAP_AB_K_PAD == 0 and np.dtype(a_aval.dtype) == np.dtype(jnp.float8_e4m3fn):
         token_kernels = dispatch.dequantize_variants({v.arch for v in variants}, a_aval.shape, scale_axis=-1,
                                                      swap_ab_order=True)
     if token_kernels:

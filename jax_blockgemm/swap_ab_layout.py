@@ -1,6 +1,7 @@
 """The token layout of the swap_ab kernels (kernels/sm90/ragged_swap_ab.py), which read bf16 tokens as their wgmma's
 B operand in the order their threads hold the weights' codes: K padded with zeros to whole promotion groups, and the
-columns of every k-tile permuted. Pure NumPy and jax.numpy, below everything that prepares those tokens (the ragged
+columns of every k-tile permuted (one order for FP8 codes, another for packed FP4, whose bit model pairs codes i and
+i + 4 of a word). Pure NumPy and jax.numpy, below everything that prepares those tokens (the ragged
 lowering, the decode lowering in ffi_lowering, the dequantize kernel's oracle)."""
 
 from __future__ import annotations
@@ -13,29 +14,34 @@ SWAP_AB_K_TILE = 64  # the swap_ab kernel's k-tile: the span of its token permut
 SWAP_AB_K_PAD = 256  # its tokens' K is padded to a multiple of this (it adds partial sums every four k-tiles)
 
 
-def swap_ab_column_order(k_tile: int = SWAP_AB_K_TILE) -> np.ndarray:
-    """For each column 16s + 8h + 2c + j of a k-tile, the column 16c + 4s + 2h + j it takes from: the order in which
-    the swap_ab kernel's threads hold the weights' codes in the wgmma A fragment (thread c of a quad loads codes
-    16c .. 16c + 15; its slots of k-step s are k 2c, 2c + 1 (h = 0) and 2c + 8, 2c + 9 (h = 1))."""
+def swap_ab_column_order(k_tile: int = SWAP_AB_K_TILE, *, fp4: bool = False) -> np.ndarray:
+    """For each column 16s + 8h + 2c + j of a k-tile, the column it takes from: the order in which the swap_ab
+    kernel's threads hold the weights' codes in the wgmma A fragment. Thread c of a quad loads codes 16c .. 16c + 15
+    of a row; its slots of k-step s are k 2c, 2c + 1 (h = 0) and 2c + 8, 2c + 9 (h = 1). FP8 codes pair as
+    consecutive bytes: column 16c + 4s + 2h + j. FP4 (`fp4`) codes i and i + 4 of a word of eight pair up, k-step s
+    taking pairs 2(s % 2) + h of word s // 2: column 16c + 8(s // 2) + 2(s % 2) + h + 4j."""
     col = np.arange(k_tile)
     s, h, c, j = col // 16, (col // 8) % 2, (col // 2) % 4, col % 2
+    if fp4:
+        return 16 * c + 8 * (s // 2) + 2 * (s % 2) + h + 4 * j
     return 16 * c + 4 * s + 2 * h + j
 
 
-def swap_ab_columns(k: int) -> np.ndarray:
+def swap_ab_columns(k: int, *, fp4: bool = False) -> np.ndarray:
     """For each of the K columns (a multiple of SWAP_AB_K_TILE) as the swap_ab kernel reads them, the column it takes
-    from: `swap_ab_column_order` within every k-tile."""
+    from: `swap_ab_column_order` (of FP4 codes: `fp4`) within every k-tile."""
     tiles = np.arange(k // SWAP_AB_K_TILE)[:, None] * SWAP_AB_K_TILE
-    return (tiles + swap_ab_column_order()[None, :]).reshape(-1).astype(np.int32)
+    return (tiles + swap_ab_column_order(fp4=fp4)[None, :]).reshape(-1).astype(np.int32)
 
 
-def swap_ab_tokens(x: jax.Array) -> jax.Array:
-    """Tokens (..., T, K) as the swap_ab kernel reads them (kernels/sm90/ragged_swap_ab.py): zeros past K up to a
-    multiple of SWAP_AB_K_PAD, and the columns of every k-tile in `swap_ab_column_order`, the order of the weights'
-    codes in the kernel's registers (a dot product over K does not depend on the order of its terms). A gather with
-    constant indices, which XLA fuses with the dequantization before it (H200: 0.26 ms for 16384 x 7168 tokens,
-    where the same permutation as a reshape and transpose took 1.6 ms)."""
+def swap_ab_tokens(x: jax.Array, *, fp4: bool = False) -> jax.Array:
+    """Tokens (..., T, K) as the swap_ab kernel reads them (kernels/sm90/ragged_swap_ab.py) against FP8 (or, `fp4`,
+    packed FP4) weights: zeros past K up to a multiple of SWAP_AB_K_PAD, and the columns of every k-tile in
+    `swap_ab_column_order`, the order of the weights' codes in the kernel's registers (a dot product over K does not
+    depend on the order of its terms). A gather with constant indices, which XLA fuses with the dequantization
+    before it (H200: 0.26 ms for 16384 x 7168 tokens, where the same permutation as a reshape and transpose took
+    1.6 ms)."""
     k = x.shape[-1]
     padded = -(-k // SWAP_AB_K_PAD) * SWAP_AB_K_PAD
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - k)])
-    return jnp.take(x, jnp.asarray(swap_ab_columns(padded)), axis=-1, unique_indices=True)
+    return jnp.take(x, jnp.asarray(swap_ab_columns(padded, fp4=fp4)), axis=-1, unique_indices=True)

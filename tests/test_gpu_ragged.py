@@ -2,13 +2,13 @@
 
 `ragged_gemm_amax` with implementation="cutedsl" in every operand format, on fresh random codes and scales: empty,
 one-token and all-token groups, tiles shared by several groups, rows of no group, N and K tails, vmap (L = 2), every C
-dtype, NaN per group, traced group sizes, a weight stack past 2**31 elements (MXFP8 E4M3 with f32 or bf16 C through
-the swap_ab kernel, with its own case for NaN codes, large scales and K past a whole promotion group); `mx_ragged_dot`
-with kernels under its forward and dgrad (on sm_90a the bf16 grouped kernel on the quantized values), against the
-straight-through oracle; the bf16 kernel (`ragged.grouped_dot`, both weight layouts, f32 and bf16 C) and the grouped
-contraction kernel (`contraction.contract_groups`, the weight gradient) likewise. Outputs are poisoned before every
-launch (an unwritten element reads NaN and fails). Skipped without a CUDA GPU that has kernels (CI has none); on the
-H200: `python -m pytest tests/test_gpu_ragged.py`.
+dtype, NaN per group, traced group sizes, a weight stack past 2**31 elements (MXFP8 E4M3, MXFP4 and NVFP4 with f32 or
+bf16 C through the swap_ab kernel, with its own cases for NaN codes and scales, large scales and K past a whole
+promotion group); `mx_ragged_dot` with kernels under its forward and dgrad (on sm_90a the bf16 grouped kernel on the
+quantized values), against the straight-through oracle; the bf16 kernel (`ragged.grouped_dot`, both weight layouts, f32
+and bf16 C) and the grouped contraction kernel (`contraction.contract_groups`, the weight gradient) likewise. Outputs
+are poisoned before every launch (an unwritten element reads NaN and fails). Skipped without a CUDA GPU that has kernels
+(CI has none); on the H200: `python -m pytest tests/test_gpu_ragged.py`.
 """
 
 import os
@@ -88,6 +88,28 @@ class GpuRaggedTest(parameterized.TestCase):
         gs = np.array([90, 0, 150, 60], np.int32)
         f = jax.jit(lambda gs: _call(d, gs, c_dtype=c_dtype, implementation="cutedsl"))
         self.assertIn('a_dtype = "bfloat16"', f.lower(gs).as_text())
+        c, amax = f(gs)
+        self._check(d, gs, c, amax, c_dtype=c_dtype)
+        self.assertTrue(np.isnan(np.asarray(c, np.float32)[90:240, 7]).all())
+
+    @parameterized.product(fmt=("mxfp4", "nvfp4"), c_dtype=("float32", "bfloat16"))
+    def test_swap_ab_fp4_kernel(self, fmt, c_dtype):
+        """MXFP4 and NVFP4 weights with f32 or bf16 C run the swap_ab kernel too (the tokens unpacked, dequantized
+        and permuted in the FP4 order by XLA): K past the last whole promotion group (288), N off the 128-row tile,
+        a NaN block scale in one weight row (its column of that group's rows), for MXFP4 scale bytes above 128 (the
+        two-multiply path) in another group, NVFP4's alpha, rows of no group."""
+        rng = np.random.default_rng(16)
+        t, g, n, k = 333, 4, 200, 288
+        d = random_ragged_inputs(rng, t=t, g=g, n=n, k=k, fmt=fmt)
+        d["sfb"] = np.asarray(d["sfb"]).copy()
+        d["sfb"].view(np.uint8)[2, 7, 3] = 0xFF if fmt == "mxfp4" else 0x7F  # NaN scale: column 7 of group 2
+        if fmt == "mxfp4":
+            d["sfb"][1, :, 2] = 140  # 2^13: beyond one multiply per pair
+        gs = np.array([90, 0, 150, 60], np.int32)
+        f = jax.jit(lambda gs: _call(d, gs, c_dtype=c_dtype, implementation="cutedsl"))
+        text = f.lower(gs).as_text()
+        self.assertIn('a_dtype = "bfloat16"', text)
+        self.assertIn("swap_ab", text)
         c, amax = f(gs)
         self._check(d, gs, c, amax, c_dtype=c_dtype)
         self.assertTrue(np.isnan(np.asarray(c, np.float32)[90:240, 7]).all())

@@ -65,11 +65,13 @@ def _gemm_amax_against_oracle(test, seed, fmt, shape, c_dtype, *, a_major="k", c
     oracle_ops.assert_amax_close(test, np.asarray(amax), amax_ref.max())
 
 
-def _scale_bytes_past_one_multiply(rng, m):
-    """(bytes, x, w) per range of E8M0 scale bytes on both sides of the one-multiply limit (134: scales above 2^7
-    take two multiplies): an MXFP8 E4M3 weight (200, 1024) with those bytes and an x of `m` rows."""
-    for low, high in ((100, 134), (120, 150), (135, 160)):
-        w = oracle_weight_only.random_weight(rng, 200, 1024, "mxfp8_e4m3")
+def _scale_bytes_past_one_multiply(rng, m, fmt="mxfp8_e4m3"):
+    """(bytes, x, w) per range of E8M0 scale bytes on both sides of the one-multiply limit (MXFP8 E4M3: 134, scales
+    above 2^7 take two multiplies; MXFP4 in the swap_ab kernel: 128): a `fmt` weight (200, 1024) with those bytes and
+    an x of `m` rows."""
+    limit = 134 if fmt == "mxfp8_e4m3" else 128
+    for low, high in ((limit - 34, limit), (limit - 14, limit + 16), (limit + 1, limit + 26)):
+        w = oracle_weight_only.random_weight(rng, 200, 1024, fmt)
         scales = rng.integers(low, high + 1, size=np.shape(w.scales)).astype(np.uint8)
         w = jbg.QuantizedWeight(w.codes, jnp.asarray(scales), w.alpha, w.format)
         yield (low, high), oracle_weight_only.random_x(rng, (m, 1024), jnp.bfloat16), w
@@ -216,21 +218,21 @@ class GpuWeightStreamTest(parameterized.TestCase):
 
 
 # (L, M, N, K) for the swap_ab decode tile: the first and last M of its range, N off the 64-row tile, K off the
-# 256-column padding and long, L > 1
-# (both decode tiles: 32 and 64 tokens)
+# 256-column padding (a multiple of 32: FP4's 16-byte rows) and long, L > 1 (both decode tiles: 32 and 64 tokens)
 SWAP_AB_SHAPES = ((1, 17, 200, 96), (2, 32, 72, 2080), (2, 40, 136, 544), (1, 64, 64, 4096), (3, 64, 328, 1024))
+SWAP_AB_FORMATS = ("mxfp8_e4m3", "mxfp4", "nvfp4")  # the weight formats the swap_ab kernel converts
 
 
 @absltest.skipUnless(_has_kernel_gpu() and set(dispatch.local_cuda_capabilities() or ()) == {"9.0"},
                      "needs an sm_90a GPU (the swap_ab decode tile exists for sm_90a only)")
 class GpuDecodeSwapAbTest(parameterized.TestCase):
-    """Decode-sized MXFP8 E4M3 calls of arch.TABLE's decode_swap_ab_m rows: the swap_ab ragged kernel's decode tile
-    (one group of M tokens), through the public API, against the float64 oracle, outputs poisoned."""
+    """Decode-sized calls of 17-64 rows against MXFP8 E4M3, MXFP4 and NVFP4 weights on the swap_ab ragged kernel's
+    decode tile (one group of M tokens), through the public API, against the float64 oracle, outputs poisoned. The
+    tile is tested over that whole range, whatever part of it arch.TABLE's decode_swap_ab_m gives it."""
 
     def setUp(self):
         super().setUp()
-        first, last = arch.policy("sm_90a").decode_swap_ab_m["mxfp8_e4m3"]
-        self.assertTrue(all(first <= m <= last for _, m, _, _ in SWAP_AB_SHAPES))
+        self.enterContext(arch.overridden("9.0", decode_swap_ab_m={fmt: (17, 64) for fmt in SWAP_AB_FORMATS}))
 
     def _weight_only(self, x, w, out_dtype=jnp.float32):
         f = jax.jit(lambda x, w: jbg.weight_only_matmul(x, w, out_dtype=out_dtype, implementation=IMPLEMENTATION))
@@ -240,11 +242,11 @@ class GpuDecodeSwapAbTest(parameterized.TestCase):
             self.assertNotIn("jbg_weight_stream", text)
         return np.asarray(f(x, w))
 
-    @parameterized.product(shape=SWAP_AB_SHAPES, out_dtype=("float32", "bfloat16"))
-    def test_weight_only_matches_oracle(self, shape, out_dtype):
+    @parameterized.product(fmt=SWAP_AB_FORMATS, shape=SWAP_AB_SHAPES, out_dtype=("float32", "bfloat16"))
+    def test_weight_only_matches_oracle(self, fmt, shape, out_dtype):
         l, m, n, k = shape
-        rng = np.random.default_rng(hash((shape, out_dtype, "swap_ab")) % 2**32)
-        weights = [oracle_weight_only.random_weight(rng, n, k, "mxfp8_e4m3") for _ in range(l)]
+        rng = np.random.default_rng(hash((fmt, shape, out_dtype, "swap_ab")) % 2**32)
+        weights = [oracle_weight_only.random_weight(rng, n, k, fmt) for _ in range(l)]
         w = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *weights)
         x = oracle_weight_only.random_x(rng, (l, m, k), jnp.bfloat16)
         y = jax.jit(jax.vmap(lambda x, w: jbg.weight_only_matmul(x, w, out_dtype=jnp.dtype(out_dtype),
@@ -252,14 +254,15 @@ class GpuDecodeSwapAbTest(parameterized.TestCase):
         ref = np.stack([oracle_weight_only.weight_only_oracle(x[i], weights[i]) for i in range(l)])
         oracle_ops.assert_gemm_close(self, np.asarray(y), ref, c_dtype=jnp.dtype(out_dtype))
 
-    @parameterized.product(shape=SWAP_AB_SHAPES, c_dtype=("float32", "bfloat16"))
-    def test_gemm_amax_matches_oracle(self, shape, c_dtype):
-        _gemm_amax_against_oracle(self, (shape, c_dtype, "swap_ab"), "mxfp8_e4m3", shape, c_dtype,
+    @parameterized.product(fmt=SWAP_AB_FORMATS, shape=SWAP_AB_SHAPES, c_dtype=("float32", "bfloat16"))
+    def test_gemm_amax_matches_oracle(self, fmt, shape, c_dtype):
+        _gemm_amax_against_oracle(self, (fmt, shape, c_dtype, "swap_ab"), fmt, shape, c_dtype,
                                   call="jbg_ragged_gemm_amax")
 
-    @parameterized.parameters(("m", "n"), ("k", "m"))
-    def test_gemm_amax_either_major(self, a_major, c_major):
-        _gemm_amax_against_oracle(self, (a_major, c_major, "swap_ab"), "mxfp8_e4m3", (2, 48, 96, 544), "bfloat16",
+    @parameterized.parameters(("mxfp8_e4m3", "m", "n"), ("mxfp8_e4m3", "k", "m"), ("nvfp4", "k", "m"),
+                              ("mxfp4", "k", "m"))
+    def test_gemm_amax_either_major(self, fmt, a_major, c_major):
+        _gemm_amax_against_oracle(self, (fmt, a_major, c_major, "swap_ab"), fmt, (2, 48, 96, 544), "bfloat16",
                                   a_major=a_major, c_major=c_major, call="jbg_ragged_gemm_amax")
 
     def test_nan_scale_and_nan_code_poison_exactly_their_rows(self):
@@ -274,11 +277,26 @@ class GpuDecodeSwapAbTest(parameterized.TestCase):
         self.assertTrue(np.isnan(y[:, [3, 70]]).all())
         self.assertFalse(np.isnan(np.delete(y, [3, 70], axis=1)).any())
 
-    def test_large_scales_take_the_two_multiply_path(self):
-        for scale_bytes, x, w in _scale_bytes_past_one_multiply(np.random.default_rng(19), 29):
+    @parameterized.parameters("mxfp8_e4m3", "mxfp4")
+    def test_large_scales_take_the_two_multiply_path(self, fmt):
+        for scale_bytes, x, w in _scale_bytes_past_one_multiply(np.random.default_rng(19), 29, fmt):
             with self.subTest(bytes=scale_bytes):
                 oracle_ops.assert_gemm_close(self, self._weight_only(x, w), oracle_weight_only.weight_only_oracle(x, w),
                                              c_dtype=jnp.dtype(jnp.float32))
+
+    @parameterized.parameters("mxfp4", "nvfp4")
+    def test_fp4_nan_scale_poisons_exactly_its_row(self, fmt):
+        """A NaN block scale (E8M0 byte 255; NVFP4's E4M3 0x7F) in weight row 3 and in row 70 (the second 64-row
+        tile): NaN in exactly those columns of C (E2M1 has no NaN code)."""
+        rng = np.random.default_rng(23)
+        w = oracle_weight_only.random_weight(rng, 100, 512, fmt)
+        scales = np.asarray(w.scales).copy()
+        scales.view(np.uint8)[3, 1] = 0xFF if fmt == "mxfp4" else 0x7F
+        scales.view(np.uint8)[70, 10] = 0xFF if fmt == "mxfp4" else 0x7F
+        w = jbg.QuantizedWeight(w.codes, jnp.asarray(scales), w.alpha, fmt)
+        y = self._weight_only(oracle_weight_only.random_x(rng, (33, 512), jnp.bfloat16), w)
+        self.assertTrue(np.isnan(y[:, [3, 70]]).all())
+        self.assertFalse(np.isnan(np.delete(y, [3, 70], axis=1)).any())
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""The swap_ab ragged path on a CPU machine (MXFP8 E4M3 weights converted in registers, bf16 tokens): the token
-column order against the wgmma register layout CuTe builds, the handler's checks of its buffers, which calls
-dispatch sends to it, and its custom call lowered for CUDA. The kernel's results are checked on the H200 by
-tests/test_gpu_ragged.py."""
+"""The swap_ab ragged path on a CPU machine (MXFP8 E4M3, MXFP4 and NVFP4 weights converted in registers, bf16
+tokens): the token column orders against the wgmma register layout CuTe builds and against a model of the threads'
+FP4 conversion, the handler's checks of its buffers, which calls dispatch sends to it, and its custom call lowered
+for CUDA. The kernel's results are checked on the H200 by tests/test_gpu_ragged.py and
+tests/test_gpu_weight_stream.py."""
 
 import re
 from unittest import mock
@@ -21,6 +22,7 @@ import test_ragged_kernel as lowering_cases
 
 ext = _native.extension()
 U8, F32, BF16, F16, E4M3, E5M2 = "uint8", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"
+FP4, E8M0 = "float4_e2m1fn", "float8_e8m0fnu"
 
 
 def _rs_fragment_layout():
@@ -74,6 +76,53 @@ class TokenOrderTest(absltest.TestCase):
                         for s in range(4):
                             self.assertEqual(order[16 * s + k16], 16 * c + 4 * s + 2 * h + j, (t, j, r, h, s))
 
+    def test_fp4_order_is_the_fragment_order(self):
+        """FP4: thread (g, c) loads codes 16c .. 16c + 15 of rows 16w + g and + 8 (8 bytes each: words 0 and 1 of
+        eight codes) and puts pair 2(s % 2) + h of word s // 2 (`common.e2m1_pair_bits`: codes p and p + 4 of the
+        word) into value (j, r, h) of k-step s (`_convert_fp4_words`); the tokens' column there must be that code's."""
+        frag = _rs_fragment_layout()
+        order = swap_ab_layout.swap_ab_column_order(fp4=True)
+        self.assertEqual(sorted(order.tolist()), list(range(64)))
+        for t in range(128):
+            c = t % 4
+            for j in range(2):
+                for r in range(2):
+                    for h in range(2):
+                        k16 = frag["index"][t][j + 2 * r + 4 * h] // 64
+                        for s in range(4):
+                            code = 16 * c + 8 * (s // 2) + 2 * (s % 2) + h + 4 * j
+                            self.assertEqual(order[16 * s + k16], code, (t, j, r, h, s))
+
+    def test_fp4_conversion_model_keeps_the_dot_product(self):
+        """A model of one weight row's k-tile through the kernel: packed bytes (SPEC §1: code 2i in the low nibble
+        of byte i), each lane's two words, the pairs `e2m1_pair_bits` forms decoded and scaled, fed to the fragment
+        slots at column 16s + 8h + 2c + j; against tokens in the FP4 order the sum is the row's dot product with the
+        tokens in their own order."""
+        import ml_dtypes
+        from jax_blockgemm import formats
+        from jax_blockgemm.kernels import common
+
+        rng = np.random.default_rng(1)
+        nibbles = rng.integers(0, 16, size=64)
+        packed = (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8)
+        values = np.asarray(formats.unpack_fp4(jnp.asarray(packed)).astype(jnp.float32), np.float64)
+        tokens = rng.standard_normal(64)
+        permuted = tokens[swap_ab_layout.swap_ab_column_order(fp4=True)]
+
+        def bf16(bits):
+            return np.array([bits & 0xFFFF], np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)[0]
+
+        total = 0.0
+        for c in range(4):
+            words = packed[8 * c:8 * c + 8].view(np.int32)  # the lane's ld.shared.v2: little-endian words
+            for s in range(4):
+                for h in range(2):
+                    bits = int(common.e2m1_pair_bits(words[s // 2:s // 2 + 1], 2 * (s % 2) + h)[0]) & 0xFFFFFFFF
+                    for j in range(2):
+                        code = bf16(bits >> (16 * j)) * 2.0**common.E2M1_PLACEMENT
+                        total += code * permuted[16 * s + 8 * h + 2 * c + j]
+        self.assertAlmostEqual(total, float(values @ tokens), places=10)
+
     def test_dequantize_kernel_writes_the_same_order(self):
         """The dequantize kernel's swap_ab order (kernels/dequantize.py): the run of 8 codes at column 8·run of a
         64-column tile stores its bf16 pair q (codes 2q, 2q + 1) at `swap_ab_pair_column(run, q)`; every output column
@@ -101,6 +150,10 @@ class TokenOrderTest(absltest.TestCase):
         np.testing.assert_array_equal(got, padded[..., order])
         w = rng.standard_normal(272)
         np.testing.assert_allclose(got @ np.pad(w, (0, 240))[order], x @ w, rtol=1e-12)
+        fp4 = np.asarray(swap_ab_layout.swap_ab_tokens(jnp.asarray(x), fp4=True))
+        order4 = (np.arange(8)[:, None] * 64 + swap_ab_layout.swap_ab_column_order(fp4=True)[None]).reshape(-1)
+        np.testing.assert_array_equal(fp4, padded[..., order4])
+        self.assertFalse(np.array_equal(order4, order))
 
 
 class CompileTest(parameterized.TestCase):
@@ -124,6 +177,26 @@ class CompileTest(parameterized.TestCase):
         resources = structure.cubin_resources(c.fn.__cubin__)
         self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
 
+    @parameterized.product(fmt=((32, E8M0), (16, E4M3)), c_dtype=(F32, BF16),
+                           tile=((128, 128), *catalog.SWAP_AB_DECODE_TILES))
+    def test_fp4_structure(self, fmt, c_dtype, tile):
+        """MXFP4 and NVFP4 objects: 8-byte shared loads of a thread's 16 codes, the register-sourced wgmma as wide as
+        the tile's tokens, the E2M1 bit moves (no FP8 converter) with 2^126 for the two-multiply path, no local
+        memory."""
+        block, sf = fmt
+        v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype=FP4, c_dtype=c_dtype, sf_vec_size=block,
+                                   sf_dtype=sf, tile_mn=tile, cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
+        c = compiled(v)
+        self.assertEqual((c.kernel.row_bytes, c.kernel.lane_bytes), (32, 8))
+        self.assertTrue(re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile[0]}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
+                                  r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", c.ptx))
+        self.assertTrue(re.search(r"ld\.shared\.v2\.b32", c.ptx))
+        self.assertIn(str(common_two126()), c.ptx)
+        for name, pattern in {"FP8 converter": r"cvt\.rn\.f16x2\.e4m3x2", "local memory": r"\.local"}.items():
+            self.assertFalse(re.search(pattern, c.ptx), name)
+        resources = structure.cubin_resources(c.fn.__cubin__)
+        self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
+
     @parameterized.product(c_dtype=(F32, BF16), tile=catalog.SWAP_AB_DECODE_TILES)
     def test_decode_tile_structure(self, c_dtype, tile):
         """The decode tiles (catalog.SWAP_AB_DECODE_TILES): one MMA warpgroup per 64 weight rows, as many tokens wide
@@ -139,6 +212,13 @@ class CompileTest(parameterized.TestCase):
         self.assertFalse(re.search(r"\.local", c.ptx))
         resources = structure.cubin_resources(c.fn.__cubin__)
         self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
+
+
+def common_two126() -> int:
+    """2^126 in both bf16 halves, as the PTX writes the constant (a signed 32-bit decimal)."""
+    from jax_blockgemm.kernels import common
+
+    return common.BF16X2_TWO_POW_126
 
 
 class HandlerTest(parameterized.TestCase):
@@ -158,6 +238,35 @@ class HandlerTest(parameterized.TestCase):
                      (E4M3, F32, "float8_e8m0fnu", 32, "k", F32)):
             with self.assertRaisesRegex(ValueError, r"a_dtype .* is not supported"):
                 ext.parse_ragged_attributes(*args)
+
+    @parameterized.parameters((E8M0, 32), (E4M3, 16))
+    def test_fp4_attributes(self, sf, block):
+        """MXFP4 and NVFP4 weights take bf16 tokens too (a_bf16), with a float32 or bfloat16 C only."""
+        self.assertTrue(ext.parse_ragged_attributes(FP4, F32, sf, block, "k", BF16)[-1])
+        self.assertTrue(ext.parse_ragged_attributes(FP4, BF16, sf, block, "k", BF16)[-1])
+        with self.assertRaisesRegex(ValueError, r"a_dtype .* is not supported"):
+            ext.parse_ragged_attributes(FP4, F16, sf, block, "k", BF16)
+
+    @parameterized.parameters((E8M0, 32), (E4M3, 16))
+    def test_fp4_buffers(self, sf, block):
+        """Packed FP4 codes (L, G, N, K/2) against tokens of K rounded up to 256 (K = 2 x b's rows, a multiple of
+        32), the atoms of K's blocks of `block`."""
+        fp4 = lambda k: ffi_cases._replace(ffi_cases._replace(
+            ffi_cases._buffers(1, 300, 72, k, 5, 8, ab=U8, sf=U8 if sf == E8M0 else sf, v=block), 0, dtype=BF16,
+            dims=[1, 300, -(-k // 256) * 256]), 2, dtype=U8, dims=[0], address=0)
+        check = lambda buffers: ext.check_ragged_buffers(buffers, FP4, F32, sf_dtype=sf, sf_vec_size=block,
+                                                         a_dtype=BF16)
+        message, dims = check(fp4(320))
+        self.assertEqual(message, "")
+        self.assertEqual(dims, (300, 72, 320, 1, 5, 8))
+        cases = [(fp4(336), r"a multiple of 32 \(16-byte rows of packed FP4 codes\)"),
+                 (ffi_cases._replace(fp4(320), 0, dims=[1, 300, 320]), r"expected K = 512: b's K rounded up to 256"),
+                 (ffi_cases._replace(fp4(320), 1, dtype=E4M3), r"b is .*compiled for"),
+                 (ffi_cases._replace(fp4(320), 3, dims=[5, 1, 1, 32, 4, 4]), r"sfb .* atom"),
+                 (ffi_cases._replace(fp4(320), 2, dtype=E4M3), r"sfa .* uint8 of zero elements")]
+        for buffers, pattern in cases:
+            with self.subTest(pattern=pattern):
+                self.assertRegex(check(buffers)[0], pattern)
 
     def test_buffers(self):
         message, dims = ext.check_ragged_buffers(self._buffers(), E4M3, F32, a_dtype=BF16)
@@ -216,6 +325,7 @@ class DispatchTest(absltest.TestCase):
             self.assertEqual({v.schedule for v in choice.variants}, {""})
             self.assertEqual(checked, [swap_bf16])
         # other formats and C dtypes, and no GPU (a program lowered for any target): the block-scaled kernels
+        # (MXFP4 and NVFP4: test_fp4_lowered_call)
         for kwargs in (dict(ab=jnp.float8_e5m2), dict(c=jnp.float16), dict(capabilities=None)):
             choice, checked = _choice(**kwargs)
             self.assertEqual({v.schedule for v in choice.variants}, {""}, kwargs)
@@ -235,8 +345,11 @@ class DispatchTest(absltest.TestCase):
     def test_catalog(self):
         swapped = [v for v in catalog.CATALOG if v.schedule == catalog.SWAP_AB]
         tiles = sorted(((128, 128), *catalog.SWAP_AB_DECODE_TILES))
-        self.assertEqual(sorted((v.op, v.arch, v.ab_dtype, v.c_dtype, v.tile_mn) for v in swapped if v.op == "ragged"),
-                         [("ragged", "sm_90a", E4M3, c, tile) for c in (BF16, F32) for tile in tiles])
+        formats = sorted([(E4M3, 32, E8M0), (FP4, 32, E8M0), (FP4, 16, E4M3)])
+        self.assertEqual(sorted((v.op, v.arch, v.ab_dtype, v.sf_vec_size, v.sf_dtype, v.c_dtype, v.tile_mn)
+                                for v in swapped if v.op == "ragged"),
+                         [("ragged", "sm_90a", *fmt, c, tile)
+                          for fmt in formats for c in (BF16, F32) for tile in tiles])
         self.assertEqual([(v.arch, v.ab_dtype, v.c_dtype) for v in swapped if v.op == "dequantize"],
                          [("sm_90a", E4M3, BF16)])
 
@@ -253,6 +366,26 @@ class DispatchTest(absltest.TestCase):
                                r"tensor<5x1x2x32x4x4xui8>")
         self.assertRegex(call, r"swap_ab")
         self.assertNotIn("jbg_dequantize_mxfp8", text)  # K = 160 needs padding: XLA's gather pads it
+
+    def test_fp4_lowered_call(self):
+        """MXFP4 and NVFP4 on an H200: the swap_ab object, bf16 tokens of K rounded up to 256 (XLA unpacks,
+        dequantizes and gathers them in the FP4 order; no dequantize kernel, which takes MXFP8), the packed codes
+        (L, G, N, K/2), the weights' scale atoms (E4M3 for NVFP4) and an empty sfa; a float16 C keeps the block-scaled
+        kernel."""
+        for fmt, sf in (("mxfp4", "ui8"), ("nvfp4", "f8E4M3FN")):
+            with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
+                    mock.patch.object(gate, "ensure_verified", side_effect=_verdict(True)):
+                text = lowering_cases._lowered(fmt, t=300, g=5, n=72, k=512)
+                f16 = lowering_cases._lowered(fmt, t=300, g=5, n=72, k=512, c_dtype=jnp.float16)
+            call = next(line for line in text.splitlines() if "@jbg_ragged_gemm_amax" in line)
+            self.assertIn('a_dtype = "bfloat16"', call)
+            self.assertIn('ab_dtype = "float4_e2m1fn"', call)
+            self.assertIn("swap_ab", call)
+            self.assertRegex(call, rf"\(tensor<1x300x512xbf16>, tensor<1x5x72x256xui8>, tensor<1x0xui8>, "
+                                   rf"tensor<5x1x\d+x32x4x4x{sf}>")
+            self.assertNotIn("jbg_dequantize_mxfp8", text)
+            f16_call = next(line for line in f16.splitlines() if "@jbg_ragged_gemm_amax" in line)
+            self.assertNotIn("swap_ab", f16_call)
 
     def test_lowered_call_with_the_dequantize_kernel(self):
         """K a multiple of 256: the tokens become bf16 in the kernel's column order by one dequantize launch (its

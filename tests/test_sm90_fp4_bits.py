@@ -87,6 +87,29 @@ class E2M1DequantModelTest(absltest.TestCase):
         nan = self._dequantize(words, np.full(len(words), np.nan))  # byte 255
         self.assertTrue(np.isnan(nan).all())
 
+    def test_one_multiply_is_the_exact_product_for_bytes_up_to_the_limit(self):
+        """The swap_ab kernel's MXFP4 form: the placed codes (code·2^-126) times 2^126·scale in one packed multiply
+        (`one_multiply_bf16x2` at E2M1_PLACEMENT) give code·scale exactly for every E8M0 byte up to
+        E2M1_ONE_MULTIPLY_MAX_BYTE; the next byte's factor would need a bf16 exponent past 254 (the kernel votes
+        for two multiplies there)."""
+        words, nibbles = self._words()
+        want_codes = _code_value(nibbles)
+        limit = common.E2M1_ONE_MULTIPLY_MAX_BYTE
+        self.assertEqual(limit, 128)
+        for byte in range(limit + 1):
+            factor = _halves(np.array([common.one_multiply_bf16x2(byte, common.E2M1_PLACEMENT)]))
+            self.assertEqual(int(factor[0][0]), int(factor[1][0]))
+            f = np.array([factor[0][0]], np.uint16).view(BF16).astype(np.float64)[0]
+            self.assertEqual(f, 2.0 ** (byte - 1), byte)
+            got = np.zeros((len(words), 8))
+            for i in range(4):
+                bits = common.e2m1_pair_bits(words, i)
+                for half, code_index in ((0, i), (1, i + 4)):
+                    got[:, code_index] = _bf16_mul(_halves(bits)[half], np.float64(f))
+            np.testing.assert_array_equal(got, want_codes * 2.0 ** (byte - 127), err_msg=f"byte {byte}")
+            np.testing.assert_array_equal(np.signbit(got), np.signbit(want_codes))
+        self.assertGreater((limit + 1 + common.E2M1_PLACEMENT), 254)  # the next factor is no bf16 normal
+
     def test_every_code_times_every_positive_e4m3_scale(self):
         words, nibbles = self._words()
         want_codes = _code_value(nibbles)

@@ -40,9 +40,9 @@ dynamic_shapes[1];}` struct over a flat buffer.
       alpha (L,) float32, always passed (ones for the MX formats); t/n/k/l/g/max_items int32, k the logical K. The bf16
       variants (ab_dtype "bfloat16", sf_dtype "none", sf_vec_size 0) take bf16 a and b, b as (L·G, N, K) for b_major "k"
       or (L·G, K, N) for "n", and read neither sfa, sfb nor alpha (empty buffers). The swap_ab variants (schedule
-      SWAP_AB; MXFP8 E4M3 weights, f32 or bf16 C) take the tokens dequantized to bf16 and permuted
-      (`swap_ab_layout.swap_ab_tokens`: a (L, T, K rounded up to 256)), the weights' codes b and their atoms sfb; sfa
-      is empty and alpha unread.
+      SWAP_AB; MXFP8 E4M3, MXFP4 or NVFP4 weights, f32 or bf16 C) take the tokens dequantized to bf16 and permuted
+      (`swap_ab_layout.swap_ab_tokens`, fp4 for FP4 codes: a (L, T, K rounded up to 256)), the weights' codes b and
+      their atoms sfb; sfa is empty and alpha read for NVFP4 only.
     quantize_pair: fn(w, row_map, values, codes, scales, rows, cols, src_rows, stream)
       both MX quantizations of a bf16 matrix in one pass (kernels/quantize_pair.py): w (src_rows, cols) bf16; values
       (rows, cols) bf16, w quantized with its blocks along the rows in ab_dtype's format, as code·scale; codes
@@ -178,7 +178,8 @@ def _ragged_factory(v: KernelVariant) -> Any:
     from jax_blockgemm.kernels.sm90.ragged_swap_ab import HopperRaggedSwapAB
 
     if v.schedule == SWAP_AB:
-        return HopperRaggedSwapAB(c_dtype=v.c_dtype, token_rows=v.tile_mn[0], weight_warpgroups=v.tile_mn[1] // 64)
+        return HopperRaggedSwapAB(c_dtype=v.c_dtype, token_rows=v.tile_mn[0], weight_warpgroups=v.tile_mn[1] // 64,
+                                  w_dtype=v.ab_dtype, sf_vec_size=v.sf_vec_size, sf_dtype=v.sf_dtype)
     if v.ab_dtype == "bfloat16":
         return HopperRaggedBf16Gemm(c_dtype=v.c_dtype, b_major=v.b_major, tile_n=v.tile_mn[1])
     return HopperRaggedGemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, sf_vec_size=v.sf_vec_size,
@@ -251,10 +252,13 @@ NO_SCALES = "none"  # the sf_dtype of variants whose operands carry no block sca
 # (kernels/sm90/ragged_swap_ab.py); their ABI's a is `swap_ab_layout.swap_ab_tokens` of the dequantized tokens.
 SWAP_AB = "swap_ab"
 WEIGHT_STREAM_TILES = ((32, 16), (32, 64))
-# (tokens, weight rows) of the swap_ab ragged kernel's decode tiles: decode-sized MXFP8 E4M3 calls of the M range
-# arch.TABLE's decode_swap_ab_m names run as one group of M tokens on the smallest that holds them (rows past M would
-# be TMA zero fill, which costs; docs/design/decode.md)
+# (tokens, weight rows) of the swap_ab ragged kernel's decode tiles: decode-sized calls of the M range arch.TABLE's
+# decode_swap_ab_m names run as one group of M tokens on the smallest that holds them (rows past M would be TMA zero
+# fill, which costs; docs/design/decode.md)
 SWAP_AB_DECODE_TILES = ((32, 64), (64, 64))
+# The weight formats the swap_ab kernel converts in registers ((codes, scale block, scale dtype)): MXFP8 E4M3,
+# MXFP4, NVFP4
+SWAP_AB_FORMATS = (("float8_e4m3fn", 32, E8M0), ("float4_e2m1fn", 32, E8M0), ("float4_e2m1fn", 16, "float8_e4m3fn"))
 QUANTIZE_PAIR_TILE = (32, 256)  # the tile field of the quantize_pair keys: a warp's rows x columns
 # The schedules of the quantize_pair kernels that read their rows through a row map (mx_ragged_dot's tokens, each
 # group padded to whole blocks of 32 along the rows), writing the column blocks as codes or as bf16 values
@@ -315,13 +319,13 @@ CATALOG: tuple[KernelVariant, ...] = (
     # gemm_amax mainloop per work item; the operand formats and C dtypes of the sm_90a gemm_amax kernels (K-major).
     + tuple(KernelVariant(op="ragged", arch="sm_90a", ab_dtype=ab, c_dtype=c, sf_vec_size=v, sf_dtype=sf)
             for ab, v, sf in RAGGED_FORMATS for c in (_SM90_FP4_C if ab == "float4_e2m1fn" else (*_C, "float16")))
-    # ... and for MXFP8 E4M3 weights with f32 or bf16 C, the roles swapped: the tokens dequantized to bf16 by XLA,
-    # only the weights' codes converted in the kernel, in registers (what `implementation=None` runs for them);
-    + tuple(KernelVariant(op="ragged", arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype=c, schedule=SWAP_AB)
-            for c in _C)
-    # ... and its decode tiles (32 or 64 tokens x 64 weight rows, a CTA per 64 rows), for decode-sized calls;
-    + tuple(KernelVariant(op="ragged", arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype=c, schedule=SWAP_AB,
-                          tile_mn=tile) for tile in SWAP_AB_DECODE_TILES for c in _C)
+    # ... and for MXFP8 E4M3, MXFP4 and NVFP4 weights with f32 or bf16 C, the roles swapped: the tokens dequantized
+    # to bf16 by XLA, only the weights' codes converted in the kernel, in registers (what `implementation=None` runs
+    # for them), on 128 x 128 tiles and on the decode tiles (32 or 64 tokens x 64 weight rows, a CTA per 64 rows), for
+    # decode-sized calls;
+    + tuple(KernelVariant(op="ragged", arch="sm_90a", ab_dtype=w, c_dtype=c, sf_vec_size=v, sf_dtype=sf,
+                          schedule=SWAP_AB, tile_mn=tile)
+            for w, v, sf in SWAP_AB_FORMATS for tile in ((128, 128), *SWAP_AB_DECODE_TILES) for c in _C)
     # ... on sm_100a the block-scaled tcgen05 form (kernels/sm100/ragged.py; compiled here, gated by the first-use
     # self-check on a B200), f32 or bf16 C (its epilogue stores elements: no FP8/FP4 C there);
     + tuple(KernelVariant(op="ragged", arch="sm_100a", ab_dtype=ab, c_dtype=c, sf_vec_size=v, sf_dtype=sf)

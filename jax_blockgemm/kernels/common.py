@@ -169,9 +169,12 @@ E4M3_PLACEMENT = 120  # an E4M3 code placed by e4m3_pair_bits reads as code·2^-
 BF16X2_TWO_POW_120 = (127 + E4M3_PLACEMENT) * 0x00800080  # 2^120 in both halves (0x7B807B80)
 _HIGH_BITS = -0x7F7F7F80  # 0x80808080: bit 7 of every byte
 # One packed multiply per E4M3 word instead of two: the placed codes times 2^120·scale at once, while that power of
-# two is a bf16 normal (biased exponent at most 254): E8M0 bytes up to 134. FP4 (code·2^-126) keeps two multiplies:
-# with one its 16-token objects spill.
+# two is a bf16 normal (biased exponent at most 254): E8M0 bytes up to 134. Likewise for E2M1 codes placed by
+# `e2m1_pair_bits` (code·2^-126) up to byte 128, which the swap_ab kernel uses; the decode kernel's MXFP4 keeps two
+# multiplies (with one its 16-token objects spill).
 ONE_MULTIPLY_MAX_BYTE = 254 - E4M3_PLACEMENT
+E2M1_PLACEMENT = 126  # an E2M1 code placed by e2m1_pair_bits reads as code·2^-E2M1_PLACEMENT
+E2M1_ONE_MULTIPLY_MAX_BYTE = 254 - E2M1_PLACEMENT
 # prmt selectors spreading bytes 0, 1 (2, 3) of a word into the low bytes of a word's halves, each over a byte of its
 # sign bit: the halves read s·0xFF00 | code, so a shift by 4 and one mask place the code (`e4m3_pair_bits`)
 E4M3_PAIR_SELECTORS = (0x9180, 0xB3A2)
@@ -198,10 +201,11 @@ def e4m3_nan_bits(word):
     return ((word & 0x7F7F7F7F) + 0x01010101) & _HIGH_BITS
 
 
-def one_multiply_bf16x2(byte):
-    """The bf16x2 pair 2^120·2^(byte-127) for E8M0 byte `byte`: the placed E4M3 codes times it give code·scale in
-    one multiply, while byte <= ONE_MULTIPLY_MAX_BYTE. Plain Python."""
-    return (byte + E4M3_PLACEMENT) * 0x00800080
+def one_multiply_bf16x2(byte, placement: int = E4M3_PLACEMENT):
+    """The bf16x2 pair 2^placement·2^(byte-127) for E8M0 byte `byte`: codes placed as code·2^-placement (E4M3 by
+    `e4m3_pair_bits`, E2M1 by `e2m1_pair_bits` with E2M1_PLACEMENT) times it give code·scale in one multiply, while
+    byte <= 254 - placement. Plain Python."""
+    return (byte + placement) * 0x00800080
 
 
 # --- amax ----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Hopper (sm_90a) ragged GEMM for MXFP8 E4M3 weights with the roles swapped: each expert's weights are the wgmma's A
-operand, converted from codes to bf16 in registers (register-sourced wgmma), and the tokens, dequantized to bf16 by
-XLA before the launch, its B operand from shared memory.
+"""Hopper (sm_90a) ragged GEMM for MXFP8 E4M3, MXFP4 and NVFP4 weights with the roles swapped: each expert's weights
+are the wgmma's A operand, converted from codes to bf16 in registers (register-sourced wgmma), and the tokens,
+dequantized to bf16 by XLA before the launch, its B operand from shared memory.
 
 Why: in a mixture-of-experts layer each weight element meets only T/G tokens (512 at T = 16384, G = 32), so the
 gemm_amax mainloop (kernels/sm90/gemm_amax.py), which converts both operands' codes through shared memory on every
@@ -20,6 +20,13 @@ E4M3 to bf16 exactly as the decode kernel does it (kernels/weight_stream.py): bi
 pair, then one packed multiply by 2^120·scale (scale bytes up to 134, voted per warp; else two multiplies); a NaN
 code among a thread's 16 makes its row's scale NaN, which gives the outputs a NaN product gives.
 
+FP4 (packed E2M1, two codes a byte): a k-tile of 64 codes is 32 bytes of a row, a thread's 16 codes 8 bytes. The
+bit model of kernels/common.py (`e2m1_pair_bits`) pairs codes i and i + 4 of a 32-bit word as code·2^-126, so the
+fragment's pairs come in another order and the tokens take their own permutation (`swap_ab_layout`, fp4=True):
+logical column 16s + 8h + 2c + j of a k-tile holds column 16c + 8(s // 2) + 2(s % 2) + h + 4j. MXFP4 then
+multiplies once by 2^126·scale (bytes up to 128, voted per warp; else twice); NVFP4 multiplies by 2^126 and by its
+E4M3 block scale (one per 16 codes: exactly a thread's codes of a row), and alpha multiplies the sums.
+
 Per CTA: one work item (a group-local table, `ragged.group_items`: up to 128 of a group's tokens from the item's first
 row, where the tokens' TMA view starts) times a 128-row tile of the group's weights: warpgroups 1 and 2 of 64 weight
 rows each, warp 0 the TMA producer (tokens and codes in 6 stages of 64-wide k-tiles). Each warpgroup alternates two
@@ -30,9 +37,9 @@ holds C transposed (weight rows x tokens); the epilogue writes it through shared
 C rows of the item with 16-byte stores, amax of what it stored by one atomic per CTA.
 
 ABI: the ragged one (catalog "ragged"), fn(a, b, sfa, sfb, items, c, amax, alpha, t, n, k, l, g, max_items, stream),
-with a the permuted bf16 tokens (L, T, K256), K256 = K rounded up to 256 (zeros past K); b the E4M3 codes (L·G, N, K);
-sfb their E8M0 bytes in the SPEC §3 atom of (L·G, N, K); sfa an empty uint8 buffer and alpha unread; c (L, T, N)
-float32 or bfloat16; k the logical K.
+with a the permuted bf16 tokens (L, T, K256), K256 = K rounded up to 256 (zeros past K); b the codes (L·G, N, K),
+packed FP4 (L·G, N, K/2); sfb their scale bytes (E8M0, or E4M3 for NVFP4) in the SPEC §3 atom of (L·G, N, K); sfa
+an empty uint8 buffer; alpha (L,) read for NVFP4 only; c (L, T, N) float32 or bfloat16; k the logical K.
 """
 
 from __future__ import annotations
@@ -52,22 +59,33 @@ C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
 K_TILE = 64  # codes of K per stage
 PROMOTE_TILES = 4  # k-tiles per partial sum of the tensor cores (256 of K), added to the fp32 accumulator
 K_PAD = PROMOTE_TILES * K_TILE  # the tokens' K is padded to this: the mainloop runs whole promotion groups
-STAGES = 6  # 24 KB each with the default tile (16 KB of tokens, 8 KB of codes)
+STAGES = 6  # 24 KB each with the default tile and FP8 codes (16 KB of tokens, 8 KB of codes)
+E8M0 = "float8_e8m0fnu"
+# The weight formats the kernel converts: (codes, scale block, scale dtype): MXFP8 E4M3, MXFP4, NVFP4
+WEIGHT_FORMATS = (("float8_e4m3fn", 32, E8M0), ("float4_e2m1fn", 32, E8M0), ("float4_e2m1fn", 16, "float8_e4m3fn"))
 
 
 class HopperRaggedSwapAB:
-    """C[rows of group g] = (tokens)(B[g]·sfb)^T per batch l and amax[l] = max|C[l]|, for bf16 tokens (permuted,
-    `swap_ab_layout.swap_ab_tokens`) and MXFP8 E4M3 weights; f32 or bf16 C. Compile-time configuration only."""
+    """C[rows of group g] = alpha[l]·(tokens)(B[g]·sfb)^T per batch l and amax[l] = max|C[l]|, for bf16 tokens
+    (permuted, `swap_ab_layout.swap_ab_tokens`) and MXFP8 E4M3, MXFP4 or NVFP4 weights (alpha: NVFP4's; 1
+    otherwise); f32 or bf16 C. Compile-time configuration only."""
 
-    def __init__(self, *, c_dtype: str = "float32", token_rows: int = ITEM_ROWS, weight_warpgroups: int = 2):
+    def __init__(self, *, c_dtype: str = "float32", token_rows: int = ITEM_ROWS, weight_warpgroups: int = 2,
+                 w_dtype: str = "float8_e4m3fn", sf_vec_size: int = 32, sf_dtype: str = E8M0):
         """token_rows: tokens per CTA tile (the wgmma's N; an item's rows past it are not computed, so a tile
         smaller than ITEM_ROWS serves only calls whose groups fit in it); weight_warpgroups: MMA warpgroups, each
-        64 weight rows."""
+        64 weight rows; (w_dtype, sf_vec_size, sf_dtype): the weights' format, one of WEIGHT_FORMATS."""
         common.require_choice("c_dtype", c_dtype, tuple(C_DTYPES))
         common.require_choice("token_rows", token_rows, (16, 32, 64, ITEM_ROWS))
         common.require_choice("weight_warpgroups", weight_warpgroups, (1, 2))
+        common.require_choice("(w_dtype, sf_vec_size, sf_dtype)", (w_dtype, sf_vec_size, sf_dtype), WEIGHT_FORMATS)
+        self.fp4 = w_dtype == "float4_e2m1fn"
+        self.sf_e4m3 = sf_dtype == "float8_e4m3fn"  # NVFP4: E4M3 scales per 16 codes, and alpha
+        self.sf_vec_size = sf_vec_size
         self.a_dtype = cutlass.BFloat16  # the tokens, as the kernel reads them
-        self.ab_dtype = cutlass.Float8E4M3FN  # the weights' codes
+        self.ab_dtype = cutlass.Uint8 if self.fp4 else cutlass.Float8E4M3FN  # the weights' codes (FP4: packed)
+        self.row_bytes = K_TILE // 2 if self.fp4 else K_TILE  # bytes of a weight row per k-tile
+        self.lane_bytes = self.row_bytes // 4  # a quad's lanes split a row's k-tile: 16 codes each
         self.c_name = c_dtype
         self.c_dtype = C_DTYPES[c_dtype]
         self.acc_dtype = cutlass.Float32
@@ -84,16 +102,18 @@ class HopperRaggedSwapAB:
         self.consumer_regs = 232
         self.epilogue_barrier_id = 1
         self.stages = STAGES
-        self.has_alpha = True  # the ABI passes alpha (ones for MXFP8); never read
+        self.has_alpha = True  # the ABI passes alpha (ones for the MX formats); read for NVFP4 only
 
     def can_implement(self, t: int, n: int, k: int, l: int, g: int = 1) -> tuple[bool, str]:
-        """Whether the kernel handles these sizes, and why not: K a multiple of 16 (16-byte TMA rows of codes),
-        32-bit element counts for the tokens, C and one weight, and T within one tile where the tile holds fewer
-        tokens than a work item (the decode tile)."""
+        """Whether the kernel handles these sizes, and why not: K a multiple of 16 (FP8) or 32 (FP4): 16-byte TMA
+        rows of codes, 32-bit element counts for the tokens, C and one weight, and T within one tile where the tile
+        holds fewer tokens than a work item (the decode tile)."""
         if min(t, n, k, l, g) < 1:
             return False, f"every size must be >= 1, got t={t}, n={n}, k={k}, l={l}, g={g}"
-        if k % 16:
-            return False, f"k must be a multiple of 16 (16-byte rows of E4M3 codes), got k={k}"
+        row_codes = 32 if self.fp4 else 16
+        if k % row_codes:
+            return False, (f"k must be a multiple of {row_codes} (16-byte rows of "
+                           f"{'packed FP4' if self.fp4 else 'E4M3'} codes), got k={k}")
         if self.tile_mnk[0] < ITEM_ROWS and t > self.tile_mnk[0]:  # a work item's rows past the tile go uncomputed
             return False, f"t must be at most {self.tile_mnk[0]} (one tile of tokens), got t={t}"
         k_pad = -(-k // K_PAD) * K_PAD
@@ -107,23 +127,25 @@ class HopperRaggedSwapAB:
                  c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor, t: cutlass.Int32, n: cutlass.Int32,
                  k: cutlass.Int32, l: cutlass.Int32, g: cutlass.Int32, max_items: cutlass.Int32,
                  stream: cuda.CUstream):
-        """Host side: TMA views of the tokens (L batches of (T, K256) bf16) and codes (L·G of (N, K)), a launch of
-        (N tiles, max_items, L) CTAs."""
+        """Host side: TMA views of the tokens (L batches of (T, K256) bf16) and codes (L·G of (N, K) bytes, (N, K/2)
+        packed FP4), a launch of (N tiles, max_items, L) CTAs."""
         bt, bw, bk = self.tile_mnk
         k_pad = cute.assume((k + K_PAD - 1) // K_PAD * K_PAD, divby=K_PAD)
         tokens = common.operand_view(a, t, k_pad, l, False)
-        codes = common.operand_view(b, n, cute.assume(k, divby=16), l * g, False)
+        code_row = cute.assume(k // 2 if cutlass.const_expr(self.fp4) else k, divby=16)  # bytes per weight row
+        codes = common.operand_view(b, n, code_row, l * g, False)
         kmajor = cute.nvgpu.OperandMajorMode.K
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             cutlass.BFloat16, cutlass.BFloat16, kmajor, kmajor, self.acc_dtype, (self.weight_warpgroups, 1, 1),
             tiler_mn=(64, bt), a_source=cute.nvgpu.warpgroup.OperandSource.RMEM)
         x_staged = smem_layout_staged(bt, cutlass.BFloat16, self.stages, bk)
-        # The codes' stages as plain 64-byte rows (no swizzle): each thread reads its own 16 bytes of two rows, and
-        # a warp's eight rows are 512 contiguous bytes (no bank conflict).
+        # The codes' stages as plain rows of a k-tile's bytes (64, FP4 32; no swizzle): each thread reads its own 16
+        # (FP4 8) bytes of two rows, and a warp's eight rows are contiguous bytes (no bank conflict).
+        rb = self.row_bytes
         w_staged = cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, cute.make_layout(
-            (bw, bk, self.stages), stride=(bk, 1, bw * bk)))
+            (bw, rb, self.stages), stride=(rb, 1, bw * rb)))
         tma_atom_x, tma_x = tma_pipeline.load_atom(tokens, x_staged, (bt, bk))
-        tma_atom_w, tma_w = tma_pipeline.load_atom(codes, w_staged, (bw, bk))
+        tma_atom_w, tma_w = tma_pipeline.load_atom(codes, w_staged, (bw, rb))
 
         @cute.struct
         class SharedStorage:
@@ -134,15 +156,16 @@ class HopperRaggedSwapAB:
 
         self.shared_storage = SharedStorage
         tiles_n = (n + bw - 1) // bw
-        self.kernel(tma_atom_x, tma_x, tma_atom_w, tma_w, sfb, items, c, amax, t, n, k, g, max_items, tiled_mma,
-                    x_staged, w_staged).launch(grid=(tiles_n, max_items, l), block=(self.threads_per_cta, 1, 1),
-                                               min_blocks_per_mp=1, stream=stream)
+        self.kernel(tma_atom_x, tma_x, tma_atom_w, tma_w, sfb, items, c, amax, alpha, t, n, k, g, max_items,
+                    tiled_mma, x_staged, w_staged).launch(grid=(tiles_n, max_items, l),
+                                                          block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1,
+                                                          stream=stream)
 
     # ---------------------------------------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, tma_atom_x: cute.CopyAtom, mX: cute.Tensor, tma_atom_w: cute.CopyAtom, mW: cute.Tensor,
-               sfb: cute.Tensor, items: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, t: cutlass.Int32,
-               n: cutlass.Int32, k: cutlass.Int32, g: cutlass.Int32, max_items: cutlass.Int32,
+               sfb: cute.Tensor, items: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor,
+               t: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, g: cutlass.Int32, max_items: cutlass.Int32,
                tiled_mma: cute.TiledMma, x_staged: cute.ComposedLayout, w_staged: cute.ComposedLayout):
         """Device body: the CTA reads its item and runs (weight tile, item), or returns when the item is empty.
         Items of group -1 (rows of no group) store zeros after one group of PROMOTE_TILES k-tiles (the mainloop's
@@ -157,7 +180,7 @@ class HopperRaggedSwapAB:
             storage, ab_pipeline, sX, sW, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
                 tidx, warp_idx, tma_atom_x, mX_item, tma_atom_w, mW, x_staged, w_staged, self.shared_storage,
                 (cutlass.BFloat16, self.ab_dtype), self.stages, self.num_consumer_warps, self.tile_mnk,
-                self.threads_per_wg)
+                self.threads_per_wg, self.row_bytes)
             zero = group < 0
             k_tiles = cutlass.select_(zero, PROMOTE_TILES, k_tiles)  # zeros: one group of k-tiles, never added
             w_batch = batch * g + cutlass.max(group, 0)
@@ -175,6 +198,10 @@ class HopperRaggedSwapAB:
                                     k_tiles)
                 if zero:
                     acc.fill(0.0)
+                if cutlass.const_expr(self.sf_e4m3):  # NVFP4's per-tensor factor on the sums
+                    scale = alpha[batch]
+                    for j in cutlass.range_constexpr(cute.size(acc)):
+                        acc[j] = acc[j] * scale
                 self.epilogue(acc, storage, c, amax, t, n, tile_n, batch, rows_lo, rows_hi, wg_idx - 1, mma_tid)
 
     @cute.jit
@@ -196,16 +223,17 @@ class HopperRaggedSwapAB:
         quad, pair = lane // 4, lane % 4
         row0 = wg_idx * 64 + (tidx // 32 % 4) * 16 + quad  # and row0 + 8: tile-relative weight rows
         w_base = sW.iterator.toint()
-        code_at = (w_base + row0 * bk + 16 * pair, w_base + (row0 + 8) * bk + 16 * pair)
-        stage_bytes = bw * bk
+        rb, lb = self.row_bytes, self.lane_bytes
+        code_at = (w_base + row0 * rb + lb * pair, w_base + (row0 + 8) * rb + lb * pair)
+        stage_bytes = bw * rb
 
-        # Scale words of the 128 x 4 atom: the word of row r holds its four 32-wide k-blocks of one atom (128 of
-        # K: two k-tiles); this thread's byte is block c // 2 of a pair's first k-tile and 2 + c // 2 of its second.
+        # Scale words of the 128 x 4 atom: the word of row r holds its four k-blocks of one atom (two k-tiles of
+        # 32-wide blocks, one of NVFP4's 16-wide ones); this thread's 16 codes lie in one block (`_scale_bytes`).
         # Blocks past K read the last real block (its codes there are TMA's zeros).
         sfb_w = cute.make_tensor(cute.recast_ptr(sfb.iterator, dtype=cutlass.Int32),
                                  cute.make_layout((cute.size(sfb) // 4,)))
         atoms_n = (n + common.ATOM_MN - 1) // common.ATOM_MN
-        blocks = (k + 31) // 32
+        blocks = (k + self.sf_vec_size - 1) // self.sf_vec_size
         k_atoms = (blocks + common.ATOM_KB - 1) // common.ATOM_KB
         atom_row, in_atom = cutlass.min(tile_n, atoms_n - 1), 0  # in_atom: the tile's first row within its atom
         if cutlass.const_expr(bw < common.ATOM_MN):  # 64-row tiles: two per atom
@@ -213,20 +241,20 @@ class HopperRaggedSwapAB:
         base0, base1 = [(w_batch * atoms_n + atom_row) * k_atoms * 128 + ((in_atom + r) % 32) * 4
                         + (in_atom + r) // 32 % 4 for r in (row0, row0 + 8)]
         scale_words = lambda atom: self._scale_words(sfb_w, base0, base1, atom, k_atoms)
-        scale_bytes = lambda w0, w1, atom, second: self._scale_bytes(w0, w1, atom, second, pair, blocks, k_atoms)
+        scale_bytes = lambda words, q, i: self._scale_bytes(words, q, i, pair, blocks, k_atoms)
+        per = PROMOTE_TILES
+        tiles_per_atom = common.ATOM_KB * self.sf_vec_size // K_TILE  # 2 (32-wide blocks) or 1 (16-wide)
+        atoms = per // tiles_per_atom  # k-atoms per group of k-tiles
 
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        # Scale words (rows row0, row0 + 8) of this group's two atoms (a, b) and of the next group's (c, d), loaded a
-        # group ahead; scalars, which the DSL carries through the loop.
-        a0, a1 = scale_words(0)
-        b0, b1 = scale_words(1)
+        # Scale words (rows row0, row0 + 8) of this group's atoms and of the next group's, loaded a group ahead; a
+        # list of scalars, which the DSL carries through the loop.
+        here = [w for a in range(atoms) for w in scale_words(a)]
         ab_pipeline.consumer_wait(read_state)
-        self.convert(frags[0], code_at, read_state.index * stage_bytes, scale_bytes(a0, a1, 0, False))
-        per = PROMOTE_TILES
+        self.convert(frags[0], code_at, read_state.index * stage_bytes, scale_bytes(here[0:2], 0, 0))
         for q in range(k_tiles // per):
-            c0, c1 = scale_words(2 * q + 2)
-            d0, d1 = scale_words(2 * q + 3)
+            ahead = [w for a in range(atoms) for w in scale_words(atoms * q + atoms + a)]
             for i in cutlass.range_constexpr(per):
                 cute.nvgpu.warpgroup.fence()
                 for ks in cutlass.range_constexpr(k_steps):
@@ -242,20 +270,20 @@ class HopperRaggedSwapAB:
                 # k-tile i + 1 into the other fragment while the tensor cores run k-tile i
                 if cutlass.const_expr(i + 1 < per):
                     ab_pipeline.consumer_wait(read_state)
-                    w0, w1 = (a0, a1) if (i + 1) // 2 == 0 else (b0, b1)
+                    a = (i + 1) // tiles_per_atom
                     self.convert(frags[(i + 1) % 2], code_at, read_state.index * stage_bytes,
-                                 scale_bytes(w0, w1, 2 * q + (i + 1) // 2, (i + 1) % 2 == 1))
+                                 scale_bytes(here[2 * a:2 * a + 2], q, i + 1))
                 else:
                     if per * q + per < k_tiles:
                         ab_pipeline.consumer_wait(read_state)
                         self.convert(frags[0], code_at, read_state.index * stage_bytes,
-                                     scale_bytes(c0, c1, 2 * q + 2, False))
+                                     scale_bytes(ahead[0:2], q, per))
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(release_state)
             release_state.advance()
             for j in cutlass.range_constexpr(cute.size(acc)):
                 acc[j] = acc[j] + partial[j]
-            a0, a1, b0, b1 = c0, c1, d0, d1
+            here = ahead
         return acc
 
     @staticmethod
@@ -265,28 +293,40 @@ class HopperRaggedSwapAB:
         at = cutlass.min(atom, k_atoms - 1) * (common.ATOM_BYTES // 4)
         return sfb_w[base0 + at], sfb_w[base1 + at]
 
-    @staticmethod
-    def _scale_bytes(w0, w1, atom, second: bool, pair, blocks, k_atoms) -> list:
-        """This thread's scale bytes of the first (`second`: the second) of the two k-tiles of k-atom `atom` from its
-        rows' words there: block c // 2 (+ 2) of the atom, clamped to the last block of K."""
-        block = cutlass.min(4 * atom + (2 if second else 0) + pair // 2, blocks - 1)
-        shift = 8 * (block - 4 * cutlass.min(atom, k_atoms - 1))
-        return [(w0 >> shift) & 0xFF, (w1 >> shift) & 0xFF]
+    def _scale_bytes(self, words: list, q, i: int, pair, blocks, k_atoms) -> list:
+        """This thread's scale bytes of k-tile i of group q (i = PROMOTE_TILES: the next group's first) from its
+        rows' two words of that k-tile's atom: its 16 codes' block (c // 2 of a k-tile's two 32-wide blocks, c of
+        its four 16-wide ones), clamped to the last block of K."""
+        per_tile = K_TILE // self.sf_vec_size  # blocks per k-tile
+        tiles_per_atom = common.ATOM_KB // per_tile
+        lane_block = pair if cutlass.const_expr(per_tile == 4) else pair // 2
+        block = cutlass.min(q * (PROMOTE_TILES * per_tile) + i * per_tile + lane_block, blocks - 1)
+        atom = cutlass.min(q * (PROMOTE_TILES // tiles_per_atom) + i // tiles_per_atom, k_atoms - 1)
+        shift = 8 * (block - common.ATOM_KB * atom)
+        return [(w >> shift) & 0xFF for w in words]
 
     @cute.jit
     def convert(self, frag: cute.Tensor, code_at: tuple, stage_offset, scales: list):
         """This thread's A fragment of one k-tile: its 16 codes of rows row0 and row0 + 8 (shared memory, at
         `code_at` + `stage_offset`) times their rows' scale bytes `scales`, as bf16 pairs in the fragment's slots
-        (k-step s: row0's codes 4s, 4s + 1; row0 + 8's; row0's 4s + 2, 4s + 3; row0 + 8's)."""
-        codes = [ptx_ops.ld_shared_v4(code_at[r] + stage_offset) for r in range(2)]
-        big = cutlass.Boolean(False)
-        for byte in scales:  # a Python list: unrolled
-            big = big | (byte > common.ONE_MULTIPLY_MAX_BYTE)
+        (k-step s: row0's first pair, row0 + 8's, row0's second, row0 + 8's; which codes, `_convert_words` and
+        `_convert_fp4_words`)."""
         words = cute.recast_tensor(frag, cutlass.Int32)  # 4 words per k-step
-        if cute.arch.vote_any_sync(big):
-            self._convert_words(words, codes, scales, False)
+        if cutlass.const_expr(self.sf_e4m3):  # NVFP4: always two multiplies
+            self._convert_fp4_words(words, [ptx_ops.ld_shared_v2(code_at[r] + stage_offset) for r in range(2)],
+                                    scales, False)
         else:
-            self._convert_words(words, codes, scales, True)
+            load = ptx_ops.ld_shared_v2 if cutlass.const_expr(self.fp4) else ptx_ops.ld_shared_v4
+            codes = [load(code_at[r] + stage_offset) for r in range(2)]
+            limit = common.E2M1_ONE_MULTIPLY_MAX_BYTE if cutlass.const_expr(self.fp4) else common.ONE_MULTIPLY_MAX_BYTE
+            big = cutlass.Boolean(False)
+            for byte in scales:  # a Python list: unrolled
+                big = big | (byte > limit)
+            convert_words = self._convert_fp4_words if cutlass.const_expr(self.fp4) else self._convert_words
+            if cute.arch.vote_any_sync(big):
+                convert_words(words, codes, scales, False)
+            else:
+                convert_words(words, codes, scales, True)
 
     @cute.jit
     def _convert_words(self, words: cute.Tensor, codes: list, scales: list, one: cutlass.Constexpr[bool]):
@@ -311,6 +351,30 @@ class HopperRaggedSwapAB:
                                                  lambda w, sel: ptx_ops.byte_perm(w, w, sel))
                     if cutlass.const_expr(not one):
                         bits = cute.arch.fma_packed_bf16x2(bits, two120, neg_zero)
+                    words[4 * s + 2 * high + r] = cute.arch.fma_packed_bf16x2(bits, factors[r], neg_zero)
+
+    @cute.jit
+    def _convert_fp4_words(self, words: cute.Tensor, codes: list, scales: list, one: cutlass.Constexpr[bool]):
+        """The FP4 form of `_convert_words`: codes·2^-126 by `common.e2m1_pair_bits` (the pair p of word w: codes
+        8w + p and 8w + p + 4), k-step s taking pairs 2(s % 2) and 2(s % 2) + 1 of word s // 2; then `one` multiply
+        by 2^126·scale (MXFP4, every scale byte of the warp at most common.E2M1_ONE_MULTIPLY_MAX_BYTE), else by 2^126
+        and by the scale (E8M0, or NVFP4's E4M3). E2M1 has no NaN code; a NaN scale gives NaN products."""
+        neg_zero = cutlass.Int32(common.NEG_ZERO_BF16X2)
+        two126 = cutlass.Int32(common.BF16X2_TWO_POW_126)
+        factors = []
+        for r in cutlass.range_constexpr(2):
+            if cutlass.const_expr(self.sf_e4m3):
+                factors.append(common.e4m3_scale_bf16x2(scales[r]))
+            elif cutlass.const_expr(one):
+                factors.append(common.one_multiply_bf16x2(scales[r], common.E2M1_PLACEMENT))
+            else:
+                factors.append(common.e8m0_bf16x2(scales[r]))
+        for s in cutlass.range_constexpr(4):
+            for high in cutlass.range_constexpr(2):
+                for r in cutlass.range_constexpr(2):
+                    bits = common.e2m1_pair_bits(codes[r][s // 2], 2 * (s % 2) + high)
+                    if cutlass.const_expr(not one):
+                        bits = cute.arch.fma_packed_bf16x2(bits, two126, neg_zero)
                     words[4 * s + 2 * high + r] = cute.arch.fma_packed_bf16x2(bits, factors[r], neg_zero)
 
     @cute.jit
@@ -372,4 +436,4 @@ class HopperRaggedSwapAB:
                                              self.num_consumer_warps, self.epilogue_barrier_id)
 
 
-__all__ = ["HopperRaggedSwapAB", "K_PAD", "K_TILE", "PROMOTE_TILES"]
+__all__ = ["HopperRaggedSwapAB", "K_PAD", "K_TILE", "PROMOTE_TILES", "WEIGHT_FORMATS"]

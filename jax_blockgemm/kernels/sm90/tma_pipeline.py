@@ -49,11 +49,12 @@ def tma_views(tma_atom: cute.CopyAtom, operand: cute.Tensor, smem: cute.Tensor, 
 def ab_prologue(tidx, warp_idx, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
                 mB_nkl: cute.Tensor, a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
                 shared_storage: Any, dtype: Any, stages: int, consumer_warps: int,
-                tile_mnk: tuple, threads_per_wg: int):
+                tile_mnk: tuple, threads_per_wg: int, b_tile_k: int = 0):
     """Everything before a Hopper kernel's warp roles split: the TMA descriptors' prefetch (warp 0), the shared
     storage (`shared_storage`, a cute.struct with fields pipeline_mbars, sA and sB), the A+B stage pipeline
     (`make_ab_pipeline`; `dtype` as there), the TMA views of (tile_mnk[0], tile_mnk[2]) A tiles and (tile_mnk[1],
-    tile_mnk[2]) B tiles and the pipeline's init barrier. Returns (storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB,
+    b_tile_k or tile_mnk[2]) B tiles (b_tile_k: B's elements per k-tile where they differ from A's, e.g. bytes of
+    packed FP4 codes) and the pipeline's init barrier. Returns (storage, ab_pipeline, sA, sB, (tAsA, tAgA, tBsB,
     tBgB), k_tiles, wg_idx). Pipeline states are made and advanced by the caller, in its own loops."""
     bm, bn, bk = tile_mnk
     if warp_idx == 0:
@@ -68,7 +69,7 @@ def ab_prologue(tidx, warp_idx, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, 
     sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
     sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
     tAsA, tAgA = tma_views(tma_atom_a, mA_mkl, sA, (bm, bk))
-    tBsB, tBgB = tma_views(tma_atom_b, mB_nkl, sB, (bn, bk))
+    tBsB, tBgB = tma_views(tma_atom_b, mB_nkl, sB, (bn, b_tile_k or bk))
     k_tiles = cute.size(tAgA, mode=[2])
 
     wg_idx = cute.arch.make_warp_uniform(tidx // threads_per_wg)
