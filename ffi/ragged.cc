@@ -203,10 +203,14 @@ std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& k
   } else if (!HasShape(c, {l, t, n})) {
     return Describe(c, 5) + "; expected " + ShapeString({l, t, n}) + " (L, T, N)";
   }
-  for (int i : {6, 7}) {
-    if (buf[i].dtype != XLA_FFI_DataType_F32 || !HasShape(buf[i], {l})) {
-      return Describe(buf[i], i) + "; expected float32 " + ShapeString({l}) + " (L,)";
-    }
+  if (buf[6].dtype != XLA_FFI_DataType_F32 || !HasShape(buf[6], {l})) {
+    return Describe(buf[6], 6) + "; expected float32 " + ShapeString({l}) + " (L,)";
+  }
+  // alpha: one per batch, but one per weight (L*G) for the swap_ab objects (a per-expert factor)
+  const int64_t alphas = kernel.a_bf16 ? l * g : l;
+  if (buf[7].dtype != XLA_FFI_DataType_F32 || !HasShape(buf[7], {alphas})) {
+    return Describe(buf[7], 7) + "; expected float32 " + ShapeString({alphas}) +
+           (kernel.a_bf16 ? " (L*G,): one per weight" : " (L,)");
   }
   for (int i = 0; i < 8; ++i) {
     if (i != 1 && !(e = CheckCount(buf[i], i)).empty()) return e;

@@ -5,7 +5,8 @@ up-projection (GEMM + per-head RoPE + MXFP8 rowwise and columnwise quantization)
 pure-JAX reference and through CuTeDSL kernels where the GPU has one; `formats` holds the quantizers and layouts.
 Mixture of experts: `ragged_gemm_amax` (tokens sorted by group times per-group weights) and its differentiable
 `mx_ragged_dot`, a drop-in for jax.lax.ragged_dot. For serving: `weight_only_matmul` (x in bf16 / float32 times a
-`QuantizedWeight` from `quantize_weight`).
+`QuantizedWeight` from `quantize_weight`) and `weight_only_ragged_matmul` (tokens sorted by group times stacked
+quantized expert weights).
 For training: `mx_dot_general` (a differentiable drop-in for jax.lax.dot_general) and `mla_q_projection`; Flax and
 Equinox layers live in `jax_blockgemm.layers` (optional extras).
 """
@@ -18,6 +19,7 @@ from jax_blockgemm.api import (
     gemm_proj_rope_mxfp8_jax_sm100,
     ragged_gemm_amax,
     weight_only_matmul,
+    weight_only_ragged_matmul,
 )
 from jax_blockgemm.autodiff import RECIPES, Recipe, mx_dot_general, mx_dot_general_amax
 from jax_blockgemm.mla import MXFP8Views, mla_q_projection
@@ -41,6 +43,7 @@ __all__ = [
     "QuantizedWeight",
     "quantize_weight",
     "weight_only_matmul",
+    "weight_only_ragged_matmul",
 ]
 __version__ = "0.1.0"
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_blockgemm import formats, primitives, ragged, support, weight_only
+from jax_blockgemm import formats, primitives, ragged, support, weight_only, weight_only_ragged
 
 Implementation = Optional[Literal["cutedsl", "xla"]]
 
@@ -155,6 +155,26 @@ def weight_only_matmul(x: jax.Array, w: weight_only.QuantizedWeight, *, out_dtyp
     x = jnp.asarray(x)
     weight_only.check_call(x, w, out_dtype, implementation)
     return weight_only.matmul(x, w, np.dtype(out_dtype), implementation)
+
+
+def weight_only_ragged_matmul(x: jax.Array, w: weight_only.QuantizedWeight, group_sizes: jax.Array, *,
+                              out_dtype: Any = jnp.bfloat16, implementation: Implementation = None) -> jax.Array:
+    """Weight-only ragged matmul (mixture of experts, serving): y[t] = x[t] · Ŵ[g]ᵀ for each row t of group g.
+
+    x: (T, K) bfloat16 or float32 tokens sorted by group, used as given (not quantized). w: a QuantizedWeight of G
+    stacked (N, K) expert weights, codes (G, N, K) (packed FP4: (G, N, K/2)) and scales (G, N, KB), e.g.
+    `jax.vmap(jbg.quantize_weight)` of a (G, N, K) array; its alpha is a scalar or one per expert (NVFP4). group_sizes:
+    (G,) integers as in ragged_gemm_amax (zeros allowed; rows past their sum are zero). Products summed in fp32, y
+    (T, N) in out_dtype (bfloat16 or float32).
+
+    On an H200 bf16 x runs the swap_ab grouped kernel (the weights' codes converted in registers, one launch) under
+    None and "cutedsl"; float32 x and other GPUs run the reference (each expert dequantized to bf16, exact, then a
+    grouped dot in x's dtype). jit, vmap and sharding (tokens, experts, N) work as for ragged_gemm_amax.
+    Differentiable with respect to x (dx = dy · Ŵ per group); the quantized weights are constants (zero cotangent).
+    """
+    x = jnp.asarray(x)
+    group_sizes = weight_only_ragged.check_call(x, w, group_sizes, out_dtype, implementation)
+    return weight_only_ragged.matmul(x, w, group_sizes, np.dtype(out_dtype), implementation)
 
 
 # CuTeDSL's names for the dtypes cuDNN frontend's entry points accept as c_dtype / acc_dtype.

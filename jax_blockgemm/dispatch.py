@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_blockgemm import arch, formats, tuning
+from jax_blockgemm import arch, formats, support, tuning
 
 # The kernels and the FFI handler take sizes and element counts as int32: a call with an operand or C of this many
 # elements or more never reaches them (None takes the reference, "cutedsl" raises at lowering).
@@ -337,7 +337,8 @@ def ragged_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, k
                    b_major: str = "k", **_: Any) -> KernelChoice:
     """The grouped kernel variants (one per covered architecture) for a canonical ragged_gemm_amax call: a (L, T, K)
     codes (packed FP4: uint8) or bf16, b (L, G, N, K) (bf16 with b_major "n": (L, G, K, N)), compact scales sfa
-    (L, T, KB) and sfb (L, G, N, KB) (KB = 0 for bf16)."""
+    (L, T, KB) and sfb (L, G, N, KB) (KB = 0 for bf16); or, for the weight-only ragged matmul, tokens as values (bf16
+    or float32, sfa (L, T, 0)) against codes b, which only the swap_ab kernel takes (bf16 tokens only)."""
     settled = _settled_by_implementation(implementation, "ragged")
     if settled is not None:
         return settled
@@ -356,11 +357,13 @@ def ragged_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, k
         return KernelChoice(reason=missing)
     from jax_blockgemm.kernels import catalog
 
-    ab_dtype = "float4_e2m1fn" if np.dtype(a.dtype) == np.uint8 else str(np.dtype(a.dtype))
+    values = support.tokens_are_values(a.dtype, sf_vec_size)  # the weight-only ragged matmul: b alone holds codes
+    codes, scales = (b, avals_in[3]) if values else (a, sfa)
+    ab_dtype = "float4_e2m1fn" if np.dtype(codes.dtype) == np.uint8 else str(np.dtype(codes.dtype))
     if sf_vec_size == 0:  # bf16 operands
         sf_dtype = catalog.NO_SCALES
     else:
-        sf_dtype = catalog.E8M0 if np.dtype(sfa.dtype) == np.uint8 else str(np.dtype(sfa.dtype))
+        sf_dtype = catalog.E8M0 if np.dtype(scales.dtype) == np.uint8 else str(np.dtype(scales.dtype))
     def tile_of(target: str) -> tuple[int, int]:  # the bf16 kernels take the table's tile, the others 128 x 128
         return arch.policy(target).ragged_bf16_tile if sf_vec_size == 0 else (128, 128)
 
@@ -376,10 +379,15 @@ def ragged_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, k
     # has one, else the block-scaled ones (also with no GPU: a program lowered here may run on any target).
     swapped = catalog_variants(catalog.SWAP_AB)
     local_targets = {arch.target_of(cc) for cc in local_cuda_capabilities() or ()}
+    if values and np.dtype(a.dtype) != np.dtype(jnp.bfloat16):
+        return KernelChoice(reason="float32 tokens keep the reference (the swap_ab kernel reads bf16 tokens)")
     if local_targets and local_targets <= {v.arch for v in swapped}:
         choice = _usable(swapped, implementation, sizes=(t, n, k, l, g), names="(T, N, K, L, G)", fmt=fmt)
-        if choice.variants:
+        if choice.variants or values:
             return choice
+    if values:  # only the swap_ab kernel reads tokens as values
+        return KernelChoice(reason=f"bf16 tokens against {fmt} weights run on the swap_ab kernel only, which needs "
+                                   f"every local GPU to be an sm_90a one (local: {sorted(local_targets) or 'none'})")
     variants = catalog_variants("")
     if not variants:
         layout = "" if b_major == "k" else f", b_major {b_major!r}"

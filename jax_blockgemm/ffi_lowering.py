@@ -299,7 +299,8 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
     their scales in the 128x4 atom of (L, T, K) and (L·G, N, K) (rank 6), uint8 E8M0 bytes or float8_e4m3fn
     (NVFP4); items int32 (L, max_items, 4); alpha (L,) float32. Results from `ctx.avals_out`: c (L, T, N) (packed
     FP4: (L, T, N/2) uint8) in the variants' C dtype, amax (L,) float32. `variants`: catalog entries of op "ragged",
-    one per architecture, all of one b_major.
+    one per architecture, all of one b_major. The swap_ab variants take a as bf16 tokens (`swap_ab_layout`), sfa
+    empty and alpha (L·G,), one per weight.
 
     bf16 variants (ab_dtype "bfloat16", sf_dtype NO_SCALES): a (L, T, K) and b bfloat16, b (L, G, N, K) for the
     variants' b_major "k" or (L, G, K, N) for "n"; sfa and sfb uint8 of zero elements (any rank), which the kernel
@@ -349,8 +350,9 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
     max_items = items_aval.shape[1] if items_aval.ndim == 3 else -1
     if items_aval.shape != (l, max_items, 4) or max_items < 1 or np.dtype(items_aval.dtype) != np.int32:
         raise ValueError(f"emit_ragged expects items ({l}, max_items >= 1, 4) int32; got {items_aval}")
-    if alpha_aval.shape != (l,) or np.dtype(alpha_aval.dtype) != np.float32:
-        raise ValueError(f"emit_ragged expects alpha ({l},) float32; got {alpha_aval}")
+    alphas = l * g if swap else l  # the swap_ab objects take one alpha per weight
+    if alpha_aval.shape != (alphas,) or np.dtype(alpha_aval.dtype) != np.float32:
+        raise ValueError(f"emit_ragged expects alpha ({alphas},) float32 ({'L*G' if swap else 'L'}); got {alpha_aval}")
     packed_c = np.dtype(c_aval.dtype) == np.uint8
     if packed_c and n % 2:
         raise ValueError(f"emit_ragged: N = {n} is odd; a packed FP4 C holds two codes per byte")

@@ -27,7 +27,8 @@ __all__ = [
     "E4M3", "E5M2", "E2M1", "E8M0", "BlockFormat", "MXFP8_E4M3", "MXFP8_E5M2", "MXFP4", "NVFP4", "FORMATS",
     "emax", "SCALE_RULE", "set_scale_rule", "scale_rule", "get_scale_rule", "scale_exponent", "e8m0_to_float32",
     "exponent_to_e8m0", "mx_block_exponents", "mx_encode_blocks", "round_to_grid", "round_to_e2m1", "pack_fp4",
-    "unpack_fp4", "quantize_mxfp8", "quantize_mxfp4", "quantize_nvfp4", "quantize_dequantize", "dequantize",
+    "unpack_fp4", "unpacked_codes", "quantize_mxfp8", "quantize_mxfp4", "quantize_nvfp4", "quantize_dequantize",
+    "dequantize",
     "scales_to_float32", "num_blocks", "atom_shape", "to_scale_atom", "from_scale_atom", "atom_to_seed_view",
     "seed_view_to_atom",
 ]
@@ -289,6 +290,12 @@ def pack_fp4(codes: jax.Array) -> jax.Array:
     _require_even_last_axis("pack_fp4", codes)
     nib = _e2m1_nibbles(codes).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return nib[..., 0] | (nib[..., 1] << 4)
+
+
+def unpacked_codes(codes: jax.Array, k: int) -> jax.Array:
+    """Codes with K elements on the last axis: packed FP4 (uint8, two per byte) unpacked to float4_e2m1fn and cut to
+    K, any other codes as they are."""
+    return unpack_fp4(codes)[..., :k] if np.dtype(codes.dtype) == np.dtype(jnp.uint8) else codes
 
 
 def unpack_fp4(packed: jax.Array) -> jax.Array:

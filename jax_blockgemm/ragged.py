@@ -22,6 +22,10 @@ N/2)) and amax (L,) float32.
 bf16 operands (`grouped_dot`, mx_ragged_dot's bf16 recipe) take the same primitive with sf_vec_size 0: a and b in
 bf16, b (L, G, N, K) for b_major "k" or (L, G, K, N) for "n" (the (G, K, N) weights of `jax.lax.ragged_dot`, read
 without a transposed copy), and empty scales sfa (L, T, 0) and sfb (L, G, N, 0).
+
+Tokens as values (`weight_only_ragged.matmul`, the weight-only ragged matmul): a (L, T, K) bf16 or float32, used as
+given, sfa (L, T, 0) empty, with codes b and scales sfb as above (sf_vec_size > 0), and alpha (L,) or one per weight,
+(L, G). `support.tokens_are_values` tells the modes apart.
 """
 
 from __future__ import annotations
@@ -194,11 +198,12 @@ def grouped_rows_dot(x: jax.Array, w: jax.Array, starts: jax.Array, ends: jax.Ar
                      tile: Optional[int] = None) -> jax.Array:
     """out[t] = x[t] · w[g]ᵀ for the rows t of group g, 0 on rows of no group: x (T, K), w (G, N, K) -> (T, N) float32.
 
-    Operands in bfloat16 (or what they are), float32 accumulation; memory O(T·N) plus CHUNK tiles and weights, see
-    the module docstring.
+    Operands in bfloat16 (or what they are; float32 ones at full float32 precision, never TF32), float32
+    accumulation; memory O(T·N) plus CHUNK tiles and weights, see the module docstring.
     """
     t, k = x.shape
     g_count, n, _ = w.shape
+    precision = jax.lax.Precision.HIGHEST if np.dtype(x.dtype) == np.dtype(jnp.float32) else None
     tile = tile or tile_rows(t, g_count)
     padded = -(-t // tile) * tile
     x = jnp.pad(x, ((0, padded - t), (0, 0)))
@@ -209,7 +214,7 @@ def grouped_rows_dot(x: jax.Array, w: jax.Array, starts: jax.Array, ends: jax.Ar
     def body(c, out):
         g, row0, mine = _chunk_items(c, first, item_ends, total, tile, rows, starts, ends)
         xs = jax.vmap(lambda r: jax.lax.dynamic_slice_in_dim(x, r, tile))(row0)  # (CHUNK, tile, K)
-        prod = jnp.einsum("ctk,cnk->ctn", xs, w[g], preferred_element_type=jnp.float32)
+        prod = jnp.einsum("ctk,cnk->ctn", xs, w[g], preferred_element_type=jnp.float32, precision=precision)
         for j in range(CHUNK):  # two items of a chunk may share a tile (a group boundary inside it): in order
             current = jax.lax.dynamic_slice_in_dim(out, row0[j], tile)
             out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine[j][:, None], prod[j], current), row0[j], 0)
@@ -320,25 +325,34 @@ def grouped_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, w_major: 
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _unpacked(codes: jax.Array, k: int) -> jax.Array:
-    return formats.unpack_fp4(codes)[..., :k] if np.dtype(codes.dtype) == np.dtype(jnp.uint8) else codes
+def row_factors(alpha: jax.Array, starts: jax.Array, ends: jax.Array, tokens: int) -> jax.Array:
+    """(T,) the factor of each row: alpha[g] on the rows of group g, 1 on rows of no group (the bounds are sorted:
+    the group of a row is the first whose end lies past it)."""
+    rows = jnp.arange(tokens, dtype=starts.dtype)
+    g = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), alpha.shape[0] - 1)
+    return jnp.where((rows >= starts[g]) & (rows < ends[g]), alpha[g], 1.0)
 
 
 def ragged_reference(a, b, sfa, sfb, starts, ends, *maybe_alpha, k: int, sf_vec_size: int, c_dtype: Any,
                      b_major: str = "k", **_: Any) -> tuple[jax.Array, jax.Array]:
     """The canonical call: both operands dequantized to bfloat16 (exact in the normal range, as gemm_amax's
-    reference; bf16 operands as they are), `grouped_rows_dot` with float32 accumulation, alpha, then amax of the
-    float32 accumulator (rows of no group are 0; a NaN in a group's rows makes it NaN) and the conversion to
-    c_dtype."""
+    reference; bf16 operands, and tokens that are values, as they are), `grouped_rows_dot` with float32
+    accumulation, alpha (per batch, or per group on its rows), then amax of the float32 accumulator (rows of no group
+    are 0; a NaN in a group's rows makes it NaN) and the conversion to c_dtype."""
+    values = support.tokens_are_values(a.dtype, sf_vec_size)
 
     def one(a, b, sfa, sfb, starts, ends, *alpha):
         if sf_vec_size == 0:  # bf16 operands
             a16, b16 = a, (b if b_major == "k" else jnp.swapaxes(b, 1, 2))
         else:
-            a16 = reference.dequantize_bf16(_unpacked(a, k), sfa, block=sf_vec_size, axis=1)
-            b16 = reference.dequantize_bf16(_unpacked(b, k), sfb, block=sf_vec_size, axis=2)
-        acc = grouped_rows_dot(a16, b16, starts, ends)
-        if alpha:
+            dequantized = lambda codes, s: reference.dequantize_bf16(formats.unpacked_codes(codes, k), s,
+                                                                     block=sf_vec_size, axis=codes.ndim - 1)
+            a16 = a if values else dequantized(a, sfa)
+            b16 = dequantized(b, sfb)
+        acc = grouped_rows_dot(a16, b16.astype(a16.dtype), starts, ends)
+        if alpha and alpha[0].ndim == 1:  # one factor per group
+            acc = acc * row_factors(alpha[0], starts, ends, acc.shape[0])[:, None]
+        elif alpha:
             acc = acc * alpha[0]
         return reference.convert_c(acc, c_dtype), formats.magnitude_max(acc, axis=None)
 
@@ -364,13 +378,13 @@ def _reference_lowering(ctx, *args, **params):
 
 
 def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int, swap_ab: bool,
-                     group_local: bool, tokens_ready: bool = False) -> list:
+                     group_local: bool, fp4: bool = False, tokens_ready: bool = False) -> list:
     """What the grouped kernel reads besides the weights' codes: a (the codes, or for `swap_ab` kernels the tokens
-    dequantized to bf16 and permuted by `swap_ab_tokens`, in the FP4 order for packed FP4 codes, with empty token
-    scales; `tokens_ready`: a is that already, the dequantize kernel's output), both scales in the SPEC §3 atom layout
-    (sfb over L·G batches; bf16 operands' empty scales as they are) and the work items of each batch (`group_items` for
-    kernels that start a tile at any row, `group_local`; else `kernel_items`, on the 128-row grid of the tokens' scale
-    atoms)."""
+    dequantized to bf16 (tokens that are values: as given) and permuted by `swap_ab_tokens`, in the FP4 order for
+    FP4 weights (`fp4`), with empty token scales; `tokens_ready`: a is that already, the dequantize kernel's output),
+    both scales in the SPEC §3 atom layout (sfb over L·G batches; bf16 operands' empty scales as they are) and the
+    work items of each batch (`group_items` for kernels that start a tile at any row, `group_local`; else
+    `kernel_items`, on the 128-row grid of the tokens' scale atoms)."""
     l, g, n, kb = sfb.shape
     table = group_items if group_local else kernel_items
     items = jax.vmap(lambda s, e: table(s, e, tokens))(starts, ends)
@@ -378,20 +392,24 @@ def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int
         return [a, sfa, sfb, items]
     sfb_atom = formats.to_scale_atom(sfb.reshape(l * g, n, kb))
     if swap_ab:
-        if not tokens_ready:
-            fp4 = np.dtype(a.dtype) == np.dtype(jnp.uint8)  # packed FP4 codes, K = 2 x their row (a multiple of 32)
-            values = reference.dequantize_bf16(_unpacked(a, 2 * a.shape[-1]), sfa, block=sf_vec_size, axis=2)
+        if tokens_ready:  # the dequantize kernel's output: bf16 in the kernel's order already
+            pass
+        elif support.tokens_are_values(a.dtype, sf_vec_size):
+            a = swap_ab_tokens(a.astype(jnp.bfloat16), fp4=fp4)
+        else:  # codes (packed FP4: K = 2 x their row, a multiple of 32 here)
+            values = reference.dequantize_bf16(formats.unpacked_codes(a, 2 * a.shape[-1]), sfa, block=sf_vec_size,
+                                               axis=2)
             a = swap_ab_tokens(values, fp4=fp4)
         return [a, jnp.zeros((l, 0), jnp.uint8), sfb_atom, items]
     return [a, formats.to_scale_atom(sfa), sfb_atom, items]
 
 
 def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, sf_vec_size, **_):
-    """The call through the grouped kernel `variants` (jbg_ragged_gemm_amax): scales to atoms and the item table in
-    XLA (a few fusions, no host synchronization), then one launch; alpha is the call's, else ones. For swap_ab kernels
-    the tokens become bf16 in the kernel's column order: by the dequantize kernel where they are MXFP8 E4M3 codes, K
-    needs no padding and one applies (`dispatch.dequantize_variants` with `swap_ab_order`; one pass at memory
-    speed), else in XLA (`swap_ab_tokens`)."""
+    """The call through the grouped kernel `variants` (jbg_ragged_gemm_amax): scales to atoms and the item table in XLA
+    (a few fusions, no host synchronization), then one launch; alpha is the call's (for swap_ab kernels one per weight),
+    else ones. For swap_ab kernels the tokens become bf16 in the kernel's column order: by the dequantize kernel where
+    they are MXFP8 E4M3 codes, K needs no padding and one applies (`dispatch.dequantize_variants` with `swap_ab_order`;
+    one pass at memory speed), else in XLA (`swap_ab_tokens`)."""
     from jax_blockgemm import dispatch, ffi_lowering
 
     a_aval, b_aval, sfa_aval, sfb_aval, starts_aval, ends_aval = ctx.avals_in[:6]
@@ -409,13 +427,24 @@ def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, 
                                             scale_axis=-1)
         a_aval = a_aval.update(dtype=np.dtype(jnp.bfloat16))
     prepare = functools.partial(_kernel_operands, tokens=t, sf_vec_size=sf_vec_size, swap_ab=swap_ab,
-                                group_local=tables.pop(), tokens_ready=bool(token_kernels))
+                                group_local=tables.pop(), fp4=variants[0].ab_dtype == "float4_e2m1fn",
+                                tokens_ready=bool(token_kernels))
     in_avals = [a_aval, sfa_aval, sfb_aval, starts_aval, ends_aval]
     out_avals = [jax.core.ShapedArray(o.shape, o.dtype) for o in jax.eval_shape(prepare, *in_avals)]
     a_in, sfa_in, sfb_in, items = mlir.lower_fun(prepare, multiple_results=True)(
         ctx.replace(avals_in=in_avals, avals_out=out_avals), a, sfa, sfb, starts, ends)
-    alpha_aval = jax.core.ShapedArray((l,), np.dtype(np.float32))
-    alpha = maybe_alpha[0] if maybe_alpha else mlir.ir_constant(np.ones((l,), np.float32))
+    g = b_aval.shape[1]
+    alpha_shape = (l * g,) if swap_ab else (l,)  # the swap_ab objects take one factor per weight
+    alpha_aval = jax.core.ShapedArray(alpha_shape, np.dtype(np.float32))
+    if not maybe_alpha:
+        alpha = mlir.ir_constant(np.ones(alpha_shape, np.float32))
+    elif swap_ab:  # (L,) per batch or (L, G) per weight -> (L·G,)
+        given = ctx.avals_in[6]
+        per_weight = lambda x: [jnp.broadcast_to(x.reshape(l, -1), (l, g)).reshape(l * g)]
+        (alpha,) = mlir.lower_fun(per_weight, multiple_results=True)(
+            ctx.replace(avals_in=[given], avals_out=[alpha_aval]), maybe_alpha[0])
+    else:
+        alpha = maybe_alpha[0]
     return ffi_lowering.emit_ragged(
         ctx.replace(avals_in=[out_avals[0], b_aval, *out_avals[1:], alpha_aval]), a_in, b, sfa_in, sfb_in, items,
         alpha, variants=variants)

@@ -447,12 +447,14 @@ class RaggedPlan:
     g: Axes
     n: Axes
 
-    def operand_specs(self, count: int, b_major: str = "k") -> tuple[P, ...]:
+    def operand_specs(self, count: int, b_major: str = "k", alpha_rank: int = 1) -> tuple[P, ...]:
+        """a, b, sfa, sfb, starts, ends[, alpha]: alpha (L,) per batch, or (L, G) per weight (`alpha_rank` 2)."""
         tokens = _spec(self.l, self.t, ())
         weights = _spec(self.l, self.g, self.n, ())  # and sfb, (L, G, N, KB) in either layout of b
         b = weights if b_major == "k" else _spec(self.l, self.g, (), self.n)
         bounds = _spec(self.l, self.g)
-        return (tokens, b, tokens, weights, bounds, bounds, _spec(self.l))[:count]
+        alpha = bounds if alpha_rank == 2 else _spec(self.l)
+        return (tokens, b, tokens, weights, bounds, bounds, alpha)[:count]
 
     def result_specs(self) -> tuple[P, P]:
         return _spec(self.l, self.t, self.n), _spec(self.l)
@@ -500,8 +502,9 @@ def _ragged_partition(local: Callable, params: Params, mesh: Any, arg_shapes: An
         c, amax = local(a, b, sfa, sfb, starts, ends, *alpha, **p)
         return _sum_disjoint(c, plan.g), _global_amax(amax, plan.t + plan.g + plan.n)
 
+    alpha_rank = len(arg_shapes[6].shape) if len(arg_shapes) > 6 else 1
     return (mesh, per_shard, _named(mesh, plan.result_specs()),
-            _named(mesh, plan.operand_specs(len(arg_shapes), p["b_major"])))
+            _named(mesh, plan.operand_specs(len(arg_shapes), p["b_major"], alpha_rank)))
 
 
 def _ragged_infer(params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
@@ -516,7 +519,9 @@ def _ragged_propagate(params: Params, mesh: Any, result_shape: Any):
 
 
 def _ragged_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
-    """Shardy: L, T and N pass through, G is a reduction factor (the expert-sharded combine), K is replicated."""
+    """Shardy: L, T and N pass through, G is a reduction factor (the expert-sharded combine), K is replicated (the
+    tokens' K and the codes' K are separate factors: tokens that are values have K columns where packed FP4 codes
+    have K/2); alpha follows L, or L and G where it is one per weight."""
     p = dict(params)
     n = _shape(operand_types[3])[2]  # sfb (L, G, N, KB): N in either layout of b
     sizes: dict = {}
@@ -528,9 +533,10 @@ def _ragged_rule(params: Params, mesh: Any, operand_types: Any, result_types: An
         else:
             c_n = "n_packed"
     b = f"l g {nf} kc" if p["b_major"] == "k" else f"l g kc {nf}"
-    operands = ["l t kc", b, "l t kb", f"l g {nf} kb", "l g", "l g", "l"][:len(operand_types)]
+    alpha = "l g" if len(operand_types) > 6 and len(_shape(operand_types[6])) == 2 else "l"
+    operands = ["l t ka", b, "l t kas", f"l g {nf} kb", "l g", "l g", alpha][:len(operand_types)]
     return (f"{', '.join(operands)} -> l t {c_n}, l",
-            dict(reduction_factors=("g",), need_replication_factors=("kc", "kb"), **sizes))
+            dict(reduction_factors=("g",), need_replication_factors=("ka", "kc", "kas", "kb"), **sizes))
 
 
 def ragged_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:

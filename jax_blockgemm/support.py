@@ -42,6 +42,12 @@ def is_fp4(dtype: Any) -> bool:
     return np.dtype(dtype) in FP4_DTYPES
 
 
+def tokens_are_values(a_dtype: Any, sf_vec_size: int) -> bool:
+    """Whether a ragged call's tokens of `a_dtype` are values used as given (bf16 or float32 against block-scaled
+    weights, sf_vec_size > 0: the weight-only ragged matmul) rather than codes or bf16 operands of bf16 weights."""
+    return sf_vec_size > 0 and np.dtype(a_dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

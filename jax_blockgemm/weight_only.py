@@ -112,7 +112,7 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
         """The weight's values Ŵ = code × block scale × alpha, (N, K) in `dtype` (for checks and comparisons)."""
-        codes = _unpacked(self.codes, self.shape[-1])
+        codes = formats.unpacked_codes(self.codes, self.shape[-1])
         w = formats.dequantize(codes, self.scales, block=self.block_format.block, axis=-1)
         return (w * jnp.asarray(self.alpha, jnp.float32)[..., None, None]).astype(dtype)
 
@@ -152,13 +152,9 @@ def quantize_weight(w: jax.Array, format: str = "mxfp8_e4m3") -> QuantizedWeight
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _unpacked(codes: jax.Array, k: int) -> jax.Array:
-    """Codes with K elements on the last axis: packed FP4 (uint8, two per byte) unpacked, others as they are."""
-    return formats.unpack_fp4(codes)[..., :k] if np.dtype(codes.dtype) == np.dtype(jnp.uint8) else codes
-
-
-def _check_weight(w: Any) -> tuple[int, int]:
-    """Checks a QuantizedWeight's leaves against its format; returns its (N, K)."""
+def check_weight(w: Any, *, experts: bool = False) -> tuple[int, ...]:
+    """Checks a QuantizedWeight's leaves against its format; returns its (N, K), or with `experts` the (G, N, K) of a
+    stack of G expert weights (codes (G, N, K), scales (G, N, KB), alpha a scalar or one per expert)."""
     if not isinstance(w, QuantizedWeight):
         raise TypeError(f"w must be a jax_blockgemm.QuantizedWeight (from jbg.quantize_weight); got "
                         f"{type(w).__name__}.")
@@ -168,52 +164,64 @@ def _check_weight(w: Any) -> tuple[int, int]:
     if np.dtype(codes.dtype) not in allowed_codes:
         raise TypeError(f"w.codes has dtype {support.dtype_name(codes)}; format {w.format!r} takes "
                         f"{' or '.join(map(str, allowed_codes))}.")
-    if codes.ndim != 2:
-        raise ValueError(f"w.codes must be an (N, K) matrix{' (K/2 packed bytes)' if fmt.is_fp4 else ''}; got shape "
-                         f"{tuple(codes.shape)}. Use jax.vmap (or jax.lax.scan) over stacked weights.")
-    n, k = w.shape
+    packed = ' (K/2 packed bytes)' if fmt.is_fp4 else ''
+    if experts and codes.ndim != 3:
+        raise ValueError(f"w.codes must be a (G, N, K){packed} stack of expert weights; got shape "
+                         f"{tuple(codes.shape)}. Quantize each expert with jax.vmap(jbg.quantize_weight).")
+    if not experts and codes.ndim != 2:
+        raise ValueError(f"w.codes must be an (N, K) matrix{packed}; got shape {tuple(codes.shape)}. Use jax.vmap "
+                         f"(or jax.lax.scan) over stacked weights.")
+    *lead, n, k = w.shape
     allowed_scales = (np.dtype(jnp.uint8), np.dtype(formats.E8M0)) if fmt.scale_kind == "e8m0" else (
         np.dtype(formats.E4M3),)
     if np.dtype(scales.dtype) not in allowed_scales:
         raise TypeError(f"w.scales has dtype {support.dtype_name(scales)}; format {w.format!r} takes "
                         f"{' or '.join(map(str, allowed_scales))}.")
-    want = (n, support.ceil_div(k, fmt.block))
+    want = (*lead, n, support.ceil_div(k, fmt.block))
     if tuple(scales.shape) != want:
-        raise ValueError(f"w.scales has shape {tuple(scales.shape)}; for an (N, K) = {(n, k)} weight in format "
-                         f"{w.format!r} (blocks of {fmt.block} along K) it must be {want}.")
-    if tuple(jnp.shape(alpha)) != () or np.dtype(jnp.result_type(alpha)) != np.dtype(jnp.float32):
-        raise ValueError(f"w.alpha must be a float32 scalar; got {support.dtype_name(jnp.asarray(alpha))}"
-                         f"{tuple(jnp.shape(alpha))}.")
-    return n, k
+        raise ValueError(f"w.scales has shape {tuple(scales.shape)}; for an {'(G, N, K)' if experts else '(N, K)'} = "
+                         f"{tuple(w.shape)} weight in format {w.format!r} (blocks of {fmt.block} along K) it must be "
+                         f"{want}.")
+    alphas = ((), tuple(lead)) if experts else ((),)
+    if tuple(jnp.shape(alpha)) not in alphas or np.dtype(jnp.result_type(alpha)) != np.dtype(jnp.float32):
+        raise ValueError(f"w.alpha must be a float32 scalar{f' or one per expert, {tuple(lead)}' if experts else ''}"
+                         f"; got {support.dtype_name(jnp.asarray(alpha))}{tuple(jnp.shape(alpha))}.")
+    return (*lead, n, k)
 
 
-def check_call(x: Any, w: Any, out_dtype: Any, implementation: Any) -> tuple[int, int]:
-    """Trace-time checks of a weight_only_matmul call (SPEC §5b); returns the weight's (N, K)."""
-    support.check_implementation(implementation)
-    n, k = _check_weight(w)
+def check_dtypes(x: Any, out_dtype: Any) -> None:
+    """x in bfloat16 or float32 (used as given) and out_dtype bfloat16 or float32, else TypeError."""
     if np.dtype(x.dtype) not in X_DTYPES:
         raise TypeError(f"x has dtype {support.dtype_name(x)}; allowed: bfloat16, float32 (x is used as given, "
                         "not quantized).")
-    if x.ndim < 1 or x.shape[-1] != k:
-        raise ValueError(f"x must have shape (..., K) with K={k}, the weight's (N, K) = {(n, k)}; got x of shape "
-                         f"{tuple(x.shape)}.")
     try:
         out = np.dtype(out_dtype)
     except TypeError:
         out = None
     if out not in OUT_DTYPES:
         raise TypeError(f"out_dtype={out_dtype!r} is not supported; allowed: bfloat16, float32.")
+
+
+def check_call(x: Any, w: Any, out_dtype: Any, implementation: Any) -> tuple[int, int]:
+    """Trace-time checks of a weight_only_matmul call (SPEC §5b); returns the weight's (N, K)."""
+    support.check_implementation(implementation)
+    n, k = check_weight(w)
+    check_dtypes(x, out_dtype)
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(f"x must have shape (..., K) with K={k}, the weight's (N, K) = {(n, k)}; got x of shape "
+                         f"{tuple(x.shape)}.")
     return n, k
 
 
-def _canonical_weight(w: QuantizedWeight) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(codes (1, N, K or K/2), scales (1, N, KB) as bytes or E4M3, alpha (1,)): FP4 packed, E8M0 as uint8."""
+def canonical_weight(w: QuantizedWeight) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(codes (1, ..., N, K or K/2), scales (1, ..., N, KB) as bytes or E4M3, alpha (1, ...)): a checked weight (or
+    stack of expert weights) with a batch axis of one in front, FP4 packed, E8M0 as uint8."""
     codes, scales = w.codes, w.scales
     if np.dtype(codes.dtype) == np.dtype(formats.E2M1):
         codes = formats.pack_fp4(codes)
     if np.dtype(scales.dtype) == np.dtype(formats.E8M0):
         scales = jax.lax.bitcast_convert_type(scales, jnp.uint8)
-    return codes[None], scales[None], jnp.asarray(w.alpha, jnp.float32).reshape(1)
+    return codes[None], scales[None], jnp.asarray(w.alpha, jnp.float32)[None]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -238,8 +246,8 @@ def weight_only_reference(x: jax.Array, codes: jax.Array, scales: jax.Array, alp
                           out_dtype: Any) -> jax.Array:
     """SPEC §5b on canonical operands: y (L, M, N) = alpha · x · Ŵᵀ with Ŵ dequantized to bf16 (exact in the normal
     range, SPEC §6) and one dot in x's dtype with fp32 accumulation."""
-    w_hat = reference.dequantize_bf16(_unpacked(codes, x.shape[-1]), scales, block=formats.FORMATS[fmt].block,
-                                      axis=-1)
+    w_hat = reference.dequantize_bf16(formats.unpacked_codes(codes, x.shape[-1]), scales,
+                                      block=formats.FORMATS[fmt].block, axis=-1)
     return _product(x, w_hat, alpha, out_dtype, batched=True)
 
 
@@ -247,7 +255,7 @@ def weight_only_reference(x: jax.Array, codes: jax.Array, scales: jax.Array, alp
 def matmul(x: jax.Array, w: QuantizedWeight, out_dtype: np.dtype, implementation: Optional[str]) -> jax.Array:
     """y (..., N) = x (..., K) · Ŵᵀ on checked inputs (`check_call`): x's leading axes become M, one bind."""
     n = w.shape[0]
-    codes, scales, alpha = _canonical_weight(w)
+    codes, scales, alpha = canonical_weight(w)
     x3 = x.reshape(1, -1, x.shape[-1])
     (y,) = weight_only_p.bind(x3, codes, scales, alpha, fmt=w.format, out_dtype=np.dtype(out_dtype),
                               implementation=implementation)
@@ -266,8 +274,9 @@ def _matmul_jvp(out_dtype, implementation, primals, tangents):
     if isinstance(x_dot, SymbolicZero):
         return y, jnp.zeros_like(y)
     n, k = w.shape
-    codes, scales, _ = _canonical_weight(w)
-    w_hat = reference.dequantize_bf16(_unpacked(codes[0], k), scales[0], block=w.block_format.block, axis=-1)
+    codes, scales, _ = canonical_weight(w)
+    w_hat = reference.dequantize_bf16(formats.unpacked_codes(codes[0], k), scales[0], block=w.block_format.block,
+                                      axis=-1)
     return y, _product(x_dot, w_hat, jnp.asarray(w.alpha, jnp.float32), out_dtype, batched=False)
 
 

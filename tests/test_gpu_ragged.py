@@ -4,11 +4,12 @@
 one-token and all-token groups, tiles shared by several groups, rows of no group, N and K tails, vmap (L = 2), every C
 dtype, NaN per group, traced group sizes, a weight stack past 2**31 elements (MXFP8 E4M3, MXFP4 and NVFP4 with f32 or
 bf16 C through the swap_ab kernel, with its own cases for NaN codes and scales, large scales and K past a whole
-promotion group); `mx_ragged_dot` with kernels under its forward and dgrad (on sm_90a the bf16 grouped kernel on the
-quantized values), against the straight-through oracle; the bf16 kernel (`ragged.grouped_dot`, both weight layouts, f32
-and bf16 C) and the grouped contraction kernel (`contraction.contract_groups`, the weight gradient) likewise. Outputs
-are poisoned before every launch (an unwritten element reads NaN and fails). Skipped without a CUDA GPU that has kernels
-(CI has none); on the H200: `python -m pytest tests/test_gpu_ragged.py`.
+promotion group); `weight_only_ragged_matmul` (bf16 tokens as given, one alpha per expert) on the swap_ab kernel;
+`mx_ragged_dot` with kernels under its forward and dgrad (on sm_90a the bf16 grouped kernel on the quantized values),
+against the straight-through oracle; the bf16 kernel (`ragged.grouped_dot`, both weight layouts, f32 and bf16 C) and the
+grouped contraction kernel (`contraction.contract_groups`, the weight gradient) likewise. Outputs are poisoned before
+every launch (an unwritten element reads NaN and fails). Skipped without a CUDA GPU that has kernels (CI has none); on
+the H200: `python -m pytest tests/test_gpu_ragged.py`.
 """
 
 import os
@@ -26,6 +27,8 @@ from jax_blockgemm import arch, contraction, dispatch, ragged
 
 import oracle
 import oracle_ops
+import oracle_weight_only
+import test_weight_only_ragged as wor
 from oracle_ragged import (grouped_dot_oracle, mx_ragged_dot_oracle, random_bf16_grouped, random_group_sizes,
                            random_ragged_inputs, ragged_oracle_of)
 
@@ -113,6 +116,33 @@ class GpuRaggedTest(parameterized.TestCase):
         c, amax = f(gs)
         self._check(d, gs, c, amax, c_dtype=c_dtype)
         self.assertTrue(np.isnan(np.asarray(c, np.float32)[90:240, 7]).all())
+
+    @parameterized.product(fmt=("mxfp8_e4m3", "mxfp4", "nvfp4"), out_dtype=("float32", "bfloat16"))
+    def test_weight_only_ragged_matmul(self, fmt, out_dtype):
+        """`weight_only_ragged_matmul`: bf16 tokens as given times stacked quantized experts on the swap_ab kernel
+        (one alpha per expert: NVFP4's differ), against the float64 oracle: empty, one-token and large groups, rows
+        of no group, N off the 128-row tile, K past a whole promotion group; and dx through the bf16 grouped GEMM."""
+        rng = np.random.default_rng(hash((fmt, out_dtype, "weight-only")) % 2**32)
+        t, g, n, k = 333, 5, 200, 288
+        w = wor.random_experts(rng, g, n, k, fmt)
+        x = oracle_weight_only.random_x(rng, (t, k), jnp.bfloat16)
+        sizes = np.array([1, 0, 150, 120, 40], np.int32)
+        f = jax.jit(lambda x, s: jbg.weight_only_ragged_matmul(x, w, s, out_dtype=jnp.dtype(out_dtype),
+                                                               implementation="cutedsl"))
+        text = f.lower(x, sizes).as_text()
+        self.assertIn('a_dtype = "bfloat16"', text)
+        self.assertIn("swap_ab", text)
+        y = f(x, sizes)
+        oracle_ops.assert_gemm_close(self, np.asarray(y), wor.oracle(x, w, sizes), c_dtype=jnp.dtype(out_dtype))
+        self.assertFalse(np.asarray(y, np.float32)[311:].any(), "rows past the groups")
+        dy = rng.standard_normal((t, n)).astype(np.float32)
+        dx = jax.grad(lambda x: jnp.sum(jbg.weight_only_ragged_matmul(x, w, sizes, out_dtype=jnp.float32) * dy))(x)
+        want = np.zeros((t, k))
+        start = 0
+        for e, size in enumerate(sizes):
+            want[start:start + size] = dy[start:start + size] @ oracle_weight_only.dequantized_f64(wor.expert(w, e))
+            start += size
+        np.testing.assert_allclose(np.asarray(dx, np.float64), want, rtol=2**-8, atol=2**-8 * np.abs(want).max())
 
     @parameterized.parameters("float32", "bfloat16")
     def test_swap_ab_tokens_by_the_dequantize_kernel(self, c_dtype):

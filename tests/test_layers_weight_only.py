@@ -87,6 +87,31 @@ class NNXTest(parameterized.TestCase):
         with self.assertRaisesRegex(TypeError, "weight must be a QuantizedWeight"):
             lnnx.WeightOnlyLinear(jnp.ones((32, 64)))
 
+    @parameterized.parameters(*FORMATS)
+    def test_experts_quantized_for_inference(self, fmt):
+        """MXExperts -> WeightOnlyExperts: each expert's kernel (in, out) quantized as an (out, in) weight; the
+        served layer's rows of group g equal the weight-only oracle of expert g and stay within the format's error
+        of the float experts; rows of no group are zero."""
+        layer = lnnx.MXExperts(3, 96, 40, rngs=nnx.Rngs(2))
+        served = layer.quantized_for_inference(fmt)
+        self.assertIsInstance(served, lnnx.WeightOnlyExperts)
+        self.assertEqual((served.num_experts, served.in_features, served.out_features), (3, 96, 40))
+        weight = served.kernel.get_value()
+        self.assertEqual((weight.format, weight.shape), (fmt, (3, 40, 96)))
+        x = _x(5, (20, 96))
+        sizes = np.array([6, 0, 11], np.int32)
+        y = nnx.jit(lambda m, x, s: m(x, s))(served, x, sizes)
+        self.assertEqual((y.shape, y.dtype), ((20, 40), jnp.float32))
+        start = 0
+        for g, size in enumerate(sizes):
+            one = jbg.QuantizedWeight(weight.codes[g], weight.scales[g], weight.alpha[g], fmt)
+            rows = slice(start, start + size)
+            _assert_layer(self, y[rows], x[rows], one, np.zeros(40), layer.kernel[...][g].T, fmt)
+            start += size
+        self.assertFalse(np.asarray(y)[17:].any())
+        with self.assertRaisesRegex(ValueError, "in_features=96"):
+            served(jnp.ones((4, 95)), sizes)
+
 
 class LinenTest(parameterized.TestCase):
 

@@ -228,6 +228,7 @@ class HandlerTest(parameterized.TestCase):
     def _buffers(l=1, t=300, n=72, k=160, g=5, max_items=8):
         out = ffi_cases._buffers(l, t, n, k, g, max_items)
         out = ffi_cases._replace(out, 0, dtype=BF16, dims=[l, t, -(-k // 256) * 256])
+        out = ffi_cases._replace(out, 7, dims=[l * g])  # alpha: one per weight
         return ffi_cases._replace(out, 2, dims=[0], address=0)
 
     def test_attributes(self):
@@ -251,9 +252,11 @@ class HandlerTest(parameterized.TestCase):
     def test_fp4_buffers(self, sf, block):
         """Packed FP4 codes (L, G, N, K/2) against tokens of K rounded up to 256 (K = 2 x b's rows, a multiple of
         32), the atoms of K's blocks of `block`."""
-        fp4 = lambda k: ffi_cases._replace(ffi_cases._replace(
-            ffi_cases._buffers(1, 300, 72, k, 5, 8, ab=U8, sf=U8 if sf == E8M0 else sf, v=block), 0, dtype=BF16,
-            dims=[1, 300, -(-k // 256) * 256]), 2, dtype=U8, dims=[0], address=0)
+        def fp4(k):
+            out = ffi_cases._buffers(1, 300, 72, k, 5, 8, ab=U8, sf=U8 if sf == E8M0 else sf, v=block)
+            out = ffi_cases._replace(out, 0, dtype=BF16, dims=[1, 300, -(-k // 256) * 256])
+            return ffi_cases._replace(ffi_cases._replace(out, 2, dtype=U8, dims=[0], address=0), 7, dims=[5])
+
         check = lambda buffers: ext.check_ragged_buffers(buffers, FP4, F32, sf_dtype=sf, sf_vec_size=block,
                                                          a_dtype=BF16)
         message, dims = check(fp4(320))
@@ -282,7 +285,9 @@ class HandlerTest(parameterized.TestCase):
             (ffi_cases._replace(self._buffers(), 1, dtype=E5M2), r"b is .*compiled for float8_e4m3fn codes"),
             (ffi_cases._replace(self._buffers(), 0, dims=[300, 256]), r"expected rank 3 \(L, T, K rounded up to 256\)"),
             (ffi_cases._replace(self._buffers(), 3, dims=[5, 1, 1, 32, 4, 4]), r"sfb .* atom"),
-            (ffi_cases._replace(self._buffers(), 5, dims=[1, 300, 71]), r"c is .*expected \(1, 300, 72\)")]
+            (ffi_cases._replace(self._buffers(), 5, dims=[1, 300, 71]), r"c is .*expected \(1, 300, 72\)"),
+            (ffi_cases._replace(self._buffers(), 7, dims=[1]),
+             r"alpha is .*expected float32 \(5,\) \(L\*G,\): one per weight")]
         for buffers, pattern in cases:
             with self.subTest(pattern=pattern):
                 self.assertRegex(ext.check_ragged_buffers(buffers, E4M3, F32, a_dtype=BF16)[0], pattern)

@@ -6,7 +6,8 @@ nnx.Linear): `call_with_amax` returns the forward GEMM's amax, and the gradient 
 `nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, GradAmax)))`.
 
 For serving, `MXLinear.quantized_for_inference(format=...)` (or `WeightOnlyLinear.from_linear` for any nnx.Linear)
-returns a `WeightOnlyLinear` holding the kernel as a QuantizedWeight, whose forward is `weight_only_matmul`.
+returns a `WeightOnlyLinear` holding the kernel as a QuantizedWeight, whose forward is `weight_only_matmul`;
+`MXExperts.quantized_for_inference` likewise returns `WeightOnlyExperts` (`weight_only_ragged_matmul`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_blockgemm import autodiff, mla, moe, weight_only
-from jax_blockgemm.api import weight_only_matmul
+from jax_blockgemm.api import weight_only_matmul, weight_only_ragged_matmul
 
-__all__ = ["GradAmax", "MXExperts", "MXLinear", "MLAQProjection", "QuantizedKernel", "WeightOnlyLinear"]
+__all__ = ["GradAmax", "MXExperts", "MXLinear", "MLAQProjection", "QuantizedKernel", "WeightOnlyExperts",
+           "WeightOnlyLinear"]
 
 
 class GradAmax(nnx.Variable):
@@ -160,3 +162,43 @@ class MXExperts(nnx.Module):
         if jnp.ndim(x) != 2 or jnp.shape(x)[1] != self.in_features:
             raise ValueError(f"MXExperts: x must be (T, in_features={self.in_features}); got shape {jnp.shape(x)}.")
         return moe.mx_ragged_dot(x, self.kernel[...], group_sizes, recipe=self.recipe)
+
+    def quantized_for_inference(self, format: str = "mxfp8_e4m3", *, out_dtype: Any = None) -> "WeightOnlyExperts":
+        """These experts for serving: each expert's kernel quantized once to `format` along in_features; the
+        result's forward is weight_only_ragged_matmul (tokens not quantized)."""
+        return WeightOnlyExperts.from_experts(self, format, out_dtype=out_dtype)
+
+
+class WeightOnlyExperts(nnx.Module):
+    """Inference twin of MXExperts: y[t] = x[t] · Ŵ[g]ᵀ for the tokens t routed to expert g, through
+    `weight_only_ragged_matmul`, Ŵ a QuantizedWeight of the G stacked (out_features, in_features) weights.
+
+    Tokens (T, in_features) sorted by expert, in bfloat16 or float32, are used as given (other float dtypes are cast
+    to float32); y comes back in `out_dtype` (bfloat16 or float32; None: the tokens' dtype). Build it with
+    `from_experts` or `MXExperts.quantized_for_inference`.
+    """
+
+    def __init__(self, weight: weight_only.QuantizedWeight, *, out_dtype: Any = None):
+        if not isinstance(weight, weight_only.QuantizedWeight):
+            raise TypeError(f"WeightOnlyExperts: weight must be a QuantizedWeight; got {type(weight).__name__}.")
+        self.num_experts, self.out_features, self.in_features = weight_only.check_weight(weight, experts=True)
+        self.kernel = QuantizedKernel(weight)
+        self.out_dtype = out_dtype
+
+    @classmethod
+    def from_experts(cls, layer: MXExperts, format: str = "mxfp8_e4m3", *, out_dtype: Any = None
+                     ) -> "WeightOnlyExperts":
+        """Quantizes an MXExperts' kernel (G, in, out) as G (out, in) weights along in_features, one per expert
+        (NVFP4: one alpha each)."""
+        kernel = jnp.swapaxes(layer.kernel[...], 1, 2)
+        return cls(jax.vmap(lambda w: weight_only.quantize_weight(w, format))(kernel), out_dtype=out_dtype)
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        x = jnp.asarray(x)
+        if x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"WeightOnlyExperts: x must be (T, in_features={self.in_features}); got shape "
+                             f"{x.shape}.")
+        if x.dtype not in weight_only.X_DTYPES:
+            x = x.astype(jnp.float32)
+        out_dtype = x.dtype if self.out_dtype is None else self.out_dtype
+        return weight_only_ragged_matmul(x, self.kernel.get_value(), group_sizes, out_dtype=out_dtype)

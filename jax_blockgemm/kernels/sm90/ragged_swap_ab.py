@@ -25,7 +25,11 @@ bit model of kernels/common.py (`e2m1_pair_bits`) pairs codes i and i + 4 of a 3
 fragment's pairs come in another order and the tokens take their own permutation (`swap_ab_layout`, fp4=True):
 logical column 16s + 8h + 2c + j of a k-tile holds column 16c + 8(s // 2) + 2(s % 2) + h + 4j. MXFP4 then
 multiplies once by 2^126·scale (bytes up to 128, voted per warp; else twice); NVFP4 multiplies by 2^126 and by its
-E4M3 block scale (one per 16 codes: exactly a thread's codes of a row), and alpha multiplies the sums.
+E4M3 block scale (one per 16 codes: exactly a thread's codes of a row).
+
+alpha, one float32 per weight (per batch and group), multiplies the sums in every format: NVFP4's per-tensor (or
+per-expert) factor, ones for the MX formats from ragged_gemm_amax; the weight-only ragged matmul passes its weights'
+own alpha.
 
 Per CTA: one work item (a group-local table, `ragged.group_items`: up to 128 of a group's tokens from the item's first
 row, where the tokens' TMA view starts) times a 128-row tile of the group's weights: warpgroups 1 and 2 of 64 weight
@@ -39,7 +43,7 @@ C rows of the item with 16-byte stores, amax of what it stored by one atomic per
 ABI: the ragged one (catalog "ragged"), fn(a, b, sfa, sfb, items, c, amax, alpha, t, n, k, l, g, max_items, stream),
 with a the permuted bf16 tokens (L, T, K256), K256 = K rounded up to 256 (zeros past K); b the codes (L·G, N, K),
 packed FP4 (L·G, N, K/2); sfb their scale bytes (E8M0, or E4M3 for NVFP4) in the SPEC §3 atom of (L·G, N, K); sfa
-an empty uint8 buffer; alpha (L,) read for NVFP4 only; c (L, T, N) float32 or bfloat16; k the logical K.
+an empty uint8 buffer; alpha (L·G,) float32, one per weight; c (L, T, N) float32 or bfloat16; k the logical K.
 """
 
 from __future__ import annotations
@@ -66,9 +70,9 @@ WEIGHT_FORMATS = (("float8_e4m3fn", 32, E8M0), ("float4_e2m1fn", 32, E8M0), ("fl
 
 
 class HopperRaggedSwapAB:
-    """C[rows of group g] = alpha[l]·(tokens)(B[g]·sfb)^T per batch l and amax[l] = max|C[l]|, for bf16 tokens
-    (permuted, `swap_ab_layout.swap_ab_tokens`) and MXFP8 E4M3, MXFP4 or NVFP4 weights (alpha: NVFP4's; 1
-    otherwise); f32 or bf16 C. Compile-time configuration only."""
+    """C[rows of group g] = alpha[l, g]·(tokens)(B[g]·sfb)^T per batch l and amax[l] = max|C[l]|, for bf16 tokens
+    (permuted, `swap_ab_layout.swap_ab_tokens`) and MXFP8 E4M3, MXFP4 or NVFP4 weights (alpha one float32 per
+    weight); f32 or bf16 C. Compile-time configuration only."""
 
     def __init__(self, *, c_dtype: str = "float32", token_rows: int = ITEM_ROWS, weight_warpgroups: int = 2,
                  w_dtype: str = "float8_e4m3fn", sf_vec_size: int = 32, sf_dtype: str = E8M0):
@@ -102,7 +106,7 @@ class HopperRaggedSwapAB:
         self.consumer_regs = 232
         self.epilogue_barrier_id = 1
         self.stages = STAGES
-        self.has_alpha = True  # the ABI passes alpha (ones for the MX formats); read for NVFP4 only
+        self.has_alpha = True  # the ABI passes alpha, one per weight (L·G)
 
     def can_implement(self, t: int, n: int, k: int, l: int, g: int = 1) -> tuple[bool, str]:
         """Whether the kernel handles these sizes, and why not: K a multiple of 16 (FP8) or 32 (FP4): 16-byte TMA
@@ -198,10 +202,9 @@ class HopperRaggedSwapAB:
                                     k_tiles)
                 if zero:
                     acc.fill(0.0)
-                if cutlass.const_expr(self.sf_e4m3):  # NVFP4's per-tensor factor on the sums
-                    scale = alpha[batch]
-                    for j in cutlass.range_constexpr(cute.size(acc)):
-                        acc[j] = acc[j] * scale
+                scale = alpha[w_batch]  # this weight's factor on the sums (ones for the MX formats' usual call)
+                for j in cutlass.range_constexpr(cute.size(acc)):
+                    acc[j] = acc[j] * scale
                 self.epilogue(acc, storage, c, amax, t, n, tile_n, batch, rows_lo, rows_hi, wg_idx - 1, mma_tid)
 
     @cute.jit
