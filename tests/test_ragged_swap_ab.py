@@ -156,6 +156,47 @@ class TokenOrderTest(absltest.TestCase):
         self.assertFalse(np.array_equal(order4, order))
 
 
+class ScaleAddressingTest(parameterized.TestCase):
+    """A model of the kernel's scale reads: for every weight row of a tile and every lane's 16 codes in every k-tile,
+    the byte that `_scale_word_base`, `_scale_words` and `_scale_bytes` pick out of the atoms, walking them as the
+    mainloop does (a group's atoms loaded as words, the word of k-tile i at i // tiles-per-atom), must be that row's
+    compact scale of the block holding those codes (clamped to the last block: codes past K are TMA's zeros)."""
+
+    @parameterized.product(fmt=((E4M3, 32, E8M0), (FP4, 32, E8M0), (FP4, 16, E4M3)), tile=((128, 128), (64, 64)))
+    def test_each_lane_reads_its_block(self, fmt, tile):
+        from jax_blockgemm import formats
+        from jax_blockgemm.kernels import common
+        from jax_blockgemm.kernels.sm90 import ragged_swap_ab
+
+        w_dtype, block, sf = fmt
+        kernel = ragged_swap_ab.HopperRaggedSwapAB(token_rows=tile[0], weight_warpgroups=tile[1] // 64,
+                                                   w_dtype=w_dtype, sf_vec_size=block, sf_dtype=sf)
+        g, n, k = 2, 200, 544  # N off both tiles; K past a whole promotion group (the last blocks clamped)
+        kb = -(-k // block)
+        compact = np.random.default_rng(block + tile[1]).integers(0, 256, (g, n, kb)).astype(np.uint8)
+        words = np.ascontiguousarray(np.asarray(formats.to_scale_atom(jnp.asarray(compact)))).reshape(-1).view(
+            np.int32)
+        atoms_n, k_atoms = -(-n // 128), -(-kb // 4)
+        tiles_per_atom = common.ATOM_KB * block // ragged_swap_ab.K_TILE
+        group_atoms = ragged_swap_ab.PROMOTE_TILES // tiles_per_atom
+        groups = -(-k // ragged_swap_ab.K_PAD)
+        rows = tile[1]
+        for w_batch in range(g):
+            for tile_n in range(-(-n // rows)):
+                for row in range(min(rows, n - tile_n * rows)):
+                    base = kernel._scale_word_base(w_batch, tile_n, row, atoms_n, k_atoms)
+                    for q in range(groups):
+                        here = [kernel._scale_words(words, base, base, group_atoms * q + a, k_atoms)[0]
+                                for a in range(group_atoms)]
+                        for i in range(ragged_swap_ab.PROMOTE_TILES):
+                            for pair in range(4):
+                                got = kernel._scale_bytes([here[i // tiles_per_atom]], q, i, pair, kb, k_atoms)[0]
+                                kt = ragged_swap_ab.PROMOTE_TILES * q + i
+                                want = compact[w_batch, tile_n * rows + row,
+                                               min((64 * kt + 16 * pair) // block, kb - 1)]
+                                self.assertEqual(int(got), int(want), (w_batch, tile_n, row, q, i, pair))
+
+
 class CompileTest(parameterized.TestCase):
     """Both swap_ab objects compile for sm_90a to what the design rests on (kernels/sm90/ragged_swap_ab.py)."""
 

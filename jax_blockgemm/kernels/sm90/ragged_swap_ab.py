@@ -238,11 +238,7 @@ class HopperRaggedSwapAB:
         atoms_n = (n + common.ATOM_MN - 1) // common.ATOM_MN
         blocks = (k + self.sf_vec_size - 1) // self.sf_vec_size
         k_atoms = (blocks + common.ATOM_KB - 1) // common.ATOM_KB
-        atom_row, in_atom = cutlass.min(tile_n, atoms_n - 1), 0  # in_atom: the tile's first row within its atom
-        if cutlass.const_expr(bw < common.ATOM_MN):  # 64-row tiles: two per atom
-            atom_row, in_atom = tile_n // 2, tile_n % 2 * bw
-        base0, base1 = [(w_batch * atoms_n + atom_row) * k_atoms * 128 + ((in_atom + r) % 32) * 4
-                        + (in_atom + r) // 32 % 4 for r in (row0, row0 + 8)]
+        base0, base1 = [self._scale_word_base(w_batch, tile_n, r, atoms_n, k_atoms) for r in (row0, row0 + 8)]
         scale_words = lambda atom: self._scale_words(sfb_w, base0, base1, atom, k_atoms)
         scale_bytes = lambda words, q, i: self._scale_bytes(words, q, i, pair, blocks, k_atoms)
         per = PROMOTE_TILES
@@ -288,6 +284,16 @@ class HopperRaggedSwapAB:
                 acc[j] = acc[j] + partial[j]
             here = ahead
         return acc
+
+    def _scale_word_base(self, w_batch, tile_n, row, atoms_n, k_atoms):
+        """The index, among the scale atoms' 32-bit words, of tile-relative weight row `row`'s word in k-atom 0
+        (weight w_batch, row tile tile_n): SPEC §3's atom puts row r's four blocks in word (r % 32)·4 + r // 32 of its
+        128-row chunk; a 64-row tile is half of one."""
+        atom_row, in_atom = cutlass.min(tile_n, atoms_n - 1), 0  # in_atom: the tile's first row within its atom
+        if cutlass.const_expr(self.tile_mnk[1] < common.ATOM_MN):  # 64-row tiles: two per atom
+            atom_row, in_atom = tile_n // 2, tile_n % 2 * self.tile_mnk[1]
+        r = in_atom + row
+        return (w_batch * atoms_n + atom_row) * k_atoms * 128 + (r % 32) * 4 + r // 32 % 4
 
     @staticmethod
     def _scale_words(sfb_w: cute.Tensor, base0, base1, atom, k_atoms) -> tuple:
