@@ -144,6 +144,22 @@ class GpuRaggedTest(parameterized.TestCase):
             start += size
         np.testing.assert_allclose(np.asarray(dx, np.float64), want, rtol=2**-8, atol=2**-8 * np.abs(want).max())
 
+    def test_weight_only_ragged_nan_alpha_stays_in_its_expert(self):
+        """The kernel multiplies each item's sums by its own expert's alpha, and rows of no group stay zero even
+        when expert 0's alpha (the one their items read) is NaN."""
+        rng = np.random.default_rng(24)
+        w = wor.random_experts(rng, 3, 200, 288, "nvfp4")
+        w = jbg.QuantizedWeight(w.codes, w.scales, w.alpha.at[0].set(jnp.nan), w.format)
+        x = oracle_weight_only.random_x(rng, (300, 288), jnp.bfloat16)
+        sizes = np.array([100, 120, 60], np.int32)
+        y = np.asarray(jax.jit(lambda x: jbg.weight_only_ragged_matmul(x, w, sizes, out_dtype=jnp.float32,
+                                                                        implementation="cutedsl"))(x))
+        self.assertTrue(np.isnan(y[:100]).all())
+        self.assertFalse(np.isnan(y[100:]).any())
+        self.assertFalse(y[280:].any())
+        ok = wor.oracle(x, jbg.QuantizedWeight(w.codes, w.scales, w.alpha.at[0].set(1.0), w.format), sizes)
+        oracle_ops.assert_gemm_close(self, y[100:], ok[100:], c_dtype=jnp.dtype(jnp.float32))
+
     @parameterized.parameters("float32", "bfloat16")
     def test_swap_ab_tokens_by_the_dequantize_kernel(self, c_dtype):
         """K a multiple of 256: the tokens reach the swap_ab kernel through the dequantize kernel (its swap_ab column

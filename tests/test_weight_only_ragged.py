@@ -89,6 +89,18 @@ class WeightOnlyRaggedTest(parameterized.TestCase):
         self.assertTrue(np.isnan(y[10:22, 5]).all())
         self.assertEqual(int(np.isnan(y).sum()), 12)
 
+    def test_nan_alpha_stays_in_its_expert(self):
+        """An expert whose alpha is NaN gives NaN on its rows only: the other experts' rows and the rows of no group
+        (zero) are untouched."""
+        rng = np.random.default_rng(10)
+        w = random_experts(rng, 3, 24, 64, "nvfp4")
+        w = jbg.QuantizedWeight(w.codes, w.scales, w.alpha.at[0].set(jnp.nan), w.format)
+        y = np.asarray(jbg.weight_only_ragged_matmul(oracle_weight_only.random_x(rng, (30, 64), jnp.bfloat16), w,
+                                                     np.array([10, 12, 6], np.int32), out_dtype=jnp.float32))
+        self.assertTrue(np.isnan(y[:10]).all())
+        self.assertFalse(np.isnan(y[10:]).any())
+        self.assertFalse(y[28:].any())
+
     @parameterized.parameters("bfloat16", "float32")
     def test_grad_with_respect_to_x(self, x_dtype):
         """dx[t] = dy[t]·Ŵ[g] on the rows of group g, zero elsewhere (float32 x: exact to float32; bf16 x: dx is

@@ -200,11 +200,11 @@ class HopperRaggedSwapAB:
                 mma_tid = tidx - self.threads_per_wg  # 0..255 over the MMA warpgroups
                 acc = self.mainloop(ab_pipeline, tiled_mma, sX, sW, sfb, wg_idx - 1, mma_tid, tile_n, w_batch, n, k,
                                     k_tiles)
-                if zero:
-                    acc.fill(0.0)
                 scale = alpha[w_batch]  # this weight's factor on the sums (ones for the MX formats' usual call)
                 for j in cutlass.range_constexpr(cute.size(acc)):
                     acc[j] = acc[j] * scale
+                if zero:  # after alpha: rows of no group stay zero whatever group 0's alpha holds
+                    acc.fill(0.0)
                 self.epilogue(acc, storage, c, amax, t, n, tile_n, batch, rows_lo, rows_hi, wg_idx - 1, mma_tid)
 
     @cute.jit
