@@ -167,9 +167,10 @@ def weight_only_ragged_matmul(x: jax.Array, w: weight_only.QuantizedWeight, grou
     (G,) integers as in ragged_gemm_amax (zeros allowed; rows past their sum are zero). Products summed in fp32, y
     (T, N) in out_dtype (bfloat16 or float32).
 
-    On an H200 bf16 x runs the swap_ab grouped kernel (the weights' codes converted in registers, one launch) under
-    None and "cutedsl"; float32 x and other GPUs run the reference (each expert dequantized to bf16, exact, then a
-    grouped dot in x's dtype). jit, vmap and sharding (tokens, experts, N) work as for ragged_gemm_amax.
+    On an H200 bf16 x runs the swap_ab grouped kernel (the weights' codes converted in registers, one launch): under
+    "cutedsl" for every format, under None for those arch.TABLE's ragged_swap_ab_formats names; float32 x, other
+    GPUs and the rest run the reference (each expert dequantized to bf16, exact, then a grouped dot in x's dtype).
+    jit, vmap and sharding (tokens, experts, N) work as for ragged_gemm_amax.
     Differentiable with respect to x (dx = dy · Ŵ per group); the quantized weights are constants (zero cotangent).
     """
     x = jnp.asarray(x)

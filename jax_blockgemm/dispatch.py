@@ -379,9 +379,14 @@ def ragged_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, k
     # has one, else the block-scaled ones (also with no GPU: a program lowered here may run on any target).
     swapped = catalog_variants(catalog.SWAP_AB)
     local_targets = {arch.target_of(cc) for cc in local_cuda_capabilities() or ()}
+    measured = bool(local_targets) and all(arch.ragged_takes_swap_ab(t, fmt) for t in local_targets)
     if values and np.dtype(a.dtype) != np.dtype(jnp.bfloat16):
         return KernelChoice(reason="float32 tokens keep the reference (the swap_ab kernel reads bf16 tokens)")
-    if local_targets and local_targets <= {v.arch for v in swapped}:
+    if values and implementation is None and not measured:
+        return KernelChoice(reason=f"implementation=None keeps the reference for bf16 tokens against {fmt} weights "
+                                   f"until the swap_ab kernel is measured on this GPU (arch.TABLE's "
+                                   f"ragged_swap_ab_formats; 'cutedsl' runs it)")
+    if local_targets and local_targets <= {v.arch for v in swapped} and (measured or values):
         choice = _usable(swapped, implementation, sizes=(t, n, k, l, g), names="(T, N, K, L, G)", fmt=fmt)
         if choice.variants or values:
             return choice

@@ -5,8 +5,9 @@ g (tokens sorted by group), x used as given (never quantized), Ŵ[g] an MX-quant
 It binds `ragged.ragged_p` with the tokens as values (`support.tokens_are_values`): the same primitive, batching,
 partitioning rules and reference as ragged_gemm_amax. On an H200 bf16 tokens run the swap_ab kernel
 (kernels/sm90/ragged_swap_ab.py), which converts only the weights' codes, in registers, and takes the tokens in bf16
-as they come (permuted by XLA, `swap_ab_layout`); float32 tokens, and every GPU without that kernel, run the
-reference (each expert dequantized to bf16, exact, then a grouped dot in x's dtype with float32 accumulation).
+as they come (permuted by XLA, `swap_ab_layout`): under "cutedsl", and under None for the formats arch.TABLE's
+ragged_swap_ab_formats names; float32 tokens, every GPU without that kernel and the rest run the reference (each
+expert dequantized to bf16, exact, then a grouped dot in x's dtype with float32 accumulation).
 
 `matmul` adds the derivative with respect to x, dx[t] = alpha[g]·dy[t]·Ŵ[g], through the bf16 grouped GEMM
 (`ragged.grouped_dot`, the experts dequantized to bf16 once); the quantized weights are constants (their cotangent

@@ -124,11 +124,23 @@ class ArchTableTest(absltest.TestCase):
             self.assertEqual(arch.mx_ragged_operands(["9.0"]), "codes")
 
     def test_an_unverified_schedule_is_self_checked_and_shown(self):
-        self.assertTrue(arch.is_verified("sm_90a", "swap_ab"))
+        with arch.overridden("9.0", unverified_schedules=()):
+            self.assertTrue(arch.is_verified("sm_90a", "swap_ab"))
+            self.assertIn("| 9.0 | sm_90a | yes |", arch.markdown_table())
         with arch.overridden("9.0", unverified_schedules=("swap_ab",)):
             self.assertFalse(arch.is_verified("sm_90a", "swap_ab"))
             self.assertTrue(arch.is_verified("sm_90a"))
             self.assertIn("yes (but the swap_ab kernels: self-checked first)", arch.markdown_table())
+
+    def test_ragged_swap_ab_formats(self):
+        """Which weight formats' ragged calls take the swap_ab kernel, and the table's ragged cell naming them."""
+        self.assertTrue(arch.ragged_takes_swap_ab("sm_90a", "mxfp8_e4m3"))
+        self.assertFalse(arch.ragged_takes_swap_ab("sm_100a", "mxfp8_e4m3"))
+        with arch.overridden("9.0", ragged_swap_ab_formats=("mxfp8_e4m3", "mxfp4")):
+            self.assertTrue(arch.ragged_takes_swap_ab("sm_90a", "mxfp4"))
+            self.assertIn("| kernel (swap_ab for mxfp8_e4m3, mxfp4); bf16 |", arch.markdown_table())
+        with arch.overridden("9.0", ragged_swap_ab_formats=()):
+            self.assertIn("| kernel; bf16 |", arch.markdown_table())
 
     def test_the_readme_shows_the_current_table(self):
         self.assertIn(arch.markdown_table(), (ROOT / "README.md").read_text())

@@ -476,7 +476,8 @@ class PublicDecodeLoweringTest(absltest.TestCase):
         permuted, the weight as (L, 1, N, K) with its atom scales, empty token scales, one item table per batch.
         16 rows, a float16 C and other formats keep jbg_weight_stream, as does a lowering with no GPU present."""
         first, last = jbg_arch.policy("sm_90a").decode_swap_ab_m["mxfp8_e4m3"]
-        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)):
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
+                mock.patch.object(dispatch, "_failed_self_checks", return_value=""):  # the tile's self-check passed
             for implementation in (None, "cutedsl"):
                 for m in (first, last):
                     with self.subTest(implementation=implementation, m=m):

@@ -355,14 +355,19 @@ def _choice(ab=jnp.float8_e4m3fn, c=jnp.bfloat16, capabilities=("9.0",), t=512, 
 class DispatchTest(absltest.TestCase):
 
     def test_which_calls_take_it(self):
-        """MXFP8 E4M3 with f32 or bf16 C on an H200 (verified there: no self-check); while a schedule is listed as
-        unverified, only once its first-use self-check passed; the block-scaled kernels otherwise."""
+        """MXFP8 E4M3 (arch.TABLE's ragged_swap_ab_formats) with f32 or bf16 C on an H200 (verified there: no
+        self-check); while the schedule is listed as unverified, only once its first-use self-check passed; the
+        block-scaled kernels otherwise."""
         swap_bf16 = "ragged.sm_90a.e4m3.bf16.sf32.t128x128.c1x1.swap_ab"
-        choice, checked = _choice()
-        self.assertEqual([v.key for v in choice.variants], [swap_bf16])
-        self.assertEqual(checked, [])
-        choice, _ = _choice(c=jnp.float32)
-        self.assertEqual([v.key for v in choice.variants], ["ragged.sm_90a.e4m3.f32.sf32.t128x128.c1x1.swap_ab"])
+        with arch.overridden("9.0", unverified_schedules=()):
+            choice, checked = _choice()
+            self.assertEqual([v.key for v in choice.variants], [swap_bf16])
+            self.assertEqual(checked, [])
+            choice, _ = _choice(c=jnp.float32)
+            self.assertEqual([v.key for v in choice.variants],
+                             ["ragged.sm_90a.e4m3.f32.sf32.t128x128.c1x1.swap_ab"])
+            with arch.overridden("9.0", ragged_swap_ab_formats=()):  # a format the table does not give it
+                self.assertEqual({v.schedule for v in _choice()[0].variants}, {""})
         with arch.overridden("9.0", unverified_schedules=(catalog.SWAP_AB,)):
             choice, checked = _choice()
             self.assertEqual(([v.key for v in choice.variants], checked), ([swap_bf16], [swap_bf16]))
@@ -414,15 +419,19 @@ class DispatchTest(absltest.TestCase):
         self.assertNotIn("jbg_dequantize_mxfp8", text)  # K = 160 needs padding: XLA's gather pads it
 
     def test_fp4_lowered_call(self):
-        """MXFP4 and NVFP4 on an H200: the swap_ab object, bf16 tokens of K rounded up to 256 (XLA unpacks,
-        dequantizes and gathers them in the FP4 order; no dequantize kernel, which takes MXFP8), the packed codes
-        (L, G, N, K/2), the weights' scale atoms (E4M3 for NVFP4) and an empty sfa; a float16 C keeps the block-scaled
-        kernel."""
+        """MXFP4 and NVFP4 on an H200 where arch.TABLE's ragged_swap_ab_formats names them: the swap_ab object, bf16
+        tokens of K rounded up to 256 (XLA unpacks, dequantizes and gathers them in the FP4 order; no dequantize
+        kernel, which takes MXFP8), the packed codes (L, G, N, K/2), the weights' scale atoms (E4M3 for NVFP4) and an
+        empty sfa; a float16 C keeps the block-scaled kernel, as do both formats while the table leaves them out."""
         for fmt, sf in (("mxfp4", "ui8"), ("nvfp4", "f8E4M3FN")):
             with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
                     mock.patch.object(gate, "ensure_verified", side_effect=_verdict(True)):
-                text = lowering_cases._lowered(fmt, t=300, g=5, n=72, k=512)
-                f16 = lowering_cases._lowered(fmt, t=300, g=5, n=72, k=512, c_dtype=jnp.float16)
+                default = lowering_cases._lowered(fmt, t=300, g=5, n=72, k=512)
+                with arch.overridden("9.0", ragged_swap_ab_formats=("mxfp8_e4m3", "mxfp4", "nvfp4")):
+                    text = lowering_cases._lowered(fmt, t=300, g=5, n=72, k=512)
+                    f16 = lowering_cases._lowered(fmt, t=300, g=5, n=72, k=512, c_dtype=jnp.float16)
+            default_call = next(line for line in default.splitlines() if "@jbg_ragged_gemm_amax" in line)
+            self.assertNotIn("swap_ab", default_call)
             call = next(line for line in text.splitlines() if "@jbg_ragged_gemm_amax" in line)
             self.assertIn('a_dtype = "bfloat16"', call)
             self.assertIn('ab_dtype = "float4_e2m1fn"', call)

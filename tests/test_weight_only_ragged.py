@@ -13,7 +13,7 @@ from absl.testing import absltest, parameterized
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_blockgemm as jbg
-from jax_blockgemm import dispatch, gate
+from jax_blockgemm import arch, dispatch, gate
 
 import oracle_ops
 import oracle_weight_only
@@ -195,8 +195,11 @@ class WeightOnlyRaggedLoweringTest(parameterized.TestCase):
     @parameterized.parameters(*SWAP_AB_FORMATS)
     def test_bf16_tokens_take_the_swap_ab_kernel(self, fmt):
         """An H200: the swap_ab object with bf16 tokens of K rounded up to 256 (the tokens permuted by XLA, never
-        quantized), the codes as stored, one alpha per expert, an empty sfa."""
-        text = self._lowered(fmt)
+        quantized), the codes as stored, one alpha per expert, an empty sfa: under "cutedsl" for every format, under
+        None for those arch.TABLE's ragged_swap_ab_formats names (the reference for the others)."""
+        for_none = fmt in arch.policy("sm_90a").ragged_swap_ab_formats
+        self.assertEqual("jbg_ragged_gemm_amax" in self._lowered(fmt), for_none)
+        text = self._lowered(fmt, implementation="cutedsl")
         call = next(line for line in text.splitlines() if "@jbg_ragged_gemm_amax" in line)
         self.assertIn('a_dtype = "bfloat16"', call)
         self.assertIn("swap_ab", call)
