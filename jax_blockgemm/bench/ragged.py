@@ -4,6 +4,8 @@ Per shape (T tokens, G experts, K -> N) and grouping (equal groups, or skewed: D
 one seed), each column is one jitted program timed like the other benchmarks. Forward columns:
 
   * ours(None): `ragged_gemm_amax`, MXFP8 E4M3 codes of x and of the weights (quantized beforehand, not timed), bf16 C;
+  * weight-only mxfp8: `weight_only_ragged_matmul`, the serving form: bf16 x as given times the experts quantized
+    to MXFP8 E4M3 beforehand (not timed), bf16 out;
   * mx_ragged_dot mxfp8: `mx_ragged_dot` with the mxfp8 recipe on bf16 x and w, their quantization included;
   * mx_ragged_dot bf16: `mx_ragged_dot` with the bf16 recipe (bf16 operands, float32 accumulation);
   * lax.ragged_dot: `jax.lax.ragged_dot` on bf16 operands (XLA masks a dense operand per group on GPU);
@@ -39,8 +41,8 @@ SHAPES = ((16384, 32, 7168, 2048), (16384, 32, 2048, 7168), (65536, 256, 7168, 2
 SMALL_SHAPES = ((256, 4, 96, 64), (512, 8, 64, 96))
 GROUPINGS = ("equal", "skewed")
 DIRICHLET_ALPHA = 0.5
-FORWARD = {"ours": "ours(None)", "mxfp8_recipe": "mx_ragged_dot mxfp8", "bf16_recipe": "mx_ragged_dot bf16",
-           "ragged_dot": "lax.ragged_dot", "dense": "dense bf16"}
+FORWARD = {"ours": "ours(None)", "weight_only": "weight-only mxfp8", "mxfp8_recipe": "mx_ragged_dot mxfp8",
+           "bf16_recipe": "mx_ragged_dot bf16", "ragged_dot": "lax.ragged_dot", "dense": "dense bf16"}
 STEP = {"step_mxfp8": "step mxfp8", "step_bf16": "step bf16 recipe", "step_dense": "step dense bf16"}
 KERNEL_TRACE_CALLS = 5  # calls traced together for --kernels
 
@@ -60,13 +62,15 @@ def group_sizes(tokens: int, groups: int, grouping: str, seed: int) -> np.ndarra
 
 
 def inputs(key: jax.Array, tokens: int, groups: int, k: int, n: int) -> dict[str, Any]:
-    """bf16 x (T, K), w (G, K, N) and a cotangent dy (T, N); MXFP8 E4M3 codes and scales of x and of w (K-major)."""
+    """bf16 x (T, K), w (G, K, N) and a cotangent dy (T, N); MXFP8 E4M3 codes and scales of x and of w (K-major),
+    and w's experts as a QuantizedWeight (wq, (G, N, K))."""
     kx, kw, kd = jax.random.split(key, 3)
     x, w = random_values(kx, (tokens, k)), random_values(kw, (groups, n, k))
     a, sfa = formats.quantize_mxfp8(x)
     b, sfb = formats.quantize_mxfp8(w)
+    wq = jax.vmap(lambda e: jbg.quantize_weight(e, "mxfp8_e4m3"))(w)
     return {"x": x.astype(jnp.bfloat16), "w": jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16), "a": a, "sfa": sfa, "b": b,
-            "sfb": sfb, "dy": jax.random.normal(kd, (tokens, n), jnp.bfloat16)}
+            "sfb": sfb, "wq": wq, "dy": jax.random.normal(kd, (tokens, n), jnp.bfloat16)}
 
 
 def _bf16_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -114,6 +118,7 @@ def columns(gs: jax.Array) -> dict[str, tuple[Callable[..., Any], tuple[str, ...
     return {
         "ours": (lambda a, b, sfa, sfb: jbg.ragged_gemm_amax(a, b, sfa, sfb, gs, c_dtype=bf16)[0],
                  ("a", "b", "sfa", "sfb")),
+        "weight_only": (lambda x, wq: jbg.weight_only_ragged_matmul(x, wq, gs), ("x", "wq")),
         "mxfp8_recipe": (lambda x, w: jbg.mx_ragged_dot(x, w, gs, recipe="mxfp8"), ("x", "w")),
         "bf16_recipe": (lambda x, w: jbg.mx_ragged_dot(x, w, gs, recipe="bf16"), ("x", "w")),
         "ragged_dot": (lambda x, w: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32).astype(bf16),
@@ -177,8 +182,9 @@ def run_case(key: jax.Array, tokens: int, groups: int, k: int, n: int, grouping:
     progress.write("\n")
     progress.flush()
     if grouping == "equal":  # the dense dot computes the same product only when the groups are equal
-        for name, ref in (("ours", "dense"), ("mxfp8_recipe", "dense"), ("bf16_recipe", "dense"),
-                          ("ragged_dot", "dense"), ("step_mxfp8", "step_dense"), ("step_bf16", "step_dense")):
+        for name, ref in (("ours", "dense"), ("weight_only", "dense"), ("mxfp8_recipe", "dense"),
+                          ("bf16_recipe", "dense"), ("ragged_dot", "dense"), ("step_mxfp8", "step_dense"),
+                          ("step_bf16", "step_dense")):
             if name in outputs and ref in outputs:
                 results[name]["rel_err_vs_dense"] = _rel_err(outputs[name], outputs[ref])
     return {"tokens": tokens, "groups": groups, "k": k, "n": n, "grouping": grouping,
@@ -196,8 +202,8 @@ def format_table(record: dict[str, Any]) -> str:
     """Two tables (forward; training step): ms per call and, in parentheses, the ratio to the dense bf16 column."""
     lines = [f"{record['environment'].get('device', '?')}, {record['date']}: ms per call (x the dense bf16 dot's "
              "time of the same FLOPs); " + record["method"]["timing"]]
-    for title, keys, dense_key in (("forward, MXFP8 E4M3 -> bf16 (ours; mx_ragged_dot mxfp8) and bf16", FORWARD,
-                                    "dense"),
+    for title, keys, dense_key in (("forward, MXFP8 E4M3 -> bf16 (ours; weight-only: bf16 x, MXFP8 experts; "
+                                    "mx_ragged_dot mxfp8) and bf16", FORWARD, "dense"),
                                    ("training step: forward, dgrad, wgrad", STEP, "step_dense")):
         lines += ["", title, "T, G, K -> N, groups".ljust(36) + "".join(v.rjust(24) for v in keys.values())]
         for case in record["cases"]:
