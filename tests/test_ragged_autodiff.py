@@ -104,7 +104,8 @@ class MxRaggedDotTest(parameterized.TestCase):
             out, vjp = jax.vjp(lambda x, w: jbg.mx_ragged_dot(x, w, gs, recipe="mxfp8"), x, w)
             return (out, *vjp(dy))
 
-        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)):
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
+                mock.patch.object(dispatch, "_failed_self_checks", return_value=""):  # self-checks passed
             text = jax.jit(step).trace(x, w, dy).lower(lowering_platforms=("cuda",)).as_text()
         calls = {name: text.count(f"custom_call @{name}(") for name in
                  ("jbg_quantize_pair", "jbg_ragged_gemm_amax", "jbg_grouped_contraction")}

@@ -99,7 +99,7 @@ def _gemm_text(m: int, fmt: str = "mxfp8_e4m3") -> str:
 
 def _fake_h200(test: absltest.TestCase) -> None:
     """For `test`: a fresh cache directory with tables honoured, lowerings as on an H200 (sm_90a) whose objects are
-    stand-in bytes."""
+    stand-in bytes and pass their first-use self-checks (a schedule arch.TABLE lists as unverified)."""
     from jax_blockgemm import kernel_cache
 
     test.enter_context(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": test.enter_context(
@@ -107,6 +107,7 @@ def _fake_h200(test: absltest.TestCase) -> None:
     test.enter_context(mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)))
     test.enter_context(mock.patch.object(dispatch, "local_gpu_model", return_value=H200))
     test.enter_context(mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()))
+    test.enter_context(mock.patch.object(dispatch, "_failed_self_checks", return_value=""))
 
 
 class DispatchFollowsTheTableTest(absltest.TestCase):
@@ -246,7 +247,8 @@ class DecodeProblemsTest(absltest.TestCase):
         from jax_blockgemm import arch, dispatch, kernel_cache
 
         first, _ = arch.policy("sm_90a").decode_swap_ab_m["mxfp8_e4m3"]
-        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
+        with mock.patch.object(dispatch, "_failed_self_checks", return_value=""), \
+                mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
                 mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()), \
                 mock.patch.object(tune, "DECODE_MATRICES", 1):
             call, arg_sets, _ = tune.programs(tuning.DECODE_OP, "mxfp8_e4m3", (first, 128, 256))
