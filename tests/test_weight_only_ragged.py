@@ -136,6 +136,18 @@ class WeightOnlyRaggedTest(parameterized.TestCase):
             oracle_ops.assert_gemm_close(self, np.asarray(ys[i]), oracle(xs[i], w, sizes[i]),
                                          c_dtype=jnp.dtype(jnp.float32))
 
+    def test_vmap_over_expert_stacks(self):
+        """Two stacks of NVFP4 experts (each expert its own alpha) against one token set: one batched call."""
+        rng = np.random.default_rng(11)
+        stacks = [random_experts(rng, 3, 16, 64, "nvfp4") for _ in range(2)]
+        w = jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *stacks)
+        x = oracle_weight_only.random_x(rng, (12, 64), jnp.bfloat16)
+        sizes = np.array([4, 0, 8], np.int32)
+        ys = jax.vmap(lambda w: jbg.weight_only_ragged_matmul(x, w, sizes, out_dtype=jnp.float32))(w)
+        for i in range(2):
+            oracle_ops.assert_gemm_close(self, np.asarray(ys[i]), oracle(x, stacks[i], sizes),
+                                         c_dtype=jnp.dtype(jnp.float32))
+
     def test_bad_inputs_raise_at_trace_time(self):
         rng = np.random.default_rng(7)
         w = random_experts(rng, 3, 16, 64, "mxfp4")
