@@ -392,14 +392,11 @@ def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int
         return [a, sfa, sfb, items]
     sfb_atom = formats.to_scale_atom(sfb.reshape(l * g, n, kb))
     if swap_ab:
-        if tokens_ready:  # the dequantize kernel's output: bf16 in the kernel's order already
-            pass
-        elif support.tokens_are_values(a.dtype, sf_vec_size):
+        if not tokens_ready:  # else the dequantize kernel's output, bf16 in the kernel's order already
+            if not support.tokens_are_values(a.dtype, sf_vec_size):  # codes (packed FP4: K = 2 x their row)
+                a = reference.dequantize_bf16(formats.unpacked_codes(a, 2 * a.shape[-1]), sfa, block=sf_vec_size,
+                                              axis=2)
             a = swap_ab_tokens(a.astype(jnp.bfloat16), fp4=fp4)
-        else:  # codes (packed FP4: K = 2 x their row, a multiple of 32 here)
-            values = reference.dequantize_bf16(formats.unpacked_codes(a, 2 * a.shape[-1]), sfa, block=sf_vec_size,
-                                               axis=2)
-            a = swap_ab_tokens(values, fp4=fp4)
         return [a, jnp.zeros((l, 0), jnp.uint8), sfb_atom, items]
     return [a, formats.to_scale_atom(sfa), sfb_atom, items]
 

@@ -67,7 +67,7 @@ def _matmul_bwd(out_dtype, implementation, residuals, dy):
     the float32 reference's grouped dot for float32 ones (never TF32); zero on rows of no group."""
     x_like, w, group_sizes = residuals
     x_dtype = x_like.dtype
-    g, n, k = w.shape
+    g, _, k = w.shape
     codes, scales, alpha = weight_only.canonical_weight(w)
     w_hat = reference.dequantize_bf16(formats.unpacked_codes(codes[0], k), scales[0], block=w.block_format.block,
                                       axis=2)

@@ -13,7 +13,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from jax_blockgemm import _native, arch, dispatch, gate, swap_ab_layout
-from jax_blockgemm.kernels import catalog, structure
+from jax_blockgemm.kernels import catalog, common, structure
 
 from compiled_kernels import compiled
 
@@ -100,7 +100,6 @@ class TokenOrderTest(absltest.TestCase):
         tokens in their own order."""
         import ml_dtypes
         from jax_blockgemm import formats
-        from jax_blockgemm.kernels import common
 
         rng = np.random.default_rng(1)
         nibbles = rng.integers(0, 16, size=64)
@@ -165,7 +164,6 @@ class ScaleAddressingTest(parameterized.TestCase):
     @parameterized.product(fmt=((E4M3, 32, E8M0), (FP4, 32, E8M0), (FP4, 16, E4M3)), tile=((128, 128), (64, 64)))
     def test_each_lane_reads_its_block(self, fmt, tile):
         from jax_blockgemm import formats
-        from jax_blockgemm.kernels import common
         from jax_blockgemm.kernels.sm90 import ragged_swap_ab
 
         w_dtype, block, sf = fmt
@@ -232,7 +230,7 @@ class CompileTest(parameterized.TestCase):
         self.assertTrue(re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile[0]}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
                                   r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", c.ptx))
         self.assertTrue(re.search(r"ld\.shared\.v2\.b32", c.ptx))
-        self.assertIn(str(common_two126()), c.ptx)
+        self.assertIn(str(common.BF16X2_TWO_POW_126), c.ptx)  # 2^126 in both bf16 halves
         for name, pattern in {"FP8 converter": r"cvt\.rn\.f16x2\.e4m3x2", "local memory": r"\.local"}.items():
             self.assertFalse(re.search(pattern, c.ptx), name)
         resources = structure.cubin_resources(c.fn.__cubin__)
@@ -253,13 +251,6 @@ class CompileTest(parameterized.TestCase):
         self.assertFalse(re.search(r"\.local", c.ptx))
         resources = structure.cubin_resources(c.fn.__cubin__)
         self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
-
-
-def common_two126() -> int:
-    """2^126 in both bf16 halves, as the PTX writes the constant (a signed 32-bit decimal)."""
-    from jax_blockgemm.kernels import common
-
-    return common.BF16X2_TWO_POW_126
 
 
 class HandlerTest(parameterized.TestCase):

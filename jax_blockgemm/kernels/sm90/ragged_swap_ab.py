@@ -321,17 +321,16 @@ class HopperRaggedSwapAB:
         (k-step s: row0's first pair, row0 + 8's, row0's second, row0 + 8's; which codes, `_convert_words` and
         `_convert_fp4_words`)."""
         words = cute.recast_tensor(frag, cutlass.Int32)  # 4 words per k-step
+        load = ptx_ops.ld_shared_v2 if cutlass.const_expr(self.fp4) else ptx_ops.ld_shared_v4
+        codes = [load(code_at[r] + stage_offset) for r in range(2)]
+        convert_words = self._convert_fp4_words if cutlass.const_expr(self.fp4) else self._convert_words
         if cutlass.const_expr(self.sf_e4m3):  # NVFP4: always two multiplies
-            self._convert_fp4_words(words, [ptx_ops.ld_shared_v2(code_at[r] + stage_offset) for r in range(2)],
-                                    scales, False)
+            convert_words(words, codes, scales, False)
         else:
-            load = ptx_ops.ld_shared_v2 if cutlass.const_expr(self.fp4) else ptx_ops.ld_shared_v4
-            codes = [load(code_at[r] + stage_offset) for r in range(2)]
             limit = common.E2M1_ONE_MULTIPLY_MAX_BYTE if cutlass.const_expr(self.fp4) else common.ONE_MULTIPLY_MAX_BYTE
             big = cutlass.Boolean(False)
             for byte in scales:  # a Python list: unrolled
                 big = big | (byte > limit)
-            convert_words = self._convert_fp4_words if cutlass.const_expr(self.fp4) else self._convert_words
             if cute.arch.vote_any_sync(big):
                 convert_words(words, codes, scales, False)
             else:
