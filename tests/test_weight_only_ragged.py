@@ -89,6 +89,16 @@ class WeightOnlyRaggedTest(parameterized.TestCase):
         self.assertTrue(np.isnan(y[10:22, 5]).all())
         self.assertEqual(int(np.isnan(y).sum()), 12)
 
+    def test_float32_tokens_never_run_tf32(self):
+        """The reference's grouped dot on float32 tokens asks for full float32 precision (on a GPU, XLA would otherwise
+        be free to use TF32); bf16 tokens need not."""
+        w = random_experts(np.random.default_rng(12), 3, 16, 64, "mxfp4")
+        sizes = np.array([4, 0, 8], np.int32)
+        lowered = lambda dtype: jax.jit(lambda x: jbg.weight_only_ragged_matmul(x, w, sizes, out_dtype=jnp.float32)
+                                        ).lower(jnp.zeros((12, 64), dtype)).as_text()
+        self.assertIn("HIGHEST", lowered(jnp.float32))
+        self.assertNotIn("HIGHEST", lowered(jnp.bfloat16))
+
     def test_nan_alpha_stays_in_its_expert(self):
         """An expert whose alpha is NaN gives NaN on its rows only: the other experts' rows and the rows of no group
         (zero) are untouched."""
