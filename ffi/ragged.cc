@@ -21,15 +21,23 @@ std::string CheckCount(const BufferDesc& b, int index) {
   return ElementCount(b) < kMaxBufferElements ? "" : Describe(b, index) + "; expected fewer than 2**31 elements";
 }
 
-// "" when sfa (unless the objects take bfloat16 tokens) and sfb hold SPEC §3's atom over A's L batches of T rows and
-// over B's L·G batches (batch l·G + g) of N rows, for K along the scale blocks of `kernel` (one with scales:
-// sf_vec_size > 0), else the message saying so.
-std::string CheckScaleAtoms(const BufferDesc (&buf)[8], const KernelDtypes& kernel, int64_t l, int64_t t, int64_t n,
-                            int64_t k, int64_t g) {
-  const int64_t k_atoms = CeilDiv(CeilDiv(k, kernel.sf_vec_size), kAtomBlocks);
+// "" when the scales fit the operands, for K along the scale blocks of `kernel` (one with scales: sf_vec_size > 0):
+// sfa and sfb in SPEC §3's atom over A's L batches of T rows and over B's L·G batches (batch l·G + g) of N rows; for
+// the swap_ab objects (bfloat16 tokens) no sfa and sfb compact, (L·G, N, ceil(K/block)). Else the message saying so.
+std::string CheckScales(const BufferDesc (&buf)[8], const KernelDtypes& kernel, int64_t l, int64_t t, int64_t n,
+                        int64_t k, int64_t g) {
+  const int64_t k_blocks = CeilDiv(k, kernel.sf_vec_size);
+  if (kernel.a_bf16) {
+    if (!HasShape(buf[3], {l * g, n, k_blocks})) {
+      return Describe(buf[3], 3) + "; expected " + ShapeString({l * g, n, k_blocks}) + " (L*G, N, ceil(K/" +
+             std::to_string(kernel.sf_vec_size) + ")): b's L*G weights' scales, compact";
+    }
+    return "";
+  }
+  const int64_t k_atoms = CeilDiv(k_blocks, kAtomBlocks);
   const std::string blocks = "ceil(ceil(K/" + std::to_string(kernel.sf_vec_size) + ")/4), 32, 4, 4)";
   const int64_t sfa_dims[6] = {l, CeilDiv(t, kAtomRows), k_atoms, 32, 4, 4};
-  if (!kernel.a_bf16 && !HasShape(buf[2], {sfa_dims[0], sfa_dims[1], k_atoms, 32, 4, 4})) {
+  if (!HasShape(buf[2], {sfa_dims[0], sfa_dims[1], k_atoms, 32, 4, 4})) {
     return Describe(buf[2], 2) + "; expected " + ShapeString(sfa_dims, 6) + " (L, ceil(T/128), " + blocks +
            ": the 128x4 scale atom of a";
   }
@@ -184,7 +192,7 @@ std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& k
                                                                       : "; expected float8_e4m3fn scales (NVFP4)");
     }
   }
-  if (!kernel.ab_bf16 && !(e = CheckScaleAtoms(buf, kernel, l, t, n, k, g)).empty()) return e;
+  if (!kernel.ab_bf16 && !(e = CheckScales(buf, kernel, l, t, n, k, g)).empty()) return e;
   if (items.dtype != XLA_FFI_DataType_S32) return Describe(items, 4) + "; expected int32 work items";
   const int64_t max_items = items.rank == 3 ? items.dims[1] : 0;
   if (items.rank != 3 || items.dims[0] != l || max_items < 1 || items.dims[2] != kItemFields) {

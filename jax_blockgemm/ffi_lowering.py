@@ -34,8 +34,9 @@ K), its scales the atoms of L·G batches; items, int32 (L, max_items, 4), is the
 The bf16 objects (ab_dtype "bfloat16", sf_dtype "none" (NO_SCALES), sf_vec_size 0, C float32 or bfloat16) take
 bfloat16 a (L, T, K) and b (L, G, N, K) for b_major "k" or (L, G, K, N) for "n", and read neither sfa nor sfb
 (uint8 of zero elements, any rank) nor alpha (passed: ones); every other format takes b_major "k". The call also
-carries `a_dtype`, ab_dtype's but for the swap_ab objects (MXFP8 E4M3 weights): "bfloat16", whose a is the tokens
-dequantized and permuted by `swap_ab_layout.swap_ab_tokens`, (L, T, K rounded up to 256), and whose sfa is empty.
+carries `a_dtype`, ab_dtype's but for the swap_ab objects (MXFP8 E4M3, MXFP4 or NVFP4 weights): "bfloat16", whose a
+is the tokens dequantized and permuted by `swap_ab_layout.swap_ab_tokens`, (L, T, K rounded up to 256), whose sfa is
+empty and whose sfb is compact, (L·G, N, ceil(K/v)).
 
 `jbg_grouped_contraction` (x, y, bounds -> c, amax) carries the object table and `ab_dtype` ("bfloat16") and
 `c_dtype` ("float32" or "bfloat16"): x (L, T, K) and y (L, T, N) bfloat16, tokens sorted by group, bounds int32 (L,
@@ -300,7 +301,7 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
     (NVFP4); items int32 (L, max_items, 4); alpha (L,) float32. Results from `ctx.avals_out`: c (L, T, N) (packed
     FP4: (L, T, N/2) uint8) in the variants' C dtype, amax (L,) float32. `variants`: catalog entries of op "ragged",
     one per architecture, all of one b_major. The swap_ab variants take a as bf16 tokens (`swap_ab_layout`), sfa
-    empty and alpha (L·G,), one per weight.
+    empty, sfb compact (L·G, N, ceil(K/block)) and alpha (L·G,), one per weight.
 
     bf16 variants (ab_dtype "bfloat16", sf_dtype NO_SCALES): a (L, T, K) and b bfloat16, b (L, G, N, K) for the
     variants' b_major "k" or (L, G, K, N) for "n"; sfa and sfb uint8 of zero elements (any rank), which the kernel
@@ -331,9 +332,11 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
             raise ValueError(f"emit_ragged expects, for swap_ab variants, a bfloat16 (L, T, K rounded up to 256) and "
                              f"b {np.dtype(code_dtype)} (L, G, N, {'K/2' if fp4 else 'K'}); got a {a_aval}, b "
                              f"{b_aval}")
-        if sfa_aval.size or np.dtype(sfa_aval.dtype) != np.uint8 or sfb_aval.ndim != 6:
-            raise ValueError(f"emit_ragged expects, for swap_ab variants, sfa uint8 of zero elements and sfb in the "
-                             f"128x4 atom form (rank 6); got sfa {sfa_aval}, sfb {sfb_aval}")
+        kb = -(-k // variants[0].sf_vec_size)
+        if sfa_aval.size or np.dtype(sfa_aval.dtype) != np.uint8 or sfb_aval.shape != (l * g, n, kb):
+            raise ValueError(f"emit_ragged expects, for swap_ab variants, sfa uint8 of zero elements and sfb compact "
+                             f"(L*G, N, ceil(K/{variants[0].sf_vec_size})) = {(l * g, n, kb)}; got sfa {sfa_aval}, "
+                             f"sfb {sfb_aval}")
     else:
         b_shape = (l, g, row, n) if b_major == "n" else (l, g, n, row)
         if b_aval.shape != b_shape or np.dtype(b_aval.dtype) != np.dtype(a_aval.dtype) or min(g, n) < 1:
@@ -374,18 +377,18 @@ def emit_decode_swap_ab(ctx: Any, x: Any, b: Any, sfb: Any, alpha: Any, *, varia
     """A decode-sized GEMM through the swap_ab ragged kernel's decode tiles (catalog.SWAP_AB_DECODE_TILES; dispatch
     picks it at arch.TABLE's decode_swap_ab_m): x (L, M, K) bf16 as one group of M tokens, permuted by
     `swap_ab_tokens` (in the FP4 order for FP4 weights), against b (L, N, K) E4M3 codes or packed FP4 (L, N, K/2),
-    one weight per batch, with sfb compact (L, N, KB) or in the atom form, and alpha (L,); `ctx.avals_out` are c
-    (L, M, N) in the variants' C dtype and amax (L,). One work item per batch, all M rows (the tile holds them).
-    Returns [c, amax]."""
+    one weight per batch, with sfb compact (L, N, KB) (the kernel's form) or in the atom form, and alpha (L,);
+    `ctx.avals_out` are c (L, M, N) in the variants' C dtype and amax (L,). One work item per batch, all M rows (the
+    tile holds them). Returns [c, amax]."""
     x_aval, b_aval, sfb_aval, alpha_aval = ctx.avals_in
     l, m, k = x_aval.shape
     n, row = b_aval.shape[1:]
     fp4 = variants[0].ab_dtype == "float4_e2m1fn"
 
     def prepare(x, b, sfb):
-        atom = sfb if sfb.ndim == 6 else formats.to_scale_atom(sfb)
+        compact = formats.from_scale_atom(sfb, n, -(-k // variants[0].sf_vec_size)) if sfb.ndim == 6 else sfb
         items = jnp.broadcast_to(jnp.array([[0, 0, 0, m]], jnp.int32), (l, 1, 4))  # (row tile, group, rows)
-        return [swap_ab_tokens(x, fp4=fp4), b.reshape(l, 1, n, row), jnp.zeros((l, 0), jnp.uint8), atom, items]
+        return [swap_ab_tokens(x, fp4=fp4), b.reshape(l, 1, n, row), jnp.zeros((l, 0), jnp.uint8), compact, items]
 
     in_avals = [x_aval, b_aval, sfb_aval]
     out_avals = [jax.core.ShapedArray(o.shape, o.dtype) for o in jax.eval_shape(prepare, *in_avals)]

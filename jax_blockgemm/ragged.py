@@ -382,23 +382,23 @@ def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int
     """What the grouped kernel reads besides the weights' codes: a (the codes, or for `swap_ab` kernels the tokens
     dequantized to bf16 (tokens that are values: as given) and permuted by `swap_ab_tokens`, in the FP4 order for
     FP4 weights (`fp4`), with empty token scales; `tokens_ready`: a is that already, the dequantize kernel's output),
-    both scales in the SPEC §3 atom layout (sfb over L·G batches; bf16 operands' empty scales as they are) and the
-    work items of each batch (`group_items` for kernels that start a tile at any row, `group_local`; else
-    `kernel_items`, on the 128-row grid of the tokens' scale atoms)."""
+    both scales in the SPEC §3 atom layout (sfb over L·G batches; the swap_ab kernels read sfb compact, (L·G, N,
+    KB); bf16 operands' empty scales as they are) and the work items of each batch (`group_items` for kernels that
+    start a tile at any row, `group_local`; else `kernel_items`, on the 128-row grid of the tokens' scale atoms)."""
     l, g, n, kb = sfb.shape
     table = group_items if group_local else kernel_items
     items = jax.vmap(lambda s, e: table(s, e, tokens))(starts, ends)
     if kb == 0:
         return [a, sfa, sfb, items]
-    sfb_atom = formats.to_scale_atom(sfb.reshape(l * g, n, kb))
+    sfb = sfb.reshape(l * g, n, kb)
     if swap_ab:
         if not tokens_ready:  # else the dequantize kernel's output, bf16 in the kernel's order already
             if not support.tokens_are_values(a.dtype, sf_vec_size):  # codes (packed FP4: K = 2 x their row)
                 a = reference.dequantize_bf16(formats.unpacked_codes(a, 2 * a.shape[-1]), sfa, block=sf_vec_size,
                                               axis=2)
             a = swap_ab_tokens(a.astype(jnp.bfloat16), fp4=fp4)
-        return [a, jnp.zeros((l, 0), jnp.uint8), sfb_atom, items]
-    return [a, formats.to_scale_atom(sfa), sfb_atom, items]
+        return [a, jnp.zeros((l, 0), jnp.uint8), sfb, items]
+    return [a, formats.to_scale_atom(sfa), formats.to_scale_atom(sfb), items]
 
 
 def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, sf_vec_size, **_):

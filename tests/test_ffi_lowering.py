@@ -473,7 +473,7 @@ class PublicDecodeLoweringTest(absltest.TestCase):
     def test_mxfp8_e4m3_of_17_to_64_rows_take_the_swap_ab_decode_tile(self):
         """On an sm_90a GPU, decode-sized calls with MXFP8 E4M3 weights of arch.TABLE's decode_swap_ab_m rows go to
         the swap_ab ragged kernel's decode tile as one group: x (bf16, or A dequantized) padded to a K of 256 and
-        permuted, the weight as (L, 1, N, K) with its atom scales, empty token scales, one item table per batch.
+        permuted, the weight as (L, 1, N, K) with its scales compact, empty token scales, one item table per batch.
         16 rows, a float16 C and other formats keep jbg_weight_stream, as does a lowering with no GPU present."""
         first, last = jbg_arch.policy("sm_90a").decode_swap_ab_m["mxfp8_e4m3"]
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
@@ -488,7 +488,7 @@ class PublicDecodeLoweringTest(absltest.TestCase):
                         types = [str(o.type) for o in call.operands]
                         self.assertEqual(types[:3], [f"tensor<1x{m}x256xbf16>", "tensor<1x1x48x96xf8E4M3FN>",
                                                      "tensor<1x0xui8>"])
-                        self.assertRegex(types[3], r"tensor<1x1x1x32x4x4xui8>")
+                        self.assertEqual(types[3], "tensor<1x48x3xui8>")  # the scales compact, as given
                         self.assertRegex(types[4], r"tensor<1x\d+x4xi32>")
                         self.assertEqual(str(call.results[0].type), f"tensor<1x{m}x48xf32>")
                         tile = "t32x64" if m <= 32 else "t64x64"  # the smallest decode tile that holds M
@@ -497,6 +497,7 @@ class PublicDecodeLoweringTest(absltest.TestCase):
             (call,) = _calls(gemm, "jbg_ragged_gemm_amax")
             self.assertEqual(str(call.operands[0].type), "tensor<2x40x256xbf16>")
             self.assertEqual(str(call.operands[1].type), "tensor<2x1x144x96xf8E4M3FN>")
+            self.assertEqual(str(call.operands[3].type), "tensor<2x144x3xui8>")  # gemm_amax's atoms made compact
             self.assertLen(_calls(self._weight_only("mxfp8_e4m3", m=first - 1, k=96), "jbg_weight_stream"), 1)
             self.assertLen(_calls(self._gemm(40, c_dtype=jnp.float16, implementation="cutedsl"), "jbg_weight_stream"),
                            1)  # the tile writes f32 or bf16 C

@@ -156,14 +156,14 @@ class TokenOrderTest(absltest.TestCase):
 
 
 class ScaleAddressingTest(parameterized.TestCase):
-    """A model of the kernel's scale reads: for every weight row of a tile and every lane's 16 codes in every k-tile,
-    the byte that `_scale_word_base`, `_scale_words` and `_scale_bytes` pick out of the atoms, walking them as the
-    mainloop does (a group's atoms loaded as words, the word of k-tile i at i // tiles-per-atom), must be that row's
-    compact scale of the block holding those codes (clamped to the last block: codes past K are TMA's zeros)."""
+    """A model of the kernel's scale reads: for every weight row of a tile (rows past N too) and every lane's 16 codes
+    in every k-tile of the groups the mainloop walks (the next group's loaded ahead, past K included), the byte at
+    `_scale_row_at` + `_scale_block` in the compact scales must be that row's scale of the block holding those codes,
+    or for rows past N and codes past K (TMA's zeros) a byte of the weight's last real row and block: no read leaves
+    the weight's scales."""
 
     @parameterized.product(fmt=((E4M3, 32, E8M0), (FP4, 32, E8M0), (FP4, 16, E4M3)), tile=((128, 128), (64, 64)))
     def test_each_lane_reads_its_block(self, fmt, tile):
-        from jax_blockgemm import formats
         from jax_blockgemm.kernels.sm90 import ragged_swap_ab
 
         w_dtype, block, sf = fmt
@@ -172,25 +172,24 @@ class ScaleAddressingTest(parameterized.TestCase):
         g, n, k = 2, 200, 544  # N off both tiles; K past a whole promotion group (the last blocks clamped)
         kb = -(-k // block)
         compact = np.random.default_rng(block + tile[1]).integers(0, 256, (g, n, kb)).astype(np.uint8)
-        words = np.ascontiguousarray(np.asarray(formats.to_scale_atom(jnp.asarray(compact)))).reshape(-1).view(
-            np.int32)
-        atoms_n, k_atoms = -(-n // 128), -(-kb // 4)
-        tiles_per_atom = common.ATOM_KB * block // ragged_swap_ab.K_TILE
-        group_atoms = ragged_swap_ab.PROMOTE_TILES // tiles_per_atom
+        flat = compact.reshape(-1)
         groups = -(-k // ragged_swap_ab.K_PAD)
         rows = tile[1]
+
+        class Base:  # the kernel takes the tensor's address; the model reads offsets from 0
+            class iterator:
+                toint = staticmethod(lambda: 0)
+
         for w_batch in range(g):
             for tile_n in range(-(-n // rows)):
-                for row in range(min(rows, n - tile_n * rows)):
-                    base = kernel._scale_word_base(w_batch, tile_n, row, atoms_n, k_atoms)
-                    for q in range(groups):
-                        here = [kernel._scale_words(words, base, base, group_atoms * q + a, k_atoms)[0]
-                                for a in range(group_atoms)]
+                for row in range(rows):
+                    at = int(kernel._scale_row_at(Base, w_batch, tile_n * rows + row, n, kb))
+                    for q in range(groups + 1):  # the last group's loads of the next one: the clamped block
                         for i in range(ragged_swap_ab.PROMOTE_TILES):
                             for pair in range(4):
-                                got = kernel._scale_bytes([here[i // tiles_per_atom]], q, i, pair, kb, k_atoms)[0]
+                                got = flat[at + int(kernel._scale_block(q, i, pair, kb))]
                                 kt = ragged_swap_ab.PROMOTE_TILES * q + i
-                                want = compact[w_batch, tile_n * rows + row,
+                                want = compact[w_batch, min(tile_n * rows + row, n - 1),
                                                min((64 * kt + 16 * pair) // block, kb - 1)]
                                 self.assertEqual(int(got), int(want), (w_batch, tile_n, row, q, i, pair))
 
@@ -260,6 +259,7 @@ class HandlerTest(parameterized.TestCase):
     def _buffers(l=1, t=300, n=72, k=160, g=5, max_items=8):
         out = ffi_cases._buffers(l, t, n, k, g, max_items)
         out = ffi_cases._replace(out, 0, dtype=BF16, dims=[l, t, -(-k // 256) * 256])
+        out = ffi_cases._replace(out, 3, dims=[l * g, n, -(-k // 32)])  # sfb compact
         out = ffi_cases._replace(out, 7, dims=[l * g])  # alpha: one per weight
         return ffi_cases._replace(out, 2, dims=[0], address=0)
 
@@ -283,10 +283,11 @@ class HandlerTest(parameterized.TestCase):
     @parameterized.parameters((E8M0, 32), (E4M3, 16))
     def test_fp4_buffers(self, sf, block):
         """Packed FP4 codes (L, G, N, K/2) against tokens of K rounded up to 256 (K = 2 x b's rows, a multiple of
-        32), the atoms of K's blocks of `block`."""
+        32), the compact scales of K's blocks of `block`."""
         def fp4(k):
             out = ffi_cases._buffers(1, 300, 72, k, 5, 8, ab=U8, sf=U8 if sf == E8M0 else sf, v=block)
             out = ffi_cases._replace(out, 0, dtype=BF16, dims=[1, 300, -(-k // 256) * 256])
+            out = ffi_cases._replace(out, 3, dims=[5, 72, -(-k // block)])
             return ffi_cases._replace(ffi_cases._replace(out, 2, dtype=U8, dims=[0], address=0), 7, dims=[5])
 
         check = lambda buffers: ext.check_ragged_buffers(buffers, FP4, F32, sf_dtype=sf, sf_vec_size=block,
@@ -297,7 +298,9 @@ class HandlerTest(parameterized.TestCase):
         cases = [(fp4(336), r"a multiple of 32 \(16-byte rows of packed FP4 codes\)"),
                  (ffi_cases._replace(fp4(320), 0, dims=[1, 300, 320]), r"expected K = 512: b's K rounded up to 256"),
                  (ffi_cases._replace(fp4(320), 1, dtype=E4M3), r"b is .*compiled for"),
-                 (ffi_cases._replace(fp4(320), 3, dims=[5, 1, 1, 32, 4, 4]), r"sfb .* atom"),
+                 (ffi_cases._replace(fp4(320), 3, dims=[5, 1, 3, 32, 4, 4]), r"sfb .* \(L\*G, N, ceil\(K/"),
+                 (ffi_cases._replace(fp4(320), 3, dims=[5, 72, 320 // block + 1]),
+                  rf"sfb .*expected \(5, 72, {320 // block}\)"),
                  (ffi_cases._replace(fp4(320), 2, dtype=E4M3), r"sfa .* uint8 of zero elements")]
         for buffers, pattern in cases:
             with self.subTest(pattern=pattern):
@@ -316,7 +319,8 @@ class HandlerTest(parameterized.TestCase):
             (ffi_cases._replace(self._buffers(), 1, dims=[1, 5, 72]), r"b is .*expected \(L, G, N, K\) = \(1, G >= 1"),
             (ffi_cases._replace(self._buffers(), 1, dtype=E5M2), r"b is .*compiled for float8_e4m3fn codes"),
             (ffi_cases._replace(self._buffers(), 0, dims=[300, 256]), r"expected rank 3 \(L, T, K rounded up to 256\)"),
-            (ffi_cases._replace(self._buffers(), 3, dims=[5, 1, 1, 32, 4, 4]), r"sfb .* atom"),
+            (ffi_cases._replace(self._buffers(), 3, dims=[5, 1, 2, 32, 4, 4]), r"sfb .*expected \(5, 72, 5\)"),
+            (ffi_cases._replace(self._buffers(), 3, dims=[5, 71, 5]), r"sfb .*compact"),
             (ffi_cases._replace(self._buffers(), 5, dims=[1, 300, 71]), r"c is .*expected \(1, 300, 72\)"),
             (ffi_cases._replace(self._buffers(), 7, dims=[1]),
              r"alpha is .*expected float32 \(5,\) \(L\*G,\): one per weight")]
@@ -405,16 +409,16 @@ class DispatchTest(absltest.TestCase):
         self.assertIn('a_dtype = "bfloat16"', call)
         self.assertIn('ab_dtype = "float8_e4m3fn"', call)
         self.assertRegex(call, r"\(tensor<1x300x256xbf16>, tensor<1x5x72x160xf8E4M3FN>, tensor<1x0xui8>, "
-                               r"tensor<5x1x2x32x4x4xui8>")
+                               r"tensor<5x72x5xui8>")  # the weights' scales compact: (L*G, N, K/32)
         self.assertRegex(call, r"swap_ab")
         self.assertNotIn("jbg_dequantize_mxfp8", text)  # K = 160 needs padding: XLA's gather pads it
 
     def test_fp4_lowered_call(self):
         """MXFP4 and NVFP4 on an H200 where arch.TABLE's ragged_swap_ab_formats names them: the swap_ab object, bf16
         tokens of K rounded up to 256 (XLA unpacks, dequantizes and gathers them in the FP4 order; no dequantize
-        kernel, which takes MXFP8), the packed codes (L, G, N, K/2), the weights' scale atoms (E4M3 for NVFP4) and an
-        empty sfa; a float16 C keeps the block-scaled kernel, as do both formats while the table leaves them out."""
-        for fmt, sf in (("mxfp4", "ui8"), ("nvfp4", "f8E4M3FN")):
+        kernel, which takes MXFP8), the packed codes (L, G, N, K/2), the weights' compact scales (E4M3 for NVFP4) and
+        an empty sfa; a float16 C keeps the block-scaled kernel, as do both formats while the table leaves them out."""
+        for fmt, sf, kb in (("mxfp4", "ui8", 16), ("nvfp4", "f8E4M3FN", 32)):
             with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
                     mock.patch.object(gate, "ensure_verified", side_effect=_verdict(True)):
                 default = lowering_cases._lowered(fmt, t=300, g=5, n=72, k=512)
@@ -428,7 +432,7 @@ class DispatchTest(absltest.TestCase):
             self.assertIn('ab_dtype = "float4_e2m1fn"', call)
             self.assertIn("swap_ab", call)
             self.assertRegex(call, rf"\(tensor<1x300x512xbf16>, tensor<1x5x72x256xui8>, tensor<1x0xui8>, "
-                                   rf"tensor<5x1x\d+x32x4x4x{sf}>")
+                                   rf"tensor<5x72x{kb}x{sf}>")
             self.assertNotIn("jbg_dequantize_mxfp8", text)
             f16_call = next(line for line in f16.splitlines() if "@jbg_ragged_gemm_amax" in line)
             self.assertNotIn("swap_ab", f16_call)

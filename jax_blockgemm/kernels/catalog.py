@@ -42,7 +42,7 @@ dynamic_shapes[1];}` struct over a flat buffer.
       or (L·G, K, N) for "n", and read neither sfa, sfb nor alpha (empty buffers). The swap_ab variants (schedule
       SWAP_AB; MXFP8 E4M3, MXFP4 or NVFP4 weights, f32 or bf16 C) take the tokens dequantized to bf16 and permuted
       (`swap_ab_layout.swap_ab_tokens`, fp4 for FP4 codes: a (L, T, K rounded up to 256)), the weights' codes b and
-      their atoms sfb; sfa is empty and alpha (L·G,) holds one factor per weight.
+      their scales sfb compact, (L·G, N, ceil(K/v)); sfa is empty and alpha (L·G,) holds one factor per weight.
     quantize_pair: fn(w, row_map, values, codes, scales, rows, cols, src_rows, stream)
       both MX quantizations of a bf16 matrix in one pass (kernels/quantize_pair.py): w (src_rows, cols) bf16; values
       (rows, cols) bf16, w quantized with its blocks along the rows in ab_dtype's format, as code·scale; codes

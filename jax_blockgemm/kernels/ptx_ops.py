@@ -72,6 +72,12 @@ def ld_shared_u32(addr, *, loc=None, ip=None) -> cutlass.Int32:
 
 
 @dsl_user_op
+def ld_global_nc_u8(addr, *, loc=None, ip=None) -> cutlass.Int32:
+    """One byte of global memory the kernel only reads (the non-coherent path), zero-extended."""
+    return cutlass.Int32(asm(T.i32(), [cutlass.Int64(addr)], "ld.global.nc.u8 $0, [$1];", "=r,l", False, loc, ip))
+
+
+@dsl_user_op
 def st_global_u16_if(addr, w, pred, *, loc=None, ip=None) -> None:
     args = [cutlass.Int64(addr), cutlass.Int32(w), cutlass.Int32(pred)]
     asm(None, args, "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b16 [$0], $1; }", "l,r,r,~{memory}", True,

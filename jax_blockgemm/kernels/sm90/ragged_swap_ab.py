@@ -42,8 +42,9 @@ C rows of the item with 16-byte stores, amax of what it stored by one atomic per
 
 ABI: the ragged one (catalog "ragged"), fn(a, b, sfa, sfb, items, c, amax, alpha, t, n, k, l, g, max_items, stream),
 with a the permuted bf16 tokens (L, T, K256), K256 = K rounded up to 256 (zeros past K); b the codes (L·G, N, K),
-packed FP4 (L·G, N, K/2); sfb their scale bytes (E8M0, or E4M3 for NVFP4) in the SPEC §3 atom of (L·G, N, K); sfa
-an empty uint8 buffer; alpha (L·G,) float32, one per weight; c (L, T, N) float32 or bfloat16; k the logical K.
+packed FP4 (L·G, N, K/2); sfb their scale bytes (E8M0, or E4M3 for NVFP4) compact, (L·G, N, ceil(K/block)), which
+every caller has (the atom layout would cost a transposing pass over every expert's scales per call); sfa an empty
+uint8 buffer; alpha (L·G,) float32, one per weight; c (L, T, N) float32 or bfloat16; k the logical K.
 """
 
 from __future__ import annotations
@@ -230,30 +231,22 @@ class HopperRaggedSwapAB:
         code_at = (w_base + row0 * rb + lb * pair, w_base + (row0 + 8) * rb + lb * pair)
         stage_bytes = bw * rb
 
-        # Scale words of the 128 x 4 atom: the word of row r holds its four k-blocks of one atom (two k-tiles of
-        # 32-wide blocks, one of NVFP4's 16-wide ones); this thread's 16 codes lie in one block (`_scale_bytes`).
-        # Blocks past K read the last real block (its codes there are TMA's zeros).
-        sfb_w = cute.make_tensor(cute.recast_ptr(sfb.iterator, dtype=cutlass.Int32),
-                                 cute.make_layout((cute.size(sfb) // 4,)))
-        atoms_n = (n + common.ATOM_MN - 1) // common.ATOM_MN
+        # Scale bytes, compact (L·G, N, KB): this thread's 16 codes of a row lie in one block, one byte per row and
+        # k-tile (`_scale_block`); a group's eight (PROMOTE_TILES k-tiles x rows row0, row0 + 8) are loaded a group
+        # ahead, a list of scalars the DSL carries through the loop.
         blocks = (k + self.sf_vec_size - 1) // self.sf_vec_size
-        k_atoms = (blocks + common.ATOM_KB - 1) // common.ATOM_KB
-        base0, base1 = [self._scale_word_base(w_batch, tile_n, r, atoms_n, k_atoms) for r in (row0, row0 + 8)]
-        scale_words = lambda atom: self._scale_words(sfb_w, base0, base1, atom, k_atoms)
-        scale_bytes = lambda words, q, i: self._scale_bytes(words, q, i, pair, blocks, k_atoms)
+        rows_at = [self._scale_row_at(sfb, w_batch, tile_n * bw + r, n, blocks) for r in (row0, row0 + 8)]
         per = PROMOTE_TILES
-        tiles_per_atom = common.ATOM_KB * self.sf_vec_size // K_TILE  # 2 (32-wide blocks) or 1 (16-wide)
-        atoms = per // tiles_per_atom  # k-atoms per group of k-tiles
+        group_scales = lambda q: [ptx_ops.ld_global_nc_u8(at + self._scale_block(q, i, pair, blocks))
+                                  for i in range(per) for at in rows_at]
 
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        # Scale words (rows row0, row0 + 8) of this group's atoms and of the next group's, loaded a group ahead; a
-        # list of scalars, which the DSL carries through the loop.
-        here = [w for a in range(atoms) for w in scale_words(a)]
+        here = group_scales(0)
         ab_pipeline.consumer_wait(read_state)
-        self.convert(frags[0], code_at, read_state.index * stage_bytes, scale_bytes(here[0:2], 0, 0))
+        self.convert(frags[0], code_at, read_state.index * stage_bytes, here[0:2])
         for q in range(k_tiles // per):
-            ahead = [w for a in range(atoms) for w in scale_words(atoms * q + atoms + a)]
+            ahead = group_scales(q + 1)
             for i in cutlass.range_constexpr(per):
                 cute.nvgpu.warpgroup.fence()
                 for ks in cutlass.range_constexpr(k_steps):
@@ -269,14 +262,12 @@ class HopperRaggedSwapAB:
                 # k-tile i + 1 into the other fragment while the tensor cores run k-tile i
                 if cutlass.const_expr(i + 1 < per):
                     ab_pipeline.consumer_wait(read_state)
-                    a = (i + 1) // tiles_per_atom
                     self.convert(frags[(i + 1) % 2], code_at, read_state.index * stage_bytes,
-                                 scale_bytes(here[2 * a:2 * a + 2], q, i + 1))
+                                 here[2 * i + 2:2 * i + 4])
                 else:
                     if per * q + per < k_tiles:
                         ab_pipeline.consumer_wait(read_state)
-                        self.convert(frags[0], code_at, read_state.index * stage_bytes,
-                                     scale_bytes(ahead[0:2], q, per))
+                        self.convert(frags[0], code_at, read_state.index * stage_bytes, ahead[0:2])
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(release_state)
             release_state.advance()
@@ -285,34 +276,19 @@ class HopperRaggedSwapAB:
             here = ahead
         return acc
 
-    def _scale_word_base(self, w_batch, tile_n, row, atoms_n, k_atoms):
-        """The index, among the scale atoms' 32-bit words, of tile-relative weight row `row`'s word in k-atom 0
-        (weight w_batch, row tile tile_n): SPEC §3's atom puts row r's four blocks in word (r % 32)·4 + r // 32 of its
-        128-row chunk; a 64-row tile is half of one."""
-        atom_row, in_atom = cutlass.min(tile_n, atoms_n - 1), 0  # in_atom: the tile's first row within its atom
-        if cutlass.const_expr(self.tile_mnk[1] < common.ATOM_MN):  # 64-row tiles: two per atom
-            atom_row, in_atom = tile_n // 2, tile_n % 2 * self.tile_mnk[1]
-        r = in_atom + row
-        return (w_batch * atoms_n + atom_row) * k_atoms * 128 + (r % 32) * 4 + r // 32 % 4
-
     @staticmethod
-    def _scale_words(sfb_w: cute.Tensor, base0, base1, atom, k_atoms) -> tuple:
-        """The words of rows row0 and row0 + 8 (word indices base0, base1 at k-atom 0) in k-atom `atom` (clamped to
-        the last atom)."""
-        at = cutlass.min(atom, k_atoms - 1) * (common.ATOM_BYTES // 4)
-        return sfb_w[base0 + at], sfb_w[base1 + at]
+    def _scale_row_at(sfb: cute.Tensor, w_batch, row, n, blocks) -> cutlass.Int64:
+        """The address of weight w_batch's row `row` (clamped to N - 1: rows past N are TMA's zeros) among the
+        compact scale bytes, KB = `blocks` a row."""
+        return sfb.iterator.toint() + cutlass.Int64((w_batch * n + cutlass.min(row, n - 1)) * blocks)
 
-    def _scale_bytes(self, words: list, q, i: int, pair, blocks, k_atoms) -> list:
-        """This thread's scale bytes of k-tile i of group q (i = PROMOTE_TILES: the next group's first) from its
-        rows' two words of that k-tile's atom: its 16 codes' block (c // 2 of a k-tile's two 32-wide blocks, c of
-        its four 16-wide ones), clamped to the last block of K."""
+    def _scale_block(self, q, i: int, pair, blocks):
+        """The block holding this thread's 16 codes of k-tile i of group q: c // 2 of a k-tile's two 32-wide blocks,
+        c of its four 16-wide ones (c = `pair`, the lane's place in its quad), clamped to the last block of K (the
+        codes past K are TMA's zeros)."""
         per_tile = K_TILE // self.sf_vec_size  # blocks per k-tile
-        tiles_per_atom = common.ATOM_KB // per_tile
         lane_block = pair if cutlass.const_expr(per_tile == 4) else pair // 2
-        block = cutlass.min(q * (PROMOTE_TILES * per_tile) + i * per_tile + lane_block, blocks - 1)
-        atom = cutlass.min(q * (PROMOTE_TILES // tiles_per_atom) + i // tiles_per_atom, k_atoms - 1)
-        shift = 8 * (block - common.ATOM_KB * atom)
-        return [(w >> shift) & 0xFF for w in words]
+        return cutlass.min((q * PROMOTE_TILES + i) * per_tile + lane_block, blocks - 1)
 
     @cute.jit
     def convert(self, frag: cute.Tensor, code_at: tuple, stage_offset, scales: list):
