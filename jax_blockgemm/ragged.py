@@ -11,7 +11,8 @@ measurement, on GPU): a dense dot over G masked copies of the tokens, G times th
 are cut into tiles of `tile` rows and a loop visits the (tile, group) pairs that hold rows of that group, CHUNK per
 iteration: at most ceil(T / tile) + G - 1 products of (tile, K) x (K, N), each written into its own rows of C.
 Work: T·K·N plus at most (G - 1)·tile·K·N multiply-adds; memory: C, the operands, and the weights dequantized to
-bfloat16 once (exact).
+bfloat16 once (exact), or, where the loop cannot visit as many items as there are weights (decode: a few tokens
+routed over many experts, `weights_per_item`), dequantized per chunk of items: only the experts the tokens use.
 
 Canonical operands (what the API binds): a (L, T, K) codes (packed FP4: uint8 (L, T, K/2)); b (L, G, N, K) likewise;
 sfa (L, T, KB) and sfb (L, G, N, KB) compact scales (E8M0 bytes as uint8, or float8_e4m3fn for NVFP4); starts, ends
@@ -31,7 +32,7 @@ given, sfa (L, T, 0) empty, with codes b and scales sfb as above (sf_vec_size > 
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +44,8 @@ from jax_blockgemm import formats, primitives, reference, sharding, support
 from jax_blockgemm.swap_ab_layout import SWAP_AB_K_PAD, swap_ab_tokens
 
 __all__ = ["ragged_p", "ragged_local_p", "check_call", "group_bounds", "grouped_rows_dot", "grouped_contraction",
-           "grouped_dot", "ragged_reference", "check_group_sizes", "tile_rows", "kernel_items", "group_items",
-           "max_kernel_items"]
+           "grouped_dot", "ragged_reference", "check_group_sizes", "tile_rows", "weights_per_item", "kernel_items",
+           "group_items", "max_kernel_items"]
 
 ragged_p = jex_core.Primitive("jbg_ragged_gemm_amax")
 ragged_local_p = jex_core.Primitive("jbg_ragged_gemm_amax_local")
@@ -194,15 +195,19 @@ def max_kernel_items(tokens: int, groups: int, rows: int = 128) -> int:
     return -(-tokens // rows) + groups + 1
 
 
-def grouped_rows_dot(x: jax.Array, w: jax.Array, starts: jax.Array, ends: jax.Array,
-                     tile: Optional[int] = None) -> jax.Array:
+def grouped_rows_dot(x: jax.Array, w: jax.Array | Callable[[jax.Array], jax.Array], starts: jax.Array,
+                     ends: jax.Array, tile: Optional[int] = None) -> jax.Array:
     """out[t] = x[t] · w[g]ᵀ for the rows t of group g, 0 on rows of no group: x (T, K), w (G, N, K) -> (T, N) float32.
 
-    Operands in bfloat16 (or what they are; float32 ones at full float32 precision, never TF32), float32
-    accumulation; memory O(T·N) plus CHUNK tiles and weights, see the module docstring.
+    w may also be a function giving the (len(g), N, K) weights of an int32 vector of groups g, called once per CHUNK
+    work items: the reference's way to dequantize only the experts its items use (`weights_per_item`). Operands in
+    bfloat16 (or what they are; float32 ones at full float32 precision, never TF32), float32 accumulation; memory
+    O(T·N) plus CHUNK tiles and weights, see the module docstring.
     """
     t, k = x.shape
-    g_count, n, _ = w.shape
+    g_count = starts.shape[0]
+    weights_of = w if callable(w) else (lambda g: w[g])
+    n = jax.eval_shape(weights_of, jax.ShapeDtypeStruct((CHUNK,), jnp.int32)).shape[1]
     precision = jax.lax.Precision.HIGHEST if np.dtype(x.dtype) == np.dtype(jnp.float32) else None
     tile = tile or tile_rows(t, g_count)
     padded = -(-t // tile) * tile
@@ -214,7 +219,8 @@ def grouped_rows_dot(x: jax.Array, w: jax.Array, starts: jax.Array, ends: jax.Ar
     def body(c, out):
         g, row0, mine = _chunk_items(c, first, item_ends, total, tile, rows, starts, ends)
         xs = jax.vmap(lambda r: jax.lax.dynamic_slice_in_dim(x, r, tile))(row0)  # (CHUNK, tile, K)
-        prod = jnp.einsum("ctk,cnk->ctn", xs, w[g], preferred_element_type=jnp.float32, precision=precision)
+        prod = jnp.einsum("ctk,cnk->ctn", xs, weights_of(g), preferred_element_type=jnp.float32,
+                          precision=precision)
         for j in range(CHUNK):  # two items of a chunk may share a tile (a group boundary inside it): in order
             current = jax.lax.dynamic_slice_in_dim(out, row0[j], tile)
             out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine[j][:, None], prod[j], current), row0[j], 0)
@@ -222,6 +228,16 @@ def grouped_rows_dot(x: jax.Array, w: jax.Array, starts: jax.Array, ends: jax.Ar
 
     out = jax.lax.fori_loop(0, -(-total // CHUNK), body, jnp.zeros((padded, n), jnp.float32))
     return out[:t]
+
+
+def weights_per_item(tokens: int, groups: int) -> bool:
+    """Whether `grouped_rows_dot` should have its weights made per chunk of work items rather than all G at once:
+    where its loop can visit fewer weights than G whatever the group sizes (decode: a few tokens routed over many
+    experts). Each item holds at least one row of one group, so the items number at most min(T, G) plus the tile
+    boundaries, and the last chunk is filled up to CHUNK."""
+    tile = tile_rows(tokens, groups)
+    most_items = min(tokens, groups) + -(-tokens // tile) - 1
+    return -(-most_items // CHUNK) * CHUNK < groups
 
 
 def grouped_contraction(x: jax.Array, y: jax.Array, starts: jax.Array, ends: jax.Array,
@@ -336,20 +352,24 @@ def row_factors(alpha: jax.Array, starts: jax.Array, ends: jax.Array, tokens: in
 def ragged_reference(a, b, sfa, sfb, starts, ends, *maybe_alpha, k: int, sf_vec_size: int, c_dtype: Any,
                      b_major: str = "k", **_: Any) -> tuple[jax.Array, jax.Array]:
     """The canonical call: both operands dequantized to bfloat16 (exact in the normal range, as gemm_amax's
-    reference; bf16 operands, and tokens that are values, as they are), `grouped_rows_dot` with float32
+    reference; bf16 operands, and tokens that are values, as they are; the weights per work item where that is fewer
+    of them, `weights_per_item`), `grouped_rows_dot` with float32
     accumulation, alpha (per batch, or per group on its rows), then amax of the float32 accumulator (rows of no group
     are 0; a NaN in a group's rows makes it NaN) and the conversion to c_dtype."""
     values = support.tokens_are_values(a.dtype, sf_vec_size)
 
     def one(a, b, sfa, sfb, starts, ends, *alpha):
         if sf_vec_size == 0:  # bf16 operands
-            a16, b16 = a, (b if b_major == "k" else jnp.swapaxes(b, 1, 2))
+            a16, b16 = a, (b if b_major == "k" else jnp.swapaxes(b, 1, 2)).astype(a.dtype)
         else:
             dequantized = lambda codes, s: reference.dequantize_bf16(formats.unpacked_codes(codes, k), s,
                                                                      block=sf_vec_size, axis=codes.ndim - 1)
             a16 = a if values else dequantized(a, sfa)
-            b16 = dequantized(b, sfb)
-        acc = grouped_rows_dot(a16, b16.astype(a16.dtype), starts, ends)
+            if weights_per_item(a.shape[0], b.shape[0]):  # only the experts the items use
+                b16 = lambda g: dequantized(b[g], sfb[g]).astype(a16.dtype)
+            else:
+                b16 = dequantized(b, sfb).astype(a16.dtype)
+        acc = grouped_rows_dot(a16, b16, starts, ends)
         if alpha and alpha[0].ndim == 1:  # one factor per group
             acc = acc * row_factors(alpha[0], starts, ends, acc.shape[0])[:, None]
         elif alpha:

@@ -6,6 +6,7 @@ the partitioning rules on 8 host devices (tokens, experts, N).
 
 import os
 import re
+from unittest import mock
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax, when run directly
 
@@ -133,6 +134,28 @@ class RaggedTest(parameterized.TestCase):
         for shape in (f"{g}x{t}x{k}", f"{g}x{t}x{n}"):
             self.assertNotIn(shape, text)
         self.assertIn("while", text)
+
+    @parameterized.parameters("mxfp8_e4m3", "mxfp4", "nvfp4")
+    def test_decode_dequantizes_only_the_experts_used(self, fmt):
+        """A few tokens over many experts (decode): the reference dequantizes the weights per chunk of work items, so
+        the program holds no (G, N, K) array of bf16 weights, and the result matches the oracle and, bit for bit, the
+        result of dequantizing every expert first (which does hold one)."""
+        t, g, n, k = 5, 40, 48, 64
+        self.assertTrue(ragged.weights_per_item(t, g))
+        self.assertFalse(ragged.weights_per_item(16384, 32))  # training sizes: every expert once
+        d = random_ragged_inputs(np.random.default_rng(11), t=t, g=g, n=n, k=k, fmt=fmt)
+        gs = np.zeros(g, np.int32)
+        gs[[0, 17, 39]] = [2, 1, 1]  # empty groups between, one row of no group at the end
+        per_item = jax.jit(lambda gs: _call(d, gs))
+        self.assertNotIn(f"{g}x{n}x{k}xbf16", per_item.lower(jnp.asarray(gs)).as_text())
+        c, amax = per_item(jnp.asarray(gs))
+        self._check(d, gs, c, amax)
+        with mock.patch.object(ragged, "weights_per_item", return_value=False):
+            every_expert = jax.jit(lambda gs: _call(d, gs))
+            self.assertIn(f"{g}x{n}x{k}xbf16", every_expert.lower(jnp.asarray(gs)).as_text())
+            c_all, amax_all = every_expert(jnp.asarray(gs))
+        np.testing.assert_array_equal(np.asarray(c), np.asarray(c_all))
+        self.assertEqual(float(amax), float(amax_all))
 
     def test_cutedsl_raises_off_cuda(self):
         d = random_ragged_inputs(np.random.default_rng(10), t=32, g=2, n=16, k=32, fmt="mxfp8_e4m3")
