@@ -191,8 +191,10 @@ def group_items(starts: jax.Array, ends: jax.Array, tokens: int, rows: int = 128
 
 def max_kernel_items(tokens: int, groups: int, rows: int = 128) -> int:
     """The static bound on the count of `kernel_items` and of `group_items`: the tiles of the grid plus one per
-    part boundary (G + 1 of them, inside a tile or not; for `group_items`, each part's short last tile)."""
-    return -(-tokens // rows) + groups + 1
+    boundary between parts that hold rows (inside a tile or not; for `group_items`, each part's short last tile).
+    Of the G + 2 parts at most T hold a row, so a few tokens over many experts (decode) launch a grid of a few items,
+    not one of G mostly empty ones."""
+    return -(-tokens // rows) + min(tokens, groups + 2) - 1
 
 
 def grouped_rows_dot(x: jax.Array, w: jax.Array | Callable[[jax.Array], jax.Array], starts: jax.Array,

@@ -77,7 +77,8 @@ class KernelItemsTest(parameterized.TestCase):
                          "one group-local item per started tile of each part")
         self.assertTrue((local[len(used):, 2] == local[len(used):, 3]).all(), "padding after the items")
 
-    @parameterized.parameters((1, 1), (127, 3), (128, 4), (700, 9), (1000, 32), (4096, 256))
+    @parameterized.parameters((1, 1), (127, 3), (128, 4), (700, 9), (1000, 32), (4096, 256), (3, 40), (8, 256),
+                              (130, 200))
     def test_every_row_once_with_its_group(self, tokens, groups):
         rng = np.random.default_rng(tokens + groups)
         cases = [random_group_sizes(rng, tokens, groups, fill=False), random_group_sizes(rng, tokens, groups),
@@ -92,6 +93,21 @@ class KernelItemsTest(parameterized.TestCase):
             half = groups // 2
             if half and ends[-1] > starts[half]:
                 self.assert_tables(starts[half:], ends[half:], tokens)
+
+    def test_decode_bound(self):
+        """A few tokens over many experts (decode): at most T parts hold a row, so the bound is T items (one tile),
+        reached when every token has its own group; more rows than a tile add the tiles' boundaries."""
+        self.assertEqual(ragged.max_kernel_items(8, 256), 8)
+        self.assertEqual(ragged.max_kernel_items(1, 256), 1)
+        self.assertEqual(ragged.max_kernel_items(130, 200), 2 + 130 - 1)
+        self.assertEqual(ragged.max_kernel_items(300, 5), 3 + 7 - 1)  # G + 2 parts below T: as before
+        sizes = np.zeros(256, np.int32)
+        sizes[np.random.default_rng(0).choice(256, 8, replace=False)] = 1
+        starts, ends = (np.asarray(x) for x in ragged.group_bounds(jnp.asarray(sizes), 8))
+        self.assert_tables(starts, ends, 8)
+        for table in (ragged.kernel_items, ragged.group_items):
+            items = np.asarray(table(jnp.asarray(starts), jnp.asarray(ends), 8))
+            self.assertTrue((items[:, 2] < items[:, 3]).all(), "every item of the bound is used")
 
     def test_bound_is_reached(self):
         """Every part boundary inside a row tile (rows of no group before the first group and after the last, as a
