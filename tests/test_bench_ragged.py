@@ -81,6 +81,29 @@ class RaggedBenchTest(absltest.TestCase):
         for case in cases:
             self.assertIn(f"{case['tokens']}, {case['groups']}, {case['k']} -> {case['n']}, {case['grouping']}", text)
 
+    @pytest.mark.end_to_end
+    def test_formats_add_their_own_columns(self):
+        """--format mxfp4,nvfp4: the ragged GEMM on those codes (NVFP4 with its alpha) and the weight-only matmul on
+        those experts, each its own column beside the MXFP8 ones it replaces (here kept by naming mxfp8 too), with
+        the format's rounding against the dense dot on equal groups."""
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            record = bench_main(["--op", "ragged", "--small", "--reps", "1", "--warmup", "0", "--burst", "1",
+                                 "--format", "mxfp8,mxfp4", "--format", "nvfp4"])
+        self.assertEqual(record["method"]["formats"], ["mxfp8", "mxfp4", "nvfp4"])
+        forward = ragged.forward_columns(("mxfp8", "mxfp4", "nvfp4"))
+        self.assertEqual(set(forward) - set(ragged.FORWARD),
+                         {"ours_mxfp4", "weight_only_mxfp4", "ours_nvfp4", "weight_only_nvfp4"})
+        for case in record["cases"]:
+            self.assertEqual(set(case["columns"]), set(forward) | set(ragged.STEP))
+            if case["grouping"] == "equal":
+                for key in ("ours_mxfp4", "weight_only_mxfp4", "ours_nvfp4", "weight_only_nvfp4"):
+                    err = case["columns"][key]["rel_err_vs_dense"]
+                    self.assertTrue(0 < err < 0.3, (key, err))  # E2M1's rounding: nonzero, far from garbage
+        for label in ("ours(None) mxfp4", "weight-only nvfp4", "weight-only mxfp8"):
+            self.assertIn(label, out.getvalue())
+        self.assertEqual(ragged.forward_columns(), ragged.FORWARD)  # the default: MXFP8's columns alone
+
     def test_interleaved_sustained_run_times_every_column_and_records_the_method(self):
         """--interleave compiles a case's columns first and samples them in turn; --sustained replaces --reps by a
         time; both reach the timing and the record's method (the ragged benchmark used to ignore them)."""

@@ -86,7 +86,8 @@ def parser() -> argparse.ArgumentParser:
                         "against an N x K weight")
     p.add_argument("--format", type=parse_formats, action="append", default=[], metavar="FORMAT[,FORMAT]",
                    help=f"gemm_amax input format(s): {', '.join(GEMM_FORMATS)} (repeatable or a comma list; "
-                        "default mxfp8; proj_rope is MXFP8 only)")
+                        "default mxfp8; proj_rope is MXFP8 only; with --op ragged, the formats of the ragged "
+                        "GEMM's and the weight-only columns)")
     p.add_argument("--op", choices=OPS + ("ragged",), action="append", default=[],
                    help="run only this operation (repeatable); 'ragged': the mixture-of-experts GEMMs instead "
                         "(bench/ragged.py)")

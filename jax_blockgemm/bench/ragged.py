@@ -6,6 +6,9 @@ one seed), each column is one jitted program timed like the other benchmarks. Fo
   * ours(None): `ragged_gemm_amax`, MXFP8 E4M3 codes of x and of the weights (quantized beforehand, not timed), bf16 C;
   * weight-only mxfp8: `weight_only_ragged_matmul`, the serving form: bf16 x as given times the experts quantized
     to MXFP8 E4M3 beforehand (not timed), bf16 out;
+  * with `--format` (mxfp8, mxfp8_e5m2, mxfp4, nvfp4; default mxfp8) these two columns for each format named, the
+    others once (NVFP4: x and the weights each with its per-tensor scale, alpha their product; the experts one
+    alpha each);
   * mx_ragged_dot mxfp8: `mx_ragged_dot` with the mxfp8 recipe on bf16 x and w, their quantization included;
   * mx_ragged_dot bf16: `mx_ragged_dot` with the bf16 recipe (bf16 operands, float32 accumulation);
   * lax.ragged_dot: `jax.lax.ragged_dot` on bf16 operands (XLA masks a dense operand per group on GPU);
@@ -32,9 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_blockgemm as jbg
-from jax_blockgemm import formats
 from jax_blockgemm.bench import kernel_time, report
-from jax_blockgemm.bench.inputs import random_values
+from jax_blockgemm.bench.inputs import GEMM_FORMATS, quantize_operand, random_values
 from jax_blockgemm.bench.timing import describe, interleaved_medians_ms, median_ms
 
 SHAPES = ((16384, 32, 7168, 2048), (16384, 32, 2048, 7168), (65536, 256, 7168, 2048))  # (T, G, K, N)
@@ -43,6 +45,8 @@ GROUPINGS = ("equal", "skewed")
 DIRICHLET_ALPHA = 0.5
 FORWARD = {"ours": "ours(None)", "weight_only": "weight-only mxfp8", "mxfp8_recipe": "mx_ragged_dot mxfp8",
            "bf16_recipe": "mx_ragged_dot bf16", "ragged_dot": "lax.ragged_dot", "dense": "dense bf16"}
+WEIGHT_FORMAT = {"mxfp8": "mxfp8_e4m3", "mxfp8_e5m2": "mxfp8_e5m2", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}  # bench's
+# --format name -> quantize_weight's
 STEP = {"step_mxfp8": "step mxfp8", "step_bf16": "step bf16 recipe", "step_dense": "step dense bf16"}
 KERNEL_TRACE_CALLS = 5  # calls traced together for --kernels
 
@@ -61,16 +65,37 @@ def group_sizes(tokens: int, groups: int, grouping: str, seed: int) -> np.ndarra
     return sizes.astype(np.int32)
 
 
-def inputs(key: jax.Array, tokens: int, groups: int, k: int, n: int) -> dict[str, Any]:
-    """bf16 x (T, K), w (G, K, N) and a cotangent dy (T, N); MXFP8 E4M3 codes and scales of x and of w (K-major),
-    and w's experts as a QuantizedWeight (wq, (G, N, K))."""
+def format_key(base: str, fmt: str) -> str:
+    """The column key of `base` ("ours", "weight_only") in format `fmt`: the bare key for MXFP8 E4M3."""
+    return base if fmt == "mxfp8" else f"{base}_{fmt}"
+
+
+def forward_columns(fmts: tuple[str, ...] = ("mxfp8",)) -> dict[str, str]:
+    """Forward column key -> label: ours and weight-only per format, then the others."""
+    per_format = {}
+    for fmt in fmts:
+        suffix = "" if fmt == "mxfp8" else f" {fmt}"
+        per_format[format_key("ours", fmt)] = FORWARD["ours"] + suffix
+        per_format[format_key("weight_only", fmt)] = f"weight-only {fmt}"
+    return {**per_format, **{key: label for key, label in FORWARD.items() if key not in ("ours", "weight_only")}}
+
+
+def inputs(key: jax.Array, tokens: int, groups: int, k: int, n: int, fmts: tuple[str, ...] = ("mxfp8",)
+           ) -> dict[str, Any]:
+    """bf16 x (T, K), w (G, K, N) and a cotangent dy (T, N); per format in `fmts` (suffixed by `format_key`): the
+    codes and scales of x and of w (K-major, "a", "sfa", "b", "sfb"), alpha (NVFP4: the product of their per-tensor
+    scales; else None) and w's experts as a QuantizedWeight ("wq", (G, N, K))."""
     kx, kw, kd = jax.random.split(key, 3)
     x, w = random_values(kx, (tokens, k)), random_values(kw, (groups, n, k))
-    a, sfa = formats.quantize_mxfp8(x)
-    b, sfb = formats.quantize_mxfp8(w)
-    wq = jax.vmap(lambda e: jbg.quantize_weight(e, "mxfp8_e4m3"))(w)
-    return {"x": x.astype(jnp.bfloat16), "w": jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16), "a": a, "sfa": sfa, "b": b,
-            "sfb": sfb, "wq": wq, "dy": jax.random.normal(kd, (tokens, n), jnp.bfloat16)}
+    data = {"x": x.astype(jnp.bfloat16), "w": jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16),
+            "dy": jax.random.normal(kd, (tokens, n), jnp.bfloat16)}
+    for fmt in fmts:
+        (a, sfa, ta), (b, sfb, tb) = (quantize_operand(v, GEMM_FORMATS[fmt]) for v in (x, w))
+        alpha = None if ta is None else (ta * tb).astype(jnp.float32)
+        wq = jax.vmap(lambda e: jbg.quantize_weight(e, WEIGHT_FORMAT[fmt]))(w)
+        data.update({format_key(name, fmt): value for name, value in
+                     (("a", a), ("sfa", sfa), ("b", b), ("sfb", sfb), ("alpha", alpha), ("wq", wq))})
+    return data
 
 
 def _bf16_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -112,13 +137,29 @@ def _step(matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> Callable[..., 
     return jax.value_and_grad(loss, argnums=(0, 1))
 
 
-def columns(gs: jax.Array) -> dict[str, tuple[Callable[..., Any], tuple[str, ...]]]:
-    """Column key -> (function, the input names it takes), for the group sizes `gs`."""
+def _ours(gs: jax.Array, fmt: str) -> tuple[Callable[..., Any], tuple[str, ...]]:
+    """The ragged_gemm_amax column of format `fmt`: codes of x and w, bf16 C (NVFP4 with its alpha)."""
+    block = GEMM_FORMATS[fmt].block
+    if fmt == "nvfp4":
+        return ((lambda a, b, sfa, sfb, alpha: jbg.ragged_gemm_amax(a, b, sfa, sfb, gs, alpha=alpha, sf_vec_size=block,
+                                                                    c_dtype=jnp.bfloat16)[0]),
+                tuple(format_key(x, fmt) for x in ("a", "b", "sfa", "sfb", "alpha")))
+    return ((lambda a, b, sfa, sfb: jbg.ragged_gemm_amax(a, b, sfa, sfb, gs, sf_vec_size=block,
+                                                         c_dtype=jnp.bfloat16)[0]),
+            tuple(format_key(x, fmt) for x in ("a", "b", "sfa", "sfb")))
+
+
+def columns(gs: jax.Array, fmts: tuple[str, ...] = ("mxfp8",)) -> dict[str, tuple[Callable[..., Any], tuple[str, ...]]]:
+    """Column key -> (function, the input names it takes), for the group sizes `gs` and the formats `fmts` of the
+    ours and weight-only columns."""
     bf16 = jnp.bfloat16
+    per_format = {}
+    for fmt in fmts:
+        per_format[format_key("ours", fmt)] = _ours(gs, fmt)
+        per_format[format_key("weight_only", fmt)] = (lambda x, wq: jbg.weight_only_ragged_matmul(x, wq, gs),
+                                                      ("x", format_key("wq", fmt)))
     return {
-        "ours": (lambda a, b, sfa, sfb: jbg.ragged_gemm_amax(a, b, sfa, sfb, gs, c_dtype=bf16)[0],
-                 ("a", "b", "sfa", "sfb")),
-        "weight_only": (lambda x, wq: jbg.weight_only_ragged_matmul(x, wq, gs), ("x", "wq")),
+        **per_format,
         "mxfp8_recipe": (lambda x, w: jbg.mx_ragged_dot(x, w, gs, recipe="mxfp8"), ("x", "w")),
         "bf16_recipe": (lambda x, w: jbg.mx_ragged_dot(x, w, gs, recipe="bf16"), ("x", "w")),
         "ragged_dot": (lambda x, w: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32).astype(bf16),
@@ -141,12 +182,12 @@ def _rel_err(got: Any, want: Any) -> float:
 
 def run_case(key: jax.Array, tokens: int, groups: int, k: int, n: int, grouping: str, *, warmup: int, reps: int,
              burst: int, seed: int, progress: Any, kernels: bool = False, sustained: float = 0.0,
-             interleave: bool = False) -> dict[str, Any]:
+             interleave: bool = False, fmts: tuple[str, ...] = ("mxfp8",)) -> dict[str, Any]:
     """Times every column on one shape and grouping; returns the case's record. `sustained` and `interleave` as in
     `timing.interleaved_medians_ms` (interleaved: every column compiled first, then their samples taken in turn).
     With `kernels`, each column's record also holds the GPU time of each of its kernels ("kernels": label -> ms per
-    call, `kernel_time`)."""
-    data = jax.block_until_ready(inputs(key, tokens, groups, k, n))
+    call, `kernel_time`). `fmts`: the formats of the ours and weight-only columns."""
+    data = jax.block_until_ready(inputs(key, tokens, groups, k, n, fmts))
     gs = jnp.asarray(group_sizes(tokens, groups, grouping, seed))
     flops = 2.0 * tokens * k * n
     results: dict[str, Any] = {}
@@ -161,7 +202,7 @@ def run_case(key: jax.Array, tokens: int, groups: int, k: int, n: int, grouping:
             results[name]["kernels"] = kernel_time.kernel_ms(*ready[name], reps=KERNEL_TRACE_CALLS)
         progress.write(f" {name} {ms:.4g} ms;")
 
-    for name, (fn, names) in columns(gs).items():
+    for name, (fn, names) in columns(gs, fmts).items():
         args = tuple(data[x] for x in names)
         try:
             compiled = jax.jit(fn).lower(*args).compile()
@@ -182,12 +223,11 @@ def run_case(key: jax.Array, tokens: int, groups: int, k: int, n: int, grouping:
     progress.write("\n")
     progress.flush()
     if grouping == "equal":  # the dense dot computes the same product only when the groups are equal
-        for name, ref in (("ours", "dense"), ("weight_only", "dense"), ("mxfp8_recipe", "dense"),
-                          ("bf16_recipe", "dense"), ("ragged_dot", "dense"), ("step_mxfp8", "step_dense"),
-                          ("step_bf16", "step_dense")):
+        compared = [(name, "dense") for name in forward_columns(fmts) if name != "dense"]
+        for name, ref in [*compared, ("step_mxfp8", "step_dense"), ("step_bf16", "step_dense")]:
             if name in outputs and ref in outputs:
                 results[name]["rel_err_vs_dense"] = _rel_err(outputs[name], outputs[ref])
-    return {"tokens": tokens, "groups": groups, "k": k, "n": n, "grouping": grouping,
+    return {"tokens": tokens, "groups": groups, "k": k, "n": n, "grouping": grouping, "formats": list(fmts),
             "group_sizes": [int(s) for s in np.asarray(gs)], "columns": results}
 
 
@@ -202,8 +242,11 @@ def format_table(record: dict[str, Any]) -> str:
     """Two tables (forward; training step): ms per call and, in parentheses, the ratio to the dense bf16 column."""
     lines = [f"{record['environment'].get('device', '?')}, {record['date']}: ms per call (x the dense bf16 dot's "
              "time of the same FLOPs); " + record["method"]["timing"]]
-    for title, keys, dense_key in (("forward, MXFP8 E4M3 -> bf16 (ours; weight-only: bf16 x, MXFP8 experts; "
-                                    "mx_ragged_dot mxfp8) and bf16", FORWARD, "dense"),
+    fmts = tuple(record["method"].get("formats", ("mxfp8",)))
+    forward = forward_columns(fmts)
+    for title, keys, dense_key in (("forward -> bf16 (ours: codes of x and the experts, MXFP8 E4M3 unless named; "
+                                    "weight-only: bf16 x, quantized experts; mx_ragged_dot mxfp8) and bf16", forward,
+                                    "dense"),
                                    ("training step: forward, dgrad, wgrad", STEP, "step_dense")):
         lines += ["", title, "T, G, K -> N, groups".ljust(36) + "".join(v.rjust(24) for v in keys.values())]
         for case in record["cases"]:
@@ -220,15 +263,15 @@ def format_table(record: dict[str, Any]) -> str:
             if r.get("rel_err_vs_dense") is not None:
                 worst[key] = max(worst.get(key, 0.0), r["rel_err_vs_dense"])
     if worst:
-        names = {**FORWARD, **STEP}
-        lines.append("  equal groups, relative error against the dense bf16 dot (MXFP8 columns: the format's own "
+        names = {**forward, **STEP}
+        lines.append("  equal groups, relative error against the dense bf16 dot (quantized columns: the format's own "
                      "rounding): " + ", ".join(f"{names[k]} {v:.2g}" for k, v in worst.items()))
     traced = [(case, key, r["kernels"]) for case in record["cases"] for key, r in case["columns"].items()
               if "kernels" in r]
     if traced:
         lines += ["", "GPU time per kernel, ms per call (a CUPTI trace of "
                   f"{KERNEL_TRACE_CALLS} calls; kernel time only, no gaps)"]
-        names = {**FORWARD, **STEP}
+        names = {**forward, **STEP}
         for case, key, times in traced:
             label = f"{case['tokens']}, {case['groups']}, {case['k']} -> {case['n']}, {case['grouping']}, {names[key]}"
             lines.append(f"  {label}: {kernel_time.describe(times)}")
@@ -236,21 +279,23 @@ def format_table(record: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace, command: str) -> dict[str, Any]:
-    """Runs the ragged benchmark with the command line's --small, --reps, --warmup, --burst, --sustained,
+    """Runs the ragged benchmark with the command line's --small, --format, --reps, --warmup, --burst, --sustained,
     --interleave, --seed, --kernels and --json; prints progress to stderr and the tables to stdout; returns the
     record."""
     shapes = SMALL_SHAPES if args.small else SHAPES
+    fmts = tuple(dict.fromkeys(name for names in args.format for name in names)) or ("mxfp8",)
     timing = dict(warmup=args.warmup, reps=args.reps, burst=args.burst, sustained=args.sustained,
                   interleave=args.interleave)
     method = dict(warmup=args.warmup, reps=args.reps, burst=args.burst, sustained_s=args.sustained,
-                  interleave=args.interleave, seed=args.seed)  # the keys the main benchmark's records use
+                  interleave=args.interleave, seed=args.seed, formats=list(fmts))  # the main benchmark's keys
     record = report.new_record(command, dict(method, timing=describe(
         reps=args.reps, burst=args.burst, sustained=args.sustained, interleave=args.interleave)))
     key = jax.random.key(args.seed)
     for i, (tokens, groups, k, n) in enumerate(shapes):
         for grouping in GROUPINGS:
             record["cases"].append(run_case(jax.random.fold_in(key, i), tokens, groups, k, n, grouping,
-                                            seed=args.seed, progress=sys.stderr, kernels=args.kernels, **timing))
+                                            seed=args.seed, progress=sys.stderr, kernels=args.kernels, fmts=fmts,
+                                            **timing))
     print(format_table(record))
     if args.json:
         report.write_json(record, args.json)
