@@ -1,11 +1,12 @@
-"""Inline-PTX memory instructions the CuTeDSL kernels need one at a time: shared- and
-global-memory accesses (the sm_90a proj_rope epilogue, kernels/sm90/y_tile.py; kernels/quantize_pair.py), bulk
-copies (sm_90 and later; kernels/dequantize.py) and per-thread asynchronous copies (sm_80 and later;
-kernels/quantize_pair.py).
+"""Inline-PTX memory instructions the CuTeDSL kernels need one at a time: shared- and global-memory accesses (the
+sm_90a proj_rope epilogue, kernels/sm90/y_tile.py; kernels/quantize_pair.py; the decode and swap_ab kernels' loads
+of scale bytes and activations), bulk copies (sm_90 and later; kernels/dequantize.py) and per-thread asynchronous
+copies (sm_80 and later; kernels/quantize_pair.py).
 
 Each is one instruction of exactly the width named, and every global store is predicated inside the asm (no branch,
 no reconvergence point, so the scheduler may move shuffles and conversions across it). Loads and stores carry a
-memory clobber: they stay in program order with each other and with barriers.
+memory clobber: they stay in program order with each other and with barriers; the `ld_global_nc_*` loads, of memory
+no thread writes during the launch, carry none, so the compiler may start them early.
 """
 
 from __future__ import annotations
@@ -75,6 +76,24 @@ def ld_shared_u32(addr, *, loc=None, ip=None) -> cutlass.Int32:
 def ld_global_nc_u8(addr, *, loc=None, ip=None) -> cutlass.Int32:
     """One byte of global memory the kernel only reads (the non-coherent path), zero-extended."""
     return cutlass.Int32(asm(T.i32(), [cutlass.Int64(addr)], "ld.global.nc.u8 $0, [$1];", "=r,l", False, loc, ip))
+
+
+@dsl_user_op
+def ld_global_nc_u8_if(addr, pred, *, loc=None, ip=None) -> cutlass.Int32:
+    """`ld_global_nc_u8`, or 0 where `pred` is 0 (no access)."""
+    return cutlass.Int32(asm(T.i32(), [cutlass.Int64(addr), cutlass.Int32(pred)],
+                             "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.u8 $0, [$1]; }",
+                             "=r,l,r", False, loc, ip))
+
+
+@dsl_user_op
+def ld_global_nc_v4_if(addr, pred, *, loc=None, ip=None) -> list:
+    """16 bytes (four words) of read-only global memory, cached (data every CTA reads), or zeros where `pred` is 0."""
+    ret = llvm.StructType.get_literal([T.i32()] * 4)
+    out = asm(ret, [cutlass.Int64(addr), cutlass.Int32(pred)],
+              "{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; "
+              "@p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4]; }", "=r,=r,=r,=r,l,r", False, loc, ip)
+    return words(out, 4, loc, ip)
 
 
 @dsl_user_op

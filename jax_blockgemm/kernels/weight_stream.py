@@ -45,7 +45,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_blockgemm.kernels import common
-from jax_blockgemm.kernels.ptx_ops import asm, byte_perm, ld_shared_v4, words
+from jax_blockgemm.kernels.ptx_ops import (asm, byte_perm, ld_global_nc_u8_if, ld_global_nc_v4_if, ld_shared_v4,
+                                          words)
 
 WARPS = 8  # warps per CTA, each on its own K-chunks of the CTA's rows
 THREADS = 32 * WARPS
@@ -62,24 +63,6 @@ _W_DTYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float
              "float4_e2m1fn": cutlass.Uint8}
 _C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 _SCALINGS = {(32, "float8_e8m0fnu"), (16, "float8_e4m3fn")}
-
-
-@dsl_user_op
-def load_v4(addr, pred, *, loc=None, ip=None) -> list:
-    """16 bytes of read-only global memory (cached: the activations serve every CTA), or zeros where `pred` is 0."""
-    ret = llvm.StructType.get_literal([T.i32()] * 4)
-    out = asm(ret, [cutlass.Int64(addr), cutlass.Int32(pred)],
-              "{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; "
-              "@p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4]; }", "=r,=r,=r,=r,l,r", False, loc, ip)
-    return words(out, 4, loc, ip)
-
-
-@dsl_user_op
-def load_u8(addr, pred, *, loc=None, ip=None) -> cutlass.Int32:
-    """One byte of read-only global memory, zero-extended, or 0 where `pred` is 0."""
-    return cutlass.Int32(asm(T.i32(), [cutlass.Int64(addr), cutlass.Int32(pred)],
-                             "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.u8 $0, [$1]; }",
-                             "=r,l,r", False, loc, ip))
 
 
 @dsl_user_op
@@ -259,7 +242,7 @@ class WeightStreamGemm:
         for r in range(2 * self.row_tiles):
             word = cutlass.Int32(0)
             for s in range(self.lane_scales):
-                word = word | (load_u8(sw0 + cutlass.Int64(row_parts[r] + block_parts[s]), ok) << (8 * s))
+                word = word | (ld_global_nc_u8_if(sw0 + cutlass.Int64(row_parts[r] + block_parts[s]), ok) << (8 * s))
             out.append(word)
         return out
 
@@ -276,7 +259,7 @@ class WeightStreamGemm:
         x_row = x.iterator.toint() + (cutlass.Int64(batch) * m + cutlass.min(token, m - 1)) * k * 2
         ok = (live & (token < m) & (first_code < k)).to(cutlass.Int32)
         base = x_row + cutlass.min(first_code, k - self.lane_codes) * 2
-        return [wd for i in range(self.x_words // 4) for wd in load_v4(base + 16 * i, ok)]
+        return [wd for i in range(self.x_words // 4) for wd in ld_global_nc_v4_if(base + 16 * i, ok)]
 
     @staticmethod
     def _fill(stage, at: int, words: list) -> None:
