@@ -157,16 +157,18 @@ def decode_largest_m(target: str, fmt: str, k: Optional[int] = None, *, measured
     return min(largest, short_m) if k is not None and k < short_k else largest
 
 
-def decode_takes_swap_ab(target: str, fmt: str, m: int) -> bool:
+def decode_takes_swap_ab(target: str, fmt: str, m: int, *, measured_rows: Optional[tuple[int, int]] = None) -> bool:
     """Whether a decode-sized call of `m` rows against `fmt` weights takes the swap_ab ragged kernel's decode tile on
-    `target` (`decode_swap_ab_m`)."""
-    first, last = policy(target).decode_swap_ab_m.get(fmt, (1, 0))
+    `target`: `decode_swap_ab_m`, or `measured_rows` (first, last), the local GPU's tuning table's, which replace
+    it."""
+    first, last = policy(target).decode_swap_ab_m.get(fmt, (1, 0)) if measured_rows is None else measured_rows
     return first <= m <= last
 
 
-def ragged_takes_swap_ab(target: str, fmt: str) -> bool:
-    """Whether ragged calls against `fmt` weights take the swap_ab kernel on `target` (`ragged_swap_ab_formats`)."""
-    return fmt in policy(target).ragged_swap_ab_formats
+def ragged_takes_swap_ab(target: str, fmt: str, *, measured: Optional[bool] = None) -> bool:
+    """Whether ragged calls against `fmt` weights take the swap_ab kernel on `target`: `ragged_swap_ab_formats`, or
+    `measured`, the local GPU's tuning table's decision, which replaces it."""
+    return fmt in policy(target).ragged_swap_ab_formats if measured is None else measured
 
 
 def none_takes_kernel(op: str, target: str, *, fmt: str = "", m: Optional[int] = None,

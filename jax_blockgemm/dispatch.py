@@ -261,8 +261,9 @@ def _decode_choice(implementation: Any, *, fmt: str, ab_dtype: str, sf_dtype: st
 
 def _decode_swap_ab_choice(*, fmt: str, ab_dtype: str, sf_dtype: str, sf_vec_size: int, c_dtype: Any,
                            sizes: tuple[int, int, int, int]) -> KernelChoice | None:
-    """For a decode-sized call of `sizes` (M, N, K, L) that `arch.TABLE`'s decode_swap_ab_m gives to the swap_ab
-    ragged kernel's decode tiles on every local GPU (`fmt` weights of codes ab_dtype with sf_dtype scales per
+    """For a decode-sized call of `sizes` (M, N, K, L) that `arch.TABLE`'s decode_swap_ab_m (or the local GPU
+    model's tuning table, `tuning.decode_swap_ab_rows`) gives to the swap_ab ragged kernel's decode tiles on every
+    local GPU (`fmt` weights of codes ab_dtype with sf_dtype scales per
     sf_vec_size, f32 or bf16 C): the variants of the smallest tile that holds M, run as one group of M tokens
     (`ffi_lowering.emit_decode_swap_ab`); None where the call keeps the decode kernel. The M range is
     implementation=None's choice and "cutedsl"'s alike: there the tile is the faster kernel."""
@@ -270,7 +271,8 @@ def _decode_swap_ab_choice(*, fmt: str, ab_dtype: str, sf_dtype: str, sf_vec_siz
 
     m, n, k, l = sizes
     local_targets = {arch.target_of(cc) for cc in local_cuda_capabilities() or ()}
-    if not local_targets or not all(arch.decode_takes_swap_ab(t, fmt, m) for t in local_targets):
+    rows = tuning.decode_swap_ab_rows(local_gpu_model(), fmt) if local_targets else None
+    if not local_targets or not all(arch.decode_takes_swap_ab(t, fmt, m, measured_rows=rows) for t in local_targets):
         return None
     tiles = [tile for tile in sorted(catalog.SWAP_AB_DECODE_TILES) if tile[0] >= m]
     if not tiles:
@@ -379,13 +381,18 @@ def ragged_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, k
     # has one, else the block-scaled ones (also with no GPU: a program lowered here may run on any target).
     swapped = catalog_variants(catalog.SWAP_AB)
     local_targets = {arch.target_of(cc) for cc in local_cuda_capabilities() or ()}
-    measured = bool(local_targets) and all(arch.ragged_takes_swap_ab(t, fmt) for t in local_targets)
+    tuned = tuning.takes_swap_ab(local_gpu_model(), fmt, t * n * k * l * g) if local_targets else None
+    measured = bool(local_targets) and all(arch.ragged_takes_swap_ab(target, fmt, measured=tuned)
+                                           for target in local_targets)
+    if values:  # tokens as values have no block-scaled kernel: a tuned decision either way timed swap_ab here
+        measured = measured or tuned is not None
     if values and np.dtype(a.dtype) != np.dtype(jnp.bfloat16):
         return KernelChoice(reason="float32 tokens keep the reference (the swap_ab kernel reads bf16 tokens)")
     if values and implementation is None and not measured:
         return KernelChoice(reason=f"implementation=None keeps the reference for bf16 tokens against {fmt} weights "
                                    f"until the swap_ab kernel is measured on this GPU (arch.TABLE's "
-                                   f"ragged_swap_ab_formats; 'cutedsl' runs it)")
+                                   f"ragged_swap_ab_formats, or `python -m jax_blockgemm.tune --op ragged_swap_ab`; "
+                                   f"'cutedsl' runs it)")
     if local_targets and local_targets <= {v.arch for v in swapped} and (measured or values):
         choice = _usable(swapped, implementation, sizes=(t, n, k, l, g), names="(T, N, K, L, G)", fmt=fmt)
         if choice.variants or values:

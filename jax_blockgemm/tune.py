@@ -1,7 +1,7 @@
 """Turn our kernels on where they win on this GPU: `python -m jax_blockgemm.tune`.
 
-    python -m jax_blockgemm.tune [--op gemm_amax|proj_rope|weight_stream|ragged] [--format mxfp8_e4m3 ...]
-                                 [--shape M,N,K ...] [--reps N] [--reset]
+    python -m jax_blockgemm.tune [--op gemm_amax|proj_rope|weight_stream|ragged|ragged_swap_ab|decode_swap_ab]
+                                 [--format mxfp8_e4m3 ...] [--shape M,N,K ...] [--reps N] [--reset]
 
 For every operation and format that a kernel of ours could serve on the local GPU: self-check that kernel (in a
 child process, through the first-use gate), time it (implementation="cutedsl") against what implementation=None runs
@@ -11,8 +11,13 @@ The decode kernel ("weight_stream": `weight_only_matmul` with bf16 x, few rows) 
 (implementation="xla") over DECODE_MATRICES distinct weights in one program (one call alone would time its launch),
 and its decision reads "our kernel up to M rows" (measured at DECODE_SHAPES' K; below arch.TABLE's short-K rule's K
 that rule still caps M); it times the weight_stream kernel at every M, also where arch.TABLE gives MXFP8 rows to the
-swap_ab decode tiles (their range is not tuned). The ragged (grouped) kernel is timed at RAGGED_SHAPES, equal
-groups, bf16 C.
+swap_ab decode tiles (their range is "decode_swap_ab"'s, below). The ragged (grouped) kernel is timed at
+RAGGED_SHAPES, equal groups, bf16 C.
+Where arch.TABLE picks between two kernels of ours from measurements on another GPU model, the same command times
+both here, each forced by that table's entry (both "cutedsl", the swap_ab objects self-checked first):
+"ragged_swap_ab" the swap_ab kernel against the block-scaled one on each format's codes (RAGGED_SHAPES; its decision
+also lets `weight_only_ragged_matmul` take swap_ab under None), "decode_swap_ab" the swap_ab decode tile against the
+decode kernel at DECODE_SWAP_AB_SHAPES (a decision "the tile from this M up to the largest measured").
 `--reset` deletes the stored table; JAX_BLOCKGEMM_IGNORE_TUNING=1 makes None ignore it.
 """
 
@@ -39,7 +44,11 @@ DECODE_SHAPES = ((1, 7168, 7168), (16, 7168, 7168), (64, 7168, 7168))
 DECODE_MATRICES = 16
 # the ragged kernel: (T, G, N, K), equal groups, from a small problem up to the MoE benchmark's (bench --op ragged)
 RAGGED_SHAPES = ((4096, 8, 2048, 7168), (16384, 32, 2048, 7168), (16384, 32, 7168, 2048))
-OPS = ("gemm_amax", "proj_rope", tuning.DECODE_OP, "ragged")
+# the swap_ab decode tiles: (M, N, K) from just past the decode kernel's 16-token tile to the tiles' 64 rows
+DECODE_SWAP_AB_SHAPES = ((17, 7168, 7168), (32, 7168, 7168), (64, 7168, 7168))
+SWAP_AB_FORMATS = ("mxfp8_e4m3", "mxfp4", "nvfp4")  # the weight formats the swap_ab kernel converts
+CHOICE_OPS = (tuning.SWAP_AB_RAGGED_OP, tuning.SWAP_AB_DECODE_OP)  # a choice between two kernels of ours
+OPS = ("gemm_amax", "proj_rope", tuning.DECODE_OP, "ragged", *CHOICE_OPS)
 _BENCH_FORMAT = {"mxfp8_e4m3": "mxfp8", "mxfp8_e5m2": "mxfp8_e5m2", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
 _PROJ_ROPE_SCALES = ("x_scale", "w_scale")  # gemm_proj_rope_mxfp8's scale keywords (the MXFP8 path)
 
@@ -63,10 +72,10 @@ def _tables_ignored() -> Iterator[None]:
 
 def problem_size(op: str, shape: tuple) -> int:
     """The size a decision's threshold compares, as dispatch computes it for a call: gemm_amax L*M*N*K (L = 1),
-    proj_rope T*K*H, ragged T*N*K*L*G (L = 1); the decode kernel's rows M."""
-    if op == tuning.DECODE_OP:
+    proj_rope T*K*H, ragged and ragged_swap_ab T*N*K*L*G (L = 1); the decode kernel's and tile's rows M."""
+    if op in (tuning.DECODE_OP, tuning.SWAP_AB_DECODE_OP):
         return shape[0]
-    return shape[0] * shape[1] * shape[2] * (shape[3] if op == "ragged" else 1)
+    return shape[0] * shape[1] * shape[2] * (shape[3] if op in ("ragged", tuning.SWAP_AB_RAGGED_OP) else 1)
 
 
 def kernels_in(hlo_text: str, target: str) -> tuple:
@@ -158,7 +167,7 @@ def _ragged_program(fmt: str, shape: tuple, keys: Any) -> tuple[Callable[[Option
 def _the_decode_kernel_alone(op: str) -> Iterator[None]:
     """For the decode op, the local GPU's arch.TABLE row without decode_swap_ab_m, so that "cutedsl" runs the
     weight_stream kernel at every M, the kernel whose rows the decision governs (the swap_ab decode tiles' range is
-    arch.TABLE's, not tuned); other ops as they are."""
+    the "decode_swap_ab" decision's); other ops as they are."""
     from jax_blockgemm import arch, dispatch
 
     capabilities = dispatch.local_cuda_capabilities() or ()
@@ -170,9 +179,66 @@ def _the_decode_kernel_alone(op: str) -> Iterator[None]:
 
 
 def measure(op: str, fmt: str, shape: tuple, *, reps: int = 20) -> tuple[Optional[tuple[float, float]], str]:
-    """Self-check and time our kernel against None's default for one problem on the local GPU."""
+    """Self-check and time our kernel against None's default for one problem on the local GPU (for CHOICE_OPS: the
+    swap_ab kernel against the other kernel of ours, `_measure_choice`)."""
+    if op in CHOICE_OPS:
+        return _measure_choice(op, fmt, shape, reps=reps)
     with _the_decode_kernel_alone(op):
         return _measure(op, fmt, shape, reps=reps)
+
+
+@contextlib.contextmanager
+def _swap_ab_table(op: str, fmt: str, swap_ab: bool) -> Iterator[None]:
+    """The local GPUs' arch.TABLE rows with `fmt`'s entry for the choice `op` set to the swap_ab kernel or not, and
+    the tuning tables ignored: what forces either kernel for the timing."""
+    from jax_blockgemm import arch, dispatch
+
+    with contextlib.ExitStack() as stack:
+        for capability in dispatch.local_cuda_capabilities() or ():
+            row = arch.policy(arch.target_of(capability))
+            if op == tuning.SWAP_AB_DECODE_OP:
+                rows = {**row.decode_swap_ab_m, fmt: (1, DECODE_SWAP_AB_SHAPES[-1][0])}
+                stack.enter_context(arch.overridden(capability, decode_swap_ab_m=rows if swap_ab else {}))
+            else:
+                others = tuple(f for f in row.ragged_swap_ab_formats if f != fmt)
+                stack.enter_context(arch.overridden(capability,
+                                                    ragged_swap_ab_formats=others + ((fmt,) if swap_ab else ())))
+        stack.enter_context(_tables_ignored())
+        yield
+
+
+def _measure_choice(op: str, fmt: str, shape: tuple, *, reps: int) -> tuple[Optional[tuple[float, float]], str]:
+    """(swap_ab ms, the other kernel's ms) for one problem of a CHOICE_OPS op: each program lowered and compiled with
+    the table forcing its kernel ("cutedsl"), the swap_ab objects self-checked; None and why where either cannot
+    run here (e.g. no swap_ab object for this GPU)."""
+    import jax
+
+    from jax_blockgemm import arch, dispatch, gate
+    from jax_blockgemm.bench import timing
+    from jax_blockgemm.kernels import catalog
+
+    decode = op == tuning.SWAP_AB_DECODE_OP
+    call, arg_sets, _ = programs(tuning.DECODE_OP if decode else "ragged", fmt, shape)
+    target = arch.target_of(dispatch.local_cuda_capabilities()[0])
+    compiled = []
+    for swap_ab in (True, False):
+        with _swap_ab_table(op, fmt, swap_ab):
+            try:
+                lowered = jax.jit(call("cutedsl")).lower(*arg_sets[0])
+            except ValueError as e:
+                return None, f"no kernel: {str(e).splitlines()[0]}"
+            variants = kernels_in(lowered.as_text(), target)
+            if not variants or any((v.schedule == catalog.SWAP_AB) != swap_ab for v in variants):
+                kind = "the swap_ab kernel" if swap_ab else "the other kernel"
+                return None, f"{kind} does not serve this call here"
+            for v in variants:
+                verdict = gate.check(v)
+                if not verdict.ok:
+                    return None, f"self-check failed: {verdict.detail}"
+            compiled.append(lowered.compile())
+    ms = timing.interleaved_medians_ms(compiled, [arg_sets, arg_sets], warmup=3, reps=reps, burst=10)
+    per_call = DECODE_MATRICES if decode else 1
+    return (ms[0] / per_call, ms[1] / per_call), ""
 
 
 def _measure(op: str, fmt: str, shape: tuple, *, reps: int) -> tuple[Optional[tuple[float, float]], str]:
@@ -202,7 +268,7 @@ def run(problems: Sequence[tuple[str, str, tuple]], gpu_model: str, *, timer: Ti
         out: Any = None) -> list[tuning.Decision]:
     """Measure every (op, fmt, shape), print one row each and one decision per (op, fmt); store them."""
     out = out or sys.stdout
-    rows = "{:10s} {:11s} {:>22s} {:>10s} {:>10s} {:>8s}  {}"
+    rows = "{:14s} {:11s} {:>22s} {:>10s} {:>10s} {:>8s}  {}"
     print(f"GPU: {gpu_model}", file=out)
     print(rows.format("op", "format", "shape", "ours ms", "None ms", "speedup", "note"), file=out)
     measured: dict[tuple[str, str], list] = {}
@@ -214,27 +280,44 @@ def run(problems: Sequence[tuple[str, str, tuple]], gpu_model: str, *, timer: Ti
             continue
         kernel_ms, default_ms = times
         measured[(op, fmt)].append((problem_size(op, shape), kernel_ms, default_ms))
+        note = "ours: swap_ab; None: the other kernel" if op in CHOICE_OPS else ""
         print(rows.format(op, fmt, "x".join(map(str, shape)), f"{kernel_ms:.3f}", f"{default_ms:.3f}",
-                          f"{default_ms / kernel_ms:.2f}x", ""), file=out, flush=True)
-    decisions = [tuning.decide_decode(fmt, m) if op == tuning.DECODE_OP else tuning.decide(op, fmt, m)
-                 for (op, fmt), m in measured.items() if m]
+                          f"{default_ms / kernel_ms:.2f}x", note), file=out, flush=True)
+    decisions = [_decide(op, fmt, m) for (op, fmt), m in measured.items() if m]
     print("decisions (None from now on):", file=out)
     for d in decisions:
-        if d.choice != tuning.KERNEL:
-            what = "the default (arch.TABLE)"
-        elif d.op == tuning.DECODE_OP:
-            what = f"our kernel up to M = {d.max_m}"
-        else:
-            what = f"our kernel from size {d.min_size}"
-        print(f"  {d.op} {d.fmt}: {what}", file=out)
+        print(f"  {d.op} {d.fmt}: {_decision_text(d)}", file=out)
     path = tuning.store(gpu_model, decisions)
     print(f"stored in {path}", file=out)
     return decisions
 
 
+def _decide(op: str, fmt: str, measured: Sequence[tuple[int, float, float]]) -> tuning.Decision:
+    """The decision of `op` for `fmt` from its timings (size or M, kernel ms, the other's ms)."""
+    if op == tuning.DECODE_OP:
+        return tuning.decide_decode(fmt, measured)
+    if op == tuning.SWAP_AB_DECODE_OP:
+        return tuning.decide_swap_ab_decode(fmt, measured)
+    return tuning.decide(op, fmt, measured)
+
+
+def _decision_text(d: tuning.Decision) -> str:
+    """What None takes after decision `d`, in words."""
+    if d.op == tuning.SWAP_AB_RAGGED_OP:
+        return f"the swap_ab kernel from size {d.min_size}" if d.choice == tuning.KERNEL else "the block-scaled kernel"
+    if d.op == tuning.SWAP_AB_DECODE_OP:
+        return (f"the swap_ab decode tile at M = {d.min_size}-{d.max_m}" if d.choice == tuning.KERNEL
+                else "the decode kernel")
+    if d.choice != tuning.KERNEL:
+        return "the default (arch.TABLE)"
+    if d.op == tuning.DECODE_OP:
+        return f"our kernel up to M = {d.max_m}"
+    return f"our kernel from size {d.min_size}"
+
+
 def problems(ops: Sequence[str], fmts: Sequence[str], shapes: Sequence[tuple]) -> list[tuple[str, str, tuple]]:
     """The (op, fmt, shape) to time: gemm_amax and decode shapes are (M, N, K), proj_rope shapes (T, K, H), ragged
-    shapes (T, G, N, K) (always RAGGED_SHAPES)."""
+    shapes (T, G, N, K) (always RAGGED_SHAPES); the decode tile's (M, N, K) with M from 17 to 64."""
     out = []
     if "gemm_amax" in ops:
         out += [("gemm_amax", f, s) for f in fmts if f in GEMM_FORMATS for s in (shapes or GEMM_SHAPES)]
@@ -245,12 +328,18 @@ def problems(ops: Sequence[str], fmts: Sequence[str], shapes: Sequence[tuple]) -
         out += [("proj_rope", f, (t, 1536, 128)) for f in fmts if f in PROJ_ROPE_FORMATS for t in PROJ_ROPE_TOKENS]
     if "ragged" in ops:
         out += [("ragged", f, s) for f in fmts if f in GEMM_FORMATS for s in RAGGED_SHAPES]
+    if tuning.SWAP_AB_RAGGED_OP in ops:
+        out += [(tuning.SWAP_AB_RAGGED_OP, f, s) for f in fmts if f in SWAP_AB_FORMATS for s in RAGGED_SHAPES]
+    if tuning.SWAP_AB_DECODE_OP in ops:
+        out += [(tuning.SWAP_AB_DECODE_OP, f, s) for f in fmts if f in SWAP_AB_FORMATS
+                for s in ([s for s in shapes if 17 <= s[0] <= DECODE_SWAP_AB_SHAPES[-1][0]] if shapes
+                          else DECODE_SWAP_AB_SHAPES)]
     return out
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jax_blockgemm.tune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--op", action="append", choices=OPS, help="repeatable; default: all four")
+    p.add_argument("--op", action="append", choices=OPS, help="repeatable; default: all of them")
     p.add_argument("--format", action="append", choices=GEMM_FORMATS + PROJ_ROPE_FORMATS,
                    help="repeatable; default: every format")
     p.add_argument("--shape", action="append", default=[], type=lambda s: tuple(int(v) for v in s.split(",")),

@@ -3,7 +3,8 @@
 `python -m jax_blockgemm.tune` self-checks and times our kernels against what None would otherwise run and writes
 one table per GPU model into the cache directory; dispatch reads it at lowering. A decision only ever says "our
 kernel, from this problem size on" for an operation and format (for the decode kernel, which wins at few rows: "up to
-this M"); everything it does not name follows `arch.TABLE`,
+this M"), or, where two kernels of ours could serve, which of them (the swap_ab kernel or the other, from a size or a
+number of rows on); everything it does not name follows `arch.TABLE`,
 and a kernel of a never-run architecture still passes its first-use self-check before any use. Set
 `JAX_BLOCKGEMM_IGNORE_TUNING=1` to ignore the tables; `python -m jax_blockgemm.tune --reset` deletes them.
 """
@@ -28,20 +29,26 @@ IGNORE_ENV = "JAX_BLOCKGEMM_IGNORE_TUNING"
 KERNEL = "kernel"
 DEFAULT = "default"
 DECODE_OP = "weight_stream"  # the decode kernel: decided by the rows M of x, up to a largest M
+# Which of two kernels of ours, where arch.TABLE names one from measurements on another GPU model: the swap_ab kernel
+# (KERNEL) or the other one (DEFAULT) for a format's ragged calls, from a problem size on; and the swap_ab decode tile
+# (KERNEL) or the decode kernel (DEFAULT) for a format's decode-sized calls, from a number of rows M on.
+SWAP_AB_RAGGED_OP = "ragged_swap_ab"
+SWAP_AB_DECODE_OP = "decode_swap_ab"
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """What None takes for one operation and operand format on one GPU model, and the measurements behind it."""
 
-    op: str  # "gemm_amax", "proj_rope", "ragged" or "weight_stream" (DECODE_OP)
+    op: str  # "gemm_amax", "proj_rope", "ragged", "weight_stream" (DECODE_OP), or a choice between two kernels of
+    # ours: "ragged_swap_ab" (SWAP_AB_RAGGED_OP), "decode_swap_ab" (SWAP_AB_DECODE_OP)
     fmt: str  # gemm_amax, ragged, weight_stream: "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4"; proj_rope: "bf16",
     # "mxfp8"
     choice: str  # KERNEL or DEFAULT
-    min_size: int = 0  # with KERNEL: the smallest problem size (gemm_amax L*M*N*K, proj_rope T*K*H, ragged
-    # T*N*K*L*G) it applies to
+    min_size: int = 0  # with KERNEL: the smallest problem size (gemm_amax L*M*N*K, proj_rope T*K*H, ragged and
+    # ragged_swap_ab T*N*K*L*G; decode_swap_ab: M) it applies to
     measured: tuple = ()  # ((size, kernel_ms, default_ms), ...) at the shapes that were timed (decode: size = M)
-    max_m: int = 0  # with KERNEL and DECODE_OP: the largest M it applies to
+    max_m: int = 0  # with KERNEL and DECODE_OP or SWAP_AB_DECODE_OP: the largest M it applies to
 
 
 def table_path(gpu_model: str) -> pathlib.Path:
@@ -121,6 +128,35 @@ def decode_max_m(gpu_model: Optional[str], fmt: str) -> Optional[int]:
     if d is None:
         return None
     return d.max_m if d.choice == KERNEL else 0
+
+
+def takes_swap_ab(gpu_model: Optional[str], fmt: str, size: int) -> Optional[bool]:
+    """Whether the measured table of `gpu_model` sends a ragged call (problem size `size`, T*N*K*L*G) against `fmt`
+    weights to the swap_ab kernel (True) or to the other grouped kernel (False); None where there is no decision or
+    tables are ignored: then `arch.TABLE`'s ragged_swap_ab_formats decides."""
+    d = _decision(gpu_model, SWAP_AB_RAGGED_OP, fmt)
+    if d is None:
+        return None
+    return d.choice == KERNEL and size >= d.min_size
+
+
+def decode_swap_ab_rows(gpu_model: Optional[str], fmt: str) -> Optional[tuple[int, int]]:
+    """The rows (first M, last M) of decode-sized calls against `fmt` weights that the measured table of `gpu_model`
+    gives to the swap_ab decode tile ((1, 0): none, the decode kernel keeps them), or None where there is no decision
+    or tables are ignored: then `arch.TABLE`'s decode_swap_ab_m decides."""
+    d = _decision(gpu_model, SWAP_AB_DECODE_OP, fmt)
+    if d is None:
+        return None
+    return (d.min_size, d.max_m) if d.choice == KERNEL else (1, 0)
+
+
+def decide_swap_ab_decode(fmt: str, measured: Sequence[tuple[int, float, float]], *, margin: float = 0.02
+                          ) -> Decision:
+    """The swap_ab decode tile's decision from timings ((m, tile_ms, decode_kernel_ms), ...): the tile from the
+    smallest measured M from which it was faster by at least `margin` at every larger measured M, up to the largest
+    measured M; else the decode kernel at every M."""
+    d = decide(SWAP_AB_DECODE_OP, fmt, measured, margin=margin)
+    return dataclasses.replace(d, max_m=max(m for m, _, _ in measured)) if d.choice == KERNEL else d
 
 
 def decide_decode(fmt: str, measured: Sequence[tuple[int, float, float]], *, margin: float = 0.02) -> Decision:

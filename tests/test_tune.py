@@ -316,5 +316,119 @@ class RaggedTuningTest(absltest.TestCase):
         self.assertEqual(tuning.decode_max_m(H200, "mxfp4"), 0)  # the reference won: never the decode kernel
 
 
+def _ragged_choice(fmt: str, tokens: int = 256, values: bool = False) -> tuple[str, ...]:
+    """The schedules of dispatch.ragged_kernels' variants under None for a ragged call against `fmt` weights (codes
+    of the tokens too, or bf16 tokens as values: the weight-only ragged matmul)."""
+    t, g, n, k = tokens, 4, 64, 256
+    block = 16 if fmt == "nvfp4" else 32
+    code = jnp.float8_e4m3fn if fmt == "mxfp8_e4m3" else jnp.uint8
+    row = k if fmt == "mxfp8_e4m3" else k // 2
+    scale = jnp.float8_e4m3fn if fmt == "nvfp4" else np.uint8
+    sa = jax.core.ShapedArray
+    a = sa((1, t, k), jnp.bfloat16) if values else sa((1, t, row), code)
+    sfa = sa((1, t, 0), np.uint8) if values else sa((1, t, k // block), scale)
+    avals = [a, sa((1, g, n, row), code), sfa, sa((1, g, n, k // block), scale), sa((1, g), jnp.int32),
+             sa((1, g), jnp.int32)]
+    choice = dispatch.ragged_kernels(avals, c_dtype=np.dtype(jnp.bfloat16), sf_vec_size=block, k=k,
+                                     implementation=None)
+    return tuple(v.schedule for v in choice.variants)
+
+
+class SwapAbChoiceTest(absltest.TestCase):
+    """The choices between two kernels of ours that arch.TABLE makes from H200 measurements: tune times both on the
+    local GPU and its decision replaces the table's entry, either way, for that GPU model."""
+
+    def test_decode_tile_from_the_smallest_m_from_which_it_always_wins(self):
+        d = tuning.decide_swap_ab_decode("mxfp4", [(17, 2.0, 1.5), (32, 1.0, 1.5), (64, 1.0, 3.0)])
+        self.assertEqual((d.op, d.choice, d.min_size, d.max_m), ("decode_swap_ab", tuning.KERNEL, 32, 64))
+        d = tuning.decide_swap_ab_decode("mxfp4", [(17, 1.0, 1.5), (64, 1.0, 3.0)])
+        self.assertEqual((d.min_size, d.max_m), (17, 64))
+        d = tuning.decide_swap_ab_decode("nvfp4", [(17, 1.0, 1.5), (64, 3.0, 1.0)])  # loses at the most rows
+        self.assertEqual((d.choice, d.max_m), (tuning.DEFAULT, 0))
+
+    def test_problems_and_sizes(self):
+        self.assertEqual(tune.problems(("decode_swap_ab",), ("mxfp4", "mxfp8_e5m2"), ()),
+                         [("decode_swap_ab", "mxfp4", s) for s in tune.DECODE_SWAP_AB_SHAPES])  # E5M2: no swap_ab
+        self.assertEqual(tune.problems(("decode_swap_ab",), ("nvfp4",), [(16, 64, 64), (40, 64, 64), (65, 8, 8)]),
+                         [("decode_swap_ab", "nvfp4", (40, 64, 64))])  # M from 17 to 64 only
+        self.assertEqual(tune.problems(("ragged_swap_ab",), ("mxfp8_e4m3", "bf16"), ()),
+                         [("ragged_swap_ab", "mxfp8_e4m3", s) for s in tune.RAGGED_SHAPES])
+        self.assertEqual(tune.problem_size("decode_swap_ab", (40, 64, 64)), 40)
+        self.assertEqual(tune.problem_size("ragged_swap_ab", (256, 4, 64, 128)), 256 * 4 * 64 * 128)
+
+    def test_ragged_decisions_replace_the_table_either_way(self):
+        """On a (faked) H200: arch.TABLE gives MXFP8 codes swap_ab and keeps FP4 codes on the block-scaled kernel
+        (and bf16 tokens against FP4 experts on the reference); stored decisions turn MXFP4 on from a size and MXFP8
+        off, NVFP4's DEFAULT keeps it block-scaled yet lets bf16 tokens take swap_ab (timed here either way)."""
+        _fake_h200(self)
+        self.assertEqual(_ragged_choice("mxfp8_e4m3"), ("swap_ab",))
+        self.assertEqual(_ragged_choice("mxfp4"), ("",))
+        self.assertEqual(_ragged_choice("nvfp4", values=True), ())  # the reference
+        size = tune.problem_size("ragged_swap_ab", (256, 4, 64, 256))
+        tuning.store(H200, [tuning.Decision("ragged_swap_ab", "mxfp4", tuning.KERNEL, min_size=size),
+                            tuning.Decision("ragged_swap_ab", "mxfp8_e4m3", tuning.DEFAULT),
+                            tuning.Decision("ragged_swap_ab", "nvfp4", tuning.DEFAULT)])
+        self.assertEqual(_ragged_choice("mxfp4"), ("swap_ab",))
+        self.assertEqual(_ragged_choice("mxfp4", tokens=128), ("",))  # below the measured size
+        self.assertEqual(_ragged_choice("mxfp8_e4m3"), ("",))  # the block-scaled kernel won here
+        self.assertEqual(_ragged_choice("nvfp4"), ("",))
+        self.assertEqual(_ragged_choice("nvfp4", values=True), ("swap_ab",))
+        with mock.patch.dict(os.environ, {tuning.IGNORE_ENV: "1"}):
+            self.assertEqual(_ragged_choice("mxfp4"), ("",))
+
+    def test_decode_decisions_replace_the_table_either_way(self):
+        """arch.TABLE gives MXFP8 E4M3 rows 17-64 to the swap_ab decode tile and FP4 none; a stored decision gives
+        NVFP4 rows 32-64 and takes MXFP8's away (the decode kernel won)."""
+        _fake_h200(self)
+        tile = lambda m, fmt: "jbg_ragged_gemm_amax" in _weight_only_text(m, fmt)
+        self.assertTrue(tile(40, "mxfp8_e4m3"))
+        self.assertFalse(tile(40, "nvfp4"))
+        tuning.store(H200, [tuning.Decision("decode_swap_ab", "nvfp4", tuning.KERNEL, min_size=32, max_m=64),
+                            tuning.Decision("decode_swap_ab", "mxfp8_e4m3", tuning.DEFAULT)])
+        self.assertTrue(tile(40, "nvfp4"))
+        self.assertFalse(tile(20, "nvfp4"))  # below the decided rows: the decode kernel
+        self.assertFalse(tile(40, "mxfp8_e4m3"))  # (at this K the decode kernel's short-K rule leaves it to the
+        self.assertIn("jbg_weight_stream", _weight_only_text(16, "mxfp8_e4m3"))  # reference; 16 rows it takes)
+
+    def test_the_timing_forces_each_kernel_through_the_table(self):
+        """_swap_ab_table sets the format's entry to the swap_ab kernel or not (the other formats' entries kept) on
+        every local GPU, with the tuning tables ignored."""
+        from jax_blockgemm import arch
+
+        _fake_h200(self)
+        for swap_ab, want in ((True, ("mxfp8_e4m3", "mxfp4")), (False, ("mxfp8_e4m3",))):
+            with tune._swap_ab_table("ragged_swap_ab", "mxfp4", swap_ab):
+                self.assertEqual(arch.policy("sm_90a").ragged_swap_ab_formats, want)
+                self.assertEqual(os.environ[tuning.IGNORE_ENV], "1")
+        with tune._swap_ab_table("ragged_swap_ab", "mxfp8_e4m3", False):
+            self.assertEqual(arch.policy("sm_90a").ragged_swap_ab_formats, ())
+        with tune._swap_ab_table("decode_swap_ab", "nvfp4", True):
+            self.assertEqual(arch.policy("sm_90a").decode_swap_ab_m["nvfp4"], (1, 64))
+            self.assertIn("mxfp8_e4m3", arch.policy("sm_90a").decode_swap_ab_m)
+        with tune._swap_ab_table("decode_swap_ab", "nvfp4", False):
+            self.assertEqual(arch.policy("sm_90a").decode_swap_ab_m, {})
+        self.assertEqual(arch.policy("sm_90a").ragged_swap_ab_formats, ("mxfp8_e4m3",))  # restored
+
+    def test_the_command_prints_and_stores_the_choices(self):
+        _fake_h200(self)
+
+        def timer(op, fmt, shape):  # swap_ab faster for MXFP4 everywhere, slower for NVFP4
+            return ((1.0, 2.0) if fmt == "mxfp4" else (2.0, 1.0)), ""
+
+        with mock.patch("sys.stdout", new_callable=io.StringIO) as out:
+            self.assertEqual(tune.main(["--op", "ragged_swap_ab", "--op", "decode_swap_ab", "--format", "mxfp4",
+                                        "--format", "nvfp4"], timer=timer), 0)
+        text = out.getvalue()
+        self.assertRegex(text, r"decode_swap_ab\s+mxfp4\s+17x7168x7168\s+1.000\s+2.000\s+2.00x\s+ours: swap_ab")
+        self.assertIn("ragged_swap_ab mxfp4: the swap_ab kernel from size", text)
+        self.assertIn("ragged_swap_ab nvfp4: the block-scaled kernel", text)
+        self.assertIn("decode_swap_ab mxfp4: the swap_ab decode tile at M = 17-64", text)
+        self.assertIn("decode_swap_ab nvfp4: the decode kernel", text)
+        self.assertEqual(tuning.decode_swap_ab_rows(H200, "mxfp4"), (17, 64))
+        self.assertEqual(tuning.decode_swap_ab_rows(H200, "nvfp4"), (1, 0))
+        self.assertIsNone(tuning.decode_swap_ab_rows(H200, "mxfp8_e4m3"))  # not timed: arch.TABLE decides
+        self.assertFalse(tuning.takes_swap_ab(H200, "nvfp4", 2**40))
+
+
 if __name__ == "__main__":
     absltest.main()
