@@ -207,16 +207,19 @@ def _swap_ab_table(op: str, fmt: str, swap_ab: bool) -> Iterator[None]:
         yield
 
 
-def _measure_choice(op: str, fmt: str, shape: tuple, *, reps: int) -> tuple[Optional[tuple[float, float]], str]:
-    """(swap_ab ms, the other kernel's ms) for one problem of a CHOICE_OPS op: each program lowered and compiled with
-    the table forcing its kernel ("cutedsl"), the swap_ab objects self-checked; None and why where either cannot
-    run here (e.g. no swap_ab object for this GPU)."""
+def _measure_choice(op: str, fmt: str, shape: tuple, *, reps: int,
+                    lower: Optional[Callable[[Callable, tuple], Any]] = None
+                    ) -> tuple[Optional[tuple[float, float]], str]:
+    """(swap_ab ms, the other kernel's ms) for one problem of a CHOICE_OPS op: each program lowered (`lower(fn,
+    args)`, default jax.jit's for the local GPU) and compiled with the table forcing its kernel ("cutedsl"), the
+    swap_ab objects self-checked; None and why where either cannot run here (e.g. no swap_ab object for this GPU)."""
     import jax
 
     from jax_blockgemm import arch, dispatch, gate
     from jax_blockgemm.bench import timing
     from jax_blockgemm.kernels import catalog
 
+    lower = lower or (lambda fn, args: jax.jit(fn).lower(*args))
     decode = op == tuning.SWAP_AB_DECODE_OP
     call, arg_sets, _ = programs(tuning.DECODE_OP if decode else "ragged", fmt, shape)
     target = arch.target_of(dispatch.local_cuda_capabilities()[0])
@@ -224,10 +227,10 @@ def _measure_choice(op: str, fmt: str, shape: tuple, *, reps: int) -> tuple[Opti
     for swap_ab in (True, False):
         with _swap_ab_table(op, fmt, swap_ab):
             try:
-                lowered = jax.jit(call("cutedsl")).lower(*arg_sets[0])
+                lowered = lower(call("cutedsl"), arg_sets[0])
             except ValueError as e:
                 return None, f"no kernel: {str(e).splitlines()[0]}"
-            variants = kernels_in(lowered.as_text(), target)
+            variants = tuple(dict.fromkeys(kernels_in(lowered.as_text(), target)))  # each object once
             if not variants or any((v.schedule == catalog.SWAP_AB) != swap_ab for v in variants):
                 kind = "the swap_ab kernel" if swap_ab else "the other kernel"
                 return None, f"{kind} does not serve this call here"

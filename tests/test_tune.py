@@ -409,6 +409,51 @@ class SwapAbChoiceTest(absltest.TestCase):
             self.assertEqual(arch.policy("sm_90a").decode_swap_ab_m, {})
         self.assertEqual(arch.policy("sm_90a").ragged_swap_ab_formats, ("mxfp8_e4m3",))  # restored
 
+    def test_each_timed_program_runs_the_kernel_it_forces(self):
+        """_measure_choice on a (faked) H200, lowered for CUDA (the compile and the timing stood in for): the swap_ab
+        program carries only swap_ab objects (the decode tile; MXFP8's token dequantization too) and the other only
+        the decode kernel or the block-scaled one, each object self-checked once; E5M2, which swap_ab does not
+        convert, is no choice."""
+        from jax_blockgemm import gate
+        from jax_blockgemm.bench import timing
+
+        _fake_h200(self)
+        lowered = []
+
+        class Lowered:  # the lowering for CUDA, its compile stood in for
+            def __init__(self, fn, args):
+                self.text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+                lowered.append(self.text)
+
+            def as_text(self):
+                return self.text
+
+            def compile(self):
+                return lambda *args: None
+
+        checked = []
+        verdict = lambda v: (checked.append(v.key), gate.Verdict(v.key, H200, "x", True, "ok"))[1]
+        self.enter_context(mock.patch.object(gate, "check", side_effect=verdict))
+        self.enter_context(mock.patch.object(timing, "interleaved_medians_ms", return_value=[1.0, 2.0]))
+        cases = [("decode_swap_ab", "mxfp4", (17, 256, 512), ["e2m1.bf16.sf32.t32x64.c1x1.swap_ab"],
+                  ["weight_stream.sm_90a.e2m1.bf16"]),
+                 ("ragged_swap_ab", "mxfp8_e4m3", (512, 4, 128, 512),
+                  ["dequantize.sm_90a.e4m3.bf16.sf32.t1x16.c1x1.swap_ab", "e4m3.bf16.sf32.t128x128.c1x1.swap_ab"],
+                  ["ragged.sm_90a.e4m3.bf16.sf32.t128x128.c1x1"])]
+        for op, fmt, shape, swapped, other in cases:
+            checked.clear()
+            lowered.clear()
+            times, why = tune._measure_choice(op, fmt, shape, reps=1, lower=Lowered)
+            per_call = tune.DECODE_MATRICES if op == "decode_swap_ab" else 1
+            self.assertEqual((times, why), ((1.0 / per_call, 2.0 / per_call), ""), op)
+            self.assertLen(checked, len(set(checked)))  # each object once
+            self.assertEqual(len(checked), len(swapped) + len(other))
+            for key, want in zip(checked, swapped + other):
+                self.assertIn(want, key)
+            self.assertNotIn("swap_ab", lowered[1])
+        self.assertEqual(tune._measure_choice("decode_swap_ab", "mxfp8_e5m2", (32, 256, 512), reps=1, lower=Lowered),
+                         (None, "the swap_ab kernel does not serve this call here"))
+
     def test_the_command_prints_and_stores_the_choices(self):
         _fake_h200(self)
 
