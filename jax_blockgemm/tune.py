@@ -49,7 +49,6 @@ DECODE_SWAP_AB_SHAPES = ((17, 7168, 7168), (32, 7168, 7168), (64, 7168, 7168))
 SWAP_AB_FORMATS = ("mxfp8_e4m3", "mxfp4", "nvfp4")  # the weight formats the swap_ab kernel converts
 CHOICE_OPS = (tuning.SWAP_AB_RAGGED_OP, tuning.SWAP_AB_DECODE_OP)  # a choice between two kernels of ours
 OPS = ("gemm_amax", "proj_rope", tuning.DECODE_OP, "ragged", *CHOICE_OPS)
-_BENCH_FORMAT = {"mxfp8_e4m3": "mxfp8", "mxfp8_e5m2": "mxfp8_e5m2", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
 _PROJ_ROPE_SCALES = ("x_scale", "w_scale")  # gemm_proj_rope_mxfp8's scale keywords (the MXFP8 path)
 
 # (kernel_ms, default_ms) of one problem, or None when no kernel of ours serves it; `why` says why not.
@@ -87,6 +86,13 @@ def kernels_in(hlo_text: str, target: str) -> tuple:
     return tuple(by_prefix[p] for p in prefixes if p in by_prefix)
 
 
+def _bench_format(fmt: str) -> Any:
+    """The benchmark's input format (`bench.inputs.GemmFormat`) of the tuning tables' format name `fmt`."""
+    from jax_blockgemm.bench import inputs
+
+    return next(f for f in inputs.GEMM_FORMATS.values() if f.weight_format == fmt)
+
+
 def programs(op: str, fmt: str, shape: tuple) -> tuple[Callable[[Optional[str]], Callable], list[tuple], Optional[str]]:
     """What `measure` times for one problem: `call(implementation)` -> the function; its argument sets (two, rotated
     so that no call finds the previous call's operands in L2; one for the decode program, whose DECODE_MATRICES
@@ -111,7 +117,7 @@ def programs(op: str, fmt: str, shape: tuple) -> tuple[Callable[[Optional[str]],
             return f
         return call, [(weights, xs)], "xla"
     if op == "gemm_amax":
-        sets = [inputs.gemm_inputs(k, *shape, fmt=_BENCH_FORMAT[fmt]) for k in keys]
+        sets = [inputs.gemm_inputs(k, *shape, fmt=_bench_format(fmt).name) for k in keys]
         names = ("a", "b", "sfa_atom", "sfb_atom") + (("alpha",) if fmt == "nvfp4" else ())
         sf = 16 if fmt == "nvfp4" else 32
 
@@ -145,7 +151,7 @@ def _ragged_program(fmt: str, shape: tuple, keys: Any) -> tuple[Callable[[Option
     from jax_blockgemm.bench import inputs
 
     tokens, groups, n, k = shape
-    fmt_ = inputs.GEMM_FORMATS[_BENCH_FORMAT[fmt]]
+    fmt_ = _bench_format(fmt)
     sizes = jnp.full((groups,), tokens // groups, jnp.int32)
 
     def operands(key):

@@ -18,7 +18,7 @@ from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
 from jax_blockgemm import arch, formats
-from jax_blockgemm.bench import decode
+from jax_blockgemm.bench import decode, inputs
 from jax_blockgemm.bench.cli import main as bench_main, parser
 
 import oracle_ops
@@ -94,7 +94,7 @@ class DecodeBenchTest(parameterized.TestCase):
         footnote = " ".join(text[text.index("ours: weight_only_matmul"):].split())  # unwrapped
         self.assertIn(" ".join(decode.decode_policy(("mxfp8", "nvfp4")).split()), footnote)
         for row in arch.TABLE:  # every threshold the table holds for these formats is spelled out with its target
-            largest = {row.decode_max_m.get(decode.WEIGHT_FORMAT[f], 0) for f in ("mxfp8", "nvfp4")}
+            largest = {row.decode_max_m.get(inputs.GEMM_FORMATS[f].weight_format, 0) for f in ("mxfp8", "nvfp4")}
             if row.target and max(largest) > 0:
                 self.assertIn(f"weight_stream decode kernel on {row.target} for ", footnote)
                 for value in largest - {0}:
@@ -133,7 +133,7 @@ class DecodeBenchTest(parameterized.TestCase):
         weight = decode.weight_inputs(jax.random.key(0), k, n, fmt)
         x = decode.activation_inputs(jax.random.key(1), m, k, fmt, weight)
         w = weight["w"]
-        self.assertEqual((w.format, w.shape), (decode.WEIGHT_FORMAT[fmt], (n, k)))
+        self.assertEqual((w.format, w.shape), (inputs.GEMM_FORMATS[fmt].weight_format, (n, k)))
         np.testing.assert_array_equal(np.asarray(weight["w_bf16"], np.float32), np.asarray(w.dequantize()).astype(
             jnp.bfloat16).astype(np.float32))
         block = 16 if fmt == "nvfp4" else 32

@@ -46,7 +46,6 @@ SMALL_SHAPES = ((256, 128), (96, 320))
 SMALL_M_VALUES = (1, 4)
 SMALL_MATRICES = 4
 DEFAULT_FORMATS = ("mxfp8", "mxfp4", "nvfp4")
-WEIGHT_FORMAT = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}  # --format name -> QuantizedWeight's
 COLUMNS = {"ours": "ours(None)", "reference": "reference(xla)", "gemm_amax": "gemm_amax(None)",
            "bf16_dot": "bf16 dot", "fp8_dot": "fp8 dot", "read_floor": "read floor"}
 BANDWIDTH_BYTES, SMALL_BANDWIDTH_BYTES = 2**32, 2**24  # the buffer the read bandwidth is measured on
@@ -97,7 +96,8 @@ def weight_inputs(key: jax.Array, k: int, n: int, fmt: str) -> dict[str, Any]:
     """One weight matrix (N, K) in every form the columns take: the QuantizedWeight, its codes and scale atom for
     gemm_amax (with NVFP4's alpha factor), its bf16 values, and E4M3 codes of the same values."""
     values = random_values(key, (n, k))
-    w = jbg.quantize_weight(values, WEIGHT_FORMAT[fmt])  # NVFP4: alpha = max|w| / (6 * 448), as inputs.py's
+    # NVFP4: alpha = max|w| / (6 * 448), as inputs.py's
+    w = jbg.quantize_weight(values, GEMM_FORMATS[fmt].weight_format)
     return {"w": w, "b": w.codes, "sfb": formats.to_scale_atom(w.scales), "w_tensor_scale": w.alpha,
             "w_bf16": w.dequantize(jnp.bfloat16),
             "w_fp8": w.codes if fmt == "mxfp8" else formats.quantize_mxfp8(values)[0]}
@@ -177,7 +177,7 @@ def decode_policy(formats_: Sequence[str]) -> str:
     """Where implementation=None runs the weight_stream decode kernel for weights in `formats_` (--format names),
     read from `arch.TABLE`'s `decode_max_m`: per target, the largest M (per format where they differ), and its
     `decode_short_k` rules."""
-    titles = {WEIGHT_FORMAT[fmt]: GEMM_FORMATS[fmt].title for fmt in formats_}
+    titles = {GEMM_FORMATS[fmt].weight_format: GEMM_FORMATS[fmt].title for fmt in formats_}
     rules = [(row.target, arch.decode_rule(row, list(titles), name=titles.get)) for row in arch.TABLE if row.target]
     places = [f"on {target} for {rule}" for target, rule in rules if rule]
     if not places:

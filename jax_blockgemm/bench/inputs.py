@@ -20,11 +20,13 @@ from jax_blockgemm import formats, reference, support
 
 @dataclasses.dataclass(frozen=True)
 class GemmFormat:
-    """A gemm_amax input format --format can pick: its name, its table title, its block (sf_vec_size)."""
+    """A gemm_amax input format --format can pick: its name, its table title, its block (sf_vec_size), and the name
+    `formats.FORMATS` (quantize_weight, the tuning tables) gives it."""
 
     name: str
     title: str
     block: int
+    weight_format: str
 
     @property
     def fp4(self) -> bool:
@@ -33,10 +35,10 @@ class GemmFormat:
 
 
 GEMM_FORMATS = {f.name: f for f in (
-    GemmFormat("mxfp8", "MXFP8 E4M3", support.MX_BLOCK),
-    GemmFormat("mxfp8_e5m2", "MXFP8 E5M2", support.MX_BLOCK),
-    GemmFormat("mxfp4", "MXFP4 E2M1", support.MX_BLOCK),
-    GemmFormat("nvfp4", "NVFP4 E2M1 x alpha", 16))}
+    GemmFormat("mxfp8", "MXFP8 E4M3", support.MX_BLOCK, "mxfp8_e4m3"),
+    GemmFormat("mxfp8_e5m2", "MXFP8 E5M2", support.MX_BLOCK, "mxfp8_e5m2"),
+    GemmFormat("mxfp4", "MXFP4 E2M1", support.MX_BLOCK, "mxfp4"),
+    GemmFormat("nvfp4", "NVFP4 E2M1 x alpha", 16, "nvfp4"))}
 DEFAULT_FORMATS = ("mxfp8",)
 
 

@@ -45,8 +45,6 @@ GROUPINGS = ("equal", "skewed")
 DIRICHLET_ALPHA = 0.5
 FORWARD = {"ours": "ours(None)", "weight_only": "weight-only mxfp8", "mxfp8_recipe": "mx_ragged_dot mxfp8",
            "bf16_recipe": "mx_ragged_dot bf16", "ragged_dot": "lax.ragged_dot", "dense": "dense bf16"}
-WEIGHT_FORMAT = {"mxfp8": "mxfp8_e4m3", "mxfp8_e5m2": "mxfp8_e5m2", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}  # bench's
-# --format name -> quantize_weight's
 STEP = {"step_mxfp8": "step mxfp8", "step_bf16": "step bf16 recipe", "step_dense": "step dense bf16"}
 KERNEL_TRACE_CALLS = 5  # calls traced together for --kernels
 
@@ -92,7 +90,7 @@ def inputs(key: jax.Array, tokens: int, groups: int, k: int, n: int, fmts: tuple
     for fmt in fmts:
         (a, sfa, ta), (b, sfb, tb) = (quantize_operand(v, GEMM_FORMATS[fmt]) for v in (x, w))
         alpha = None if ta is None else (ta * tb).astype(jnp.float32)
-        wq = jax.vmap(lambda e: jbg.quantize_weight(e, WEIGHT_FORMAT[fmt]))(w)
+        wq = jax.vmap(lambda e: jbg.quantize_weight(e, GEMM_FORMATS[fmt].weight_format))(w)
         data.update({format_key(name, fmt): value for name, value in
                      (("a", a), ("sfa", sfa), ("b", b), ("sfb", sfb), ("alpha", alpha), ("wq", wq))})
     return data
