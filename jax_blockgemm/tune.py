@@ -221,7 +221,7 @@ def _measure_choice(op: str, fmt: str, shape: tuple, *, reps: int,
     swap_ab objects self-checked; None and why where either cannot run here (e.g. no swap_ab object for this GPU)."""
     import jax
 
-    from jax_blockgemm import arch, dispatch, gate
+    from jax_blockgemm import arch, dispatch
     from jax_blockgemm.bench import timing
     from jax_blockgemm.kernels import catalog
 
@@ -236,24 +236,35 @@ def _measure_choice(op: str, fmt: str, shape: tuple, *, reps: int,
                 lowered = lower(call("cutedsl"), arg_sets[0])
             except ValueError as e:
                 return None, f"no kernel: {str(e).splitlines()[0]}"
-            variants = tuple(dict.fromkeys(kernels_in(lowered.as_text(), target)))  # each object once
+            variants = kernels_in(lowered.as_text(), target)
             if not variants or any((v.schedule == catalog.SWAP_AB) != swap_ab for v in variants):
                 kind = "the swap_ab kernel" if swap_ab else "the other kernel"
                 return None, f"{kind} does not serve this call here"
-            for v in variants:
-                verdict = gate.check(v)
-                if not verdict.ok:
-                    return None, f"self-check failed: {verdict.detail}"
+            failed = _failed_self_check(variants)
+            if failed:
+                return None, failed
             compiled.append(lowered.compile())
     ms = timing.interleaved_medians_ms(compiled, [arg_sets, arg_sets], warmup=3, reps=reps, burst=10)
     per_call = DECODE_MATRICES if decode else 1
     return (ms[0] / per_call, ms[1] / per_call), ""
 
 
+def _failed_self_check(variants: Sequence[Any]) -> str:
+    """'' when every one of `variants` (a program's objects, repeats allowed) passed its first-use self-check on the
+    local GPU, else why not: the first failure."""
+    from jax_blockgemm import gate
+
+    for v in dict.fromkeys(variants):
+        verdict = gate.check(v)
+        if not verdict.ok:
+            return f"self-check failed: {verdict.detail}"
+    return ""
+
+
 def _measure(op: str, fmt: str, shape: tuple, *, reps: int) -> tuple[Optional[tuple[float, float]], str]:
     import jax
 
-    from jax_blockgemm import arch, dispatch, gate
+    from jax_blockgemm import arch, dispatch
     from jax_blockgemm.bench import timing
 
     call, arg_sets, baseline = programs(op, fmt, shape)
@@ -261,11 +272,9 @@ def _measure(op: str, fmt: str, shape: tuple, *, reps: int) -> tuple[Optional[tu
         text = jax.jit(call("cutedsl")).lower(*arg_sets[0]).as_text()
     except ValueError as e:
         return None, f"no kernel: {str(e).splitlines()[0]}"
-    variants = kernels_in(text, arch.target_of(dispatch.local_cuda_capabilities()[0]))
-    for v in variants:
-        verdict = gate.check(v)
-        if not verdict.ok:
-            return None, f"self-check failed: {verdict.detail}"
+    failed = _failed_self_check(kernels_in(text, arch.target_of(dispatch.local_cuda_capabilities()[0])))
+    if failed:
+        return None, failed
     with _tables_ignored():
         kernel, default = (jax.jit(call(impl)) for impl in ("cutedsl", baseline))
         ms = timing.interleaved_medians_ms([kernel, default], [arg_sets, arg_sets], warmup=3, reps=reps, burst=10)

@@ -453,6 +453,10 @@ class SwapAbChoiceTest(absltest.TestCase):
             self.assertNotIn("swap_ab", lowered[1])
         self.assertEqual(tune._measure_choice("decode_swap_ab", "mxfp8_e5m2", (32, 256, 512), reps=1, lower=Lowered),
                          (None, "the swap_ab kernel does not serve this call here"))
+        failing = lambda v: gate.Verdict(v.key, H200, "x", "swap_ab" not in v.key, "hung: killed after 120 s")
+        with mock.patch.object(gate, "check", side_effect=failing):  # a swap_ab object that fails: no timing
+            self.assertEqual(tune._measure_choice("decode_swap_ab", "mxfp4", (17, 256, 512), reps=1, lower=Lowered),
+                             (None, "self-check failed: hung: killed after 120 s"))
 
     def test_the_command_prints_and_stores_the_choices(self):
         _fake_h200(self)
