@@ -127,7 +127,7 @@ class DecodeBenchTest(parameterized.TestCase):
     def test_decode_is_a_flag_of_the_benchmark(self):
         self.assertIn("--decode", parser().format_help())
 
-    @parameterized.parameters("mxfp4", "nvfp4")
+    @parameterized.parameters("mxfp4", "nvfp4", "mxfp8_e5m2")
     def test_every_column_takes_the_same_weight_values(self, fmt):
         k, n, m = 96, 40, 3
         weight = decode.weight_inputs(jax.random.key(0), k, n, fmt)
