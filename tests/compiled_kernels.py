@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import warnings
 from typing import Any, Iterable
 
 from jax_blockgemm.kernels import catalog
@@ -20,6 +21,7 @@ class Compiled:
     header: str  # the C header of the exported wrapper, which ffi/*.cc calls
     fn: Any  # the DSL's compiled function (its cubin)
     kernel: Any  # the kernel object it was traced from (the facts it records while traced)
+    deprecations: tuple[str, ...]  # the deprecation warnings tracing and compiling it raised (APIs due to go)
 
 
 _COMPILED: dict[str, Compiled] = {}
@@ -28,13 +30,18 @@ _COMPILED: dict[str, Compiled] = {}
 def compiled(v: catalog.KernelVariant) -> Compiled:
     """Variant `v` compiled for its architecture with its PTX and cubin kept; compiled once per process."""
     if v.key not in _COMPILED:
-        kernel = catalog.make_kernel(v)
-        fn = catalog.compile_function(v, keep_ptx=True, kernel=kernel)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kernel = catalog.make_kernel(v)
+            fn = catalog.compile_function(v, keep_ptx=True, kernel=kernel)
+        deprecations = tuple(sorted({f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+                                     if issubclass(w.category, (DeprecationWarning, PendingDeprecationWarning))}))
         with tempfile.TemporaryDirectory() as d:
             fn.export_to_c(d, v.function_prefix, function_prefix=v.function_prefix)
             with open(os.path.join(d, v.function_prefix + ".h")) as f:
                 header = f.read()
-        _COMPILED[v.key] = Compiled(fn.__ptx__, fn.dump_to_object(v.function_prefix), header, fn, kernel)
+        _COMPILED[v.key] = Compiled(fn.__ptx__, fn.dump_to_object(v.function_prefix), header, fn, kernel,
+                                    deprecations)
     return _COMPILED[v.key]
 
 

@@ -3,7 +3,9 @@ ffi/proj_rope.cc, ffi/dequantize.cc, ffi/ragged.cc, ffi/contraction.cc, ffi/quan
 its parameters in order, the argument array it launches with.
 
 The default tier checks the representative variants (compiled_kernels.py), every dequantize variant and the broken
-kernel the GPU self-check tests load; the `catalog` tier checks every variant."""
+kernel the GPU self-check tests load; the `catalog` tier checks every variant. The representative variants also
+compile without a deprecation warning from the DSL: an API it has announced it will remove (its static persistent
+tile scheduler was one) would stop every user's compile on the release that removes it."""
 
 import re
 
@@ -98,6 +100,10 @@ class AbiTest(_AbiChecks):
         self.assertEqual(_wrapper_params(header, p), operand("") + operand("1") + ["cudaStream_t stream"])
         self.assertEqual(_launch_args(header)[1], ["codes", "scales", "out", "&rows", "&cols", "codes1", "scales1",
                                                    "out1", "&rows1", "&cols1", "&stream", "&ret"])
+
+    @parameterized.named_parameters(named(compiled_kernels.representatives(catalog.CATALOG)))
+    def test_no_deprecated_dsl_api(self, v):
+        self.assertEqual(compiled(v).deprecations, ())
 
 
 @pytest.mark.catalog

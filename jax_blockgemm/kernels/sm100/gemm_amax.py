@@ -137,8 +137,8 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
     def _setup(self):
         """Derive the MMA, tile, cluster, stage and shared-memory layout facts (trace time, plain Python)."""
         self.tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
-            self.ab_dtype, self.a_major, self.b_major, self.sf_dtype, self.sf_vec_size, self.cta_group,
-            self.tile_mn)
+            self.ab_dtype, self.ab_dtype, self.a_major, self.b_major, self.sf_dtype, self.sf_vec_size,
+            self.cta_group, self.tile_mn)
         mma_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])  # 32 for FP8, 64 for FP4
         tile_k = TILE_K[self.ab_dtype_name]
         assert tile_k == 4 * mma_k, (tile_k, mma_k)  # the self-check sizes K by TILE_K (no DSL there)
@@ -453,11 +453,12 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         subtiles = self.tile_mn[1] // cute.size(epi_tile[1])
 
-        sched = persistent.tile_scheduler(sched_params)
-        work = sched.initial_work_tile_info()
+        walk = persistent.TileWalk(sched_params, self.cluster_mn)
+        index = walk.first
+        done = cutlass.Int32(0)  # tiles this CTA has stored: their sub-tiles cycle through the C staging buffers
         acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.acc_stages)
-        while work.is_valid_tile:
-            tile_m, tile_n, batch = work.tile_idx
+        while index < walk.count:
+            tile_m, tile_n, batch = walk.tile(index)
             buffer = self.acc_buffer(acc_state, producer=False)
             # Overlapping buffers share buffer 0's last and buffer 1's first columns: read those first.
             reverse = self.overlapping_acc and buffer == 0
@@ -465,7 +466,7 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
             bSG_gC = cute.group_modes(bSG_gC_all[(None, None, None, tile_m, tile_n, batch)], 1, 3)
             tTR_cC = cute.group_modes(tTR_cC_all[(None, None, None, None, None, tile_m, tile_n, batch)], 3, 5)
             acc_pipeline.consumer_wait(acc_state)
-            first_subtile = sched.num_tiles_executed * subtiles
+            first_subtile = done * subtiles
             amax_bits = cutlass.Int32(0)
             for step in cutlass.range(subtiles):
                 sub = step
@@ -504,8 +505,8 @@ class BlackwellBlockScaledGemmAmax(persistent.PersistentKernel):
                     acc_pipeline.consumer_release(acc_state)
                 acc_state.advance()
             self.publish_tile_amax(amax_bits, storage, amax, batch, tidx)
-            sched.advance_to_next_work()
-            work = sched.get_current_work()
+            done += 1
+            index += walk.stride
         c_pipeline.producer_tail()  # the last stores have read their sub-tiles before the CTA exits
 
 

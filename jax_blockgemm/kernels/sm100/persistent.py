@@ -18,26 +18,68 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
+from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 from cutlass.cute.nvgpu import tcgen05
 
 from jax_blockgemm.kernels.sm100 import TMEM_COLUMNS
 
-SchedulerParams = utils.PersistentTileSchedulerParams
+SchedulerParams = tuple  # the clusters of output tiles along (M, N, L), three Int32: what `schedule` gives the kernel
 
 
 def schedule(tiles_mnl, cluster_mn: tuple[int, int], max_ctas: cutlass.Int32):
     """(scheduler parameters, launch grid) for `tiles_mnl` output tiles with at most `max_ctas` CTAs resident at
-    once, a run-time Int32 the handler reads from the GPU (the grid is at least one cluster whatever it says)."""
-    params = utils.PersistentTileSchedulerParams(tiles_mnl, (*cluster_mn, 1))
-    clusters = cutlass.max(max_ctas // (cluster_mn[0] * cluster_mn[1]), 1)
-    grid = utils.StaticPersistentTileScheduler.get_grid_shape(params, clusters)
-    return params, grid
+    once, a run-time Int32 the handler reads from the GPU (the grid is at least one cluster whatever it says).
+
+    The grid is (cluster M, cluster N, clusters): one cluster of CTAs per grid z, each CTA of a cluster on its own
+    tile of the cluster's (cluster M x cluster N) block of tiles (`tile_of`)."""
+    clusters_mnl = tuple(cutlass.Int32(x) for x in
+                         ((tiles_mnl[0] + cluster_mn[0] - 1) // cluster_mn[0],
+                          (tiles_mnl[1] + cluster_mn[1] - 1) // cluster_mn[1], tiles_mnl[2]))
+    wave = cutlass.max(max_ctas // (cluster_mn[0] * cluster_mn[1]), 1)
+    grid = (*cluster_mn, cutlass.min(clusters_mnl[0] * clusters_mnl[1] * clusters_mnl[2], wave))
+    return clusters_mnl, grid
 
 
-def tile_scheduler(params: SchedulerParams) -> utils.StaticPersistentTileScheduler:
-    """This CTA's static persistent scheduler (device side; its first tile is `initial_work_tile_info()`)."""
-    return utils.StaticPersistentTileScheduler.create(params, cute.arch.block_idx(), cute.arch.grid_dim())
+def tile_of(index, clusters_mn, cluster_mn: tuple[int, int], cta_mn) -> tuple:
+    """The (M, N, L) output tile of the CTA at `cta_mn` within its cluster when the cluster takes block `index` of
+    the (clusters M, clusters N, L) blocks of tiles, M fastest. Plain arithmetic on Int32 (tests run it on ints)."""
+    cluster_m = index % clusters_mn[0]
+    rest = index // clusters_mn[0]
+    return (cluster_m * cluster_mn[0] + cta_mn[0], rest % clusters_mn[1] * cluster_mn[1] + cta_mn[1],
+            rest // clusters_mn[1])
+
+
+class TileWalk:
+    """Device side: the output tiles one CTA computes, a static persistent schedule. Cluster z of the grid takes
+    blocks of tiles z, z + clusters, z + 2 clusters, ... below their count; each warp role builds its own walk and
+    visits the same tiles in the same order, its loop carrying an Int32 index (`first`, then `+= stride`)."""
+
+    def __init__(self, clusters_mnl: SchedulerParams, cluster_mn: tuple[int, int], cta_mn=None, first=None,
+                 stride=None):
+        """The walk of this CTA (block and grid indices read here); the other arguments rebuild a walk inside a
+        loop that carries it (`__new_from_mlir_values__`)."""
+        self.clusters_mnl, self.cluster_mn = tuple(clusters_mnl), cluster_mn
+        if cta_mn is None:
+            bidx, bidy, bidz = cute.arch.block_idx()
+            cta_mn = (cutlass.Int32(bidx % cluster_mn[0]), cutlass.Int32(bidy % cluster_mn[1]))
+            first, stride = cutlass.Int32(bidz), cutlass.Int32(cute.arch.grid_dim()[2])
+        self.cta_mn, self.first, self.stride = tuple(cta_mn), first, stride
+        self.count = self.clusters_mnl[0] * self.clusters_mnl[1] * self.clusters_mnl[2]
+
+    def tile(self, index: cutlass.Int32) -> tuple:
+        """(M tile, N tile, L) of block `index`, warp-uniform."""
+        return tuple(cute.arch.make_warp_uniform(cutlass.Int32(x))
+                     for x in tile_of(index, self.clusters_mnl, self.cluster_mn, self.cta_mn))
+
+    def _values(self) -> list:
+        return [*self.clusters_mnl, *self.cta_mn, self.first, self.stride]
+
+    def __extract_mlir_values__(self) -> list:
+        return [v for x in self._values() for v in extract_mlir_values(x)]
+
+    def __new_from_mlir_values__(self, values: list) -> "TileWalk":
+        x = [new_from_mlir_values(old, [v]) for old, v in zip(self._values(), values)]
+        return TileWalk(x[0:3], self.cluster_mn, x[3:5], x[5], x[6])
 
 
 class PersistentKernel:
@@ -124,11 +166,11 @@ class PersistentKernel:
         batched=False reads L index 0 (the tile index's L is always 0 there). `plan`: None, or a function of the
         tile index giving ((M-side row tile, N-side row tile), (M-side L, N-side L), whether the tile has products:
         a tile without runs no k-tile)."""
-        sched = tile_scheduler(sched_params)
-        work = sched.initial_work_tile_info()
+        walk = TileWalk(sched_params, self.cluster_mn)
+        index = walk.first
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        while work.is_valid_tile:
-            tile_m, tile_n, batch = work.tile_idx
+        while index < walk.count:
+            tile_m, tile_n, batch = walk.tile(index)
             rows, batches, count = (tile_m, tile_n), (batch, batch), k_tiles
             if cutlass.const_expr(plan is not None):
                 rows, batches, active = plan(tile_m, tile_n, batch)
@@ -141,8 +183,7 @@ class PersistentKernel:
                     cute.copy(load[0], tile[(None, kt)], load[2][(None, state.index)], tma_bar_ptr=bar,
                               mcast_mask=load[4])
                 state.advance()
-            sched.advance_to_next_work()
-            work = sched.get_current_work()
+            index += walk.stride
         ab_pipeline.producer_tail(state)
 
     @cute.jit
@@ -157,17 +198,17 @@ class PersistentKernel:
         scales are copied to tensor memory before its MMAs read them. `plan`: as `_produce` takes it (a tile without
         products runs no k-tile and still hands its accumulator stage, unwritten, to the epilogue)."""
         num_kblocks = cute.size(tCrA, mode=[2])
-        sched = tile_scheduler(sched_params)
-        work = sched.initial_work_tile_info()
+        walk = TileWalk(sched_params, self.cluster_mn)
+        index = walk.first
         ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.acc_stages)
-        while work.is_valid_tile:
+        while index < walk.count:
             tCtAcc = tCtAcc_base[(None, None, None, self.acc_buffer(acc_state, producer=True))]
             acc_pipeline.producer_acquire(acc_state)
             tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
             count = k_tiles
             if cutlass.const_expr(plan is not None):
-                tile_m, tile_n, batch = work.tile_idx
+                tile_m, tile_n, batch = walk.tile(index)
                 count = cutlass.select_(plan(tile_m, tile_n, batch)[2], k_tiles, 0)
             for kt in cutlass.range(0, count, 1, unroll=1):
                 ab_pipeline.consumer_wait(ab_state)
@@ -185,8 +226,7 @@ class PersistentKernel:
                 ab_state.advance()
             acc_pipeline.producer_commit(acc_state)
             acc_state.advance()
-            sched.advance_to_next_work()
-            work = sched.get_current_work()
+            index += walk.stride
         acc_pipeline.producer_tail(acc_state)
 
     def _with_tmem(self, tmem, acc_layout: cute.Layout, epilogue):

@@ -63,6 +63,7 @@ class BlackwellProjRope(persistent.PersistentKernel):
         self.mma_tiler = (TILE_T, HEAD_DIM, TILE_K)
         self.cta_group = tcgen05.CtaGroup.ONE
         self.acc_stages = ACC_STAGES
+        self.cluster_mn = (1, 1)  # no multicast: each CTA loads its own operands
         super().__init__()  # the warp roles, as in the gemm_amax kernel; all 512 tensor-memory columns (384 used)
 
     # Whether the kernel handles these sizes, and why not (the caller checks before launching).
@@ -117,7 +118,7 @@ class BlackwellProjRope(persistent.PersistentKernel):
             self.tiled_mma, cluster_shape)
 
         tiles = ((t + TILE_T - 1) // TILE_T, h, 1)  # (token tile, head, 1): tile_t varies fastest
-        sched_params, grid = persistent.schedule(tiles, (1, 1), sms)
+        sched_params, grid = persistent.schedule(tiles, self.cluster_mn, sms)
 
         self._set_shared_storage({}, {"sA": (self.ab_dtype, self.a_smem_staged.outer),
                                       "sB": (self.ab_dtype, self.b_smem_staged.outer)})
@@ -202,11 +203,11 @@ class BlackwellProjRope(persistent.PersistentKernel):
         warp = tidx // 32
         row32, col32, cos32, sin32 = token_rows.word_views(row_codes, col_codes, cos, sin)
 
-        sched = persistent.tile_scheduler(sched_params)
-        work = sched.initial_work_tile_info()
+        walk = persistent.TileWalk(sched_params, self.cluster_mn)
+        index = walk.first
         acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.acc_stages)
-        while work.is_valid_tile:
-            tile_t, head, _ = work.tile_idx
+        while index < walk.count:
+            tile_t, head, _ = walk.tile(index)
             token = tile_t * TILE_T + tidx
             live = token < t  # uniform over a warp: T is a multiple of 32
             # This token's rotary tables, loaded before the accumulator wait so their latency hides.
@@ -241,5 +242,4 @@ class BlackwellProjRope(persistent.PersistentKernel):
                                                col_scales, out_word, row_scale0, col_scale0)
             token_rows.quantize_block_shuffled(out_hi, nope_blocks + 1, lane, live, row32, col32, row_scales,
                                                col_scales, out_word, row_scale0, col_scale0)
-            sched.advance_to_next_work()
-            work = sched.get_current_work()
+            index += walk.stride

@@ -116,11 +116,11 @@ class BlackwellRaggedGemmAmax(BlockScaledGroups, BlackwellBlockScaledGemmAmax):
         n = mC_mnl.shape[1]
         subtiles = self.tile_mn[1] // cute.size(epi_tile[1])
 
-        sched = persistent.tile_scheduler(sched_params)
-        work = sched.initial_work_tile_info()
+        walk = persistent.TileWalk(sched_params, self.cluster_mn)
+        index = walk.first
         acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.acc_stages)
-        while work.is_valid_tile:
-            item, tile_n, batch = work.tile_idx
+        while index < walk.count:
+            item, tile_n, batch = walk.tile(index)
             row_tile, group, rows_lo, rows_hi = work_item(items, batch, item, max_items, t, g)
             buffer = self.acc_buffer(acc_state, producer=False)
             tTR_tAcc = cute.group_modes(tTR_tAcc_base[(None, None, None, None, None, buffer)], 3, 5)
@@ -145,5 +145,4 @@ class BlackwellRaggedGemmAmax(BlockScaledGroups, BlackwellBlockScaledGemmAmax):
                 acc_pipeline.consumer_release(acc_state)
             acc_state.advance()
             self.publish_tile_amax(amax_bits, storage, amax, batch, tidx)
-            sched.advance_to_next_work()
-            work = sched.get_current_work()
+            index += walk.stride
