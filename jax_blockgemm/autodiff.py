@@ -35,7 +35,6 @@ GEMM_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4", "bf16")
 # (32 packed FP4 codes): 32 covers both for every format, so it is the one contraction multiple asked for.
 K_MULTIPLE = 32
 _C_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-_NVFP4_TENSOR_MAX = 6.0 * 448.0  # largest magnitude an E2M1 code times an E4M3 block scale reaches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,13 +90,6 @@ def _pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, [(0, extra if i == axis else 0) for i in range(x.ndim)])
 
 
-def _tensor_scale(x: jax.Array) -> jax.Array:
-    """NVFP4's per-tensor float32 scale amax / (6 * 448), so block scales stay in E4M3's range; 1 if amax is 0 or
-    not finite (a NaN or inf then still reaches its block's NaN scale)."""
-    s = formats.magnitude_max(x, axis=None) / _NVFP4_TENSOR_MAX
-    return jnp.where(jnp.isfinite(s) & (s > 0), s, 1.0)
-
-
 def _quantize_operand(x: jax.Array, kaxis: int, fmt: str, mn_multiple: int
                       ) -> tuple[jax.Array, jax.Array, str, Optional[jax.Array]]:
     """Block-quantizes a (B, MN, K) (kaxis=2) or (B, K, MN) (kaxis=1) operand along K.
@@ -110,8 +102,8 @@ def _quantize_operand(x: jax.Array, kaxis: int, fmt: str, mn_multiple: int
         x, kaxis, mn_axis = jnp.swapaxes(x, 1, 2), 2, 1
     tensor_scale = None
     if fmt == "nvfp4":
-        tensor_scale = _tensor_scale(x)
-        codes, scales = formats.quantize_nvfp4(x.astype(jnp.float32) / tensor_scale, axis=kaxis)
+        encode, tensor_scale = formats.nvfp4_tensor_scales(x)
+        codes, scales = formats.quantize_nvfp4(x.astype(jnp.float32) * encode, axis=kaxis)
     elif fmt == "mxfp4":
         codes, scales = formats.quantize_mxfp4(x, axis=kaxis)
     else:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Iterator, Literal, Union
+from typing import Callable, Iterator, Literal, Union
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,8 @@ __all__ = [
     "E4M3", "E5M2", "E2M1", "E8M0", "BlockFormat", "MXFP8_E4M3", "MXFP8_E5M2", "MXFP4", "NVFP4", "FORMATS",
     "emax", "SCALE_RULE", "set_scale_rule", "scale_rule", "get_scale_rule", "scale_exponent", "e8m0_to_float32",
     "exponent_to_e8m0", "mx_block_exponents", "mx_encode_blocks", "round_to_grid", "round_to_e2m1", "pack_fp4",
-    "unpack_fp4", "unpacked_codes", "quantize_mxfp8", "quantize_mxfp4", "quantize_nvfp4", "quantize_dequantize",
+    "unpack_fp4", "unpacked_codes", "quantize_mxfp8", "quantize_mxfp4", "quantize_nvfp4", "nvfp4_tensor_scales",
+    "NVFP4_TENSOR_MAX", "quantize_dequantize",
     "dequantize",
     "scales_to_float32", "num_blocks", "atom_shape", "to_scale_atom", "from_scale_atom", "atom_to_seed_view",
     "seed_view_to_atom",
@@ -198,7 +199,8 @@ def magnitude_max(x: jax.Array, axis: int | tuple[int, ...] | None = -1, *, keep
 def e8m0_to_float32(scale: jax.Array) -> jax.Array:
     """Decode E8M0 scales (uint8 bytes or float8_e8m0fnu) to float32: 2**(b-127); 0xFF -> NaN; 0 -> 2**-127.
 
-    2**-127 is a float32 subnormal: backends that flush denormals (XLA:CPU) treat it as 0 in later arithmetic.
+    2**-127 is a float32 subnormal: backends that flush denormals (XLA:CPU) treat it as 0 in later arithmetic
+    (`times_block_scales` multiplies codes by scales exactly there too).
     """
     scale = jnp.asarray(scale)
     if scale.dtype == np.dtype(E8M0):
@@ -214,6 +216,27 @@ def e8m0_to_float32(scale: jax.Array) -> jax.Array:
 def exponent_to_e8m0(e: jax.Array) -> jax.Array:
     """uint8 E8M0 byte of an int32 exponent from `scale_exponent` (128, its non-finite marker, becomes 0xFF)."""
     return (jnp.asarray(e, jnp.int32) + E8M0_BIAS).astype(jnp.uint8)
+
+
+def times_block_scales(values: jax.Array, scales: jax.Array, expand: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """float32 values times their block scales, `expand` spreading a per-block float32 array over values' shape.
+
+    Exact wherever the product is a float32 normal, on every backend: E8M0 byte 0 is 2^-127, a float32 subnormal,
+    which XLA:CPU flushes to zero, so on the CPU every scale enters as two normal factors (2^-127 as 2^-126 · 0.5,
+    any other as itself · 1); other backends keep subnormals and multiply once.
+    """
+    def once(v, s):
+        return v * expand(scales_to_float32(s))
+
+    def twice(v, s):
+        s = jnp.asarray(s)
+        if s.dtype not in (np.dtype(jnp.uint8), np.dtype(E8M0)):  # E4M3 scales are float32 normals
+            return once(v, s)
+        b = jax.lax.bitcast_convert_type(s, jnp.uint8) if s.dtype == np.dtype(E8M0) else s
+        high = expand(e8m0_to_float32(jnp.maximum(b, jnp.uint8(1))))
+        return v * high * expand(jnp.where(b == 0, jnp.float32(0.5), jnp.float32(1.0)))
+
+    return jax.lax.platform_dependent(values, scales, cpu=twice, default=once)
 
 
 def scales_to_float32(scales: jax.Array) -> jax.Array:
@@ -475,6 +498,22 @@ def quantize_nvfp4(x: jax.Array, *, axis: int = -1, block: int = 16,
     return _quantize_nvfp4(x, axis=axis, block=block, packed=bool(packed))
 
 
+NVFP4_TENSOR_MAX = 6.0 * 448.0  # the largest magnitude an E2M1 code times an E4M3 block scale reaches
+
+
+def nvfp4_tensor_scales(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """NVFP4's per-tensor float32 factors (encode, alpha) of x: x · encode has its largest magnitude at 6 · 448, the
+    most E2M1 codes times E4M3 block scales reach, and alpha = 1 / encode multiplies the GEMM's sums back; both 1
+    where max|x| is 0 or not finite (a NaN or inf then reaches its block's NaN scale).
+
+    Quantize the product x · encode, not a quotient x / alpha: XLA rewrites a division by a broadcast scalar into a
+    product with its rounded reciprocal, so a quotient rounds differently under jit than eagerly and E2M1 ties flip.
+    """
+    encode = jnp.float32(NVFP4_TENSOR_MAX) / magnitude_max(x, axis=None)
+    encode = jnp.where(jnp.isfinite(encode) & (encode > 0), encode, jnp.float32(1.0))
+    return encode, jnp.float32(1.0) / encode
+
+
 def quantize_dequantize(x: jax.Array, fmt: str, *, axis: int = -1) -> jax.Array:
     """float32 code x scale of x quantized in `fmt` (a FORMATS name) along `axis`: the values of
     `dequantize(*quantize_<fmt>(x, axis=axis))`, bit for bit, with the blocks split where `axis` lies, so that no
@@ -493,11 +532,11 @@ def _quantize_dequantize(x: jax.Array, *, fmt: str, axis: int) -> jax.Array:
     if f.scale_kind == "e8m0":
         e = mx_block_exponents(blocks, axis=axis + 1, code_dtype=f.code_dtype)
         codes = mx_encode_blocks(blocks, e, code_dtype=f.code_dtype)
-        scale = e8m0_to_float32(exponent_to_e8m0(e))
+        values = times_block_scales(codes.astype(jnp.float32), exponent_to_e8m0(e), lambda s: s)
     else:
         codes, sf, bad = _nvfp4_encode_blocks(blocks, axis + 1)
-        scale = jnp.where(bad, jnp.nan, sf)
-    values = (codes.astype(jnp.float32) * scale).reshape(*x.shape[:axis], -1, *x.shape[axis + 1:])
+        values = codes.astype(jnp.float32) * jnp.where(bad, jnp.nan, sf)
+    values = values.reshape(*x.shape[:axis], -1, *x.shape[axis + 1:])
     return jax.lax.slice_in_dim(values, 0, x.shape[axis], axis=axis)
 
 
@@ -533,8 +572,12 @@ def _dequantize(codes: jax.Array, scales: jax.Array, *, block: int, axis: int) -
     if codes.dtype == np.dtype(jnp.uint8):
         codes = unpack_fp4(codes)
     n = codes.shape[axis]
-    s = jnp.repeat(scales_to_float32(scales), block, axis=axis, total_repeat_length=scales.shape[axis] * block)
-    return codes.astype(jnp.float32) * jax.lax.slice_in_dim(s, 0, n, axis=axis)
+
+    def expand(s: jax.Array) -> jax.Array:
+        s = jnp.repeat(s, block, axis=axis, total_repeat_length=scales.shape[axis] * block)
+        return jax.lax.slice_in_dim(s, 0, n, axis=axis)
+
+    return times_block_scales(codes.astype(jnp.float32), scales, expand)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -49,9 +49,9 @@ _BLOCK_ROWS = 32  # wgrad pads each group to a multiple of this many tokens (the
 def _quantize(x: jax.Array, fmt: str, axis: int) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
     """(codes, scales, NVFP4 tensor scale or None) of x quantized along `axis`; FP4 codes unpacked (float4_e2m1fn)."""
     if fmt == "nvfp4":
-        tensor_scale = autodiff._tensor_scale(x)
-        codes, scales = formats.quantize_nvfp4(x.astype(jnp.float32) / tensor_scale, axis=axis, packed=False)
-        return codes, scales, tensor_scale.astype(jnp.float32)
+        encode, tensor_scale = formats.nvfp4_tensor_scales(x)
+        codes, scales = formats.quantize_nvfp4(x.astype(jnp.float32) * encode, axis=axis, packed=False)
+        return codes, scales, tensor_scale
     if fmt == "mxfp4":
         return (*formats.quantize_mxfp4(x, axis=axis, packed=False), None)
     return (*formats.quantize_mxfp8(x, axis=axis, dtype=formats.FORMATS[fmt].code_dtype), None)
@@ -159,9 +159,9 @@ def _fake_quantized(x: jax.Array, fmt: str, axis: int) -> tuple[jax.Array, Optio
     """x quantized along `axis` in `fmt` and dequantized in place (no transposed copy), as exact bf16 values, and
     its NVFP4 tensor scale (which the values still need as a factor) or None."""
     if fmt == "nvfp4":
-        tensor_scale = autodiff._tensor_scale(x)
-        values = formats.quantize_dequantize(x.astype(jnp.float32) / tensor_scale, fmt, axis=axis)
-        return values.astype(jnp.bfloat16), tensor_scale.astype(jnp.float32)
+        encode, tensor_scale = formats.nvfp4_tensor_scales(x)
+        values = formats.quantize_dequantize(x.astype(jnp.float32) * encode, fmt, axis=axis)
+        return values.astype(jnp.bfloat16), tensor_scale
     return formats.quantize_dequantize(x, fmt, axis=axis).astype(jnp.bfloat16), None
 
 

@@ -63,12 +63,14 @@ def dequantize_bf16(codes: jax.Array, scales: jax.Array, *, block: int, axis: in
     axis = axis % codes.ndim
     n = codes.shape[axis]
     nb = formats.num_blocks(n, block)
-    s = formats.scales_to_float32(scales)
-    s = jnp.expand_dims(s, axis + 1)
-    s = jnp.broadcast_to(s, (*s.shape[:axis + 1], block, *s.shape[axis + 2:]))
-    s = s.reshape(*s.shape[:axis], nb * block, *s.shape[axis + 2:])
-    s = jax.lax.slice_in_dim(s, 0, n, axis=axis)
-    return (codes.astype(jnp.float32) * s).astype(jnp.bfloat16)
+
+    def expand(s: jax.Array) -> jax.Array:
+        s = jnp.expand_dims(s, axis + 1)
+        s = jnp.broadcast_to(s, (*s.shape[:axis + 1], block, *s.shape[axis + 2:]))
+        s = s.reshape(*s.shape[:axis], nb * block, *s.shape[axis + 2:])
+        return jax.lax.slice_in_dim(s, 0, n, axis=axis)
+
+    return formats.times_block_scales(codes.astype(jnp.float32), scales, expand).astype(jnp.bfloat16)
 
 
 def _dequantize_operand(codes: jax.Array, atom: jax.Array, *, mn: int, k: int, sf_vec_size: int,

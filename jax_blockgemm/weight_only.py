@@ -37,7 +37,6 @@ __all__ = ["QuantizedWeight", "quantize_weight", "matmul", "check_call", "weight
 WEIGHT_FORMATS = tuple(formats.FORMATS)  # "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4"
 X_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
 OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
-_NVFP4_TENSOR_MAX = 6.0 * 448.0  # the largest magnitude an E2M1 code times an E4M3 block scale reaches
 
 weight_only_p = jex_core.Primitive("jbg_weight_only_matmul")
 weight_only_local_p = jex_core.Primitive("jbg_weight_only_matmul_local")
@@ -120,10 +119,11 @@ class QuantizedWeight:
 def quantize_weight(w: jax.Array, format: str = "mxfp8_e4m3") -> QuantizedWeight:
     """Quantizes an (N, K) weight (rows = output features, K the contraction) along K by SPEC §2's rule.
 
-    MXFP8 / MXFP4: E8M0 scales per 32, alpha = 1. NVFP4: the weight is first divided by its per-tensor scale
-    alpha = amax / (6 · 448), so that the E4M3 block scales (per 16) cover it, and alpha is kept (1 where amax is 0 or
-    not finite). FP4 codes come back packed (uint8 (N, K/2)), so K must be even there. A block holding a NaN or an inf
-    gets a NaN scale (SPEC §2). Traceable: jit it, or vmap it over stacked weights.
+    MXFP8 / MXFP4: E8M0 scales per 32, alpha = 1. NVFP4: the weight is first multiplied by its per-tensor factor
+    encode = 6 · 448 / amax, so that the E4M3 block scales (per 16) cover it, and alpha = 1 / encode is kept
+    (`formats.nvfp4_tensor_scales`; both 1 where amax is 0 or not finite). FP4 codes come back packed (uint8
+    (N, K/2)), so K must be even there. A block holding a NaN or an inf gets a NaN scale (SPEC §2). Traceable: jit
+    it, or vmap it over stacked weights.
     """
     block_format = _check_format("format", format)
     w = jnp.asarray(w)
@@ -137,9 +137,8 @@ def quantize_weight(w: jax.Array, format: str = "mxfp8_e4m3") -> QuantizedWeight
                          f"even; got K={w.shape[1]}.")
     alpha = jnp.ones((), jnp.float32)
     if format == "nvfp4":
-        tensor_scale = formats.magnitude_max(w, axis=None) / _NVFP4_TENSOR_MAX
-        alpha = jnp.where(jnp.isfinite(tensor_scale) & (tensor_scale > 0), tensor_scale, 1.0).astype(jnp.float32)
-        codes, scales = formats.quantize_nvfp4(w.astype(jnp.float32) / alpha, axis=-1)
+        encode, alpha = formats.nvfp4_tensor_scales(w)
+        codes, scales = formats.quantize_nvfp4(w.astype(jnp.float32) * encode, axis=-1)
     elif format == "mxfp4":
         codes, scales = formats.quantize_mxfp4(w, axis=-1)
     else:

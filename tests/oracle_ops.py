@@ -440,19 +440,28 @@ MX_DOT_K_MULTIPLE = 32  # a GEMM whose contraction length is not a multiple of t
 _NVFP4_TENSOR_MAX = np.float32(6.0 * 448.0)
 
 
+def nvfp4_tensor_factors(x: np.ndarray) -> tuple[np.float32, np.float32]:
+    """NVFP4's per-tensor float32 (encode, alpha): encode = 6 * 448 / max|x| rounded to float32 (1 if max|x| is 0
+    or not finite), alpha = 1 / encode rounded to float32. x is quantized as the float32 product x * encode."""
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        encode = _NVFP4_TENSOR_MAX / np.float32(np.max(np.abs(np.asarray(x).astype(np.float32))))
+    encode = encode if np.isfinite(encode) and encode > 0 else np.float32(1.0)
+    return np.float32(encode), np.float32(1.0) / np.float32(encode)
+
+
 def fake_quant_f64(x: np.ndarray, fmt: str, axis: int) -> np.ndarray:
     """float64 dequantized values of x block-quantized along `axis` in `fmt` (SPEC §2), or rounded to bf16.
 
-    NVFP4 first divides by the per-tensor float32 scale max|x| / (6 * 448) (1 if that is 0), as the library does.
+    NVFP4 first multiplies by the per-tensor float32 factor encode = 6 * 448 / max|x| (1 if max|x| is 0), in
+    float32 as the library does (`nvfp4_tensor_factors`), and the values come back times 1 / encode.
     """
     x = np.asarray(x)
     if fmt == "bf16":
         return x.astype(BF16).astype(np.float64)
     if fmt == "nvfp4":
-        amax = np.float32(np.max(np.abs(x.astype(np.float32))))
-        ts = amax / _NVFP4_TENSOR_MAX if amax > 0 else np.float32(1.0)
-        codes, scales = oracle.quantize_nvfp4_f64(x.astype(np.float32) / ts, axis=axis)
-        return oracle.dequantize_f64(codes, scales, block=16, axis=axis) * np.float64(ts)
+        encode, alpha = nvfp4_tensor_factors(x)
+        codes, scales = oracle.quantize_nvfp4_f64(x.astype(np.float32) * encode, axis=axis)
+        return oracle.dequantize_f64(codes, scales, block=16, axis=axis) * np.float64(alpha)
     code_dtype, emax, block = {"mxfp8_e4m3": (E4M3, 448.0, 32), "mxfp8_e5m2": (E5M2, 57344.0, 32),
                                "mxfp4": (E2M1, 6.0, 32)}[fmt]
     codes, scales = oracle.quantize_mx_f64(x, block=block, emax=emax, code_dtype=code_dtype, axis=axis)

@@ -73,12 +73,11 @@ def wgrad_blocks_f64(x: np.ndarray, fmt: str, group_sizes) -> np.ndarray:
     x = np.asarray(x, np.float64)
     out = np.zeros_like(x)
     if fmt == "nvfp4":
-        amax = np.float32(np.max(np.abs(x.astype(np.float32))))
-        ts = np.float64(amax / oracle_ops._NVFP4_TENSOR_MAX) if amax > 0 else 1.0
+        encode, alpha = oracle_ops.nvfp4_tensor_factors(x)
         for s, e in bounds(group_sizes):
             if e > s:
-                codes, scales = oracle.quantize_nvfp4_f64(x[s:e].astype(np.float32) / np.float32(ts), axis=0)
-                out[s:e] = oracle.dequantize_f64(codes, scales, block=16, axis=0) * ts
+                codes, scales = oracle.quantize_nvfp4_f64(x[s:e].astype(np.float32) * encode, axis=0)
+                out[s:e] = oracle.dequantize_f64(codes, scales, block=16, axis=0) * np.float64(alpha)
         return out
     for s, e in bounds(group_sizes):
         if e > s:

@@ -9,6 +9,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import oracle
+import oracle_ops
 from jax_blockgemm import formats as F
 
 _E4M3, _E5M2, _E2M1 = np.dtype(F.E4M3), np.dtype(F.E5M2), np.dtype(F.E2M1)
@@ -203,6 +204,29 @@ class QuantizeTest(parameterized.TestCase):
         want_codes, want_scales = _oracle("nvfp4", np.asarray(xb.astype(jnp.float32)), -1)
         np.testing.assert_array_equal(_bits(codes), _bits(want_codes))
         np.testing.assert_array_equal(_bits(scales), _bits(want_scales))
+
+    def test_nvfp4_tensor_scales(self):
+        """x · encode (encode = 6·448 / max|x| in float32) quantizes to the same codes eagerly and under jit, those
+        of the float32 oracle; a quotient x / alpha did not (XLA rewrites it into a product with the rounded
+        reciprocal: element 10, 0.75 at its block scale, a tie, rounded to 0.5 under jit and to 1.0 eagerly)."""
+        x = jnp.asarray([-0.451171875, -1.140625, 1.140625, 0.67578125, 0.74609375, 0.46875, 0.89453125, 0.421875,
+                         -0.173828125, 1.0078125, 0.23828125, -0.53515625, 0.3515625, -1.90625, 0.1455078125,
+                         -0.66796875], jnp.bfloat16)
+
+        def quantize(v):
+            encode, alpha = F.nvfp4_tensor_scales(v)
+            return (*F.quantize_nvfp4(v.astype(jnp.float32) * encode, packed=False), alpha)
+
+        eager, jitted = quantize(x), jax.jit(quantize)(x)
+        encode, alpha = oracle_ops.nvfp4_tensor_factors(np.asarray(x.astype(jnp.float32)))
+        want_codes, want_scales = oracle.quantize_nvfp4_f64(np.asarray(x, np.float32) * encode)
+        for got in (eager, jitted):
+            np.testing.assert_array_equal(_bits(got[0]), _bits(want_codes))
+            np.testing.assert_array_equal(_bits(got[1]), _bits(want_scales))
+            self.assertEqual(float(got[2]), float(alpha))
+        self.assertEqual(float(_bits(want_codes)[10]), float(_bits(jnp.asarray(1.0, F.E2M1))))
+        for special in (jnp.zeros((4,)), jnp.asarray([1.0, jnp.inf]), jnp.asarray([jnp.nan, 2.0])):
+            self.assertEqual([float(f) for f in F.nvfp4_tensor_scales(special)], [1.0, 1.0])
 
     def test_invalid_arguments(self):
         x = jnp.ones((4, 32), jnp.float32)

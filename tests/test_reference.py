@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
+import jax_blockgemm as jbg
 from jax_blockgemm import formats, reference
 
 import oracle_ops
@@ -198,6 +199,43 @@ class DequantizeTest(parameterized.TestCase):
         np.testing.assert_array_equal(got, want)  # NaN positions must agree too
         if kind == "e8m0":
             self.assertGreater(int(np.isnan(want).sum()), 0)
+
+
+    def test_scale_byte_zero_is_two_to_the_minus_127(self):
+        """E8M0 byte 0 means 2^-127 (SPEC §1), a float32 subnormal that XLA:CPU flushes: code·2^-127 is still exact
+        wherever it is a normal number (codes of 2 and more), through dequantize, the reference GEMM and the
+        weight-only matmul, eagerly and under jit; the product read as zero before."""
+        rng = np.random.default_rng(_seed("byte zero"))
+        codes = np.clip(rng.standard_normal((3, 64)) * 100, -448, 448).astype(np.float32).astype(oracle_ops.E4M3)
+        codes[:, ::2] = np.asarray(448.0, oracle_ops.E4M3)
+        scales = np.zeros((3, 2), np.uint8)
+        scales[1, 1] = 120
+        want = oracle_ops.oracle.dequantize_f64(codes, scales, block=32, axis=1)
+        big = np.abs(want) >= 2.0 ** -126
+        self.assertGreater(int(big.sum()), 90)
+        for fn in (functools.partial(reference.dequantize_bf16, block=32, axis=1),
+                   jax.jit(functools.partial(formats.dequantize, block=32, axis=1))):
+            got = np.asarray(fn(jnp.asarray(codes), jnp.asarray(scales))).astype(np.float64)
+            np.testing.assert_array_equal(got[big], want[big])
+        b = np.full((4, 64), 2.0 ** 100, np.float32)  # E4M3 1.0 at byte 227: products of 448·2^-127·2^100
+        b_codes, b_scales = np.ones((4, 64), oracle_ops.E4M3), np.full((4, 2), 227, np.uint8)
+        c, amax = jax.jit(jbg.gemm_amax)(jnp.asarray(codes), jnp.asarray(b_codes), jnp.asarray(scales),
+                                         jnp.asarray(b_scales))
+        c_ref = want @ b.astype(np.float64).T
+        np.testing.assert_allclose(np.asarray(c), c_ref, rtol=1e-6)
+        self.assertGreater(float(np.min(np.abs(np.asarray(c)[0]))), 0.0)
+        self.assertAlmostEqual(float(amax) / float(np.max(np.abs(c_ref))), 1.0, places=6)
+        # blocks that quantize at byte 0 (amax below 2^-119 for E4M3, 2^-124 for E2M1) with values of 2^-126 and up
+        e4m3 = np.arange(1, 33, dtype=np.float32) * np.float32(2.0 ** -124)
+        e2m1 = np.tile(np.asarray([2, 3, 4, 6], np.float32), 8) * np.float32(2.0 ** -127)
+        for fmt, quantize, x in (("mxfp8_e4m3", formats.quantize_mxfp8, e4m3), ("mxfp4", formats.quantize_mxfp4, e2m1)):
+            x = x[None]
+            self.assertEqual(np.asarray(quantize(jnp.asarray(x))[1]).tolist(), [[0]])
+            want = oracle_ops.fake_quant_f64(x, fmt, axis=1)
+            normal = np.abs(want) >= 2.0 ** -126
+            self.assertGreater(int(normal.sum()), 20)
+            got = np.asarray(jax.jit(formats.quantize_dequantize, static_argnums=1)(jnp.asarray(x), fmt))
+            np.testing.assert_array_equal(got[normal], want[normal])
 
 
 class ConvertCTest(parameterized.TestCase):

@@ -177,16 +177,16 @@ class QuantizedWeightTest(parameterized.TestCase):
 
     @parameterized.parameters(*FORMATS)
     def test_quantize_weight(self, fmt):
-        """Codes and scales are the library quantizer's along K; NVFP4 keeps alpha = amax / (6·448) and quantizes
-        w / alpha; the dequantized weight is within the format's error of w."""
+        """Codes and scales are the library quantizer's along K; NVFP4 quantizes w · encode (encode = 6·448 / amax
+        in float32) and keeps alpha = 1 / encode; the dequantized weight is within the format's error of w."""
         rng = np.random.default_rng(8)
         w = jnp.asarray(rng.standard_normal((40, 96)) * np.exp2(rng.integers(-3, 4, (40, 1))), jnp.float32)
         q = jbg.quantize_weight(w, fmt)
         self.assertEqual((q.format, q.shape), (fmt, (40, 96)))
         if fmt == "nvfp4":
-            alpha = float(np.max(np.abs(np.asarray(w)))) / (6 * 448)
-            np.testing.assert_allclose(float(q.alpha), alpha, rtol=1e-6)
-            codes, scales = oracle.quantize_nvfp4_f64(np.asarray(w, np.float64) / np.float32(q.alpha))
+            encode, alpha = oracle_ops.nvfp4_tensor_factors(np.asarray(w))
+            self.assertEqual(float(q.alpha), float(alpha))
+            codes, scales = oracle.quantize_nvfp4_f64(np.asarray(w, np.float32) * encode)
             packed = np.asarray(formats.pack_fp4(jnp.asarray(codes)))
         else:
             self.assertEqual(float(q.alpha), 1.0)

@@ -17,24 +17,23 @@ operations are one more column ("cudnn-fe sm100"): `gemm_amax_jax_sm100` (MXFP8 
 `gemm_proj_rope_mxfp8_jax_sm100` (w as (H*192, K); n/a for the other layout). Their kernels are built for sm_100
 only, so the tables elsewhere do not show the column.
 
-Method: fresh random inputs (normal values whose rows differ in magnitude, quantized by `formats.quantize_mxfp8`
-/ `quantize_mxfp4` / `quantize_nvfp4`, so block scales are random and never zero; NVFP4 first divides each operand
-by its per-tensor scale amax / (6 * 448), and alpha is the product of the two), several input sets rotated so
-that caches cannot hold them, every function compiled ahead under jax.jit, warm-up calls, then the median of
---reps samples, each --burst calls (10) issued back to back and ended by one block_until_ready, per call: the device
-time per call, as a model step sees it (--burst 1 waits for every call and adds its host latency, 0.1-0.4 ms on an
-H200, to every column). `--sustained SECONDS` keeps each column busy that long instead and reports the median of
-the last two thirds: the steady state at the GPU's power limit (an H200 then runs both GEMMs and our kernels at
-1.5-1.6 GHz, not 1.98), which short bursts only partly see. Columns are timed one after another, so the first
-meets a cooler GPU than the last; `--interleave` compiles them all first and takes their samples in turn instead,
-in a fresh shuffled order each round.
-Ratios are speedups, baseline ms / column ms (> 1: faster than the baseline), against
-`jax.nn.scaled_matmul`, the reference and `jax.lax.scaled_dot` for gemm_amax, against the bare dot and the unfused
-pipeline for proj_rope. Every column that computes the same function is checked against the reference on the
+Method: fresh random inputs (normal values whose rows differ in magnitude, quantized by `formats.quantize_mxfp8` /
+`quantize_mxfp4` / `quantize_nvfp4`, so block scales are random and never zero; NVFP4 first multiplies each operand
+by its per-tensor factor 6 * 448 / amax, and alpha is the product of the two factors' inverses), several input sets
+rotated so that caches cannot hold them, every function compiled ahead under jax.jit, warm-up calls, then the median
+of --reps samples, each --burst calls (10) issued back to back and ended by one block_until_ready, per call: the
+device time per call, as a model step sees it (--burst 1 waits for every call and adds its host latency, 0.1-0.4 ms
+on an H200, to every column). `--sustained SECONDS` keeps each column busy that long instead and reports the median
+of the last two thirds: the steady state at the GPU's power limit (an H200 then runs both GEMMs and our kernels at
+1.5-1.6 GHz, not 1.98), which short bursts only partly see. Columns are timed one after another, so the first meets
+a cooler GPU than the last; `--interleave` compiles them all first and takes their samples in turn instead, in a
+fresh shuffled order each round. Ratios are speedups, baseline ms / column ms (> 1: faster than the baseline),
+against `jax.nn.scaled_matmul`, the reference and `jax.lax.scaled_dot` for gemm_amax, against the bare dot and the
+unfused pipeline for proj_rope. Every column that computes the same function is checked against the reference on the
 first input set (gemm_amax: ||C - C_ref|| / ||C_ref||; proj_rope: the fraction of E4M3 codes equal to the
-reference's), so that a fast wrong answer shows. A column that cannot run here (no kernel applies, the installed
-jax lacks the API or the format, no lowering for this platform; an error at compile time or on the first call)
-shows "n/a", and the reason is printed below the table and kept in the JSON.
+reference's), so that a fast wrong answer shows. A column that cannot run here (no kernel applies, the installed jax
+lacks the API or the format, no lowering for this platform; an error at compile time or on the first call) shows
+"n/a", and the reason is printed below the table and kept in the JSON.
 
 Modules, each importable alone: `inputs` (random operands in every form the columns take), `timing` (warm-up,
 bursts, sustained runs, interleaving, medians), `columns` (what each column runs and how it is checked), `cases`

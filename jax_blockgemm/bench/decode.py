@@ -96,7 +96,7 @@ def weight_inputs(key: jax.Array, k: int, n: int, fmt: str) -> dict[str, Any]:
     """One weight matrix (N, K) in every form the columns take: the QuantizedWeight, its codes and scale atom for
     gemm_amax (with NVFP4's alpha factor), its bf16 values, and E4M3 codes of the same values."""
     values = random_values(key, (n, k))
-    # NVFP4: alpha = max|w| / (6 * 448), as inputs.py's
+    # NVFP4: alpha = 1 / encode, max|w| / (6 * 448) up to rounding (formats.nvfp4_tensor_scales), as inputs.py's
     w = jbg.quantize_weight(values, GEMM_FORMATS[fmt].weight_format)
     return {"w": w, "b": w.codes, "sfb": formats.to_scale_atom(w.scales), "w_tensor_scale": w.alpha,
             "w_bf16": w.dequantize(jnp.bfloat16),

@@ -60,17 +60,12 @@ def as_e8m0(scale_bytes: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(scale_bytes, jnp.float8_e8m0fnu)
 
 
-def nvfp4_tensor_scale(values: jax.Array) -> jax.Array:
-    """NVFP4's per-tensor fp32 scale, amax / (6 * 448): the operand divided by it fills the E4M3 scale range."""
-    return jnp.max(jnp.abs(values)) / (formats.emax(formats.E2M1) * formats.emax(formats.E4M3))
-
-
 def quantize_operand(values: jax.Array, fmt: GemmFormat) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
     """(codes, compact scales, per-tensor scale or None) of values in `fmt`, by the library's own quantizers.
 
     MXFP8: E4M3 (or E5M2, "mxfp8_e5m2") codes and uint8 E8M0 bytes; MXFP4: packed uint8 E2M1 codes and uint8 E8M0
-    bytes; NVFP4: packed codes and float8_e4m3fn scales of values / nvfp4_tensor_scale(values), which is returned as
-    the third item.
+    bytes; NVFP4: packed codes and float8_e4m3fn scales of values times their per-tensor encode factor, and alpha
+    (`formats.nvfp4_tensor_scales`) as the third item.
     """
     if fmt.name == "mxfp8":
         return (*formats.quantize_mxfp8(values), None)
@@ -78,8 +73,8 @@ def quantize_operand(values: jax.Array, fmt: GemmFormat) -> tuple[jax.Array, jax
         return (*formats.quantize_mxfp8(values, dtype=formats.E5M2), None)
     if fmt.name == "mxfp4":
         return (*formats.quantize_mxfp4(values), None)
-    tensor_scale = nvfp4_tensor_scale(values)
-    return (*formats.quantize_nvfp4(values / tensor_scale), tensor_scale)
+    encode, alpha = formats.nvfp4_tensor_scales(values)
+    return (*formats.quantize_nvfp4(values * encode), alpha)
 
 
 def gemm_inputs(key: jax.Array, m: int, n: int, k: int, fmt: str = "mxfp8") -> dict[str, jax.Array]:
