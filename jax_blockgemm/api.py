@@ -57,6 +57,8 @@ def gemm_amax(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Array, *, alp
     """
     support.check_implementation(implementation)
     l, m, n, k = support.check_gemm_operands(a, b, a_major=a_major, b_major=b_major)
+    support.check_array("sfa", sfa)
+    support.check_array("sfb", sfb)
     if sfa.dtype != sfb.dtype:
         raise TypeError(f"sfa and sfb must have the same dtype; got sfa: {support.dtype_name(sfa)}, "
                         f"sfb: {support.dtype_name(sfb)}.")
@@ -209,6 +211,9 @@ def gemm_amax_jax_sm100(a_tensor: jax.Array, b_tensor: jax.Array, sfa_tensor: ja
     CuTeDSL dtypes. Returns c (M, N, L) and amax (1, 1, 1) float32. Beyond cuDNN frontend: any L, c_major="m"
     (c as the transpose (N, M, L)), FP4 C as a (M, N/2, L) uint8 container, and `implementation`.
     """
+    for name, x in (("a_tensor", a_tensor), ("b_tensor", b_tensor), ("sfa_tensor", sfa_tensor),
+                    ("sfb_tensor", sfb_tensor)):
+        support.check_array(name, x)
     for name, x in (("a_tensor", a_tensor), ("b_tensor", b_tensor)):
         if x.ndim != 3:
             raise ValueError(f"{name} must have shape (MN, K, L); got {tuple(x.shape)}.")

@@ -291,6 +291,8 @@ def check_call(a: Any, b: Any, sfa: Any, sfb: Any, group_sizes: Any, *, alpha: A
                implementation: Any) -> tuple[list, dict]:
     """Trace-time checks of a ragged_gemm_amax call; returns (canonical operands, params)."""
     support.check_implementation(implementation)
+    for name, x in (("a", a), ("b", b), ("sfa", sfa), ("sfb", sfb)):
+        support.check_array(name, x)
     support.check_rank("a", a, (2,), "(T, K) tokens sorted by group")
     support.check_rank("b", b, (3,), "(G, N, K): one (N, K) weight per group")
     _, t, n, k = support.check_gemm_operands(a[None], b[:1], a_major="k", b_major="k")

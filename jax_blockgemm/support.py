@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -61,6 +62,12 @@ def check_implementation(implementation: Any) -> None:
     check_choice("implementation", implementation, IMPLEMENTATIONS)
 
 
+def check_array(name: str, x: Any) -> None:
+    """TypeError naming `name` unless x is an array: a jax.Array (a tracer too) or a numpy.ndarray."""
+    if not isinstance(x, (jax.Array, np.ndarray)) and not hasattr(x, "__jax_array__"):
+        raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}.")
+
+
 def check_rank(name: str, x: Any, ranks: Sequence[int], meaning: str) -> None:
     if x.ndim not in ranks:
         raise ValueError(f"{name} must have rank {' or '.join(map(str, ranks))} ({meaning}); "
@@ -70,6 +77,7 @@ def check_rank(name: str, x: Any, ranks: Sequence[int], meaning: str) -> None:
 def check_gemm_operands(a: Any, b: Any, *, a_major: str, b_major: str) -> tuple[int, int, int, int]:
     """Checks dtypes, ranks and majors of A and B; returns (L, M, N, K) with K the logical contraction size."""
     for name, x in (("a", a), ("b", b)):
+        check_array(name, x)
         if np.dtype(x.dtype) not in FP8_DTYPES + FP4_DTYPES:
             raise TypeError(
                 f"{name} has dtype {dtype_name(x)}; allowed: float8_e4m3fn, float8_e5m2 (MXFP8), float4_e2m1fn or "
@@ -198,6 +206,8 @@ def check_proj_rope(x: Any, w: Any, cos: Any, sin: Any, x_scale: Any, w_scale: A
     if not isinstance(w_out_in, (bool, np.bool_)):
         raise TypeError(f"w_out_in must be a bool; got {w_out_in!r}.")
     allowed = (np.dtype(jnp.bfloat16), np.dtype(E4M3))
+    for name, arr in (("x", x), ("w", w), ("cos", cos), ("sin", sin)):
+        check_array(name, arr)
     for name, arr in (("x", x), ("w", w)):
         if np.dtype(arr.dtype) not in allowed:
             raise TypeError(f"{name} has dtype {dtype_name(arr)}; allowed: bfloat16 (bf16 path) or float8_e4m3fn "
@@ -232,6 +242,7 @@ def check_proj_rope(x: Any, w: Any, cos: Any, sin: Any, x_scale: Any, w_scale: A
         kb = k // MX_BLOCK
         expected = {"x_scale": (t, kb), "w_scale": (n, kb) if w_out_in else (kb, n)}
         for name, arr in (("x_scale", x_scale), ("w_scale", w_scale)):
+            check_array(name, arr)
             if np.dtype(arr.dtype) not in E8M0_DTYPES[:2]:
                 raise TypeError(f"{name} has dtype {dtype_name(arr)}; allowed: uint8 or float8_e8m0fnu (E8M0 bytes).")
             if tuple(arr.shape) != expected[name]:

@@ -159,6 +159,8 @@ def check_weight(w: Any, *, experts: bool = False) -> tuple[int, ...]:
                         f"{type(w).__name__}.")
     fmt = w.block_format
     codes, scales, alpha = w.codes, w.scales, w.alpha
+    support.check_array("w.codes", codes)
+    support.check_array("w.scales", scales)
     allowed_codes = (np.dtype(jnp.uint8), np.dtype(formats.E2M1)) if fmt.is_fp4 else (fmt.code_dtype,)
     if np.dtype(codes.dtype) not in allowed_codes:
         raise TypeError(f"w.codes has dtype {support.dtype_name(codes)}; format {w.format!r} takes "

@@ -174,6 +174,26 @@ class ErrorTest(parameterized.TestCase):
         with self.assertRaisesRegex(error, pattern):
             jax.eval_shape(lambda a, b, sfa, sfb: jbg.gemm_amax(a, b, sfa, sfb, **kwargs), **args)
 
+    def test_non_array_operands(self):
+        """Lists, None and scalars get a TypeError naming the argument; NumPy arrays are arrays."""
+        a, b, sfa, sfb = _mx_inputs(np.random.default_rng(0), None, 128, 128, 64)
+        cases = ((lambda: jbg.gemm_amax([[1]], b, sfa, sfb), "a must be an array .*; got list"),
+                 (lambda: jbg.gemm_amax(a, None, sfa, sfb), "b must be an array .*; got NoneType"),
+                 (lambda: jbg.gemm_amax(a, b, 1.0, sfb), "sfa must be an array .*; got float"),
+                 (lambda: jbg.gemm_amax_jax_sm100([[1]], b[..., None], sfa, sfb), "a_tensor must be an array"),
+                 (lambda: jbg.gemm_amax_jax_sm100(a[..., None], b[..., None], sfa, [1]),
+                  "sfb_tensor must be an array"))
+        for call, pattern in cases:
+            with self.subTest(pattern=pattern), self.assertRaisesRegex(TypeError, pattern):
+                call()
+        r = _rope_inputs(np.random.default_rng(1), 32, 1, 64, mxfp8=True)
+        with self.assertRaisesRegex(TypeError, "x must be an array .*; got list"):
+            jbg.gemm_proj_rope_mxfp8(np.asarray(r["x"]).tolist(), r["w"], r["cos"], r["sin"])
+        with self.assertRaisesRegex(TypeError, "x_scale must be an array .*; got list"):
+            jbg.gemm_proj_rope_mxfp8(r["x"], r["w"], r["cos"], r["sin"], x_scale=[1], w_scale=r["w_scale"])
+        c, amax = jbg.gemm_amax(*(np.asarray(v) for v in (a, b, sfa, sfb)), implementation="xla")
+        self.assertEqual(c.shape, (128, 128))
+
     def test_seed_form_rank(self):
         a = jax.ShapeDtypeStruct((128, 64), jnp.float8_e4m3fn)
         with self.assertRaisesRegex(ValueError, r"a_tensor must have shape \(MN, K, L\); got \(128, 64\)"):

@@ -98,6 +98,14 @@ class RaggedTest(parameterized.TestCase):
             with self.assertRaisesRegex((ValueError, TypeError), pattern):
                 _call(d, np.asarray(gs))
 
+    def test_non_array_operands(self):
+        d = random_ragged_inputs(np.random.default_rng(5), t=32, g=3, n=16, k=32, fmt="mxfp8_e4m3")
+        gs = np.array([4, 4, 4], np.int32)
+        with self.assertRaisesRegex(TypeError, "a must be an array .*; got list"):
+            jbg.ragged_gemm_amax(d["a"].tolist(), d["b"], d["sfa"], d["sfb"], gs)
+        with self.assertRaisesRegex(TypeError, "sfb must be an array .*; got NoneType"):
+            jbg.ragged_gemm_amax(d["a"], d["b"], d["sfa"], None, gs)
+
     def test_traced_group_sizes_clamp(self):
         """Traced sizes outside the contract: negative counts as 0, rows past T are cut off."""
         d = random_ragged_inputs(np.random.default_rng(6), t=32, g=4, n=16, k=32, fmt="mxfp8_e4m3")

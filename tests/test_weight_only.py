@@ -273,6 +273,8 @@ class ErrorsTest(parameterized.TestCase):
          "w.codes has dtype float8_e5m2; format 'mxfp8_e4m3' takes float8_e4m3fn"),
         ("stacked", lambda s: jbg.weight_only_matmul(s.x, jax.tree.map(lambda a: jnp.stack([a, a]), s.w)),
          ValueError, "Use jax.vmap"),
+        ("codes_list", lambda s: jbg.weight_only_matmul(s.x, dataclasses.replace(s.w, codes=s.w.codes.tolist())),
+         TypeError, "w.codes must be an array .*; got list"),
         ("alpha", lambda s: jbg.weight_only_matmul(s.x, dataclasses.replace(s.w, alpha=jnp.ones(2))), ValueError,
          "w.alpha must be a float32 scalar"),
         ("format_name", lambda s: jbg.quantize_weight(jnp.ones((4, 32)), "fp8"), ValueError,
