@@ -36,7 +36,20 @@ def _names(values: Sequence[Any]) -> str:
 
 
 def dtype_name(x: Any) -> str:
-    return str(np.dtype(x.dtype if hasattr(x, "dtype") else x))
+    """The NumPy name of an array's dtype, or of a dtype given as such (np.dtype, a scalar type such as np.int32)."""
+    # a scalar type's `dtype` is a descriptor of the class, not a dtype: np.dtype takes the type itself
+    return str(np.dtype(x.dtype if hasattr(x, "dtype") and not isinstance(x, type) else x))
+
+
+def as_dtype(name: str, value: Any, allowed: str) -> np.dtype:
+    """np.dtype(value), or a TypeError naming `name` and what is allowed where value is no dtype (None included:
+    np.dtype(None) would be float64)."""
+    try:
+        if value is None:
+            raise TypeError
+        return np.dtype(value)
+    except TypeError:
+        raise TypeError(f"{name}={value!r} is not supported; allowed: {allowed}.") from None
 
 
 def is_fp4(dtype: Any) -> bool:
@@ -136,9 +149,9 @@ def check_gemm_config(*, ab_dtype: Any, scale_dtype: Any, c_dtype: Any, c_major:
                       k: int, has_alpha: bool) -> str:
     """The dtype couplings and tiling rules of the seed; returns the scale kind ("e8m0" or "e4m3")."""
     check_choice("sf_vec_size", sf_vec_size, SF_VEC_SIZES)
-    if np.dtype(acc_dtype) != np.dtype(jnp.float32):
+    if as_dtype("acc_dtype", acc_dtype, "float32") != np.dtype(jnp.float32):
         raise ValueError(f"acc_dtype={dtype_name(acc_dtype)} is not supported; allowed: float32.")
-    if np.dtype(c_dtype) not in C_DTYPES:
+    if as_dtype("c_dtype", c_dtype, _names(C_DTYPES)) not in C_DTYPES:
         raise TypeError(f"c_dtype={dtype_name(c_dtype)} is not supported; allowed: {_names(C_DTYPES)}.")
     check_choice("c_major", c_major, ("n", "m"))
     tiler = tuple(mma_tiler_mn)
