@@ -66,9 +66,18 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def is_int(value: Any) -> bool:
+    """Whether value is an integer: a Python int or a NumPy integer, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def check_choice(name: str, value: Any, allowed: Sequence[Any]) -> None:
+    """ValueError naming `name` unless value is one of `allowed`; TypeError where it only equals an integer choice
+    (32.0 or True compare equal to 32 and 1 but are no int)."""
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported; allowed: {_names(allowed)}.")
+    if not is_int(value) and any(is_int(v) and v == value for v in allowed):
+        raise TypeError(f"{name}={value!r} is not supported: it must be an int; allowed: {_names(allowed)}.")
 
 
 def check_implementation(implementation: Any) -> None:
@@ -144,6 +153,20 @@ def check_alignment(*, ab_dtype: Any, c_dtype: Any, m: int, n: int, k: int, a_ma
                 f"({bits}-bit elements, 16-byte aligned rows).")
 
 
+def _int_pair(name: str, value: Any, allowed: str) -> tuple[int, int]:
+    """value as a tuple of two ints, else a TypeError (not a sequence; 128.0 or True for an int) or ValueError (not
+    two values) naming `name`."""
+    try:
+        pair = tuple(value)
+    except TypeError:
+        raise TypeError(f"{name}={value!r} is not supported; allowed: {allowed}.") from None
+    if len(pair) != 2:
+        raise ValueError(f"{name}={pair} is not supported; allowed: {allowed}.")
+    if not all(is_int(v) for v in pair):
+        raise TypeError(f"{name}={pair} is not supported: its values must be ints; allowed: {allowed}.")
+    return pair
+
+
 def check_gemm_config(*, ab_dtype: Any, scale_dtype: Any, c_dtype: Any, c_major: str, acc_dtype: Any,
                       mma_tiler_mn: Sequence[int], cluster_shape_mn: Sequence[int], sf_vec_size: int,
                       k: int, has_alpha: bool) -> str:
@@ -154,11 +177,11 @@ def check_gemm_config(*, ab_dtype: Any, scale_dtype: Any, c_dtype: Any, c_major:
     if as_dtype("c_dtype", c_dtype, _names(C_DTYPES)) not in C_DTYPES:
         raise TypeError(f"c_dtype={dtype_name(c_dtype)} is not supported; allowed: {_names(C_DTYPES)}.")
     check_choice("c_major", c_major, ("n", "m"))
-    tiler = tuple(mma_tiler_mn)
-    cluster = tuple(cluster_shape_mn)
-    if len(tiler) != 2 or tiler[0] not in TILE_M_VALUES or tiler[1] not in TILE_N_VALUES:
+    tiler = _int_pair("mma_tiler_mn", mma_tiler_mn, "(128, 128) or (128, 256)")
+    cluster = _int_pair("cluster_shape_mn", cluster_shape_mn, "a pair of ints, each one of 1, 2, 4")
+    if tiler[0] not in TILE_M_VALUES or tiler[1] not in TILE_N_VALUES:
         raise ValueError(f"mma_tiler_mn={tiler} is not supported; allowed: (128, 128) or (128, 256).")
-    if len(cluster) != 2 or any(c not in CLUSTER_VALUES for c in cluster):
+    if any(c not in CLUSTER_VALUES for c in cluster):
         raise ValueError(f"cluster_shape_mn={cluster} is not supported; each value must be one of 1, 2, 4.")
     fp4_ab = is_fp4(ab_dtype)
     if np.dtype(scale_dtype) in E8M0_DTYPES:

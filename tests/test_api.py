@@ -158,6 +158,17 @@ def _gemm_error_cases():
         ("fp4_c_m_major", fp4, dict(c_dtype=u8, c_major="m", sf_vec_size=16), ValueError, "FP4 C must be N-major"),
         ("tiler", ok, dict(mma_tiler_mn=(256, 128)), ValueError, r"mma_tiler_mn=\(256, 128\) is not supported"),
         ("cluster", ok, dict(cluster_shape_mn=(3, 1)), ValueError, r"cluster_shape_mn=\(3, 1\) is not supported"),
+        ("sf_vec_size_float", ok, dict(sf_vec_size=32.0), TypeError,
+         "sf_vec_size=32.0 is not supported: it must be an int"),
+        ("tiler_float", ok, dict(mma_tiler_mn=(128.0, 128)), TypeError,
+         r"mma_tiler_mn=\(128.0, 128\) is not supported: its values must be ints"),
+        ("cluster_bool", ok, dict(cluster_shape_mn=(True, 1)), TypeError,
+         r"cluster_shape_mn=\(True, 1\) is not supported: its values must be ints"),
+        ("tiler_int", ok, dict(mma_tiler_mn=128), TypeError,
+         r"mma_tiler_mn=128 is not supported; allowed: \(128, 128\)"),
+        ("tiler_none", ok, dict(mma_tiler_mn=None), TypeError, "mma_tiler_mn=None is not supported; allowed"),
+        ("tiler_three", ok, dict(mma_tiler_mn=(128, 128, 1)), ValueError, "mma_tiler_mn=.* is not supported"),
+        ("cluster_int", ok, dict(cluster_shape_mn=1), TypeError, "cluster_shape_mn=1 is not supported; allowed"),
         ("tiler_sf16", fp4, dict(mma_tiler_mn=(128, 256), sf_vec_size=16), ValueError,
          r"mma_tiler_mn=\(128, 256\) with sf_vec_size=16"),
         ("fp4_n256_small_k", dict(fp4, sfa=s((128, 4), u8), sfb=s((128, 4), u8)),
@@ -180,6 +191,14 @@ class ErrorTest(parameterized.TestCase):
     def test_gemm_amax_errors(self, args, kwargs, error, pattern):
         with self.assertRaisesRegex(error, pattern):
             jax.eval_shape(lambda a, b, sfa, sfb: jbg.gemm_amax(a, b, sfa, sfb, **kwargs), **args)
+
+    def test_numpy_integer_choices(self):
+        """NumPy integers are ints: sf_vec_size, mma_tiler_mn and cluster_shape_mn may be given as them."""
+        s = jax.ShapeDtypeStruct
+        a, sf = s((128, 64), jnp.float8_e4m3fn), s((128, 2), jnp.uint8)
+        c, _ = jax.eval_shape(lambda *o: jbg.gemm_amax(*o, sf_vec_size=np.int64(32), mma_tiler_mn=(np.int32(128), 128),
+                                                       cluster_shape_mn=(np.int64(1), 1)), a, a, sf, sf)
+        self.assertEqual(c.shape, (128, 128))
 
     def test_non_array_operands(self):
         """Lists, None and scalars get a TypeError naming the argument; NumPy arrays are arrays."""
