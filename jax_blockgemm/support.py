@@ -107,6 +107,9 @@ def check_gemm_operands(a: Any, b: Any, *, a_major: str, b_major: str) -> tuple[
         check_rank(name, x, (2, 3), "(MN, K) or (L, MN, K); the transpose for an MN-major operand")
     if is_fp4(a.dtype) != is_fp4(b.dtype) or (not is_fp4(a.dtype) and a.dtype != b.dtype):
         raise TypeError(f"a and b must have the same dtype; got a: {dtype_name(a)}, b: {dtype_name(b)}.")
+    if a.dtype != b.dtype:
+        raise ValueError(f"a and b must use the same FP4 container, both float4_e2m1fn or both uint8 (packed E2M1 "
+                         f"pairs); got a: {dtype_name(a)}, b: {dtype_name(b)}.")
     if a.ndim != b.ndim:
         raise ValueError(f"a and b must have the same rank; got a: {tuple(a.shape)}, b: {tuple(b.shape)}.")
     check_choice("a_major", a_major, ("k", "m"))

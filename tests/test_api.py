@@ -124,6 +124,10 @@ def _gemm_error_cases():
     return [
         ("a_dtype", dict(ok, a=s((128, 64), jnp.bfloat16)), {}, TypeError, "a has dtype bfloat16; allowed"),
         ("mixed_dtypes", dict(ok, b=s((128, 64), f5)), {}, TypeError, "a and b must have the same dtype"),
+        ("fp4_containers", dict(fp4, b=s((128, 128), jnp.float4_e2m1fn)), dict(sf_vec_size=16), ValueError,
+         "a and b must use the same FP4 container.*got a: uint8, b: float4_e2m1fn"),
+        ("fp4_containers_reversed", dict(fp4, a=s((128, 128), jnp.float4_e2m1fn)), dict(sf_vec_size=16), ValueError,
+         "a and b must use the same FP4 container.*got a: float4_e2m1fn, b: uint8"),
         ("rank", dict(ok, a=s((64,), f8)), {}, ValueError, "a must have rank 2 or 3"),
         ("k_mismatch", dict(ok, b=s((128, 96), f8)), {}, ValueError, "a and b disagree on K"),
         ("rank_mismatch", dict(ok, a=s((1, 128, 64), f8)), {}, ValueError, "a and b must have the same rank"),

@@ -106,6 +106,13 @@ class RaggedTest(parameterized.TestCase):
         with self.assertRaisesRegex(TypeError, "sfb must be an array .*; got NoneType"):
             jbg.ragged_gemm_amax(d["a"], d["b"], d["sfa"], None, gs)
 
+    def test_mixed_fp4_containers(self):
+        d = random_ragged_inputs(np.random.default_rng(5), t=32, g=3, n=16, k=64, fmt="mxfp4")
+        self.assertEqual(d["a"].dtype, np.uint8)
+        b = jbg.formats.unpack_fp4(d["b"])
+        with self.assertRaisesRegex(ValueError, "a and b must use the same FP4 container.*a: uint8, b: float4_e2m1fn"):
+            jbg.ragged_gemm_amax(d["a"], b, d["sfa"], d["sfb"], np.array([4, 4, 4], np.int32))
+
     def test_traced_group_sizes_clamp(self):
         """Traced sizes outside the contract: negative counts as 0, rows past T are cut off."""
         d = random_ragged_inputs(np.random.default_rng(6), t=32, g=4, n=16, k=32, fmt="mxfp8_e4m3")
