@@ -59,22 +59,32 @@ ragged_local_p = jex_core.Primitive("jbg_ragged_gemm_amax_local")
 def check_group_sizes(group_sizes: Any, *, groups: int, tokens: int, name: str = "group_sizes") -> jax.Array:
     """group_sizes as int32 (G,): shape and dtype checked; negative sizes or a sum past T raise when concrete.
 
+    Concrete sizes are checked on the values given, before any cast (jnp.asarray would wrap int64 sizes past int32).
     Traced sizes are not checked (they are only known on the device); `group_bounds` gives them a defined meaning.
     """
-    gs = jnp.asarray(group_sizes) if not isinstance(group_sizes, jax.core.Tracer) else group_sizes
+    gs = group_sizes
+    if not isinstance(gs, jax.Array):  # NumPy arrays, lists: read as given
+        try:
+            gs = np.asarray(gs)
+        except jax.errors.TracerArrayConversionError:  # a sequence holding traced sizes
+            gs = jnp.asarray(gs)
+        except ValueError:  # a ragged nesting
+            gs = np.asarray(None)
+    if gs.dtype == object:
+        raise TypeError(f"{name} must be an integer array (int32) of shape (G,); got {type(group_sizes).__name__}.")
     if not jnp.issubdtype(gs.dtype, jnp.integer):
         raise TypeError(f"{name} has dtype {support.dtype_name(gs)}; allowed: an integer dtype (int32).")
     if tuple(gs.shape) != (groups,):
         raise ValueError(f"{name} must have shape (G,) = ({groups},), one size per group of the weights; got "
                          f"{tuple(gs.shape)}.")
     if not isinstance(gs, jax.core.Tracer):
-        sizes = np.asarray(gs, np.int64)
-        if (sizes < 0).any():
-            raise ValueError(f"{name} must be non-negative; got {sizes.tolist()}.")
-        if sizes.sum() > tokens:
-            raise ValueError(f"{name} sums to {int(sizes.sum())}, more than the {tokens} tokens (rows) of the "
+        sizes = [int(v) for v in np.asarray(gs).tolist()]  # Python ints: the sum cannot overflow
+        if min(sizes, default=0) < 0:
+            raise ValueError(f"{name} must be non-negative; got {sizes}.")
+        if sum(sizes) > tokens:
+            raise ValueError(f"{name} sums to {sum(sizes)}, more than the {tokens} tokens (rows) of the "
                              "input; their sum must be at most T.")
-    return gs.astype(jnp.int32)
+    return jnp.asarray(gs).astype(jnp.int32)
 
 
 def group_bounds(group_sizes: jax.Array, tokens: int) -> tuple[jax.Array, jax.Array]:

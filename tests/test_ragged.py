@@ -113,6 +113,22 @@ class RaggedTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "a and b must use the same FP4 container.*a: uint8, b: float4_e2m1fn"):
             jbg.ragged_gemm_amax(d["a"], b, d["sfa"], d["sfb"], np.array([4, 4, 4], np.int32))
 
+    def test_group_sizes_checked_before_any_cast(self):
+        """int64 sizes past int32 raise instead of wrapping (2**32 + 16 would become 16); None is no group sizes."""
+        d = random_ragged_inputs(np.random.default_rng(5), t=64, g=4, n=16, k=32, fmt="mxfp8_e4m3")
+        for gs, error, pattern in ((np.array([2**32 + 16, 16, 16, 16], np.int64), ValueError,
+                                    "group_sizes sums to 4294967360, more than the 64 tokens"),
+                                   (np.array([-2**32 + 16, 16, 16, 16], np.int64), ValueError,
+                                    "group_sizes must be non-negative"),
+                                   (np.array([2**62, 2**62, 0, 0], np.int64), ValueError, "group_sizes sums to"),
+                                   (np.array([16, 16, 16, 16], np.float64), TypeError,
+                                    "group_sizes has dtype float64; allowed: an integer dtype"),
+                                   (None, TypeError, "group_sizes must be an integer array .*; got NoneType")):
+            with self.subTest(gs=gs), self.assertRaisesRegex(error, pattern):
+                _call(d, gs)
+        c, _ = _call(d, [16, 16, 16, 0])  # a list of ints is fine
+        self._check(d, np.array([16, 16, 16, 0]), c, _)
+
     def test_traced_group_sizes_clamp(self):
         """Traced sizes outside the contract: negative counts as 0, rows past T are cut off."""
         d = random_ragged_inputs(np.random.default_rng(6), t=32, g=4, n=16, k=32, fmt="mxfp8_e4m3")

@@ -136,6 +136,8 @@ class MxRaggedDotTest(parameterized.TestCase):
         oracle_ops.assert_rel_close(self, "out", out, ref["out"], RTOL)
         with self.assertRaisesRegex(ValueError, "sums to 45"):
             jbg.mx_ragged_dot(x, w, np.array([10, 30, 5], np.int32))
+        with self.assertRaisesRegex(ValueError, "group_sizes sums to 4294967341"):  # not wrapped to 45
+            jbg.mx_ragged_dot(x, w, np.array([2**32 + 10, 30, 5], np.int64))
         with self.assertRaisesRegex(ValueError, "agree on K"):
             jbg.mx_ragged_dot(x, w[:, :16], np.array([1, 1, 1], np.int32))
 

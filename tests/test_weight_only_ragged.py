@@ -172,6 +172,8 @@ class WeightOnlyRaggedTest(parameterized.TestCase):
                  ((x, bad_alpha, sizes), {}, ValueError, r"w.alpha must be a float32 scalar or one per expert, \(3,\)"),
                  ((x, w, np.array([3, 3], np.int32)), {}, ValueError, r"group_sizes"),
                  ((x, w, np.array([3, 3, 5], np.int32)), {}, ValueError, r"group_sizes"),
+                 ((x, w, np.array([2**32 + 3, 3, 4], np.int64)), {}, ValueError, r"group_sizes sums to 4294967306"),
+                 ((x, w, None), {}, TypeError, r"group_sizes must be an integer array"),
                  ((x, w, sizes), dict(out_dtype=jnp.float16), TypeError, r"out_dtype=.*float16.* allowed: bfloat16"),
                  ((x, w, sizes), dict(implementation="triton"), ValueError, r"implementation")]
         for args, kwargs, error, pattern in cases:
