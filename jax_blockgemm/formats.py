@@ -370,7 +370,7 @@ def _to_blocks(x: jax.Array, axis: int, block: int) -> jax.Array:
 
 def _from_blocks(xb: jax.Array, axis: int, n: int) -> jax.Array:
     """Inverse of `_to_blocks`: merge the blocks, drop the padding, move the axis back."""
-    x = xb.reshape(*xb.shape[:-2], -1)[..., :n]
+    x = xb.reshape(*xb.shape[:-2], xb.shape[-2] * xb.shape[-1])[..., :n]  # no -1: another axis may be empty
     return jnp.moveaxis(x, -1, axis)
 
 
@@ -536,7 +536,8 @@ def _quantize_dequantize(x: jax.Array, *, fmt: str, axis: int) -> jax.Array:
     else:
         codes, sf, bad = _nvfp4_encode_blocks(blocks, axis + 1)
         values = codes.astype(jnp.float32) * jnp.where(bad, jnp.nan, sf)
-    values = values.reshape(*x.shape[:axis], -1, *x.shape[axis + 1:])
+    padded = blocks.shape[axis] * blocks.shape[axis + 1]  # no -1: another axis may be empty
+    values = values.reshape(*x.shape[:axis], padded, *x.shape[axis + 1:])
     return jax.lax.slice_in_dim(values, 0, x.shape[axis], axis=axis)
 
 

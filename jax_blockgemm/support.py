@@ -71,6 +71,17 @@ def is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def check_sizes(owner: str, **sizes: Any) -> None:
+    """Sizes such as a layer's features: TypeError unless each is an int, ValueError unless each is at least 1."""
+    for name, value in sizes.items():
+        if not is_int(value):
+            raise TypeError(f"{owner}: {name} must be an int; got {value!r}.")
+    if min(sizes.values()) < 1:
+        names = list(sizes)
+        listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        raise ValueError(f"{owner}: {listed} must be at least 1; got {', '.join(map(str, sizes.values()))}.")
+
+
 def check_choice(name: str, value: Any, allowed: Sequence[Any]) -> None:
     """ValueError naming `name` unless value is one of `allowed`; TypeError where it only equals an integer choice
     (32.0 or True compare equal to 32 and 1 but are no int)."""

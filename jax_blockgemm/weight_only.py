@@ -173,6 +173,9 @@ def check_weight(w: Any, *, experts: bool = False) -> tuple[int, ...]:
         raise ValueError(f"w.codes must be an (N, K) matrix{packed}; got shape {tuple(codes.shape)}. Use jax.vmap "
                          f"(or jax.lax.scan) over stacked weights.")
     *lead, n, k = w.shape
+    if min(w.shape) < 1:
+        raise ValueError(f"w must be non-empty: {'G, N and K' if experts else 'N and K'} must be at least 1; got "
+                         f"{'(G, N, K)' if experts else '(N, K)'} = {tuple(w.shape)}.")
     allowed_scales = (np.dtype(jnp.uint8), np.dtype(formats.E8M0)) if fmt.scale_kind == "e8m0" else (
         np.dtype(formats.E4M3),)
     if np.dtype(scales.dtype) not in allowed_scales:

@@ -36,6 +36,8 @@ def check_call(x: Any, w: Any, group_sizes: Any, out_dtype: Any, implementation:
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"x must be (T, K) tokens sorted by group with K={k}, the experts' (G, N, K) = {(g, n, k)}; "
                          f"got x of shape {tuple(x.shape)}. Use jax.vmap for a batch of token sets.")
+    if x.shape[0] < 1:
+        raise ValueError(f"x must hold at least one token (T >= 1); got x of shape {tuple(x.shape)}.")
     return ragged.check_group_sizes(group_sizes, groups=g, tokens=x.shape[0])
 
 

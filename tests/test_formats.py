@@ -228,6 +228,22 @@ class QuantizeTest(parameterized.TestCase):
         for special in (jnp.zeros((4,)), jnp.asarray([1.0, jnp.inf]), jnp.asarray([jnp.nan, 2.0])):
             self.assertEqual([float(f) for f in F.nvfp4_tensor_scales(special)], [1.0, 1.0])
 
+    def test_empty_axes(self):
+        """An empty axis, the block axis or another, gives empty codes and scales of the right shapes."""
+        for shape, axis in (((0, 64), -1), ((4, 0), 0), ((2, 0, 64), 2), ((4, 0), -1)):
+            x = jnp.ones(shape, jnp.float32)
+            kb = -(-shape[axis] // 32)
+            scale_shape = tuple(kb if d == axis % len(shape) else s for d, s in enumerate(shape))
+            for name, q in (("mxfp8", F.quantize_mxfp8), ("mxfp4", lambda v, axis: F.quantize_mxfp4(v, axis=axis,
+                                                                                                   packed=False)),
+                            ("nvfp4", lambda v, axis: F.quantize_nvfp4(v, axis=axis, block=32, packed=False))):
+                with self.subTest(shape=shape, axis=axis, fmt=name):
+                    codes, scales = q(x, axis=axis)
+                    self.assertEqual((codes.shape, scales.shape), (shape, scale_shape))
+            self.assertEqual(F.quantize_dequantize(x, "mxfp8_e4m3", axis=axis).shape, shape)
+        codes, scales = F.quantize_mxfp4(jnp.ones((0, 64)))
+        self.assertEqual((codes.shape, scales.shape), ((0, 32), (0, 2)))
+
     def test_invalid_arguments(self):
         x = jnp.ones((4, 32), jnp.float32)
         with self.assertRaisesRegex(ValueError, "dtype.*float8_e4m3fn or float8_e5m2"):

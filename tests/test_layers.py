@@ -117,6 +117,14 @@ class NNXTest(absltest.TestCase):
             lnnx.MXLinear(96, 48, dtype=jnp.int32, rngs=nnx.Rngs(0))
         with self.assertRaisesRegex(ValueError, "num_heads must be at least 1"):
             lnnx.MLAQProjection(64, 0, rngs=nnx.Rngs(0))
+        for sizes in ((0, 32), (64, 0)):
+            with self.assertRaisesRegex(ValueError, "MXLinear: in_features and out_features must be at least 1"):
+                lnnx.MXLinear(*sizes, rngs=nnx.Rngs(0))
+        with self.assertRaisesRegex(TypeError, "MXExperts: num_experts must be an int; got 2.5"):
+            lnnx.MXExperts(2.5, 64, 32, rngs=nnx.Rngs(0))
+        with self.assertRaisesRegex(ValueError, "MXExperts: num_experts, in_features and out_features must be at "
+                                                "least 1; got 2, 0, 32"):
+            lnnx.MXExperts(2, 0, 32, rngs=nnx.Rngs(0))
 
 
 class LinenTest(absltest.TestCase):
@@ -169,6 +177,8 @@ class LinenTest(absltest.TestCase):
             llinen.MXDense(8, recipe="e4m3").init(jax.random.key(0), x)
         with self.assertRaisesRegex(TypeError, "MXDense fixes dot_general"):
             llinen.MXDense(8, dot_general=jax.lax.dot_general).init(jax.random.key(0), x)
+        with self.assertRaisesRegex(ValueError, "MXDense: features must be at least 1; got 0"):
+            llinen.MXDense(0).init(jax.random.key(0), x)
 
 
 class EquinoxTest(absltest.TestCase):

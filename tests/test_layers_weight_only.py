@@ -141,6 +141,10 @@ class LinenTest(parameterized.TestCase):
             variables["params"]["bias"])
         np.testing.assert_array_equal(np.asarray(grad), np.full(16, 4.0, np.float32))
 
+    def test_features_must_be_positive(self):
+        with self.assertRaisesRegex(ValueError, "WeightOnlyDense: features must be at least 1; got 0"):
+            llinen.WeightOnlyDense(features=0).init(jax.random.key(0), jnp.ones((4, 64)))
+
 
 class EquinoxTest(parameterized.TestCase):
 

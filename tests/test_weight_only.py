@@ -275,6 +275,11 @@ class ErrorsTest(parameterized.TestCase):
          ValueError, "Use jax.vmap"),
         ("codes_list", lambda s: jbg.weight_only_matmul(s.x, dataclasses.replace(s.w, codes=s.w.codes.tolist())),
          TypeError, "w.codes must be an array .*; got list"),
+        ("empty_k", lambda s: jbg.weight_only_matmul(jnp.ones((2, 0), jnp.bfloat16), jbg.QuantizedWeight(
+            jnp.ones((16, 0), jnp.float8_e4m3fn), jnp.ones((16, 0), jnp.uint8), jnp.float32(1), "mxfp8_e4m3")),
+         ValueError, r"w must be non-empty: N and K must be at least 1; got \(N, K\) = \(16, 0\)"),
+        ("empty_n", lambda s: jbg.weight_only_matmul(s.x, jax.tree.map(lambda a: a[:0] if a.ndim else a, s.w)),
+         ValueError, r"w must be non-empty: N and K must be at least 1; got \(N, K\) = \(0, 64\)"),
         ("alpha", lambda s: jbg.weight_only_matmul(s.x, dataclasses.replace(s.w, alpha=jnp.ones(2))), ValueError,
          "w.alpha must be a float32 scalar"),
         ("format_name", lambda s: jbg.quantize_weight(jnp.ones((4, 32)), "fp8"), ValueError,

@@ -174,6 +174,9 @@ class WeightOnlyRaggedTest(parameterized.TestCase):
                  ((x, w, np.array([3, 3, 5], np.int32)), {}, ValueError, r"group_sizes"),
                  ((x, w, np.array([2**32 + 3, 3, 4], np.int64)), {}, ValueError, r"group_sizes sums to 4294967306"),
                  ((x, w, None), {}, TypeError, r"group_sizes must be an integer array"),
+                 ((x[:0], w, np.zeros(3, np.int32)), {}, ValueError, r"x must hold at least one token \(T >= 1\)"),
+                 ((x, jax.tree.map(lambda a: a[:0], w), np.zeros(0, np.int32)), {}, ValueError,
+                  r"w must be non-empty: G, N and K must be at least 1; got \(G, N, K\) = \(0, 16, 64\)"),
                  ((x, w, sizes), dict(out_dtype=jnp.float16), TypeError, r"out_dtype=.*float16.* allowed: bfloat16"),
                  ((x, w, sizes), dict(implementation="triton"), ValueError, r"implementation")]
         for args, kwargs, error, pattern in cases:

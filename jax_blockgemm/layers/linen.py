@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jax_blockgemm import autodiff, mla, weight_only
+from jax_blockgemm import autodiff, mla, support, weight_only
 from jax_blockgemm.api import weight_only_matmul
 
 __all__ = ["MXDense", "MLAQProjection", "GRAD_AMAX", "WeightOnlyDense"]
@@ -36,6 +36,7 @@ class MXDense(nn.Dense):
             raise TypeError("MXDense fixes dot_general (mx_dot_general); pass recipe= to choose the formats.")
         if jnp.ndim(inputs) < 1:
             raise ValueError(f"MXDense: inputs must have rank >= 1; got shape {jnp.shape(inputs)}.")
+        support.check_sizes("MXDense", features=self.features)
         kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
@@ -104,6 +105,7 @@ class WeightOnlyDense(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
+        support.check_sizes("WeightOnlyDense", features=self.features)
         inputs = jnp.asarray(inputs)
         if inputs.ndim < 1:
             raise ValueError(f"WeightOnlyDense: inputs must have rank >= 1; got shape {inputs.shape}.")

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_blockgemm import autodiff, mla, moe, weight_only
+from jax_blockgemm import autodiff, mla, moe, support, weight_only
 from jax_blockgemm.api import weight_only_matmul, weight_only_ragged_matmul
 
 __all__ = ["GradAmax", "MXExperts", "MXLinear", "MLAQProjection", "QuantizedKernel", "WeightOnlyExperts",
@@ -40,6 +40,7 @@ class MXLinear(nnx.Linear):
                  **kwargs: Any):
         if "dot_general" in kwargs:
             raise TypeError("MXLinear fixes dot_general (mx_dot_general); pass recipe= to choose the formats.")
+        support.check_sizes("MXLinear", in_features=in_features, out_features=out_features)
         for name in ("dtype", "param_dtype", "preferred_element_type"):
             value = kwargs.get(name)
             if value is not None and not jnp.issubdtype(value, jnp.floating):
@@ -150,9 +151,7 @@ class MXExperts(nnx.Module):
     def __init__(self, num_experts: int, in_features: int, out_features: int, *,
                  recipe: autodiff.Recipe | str = "mxfp8", param_dtype: Any = jnp.float32,
                  kernel_init: Any = nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
-        if min(num_experts, in_features, out_features) < 1:
-            raise ValueError(f"MXExperts: num_experts, in_features and out_features must be at least 1; got "
-                             f"{num_experts}, {in_features}, {out_features}.")
+        support.check_sizes("MXExperts", num_experts=num_experts, in_features=in_features, out_features=out_features)
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         self.recipe = autodiff.as_recipe(recipe)
         init = lambda key: kernel_init(key, (in_features, out_features), param_dtype)
