@@ -416,6 +416,12 @@ def _validated(name: str, x: jax.Array, axis: int, block: int, packed: bool = Fa
         raise ValueError(f"{name}: x must have rank >= 1; got a scalar.")
     axis = _check_axis(name, x, axis)
     block = _check_block(name, block)
+    # one block longer than the axis gives the same codes and scales as block = n, padded with zeros: bound the
+    # padding (the axis rounded up to the MX block of 32 keeps every block a format uses on a short axis)
+    limit = max(32, num_blocks(x.shape[axis], 32) * 32)
+    if block > limit:
+        raise ValueError(f"{name}: block={block} is longer than axis {axis} ({x.shape[axis]} elements) rounded up to a "
+                         f"multiple of 32; allowed: at most {limit}.")
     if packed and x.shape[-1] % 2:
         raise ValueError(f"{name}: packed=True stores two FP4 codes per byte along the last axis, which must be "
                          f"even; got shape {tuple(x.shape)}. Pass packed=False for float4_e2m1fn codes.")

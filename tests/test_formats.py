@@ -252,6 +252,13 @@ class QuantizeTest(parameterized.TestCase):
             F.quantize_mxfp4(x, axis=5)
         with self.assertRaisesRegex(ValueError, "block.*0"):
             F.quantize_nvfp4(x, block=0)
+        with self.assertRaisesRegex(ValueError, r"quantize_mxfp8: block=1000000000 is longer than axis 1 \(32 "
+                                                "elements\) rounded up to a multiple of 32; allowed: at most 32"):
+            jax.eval_shape(lambda v: F.quantize_mxfp8(v, block=10**9), x)
+        with self.assertRaisesRegex(ValueError, "quantize_nvfp4: block=128 is longer than axis 0"):
+            F.quantize_nvfp4(jnp.ones((40, 4)), axis=0, block=128)
+        self.assertEqual(F.quantize_mxfp8(jnp.ones((3, 40)), block=64)[1].shape, (3, 1))  # 40 rounds up to 64
+        self.assertEqual(F.quantize_nvfp4(jnp.ones((3, 5)), block=32, packed=False)[1].shape, (3, 1))
         with self.assertRaisesRegex(ValueError, "last axis.*even"):
             F.quantize_mxfp4(jnp.ones((4, 33)))
         with self.assertRaisesRegex(TypeError, "floating-point.*int32"):
