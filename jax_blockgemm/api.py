@@ -77,10 +77,7 @@ def gemm_amax(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Array, *, alp
         a, b = a[None], b[None]
     operands = [a, b, sfa, sfb]
     if alpha is not None:
-        alpha = jnp.asarray(alpha)
-        if alpha.shape != () or alpha.dtype != jnp.float32:
-            raise ValueError(f"alpha must be a float32 scalar; got {support.dtype_name(alpha)}{tuple(alpha.shape)}.")
-        operands.append(jnp.broadcast_to(alpha, (l,)))
+        operands.append(jnp.broadcast_to(support.check_alpha(alpha), (l,)))
     c_dtype = np.dtype(jnp.float4_e2m1fn) if support.is_fp4(c_dtype) else np.dtype(c_dtype)
     c, amax = primitives.gemm_amax_p.bind(
         *operands, k=k, sf_vec_size=sf_vec_size, c_dtype=c_dtype, a_major=a_major, b_major=b_major,
@@ -154,7 +151,7 @@ def weight_only_matmul(x: jax.Array, w: weight_only.QuantizedWeight, *, out_dtyp
     sharded on rows or K, the weight on N or K: the weight is never gathered). Differentiable with respect to x
     (dx = dy · Ŵ); differentiating with respect to w raises, the quantized weight being a constant.
     """
-    x = jnp.asarray(x)
+    x = support.as_array("x", x, "weight_only_matmul")
     weight_only.check_call(x, w, out_dtype, implementation)
     return weight_only.matmul(x, w, np.dtype(out_dtype), implementation)
 
@@ -175,7 +172,7 @@ def weight_only_ragged_matmul(x: jax.Array, w: weight_only.QuantizedWeight, grou
     jit, vmap and sharding (tokens, experts, N) work as for ragged_gemm_amax.
     Differentiable with respect to x (dx = dy · Ŵ per group); the quantized weights are constants (zero cotangent).
     """
-    x = jnp.asarray(x)
+    x = support.as_array("x", x, "weight_only_ragged_matmul")
     group_sizes = weight_only_ragged.check_call(x, w, group_sizes, out_dtype, implementation)
     return weight_only_ragged.matmul(x, w, group_sizes, np.dtype(out_dtype), implementation)
 

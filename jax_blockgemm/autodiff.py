@@ -240,12 +240,23 @@ def _to_3d(x: jax.Array, batch: Sequence[int], contract: Sequence[int]) -> tuple
     return x.reshape(b, f, k), 2, tuple(x.shape[len(batch):len(batch) + len(free)])
 
 
-def _out_dtype(lhs: jax.Array, rhs: jax.Array, preferred_element_type: Any) -> np.dtype:
+def _out_dtype(lhs: jax.Array, rhs: jax.Array, preferred_element_type: Any, caller: str = "mx_dot_general"
+               ) -> np.dtype:
+    """The result's dtype: preferred_element_type (a floating dtype), else lhs's and rhs's promoted dtype."""
     if preferred_element_type is None:
-        return np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
-    dtype = np.dtype(preferred_element_type)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"preferred_element_type={dtype} is not supported by mx_dot_general; allowed: a floating "
+        try:
+            return np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
+        except (TypeError, ValueError):  # jax's TypePromotionError, e.g. float32 with an 8-bit float
+            raise TypeError(f"{caller}: lhs ({support.dtype_name(lhs)}) and rhs ({support.dtype_name(rhs)}) have no "
+                            "implicit common dtype; pass preferred_element_type (a floating dtype) or cast one of "
+                            "them.") from None
+    try:
+        dtype = np.dtype(preferred_element_type)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        shown = dtype if dtype is not None else repr(preferred_element_type)
+        raise TypeError(f"preferred_element_type={shown} is not supported by {caller}; allowed: a floating "
                         "dtype (float32, bfloat16, float16) or None.")
     return dtype
 
@@ -262,7 +273,7 @@ def mx_dot_general_amax(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, 
     """
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a jax_blockgemm.Recipe; got {recipe!r}.")
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    lhs, rhs = support.as_array("lhs", lhs, "mx_dot_general"), support.as_array("rhs", rhs, "mx_dot_general")
     for name, x in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"mx_dot_general: {name} has dtype {support.dtype_name(x)}; allowed: a floating dtype "

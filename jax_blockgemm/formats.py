@@ -409,7 +409,10 @@ def _quantize_e8m0(x: jax.Array, *, axis: int, block: int, code_dtype: np.dtype,
 
 def _validated(name: str, x: jax.Array, axis: int, block: int, packed: bool = False) -> tuple[jax.Array, int, int]:
     """Trace-time checks shared by the quantizers; returns (x, non-negative axis, block)."""
-    x = jnp.asarray(x)
+    try:
+        x = jnp.asarray(x)
+    except (TypeError, ValueError):  # None, a string, ...
+        raise TypeError(f"{name}: x must be a floating-point array; got {type(x).__name__}.") from None
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"{name}: x must be a floating-point array; got {_dtype_name(x.dtype)}.")
     if x.ndim == 0:

@@ -93,11 +93,12 @@ def mla_q_projection(x: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Array,
     if not isinstance(recipe, autodiff.Recipe):
         raise TypeError(f"recipe must be a jax_blockgemm.Recipe; got {recipe!r}.")
     support.check_choice("recipe.fwd (the fused op's input path)", recipe.fwd, _INPUT_FORMATS)
-    x, w = jnp.asarray(x), jnp.asarray(w)
+    x, w = support.as_array("x", x, "mla_q_projection"), support.as_array("w", w, "mla_q_projection")
     for name, v in (("x", x), ("w", w)):
         if not jnp.issubdtype(v.dtype, jnp.floating):
             raise TypeError(f"mla_q_projection: {name} has dtype {support.dtype_name(v)}; allowed: a floating dtype.")
-    cos16, sin16 = jnp.asarray(cos).astype(jnp.bfloat16), jnp.asarray(sin).astype(jnp.bfloat16)
+    cos16, sin16 = (support.as_array(name, v, "mla_q_projection").astype(jnp.bfloat16)
+                    for name, v in (("cos", cos), ("sin", sin)))
     # the op has no differentiation rule: its gradient is the straight-through one attached in dequantize()
     x_in, w_in = jax.lax.stop_gradient(x), jax.lax.stop_gradient(w)
     cos_in, sin_in = jax.lax.stop_gradient(cos16), jax.lax.stop_gradient(sin16)

@@ -290,7 +290,7 @@ def mx_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precis
     accepted and ignored, as in mx_dot_general; the result has dtype preferred_element_type, else the operands'.
     """
     recipe = autodiff.as_recipe(recipe)
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    lhs, rhs = support.as_array("lhs", lhs, "mx_ragged_dot"), support.as_array("rhs", rhs, "mx_ragged_dot")
     for name, x in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"mx_ragged_dot: {name} has dtype {support.dtype_name(x)}; allowed: a floating dtype.")
@@ -300,5 +300,5 @@ def mx_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precis
         raise ValueError(f"mx_ragged_dot: lhs (T, K) and rhs (G, K, N) must agree on K and be non-empty; got lhs "
                          f"{tuple(lhs.shape)}, rhs {tuple(rhs.shape)}.")
     group_sizes = ragged.check_group_sizes(group_sizes, groups=rhs.shape[0], tokens=lhs.shape[0])
-    out_dtype = autodiff._out_dtype(lhs, rhs, preferred_element_type)
+    out_dtype = autodiff._out_dtype(lhs, rhs, preferred_element_type, "mx_ragged_dot")
     return _ragged_matmul(lhs, rhs, group_sizes, out_dtype, recipe)

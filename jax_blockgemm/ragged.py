@@ -323,10 +323,7 @@ def check_call(a: Any, b: Any, sfa: Any, sfb: Any, group_sizes: Any, *, alpha: A
     starts, ends = group_bounds(gs, t)
     operands = [a[None], b[None], sfa[None], sfb[None], starts[None], ends[None]]
     if alpha is not None:
-        alpha = jnp.asarray(alpha)
-        if alpha.shape != () or alpha.dtype != jnp.float32:
-            raise ValueError(f"alpha must be a float32 scalar; got {support.dtype_name(alpha)}{tuple(alpha.shape)}.")
-        operands.append(alpha.reshape(1))
+        operands.append(support.check_alpha(alpha).reshape(1))
     c_dtype = np.dtype(jnp.float4_e2m1fn) if support.is_fp4(c_dtype) else np.dtype(c_dtype)
     return operands, dict(k=k, sf_vec_size=sf_vec_size, c_dtype=c_dtype, implementation=implementation, b_major="k")
 

@@ -101,6 +101,26 @@ def check_array(name: str, x: Any) -> None:
         raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}.")
 
 
+def as_array(name: str, x: Any, owner: str) -> jax.Array:
+    """jnp.asarray(x), or a TypeError naming `owner`'s argument `name` where x is no array (None, a string, ...)."""
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{owner}: {name} must be an array (or a nested list of numbers); got "
+                        f"{type(x).__name__}.") from None
+
+
+def check_alpha(alpha: Any) -> jax.Array:
+    """alpha (NVFP4's per-tensor scale) as a float32 scalar array, else an error naming alpha."""
+    try:
+        alpha = jnp.asarray(alpha)
+    except (TypeError, ValueError):
+        raise TypeError(f"alpha must be a float32 scalar; got {alpha!r}.") from None
+    if alpha.shape != () or alpha.dtype != jnp.float32:
+        raise ValueError(f"alpha must be a float32 scalar; got {dtype_name(alpha)}{tuple(alpha.shape)}.")
+    return alpha
+
+
 def check_rank(name: str, x: Any, ranks: Sequence[int], meaning: str) -> None:
     if x.ndim not in ranks:
         raise ValueError(f"{name} must have rank {' or '.join(map(str, ranks))} ({meaning}); "

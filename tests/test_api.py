@@ -184,6 +184,7 @@ def _gemm_error_cases():
         ("alpha_mxfp8", ok, dict(alpha=np.float32(2.0)), ValueError, "alpha .the per-tensor fp32 scale. belongs"),
         ("alpha_shape", fp4, dict(alpha=np.ones(2, np.float32), sf_vec_size=16), ValueError,
          "alpha must be a float32 scalar"),
+        ("alpha_string", fp4, dict(alpha="2", sf_vec_size=16), TypeError, "alpha must be a float32 scalar; got '2'"),
         ("implementation", ok, dict(implementation="triton"), ValueError,
          "implementation='triton' is not supported; allowed: None, 'cutedsl', 'xla'"),
     ]

@@ -223,6 +223,16 @@ class ErrorTest(parameterized.TestCase):
         with self.assertRaisesRegex(TypeError, "preferred_element_type=int32 is not supported"):
             jbg.mx_dot_general(self.x, self.w, self.dn, None, jnp.int32)
 
+    def test_arguments_that_are_no_dtype_or_array(self):
+        with self.assertRaisesRegex(TypeError, "preferred_element_type='foo' is not supported by mx_dot_general; "
+                                               "allowed: a floating dtype"):
+            jbg.mx_dot_general(self.x, self.w, self.dn, None, "foo")
+        with self.assertRaisesRegex(TypeError, "mx_dot_general: lhs must be an array .*; got NoneType"):
+            jbg.mx_dot_general(None, self.w, self.dn)
+        with self.assertRaisesRegex(TypeError, "mx_dot_general: lhs .float32. and rhs .float8_e4m3fn. have no implicit "
+                                               "common dtype; pass preferred_element_type"):
+            jbg.mx_dot_general(self.x, self.w.astype(jnp.float8_e4m3fn), self.dn)
+
     def test_grad_amax_shape(self):
         with self.assertRaisesRegex(ValueError, r"grad_amax must have shape \(2,\)"):
             jbg.mx_dot_general_amax(self.x, self.w, self.dn, grad_amax=jnp.zeros(3))

@@ -263,6 +263,8 @@ class QuantizeTest(parameterized.TestCase):
             F.quantize_mxfp4(jnp.ones((4, 33)))
         with self.assertRaisesRegex(TypeError, "floating-point.*int32"):
             F.quantize_mxfp8(jnp.ones((4, 32), jnp.int32))
+        with self.assertRaisesRegex(TypeError, "quantize_nvfp4: x must be a floating-point array; got NoneType"):
+            F.quantize_nvfp4(None)
         with self.assertRaisesRegex(ValueError, "emax"):
             F.emax(jnp.float32)
 

@@ -115,6 +115,8 @@ class NNXTest(absltest.TestCase):
             layer(jnp.ones((4, 95)))
         with self.assertRaisesRegex(TypeError, "MXLinear: dtype=int32 is not supported; allowed: None or a floating"):
             lnnx.MXLinear(96, 48, dtype=jnp.int32, rngs=nnx.Rngs(0))
+        with self.assertRaisesRegex(TypeError, "MXLinear: param_dtype='foo' is not supported; allowed: None or a"):
+            lnnx.MXLinear(96, 48, param_dtype="foo", rngs=nnx.Rngs(0))
         with self.assertRaisesRegex(ValueError, "num_heads must be at least 1"):
             lnnx.MLAQProjection(64, 0, rngs=nnx.Rngs(0))
         for sizes in ((0, 32), (64, 0)):

@@ -116,6 +116,8 @@ class MLAQProjectionTest(parameterized.TestCase):
             jbg.mla_q_projection(x.astype(np.int32), w, cos, sin)
         with self.assertRaisesRegex(TypeError, "recipe must be a jax_blockgemm.Recipe"):
             jbg.mla_q_projection(x, w, cos, sin, recipe="mxfp8")
+        with self.assertRaisesRegex(TypeError, "mla_q_projection: cos must be an array .*; got NoneType"):
+            jbg.mla_q_projection(x, w, None, sin)
 
 
 if __name__ == "__main__":

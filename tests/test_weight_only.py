@@ -254,6 +254,8 @@ class ErrorsTest(parameterized.TestCase):
         ("x_int", lambda s: jbg.weight_only_matmul(jnp.ones((2, 64), jnp.int32), s.w), TypeError,
          "x has dtype int32; allowed: bfloat16, float32"),
         ("x_f16", lambda s: jbg.weight_only_matmul(jnp.ones((2, 64), jnp.float16), s.w), TypeError, "x has dtype"),
+        ("x_none", lambda s: jbg.weight_only_matmul(None, s.w), TypeError,
+         "weight_only_matmul: x must be an array .*; got NoneType"),
         ("k_mismatch", lambda s: jbg.weight_only_matmul(jnp.ones((2, 63), jnp.bfloat16), s.w), ValueError,
          r"x must have shape \(..., K\) with K=64"),
         ("scalar_x", lambda s: jbg.weight_only_matmul(jnp.ones((), jnp.bfloat16), s.w), ValueError, "x must have"),

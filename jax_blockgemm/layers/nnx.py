@@ -43,8 +43,14 @@ class MXLinear(nnx.Linear):
         support.check_sizes("MXLinear", in_features=in_features, out_features=out_features)
         for name in ("dtype", "param_dtype", "preferred_element_type"):
             value = kwargs.get(name)
-            if value is not None and not jnp.issubdtype(value, jnp.floating):
-                raise TypeError(f"MXLinear: {name}={jnp.dtype(value).name} is not supported; allowed: None or a "
+            if value is None:
+                continue
+            try:
+                shown, floating = jnp.dtype(value).name, jnp.issubdtype(value, jnp.floating)
+            except TypeError:  # no dtype at all, e.g. 'foo'
+                shown, floating = repr(value), False
+            if not floating:
+                raise TypeError(f"MXLinear: {name}={shown} is not supported; allowed: None or a "
                                 "floating dtype (the operands are block-quantized from it).")
         super().__init__(in_features, out_features, **kwargs)
         self.recipe = autodiff.as_recipe(recipe)
