@@ -214,8 +214,11 @@ def gemm_amax_jax_sm100(a_tensor: jax.Array, b_tensor: jax.Array, sfa_tensor: ja
     for name, x in (("a_tensor", a_tensor), ("b_tensor", b_tensor)):
         if x.ndim != 3:
             raise ValueError(f"{name} must have shape (MN, K, L); got {tuple(x.shape)}.")
-    to_lmk = lambda x: jnp.moveaxis(x, 2, 0)
-    c, amax = gemm_amax(to_lmk(a_tensor), to_lmk(b_tensor), sfa_tensor, sfb_tensor,
+    a, b = jnp.moveaxis(a_tensor, 2, 0), jnp.moveaxis(b_tensor, 2, 0)
+    # checked here too, so that the messages name a_tensor and b_tensor and show their (MN, K, L) shapes
+    support.check_gemm_operands(a, b, a_major="k", b_major="k", names=("a_tensor", "b_tensor"),
+                                shapes=(a_tensor.shape, b_tensor.shape))
+    c, amax = gemm_amax(a, b, sfa_tensor, sfb_tensor,
                         c_dtype=_dtype_from_cutlass("c_dtype", c_dtype), c_major=c_major,
                         acc_dtype=_dtype_from_cutlass("acc_dtype", acc_dtype), mma_tiler_mn=mma_tiler_mn,
                         cluster_shape_mn=cluster_shape_mn, sf_vec_size=sf_vec_size, implementation=implementation)

@@ -305,7 +305,11 @@ def check_call(a: Any, b: Any, sfa: Any, sfb: Any, group_sizes: Any, *, alpha: A
         support.check_array(name, x)
     support.check_rank("a", a, (2,), "(T, K) tokens sorted by group")
     support.check_rank("b", b, (3,), "(G, N, K): one (N, K) weight per group")
-    _, t, n, k = support.check_gemm_operands(a[None], b[:1], a_major="k", b_major="k")
+    if a.shape[0] < 1:
+        raise ValueError(f"a has shape {tuple(a.shape)}: T, the token count, must be at least 1.")
+    if b.shape[0] < 1:
+        raise ValueError(f"b has shape {tuple(b.shape)}: G, the group (expert) count, must be at least 1.")
+    _, t, n, k = support.check_gemm_operands(a[None], b[:1], a_major="k", b_major="k", shapes=(a.shape, b.shape))
     g = b.shape[0]
     if sfa.dtype != sfb.dtype:
         raise TypeError(f"sfa and sfb must have the same dtype; got sfa: {support.dtype_name(sfa)}, "

@@ -7,7 +7,7 @@ reference and the kernels only ever see inputs inside the contract (SPEC §4–�
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -127,22 +127,29 @@ def check_rank(name: str, x: Any, ranks: Sequence[int], meaning: str) -> None:
                          f"got shape {tuple(x.shape)}.")
 
 
-def check_gemm_operands(a: Any, b: Any, *, a_major: str, b_major: str) -> tuple[int, int, int, int]:
-    """Checks dtypes, ranks and majors of A and B; returns (L, M, N, K) with K the logical contraction size."""
-    for name, x in (("a", a), ("b", b)):
+def check_gemm_operands(a: Any, b: Any, *, a_major: str, b_major: str, names: tuple[str, str] = ("a", "b"),
+                        shapes: Optional[tuple[Sequence[int], Sequence[int]]] = None) -> tuple[int, int, int, int]:
+    """Checks dtypes, ranks and majors of A and B; returns (L, M, N, K) with K the logical contraction size.
+
+    Where a and b are views of the caller's arrays (moved axes, a batch axis added), `names` and `shapes` are the
+    caller's argument names and shapes, which the messages show instead.
+    """
+    na, nb = names
+    for name, x in ((na, a), (nb, b)):
         check_array(name, x)
         if np.dtype(x.dtype) not in FP8_DTYPES + FP4_DTYPES:
             raise TypeError(
                 f"{name} has dtype {dtype_name(x)}; allowed: float8_e4m3fn, float8_e5m2 (MXFP8), float4_e2m1fn or "
                 "uint8 (packed E2M1 pairs, MXFP4/NVFP4).")
         check_rank(name, x, (2, 3), "(MN, K) or (L, MN, K); the transpose for an MN-major operand")
+    sa, sb = (tuple(a.shape), tuple(b.shape)) if shapes is None else (tuple(shapes[0]), tuple(shapes[1]))
     if is_fp4(a.dtype) != is_fp4(b.dtype) or (not is_fp4(a.dtype) and a.dtype != b.dtype):
-        raise TypeError(f"a and b must have the same dtype; got a: {dtype_name(a)}, b: {dtype_name(b)}.")
+        raise TypeError(f"{na} and {nb} must have the same dtype; got {na}: {dtype_name(a)}, {nb}: {dtype_name(b)}.")
     if a.dtype != b.dtype:
-        raise ValueError(f"a and b must use the same FP4 container, both float4_e2m1fn or both uint8 (packed E2M1 "
-                         f"pairs); got a: {dtype_name(a)}, b: {dtype_name(b)}.")
+        raise ValueError(f"{na} and {nb} must use the same FP4 container, both float4_e2m1fn or both uint8 (packed "
+                         f"E2M1 pairs); got {na}: {dtype_name(a)}, {nb}: {dtype_name(b)}.")
     if a.ndim != b.ndim:
-        raise ValueError(f"a and b must have the same rank; got a: {tuple(a.shape)}, b: {tuple(b.shape)}.")
+        raise ValueError(f"{na} and {nb} must have the same rank; got {na}: {sa}, {nb}: {sb}.")
     check_choice("a_major", a_major, ("k", "m"))
     check_choice("b_major", b_major, ("k", "n"))
     fp4 = is_fp4(a.dtype)
@@ -151,18 +158,18 @@ def check_gemm_operands(a: Any, b: Any, *, a_major: str, b_major: str) -> tuple[
     a3 = a.shape if a.ndim == 3 else (1, *a.shape)
     b3 = b.shape if b.ndim == 3 else (1, *b.shape)
     if a3[0] != b3[0]:
-        raise ValueError(f"a and b must have the same batch size L; got a: {tuple(a.shape)}, b: {tuple(b.shape)}.")
+        raise ValueError(f"{na} and {nb} must have the same batch size L; got {na}: {sa}, {nb}: {sb}.")
     m, ka = (a3[1], a3[2]) if a_major == "k" else (a3[2], a3[1])
     n, kb = (b3[1], b3[2]) if b_major == "k" else (b3[2], b3[1])
     packed = np.dtype(a.dtype) == np.dtype(jnp.uint8)
     if packed:
         ka, kb = 2 * ka, 2 * kb
     if ka != kb:
-        raise ValueError(f"a and b disagree on K: a gives K={ka} (shape {tuple(a.shape)}), b gives K={kb} "
-                         f"(shape {tuple(b.shape)}).")
+        raise ValueError(f"{na} and {nb} disagree on K: {na} gives K={ka} (shape {sa}), {nb} gives K={kb} "
+                         f"(shape {sb}).")
     for dim, value in (("L", a3[0]), ("M", m), ("N", n), ("K", ka)):
         if value < 1:
-            raise ValueError(f"{dim} must be at least 1; got shapes a: {tuple(a.shape)}, b: {tuple(b.shape)}.")
+            raise ValueError(f"{dim} must be at least 1; got shapes {na}: {sa}, {nb}: {sb}.")
     return a3[0], m, n, ka
 
 

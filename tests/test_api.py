@@ -225,6 +225,19 @@ class ErrorTest(parameterized.TestCase):
         c, amax = jbg.gemm_amax(*(np.asarray(v) for v in (a, b, sfa, sfb)), implementation="xla")
         self.assertEqual(c.shape, (128, 128))
 
+    def test_seed_form_names_its_arguments(self):
+        """gemm_amax_jax_sm100's errors name a_tensor / b_tensor and show their (MN, K, L) shapes."""
+        s = jax.ShapeDtypeStruct
+        f8, sf = jnp.float8_e4m3fn, s((128, 2), jnp.uint8)
+        with self.assertRaisesRegex(ValueError, r"a_tensor and b_tensor disagree on K: a_tensor gives K=64 \(shape "
+                                                r"\(128, 64, 1\)\), b_tensor gives K=96 \(shape \(128, 96, 1\)\)"):
+            jax.eval_shape(jbg.gemm_amax_jax_sm100, s((128, 64, 1), f8), s((128, 96, 1), f8), sf, sf)
+        with self.assertRaisesRegex(TypeError, "a_tensor has dtype float32; allowed"):
+            jax.eval_shape(jbg.gemm_amax_jax_sm100, s((128, 64, 1), jnp.float32), s((128, 64, 1), f8), sf, sf)
+        with self.assertRaisesRegex(ValueError, r"a_tensor and b_tensor must have the same batch size L; got "
+                                                r"a_tensor: \(128, 64, 2\), b_tensor: \(128, 64, 1\)"):
+            jax.eval_shape(jbg.gemm_amax_jax_sm100, s((128, 64, 2), f8), s((128, 64, 1), f8), sf, sf)
+
     def test_seed_form_rank(self):
         a = jax.ShapeDtypeStruct((128, 64), jnp.float8_e4m3fn)
         with self.assertRaisesRegex(ValueError, r"a_tensor must have shape \(MN, K, L\); got \(128, 64\)"):

@@ -86,6 +86,12 @@ class NNXTest(parameterized.TestCase):
             lnnx.MXLinear(64, 32, rngs=nnx.Rngs(0)).quantized_for_inference("int4")
         with self.assertRaisesRegex(TypeError, "weight must be a QuantizedWeight"):
             lnnx.WeightOnlyLinear(jnp.ones((32, 64)))
+        stacked = jax.vmap(jbg.quantize_weight)(jnp.ones((2, 32, 64)))
+        with self.assertRaisesRegex(ValueError, r"w.codes must be an \(N, K\) matrix; got shape \(2, 32, 64\)"):
+            lnnx.WeightOnlyLinear(stacked)
+        with self.assertRaisesRegex(ValueError, r"WeightOnlyLinear: bias must have shape \(out_features,\) = \(32,\); "
+                                                r"got \(3,\)"):
+            lnnx.WeightOnlyLinear(jbg.quantize_weight(jnp.ones((32, 64))), jnp.ones(3))
 
     @parameterized.parameters(*FORMATS)
     def test_experts_quantized_for_inference(self, fmt):

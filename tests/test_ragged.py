@@ -129,7 +129,22 @@ class RaggedTest(parameterized.TestCase):
         c, _ = _call(d, [16, 16, 16, 0])  # a list of ints is fine
         self._check(d, np.array([16, 16, 16, 0]), c, _)
 
-    def test_traced_group_sizes_clamp(self):
+    def test_messages_show_the_callers_shapes(self):
+        """G = 0, T = 0 and a K mismatch are reported on the caller's (T, K) and (G, N, K), not internal views."""
+        d = random_ragged_inputs(np.random.default_rng(5), t=64, g=4, n=32, k=32, fmt="mxfp8_e4m3")
+        gs = np.array([16, 16, 16, 16], np.int32)
+        with self.assertRaisesRegex(ValueError, r"b has shape \(0, 32, 32\): G, the group .expert. count, must be "
+                                                "at least 1"):
+            jbg.ragged_gemm_amax(d["a"], d["b"][:0], d["sfa"], d["sfb"][:0], gs[:0])
+        with self.assertRaisesRegex(ValueError, r"a has shape \(0, 32\): T, the token count, must be at least 1"):
+            jbg.ragged_gemm_amax(d["a"][:0], d["b"], d["sfa"][:0], d["sfb"], gs * 0)
+        with self.assertRaisesRegex(ValueError, r"a and b disagree on K: a gives K=32 \(shape \(64, 32\)\), b gives "
+                                                r"K=64 \(shape \(4, 32, 64\)\)"):
+            jbg.ragged_gemm_amax(d["a"], np.ones((4, 32, 64), d["b"].dtype), d["sfa"], d["sfb"], gs)
+        with self.assertRaisesRegex(ValueError, r"N must be at least 1; got shapes a: \(64, 32\), b: \(4, 0, 32\)"):
+            jbg.ragged_gemm_amax(d["a"], d["b"][:, :0], d["sfa"], d["sfb"][:, :0], gs)
+
+
         """Traced sizes outside the contract: negative counts as 0, rows past T are cut off."""
         d = random_ragged_inputs(np.random.default_rng(6), t=32, g=4, n=16, k=32, fmt="mxfp8_e4m3")
         c, amax = jax.jit(lambda gs: _call(d, gs))(jnp.array([5, -7, 20, 40], jnp.int32))

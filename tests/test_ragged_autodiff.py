@@ -140,6 +140,8 @@ class MxRaggedDotTest(parameterized.TestCase):
             jbg.mx_ragged_dot(x, w, np.array([2**32 + 10, 30, 5], np.int64))
         with self.assertRaisesRegex(ValueError, "agree on K"):
             jbg.mx_ragged_dot(x, w[:, :16], np.array([1, 1, 1], np.int32))
+        with self.assertRaisesRegex(TypeError, "preferred_element_type=int32 is not supported by mx_ragged_dot"):
+            jbg.mx_ragged_dot(x, w, np.array([1, 1, 1], np.int32), preferred_element_type=jnp.int32)
 
     def test_experts_layer(self):
         layer = MXExperts(4, 32, 16, rngs=nnx.Rngs(0))

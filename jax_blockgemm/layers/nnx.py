@@ -119,7 +119,10 @@ class WeightOnlyLinear(nnx.Module):
                  out_dtype: Any = None):
         if not isinstance(weight, weight_only.QuantizedWeight):
             raise TypeError(f"WeightOnlyLinear: weight must be a QuantizedWeight; got {type(weight).__name__}.")
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = weight_only.check_weight(weight)
+        if bias is not None and jnp.shape(bias) != (self.out_features,):
+            raise ValueError(f"WeightOnlyLinear: bias must have shape (out_features,) = ({self.out_features},); got "
+                             f"{jnp.shape(bias)}.")
         self.kernel = QuantizedKernel(weight)
         self.bias = None if bias is None else nnx.Param(jnp.asarray(bias))
         self.out_dtype = out_dtype
