@@ -194,9 +194,12 @@ _mx_matmul.defvjp(_mx_matmul_fwd, _mx_matmul_bwd)
 
 def _check_dims(name: str, dims: Any, ndim: int) -> tuple[int, ...]:
     try:
-        dims = tuple(int(d) for d in dims)
+        given = tuple(dims)
     except TypeError:
-        raise TypeError(f"dimension_numbers: {name} must be a sequence of ints; got {dims!r}.") from None
+        given = None
+    if given is None or not all(support.is_int(d) for d in given):  # int(1.5) would truncate
+        raise TypeError(f"dimension_numbers: {name} must be a sequence of ints; got {dims!r}.")
+    dims = tuple(int(d) for d in given)
     if any(not 0 <= d < ndim for d in dims) or len(set(dims)) != len(dims):
         raise ValueError(f"dimension_numbers: {name}={dims} must be distinct dimensions in [0, {ndim}).")
     return dims
@@ -284,8 +287,12 @@ def mx_dot_general_amax(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, 
     w, w_kaxis, rhs_free = _to_3d(rhs, rb, rc)
     if grad_amax is None:
         grad_amax = jnp.zeros((2,), jnp.float32)
-    elif jnp.shape(grad_amax) != (2,):
-        raise ValueError(f"grad_amax must have shape (2,) (dgrad, wgrad); got {jnp.shape(grad_amax)}.")
+    grad_amax = support.as_array("grad_amax", grad_amax, "mx_dot_general_amax")
+    if grad_amax.shape != (2,):
+        raise ValueError(f"grad_amax must have shape (2,) (dgrad, wgrad); got {grad_amax.shape}.")
+    if not jnp.issubdtype(grad_amax.dtype, jnp.floating):  # an integer one's gradient would be float0
+        raise TypeError(f"grad_amax has dtype {support.dtype_name(grad_amax)}; allowed: a floating dtype (float32 "
+                        "zeros).")
     out, amax = _mx_matmul(x, w, grad_amax, x_kaxis, w_kaxis, out_dtype, recipe)
     out = out.reshape(*(lhs.shape[d] for d in lb), *lhs_free, *rhs_free)
     if out_sharding is not None:

@@ -237,6 +237,19 @@ class ErrorTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, r"grad_amax must have shape \(2,\)"):
             jbg.mx_dot_general_amax(self.x, self.w, self.dn, grad_amax=jnp.zeros(3))
 
+    def test_grad_amax_dtype(self):
+        with self.assertRaisesRegex(TypeError, "grad_amax has dtype int32; allowed: a floating dtype"):
+            jbg.mx_dot_general_amax(self.x, self.w, self.dn, grad_amax=jnp.zeros((2,), jnp.int32))
+
+    def test_dimension_numbers_must_be_ints(self):
+        """1.5 is no dimension (int() would truncate it to 1); NumPy integers are."""
+        for dims in ((((1.5,), (0,)), ((), ())), (((1,), (True,)), ((), ())), ((1, (0,)), ((), ()))):
+            with self.subTest(dims=dims), self.assertRaisesRegex(
+                    TypeError, "dimension_numbers: (lhs|rhs)_contracting must be a sequence of ints"):
+                jbg.mx_dot_general(self.x, self.w, dims)
+        out = jbg.mx_dot_general(self.x, self.w, (((np.int64(1),), (np.int32(0),)), ((), ())))
+        self.assertEqual(out.shape, (64, 32))
+
     def test_recipes_are_hashable_and_complete(self):
         self.assertEqual(set(jbg.RECIPES), {"mxfp8", "mxfp8_hybrid", "nvfp4", "bf16"})
         self.assertEqual(len({hash(r) for r in jbg.RECIPES.values()}), 4)
