@@ -207,6 +207,13 @@ def max_kernel_items(tokens: int, groups: int, rows: int = 128) -> int:
     return -(-tokens // rows) + min(tokens, groups + 2) - 1
 
 
+def _chunk_loop(body: Callable[[jax.Array, jax.Array], jax.Array], total: jax.Array, zeros: jax.Array) -> jax.Array:
+    """`body` over the chunks of `total` work items from `zeros`. The first chunk runs before the loop: its result,
+    unlike a constant, varies over the mesh axes the operands vary over inside a shard_map, which the loop's carry
+    must match; a chunk past the items changes nothing, so `total` = 0 is still the zeros."""
+    return jax.lax.fori_loop(1, -(-total // CHUNK), body, body(jnp.int32(0), zeros))
+
+
 def grouped_rows_dot(x: jax.Array, w: jax.Array | Callable[[jax.Array], jax.Array], starts: jax.Array,
                      ends: jax.Array, tile: Optional[int] = None) -> jax.Array:
     """out[t] = x[t] · w[g]ᵀ for the rows t of group g, 0 on rows of no group: x (T, K), w (G, N, K) -> (T, N) float32.
@@ -238,7 +245,7 @@ def grouped_rows_dot(x: jax.Array, w: jax.Array | Callable[[jax.Array], jax.Arra
             out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine[j][:, None], prod[j], current), row0[j], 0)
         return out
 
-    out = jax.lax.fori_loop(0, -(-total // CHUNK), body, jnp.zeros((padded, n), jnp.float32))
+    out = _chunk_loop(body, total, jnp.zeros((padded, n), jnp.float32))
     return out[:t]
 
 
@@ -277,7 +284,7 @@ def grouped_contraction(x: jax.Array, y: jax.Array, starts: jax.Array, ends: jax
         prod = jnp.einsum("ctk,ctn->ckn", xs, ys, preferred_element_type=jnp.float32)
         return out.at[g].add(prod)  # items of one group in one chunk add up
 
-    return jax.lax.fori_loop(0, -(-total // CHUNK), body, jnp.zeros((g_count, k, n), jnp.float32))
+    return _chunk_loop(body, total, jnp.zeros((g_count, k, n), jnp.float32))
 
 
 # --------------------------------------------------------------------------------------------------------------

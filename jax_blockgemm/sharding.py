@@ -36,6 +36,10 @@ unpartitioned (see primitives._partitioned_lowering). Under Shardy, a dimension 
 the atoms' M', T to out_scales_col's T/32) only when the coarse count is a multiple of the mesh's device count
 (`_linkable`); otherwise the op still runs per shard, but proj_rope's small out_scales_col is gathered after it.
 The rules read NamedShardings (a mesh); shardings on Shardy sub-axes cannot be decoded by custom_partitioning.
+One such case comes from the API itself: compact scales sharded on rows finer than a 128-row atom (256 rows over 8
+devices) reach the op as atoms sharded on sub-axes (the reshape splits the axis over M' and an atom's inner 4), and
+compilation fails (IndivisibleError); listing the atoms' factors among the rule's need_replication factors did not
+prevent it (tried on jax 0.10.2). Replicated scales, or whole atoms per shard, work.
 Inside a shard_map that leaves some mesh axes automatic, JAX gives the rules no mesh, so they gather (correct,
 not per shard): make every axis manual there, or call the op outside the shard_map.
 """
@@ -52,7 +56,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_blockgemm import formats
+from jax_blockgemm import formats, reference
 from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, is_fp4
 
 ATOM_ROWS = 128  # rows of one 128x4 scale atom: the finest split of M (N) that keeps a shard's scales whole
@@ -213,7 +217,7 @@ def _gemm_partition(local: Callable, params: Params, mesh: Any, arg_shapes: Any,
         partial, _ = local(*operands, **{**p, "k": local_k, "c_dtype": jnp.dtype(jnp.float32)})
         c = jax.lax.psum(partial, plan.k)
         amax = formats.magnitude_max(c.reshape(c.shape[0], -1), axis=1) if c.size else jnp.zeros(c.shape[:1])
-        return c.astype(p["c_dtype"]), _global_amax(amax, reduce_axes)
+        return reference.convert_c(c, p["c_dtype"]), _global_amax(amax, reduce_axes)  # FP8 saturates
 
     return (mesh, per_shard, _named(mesh, plan.result_specs(p)),
             _named(mesh, plan.operand_specs(p, len(arg_shapes))))

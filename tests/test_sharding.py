@@ -318,6 +318,26 @@ class GemmAmaxPartitionTest(_PartitionCase):
         sharded = [_put(mesh, x, s) for x, s in zip(args, specs)]
         _assert_same_result(jax.jit(per_row_shard)(*sharded), fn(*args))
 
+    def test_k_split_fp8_c_saturates_like_the_unsharded_call(self):
+        """MXFP4 into an E4M3 C, K sharded on whole atoms: the float32 partial sums are added, then C is converted as
+        the unsharded call converts it: FP8 saturates at its largest finite value (a plain cast made every |C| >
+        448 a NaN)."""
+        mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
+        d = oracle_ops.random_gemm_inputs(np.random.default_rng(31), l=1, m=32, n=32, k=1024, fmt="mxfp4",
+                                          scale_log2=(2.0, 6.0))
+
+        def fn(a, b, sfa, sfb):
+            return jbg.gemm_amax(a, b, sfa, sfb, c_dtype=jnp.float8_e4m3fn)
+
+        args = tuple(jnp.asarray(d[name]) for name in ("a", "b", "sfa_atom", "sfb_atom"))
+        specs = (P(None, None, "x"), P(None, None, "x"), P(None, None, "x"), P(None, None, "x"))
+        c, amax = jax.jit(fn)(*[_put(mesh, x, spec) for x, spec in zip(args, specs)])
+        c_ref, amax_ref = oracle_ops.gemm_amax_oracle(d["a"], d["b"], d["sfa"], d["sfb"], k=1024, sf_vec_size=32)
+        self.assertGreater(int((np.abs(c_ref) > 448).sum()), 100)
+        self.assertFalse(np.isnan(np.asarray(c, np.float32)).any())
+        oracle_ops.assert_gemm_close(self, c, c_ref, c_dtype=jnp.dtype(jnp.float8_e4m3fn))
+        oracle_ops.assert_amax_close(self, amax, amax_ref)
+
     def test_readme_example(self):
         """README "On many GPUs": its code runs (smaller sizes), C comes back row-sharded, nothing is gathered."""
         import pathlib
@@ -382,6 +402,32 @@ PROJ_ROPE_CASES = [
     ("gathered_heads_off_192", (256, 3, 64), True, True, P(), P("model"), None),
     ("gathered_k", (256, 2, 128), True, True, P(None, "data"), P(None, "data"), None),
 ]
+
+
+class RaggedShardMapTest(parameterized.TestCase):
+    """The ragged ops inside jax.shard_map (its default check_vma=True): each device its tokens and its experts."""
+
+    @parameterized.parameters("mx_ragged_dot_bf16", "mx_ragged_dot_mxfp8", "ragged_gemm_amax", "weight_only")
+    def test_experts_and_their_tokens_per_device(self, op):
+        """8 experts of 8 tokens each, one expert and its tokens per device: the loop's carry varies like the
+        operands (a zero constant did not, and the while loop refused it), and the result is the unsharded one."""
+        mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
+        rng = np.random.default_rng(33)
+        x = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((8, 64, 32)), jnp.float32)
+        gs = jnp.full((8,), 8, jnp.int32)
+        if op.startswith("mx_ragged_dot"):
+            fn = functools.partial(jbg.mx_ragged_dot, recipe=op.rsplit("_", 1)[1])
+        elif op == "ragged_gemm_amax":
+            def fn(x, w, gs):
+                a, sfa = formats.quantize_mxfp8(x)
+                b, sfb = formats.quantize_mxfp8(jnp.swapaxes(w, 1, 2))
+                return jbg.ragged_gemm_amax(a, b, sfa, sfb, gs)[0]
+        else:
+            def fn(x, w, gs):
+                return jbg.weight_only_ragged_matmul(x, jax.vmap(jbg.quantize_weight)(jnp.swapaxes(w, 1, 2)), gs)
+        per_device = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x")))
+        _assert_same_result([per_device(x, w, gs)], [fn(x, w, gs)])
 
 
 def _proj_rope_problem(rng, t, h, k, mxfp8, w_out_in):
