@@ -117,6 +117,11 @@ class ObjectCache:
     def path(self, variant: Variant) -> pathlib.Path:
         return self.directory / self.entry_name(variant)
 
+    @property
+    def writable(self) -> bool:
+        """False once a write has failed: objects compiled since then live in this process only."""
+        return self._writable
+
     def get(self, variant: Variant) -> tuple[bytes, Source]:
         """The object of `variant` and where it came from ('memory', 'disk' or 'compiled')."""
         with self._lock:  # one compile per variant even when several threads lower at once

@@ -131,9 +131,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = time.perf_counter()
         payload, source = cache.get(v)
         took = time.perf_counter() - start
+        where = cache.path(v) if cache.writable else "not cached (the cache directory cannot be written)"
         print(f"{'compiled' if source == 'compiled' else 'found':8s} {v.key}  {took:6.2f} s  {len(payload):8d} bytes  "
-              f"{cache.path(v)}", flush=True)
+              f"{where}", flush=True)
     print(f"{len(variants)} variants in {time.perf_counter() - total:.2f} s")
+    if not cache.writable:  # filling the cache is this command's whole job
+        print(f"error: the kernel cache {cache.directory} cannot be written, so the objects compiled here were not "
+              f"kept (set {kernel_cache.CACHE_DIR_ENV} to a writable directory)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -150,6 +150,21 @@ class ObjectCacheTest(absltest.TestCase):
         self.assertEqual(source, "compiled")
         self.assertTrue(payload.endswith(self.variant.key.encode()))
 
+    def test_precompile_fails_when_nothing_can_be_kept(self):
+        """precompile exists to fill the cache: where the directory cannot be written it says so and exits 1 (it
+        printed the would-be paths and exited 0), and with a writable one it exits 0."""
+        blocker = pathlib.Path(self.dir) / "file"
+        blocker.write_bytes(b"x")
+        for directory, rc in ((blocker / "sub", 1), (pathlib.Path(self.dir) / "ok", 0)):
+            cache = _cache(directory, self.compiler)
+            with mock.patch.object(kernel_cache, "default_cache", return_value=cache), \
+                    mock.patch.object(precompile, "select", return_value=[self.variant]), \
+                    mock.patch("sys.stderr") as err, self.assertNoLogs(None, "ERROR"):
+                self.assertEqual(precompile.main(["--arch", "sm_90a"]), rc)
+            self.assertEqual(cache.writable, rc == 0)
+            if rc:
+                self.assertIn("cannot be written", "".join(c.args[0] for c in err.write.call_args_list))
+
     def test_no_temporary_files_left(self):
         cache = _cache(self.dir, self.compiler)
         for i in range(3):

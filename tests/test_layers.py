@@ -166,6 +166,20 @@ class LinenTest(absltest.TestCase):
         ys = jax.vmap(lambda v: layer.apply(variables, v))(jnp.stack([x, 2 * x]))
         oracle_ops.assert_rel_close(self, "vmap", ys[0], y, 1e-6)
 
+    def test_apply_with_params_only(self):
+        """MXDense applied with its params alone, as nn.Dense is (a TrainState's apply_fn): the same outputs and
+        parameter gradients as with the grad-amax collection, which it then neither needs nor reports."""
+        x, t = _x(8), _x(9, (64, 32))
+        layer = llinen.MXDense(32)
+        variables = layer.init(jax.random.key(0), x)
+        with_sink = layer.apply(variables, x)
+        np.testing.assert_array_equal(layer.apply({"params": variables["params"]}, x), with_sink)
+        loss = lambda p, v: jnp.mean((layer.apply({**v, "params": p}, x) - t) ** 2)
+        alone = jax.grad(loss)(variables["params"], {})
+        full = jax.grad(loss)(variables["params"], {llinen.GRAD_AMAX: variables[llinen.GRAD_AMAX]})
+        for name in ("kernel", "bias"):
+            np.testing.assert_array_equal(alone[name], full[name])
+
     def test_mla_q_projection_and_errors(self):
         x = _x(10, (32, 64))
         ang = jnp.asarray(np.random.default_rng(11).uniform(-3, 3, (32, 64)))

@@ -134,6 +134,17 @@ class LinenTest(parameterized.TestCase):
         params = variables["params"]
         _assert_layer(self, y, x, weight, params["bias"], params["kernel"].T, fmt)
 
+    def test_conversions_keep_the_layers_output_dtype(self):
+        """A layer built with dtype=bfloat16 answers in bfloat16 for float32 inputs; its served form does too (it
+        answered in the inputs' float32), in Linen and NNX."""
+        x = _x(5)
+        dense = llinen.MXDense(48, dtype=jnp.bfloat16)
+        variables = dense.init(jax.random.key(0), x)
+        module, served = dense.quantized_for_inference(variables, "mxfp8_e4m3")
+        self.assertEqual((dense.apply(variables, x).dtype, module.apply(served, x).dtype), (jnp.bfloat16,) * 2)
+        layer = lnnx.MXLinear(96, 48, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        self.assertEqual((layer(x).dtype, layer.quantized_for_inference()(x).dtype), (jnp.bfloat16,) * 2)
+
     def test_init_quantizes_and_bias_gradient(self):
         module = llinen.WeightOnlyDense(16, format="nvfp4")
         x = _x(6, (4, 32))
@@ -164,6 +175,18 @@ class EquinoxTest(parameterized.TestCase):
         _assert_layer(self, y, x, served.weight, layer.bias, layer.weight, fmt)
         # called on one (in,) vector and vmapped, as eqx.nn.Linear is
         np.testing.assert_allclose(np.asarray(jax.vmap(served)(x[0])), np.asarray(y[0]), rtol=1e-5, atol=1e-6)
+
+    def test_filter_grad_of_a_model_holding_it(self):
+        """eqx.filter_grad over a model that holds a served layer trains the rest (here its bias and a float
+        layer after it): the quantized weight is frozen (its floating leaves used to receive tangents, which
+        weight_only_matmul refuses)."""
+        served = leqx.MXLinear(96, 48, key=jax.random.key(0)).quantized_for_inference("mxfp8_e4m3")
+        model = (served, eqx.nn.Linear(48, 8, key=jax.random.key(1)))
+        x = _x(7, (4, 96))
+        loss = lambda m: jnp.mean(jax.vmap(lambda v: m[1](m[0](v)))(x) ** 2)
+        grads = eqx.filter_grad(loss)(model)
+        self.assertGreater(float(jnp.max(jnp.abs(grads[0].bias))), 0.0)
+        self.assertGreater(float(jnp.max(jnp.abs(grads[1].weight))), 0.0)
 
     def test_scalar_features_and_errors(self):
         layer = eqx.nn.Linear("scalar", "scalar", key=jax.random.key(1))

@@ -91,7 +91,8 @@ class WeightOnlyLinear(eqx.Module):
         x = _as_input_rows(jnp.asarray(x), self.in_features, "WeightOnlyLinear")
         if x.dtype not in weight_only.X_DTYPES:
             x = x.astype(jnp.float32)
-        y = weight_only_matmul(x, self.weight, out_dtype=x.dtype if self.out_dtype is None else self.out_dtype)
+        weight = jax.lax.stop_gradient(self.weight)  # frozen: eqx.filter_grad of a model holding it trains the rest
+        y = weight_only_matmul(x, weight, out_dtype=x.dtype if self.out_dtype is None else self.out_dtype)
         if self.bias is not None:
             y = y + self.bias.astype(y.dtype)
         return y[..., 0] if self.out_features == "scalar" else y

@@ -40,9 +40,12 @@ class MXDense(nn.Dense):
         kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        sink = self.variable(GRAD_AMAX, "dgrad_wgrad", jnp.zeros, (2,), jnp.float32)
+        if self.is_mutable_collection(GRAD_AMAX) or self.has_variable(GRAD_AMAX, "dgrad_wgrad"):
+            sink = self.variable(GRAD_AMAX, "dgrad_wgrad", jnp.zeros, (2,), jnp.float32).value
+        else:  # applied with its params only (as a TrainState's apply_fn is): the backward's amaxes go unreported
+            sink = jnp.zeros((2,), jnp.float32)
         y, amax = autodiff.mx_dot_general_amax(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
-                                               self.precision, recipe=recipe, grad_amax=sink.value)
+                                               self.precision, recipe=recipe, grad_amax=sink)
         self.sow("intermediates", "amax", amax)
         if bias is not None:
             y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
@@ -99,6 +102,7 @@ class WeightOnlyDense(nn.Module):
         quantized = {"kernel": weight_only.quantize_weight(jnp.asarray(params["kernel"]).T, format)}
         if dense.use_bias:
             quantized["bias"] = params["bias"]
+        out_dtype = dense.dtype if out_dtype is None else out_dtype  # the dense layer's output dtype, if it fixed one
         module = WeightOnlyDense(features=dense.features, format=format, use_bias=dense.use_bias,
                                  out_dtype=out_dtype, parent=None)  # a top-level module, not a child of `dense`
         return module, {"params": quantized}

@@ -77,7 +77,7 @@ class MXLinear(nnx.Linear):
     def quantized_for_inference(self, format: str = "mxfp8_e4m3", *, out_dtype: Any = None) -> "WeightOnlyLinear":
         """This layer for serving: its kernel quantized once to `format` ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4",
         "nvfp4"), its bias kept; the result's forward is weight_only_matmul (inputs not quantized)."""
-        return WeightOnlyLinear.from_linear(self, format, out_dtype=out_dtype)
+        return WeightOnlyLinear.from_linear(self, format, out_dtype=self.dtype if out_dtype is None else out_dtype)
 
 
 class MLAQProjection(nnx.Module):
