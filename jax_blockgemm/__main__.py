@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_blockgemm as jbg
-from jax_blockgemm import formats
+from jax_blockgemm import formats, support
 
 
 def _median_ms(fn: Callable[..., Any], *args: Any, warmup: int = 2, reps: int = 10) -> float:
@@ -81,16 +81,24 @@ def demo_proj_rope(tokens: int, heads: int, q_lora: int, mxfp8: bool, implementa
 
 def main(argv: list[str] | None = None) -> None:
     """Parses the sizes (small defaults on a CPU), runs both operations and prints the table."""
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m jax_blockgemm", description=__doc__)
     gpu = jax.default_backend() == "gpu"
-    parser.add_argument("--m", type=int, default=4096 if gpu else 256)
-    parser.add_argument("--n", type=int, default=4096 if gpu else 256)
-    parser.add_argument("--k", type=int, default=4096 if gpu else 512)
-    parser.add_argument("--tokens", type=int, default=2048 if gpu else 64)
-    parser.add_argument("--heads", type=int, default=128 if gpu else 4)
-    parser.add_argument("--q-lora", type=int, default=1536 if gpu else 256)
+    parser.add_argument("--m", type=support.count_arg(), default=4096 if gpu else 256)
+    parser.add_argument("--n", type=support.count_arg(), default=4096 if gpu else 256)
+    parser.add_argument("--k", type=support.count_arg(), default=4096 if gpu else 512)
+    parser.add_argument("--tokens", type=support.count_arg(), default=2048 if gpu else 64)
+    parser.add_argument("--heads", type=support.count_arg(), default=128 if gpu else 4)
+    parser.add_argument("--q-lora", type=support.count_arg(), default=1536 if gpu else 256)
     parser.add_argument("--implementation", choices=("best", "cutedsl", "xla"), default="best")
     args = parser.parse_args(argv)
+    try:
+        _run(args, gpu)
+    except ValueError as e:  # sizes the operations refuse (K a multiple of 32, ...), or no kernel for "cutedsl"
+        parser.error(str(e))
+
+
+def _run(args: argparse.Namespace, gpu: bool) -> None:
+    """Both operations at the parsed sizes, and the table."""
     impl = None if args.implementation == "best" else args.implementation
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}); "
           f"implementation={args.implementation}")

@@ -7,7 +7,8 @@ reference and the kernels only ever see inputs inside the contract (SPEC §4–�
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import argparse
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,19 @@ def check_choice(name: str, value: Any, allowed: Sequence[Any]) -> None:
         raise ValueError(f"{name}={value!r} is not supported; allowed: {_names(allowed)}.")
     if not is_int(value) and any(is_int(v) and v == value for v in allowed):
         raise TypeError(f"{name}={value!r} is not supported: it must be an int; allowed: {_names(allowed)}.")
+
+
+def count_arg(minimum: int = 1) -> Callable[[str], int]:
+    """An argparse type for the command-line tools: an integer >= `minimum` (a size, a count of calls or steps)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}; got {text!r}.")
+        return value
+    return parse
 
 
 def check_implementation(implementation: Any) -> None:

@@ -557,6 +557,18 @@ class ArgumentsTest(parameterized.TestCase):
             bench_main([flag, value])
         self.assertIn(f"argument {flag}", err.getvalue())
 
+    @parameterized.parameters((["--decode", "--op", "proj_rope"], "--decode does not take --op"),
+                              (["--decode", "--png", "x.png", "--sustained", "5"], "--decode does not take --png, "
+                                                                                   "--sustained"),
+                              (["--op", "ragged", "--shape", "64,64,64"], "--op ragged does not take --shape"),
+                              (["--json", "/no/such/dir/x.json"], "--json /no/such/dir/x.json: its directory"))
+    def test_options_a_mode_would_ignore_are_refused(self, argv, message):
+        """Before anything runs: a flag the chosen mode ignores (it used to be dropped silently), and an output
+        path whose directory is missing (it used to fail after the whole run)."""
+        with self.assertRaises(SystemExit) as raised:
+            bench_main(argv)
+        self.assertIn(message, str(raised.exception.code))
+
     def test_shapes_replace_the_default_gemm_cases(self):
         self.assertEqual(parse_shape("4096,7168,16384"), (4096, 7168, 16384))
         cases = build_cases(ops=("gemm_amax",), shapes=[(64, 32, 64), (96, 40, 128)], small=False)

@@ -45,6 +45,13 @@ class DecodeExampleTest(absltest.TestCase):
                          decode.matmul_path(jax.devices()[0], ("bf16", "mxfp8_e4m3", "mxfp4")))
 
     @pytest.mark.end_to_end
+    def test_sizes_must_be_counts(self):
+        """--layers 0 is refused, not replaced by the default; --repeats 0 too (it ended in a StatisticsError)."""
+        for flag in ("--layers", "--new-tokens", "--repeats"):
+            with contextlib.redirect_stderr(io.StringIO()) as err, self.assertRaises(SystemExit):
+                decode.main(["--small", flag, "0"])
+            self.assertIn(f"argument {flag}: expected an integer >= 1; got '0'", err.getvalue())
+
     def test_scan_and_unrolled_layers_decode_the_same_tokens(self):
         """--scan runs the stacked layers by lax.scan, the default unrolls them: the same greedy tokens either way."""
         runs = {}

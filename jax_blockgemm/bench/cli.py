@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -64,19 +65,6 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _count(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= `minimum` (a count of calls, samples or input sets)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}; got {text!r}.")
-        return value
-    return parse
-
-
 def parser() -> argparse.ArgumentParser:
     """Every option of the benchmark; the description is the first line of the package's docstring."""
     p = argparse.ArgumentParser(prog=PROG, description=bench.__doc__.split("\n\n")[0],
@@ -92,11 +80,13 @@ def parser() -> argparse.ArgumentParser:
                    help="run only this operation (repeatable); 'ragged': the mixture-of-experts GEMMs instead "
                         "(bench/ragged.py)")
     p.add_argument("--small", action="store_true", help="a tiny twin of every case (runs on a CPU in seconds)")
-    p.add_argument("--reps", type=_count(1), default=20, help="timed calls per column (the median is reported)")
-    p.add_argument("--warmup", type=_count(0), default=3, help="untimed calls per column before timing")
-    p.add_argument("--burst", type=_count(1), default=10,
+    p.add_argument("--reps", type=support.count_arg(1), default=20,
+                   help="timed calls per column (the median is reported)")
+    p.add_argument("--warmup", type=support.count_arg(0), default=3, help="untimed calls per column before timing")
+    p.add_argument("--burst", type=support.count_arg(1), default=10,
                    help="calls per timed sample, issued back to back with one wait (1: each call waited for)")
-    p.add_argument("--sets", type=_count(1), default=2, help="input sets drawn per case and rotated between calls")
+    p.add_argument("--sets", type=support.count_arg(1), default=2,
+                   help="input sets drawn per case and rotated between calls")
     p.add_argument("--sustained", type=_seconds, default=0.0, metavar="SECONDS",
                    help="time each column by samples back to back for this long instead of --reps, median of the "
                         "last two thirds: the steady state at the GPU's power limit (0: off)")
@@ -130,12 +120,32 @@ def _method(args: argparse.Namespace, gemm_formats: Sequence[str]) -> dict[str, 
                                       interleave=args.interleave)}
 
 
+def _refuse_ignored(args: argparse.Namespace) -> None:
+    """Options the chosen mode would ignore are refused (--decode and --op ragged take their own shapes and
+    timing), so that no flag is silently dropped."""
+    mode, given = None, {}
+    if args.decode:
+        mode = "--decode"
+        given = {"--op": args.op, "--png": args.png, "--sustained": args.sustained, "--interleave": args.interleave,
+                 "--sets": args.sets != parser().get_default("sets"), "--launch": args.launch}
+    elif "ragged" in args.op:
+        mode = "--op ragged"
+        given = {"--shape": args.shape, "--png": args.png, "--launch": args.launch}
+    ignored = [flag for flag, value in given.items() if value]
+    if ignored:
+        raise SystemExit(f"{PROG}: {mode} does not take {', '.join(ignored)}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """Runs the benchmark; prints progress to stderr and the table to stdout; returns the record."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
     if args.kernels and not (args.decode or "ragged" in args.op):
         raise SystemExit(f"{PROG}: --kernels goes with --op ragged or --decode")
+    _refuse_ignored(args)
+    for flag, path in (("--json", args.json), ("--png", args.png)):  # before the run, not after it
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise SystemExit(f"{PROG}: {flag} {path}: its directory does not exist")
     if args.decode:
         from jax_blockgemm.bench import decode
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_blockgemm import api, arch, weight_only
+from jax_blockgemm import api, arch, support, weight_only
 
 __all__ = ["Config", "FULL", "SMALL", "init_params", "quantize_params", "dequantize_params", "weight_bytes",
            "unstack_layers", "generate", "teacher_forced", "next_token_agreement", "matmul_path", "main"]
@@ -266,10 +266,11 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--formats", type=_formats, default=DEFAULT_FORMATS,
                    help=f"weight formats, a comma list of {', '.join(WEIGHT_FORMATS)} (default: bf16,mxfp8_e4m3,mxfp4)")
     p.add_argument("--batch", type=_batches, default=(1, 16), help="batch sizes, a comma list (default 1,16)")
-    p.add_argument("--layers", type=int, help="layers (default 16; --small 2)")
-    p.add_argument("--d-model", type=int, help="model width d (default 4096; --small 64)")
-    p.add_argument("--new-tokens", type=int, help="tokens generated after the prompt (default 64; --small 8)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per row (the median is reported)")
+    count = support.count_arg()
+    p.add_argument("--layers", type=count, help="layers (default 16; --small 2)")
+    p.add_argument("--d-model", type=count, help="model width d (default 4096; --small 64)")
+    p.add_argument("--new-tokens", type=count, help="tokens generated after the prompt (default 64; --small 8)")
+    p.add_argument("--repeats", type=count, default=3, help="timed runs per row (the median is reported)")
     p.add_argument("--scan", action="store_true",
                    help="the layers' weights stacked and run by lax.scan (default: each layer's weights as buffers "
                         "of their own, the layers unrolled; docs/performance.md compares the two)")
@@ -279,7 +280,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     overrides = {"layers": args.layers, "new_tokens": args.new_tokens}
     if args.d_model:
         overrides.update(d_model=args.d_model, heads=max(1, args.d_model // 128), ffn=args.d_model * 11 // 4 // 32 * 32)
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v})
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     key_params, key_prompt = jax.random.split(jax.random.key(args.seed))
     base = init_params(key_params, cfg)
     device = jax.devices()[0]

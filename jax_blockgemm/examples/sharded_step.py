@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_blockgemm import reference
+from jax_blockgemm import reference, support
 from jax_blockgemm.layers.nnx import MLAQProjection, MXLinear
 from jax_blockgemm.support import HEAD_DIM
 
@@ -203,15 +203,19 @@ def train(built: TrainStep, config: BlockConfig, steps: int, seed: int = 0) -> l
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m jax_blockgemm.examples.sharded_step",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="CPU-sized block on 8 host devices (a 2x4 mesh)")
-    parser.add_argument("--fsdp", type=int, default=2)
-    parser.add_argument("--tp", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--fsdp", type=support.count_arg(), default=2)
+    parser.add_argument("--tp", type=support.count_arg(), default=4)
+    parser.add_argument("--steps", type=support.count_arg(), default=5)
     parser.add_argument("--bf16", action="store_true", help="bf16 nnx.Linear layers instead of MXFP8 ones")
     args = parser.parse_args(argv)
     config = SMALL if args.small else BlockConfig()
-    built = build_train_step(config, mx=not args.bf16, fsdp=args.fsdp, tp=args.tp)
+    try:
+        built = build_train_step(config, mx=not args.bf16, fsdp=args.fsdp, tp=args.tp)
+    except ValueError as e:  # a mesh the devices or the block's sizes cannot take
+        parser.error(str(e))
     losses = train(built, config, args.steps)
     print(f"{'bf16' if args.bf16 else 'mxfp8'} block on a {args.fsdp}x{args.tp} (fsdp, tp) mesh of "
           f"{jax.devices()[0].platform} devices")
