@@ -89,14 +89,21 @@ def _write_json(path: pathlib.Path, fields: dict) -> None:
         logger.warning("jax_blockgemm: cannot write %s (%s)", path, e)
 
 
-def load(path: pathlib.Path) -> Optional[Verdict]:
-    """The verdict stored at `path`, or None when absent or unreadable."""
+def load(path: pathlib.Path, ident: Optional[tuple[str, str, str]] = None) -> Optional[Verdict]:
+    """The verdict stored at `path`, or None when absent, unreadable or not a verdict of `ident` (key, GPU model,
+    object SHA-256; when given): `ok` must be a JSON boolean, the identity fields and `detail` strings."""
     try:
         fields = json.loads(path.read_text())
-        return Verdict(**{f.name: fields[f.name] for f in dataclasses.fields(Verdict) if f.name != "source"},
-                       source="disk")
+        verdict = Verdict(**{f.name: fields[f.name] for f in dataclasses.fields(Verdict) if f.name != "source"},
+                          source="disk")
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    names = (verdict.key, verdict.device, verdict.object_sha, verdict.detail)
+    if type(verdict.ok) is not bool or not all(isinstance(x, str) for x in names):
+        return None
+    if ident is not None and (verdict.key, verdict.device, verdict.object_sha) != tuple(ident):
+        return None
+    return verdict
 
 
 def store(path: pathlib.Path, verdict: Verdict) -> None:
@@ -219,12 +226,12 @@ def check(variant: Any, *, device: Any = None, force: bool = False,
         path = verdict_path(*ident)
         verdict = None
         if not force:
-            verdict = load(path)
+            verdict = load(path, ident)
             if verdict is None and (why := _earlier_attempt(path, timeout_s() + 30)) is not None:
                 verdict = Verdict(*ident, ok=False, detail=why)
                 store(path, verdict)
             elif verdict is None:
-                verdict = load(path)  # a concurrent process may have just finished the same check
+                verdict = load(path, ident)  # a concurrent process may have just finished the same check
         if verdict is None:
             _write_json(_attempt_path(path), {"pid": os.getpid(), "key": variant.key})
             try:

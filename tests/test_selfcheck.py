@@ -8,6 +8,7 @@ The real thing, on a GPU, is tests/test_gpu_selfcheck.py and tests/test_gpu_self
 
 import dataclasses
 import hashlib
+import json
 import os
 import sys
 import tempfile
@@ -497,6 +498,31 @@ class DispatchGateTest(absltest.TestCase):
                 mock.patch.object(selfcheck, "run_problems", self._fake_run(negate)), \
                 self.assertWarnsRegex(RuntimeWarning, "falls back to the XLA reference"):
             self.assertNotIn("jbg_gemm_amax", _cuda_text())
+
+    def test_a_verdict_file_not_a_boolean_pass_of_this_object_never_takes_the_kernel(self):
+        """A stored verdict counts only with `ok` a JSON boolean and this kernel's key, GPU model and object hash;
+        anything else is checked again (here the check fails), never read as a pass."""
+        negate = lambda c: c.__setitem__((0, 0, 0), -c[0, 0, 0])
+        with mock.patch("jax_blockgemm.kernel_cache.get_object", side_effect=lambda v: v.key.encode()):
+            key, device, sha = gate.identity(_SM100, FakeDevice())
+        mine = {"key": key, "device": device, "object_sha": sha, "detail": "ok"}
+        records = [dict(mine, ok=ok) for ok in ("false", "0", [False], {"x": 0}, "true", 1)]
+        records += [dict(mine, ok=True, **other) for other in ({"key": "gemm_amax.other"}, {"device": "NVIDIA H200"},
+                                                               {"object_sha": "0" * 64}, {"detail": None})]
+        for record in records:
+            with self.subTest(record=record), \
+                    mock.patch("jax_blockgemm.kernel_cache.get_object", side_effect=lambda v: v.key.encode()), \
+                    mock.patch.dict(gate._MEMORY, clear=True), mock.patch.object(gate, "_WARNED", set()), \
+                    _none_takes_kernels("10.0"), mock.patch.object(selfcheck, "run_problems", self._fake_run(negate)), \
+                    warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                path = gate.verdict_path(key, device, sha)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(record))
+                runs = self.runs
+                self.assertNotIn("jbg_gemm_amax", _cuda_text())
+                self.assertEqual(self.runs, runs + 1)  # checked again
+                self.assertIs(gate.load(path, (key, device, sha)).ok, False)  # the new verdict, a boolean FAIL
 
     def test_default_takes_the_kernel_once_the_check_passed(self):
         with _none_takes_kernels("10.0"), mock.patch.object(selfcheck, "run_problems", self._fake_run()):
