@@ -51,6 +51,7 @@ class Verdict:
     source: str = "ran"  # "ran" (this call), "memory" or "disk" (an earlier check of the same object)
 
 
+_PID_MAX = 2**31 - 1  # larger is no process id (os.kill raises OverflowError past a C int)
 _MEMORY: dict[tuple[str, str, str], Verdict] = {}
 _WARNED: set[tuple[str, str, str]] = set()
 _LOCK = threading.RLock()
@@ -174,9 +175,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
+    if type(pid) is not int or not 0 < pid <= _PID_MAX:  # os.kill(0 or -1, ...) would signal a whole group
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         return True
@@ -193,10 +196,12 @@ def _earlier_attempt(path: pathlib.Path, limit: float) -> Optional[str]:
             record = json.loads(attempt.read_text())
         except (OSError, ValueError):
             return None
-        pid = int(record.get("pid", 0))
+        record = record if isinstance(record, dict) else {}
+        pid = record.get("pid")  # anything but a positive int is a garbled record: no process runs it
+        pid = pid if type(pid) is int and 0 < pid <= _PID_MAX else "?"
         if path.exists():
             return None
-        if pid == os.getpid() or not _pid_alive(pid) or time.monotonic() > deadline:
+        if pid == "?" or pid == os.getpid() or not _pid_alive(pid) or time.monotonic() > deadline:
             return (f"an earlier check (process {pid}, started {record.get('when', '?')}) never finished: the "
                     "kernel may have hung or crashed that process")
         time.sleep(0.5)

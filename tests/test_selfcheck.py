@@ -424,6 +424,27 @@ class VerdictCacheTest(absltest.TestCase):
         self.assertTrue(gate.check(_SM100, device=FakeDevice(), run=self._run(""), force=True).ok)
         self.assertFalse(path.with_suffix(".attempt").exists())
 
+    def test_a_garbled_attempted_record_is_no_running_check(self):
+        """An attempted record whose pid is no positive int names no process that runs the check: a stored FAIL at
+        once, no os.kill on it (0 and -1 signal whole groups), no wait for it, nothing raised."""
+        ident = gate.identity(_SM100, FakeDevice())
+        path = gate.verdict_path(*ident)
+        path.parent.mkdir(parents=True)
+        kill = self.enter_context(mock.patch.object(gate.os, "kill", side_effect=AssertionError("os.kill called")))
+        for content in ('{"pid": "abc"}', '{"pid": "123"}', '{"pid": null}', '{"pid": [1]}', '{"pid": 0}',
+                        '{"pid": -1}', '{"pid": 99999999999999999999}', '{"pid": 1.5}', '{"pid": true}', "{}",
+                        "[1]", '"pid"', "null"):
+            with self.subTest(content=content), mock.patch.dict(gate._MEMORY, clear=True):
+                path.unlink(missing_ok=True)
+                path.with_suffix(".attempt").write_text(content)
+                start = time.monotonic()
+                v = gate.check(_SM100, device=FakeDevice(), run=self._run(""))
+                self.assertLess(time.monotonic() - start, 5)
+                self.assertFalse(v.ok)
+                self.assertRegex(v.detail, r"an earlier check \(process \?, started \?\) never finished")
+        kill.assert_not_called()
+        self.assertEqual(self.calls, [])
+
     def test_a_check_that_cannot_start_is_a_stored_failure(self):
         def cannot_spawn(variant, device):
             raise OSError("no such file: python")
