@@ -13,6 +13,7 @@ with no verdict (the checking process itself was killed) also reads as FAIL: not
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -81,13 +82,31 @@ def _attempt_path(path: pathlib.Path) -> pathlib.Path:
 
 def _write_json(path: pathlib.Path, fields: dict) -> None:
     """Write atomically; an unwritable cache only means the check runs again in the next process."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({**fields, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
         os.replace(tmp, path)
     except OSError as e:
         logger.warning("jax_blockgemm: cannot write %s (%s)", path, e)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def _remove(path: pathlib.Path) -> None:
+    """Delete `path` if it is there; a store that cannot be changed (not a directory, read-only) only warns."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        logger.warning("jax_blockgemm: cannot delete %s (%s)", path, e)
+
+
+def _exists(path: pathlib.Path) -> bool:
+    """Whether `path` exists; False where its directory cannot be searched."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def load(path: pathlib.Path, ident: Optional[tuple[str, str, str]] = None) -> Optional[Verdict]:
@@ -199,7 +218,7 @@ def _earlier_attempt(path: pathlib.Path, limit: float) -> Optional[str]:
         record = record if isinstance(record, dict) else {}
         pid = record.get("pid")  # anything but a positive int is a garbled record: no process runs it
         pid = pid if type(pid) is int and 0 < pid <= _PID_MAX else "?"
-        if path.exists():
+        if _exists(path):
             return None
         if pid == "?" or pid == os.getpid() or not _pid_alive(pid) or time.monotonic() > deadline:
             return (f"an earlier check (process {pid}, started {record.get('when', '?')}) never finished: the "
@@ -245,7 +264,7 @@ def check(variant: Any, *, device: Any = None, force: bool = False,
                 ok, detail = False, f"the check could not run: {type(e).__name__}: {e}"
             verdict = Verdict(*ident, ok=ok, detail=detail or "ok")
             store(path, verdict)
-            _attempt_path(path).unlink(missing_ok=True)
+            _remove(_attempt_path(path))
         _MEMORY[ident] = verdict
         return verdict
 

@@ -445,6 +445,28 @@ class VerdictCacheTest(absltest.TestCase):
         kill.assert_not_called()
         self.assertEqual(self.calls, [])
 
+    def test_an_unusable_verdict_store_warns_and_never_raises(self):
+        """A cache directory or selfcheck/ that is a file, or a verdict or attempted record that is a directory: the
+        gate logs that it cannot keep its records, the check's own outcome decides in this process, nothing raises."""
+        ident = gate.identity(_SM100, FakeDevice())
+        blockers = {"cache dir is a file": lambda p: (p.parent.parent, False),
+                    "selfcheck/ is a file": lambda p: (p.parent, False),
+                    "verdict is a directory": lambda p: (p, True),
+                    "attempt is a directory": lambda p: (p.with_suffix(".attempt"), True)}
+        for name, blocker in blockers.items():
+            for why in ("", "C relative error 1"):
+                with self.subTest(name=name, why=why), mock.patch.dict(gate._MEMORY, clear=True), \
+                        tempfile.TemporaryDirectory() as root, \
+                        mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": os.path.join(root, "cache")}):
+                    target, is_dir = blocker(gate.verdict_path(*ident))
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.mkdir() if is_dir else target.write_text("a file")
+                    with self.assertLogs(gate.logger, "WARNING") as logs:
+                        v = gate.check(_SM100, device=FakeDevice(), run=self._run(why))
+                    self.assertEqual((v.ok, v.detail), (not why, why or "ok"))
+                    self.assertRegex("\n".join(logs.output), r"jax_blockgemm: cannot (write|delete) ")
+                    self.assertEqual([f for _, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")], [])
+
     def test_a_check_that_cannot_start_is_a_stored_failure(self):
         def cannot_spawn(variant, device):
             raise OSError("no such file: python")
@@ -544,6 +566,18 @@ class DispatchGateTest(absltest.TestCase):
                 self.assertNotIn("jbg_gemm_amax", _cuda_text())
                 self.assertEqual(self.runs, runs + 1)  # checked again
                 self.assertIs(gate.load(path, (key, device, sha)).ok, False)  # the new verdict, a boolean FAIL
+
+    def test_an_unusable_verdict_store_never_raises_out_of_the_op(self):
+        """selfcheck/ a file: the op lowers (the failed check falls back to the reference, with its warning)."""
+        negate = lambda c: c.__setitem__((0, 0, 0), -c[0, 0, 0])
+        with open(os.path.join(self.dir, "selfcheck"), "w") as f:
+            f.write("a file")
+        with _none_takes_kernels("10.0"), mock.patch.object(selfcheck, "run_problems", self._fake_run(negate)), \
+                mock.patch("jax_blockgemm.kernel_cache.get_object", side_effect=lambda v: v.key.encode()), \
+                self.assertLogs(gate.logger, "WARNING"), \
+                self.assertWarnsRegex(RuntimeWarning, "falls back to the XLA reference"):
+            self.assertNotIn("jbg_gemm_amax", _cuda_text())
+        self.assertEqual(self.runs, 1)
 
     def test_default_takes_the_kernel_once_the_check_passed(self):
         with _none_takes_kernels("10.0"), mock.patch.object(selfcheck, "run_problems", self._fake_run()):
