@@ -154,35 +154,54 @@ def child_command(key: str, result: pathlib.Path) -> list[str]:
     return [sys.executable, "-m", "jax_blockgemm.selfcheck", "--child", key, "--result", str(result)]
 
 
+def package_root() -> str:
+    """The directory holding this copy of the jax_blockgemm package: the child's working directory and first
+    PYTHONPATH entry, so that it imports this copy, not one in the caller's working directory."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def run_in_child(command: Sequence[str], *, gpu: str, timeout: float) -> tuple[bool, str]:
     """Run a check `command` (its last argument pair is `--result PATH`) in its own process group on GPU `gpu`.
 
-    Returns (ok, detail). A child that outlives `timeout` is killed with its whole group; one that exits without
-    writing its result (a crash, an illegal address, a signal) fails with its exit status and its last words.
+    Returns (ok, detail): a pass only where the child exited with status 0 and its result says ok (true). A child
+    that outlives `timeout` is killed with its whole group, as is the group of one whose wait is interrupted here
+    (KeyboardInterrupt, then raised again); one that exits without writing its result (a crash, an illegal
+    address, a signal) or with a non-zero status fails with its exit status and its last words.
     """
     result = pathlib.Path(command[-1])
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_PLATFORMS="cuda")
+    root = package_root()
+    path = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_PLATFORMS="cuda",
+               PYTHONPATH=path)
     start = time.monotonic()
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+                                env=env, cwd=root, start_new_session=True)
+        timed_out = False
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            timed_out = True
+        finally:
+            _kill_group(proc)  # anything the child left running; all of it when our wait was interrupted
+        if timed_out:
             return False, (f"timed out after {timeout:g} s (a hang, e.g. a barrier never arrived); the check's "
                            f"process group was killed")
         took = time.monotonic() - start
-        _kill_group(proc)  # anything the child left running
+        status = (f"killed by signal {-proc.returncode}" if proc.returncode < 0
+                  else f"exited with status {proc.returncode}")
         try:
             outcome = json.loads(result.read_text())
-            return bool(outcome["ok"]), str(outcome["detail"])
+            ok, detail = outcome["ok"], str(outcome["detail"])
         except (OSError, ValueError, KeyError, TypeError):
             log.seek(0)
             tail = log.read().decode(errors="replace").strip().splitlines()[-3:]
-            status = (f"killed by signal {-proc.returncode}" if proc.returncode < 0
-                      else f"exited with status {proc.returncode}")
             return False, f"the check's process {status} after {took:.1f} s without a result: {' | '.join(tail)}"
+        if proc.returncode != 0:
+            return False, f"the check's process {status} after {took:.1f} s (its result: ok={ok!r}, {detail})"
+        if type(ok) is not bool:
+            return False, f"the check's result has ok={ok!r}, neither true nor false ({detail})"
+        return ok, detail
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -6,10 +6,12 @@ check run in-process, except in GateChildProcessTest, which runs real child proc
 The real thing, on a GPU, is tests/test_gpu_selfcheck.py and tests/test_gpu_selfcheck_catalog.py.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -917,6 +919,50 @@ class GateChildProcessTest(absltest.TestCase):
         self.assertRegex(detail, r"killed by signal 6 .*without a result: CUDA_ERROR_ILLEGAL_ADDRESS")
         ok, detail = self._run("raise SystemExit(3)")
         self.assertRegex(detail, r"exited with status 3")
+
+    def test_a_pass_needs_exit_status_zero_and_a_boolean_ok(self):
+        write = "import json, os, signal, sys; open(sys.argv[-1], 'w').write(json.dumps({'ok': %r, 'detail': 'ok'}));"
+        ok, detail = self._run(write % True + " sys.exit(3)")
+        self.assertFalse(ok)
+        self.assertRegex(detail, r"exited with status 3 .*its result: ok=True")
+        ok, detail = self._run(write % True + " os.kill(os.getpid(), signal.SIGSEGV)")
+        self.assertFalse(ok)
+        self.assertRegex(detail, r"killed by signal 11 .*its result: ok=True")
+        for value in ("no", "true", 1, [True], None):
+            self.assertEqual(self._run(write % value)[0], False, value)
+
+    def test_an_interrupted_wait_kills_the_child_group_and_raises_again(self):
+        """Ctrl-C in the parent while its check runs: the child (in its own session) must not outlive the wait."""
+        with tempfile.TemporaryDirectory() as tmp:
+            pidfile = os.path.join(tmp, "child")
+
+            class Interrupted(subprocess.Popen):
+                def wait(self, timeout=None):
+                    if timeout is None:  # the wait after the kill
+                        return super().wait()
+                    while not os.path.exists(pidfile) or not open(pidfile).read():
+                        time.sleep(0.05)
+                    raise KeyboardInterrupt
+
+            code = "import os, time; open(%r, 'w').write(str(os.getpid())); time.sleep(600)" % pidfile
+            with mock.patch.object(gate.subprocess, "Popen", Interrupted), self.assertRaises(KeyboardInterrupt):
+                self._run(code)
+            child = int(open(pidfile).read())
+        self.assertFalse(gate._pid_alive(child), "the interrupted check's child survived")
+
+    def test_the_child_imports_this_copy_of_the_package_whatever_the_callers_directory(self):
+        """A `jax_blockgemm` in the caller's working directory (a checkout, a shadow) is not what the child runs."""
+        with tempfile.TemporaryDirectory() as shadow:
+            os.makedirs(os.path.join(shadow, "jax_blockgemm"))
+            with open(os.path.join(shadow, "jax_blockgemm", "__init__.py"), "w") as f:
+                f.write("")
+            code = ("import json, sys, jax_blockgemm; open(sys.argv[-1], 'w').write(json.dumps({'ok': True, "
+                    "'detail': jax_blockgemm.__file__}))")
+            with contextlib.chdir(shadow):
+                ok, detail = self._run(code)
+        self.assertTrue(ok)
+        self.assertEqual(os.path.realpath(detail), os.path.realpath(jbg.__file__))
+        self.assertEqual(gate.package_root(), os.path.dirname(os.path.dirname(jbg.__file__)))
 
     def test_the_child_gets_its_gpu_pinned_and_no_preallocation(self):
         code = ("import json, os, sys; open(sys.argv[-1], 'w').write(json.dumps({'ok': True, 'detail': "
