@@ -81,18 +81,51 @@ def reset(gpu_model: Optional[str] = None) -> list[pathlib.Path]:
     return deleted
 
 
+def _is_int(x: object) -> bool:
+    """Whether `x` is a non-negative int (a bool is none)."""
+    return type(x) is int and x >= 0
+
+
+def _invalid(d: object) -> str:
+    """Why the stored decision `d` (a JSON object) does not fit `Decision`'s schema; '' when it does."""
+    if not isinstance(d, dict):
+        return "not an object"
+    names = {f.name for f in dataclasses.fields(Decision)}
+    if set(d) - names or not {"op", "fmt", "choice"} <= set(d):
+        return f"fields {sorted(d)}, expected {sorted(names)}"
+    if not all(isinstance(d[k], str) for k in ("op", "fmt")) or d["choice"] not in (KERNEL, DEFAULT):
+        return "op and fmt must be strings, choice 'kernel' or 'default'"
+    if not all(_is_int(d.get(k, 0)) for k in ("min_size", "max_m")):
+        return "min_size and max_m must be non-negative integers"
+    measured = d.get("measured", [])
+    if not isinstance(measured, list) or not all(
+            isinstance(m, list) and len(m) == 3 and _is_int(m[0])
+            and all(type(x) in (int, float) for x in m[1:]) for m in measured):
+        return "measured must be a list of [size, kernel_ms, default_ms]"
+    return ""
+
+
 @functools.lru_cache(maxsize=None)
 def _load(gpu_model: str, directory: str) -> tuple[Decision, ...]:
     path = table_path(gpu_model)
     try:
-        record = json.loads(path.read_text())
-        return tuple(Decision(**{**d, "measured": tuple(tuple(m) for m in d.get("measured", ()))})
-                     for d in record["decisions"])
+        decisions = json.loads(path.read_text())["decisions"]
+        if not isinstance(decisions, list):
+            raise TypeError(f"decisions is a {type(decisions).__name__}, not a list")
     except FileNotFoundError:
         return ()
     except (OSError, ValueError, KeyError, TypeError) as e:
         logger.warning("jax_blockgemm: ignoring the unreadable tuning table %s (%s)", path, e)
         return ()
+    valid = []
+    for d in decisions:
+        why = _invalid(d)
+        if why:
+            logger.warning("jax_blockgemm: ignoring the invalid decision %.200s in the tuning table %s (%s)", d, path,
+                           why)
+            continue
+        valid.append(Decision(**{**d, "measured": tuple(tuple(m) for m in d.get("measured", ()))}))
+    return tuple(valid)
 
 
 def load(gpu_model: str) -> tuple[Decision, ...]:

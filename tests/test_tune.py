@@ -2,6 +2,7 @@
 GPU, its timings and the lowering's device are faked; the decisions, the store and dispatch are real)."""
 
 import io
+import json
 import os
 import tempfile
 from unittest import mock
@@ -85,6 +86,31 @@ class StoreTest(absltest.TestCase):
         tuning._load.cache_clear()
         with self.assertLogs("jax_blockgemm.tuning", "WARNING"):
             self.assertIsNone(tuning.takes_kernel(H200, "gemm_amax", "mxfp4", 8))
+
+
+    def test_a_decision_of_the_wrong_types_is_dropped_with_a_warning_and_the_others_kept(self):
+        good = dict(op="gemm_amax", fmt="mxfp4", choice="kernel", min_size=8, measured=[[8, 1.0, 2.0]], max_m=0)
+        bad = [dict(good, fmt="nvfp4", min_size="1000"), dict(good, fmt="nvfp4", min_size=None),
+               dict(good, fmt="nvfp4", min_size=True), dict(good, fmt="nvfp4", min_size=1.5),
+               dict(good, fmt="nvfp4", min_size=-1), dict(good, fmt="nvfp4", extra=1),
+               dict(good, fmt="nvfp4", choice="KERNEL"), dict(good, fmt="nvfp4", measured=[[1, "a", 2.0]]),
+               dict(good, fmt=None), dict(good, op="weight_stream", fmt="mxfp8_e4m3", max_m="64"),
+               dict(good, op="weight_stream", fmt="mxfp8_e4m3", max_m=None),
+               dict(good, op="decode_swap_ab", fmt="mxfp8_e4m3", min_size="17", max_m=64),
+               dict(good, op="ragged_swap_ab", fmt="mxfp8_e4m3", min_size=[1]), "a string", None, [1]]
+        path = tuning.table_path(H200)
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"gpu": H200, "decisions": [good] + bad}))
+        tuning._load.cache_clear()
+        with self.assertLogs("jax_blockgemm.tuning", "WARNING") as logs:
+            self.assertEqual(tuning.load(H200), (tuning.Decision("gemm_amax", "mxfp4", "kernel", 8, ((8, 1.0, 2.0),)),))
+        self.assertLen(logs.output, len(bad))
+        self.assertIn("ignoring the invalid decision", logs.output[0])
+        self.assertIsNone(tuning.takes_kernel(H200, "gemm_amax", "nvfp4", 10**6))  # dropped: arch.TABLE decides
+        self.assertIsNone(tuning.decode_max_m(H200, "mxfp8_e4m3"))
+        self.assertIsNone(tuning.decode_swap_ab_rows(H200, "mxfp8_e4m3"))
+        self.assertIsNone(tuning.takes_swap_ab(H200, "mxfp8_e4m3", 10**6))
+        self.assertTrue(tuning.takes_kernel(H200, "gemm_amax", "mxfp4", 8))
 
 
 def _gemm_text(m: int, fmt: str = "mxfp8_e4m3") -> str:
