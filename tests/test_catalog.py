@@ -2,6 +2,7 @@
 variant selection and naming, and the configuration checks of the kernel classes."""
 
 import dataclasses
+import pathlib
 import re
 import sys
 import types
@@ -100,6 +101,31 @@ class CatalogTest(absltest.TestCase):
     def test_source_hash_is_stable_hex(self):
         self.assertRegex(catalog.kernel_source_hash(), r"^[0-9a-f]{64}$")
         self.assertEqual(catalog.kernel_source_hash(), catalog.kernel_source_hash())
+
+    def test_source_hash_covers_the_modules_outside_kernels_that_kernels_import(self):
+        """Every jax_blockgemm module outside kernels/ that a kernels/ source imports is hashed: a change to one
+        (formats.py, support.py, ...) is a new object cache key."""
+        root = pathlib.Path(catalog.__file__).parent
+        imported = set()
+        for path in root.rglob("*.py"):
+            for module, names in re.findall(r"^\s*from jax_blockgemm(\.[\w.]+)? import ([\w, ]+)", path.read_text(),
+                                            re.M):
+                if not module.startswith(".kernels"):
+                    imported |= {f"{module[1:]}.py"} if module else {f"{n.strip()}.py" for n in names.split(",")}
+        self.assertTrue({"formats.py", "support.py"} <= imported, imported)
+        self.assertTrue(imported <= set(catalog.COMPILED_IN_MODULES), imported)
+        read_bytes = pathlib.Path.read_bytes
+        catalog.kernel_source_hash.cache_clear()
+        self.addCleanup(catalog.kernel_source_hash.cache_clear)
+        before = catalog.kernel_source_hash()
+        for name in catalog.COMPILED_IN_MODULES:
+            with self.subTest(name=name), mock.patch.object(
+                    pathlib.Path, "read_bytes", autospec=True,
+                    side_effect=lambda p: read_bytes(p) + (b"# changed" if p == root.parent / name else b"")):
+                catalog.kernel_source_hash.cache_clear()
+                self.assertNotEqual(catalog.kernel_source_hash(), before)
+        catalog.kernel_source_hash.cache_clear()
+        self.assertEqual(catalog.kernel_source_hash(), before)
 
     def test_make_kernel_rejects_unknown_variant(self):
         with self.assertRaisesRegex(ValueError, "not in the catalog"):

@@ -471,13 +471,21 @@ def compile_variant(v: KernelVariant) -> bytes:
     return compile_function(v).dump_to_object(v.function_prefix)
 
 
+# The modules outside kernels/ that kernels/ imports (their constants are compiled into the objects), relative to the
+# package directory: kernel_source_hash covers them too.
+COMPILED_IN_MODULES = ("arch.py", "formats.py", "support.py")
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_source_hash() -> str:
-    """SHA-256 over the kernels/ sources and the DSL version: the on-disk object cache key."""
+    """SHA-256 over the kernels/ sources, the COMPILED_IN_MODULES and the DSL version: the on-disk object cache
+    key."""
     import cutlass
 
     h = hashlib.sha256(f"cutlass-dsl {getattr(cutlass, '__version__', '?')}\n".encode())
     root = pathlib.Path(__file__).parent
     for path in sorted(root.rglob("*.py")):
         h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    for name in COMPILED_IN_MODULES:
+        h.update(f"jax_blockgemm/{name}".encode() + b"\0" + (root.parent / name).read_bytes())
     return h.hexdigest()
