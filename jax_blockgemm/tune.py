@@ -18,7 +18,9 @@ both here, each forced by that table's entry (both "cutedsl", the swap_ab object
 "ragged_swap_ab" the swap_ab kernel against the block-scaled one on each format's codes (RAGGED_SHAPES; its decision
 also lets `weight_only_ragged_matmul` take swap_ab under None), "decode_swap_ab" the swap_ab decode tile against the
 decode kernel at DECODE_SWAP_AB_SHAPES (a decision "the tile from this M up to the largest measured").
-`--reset` deletes the stored table; JAX_BLOCKGEMM_IGNORE_TUNING=1 makes None ignore it.
+Decisions for the operations and formats not timed (`--op`, `--format`) stay as stored. `--reset` deletes the local
+GPU model's stored table (none without a GPU, or with GPUs of several models); JAX_BLOCKGEMM_IGNORE_TUNING=1 makes
+None ignore it.
 """
 
 from __future__ import annotations
@@ -284,7 +286,8 @@ def _measure(op: str, fmt: str, shape: tuple, *, reps: int) -> tuple[Optional[tu
 
 def run(problems: Sequence[tuple[str, str, tuple]], gpu_model: str, *, timer: Timer,
         out: Any = None) -> list[tuning.Decision]:
-    """Measure every (op, fmt, shape), print one row each and one decision per (op, fmt); store them."""
+    """Measure every (op, fmt, shape), print one row each and one decision per (op, fmt); store them in place of
+    the stored decisions of the (op, fmt) timed, keeping the others of `gpu_model`'s table."""
     out = out or sys.stdout
     rows = "{:14s} {:11s} {:>22s} {:>10s} {:>10s} {:>8s}  {}"
     print(f"GPU: {gpu_model}", file=out)
@@ -305,7 +308,10 @@ def run(problems: Sequence[tuple[str, str, tuple]], gpu_model: str, *, timer: Ti
     print("decisions (None from now on):", file=out)
     for d in decisions:
         print(f"  {d.op} {d.fmt}: {_decision_text(d)}", file=out)
-    path = tuning.store(gpu_model, decisions)
+    kept = [d for d in tuning.load(gpu_model) if (d.op, d.fmt) not in measured]  # what this run did not time
+    for d in kept:
+        print(f"  {d.op} {d.fmt}: {_decision_text(d)} (stored earlier, not timed now)", file=out)
+    path = tuning.store(gpu_model, kept + decisions)
     print(f"stored in {path}", file=out)
     return decisions
 
@@ -369,11 +375,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, *, timer: Timer = measure) -> int:
-    """Exit status 0 after storing decisions (or resetting), 2 where no CUDA GPU is visible."""
+    """Exit status 0 after storing decisions (or resetting), 2 where no CUDA GPU (or GPUs of several models) is
+    visible."""
     args = _parser().parse_args(argv)
     from jax_blockgemm import dispatch
 
     gpu_model = dispatch.local_gpu_model()
+    if args.reset and gpu_model is None:  # tuning.reset(None) would delete every GPU model's table
+        print("no CUDA GPU visible (or GPUs of several models): no GPU model's table to reset; the tables are in "
+              f"{tuning.table_path('gpu').parent} (one file per GPU model)")
+        return 2
     if args.reset:
         deleted = tuning.reset(gpu_model)
         print("deleted: " + (", ".join(map(str, deleted)) or "nothing"))

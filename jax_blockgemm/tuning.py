@@ -6,7 +6,8 @@ kernel, from this problem size on" for an operation and format (for the decode k
 this M"), or, where two kernels of ours could serve, which of them (the swap_ab kernel or the other, from a size or a
 number of rows on); everything it does not name follows `arch.TABLE`,
 and a kernel of a never-run architecture still passes its first-use self-check before any use. Set
-`JAX_BLOCKGEMM_IGNORE_TUNING=1` to ignore the tables; `python -m jax_blockgemm.tune --reset` deletes them.
+`JAX_BLOCKGEMM_IGNORE_TUNING=1` to ignore the tables; `python -m jax_blockgemm.tune --reset` deletes the
+local GPU model's table (a run of `tune` replaces the decisions it times and keeps the others).
 """
 
 from __future__ import annotations

@@ -226,6 +226,34 @@ class TuneCommandTest(absltest.TestCase):
         self.assertIsNone(tuning.takes_kernel(H200, "gemm_amax", "mxfp8_e4m3", 256 ** 3))
 
 
+    def test_a_run_of_some_ops_keeps_the_stored_decisions_of_the_others(self):
+        timer = lambda op, fmt, shape: ((1.0, 2.0), "")  # our kernel twice as fast everywhere
+        with mock.patch.object(dispatch, "local_gpu_model", return_value=H200), \
+                mock.patch("sys.stdout", new_callable=io.StringIO) as out:
+            self.assertEqual(tune.main(["--op", "gemm_amax", "--format", "mxfp4", "--format", "nvfp4"], timer=timer), 0)
+            self.assertEqual(tune.main(["--op", "proj_rope", "--format", "bf16"], timer=timer), 0)
+            self.assertIn("gemm_amax mxfp4: our kernel from size", out.getvalue().split("stored in")[1])
+            timer = lambda op, fmt, shape: ((2.0, 1.0), "")  # now slower: gemm_amax mxfp4 timed again
+            self.assertEqual(tune.main(["--op", "gemm_amax", "--format", "mxfp4"], timer=timer), 0)
+        decisions = {(d.op, d.fmt): d.choice for d in tuning.load(H200)}
+        self.assertEqual(decisions, {("gemm_amax", "mxfp4"): tuning.DEFAULT, ("gemm_amax", "nvfp4"): tuning.KERNEL,
+                                     ("proj_rope", "bf16"): tuning.KERNEL})
+
+    def test_reset_deletes_the_local_gpu_models_table_only_and_nothing_without_a_gpu(self):
+        for model in (H200, "NVIDIA B200"):
+            tuning.store(model, [tuning.Decision("gemm_amax", "mxfp4", tuning.KERNEL)])
+        with mock.patch.object(dispatch, "local_gpu_model", return_value=None), \
+                mock.patch("sys.stdout", new_callable=io.StringIO) as out:
+            self.assertEqual(tune.main(["--reset"]), 2)
+        self.assertIn("no GPU model's table to reset", out.getvalue())
+        self.assertTrue(tuning.table_path(H200).is_file() and tuning.table_path("NVIDIA B200").is_file())
+        with mock.patch.object(dispatch, "local_gpu_model", return_value=H200), \
+                mock.patch("sys.stdout", new_callable=io.StringIO):
+            self.assertEqual(tune.main(["--reset"]), 0)
+        self.assertFalse(tuning.table_path(H200).exists())
+        self.assertTrue(tuning.table_path("NVIDIA B200").is_file())
+        self.assertIn("delete this GPU model's stored decisions", tune._parser().format_help())
+
 
 class ProgramsTest(absltest.TestCase):
 
