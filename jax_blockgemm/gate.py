@@ -142,6 +142,22 @@ def local_device(target: str) -> Any | None:
     return next((d for d in devices if arch.target_of(str(getattr(d, "compute_capability", ""))) == target), None)
 
 
+def local_models(target: str) -> list[Any]:
+    """One visible CUDA device of each GPU model whose compute capability runs our `target` objects (a host may mix
+    models of one target, an H100 beside an H200: each needs its own verdict)."""
+    import jax
+
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return []
+    models: dict[str, Any] = {}
+    for d in devices:
+        if arch.target_of(str(getattr(d, "compute_capability", ""))) == target:
+            models.setdefault(str(getattr(d, "device_kind", d)), d)
+    return list(models.values())
+
+
 def physical_gpu(device: Any) -> str:
     """The CUDA_VISIBLE_DEVICES entry that names `device` for a child process (the parent's own mapping applied)."""
     index = int(getattr(device, "local_hardware_id", None) or 0)

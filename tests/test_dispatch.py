@@ -2,6 +2,7 @@
 
 import os
 import tempfile
+import types
 from unittest import mock
 
 import jax
@@ -569,6 +570,24 @@ class DecodeDispatchTest(parameterized.TestCase):
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)), \
                 mock.patch.object(gate, "ensure_verified", side_effect=failed):
             self.assertRegex(_decode(8).reason, "first-use self-check failed: weight_stream.sm_100a.*C differs")
+
+    def test_each_local_gpu_model_checks_the_kernel(self):
+        """A host with two GPU models of one architecture: the kernel is checked on each (it was checked on the
+        first only, and the other ran it without a verdict of its own), and a failure on either leaves it."""
+        from jax_blockgemm import gate
+
+        models = [types.SimpleNamespace(device_kind="NVIDIA B200"), types.SimpleNamespace(device_kind="NVIDIA B300")]
+        seen = []
+
+        def verdict(v, device):
+            seen.append(device.device_kind)
+            return gate.Verdict(v.key, device.device_kind, "x", device.device_kind == "NVIDIA B200", "C differs")
+
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0", "10.0")), \
+                mock.patch.object(gate, "local_models", return_value=models), \
+                mock.patch.object(gate, "ensure_verified", side_effect=verdict):
+            self.assertRegex(_decode(8).reason, "self-check failed: weight_stream.sm_100a.* on NVIDIA B300: C differs")
+        self.assertEqual(seen, ["NVIDIA B200", "NVIDIA B300"])
 
     def test_forced_variants(self):
         """The self-check's forced variants: a weight_stream one is what a decode-sized 'cutedsl' call runs; a
