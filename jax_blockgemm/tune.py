@@ -381,9 +381,9 @@ def main(argv: Sequence[str] | None = None, *, timer: Timer = measure) -> int:
     from jax_blockgemm import dispatch
 
     gpu_model = dispatch.local_gpu_model()
-    if args.reset and gpu_model is None:  # tuning.reset(None) would delete every GPU model's table
+    if args.reset and gpu_model is None:  # a table belongs to one GPU model: which one is not known here
         print("no CUDA GPU visible (or GPUs of several models): no GPU model's table to reset; the tables are in "
-              f"{tuning.table_path('gpu').parent} (one file per GPU model)")
+              f"{tuning.directory()} (one file per GPU model)")
         return 2
     if args.reset:
         deleted = tuning.reset(gpu_model)

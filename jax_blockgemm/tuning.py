@@ -52,10 +52,15 @@ class Decision:
     max_m: int = 0  # with KERNEL and DECODE_OP or SWAP_AB_DECODE_OP: the largest M it applies to
 
 
+def directory() -> pathlib.Path:
+    """Where the decision tables are kept, one file per GPU model: tuning/ in the kernel cache directory."""
+    return kernel_cache.default_cache_dir() / "tuning"
+
+
 def table_path(gpu_model: str) -> pathlib.Path:
     """Where the decisions for `gpu_model` (jax.Device.device_kind, e.g. "NVIDIA H200") are kept."""
     slug = re.sub(r"[^0-9A-Za-z]+", "-", gpu_model).strip("-") or "gpu"
-    return kernel_cache.default_cache_dir() / "tuning" / f"{slug}.json"
+    return directory() / f"{slug}.json"
 
 
 def store(gpu_model: str, decisions: Sequence[Decision], *, environment: Optional[dict] = None) -> pathlib.Path:
@@ -71,11 +76,9 @@ def store(gpu_model: str, decisions: Sequence[Decision], *, environment: Optiona
     return path
 
 
-def reset(gpu_model: Optional[str] = None) -> list[pathlib.Path]:
-    """Delete the table of `gpu_model`, or every table when None; returns what was deleted."""
-    directory = kernel_cache.default_cache_dir() / "tuning"
-    paths = [table_path(gpu_model)] if gpu_model else sorted(directory.glob("*.json"))
-    deleted = [p for p in paths if p.is_file()]
+def reset(gpu_model: str) -> list[pathlib.Path]:
+    """Delete the table of `gpu_model`; returns what was deleted (nothing where it had none)."""
+    deleted = [p for p in (table_path(gpu_model),) if p.is_file()]
     for p in deleted:
         p.unlink()
     _load.cache_clear()
