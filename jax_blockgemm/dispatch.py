@@ -581,9 +581,9 @@ def _failed_self_checks(variants: Sequence[Any]) -> str:
         if v.arch in local_targets and not arch.is_verified(v.arch, v.schedule):
             from jax_blockgemm import gate  # lazy: it reads and writes the verdict store on disk
 
-            # each local GPU model that would run it (the first GPU of its arch where none is listed)
+            # each local GPU model that would run it (None: the gate's own choice, where no device is listed)
             for device in gate.local_models(v.arch) or [None]:
-                verdict = gate.ensure_verified(v) if device is None else gate.ensure_verified(v, device=device)
+                verdict = gate.ensure_verified(v, device=device)
                 if not verdict.ok:
                     failures.append(f"{v.key} on {verdict.device}: {verdict.detail}")
     return "; ".join(failures)

@@ -133,13 +133,12 @@ def store(path: pathlib.Path, verdict: Verdict) -> None:
 
 def local_device(target: str) -> Any | None:
     """The first visible CUDA device whose compute capability runs our `target` objects, or None."""
-    import jax
+    return next(iter(local_models(target)), None)
 
-    try:
-        devices = jax.devices("cuda")
-    except RuntimeError:
-        return None
-    return next((d for d in devices if arch.target_of(str(getattr(d, "compute_capability", ""))) == target), None)
+
+def model_name(device: Any) -> str:
+    """A device's GPU model (jax.Device.device_kind, e.g. "NVIDIA H200"): what a verdict is kept per."""
+    return str(getattr(device, "device_kind", device))
 
 
 def local_models(target: str) -> list[Any]:
@@ -154,7 +153,7 @@ def local_models(target: str) -> list[Any]:
     models: dict[str, Any] = {}
     for d in devices:
         if arch.target_of(str(getattr(d, "compute_capability", ""))) == target:
-            models.setdefault(str(getattr(d, "device_kind", d)), d)
+            models.setdefault(model_name(d), d)
     return list(models.values())
 
 
@@ -228,8 +227,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _pid_alive(pid: int) -> bool:
-    if type(pid) is not int or not 0 < pid <= _PID_MAX:  # os.kill(0 or -1, ...) would signal a whole group
+def _is_pid(x: Any) -> bool:
+    """Whether `x` can name one process: a positive int of C size (os.kill(0 or -1, ...) would signal a group)."""
+    return type(x) is int and 0 < x <= _PID_MAX
+
+
+def _pid_alive(pid: Any) -> bool:
+    if not _is_pid(pid):
         return False
     try:
         os.kill(pid, 0)
@@ -251,11 +255,11 @@ def _earlier_attempt(path: pathlib.Path, limit: float) -> Optional[str]:
         except (OSError, ValueError):
             return None
         record = record if isinstance(record, dict) else {}
-        pid = record.get("pid")  # anything but a positive int is a garbled record: no process runs it
-        pid = pid if type(pid) is int and 0 < pid <= _PID_MAX else "?"
+        pid = record.get("pid")
+        pid = pid if _is_pid(pid) else "?"  # a garbled record: no process runs it (and none is alive)
         if _exists(path):
             return None
-        if pid == "?" or pid == os.getpid() or not _pid_alive(pid) or time.monotonic() > deadline:
+        if pid == os.getpid() or not _pid_alive(pid) or time.monotonic() > deadline:
             return (f"an earlier check (process {pid}, started {record.get('when', '?')}) never finished: the "
                     "kernel may have hung or crashed that process")
         time.sleep(0.5)
@@ -263,8 +267,7 @@ def _earlier_attempt(path: pathlib.Path, limit: float) -> Optional[str]:
 
 def identity(variant: Any, device: Any) -> tuple[str, str, str]:
     """(kernel key, GPU model, SHA-256 of the kernel object): what a verdict is kept under."""
-    name = str(getattr(device, "device_kind", device))
-    return variant.key, name, hashlib.sha256(kernel_cache.get_object(variant)).hexdigest()
+    return variant.key, model_name(device), hashlib.sha256(kernel_cache.get_object(variant)).hexdigest()
 
 
 def check(variant: Any, *, device: Any = None, force: bool = False,

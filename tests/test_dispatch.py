@@ -539,7 +539,7 @@ class DecodeDispatchTest(parameterized.TestCase):
                 mock.patch.object(dispatch, "local_gpu_model", return_value="NVIDIA H200"):
             self.assertEqual(_decode(8, implementation=None).variants, ())
             self.assertLen(_decode(8, implementation=None, fmt="mxfp4").variants, 1)  # no decision: arch.TABLE
-        ok = lambda v: gate.Verdict(v.key, "NVIDIA B200", "x", True, "ok")
+        ok = lambda v, device=None: gate.Verdict(v.key, "NVIDIA B200", "x", True, "ok")
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)), \
                 mock.patch.object(dispatch, "local_gpu_model", return_value="NVIDIA B200"), \
                 mock.patch.object(gate, "ensure_verified", side_effect=ok) as checked:
@@ -566,7 +566,7 @@ class DecodeDispatchTest(parameterized.TestCase):
     def test_a_failed_self_check_leaves_the_decode_kernel(self):
         from jax_blockgemm import gate
 
-        failed = lambda v: gate.Verdict(v.key, "NVIDIA B200", "x", False, "C differs")
+        failed = lambda v, device=None: gate.Verdict(v.key, "NVIDIA B200", "x", False, "C differs")
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)), \
                 mock.patch.object(gate, "ensure_verified", side_effect=failed):
             self.assertRegex(_decode(8).reason, "first-use self-check failed: weight_stream.sm_100a.*C differs")

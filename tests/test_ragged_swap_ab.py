@@ -331,7 +331,7 @@ class HandlerTest(parameterized.TestCase):
 
 def _verdict(ok: bool):
     """A stand-in for the first-use self-check's verdict (the gate runs it in a child process on a GPU)."""
-    return lambda v: gate.Verdict(key=v.key, device="NVIDIA H200", object_sha="0" * 64, ok=ok,
+    return lambda v, device=None: gate.Verdict(key=v.key, device="NVIDIA H200", object_sha="0" * 64, ok=ok,
                                   detail="" if ok else "hung: killed after 120 s")
 
 
@@ -446,7 +446,7 @@ class DispatchTest(absltest.TestCase):
                 mock.patch.object(gate, "ensure_verified", side_effect=_verdict(True)):
             text = lowering_cases._lowered(t=300, g=5, n=72, k=512)
             # both swap_ab objects unverified, the ragged kernel's self-check passing and the dequantize one's not
-            only_ragged = lambda v: _verdict(v.op == "ragged")(v)
+            only_ragged = lambda v, device=None: _verdict(v.op == "ragged")(v)
             with arch.overridden("9.0", unverified_schedules=(catalog.SWAP_AB,)), \
                     mock.patch.object(gate, "ensure_verified", side_effect=only_ragged):
                 fallback = lowering_cases._lowered(t=300, g=5, n=72, k=512)

@@ -347,7 +347,7 @@ class RaggedTuningTest(absltest.TestCase):
             return dispatch.ragged_kernels(avals, c_dtype=np.dtype(jnp.bfloat16), sf_vec_size=32, k=k,
                                            implementation=None)
 
-        ok = lambda v: gate.Verdict(v.key, "NVIDIA B200", "x", True, "ok")
+        ok = lambda v, device=None: gate.Verdict(v.key, "NVIDIA B200", "x", True, "ok")
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)), \
                 mock.patch.object(dispatch, "local_gpu_model", return_value="NVIDIA B200"), \
                 mock.patch.object(gate, "ensure_verified", side_effect=ok) as checked:

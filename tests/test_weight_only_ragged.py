@@ -202,7 +202,7 @@ class WeightOnlyRaggedShardingTest(parameterized.TestCase):
         np.testing.assert_array_equal(np.asarray(f(put(x, x_spec), sharded, sizes)), np.asarray(want))
 
 
-def _verdict(v):
+def _verdict(v, device=None):
     return gate.Verdict(key=v.key, device="NVIDIA H200", object_sha="0" * 64, ok=True, detail="")
 
 
