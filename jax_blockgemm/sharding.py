@@ -38,8 +38,8 @@ the atoms' M', T to out_scales_col's T/32) only when the coarse count is a multi
 The rules read NamedShardings (a mesh); shardings on Shardy sub-axes cannot be decoded by custom_partitioning.
 One such case comes from the API itself: compact scales sharded on rows finer than a 128-row atom (256 rows over 8
 devices) reach the op as atoms sharded on sub-axes (the reshape splits the axis over M' and an atom's inner 4), and
-compilation fails (IndivisibleError); listing the atoms' factors among the rule's need_replication factors did not
-prevent it (tried on jax 0.10.2). Replicated scales, or whole atoms per shard, work.
+compilation fails (IndivisibleError); listing the atoms' factors among the rule's need_replication factors does not
+prevent it (jax 0.10.2). Replicated scales, or whole atoms per shard, work.
 Inside a shard_map that leaves some mesh axes automatic, JAX gives the rules no mesh, so they gather (correct,
 not per shard): make every axis manual there, or call the op outside the shard_map.
 """

@@ -932,7 +932,8 @@ class GateChildProcessTest(absltest.TestCase):
             self.assertEqual(self._run(write % value)[0], False, value)
 
     def test_an_interrupted_wait_kills_the_child_group_and_raises_again(self):
-        """Ctrl-C in the parent while its check runs: the child (in its own session) must not outlive the wait."""
+        """Ctrl-C in the parent while its check runs: the child (in its own process group) must not outlive the
+        wait."""
         with tempfile.TemporaryDirectory() as tmp:
             pidfile = os.path.join(tmp, "child")
 
