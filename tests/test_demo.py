@@ -1,5 +1,7 @@
 """The demo (`python -m jax_blockgemm`) in a fresh process: its table, and that it runs without the benchmark."""
 
+import contextlib
+import io
 import re
 import subprocess
 import sys
@@ -54,6 +56,22 @@ class DemoTest(absltest.TestCase):
         if jax.default_backend() == "cpu":  # no kernels on a CPU: the reference answers, bit for bit
             self.assertEqual([row[1] for row in rows[2:]], ["reference (no kernel here)"] * 3)
             self.assertEqual(float(gemm_check[1]), 0.0)
+
+
+class ArgumentsTest(absltest.TestCase):
+
+    def test_refused_sizes_are_usage_errors(self):
+        """A size below 1, or one the operations refuse (K not a multiple of 16), ends in a usage error naming it
+        (exit status 2), not a traceback."""
+        from jax_blockgemm import __main__ as demo
+
+        for argv, message in ((["--m", "0"], "argument --m: expected an integer >= 1; got '0'"),
+                              (["--k", "33"], "K=33 must be a multiple of 16")):
+            with self.subTest(argv=argv), contextlib.redirect_stderr(io.StringIO()) as err, \
+                    self.assertRaises(SystemExit) as raised:
+                demo.main(argv)
+            self.assertEqual(raised.exception.code, 2)
+            self.assertIn(message, err.getvalue())
 
 
 if __name__ == "__main__":

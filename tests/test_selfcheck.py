@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import warnings
 from unittest import mock
 
@@ -425,6 +426,16 @@ class VerdictCacheTest(absltest.TestCase):
         self.assertFalse(gate.check(_SM100, device=FakeDevice(), run=self._run("")).ok)  # stored
         self.assertTrue(gate.check(_SM100, device=FakeDevice(), run=self._run(""), force=True).ok)
         self.assertFalse(path.with_suffix(".attempt").exists())
+
+    def test_local_models_lists_one_device_per_gpu_model_of_the_target(self):
+        """Two B200s, a B300 (another model, the same target) and an H200: the B200 and B300 first devices; the
+        first of them is local_device's."""
+        devs = [types.SimpleNamespace(device_kind=kind, compute_capability=cc, id=i) for i, (kind, cc) in enumerate(
+            [("NVIDIA H200", "9.0"), ("NVIDIA B200", "10.0"), ("NVIDIA B200", "10.0"), ("NVIDIA B300", "10.0")])]
+        with mock.patch("jax.devices", return_value=devs):
+            self.assertEqual([d.id for d in gate.local_models("sm_100a")], [1, 3])
+            self.assertEqual(gate.local_device("sm_100a").id, 1)
+            self.assertEqual([d.id for d in gate.local_models("sm_90a")], [0])
 
     def test_a_garbled_attempted_record_is_no_running_check(self):
         """An attempted record whose pid is no positive int names no process that runs the check: a stored FAIL at

@@ -5,6 +5,8 @@ over tp), every proj_rope runs on its device's heads, and its losses follow the 
 gemm_amax rule these rest on: K sharded in whole scale atoms runs per shard and sums the partial products.
 """
 
+import contextlib
+import io
 import os
 import re
 
@@ -108,6 +110,16 @@ class ShardedStepLossTest(absltest.TestCase):
                 state, loss = compiled(state, built.put(x), built.put(target))
                 losses.append(float(loss))
             cls.losses[name] = np.array(losses)
+
+    def test_bad_mesh_arguments_are_usage_errors(self):
+        """--fsdp 0 and a mesh larger than the devices end in usage errors (exit status 2), not tracebacks."""
+        for argv, message in ((["--small", "--fsdp", "0"], "argument --fsdp: expected an integer >= 1"),
+                              (["--small", "--fsdp", "3", "--tp", "3"], "a 3x3 mesh needs 9 devices")):
+            with self.subTest(argv=argv), contextlib.redirect_stderr(io.StringIO()) as err, \
+                    self.assertRaises(SystemExit) as raised:
+                ss.main(argv)
+            self.assertEqual(raised.exception.code, 2)
+            self.assertIn(message, err.getvalue())
 
     def test_losses_follow_the_unsharded_step(self):
         """Same seed, same batches, same MXFP8 recipe on one device and on the 2x4 mesh. The operands quantize
