@@ -255,6 +255,13 @@ def weight_only_reference(x: jax.Array, codes: jax.Array, scales: jax.Array, alp
     return _product(x, w_hat, alpha, out_dtype, batched=True)
 
 
+def constant_weight_error(op: str) -> ValueError:
+    """What differentiating a weight-only product with respect to its quantized weight raises (at trace time)."""
+    return ValueError(f"{op} is differentiable with respect to x only: the quantized weight is a constant (its codes "
+                      "and scales have no gradient). Differentiate with respect to x, or train the float weight "
+                      "(e.g. with mx_dot_general) and quantize it afterwards.")
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
 def matmul(x: jax.Array, w: QuantizedWeight, out_dtype: np.dtype, implementation: Optional[str]) -> jax.Array:
     """y (..., N) = x (..., K) · Ŵᵀ on checked inputs (`check_call`): x's leading axes become M, one bind."""
@@ -271,9 +278,7 @@ def _matmul_jvp(out_dtype, implementation, primals, tangents):
     x, w = primals
     x_dot, w_dot = tangents
     if any(not isinstance(t, SymbolicZero) for t in jax.tree.leaves(w_dot)):
-        raise ValueError("weight_only_matmul is differentiable with respect to x only: the quantized weight is a "
-                         "constant (its codes and scales have no gradient). Differentiate with respect to x, or "
-                         "train the float weight (e.g. with mx_dot_general) and quantize it afterwards.")
+        raise constant_weight_error("weight_only_matmul")
     y = matmul(x, w, out_dtype, implementation)
     if isinstance(x_dot, SymbolicZero):
         return y, jnp.zeros_like(y)

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from jax_blockgemm import formats, ragged, reference, support, weight_only
 
@@ -60,6 +61,11 @@ def matmul(x: jax.Array, w: weight_only.QuantizedWeight, group_sizes: jax.Array,
 
 
 def _matmul_fwd(x, w, group_sizes, out_dtype, implementation):
+    """Refuses a gradient with respect to the weight at trace time (its leaves arrive marked perturbed or not)."""
+    is_primal = lambda leaf: isinstance(leaf, CustomVJPPrimal)
+    if any(leaf.perturbed for leaf in jax.tree.leaves(w, is_leaf=is_primal)):
+        raise weight_only.constant_weight_error("weight_only_ragged_matmul")
+    x, w, group_sizes = jax.tree.map(lambda leaf: leaf.value, (x, w, group_sizes), is_leaf=is_primal)
     # x's dtype travels as an empty array of it (residuals are arrays)
     return _bind(x, w, group_sizes, out_dtype, implementation), (jnp.zeros((0,), x.dtype), w, group_sizes)
 
@@ -69,6 +75,8 @@ def _matmul_bwd(out_dtype, implementation, residuals, dy):
     the float32 reference's grouped dot for float32 ones (never TF32); zero on rows of no group."""
     x_like, w, group_sizes = residuals
     x_dtype = x_like.dtype
+    if isinstance(dy, SymbolicZero):
+        return jnp.zeros((dy.shape[0], w.shape[2]), x_dtype), None, None
     g, _, k = w.shape
     codes, scales, alpha = weight_only.canonical_weight(w)
     w_hat = reference.dequantize_bf16(formats.unpacked_codes(codes[0], k), scales[0], block=w.block_format.block,
@@ -85,4 +93,4 @@ def _matmul_bwd(out_dtype, implementation, residuals, dy):
     return (dx * factors[:, None]).astype(x_dtype), None, None
 
 
-matmul.defvjp(_matmul_fwd, _matmul_bwd)
+matmul.defvjp(_matmul_fwd, _matmul_bwd, symbolic_zeros=True)
