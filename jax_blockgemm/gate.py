@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import pathlib
 import re
@@ -65,8 +66,8 @@ def timeout_s() -> float:
         value = float(raw) if raw else DEFAULT_TIMEOUT_S
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    if not 0 < value < math.inf:  # an endless limit would let a hung kernel hang the user's process
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive, finite number of seconds")
     return value
 
 

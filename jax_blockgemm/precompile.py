@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Sequence
 
-from jax_blockgemm import arch, kernel_cache
+from jax_blockgemm import arch, kernel_cache, support
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="target to compile for (repeatable)")
     p.add_argument("--variant", action="append", default=[], metavar="KEY",
                    help="only this catalog key (repeatable); see --list")
-    p.add_argument("--jobs", type=int, default=1, metavar="N", help="compile in N processes at once (default 1)")
+    p.add_argument("--jobs", type=support.count_arg(), default=1, metavar="N",
+                   help="compile in N processes at once (default 1)")
     p.add_argument("--list", action="store_true", help="list the selected variants and their cache state; compile "
                                                        "nothing")
     p.add_argument("--report", action="store_true", help="compile the selected sm_100a variants and print their "

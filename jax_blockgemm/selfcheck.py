@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jax_blockgemm import gate
+from jax_blockgemm import arch, gate
 from jax_blockgemm.kernels import sm100
 # (L, M, N, K): M and N not multiples of the tile (N stays a multiple of 8: 16-byte C rows), K not a multiple
 # of the 128-wide k-tile, L = 2, several tiles.
@@ -767,7 +767,8 @@ def _child(key: str, result: pathlib.Path) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jax_blockgemm.selfcheck", description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", action="append", default=[], help="only kernels of this target (repeatable)")
+    p.add_argument("--arch", action="append", default=[], choices=arch.targets(),
+                   help="only kernels of this target (repeatable)")
     p.add_argument("--variant", action="append", default=[], metavar="KEY", help="only this key (repeatable)")
     p.add_argument("--force", action="store_true", help="run again even where a verdict is stored")
     p.add_argument("--child", metavar="KEY", help=argparse.SUPPRESS)  # the gate's child process
@@ -787,6 +788,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # This process only enumerates GPUs and compiles objects; its children run the kernels and need the memory.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     candidates = known_variants()
+    unknown = sorted(set(args.variant) - {v.key for v in candidates})
+    if unknown:
+        print(f"unknown kernel key(s): {', '.join(unknown)}; `python -m jax_blockgemm.precompile --list` lists them",
+              file=sys.stderr)
+        return 2
     chosen = [v for v in candidates if (not args.arch or v.arch in args.arch)
               and (not args.variant or v.key in args.variant)]
     runnable = [v for v in chosen if gate.local_device(v.arch) is not None]

@@ -361,15 +361,29 @@ def problems(ops: Sequence[str], fmts: Sequence[str], shapes: Sequence[tuple]) -
     return out
 
 
+def _shape_arg(text: str) -> tuple[int, int, int]:
+    """--shape M,N,K: the benchmark's rule (its columns are what tune times)."""
+    from jax_blockgemm.bench.cli import parse_shape
+
+    return parse_shape(text)
+
+
+def _reps_arg(text: str) -> int:
+    """--reps: a positive number of timed samples."""
+    from jax_blockgemm import support
+
+    return support.count_arg()(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jax_blockgemm.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--op", action="append", choices=OPS, help="repeatable; default: all of them")
     p.add_argument("--format", action="append", choices=GEMM_FORMATS + PROJ_ROPE_FORMATS,
                    help="repeatable; default: every format")
-    p.add_argument("--shape", action="append", default=[], type=lambda s: tuple(int(v) for v in s.split(",")),
+    p.add_argument("--shape", action="append", default=[], type=_shape_arg,
                    metavar="M,N,K", help="gemm_amax (and, with M <= 64, decode) shapes to time (repeatable; default: "
                                          "the benchmark's)")
-    p.add_argument("--reps", type=int, default=20, help="timed samples per column (default 20)")
+    p.add_argument("--reps", type=_reps_arg, default=20, help="timed samples per column (default 20)")
     p.add_argument("--reset", action="store_true", help="delete this GPU model's stored decisions and exit")
     return p
 

@@ -137,9 +137,21 @@ def load(gpu_model: str) -> tuple[Decision, ...]:
     return _load(gpu_model, str(kernel_cache.default_cache_dir()))
 
 
+def tables_ignored() -> bool:
+    """$JAX_BLOCKGEMM_IGNORE_TUNING as a switch: 1/true/yes/on ignore the stored tables, unset/empty/0/false/no/off
+    use them; anything else is refused rather than guessed."""
+    raw = os.environ.get(IGNORE_ENV, "").strip()
+    if raw.lower() in ("", "0", "false", "no", "off"):
+        return False
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{IGNORE_ENV}={raw!r}: expected 1, true, yes or on (ignore the tuning tables) or 0, false, no, "
+                     "off or nothing (use them).")
+
+
 def _decision(gpu_model: Optional[str], op: str, fmt: str) -> Optional[Decision]:
     """The measured decision of `gpu_model` for (op, fmt); None where there is none or tables are ignored."""
-    if not gpu_model or os.environ.get(IGNORE_ENV, "").strip() not in ("", "0"):
+    if not gpu_model or tables_ignored():
         return None
     return next((d for d in load(gpu_model) if (d.op, d.fmt) == (op, fmt)), None)
 

@@ -165,6 +165,14 @@ class ObjectCacheTest(absltest.TestCase):
             if rc:
                 self.assertIn("cannot be written", "".join(c.args[0] for c in err.write.call_args_list))
 
+    def test_precompile_refuses_a_job_count_below_one(self):
+        for jobs in ("0", "-2", "two"):
+            with mock.patch.object(precompile, "select") as select, mock.patch("sys.stderr"), \
+                    self.assertRaises(SystemExit) as stop:
+                precompile.main(["--jobs", jobs])
+            self.assertEqual(stop.exception.code, 2)
+            select.assert_not_called()
+
     def test_no_temporary_files_left(self):
         cache = _cache(self.dir, self.compiler)
         for i in range(3):

@@ -809,6 +809,16 @@ class CliTest(absltest.TestCase):
             self.assertEqual(selfcheck.main(["--arch", "sm_100a"]), 2)
         self.assertIn("no local GPU", "".join(str(c.args[0]) for c in out.write.call_args_list))
 
+    def test_unknown_targets_and_keys_are_refused(self):
+        with mock.patch("sys.stderr"), self.assertRaises(SystemExit) as stop:
+            selfcheck.main(["--arch", "sm_91"])
+        self.assertEqual(stop.exception.code, 2)
+        key = catalog.variants_for("sm_90a")[0].key
+        with mock.patch.object(gate, "check") as check, mock.patch("sys.stderr") as err:
+            self.assertEqual(selfcheck.main(["--variant", key, "--variant", key + ".typo"]), 2)
+        check.assert_not_called()
+        self.assertIn(key + ".typo", "".join(str(c.args[0]) for c in err.write.call_args_list))
+
     def test_one_row_per_kernel_and_the_exit_status_expects_broken_kernels_to_fail(self):
         """Every sm_90a kernel (gemm_amax, proj_rope and dequantize alike) gets its row; broken ones must FAIL."""
         self.enter_context(mock.patch.dict(os.environ, {gate.EXTRA_VARIANTS_ENV: "broken_kernels"}))
@@ -988,8 +998,10 @@ class GateChildProcessTest(absltest.TestCase):
         self.assertEqual(gate.timeout_s(), gate.DEFAULT_TIMEOUT_S)
         with mock.patch.dict(os.environ, {gate.TIMEOUT_ENV: "7.5"}):
             self.assertEqual(gate.timeout_s(), 7.5)
-        with mock.patch.dict(os.environ, {gate.TIMEOUT_ENV: "-1"}), self.assertRaisesRegex(ValueError, "positive"):
-            gate.timeout_s()
+        for bad in ("-1", "0", "inf", "nan", "soon"):
+            with mock.patch.dict(os.environ, {gate.TIMEOUT_ENV: bad}), \
+                    self.assertRaisesRegex(ValueError, "positive, finite"):
+                gate.timeout_s()
 
 
 if __name__ == "__main__":

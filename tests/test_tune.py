@@ -73,8 +73,15 @@ class StoreTest(absltest.TestCase):
         self.assertFalse(tuning.takes_kernel(H200, "proj_rope", "bf16", 100))  # measured slower
         self.assertIsNone(tuning.takes_kernel(H200, "gemm_amax", "nvfp4", 100))  # not measured: arch.TABLE
         self.assertIsNone(tuning.takes_kernel("NVIDIA B200", "gemm_amax", "mxfp4", 100))  # another GPU model
-        with mock.patch.dict(os.environ, {tuning.IGNORE_ENV: "1"}):
-            self.assertIsNone(tuning.takes_kernel(H200, "gemm_amax", "mxfp4", 8))
+        for ignore in ("1", "true", "Yes", " on "):
+            with mock.patch.dict(os.environ, {tuning.IGNORE_ENV: ignore}):
+                self.assertIsNone(tuning.takes_kernel(H200, "gemm_amax", "mxfp4", 8), ignore)
+        for use in ("0", "false", "No", "off"):
+            with mock.patch.dict(os.environ, {tuning.IGNORE_ENV: use}):
+                self.assertTrue(tuning.takes_kernel(H200, "gemm_amax", "mxfp4", 8), use)
+        with mock.patch.dict(os.environ, {tuning.IGNORE_ENV: "maybe"}), \
+                self.assertRaisesRegex(ValueError, "JAX_BLOCKGEMM_IGNORE_TUNING='maybe': expected 1, true"):
+            tuning.takes_kernel(H200, "gemm_amax", "mxfp4", 8)
         self.assertEqual(tuning.load(H200)[0].measured, ((8, 1.0, 2.0),))
         self.assertEqual(tuning.reset(H200), [tuning.table_path(H200)])
         self.assertIsNone(tuning.takes_kernel(H200, "gemm_amax", "mxfp4", 8))
@@ -238,6 +245,14 @@ class TuneCommandTest(absltest.TestCase):
         decisions = {(d.op, d.fmt): d.choice for d in tuning.load(H200)}
         self.assertEqual(decisions, {("gemm_amax", "mxfp4"): tuning.DEFAULT, ("gemm_amax", "nvfp4"): tuning.KERNEL,
                                      ("proj_rope", "bf16"): tuning.KERNEL})
+
+    def test_bad_shapes_and_sample_counts_are_usage_errors(self):
+        """--shape takes the benchmark's M,N,K rule and --reps a positive count, refused before anything runs."""
+        for argv in (["--shape", "16,7168"], ["--shape", "0,7168,7168"], ["--shape", "16,7168,7000"],
+                     ["--reps", "0"], ["--reps", "x"]):
+            with mock.patch("sys.stderr"), self.assertRaises(SystemExit) as stop:
+                tune.main(argv)
+            self.assertEqual(stop.exception.code, 2, argv)
 
     def test_reset_deletes_the_local_gpu_models_table_only_and_nothing_without_a_gpu(self):
         for model in (H200, "NVIDIA B200"):
