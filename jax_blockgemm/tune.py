@@ -389,8 +389,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, *, timer: Timer = measure) -> int:
-    """Exit status 0 after storing decisions (or resetting), 2 where no CUDA GPU (or GPUs of several models) is
-    visible."""
+    """Exit status 0 after storing decisions (or resetting), 1 where they could not be stored (checked before
+    measuring), 2 where no CUDA GPU (or GPUs of several models) is visible."""
     args = _parser().parse_args(argv)
     from jax_blockgemm import dispatch
 
@@ -407,6 +407,10 @@ def main(argv: Sequence[str] | None = None, *, timer: Timer = measure) -> int:
         print("no CUDA GPU visible (or GPUs of several models): nothing to tune; implementation=None follows "
               "arch.TABLE")
         return 2
+    if not tuning.writable():  # minutes of measuring that could not be kept
+        print(f"cannot store decisions in {tuning.directory()}: set JAX_BLOCKGEMM_CACHE_DIR to a writable directory",
+              file=sys.stderr)
+        return 1
     todo = problems(args.op or OPS, args.format or GEMM_FORMATS + PROJ_ROPE_FORMATS,
                     args.shape)
     run(todo, gpu_model, timer=functools.partial(timer, reps=args.reps) if timer is measure else timer)

@@ -19,6 +19,7 @@ import logging
 import os
 import pathlib
 import re
+import tempfile
 import time
 from typing import Optional, Sequence
 
@@ -61,6 +62,16 @@ def table_path(gpu_model: str) -> pathlib.Path:
     """Where the decisions for `gpu_model` (jax.Device.device_kind, e.g. "NVIDIA H200") are kept."""
     slug = re.sub(r"[^0-9A-Za-z]+", "-", gpu_model).strip("-") or "gpu"
     return directory() / f"{slug}.json"
+
+
+def writable() -> bool:
+    """Whether a table can be stored (the directory made, a file written in it): tune asks before it measures."""
+    try:
+        directory().mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory(), prefix=".probe-"):
+            return True
+    except OSError:
+        return False
 
 
 def store(gpu_model: str, decisions: Sequence[Decision], *, environment: Optional[dict] = None) -> pathlib.Path:

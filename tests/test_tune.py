@@ -4,6 +4,7 @@ GPU, its timings and the lowering's device are faked; the decisions, the store a
 import io
 import json
 import os
+import pathlib
 import tempfile
 from unittest import mock
 
@@ -245,6 +246,17 @@ class TuneCommandTest(absltest.TestCase):
         decisions = {(d.op, d.fmt): d.choice for d in tuning.load(H200)}
         self.assertEqual(decisions, {("gemm_amax", "mxfp4"): tuning.DEFAULT, ("gemm_amax", "nvfp4"): tuning.KERNEL,
                                      ("proj_rope", "bf16"): tuning.KERNEL})
+
+    def test_an_unwritable_table_directory_stops_it_before_measuring(self):
+        blocker = pathlib.Path(os.environ["JAX_BLOCKGEMM_CACHE_DIR"]) / "file"
+        blocker.write_bytes(b"x")  # the tables' directory would lie under a regular file
+        timer = mock.Mock(return_value=((1.0, 2.0), ""))
+        with mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": str(blocker)}), \
+                mock.patch.object(dispatch, "local_gpu_model", return_value=H200), \
+                mock.patch("sys.stdout"), mock.patch("sys.stderr", new_callable=io.StringIO) as err:
+            self.assertEqual(tune.main(["--op", "gemm_amax", "--format", "mxfp4"], timer=timer), 1)
+        timer.assert_not_called()
+        self.assertIn("cannot store decisions", err.getvalue())
 
     def test_bad_shapes_and_sample_counts_are_usage_errors(self):
         """--shape takes the benchmark's M,N,K rule and --reps a positive count, refused before anything runs."""
