@@ -8,7 +8,8 @@ default, after which the whole group is killed), and stores what came of it. A w
 illegal address all end in the child and become a stored FAIL naming what happened; the user's process never
 launched the kernel, so it stays usable: None falls back to the reference and "cutedsl" raises. An attempted record
 with no verdict (the checking process itself was killed) also reads as FAIL: nothing retries it silently;
-`python -m jax_blockgemm.selfcheck --force` checks again.
+`python -m jax_blockgemm.selfcheck --force` checks again. The record names its machine: where the cache is shared
+between machines, another machine's record counts as a check still running until it is older than the timeout.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import pathlib
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -258,11 +260,19 @@ def _earlier_attempt(path: pathlib.Path, limit: float) -> Optional[str]:
         record = record if isinstance(record, dict) else {}
         pid = record.get("pid")
         pid = pid if _is_pid(pid) else "?"  # a garbled record: no process runs it (and none is alive)
+        host = record.get("host")
+        elsewhere = isinstance(host, str) and host != socket.gethostname()  # a cache shared between machines
         if _exists(path):
             return None
-        if pid == os.getpid() or not _pid_alive(pid) or time.monotonic() > deadline:
-            return (f"an earlier check (process {pid}, started {record.get('when', '?')}) never finished: the "
-                    "kernel may have hung or crashed that process")
+        if elsewhere:  # its process cannot be asked: running while younger than the limit
+            started = record.get("started")
+            running = type(started) in (int, float) and 0 <= time.time() - started < limit
+        else:
+            running = pid != os.getpid() and _pid_alive(pid)
+        if not running or time.monotonic() > deadline:
+            where = f" on {host}" if elsewhere else ""
+            return (f"an earlier check (process {pid}{where}, started {record.get('when', '?')}) never finished: "
+                    "the kernel may have hung or crashed that process")
         time.sleep(0.5)
 
 
@@ -296,7 +306,8 @@ def check(variant: Any, *, device: Any = None, force: bool = False,
             elif verdict is None:
                 verdict = load(path, ident)  # a concurrent process may have just finished the same check
         if verdict is None:
-            _write_json(_attempt_path(path), {"pid": os.getpid(), "key": variant.key})
+            _write_json(_attempt_path(path), {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+                                              "key": variant.key})
             try:
                 ok, detail = (run or _run_child)(variant, device)
             except Exception as e:  # noqa: BLE001 -- a check that cannot even start fails; the caller goes on

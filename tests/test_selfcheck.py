@@ -11,9 +11,11 @@ import dataclasses
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 import warnings
@@ -426,6 +428,45 @@ class VerdictCacheTest(absltest.TestCase):
         self.assertFalse(gate.check(_SM100, device=FakeDevice(), run=self._run("")).ok)  # stored
         self.assertTrue(gate.check(_SM100, device=FakeDevice(), run=self._run(""), force=True).ok)
         self.assertFalse(path.with_suffix(".attempt").exists())
+
+    def test_an_attempt_on_another_machine_is_waited_for_while_it_is_young(self):
+        """A cache shared between machines: another host's process ids mean nothing here, so its record counts as
+        running until it is older than the limit (then it fails the check), and a verdict it stores meanwhile is
+        taken; it never becomes a FAIL merely because that pid is not alive on this machine."""
+        ident = gate.identity(_SM100, FakeDevice())
+        path = gate.verdict_path(*ident)
+        path.parent.mkdir(parents=True)
+        attempt = path.with_suffix(".attempt")
+        record = lambda age: json.dumps({"pid": 999999999, "host": "another-host", "started": time.time() - age,
+                                         "when": "then", "key": ident[0]})
+        attempt.write_text(record(gate.timeout_s() + 60))  # older than the limit: that check never finished
+        v = gate.check(_SM100, device=FakeDevice(), run=self._run(""))
+        self.assertFalse(v.ok)
+        self.assertRegex(v.detail, r"process 999999999 on another-host, started then\) never finished")
+        gate._MEMORY.clear()
+        path.unlink()
+        attempt.write_text(record(1))  # running there now: its verdict arrives while this process waits
+        timer = threading.Timer(1.0, lambda: (gate.store(path, gate.Verdict(*ident, ok=True, detail="ok")),
+                                              attempt.unlink()))
+        timer.start()
+        try:
+            v = gate.check(_SM100, device=FakeDevice(), run=self._run("should not run"))
+        finally:
+            timer.join()
+        self.assertTrue(v.ok)
+        self.assertEqual(self.calls, [])
+
+    def test_the_attempted_record_names_this_machine(self):
+        seen = {}
+
+        def run(variant, device):
+            attempt = gate.verdict_path(*gate.identity(variant, device)).with_suffix(".attempt")
+            seen.update(json.loads(attempt.read_text()))
+            return True, ""
+
+        self.assertTrue(gate.check(_SM100, device=FakeDevice(), run=run).ok)
+        self.assertEqual((seen["host"], seen["pid"]), (socket.gethostname(), os.getpid()))
+        self.assertLess(abs(time.time() - seen["started"]), 60)
 
     def test_local_models_lists_one_device_per_gpu_model_of_the_target(self):
         """Two B200s, a B300 (another model, the same target) and an H200: the B200 and B300 first devices; the
