@@ -366,14 +366,21 @@ def ragged_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, k
         sf_dtype = catalog.NO_SCALES
     else:
         sf_dtype = catalog.E8M0 if np.dtype(scales.dtype) == np.uint8 else str(np.dtype(scales.dtype))
-    def tile_of(target: str) -> tuple[int, int]:  # the bf16 kernels take the table's tile, the others 128 x 128
-        return arch.policy(target).ragged_bf16_tile if sf_vec_size == 0 else (128, 128)
+    def tile_of(target: str, schedule: str) -> tuple[int, int]:
+        """The bf16 kernels take the table's tile; the swap_ab kernel, where all T tokens fit in one of its decode
+        tiles (MoE decode: a few tokens over many experts), the smallest that holds them (less zero fill, and
+        64-row weight tiles: twice the CTAs); the others 128 x 128."""
+        if sf_vec_size == 0:
+            return arch.policy(target).ragged_bf16_tile
+        if schedule == catalog.SWAP_AB:
+            return next((tile for tile in sorted(catalog.SWAP_AB_DECODE_TILES) if tile[0] >= t), (128, 128))
+        return (128, 128)
 
     def catalog_variants(schedule: str) -> list:
         return [v for v in (catalog.select_variant(op="ragged", arch=target, ab_dtype=ab_dtype,
                                                    c_dtype=str(np.dtype(c_dtype)), sf_vec_size=sf_vec_size,
-                                                   sf_dtype=sf_dtype, tile_mn=tile_of(target), cluster_mn=(1, 1),
-                                                   b_major=b_major, schedule=schedule)
+                                                   sf_dtype=sf_dtype, tile_mn=tile_of(target, schedule),
+                                                   cluster_mn=(1, 1), b_major=b_major, schedule=schedule)
                             for target in arch.targets()) if v is not None]
 
     fmt = format_key(ab_dtype, sf_dtype, sf_vec_size)

@@ -329,7 +329,9 @@ RAGGED_PROBLEMS = ((200, 160, 96, (40, 0, 1, 30, 100)), (300, 288, 160, (0, 300,
 # ... and for the swap_ab kernel's decode tiles (32 or 64 tokens: decode-sized calls as one group), those within the
 # tile: full tiles, rows of no group past a group, one token; N off the 64-row tile, K off the 256-column padding.
 RAGGED_DECODE_PROBLEMS = ((32, 160, 96, (32,)), (29, 288, 512, (20,)), (1, 224, 160, (1,)), (64, 136, 544, (64,)),
-                          (37, 200, 1024, (30,)))
+                          (37, 200, 1024, (30,)),
+                          # MoE decode: a few tokens over several experts (empty and one-token groups, rows of none)
+                          (32, 96, 256, (5, 0, 20, 7)), (29, 72, 512, (3, 1, 0, 12, 9)), (61, 160, 288, (30, 0, 1, 25)))
 
 
 def ragged_api_call(variant: Any, args: Sequence[Any], *, implementation: str = "cutedsl"

@@ -146,6 +146,35 @@ class GpuRaggedTest(parameterized.TestCase):
             start += size
         np.testing.assert_allclose(np.asarray(dx, np.float64), want, rtol=2**-8, atol=2**-8 * np.abs(want).max())
 
+    @parameterized.product(fmt=("mxfp8_e4m3", "mxfp4", "nvfp4"), c_dtype=("float32", "bfloat16"))
+    def test_few_tokens_on_the_decode_tiles(self, fmt, c_dtype):
+        """MoE decode: at most 64 tokens in all, over 16 experts, run the swap_ab kernel's decode tiles (32 or 64
+        tokens x 64 weight rows): empty and one-token groups, rows of no group, N off the 64-row tile, K past a
+        promotion group, a NaN block scale in one expert's weight row (that column of its group's rows only); and
+        weight-only on the same tiles."""
+        self.enterContext(arch.overridden("9.0", ragged_swap_ab_formats=("mxfp8_e4m3", "mxfp4", "nvfp4")))
+        rng = np.random.default_rng(hash((fmt, c_dtype, "decode tiles")) % 2**32)
+        g, n, k = 16, 200, 288
+        for t, tile in ((7, "t32x64"), (32, "t32x64"), (50, "t64x64")):
+            d = random_ragged_inputs(rng, t=t, g=g, n=n, k=k, fmt=fmt)
+            gs = np.zeros(g, np.int32)
+            gs[[1, 4, 9, 15]] = (1, t // 2, 0, t - t // 2 - 2)  # 2 rows of no group
+            bad = 4  # the expert of the t // 2 group
+            d["sfb"] = np.asarray(d["sfb"]).copy()
+            d["sfb"].view(np.uint8)[bad, 70, 2] = 0x7F if fmt == "nvfp4" else 0xFF
+            with self.subTest(t=t):
+                f = jax.jit(lambda gs: _call(d, gs, c_dtype=c_dtype, implementation="cutedsl"))
+                self.assertIn(f"_{tile}_c1x1_swap_ab", f.lower(gs).as_text())
+                c, amax = f(gs)
+                self._check(d, gs, c, amax, c_dtype=c_dtype)
+                self.assertTrue(np.isnan(np.asarray(c, np.float32)[1:1 + t // 2, 70]).all())
+                self.assertEqual(np.isnan(np.asarray(c, np.float32)).sum(), t // 2)
+            w = wor.random_experts(rng, g, n, k, fmt)
+            x = oracle_weight_only.random_x(rng, (t, k), jnp.bfloat16)
+            y = jax.jit(lambda x: jbg.weight_only_ragged_matmul(x, w, gs, out_dtype=jnp.dtype(c_dtype),
+                                                                implementation="cutedsl"))(x)
+            oracle_ops.assert_gemm_close(self, np.asarray(y), wor.oracle(x, w, gs), c_dtype=jnp.dtype(c_dtype))
+
     def test_weight_only_ragged_nan_alpha_stays_in_its_expert(self):
         """The kernel multiplies each item's sums by its own expert's alpha, and rows of no group stay zero even
         when expert 0's alpha (the one their items read) is NaN."""

@@ -377,6 +377,15 @@ class DispatchTest(absltest.TestCase):
             self.assertEqual({v.schedule for v in choice.variants}, {""}, kwargs)
             self.assertEqual(checked, [], kwargs)
 
+    def test_few_tokens_take_the_smallest_decode_tile_that_holds_them(self):
+        """MoE decode (all T tokens within 64, over many experts): every group fits a decode tile, so the swap_ab
+        kernel runs on the smallest that holds T; from 65 tokens on, the MoE tile."""
+        with arch.overridden("9.0", unverified_schedules=()):
+            for t, tile in ((1, "t32x64"), (32, "t32x64"), (33, "t64x64"), (64, "t64x64"), (65, "t128x128")):
+                choice, _ = _choice(t=t, g=256)
+                self.assertEqual([v.key for v in choice.variants],
+                                 [f"ragged.sm_90a.e4m3.bf16.sf32.{tile}.c1x1.swap_ab"], t)
+
     def test_constants_agree(self):
         """The swap_ab names and sizes each layer keeps (the kernels import cutlass, the lowering must not): the
         schedule, the tokens' k-tile (also the dequantize kernel's permuted tile), K padding and the weight formats."""
