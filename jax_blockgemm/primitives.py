@@ -158,7 +158,7 @@ def _gemm_amax_decode_lowering(ctx, a, b, sfa, sfb, *maybe_alpha, variants, k, s
     c, amax = ffi_lowering.emit_decode(
         ctx.replace(avals_in=[x_aval, b_aval, sfb_aval, alpha_aval], avals_out=[kernel_c_aval, amax_aval]), x, b, sfb,
         alpha, variants=variants)
-    if kernel_c_aval == c_aval:
+    if c_major == "n" and kernel_c_aval.dtype == c_aval.dtype:  # (L, N, M) can equal (L, M, N): M = N
         return [c, amax]
     finish = functools.partial(decode_c, c_dtype=c_dtype, c_major=c_major)
     (c,) = mlir.lower_fun(finish, multiple_results=True)(

@@ -1,6 +1,7 @@
 """Which implementation a CUDA lowering picks: kernel, reference, or a clear error (no GPU needed)."""
 
 import os
+import re
 import tempfile
 import types
 from unittest import mock
@@ -11,7 +12,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
-from jax_blockgemm import arch, dispatch, formats, primitives, reference, tuning
+from jax_blockgemm import arch, dispatch, formats, gate, primitives, reference, tuning
 
 import decode_standin
 import oracle
@@ -130,7 +131,6 @@ class ProjRopeDispatchTest(parameterized.TestCase):
 
     def test_default_never_takes_the_never_run_sm100a_kernel(self):
         """Never run, never measured: None takes the reference on a Blackwell machine, without a self-check."""
-        from jax_blockgemm import gate
 
         self.assertFalse(arch.none_takes_kernel("proj_rope", "sm_100a"))
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)), \
@@ -502,7 +502,6 @@ class DecodeDispatchTest(parameterized.TestCase):
         """No GPU seen: None carries the objects of every arch whose threshold holds M (sm_90a only). An H200: the
         sm_90a kernel up to its threshold. A B200 (threshold 0): no object None may run there, so the reference,
         without a self-check."""
-        from jax_blockgemm import gate
 
         self.assertEqual([v.arch for v in _decode(8, implementation=None).variants], ["sm_90a"])
         largest = arch.policy("sm_90a").decode_max_m["mxfp8_e4m3"]
@@ -529,7 +528,6 @@ class DecodeDispatchTest(parameterized.TestCase):
     def test_the_tuning_table_overrides_the_threshold(self):
         """A measured decision for ("weight_stream", format) on the local GPU model decides for None: off on an
         H200, on (after the self-check) on a B200."""
-        from jax_blockgemm import gate
 
         self.enterContext(mock.patch.dict(os.environ, {"JAX_BLOCKGEMM_CACHE_DIR": self.enterContext(
             tempfile.TemporaryDirectory()), tuning.IGNORE_ENV: ""}))
@@ -564,7 +562,6 @@ class DecodeDispatchTest(parameterized.TestCase):
                              "implementation=None takes the reference")
 
     def test_a_failed_self_check_leaves_the_decode_kernel(self):
-        from jax_blockgemm import gate
 
         failed = lambda v, device=None: gate.Verdict(v.key, "NVIDIA B200", "x", False, "C differs")
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("10.0",)), \
@@ -574,7 +571,6 @@ class DecodeDispatchTest(parameterized.TestCase):
     def test_each_local_gpu_model_checks_the_kernel(self):
         """A host with two GPU models of one architecture: the kernel is checked on each (it was checked on the
         first only, and the other ran it without a verdict of its own), and a failure on either leaves it."""
-        from jax_blockgemm import gate
 
         models = [types.SimpleNamespace(device_kind="NVIDIA B200"), types.SimpleNamespace(device_kind="NVIDIA B300")]
         seen = []
@@ -738,6 +734,22 @@ class DecodeOperandTest(parameterized.TestCase):
 class DecodeResultTest(parameterized.TestCase):
     """The decode path's C: the kernel's (L, M, N) in `dispatch.decode_c_dtype`, finished by `primitives.decode_c`,
     holds the same bytes the reference returns from the same float32 sums (on the CPU)."""
+
+    @parameterized.parameters("mxfp8_e4m3", "mxfp4")
+    def test_an_m_major_c_is_transposed_even_when_m_equals_n(self, fmt):
+        """C^T (L, N, M) has the kernel's (L, M, N) shape and dtype when M = N: the lowering must still transpose
+        (it returned the kernel's C as it was, which the H200 caught: every M-major decode call with M = N wrong)."""
+        a, b, sfa, sfb = _abstract(1, 32, 32, 256, ab=jnp.float8_e4m3fn if fmt == "mxfp8_e4m3" else jnp.uint8)
+        if fmt == "mxfp4":
+            a, b = (jax.ShapeDtypeStruct((*x.shape[:2], 128), jnp.uint8) for x in (a, b))
+        atoms = [jax.ShapeDtypeStruct((1, 1, 2, 32, 4, 4), jnp.uint8)] * 2  # one 128-row atom, 8 blocks of K
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
+                mock.patch.object(gate, "ensure_verified",
+                                  side_effect=lambda v, device=None: gate.Verdict(v.key, "H200", "x", True, "ok")):
+            text = _lower_for_cuda((a, b, *atoms), c_dtype=jnp.float32, c_major="m", implementation="cutedsl")
+        (result,) = re.findall(r"(%\w+):2 = stablehlo.custom_call @jbg_(?:weight_stream|ragged_gemm_amax)", text)
+        (transposed,) = re.findall(rf"(%\w+) = stablehlo.transpose {result}#0, dims = \[0, 2, 1\]", text)
+        self.assertRegex(text, rf"return {transposed}, ")
 
     @parameterized.parameters((jnp.float8_e4m3fn, "n"), (jnp.float8_e5m2, "n"), (jnp.float4_e2m1fn, "n"),
                               (jnp.bfloat16, "m"), (jnp.float16, "m"), (jnp.float32, "m"))
