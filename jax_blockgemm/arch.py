@@ -84,14 +84,15 @@ TABLE: tuple[ArchPolicy, ...] = (
         decode_short_k={fmt: (7168, 16) for fmt in DECODE_FORMATS},
         # H200, the 32-weight program: at M = 64 the swap_ab decode tile took 35.2 / 89.9 / 15.7 us of GPU time
         # (tokens' preparation included) where the decode kernel took 82.8 / 198.3 (7168 -> 7168 / 18432) and the
-        # reference 31.7 (2048 -> 7168); at M <= 16 the decode kernel is faster (docs/design/decode.md)
-        decode_swap_ab_m={"mxfp8_e4m3": (17, 64)},
-        # the swap_ab objects changed after their last GPU run (MXFP4 and NVFP4 weights, one alpha per weight): each
-        # runs after its first-use self-check until the GPU tests have passed again
+        # reference 31.7 (2048 -> 7168); at M <= 16 the decode kernel is faster (docs/design/decode.md). MXFP4 and
+        # NVFP4 (`tune --op decode_swap_ab`, 7168 -> 7168): 1.8-2.5x faster than the decode kernel at M = 17-64
+        decode_swap_ab_m={"mxfp8_e4m3": (17, 64), "mxfp4": (17, 64), "nvfp4": (17, 64)},
+        # not every swap_ab GPU test has run on the objects as they are (the decode tiles' have, every format): each
+        # runs after its first-use self-check
         unverified_schedules=("swap_ab",),
-        # H200: the MXFP8 E4M3 forward at 1.19-1.29x the dense bf16 dot with equal groups where the block-scaled
-        # kernel took 1.8-2.2x (docs/design/moe.md); MXFP4 and NVFP4 not yet measured
-        ragged_swap_ab_formats=("mxfp8_e4m3",),
+        # H200 (`tune --op ragged_swap_ab`): 1.5-1.7x faster than the block-scaled grouped kernel on MXFP8 E4M3,
+        # MXFP4 and NVFP4 codes alike (docs/design/moe.md)
+        ragged_swap_ab_formats=("mxfp8_e4m3", "mxfp4", "nvfp4"),
         # H200: an MX ragged GEMM runs at the bf16 tensor rate, and quantizing the (G, K, N) weights to K-major codes
         # (a transposed copy) took 3.2 ms, three times the GEMM (docs/design/moe.md)
         mx_ragged_operands="bf16",
@@ -274,4 +275,8 @@ def markdown_table() -> str:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m jax_blockgemm.arch",
+                            description="Print the per-architecture policy as the docs show it.").parse_args()
     sys.stdout.write(markdown_table() + "\n")

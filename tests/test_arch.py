@@ -147,6 +147,9 @@ class ArchTableTest(absltest.TestCase):
         printed = subprocess.run([sys.executable, "-m", "jax_blockgemm.arch"], capture_output=True, text=True,
                                  check=True).stdout
         self.assertEqual(printed.strip(), arch.markdown_table())
+        refused = subprocess.run([sys.executable, "-m", "jax_blockgemm.arch", "--foo"], capture_output=True, text=True)
+        self.assertEqual((refused.returncode, refused.stdout), (2, ""))
+        self.assertIn("unrecognized arguments: --foo", refused.stderr)
 
 
 if __name__ == "__main__":

@@ -105,7 +105,8 @@ class DecodeBenchTest(parameterized.TestCase):
         formats_ = ("mxfp8", "mxfp4", "nvfp4")
         first, last = arch.policy("sm_90a").decode_swap_ab_m["mxfp8_e4m3"]
         self.assertIn(f"MXFP8 E4M3 at M = {first}-{last}: the swap_ab tile", decode.decode_policy(formats_))
-        self.assertNotIn("swap_ab", decode.decode_policy(("mxfp4",)))
+        with arch.overridden("9.0", decode_swap_ab_m={"mxfp8_e4m3": (first, last)}):  # a format the tile lacks
+            self.assertNotIn("swap_ab", decode.decode_policy(("mxfp4",)))
         self.enterContext(arch.overridden("9.0", decode_swap_ab_m={}))  # below: the decode kernel's rules alone
         with arch.overridden("9.0", decode_max_m={f: 48 for f in arch.DECODE_FORMATS}, decode_short_k={}):
             self.assertIn("weight_stream decode kernel on sm_90a for M <= 48 (", decode.decode_policy(formats_))

@@ -672,7 +672,7 @@ class DecodeSwapAbDispatchTest(parameterized.TestCase):
             self.assertEqual(_decode(40, k=7168, c_dtype=jnp.float32).variants[0].c_dtype, "float32")
             self.assertEqual(_decode(40, k=7168, c_dtype=jnp.float16).variants[0].op, "weight_stream")
             self.assertEqual(_decode(40, k=7168, fmt="mxfp8_e5m2").variants[0].op, "weight_stream")
-            self.assertEqual(_decode(40, k=7168, fmt="mxfp4").variants[0].op, "weight_stream")
+            self.assertEqual(_decode(40, k=7168, fmt="mxfp4").variants[0].op, "ragged")  # FP4: the tile too
 
     def test_elsewhere_the_decode_kernel(self):
         """No GPU seen (a program lowered here may run on any target), a B200, a machine with both, or a process that

@@ -474,7 +474,8 @@ class PublicDecodeLoweringTest(absltest.TestCase):
         """On an sm_90a GPU, decode-sized calls with MXFP8 E4M3 weights of arch.TABLE's decode_swap_ab_m rows go to
         the swap_ab ragged kernel's decode tile as one group: x (bf16, or A dequantized) padded to a K of 256 and
         permuted, the weight as (L, 1, N, K) with its scales compact, empty token scales, one item table per batch.
-        16 rows, a float16 C and other formats keep jbg_weight_stream, as does a lowering with no GPU present."""
+        16 rows, a float16 C and formats the table does not name keep jbg_weight_stream, as does a lowering with no
+        GPU present."""
         first, last = jbg_arch.policy("sm_90a").decode_swap_ab_m["mxfp8_e4m3"]
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
                 mock.patch.object(dispatch, "_failed_self_checks", return_value=""):  # the tile's self-check passed
@@ -501,7 +502,7 @@ class PublicDecodeLoweringTest(absltest.TestCase):
             self.assertLen(_calls(self._weight_only("mxfp8_e4m3", m=first - 1, k=96), "jbg_weight_stream"), 1)
             self.assertLen(_calls(self._gemm(40, c_dtype=jnp.float16, implementation="cutedsl"), "jbg_weight_stream"),
                            1)  # the tile writes f32 or bf16 C
-            self.assertLen(_calls(self._weight_only("mxfp4", m=40, k=96, implementation="cutedsl"),
+            self.assertLen(_calls(self._weight_only("mxfp8_e5m2", m=40, k=96, implementation="cutedsl"),
                                   "jbg_weight_stream"), 1)
         self.assertLen(_calls(self._weight_only("mxfp8_e4m3", m=40, k=96, implementation="cutedsl"),
                               "jbg_weight_stream"), 1)  # no local GPU: the decode kernel, which covers every arch

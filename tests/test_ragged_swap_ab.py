@@ -427,16 +427,17 @@ class DispatchTest(absltest.TestCase):
         """MXFP4 and NVFP4 on an H200 where arch.TABLE's ragged_swap_ab_formats names them: the swap_ab object, bf16
         tokens of K rounded up to 256 (XLA unpacks, dequantizes and gathers them in the FP4 order; no dequantize
         kernel, which takes MXFP8), the packed codes (L, G, N, K/2), the weights' compact scales (E4M3 for NVFP4) and
-        an empty sfa; a float16 C keeps the block-scaled kernel, as do both formats while the table leaves them out."""
+        an empty sfa; a float16 C keeps the block-scaled kernel, as do both formats where the table leaves them out."""
         for fmt, sf, kb in (("mxfp4", "ui8", 16), ("nvfp4", "f8E4M3FN", 32)):
             with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
                     mock.patch.object(gate, "ensure_verified", side_effect=_verdict(True)):
-                default = lowering_cases._lowered(fmt, t=300, g=5, n=72, k=512)
+                with arch.overridden("9.0", ragged_swap_ab_formats=("mxfp8_e4m3",)):
+                    left_out = lowering_cases._lowered(fmt, t=300, g=5, n=72, k=512)
                 with arch.overridden("9.0", ragged_swap_ab_formats=("mxfp8_e4m3", "mxfp4", "nvfp4")):
                     text = lowering_cases._lowered(fmt, t=300, g=5, n=72, k=512)
                     f16 = lowering_cases._lowered(fmt, t=300, g=5, n=72, k=512, c_dtype=jnp.float16)
-            default_call = next(line for line in default.splitlines() if "@jbg_ragged_gemm_amax" in line)
-            self.assertNotIn("swap_ab", default_call)
+            left_out_call = next(line for line in left_out.splitlines() if "@jbg_ragged_gemm_amax" in line)
+            self.assertNotIn("swap_ab", left_out_call)
             call = next(line for line in text.splitlines() if "@jbg_ragged_gemm_amax" in line)
             self.assertIn('a_dtype = "bfloat16"', call)
             self.assertIn('ab_dtype = "float4_e2m1fn"', call)

@@ -14,7 +14,7 @@ import numpy as np
 from absl.testing import absltest
 
 import jax_blockgemm as jbg
-from jax_blockgemm import dispatch, tune, tuning
+from jax_blockgemm import arch, dispatch, tune, tuning
 
 import oracle
 
@@ -183,8 +183,6 @@ class DispatchFollowsADecodeDecisionTest(absltest.TestCase):
         _fake_h200(self)
 
     def test_up_to_the_decided_rows_and_not_beyond(self):
-        from jax_blockgemm import arch
-
         table_rows = arch.decode_largest_m("sm_90a", "mxfp8_e4m3", 128)  # the table alone at K = 128: up to these
         self.assertLess(table_rows, 40)  # decode_short_k: MXFP8 weight rows of 128 codes take few rows
         self.assertIn("jbg_weight_stream", _weight_only_text(table_rows))
@@ -325,7 +323,7 @@ class DecodeProblemsTest(absltest.TestCase):
             from jax_blockgemm.kernels import catalog  # noqa: F401
         except ImportError as e:
             self.skipTest(f"CuTeDSL is not importable: {e}")
-        from jax_blockgemm import arch, dispatch, kernel_cache
+        from jax_blockgemm import kernel_cache
 
         first, _ = arch.policy("sm_90a").decode_swap_ab_m["mxfp8_e4m3"]
         with mock.patch.object(dispatch, "_failed_self_checks", return_value=""), \
@@ -438,10 +436,12 @@ class SwapAbChoiceTest(absltest.TestCase):
         self.assertEqual(tune.problem_size("ragged_swap_ab", (256, 4, 64, 128)), 256 * 4 * 64 * 128)
 
     def test_ragged_decisions_replace_the_table_either_way(self):
-        """On a (faked) H200: arch.TABLE gives MXFP8 codes swap_ab and keeps FP4 codes on the block-scaled kernel
+        """On a (faked) H200 whose table gives MXFP8 codes swap_ab and keeps FP4 codes on the block-scaled kernel
         (and bf16 tokens against FP4 experts on the reference); stored decisions turn MXFP4 on from a size and MXFP8
         off, NVFP4's DEFAULT keeps it block-scaled yet lets bf16 tokens take swap_ab (timed here either way)."""
         _fake_h200(self)
+        self.enterContext(arch.overridden("9.0", ragged_swap_ab_formats=("mxfp8_e4m3",),
+                                          decode_swap_ab_m={"mxfp8_e4m3": (17, 64)}))  # the table as these read it
         self.assertEqual(_ragged_choice("mxfp8_e4m3"), ("swap_ab",))
         self.assertEqual(_ragged_choice("mxfp4"), ("",))
         self.assertEqual(_ragged_choice("nvfp4", values=True), ())  # the reference
@@ -458,9 +458,11 @@ class SwapAbChoiceTest(absltest.TestCase):
             self.assertEqual(_ragged_choice("mxfp4"), ("",))
 
     def test_decode_decisions_replace_the_table_either_way(self):
-        """arch.TABLE gives MXFP8 E4M3 rows 17-64 to the swap_ab decode tile and FP4 none; a stored decision gives
+        """A table that gives MXFP8 E4M3 rows 17-64 to the swap_ab decode tile and FP4 none; a stored decision gives
         NVFP4 rows 32-64 and takes MXFP8's away (the decode kernel won)."""
         _fake_h200(self)
+        self.enterContext(arch.overridden("9.0", ragged_swap_ab_formats=("mxfp8_e4m3",),
+                                          decode_swap_ab_m={"mxfp8_e4m3": (17, 64)}))  # the table as these read it
         tile = lambda m, fmt: "jbg_ragged_gemm_amax" in _weight_only_text(m, fmt)
         self.assertTrue(tile(40, "mxfp8_e4m3"))
         self.assertFalse(tile(40, "nvfp4"))
@@ -474,9 +476,9 @@ class SwapAbChoiceTest(absltest.TestCase):
     def test_the_timing_forces_each_kernel_through_the_table(self):
         """_swap_ab_table sets the format's entry to the swap_ab kernel or not (the other formats' entries kept) on
         every local GPU, with the tuning tables ignored."""
-        from jax_blockgemm import arch
-
         _fake_h200(self)
+        self.enterContext(arch.overridden("9.0", ragged_swap_ab_formats=("mxfp8_e4m3",),
+                                          decode_swap_ab_m={"mxfp8_e4m3": (17, 64)}))  # the table as these read it
         for swap_ab, want in ((True, ("mxfp8_e4m3", "mxfp4")), (False, ("mxfp8_e4m3",))):
             with tune._swap_ab_table("ragged_swap_ab", "mxfp4", swap_ab):
                 self.assertEqual(arch.policy("sm_90a").ragged_swap_ab_formats, want)
