@@ -170,7 +170,8 @@ def weight_only_ragged_matmul(x: jax.Array, w: weight_only.QuantizedWeight, grou
     "cutedsl" for every format, under None for those arch.TABLE's ragged_swap_ab_formats names; float32 x, other
     GPUs and the rest run the reference (each expert dequantized to bf16, exact, then a grouped dot in x's dtype).
     jit, vmap and sharding (tokens, experts, N) work as for ragged_gemm_amax.
-    Differentiable with respect to x (dx = dy · Ŵ per group); the quantized weights are constants (zero cotangent).
+    Differentiable with respect to x (dx = dy · Ŵ per group); the quantized weights are constants (asking for their
+    gradient raises ValueError at trace time).
     """
     x = support.as_array("x", x, "weight_only_ragged_matmul")
     group_sizes = weight_only_ragged.check_call(x, w, group_sizes, out_dtype, implementation)

@@ -10,8 +10,8 @@ ragged_swap_ab_formats names; float32 tokens, every GPU without that kernel and 
 expert dequantized to bf16, exact, then a grouped dot in x's dtype with float32 accumulation).
 
 `matmul` adds the derivative with respect to x, dx[t] = alpha[g]·dy[t]·Ŵ[g], through the bf16 grouped GEMM
-(`ragged.grouped_dot`, the experts dequantized to bf16 once); the quantized weights are constants (their cotangent
-is zero).
+(`ragged.grouped_dot`, the experts dequantized to bf16 once); the quantized weights are constants (a gradient with
+respect to them is refused at trace time).
 """
 
 from __future__ import annotations
