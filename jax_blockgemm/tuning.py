@@ -5,7 +5,8 @@ one table per GPU model into the cache directory; dispatch reads it at lowering.
 kernel, from this problem size on" for an operation and format (for the decode kernel, which wins at few rows: "up to
 this M"), or, where two kernels of ours could serve, which of them (the swap_ab kernel or the other, from a size or a
 number of rows on); everything it does not name follows `arch.TABLE`,
-and a kernel of a never-run architecture still passes its first-use self-check before any use. Set
+and a kernel of a never-run architecture still passes its first-use self-check before any use. A table names the
+kernels it timed (`kernels_measured`); one timed on other kernels is ignored with a warning. Set
 `JAX_BLOCKGEMM_IGNORE_TUNING=1` to ignore the tables; `python -m jax_blockgemm.tune --reset` deletes the
 local GPU model's table (a run of `tune` replaces the decisions it times and keeps the others).
 """
@@ -74,12 +75,24 @@ def writable() -> bool:
         return False
 
 
-def store(gpu_model: str, decisions: Sequence[Decision], *, environment: Optional[dict] = None) -> pathlib.Path:
-    """Write the decision table of `gpu_model` (replacing any earlier one); returns its path."""
+def kernels_measured() -> str:
+    """What a table's timings hold for: the kernel object cache's key over the kernel sources, the per-architecture
+    policy and the DSL version (`catalog.kernel_source_hash`); "" where CuTeDSL cannot be imported."""
+    try:
+        from jax_blockgemm.kernels import catalog
+
+        return catalog.kernel_source_hash()
+    except ImportError:
+        return ""
+
+
+def store(gpu_model: str, decisions: Sequence[Decision]) -> pathlib.Path:
+    """Write the decision table of `gpu_model` (replacing any earlier one), with the kernels it was measured on;
+    returns its path."""
     path = table_path(gpu_model)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"gpu": gpu_model, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "environment": environment or {}, "decisions": [dataclasses.asdict(d) for d in decisions]}
+              "kernels": kernels_measured(), "decisions": [dataclasses.asdict(d) for d in decisions]}
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=1))
     os.replace(tmp, path)
@@ -124,13 +137,18 @@ def _invalid(d: object) -> str:
 def _load(gpu_model: str, directory: str) -> tuple[Decision, ...]:
     path = table_path(gpu_model)
     try:
-        decisions = json.loads(path.read_text())["decisions"]
+        record = json.loads(path.read_text())
+        decisions = record["decisions"]
         if not isinstance(decisions, list):
             raise TypeError(f"decisions is a {type(decisions).__name__}, not a list")
     except FileNotFoundError:
         return ()
     except (OSError, ValueError, KeyError, TypeError) as e:
         logger.warning("jax_blockgemm: ignoring the unreadable tuning table %s (%s)", path, e)
+        return ()
+    if record.get("kernels") != kernels_measured():  # timed on other kernels (an upgrade): arch.TABLE until re-tuned
+        logger.warning("jax_blockgemm: ignoring the tuning table %s: it was measured on other kernels than these "
+                       "(re-run `python -m jax_blockgemm.tune`)", path)
         return ()
     valid = []
     for d in decisions:

@@ -87,6 +87,21 @@ class StoreTest(absltest.TestCase):
         self.assertEqual(tuning.reset(H200), [tuning.table_path(H200)])
         self.assertIsNone(tuning.takes_kernel(H200, "gemm_amax", "mxfp4", 8))
 
+    def test_a_table_measured_on_other_kernels_is_ignored_with_a_warning(self):
+        """A table carries the kernels it timed (the object cache's source hash); after an upgrade that changed
+        them its decisions no longer hold, and arch.TABLE decides until tune runs again."""
+        path = tuning.store(H200, [tuning.decide("gemm_amax", "mxfp4", [(8, 1.0, 2.0)])])
+        record = json.loads(path.read_text())
+        self.assertEqual(record["kernels"], tuning.kernels_measured())
+        self.assertLen(record["kernels"], 64)
+        self.assertTrue(tuning.takes_kernel(H200, "gemm_amax", "mxfp4", 8))
+        for stale in ({**record, "kernels": "0" * 64}, {k: v for k, v in record.items() if k != "kernels"}):
+            path.write_text(json.dumps(stale))
+            tuning._load.cache_clear()
+            with self.assertLogs("jax_blockgemm.tuning", "WARNING") as logs:
+                self.assertIsNone(tuning.takes_kernel(H200, "gemm_amax", "mxfp4", 8))
+            self.assertIn("measured on other kernels", "".join(logs.output))
+
     def test_an_unreadable_table_is_ignored_with_a_warning(self):
         path = tuning.table_path(H200)
         path.parent.mkdir(parents=True)
@@ -108,7 +123,7 @@ class StoreTest(absltest.TestCase):
                dict(good, op="ragged_swap_ab", fmt="mxfp8_e4m3", min_size=[1]), "a string", None, [1]]
         path = tuning.table_path(H200)
         path.parent.mkdir(parents=True)
-        path.write_text(json.dumps({"gpu": H200, "decisions": [good] + bad}))
+        path.write_text(json.dumps({"gpu": H200, "kernels": tuning.kernels_measured(), "decisions": [good] + bad}))
         tuning._load.cache_clear()
         with self.assertLogs("jax_blockgemm.tuning", "WARNING") as logs:
             self.assertEqual(tuning.load(H200), (tuning.Decision("gemm_amax", "mxfp4", "kernel", 8, ((8, 1.0, 2.0),)),))
