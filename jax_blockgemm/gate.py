@@ -4,7 +4,8 @@ Lowering asks `ensure_verified(variant)`. A verdict is kept per (kernel key, obj
 on disk beside the kernel cache, so each object is checked once per GPU model. Without one, the gate writes an
 "attempted" record, runs the check (`python -m jax_blockgemm.selfcheck --child KEY`) in a child process pinned to
 that GPU (no memory preallocation, its own process group, a timeout: `JAX_BLOCKGEMM_SELFCHECK_TIMEOUT`, 120 s by
-default, after which the whole group is killed), and stores what came of it. A wrong result, a hang, a crash or an
+default, after which the whole group is killed; on Linux the child also ends with its parent), and stores what came of
+it. A wrong result, a hang, a crash or an
 illegal address all end in the child and become a stored FAIL naming what happened; the user's process never
 launched the kernel, so it stays usable: None falls back to the reference and "cutedsl" raises. An attempted record
 with no verdict (the checking process itself was killed) also reads as FAIL: nothing retries it silently;
@@ -55,6 +56,7 @@ class Verdict:
     source: str = "ran"  # "ran" (this call), "memory" or "disk" (an earlier check of the same object)
 
 
+PARENT_ENV = "JAX_BLOCKGEMM_SELFCHECK_PARENT"  # the child's parent process id (set by run_in_child)
 _PID_MAX = 2**31 - 1  # larger is no process id (os.kill raises OverflowError past a C int)
 _MEMORY: dict[tuple[str, str, str], Verdict] = {}
 _WARNED: set[tuple[str, str, str]] = set()
@@ -167,6 +169,19 @@ def physical_gpu(device: Any) -> str:
     return visible[index] if index < len(visible) else str(index)
 
 
+def die_with_parent() -> None:
+    """In the check's child: end with the process that started it (Linux: the parent-death signal), so that a user
+    process killed mid-check (a notebook restart) does not leave the check holding the GPU until its timeout."""
+    parent = os.environ.get(PARENT_ENV, "")
+    if not sys.platform.startswith("linux") or not parent.isdigit():
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):  # the parent was gone before the signal was armed
+        os._exit(1)
+
+
 def child_command(key: str, result: pathlib.Path) -> list[str]:
     """The command line that checks kernel `key` and writes its outcome to `result` (JSON)."""
     return [sys.executable, "-m", "jax_blockgemm.selfcheck", "--child", key, "--result", str(result)]
@@ -190,7 +205,7 @@ def run_in_child(command: Sequence[str], *, gpu: str, timeout: float) -> tuple[b
     root = package_root()
     path = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_PLATFORMS="cuda",
-               PYTHONPATH=path)
+               PYTHONPATH=path, **{PARENT_ENV: str(os.getpid())})
     start = time.monotonic()
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

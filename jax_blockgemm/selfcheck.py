@@ -751,6 +751,7 @@ def known_variants() -> tuple:
 
 def _child(key: str, result: pathlib.Path) -> int:
     """Check kernel `key` on this process's first GPU of its arch; write {"ok", "detail"} to `result`."""
+    gate.die_with_parent()
     by_key = {v.key: v for v in known_variants()}
     if key not in by_key:
         raise SystemExit(f"--child {key!r}: no such kernel")

@@ -943,6 +943,15 @@ class CliTest(absltest.TestCase):
                 self.assertGreaterEqual(chunks_per_warp, 2 * kernel.stages)
 
 
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (an orphan's zombie may wait for a reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 class GateChildProcessTest(absltest.TestCase):
     """The gate's child process for real (no GPU needed): what a hang, a crash or an answer leaves behind."""
 
@@ -1034,6 +1043,33 @@ class GateChildProcessTest(absltest.TestCase):
             got = gate.run_in_child([sys.executable, "-c", code, "--result", os.path.join(tmp, "r")], gpu="3",
                                     timeout=20)
         self.assertEqual(got, (True, "3,false"))
+
+    @absltest.skipUnless(sys.platform.startswith("linux"), "the parent-death signal is Linux's")
+    def test_the_child_ends_with_a_killed_parent(self):
+        """A user process SIGKILLed mid-check (a notebook restart) takes its check with it: the child armed the
+        parent-death signal (gate.die_with_parent, as the selfcheck child does first) and is gone within seconds,
+        not at its timeout."""
+        child = ("from jax_blockgemm import gate; gate.die_with_parent(); import time; print('armed', flush=True); "
+                 "time.sleep(120)")
+        parent = (f"import os, subprocess, sys, time; env = dict(os.environ, {gate.PARENT_ENV}=str(os.getpid())); "
+                  f"p = subprocess.Popen([sys.executable, '-c', {child!r}], env=env, stdout=subprocess.PIPE, "
+                  "start_new_session=True); print(p.pid, p.stdout.readline().decode().strip(), flush=True); "
+                  "time.sleep(120)")
+        proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True,
+                                cwd=gate.package_root())
+        try:
+            pid, state = proc.stdout.readline().split()
+            self.assertEqual(state, "armed")
+        finally:
+            proc.kill()
+            proc.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and _running(int(pid)):
+            time.sleep(0.2)
+        running = _running(int(pid))
+        if running:
+            os.kill(int(pid), 9)
+        self.assertFalse(running, "the check outlived its parent")
 
     def test_timeout_comes_from_the_environment(self):
         self.assertEqual(gate.timeout_s(), gate.DEFAULT_TIMEOUT_S)
