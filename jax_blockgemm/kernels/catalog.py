@@ -77,6 +77,7 @@ import cutlass  # noqa: F401  (an ImportError here tells the dispatcher that CuT
 
 from jax_blockgemm import arch
 from jax_blockgemm.kernels import sm100 as _sm100
+from jax_blockgemm.kernels.sm90 import ragged_swap_ab as _ragged_swap_ab
 
 _SHORT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float4_e2m1fn": "e2m1", "float32": "f32",
           "bfloat16": "bf16", "float16": "f16"}
@@ -257,8 +258,8 @@ WEIGHT_STREAM_TILES = ((32, 16), (32, 64))
 # fill, which costs; docs/design/decode.md)
 SWAP_AB_DECODE_TILES = ((32, 64), (64, 64))
 # The weight formats the swap_ab kernel converts in registers ((codes, scale block, scale dtype)): MXFP8 E4M3,
-# MXFP4, NVFP4
-SWAP_AB_FORMATS = (("float8_e4m3fn", 32, E8M0), ("float4_e2m1fn", 32, E8M0), ("float4_e2m1fn", 16, "float8_e4m3fn"))
+# MXFP4, NVFP4, as the kernel defines them
+SWAP_AB_FORMATS = _ragged_swap_ab.WEIGHT_FORMATS
 QUANTIZE_PAIR_TILE = (32, 256)  # the tile field of the quantize_pair keys: a warp's rows x columns
 # The schedules of the quantize_pair kernels that read their rows through a row map (mx_ragged_dot's tokens, each
 # group padded to whole blocks of 32 along the rows), writing the column blocks as codes or as bf16 values
