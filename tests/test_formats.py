@@ -253,7 +253,7 @@ class QuantizeTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "block.*0"):
             F.quantize_nvfp4(x, block=0)
         with self.assertRaisesRegex(ValueError, r"quantize_mxfp8: block=1000000000 is longer than axis 1 \(32 "
-                                                "elements\) rounded up to a multiple of 32; allowed: at most 32"):
+                                                r"elements\) rounded up to a multiple of 32; allowed: at most 32"):
             jax.eval_shape(lambda v: F.quantize_mxfp8(v, block=10**9), x)
         with self.assertRaisesRegex(ValueError, "quantize_nvfp4: block=128 is longer than axis 0"):
             F.quantize_nvfp4(jnp.ones((40, 4)), axis=0, block=128)
