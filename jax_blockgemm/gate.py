@@ -58,6 +58,7 @@ class Verdict:
 
 PARENT_ENV = "JAX_BLOCKGEMM_SELFCHECK_PARENT"  # the child's parent process id (set by run_in_child)
 _PID_MAX = 2**31 - 1  # larger is no process id (os.kill raises OverflowError past a C int)
+_PROC = pathlib.Path("/proc")  # Linux's process table: tells an exited, unreaped process (a zombie) from a live one
 _MEMORY: dict[tuple[str, str, str], Verdict] = {}
 _WARNED: set[tuple[str, str, str]] = set()
 _LOCK = threading.RLock()
@@ -251,6 +252,7 @@ def _is_pid(x: Any) -> bool:
 
 
 def _pid_alive(pid: Any) -> bool:
+    """Whether process `pid` runs: it exists and is no zombie (exited, not yet reaped: it finishes no check)."""
     if not _is_pid(pid):
         return False
     try:
@@ -258,8 +260,18 @@ def _pid_alive(pid: Any) -> bool:
     except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether /proc (Linux) shows `pid` as exited (state Z or X); False where /proc cannot tell."""
+    try:
+        stat = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+    state = stat.rpartition(")")[2].split()[:1]  # after the command name, which may hold spaces and parentheses
+    return state in (["Z"], ["X"])
 
 
 def _earlier_attempt(path: pathlib.Path, limit: float) -> Optional[str]:

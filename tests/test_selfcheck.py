@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -428,6 +429,34 @@ class VerdictCacheTest(absltest.TestCase):
         self.assertFalse(gate.check(_SM100, device=FakeDevice(), run=self._run("")).ok)  # stored
         self.assertTrue(gate.check(_SM100, device=FakeDevice(), run=self._run(""), force=True).ok)
         self.assertFalse(path.with_suffix(".attempt").exists())
+
+    @absltest.skipUnless(sys.platform.startswith("linux"), "a zombie is told from a live process by Linux's /proc")
+    def test_an_attempt_by_an_exited_unreaped_process_is_not_waited_for(self):
+        """A checking process that exited but is not reaped yet (a zombie: its parent has not waited) runs no check:
+        its attempted record fails the check at once, not at the time limit. Live processes still run one; where
+        /proc cannot tell, the zombie still counts as running."""
+        child = subprocess.Popen([sys.executable, "-c", ""])  # a fork and exec: os.fork would copy JAX's threads
+        pid = child.pid
+        try:
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # it has exited; it stays unreaped until the finally
+            self.assertFalse(gate._pid_alive(pid))
+            with mock.patch.object(gate, "_PROC", pathlib.Path(self.dir) / "no-proc"):
+                self.assertTrue(gate._pid_alive(pid))
+            path = gate.verdict_path(*gate.identity(_SM100, FakeDevice()))
+            path.parent.mkdir(parents=True)
+            path.with_suffix(".attempt").write_text(json.dumps({"pid": pid, "host": socket.gethostname(),
+                                                                "when": "then"}))
+            start = time.monotonic()
+            with mock.patch.dict(os.environ, {gate.TIMEOUT_ENV: "5"}):
+                v = gate.check(_SM100, device=FakeDevice(), run=self._run(""))
+            self.assertLess(time.monotonic() - start, 5)
+            self.assertFalse(v.ok)
+            self.assertRegex(v.detail, rf"an earlier check \(process {pid}, started then\) never finished")
+        finally:
+            child.wait()
+        self.assertEqual(self.calls, [])
+        self.assertTrue(gate._pid_alive(os.getpid()))
+        self.assertTrue(gate._pid_alive(os.getppid()))
 
     def test_an_attempt_on_another_machine_is_waited_for_while_it_is_young(self):
         """A cache shared between machines: another host's process ids mean nothing here, so its record counts as
@@ -943,15 +972,6 @@ class CliTest(absltest.TestCase):
                 self.assertGreaterEqual(chunks_per_warp, 2 * kernel.stages)
 
 
-def _running(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie (an orphan's zombie may wait for a reaper)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 class GateChildProcessTest(absltest.TestCase):
     """The gate's child process for real (no GPU needed): what a hang, a crash or an answer leaves behind."""
 
@@ -1064,9 +1084,9 @@ class GateChildProcessTest(absltest.TestCase):
             proc.kill()
             proc.wait()
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and _running(int(pid)):
+        while time.monotonic() < deadline and gate._pid_alive(int(pid)):  # an orphan's zombie may await a reaper
             time.sleep(0.2)
-        running = _running(int(pid))
+        running = gate._pid_alive(int(pid))
         if running:
             os.kill(int(pid), 9)
         self.assertFalse(running, "the check outlived its parent")
