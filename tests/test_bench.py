@@ -23,7 +23,7 @@ from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
 from jax_blockgemm import dispatch, formats
-from jax_blockgemm.bench import columns as bench_columns
+from jax_blockgemm.bench import cli as bench_cli, columns as bench_columns
 from jax_blockgemm.bench.cases import build_cases, time_column
 from jax_blockgemm.bench.cli import main as bench_main, parse_formats, parse_shape
 from jax_blockgemm.bench.columns import BASELINES, OPS, gemm_columns, gemm_rel_err, proj_rope_columns
@@ -568,6 +568,17 @@ class ArgumentsTest(parameterized.TestCase):
         with self.assertRaises(SystemExit) as raised:
             bench_main(argv)
         self.assertIn(message, str(raised.exception.code))
+
+    def test_decode_refuses_a_sets_other_than_the_default_read_without_a_second_parser(self):
+        """--decode draws its own inputs: --sets other than DEFAULT_SETS (the parser's default) is refused, the
+        default is not; the check reads the constant rather than building the whole parser again."""
+        self.assertEqual(bench_cli.parser().get_default("sets"), bench_cli.DEFAULT_SETS)
+        given, default = (bench_cli.parser().parse_args(["--decode", *sets]) for sets in (["--sets", "3"], []))
+        with mock.patch.object(bench_cli, "parser", side_effect=AssertionError("the parser was built again")):
+            with self.assertRaises(SystemExit) as raised:
+                bench_cli._refuse_ignored(given)
+            self.assertIn("--decode does not take --sets", str(raised.exception.code))
+            bench_cli._refuse_ignored(default)
 
     def test_shapes_replace_the_default_gemm_cases(self):
         self.assertEqual(parse_shape("4096,7168,16384"), (4096, 7168, 16384))

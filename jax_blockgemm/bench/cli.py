@@ -19,6 +19,7 @@ from jax_blockgemm.bench.inputs import DEFAULT_FORMATS, GEMM_FORMATS
 from jax_blockgemm.bench.launch import launch_costs
 
 PROG = "python -m jax_blockgemm.bench"
+DEFAULT_SETS = 2  # --sets without the option; --decode refuses any other value (it draws its own inputs)
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -85,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=support.count_arg(0), default=3, help="untimed calls per column before timing")
     p.add_argument("--burst", type=support.count_arg(1), default=10,
                    help="calls per timed sample, issued back to back with one wait (1: each call waited for)")
-    p.add_argument("--sets", type=support.count_arg(1), default=2,
+    p.add_argument("--sets", type=support.count_arg(1), default=DEFAULT_SETS,
                    help="input sets drawn per case and rotated between calls")
     p.add_argument("--sustained", type=_seconds, default=0.0, metavar="SECONDS",
                    help="time each column by samples back to back for this long instead of --reps, median of the "
@@ -127,7 +128,7 @@ def _refuse_ignored(args: argparse.Namespace) -> None:
     if args.decode:
         mode = "--decode"
         given = {"--op": args.op, "--png": args.png, "--sustained": args.sustained, "--interleave": args.interleave,
-                 "--sets": args.sets != parser().get_default("sets"), "--launch": args.launch}
+                 "--sets": args.sets != DEFAULT_SETS, "--launch": args.launch}
     elif "ragged" in args.op:
         mode = "--op ragged"
         given = {"--shape": args.shape, "--png": args.png, "--launch": args.launch}
