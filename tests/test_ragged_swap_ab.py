@@ -332,7 +332,7 @@ class HandlerTest(parameterized.TestCase):
 def _verdict(ok: bool):
     """A stand-in for the first-use self-check's verdict (the gate runs it in a child process on a GPU)."""
     return lambda v, device=None: gate.Verdict(key=v.key, device="NVIDIA H200", object_sha="0" * 64, ok=ok,
-                                  detail="" if ok else "hung: killed after 120 s")
+                                               detail="" if ok else "hung: killed after 120 s")
 
 
 def _choice(ab=jnp.float8_e4m3fn, c=jnp.bfloat16, capabilities=("9.0",), t=512, g=4, n=256, k=512, checked=True):
