@@ -1,5 +1,8 @@
 """Public API: shapes without running (eval_shape), every trace-time error, primitives under jit and vmap."""
 
+import ast
+import importlib
+import pathlib
 import re
 
 import jax
@@ -55,6 +58,27 @@ def _assert_same(test, x, y):
     test.assertEqual(x.dtype, y.dtype)
     np.testing.assert_array_equal(x.view(np.uint8) if x.dtype.itemsize == 1 else x,
                                   y.view(np.uint8) if y.dtype.itemsize == 1 else y)
+
+
+class PackageNamespaceTest(absltest.TestCase):
+    """The package imports its public names on first use: each is its defining module's own object, and the imports
+    that type checkers see (under TYPE_CHECKING) name the same ones."""
+
+    def test_every_public_name_is_its_modules_object_and_what_type_checkers_see(self):
+        tree = ast.parse(pathlib.Path(jbg.__file__).read_text())
+        guarded = next(node for node in tree.body
+                       if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+        seen = {alias.name: alias.name if node.module == "jax_blockgemm" else node.module.split(".")[-1]
+                for node in guarded.body for alias in node.names}
+        self.assertEqual(seen, jbg._PUBLIC)
+        self.assertEqual(jbg.__all__, list(jbg._PUBLIC))
+        for name, module_name in jbg._PUBLIC.items():
+            module = importlib.import_module(f"jax_blockgemm.{module_name}")
+            self.assertIs(getattr(jbg, name), module if name == module_name else getattr(module, name), name)
+            self.assertIn(name, dir(jbg))
+        self.assertIs(jbg.reference, importlib.import_module("jax_blockgemm.reference"))  # any submodule, as before
+        for missing in ("no_such_name", "__wrapped__"):
+            self.assertFalse(hasattr(jbg, missing), missing)
 
 
 class EvalShapeTest(parameterized.TestCase):

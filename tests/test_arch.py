@@ -152,5 +152,13 @@ class ArchTableTest(absltest.TestCase):
         self.assertIn("unrecognized arguments: --foo", refused.stderr)
 
 
+    def test_the_command_runs_the_module_once_without_a_warning(self):
+        """`python -m jax_blockgemm.arch` imports the package first: it must not import arch (every operation's module
+        does), or runpy warns that arch is in sys.modules already and runs a second copy as __main__."""
+        printed = subprocess.run([sys.executable, "-m", "jax_blockgemm.arch"], capture_output=True, text=True,
+                                 check=True)
+        self.assertNotIn("RuntimeWarning", printed.stderr)
+        self.assertEqual(printed.stdout.strip(), arch.markdown_table())
+
 if __name__ == "__main__":
     absltest.main()
