@@ -15,7 +15,6 @@ between machines, another machine's record counts as a check still running until
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -87,16 +86,13 @@ def _attempt_path(path: pathlib.Path) -> pathlib.Path:
 
 
 def _write_json(path: pathlib.Path, fields: dict) -> None:
-    """Write atomically; an unwritable cache only means the check runs again in the next process."""
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    """Write atomically (`kernel_cache.write_atomic`); an unwritable cache only means the check runs again in the next
+    process."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({**fields, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
-        os.replace(tmp, path)
+        kernel_cache.write_atomic(path, json.dumps({**fields, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                     time.gmtime())}).encode())
     except OSError as e:
         logger.warning("jax_blockgemm: cannot write %s (%s)", path, e)
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
 
 
 def _remove(path: pathlib.Path) -> None:

@@ -211,18 +211,25 @@ class ObjectCache:
 
     @staticmethod
     def _write(path: pathlib.Path, payload: bytes) -> None:
-        """Atomic write: a temporary file in the same directory, fsync-ed, then renamed over the entry."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(encode_entry(payload))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)  # atomic: readers (and a second writer) see the old entry or a whole new one
-        except BaseException:
-            pathlib.Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(path, encode_entry(payload))
+
+
+def write_atomic(path: pathlib.Path, data: bytes) -> None:
+    """Write `data` to `path` atomically, for every file the cache directory holds (objects, verdicts, tuning
+    tables): a temporary file beside it (`<name>.<random>.tmp`), fsync-ed, renamed over it, so that readers and a
+    second writer see the old file or the whole new one. On failure the temporary file is removed and the error
+    raised."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _catalog_compile(variant: Any) -> bytes:

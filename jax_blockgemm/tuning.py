@@ -90,12 +90,9 @@ def store(gpu_model: str, decisions: Sequence[Decision]) -> pathlib.Path:
     """Write the decision table of `gpu_model` (replacing any earlier one), with the kernels it was measured on;
     returns its path."""
     path = table_path(gpu_model)
-    path.parent.mkdir(parents=True, exist_ok=True)
     record = {"gpu": gpu_model, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "kernels": kernels_measured(), "decisions": [dataclasses.asdict(d) for d in decisions]}
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, path)
+    kernel_cache.write_atomic(path, json.dumps(record, indent=1).encode())
     _load.cache_clear()
     return path
 

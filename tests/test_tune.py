@@ -87,6 +87,16 @@ class StoreTest(absltest.TestCase):
         self.assertEqual(tuning.reset(H200), [tuning.table_path(H200)])
         self.assertIsNone(tuning.takes_kernel(H200, "gemm_amax", "mxfp4", 8))
 
+    def test_a_failed_store_leaves_the_old_table_and_no_temporary_file(self):
+        """The table is replaced atomically or not at all: a rename that fails raises, keeps the earlier table and
+        leaves nothing beside it."""
+        path = tuning.store(H200, [tuning.decide("gemm_amax", "mxfp4", [(8, 1.0, 2.0)])])
+        before = path.read_bytes()
+        with mock.patch("os.replace", side_effect=OSError("disk full")), self.assertRaisesRegex(OSError, "disk full"):
+            tuning.store(H200, [tuning.decide("gemm_amax", "mxfp4", [(8, 2.0, 1.0)])])
+        self.assertEqual(path.read_bytes(), before)
+        self.assertEqual(sorted(p.name for p in path.parent.iterdir()), [path.name])
+
     def test_a_table_measured_on_other_kernels_is_ignored_with_a_warning(self):
         """A table carries the kernels it timed (the object cache's source hash); after an upgrade that changed
         them its decisions no longer hold, and arch.TABLE decides until tune runs again."""
