@@ -326,6 +326,8 @@ def check(variant: Any, *, device: Any = None, force: bool = False,
             if verdict is None and (why := _earlier_attempt(path, timeout_s() + 30)) is not None:
                 verdict = Verdict(*ident, ok=False, detail=why)
                 store(path, verdict)
+                if load(path, ident) is not None:  # the stored FAIL stands for the attempt now; else the record
+                    _remove(_attempt_path(path))  # keeps failing the check in later processes
             elif verdict is None:
                 verdict = load(path, ident)  # a concurrent process may have just finished the same check
         if verdict is None:

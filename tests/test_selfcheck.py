@@ -425,6 +425,7 @@ class VerdictCacheTest(absltest.TestCase):
         self.assertFalse(v.ok)
         self.assertRegex(v.detail, r"an earlier check \(process 999999999, started then\) never finished")
         self.assertEqual(self.calls, [])
+        self.assertFalse(path.with_suffix(".attempt").exists())  # the stored FAIL stands for it now
         gate._MEMORY.clear()
         self.assertFalse(gate.check(_SM100, device=FakeDevice(), run=self._run("")).ok)  # stored
         self.assertTrue(gate.check(_SM100, device=FakeDevice(), run=self._run(""), force=True).ok)
