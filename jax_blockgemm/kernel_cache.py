@@ -143,7 +143,7 @@ class ObjectCache:
     def _store(self, path: pathlib.Path, payload: bytes) -> None:
         """Writes the entry and evicts; the first failure turns disk writes off for this process, with one warning."""
         try:
-            self._write(path, payload)
+            write_atomic(path, encode_entry(payload))
         except OSError as e:  # read-only, full, or not creatable: the object still works from memory
             self._writable = False
             logger.warning("jax_blockgemm: cannot write the kernel cache %s (%s); compiling kernels in memory for the "
@@ -208,10 +208,6 @@ class ObjectCache:
         except OSError:  # a read-only cache: fine, nothing is evicted there either
             pass
         return payload
-
-    @staticmethod
-    def _write(path: pathlib.Path, payload: bytes) -> None:
-        write_atomic(path, encode_entry(payload))
 
 
 def write_atomic(path: pathlib.Path, data: bytes) -> None:
