@@ -85,14 +85,16 @@ def _attempt_path(path: pathlib.Path) -> pathlib.Path:
     return path.with_suffix(".attempt")
 
 
-def _write_json(path: pathlib.Path, fields: dict) -> None:
-    """Write atomically (`kernel_cache.write_atomic`); an unwritable cache only means the check runs again in the next
-    process."""
+def _write_json(path: pathlib.Path, fields: dict) -> bool:
+    """Write atomically (`kernel_cache.write_atomic`); whether it was written. An unwritable cache only means the
+    check runs again in the next process."""
     try:
         kernel_cache.write_atomic(path, json.dumps({**fields, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                      time.gmtime())}).encode())
     except OSError as e:
         logger.warning("jax_blockgemm: cannot write %s (%s)", path, e)
+        return False
+    return True
 
 
 def _remove(path: pathlib.Path) -> None:
@@ -128,9 +130,10 @@ def load(path: pathlib.Path, ident: Optional[tuple[str, str, str]] = None) -> Op
     return verdict
 
 
-def store(path: pathlib.Path, verdict: Verdict) -> None:
-    """Keep `verdict` on disk at `path`."""
-    _write_json(path, {f.name: getattr(verdict, f.name) for f in dataclasses.fields(Verdict) if f.name != "source"})
+def store(path: pathlib.Path, verdict: Verdict) -> bool:
+    """Keep `verdict` on disk at `path`; whether it was stored."""
+    return _write_json(path, {f.name: getattr(verdict, f.name) for f in dataclasses.fields(Verdict)
+                              if f.name != "source"})
 
 
 def local_device(target: str) -> Any | None:
@@ -325,9 +328,8 @@ def check(variant: Any, *, device: Any = None, force: bool = False,
             verdict = load(path, ident)
             if verdict is None and (why := _earlier_attempt(path, timeout_s() + 30)) is not None:
                 verdict = Verdict(*ident, ok=False, detail=why)
-                store(path, verdict)
-                if load(path, ident) is not None:  # the stored FAIL stands for the attempt now; else the record
-                    _remove(_attempt_path(path))  # keeps failing the check in later processes
+                if store(path, verdict):  # the stored FAIL stands for the attempt now; else the record keeps
+                    _remove(_attempt_path(path))  # failing the check in later processes
             elif verdict is None:
                 verdict = load(path, ident)  # a concurrent process may have just finished the same check
         if verdict is None:
