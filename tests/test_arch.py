@@ -143,22 +143,18 @@ class ArchTableTest(absltest.TestCase):
             self.assertIn("| kernel; bf16 |", arch.markdown_table())
 
     def test_the_readme_shows_the_current_table(self):
+        """The README holds the table `python -m jax_blockgemm.arch` prints. The command imports the package first,
+        which must not import arch (every operation's module does), or runpy warns that arch is in sys.modules
+        already and runs a second copy as __main__; it refuses arguments."""
         self.assertIn(arch.markdown_table(), (ROOT / "README.md").read_text())
         printed = subprocess.run([sys.executable, "-m", "jax_blockgemm.arch"], capture_output=True, text=True,
-                                 check=True).stdout
-        self.assertEqual(printed.strip(), arch.markdown_table())
+                                 check=True)
+        self.assertEqual(printed.stdout.strip(), arch.markdown_table())
+        self.assertNotIn("RuntimeWarning", printed.stderr)
         refused = subprocess.run([sys.executable, "-m", "jax_blockgemm.arch", "--foo"], capture_output=True, text=True)
         self.assertEqual((refused.returncode, refused.stdout), (2, ""))
         self.assertIn("unrecognized arguments: --foo", refused.stderr)
 
-
-    def test_the_command_runs_the_module_once_without_a_warning(self):
-        """`python -m jax_blockgemm.arch` imports the package first: it must not import arch (every operation's module
-        does), or runpy warns that arch is in sys.modules already and runs a second copy as __main__."""
-        printed = subprocess.run([sys.executable, "-m", "jax_blockgemm.arch"], capture_output=True, text=True,
-                                 check=True)
-        self.assertNotIn("RuntimeWarning", printed.stderr)
-        self.assertEqual(printed.stdout.strip(), arch.markdown_table())
 
 if __name__ == "__main__":
     absltest.main()
