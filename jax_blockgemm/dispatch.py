@@ -274,11 +274,11 @@ def _decode_swap_ab_choice(*, fmt: str, ab_dtype: str, sf_dtype: str, sf_vec_siz
     rows = tuning.decode_swap_ab_rows(local_gpu_model(), fmt) if local_targets else None
     if not local_targets or not all(arch.decode_takes_swap_ab(t, fmt, m, measured_rows=rows) for t in local_targets):
         return None
-    tiles = [tile for tile in sorted(catalog.SWAP_AB_DECODE_TILES) if tile[0] >= m]
-    if not tiles:
+    tile = catalog.swap_ab_decode_tile(m)
+    if tile is None:
         return None
     variants = [catalog.select_variant(op="ragged", arch=t, ab_dtype=ab_dtype, c_dtype=str(np.dtype(c_dtype)),
-                                       sf_vec_size=sf_vec_size, sf_dtype=sf_dtype, tile_mn=tiles[0],
+                                       sf_vec_size=sf_vec_size, sf_dtype=sf_dtype, tile_mn=tile[0], k_split=tile[1],
                                        cluster_mn=(1, 1), schedule=catalog.SWAP_AB) for t in sorted(local_targets)]
     if any(v is None for v in variants):  # e.g. a float16 C, which the tile does not write
         return None
@@ -366,22 +366,26 @@ def ragged_kernels(avals_in: Sequence[Any], *, c_dtype: Any, sf_vec_size: int, k
         sf_dtype = catalog.NO_SCALES
     else:
         sf_dtype = catalog.E8M0 if np.dtype(scales.dtype) == np.uint8 else str(np.dtype(scales.dtype))
-    def tile_of(target: str, schedule: str) -> tuple[int, int]:
-        """The bf16 kernels take the table's tile; the swap_ab kernel, where all T tokens fit in one of its decode
-        tiles (MoE decode: a few tokens over many experts), the smallest that holds them (less zero fill, and
-        64-row weight tiles: twice the CTAs); the others 128 x 128."""
+    def tile_of(target: str, schedule: str) -> tuple[tuple[int, int], int]:
+        """(tile, K parts): the bf16 kernels take the table's tile; the swap_ab kernel, where all T tokens fit in one
+        of its decode tiles (MoE decode: a few tokens over many experts), the smallest that holds them (less zero
+        fill, and 64-row weight tiles: twice the CTAs); the others 128 x 128."""
         if sf_vec_size == 0:
-            return arch.policy(target).ragged_bf16_tile
+            return arch.policy(target).ragged_bf16_tile, 1
         if schedule == catalog.SWAP_AB:
-            return next((tile for tile in sorted(catalog.SWAP_AB_DECODE_TILES) if tile[0] >= t), (128, 128))
-        return (128, 128)
+            return catalog.swap_ab_decode_tile(t) or ((128, 128), 1)
+        return (128, 128), 1
 
     def catalog_variants(schedule: str) -> list:
-        return [v for v in (catalog.select_variant(op="ragged", arch=target, ab_dtype=ab_dtype,
-                                                   c_dtype=str(np.dtype(c_dtype)), sf_vec_size=sf_vec_size,
-                                                   sf_dtype=sf_dtype, tile_mn=tile_of(target, schedule),
-                                                   cluster_mn=(1, 1), b_major=b_major, schedule=schedule)
-                            for target in arch.targets()) if v is not None]
+        found = []
+        for target in arch.targets():
+            tile, split = tile_of(target, schedule)
+            v = catalog.select_variant(op="ragged", arch=target, ab_dtype=ab_dtype, c_dtype=str(np.dtype(c_dtype)),
+                                       sf_vec_size=sf_vec_size, sf_dtype=sf_dtype, tile_mn=tile, k_split=split,
+                                       cluster_mn=(1, 1), b_major=b_major, schedule=schedule)
+            if v is not None:
+                found.append(v)
+        return found
 
     fmt = format_key(ab_dtype, sf_dtype, sf_vec_size)
     # The kernels that convert only the weights (MXFP8 E4M3: the tokens dequantized by XLA) where every local GPU

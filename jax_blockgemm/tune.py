@@ -46,8 +46,9 @@ DECODE_SHAPES = ((1, 7168, 7168), (16, 7168, 7168), (64, 7168, 7168))
 DECODE_MATRICES = 16
 # the ragged kernel: (T, G, N, K), equal groups, from a small problem up to the MoE benchmark's (bench --op ragged)
 RAGGED_SHAPES = ((4096, 8, 2048, 7168), (16384, 32, 2048, 7168), (16384, 32, 7168, 2048))
-# the swap_ab decode tiles: (M, N, K) from just past the decode kernel's 16-token tile to the tiles' 64 rows
-DECODE_SWAP_AB_SHAPES = ((17, 7168, 7168), (32, 7168, 7168), (64, 7168, 7168))
+# the swap_ab decode tiles: (M, N, K) from one row to the tiles' 64, each tile at its fewest and most rows (the
+# 16-token tile with K split in two, then 32 and 64 tokens)
+DECODE_SWAP_AB_SHAPES = ((1, 7168, 7168), (16, 7168, 7168), (17, 7168, 7168), (32, 7168, 7168), (64, 7168, 7168))
 SWAP_AB_FORMATS = ("mxfp8_e4m3", "mxfp4", "nvfp4")  # the weight formats the swap_ab kernel converts
 CHOICE_OPS = (tuning.SWAP_AB_RAGGED_OP, tuning.SWAP_AB_DECODE_OP)  # a choice between two kernels of ours
 OPS = ("gemm_amax", "proj_rope", tuning.DECODE_OP, "ragged", *CHOICE_OPS)
@@ -341,7 +342,7 @@ def _decision_text(d: tuning.Decision) -> str:
 
 def problems(ops: Sequence[str], fmts: Sequence[str], shapes: Sequence[tuple]) -> list[tuple[str, str, tuple]]:
     """The (op, fmt, shape) to time: gemm_amax and decode shapes are (M, N, K), proj_rope shapes (T, K, H), ragged
-    shapes (T, G, N, K) (always RAGGED_SHAPES); the decode tile's (M, N, K) with M from 17 to 64."""
+    shapes (T, G, N, K) (always RAGGED_SHAPES); the decode tiles' (M, N, K) with M up to 64."""
     out = []
     if "gemm_amax" in ops:
         out += [("gemm_amax", f, s) for f in fmts if f in GEMM_FORMATS for s in (shapes or GEMM_SHAPES)]
@@ -356,7 +357,7 @@ def problems(ops: Sequence[str], fmts: Sequence[str], shapes: Sequence[tuple]) -
         out += [(tuning.SWAP_AB_RAGGED_OP, f, s) for f in fmts if f in SWAP_AB_FORMATS for s in RAGGED_SHAPES]
     if tuning.SWAP_AB_DECODE_OP in ops:
         out += [(tuning.SWAP_AB_DECODE_OP, f, s) for f in fmts if f in SWAP_AB_FORMATS
-                for s in ([s for s in shapes if 17 <= s[0] <= DECODE_SWAP_AB_SHAPES[-1][0]] if shapes
+                for s in ([s for s in shapes if s[0] <= DECODE_SWAP_AB_SHAPES[-1][0]] if shapes
                           else DECODE_SWAP_AB_SHAPES)]
     return out
 

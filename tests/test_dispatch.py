@@ -664,9 +664,12 @@ class DecodeSwapAbDispatchTest(parameterized.TestCase):
                                    (self.last, 7168, (64, 64))):  # the smallest tile that holds M
                     with self.subTest(implementation=implementation, m=m, k=k):
                         (v,) = _decode(m, implementation=implementation, k=k).variants
-                        self.assertEqual((v.op, v.arch, v.schedule, v.tile_mn, v.c_dtype),
-                                         ("ragged", "sm_90a", catalog.SWAP_AB, tile, "bfloat16"))
-                        self.assertIn(tile, catalog.SWAP_AB_DECODE_TILES)
+                        self.assertEqual((v.op, v.arch, v.schedule, v.tile_mn, v.k_split, v.c_dtype),
+                                         ("ragged", "sm_90a", catalog.SWAP_AB, tile, 1, "bfloat16"))
+            with arch.overridden("9.0", decode_swap_ab_m={"mxfp8_e4m3": (1, 64)}):  # as a tuning table can set it
+                for m in (1, 16):  # the 16-token tile, K split in two
+                    (v,) = _decode(m, k=7168).variants
+                    self.assertEqual((v.op, v.tile_mn, v.k_split), ("ragged", (16, 64), 2), m)
             self.assertEqual(_decode(self.first - 1, k=7168).variants[0].op, "weight_stream")
             self.assertEqual(_decode(self.last + 1, k=7168).variants, ())  # past every decode kernel: M > 64
             self.assertEqual(_decode(40, k=7168, c_dtype=jnp.float32).variants[0].c_dtype, "float32")
@@ -693,9 +696,9 @@ class DecodeSwapAbDispatchTest(parameterized.TestCase):
     def test_the_tile_refuses_more_tokens_than_it_holds(self):
         from jax_blockgemm.kernels import catalog
 
-        for tokens, rows in catalog.SWAP_AB_DECODE_TILES:
+        for tokens, rows, split in catalog.SWAP_AB_DECODE_TILES:
             v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype="float8_e4m3fn", c_dtype="float32",
-                                       sf_vec_size=32, tile_mn=(tokens, rows), cluster_mn=(1, 1),
+                                       sf_vec_size=32, tile_mn=(tokens, rows), cluster_mn=(1, 1), k_split=split,
                                        schedule=catalog.SWAP_AB)
             kernel = catalog.make_kernel(v)
             self.assertEqual(kernel.can_implement(tokens, 160, 96, 1), (True, ""))

@@ -148,14 +148,15 @@ class GpuRaggedTest(parameterized.TestCase):
 
     @parameterized.product(fmt=("mxfp8_e4m3", "mxfp4", "nvfp4"), c_dtype=("float32", "bfloat16"))
     def test_few_tokens_on_the_decode_tiles(self, fmt, c_dtype):
-        """MoE decode: at most 64 tokens in all, over 16 experts, run the swap_ab kernel's decode tiles (32 or 64
-        tokens x 64 weight rows): empty and one-token groups, rows of no group, N off the 64-row tile, K past a
-        promotion group, a NaN block scale in one expert's weight row (that column of its group's rows only); and
-        weight-only on the same tiles."""
+        """MoE decode: at most 64 tokens in all, over 16 experts, run the swap_ab kernel's decode tiles (16 tokens
+        with K split in two, 32 or 64 tokens; 64 weight rows): empty and one-token groups, rows of no group, N off
+        the 64-row tile, K past a promotion group, a NaN block scale in one expert's weight row (that column of its
+        group's rows only); and weight-only on the same tiles."""
         self.enterContext(arch.overridden("9.0", ragged_swap_ab_formats=("mxfp8_e4m3", "mxfp4", "nvfp4")))
         rng = np.random.default_rng(hash((fmt, c_dtype, "decode tiles")) % 2**32)
         g, n, k = 16, 200, 288
-        for t, tile in ((7, "t32x64"), (32, "t32x64"), (50, "t64x64")):
+        for t, tile in ((7, "t16x64_c1x1_swap_ab_k2"), (16, "t16x64_c1x1_swap_ab_k2"), (32, "t32x64_c1x1_swap_ab"),
+                        (50, "t64x64_c1x1_swap_ab")):
             d = random_ragged_inputs(rng, t=t, g=g, n=n, k=k, fmt=fmt)
             gs = np.zeros(g, np.int32)
             gs[[1, 4, 9, 15]] = (1, t // 2, 0, t - t // 2 - 2)  # 2 rows of no group
@@ -164,7 +165,7 @@ class GpuRaggedTest(parameterized.TestCase):
             d["sfb"].view(np.uint8)[bad, 70, 2] = 0x7F if fmt == "nvfp4" else 0xFF
             with self.subTest(t=t):
                 f = jax.jit(lambda gs: _call(d, gs, c_dtype=c_dtype, implementation="cutedsl"))
-                self.assertIn(f"_{tile}_c1x1_swap_ab", f.lower(gs).as_text())
+                self.assertIn(f"_{tile}\"", f.lower(gs).as_text())  # the object's function name ends there
                 c, amax = f(gs)
                 self._check(d, gs, c, amax, c_dtype=c_dtype)
                 self.assertTrue(np.isnan(np.asarray(c, np.float32)[1:1 + t // 2, 70]).all())

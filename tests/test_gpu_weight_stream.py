@@ -219,20 +219,23 @@ class GpuWeightStreamTest(parameterized.TestCase):
 
 # (L, M, N, K) for the swap_ab decode tile: the first and last M of its range, N off the 64-row tile, K off the
 # 256-column padding (a multiple of 32: FP4's 16-byte rows) and long, L > 1 (both decode tiles: 32 and 64 tokens)
-SWAP_AB_SHAPES = ((1, 17, 200, 96), (2, 32, 72, 2080), (2, 40, 136, 544), (1, 64, 64, 4096), (3, 64, 328, 1024))
+# (L, M, N, K): each tile at its fewest and most rows; for the 16-token tile's two K parts one 256-column group (the
+# second part idle), an even number and an odd one
+SWAP_AB_SHAPES = ((1, 1, 200, 96), (2, 7, 136, 1312), (1, 16, 72, 2080), (3, 16, 328, 800), (1, 17, 200, 96),
+                  (2, 32, 72, 2080), (2, 40, 136, 544), (1, 64, 64, 4096), (3, 64, 328, 1024))
 SWAP_AB_FORMATS = ("mxfp8_e4m3", "mxfp4", "nvfp4")  # the weight formats the swap_ab kernel converts
 
 
 @absltest.skipUnless(_has_kernel_gpu() and set(dispatch.local_cuda_capabilities() or ()) == {"9.0"},
                      "needs an sm_90a GPU (the swap_ab decode tile exists for sm_90a only)")
 class GpuDecodeSwapAbTest(parameterized.TestCase):
-    """Decode-sized calls of 17-64 rows against MXFP8 E4M3, MXFP4 and NVFP4 weights on the swap_ab ragged kernel's
-    decode tile (one group of M tokens), through the public API, against the float64 oracle, outputs poisoned. The
-    tile is tested over that whole range, whatever part of it arch.TABLE's decode_swap_ab_m gives it."""
+    """Decode-sized calls of 1-64 rows against MXFP8 E4M3, MXFP4 and NVFP4 weights on the swap_ab ragged kernel's
+    decode tiles (one group of M tokens), through the public API, against the float64 oracle, outputs poisoned. The
+    tiles are tested over that whole range, whatever part of it arch.TABLE's decode_swap_ab_m gives them."""
 
     def setUp(self):
         super().setUp()
-        self.enterContext(arch.overridden("9.0", decode_swap_ab_m={fmt: (17, 64) for fmt in SWAP_AB_FORMATS}))
+        self.enterContext(arch.overridden("9.0", decode_swap_ab_m={fmt: (1, 64) for fmt in SWAP_AB_FORMATS}))
 
     def _weight_only(self, x, w, out_dtype=jnp.float32):
         f = jax.jit(lambda x, w: jbg.weight_only_matmul(x, w, out_dtype=out_dtype, implementation=IMPLEMENTATION))
@@ -262,8 +265,10 @@ class GpuDecodeSwapAbTest(parameterized.TestCase):
     @parameterized.parameters(("mxfp8_e4m3", "m", "n"), ("mxfp8_e4m3", "k", "m"), ("nvfp4", "k", "m"),
                               ("mxfp4", "k", "m"))
     def test_gemm_amax_either_major(self, fmt, a_major, c_major):
-        _gemm_amax_against_oracle(self, (fmt, a_major, c_major, "swap_ab"), fmt, (2, 48, 96, 544), "bfloat16",
-                                  a_major=a_major, c_major=c_major, call="jbg_ragged_gemm_amax")
+        for shape in ((2, 12, 96, 1312), (2, 48, 96, 544)):
+            with self.subTest(shape=shape):
+                _gemm_amax_against_oracle(self, (fmt, a_major, c_major, "swap_ab", shape), fmt, shape, "bfloat16",
+                                          a_major=a_major, c_major=c_major, call="jbg_ragged_gemm_amax")
 
     def test_nan_scale_and_nan_code_poison_exactly_their_rows(self):
         rng = np.random.default_rng(17)
@@ -273,14 +278,16 @@ class GpuDecodeSwapAbTest(parameterized.TestCase):
         codes = np.asarray(w.codes).copy()
         codes.view(np.uint8)[70, 200] = 0x7F  # a NaN code in row 70 (finite scale; the second 64-row tile)
         w = jbg.QuantizedWeight(jnp.asarray(codes), jnp.asarray(scales), w.alpha, "mxfp8_e4m3")
-        y = self._weight_only(oracle_weight_only.random_x(rng, (33, 512), jnp.bfloat16), w)
-        self.assertTrue(np.isnan(y[:, [3, 70]]).all())
-        self.assertFalse(np.isnan(np.delete(y, [3, 70], axis=1)).any())
+        for m in (5, 33):  # the 16-token tile (K split in two) and the 64-token one
+            y = self._weight_only(oracle_weight_only.random_x(rng, (m, 512), jnp.bfloat16), w)
+            self.assertTrue(np.isnan(y[:, [3, 70]]).all(), m)
+            self.assertFalse(np.isnan(np.delete(y, [3, 70], axis=1)).any(), m)
 
     @parameterized.parameters("mxfp8_e4m3", "mxfp4")
     def test_large_scales_take_the_two_multiply_path(self, fmt):
-        for scale_bytes, x, w in _scale_bytes_past_one_multiply(np.random.default_rng(19), 29, fmt):
-            with self.subTest(bytes=scale_bytes):
+        for m, (scale_bytes, x, w) in ((m, case) for m in (13, 29)
+                                       for case in _scale_bytes_past_one_multiply(np.random.default_rng(19), m, fmt)):
+            with self.subTest(m=m, bytes=scale_bytes):
                 oracle_ops.assert_gemm_close(self, self._weight_only(x, w), oracle_weight_only.weight_only_oracle(x, w),
                                              c_dtype=jnp.dtype(jnp.float32))
 
@@ -294,9 +301,10 @@ class GpuDecodeSwapAbTest(parameterized.TestCase):
         scales.view(np.uint8)[3, 1] = 0xFF if fmt == "mxfp4" else 0x7F
         scales.view(np.uint8)[70, 10] = 0xFF if fmt == "mxfp4" else 0x7F
         w = jbg.QuantizedWeight(w.codes, jnp.asarray(scales), w.alpha, fmt)
-        y = self._weight_only(oracle_weight_only.random_x(rng, (33, 512), jnp.bfloat16), w)
-        self.assertTrue(np.isnan(y[:, [3, 70]]).all())
-        self.assertFalse(np.isnan(np.delete(y, [3, 70], axis=1)).any())
+        for m in (5, 33):
+            y = self._weight_only(oracle_weight_only.random_x(rng, (m, 512), jnp.bfloat16), w)
+            self.assertTrue(np.isnan(y[:, [3, 70]]).all(), m)
+            self.assertFalse(np.isnan(np.delete(y, [3, 70], axis=1)).any(), m)
 
 
 if __name__ == "__main__":

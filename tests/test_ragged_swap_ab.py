@@ -194,6 +194,89 @@ class ScaleAddressingTest(parameterized.TestCase):
                                 self.assertEqual(int(got), int(want), (w_batch, tile_n, row, q, i, pair))
 
 
+def _k_split_pipeline(kernel, k_tiles: int) -> str:
+    """Runs a model of the kernel's stage pipeline over k_tiles k-tiles: the producer fills k-tile kt into stage
+    kt % stages once that stage's previous k-tile was released; part p's consumer follows the mainloop's order (wait
+    for a k-tile, multiply it, release the one before, wait for the next: its next group's first k-tile before it
+    releases its group's last), its states starting and skipping as `part_walk` says. Returns "done" or "deadlock";
+    raises AssertionError where a part would read or release a stage that holds another k-tile than the one it
+    multiplies next."""
+    from jax_blockgemm.kernels.sm90.ragged_swap_ab import PROMOTE_TILES as per
+
+    stages, split = kernel.stages, kernel.k_split
+    filled, released = [], set()  # k-tiles filled, in order; k-tiles released
+
+    def consumer(part):
+        first, skip = kernel.part_walk(part)
+        read = release = first  # absolute positions: the stage is position % stages
+        groups = range(part, k_tiles // per, split)
+        if groups:
+            yield ("wait", read, per * part)
+        for q in groups:
+            for i in range(per):
+                read += 1
+                if i > 0:
+                    yield ("release", release, per * q + i - 1)
+                    release += 1
+                if i + 1 < per:
+                    yield ("wait", read, per * q + i + 1)
+                else:
+                    read += skip
+                    if q + split < k_tiles // per:
+                        yield ("wait", read, per * (q + split))
+            yield ("release", release, per * q + per - 1)
+            release += 1 + skip
+
+    parts = [consumer(p) for p in range(split)]
+    pending = [next(c, None) for c in parts]
+    while len(filled) < k_tiles or any(pending):
+        moved = False
+        kt = len(filled)
+        if kt < k_tiles and (kt < stages or kt - stages in released):
+            filled.append(kt)
+            moved = True
+        for p, step in enumerate(pending):
+            if step is None:
+                continue
+            op, position, tile = step
+            assert position == tile, (op, p, position, tile)  # the stage and phase of the k-tile it handles
+            if op == "wait" and tile not in filled:
+                continue
+            if op == "release":
+                released.add(tile)
+            pending[p] = next(parts[p], None)
+            moved = True
+        if not moved:
+            return "deadlock"
+    return "done"
+
+
+class KSplitPipelineModelTest(parameterized.TestCase):
+    """The k_split decode tiles' stage pipeline (kernels/sm90/ragged_swap_ab.py, `mainloop`): each part reads only
+    the k-tiles of its promotion groups, each stage always by the same part, and no part waits forever."""
+
+    @parameterized.product(split=(1, 2, 3), groups=(1, 2, 3, 5, 8, 13))
+    def test_every_part_reads_its_groups_and_finishes(self, split, groups):
+        from jax_blockgemm.kernels.sm90 import ragged_swap_ab
+
+        kernel = ragged_swap_ab.HopperRaggedSwapAB(token_rows=16, weight_warpgroups=1, k_split=split)
+        self.assertEqual(_k_split_pipeline(kernel, groups * ragged_swap_ab.PROMOTE_TILES), "done")
+
+    def test_the_model_catches_a_wrong_walk_and_too_few_stages(self):
+        """The model fails where the kernel would: a part whose states do not skip the other parts' groups reads
+        their stages, and stages for fewer than one promotion group per part leave a part waiting for a k-tile
+        behind the one it has not released."""
+        from jax_blockgemm.kernels.sm90 import ragged_swap_ab
+
+        per = ragged_swap_ab.PROMOTE_TILES
+        kernel = ragged_swap_ab.HopperRaggedSwapAB(token_rows=16, weight_warpgroups=1, k_split=2)
+        with mock.patch.object(kernel, "part_walk", lambda part: (per * part, 0)):
+            with self.assertRaises(AssertionError):
+                _k_split_pipeline(kernel, 4 * per)
+        kernel.stages = per
+        self.assertEqual(_k_split_pipeline(kernel, 4 * per), "deadlock")
+
+
 class CompileTest(parameterized.TestCase):
     """Both swap_ab objects compile for sm_90a to what the design rests on (kernels/sm90/ragged_swap_ab.py)."""
 
@@ -216,14 +299,15 @@ class CompileTest(parameterized.TestCase):
         self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
 
     @parameterized.product(fmt=((32, E8M0), (16, E4M3)), c_dtype=(F32, BF16),
-                           tile=((128, 128), *catalog.SWAP_AB_DECODE_TILES))
+                           tile=((128, 128, 1), *catalog.SWAP_AB_DECODE_TILES))
     def test_fp4_structure(self, fmt, c_dtype, tile):
         """MXFP4 and NVFP4 objects: 8-byte shared loads of a thread's 16 codes, the register-sourced wgmma as wide as
         the tile's tokens, the E2M1 bit moves (no FP8 converter) with 2^126 for the two-multiply path, no local
         memory."""
         block, sf = fmt
         v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype=FP4, c_dtype=c_dtype, sf_vec_size=block,
-                                   sf_dtype=sf, tile_mn=tile, cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
+                                   sf_dtype=sf, tile_mn=tile[:2], k_split=tile[2], cluster_mn=(1, 1),
+                                   schedule=catalog.SWAP_AB)
         c = compiled(v)
         self.assertEqual((c.kernel.row_bytes, c.kernel.lane_bytes), (32, 8))
         self.assertTrue(re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile[0]}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
@@ -237,16 +321,18 @@ class CompileTest(parameterized.TestCase):
 
     @parameterized.product(c_dtype=(F32, BF16), tile=catalog.SWAP_AB_DECODE_TILES)
     def test_decode_tile_structure(self, c_dtype, tile):
-        """The decode tiles (catalog.SWAP_AB_DECODE_TILES): one MMA warpgroup per 64 weight rows, as many tokens wide
-        as the tile, the same register-sourced wgmma and no local memory."""
+        """The decode tiles (catalog.SWAP_AB_DECODE_TILES): one MMA warpgroup per 64 weight rows and K part, as many
+        tokens wide as the tile, the same register-sourced wgmma with the MMA warpgroups' 232 registers, and no local
+        memory."""
+        tokens, rows, split = tile
         v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype=E4M3, c_dtype=c_dtype, sf_vec_size=32,
-                                   tile_mn=tile, cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
+                                   tile_mn=(tokens, rows), k_split=split, cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
         c = compiled(v)
-        tokens, rows = tile
         self.assertEqual(c.kernel.tile_mnk[:2], (tokens, rows))
-        self.assertEqual(c.kernel.threads_per_cta, 128 * (1 + rows // 64))
+        self.assertEqual(c.kernel.threads_per_cta, 128 * (1 + rows // 64 * split))
         self.assertTrue(re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tokens}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
                                   r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", c.ptx))
+        self.assertTrue(re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", c.ptx))
         self.assertFalse(re.search(r"\.local", c.ptx))
         resources = structure.cubin_resources(c.fn.__cubin__)
         self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
@@ -381,10 +467,11 @@ class DispatchTest(absltest.TestCase):
         """MoE decode (all T tokens within 64, over many experts): every group fits a decode tile, so the swap_ab
         kernel runs on the smallest that holds T; from 65 tokens on, the MoE tile."""
         with arch.overridden("9.0", unverified_schedules=()):
-            for t, tile in ((1, "t32x64"), (32, "t32x64"), (33, "t64x64"), (64, "t64x64"), (65, "t128x128")):
+            for t, tile in ((1, "t16x64.c1x1.swap_ab.k2"), (16, "t16x64.c1x1.swap_ab.k2"), (17, "t32x64.c1x1.swap_ab"),
+                            (32, "t32x64.c1x1.swap_ab"), (33, "t64x64.c1x1.swap_ab"), (64, "t64x64.c1x1.swap_ab"),
+                            (65, "t128x128.c1x1.swap_ab")):
                 choice, _ = _choice(t=t, g=256)
-                self.assertEqual([v.key for v in choice.variants],
-                                 [f"ragged.sm_90a.e4m3.bf16.sf32.{tile}.c1x1.swap_ab"], t)
+                self.assertEqual([v.key for v in choice.variants], [f"ragged.sm_90a.e4m3.bf16.sf32.{tile}"], t)
 
     def test_constants_agree(self):
         """The swap_ab names and sizes each layer keeps (the kernels import cutlass, the lowering must not): the
@@ -399,10 +486,10 @@ class DispatchTest(absltest.TestCase):
 
     def test_catalog(self):
         swapped = [v for v in catalog.CATALOG if v.schedule == catalog.SWAP_AB]
-        tiles = sorted(((128, 128), *catalog.SWAP_AB_DECODE_TILES))
+        tiles = sorted(((128, 128, 1), *catalog.SWAP_AB_DECODE_TILES))
         formats = sorted([(E4M3, 32, E8M0), (FP4, 32, E8M0), (FP4, 16, E4M3)])
-        self.assertEqual(sorted((v.op, v.arch, v.ab_dtype, v.sf_vec_size, v.sf_dtype, v.c_dtype, v.tile_mn)
-                                for v in swapped if v.op == "ragged"),
+        self.assertEqual(sorted((v.op, v.arch, v.ab_dtype, v.sf_vec_size, v.sf_dtype, v.c_dtype,
+                                 (*v.tile_mn, v.k_split)) for v in swapped if v.op == "ragged"),
                          [("ragged", "sm_90a", *fmt, c, tile)
                           for fmt in formats for c in (BF16, F32) for tile in tiles])
         self.assertEqual([(v.arch, v.ab_dtype, v.c_dtype) for v in swapped if v.op == "dequantize"],

@@ -454,7 +454,7 @@ class SwapAbChoiceTest(absltest.TestCase):
         self.assertEqual(tune.problems(("decode_swap_ab",), ("mxfp4", "mxfp8_e5m2"), ()),
                          [("decode_swap_ab", "mxfp4", s) for s in tune.DECODE_SWAP_AB_SHAPES])  # E5M2: no swap_ab
         self.assertEqual(tune.problems(("decode_swap_ab",), ("nvfp4",), [(16, 64, 64), (40, 64, 64), (65, 8, 8)]),
-                         [("decode_swap_ab", "nvfp4", (40, 64, 64))])  # M from 17 to 64 only
+                         [("decode_swap_ab", "nvfp4", (16, 64, 64)), ("decode_swap_ab", "nvfp4", (40, 64, 64))])
         self.assertEqual(tune.problems(("ragged_swap_ab",), ("mxfp8_e4m3", "bf16"), ()),
                          [("ragged_swap_ab", "mxfp8_e4m3", s) for s in tune.RAGGED_SHAPES])
         self.assertEqual(tune.problem_size("decode_swap_ab", (40, 64, 64)), 40)
@@ -545,6 +545,8 @@ class SwapAbChoiceTest(absltest.TestCase):
         self.enter_context(mock.patch.object(timing, "interleaved_medians_ms", return_value=[1.0, 2.0]))
         cases = [("decode_swap_ab", "mxfp4", (17, 256, 512), ["e2m1.bf16.sf32.t32x64.c1x1.swap_ab"],
                   ["weight_stream.sm_90a.e2m1.bf16"]),
+                 ("decode_swap_ab", "nvfp4", (16, 256, 512), ["e2m1.bf16.sf16e4m3.t16x64.c1x1.swap_ab.k2"],
+                  ["weight_stream.sm_90a.e2m1.bf16.sf16e4m3"]),
                  ("ragged_swap_ab", "mxfp8_e4m3", (512, 4, 128, 512),
                   ["dequantize.sm_90a.e4m3.bf16.sf32.t1x16.c1x1.swap_ab", "e4m3.bf16.sf32.t128x128.c1x1.swap_ab"],
                   ["ragged.sm_90a.e4m3.bf16.sf32.t128x128.c1x1"])]
@@ -579,9 +581,9 @@ class SwapAbChoiceTest(absltest.TestCase):
         self.assertRegex(text, r"decode_swap_ab\s+mxfp4\s+17x7168x7168\s+1.000\s+2.000\s+2.00x\s+ours: swap_ab")
         self.assertIn("ragged_swap_ab mxfp4: the swap_ab kernel from size", text)
         self.assertIn("ragged_swap_ab nvfp4: the block-scaled kernel", text)
-        self.assertIn("decode_swap_ab mxfp4: the swap_ab decode tile at M = 17-64", text)
+        self.assertIn("decode_swap_ab mxfp4: the swap_ab decode tile at M = 1-64", text)
         self.assertIn("decode_swap_ab nvfp4: the decode kernel", text)
-        self.assertEqual(tuning.decode_swap_ab_rows(H200, "mxfp4"), (17, 64))
+        self.assertEqual(tuning.decode_swap_ab_rows(H200, "mxfp4"), (1, 64))
         self.assertEqual(tuning.decode_swap_ab_rows(H200, "nvfp4"), (1, 0))
         self.assertIsNone(tuning.decode_swap_ab_rows(H200, "mxfp8_e4m3"))  # not timed: arch.TABLE decides
         self.assertFalse(tuning.takes_swap_ab(H200, "nvfp4", 2**40))

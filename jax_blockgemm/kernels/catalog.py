@@ -104,11 +104,13 @@ class KernelVariant:
     # "" for every kernel but sm_90a proj_rope's, whose persistent kernel with an epilogue warpgroup is "staged",
     # the sm_90a ragged kernels that convert only the weights (SWAP_AB), and the dequantize kernel of their tokens
     schedule: str = ""
+    k_split: int = 1  # SWAP_AB decode tiles: parts of K, each its own MMA warpgroups on the same weight rows
 
     @property
     def key(self) -> str:
         """Unique, filesystem-safe name, e.g. 'gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1' (or '...sf16e4m3...',
-        '.bn' for an N-major B, '.<schedule>' for a non-default schedule, '.<flavor>' for a test variant)."""
+        '.bn' for an N-major B, '.<schedule>' for a non-default schedule, '.k2' for K split in two parts, '.<flavor>'
+        for a test variant)."""
         sf = "" if self.sf_dtype == E8M0 else _SHORT.get(self.sf_dtype, self.sf_dtype)
         return (f"{self.op}.{self.arch}.{_SHORT.get(self.ab_dtype, self.ab_dtype)}."
                 f"{_SHORT.get(self.c_dtype, self.c_dtype)}.sf{self.sf_vec_size}{sf}."
@@ -116,6 +118,7 @@ class KernelVariant:
                 + ("" if self.a_major == "k" else f".a{self.a_major}")
                 + ("" if self.b_major == "k" else f".b{self.b_major}")
                 + (f".{self.schedule}" if self.schedule else "")
+                + (f".k{self.k_split}" if self.k_split > 1 else "")
                 + (f".{self.flavor}" if self.flavor else ""))
 
     @property
@@ -180,7 +183,7 @@ def _ragged_factory(v: KernelVariant) -> Any:
 
     if v.schedule == SWAP_AB:
         return HopperRaggedSwapAB(c_dtype=v.c_dtype, token_rows=v.tile_mn[0], weight_warpgroups=v.tile_mn[1] // 64,
-                                  w_dtype=v.ab_dtype, sf_vec_size=v.sf_vec_size, sf_dtype=v.sf_dtype)
+                                  k_split=v.k_split, w_dtype=v.ab_dtype, sf_vec_size=v.sf_vec_size, sf_dtype=v.sf_dtype)
     if v.ab_dtype == "bfloat16":
         return HopperRaggedBf16Gemm(c_dtype=v.c_dtype, b_major=v.b_major, tile_n=v.tile_mn[1])
     return HopperRaggedGemmAmax(ab_dtype=v.ab_dtype, c_dtype=v.c_dtype, sf_vec_size=v.sf_vec_size,
@@ -253,10 +256,11 @@ NO_SCALES = "none"  # the sf_dtype of variants whose operands carry no block sca
 # (kernels/sm90/ragged_swap_ab.py); their ABI's a is `swap_ab_layout.swap_ab_tokens` of the dequantized tokens.
 SWAP_AB = "swap_ab"
 WEIGHT_STREAM_TILES = ((32, 16), (32, 64))
-# (tokens, weight rows) of the swap_ab ragged kernel's decode tiles: decode-sized calls of the M range arch.TABLE's
-# decode_swap_ab_m names run as one group of M tokens on the smallest that holds them (rows past M would be TMA zero
-# fill, which costs; docs/design/decode.md)
-SWAP_AB_DECODE_TILES = ((32, 64), (64, 64))
+# (tokens, weight rows, K parts) of the swap_ab ragged kernel's decode tiles: decode-sized calls of the M range
+# arch.TABLE's decode_swap_ab_m names run as one group of M tokens on the smallest that holds them (rows past M
+# would be TMA zero fill, which costs; docs/design/decode.md). The 16-token tile splits K over two MMA warpgroups:
+# with one, its conversion chain per SM was slower than the decode kernel's 16 warps.
+SWAP_AB_DECODE_TILES = ((16, 64, 2), (32, 64, 1), (64, 64, 1))
 # The weight formats the swap_ab kernel converts in registers ((codes, scale block, scale dtype)): MXFP8 E4M3,
 # MXFP4, NVFP4, as the kernel defines them
 SWAP_AB_FORMATS = _ragged_swap_ab.WEIGHT_FORMATS
@@ -322,11 +326,12 @@ CATALOG: tuple[KernelVariant, ...] = (
             for ab, v, sf in RAGGED_FORMATS for c in (_SM90_FP4_C if ab == "float4_e2m1fn" else (*_C, "float16")))
     # ... and for MXFP8 E4M3, MXFP4 and NVFP4 weights with f32 or bf16 C, the roles swapped: the tokens dequantized
     # to bf16 by XLA, only the weights' codes converted in the kernel, in registers (what `implementation=None` runs
-    # for them), on 128 x 128 tiles and on the decode tiles (32 or 64 tokens x 64 weight rows, a CTA per 64 rows), for
-    # decode-sized calls;
+    # for them), on 128 x 128 tiles and on the decode tiles (16, 32 or 64 tokens x 64 weight rows, a CTA per 64 rows),
+    # for decode-sized calls;
     + tuple(KernelVariant(op="ragged", arch="sm_90a", ab_dtype=w, c_dtype=c, sf_vec_size=v, sf_dtype=sf,
-                          schedule=SWAP_AB, tile_mn=tile)
-            for w, v, sf in SWAP_AB_FORMATS for tile in ((128, 128), *SWAP_AB_DECODE_TILES) for c in _C)
+                          schedule=SWAP_AB, tile_mn=(tokens, rows), k_split=split)
+            for w, v, sf in SWAP_AB_FORMATS for tokens, rows, split in ((128, 128, 1), *SWAP_AB_DECODE_TILES)
+            for c in _C)
     # ... on sm_100a the block-scaled tcgen05 form (kernels/sm100/ragged.py; compiled here, gated by the first-use
     # self-check on a B200), f32 or bf16 C (its epilogue stores elements: no FP8/FP4 C there);
     + tuple(KernelVariant(op="ragged", arch="sm_100a", ab_dtype=ab, c_dtype=c, sf_vec_size=v, sf_dtype=sf)
@@ -379,12 +384,18 @@ def variants_for(arch: str, op: str | None = None) -> tuple[KernelVariant, ...]:
 
 def select_variant(*, arch: str, ab_dtype: str, c_dtype: str, sf_vec_size: int, tile_mn: tuple,
                    cluster_mn: tuple, sf_dtype: str = E8M0, op: str = "gemm_amax",
-                   b_major: str = "k", a_major: str = "k", schedule: str = "") -> KernelVariant | None:
+                   b_major: str = "k", a_major: str = "k", schedule: str = "", k_split: int = 1
+                   ) -> KernelVariant | None:
     """The catalog entry matching every field exactly, or None."""
     want = KernelVariant(op=op, arch=arch, ab_dtype=str(ab_dtype), c_dtype=str(c_dtype), sf_vec_size=int(sf_vec_size),
                          tile_mn=tuple(tile_mn), cluster_mn=tuple(cluster_mn), sf_dtype=str(sf_dtype),
-                         b_major=b_major, a_major=a_major, schedule=str(schedule))
+                         b_major=b_major, a_major=a_major, schedule=str(schedule), k_split=int(k_split))
     return want if want in CATALOG else None
+
+
+def swap_ab_decode_tile(tokens: int) -> tuple[tuple[int, int], int] | None:
+    """((tokens, weight rows), K parts) of the smallest swap_ab decode tile that holds `tokens` rows, or None."""
+    return next((((t, rows), split) for t, rows, split in sorted(SWAP_AB_DECODE_TILES) if t >= tokens), None)
 
 
 def make_kernel(v: KernelVariant) -> Any:

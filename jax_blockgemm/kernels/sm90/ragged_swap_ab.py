@@ -40,6 +40,11 @@ K: 6e-6 relative over 8192 as gemm_amax measured, so about 2e-7 over 256): SPEC 
 holds C transposed (weight rows x tokens); the epilogue writes it through shared memory (reusing the stages) and stores
 C rows of the item with 16-byte stores, amax of what it stored by one atomic per CTA.
 
+The decode tiles (few tokens, one 64-row warpgroup) leave an SM one conversion chain per CTA; with `k_split` parts the
+CTA runs that many MMA warpgroups on the same weight rows, part p multiplying K's promotion groups p, p + k_split, ...
+out of stages it alone reads (two promotion groups of stages per part), and the epilogue adds the parts' fp32 tiles
+in part order: the same bits on every run.
+
 ABI: the ragged one (catalog "ragged"), fn(a, b, sfa, sfb, items, c, amax, alpha, t, n, k, l, g, max_items, stream),
 with a the permuted bf16 tokens (L, T, K256), K256 = K rounded up to 256 (zeros past K); b the codes (L·G, N, K),
 packed FP4 (L·G, N, K/2); sfb their scale bytes (E8M0, or E4M3 for NVFP4) compact, (L·G, N, ceil(K/block)), which
@@ -65,6 +70,9 @@ K_TILE = 64  # codes of K per stage
 PROMOTE_TILES = 4  # k-tiles per partial sum of the tensor cores (256 of K), added to the fp32 accumulator
 K_PAD = PROMOTE_TILES * K_TILE  # the tokens' K is padded to this: the mainloop runs whole promotion groups
 STAGES = 6  # 24 KB each with the default tile and FP8 codes (16 KB of tokens, 8 KB of codes)
+MAX_STAGE_BYTES = 200 * 1024  # the stages' shared memory, leaving room for barriers within the SM's 227 KB
+REGISTERS = 65536  # per SM, all a CTA of these kernels is launched with (one CTA per SM)
+MIN_CONSUMER_REGS = 152  # a 64-token part's accumulator, partial sum and two fragments without spills
 E8M0 = "float8_e8m0fnu"
 # The weight formats the kernel converts: (codes, scale block, scale dtype): MXFP8 E4M3, MXFP4, NVFP4
 WEIGHT_FORMATS = (("float8_e4m3fn", 32, E8M0), ("float4_e2m1fn", 32, E8M0), ("float4_e2m1fn", 16, "float8_e4m3fn"))
@@ -76,13 +84,16 @@ class HopperRaggedSwapAB:
     weight); f32 or bf16 C. Compile-time configuration only."""
 
     def __init__(self, *, c_dtype: str = "float32", token_rows: int = ITEM_ROWS, weight_warpgroups: int = 2,
-                 w_dtype: str = "float8_e4m3fn", sf_vec_size: int = 32, sf_dtype: str = E8M0):
+                 k_split: int = 1, w_dtype: str = "float8_e4m3fn", sf_vec_size: int = 32, sf_dtype: str = E8M0):
         """token_rows: tokens per CTA tile (the wgmma's N; an item's rows past it are not computed, so a tile
-        smaller than ITEM_ROWS serves only calls whose groups fit in it); weight_warpgroups: MMA warpgroups, each
-        64 weight rows; (w_dtype, sf_vec_size, sf_dtype): the weights' format, one of WEIGHT_FORMATS."""
+        smaller than ITEM_ROWS serves only calls whose groups fit in it); weight_warpgroups: MMA warpgroups of a
+        part, each 64 weight rows; k_split: parts per CTA, part p taking K's promotion groups p, p + k_split, ...
+        of the same weight rows (more conversion chains per SM for few tokens; the parts' fp32 tiles summed in
+        part order); (w_dtype, sf_vec_size, sf_dtype): the weights' format, one of WEIGHT_FORMATS."""
         common.require_choice("c_dtype", c_dtype, tuple(C_DTYPES))
         common.require_choice("token_rows", token_rows, (16, 32, 64, ITEM_ROWS))
         common.require_choice("weight_warpgroups", weight_warpgroups, (1, 2))
+        common.require_choice("k_split", k_split, (1, 2, 3))
         common.require_choice("(w_dtype, sf_vec_size, sf_dtype)", (w_dtype, sf_vec_size, sf_dtype), WEIGHT_FORMATS)
         self.fp4 = w_dtype == "float4_e2m1fn"
         self.sf_e4m3 = sf_dtype == "float8_e4m3fn"  # NVFP4: E4M3 scales per 16 codes, and alpha
@@ -95,18 +106,36 @@ class HopperRaggedSwapAB:
         self.c_dtype = C_DTYPES[c_dtype]
         self.acc_dtype = cutlass.Float32
         self.weight_warpgroups = weight_warpgroups
+        self.k_split = k_split
         self.tile_mnk = (token_rows, 64 * weight_warpgroups, K_TILE)  # tokens (the TMA's A), weight rows, k-tile
         self.c_stage_stride = self.tile_mnk[1] + 4  # words per token row of the epilogue's fp32 tile (the 4 extra
         # spread the banks)
         self.threads_per_wg = 128
-        self.num_consumer_warps = 4 * weight_warpgroups
-        # Warpgroup 0 produces (its warp 0 issues the TMA copies) with few registers, warpgroups 1-2 multiply with
-        # up to 232: ptxas budgets a wgmma kernel's registers per warpgroup, so 288 threads would cap both at 168.
-        self.threads_per_cta = (1 + weight_warpgroups) * self.threads_per_wg
+        self.release_warps = 4 * weight_warpgroups  # the warps that read (and release) a stage: one part's
+        self.num_consumer_warps = self.release_warps * k_split
+        # Warpgroup 0 produces (its warp 0 issues the TMA copies) with few registers, the MMA warpgroups multiply
+        # with up to 232: ptxas budgets a wgmma kernel's registers per warpgroup, so 384 threads would cap all at
+        # 168. setmaxnreg moves registers between warpgroups within what the CTA was launched with (64 K).
+        mma_warpgroups = weight_warpgroups * k_split
+        self.threads_per_cta = (1 + mma_warpgroups) * self.threads_per_wg
         self.producer_regs = 40
-        self.consumer_regs = 232
+        per_warpgroup = (REGISTERS // self.threads_per_wg - self.producer_regs) // mma_warpgroups
+        self.consumer_regs = min(232, per_warpgroup // 8 * 8)
+        if self.consumer_regs < MIN_CONSUMER_REGS:
+            raise ValueError(f"weight_warpgroups * k_split must leave each MMA warpgroup {MIN_CONSUMER_REGS} "
+                             f"registers a thread, got {weight_warpgroups} * {k_split}")
         self.epilogue_barrier_id = 1
-        self.stages = STAGES
+        # k_split parts: two promotion groups of stages each (at least one is needed: a part waits for its next
+        # group's first k-tile before it releases its current group's last), so each part's next group streams in
+        # while it multiplies the current one; part p's groups then always land in the same stages
+        self.stages = STAGES if k_split == 1 else 2 * k_split * PROMOTE_TILES
+        stage_bytes = token_rows * K_TILE * 2 + 64 * weight_warpgroups * self.row_bytes
+        if self.stages * stage_bytes > MAX_STAGE_BYTES:
+            raise ValueError(f"{self.stages} stages of {stage_bytes} bytes exceed {MAX_STAGE_BYTES} bytes of shared "
+                             f"memory: token_rows={token_rows}, weight_warpgroups={weight_warpgroups}, "
+                             f"k_split={k_split}")
+        # the epilogue's fp32 tiles, one per part, lie over the tokens' drained stages
+        assert k_split * token_rows * self.c_stage_stride * 4 <= self.stages * token_rows * K_TILE * 2
         self.has_alpha = True  # the ABI passes alpha, one per weight (L·G)
 
     def can_implement(self, t: int, n: int, k: int, l: int, g: int = 1) -> tuple[bool, str]:
@@ -184,7 +213,7 @@ class HopperRaggedSwapAB:
             mX_item = cute.domain_offset((rows_lo, 0, 0), mX)
             storage, ab_pipeline, sX, sW, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
                 tidx, warp_idx, tma_atom_x, mX_item, tma_atom_w, mW, x_staged, w_staged, self.shared_storage,
-                (cutlass.BFloat16, self.ab_dtype), self.stages, self.num_consumer_warps, self.tile_mnk,
+                (cutlass.BFloat16, self.ab_dtype), self.stages, self.release_warps, self.tile_mnk,
                 self.threads_per_wg, self.row_bytes)
             zero = group < 0
             k_tiles = cutlass.select_(zero, PROMOTE_TILES, k_tiles)  # zeros: one group of k-tiles, never added
@@ -198,21 +227,28 @@ class HopperRaggedSwapAB:
                     ab_pipeline.producer_tail(state)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
-                mma_tid = tidx - self.threads_per_wg  # 0..255 over the MMA warpgroups
-                acc = self.mainloop(ab_pipeline, tiled_mma, sX, sW, sfb, wg_idx - 1, mma_tid, tile_n, w_batch, n, k,
-                                    k_tiles)
+                mma_tid = tidx - self.threads_per_wg  # 0.. over the MMA warpgroups
+                # MMA warpgroup w: weight rows 64(w % weight_warpgroups) of part w // weight_warpgroups
+                row_wg = (wg_idx - 1) % self.weight_warpgroups
+                part = 0
+                if cutlass.const_expr(self.k_split > 1):
+                    part = (wg_idx - 1) // self.weight_warpgroups
+                acc = self.mainloop(ab_pipeline, tiled_mma, sX, sW, sfb, row_wg, part, mma_tid, tile_n, w_batch, n,
+                                    k, k_tiles)
                 scale = alpha[w_batch]  # this weight's factor on the sums (ones for the MX formats' usual call)
                 for j in cutlass.range_constexpr(cute.size(acc)):
                     acc[j] = acc[j] * scale
                 if zero:  # after alpha: rows of no group stay zero whatever group 0's alpha holds
                     acc.fill(0.0)
-                self.epilogue(acc, storage, c, amax, t, n, tile_n, batch, rows_lo, rows_hi, wg_idx - 1, mma_tid)
+                self.epilogue(acc, storage, c, amax, t, n, tile_n, batch, rows_lo, rows_hi, row_wg, part, mma_tid)
 
     @cute.jit
     def mainloop(self, ab_pipeline, tiled_mma: cute.TiledMma, sX: cute.Tensor, sW: cute.Tensor, sfb: cute.Tensor,
-                 wg_idx, tidx, tile_n, w_batch, n, k, k_tiles):
-        """This thread's part of the warpgroup's fp32 accumulator (its 64 weight rows x 128 tokens) over all of K.
-        k_tiles is a multiple of PROMOTE_TILES (the tokens' K is padded to K_PAD)."""
+                 wg_idx, part, tidx, tile_n, w_batch, n, k, k_tiles):
+        """This thread's part of the warpgroup's fp32 accumulator (its 64 weight rows x the tile's tokens) over
+        K's promotion groups part, part + k_split, ... (all of K without a split). k_tiles is a multiple of
+        PROMOTE_TILES (the tokens' K is padded to K_PAD). Stage s is read by part s // PROMOTE_TILES % k_split
+        alone: the parts' states start PROMOTE_TILES·part stages apart and skip the other parts' groups."""
         bt, bw, bk = self.tile_mnk
         thr_mma = tiled_mma.get_slice(wg_idx * self.threads_per_wg)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
@@ -240,13 +276,22 @@ class HopperRaggedSwapAB:
         group_scales = lambda q: [ptx_ops.ld_global_nc_u8(at + self._scale_block(q, i, pair, blocks))
                                   for i in range(per) for at in rows_at]
 
-        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        here = group_scales(0)
-        ab_pipeline.consumer_wait(read_state)
-        self.convert(frags[0], code_at, read_state.index * stage_bytes, here[0:2])
-        for q in range(k_tiles // per):
-            ahead = group_scales(q + 1)
+        split = self.k_split
+        first, skip = self.part_walk(part)
+        read_state = pipeline.PipelineState(self.stages, cutlass.Int32(0), cutlass.Int32(first), cutlass.Int32(0))
+        release_state = pipeline.PipelineState(self.stages, cutlass.Int32(0), cutlass.Int32(first), cutlass.Int32(0))
+        mine = (k_tiles // per - part + split - 1) // split  # this part's promotion groups (part 0 has one or more)
+        here = group_scales(part)
+        if cutlass.const_expr(split == 1):
+            ab_pipeline.consumer_wait(read_state)
+            self.convert(frags[0], code_at, read_state.index * stage_bytes, here[0:2])
+        else:
+            if mine > 0:  # parts past the last group have none
+                ab_pipeline.consumer_wait(read_state)
+                self.convert(frags[0], code_at, read_state.index * stage_bytes, here[0:2])
+        for j in range(mine):
+            q = part + j * split
+            ahead = group_scales(q + split)
             for i in cutlass.range_constexpr(per):
                 cute.nvgpu.warpgroup.fence()
                 for ks in cutlass.range_constexpr(k_steps):
@@ -265,16 +310,25 @@ class HopperRaggedSwapAB:
                     self.convert(frags[(i + 1) % 2], code_at, read_state.index * stage_bytes,
                                  here[2 * i + 2:2 * i + 4])
                 else:
-                    if per * q + per < k_tiles:
+                    if cutlass.const_expr(split > 1):
+                        read_state.advance(skip)  # past the other parts' groups
+                    if j + 1 < mine:
                         ab_pipeline.consumer_wait(read_state)
                         self.convert(frags[0], code_at, read_state.index * stage_bytes, ahead[0:2])
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(release_state)
             release_state.advance()
+            if cutlass.const_expr(split > 1):
+                release_state.advance(skip)
             for j in cutlass.range_constexpr(cute.size(acc)):
                 acc[j] = acc[j] + partial[j]
             here = ahead
         return acc
+
+    def part_walk(self, part):
+        """(the stage of part `part`'s first k-tile, the stages its pipeline states skip after each of its promotion
+        groups): the producer fills stages in K order, and part p reads groups p, p + k_split, ..."""
+        return PROMOTE_TILES * part, PROMOTE_TILES * (self.k_split - 1)
 
     @staticmethod
     def _scale_row_at(sfb: cute.Tensor, w_batch, row, n, blocks) -> cutlass.Int64:
@@ -363,15 +417,16 @@ class HopperRaggedSwapAB:
 
     @cute.jit
     def epilogue(self, acc: cute.Tensor, storage, c: cute.Tensor, amax: cute.Tensor, t, n, tile_n, batch, rows_lo,
-                 rows_hi, wg_idx, tidx):
+                 rows_hi, wg_idx, part, tidx):
         """C rows [rows_lo, rows_hi) of the item (its token tile starts at rows_lo), columns of this weight tile
-        below N, from the transposed accumulators: written to shared memory as an fp32 (token, weight row) tile over
-        the drained stages, then each token row stored in 16-byte pieces where N allows (else element by element);
-        amax of what was stored."""
+        below N, from the transposed accumulators: written to shared memory as an fp32 (token, weight row) tile per
+        part over the drained stages, then each token row (the parts' tiles summed in part order) stored in 16-byte
+        pieces where N allows (else element by element); amax of what was stored."""
         bt, bw, _ = self.tile_mnk
         mma_threads = self.num_consumer_warps * 32
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=mma_threads)  # stages drained
-        tile_at = storage.sA.data_ptr().toint()
+        part_bytes = bt * self.c_stage_stride * 4
+        tile_at = storage.sA.data_ptr().toint() + part * part_bytes
         lane = tidx % 32
         row0 = wg_idx * 64 + (tidx // 32 % 4) * 16 + lane // 4
         # accumulator value (v0, v1, j): weight row row0 + 8·v1, token 8j + 2·(lane % 4) + v0
@@ -382,6 +437,7 @@ class HopperRaggedSwapAB:
                     ptx_ops.st_shared_u32(tile_at + (token * self.c_stage_stride + row0 + 8 * v1) * 4,
                                           common.bits_from_f32(acc[v0 + 2 * v1 + 4 * j]))
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=mma_threads)
+        tile_at = storage.sA.data_ptr().toint()
 
         # Each thread stores `per` consecutive columns of a token row: 4 (f32) or 8 (bf16) per 16 bytes.
         per = 16 // (self.c_dtype.width // 8)
@@ -392,15 +448,26 @@ class HopperRaggedSwapAB:
         vector = (n % per == 0) & (gcol + per <= n)
         c_addr = c.iterator.toint()
         amax_bits = cutlass.Int32(0)
-        for pass_ in cutlass.range_constexpr(bt // rows_per_pass):
+        rows_end = rows_hi  # k_split parts can leave a pass more threads than the tile has token rows
+        if cutlass.const_expr(bt % rows_per_pass):
+            rows_end = cutlass.min(rows_hi, rows_lo + bt)
+        for pass_ in cutlass.range_constexpr(-(-bt // rows_per_pass)):
             token = pass_ * rows_per_pass + tidx // threads_per_row
             row = rows_lo + token
-            if row < rows_hi:
+            if row < rows_end:
                 values = []
                 for q in cutlass.range_constexpr(per // 4):
                     values += ptx_ops.ld_shared_v4(tile_at + (token * self.c_stage_stride + col + 4 * q) * 4)
                 at = (cutlass.Int64(batch) * t + row) * n + gcol
                 xs = [common.f32_from_bits(v) for v in values]
+                for p in cutlass.range_constexpr(1, self.k_split):
+                    for q in cutlass.range_constexpr(per // 4):
+                        more = ptx_ops.ld_shared_v4(tile_at + p * part_bytes
+                                                    + (token * self.c_stage_stride + col + 4 * q) * 4)
+                        for e in cutlass.range_constexpr(4):
+                            xs[4 * q + e] = xs[4 * q + e] + common.f32_from_bits(more[e])
+                if cutlass.const_expr(self.k_split > 1):
+                    values = [common.bits_from_f32(x) for x in xs]
                 for e in cutlass.range_constexpr(per):
                     if gcol + e < n:
                         amax_bits = cutlass.max(amax_bits, common.abs_bits(xs[e]))
