@@ -289,8 +289,8 @@ class HopperRaggedSwapAB:
             if mine > 0:  # parts past the last group have none
                 ab_pipeline.consumer_wait(read_state)
                 self.convert(frags[0], code_at, read_state.index * stage_bytes, here[0:2])
-        for j in range(mine):
-            q = part + j * split
+        for nth in range(mine):
+            q = part + nth * split
             ahead = group_scales(q + split)
             for i in cutlass.range_constexpr(per):
                 cute.nvgpu.warpgroup.fence()
@@ -312,7 +312,7 @@ class HopperRaggedSwapAB:
                 else:
                     if cutlass.const_expr(split > 1):
                         read_state.advance(skip)  # past the other parts' groups
-                    if j + 1 < mine:
+                    if nth + 1 < mine:
                         ab_pipeline.consumer_wait(read_state)
                         self.convert(frags[0], code_at, read_state.index * stage_bytes, ahead[0:2])
             cute.nvgpu.warpgroup.wait_group(0)
