@@ -373,6 +373,12 @@ NB_MODULE(_jbg_ffi, m) {
       "whether a and b, and C, are packed FP4, whether the objects take alpha, whether a and b are bfloat16 (no "
       "scales), whether b is N-major and whether a is bfloat16 tokens for the codes of b (a_dtype, empty: "
       "ab_dtype's).");
+  m.def(
+      "check_ragged_amax_used",
+      [](int64_t amax_used) {
+        if (std::string why = jbg::CheckRaggedAmaxUsed(amax_used); !why.empty()) throw nb::value_error(why.c_str());
+      },
+      nb::arg("amax_used"), "Test hook: the ragged instantiate stage's check of amax_used (ValueError unless 0 or 1).");
   m.def("check_contraction_buffers", &CheckContraction, nb::arg("buffers"), nb::arg("ab_dtype"), nb::arg("c_dtype"),
         "Test hook: the contraction execute stage's buffer checks on [(dtype, dims, address)] * 5 (x, y, bounds, c, "
         "amax) for objects compiled for ab_dtype / c_dtype.");

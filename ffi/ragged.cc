@@ -239,6 +239,14 @@ std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& k
   return "";
 }
 
+std::string CheckRaggedAmaxUsed(int64_t amax_used) {
+  if (amax_used != 0 && amax_used != 1) {
+    return std::string(kRaggedTarget) + " attributes: amax_used " + std::to_string(amax_used) +
+           " is not supported; expected 1 (the caller reads amax) or 0 (it drops amax)";
+  }
+  return "";
+}
+
 namespace {
 
 using StateOr = ffi::ErrorOr<std::unique_ptr<KernelObjects>>;
@@ -246,14 +254,16 @@ using StateOr = ffi::ErrorOr<std::unique_ptr<KernelObjects>>;
 StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span<const uint8_t> objects,
                     ffi::Span<const int64_t> offsets, std::string_view ab_dtype, std::string_view a_dtype,
                     std::string_view c_dtype, std::string_view sf_dtype, int64_t sf_vec_size,
-                    std::string_view b_major) {
+                    std::string_view b_major, int64_t amax_used) {
   KernelDtypes dtypes{};
-  if (std::string why = ParseRaggedAttributes(ab_dtype, a_dtype, c_dtype, sf_dtype, sf_vec_size, b_major, &dtypes);
-      !why.empty()) {
-    return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(why));
-  }
+  std::string why = ParseRaggedAttributes(ab_dtype, a_dtype, c_dtype, sf_dtype, sf_vec_size, b_major, &dtypes);
+  if (why.empty()) why = CheckRaggedAmaxUsed(amax_used);
+  if (!why.empty()) return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(why));
   StateOr state = InstantiateKernelObjects(kRaggedTarget, archs, prefixes, objects, offsets);
-  if (state.has_value()) (*state)->dtypes = dtypes;
+  if (state.has_value()) {
+    (*state)->dtypes = dtypes;
+    (*state)->zero_amax = amax_used == 1;
+  }
   return state;
 }
 
@@ -273,12 +283,19 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   const CudaDriver* driver = GetCudaDriver(&error);  // loaded at instantiation; a pointer read here
   if (driver == nullptr) return ffi::Error::Internal(std::string(kRaggedTarget) + ": " + error);
   ScopedStreamContext context(*driver, stream);
-  // amax is an integer atomic max over the bits of |C|: it starts from +0.0, on XLA's stream, before the kernel.
+  // amax is an integer atomic max over the bits of |C|: it starts from +0.0, on XLA's stream, before the kernel,
+  // where the caller reads it.
   const size_t c_bytes = static_cast<size_t>(ElementCount(buffers[5])) * ElementBytes(buffers[5].dtype);
-  if (ffi::Error e = ZeroAmaxAndPoisonC(*state, kRaggedTarget, *driver, stream, amax->untyped_data(),
-                                        static_cast<size_t>(dims.l), c->untyped_data(), c_bytes);
-      e.failure()) {
-    return e;
+  if (state->zero_amax) {
+    if (ffi::Error e = ZeroAmaxAndPoisonC(*state, kRaggedTarget, *driver, stream, amax->untyped_data(),
+                                          static_cast<size_t>(dims.l), c->untyped_data(), c_bytes);
+        e.failure()) {
+      return e;
+    }
+  } else if (state->poison_outputs) {
+    if (ffi::Error e = PoisonBytes(kRaggedTarget, "C", *driver, stream, c->untyped_data(), c_bytes); e.failure()) {
+      return e;
+    }
   }
   KernelTensor tensors[8];
   for (int i = 0; i < 8; ++i) tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), ElementCount(buffers[i])};
@@ -303,7 +320,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgRaggedInstantiate, jbg::Instantiate,
                                   .Attr<std::string_view>("c_dtype")
                                   .Attr<std::string_view>("sf_dtype")
                                   .Attr<int64_t>("sf_vec_size")
-                                  .Attr<std::string_view>("b_major"),
+                                  .Attr<std::string_view>("b_major")
+                                  .Attr<int64_t>("amax_used"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgRaggedExecute, jbg::Execute,

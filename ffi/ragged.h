@@ -48,6 +48,11 @@ std::string ParseRaggedAttributes(std::string_view ab_dtype, std::string_view a_
                                   std::string_view sf_dtype, int64_t sf_vec_size, std::string_view b_major,
                                   KernelDtypes* out);
 
+// Checks the instantiate attribute amax_used: 1 where the caller reads amax (zeroed before each launch, the kernel's
+// atomic max starting from +0.0), 0 where it drops it (no zeroing: one operation less on XLA's stream; the kernel
+// still folds |C| into the buffer, whose value is then unspecified). Returns "" or what is wrong.
+std::string CheckRaggedAmaxUsed(int64_t amax_used);
+
 // Checks a, b, sfa, sfb, items, c, amax, alpha (the ABI order) against what the kernel reads and writes, for
 // objects compiled for `kernel`; fills `*dims` (n and k logical, whatever b's major). Every buffer but b holds fewer
 // than 2**31 elements; b may hold more (TMA addresses it by weight) when one weight (N, K) and L·G fit. Returns ""

@@ -276,10 +276,12 @@ def emit_weight_stream(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variant
 
 
 def ragged_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, ab_dtype: Any, c_dtype: Any,
-                      sf_dtype: str, sf_vec_size: int, b_major: str = "k", schedule: str = "") -> dict[str, Any]:
+                      sf_dtype: str, sf_vec_size: int, b_major: str = "k", schedule: str = "",
+                      amax_used: bool = True) -> dict[str, Any]:
     """The jbg_ragged_gemm_amax call's attributes for `variants` (one per arch, all ragged kernels compiled for the
     codes ab_dtype and C dtype c_dtype (uint8: packed FP4) with sf_dtype scales per sf_vec_size ("none" and 0 for
-    bfloat16 operands), b_major and schedule (SWAP_AB: bfloat16 tokens, `a_dtype`))."""
+    bfloat16 operands), b_major and schedule (SWAP_AB: bfloat16 tokens, `a_dtype`)); amax_used=False where the
+    caller drops amax (the handler then leaves it unzeroed and its value unspecified)."""
     call = (logical_dtype(ab_dtype), logical_dtype(c_dtype), sf_dtype, int(sf_vec_size), b_major, schedule)
     for v in variants:
         if v.op != "ragged" or (v.ab_dtype, v.c_dtype, v.sf_dtype, v.sf_vec_size, getattr(v, "b_major", "k"),
@@ -288,11 +290,11 @@ def ragged_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, ab_d
                              f"scales, block, b major, schedule)")
     return dict(object_table_attributes(variants, objects), ab_dtype=call[0],
                 a_dtype="bfloat16" if schedule == SWAP_AB else call[0], c_dtype=call[1], sf_dtype=sf_dtype,
-                sf_vec_size=np.int64(sf_vec_size), b_major=b_major)
+                sf_vec_size=np.int64(sf_vec_size), b_major=b_major, amax_used=np.int64(1 if amax_used else 0))
 
 
 def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha: Any, *,
-                variants: Sequence[Any]) -> list:
+                variants: Sequence[Any], amax_used: bool = True) -> list:
     """Emits the `jbg_ragged_gemm_amax` custom call (the grouped GEMM) for the lowering context `ctx`; returns
     [c, amax].
 
@@ -301,7 +303,8 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
     (NVFP4); items int32 (L, max_items, 4); alpha (L,) float32. Results from `ctx.avals_out`: c (L, T, N) (packed
     FP4: (L, T, N/2) uint8) in the variants' C dtype, amax (L,) float32. `variants`: catalog entries of op "ragged",
     one per architecture, all of one b_major. The swap_ab variants take a as bf16 tokens (`swap_ab_layout`), sfa
-    empty, sfb compact (L·G, N, ceil(K/block)) and alpha (L·G,), one per weight.
+    empty, sfb compact (L·G, N, ceil(K/block)) and alpha (L·G,), one per weight. amax_used=False, for a caller that
+    drops amax: the handler does not zero it before the launch (its value is then unspecified).
 
     bf16 variants (ab_dtype "bfloat16", sf_dtype NO_SCALES): a (L, T, K) and b bfloat16, b (L, G, N, K) for the
     variants' b_major "k" or (L, G, K, N) for "n"; sfa and sfb uint8 of zero elements (any rank), which the kernel
@@ -369,17 +372,19 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
     else:
         sf_dtype = E8M0 if np.dtype(sfb_aval.dtype) == np.uint8 else str(np.dtype(sfb_aval.dtype))
     attributes = ragged_attributes(variants, objects, ab_dtype=b_aval.dtype, c_dtype=c_aval.dtype, sf_dtype=sf_dtype,
-                                   sf_vec_size=variants[0].sf_vec_size, b_major=b_major, schedule=schedule)
+                                   sf_vec_size=variants[0].sf_vec_size, b_major=b_major, schedule=schedule,
+                                   amax_used=amax_used)
     return _emit(RAGGED_TARGET, ctx, (a, b, sfa, sfb, items, alpha), attributes)
 
 
-def emit_decode_swap_ab(ctx: Any, x: Any, b: Any, sfb: Any, alpha: Any, *, variants: Sequence[Any]) -> list:
+def emit_decode_swap_ab(ctx: Any, x: Any, b: Any, sfb: Any, alpha: Any, *, variants: Sequence[Any],
+                        amax_used: bool = True) -> list:
     """A decode-sized GEMM through the swap_ab ragged kernel's decode tiles (catalog.SWAP_AB_DECODE_TILES; dispatch
     picks it at arch.TABLE's decode_swap_ab_m): x (L, M, K) bf16 as one group of M tokens, permuted by
     `swap_ab_tokens` (in the FP4 order for FP4 weights), against b (L, N, K) E4M3 codes or packed FP4 (L, N, K/2),
     one weight per batch, with sfb compact (L, N, KB) (the kernel's form) or in the atom form, and alpha (L,);
     `ctx.avals_out` are c (L, M, N) in the variants' C dtype and amax (L,). One work item per batch, all M rows (the
-    tile holds them). Returns [c, amax]."""
+    tile holds them). amax_used=False: amax is dropped (`emit_ragged`). Returns [c, amax]."""
     x_aval, b_aval, sfb_aval, alpha_aval = ctx.avals_in
     l, m, k = x_aval.shape
     n, row = b_aval.shape[1:]
@@ -394,16 +399,17 @@ def emit_decode_swap_ab(ctx: Any, x: Any, b: Any, sfb: Any, alpha: Any, *, varia
     out_avals = [jax.core.ShapedArray(o.shape, o.dtype) for o in jax.eval_shape(prepare, *in_avals)]
     prepared = mlir.lower_fun(prepare, multiple_results=True)(ctx.replace(avals_in=in_avals, avals_out=out_avals),
                                                               x, b, sfb)
-    return emit_ragged(ctx.replace(avals_in=[*out_avals, alpha_aval]), *prepared, alpha, variants=variants)
+    return emit_ragged(ctx.replace(avals_in=[*out_avals, alpha_aval]), *prepared, alpha, variants=variants,
+                       amax_used=amax_used)
 
 
 def emit_decode(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variants: Sequence[Any],
                 amax_used: bool = True) -> list:
     """A decode-sized GEMM through the variants dispatch chose (`dispatch.decode_kernels` / `weight_only_kernels`):
-    the swap_ab ragged kernel's decode tile where they are ragged ones (`emit_decode_swap_ab`, which always computes
-    amax), else the weight_stream kernel (`emit_weight_stream`). Operands and results as there; returns [c, amax]."""
+    the swap_ab ragged kernel's decode tile where they are ragged ones (`emit_decode_swap_ab`), else the
+    weight_stream kernel (`emit_weight_stream`). Operands, results and amax_used as there; returns [c, amax]."""
     if variants[0].op == "ragged":
-        return emit_decode_swap_ab(ctx, x, w, sw, alpha, variants=variants)
+        return emit_decode_swap_ab(ctx, x, w, sw, alpha, variants=variants, amax_used=amax_used)
     return emit_weight_stream(ctx, x, w, sw, alpha, variants=variants, amax_used=amax_used)
 
 

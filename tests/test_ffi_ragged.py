@@ -120,6 +120,14 @@ class RaggedAttributesTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "^jbg_ragged_gemm_amax attributes: " + message):
             ext.parse_ragged_attributes(*args)
 
+    def test_amax_used_is_zero_or_one(self):
+        for amax_used in (0, 1):
+            ext.check_ragged_amax_used(amax_used)
+        for amax_used in (-1, 2, 7):
+            with self.assertRaisesRegex(ValueError, f"^jbg_ragged_gemm_amax attributes: amax_used {amax_used} is "
+                                                    "not supported; expected 1"):
+                ext.check_ragged_amax_used(amax_used)
+
 
 class RaggedBufferCheckTest(parameterized.TestCase):
     """The execute stage's buffer checks (ffi/ragged.cc), through the test hook."""
@@ -675,17 +683,22 @@ _XLA_PROBE = textwrap.dedent("""
            jnp.zeros((l, 2, 2, 32, 4, 4), jnp.uint8), jnp.zeros((l * g, 1, 2, 32, 4, 4), jnp.uint8),
            jnp.zeros((l, 5, 4), jnp.int32), jnp.ones((l,), jnp.float32))
     out = (jax.ShapeDtypeStruct((l, t, n), jnp.float32), jax.ShapeDtypeStruct((l,), jnp.float32))
-    # (name, ab_dtype, sf_dtype, sf_vec_size, b_major); a variant without b_major is K-major
-    for name, ab_dtype, sf_dtype, sf_vec_size, b_major in (
-            ("GOOD", "float8_e4m3fn", "float8_e8m0fnu", 32, None), ("BADAB", "float16", "float8_e8m0fnu", 32, None),
-            ("BADSF", "float8_e4m3fn", "float8_e8m0fnu", 16, None), ("BF16", "bfloat16", "none", 0, "n"),
-            ("BADMAJOR", "float8_e4m3fn", "float8_e8m0fnu", 32, "n")):
+    # (name, ab_dtype, sf_dtype, sf_vec_size, b_major, amax_used); a variant without b_major is K-major
+    for name, ab_dtype, sf_dtype, sf_vec_size, b_major, amax_used in (
+            ("GOOD", "float8_e4m3fn", "float8_e8m0fnu", 32, None, True),
+            ("BADAB", "float16", "float8_e8m0fnu", 32, None, True),
+            ("BADSF", "float8_e4m3fn", "float8_e8m0fnu", 16, None, True), ("BF16", "bfloat16", "none", 0, "n", True),
+            ("BADMAJOR", "float8_e4m3fn", "float8_e8m0fnu", 32, "n", True),
+            ("NOAMAX", "float8_e4m3fn", "float8_e8m0fnu", 32, None, False),
+            ("BADAMAX", "float8_e4m3fn", "float8_e8m0fnu", 32, None, 2)):
         variant = types.SimpleNamespace(op="ragged", arch="sm_90a", key="p90", function_prefix="p90",
                                         ab_dtype=ab_dtype, c_dtype="float32", sf_dtype=sf_dtype,
                                         sf_vec_size=sf_vec_size, **({"b_major": b_major} if b_major else {}))
         attributes = ffi_lowering.ragged_attributes([variant], [b"x" * 1000], ab_dtype=np.dtype(ab_dtype),
                                                     c_dtype=np.float32, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size,
-                                                    b_major=b_major or "k")
+                                                    b_major=b_major or "k", amax_used=amax_used is True)
+        if amax_used == 2:  # what no lowering writes: the handler's own check
+            attributes["amax_used"] = np.int64(2)
         call = jax.ffi.ffi_call("jbg_ragged_gemm_amax", out)
         try:
             jax.jit(lambda *x: call(*x, **attributes))(*ops)
@@ -705,7 +718,7 @@ class XlaInstantiateTest(absltest.TestCase):
         cls.output, cls.lines = xla_probe.run(_XLA_PROBE)
 
     def test_well_formed_attributes_reach_the_device_query(self):
-        for name in ("GOOD", "BF16"):  # b_major bound for both; bf16 with no scales and an N-major b
+        for name in ("GOOD", "BF16", "NOAMAX"):  # b_major bound for all; bf16 with no scales and an N-major b
             got = self.lines.get(name, self.output)
             self.assertNotIn("RAN", got)
             self.assertNotIn("attributes", got)
@@ -721,6 +734,8 @@ class XlaInstantiateTest(absltest.TestCase):
         self.assertRegex(self.lines.get("BADMAJOR", self.output),
                          r'INVALID_ARGUMENT: jbg_ragged_gemm_amax attributes: b_major "n" is not supported for '
                          r"ab_dtype float8_e4m3fn")
+        self.assertRegex(self.lines.get("BADAMAX", self.output),
+                         r"INVALID_ARGUMENT: jbg_ragged_gemm_amax attributes: amax_used 2 is not supported")
 
 
 if __name__ == "__main__":
