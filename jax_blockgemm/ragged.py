@@ -17,8 +17,8 @@ routed over many experts, `weights_per_item`), dequantized per chunk of items: o
 Canonical operands (what the API binds): a (L, T, K) codes (packed FP4: uint8 (L, T, K/2)); b (L, G, N, K) likewise;
 sfa (L, T, KB) and sfb (L, G, N, KB) compact scales (E8M0 bytes as uint8, or float8_e4m3fn for NVFP4); starts, ends
 (L, G) int32: the rows [starts[g], ends[g]) of group g (from group_sizes, see `group_bounds`); alpha (L,) float32 when
-given. Params: k, sf_vec_size, c_dtype (np.dtype), implementation, b_major. Results: c (L, T, N) (packed FP4: (L, T,
-N/2)) and amax (L,) float32.
+given. Params: k, sf_vec_size, c_dtype (np.dtype), implementation, b_major, amax_used (False: the caller drops amax,
+whose value is then unspecified). Results: c (L, T, N) (packed FP4: (L, T, N/2)) and amax (L,) float32.
 
 bf16 operands (`grouped_dot`, mx_ragged_dot's bf16 recipe) take the same primitive with sf_vec_size 0: a and b in
 bf16, b (L, G, N, K) for b_major "k" or (L, G, K, N) for "n" (the (G, K, N) weights of `jax.lax.ragged_dot`, read
@@ -336,7 +336,8 @@ def check_call(a: Any, b: Any, sfa: Any, sfb: Any, group_sizes: Any, *, alpha: A
     if alpha is not None:
         operands.append(support.check_alpha(alpha).reshape(1))
     c_dtype = np.dtype(jnp.float4_e2m1fn) if support.is_fp4(c_dtype) else np.dtype(c_dtype)
-    return operands, dict(k=k, sf_vec_size=sf_vec_size, c_dtype=c_dtype, implementation=implementation, b_major="k")
+    return operands, dict(k=k, sf_vec_size=sf_vec_size, c_dtype=c_dtype, implementation=implementation, b_major="k",
+                          amax_used=True)
 
 
 def grouped_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, w_major: str, c_dtype: Any = jnp.float32,
@@ -354,7 +355,7 @@ def grouped_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, w_major: 
     operands = [x.astype(jnp.bfloat16)[None], w.astype(jnp.bfloat16)[None], jnp.zeros((1, t, 0), jnp.uint8),
                 jnp.zeros((1, g, n, 0), jnp.uint8), starts[None], ends[None]]
     c, amax = ragged_p.bind(*operands, k=k, sf_vec_size=0, c_dtype=np.dtype(c_dtype), implementation=implementation,
-                            b_major=w_major)
+                            b_major=w_major, amax_used=True)
     return c[0], amax[0]
 
 
@@ -443,12 +444,13 @@ def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int
     return [a, formats.to_scale_atom(sfa), formats.to_scale_atom(sfb), items]
 
 
-def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, sf_vec_size, **_):
+def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, sf_vec_size, amax_used, **_):
     """The call through the grouped kernel `variants` (jbg_ragged_gemm_amax): scales to atoms and the item table in XLA
     (a few fusions, no host synchronization), then one launch; alpha is the call's (for swap_ab kernels one per weight),
-    else ones. For swap_ab kernels the tokens become bf16 in the kernel's column order: by the dequantize kernel where
-    they are MXFP8 E4M3 codes, K needs no padding and one applies (`dispatch.dequantize_variants` with `swap_ab_order`;
-    one pass at memory speed), else in XLA (`swap_ab_tokens`)."""
+    else ones; amax_used=False (a caller that drops amax): amax is not zeroed before the launch. For swap_ab kernels
+    the tokens become bf16 in the kernel's column order: by the dequantize kernel where they are MXFP8 E4M3 codes, K
+    needs no padding and one applies (`dispatch.dequantize_variants` with `swap_ab_order`; one pass at memory speed),
+    else in XLA (`swap_ab_tokens`)."""
     from jax_blockgemm import dispatch, ffi_lowering
 
     a_aval, b_aval, sfa_aval, sfb_aval, starts_aval, ends_aval = ctx.avals_in[:6]
@@ -486,7 +488,7 @@ def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, 
         alpha = maybe_alpha[0]
     return ffi_lowering.emit_ragged(
         ctx.replace(avals_in=[out_avals[0], b_aval, *out_avals[1:], alpha_aval]), a_in, b, sfa_in, sfb_in, items,
-        alpha, variants=variants)
+        alpha, variants=variants, amax_used=amax_used)
 
 
 def _cuda_lowering(ctx, *args, **params):

@@ -49,7 +49,7 @@ def _bind(x: jax.Array, w: weight_only.QuantizedWeight, group_sizes: jax.Array, 
     starts, ends = ragged.group_bounds(group_sizes, t)
     c, _ = ragged.ragged_p.bind(x[None], codes, jnp.zeros((1, t, 0), jnp.uint8), scales, starts[None], ends[None],
                                 alpha, k=k, sf_vec_size=w.block_format.block, c_dtype=np.dtype(out_dtype),
-                                implementation=implementation, b_major="k")
+                                implementation=implementation, b_major="k", amax_used=False)
     return c[0]
 
 

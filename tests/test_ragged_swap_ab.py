@@ -504,6 +504,7 @@ class DispatchTest(absltest.TestCase):
         call = next(line for line in text.splitlines() if "@jbg_ragged_gemm_amax" in line)
         self.assertIn('a_dtype = "bfloat16"', call)
         self.assertIn('ab_dtype = "float8_e4m3fn"', call)
+        self.assertIn("amax_used = 1", call)  # ragged_gemm_amax returns amax: zeroed before the launch
         self.assertRegex(call, r"\(tensor<1x300x256xbf16>, tensor<1x5x72x160xf8E4M3FN>, tensor<1x0xui8>, "
                                r"tensor<5x72x5xui8>")  # the weights' scales compact: (L*G, N, K/32)
         self.assertRegex(call, r"swap_ab")
