@@ -260,6 +260,23 @@ int32_t GridCtas(int32_t sms, int32_t cluster_ctas, int32_t max_active_clusters)
   return std::max(clusters, int32_t{1}) * cluster_ctas;
 }
 
+std::string ParseSmLimit(const char* text, int32_t* limit) {
+  *limit = 0;
+  if (text == nullptr || text[0] == '\0') return "";
+  int64_t value = 0;
+  bool digits = true;
+  for (const char* c = text; *c != '\0' && digits; ++c) {
+    digits = *c >= '0' && *c <= '9' && value <= 1'000'000;  // past a million SMs: no GPU, and no int32 overflow
+    value = value * 10 + (*c - '0');
+  }
+  if (!digits || value < 1) {
+    return std::string("JAX_BLOCKGEMM_SM_LIMIT=\"") + text + "\" is not a count of SMs; expected a positive integer "
+           "(or unset)";
+  }
+  *limit = static_cast<int32_t>(value);
+  return "";
+}
+
 StateOr InstantiateKernelObjects(std::string_view target, std::string_view archs, std::string_view prefixes,
                                  ffi::Span<const uint8_t> objects, ffi::Span<const int64_t> offsets,
                                  const std::vector<int64_t>& cluster_ctas) {
@@ -287,8 +304,10 @@ StateOr InstantiateKernelObjects(std::string_view target, std::string_view archs
   state->poison_outputs = poison != nullptr && poison[0] != '\0' && poison[0] != '0';
   // Test aid: JAX_BLOCKGEMM_SM_LIMIT=n launches the persistent kernels on at most n SMs, as a smaller GPU of the
   // same architecture would (an H100 PCIe has 114).
-  const char* sm_limit = std::getenv("JAX_BLOCKGEMM_SM_LIMIT");
-  const int limit = sm_limit != nullptr ? std::atoi(sm_limit) : 0;
+  int32_t limit = 0;
+  if (std::string why = ParseSmLimit(std::getenv("JAX_BLOCKGEMM_SM_LIMIT"), &limit); !why.empty()) {
+    return Fail(ffi::Error::InvalidArgument(where + why));
+  }
   state->functions.assign(devices.size(), nullptr);
   state->function_prefixes.assign(devices.size(), "");
   state->grid_ctas.assign(devices.size(), 0);

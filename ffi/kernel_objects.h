@@ -185,6 +185,11 @@ std::string CheckClusterCtas(std::string_view target, const int64_t* cluster_cta
 // than fit at once or than the SMs hold, and at least one.
 int32_t GridCtas(int32_t sms, int32_t cluster_ctas, int32_t max_active_clusters);
 
+// The value of JAX_BLOCKGEMM_SM_LIMIT (`text`, null where unset): 0 (no limit) where unset or empty, else the
+// positive decimal count of SMs it names, into `*limit`. Returns "" or what is wrong (anything else: a test that set
+// it would otherwise run on every SM believing it ran on fewer).
+std::string ParseSmLimit(const char* text, int32_t* limit);
+
 // The INSTANTIATE stage every target shares (it depends on the object table only): parses the attributes, checks
 // and loads each visible device's kernel object. `target` names the custom call in error messages. `cluster_ctas`
 // (CheckClusterCtas; empty: no object takes a grid size) gives each device whose object takes one its max_ctas.

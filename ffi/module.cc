@@ -1,11 +1,13 @@
 // Python module `jax_blockgemm._jbg_ffi`: hands the FFI handlers and their state type to JAX as capsules, loads
 // the CuTeDSL runtime, and exposes the pure checking helpers for CPU tests.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -317,6 +319,16 @@ NB_MODULE(_jbg_ffi, m) {
       },
       nb::arg("cluster_ctas"), nb::arg("num_objects"),
       "Test hook: the instantiate stage's check of the cluster_ctas attribute ('' when it is well formed).");
+  m.def(
+      "parse_sm_limit",
+      [](std::optional<std::string> text) {
+        int32_t limit = 0;
+        std::string why = jbg::ParseSmLimit(text ? text->c_str() : nullptr, &limit);
+        if (!why.empty()) throw nb::value_error(why.c_str());
+        return limit;
+      },
+      nb::arg("text").none(),
+      "Test hook: the SM count JAX_BLOCKGEMM_SM_LIMIT=text caps the persistent grids at (0: none; None: unset).");
   m.def("grid_ctas", &jbg::GridCtas, nb::arg("sms"), nb::arg("cluster_ctas"), nb::arg("max_active_clusters"),
         "Test hook: max_ctas, the persistent grid instantiation passes to a kernel that takes its grid size.");
   m.def(

@@ -426,6 +426,16 @@ class GridTest(absltest.TestCase):
         self.assertEqual(ext.grid_ctas(4, 4, 0), 4)  # JAX_BLOCKGEMM_SM_LIMIT=4: one cluster walks every tile
         self.assertEqual(ext.grid_ctas(1, 16, 0), 16)  # a limit below one cluster still launches one
 
+    def test_sm_limit_is_a_positive_count_or_unset(self):
+        """JAX_BLOCKGEMM_SM_LIMIT as instantiation reads it: unset or empty is no limit; anything but a positive
+        integer is refused (a test that set it must not run on every SM believing it ran on fewer)."""
+        for text, want in ((None, 0), ("", 0), ("4", 4), ("114", 114)):
+            self.assertEqual(ext.parse_sm_limit(text), want, text)
+        for text in ("0", "-3", "12x", " 8", "abc", "99999999999"):
+            with self.assertRaisesRegex(ValueError, f'^JAX_BLOCKGEMM_SM_LIMIT="{re.escape(text)}" is not a count of '
+                                                    "SMs; expected a positive integer"):
+                ext.parse_sm_limit(text)
+
     def test_cluster_ctas_attribute(self):
         self.assertEqual(ext.check_cluster_ctas([0, 4], 2), "")
         self.assertEqual(ext.check_cluster_ctas([16], 1), "")
