@@ -338,6 +338,32 @@ class CompileTest(parameterized.TestCase):
         self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
 
 
+    @parameterized.parameters((16, E4M3, 32, E8M0), (32, FP4, 16, E4M3))
+    def test_three_k_parts_fit_their_registers(self, tokens, w_dtype, block, sf):
+        """k_split = 3 (not in the catalog; what a GPU would time against two parts): 512 threads launched at 128
+        registers, the MMA warpgroups raised to 152, still without local memory or stack."""
+        from jax_blockgemm.kernels.sm90.ragged_swap_ab import HopperRaggedSwapAB
+
+        kernel = HopperRaggedSwapAB(c_dtype=BF16, token_rows=tokens, weight_warpgroups=1, k_split=3, w_dtype=w_dtype,
+                                    sf_vec_size=block, sf_dtype=sf)
+        v = catalog.KernelVariant(op="ragged", ab_dtype=w_dtype, c_dtype=BF16, sf_vec_size=block, sf_dtype=sf,
+                                  tile_mn=(tokens, 64), schedule=catalog.SWAP_AB, k_split=3)
+        fn = catalog.compile_function(v, keep_ptx=True, kernel=kernel)
+        self.assertEqual((kernel.threads_per_cta, kernel.consumer_regs, kernel.stages), (512, 152, 24))
+        self.assertTrue(re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+152", fn.__ptx__))
+        self.assertFalse(re.search(r"\.local", fn.__ptx__))
+        resources = structure.cubin_resources(fn.__cubin__)
+        self.assertEqual((resources.registers, resources.frame_bytes, resources.stack_bytes), (128, 0, 0))
+
+    def test_the_constructor_refuses_what_does_not_fit(self):
+        from jax_blockgemm.kernels.sm90.ragged_swap_ab import HopperRaggedSwapAB
+
+        with self.assertRaisesRegex(ValueError, "24 stages of 12288 bytes exceed 204800 bytes"):
+            HopperRaggedSwapAB(token_rows=64, weight_warpgroups=1, k_split=3)  # three parts of 64 tokens
+        with self.assertRaisesRegex(ValueError, "must leave each MMA warpgroup 152 registers"):
+            HopperRaggedSwapAB(token_rows=16, weight_warpgroups=2, k_split=2)  # four MMA warpgroups
+
+
 class HandlerTest(parameterized.TestCase):
     """ffi/ragged.cc's swap_ab attributes and buffer checks, through the module's test hooks."""
 
