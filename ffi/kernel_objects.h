@@ -144,7 +144,7 @@ struct KernelObjects {
   std::vector<int32_t> grid_ctas;              // by CUDA device ordinal: 0 when the device's object takes no grid
                                                // size, else max_ctas, the CTAs of its persistent grid (GridCtas)
   bool poison_outputs = false;                 // JAX_BLOCKGEMM_POISON_OUTPUTS: fill C with NaN before each launch
-  bool zero_amax = true;                       // ragged: amax zeroed before each launch (not where the call drops it)
+  int64_t amax_batches = 0;                    // ragged: L where the caller reads amax, 0 where it drops it
   std::vector<DeviceTally> tallies;            // by CUDA device ordinal; empty for targets that keep none
   size_t tally_bytes = 0;                      // the size of each
 };

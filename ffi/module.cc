@@ -386,11 +386,13 @@ NB_MODULE(_jbg_ffi, m) {
       "scales), whether b is N-major and whether a is bfloat16 tokens for the codes of b (a_dtype, empty: "
       "ab_dtype's).");
   m.def(
-      "check_ragged_amax_used",
-      [](int64_t amax_used) {
-        if (std::string why = jbg::CheckRaggedAmaxUsed(amax_used); !why.empty()) throw nb::value_error(why.c_str());
+      "check_ragged_amax_batches",
+      [](int64_t amax_batches) {
+        std::string why = jbg::CheckRaggedAmaxBatches(amax_batches);
+        if (!why.empty()) throw nb::value_error(why.c_str());
       },
-      nb::arg("amax_used"), "Test hook: the ragged instantiate stage's check of amax_used (ValueError unless 0 or 1).");
+      nb::arg("amax_batches"),
+      "Test hook: the ragged instantiate stage's check of amax_batches (ValueError unless 0 <= it < 2**31).");
   m.def("check_contraction_buffers", &CheckContraction, nb::arg("buffers"), nb::arg("ab_dtype"), nb::arg("c_dtype"),
         "Test hook: the contraction execute stage's buffer checks on [(dtype, dims, address)] * 5 (x, y, bounds, c, "
         "amax) for objects compiled for ab_dtype / c_dtype.");

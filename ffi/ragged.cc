@@ -239,10 +239,10 @@ std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& k
   return "";
 }
 
-std::string CheckRaggedAmaxUsed(int64_t amax_used) {
-  if (amax_used != 0 && amax_used != 1) {
-    return std::string(kRaggedTarget) + " attributes: amax_used " + std::to_string(amax_used) +
-           " is not supported; expected 1 (the caller reads amax) or 0 (it drops amax)";
+std::string CheckRaggedAmaxBatches(int64_t amax_batches) {
+  if (amax_batches < 0 || amax_batches >= kMaxBufferElements) {
+    return std::string(kRaggedTarget) + " attributes: amax_batches " + std::to_string(amax_batches) +
+           " is not supported; expected L, the batches of amax (the caller reads amax), or 0 (it drops amax)";
   }
   return "";
 }
@@ -254,15 +254,20 @@ using StateOr = ffi::ErrorOr<std::unique_ptr<KernelObjects>>;
 StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span<const uint8_t> objects,
                     ffi::Span<const int64_t> offsets, std::string_view ab_dtype, std::string_view a_dtype,
                     std::string_view c_dtype, std::string_view sf_dtype, int64_t sf_vec_size,
-                    std::string_view b_major, int64_t amax_used) {
+                    std::string_view b_major, int64_t amax_batches) {
   KernelDtypes dtypes{};
   std::string why = ParseRaggedAttributes(ab_dtype, a_dtype, c_dtype, sf_dtype, sf_vec_size, b_major, &dtypes);
-  if (why.empty()) why = CheckRaggedAmaxUsed(amax_used);
+  if (why.empty()) why = CheckRaggedAmaxBatches(amax_batches);
   if (!why.empty()) return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(why));
   StateOr state = InstantiateKernelObjects(kRaggedTarget, archs, prefixes, objects, offsets);
-  if (state.has_value()) {
-    (*state)->dtypes = dtypes;
-    (*state)->zero_amax = amax_used == 1;
+  if (!state.has_value()) return state;
+  (*state)->dtypes = dtypes;
+  (*state)->amax_batches = amax_batches;
+  if (dtypes.a_bf16 && amax_batches > 0) {  // the swap_ab objects' tally
+    if (ffi::Error e = AllocateTallies(state->get(), kRaggedTarget, static_cast<size_t>(amax_batches) * 8);
+        e.failure()) {
+      return ffi::Unexpected<ffi::Error>(std::move(e));
+    }
   }
   return state;
 }
@@ -282,27 +287,56 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   std::string error;
   const CudaDriver* driver = GetCudaDriver(&error);  // loaded at instantiation; a pointer read here
   if (driver == nullptr) return ffi::Error::Internal(std::string(kRaggedTarget) + ": " + error);
+  if (state->amax_batches != 0 && state->amax_batches != dims.l) {
+    return ffi::Error::InvalidArgument(std::string(kRaggedTarget) + ": amax_batches " +
+                                       std::to_string(state->amax_batches) + " does not match the call's L = " +
+                                       std::to_string(dims.l) + "; expected L or 0");
+  }
+  // The swap_ab objects fold amax through the call site's tally (zero at every launch; its last CTA per batch
+  // writes amax whole), or skip amax without one: nothing to zero. The others' integer atomic max over the bits of
+  // |C| starts from +0.0, zeroed on XLA's stream before the kernel where the caller reads amax.
+  const bool swap_ab = state->dtypes.a_bf16;
+  void* tally = nullptr;
+  if (state->tally_bytes > 0) {
+    if (ffi::Error e = DeviceTallyWords(*state, device, kRaggedTarget, static_cast<size_t>(dims.l) * 8, &tally);
+        e.failure()) {
+      return e;
+    }
+  }
   ScopedStreamContext context(*driver, stream);
-  // amax is an integer atomic max over the bits of |C|: it starts from +0.0, on XLA's stream, before the kernel,
-  // where the caller reads it.
   const size_t c_bytes = static_cast<size_t>(ElementCount(buffers[5])) * ElementBytes(buffers[5].dtype);
-  if (state->zero_amax) {
+  if (!swap_ab && state->amax_batches > 0) {
     if (ffi::Error e = ZeroAmaxAndPoisonC(*state, kRaggedTarget, *driver, stream, amax->untyped_data(),
                                           static_cast<size_t>(dims.l), c->untyped_data(), c_bytes);
         e.failure()) {
       return e;
     }
-  } else if (state->poison_outputs) {
+  } else if (state->poison_outputs) {  // NaN in C, and in amax where the kernel writes it whole
     if (ffi::Error e = PoisonBytes(kRaggedTarget, "C", *driver, stream, c->untyped_data(), c_bytes); e.failure()) {
       return e;
     }
+    if (tally != nullptr) {
+      if (ffi::Error e = PoisonBytes(kRaggedTarget, "amax", *driver, stream, amax->untyped_data(),
+                                     static_cast<size_t>(dims.l) * 4);
+          e.failure()) {
+        return e;
+      }
+    }
   }
-  KernelTensor tensors[8];
+  KernelTensor tensors[9];
   for (int i = 0; i < 8; ++i) tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), ElementCount(buffers[i])};
   // b's count exactly (ElementCount saturates at 2**31): L·G weights, each below 2**31 elements, of N rows of K
   // (L, G, N, K) or K rows of N (L, G, K, N): the product of b's last two dimensions either way.
   tensors[1].count = int64_t{dims.l} * dims.g * (buffers[1].dims[2] * buffers[1].dims[3]);
+  tensors[8] = KernelTensor{tally, tally == nullptr ? 0 : int64_t{dims.l}};
   int32_t t = dims.t, n = dims.n, k = dims.k, l = dims.l, g = dims.g, max_items = dims.max_items, ret = 0;
+  if (swap_ab) {
+    // fn(a, b, sfa, sfb, items, c, amax, alpha, tally, t, n, k, l, g, max_items, stream) and the status slot.
+    void* args[17] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5],
+                      &tensors[6], &tensors[7], &tensors[8], &t,          &n,          &k,
+                      &l,          &g,          &max_items,  &stream,     &ret};
+    return RunKernel(*state, device, kRaggedTarget, *driver, fn, args, 17, &ret);
+  }
   // fn(a, b, sfa, sfb, items, c, amax, alpha, t, n, k, l, g, max_items, stream) and the kernel's status slot.
   void* args[16] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5],
                     &tensors[6], &tensors[7], &t,          &n,          &k,          &l,
@@ -321,7 +355,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgRaggedInstantiate, jbg::Instantiate,
                                   .Attr<std::string_view>("sf_dtype")
                                   .Attr<int64_t>("sf_vec_size")
                                   .Attr<std::string_view>("b_major")
-                                  .Attr<int64_t>("amax_used"),
+                                  .Attr<int64_t>("amax_batches"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbgRaggedExecute, jbg::Execute,

@@ -277,11 +277,11 @@ def emit_weight_stream(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variant
 
 def ragged_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, ab_dtype: Any, c_dtype: Any,
                       sf_dtype: str, sf_vec_size: int, b_major: str = "k", schedule: str = "",
-                      amax_used: bool = True) -> dict[str, Any]:
+                      amax_batches: int) -> dict[str, Any]:
     """The jbg_ragged_gemm_amax call's attributes for `variants` (one per arch, all ragged kernels compiled for the
     codes ab_dtype and C dtype c_dtype (uint8: packed FP4) with sf_dtype scales per sf_vec_size ("none" and 0 for
-    bfloat16 operands), b_major and schedule (SWAP_AB: bfloat16 tokens, `a_dtype`)); amax_used=False where the
-    caller drops amax (the handler then leaves it unzeroed and its value unspecified)."""
+    bfloat16 operands), b_major and schedule (SWAP_AB: bfloat16 tokens, `a_dtype`)); amax_batches: L where the caller
+    reads amax, 0 where it drops it (then nothing zeroes or folds it: its value is unspecified)."""
     call = (logical_dtype(ab_dtype), logical_dtype(c_dtype), sf_dtype, int(sf_vec_size), b_major, schedule)
     for v in variants:
         if v.op != "ragged" or (v.ab_dtype, v.c_dtype, v.sf_dtype, v.sf_vec_size, getattr(v, "b_major", "k"),
@@ -290,7 +290,7 @@ def ragged_attributes(variants: Sequence[Any], objects: Sequence[bytes], *, ab_d
                              f"scales, block, b major, schedule)")
     return dict(object_table_attributes(variants, objects), ab_dtype=call[0],
                 a_dtype="bfloat16" if schedule == SWAP_AB else call[0], c_dtype=call[1], sf_dtype=sf_dtype,
-                sf_vec_size=np.int64(sf_vec_size), b_major=b_major, amax_used=np.int64(1 if amax_used else 0))
+                sf_vec_size=np.int64(sf_vec_size), b_major=b_major, amax_batches=np.int64(amax_batches))
 
 
 def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha: Any, *,
@@ -303,8 +303,9 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
     (NVFP4); items int32 (L, max_items, 4); alpha (L,) float32. Results from `ctx.avals_out`: c (L, T, N) (packed
     FP4: (L, T, N/2) uint8) in the variants' C dtype, amax (L,) float32. `variants`: catalog entries of op "ragged",
     one per architecture, all of one b_major. The swap_ab variants take a as bf16 tokens (`swap_ab_layout`), sfa
-    empty, sfb compact (L·G, N, ceil(K/block)) and alpha (L·G,), one per weight. amax_used=False, for a caller that
-    drops amax: the handler does not zero it before the launch (its value is then unspecified).
+    empty, sfb compact (L·G, N, ceil(K/block)) and alpha (L·G,), one per weight, and fold amax through a tally the
+    handler keeps (nothing zeroes it per call). amax_used=False, for a caller that drops amax: neither a zeroing
+    nor a tally (its value is then unspecified).
 
     bf16 variants (ab_dtype "bfloat16", sf_dtype NO_SCALES): a (L, T, K) and b bfloat16, b (L, G, N, K) for the
     variants' b_major "k" or (L, G, K, N) for "n"; sfa and sfb uint8 of zero elements (any rank), which the kernel
@@ -373,7 +374,7 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
         sf_dtype = E8M0 if np.dtype(sfb_aval.dtype) == np.uint8 else str(np.dtype(sfb_aval.dtype))
     attributes = ragged_attributes(variants, objects, ab_dtype=b_aval.dtype, c_dtype=c_aval.dtype, sf_dtype=sf_dtype,
                                    sf_vec_size=variants[0].sf_vec_size, b_major=b_major, schedule=schedule,
-                                   amax_used=amax_used)
+                                   amax_batches=l if amax_used else 0)
     return _emit(RAGGED_TARGET, ctx, (a, b, sfa, sfb, items, alpha), attributes)
 
 

@@ -494,11 +494,11 @@ class PublicDecodeLoweringTest(absltest.TestCase):
                         self.assertEqual(str(call.results[0].type), f"tensor<1x{m}x48xf32>")
                         tile = "t32x64" if m <= 32 else "t64x64"  # the smallest decode tile that holds M
                         self.assertIn(tile, lowered.as_text())  # its object (stand-in bytes)
-                        # weight-only drops amax: the handler leaves it unzeroed
-                        self.assertEqual(_int_attr(call.attributes["mhlo.backend_config"]["amax_used"]), 0)
+                        # weight-only drops amax: no tally, nothing zeroed
+                        self.assertEqual(_int_attr(call.attributes["mhlo.backend_config"]["amax_batches"]), 0)
             gemm = self._gemm(40)
             (call,) = _calls(gemm, "jbg_ragged_gemm_amax")
-            self.assertEqual(_int_attr(call.attributes["mhlo.backend_config"]["amax_used"]), 1)  # gemm_amax reads it
+            self.assertEqual(_int_attr(call.attributes["mhlo.backend_config"]["amax_batches"]), 2)  # L: the tally
             self.assertEqual(str(call.operands[0].type), "tensor<2x40x256xbf16>")
             self.assertEqual(str(call.operands[1].type), "tensor<2x1x144x96xf8E4M3FN>")
             self.assertEqual(str(call.operands[3].type), "tensor<2x144x3xui8>")  # gemm_amax's atoms made compact

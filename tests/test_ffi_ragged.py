@@ -120,13 +120,13 @@ class RaggedAttributesTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "^jbg_ragged_gemm_amax attributes: " + message):
             ext.parse_ragged_attributes(*args)
 
-    def test_amax_used_is_zero_or_one(self):
-        for amax_used in (0, 1):
-            ext.check_ragged_amax_used(amax_used)
-        for amax_used in (-1, 2, 7):
-            with self.assertRaisesRegex(ValueError, f"^jbg_ragged_gemm_amax attributes: amax_used {amax_used} is "
-                                                    "not supported; expected 1"):
-                ext.check_ragged_amax_used(amax_used)
+    def test_amax_batches_is_a_count(self):
+        for amax_batches in (0, 1, 7):
+            ext.check_ragged_amax_batches(amax_batches)
+        for amax_batches in (-1, 2**31):
+            with self.assertRaisesRegex(ValueError, f"^jbg_ragged_gemm_amax attributes: amax_batches {amax_batches} "
+                                                    "is not supported; expected L"):
+                ext.check_ragged_amax_batches(amax_batches)
 
 
 class RaggedBufferCheckTest(parameterized.TestCase):
@@ -696,9 +696,10 @@ _XLA_PROBE = textwrap.dedent("""
                                         sf_vec_size=sf_vec_size, **({"b_major": b_major} if b_major else {}))
         attributes = ffi_lowering.ragged_attributes([variant], [b"x" * 1000], ab_dtype=np.dtype(ab_dtype),
                                                     c_dtype=np.float32, sf_dtype=sf_dtype, sf_vec_size=sf_vec_size,
-                                                    b_major=b_major or "k", amax_used=amax_used is True)
+                                                    b_major=b_major or "k",
+                                                    amax_batches=l if amax_used is True else 0)
         if amax_used == 2:  # what no lowering writes: the handler's own check
-            attributes["amax_used"] = np.int64(2)
+            attributes["amax_batches"] = np.int64(-1)
         call = jax.ffi.ffi_call("jbg_ragged_gemm_amax", out)
         try:
             jax.jit(lambda *x: call(*x, **attributes))(*ops)
@@ -735,7 +736,7 @@ class XlaInstantiateTest(absltest.TestCase):
                          r'INVALID_ARGUMENT: jbg_ragged_gemm_amax attributes: b_major "n" is not supported for '
                          r"ab_dtype float8_e4m3fn")
         self.assertRegex(self.lines.get("BADAMAX", self.output),
-                         r"INVALID_ARGUMENT: jbg_ragged_gemm_amax attributes: amax_used 2 is not supported")
+                         r"INVALID_ARGUMENT: jbg_ragged_gemm_amax attributes: amax_batches -1 is not supported")
 
 
 if __name__ == "__main__":

@@ -146,6 +146,27 @@ class GpuRaggedTest(parameterized.TestCase):
             start += size
         np.testing.assert_allclose(np.asarray(dx, np.float64), want, rtol=2**-8, atol=2**-8 * np.abs(want).max())
 
+    def test_swap_ab_amax_is_each_calls_own(self):
+        """The swap_ab kernel folds amax through the call site's tally (every CTA arrives, those of empty items too,
+        and the last empties it into amax): one compiled call site run on large values, then small ones with other
+        group sizes (other empty items), then small again, gives each call's own amax; on the MoE tile (300 tokens)
+        and on the 16-token decode tile (12 tokens over 6 experts)."""
+        rng = np.random.default_rng(31)
+        g, n, k = 6, 200, 512
+        for t, tile in ((300, "t128x128"), (12, "t16x64")):
+            f = jax.jit(lambda a, b, sfa, sfb, gs: jbg.ragged_gemm_amax(a, b, sfa, sfb, gs, implementation="cutedsl"))
+            for scale_log2, fill in (((8.0, 12.0), True), ((-12.0, -8.0), False), ((-12.0, -8.0), True)):
+                a = oracle_ops.random_gemm_inputs(rng, l=1, m=t, n=1, k=k, fmt="mxfp8_e4m3", scale_log2=scale_log2)
+                b = oracle_ops.random_gemm_inputs(rng, l=g, m=1, n=n, k=k, fmt="mxfp8_e4m3", scale_log2=scale_log2)
+                d = dict(a=a["a"][0], sfa=a["sfa"][0], b=b["b"], sfb=b["sfb"], sf_vec_size=32, k=k, alpha=a["alpha"])
+                gs = random_group_sizes(rng, t, g, fill=fill)
+                args = (d["a"], d["b"], d["sfa"], d["sfb"], gs)
+                self.assertIn(f"_{tile}_c1x1_swap_ab", f.lower(*args).as_text())
+                with self.subTest(t=t, scale_log2=scale_log2, sizes=gs.tolist()):
+                    c, amax = f(*args)
+                    self._check(d, gs, c, amax)
+                    self.assertEqual(float(amax), float(np.abs(np.asarray(c)).max()))
+
     @parameterized.product(fmt=("mxfp8_e4m3", "mxfp4", "nvfp4"), c_dtype=("float32", "bfloat16"))
     def test_few_tokens_on_the_decode_tiles(self, fmt, c_dtype):
         """MoE decode: at most 64 tokens in all, over 16 experts, run the swap_ab kernel's decode tiles (16 tokens

@@ -65,6 +65,60 @@ def _gemm_amax_against_oracle(test, seed, fmt, shape, c_dtype, *, a_major="k", c
     oracle_ops.assert_amax_close(test, np.asarray(amax), amax_ref.max())
 
 
+def _check_amax_is_each_calls_own(test, m):
+    """amax is each call's own: the CTAs fold their max into the call site's tally, which the last CTA of a batch
+    empties into amax and leaves zero. One compiled call site of `m` rows run on large values, small ones, with a
+    NaN scale, then small ones again gives each call's own max |C|, never a previous call's (a NaN does not stick
+    either)."""
+    rng = np.random.default_rng(5)
+    l, n, k = 2, 336, 1024  # 11 CTAs of 32 weight rows per batch (6 of 64), the last one part full
+    f = jax.jit(lambda *a: jbg.gemm_amax(*a, c_dtype=jnp.float32, implementation=IMPLEMENTATION))
+    for scale_log2, nan in (((8.0, 12.0), False), ((-12.0, -8.0), False), ((-2.0, 2.0), True), ((-12.0, -8.0), False)):
+        with test.subTest(m=m, scale_log2=scale_log2, nan=nan):
+            d = oracle_ops.random_gemm_inputs(rng, l=l, m=m, n=n, k=k, fmt="mxfp8_e4m3", scale_log2=scale_log2)
+            sfb = np.asarray(d["sfb_atom"]).copy()
+            if nan:
+                sfb.reshape(l, -1)[1, 0] = 0xFF  # a NaN scale byte in batch 1's first weight rows
+            c, amax = f(*(jnp.asarray(d[x]) for x in ("a", "b", "sfa_atom")), jnp.asarray(sfb))
+            c = np.asarray(c)
+            test.assertEqual(np.isnan(c).any(), nan)
+            if nan:
+                test.assertTrue(np.isnan(float(amax)))
+            else:
+                test.assertEqual(float(amax), float(np.abs(c).max()))
+
+
+def _check_amax_per_batch_and_call_site(test, m):
+    """Under vmap each batch's amax is its own (batches of very different magnitudes share one launch and one tally,
+    a word pair per batch), and two call sites in one program, each run twice, keep theirs apart (`m` rows)."""
+    rng = np.random.default_rng(9)
+    l, n, k = 3, 200, 512  # 7 CTAs of 32 weight rows per batch (4 of 64)
+
+    def inputs(scale_log2):
+        return oracle_ops.random_gemm_inputs(rng, l=l, m=m, n=n, k=k, fmt="mxfp8_e4m3", scale_log2=scale_log2)
+
+    def one(a, b, sfa, sfb):
+        return jbg.gemm_amax(a, b, sfa, sfb, c_dtype=jnp.float32, implementation=IMPLEMENTATION)
+
+    batched = jax.vmap(lambda *x: one(*(y[None] for y in x)))
+    f = jax.jit(lambda first, second: (batched(*first), batched(*second)))
+    names = ("a", "b", "sfa_atom", "sfb_atom")
+    for run in range(2):
+        d1, d2 = inputs((6.0, 10.0)), inputs((-10.0, -6.0))
+        for d in (d1, d2):  # batch 1 ten powers of two larger than its neighbours
+            d["b"] = np.asarray(d["b"])
+            sfb = np.asarray(d["sfb_atom"]).copy()
+            sfb.reshape(l, -1)[1] = np.minimum(sfb.reshape(l, -1)[1].astype(int) + 10, 254).astype(np.uint8)
+            d["sfb_atom"] = sfb
+        out1, out2 = f([jnp.asarray(d1[x]) for x in names], [jnp.asarray(d2[x]) for x in names])
+        for (c, amax), d in ((out1, d1), (out2, d2)):
+            c, amax = np.asarray(c), np.asarray(amax)
+            test.assertEqual(amax.shape, (l,))
+            for i in range(l):
+                with test.subTest(m=m, run=run, batch=i):
+                    test.assertEqual(float(amax[i].reshape(())), float(np.abs(c[i]).max()))
+
+
 def _scale_bytes_past_one_multiply(rng, m, fmt="mxfp8_e4m3"):
     """(bytes, x, w) per range of E8M0 scale bytes on both sides of the one-multiply limit (MXFP8 E4M3: 134, scales
     above 2^7 take two multiplies; MXFP4 in the swap_ab kernel: 128): a `fmt` weight (200, 1024) with those bytes and
@@ -150,60 +204,10 @@ class GpuWeightStreamTest(parameterized.TestCase):
                 oracle_ops.assert_gemm_close(self, np.asarray(y), ref, c_dtype=jnp.dtype(jnp.float32))
 
     def test_amax_is_each_calls_own(self):
-        """amax is each call's own: the CTAs fold their max into the call site's tally, which the last CTA of a batch
-        empties into amax and leaves zero. One compiled call site run on large values, small ones, with a NaN scale,
-        then small ones again gives each call's own max |C|, never a previous call's (a NaN does not stick either)."""
-        rng = np.random.default_rng(5)
-        l, m, n, k = 2, 3, 336, 1024  # 11 CTAs of 32 weight rows per batch, the last one half full
-        f = jax.jit(lambda *a: jbg.gemm_amax(*a, c_dtype=jnp.float32, implementation=IMPLEMENTATION))
-        for scale_log2, nan in (((8.0, 12.0), False), ((-12.0, -8.0), False), ((-2.0, 2.0), True),
-                                ((-12.0, -8.0), False)):
-            with self.subTest(scale_log2=scale_log2, nan=nan):
-                d = oracle_ops.random_gemm_inputs(rng, l=l, m=m, n=n, k=k, fmt="mxfp8_e4m3", scale_log2=scale_log2)
-                sfb = np.asarray(d["sfb_atom"]).copy()
-                if nan:
-                    sfb.reshape(l, -1)[1, 0] = 0xFF  # a NaN scale byte in batch 1's first weight rows
-                c, amax = f(*(jnp.asarray(d[x]) for x in ("a", "b", "sfa_atom")), jnp.asarray(sfb))
-                c = np.asarray(c)
-                self.assertEqual(np.isnan(c).any(), nan)
-                if nan:
-                    self.assertTrue(np.isnan(float(amax)))
-                else:
-                    self.assertEqual(float(amax), float(np.abs(c).max()))
+        _check_amax_is_each_calls_own(self, m=3)
 
     def test_amax_per_batch_and_per_call_site(self):
-        """Under vmap each batch's amax is its own (batches of very different magnitudes share one launch and one
-        tally, a word pair per batch), and two call sites in one program, each run twice, keep theirs apart."""
-        rng = np.random.default_rng(9)
-        l, m, n, k = 3, 5, 200, 512  # 7 CTAs per batch
-
-        def inputs(scale_log2):
-            return oracle_ops.random_gemm_inputs(rng, l=l, m=m, n=n, k=k, fmt="mxfp8_e4m3", scale_log2=scale_log2)
-
-        def one(a, b, sfa, sfb):
-            return jbg.gemm_amax(a, b, sfa, sfb, c_dtype=jnp.float32, implementation=IMPLEMENTATION)
-
-        batched = jax.vmap(lambda *x: one(*(y[None] for y in x)))
-
-        def program(first, second):
-            return batched(*first), batched(*second)
-
-        f = jax.jit(program)
-        names = ("a", "b", "sfa_atom", "sfb_atom")
-        for run in range(2):
-            d1, d2 = inputs((6.0, 10.0)), inputs((-10.0, -6.0))
-            for d in (d1, d2):  # batch 1 ten powers of two larger than its neighbours
-                d["b"] = np.asarray(d["b"])
-                sfb = np.asarray(d["sfb_atom"]).copy()
-                sfb.reshape(l, -1)[1] = np.minimum(sfb.reshape(l, -1)[1].astype(int) + 10, 254).astype(np.uint8)
-                d["sfb_atom"] = sfb
-            out1, out2 = f([jnp.asarray(d1[x]) for x in names], [jnp.asarray(d2[x]) for x in names])
-            for (c, amax), d in ((out1, d1), (out2, d2)):
-                c, amax = np.asarray(c), np.asarray(amax)
-                self.assertEqual(amax.shape, (l,))
-                for i in range(l):
-                    with self.subTest(run=run, batch=i):
-                        self.assertEqual(float(amax[i].reshape(())), float(np.abs(c[i]).max()))
+        _check_amax_per_batch_and_call_site(self, m=5)
 
     def test_same_bits_on_every_run(self):
         """The split of K is reduced in a fixed order: repeated calls give identical bits."""
@@ -261,6 +265,16 @@ class GpuDecodeSwapAbTest(parameterized.TestCase):
     def test_gemm_amax_matches_oracle(self, fmt, shape, c_dtype):
         _gemm_amax_against_oracle(self, (fmt, shape, c_dtype, "swap_ab"), fmt, shape, c_dtype,
                                   call="jbg_ragged_gemm_amax")
+
+    def test_amax_is_each_calls_own(self):
+        """The tiles fold amax through the call site's tally, as the decode kernel does (the 16-token tile with its
+        two K parts, and the 64-token one)."""
+        for m in (5, 40):
+            _check_amax_is_each_calls_own(self, m=m)
+
+    def test_amax_per_batch_and_per_call_site(self):
+        for m in (5, 40):
+            _check_amax_per_batch_and_call_site(self, m=m)
 
     @parameterized.parameters(("mxfp8_e4m3", "m", "n"), ("mxfp8_e4m3", "k", "m"), ("nvfp4", "k", "m"),
                               ("mxfp4", "k", "m"))

@@ -286,14 +286,18 @@ class CompileTest(parameterized.TestCase):
                                    tile_mn=(128, 128), cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
         c = compiled(v)
         # the weights from registers (four 32-bit A registers), the tokens from shared memory, 128 tokens wide; the
-        # codes by bit moves, not the converter; TMA loads; registers moved to the MMA warpgroups; the amax atomic
+        # codes by bit moves, not the converter; TMA loads; registers moved to the MMA warpgroups; amax's tally (the
+        # max, then the count with acquire-release order) and no atomic max into amax itself
         wanted = {"register-sourced wgmma": r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, "
                                              r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+",
                   "prmt": r"prmt\.b32", "TMA": r"cp\.async\.bulk\.tensor",
-                  "setmaxnreg": r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", "amax": r"atom\.global\.max\.s32"}
+                  "setmaxnreg": r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232",
+                  "tally max": r"red\.relaxed\.gpu\.global\.max\.s32",
+                  "tally count": r"atom\.acq_rel\.gpu\.global\.add"}
         for name, pattern in wanted.items():
             self.assertTrue(re.search(pattern, c.ptx), name)
-        for name, pattern in {"FP8 converter": r"cvt\.rn\.f16x2\.e4m3x2", "local memory": r"\.local"}.items():
+        for name, pattern in {"FP8 converter": r"cvt\.rn\.f16x2\.e4m3x2", "local memory": r"\.local",
+                              "atomic max": r"atom\.global\.max"}.items():
             self.assertFalse(re.search(pattern, c.ptx), name)
         resources = structure.cubin_resources(c.fn.__cubin__)
         self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
@@ -530,7 +534,7 @@ class DispatchTest(absltest.TestCase):
         call = next(line for line in text.splitlines() if "@jbg_ragged_gemm_amax" in line)
         self.assertIn('a_dtype = "bfloat16"', call)
         self.assertIn('ab_dtype = "float8_e4m3fn"', call)
-        self.assertIn("amax_used = 1", call)  # ragged_gemm_amax returns amax: zeroed before the launch
+        self.assertIn("amax_batches = 1", call)  # ragged_gemm_amax returns amax: L = 1 batch (the tally's)
         self.assertRegex(call, r"\(tensor<1x300x256xbf16>, tensor<1x5x72x160xf8E4M3FN>, tensor<1x0xui8>, "
                                r"tensor<5x72x5xui8>")  # the weights' scales compact: (L*G, N, K/32)
         self.assertRegex(call, r"swap_ab")

@@ -437,9 +437,10 @@ def fake_arguments(kernel: Any, op: str = "gemm_amax") -> list:
     if op == "ragged":
         i32 = cutlass.Int32
         a_dtype = getattr(kernel, "a_dtype", kernel.ab_dtype)  # the swap_ab kernels read bf16 tokens
+        tally = [flat(cutlass.Int64)] if getattr(kernel, "takes_tally", False) else []  # ... and take amax's tally
         return [flat(a_dtype), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(cutlass.Uint8),
-                flat(cutlass.Int32), flat(kernel.c_dtype), flat(cutlass.Float32), flat(cutlass.Float32), i32(128),
-                i32(128), i32(128), i32(1), i32(1), i32(2), cuda.CUstream(0)]
+                flat(cutlass.Int32), flat(kernel.c_dtype), flat(cutlass.Float32), flat(cutlass.Float32), *tally,
+                i32(128), i32(128), i32(128), i32(1), i32(1), i32(2), cuda.CUstream(0)]
     if op == "proj_rope":
         ab, u8 = kernel.ab_dtype, cutlass.Uint8
         return [flat(ab), flat(ab), flat(cutlass.BFloat16), flat(cutlass.BFloat16), flat(u8), flat(u8),

@@ -38,18 +38,23 @@ register fragments: it converts k-tile k + 1 while the tensor cores multiply k-t
 tensor cores' partial sum is added to the fp32 accumulator with round-to-nearest adds (their truncating sums drift with
 K: 6e-6 relative over 8192 as gemm_amax measured, so about 2e-7 over 256): SPEC §7's "exact" class. The accumulator
 holds C transposed (weight rows x tokens); the epilogue writes it through shared memory (reusing the stages) and stores
-C rows of the item with 16-byte stores, amax of what it stored by one atomic per CTA.
+C rows of the item with 16-byte stores. amax needs nothing zeroed first: each CTA folds the max |C| of what it stored
+(an empty item's CTA: nothing) and its arrival into the batch's two words of a tally the handler keeps per call site
+(zero between launches), and the batch's last CTA writes amax and zeroes them again (`ptx_ops.fold_amax_last_cta`,
+the decode kernel's scheme); without a tally (a caller that drops amax) the kernel skips amax.
 
 The decode tiles (few tokens, one 64-row warpgroup) leave an SM one conversion chain per CTA; with `k_split` parts the
 CTA runs that many MMA warpgroups on the same weight rows, part p multiplying K's promotion groups p, p + k_split, ...
 out of stages it alone reads (two promotion groups of stages per part), and the epilogue adds the parts' fp32 tiles
 in part order: the same bits on every run.
 
-ABI: the ragged one (catalog "ragged"), fn(a, b, sfa, sfb, items, c, amax, alpha, t, n, k, l, g, max_items, stream),
-with a the permuted bf16 tokens (L, T, K256), K256 = K rounded up to 256 (zeros past K); b the codes (L·G, N, K),
-packed FP4 (L·G, N, K/2); sfb their scale bytes (E8M0, or E4M3 for NVFP4) compact, (L·G, N, ceil(K/block)), which
-every caller has (the atom layout would cost a transposing pass over every expert's scales per call); sfa an empty
-uint8 buffer; alpha (L·G,) float32, one per weight; c (L, T, N) float32 or bfloat16; k the logical K.
+ABI: the ragged one with amax's tally after alpha (catalog "ragged", schedule "swap_ab"), fn(a, b, sfa, sfb, items, c,
+amax, alpha, tally, t, n, k, l, g, max_items, stream), with a the permuted bf16 tokens (L, T, K256), K256 = K rounded
+up to 256 (zeros past K); b the codes (L·G, N, K), packed FP4 (L·G, N, K/2); sfb their scale bytes (E8M0, or E4M3 for
+NVFP4) compact, (L·G, N, ceil(K/block)), which every caller has (the atom layout would cost a transposing pass over
+every expert's scales per call); sfa an empty uint8 buffer; alpha (L·G,) float32, one per weight; c (L, T, N)
+float32 or bfloat16; amax (L,) float32 (written, never read); tally (L,) int64 (two int32 words per batch), zero at
+the launch and left so, or a null pointer where amax is not wanted; k the logical K.
 """
 
 from __future__ import annotations
@@ -137,6 +142,7 @@ class HopperRaggedSwapAB:
         # the epilogue's fp32 tiles, one per part, lie over the tokens' drained stages
         assert k_split * token_rows * self.c_stage_stride * 4 <= self.stages * token_rows * K_TILE * 2
         self.has_alpha = True  # the ABI passes alpha, one per weight (L·G)
+        self.takes_tally = True  # ... and amax's tally after it
 
     def can_implement(self, t: int, n: int, k: int, l: int, g: int = 1) -> tuple[bool, str]:
         """Whether the kernel handles these sizes, and why not: K a multiple of 16 (FP8) or 32 (FP4): 16-byte TMA
@@ -158,8 +164,8 @@ class HopperRaggedSwapAB:
     # ------------------------------------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, items: cute.Tensor,
-                 c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor, t: cutlass.Int32, n: cutlass.Int32,
-                 k: cutlass.Int32, l: cutlass.Int32, g: cutlass.Int32, max_items: cutlass.Int32,
+                 c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor, tally: cute.Tensor, t: cutlass.Int32,
+                 n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32, g: cutlass.Int32, max_items: cutlass.Int32,
                  stream: cuda.CUstream):
         """Host side: TMA views of the tokens (L batches of (T, K256) bf16) and codes (L·G of (N, K) bytes, (N, K/2)
         packed FP4), a launch of (N tiles, max_items, L) CTAs."""
@@ -190,7 +196,7 @@ class HopperRaggedSwapAB:
 
         self.shared_storage = SharedStorage
         tiles_n = (n + bw - 1) // bw
-        self.kernel(tma_atom_x, tma_x, tma_atom_w, tma_w, sfb, items, c, amax, alpha, t, n, k, g, max_items,
+        self.kernel(tma_atom_x, tma_x, tma_atom_w, tma_w, sfb, items, c, amax, alpha, tally, t, n, k, g, max_items,
                     tiled_mma, x_staged, w_staged).launch(grid=(tiles_n, max_items, l),
                                                           block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1,
                                                           stream=stream)
@@ -199,13 +205,19 @@ class HopperRaggedSwapAB:
     @cute.kernel
     def kernel(self, tma_atom_x: cute.CopyAtom, mX: cute.Tensor, tma_atom_w: cute.CopyAtom, mW: cute.Tensor,
                sfb: cute.Tensor, items: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor,
-               t: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, g: cutlass.Int32, max_items: cutlass.Int32,
-               tiled_mma: cute.TiledMma, x_staged: cute.ComposedLayout, w_staged: cute.ComposedLayout):
-        """Device body: the CTA reads its item and runs (weight tile, item), or returns when the item is empty.
-        Items of group -1 (rows of no group) store zeros after one group of PROMOTE_TILES k-tiles (the mainloop's
-        unit: the producer must fill, and the consumers release, a whole group)."""
+               tally: cute.Tensor, t: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, g: cutlass.Int32,
+               max_items: cutlass.Int32, tiled_mma: cute.TiledMma, x_staged: cute.ComposedLayout,
+               w_staged: cute.ComposedLayout):
+        """Device body: the CTA reads its item and runs (weight tile, item), or, when the item is empty, only
+        counts itself in amax's tally. Items of group -1 (rows of no group) store zeros after one group of
+        PROMOTE_TILES k-tiles (the mainloop's unit: the producer must fill, and the consumers release, a whole
+        group)."""
         tile_n, item, batch = cute.arch.block_idx()
         group, rows_lo, rows_hi = group_item(items, batch, item, max_items, t, g)
+        if rows_lo >= rows_hi:
+            tidx, _, _ = cute.arch.thread_idx()
+            if (tally.iterator.toint() != 0) & (tidx == 0):  # every CTA of the batch arrives: its last writes amax
+                ptx_ops.fold_amax_last_cta(*self._amax_words(tally, amax, batch), 0, self._batch_ctas())
         if rows_lo < rows_hi:
             tidx, _, _ = cute.arch.thread_idx()
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -240,7 +252,8 @@ class HopperRaggedSwapAB:
                     acc[j] = acc[j] * scale
                 if zero:  # after alpha: rows of no group stay zero whatever group 0's alpha holds
                     acc.fill(0.0)
-                self.epilogue(acc, storage, c, amax, t, n, tile_n, batch, rows_lo, rows_hi, row_wg, part, mma_tid)
+                self.epilogue(acc, storage, c, amax, tally, t, n, tile_n, batch, rows_lo, rows_hi, row_wg, part,
+                              mma_tid)
 
     @cute.jit
     def mainloop(self, ab_pipeline, tiled_mma: cute.TiledMma, sX: cute.Tensor, sW: cute.Tensor, sfb: cute.Tensor,
@@ -416,12 +429,13 @@ class HopperRaggedSwapAB:
                     words[4 * s + 2 * high + r] = cute.arch.fma_packed_bf16x2(bits, factors[r], neg_zero)
 
     @cute.jit
-    def epilogue(self, acc: cute.Tensor, storage, c: cute.Tensor, amax: cute.Tensor, t, n, tile_n, batch, rows_lo,
-                 rows_hi, wg_idx, part, tidx):
+    def epilogue(self, acc: cute.Tensor, storage, c: cute.Tensor, amax: cute.Tensor, tally: cute.Tensor, t, n, tile_n,
+                 batch, rows_lo, rows_hi, wg_idx, part, tidx):
         """C rows [rows_lo, rows_hi) of the item (its token tile starts at rows_lo), columns of this weight tile
         below N, from the transposed accumulators: written to shared memory as an fp32 (token, weight row) tile per
         part over the drained stages, then each token row (the parts' tiles summed in part order) stored in 16-byte
-        pieces where N allows (else element by element); amax of what was stored."""
+        pieces where N allows (else element by element); amax of what was stored, through the tally where there is
+        one."""
         bt, bw, _ = self.tile_mnk
         mma_threads = self.num_consumer_warps * 32
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=mma_threads)  # stages drained
@@ -481,10 +495,22 @@ class HopperRaggedSwapAB:
                     for e in cutlass.range_constexpr(per):
                         if gcol + e < n:
                             c[at + e] = xs[e].to(self.c_dtype)
-        warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
-        amax_i32 = cute.make_tensor(cute.recast_ptr(amax.iterator, dtype=cutlass.Int32), cute.make_layout((1,)))
-        common.amax_block_reduce_and_publish(amax_bits, warp_amax, amax_i32.iterator + batch, tidx,
-                                             self.num_consumer_warps, self.epilogue_barrier_id)
+        if tally.iterator.toint() != 0:  # a tally: the caller wants amax
+            warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
+            common.amax_block_reduce_and_fold_last(amax_bits, warp_amax, *self._amax_words(tally, amax, batch),
+                                                   self._batch_ctas(), tidx, self.num_consumer_warps,
+                                                   self.epilogue_barrier_id)
+
+    @staticmethod
+    def _amax_words(tally: cute.Tensor, amax: cute.Tensor, batch) -> tuple:
+        """The addresses of batch `batch`'s two tally words and of its amax."""
+        return (tally.iterator.toint() + cutlass.Int64(batch) * 8, amax.iterator.toint() + cutlass.Int64(batch) * 4)
+
+    @staticmethod
+    def _batch_ctas():
+        """The CTAs of one batch: every (weight tile, work item) of the grid, empty items included."""
+        tiles_n, max_items, _ = cute.arch.grid_dim()
+        return tiles_n * max_items
 
 
 __all__ = ["HopperRaggedSwapAB", "K_PAD", "K_TILE", "PROMOTE_TILES", "WEIGHT_FORMATS"]
