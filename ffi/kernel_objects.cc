@@ -260,6 +260,14 @@ int32_t GridCtas(int32_t sms, int32_t cluster_ctas, int32_t max_active_clusters)
   return std::max(clusters, int32_t{1}) * cluster_ctas;
 }
 
+std::string CheckAmaxBatches(std::string_view target, int64_t amax_batches) {
+  if (amax_batches < 0 || amax_batches >= kMaxBufferElements) {
+    return std::string(target) + " attributes: amax_batches " + std::to_string(amax_batches) +
+           " is not supported; expected L, the call's batch count (0: the caller drops amax)";
+  }
+  return "";
+}
+
 std::string ParseSmLimit(const char* text, int32_t* limit) {
   *limit = 0;
   if (text == nullptr || text[0] == '\0') return "";

@@ -185,6 +185,10 @@ std::string CheckClusterCtas(std::string_view target, const int64_t* cluster_cta
 // than fit at once or than the SMs hold, and at least one.
 int32_t GridCtas(int32_t sms, int32_t cluster_ctas, int32_t max_active_clusters);
 
+// Checks the attribute amax_batches of the targets that write amax: L, the call's batch count, where the caller reads
+// amax, 0 where it drops it. Returns "" or what is wrong; `target` names the custom call.
+std::string CheckAmaxBatches(std::string_view target, int64_t amax_batches);
+
 // The value of JAX_BLOCKGEMM_SM_LIMIT (`text`, null where unset): 0 (no limit) where unset or empty, else the
 // positive decimal count of SMs it names, into `*limit`. Returns "" or what is wrong (anything else: a test that set
 // it would otherwise run on every SM believing it ran on fewer).

@@ -388,7 +388,7 @@ NB_MODULE(_jbg_ffi, m) {
   m.def(
       "check_ragged_amax_batches",
       [](int64_t amax_batches) {
-        std::string why = jbg::CheckRaggedAmaxBatches(amax_batches);
+        std::string why = jbg::CheckAmaxBatches(jbg::kRaggedTarget, amax_batches);
         if (!why.empty()) throw nb::value_error(why.c_str());
       },
       nb::arg("amax_batches"),

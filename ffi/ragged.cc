@@ -1,5 +1,6 @@
 #include "ragged.h"
 
+#include <initializer_list>
 #include <memory>
 
 #include "cuda_driver.h"
@@ -239,14 +240,6 @@ std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& k
   return "";
 }
 
-std::string CheckRaggedAmaxBatches(int64_t amax_batches) {
-  if (amax_batches < 0 || amax_batches >= kMaxBufferElements) {
-    return std::string(kRaggedTarget) + " attributes: amax_batches " + std::to_string(amax_batches) +
-           " is not supported; expected L, the batches of amax (the caller reads amax), or 0 (it drops amax)";
-  }
-  return "";
-}
-
 namespace {
 
 using StateOr = ffi::ErrorOr<std::unique_ptr<KernelObjects>>;
@@ -257,7 +250,7 @@ StateOr Instantiate(std::string_view archs, std::string_view prefixes, ffi::Span
                     std::string_view b_major, int64_t amax_batches) {
   KernelDtypes dtypes{};
   std::string why = ParseRaggedAttributes(ab_dtype, a_dtype, c_dtype, sf_dtype, sf_vec_size, b_major, &dtypes);
-  if (why.empty()) why = CheckRaggedAmaxBatches(amax_batches);
+  if (why.empty()) why = CheckAmaxBatches(kRaggedTarget, amax_batches);
   if (!why.empty()) return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(why));
   StateOr state = InstantiateKernelObjects(kRaggedTarget, archs, prefixes, objects, offsets);
   if (!state.has_value()) return state;
@@ -330,18 +323,15 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   tensors[1].count = int64_t{dims.l} * dims.g * (buffers[1].dims[2] * buffers[1].dims[3]);
   tensors[8] = KernelTensor{tally, tally == nullptr ? 0 : int64_t{dims.l}};
   int32_t t = dims.t, n = dims.n, k = dims.k, l = dims.l, g = dims.g, max_items = dims.max_items, ret = 0;
-  if (swap_ab) {
-    // fn(a, b, sfa, sfb, items, c, amax, alpha, tally, t, n, k, l, g, max_items, stream) and the status slot.
-    void* args[17] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5],
-                      &tensors[6], &tensors[7], &tensors[8], &t,          &n,          &k,
-                      &l,          &g,          &max_items,  &stream,     &ret};
-    return RunKernel(*state, device, kRaggedTarget, *driver, fn, args, 17, &ret);
-  }
-  // fn(a, b, sfa, sfb, items, c, amax, alpha, t, n, k, l, g, max_items, stream) and the kernel's status slot.
-  void* args[16] = {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4], &tensors[5],
-                    &tensors[6], &tensors[7], &t,          &n,          &k,          &l,
-                    &g,          &max_items,  &stream,     &ret};
-  return RunKernel(*state, device, kRaggedTarget, *driver, fn, args, 16, &ret);
+  // fn(a, b, sfa, sfb, items, c, amax, alpha, [tally: the swap_ab objects,] t, n, k, l, g, max_items, stream) and
+  // the kernel's status slot.
+  void* args[17];
+  size_t count = 0;
+  for (int i = 0; i < (swap_ab ? 9 : 8); ++i) args[count++] = &tensors[i];
+  for (int32_t* size : {&t, &n, &k, &l, &g, &max_items}) args[count++] = size;
+  args[count++] = &stream;
+  args[count++] = &ret;
+  return RunKernel(*state, device, kRaggedTarget, *driver, fn, args, count, &ret);
 }
 
 }  // namespace

@@ -48,13 +48,6 @@ std::string ParseRaggedAttributes(std::string_view ab_dtype, std::string_view a_
                                   std::string_view sf_dtype, int64_t sf_vec_size, std::string_view b_major,
                                   KernelDtypes* out);
 
-// Checks the instantiate attribute amax_batches: L, amax's batches, where the caller reads amax, 0 where it drops it
-// (execute checks it against the buffers). The swap_ab objects (a_bf16) fold amax through a tally of L batches the
-// call site keeps (two int32 words each, zero between launches: nothing to zero per call; none, and no amax, where
-// it is 0); the others' atomic max starts from +0.0, zeroed on XLA's stream before each launch where it is L (its
-// value unspecified where it is 0). Returns "" or what is wrong.
-std::string CheckRaggedAmaxBatches(int64_t amax_batches);
-
 // Checks a, b, sfa, sfb, items, c, amax, alpha (the ABI order) against what the kernel reads and writes, for
 // objects compiled for `kernel`; fills `*dims` (n and k logical, whatever b's major). Every buffer but b holds fewer
 // than 2**31 elements; b may hold more (TMA addresses it by weight) when one weight (N, K) and L·G fit. Returns ""

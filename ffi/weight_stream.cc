@@ -47,10 +47,7 @@ std::string ParseWeightStreamAttributes(std::string_view w_dtype, std::string_vi
   if (max_m < 1 || max_m >= kMaxBufferElements) {
     return where + "max_m " + std::to_string(max_m) + " is not supported; expected the objects' row capacity, >= 1";
   }
-  if (amax_batches < 0 || amax_batches >= kMaxBufferElements) {
-    return where + "amax_batches " + std::to_string(amax_batches) +
-           " is not supported; expected L, the call's batch count (0: the caller drops amax)";
-  }
+  if (std::string why = CheckAmaxBatches(kWeightStreamTarget, amax_batches); !why.empty()) return why;
   *out = k;
   return "";
 }

@@ -447,7 +447,7 @@ def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int
 def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, sf_vec_size, amax_used, **_):
     """The call through the grouped kernel `variants` (jbg_ragged_gemm_amax): scales to atoms and the item table in XLA
     (a few fusions, no host synchronization), then one launch; alpha is the call's (for swap_ab kernels one per weight),
-    else ones; amax_used=False (a caller that drops amax): amax is not zeroed before the launch. For swap_ab kernels
+    else ones; amax_used=False (a caller that drops amax): nothing zeroes or folds amax. For swap_ab kernels
     the tokens become bf16 in the kernel's column order: by the dequantize kernel where they are MXFP8 E4M3 codes, K
     needs no padding and one applies (`dispatch.dequantize_variants` with `swap_ab_order`; one pass at memory speed),
     else in XLA (`swap_ab_tokens`)."""

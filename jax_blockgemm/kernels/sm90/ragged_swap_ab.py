@@ -295,13 +295,9 @@ class HopperRaggedSwapAB:
         release_state = pipeline.PipelineState(self.stages, cutlass.Int32(0), cutlass.Int32(first), cutlass.Int32(0))
         mine = (k_tiles // per - part + split - 1) // split  # this part's promotion groups (part 0 has one or more)
         here = group_scales(part)
-        if cutlass.const_expr(split == 1):
+        if mine > 0:  # a part past the last group has none (without a split, part 0 always has one)
             ab_pipeline.consumer_wait(read_state)
             self.convert(frags[0], code_at, read_state.index * stage_bytes, here[0:2])
-        else:
-            if mine > 0:  # parts past the last group have none
-                ab_pipeline.consumer_wait(read_state)
-                self.convert(frags[0], code_at, read_state.index * stage_bytes, here[0:2])
         for nth in range(mine):
             q = part + nth * split
             ahead = group_scales(q + split)
