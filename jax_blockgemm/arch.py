@@ -82,13 +82,14 @@ TABLE: tuple[ArchPolicy, ...] = (
         # up to M = 16 in every format (M = 32: 36-38 against 29-33 us of GPU time)
         decode_max_m={"mxfp8_e4m3": 64, "mxfp8_e5m2": 64, "mxfp4": 64, "nvfp4": 64},
         decode_short_k={fmt: (7168, 16) for fmt in DECODE_FORMATS},
-        # H200, the 32-weight program: at M = 64 the swap_ab decode tile took 35.2 / 89.9 / 15.7 us of GPU time
-        # (tokens' preparation included) where the decode kernel took 82.8 / 198.3 (7168 -> 7168 / 18432) and the
-        # reference 31.7 (2048 -> 7168); at M <= 16 the decode kernel is faster (docs/design/decode.md). MXFP4 and
-        # NVFP4 (`tune --op decode_swap_ab`, 7168 -> 7168): 1.8-2.5x faster than the decode kernel at M = 17-64
-        decode_swap_ab_m={"mxfp8_e4m3": (17, 64), "mxfp4": (17, 64), "nvfp4": (17, 64)},
-        # not every swap_ab GPU test has run on the objects as they are (the decode tiles' have, every format): each
-        # runs after its first-use self-check
+        # The swap_ab decode tiles with K split (catalog.SWAP_AB_DECODE_TILES), weight-only in the 32-weight program,
+        # 7168 -> 7168, us per GEMM against the decode kernel: MXFP8 (H200) 24.5 / 25.5 at M = 1, 23.5 / 28.0 at 16,
+        # 25.2 / 71.5 at 32, 28.1 / 85.8 at 64; MXFP4 (H100) 23.5 / 23.5 at M = 1, 24.2 / 29.4 at 16; NVFP4 (H100,
+        # `tune --op decode_swap_ab`, two K parts at 16 tokens) 1.18x / 1.06x faster at M = 1 / 16. At 2048 -> 7168,
+        # M = 64, the tile (one part) took 15.7 us of GPU time against the reference's 31.7 (docs/design/decode.md)
+        decode_swap_ab_m={"mxfp8_e4m3": (1, 64), "mxfp4": (1, 64), "nvfp4": (1, 64)},
+        # the swap_ab GPU tests ran on the 16-token tile with two K parts and the 32/64-token tiles with one; the
+        # tiles with three parts (and two at 64 tokens) ran only in the timing program: each is self-checked first
         unverified_schedules=("swap_ab",),
         # H200 (`tune --op ragged_swap_ab`): 1.5-1.7x faster than the block-scaled grouped kernel on MXFP8 E4M3,
         # MXFP4 and NVFP4 codes alike (docs/design/moe.md)

@@ -328,9 +328,10 @@ RAGGED_PROBLEMS = ((200, 160, 96, (40, 0, 1, 30, 100)), (300, 288, 160, (0, 300,
                    (384, 224, 512, (129, 127, 128)))
 # ... and for the swap_ab kernel's decode tiles (16, 32 or 64 tokens: decode-sized calls as one group), those within
 # the tile: full tiles, rows of no group past a group, one token; N off the 64-row tile, K off the 256-column padding;
-# for the 16-token tile's two K parts, one 256-column group (the second part idle), an odd number and an even one.
+# K's 256-column groups against the tiles' K parts (three at 16 and 32 tokens, two at 64): 1 to 6 groups.
 RAGGED_DECODE_PROBLEMS = ((32, 160, 96, (32,)), (29, 288, 512, (20,)), (1, 224, 160, (1,)), (64, 136, 544, (64,)),
                           (37, 200, 1024, (30,)), (16, 136, 1312, (16,)), (11, 200, 800, (9,)),
+                          (13, 96, 448, (13,)), (7, 80, 1088, (7,)),
                           # MoE decode: a few tokens over several experts (empty and one-token groups, rows of none)
                           (32, 96, 256, (5, 0, 20, 7)), (29, 72, 512, (3, 1, 0, 12, 9)), (61, 160, 288, (30, 0, 1, 25)),
                           (16, 72, 544, (5, 0, 1, 10)))

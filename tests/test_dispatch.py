@@ -660,17 +660,16 @@ class DecodeSwapAbDispatchTest(parameterized.TestCase):
 
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)):
             for implementation in (None, "cutedsl"):
-                for m, k, tile in ((self.first, 96, (32, 64)), (32, 7168, (32, 64)), (33, 7168, (64, 64)),
-                                   (self.last, 7168, (64, 64))):  # the smallest tile that holds M
+                for m, k, tile in ((self.first, 96, (16, 64, 3)), (16, 7168, (16, 64, 3)), (17, 7168, (32, 64, 3)),
+                                   (32, 7168, (32, 64, 3)), (33, 7168, (64, 64, 2)),
+                                   (self.last, 7168, (64, 64, 2))):  # the smallest tile that holds M
                     with self.subTest(implementation=implementation, m=m, k=k):
                         (v,) = _decode(m, implementation=implementation, k=k).variants
-                        self.assertEqual((v.op, v.arch, v.schedule, v.tile_mn, v.k_split, v.c_dtype),
-                                         ("ragged", "sm_90a", catalog.SWAP_AB, tile, 1, "bfloat16"))
-            with arch.overridden("9.0", decode_swap_ab_m={"mxfp8_e4m3": (1, 64)}):  # as a tuning table can set it
-                for m in (1, 16):  # the 16-token tile, K split in two
-                    (v,) = _decode(m, k=7168).variants
-                    self.assertEqual((v.op, v.tile_mn, v.k_split), ("ragged", (16, 64), 2), m)
-            self.assertEqual(_decode(self.first - 1, k=7168).variants[0].op, "weight_stream")
+                        self.assertEqual((v.op, v.arch, v.schedule, (*v.tile_mn, v.k_split), v.c_dtype),
+                                         ("ragged", "sm_90a", catalog.SWAP_AB, tile, "bfloat16"))
+            with arch.overridden("9.0", decode_swap_ab_m={"mxfp8_e4m3": (17, 64)}):  # as a tuning table can set it
+                self.assertEqual(_decode(16, k=7168).variants[0].op, "weight_stream")
+                self.assertEqual(_decode(17, k=7168).variants[0].op, "ragged")
             self.assertEqual(_decode(self.last + 1, k=7168).variants, ())  # past every decode kernel: M > 64
             self.assertEqual(_decode(40, k=7168, c_dtype=jnp.float32).variants[0].c_dtype, "float32")
             self.assertEqual(_decode(40, k=7168, c_dtype=jnp.float16).variants[0].op, "weight_stream")

@@ -470,17 +470,17 @@ class PublicDecodeLoweringTest(absltest.TestCase):
         f = jax.jit(lambda *x: jbg.gemm_amax(*x, c_dtype=c_dtype, sf_vec_size=v, **extra, **kwargs))
         return f.trace(*operands).lower(lowering_platforms=("cuda",))
 
-    def test_mxfp8_e4m3_of_17_to_64_rows_take_the_swap_ab_decode_tile(self):
+    def test_mxfp8_e4m3_decode_rows_take_the_swap_ab_decode_tiles(self):
         """On an sm_90a GPU, decode-sized calls with MXFP8 E4M3 weights of arch.TABLE's decode_swap_ab_m rows go to
-        the swap_ab ragged kernel's decode tile as one group: x (bf16, or A dequantized) padded to a K of 256 and
+        the swap_ab ragged kernel's decode tiles as one group: x (bf16, or A dequantized) padded to a K of 256 and
         permuted, the weight as (L, 1, N, K) with its scales compact, empty token scales, one item table per batch.
-        16 rows, a float16 C and formats the table does not name keep jbg_weight_stream, as does a lowering with no
-        GPU present."""
+        Rows below a range that starts later, a float16 C and formats the table does not name keep jbg_weight_stream,
+        as does a lowering with no GPU present."""
         first, last = jbg_arch.policy("sm_90a").decode_swap_ab_m["mxfp8_e4m3"]
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
                 mock.patch.object(dispatch, "_failed_self_checks", return_value=""):  # the tile's self-check passed
             for implementation in (None, "cutedsl"):
-                for m in (first, last):
+                for m in (first, 16, 17, 32, 33, last):
                     with self.subTest(implementation=implementation, m=m):
                         lowered = self._weight_only("mxfp8_e4m3", m=m, k=96, implementation=implementation,
                                                     out_dtype=jnp.float32)
@@ -492,7 +492,7 @@ class PublicDecodeLoweringTest(absltest.TestCase):
                         self.assertEqual(types[3], "tensor<1x48x3xui8>")  # the scales compact, as given
                         self.assertRegex(types[4], r"tensor<1x\d+x4xi32>")
                         self.assertEqual(str(call.results[0].type), f"tensor<1x{m}x48xf32>")
-                        tile = "t32x64" if m <= 32 else "t64x64"  # the smallest decode tile that holds M
+                        tile = "t16x64" if m <= 16 else "t32x64" if m <= 32 else "t64x64"  # the smallest that holds M
                         self.assertIn(tile, lowered.as_text())  # its object (stand-in bytes)
                         # weight-only drops amax: no tally, nothing zeroed
                         self.assertEqual(_int_attr(call.attributes["mhlo.backend_config"]["amax_batches"]), 0)
@@ -502,7 +502,8 @@ class PublicDecodeLoweringTest(absltest.TestCase):
             self.assertEqual(str(call.operands[0].type), "tensor<2x40x256xbf16>")
             self.assertEqual(str(call.operands[1].type), "tensor<2x1x144x96xf8E4M3FN>")
             self.assertEqual(str(call.operands[3].type), "tensor<2x144x3xui8>")  # gemm_amax's atoms made compact
-            self.assertLen(_calls(self._weight_only("mxfp8_e4m3", m=first - 1, k=96), "jbg_weight_stream"), 1)
+            with jbg_arch.overridden("9.0", decode_swap_ab_m={"mxfp8_e4m3": (17, 64)}):  # a range from 17 rows
+                self.assertLen(_calls(self._weight_only("mxfp8_e4m3", m=16, k=96), "jbg_weight_stream"), 1)
             self.assertLen(_calls(self._gemm(40, c_dtype=jnp.float16, implementation="cutedsl"), "jbg_weight_stream"),
                            1)  # the tile writes f32 or bf16 C
             self.assertLen(_calls(self._weight_only("mxfp8_e5m2", m=40, k=96, implementation="cutedsl"),
@@ -512,8 +513,10 @@ class PublicDecodeLoweringTest(absltest.TestCase):
 
     def test_small_m_gemm_amax_with_none_on_an_h200(self):
         """On a (faked) compute capability 9.0 GPU, None takes the decode kernel for M <= 64: A dequantized to bf16
-        in XLA is x, B and its atom scales (sf_atom 1) are w and sw, alpha is ones; amax is the kernel's."""
-        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)):
+        in XLA is x, B and its atom scales (sf_atom 1) are w and sw, alpha is ones; amax is the kernel's (the H200 row
+        without its swap_ab decode tiles, which take MXFP8 E4M3 there)."""
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
+                jbg_arch.overridden("9.0", decode_swap_ab_m={}):
             lowered = self._gemm(7)
         (call,) = _calls(lowered, "jbg_weight_stream")
         self.assertEqual([str(o.type) for o in call.operands],

@@ -169,15 +169,15 @@ class GpuRaggedTest(parameterized.TestCase):
 
     @parameterized.product(fmt=("mxfp8_e4m3", "mxfp4", "nvfp4"), c_dtype=("float32", "bfloat16"))
     def test_few_tokens_on_the_decode_tiles(self, fmt, c_dtype):
-        """MoE decode: at most 64 tokens in all, over 16 experts, run the swap_ab kernel's decode tiles (16 tokens
-        with K split in two, 32 or 64 tokens; 64 weight rows): empty and one-token groups, rows of no group, N off
+        """MoE decode: at most 64 tokens in all, over 16 experts, run the swap_ab kernel's decode tiles (16 and 32
+        tokens with K in three parts, 64 in two; 64 weight rows): empty and one-token groups, rows of no group, N off
         the 64-row tile, K past a promotion group, a NaN block scale in one expert's weight row (that column of its
         group's rows only); and weight-only on the same tiles."""
         self.enterContext(arch.overridden("9.0", ragged_swap_ab_formats=("mxfp8_e4m3", "mxfp4", "nvfp4")))
         rng = np.random.default_rng(hash((fmt, c_dtype, "decode tiles")) % 2**32)
         g, n, k = 16, 200, 288
-        for t, tile in ((7, "t16x64_c1x1_swap_ab_k2"), (16, "t16x64_c1x1_swap_ab_k2"), (32, "t32x64_c1x1_swap_ab"),
-                        (50, "t64x64_c1x1_swap_ab")):
+        for t, tile in ((7, "t16x64_c1x1_swap_ab_k3"), (16, "t16x64_c1x1_swap_ab_k3"), (32, "t32x64_c1x1_swap_ab_k3"),
+                        (50, "t64x64_c1x1_swap_ab_k2")):
             d = random_ragged_inputs(rng, t=t, g=g, n=n, k=k, fmt=fmt)
             gs = np.zeros(g, np.int32)
             gs[[1, 4, 9, 15]] = (1, t // 2, 0, t - t // 2 - 2)  # 2 rows of no group

@@ -221,12 +221,12 @@ class GpuWeightStreamTest(parameterized.TestCase):
 
 
 
-# (L, M, N, K) for the swap_ab decode tile: the first and last M of its range, N off the 64-row tile, K off the
-# 256-column padding (a multiple of 32: FP4's 16-byte rows) and long, L > 1 (both decode tiles: 32 and 64 tokens)
-# (L, M, N, K): each tile at its fewest and most rows; for the 16-token tile's two K parts one 256-column group (the
-# second part idle), an even number and an odd one
-SWAP_AB_SHAPES = ((1, 1, 200, 96), (2, 7, 136, 1312), (1, 16, 72, 2080), (3, 16, 328, 800), (1, 17, 200, 96),
-                  (2, 32, 72, 2080), (2, 40, 136, 544), (1, 64, 64, 4096), (3, 64, 328, 1024))
+# (L, M, N, K) for the swap_ab decode tiles: each at its fewest and most rows, N off the 64-row tile, K off the
+# 256-column padding (a multiple of 32: FP4's 16-byte rows) and long, L > 1. K's 256-column groups against the tiles'
+# K parts (three at 16 and 32 tokens, two at 64): 1 and 2 groups (parts idle), 3 to 6, 9 and 16
+SWAP_AB_SHAPES = ((1, 1, 200, 96), (2, 7, 136, 1312), (1, 12, 96, 1088), (1, 16, 72, 2080), (3, 16, 328, 800),
+                  (1, 17, 200, 96), (2, 29, 72, 480), (2, 32, 72, 2080), (2, 40, 136, 544), (1, 64, 64, 4096),
+                  (3, 64, 328, 1024))
 SWAP_AB_FORMATS = ("mxfp8_e4m3", "mxfp4", "nvfp4")  # the weight formats the swap_ab kernel converts
 
 
@@ -268,7 +268,7 @@ class GpuDecodeSwapAbTest(parameterized.TestCase):
 
     def test_amax_is_each_calls_own(self):
         """The tiles fold amax through the call site's tally, as the decode kernel does (the 16-token tile with its
-        two K parts, and the 64-token one)."""
+        three K parts, and the 64-token one with two)."""
         for m in (5, 40):
             _check_amax_is_each_calls_own(self, m=m)
 
@@ -279,7 +279,7 @@ class GpuDecodeSwapAbTest(parameterized.TestCase):
     @parameterized.parameters(("mxfp8_e4m3", "m", "n"), ("mxfp8_e4m3", "k", "m"), ("nvfp4", "k", "m"),
                               ("mxfp4", "k", "m"))
     def test_gemm_amax_either_major(self, fmt, a_major, c_major):
-        for shape in ((2, 12, 96, 1312), (2, 48, 96, 544)):
+        for shape in ((2, 16, 96, 1312), (2, 48, 96, 544)):
             with self.subTest(shape=shape):
                 _gemm_amax_against_oracle(self, (fmt, a_major, c_major, "swap_ab", shape), fmt, shape, "bfloat16",
                                           a_major=a_major, c_major=c_major, call="jbg_ragged_gemm_amax")
@@ -292,7 +292,7 @@ class GpuDecodeSwapAbTest(parameterized.TestCase):
         codes = np.asarray(w.codes).copy()
         codes.view(np.uint8)[70, 200] = 0x7F  # a NaN code in row 70 (finite scale; the second 64-row tile)
         w = jbg.QuantizedWeight(jnp.asarray(codes), jnp.asarray(scales), w.alpha, "mxfp8_e4m3")
-        for m in (5, 33):  # the 16-token tile (K split in two) and the 64-token one
+        for m in (5, 33):  # the 16-token tile (K in three parts) and the 64-token one
             y = self._weight_only(oracle_weight_only.random_x(rng, (m, 512), jnp.bfloat16), w)
             self.assertTrue(np.isnan(y[:, [3, 70]]).all(), m)
             self.assertFalse(np.isnan(np.delete(y, [3, 70], axis=1)).any(), m)

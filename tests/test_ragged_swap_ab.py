@@ -326,8 +326,8 @@ class CompileTest(parameterized.TestCase):
     @parameterized.product(c_dtype=(F32, BF16), tile=catalog.SWAP_AB_DECODE_TILES)
     def test_decode_tile_structure(self, c_dtype, tile):
         """The decode tiles (catalog.SWAP_AB_DECODE_TILES): one MMA warpgroup per 64 weight rows and K part, as many
-        tokens wide as the tile, the same register-sourced wgmma with the MMA warpgroups' 232 registers, and no local
-        memory."""
+        tokens wide as the tile, the same register-sourced wgmma, the MMA warpgroups raised to 232 registers (152 with
+        three K parts: 512 threads share the SM's 64 K), and no local memory."""
         tokens, rows, split = tile
         v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype=E4M3, c_dtype=c_dtype, sf_vec_size=32,
                                    tile_mn=(tokens, rows), k_split=split, cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
@@ -336,15 +336,16 @@ class CompileTest(parameterized.TestCase):
         self.assertEqual(c.kernel.threads_per_cta, 128 * (1 + rows // 64 * split))
         self.assertTrue(re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tokens}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
                                   r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", c.ptx))
-        self.assertTrue(re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", c.ptx))
+        regs = 152 if split == 3 else 232
+        self.assertEqual(c.kernel.consumer_regs, regs)
+        self.assertTrue(re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{regs}\b", c.ptx))
         self.assertFalse(re.search(r"\.local", c.ptx))
         resources = structure.cubin_resources(c.fn.__cubin__)
         self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
 
-
     @parameterized.parameters((16, E4M3, 32, E8M0), (32, FP4, 16, E4M3))
     def test_three_k_parts_fit_their_registers(self, tokens, w_dtype, block, sf):
-        """k_split = 3 (not in the catalog; what a GPU would time against two parts): 512 threads launched at 128
+        """k_split = 3 (the 16- and 32-token decode tiles; here also with NVFP4 codes): 512 threads launched at 128
         registers, the MMA warpgroups raised to 152, still without local memory or stack."""
         from jax_blockgemm.kernels.sm90.ragged_swap_ab import HopperRaggedSwapAB
 
@@ -497,8 +498,9 @@ class DispatchTest(absltest.TestCase):
         """MoE decode (all T tokens within 64, over many experts): every group fits a decode tile, so the swap_ab
         kernel runs on the smallest that holds T; from 65 tokens on, the MoE tile."""
         with arch.overridden("9.0", unverified_schedules=()):
-            for t, tile in ((1, "t16x64.c1x1.swap_ab.k2"), (16, "t16x64.c1x1.swap_ab.k2"), (17, "t32x64.c1x1.swap_ab"),
-                            (32, "t32x64.c1x1.swap_ab"), (33, "t64x64.c1x1.swap_ab"), (64, "t64x64.c1x1.swap_ab"),
+            for t, tile in ((1, "t16x64.c1x1.swap_ab.k3"), (16, "t16x64.c1x1.swap_ab.k3"),
+                            (17, "t32x64.c1x1.swap_ab.k3"), (32, "t32x64.c1x1.swap_ab.k3"),
+                            (33, "t64x64.c1x1.swap_ab.k2"), (64, "t64x64.c1x1.swap_ab.k2"),
                             (65, "t128x128.c1x1.swap_ab")):
                 choice, _ = _choice(t=t, g=256)
                 self.assertEqual([v.key for v in choice.variants], [f"ragged.sm_90a.e4m3.bf16.sf32.{tile}"], t)

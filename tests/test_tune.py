@@ -206,6 +206,8 @@ class DispatchFollowsADecodeDecisionTest(absltest.TestCase):
 
     def setUp(self):
         _fake_h200(self)
+        # the decode kernel's rows alone (on the H200 the swap_ab decode tiles take E4M3's decode-sized calls)
+        self.enter_context(arch.overridden("9.0", decode_swap_ab_m={}))
 
     def test_up_to_the_decided_rows_and_not_beyond(self):
         table_rows = arch.decode_largest_m("sm_90a", "mxfp8_e4m3", 128)  # the table alone at K = 128: up to these
@@ -543,9 +545,9 @@ class SwapAbChoiceTest(absltest.TestCase):
         verdict = lambda v: (checked.append(v.key), gate.Verdict(v.key, H200, "x", True, "ok"))[1]
         self.enter_context(mock.patch.object(gate, "check", side_effect=verdict))
         self.enter_context(mock.patch.object(timing, "interleaved_medians_ms", return_value=[1.0, 2.0]))
-        cases = [("decode_swap_ab", "mxfp4", (17, 256, 512), ["e2m1.bf16.sf32.t32x64.c1x1.swap_ab"],
+        cases = [("decode_swap_ab", "mxfp4", (17, 256, 512), ["e2m1.bf16.sf32.t32x64.c1x1.swap_ab.k3"],
                   ["weight_stream.sm_90a.e2m1.bf16"]),
-                 ("decode_swap_ab", "nvfp4", (16, 256, 512), ["e2m1.bf16.sf16e4m3.t16x64.c1x1.swap_ab.k2"],
+                 ("decode_swap_ab", "nvfp4", (16, 256, 512), ["e2m1.bf16.sf16e4m3.t16x64.c1x1.swap_ab.k3"],
                   ["weight_stream.sm_90a.e2m1.bf16.sf16e4m3"]),
                  ("ragged_swap_ab", "mxfp8_e4m3", (512, 4, 128, 512),
                   ["dequantize.sm_90a.e4m3.bf16.sf32.t1x16.c1x1.swap_ab", "e4m3.bf16.sf32.t128x128.c1x1.swap_ab"],

@@ -109,8 +109,8 @@ class KernelVariant:
     @property
     def key(self) -> str:
         """Unique, filesystem-safe name, e.g. 'gemm_amax.sm_90a.e4m3.f32.sf32.t128x128.c1x1' (or '...sf16e4m3...',
-        '.bn' for an N-major B, '.<schedule>' for a non-default schedule, '.k2' for K split in two parts, '.<flavor>'
-        for a test variant)."""
+        '.bn' for an N-major B, '.<schedule>' for a non-default schedule, '.k2' for K split in two parts (.k3 three),
+        '.<flavor>' for a test variant)."""
         sf = "" if self.sf_dtype == E8M0 else _SHORT.get(self.sf_dtype, self.sf_dtype)
         return (f"{self.op}.{self.arch}.{_SHORT.get(self.ab_dtype, self.ab_dtype)}."
                 f"{_SHORT.get(self.c_dtype, self.c_dtype)}.sf{self.sf_vec_size}{sf}."
@@ -258,9 +258,11 @@ SWAP_AB = "swap_ab"
 WEIGHT_STREAM_TILES = ((32, 16), (32, 64))
 # (tokens, weight rows, K parts) of the swap_ab ragged kernel's decode tiles: decode-sized calls of the M range
 # arch.TABLE's decode_swap_ab_m names run as one group of M tokens on the smallest that holds them (rows past M
-# would be TMA zero fill, which costs; docs/design/decode.md). The 16-token tile splits K over two MMA warpgroups:
-# with one, its conversion chain per SM was slower than the decode kernel's 16 warps.
-SWAP_AB_DECODE_TILES = ((16, 64, 2), (32, 64, 1), (64, 64, 1))
+# would be TMA zero fill, which costs; docs/design/decode.md). Each splits K over as many MMA warpgroups as its
+# stages fit in shared memory: H200, 7168 x 7168, the swap_ab kernel's time per GEMM with K in 1 / 2 / 3 parts was
+# 27.7 / 20.5 / 19.2 us at 16 tokens, 28.3 / 21.2 / 19.8 at 32, 29.8 / 22.9 (three parts of 64 tokens do not fit)
+# at 64, against the decode kernel's 25.4 at M = 16 (one part's conversion chain per SM is the bound).
+SWAP_AB_DECODE_TILES = ((16, 64, 3), (32, 64, 3), (64, 64, 2))
 # The weight formats the swap_ab kernel converts in registers ((codes, scale block, scale dtype)): MXFP8 E4M3,
 # MXFP4, NVFP4, as the kernel defines them
 SWAP_AB_FORMATS = _ragged_swap_ab.WEIGHT_FORMATS
