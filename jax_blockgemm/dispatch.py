@@ -6,7 +6,8 @@ What `implementation=None` takes per architecture is `arch.TABLE`'s; where the l
 reference. A kernel of an architecture (or schedule) where ours never ran (`arch.is_verified`) is used on a local
 GPU only once its first-use self-check has passed there (`gate`: checked in a child process, verdicts kept on
 disk); when it failed, None falls back to the reference and "cutedsl" raises (the ragged kernels: to the
-block-scaled grouped kernel where the swap_ab one failed).
+block-scaled grouped kernel where the swap_ab one failed; decode-sized calls: to the decode kernel where a swap_ab
+decode tile failed).
 
 Decode-sized calls (few rows of activations against a block-scaled weight) have their own kernel, op
 "weight_stream": weight_only_matmul with bf16 x, and gemm_amax with M <= 64 (its A dequantized to bf16 first), take

@@ -359,9 +359,9 @@ def ensure_verified(variant: Any, **kwargs: Any) -> Verdict:
     if not verdict.ok and ident not in _WARNED:
         _WARNED.add(ident)
         message = (f"jax_blockgemm: kernel {verdict.key} failed its first-use self-check on {verdict.device} "
-                   f"({verdict.detail}); it will not be used: implementation=None falls back to the XLA reference "
-                   f"(verdict stored in {verdict_path(*ident)}; rerun with `python -m jax_blockgemm.selfcheck "
-                   f"--force`)")
+                   f"({verdict.detail}); it will not be used: implementation=None takes the next choice (another of "
+                   f"our kernels where one serves the call, else the XLA reference; verdict stored in "
+                   f"{verdict_path(*ident)}; rerun with `python -m jax_blockgemm.selfcheck --force`)")
         logger.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
     return verdict

@@ -676,6 +676,15 @@ class DecodeSwapAbDispatchTest(parameterized.TestCase):
             self.assertEqual(_decode(40, k=7168, fmt="mxfp8_e5m2").variants[0].op, "weight_stream")
             self.assertEqual(_decode(40, k=7168, fmt="mxfp4").variants[0].op, "ragged")  # FP4: the tile too
 
+    def test_a_tile_that_failed_its_self_check_leaves_the_rows_to_the_decode_kernel(self):
+        failed = lambda variants: "failed" if any(v.schedule == "swap_ab" for v in variants) else ""
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
+                mock.patch.object(dispatch, "_failed_self_checks", side_effect=failed):
+            for implementation in (None, "cutedsl"):
+                for m in (1, 16, 40, 64):
+                    variants = _decode(m, k=7168, implementation=implementation).variants
+                    self.assertEqual({v.op for v in variants}, {"weight_stream"}, (implementation, m))
+
     def test_elsewhere_the_decode_kernel(self):
         """No GPU seen (a program lowered here may run on any target), a B200, a machine with both, or a process that
         forces variants (the self-check): the decode kernel, whose objects cover every architecture."""

@@ -623,7 +623,7 @@ class DispatchGateTest(absltest.TestCase):
         negate = lambda c: c.__setitem__((0, 0, 0), -c[0, 0, 0])
         with _none_takes_kernels("10.0"), \
                 mock.patch.object(selfcheck, "run_problems", self._fake_run(negate)), \
-                self.assertWarnsRegex(RuntimeWarning, "falls back to the XLA reference"):
+                self.assertWarnsRegex(RuntimeWarning, "will not be used: implementation=None takes the next choice"):
             self.assertNotIn("jbg_gemm_amax", _cuda_text())
 
     def test_a_verdict_file_not_a_boolean_pass_of_this_object_never_takes_the_kernel(self):
@@ -659,7 +659,7 @@ class DispatchGateTest(absltest.TestCase):
         with _none_takes_kernels("10.0"), mock.patch.object(selfcheck, "run_problems", self._fake_run(negate)), \
                 mock.patch("jax_blockgemm.kernel_cache.get_object", side_effect=lambda v: v.key.encode()), \
                 self.assertLogs(gate.logger, "WARNING"), \
-                self.assertWarnsRegex(RuntimeWarning, "falls back to the XLA reference"):
+                self.assertWarnsRegex(RuntimeWarning, "will not be used: implementation=None takes the next choice"):
             self.assertNotIn("jbg_gemm_amax", _cuda_text())
         self.assertEqual(self.runs, 1)
 
