@@ -377,6 +377,21 @@ def _run_ragged(variant: Any, args: Sequence[Any], device: Any, implementation: 
         return np.asarray(c), np.asarray(amax)
 
 
+def _ragged_references(variant: Any, args: Sequence[Any], device: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(c, amax, |c| bound) of the XLA reference with fp32 C on `device`: on `args`, and on their codes' magnitudes
+    (`_magnitudes`: the sum of |a·b| that bounds each element's rounding), through one compiled program (same
+    shapes, so the second call reuses the first's compile)."""
+    import jax
+
+    call, operands = ragged_api_call(variant, args, implementation="xla")
+    magnitudes = (_magnitudes(args[0]), _magnitudes(args[1]), *args[2:])
+    _, magnitude_operands = ragged_api_call(variant, magnitudes, implementation="xla")
+    fn = jax.jit(functools.partial(call, c_dtype="float32"))
+    c, amax = fn(*(jax.device_put(x, device) for x in operands))
+    c_abs, _ = fn(*(jax.device_put(x, device) for x in magnitude_operands))
+    return np.asarray(c), np.asarray(amax), np.asarray(c_abs)
+
+
 def run_ragged_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_ragged) -> str:
     """'' when the grouped kernel `variant` (`run_kernel`) matches the reference (fp32 C, on `device`) on every
     RAGGED_PROBLEMS (RAGGED_DECODE_PROBLEMS for the swap_ab decode tile) within SPEC §7; else the first failure."""
@@ -390,10 +405,7 @@ def run_ragged_problems(variant: Any, device: Any, *, run_kernel: Callable = _ru
             c, amax = run_kernel(variant, args, device)
         except Exception as e:  # a kernel that cannot even launch is a failed check, not a crash of the caller
             return f"{where}: raised {type(e).__name__}: {e}"
-        ref_c, ref_amax = _run_ragged(variant, args, device, "xla", "float32")
-        magnitudes = (_magnitudes(args[0]), _magnitudes(args[1]), *args[2:])
-        ref_abs, _ = _run_ragged(variant, magnitudes, device, "xla", "float32")
-        why = compare(c, amax, ref_c, ref_amax, ref_abs, variant.c_dtype)
+        why = compare(c, amax, *_ragged_references(variant, args, device), variant.c_dtype)
         if why:
             return f"{where}: {why}"
     return ""
