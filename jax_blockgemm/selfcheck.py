@@ -253,16 +253,26 @@ def _run_kernel(variant: Any, args: Sequence[Any], device: Any) -> tuple[np.ndar
     return c, amax
 
 
-def _run_reference(args: Sequence[Any], device: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(c, amax) of the XLA reference with fp32 C on `device` (args: a, b, sfa, sfb[, NVFP4's alpha])."""
+@functools.lru_cache(maxsize=None)
+def _reference_program(sf_vec_size: int) -> Callable[..., Any]:
+    """The XLA reference gemm_amax with fp32 C, jitted once per scale block: a problem's call on the operands and on
+    their magnitudes (same shapes), and problems of equal shapes, share a compile. Takes a, b, sfa, sfb, alpha."""
     import jax
 
     from jax_blockgemm import api
 
-    args, alpha = args[:4], args[4] if len(args) > 4 else None
-    args = [jax.device_put(x, device) for x in args]
-    c, amax = jax.jit(functools.partial(api.gemm_amax, c_dtype=np.float32, sf_vec_size=_sf_vec_size(args),
-                                        alpha=alpha, implementation="xla"))(*args)
+    return jax.jit(lambda a, b, sfa, sfb, alpha: api.gemm_amax(a, b, sfa, sfb, c_dtype=np.float32,
+                                                               sf_vec_size=sf_vec_size, alpha=alpha,
+                                                               implementation="xla"))
+
+
+def _run_reference(args: Sequence[Any], device: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(c, amax) of the XLA reference with fp32 C on `device` (args: a, b, sfa, sfb[, NVFP4's alpha])."""
+    import jax
+
+    alpha = args[4] if len(args) > 4 else None
+    operands = [jax.device_put(x, device) for x in args[:4]]
+    c, amax = _reference_program(_sf_vec_size(operands))(*operands, alpha)
     return np.asarray(c), np.asarray(amax)
 
 
