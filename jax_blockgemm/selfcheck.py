@@ -369,21 +369,20 @@ def ragged_api_call(variant: Any, args: Sequence[Any], *, implementation: str = 
     return fn, [a, b, sfa, sfb, np.asarray(sizes, np.int32)]
 
 
-def _run_ragged(variant: Any, args: Sequence[Any], device: Any, implementation: str = "cutedsl",
-                c_dtype: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(c, amax) of ragged_gemm_amax on `device`: `variant` itself (forced, outputs poisoned before the launch) with
-    "cutedsl", the reference with "xla"; C in `c_dtype` (default the variant's), packed FP4 C unpacked."""
+def _run_ragged(variant: Any, args: Sequence[Any], device: Any, implementation: str = "cutedsl"
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(c, amax) of ragged_gemm_amax on `device` with the variant's C (packed FP4 C unpacked): `variant` itself
+    (forced, outputs poisoned before the launch) with "cutedsl", the reference with "xla"."""
     import jax
 
     from jax_blockgemm import formats
 
-    c_dtype = c_dtype or variant.c_dtype
     call, operands = ragged_api_call(variant, args, implementation=implementation)
-    fn = jax.jit(functools.partial(call, c_dtype=c_dtype))
+    fn = jax.jit(functools.partial(call, c_dtype=variant.c_dtype))
     operands = [jax.device_put(x, device) for x in operands]
     with _forced_and_poisoned(variant) if implementation == "cutedsl" else contextlib.nullcontext():
         c, amax = fn(*operands)
-        c = formats.unpack_fp4(c) if c_dtype == "float4_e2m1fn" else c
+        c = formats.unpack_fp4(c) if variant.c_dtype == "float4_e2m1fn" else c
         return np.asarray(c), np.asarray(amax)
 
 

@@ -46,8 +46,8 @@ DECODE_SHAPES = ((1, 7168, 7168), (16, 7168, 7168), (64, 7168, 7168))
 DECODE_MATRICES = 16
 # the ragged kernel: (T, G, N, K), equal groups, from a small problem up to the MoE benchmark's (bench --op ragged)
 RAGGED_SHAPES = ((4096, 8, 2048, 7168), (16384, 32, 2048, 7168), (16384, 32, 7168, 2048))
-# the swap_ab decode tiles: (M, N, K) from one row to the tiles' 64, each tile at its fewest and most rows (the
-# 16-token tile with K split in two, then 32 and 64 tokens)
+# the swap_ab decode tiles: (M, N, K) from one row to the tiles' 64, each tile at its fewest and most rows (16, 32
+# and 64 tokens: catalog.SWAP_AB_DECODE_TILES)
 DECODE_SWAP_AB_SHAPES = ((1, 7168, 7168), (16, 7168, 7168), (17, 7168, 7168), (32, 7168, 7168), (64, 7168, 7168))
 SWAP_AB_FORMATS = ("mxfp8_e4m3", "mxfp4", "nvfp4")  # the weight formats the swap_ab kernel converts
 CHOICE_OPS = (tuning.SWAP_AB_RAGGED_OP, tuning.SWAP_AB_DECODE_OP)  # a choice between two kernels of ours
