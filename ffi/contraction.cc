@@ -120,8 +120,8 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   const int64_t c_count = int64_t{dims.l} * dims.g * (int64_t{dims.k} * dims.n);
   // amax is an integer atomic max over the bits of |C|: it starts from +0.0, on XLA's stream, before the kernel.
   const size_t c_bytes = static_cast<size_t>(c_count) * ElementBytes(buffers[3].dtype);
-  if (ffi::Error e = ZeroAmaxAndPoisonC(*state, kContractionTarget, *driver, stream, amax->untyped_data(),
-                                        static_cast<size_t>(dims.l), c->untyped_data(), c_bytes);
+  if (ffi::Error e = PrepareOutputs(*state, device, kContractionTarget, *driver, stream, AmaxBy::kAtomicMax,
+                                    c->untyped_data(), c_bytes, amax->untyped_data(), static_cast<size_t>(dims.l));
       e.failure()) {
     return e;
   }

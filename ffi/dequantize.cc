@@ -99,10 +99,10 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   const BufferDesc* out_desc = buffers + inputs;
   if (state->poison_outputs) {  // test aid: 0xFFFF is a bf16 NaN, so an element the kernel misses fails checks
     for (size_t i = 0; i < outputs; ++i) {
-      if (CUresult r = driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(out_desc[i].data), 0xFF,
-                                               static_cast<size_t>(ElementCount(out_desc[i])) * 2, stream);
-          r != kCudaSuccess) {
-        return ffi::Error::Internal(target + ": poisoning out" + (i ? "1" : "") + " failed: " + driver->ErrorName(r));
+      if (ffi::Error e = PoisonBytes(target, i ? "out1" : "out", *driver, stream, out_desc[i].data,
+                                     static_cast<size_t>(ElementCount(out_desc[i])) * 2);
+          e.failure()) {
+        return e;
       }
     }
   }

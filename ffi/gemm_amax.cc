@@ -231,8 +231,8 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   // amax is an atomic max over |C| bit patterns: it starts from +0.0, on XLA's stream, before the kernel. With the
   // poison test aid, C's whole bytes as the buffer holds them (packed FP4: N/2 per row) are filled first.
   const size_t c_bytes = static_cast<size_t>(ElementCount(buffers[4])) * ElementBytes(buffers[4].dtype);
-  if (ffi::Error e = ZeroAmaxAndPoisonC(*state, kGemmAmaxTarget, *driver, stream, amax->untyped_data(),
-                                        static_cast<size_t>(dims.l), c->untyped_data(), c_bytes);
+  if (ffi::Error e = PrepareOutputs(*state, device, kGemmAmaxTarget, *driver, stream, AmaxBy::kAtomicMax,
+                                    c->untyped_data(), c_bytes, amax->untyped_data(), static_cast<size_t>(dims.l));
       e.failure()) {
     return e;
   }

@@ -377,22 +377,13 @@ ffi::Error DeviceFunction(const KernelObjects& state, int32_t device, std::strin
 }
 
 ffi::Error PoisonBytes(std::string_view target, std::string_view name, const CudaDriver& driver, CUstream stream,
-                       const void* data, size_t bytes) {
-  if (CUresult r = driver.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(data), 0xFF, bytes, stream);
+                       const void* data, size_t bytes, unsigned char value) {
+  if (CUresult r = driver.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(data), value, bytes, stream);
       r != kCudaSuccess) {
     return ffi::Error::Internal(std::string(target) + ": poisoning " + std::string(name) + " failed: " +
                                 driver.ErrorName(r));
   }
   return ffi::Error::Success();
-}
-
-ffi::Error ZeroAmaxAndPoisonC(const KernelObjects& state, std::string_view target, const CudaDriver& driver,
-                              CUstream stream, void* amax, size_t batches, void* c, size_t c_bytes) {
-  if (CUresult r = driver.cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(amax), 0u, batches, stream);
-      r != kCudaSuccess) {
-    return ffi::Error::Internal(std::string(target) + ": zeroing amax failed: " + driver.ErrorName(r));
-  }
-  return state.poison_outputs ? PoisonBytes(target, "C", driver, stream, c, c_bytes) : ffi::Error::Success();
 }
 
 KernelObjects::~KernelObjects() {
@@ -449,6 +440,9 @@ ffi::Error AllocateTallies(KernelObjects* state, std::string_view target, size_t
   return ffi::Error::Success();
 }
 
+namespace {
+
+// The tally of `device`, or an error when it has none or it is smaller than `bytes`.
 ffi::Error DeviceTallyWords(const KernelObjects& state, int32_t device, std::string_view target, size_t bytes,
                             void** words) {
   const std::string where = std::string(target) + ": ";
@@ -464,6 +458,27 @@ ffi::Error DeviceTallyWords(const KernelObjects& state, int32_t device, std::str
   }
   *words = reinterpret_cast<void*>(state.tallies[device].words);
   return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error PrepareOutputs(const KernelObjects& state, int32_t device, std::string_view target,
+                          const CudaDriver& driver, CUstream stream, AmaxBy amax_by, void* c, size_t c_bytes,
+                          void* amax, size_t batches, void** tally) {
+  if (amax_by == AmaxBy::kTally) {
+    if (tally == nullptr) return ffi::Error::Internal(std::string(target) + ": no place for the amax tally's address");
+    if (ffi::Error e = DeviceTallyWords(state, device, target, batches * 8, tally); e.failure()) return e;
+  }
+  if (amax_by == AmaxBy::kAtomicMax) {
+    if (CUresult r = driver.cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(amax), 0u, batches, stream);
+        r != kCudaSuccess) {
+      return ffi::Error::Internal(std::string(target) + ": zeroing amax failed: " + driver.ErrorName(r));
+    }
+  }
+  if (!state.poison_outputs) return ffi::Error::Success();
+  if (ffi::Error e = PoisonBytes(target, "C", driver, stream, c, c_bytes); e.failure()) return e;
+  return amax_by == AmaxBy::kTally ? PoisonBytes(target, "amax", driver, stream, amax, batches * 4)
+                                   : ffi::Error::Success();
 }
 
 ffi::Error RunKernel(const KernelObjects& state, int32_t device, std::string_view target, const CudaDriver& driver,

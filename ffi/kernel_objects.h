@@ -154,23 +154,26 @@ XLA_FFI_TypeInfo* KernelObjectsTypeInfo();
 // The execute-stage steps every target shares; `target` names the custom call in error messages.
 // The function loaded for `device`, or an error naming the device, its compute capability and the archs carried.
 xla::ffi::Error DeviceFunction(const KernelObjects& state, int32_t device, std::string_view target, DslFunction** fn);
-// Test aid (JAX_BLOCKGEMM_POISON_OUTPUTS): fills `bytes` of an output buffer with 0xFF on `stream` (NaN in float32,
-// bfloat16, float16 and FP8), so that an element the kernel leaves unwritten fails the check; the error names the
-// buffer `name`.
+// Test aid (JAX_BLOCKGEMM_POISON_OUTPUTS): fills `bytes` of an output buffer with `value` on `stream` (0xFF: NaN in
+// float32, bfloat16, float16 and FP8), so that an element the kernel leaves unwritten fails the check; the error names
+// the buffer `name`.
 xla::ffi::Error PoisonBytes(std::string_view target, std::string_view name, const CudaDriver& driver, CUstream stream,
-                            const void* data, size_t bytes);
-// Before a kernel that folds |C| into amax by an integer atomic max: zeroes the `batches` float32 amax values on
-// `stream`, and with `state.poison_outputs` fills C's `c_bytes` with 0xFF (NaN in float32, bfloat16 and float16), so
-// that an element the kernel leaves unwritten fails the check.
-xla::ffi::Error ZeroAmaxAndPoisonC(const KernelObjects& state, std::string_view target, const CudaDriver& driver,
-                                   CUstream stream, void* amax, size_t batches, void* c, size_t c_bytes);
+                            const void* data, size_t bytes, unsigned char value = 0xFF);
+// How a launch produces amax: an integer atomic max over the bits of |C| from +0.0 (amax zeroed on the stream first),
+// through the call site's tally (the last CTA per batch writes amax whole: nothing to zero), or not at all (the caller
+// drops amax).
+enum class AmaxBy { kAtomicMax, kTally, kNothing };
+// EXECUTE, with the stream's context current, before a launch that writes C (`c_bytes`) and amax (`batches` float32
+// values) as `amax_by` says: zeroes amax for kAtomicMax; for kTally sets `*tally` to the device's tally (else leaves
+// it null) after checking it holds the batches' words; with `state.poison_outputs` fills C, and amax where the kernel
+// writes it whole, with 0xFF.
+xla::ffi::Error PrepareOutputs(const KernelObjects& state, int32_t device, std::string_view target,
+                               const CudaDriver& driver, CUstream stream, AmaxBy amax_by, void* c, size_t c_bytes,
+                               void* amax, size_t batches, void** tally = nullptr);
 // INSTANTIATE: `bytes` of zeroed device memory for each device that has a loaded object and an active primary
 // context (the devices the process runs on; none is created for the others), allocated and zeroed synchronously here
 // so that EXECUTE neither allocates nor writes them.
 xla::ffi::Error AllocateTallies(KernelObjects* state, std::string_view target, size_t bytes);
-// EXECUTE: the tally of `device`, or an error when it has none or it is smaller than `bytes`.
-xla::ffi::Error DeviceTallyWords(const KernelObjects& state, int32_t device, std::string_view target, size_t bytes,
-                                 void** words);
 // Runs `fn` on `args` (pointers to each argument; the last one is `ret`, the kernel's CUDA status slot).
 xla::ffi::Error RunKernel(const KernelObjects& state, int32_t device, std::string_view target,
                           const CudaDriver& driver, DslFunction* fn, void** args, size_t num_args,

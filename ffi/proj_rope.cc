@@ -87,11 +87,10 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   ScopedStreamContext context(*driver, stream);
   if (state->poison_outputs) {  // test aid: codes 0xFF (E4M3 NaN), scales 0xFE; unwritten elements fail checks
     for (int i = 4; i < 8; ++i) {
-      const unsigned char value = (i % 2 == 0) ? 0xFF : 0xFE;
-      if (CUresult r = driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(buffers[i].data), value,
-                                               static_cast<size_t>(ElementCount(buffers[i])), stream);
-          r != kCudaSuccess) {
-        return ffi::Error::Internal(target + ": poisoning " + kNames[i] + " failed: " + driver->ErrorName(r));
+      if (ffi::Error e = PoisonBytes(target, kNames[i], *driver, stream, buffers[i].data,
+                                     static_cast<size_t>(ElementCount(buffers[i])), i % 2 == 0 ? 0xFF : 0xFE);
+          e.failure()) {
+        return e;
       }
     }
   }

@@ -125,10 +125,7 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
     const char* names[3] = {"values", "codes", "scales"};
     for (int i = 0; i < 3; ++i) {
       const size_t bytes = static_cast<size_t>(out_counts[i]) * ElementBytes(out[i].dtype);
-      if (CUresult r = driver->cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(out[i].data), 0xFF, bytes, stream);
-          r != kCudaSuccess) {
-        return ffi::Error::Internal(target + ": poisoning " + names[i] + " failed: " + driver->ErrorName(r));
-      }
+      if (ffi::Error e = PoisonBytes(target, names[i], *driver, stream, out[i].data, bytes); e.failure()) return e;
     }
   }
   // kernel order: w, row_map (w again for the plain schedule, which reads none), values, codes, scales

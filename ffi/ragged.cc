@@ -289,32 +289,16 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   // writes amax whole), or skip amax without one: nothing to zero. The others' integer atomic max over the bits of
   // |C| starts from +0.0, zeroed on XLA's stream before the kernel where the caller reads amax.
   const bool swap_ab = state->dtypes.a_bf16;
-  void* tally = nullptr;
-  if (state->tally_bytes > 0) {
-    if (ffi::Error e = DeviceTallyWords(*state, device, kRaggedTarget, static_cast<size_t>(dims.l) * 8, &tally);
-        e.failure()) {
-      return e;
-    }
-  }
+  const AmaxBy amax_by = state->amax_batches == 0 ? AmaxBy::kNothing
+                         : swap_ab                ? AmaxBy::kTally
+                                                  : AmaxBy::kAtomicMax;
   ScopedStreamContext context(*driver, stream);
+  void* tally = nullptr;
   const size_t c_bytes = static_cast<size_t>(ElementCount(buffers[5])) * ElementBytes(buffers[5].dtype);
-  if (!swap_ab && state->amax_batches > 0) {
-    if (ffi::Error e = ZeroAmaxAndPoisonC(*state, kRaggedTarget, *driver, stream, amax->untyped_data(),
-                                          static_cast<size_t>(dims.l), c->untyped_data(), c_bytes);
-        e.failure()) {
-      return e;
-    }
-  } else if (state->poison_outputs) {  // NaN in C, and in amax where the kernel writes it whole
-    if (ffi::Error e = PoisonBytes(kRaggedTarget, "C", *driver, stream, c->untyped_data(), c_bytes); e.failure()) {
-      return e;
-    }
-    if (tally != nullptr) {
-      if (ffi::Error e = PoisonBytes(kRaggedTarget, "amax", *driver, stream, amax->untyped_data(),
-                                     static_cast<size_t>(dims.l) * 4);
-          e.failure()) {
-        return e;
-      }
-    }
+  if (ffi::Error e = PrepareOutputs(*state, device, kRaggedTarget, *driver, stream, amax_by, c->untyped_data(), c_bytes,
+                                    amax->untyped_data(), static_cast<size_t>(dims.l), &tally);
+      e.failure()) {
+    return e;
   }
   KernelTensor tensors[9];
   for (int i = 0; i < 8; ++i) tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), ElementCount(buffers[i])};

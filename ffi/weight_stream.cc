@@ -168,22 +168,14 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   // amax needs no zeroing: the kernel folds |C| through the call site's tally (zero at every launch) and its
   // last CTA per batch writes amax whole, so one kernel is all a call puts on XLA's stream. Without a tally (the
   // caller drops amax) the kernel skips amax and leaves it unwritten.
-  void* tally = nullptr;
-  if (state->tally_bytes > 0) {
-    if (ffi::Error e = DeviceTallyWords(*state, device, kWeightStreamTarget, static_cast<size_t>(dims.l) * 8, &tally);
-        e.failure()) {
-      return e;
-    }
-  }
   ScopedStreamContext context(*driver, stream);
-  if (state->poison_outputs) {  // NaN in C and amax: whatever the kernel leaves unwritten fails the check
-    for (int i : {3, 4}) {
-      const size_t bytes = static_cast<size_t>(ElementCount(buffers[i])) * ElementBytes(buffers[i].dtype);
-      if (ffi::Error e = PoisonBytes(kWeightStreamTarget, kNames[i], *driver, stream, buffers[i].data, bytes);
-          e.failure()) {
-        return e;
-      }
-    }
+  void* tally = nullptr;
+  const size_t c_bytes = static_cast<size_t>(ElementCount(buffers[3])) * ElementBytes(buffers[3].dtype);
+  if (ffi::Error e = PrepareOutputs(*state, device, kWeightStreamTarget, *driver, stream,
+                                    state->tally_bytes > 0 ? AmaxBy::kTally : AmaxBy::kNothing, c->untyped_data(),
+                                    c_bytes, amax->untyped_data(), static_cast<size_t>(dims.l), &tally);
+      e.failure()) {
+    return e;
   }
   KernelTensor tensors[7];
   for (int i = 0; i < 6; ++i) tensors[i] = KernelTensor{const_cast<void*>(buffers[i].data), ElementCount(buffers[i])};

@@ -2,12 +2,12 @@
 // few rows of bf16 activations x against a block-scaled weight w that the kernel streams once (kernels/catalog.py,
 // op "weight_stream").
 //
-// INSTANTIATE parses `w_dtype`, `c_dtype`, `sf_dtype`, `sf_vec_size` and `max_m` (what the objects were compiled
-// for), loads the object table (kernel_objects.h) and allocates, per device, the call site's zeroed amax tally for
-// `amax_batches` (L) batches, none when it is 0 (the caller drops amax). EXECUTE checks every buffer, poisons C and
-// amax when asked (JAX_BLOCKGEMM_POISON_OUTPUTS) and runs the function, which writes amax whole where there is a
-// tally (nothing zeroes it first: one launch per call on XLA's stream) and leaves it unwritten where there is none; it
-// never launches on sizes the kernel cannot take.
+// INSTANTIATE parses `w_dtype`, `c_dtype`, `sf_dtype`, `sf_vec_size` and `max_m` (what the objects were compiled for),
+// loads the object table (kernel_objects.h) and allocates, per device, the call site's zeroed amax tally for
+// `amax_batches` (L) batches, none when it is 0 (the caller drops amax). EXECUTE checks every buffer, poisons C (and
+// amax where there is a tally) when asked (JAX_BLOCKGEMM_POISON_OUTPUTS) and runs the function, which writes amax whole
+// where there is a tally (nothing zeroes it first: one launch per call on XLA's stream) and leaves it unwritten where
+// there is none; it never launches on sizes the kernel cannot take.
 #ifndef JBG_FFI_WEIGHT_STREAM_H_
 #define JBG_FFI_WEIGHT_STREAM_H_
 

@@ -218,7 +218,7 @@ class HopperRaggedSwapAB:
             tidx, _, _ = cute.arch.thread_idx()
             if (tally.iterator.toint() != 0) & (tidx == 0):  # every CTA of the batch arrives: its last writes amax
                 ptx_ops.fold_amax_last_cta(*self._amax_words(tally, amax, batch), 0, self._batch_ctas())
-        if rows_lo < rows_hi:
+        else:
             tidx, _, _ = cute.arch.thread_idx()
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             # the tokens' tile 0 starts at the item's first row (group-local items, as the bf16 grouped kernel's)
