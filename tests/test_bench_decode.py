@@ -96,7 +96,7 @@ class DecodeBenchTest(parameterized.TestCase):
         for row in arch.TABLE:  # every threshold the table holds for these formats is spelled out with its target
             largest = {row.decode_max_m.get(inputs.GEMM_FORMATS[f].weight_format, 0) for f in ("mxfp8", "nvfp4")}
             if row.target and max(largest) > 0:
-                self.assertIn(f"weight_stream decode kernel on {row.target} for ", footnote)
+                self.assertIn(f"a decode kernel on {row.target} for ", footnote)
                 for value in largest - {0}:
                     self.assertIn(f"M <= {value}", footnote)
         self.assertEqual(decode.format_table(json.loads(json.dumps(record))), text.rstrip("\n"))
@@ -109,7 +109,7 @@ class DecodeBenchTest(parameterized.TestCase):
             self.assertNotIn("swap_ab", decode.decode_policy(("mxfp4",)))
         self.enterContext(arch.overridden("9.0", decode_swap_ab_m={}))  # below: the decode kernel's rules alone
         with arch.overridden("9.0", decode_max_m={f: 48 for f in arch.DECODE_FORMATS}, decode_short_k={}):
-            self.assertIn("weight_stream decode kernel on sm_90a for M <= 48 (", decode.decode_policy(formats_))
+            self.assertIn("a decode kernel on sm_90a for M <= 48 (", decode.decode_policy(formats_))
         with arch.overridden("9.0", decode_max_m={f: 48 for f in arch.DECODE_FORMATS},
                              decode_short_k={"mxfp8_e4m3": (4096, 16)}):
             self.assertIn("on sm_90a for M <= 48; M <= 16 below K = 4096 for MXFP8 E4M3 (",

@@ -68,13 +68,13 @@ class DecodeExampleTest(absltest.TestCase):
         h200 = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
         formats_ = ("bf16", "mxfp8_e4m3", "mxfp4", "nvfp4")
         shipped = arch.policy("sm_90a").decode_max_m.get("mxfp4", 0)  # the table as it stands
-        self.assertIn(f"weight_stream decode kernel for M <= {shipped}" if shipped else "at every batch",
+        self.assertIn(f"a decode kernel for M <= {shipped}" if shipped else "at every batch",
                       decode.matmul_path(h200, ("mxfp4",)))
         self.assertIn("mxfp8_e4m3 at M = ", decode.matmul_path(h200, ("mxfp8_e4m3",)))  # the swap_ab tile's range
         self.enterContext(arch.overridden("9.0", decode_swap_ab_m={}))  # below: the decode kernel's rules alone
         with arch.overridden("9.0", decode_max_m={"mxfp8_e4m3": 16, "mxfp4": 48, "nvfp4": 48}, decode_short_k={}):
             self.assertIn("on sm_90a, implementation=None", decode.matmul_path(h200, formats_))
-            self.assertIn("the weight_stream decode kernel for mxfp8_e4m3: M <= 16, mxfp4: M <= 48, nvfp4: M <= 48 "
+            self.assertIn("a decode kernel for mxfp8_e4m3: M <= 16, mxfp4: M <= 48, nvfp4: M <= 48 "
                           "(M: the batch); the reference", decode.matmul_path(h200, formats_))
         with arch.overridden("9.0", decode_max_m={"mxfp4": 8}):
             note = decode.matmul_path(h200, formats_)

@@ -174,16 +174,16 @@ def run_case(key: jax.Array, fmt: str, k: int, n: int, m_values: Sequence[int], 
 
 
 def decode_policy(formats_: Sequence[str]) -> str:
-    """Where implementation=None runs the weight_stream decode kernel for weights in `formats_` (--format names),
-    read from `arch.TABLE`'s `decode_max_m`: per target, the largest M (per format where they differ), and its
-    `decode_short_k` rules."""
+    """Where implementation=None runs a decode kernel for weights in `formats_` (--format names), read from
+    `arch.TABLE`: per target, the largest M (per format where they differ), its `decode_short_k` rules and the M that
+    its `decode_swap_ab_m` gives the swap_ab tiles (the weight_stream decode kernel takes the rest)."""
     titles = {GEMM_FORMATS[fmt].weight_format: GEMM_FORMATS[fmt].title for fmt in formats_}
     rules = [(row.target, arch.decode_rule(row, list(titles), name=titles.get)) for row in arch.TABLE if row.target]
     places = [f"on {target} for {rule}" for target, rule in rules if rule]
     if not places:
         return ("implementation=None runs the reference (bf16 dequantization, XLA's dot) on every device: no row of "
-                "arch.TABLE's decode_max_m takes the weight_stream decode kernel for these formats")
-    return (f"implementation=None runs the weight_stream decode kernel {'; '.join(places)} (arch.TABLE's "
+                "arch.TABLE's decode_max_m takes a decode kernel for these formats")
+    return (f"implementation=None runs a decode kernel {'; '.join(places)} (arch.TABLE's "
             "decode_max_m, unless a tuning table measured on the GPU decides otherwise), the reference (bf16 "
             "dequantization, XLA's dot) for every other call")
 

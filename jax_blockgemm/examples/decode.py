@@ -12,9 +12,10 @@ device time. It prints, per weight format and batch size, the time per decode st
 time) and the rate at which the step reads its weights, and how often the model's next token, fed the bf16 model's
 output, is the bf16 model's (free-running tokens part ways at the first near-tie and never meet again). The quantized
 formats' matmuls are `weight_only_matmul` calls with M = the batch and implementation=None: on a GPU whose
-`arch.TABLE` row sets a `decode_max_m` for the format (sm_90a), batches up to that threshold run the weight_stream
-decode kernel, which streams the codes and scales once per step; larger batches and other devices run the reference
-(dequantize to bf16, then XLA's dot). The last line printed says which for the device at hand, read from the table.
+`arch.TABLE` row sets a `decode_max_m` for the format (sm_90a), batches up to that threshold run a kernel that
+streams the codes and scales once per step (the swap_ab kernel's decode tiles for the M its `decode_swap_ab_m`
+names, the weight_stream decode kernel otherwise); larger batches and other devices run the reference (dequantize to
+bf16, then XLA's dot). The last line printed says which for the device at hand, read from the table.
 """
 
 from __future__ import annotations
@@ -223,8 +224,8 @@ def matmul_path(device: Any, formats_: Sequence[str]) -> str:
     if target is None:
         return f"Quantized weights on {device.device_kind}: no kernel of ours runs here, so {reference}."
     rule = arch.decode_rule(arch.policy(target), quantized)
-    runs = (f"the weight_stream decode kernel for {rule} (M: the batch); {reference} for every other batch and "
-            "format" if rule else f"{reference} at every batch")
+    runs = (f"a decode kernel for {rule} (M: the batch); {reference} for every other batch and format" if rule
+            else f"{reference} at every batch")
     return (f"Quantized weights on {target}, implementation=None (arch.TABLE's decode_max_m, unless a tuning table "
             f"measured on this GPU decides otherwise): {runs}.")
 
