@@ -285,11 +285,14 @@ class CompileTest(parameterized.TestCase):
         v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype=E4M3, c_dtype=c_dtype, sf_vec_size=32,
                                    tile_mn=(128, 128), cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
         c = compiled(v)
-        # the weights from registers (four 32-bit A registers), the tokens from shared memory, 128 tokens wide; the
-        # codes by bit moves, not the converter; TMA loads; registers moved to the MMA warpgroups; amax's tally (the
-        # max, then the count with acquire-release order) and no atomic max into amax itself
+        # the weights from registers (four 32-bit A registers), the tokens from shared memory, 128 tokens wide (64
+        # for items of at most 64 tokens); the codes by bit moves, not the converter; TMA loads; registers moved to
+        # the MMA warpgroups; amax's tally (the max, then the count with acquire-release order) and no atomic max into
+        # amax itself
         wanted = {"register-sourced wgmma": r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, "
                                              r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+",
+                  "short items' wgmma": r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16 \{[^}]*\}, "
+                                        r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+",
                   "prmt": r"prmt\.b32", "TMA": r"cp\.async\.bulk\.tensor",
                   "setmaxnreg": r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232",
                   "tally max": r"red\.relaxed\.gpu\.global\.max\.s32",
@@ -326,8 +329,9 @@ class CompileTest(parameterized.TestCase):
     @parameterized.product(c_dtype=(F32, BF16), tile=catalog.SWAP_AB_DECODE_TILES)
     def test_decode_tile_structure(self, c_dtype, tile):
         """The decode tiles (catalog.SWAP_AB_DECODE_TILES): one MMA warpgroup per 64 weight rows and K part, as many
-        tokens wide as the tile, the same register-sourced wgmma, the MMA warpgroups raised to 232 registers (152 with
-        three K parts: 512 threads share the SM's 64 K), and no local memory."""
+        tokens wide as the tile and no narrower one (a decode tile's calls fill it), the same register-sourced wgmma,
+        the MMA warpgroups raised to 232 registers (152 with three K parts: 512 threads share the SM's 64 K), and no
+        local memory."""
         tokens, rows, split = tile
         v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype=E4M3, c_dtype=c_dtype, sf_vec_size=32,
                                    tile_mn=(tokens, rows), k_split=split, cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
@@ -336,6 +340,7 @@ class CompileTest(parameterized.TestCase):
         self.assertEqual(c.kernel.threads_per_cta, 128 * (1 + rows // 64 * split))
         self.assertTrue(re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tokens}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
                                   r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", c.ptx))
+        self.assertEqual(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", c.ptx)), {str(tokens)})
         regs = 152 if split == 3 else 232
         self.assertEqual(c.kernel.consumer_regs, regs)
         self.assertTrue(re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{regs}\b", c.ptx))

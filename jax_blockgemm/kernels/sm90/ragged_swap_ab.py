@@ -33,15 +33,18 @@ own alpha.
 
 Per CTA: one work item (a group-local table, `ragged.group_items`: up to 128 of a group's tokens from the item's first
 row, where the tokens' TMA view starts) times a 128-row tile of the group's weights: warpgroups 1 and 2 of 64 weight
-rows each, warp 0 the TMA producer (tokens and codes in 6 stages of 64-wide k-tiles). Each warpgroup alternates two
-register fragments: it converts k-tile k + 1 while the tensor cores multiply k-tile k. Every four k-tiles (256 of K) the
-tensor cores' partial sum is added to the fp32 accumulator with round-to-nearest adds (their truncating sums drift with
-K: 6e-6 relative over 8192 as gemm_amax measured, so about 2e-7 over 256): SPEC §7's "exact" class. The accumulator
-holds C transposed (weight rows x tokens); the epilogue writes it through shared memory (reusing the stages) and stores
-C rows of the item with 16-byte stores. amax needs nothing zeroed first: each CTA folds the max |C| of what it stored
-(an empty item's CTA: nothing) and its arrival into the batch's two words of a tally the handler keeps per call site
-(zero between launches), and the batch's last CTA writes amax and zeroes them again (`ptx_ops.fold_amax_last_cta`,
-the decode kernel's scheme); without a tally (a caller that drops amax) the kernel skips amax.
+rows each, warp 0 the TMA producer (tokens and codes in 6 stages of 64-wide k-tiles). An item of at most 64 tokens (a
+group's last, or a small group's only one: a fifth of the items at 256 skewed groups) runs wgmmas 64 tokens wide, half
+the tensor cores' work, through the same stages (their first 64 token rows are a swizzled tile of their own). Each
+warpgroup alternates two register fragments: it converts k-tile k + 1 while the tensor cores multiply k-tile k. Every
+four k-tiles (256 of K) the tensor cores' partial sum is added to the fp32 accumulator with round-to-nearest adds
+(their truncating sums drift with K: 6e-6 relative over 8192 as gemm_amax measured, so about 2e-7 over 256): SPEC §7's
+"exact" class. The accumulator holds C transposed (weight rows x tokens); the epilogue writes it through shared memory
+(reusing the stages) and stores C rows of the item with 16-byte stores. amax needs nothing zeroed first: each CTA folds
+the max |C| of what it stored (an empty item's CTA: nothing) and its arrival into the batch's two words of a tally the
+handler keeps per call site (zero between launches), and the batch's last CTA writes amax and zeroes them again
+(`ptx_ops.fold_amax_last_cta`, the decode kernel's scheme); without a tally (a caller that drops amax) the kernel skips
+amax.
 
 The decode tiles (few tokens, one 64-row warpgroup) leave an SM one conversion chain per CTA; with `k_split` parts the
 CTA runs that many MMA warpgroups on the same weight rows, part p multiplying K's promotion groups p, p + k_split, ...
@@ -113,6 +116,9 @@ class HopperRaggedSwapAB:
         self.weight_warpgroups = weight_warpgroups
         self.k_split = k_split
         self.tile_mnk = (token_rows, 64 * weight_warpgroups, K_TILE)  # tokens (the TMA's A), weight rows, k-tile
+        # an item of at most this many tokens (a group's last, or a small group) runs wgmmas of half the tile's width:
+        # the MoE tile only (the decode tiles are sized to their calls)
+        self.short_item_tokens = token_rows // 2 if token_rows == ITEM_ROWS else 0
         self.c_stage_stride = self.tile_mnk[1] + 4  # words per token row of the epilogue's fp32 tile (the 4 extra
         # spread the banks)
         self.threads_per_wg = 128
@@ -174,10 +180,8 @@ class HopperRaggedSwapAB:
         tokens = common.operand_view(a, t, k_pad, l, False)
         code_row = cute.assume(k // 2 if cutlass.const_expr(self.fp4) else k, divby=16)  # bytes per weight row
         codes = common.operand_view(b, n, code_row, l * g, False)
-        kmajor = cute.nvgpu.OperandMajorMode.K
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            cutlass.BFloat16, cutlass.BFloat16, kmajor, kmajor, self.acc_dtype, (self.weight_warpgroups, 1, 1),
-            tiler_mn=(64, bt), a_source=cute.nvgpu.warpgroup.OperandSource.RMEM)
+        tiled_mma = self._tiled_mma(bt)
+        tiled_mma_short = self._tiled_mma(self.short_item_tokens) if self.short_item_tokens else tiled_mma
         x_staged = smem_layout_staged(bt, cutlass.BFloat16, self.stages, bk)
         # The codes' stages as plain rows of a k-tile's bytes (64, FP4 32; no swizzle): each thread reads its own 16
         # (FP4 8) bytes of two rows, and a warp's eight rows are contiguous bytes (no bank conflict).
@@ -197,17 +201,24 @@ class HopperRaggedSwapAB:
         self.shared_storage = SharedStorage
         tiles_n = (n + bw - 1) // bw
         self.kernel(tma_atom_x, tma_x, tma_atom_w, tma_w, sfb, items, c, amax, alpha, tally, t, n, k, g, max_items,
-                    tiled_mma, x_staged, w_staged).launch(grid=(tiles_n, max_items, l),
+                    tiled_mma, tiled_mma_short, x_staged, w_staged).launch(grid=(tiles_n, max_items, l),
                                                           block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1,
                                                           stream=stream)
+
+    def _tiled_mma(self, tokens: int) -> cute.TiledMma:
+        """The register-sourced bf16 wgmma of the MMA warpgroups: 64 weight rows each, `tokens` wide."""
+        kmajor = cute.nvgpu.OperandMajorMode.K
+        return sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, kmajor, kmajor, self.acc_dtype, (self.weight_warpgroups, 1, 1),
+            tiler_mn=(64, tokens), a_source=cute.nvgpu.warpgroup.OperandSource.RMEM)
 
     # ---------------------------------------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, tma_atom_x: cute.CopyAtom, mX: cute.Tensor, tma_atom_w: cute.CopyAtom, mW: cute.Tensor,
                sfb: cute.Tensor, items: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor,
                tally: cute.Tensor, t: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, g: cutlass.Int32,
-               max_items: cutlass.Int32, tiled_mma: cute.TiledMma, x_staged: cute.ComposedLayout,
-               w_staged: cute.ComposedLayout):
+               max_items: cutlass.Int32, tiled_mma: cute.TiledMma, tiled_mma_short: cute.TiledMma,
+               x_staged: cute.ComposedLayout, w_staged: cute.ComposedLayout):
         """Device body: the CTA reads its item and runs (weight tile, item), or, when the item is empty, only
         counts itself in amax's tally. Items of group -1 (rows of no group) store zeros after one group of
         PROMOTE_TILES k-tiles (the mainloop's unit: the producer must fill, and the consumers release, a whole
@@ -245,30 +256,48 @@ class HopperRaggedSwapAB:
                 part = 0
                 if cutlass.const_expr(self.k_split > 1):
                     part = (wg_idx - 1) // self.weight_warpgroups
-                acc = self.mainloop(ab_pipeline, tiled_mma, sX, sW, sfb, row_wg, part, mma_tid, tile_n, w_batch, n,
-                                    k, k_tiles)
-                scale = alpha[w_batch]  # this weight's factor on the sums (ones for the MX formats' usual call)
-                for j in cutlass.range_constexpr(cute.size(acc)):
-                    acc[j] = acc[j] * scale
-                if zero:  # after alpha: rows of no group stay zero whatever group 0's alpha holds
-                    acc.fill(0.0)
-                self.epilogue(acc, storage, c, amax, tally, t, n, tile_n, batch, rows_lo, rows_hi, row_wg, part,
-                              mma_tid)
+                operands = (ab_pipeline, sX, sW, sfb, row_wg, part, mma_tid, tile_n, w_batch, n, k, k_tiles, zero,
+                        alpha, storage, c, amax, tally, t, batch, rows_lo, rows_hi)
+                if cutlass.const_expr(self.short_item_tokens > 0):
+                    if rows_hi - rows_lo <= self.short_item_tokens:
+                        self.multiply_and_store(tiled_mma_short, self.short_item_tokens, *operands)
+                    else:
+                        self.multiply_and_store(tiled_mma, self.tile_mnk[0], *operands)
+                else:
+                    self.multiply_and_store(tiled_mma, self.tile_mnk[0], *operands)
 
     @cute.jit
-    def mainloop(self, ab_pipeline, tiled_mma: cute.TiledMma, sX: cute.Tensor, sW: cute.Tensor, sfb: cute.Tensor,
-                 wg_idx, part, tidx, tile_n, w_batch, n, k, k_tiles):
+    def multiply_and_store(self, tiled_mma: cute.TiledMma, tokens: cutlass.Constexpr[int], ab_pipeline, sX, sW, sfb,
+                           row_wg, part, mma_tid, tile_n, w_batch, n, k, k_tiles, zero, alpha, storage, c, amax,
+                           tally, t, batch, rows_lo, rows_hi):
+        """An MMA warpgroup's work on its item: the mainloop over the item's first `tokens` rows (`tiled_mma` that
+        wide), alpha, and the epilogue."""
+        acc = self.mainloop(ab_pipeline, tiled_mma, tokens, sX, sW, sfb, row_wg, part, mma_tid, tile_n, w_batch, n,
+                            k, k_tiles)
+        scale = alpha[w_batch]  # this weight's factor on the sums (ones for the MX formats' usual call)
+        for j in cutlass.range_constexpr(cute.size(acc)):
+            acc[j] = acc[j] * scale
+        if zero:  # after alpha: rows of no group stay zero whatever group 0's alpha holds
+            acc.fill(0.0)
+        self.epilogue(acc, tokens, storage, c, amax, tally, t, n, tile_n, batch, rows_lo, rows_hi, row_wg, part,
+                      mma_tid)
+
+    @cute.jit
+    def mainloop(self, ab_pipeline, tiled_mma: cute.TiledMma, tokens: cutlass.Constexpr[int], sX: cute.Tensor,
+                 sW: cute.Tensor, sfb: cute.Tensor, wg_idx, part, tidx, tile_n, w_batch, n, k, k_tiles):
         """This thread's part of the warpgroup's fp32 accumulator (its 64 weight rows x the tile's tokens) over
         K's promotion groups part, part + k_split, ... (all of K without a split). k_tiles is a multiple of
         PROMOTE_TILES (the tokens' K is padded to K_PAD). Stage s is read by part s // PROMOTE_TILES % k_split
         alone: the parts' states start PROMOTE_TILES·part stages apart and skip the other parts' groups."""
-        bt, bw, bk = self.tile_mnk
+        _, bw, bk = self.tile_mnk
         thr_mma = tiled_mma.get_slice(wg_idx * self.threads_per_wg)
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
+        # the stages' first `tokens` token rows (the same swizzled rows: a tile's first rows are a tile of their own)
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(cute.local_tile(sX, (tokens, bk, self.stages),
+                                                                             (0, 0, 0))))
         frag_shape = thr_mma.partition_shape_A((bw, bk))
         frags = (tiled_mma.make_fragment_A(frag_shape), tiled_mma.make_fragment_A(frag_shape))
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bw, bt)), self.acc_dtype)
-        partial = cute.make_rmem_tensor(thr_mma.partition_shape_C((bw, bt)), self.acc_dtype)
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bw, tokens)), self.acc_dtype)
+        partial = cute.make_rmem_tensor(thr_mma.partition_shape_C((bw, tokens)), self.acc_dtype)
         acc.fill(0.0)
         k_steps = cute.size(tCrB, mode=[2])
 
@@ -425,13 +454,13 @@ class HopperRaggedSwapAB:
                     words[4 * s + 2 * high + r] = cute.arch.fma_packed_bf16x2(bits, factors[r], neg_zero)
 
     @cute.jit
-    def epilogue(self, acc: cute.Tensor, storage, c: cute.Tensor, amax: cute.Tensor, tally: cute.Tensor, t, n, tile_n,
-                 batch, rows_lo, rows_hi, wg_idx, part, tidx):
+    def epilogue(self, acc: cute.Tensor, tokens: cutlass.Constexpr[int], storage, c: cute.Tensor, amax: cute.Tensor,
+                 tally: cute.Tensor, t, n, tile_n, batch, rows_lo, rows_hi, wg_idx, part, tidx):
         """C rows [rows_lo, rows_hi) of the item (its token tile starts at rows_lo), columns of this weight tile
         below N, from the transposed accumulators: written to shared memory as an fp32 (token, weight row) tile per
         part over the drained stages, then each token row (the parts' tiles summed in part order) stored in 16-byte
         pieces where N allows (else element by element); amax of what was stored, through the tally where there is
-        one."""
+        one. `tokens`: the accumulators' width (the item's rows lie within it)."""
         bt, bw, _ = self.tile_mnk
         mma_threads = self.num_consumer_warps * 32
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=mma_threads)  # stages drained
@@ -440,7 +469,7 @@ class HopperRaggedSwapAB:
         lane = tidx % 32
         row0 = wg_idx * 64 + (tidx // 32 % 4) * 16 + lane // 4
         # accumulator value (v0, v1, j): weight row row0 + 8·v1, token 8j + 2·(lane % 4) + v0
-        for j in cutlass.range_constexpr(bt // 8):
+        for j in cutlass.range_constexpr(tokens // 8):
             for v1 in cutlass.range_constexpr(2):
                 for v0 in cutlass.range_constexpr(2):
                     token = 8 * j + 2 * (lane % 4) + v0
@@ -459,9 +488,9 @@ class HopperRaggedSwapAB:
         c_addr = c.iterator.toint()
         amax_bits = cutlass.Int32(0)
         rows_end = rows_hi  # k_split parts can leave a pass more threads than the tile has token rows
-        if cutlass.const_expr(bt % rows_per_pass):
-            rows_end = cutlass.min(rows_hi, rows_lo + bt)
-        for pass_ in cutlass.range_constexpr(-(-bt // rows_per_pass)):
+        if cutlass.const_expr(tokens % rows_per_pass):
+            rows_end = cutlass.min(rows_hi, rows_lo + tokens)
+        for pass_ in cutlass.range_constexpr(-(-tokens // rows_per_pass)):
             token = pass_ * rows_per_pass + tidx // threads_per_row
             row = rows_lo + token
             if row < rows_end:
