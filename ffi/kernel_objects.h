@@ -117,8 +117,9 @@ bool ParseObjectTable(std::string_view target, std::string_view archs, std::stri
                       size_t objects_size, const int64_t* offsets, size_t num_offsets,
                       std::vector<ObjectEntry>* out, std::string* error);
 
-// Zeroed device memory a call site keeps on one device for the life of its state: the decode kernel's amax tally
-// (kernels/weight_stream.py), which every launch leaves zero again, so nothing writes it between launches.
+// Zeroed device memory a call site keeps on one device for the life of its state: the amax tally of the decode and
+// swap_ab kernels (kernels/weight_stream.py, kernels/sm90/ragged_swap_ab.py), which every launch leaves zero again,
+// so nothing writes it between launches.
 struct DeviceTally {
   CUdeviceptr words = 0;        // 0 where the device has none
   CUcontext context = nullptr;  // the device's primary context, retained while the words live
