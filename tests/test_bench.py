@@ -1,5 +1,6 @@
 """The benchmark command (`python -m jax_blockgemm.bench`): end to end on the CPU, its numbers, n/a and errors."""
 
+import argparse
 import contextlib
 import functools
 import importlib.util
@@ -561,6 +562,10 @@ class ArgumentsTest(parameterized.TestCase):
                               (["--decode", "--png", "x.png", "--sustained", "5"], "--decode does not take --png, "
                                                                                    "--sustained"),
                               (["--op", "ragged", "--shape", "64,64,64"], "--op ragged does not take --shape"),
+                              (["--decode", "--moe", "256,4,96,64"], "--decode does not take --moe"),
+                              (["--moe", "256,4,96,64"], "--op gemm_amax / proj_rope does not take --moe"),
+                              (["--op", "ragged", "--small", "--moe", "256,4,96,64"],
+                               "--op ragged --moe does not take --small"),
                               (["--json", "/no/such/dir/x.json"], "--json /no/such/dir/x.json: its directory"))
     def test_options_a_mode_would_ignore_are_refused(self, argv, message):
         """Before anything runs: a flag the chosen mode ignores (it used to be dropped silently), and an output
@@ -579,6 +584,16 @@ class ArgumentsTest(parameterized.TestCase):
                 bench_cli._refuse_ignored(given)
             self.assertIn("--decode does not take --sets", str(raised.exception.code))
             bench_cli._refuse_ignored(default)
+
+    @parameterized.parameters(("256,4,96", "four integers"), ("256,4,96,x", "four integers"),
+                              ("0,4,96,64", "must be positive"), ("250,4,96,64", "T must be a multiple of 4 (G"),
+                              ("256,4,80,64", "K must be a multiple of 32 (the MX block)"),
+                              ("256,4,96,60", "N must be a multiple of 8 (16-byte rows"))
+    def test_bad_moe_cases(self, text, message):
+        with self.assertRaises(argparse.ArgumentTypeError) as raised:
+            bench_cli.parse_moe_case(text)
+        self.assertIn(message, str(raised.exception))
+        self.assertEqual(bench_cli.parse_moe_case("16384,32,7168,2048"), (16384, 32, 7168, 2048))
 
     def test_shapes_replace_the_default_gemm_cases(self):
         self.assertEqual(parse_shape("4096,7168,16384"), (4096, 7168, 16384))

@@ -5,6 +5,7 @@ import io
 import json
 import os
 import tempfile
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,18 @@ class RaggedBenchTest(absltest.TestCase):
         self.assertEqual((dx.shape, dw.shape), (x.shape, w.shape))
         text = jax.jit(ragged._step(ragged._dense)).lower(x, w, dy).compile().as_text()
         self.assertEqual(text.count(" dot("), 3)  # forward, dgrad, wgrad
+
+    def test_moe_cases_replace_the_default_shapes(self):
+        """--moe T,G,K,N (repeatable): those cases, equal and skewed, instead of the three default shapes."""
+        with mock.patch.object(ragged, "run_case", side_effect=lambda key, t, g, k, n, grouping, **kw: {
+                "tokens": t, "groups": g, "k": k, "n": n, "grouping": grouping}) as run, \
+                mock.patch.object(ragged, "format_table", return_value=""), \
+                contextlib.redirect_stdout(io.StringIO()):
+            record = bench_main(["--op", "ragged", "--moe", "256,4,96,64", "--moe", "128,8,64,32"])
+        self.assertEqual([(c["tokens"], c["groups"], c["k"], c["n"], c["grouping"]) for c in record["cases"]],
+                         [(256, 4, 96, 64, "equal"), (256, 4, 96, 64, "skewed"),
+                          (128, 8, 64, 32, "equal"), (128, 8, 64, 32, "skewed")])
+        self.assertEqual(run.call_count, 4)
 
     @pytest.mark.end_to_end
     def test_small_run_prints_both_tables_and_writes_json(self):

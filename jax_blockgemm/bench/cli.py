@@ -45,6 +45,26 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
+def parse_moe_case(text: str) -> tuple[int, int, int, int]:
+    """--moe T,G,K,N: four positive integers, T a multiple of G (the dense baseline's (G, T/G, K) tokens), K a
+    multiple of 32 (the MX block; 16-byte FP4 rows) and N of 8 (16-byte rows of the bf16 results)."""
+    parts = text.split(",")
+    try:
+        if len(parts) != 4:
+            raise ValueError
+        t, g, k, n = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected T,G,K,N (four integers separated by commas); got {text!r}.")
+    if min(t, g, k, n) < 1:
+        raise argparse.ArgumentTypeError(f"T, G, K and N must be positive; got {text!r}.")
+    for name, value, multiple, why in (("T", t, g, "G, for the dense baseline's (G, T/G, K) tokens"),
+                                       ("K", k, support.MX_BLOCK, "the MX block"),
+                                       ("N", n, 8, "16-byte rows of the bf16 results")):
+        if value % multiple:
+            raise argparse.ArgumentTypeError(f"{name} must be a multiple of {multiple} ({why}); got {text!r}.")
+    return t, g, k, n
+
+
 def parse_formats(text: str) -> list[str]:
     """--format: one gemm_amax format or a comma list of them, each one of inputs.GEMM_FORMATS."""
     names = [name.strip().lower() for name in text.split(",")]
@@ -104,6 +124,9 @@ def parser() -> argparse.ArgumentParser:
                    help="time the decode regime instead (bench/decode.py): weight-only matmuls of small M against 32 "
                         "distinct weight matrices per program, beside the bf16 and FP8 dots (--format picks the "
                         "weight formats, default all three)")
+    p.add_argument("--moe", type=parse_moe_case, action="append", default=[], metavar="T,G,K,N",
+                   help="with --op ragged: a mixture-of-experts case (T tokens, G experts, K -> N; equal and skewed "
+                        "groups) to time instead of the three default shapes (repeatable)")
     p.add_argument("--kernels", action="store_true",
                    help="with --op ragged or --decode: also the GPU time of each kernel (a CUPTI trace through "
                         "jax.profiler) of every ragged column, or per GEMM of every decode column: where the time "
@@ -124,14 +147,16 @@ def _method(args: argparse.Namespace, gemm_formats: Sequence[str]) -> dict[str, 
 def _refuse_ignored(args: argparse.Namespace) -> None:
     """Options the chosen mode would ignore are refused (--decode and --op ragged take their own shapes and
     timing), so that no flag is silently dropped."""
-    mode, given = None, {}
     if args.decode:
         mode = "--decode"
         given = {"--op": args.op, "--png": args.png, "--sustained": args.sustained, "--interleave": args.interleave,
-                 "--sets": args.sets != DEFAULT_SETS, "--launch": args.launch}
+                 "--sets": args.sets != DEFAULT_SETS, "--launch": args.launch, "--moe": args.moe}
     elif "ragged" in args.op:
-        mode = "--op ragged"
-        given = {"--shape": args.shape, "--png": args.png, "--launch": args.launch}
+        mode = "--op ragged" + (" --moe" if args.moe else "")
+        given = {"--shape": args.shape, "--png": args.png, "--launch": args.launch, "--small": args.small and args.moe}
+    else:
+        mode = "--op gemm_amax / proj_rope"
+        given = {"--moe": args.moe}
     ignored = [flag for flag, value in given.items() if value]
     if ignored:
         raise SystemExit(f"{PROG}: {mode} does not take {', '.join(ignored)}")

@@ -17,7 +17,8 @@ one seed), each column is one jitted program timed like the other benchmarks. Fo
 Training-step columns (forward, dgrad and wgrad of y = x · W_g: the loss <y, dy> with a fixed dy and its gradients,
 the loss returned too so that the forward is not dropped as dead code): `mx_ragged_dot`
 with the mxfp8 and the bf16 recipes, and the batched dense bf16 dots. Each result is compared with the dense bf16
-dot's on equal groups (where the two compute the same product). `--small` swaps in tiny shapes a CPU runs in seconds.
+dot's on equal groups (where the two compute the same product). `--small` swaps in tiny shapes a CPU runs in seconds;
+`--moe T,G,K,N` (repeatable) times those cases instead of the three shapes.
 `--sustained` and `--interleave` time the columns as the other benchmarks do (the GPU's steady state at its power
 limit; the columns' samples taken in turn). `--kernels` adds where each column's time goes: the GPU time of each of
 its kernels, from a CUPTI trace (for `ours`, the tokens' dequantization apart from the grouped kernel; for a step,
@@ -277,10 +278,10 @@ def format_table(record: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace, command: str) -> dict[str, Any]:
-    """Runs the ragged benchmark with the command line's --small, --format, --reps, --warmup, --burst, --sustained,
-    --interleave, --seed, --kernels and --json; prints progress to stderr and the tables to stdout; returns the
-    record."""
-    shapes = SMALL_SHAPES if args.small else SHAPES
+    """Runs the ragged benchmark with the command line's --moe, --small, --format, --reps, --warmup, --burst,
+    --sustained, --interleave, --seed, --kernels and --json; prints progress to stderr and the tables to stdout;
+    returns the record."""
+    shapes = args.moe or (SMALL_SHAPES if args.small else SHAPES)
     fmts = tuple(dict.fromkeys(name for names in args.format for name in names)) or ("mxfp8",)
     timing = dict(warmup=args.warmup, reps=args.reps, burst=args.burst, sustained=args.sustained,
                   interleave=args.interleave)
