@@ -227,8 +227,8 @@ def _decode_cell(p: ArchPolicy) -> str:
 def decode_rule(p: ArchPolicy, formats: Sequence[str], *, name: Callable[[str], str] = str) -> str:
     """Up to how many rows None takes the decode kernel on row `p` for weights in `formats` (DECODE_FORMATS names;
     `name` spells them): "M <= 64" where they share one threshold, else "name: M <= 64, name: never"; then the
-    short-K rules ("; M <= 16 below K = 7168 for name, name", without the names where every format has it); "" where
-    none of the formats ever takes it."""
+    short-K rules ("; M <= 16 below K = 7168 for name, name", without the names where every format has it) and the
+    swap_ab tiles' ranges ("; name, name at M = 1-64: the swap_ab tile"); "" where none of the formats ever takes it."""
     largest = {fmt: p.decode_max_m.get(fmt, 0) for fmt in formats}
     if not any(largest.values()):
         return ""
@@ -244,8 +244,12 @@ def decode_rule(p: ArchPolicy, formats: Sequence[str], *, name: Callable[[str], 
     every = sorted(name(fmt) for fmt in formats)
     for_names = lambda names: "" if sorted(names) == every else f" for {', '.join(names)}"
     text += "".join(f"; M <= {m} below K = {k}{for_names(names)}" for (k, m), names in sorted(rules.items()))
-    return text + "".join(f"; {name(fmt)} at M = {first}-{last}: the swap_ab tile"
-                          for fmt, (first, last) in p.decode_swap_ab_m.items() if fmt in largest)
+    tiles: dict[tuple[int, int], list[str]] = {}  # formats that share a swap_ab range are named together
+    for fmt, span in p.decode_swap_ab_m.items():
+        if fmt in largest:
+            tiles.setdefault(tuple(span), []).append(name(fmt))
+    return text + "".join(f"; {', '.join(names)} at M = {first}-{last}: the swap_ab tile"
+                          for (first, last), names in tiles.items())
 
 
 def _ragged_cell(p: ArchPolicy) -> str:

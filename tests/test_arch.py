@@ -76,6 +76,12 @@ class ArchTableTest(absltest.TestCase):
             row = arch.markdown_table().splitlines()[2]
             self.assertIn("| decode kernel for M <= 64; M <= 16 below K = 4096 |", row)  # every format: no names
 
+    def test_the_cell_names_formats_that_share_a_swap_ab_range_together(self):
+        with arch.overridden("9.0", decode_swap_ab_m={"mxfp8_e4m3": (1, 64), "mxfp4": (17, 64), "nvfp4": (1, 64)}):
+            row = arch.markdown_table().splitlines()[2]
+            self.assertIn("; mxfp8_e4m3, nvfp4 at M = 1-64: the swap_ab tile; mxfp4 at M = 17-64: the swap_ab tile |",
+                          row)
+
     def test_every_decode_threshold_has_kernels_that_hold_it(self):
         """Where None takes the decode kernel up to M rows, the catalog has a variant of that format with room for M
         rows (C in every dtype the kernel writes)."""
