@@ -87,7 +87,8 @@ TABLE: tuple[ArchPolicy, ...] = (
         # 25.2 / 71.5 at 32, 28.1 / 85.8 at 64; MXFP4 (H100) 23.5 / 23.5 at M = 1, 24.2 / 29.4 at 16; NVFP4 (H100,
         # `tune --op decode_swap_ab`, two K parts at 16 tokens) 1.18x / 1.06x faster at M = 1 / 16. At 2048 -> 7168,
         # M = 64, the tile (one part) took 15.7 us of GPU time against the reference's 31.7 (docs/design/decode.md)
-        # (every swap_ab object, the decode tiles' and the MoE tile's, passed the GPU tests on an H100: verified)
+        # Every swap_ab object (these decode tiles and the MoE tile) passed its GPU tests on an H100 (5 December), so
+        # no schedule of this row is self-checked first.
         decode_swap_ab_m={"mxfp8_e4m3": (1, 64), "mxfp4": (1, 64), "nvfp4": (1, 64)},
         # H200 (`tune --op ragged_swap_ab`): 1.5-1.7x faster than the block-scaled grouped kernel on MXFP8 E4M3,
         # MXFP4 and NVFP4 codes alike (docs/design/moe.md)

@@ -257,7 +257,7 @@ class HopperRaggedSwapAB:
                 if cutlass.const_expr(self.k_split > 1):
                     part = (wg_idx - 1) // self.weight_warpgroups
                 operands = (ab_pipeline, sX, sW, sfb, row_wg, part, mma_tid, tile_n, w_batch, n, k, k_tiles, zero,
-                        alpha, storage, c, amax, tally, t, batch, rows_lo, rows_hi)
+                            alpha, storage, c, amax, tally, t, batch, rows_lo, rows_hi)
                 if cutlass.const_expr(self.short_item_tokens > 0):
                     if rows_hi - rows_lo <= self.short_item_tokens:
                         self.multiply_and_store(tiled_mma_short, self.short_item_tokens, *operands)
