@@ -205,8 +205,8 @@ jbg::KernelDtypes RaggedDtypes(const std::string& ab_dtype, const std::string& c
 }
 
 // Test hook for the ragged execute stage's buffer checks: a, b, sfa, sfb, items, c, amax, alpha as (dtype, dims,
-// address), for objects compiled for the given attributes. Returns (message, (t, n, k, l, g, max_items)).
-std::tuple<std::string, std::tuple<int, int, int, int, int, int>> CheckRagged(
+// address), for objects compiled for the given attributes. Returns (message, (t, n, k, l, g, max_items, sf_atom)).
+std::tuple<std::string, std::tuple<int, int, int, int, int, int, int>> CheckRagged(
     const std::vector<BufferSpec>& specs, const std::string& ab_dtype, const std::string& c_dtype,
     const std::string& sf_dtype, int64_t sf_vec_size, const std::string& b_major, const std::string& a_dtype) {
   if (specs.size() != 8) throw nb::value_error("expected 8 buffers: a, b, sfa, sfb, items, c, amax, alpha");
@@ -215,7 +215,7 @@ std::tuple<std::string, std::tuple<int, int, int, int, int, int>> CheckRagged(
   ToDescs(specs, descs);
   jbg::RaggedDims dims;
   std::string message = jbg::CheckRaggedBuffers(descs, kernel, &dims);
-  return {message, {dims.t, dims.n, dims.k, dims.l, dims.g, dims.max_items}};
+  return {message, {dims.t, dims.n, dims.k, dims.l, dims.g, dims.max_items, dims.sf_atom}};
 }
 
 // The contraction attributes parsed (ValueError naming what is wrong otherwise).

@@ -24,26 +24,30 @@ std::string CheckCount(const BufferDesc& b, int index) {
 
 // "" when the scales fit the operands, for K along the scale blocks of `kernel` (one with scales: sf_vec_size > 0):
 // sfa and sfb in SPEC §3's atom over A's L batches of T rows and over B's L·G batches (batch l·G + g) of N rows; for
-// the swap_ab objects (bfloat16 tokens) no sfa and sfb compact, (L·G, N, ceil(K/block)). Else the message saying so.
+// the swap_ab objects (bfloat16 tokens) no sfa and sfb compact, (L·G, N, ceil(K/block)), or in that atom, which
+// `*sfb_atom` then says. Else the message saying so.
 std::string CheckScales(const BufferDesc (&buf)[8], const KernelDtypes& kernel, int64_t l, int64_t t, int64_t n,
-                        int64_t k, int64_t g) {
+                        int64_t k, int64_t g, bool* sfb_atom) {
   const int64_t k_blocks = CeilDiv(k, kernel.sf_vec_size);
+  const int64_t k_atoms = CeilDiv(k_blocks, kAtomBlocks);
+  const std::string blocks = "ceil(ceil(K/" + std::to_string(kernel.sf_vec_size) + ")/4), 32, 4, 4)";
+  const int64_t sfb_dims[6] = {l * g, CeilDiv(n, kAtomRows), k_atoms, 32, 4, 4};
+  const bool atom = HasShape(buf[3], {sfb_dims[0], sfb_dims[1], k_atoms, 32, 4, 4});
+  *sfb_atom = atom;
   if (kernel.a_bf16) {
-    if (!HasShape(buf[3], {l * g, n, k_blocks})) {
+    if (!atom && !HasShape(buf[3], {l * g, n, k_blocks})) {
       return Describe(buf[3], 3) + "; expected " + ShapeString({l * g, n, k_blocks}) + " (L*G, N, ceil(K/" +
-             std::to_string(kernel.sf_vec_size) + ")): b's L*G weights' scales, compact";
+             std::to_string(kernel.sf_vec_size) + ")), b's L*G weights' scales compact, or " +
+             ShapeString(sfb_dims, 6) + " (L*G, ceil(N/128), " + blocks + ", their 128x4 scale atom";
     }
     return "";
   }
-  const int64_t k_atoms = CeilDiv(k_blocks, kAtomBlocks);
-  const std::string blocks = "ceil(ceil(K/" + std::to_string(kernel.sf_vec_size) + ")/4), 32, 4, 4)";
   const int64_t sfa_dims[6] = {l, CeilDiv(t, kAtomRows), k_atoms, 32, 4, 4};
   if (!HasShape(buf[2], {sfa_dims[0], sfa_dims[1], k_atoms, 32, 4, 4})) {
     return Describe(buf[2], 2) + "; expected " + ShapeString(sfa_dims, 6) + " (L, ceil(T/128), " + blocks +
            ": the 128x4 scale atom of a";
   }
-  const int64_t sfb_dims[6] = {l * g, CeilDiv(n, kAtomRows), k_atoms, 32, 4, 4};
-  if (!HasShape(buf[3], {sfb_dims[0], sfb_dims[1], k_atoms, 32, 4, 4})) {
+  if (!atom) {
     return Describe(buf[3], 3) + "; expected " + ShapeString(sfb_dims, 6) + " (L*G, ceil(N/128), " + blocks +
            ": the 128x4 scale atom of b's L*G weights";
   }
@@ -193,7 +197,8 @@ std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& k
                                                                       : "; expected float8_e4m3fn scales (NVFP4)");
     }
   }
-  if (!kernel.ab_bf16 && !(e = CheckScales(buf, kernel, l, t, n, k, g)).empty()) return e;
+  bool sfb_atom = false;
+  if (!kernel.ab_bf16 && !(e = CheckScales(buf, kernel, l, t, n, k, g, &sfb_atom)).empty()) return e;
   if (items.dtype != XLA_FFI_DataType_S32) return Describe(items, 4) + "; expected int32 work items";
   const int64_t max_items = items.rank == 3 ? items.dims[1] : 0;
   if (items.rank != 3 || items.dims[0] != l || max_items < 1 || items.dims[2] != kItemFields) {
@@ -236,7 +241,8 @@ std::string CheckRaggedBuffers(const BufferDesc (&buf)[8], const KernelDtypes& k
     return Describe(c, 5) + "; expected fewer than 2**31 elements in (L, T, N)";
   }
   *dims = RaggedDims{static_cast<int32_t>(t), static_cast<int32_t>(n), static_cast<int32_t>(k),
-                     static_cast<int32_t>(l), static_cast<int32_t>(g), static_cast<int32_t>(max_items)};
+                     static_cast<int32_t>(l), static_cast<int32_t>(g), static_cast<int32_t>(max_items),
+                     kernel.a_bf16 && sfb_atom ? 1 : 0};
   return "";
 }
 
@@ -306,13 +312,15 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
   // (L, G, N, K) or K rows of N (L, G, K, N): the product of b's last two dimensions either way.
   tensors[1].count = int64_t{dims.l} * dims.g * (buffers[1].dims[2] * buffers[1].dims[3]);
   tensors[8] = KernelTensor{tally, tally == nullptr ? 0 : int64_t{dims.l}};
-  int32_t t = dims.t, n = dims.n, k = dims.k, l = dims.l, g = dims.g, max_items = dims.max_items, ret = 0;
-  // fn(a, b, sfa, sfb, items, c, amax, alpha, [tally: the swap_ab objects,] t, n, k, l, g, max_items, stream) and
-  // the kernel's status slot.
-  void* args[17];
+  int32_t t = dims.t, n = dims.n, k = dims.k, l = dims.l, g = dims.g, max_items = dims.max_items;
+  int32_t sf_atom = dims.sf_atom, ret = 0;
+  // fn(a, b, sfa, sfb, items, c, amax, alpha, [tally: the swap_ab objects,] t, n, k, l, g, max_items, [sf_atom: the
+  // swap_ab objects,] stream) and the kernel's status slot.
+  void* args[18];
   size_t count = 0;
   for (int i = 0; i < (swap_ab ? 9 : 8); ++i) args[count++] = &tensors[i];
   for (int32_t* size : {&t, &n, &k, &l, &g, &max_items}) args[count++] = size;
+  if (swap_ab) args[count++] = &sf_atom;
   args[count++] = &stream;
   args[count++] = &ret;
   return RunKernel(*state, device, kRaggedTarget, *driver, fn, args, count, &ret);

@@ -34,9 +34,10 @@ inline constexpr int64_t kItemFields = 4;  // (row tile or 0, group or -1, first
 inline constexpr int64_t kSwapAbKPad = 256;  // the swap_ab objects' tokens: K rounded up to a multiple of this
 
 // The launch's sizes: t tokens (rows of A and C), n, the logical k (twice the bytes of a packed FP4 row), l
-// batches, g groups (weights per batch) and max_items work items per batch (the launch's grid rows).
+// batches, g groups (weights per batch) and max_items work items per batch (the launch's grid rows); and, for the
+// swap_ab objects, sfb's form (sf_atom: 1 for SPEC §3's atoms, 0 compact).
 struct RaggedDims {
-  int32_t t = 0, n = 0, k = 0, l = 0, g = 0, max_items = 0;
+  int32_t t = 0, n = 0, k = 0, l = 0, g = 0, max_items = 0, sf_atom = 0;
 };
 
 // Parses the instantiate attributes into `*out` (alpha is always true: every object takes alpha). The formats are

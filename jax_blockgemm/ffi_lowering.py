@@ -303,7 +303,8 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
     (NVFP4); items int32 (L, max_items, 4); alpha (L,) float32. Results from `ctx.avals_out`: c (L, T, N) (packed
     FP4: (L, T, N/2) uint8) in the variants' C dtype, amax (L,) float32. `variants`: catalog entries of op "ragged",
     one per architecture, all of one b_major. The swap_ab variants take a as bf16 tokens (`swap_ab_layout`), sfa
-    empty, sfb compact (L·G, N, ceil(K/block)) and alpha (L·G,), one per weight, and fold amax through a tally the
+    empty, sfb compact (L·G, N, ceil(K/block)) or in the atom form (the kernel reads either in place) and alpha
+    (L·G,), one per weight, and fold amax through a tally the
     handler keeps (nothing zeroes it per call). amax_used=False, for a caller that drops amax: neither a zeroing
     nor a tally (its value is then unspecified).
 
@@ -337,10 +338,11 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
                              f"b {np.dtype(code_dtype)} (L, G, N, {'K/2' if fp4 else 'K'}); got a {a_aval}, b "
                              f"{b_aval}")
         kb = -(-k // variants[0].sf_vec_size)
-        if sfa_aval.size or np.dtype(sfa_aval.dtype) != np.uint8 or sfb_aval.shape != (l * g, n, kb):
+        forms = ((l * g, n, kb), formats.atom_shape(l * g, n, kb))
+        if sfa_aval.size or np.dtype(sfa_aval.dtype) != np.uint8 or sfb_aval.shape not in forms:
             raise ValueError(f"emit_ragged expects, for swap_ab variants, sfa uint8 of zero elements and sfb compact "
-                             f"(L*G, N, ceil(K/{variants[0].sf_vec_size})) = {(l * g, n, kb)}; got sfa {sfa_aval}, "
-                             f"sfb {sfb_aval}")
+                             f"(L*G, N, ceil(K/{variants[0].sf_vec_size})) = {forms[0]} or in the atom form "
+                             f"{forms[1]}; got sfa {sfa_aval}, sfb {sfb_aval}")
     else:
         b_shape = (l, g, row, n) if b_major == "n" else (l, g, n, row)
         if b_aval.shape != b_shape or np.dtype(b_aval.dtype) != np.dtype(a_aval.dtype) or min(g, n) < 1:
@@ -383,7 +385,7 @@ def emit_decode_swap_ab(ctx: Any, x: Any, b: Any, sfb: Any, alpha: Any, *, varia
     """A decode-sized GEMM through the swap_ab ragged kernel's decode tiles (catalog.SWAP_AB_DECODE_TILES; dispatch
     picks it at arch.TABLE's decode_swap_ab_m): x (L, M, K) bf16 as one group of M tokens, permuted by
     `swap_ab_tokens` (in the FP4 order for FP4 weights), against b (L, N, K) E4M3 codes or packed FP4 (L, N, K/2),
-    one weight per batch, with sfb compact (L, N, KB) (the kernel's form) or in the atom form, and alpha (L,);
+    one weight per batch, with sfb compact (L, N, KB) or in the atom form (the kernel reads either), and alpha (L,);
     `ctx.avals_out` are c (L, M, N) in the variants' C dtype and amax (L,). One work item per batch, all M rows (the
     tile holds them). amax_used=False: amax is dropped (`emit_ragged`). Returns [c, amax]."""
     x_aval, b_aval, sfb_aval, alpha_aval = ctx.avals_in
@@ -392,9 +394,8 @@ def emit_decode_swap_ab(ctx: Any, x: Any, b: Any, sfb: Any, alpha: Any, *, varia
     fp4 = variants[0].ab_dtype == "float4_e2m1fn"
 
     def prepare(x, b, sfb):
-        compact = formats.from_scale_atom(sfb, n, -(-k // variants[0].sf_vec_size)) if sfb.ndim == 6 else sfb
         items = jnp.broadcast_to(jnp.array([[0, 0, 0, m]], jnp.int32), (l, 1, 4))  # (row tile, group, rows)
-        return [swap_ab_tokens(x, fp4=fp4), b.reshape(l, 1, n, row), jnp.zeros((l, 0), jnp.uint8), compact, items]
+        return [swap_ab_tokens(x, fp4=fp4), b.reshape(l, 1, n, row), jnp.zeros((l, 0), jnp.uint8), sfb, items]
 
     in_avals = [x_aval, b_aval, sfb_aval]
     out_avals = [jax.core.ShapedArray(o.shape, o.dtype) for o in jax.eval_shape(prepare, *in_avals)]

@@ -473,7 +473,8 @@ class PublicDecodeLoweringTest(absltest.TestCase):
     def test_mxfp8_e4m3_decode_rows_take_the_swap_ab_decode_tiles(self):
         """On an sm_90a GPU, decode-sized calls with MXFP8 E4M3 weights of arch.TABLE's decode_swap_ab_m rows go to
         the swap_ab ragged kernel's decode tiles as one group: x (bf16, or A dequantized) padded to a K of 256 and
-        permuted, the weight as (L, 1, N, K) with its scales compact, empty token scales, one item table per batch.
+        permuted, the weight as (L, 1, N, K) with its scales in the form given (weight-only: compact; gemm_amax:
+        atoms), empty token scales, one item table per batch.
         Rows below a range that starts later, a float16 C and formats the table does not name keep jbg_weight_stream,
         as does a lowering with no GPU present."""
         first, last = jbg_arch.policy("sm_90a").decode_swap_ab_m["mxfp8_e4m3"]
@@ -501,7 +502,8 @@ class PublicDecodeLoweringTest(absltest.TestCase):
             self.assertEqual(_int_attr(call.attributes["mhlo.backend_config"]["amax_batches"]), 2)  # L: the tally
             self.assertEqual(str(call.operands[0].type), "tensor<2x40x256xbf16>")
             self.assertEqual(str(call.operands[1].type), "tensor<2x1x144x96xf8E4M3FN>")
-            self.assertEqual(str(call.operands[3].type), "tensor<2x144x3xui8>")  # gemm_amax's atoms made compact
+            # gemm_amax's atoms as they are: (L, ceil(144/128), ceil(3/4), 32, 4, 4), read in place by the tile
+            self.assertEqual(str(call.operands[3].type), "tensor<2x2x1x32x4x4xui8>")
             with jbg_arch.overridden("9.0", decode_swap_ab_m={"mxfp8_e4m3": (17, 64)}):  # a range from 17 rows
                 self.assertLen(_calls(self._weight_only("mxfp8_e4m3", m=16, k=96), "jbg_weight_stream"), 1)
             self.assertLen(_calls(self._gemm(40, c_dtype=jnp.float16, implementation="cutedsl"), "jbg_weight_stream"),

@@ -136,10 +136,11 @@ class RaggedBufferCheckTest(parameterized.TestCase):
         (1, 1, 1, 16, 1, 1, E4M3, F32), (2, 200, 72, 160, 3, 5, E5M2, BF16), (3, 129, 300, 4096, 8, 10, E4M3, F16),
         (1, 64, 30, 96, 2, 3, E4M3, E4M3), (2, 256, 64, 128, 4, 6, E5M2, E5M2), (1, 7, 40, 64, 3, 4, E4M3, U8))
     def test_well_formed_fp8(self, l, t, n, k, g, max_items, ab, c):
-        """The dims are (t, n, k, l, g, max_items): G from b, max_items from items."""
+        """The dims are (t, n, k, l, g, max_items, sf_atom): G from b, max_items from items; sf_atom 0 (only the
+        swap_ab objects take a second form of sfb)."""
         c_dtype = FP4 if c == U8 else c
         got = ext.check_ragged_buffers(_buffers(l, t, n, k, g, max_items, ab=ab, c=c), ab, c_dtype)
-        self.assertEqual(got, ("", (t, n, k, l, g, max_items)))
+        self.assertEqual(got, ("", (t, n, k, l, g, max_items, 0)))
 
     @parameterized.parameters((False, F32), (True, BF16), (False, U8), (True, U8))
     def test_well_formed_fp4(self, nvfp4, c):
@@ -149,7 +150,7 @@ class RaggedBufferCheckTest(parameterized.TestCase):
         kwargs = dict(sf=E4M3, v=16) if nvfp4 else {}
         buffers = _buffers(l, t, n, k, g, 4, ab=U8, c=c, **kwargs)
         got = ext.check_ragged_buffers(buffers, FP4, FP4 if c == U8 else c, **(NVFP4 if nvfp4 else {}))
-        self.assertEqual(got, ("", (t, n, k, l, g, 4)))
+        self.assertEqual(got, ("", (t, n, k, l, g, 4, 0)))
 
     def test_each_violation_is_named(self):
         good = _buffers(2, 200, 72, 160, 3, 5)  # sfa (2, 2, 2, 32, 4, 4), sfb (6, 1, 2, 32, 4, 4)
@@ -218,7 +219,7 @@ class RaggedBufferCheckTest(parameterized.TestCase):
                 ab, c = (FP4 if base is fp4 else E4M3), (FP4 if base is fp4_c else F32)
                 got, dims = ext.check_ragged_buffers(buffers, ab, c)
                 self.assertRegex(got, "^jbg_ragged_gemm_amax: " + message)
-                self.assertEqual(dims, (0, 0, 0, 0, 0, 0))  # nothing to launch with
+                self.assertEqual(dims, (0,) * 7)  # nothing to launch with
 
     def test_odd_n_with_an_fp4_c_names_b(self):
         """N, b's dimension, must be even for a packed FP4 C: an (L, T, (N-1)/2) C does not make 71 columns fit."""
@@ -275,7 +276,7 @@ class RaggedBufferCheckTest(parameterized.TestCase):
         buffers = _buffers(1, 512, 2048, 7168, 160, 164)
         self.assertGreaterEqual(np.prod(buffers[1][1]), 2**31)
         self.assertEqual(ext.check_ragged_buffers(buffers, E4M3, F32),
-                         ("", (512, 2048, 7168, 1, 160, 164)))
+                         ("", (512, 2048, 7168, 1, 160, 164, 0)))
 
     def test_hook_takes_eight_buffers(self):
         with self.assertRaisesRegex(ValueError, "expected 8 buffers"):
@@ -290,13 +291,13 @@ class RaggedBf16BufferCheckTest(parameterized.TestCase):
     @parameterized.product(dims=[(1, 1, 8, 8, 1, 1), (2, 200, 72, 160, 3, 5), (3, 129, 256, 4104, 8, 10)],
                            b_major=["k", "n"], c=[F32, BF16])
     def test_well_formed_bf16(self, dims, b_major, c):
-        """The dims are the logical (t, n, k, l, g, max_items) in either of b's layouts; sfa and sfb are empty and
+        """The dims are the logical (t, n, k, l, g, max_items, 0) in either of b's layouts; sfa and sfb are empty and
         at address 0."""
         l, t, n, k, g, max_items = dims
         buffers = _bf16_buffers(l, t, n, k, g, max_items, b_major=b_major, c=c)
         self.assertEqual(buffers[1][1], [l, g, k, n] if b_major == "n" else [l, g, n, k])
         got = ext.check_ragged_buffers(buffers, BF16, c, **NO_SCALES, b_major=b_major)
-        self.assertEqual(got, ("", (t, n, k, l, g, max_items)))
+        self.assertEqual(got, ("", (t, n, k, l, g, max_items, 0)))
 
     @parameterized.parameters("k", "n")
     def test_empty_scales_of_any_shape_and_address(self, b_major):
@@ -365,7 +366,7 @@ class RaggedBf16BufferCheckTest(parameterized.TestCase):
                 c, b_major = attributes[id(base)]
                 got, dims = ext.check_ragged_buffers(buffers, BF16, c, **NO_SCALES, b_major=b_major)
                 self.assertRegex(got, "^jbg_ragged_gemm_amax: " + message)
-                self.assertEqual(dims, (0, 0, 0, 0, 0, 0))
+                self.assertEqual(dims, (0,) * 7)
 
     def test_n_need_not_be_a_multiple_of_8_when_k_major(self):
         """16-byte rows along N bind an N-major b only; a K-major b's rows run along K."""
@@ -393,7 +394,7 @@ class RaggedBf16BufferCheckTest(parameterized.TestCase):
         many = _bf16_buffers(1, 512, 2048, 7168, 160, 164, b_major=b_major)
         self.assertGreaterEqual(np.prod(many[1][1]), 2**31)
         self.assertEqual(ext.check_ragged_buffers(many, BF16, F32, **NO_SCALES, b_major=b_major),
-                         ("", (512, 2048, 7168, 1, 160, 164)))
+                         ("", (512, 2048, 7168, 1, 160, 164, 0)))
 
     def test_hook_parses_b_major(self):
         with self.assertRaisesRegex(ValueError, 'jbg_ragged_gemm_amax attributes: b_major "n" is not supported for '

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from jax_blockgemm import _native, arch, dispatch, gate, swap_ab_layout
+from jax_blockgemm import _native, arch, dispatch, formats, gate, swap_ab_layout
 from jax_blockgemm.kernels import catalog, common, structure
 
 from compiled_kernels import compiled
@@ -158,12 +158,13 @@ class TokenOrderTest(absltest.TestCase):
 class ScaleAddressingTest(parameterized.TestCase):
     """A model of the kernel's scale reads: for every weight row of a tile (rows past N too) and every lane's 16 codes
     in every k-tile of the groups the mainloop walks (the next group's loaded ahead, past K included), the byte at
-    `_scale_row_at` + `_scale_block` in the compact scales must be that row's scale of the block holding those codes,
-    or for rows past N and codes past K (TMA's zeros) a byte of the weight's last real row and block: no read leaves
-    the weight's scales."""
+    `_scale_row_at` + `_scale_block` in the scales, compact or in SPEC §3's atoms (`atom`: sf_atom 1), must be that
+    row's scale of the block holding those codes, or for rows past N and codes past K (TMA's zeros) a byte of the
+    weight's last real row and block: no read leaves the weight's scales."""
 
-    @parameterized.product(fmt=((E4M3, 32, E8M0), (FP4, 32, E8M0), (FP4, 16, E4M3)), tile=((128, 128), (64, 64)))
-    def test_each_lane_reads_its_block(self, fmt, tile):
+    @parameterized.product(fmt=((E4M3, 32, E8M0), (FP4, 32, E8M0), (FP4, 16, E4M3)), tile=((128, 128), (64, 64)),
+                           atom=(False, True))
+    def test_each_lane_reads_its_block(self, fmt, tile, atom):
         from jax_blockgemm.kernels.sm90 import ragged_swap_ab
 
         w_dtype, block, sf = fmt
@@ -172,7 +173,7 @@ class ScaleAddressingTest(parameterized.TestCase):
         g, n, k = 2, 200, 544  # N off both tiles; K past a whole promotion group (the last blocks clamped)
         kb = -(-k // block)
         compact = np.random.default_rng(block + tile[1]).integers(0, 256, (g, n, kb)).astype(np.uint8)
-        flat = compact.reshape(-1)
+        flat = np.asarray(formats.to_scale_atom(jnp.asarray(compact)) if atom else compact).reshape(-1)
         groups = -(-k // ragged_swap_ab.K_PAD)
         rows = tile[1]
 
@@ -183,11 +184,11 @@ class ScaleAddressingTest(parameterized.TestCase):
         for w_batch in range(g):
             for tile_n in range(-(-n // rows)):
                 for row in range(rows):
-                    at = int(kernel._scale_row_at(Base, w_batch, tile_n * rows + row, n, kb))
+                    at = int(kernel._scale_row_at(Base, int(atom), w_batch, tile_n * rows + row, n, kb))
                     for q in range(groups + 1):  # the last group's loads of the next one: the clamped block
                         for i in range(ragged_swap_ab.PROMOTE_TILES):
                             for pair in range(4):
-                                got = flat[at + int(kernel._scale_block(q, i, pair, kb))]
+                                got = flat[at + int(kernel._scale_block(q, i, pair, kb, int(atom)))]
                                 kt = ragged_swap_ab.PROMOTE_TILES * q + i
                                 want = compact[w_batch, min(tile_n * rows + row, n - 1),
                                                min((64 * kt + 16 * pair) // block, kb - 1)]
@@ -405,7 +406,7 @@ class HandlerTest(parameterized.TestCase):
     @parameterized.parameters((E8M0, 32), (E4M3, 16))
     def test_fp4_buffers(self, sf, block):
         """Packed FP4 codes (L, G, N, K/2) against tokens of K rounded up to 256 (K = 2 x b's rows, a multiple of
-        32), the compact scales of K's blocks of `block`."""
+        32), the scales of K's blocks of `block` compact or in atoms (sf_atom 1)."""
         def fp4(k):
             out = ffi_cases._buffers(1, 300, 72, k, 5, 8, ab=U8, sf=U8 if sf == E8M0 else sf, v=block)
             out = ffi_cases._replace(out, 0, dtype=BF16, dims=[1, 300, -(-k // 256) * 256])
@@ -416,11 +417,15 @@ class HandlerTest(parameterized.TestCase):
                                                          a_dtype=BF16)
         message, dims = check(fp4(320))
         self.assertEqual(message, "")
-        self.assertEqual(dims, (300, 72, 320, 1, 5, 8))
+        self.assertEqual(dims, (300, 72, 320, 1, 5, 8, 0))
+        atoms = ffi_cases._replace(fp4(320), 3, dims=[5, 1, -(-320 // block // 4), 32, 4, 4])
+        self.assertEqual(check(atoms), ("", (300, 72, 320, 1, 5, 8, 1)))
         cases = [(fp4(336), r"a multiple of 32 \(16-byte rows of packed FP4 codes\)"),
                  (ffi_cases._replace(fp4(320), 0, dims=[1, 300, 320]), r"expected K = 512: b's K rounded up to 256"),
                  (ffi_cases._replace(fp4(320), 1, dtype=E4M3), r"b is .*compiled for"),
-                 (ffi_cases._replace(fp4(320), 3, dims=[5, 1, 3, 32, 4, 4]), r"sfb .* \(L\*G, N, ceil\(K/"),
+                 (ffi_cases._replace(fp4(320), 3, dims=[5, 1, 1, 32, 4, 4]), r"sfb .* \(L\*G, N, ceil\(K/"),
+                 (ffi_cases._replace(fp4(320), 3, dims=[4, 1, -(-320 // block // 4), 32, 4, 4]),
+                  r"sfb .*or \(5, 1, \d+, 32, 4, 4\) \(L\*G, ceil\(N/128\)"),
                  (ffi_cases._replace(fp4(320), 3, dims=[5, 72, 320 // block + 1]),
                   rf"sfb .*expected \(5, 72, {320 // block}\)"),
                  (ffi_cases._replace(fp4(320), 2, dtype=E4M3), r"sfa .* uint8 of zero elements")]
@@ -431,7 +436,9 @@ class HandlerTest(parameterized.TestCase):
     def test_buffers(self):
         message, dims = ext.check_ragged_buffers(self._buffers(), E4M3, F32, a_dtype=BF16)
         self.assertEqual(message, "")
-        self.assertEqual(dims, (300, 72, 160, 1, 5, 8))
+        self.assertEqual(dims, (300, 72, 160, 1, 5, 8, 0))
+        atoms = ffi_cases._replace(self._buffers(), 3, dims=[5, 1, 2, 32, 4, 4])  # K's 5 blocks in 2 atoms
+        self.assertEqual(ext.check_ragged_buffers(atoms, E4M3, F32, a_dtype=BF16), ("", (300, 72, 160, 1, 5, 8, 1)))
         cases = [
             (ffi_cases._replace(self._buffers(), 0, dims=[1, 300, 160]), r"expected K = 256: b's K rounded up to 256"),
             (ffi_cases._replace(self._buffers(), 0, dtype=E4M3), r"bfloat16 tokens"),
@@ -441,7 +448,9 @@ class HandlerTest(parameterized.TestCase):
             (ffi_cases._replace(self._buffers(), 1, dims=[1, 5, 72]), r"b is .*expected \(L, G, N, K\) = \(1, G >= 1"),
             (ffi_cases._replace(self._buffers(), 1, dtype=E5M2), r"b is .*compiled for float8_e4m3fn codes"),
             (ffi_cases._replace(self._buffers(), 0, dims=[300, 256]), r"expected rank 3 \(L, T, K rounded up to 256\)"),
-            (ffi_cases._replace(self._buffers(), 3, dims=[5, 1, 2, 32, 4, 4]), r"sfb .*expected \(5, 72, 5\)"),
+            (ffi_cases._replace(self._buffers(), 3, dims=[5, 1, 1, 32, 4, 4]),
+             r"sfb .*expected \(5, 72, 5\) .*compact, or \(5, 1, 2, 32, 4, 4\)"),
+            (ffi_cases._replace(self._buffers(), 3, dims=[5, 2, 2, 32, 4, 4]), r"sfb .*128x4 scale atom"),
             (ffi_cases._replace(self._buffers(), 3, dims=[5, 71, 5]), r"sfb .*compact"),
             (ffi_cases._replace(self._buffers(), 5, dims=[1, 300, 71]), r"c is .*expected \(1, 300, 72\)"),
             (ffi_cases._replace(self._buffers(), 7, dims=[1]),

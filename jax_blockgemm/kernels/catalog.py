@@ -42,7 +42,9 @@ dynamic_shapes[1];}` struct over a flat buffer.
       or (L·G, K, N) for "n", and read neither sfa, sfb nor alpha (empty buffers). The swap_ab variants (schedule
       SWAP_AB; MXFP8 E4M3, MXFP4 or NVFP4 weights, f32 or bf16 C) take the tokens dequantized to bf16 and permuted
       (`swap_ab_layout.swap_ab_tokens`, fp4 for FP4 codes: a (L, T, K rounded up to 256)), the weights' codes b and
-      their scales sfb compact, (L·G, N, ceil(K/v)); sfa is empty and alpha (L·G,) holds one factor per weight.
+      their scales sfb compact, (L·G, N, ceil(K/v)), or in the SPEC §3 atom of (L·G, N, K); sfa is empty and alpha
+      (L·G,) holds one factor per weight; amax's tally follows alpha, and sf_atom (int32: 1 for atoms, else 0)
+      max_items.
     quantize_pair: fn(w, row_map, values, codes, scales, rows, cols, src_rows, stream)
       both MX quantizations of a bf16 matrix in one pass (kernels/quantize_pair.py): w (src_rows, cols) bf16; values
       (rows, cols) bf16, w quantized with its blocks along the rows in ab_dtype's format, as code·scale; codes
@@ -439,10 +441,11 @@ def fake_arguments(kernel: Any, op: str = "gemm_amax") -> list:
     if op == "ragged":
         i32 = cutlass.Int32
         a_dtype = getattr(kernel, "a_dtype", kernel.ab_dtype)  # the swap_ab kernels read bf16 tokens
-        tally = [flat(cutlass.Int64)] if getattr(kernel, "takes_tally", False) else []  # ... and take amax's tally
+        swap_ab = getattr(kernel, "takes_tally", False)  # ... and take amax's tally and their scales' form
+        tally, sf_atom = ([flat(cutlass.Int64)], [i32(0)]) if swap_ab else ([], [])
         return [flat(a_dtype), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(cutlass.Uint8),
                 flat(cutlass.Int32), flat(kernel.c_dtype), flat(cutlass.Float32), flat(cutlass.Float32), *tally,
-                i32(128), i32(128), i32(128), i32(1), i32(1), i32(2), cuda.CUstream(0)]
+                i32(128), i32(128), i32(128), i32(1), i32(1), i32(2), *sf_atom, cuda.CUstream(0)]
     if op == "proj_rope":
         ab, u8 = kernel.ab_dtype, cutlass.Uint8
         return [flat(ab), flat(ab), flat(cutlass.BFloat16), flat(cutlass.BFloat16), flat(u8), flat(u8),

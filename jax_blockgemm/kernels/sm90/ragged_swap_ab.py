@@ -51,13 +51,15 @@ CTA runs that many MMA warpgroups on the same weight rows, part p multiplying K'
 out of stages it alone reads (two promotion groups of stages per part), and the epilogue adds the parts' fp32 tiles
 in part order: the same bits on every run.
 
-ABI: the ragged one with amax's tally after alpha (catalog "ragged", schedule "swap_ab"), fn(a, b, sfa, sfb, items, c,
-amax, alpha, tally, t, n, k, l, g, max_items, stream), with a the permuted bf16 tokens (L, T, K256), K256 = K rounded
-up to 256 (zeros past K); b the codes (L·G, N, K), packed FP4 (L·G, N, K/2); sfb their scale bytes (E8M0, or E4M3 for
-NVFP4) compact, (L·G, N, ceil(K/block)), which every caller has (the atom layout would cost a transposing pass over
-every expert's scales per call); sfa an empty uint8 buffer; alpha (L·G,) float32, one per weight; c (L, T, N)
-float32 or bfloat16; amax (L,) float32 (written, never read); tally (L,) int64 (two int32 words per batch), zero at
-the launch and left so, or a null pointer where amax is not wanted; k the logical K.
+ABI: the ragged one with amax's tally after alpha and the scales' form last (catalog "ragged", schedule "swap_ab"),
+fn(a, b, sfa, sfb, items, c, amax, alpha, tally, t, n, k, l, g, max_items, sf_atom, stream), with a the permuted bf16
+tokens (L, T, K256), K256 = K rounded up to 256 (zeros past K); b the codes (L·G, N, K), packed FP4 (L·G, N, K/2); sfb
+their scale bytes (E8M0, or E4M3 for NVFP4) compact, (L·G, N, ceil(K/block)), for sf_atom = 0, or SPEC §3's 128x4
+atoms of the L·G weights for sf_atom = 1: whichever form the caller holds, read in place (converting would cost a
+pass over every weight's scales per call: 2.75 µs of a 7168 x 7168 decode GEMM's 30 on the H200); sfa an empty uint8
+buffer; alpha (L·G,) float32, one per weight; c (L, T, N) float32 or bfloat16; amax (L,) float32 (written, never
+read); tally (L,) int64 (two int32 words per batch), zero at the launch and left so, or a null pointer where amax is
+not wanted; k the logical K.
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ class HopperRaggedSwapAB:
     def __call__(self, a: cute.Tensor, b: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor, items: cute.Tensor,
                  c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor, tally: cute.Tensor, t: cutlass.Int32,
                  n: cutlass.Int32, k: cutlass.Int32, l: cutlass.Int32, g: cutlass.Int32, max_items: cutlass.Int32,
-                 stream: cuda.CUstream):
+                 sf_atom: cutlass.Int32, stream: cuda.CUstream):
         """Host side: TMA views of the tokens (L batches of (T, K256) bf16) and codes (L·G of (N, K) bytes, (N, K/2)
         packed FP4), a launch of (N tiles, max_items, L) CTAs."""
         bt, bw, bk = self.tile_mnk
@@ -201,7 +203,7 @@ class HopperRaggedSwapAB:
         self.shared_storage = SharedStorage
         tiles_n = (n + bw - 1) // bw
         self.kernel(tma_atom_x, tma_x, tma_atom_w, tma_w, sfb, items, c, amax, alpha, tally, t, n, k, g, max_items,
-                    tiled_mma, tiled_mma_short, x_staged, w_staged).launch(grid=(tiles_n, max_items, l),
+                    sf_atom, tiled_mma, tiled_mma_short, x_staged, w_staged).launch(grid=(tiles_n, max_items, l),
                                                           block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1,
                                                           stream=stream)
 
@@ -217,7 +219,8 @@ class HopperRaggedSwapAB:
     def kernel(self, tma_atom_x: cute.CopyAtom, mX: cute.Tensor, tma_atom_w: cute.CopyAtom, mW: cute.Tensor,
                sfb: cute.Tensor, items: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor,
                tally: cute.Tensor, t: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, g: cutlass.Int32,
-               max_items: cutlass.Int32, tiled_mma: cute.TiledMma, tiled_mma_short: cute.TiledMma,
+               max_items: cutlass.Int32, sf_atom: cutlass.Int32, tiled_mma: cute.TiledMma,
+               tiled_mma_short: cute.TiledMma,
                x_staged: cute.ComposedLayout, w_staged: cute.ComposedLayout):
         """Device body: the CTA reads its item and runs (weight tile, item), or, when the item is empty, only
         counts itself in amax's tally. Items of group -1 (rows of no group) store zeros after one group of
@@ -256,8 +259,8 @@ class HopperRaggedSwapAB:
                 part = 0
                 if cutlass.const_expr(self.k_split > 1):
                     part = (wg_idx - 1) // self.weight_warpgroups
-                operands = (ab_pipeline, sX, sW, sfb, row_wg, part, mma_tid, tile_n, w_batch, n, k, k_tiles, zero,
-                            alpha, storage, c, amax, tally, t, batch, rows_lo, rows_hi)
+                operands = (ab_pipeline, sX, sW, sfb, sf_atom, row_wg, part, mma_tid, tile_n, w_batch, n, k, k_tiles,
+                            zero, alpha, storage, c, amax, tally, t, batch, rows_lo, rows_hi)
                 if cutlass.const_expr(self.short_item_tokens > 0):
                     if rows_hi - rows_lo <= self.short_item_tokens:
                         self.multiply_and_store(tiled_mma_short, self.short_item_tokens, *operands)
@@ -268,12 +271,12 @@ class HopperRaggedSwapAB:
 
     @cute.jit
     def multiply_and_store(self, tiled_mma: cute.TiledMma, tokens: cutlass.Constexpr[int], ab_pipeline, sX, sW, sfb,
-                           row_wg, part, mma_tid, tile_n, w_batch, n, k, k_tiles, zero, alpha, storage, c, amax,
-                           tally, t, batch, rows_lo, rows_hi):
+                           sf_atom, row_wg, part, mma_tid, tile_n, w_batch, n, k, k_tiles, zero, alpha, storage, c,
+                           amax, tally, t, batch, rows_lo, rows_hi):
         """An MMA warpgroup's work on its item: the mainloop over the item's first `tokens` rows (`tiled_mma` that
         wide), alpha, and the epilogue."""
-        acc = self.mainloop(ab_pipeline, tiled_mma, tokens, sX, sW, sfb, row_wg, part, mma_tid, tile_n, w_batch, n,
-                            k, k_tiles)
+        acc = self.mainloop(ab_pipeline, tiled_mma, tokens, sX, sW, sfb, sf_atom, row_wg, part, mma_tid, tile_n,
+                            w_batch, n, k, k_tiles)
         scale = alpha[w_batch]  # this weight's factor on the sums (ones for the MX formats' usual call)
         for j in cutlass.range_constexpr(cute.size(acc)):
             acc[j] = acc[j] * scale
@@ -284,7 +287,7 @@ class HopperRaggedSwapAB:
 
     @cute.jit
     def mainloop(self, ab_pipeline, tiled_mma: cute.TiledMma, tokens: cutlass.Constexpr[int], sX: cute.Tensor,
-                 sW: cute.Tensor, sfb: cute.Tensor, wg_idx, part, tidx, tile_n, w_batch, n, k, k_tiles):
+                 sW: cute.Tensor, sfb: cute.Tensor, sf_atom, wg_idx, part, tidx, tile_n, w_batch, n, k, k_tiles):
         """This thread's part of the warpgroup's fp32 accumulator (its 64 weight rows x the tile's tokens) over
         K's promotion groups part, part + k_split, ... (all of K without a split). k_tiles is a multiple of
         PROMOTE_TILES (the tokens' K is padded to K_PAD). Stage s is read by part s // PROMOTE_TILES % k_split
@@ -309,13 +312,13 @@ class HopperRaggedSwapAB:
         code_at = (w_base + row0 * rb + lb * pair, w_base + (row0 + 8) * rb + lb * pair)
         stage_bytes = bw * rb
 
-        # Scale bytes, compact (L·G, N, KB): this thread's 16 codes of a row lie in one block, one byte per row and
-        # k-tile (`_scale_block`); a group's eight (PROMOTE_TILES k-tiles x rows row0, row0 + 8) are loaded a group
-        # ahead, a list of scalars the DSL carries through the loop.
+        # Scale bytes, compact (L·G, N, KB) or in atoms (`sf_atom`): this thread's 16 codes of a row lie in one
+        # block, one byte per row and k-tile (`_scale_block`); a group's eight (PROMOTE_TILES k-tiles x rows row0,
+        # row0 + 8) are loaded a group ahead, a list of scalars the DSL carries through the loop.
         blocks = (k + self.sf_vec_size - 1) // self.sf_vec_size
-        rows_at = [self._scale_row_at(sfb, w_batch, tile_n * bw + r, n, blocks) for r in (row0, row0 + 8)]
+        rows_at = [self._scale_row_at(sfb, sf_atom, w_batch, tile_n * bw + r, n, blocks) for r in (row0, row0 + 8)]
         per = PROMOTE_TILES
-        group_scales = lambda q: [ptx_ops.ld_global_nc_u8(at + self._scale_block(q, i, pair, blocks))
+        group_scales = lambda q: [ptx_ops.ld_global_nc_u8(at + self._scale_block(q, i, pair, blocks, sf_atom))
                                   for i in range(per) for at in rows_at]
 
         split = self.k_split
@@ -369,18 +372,27 @@ class HopperRaggedSwapAB:
         return PROMOTE_TILES * part, PROMOTE_TILES * (self.k_split - 1)
 
     @staticmethod
-    def _scale_row_at(sfb: cute.Tensor, w_batch, row, n, blocks) -> cutlass.Int64:
-        """The address of weight w_batch's row `row` (clamped to N - 1: rows past N are TMA's zeros) among the
-        compact scale bytes, KB = `blocks` a row."""
-        return sfb.iterator.toint() + cutlass.Int64((w_batch * n + cutlass.min(row, n - 1)) * blocks)
+    def _scale_row_at(sfb: cute.Tensor, sf_atom, w_batch, row, n, blocks) -> cutlass.Int64:
+        """The address of the first scale byte of weight w_batch's row `row` (clamped to N - 1: rows past N are
+        TMA's zeros): compact, KB = `blocks` a row, or (`sf_atom`) in SPEC §3's atoms, whose byte of block kb adds
+        `_scale_block`'s offset."""
+        row = cutlass.min(row, n - 1)
+        compact = (w_batch * n + row) * blocks
+        atom_rows = (n + common.ATOM_MN - 1) // common.ATOM_MN
+        atom_kbs = (blocks + common.ATOM_KB - 1) // common.ATOM_KB
+        atom = ((w_batch * atom_rows + row // common.ATOM_MN) * atom_kbs * common.ATOM_BYTES
+                + (row % 32) * 16 + (row // 32 % 4) * 4)
+        return sfb.iterator.toint() + cutlass.Int64(compact + sf_atom * (atom - compact))  # sf_atom is 0 or 1
 
-    def _scale_block(self, q, i: int, pair, blocks):
-        """The block holding this thread's 16 codes of k-tile i of group q: c // 2 of a k-tile's two 32-wide blocks,
-        c of its four 16-wide ones (c = `pair`, the lane's place in its quad), clamped to the last block of K (the
-        codes past K are TMA's zeros)."""
+    def _scale_block(self, q, i: int, pair, blocks, sf_atom):
+        """The offset of the block holding this thread's 16 codes of k-tile i of group q (compact, or in atoms:
+        `sf_atom`): block c // 2 of a k-tile's two 32-wide blocks, c of its four 16-wide ones (c = `pair`, the
+        lane's place in its quad), clamped to the last block of K (the codes past K are TMA's zeros)."""
         per_tile = K_TILE // self.sf_vec_size  # blocks per k-tile
         lane_block = pair if cutlass.const_expr(per_tile == 4) else pair // 2
-        return cutlass.min((q * PROMOTE_TILES + i) * per_tile + lane_block, blocks - 1)
+        kb = cutlass.min((q * PROMOTE_TILES + i) * per_tile + lane_block, blocks - 1)
+        atom = (kb >> 2) * common.ATOM_BYTES + (kb & (common.ATOM_KB - 1))
+        return kb + sf_atom * (atom - kb)
 
     @cute.jit
     def convert(self, frag: cute.Tensor, code_at: tuple, stage_offset, scales: list):
