@@ -70,8 +70,8 @@ class _AbiChecks(parameterized.TestCase):
     def assert_plain_abi(self, v: catalog.KernelVariant) -> None:
         header, p = compiled(v).header, v.function_prefix
         tensors, sizes = _PLAIN_ABI[v.op]
-        if v.schedule == catalog.SWAP_AB:  # the swap_ab ragged kernels take amax's tally after alpha
-            tensors += ("tally",)
+        if v.schedule == catalog.SWAP_AB:  # the swap_ab ragged kernels take amax's tally after alpha, sfb's form last
+            tensors, sizes = tensors + ("tally",), sizes + ("sf_atom",)
         self.assertEqual(_wrapper_params(header, p), [f"{p}_Tensor_{t}_t *{t}" for t in tensors]
                          + [f"int32_t {s}" for s in sizes] + ["cudaStream_t stream"])
         self.assertEqual(_launch_args(header), (len(tensors) + len(sizes) + 2,
