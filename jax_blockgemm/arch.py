@@ -53,9 +53,13 @@ class ArchPolicy:
     # kernel only up to M rows (the kernel's cost per row of x does not shrink with K as the reference's does)
     decode_short_k: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     # weight format -> (first M, last M): decode-sized calls of these M take the swap_ab ragged kernel's decode tile
-    # (wgmma, one group of M tokens; catalog.SWAP_AB_DECODE_TILES) instead of the decode kernel, at any K, where every
-    # local GPU has one
+    # (wgmma, one group of M tokens; catalog.SWAP_AB_DECODE_TILES) instead of the decode kernel, where every local GPU
+    # has one, but for `decode_swap_ab_small`'s calls
     decode_swap_ab_m: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # (M, N, K): calls of at most M rows against a weight of fewer than N rows or K columns keep the decode kernel
+    # even within decode_swap_ab_m (the tile's extra pass over x and its 64-row CTAs cost more than it saves there);
+    # M = 0: no such calls
+    decode_swap_ab_small: tuple[int, int, int] = (0, 0, 0)
     # kernel schedules (the catalog's KernelVariant.schedule) of this target whose kernels have not yet run correct
     # on such a GPU: self-checked first even where `verified` holds
     unverified_schedules: tuple[str, ...] = ()
@@ -90,6 +94,12 @@ TABLE: tuple[ArchPolicy, ...] = (
         # Every swap_ab object (these decode tiles and the MoE tile) passed its GPU tests on an H100 (5 December), so
         # no schedule of this row is self-checked first.
         decode_swap_ab_m={"mxfp8_e4m3": (1, 64), "mxfp4": (1, 64), "nvfp4": (1, 64)},
+        # H100, the tiles against the decode kernel at M = 1 / 16 in the same program, us per GEMM (5 December,
+        # docs/performance.md): the tile wins at 7168 x 7168 (MXFP8 0.029 / 0.030 against 0.030 / 0.032 ms) and
+        # 4096 -> 11008 (MXFP8 31.0 / 32.0 against 33.6 / 37.0) but loses at 2048 -> 7168 (MXFP8 20.7 / 23.2
+        # against 18.1 / 19.6; MXFP4 13.1 / 19.0 against 11.7 / 13.8), 4096 -> 4096 (MXFP8 16.9 / 17.6 against
+        # 14.3 / 15.0) and 11008 -> 4096 (MXFP8 32.1 / 32.0 against 27.0 / 29.8); at M = 64 it wins everywhere
+        decode_swap_ab_small=(16, 7168, 4096),
         # H200 (`tune --op ragged_swap_ab`): 1.5-1.7x faster than the block-scaled grouped kernel on MXFP8 E4M3,
         # MXFP4 and NVFP4 codes alike (docs/design/moe.md)
         ragged_swap_ab_formats=("mxfp8_e4m3", "mxfp4", "nvfp4"),
@@ -158,12 +168,15 @@ def decode_largest_m(target: str, fmt: str, k: Optional[int] = None, *, measured
     return min(largest, short_m) if k is not None and k < short_k else largest
 
 
-def decode_takes_swap_ab(target: str, fmt: str, m: int, *, measured_rows: Optional[tuple[int, int]] = None) -> bool:
-    """Whether a decode-sized call of `m` rows against `fmt` weights takes the swap_ab ragged kernel's decode tile on
-    `target`: `decode_swap_ab_m`, or `measured_rows` (first, last), the local GPU's tuning table's, which replace
-    it."""
-    first, last = policy(target).decode_swap_ab_m.get(fmt, (1, 0)) if measured_rows is None else measured_rows
-    return first <= m <= last
+def decode_takes_swap_ab(target: str, fmt: str, m: int, *, n: int, k: int,
+                         measured_rows: Optional[tuple[int, int]] = None) -> bool:
+    """Whether a decode-sized call of `m` rows against `fmt` weights of `n` rows and `k` columns takes the swap_ab
+    ragged kernel's decode tile on `target`: `decode_swap_ab_m`, or `measured_rows` (first, last), the local GPU's
+    tuning table's (timed at 7168 x 7168), which replace it; either way not `decode_swap_ab_small`'s calls."""
+    row = policy(target)
+    first, last = row.decode_swap_ab_m.get(fmt, (1, 0)) if measured_rows is None else measured_rows
+    small_m, small_n, small_k = row.decode_swap_ab_small
+    return first <= m <= last and not (m <= small_m and (n < small_n or k < small_k))
 
 
 def ragged_takes_swap_ab(target: str, fmt: str, *, measured: Optional[bool] = None) -> bool:
@@ -229,7 +242,8 @@ def decode_rule(p: ArchPolicy, formats: Sequence[str], *, name: Callable[[str], 
     """Up to how many rows None takes the decode kernel on row `p` for weights in `formats` (DECODE_FORMATS names;
     `name` spells them): "M <= 64" where they share one threshold, else "name: M <= 64, name: never"; then the
     short-K rules ("; M <= 16 below K = 7168 for name, name", without the names where every format has it) and the
-    swap_ab tiles' ranges ("; name, name at M = 1-64: the swap_ab tile"); "" where none of the formats ever takes it."""
+    swap_ab tiles' ranges ("; name, name at M = 1-64: the swap_ab tile", with `decode_swap_ab_small`'s exception);
+    "" where none of the formats ever takes it."""
     largest = {fmt: p.decode_max_m.get(fmt, 0) for fmt in formats}
     if not any(largest.values()):
         return ""
@@ -249,8 +263,12 @@ def decode_rule(p: ArchPolicy, formats: Sequence[str], *, name: Callable[[str], 
     for fmt, span in p.decode_swap_ab_m.items():
         if fmt in largest:
             tiles.setdefault(tuple(span), []).append(name(fmt))
-    return text + "".join(f"; {', '.join(names)} at M = {first}-{last}: the swap_ab tile"
-                          for (first, last), names in tiles.items())
+    text += "".join(f"; {', '.join(names)} at M = {first}-{last}: the swap_ab tile"
+                    for (first, last), names in tiles.items())
+    small_m, small_n, small_k = p.decode_swap_ab_small
+    if small_m and any(first <= small_m for first, _ in tiles):
+        text += f", at M <= {small_m} only for N >= {small_n}, K >= {small_k}"
+    return text
 
 
 def _ragged_cell(p: ArchPolicy) -> str:

@@ -263,9 +263,9 @@ def _decode_choice(implementation: Any, *, fmt: str, ab_dtype: str, sf_dtype: st
 def _decode_swap_ab_choice(*, fmt: str, ab_dtype: str, sf_dtype: str, sf_vec_size: int, c_dtype: Any,
                            sizes: tuple[int, int, int, int]) -> KernelChoice | None:
     """For a decode-sized call of `sizes` (M, N, K, L) that `arch.TABLE`'s decode_swap_ab_m (or the local GPU
-    model's tuning table, `tuning.decode_swap_ab_rows`) gives to the swap_ab ragged kernel's decode tiles on every
-    local GPU (`fmt` weights of codes ab_dtype with sf_dtype scales per
-    sf_vec_size, f32 or bf16 C): the variants of the smallest tile that holds M, run as one group of M tokens
+    model's tuning table, `tuning.decode_swap_ab_rows`; not decode_swap_ab_small's calls) gives to the swap_ab ragged
+    kernel's decode tiles on every local GPU (`fmt` weights of codes ab_dtype with sf_dtype scales per sf_vec_size,
+    f32 or bf16 C): the variants of the smallest tile that holds M, run as one group of M tokens
     (`ffi_lowering.emit_decode_swap_ab`); None where the call keeps the decode kernel. The M range is
     implementation=None's choice and "cutedsl"'s alike: there the tile is the faster kernel."""
     from jax_blockgemm.kernels import catalog
@@ -273,7 +273,8 @@ def _decode_swap_ab_choice(*, fmt: str, ab_dtype: str, sf_dtype: str, sf_vec_siz
     m, n, k, l = sizes
     local_targets = {arch.target_of(cc) for cc in local_cuda_capabilities() or ()}
     rows = tuning.decode_swap_ab_rows(local_gpu_model(), fmt) if local_targets else None
-    if not local_targets or not all(arch.decode_takes_swap_ab(t, fmt, m, measured_rows=rows) for t in local_targets):
+    if not local_targets or not all(arch.decode_takes_swap_ab(t, fmt, m, n=n, k=k, measured_rows=rows)
+                                    for t in local_targets):
         return None
     tile = catalog.swap_ab_decode_tile(m)
     if tile is None:

@@ -206,8 +206,9 @@ def _swap_ab_table(op: str, fmt: str, swap_ab: bool) -> Iterator[None]:
         for capability in dispatch.local_cuda_capabilities() or ():
             row = arch.policy(arch.target_of(capability))
             if op == tuning.SWAP_AB_DECODE_OP:
-                rows = {**row.decode_swap_ab_m, fmt: (1, DECODE_SWAP_AB_SHAPES[-1][0])}
-                stack.enter_context(arch.overridden(capability, decode_swap_ab_m=rows if swap_ab else {}))
+                rows = {**row.decode_swap_ab_m, fmt: (1, DECODE_SWAP_AB_SHAPES[-1][0])}  # at every shape timed
+                stack.enter_context(arch.overridden(capability, decode_swap_ab_m=rows if swap_ab else {},
+                                                    decode_swap_ab_small=(0, 0, 0)))
             else:
                 others = tuple(f for f in row.ragged_swap_ab_formats if f != fmt)
                 stack.enter_context(arch.overridden(capability,

@@ -1,5 +1,6 @@
 """The per-architecture policy table: consistent with the catalog, read by dispatch, and shown in the README."""
 
+import functools
 import pathlib
 import subprocess
 import sys
@@ -77,10 +78,31 @@ class ArchTableTest(absltest.TestCase):
             self.assertIn("| decode kernel for M <= 64; M <= 16 below K = 4096 |", row)  # every format: no names
 
     def test_the_cell_names_formats_that_share_a_swap_ab_range_together(self):
-        with arch.overridden("9.0", decode_swap_ab_m={"mxfp8_e4m3": (1, 64), "mxfp4": (17, 64), "nvfp4": (1, 64)}):
+        with arch.overridden("9.0", decode_swap_ab_m={"mxfp8_e4m3": (1, 64), "mxfp4": (17, 64), "nvfp4": (1, 64)},
+                             decode_swap_ab_small=(16, 7168, 4096)):
             row = arch.markdown_table().splitlines()[2]
-            self.assertIn("; mxfp8_e4m3, nvfp4 at M = 1-64: the swap_ab tile; mxfp4 at M = 17-64: the swap_ab tile |",
-                          row)
+            self.assertIn("; mxfp8_e4m3, nvfp4 at M = 1-64: the swap_ab tile; mxfp4 at M = 17-64: the swap_ab tile, "
+                          "at M <= 16 only for N >= 7168, K >= 4096 |", row)
+        with arch.overridden("9.0", decode_swap_ab_m={"mxfp4": (17, 64)}, decode_swap_ab_small=(16, 7168, 4096)):
+            self.assertIn("; mxfp4 at M = 17-64: the swap_ab tile |", arch.markdown_table())  # no range reaches 16
+
+    def test_small_weights_keep_the_decode_kernel_at_few_rows(self):
+        """decode_swap_ab_small (M, N, K): calls of at most M rows take the swap_ab tile only against weights of at
+        least N rows and K columns; more rows take it at any size; a tuning table's measured range obeys the same."""
+        with arch.overridden("9.0", decode_swap_ab_m={"mxfp8_e4m3": (1, 64)}, decode_swap_ab_small=(16, 7168, 4096)):
+            takes = functools.partial(arch.decode_takes_swap_ab, "sm_90a", "mxfp8_e4m3")
+            self.assertTrue(takes(16, n=7168, k=4096))
+            self.assertTrue(takes(1, n=18432, k=7168))
+            self.assertFalse(takes(16, n=7167, k=7168))
+            self.assertFalse(takes(1, n=7168, k=4095))
+            self.assertFalse(takes(16, n=4096, k=11008))
+            self.assertTrue(takes(17, n=128, k=64))
+            self.assertFalse(takes(65, n=7168, k=7168))  # past the range
+            self.assertFalse(takes(8, n=2048, k=2048, measured_rows=(1, 64)))
+            self.assertTrue(takes(8, n=7168, k=7168, measured_rows=(1, 64)))
+            self.assertFalse(takes(8, n=7168, k=7168, measured_rows=(17, 64)))
+        with arch.overridden("9.0", decode_swap_ab_m={"mxfp8_e4m3": (1, 64)}, decode_swap_ab_small=(0, 0, 0)):
+            self.assertTrue(arch.decode_takes_swap_ab("sm_90a", "mxfp8_e4m3", 1, n=8, k=32))
 
     def test_every_decode_threshold_has_kernels_that_hold_it(self):
         """Where None takes the decode kernel up to M rows, the catalog has a variant of that format with room for M

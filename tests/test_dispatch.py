@@ -427,8 +427,8 @@ def _gemm_avals(m, n=144, k=96, l=2, *, fmt="mxfp8_e4m3"):
     return [sa((l, m, row), codes), sa((l, n, row), codes), atom(m), atom(n)], v
 
 
-def _decode(m, *, implementation="cutedsl", fmt="mxfp8_e4m3", c_dtype=jnp.bfloat16, k=96, **params):
-    avals, v = _gemm_avals(m, k=k, fmt=fmt)
+def _decode(m, *, implementation="cutedsl", fmt="mxfp8_e4m3", c_dtype=jnp.bfloat16, k=96, n=144, **params):
+    avals, v = _gemm_avals(m, n=n, k=k, fmt=fmt)
     config = dict(c_dtype=np.dtype(c_dtype), sf_vec_size=v, a_major="k", b_major="k", c_major="n", k=k)
     return dispatch.decode_kernels(avals, **{**config, **params}, implementation=implementation)
 
@@ -660,15 +660,21 @@ class DecodeSwapAbDispatchTest(parameterized.TestCase):
 
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)):
             for implementation in (None, "cutedsl"):
-                for m, k, tile in ((self.first, 96, (16, 64, 3)), (16, 7168, (16, 64, 3)), (17, 7168, (32, 64, 3)),
-                                   (32, 7168, (32, 64, 3)), (33, 7168, (64, 64, 2)),
-                                   (self.last, 7168, (64, 64, 2))):  # the smallest tile that holds M
+                # the smallest tile that holds M; at most decode_swap_ab_small's rows against a weight that large
+                for m, n, k, tile in ((self.first, 7168, 4096, (16, 64, 3)), (16, 7168, 7168, (16, 64, 3)),
+                                      (17, 144, 96, (32, 64, 3)), (32, 144, 7168, (32, 64, 3)),
+                                      (33, 144, 7168, (64, 64, 2)), (self.last, 144, 7168, (64, 64, 2))):
                     with self.subTest(implementation=implementation, m=m, k=k):
-                        (v,) = _decode(m, implementation=implementation, k=k).variants
+                        (v,) = _decode(m, implementation=implementation, k=k, n=n).variants
                         self.assertEqual((v.op, v.arch, v.schedule, (*v.tile_mn, v.k_split), v.c_dtype),
                                          ("ragged", "sm_90a", catalog.SWAP_AB, tile, "bfloat16"))
+                small_m, small_n, small_k = arch.policy("sm_90a").decode_swap_ab_small
+                for n, k in ((small_n - 8, 7168), (7168, small_k - 32), (144, 96)):  # smaller: the decode kernel
+                    with self.subTest(implementation=implementation, n=n, k=k):
+                        self.assertEqual(_decode(small_m, implementation=implementation, k=k, n=n).variants[0].op,
+                                         "weight_stream")
             with arch.overridden("9.0", decode_swap_ab_m={"mxfp8_e4m3": (17, 64)}):  # as a tuning table can set it
-                self.assertEqual(_decode(16, k=7168).variants[0].op, "weight_stream")
+                self.assertEqual(_decode(16, k=7168, n=7168).variants[0].op, "weight_stream")
                 self.assertEqual(_decode(17, k=7168).variants[0].op, "ragged")
             self.assertEqual(_decode(self.last + 1, k=7168).variants, ())  # past every decode kernel: M > 64
             self.assertEqual(_decode(40, k=7168, c_dtype=jnp.float32).variants[0].c_dtype, "float32")

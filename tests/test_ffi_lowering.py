@@ -475,11 +475,19 @@ class PublicDecodeLoweringTest(absltest.TestCase):
         the swap_ab ragged kernel's decode tiles as one group: x (bf16, or A dequantized) padded to a K of 256 and
         permuted, the weight as (L, 1, N, K) with its scales in the form given (weight-only: compact; gemm_amax:
         atoms), empty token scales, one item table per batch.
-        Rows below a range that starts later, a float16 C and formats the table does not name keep jbg_weight_stream,
-        as does a lowering with no GPU present."""
+        Rows below a range that starts later, few rows against a small weight (decode_swap_ab_small, which these
+        48 x 96 weights are but for that rule switched off), a float16 C and formats the table does not name keep
+        jbg_weight_stream, as does a lowering with no GPU present."""
         first, last = jbg_arch.policy("sm_90a").decode_swap_ab_m["mxfp8_e4m3"]
+        small_m = jbg_arch.policy("sm_90a").decode_swap_ab_small[0]
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
                 mock.patch.object(dispatch, "_failed_self_checks", return_value=""):  # the tile's self-check passed
+            for implementation in (None, "cutedsl"):  # the shipped rule: small weights keep the decode kernel
+                self.assertLen(_calls(self._weight_only("mxfp8_e4m3", m=small_m, k=96, implementation=implementation),
+                                      "jbg_weight_stream"), 1)
+                self.assertLen(_calls(self._weight_only("mxfp8_e4m3", m=small_m + 1, k=96,
+                                                        implementation=implementation), "jbg_ragged_gemm_amax"), 1)
+            self.enterContext(jbg_arch.overridden("9.0", decode_swap_ab_small=(0, 0, 0)))
             for implementation in (None, "cutedsl"):
                 for m in (first, 16, 17, 32, 33, last):
                     with self.subTest(implementation=implementation, m=m):

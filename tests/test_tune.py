@@ -352,12 +352,13 @@ class DecodeProblemsTest(absltest.TestCase):
             self.skipTest(f"CuTeDSL is not importable: {e}")
         from jax_blockgemm import kernel_cache
 
-        first, _ = arch.policy("sm_90a").decode_swap_ab_m["mxfp8_e4m3"]
+        m = arch.policy("sm_90a").decode_swap_ab_small[0] + 1  # past the rows that small weights keep off the tile
+        self.assertTrue(arch.decode_takes_swap_ab("sm_90a", "mxfp8_e4m3", m, n=128, k=256))
         with mock.patch.object(dispatch, "_failed_self_checks", return_value=""), \
                 mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
                 mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()), \
                 mock.patch.object(tune, "DECODE_MATRICES", 1):
-            call, arg_sets, _ = tune.programs(tuning.DECODE_OP, "mxfp8_e4m3", (first, 128, 256))
+            call, arg_sets, _ = tune.programs(tuning.DECODE_OP, "mxfp8_e4m3", (m, 128, 256))
             lower = lambda: jax.jit(call("cutedsl")).trace(*arg_sets[0]).lower(lowering_platforms=("cuda",)).as_text()
             self.assertIn("jbg_ragged_gemm_amax", lower())
             with tune._the_decode_kernel_alone(tuning.DECODE_OP):
