@@ -95,7 +95,7 @@ TABLE: tuple[ArchPolicy, ...] = (
         # no schedule of this row is self-checked first.
         decode_swap_ab_m={"mxfp8_e4m3": (1, 64), "mxfp4": (1, 64), "nvfp4": (1, 64)},
         # H100, the tiles against the decode kernel at M = 1 / 16 in the same program, us per GEMM (5 December,
-        # docs/performance.md): the tile wins at 7168 x 7168 (MXFP8 0.029 / 0.030 against 0.030 / 0.032 ms) and
+        # docs/design/decode.md): the tile wins at 7168 x 7168 (MXFP8 29 / 30 against 30 / 32, `tune`) and
         # 4096 -> 11008 (MXFP8 31.0 / 32.0 against 33.6 / 37.0) but loses at 2048 -> 7168 (MXFP8 20.7 / 23.2
         # against 18.1 / 19.6; MXFP4 13.1 / 19.0 against 11.7 / 13.8), 4096 -> 4096 (MXFP8 16.9 / 17.6 against
         # 14.3 / 15.0) and 11008 -> 4096 (MXFP8 32.1 / 32.0 against 27.0 / 29.8); at M = 64 it wins everywhere

@@ -304,9 +304,8 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
     FP4: (L, T, N/2) uint8) in the variants' C dtype, amax (L,) float32. `variants`: catalog entries of op "ragged",
     one per architecture, all of one b_major. The swap_ab variants take a as bf16 tokens (`swap_ab_layout`), sfa
     empty, sfb compact (L·G, N, ceil(K/block)) or in the atom form (the kernel reads either in place) and alpha
-    (L·G,), one per weight, and fold amax through a tally the
-    handler keeps (nothing zeroes it per call). amax_used=False, for a caller that drops amax: neither a zeroing
-    nor a tally (its value is then unspecified).
+    (L·G,), one per weight, and fold amax through a tally the handler keeps (nothing zeroes it per call).
+    amax_used=False, for a caller that drops amax: neither a zeroing nor a tally (its value is then unspecified).
 
     bf16 variants (ab_dtype "bfloat16", sf_dtype NO_SCALES): a (L, T, K) and b bfloat16, b (L, G, N, K) for the
     variants' b_major "k" or (L, G, K, N) for "n"; sfa and sfb uint8 of zero elements (any rank), which the kernel

@@ -220,8 +220,7 @@ class HopperRaggedSwapAB:
                sfb: cute.Tensor, items: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor,
                tally: cute.Tensor, t: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, g: cutlass.Int32,
                max_items: cutlass.Int32, sf_atom: cutlass.Int32, tiled_mma: cute.TiledMma,
-               tiled_mma_short: cute.TiledMma,
-               x_staged: cute.ComposedLayout, w_staged: cute.ComposedLayout):
+               tiled_mma_short: cute.TiledMma, x_staged: cute.ComposedLayout, w_staged: cute.ComposedLayout):
         """Device body: the CTA reads its item and runs (weight tile, item), or, when the item is empty, only
         counts itself in amax's tally. Items of group -1 (rows of no group) store zeros after one group of
         PROMOTE_TILES k-tiles (the mainloop's unit: the producer must fill, and the consumers release, a whole
