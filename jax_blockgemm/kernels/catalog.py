@@ -44,7 +44,7 @@ dynamic_shapes[1];}` struct over a flat buffer.
       (`swap_ab_layout.swap_ab_tokens`, fp4 for FP4 codes: a (L, T, K rounded up to 256)), the weights' codes b and
       their scales sfb compact, (L·G, N, ceil(K/v)), or in the SPEC §3 atom of (L·G, N, K); sfa is empty and alpha
       (L·G,) holds one factor per weight; amax's tally follows alpha, and sf_atom (int32: 1 for atoms, else 0)
-      max_items.
+      follows max_items.
     quantize_pair: fn(w, row_map, values, codes, scales, rows, cols, src_rows, stream)
       both MX quantizations of a bf16 matrix in one pass (kernels/quantize_pair.py): w (src_rows, cols) bf16; values
       (rows, cols) bf16, w quantized with its blocks along the rows in ab_dtype's format, as code·scale; codes

@@ -379,8 +379,8 @@ class HopperRaggedSwapAB:
         compact = (w_batch * n + row) * blocks
         atom_rows = (n + common.ATOM_MN - 1) // common.ATOM_MN
         atom_kbs = (blocks + common.ATOM_KB - 1) // common.ATOM_KB
-        atom = ((w_batch * atom_rows + row // common.ATOM_MN) * atom_kbs * common.ATOM_BYTES
-                + (row % 32) * 16 + (row // 32 % 4) * 4)
+        atom = (common.atom_chunk_index(w_batch, row // common.ATOM_MN, 0, atom_rows, atom_kbs) * common.ATOM_BYTES
+                + 4 * common.atom_word_offset(row % common.ATOM_MN))
         return sfb.iterator.toint() + cutlass.Int64(compact + sf_atom * (atom - compact))  # sf_atom is 0 or 1
 
     def _scale_block(self, q, i: int, pair, blocks, sf_atom):
