@@ -235,11 +235,13 @@ SWAP_AB_FORMATS = ("mxfp8_e4m3", "mxfp4", "nvfp4")  # the weight formats the swa
 class GpuDecodeSwapAbTest(parameterized.TestCase):
     """Decode-sized calls of 1-64 rows against MXFP8 E4M3, MXFP4 and NVFP4 weights on the swap_ab ragged kernel's
     decode tiles (one group of M tokens), through the public API, against the float64 oracle, outputs poisoned. The
-    tiles are tested over that whole range, whatever part of it arch.TABLE's decode_swap_ab_m gives them."""
+    tiles are tested over that whole range and at every weight size, whatever part of it arch.TABLE's
+    decode_swap_ab_m and decode_swap_ab_small give them."""
 
     def setUp(self):
         super().setUp()
-        self.enterContext(arch.overridden("9.0", decode_swap_ab_m={fmt: (1, 64) for fmt in SWAP_AB_FORMATS}))
+        self.enterContext(arch.overridden("9.0", decode_swap_ab_m={fmt: (1, 64) for fmt in SWAP_AB_FORMATS},
+                                          decode_swap_ab_small=(0, 0, 0)))
 
     def _weight_only(self, x, w, out_dtype=jnp.float32):
         f = jax.jit(lambda x, w: jbg.weight_only_matmul(x, w, out_dtype=out_dtype, implementation=IMPLEMENTATION))
@@ -256,8 +258,11 @@ class GpuDecodeSwapAbTest(parameterized.TestCase):
         weights = [oracle_weight_only.random_weight(rng, n, k, fmt) for _ in range(l)]
         w = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *weights)
         x = oracle_weight_only.random_x(rng, (l, m, k), jnp.bfloat16)
-        y = jax.jit(jax.vmap(lambda x, w: jbg.weight_only_matmul(x, w, out_dtype=jnp.dtype(out_dtype),
-                                                                  implementation=IMPLEMENTATION)))(x, w)
+        f = jax.jit(jax.vmap(lambda x, w: jbg.weight_only_matmul(x, w, out_dtype=jnp.dtype(out_dtype),
+                                                                  implementation=IMPLEMENTATION)))
+        if IMPLEMENTATION == "cutedsl":
+            self.assertIn("jbg_ragged_gemm_amax", f.lower(x, w).as_text())
+        y = f(x, w)
         ref = np.stack([oracle_weight_only.weight_only_oracle(x[i], weights[i]) for i in range(l)])
         oracle_ops.assert_gemm_close(self, np.asarray(y), ref, c_dtype=jnp.dtype(out_dtype))
 
