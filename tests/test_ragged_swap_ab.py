@@ -4,6 +4,7 @@ FP4 conversion, the handler's checks of its buffers, which calls dispatch sends 
 for CUDA. The kernel's results are checked on the H200 by tests/test_gpu_ragged.py and
 tests/test_gpu_weight_stream.py."""
 
+import itertools
 import re
 from unittest import mock
 
@@ -348,6 +349,26 @@ class CompileTest(parameterized.TestCase):
         self.assertFalse(re.search(r"\.local", c.ptx))
         resources = structure.cubin_resources(c.fn.__cubin__)
         self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
+        self.assertEqual(resources.registers, c.kernel.launch_regs)  # what setmaxnreg shares out (next test)
+
+    def test_setmaxnreg_shares_out_only_what_the_launch_gave(self):
+        """For every tile the constructor accepts, the producer's registers and the MMA warpgroups' raised ones fit in
+        what the CTA was launched with (a warpgroup asking for more than is free would wait forever)."""
+        from jax_blockgemm.kernels.sm90.ragged_swap_ab import HopperRaggedSwapAB
+
+        accepted = 0
+        for tokens, warpgroups, split in itertools.product((16, 32, 64, 128), (1, 2), (1, 2, 3)):
+            try:
+                kernel = HopperRaggedSwapAB(token_rows=tokens, weight_warpgroups=warpgroups, k_split=split)
+            except ValueError:
+                continue
+            accepted += 1
+            with self.subTest(tokens=tokens, warpgroups=warpgroups, split=split):
+                mma_threads = kernel.threads_per_cta - kernel.threads_per_wg
+                self.assertLessEqual(kernel.threads_per_wg * kernel.producer_regs + mma_threads * kernel.consumer_regs,
+                                     kernel.threads_per_cta * kernel.launch_regs)
+                self.assertLessEqual(kernel.threads_per_cta * kernel.launch_regs, 64 * 1024)
+        self.assertGreaterEqual(accepted, len(catalog.SWAP_AB_DECODE_TILES) + 1)
 
     @parameterized.parameters((16, E4M3, 32, E8M0), (32, FP4, 16, E4M3))
     def test_three_k_parts_fit_their_registers(self, tokens, w_dtype, block, sf):

@@ -132,7 +132,10 @@ class HopperRaggedSwapAB:
         mma_warpgroups = weight_warpgroups * k_split
         self.threads_per_cta = (1 + mma_warpgroups) * self.threads_per_wg
         self.producer_regs = 40
-        per_warpgroup = (REGISTERS // self.threads_per_wg - self.producer_regs) // mma_warpgroups
+        # what ptxas gives each thread at launch (one CTA per SM; whole warps of 256): setmaxnreg can only share out
+        # that much, and a warpgroup asking for more than is free waits forever
+        self.launch_regs = REGISTERS // self.threads_per_cta // 8 * 8
+        per_warpgroup = (self.launch_regs * (1 + mma_warpgroups) - self.producer_regs) // mma_warpgroups
         self.consumer_regs = min(232, per_warpgroup // 8 * 8)
         if self.consumer_regs < MIN_CONSUMER_REGS:
             raise ValueError(f"weight_warpgroups * k_split must leave each MMA warpgroup {MIN_CONSUMER_REGS} "
