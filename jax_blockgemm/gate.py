@@ -9,8 +9,10 @@ it. A wrong result, a hang, a crash or an
 illegal address all end in the child and become a stored FAIL naming what happened; the user's process never
 launched the kernel, so it stays usable: None falls back to the reference and "cutedsl" raises. An attempted record
 with no verdict (the checking process itself was killed) also reads as FAIL: nothing retries it silently;
-`python -m jax_blockgemm.selfcheck --force` checks again. The record names its machine: where the cache is shared
-between machines, another machine's record counts as a check still running until it is older than the timeout.
+`python -m jax_blockgemm.selfcheck --force` checks again. A check interrupted in the user's process (KeyboardInterrupt,
+a notebook's stop button) ends its child and leaves no record, so the next call checks again. The record names its
+machine: where the cache is shared between machines, another machine's record counts as a check still running until
+it is older than the timeout.
 """
 
 from __future__ import annotations
@@ -339,6 +341,9 @@ def check(variant: Any, *, device: Any = None, force: bool = False,
                 ok, detail = (run or _run_child)(variant, device)
             except Exception as e:  # noqa: BLE001 -- a check that cannot even start fails; the caller goes on
                 ok, detail = False, f"the check could not run: {type(e).__name__}: {e}"
+            except BaseException:  # interrupted here (KeyboardInterrupt): the child was ended with our wait, and
+                _remove(_attempt_path(path))  # the kernel did nothing wrong, so no record: the next call checks
+                raise
             verdict = Verdict(*ident, ok=ok, detail=detail or "ok")
             store(path, verdict)
             _remove(_attempt_path(path))

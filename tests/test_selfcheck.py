@@ -431,6 +431,22 @@ class VerdictCacheTest(absltest.TestCase):
         self.assertTrue(gate.check(_SM100, device=FakeDevice(), run=self._run(""), force=True).ok)
         self.assertFalse(path.with_suffix(".attempt").exists())
 
+    def test_an_interrupted_check_leaves_no_record_and_runs_again(self):
+        """A check interrupted in this process (KeyboardInterrupt while waiting for its child) is no verdict on the
+        kernel: it re-raises, stores nothing and removes its attempted record, so the next call runs the check."""
+        def interrupted(variant, device):
+            self.calls.append("interrupted")
+            self.assertTrue(gate.verdict_path(*gate.identity(variant, device)).with_suffix(".attempt").exists())
+            raise KeyboardInterrupt
+
+        path = gate.verdict_path(*gate.identity(_SM100, FakeDevice()))
+        with self.assertRaises(KeyboardInterrupt):
+            gate.check(_SM100, device=FakeDevice(), run=interrupted)
+        self.assertFalse(path.exists())
+        self.assertFalse(path.with_suffix(".attempt").exists())
+        self.assertEqual(gate.check(_SM100, device=FakeDevice(), run=self._run("")).source, "ran")
+        self.assertEqual(self.calls, ["interrupted", (_SM100.key, FakeDevice().device_kind)])
+
     @absltest.skipUnless(sys.platform.startswith("linux"), "a zombie is told from a live process by Linux's /proc")
     def test_an_attempt_by_an_exited_unreaped_process_is_not_waited_for(self):
         """A checking process that exited but is not reaped yet (a zombie: its parent has not waited) runs no check:
