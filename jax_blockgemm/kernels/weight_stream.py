@@ -196,8 +196,8 @@ class WeightStreamGemm:
         for r in range(2 * self.row_tiles):
             row = self._slot_row(row0, group, r, n)
             compact = (batch * n + row) * kb_count
-            atom = ((batch * atom_rows + row // common.ATOM_MN) * atom_kbs * common.ATOM_BYTES
-                    + (row % 32) * 16 + ((row // 32) % 4) * 4)
+            atom = (common.atom_chunk_index(batch, row // common.ATOM_MN, 0, atom_rows, atom_kbs) * common.ATOM_BYTES
+                    + 4 * common.atom_word_offset(row % common.ATOM_MN))
             parts[r] = cutlass.select_(sf_atom != 0, atom, compact)
         return parts
 
