@@ -441,7 +441,8 @@ def fake_arguments(kernel: Any, op: str = "gemm_amax") -> list:
     if op == "ragged":
         i32 = cutlass.Int32
         a_dtype = getattr(kernel, "a_dtype", kernel.ab_dtype)  # the swap_ab kernels read bf16 tokens
-        swap_ab = getattr(kernel, "takes_tally", False)  # ... and take amax's tally and their scales' form
+        # ... and take amax's tally after alpha and their scales' form (sf_atom) after max_items
+        swap_ab = isinstance(kernel, _ragged_swap_ab.HopperRaggedSwapAB)
         tally, sf_atom = ([flat(cutlass.Int64)], [i32(0)]) if swap_ab else ([], [])
         return [flat(a_dtype), flat(kernel.ab_dtype), flat(cutlass.Uint8), flat(cutlass.Uint8),
                 flat(cutlass.Int32), flat(kernel.c_dtype), flat(cutlass.Float32), flat(cutlass.Float32), *tally,
