@@ -16,6 +16,8 @@ from jax_blockgemm import arch as jbg_arch
 from jax_blockgemm import dispatch, ffi_lowering, kernel_cache
 
 import decode_standin
+import lowered_calls
+from lowered_calls import calls as _calls, ir_str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,29 +57,10 @@ def _operands(l, m, n, k):
             jax.ShapeDtypeStruct((l, -(-n // 128), kp, 32, 4, 4), jnp.uint8))
 
 
-def _walk(op):
-    for region in op.regions:
-        for block in region:
-            for child in block:
-                yield child
-                yield from _walk(child)
-
-
 def _custom_call(lowered, target="jbg_gemm_amax",
                  names=("archs", "function_prefixes", "objects", "offsets", "ab_dtype", "c_dtype")):
     """(attributes dict, operand types, result types) of the one `target` custom call in `lowered`."""
-    calls = [op for op in _walk(lowered.compiler_ir("stablehlo").operation)
-             if op.name == "stablehlo.custom_call" and str(op.attributes["call_target_name"]) == f'"{target}"']
-    assert len(calls) == 1, lowered.as_text()
-    op = calls[0]
-    config = op.attributes["mhlo.backend_config"]  # jax's encoding of typed-FFI attributes
-    attrs = {name: config[name] for name in names}
-    attrs = {k: (np.array(v) if k in ("objects", "offsets") else ir_str(v)) for k, v in attrs.items()}
-    return attrs, [str(x.type) for x in op.operands], [str(r.type) for r in op.results]
-
-
-def ir_str(attr):
-    return str(attr).strip('"')
+    return lowered_calls.custom_call(lowered, target, names)
 
 
 def _hlo_api_version(lowered):
@@ -242,9 +225,7 @@ class RealPrimitiveTest(absltest.TestCase):
             f = jax.jit(functools.partial(jbg.gemm_proj_rope_mxfp8, w_out_in=w_out_in, implementation="cutedsl"))
             with mock.patch.object(kernel_cache, "get_object", side_effect=lambda v: v.key.encode()):
                 lowered = f.trace(x, w, cs, cs, x_scale=xs, w_scale=ws).lower(lowering_platforms=("cuda",))
-            calls = [op for op in _walk(lowered.compiler_ir("stablehlo").operation)
-                     if op.name == "stablehlo.custom_call"
-                     and ir_str(op.attributes["call_target_name"]) == "jbg_dequantize_mxfp8"]
+            calls = _calls(lowered, "jbg_dequantize_mxfp8")
             self.assertLen(calls, 1)
             call = calls[0]
             w_shape, ws_shape = ("x".join(map(str, (1, *a.shape))) for a in (w, ws))
@@ -261,9 +242,7 @@ class RealPrimitiveTest(absltest.TestCase):
                     for arch in ("sm_100a", "sm_90a")]
             objects = np.array(call.attributes["mhlo.backend_config"]["objects"]).tobytes()
             self.assertEqual(objects, "".join(keys).encode())
-            proj = [op for op in _walk(lowered.compiler_ir("stablehlo").operation)
-                    if op.name == "stablehlo.custom_call"
-                    and ir_str(op.attributes["call_target_name"]) == "jbg_gemm_proj_rope_mxfp8"]
+            proj = _calls(lowered, "jbg_gemm_proj_rope_mxfp8")
             self.assertLen(proj, 1)
             self.assertEqual(proj[0].operands[0], call.results[1])  # x
             self.assertEqual(proj[0].operands[1], call.results[0])  # w
@@ -389,11 +368,6 @@ class EmitWeightStreamTest(absltest.TestCase):
         self.assertIn("stablehlo.custom_call @jbg_weight_stream", exported.mlir_module())
 
 
-def _calls(lowered, target):
-    return [op for op in _walk(lowered.compiler_ir("stablehlo").operation)
-            if op.name == "stablehlo.custom_call" and ir_str(op.attributes["call_target_name"]) == target]
-
-
 class PublicDecodeLoweringTest(absltest.TestCase):
     """The public operations lowered for CUDA (no GPU) reach jbg_weight_stream for decode-sized calls: a stand-in
     kernel class answers can_implement, object bytes are stand-ins."""
@@ -483,10 +457,10 @@ class PublicDecodeLoweringTest(absltest.TestCase):
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
                 mock.patch.object(dispatch, "_failed_self_checks", return_value=""):  # the tile's self-check passed
             for implementation in (None, "cutedsl"):  # the shipped rule: small weights keep the decode kernel
-                self.assertLen(_calls(self._weight_only("mxfp8_e4m3", m=small_m, k=96, implementation=implementation),
-                                      "jbg_weight_stream"), 1)
-                self.assertLen(_calls(self._weight_only("mxfp8_e4m3", m=small_m + 1, k=96,
-                                                        implementation=implementation), "jbg_ragged_gemm_amax"), 1)
+                few = self._weight_only("mxfp8_e4m3", m=small_m, k=96, implementation=implementation)
+                more = self._weight_only("mxfp8_e4m3", m=small_m + 1, k=96, implementation=implementation)
+                self.assertLen(_calls(few, "jbg_weight_stream"), 1)
+                self.assertLen(_calls(more, "jbg_ragged_gemm_amax"), 1)
             self.enterContext(jbg_arch.overridden("9.0", decode_swap_ab_small=(0, 0, 0)))
             for implementation in (None, "cutedsl"):
                 for m in (first, 16, 17, 32, 33, last):

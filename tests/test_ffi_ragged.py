@@ -14,6 +14,7 @@ from jax.interpreters import mlir
 
 from jax_blockgemm import _native, ffi_lowering, kernel_cache
 
+import lowered_calls
 import xla_probe
 
 ext = _native.extension()
@@ -486,23 +487,9 @@ def _lower(operands, variants, c_dtype=jnp.float32, c_cols=None):
         return _function(variants, c_dtype, c_cols).trace(*operands).lower(lowering_platforms=("cuda",))
 
 
-def _walk(op):
-    for region in op.regions:
-        for block in region:
-            for child in block:
-                yield child
-                yield from _walk(child)
-
-
 def _custom_call(lowered, target="jbg_ragged_gemm_amax"):
     """(attributes, operand types, result types) of the one `target` custom call in `lowered`."""
-    calls = [op for op in _walk(lowered.compiler_ir("stablehlo").operation)
-             if op.name == "stablehlo.custom_call" and str(op.attributes["call_target_name"]) == f'"{target}"']
-    assert len(calls) == 1, lowered.as_text()
-    config = calls[0].attributes["mhlo.backend_config"]  # jax's encoding of typed-FFI attributes
-    attrs = {name: config[name] for name in _NAMES}
-    attrs = {k: (np.array(v) if k in ("objects", "offsets") else str(v).strip('"')) for k, v in attrs.items()}
-    return attrs, [str(x.type) for x in calls[0].operands], [str(r.type) for r in calls[0].results]
+    return lowered_calls.custom_call(lowered, target, _NAMES)
 
 
 class EmitRaggedTest(absltest.TestCase):
