@@ -49,6 +49,30 @@ class NotebookTest(absltest.TestCase):
             self.assertLess(rel, 0.1)  # MXFP8 quantization error, a few percent
             self.assertGreater(rel, 1e-3)  # and the quantized path really ran
 
+    def test_serving_runs(self):
+        scope = run_notebook("serving_quantized_weights.ipynb")
+        errors = scope["errors"]
+        self.assertLess(errors["mxfp8_e4m3"], 0.05)  # about 2^-4 per weight element
+        for fmt in ("mxfp4", "nvfp4"):
+            self.assertLess(errors[fmt], 0.2)
+        self.assertGreater(min(errors.values()), 1e-3)  # the quantized weights really ran
+        self.assertTrue(scope["same"])  # the stored and reloaded weight
+        self.assertIn("w_mxfp4.npz", scope["_files"])
+        cfg = scope["cfg"]
+        for fmt, tokens in scope["tokens"].items():
+            self.assertEqual(tokens.shape, (2, cfg.prompt + cfg.new_tokens), fmt)
+
+    def test_mixture_of_experts_runs(self):
+        scope = run_notebook("mixture_of_experts.ipynb")
+        rel, exact = scope["rel"], scope["exact"]
+        self.assertLess(rel(scope["ys"]["bf16"], exact), 0.01)
+        self.assertLess(rel(scope["ys"]["mxfp8"], exact), 0.1)
+        self.assertGreater(rel(scope["ys"]["mxfp8"], exact), 1e-3)
+        self.assertEqual(int(scope["group_sizes"][-1]), 0)  # an empty expert
+        self.assertTrue(bool(np.all(np.asarray(scope["dw"])[-1] == 0)))
+        self.assertEqual(float(scope["amax"]), float(np.max(np.abs(np.asarray(scope["c"])))))
+        self.assertEqual(scope["y_serve"].shape, scope["y_train"].shape)
+
     def test_training_runs(self):
         try:
             import optax, sklearn  # noqa: F401,E401
