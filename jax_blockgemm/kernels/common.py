@@ -68,12 +68,18 @@ def atom_word_offset(mn_in_tile: int) -> int:
     return (mn_in_tile % 32) * 4 + (mn_in_tile // 32) % 4
 
 
+def atom_block_offset(kb: int) -> int:
+    """The part of a scale's byte offset in the atom buffer that k-block `kb` (>= 0) adds to its row's first byte
+    (the atom of k-blocks [4·(kb // 4), +4), byte kb % 4 of the row's word): shifts and masks, as kernels want them."""
+    return (kb >> 2) * ATOM_BYTES + (kb & (ATOM_KB - 1))
+
+
 def atom_byte_offset(l: int, mn: int, kb: int, mn_size: int, kb_size: int) -> int:
     """Byte offset of scale S[l, mn, kb] in the physical atom buffer (SPEC §3), for host-side checks."""
     mn_tiles = -(-mn_size // ATOM_MN)
     k_tiles = -(-kb_size // ATOM_KB)
-    chunk = atom_chunk_index(l, mn // ATOM_MN, kb // ATOM_KB, mn_tiles, k_tiles)
-    return chunk * ATOM_BYTES + 4 * atom_word_offset(mn % ATOM_MN) + kb % ATOM_KB
+    row = atom_chunk_index(l, mn // ATOM_MN, 0, mn_tiles, k_tiles) * ATOM_BYTES + 4 * atom_word_offset(mn % ATOM_MN)
+    return row + atom_block_offset(kb)
 
 
 # --- bit casts ---------------------------------------------------------------------------------------------

@@ -216,7 +216,7 @@ class WeightStreamGemm:
         first_code / sf_vec_size + s, in compact or atom form; 0 (the row's first block) where the codes lie past K.
         Shifts and masks, not divisions: every operand is non-negative."""
         kb = (first_code >> self.scale_shift) + s
-        atom = (kb >> 2) * common.ATOM_BYTES + (kb & (common.ATOM_KB - 1))
+        atom = common.atom_block_offset(kb)
         return cutlass.select_(in_k, cutlass.select_(sf_atom != 0, atom, kb), 0)
 
     @cute.jit

@@ -392,7 +392,7 @@ class HopperRaggedSwapAB:
         per_tile = K_TILE // self.sf_vec_size  # blocks per k-tile
         lane_block = pair if cutlass.const_expr(per_tile == 4) else pair // 2
         kb = cutlass.min((q * PROMOTE_TILES + i) * per_tile + lane_block, blocks - 1)
-        atom = (kb >> 2) * common.ATOM_BYTES + (kb & (common.ATOM_KB - 1))
+        atom = common.atom_block_offset(kb)
         return kb + sf_atom * (atom - kb)
 
     @cute.jit
