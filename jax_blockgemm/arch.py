@@ -96,10 +96,12 @@ TABLE: tuple[ArchPolicy, ...] = (
         decode_swap_ab_m={"mxfp8_e4m3": (1, 64), "mxfp4": (1, 64), "nvfp4": (1, 64)},
         # H100, the tiles against the decode kernel at M = 1 / 16 in the same program, us per GEMM (5 December,
         # docs/design/decode.md): the tile wins at 7168 x 7168 (MXFP8 29 / 30 against 30 / 32, `tune`) and
-        # 4096 -> 11008 (MXFP8 31.0 / 32.0 against 33.6 / 37.0) but loses at 2048 -> 7168 (MXFP8 20.7 / 23.2
-        # against 18.1 / 19.6; MXFP4 13.1 / 19.0 against 11.7 / 13.8), 4096 -> 4096 (MXFP8 16.9 / 17.6 against
-        # 14.3 / 15.0) and 11008 -> 4096 (MXFP8 32.1 / 32.0 against 27.0 / 29.8); at M = 64 it wins everywhere
-        decode_swap_ab_small=(16, 7168, 4096),
+        # 4096 -> 11008 (MXFP8 31.0 / 32.0 against 33.6 / 37.0) but loses at 4096 -> 4096 (MXFP8 16.9 / 17.6 against
+        # 14.3 / 15.0) and 11008 -> 4096 (MXFP8 32.1 / 32.0 against 27.0 / 29.8), whose 64 CTAs leave half the SMs
+        # idle; at M = 64 it wins everywhere. At 2048 -> 7168 it lost while x's permutation was a launch of its own
+        # and wins since the 16-token tile orders x itself (MXFP8 11.4-12.0 against 13.3-14.7, MXFP4 10.4-11.2
+        # against 11.3-13.9, NVFP4 10.3-12.2 against 12.5-15.8; H100, 5 December, interleaved)
+        decode_swap_ab_small=(16, 7168, 2048),
         # H200 (`tune --op ragged_swap_ab`): 1.5-1.7x faster than the block-scaled grouped kernel on MXFP8 E4M3,
         # MXFP4 and NVFP4 codes alike (docs/design/moe.md)
         ragged_swap_ab_formats=("mxfp8_e4m3", "mxfp4", "nvfp4"),

@@ -35,8 +35,9 @@ The bf16 objects (ab_dtype "bfloat16", sf_dtype "none" (NO_SCALES), sf_vec_size 
 bfloat16 a (L, T, K) and b (L, G, N, K) for b_major "k" or (L, G, K, N) for "n", and read neither sfa nor sfb
 (uint8 of zero elements, any rank) nor alpha (passed: ones); every other format takes b_major "k". The call also
 carries `a_dtype`, ab_dtype's but for the swap_ab objects (MXFP8 E4M3, MXFP4 or NVFP4 weights): "bfloat16", whose a
-is the tokens dequantized and permuted by `swap_ab_layout.swap_ab_tokens`, (L, T, K rounded up to 256), whose sfa is
-empty and whose sfb is compact, (L·G, N, ceil(K/v)).
+is the tokens dequantized to bf16, (L, T, K rounded up to 256), as `swap_ab_layout.kernel_tokens` gives them for the
+objects' tile (permuted for the MoE tile, as they are for the decode tiles), whose sfa is empty and whose sfb is
+compact, (L·G, N, ceil(K/v)).
 
 `jbg_grouped_contraction` (x, y, bounds -> c, amax) carries the object table and `ab_dtype` ("bfloat16") and
 `c_dtype` ("float32" or "bfloat16"): x (L, T, K) and y (L, T, N) bfloat16, tokens sorted by group, bounds int32 (L,
@@ -59,7 +60,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 from jax_blockgemm import _native, formats, kernel_cache
-from jax_blockgemm.swap_ab_layout import SWAP_AB_K_PAD, swap_ab_tokens
+from jax_blockgemm.swap_ab_layout import SWAP_AB_K_PAD, kernel_tokens
 
 GEMM_AMAX_TARGET = _native.GEMM_AMAX_TARGET
 PROJ_ROPE_TARGET = _native.PROJ_ROPE_TARGET
@@ -382,11 +383,12 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
 def emit_decode_swap_ab(ctx: Any, x: Any, b: Any, sfb: Any, alpha: Any, *, variants: Sequence[Any],
                         amax_used: bool = True) -> list:
     """A decode-sized GEMM through the swap_ab ragged kernel's decode tiles (catalog.SWAP_AB_DECODE_TILES; dispatch
-    picks it at arch.TABLE's decode_swap_ab_m): x (L, M, K) bf16 as one group of M tokens, permuted by
-    `swap_ab_tokens` (in the FP4 order for FP4 weights), against b (L, N, K) E4M3 codes or packed FP4 (L, N, K/2),
-    one weight per batch, with sfb compact (L, N, KB) or in the atom form (the kernel reads either), and alpha (L,);
-    `ctx.avals_out` are c (L, M, N) in the variants' C dtype and amax (L,). One work item per batch, all M rows (the
-    tile holds them). amax_used=False: amax is dropped (`emit_ragged`). Returns [c, amax]."""
+    picks it at arch.TABLE's decode_swap_ab_m): x (L, M, K) bf16 as one group of M tokens, as the tile takes them
+    (`swap_ab_layout.kernel_tokens`: padded; permuted but for the 16-token tile, which orders them itself), against
+    b (L, N, K) E4M3 codes or packed FP4 (L, N, K/2), one weight per batch, with sfb compact (L, N, KB) or in the
+    atom form (the kernel reads either), and alpha (L,); `ctx.avals_out` are c (L, M, N) in the variants' C dtype and
+    amax (L,). One work item per batch, all M rows (the tile holds them). amax_used=False: amax is dropped
+    (`emit_ragged`). Returns [c, amax]."""
     x_aval, b_aval, sfb_aval, alpha_aval = ctx.avals_in
     l, m, k = x_aval.shape
     n, row = b_aval.shape[1:]
@@ -394,7 +396,8 @@ def emit_decode_swap_ab(ctx: Any, x: Any, b: Any, sfb: Any, alpha: Any, *, varia
 
     def prepare(x, b, sfb):
         items = jnp.broadcast_to(jnp.array([[0, 0, 0, m]], jnp.int32), (l, 1, 4))  # (row tile, group, rows)
-        return [swap_ab_tokens(x, fp4=fp4), b.reshape(l, 1, n, row), jnp.zeros((l, 0), jnp.uint8), sfb, items]
+        tokens = kernel_tokens(x, fp4=fp4, tile_tokens=variants[0].tile_mn[0])
+        return [tokens, b.reshape(l, 1, n, row), jnp.zeros((l, 0), jnp.uint8), sfb, items]
 
     in_avals = [x_aval, b_aval, sfb_aval]
     out_avals = [jax.core.ShapedArray(o.shape, o.dtype) for o in jax.eval_shape(prepare, *in_avals)]

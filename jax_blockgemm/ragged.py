@@ -41,7 +41,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
 from jax_blockgemm import formats, primitives, reference, sharding, support
-from jax_blockgemm.swap_ab_layout import SWAP_AB_K_PAD, swap_ab_tokens
+from jax_blockgemm.swap_ab_layout import SWAP_AB_K_PAD, kernel_orders_tokens, kernel_tokens
 
 __all__ = ["ragged_p", "ragged_local_p", "check_call", "group_bounds", "grouped_rows_dot", "grouped_contraction",
            "grouped_dot", "ragged_reference", "check_group_sizes", "tile_rows", "weights_per_item", "kernel_items",
@@ -421,10 +421,11 @@ def _reference_lowering(ctx, *args, **params):
 
 
 def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int, swap_ab: bool,
-                     group_local: bool, fp4: bool = False, tokens_ready: bool = False) -> list:
+                     group_local: bool, fp4: bool = False, tokens_ready: bool = False, tile_tokens: int = 0) -> list:
     """What the grouped kernel reads besides the weights' codes: a (the codes, or for `swap_ab` kernels the tokens
-    dequantized to bf16 (tokens that are values: as given) and permuted by `swap_ab_tokens`, in the FP4 order for
-    FP4 weights (`fp4`), with empty token scales; `tokens_ready`: a is that already, the dequantize kernel's output),
+    dequantized to bf16 (tokens that are values: as given) as its tile of `tile_tokens` takes them,
+    `swap_ab_layout.kernel_tokens`, in the FP4 order for FP4 weights (`fp4`), with empty token scales;
+    `tokens_ready`: a is that already, the dequantize kernel's output),
     both scales in the SPEC §3 atom layout (sfb over L·G batches; the swap_ab kernels read sfb compact, (L·G, N,
     KB); bf16 operands' empty scales as they are) and the work items of each batch (`group_items` for kernels that
     start a tile at any row, `group_local`; else `kernel_items`, on the 128-row grid of the tokens' scale atoms)."""
@@ -439,7 +440,7 @@ def _kernel_operands(a, sfa, sfb, starts, ends, *, tokens: int, sf_vec_size: int
             if not support.tokens_are_values(a.dtype, sf_vec_size):  # codes (packed FP4: K = 2 x their row)
                 a = reference.dequantize_bf16(formats.unpacked_codes(a, 2 * a.shape[-1]), sfa, block=sf_vec_size,
                                               axis=2)
-            a = swap_ab_tokens(a.astype(jnp.bfloat16), fp4=fp4)
+            a = kernel_tokens(a.astype(jnp.bfloat16), fp4=fp4, tile_tokens=tile_tokens)
         return [a, jnp.zeros((l, 0), jnp.uint8), sfb, items]
     return [a, formats.to_scale_atom(sfa), formats.to_scale_atom(sfb), items]
 
@@ -448,9 +449,10 @@ def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, 
     """The call through the grouped kernel `variants` (jbg_ragged_gemm_amax): scales to atoms and the item table in XLA
     (a few fusions, no host synchronization), then one launch; alpha is the call's (for swap_ab kernels one per weight),
     else ones; amax_used=False (a caller that drops amax): nothing zeroes or folds amax. For swap_ab kernels
-    the tokens become bf16 in the kernel's column order: by the dequantize kernel where they are MXFP8 E4M3 codes, K
-    needs no padding and one applies (`dispatch.dequantize_variants` with `swap_ab_order`; one pass at memory speed),
-    else in XLA (`swap_ab_tokens`)."""
+    the tokens become bf16 as the tile takes them (`swap_ab_layout.kernel_tokens`: in the fragments' column order for
+    the MoE tile, as they are for the decode tiles): by the dequantize kernel where they are MXFP8 E4M3 codes, K needs
+    no padding and one applies (`dispatch.dequantize_variants`, `swap_ab_order` for the MoE tile; one pass at memory
+    speed), else in XLA."""
     from jax_blockgemm import dispatch, ffi_lowering
 
     a_aval, b_aval, sfa_aval, sfb_aval, starts_aval, ends_aval = ctx.avals_in[:6]
@@ -460,16 +462,17 @@ def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, 
     if len(tables) != 1:  # one call passes one table to every object it carries
         raise ValueError(f"ragged kernels that read different item tables in one call: {[v.key for v in variants]}")
     token_kernels = ()
+    tile_tokens = variants[0].tile_mn[0]
     if swap_ab and a_aval.shape[-1] % SWAP_AB_K_PAD == 0 and np.dtype(a_aval.dtype) == np.dtype(jnp.float8_e4m3fn):
         token_kernels = dispatch.dequantize_variants({v.arch for v in variants}, a_aval.shape, scale_axis=-1,
-                                                     swap_ab_order=True)
+                                                     swap_ab_order=not kernel_orders_tokens(tile_tokens))
     if token_kernels:
         (a,) = ffi_lowering.emit_dequantize(ctx, [(a, sfa)], avals=[(a_aval, sfa_aval)], variants=token_kernels,
                                             scale_axis=-1)
         a_aval = a_aval.update(dtype=np.dtype(jnp.bfloat16))
     prepare = functools.partial(_kernel_operands, tokens=t, sf_vec_size=sf_vec_size, swap_ab=swap_ab,
                                 group_local=tables.pop(), fp4=variants[0].ab_dtype == "float4_e2m1fn",
-                                tokens_ready=bool(token_kernels))
+                                tokens_ready=bool(token_kernels), tile_tokens=tile_tokens)
     in_avals = [a_aval, sfa_aval, sfb_aval, starts_aval, ends_aval]
     out_avals = [jax.core.ShapedArray(o.shape, o.dtype) for o in jax.eval_shape(prepare, *in_avals)]
     a_in, sfa_in, sfb_in, items = mlir.lower_fun(prepare, multiple_results=True)(

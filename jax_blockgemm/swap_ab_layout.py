@@ -1,8 +1,11 @@
 """The token layout of the swap_ab kernels (kernels/sm90/ragged_swap_ab.py), which read bf16 tokens as their wgmma's
 B operand in the order their threads hold the weights' codes: K padded with zeros to whole promotion groups, and the
 columns of every k-tile permuted (one order for FP8 codes, another for packed FP4, whose bit model pairs codes i and
-i + 4 of a word). Pure NumPy and jax.numpy, below everything that prepares those tokens (the ragged
-lowering, the decode lowering in ffi_lowering, the dequantize kernel's oracle)."""
+i + 4 of a word). The MoE tile and the 32- and 64-token decode tiles take the tokens permuted (for the MoE tile the
+pass that dequantizes them writes that order); the 16-token decode tile orders the columns itself, in shared memory,
+and takes them as they are. Pure NumPy and jax.numpy, below everything that prepares those tokens (the ragged
+lowering, the decode lowering in ffi_lowering, the dequantize kernel's oracle) and the kernel, which asks
+`kernel_orders_tokens`."""
 
 from __future__ import annotations
 
@@ -12,6 +15,17 @@ import numpy as np
 
 SWAP_AB_K_TILE = 64  # the swap_ab kernel's k-tile: the span of its token permutation
 SWAP_AB_K_PAD = 256  # its tokens' K is padded to a multiple of this (it adds partial sums every four k-tiles)
+# Tiles of at most this many tokens order the tokens' columns in the kernel: the 16-token decode tile, whose calls of
+# 1 to 16 rows would otherwise pay a separate launch (XLA's gather, 1.5-2.4 us on the H200) and its gap. The 32- and
+# 64-token tiles' producer warps, with 8 and 16 rows a k-tile to move, slowed their kernels (H100: 25.2 against 19.8
+# us at 32 tokens, 31.4 against 22.9 at 64), so those take the tokens permuted (docs/design/decode.md).
+KERNEL_ORDER_MAX_TOKENS = 16
+
+
+def kernel_orders_tokens(tile_tokens: int) -> bool:
+    """Whether the swap_ab object of a tile of `tile_tokens` tokens puts each k-tile's token columns in the
+    fragments' order itself (its producer warps, in shared memory), so that it takes the tokens as they are."""
+    return tile_tokens <= KERNEL_ORDER_MAX_TOKENS
 
 
 def swap_ab_column_order(k_tile: int = SWAP_AB_K_TILE, *, fp4: bool = False) -> np.ndarray:
@@ -34,6 +48,19 @@ def swap_ab_columns(k: int, *, fp4: bool = False) -> np.ndarray:
     return (tiles + swap_ab_column_order(fp4=fp4)[None, :]).reshape(-1).astype(np.int32)
 
 
+def padded_tokens(x: jax.Array) -> jax.Array:
+    """Tokens (..., T, K) with zeros past K up to a multiple of SWAP_AB_K_PAD (nothing to do where K is one)."""
+    k = x.shape[-1]
+    padded = -(-k // SWAP_AB_K_PAD) * SWAP_AB_K_PAD
+    return x if padded == k else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - k)])
+
+
+def kernel_tokens(x: jax.Array, *, fp4: bool, tile_tokens: int) -> jax.Array:
+    """Tokens (..., T, K) as the swap_ab object of a tile of `tile_tokens` tokens takes them: padded, and permuted
+    (`swap_ab_tokens`) unless the kernel orders them itself (`kernel_orders_tokens`)."""
+    return padded_tokens(x) if kernel_orders_tokens(tile_tokens) else swap_ab_tokens(x, fp4=fp4)
+
+
 def swap_ab_tokens(x: jax.Array, *, fp4: bool = False) -> jax.Array:
     """Tokens (..., T, K) as the swap_ab kernel reads them (kernels/sm90/ragged_swap_ab.py) against FP8 (or, `fp4`,
     packed FP4) weights: zeros past K up to a multiple of SWAP_AB_K_PAD, and the columns of every k-tile in
@@ -41,7 +68,5 @@ def swap_ab_tokens(x: jax.Array, *, fp4: bool = False) -> jax.Array:
     depend on the order of its terms). A gather with constant indices, which XLA fuses with the dequantization
     before it (H200: 0.26 ms for 16384 x 7168 tokens, where the same permutation as a reshape and transpose took
     1.6 ms)."""
-    k = x.shape[-1]
-    padded = -(-k // SWAP_AB_K_PAD) * SWAP_AB_K_PAD
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - k)])
-    return jnp.take(x, jnp.asarray(swap_ab_columns(padded, fp4=fp4)), axis=-1, unique_indices=True)
+    x = padded_tokens(x)
+    return jnp.take(x, jnp.asarray(swap_ab_columns(x.shape[-1], fp4=fp4)), axis=-1, unique_indices=True)

@@ -446,9 +446,9 @@ class PublicDecodeLoweringTest(absltest.TestCase):
 
     def test_mxfp8_e4m3_decode_rows_take_the_swap_ab_decode_tiles(self):
         """On an sm_90a GPU, decode-sized calls with MXFP8 E4M3 weights of arch.TABLE's decode_swap_ab_m rows go to
-        the swap_ab ragged kernel's decode tiles as one group: x (bf16, or A dequantized) padded to a K of 256 and
-        permuted, the weight as (L, 1, N, K) with its scales in the form given (weight-only: compact; gemm_amax:
-        atoms), empty token scales, one item table per batch.
+        the swap_ab ragged kernel's decode tiles as one group: x (bf16, or A dequantized) padded to a K of 256 (and
+        permuted for the 32- and 64-token tiles), the weight as (L, 1, N, K) with its scales in the form given
+        (weight-only: compact; gemm_amax: atoms), empty token scales, one item table per batch.
         Rows below a range that starts later, few rows against a small weight (decode_swap_ab_small, which these
         48 x 96 weights are but for that rule switched off), a float16 C and formats the table does not name keep
         jbg_weight_stream, as does a lowering with no GPU present."""
@@ -494,6 +494,24 @@ class PublicDecodeLoweringTest(absltest.TestCase):
                                   "jbg_weight_stream"), 1)
         self.assertLen(_calls(self._weight_only("mxfp8_e4m3", m=40, k=96, implementation="cutedsl"),
                               "jbg_weight_stream"), 1)  # no local GPU: the decode kernel, which covers every arch
+
+    def test_the_16_token_tile_takes_x_as_it_is(self):
+        """Weight-only calls of at most 16 rows with K a multiple of 256: the custom call's tokens are x itself, with
+        no gather (the 16-token tile puts the columns in its fragments' order in shared memory) and no padding, in
+        every format; K off 256 is padded with zeros, still not gathered. 40 rows (the 64-token tile): gathered."""
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
+                mock.patch.object(dispatch, "_failed_self_checks", return_value=""), \
+                jbg_arch.overridden("9.0", decode_swap_ab_small=(0, 0, 0)):
+            for fmt, m, k in (("mxfp8_e4m3", 1, 512), ("mxfp4", 16, 256), ("nvfp4", 9, 512), ("mxfp4", 7, 96),
+                              ("nvfp4", 40, 512)):
+                with self.subTest(fmt=fmt, m=m, k=k):
+                    lowered = self._weight_only(fmt, m=m, k=k)
+                    (call,) = _calls(lowered, "jbg_ragged_gemm_amax")
+                    self.assertEqual(str(call.operands[0].type), f"tensor<1x{m}x{-(-k // 256) * 256}xbf16>")
+                    text = lowered.as_text()
+                    self.assertEqual("stablehlo.gather" in text, m > 16)
+                    if m <= 16:
+                        self.assertEqual("stablehlo.pad" in text, k % 256 != 0)
 
     def test_small_m_gemm_amax_with_none_on_an_h200(self):
         """On a (faked) compute capability 9.0 GPU, None takes the decode kernel for M <= 64: A dequantized to bf16

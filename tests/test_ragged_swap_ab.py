@@ -156,6 +156,46 @@ class TokenOrderTest(absltest.TestCase):
         self.assertFalse(np.array_equal(order4, order))
 
 
+class KernelOrderedTokensTest(parameterized.TestCase):
+    """The decode tiles order each k-tile's token columns in shared memory (`HopperRaggedSwapAB.order_tokens`): a
+    model of one stage, 128-byte swizzled as TMA and the wgmma address it (chunk j of row r at 16·(j ^ r % 8)), through
+    `common.token_chunk_words` and `token_chunk_place`, must leave every row as `swap_ab_tokens` orders it."""
+
+    @staticmethod
+    def _byte_perm(a, b, selector):  # prmt.b32 on the bytes of (b:a)
+        pool = int(a & 0xFFFFFFFF).to_bytes(4, "little") + int(b & 0xFFFFFFFF).to_bytes(4, "little")
+        return int.from_bytes(bytes(pool[(selector >> (4 * i)) & 0x7] for i in range(4)), "little")
+
+    @parameterized.parameters(False, True)
+    def test_a_stage_ends_in_the_fragment_order(self, fp4):
+        rows = 16
+        rng = np.random.default_rng(7)
+        x = rng.integers(0, 2**16, size=(rows, 64), dtype=np.uint16)  # a k-tile of bf16 tokens, as bits
+        stage = np.zeros(rows * 128, np.uint8)
+        at = lambda r, chunk: r * 128 + 16 * (chunk ^ r % 8)
+        for r in range(rows):  # as TMA lands it: the row's chunks in their own column order, swizzled
+            for j in range(8):
+                stage[at(r, j):at(r, j) + 16] = x[r, 8 * j:8 * j + 8].view(np.uint8)
+        for r in range(rows):  # eight lanes a row: every chunk read before any is written
+            words = {v: [int(w) for w in stage[at(r, v):at(r, v) + 16].view(np.uint32)] for v in range(8)}
+            for v in range(8):
+                for q, word in enumerate(common.token_chunk_words(words[v], fp4, self._byte_perm)):
+                    chunk, offset = common.token_chunk_place(v, q)
+                    stage[at(r, chunk) + offset:at(r, chunk) + offset + 4] = np.array([word], np.uint32).view(np.uint8)
+        got = np.stack([np.concatenate([stage[at(r, j):at(r, j) + 16].view(np.uint16) for j in range(8)])
+                        for r in range(rows)])  # as the wgmma reads the stage
+        np.testing.assert_array_equal(got, x[:, swap_ab_layout.swap_ab_column_order(fp4=fp4)])
+
+    def test_which_tiles_order_their_tokens(self):
+        """The 16-token decode tile orders the tokens itself and takes them padded only; the wider tiles take them
+        permuted (`kernel_tokens`)."""
+        x = jnp.arange(2 * 320, dtype=jnp.float32).reshape(2, 320)
+        for tokens, _, _ in catalog.SWAP_AB_DECODE_TILES + ((128, 128, 1),):
+            want = jnp.pad(x, ((0, 0), (0, 192))) if tokens == 16 else swap_ab_layout.swap_ab_tokens(x, fp4=True)
+            self.assertEqual(swap_ab_layout.kernel_orders_tokens(tokens), tokens == 16)
+            np.testing.assert_array_equal(swap_ab_layout.kernel_tokens(x, fp4=True, tile_tokens=tokens), want)
+
+
 class ScaleAddressingTest(parameterized.TestCase):
     """A model of the kernel's scale reads: for every weight row of a tile (rows past N too) and every lane's 16 codes
     in every k-tile of the groups the mainloop walks (the next group's loaded ahead, past K included), the byte at
@@ -302,7 +342,8 @@ class CompileTest(parameterized.TestCase):
         for name, pattern in wanted.items():
             self.assertTrue(re.search(pattern, c.ptx), name)
         for name, pattern in {"FP8 converter": r"cvt\.rn\.f16x2\.e4m3x2", "local memory": r"\.local",
-                              "atomic max": r"atom\.global\.max"}.items():
+                              "atomic max": r"atom\.global\.max",
+                              "tokens ordered in the kernel": r"fence\.proxy\.async"}.items():
             self.assertFalse(re.search(pattern, c.ptx), name)
         resources = structure.cubin_resources(c.fn.__cubin__)
         self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
@@ -332,8 +373,8 @@ class CompileTest(parameterized.TestCase):
     def test_decode_tile_structure(self, c_dtype, tile):
         """The decode tiles (catalog.SWAP_AB_DECODE_TILES): one MMA warpgroup per 64 weight rows and K part, as many
         tokens wide as the tile and no narrower one (a decode tile's calls fill it), the same register-sourced wgmma,
-        the MMA warpgroups raised to 232 registers (152 with three K parts: 512 threads share the SM's 64 K), and no
-        local memory."""
+        the MMA warpgroups raised to 232 registers (152 with three K parts: 512 threads share the SM's 64 K), the
+        tokens' columns ordered in the kernel by the 16-token tile, and no local memory."""
         tokens, rows, split = tile
         v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype=E4M3, c_dtype=c_dtype, sf_vec_size=32,
                                    tile_mn=(tokens, rows), k_split=split, cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
@@ -347,6 +388,9 @@ class CompileTest(parameterized.TestCase):
         self.assertEqual(c.kernel.consumer_regs, regs)
         self.assertTrue(re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{regs}\b", c.ptx))
         self.assertFalse(re.search(r"\.local", c.ptx))
+        # the 16-token tile's producer warps order the tokens' columns: their stores made visible to the wgmma
+        self.assertEqual(c.kernel.orders_tokens, tokens == 16)
+        self.assertEqual(len(re.findall(r"fence\.proxy\.async\.shared::cta", c.ptx)), int(tokens == 16))
         resources = structure.cubin_resources(c.fn.__cubin__)
         self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
         self.assertEqual(resources.registers, c.kernel.launch_regs)  # what setmaxnreg shares out (next test)

@@ -492,7 +492,7 @@ def compile_variant(v: KernelVariant) -> bytes:
 
 # The modules outside kernels/ that kernels/ imports (their constants are compiled into the objects), relative to the
 # package directory: kernel_source_hash covers them too.
-COMPILED_IN_MODULES = ("arch.py", "formats.py", "support.py")
+COMPILED_IN_MODULES = ("arch.py", "formats.py", "support.py", "swap_ab_layout.py")
 
 
 @functools.lru_cache(maxsize=None)

@@ -207,6 +207,29 @@ def e4m3_nan_bits(word):
     return ((word & 0x7F7F7F7F) + 0x01010101) & _HIGH_BITS
 
 
+# --- the decode tiles' token columns, ordered in shared memory by the producer warps ----------------------------
+# A 16-byte chunk v = 2c + u of a token row's k-tile (its columns 8v .. 8v + 7 as TMA lands them) holds, in the
+# order the swap_ab kernel's weight fragments want (`swap_ab_layout.swap_ab_column_order`), four bf16 pairs of
+# logical chunks 4u .. 4u + 3, each at byte 4c of its chunk: `token_chunk_words` gives the four words, word q going to
+# logical chunk 4u + q.
+FP4_TOKEN_PAIR_SELECTORS = (0x5410, 0x7632)  # prmt: the low (high) halves of words a and b as one pair
+
+
+def token_chunk_words(words: list, fp4: bool, byte_perm) -> list:
+    """The four bf16x2 words chunk v of a token row's k-tile contributes, word q to logical chunk 4u + q: for FP8
+    weights its own words (codes pair as consecutive bytes, columns pair as loaded); for FP4 weights, whose codes i
+    and i + 4 of a word pair up, elements q and q + 4 of the chunk, by one `byte_perm(a, b, selector)` (prmt.b32;
+    tests pass an emulation) each. Plain Python otherwise."""
+    if not fp4:
+        return list(words)
+    return [byte_perm(words[q // 2], words[q // 2 + 2], FP4_TOKEN_PAIR_SELECTORS[q % 2]) for q in range(4)]
+
+
+def token_chunk_place(v, q: int) -> tuple:
+    """(logical 16-byte chunk, byte offset in it) of word q of chunk v (`token_chunk_words`). Plain Python."""
+    return 4 * (v & 1) + q, 4 * (v >> 1)
+
+
 def one_multiply_bf16x2(byte, placement: int = E4M3_PLACEMENT):
     """The bf16x2 pair 2^placement·2^(byte-127) for E8M0 byte `byte`: codes placed as code·2^-placement (E4M3 by
     `e4m3_pair_bits`, E2M1 by `e2m1_pair_bits` with E2M1_PLACEMENT) times it give code·scale in one multiply, while

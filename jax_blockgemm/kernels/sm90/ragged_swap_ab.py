@@ -70,6 +70,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 
+from jax_blockgemm import swap_ab_layout
 from jax_blockgemm.kernels import common, epilogue, ptx_ops
 from jax_blockgemm.kernels.sm90 import tma_pipeline
 from jax_blockgemm.kernels.sm90.gemm_amax import smem_layout_staged
@@ -83,6 +84,10 @@ STAGES = 6  # 24 KB each with the default tile and FP8 codes (16 KB of tokens, 8
 MAX_STAGE_BYTES = 200 * 1024  # the stages' shared memory, leaving room for barriers within the SM's 227 KB
 REGISTERS = 65536  # per SM, all a CTA of these kernels is launched with (one CTA per SM)
 MIN_CONSUMER_REGS = 152  # a 64-token part's accumulator, partial sum and two fragments without spills
+TOKEN_WRITER_WARPS = 3  # the decode tiles: warps 1-3 of the producer warpgroup order the tokens' columns, k-tile
+# kt by warp 1 + kt % 3
+ROW_BYTES = K_TILE * 2  # a token row of a stage: one 128-byte line (the wgmma's 128-byte swizzle)
+ORDER_GROUP_ROWS = 16  # rows a writer warp reads at once (four passes of four rows) before it stores them
 E8M0 = "float8_e8m0fnu"
 # The weight formats the kernel converts: (codes, scale block, scale dtype): MXFP8 E4M3, MXFP4, NVFP4
 WEIGHT_FORMATS = (("float8_e4m3fn", 32, E8M0), ("float4_e2m1fn", 32, E8M0), ("float4_e2m1fn", 16, "float8_e4m3fn"))
@@ -153,6 +158,9 @@ class HopperRaggedSwapAB:
         # the epilogue's fp32 tiles, one per part, lie over the tokens' drained stages
         assert k_split * token_rows * self.c_stage_stride * 4 <= self.stages * token_rows * K_TILE * 2
         self.has_alpha = True  # the ABI passes alpha, one per weight (L·G)
+        # the decode tiles take the tokens in their own order and put each k-tile's columns in the fragments' order
+        # themselves (warps 1-3 of the producer warpgroup, in shared memory): no pass over x before the launch
+        self.orders_tokens = swap_ab_layout.kernel_orders_tokens(token_rows)
 
     def can_implement(self, t: int, n: int, k: int, l: int, g: int = 1) -> tuple[bool, str]:
         """Whether the kernel handles these sizes, and why not: K a multiple of 16 (FP8) or 32 (FP4): 16-byte TMA
@@ -198,6 +206,7 @@ class HopperRaggedSwapAB:
         @cute.struct
         class SharedStorage:
             pipeline_mbars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            ready_mbars: cute.struct.MemRange[cutlass.Int64, self.stages]  # the decode tiles' ordered tokens
             warp_amax: cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps]
             sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(x_staged)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(w_staged)], 1024]
@@ -245,6 +254,13 @@ class HopperRaggedSwapAB:
             zero = group < 0
             k_tiles = cutlass.select_(zero, PROMOTE_TILES, k_tiles)  # zeros: one group of k-tiles, never added
             w_batch = batch * g + cutlass.max(group, 0)
+            ready = storage.ready_mbars.data_ptr()
+            if cutlass.const_expr(self.orders_tokens):
+                if tidx == 0:
+                    for s in cutlass.range_constexpr(self.stages):
+                        cute.arch.mbarrier_init(ready + s, 1)  # one writer warp's arrival per fill
+                cute.arch.mbarrier_init_fence()
+                cute.arch.barrier()
             if wg_idx == 0:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
@@ -252,6 +268,8 @@ class HopperRaggedSwapAB:
                     state = tma_pipeline.produce_tile(ab_pipeline, state, tma_atom_x, tma_atom_w, views, 0, tile_n,
                                                       k_tiles, batch, w_batch)
                     ab_pipeline.producer_tail(state)
+                elif cutlass.const_expr(self.orders_tokens):
+                    self.order_tokens(ab_pipeline, ready, sX, warp_idx, k_tiles, rows_hi - rows_lo)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 mma_tid = tidx - self.threads_per_wg  # 0.. over the MMA warpgroups
@@ -260,8 +278,8 @@ class HopperRaggedSwapAB:
                 part = 0
                 if cutlass.const_expr(self.k_split > 1):
                     part = (wg_idx - 1) // self.weight_warpgroups
-                operands = (ab_pipeline, sX, sW, sfb, sf_atom, row_wg, part, mma_tid, tile_n, w_batch, n, k, k_tiles,
-                            zero, alpha, storage, c, amax, tally, t, batch, rows_lo, rows_hi)
+                operands = (ab_pipeline, ready, sX, sW, sfb, sf_atom, row_wg, part, mma_tid, tile_n, w_batch, n, k,
+                            k_tiles, zero, alpha, storage, c, amax, tally, t, batch, rows_lo, rows_hi)
                 if cutlass.const_expr(self.short_item_tokens > 0):
                     if rows_hi - rows_lo <= self.short_item_tokens:
                         self.multiply_and_store(tiled_mma_short, self.short_item_tokens, *operands)
@@ -271,12 +289,12 @@ class HopperRaggedSwapAB:
                     self.multiply_and_store(tiled_mma, self.tile_mnk[0], *operands)
 
     @cute.jit
-    def multiply_and_store(self, tiled_mma: cute.TiledMma, tokens: cutlass.Constexpr[int], ab_pipeline, sX, sW, sfb,
-                           sf_atom, row_wg, part, mma_tid, tile_n, w_batch, n, k, k_tiles, zero, alpha, storage, c,
+    def multiply_and_store(self, tiled_mma: cute.TiledMma, tokens: cutlass.Constexpr[int], ab_pipeline, ready, sX, sW,
+                           sfb, sf_atom, row_wg, part, mma_tid, tile_n, w_batch, n, k, k_tiles, zero, alpha, storage, c,
                            amax, tally, t, batch, rows_lo, rows_hi):
         """An MMA warpgroup's work on its item: the mainloop over the item's first `tokens` rows (`tiled_mma` that
         wide), alpha, and the epilogue."""
-        acc = self.mainloop(ab_pipeline, tiled_mma, tokens, sX, sW, sfb, sf_atom, row_wg, part, mma_tid, tile_n,
+        acc = self.mainloop(ab_pipeline, ready, tiled_mma, tokens, sX, sW, sfb, sf_atom, row_wg, part, mma_tid, tile_n,
                             w_batch, n, k, k_tiles)
         scale = alpha[w_batch]  # this weight's factor on the sums (ones for the MX formats' usual call)
         for j in cutlass.range_constexpr(cute.size(acc)):
@@ -287,7 +305,7 @@ class HopperRaggedSwapAB:
                       mma_tid)
 
     @cute.jit
-    def mainloop(self, ab_pipeline, tiled_mma: cute.TiledMma, tokens: cutlass.Constexpr[int], sX: cute.Tensor,
+    def mainloop(self, ab_pipeline, ready, tiled_mma: cute.TiledMma, tokens: cutlass.Constexpr[int], sX: cute.Tensor,
                  sW: cute.Tensor, sfb: cute.Tensor, sf_atom, wg_idx, part, tidx, tile_n, w_batch, n, k, k_tiles):
         """This thread's part of the warpgroup's fp32 accumulator (its 64 weight rows x the tile's tokens) over
         K's promotion groups part, part + k_split, ... (all of K without a split). k_tiles is a multiple of
@@ -329,7 +347,7 @@ class HopperRaggedSwapAB:
         mine = (k_tiles // per - part + split - 1) // split  # this part's promotion groups (part 0 has one or more)
         here = group_scales(part)
         if mine > 0:  # a part past the last group has none (without a split, part 0 always has one)
-            ab_pipeline.consumer_wait(read_state)
+            self.wait_stage(ab_pipeline, ready, read_state)
             self.convert(frags[0], code_at, read_state.index * stage_bytes, here[0:2])
         for nth in range(mine):
             q = part + nth * split
@@ -348,14 +366,14 @@ class HopperRaggedSwapAB:
                     release_state.advance()
                 # k-tile i + 1 into the other fragment while the tensor cores run k-tile i
                 if cutlass.const_expr(i + 1 < per):
-                    ab_pipeline.consumer_wait(read_state)
+                    self.wait_stage(ab_pipeline, ready, read_state)
                     self.convert(frags[(i + 1) % 2], code_at, read_state.index * stage_bytes,
                                  here[2 * i + 2:2 * i + 4])
                 else:
                     if cutlass.const_expr(split > 1):
                         read_state.advance(skip)  # past the other parts' groups
                     if nth + 1 < mine:
-                        ab_pipeline.consumer_wait(read_state)
+                        self.wait_stage(ab_pipeline, ready, read_state)
                         self.convert(frags[0], code_at, read_state.index * stage_bytes, ahead[0:2])
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(release_state)
@@ -366,6 +384,47 @@ class HopperRaggedSwapAB:
                 acc[j] = acc[j] + partial[j]
             here = ahead
         return acc
+
+    @cute.jit
+    def wait_stage(self, ab_pipeline, ready, state):
+        """Wait until stage `state` holds its k-tile as the MMA warpgroups read it: TMA's copies landed, and for the
+        decode tiles the tokens' columns ordered (`order_tokens`)."""
+        if cutlass.const_expr(self.orders_tokens):
+            cute.arch.mbarrier_wait(ready + state.index, state.phase)
+        else:
+            ab_pipeline.consumer_wait(state)
+
+    @cute.jit
+    def order_tokens(self, ab_pipeline, ready, sX: cute.Tensor, warp_idx, k_tiles, item_rows):
+        """A decode tile's producer warp 1, 2 or 3: for the k-tiles kt = warp - 1, warp + 2, ... as TMA lands them
+        (the tokens in their own column order), moves each token row's columns in place into the order of the
+        weights' codes in the MMA fragments (`swap_ab_layout.swap_ab_column_order`) and marks the stage ready.
+        Eight lanes share a row (one 16-byte chunk each), four rows a pass, four passes' loads in flight before any
+        store (a row's chunks are all read before any is overwritten), as many groups of 16 rows as the item needs;
+        rows past them are never stored to C. The stages are 128-byte swizzled: chunk j of row r lies at
+        16·(j ^ r % 8)."""
+        bt = self.tile_mnk[0]
+        lane = cute.arch.lane_idx()
+        v = lane % 8  # this lane's chunk of its rows
+        base = sX.iterator.toint()
+        groups = (cutlass.min(item_rows, bt) + ORDER_GROUP_ROWS - 1) // ORDER_GROUP_ROWS
+        for kt in cutlass.range(warp_idx - 1, k_tiles, TOKEN_WRITER_WARPS, unroll=1):
+            index = kt % self.stages
+            ab_pipeline.consumer_wait(pipeline.PipelineState(self.stages, kt, index, (kt // self.stages) % 2))
+            stage = base + index * (bt * ROW_BYTES)
+            for group in cutlass.range(groups, unroll=1):
+                rows = [ORDER_GROUP_ROWS * group + 4 * p + lane // 8 for p in range(ORDER_GROUP_ROWS // 4)]
+                loaded = [ptx_ops.ld_shared_v4(stage + r * ROW_BYTES + (v ^ (r % 8)) * 16) for r in rows]
+                cute.arch.sync_warp()  # every chunk of these rows read before any is overwritten
+                for r, words in zip(rows, loaded):
+                    words = common.token_chunk_words(words, self.fp4, ptx_ops.byte_perm)
+                    for q in cutlass.range_constexpr(4):
+                        chunk, offset = common.token_chunk_place(v, q)
+                        ptx_ops.st_shared_u32(stage + r * ROW_BYTES + (chunk ^ (r % 8)) * 16 + offset, words[q])
+            cute.arch.fence_proxy("async.shared", space="cta")  # the stores, visible to the wgmma's reads
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.mbarrier_arrive(ready + index)
 
     def part_walk(self, part):
         """(the stage of part `part`'s first k-tile, the stages its pipeline states skip after each of its promotion
