@@ -40,8 +40,9 @@ dynamic_shapes[1];}` struct over a flat buffer.
       alpha (L,) float32, always passed (ones for the MX formats); t/n/k/l/g/max_items int32, k the logical K. The bf16
       variants (ab_dtype "bfloat16", sf_dtype "none", sf_vec_size 0) take bf16 a and b, b as (L·G, N, K) for b_major "k"
       or (L·G, K, N) for "n", and read neither sfa, sfb nor alpha (empty buffers). The swap_ab variants (schedule
-      SWAP_AB; MXFP8 E4M3, MXFP4 or NVFP4 weights, f32 or bf16 C) take the tokens dequantized to bf16 and permuted
-      (`swap_ab_layout.swap_ab_tokens`, fp4 for FP4 codes: a (L, T, K rounded up to 256)), the weights' codes b and
+      SWAP_AB; MXFP8 E4M3, MXFP4 or NVFP4 weights, f32 or bf16 C) take the tokens dequantized to bf16, a (L, T, K
+      rounded up to 256), permuted (`swap_ab_layout.swap_ab_tokens`, fp4 for FP4 codes) but for the 16-token tile,
+      which orders them itself (`swap_ab_layout.kernel_tokens`), the weights' codes b and
       their scales sfb compact, (L·G, N, ceil(K/v)), or in the SPEC §3 atom of (L·G, N, K); sfa is empty and alpha
       (L·G,) holds one factor per weight; amax's tally follows alpha, and sf_atom (int32: 1 for atoms, else 0)
       follows max_items.
@@ -255,7 +256,7 @@ WEIGHT_STREAM_C = ("float32", "bfloat16", "float16")
 RAGGED_FORMATS = WEIGHT_STREAM_FORMATS  # MXFP8 E4M3 and E5M2, MXFP4, NVFP4
 NO_SCALES = "none"  # the sf_dtype of variants whose operands carry no block scales (bf16), with sf_vec_size 0
 # The schedule of the ragged kernels that take the tokens in bf16 and convert only the weights' codes, in registers
-# (kernels/sm90/ragged_swap_ab.py); their ABI's a is `swap_ab_layout.swap_ab_tokens` of the dequantized tokens.
+# (kernels/sm90/ragged_swap_ab.py); their ABI's a is `swap_ab_layout.kernel_tokens` of the dequantized tokens.
 SWAP_AB = "swap_ab"
 WEIGHT_STREAM_TILES = ((32, 16), (32, 64))
 # (tokens, weight rows, K parts) of the swap_ab ragged kernel's decode tiles: decode-sized calls of the M range

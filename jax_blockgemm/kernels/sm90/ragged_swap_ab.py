@@ -49,11 +49,14 @@ amax.
 The decode tiles (few tokens, one 64-row warpgroup) leave an SM one conversion chain per CTA; with `k_split` parts the
 CTA runs that many MMA warpgroups on the same weight rows, part p multiplying K's promotion groups p, p + k_split, ...
 out of stages it alone reads (two promotion groups of stages per part), and the epilogue adds the parts' fp32 tiles
-in part order: the same bits on every run.
+in part order: the same bits on every run. The 16-token tile takes the tokens in their own order (no XLA pass before
+the launch): warps 1-3 of the producer warpgroup reorder each landed k-tile in shared memory and mark it ready on a
+second barrier per stage, which the MMA warpgroups wait for (`order_tokens`).
 
 ABI: the ragged one with amax's tally after alpha and the scales' form last (catalog "ragged", schedule "swap_ab"),
-fn(a, b, sfa, sfb, items, c, amax, alpha, tally, t, n, k, l, g, max_items, sf_atom, stream), with a the permuted bf16
-tokens (L, T, K256), K256 = K rounded up to 256 (zeros past K); b the codes (L·G, N, K), packed FP4 (L·G, N, K/2); sfb
+fn(a, b, sfa, sfb, items, c, amax, alpha, tally, t, n, k, l, g, max_items, sf_atom, stream), with a the bf16 tokens
+(L, T, K256), permuted (`swap_ab_layout.kernel_tokens`: in their own order for the 16-token tile), K256 = K rounded up
+to 256 (zeros past K); b the codes (L·G, N, K), packed FP4 (L·G, N, K/2); sfb
 their scale bytes (E8M0, or E4M3 for NVFP4) compact, (L·G, N, ceil(K/block)), for sf_atom = 0, or SPEC §3's 128x4
 atoms of the L·G weights for sf_atom = 1: whichever form the caller holds, read in place (converting would cost a
 pass over every weight's scales per call: 2.75 µs of a 7168 x 7168 decode GEMM's 30 on the H200); sfa an empty uint8
