@@ -87,10 +87,10 @@ STAGES = 6  # 24 KB each with the default tile and FP8 codes (16 KB of tokens, 8
 MAX_STAGE_BYTES = 200 * 1024  # the stages' shared memory, leaving room for barriers within the SM's 227 KB
 REGISTERS = 65536  # per SM, all a CTA of these kernels is launched with (one CTA per SM)
 MIN_CONSUMER_REGS = 152  # a 64-token part's accumulator, partial sum and two fragments without spills
-TOKEN_WRITER_WARPS = 3  # the decode tiles: warps 1-3 of the producer warpgroup order the tokens' columns, k-tile
+TOKEN_WRITER_WARPS = 3  # the 16-token tile: warps 1-3 of the producer warpgroup order the tokens' columns, k-tile
 # kt by warp 1 + kt % 3
+ORDERED_TILE_TOKENS = 16  # the one tile that orders them (four passes of a warp's four rows cover it)
 ROW_BYTES = K_TILE * 2  # a token row of a stage: one 128-byte line (the wgmma's 128-byte swizzle)
-ORDER_GROUP_ROWS = 16  # rows a writer warp reads at once (four passes of four rows) before it stores them
 E8M0 = "float8_e8m0fnu"
 # The weight formats the kernel converts: (codes, scale block, scale dtype): MXFP8 E4M3, MXFP4, NVFP4
 WEIGHT_FORMATS = (("float8_e4m3fn", 32, E8M0), ("float4_e2m1fn", 32, E8M0), ("float4_e2m1fn", 16, "float8_e4m3fn"))
@@ -164,6 +164,7 @@ class HopperRaggedSwapAB:
         # the decode tiles take the tokens in their own order and put each k-tile's columns in the fragments' order
         # themselves (warps 1-3 of the producer warpgroup, in shared memory): no pass over x before the launch
         self.orders_tokens = swap_ab_layout.kernel_orders_tokens(token_rows)
+        assert not self.orders_tokens or token_rows == ORDERED_TILE_TOKENS, token_rows
 
     def can_implement(self, t: int, n: int, k: int, l: int, g: int = 1) -> tuple[bool, str]:
         """Whether the kernel handles these sizes, and why not: K a multiple of 16 (FP8) or 32 (FP4): 16-byte TMA
@@ -272,7 +273,7 @@ class HopperRaggedSwapAB:
                                                       k_tiles, batch, w_batch)
                     ab_pipeline.producer_tail(state)
                 elif cutlass.const_expr(self.orders_tokens):
-                    self.order_tokens(ab_pipeline, ready, sX, warp_idx, k_tiles, rows_hi - rows_lo)
+                    self.order_tokens(ab_pipeline, ready, sX, warp_idx, k_tiles)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 mma_tid = tidx - self.threads_per_wg  # 0.. over the MMA warpgroups
@@ -398,32 +399,28 @@ class HopperRaggedSwapAB:
             ab_pipeline.consumer_wait(state)
 
     @cute.jit
-    def order_tokens(self, ab_pipeline, ready, sX: cute.Tensor, warp_idx, k_tiles, item_rows):
-        """A decode tile's producer warp 1, 2 or 3: for the k-tiles kt = warp - 1, warp + 2, ... as TMA lands them
-        (the tokens in their own column order), moves each token row's columns in place into the order of the
-        weights' codes in the MMA fragments (`swap_ab_layout.swap_ab_column_order`) and marks the stage ready.
-        Eight lanes share a row (one 16-byte chunk each), four rows a pass, four passes' loads in flight before any
-        store (a row's chunks are all read before any is overwritten), as many groups of 16 rows as the item needs;
-        rows past them are never stored to C. The stages are 128-byte swizzled: chunk j of row r lies at
-        16·(j ^ r % 8)."""
-        bt = self.tile_mnk[0]
+    def order_tokens(self, ab_pipeline, ready, sX: cute.Tensor, warp_idx, k_tiles):
+        """The 16-token tile's producer warp 1, 2 or 3: for the k-tiles kt = warp - 1, warp + 2, ... as TMA lands
+        them (the tokens in their own column order), moves each token row's columns in place into the order of the
+        weights' codes in the MMA fragments (`swap_ab_layout.swap_ab_column_order`) and marks the stage ready. Eight
+        lanes share a row (one 16-byte chunk each), four rows a pass; the four passes' loads (all 16 rows) come before
+        any store, so a row's chunks are all read before one is overwritten. The stages are 128-byte swizzled: chunk
+        j of row r lies at 16·(j ^ r % 8)."""
         lane = cute.arch.lane_idx()
         v = lane % 8  # this lane's chunk of its rows
+        rows = [4 * p + lane // 8 for p in range(ORDERED_TILE_TOKENS // 4)]
         base = sX.iterator.toint()
-        groups = (cutlass.min(item_rows, bt) + ORDER_GROUP_ROWS - 1) // ORDER_GROUP_ROWS
         for kt in cutlass.range(warp_idx - 1, k_tiles, TOKEN_WRITER_WARPS, unroll=1):
             index = kt % self.stages
             ab_pipeline.consumer_wait(pipeline.PipelineState(self.stages, kt, index, (kt // self.stages) % 2))
-            stage = base + index * (bt * ROW_BYTES)
-            for group in cutlass.range(groups, unroll=1):
-                rows = [ORDER_GROUP_ROWS * group + 4 * p + lane // 8 for p in range(ORDER_GROUP_ROWS // 4)]
-                loaded = [ptx_ops.ld_shared_v4(stage + r * ROW_BYTES + (v ^ (r % 8)) * 16) for r in rows]
-                cute.arch.sync_warp()  # every chunk of these rows read before any is overwritten
-                for r, words in zip(rows, loaded):
-                    words = common.token_chunk_words(words, self.fp4, ptx_ops.byte_perm)
-                    for q in cutlass.range_constexpr(4):
-                        chunk, offset = common.token_chunk_place(v, q)
-                        ptx_ops.st_shared_u32(stage + r * ROW_BYTES + (chunk ^ (r % 8)) * 16 + offset, words[q])
+            stage = base + index * (ORDERED_TILE_TOKENS * ROW_BYTES)
+            loaded = [ptx_ops.ld_shared_v4(stage + r * ROW_BYTES + (v ^ (r % 8)) * 16) for r in rows]
+            cute.arch.sync_warp()  # every chunk of these rows read before any is overwritten
+            for r, words in zip(rows, loaded):
+                words = common.token_chunk_words(words, self.fp4, ptx_ops.byte_perm)
+                for q in cutlass.range_constexpr(4):
+                    chunk, offset = common.token_chunk_place(v, q)
+                    ptx_ops.st_shared_u32(stage + r * ROW_BYTES + (chunk ^ (r % 8)) * 16 + offset, words[q])
             cute.arch.fence_proxy("async.shared", space="cta")  # the stores, visible to the wgmma's reads
             cute.arch.sync_warp()
             if lane == 0:
