@@ -161,8 +161,8 @@ class HopperRaggedSwapAB:
         # the epilogue's fp32 tiles, one per part, lie over the tokens' drained stages
         assert k_split * token_rows * self.c_stage_stride * 4 <= self.stages * token_rows * K_TILE * 2
         self.has_alpha = True  # the ABI passes alpha, one per weight (L·G)
-        # the decode tiles take the tokens in their own order and put each k-tile's columns in the fragments' order
-        # themselves (warps 1-3 of the producer warpgroup, in shared memory): no pass over x before the launch
+        # the 16-token tile takes the tokens in their own order and puts each k-tile's columns in the fragments' order
+        # itself (warps 1-3 of the producer warpgroup, in shared memory): no pass over x before the launch
         self.orders_tokens = swap_ab_layout.kernel_orders_tokens(token_rows)
         assert not self.orders_tokens or token_rows == ORDERED_TILE_TOKENS, token_rows
 
@@ -210,7 +210,7 @@ class HopperRaggedSwapAB:
         @cute.struct
         class SharedStorage:
             pipeline_mbars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            ready_mbars: cute.struct.MemRange[cutlass.Int64, self.stages]  # the decode tiles' ordered tokens
+            ready_mbars: cute.struct.MemRange[cutlass.Int64, self.stages]  # the 16-token tile's ordered tokens
             warp_amax: cute.struct.MemRange[cutlass.Int32, self.num_consumer_warps]
             sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(x_staged)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(w_staged)], 1024]
@@ -392,7 +392,7 @@ class HopperRaggedSwapAB:
     @cute.jit
     def wait_stage(self, ab_pipeline, ready, state):
         """Wait until stage `state` holds its k-tile as the MMA warpgroups read it: TMA's copies landed, and for the
-        decode tiles the tokens' columns ordered (`order_tokens`)."""
+        16-token tile the tokens' columns ordered (`order_tokens`)."""
         if cutlass.const_expr(self.orders_tokens):
             cute.arch.mbarrier_wait(ready + state.index, state.phase)
         else:
