@@ -41,6 +41,36 @@ class DecodeBenchTest(parameterized.TestCase):
         self.assertEqual([(c["format"], c["m"], c["n"], c["k"]) for c in record["cases"]], [("mxfp4", 3, 64, 96)])
         self.assertGreater(record["cases"][0]["columns"]["ours"]["us"], 0)
 
+    def test_interleave_samples_the_columns_in_turn(self):
+        """--interleave: every column of a case compiled first, then one interleaved timing over all of them (the
+        default times them one after another); the record's method and the table's header say which."""
+        from unittest import mock
+
+        calls = []
+        real = decode.interleaved_medians_ms
+
+        def spy(fns, arg_sets, **kw):
+            calls.append(len(fns))
+            return real(fns, arg_sets, **kw)
+
+        runs = {}
+        for flags in ([], ["--interleave"]):
+            out = io.StringIO()
+            with mock.patch.object(decode, "interleaved_medians_ms", spy), contextlib.redirect_stdout(out), \
+                    contextlib.redirect_stderr(io.StringIO()):
+                record = bench_main(["--decode", "--small", "--shape", "2,64,96", "--format", "mxfp8", "--reps", "1",
+                                     "--warmup", "0", "--burst", "1", *flags])
+            runs[bool(flags)] = (record, out.getvalue(), list(calls))
+            calls.clear()
+        timed = [key for key, e in runs[True][0]["cases"][0]["columns"].items() if "us" in e]
+        self.assertGreaterEqual(len(timed), 4)
+        self.assertEqual(runs[True][2], [len(timed)])  # one call over all the case's columns
+        self.assertEqual(runs[False][2], [])  # median_ms per column
+        self.assertTrue(runs[True][0]["method"]["interleave"])
+        self.assertFalse(runs[False][0]["method"]["interleave"])
+        self.assertIn("the columns' samples taken in turn", runs[True][1])
+        self.assertNotIn("taken in turn", runs[False][1])
+
     def test_kernels_option_traces_every_column(self):
         """--kernels records each column's kernels per GEMM; on a CPU the trace has no GPU stream, so each breakdown is
         empty and the table says so. Without --op ragged or --decode the option is refused."""

@@ -149,7 +149,7 @@ def _refuse_ignored(args: argparse.Namespace) -> None:
     timing), so that no flag is silently dropped."""
     if args.decode:
         mode = "--decode"
-        given = {"--op": args.op, "--png": args.png, "--sustained": args.sustained, "--interleave": args.interleave,
+        given = {"--op": args.op, "--png": args.png, "--sustained": args.sustained,
                  "--sets": args.sets != DEFAULT_SETS, "--launch": args.launch, "--moe": args.moe}
     elif "ragged" in args.op:
         mode = "--op ragged" + (" --moe" if args.moe else "")

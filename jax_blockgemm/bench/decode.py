@@ -20,6 +20,9 @@ codes) as a fraction of the device's read bandwidth, measured in the same run by
 `--small` swaps in tiny shapes, M in {1, 4} and 4 matrices, which a CPU runs in seconds; `--shape M,N,K` (repeatable)
 times those cases instead of the shapes above. `--kernels` adds the GPU time of each kernel per GEMM (a CUPTI trace of
 the program, `kernel_time`): what the GEMM's kernel itself takes, apart from the launches' gaps between kernels.
+`--interleave` compiles every column of a case first and takes their samples in turn (`timing.interleaved_medians_ms`):
+columns timed one after another meet the GPU in different states (the reference's long programs heat it), which can
+pass for a difference between columns that run the same kernel.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import jax_blockgemm as jbg
 from jax_blockgemm import arch, formats
 from jax_blockgemm.bench import kernel_time, report
 from jax_blockgemm.bench.inputs import GEMM_FORMATS, quantize_operand, random_values
-from jax_blockgemm.bench.timing import median_ms
+from jax_blockgemm.bench.timing import interleaved_medians_ms, median_ms
 
 SHAPES = ((7168, 7168), (7168, 18432), (2048, 7168))  # (K, N): SPEC §8's N = K = 7168 and two more
 M_VALUES = (1, 16, 64)
@@ -136,9 +139,11 @@ def _rel_err(out: Any, ref: Any) -> float:
 
 
 def run_case(key: jax.Array, fmt: str, k: int, n: int, m_values: Sequence[int], matrices: int, *, warmup: int,
-             reps: int, burst: int, read_gbs: float, progress: Any, kernels: bool = False) -> list[dict[str, Any]]:
-    """Draws `matrices` weights of (N, K) once, then per M times every column; returns one record per M. With
-    `kernels`, each column's record also holds the GPU time per GEMM of each of its kernels ("kernels_us")."""
+             reps: int, burst: int, read_gbs: float, progress: Any, kernels: bool = False,
+             interleave: bool = False) -> list[dict[str, Any]]:
+    """Draws `matrices` weights of (N, K) once, then per M compiles and runs every column and times them, one after
+    another or (`interleave`) in turn; returns one record per M. With `kernels`, each column's record also holds the
+    GPU time per GEMM of each of its kernels ("kernels_us")."""
     key_w, key_x = jax.random.split(key)
     weights = [weight_inputs(kw, k, n, fmt) for kw in jax.random.split(key_w, matrices)]
     jax.block_until_ready(weights)
@@ -148,7 +153,7 @@ def run_case(key: jax.Array, fmt: str, k: int, n: int, m_values: Sequence[int], 
                                                                                       matrices), weights)]
         inputs = [{**w, **x} for w, x in zip(weights, xs)]
         progress.write(f"  {fmt} {k} -> {n}, M = {m}:")
-        results, outputs = {}, {}
+        results, outputs, ready = {}, {}, {}
         for column in columns(fmt):
             per_matrix = [tuple(i[name] for name in column.inputs) for i in inputs]
             try:
@@ -158,7 +163,15 @@ def run_case(key: jax.Array, fmt: str, k: int, n: int, m_values: Sequence[int], 
                 results[column.key] = {"na": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"}
                 progress.write(f" {column.key} n/a;")
                 continue
-            us = median_ms(compiled, [(per_matrix,)], warmup=warmup, reps=reps, burst=burst) * 1e3 / matrices
+            ready[column.key] = (column, compiled, per_matrix)
+        timing = dict(warmup=warmup, reps=reps, burst=burst)
+        if interleave:
+            ms = interleaved_medians_ms([f for _, f, _ in ready.values()], [[(a,)] for _, _, a in ready.values()],
+                                        **timing)
+        else:
+            ms = [median_ms(f, [(a,)], **timing) for _, f, a in ready.values()]
+        for (column, compiled, per_matrix), column_ms in zip(ready.values(), ms):
+            us = column_ms * 1e3 / matrices
             gbs = column.weight_bytes(inputs[0]) / (us * 1e-6) / 1e9
             results[column.key] = {"us": us, "weight_gb_per_s": gbs, "fraction_of_read_bandwidth": gbs / read_gbs}
             if kernels:
@@ -194,7 +207,8 @@ def format_table(record: dict[str, Any]) -> str:
     matrices = record["cases"][0]["matrices"] if record["cases"] else 0
     lines = [f"jax_blockgemm decode benchmark, {record['date']}: {env['device']} ({env['platform']}), jax {env['jax']}",
              f"us per GEMM: one jitted program applies {matrices} distinct weight matrices (each to its own x), median "
-             f"of {record['method']['reps']} samples of {record['method']['burst']} programs;",
+             f"of {record['method']['reps']} samples of {record['method']['burst']} programs"
+             + ("; the columns' samples taken in turn;" if record["method"].get("interleave") else ";"),
              "in parentheses: the column's weight bytes read per second as a fraction of the measured read bandwidth, "
              f"{bw['gb_per_s']:.0f} GB/s"]
     for fmt in dict.fromkeys(c["format"] for c in record["cases"]):
@@ -246,7 +260,8 @@ def plan(shapes: Sequence[tuple[int, int, int]], *, small: bool) -> list[tuple[i
 
 def main(args: argparse.Namespace, command: str, formats_: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """Runs the decode benchmark with the command line's --shape, --small, --format, --reps, --warmup, --burst,
-    --seed, --kernels and --json; prints progress to stderr and the tables to stdout; returns the record."""
+    --seed, --kernels, --interleave and --json; prints progress to stderr and the tables to stdout; returns the
+    record."""
     cases = plan(args.shape, small=args.small)
     matrices = SMALL_MATRICES if args.small else MATRICES
     chosen = tuple(formats_ or DEFAULT_FORMATS)
@@ -254,13 +269,15 @@ def main(args: argparse.Namespace, command: str, formats_: Optional[Sequence[str
     bandwidth = read_bandwidth(SMALL_BANDWIDTH_BYTES if args.small else BANDWIDTH_BYTES, warmup=args.warmup,
                                reps=args.reps)
     sys.stderr.write(f"read bandwidth: {bandwidth['gb_per_s']:.1f} GB/s\n")
-    record = report.new_record(command, dict(timing, seed=args.seed), read_bandwidth=bandwidth)
+    record = report.new_record(command, dict(timing, seed=args.seed, interleave=args.interleave),
+                               read_bandwidth=bandwidth)
     key = jax.random.key(args.seed)
     for i, fmt in enumerate(chosen):
         for j, (k, n, m_values) in enumerate(cases):
             case_key = jax.random.fold_in(key, i * len(cases) + j)
             record["cases"] += run_case(case_key, fmt, k, n, m_values, matrices, read_gbs=bandwidth["gb_per_s"],
-                                        progress=sys.stderr, kernels=args.kernels, **timing)
+                                        progress=sys.stderr, kernels=args.kernels, interleave=args.interleave,
+                                        **timing)
     print(format_table(record))
     if args.json:
         report.write_json(record, args.json)
