@@ -172,19 +172,21 @@ class GpuRaggedTest(parameterized.TestCase):
         """MoE decode: at most 64 tokens in all, over 16 experts, run the swap_ab kernel's decode tiles (16 and 32
         tokens with K in three parts, 64 in two; 64 weight rows): empty and one-token groups, rows of no group, N off
         the 64-row tile, K past a promotion group, a NaN block scale in one expert's weight row (that column of its
-        group's rows only); and weight-only on the same tiles."""
+        group's rows only); and weight-only on the same tiles. K = 512 (no padding) gives MXFP8 E4M3 tokens to the
+        dequantize kernel, whose plain object feeds the 16-token tile (which orders them itself)."""
         self.enterContext(arch.overridden("9.0", ragged_swap_ab_formats=("mxfp8_e4m3", "mxfp4", "nvfp4")))
         rng = np.random.default_rng(hash((fmt, c_dtype, "decode tiles")) % 2**32)
-        g, n, k = 16, 200, 288
-        for t, tile in ((7, "t16x64_c1x1_swap_ab_k3"), (16, "t16x64_c1x1_swap_ab_k3"), (32, "t32x64_c1x1_swap_ab_k3"),
-                        (50, "t64x64_c1x1_swap_ab_k2")):
+        g, n = 16, 200
+        for t, tile, k in ((7, "t16x64_c1x1_swap_ab_k3", 288), (16, "t16x64_c1x1_swap_ab_k3", 288),
+                           (9, "t16x64_c1x1_swap_ab_k3", 512), (32, "t32x64_c1x1_swap_ab_k3", 288),
+                           (50, "t64x64_c1x1_swap_ab_k2", 288)):
             d = random_ragged_inputs(rng, t=t, g=g, n=n, k=k, fmt=fmt)
             gs = np.zeros(g, np.int32)
             gs[[1, 4, 9, 15]] = (1, t // 2, 0, t - t // 2 - 2)  # 2 rows of no group
             bad = 4  # the expert of the t // 2 group
             d["sfb"] = np.asarray(d["sfb"]).copy()
             d["sfb"].view(np.uint8)[bad, 70, 2] = 0x7F if fmt == "nvfp4" else 0xFF
-            with self.subTest(t=t):
+            with self.subTest(t=t, k=k):
                 f = jax.jit(lambda gs: _call(d, gs, c_dtype=c_dtype, implementation="cutedsl"))
                 self.assertIn(f"_{tile}\"", f.lower(gs).as_text())  # the object's function name ends there
                 c, amax = f(gs)
