@@ -36,8 +36,8 @@ bfloat16 a (L, T, K) and b (L, G, N, K) for b_major "k" or (L, G, K, N) for "n",
 (uint8 of zero elements, any rank) nor alpha (passed: ones); every other format takes b_major "k". The call also
 carries `a_dtype`, ab_dtype's but for the swap_ab objects (MXFP8 E4M3, MXFP4 or NVFP4 weights): "bfloat16", whose a
 is the tokens dequantized to bf16, (L, T, K rounded up to 256), as `swap_ab_layout.kernel_tokens` gives them for the
-objects' tile (permuted for the MoE tile, as they are for the decode tiles), whose sfa is empty and whose sfb is
-compact, (L·G, N, ceil(K/v)).
+objects' tile (permuted, but as they are for the 16-token tile, which orders them itself), whose sfa is empty and
+whose sfb is compact, (L·G, N, ceil(K/v)).
 
 `jbg_grouped_contraction` (x, y, bounds -> c, amax) carries the object table and `ab_dtype` ("bfloat16") and
 `c_dtype` ("float32" or "bfloat16"): x (L, T, K) and y (L, T, N) bfloat16, tokens sorted by group, bounds int32 (L,

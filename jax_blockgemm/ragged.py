@@ -449,10 +449,10 @@ def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, 
     """The call through the grouped kernel `variants` (jbg_ragged_gemm_amax): scales to atoms and the item table in XLA
     (a few fusions, no host synchronization), then one launch; alpha is the call's (for swap_ab kernels one per weight),
     else ones; amax_used=False (a caller that drops amax): nothing zeroes or folds amax. For swap_ab kernels
-    the tokens become bf16 as the tile takes them (`swap_ab_layout.kernel_tokens`: in the fragments' column order for
-    the MoE tile, as they are for the decode tiles): by the dequantize kernel where they are MXFP8 E4M3 codes, K needs
-    no padding and one applies (`dispatch.dequantize_variants`, `swap_ab_order` for the MoE tile; one pass at memory
-    speed), else in XLA."""
+    the tokens become bf16 as the tile takes them (`swap_ab_layout.kernel_tokens`: in the fragments' column order,
+    but as they are for the 16-token tile, which orders them itself): by the dequantize kernel where they are MXFP8
+    E4M3 codes, K needs no padding and one applies (`dispatch.dequantize_variants`, `swap_ab_order` but for the
+    16-token tile; one pass at memory speed), else in XLA."""
     from jax_blockgemm import dispatch, ffi_lowering
 
     a_aval, b_aval, sfa_aval, sfb_aval, starts_aval, ends_aval = ctx.avals_in[:6]

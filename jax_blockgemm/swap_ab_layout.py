@@ -17,8 +17,8 @@ SWAP_AB_K_TILE = 64  # the swap_ab kernel's k-tile: the span of its token permut
 SWAP_AB_K_PAD = 256  # its tokens' K is padded to a multiple of this (it adds partial sums every four k-tiles)
 # Tiles of at most this many tokens order the tokens' columns in the kernel: the 16-token decode tile, whose calls of
 # 1 to 16 rows would otherwise pay a separate launch (XLA's gather, 1.5-2.4 us on the H200) and its gap. The 32- and
-# 64-token tiles' producer warps, with 8 and 16 rows a k-tile to move, slowed their kernels (H100: 25.2 against 19.8
-# us at 32 tokens, 31.4 against 22.9 at 64), so those take the tokens permuted (docs/design/decode.md).
+# 64-token tiles' producer warps, with 8 and 16 rows a k-tile to move, slowed their kernels (H100: 25.2 against about
+# 19.7 us at 32 tokens, 31.4 against 24.6 at 64), so those take the tokens permuted (docs/design/decode.md).
 KERNEL_ORDER_MAX_TOKENS = 16
 
 

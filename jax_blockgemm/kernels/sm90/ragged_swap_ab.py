@@ -89,7 +89,6 @@ REGISTERS = 65536  # per SM, all a CTA of these kernels is launched with (one CT
 MIN_CONSUMER_REGS = 152  # a 64-token part's accumulator, partial sum and two fragments without spills
 TOKEN_WRITER_WARPS = 3  # the 16-token tile: warps 1-3 of the producer warpgroup order the tokens' columns, k-tile
 # kt by warp 1 + kt % 3
-ORDERED_TILE_TOKENS = 16  # the one tile that orders them (four passes of a warp's four rows cover it)
 ROW_BYTES = K_TILE * 2  # a token row of a stage: one 128-byte line (the wgmma's 128-byte swizzle)
 E8M0 = "float8_e8m0fnu"
 # The weight formats the kernel converts: (codes, scale block, scale dtype): MXFP8 E4M3, MXFP4, NVFP4
@@ -164,7 +163,6 @@ class HopperRaggedSwapAB:
         # the 16-token tile takes the tokens in their own order and puts each k-tile's columns in the fragments' order
         # itself (warps 1-3 of the producer warpgroup, in shared memory): no pass over x before the launch
         self.orders_tokens = swap_ab_layout.kernel_orders_tokens(token_rows)
-        assert not self.orders_tokens or token_rows == ORDERED_TILE_TOKENS, token_rows
 
     def can_implement(self, t: int, n: int, k: int, l: int, g: int = 1) -> tuple[bool, str]:
         """Whether the kernel handles these sizes, and why not: K a multiple of 16 (FP8) or 32 (FP4): 16-byte TMA
@@ -403,17 +401,18 @@ class HopperRaggedSwapAB:
         """The 16-token tile's producer warp 1, 2 or 3: for the k-tiles kt = warp - 1, warp + 2, ... as TMA lands
         them (the tokens in their own column order), moves each token row's columns in place into the order of the
         weights' codes in the MMA fragments (`swap_ab_layout.swap_ab_column_order`) and marks the stage ready. Eight
-        lanes share a row (one 16-byte chunk each), four rows a pass; the four passes' loads (all 16 rows) come before
-        any store, so a row's chunks are all read before one is overwritten. The stages are 128-byte swizzled: chunk
-        j of row r lies at 16·(j ^ r % 8)."""
+        lanes share a row (one 16-byte chunk each), four rows a pass; every pass's loads (all the tile's rows) come
+        before any store, so a row's chunks are all read before one is overwritten. The stages are 128-byte swizzled:
+        chunk j of row r lies at 16·(j ^ r % 8)."""
+        bt = self.tile_mnk[0]
         lane = cute.arch.lane_idx()
         v = lane % 8  # this lane's chunk of its rows
-        rows = [4 * p + lane // 8 for p in range(ORDERED_TILE_TOKENS // 4)]
+        rows = [4 * p + lane // 8 for p in range(bt // 4)]
         base = sX.iterator.toint()
         for kt in cutlass.range(warp_idx - 1, k_tiles, TOKEN_WRITER_WARPS, unroll=1):
             index = kt % self.stages
             ab_pipeline.consumer_wait(pipeline.PipelineState(self.stages, kt, index, (kt // self.stages) % 2))
-            stage = base + index * (ORDERED_TILE_TOKENS * ROW_BYTES)
+            stage = base + index * (bt * ROW_BYTES)
             loaded = [ptx_ops.ld_shared_v4(stage + r * ROW_BYTES + (v ^ (r % 8)) * 16) for r in rows]
             cute.arch.sync_warp()  # every chunk of these rows read before any is overwritten
             for r, words in zip(rows, loaded):
