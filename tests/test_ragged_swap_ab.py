@@ -199,9 +199,9 @@ class KernelOrderedTokensTest(parameterized.TestCase):
 class ScaleAddressingTest(parameterized.TestCase):
     """A model of the kernel's scale reads: for every weight row of a tile (rows past N too) and every lane's 16 codes
     in every k-tile of the groups the mainloop walks (the next group's loaded ahead, past K included), the byte at
-    `_scale_row_at` + `_scale_block` in the scales, compact or in SPEC §3's atoms (`atom`: sf_atom 1), must be that
-    row's scale of the block holding those codes, or for rows past N and codes past K (TMA's zeros) a byte of the
-    weight's last real row and block: no read leaves the weight's scales."""
+    `_scale_row_at` + `_scale_offset` (of the lane's `_scale_walk`) in the scales, compact or in SPEC §3's atoms
+    (`atom`: sf_atom 1), must be that row's scale of the block holding those codes, or for rows past N and codes past
+    K (TMA's zeros) a byte of the weight's last real row and block: no read leaves the weight's scales."""
 
     @parameterized.product(fmt=((E4M3, 32, E8M0), (FP4, 32, E8M0), (FP4, 16, E4M3)), tile=((128, 128), (64, 64)),
                            atom=(False, True))
@@ -229,7 +229,8 @@ class ScaleAddressingTest(parameterized.TestCase):
                     for q in range(groups + 1):  # the last group's loads of the next one: the clamped block
                         for i in range(ragged_swap_ab.PROMOTE_TILES):
                             for pair in range(4):
-                                got = flat[at + int(kernel._scale_block(q, i, pair, kb, int(atom)))]
+                                walk = kernel._scale_walk(pair, kb, int(atom))
+                                got = flat[at + int(kernel._scale_offset(walk, q, i))]
                                 kt = ragged_swap_ab.PROMOTE_TILES * q + i
                                 want = compact[w_batch, min(tile_n * rows + row, n - 1),
                                                min((64 * kt + 16 * pair) // block, kb - 1)]

@@ -334,12 +334,13 @@ class HopperRaggedSwapAB:
         stage_bytes = bw * rb
 
         # Scale bytes, compact (L·G, N, KB) or in atoms (`sf_atom`): this thread's 16 codes of a row lie in one
-        # block, one byte per row and k-tile (`_scale_block`); a group's eight (PROMOTE_TILES k-tiles x rows row0,
+        # block, one byte per row and k-tile (`_scale_offset`); a group's eight (PROMOTE_TILES k-tiles x rows row0,
         # row0 + 8) are loaded a group ahead, a list of scalars the DSL carries through the loop.
         blocks = (k + self.sf_vec_size - 1) // self.sf_vec_size
         rows_at = [self._scale_row_at(sfb, sf_atom, w_batch, tile_n * bw + r, n, blocks) for r in (row0, row0 + 8)]
+        walk = self._scale_walk(pair, blocks, sf_atom)
         per = PROMOTE_TILES
-        group_scales = lambda q: [ptx_ops.ld_global_nc_u8(at + self._scale_block(q, i, pair, blocks, sf_atom))
+        group_scales = lambda q: [ptx_ops.ld_global_nc_u8(at + self._scale_offset(walk, q, i))
                                   for i in range(per) for at in rows_at]
 
         split = self.k_split
@@ -434,7 +435,7 @@ class HopperRaggedSwapAB:
     def _scale_row_at(sfb: cute.Tensor, sf_atom, w_batch, row, n, blocks) -> cutlass.Int64:
         """The address of the first scale byte of weight w_batch's row `row` (clamped to N - 1: rows past N are
         TMA's zeros): compact, KB = `blocks` a row, or (`sf_atom`) in SPEC §3's atoms, whose byte of block kb adds
-        `_scale_block`'s offset."""
+        `_scale_offset`."""
         row = cutlass.min(row, n - 1)
         compact = (w_batch * n + row) * blocks
         atom_rows = (n + common.ATOM_MN - 1) // common.ATOM_MN
@@ -443,15 +444,26 @@ class HopperRaggedSwapAB:
                 + 4 * common.atom_word_offset(row % common.ATOM_MN))
         return sfb.iterator.toint() + cutlass.Int64(compact + sf_atom * (atom - compact))  # sf_atom is 0 or 1
 
-    def _scale_block(self, q, i: int, pair, blocks, sf_atom):
-        """The offset of the block holding this thread's 16 codes of k-tile i of group q (compact, or in atoms:
-        `sf_atom`): block c // 2 of a k-tile's two 32-wide blocks, c of its four 16-wide ones (c = `pair`, the
-        lane's place in its quad), clamped to the last block of K (the codes past K are TMA's zeros)."""
-        per_tile = K_TILE // self.sf_vec_size  # blocks per k-tile
+    def _scale_walk(self, pair, blocks, sf_atom) -> tuple:
+        """What this lane's scale reads add to its rows' first bytes, worked out once (compact, or in atoms:
+        `sf_atom`): (its block's offset in k-tile 0, the step per promotion group, the steps to k-tiles 1.. of a
+        group, the offset of K's last block). Its block in k-tile i of group q is block q·(blocks a group) + i·(blocks
+        a k-tile) + (its block within a k-tile, < 4), whose offset in atoms is the sum of the parts' offsets (the
+        group's blocks a multiple of ATOM_KB, the other two parts summing below it); offsets grow with the block in
+        both forms, so the least of an offset and the last block's clamps the block to K (codes past K are TMA's
+        zeros)."""
+        per_tile = K_TILE // self.sf_vec_size  # blocks per k-tile: 2, or NVFP4's 4
         lane_block = pair if cutlass.const_expr(per_tile == 4) else pair // 2
-        kb = cutlass.min((q * PROMOTE_TILES + i) * per_tile + lane_block, blocks - 1)
-        atom = common.atom_block_offset(kb)
-        return kb + sf_atom * (atom - kb)
+        blend = lambda block: block + sf_atom * (common.atom_block_offset(block) - block)  # sf_atom is 0 or 1
+        step = blend(PROMOTE_TILES * per_tile)
+        tiles = [blend(i * per_tile) for i in range(1, PROMOTE_TILES)]
+        return lane_block, step, tiles, blend(blocks - 1)
+
+    @staticmethod
+    def _scale_offset(walk: tuple, q, i: int):
+        """The offset of this lane's block in k-tile i of promotion group q (`_scale_walk`), clamped to K's last."""
+        first, step, tiles, last = walk
+        return cutlass.min(q * step + first + (tiles[i - 1] if i else 0), last)
 
     @cute.jit
     def convert(self, frag: cute.Tensor, code_at: tuple, stage_offset, scales: list):
