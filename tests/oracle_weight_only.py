@@ -37,6 +37,13 @@ def weight_only_oracle(x, w: jbg.QuantizedWeight) -> np.ndarray:
         return np.einsum("...k,nk->...n", x64, dequantized_f64(w))
 
 
+def magnitude_oracle(x, w: jbg.QuantizedWeight) -> np.ndarray:
+    """|x| · |Ŵ|ᵀ in float64: what an fp32 sum of the products can lose is a fraction of this, not of y."""
+    x64 = np.abs(np.asarray(jnp.asarray(x, jnp.float32), np.float64))
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.einsum("...k,nk->...n", x64, np.abs(dequantized_f64(w)))
+
+
 def random_weight(rng: np.random.Generator, n: int, k: int, fmt: str,
                   scale_log2: tuple[float, float] = (-4.0, 4.0)) -> jbg.QuantizedWeight:
     """A QuantizedWeight of random codes over the format's whole range and random block scales (NVFP4: a random
