@@ -446,7 +446,7 @@ class HopperRaggedSwapAB:
 
     def _scale_walk(self, pair, blocks, sf_atom) -> tuple:
         """What this lane's scale reads add to its rows' first bytes, worked out once (compact, or in atoms:
-        `sf_atom`): (its block's offset in k-tile 0, the step per promotion group, the steps to k-tiles 1.. of a
+        `sf_atom`): (its block's offset in k-tile 0, the step per promotion group, the steps to each k-tile of a
         group, the offset of K's last block). Its block in k-tile i of group q is block q·(blocks a group) + i·(blocks
         a k-tile) + (its block within a k-tile, < 4), whose offset in atoms is the sum of the parts' offsets (the
         group's blocks a multiple of ATOM_KB, the other two parts summing below it); offsets grow with the block in
@@ -456,14 +456,14 @@ class HopperRaggedSwapAB:
         lane_block = pair if cutlass.const_expr(per_tile == 4) else pair // 2
         blend = lambda block: block + sf_atom * (common.atom_block_offset(block) - block)  # sf_atom is 0 or 1
         step = blend(PROMOTE_TILES * per_tile)
-        tiles = [blend(i * per_tile) for i in range(1, PROMOTE_TILES)]
+        tiles = [blend(i * per_tile) for i in range(PROMOTE_TILES)]
         return lane_block, step, tiles, blend(blocks - 1)
 
     @staticmethod
     def _scale_offset(walk: tuple, q, i: int):
         """The offset of this lane's block in k-tile i of promotion group q (`_scale_walk`), clamped to K's last."""
         first, step, tiles, last = walk
-        return cutlass.min(q * step + first + (tiles[i - 1] if i else 0), last)
+        return cutlass.min(q * step + first + tiles[i], last)
 
     @cute.jit
     def convert(self, frag: cute.Tensor, code_at: tuple, stage_offset, scales: list):
