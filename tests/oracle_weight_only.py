@@ -30,18 +30,20 @@ def dequantized_f64(w: jbg.QuantizedWeight) -> np.ndarray:
         return values * scales * np.float64(np.asarray(w.alpha))
 
 
+def _products_summed(x64: np.ndarray, w64: np.ndarray) -> np.ndarray:
+    """(..., K) · (N, K)ᵀ -> (..., N), summed in float64 (NaN / inf propagate as in exact arithmetic)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.einsum("...k,nk->...n", x64, w64)
+
+
 def weight_only_oracle(x, w: jbg.QuantizedWeight) -> np.ndarray:
     """y (..., N) = x · Ŵᵀ summed in float64 (NaN / inf propagate as in exact arithmetic)."""
-    x64 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        return np.einsum("...k,nk->...n", x64, dequantized_f64(w))
+    return _products_summed(np.asarray(jnp.asarray(x, jnp.float32), np.float64), dequantized_f64(w))
 
 
 def magnitude_oracle(x, w: jbg.QuantizedWeight) -> np.ndarray:
     """|x| · |Ŵ|ᵀ in float64: what an fp32 sum of the products can lose is a fraction of this, not of y."""
-    x64 = np.abs(np.asarray(jnp.asarray(x, jnp.float32), np.float64))
-    with np.errstate(invalid="ignore", over="ignore"):
-        return np.einsum("...k,nk->...n", x64, np.abs(dequantized_f64(w)))
+    return _products_summed(np.abs(np.asarray(jnp.asarray(x, jnp.float32), np.float64)), np.abs(dequantized_f64(w)))
 
 
 def random_weight(rng: np.random.Generator, n: int, k: int, fmt: str,
