@@ -442,7 +442,12 @@ class HopperRaggedSwapAB:
         atom_kbs = (blocks + common.ATOM_KB - 1) // common.ATOM_KB
         atom = (common.atom_chunk_index(w_batch, row // common.ATOM_MN, 0, atom_rows, atom_kbs) * common.ATOM_BYTES
                 + 4 * common.atom_word_offset(row % common.ATOM_MN))
-        return sfb.iterator.toint() + cutlass.Int64(compact + sf_atom * (atom - compact))  # sf_atom is 0 or 1
+        return sfb.iterator.toint() + cutlass.Int64(HopperRaggedSwapAB._in_form(compact, atom, sf_atom))
+
+    @staticmethod
+    def _in_form(compact, atom, sf_atom):
+        """`compact` or `atom`, whichever the scales' form (`sf_atom`, 0 or 1) reads, without a branch."""
+        return compact + sf_atom * (atom - compact)
 
     def _scale_walk(self, pair, blocks, sf_atom) -> tuple:
         """What this lane's scale reads add to its rows' first bytes, worked out once (compact, or in atoms:
@@ -454,7 +459,7 @@ class HopperRaggedSwapAB:
         zeros)."""
         per_tile = K_TILE // self.sf_vec_size  # blocks per k-tile: 2, or NVFP4's 4
         lane_block = pair if cutlass.const_expr(per_tile == 4) else pair // 2
-        blend = lambda block: block + sf_atom * (common.atom_block_offset(block) - block)  # sf_atom is 0 or 1
+        blend = lambda block: self._in_form(block, common.atom_block_offset(block), sf_atom)
         step = blend(PROMOTE_TILES * per_tile)
         tiles = [blend(i * per_tile) for i in range(PROMOTE_TILES)]
         return lane_block, step, tiles, blend(blocks - 1)
