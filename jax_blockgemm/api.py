@@ -20,14 +20,14 @@ def _as_scale_bytes(s: jax.Array) -> jax.Array:
     return s
 
 
-def _scales_to_atom(name: str, s: jax.Array, *, l: int, mn: int, kb: int, batched: bool) -> jax.Array:
-    """Accepts the physical atom, the seed's 6-D view or the compact form; returns the physical atom."""
+def _canonical_scales(name: str, s: jax.Array, *, l: int, mn: int, kb: int, batched: bool) -> jax.Array:
+    """Accepts the physical atom, the seed's 6-D view or the compact form; returns the atom (L, MN', K', 32, 4, 4)
+    or the compact (L, MN, KB) form. Compact scales stay compact up to the primitive, which makes atoms of each
+    shard's rows: a row split finer than a 128-row atom stays a plain row split (sharding.py)."""
     form = support.scale_form(name, s, l=l, mn=mn, kb=kb, batched=batched)
     if form == "seed":
         return formats.seed_view_to_atom(s)
-    if form == "compact":
-        return formats.to_scale_atom(s)  # 2-D or 3-D in, 6-D out
-    return s if s.ndim == 6 else s[None]
+    return s if s.ndim == (6 if form == "atom" else 3) else s[None]
 
 
 def gemm_amax(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Array, *, alpha: Any = None,
@@ -44,7 +44,7 @@ def gemm_amax(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Array, *, alp
     sfa, sfb: per-block scales of a and b: E8M0 (float8_e8m0fnu, uint8 or int8 bytes) or, for NVFP4,
       float8_e4m3fn. Either the physical 128x4 atom ((L,) MN', K', 32, 4, 4) the kernels read, the seed's 6-D
       logical view (32, 4, MN', 4, K', L), or the compact ((L,) MN, ceil(K/sf_vec_size)) form, which is converted
-      to the atom by one small XLA copy.
+      to the atom by one small XLA copy (per shard under sharding, so rows may split finer than an atom).
     alpha: optional float32 scalar (NVFP4's per-tensor scale); multiplies C and amax.
     c_dtype: float32, float16, bfloat16, float8_e4m3fn, float8_e5m2 (FP4 operands only), or float4_e2m1fn / uint8
       for packed FP4 C: a uint8 (.., M, N//2) container, low nibble first.
@@ -69,8 +69,8 @@ def gemm_amax(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Array, *, alp
                             c_major=c_major)
     batched = a.ndim == 3
     kb = support.ceil_div(k, sf_vec_size)
-    sfa = _scales_to_atom("sfa", _as_scale_bytes(sfa), l=l, mn=m, kb=kb, batched=batched)
-    sfb = _scales_to_atom("sfb", _as_scale_bytes(sfb), l=l, mn=n, kb=kb, batched=batched)
+    sfa = _canonical_scales("sfa", _as_scale_bytes(sfa), l=l, mn=m, kb=kb, batched=batched)
+    sfb = _canonical_scales("sfb", _as_scale_bytes(sfb), l=l, mn=n, kb=kb, batched=batched)
     if a.dtype == jnp.float4_e2m1fn:
         a, b = formats.pack_fp4(a), formats.pack_fp4(b)
     if not batched:

@@ -1,7 +1,8 @@
 """The two operations as JAX primitives: abstract evaluation, lowering, batching and partitioning rules.
 
 Operands reach these primitives canonical (see `api.py`): batched 3-D GEMM operands, scales in the physical
-128x4 atom form, FP4 as packed uint8. Each operation is two primitives: the one the API binds (`gemm_amax_p`,
+128x4 atom form (gemm_amax also takes them compact, (L, MN, KB), and makes atoms on each device), FP4 as packed
+uint8. Each operation is two primitives: the one the API binds (`gemm_amax_p`,
 `proj_rope_p`: batching, and a lowering through the partitioning rules of `sharding.py`, so that under jit with
 sharded inputs every device runs the op on its own shard) and a local one (`*_local_p`: what one device runs).
 The local one lowers to the pure-JAX reference (`reference.py`) on every platform; on CUDA it first asks
@@ -22,7 +23,7 @@ from jax._src import dispatch as jax_dispatch
 from jax.extend import core as jex_core
 from jax.interpreters import batching, mlir
 
-from jax_blockgemm import reference, sharding
+from jax_blockgemm import formats, reference, sharding
 from jax_blockgemm.support import MX_BLOCK, HEAD_DIM, is_fp4
 
 gemm_amax_p = jex_core.Primitive("jbg_gemm_amax")
@@ -34,7 +35,8 @@ _NOT_MAPPED = None  # how a batching rule sees an operand that vmap does not map
 
 
 # --------------------------------------------------------------------------------------------------------------
-# gemm_amax: operands (a, b, sfa, sfb[, alpha]); a (L, M, K) or (L, K, M); alpha (L,) float32 when present.
+# gemm_amax: operands (a, b, sfa, sfb[, alpha]); a (L, M, K) or (L, K, M); each scale operand the atom
+# (L, MN', K', 32, 4, 4) or compact (L, MN, KB); alpha (L,) float32 when present.
 # Params: k, sf_vec_size, c_dtype (np.dtype), a_major, b_major, c_major, mma_tiler_mn, cluster_shape_mn,
 # implementation. Results: c (L, M, N) / (L, N, M) / packed FP4 (L, M, N//2), and amax (L,) float32.
 # --------------------------------------------------------------------------------------------------------------
@@ -108,6 +110,23 @@ def _device_kinds(ctx) -> tuple[str, ...]:
             capabilities = dispatch.local_cuda_capabilities()
         kinds += [f"cuda:{cc}" for cc in capabilities] if capabilities else [platform]
     return tuple(kinds)
+
+
+def _atom_scales_first(lowering):
+    """Wraps a lowering of gemm_amax_local_p: compact (L, MN, KB) scale operands become the physical atom first, so
+    that under sharding each device makes atoms of its own rows (one small XLA copy) and the rest sees atoms only."""
+
+    def wrapped(ctx, *args, **params):
+        avals, args = list(ctx.avals_in), list(args)
+        for i in (2, 3):  # sfa, sfb
+            if avals[i].ndim == 3:
+                atom = jax.core.ShapedArray(formats.atom_shape(*avals[i].shape), avals[i].dtype)
+                (args[i],) = mlir.lower_fun(lambda s: [formats.to_scale_atom(s)], multiple_results=True)(
+                    ctx.replace(avals_in=[avals[i]], avals_out=[atom]), args[i])
+                avals[i] = atom
+        return lowering(ctx.replace(avals_in=avals), *args, **params)
+
+    return wrapped
 
 
 def _gemm_amax_reference_lowering(ctx, *args, **params):
@@ -362,7 +381,8 @@ def register(p, local_p, *, abstract_eval, reference_lowering, cuda_lowering, ba
 
 
 register(gemm_amax_p, gemm_amax_local_p, abstract_eval=_gemm_amax_abstract_eval,
-         reference_lowering=_gemm_amax_reference_lowering, cuda_lowering=_gemm_amax_cuda_lowering,
+         reference_lowering=_atom_scales_first(_gemm_amax_reference_lowering),
+         cuda_lowering=_atom_scales_first(_gemm_amax_cuda_lowering),
          batch_rule=fold_into_l_batch_rule(gemm_amax_p), partitioned=sharding.gemm_amax_partitioned)
 register(proj_rope_p, proj_rope_local_p, abstract_eval=_proj_rope_abstract_eval,
          reference_lowering=_proj_rope_reference_lowering, cuda_lowering=_proj_rope_cuda_lowering,

@@ -6,11 +6,14 @@ primitive lowers through `jax.experimental.custom_partitioning` built here, so X
 default, GSPMD where `jax_use_shardy_partitioner` is off) hands every device its shard instead of gathering the
 operands around an opaque custom call. What runs natively and what is gathered (see README "On many GPUs"):
 
-gemm_amax, canonical operands a (L, M, K) / (L, K, M), b (L, N, K) / (L, K, N), scale atoms (L, MN', K', 32, 4, 4):
-  * L, M and N shard on any mesh axes, also together. The scale atoms shard with their operand's MN, which splits
-    cleanly only on 128-row atom boundaries: M (N) stays sharded when each shard holds a multiple of 128 rows and
-    is gathered otherwise. C follows the operands (c_major="m" and MN-major operands included); amax (L,) is
-    sharded like L and is the NaN-safe max over the M and N shards (one all-reduce of L floats).
+gemm_amax, canonical operands a (L, M, K) / (L, K, M), b (L, N, K) / (L, K, N), scales as atoms
+(L, MN', K', 32, 4, 4) or compact (L, MN, KB):
+  * L, M and N shard on any mesh axes, also together. Scales shard with their operand's MN. Atoms split cleanly
+    only on 128-row boundaries: M (N) stays sharded when each shard holds a multiple of 128 rows and is gathered
+    otherwise. Compact scales split on any row (the local op makes each device's atoms), so M (N) stays sharded
+    wherever each shard keeps the operands' 16-byte alignment (`_row_quantum`). C follows the operands
+    (c_major="m" and MN-major operands included); amax (L,) is sharded like L and is the NaN-safe max over the M
+    and N shards (one all-reduce of L floats).
   * K shards natively on mesh axes that L, M and N leave free when every shard holds whole K scale atoms (a
     multiple of 4·sf_vec_size elements) and C is a float dtype: each device multiplies its K slice into a float32
     partial C, the partials are summed over the K shards (one all-reduce of the fp32 C), then amax is taken on the
@@ -36,10 +39,8 @@ unpartitioned (see primitives._partitioned_lowering). Under Shardy, a dimension 
 the atoms' M', T to out_scales_col's T/32) only when the coarse count is a multiple of the mesh's device count
 (`_linkable`); otherwise the op still runs per shard, but proj_rope's small out_scales_col is gathered after it.
 The rules read NamedShardings (a mesh); shardings on Shardy sub-axes cannot be decoded by custom_partitioning.
-One such case comes from the API itself: compact scales sharded on rows finer than a 128-row atom (256 rows over 8
-devices) reach the op as atoms sharded on sub-axes (the reshape splits the axis over M' and an atom's inner 4), and
-compilation fails (IndivisibleError); listing the atoms' factors among the rule's need_replication factors does not
-prevent it (jax 0.10.2). Replicated scales, or whole atoms per shard, work.
+Scale atoms reshaped from compact scales sharded finer than an atom would be sharded on sub-axes (IndivisibleError),
+which is why gemm_amax keeps compact scales compact up to the local op.
 Inside a shard_map that leaves some mesh axes automatic, JAX gives the rules no mesh, so they gather (correct,
 not per shard): make every axis manual there, or call the op outside the shard_map.
 """
@@ -180,16 +181,30 @@ def _k_splittable(params: dict) -> bool:
     return not is_fp4(params["c_dtype"])
 
 
+def _row_quantum(params: dict, dim: str, scales: Any) -> int:
+    """The finest split of M (dim "m", with sfa `scales`) or N ("n", sfb) that keeps a shard a valid call: whole
+    128-row atoms where the scales travel as atoms; with compact scales, 16 bytes of every operand whose contiguous
+    dimension it is (support.check_alignment: MN-major codes are 8-bit, C as c_dtype)."""
+    if len(scales.shape) != 3:
+        return ATOM_ROWS
+    quantum = 16 if params["a_major" if dim == "m" else "b_major"] == dim else 1
+    if params["c_major"] == dim:
+        c_bits = 4 if is_fp4(params["c_dtype"]) else 8 * jnp.dtype(params["c_dtype"]).itemsize
+        quantum = max(quantum, 128 // c_bits)
+    return quantum
+
+
 def gemm_plan(params: dict, mesh: Any, shapes: Sequence[Any]) -> GemmPlan:
-    """Which of a's and b's shardings the op keeps: L from a (else b), M from a, N from b, on whole scale atoms;
-    then K from a (else b) on the axes left, in whole K atoms."""
+    """Which of a's and b's shardings the op keeps: L from a (else b), M from a, N from b, on whole scale atoms
+    (compact scales: whole aligned rows); then K from a (else b) on the axes left, in whole K atoms."""
     a, b = shapes[0], shapes[1]
     m_dim = 1 if params["a_major"] == "k" else 2
     n_dim = 1 if params["b_major"] == "k" else 2
     l_axes = _dim_axes(a.sharding, 0) or _dim_axes(b.sharding, 0)
     l_axes = _keep(mesh, l_axes, a.shape[0], 1, ())
-    m_axes = _keep(mesh, _dim_axes(a.sharding, m_dim), a.shape[m_dim], ATOM_ROWS, l_axes)
-    n_axes = _keep(mesh, _dim_axes(b.sharding, n_dim), b.shape[n_dim], ATOM_ROWS, l_axes + m_axes)
+    m_axes = _keep(mesh, _dim_axes(a.sharding, m_dim), a.shape[m_dim], _row_quantum(params, "m", shapes[2]), l_axes)
+    n_axes = _keep(mesh, _dim_axes(b.sharding, n_dim), b.shape[n_dim], _row_quantum(params, "n", shapes[3]),
+                   l_axes + m_axes)
     k_axes: Axes = ()
     if _k_splittable(params):
         k_axes = _dim_axes(a.sharding, 3 - m_dim) or _dim_axes(b.sharding, 3 - n_dim)
@@ -236,14 +251,17 @@ def _gemm_propagate(params: Params, mesh: Any, result_shape: Any):
 
 
 def _gemm_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
-    """Shardy: L passes through; M (N) is linked to the scale atoms' M' (N') when it fills whole atoms; K is a
-    reduction factor linked to the atoms' K' when it fills whole K atoms (and C is a float), else replicated."""
+    """Shardy: L passes through; M (N) is linked to the scale atoms' M' (N') when it fills whole atoms, and is the
+    very factor of compact scales' rows; K is a reduction factor linked to the scales' K' (K/32) when it fills whole
+    K atoms (and C is a float), else replicated."""
     p = dict(params)
     a, b = _shape(operand_types[0]), _shape(operand_types[1])
     m = a[1] if p["a_major"] == "k" else a[2]
     n = b[1] if p["b_major"] == "k" else b[2]
+    compact_a, compact_b = (len(_shape(operand_types[i])) == 3 for i in (2, 3))
     sizes: dict = {}
-    m_linked, n_linked = _linkable(m, ATOM_ROWS, mesh), _linkable(n, ATOM_ROWS, mesh)
+    m_linked = not compact_a and _linkable(m, ATOM_ROWS, mesh)
+    n_linked = not compact_b and _linkable(n, ATOM_ROWS, mesh)
     mf, nf = _fine("m", m_linked, ATOM_ROWS, sizes), _fine("n", n_linked, ATOM_ROWS, sizes)
     c_n = nf
     if is_fp4(p["c_dtype"]):  # packed C (L, M, N/2): link its N/2 to b's N through N's atoms, else through pairs
@@ -255,18 +273,28 @@ def _gemm_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any)
             nf, c_n = "(n_half n_pair)", "n_half"
         else:
             c_n = "n_packed"
-    kf, special = "k", dict(need_replication_factors=("k", "kt"))
     k_codes = _shape(operand_types[0])[2 if p["a_major"] == "k" else 1]  # K, or K/2 for packed FP4 codes
     if _k_splittable(p) and _linkable(p["k"], k_atom(p), mesh):
         sizes["ki"] = k_atom(p) * k_codes // p["k"]  # the codes of one K atom column
-        kf, special = "(kt ki)", dict(reduction_factors=("kt",), need_replication_factors=("ki",))
+        if compact_a or compact_b:
+            sizes["ks"] = ATOM_SCALES  # and its compact scales
+        if compact_a and compact_b:
+            sizes["kt"] = p["k"] // k_atom(p)  # no atom operand names K' alone
+        kf, k_scales, reduced, replicated = "(kt ki)", "(kt ks)", ("kt",), ["ki"]
+    else:
+        kf, k_scales, reduced, replicated = "k", "kb", (), ["k"]
     a_rule = f"l {mf} {kf}" if p["a_major"] == "k" else f"l {kf} {mf}"
     b_rule = f"l {nf} {kf}" if p["b_major"] == "k" else f"l {kf} {nf}"
-    sfa = f"l {_coarse('m', m_linked)} kt s0 s1 s2"
-    sfb = f"l {_coarse('n', n_linked)} kt s0 s1 s2"
-    operands = [a_rule, b_rule, sfa, sfb, "l"][:len(operand_types)]
+    scale_rules = []
+    for compact, fine, coarse in ((compact_a, mf, _coarse("m", m_linked)), (compact_b, nf, _coarse("n", n_linked))):
+        scale_rules.append(f"l {fine} {k_scales}" if compact else f"l {coarse} kt s0 s1 s2")
+        replicated.append(("ks" if reduced else "kb") if compact else "kt")
+    operands = [a_rule, b_rule, *scale_rules, "l"][:len(operand_types)]
     c_rule = f"l {mf} {c_n}" if p["c_major"] == "n" else f"l {c_n} {mf}"
     rule = f"{', '.join(operands)} -> {c_rule}, l"
+    special = dict(need_replication_factors=tuple(dict.fromkeys(f for f in replicated if f not in reduced)))
+    if reduced:
+        special["reduction_factors"] = reduced
     return rule, dict(**special, **sizes)
 
 

@@ -167,8 +167,9 @@ GEMM_CASES = [
 ]
 
 
-def _gemm_problem(rng, shape, fmt, majors, c_dtype):
-    """Random operands (scale atoms) and the unsharded function of them, plus the float64 oracle's (C, amax)."""
+def _gemm_problem(rng, shape, fmt, majors, c_dtype, scales="atom"):
+    """Random operands (scales as atoms, or `scales="compact"`) and the unsharded function of them, plus the float64
+    oracle's (C, amax)."""
     l, m, n, k = shape
     a_major, b_major, c_major = majors
     d = oracle_ops.random_gemm_inputs(rng, l=l, m=m, n=n, k=k, fmt=fmt, a_major=a_major, b_major=b_major,
@@ -179,10 +180,29 @@ def _gemm_problem(rng, shape, fmt, majors, c_dtype):
         return jbg.gemm_amax(a, b, sfa, sfb, alpha=alpha, c_dtype=jnp.dtype(c_dtype), a_major=a_major,
                              b_major=b_major, c_major=c_major, sf_vec_size=d["sf_vec_size"])
 
-    args = tuple(jnp.asarray(d[name]) for name in ("a", "b", "sfa_atom", "sfb_atom"))
+    scale_names = ("sfa_atom", "sfb_atom") if scales == "atom" else ("sfa", "sfb")
+    args = tuple(jnp.asarray(d[name]) for name in ("a", "b", *scale_names))
     ref = oracle_ops.gemm_amax_oracle(d["a"], d["b"], d["sfa"], d["sfb"], k=k, sf_vec_size=d["sf_vec_size"],
                                       a_major=a_major, b_major=b_major, alpha=alpha)
     return fn, args, ref
+
+
+# Compact (L, MN, KB) scales shard with their operand's rows, in any split that keeps each shard's rows aligned
+# (the primitive makes each device's atoms): the same fields as GEMM_CASES.
+COMPACT_GEMM_CASES = [
+    ("rows_finer_than_an_atom", (1, 256, 128, 128), "mxfp8_e4m3", ("k", "k", "n"), "float32",
+     (P(None, ("data", "model")), P(), P(None, ("data", "model")), P()), P(None, ("data", "model"))),
+    ("rows_and_columns_off_atoms_m_major_c", (2, 192, 96, 160), "mxfp8_e4m3", ("k", "k", "m"), "bfloat16",
+     (P(None, "data"), P(None, "model"), P(None, "data"), P(None, "model")), P(None, "model", "data")),
+    ("m_major_rows", (1, 256, 64, 96), "mxfp8_e5m2", ("m", "k", "n"), "float32",
+     (P(None, None, ("data", "model")), P(), P(None, ("data", "model")), P()), P(None, ("data", "model"))),
+    ("nvfp4_packed_c_columns", (1, 128, 256, 128), "nvfp4", ("k", "k", "n"), "uint8",
+     (P(), P(None, "data"), P(), P(None, "data")), P(None, None, "data")),
+    ("compact_rows_atom_columns", (1, 256, 256, 64), "mxfp4", ("k", "k", "n"), "float32",
+     (P(None, "data"), P(None, "model"), P(None, "data"), P(None, "model")), P(None, "data", "model")),
+    ("gathered_rows_off_alignment", (1, 208, 64, 64), "mxfp8_e4m3", ("m", "k", "n"), "float32",
+     (P(None, None, "data"), P(), P(None, "data"), P()), None),
+]
 
 
 def _partitioners(cases: list, gspmd_too: int = 1) -> list[dict]:
@@ -198,6 +218,23 @@ class GemmAmaxPartitionTest(_PartitionCase):
         name, shape, fmt, majors, c_dtype, specs, c_spec = case
         mesh = _mesh()
         fn, args, (c_ref, amax_ref) = _gemm_problem(np.random.default_rng(len(name)), shape, fmt, majors, c_dtype)
+        sharded = [_put(mesh, x, s) for x, s in zip(args, specs)]
+        with partitioners.partitioner(partitioner):
+            c, amax = self.check_partitioned(fn, args, sharded, gathers=c_spec is None, mesh=mesh,
+                                             out_specs=None if c_spec is None else (c_spec, P()))
+        oracle_ops.assert_gemm_close(self, c, c_ref, c_dtype=jnp.dtype(c_dtype), c_major=majors[2])
+        oracle_ops.assert_amax_close(self, amax, amax_ref)
+
+    @parameterized.parameters(*_partitioners(COMPACT_GEMM_CASES))
+    def test_compact_scales_shard_with_their_rows(self, case, partitioner):
+        """Compact scales split like their operand's rows, finer than a 128-row atom too (256 rows over 8 devices,
+        as data-parallel decode makes them): each device makes atoms of its own rows, nothing is gathered."""
+        name, shape, fmt, majors, c_dtype, specs, c_spec = case
+        mesh = _mesh()
+        fn, args, (c_ref, amax_ref) = _gemm_problem(np.random.default_rng(len(name) + 50), shape, fmt, majors,
+                                                    c_dtype, scales="compact")
+        if name == "compact_rows_atom_columns":  # sfb as atoms, N on whole atoms (128 rows per shard)
+            args = (*args[:3], formats.to_scale_atom(args[3]))
         sharded = [_put(mesh, x, s) for x, s in zip(args, specs)]
         with partitioners.partitioner(partitioner):
             c, amax = self.check_partitioned(fn, args, sharded, gathers=c_spec is None, mesh=mesh,
@@ -336,6 +373,20 @@ class GemmAmaxPartitionTest(_PartitionCase):
         self.assertGreater(int((np.abs(c_ref) > 448).sum()), 100)
         self.assertFalse(np.isnan(np.asarray(c, np.float32)).any())
         oracle_ops.assert_gemm_close(self, c, c_ref, c_dtype=jnp.dtype(jnp.float8_e4m3fn))
+        oracle_ops.assert_amax_close(self, amax, amax_ref)
+
+    def test_k_split_with_compact_scales(self):
+        """K sharded with compact scales (whole K atoms per shard): float32 partial products summed over the shards,
+        each device making atoms of its own K slice of the scales; no operand gathered, C within SPEC §7's class."""
+        mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
+        fn, args, (c_ref, amax_ref) = _gemm_problem(np.random.default_rng(32), (1, 96, 64, 1024), "mxfp8_e4m3",
+                                                    ("k", "k", "n"), "float32", scales="compact")
+        specs = (P(None, None, "x"),) * 4
+        jitted = jax.jit(fn)
+        sharded = [_put(mesh, x, spec) for x, spec in zip(args, specs)]
+        self.assertEmpty(_gathers(jitted.lower(*sharded).compile().as_text()))
+        c, amax = jitted(*sharded)
+        oracle_ops.assert_gemm_close(self, c, c_ref, c_dtype=jnp.dtype(jnp.float32))
         oracle_ops.assert_amax_close(self, amax, amax_ref)
 
     def test_readme_example(self):
