@@ -1,8 +1,8 @@
 """The two operations as JAX primitives: abstract evaluation, lowering, batching and partitioning rules.
 
 Operands reach these primitives canonical (see `api.py`): batched 3-D GEMM operands, scales in the physical
-128x4 atom form (gemm_amax also takes them compact, (L, MN, KB), and makes atoms on each device), FP4 as packed
-uint8. Each operation is two primitives: the one the API binds (`gemm_amax_p`,
+128x4 atom form (gemm_amax's also compact, (L, MN, KB): each device makes its own atoms where a kernel needs them),
+FP4 as packed uint8. Each operation is two primitives: the one the API binds (`gemm_amax_p`,
 `proj_rope_p`: batching, and a lowering through the partitioning rules of `sharding.py`, so that under jit with
 sharded inputs every device runs the op on its own shard) and a local one (`*_local_p`: what one device runs).
 The local one lowers to the pure-JAX reference (`reference.py`) on every platform; on CUDA it first asks
@@ -36,7 +36,8 @@ _NOT_MAPPED = None  # how a batching rule sees an operand that vmap does not map
 
 # --------------------------------------------------------------------------------------------------------------
 # gemm_amax: operands (a, b, sfa, sfb[, alpha]); a (L, M, K) or (L, K, M); each scale operand the atom
-# (L, MN', K', 32, 4, 4) or compact (L, MN, KB); alpha (L,) float32 when present.
+# (L, MN', K', 32, 4, 4) or compact (L, MN, KB) (made atoms per device where a kernel needs them); alpha (L,) float32
+# when present.
 # Params: k, sf_vec_size, c_dtype (np.dtype), a_major, b_major, c_major, mma_tiler_mn, cluster_shape_mn,
 # implementation. Results: c (L, M, N) / (L, N, M) / packed FP4 (L, M, N//2), and amax (L,) float32.
 # --------------------------------------------------------------------------------------------------------------
@@ -112,21 +113,17 @@ def _device_kinds(ctx) -> tuple[str, ...]:
     return tuple(kinds)
 
 
-def _atom_scales_first(lowering):
-    """Wraps a lowering of gemm_amax_local_p: compact (L, MN, KB) scale operands become the physical atom first, so
-    that under sharding each device makes atoms of its own rows (one small XLA copy) and the rest sees atoms only."""
-
-    def wrapped(ctx, *args, **params):
-        avals, args = list(ctx.avals_in), list(args)
-        for i in (2, 3):  # sfa, sfb
-            if avals[i].ndim == 3:
-                atom = jax.core.ShapedArray(formats.atom_shape(*avals[i].shape), avals[i].dtype)
-                (args[i],) = mlir.lower_fun(lambda s: [formats.to_scale_atom(s)], multiple_results=True)(
-                    ctx.replace(avals_in=[avals[i]], avals_out=[atom]), args[i])
-                avals[i] = atom
-        return lowering(ctx.replace(avals_in=avals), *args, **params)
-
-    return wrapped
+def _scales_as_atoms(ctx, args: Sequence[Any]) -> tuple[Any, list]:
+    """(ctx, args) with compact (L, MN, KB) sfa / sfb made the physical atom (one small XLA copy each), as the
+    block-scaled kernels read them; under sharding this runs on each device's own rows."""
+    avals, args = list(ctx.avals_in), list(args)
+    for i in (2, 3):
+        if avals[i].ndim == 3:
+            atom = jax.core.ShapedArray(formats.atom_shape(*avals[i].shape), avals[i].dtype)
+            (args[i],) = mlir.lower_fun(lambda s: [formats.to_scale_atom(s)], multiple_results=True)(
+                ctx.replace(avals_in=[avals[i]], avals_out=[atom]), args[i])
+            avals[i] = atom
+    return ctx.replace(avals_in=avals), args
 
 
 def _gemm_amax_reference_lowering(ctx, *args, **params):
@@ -141,8 +138,8 @@ def _gemm_amax_reference_lowering(ctx, *args, **params):
 
 
 def _dequantized_a(a, sfa, *, m, k, sf_vec_size, a_major):
-    """A codes, (L, M, K) or M-major (L, K, M) (packed FP4: (L, M, K/2)), times its atom scales as bf16 (L, M, K):
-    exact, as the reference's."""
+    """A codes, (L, M, K) or M-major (L, K, M) (packed FP4: (L, M, K/2)), times its scales (compact or atom) as
+    bf16 (L, M, K): exact, as the reference's."""
     if a_major == "m":
         a = jnp.swapaxes(a, 1, 2)  # codes only move
     return [reference._dequantize_operand(a, sfa, mn=m, k=k, sf_vec_size=sf_vec_size, k_axis=2)]
@@ -160,8 +157,9 @@ def decode_c(c, *, c_dtype, c_major):
 def _gemm_amax_decode_lowering(ctx, a, b, sfa, sfb, *maybe_alpha, variants, k, sf_vec_size, c_dtype, a_major,
                                c_major, **_):
     """gemm_amax through the decode kernel `variants`: A dequantized to bf16 (L, M, K) in XLA is its x, B (L, N, K)
-    its streamed weight with the atom scales sfb; alpha is the call's, else ones. C leaves the kernel (L, M, N) in
-    the variants' C dtype and XLA finishes it (`decode_c`) where the call wants another dtype or major."""
+    its streamed weight with its scales sfb in the form given (the kernels read either); alpha is the call's, else
+    ones. C leaves the kernel (L, M, N) in the variants' C dtype and XLA finishes it (`decode_c`) where the call
+    wants another dtype or major."""
     from jax_blockgemm import ffi_lowering
 
     a_aval, b_aval, sfa_aval, sfb_aval = ctx.avals_in[:4]
@@ -186,8 +184,8 @@ def _gemm_amax_decode_lowering(ctx, a, b, sfa, sfb, *maybe_alpha, variants, k, s
 
 
 def _gemm_amax_cuda_lowering(ctx, *args, **params):
-    """The GPU hook: a CuTeDSL kernel through the FFI bridge where one applies (the decode kernel first), else the
-    reference."""
+    """The GPU hook: a CuTeDSL kernel through the FFI bridge where one applies (the decode kernel first, which reads
+    scales in either form; the others read atoms), else the reference."""
     from jax_blockgemm import dispatch  # lazy: keeps CuTeDSL out of CPU-only imports
 
     decode = dispatch.decode_kernels(ctx.avals_in, **params)
@@ -197,6 +195,7 @@ def _gemm_amax_cuda_lowering(ctx, *args, **params):
     if choice.variants:
         from jax_blockgemm import ffi_lowering
 
+        ctx, args = _scales_as_atoms(ctx, args)
         if choice.swap_ab:  # c_major="m": C^T = B·A^T, the kernel's N-major result on (b, a, sfb, sfa[, alpha])
             order = (1, 0, 3, 2, *range(4, len(args)))
             args = [args[i] for i in order]
@@ -381,8 +380,7 @@ def register(p, local_p, *, abstract_eval, reference_lowering, cuda_lowering, ba
 
 
 register(gemm_amax_p, gemm_amax_local_p, abstract_eval=_gemm_amax_abstract_eval,
-         reference_lowering=_atom_scales_first(_gemm_amax_reference_lowering),
-         cuda_lowering=_atom_scales_first(_gemm_amax_cuda_lowering),
+         reference_lowering=_gemm_amax_reference_lowering, cuda_lowering=_gemm_amax_cuda_lowering,
          batch_rule=fold_into_l_batch_rule(gemm_amax_p), partitioned=sharding.gemm_amax_partitioned)
 register(proj_rope_p, proj_rope_local_p, abstract_eval=_proj_rope_abstract_eval,
          reference_lowering=_proj_rope_reference_lowering, cuda_lowering=_proj_rope_cuda_lowering,

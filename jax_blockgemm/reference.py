@@ -73,14 +73,17 @@ def dequantize_bf16(codes: jax.Array, scales: jax.Array, *, block: int, axis: in
     return formats.times_block_scales(codes.astype(jnp.float32), scales, expand).astype(jnp.bfloat16)
 
 
-def _dequantize_operand(codes: jax.Array, atom: jax.Array, *, mn: int, k: int, sf_vec_size: int,
-                        k_axis: int) -> jax.Array:
-    """Codes (L, MN, K) / (L, K, MN) or packed FP4 (L, MN, K//2) times their block scales, as bfloat16.
+def _as_compact(scales: jax.Array, mn: int, kb: int) -> jax.Array:
+    """(L, MN, KB) scales from the compact form (as they are) or the physical atom (L, MN', K', 32, 4, 4), whose
+    padding is dropped."""
+    return scales if scales.ndim == 3 else formats.from_scale_atom(scales, mn, kb)
 
-    `atom` is the physical scale atom (L, MN', K', 32, 4, 4); its padding is dropped before use.
-    """
-    kb = formats.num_blocks(k, sf_vec_size)
-    scales = formats.from_scale_atom(atom, mn, kb)  # (L, MN, KB)
+
+def _dequantize_operand(codes: jax.Array, scales: jax.Array, *, mn: int, k: int, sf_vec_size: int,
+                        k_axis: int) -> jax.Array:
+    """Codes (L, MN, K) / (L, K, MN) or packed FP4 (L, MN, K//2) times their block scales (compact or atom), as
+    bfloat16."""
+    scales = _as_compact(scales, mn, formats.num_blocks(k, sf_vec_size))  # (L, MN, KB)
     if codes.dtype == np.dtype(jnp.uint8):
         codes = formats.unpack_fp4(codes)[..., :k]
     if k_axis == 1:
@@ -132,9 +135,9 @@ def use_scaled_dot(device_kinds: Sequence[str], a_dtype: Any, b_dtype: Any, *, s
     return all(t is not None and l * m * n * k >= t for t in thresholds)
 
 
-def _scaled_operand(codes: jax.Array, atom: jax.Array, *, mn: int, k: int, k_axis: int) -> tuple[jax.Array, ...]:
+def _scaled_operand(codes: jax.Array, scales: jax.Array, *, mn: int, k: int, k_axis: int) -> tuple[jax.Array, ...]:
     """MXFP8 codes and their compact float8_e8m0fnu scales laid out like them, as `jax.lax.scaled_dot` takes them."""
-    scales = formats.from_scale_atom(atom, mn, k // MX_BLOCK)  # (L, MN, KB) bytes, padding dropped
+    scales = _as_compact(scales, mn, k // MX_BLOCK)  # (L, MN, KB) bytes
     if k_axis == 1:
         scales = jnp.swapaxes(scales, 1, 2)
     return codes, jax.lax.bitcast_convert_type(scales, formats.E8M0)
@@ -159,8 +162,9 @@ def gemm_amax_reference(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Arr
 
     a: (L, M, K) codes for a_major="k", (L, K, M) for "m"; b: (L, N, K) for b_major="k", (L, K, N) for "n".
     FP8 codes are float8_e4m3fn / float8_e5m2; FP4 codes are uint8 containers (L, MN, K//2), k-major only, and `k`
-    is the logical K. sfa / sfb: physical scale atoms (L, MN', K', 32, 4, 4) of E8M0 bytes (uint8) or
-    float8_e4m3fn (NVFP4). alpha: optional float32 scalar or (L,) per-batch value multiplying the accumulator.
+    is the logical K. sfa / sfb: compact (L, MN, KB) scales or physical atoms (L, MN', K', 32, 4, 4), of E8M0
+    bytes (uint8) or float8_e4m3fn (NVFP4). alpha: optional float32 scalar or (L,) per-batch value multiplying the
+    accumulator.
 
     c is (L, M, N) for c_major="n", (L, N, M) for "m", a packed uint8 (L, M, N//2) for FP4 C. amax[l] is max |C|
     of batch l taken on the float32 accumulator (after alpha, before the conversion); NaN anywhere makes it NaN.

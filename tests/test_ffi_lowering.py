@@ -13,7 +13,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
 from jax_blockgemm import arch as jbg_arch
-from jax_blockgemm import dispatch, ffi_lowering, kernel_cache
+from jax_blockgemm import dispatch, ffi_lowering, formats, kernel_cache
 
 import decode_standin
 import lowered_calls
@@ -428,7 +428,8 @@ class PublicDecodeLoweringTest(absltest.TestCase):
         with self.assertRaisesRegex(ValueError, "M = 65 rows is more than the decode kernel takes .64."):
             self._weight_only("mxfp4", m=65, implementation="cutedsl")
 
-    def _gemm(self, m, *, fmt="mxfp8", c_dtype=jnp.bfloat16, alpha=None, n=144, **kwargs):
+    def _gemm(self, m, *, fmt="mxfp8", c_dtype=jnp.bfloat16, alpha=None, n=144, atoms=False, **kwargs):
+        """gemm_amax (L = 2, K = 96) lowered for CUDA; scales compact, or as atoms with `atoms`."""
         import jax_blockgemm as jbg
 
         sd = jax.ShapeDtypeStruct
@@ -439,7 +440,8 @@ class PublicDecodeLoweringTest(absltest.TestCase):
         sf = jnp.float8_e4m3fn if fmt == "nvfp4" else jnp.uint8
         a_shape = (l, row, m) if kwargs.get("a_major") == "m" else (l, m, row)
         b_shape = (l, row, n) if kwargs.get("b_major") == "n" else (l, n, row)
-        operands = (sd(a_shape, codes), sd(b_shape, codes), sd((l, m, k // v), sf), sd((l, n, k // v), sf))
+        scales = [formats.atom_shape(l, mn, k // v) if atoms else (l, mn, k // v) for mn in (m, n)]
+        operands = (sd(a_shape, codes), sd(b_shape, codes), *(sd(shape, sf) for shape in scales))
         extra = {} if alpha is None else dict(alpha=alpha)
         f = jax.jit(lambda *x: jbg.gemm_amax(*x, c_dtype=c_dtype, sf_vec_size=v, **extra, **kwargs))
         return f.trace(*operands).lower(lowering_platforms=("cuda",))
@@ -484,7 +486,10 @@ class PublicDecodeLoweringTest(absltest.TestCase):
             self.assertEqual(_int_attr(call.attributes["mhlo.backend_config"]["amax_batches"]), 2)  # L: the tally
             self.assertEqual(str(call.operands[0].type), "tensor<2x40x256xbf16>")
             self.assertEqual(str(call.operands[1].type), "tensor<2x1x144x96xf8E4M3FN>")
-            # gemm_amax's atoms as they are: (L, ceil(144/128), ceil(3/4), 32, 4, 4), read in place by the tile
+            self.assertEqual(str(call.operands[3].type), "tensor<2x144x3xui8>")  # compact scales as they are
+            gemm_on_atoms = self._gemm(40, atoms=True)  # held: the call's operands live in its module
+            (call,) = _calls(gemm_on_atoms, "jbg_ragged_gemm_amax")
+            # and atoms as they are: (L, ceil(144/128), ceil(3/4), 32, 4, 4), read in place by the tile
             self.assertEqual(str(call.operands[3].type), "tensor<2x2x1x32x4x4xui8>")
             with jbg_arch.overridden("9.0", decode_swap_ab_m={"mxfp8_e4m3": (17, 64)}):  # a range from 17 rows
                 self.assertLen(_calls(self._weight_only("mxfp8_e4m3", m=16, k=96), "jbg_weight_stream"), 1)
@@ -519,7 +524,7 @@ class PublicDecodeLoweringTest(absltest.TestCase):
         without its swap_ab decode tiles, which take MXFP8 E4M3 there)."""
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
                 jbg_arch.overridden("9.0", decode_swap_ab_m={}):
-            lowered = self._gemm(7)
+            lowered = self._gemm(7, atoms=True)
         (call,) = _calls(lowered, "jbg_weight_stream")
         self.assertEqual([str(o.type) for o in call.operands],
                          ["tensor<2x7x96xbf16>", "tensor<2x144x96xf8E4M3FN>", "tensor<2x2x1x32x4x4xui8>",
@@ -538,7 +543,7 @@ class PublicDecodeLoweringTest(absltest.TestCase):
             lowered = self._gemm(16, fmt="nvfp4", c_dtype=jnp.float16, alpha=jnp.float32(0.5))
         (call,) = _calls(lowered, "jbg_weight_stream")
         types = [str(o.type) for o in call.operands]
-        self.assertEqual(types[1:3], ["tensor<2x144x48xui8>", "tensor<2x2x2x32x4x4xf8E4M3FN>"])
+        self.assertEqual(types[1:3], ["tensor<2x144x48xui8>", "tensor<2x144x6xf8E4M3FN>"])  # compact scales as given
         self.assertEqual(_int_attr(call.attributes["mhlo.backend_config"]["max_m"]), 16)
         self.assertNotIn("dense<1.000000e+00> : tensor<2xf32>", lowered.as_text())  # the call's alpha, not ones
 

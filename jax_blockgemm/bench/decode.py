@@ -96,12 +96,12 @@ def columns(fmt: str) -> list[Column]:
 
 
 def weight_inputs(key: jax.Array, k: int, n: int, fmt: str) -> dict[str, Any]:
-    """One weight matrix (N, K) in every form the columns take: the QuantizedWeight, its codes and scale atom for
-    gemm_amax (with NVFP4's alpha factor), its bf16 values, and E4M3 codes of the same values."""
+    """One weight matrix (N, K) in every form the columns take: the QuantizedWeight, its codes and compact scales
+    for gemm_amax (with NVFP4's alpha factor), its bf16 values, and E4M3 codes of the same values."""
     values = random_values(key, (n, k))
     # NVFP4: alpha = 1 / encode, max|w| / (6 * 448) up to rounding (formats.nvfp4_tensor_scales), as inputs.py's
     w = jbg.quantize_weight(values, GEMM_FORMATS[fmt].weight_format)
-    return {"w": w, "b": w.codes, "sfb": formats.to_scale_atom(w.scales), "w_tensor_scale": w.alpha,
+    return {"w": w, "b": w.codes, "sfb": w.scales, "w_tensor_scale": w.alpha,
             "w_bf16": w.dequantize(jnp.bfloat16),
             "w_fp8": w.codes if fmt == "mxfp8" else formats.quantize_mxfp8(values)[0]}
 
@@ -111,7 +111,7 @@ def activation_inputs(key: jax.Array, m: int, k: int, fmt: str, weight: dict[str
     (NVFP4: alpha is the product of both per-tensor scales), and E4M3 codes for the fp8 anchor."""
     values = random_values(key, (m, k))
     codes, scales, tensor_scale = quantize_operand(values, GEMM_FORMATS[fmt])
-    out = {"x": values.astype(jnp.bfloat16), "a": codes, "sfa": formats.to_scale_atom(scales),
+    out = {"x": values.astype(jnp.bfloat16), "a": codes, "sfa": scales,
            "x_fp8": formats.quantize_mxfp8(values)[0]}
     if tensor_scale is not None:  # NVFP4: C = alpha · Â·B̂ᵀ with both per-tensor scales in alpha
         out["alpha"] = (tensor_scale * weight["w_tensor_scale"]).astype(jnp.float32)
