@@ -242,9 +242,10 @@ class GemmAmaxPartitionTest(_PartitionCase):
         oracle_ops.assert_gemm_close(self, c, c_ref, c_dtype=jnp.dtype(c_dtype), c_major=majors[2])
         oracle_ops.assert_amax_close(self, amax, amax_ref)
 
-    def test_each_shard_lowers_to_the_kernel_on_cuda(self):
-        """The partition callback's per-shard function, lowered for CUDA (no GPU needed), calls the kernel on the
-        local shapes: the same per-platform rule as an unsharded call (kernel objects stubbed, nothing compiled)."""
+    def _per_shard_cuda_text(self, args, specs) -> str:
+        """The partition callback's per-shard function of gemm_amax(*args, implementation="cutedsl") on operands
+        sharded by `specs`, lowered for CUDA (no GPU needed; kernel objects stubbed, nothing compiled); checks that
+        the callback keeps the operands where they are."""
         from unittest import mock
 
         from jax_blockgemm import _native, kernel_cache, primitives, sharding
@@ -255,11 +256,8 @@ class GemmAmaxPartitionTest(_PartitionCase):
         except ImportError as e:
             raise absltest.SkipTest(f"needs the native bridge and CuTeDSL: {e}")
         mesh = _mesh()
-        fn, args, _ = _gemm_problem(np.random.default_rng(11), (1, 512, 256, 96), "mxfp8_e4m3", ("k", "k", "n"),
-                                    "float32")
         jaxpr = jax.make_jaxpr(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl"))(*args)
         params = next(e.params for e in jaxpr.eqns if e.primitive is primitives.gemm_amax_p)
-        specs = (P(None, "data"), P(None, "model"), P(None, "data"), P(None, "model"))
         shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)) for x, s in zip(args, specs)]
         _, per_shard, out_shardings, arg_shardings = sharding._gemm_partition(
             primitives.gemm_amax_local_p.bind, sharding.freeze_params(params), mesh, shapes, None)
@@ -268,10 +266,29 @@ class GemmAmaxPartitionTest(_PartitionCase):
         spmd = jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=tuple(s.spec for s in out_shardings),
                              check_vma=False)
         with mock.patch.object(kernel_cache, "get_object", return_value=b"stand-in object"):
-            text = jax.jit(spmd).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+            return jax.jit(spmd).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+    def test_each_shard_lowers_to_the_kernel_on_cuda(self):
+        """The per-shard function calls the kernel on the local shapes: the same per-platform rule as an unsharded
+        call."""
+        _, args, _ = _gemm_problem(np.random.default_rng(11), (1, 512, 256, 96), "mxfp8_e4m3", ("k", "k", "n"),
+                                   "float32")
+        text = self._per_shard_cuda_text(args, (P(None, "data"), P(None, "model"), P(None, "data"), P(None, "model")))
         calls = re.findall(r"stablehlo.custom_call @jbg_gemm_amax\(.*", text)
         self.assertLen(calls, 1, text)
         self.assertIn("tensor<1x128x96xf8E4M3FN>, tensor<1x128x96xf8E4M3FN>", calls[0])  # M/4 and N/2 per shard
+
+    def test_rows_finer_than_an_atom_take_the_decode_kernel_per_shard(self):
+        """256 quantized rows with compact scales over 8 devices: each device's 32 rows are a decode-sized call, so
+        its shard lowers to the decode kernel on its own rows, with its compact scale rows as they are (no atoms)."""
+        _, args, _ = _gemm_problem(np.random.default_rng(13), (1, 256, 256, 96), "mxfp8_e4m3", ("k", "k", "n"),
+                                   "float32", scales="compact")
+        text = self._per_shard_cuda_text(args, (P(None, ("data", "model")), P(), P(None, ("data", "model")), P()))
+        self.assertNotIn("all-gather", text)
+        calls = re.findall(r"stablehlo.custom_call @jbg_weight_stream\(.*", text)  # no local GPU: every arch's kernel
+        self.assertLen(calls, 1, text)
+        # x: the shard's 32 rows dequantized to bf16; the weight (N, K) and its compact scales whole
+        self.assertIn("tensor<1x32x96xbf16>, tensor<1x256x96xf8E4M3FN>, tensor<1x256x3xui8>", calls[0])
 
     def test_nan_in_one_shard_poisons_amax(self):
         """A NaN scale in the last row shard makes the global amax NaN, however large the other shards are."""
