@@ -171,6 +171,23 @@ class RealPrimitiveTest(absltest.TestCase):
         self.assertEqual(results, ["tensor<2x200x72xbf16>", "tensor<2xf32>"])
         self.assertEqual((attrs["ab_dtype"], attrs["c_dtype"]), ("float8_e4m3fn", "bfloat16"))
 
+    def test_compact_scales_reach_the_kernel_as_atoms(self):
+        """gemm_amax on compact scales (as the quantizers return them) keeps them compact up to the local op; the
+        block-scaled kernel's call gets them as SPEC §3's atoms, made in the lowering."""
+        try:
+            from jax_blockgemm.kernels import catalog  # noqa: F401
+        except ImportError as e:
+            self.skipTest(f"CuTeDSL is not importable: {e}")
+        import jax_blockgemm as jbg
+
+        a, b, _, _ = _operands(2, 200, 72, 160)
+        compact = (jax.ShapeDtypeStruct((2, 200, 5), jnp.uint8), jax.ShapeDtypeStruct((2, 72, 5), jnp.uint8))
+        with mock.patch.object(kernel_cache, "get_object", return_value=b"stand-in object"):
+            f = jax.jit(functools.partial(jbg.gemm_amax, c_dtype=jnp.bfloat16, implementation="cutedsl"))
+            lowered = f.trace(a, b, *compact).lower(lowering_platforms=("cuda",))
+        _, operands, _ = _custom_call(lowered)
+        self.assertEqual(operands[2:4], ["tensor<2x2x2x32x4x4xui8>", "tensor<2x1x2x32x4x4xui8>"])
+
     def test_public_proj_rope_lowers_with_the_hopper_and_blackwell_objects(self):
         """gemm_proj_rope_mxfp8 for CUDA carries the sm_100a object beside the sm_90a one (the handler picks by
         compute capability), for both weight layouts."""
