@@ -225,7 +225,7 @@ class GemmAmaxPartitionTest(_PartitionCase):
         oracle_ops.assert_gemm_close(self, c, c_ref, c_dtype=jnp.dtype(c_dtype), c_major=majors[2])
         oracle_ops.assert_amax_close(self, amax, amax_ref)
 
-    @parameterized.parameters(*_partitioners(COMPACT_GEMM_CASES))
+    @parameterized.parameters(*_partitioners(COMPACT_GEMM_CASES, gspmd_too=len(COMPACT_GEMM_CASES)))
     def test_compact_scales_shard_with_their_rows(self, case, partitioner):
         """Compact scales split like their operand's rows, finer than a 128-row atom too (256 rows over 8 devices,
         as data-parallel decode makes them): each device makes atoms of its own rows, nothing is gathered."""
