@@ -43,8 +43,9 @@ def gemm_amax(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Array, *, alp
     b: (N, K) or (L, N, K), likewise (b_major="n": the transpose array).
     sfa, sfb: per-block scales of a and b: E8M0 (float8_e8m0fnu, uint8 or int8 bytes) or, for NVFP4,
       float8_e4m3fn. Either the physical 128x4 atom ((L,) MN', K', 32, 4, 4) the kernels read, the seed's 6-D
-      logical view (32, 4, MN', 4, K', L), or the compact ((L,) MN, ceil(K/sf_vec_size)) form, which is converted
-      to the atom by one small XLA copy (per shard under sharding, so rows may split finer than an atom).
+      logical view (32, 4, MN', 4, K', L), or the compact ((L,) MN, ceil(K/sf_vec_size)) form: the decode kernels
+      and the reference read it as it is, the other kernels get atoms from one small XLA copy on each device (so
+      under sharding rows may split finer than an atom).
     alpha: optional float32 scalar (NVFP4's per-tensor scale); multiplies C and amax.
     c_dtype: float32, float16, bfloat16, float8_e4m3fn, float8_e5m2 (FP4 operands only), or float4_e2m1fn / uint8
       for packed FP4 C: a uint8 (.., M, N//2) container, low nibble first.
