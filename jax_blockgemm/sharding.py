@@ -58,7 +58,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_blockgemm import formats, reference
-from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, is_fp4
+from jax_blockgemm.support import HEAD_DIM, MX_BLOCK, element_bits, is_fp4
 
 ATOM_ROWS = 128  # rows of one 128x4 scale atom: the finest split of M (N) that keeps a shard's scales whole
 ATOM_SCALES = 4  # scale columns of one atom: K splits in multiples of 4 blocks
@@ -181,16 +181,17 @@ def _k_splittable(params: dict) -> bool:
     return not is_fp4(params["c_dtype"])
 
 
-def _row_quantum(params: dict, dim: str, scales: Any) -> int:
-    """The finest split of M (dim "m", with sfa `scales`) or N ("n", sfb) that keeps a shard a valid call: whole
-    128-row atoms where the scales travel as atoms; with compact scales, 16 bytes of every operand whose contiguous
-    dimension it is (support.check_alignment: MN-major codes are 8-bit, C as c_dtype)."""
+def _row_quantum(params: dict, dim: str, codes: Any, scales: Any) -> int:
+    """The finest split of M (dim "m": a's `codes`, sfa `scales`) or N ("n": b's, sfb) that keeps a shard a valid
+    call: whole 128-row atoms where the scales travel as atoms; with compact scales, 16 bytes of every operand whose
+    contiguous dimension it is (as support.check_alignment asks of the whole call)."""
     if len(scales.shape) != 3:
         return ATOM_ROWS
-    quantum = 16 if params["a_major" if dim == "m" else "b_major"] == dim else 1
+    quantum = 1
+    if params["a_major" if dim == "m" else "b_major"] == dim:
+        quantum = 128 // element_bits(codes.dtype)
     if params["c_major"] == dim:
-        c_bits = 4 if is_fp4(params["c_dtype"]) else 8 * jnp.dtype(params["c_dtype"]).itemsize
-        quantum = max(quantum, 128 // c_bits)
+        quantum = max(quantum, 128 // element_bits(params["c_dtype"]))
     return quantum
 
 
@@ -202,8 +203,9 @@ def gemm_plan(params: dict, mesh: Any, shapes: Sequence[Any]) -> GemmPlan:
     n_dim = 1 if params["b_major"] == "k" else 2
     l_axes = _dim_axes(a.sharding, 0) or _dim_axes(b.sharding, 0)
     l_axes = _keep(mesh, l_axes, a.shape[0], 1, ())
-    m_axes = _keep(mesh, _dim_axes(a.sharding, m_dim), a.shape[m_dim], _row_quantum(params, "m", shapes[2]), l_axes)
-    n_axes = _keep(mesh, _dim_axes(b.sharding, n_dim), b.shape[n_dim], _row_quantum(params, "n", shapes[3]),
+    m_axes = _keep(mesh, _dim_axes(a.sharding, m_dim), a.shape[m_dim], _row_quantum(params, "m", a, shapes[2]),
+                   l_axes)
+    n_axes = _keep(mesh, _dim_axes(b.sharding, n_dim), b.shape[n_dim], _row_quantum(params, "n", b, shapes[3]),
                    l_axes + m_axes)
     k_axes: Axes = ()
     if _k_splittable(params):

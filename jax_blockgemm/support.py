@@ -187,11 +187,15 @@ def check_gemm_operands(a: Any, b: Any, *, a_major: str, b_major: str, names: tu
     return a3[0], m, n, ka
 
 
+def element_bits(dtype: Any) -> int:
+    """Bits of one element of an operand or C of `dtype` (FP4, packed or not: 4)."""
+    return 4 if is_fp4(dtype) else 8 * np.dtype(dtype).itemsize
+
+
 def check_alignment(*, ab_dtype: Any, c_dtype: Any, m: int, n: int, k: int, a_major: str, b_major: str,
                     c_major: str) -> None:
     """16-byte alignment of each operand's contiguous dimension (the seeds' TMA requirement)."""
-    ab_bits = 4 if is_fp4(ab_dtype) else 8
-    c_bits = 4 if is_fp4(c_dtype) else 8 * np.dtype(c_dtype).itemsize
+    ab_bits, c_bits = element_bits(ab_dtype), element_bits(c_dtype)
     checks = (
         ("a", "K" if a_major == "k" else "M", k if a_major == "k" else m, ab_bits),
         ("b", "K" if b_major == "k" else "N", k if b_major == "k" else n, ab_bits),
