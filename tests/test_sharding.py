@@ -167,9 +167,9 @@ GEMM_CASES = [
 ]
 
 
-def _gemm_problem(rng, shape, fmt, majors, c_dtype, scales="atom"):
-    """Random operands (scales as atoms, or `scales="compact"`) and the unsharded function of them, plus the float64
-    oracle's (C, amax)."""
+def _gemm_problem(rng, shape, fmt, majors, c_dtype, scales=("atom", "atom")):
+    """Random operands (sfa and sfb in the forms `scales` names: "atom" or "compact") and the unsharded function of
+    them, plus the float64 oracle's (C, amax)."""
     l, m, n, k = shape
     a_major, b_major, c_major = majors
     d = oracle_ops.random_gemm_inputs(rng, l=l, m=m, n=n, k=k, fmt=fmt, a_major=a_major, b_major=b_major,
@@ -180,7 +180,7 @@ def _gemm_problem(rng, shape, fmt, majors, c_dtype, scales="atom"):
         return jbg.gemm_amax(a, b, sfa, sfb, alpha=alpha, c_dtype=jnp.dtype(c_dtype), a_major=a_major,
                              b_major=b_major, c_major=c_major, sf_vec_size=d["sf_vec_size"])
 
-    scale_names = ("sfa_atom", "sfb_atom") if scales == "atom" else ("sfa", "sfb")
+    scale_names = (name + "_atom" if form == "atom" else name for name, form in zip(("sfa", "sfb"), scales))
     args = tuple(jnp.asarray(d[name]) for name in ("a", "b", *scale_names))
     ref = oracle_ops.gemm_amax_oracle(d["a"], d["b"], d["sfa"], d["sfb"], k=k, sf_vec_size=d["sf_vec_size"],
                                       a_major=a_major, b_major=b_major, alpha=alpha)
@@ -188,20 +188,24 @@ def _gemm_problem(rng, shape, fmt, majors, c_dtype, scales="atom"):
 
 
 # Compact (L, MN, KB) scales shard with their operand's rows, in any split that keeps each shard's rows aligned
-# (the primitive makes each device's atoms): the same fields as GEMM_CASES.
+# (the primitive makes each device's atoms): the fields of GEMM_CASES, then the forms of sfa and sfb.
 COMPACT_GEMM_CASES = [
     ("rows_finer_than_an_atom", (1, 256, 128, 128), "mxfp8_e4m3", ("k", "k", "n"), "float32",
-     (P(None, ("data", "model")), P(), P(None, ("data", "model")), P()), P(None, ("data", "model"))),
+     (P(None, ("data", "model")), P(), P(None, ("data", "model")), P()), P(None, ("data", "model")),
+     ("compact", "compact")),
     ("rows_and_columns_off_atoms_m_major_c", (2, 192, 96, 160), "mxfp8_e4m3", ("k", "k", "m"), "bfloat16",
-     (P(None, "data"), P(None, "model"), P(None, "data"), P(None, "model")), P(None, "model", "data")),
+     (P(None, "data"), P(None, "model"), P(None, "data"), P(None, "model")), P(None, "model", "data"),
+     ("compact", "compact")),
     ("m_major_rows", (1, 256, 64, 96), "mxfp8_e5m2", ("m", "k", "n"), "float32",
-     (P(None, None, ("data", "model")), P(), P(None, ("data", "model")), P()), P(None, ("data", "model"))),
+     (P(None, None, ("data", "model")), P(), P(None, ("data", "model")), P()), P(None, ("data", "model")),
+     ("compact", "compact")),
     ("nvfp4_packed_c_columns", (1, 128, 256, 128), "nvfp4", ("k", "k", "n"), "uint8",
-     (P(), P(None, "data"), P(), P(None, "data")), P(None, None, "data")),
-    ("compact_rows_atom_columns", (1, 256, 256, 64), "mxfp4", ("k", "k", "n"), "float32",
-     (P(None, "data"), P(None, "model"), P(None, "data"), P(None, "model")), P(None, "data", "model")),
+     (P(), P(None, "data"), P(), P(None, "data")), P(None, None, "data"), ("compact", "compact")),
+    ("compact_rows_atom_columns", (1, 256, 256, 64), "mxfp4", ("k", "k", "n"), "float32",  # N: 128-row atoms a shard
+     (P(None, "data"), P(None, "model"), P(None, "data"), P(None, "model")), P(None, "data", "model"),
+     ("compact", "atom")),
     ("gathered_rows_off_alignment", (1, 208, 64, 64), "mxfp8_e4m3", ("m", "k", "n"), "float32",
-     (P(None, None, "data"), P(), P(None, "data"), P()), None),
+     (P(None, None, "data"), P(), P(None, "data"), P()), None, ("compact", "compact")),
 ]
 
 
@@ -213,11 +217,13 @@ def _partitioners(cases: list, gspmd_too: int = 1) -> list[dict]:
 
 class GemmAmaxPartitionTest(_PartitionCase):
 
-    @parameterized.parameters(*_partitioners(GEMM_CASES))
-    def test_sharded_equals_unsharded(self, case, partitioner):
+    def check_case(self, case, partitioner, seed, scales=("atom", "atom")):
+        """One GEMM_CASES case under `partitioner`: bit for bit the unsharded call, the all-gathers as the case says,
+        C sharded as it says, and within SPEC §7's class of the float64 oracle."""
         name, shape, fmt, majors, c_dtype, specs, c_spec = case
         mesh = _mesh()
-        fn, args, (c_ref, amax_ref) = _gemm_problem(np.random.default_rng(len(name)), shape, fmt, majors, c_dtype)
+        fn, args, (c_ref, amax_ref) = _gemm_problem(np.random.default_rng(seed), shape, fmt, majors, c_dtype,
+                                                    scales)
         sharded = [_put(mesh, x, s) for x, s in zip(args, specs)]
         with partitioners.partitioner(partitioner):
             c, amax = self.check_partitioned(fn, args, sharded, gathers=c_spec is None, mesh=mesh,
@@ -225,22 +231,15 @@ class GemmAmaxPartitionTest(_PartitionCase):
         oracle_ops.assert_gemm_close(self, c, c_ref, c_dtype=jnp.dtype(c_dtype), c_major=majors[2])
         oracle_ops.assert_amax_close(self, amax, amax_ref)
 
+    @parameterized.parameters(*_partitioners(GEMM_CASES))
+    def test_sharded_equals_unsharded(self, case, partitioner):
+        self.check_case(case, partitioner, len(case[0]))
+
     @parameterized.parameters(*_partitioners(COMPACT_GEMM_CASES, gspmd_too=len(COMPACT_GEMM_CASES)))
     def test_compact_scales_shard_with_their_rows(self, case, partitioner):
         """Compact scales split like their operand's rows, finer than a 128-row atom too (256 rows over 8 devices,
         as data-parallel decode makes them): each device makes atoms of its own rows, nothing is gathered."""
-        name, shape, fmt, majors, c_dtype, specs, c_spec = case
-        mesh = _mesh()
-        fn, args, (c_ref, amax_ref) = _gemm_problem(np.random.default_rng(len(name) + 50), shape, fmt, majors,
-                                                    c_dtype, scales="compact")
-        if name == "compact_rows_atom_columns":  # sfb as atoms, N on whole atoms (128 rows per shard)
-            args = (*args[:3], formats.to_scale_atom(args[3]))
-        sharded = [_put(mesh, x, s) for x, s in zip(args, specs)]
-        with partitioners.partitioner(partitioner):
-            c, amax = self.check_partitioned(fn, args, sharded, gathers=c_spec is None, mesh=mesh,
-                                             out_specs=None if c_spec is None else (c_spec, P()))
-        oracle_ops.assert_gemm_close(self, c, c_ref, c_dtype=jnp.dtype(c_dtype), c_major=majors[2])
-        oracle_ops.assert_amax_close(self, amax, amax_ref)
+        self.check_case(case[:-1], partitioner, len(case[0]) + 50, case[-1])
 
     def _per_shard_cuda_text(self, args, specs) -> str:
         """The partition callback's per-shard function of gemm_amax(*args, implementation="cutedsl") on operands
@@ -282,7 +281,7 @@ class GemmAmaxPartitionTest(_PartitionCase):
         """256 quantized rows with compact scales over 8 devices: each device's 32 rows are a decode-sized call, so
         its shard lowers to the decode kernel on its own rows, with its compact scale rows as they are (no atoms)."""
         _, args, _ = _gemm_problem(np.random.default_rng(13), (1, 256, 256, 96), "mxfp8_e4m3", ("k", "k", "n"),
-                                   "float32", scales="compact")
+                                   "float32", scales=("compact", "compact"))
         text = self._per_shard_cuda_text(args, (P(None, ("data", "model")), P(), P(None, ("data", "model")), P()))
         self.assertNotIn("all-gather", text)
         calls = re.findall(r"stablehlo.custom_call @jbg_weight_stream\(.*", text)  # no local GPU: every arch's kernel
@@ -397,7 +396,7 @@ class GemmAmaxPartitionTest(_PartitionCase):
         each device making atoms of its own K slice of the scales; no operand gathered, C within SPEC §7's class."""
         mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
         fn, args, (c_ref, amax_ref) = _gemm_problem(np.random.default_rng(32), (1, 96, 64, 1024), "mxfp8_e4m3",
-                                                    ("k", "k", "n"), "float32", scales="compact")
+                                                    ("k", "k", "n"), "float32", scales=("compact", "compact"))
         specs = (P(None, None, "x"),) * 4
         jitted = jax.jit(fn)
         sharded = [_put(mesh, x, spec) for x, spec in zip(args, specs)]
