@@ -19,7 +19,8 @@ Beside each time: the rate at which that column reads its own weight bytes (code
 codes) as a fraction of the device's read bandwidth, measured in the same run by a jitted max over a large buffer.
 `--small` swaps in tiny shapes, M in {1, 4} and 4 matrices, which a CPU runs in seconds; `--shape M,N,K` (repeatable)
 times those cases instead of the shapes above. `--kernels` adds the GPU time of each kernel per GEMM (a CUPTI trace of
-the program, `kernel_time`): what the GEMM's kernel itself takes, apart from the launches' gaps between kernels.
+the program, `kernel_time`): what the GEMM's kernel itself takes, apart from the time the GPU waits for the host
+between the program's calls.
 `--interleave` compiles every column of a case first and takes their samples in turn (`timing.interleaved_medians_ms`):
 columns timed one after another meet the GPU in different states (the reference's long programs heat it), which can
 pass for a difference between columns that run the same kernel.
@@ -234,7 +235,7 @@ def format_table(record: dict[str, Any]) -> str:
               if "kernels_us" in e]
     if traced:
         lines += ["", f"GPU time per GEMM by kernel, us (a CUPTI trace of {KERNEL_TRACE_PROGRAMS} programs; kernel "
-                  "time only: the column's time above less this sum is the gaps between kernels)"]
+                  "time only: the column's time above less this sum is the GPU waiting, mostly between calls)"]
         for c, key, times in traced:
             label = f"{GEMM_FORMATS[c['format']].title} {c['k']} -> {c['n']}, M = {c['m']}, {COLUMNS[key]}"
             lines.append(f"  {label}: {kernel_time.describe(times, '.3g')}")
