@@ -235,7 +235,8 @@ def format_table(record: dict[str, Any]) -> str:
               if "kernels_us" in e]
     if traced:
         lines += ["", f"GPU time per GEMM by kernel, us (a CUPTI trace of {KERNEL_TRACE_PROGRAMS} programs; kernel "
-                  "time only: the column's time above less this sum is the GPU waiting, mostly between calls)"]
+                  "time only: the column's time above less this sum is the GPU waiting for the host, at each sample's "
+                  "start and wherever the host issues a program more slowly than the GPU runs it)"]
         for c, key, times in traced:
             label = f"{GEMM_FORMATS[c['format']].title} {c['k']} -> {c['n']}, M = {c['m']}, {COLUMNS[key]}"
             lines.append(f"  {label}: {kernel_time.describe(times, '.3g')}")
