@@ -14,7 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 SWAP_AB_K_TILE = 64  # the swap_ab kernel's k-tile: the span of its token permutation
-SWAP_AB_K_PAD = 256  # its tokens' K is padded to a multiple of this (it adds partial sums every four k-tiles)
+SWAP_AB_K_PAD = 256  # its tokens' K is padded to a multiple of this (it adds partial sums every 256 of K)
+# MXFP4 weights on the tiles that order their own tokens take 128 codes a k-tile (64 bytes of a weight row, as FP8's
+# 64 codes): the per-k-tile work is spread over twice the codes (docs/design/decode.md, *128-code k-tiles*)
+WIDE_K_TILE = 128
 # Tiles of at most this many tokens order the tokens' columns in the kernel: the 16-token decode tile, whose calls of
 # 1 to 16 rows would otherwise pay a separate launch (XLA's gather, 1.5-2.4 us on the H200) and its gap. The 32- and
 # 64-token tiles' producer warps, with 8 and 16 rows a k-tile to move, slowed their kernels (H100: 25.2 against about
@@ -28,16 +31,27 @@ def kernel_orders_tokens(tile_tokens: int) -> bool:
     return tile_tokens <= KERNEL_ORDER_MAX_TOKENS
 
 
+def kernel_k_tile(*, fp4: bool, sf_vec_size: int, tile_tokens: int) -> int:
+    """Codes of K per k-tile of the swap_ab object for these weights (`fp4`: packed FP4 with blocks of
+    `sf_vec_size`) and a tile of `tile_tokens` tokens: WIDE_K_TILE for MXFP4 on a tile that orders its own tokens,
+    SWAP_AB_K_TILE otherwise (the token permutation XLA applies for the others spans SWAP_AB_K_TILE)."""
+    wide = fp4 and sf_vec_size == 32 and kernel_orders_tokens(tile_tokens)
+    return WIDE_K_TILE if wide else SWAP_AB_K_TILE
+
+
 def swap_ab_column_order(k_tile: int = SWAP_AB_K_TILE, *, fp4: bool = False) -> np.ndarray:
     """For each column 16s + 8h + 2c + j of a k-tile, the column it takes from: the order in which the swap_ab
-    kernel's threads hold the weights' codes in the wgmma A fragment. Thread c of a quad loads codes 16c .. 16c + 15
-    of a row; its slots of k-step s are k 2c, 2c + 1 (h = 0) and 2c + 8, 2c + 9 (h = 1). FP8 codes pair as
-    consecutive bytes: column 16c + 4s + 2h + j. FP4 (`fp4`) codes i and i + 4 of a word of eight pair up, k-step s
-    taking pairs 2(s % 2) + h of word s // 2: column 16c + 8(s // 2) + 2(s % 2) + h + 4j."""
+    kernel's threads hold the weights' codes in the wgmma A fragment. Thread c of a quad loads codes kc .. kc + k - 1
+    of a row (k = k_tile / 4 codes); its slots of k-step s are k 2c, 2c + 1 (h = 0) and 2c + 8, 2c + 9 (h = 1). FP8
+    codes (64-code k-tiles) pair as consecutive bytes: column 16c + 4s + 2h + j. FP4 (`fp4`) codes i and i + 4 of a
+    word of eight pair up, k-step s taking pairs 2(s % 2) + h of word s // 2: column kc + 8(s // 2) + 2(s % 2) + h
+    + 4j."""
     col = np.arange(k_tile)
     s, h, c, j = col // 16, (col // 8) % 2, (col // 2) % 4, col % 2
     if fp4:
-        return 16 * c + 8 * (s // 2) + 2 * (s % 2) + h + 4 * j
+        return k_tile // 4 * c + 8 * (s // 2) + 2 * (s % 2) + h + 4 * j
+    if k_tile != SWAP_AB_K_TILE:
+        raise ValueError(f"FP8 weights take k-tiles of {SWAP_AB_K_TILE} codes, got {k_tile}")
     return 16 * c + 4 * s + 2 * h + j
 
 

@@ -78,50 +78,53 @@ class TokenOrderTest(absltest.TestCase):
                             self.assertEqual(order[16 * s + k16], 16 * c + 4 * s + 2 * h + j, (t, j, r, h, s))
 
     def test_fp4_order_is_the_fragment_order(self):
-        """FP4: thread (g, c) loads codes 16c .. 16c + 15 of rows 16w + g and + 8 (8 bytes each: words 0 and 1 of
-        eight codes) and puts pair 2(s % 2) + h of word s // 2 (`common.e2m1_pair_bits`: codes p and p + 4 of the
-        word) into value (j, r, h) of k-step s (`_convert_fp4_words`); the tokens' column there must be that code's."""
+        """FP4: thread (g, c) loads codes kc .. kc + k - 1 (k = k_tile / 4) of rows 16w + g and + 8 (k / 8 words of
+        eight codes each) and puts pair 2(s % 2) + h of word s // 2 (`common.e2m1_pair_bits`: codes p and p + 4 of
+        the word) into value (j, r, h) of k-step s (`_convert_fp4_words`); the tokens' column there must be that
+        code's, for the 64-code k-tiles and MXFP4's 128-code ones."""
         frag = _rs_fragment_layout()
-        order = swap_ab_layout.swap_ab_column_order(fp4=True)
-        self.assertEqual(sorted(order.tolist()), list(range(64)))
-        for t in range(128):
-            c = t % 4
-            for j in range(2):
-                for r in range(2):
-                    for h in range(2):
-                        k16 = frag["index"][t][j + 2 * r + 4 * h] // 64
-                        for s in range(4):
-                            code = 16 * c + 8 * (s // 2) + 2 * (s % 2) + h + 4 * j
-                            self.assertEqual(order[16 * s + k16], code, (t, j, r, h, s))
+        for k_tile in (64, 128):
+            order = swap_ab_layout.swap_ab_column_order(k_tile, fp4=True)
+            self.assertEqual(sorted(order.tolist()), list(range(k_tile)))
+            for t in range(128):
+                c = t % 4
+                for j in range(2):
+                    for r in range(2):
+                        for h in range(2):
+                            k16 = frag["index"][t][j + 2 * r + 4 * h] // 64
+                            for s in range(k_tile // 16):
+                                code = k_tile // 4 * c + 8 * (s // 2) + 2 * (s % 2) + h + 4 * j
+                                self.assertEqual(order[16 * s + k16], code, (k_tile, t, j, r, h, s))
 
     def test_fp4_conversion_model_keeps_the_dot_product(self):
         """A model of one weight row's k-tile through the kernel: packed bytes (SPEC §1: code 2i in the low nibble
-        of byte i), each lane's two words, the pairs `e2m1_pair_bits` forms decoded and scaled, fed to the fragment
+        of byte i), each lane's words, the pairs `e2m1_pair_bits` forms decoded and scaled, fed to the fragment
         slots at column 16s + 8h + 2c + j; against tokens in the FP4 order the sum is the row's dot product with the
-        tokens in their own order."""
+        tokens in their own order (64- and 128-code k-tiles)."""
         import ml_dtypes
         from jax_blockgemm import formats
-
-        rng = np.random.default_rng(1)
-        nibbles = rng.integers(0, 16, size=64)
-        packed = (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8)
-        values = np.asarray(formats.unpack_fp4(jnp.asarray(packed)).astype(jnp.float32), np.float64)
-        tokens = rng.standard_normal(64)
-        permuted = tokens[swap_ab_layout.swap_ab_column_order(fp4=True)]
 
         def bf16(bits):
             return np.array([bits & 0xFFFF], np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)[0]
 
-        total = 0.0
-        for c in range(4):
-            words = packed[8 * c:8 * c + 8].view(np.int32)  # the lane's ld.shared.v2: little-endian words
-            for s in range(4):
-                for h in range(2):
-                    bits = int(common.e2m1_pair_bits(words[s // 2:s // 2 + 1], 2 * (s % 2) + h)[0]) & 0xFFFFFFFF
-                    for j in range(2):
-                        code = bf16(bits >> (16 * j)) * 2.0**common.E2M1_PLACEMENT
-                        total += code * permuted[16 * s + 8 * h + 2 * c + j]
-        self.assertAlmostEqual(total, float(values @ tokens), places=10)
+        rng = np.random.default_rng(1)
+        for k_tile in (64, 128):
+            nibbles = rng.integers(0, 16, size=k_tile)
+            packed = (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8)
+            values = np.asarray(formats.unpack_fp4(jnp.asarray(packed)).astype(jnp.float32), np.float64)
+            tokens = rng.standard_normal(k_tile)
+            permuted = tokens[swap_ab_layout.swap_ab_column_order(k_tile, fp4=True)]
+            lane_bytes = k_tile // 8
+            total = 0.0
+            for c in range(4):
+                words = packed[lane_bytes * c:lane_bytes * (c + 1)].view(np.int32)  # the lane's shared load
+                for s in range(k_tile // 16):
+                    for h in range(2):
+                        bits = int(common.e2m1_pair_bits(words[s // 2:s // 2 + 1], 2 * (s % 2) + h)[0]) & 0xFFFFFFFF
+                        for j in range(2):
+                            code = bf16(bits >> (16 * j)) * 2.0**common.E2M1_PLACEMENT
+                            total += code * permuted[16 * s + 8 * h + 2 * c + j]
+            self.assertAlmostEqual(total, float(values @ tokens), places=10)
 
     def test_dequantize_kernel_writes_the_same_order(self):
         """The dequantize kernel's swap_ab order (kernels/dequantize.py): the run of 8 codes at column 8·run of a
@@ -166,25 +169,26 @@ class KernelOrderedTokensTest(parameterized.TestCase):
         pool = int(a & 0xFFFFFFFF).to_bytes(4, "little") + int(b & 0xFFFFFFFF).to_bytes(4, "little")
         return int.from_bytes(bytes(pool[(selector >> (4 * i)) & 0x7] for i in range(4)), "little")
 
-    @parameterized.parameters(False, True)
-    def test_a_stage_ends_in_the_fragment_order(self, fp4):
-        rows = 16
+    @parameterized.parameters((False, 64), (True, 64), (True, 128))
+    def test_a_stage_ends_in_the_fragment_order(self, fp4, k_tile):
+        rows, chunks = 16, k_tile // 8
         rng = np.random.default_rng(7)
-        x = rng.integers(0, 2**16, size=(rows, 64), dtype=np.uint16)  # a k-tile of bf16 tokens, as bits
-        stage = np.zeros(rows * 128, np.uint8)
-        at = lambda r, chunk: r * 128 + 16 * (chunk ^ r % 8)
+        x = rng.integers(0, 2**16, size=(rows, k_tile), dtype=np.uint16)  # a k-tile of bf16 tokens, as bits
+        stage = np.zeros(rows * k_tile * 2, np.uint8)
+        # chunk j of row r: in swizzle atom j // 8 (every row's 128-byte line of one atom, then the next atom's)
+        at = lambda r, j: j // 8 * rows * 128 + r * 128 + 16 * (j % 8 ^ r % 8)
         for r in range(rows):  # as TMA lands it: the row's chunks in their own column order, swizzled
-            for j in range(8):
+            for j in range(chunks):
                 stage[at(r, j):at(r, j) + 16] = x[r, 8 * j:8 * j + 8].view(np.uint8)
-        for r in range(rows):  # eight lanes a row: every chunk read before any is written
-            words = {v: [int(w) for w in stage[at(r, v):at(r, v) + 16].view(np.uint32)] for v in range(8)}
-            for v in range(8):
+        for r in range(rows):  # a lane a chunk: every chunk of a row read before any is written
+            words = {v: [int(w) for w in stage[at(r, v):at(r, v) + 16].view(np.uint32)] for v in range(chunks)}
+            for v in range(chunks):
                 for q, word in enumerate(common.token_chunk_words(words[v], fp4, self._byte_perm)):
-                    chunk, offset = common.token_chunk_place(v, q)
+                    chunk, offset = common.token_chunk_place(v, q, chunks // 4)
                     stage[at(r, chunk) + offset:at(r, chunk) + offset + 4] = np.array([word], np.uint32).view(np.uint8)
-        got = np.stack([np.concatenate([stage[at(r, j):at(r, j) + 16].view(np.uint16) for j in range(8)])
+        got = np.stack([np.concatenate([stage[at(r, j):at(r, j) + 16].view(np.uint16) for j in range(chunks)])
                         for r in range(rows)])  # as the wgmma reads the stage
-        np.testing.assert_array_equal(got, x[:, swap_ab_layout.swap_ab_column_order(fp4=fp4)])
+        np.testing.assert_array_equal(got, x[:, swap_ab_layout.swap_ab_column_order(k_tile, fp4=fp4)])
 
     def test_which_tiles_order_their_tokens(self):
         """The 16-token decode tile orders the tokens itself and takes them padded only; the wider tiles take them
@@ -203,7 +207,8 @@ class ScaleAddressingTest(parameterized.TestCase):
     (`atom`: sf_atom 1), must be that row's scale of the block holding those codes, or for rows past N and codes past
     K (TMA's zeros) a byte of the weight's last real row and block: no read leaves the weight's scales."""
 
-    @parameterized.product(fmt=((E4M3, 32, E8M0), (FP4, 32, E8M0), (FP4, 16, E4M3)), tile=((128, 128), (64, 64)),
+    @parameterized.product(fmt=((E4M3, 32, E8M0), (FP4, 32, E8M0), (FP4, 16, E4M3)), tile=((128, 128), (64, 64),
+                                                                                           (16, 64)),
                            atom=(False, True))
     def test_each_lane_reads_its_block(self, fmt, tile, atom):
         from jax_blockgemm.kernels.sm90 import ragged_swap_ab
@@ -227,13 +232,14 @@ class ScaleAddressingTest(parameterized.TestCase):
                 for row in range(rows):
                     at = int(kernel._scale_row_at(Base, int(atom), w_batch, tile_n * rows + row, n, kb))
                     for q in range(groups + 1):  # the last group's loads of the next one: the clamped block
-                        for i in range(ragged_swap_ab.PROMOTE_TILES):
+                        for i in range(kernel.promote_tiles):
                             for pair in range(4):
                                 walk = kernel._scale_walk(pair, kb, int(atom))
                                 got = flat[at + int(kernel._scale_offset(walk, q, i))]
-                                kt = ragged_swap_ab.PROMOTE_TILES * q + i
+                                kt = kernel.promote_tiles * q + i
+                                first_code = kernel.k_tile * kt + kernel.k_tile // 4 * pair
                                 want = compact[w_batch, min(tile_n * rows + row, n - 1),
-                                               min((64 * kt + 16 * pair) // block, kb - 1)]
+                                               min(first_code // block, kb - 1)]
                                 self.assertEqual(int(got), int(want), (w_batch, tile_n, row, q, i, pair))
 
 
@@ -244,9 +250,7 @@ def _k_split_pipeline(kernel, k_tiles: int) -> str:
     releases its group's last), its states starting and skipping as `part_walk` says. Returns "done" or "deadlock";
     raises AssertionError where a part would read or release a stage that holds another k-tile than the one it
     multiplies next."""
-    from jax_blockgemm.kernels.sm90.ragged_swap_ab import PROMOTE_TILES as per
-
-    stages, split = kernel.stages, kernel.k_split
+    per, stages, split = kernel.promote_tiles, kernel.stages, kernel.k_split
     filled, released = [], set()  # k-tiles filled, in order; k-tiles released
 
     def consumer(part):
@@ -298,12 +302,12 @@ class KSplitPipelineModelTest(parameterized.TestCase):
     """The k_split decode tiles' stage pipeline (kernels/sm90/ragged_swap_ab.py, `mainloop`): each part reads only
     the k-tiles of its promotion groups, each stage always by the same part, and no part waits forever."""
 
-    @parameterized.product(split=(1, 2, 3), groups=(1, 2, 3, 5, 8, 13))
-    def test_every_part_reads_its_groups_and_finishes(self, split, groups):
+    @parameterized.product(split=(1, 2, 3), groups=(1, 2, 3, 5, 8, 13), w_dtype=(E4M3, FP4))
+    def test_every_part_reads_its_groups_and_finishes(self, split, groups, w_dtype):
         from jax_blockgemm.kernels.sm90 import ragged_swap_ab
 
-        kernel = ragged_swap_ab.HopperRaggedSwapAB(token_rows=16, weight_warpgroups=1, k_split=split)
-        self.assertEqual(_k_split_pipeline(kernel, groups * ragged_swap_ab.PROMOTE_TILES), "done")
+        kernel = ragged_swap_ab.HopperRaggedSwapAB(token_rows=16, weight_warpgroups=1, k_split=split, w_dtype=w_dtype)
+        self.assertEqual(_k_split_pipeline(kernel, groups * kernel.promote_tiles), "done")
 
     def test_the_model_catches_a_wrong_walk_and_too_few_stages(self):
         """The model fails where the kernel would: a part whose states do not skip the other parts' groups reads
@@ -311,8 +315,8 @@ class KSplitPipelineModelTest(parameterized.TestCase):
         behind the one it has not released."""
         from jax_blockgemm.kernels.sm90 import ragged_swap_ab
 
-        per = ragged_swap_ab.PROMOTE_TILES
         kernel = ragged_swap_ab.HopperRaggedSwapAB(token_rows=16, weight_warpgroups=1, k_split=2)
+        per = kernel.promote_tiles
         with mock.patch.object(kernel, "part_walk", lambda part: (per * part, 0)):
             with self.assertRaises(AssertionError):
                 _k_split_pipeline(kernel, 4 * per)
@@ -352,18 +356,20 @@ class CompileTest(parameterized.TestCase):
     @parameterized.product(fmt=((32, E8M0), (16, E4M3)), c_dtype=(F32, BF16),
                            tile=((128, 128, 1), *catalog.SWAP_AB_DECODE_TILES))
     def test_fp4_structure(self, fmt, c_dtype, tile):
-        """MXFP4 and NVFP4 objects: 8-byte shared loads of a thread's 16 codes, the register-sourced wgmma as wide as
-        the tile's tokens, the E2M1 bit moves (no FP8 converter) with 2^126 for the two-multiply path, no local
-        memory."""
+        """MXFP4 and NVFP4 objects: shared loads of a thread's codes of a row (16 codes in 8 bytes; MXFP4 on the
+        16-token tile 32 in 16, its k-tiles 128 codes), the register-sourced wgmma as wide as the tile's tokens, the
+        E2M1 bit moves (no FP8 converter) with 2^126 for the two-multiply path, no local memory."""
         block, sf = fmt
         v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype=FP4, c_dtype=c_dtype, sf_vec_size=block,
                                    sf_dtype=sf, tile_mn=tile[:2], k_split=tile[2], cluster_mn=(1, 1),
                                    schedule=catalog.SWAP_AB)
         c = compiled(v)
-        self.assertEqual((c.kernel.row_bytes, c.kernel.lane_bytes), (32, 8))
+        wide = block == 32 and tile[0] == 16
+        self.assertEqual((c.kernel.k_tile, c.kernel.row_bytes, c.kernel.lane_bytes),
+                         (128, 64, 16) if wide else (64, 32, 8))
         self.assertTrue(re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile[0]}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
                                   r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", c.ptx))
-        self.assertTrue(re.search(r"ld\.shared\.v2\.b32", c.ptx))
+        self.assertTrue(re.search(r"ld\.shared\.v4\.b32" if wide else r"ld\.shared\.v2\.b32", c.ptx))
         self.assertIn(str(common.BF16X2_TWO_POW_126), c.ptx)  # 2^126 in both bf16 halves
         for name, pattern in {"FP8 converter": r"cvt\.rn\.f16x2\.e4m3x2", "local memory": r"\.local"}.items():
             self.assertFalse(re.search(pattern, c.ptx), name)

@@ -20,10 +20,12 @@ E4M3 to bf16 exactly as the decode kernel does it (kernels/weight_stream.py): bi
 pair, then one packed multiply by 2^120·scale (scale bytes up to 134, voted per warp; else two multiplies); a NaN
 code among a thread's 16 makes its row's scale NaN, which gives the outputs a NaN product gives.
 
-FP4 (packed E2M1, two codes a byte): a k-tile of 64 codes is 32 bytes of a row, a thread's 16 codes 8 bytes. The
-bit model of kernels/common.py (`e2m1_pair_bits`) pairs codes i and i + 4 of a 32-bit word as code·2^-126, so the
-fragment's pairs come in another order and the tokens take their own permutation (`swap_ab_layout`, fp4=True):
-logical column 16s + 8h + 2c + j of a k-tile holds column 16c + 8(s // 2) + 2(s % 2) + h + 4j. MXFP4 then
+FP4 (packed E2M1, two codes a byte): a k-tile of 64 codes is 32 bytes of a row, a thread's 16 codes 8 bytes; MXFP4
+on the 16-token tile takes k-tiles of 128 codes (64 bytes of a row, a thread's 32 codes in one 16-byte load, eight
+k-steps), which spreads the per-k-tile work over twice the codes (`swap_ab_layout.kernel_k_tile`). The bit model of
+kernels/common.py (`e2m1_pair_bits`) pairs codes i and i + 4 of a 32-bit word as code·2^-126, so the fragment's pairs
+come in another order and the tokens take their own permutation (`swap_ab_layout`, fp4=True): logical column
+16s + 8h + 2c + j of a k-tile holds column kc + 8(s // 2) + 2(s % 2) + h + 4j, k = 16 or 32 codes a thread. MXFP4 then
 multiplies once by 2^126·scale (bytes up to 128, voted per warp; else twice); NVFP4 multiplies by 2^126 and by its
 E4M3 block scale (one per 16 codes: exactly a thread's codes of a row).
 
@@ -80,16 +82,16 @@ from jax_blockgemm.kernels.sm90.gemm_amax import smem_layout_staged
 from jax_blockgemm.kernels.sm90.ragged import ITEM_ROWS, group_item
 
 C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
-K_TILE = 64  # codes of K per stage
-PROMOTE_TILES = 4  # k-tiles per partial sum of the tensor cores (256 of K), added to the fp32 accumulator
-K_PAD = PROMOTE_TILES * K_TILE  # the tokens' K is padded to this: the mainloop runs whole promotion groups
+K_TILE = swap_ab_layout.SWAP_AB_K_TILE  # codes of K per stage (MXFP4 on the 16-token tile: WIDE_K_TILE)
+K_PAD = swap_ab_layout.SWAP_AB_K_PAD  # K per partial sum of the tensor cores, added to the fp32 accumulator; the
+# tokens' K is padded to it: the mainloop runs whole promotion groups
 STAGES = 6  # 24 KB each with the default tile and FP8 codes (16 KB of tokens, 8 KB of codes)
 MAX_STAGE_BYTES = 200 * 1024  # the stages' shared memory, leaving room for barriers within the SM's 227 KB
 REGISTERS = 65536  # per SM, all a CTA of these kernels is launched with (one CTA per SM)
 MIN_CONSUMER_REGS = 152  # a 64-token part's accumulator, partial sum and two fragments without spills
 TOKEN_WRITER_WARPS = 3  # the 16-token tile: warps 1-3 of the producer warpgroup order the tokens' columns, k-tile
 # kt by warp 1 + kt % 3
-ROW_BYTES = K_TILE * 2  # a token row of a stage: one 128-byte line (the wgmma's 128-byte swizzle)
+SWIZZLE_BYTES = 128  # a token row's line in a swizzle atom (64 bf16 columns): a 128-column k-tile has two atoms
 E8M0 = "float8_e8m0fnu"
 # The weight formats the kernel converts: (codes, scale block, scale dtype): MXFP8 E4M3, MXFP4, NVFP4
 WEIGHT_FORMATS = (("float8_e4m3fn", 32, E8M0), ("float4_e2m1fn", 32, E8M0), ("float4_e2m1fn", 16, "float8_e4m3fn"))
@@ -117,14 +119,16 @@ class HopperRaggedSwapAB:
         self.sf_vec_size = sf_vec_size
         self.a_dtype = cutlass.BFloat16  # the tokens, as the kernel reads them
         self.ab_dtype = cutlass.Uint8 if self.fp4 else cutlass.Float8E4M3FN  # the weights' codes (FP4: packed)
-        self.row_bytes = K_TILE // 2 if self.fp4 else K_TILE  # bytes of a weight row per k-tile
-        self.lane_bytes = self.row_bytes // 4  # a quad's lanes split a row's k-tile: 16 codes each
+        self.k_tile = swap_ab_layout.kernel_k_tile(fp4=self.fp4, sf_vec_size=sf_vec_size, tile_tokens=token_rows)
+        self.promote_tiles = K_PAD // self.k_tile  # k-tiles per promotion group
+        self.row_bytes = self.k_tile // 2 if self.fp4 else self.k_tile  # bytes of a weight row per k-tile
+        self.lane_bytes = self.row_bytes // 4  # a quad's lanes split a row's k-tile: a quarter of its codes each
         self.c_name = c_dtype
         self.c_dtype = C_DTYPES[c_dtype]
         self.acc_dtype = cutlass.Float32
         self.weight_warpgroups = weight_warpgroups
         self.k_split = k_split
-        self.tile_mnk = (token_rows, 64 * weight_warpgroups, K_TILE)  # tokens (the TMA's A), weight rows, k-tile
+        self.tile_mnk = (token_rows, 64 * weight_warpgroups, self.k_tile)  # tokens (the TMA's A), weight rows, k-tile
         # an item of at most this many tokens (a group's last, or a small group) runs wgmmas of half the tile's width:
         # the MoE tile only (the decode tiles are sized to their calls)
         self.short_item_tokens = token_rows // 2 if token_rows == ITEM_ROWS else 0
@@ -138,12 +142,16 @@ class HopperRaggedSwapAB:
         # 168. setmaxnreg moves registers between warpgroups within what the CTA was launched with (64 K).
         mma_warpgroups = weight_warpgroups * k_split
         self.threads_per_cta = (1 + mma_warpgroups) * self.threads_per_wg
-        self.producer_regs = 40
         # what ptxas gives each thread at launch (one CTA per SM; whole warps of 256): setmaxnreg can only share out
         # that much, and a warpgroup asking for more than is free waits forever
         self.launch_regs = REGISTERS // self.threads_per_cta // 8 * 8
-        per_warpgroup = (self.launch_regs * (1 + mma_warpgroups) - self.producer_regs) // mma_warpgroups
+        least_producer_regs = 40
+        per_warpgroup = (self.launch_regs * (1 + mma_warpgroups) - least_producer_regs) // mma_warpgroups
         self.consumer_regs = min(232, per_warpgroup // 8 * 8)
+        # the producer warpgroup keeps what the MMA warpgroups leave (56 beside three parts: the 16-token tile's
+        # writer warps order a 128-column k-tile without spilling)
+        self.producer_regs = min(232, (self.launch_regs * (1 + mma_warpgroups) - self.consumer_regs * mma_warpgroups)
+                                 // 8 * 8)
         if self.consumer_regs < MIN_CONSUMER_REGS:
             raise ValueError(f"weight_warpgroups * k_split must leave each MMA warpgroup {MIN_CONSUMER_REGS} "
                              f"registers a thread, got {weight_warpgroups} * {k_split}")
@@ -151,14 +159,14 @@ class HopperRaggedSwapAB:
         # k_split parts: two promotion groups of stages each (at least one is needed: a part waits for its next
         # group's first k-tile before it releases its current group's last), so each part's next group streams in
         # while it multiplies the current one; part p's groups then always land in the same stages
-        self.stages = STAGES if k_split == 1 else 2 * k_split * PROMOTE_TILES
-        stage_bytes = token_rows * K_TILE * 2 + 64 * weight_warpgroups * self.row_bytes
+        self.stages = STAGES if k_split == 1 else 2 * k_split * self.promote_tiles
+        stage_bytes = token_rows * self.k_tile * 2 + 64 * weight_warpgroups * self.row_bytes
         if self.stages * stage_bytes > MAX_STAGE_BYTES:
             raise ValueError(f"{self.stages} stages of {stage_bytes} bytes exceed {MAX_STAGE_BYTES} bytes of shared "
                              f"memory: token_rows={token_rows}, weight_warpgroups={weight_warpgroups}, "
                              f"k_split={k_split}")
         # the epilogue's fp32 tiles, one per part, lie over the tokens' drained stages
-        assert k_split * token_rows * self.c_stage_stride * 4 <= self.stages * token_rows * K_TILE * 2
+        assert k_split * token_rows * self.c_stage_stride * 4 <= self.stages * token_rows * self.k_tile * 2
         self.has_alpha = True  # the ABI passes alpha, one per weight (L·G)
         # the 16-token tile takes the tokens in their own order and puts each k-tile's columns in the fragments' order
         # itself (warps 1-3 of the producer warpgroup, in shared memory): no pass over x before the launch
@@ -197,8 +205,9 @@ class HopperRaggedSwapAB:
         tiled_mma = self._tiled_mma(bt)
         tiled_mma_short = self._tiled_mma(self.short_item_tokens) if self.short_item_tokens else tiled_mma
         x_staged = smem_layout_staged(bt, cutlass.BFloat16, self.stages, bk)
-        # The codes' stages as plain rows of a k-tile's bytes (64, FP4 32; no swizzle): each thread reads its own 16
-        # (FP4 8) bytes of two rows, and a warp's eight rows are contiguous bytes (no bank conflict).
+        # The codes' stages as plain rows of a k-tile's bytes (64, FP4 32 or 64; no swizzle): each thread reads a
+        # quarter of two rows (16 bytes, FP4's 64-code k-tiles 8), and a warp's eight rows are contiguous bytes (no
+        # bank conflict).
         rb = self.row_bytes
         w_staged = cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, cute.make_layout(
             (bw, rb, self.stages), stride=(rb, 1, bw * rb)))
@@ -236,7 +245,7 @@ class HopperRaggedSwapAB:
                tiled_mma_short: cute.TiledMma, x_staged: cute.ComposedLayout, w_staged: cute.ComposedLayout):
         """Device body: the CTA reads its item and runs (weight tile, item), or, when the item is empty, only
         counts itself in amax's tally. Items of group -1 (rows of no group) store zeros after one group of
-        PROMOTE_TILES k-tiles (the mainloop's unit: the producer must fill, and the consumers release, a whole
+        promote_tiles k-tiles (the mainloop's unit: the producer must fill, and the consumers release, a whole
         group)."""
         tile_n, item, batch = cute.arch.block_idx()
         group, rows_lo, rows_hi = group_item(items, batch, item, max_items, t, g)
@@ -254,7 +263,7 @@ class HopperRaggedSwapAB:
                 (cutlass.BFloat16, self.ab_dtype), self.stages, self.release_warps, self.tile_mnk,
                 self.threads_per_wg, self.row_bytes)
             zero = group < 0
-            k_tiles = cutlass.select_(zero, PROMOTE_TILES, k_tiles)  # zeros: one group of k-tiles, never added
+            k_tiles = cutlass.select_(zero, self.promote_tiles, k_tiles)  # zeros: one group of k-tiles, never added
             w_batch = batch * g + cutlass.max(group, 0)
             ready = storage.ready_mbars.data_ptr()
             if cutlass.const_expr(self.orders_tokens):
@@ -311,8 +320,8 @@ class HopperRaggedSwapAB:
                  sW: cute.Tensor, sfb: cute.Tensor, sf_atom, wg_idx, part, tidx, tile_n, w_batch, n, k, k_tiles):
         """This thread's part of the warpgroup's fp32 accumulator (its 64 weight rows x the tile's tokens) over
         K's promotion groups part, part + k_split, ... (all of K without a split). k_tiles is a multiple of
-        PROMOTE_TILES (the tokens' K is padded to K_PAD). Stage s is read by part s // PROMOTE_TILES % k_split
-        alone: the parts' states start PROMOTE_TILES·part stages apart and skip the other parts' groups."""
+        promote_tiles (the tokens' K is padded to K_PAD). Stage s is read by part s // promote_tiles % k_split
+        alone: the parts' states start promote_tiles·part stages apart and skip the other parts' groups."""
         _, bw, bk = self.tile_mnk
         thr_mma = tiled_mma.get_slice(wg_idx * self.threads_per_wg)
         # the stages' first `tokens` token rows (the same swizzled rows: a tile's first rows are a tile of their own)
@@ -334,12 +343,12 @@ class HopperRaggedSwapAB:
         stage_bytes = bw * rb
 
         # Scale bytes, compact (L·G, N, KB) or in atoms (`sf_atom`): this thread's 16 codes of a row lie in one
-        # block, one byte per row and k-tile (`_scale_offset`); a group's eight (PROMOTE_TILES k-tiles x rows row0,
+        # block, one byte per row and k-tile (`_scale_offset`); a group's (promote_tiles k-tiles x rows row0,
         # row0 + 8) are loaded a group ahead, a list of scalars the DSL carries through the loop.
         blocks = (k + self.sf_vec_size - 1) // self.sf_vec_size
         rows_at = [self._scale_row_at(sfb, sf_atom, w_batch, tile_n * bw + r, n, blocks) for r in (row0, row0 + 8)]
         walk = self._scale_walk(pair, blocks, sf_atom)
-        per = PROMOTE_TILES
+        per = self.promote_tiles
         group_scales = lambda q: [ptx_ops.ld_global_nc_u8(at + self._scale_offset(walk, q, i))
                                   for i in range(per) for at in rows_at]
 
@@ -401,26 +410,31 @@ class HopperRaggedSwapAB:
     def order_tokens(self, ab_pipeline, ready, sX: cute.Tensor, warp_idx, k_tiles):
         """The 16-token tile's producer warp 1, 2 or 3: for the k-tiles kt = warp - 1, warp + 2, ... as TMA lands
         them (the tokens in their own column order), moves each token row's columns in place into the order of the
-        weights' codes in the MMA fragments (`swap_ab_layout.swap_ab_column_order`) and marks the stage ready. Eight
-        lanes share a row (one 16-byte chunk each), four rows a pass; every pass's loads (all the tile's rows) come
-        before any store, so a row's chunks are all read before one is overwritten. The stages are 128-byte swizzled:
-        chunk j of row r lies at 16·(j ^ r % 8)."""
+        weights' codes in the MMA fragments (`swap_ab_layout.swap_ab_column_order`) and marks the stage ready. A
+        row's 16-byte chunks (8, or 16 for a 128-column k-tile) go one to a lane, 32 / chunks rows a pass; a lane
+        loads four passes' chunks before any store (a warp barrier between), so a row's chunks are all read before
+        one is overwritten. The stages are 128-byte swizzled: chunk j of row r lies in the row's line of swizzle atom
+        j // 8 (atoms of all the tile's rows one after another) at 16·(j % 8 ^ r % 8)."""
         bt = self.tile_mnk[0]
+        chunks = self.k_tile // 8
+        per_pass = 32 // chunks  # rows a pass
         lane = cute.arch.lane_idx()
-        v = lane % 8  # this lane's chunk of its rows
-        rows = [4 * p + lane // 8 for p in range(bt // 4)]
+        v = lane % chunks  # this lane's chunk of its rows
         base = sX.iterator.toint()
+        at = lambda stage, r, j: stage + j // 8 * (bt * SWIZZLE_BYTES) + r * SWIZZLE_BYTES + (j % 8 ^ r % 8) * 16
         for kt in cutlass.range(warp_idx - 1, k_tiles, TOKEN_WRITER_WARPS, unroll=1):
             index = kt % self.stages
             ab_pipeline.consumer_wait(pipeline.PipelineState(self.stages, kt, index, (kt // self.stages) % 2))
-            stage = base + index * (bt * ROW_BYTES)
-            loaded = [ptx_ops.ld_shared_v4(stage + r * ROW_BYTES + (v ^ (r % 8)) * 16) for r in rows]
-            cute.arch.sync_warp()  # every chunk of these rows read before any is overwritten
-            for r, words in zip(rows, loaded):
-                words = common.token_chunk_words(words, self.fp4, ptx_ops.byte_perm)
-                for q in cutlass.range_constexpr(4):
-                    chunk, offset = common.token_chunk_place(v, q)
-                    ptx_ops.st_shared_u32(stage + r * ROW_BYTES + (chunk ^ (r % 8)) * 16 + offset, words[q])
+            stage = base + index * (bt * self.k_tile * 2)
+            for first in cutlass.range_constexpr(0, bt, 4 * per_pass):
+                rows = [first + per_pass * p + lane // chunks for p in range(4)]
+                loaded = [ptx_ops.ld_shared_v4(at(stage, r, v)) for r in rows]
+                cute.arch.sync_warp()  # every chunk of these rows read before any is overwritten
+                for r, words in zip(rows, loaded):
+                    words = common.token_chunk_words(words, self.fp4, ptx_ops.byte_perm)
+                    for q in cutlass.range_constexpr(4):
+                        chunk, offset = common.token_chunk_place(v, q, chunks // 4)
+                        ptx_ops.st_shared_u32(at(stage, r, chunk) + offset, words[q])
             cute.arch.fence_proxy("async.shared", space="cta")  # the stores, visible to the wgmma's reads
             cute.arch.sync_warp()
             if lane == 0:
@@ -429,7 +443,7 @@ class HopperRaggedSwapAB:
     def part_walk(self, part):
         """(the stage of part `part`'s first k-tile, the stages its pipeline states skip after each of its promotion
         groups): the producer fills stages in K order, and part p reads groups p, p + k_split, ..."""
-        return PROMOTE_TILES * part, PROMOTE_TILES * (self.k_split - 1)
+        return self.promote_tiles * part, self.promote_tiles * (self.k_split - 1)
 
     @staticmethod
     def _scale_row_at(sfb: cute.Tensor, sf_atom, w_batch, row, n, blocks) -> cutlass.Int64:
@@ -457,11 +471,11 @@ class HopperRaggedSwapAB:
         group's blocks a multiple of ATOM_KB, the other two parts summing below it); offsets grow with the block in
         both forms, so the least of an offset and the last block's clamps the block to K (codes past K are TMA's
         zeros)."""
-        per_tile = K_TILE // self.sf_vec_size  # blocks per k-tile: 2, or NVFP4's 4
-        lane_block = pair if cutlass.const_expr(per_tile == 4) else pair // 2
+        per_tile = self.k_tile // self.sf_vec_size  # blocks per k-tile: 2, or 4 (NVFP4's, and 128-code k-tiles)
+        lane_block = pair * per_tile // 4
         blend = lambda block: self._in_form(block, common.atom_block_offset(block), sf_atom)
-        step = blend(PROMOTE_TILES * per_tile)
-        tiles = [blend(i * per_tile) for i in range(PROMOTE_TILES)]
+        step = blend(self.promote_tiles * per_tile)
+        tiles = [blend(i * per_tile) for i in range(self.promote_tiles)]
         return lane_block, step, tiles, blend(blocks - 1)
 
     @staticmethod
@@ -477,7 +491,7 @@ class HopperRaggedSwapAB:
         (k-step s: row0's first pair, row0 + 8's, row0's second, row0 + 8's; which codes, `_convert_words` and
         `_convert_fp4_words`)."""
         words = cute.recast_tensor(frag, cutlass.Int32)  # 4 words per k-step
-        load = ptx_ops.ld_shared_v2 if cutlass.const_expr(self.fp4) else ptx_ops.ld_shared_v4
+        load = ptx_ops.ld_shared_v4 if cutlass.const_expr(self.lane_bytes == 16) else ptx_ops.ld_shared_v2
         codes = [load(code_at[r] + stage_offset) for r in range(2)]
         convert_words = self._convert_fp4_words if cutlass.const_expr(self.fp4) else self._convert_words
         if cutlass.const_expr(self.sf_e4m3):  # NVFP4: always two multiplies
@@ -533,7 +547,7 @@ class HopperRaggedSwapAB:
                 factors.append(common.one_multiply_bf16x2(scales[r], common.E2M1_PLACEMENT))
             else:
                 factors.append(common.e8m0_bf16x2(scales[r]))
-        for s in cutlass.range_constexpr(4):
+        for s in cutlass.range_constexpr(self.k_tile // 16):
             for high in cutlass.range_constexpr(2):
                 for r in cutlass.range_constexpr(2):
                     bits = common.e2m1_pair_bits(codes[r][s // 2], 2 * (s % 2) + high)
@@ -626,4 +640,4 @@ class HopperRaggedSwapAB:
         return tiles_n * max_items
 
 
-__all__ = ["HopperRaggedSwapAB", "K_PAD", "K_TILE", "PROMOTE_TILES", "WEIGHT_FORMATS"]
+__all__ = ["HopperRaggedSwapAB", "K_PAD", "K_TILE", "WEIGHT_FORMATS"]
