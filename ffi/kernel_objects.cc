@@ -231,6 +231,9 @@ using StateOr = ffi::ErrorOr<std::unique_ptr<KernelObjects>>;
 
 StateOr Fail(ffi::Error error) { return ffi::Unexpected<ffi::Error>(std::move(error)); }
 
+// "target: ", the start of a per-call error message: built only on failure, the checks run on every call.
+std::string ErrorPrefix(std::string_view target) { return std::string(target) + ": "; }
+
 }  // namespace
 
 // What a user whose GPU has no object in the program can do.
@@ -361,16 +364,15 @@ StateOr InstantiateKernelObjects(std::string_view target, std::string_view archs
 }
 
 ffi::Error DeviceFunction(const KernelObjects& state, int32_t device, std::string_view target, DslFunction** fn) {
-  // Runs on every call: the messages are built only on failure.
-  auto where = [target] { return std::string(target) + ": "; };
   if (device < 0 || static_cast<size_t>(device) >= state.functions.size()) {
-    return ffi::Error::Internal(where() + "device ordinal " + std::to_string(device) + " is not among the " +
-                                std::to_string(state.functions.size()) + " devices seen at instantiation");
+    return ffi::Error::Internal(ErrorPrefix(target) + "device ordinal " + std::to_string(device) +
+                                " is not among the " + std::to_string(state.functions.size()) +
+                                " devices seen at instantiation");
   }
   *fn = state.functions[device];
   if (*fn == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      where() + "no kernel object for compute capability " + state.capabilities[device] +
+                      ErrorPrefix(target) + "no kernel object for compute capability " + state.capabilities[device] +
                           " (device " + std::to_string(device) + "); this program carries objects for " + state.archs +
                           kWayOut);
   }
@@ -446,14 +448,13 @@ namespace {
 // The tally of `device`, or an error when it has none or it is smaller than `bytes`.
 ffi::Error DeviceTallyWords(const KernelObjects& state, int32_t device, std::string_view target, size_t bytes,
                             void** words) {
-  auto where = [target] { return std::string(target) + ": "; };
   if (device < 0 || static_cast<size_t>(device) >= state.tallies.size() || state.tallies[device].words == 0) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      where() + "no amax tally on device " + std::to_string(device) +
+                      ErrorPrefix(target) + "no amax tally on device " + std::to_string(device) +
                           ": its CUDA context was not active when the program was instantiated");
   }
   if (bytes > state.tally_bytes) {
-    return ffi::Error::InvalidArgument(where() + "the call needs " + std::to_string(bytes) +
+    return ffi::Error::InvalidArgument(ErrorPrefix(target) + "the call needs " + std::to_string(bytes) +
                                        " bytes of amax tally; the call site was instantiated with " +
                                        std::to_string(state.tally_bytes));
   }
@@ -484,15 +485,15 @@ ffi::Error PrepareOutputs(const KernelObjects& state, int32_t device, std::strin
 
 ffi::Error RunKernel(const KernelObjects& state, int32_t device, std::string_view target, const CudaDriver& driver,
                      DslFunction* fn, void** args, size_t num_args, const int32_t* ret) {
-  auto where = [target] { return std::string(target) + ": "; };
   std::string error;
   if (RunDslFunction(fn, args, num_args, &error) != 0) {
-    return ffi::Error::Internal(where() + "CuteDSLRT_Function_Run(" + state.function_prefixes[device] + ") failed: " +
-                                error);
+    return ffi::Error::Internal(ErrorPrefix(target) + "CuteDSLRT_Function_Run(" + state.function_prefixes[device] +
+                                ") failed: " + error);
   }
   if (*ret != 0) {
-    return ffi::Error::Internal(where() + "kernel " + state.function_prefixes[device] + " returned CUDA error " +
-                                std::to_string(*ret) + " (as a driver code: " + driver.ErrorName(*ret) + ")");
+    return ffi::Error::Internal(ErrorPrefix(target) + "kernel " + state.function_prefixes[device] +
+                                " returned CUDA error " + std::to_string(*ret) + " (as a driver code: " +
+                                driver.ErrorName(*ret) + ")");
   }
   return ffi::Error::Success();
 }
