@@ -42,6 +42,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
+from jax_blockgemm import swap_ab_layout
 from jax_blockgemm.kernels import common
 from jax_blockgemm.kernels.ptx_ops import bulk_load, bulk_store, st_shared_u32
 from jax_blockgemm.support import MX_BLOCK
@@ -56,7 +57,7 @@ STAGES = 2  # chunks per CTA, all in flight at once
 UNIT = CHUNK * STAGES  # codes per CTA
 # per-thread path (scales along the columns)
 THREAD_RUN = 16  # codes per thread: one 16-byte load
-SWAP_AB_TILE = 64  # the columns the swap_ab output order permutes among
+SWAP_AB_TILE = swap_ab_layout.SWAP_AB_K_TILE  # the columns the swap_ab output order permutes among
 
 
 def swap_ab_pair_column(run, pair: int):

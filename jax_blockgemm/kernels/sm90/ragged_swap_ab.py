@@ -82,7 +82,6 @@ from jax_blockgemm.kernels.sm90.gemm_amax import smem_layout_staged
 from jax_blockgemm.kernels.sm90.ragged import ITEM_ROWS, group_item
 
 C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
-K_TILE = swap_ab_layout.SWAP_AB_K_TILE  # codes of K per stage (MXFP4 on the 16-token tile: WIDE_K_TILE)
 K_PAD = swap_ab_layout.SWAP_AB_K_PAD  # K per partial sum of the tensor cores, added to the fp32 accumulator; the
 # tokens' K is padded to it: the mainloop runs whole promotion groups
 STAGES = 6  # 24 KB each with the default tile and FP8 codes (16 KB of tokens, 8 KB of codes)
@@ -486,10 +485,10 @@ class HopperRaggedSwapAB:
 
     @cute.jit
     def convert(self, frag: cute.Tensor, code_at: tuple, stage_offset, scales: list):
-        """This thread's A fragment of one k-tile: its 16 codes of rows row0 and row0 + 8 (shared memory, at
-        `code_at` + `stage_offset`) times their rows' scale bytes `scales`, as bf16 pairs in the fragment's slots
-        (k-step s: row0's first pair, row0 + 8's, row0's second, row0 + 8's; which codes, `_convert_words` and
-        `_convert_fp4_words`)."""
+        """This thread's A fragment of one k-tile: its codes of rows row0 and row0 + 8 (16, or 32 in 128-code
+        k-tiles; shared memory, at `code_at` + `stage_offset`) times their rows' scale bytes `scales`, as bf16 pairs in
+        the fragment's slots (k-step s: row0's first pair, row0 + 8's, row0's second, row0 + 8's; which codes,
+        `_convert_words` and `_convert_fp4_words`)."""
         words = cute.recast_tensor(frag, cutlass.Int32)  # 4 words per k-step
         load = ptx_ops.ld_shared_v4 if cutlass.const_expr(self.lane_bytes == 16) else ptx_ops.ld_shared_v2
         codes = [load(code_at[r] + stage_offset) for r in range(2)]
@@ -640,4 +639,4 @@ class HopperRaggedSwapAB:
         return tiles_n * max_items
 
 
-__all__ = ["HopperRaggedSwapAB", "K_PAD", "K_TILE", "WEIGHT_FORMATS"]
+__all__ = ["HopperRaggedSwapAB", "K_PAD", "WEIGHT_FORMATS"]
