@@ -15,9 +15,11 @@ import numpy as np
 
 SWAP_AB_K_TILE = 64  # the swap_ab kernel's k-tile: the span of its token permutation
 SWAP_AB_K_PAD = 256  # its tokens' K is padded to a multiple of this (it adds partial sums every 256 of K)
-# MXFP4 weights on the tiles that order their own tokens take 128 codes a k-tile (64 bytes of a weight row, as FP8's
-# 64 codes): the per-k-tile work is spread over twice the codes (docs/design/decode.md, *128-code k-tiles*)
+# FP4 weights on the decode tiles (at most WIDE_MAX_TOKENS tokens) take 128 codes a k-tile (64 bytes of a weight
+# row, as FP8's 64 codes): the per-k-tile work is spread over twice the codes (docs/design/decode.md, *128-code
+# k-tiles*). The MoE tile keeps 64: 128 token rows of a 128-column k-tile would be 32 KB a stage.
 WIDE_K_TILE = 128
+WIDE_MAX_TOKENS = 64
 # Tiles of at most this many tokens order the tokens' columns in the kernel: the 16-token decode tile, whose calls of
 # 1 to 16 rows would otherwise pay a separate launch (XLA's gather, 1.5-2.4 us on the H200) and its gap. The 32- and
 # 64-token tiles' producer warps, with 8 and 16 rows a k-tile to move, slowed their kernels (H100: 25.2 against about
@@ -31,11 +33,11 @@ def kernel_orders_tokens(tile_tokens: int) -> bool:
     return tile_tokens <= KERNEL_ORDER_MAX_TOKENS
 
 
-def kernel_k_tile(*, fp4: bool, sf_vec_size: int, tile_tokens: int) -> int:
-    """Codes of K per k-tile of the swap_ab object for these weights (`fp4`: packed FP4 with blocks of
-    `sf_vec_size`) and a tile of `tile_tokens` tokens: WIDE_K_TILE for MXFP4 on a tile that orders its own tokens,
-    SWAP_AB_K_TILE otherwise (the token permutation XLA applies for the others spans SWAP_AB_K_TILE)."""
-    wide = fp4 and sf_vec_size == 32 and kernel_orders_tokens(tile_tokens)
+def kernel_k_tile(*, fp4: bool, tile_tokens: int) -> int:
+    """Codes of K per k-tile of the swap_ab object for weights of `fp4` (packed FP4: MXFP4, NVFP4) or FP8 codes and a
+    tile of `tile_tokens` tokens: WIDE_K_TILE for FP4 on the decode tiles, SWAP_AB_K_TILE otherwise. The tokens'
+    column order spans one k-tile (`swap_ab_column_order`)."""
+    wide = fp4 and tile_tokens <= WIDE_MAX_TOKENS
     return WIDE_K_TILE if wide else SWAP_AB_K_TILE
 
 
@@ -55,11 +57,11 @@ def swap_ab_column_order(k_tile: int = SWAP_AB_K_TILE, *, fp4: bool = False) -> 
     return 16 * c + 4 * s + 2 * h + j
 
 
-def swap_ab_columns(k: int, *, fp4: bool = False) -> np.ndarray:
-    """For each of the K columns (a multiple of SWAP_AB_K_TILE) as the swap_ab kernel reads them, the column it takes
+def swap_ab_columns(k: int, *, fp4: bool = False, k_tile: int = SWAP_AB_K_TILE) -> np.ndarray:
+    """For each of the K columns (a multiple of `k_tile`) as the swap_ab kernel reads them, the column it takes
     from: `swap_ab_column_order` (of FP4 codes: `fp4`) within every k-tile."""
-    tiles = np.arange(k // SWAP_AB_K_TILE)[:, None] * SWAP_AB_K_TILE
-    return (tiles + swap_ab_column_order(fp4=fp4)[None, :]).reshape(-1).astype(np.int32)
+    tiles = np.arange(k // k_tile)[:, None] * k_tile
+    return (tiles + swap_ab_column_order(k_tile, fp4=fp4)[None, :]).reshape(-1).astype(np.int32)
 
 
 def padded_tokens(x: jax.Array) -> jax.Array:
@@ -70,17 +72,22 @@ def padded_tokens(x: jax.Array) -> jax.Array:
 
 
 def kernel_tokens(x: jax.Array, *, fp4: bool, tile_tokens: int) -> jax.Array:
-    """Tokens (..., T, K) as the swap_ab object of a tile of `tile_tokens` tokens takes them: padded, and permuted
-    (`swap_ab_tokens`) unless the kernel orders them itself (`kernel_orders_tokens`)."""
-    return padded_tokens(x) if kernel_orders_tokens(tile_tokens) else swap_ab_tokens(x, fp4=fp4)
+    """Tokens (..., T, K) as the swap_ab object of a tile of `tile_tokens` tokens takes them against `fp4` (or FP8)
+    weights: padded, and permuted over the object's k-tiles (`swap_ab_tokens`, `kernel_k_tile`) unless the kernel
+    orders them itself (`kernel_orders_tokens`)."""
+    if kernel_orders_tokens(tile_tokens):
+        return padded_tokens(x)
+    k_tile = kernel_k_tile(fp4=fp4, tile_tokens=tile_tokens)
+    return swap_ab_tokens(x, fp4=fp4, k_tile=k_tile)
 
 
-def swap_ab_tokens(x: jax.Array, *, fp4: bool = False) -> jax.Array:
+def swap_ab_tokens(x: jax.Array, *, fp4: bool = False, k_tile: int = SWAP_AB_K_TILE) -> jax.Array:
     """Tokens (..., T, K) as the swap_ab kernel reads them (kernels/sm90/ragged_swap_ab.py) against FP8 (or, `fp4`,
-    packed FP4) weights: zeros past K up to a multiple of SWAP_AB_K_PAD, and the columns of every k-tile in
-    `swap_ab_column_order`, the order of the weights' codes in the kernel's registers (a dot product over K does not
-    depend on the order of its terms). A gather with constant indices, which XLA fuses with the dequantization
+    packed FP4) weights: zeros past K up to a multiple of SWAP_AB_K_PAD, and the columns of every k-tile (of `k_tile`
+    codes) in `swap_ab_column_order`, the order of the weights' codes in the kernel's registers (a dot product over K
+    does not depend on the order of its terms). A gather with constant indices, which XLA fuses with the dequantization
     before it (H200: 0.26 ms for 16384 x 7168 tokens, where the same permutation as a reshape and transpose took
     1.6 ms)."""
     x = padded_tokens(x)
-    return jnp.take(x, jnp.asarray(swap_ab_columns(x.shape[-1], fp4=fp4)), axis=-1, unique_indices=True)
+    return jnp.take(x, jnp.asarray(swap_ab_columns(x.shape[-1], fp4=fp4, k_tile=k_tile)), axis=-1,
+                    unique_indices=True)

@@ -192,20 +192,25 @@ class KernelOrderedTokensTest(parameterized.TestCase):
 
     def test_which_tiles_order_their_tokens(self):
         """The 16-token decode tile orders the tokens itself and takes them padded only; the wider tiles take them
-        permuted (`kernel_tokens`)."""
+        permuted (`kernel_tokens`) over their k-tiles: 128 columns for FP4 weights on the decode tiles, 64 otherwise."""
         x = jnp.arange(2 * 320, dtype=jnp.float32).reshape(2, 320)
         for tokens, _, _ in catalog.SWAP_AB_DECODE_TILES + ((128, 128, 1),):
-            want = jnp.pad(x, ((0, 0), (0, 192))) if tokens == 16 else swap_ab_layout.swap_ab_tokens(x, fp4=True)
+            k_tile = 128 if tokens <= 64 else 64
+            self.assertEqual(swap_ab_layout.kernel_k_tile(fp4=True, tile_tokens=tokens), k_tile)
+            self.assertEqual(swap_ab_layout.kernel_k_tile(fp4=False, tile_tokens=tokens), 64)
+            want = (jnp.pad(x, ((0, 0), (0, 192))) if tokens == 16
+                    else swap_ab_layout.swap_ab_tokens(x, fp4=True, k_tile=k_tile))
             self.assertEqual(swap_ab_layout.kernel_orders_tokens(tokens), tokens == 16)
             np.testing.assert_array_equal(swap_ab_layout.kernel_tokens(x, fp4=True, tile_tokens=tokens), want)
 
 
 class ScaleAddressingTest(parameterized.TestCase):
-    """A model of the kernel's scale reads: for every weight row of a tile (rows past N too) and every lane's 16 codes
-    in every k-tile of the groups the mainloop walks (the next group's loaded ahead, past K included), the byte at
-    `_scale_row_at` + `_scale_offset` (of the lane's `_scale_walk`) in the scales, compact or in SPEC §3's atoms
-    (`atom`: sf_atom 1), must be that row's scale of the block holding those codes, or for rows past N and codes past
-    K (TMA's zeros) a byte of the weight's last real row and block: no read leaves the weight's scales."""
+    """A model of the kernel's scale reads: for every weight row of a tile (rows past N too) and every lane's codes
+    (each block of them: NVFP4's 128-code k-tiles give a lane two) in every k-tile of the groups the mainloop walks
+    (the next group's loaded ahead, past K included), the byte at `_scale_row_at` + `_scale_offset` (of the lane's
+    `_scale_walk`) in the scales, compact or in SPEC §3's atoms (`atom`: sf_atom 1), must be that row's scale of the
+    block holding those codes, or for rows past N and codes past K (TMA's zeros) a byte of the weight's last real row
+    and block: no read leaves the weight's scales."""
 
     @parameterized.product(fmt=((E4M3, 32, E8M0), (FP4, 32, E8M0), (FP4, 16, E4M3)), tile=((128, 128), (64, 64),
                                                                                            (16, 64)),
@@ -232,15 +237,14 @@ class ScaleAddressingTest(parameterized.TestCase):
                 for row in range(rows):
                     at = int(kernel._scale_row_at(Base, int(atom), w_batch, tile_n * rows + row, n, kb))
                     for q in range(groups + 1):  # the last group's loads of the next one: the clamped block
-                        for i in range(kernel.promote_tiles):
-                            for pair in range(4):
-                                walk = kernel._scale_walk(pair, kb, int(atom))
-                                got = flat[at + int(kernel._scale_offset(walk, q, i))]
-                                kt = kernel.promote_tiles * q + i
-                                first_code = kernel.k_tile * kt + kernel.k_tile // 4 * pair
-                                want = compact[w_batch, min(tile_n * rows + row, n - 1),
-                                               min(first_code // block, kb - 1)]
-                                self.assertEqual(int(got), int(want), (w_batch, tile_n, row, q, i, pair))
+                        for i, pair, b in itertools.product(range(kernel.promote_tiles), range(4),
+                                                            range(kernel.lane_blocks)):
+                            walk = kernel._scale_walk(pair, kb, int(atom))
+                            got = flat[at + int(kernel._scale_offset(walk, q, i, b))]
+                            kt = kernel.promote_tiles * q + i
+                            first_code = kernel.k_tile * kt + kernel.k_tile // 4 * pair + block * b
+                            want = compact[w_batch, min(tile_n * rows + row, n - 1), min(first_code // block, kb - 1)]
+                            self.assertEqual(int(got), int(want), (w_batch, tile_n, row, q, i, pair, b))
 
 
 def _k_split_pipeline(kernel, k_tiles: int) -> str:
@@ -356,15 +360,15 @@ class CompileTest(parameterized.TestCase):
     @parameterized.product(fmt=((32, E8M0), (16, E4M3)), c_dtype=(F32, BF16),
                            tile=((128, 128, 1), *catalog.SWAP_AB_DECODE_TILES))
     def test_fp4_structure(self, fmt, c_dtype, tile):
-        """MXFP4 and NVFP4 objects: shared loads of a thread's codes of a row (16 codes in 8 bytes; MXFP4 on the
-        16-token tile 32 in 16, its k-tiles 128 codes), the register-sourced wgmma as wide as the tile's tokens, the
+        """MXFP4 and NVFP4 objects: shared loads of a thread's codes of a row (16 codes in 8 bytes; on the decode
+        tiles 32 in 16, their k-tiles 128 codes), the register-sourced wgmma as wide as the tile's tokens, the
         E2M1 bit moves (no FP8 converter) with 2^126 for the two-multiply path, no local memory."""
         block, sf = fmt
         v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype=FP4, c_dtype=c_dtype, sf_vec_size=block,
                                    sf_dtype=sf, tile_mn=tile[:2], k_split=tile[2], cluster_mn=(1, 1),
                                    schedule=catalog.SWAP_AB)
         c = compiled(v)
-        wide = block == 32 and tile[0] == 16
+        wide = tile[0] <= 64
         self.assertEqual((c.kernel.k_tile, c.kernel.row_bytes, c.kernel.lane_bytes),
                          (128, 64, 16) if wide else (64, 32, 8))
         self.assertTrue(re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile[0]}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
@@ -424,7 +428,8 @@ class CompileTest(parameterized.TestCase):
     @parameterized.parameters((16, E4M3, 32, E8M0), (32, FP4, 16, E4M3))
     def test_three_k_parts_fit_their_registers(self, tokens, w_dtype, block, sf):
         """k_split = 3 (the 16- and 32-token decode tiles; here also with NVFP4 codes): 512 threads launched at 128
-        registers, the MMA warpgroups raised to 152, still without local memory or stack."""
+        registers, the MMA warpgroups raised to 152, two promotion groups of stages per part (24 stages of 64 codes,
+        FP4's 12 of 128), still without local memory or stack."""
         from jax_blockgemm.kernels.sm90.ragged_swap_ab import HopperRaggedSwapAB
 
         kernel = HopperRaggedSwapAB(c_dtype=BF16, token_rows=tokens, weight_warpgroups=1, k_split=3, w_dtype=w_dtype,
@@ -432,7 +437,8 @@ class CompileTest(parameterized.TestCase):
         v = catalog.KernelVariant(op="ragged", ab_dtype=w_dtype, c_dtype=BF16, sf_vec_size=block, sf_dtype=sf,
                                   tile_mn=(tokens, 64), schedule=catalog.SWAP_AB, k_split=3)
         fn = catalog.compile_function(v, keep_ptx=True, kernel=kernel)
-        self.assertEqual((kernel.threads_per_cta, kernel.consumer_regs, kernel.stages), (512, 152, 24))
+        self.assertEqual((kernel.threads_per_cta, kernel.consumer_regs, kernel.stages),
+                         (512, 152, 12 if w_dtype == FP4 else 24))
         self.assertTrue(re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+152", fn.__ptx__))
         self.assertFalse(re.search(r"\.local", fn.__ptx__))
         resources = structure.cubin_resources(fn.__cubin__)

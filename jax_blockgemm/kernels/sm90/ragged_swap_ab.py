@@ -20,14 +20,14 @@ E4M3 to bf16 exactly as the decode kernel does it (kernels/weight_stream.py): bi
 pair, then one packed multiply by 2^120·scale (scale bytes up to 134, voted per warp; else two multiplies); a NaN
 code among a thread's 16 makes its row's scale NaN, which gives the outputs a NaN product gives.
 
-FP4 (packed E2M1, two codes a byte): a k-tile of 64 codes is 32 bytes of a row, a thread's 16 codes 8 bytes; MXFP4
-on the 16-token tile takes k-tiles of 128 codes (64 bytes of a row, a thread's 32 codes in one 16-byte load, eight
+FP4 (packed E2M1, two codes a byte): a k-tile of 64 codes is 32 bytes of a row, a thread's 16 codes 8 bytes; FP4
+on the decode tiles takes k-tiles of 128 codes (64 bytes of a row, a thread's 32 codes in one 16-byte load, eight
 k-steps), which spreads the per-k-tile work over twice the codes (`swap_ab_layout.kernel_k_tile`). The bit model of
 kernels/common.py (`e2m1_pair_bits`) pairs codes i and i + 4 of a 32-bit word as code·2^-126, so the fragment's pairs
 come in another order and the tokens take their own permutation (`swap_ab_layout`, fp4=True): logical column
 16s + 8h + 2c + j of a k-tile holds column kc + 8(s // 2) + 2(s % 2) + h + 4j, k = 16 or 32 codes a thread. MXFP4 then
 multiplies once by 2^126·scale (bytes up to 128, voted per warp; else twice); NVFP4 multiplies by 2^126 and by its
-E4M3 block scale (one per 16 codes: exactly a thread's codes of a row).
+E4M3 block scale (one per 16 codes: a thread's codes of a row, or their two halves in a 128-code k-tile).
 
 alpha, one float32 per weight (per batch and group), multiplies the sums in every format: NVFP4's per-tensor (or
 per-expert) factor, ones for the MX formats from ragged_gemm_amax; the weight-only ragged matmul passes its weights'
@@ -118,10 +118,12 @@ class HopperRaggedSwapAB:
         self.sf_vec_size = sf_vec_size
         self.a_dtype = cutlass.BFloat16  # the tokens, as the kernel reads them
         self.ab_dtype = cutlass.Uint8 if self.fp4 else cutlass.Float8E4M3FN  # the weights' codes (FP4: packed)
-        self.k_tile = swap_ab_layout.kernel_k_tile(fp4=self.fp4, sf_vec_size=sf_vec_size, tile_tokens=token_rows)
+        self.k_tile = swap_ab_layout.kernel_k_tile(fp4=self.fp4, tile_tokens=token_rows)
         self.promote_tiles = K_PAD // self.k_tile  # k-tiles per promotion group
         self.row_bytes = self.k_tile // 2 if self.fp4 else self.k_tile  # bytes of a weight row per k-tile
         self.lane_bytes = self.row_bytes // 4  # a quad's lanes split a row's k-tile: a quarter of its codes each
+        # scale blocks a lane's codes of a row span per k-tile: 2 for NVFP4's 128-code k-tiles, else 1
+        self.lane_blocks = max(1, self.k_tile // 4 // sf_vec_size)
         self.c_name = c_dtype
         self.c_dtype = C_DTYPES[c_dtype]
         self.acc_dtype = cutlass.Float32
@@ -341,15 +343,18 @@ class HopperRaggedSwapAB:
         code_at = (w_base + row0 * rb + lb * pair, w_base + (row0 + 8) * rb + lb * pair)
         stage_bytes = bw * rb
 
-        # Scale bytes, compact (L·G, N, KB) or in atoms (`sf_atom`): this thread's 16 codes of a row lie in one
-        # block, one byte per row and k-tile (`_scale_offset`); a group's (promote_tiles k-tiles x rows row0,
-        # row0 + 8) are loaded a group ahead, a list of scalars the DSL carries through the loop.
+        # Scale bytes, compact (L·G, N, KB) or in atoms (`sf_atom`): this thread's codes of a row lie in one block
+        # (NVFP4's 128-code k-tiles: two neighbouring blocks, neighbouring bytes in either form), lane_blocks bytes per
+        # row and k-tile (`_scale_offset`); a group's (promote_tiles k-tiles x rows row0, row0 + 8 x lane_blocks) are
+        # loaded a group ahead, a list of scalars the DSL carries through the loop.
         blocks = (k + self.sf_vec_size - 1) // self.sf_vec_size
         rows_at = [self._scale_row_at(sfb, sf_atom, w_batch, tile_n * bw + r, n, blocks) for r in (row0, row0 + 8)]
         walk = self._scale_walk(pair, blocks, sf_atom)
         per = self.promote_tiles
-        group_scales = lambda q: [ptx_ops.ld_global_nc_u8(at + self._scale_offset(walk, q, i))
-                                  for i in range(per) for at in rows_at]
+        lbk = self.lane_blocks
+        group_scales = lambda q: [ptx_ops.ld_global_nc_u8(at + self._scale_offset(walk, q, i, b))
+                                  for i in range(per) for at in rows_at for b in range(lbk)]
+        tile_scales = lambda scales, i: scales[2 * lbk * i:2 * lbk * (i + 1)]  # k-tile i's: row0's, then row0 + 8's
 
         split = self.k_split
         first, skip = self.part_walk(part)
@@ -359,7 +364,7 @@ class HopperRaggedSwapAB:
         here = group_scales(part)
         if mine > 0:  # a part past the last group has none (without a split, part 0 always has one)
             self.wait_stage(ab_pipeline, ready, read_state)
-            self.convert(frags[0], code_at, read_state.index * stage_bytes, here[0:2])
+            self.convert(frags[0], code_at, read_state.index * stage_bytes, tile_scales(here, 0))
         for nth in range(mine):
             q = part + nth * split
             ahead = group_scales(q + split)
@@ -379,13 +384,13 @@ class HopperRaggedSwapAB:
                 if cutlass.const_expr(i + 1 < per):
                     self.wait_stage(ab_pipeline, ready, read_state)
                     self.convert(frags[(i + 1) % 2], code_at, read_state.index * stage_bytes,
-                                 here[2 * i + 2:2 * i + 4])
+                                 tile_scales(here, i + 1))
                 else:
                     if cutlass.const_expr(split > 1):
                         read_state.advance(skip)  # past the other parts' groups
                     if nth + 1 < mine:
                         self.wait_stage(ab_pipeline, ready, read_state)
-                        self.convert(frags[0], code_at, read_state.index * stage_bytes, ahead[0:2])
+                        self.convert(frags[0], code_at, read_state.index * stage_bytes, tile_scales(ahead, 0))
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(release_state)
             release_state.advance()
@@ -466,22 +471,23 @@ class HopperRaggedSwapAB:
         """What this lane's scale reads add to its rows' first bytes, worked out once (compact, or in atoms:
         `sf_atom`): (its block's offset in k-tile 0, the step per promotion group, the steps to each k-tile of a
         group, the offset of K's last block). Its block in k-tile i of group q is block q·(blocks a group) + i·(blocks
-        a k-tile) + (its block within a k-tile, < 4), whose offset in atoms is the sum of the parts' offsets (the
-        group's blocks a multiple of ATOM_KB, the other two parts summing below it); offsets grow with the block in
-        both forms, so the least of an offset and the last block's clamps the block to K (codes past K are TMA's
-        zeros)."""
-        per_tile = self.k_tile // self.sf_vec_size  # blocks per k-tile: 2, or 4 (NVFP4's, and 128-code k-tiles)
+        a k-tile) + (its block within a k-tile), whose offset in atoms is the sum of the parts' offsets (the group's
+        and the k-tile's blocks multiples of ATOM_KB, the lane's even where it has two blocks, whose second is then the
+        next byte); offsets grow with the block in both forms, so the least of an offset and the last block's clamps
+        the block to K (codes past K are TMA's zeros)."""
+        per_tile = self.k_tile // self.sf_vec_size  # blocks per k-tile: 2, 4, or NVFP4's 8 in 128-code k-tiles
         lane_block = pair * per_tile // 4
         blend = lambda block: self._in_form(block, common.atom_block_offset(block), sf_atom)
         step = blend(self.promote_tiles * per_tile)
         tiles = [blend(i * per_tile) for i in range(self.promote_tiles)]
-        return lane_block, step, tiles, blend(blocks - 1)
+        return blend(lane_block), step, tiles, blend(blocks - 1)
 
     @staticmethod
-    def _scale_offset(walk: tuple, q, i: int):
-        """The offset of this lane's block in k-tile i of promotion group q (`_scale_walk`), clamped to K's last."""
+    def _scale_offset(walk: tuple, q, i: int, b: int = 0):
+        """The offset of this lane's block b (0, or 1: NVFP4's second block in a 128-code k-tile, the next byte in
+        either form) in k-tile i of promotion group q (`_scale_walk`), clamped to K's last."""
         first, step, tiles, last = walk
-        return cutlass.min(q * step + first + tiles[i], last)
+        return cutlass.min(q * step + first + tiles[i] + b, last)
 
     @cute.jit
     def convert(self, frag: cute.Tensor, code_at: tuple, stage_offset, scales: list):
@@ -535,24 +541,28 @@ class HopperRaggedSwapAB:
         """The FP4 form of `_convert_words`: codes·2^-126 by `common.e2m1_pair_bits` (the pair p of word w: codes
         8w + p and 8w + p + 4), k-step s taking pairs 2(s % 2) and 2(s % 2) + 1 of word s // 2; then `one` multiply
         by 2^126·scale (MXFP4, every scale byte of the warp at most common.E2M1_ONE_MULTIPLY_MAX_BYTE), else by 2^126
-        and by the scale (E8M0, or NVFP4's E4M3). E2M1 has no NaN code; a NaN scale gives NaN products."""
+        and by the scale (E8M0, or NVFP4's E4M3; scales row0's lane_blocks bytes, then row0 + 8's, the second block
+        for the k-steps of the k-tile's second half). E2M1 has no NaN code; a NaN scale gives NaN products."""
         neg_zero = cutlass.Int32(common.NEG_ZERO_BF16X2)
         two126 = cutlass.Int32(common.BF16X2_TWO_POW_126)
         factors = []
-        for r in cutlass.range_constexpr(2):
+        for byte in scales:  # a Python list: row0's blocks, then row0 + 8's
             if cutlass.const_expr(self.sf_e4m3):
-                factors.append(common.e4m3_scale_bf16x2(scales[r]))
+                factors.append(common.e4m3_scale_bf16x2(byte))
             elif cutlass.const_expr(one):
-                factors.append(common.one_multiply_bf16x2(scales[r], common.E2M1_PLACEMENT))
+                factors.append(common.one_multiply_bf16x2(byte, common.E2M1_PLACEMENT))
             else:
-                factors.append(common.e8m0_bf16x2(scales[r]))
-        for s in cutlass.range_constexpr(self.k_tile // 16):
+                factors.append(common.e8m0_bf16x2(byte))
+        k_steps = self.k_tile // 16
+        for s in cutlass.range_constexpr(k_steps):
+            block = s * self.lane_blocks // k_steps
             for high in cutlass.range_constexpr(2):
                 for r in cutlass.range_constexpr(2):
                     bits = common.e2m1_pair_bits(codes[r][s // 2], 2 * (s % 2) + high)
                     if cutlass.const_expr(not one):
                         bits = cute.arch.fma_packed_bf16x2(bits, two126, neg_zero)
-                    words[4 * s + 2 * high + r] = cute.arch.fma_packed_bf16x2(bits, factors[r], neg_zero)
+                    words[4 * s + 2 * high + r] = cute.arch.fma_packed_bf16x2(
+                        bits, factors[r * self.lane_blocks + block], neg_zero)
 
     @cute.jit
     def epilogue(self, acc: cute.Tensor, tokens: cutlass.Constexpr[int], storage, c: cute.Tensor, amax: cute.Tensor,
