@@ -15,9 +15,9 @@ import numpy as np
 
 SWAP_AB_K_TILE = 64  # the swap_ab kernel's k-tile: the span of its token permutation
 SWAP_AB_K_PAD = 256  # its tokens' K is padded to a multiple of this (it adds partial sums every 256 of K)
-# FP4 weights on the decode tiles (at most WIDE_MAX_TOKENS tokens) take 128 codes a k-tile (64 bytes of a weight
-# row, as FP8's 64 codes): the per-k-tile work is spread over twice the codes (docs/design/decode.md, *128-code
-# k-tiles*). The MoE tile keeps 64: 128 token rows of a 128-column k-tile would be 32 KB a stage.
+# Weights on the decode tiles (at most WIDE_MAX_TOKENS tokens) take 128 codes a k-tile (128 bytes of an FP8 weight
+# row, 64 of FP4): the per-k-tile work is spread over twice the codes (docs/design/decode.md, *128-code k-tiles*).
+# The MoE tile keeps 64: 128 token rows of a 128-column k-tile would be 32 KB a stage.
 WIDE_K_TILE = 128
 WIDE_MAX_TOKENS = 64
 # Tiles of at most this many tokens order the tokens' columns in the kernel: the 16-token decode tile, whose calls of
@@ -33,28 +33,26 @@ def kernel_orders_tokens(tile_tokens: int) -> bool:
     return tile_tokens <= KERNEL_ORDER_MAX_TOKENS
 
 
-def kernel_k_tile(*, fp4: bool, tile_tokens: int) -> int:
-    """Codes of K per k-tile of the swap_ab object for weights of `fp4` (packed FP4: MXFP4, NVFP4) or FP8 codes and a
-    tile of `tile_tokens` tokens: WIDE_K_TILE for FP4 on the decode tiles, SWAP_AB_K_TILE otherwise. The tokens'
-    column order spans one k-tile (`swap_ab_column_order`)."""
-    wide = fp4 and tile_tokens <= WIDE_MAX_TOKENS
-    return WIDE_K_TILE if wide else SWAP_AB_K_TILE
+def kernel_k_tile(tile_tokens: int) -> int:
+    """Codes of K per k-tile of the swap_ab object for a tile of `tile_tokens` tokens: WIDE_K_TILE on the decode
+    tiles, SWAP_AB_K_TILE on the MoE tile. The tokens' column order spans one k-tile (`swap_ab_column_order`)."""
+    return WIDE_K_TILE if tile_tokens <= WIDE_MAX_TOKENS else SWAP_AB_K_TILE
 
 
 def swap_ab_column_order(k_tile: int = SWAP_AB_K_TILE, *, fp4: bool = False) -> np.ndarray:
     """For each column 16s + 8h + 2c + j of a k-tile, the column it takes from: the order in which the swap_ab
     kernel's threads hold the weights' codes in the wgmma A fragment. Thread c of a quad loads codes kc .. kc + k - 1
     of a row (k = k_tile / 4 codes); its slots of k-step s are k 2c, 2c + 1 (h = 0) and 2c + 8, 2c + 9 (h = 1). FP8
-    codes (64-code k-tiles) pair as consecutive bytes: column 16c + 4s + 2h + j. FP4 (`fp4`) codes i and i + 4 of a
-    word of eight pair up, k-step s taking pairs 2(s % 2) + h of word s // 2: column kc + 8(s // 2) + 2(s % 2) + h
-    + 4j."""
+    codes pair as consecutive bytes, k-step s taking word s: column kc + 4s + 2h + j. FP4 (`fp4`) codes i and i + 4
+    of a word of eight pair up, k-step s taking pairs 2(s % 2) + h of word s // 2: column kc + 8(s // 2) + 2(s % 2)
+    + h + 4j."""
+    if k_tile not in (SWAP_AB_K_TILE, WIDE_K_TILE):
+        raise ValueError(f"k-tiles hold {SWAP_AB_K_TILE} or {WIDE_K_TILE} codes, got {k_tile}")
     col = np.arange(k_tile)
     s, h, c, j = col // 16, (col // 8) % 2, (col // 2) % 4, col % 2
     if fp4:
         return k_tile // 4 * c + 8 * (s // 2) + 2 * (s % 2) + h + 4 * j
-    if k_tile != SWAP_AB_K_TILE:
-        raise ValueError(f"FP8 weights take k-tiles of {SWAP_AB_K_TILE} codes, got {k_tile}")
-    return 16 * c + 4 * s + 2 * h + j
+    return k_tile // 4 * c + 4 * s + 2 * h + j
 
 
 def swap_ab_columns(k: int, *, fp4: bool = False, k_tile: int = SWAP_AB_K_TILE) -> np.ndarray:
@@ -77,7 +75,7 @@ def kernel_tokens(x: jax.Array, *, fp4: bool, tile_tokens: int) -> jax.Array:
     orders them itself (`kernel_orders_tokens`)."""
     if kernel_orders_tokens(tile_tokens):
         return padded_tokens(x)
-    k_tile = kernel_k_tile(fp4=fp4, tile_tokens=tile_tokens)
+    k_tile = kernel_k_tile(tile_tokens)
     return swap_ab_tokens(x, fp4=fp4, k_tile=k_tile)
 
 

@@ -18,6 +18,7 @@ from jax_blockgemm.kernels import catalog, common, structure
 
 from compiled_kernels import compiled
 
+import test_decode_bits as decode_bits
 import test_ffi_ragged as ffi_cases
 import test_ragged_kernel as lowering_cases
 
@@ -59,23 +60,70 @@ def _rs_fragment_layout():
 class TokenOrderTest(absltest.TestCase):
 
     def test_order_is_the_fragment_order(self):
-        """The kernel gives thread (g, c) of warp w codes 16c .. 16c + 15 of rows 16w + g and + 8 (one 16-byte load
-        each) and puts code 16c + 4s + 2h + j of row + 8r into value (j, r, h) of k-step s (word 4s + 2h + r,
-        `_convert_words`); CuTe's fragment says which k that value multiplies. The tokens' column there must be that
-        code's column."""
+        """The kernel gives thread (g, c) of warp w codes kc .. kc + k - 1 (k = k_tile / 4: 16, or 32 on the decode
+        tiles) of rows 16w + g and + 8 and puts code kc + 4s + 2h + j of row + 8r into value (j, r, h) of k-step s
+        (word 4s + 2h + r, `_convert_words`); CuTe's fragment says which k that value multiplies. The tokens' column
+        there must be that code's column."""
         frag = _rs_fragment_layout()
         self.assertEqual(frag["registers"], "((2,2,2),1,4):((1,2,4),0,8)")  # value (j, r, h), then k-step s
-        order = swap_ab_layout.swap_ab_column_order()
-        self.assertEqual(sorted(order.tolist()), list(range(64)))
-        for t in range(128):
-            w, g, c = t // 32, t % 32 // 4, t % 4
-            for j in range(2):
-                for r in range(2):
-                    for h in range(2):
-                        k16, m = divmod(frag["index"][t][j + 2 * r + 4 * h], 64)  # column-major (64, 16)
-                        self.assertEqual(m, 16 * w + g + 8 * r, (t, j, r, h))
-                        for s in range(4):
-                            self.assertEqual(order[16 * s + k16], 16 * c + 4 * s + 2 * h + j, (t, j, r, h, s))
+        for k_tile in (64, 128):
+            order = swap_ab_layout.swap_ab_column_order(k_tile)
+            self.assertEqual(sorted(order.tolist()), list(range(k_tile)))
+            for t in range(128):
+                w, g, c = t // 32, t % 32 // 4, t % 4
+                for j in range(2):
+                    for r in range(2):
+                        for h in range(2):
+                            k16, m = divmod(frag["index"][t][j + 2 * r + 4 * h], 64)  # column-major (64, 16)
+                            self.assertEqual(m, 16 * w + g + 8 * r, (t, j, r, h))
+                            for s in range(k_tile // 16):
+                                code = k_tile // 4 * c + 4 * s + 2 * h + j
+                                self.assertEqual(order[16 * s + k16], code, (k_tile, t, j, r, h, s))
+        with self.assertRaisesRegex(ValueError, "k-tiles hold 64 or 128 codes, got 96"):
+            swap_ab_layout.swap_ab_column_order(96)
+
+    def test_e4m3_swizzled_rows_model_keeps_the_dot_product(self):
+        """A model of 64 weight rows' 128-code k-tile through a decode tile's threads: the rows as TMA lands them
+        128-byte swizzled (piece p of row r at 16·(p ^ r % 8)), each lane's two loads at the kernel's own addresses
+        (`_code_addresses`), word s of a row's codes to k-step s by `e4m3_pair_bits`, fed to the fragment slots at
+        column 16s + 8h + 2c + j; against the tokens in `swap_ab_column_order` every row's sum is its dot product with
+        the tokens in their own order. Each quarter-warp's 16-byte loads meet every bank once."""
+        import ml_dtypes
+        from jax_blockgemm.kernels.sm90.ragged_swap_ab import HopperRaggedSwapAB
+
+        kernel = HopperRaggedSwapAB(token_rows=16, weight_warpgroups=1, k_split=3)
+        self.assertEqual((kernel.k_tile, kernel.row_bytes, kernel.lane_bytes, kernel.swizzled_codes),
+                         (128, 128, 32, True))
+        rng = np.random.default_rng(3)
+        codes = rng.integers(0, 256, size=(64, 128), dtype=np.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0x38  # no NaN codes here (1.0)
+        values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        stage = np.zeros(64 * 128, np.uint8)
+        for r in range(64):
+            for p in range(8):
+                stage[r * 128 + 16 * (p ^ r % 8):r * 128 + 16 * (p ^ r % 8) + 16] = codes[r, 16 * p:16 * p + 16]
+        tokens = rng.standard_normal(128)
+        permuted = tokens[swap_ab_layout.swap_ab_column_order(128)]
+        bf16 = lambda bits: np.array([bits & 0xFFFF], np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)[0]
+        sums = np.zeros(64)
+        for warp, lane in itertools.product(range(4), range(32)):
+            quad, pair = lane // 4, lane % 4
+            row0 = warp * 16 + quad
+            for r, at in enumerate(kernel._code_addresses(0, row0, quad, pair)):
+                words = np.concatenate([stage[a:a + 16] for a in at]).view(np.uint32)
+                for s, h in itertools.product(range(8), range(2)):
+                    bits = int(common.e4m3_pair_bits(words[s:s + 1], bool(h), decode_bits._prmt)[0]) & 0xFFFFFFFF
+                    for j in range(2):
+                        code = bf16(bits >> (16 * j)) * 2.0**common.E4M3_PLACEMENT
+                        sums[row0 + 8 * r] += code * permuted[16 * s + 8 * h + 2 * pair + j]
+        np.testing.assert_allclose(sums, values @ tokens, rtol=1e-12, atol=1e-9)
+        for warp, phase, i in itertools.product(range(4), range(4), range(2)):  # lanes 8·phase .. + 7, load i
+            banks = set()
+            for lane in range(8 * phase, 8 * phase + 8):
+                row0 = warp * 16 + lane // 4
+                at = kernel._code_addresses(0, row0, lane // 4, lane % 4)[0][i]
+                banks.update(range(at // 4 % 32, at // 4 % 32 + 4))
+            self.assertEqual(len(banks), 32, (warp, phase, i))
 
     def test_fp4_order_is_the_fragment_order(self):
         """FP4: thread (g, c) loads codes kc .. kc + k - 1 (k = k_tile / 4) of rows 16w + g and + 8 (k / 8 words of
@@ -169,7 +217,7 @@ class KernelOrderedTokensTest(parameterized.TestCase):
         pool = int(a & 0xFFFFFFFF).to_bytes(4, "little") + int(b & 0xFFFFFFFF).to_bytes(4, "little")
         return int.from_bytes(bytes(pool[(selector >> (4 * i)) & 0x7] for i in range(4)), "little")
 
-    @parameterized.parameters((False, 64), (True, 64), (True, 128))
+    @parameterized.parameters((False, 64), (False, 128), (True, 64), (True, 128))
     def test_a_stage_ends_in_the_fragment_order(self, fp4, k_tile):
         rows, chunks = 16, k_tile // 8
         rng = np.random.default_rng(7)
@@ -192,16 +240,15 @@ class KernelOrderedTokensTest(parameterized.TestCase):
 
     def test_which_tiles_order_their_tokens(self):
         """The 16-token decode tile orders the tokens itself and takes them padded only; the wider tiles take them
-        permuted (`kernel_tokens`) over their k-tiles: 128 columns for FP4 weights on the decode tiles, 64 otherwise."""
+        permuted (`kernel_tokens`) over their k-tiles: 128 columns on the decode tiles, 64 on the MoE tile."""
         x = jnp.arange(2 * 320, dtype=jnp.float32).reshape(2, 320)
-        for tokens, _, _ in catalog.SWAP_AB_DECODE_TILES + ((128, 128, 1),):
+        for (tokens, _, _), fp4 in itertools.product(catalog.SWAP_AB_DECODE_TILES + ((128, 128, 1),), (False, True)):
             k_tile = 128 if tokens <= 64 else 64
-            self.assertEqual(swap_ab_layout.kernel_k_tile(fp4=True, tile_tokens=tokens), k_tile)
-            self.assertEqual(swap_ab_layout.kernel_k_tile(fp4=False, tile_tokens=tokens), 64)
+            self.assertEqual(swap_ab_layout.kernel_k_tile(tokens), k_tile)
             want = (jnp.pad(x, ((0, 0), (0, 192))) if tokens == 16
-                    else swap_ab_layout.swap_ab_tokens(x, fp4=True, k_tile=k_tile))
+                    else swap_ab_layout.swap_ab_tokens(x, fp4=fp4, k_tile=k_tile))
             self.assertEqual(swap_ab_layout.kernel_orders_tokens(tokens), tokens == 16)
-            np.testing.assert_array_equal(swap_ab_layout.kernel_tokens(x, fp4=True, tile_tokens=tokens), want)
+            np.testing.assert_array_equal(swap_ab_layout.kernel_tokens(x, fp4=fp4, tile_tokens=tokens), want)
 
 
 class ScaleAddressingTest(parameterized.TestCase):
@@ -383,19 +430,22 @@ class CompileTest(parameterized.TestCase):
     @parameterized.product(c_dtype=(F32, BF16), tile=catalog.SWAP_AB_DECODE_TILES)
     def test_decode_tile_structure(self, c_dtype, tile):
         """The decode tiles (catalog.SWAP_AB_DECODE_TILES): one MMA warpgroup per 64 weight rows and K part, as many
-        tokens wide as the tile and no narrower one (a decode tile's calls fill it), the same register-sourced wgmma,
-        the MMA warpgroups raised to 232 registers (152 with three K parts: 512 threads share the SM's 64 K), the
-        tokens' columns ordered in the kernel by the 16-token tile, and no local memory."""
+        tokens wide as the tile and no narrower one (a decode tile's calls fill it), 128-code k-tiles, the same
+        register-sourced wgmma,
+        the MMA warpgroups raised to 232 registers (152 with three K parts: 512 threads share the SM's 64 K; 144 on
+        the 16-token tile, whose producer warpgroup keeps 80 for the warps that order the tokens' columns there), and
+        no local memory."""
         tokens, rows, split = tile
         v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype=E4M3, c_dtype=c_dtype, sf_vec_size=32,
                                    tile_mn=(tokens, rows), k_split=split, cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
         c = compiled(v)
-        self.assertEqual(c.kernel.tile_mnk[:2], (tokens, rows))
+        self.assertEqual(c.kernel.tile_mnk, (tokens, rows, 128))  # 128-code k-tiles: 128-byte rows, swizzled
+        self.assertEqual((c.kernel.row_bytes, c.kernel.lane_bytes, c.kernel.swizzled_codes), (128, 32, True))
         self.assertEqual(c.kernel.threads_per_cta, 128 * (1 + rows // 64 * split))
         self.assertTrue(re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tokens}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
                                   r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", c.ptx))
         self.assertEqual(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", c.ptx)), {str(tokens)})
-        regs = 152 if split == 3 else 232
+        regs = {16: 144, 32: 152, 64: 232}[tokens]
         self.assertEqual(c.kernel.consumer_regs, regs)
         self.assertTrue(re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{regs}\b", c.ptx))
         self.assertFalse(re.search(r"\.local", c.ptx))
@@ -428,8 +478,8 @@ class CompileTest(parameterized.TestCase):
     @parameterized.parameters((16, E4M3, 32, E8M0), (32, FP4, 16, E4M3))
     def test_three_k_parts_fit_their_registers(self, tokens, w_dtype, block, sf):
         """k_split = 3 (the 16- and 32-token decode tiles; here also with NVFP4 codes): 512 threads launched at 128
-        registers, the MMA warpgroups raised to 152, two promotion groups of stages per part (24 stages of 64 codes,
-        FP4's 12 of 128), still without local memory or stack."""
+        registers, the MMA warpgroups raised to 152 (144 beside the 16-token tile's token writers), two promotion
+        groups of stages per part (12 stages of 128-code k-tiles), still without local memory or stack."""
         from jax_blockgemm.kernels.sm90.ragged_swap_ab import HopperRaggedSwapAB
 
         kernel = HopperRaggedSwapAB(c_dtype=BF16, token_rows=tokens, weight_warpgroups=1, k_split=3, w_dtype=w_dtype,
@@ -438,8 +488,8 @@ class CompileTest(parameterized.TestCase):
                                   tile_mn=(tokens, 64), schedule=catalog.SWAP_AB, k_split=3)
         fn = catalog.compile_function(v, keep_ptx=True, kernel=kernel)
         self.assertEqual((kernel.threads_per_cta, kernel.consumer_regs, kernel.stages),
-                         (512, 152, 12 if w_dtype == FP4 else 24))
-        self.assertTrue(re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+152", fn.__ptx__))
+                         (512, 144 if tokens == 16 else 152, 12))
+        self.assertTrue(re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{kernel.consumer_regs}\b", fn.__ptx__))
         self.assertFalse(re.search(r"\.local", fn.__ptx__))
         resources = structure.cubin_resources(fn.__cubin__)
         self.assertEqual((resources.registers, resources.frame_bytes, resources.stack_bytes), (128, 0, 0))
@@ -447,9 +497,9 @@ class CompileTest(parameterized.TestCase):
     def test_the_constructor_refuses_what_does_not_fit(self):
         from jax_blockgemm.kernels.sm90.ragged_swap_ab import HopperRaggedSwapAB
 
-        with self.assertRaisesRegex(ValueError, "24 stages of 12288 bytes exceed 204800 bytes"):
+        with self.assertRaisesRegex(ValueError, "12 stages of 24576 bytes exceed 204800 bytes"):
             HopperRaggedSwapAB(token_rows=64, weight_warpgroups=1, k_split=3)  # three parts of 64 tokens
-        with self.assertRaisesRegex(ValueError, "must leave each MMA warpgroup 152 registers"):
+        with self.assertRaisesRegex(ValueError, "must leave each MMA warpgroup 144 registers"):
             HopperRaggedSwapAB(token_rows=16, weight_warpgroups=2, k_split=2)  # four MMA warpgroups
 
 
@@ -695,6 +745,18 @@ class DispatchTest(absltest.TestCase):
         self.assertIn("t16x64", call)
         self.assertTrue("(tensor<1x8x512xbf16>, tensor<1x4x72x512xf8E4M3FN>, tensor<1x0xui8>" in call, call[-300:])
         self.assertEqual([line for line in text.splitlines() if "gather" in line and "bf16" in line], [])
+
+    def test_few_tokens_on_the_wider_decode_tiles_take_xlas_gather(self):
+        """17 to 64 tokens in all run the 32- or 64-token tile, whose k-tiles span 128 columns: the dequantize
+        kernel's swap_ab order spans 64, so XLA dequantizes and gathers the tokens over 128-column k-tiles."""
+        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
+                mock.patch.object(gate, "ensure_verified", side_effect=_verdict(True)):
+            text = lowering_cases._lowered(t=40, g=4, n=72, k=512)
+        self.assertNotIn("jbg_dequantize_mxfp8", text)
+        call = next(line for line in text.splitlines() if "@jbg_ragged_gemm_amax" in line)
+        self.assertIn("t64x64", call)
+        self.assertTrue("(tensor<1x40x512xbf16>, tensor<1x4x72x512xf8E4M3FN>, tensor<1x0xui8>" in call, call[-300:])
+        self.assertEqual(len([line for line in text.splitlines() if "gather" in line and "bf16" in line]), 1)
 
 
 if __name__ == "__main__":

@@ -14,15 +14,17 @@ The A fragment of a bf16 m64nNk16 wgmma gives lane (g, c) = (lane / 4, lane % 4)
 k-tile. A dot product does not care about the order of k, so the thread feeds its codes to its slots as loaded and
 the tokens arrive with the same permutation of every 64 columns (`swap_ab_layout.swap_ab_tokens`): logical column
 16s + 8h + 2c + j of a k-tile holds column 16c + 4s + 2h + j (k-step s, half h, pair element j). The 16 codes of a
-load lie inside one 32-wide scale block, so each thread needs one scale byte per row and k-tile.
+load lie inside one 32-wide scale block, so each thread needs one scale byte per row and k-tile. The decode tiles
+take k-tiles of 128 codes (`swap_ab_layout.kernel_k_tile`), which spreads the per-k-tile work over twice the codes: a
+thread's 32 codes of a row, 32c .. 32c + 31, are one scale block, two 16-byte loads from rows stored 128-byte
+swizzled, and eight k-steps.
 
 E4M3 to bf16 exactly as the decode kernel does it (kernels/weight_stream.py): bit moves make code·2^-120 a bf16
 pair, then one packed multiply by 2^120·scale (scale bytes up to 134, voted per warp; else two multiplies); a NaN
-code among a thread's 16 makes its row's scale NaN, which gives the outputs a NaN product gives.
+code among a thread's codes of a row makes its scale NaN, which gives the outputs a NaN product gives.
 
-FP4 (packed E2M1, two codes a byte): a k-tile of 64 codes is 32 bytes of a row, a thread's 16 codes 8 bytes; FP4
-on the decode tiles takes k-tiles of 128 codes (64 bytes of a row, a thread's 32 codes in one 16-byte load, eight
-k-steps), which spreads the per-k-tile work over twice the codes (`swap_ab_layout.kernel_k_tile`). The bit model of
+FP4 (packed E2M1, two codes a byte): a k-tile of 64 codes is 32 bytes of a row, a thread's 16 codes 8 bytes; a
+decode tile's k-tile of 128 codes 64 bytes, a thread's 32 codes one 16-byte load. The bit model of
 kernels/common.py (`e2m1_pair_bits`) pairs codes i and i + 4 of a 32-bit word as code·2^-126, so the fragment's pairs
 come in another order and the tokens take their own permutation (`swap_ab_layout`, fp4=True): logical column
 16s + 8h + 2c + j of a k-tile holds column kc + 8(s // 2) + 2(s % 2) + h + 4j, k = 16 or 32 codes a thread. MXFP4 then
@@ -87,7 +89,7 @@ K_PAD = swap_ab_layout.SWAP_AB_K_PAD  # K per partial sum of the tensor cores, a
 STAGES = 6  # 24 KB each with the default tile and FP8 codes (16 KB of tokens, 8 KB of codes)
 MAX_STAGE_BYTES = 200 * 1024  # the stages' shared memory, leaving room for barriers within the SM's 227 KB
 REGISTERS = 65536  # per SM, all a CTA of these kernels is launched with (one CTA per SM)
-MIN_CONSUMER_REGS = 152  # a 64-token part's accumulator, partial sum and two fragments without spills
+MIN_CONSUMER_REGS = 144  # the least an MMA warpgroup gets: the 16-token tile's three K parts convert unspilled
 TOKEN_WRITER_WARPS = 3  # the 16-token tile: warps 1-3 of the producer warpgroup order the tokens' columns, k-tile
 # kt by warp 1 + kt % 3
 SWIZZLE_BYTES = 128  # a token row's line in a swizzle atom (64 bf16 columns): a 128-column k-tile has two atoms
@@ -114,14 +116,20 @@ class HopperRaggedSwapAB:
         common.require_choice("k_split", k_split, (1, 2, 3))
         common.require_choice("(w_dtype, sf_vec_size, sf_dtype)", (w_dtype, sf_vec_size, sf_dtype), WEIGHT_FORMATS)
         self.fp4 = w_dtype == "float4_e2m1fn"
+        # the 16-token tile takes the tokens in their own order and puts each k-tile's columns in the fragments' order
+        # itself (warps 1-3 of the producer warpgroup, in shared memory): no pass over x before the launch
+        self.orders_tokens = swap_ab_layout.kernel_orders_tokens(token_rows)
         self.sf_e4m3 = sf_dtype == "float8_e4m3fn"  # NVFP4: E4M3 scales per 16 codes, and alpha
         self.sf_vec_size = sf_vec_size
         self.a_dtype = cutlass.BFloat16  # the tokens, as the kernel reads them
         self.ab_dtype = cutlass.Uint8 if self.fp4 else cutlass.Float8E4M3FN  # the weights' codes (FP4: packed)
-        self.k_tile = swap_ab_layout.kernel_k_tile(fp4=self.fp4, tile_tokens=token_rows)
+        self.k_tile = swap_ab_layout.kernel_k_tile(token_rows)
         self.promote_tiles = K_PAD // self.k_tile  # k-tiles per promotion group
         self.row_bytes = self.k_tile // 2 if self.fp4 else self.k_tile  # bytes of a weight row per k-tile
         self.lane_bytes = self.row_bytes // 4  # a quad's lanes split a row's k-tile: a quarter of its codes each
+        # 128-byte rows (FP8 codes in 128-code k-tiles) lie 128-byte swizzled: a thread's two 16-byte loads of a row
+        # would otherwise meet the same banks in every row (`_code_addresses`)
+        self.swizzled_codes = self.row_bytes == SWIZZLE_BYTES
         # scale blocks a lane's codes of a row span per k-tile: 2 for NVFP4's 128-code k-tiles, else 1
         self.lane_blocks = max(1, self.k_tile // 4 // sf_vec_size)
         self.c_name = c_dtype
@@ -146,11 +154,12 @@ class HopperRaggedSwapAB:
         # what ptxas gives each thread at launch (one CTA per SM; whole warps of 256): setmaxnreg can only share out
         # that much, and a warpgroup asking for more than is free waits forever
         self.launch_regs = REGISTERS // self.threads_per_cta // 8 * 8
-        least_producer_regs = 40
+        # the producer warpgroup's least: 40 for the TMA warp, 64 where its other warps order the tokens' columns
+        # (at 56 they spilled 8 bytes ordering FP8's 128-column k-tiles)
+        least_producer_regs = 64 if self.orders_tokens else 40
         per_warpgroup = (self.launch_regs * (1 + mma_warpgroups) - least_producer_regs) // mma_warpgroups
         self.consumer_regs = min(232, per_warpgroup // 8 * 8)
-        # the producer warpgroup keeps what the MMA warpgroups leave (56 beside three parts: the 16-token tile's
-        # writer warps order a 128-column k-tile without spilling)
+        # the producer warpgroup keeps what the MMA warpgroups leave (the 16-token tile: 80 beside three parts at 144)
         self.producer_regs = min(232, (self.launch_regs * (1 + mma_warpgroups) - self.consumer_regs * mma_warpgroups)
                                  // 8 * 8)
         if self.consumer_regs < MIN_CONSUMER_REGS:
@@ -169,9 +178,6 @@ class HopperRaggedSwapAB:
         # the epilogue's fp32 tiles, one per part, lie over the tokens' drained stages
         assert k_split * token_rows * self.c_stage_stride * 4 <= self.stages * token_rows * self.k_tile * 2
         self.has_alpha = True  # the ABI passes alpha, one per weight (L·G)
-        # the 16-token tile takes the tokens in their own order and puts each k-tile's columns in the fragments' order
-        # itself (warps 1-3 of the producer warpgroup, in shared memory): no pass over x before the launch
-        self.orders_tokens = swap_ab_layout.kernel_orders_tokens(token_rows)
 
     def can_implement(self, t: int, n: int, k: int, l: int, g: int = 1) -> tuple[bool, str]:
         """Whether the kernel handles these sizes, and why not: K a multiple of 16 (FP8) or 32 (FP4): 16-byte TMA
@@ -206,12 +212,14 @@ class HopperRaggedSwapAB:
         tiled_mma = self._tiled_mma(bt)
         tiled_mma_short = self._tiled_mma(self.short_item_tokens) if self.short_item_tokens else tiled_mma
         x_staged = smem_layout_staged(bt, cutlass.BFloat16, self.stages, bk)
-        # The codes' stages as plain rows of a k-tile's bytes (64, FP4 32 or 64; no swizzle): each thread reads a
-        # quarter of two rows (16 bytes, FP4's 64-code k-tiles 8), and a warp's eight rows are contiguous bytes (no
-        # bank conflict).
+        # The codes' stages as rows of a k-tile's bytes: each thread reads a quarter of two rows. Rows of 64 bytes
+        # (or FP4's 32) lie plain: a warp's eight rows are contiguous bytes, no bank conflict. Rows of 128 bytes lie
+        # 128-byte swizzled (16-byte piece p of row r at 16·(p ^ r % 8)), which spreads a quarter-warp's pieces of
+        # two rows over all the banks.
         rb = self.row_bytes
-        w_staged = cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, cute.make_layout(
-            (bw, rb, self.stages), stride=(rb, 1, bw * rb)))
+        swizzle = cute.make_swizzle(3, 4, 3) if cutlass.const_expr(self.swizzled_codes) else cute.make_swizzle(0, 4, 3)
+        w_staged = cute.make_composed_layout(swizzle, 0, cute.make_layout((bw, rb, self.stages),
+                                                                          stride=(rb, 1, bw * rb)))
         tma_atom_x, tma_x = tma_pipeline.load_atom(tokens, x_staged, (bt, bk))
         tma_atom_w, tma_w = tma_pipeline.load_atom(codes, w_staged, (bw, rb))
 
@@ -338,10 +346,8 @@ class HopperRaggedSwapAB:
         lane = tidx % 32
         quad, pair = lane // 4, lane % 4
         row0 = wg_idx * 64 + (tidx // 32 % 4) * 16 + quad  # and row0 + 8: tile-relative weight rows
-        w_base = sW.iterator.toint()
-        rb, lb = self.row_bytes, self.lane_bytes
-        code_at = (w_base + row0 * rb + lb * pair, w_base + (row0 + 8) * rb + lb * pair)
-        stage_bytes = bw * rb
+        code_at = self._code_addresses(sW.iterator.toint(), row0, quad, pair)
+        stage_bytes = bw * self.row_bytes
 
         # Scale bytes, compact (L·G, N, KB) or in atoms (`sf_atom`): this thread's codes of a row lie in one block
         # (NVFP4's 128-code k-tiles: two neighbouring blocks, neighbouring bytes in either form), lane_blocks bytes per
@@ -489,48 +495,72 @@ class HopperRaggedSwapAB:
         first, step, tiles, last = walk
         return cutlass.min(q * step + first + tiles[i] + b, last)
 
+    def _code_addresses(self, w_base, row0, quad, pair) -> tuple:
+        """Per row (row0, row0 + 8), the stage-0 shared addresses of this lane's codes of a k-tile: one load of
+        lane_bytes (8 or 16), or two 16-byte pieces 2·pair and 2·pair + 1 of a swizzled 128-byte row, which lie at
+        16·(piece ^ row % 8) (row % 8 = quad for both rows)."""
+        rb, lb = self.row_bytes, self.lane_bytes
+        if cutlass.const_expr(self.swizzled_codes):
+            return tuple(tuple(w_base + row * rb + ((2 * pair + i) ^ quad) * 16 for i in range(2))
+                         for row in (row0, row0 + 8))
+        return tuple((w_base + row * rb + lb * pair,) for row in (row0, row0 + 8))
+
     @cute.jit
     def convert(self, frag: cute.Tensor, code_at: tuple, stage_offset, scales: list):
-        """This thread's A fragment of one k-tile: its codes of rows row0 and row0 + 8 (16, or 32 in 128-code
-        k-tiles; shared memory, at `code_at` + `stage_offset`) times their rows' scale bytes `scales`, as bf16 pairs in
-        the fragment's slots (k-step s: row0's first pair, row0 + 8's, row0's second, row0 + 8's; which codes,
-        `_convert_words` and `_convert_fp4_words`)."""
+        """This thread's A fragment of one k-tile: its codes of rows row0 and row0 + 8 (a quarter of a k-tile's;
+        shared memory, at `code_at` (`_code_addresses`) + `stage_offset`) times their rows' scale bytes `scales`, as
+        bf16 pairs in the fragment's slots (k-step s: row0's first pair, row0 + 8's, row0's second, row0 + 8's; which
+        codes, `_convert_words` and `_convert_fp4_words`)."""
         words = cute.recast_tensor(frag, cutlass.Int32)  # 4 words per k-step
-        load = ptx_ops.ld_shared_v4 if cutlass.const_expr(self.lane_bytes == 16) else ptx_ops.ld_shared_v2
-        codes = [load(code_at[r] + stage_offset) for r in range(2)]
-        convert_words = self._convert_fp4_words if cutlass.const_expr(self.fp4) else self._convert_words
         if cutlass.const_expr(self.sf_e4m3):  # NVFP4: always two multiplies
-            convert_words(words, codes, scales, False)
+            self._convert_pieces(words, code_at, stage_offset, scales, False)
         else:
             limit = common.E2M1_ONE_MULTIPLY_MAX_BYTE if cutlass.const_expr(self.fp4) else common.ONE_MULTIPLY_MAX_BYTE
             big = cutlass.Boolean(False)
             for byte in scales:  # a Python list: unrolled
                 big = big | (byte > limit)
             if cute.arch.vote_any_sync(big):
-                convert_words(words, codes, scales, False)
+                self._convert_pieces(words, code_at, stage_offset, scales, False)
             else:
-                convert_words(words, codes, scales, True)
+                self._convert_pieces(words, code_at, stage_offset, scales, True)
 
     @cute.jit
-    def _convert_words(self, words: cute.Tensor, codes: list, scales: list, one: cutlass.Constexpr[bool]):
-        """`convert`'s bit moves and packed multiplies: `one` multiply by 2^120·scale per pair (every scale byte of
-        the warp at most common.ONE_MULTIPLY_MAX_BYTE), else by 2^120 and then by the scale."""
+    def _convert_pieces(self, words: cute.Tensor, code_at: tuple, stage_offset, scales: list,
+                        one: cutlass.Constexpr[bool]):
+        """`convert` one load of each row at a time (FP8's 128-code k-tiles: two 16-byte pieces of four k-steps
+        each, so that only one piece's codes are live)."""
+        load = ptx_ops.ld_shared_v2 if cutlass.const_expr(self.lane_bytes == 8) else ptx_ops.ld_shared_v4
+        for p in cutlass.range_constexpr(len(code_at[0])):
+            codes = [load(code_at[r][p] + stage_offset) for r in range(2)]
+            if cutlass.const_expr(self.fp4):
+                self._convert_fp4_words(words, codes, scales, one)
+            else:
+                self._convert_words(words, codes, scales, one, 4 * p)
+
+    @cute.jit
+    def _convert_words(self, words: cute.Tensor, codes: list, scales: list, one: cutlass.Constexpr[bool],
+                       first_step: cutlass.Constexpr[int]):
+        """`convert`'s bit moves and packed multiplies for k-steps first_step .. + 3, k-step first_step + i taking
+        word i of each row's four (`codes`): `one` multiply by 2^120·scale per pair (every scale byte of the warp at
+        most common.ONE_MULTIPLY_MAX_BYTE), else by 2^120 and then by the scale. A NaN code among a row's words makes
+        that row's factor NaN for them (and so the row's sums NaN)."""
         neg_zero = cutlass.Int32(common.NEG_ZERO_BF16X2)
         two120 = cutlass.Int32(common.BF16X2_TWO_POW_120)
         factors = []
         for r in cutlass.range_constexpr(2):
             nan = cutlass.Int32(0)
-            for i in cutlass.range_constexpr(4):
-                nan = nan | common.e4m3_nan_bits(codes[r][i])
+            for word in codes[r]:  # a Python list: unrolled
+                nan = nan | common.e4m3_nan_bits(word)
             if cutlass.const_expr(one):
                 factor = common.one_multiply_bf16x2(scales[r])
             else:
                 factor = common.e8m0_bf16x2(scales[r])
             factors.append(cutlass.select_(nan != 0, cutlass.Int32(common.E4M3_NAN_BF16X2), factor))
-        for s in cutlass.range_constexpr(4):
+        for i in cutlass.range_constexpr(4):
+            s = first_step + i
             for high in cutlass.range_constexpr(2):
                 for r in cutlass.range_constexpr(2):
-                    bits = common.e4m3_pair_bits(codes[r][s], bool(high),
+                    bits = common.e4m3_pair_bits(codes[r][i], bool(high),
                                                  lambda w, sel: ptx_ops.byte_perm(w, w, sel))
                     if cutlass.const_expr(not one):
                         bits = cute.arch.fma_packed_bf16x2(bits, two120, neg_zero)
