@@ -21,7 +21,8 @@ swizzled, and eight k-steps.
 
 E4M3 to bf16 exactly as the decode kernel does it (kernels/weight_stream.py): bit moves make code·2^-120 a bf16
 pair, then one packed multiply by 2^120·scale (scale bytes up to 134, voted per warp; else two multiplies); a NaN
-code among a thread's codes of a row makes its scale NaN, which gives the outputs a NaN product gives.
+code among the codes of a row a thread loads at once makes that row's factor NaN for them, which gives the outputs
+a NaN product gives.
 
 FP4 (packed E2M1, two codes a byte): a k-tile of 64 codes is 32 bytes of a row, a thread's 16 codes 8 bytes; a
 decode tile's k-tile of 128 codes 64 bytes, a thread's 32 codes one 16-byte load. The bit model of
