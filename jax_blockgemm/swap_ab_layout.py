@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SWAP_AB_K_TILE = 64  # the swap_ab kernel's k-tile: the span of its token permutation
+SWAP_AB_K_TILE = 64  # the MoE tile's k-tile, the span of its token permutation (and of the dequantize kernel's)
 SWAP_AB_K_PAD = 256  # its tokens' K is padded to a multiple of this (it adds partial sums every 256 of K)
 # Weights on the decode tiles (at most WIDE_MAX_TOKENS tokens) take 128 codes a k-tile (128 bytes of an FP8 weight
 # row, 64 of FP4): the per-k-tile work is spread over twice the codes (docs/design/decode.md, *128-code k-tiles*).

@@ -209,7 +209,7 @@ def e4m3_nan_bits(word):
 
 # --- the decode tiles' token columns, ordered in shared memory by the producer warps ----------------------------
 # A 16-byte chunk v = 2c + u of a token row's 64-column k-tile (its columns 8v .. 8v + 7 as TMA lands them; of a
-# 128-column FP4 k-tile, v = 4c + u) holds, in the order the swap_ab kernel's weight fragments want
+# 128-column k-tile, v = 4c + u) holds, in the order the swap_ab kernel's weight fragments want
 # (`swap_ab_layout.swap_ab_column_order`), four bf16 pairs of logical chunks 4u .. 4u + 3, each at byte 4c of its
 # chunk: `token_chunk_words` gives the four words, word q going to logical chunk 4u + q.
 FP4_TOKEN_PAIR_SELECTORS = (0x5410, 0x7632)  # prmt: the low (high) halves of words a and b as one pair
