@@ -290,7 +290,7 @@ class HopperRaggedSwapAB:
                                                       k_tiles, batch, w_batch)
                     ab_pipeline.producer_tail(state)
                 elif cutlass.const_expr(self.orders_tokens):
-                    self.order_tokens(ab_pipeline, ready, sX, warp_idx, k_tiles)
+                    self.order_tokens(ab_pipeline, ready, sX, warp_idx, k_tiles, rows_hi - rows_lo)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 mma_tid = tidx - self.threads_per_wg  # 0.. over the MMA warpgroups
@@ -418,14 +418,16 @@ class HopperRaggedSwapAB:
             ab_pipeline.consumer_wait(state)
 
     @cute.jit
-    def order_tokens(self, ab_pipeline, ready, sX: cute.Tensor, warp_idx, k_tiles):
+    def order_tokens(self, ab_pipeline, ready, sX: cute.Tensor, warp_idx, k_tiles, rows):
         """The 16-token tile's producer warp 1, 2 or 3: for the k-tiles kt = warp - 1, warp + 2, ... as TMA lands
         them (the tokens in their own column order), moves each token row's columns in place into the order of the
         weights' codes in the MMA fragments (`swap_ab_layout.swap_ab_column_order`) and marks the stage ready. A
         row's 16-byte chunks (8, or 16 for a 128-column k-tile) go one to a lane, 32 / chunks rows a pass; a lane
         loads four passes' chunks before any store (a warp barrier between), so a row's chunks are all read before
         one is overwritten. The stages are 128-byte swizzled: chunk j of row r lies in the row's line of swizzle atom
-        j // 8 (atoms of all the tile's rows one after another) at 16·(j % 8 ^ r % 8)."""
+        j // 8 (atoms of all the tile's rows one after another) at 16·(j % 8 ^ r % 8). Rows from the item's `rows` on
+        (TMA's zeros past the call's M, or another group's tokens) feed only C rows the epilogue does not store: four
+        passes wholly among them are skipped."""
         bt = self.tile_mnk[0]
         chunks = self.k_tile // 8
         per_pass = 32 // chunks  # rows a pass
@@ -438,14 +440,15 @@ class HopperRaggedSwapAB:
             ab_pipeline.consumer_wait(pipeline.PipelineState(self.stages, kt, index, (kt // self.stages) % 2))
             stage = base + index * (bt * self.k_tile * 2)
             for first in cutlass.range_constexpr(0, bt, 4 * per_pass):
-                rows = [first + per_pass * p + lane // chunks for p in range(4)]
-                loaded = [ptx_ops.ld_shared_v4(at(stage, r, v)) for r in rows]
-                cute.arch.sync_warp()  # every chunk of these rows read before any is overwritten
-                for r, words in zip(rows, loaded):
-                    words = common.token_chunk_words(words, self.fp4, ptx_ops.byte_perm)
-                    for q in cutlass.range_constexpr(4):
-                        chunk, offset = common.token_chunk_place(v, q, chunks // 4)
-                        ptx_ops.st_shared_u32(at(stage, r, chunk) + offset, words[q])
+                if first < rows:  # warp-uniform
+                    mine = [first + per_pass * p + lane // chunks for p in range(4)]
+                    loaded = [ptx_ops.ld_shared_v4(at(stage, r, v)) for r in mine]
+                    cute.arch.sync_warp()  # every chunk of these rows read before any is overwritten
+                    for r, words in zip(mine, loaded):
+                        words = common.token_chunk_words(words, self.fp4, ptx_ops.byte_perm)
+                        for q in cutlass.range_constexpr(4):
+                            chunk, offset = common.token_chunk_place(v, q, chunks // 4)
+                            ptx_ops.st_shared_u32(at(stage, r, chunk) + offset, words[q])
             cute.arch.fence_proxy("async.shared", space="cta")  # the stores, visible to the wgmma's reads
             cute.arch.sync_warp()
             if lane == 0:
