@@ -80,7 +80,8 @@ struct KernelDtypes {
   bool ab_bf16 = false;      // a and b are bfloat16 with no block scales (sf_dtype "none", sf_vec_size 0): sfa and
                              // sfb are empty uint8 buffers the kernel does not read
   bool a_bf16 = false;       // ragged swap_ab objects: a is the tokens in bfloat16, (L, T, K rounded up to 256) with
-                             // each 64 columns permuted (ragged.swap_ab_tokens); b alone holds codes; sfa is empty
+                             // each 128 columns permuted (swap_ab_layout.swap_ab_tokens); b alone holds codes; sfa
+                             // is empty
   bool c_fp4 = false;        // c holds two E2M1 codes per byte: its last dimension is N / 2
   bool alpha = false;        // the kernels take NVFP4's alpha, (L,) float32, after amax (E4M3 scales)
   bool a_mn = false;         // a is M-major: (L, K, M)

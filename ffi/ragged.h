@@ -15,7 +15,7 @@
 //
 // The swap_ab objects (a_dtype "bfloat16" with ab_dtype "float8_e4m3fn" and E8M0 scales per 32, or "float4_e2m1fn"
 // with E8M0 per 32 or float8_e4m3fn per 16; b_major "k", C float32 or bfloat16) take the tokens already dequantized:
-// a bfloat16 (L, T, K256), K256 = K rounded up to 256, each 64 columns permuted (swap_ab_layout.swap_ab_tokens); b the
+// a bfloat16 (L, T, K256), K256 = K rounded up to 256, each 128 columns permuted (swap_ab_layout.swap_ab_tokens); b the
 // codes (L, G, N, K) (packed FP4: K/2) with sfb their scales compact, (L*G, N, ceil(K/block)); sfa an empty uint8
 // buffer; alpha one float32 per weight, (L*G,).
 #ifndef JBG_FFI_RAGGED_H_

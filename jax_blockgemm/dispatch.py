@@ -488,7 +488,7 @@ def dequantize_variants(archs: Sequence[str], shape: Sequence[int], *, scale_axi
     `scale_axis` (-1 or -2), and with `paired_shape` a second operand (scales along its last axis) in the same
     launch; or () when an arch has none, the kernel cannot take a shape or a self-check failed (the caller then lets
     XLA dequantize). Used on the MXFP8 proj_rope path, whose kernels multiply bf16, and with `swap_ab_order` for the
-    swap_ab ragged kernel's tokens (scales along K, every 64 columns in its order: `swap_ab_layout.swap_ab_tokens`
+    swap_ab ragged kernel's tokens (scales along K, every 128 columns in its order: `swap_ab_layout.swap_ab_tokens`
     without the padding)."""
     try:
         from jax_blockgemm.kernels import catalog

@@ -41,8 +41,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
 from jax_blockgemm import formats, primitives, reference, sharding, support
-from jax_blockgemm.swap_ab_layout import (SWAP_AB_K_PAD, SWAP_AB_K_TILE, kernel_k_tile, kernel_orders_tokens,
-                                          kernel_tokens)
+from jax_blockgemm.swap_ab_layout import SWAP_AB_K_PAD, kernel_orders_tokens, kernel_tokens
 
 __all__ = ["ragged_p", "ragged_local_p", "check_call", "group_bounds", "grouped_rows_dot", "grouped_contraction",
            "grouped_dot", "ragged_reference", "check_group_sizes", "tile_rows", "weights_per_item", "kernel_items",
@@ -453,8 +452,7 @@ def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, 
     the tokens become bf16 as the tile takes them (`swap_ab_layout.kernel_tokens`: in the fragments' column order,
     but as they are for the 16-token tile, which orders them itself): by the dequantize kernel where they are MXFP8
     E4M3 codes, K needs no padding and one applies (`dispatch.dequantize_variants`, `swap_ab_order` but for the
-    16-token tile; one pass at memory speed) and the tile reads them in an order it writes (its own, or the MoE
-    tile's over 64-column k-tiles; not the 32- and 64-token tiles' over 128), else in XLA."""
+    16-token tile; one pass at memory speed), else in XLA."""
     from jax_blockgemm import dispatch, ffi_lowering
 
     a_aval, b_aval, sfa_aval, sfb_aval, starts_aval, ends_aval = ctx.avals_in[:6]
@@ -465,8 +463,7 @@ def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, 
         raise ValueError(f"ragged kernels that read different item tables in one call: {[v.key for v in variants]}")
     token_kernels = ()
     tile_tokens = variants[0].tile_mn[0]
-    writes_order = kernel_orders_tokens(tile_tokens) or kernel_k_tile(tile_tokens) == SWAP_AB_K_TILE
-    if (swap_ab and writes_order and a_aval.shape[-1] % SWAP_AB_K_PAD == 0
+    if (swap_ab and a_aval.shape[-1] % SWAP_AB_K_PAD == 0
             and np.dtype(a_aval.dtype) == np.dtype(jnp.float8_e4m3fn)):
         token_kernels = dispatch.dequantize_variants({v.arch for v in variants}, a_aval.shape, scale_axis=-1,
                                                      swap_ab_order=not kernel_orders_tokens(tile_tokens))

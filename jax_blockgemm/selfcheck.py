@@ -654,9 +654,9 @@ def run_proj_rope_problems(variant: Any, device: Any, *, run_kernel: Callable = 
 # (rows, cols, scale axis of operand 0, paired second operand (rows, cols) or None): scales along rows and along
 # columns, a lone operand and a pair in one launch, sizes that leave partial CTAs.
 DEQUANTIZE_PROBLEMS = ((96, 224, -1, (64, 160)), (160, 96, -2, (32, 96)), (1000, 64, -1, None))
-# The swap_ab order's object (the swap_ab ragged kernel's tokens) takes columns in whole 64-column tiles: a pair with
+# The swap_ab order's object (the swap_ab ragged kernel's tokens) takes columns in whole 128-column tiles: a pair with
 # partial CTAs, and one tile alone.
-SWAP_AB_DEQUANTIZE_PROBLEMS = ((200, 512, -1, (40, 192)), (3, 64, -1, None))
+SWAP_AB_DEQUANTIZE_PROBLEMS = ((200, 512, -1, (40, 384)), (3, 128, -1, None))
 
 
 def _dequantize_p():

@@ -1,7 +1,7 @@
 """The token layout of the swap_ab kernels (kernels/sm90/ragged_swap_ab.py), which read bf16 tokens as their wgmma's
 B operand in the order their threads hold the weights' codes: K padded with zeros to whole promotion groups, and the
 columns of every k-tile permuted (one order for FP8 codes, another for packed FP4, whose bit model pairs codes i and
-i + 4 of a word). The MoE tile and the 32- and 64-token decode tiles take the tokens permuted (for the MoE tile the
+i + 4 of a word). The MoE tile and the 32- and 64-token decode tiles take the tokens permuted (for MXFP8 tokens the
 pass that dequantizes them writes that order); the 16-token decode tile orders the columns itself, in shared memory,
 and takes them as they are. Pure NumPy and jax.numpy, below everything that prepares those tokens (the ragged
 lowering, the decode lowering in ffi_lowering, the dequantize kernel's oracle) and the kernel, which asks
@@ -13,13 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SWAP_AB_K_TILE = 64  # the MoE tile's k-tile, the span of its token permutation (and of the dequantize kernel's)
+SWAP_AB_K_TILE = 128  # codes of K per k-tile of every swap_ab tile (128 bytes of an FP8 weight row, 64 of FP4): the
+# span of the tokens' permutation (and of the dequantize kernel's). 64-code k-tiles paid the per-k-tile work (barriers,
+# wgmma issues, scale bytes) twice per code (docs/design/decode.md and moe.md, *128-code k-tiles*).
 SWAP_AB_K_PAD = 256  # its tokens' K is padded to a multiple of this (it adds partial sums every 256 of K)
-# Weights on the decode tiles (at most WIDE_MAX_TOKENS tokens) take 128 codes a k-tile (128 bytes of an FP8 weight
-# row, 64 of FP4): the per-k-tile work is spread over twice the codes (docs/design/decode.md, *128-code k-tiles*).
-# The MoE tile keeps 64: 128 token rows of a 128-column k-tile would be 32 KB a stage.
-WIDE_K_TILE = 128
-WIDE_MAX_TOKENS = 64
 # Tiles of at most this many tokens order the tokens' columns in the kernel: the 16-token decode tile, whose calls of
 # 1 to 16 rows would otherwise pay a separate launch (XLA's gather, 1.5-2.4 us on the H200) and its gap. The 32- and
 # 64-token tiles' producer warps, with 8 and 16 rows a k-tile to move, slowed their kernels (H100: 25.2 against about
@@ -33,33 +30,26 @@ def kernel_orders_tokens(tile_tokens: int) -> bool:
     return tile_tokens <= KERNEL_ORDER_MAX_TOKENS
 
 
-def kernel_k_tile(tile_tokens: int) -> int:
-    """Codes of K per k-tile of the swap_ab object for a tile of `tile_tokens` tokens: WIDE_K_TILE on the decode
-    tiles, SWAP_AB_K_TILE on the MoE tile. The tokens' column order spans one k-tile (`swap_ab_column_order`)."""
-    return WIDE_K_TILE if tile_tokens <= WIDE_MAX_TOKENS else SWAP_AB_K_TILE
-
-
-def swap_ab_column_order(k_tile: int = SWAP_AB_K_TILE, *, fp4: bool = False) -> np.ndarray:
-    """For each column 16s + 8h + 2c + j of a k-tile, the column it takes from: the order in which the swap_ab
-    kernel's threads hold the weights' codes in the wgmma A fragment. Thread c of a quad loads codes kc .. kc + k - 1
-    of a row (k = k_tile / 4 codes); its slots of k-step s are k 2c, 2c + 1 (h = 0) and 2c + 8, 2c + 9 (h = 1). FP8
-    codes pair as consecutive bytes, k-step s taking word s: column kc + 4s + 2h + j. FP4 (`fp4`) codes i and i + 4
-    of a word of eight pair up, k-step s taking pairs 2(s % 2) + h of word s // 2: column kc + 8(s // 2) + 2(s % 2)
+def swap_ab_column_order(*, fp4: bool = False) -> np.ndarray:
+    """For each column 16s + 8h + 2c + j of a k-tile (SWAP_AB_K_TILE codes), the column it takes from: the order in
+    which the swap_ab kernel's threads hold the weights' codes in the wgmma A fragment. Thread c of a quad loads
+    codes 32c .. 32c + 31 of a row; its slots of k-step s are k 2c, 2c + 1 (h = 0) and 2c + 8, 2c + 9 (h = 1). FP8
+    codes pair as consecutive bytes, k-step s taking word s: column 32c + 4s + 2h + j. FP4 (`fp4`) codes i and i + 4
+    of a word of eight pair up, k-step s taking pairs 2(s % 2) + h of word s // 2: column 32c + 8(s // 2) + 2(s % 2)
     + h + 4j."""
-    if k_tile not in (SWAP_AB_K_TILE, WIDE_K_TILE):
-        raise ValueError(f"k-tiles hold {SWAP_AB_K_TILE} or {WIDE_K_TILE} codes, got {k_tile}")
-    col = np.arange(k_tile)
+    col = np.arange(SWAP_AB_K_TILE)
     s, h, c, j = col // 16, (col // 8) % 2, (col // 2) % 4, col % 2
+    lane = SWAP_AB_K_TILE // 4 * c  # the first of lane c's codes
     if fp4:
-        return k_tile // 4 * c + 8 * (s // 2) + 2 * (s % 2) + h + 4 * j
-    return k_tile // 4 * c + 4 * s + 2 * h + j
+        return lane + 8 * (s // 2) + 2 * (s % 2) + h + 4 * j
+    return lane + 4 * s + 2 * h + j
 
 
-def swap_ab_columns(k: int, *, fp4: bool = False, k_tile: int = SWAP_AB_K_TILE) -> np.ndarray:
-    """For each of the K columns (a multiple of `k_tile`) as the swap_ab kernel reads them, the column it takes
-    from: `swap_ab_column_order` (of FP4 codes: `fp4`) within every k-tile."""
-    tiles = np.arange(k // k_tile)[:, None] * k_tile
-    return (tiles + swap_ab_column_order(k_tile, fp4=fp4)[None, :]).reshape(-1).astype(np.int32)
+def swap_ab_columns(k: int, *, fp4: bool = False) -> np.ndarray:
+    """For each of the K columns (a multiple of SWAP_AB_K_TILE) as the swap_ab kernel reads them, the column it
+    takes from: `swap_ab_column_order` (of FP4 codes: `fp4`) within every k-tile."""
+    tiles = np.arange(k // SWAP_AB_K_TILE)[:, None] * SWAP_AB_K_TILE
+    return (tiles + swap_ab_column_order(fp4=fp4)[None, :]).reshape(-1).astype(np.int32)
 
 
 def padded_tokens(x: jax.Array) -> jax.Array:
@@ -71,21 +61,16 @@ def padded_tokens(x: jax.Array) -> jax.Array:
 
 def kernel_tokens(x: jax.Array, *, fp4: bool, tile_tokens: int) -> jax.Array:
     """Tokens (..., T, K) as the swap_ab object of a tile of `tile_tokens` tokens takes them against `fp4` (or FP8)
-    weights: padded, and permuted over the object's k-tiles (`swap_ab_tokens`, `kernel_k_tile`) unless the kernel
-    orders them itself (`kernel_orders_tokens`)."""
-    if kernel_orders_tokens(tile_tokens):
-        return padded_tokens(x)
-    k_tile = kernel_k_tile(tile_tokens)
-    return swap_ab_tokens(x, fp4=fp4, k_tile=k_tile)
+    weights: padded, and permuted over its k-tiles (`swap_ab_tokens`) unless the kernel orders them itself
+    (`kernel_orders_tokens`)."""
+    return padded_tokens(x) if kernel_orders_tokens(tile_tokens) else swap_ab_tokens(x, fp4=fp4)
 
 
-def swap_ab_tokens(x: jax.Array, *, fp4: bool = False, k_tile: int = SWAP_AB_K_TILE) -> jax.Array:
+def swap_ab_tokens(x: jax.Array, *, fp4: bool = False) -> jax.Array:
     """Tokens (..., T, K) as the swap_ab kernel reads them (kernels/sm90/ragged_swap_ab.py) against FP8 (or, `fp4`,
-    packed FP4) weights: zeros past K up to a multiple of SWAP_AB_K_PAD, and the columns of every k-tile (of `k_tile`
-    codes) in `swap_ab_column_order`, the order of the weights' codes in the kernel's registers (a dot product over K
-    does not depend on the order of its terms). A gather with constant indices, which XLA fuses with the dequantization
-    before it (H200: 0.26 ms for 16384 x 7168 tokens, where the same permutation as a reshape and transpose took
-    1.6 ms)."""
+    packed FP4) weights: zeros past K up to a multiple of SWAP_AB_K_PAD, and the columns of every k-tile in
+    `swap_ab_column_order`, the order of the weights' codes in the kernel's registers (a dot product over K does not
+    depend on the order of its terms). A gather with constant indices, which XLA fuses with the dequantization before
+    it (H200: 0.26 ms for 16384 x 7168 tokens, where the same permutation as a reshape and transpose took 1.6 ms)."""
     x = padded_tokens(x)
-    return jnp.take(x, jnp.asarray(swap_ab_columns(x.shape[-1], fp4=fp4, k_tile=k_tile)), axis=-1,
-                    unique_indices=True)
+    return jnp.take(x, jnp.asarray(swap_ab_columns(x.shape[-1], fp4=fp4)), axis=-1, unique_indices=True)

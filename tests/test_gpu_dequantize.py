@@ -144,7 +144,7 @@ class GpuDequantizeTest(parameterized.TestCase):
 
     @parameterized.parameters((1, 333, 512), (2, 70, 7168), (1, 1, 256))
     def test_swap_ab_order(self, l, t, k):
-        """The swap_ab ragged kernel's tokens: the oracle's bf16 values, every 64 columns in
+        """The swap_ab ragged kernel's tokens: the oracle's bf16 values, every 128 columns in
         `swap_ab_layout.swap_ab_column_order`, bit for bit; all 256 codes and the scale bytes 0, 1, 254 and 255 among
         them; the output poisoned first."""
         rng = np.random.default_rng(t + k)

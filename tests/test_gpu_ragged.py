@@ -173,8 +173,8 @@ class GpuRaggedTest(parameterized.TestCase):
         tokens with K in three parts, 64 in two; 64 weight rows): empty and one-token groups, rows of no group, N off
         the 64-row tile, K past a promotion group, a NaN block scale in one expert's weight row (that column of its
         group's rows only); and weight-only on the same tiles. K = 512 (no padding) gives MXFP8 E4M3 tokens to the
-        dequantize kernel, whose plain object feeds the 16-token tile (which orders them itself), and to XLA's gather
-        before the 64-token tile (its 128-column k-tiles: the dequantize kernel's order spans 64)."""
+        dequantize kernel, whose plain object feeds the 16-token tile (which orders them itself) and whose swap_ab
+        object feeds the 64-token tile."""
         self.enterContext(arch.overridden("9.0", ragged_swap_ab_formats=("mxfp8_e4m3", "mxfp4", "nvfp4")))
         rng = np.random.default_rng(hash((fmt, c_dtype, "decode tiles")) % 2**32)
         g, n = 16, 200

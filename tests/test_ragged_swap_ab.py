@@ -60,27 +60,20 @@ def _rs_fragment_layout():
 class TokenOrderTest(absltest.TestCase):
 
     def test_order_is_the_fragment_order(self):
-        """The kernel gives thread (g, c) of warp w codes kc .. kc + k - 1 (k = k_tile / 4: 16, or 32 on the decode
-        tiles) of rows 16w + g and + 8 and puts code kc + 4s + 2h + j of row + 8r into value (j, r, h) of k-step s
-        (word 4s + 2h + r, `_convert_words`); CuTe's fragment says which k that value multiplies. The tokens' column
-        there must be that code's column."""
+        """The kernel gives thread (g, c) of warp w codes 32c .. 32c + 31 of rows 16w + g and + 8 and puts code
+        32c + 4s + 2h + j of row + 8r into value (j, r, h) of k-step s (word 4s + 2h + r, `_convert_words`); CuTe's
+        fragment says which k that value multiplies. The tokens' column there must be that code's column."""
         frag = _rs_fragment_layout()
         self.assertEqual(frag["registers"], "((2,2,2),1,4):((1,2,4),0,8)")  # value (j, r, h), then k-step s
-        for k_tile in (64, 128):
-            order = swap_ab_layout.swap_ab_column_order(k_tile)
-            self.assertEqual(sorted(order.tolist()), list(range(k_tile)))
-            for t in range(128):
-                w, g, c = t // 32, t % 32 // 4, t % 4
-                for j in range(2):
-                    for r in range(2):
-                        for h in range(2):
-                            k16, m = divmod(frag["index"][t][j + 2 * r + 4 * h], 64)  # column-major (64, 16)
-                            self.assertEqual(m, 16 * w + g + 8 * r, (t, j, r, h))
-                            for s in range(k_tile // 16):
-                                code = k_tile // 4 * c + 4 * s + 2 * h + j
-                                self.assertEqual(order[16 * s + k16], code, (k_tile, t, j, r, h, s))
-        with self.assertRaisesRegex(ValueError, "k-tiles hold 64 or 128 codes, got 96"):
-            swap_ab_layout.swap_ab_column_order(96)
+        order = swap_ab_layout.swap_ab_column_order()
+        self.assertEqual(sorted(order.tolist()), list(range(128)))
+        for t in range(128):
+            w, g, c = t // 32, t % 32 // 4, t % 4
+            for j, r, h in itertools.product(range(2), range(2), range(2)):
+                k16, m = divmod(frag["index"][t][j + 2 * r + 4 * h], 64)  # column-major (64, 16)
+                self.assertEqual(m, 16 * w + g + 8 * r, (t, j, r, h))
+                for s in range(8):
+                    self.assertEqual(order[16 * s + k16], 32 * c + 4 * s + 2 * h + j, (t, j, r, h, s))
 
     def test_e4m3_swizzled_rows_model_keeps_the_dot_product(self):
         """A model of 64 weight rows' 128-code k-tile through a decode tile's threads: the rows as TMA lands them
@@ -92,8 +85,7 @@ class TokenOrderTest(absltest.TestCase):
         from jax_blockgemm.kernels.sm90.ragged_swap_ab import HopperRaggedSwapAB
 
         kernel = HopperRaggedSwapAB(token_rows=16, weight_warpgroups=1, k_split=3)
-        self.assertEqual((kernel.k_tile, kernel.row_bytes, kernel.lane_bytes, kernel.swizzled_codes),
-                         (128, 128, 32, True))
+        self.assertEqual((kernel.k_tile, kernel.row_bytes, kernel.swizzled_codes), (128, 128, True))
         rng = np.random.default_rng(3)
         codes = rng.integers(0, 256, size=(64, 128), dtype=np.uint8)
         codes[(codes & 0x7F) == 0x7F] = 0x38  # no NaN codes here (1.0)
@@ -103,7 +95,7 @@ class TokenOrderTest(absltest.TestCase):
             for p in range(8):
                 stage[r * 128 + 16 * (p ^ r % 8):r * 128 + 16 * (p ^ r % 8) + 16] = codes[r, 16 * p:16 * p + 16]
         tokens = rng.standard_normal(128)
-        permuted = tokens[swap_ab_layout.swap_ab_column_order(128)]
+        permuted = tokens[swap_ab_layout.swap_ab_column_order()]
         bf16 = lambda bits: np.array([bits & 0xFFFF], np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)[0]
         sums = np.zeros(64)
         for warp, lane in itertools.product(range(4), range(32)):
@@ -126,29 +118,25 @@ class TokenOrderTest(absltest.TestCase):
             self.assertEqual(len(banks), 32, (warp, phase, i))
 
     def test_fp4_order_is_the_fragment_order(self):
-        """FP4: thread (g, c) loads codes kc .. kc + k - 1 (k = k_tile / 4) of rows 16w + g and + 8 (k / 8 words of
-        eight codes each) and puts pair 2(s % 2) + h of word s // 2 (`common.e2m1_pair_bits`: codes p and p + 4 of
-        the word) into value (j, r, h) of k-step s (`_convert_fp4_words`); the tokens' column there must be that
-        code's, for the 64-code k-tiles and MXFP4's 128-code ones."""
+        """FP4: thread (g, c) loads codes 32c .. 32c + 31 of rows 16w + g and + 8 (four words of eight codes each)
+        and puts pair 2(s % 2) + h of word s // 2 (`common.e2m1_pair_bits`: codes p and p + 4 of the word) into value
+        (j, r, h) of k-step s (`_convert_fp4_words`); the tokens' column there must be that code's."""
         frag = _rs_fragment_layout()
-        for k_tile in (64, 128):
-            order = swap_ab_layout.swap_ab_column_order(k_tile, fp4=True)
-            self.assertEqual(sorted(order.tolist()), list(range(k_tile)))
-            for t in range(128):
-                c = t % 4
-                for j in range(2):
-                    for r in range(2):
-                        for h in range(2):
-                            k16 = frag["index"][t][j + 2 * r + 4 * h] // 64
-                            for s in range(k_tile // 16):
-                                code = k_tile // 4 * c + 8 * (s // 2) + 2 * (s % 2) + h + 4 * j
-                                self.assertEqual(order[16 * s + k16], code, (k_tile, t, j, r, h, s))
+        order = swap_ab_layout.swap_ab_column_order(fp4=True)
+        self.assertEqual(sorted(order.tolist()), list(range(128)))
+        for t in range(128):
+            c = t % 4
+            for j, r, h in itertools.product(range(2), range(2), range(2)):
+                k16 = frag["index"][t][j + 2 * r + 4 * h] // 64
+                for s in range(8):
+                    code = 32 * c + 8 * (s // 2) + 2 * (s % 2) + h + 4 * j
+                    self.assertEqual(order[16 * s + k16], code, (t, j, r, h, s))
 
     def test_fp4_conversion_model_keeps_the_dot_product(self):
         """A model of one weight row's k-tile through the kernel: packed bytes (SPEC §1: code 2i in the low nibble
         of byte i), each lane's words, the pairs `e2m1_pair_bits` forms decoded and scaled, fed to the fragment
         slots at column 16s + 8h + 2c + j; against tokens in the FP4 order the sum is the row's dot product with the
-        tokens in their own order (64- and 128-code k-tiles)."""
+        tokens in their own order."""
         import ml_dtypes
         from jax_blockgemm import formats
 
@@ -156,27 +144,24 @@ class TokenOrderTest(absltest.TestCase):
             return np.array([bits & 0xFFFF], np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)[0]
 
         rng = np.random.default_rng(1)
-        for k_tile in (64, 128):
-            nibbles = rng.integers(0, 16, size=k_tile)
-            packed = (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8)
-            values = np.asarray(formats.unpack_fp4(jnp.asarray(packed)).astype(jnp.float32), np.float64)
-            tokens = rng.standard_normal(k_tile)
-            permuted = tokens[swap_ab_layout.swap_ab_column_order(k_tile, fp4=True)]
-            lane_bytes = k_tile // 8
-            total = 0.0
-            for c in range(4):
-                words = packed[lane_bytes * c:lane_bytes * (c + 1)].view(np.int32)  # the lane's shared load
-                for s in range(k_tile // 16):
-                    for h in range(2):
-                        bits = int(common.e2m1_pair_bits(words[s // 2:s // 2 + 1], 2 * (s % 2) + h)[0]) & 0xFFFFFFFF
-                        for j in range(2):
-                            code = bf16(bits >> (16 * j)) * 2.0**common.E2M1_PLACEMENT
-                            total += code * permuted[16 * s + 8 * h + 2 * c + j]
-            self.assertAlmostEqual(total, float(values @ tokens), places=10)
+        nibbles = rng.integers(0, 16, size=128)
+        packed = (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8)
+        values = np.asarray(formats.unpack_fp4(jnp.asarray(packed)).astype(jnp.float32), np.float64)
+        tokens = rng.standard_normal(128)
+        permuted = tokens[swap_ab_layout.swap_ab_column_order(fp4=True)]
+        total = 0.0
+        for c in range(4):
+            words = packed[16 * c:16 * (c + 1)].view(np.int32)  # the lane's 16-byte shared load
+            for s, h in itertools.product(range(8), range(2)):
+                bits = int(common.e2m1_pair_bits(words[s // 2:s // 2 + 1], 2 * (s % 2) + h)[0]) & 0xFFFFFFFF
+                for j in range(2):
+                    code = bf16(bits >> (16 * j)) * 2.0**common.E2M1_PLACEMENT
+                    total += code * permuted[16 * s + 8 * h + 2 * c + j]
+        self.assertAlmostEqual(total, float(values @ tokens), places=10)
 
     def test_dequantize_kernel_writes_the_same_order(self):
         """The dequantize kernel's swap_ab order (kernels/dequantize.py): the run of 8 codes at column 8·run of a
-        64-column tile stores its bf16 pair q (codes 2q, 2q + 1) at `swap_ab_pair_column(run, q)`; every output column
+        128-column tile stores its bf16 pair q (codes 2q, 2q + 1) at `swap_ab_pair_column(run, q)`; every output column
         must then hold the code `swap_ab_column_order` names, each column written once."""
         from jax_blockgemm.kernels import dequantize
 
@@ -186,23 +171,23 @@ class TokenOrderTest(absltest.TestCase):
             for q in range(dequantize.RUN // 2):
                 for j in range(2):
                     written[dequantize.swap_ab_pair_column(run, q) + j] = dequantize.RUN * run + 2 * q + j
-        self.assertEqual(sorted(written), list(range(64)))
-        self.assertEqual([written[c] for c in range(64)], order.tolist())
+        self.assertEqual(sorted(written), list(range(128)))
+        self.assertEqual([written[c] for c in range(128)], order.tolist())
 
     def test_tokens_padded_and_permuted(self):
-        """swap_ab_tokens: K rounded up to 256 with zeros, every 64 columns in `swap_ab_column_order`, and a dot
+        """swap_ab_tokens: K rounded up to 256 with zeros, every 128 columns in `swap_ab_column_order`, and a dot
         product with weights permuted the same way unchanged."""
         rng = np.random.default_rng(0)
         x = rng.standard_normal((2, 5, 272)).astype(np.float32)
         got = np.asarray(swap_ab_layout.swap_ab_tokens(jnp.asarray(x)))
         self.assertEqual(got.shape, (2, 5, 512))
         padded = np.pad(x, ((0, 0), (0, 0), (0, 240)))
-        order = (np.arange(8)[:, None] * 64 + swap_ab_layout.swap_ab_column_order()[None]).reshape(-1)
+        order = (np.arange(4)[:, None] * 128 + swap_ab_layout.swap_ab_column_order()[None]).reshape(-1)
         np.testing.assert_array_equal(got, padded[..., order])
         w = rng.standard_normal(272)
         np.testing.assert_allclose(got @ np.pad(w, (0, 240))[order], x @ w, rtol=1e-12)
         fp4 = np.asarray(swap_ab_layout.swap_ab_tokens(jnp.asarray(x), fp4=True))
-        order4 = (np.arange(8)[:, None] * 64 + swap_ab_layout.swap_ab_column_order(fp4=True)[None]).reshape(-1)
+        order4 = (np.arange(4)[:, None] * 128 + swap_ab_layout.swap_ab_column_order(fp4=True)[None]).reshape(-1)
         np.testing.assert_array_equal(fp4, padded[..., order4])
         self.assertFalse(np.array_equal(order4, order))
 
@@ -217,9 +202,10 @@ class KernelOrderedTokensTest(parameterized.TestCase):
         pool = int(a & 0xFFFFFFFF).to_bytes(4, "little") + int(b & 0xFFFFFFFF).to_bytes(4, "little")
         return int.from_bytes(bytes(pool[(selector >> (4 * i)) & 0x7] for i in range(4)), "little")
 
-    @parameterized.parameters((False, 64), (False, 128), (True, 64), (True, 128))
-    def test_a_stage_ends_in_the_fragment_order(self, fp4, k_tile):
-        rows, chunks = 16, k_tile // 8
+    @parameterized.parameters(False, True)
+    def test_a_stage_ends_in_the_fragment_order(self, fp4):
+        rows, k_tile = 16, swap_ab_layout.SWAP_AB_K_TILE
+        chunks = k_tile // 8
         rng = np.random.default_rng(7)
         x = rng.integers(0, 2**16, size=(rows, k_tile), dtype=np.uint16)  # a k-tile of bf16 tokens, as bits
         stage = np.zeros(rows * k_tile * 2, np.uint8)
@@ -232,21 +218,18 @@ class KernelOrderedTokensTest(parameterized.TestCase):
             words = {v: [int(w) for w in stage[at(r, v):at(r, v) + 16].view(np.uint32)] for v in range(chunks)}
             for v in range(chunks):
                 for q, word in enumerate(common.token_chunk_words(words[v], fp4, self._byte_perm)):
-                    chunk, offset = common.token_chunk_place(v, q, chunks // 4)
+                    chunk, offset = common.token_chunk_place(v, q)
                     stage[at(r, chunk) + offset:at(r, chunk) + offset + 4] = np.array([word], np.uint32).view(np.uint8)
         got = np.stack([np.concatenate([stage[at(r, j):at(r, j) + 16].view(np.uint16) for j in range(chunks)])
                         for r in range(rows)])  # as the wgmma reads the stage
-        np.testing.assert_array_equal(got, x[:, swap_ab_layout.swap_ab_column_order(k_tile, fp4=fp4)])
+        np.testing.assert_array_equal(got, x[:, swap_ab_layout.swap_ab_column_order(fp4=fp4)])
 
     def test_which_tiles_order_their_tokens(self):
-        """The 16-token decode tile orders the tokens itself and takes them padded only; the wider tiles take them
-        permuted (`kernel_tokens`) over their k-tiles: 128 columns on the decode tiles, 64 on the MoE tile."""
+        """The 16-token decode tile orders the tokens itself and takes them padded only; the wider tiles (the 32- and
+        64-token decode tiles, the MoE tile) take them permuted (`kernel_tokens`)."""
         x = jnp.arange(2 * 320, dtype=jnp.float32).reshape(2, 320)
         for (tokens, _, _), fp4 in itertools.product(catalog.SWAP_AB_DECODE_TILES + ((128, 128, 1),), (False, True)):
-            k_tile = 128 if tokens <= 64 else 64
-            self.assertEqual(swap_ab_layout.kernel_k_tile(tokens), k_tile)
-            want = (jnp.pad(x, ((0, 0), (0, 192))) if tokens == 16
-                    else swap_ab_layout.swap_ab_tokens(x, fp4=fp4, k_tile=k_tile))
+            want = jnp.pad(x, ((0, 0), (0, 192))) if tokens == 16 else swap_ab_layout.swap_ab_tokens(x, fp4=fp4)
             self.assertEqual(swap_ab_layout.kernel_orders_tokens(tokens), tokens == 16)
             np.testing.assert_array_equal(swap_ab_layout.kernel_tokens(x, fp4=fp4, tile_tokens=tokens), want)
 
@@ -380,9 +363,12 @@ class CompileTest(parameterized.TestCase):
 
     @parameterized.parameters(F32, BF16)
     def test_structure(self, c_dtype):
+        """The MoE tile: 128-code k-tiles (FP8 rows of 128 bytes, swizzled) in as many stages as fit (4 of 48 KB)."""
         v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype=E4M3, c_dtype=c_dtype, sf_vec_size=32,
                                    tile_mn=(128, 128), cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
         c = compiled(v)
+        self.assertEqual((c.kernel.tile_mnk, c.kernel.row_bytes, c.kernel.swizzled_codes, c.kernel.stages),
+                         ((128, 128, 128), 128, True, 4))
         # the weights from registers (four 32-bit A registers), the tokens from shared memory, 128 tokens wide (64
         # for items of at most 64 tokens); the codes by bit moves, not the converter; TMA loads; registers moved to
         # the MMA warpgroups; amax's tally (the max, then the count with acquire-release order) and no atomic max into
@@ -407,20 +393,20 @@ class CompileTest(parameterized.TestCase):
     @parameterized.product(fmt=((32, E8M0), (16, E4M3)), c_dtype=(F32, BF16),
                            tile=((128, 128, 1), *catalog.SWAP_AB_DECODE_TILES))
     def test_fp4_structure(self, fmt, c_dtype, tile):
-        """MXFP4 and NVFP4 objects: shared loads of a thread's codes of a row (16 codes in 8 bytes; on the decode
-        tiles 32 in 16, their k-tiles 128 codes), the register-sourced wgmma as wide as the tile's tokens, the
-        E2M1 bit moves (no FP8 converter) with 2^126 for the two-multiply path, no local memory."""
+        """MXFP4 and NVFP4 objects: one 16-byte shared load of a thread's 32 codes of a row (k-tiles of 128 codes,
+        64-byte rows, plain), the register-sourced wgmma as wide as the tile's tokens, the E2M1 bit moves (no FP8
+        converter) with 2^126 for the two-multiply path, no local memory; the MoE tile in 5 stages of 40 KB."""
         block, sf = fmt
         v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype=FP4, c_dtype=c_dtype, sf_vec_size=block,
                                    sf_dtype=sf, tile_mn=tile[:2], k_split=tile[2], cluster_mn=(1, 1),
                                    schedule=catalog.SWAP_AB)
         c = compiled(v)
-        wide = tile[0] <= 64
-        self.assertEqual((c.kernel.k_tile, c.kernel.row_bytes, c.kernel.lane_bytes),
-                         (128, 64, 16) if wide else (64, 32, 8))
+        self.assertEqual((c.kernel.k_tile, c.kernel.row_bytes, c.kernel.swizzled_codes), (128, 64, False))
+        if tile[0] == 128:
+            self.assertEqual(c.kernel.stages, 5)
         self.assertTrue(re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile[0]}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
                                   r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", c.ptx))
-        self.assertTrue(re.search(r"ld\.shared\.v4\.b32" if wide else r"ld\.shared\.v2\.b32", c.ptx))
+        self.assertTrue(re.search(r"ld\.shared\.v4\.b32", c.ptx))
         self.assertIn(str(common.BF16X2_TWO_POW_126), c.ptx)  # 2^126 in both bf16 halves
         for name, pattern in {"FP8 converter": r"cvt\.rn\.f16x2\.e4m3x2", "local memory": r"\.local"}.items():
             self.assertFalse(re.search(pattern, c.ptx), name)
@@ -440,7 +426,7 @@ class CompileTest(parameterized.TestCase):
                                    tile_mn=(tokens, rows), k_split=split, cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
         c = compiled(v)
         self.assertEqual(c.kernel.tile_mnk, (tokens, rows, 128))  # 128-code k-tiles: 128-byte rows, swizzled
-        self.assertEqual((c.kernel.row_bytes, c.kernel.lane_bytes, c.kernel.swizzled_codes), (128, 32, True))
+        self.assertEqual((c.kernel.row_bytes, c.kernel.swizzled_codes), (128, True))
         self.assertEqual(c.kernel.threads_per_cta, 128 * (1 + rows // 64 * split))
         self.assertTrue(re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tokens}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
                                   r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", c.ptx))
@@ -746,18 +732,18 @@ class DispatchTest(absltest.TestCase):
         self.assertTrue("(tensor<1x8x512xbf16>, tensor<1x4x72x512xf8E4M3FN>, tensor<1x0xui8>" in call, call[-300:])
         self.assertEqual([line for line in text.splitlines() if "gather" in line and "bf16" in line], [])
 
-    def test_few_tokens_on_the_wider_decode_tiles_take_xlas_gather(self):
-        """17 to 64 tokens in all run the 32- or 64-token tile, whose k-tiles span 128 columns: the dequantize
-        kernel's swap_ab order spans 64, so XLA dequantizes and gathers the tokens over 128-column k-tiles."""
+    def test_few_tokens_on_the_wider_decode_tiles_take_the_swap_ab_dequantize_object(self):
+        """17 to 64 tokens in all run the 32- or 64-token tile, whose k-tiles span 128 columns as the MoE tile's do:
+        the dequantize kernel's swap_ab object writes the tokens in that order, and nothing gathers them."""
         with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
                 mock.patch.object(gate, "ensure_verified", side_effect=_verdict(True)):
             text = lowering_cases._lowered(t=40, g=4, n=72, k=512)
-        self.assertNotIn("jbg_dequantize_mxfp8", text)
+        (dequant,) = [line for line in text.splitlines() if "@jbg_dequantize_mxfp8" in line]
+        self.assertIn('function_prefixes = "jbg_dequantize_sm_90a_e4m3_bf16_sf32_t1x16_c1x1_swap_ab"', dequant)
         call = next(line for line in text.splitlines() if "@jbg_ragged_gemm_amax" in line)
         self.assertIn("t64x64", call)
         self.assertTrue("(tensor<1x40x512xbf16>, tensor<1x4x72x512xf8E4M3FN>, tensor<1x0xui8>" in call, call[-300:])
-        self.assertEqual(len([line for line in text.splitlines() if "gather" in line and "bf16" in line]), 1)
-
+        self.assertEqual([line for line in text.splitlines() if "gather" in line and "bf16" in line], [])
 
 if __name__ == "__main__":
     absltest.main()

@@ -21,7 +21,7 @@ dynamic_shapes[1];}` struct over a flat buffer.
       two operands in one launch: codes (rows, cols) E4M3; out (rows, cols) bf16; scales E8M0 bytes (rows, cols/32)
       for a_major "k" (blocks along the row), (rows/32, cols) for "m" (blocks along the column); operand 1 always
       has its blocks along the row, and rows1 = 0 when there is none; sizes int32 (kernels/dequantize.py). The
-      SWAP_AB variant writes every 64 columns of out in the swap_ab ragged kernel's token order.
+      SWAP_AB variant writes every 128 columns of out in the swap_ab ragged kernel's token order.
     weight_stream: fn(x, w, sw, c, amax, alpha, tally, m, n, k, l, sf_atom, stream)
       the decode GEMM (kernels/weight_stream.py): x bf16 (L, M, K) with M at most tile_mn[1]; w codes (L, N, K), or
       packed FP4 (L, N, K/2) uint8; sw the weight's scale bytes, compact (L, N, ceil(K/v)) for sf_atom = 0 or the

@@ -208,8 +208,8 @@ def e4m3_nan_bits(word):
 
 
 # --- the decode tiles' token columns, ordered in shared memory by the producer warps ----------------------------
-# A 16-byte chunk v = 2c + u of a token row's 64-column k-tile (its columns 8v .. 8v + 7 as TMA lands them; of a
-# 128-column k-tile, v = 4c + u) holds, in the order the swap_ab kernel's weight fragments want
+# A 16-byte chunk v = 4c + u of a token row's 128-column k-tile (its columns 8v .. 8v + 7 as TMA lands them) holds,
+# in the order the swap_ab kernel's weight fragments want
 # (`swap_ab_layout.swap_ab_column_order`), four bf16 pairs of logical chunks 4u .. 4u + 3, each at byte 4c of its
 # chunk: `token_chunk_words` gives the four words, word q going to logical chunk 4u + q.
 FP4_TOKEN_PAIR_SELECTORS = (0x5410, 0x7632)  # prmt: the low (high) halves of words a and b as one pair
@@ -225,11 +225,11 @@ def token_chunk_words(words: list, fp4: bool, byte_perm) -> list:
     return [byte_perm(words[q // 2], words[q // 2 + 2], FP4_TOKEN_PAIR_SELECTORS[q % 2]) for q in range(4)]
 
 
-def token_chunk_place(v, q: int, chunks_per_lane: int = 2) -> tuple:
-    """(logical 16-byte chunk, byte offset in it) of word q of chunk v (`token_chunk_words`) of a k-tile whose
-    weight codes come `chunks_per_lane` chunks of tokens to a lane (2 for 64-code k-tiles, 4 for 128): chunk
-    v = chunks_per_lane·c + u goes to logical chunk 4u + q at byte 4c. Plain Python."""
-    return 4 * (v % chunks_per_lane) + q, 4 * (v // chunks_per_lane)
+def token_chunk_place(v, q: int) -> tuple:
+    """(logical 16-byte chunk, byte offset in it) of word q of chunk v (`token_chunk_words`) of a 128-column k-tile,
+    whose weight codes come four chunks of tokens to a lane: chunk v = 4c + u goes to logical chunk 4u + q at byte
+    4c. Plain Python."""
+    return 4 * (v % 4) + q, 4 * (v // 4)
 
 
 def one_multiply_bf16x2(byte, placement: int = E4M3_PLACEMENT):

@@ -18,12 +18,12 @@ the sm_100a objects are compiled, never run):
   (K, N), where the bulk path's per-run scale loads made it slower (34.1). Operand 1 then takes the same path.
 
 The bulk path has a second output order, for the tokens of the ragged swap_ab kernel (`swap_ab_order`,
-kernels/sm90/ragged_swap_ab.py): within every 64 columns, column 16s + 8h + 2c + j of the output holds code
-16c + 4s + 2h + j (`swap_ab_layout.swap_ab_column_order`), the order in which that kernel's threads hold the
+kernels/sm90/ragged_swap_ab.py): within every 128 columns, column 16s + 8h + 2c + j of the output holds code
+32c + 4s + 2h + j (`swap_ab_layout.swap_ab_column_order`), the order in which that kernel's threads hold the
 weights' codes.
 A run of 8 codes is 4 bf16 pairs, each stored to its own place in the shared-memory chunk (`swap_ab_pair_column`),
-so the bulk store still writes whole chunks; the chunks start on 64-column tiles, and with the operand's columns a
-multiple of 64 every tile lies in one row. It replaces XLA's dequantization with a gather, which was slower
+so the bulk store still writes whole chunks; the chunks start on 128-column tiles, and with the operand's columns a
+multiple of 128 every tile lies in one row. It replaces XLA's dequantization with a gather, which was slower
 (docs/design/moe.md).
 
 Both paths launch with programmatic dependent launch: every thread first waits for the previous grid, and the CTAs
@@ -61,11 +61,11 @@ SWAP_AB_TILE = swap_ab_layout.SWAP_AB_K_TILE  # the columns the swap_ab output o
 
 
 def swap_ab_pair_column(run, pair: int):
-    """The output column (within its 64-column tile) of bf16 pair `pair` (codes 2·pair, 2·pair + 1) of the run of
-    RUN codes that starts at column 8·run of the tile, in the swap_ab order: codes 16c + 8x + e (run = 2c + x) are
-    16c + 4s + 2h + j with s = 2x + e // 4, h = e // 2 % 2, j = e % 2, and go to column 16s + 8h + 2c + j. Plain
+    """The output column (within its SWAP_AB_TILE-column tile) of bf16 pair `pair` (codes 2·pair, 2·pair + 1) of the
+    run of RUN codes that starts at column 8·run of the tile, in the swap_ab order: codes 32c + 8x + e (run = 4c + x)
+    are 32c + 4s + 2h + j with s = 2x + e // 4, h = e // 2 % 2, j = e % 2, and go to column 16s + 8h + 2c + j. Plain
     arithmetic: `run` may be a traced Int32."""
-    c, x = run // 2, run % 2
+    c, x = run // 4, run % 4
     return 32 * x + 16 * (pair // 2) + 8 * (pair % 2) + 2 * c
 
 
@@ -92,8 +92,8 @@ def _scaled_bf16(codes: cute.Tensor, factors, dst: cute.Tensor, per_element: cut
 
 class MxDequantize:
     """codes·2^(scale-127) as bfloat16 for up to two MXFP8 E4M3 operands in one launch; operand 0 has its scales per
-    32 along `scale_axis`, operand 1 along its rows. `swap_ab_order` (scales along the rows only): every 64 columns
-    written in the swap_ab kernel's token order."""
+    32 along `scale_axis`, operand 1 along its rows. `swap_ab_order` (scales along the rows only): every SWAP_AB_TILE
+    columns written in the swap_ab kernel's token order."""
 
     # What the structural report reads of every kernel (kernels/structure.py): no MMA, no tensor memory.
     threads_per_cta = THREADS
@@ -211,7 +211,7 @@ class MxDequantize:
                         cute.autovec_copy(cute.make_tensor(sp, src.layout), src)
                         dst = cute.make_rmem_tensor((RUN,), cutlass.BFloat16)
                         _scaled_bf16(src, factors[s * RUNS + r], dst, False)
-                        if cutlass.const_expr(self.swap_ab_order):  # run tidx % 8 of a 64-column tile
+                        if cutlass.const_expr(self.swap_ab_order):  # run tidx % 16 of a 128-column tile
                             run = tidx % (SWAP_AB_TILE // RUN)
                             tile_at = dst0 + 2 * (s * CHUNK + at - RUN * run)
                             pairs = cute.recast_tensor(dst, cutlass.Int32)

@@ -60,13 +60,6 @@ def ld_shared_v4(addr, *, loc=None, ip=None) -> list:
 
 
 @dsl_user_op
-def ld_shared_v2(addr, *, loc=None, ip=None) -> list:
-    ret = llvm.StructType.get_literal([T.i32()] * 2)
-    out = asm(ret, [cutlass.Int32(addr)], "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r,~{memory}", True, loc, ip)
-    return words(out, 2, loc, ip)
-
-
-@dsl_user_op
 def ld_shared_u32(addr, *, loc=None, ip=None) -> cutlass.Int32:
     return cutlass.Int32(asm(T.i32(), [cutlass.Int32(addr)], "ld.shared.b32 $0, [$1];", "=r,r,~{memory}", True,
                              loc, ip))

@@ -1,36 +1,36 @@
 """Hopper (sm_90a) ragged GEMM for MXFP8 E4M3, MXFP4 and NVFP4 weights with the roles swapped: each expert's weights
 are the wgmma's A operand, converted from codes to bf16 in registers (register-sourced wgmma), and the tokens,
-dequantized to bf16 by XLA before the launch, its B operand from shared memory.
+dequantized to bf16 before the launch, its B operand from shared memory.
 
 Why: in a mixture-of-experts layer each weight element meets only T/G tokens (512 at T = 16384, G = 32), so the
 gemm_amax mainloop (kernels/sm90/gemm_amax.py), which converts both operands' codes through shared memory on every
 tile, spends as long converting as multiplying. Here only the weights are converted, once per 128-token tile, with
-no shared-memory round trip: a thread loads its 16 codes of two weight rows per k-tile (two 16-byte shared loads),
+no shared-memory round trip: a thread loads its 32 codes of two weight rows per k-tile (16-byte shared loads),
 turns them into its own A-fragment registers, and the tensor cores read them there. The tokens, T x K, are
-dequantized once by XLA (about a tenth of the GEMM's time on the H200). Design and figures: docs/design/moe.md.
+dequantized once before the launch (MXFP8 codes by kernels/dequantize.py, written in this kernel's column order; about
+a tenth of the GEMM's time). Design and figures: docs/design/moe.md.
 
 The A fragment of a bf16 m64nNk16 wgmma gives lane (g, c) = (lane / 4, lane % 4) of warp w the k's 2c, 2c + 1 and
-2c + 8, 2c + 9 of rows 16w + g and + 8 per k-step, while its 16-byte load holds codes 16c .. 16c + 15 of a 64-wide
-k-tile. A dot product does not care about the order of k, so the thread feeds its codes to its slots as loaded and
-the tokens arrive with the same permutation of every 64 columns (`swap_ab_layout.swap_ab_tokens`): logical column
-16s + 8h + 2c + j of a k-tile holds column 16c + 4s + 2h + j (k-step s, half h, pair element j). The 16 codes of a
-load lie inside one 32-wide scale block, so each thread needs one scale byte per row and k-tile. The decode tiles
-take k-tiles of 128 codes (`swap_ab_layout.kernel_k_tile`), which spreads the per-k-tile work over twice the codes: a
-thread's 32 codes of a row, 32c .. 32c + 31, are one scale block, two 16-byte loads from rows stored 128-byte
-swizzled, and eight k-steps.
+2c + 8, 2c + 9 of rows 16w + g and + 8 per k-step, while a k-tile is 128 codes of each row (eight k-steps) and the
+thread holds codes 32c .. 32c + 31 of its rows: one 32-wide scale block, so one scale byte per row and k-tile, and for
+FP8 two 16-byte loads from rows stored 128-byte swizzled. A dot product does not care about the order of k, so the
+thread feeds its codes to its slots as loaded and the tokens arrive with the same permutation of every 128 columns
+(`swap_ab_layout.swap_ab_tokens`): logical column 16s + 8h + 2c + j of a k-tile holds column 32c + 4s + 2h + j
+(k-step s, half h, pair element j). (K-tiles of 64 codes, which the MoE tile had first, paid each k-tile's fixed work,
+barriers, wgmma issues and scale bytes, twice per code.)
 
 E4M3 to bf16 exactly as the decode kernel does it (kernels/weight_stream.py): bit moves make code·2^-120 a bf16
 pair, then one packed multiply by 2^120·scale (scale bytes up to 134, voted per warp; else two multiplies); a NaN
 code among the codes of a row a thread loads at once makes that row's factor NaN for them, which gives the outputs
 a NaN product gives.
 
-FP4 (packed E2M1, two codes a byte): a k-tile of 64 codes is 32 bytes of a row, a thread's 16 codes 8 bytes; a
-decode tile's k-tile of 128 codes 64 bytes, a thread's 32 codes one 16-byte load. The bit model of
+FP4 (packed E2M1, two codes a byte): a k-tile is 64 bytes of a row, a thread's 32 codes one 16-byte load. The bit
+model of
 kernels/common.py (`e2m1_pair_bits`) pairs codes i and i + 4 of a 32-bit word as code·2^-126, so the fragment's pairs
 come in another order and the tokens take their own permutation (`swap_ab_layout`, fp4=True): logical column
-16s + 8h + 2c + j of a k-tile holds column kc + 8(s // 2) + 2(s % 2) + h + 4j, k = 16 or 32 codes a thread. MXFP4 then
-multiplies once by 2^126·scale (bytes up to 128, voted per warp; else twice); NVFP4 multiplies by 2^126 and by its
-E4M3 block scale (one per 16 codes: a thread's codes of a row, or their two halves in a 128-code k-tile).
+16s + 8h + 2c + j of a k-tile holds column 32c + 8(s // 2) + 2(s % 2) + h + 4j. MXFP4 then multiplies once by
+2^126·scale (bytes up to 128, voted per warp; else twice); NVFP4 multiplies by 2^126 and by its E4M3 block scale (one
+per 16 codes: the two halves of a thread's codes of a row).
 
 alpha, one float32 per weight (per batch and group), multiplies the sums in every format: NVFP4's per-tensor (or
 per-expert) factor, ones for the MX formats from ragged_gemm_amax; the weight-only ragged matmul passes its weights'
@@ -38,11 +38,12 @@ own alpha.
 
 Per CTA: one work item (a group-local table, `ragged.group_items`: up to 128 of a group's tokens from the item's first
 row, where the tokens' TMA view starts) times a 128-row tile of the group's weights: warpgroups 1 and 2 of 64 weight
-rows each, warp 0 the TMA producer (tokens and codes in 6 stages of 64-wide k-tiles). An item of at most 64 tokens (a
-group's last, or a small group's only one: a fifth of the items at 256 skewed groups) runs wgmmas 64 tokens wide, half
-the tensor cores' work, through the same stages (their first 64 token rows are a swizzled tile of their own). Each
+rows each, warp 0 the TMA producer (tokens and codes in 4 stages of 48 KB, FP4's 5 of 40). An item of at most 64
+tokens (a group's last, or a small group's only one: a fifth of the items at 256 skewed groups) runs wgmmas 64 tokens
+wide, half the tensor cores' work, through the same stages (their first 64 token rows are a swizzled tile of their
+own). Each
 warpgroup alternates two register fragments: it converts k-tile k + 1 while the tensor cores multiply k-tile k. Every
-four k-tiles (256 of K) the tensor cores' partial sum is added to the fp32 accumulator with round-to-nearest adds
+two k-tiles (256 of K) the tensor cores' partial sum is added to the fp32 accumulator with round-to-nearest adds
 (their truncating sums drift with K: 6e-6 relative over 8192 as gemm_amax measured, so about 2e-7 over 256): SPEC §7's
 "exact" class. The accumulator holds C transposed (weight rows x tokens); the epilogue writes it through shared memory
 (reusing the stages) and stores C rows of the item with 16-byte stores. amax needs nothing zeroed first: each CTA folds
@@ -87,8 +88,8 @@ from jax_blockgemm.kernels.sm90.ragged import ITEM_ROWS, group_item
 C_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
 K_PAD = swap_ab_layout.SWAP_AB_K_PAD  # K per partial sum of the tensor cores, added to the fp32 accumulator; the
 # tokens' K is padded to it: the mainloop runs whole promotion groups
-STAGES = 6  # 24 KB each with the default tile and FP8 codes (16 KB of tokens, 8 KB of codes)
-MAX_STAGE_BYTES = 200 * 1024  # the stages' shared memory, leaving room for barriers within the SM's 227 KB
+MAX_STAGE_BYTES = 200 * 1024  # the stages' shared memory, leaving room for barriers within the SM's 227 KB: the MoE
+# tile takes as many stages as fit (4 of 48 KB with FP8 codes: 32 KB of tokens, 16 KB of codes; 5 of 40 KB with FP4)
 REGISTERS = 65536  # per SM, all a CTA of these kernels is launched with (one CTA per SM)
 MIN_CONSUMER_REGS = 144  # the least an MMA warpgroup gets: the 16-token tile's three K parts convert unspilled
 TOKEN_WRITER_WARPS = 3  # the 16-token tile: warps 1-3 of the producer warpgroup order the tokens' columns, k-tile
@@ -124,15 +125,14 @@ class HopperRaggedSwapAB:
         self.sf_vec_size = sf_vec_size
         self.a_dtype = cutlass.BFloat16  # the tokens, as the kernel reads them
         self.ab_dtype = cutlass.Uint8 if self.fp4 else cutlass.Float8E4M3FN  # the weights' codes (FP4: packed)
-        self.k_tile = swap_ab_layout.kernel_k_tile(token_rows)
+        self.k_tile = swap_ab_layout.SWAP_AB_K_TILE
         self.promote_tiles = K_PAD // self.k_tile  # k-tiles per promotion group
         self.row_bytes = self.k_tile // 2 if self.fp4 else self.k_tile  # bytes of a weight row per k-tile
-        self.lane_bytes = self.row_bytes // 4  # a quad's lanes split a row's k-tile: a quarter of its codes each
-        # 128-byte rows (FP8 codes in 128-code k-tiles) lie 128-byte swizzled: a thread's two 16-byte loads of a row
-        # would otherwise meet the same banks in every row (`_code_addresses`)
+        # FP8's 128-byte rows lie 128-byte swizzled: a thread's two 16-byte loads of a row would otherwise meet the
+        # same banks in every row (`_code_addresses`); FP4's 64-byte rows lie plain
         self.swizzled_codes = self.row_bytes == SWIZZLE_BYTES
-        # scale blocks a lane's codes of a row span per k-tile: 2 for NVFP4's 128-code k-tiles, else 1
-        self.lane_blocks = max(1, self.k_tile // 4 // sf_vec_size)
+        # scale blocks a lane's 32 codes of a row span per k-tile: 2 for NVFP4, else 1
+        self.lane_blocks = self.k_tile // 4 // sf_vec_size
         self.c_name = c_dtype
         self.c_dtype = C_DTYPES[c_dtype]
         self.acc_dtype = cutlass.Float32
@@ -170,8 +170,8 @@ class HopperRaggedSwapAB:
         # k_split parts: two promotion groups of stages each (at least one is needed: a part waits for its next
         # group's first k-tile before it releases its current group's last), so each part's next group streams in
         # while it multiplies the current one; part p's groups then always land in the same stages
-        self.stages = STAGES if k_split == 1 else 2 * k_split * self.promote_tiles
         stage_bytes = token_rows * self.k_tile * 2 + 64 * weight_warpgroups * self.row_bytes
+        self.stages = MAX_STAGE_BYTES // stage_bytes if k_split == 1 else 2 * k_split * self.promote_tiles
         if self.stages * stage_bytes > MAX_STAGE_BYTES:
             raise ValueError(f"{self.stages} stages of {stage_bytes} bytes exceed {MAX_STAGE_BYTES} bytes of shared "
                              f"memory: token_rows={token_rows}, weight_warpgroups={weight_warpgroups}, "
@@ -213,10 +213,10 @@ class HopperRaggedSwapAB:
         tiled_mma = self._tiled_mma(bt)
         tiled_mma_short = self._tiled_mma(self.short_item_tokens) if self.short_item_tokens else tiled_mma
         x_staged = smem_layout_staged(bt, cutlass.BFloat16, self.stages, bk)
-        # The codes' stages as rows of a k-tile's bytes: each thread reads a quarter of two rows. Rows of 64 bytes
-        # (or FP4's 32) lie plain: a warp's eight rows are contiguous bytes, no bank conflict. Rows of 128 bytes lie
-        # 128-byte swizzled (16-byte piece p of row r at 16·(p ^ r % 8)), which spreads a quarter-warp's pieces of
-        # two rows over all the banks.
+        # The codes' stages as rows of a k-tile's bytes: each thread reads a quarter of two rows. FP4's rows of 64
+        # bytes lie plain: a quarter-warp's two rows are contiguous bytes, no bank conflict. FP8's rows of 128 bytes
+        # lie 128-byte swizzled (16-byte piece p of row r at 16·(p ^ r % 8)), which spreads a quarter-warp's pieces
+        # of two rows over all the banks.
         rb = self.row_bytes
         swizzle = cute.make_swizzle(3, 4, 3) if cutlass.const_expr(self.swizzled_codes) else cute.make_swizzle(0, 4, 3)
         w_staged = cute.make_composed_layout(swizzle, 0, cute.make_layout((bw, rb, self.stages),
@@ -447,7 +447,7 @@ class HopperRaggedSwapAB:
                     for r, words in zip(mine, loaded):
                         words = common.token_chunk_words(words, self.fp4, ptx_ops.byte_perm)
                         for q in cutlass.range_constexpr(4):
-                            chunk, offset = common.token_chunk_place(v, q, chunks // 4)
+                            chunk, offset = common.token_chunk_place(v, q)
                             ptx_ops.st_shared_u32(at(stage, r, chunk) + offset, words[q])
             cute.arch.fence_proxy("async.shared", space="cta")  # the stores, visible to the wgmma's reads
             cute.arch.sync_warp()
@@ -500,14 +500,14 @@ class HopperRaggedSwapAB:
         return cutlass.min(q * step + first + tiles[i] + b, last)
 
     def _code_addresses(self, w_base, row0, quad, pair) -> tuple:
-        """Per row (row0, row0 + 8), the stage-0 shared addresses of this lane's codes of a k-tile: one load of
-        lane_bytes (8 or 16), or two 16-byte pieces 2·pair and 2·pair + 1 of a swizzled 128-byte row, which lie at
-        16·(piece ^ row % 8) (row % 8 = quad for both rows)."""
-        rb, lb = self.row_bytes, self.lane_bytes
+        """Per row (row0, row0 + 8), the stage-0 shared addresses of this lane's codes of a k-tile: FP4's one 16-byte
+        piece `pair` of a plain 64-byte row, or FP8's two 16-byte pieces 2·pair and 2·pair + 1 of a swizzled 128-byte
+        row, which lie at 16·(piece ^ row % 8) (row % 8 = quad for both rows)."""
+        rb = self.row_bytes
         if cutlass.const_expr(self.swizzled_codes):
             return tuple(tuple(w_base + row * rb + ((2 * pair + i) ^ quad) * 16 for i in range(2))
                          for row in (row0, row0 + 8))
-        return tuple((w_base + row * rb + lb * pair,) for row in (row0, row0 + 8))
+        return tuple((w_base + row * rb + 16 * pair,) for row in (row0, row0 + 8))
 
     @cute.jit
     def convert(self, frag: cute.Tensor, code_at: tuple, stage_offset, scales: list):
@@ -533,9 +533,8 @@ class HopperRaggedSwapAB:
                         one: cutlass.Constexpr[bool]):
         """`convert` one load of each row at a time (FP8's 128-code k-tiles: two 16-byte pieces of four k-steps
         each, so that only one piece's codes are live)."""
-        load = ptx_ops.ld_shared_v2 if cutlass.const_expr(self.lane_bytes == 8) else ptx_ops.ld_shared_v4
         for p in cutlass.range_constexpr(len(code_at[0])):
-            codes = [load(code_at[r][p] + stage_offset) for r in range(2)]
+            codes = [ptx_ops.ld_shared_v4(code_at[r][p] + stage_offset) for r in range(2)]
             if cutlass.const_expr(self.fp4):
                 self._convert_fp4_words(words, codes, scales, one)
             else:
