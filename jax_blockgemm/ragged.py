@@ -463,8 +463,7 @@ def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, 
         raise ValueError(f"ragged kernels that read different item tables in one call: {[v.key for v in variants]}")
     token_kernels = ()
     tile_tokens = variants[0].tile_mn[0]
-    if (swap_ab and a_aval.shape[-1] % SWAP_AB_K_PAD == 0
-            and np.dtype(a_aval.dtype) == np.dtype(jnp.float8_e4m3fn)):
+    if swap_ab and a_aval.shape[-1] % SWAP_AB_K_PAD == 0 and np.dtype(a_aval.dtype) == np.dtype(jnp.float8_e4m3fn):
         token_kernels = dispatch.dequantize_variants({v.arch for v in variants}, a_aval.shape, scale_axis=-1,
                                                      swap_ab_order=not kernel_orders_tokens(tile_tokens))
     if token_kernels:

@@ -719,31 +719,24 @@ class DispatchTest(absltest.TestCase):
         self.assertNotIn("jbg_dequantize_mxfp8", fallback)
         self.assertEqual(len(token_gathers(fallback)), 1)
 
-    def test_few_tokens_on_the_16_token_tile_take_plain_dequantized_tokens(self):
-        """At most 16 tokens in all (a decode step over many experts) run the 16-token tile, which orders the tokens
-        itself: the dequantize kernel's plain object writes them in their own order, and nothing gathers them."""
-        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
-                mock.patch.object(gate, "ensure_verified", side_effect=_verdict(True)):
-            text = lowering_cases._lowered(t=8, g=4, n=72, k=512)
-        (dequant,) = [line for line in text.splitlines() if "@jbg_dequantize_mxfp8" in line]
-        self.assertIn('function_prefixes = "jbg_dequantize_sm_90a_e4m3_bf16_sf32_t1x16_c1x1"', dequant)
-        call = next(line for line in text.splitlines() if "@jbg_ragged_gemm_amax" in line)
-        self.assertIn("t16x64", call)
-        self.assertTrue("(tensor<1x8x512xbf16>, tensor<1x4x72x512xf8E4M3FN>, tensor<1x0xui8>" in call, call[-300:])
-        self.assertEqual([line for line in text.splitlines() if "gather" in line and "bf16" in line], [])
+    def test_few_tokens_take_dequantized_tokens_in_their_tiles_order(self):
+        """Decode-sized ragged calls (a decode step over many experts): at most 16 tokens in all run the 16-token
+        tile, which orders the tokens itself, so the dequantize kernel's plain object writes them in their own order;
+        17 to 64 run the 32- or 64-token tile, whose k-tiles span 128 columns as the MoE tile's do, so its swap_ab
+        object writes them in that order. Either way nothing gathers them."""
+        for t, dequantize_object, tile in ((8, "", "t16x64"), (40, "_swap_ab", "t64x64")):
+            with self.subTest(t=t), mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
+                    mock.patch.object(gate, "ensure_verified", side_effect=_verdict(True)):
+                text = lowering_cases._lowered(t=t, g=4, n=72, k=512)
+                (dequant,) = [line for line in text.splitlines() if "@jbg_dequantize_mxfp8" in line]
+                prefix = f"jbg_dequantize_sm_90a_e4m3_bf16_sf32_t1x16_c1x1{dequantize_object}"
+                self.assertIn(f'function_prefixes = "{prefix}"', dequant)
+                call = next(line for line in text.splitlines() if "@jbg_ragged_gemm_amax" in line)
+                self.assertIn(tile, call)
+                self.assertTrue(f"(tensor<1x{t}x512xbf16>, tensor<1x4x72x512xf8E4M3FN>, tensor<1x0xui8>" in call,
+                                call[-300:])
+                self.assertEqual([line for line in text.splitlines() if "gather" in line and "bf16" in line], [])
 
-    def test_few_tokens_on_the_wider_decode_tiles_take_the_swap_ab_dequantize_object(self):
-        """17 to 64 tokens in all run the 32- or 64-token tile, whose k-tiles span 128 columns as the MoE tile's do:
-        the dequantize kernel's swap_ab object writes the tokens in that order, and nothing gathers them."""
-        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
-                mock.patch.object(gate, "ensure_verified", side_effect=_verdict(True)):
-            text = lowering_cases._lowered(t=40, g=4, n=72, k=512)
-        (dequant,) = [line for line in text.splitlines() if "@jbg_dequantize_mxfp8" in line]
-        self.assertIn('function_prefixes = "jbg_dequantize_sm_90a_e4m3_bf16_sf32_t1x16_c1x1_swap_ab"', dequant)
-        call = next(line for line in text.splitlines() if "@jbg_ragged_gemm_amax" in line)
-        self.assertIn("t64x64", call)
-        self.assertTrue("(tensor<1x40x512xbf16>, tensor<1x4x72x512xf8E4M3FN>, tensor<1x0xui8>" in call, call[-300:])
-        self.assertEqual([line for line in text.splitlines() if "gather" in line and "bf16" in line], [])
 
 if __name__ == "__main__":
     absltest.main()

@@ -422,12 +422,12 @@ class HopperRaggedSwapAB:
         """The 16-token tile's producer warp 1, 2 or 3: for the k-tiles kt = warp - 1, warp + 2, ... as TMA lands
         them (the tokens in their own column order), moves each token row's columns in place into the order of the
         weights' codes in the MMA fragments (`swap_ab_layout.swap_ab_column_order`) and marks the stage ready. A
-        row's 16-byte chunks (8, or 16 for a 128-column k-tile) go one to a lane, 32 / chunks rows a pass; a lane
-        loads four passes' chunks before any store (a warp barrier between), so a row's chunks are all read before
-        one is overwritten. The stages are 128-byte swizzled: chunk j of row r lies in the row's line of swizzle atom
-        j // 8 (atoms of all the tile's rows one after another) at 16·(j % 8 ^ r % 8). Rows from the item's `rows` on
-        (TMA's zeros past the call's M, or another group's tokens) feed only C rows the epilogue does not store: four
-        passes wholly among them are skipped."""
+        row's 16 chunks of 16 bytes go one to a lane, two rows a pass; a lane loads four passes' chunks before any
+        store (a warp barrier between), so a row's chunks are all read before one is overwritten. The stages are
+        128-byte swizzled: chunk j of row r lies in the row's line of swizzle atom j // 8 (atoms of all the tile's
+        rows one after another) at 16·(j % 8 ^ r % 8). Rows from the item's `rows` on (TMA's zeros past the call's M,
+        or another group's tokens) feed only C rows the epilogue does not store: four passes wholly among them are
+        skipped."""
         bt = self.tile_mnk[0]
         chunks = self.k_tile // 8
         per_pass = 32 // chunks  # rows a pass
@@ -485,7 +485,7 @@ class HopperRaggedSwapAB:
         and the k-tile's blocks multiples of ATOM_KB, the lane's even where it has two blocks, whose second is then the
         next byte); offsets grow with the block in both forms, so the least of an offset and the last block's clamps
         the block to K (codes past K are TMA's zeros)."""
-        per_tile = self.k_tile // self.sf_vec_size  # blocks per k-tile: 2, 4, or NVFP4's 8 in 128-code k-tiles
+        per_tile = self.k_tile // self.sf_vec_size  # blocks per k-tile: 4, or NVFP4's 8
         lane_block = pair * per_tile // 4
         blend = lambda block: self._in_form(block, common.atom_block_offset(block), sf_atom)
         step = blend(self.promote_tiles * per_tile)
