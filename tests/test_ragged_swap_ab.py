@@ -417,10 +417,9 @@ class CompileTest(parameterized.TestCase):
     def test_decode_tile_structure(self, c_dtype, tile):
         """The decode tiles (catalog.SWAP_AB_DECODE_TILES): one MMA warpgroup per 64 weight rows and K part, as many
         tokens wide as the tile and no narrower one (a decode tile's calls fill it), 128-code k-tiles, the same
-        register-sourced wgmma,
-        the MMA warpgroups raised to 232 registers (152 with three K parts: 512 threads share the SM's 64 K; 144 on
-        the 16-token tile, whose producer warpgroup keeps 80 for the warps that order the tokens' columns there), and
-        no local memory."""
+        register-sourced wgmma, the MMA warpgroups raised to 232 registers (152 with three K parts: 512 threads share
+        the SM's 64 K; 144 on the 16-token tile, whose producer warpgroup keeps 80 for the warps that order the
+        tokens' columns there), and no local memory."""
         tokens, rows, split = tile
         v = catalog.select_variant(op="ragged", arch="sm_90a", ab_dtype=E4M3, c_dtype=c_dtype, sf_vec_size=32,
                                    tile_mn=(tokens, rows), k_split=split, cluster_mn=(1, 1), schedule=catalog.SWAP_AB)
