@@ -84,7 +84,10 @@ def gemm_amax(a: jax.Array, b: jax.Array, sfa: jax.Array, sfb: jax.Array, *, alp
         *operands, k=k, sf_vec_size=sf_vec_size, c_dtype=c_dtype, a_major=a_major, b_major=b_major,
         c_major=c_major, mma_tiler_mn=tuple(mma_tiler_mn), cluster_shape_mn=tuple(cluster_shape_mn),
         implementation=implementation)
-    return (c if batched else c[0]), formats.magnitude_max(amax, axis=None)
+    # amax (L,) holds each batch's max |C| with its sign bit clear: one batch's is the answer as it stands (no XLA op
+    # after the kernel: a one-element reduction costs a launch of its own), several are reduced on their bits
+    amax = amax[0] if l == 1 else formats.magnitude_max(amax, axis=None)
+    return (c if batched else c[0]), amax
 
 
 def gemm_proj_rope_mxfp8(x: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Array, *,

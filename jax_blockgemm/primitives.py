@@ -39,7 +39,8 @@ _NOT_MAPPED = None  # how a batching rule sees an operand that vmap does not map
 # (L, MN', K', 32, 4, 4) or compact (L, MN, KB) (made atoms per device where a kernel needs them); alpha (L,) float32
 # when present.
 # Params: k, sf_vec_size, c_dtype (np.dtype), a_major, b_major, c_major, mma_tiler_mn, cluster_shape_mn,
-# implementation. Results: c (L, M, N) / (L, N, M) / packed FP4 (L, M, N//2), and amax (L,) float32.
+# implementation. Results: c (L, M, N) / (L, N, M) / packed FP4 (L, M, N//2), and amax (L,) float32: each batch's
+# max |C|, its sign bit clear (NaN > inf > finite, as formats.magnitude_max orders them).
 # --------------------------------------------------------------------------------------------------------------
 
 

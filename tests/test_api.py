@@ -139,6 +139,18 @@ class EvalShapeTest(parameterized.TestCase):
         jaxpr = jax.make_jaxpr(jbg.gemm_proj_rope_mxfp8)(r["x"], r["w"], r["cos"], r["sin"])
         self.assertIn(primitives.proj_rope_p, [e.primitive for e in jaxpr.jaxpr.eqns])
 
+    @parameterized.parameters(None, 1, 3)
+    def test_amax_of_one_batch_takes_no_reduction(self, l):
+        """One batch's amax is the primitive's own (a reduction after the kernel would cost a launch of its own);
+        several batches' are reduced. What follows the primitive in the jaxpr is what XLA runs after the kernel."""
+        jaxpr = jax.make_jaxpr(jbg.gemm_amax)(*_mx_inputs(np.random.default_rng(l or 0), l, 128, 64, 64)).jaxpr
+        names = [e.primitive.name for e in jaxpr.eqns]
+        after = set(names[names.index(primitives.gemm_amax_p.name) + 1:])
+        if l == 3:
+            self.assertIn("reduce_max", after)
+        else:
+            self.assertFalse(after & {"reduce_max", "and", "max"}, after)
+
 
 def _gemm_error_cases():
     f8, f5, u8 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.uint8
