@@ -24,13 +24,12 @@ pair, then one packed multiply by 2^120·scale (scale bytes up to 134, voted per
 code among the codes of a row a thread loads at once makes that row's factor NaN for them, which gives the outputs
 a NaN product gives.
 
-FP4 (packed E2M1, two codes a byte): a k-tile is 64 bytes of a row, a thread's 32 codes one 16-byte load. The bit
-model of
-kernels/common.py (`e2m1_pair_bits`) pairs codes i and i + 4 of a 32-bit word as code·2^-126, so the fragment's pairs
-come in another order and the tokens take their own permutation (`swap_ab_layout`, fp4=True): logical column
-16s + 8h + 2c + j of a k-tile holds column 32c + 8(s // 2) + 2(s % 2) + h + 4j. MXFP4 then multiplies once by
-2^126·scale (bytes up to 128, voted per warp; else twice); NVFP4 multiplies by 2^126 and by its E4M3 block scale (one
-per 16 codes: the two halves of a thread's codes of a row).
+FP4 (packed E2M1, two codes a byte): a k-tile is 64 bytes of a row, a thread's 32 codes one 16-byte load. The bit model
+of kernels/common.py (`e2m1_pair_bits`) pairs codes i and i + 4 of a 32-bit word as code·2^-126, so the fragment's pairs
+come in another order and the tokens take their own permutation (`swap_ab_layout`, fp4=True): logical column 16s + 8h +
+2c + j of a k-tile holds column 32c + 8(s // 2) + 2(s % 2) + h + 4j. MXFP4 then multiplies once by 2^126·scale (bytes up
+to 128, voted per warp; else twice); NVFP4 multiplies by 2^126 and by its E4M3 block scale (one per 16 codes: the two
+halves of a thread's codes of a row).
 
 alpha, one float32 per weight (per batch and group), multiplies the sums in every format: NVFP4's per-tensor (or
 per-expert) factor, ones for the MX formats from ragged_gemm_amax; the weight-only ragged matmul passes its weights'
@@ -38,17 +37,16 @@ own alpha.
 
 Per CTA: one work item (a group-local table, `ragged.group_items`: up to 128 of a group's tokens from the item's first
 row, where the tokens' TMA view starts) times a 128-row tile of the group's weights: warpgroups 1 and 2 of 64 weight
-rows each, warp 0 the TMA producer (tokens and codes in 4 stages of 48 KB, FP4's 5 of 40). An item of at most 64
-tokens (a group's last, or a small group's only one: a fifth of the items at 256 skewed groups) runs wgmmas 64 tokens
-wide, half the tensor cores' work, through the same stages (their first 64 token rows are a swizzled tile of their
-own). Each
+rows each, warp 0 the TMA producer (tokens and codes in 4 stages of 48 KB, FP4's 5 of 40). An item of at most 64 tokens
+(a group's last, or a small group's only one: a fifth of the items at 256 skewed groups) runs wgmmas 64 tokens wide,
+half the tensor cores' work, through the same stages (their first 64 token rows are a swizzled tile of their own). Each
 warpgroup alternates two register fragments: it converts k-tile k + 1 while the tensor cores multiply k-tile k. Every
-two k-tiles (256 of K) the tensor cores' partial sum is added to the fp32 accumulator with round-to-nearest adds
-(their truncating sums drift with K: 6e-6 relative over 8192 as gemm_amax measured, so about 2e-7 over 256): SPEC §7's
-"exact" class. The accumulator holds C transposed (weight rows x tokens); the epilogue writes it through shared memory
-(reusing the stages) and stores C rows of the item with 16-byte stores. amax needs nothing zeroed first: each CTA folds
-the max |C| of what it stored (an empty item's CTA: nothing) and its arrival into the batch's two words of a tally the
-handler keeps per call site (zero between launches), and the batch's last CTA writes amax and zeroes them again
+two k-tiles (256 of K) the tensor cores' partial sum is added to the fp32 accumulator with round-to-nearest adds (their
+truncating sums drift with K: 6e-6 relative over 8192 as gemm_amax measured, so about 2e-7 over 256): SPEC §7's "exact"
+class. The accumulator holds C transposed (weight rows x tokens); the epilogue writes it through shared memory (reusing
+the stages) and stores C rows of the item with 16-byte stores. amax needs nothing zeroed first: each CTA folds the max
+|C| of what it stored (an empty item's CTA: nothing) and its arrival into the batch's two words of a tally the handler
+keeps per call site (zero between launches), and the batch's last CTA writes amax and zeroes them again
 (`ptx_ops.fold_amax_last_cta`, the decode kernel's scheme); without a tally (a caller that drops amax) the kernel skips
 amax.
 
