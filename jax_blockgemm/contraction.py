@@ -83,19 +83,9 @@ def _kernel_lowering(ctx, x, y, starts, ends, *, variants, **_):
                                          variants=variants)
 
 
-def _cuda_lowering(ctx, *args, **params):
-    """The GPU hook: the kernel where one applies (`dispatch.contraction_kernels`), else the reference."""
-    from jax_blockgemm import dispatch  # lazy, as in primitives.py
-
-    choice = dispatch.contraction_kernels(ctx.avals_in, **params)
-    if choice.variants:
-        return _kernel_lowering(ctx, *args, variants=choice.variants, **params)
-    primitives.no_kernel_applies("grouped contraction", params["implementation"],
-                                 f"{choice.reason}; use implementation=None or 'xla'.")
-    return _reference_lowering(ctx, *args, **params)
-
-
 primitives.register(contraction_p, contraction_local_p, abstract_eval=_abstract_eval,
-                    reference_lowering=_reference_lowering, cuda_lowering=_cuda_lowering,
+                    reference_lowering=_reference_lowering,
+                    cuda_lowering=primitives.kernel_or_reference("grouped contraction", "contraction_kernels",
+                                                                 _kernel_lowering, _reference_lowering),
                     batch_rule=primitives.fold_into_l_batch_rule(contraction_p),
                     partitioned=sharding.contraction_partitioned)

@@ -14,7 +14,7 @@ the end of the module.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +98,22 @@ def no_kernel_applies(op: str, implementation: Any, reason: str) -> None:
     """'cutedsl' demands a kernel: where dispatch found none for this call on CUDA, raise at lowering, saying why."""
     if implementation == "cutedsl":
         raise ValueError(f"implementation='cutedsl': no CuTeDSL kernel applies to this {op} call: {reason}")
+
+
+def kernel_or_reference(op: str, choose: str, kernel: Callable, reference: Callable) -> Callable:
+    """The CUDA lowering of an op with one kernel choice: `kernel(ctx, *args, variants=..., **params)` where
+    `dispatch.<choose>` names kernels for the call, else `reference` (which 'cutedsl' refuses, saying why)."""
+
+    def lowering(ctx, *args, **params):
+        from jax_blockgemm import dispatch  # lazy: keeps CuTeDSL out of CPU-only imports
+
+        choice = getattr(dispatch, choose)(ctx.avals_in, **params)
+        if choice.variants:
+            return kernel(ctx, *args, variants=choice.variants, **params)
+        no_kernel_applies(op, params["implementation"], f"{choice.reason}; use implementation=None or 'xla'.")
+        return reference(ctx, *args, **params)
+
+    return lowering
 
 
 def _device_kinds(ctx) -> tuple[str, ...]:

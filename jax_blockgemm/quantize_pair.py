@@ -131,16 +131,11 @@ def _reference_lowering(ctx, *args, **params):
     return mlir.lower_fun(functools.partial(_reference, **params), multiple_results=True)(ctx, *args)
 
 
-def _cuda_lowering(ctx, *args, **params):
-    """The GPU hook: the kernel where one applies (`dispatch.quantize_pair_kernels`), else the reference."""
-    from jax_blockgemm import dispatch, ffi_lowering  # lazy, as in primitives.py
+def _kernel_lowering(ctx, *args, variants, **_):
+    """The pair kernel dispatch names for this call."""
+    from jax_blockgemm import ffi_lowering  # lazy, as in primitives.py
 
-    choice = dispatch.quantize_pair_kernels(ctx.avals_in, **params)
-    if choice.variants:
-        return ffi_lowering.emit_quantize_pair(ctx, *args, variants=choice.variants)
-    primitives.no_kernel_applies("quantize_pair", params["implementation"],
-                                 f"{choice.reason}; use implementation=None or 'xla'.")
-    return _reference_lowering(ctx, *args, **params)
+    return ffi_lowering.emit_quantize_pair(ctx, *args, variants=variants)
 
 
 def _batch_rule(args, dims, **params):
@@ -157,5 +152,7 @@ def _batch_rule(args, dims, **params):
 
 
 primitives.register(quantize_pair_p, quantize_pair_local_p, abstract_eval=_abstract_eval,
-                    reference_lowering=_reference_lowering, cuda_lowering=_cuda_lowering, batch_rule=_batch_rule,
+                    reference_lowering=_reference_lowering, batch_rule=_batch_rule,
+                    cuda_lowering=primitives.kernel_or_reference("quantize_pair", "quantize_pair_kernels",
+                                                                 _kernel_lowering, _reference_lowering),
                     partitioned=sharding.quantize_pair_partitioned)

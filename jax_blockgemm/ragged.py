@@ -494,18 +494,8 @@ def _kernel_lowering(ctx, a, b, sfa, sfb, starts, ends, *maybe_alpha, variants, 
         alpha, variants=variants, amax_used=amax_used)
 
 
-def _cuda_lowering(ctx, *args, **params):
-    """The GPU hook: the grouped kernel where one applies (`dispatch.ragged_kernels`), else the reference."""
-    from jax_blockgemm import dispatch  # lazy, as in primitives.py
-
-    choice = dispatch.ragged_kernels(ctx.avals_in, **params)
-    if choice.variants:
-        return _kernel_lowering(ctx, *args, variants=choice.variants, **params)
-    primitives.no_kernel_applies("ragged_gemm_amax", params["implementation"],
-                                 f"{choice.reason}; use implementation=None or 'xla'.")
-    return _reference_lowering(ctx, *args, **params)
-
-
 primitives.register(ragged_p, ragged_local_p, abstract_eval=_abstract_eval,
-                    reference_lowering=_reference_lowering, cuda_lowering=_cuda_lowering,
+                    reference_lowering=_reference_lowering,
+                    cuda_lowering=primitives.kernel_or_reference("ragged_gemm_amax", "ragged_kernels",
+                                                                 _kernel_lowering, _reference_lowering),
                     batch_rule=primitives.fold_into_l_batch_rule(ragged_p), partitioned=sharding.ragged_partitioned)

@@ -310,22 +310,15 @@ def _reference_lowering(ctx, *args, **params):
     return mlir.lower_fun(functools.partial(_reference_call, **params), multiple_results=True)(ctx, *args)
 
 
-def _cuda_lowering(ctx, *args, **params):
-    """The GPU hook: the decode kernel dispatch names for this call (x, the codes, the compact scales as sw, alpha;
-    its amax result is dropped, so never zeroed) or the swap_ab kernel's decode tile, else the reference."""
-    from jax_blockgemm import dispatch  # lazy, as in primitives.py
+def _kernel_lowering(ctx, *args, variants, **_):
+    """The decode kernel dispatch names for this call (x, the codes, the compact scales as sw, alpha; its amax
+    result is dropped, so never zeroed) or the swap_ab kernel's decode tile."""
+    from jax_blockgemm import ffi_lowering  # lazy, as in primitives.py
 
-    choice = dispatch.weight_only_kernels(ctx.avals_in, **params)
-    if choice.variants:
-        from jax_blockgemm import ffi_lowering
-
-        amax = jax.core.ShapedArray((ctx.avals_in[0].shape[0],), np.dtype(np.float32))
-        y, _ = ffi_lowering.emit_decode(ctx.replace(avals_out=[*ctx.avals_out, amax]), *args,
-                                        variants=choice.variants, amax_used=False)
-        return [y]
-    primitives.no_kernel_applies("weight_only_matmul", params["implementation"],
-                                 f"{choice.reason}; use implementation=None or 'xla'.")
-    return _reference_lowering(ctx, *args, **params)
+    amax = jax.core.ShapedArray((ctx.avals_in[0].shape[0],), np.dtype(np.float32))
+    y, _ = ffi_lowering.emit_decode(ctx.replace(avals_out=[*ctx.avals_out, amax]), *args, variants=variants,
+                                    amax_used=False)
+    return [y]
 
 
 def _batch(args, dims, **params):
@@ -342,5 +335,7 @@ def _batch(args, dims, **params):
 
 
 primitives.register(weight_only_p, weight_only_local_p, abstract_eval=_abstract_eval,
-                    reference_lowering=_reference_lowering, cuda_lowering=_cuda_lowering, batch_rule=_batch,
+                    reference_lowering=_reference_lowering, batch_rule=_batch,
+                    cuda_lowering=primitives.kernel_or_reference("weight_only_matmul", "weight_only_kernels",
+                                                                 _kernel_lowering, _reference_lowering),
                     partitioned=sharding.weight_only_partitioned)
