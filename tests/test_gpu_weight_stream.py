@@ -19,7 +19,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_blockgemm as jbg
-from jax_blockgemm import arch, dispatch
+from jax_blockgemm import arch, dispatch, formats
 from jax_blockgemm.kernels import weight_stream
 
 import oracle_ops
@@ -42,27 +42,30 @@ def _has_kernel_gpu() -> bool:
 
 
 def _gemm_amax_against_oracle(test, seed, fmt, shape, c_dtype, *, a_major="k", c_major="n",
-                              call="jbg_weight_stream"):
-    """gemm_amax on fresh random inputs (scales narrowed where C's dtype needs it), lowered to the decode kernel
-    (custom call `call`), against the float64 oracle: C within SPEC §7 for its dtype, amax."""
+                              call="jbg_weight_stream", compact=False):
+    """gemm_amax on fresh random inputs (scales narrowed where C's dtype needs it; in atoms, or `compact`), lowered
+    to the decode kernel (custom call `call`), against the float64 oracle: C within SPEC §7 for its dtype, amax.
+    Returns the lowered program's text."""
     l, m, n, k = shape
     rng = np.random.default_rng(hash(seed) % 2**32)
     low_precision = c_dtype in ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
     narrow = (-3.0, 1.0) if c_dtype == "float16" else (-2.0, 0.0) if low_precision else None  # C in range
     d = oracle_ops.random_gemm_inputs(rng, l=l, m=m, n=n, k=k, fmt=fmt, a_major=a_major, scale_log2=narrow)
     alpha = jnp.float32(d["alpha"]) if fmt == "nvfp4" else None
-    args = [jnp.asarray(d[name]) for name in ("a", "b", "sfa_atom", "sfb_atom")]
+    args = [jnp.asarray(d[name]) for name in ("a", "b", *(("sfa", "sfb") if compact else ("sfa_atom", "sfb_atom")))]
     f = jax.jit(lambda *a: jbg.gemm_amax(*a, alpha=alpha, c_dtype=jnp.dtype(c_dtype), a_major=a_major,
                                          c_major=c_major, sf_vec_size=d["sf_vec_size"],
                                          implementation=IMPLEMENTATION))
+    text = f.lower(*args).as_text()
     if IMPLEMENTATION == "cutedsl":
-        test.assertIn(call, f.lower(*args).as_text())
+        test.assertIn(call, text)
     c, amax = f(*args)
     c_ref, amax_ref = oracle_ops.gemm_amax_oracle(d["a"], d["b"], d["sfa"], d["sfb"], k=k,
                                                   sf_vec_size=d["sf_vec_size"], a_major=a_major,
                                                   alpha=d["alpha"] if fmt == "nvfp4" else None)
     oracle_ops.assert_gemm_close(test, np.asarray(c), c_ref, c_dtype=jnp.dtype(c_dtype), c_major=c_major)
     oracle_ops.assert_amax_close(test, np.asarray(amax), amax_ref.max())
+    return text
 
 
 def _check_amax_is_each_calls_own(test, m):
@@ -270,6 +273,54 @@ class GpuDecodeSwapAbTest(parameterized.TestCase):
     def test_gemm_amax_matches_oracle(self, fmt, shape, c_dtype):
         _gemm_amax_against_oracle(self, (fmt, shape, c_dtype, "swap_ab"), fmt, shape, c_dtype,
                                   call="jbg_ragged_gemm_amax")
+
+    @parameterized.product(shape=((2, 1, 200, 512), (1, 9, 136, 1792), (3, 16, 72, 256), (2, 17, 200, 512),
+                                  (1, 64, 328, 768)), c_dtype=("float32", "bfloat16"))
+    def test_gemm_amax_with_a_from_the_dequantize_kernel(self, shape, c_dtype):
+        """K-major MXFP8 A with compact scales and K a multiple of 256: A dequantized by the dequantize kernel (its
+        plain object for the 16-token tile, the swap_ab order for 17-64 rows), which the tile overlaps; C and amax
+        against the oracle."""
+        text = _gemm_amax_against_oracle(self, ("mxfp8_e4m3", shape, c_dtype, "dequantized"), "mxfp8_e4m3", shape,
+                                         c_dtype, call="jbg_ragged_gemm_amax", compact=True)
+        if IMPLEMENTATION == "cutedsl":
+            self.assertIn("jbg_dequantize_mxfp8", text)
+
+    def test_chained_calls_read_what_the_kernels_before_them_wrote(self):
+        """The tiles start while the kernel before them runs (programmatic dependent launch) and read nothing before
+        it ends. One program of eight decode GEMMs, each weight quantized in the program right before its call and
+        each x the last call's output (quantized again for gemm_amax, whose A the dequantize kernel then writes),
+        against the same program on the reference: every step's kernel reads what the one before it wrote."""
+        rng = np.random.default_rng(31)
+        n = k = 512
+        w16 = jnp.asarray(rng.standard_normal((8, n, k)), jnp.bfloat16)
+        x0 = jnp.asarray(rng.standard_normal((4, k)), jnp.bfloat16)
+
+        def chain(x, w16, implementation):
+            outs = []
+            for i in range(8):
+                if i % 2:
+                    a, sfa = formats.quantize_mxfp8(x, axis=-1)
+                    b, sfb = formats.quantize_mxfp8(w16[i] * (i + 1), axis=-1)
+                    x, _ = jbg.gemm_amax(a[None], b[None], sfa[None], sfb[None], c_dtype=jnp.bfloat16,
+                                         implementation=implementation)
+                    x = x[0]
+                else:
+                    w = jbg.quantize_weight(w16[i] * (i + 1), SWAP_AB_FORMATS[i // 2 % 3])
+                    x = jbg.weight_only_matmul(x, w, out_dtype=jnp.bfloat16, implementation=implementation)
+                x = x / jnp.max(jnp.abs(x))
+                outs.append(x)
+            return jnp.stack(outs)
+
+        ours = jax.jit(lambda x, w: chain(x, w, IMPLEMENTATION))
+        if IMPLEMENTATION == "cutedsl":
+            text = ours.lower(x0, w16).as_text()
+            self.assertEqual(text.count("jbg_ragged_gemm_amax"), 8)
+            self.assertEqual(text.count("@jbg_dequantize_mxfp8"), 4)
+        got = np.asarray(ours(x0, w16), np.float32)
+        want = np.asarray(jax.jit(lambda x, w: chain(x, w, "xla"))(x0, w16), np.float32)
+        self.assertFalse(np.isnan(got).any())
+        for i in range(8):  # each step within bf16 rounding of the reference's, which chains the same roundings
+            np.testing.assert_allclose(got[i], want[i], atol=2e-2, err_msg=f"step {i}")
 
     def test_amax_is_each_calls_own(self):
         """The tiles fold amax through the call site's tally, as the decode kernel does (the 16-token tile with its
