@@ -381,15 +381,14 @@ def emit_ragged(ctx: Any, a: Any, b: Any, sfa: Any, sfb: Any, items: Any, alpha:
 
 
 def emit_decode_swap_ab(ctx: Any, x: Any, b: Any, sfb: Any, alpha: Any, *, variants: Sequence[Any],
-                        amax_used: bool = True, tokens_ready: bool = False) -> list:
+                        amax_used: bool = True) -> list:
     """A decode-sized GEMM through the swap_ab ragged kernel's decode tiles (catalog.SWAP_AB_DECODE_TILES; dispatch
     picks it at arch.TABLE's decode_swap_ab_m): x (L, M, K) bf16 as one group of M tokens, as the tile takes them
     (`swap_ab_layout.kernel_tokens`: padded; permuted but for the 16-token tile, which orders them itself), against
     b (L, N, K) E4M3 codes or packed FP4 (L, N, K/2), one weight per batch, with sfb compact (L, N, KB) or in the
     atom form (the kernel reads either), and alpha (L,); `ctx.avals_out` are c (L, M, N) in the variants' C dtype and
     amax (L,). One work item per batch, all M rows (the tile holds them). amax_used=False: amax is dropped
-    (`emit_ragged`); tokens_ready: x is already as the tile takes them (the dequantize kernel's output). Returns
-    [c, amax]."""
+    (`emit_ragged`). Returns [c, amax]."""
     x_aval, b_aval, sfb_aval, alpha_aval = ctx.avals_in
     l, m, k = x_aval.shape
     n, row = b_aval.shape[1:]
@@ -397,7 +396,7 @@ def emit_decode_swap_ab(ctx: Any, x: Any, b: Any, sfb: Any, alpha: Any, *, varia
 
     def prepare(x, b, sfb):
         items = jnp.broadcast_to(jnp.array([[0, 0, 0, m]], jnp.int32), (l, 1, 4))  # (row tile, group, rows)
-        tokens = x if tokens_ready else kernel_tokens(x, fp4=fp4, tile_tokens=variants[0].tile_mn[0])
+        tokens = kernel_tokens(x, fp4=fp4, tile_tokens=variants[0].tile_mn[0])
         return [tokens, b.reshape(l, 1, n, row), jnp.zeros((l, 0), jnp.uint8), sfb, items]
 
     in_avals = [x_aval, b_aval, sfb_aval]
@@ -409,16 +408,12 @@ def emit_decode_swap_ab(ctx: Any, x: Any, b: Any, sfb: Any, alpha: Any, *, varia
 
 
 def emit_decode(ctx: Any, x: Any, w: Any, sw: Any, alpha: Any, *, variants: Sequence[Any],
-                amax_used: bool = True, tokens_ready: bool = False) -> list:
+                amax_used: bool = True) -> list:
     """A decode-sized GEMM through the variants dispatch chose (`dispatch.decode_kernels` / `weight_only_kernels`):
     the swap_ab ragged kernel's decode tile where they are ragged ones (`emit_decode_swap_ab`), else the
-    weight_stream kernel (`emit_weight_stream`). Operands, results, amax_used and tokens_ready (the swap_ab tile
-    only) as there; returns [c, amax]."""
+    weight_stream kernel (`emit_weight_stream`). Operands, results and amax_used as there; returns [c, amax]."""
     if variants[0].op == "ragged":
-        return emit_decode_swap_ab(ctx, x, w, sw, alpha, variants=variants, amax_used=amax_used,
-                                   tokens_ready=tokens_ready)
-    if tokens_ready:
-        raise ValueError("emit_decode: only the swap_ab decode tile takes tokens already in its order")
+        return emit_decode_swap_ab(ctx, x, w, sw, alpha, variants=variants, amax_used=amax_used)
     return emit_weight_stream(ctx, x, w, sw, alpha, variants=variants, amax_used=amax_used)
 
 

@@ -171,23 +171,6 @@ def decode_c(c, *, c_dtype, c_major):
     return [c if c.dtype == np.dtype(c_dtype) else reference.convert_c(c, c_dtype)]
 
 
-def _decode_token_kernels(variants, a_aval, sfa_aval, *, a_major: str, k: int) -> tuple:
-    """The dequantize kernels that write A's bf16 values as the swap_ab decode tile `variants` take them (its
-    column order, `swap_ab_layout.kernel_tokens`), or () where XLA dequantizes A instead: A must be K-major MXFP8
-    E4M3 codes with compact scales and K a multiple of the tile's padding. The kernel launches with programmatic
-    dependent launch, as the tile does, so the tile streams its first weights while A is dequantized
-    (kernels/sm90/ragged_swap_ab.py, `start_early`); XLA's fusion would end before the tile could start."""
-    from jax_blockgemm import dispatch, swap_ab_layout  # lazy, as in the CUDA lowering
-
-    l, m = a_aval.shape[:2]
-    if (variants[0].op != "ragged" or a_major != "k" or np.dtype(a_aval.dtype) != np.dtype(jnp.float8_e4m3fn)
-            or k % swap_ab_layout.SWAP_AB_K_PAD or sfa_aval.shape != (l, m, k // MX_BLOCK)):
-        return ()
-    orders_itself = swap_ab_layout.kernel_orders_tokens(variants[0].tile_mn[0])
-    return dispatch.dequantize_variants({v.arch for v in variants}, a_aval.shape, scale_axis=-1,
-                                        swap_ab_order=not orders_itself)
-
-
 def _gemm_amax_decode_lowering(ctx, a, b, sfa, sfb, *maybe_alpha, variants, k, sf_vec_size, c_dtype, a_major,
                                c_major, **_):
     """gemm_amax through the decode kernel `variants`: A dequantized to bf16 (L, M, K) in XLA is its x, B (L, N, K)
@@ -200,20 +183,15 @@ def _gemm_amax_decode_lowering(ctx, a, b, sfa, sfb, *maybe_alpha, variants, k, s
     c_aval, amax_aval = ctx.avals_out
     l, m, n = a_aval.shape[0], a_aval.shape[1 if a_major == "k" else 2], b_aval.shape[1]
     x_aval = jax.core.ShapedArray((l, m, k), np.dtype(jnp.bfloat16))
-    token_kernels = _decode_token_kernels(variants, a_aval, sfa_aval, a_major=a_major, k=k)
-    if token_kernels:  # one launch that the tile, starting early, overlaps
-        (x,) = ffi_lowering.emit_dequantize(ctx, [(a, sfa)], avals=[(a_aval, sfa_aval)], variants=token_kernels,
-                                            scale_axis=-1)
-    else:
-        dequantize = functools.partial(_dequantized_a, m=m, k=k, sf_vec_size=sf_vec_size, a_major=a_major)
-        (x,) = mlir.lower_fun(dequantize, multiple_results=True)(
-            ctx.replace(avals_in=[a_aval, sfa_aval], avals_out=[x_aval]), a, sfa)
+    dequantize = functools.partial(_dequantized_a, m=m, k=k, sf_vec_size=sf_vec_size, a_major=a_major)
+    (x,) = mlir.lower_fun(dequantize, multiple_results=True)(
+        ctx.replace(avals_in=[a_aval, sfa_aval], avals_out=[x_aval]), a, sfa)
     alpha_aval = jax.core.ShapedArray((l,), np.dtype(np.float32))
     alpha = maybe_alpha[0] if maybe_alpha else mlir.ir_constant(np.ones((l,), np.float32))
     kernel_c_aval = jax.core.ShapedArray((l, m, n), np.dtype(variants[0].c_dtype))
     c, amax = ffi_lowering.emit_decode(
         ctx.replace(avals_in=[x_aval, b_aval, sfb_aval, alpha_aval], avals_out=[kernel_c_aval, amax_aval]), x, b, sfb,
-        alpha, variants=variants, tokens_ready=bool(token_kernels))
+        alpha, variants=variants)
     if c_major == "n" and kernel_c_aval.dtype == c_aval.dtype:  # (L, N, M) can equal (L, M, N): M = N
         return [c, amax]
     finish = functools.partial(decode_c, c_dtype=c_dtype, c_major=c_major)

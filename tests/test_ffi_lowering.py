@@ -445,12 +445,12 @@ class PublicDecodeLoweringTest(absltest.TestCase):
         with self.assertRaisesRegex(ValueError, "M = 65 rows is more than the decode kernel takes .64."):
             self._weight_only("mxfp4", m=65, implementation="cutedsl")
 
-    def _gemm(self, m, *, fmt="mxfp8", c_dtype=jnp.bfloat16, alpha=None, n=144, k=96, atoms=False, **kwargs):
-        """gemm_amax (L = 2) lowered for CUDA; scales compact, or as atoms with `atoms`."""
+    def _gemm(self, m, *, fmt="mxfp8", c_dtype=jnp.bfloat16, alpha=None, n=144, atoms=False, **kwargs):
+        """gemm_amax (L = 2, K = 96) lowered for CUDA; scales compact, or as atoms with `atoms`."""
         import jax_blockgemm as jbg
 
         sd = jax.ShapeDtypeStruct
-        l = 2
+        l, k = 2, 96
         fp4 = fmt in ("mxfp4", "nvfp4")
         v = 16 if fmt == "nvfp4" else 32
         codes, row = (jnp.uint8, k // 2) if fp4 else (jnp.float8_e4m3fn, k)
@@ -516,39 +516,6 @@ class PublicDecodeLoweringTest(absltest.TestCase):
                                   "jbg_weight_stream"), 1)
         self.assertLen(_calls(self._weight_only("mxfp8_e4m3", m=40, k=96, implementation="cutedsl"),
                               "jbg_weight_stream"), 1)  # no local GPU: the decode kernel, which covers every arch
-
-    def test_gemm_amax_decode_tiles_take_a_from_the_dequantize_kernel(self):
-        """gemm_amax on the swap_ab decode tiles with K-major MXFP8 E4M3 A, compact scales and K a multiple of 256:
-        A becomes bf16 in one dequantize launch that feeds the tile's call directly (its plain object for the
-        16-token tile, which orders x itself; the swap_ab object, the tile's column order, for 17-64 rows), not in
-        XLA, so that the tile, starting early, overlaps it. A in atoms or M-major, K off 256, FP4 A and a failed
-        self-check of the dequantize kernel keep XLA's dequantization."""
-        def calls(lowered):
-            text = lowered.as_text()
-            dequant = [line for line in text.splitlines() if "@jbg_dequantize_mxfp8" in line]
-            return dequant, _calls(lowered, "jbg_ragged_gemm_amax"), "gather" in text
-
-        with mock.patch.object(dispatch, "local_cuda_capabilities", return_value=("9.0",)), \
-                mock.patch.object(dispatch, "_failed_self_checks", return_value=""), \
-                jbg_arch.overridden("9.0", decode_swap_ab_small=(0, 0, 0)):
-            for m, suffix in ((1, ""), (16, ""), (17, "_swap_ab"), (64, "_swap_ab")):
-                with self.subTest(m=m):
-                    lowered = self._gemm(m, k=512)  # held: the call's operands live in its module
-                    (dequant,), (call,), gathered = calls(lowered)
-                    self.assertIn(f'function_prefixes = "jbg_dequantize_sm_90a_e4m3_bf16_sf32_t1x16_c1x1{suffix}"',
-                                  dequant)
-                    self.assertTrue(dequant.endswith(f"(tensor<2x{m}x512xf8E4M3FN>, tensor<2x{m}x16xui8>) -> "
-                                                     f"tensor<2x{m}x512xbf16>"), dequant[-120:])
-                    self.assertEqual(str(call.operands[0].type), f"tensor<2x{m}x512xbf16>")
-                    self.assertFalse(gathered)
-            for kwargs in (dict(atoms=True), dict(a_major="m"), dict(k=480), dict(fmt="mxfp4")):
-                with self.subTest(**kwargs):
-                    dequant, calls_made, _ = calls(self._gemm(16, **{"k": 512, **kwargs}))
-                    self.assertEqual((dequant, len(calls_made)), ([], 1))
-            with mock.patch.object(dispatch, "_failed_self_checks", side_effect=lambda vs: "hung" * any(
-                    v.op == "dequantize" for v in vs)):
-                dequant, calls_made, _ = calls(self._gemm(16, k=512))
-                self.assertEqual((dequant, len(calls_made)), ([], 1))
 
     def test_the_16_token_tile_takes_x_as_it_is(self):
         """Weight-only calls of at most 16 rows with K a multiple of 256: the custom call's tokens are x itself, with

@@ -385,8 +385,7 @@ class CompileTest(parameterized.TestCase):
             self.assertTrue(re.search(pattern, c.ptx), name)
         for name, pattern in {"FP8 converter": r"cvt\.rn\.f16x2\.e4m3x2", "local memory": r"\.local",
                               "atomic max": r"atom\.global\.max",
-                              "tokens ordered in the kernel": r"fence\.proxy\.async",
-                              "programmatic dependent launch": r"griddepcontrol"}.items():
+                              "tokens ordered in the kernel": r"fence\.proxy\.async"}.items():
             self.assertFalse(re.search(pattern, c.ptx), name)
         resources = structure.cubin_resources(c.fn.__cubin__)
         self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
@@ -413,10 +412,6 @@ class CompileTest(parameterized.TestCase):
             self.assertFalse(re.search(pattern, c.ptx), name)
         resources = structure.cubin_resources(c.fn.__cubin__)
         self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
-        if tile[0] < 128:
-            self.assert_starts_early(c)
-        else:
-            self.assertNotIn("griddepcontrol", c.ptx)
 
     @parameterized.product(c_dtype=(F32, BF16), tile=catalog.SWAP_AB_DECODE_TILES)
     def test_decode_tile_structure(self, c_dtype, tile):
@@ -445,22 +440,6 @@ class CompileTest(parameterized.TestCase):
         resources = structure.cubin_resources(c.fn.__cubin__)
         self.assertEqual((resources.frame_bytes, resources.stack_bytes), (0, 0))
         self.assertEqual(resources.registers, c.kernel.launch_regs)  # what setmaxnreg shares out (next test)
-        self.assert_starts_early(c)
-
-    def assert_starts_early(self, c):
-        """Programmatic dependent launch (`start_early`): the next grid let launch at once, one L2 prefetch of weight
-        k-tiles (in a loop) before the wait for the previous grid, and that wait before any global load, TMA load
-        or global store (the item table, the scale bytes, the tokens, C, amax's tally)."""
-        ptx = c.ptx
-        self.assertTrue(c.kernel.starts_early)
-        self.assertEqual(ptx.count("griddepcontrol.launch_dependents"), 1)
-        self.assertEqual(ptx.count("griddepcontrol.wait"), 1)
-        self.assertEqual(len(re.findall(r"cp\.async\.bulk\.prefetch\.tensor\.3d\.L2", ptx)), 1)
-        wait = ptx.index("griddepcontrol.wait")
-        self.assertLess(ptx.index("cp.async.bulk.prefetch.tensor"), wait)
-        for access in (r"\sld\.global", r"\scp\.async\.bulk\.tensor\.\dd\.shared", r"\sst\.global",
-                       r"\sred\.", r"\satom\."):
-            self.assertLess(wait, re.search(access, ptx).start(), access)
 
     def test_setmaxnreg_shares_out_only_what_the_launch_gave(self):
         """For every tile the constructor accepts, the producer's registers and the MMA warpgroups' raised ones fit in

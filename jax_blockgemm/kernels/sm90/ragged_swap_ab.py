@@ -177,8 +177,6 @@ class HopperRaggedSwapAB:
         # the epilogue's fp32 tiles, one per part, lie over the tokens' drained stages
         assert k_split * token_rows * self.c_stage_stride * 4 <= self.stages * token_rows * self.k_tile * 2
         self.has_alpha = True  # the ABI passes alpha, one per weight (L·G)
-        # the decode tiles launch with programmatic dependent launch (`start_early`); the MoE tile as before
-        self.starts_early = token_rows < ITEM_ROWS
 
     def can_implement(self, t: int, n: int, k: int, l: int, g: int = 1) -> tuple[bool, str]:
         """Whether the kernel handles these sizes, and why not: K a multiple of 16 (FP8) or 32 (FP4): 16-byte TMA
@@ -237,7 +235,7 @@ class HopperRaggedSwapAB:
         self.kernel(tma_atom_x, tma_x, tma_atom_w, tma_w, sfb, items, c, amax, alpha, tally, t, n, k, g, max_items,
                     sf_atom, tiled_mma, tiled_mma_short, x_staged, w_staged).launch(grid=(tiles_n, max_items, l),
                                                           block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1,
-                                                          stream=stream, use_pdl=self.starts_early)
+                                                          stream=stream)
 
     def _tiled_mma(self, tokens: int) -> cute.TiledMma:
         """The register-sourced bf16 wgmma of the MMA warpgroups: 64 weight rows each, `tokens` wide."""
@@ -258,26 +256,20 @@ class HopperRaggedSwapAB:
         promote_tiles k-tiles (the mainloop's unit: the producer must fill, and the consumers release, a whole
         group)."""
         tile_n, item, batch = cute.arch.block_idx()
-        tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        early = None  # the early start's set-up (`start_early`), before the item is read
-        if cutlass.const_expr(self.starts_early):
-            early = self.set_up(tidx, warp_idx, tma_atom_x, mX, tma_atom_w, mW, x_staged, w_staged)
-            self.start_early(tidx, tma_atom_w, early[4][3], tile_n, batch, g)
         group, rows_lo, rows_hi = group_item(items, batch, item, max_items, t, g)
         if rows_lo >= rows_hi:
+            tidx, _, _ = cute.arch.thread_idx()
             if (tally.iterator.toint() != 0) & (tidx == 0):  # every CTA of the batch arrives: its last writes amax
                 ptx_ops.fold_amax_last_cta(*self._amax_words(tally, amax, batch), 0, self._batch_ctas())
         else:
+            tidx, _, _ = cute.arch.thread_idx()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             # the tokens' tile 0 starts at the item's first row (group-local items, as the bf16 grouped kernel's)
             mX_item = cute.domain_offset((rows_lo, 0, 0), mX)
-            if cutlass.const_expr(self.starts_early):  # the tokens' views now that the item is known
-                storage, ab_pipeline, sX, sW, views, k_tiles, wg_idx = early
-                views = (*tma_pipeline.tma_views(tma_atom_x, mX_item, sX, (self.tile_mnk[0], self.k_tile)),
-                         *views[2:])
-            else:
-                storage, ab_pipeline, sX, sW, views, k_tiles, wg_idx = self.set_up(
-                    tidx, warp_idx, tma_atom_x, mX_item, tma_atom_w, mW, x_staged, w_staged)
+            storage, ab_pipeline, sX, sW, views, k_tiles, wg_idx = tma_pipeline.ab_prologue(
+                tidx, warp_idx, tma_atom_x, mX_item, tma_atom_w, mW, x_staged, w_staged, self.shared_storage,
+                (cutlass.BFloat16, self.ab_dtype), self.stages, self.release_warps, self.tile_mnk,
+                self.threads_per_wg, self.row_bytes)
             zero = group < 0
             k_tiles = cutlass.select_(zero, self.promote_tiles, k_tiles)  # zeros: one group of k-tiles, never added
             w_batch = batch * g + cutlass.max(group, 0)
@@ -314,29 +306,6 @@ class HopperRaggedSwapAB:
                         self.multiply_and_store(tiled_mma, self.tile_mnk[0], *operands)
                 else:
                     self.multiply_and_store(tiled_mma, self.tile_mnk[0], *operands)
-
-    @cute.jit
-    def set_up(self, tidx, warp_idx, tma_atom_x, mX, tma_atom_w, mW, x_staged, w_staged) -> tuple:
-        """`tma_pipeline.ab_prologue` for this kernel's stages: (storage, pipeline, sX, sW, views, k_tiles, wg_idx)."""
-        return tma_pipeline.ab_prologue(tidx, warp_idx, tma_atom_x, mX, tma_atom_w, mW, x_staged, w_staged,
-                                        self.shared_storage, (cutlass.BFloat16, self.ab_dtype), self.stages,
-                                        self.release_warps, self.tile_mnk, self.threads_per_wg, self.row_bytes)
-
-    @cute.jit
-    def start_early(self, tidx, tma_atom_w, tBgB: cute.Tensor, tile_n, batch, g):
-        """Programmatic dependent launch: the grid may start while the previous kernel runs (a decode GEMM's
-        tokens' dequantization, or the last GEMM's tail) and reads nothing before `griddepcontrol.wait`, for that
-        kernel may write anything. Meanwhile thread 0 has L2 prefetch this CTA's first ring of weight k-tiles (a
-        prefetch changes no data: safe whatever that kernel writes), which the producer's loads then find there;
-        only where the call has one group (g = 1), whose weight the CTA knows without its item. The next grid may
-        launch at once and do the same during this one's tail."""
-        cute.arch.griddepcontrol_launch_dependents()
-        if tidx == 0:
-            if g == 1:
-                ahead = cutlass.min(cute.size(tBgB, mode=[2]), self.stages)
-                for kt in cutlass.range(ahead, unroll=1):
-                    cute.prefetch(tma_atom_w, tBgB[(None, tile_n, kt, batch)])
-        cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def multiply_and_store(self, tiled_mma: cute.TiledMma, tokens: cutlass.Constexpr[int], ab_pipeline, ready, sX, sW,
