@@ -291,14 +291,15 @@ class GpuDecodeSwapAbTest(parameterized.TestCase):
         def chain(x, w16, implementation):
             outs = []
             for i in range(8):
+                wi = w16[i] * (i + 1)
                 if i % 2:
                     a, sfa = formats.quantize_mxfp8(x, axis=-1)
-                    b, sfb = formats.quantize_mxfp8(w16[i] * (i + 1), axis=-1)
+                    b, sfb = formats.quantize_mxfp8(wi, axis=-1)
                     x, _ = jbg.gemm_amax(a[None], b[None], sfa[None], sfb[None], c_dtype=jnp.bfloat16,
                                          implementation=implementation)
                     x = x[0]
                 else:
-                    w = jbg.quantize_weight(w16[i] * (i + 1), SWAP_AB_FORMATS[i // 2 % 3])
+                    w = jbg.quantize_weight(wi, SWAP_AB_FORMATS[i // 2 % 3])
                     x = jbg.weight_only_matmul(x, w, out_dtype=jnp.bfloat16, implementation=implementation)
                 x = x / jnp.max(jnp.abs(x))
                 outs.append(x)
