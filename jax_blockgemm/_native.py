@@ -39,7 +39,7 @@ _REGISTERED: set[str] = set()
 def extension() -> ModuleType:
     """The compiled module `jax_blockgemm._jbg_ffi` (raises ImportError with a build hint when missing)."""
     try:
-        from jax_blockgemm import _jbg_ffi
+        import jax_blockgemm._jbg_ffi as _jbg_ffi  # the submodule itself, not the package's namespace
     except ImportError as e:
         raise ImportError(
             "jax_blockgemm's native FFI bridge (jax_blockgemm._jbg_ffi) is not built; build it with "
