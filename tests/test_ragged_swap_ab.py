@@ -371,16 +371,18 @@ class CompileTest(parameterized.TestCase):
                          ((128, 128, 128), 128, True, 4))
         # the weights from registers (four 32-bit A registers), the tokens from shared memory, 128 tokens wide (64
         # for items of at most 64 tokens); the codes by bit moves, not the converter; TMA loads; registers moved to
-        # the MMA warpgroups; amax's tally (the max, then the count with acquire-release order) and no atomic max into
-        # amax itself
+        # the MMA warpgroups; amax's open tally (arrivals counted, amax opened by a release store and waited for by an
+        # acquire load, each CTA's max folded in by a reduction) and no atomic max that returns a value
         wanted = {"register-sourced wgmma": r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, "
                                              r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+",
                   "short items' wgmma": r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16 \{[^}]*\}, "
                                         r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+",
                   "prmt": r"prmt\.b32", "TMA": r"cp\.async\.bulk\.tensor",
                   "setmaxnreg": r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232",
-                  "tally max": r"red\.relaxed\.gpu\.global\.max\.s32",
-                  "tally count": r"atom\.acq_rel\.gpu\.global\.add"}
+                  "max folded in": r"red\.relaxed\.gpu\.global\.max\.s32",
+                  "arrivals counted": r"atom\.relaxed\.gpu\.global\.add\.u32",
+                  "amax opened": r"st\.release\.gpu\.global\.b32",
+                  "open awaited": r"ld\.acquire\.gpu\.global\.b32"}
         for name, pattern in wanted.items():
             self.assertTrue(re.search(pattern, c.ptx), name)
         for name, pattern in {"FP8 converter": r"cvt\.rn\.f16x2\.e4m3x2", "local memory": r"\.local",

@@ -248,14 +248,15 @@ def abs_bits(x: cutlass.Float32) -> cutlass.Int32:
 
 @cute.jit
 def _warp_amax_to_shared(thread_amax_bits: cutlass.Int32, smem_warp_amax: cute.Tensor, local_tid: cutlass.Int32,
-                         num_warps: cutlass.Constexpr[int], barrier_id: cutlass.Constexpr[int]):
+                         num_warps: cutlass.Constexpr[int], barrier_id: cutlass.Constexpr[int],
+                         barrier_threads: cutlass.Constexpr[int] = 0):
     """Each warp's max of per-thread |x| bit patterns (redux.sync) into its shared-memory slot, then a named barrier
-    over those `num_warps` warps only."""
+    over those `num_warps` warps (or `barrier_threads`, where other warps arrive at it too)."""
     warp_max = cute.arch.warp_redux_sync(thread_amax_bits, "max")
     warp = local_tid // 32
     if local_tid % 32 == 0:
         smem_warp_amax[warp] = warp_max
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_warps * 32)
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=barrier_threads or num_warps * 32)
 
 
 def _slots_max(smem_warp_amax: cute.Tensor, num_warps: int) -> cutlass.Int32:
@@ -293,3 +294,15 @@ def amax_block_reduce_and_fold_last(thread_amax_bits: cutlass.Int32, smem_warp_a
     _warp_amax_to_shared(thread_amax_bits, smem_warp_amax, local_tid, num_warps, barrier_id)
     if local_tid == 0:
         ptx_ops.fold_amax_last_cta(tally, amax, _slots_max(smem_warp_amax, num_warps), ctas)
+
+
+@cute.jit
+def amax_block_reduce_into_open(thread_amax_bits: cutlass.Int32, smem_warp_amax: cute.Tensor, amax: cutlass.Int64,
+                                local_tid: cutlass.Int32, num_warps: cutlass.Constexpr[int],
+                                barrier_id: cutlass.Constexpr[int], barrier_threads: cutlass.Constexpr[int]):
+    """Reduce per-thread |x| bit patterns over `num_warps` warps and fold the result into the float32 at address
+    `amax`, which the open tally zeroed (ptx_ops.tally_open): the barrier's other warps arrive once this CTA's turn
+    at the tally is taken, and the fold is one reduction that nothing waits for."""
+    _warp_amax_to_shared(thread_amax_bits, smem_warp_amax, local_tid, num_warps, barrier_id, barrier_threads)
+    if local_tid == 0:
+        ptx_ops.red_max_bits(amax, _slots_max(smem_warp_amax, num_warps))

@@ -165,6 +165,51 @@ def byte_perm(a, b, selector: int, *, loc=None, ip=None) -> cutlass.Int32:
                              "=r,r,r", False, loc, ip))
 
 
+# The open tally: amax zeroed and published before any CTA's max is folded in, all off the CTAs' critical paths.
+# Two words per batch, zero at the launch and left so: word 0 says whether amax is open (zeroed), word 1 counts
+# 2 * ctas steps: each CTA arrives once and leaves once. The first arrival zeroes amax and opens it (a release);
+# every CTA with a max to fold waits until amax is open (an acquire), leaves, and later folds its max in with one
+# reduction (`red_max_bits`) that no one waits for; the last to leave closes the tally (both words zero). No CTA
+# waits for another's progress, only for the first arrival's two stores, so any number of CTAs may run at once.
+
+
+@dsl_user_op
+def tally_open(tally: cutlass.Int64, amax: cutlass.Int64, steps, *, loc=None, ip=None) -> None:
+    """Arrive at the open tally (above), zero and open amax if first, wait until amax is open, and leave (closing the
+    tally if last). `steps`: 2 * the batch's CTAs. Three trips to L2 plus the wait: a thread that has time (the TMA
+    producer once its loads are issued) runs it, and the CTA's max is folded in only after it returned."""
+    args = [cutlass.Int64(tally), cutlass.Int64(amax), cutlass.Int32(steps)]
+    asm(None, args, "{ .reg .pred p; .reg .b32 old, open; .reg .b64 count; add.s64 count, $0, 4; "
+                    "atom.relaxed.gpu.global.add.u32 old, [count], 1; setp.eq.u32 p, old, 0; "
+                    "@p st.relaxed.gpu.global.b32 [$1], 0; @p st.release.gpu.global.b32 [$0], 1; "
+                    "$$L_wait_${:uid}: ld.acquire.gpu.global.b32 open, [$0]; setp.eq.u32 p, open, 0; "
+                    "@p bra $$L_wait_${:uid}; "
+                    "atom.relaxed.gpu.global.add.u32 old, [count], 1; add.u32 old, old, 1; setp.eq.u32 p, old, $2; "
+                    "@p st.relaxed.gpu.global.b32 [count], 0; @p st.relaxed.gpu.global.b32 [$0], 0; }",
+        "l,l,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def tally_pass(tally: cutlass.Int64, amax: cutlass.Int64, steps, *, loc=None, ip=None) -> None:
+    """Arrive at the open tally and leave at once, for a CTA with no max to fold (an empty work item): zero and open
+    amax if first, close the tally if last. `steps`: 2 * the batch's CTAs."""
+    args = [cutlass.Int64(tally), cutlass.Int64(amax), cutlass.Int32(steps)]
+    asm(None, args, "{ .reg .pred p; .reg .b32 old; .reg .b64 count; add.s64 count, $0, 4; "
+                    "atom.relaxed.gpu.global.add.u32 old, [count], 2; setp.eq.u32 p, old, 0; "
+                    "@p st.relaxed.gpu.global.b32 [$1], 0; @p st.release.gpu.global.b32 [$0], 1; "
+                    "add.u32 old, old, 2; setp.eq.u32 p, old, $2; "
+                    "@p st.relaxed.gpu.global.b32 [count], 0; @p st.relaxed.gpu.global.b32 [$0], 0; }",
+        "l,l,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def red_max_bits(address: cutlass.Int64, bits, *, loc=None, ip=None) -> None:
+    """Fold `bits` (a float32's bits, sign cleared) into the float32 at `address` by an integer max that returns
+    nothing (red: the thread does not wait for it)."""
+    asm(None, [cutlass.Int64(address), cutlass.Int32(bits)], "red.relaxed.gpu.global.max.s32 [$0], $1;",
+        "l,r,~{memory}", True, loc, ip)
+
+
 @dsl_user_op
 def fold_amax_last_cta(tally: cutlass.Int64, amax: cutlass.Int64, bits, ctas, *, loc=None, ip=None) -> None:
     """One CTA's amax `bits` (a float32's bits, sign cleared) into a self-resetting tally, and from the last of

@@ -44,11 +44,12 @@ warpgroup alternates two register fragments: it converts k-tile k + 1 while the 
 two k-tiles (256 of K) the tensor cores' partial sum is added to the fp32 accumulator with round-to-nearest adds (their
 truncating sums drift with K: 6e-6 relative over 8192 as gemm_amax measured, so about 2e-7 over 256): SPEC §7's "exact"
 class. The accumulator holds C transposed (weight rows x tokens); the epilogue writes it through shared memory (reusing
-the stages) and stores C rows of the item with 16-byte stores. amax needs nothing zeroed first: each CTA folds the max
-|C| of what it stored (an empty item's CTA: nothing) and its arrival into the batch's two words of a tally the handler
-keeps per call site (zero between launches), and the batch's last CTA writes amax and zeroes them again
-(`ptx_ops.fold_amax_last_cta`, the decode kernel's scheme); without a tally (a caller that drops amax) the kernel skips
-amax.
+the stages) and stores C rows of the item with 16-byte stores. amax needs nothing zeroed first: the batch's two words
+of a tally the handler keeps per call site (zero between launches) let the first CTA to arrive zero amax and open it
+(`ptx_ops.tally_open`); each CTA's producer warp takes its turn there once its loads are issued, so its trips to L2
+overlap the last k-tiles' MMAs, and the CTA then folds the max |C| of what it stored into amax with one reduction that
+nothing waits for (an empty item's CTA arrives and leaves at once: `ptx_ops.tally_pass`); without a tally (a caller
+that drops amax) the kernel skips amax.
 
 The decode tiles (few tokens, one 64-row warpgroup) leave an SM one conversion chain per CTA; with `k_split` parts the
 CTA runs that many MMA warpgroups on the same weight rows, part p multiplying K's promotion groups p, p + k_split, ...
@@ -165,6 +166,7 @@ class HopperRaggedSwapAB:
             raise ValueError(f"weight_warpgroups * k_split must leave each MMA warpgroup {MIN_CONSUMER_REGS} "
                              f"registers a thread, got {weight_warpgroups} * {k_split}")
         self.epilogue_barrier_id = 1
+        self.amax_barrier_id = 2  # the MMA warps' amax slots written and the producer's turn at the tally taken
         # k_split parts: two promotion groups of stages each (at least one is needed: a part waits for its next
         # group's first k-tile before it releases its current group's last), so each part's next group streams in
         # while it multiplies the current one; part p's groups then always land in the same stages
@@ -259,8 +261,8 @@ class HopperRaggedSwapAB:
         group, rows_lo, rows_hi = group_item(items, batch, item, max_items, t, g)
         if rows_lo >= rows_hi:
             tidx, _, _ = cute.arch.thread_idx()
-            if (tally.iterator.toint() != 0) & (tidx == 0):  # every CTA of the batch arrives: its last writes amax
-                ptx_ops.fold_amax_last_cta(*self._amax_words(tally, amax, batch), 0, self._batch_ctas())
+            if (tally.iterator.toint() != 0) & (tidx == 0):  # every CTA of the batch takes its turn at the tally
+                ptx_ops.tally_pass(*self._amax_words(tally, amax, batch), 2 * self._batch_ctas())
         else:
             tidx, _, _ = cute.arch.thread_idx()
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -286,6 +288,11 @@ class HopperRaggedSwapAB:
                     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                     state = tma_pipeline.produce_tile(ab_pipeline, state, tma_atom_x, tma_atom_w, views, 0, tile_n,
                                                       k_tiles, batch, w_batch)
+                    if tally.iterator.toint() != 0:  # amax open before the epilogue folds this CTA's max in
+                        if tidx == 0:
+                            ptx_ops.tally_open(*self._amax_words(tally, amax, batch), 2 * self._batch_ctas())
+                        cute.arch.barrier_arrive(barrier_id=self.amax_barrier_id,
+                                                 number_of_threads=self._amax_barrier_threads())
                     ab_pipeline.producer_tail(state)
                 elif cutlass.const_expr(self.orders_tokens):
                     self.order_tokens(ab_pipeline, ready, sX, warp_idx, k_tiles, rows_hi - rows_lo)
@@ -662,16 +669,20 @@ class HopperRaggedSwapAB:
                     for e in cutlass.range_constexpr(per):
                         if gcol + e < n:
                             c[at + e] = xs[e].to(self.c_dtype)
-        if tally.iterator.toint() != 0:  # a tally: the caller wants amax
+        if tally.iterator.toint() != 0:  # a tally: the caller wants amax, open since the producer's turn
             warp_amax = storage.warp_amax.get_tensor(cute.make_layout((self.num_consumer_warps,)))
-            common.amax_block_reduce_and_fold_last(amax_bits, warp_amax, *self._amax_words(tally, amax, batch),
-                                                   self._batch_ctas(), tidx, self.num_consumer_warps,
-                                                   self.epilogue_barrier_id)
+            common.amax_block_reduce_into_open(amax_bits, warp_amax, self._amax_words(tally, amax, batch)[1], tidx,
+                                               self.num_consumer_warps, self.amax_barrier_id,
+                                               self._amax_barrier_threads())
 
     @staticmethod
     def _amax_words(tally: cute.Tensor, amax: cute.Tensor, batch) -> tuple:
         """The addresses of batch `batch`'s two tally words and of its amax."""
         return (tally.iterator.toint() + cutlass.Int64(batch) * 8, amax.iterator.toint() + cutlass.Int64(batch) * 4)
+
+    def _amax_barrier_threads(self) -> int:
+        """The threads of the amax barrier: the MMA warps and the producer warp."""
+        return self.num_consumer_warps * 32 + 32
 
     @staticmethod
     def _batch_ctas():
