@@ -162,8 +162,8 @@ xla::ffi::Error DeviceFunction(const KernelObjects& state, int32_t device, std::
 xla::ffi::Error PoisonBytes(std::string_view target, std::string_view name, const CudaDriver& driver, CUstream stream,
                             const void* data, size_t bytes, unsigned char value = 0xFF);
 // How a launch produces amax: an integer atomic max over the bits of |C| from +0.0 (amax zeroed on the stream first),
-// through the call site's tally (the last CTA per batch writes amax whole: nothing to zero), or not at all (the caller
-// drops amax).
+// through the call site's tally (the kernel writes amax whole: the decode kernel's last CTA per batch stores it, the
+// swap_ab kernel's first zeroes it; nothing to zero on the stream), or not at all (the caller drops amax).
 enum class AmaxBy { kAtomicMax, kTally, kNothing };
 // EXECUTE, with the stream's context current, before a launch that writes C (`c_bytes`) and amax (`batches` float32
 // values) as `amax_by` says: zeroes amax for kAtomicMax; for kTally sets `*tally` to the device's tally (else leaves
