@@ -292,8 +292,9 @@ ffi::Error Execute(CUstream stream, int32_t device, KernelObjects* state, ffi::A
                                        std::to_string(dims.l) + "; expected L or 0");
   }
   // The swap_ab objects fold amax through the call site's tally (zero at every launch and left so; the batch's first
-  // CTA zeroes amax before any CTA folds its max in), or skip amax without one: nothing to zero on the stream. The others' integer atomic max over the bits of
-  // |C| starts from +0.0, zeroed on XLA's stream before the kernel where the caller reads amax.
+  // CTA zeroes amax before any CTA folds its max in), or skip amax without one: nothing to zero on the stream. The
+  // others' integer atomic max over the bits of |C| starts from +0.0, zeroed on XLA's stream before the kernel where
+  // the caller reads amax.
   const bool swap_ab = state->dtypes.a_bf16;
   const AmaxBy amax_by = state->amax_batches == 0 ? AmaxBy::kNothing
                          : swap_ab                ? AmaxBy::kTally
