@@ -173,6 +173,20 @@ def byte_perm(a, b, selector: int, *, loc=None, ip=None) -> cutlass.Int32:
 # waits for another's progress, only for the first arrival's two stores, so any number of CTAs may run at once.
 
 
+# The two pieces of PTX every CTA's turn shares ($0 = the tally, $1 = amax, $2 = the steps; `count` = word 1, `old` and
+# `p` declared by the caller): the arrival, whose first zeroes and opens amax, and the close by the last to leave.
+def _tally_arrive(steps: int) -> str:
+    """Count `steps` on word 1 (`old`: the count before); the first to count zeroes amax and opens it."""
+    return (f"atom.relaxed.gpu.global.add.u32 old, [count], {steps}; setp.eq.u32 p, old, 0; "
+            "@p st.relaxed.gpu.global.b32 [$1], 0; @p st.release.gpu.global.b32 [$0], 1; ")
+
+
+def _tally_close_if_last(steps: int) -> str:
+    """After counting `steps` from `old`: the one whose count completes the batch's steps zeroes both words."""
+    return (f"add.u32 old, old, {steps}; setp.eq.u32 p, old, $2; "
+            "@p st.relaxed.gpu.global.b32 [count], 0; @p st.relaxed.gpu.global.b32 [$0], 0; ")
+
+
 @dsl_user_op
 def tally_open(tally: cutlass.Int64, amax: cutlass.Int64, steps, *, loc=None, ip=None) -> None:
     """Arrive at the open tally (above), zero and open amax if first, wait until amax is open, and leave (closing the
@@ -180,12 +194,10 @@ def tally_open(tally: cutlass.Int64, amax: cutlass.Int64, steps, *, loc=None, ip
     producer once its loads are issued) runs it, and the CTA's max is folded in only after it returned."""
     args = [cutlass.Int64(tally), cutlass.Int64(amax), cutlass.Int32(steps)]
     asm(None, args, "{ .reg .pred p; .reg .b32 old, open; .reg .b64 count; add.s64 count, $0, 4; "
-                    "atom.relaxed.gpu.global.add.u32 old, [count], 1; setp.eq.u32 p, old, 0; "
-                    "@p st.relaxed.gpu.global.b32 [$1], 0; @p st.release.gpu.global.b32 [$0], 1; "
+                    + _tally_arrive(1) +
                     "$$L_wait_${:uid}: ld.acquire.gpu.global.b32 open, [$0]; setp.eq.u32 p, open, 0; "
                     "@p bra $$L_wait_${:uid}; "
-                    "atom.relaxed.gpu.global.add.u32 old, [count], 1; add.u32 old, old, 1; setp.eq.u32 p, old, $2; "
-                    "@p st.relaxed.gpu.global.b32 [count], 0; @p st.relaxed.gpu.global.b32 [$0], 0; }",
+                    "atom.relaxed.gpu.global.add.u32 old, [count], 1; " + _tally_close_if_last(1) + "}",
         "l,l,r,~{memory}", True, loc, ip)
 
 
@@ -195,10 +207,7 @@ def tally_pass(tally: cutlass.Int64, amax: cutlass.Int64, steps, *, loc=None, ip
     amax if first, close the tally if last. `steps`: 2 * the batch's CTAs."""
     args = [cutlass.Int64(tally), cutlass.Int64(amax), cutlass.Int32(steps)]
     asm(None, args, "{ .reg .pred p; .reg .b32 old; .reg .b64 count; add.s64 count, $0, 4; "
-                    "atom.relaxed.gpu.global.add.u32 old, [count], 2; setp.eq.u32 p, old, 0; "
-                    "@p st.relaxed.gpu.global.b32 [$1], 0; @p st.release.gpu.global.b32 [$0], 1; "
-                    "add.u32 old, old, 2; setp.eq.u32 p, old, $2; "
-                    "@p st.relaxed.gpu.global.b32 [count], 0; @p st.relaxed.gpu.global.b32 [$0], 0; }",
+                    + _tally_arrive(2) + _tally_close_if_last(2) + "}",
         "l,l,r,~{memory}", True, loc, ip)
 
 
