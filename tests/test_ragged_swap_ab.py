@@ -369,14 +369,13 @@ class CompileTest(parameterized.TestCase):
         c = compiled(v)
         self.assertEqual((c.kernel.tile_mnk, c.kernel.row_bytes, c.kernel.swizzled_codes, c.kernel.stages),
                          ((128, 128, 128), 128, True, 4))
-        # the weights from registers (four 32-bit A registers), the tokens from shared memory, 128 tokens wide (64
-        # for items of at most 64 tokens); the codes by bit moves, not the converter; TMA loads; registers moved to
-        # the MMA warpgroups; amax's open tally (arrivals counted, amax opened by a release store and waited for by an
-        # acquire load, each CTA's max folded in by a reduction) and no atomic max that returns a value
+        # the weights from registers (four 32-bit A registers), the tokens from shared memory, 128 tokens wide (32,
+        # 64 or 96 for items of at most that many tokens); the codes by bit moves, not the converter; TMA loads;
+        # registers moved to the MMA warpgroups; amax's open tally (arrivals counted, amax opened by a release store
+        # and waited for by an acquire load, each CTA's max folded in by a reduction) and no atomic max that returns
+        # a value
         wanted = {"register-sourced wgmma": r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, "
                                              r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+",
-                  "short items' wgmma": r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16 \{[^}]*\}, "
-                                        r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+",
                   "prmt": r"prmt\.b32", "TMA": r"cp\.async\.bulk\.tensor",
                   "setmaxnreg": r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232",
                   "max folded in": r"red\.relaxed\.gpu\.global\.max\.s32",
@@ -385,6 +384,8 @@ class CompileTest(parameterized.TestCase):
                   "open awaited": r"ld\.acquire\.gpu\.global\.b32"}
         for name, pattern in wanted.items():
             self.assertTrue(re.search(pattern, c.ptx), name)
+        self.assertEqual(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", c.ptx)),
+                         {"32", "64", "96", "128"})  # each item's narrowest width that holds its tokens
         for name, pattern in {"FP8 converter": r"cvt\.rn\.f16x2\.e4m3x2", "local memory": r"\.local",
                               "atomic max": r"atom\.global\.max",
                               "tokens ordered in the kernel": r"fence\.proxy\.async"}.items():
@@ -406,6 +407,8 @@ class CompileTest(parameterized.TestCase):
         self.assertEqual((c.kernel.k_tile, c.kernel.row_bytes, c.kernel.swizzled_codes), (128, 64, False))
         if tile[0] == 128:
             self.assertEqual(c.kernel.stages, 5)
+            self.assertEqual(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", c.ptx)),
+                             {"32", "64", "96", "128"})
         self.assertTrue(re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile[0]}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
                                   r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", c.ptx))
         self.assertTrue(re.search(r"ld\.shared\.v4\.b32", c.ptx))

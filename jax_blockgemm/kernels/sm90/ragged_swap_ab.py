@@ -37,19 +37,20 @@ own alpha.
 
 Per CTA: one work item (a group-local table, `ragged.group_items`: up to 128 of a group's tokens from the item's first
 row, where the tokens' TMA view starts) times a 128-row tile of the group's weights: warpgroups 1 and 2 of 64 weight
-rows each, warp 0 the TMA producer (tokens and codes in 4 stages of 48 KB, FP4's 5 of 40). An item of at most 64 tokens
-(a group's last, or a small group's only one: a fifth of the items at 256 skewed groups) runs wgmmas 64 tokens wide,
-half the tensor cores' work, through the same stages (their first 64 token rows are a swizzled tile of their own). Each
-warpgroup alternates two register fragments: it converts k-tile k + 1 while the tensor cores multiply k-tile k. Every
-two k-tiles (256 of K) the tensor cores' partial sum is added to the fp32 accumulator with round-to-nearest adds (their
-truncating sums drift with K: 6e-6 relative over 8192 as gemm_amax measured, so about 2e-7 over 256): SPEC §7's "exact"
-class. The accumulator holds C transposed (weight rows x tokens); the epilogue writes it through shared memory (reusing
-the stages) and stores C rows of the item with 16-byte stores. amax needs nothing zeroed first: the batch's two words
-of a tally the handler keeps per call site (zero between launches) let the first CTA to arrive zero amax and open it
-(`ptx_ops.tally_open`); each CTA's producer warp takes its turn there once its loads are issued, so its trips to L2
-overlap the last k-tiles' MMAs, and the CTA then folds the max |C| of what it stored into amax with one reduction that
-nothing waits for (an empty item's CTA arrives and leaves at once: `ptx_ops.tally_pass`); without a tally (a caller
-that drops amax) the kernel skips amax.
+rows each, warp 0 the TMA producer (tokens and codes in 4 stages of 48 KB, FP4's 5 of 40). An item of fewer tokens (a
+group's last, or a small group's only one: 245 of 659 items at the benchmark's 256 skewed groups) runs the narrowest
+wgmma of 32, 64 or 96 tokens that holds them, through the same stages (a stage's first token rows are a swizzled tile of
+their own): the tensor cores' work follows the tokens, the weights' conversion does not. Each warpgroup alternates two
+register fragments: it converts k-tile k + 1 while the tensor cores multiply k-tile k. Every two k-tiles (256 of K) the
+tensor cores' partial sum is added to the fp32 accumulator with round-to-nearest adds (their truncating sums drift with
+K: 6e-6 relative over 8192 as gemm_amax measured, so about 2e-7 over 256): SPEC §7's "exact" class. The accumulator
+holds C transposed (weight rows x tokens); the epilogue writes it through shared memory (reusing the stages) and stores
+C rows of the item with 16-byte stores. amax needs nothing zeroed first: the batch's two words of a tally the handler
+keeps per call site (zero between launches) let the first CTA to arrive zero amax and open it (`ptx_ops.tally_open`);
+each CTA's producer warp takes its turn there once its loads are issued, so its trips to L2 overlap the last k-tiles'
+MMAs, and the CTA then folds the max |C| of what it stored into amax with one reduction that nothing waits for (an empty
+item's CTA arrives and leaves at once: `ptx_ops.tally_pass`); without a tally (a caller that drops amax) the kernel
+skips amax.
 
 The decode tiles (few tokens, one 64-row warpgroup) leave an SM one conversion chain per CTA; with `k_split` parts the
 CTA runs that many MMA warpgroups on the same weight rows, part p multiplying K's promotion groups p, p + k_split, ...
@@ -93,6 +94,7 @@ REGISTERS = 65536  # per SM, all a CTA of these kernels is launched with (one CT
 MIN_CONSUMER_REGS = 144  # the least an MMA warpgroup gets: the 16-token tile's three K parts convert unspilled
 TOKEN_WRITER_WARPS = 3  # the 16-token tile: warps 1-3 of the producer warpgroup order the tokens' columns, k-tile
 # kt by warp 1 + kt % 3
+NARROW_ITEM_WIDTHS = (32, 64, 96)  # the MoE tile's narrower wgmmas, for items of fewer tokens than ITEM_ROWS
 SWIZZLE_BYTES = 128  # a token row's line in a swizzle atom (64 bf16 columns): a 128-column k-tile has two atoms
 E8M0 = "float8_e8m0fnu"
 # The weight formats the kernel converts: (codes, scale block, scale dtype): MXFP8 E4M3, MXFP4, NVFP4
@@ -138,9 +140,9 @@ class HopperRaggedSwapAB:
         self.weight_warpgroups = weight_warpgroups
         self.k_split = k_split
         self.tile_mnk = (token_rows, 64 * weight_warpgroups, self.k_tile)  # tokens (the TMA's A), weight rows, k-tile
-        # an item of at most this many tokens (a group's last, or a small group) runs wgmmas of half the tile's width:
-        # the MoE tile only (the decode tiles are sized to their calls)
-        self.short_item_tokens = token_rows // 2 if token_rows == ITEM_ROWS else 0
+        # the narrower wgmma widths (tokens) of an item whose rows fit one (a group's last, or a small group): the
+        # MoE tile only (the decode tiles are sized to their calls)
+        self.narrow_widths = NARROW_ITEM_WIDTHS if token_rows == ITEM_ROWS else ()
         self.c_stage_stride = self.tile_mnk[1] + 4  # words per token row of the epilogue's fp32 tile (the 4 extra
         # spread the banks)
         self.threads_per_wg = 128
@@ -211,7 +213,6 @@ class HopperRaggedSwapAB:
         code_row = cute.assume(k // 2 if cutlass.const_expr(self.fp4) else k, divby=16)  # bytes per weight row
         codes = common.operand_view(b, n, code_row, l * g, False)
         tiled_mma = self._tiled_mma(bt)
-        tiled_mma_short = self._tiled_mma(self.short_item_tokens) if self.short_item_tokens else tiled_mma
         x_staged = smem_layout_staged(bt, cutlass.BFloat16, self.stages, bk)
         # The codes' stages as rows of a k-tile's bytes: each thread reads a quarter of two rows. FP4's rows of 64
         # bytes lie plain: a quarter-warp's two rows are contiguous bytes, no bank conflict. FP8's rows of 128 bytes
@@ -235,7 +236,7 @@ class HopperRaggedSwapAB:
         self.shared_storage = SharedStorage
         tiles_n = (n + bw - 1) // bw
         self.kernel(tma_atom_x, tma_x, tma_atom_w, tma_w, sfb, items, c, amax, alpha, tally, t, n, k, g, max_items,
-                    sf_atom, tiled_mma, tiled_mma_short, x_staged, w_staged).launch(grid=(tiles_n, max_items, l),
+                    sf_atom, tiled_mma, x_staged, w_staged).launch(grid=(tiles_n, max_items, l),
                                                           block=(self.threads_per_cta, 1, 1), min_blocks_per_mp=1,
                                                           stream=stream)
 
@@ -252,7 +253,7 @@ class HopperRaggedSwapAB:
                sfb: cute.Tensor, items: cute.Tensor, c: cute.Tensor, amax: cute.Tensor, alpha: cute.Tensor,
                tally: cute.Tensor, t: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, g: cutlass.Int32,
                max_items: cutlass.Int32, sf_atom: cutlass.Int32, tiled_mma: cute.TiledMma,
-               tiled_mma_short: cute.TiledMma, x_staged: cute.ComposedLayout, w_staged: cute.ComposedLayout):
+               x_staged: cute.ComposedLayout, w_staged: cute.ComposedLayout):
         """Device body: the CTA reads its item and runs (weight tile, item), or, when the item is empty, only
         counts itself in amax's tally. Items of group -1 (rows of no group) store zeros after one group of
         promote_tiles k-tiles (the mainloop's unit: the producer must fill, and the consumers release, a whole
@@ -306,13 +307,22 @@ class HopperRaggedSwapAB:
                     part = (wg_idx - 1) // self.weight_warpgroups
                 operands = (ab_pipeline, ready, sX, sW, sfb, sf_atom, row_wg, part, mma_tid, tile_n, w_batch, n, k,
                             k_tiles, zero, alpha, storage, c, amax, tally, t, batch, rows_lo, rows_hi)
-                if cutlass.const_expr(self.short_item_tokens > 0):
-                    if rows_hi - rows_lo <= self.short_item_tokens:
-                        self.multiply_and_store(tiled_mma_short, self.short_item_tokens, *operands)
-                    else:
-                        self.multiply_and_store(tiled_mma, self.tile_mnk[0], *operands)
-                else:
-                    self.multiply_and_store(tiled_mma, self.tile_mnk[0], *operands)
+                self.multiply_and_store_narrowest(tiled_mma, rows_hi - rows_lo, operands)
+
+    @cute.jit
+    def multiply_and_store_narrowest(self, tiled_mma: cute.TiledMma, rows, operands: tuple,
+                                     first: cutlass.Constexpr[int] = 0):
+        """`multiply_and_store` with the narrowest of `narrow_widths[first:]` that holds the item's `rows`, else the
+        tile's width (`tiled_mma`): uniform branches per CTA, so that the tensor cores' work follows the item's
+        tokens in steps of 32 while the weights' conversion stays the same."""
+        if cutlass.const_expr(first == len(self.narrow_widths)):
+            self.multiply_and_store(tiled_mma, self.tile_mnk[0], *operands)
+        else:
+            width = self.narrow_widths[first]
+            if rows <= width:
+                self.multiply_and_store(self._tiled_mma(width), width, *operands)
+            else:
+                self.multiply_and_store_narrowest(tiled_mma, rows, operands, first + 1)
 
     @cute.jit
     def multiply_and_store(self, tiled_mma: cute.TiledMma, tokens: cutlass.Constexpr[int], ab_pipeline, ready, sX, sW,
