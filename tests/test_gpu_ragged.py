@@ -407,8 +407,8 @@ class GpuContractionTest(parameterized.TestCase):
 
     @parameterized.parameters("float32", "bfloat16")
     def test_matches_oracle(self, c_dtype):
-        """Groups ending inside a 64-token k-tile, one-token and empty groups, rows of no group holding NaN, K and
-        N tails of the 128 tile; the forced kernel."""
+        """Groups ending inside a 64-token k-tile (in each of its four 16-token k-steps, and on their edges),
+        one-token and empty groups, rows of no group holding NaN, K and N tails of the 128 tile; the forced kernel."""
         rng = np.random.default_rng(hash(c_dtype) % 2**32)
         for t, g, k, n in ((300, 6, 200, 136), (1000, 5, 264, 512)):
             x, _ = random_bf16_grouped(rng, t=t, g=1, n=1, k=k)
@@ -419,7 +419,9 @@ class GpuContractionTest(parameterized.TestCase):
             self.assertEqual(f.lower(x, y, np.zeros(g, np.int32)).as_text().count("jbg_grouped_contraction"), 1)
             sizes = np.zeros(g, np.int32)
             sizes[:4] = (1, 0, 65, 130)
-            for gs in (sizes, random_group_sizes(rng, t - 1, g, fill=True)):
+            steps = np.zeros(g, np.int32)
+            steps[:5] = (16, 17, 47, 64, 96)  # last k-tiles of 1, 2, 3, 4 and 2 k-steps
+            for gs in (sizes, steps, random_group_sizes(rng, t - 1, g, fill=True)):
                 with self.subTest(t=t, g=g, k=k, n=n, sizes=gs.tolist()):
                     c, amax = f(x, y, gs)
                     ref, ref_amax = _contraction_oracle(x, y, gs)

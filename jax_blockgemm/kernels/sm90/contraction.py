@@ -4,10 +4,11 @@ gradient of a mixture-of-experts product (tokens sorted by group), in one launch
 A CTA computes one 128 x 128 tile of one group's (K, N) result: the grid is (K tiles, N tiles, L·G). Both operands are
 read with the tokens as the contraction, so their TMA tiles are MN-major (K or N contiguous) and the bf16 wgmma reads
 both transposed. The TMA views start at the group's first row (`cute.domain_offset`), so a group may start at any
-row; its 64-token k-tiles run to its end, and in the last one the rows past the group (the next group's, or zeros
-past T) are zeroed in shared memory before the MMA reads them, so neither their values nor a NaN among them reach
-the sum. An empty group stores zeros after one masked k-tile. The group bounds are clamped into [0, T]: no table can
-make the kernel read or write outside its buffers.
+row; its 64-token k-tiles run to its end. In the last one only the wgmma k-steps (16 tokens each) that hold rows of
+the group are issued, and their rows past the group (the next group's, or zeros past T) are zeroed in shared memory
+before the MMA reads them, so neither their values nor a NaN among them reach the sum. An empty group stores zeros
+after one masked k-step. The group bounds are clamped into [0, T]: no table can make the kernel read or write
+outside its buffers.
 
 The rest is the bf16 tile kernels' design (kernels/sm90/bf16_tile.py) in its 128 x 128 form: a producer warp, two
 wgmma warpgroups, three 32 KB stages, two CTAs per SM, the shared epilogue (`c_store`).
@@ -34,6 +35,7 @@ class HopperGroupedContraction(Bf16TileKernel):
 
     def __init__(self, *, c_dtype: str = "float32"):
         super().__init__(c_dtype=c_dtype)  # tile_mnk: (rows of K, columns of N, tokens) per CTA and k-tile
+        self.k_step = 16  # tokens per bf16 wgmma k-step
 
     def can_implement(self, t: int, k: int, n: int, l: int, g: int = 1) -> tuple[bool, str]:
         """Whether the kernel handles these sizes, and why not: 16-byte rows (K and N multiples of 8), 32-bit element
@@ -75,6 +77,9 @@ class HopperGroupedContraction(Bf16TileKernel):
         end = cutlass.min(cutlass.max(bounds[lg * 2 + 1], start), t)
         k_tiles = cutlass.max((end - start + bk - 1) // bk, 1)  # an empty group: one k-tile, masked whole
         valid = end - start - (k_tiles - 1) * bk  # rows of the group in its last k-tile (0 .. bk)
+        # the last k-tile's wgmma k-steps that hold rows of the group (the first always runs: it starts the sum);
+        # the others would add only the zeroed rows
+        last_steps = cutlass.max((valid + self.k_step - 1) // self.k_step, 1)
         # The views start at the group's first row: k-tile kt holds rows start + 64·kt ...
         mA_group = cute.domain_offset((0, start, 0), mA_mkl)
         mB_group = cute.domain_offset((0, start, 0), mB_nkl)
@@ -94,18 +99,23 @@ class HopperGroupedContraction(Bf16TileKernel):
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc starts from zero
-            # k-tile 0, then 1 .. k_tiles - 1 keeping one wgmma group in flight (`wgmma_mainloop.issue_k_tiles`,
-            # with the last k-tile's rows past the group zeroed first)
+            # k-tile 0, then 1 .. k_tiles - 1 keeping one wgmma group in flight (`wgmma_mainloop.issue_k_tiles`;
+            # the last k-tile only its k-steps up to the group's end, their rows past it zeroed first)
             ab_pipeline.consumer_wait(read_state)
+            assert num_k_steps * self.k_step == bk
+            steps = cutlass.Int32(num_k_steps)
             if k_tiles == 1:
-                self.zero_rows_past(sA, sB, read_state.index, valid, tidx)
-            wgmma_mainloop.issue_stage(tiled_mma, acc, tCrA, tCrB, num_k_steps, read_state.index)
+                self.zero_rows_past(sA, sB, read_state.index, valid, last_steps * self.k_step, tidx)
+                steps = last_steps
+            wgmma_mainloop.issue_first_steps(tiled_mma, acc, tCrA, tCrB, num_k_steps, read_state.index, steps)
             read_state.advance()
             for kt in range(1, k_tiles):
                 ab_pipeline.consumer_wait(read_state)
+                steps = cutlass.Int32(num_k_steps)
                 if kt == k_tiles - 1:
-                    self.zero_rows_past(sA, sB, read_state.index, valid, tidx)
-                wgmma_mainloop.issue_stage(tiled_mma, acc, tCrA, tCrB, num_k_steps, read_state.index)
+                    self.zero_rows_past(sA, sB, read_state.index, valid, last_steps * self.k_step, tidx)
+                    steps = last_steps
+                wgmma_mainloop.issue_first_steps(tiled_mma, acc, tCrA, tCrB, num_k_steps, read_state.index, steps)
                 read_state.advance()
                 cute.nvgpu.warpgroup.wait_group(1)  # the previous k-tile's group is done: free its stage
                 ab_pipeline.consumer_release(release_state)
@@ -118,9 +128,10 @@ class HopperGroupedContraction(Bf16TileKernel):
                                   wg_idx, tidx, cutlass.Int32(0), k)
 
     @cute.jit
-    def zero_rows_past(self, sA: cute.Tensor, sB: cute.Tensor, stage, valid, local_tid):
-        """Zero tokens valid .. 63 of both operands' k-tile in `stage` (when valid < 64), then make the writes visible
-        to the tensor cores and wait for every MMA thread (both warpgroups read all of B).
+    def zero_rows_past(self, sA: cute.Tensor, sB: cute.Tensor, stage, valid, used, local_tid):
+        """Zero tokens valid .. used - 1 of both operands' k-tile in `stage` (when valid < used: the k-steps issued
+        cover tokens 0 .. used - 1), then make the writes visible to the tensor cores and wait for every MMA thread
+        (both warpgroups read all of B).
 
         The stages are MN-major with the 128-byte swizzle: a token's 64 consecutive rows of one half of the tile fill
         one 128-byte line (the swizzle permutes the line's 16-byte pieces, never moves them out of it), so a token is
@@ -134,9 +145,9 @@ class HopperGroupedContraction(Bf16TileKernel):
                     first = cute.crd2idx((row0, token, 0), layout)
                     assert first % half == 0 and cute.crd2idx((row0 + half - 1, token, 0), layout) == first + half - 1
             assert cute.crd2idx((0, 0, 1), layout) % half == 0  # stages start on a line
-        if valid < bk:
+        if valid < used:
             bases = (sA.iterator.toint(), sB.iterator.toint())
-            for i in range(local_tid, (bk - valid) * 16, self.num_consumer_warps * 32):  # 2 lines of 8 pieces
+            for i in range(local_tid, (used - valid) * 16, self.num_consumer_warps * 32):  # 2 lines of 8 pieces
                 piece, row0, token = i % 8, (i // 8) % 2 * half, valid + i // 16
                 for op in cutlass.range_constexpr(2):  # A, then B: each lane one 16-byte piece of a line
                     line = (cute.crd2idx((row0, token, stage), layouts[op]) * 2) & ~127
