@@ -64,6 +64,35 @@ class RaggedBenchTest(absltest.TestCase):
                           (128, 8, 64, 32, "equal"), (128, 8, 64, 32, "skewed")])
         self.assertEqual(run.call_count, 4)
 
+    def test_grouping_and_columns_choose_what_runs(self):
+        """--grouping and --columns (repeatable, comma lists): only those groupings, and only those columns (each
+        format's own for the per-format keys); unknown keys and other modes refused."""
+        self.assertEqual(list(ragged.columns(jnp.ones(2, jnp.int32), ("mxfp8", "mxfp4"), ("ours", "dense"))),
+                         ["ours", "ours_mxfp4", "dense"])
+        self.assertLen(ragged.columns(jnp.ones(2, jnp.int32)), len(ragged.FORWARD) + len(ragged.STEP))
+        with mock.patch.object(ragged, "run_case", side_effect=lambda key, t, g, k, n, grouping, **kw: {
+                "grouping": grouping, "only": kw["only"]}), \
+                mock.patch.object(ragged, "format_table", return_value=""), \
+                contextlib.redirect_stdout(io.StringIO()):
+            record = bench_main(["--op", "ragged", "--moe", "256,4,96,64", "--grouping", "skewed",
+                                 "--columns", "ours,dense", "--columns", "step_dense"])
+        self.assertEqual(record["cases"], [{"grouping": "skewed", "only": ("ours", "dense", "step_dense")}])
+        for argv in (["--op", "ragged", "--columns", "ours,nope"], ["--op", "gemm_amax", "--grouping", "equal"],
+                     ["--decode", "--columns", "ours"]):
+            with self.subTest(argv=argv), self.assertRaises(SystemExit), \
+                    contextlib.redirect_stderr(io.StringIO()):
+                bench_main(argv)
+
+    def test_table_shows_only_the_timed_columns(self):
+        case = {"tokens": 8, "groups": 2, "k": 64, "n": 32, "grouping": "skewed",
+                "columns": {"ours": {"ms": 2.0}, "dense": {"ms": 1.0}}}
+        record = {"environment": {"device": "cpu"}, "date": "today", "method": {"timing": "t", "formats": ["mxfp8"]},
+                  "cases": [case]}
+        table = ragged.format_table(record)
+        self.assertIn("2 (2.00x)", table)
+        self.assertNotIn("lax.ragged_dot", table)
+        self.assertNotIn("training step", table)
+
     @pytest.mark.end_to_end
     def test_small_run_prints_both_tables_and_writes_json(self):
         with tempfile.TemporaryDirectory() as tmp:

@@ -75,6 +75,20 @@ def parse_formats(text: str) -> list[str]:
     return names
 
 
+def parse_ragged_columns(text: str) -> list[str]:
+    """--columns: one column key of `--op ragged` or a comma list of them (MXFP8's keys; other formats' columns
+    follow from --format)."""
+    from jax_blockgemm.bench.ragged import FORWARD, STEP
+
+    names = [name.strip() for name in text.split(",")]
+    for name in names:
+        if name not in {**FORWARD, **STEP}:
+            raise argparse.ArgumentTypeError(f"unknown column {name!r} in {text!r}; choose from "
+                                             f"{', '.join({**FORWARD, **STEP})} (a comma list, or the option "
+                                             "repeated).")
+    return names
+
+
 def _seconds(text: str) -> float:
     """A --sustained duration: a finite number of seconds >= 0."""
     try:
@@ -127,6 +141,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--moe", type=parse_moe_case, action="append", default=[], metavar="T,G,K,N",
                    help="with --op ragged: a mixture-of-experts case (T tokens, G experts, K -> N; equal and skewed "
                         "groups) to time instead of the three default shapes (repeatable)")
+    p.add_argument("--grouping", choices=("equal", "skewed"), action="append", default=[],
+                   help="with --op ragged: only this grouping of the tokens (repeatable; default both)")
+    p.add_argument("--columns", type=parse_ragged_columns, action="append", default=[], metavar="KEY[,KEY]",
+                   help="with --op ragged: only these columns (repeatable): ours, weight_only, mxfp8_recipe, "
+                        "bf16_recipe, ragged_dot, dense, step_mxfp8, step_bf16, step_dense (default all)")
     p.add_argument("--kernels", action="store_true",
                    help="with --op ragged or --decode: also the GPU time of each kernel (a CUPTI trace through "
                         "jax.profiler) of every ragged column, or per GEMM of every decode column: where the time "
@@ -156,7 +175,9 @@ def _refuse_ignored(args: argparse.Namespace) -> None:
         given = {"--shape": args.shape, "--png": args.png, "--launch": args.launch, "--small": args.small and args.moe}
     else:
         mode = "--op gemm_amax / proj_rope"
-        given = {"--moe": args.moe}
+        given = {"--moe": args.moe, "--grouping": args.grouping, "--columns": args.columns}
+    if args.decode:
+        given.update({"--grouping": args.grouping, "--columns": args.columns})
     ignored = [flag for flag, value in given.items() if value]
     if ignored:
         raise SystemExit(f"{PROG}: {mode} does not take {', '.join(ignored)}")

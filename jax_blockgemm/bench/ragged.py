@@ -18,7 +18,8 @@ Training-step columns (forward, dgrad and wgrad of y = x · W_g: the loss <y, dy
 the loss returned too so that the forward is not dropped as dead code): `mx_ragged_dot`
 with the mxfp8 and the bf16 recipes, and the batched dense bf16 dots. Each result is compared with the dense bf16
 dot's on equal groups (where the two compute the same product). `--small` swaps in tiny shapes a CPU runs in seconds;
-`--moe T,G,K,N` (repeatable) times those cases instead of the three shapes.
+`--moe T,G,K,N` (repeatable) times those cases instead of the three shapes; `--grouping` and `--columns` time only
+those groupings and columns.
 `--sustained` and `--interleave` time the columns as the other benchmarks do (the GPU's steady state at its power
 limit; the columns' samples taken in turn). `--kernels` adds where each column's time goes: the GPU time of each of
 its kernels, from a CUPTI trace (for `ours`, the tokens' dequantization apart from the grouped kernel; for a step,
@@ -148,16 +149,17 @@ def _ours(gs: jax.Array, fmt: str) -> tuple[Callable[..., Any], tuple[str, ...]]
             tuple(format_key(x, fmt) for x in ("a", "b", "sfa", "sfb")))
 
 
-def columns(gs: jax.Array, fmts: tuple[str, ...] = ("mxfp8",)) -> dict[str, tuple[Callable[..., Any], tuple[str, ...]]]:
+def columns(gs: jax.Array, fmts: tuple[str, ...] = ("mxfp8",), only: Optional[tuple[str, ...]] = None
+            ) -> dict[str, tuple[Callable[..., Any], tuple[str, ...]]]:
     """Column key -> (function, the input names it takes), for the group sizes `gs` and the formats `fmts` of the
-    ours and weight-only columns."""
+    ours and weight-only columns; with `only` (keys of FORWARD and STEP), those columns alone (in every format)."""
     bf16 = jnp.bfloat16
     per_format = {}
     for fmt in fmts:
         per_format[format_key("ours", fmt)] = _ours(gs, fmt)
         per_format[format_key("weight_only", fmt)] = (lambda x, wq: jbg.weight_only_ragged_matmul(x, wq, gs),
                                                       ("x", format_key("wq", fmt)))
-    return {
+    every = {
         **per_format,
         "mxfp8_recipe": (lambda x, w: jbg.mx_ragged_dot(x, w, gs, recipe="mxfp8"), ("x", "w")),
         "bf16_recipe": (lambda x, w: jbg.mx_ragged_dot(x, w, gs, recipe="bf16"), ("x", "w")),
@@ -168,6 +170,10 @@ def columns(gs: jax.Array, fmts: tuple[str, ...] = ("mxfp8",)) -> dict[str, tupl
         "step_bf16": (_step(lambda x, w: jbg.mx_ragged_dot(x, w, gs, recipe="bf16")), ("x", "w", "dy")),
         "step_dense": (_step(_dense), ("x", "w", "dy")),
     }
+    if only is None:
+        return every
+    wanted = {format_key(base, fmt) for base in only for fmt in fmts} | set(only)
+    return {key: column for key, column in every.items() if key in wanted}
 
 
 def _rel_err(got: Any, want: Any) -> float:
@@ -181,11 +187,13 @@ def _rel_err(got: Any, want: Any) -> float:
 
 def run_case(key: jax.Array, tokens: int, groups: int, k: int, n: int, grouping: str, *, warmup: int, reps: int,
              burst: int, seed: int, progress: Any, kernels: bool = False, sustained: float = 0.0,
-             interleave: bool = False, fmts: tuple[str, ...] = ("mxfp8",)) -> dict[str, Any]:
+             interleave: bool = False, fmts: tuple[str, ...] = ("mxfp8",),
+             only: Optional[tuple[str, ...]] = None) -> dict[str, Any]:
     """Times every column on one shape and grouping; returns the case's record. `sustained` and `interleave` as in
     `timing.interleaved_medians_ms` (interleaved: every column compiled first, then their samples taken in turn).
     With `kernels`, each column's record also holds the GPU time of each of its kernels ("kernels": label -> ms per
-    call, `kernel_time`). `fmts`: the formats of the ours and weight-only columns."""
+    call, `kernel_time`). `fmts`: the formats of the ours and weight-only columns; `only`: the columns to time
+    (`columns`), all without it."""
     data = jax.block_until_ready(inputs(key, tokens, groups, k, n, fmts))
     gs = jnp.asarray(group_sizes(tokens, groups, grouping, seed))
     flops = 2.0 * tokens * k * n
@@ -201,7 +209,7 @@ def run_case(key: jax.Array, tokens: int, groups: int, k: int, n: int, grouping:
             results[name]["kernels"] = kernel_time.kernel_ms(*ready[name], reps=KERNEL_TRACE_CALLS)
         progress.write(f" {name} {ms:.4g} ms;")
 
-    for name, (fn, names) in columns(gs, fmts).items():
+    for name, (fn, names) in columns(gs, fmts, only).items():
         args = tuple(data[x] for x in names)
         try:
             compiled = jax.jit(fn).lower(*args).compile()
@@ -243,10 +251,14 @@ def format_table(record: dict[str, Any]) -> str:
              "time of the same FLOPs); " + record["method"]["timing"]]
     fmts = tuple(record["method"].get("formats", ("mxfp8",)))
     forward = forward_columns(fmts)
+    timed = {key for case in record["cases"] for key in case["columns"]}
     for title, keys, dense_key in (("forward -> bf16 (ours: codes of x and the experts, MXFP8 E4M3 unless named; "
                                     "weight-only: bf16 x, quantized experts; mx_ragged_dot mxfp8) and bf16", forward,
                                     "dense"),
                                    ("training step: forward, dgrad, wgrad", STEP, "step_dense")):
+        keys = {key: label for key, label in keys.items() if key in timed}  # --columns may leave some out
+        if not keys:
+            continue
         lines += ["", title, "T, G, K -> N, groups".ljust(36) + "".join(v.rjust(24) for v in keys.values())]
         for case in record["cases"]:
             cols = case["columns"]
@@ -278,23 +290,27 @@ def format_table(record: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace, command: str) -> dict[str, Any]:
-    """Runs the ragged benchmark with the command line's --moe, --small, --format, --reps, --warmup, --burst,
-    --sustained, --interleave, --seed, --kernels and --json; prints progress to stderr and the tables to stdout;
-    returns the record."""
+    """Runs the ragged benchmark with the command line's --moe, --small, --format, --grouping, --columns, --reps,
+    --warmup, --burst, --sustained, --interleave, --seed, --kernels and --json; prints progress to stderr and the
+    tables to stdout; returns the record."""
     shapes = args.moe or (SMALL_SHAPES if args.small else SHAPES)
     fmts = tuple(dict.fromkeys(name for names in args.format for name in names)) or ("mxfp8",)
+    only = tuple(dict.fromkeys(name for names in args.columns for name in names)) or None
+    groupings = tuple(dict.fromkeys(args.grouping)) or GROUPINGS
     timing = dict(warmup=args.warmup, reps=args.reps, burst=args.burst, sustained=args.sustained,
                   interleave=args.interleave)
     method = dict(warmup=args.warmup, reps=args.reps, burst=args.burst, sustained_s=args.sustained,
                   interleave=args.interleave, seed=args.seed, formats=list(fmts))  # the main benchmark's keys
+    if only:
+        method["columns"] = list(only)
     record = report.new_record(command, dict(method, timing=describe(
         reps=args.reps, burst=args.burst, sustained=args.sustained, interleave=args.interleave)))
     key = jax.random.key(args.seed)
     for i, (tokens, groups, k, n) in enumerate(shapes):
-        for grouping in GROUPINGS:
+        for grouping in groupings:
             record["cases"].append(run_case(jax.random.fold_in(key, i), tokens, groups, k, n, grouping,
                                             seed=args.seed, progress=sys.stderr, kernels=args.kernels, fmts=fmts,
-                                            **timing))
+                                            only=only, **timing))
     print(format_table(record))
     if args.json:
         report.write_json(record, args.json)
