@@ -332,10 +332,11 @@ def run_problems(variant: Any, device: Any, *, run_kernel: Callable = _run_kerne
 
 # --- ragged (grouped) gemm_amax -------------------------------------------------------------------------
 # (T, N, K, group sizes): a row tile shared by three groups, an empty group, a one-token group and rows of no group;
-# one group holding every token (T not a multiple of the tile); groups of 129 and 127 rows straddling tiles, L = 1.
+# one group holding every token (T not a multiple of the tile); groups of 129, 127, 90 and 38 rows straddling tiles
+# (with the others, group-local items in each of the swap_ab MoE tile's wgmma widths: 32, 64, 96, 128), L = 1.
 # N and K tails as in NARROW_C_PROBLEMS (N a multiple of 32: 16-byte C rows of every C dtype).
 RAGGED_PROBLEMS = ((200, 160, 96, (40, 0, 1, 30, 100)), (300, 288, 160, (0, 300, 0)),
-                   (384, 224, 512, (129, 127, 128)))
+                   (384, 224, 512, (129, 127, 90, 38)))
 # ... and for the swap_ab kernel's decode tiles (16, 32 or 64 tokens: decode-sized calls as one group), those within
 # the tile: full tiles, rows of no group past a group, one token; N off the 64-row tile, K off the 256-column padding;
 # K's 256-column groups against the tiles' K parts (three at 16 and 32 tokens, two at 64): 1 to 6 groups.
@@ -421,9 +422,10 @@ def run_ragged_problems(variant: Any, device: Any, *, run_kernel: Callable = _ru
 
 
 # --- the grouped contraction (the ragged product's weight gradient) ------------------------------------------
-# (T, K, N, group sizes): an empty group, a one-token group, groups ending inside a 64-token k-tile and one spanning
-# several, rows of no group (which must not count); one group holding every token; K and N tails of the 128 tile.
-CONTRACTION_PROBLEMS = ((200, 136, 96, (40, 0, 1, 70, 60)), (300, 64, 200, (0, 300, 0)))
+# (T, K, N, group sizes): an empty group, a one-token group, groups ending inside a 64-token k-tile (in its first,
+# second, third and fourth 16-token k-step) and one spanning several, rows of no group (which must not count); one
+# group holding every token; K and N tails of the 128 tile.
+CONTRACTION_PROBLEMS = ((200, 136, 96, (24, 0, 1, 70, 60)), (300, 64, 200, (0, 300, 0)))
 
 
 def _run_contraction(variant: Any, args: Sequence[Any], device: Any, implementation: str = "cutedsl",
