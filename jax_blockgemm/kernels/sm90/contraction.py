@@ -150,7 +150,7 @@ class HopperGroupedContraction(Bf16TileKernel):
             for i in range(local_tid, (used - valid) * 16, self.num_consumer_warps * 32):  # 2 lines of 8 pieces
                 piece, row0, token = i % 8, (i // 8) % 2 * half, valid + i // 16
                 for op in cutlass.range_constexpr(2):  # A, then B: each lane one 16-byte piece of a line
-                    line = (cute.crd2idx((row0, token, stage), layouts[op]) * 2) & ~127
+                    line = cute.crd2idx((row0, token, stage), layouts[op]) * 2  # a line's first byte (asserted)
                     ptx_ops.st_shared_v4(bases[op] + line + 16 * piece, 0, 0, 0, 0)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=_MASK_BARRIER_ID, number_of_threads=self.num_consumer_warps * 32)
