@@ -35,7 +35,6 @@ class HopperGroupedContraction(Bf16TileKernel):
 
     def __init__(self, *, c_dtype: str = "float32"):
         super().__init__(c_dtype=c_dtype)  # tile_mnk: (rows of K, columns of N, tokens) per CTA and k-tile
-        self.k_step = 16  # tokens per bf16 wgmma k-step
 
     def can_implement(self, t: int, k: int, n: int, l: int, g: int = 1) -> tuple[bool, str]:
         """Whether the kernel handles these sizes, and why not: 16-byte rows (K and N multiples of 8), 32-bit element
@@ -77,9 +76,6 @@ class HopperGroupedContraction(Bf16TileKernel):
         end = cutlass.min(cutlass.max(bounds[lg * 2 + 1], start), t)
         k_tiles = cutlass.max((end - start + bk - 1) // bk, 1)  # an empty group: one k-tile, masked whole
         valid = end - start - (k_tiles - 1) * bk  # rows of the group in its last k-tile (0 .. bk)
-        # the last k-tile's wgmma k-steps that hold rows of the group (the first always runs: it starts the sum);
-        # the others would add only the zeroed rows
-        last_steps = cutlass.max((valid + self.k_step - 1) // self.k_step, 1)
         # The views start at the group's first row: k-tile kt holds rows start + 64·kt ...
         mA_group = cute.domain_offset((0, start, 0), mA_mkl)
         mB_group = cute.domain_offset((0, start, 0), mB_nkl)
@@ -101,21 +97,18 @@ class HopperGroupedContraction(Bf16TileKernel):
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # acc starts from zero
             # k-tile 0, then 1 .. k_tiles - 1 keeping one wgmma group in flight (`wgmma_mainloop.issue_k_tiles`;
             # the last k-tile only its k-steps up to the group's end, their rows past it zeroed first)
+            k_step = bk // num_k_steps  # tokens per wgmma k-step
+            # the last k-tile's k-steps that hold rows of the group (the first always runs: it starts the sum); the
+            # others would add only zeroed rows
+            last_steps = cutlass.max((valid + k_step - 1) // k_step, 1)
             ab_pipeline.consumer_wait(read_state)
-            assert num_k_steps * self.k_step == bk
-            steps = cutlass.Int32(num_k_steps)
-            if k_tiles == 1:
-                self.zero_rows_past(sA, sB, read_state.index, valid, last_steps * self.k_step, tidx)
-                steps = last_steps
-            wgmma_mainloop.issue_first_steps(tiled_mma, acc, tCrA, tCrB, num_k_steps, read_state.index, steps)
+            self.issue_k_tile(tiled_mma, acc, tCrA, tCrB, sA, sB, read_state.index, k_tiles == 1, valid, last_steps,
+                              k_step, tidx)
             read_state.advance()
             for kt in range(1, k_tiles):
                 ab_pipeline.consumer_wait(read_state)
-                steps = cutlass.Int32(num_k_steps)
-                if kt == k_tiles - 1:
-                    self.zero_rows_past(sA, sB, read_state.index, valid, last_steps * self.k_step, tidx)
-                    steps = last_steps
-                wgmma_mainloop.issue_first_steps(tiled_mma, acc, tCrA, tCrB, num_k_steps, read_state.index, steps)
+                self.issue_k_tile(tiled_mma, acc, tCrA, tCrB, sA, sB, read_state.index, kt == k_tiles - 1, valid,
+                                  last_steps, k_step, tidx)
                 read_state.advance()
                 cute.nvgpu.warpgroup.wait_group(1)  # the previous k-tile's group is done: free its stage
                 ab_pipeline.consumer_release(release_state)
@@ -126,6 +119,18 @@ class HopperGroupedContraction(Bf16TileKernel):
             # c is (L·G, K, N): batch lg of (K, N) results; amax has one slot per l
             self.store_c_and_amax(acc, c, amax, amax, warp_amax, k, n, tile_m * self.tile_mnk[0], tile_n, lg, batch,
                                   wg_idx, tidx, cutlass.Int32(0), k)
+
+    @cute.jit
+    def issue_k_tile(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+                     sA: cute.Tensor, sB: cute.Tensor, stage, last, valid, last_steps, k_step: int, local_tid):
+        """The wgmmas of the k-tile in `stage` as one committed group: all its k-steps, or for the group's `last`
+        k-tile its first `last_steps`, their rows from `valid` on zeroed first."""
+        num_k_steps = cute.size(tCrA, mode=[2])
+        steps = cutlass.Int32(num_k_steps)
+        if last:
+            self.zero_rows_past(sA, sB, stage, valid, last_steps * k_step, local_tid)
+            steps = last_steps
+        wgmma_mainloop.issue_first_steps(tiled_mma, acc, tCrA, tCrB, num_k_steps, stage, steps)
 
     @cute.jit
     def zero_rows_past(self, sA: cute.Tensor, sB: cute.Tensor, stage, valid, used, local_tid):

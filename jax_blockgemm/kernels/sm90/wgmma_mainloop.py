@@ -29,27 +29,17 @@ def issue_stage(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, t
 
 @cute.jit
 def issue_first_steps(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-                      num_k_steps: int, stage: Any, steps: Any) -> None:
-    """`issue_stage` for only the k-tile's first `steps` k-steps (a run-time count, 1 .. num_k_steps): a k-tile whose
-    later k-steps hold only zeros. One branch per count, each a whole committed group, so that no wgmma sits
-    behind a branch of its own (ptxas would fence the accumulator's registers around each)."""
-    if steps >= num_k_steps:
-        issue_stage(tiled_mma, acc, tCrA, tCrB, num_k_steps, stage)
-    else:
-        _issue_fewer(tiled_mma, acc, tCrA, tCrB, num_k_steps - 1, stage, steps)
-
-
-@cute.jit
-def _issue_fewer(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-                 count: cutlass.Constexpr[int], stage: Any, steps: Any) -> None:
-    """`issue_stage` of the first `count` k-steps where steps == count, else of fewer (count >= 1)."""
-    if cutlass.const_expr(count == 1):
+                      num_k_steps: cutlass.Constexpr[int], stage: Any, steps: Any) -> None:
+    """`issue_stage` for only the k-tile's first min(`steps`, num_k_steps) k-steps (`steps` a run-time count, at
+    least 1): a k-tile whose later k-steps hold only zeros. One branch per count, each a whole committed group, so
+    that no wgmma sits behind a branch of its own (ptxas would fence the accumulator's registers around each)."""
+    if cutlass.const_expr(num_k_steps == 1):
         issue_stage(tiled_mma, acc, tCrA, tCrB, 1, stage)
     else:
-        if steps >= count:
-            issue_stage(tiled_mma, acc, tCrA, tCrB, count, stage)
+        if steps >= num_k_steps:
+            issue_stage(tiled_mma, acc, tCrA, tCrB, num_k_steps, stage)
         else:
-            _issue_fewer(tiled_mma, acc, tCrA, tCrB, count - 1, stage, steps)
+            issue_first_steps(tiled_mma, acc, tCrA, tCrB, num_k_steps - 1, stage, steps)
 
 
 def mma_k_tile(ab_pipeline: Any, read_state: Any, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor,
