@@ -80,12 +80,12 @@ def parse_ragged_columns(text: str) -> list[str]:
     follow from --format)."""
     from jax_blockgemm.bench.ragged import FORWARD, STEP
 
+    known = {**FORWARD, **STEP}
     names = [name.strip() for name in text.split(",")]
     for name in names:
-        if name not in {**FORWARD, **STEP}:
+        if name not in known:
             raise argparse.ArgumentTypeError(f"unknown column {name!r} in {text!r}; choose from "
-                                             f"{', '.join({**FORWARD, **STEP})} (a comma list, or the option "
-                                             "repeated).")
+                                             f"{', '.join(known)} (a comma list, or the option repeated).")
     return names
 
 
@@ -169,15 +169,14 @@ def _refuse_ignored(args: argparse.Namespace) -> None:
     if args.decode:
         mode = "--decode"
         given = {"--op": args.op, "--png": args.png, "--sustained": args.sustained,
-                 "--sets": args.sets != DEFAULT_SETS, "--launch": args.launch, "--moe": args.moe}
+                 "--sets": args.sets != DEFAULT_SETS, "--launch": args.launch, "--moe": args.moe,
+                 "--grouping": args.grouping, "--columns": args.columns}
     elif "ragged" in args.op:
         mode = "--op ragged" + (" --moe" if args.moe else "")
         given = {"--shape": args.shape, "--png": args.png, "--launch": args.launch, "--small": args.small and args.moe}
     else:
         mode = "--op gemm_amax / proj_rope"
         given = {"--moe": args.moe, "--grouping": args.grouping, "--columns": args.columns}
-    if args.decode:
-        given.update({"--grouping": args.grouping, "--columns": args.columns})
     ignored = [flag for flag, value in given.items() if value]
     if ignored:
         raise SystemExit(f"{PROG}: {mode} does not take {', '.join(ignored)}")
