@@ -477,7 +477,8 @@ def quantize_pair_kernels(avals_in: Sequence[Any], *, row_format: str, col_forma
                                    f"{col_format} column blocks")
     b, r, c = w.shape
     if not row_map:
-        return _usable(variants, implementation, sizes=(b * r, c), names="(rows, cols)", fmt=row_format)
+        return _usable(variants, implementation, sizes=(b * r, c, b * r, r), names="(rows, cols, rows, R)",
+                       fmt=row_format)
     return _usable(variants, implementation, sizes=(row_map[0].shape[1], c, r), names="(rows, cols, src_rows)",
                    fmt=row_format)
 

@@ -212,6 +212,8 @@ class LoweringTest(absltest.TestCase):
         self.assertEqual(text.count("custom_call @jbg_quantize_pair("), 1)
         self.assertNotIn("jbg_quantize_pair", self._cuda_text(jnp.zeros((2, 64, 512), jnp.float32)))
         self.assertNotIn("jbg_quantize_pair", self._cuda_text(jnp.zeros((2, 64, 500), jnp.bfloat16)))
+        # rows no multiple of 32 per matrix (a row block would cross two), though 2 x 48 is
+        self.assertNotIn("jbg_quantize_pair", self._cuda_text(jnp.zeros((2, 48, 512), jnp.bfloat16)))
 
     def test_row_map_takes_the_gather_kernels(self):
         """With a row map the call lowers to one jbg_quantize_pair call taking w and the map (schedule 1, or 2 for
@@ -227,6 +229,15 @@ class LoweringTest(absltest.TestCase):
         text = jax.jit(lambda w: quantize_pair(w, col_values=True)).trace(
             jnp.zeros((64, 512), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
         self.assertNotIn("jbg_quantize_pair", text)
+
+    def test_kernel_takes_whole_row_blocks_per_matrix(self):
+        """can_implement refuses matrices whose rows are no multiple of 32 even where their batch's rows are."""
+        from jax_blockgemm.kernels.quantize_pair import MxQuantizePair
+
+        self.assertEqual(MxQuantizePair.can_implement(128, 512, 128, 64), (True, ""))
+        fits, why = MxQuantizePair.can_implement(96, 512, 96, 48)
+        self.assertFalse(fits)
+        self.assertIn("a matrix's rows must be a multiple of 32 dividing 96, got 48", why)
 
     def test_scale_rule_floor_keeps_the_reference(self):
         with formats.scale_rule("floor"):
