@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_blockgemm import arch, formats, support, tuning
+from jax_blockgemm.support import MX_BLOCK
 
 # The kernels and the FFI handler take sizes and element counts as int32: a call with an operand or C of this many
 # elements or more never reaches them (None takes the reference, "cutedsl" raises at lowering).
@@ -460,6 +461,8 @@ def quantize_pair_kernels(avals_in: Sequence[Any], *, row_format: str, col_forma
         return KernelChoice(reason=f"the kernel reads bfloat16 w; got {np.dtype(w.dtype)}")
     if col_values and not row_map:
         return KernelChoice(reason="the kernels write the column blocks' values only through a row map")
+    if not row_map and w.shape[1] % MX_BLOCK:  # a row block of the folded (B·R, C) matrix would span two matrices
+        return KernelChoice(reason=f"without a row map the kernels take R a multiple of {MX_BLOCK}; got w {w.shape}")
     unavailable = _quantizing_kernels_unavailable()
     if unavailable:
         return KernelChoice(reason=unavailable)
@@ -477,8 +480,7 @@ def quantize_pair_kernels(avals_in: Sequence[Any], *, row_format: str, col_forma
                                    f"{col_format} column blocks")
     b, r, c = w.shape
     if not row_map:
-        return _usable(variants, implementation, sizes=(b * r, c, b * r, r), names="(rows, cols, rows, R)",
-                       fmt=row_format)
+        return _usable(variants, implementation, sizes=(b * r, c), names="(rows, cols)", fmt=row_format)
     return _usable(variants, implementation, sizes=(row_map[0].shape[1], c, r), names="(rows, cols, src_rows)",
                    fmt=row_format)
 

@@ -231,13 +231,15 @@ class LoweringTest(absltest.TestCase):
         self.assertNotIn("jbg_quantize_pair", text)
 
     def test_kernel_takes_whole_row_blocks_per_matrix(self):
-        """can_implement refuses matrices whose rows are no multiple of 32 even where their batch's rows are."""
-        from jax_blockgemm.kernels.quantize_pair import MxQuantizePair
+        """Without a row map the dispatch refuses matrices whose rows are no multiple of 32 even where their batch's
+        rows are (a row block of the folded matrix would span two), saying why."""
+        from jax_blockgemm import dispatch
 
-        self.assertEqual(MxQuantizePair.can_implement(128, 512, 128, 64), (True, ""))
-        fits, why = MxQuantizePair.can_implement(96, 512, 96, 48)
-        self.assertFalse(fits)
-        self.assertIn("a matrix's rows must be a multiple of 32 dividing 96, got 48", why)
+        choice = dispatch.quantize_pair_kernels(
+            [jax.core.ShapedArray((2, 48, 512), jnp.bfloat16)], row_format="mxfp8_e4m3", col_format="mxfp8_e4m3",
+            col_values=False, implementation=None)
+        self.assertFalse(choice.variants)
+        self.assertIn("without a row map the kernels take R a multiple of 32; got w (2, 48, 512)", choice.reason)
 
     def test_scale_rule_floor_keeps_the_reference(self):
         with formats.scale_rule("floor"):

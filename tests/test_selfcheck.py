@@ -952,8 +952,7 @@ class CliTest(absltest.TestCase):
                 with self.subTest(variant=v.key, problem=i):
                     w, row_map, _ = selfcheck._quantize_pair_inputs(v, i)
                     if row_map is None:
-                        rows = int(np.prod(w.shape[:-1]))
-                        self.assertTrue(kernel.can_implement(rows, w.shape[-1], rows, w.shape[-2])[0])
+                        self.assertTrue(kernel.can_implement(int(np.prod(w.shape[:-1])), w.shape[-1])[0])
                     else:
                         self.assertTrue(kernel.can_implement(len(row_map), w.shape[1], w.shape[0])[0])
                         self.assertNotEqual(w.shape[0] % 32, 0)

@@ -103,18 +103,14 @@ class MxQuantizePair:
         self.c_dtype = cutlass.BFloat16 if col_values else fp8  # what the codes buffer holds
 
     @staticmethod
-    def can_implement(rows: int, cols: int, src_rows: int | None = None,
-                      batch_rows: int | None = None) -> tuple[bool, str]:
-        """Whether the kernel takes a (rows, cols) matrix (read from src_rows rows of w through a map, where given;
-        without one, a batch of matrices of batch_rows rows each, where given: a row block must not cross two), and
-        why not."""
+    def can_implement(rows: int, cols: int, src_rows: int | None = None) -> tuple[bool, str]:
+        """Whether the kernel takes a (rows, cols) matrix (read from src_rows rows of w through a map, where given),
+        and why not."""
         src_rows = rows if src_rows is None else src_rows
         if min(rows, cols) < 1 or rows % MX_BLOCK or cols % MX_BLOCK:
             return False, f"rows and cols must be positive multiples of {MX_BLOCK}, got {rows} x {cols}"
         if src_rows < 1:
             return False, f"w must have at least one row, got {src_rows}"
-        if batch_rows is not None and (batch_rows < 1 or batch_rows % MX_BLOCK or rows % batch_rows):
-            return False, f"a matrix's rows must be a multiple of {MX_BLOCK} dividing {rows}, got {batch_rows}"
         if max(rows, src_rows, cols) >= 2**31 or max(rows, src_rows) * (cols // MX_BLOCK) >= 2**31:
             return False, (f"rows, cols and the scales' rows * cols / 32 must be below 2**31, got {rows} x {cols} "
                            f"({src_rows} rows of w)")
