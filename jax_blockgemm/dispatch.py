@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_blockgemm import arch, formats, support, tuning
-from jax_blockgemm.support import MX_BLOCK
 
 # The kernels and the FFI handler take sizes and element counts as int32: a call with an operand or C of this many
 # elements or more never reaches them (None takes the reference, "cutedsl" raises at lowering).
@@ -461,8 +460,9 @@ def quantize_pair_kernels(avals_in: Sequence[Any], *, row_format: str, col_forma
         return KernelChoice(reason=f"the kernel reads bfloat16 w; got {np.dtype(w.dtype)}")
     if col_values and not row_map:
         return KernelChoice(reason="the kernels write the column blocks' values only through a row map")
-    if not row_map and w.shape[1] % MX_BLOCK:  # a row block of the folded (B·R, C) matrix would span two matrices
-        return KernelChoice(reason=f"without a row map the kernels take R a multiple of {MX_BLOCK}; got w {w.shape}")
+    if not row_map and w.shape[1] % support.MX_BLOCK:  # a row block of the folded (B·R, C) matrix would span two
+        return KernelChoice(reason=f"without a row map the kernels take R a multiple of {support.MX_BLOCK}; "
+                                   f"got w {w.shape}")
     unavailable = _quantizing_kernels_unavailable()
     if unavailable:
         return KernelChoice(reason=unavailable)
