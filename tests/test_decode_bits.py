@@ -4,7 +4,7 @@ The kernel places each E4M3 code as bf16 bits worth code·2^-120 (`e4m3_pair_bit
 in one packed bf16 multiply (`one_multiply_bf16x2`) when the E8M0 byte allows, else by 2^120 and then by the scale
 (`e8m0_bf16x2`). Here the same functions run on NumPy int32 words holding every code in every byte position, and
 each route's bf16 result must equal the exact code·scale rounded once to bf16, for every scale byte the route
-takes; NaN codes are what `e4m3_nan_bits` flags.
+takes; a word holds a NaN code exactly where `e4m3_nan_any` flags it.
 """
 
 import ml_dtypes
@@ -71,10 +71,29 @@ class E4M3DequantizerTest(absltest.TestCase):
         finite = ~np.isnan(self.values)
         np.testing.assert_array_equal(self._placed()[finite], self.values[finite] * 2.0**-120)
 
-    def test_nan_bits_flag_exactly_the_nan_codes(self):
-        flagged = np.asarray(common.e4m3_nan_bits(self.words), np.int64) & 0xFFFFFFFF
-        per_byte = np.stack([(flagged >> (8 * p + 7)) & 1 for p in range(4)], axis=1).astype(bool)
-        np.testing.assert_array_equal(per_byte, np.isnan(self.values))
+    def test_nan_any_flags_exactly_the_words_with_a_nan_code(self):
+        """Every code in every byte position beside random bytes, and random words one or three at a time (with
+        several NaN bytes, 0xFF carries and 0x7E/0xFE neighbours): flagged exactly where a byte is 0x7F or 0xFF."""
+        rng = np.random.default_rng(7)
+        special = np.array([0x7F, 0xFF, 0x7E, 0xFE, 0x00, 0x80], np.uint8)
+        for trial in range(4):
+            words = self.bytes.copy()
+            others = rng.integers(0, 256, size=words.shape, dtype=np.uint8)
+            if trial % 2:
+                others = rng.choice(special, size=words.shape)
+            for p in range(4):  # byte p keeps every code, the other bytes random
+                mixed = others.copy()
+                mixed[:, p] = words[:, p]
+                nan = np.isnan(mixed.view(E4M3).astype(np.float64)).any(axis=1)
+                flags = [common.e4m3_nan_any([w]) for w in mixed.view(np.int32).reshape(-1)]
+                np.testing.assert_array_equal(np.array(flags) != 0, nan, err_msg=f"byte {p}, trial {trial}")
+        for n in (1, 3):
+            words = rng.choice(np.concatenate([special, rng.integers(0, 256, 10, dtype=np.uint8)]),
+                               size=(20000, n, 4)).astype(np.uint8)
+            nan = np.isnan(words.view(E4M3).astype(np.float64)).any(axis=(1, 2))
+            packed = words.view(np.int32).reshape(-1, n)
+            flags = np.asarray(common.e4m3_nan_any([packed[:, i] for i in range(n)]))
+            np.testing.assert_array_equal(flags != 0, nan, err_msg=f"{n} words")
 
     def test_one_multiply_is_the_exact_product_rounded_once(self):
         """Every byte up to the limit: placed bits times 2^120·scale equals code·2^(b-127) rounded to bf16 once

@@ -79,13 +79,14 @@ class GpuRaggedTest(parameterized.TestCase):
     def test_swap_ab_kernel(self, c_dtype):
         """MXFP8 E4M3 with f32 or bf16 C runs the swap_ab kernel (bf16 tokens, the weights converted in registers):
         K past the last whole promotion group (272: a k-tile of zeros and a clamped scale block), N off the 128-row
-        tile, a NaN code in one weight (its column of that group's rows), scale bytes above 134 (the
+        tile, NaN codes (0x7F, 0xFF) in two weights (their columns of their groups' rows), scale bytes above 134 (the
         two-multiply path) in another group, rows of no group."""
         rng = np.random.default_rng(15)
         t, g, n, k = 333, 4, 200, 272
         d = random_ragged_inputs(rng, t=t, g=g, n=n, k=k, fmt="mxfp8_e4m3")
         d["b"] = np.asarray(d["b"]).copy()
         d["b"][2, 7, 100] = np.nan  # code 0x7F
+        d["b"].view(np.uint8)[3, 11, 36:38] = (0xFF, 0x7E)  # a negative NaN code, then 448 (a carry's neighbour)
         d["sfb"] = np.asarray(d["sfb"]).copy()
         d["sfb"][1, :, 3] = 140  # 2^13: beyond one multiply per pair
         gs = np.array([90, 0, 150, 60], np.int32)
@@ -94,6 +95,7 @@ class GpuRaggedTest(parameterized.TestCase):
         c, amax = f(gs)
         self._check(d, gs, c, amax, c_dtype=c_dtype)
         self.assertTrue(np.isnan(np.asarray(c, np.float32)[90:240, 7]).all())
+        self.assertTrue(np.isnan(np.asarray(c, np.float32)[240:300, 11]).all())
 
     @parameterized.product(fmt=("mxfp4", "nvfp4"), c_dtype=("float32", "bfloat16"))
     def test_swap_ab_fp4_kernel(self, fmt, c_dtype):

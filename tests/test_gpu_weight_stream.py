@@ -185,11 +185,12 @@ class GpuWeightStreamTest(parameterized.TestCase):
         codes = np.asarray(w.codes).copy()
         if fmt == "mxfp8_e4m3":
             codes.view(np.uint8)[11, 200] = 0x7F  # a NaN code in row 11 (finite scale)
+            codes.view(np.uint8)[41, 300:302] = (0xFF, 0x7E)  # a negative NaN code, then 448 (a carry's neighbour)
         w = jbg.QuantizedWeight(jnp.asarray(codes), jnp.asarray(scales), w.alpha, fmt)
         x = oracle_weight_only.random_x(rng, (5, 512), jnp.bfloat16)
         y = np.asarray(jax.jit(lambda x, w: jbg.weight_only_matmul(x, w, out_dtype=jnp.float32,
                                                                     implementation="cutedsl"))(x, w))
-        nan_rows = [3, 11] if fmt == "mxfp8_e4m3" else [3]
+        nan_rows = [3, 11, 41] if fmt == "mxfp8_e4m3" else [3]
         self.assertTrue(np.isnan(y[:, nan_rows]).all())
         self.assertFalse(np.isnan(np.delete(y, nan_rows, axis=1)).any())
 
@@ -339,11 +340,12 @@ class GpuDecodeSwapAbTest(parameterized.TestCase):
         scales.view(np.uint8)[3, 1] = 0xFF  # NaN scale byte in row 3
         codes = np.asarray(w.codes).copy()
         codes.view(np.uint8)[70, 200] = 0x7F  # a NaN code in row 70 (finite scale; the second 64-row tile)
+        codes.view(np.uint8)[45, 300:302] = (0xFF, 0x7E)  # a negative NaN code, then 448 (a carry's neighbour)
         w = jbg.QuantizedWeight(jnp.asarray(codes), jnp.asarray(scales), w.alpha, "mxfp8_e4m3")
         for m in (5, 33):  # the 16-token tile (K in three parts) and the 64-token one
             y = self._weight_only(oracle_weight_only.random_x(rng, (m, 512), jnp.bfloat16), w)
-            self.assertTrue(np.isnan(y[:, [3, 70]]).all(), m)
-            self.assertFalse(np.isnan(np.delete(y, [3, 70], axis=1)).any(), m)
+            self.assertTrue(np.isnan(y[:, [3, 45, 70]]).all(), m)
+            self.assertFalse(np.isnan(np.delete(y, [3, 45, 70], axis=1)).any(), m)
 
     @parameterized.parameters("mxfp8_e4m3", "mxfp4")
     def test_large_scales_take_the_two_multiply_path(self, fmt):

@@ -174,6 +174,7 @@ NEG_ZERO_BF16X2 = -0x7FFF8000  # bf16x2 -0 (0x80008000), the addend of a packed 
 E4M3_PLACEMENT = 120  # an E4M3 code placed by e4m3_pair_bits reads as code·2^-E4M3_PLACEMENT
 BF16X2_TWO_POW_120 = (127 + E4M3_PLACEMENT) * 0x00800080  # 2^120 in both halves (0x7B807B80)
 _HIGH_BITS = -0x7F7F7F80  # 0x80808080: bit 7 of every byte
+_BYTE_ONES = 0x01010101  # 1 in every byte
 # One packed multiply per E4M3 word instead of two: the placed codes times 2^120·scale at once, while that power of
 # two is a bf16 normal (biased exponent at most 254): E8M0 bytes up to 134. Likewise for E2M1 codes placed by
 # `e2m1_pair_bits` (code·2^-126) up to byte 128, which the swap_ab kernel uses; the decode kernel's MXFP4 keeps two
@@ -202,9 +203,15 @@ def e4m3_pair_bits(word, high: bool, byte_perm):
     return (byte_perm(word, E4M3_PAIR_SELECTORS[int(high)]) << 4) & _E4M3_PAIR_MASK
 
 
-def e4m3_nan_bits(word):
-    """Nonzero exactly where a byte of `word` is an E4M3 NaN (0x7F or 0xFF): bit 7 of that byte. Plain Python."""
-    return ((word & 0x7F7F7F7F) + 0x01010101) & _HIGH_BITS
+def e4m3_nan_any(words):
+    """Nonzero exactly where one of `words` (four E4M3 codes each) holds a NaN code (0x7F or 0xFF). Adding 1 to every
+    byte flips bit 7 of exactly the NaN bytes (0x7F to 0x80, 0xFF to 0x00), and a carry into a byte needs a 0xFF
+    below it: the lowest NaN byte of a word always flips, a word without one flips none. Two instructions a word (the
+    add, and one three-input logic op folding its flips into the running OR), the mask once. Plain Python."""
+    flips = 0
+    for word in words:
+        flips = flips | ((word + _BYTE_ONES) ^ word)
+    return flips & _HIGH_BITS
 
 
 # --- the decode tiles' token columns, ordered in shared memory by the producer warps ----------------------------

@@ -566,9 +566,7 @@ class HopperRaggedSwapAB:
         two120 = cutlass.Int32(common.BF16X2_TWO_POW_120)
         factors = []
         for r in cutlass.range_constexpr(2):
-            nan = cutlass.Int32(0)
-            for word in codes[r]:  # a Python list: unrolled
-                nan = nan | common.e4m3_nan_bits(word)
+            nan = common.e4m3_nan_any(codes[r])  # a Python list of words: unrolled
             if cutlass.const_expr(one):
                 factor = common.one_multiply_bf16x2(scales[r])
             else:
