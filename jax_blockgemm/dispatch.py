@@ -460,7 +460,8 @@ def quantize_pair_kernels(avals_in: Sequence[Any], *, row_format: str, col_forma
         return KernelChoice(reason=f"the kernel reads bfloat16 w; got {np.dtype(w.dtype)}")
     if col_values and not row_map:
         return KernelChoice(reason="the kernels write the column blocks' values only through a row map")
-    if not row_map and w.shape[1] % support.MX_BLOCK:  # a row block of the folded (B·R, C) matrix would span two
+    # without a row map the kernels fold w to (B·R, C): a row block there would span two of the B matrices
+    if not row_map and w.shape[1] % support.MX_BLOCK:
         return KernelChoice(reason=f"without a row map the kernels take R a multiple of {support.MX_BLOCK}; "
                                    f"got w {w.shape}")
     unavailable = _quantizing_kernels_unavailable()

@@ -212,7 +212,7 @@ class LoweringTest(absltest.TestCase):
         self.assertEqual(text.count("custom_call @jbg_quantize_pair("), 1)
         self.assertNotIn("jbg_quantize_pair", self._cuda_text(jnp.zeros((2, 64, 512), jnp.float32)))
         self.assertNotIn("jbg_quantize_pair", self._cuda_text(jnp.zeros((2, 64, 500), jnp.bfloat16)))
-        # rows no multiple of 32 per matrix (a row block would cross two), though the batch's 2 x 48 rows are
+        # rows no multiple of 32 per matrix (a row block would cross two), though the batch's 2 x 48 = 96 are
         self.assertNotIn("jbg_quantize_pair", self._cuda_text(jnp.zeros((2, 48, 512), jnp.bfloat16)))
 
     def test_row_map_takes_the_gather_kernels(self):

@@ -316,7 +316,7 @@ class WeightStreamGemm:
         neg_zero = cutlass.Int32(common.NEG_ZERO_BF16X2)
         two120 = cutlass.Int32(common.BF16X2_TWO_POW_120)
         byte = scales[r]
-        nan_bytes = common.e4m3_nan_any([codes[4 * r + i] for i in range(4)])
+        nan_bytes = common.e4m3_nan_any(codes[4 * r:4 * r + 4])
         nan_pair = cutlass.Int32(common.E4M3_NAN_BF16X2)
         pair_of = common.one_multiply_bf16x2 if cutlass.const_expr(one) else common.e8m0_bf16x2
         scale = cutlass.select_(nan_bytes != 0, nan_pair, pair_of(byte))
