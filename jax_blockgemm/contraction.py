@@ -88,4 +88,4 @@ primitives.register(contraction_p, contraction_local_p, abstract_eval=_abstract_
                     cuda_lowering=primitives.kernel_or_reference("grouped contraction", "contraction_kernels",
                                                                  _kernel_lowering, _reference_lowering),
                     batch_rule=primitives.fold_into_l_batch_rule(contraction_p),
-                    partitioned=sharding.contraction_partitioned)
+                    partitioned=sharding.CONTRACTION.partitioned)

@@ -398,7 +398,7 @@ def register(p, local_p, *, abstract_eval, reference_lowering, cuda_lowering, ba
 
 register(gemm_amax_p, gemm_amax_local_p, abstract_eval=_gemm_amax_abstract_eval,
          reference_lowering=_gemm_amax_reference_lowering, cuda_lowering=_gemm_amax_cuda_lowering,
-         batch_rule=fold_into_l_batch_rule(gemm_amax_p), partitioned=sharding.gemm_amax_partitioned)
+         batch_rule=fold_into_l_batch_rule(gemm_amax_p), partitioned=sharding.GEMM_AMAX.partitioned)
 register(proj_rope_p, proj_rope_local_p, abstract_eval=_proj_rope_abstract_eval,
          reference_lowering=_proj_rope_reference_lowering, cuda_lowering=_proj_rope_cuda_lowering,
-         batch_rule=_proj_rope_batch, partitioned=sharding.proj_rope_partitioned)
+         batch_rule=_proj_rope_batch, partitioned=sharding.PROJ_ROPE.partitioned)

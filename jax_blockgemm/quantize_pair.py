@@ -155,4 +155,4 @@ primitives.register(quantize_pair_p, quantize_pair_local_p, abstract_eval=_abstr
                     reference_lowering=_reference_lowering, batch_rule=_batch_rule,
                     cuda_lowering=primitives.kernel_or_reference("quantize_pair", "quantize_pair_kernels",
                                                                  _kernel_lowering, _reference_lowering),
-                    partitioned=sharding.quantize_pair_partitioned)
+                    partitioned=sharding.QUANTIZE_PAIR.partitioned)

@@ -498,4 +498,4 @@ primitives.register(ragged_p, ragged_local_p, abstract_eval=_abstract_eval,
                     reference_lowering=_reference_lowering,
                     cuda_lowering=primitives.kernel_or_reference("ragged_gemm_amax", "ragged_kernels",
                                                                  _kernel_lowering, _reference_lowering),
-                    batch_rule=primitives.fold_into_l_batch_rule(ragged_p), partitioned=sharding.ragged_partitioned)
+                    batch_rule=primitives.fold_into_l_batch_rule(ragged_p), partitioned=sharding.RAGGED.partitioned)

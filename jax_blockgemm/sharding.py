@@ -4,7 +4,9 @@
 local primitive (abstract eval and the per-platform lowerings: kernel on CUDA, reference elsewhere). The outer
 primitive lowers through `jax.experimental.custom_partitioning` built here, so XLA's partitioner (Shardy by
 default, GSPMD where `jax_use_shardy_partitioner` is off) hands every device its shard instead of gathering the
-operands around an opaque custom call. What runs natively and what is gathered (see README "On many GPUs"):
+operands around an opaque custom call. Each primitive's rules are one `OpRules` value (which shardings its plan
+keeps, the program each device runs, GSPMD's propagation, Shardy's rule), whose `partitioned(local)` the primitive
+registers. What runs natively and what is gathered (see README "On many GPUs"):
 
 gemm_amax, canonical operands a (L, M, K) / (L, K, M), b (L, N, K) / (L, K, N), scales as atoms
 (L, MN', K', 32, 4, 4) or compact (L, MN, KB):
@@ -50,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -134,16 +136,70 @@ def _coarse(name: str, linked: bool) -> str:
     return f"{name}_t" if linked else f"{name}_c"
 
 
-def _make(local: Callable[..., Sequence[jax.Array]], partition, infer, propagate, rule) -> custom_partitioning:
-    """custom_partitioning around `local(*operands, **params)` with the frozen params as its static argument."""
+def _named(mesh: Any, specs: Sequence[P]) -> tuple[NamedSharding, ...]:
+    """The specs on `mesh`, as custom_partitioning's callbacks must return them."""
+    return tuple(NamedSharding(mesh, s) for s in specs)
 
-    def call(params: Params, *operands):
-        return tuple(local(*operands, **dict(params)))
 
-    partitioned = custom_partitioning(call, static_argnums=(0,))
-    partitioned.def_partition(partition=functools.partial(partition, local), infer_sharding_from_operands=infer,
-                              propagate_user_sharding=propagate, sharding_rule=rule)
-    return partitioned
+def _c_and_amax_by_l(params: dict, result_shape: Any) -> tuple[NamedSharding, NamedSharding]:
+    """propagate for ops returning (C, amax (L,)): a user's sharding of C is kept, amax follows C's L."""
+    c = result_shape[0].sharding
+    return c, NamedSharding(c.mesh, _spec(_dim_axes(c, 0)))
+
+
+def _shard_first_row(starts: jax.Array, ends: jax.Array, rows: int, axes: Axes) -> tuple[jax.Array, jax.Array]:
+    """Group bounds of a token-sharded op on this shard's `rows` rows: moved to the shard's first row and clipped to
+    its rows (a group outside the shard becomes empty)."""
+    first = jax.lax.axis_index(axes if len(axes) > 1 else axes[0]) * rows
+    return (jnp.clip(starts - first, 0, rows).astype(starts.dtype),
+            jnp.clip(ends - first, 0, rows).astype(ends.dtype))
+
+
+class Plan(Protocol):
+    """The mesh axes one call runs sharded on, per logical dimension, as the specs of its operands and results."""
+
+    def operand_specs(self, params: dict, shapes: Sequence[Any]) -> tuple[P, ...]: ...
+
+    def result_specs(self, params: dict) -> tuple[P, ...]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRules:
+    """How one primitive partitions: `plan(params, mesh, operand shapes)` keeps what it can of the operands'
+    shardings, `per_shard(local, params, plan, mesh)` is the program each device runs on its shards (the local op
+    and any cross-shard reduction), `propagate(params, result shapes)` answers GSPMD's question of a user's result
+    sharding and `rule(params, mesh, operand types)` is Shardy's sharding rule (string, factor sizes)."""
+
+    plan: Callable[[dict, Any, Sequence[Any]], Plan]
+    per_shard: Callable[[Callable, dict, Any, Any], Callable]
+    propagate: Callable[[dict, Any], tuple]
+    rule: Callable[[dict, Any, Any], tuple[str, dict]]
+
+    def partition(self, local: Callable, params: Params, mesh: Any, arg_shapes: Any, result_shape: Any) -> tuple:
+        """custom_partitioning's partition: the plan's shardings and the per-shard program."""
+        p = dict(params)
+        plan = self.plan(p, mesh, arg_shapes)
+        return (mesh, self.per_shard(local, p, plan, mesh), _named(mesh, plan.result_specs(p)),
+                _named(mesh, plan.operand_specs(p, arg_shapes)))
+
+    def infer(self, params: Params, mesh: Any, arg_shapes: Any, result_shape: Any) -> tuple[NamedSharding, ...]:
+        """GSPMD: the result shardings the plan gives these operands."""
+        p = dict(params)
+        return _named(mesh, self.plan(p, mesh, arg_shapes).result_specs(p))
+
+    def partitioned(self, local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
+        """custom_partitioning around `local(*operands, **params)`: call it as `(freeze_params(params), *operands)`."""
+
+        def call(params: Params, *operands):
+            return tuple(local(*operands, **dict(params)))
+
+        partitioned = custom_partitioning(call, static_argnums=(0,))
+        partitioned.def_partition(
+            partition=functools.partial(self.partition, local), infer_sharding_from_operands=self.infer,
+            propagate_user_sharding=lambda params, mesh, result_shape: self.propagate(dict(params), result_shape),
+            sharding_rule=lambda params, mesh, operand_types, result_types: self.rule(dict(params), mesh,
+                                                                                     operand_types))
+        return partitioned
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -160,11 +216,11 @@ class GemmPlan:
     n: Axes
     k: Axes = ()
 
-    def operand_specs(self, params: dict, count: int) -> tuple[P, ...]:
+    def operand_specs(self, params: dict, shapes: Sequence[Any]) -> tuple[P, ...]:
         a = _spec(self.l, self.m, self.k) if params["a_major"] == "k" else _spec(self.l, self.k, self.m)
         b = _spec(self.l, self.n, self.k) if params["b_major"] == "k" else _spec(self.l, self.k, self.n)
         specs = (a, b, _spec(self.l, self.m, self.k), _spec(self.l, self.n, self.k), _spec(self.l))
-        return specs[:count]
+        return specs[:len(shapes)]
 
     def result_specs(self, params: dict) -> tuple[P, P]:
         c = _spec(self.l, self.m, self.n) if params["c_major"] == "n" else _spec(self.l, self.n, self.m)
@@ -214,15 +270,9 @@ def gemm_plan(params: dict, mesh: Any, shapes: Sequence[Any]) -> GemmPlan:
     return GemmPlan(l_axes, m_axes, n_axes, k_axes)
 
 
-def _named(mesh: Any, specs: Sequence[P]) -> tuple[NamedSharding, ...]:
-    """The specs on `mesh`, as custom_partitioning's callbacks must return them."""
-    return tuple(NamedSharding(mesh, s) for s in specs)
-
-
-def _gemm_partition(local: Callable, params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
-    """custom_partitioning's partition: the plan's shardings and the per-shard op (local GEMM, global amax)."""
-    p = dict(params)
-    plan = gemm_plan(p, mesh, arg_shapes)
+def _gemm_per_shard(local: Callable, p: dict, plan: GemmPlan, mesh: Any) -> Callable:
+    """The local GEMM on each shard and amax over the M and N shards; with K split, float32 partial C summed over the
+    K shards before amax and C's conversion."""
     reduce_axes = plan.m + plan.n
 
     def per_shard(*operands):
@@ -236,27 +286,13 @@ def _gemm_partition(local: Callable, params: Params, mesh: Any, arg_shapes: Any,
         amax = formats.magnitude_max(c.reshape(c.shape[0], -1), axis=1) if c.size else jnp.zeros(c.shape[:1])
         return reference.convert_c(c, p["c_dtype"]), _global_amax(amax, reduce_axes)  # FP8 saturates
 
-    return (mesh, per_shard, _named(mesh, plan.result_specs(p)),
-            _named(mesh, plan.operand_specs(p, len(arg_shapes))))
+    return per_shard
 
 
-def _gemm_infer(params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
-    """GSPMD: the result shardings the plan gives these operands."""
-    p = dict(params)
-    return _named(mesh, gemm_plan(p, mesh, arg_shapes).result_specs(p))
-
-
-def _gemm_propagate(params: Params, mesh: Any, result_shape: Any):
-    """A user's sharding of C is kept; amax follows C's L sharding."""
-    c = result_shape[0].sharding
-    return c, NamedSharding(c.mesh, _spec(_dim_axes(c, 0)))
-
-
-def _gemm_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
+def _gemm_rule(p: dict, mesh: Any, operand_types: Any) -> tuple[str, dict]:
     """Shardy: L passes through; M (N) is linked to the scale atoms' M' (N') when it fills whole atoms, and is the
     very factor of compact scales' rows; K is a reduction factor linked to the scales' K' (K/32) when it fills whole
     K atoms (and C is a float), else replicated."""
-    p = dict(params)
     a, b = _shape(operand_types[0]), _shape(operand_types[1])
     m = a[1] if p["a_major"] == "k" else a[2]
     n = b[1] if p["b_major"] == "k" else b[2]
@@ -300,9 +336,7 @@ def _gemm_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any)
     return rule, dict(**special, **sizes)
 
 
-def gemm_amax_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
-    """The partitioned gemm_amax: call it as `(freeze_params(params), *operands)`; `local` binds the local op."""
-    return _make(local, _gemm_partition, _gemm_infer, _gemm_propagate, _gemm_rule)
+GEMM_AMAX = OpRules(gemm_plan, _gemm_per_shard, _c_and_amax_by_l, _gemm_rule)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -318,12 +352,12 @@ class ProjRopePlan:
     t: Axes
     h: Axes
 
-    def operand_specs(self, params: dict, count: int) -> tuple[P, ...]:
+    def operand_specs(self, params: dict, shapes: Sequence[Any]) -> tuple[P, ...]:
         tok = _spec(self.g, self.t, ())
         w = _spec(self.g, self.h, ()) if params["w_out_in"] else _spec(self.g, (), self.h)
-        return (tok, w, tok, tok, tok, w)[:count]
+        return (tok, w, tok, tok, tok, w)[:len(shapes)]
 
-    def result_specs(self) -> tuple[P, ...]:
+    def result_specs(self, params: dict) -> tuple[P, ...]:
         out = _spec(self.g, self.t, self.h, ())
         return out, out, out, out  # out_scales_col's T/32 axis splits with T (each shard holds whole blocks)
 
@@ -338,29 +372,20 @@ def proj_rope_plan(params: dict, mesh: Any, shapes: Sequence[Any]) -> ProjRopePl
     return ProjRopePlan(g_axes, t_axes, h_axes)
 
 
-def _proj_rope_partition(local: Callable, params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
-    """custom_partitioning's partition: the plan's shardings and the local op, unchanged, on each shard."""
-    p = dict(params)
-    plan = proj_rope_plan(p, mesh, arg_shapes)
-    per_shard = lambda *operands: tuple(local(*operands, **p))
-    return mesh, per_shard, _named(mesh, plan.result_specs()), _named(mesh, plan.operand_specs(p, len(arg_shapes)))
+def _local_per_shard(local: Callable, p: dict, plan: Any, mesh: Any) -> Callable:
+    """The local op, unchanged, on each shard: for ops whose shards need nothing of each other."""
+    return lambda *operands: tuple(local(*operands, **p))
 
 
-def _proj_rope_infer(params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
-    """GSPMD: the result shardings the plan gives these operands."""
-    return _named(mesh, proj_rope_plan(dict(params), mesh, arg_shapes).result_specs())
-
-
-def _proj_rope_propagate(params: Params, mesh: Any, result_shape: Any):
+def _proj_rope_propagate(p: dict, result_shape: Any) -> tuple[NamedSharding, ...]:
     """A user's sharding of one output (G, T, H) is suggested for all four."""
     s = result_shape[0].sharding
     spec = _spec(_dim_axes(s, 0), _dim_axes(s, 1), _dim_axes(s, 2), ())
     return tuple(NamedSharding(s.mesh, spec) for _ in range(4))
 
 
-def _proj_rope_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
+def _proj_rope_rule(p: dict, mesh: Any, operand_types: Any) -> tuple[str, dict]:
     """Shardy: G passes through, tokens in blocks of 32 (linking T to out_scales_col's T/32), heads of 192."""
-    p = dict(params)
     t = _shape(operand_types[0])[1]
     n = _shape(operand_types[1])[1 if p["w_out_in"] else 2]
     sizes: dict = {}
@@ -378,9 +403,7 @@ def _proj_rope_rule(params: Params, mesh: Any, operand_types: Any, result_types:
     return f"{', '.join(operands)} -> {', '.join(outs)}", dict(need_replication_factors=replicated, **sizes)
 
 
-def proj_rope_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
-    """The partitioned gemm_proj_rope_mxfp8: call it as `(freeze_params(params), *operands)`."""
-    return _make(local, _proj_rope_partition, _proj_rope_infer, _proj_rope_propagate, _proj_rope_rule)
+PROJ_ROPE = OpRules(proj_rope_plan, _local_per_shard, _proj_rope_propagate, _proj_rope_rule)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -397,11 +420,11 @@ class WeightOnlyPlan:
     n: Axes
     k: Axes
 
-    def operand_specs(self) -> tuple[P, ...]:
+    def operand_specs(self, params: dict, shapes: Sequence[Any]) -> tuple[P, ...]:
         weight = _spec(self.l, self.n, self.k)
         return _spec(self.l, self.m, self.k), weight, weight, _spec(self.l)
 
-    def result_specs(self) -> tuple[P]:
+    def result_specs(self, params: dict) -> tuple[P]:
         return (_spec(self.l, self.m, self.n),)
 
 
@@ -418,36 +441,29 @@ def weight_only_plan(params: dict, mesh: Any, shapes: Sequence[Any]) -> WeightOn
     return WeightOnlyPlan(l_axes, m_axes, n_axes, k_axes)
 
 
-def _weight_only_partition(local: Callable, params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
-    """custom_partitioning's partition: the local op per shard; with K split, fp32 partial sums reduced over K, then
-    alpha and the conversion (as the unsharded reference applies them)."""
-    p = dict(params)
-    plan = weight_only_plan(p, mesh, arg_shapes)
+def _weight_only_per_shard(local: Callable, p: dict, plan: WeightOnlyPlan, mesh: Any) -> Callable:
+    """The local op per shard; with K split, fp32 partial sums reduced over K, then alpha and the conversion (as the
+    unsharded reference applies them)."""
     if not plan.k:
-        per_shard = lambda *operands: tuple(local(*operands, **p))
-    else:
-        def per_shard(x, codes, scales, alpha):
-            (acc,) = local(x, codes, scales, jnp.ones_like(alpha), **{**p, "out_dtype": jnp.dtype(jnp.float32)})
-            acc = jax.lax.psum(acc, plan.k)
-            return ((acc * alpha[:, None, None]).astype(p["out_dtype"]),)
-    return mesh, per_shard, _named(mesh, plan.result_specs()), _named(mesh, plan.operand_specs())
+        return _local_per_shard(local, p, plan, mesh)
+
+    def per_shard(x, codes, scales, alpha):
+        (acc,) = local(x, codes, scales, jnp.ones_like(alpha), **{**p, "out_dtype": jnp.dtype(jnp.float32)})
+        acc = jax.lax.psum(acc, plan.k)
+        return ((acc * alpha[:, None, None]).astype(p["out_dtype"]),)
+
+    return per_shard
 
 
-def _weight_only_infer(params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
-    """GSPMD: the result sharding the plan gives these operands."""
-    return _named(mesh, weight_only_plan(dict(params), mesh, arg_shapes).result_specs())
-
-
-def _weight_only_propagate(params: Params, mesh: Any, result_shape: Any):
+def _weight_only_propagate(p: dict, result_shape: Any) -> tuple[NamedSharding]:
     """A user's sharding of y (L, M, N) is kept."""
     return (result_shape[0].sharding,)
 
 
-def _weight_only_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
+def _weight_only_rule(p: dict, mesh: Any, operand_types: Any) -> tuple[str, dict]:
     """Shardy: L, M, N pass through; K is a reduction factor linked across x, the codes and the scales in whole
     blocks where `_linkable` allows (else their K factors stay unlinked and Shardy propagates no K sharding between
     them; the partition callback still splits K wherever the operands arrive split in whole blocks)."""
-    p = dict(params)
     block_format = formats.FORMATS[p["fmt"]]
     k = _shape(operand_types[0])[2]
     sizes: dict = {}
@@ -462,9 +478,7 @@ def _weight_only_rule(params: Params, mesh: Any, operand_types: Any, result_type
     return f"{x}, {codes}, {scales}, l -> l m n", dict(**special, **sizes)
 
 
-def weight_only_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
-    """The partitioned weight_only_matmul: call it as `(freeze_params(params), *operands)`."""
-    return _make(local, _weight_only_partition, _weight_only_infer, _weight_only_propagate, _weight_only_rule)
+WEIGHT_ONLY = OpRules(weight_only_plan, _weight_only_per_shard, _weight_only_propagate, _weight_only_rule)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -481,16 +495,16 @@ class RaggedPlan:
     g: Axes
     n: Axes
 
-    def operand_specs(self, count: int, b_major: str = "k", alpha_rank: int = 1) -> tuple[P, ...]:
-        """a, b, sfa, sfb, starts, ends[, alpha]: alpha (L,) per batch, or (L, G) per weight (`alpha_rank` 2)."""
+    def operand_specs(self, params: dict, shapes: Sequence[Any]) -> tuple[P, ...]:
+        """a, b, sfa, sfb, starts, ends[, alpha]: alpha (L,) per batch, or (L, G) per weight."""
         tokens = _spec(self.l, self.t, ())
         weights = _spec(self.l, self.g, self.n, ())  # and sfb, (L, G, N, KB) in either layout of b
-        b = weights if b_major == "k" else _spec(self.l, self.g, (), self.n)
+        b = weights if params["b_major"] == "k" else _spec(self.l, self.g, (), self.n)
         bounds = _spec(self.l, self.g)
-        alpha = bounds if alpha_rank == 2 else _spec(self.l)
-        return (tokens, b, tokens, weights, bounds, bounds, alpha)[:count]
+        alpha = bounds if len(shapes) > 6 and len(shapes[6].shape) == 2 else _spec(self.l)
+        return (tokens, b, tokens, weights, bounds, bounds, alpha)[:len(shapes)]
 
-    def result_specs(self) -> tuple[P, P]:
+    def result_specs(self, params: dict) -> tuple[P, P]:
         return _spec(self.l, self.t, self.n), _spec(self.l)
 
 
@@ -517,46 +531,27 @@ def _sum_disjoint(c: jax.Array, axes: Axes) -> jax.Array:
     return summed if c.dtype == bits else jax.lax.bitcast_convert_type(summed, c.dtype)
 
 
-def _ragged_partition(local: Callable, params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
-    """custom_partitioning's partition: each device multiplies its tokens by its experts' weights.
+def _ragged_per_shard(local: Callable, p: dict, plan: RaggedPlan, mesh: Any) -> Callable:
+    """Each device multiplies its tokens by its experts' weights.
 
     Tokens sharded: the group bounds move to the shard's first row (clipped to its rows), no communication. Experts
     sharded: each device computes the rows of its groups (zero elsewhere) and C is combined over the expert axes
     (`_sum_disjoint`, one all-reduce of C). amax is the NaN-safe max over every sharded axis but L.
     """
-    p = dict(params)
-    plan = ragged_plan(p, mesh, arg_shapes)
 
     def per_shard(a, b, sfa, sfb, starts, ends, *alpha):
         if plan.t:
-            rows = a.shape[1]
-            first = jax.lax.axis_index(plan.t if len(plan.t) > 1 else plan.t[0]) * rows
-            starts = jnp.clip(starts - first, 0, rows).astype(starts.dtype)
-            ends = jnp.clip(ends - first, 0, rows).astype(ends.dtype)
+            starts, ends = _shard_first_row(starts, ends, a.shape[1], plan.t)
         c, amax = local(a, b, sfa, sfb, starts, ends, *alpha, **p)
         return _sum_disjoint(c, plan.g), _global_amax(amax, plan.t + plan.g + plan.n)
 
-    alpha_rank = len(arg_shapes[6].shape) if len(arg_shapes) > 6 else 1
-    return (mesh, per_shard, _named(mesh, plan.result_specs()),
-            _named(mesh, plan.operand_specs(len(arg_shapes), p["b_major"], alpha_rank)))
+    return per_shard
 
 
-def _ragged_infer(params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
-    """GSPMD: the result shardings the plan gives these operands."""
-    return _named(mesh, ragged_plan(dict(params), mesh, arg_shapes).result_specs())
-
-
-def _ragged_propagate(params: Params, mesh: Any, result_shape: Any):
-    """A user's sharding of C (L, T, N) is kept; amax follows its L."""
-    c = result_shape[0].sharding
-    return c, NamedSharding(c.mesh, _spec(_dim_axes(c, 0)))
-
-
-def _ragged_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
+def _ragged_rule(p: dict, mesh: Any, operand_types: Any) -> tuple[str, dict]:
     """Shardy: L, T and N pass through, G is a reduction factor (the expert-sharded combine), K is replicated (the
     tokens' K and the codes' K are separate factors: tokens that are values have K columns where packed FP4 codes
     have K/2); alpha follows L, or L and G where it is one per weight."""
-    p = dict(params)
     n = _shape(operand_types[3])[2]  # sfb (L, G, N, KB): N in either layout of b
     sizes: dict = {}
     nf = c_n = "n"
@@ -573,9 +568,7 @@ def _ragged_rule(params: Params, mesh: Any, operand_types: Any, result_types: An
             dict(reduction_factors=("g",), need_replication_factors=("ka", "kc", "kas", "kb"), **sizes))
 
 
-def ragged_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
-    """The partitioned ragged_gemm_amax: call it as `(freeze_params(params), *operands)`."""
-    return _make(local, _ragged_partition, _ragged_infer, _ragged_propagate, _ragged_rule)
+RAGGED = OpRules(ragged_plan, _ragged_per_shard, _c_and_amax_by_l, _ragged_rule)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -593,15 +586,15 @@ class ContractionPlan:
     k: Axes
     n: Axes
 
-    def operand_specs(self) -> tuple[P, ...]:
+    def operand_specs(self, params: dict, shapes: Sequence[Any]) -> tuple[P, ...]:
         bounds = _spec(self.l, self.g)
         return _spec(self.l, self.t, self.k), _spec(self.l, self.t, self.n), bounds, bounds
 
-    def result_specs(self) -> tuple[P, P]:
+    def result_specs(self, params: dict) -> tuple[P, P]:
         return _spec(self.l, self.g, self.k, self.n), _spec(self.l)
 
 
-def contraction_plan(mesh: Any, shapes: Sequence[Any]) -> ContractionPlan:
+def contraction_plan(params: dict, mesh: Any, shapes: Sequence[Any]) -> ContractionPlan:
     """L from x (else y), T from x (else y), G from the group bounds, K from x, N from y: each on axes no other
     dimension took."""
     x, y, starts = shapes[0], shapes[1], shapes[2]
@@ -613,48 +606,30 @@ def contraction_plan(mesh: Any, shapes: Sequence[Any]) -> ContractionPlan:
     return ContractionPlan(l_axes, t_axes, g_axes, k_axes, n_axes)
 
 
-def _contraction_partition(local: Callable, params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
-    """custom_partitioning's partition: each device contracts its tokens for its groups, (K, N) block. Tokens
-    sharded: the group bounds move to the shard's first row (clipped to its rows) and the partial sums are added
-    over the token axes in float32 (then converted to C's dtype)."""
-    p = dict(params)
-    plan = contraction_plan(mesh, arg_shapes)
+def _contraction_per_shard(local: Callable, p: dict, plan: ContractionPlan, mesh: Any) -> Callable:
+    """Each device contracts its tokens for its groups, (K, N) block. Tokens sharded: the group bounds move to the
+    shard's first row (clipped to its rows) and the partial sums are added over the token axes in float32 (then
+    converted to C's dtype)."""
     c_dtype = p["c_dtype"]
 
     def per_shard(x, y, starts, ends):
         if not plan.t:
             c, amax = local(x, y, starts, ends, **p)
             return c, _global_amax(amax, plan.g + plan.k + plan.n)
-        rows = x.shape[1]
-        first = jax.lax.axis_index(plan.t if len(plan.t) > 1 else plan.t[0]) * rows
-        starts = jnp.clip(starts - first, 0, rows).astype(starts.dtype)
-        ends = jnp.clip(ends - first, 0, rows).astype(ends.dtype)
+        starts, ends = _shard_first_row(starts, ends, x.shape[1], plan.t)
         c, _ = local(x, y, starts, ends, **dict(p, c_dtype=jnp.dtype(jnp.float32)))
         c = jax.lax.psum(c, plan.t)
         return c.astype(c_dtype), _global_amax(formats.magnitude_max(c, axis=(1, 2, 3)), plan.g + plan.k + plan.n)
 
-    return (mesh, per_shard, _named(mesh, plan.result_specs()), _named(mesh, plan.operand_specs()))
+    return per_shard
 
 
-def _contraction_infer(params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
-    """GSPMD: the result shardings the plan gives these operands."""
-    return _named(mesh, contraction_plan(mesh, arg_shapes).result_specs())
-
-
-def _contraction_propagate(params: Params, mesh: Any, result_shape: Any):
-    """A user's sharding of c (L, G, K, N) is kept; amax follows its L."""
-    c = result_shape[0].sharding
-    return c, NamedSharding(c.mesh, _spec(_dim_axes(c, 0)))
-
-
-def _contraction_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
+def _contraction_rule(p: dict, mesh: Any, operand_types: Any) -> tuple[str, dict]:
     """Shardy: L, G, K and N pass through, T is a reduction factor (the token-sharded sum)."""
     return "l t k, l t n, l g, l g -> l g k n, l", dict(reduction_factors=("t",))
 
 
-def contraction_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
-    """The partitioned per-group contraction: call it as `(freeze_params(params), *operands)`."""
-    return _make(local, _contraction_partition, _contraction_infer, _contraction_propagate, _contraction_rule)
+CONTRACTION = OpRules(contraction_plan, _contraction_per_shard, _c_and_amax_by_l, _contraction_rule)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -663,44 +638,42 @@ def contraction_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom
 # --------------------------------------------------------------------------------------------------------------
 
 
-def quantize_pair_plan(mesh: Any, shapes: Sequence[Any]) -> tuple[Axes, Axes, Axes]:
-    """Mesh axes of B, R and C: each kept where it splits its dimension into whole blocks of 32 (B: any split), on
-    axes no other dimension took; every block then lies in one shard and the op runs per shard as it is. With a row
-    map (a second operand) only C: a map may name any row, so the rows stay whole on every device."""
+@dataclasses.dataclass(frozen=True)
+class QuantizePairPlan:
+    """Mesh axes of w's B, R and C; the three results shard like w (the scales' C/32 like C: whole blocks)."""
+
+    b: Axes
+    r: Axes
+    c: Axes
+
+    def operand_specs(self, params: dict, shapes: Sequence[Any]) -> tuple[P, ...]:
+        return (_spec(self.b, self.r, self.c), _spec())[:len(shapes)]  # a row map whole on every device
+
+    def result_specs(self, params: dict) -> tuple[P, P, P]:
+        spec = _spec(self.b, self.r, self.c)
+        return spec, spec, spec
+
+
+def quantize_pair_plan(params: dict, mesh: Any, shapes: Sequence[Any]) -> QuantizePairPlan:
+    """B, R and C of w: each kept where it splits its dimension into whole blocks of 32 (B: any split), on axes no
+    other dimension took; every block then lies in one shard and the op runs per shard as it is. With a row map (a
+    second operand) only C: a map may name any row, so the rows stay whole on every device."""
     w = shapes[0]
     if len(shapes) > 1:
-        return (), (), _keep(mesh, _dim_axes(w.sharding, 2), w.shape[2], MX_BLOCK, ())
+        return QuantizePairPlan((), (), _keep(mesh, _dim_axes(w.sharding, 2), w.shape[2], MX_BLOCK, ()))
     b_axes = _keep(mesh, _dim_axes(w.sharding, 0), w.shape[0], 1, ())
     r_axes = _keep(mesh, _dim_axes(w.sharding, 1), w.shape[1], MX_BLOCK, b_axes)
     c_axes = _keep(mesh, _dim_axes(w.sharding, 2), w.shape[2], MX_BLOCK, b_axes + r_axes)
-    return b_axes, r_axes, c_axes
+    return QuantizePairPlan(b_axes, r_axes, c_axes)
 
 
-def _quantize_pair_specs(plan: tuple[Axes, Axes, Axes]) -> tuple[P, P, P]:
-    spec = _spec(*plan)
-    return spec, spec, spec  # the scales' last dimension (C/32) splits like C: whole blocks per shard
-
-
-def _quantize_pair_partition(local: Callable, params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
-    """custom_partitioning's partition: every device quantizes its own shard (blocks never cross one)."""
-    plan = quantize_pair_plan(mesh, arg_shapes)
-    p = dict(params)
-    operands = (_spec(*plan), _spec())[:len(arg_shapes)]  # a row map whole on every device
-    return (mesh, lambda *args: local(*args, **p), _named(mesh, _quantize_pair_specs(plan)), _named(mesh, operands))
-
-
-def _quantize_pair_infer(params: Params, mesh: Any, arg_shapes: Any, result_shape: Any):
-    """GSPMD: the results shard like the plan's w."""
-    return _named(mesh, _quantize_pair_specs(quantize_pair_plan(mesh, arg_shapes)))
-
-
-def _quantize_pair_propagate(params: Params, mesh: Any, result_shape: Any):
+def _quantize_pair_propagate(p: dict, result_shape: Any) -> tuple[NamedSharding, ...]:
     """A user's sharding of the values is kept for all three results."""
     values = result_shape[0].sharding
     return values, values, values
 
 
-def _quantize_pair_rule(params: Params, mesh: Any, operand_types: Any, result_types: Any):
+def _quantize_pair_rule(p: dict, mesh: Any, operand_types: Any) -> tuple[str, dict]:
     """Shardy: B and R pass through; C is tied to the scales' C/32 where `_linkable` (else they are separate factors
     and the partition callback still keeps C in whole blocks). With a row map the rows (R, R') are replicated."""
     sizes: dict = {}
@@ -712,7 +685,4 @@ def _quantize_pair_rule(params: Params, mesh: Any, operand_types: Any, result_ty
     return f"b r {c} -> b r {c}, b r {c}, b r {_coarse('c', linked)}", sizes
 
 
-def quantize_pair_partitioned(local: Callable[..., Sequence[jax.Array]]) -> custom_partitioning:
-    """The partitioned pair quantization: call it as `(freeze_params(params), *operands)`."""
-    return _make(local, _quantize_pair_partition, _quantize_pair_infer, _quantize_pair_propagate,
-                 _quantize_pair_rule)
+QUANTIZE_PAIR = OpRules(quantize_pair_plan, _local_per_shard, _quantize_pair_propagate, _quantize_pair_rule)

@@ -338,4 +338,4 @@ primitives.register(weight_only_p, weight_only_local_p, abstract_eval=_abstract_
                     reference_lowering=_reference_lowering, batch_rule=_batch,
                     cuda_lowering=primitives.kernel_or_reference("weight_only_matmul", "weight_only_kernels",
                                                                  _kernel_lowering, _reference_lowering),
-                    partitioned=sharding.weight_only_partitioned)
+                    partitioned=sharding.WEIGHT_ONLY.partitioned)

@@ -258,7 +258,7 @@ class GemmAmaxPartitionTest(_PartitionCase):
         jaxpr = jax.make_jaxpr(lambda *x: jbg.gemm_amax(*x, implementation="cutedsl"))(*args)
         params = next(e.params for e in jaxpr.eqns if e.primitive is primitives.gemm_amax_p)
         shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)) for x, s in zip(args, specs)]
-        _, per_shard, out_shardings, arg_shardings = sharding._gemm_partition(
+        _, per_shard, out_shardings, arg_shardings = sharding.GEMM_AMAX.partition(
             primitives.gemm_amax_local_p.bind, sharding.freeze_params(params), mesh, shapes, None)
         for got, spec, x in zip(arg_shardings, specs, args):  # operands stay where they are
             self.assertTrue(got.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), got)
