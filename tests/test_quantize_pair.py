@@ -19,6 +19,7 @@ from jax_blockgemm.quantize_pair import quantize_pair
 
 import oracle
 import oracle_ops
+import partitioners
 
 _CODES = {"mxfp8_e4m3": (oracle.E4M3, 448.0), "mxfp8_e5m2": (oracle.E5M2, 57344.0)}
 
@@ -183,20 +184,23 @@ class RowMapTest(parameterized.TestCase):
 
 class ShardingTest(parameterized.TestCase):
 
-    @parameterized.parameters(*((spec,) for spec in (P("x", None, None), P(None, "x", None), P(None, None, "x"),
-                                                      P("x", "y", None), P(None, "x", "y"))))
-    def test_sharded_equals_unsharded(self, spec):
+    @parameterized.parameters(*((spec, "shardy") for spec in (P("x", None, None), P(None, "x", None),
+                                                                P(None, None, "x"), P("x", "y", None),
+                                                                P(None, "x", "y"))),
+                              (P("x", "y", None), "gspmd"), (P(None, "x", "y"), "gspmd"))
+    def test_sharded_equals_unsharded(self, spec, partitioner):
         """B, R and C shard on whole blocks (each shard 32 x n rows or columns); the results equal the unsharded
         call's bit for bit and keep the shard layout (no gather)."""
         mesh = jax.make_mesh((4, 2), ("x", "y"))
         w = random_weights(np.random.default_rng(9), (8, 256, 256))
         ws = jax.device_put(w, NamedSharding(mesh, spec))
-        got = jax.jit(quantize_pair)(ws)
+        with partitioners.partitioner(partitioner):
+            got = jax.jit(quantize_pair)(ws)
+            hlo = jax.jit(quantize_pair).lower(ws).compile().as_text()
         for g, want in zip(got, quantize_pair(w)):
             np.testing.assert_array_equal(_bits(g), _bits(want))
         for g in got:
             self.assertTrue(g.sharding.is_equivalent_to(NamedSharding(mesh, spec), 3), g.sharding)
-        hlo = jax.jit(quantize_pair).lower(ws).compile().as_text()
         self.assertNotIn("all-gather", hlo)
 
 

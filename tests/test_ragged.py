@@ -20,6 +20,7 @@ import jax_blockgemm as jbg
 
 import oracle
 import oracle_ops
+import partitioners
 from jax_blockgemm import ragged
 from oracle_ragged import (grouped_dot_oracle, random_bf16_grouped, random_group_sizes, random_ragged_inputs,
                            ragged_oracle_of)
@@ -211,9 +212,10 @@ class RaggedTest(parameterized.TestCase):
 
 class RaggedShardingTest(parameterized.TestCase):
 
-    @parameterized.parameters((P("t", None), P("e", None, None)),  # tokens on one axis, experts on the other
-                              (P(None, None), P("e", "t", None)))  # experts and the weights' rows N
-    def test_sharded_equals_unsharded(self, a_spec, b_spec):
+    @parameterized.parameters((P("t", None), P("e", None, None), "shardy"),  # tokens on one axis, experts on the other
+                              (P(None, None), P("e", "t", None), "shardy"),  # experts and the weights' rows N
+                              (P("t", None), P("e", None, None), "gspmd"))
+    def test_sharded_equals_unsharded(self, a_spec, b_spec, partitioner):
         mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("t", "e"))
         rng = np.random.default_rng(11)
         d = random_ragged_inputs(rng, t=64, g=8, n=32, k=64, fmt="mxfp8_e4m3")
@@ -224,10 +226,11 @@ class RaggedShardingTest(parameterized.TestCase):
         a, sfa = put(d["a"], a_spec), put(d["sfa"], a_spec)
         b, sfb = put(d["b"], b_spec), put(d["sfb"], sfb_spec)
         f = jax.jit(lambda a, b, sfa, sfb, gs: jbg.ragged_gemm_amax(a, b, sfa, sfb, gs))
-        c, amax = f(a, b, sfa, sfb, gs)
+        with partitioners.partitioner(partitioner):
+            c, amax = f(a, b, sfa, sfb, gs)
+            hlo = f.lower(a, b, sfa, sfb, gs).compile().as_text()
         np.testing.assert_array_equal(np.asarray(c), np.asarray(want_c))
         self.assertEqual(float(amax), float(want_amax))
-        hlo = f.lower(a, b, sfa, sfb, gs).compile().as_text()
         if b_spec[0] is not None:  # experts sharded: the weights are never gathered
             self.assertNotRegex(hlo, r"all-gather[^\n]*f8e4m3fn\[8,32,64\]")
 
